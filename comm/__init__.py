@@ -1,0 +1,1 @@
+"""Everything distributed (topology, all-to-all, expert-parallel dispatchers). No MoE math here."""

@@ -1,0 +1,1 @@
+"""Switch-, Mixtral- and DeepSeek-style decoder models (single-device code)."""

@@ -1,0 +1,26 @@
+"""moekit's single-device MoE math: routers, dispatch, grouped experts, the MoE layer.
+
+Nothing here imports torch.distributed; comm/ plugs distributed strategies (expert-parallel
+dispatchers, global load-balance reducers) into these modules.
+"""
+from torch import nn
+
+from moe.dispatch import Dispatched, Dispatcher, LocalDispatcher
+from moe.experts import GroupedExperts, available_backends, register_backend
+from moe.layer import DenseMLP, MoELayer
+from moe.load import ExpertLoad, LoadSummary, collect_load, moe_layers, reset_load
+from moe.router import Router, Routing, build_router, register_router, registered_routers
+
+
+def update_expert_biases(model: nn.Module) -> None:
+    """Apply aux-loss-free bias updates in every router of ``model``; call once per optimizer step."""
+    for module in model.modules():
+        if isinstance(module, Router) and hasattr(module, "update_expert_bias"):
+            module.update_expert_bias()
+
+
+__all__ = [
+    "Dispatched", "Dispatcher", "LocalDispatcher", "GroupedExperts", "available_backends", "register_backend",
+    "DenseMLP", "MoELayer", "ExpertLoad", "LoadSummary", "collect_load", "moe_layers", "reset_load",
+    "Router", "Routing", "build_router", "register_router", "registered_routers", "update_expert_biases",
+]

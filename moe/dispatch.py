@@ -1,0 +1,145 @@
+"""Token dispatch: permute routed slots into expert-major rows, and combine expert outputs back.
+
+Shape legend: T tokens, k slots per token, E experts, N routed rows, H hidden.
+
+    slots (token-major)          rows (expert-major, what the experts see)
+    t0: [e2, e0]                 e0: t0.s1, t1.s0        <- counts[0] = 2
+    t1: [e0, e1]       --->      e1: t1.s1, t2.s1        <- counts[1] = 2
+    t2: [e2, e1]                 e2: t0.s0, t2.s0        <- counts[2] = 2
+
+``dispatch(x, routing) -> Dispatched(rows, counts, meta)``; ``combine(rows, meta) -> [T, H]``.
+All state lives in the frozen ``meta``: nothing is hidden on the dispatcher between the two calls,
+so one dispatcher serves every layer and activation checkpointing can replay either call.
+
+Determinism: forward and backward are gathers plus a fixed-order sum over the k slots of a token;
+no scatter-add whose result depends on thread order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from moe.router import Routing
+
+
+@dataclass(frozen=True)
+class Dispatched:
+    rows: Tensor  # [N, H] expert-major routed rows
+    counts: Tensor  # [E_local] int64 rows per (local) expert; rows past counts.sum() belong to no expert
+    meta: Any  # whatever the dispatcher's combine needs, immutable
+
+
+class Dispatcher(Protocol):
+    def dispatch(self, x: Tensor, routing: Routing) -> Dispatched: ...
+
+    def combine(self, rows: Tensor, meta: Any) -> Tensor: ...
+
+
+@dataclass(frozen=True)
+class PermuteMeta:
+    num_tokens: int
+    top_k: int
+    row_slot: Tensor  # [N] flat slot id (t * k + j) of each row, expert-major
+    slot_row: Tensor  # [T * k] row of each slot; N (a zero pad row) where the slot was dropped
+    weights: Tensor  # [T, k] combine weights (0 where dropped)
+
+
+def sort_slots(indices: Tensor, num_rows: int) -> tuple[Tensor, Tensor]:
+    """Expert-major order of the slots. Returns (row_slot [N], slot_row [T*k]).
+
+    A stable sort keeps tokens in order inside each expert; dropped slots (-1) sort last and map to
+    the pad row N so they neither read nor receive anything.
+    """
+    flat = indices.reshape(-1)
+    num_slots = flat.numel()
+    key = torch.where(flat < 0, torch.iinfo(torch.int64).max, flat)
+    order = torch.sort(key, stable=True).indices  # [T*k]
+    slot_row = torch.empty_like(order).scatter_(0, order, torch.arange(num_slots, device=flat.device))
+    slot_row = torch.where((flat < 0) | (slot_row >= num_rows), num_rows, slot_row)
+    return order[:num_rows], slot_row
+
+
+class _Permute(torch.autograd.Function):
+    """rows = x[row_token]; backward gathers each token's k slot gradients and sums them."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, row_token: Tensor, slot_row: Tensor, top_k: int) -> Tensor:
+        ctx.save_for_backward(slot_row)
+        ctx.top_k, ctx.num_tokens = top_k, x.shape[0]
+        return x.index_select(0, row_token)
+
+    @staticmethod
+    def backward(ctx, grad_rows: Tensor):
+        (slot_row,) = ctx.saved_tensors
+        padded = torch.cat([grad_rows, grad_rows.new_zeros(1, grad_rows.shape[-1])])
+        grad_x = padded.index_select(0, slot_row).view(ctx.num_tokens, ctx.top_k, -1).sum(1)
+        return grad_x, None, None, None
+
+
+class _Unpermute(torch.autograd.Function):
+    """out[t] = sum_j weights[t, j] * rows[slot_row[t*k + j]] (a gather, then a [1,k]x[k,H] matmul)."""
+
+    @staticmethod
+    def forward(ctx, rows: Tensor, weights: Tensor, slot_row: Tensor, row_slot: Tensor) -> Tensor:
+        T, k = weights.shape
+        slots = _gather_slots(rows, slot_row, T, k)  # [T, k, H]
+        ctx.save_for_backward(rows, weights, slot_row, row_slot)
+        return torch.bmm(weights.to(rows.dtype).unsqueeze(1), slots).squeeze(1)  # [T, H]
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        rows, weights, slot_row, row_slot = ctx.saved_tensors
+        T, k = weights.shape
+        grad_rows = grad_weights = None
+        if ctx.needs_input_grad[0]:
+            # each row came from exactly one slot: d rows[r] = w[slot] * grad_out[token of slot]
+            w_row = weights.reshape(-1).index_select(0, row_slot).to(grad_out.dtype)  # [N]
+            grad_rows = grad_out.index_select(0, row_slot // k) * w_row[:, None]
+        if ctx.needs_input_grad[1]:
+            slots = _gather_slots(rows, slot_row, T, k)  # recomputed, not saved: [T, k, H]
+            grad_weights = torch.bmm(slots, grad_out.unsqueeze(2)).squeeze(2).to(weights.dtype)
+        return grad_rows, grad_weights, None, None
+
+
+def _gather_slots(rows: Tensor, slot_row: Tensor, num_tokens: int, top_k: int) -> Tensor:
+    padded = torch.cat([rows, rows.new_zeros(1, rows.shape[-1])])
+    return padded.index_select(0, slot_row).view(num_tokens, top_k, rows.shape[-1])
+
+
+def permute(x: Tensor, meta: PermuteMeta) -> Tensor:
+    """[T, H] -> [N, H] expert-major rows."""
+    return _Permute.apply(x, meta.row_slot // meta.top_k, meta.slot_row, meta.top_k)
+
+
+def unpermute(rows: Tensor, meta: PermuteMeta) -> Tensor:
+    """[N, H] expert outputs -> [T, H] weighted sum over each token's kept slots."""
+    return _Unpermute.apply(rows, meta.weights, meta.slot_row, meta.row_slot)
+
+
+class LocalDispatcher:
+    """All experts on this device: a sort, a gather, and the weighted gather back.
+
+    The number of rows is static (no host sync): T*k when dropless, min(T*k, E*capacity) when a
+    capacity bounds it. Rows past ``counts.sum()`` belong to no expert and the expert backends
+    return zeros for them.
+    """
+
+    def __init__(self, num_experts: int):
+        self.num_experts = num_experts
+
+    def dispatch(self, x: Tensor, routing: Routing) -> Dispatched:
+        T, k = routing.indices.shape
+        if x.shape[0] != T:
+            raise ValueError(f"dispatch got {x.shape[0]} tokens but routing for {T}")
+        num_rows = T * k
+        if routing.capacity is not None:
+            num_rows = min(num_rows, self.num_experts * routing.capacity)
+        row_slot, slot_row = sort_slots(routing.indices, num_rows)
+        meta = PermuteMeta(T, k, row_slot, slot_row, routing.weights)
+        return Dispatched(permute(x, meta), routing.tokens_per_expert, meta)
+
+    def combine(self, rows: Tensor, meta: PermuteMeta) -> Tensor:
+        return unpermute(rows, meta)

@@ -1,0 +1,243 @@
+"""Grouped experts: every expert's MLP weights as one [E, ...] tensor, computed by a swappable backend.
+
+Shape legend: N routed rows (expert-major, contiguous per expert), E experts, H hidden, F expert FFN.
+
+    rows [N, H]   expert 0's rows | expert 1's rows | ... | expert E-1's rows   (counts [E] long)
+    w_in  [E, H, F_in]   F_in = 2F for SwiGLU, laid out [gate | up] along the last dim; F otherwise
+    w_out [E, F, H]
+
+A backend is a function ``fn(rows, counts, w_in, w_out, activation) -> [N, H]`` registered under a
+name with a predicate saying whether it can run for given tensors. ``"loop"`` is the obvious per-expert
+loop and stays the reference; ``"torch"`` uses ``torch.nn.functional.grouped_mm`` where it runs;
+``"triton"`` calls ``moe.kernels`` (GPU, or CPU under ``TRITON_INTERPRET=1``). ``"auto"`` takes the
+first usable of triton (GPU only), torch, loop.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+# ---------------------------------------------------------------------------------------------------
+# Activations
+# ---------------------------------------------------------------------------------------------------
+
+
+def _swiglu(h: Tensor) -> Tensor:
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
+    "swiglu": _swiglu,
+    "gelu": F.gelu,
+    "relu": F.relu,
+}
+GATED_ACTIVATIONS = frozenset({"swiglu"})
+
+
+def check_activation(activation: str) -> None:
+    if activation not in ACTIVATIONS:
+        raise ValueError(
+            f"activation={activation!r} is not supported; use one of {sorted(ACTIVATIONS)}"
+        )
+
+
+def ffn_in_features(activation: str, ffn_hidden_size: int) -> int:
+    """Width of the first projection: gated activations need a gate and an up projection."""
+    return 2 * ffn_hidden_size if activation in GATED_ACTIVATIONS else ffn_hidden_size
+
+
+# ---------------------------------------------------------------------------------------------------
+# Backend registry
+# ---------------------------------------------------------------------------------------------------
+
+BackendFn = Callable[[Tensor, Tensor, Tensor, Tensor, str], Tensor]
+
+
+@dataclass(frozen=True)
+class ExpertBackend:
+    name: str
+    fn: BackendFn
+    usable: Callable[[Tensor, Tensor, Tensor], bool]  # (rows, w_in, w_out) -> can this backend run them?
+    why_not: Callable[[Tensor, Tensor, Tensor], str]  # human-readable reason when not usable
+
+
+_BACKENDS: dict[str, ExpertBackend] = {}
+AUTO_ORDER = ("triton", "torch", "loop")
+
+
+def register_backend(name: str, usable=None, why_not=None):
+    """Decorator: ``@register_backend("mine", usable=lambda rows, w_in, w_out: True)``."""
+
+    def deco(fn: BackendFn) -> BackendFn:
+        _BACKENDS[name] = ExpertBackend(
+            name, fn, usable or (lambda *a: True), why_not or (lambda *a: "not usable here")
+        )
+        return fn
+
+    return deco
+
+
+def available_backends() -> list[str]:
+    return sorted(_BACKENDS) + ["auto"]
+
+
+def resolve_backend(name: str, rows: Tensor, w_in: Tensor, w_out: Tensor) -> ExpertBackend:
+    """Return the backend that will run, raising a clear error when the named one cannot."""
+    if name == "auto":
+        for cand in AUTO_ORDER:
+            b = _BACKENDS.get(cand)
+            if b is None or not b.usable(rows, w_in, w_out):
+                continue
+            if cand == "triton" and rows.device.type != "cuda":
+                continue  # the interpreter is for tests, far too slow to pick automatically
+            return b
+        raise AssertionError("the loop backend runs everywhere")  # pragma: no cover
+    if name not in _BACKENDS:
+        raise ValueError(f"expert backend {name!r} is unknown; use one of {available_backends()}")
+    b = _BACKENDS[name]
+    if not b.usable(rows, w_in, w_out):
+        raise ValueError(
+            f"expert backend {name!r} cannot run on {rows.device.type} with dtype {rows.dtype}: "
+            f"{b.why_not(rows, w_in, w_out)}; use backend='auto' or 'loop'"
+        )
+    return b
+
+
+# ---------------------------------------------------------------------------------------------------
+# Built-in backends
+# ---------------------------------------------------------------------------------------------------
+
+
+@register_backend("loop")
+def loop_mlp(rows: Tensor, counts: Tensor, w_in: Tensor, w_out: Tensor, activation: str) -> Tensor:
+    """One matmul pair per expert over its contiguous row block: slow, obvious, the reference."""
+    act = ACTIVATIONS[activation]
+    out = rows.new_empty(rows.shape[0], w_out.shape[-1])
+    start = 0
+    for e, n in enumerate(counts.tolist()):  # D2H sync: per-expert row counts drive the loop
+        if n:
+            out[start : start + n] = act(rows[start : start + n] @ w_in[e]) @ w_out[e]
+        start += n
+    if start < rows.shape[0]:  # rows nobody owns (not produced by moekit's dispatchers) are zero
+        out[start:] = 0
+    return out
+
+
+def _grouped_mm_why_not(rows: Tensor, w_in: Tensor, w_out: Tensor) -> str:
+    if not hasattr(F, "grouped_mm"):
+        return f"torch {torch.__version__} has no torch.nn.functional.grouped_mm"
+    if rows.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return "torch grouped_mm takes float32, bfloat16 or float16 only"
+    align = 16 // rows.element_size()  # every row stride must be a multiple of 16 bytes
+    widths = (rows.shape[-1], w_in.shape[-1], w_out.shape[-1], w_out.shape[-2])
+    if any(w % align for w in widths):
+        return f"torch grouped_mm needs H, F multiples of {align} for {rows.dtype}, got {widths}"
+    if rows.device.type == "cuda" and torch.cuda.get_device_capability(rows.device) < (8, 0):
+        return "torch grouped_mm needs sm80 or newer"
+    return ""
+
+
+@register_backend(
+    "torch",
+    usable=lambda r, wi, wo: _grouped_mm_why_not(r, wi, wo) == "",
+    why_not=_grouped_mm_why_not,
+)
+def torch_grouped_mlp(rows: Tensor, counts: Tensor, w_in: Tensor, w_out: Tensor, activation: str) -> Tensor:
+    """torch's grouped matmul: one call per projection over all experts, no host sync."""
+    offs = counts.cumsum(0).to(torch.int32)
+    h = ACTIVATIONS[activation](F.grouped_mm(rows, w_in, offs=offs))
+    out = F.grouped_mm(h, w_out, offs=offs)
+    if rows.shape[0] > 0:  # rows past offs[-1] are undefined in grouped_mm: zero them, no sync
+        owned = torch.arange(rows.shape[0], device=rows.device) < offs[-1]
+        out = torch.where(owned[:, None], out, 0)
+    return out
+
+
+def _triton_why_not(rows: Tensor, w_in: Tensor, w_out: Tensor) -> str:
+    try:
+        from moe import kernels
+    except ImportError as exc:  # triton missing on this platform
+        return f"moe.kernels cannot be imported ({exc})"
+    return kernels.why_not_triton(rows, w_in, w_out)
+
+
+@register_backend(
+    "triton",
+    usable=lambda r, wi, wo: _triton_why_not(r, wi, wo) == "",
+    why_not=_triton_why_not,
+)
+def triton_mlp(rows: Tensor, counts: Tensor, w_in: Tensor, w_out: Tensor, activation: str) -> Tensor:
+    from moe import kernels
+
+    return kernels.expert_mlp(rows, counts, w_in, w_out, activation)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Module
+# ---------------------------------------------------------------------------------------------------
+
+
+class GroupedExperts(nn.Module):
+    """E expert MLPs stored as [E, ...] tensors so one grouped GEMM serves all of them.
+
+    ``forward(rows [N, H], counts [E]) -> [N, H]`` where rows are expert-major (see module docstring).
+    Expert parallelism shards dim 0 of ``w_in``/``w_out``; initialisation always fills the full
+    [E, ...] tensor from the generator first, so a shard equals the same slice of an unsharded init.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        activation: str = "swiglu",
+        backend: str = "auto",
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        check_activation(activation)
+        for name, v in (("num_experts", num_experts), ("hidden_size", hidden_size), ("ffn_hidden_size", ffn_hidden_size)):
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{name}={v!r} must be a positive integer")
+        if backend not in _BACKENDS and backend != "auto":
+            raise ValueError(f"expert backend {backend!r} is unknown; use one of {available_backends()}")
+        self.num_experts, self.hidden_size, self.ffn_hidden_size = num_experts, hidden_size, ffn_hidden_size
+        self.activation, self.backend = activation, backend
+        f_in = ffn_in_features(activation, ffn_hidden_size)
+        kw = dict(device=device, dtype=dtype)
+        self.w_in = nn.Parameter(torch.empty(num_experts, hidden_size, f_in, **kw))
+        self.w_out = nn.Parameter(torch.empty(num_experts, ffn_hidden_size, hidden_size, **kw))
+        self.reset_parameters()
+
+    def reset_parameters(self, std_in: float | None = None, std_out: float | None = None,
+                         generator: torch.Generator | None = None) -> None:
+        """Normal init: std 1/sqrt(H) into the experts, 1/sqrt(F) out unless given (models pass theirs)."""
+        std_in = std_in if std_in is not None else 1.0 / math.sqrt(self.hidden_size)
+        std_out = std_out if std_out is not None else 1.0 / math.sqrt(self.ffn_hidden_size)
+        if self.w_in.is_meta:
+            return
+        with torch.no_grad():
+            self.w_in.normal_(0.0, std_in, generator=generator)
+            self.w_out.normal_(0.0, std_out, generator=generator)
+
+    def forward(self, rows: Tensor, counts: Tensor) -> Tensor:
+        if rows.dim() != 2 or rows.shape[-1] != self.hidden_size:
+            raise ValueError(f"rows must be [N, {self.hidden_size}], got {tuple(rows.shape)}")
+        if counts.shape != (self.w_in.shape[0],):
+            raise ValueError(f"counts must be [{self.w_in.shape[0]}] (one per local expert), got {tuple(counts.shape)}")
+        w_in, w_out = self.w_in, self.w_out
+        if rows.dtype != w_in.dtype:  # e.g. fp32 master weights under bf16 autocast
+            w_in, w_out = w_in.to(rows.dtype), w_out.to(rows.dtype)
+        backend = resolve_backend(self.backend, rows, w_in, w_out)
+        return backend.fn(rows, counts, w_in, w_out, self.activation)
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, hidden={self.hidden_size}, ffn={self.ffn_hidden_size}, "
+                f"activation={self.activation}, backend={self.backend}")

@@ -1,0 +1,114 @@
+"""MoELayer: router -> dispatcher -> grouped experts -> combine (+ optional shared expert).
+
+Shape legend: B batch, S sequence, T = B*S tokens, H hidden, E experts, k slots per token.
+
+A drop-in replacement for a dense FFN: ``forward(x [..., H]) -> [..., H]``. The router's aux loss
+joins backward through the layer output (``AuxLossInjector``), so callers add nothing to their loss
+and it works across pipeline stages; its value is recorded in ``layer.load`` for logging.
+The dispatcher is a strategy: ``LocalDispatcher`` by default, an expert-parallel one from comm/.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from moe.dispatch import Dispatcher, LocalDispatcher
+from moe.experts import ACTIVATIONS, GroupedExperts, available_backends, check_activation, ffn_in_features
+from moe.load import ExpertLoad
+from moe.router import Router, build_router, check_int
+
+
+class AuxLossInjector(torch.autograd.Function):
+    """Identity on ``out``; in backward, gives ``aux_loss`` a gradient of ``scale``.
+
+    Equivalent to adding ``scale * aux_loss`` to the final loss, without the caller collecting it.
+    """
+
+    @staticmethod
+    def forward(ctx, out: Tensor, aux_loss: Tensor, scale: float) -> Tensor:
+        ctx.scale = scale
+        ctx.aux_shape = aux_loss.shape
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        grad_aux = torch.full(ctx.aux_shape, ctx.scale, dtype=torch.float32, device=grad_out.device)
+        return grad_out, grad_aux, None
+
+
+class DenseMLP(nn.Module):
+    """The shared expert (and a dense FFN): act(x @ w_in) @ w_out, optionally sigmoid-gated per token."""
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, activation: str = "swiglu", gate: bool = False):
+        super().__init__()
+        check_activation(activation)
+        self.activation = activation
+        self.w_in = nn.Linear(hidden_size, ffn_in_features(activation, ffn_hidden_size), bias=False)
+        self.w_out = nn.Linear(ffn_hidden_size, hidden_size, bias=False)
+        self.gate = nn.Linear(hidden_size, 1, bias=False) if gate else None  # Qwen2-MoE shared_expert_gate
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.w_out(ACTIVATIONS[self.activation](self.w_in(x)))
+        return y if self.gate is None else torch.sigmoid(self.gate(x)) * y
+
+
+class MoELayer(nn.Module):
+    """Mixture-of-Experts FFN.
+
+    router: a ``Router``, or a registered name (built with its defaults).
+    activation: "swiglu" | "gelu" | "relu" for the routed and the shared experts.
+    shared_ffn_hidden_size: > 0 adds an always-on shared expert (DeepSeek / Qwen2-MoE);
+    shared_expert_gate: gate it with sigmoid(x @ w_g) as Qwen2-MoE does.
+    backend: expert compute, "auto" | "triton" | "torch" | "loop" (see moe.experts).
+    aux_loss_scale: multiplies the aux-loss gradient, e.g. 1/grad_accum_steps (trainer sets it).
+    """
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, router: Router | str,
+                 activation: str = "swiglu", shared_ffn_hidden_size: int = 0, *,
+                 shared_expert_gate: bool = False, backend: str = "auto", dispatcher: Dispatcher | None = None):
+        super().__init__()
+        check_int("hidden_size", hidden_size, 1)
+        check_int("ffn_hidden_size", ffn_hidden_size, 1)
+        check_int("num_experts", num_experts, 1)
+        check_int("shared_ffn_hidden_size", shared_ffn_hidden_size, 0)
+        if isinstance(router, str):
+            router = build_router(router, hidden_size, num_experts)
+        if not isinstance(router, Router):
+            raise ValueError(f"router must be a moe.router.Router or a router name, got {type(router).__name__}")
+        if (router.hidden_size, router.num_experts) != (hidden_size, num_experts):
+            raise ValueError(
+                f"router was built for hidden_size={router.hidden_size}, num_experts={router.num_experts} but the "
+                f"layer has hidden_size={hidden_size}, num_experts={num_experts}; build them with the same values"
+            )
+        self.hidden_size, self.num_experts = hidden_size, num_experts
+        self.router = router
+        self.experts = GroupedExperts(num_experts, hidden_size, ffn_hidden_size, activation, backend)
+        self.shared_expert = (
+            DenseMLP(hidden_size, shared_ffn_hidden_size, activation, shared_expert_gate)
+            if shared_ffn_hidden_size > 0 else None
+        )
+        self.dispatcher: Dispatcher = dispatcher or LocalDispatcher(num_experts)
+        self.load = ExpertLoad(num_experts)
+        self.aux_loss_scale = 1.0
+
+    def forward(self, x: Tensor, token_ids: Tensor | None = None) -> Tensor:
+        if x.shape[-1] != self.hidden_size:
+            raise ValueError(f"MoELayer got hidden size {x.shape[-1]}, expected {self.hidden_size}")
+        shape = x.shape
+        x = x.reshape(-1, self.hidden_size)  # [T, H]
+        routing = self.router(x, token_ids)  # indices/weights [T, k]
+        if self.training:
+            self.load.record(routing)
+        d = self.dispatcher.dispatch(x, routing)  # rows [N, H], counts [E_local]
+        y = self.dispatcher.combine(self.experts(d.rows, d.counts), d.meta)  # [T, H]
+        if self.shared_expert is not None:
+            y = y + self.shared_expert(x)
+        if routing.aux_loss.requires_grad and torch.is_grad_enabled():
+            y = AuxLossInjector.apply(y, routing.aux_loss, self.aux_loss_scale)
+        return y.view(shape)
+
+    def set_backend(self, name: str) -> None:
+        """Switch the expert compute backend ("auto", "triton", "torch", "loop")."""
+        if name not in available_backends():
+            raise ValueError(f"expert backend {name!r} is unknown; use one of {available_backends()}")
+        self.experts.backend = name

@@ -1,0 +1,385 @@
+"""Routers: which experts each token goes to, with what weight, and what gets dropped.
+
+Shape legend: T tokens routed together (one rank's micro-batch), E experts, k slots per token,
+H hidden size. All router math is float32 whatever the input dtype.
+
+A router is ``route(logits [T, E]) -> Routing``: a policy over the gate logits alone (plus router
+state such as ``expert_bias``). ``forward(x) = route(logits(x))``. Build one by name with
+``build_router("topk", H, E, top_k=2, ...)``; register your own with ``@register_router("mine")`` or
+pass ``"package.module:ClassName"``.
+
+Capacity (per rank, documented in DESIGN.md): C = min(T, ceil(T * k / E * capacity_factor)).
+Slots beyond an expert's capacity are dropped: index -1, weight 0. ``capacity_factor=None`` is dropless.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from moe.load import in_backward
+from moe.losses import CountReducer, load_balance_loss, update_expert_bias, z_loss
+
+DROP_POLICIES = ("probs", "position")
+SCORES = ("softmax", "sigmoid")
+
+
+@dataclass
+class Routing:
+    indices: Tensor  # [T, k] int64 expert id per slot; -1 where capacity dropped the slot
+    weights: Tensor  # [T, k] float32 combine weight per slot; 0 where dropped
+    tokens_per_expert: Tensor  # [E] int64, slots kept per expert
+    aux_loss: Tensor  # scalar, coefficient-weighted sum of the auxiliary losses
+    stats: dict[str, Tensor] = field(default_factory=dict)  # unweighted terms for logging
+    # Python-side facts a dispatcher may use without a host sync: None = no slot can be dropped.
+    capacity: int | None = None
+
+    def to_dense(self, num_experts: int) -> tuple[Tensor, Tensor]:
+        """probs [T, E] float32 (combine weight per chosen expert, else 0), mask [T, E] bool (kept)."""
+        kept = self.indices >= 0
+        col = torch.where(kept, self.indices, num_experts)  # dropped slots land in a spare column
+        T = self.indices.shape[0]
+        probs = torch.zeros(T, num_experts + 1, dtype=torch.float32, device=self.indices.device)
+        probs.scatter_(1, col, torch.where(kept, self.weights.float(), 0.0))
+        mask = torch.zeros(T, num_experts + 1, dtype=torch.bool, device=self.indices.device)
+        mask.scatter_(1, col, kept)
+        return probs[:, :num_experts], mask[:, :num_experts]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Validation helpers: every bad option is a ValueError naming the parameter, its value and the range
+# ---------------------------------------------------------------------------------------------------
+
+
+def check_int(name: str, value, lo: int, hi: int | None = None) -> None:
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= lo and (hi is None or value <= hi)
+    if not ok:
+        rng = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
+        raise ValueError(f"{name}={value!r} is invalid; it must be an integer in {rng}")
+
+
+def check_choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is invalid; choose one of {list(choices)}")
+
+
+def check_float(name: str, value, lo: float = 0.0, strict: bool = False) -> None:
+    bad = not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)
+    if bad or value < lo or (strict and value == lo):
+        op = ">" if strict else ">="
+        raise ValueError(f"{name}={value!r} is invalid; it must be a finite number {op} {lo}")
+
+
+def count_experts(indices: Tensor, num_experts: int) -> Tensor:
+    """[E] int64 slots per expert, ignoring -1. scatter_add on integers: exact, no host sync."""
+    flat = indices.reshape(-1)
+    flat = torch.where(flat < 0, num_experts, flat)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=indices.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    return counts[:num_experts]
+
+
+def apply_capacity(indices: Tensor, weights: Tensor, capacity: int, num_experts: int, policy: str):
+    """Keep at most ``capacity`` slots per expert; return (indices, weights) with the rest dropped.
+
+    policy "probs": an expert keeps its highest-weight slots; "position": its earliest tokens.
+    Ties go to the earlier token (stable sort), so results never depend on the sort backend.
+    """
+    T, k = indices.shape
+    chosen = indices >= 0
+    safe = indices.clamp_min(0)
+    selected = torch.zeros(T, num_experts, dtype=torch.bool, device=indices.device)
+    selected.scatter_(1, safe, chosen)  # [T, E] token t chose expert e
+    if policy == "position":
+        rank = selected.long().cumsum(0) - 1  # [T, E] how many earlier tokens chose e
+    else:
+        priority = torch.full((T, num_experts), -math.inf, device=indices.device)
+        priority.scatter_(1, safe, torch.where(chosen, weights.float(), -math.inf))
+        order = torch.sort(priority, dim=0, descending=True, stable=True).indices  # [T, E]
+        arange = torch.arange(T, device=indices.device)[:, None].expand(T, num_experts)
+        rank = torch.empty_like(order).scatter_(0, order, arange)  # [T, E] position in e's queue
+    keep_dense = selected & (rank < capacity)  # [T, E]
+    keep = keep_dense.gather(1, safe) & chosen  # [T, k]
+    return torch.where(keep, indices, -1), torch.where(keep, weights, 0.0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Base class and registry
+# ---------------------------------------------------------------------------------------------------
+
+
+class Router(nn.Module):
+    """Owns the gate ``weight`` [E, H]; subclasses implement ``route(logits, token_ids=None)``.
+
+    ``count_reducer`` (None = micro-batch balancing) sums per-expert counts over the ranks that form
+    the balancing batch; comm/ sets it for expert/data parallelism so the aux loss and the bias
+    updates see the global batch. Routers never import torch.distributed themselves.
+    """
+
+    requires_token_ids = False  # hash routing needs the token ids, not the hidden states
+
+    def __init__(self, hidden_size: int, num_experts: int, *, top_k: int = 1,
+                 capacity_factor: float | None = None, drop_policy: str = "probs",
+                 aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0, gate: bool = True):
+        super().__init__()
+        check_int("hidden_size", hidden_size, 1)
+        check_int("num_experts", num_experts, 1)
+        check_int("top_k", top_k, 1, num_experts)
+        if capacity_factor is not None:
+            check_float("capacity_factor", capacity_factor, 0.0, strict=True)
+        check_choice("drop_policy", drop_policy, DROP_POLICIES)
+        check_float("aux_loss_coeff", aux_loss_coeff)
+        check_float("z_loss_coeff", z_loss_coeff)
+        self.hidden_size, self.num_experts, self.top_k = hidden_size, num_experts, top_k
+        self.capacity_factor, self.drop_policy = capacity_factor, drop_policy
+        self.aux_loss_coeff, self.z_loss_coeff = float(aux_loss_coeff), float(z_loss_coeff)
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size)) if gate else None
+        self.count_reducer: CountReducer = None
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
+        if self.weight is not None and not self.weight.is_meta:
+            with torch.no_grad():
+                self.weight.normal_(0.0, std, generator=generator)
+
+    def logits(self, x: Tensor) -> Tensor:
+        """[T, H] -> [T, E] float32, outside autocast so low-precision training keeps fp32 routing."""
+        if self.weight is None:
+            return x.new_zeros(x.shape[0], self.num_experts, dtype=torch.float32)
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            return F.linear(x.float(), self.weight.float())
+
+    def capacity(self, num_tokens: int) -> int | None:
+        if self.capacity_factor is None:
+            return None
+        return min(num_tokens, math.ceil(num_tokens * self.top_k / self.num_experts * self.capacity_factor))
+
+    def forward(self, x: Tensor, token_ids: Tensor | None = None) -> Routing:
+        if x.shape[-1] != self.hidden_size:
+            raise ValueError(f"router got hidden size {x.shape[-1]} but was built for hidden_size={self.hidden_size}")
+        x = x.reshape(-1, self.hidden_size)
+        if token_ids is not None:
+            token_ids = token_ids.reshape(-1)
+            if token_ids.numel() != x.shape[0]:
+                raise ValueError(f"token_ids has {token_ids.numel()} entries for {x.shape[0]} tokens")
+        elif self.requires_token_ids:
+            raise ValueError(f"the {type(self).__name__} needs token ids: call forward(x, token_ids=...)")
+        return self.route(self.logits(x), token_ids)
+
+    def route(self, logits: Tensor, token_ids: Tensor | None = None) -> Routing:
+        raise NotImplementedError
+
+    def reduce_counts(self, counts: Tensor) -> Tensor:
+        """Counts over the balancing batch (this micro-batch unless comm/ installed a reducer)."""
+        return counts if self.count_reducer is None else self.count_reducer(counts)
+
+    def finish(self, logits: Tensor, balance_scores: Tensor, indices: Tensor, weights: Tensor,
+               capacity: int | None = None) -> Routing:
+        """Shared tail of top-k-style routers: capacity dropping, counts, aux losses, stats.
+
+        balance_scores [T, E]: each token's score distribution (rows sum to 1) for the balance loss.
+        """
+        E = self.num_experts
+        assigned = count_experts(indices, E)  # [E] before dropping
+        if capacity is not None:
+            indices, weights = apply_capacity(indices, weights, capacity, E, self.drop_policy)
+        kept = count_experts(indices, E)
+        balance_counts = self.reduce_counts(assigned) if self.aux_loss_coeff > 0 else assigned
+        self.observe_load(balance_counts if self.aux_loss_coeff > 0 else None, assigned)
+        lb = load_balance_loss(balance_scores, balance_counts)
+        zl = z_loss(logits)
+        aux = self.aux_loss_coeff * lb + self.z_loss_coeff * zl
+        total = max(indices.numel(), 1)
+        stats = {
+            "load_balance": lb.detach(),
+            "z_loss": zl.detach(),
+            "dropped_fraction": (assigned.sum() - kept.sum()).float() / total,
+            "assigned_per_expert": assigned,
+        }
+        return Routing(indices, weights.float(), kept, aux, stats, capacity)
+
+    def observe_load(self, global_counts: Tensor | None, local_counts: Tensor) -> None:
+        """Hook for routers with load-dependent state (aux-loss-free bias); a no-op by default."""
+
+
+_ROUTERS: dict[str, type[Router]] = {}
+
+
+def register_router(name: str):
+    """Class decorator: ``@register_router("mine") class MyRouter(Router): ...``."""
+
+    def deco(cls):
+        if not (isinstance(cls, type) and issubclass(cls, Router)):
+            raise TypeError(f"register_router({name!r}) needs a Router subclass, got {cls!r}")
+        if name in _ROUTERS and _ROUTERS[name] is not cls:
+            raise ValueError(f"router name {name!r} is already registered to {_ROUTERS[name].__qualname__}")
+        _ROUTERS[name] = cls
+        cls.registry_name = name
+        return cls
+
+    return deco
+
+
+def registered_routers() -> list[str]:
+    return sorted(_ROUTERS)
+
+
+def router_class(name: str) -> type[Router]:
+    """Resolve a registered name or ``package.module:ClassName`` to a Router class."""
+    if ":" in name:
+        module_name, _, cls_name = name.partition(":")
+        try:
+            cls = getattr(importlib.import_module(module_name), cls_name)
+        except (ImportError, AttributeError) as exc:
+            raise ValueError(f"router {name!r} could not be loaded ({exc}); expected 'package.module:ClassName'") from exc
+        if not (isinstance(cls, type) and issubclass(cls, Router)):
+            raise ValueError(f"router {name!r} is not a subclass of moe.router.Router")
+        return cls
+    if name not in _ROUTERS:
+        raise ValueError(
+            f"unknown router {name!r}; known routers: {registered_routers()}, or 'package.module:ClassName'"
+        )
+    return _ROUTERS[name]
+
+
+def build_router(name: str, hidden_size: int, num_experts: int, **options) -> Router:
+    cls = router_class(name)
+    params = inspect.signature(cls.__init__).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        accepted = [p for p in params if p not in ("self", "hidden_size", "num_experts")]
+        unknown = sorted(set(options) - set(accepted))
+        if unknown:
+            raise ValueError(f"router {name!r} has no option(s) {unknown}; its options are {accepted}")
+    return cls(hidden_size, num_experts, **options)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Top-k family: Mixtral, Switch, DeepSeek (sigmoid, group-limited, aux-loss-free bias)
+# ---------------------------------------------------------------------------------------------------
+
+
+@register_router("topk")
+class TopKRouter(Router):
+    """Top-k over softmax or sigmoid scores.
+
+    Mixtral: softmax, normalize. Switch: top_k=1, softmax, no normalize. DeepSeek-V3: sigmoid,
+    num_groups/group_top_k, expert_bias with bias_update_rate > 0, scaling (routed_scaling_factor).
+    ``normalize=None`` renormalises the k weights to sum 1 whenever k > 1.
+    ``expert_bias`` (True, or an initial [E] tensor) is added to the scores for *selection only*;
+    ``bias_update_rate`` > 0 turns it on and moves it by the observed load each
+    ``update_expert_bias()`` (call once per optimizer step; ``moe.update_expert_biases(model)``).
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, *, top_k: int = 2, score: str = "softmax",
+                 normalize: bool | None = None, num_groups: int | None = None, group_top_k: int | None = None,
+                 scaling: float = 1.0, expert_bias=False, bias_update_rate: float = 0.0,
+                 capacity_factor: float | None = None, drop_policy: str = "probs",
+                 aux_loss_coeff: float = 0.01, z_loss_coeff: float = 0.0):
+        super().__init__(hidden_size, num_experts, top_k=top_k, capacity_factor=capacity_factor,
+                         drop_policy=drop_policy, aux_loss_coeff=aux_loss_coeff, z_loss_coeff=z_loss_coeff)
+        check_choice("score", score, SCORES)
+        check_float("scaling", scaling, 0.0, strict=True)
+        check_float("bias_update_rate", bias_update_rate)
+        self._check_groups(num_groups, group_top_k)
+        self.score, self.scaling, self.bias_update_rate = score, float(scaling), float(bias_update_rate)
+        self.normalize = top_k > 1 if normalize is None else bool(normalize)
+        self.num_groups, self.group_top_k = num_groups, group_top_k
+        if isinstance(expert_bias, Tensor) or expert_bias or bias_update_rate > 0:
+            init = expert_bias if isinstance(expert_bias, Tensor) else torch.zeros(num_experts)
+            if init.shape != (num_experts,):
+                raise ValueError(f"expert_bias has shape {tuple(init.shape)}; it must be [num_experts={num_experts}]")
+            self.register_buffer("expert_bias", init.detach().float().clone())
+            self.register_buffer("pending_load", torch.zeros(num_experts), persistent=False)
+        else:
+            self.expert_bias = None
+
+    def _check_groups(self, num_groups, group_top_k) -> None:
+        if num_groups is None and group_top_k is None:
+            return
+        if num_groups is None or group_top_k is None:
+            raise ValueError(f"num_groups={num_groups!r} and group_top_k={group_top_k!r}: set both or neither")
+        E, k = self.num_experts, self.top_k
+        check_int("num_groups", num_groups, 1, E)
+        if E % num_groups:
+            raise ValueError(f"num_groups={num_groups} must divide num_experts={E}")
+        check_int("group_top_k", group_top_k, 1, num_groups)
+        if k % group_top_k:
+            raise ValueError(f"group_top_k={group_top_k} must divide top_k={k} (a group's score sums its "
+                             f"top top_k // group_top_k experts)")
+        if k // group_top_k > E // num_groups:
+            raise ValueError(f"top_k // group_top_k = {k // group_top_k} exceeds the {E // num_groups} experts per "
+                             f"group; raise group_top_k or num_groups={num_groups}")
+
+    def scores(self, logits: Tensor) -> Tensor:
+        return logits.softmax(dim=-1) if self.score == "softmax" else logits.sigmoid()
+
+    def limit_groups(self, choice: Tensor) -> Tensor:
+        """Mask experts outside each token's best ``group_top_k`` groups with -inf."""
+        T, E, G = choice.shape[0], self.num_experts, self.num_groups
+        per_group = choice.view(T, G, E // G)
+        group_score = per_group.topk(self.top_k // self.group_top_k, dim=-1).values.sum(-1)  # [T, G]
+        best = group_score.topk(self.group_top_k, dim=-1).indices  # [T, group_top_k]
+        allowed = torch.zeros(T, G, dtype=torch.bool, device=choice.device).scatter_(1, best, True)
+        return per_group.masked_fill(~allowed[:, :, None], -math.inf).view(T, E)
+
+    def select(self, scores: Tensor) -> Tensor:
+        """[T, E] scores -> [T, k] expert ids; bias and groups affect which, never the weights."""
+        choice = scores if self.expert_bias is None else scores + self.expert_bias
+        if self.num_groups is not None:
+            choice = self.limit_groups(choice)
+        return choice.topk(self.top_k, dim=-1).indices
+
+    def route(self, logits: Tensor, token_ids: Tensor | None = None) -> Routing:
+        scores = self.scores(logits)  # [T, E]
+        indices = self.select(scores)  # [T, k]
+        weights = scores.gather(1, indices)  # [T, k]
+        if self.normalize:
+            weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-20)
+        weights = weights * self.scaling
+        balance = scores if self.score == "softmax" else scores / scores.sum(-1, keepdim=True).clamp_min(1e-20)
+        return self.finish(logits, balance, indices, weights, self.capacity(logits.shape[0]))
+
+    def observe_load(self, global_counts: Tensor | None, local_counts: Tensor) -> None:
+        if self.expert_bias is None or self.bias_update_rate == 0 or not self.training or in_backward():
+            return
+        counts = global_counts if global_counts is not None else self.reduce_counts(local_counts)
+        self.pending_load += counts.float()
+
+    @torch.no_grad()
+    def update_expert_bias(self) -> None:
+        """Apply the load observed since the last call (aux-loss-free balancing), then clear it."""
+        if self.expert_bias is None or self.bias_update_rate == 0:
+            return
+        update_expert_bias(self.expert_bias, self.pending_load, self.bias_update_rate)
+        self.pending_load.zero_()
+
+
+@register_router("switch")
+class SwitchRouter(TopKRouter):
+    """Switch Transformer: top-1 softmax with multiplicative input jitter in training, capacity 1.25."""
+
+    def __init__(self, hidden_size: int, num_experts: int, *, jitter: float = 0.01,
+                 capacity_factor: float | None = 1.25, drop_policy: str = "probs",
+                 aux_loss_coeff: float = 0.01, z_loss_coeff: float = 0.0):
+        super().__init__(hidden_size, num_experts, top_k=1, score="softmax", normalize=False,
+                         capacity_factor=capacity_factor, drop_policy=drop_policy,
+                         aux_loss_coeff=aux_loss_coeff, z_loss_coeff=z_loss_coeff)
+        check_float("jitter", jitter)
+        if jitter >= 1:
+            raise ValueError(f"jitter={jitter!r} is invalid; it must be in [0, 1)")
+        self.jitter = float(jitter)
+
+    def logits(self, x: Tensor) -> Tensor:
+        if self.training and self.jitter > 0:
+            noise = torch.empty_like(x, dtype=torch.float32).uniform_(1.0 - self.jitter, 1.0 + self.jitter)
+            x = x.float() * noise
+        return super().logits(x)
+
+
+# The other built-ins (expert_choice, sinkhorn, hash) register themselves on import.
+from moe import router_variants  # noqa: E402,F401  (import for registration)
