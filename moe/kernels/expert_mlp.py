@@ -1,0 +1,401 @@
+"""The whole expert MLP, y = act(rows_e @ w_in[e]) @ w_out[e] per expert, with the activation fused.
+
+Shapes: rows [N, H] expert-major, counts [E] int64, w_in [E, H, F_in] (F_in = 2F for SwiGLU laid out
+[gate | up], F otherwise), w_out [E, F, H] -> y [N, H]; rows at or past sum(counts) come out 0.
+
+Variants: ``"plain"`` = grouped_mm, the activation in torch, grouped_mm. ``"fused"``:
+  forward   kernel 1 computes the gate and up tiles of one [BLOCK_M, BLOCK_N] block of h in the same
+            program (two accumulators sharing each x tile) and writes h = act(pre) directly; when a
+            gradient is needed it also writes pre = rows @ w_in (the activation's input, F_in wide)
+            so backward needs no GEMM recompute. Then y = grouped_mm(h, w_out).
+  backward  kernel 2 computes dh = dy @ w_out[e]^T and, in its epilogue, reads pre and writes
+            dpre = dh * act'(pre) plus h = act(pre) recomputed (needed for dw_out, so h is never
+            saved). Then dx = grouped_mm(dpre, w_in^T), dw_in = wgrad(rows, dpre),
+            dw_out = wgrad(h, dy), each only when needed.
+Activation math runs in fp32 on the fp32 accumulators; gelu is the exact erf form.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ._common import (Kernel, cfg, check_triton_tensors, dot_precision, prune_by_smem, upcast_for_interpreter,
+                      why_not_triton_tensors)
+from .grouped_mm import grouped_mm, grouped_mm_fwd
+from .grouped_mm_wgrad import grouped_mm_wgrad
+
+ACTIVATION_CODES = {"swiglu": 0, "gelu": 1, "relu": 2}
+VARIANTS = ("fused", "plain")
+
+
+def _swiglu(h: torch.Tensor) -> torch.Tensor:
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+TORCH_ACTIVATIONS = {"swiglu": _swiglu, "gelu": F.gelu, "relu": F.relu}
+
+# ---------------------------------------------------------------------------------------------------
+# Reference
+# ---------------------------------------------------------------------------------------------------
+
+
+def expert_mlp_ref(rows: torch.Tensor, counts: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor,
+                   activation: str) -> torch.Tensor:
+    """Per-expert loop in plain PyTorch (the same maths as moe.experts' "loop" backend)."""
+    act = TORCH_ACTIVATIONS[activation]
+    out = rows.new_zeros(rows.shape[0], w_out.shape[-1])
+    start = 0
+    for e, n in enumerate(counts.tolist()):  # D2H sync: the loop bounds are the counts
+        end = min(start + max(n, 0), rows.shape[0])
+        if end > start:
+            out[start:end] = act(rows[start:end] @ w_in[e]) @ w_out[e]
+        start = end
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Kernels. Tile scheduling is grouped_mm's (see grouped_mm.py), repeated inline (see _common.py).
+# ---------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _expert_up_act_kernel(
+    X, W, HOUT, PRE, OFFS,
+    M, F, K, E,
+    stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_hm, stride_hn, stride_pm, stride_pn,
+    E_POW2: tl.constexpr, ACT: tl.constexpr, SAVE_PRE: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """h[:, n-tile] = act(x @ w[e][:, n-tile] (, x @ w[e][:, F + n-tile])); optionally pre as well."""
+    GATED: tl.constexpr = ACT == 0
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(F, BLOCK_N)
+    num_pid_m = tl.cdiv(M, BLOCK_M) + E
+    num_pid_in_group = GROUP_M * num_pid_n
+    first_pid_m = (pid // num_pid_in_group) * GROUP_M
+    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (pid % num_pid_in_group) % group_size_m
+    pid_n = (pid % num_pid_in_group) // group_size_m
+    eids = tl.arange(0, E_POW2)
+    emask = eids < E
+    ends = tl.minimum(tl.load(OFFS + eids, mask=emask, other=0), M)
+    starts = tl.minimum(tl.load(OFFS + eids - 1, mask=emask & (eids > 0), other=0), M)
+    tiles = tl.where(emask, (tl.maximum(ends - starts, 0) + BLOCK_M - 1) // BLOCK_M, 0)
+    tile_end = tl.cumsum(tiles, 0)
+    total = tl.sum(tiles, 0)
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < F
+    if pid_m < total:
+        e = tl.sum((tile_end <= pid_m).to(tl.int32), 0)
+        sel = eids == e
+        first_tile = tl.sum(tl.where(sel, tile_end - tiles, 0), 0)
+        row_end = tl.sum(tl.where(sel, ends, 0), 0)
+        offs_m = tl.sum(tl.where(sel, starts, 0), 0) + (pid_m - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < row_end
+        offs_k = tl.arange(0, BLOCK_K)
+        x_ptrs = X + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk
+        wg_ptrs = W + e.to(tl.int64) * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
+        wu_ptrs = wg_ptrs + F * stride_wn  # the up half starts F columns later
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_mask = offs_k < K - k0
+            a = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            bg = tl.load(wg_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            if UPCAST:
+                a = a.to(tl.float32)
+                acc_g = tl.dot(a, bg.to(tl.float32), acc_g, input_precision="ieee")
+            else:
+                acc_g = tl.dot(a, bg, acc_g, input_precision=PRECISION)
+            if GATED:  # the same x tile feeds the up projection: x is read once for both halves
+                bu = tl.load(wu_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+                if UPCAST:
+                    acc_u = tl.dot(a, bu.to(tl.float32), acc_u, input_precision="ieee")
+                else:
+                    acc_u = tl.dot(a, bu, acc_u, input_precision=PRECISION)
+            x_ptrs += BLOCK_K * stride_xk
+            wg_ptrs += BLOCK_K * stride_wk
+            wu_ptrs += BLOCK_K * stride_wk
+        if ACT == 0:
+            h = acc_g * tl.sigmoid(acc_g) * acc_u
+        elif ACT == 1:
+            h = 0.5 * acc_g * (1.0 + tl.erf(acc_g * 0.7071067811865476))
+        else:
+            h = tl.maximum(acc_g, 0.0)
+        h = h.to(HOUT.dtype.element_ty)
+        pre_g = acc_g.to(HOUT.dtype.element_ty)
+        pre_u = acc_u.to(HOUT.dtype.element_ty)
+    else:  # surplus program: zero the unowned tail rows
+        offs_m = tl.max(ends, 0) + (pid_m - total) * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < M
+        h = tl.zeros((BLOCK_M, BLOCK_N), dtype=HOUT.dtype.element_ty)
+        pre_g = h
+        pre_u = h
+    mn_mask = m_mask[:, None] & n_mask[None, :]
+    rows64 = offs_m.to(tl.int64)[:, None]
+    tl.store(HOUT + rows64 * stride_hm + offs_n[None, :] * stride_hn, h, mask=mn_mask)
+    if SAVE_PRE:
+        p_ptrs = PRE + rows64 * stride_pm + offs_n[None, :] * stride_pn
+        tl.store(p_ptrs, pre_g, mask=mn_mask)
+        if GATED:
+            tl.store(p_ptrs + F * stride_pn, pre_u, mask=mn_mask)
+
+
+@triton.jit
+def _expert_down_dact_kernel(
+    DY, W, PRE, DPRE, HOUT, OFFS,
+    M, F, K, E,
+    stride_dym, stride_dyk, stride_we, stride_wk, stride_wn, stride_pm, stride_pn, stride_dpm, stride_dpn,
+    stride_hm, stride_hn,
+    E_POW2: tl.constexpr, ACT: tl.constexpr, STORE_H: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """dh = dy @ w_out[e]^T (W passed as a transposed view), epilogue: dpre = dh * act'(pre), h = act(pre)."""
+    GATED: tl.constexpr = ACT == 0
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(F, BLOCK_N)
+    num_pid_m = tl.cdiv(M, BLOCK_M) + E
+    num_pid_in_group = GROUP_M * num_pid_n
+    first_pid_m = (pid // num_pid_in_group) * GROUP_M
+    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (pid % num_pid_in_group) % group_size_m
+    pid_n = (pid % num_pid_in_group) // group_size_m
+    eids = tl.arange(0, E_POW2)
+    emask = eids < E
+    ends = tl.minimum(tl.load(OFFS + eids, mask=emask, other=0), M)
+    starts = tl.minimum(tl.load(OFFS + eids - 1, mask=emask & (eids > 0), other=0), M)
+    tiles = tl.where(emask, (tl.maximum(ends - starts, 0) + BLOCK_M - 1) // BLOCK_M, 0)
+    tile_end = tl.cumsum(tiles, 0)
+    total = tl.sum(tiles, 0)
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < F
+    if pid_m < total:
+        e = tl.sum((tile_end <= pid_m).to(tl.int32), 0)
+        sel = eids == e
+        first_tile = tl.sum(tl.where(sel, tile_end - tiles, 0), 0)
+        row_end = tl.sum(tl.where(sel, ends, 0), 0)
+        offs_m = tl.sum(tl.where(sel, starts, 0), 0) + (pid_m - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < row_end
+        rows64 = offs_m.to(tl.int64)[:, None]
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = DY + rows64 * stride_dym + offs_k[None, :] * stride_dyk
+        w_ptrs = W + e.to(tl.int64) * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_mask = offs_k < K - k0
+            a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            b = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            if UPCAST:
+                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            a_ptrs += BLOCK_K * stride_dyk
+            w_ptrs += BLOCK_K * stride_wk
+        mn_mask = m_mask[:, None] & n_mask[None, :]
+        p_ptrs = PRE + rows64 * stride_pm + offs_n[None, :] * stride_pn
+        g = tl.load(p_ptrs, mask=mn_mask, other=0.0).to(tl.float32)
+        if ACT == 0:
+            u = tl.load(p_ptrs + F * stride_pn, mask=mn_mask, other=0.0).to(tl.float32)
+            sig = tl.sigmoid(g)
+            silu = g * sig
+            d_g = acc * u * sig * (1.0 + g * (1.0 - sig))
+            d_u = acc * silu
+            h = silu * u
+        elif ACT == 1:
+            cdf = 0.5 * (1.0 + tl.erf(g * 0.7071067811865476))
+            pdf = tl.exp(-0.5 * g * g) * 0.3989422804014327  # 1/sqrt(2*pi)
+            d_g = acc * (cdf + g * pdf)
+            d_u = d_g
+            h = g * cdf
+        else:
+            d_g = tl.where(g > 0.0, acc, 0.0)
+            d_u = d_g
+            h = tl.maximum(g, 0.0)
+        d_g = d_g.to(DPRE.dtype.element_ty)
+        d_u = d_u.to(DPRE.dtype.element_ty)
+        h = h.to(DPRE.dtype.element_ty)
+    else:  # surplus program: rows no expert owns get zero gradient (their output was forced to 0)
+        offs_m = tl.max(ends, 0) + (pid_m - total) * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < M
+        rows64 = offs_m.to(tl.int64)[:, None]
+        mn_mask = m_mask[:, None] & n_mask[None, :]
+        d_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=DPRE.dtype.element_ty)
+        d_u = d_g
+        h = d_g
+    dp_ptrs = DPRE + rows64 * stride_dpm + offs_n[None, :] * stride_dpn
+    tl.store(dp_ptrs, d_g, mask=mn_mask)
+    if GATED:
+        tl.store(dp_ptrs + F * stride_dpn, d_u, mask=mn_mask)
+    if STORE_H:
+        tl.store(HOUT + rows64 * stride_hm + offs_n[None, :] * stride_hn, h, mask=mn_mask)
+
+
+_SMEM = 200 * 1024
+# Two B tiles (gate and up) per stage and two accumulators: smaller N tiles than grouped_mm.
+EXPERT_UP_ACT = Kernel(
+    _expert_up_act_kernel,
+    configs=[
+        cfg(128, 128, 64, 8, 3),
+        cfg(128, 64, 64, 4, 4),
+        cfg(64, 128, 64, 4, 4),
+        cfg(64, 64, 64, 4, 4),
+        cfg(128, 64, 32, 4, 4),
+        cfg(64, 64, 32, 4, 3),
+    ],
+    interpret_config=cfg(32, 32, 16, 4, 1, group=2),
+    key=["F", "K", "ACT"],
+    prune=prune_by_smem(_SMEM, b_tiles=2),
+)
+EXPERT_DOWN_DACT = Kernel(
+    _expert_down_dact_kernel,
+    configs=[
+        cfg(128, 128, 64, 8, 4),
+        cfg(128, 128, 64, 4, 4),
+        cfg(64, 128, 64, 4, 4),
+        cfg(128, 64, 64, 4, 4),
+        cfg(64, 64, 32, 4, 3),
+    ],
+    interpret_config=cfg(32, 32, 16, 4, 1, group=2),
+    key=["F", "K", "ACT"],
+    prune=prune_by_smem(_SMEM, elem_arg="DY"),
+)
+
+# ---------------------------------------------------------------------------------------------------
+# Launchers
+# ---------------------------------------------------------------------------------------------------
+
+
+def expert_up_act(x: torch.Tensor, w_in: torch.Tensor, offs: torch.Tensor, activation: str, *,
+                  save_pre: bool, allow_tf32: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(h [M, F], pre [M, F_in] or None) with h = act(x @ w_in[e]) per expert row block."""
+    check_triton_tensors("expert_up_act (Triton)", x, w_in)
+    code = ACTIVATION_CODES[activation]
+    m, k = x.shape
+    e, f_in = w_in.shape[0], w_in.shape[2]
+    f = f_in // 2 if code == 0 else f_in
+    h = torch.empty(m, f, device=x.device, dtype=x.dtype)
+    pre = torch.empty(m, f_in, device=x.device, dtype=x.dtype) if save_pre else None
+    if m == 0 or f == 0:
+        return h, pre
+    grid = lambda meta: ((triton.cdiv(m, meta["BLOCK_M"]) + e) * triton.cdiv(f, meta["BLOCK_N"]),)
+    p = pre if pre is not None else h  # placeholder pointer, never written when SAVE_PRE is False
+    EXPERT_UP_ACT[grid](
+        x, w_in, h, p, offs, m, f, k, e,
+        x.stride(0), x.stride(1), w_in.stride(0), w_in.stride(1), w_in.stride(2),
+        h.stride(0), h.stride(1), p.stride(0), p.stride(1),
+        E_POW2=triton.next_power_of_2(e), ACT=code, SAVE_PRE=save_pre,
+        PRECISION=dot_precision(x.dtype, allow_tf32), UPCAST=upcast_for_interpreter(x.dtype),
+    )
+    return h, pre
+
+
+def expert_down_dact(dy: torch.Tensor, w_out: torch.Tensor, pre: torch.Tensor, offs: torch.Tensor,
+                     activation: str, *, store_h: bool, allow_tf32: bool = False):
+    """(dpre [M, F_in], h [M, F] or None): dpre = (dy @ w_out[e]^T) * act'(pre), h = act(pre)."""
+    check_triton_tensors("expert_down_dact (Triton)", dy, w_out, pre)
+    code = ACTIVATION_CODES[activation]
+    m, hdim = dy.shape
+    e, f = w_out.shape[0], w_out.shape[1]
+    wt = w_out.transpose(1, 2)  # [E, H, F] view: the kernel reads w_out[e]^T through strides
+    dpre = torch.empty(m, pre.shape[1], device=dy.device, dtype=dy.dtype)
+    h = torch.empty(m, f, device=dy.device, dtype=dy.dtype) if store_h else None
+    if m == 0 or f == 0:
+        return dpre, h
+    hp = h if h is not None else dpre  # placeholder pointer, never written when STORE_H is False
+    grid = lambda meta: ((triton.cdiv(m, meta["BLOCK_M"]) + e) * triton.cdiv(f, meta["BLOCK_N"]),)
+    EXPERT_DOWN_DACT[grid](
+        dy, wt, pre, dpre, hp, offs, m, f, hdim, e,
+        dy.stride(0), dy.stride(1), wt.stride(0), wt.stride(1), wt.stride(2),
+        pre.stride(0), pre.stride(1), dpre.stride(0), dpre.stride(1), hp.stride(0), hp.stride(1),
+        E_POW2=triton.next_power_of_2(e), ACT=code, STORE_H=store_h,
+        PRECISION=dot_precision(dy.dtype, allow_tf32), UPCAST=upcast_for_interpreter(dy.dtype),
+    )
+    return dpre, h
+
+
+# ---------------------------------------------------------------------------------------------------
+# Autograd
+# ---------------------------------------------------------------------------------------------------
+
+
+class FusedExpertMLPFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows, offs, w_in, w_out, activation, allow_tf32):
+        need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[2] or ctx.needs_input_grad[3]
+        h, pre = expert_up_act(rows, w_in, offs, activation, save_pre=need_grad, allow_tf32=allow_tf32)
+        y = grouped_mm_fwd(h, w_out, offs, allow_tf32=allow_tf32)
+        ctx.save_for_backward(rows, offs, w_in, w_out, pre)
+        ctx.activation, ctx.allow_tf32 = activation, allow_tf32
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        rows, offs, w_in, w_out, pre = ctx.saved_tensors
+        need_x, _, need_win, need_wout = ctx.needs_input_grad[:4]
+        tf32 = ctx.allow_tf32
+        drows = dw_in = dw_out = None
+        if need_x or need_win:
+            dpre, h = expert_down_dact(dy, w_out, pre, offs, ctx.activation, store_h=need_wout, allow_tf32=tf32)
+            if need_x:
+                drows = grouped_mm_fwd(dpre, w_in, offs, transpose_w=True, allow_tf32=tf32)
+            if need_win:
+                dw_in = grouped_mm_wgrad(rows, dpre, offs, allow_tf32=tf32)
+        elif need_wout:  # only w_out trains: h from pre elementwise, no GEMM needed
+            h = TORCH_ACTIVATIONS[ctx.activation](pre)
+        if need_wout:
+            dw_out = grouped_mm_wgrad(h, dy, offs, allow_tf32=tf32)
+        return drows, None, dw_in, dw_out, None, None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Functional API
+# ---------------------------------------------------------------------------------------------------
+
+
+def why_not_triton(rows: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor) -> str:
+    """"" when the Triton expert path can run on these tensors, else a short reason naming the fix."""
+    return why_not_triton_tensors(rows, w_in, w_out)
+
+
+def expert_mlp(rows: torch.Tensor, counts: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor,
+               activation: str, *, variant: str = "fused", allow_tf32: bool = False) -> torch.Tensor:
+    """act(rows_e @ w_in[e]) @ w_out[e] per expert's contiguous row block; differentiable in rows, w_in, w_out.
+
+    rows [N, H], counts [E] (int64, expert e owns rows sum(counts[:e]):sum(counts[:e+1])),
+    w_in [E, H, F_in] (F_in = 2F, [gate | up], for "swiglu"; F for "gelu"/"relu"), w_out [E, F, H]
+    -> [N, H]; rows past sum(counts) are 0. variant "fused" (activation in the GEMM epilogues) or
+    "plain" (two grouped GEMMs, activation in torch). Triton only: see why_not_triton.
+    """
+    what = "expert_mlp"
+    if activation not in ACTIVATION_CODES:
+        raise ValueError(f"{what}: activation={activation!r} is not supported; use one of {sorted(ACTIVATION_CODES)}")
+    if variant not in VARIANTS:
+        raise ValueError(f"{what}: variant={variant!r} is unknown; use one of {VARIANTS}")
+    if rows.dim() != 2 or w_in.dim() != 3 or w_out.dim() != 3:
+        raise ValueError(f"{what}: need rows [N, H], w_in [E, H, F_in], w_out [E, F, H]; got "
+                         f"{tuple(rows.shape)}, {tuple(w_in.shape)}, {tuple(w_out.shape)}")
+    e, hdim, f_in = w_in.shape
+    f = w_out.shape[1]
+    want_f_in = 2 * f if activation == "swiglu" else f
+    if rows.shape[1] != hdim or w_out.shape[0] != e or w_out.shape[2] != hdim or f_in != want_f_in:
+        raise ValueError(f"{what}: shapes disagree: rows {tuple(rows.shape)}, w_in {tuple(w_in.shape)}, "
+                         f"w_out {tuple(w_out.shape)}; want w_in [E, H, {want_f_in}] for {activation} with "
+                         f"w_out [E, F={f}, H]")
+    if counts.shape != (e,) or counts.dtype.is_floating_point or counts.device != rows.device:
+        raise ValueError(f"{what}: counts must be an integer [E={e}] tensor on {rows.device}, got "
+                         f"{tuple(counts.shape)} {counts.dtype} on {counts.device}")
+    reason = why_not_triton(rows, w_in, w_out)
+    if reason:
+        raise ValueError(f"{what}: {reason}")
+    offs = counts.cumsum(0).to(torch.int32)  # on device: no host sync
+    if variant == "plain":
+        h = TORCH_ACTIVATIONS[activation](grouped_mm(rows, w_in, offs, backend="triton", allow_tf32=allow_tf32))
+        return grouped_mm(h, w_out, offs, backend="triton", allow_tf32=allow_tf32)
+    return FusedExpertMLPFunction.apply(rows, offs, w_in, w_out, activation, allow_tf32)

@@ -1,0 +1,243 @@
+"""Grouped GEMM over contiguous expert row blocks: Y = X @ W[e] per block, plus its autograd.
+
+Shapes: x [M_x, K], w [E, K, N], offs [E] int32 cumulative row ends (expert e owns logical rows
+offs[e-1]:offs[e], offs[-1] = 0), optional gather_index [M] int64 (logical row r reads x[gather_index[r]];
+without it M = M_x), y [M, N]. Logical rows at or past offs[-1] belong to no expert and come out 0.
+
+Tile scheduling (no host sync): the grid is an upper bound of cdiv(M, BLOCK_M) + E row tiles times
+cdiv(N, BLOCK_N) column tiles (each expert adds at most one partial row tile). Every program rebuilds
+the per-expert tile table from ``offs`` on device (an E-wide cumsum in registers, cheap next to a
+K-long GEMM loop), finds its expert with a vectorised search, and surplus programs zero the unowned
+tail rows instead, so the output needs no separate memset. Programs are ordered GROUP_M row tiles at
+a time per column strip so consecutive programs share W[e] and X tiles in L2.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import (Kernel, cfg, check_offs, check_triton_tensors, dot_precision, prune_by_smem,
+                      upcast_for_interpreter, why_not_triton_tensors)
+
+# ---------------------------------------------------------------------------------------------------
+# Reference (also the torch fallback where Triton cannot run)
+# ---------------------------------------------------------------------------------------------------
+
+
+def grouped_mm_ref(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,
+                   gather_index: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-expert loop in plain PyTorch; differentiable through autograd. Any dtype, any device."""
+    a = x if gather_index is None else x[gather_index]
+    m = a.shape[0]
+    out = a.new_zeros(m, w.shape[-1])
+    start = 0
+    for e, end in enumerate(offs.tolist()):  # D2H sync: the loop bounds are the offsets
+        end = min(max(end, start), m)
+        if end > start:
+            out[start:end] = a[start:end] @ w[e]
+        start = end
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Kernel
+# ---------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _grouped_mm_kernel(
+    X, W, Y, OFFS, GIDX,
+    M, N, K, E, X_ROWS,
+    stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_ym, stride_yn,
+    E_POW2: tl.constexpr, HAS_GATHER: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    # --- grouped launch order: GROUP_M row tiles share each column strip while it is hot in L2
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_m = tl.cdiv(M, BLOCK_M) + E  # upper bound on row tiles over all experts
+    num_pid_in_group = GROUP_M * num_pid_n
+    first_pid_m = (pid // num_pid_in_group) * GROUP_M
+    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (pid % num_pid_in_group) % group_size_m
+    pid_n = (pid % num_pid_in_group) // group_size_m
+
+    # --- per-expert row tiles from offs, on device; clamping to M keeps bad offs memory-safe
+    eids = tl.arange(0, E_POW2)
+    emask = eids < E
+    ends = tl.minimum(tl.load(OFFS + eids, mask=emask, other=0), M)
+    starts = tl.minimum(tl.load(OFFS + eids - 1, mask=emask & (eids > 0), other=0), M)
+    tiles = tl.where(emask, (tl.maximum(ends - starts, 0) + BLOCK_M - 1) // BLOCK_M, 0)
+    tile_end = tl.cumsum(tiles, 0)
+    total = tl.sum(tiles, 0)
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    if pid_m < total:
+        e = tl.sum((tile_end <= pid_m).to(tl.int32), 0)  # first expert whose tiles end past pid_m
+        sel = eids == e
+        first_tile = tl.sum(tl.where(sel, tile_end - tiles, 0), 0)
+        row_end = tl.sum(tl.where(sel, ends, 0), 0)
+        offs_m = tl.sum(tl.where(sel, starts, 0), 0) + (pid_m - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < row_end
+        if HAS_GATHER:  # read the routed rows in place instead of a permuted copy of x
+            src = tl.load(GIDX + offs_m, mask=m_mask, other=0)
+            a_mask = m_mask & (src >= 0) & (src < X_ROWS)  # out-of-range indices read zeros, never OOB
+        else:
+            src = offs_m
+            a_mask = m_mask
+        offs_k = tl.arange(0, BLOCK_K)
+        x_ptrs = X + src.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk
+        w_ptrs = W + e.to(tl.int64) * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_mask = offs_k < K - k0
+            a = tl.load(x_ptrs, mask=a_mask[:, None] & k_mask[None, :], other=0.0)
+            b = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            if UPCAST:
+                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            x_ptrs += BLOCK_K * stride_xk
+            w_ptrs += BLOCK_K * stride_wk
+        y = acc.to(Y.dtype.element_ty)
+    else:
+        # Surplus program: zero the rows past the last owned one (rows no expert owns).
+        offs_m = tl.max(ends, 0) + (pid_m - total) * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < M
+        y = tl.zeros((BLOCK_M, BLOCK_N), dtype=Y.dtype.element_ty)
+    y_ptrs = Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :] * stride_yn
+    tl.store(y_ptrs, y, mask=m_mask[:, None] & n_mask[None, :])
+
+
+# Hopper-oriented candidates (bf16/fp16; the smem prune drops what fp32 cannot fit). Not yet tuned on
+# hardware: see docs/kernels.md.
+GROUPED_MM = Kernel(
+    _grouped_mm_kernel,
+    configs=[
+        cfg(128, 256, 64, 8, 3),
+        cfg(128, 128, 64, 8, 4),
+        cfg(128, 128, 64, 4, 4),
+        cfg(64, 128, 64, 4, 4),
+        cfg(128, 64, 64, 4, 4),
+        cfg(64, 64, 64, 4, 4),
+        cfg(128, 128, 32, 4, 4),
+        cfg(64, 64, 32, 4, 3),
+    ],
+    interpret_config=cfg(32, 32, 16, 4, 1, group=2),
+    key=["N", "K"],
+    prune=prune_by_smem(200 * 1024),
+)
+
+# ---------------------------------------------------------------------------------------------------
+# Launcher
+# ---------------------------------------------------------------------------------------------------
+
+
+def check_gather_index(gather_index: torch.Tensor | None, device: torch.device, what: str) -> None:
+    if gather_index is None:
+        return
+    if not isinstance(gather_index, torch.Tensor) or gather_index.dim() != 1:
+        raise ValueError(f"{what}: gather_index must be a 1-D int64 tensor of row indices into x")
+    if gather_index.dtype != torch.int64:
+        raise ValueError(f"{what}: gather_index must be int64, got {gather_index.dtype}; use .long()")
+    if gather_index.device != device:
+        raise ValueError(f"{what}: gather_index is on {gather_index.device}, x on {device}; move it there")
+
+
+def check_grouped_mm_shapes(x: torch.Tensor, w: torch.Tensor, what: str) -> None:
+    if x.dim() != 2 or w.dim() != 3:
+        raise ValueError(f"{what}: x must be [M, K] and w [E, K, N], got {tuple(x.shape)} and {tuple(w.shape)}")
+    if x.shape[1] != w.shape[1]:
+        raise ValueError(f"{what}: x is [M, K={x.shape[1]}] but w is [E, K={w.shape[1]}, N]; K must match")
+
+
+def grouped_mm_fwd(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, gather_index: torch.Tensor | None = None,
+                   *, transpose_w: bool = False, allow_tf32: bool = False) -> torch.Tensor:
+    """Triton launch: y [M, N] = x[rows] @ w[e] (``transpose_w``: @ w[e]^T via strides, no copy)."""
+    what = "grouped_mm (Triton)"
+    wt = w.transpose(1, 2) if transpose_w else w  # a view: the kernel only sees strides
+    check_grouped_mm_shapes(x, wt, what)
+    check_triton_tensors(what, x, w)
+    offs = check_offs(offs, w.shape[0], x.device, what)
+    check_gather_index(gather_index, x.device, what)
+    m = x.shape[0] if gather_index is None else gather_index.shape[0]
+    e, k, n = wt.shape
+    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    if m == 0 or n == 0:
+        return y
+    if k == 0:
+        return y.zero_()
+    grid = lambda meta: ((triton.cdiv(m, meta["BLOCK_M"]) + e) * triton.cdiv(n, meta["BLOCK_N"]),)
+    GROUPED_MM[grid](
+        x, wt, y, offs, gather_index if gather_index is not None else offs,
+        m, n, k, e, x.shape[0],
+        x.stride(0), x.stride(1), wt.stride(0), wt.stride(1), wt.stride(2), y.stride(0), y.stride(1),
+        E_POW2=triton.next_power_of_2(e), HAS_GATHER=gather_index is not None,
+        PRECISION=dot_precision(x.dtype, allow_tf32), UPCAST=upcast_for_interpreter(x.dtype),
+    )
+    return y
+
+
+# ---------------------------------------------------------------------------------------------------
+# Autograd
+# ---------------------------------------------------------------------------------------------------
+
+
+class GroupedMMFunction(torch.autograd.Function):
+    """dX = dY @ W[e]^T reuses the forward kernel on a transposed view; dW[e] = X_e^T dY_e is the
+    k-grouped wgrad kernel. With a gather, dX for the logical rows is scatter-added back onto x in a
+    fixed order (deterministic)."""
+
+    @staticmethod
+    def forward(ctx, x, w, offs, gather_index, allow_tf32):
+        ctx.save_for_backward(x, w, offs, gather_index)
+        ctx.allow_tf32 = allow_tf32
+        return grouped_mm_fwd(x, w, offs, gather_index, allow_tf32=allow_tf32)
+
+    @staticmethod
+    def backward(ctx, dy):
+        from .grouped_mm_wgrad import grouped_mm_wgrad
+        from .scatter_add import scatter_add_rows
+
+        x, w, offs, gather_index = ctx.saved_tensors
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = grouped_mm_fwd(dy, w, offs, transpose_w=True, allow_tf32=ctx.allow_tf32)
+            if gather_index is not None:
+                dx = scatter_add_rows(dx, gather_index, x.shape[0])
+        if ctx.needs_input_grad[1]:
+            dw = grouped_mm_wgrad(x, dy, offs, gather_index, allow_tf32=ctx.allow_tf32)
+        return dx, dw, None, None, None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Functional API
+# ---------------------------------------------------------------------------------------------------
+
+BACKENDS = ("auto", "triton", "torch")
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, gather_index: torch.Tensor | None = None,
+               *, backend: str = "auto", allow_tf32: bool = False) -> torch.Tensor:
+    """Grouped matmul over contiguous expert row blocks; differentiable in x and w.
+
+    x [M_x, K], w [E, K, N], offs [E] int32 cumulative row ends (torch.nn.functional.grouped_mm's
+    convention: expert e owns rows offs[e-1]:offs[e]) -> y [M, N] with M = M_x, or with
+    gather_index [M] int64, M = len(gather_index) and logical row r = x[gather_index[r]].
+    Rows at or past offs[-1] are zero. Empty experts and M = 0 are fine.
+
+    backend: "auto" runs Triton where it can (CUDA, or CPU under TRITON_INTERPRET=1) and a per-expert
+    torch loop elsewhere (one host sync); "triton" raises a ValueError saying why when it cannot run;
+    "torch" always takes the loop. allow_tf32: fp32 inputs multiply in TF32 (faster, ~1e-3 relative).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"grouped_mm: backend={backend!r} is unknown; use one of {BACKENDS}")
+    check_grouped_mm_shapes(x, w, "grouped_mm")
+    check_gather_index(gather_index, x.device, "grouped_mm")
+    use_triton = backend == "triton" or (backend == "auto" and why_not_triton_tensors(x, w) == "")
+    if not use_triton:
+        offs = check_offs(offs, w.shape[0], x.device, "grouped_mm")
+        return grouped_mm_ref(x, w, offs, gather_index)
+    return GroupedMMFunction.apply(x, w, offs, gather_index, allow_tf32)

@@ -1,0 +1,143 @@
+"""Weight gradient of the grouped GEMM: dW[e] = X_e^T dY_e, a k-grouped GEMM over each row block.
+
+Shapes: x [M_x, K] (optional gather_index [M] int64: logical row r = x[gather_index[r]]), dy [M, N],
+offs [E] int32 cumulative row ends -> dw [E, K, N] in x's dtype, fp32 accumulation.
+
+One program owns one [BLOCK_K, BLOCK_N] tile of one expert's dW and walks that expert's rows
+BLOCK_M at a time: the reduction order is fixed, so dW is bitwise deterministic (no atomics, no
+split-M). An empty expert runs zero iterations and stores zeros. Programs are expert-major, so the
+tiles of one expert (which all stream the same X_e and dY_e rows) run together and share L2.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import (Kernel, cfg, check_offs, check_triton_tensors, dot_precision, prune_by_smem,
+                      upcast_for_interpreter)
+
+# ---------------------------------------------------------------------------------------------------
+# Reference
+# ---------------------------------------------------------------------------------------------------
+
+
+def grouped_mm_wgrad_ref(x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor,
+                         gather_index: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-expert loop in plain PyTorch: dw[e] = x_e^T @ dy_e, zeros for empty experts."""
+    a = x if gather_index is None else x[gather_index]
+    dw = a.new_zeros(offs.shape[0], a.shape[1], dy.shape[1])
+    start, m = 0, dy.shape[0]
+    for e, end in enumerate(offs.tolist()):  # D2H sync: the loop bounds are the offsets
+        end = min(max(end, start), m)
+        if end > start:
+            dw[e] = a[start:end].transpose(0, 1) @ dy[start:end]
+        start = end
+    return dw
+
+
+# ---------------------------------------------------------------------------------------------------
+# Kernel
+# ---------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _grouped_mm_wgrad_kernel(
+    X, DY, DW, OFFS, GIDX,
+    M, K, N, X_ROWS,
+    stride_xm, stride_xk, stride_dym, stride_dyn, stride_dwe, stride_dwk, stride_dwn,
+    HAS_GATHER: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    # --- expert-major order; inside an expert, GROUP_M k-tiles share each n strip (L2 reuse)
+    pid = tl.program_id(0)
+    num_pid_k = tl.cdiv(K, BLOCK_K)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    e = pid // (num_pid_k * num_pid_n)
+    local = pid % (num_pid_k * num_pid_n)
+    num_pid_in_group = GROUP_M * num_pid_n
+    first_pid_k = (local // num_pid_in_group) * GROUP_M
+    group_size_k = tl.minimum(num_pid_k - first_pid_k, GROUP_M)
+    pid_k = first_pid_k + (local % num_pid_in_group) % group_size_k
+    pid_n = (local % num_pid_in_group) // group_size_k
+
+    # --- this expert's rows; clamped so bad offs stay memory-safe
+    start = tl.load(OFFS + tl.maximum(e - 1, 0))
+    start = tl.minimum(tl.where(e > 0, start, 0), M)
+    end = tl.maximum(tl.minimum(tl.load(OFFS + e), M), start)
+
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_mask = offs_k < K
+    n_mask = offs_n < N
+    acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+    for m0 in range(start, end, BLOCK_M):
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < end
+        if HAS_GATHER:
+            src = tl.load(GIDX + offs_m, mask=m_mask, other=0)
+            a_mask = m_mask & (src >= 0) & (src < X_ROWS)
+        else:
+            src = offs_m
+            a_mask = m_mask
+        # x tile loaded as [BLOCK_K, BLOCK_M] (transposed by addressing, not by a copy)
+        xt = tl.load(X + src.to(tl.int64)[None, :] * stride_xm + offs_k[:, None] * stride_xk,
+                     mask=a_mask[None, :] & k_mask[:, None], other=0.0)
+        g = tl.load(DY + offs_m.to(tl.int64)[:, None] * stride_dym + offs_n[None, :] * stride_dyn,
+                    mask=m_mask[:, None] & n_mask[None, :], other=0.0)
+        if UPCAST:
+            acc = tl.dot(xt.to(tl.float32), g.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(xt, g, acc, input_precision=PRECISION)
+    dw_ptrs = DW + e.to(tl.int64) * stride_dwe + offs_k[:, None] * stride_dwk + offs_n[None, :] * stride_dwn
+    tl.store(dw_ptrs, acc.to(DW.dtype.element_ty), mask=k_mask[:, None] & n_mask[None, :])
+
+
+# Output tile [BLOCK_K, BLOCK_N]; BLOCK_M is the reduction step over rows. Untuned Hopper guesses.
+GROUPED_MM_WGRAD = Kernel(
+    _grouped_mm_wgrad_kernel,
+    configs=[
+        cfg(64, 128, 128, 8, 3),
+        cfg(64, 256, 128, 8, 3),
+        cfg(64, 128, 64, 4, 4),
+        cfg(32, 128, 128, 4, 4),
+        cfg(64, 64, 64, 4, 4),
+        cfg(32, 64, 64, 4, 3),
+    ],
+    interpret_config=cfg(16, 32, 32, 4, 1, group=2),
+    key=["N", "K"],
+    prune=prune_by_smem(200 * 1024, a_name="BLOCK_K", k_name="BLOCK_M"),
+)
+
+# ---------------------------------------------------------------------------------------------------
+# Launcher (the backward of grouped_mm calls this; it has no autograd of its own)
+# ---------------------------------------------------------------------------------------------------
+
+
+def grouped_mm_wgrad(x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor,
+                     gather_index: torch.Tensor | None = None, *, allow_tf32: bool = False) -> torch.Tensor:
+    """dw [E, K, N] = per expert e: x[rows of e]^T @ dy[rows of e]; E = len(offs)."""
+    what = "grouped_mm_wgrad (Triton)"
+    if x.dim() != 2 or dy.dim() != 2:
+        raise ValueError(f"{what}: x must be [M, K] and dy [M, N], got {tuple(x.shape)} and {tuple(dy.shape)}")
+    m = x.shape[0] if gather_index is None else gather_index.shape[0]
+    if dy.shape[0] != m:
+        raise ValueError(f"{what}: dy has {dy.shape[0]} rows but the (gathered) x has {m}; they must match")
+    check_triton_tensors(what, x, dy)
+    e = offs.shape[0] if isinstance(offs, torch.Tensor) and offs.dim() == 1 else -1
+    offs = check_offs(offs, e, x.device, what)
+    k, n = x.shape[1], dy.shape[1]
+    dw = torch.empty(e, k, n, device=x.device, dtype=x.dtype)
+    if dw.numel() == 0:
+        return dw
+    if m == 0:
+        return dw.zero_()
+    grid = lambda meta: (e * triton.cdiv(k, meta["BLOCK_K"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+    GROUPED_MM_WGRAD[grid](
+        x, dy, dw, offs, gather_index if gather_index is not None else offs,
+        m, k, n, x.shape[0],
+        x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), dw.stride(0), dw.stride(1), dw.stride(2),
+        HAS_GATHER=gather_index is not None, PRECISION=dot_precision(x.dtype, allow_tf32),
+        UPCAST=upcast_for_interpreter(x.dtype),
+    )
+    return dw
