@@ -1,0 +1,179 @@
+"""ModelConfig and the named presets.
+
+A config is plain data: every field is a number, a string, a bool or a small dict, so it round-trips
+through TOML, JSON and command-line overrides. ``validate()`` checks everything that does not need
+torch; building the model (on the meta device, which allocates nothing) checks the router options.
+
+Layer pattern: layer i has an MoE FFN iff i >= first_dense_layers and
+(i - first_dense_layers) % moe_every == moe_every - 1; every other layer has a dense FFN.
+
+    mixtral  (moe_every=1, first_dense_layers=0):  M M M M
+    switch   (moe_every=2, first_dense_layers=0):  D M D M
+    deepseek (moe_every=1, first_dense_layers=1):  D M M M
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+ACTIVATIONS = ("swiglu", "gelu", "relu")
+# Options every router family understands under these names; build_router() gets each one the router
+# accepts (see models.transformer.router_options). Router-specific ones go in ``router_options``.
+COMMON_ROUTER_FIELDS = ("top_k", "capacity_factor", "aux_loss_coeff", "z_loss_coeff")
+
+
+@dataclass
+class ModelConfig:
+    name: str = "custom"  # preset name, for logs and checkpoints
+    vocab_size: int = 256  # byte-level by default: the embedded data has 256 symbols
+    hidden_size: int = 128  # H, the residual stream width
+    num_layers: int = 4  # L decoder blocks
+    num_heads: int = 4  # query heads
+    num_kv_heads: int = 2  # key/value heads (GQA); must divide num_heads
+    head_dim: int = 0  # 0 = hidden_size // num_heads
+    max_seq_len: int = 256  # longest sequence the model is trained / evaluated on
+    rope_theta: float = 10000.0  # RoPE base
+    norm_eps: float = 1e-5  # RMSNorm epsilon
+    tie_embeddings: bool = False  # share the input embedding with the output projection
+    # Dense FFN (layers without experts)
+    ffn_hidden_size: int = 512  # dense FFN width
+    activation: str = "swiglu"  # swiglu | gelu | relu, for dense and expert FFNs
+    # Mixture of experts
+    num_experts: int = 8  # E routed experts per MoE layer (0 = dense model)
+    moe_ffn_hidden_size: int = 256  # width of one routed expert
+    shared_ffn_hidden_size: int = 0  # > 0: an always-on shared expert of this width (DeepSeek)
+    moe_every: int = 1  # an MoE FFN every n-th layer (Switch: 2)
+    first_dense_layers: int = 0  # leading layers that keep a dense FFN (DeepSeek: 1-3)
+    router: str = "topk"  # registered router name or "package.module:Class"
+    top_k: int = 2  # experts per token (routers that take it)
+    capacity_factor: float | None = None  # None = dropless
+    aux_loss_coeff: float = 0.01  # load-balance loss weight (routers that take it)
+    z_loss_coeff: float = 0.0  # router z-loss weight
+    router_options: dict[str, Any] = field(default_factory=dict)  # router-specific build_router options
+    expert_backend: str = "auto"  # auto | torch | loop | triton (see moe.experts)
+    init_std: float = 0.02  # std of embeddings, projections into the residual stream, router
+
+    @property
+    def attn_head_dim(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_heads
+
+    def is_moe_layer(self, i: int) -> bool:
+        if self.num_experts == 0 or i < self.first_dense_layers:
+            return False
+        return (i - self.first_dense_layers) % self.moe_every == self.moe_every - 1
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.num_layers))
+
+    def validate(self) -> "ModelConfig":
+        """Raise ValueError naming the first bad field, its value and the fix; return self."""
+        positive = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "max_seq_len",
+                    "ffn_hidden_size", "moe_ffn_hidden_size", "moe_every", "top_k")
+        for name in positive:
+            _check_int(f"model.{name}", getattr(self, name), 1)
+        for name in ("head_dim", "num_experts", "shared_ffn_hidden_size", "first_dense_layers"):
+            _check_int(f"model.{name}", getattr(self, name), 0)
+        for name, strict in (("rope_theta", True), ("norm_eps", True), ("init_std", True),
+                             ("aux_loss_coeff", False), ("z_loss_coeff", False)):
+            _check_float(f"model.{name}", getattr(self, name), strict)
+        if self.capacity_factor is not None:
+            _check_float("model.capacity_factor", self.capacity_factor, strict=True,
+                         hint="; use a positive number, or none for dropless routing")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"model.activation={self.activation!r} is invalid; choose one of {list(ACTIVATIONS)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"model.num_kv_heads={self.num_kv_heads} must divide model.num_heads={self.num_heads}")
+        if not self.head_dim and self.hidden_size % self.num_heads:
+            raise ValueError(f"model.hidden_size={self.hidden_size} is not divisible by model.num_heads="
+                             f"{self.num_heads}; change one or set model.head_dim")
+        if self.attn_head_dim % 2:
+            raise ValueError(f"head dim {self.attn_head_dim} must be even for RoPE; set model.head_dim")
+        if self.num_experts and self.top_k > self.num_experts:
+            raise ValueError(f"model.top_k={self.top_k} exceeds model.num_experts={self.num_experts}")
+        if not isinstance(self.router_options, dict):
+            raise ValueError(f"model.router_options must be a table of router options, got {self.router_options!r}")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown model field(s) {unknown}; fields are {sorted(names)}")
+        return cls(**d)
+
+
+def _check_int(name: str, value, lo: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < lo:
+        raise ValueError(f"{name}={value!r} is invalid; it must be an integer >= {lo}")
+
+
+def _check_float(name: str, value, strict: bool, hint: str = "") -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < 0 or (strict and value == 0):
+        raise ValueError(f"{name}={value!r} is invalid; it must be a finite number {'>' if strict else '>='} 0{hint}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Presets. The tiny ones train on a laptop CPU in minutes on byte-level data (vocab 256); the real
+# sizes are for parameter / FLOP accounting on the meta device (see models.transformer.model_stats).
+# ---------------------------------------------------------------------------------------------------
+
+PRESETS: dict[str, ModelConfig] = {
+    # Mixtral: SwiGLU experts, top-2 softmax renormalised over the two, dropless, GQA, RoPE, RMSNorm.
+    "mixtral-tiny": ModelConfig(
+        name="mixtral-tiny", hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, max_seq_len=256,
+        ffn_hidden_size=512, num_experts=8, moe_ffn_hidden_size=256, top_k=2, router="topk",
+        aux_loss_coeff=0.01, router_options={"normalize": True},
+    ),
+    # Switch Transformer: top-1, capacity factor 1.25, MoE every other layer, ReLU experts, input jitter.
+    "switch-tiny": ModelConfig(
+        name="switch-tiny", hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=4, max_seq_len=256,
+        ffn_hidden_size=512, activation="relu", num_experts=8, moe_ffn_hidden_size=512, moe_every=2,
+        router="switch", top_k=1, capacity_factor=1.25, aux_loss_coeff=0.01, router_options={"jitter": 0.01},
+        tie_embeddings=True,
+    ),
+    # DeepSeek-V3: many fine-grained experts + a shared expert, sigmoid scores, group-limited top-k,
+    # aux-loss-free bias balancing (with a tiny sequence-wise aux loss), first layer dense.
+    "deepseek-tiny": ModelConfig(
+        name="deepseek-tiny", hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=4, max_seq_len=256,
+        ffn_hidden_size=512, num_experts=16, moe_ffn_hidden_size=64, shared_ffn_hidden_size=128,
+        first_dense_layers=1, router="topk", top_k=4, aux_loss_coeff=0.0001,
+        router_options={"score": "sigmoid", "num_groups": 4, "group_top_k": 2, "bias_update_rate": 0.001,
+                        "scaling": 1.0},
+    ),
+    # Mixtral 8x7B (Jiang et al. 2024): 46.7B parameters, 12.9B active.
+    "mixtral-8x7b": ModelConfig(
+        name="mixtral-8x7b", vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+        max_seq_len=32768, rope_theta=1e6, ffn_hidden_size=14336, num_experts=8, moe_ffn_hidden_size=14336,
+        top_k=2, router_options={"normalize": True},
+    ),
+    # DeepSeek-V3's MoE shape (671B total, 37B active there) with GQA attention in place of MLA, so
+    # attention parameters differ from the paper; experts, groups and dense layers match.
+    "deepseek-v3-like": ModelConfig(
+        name="deepseek-v3-like", vocab_size=129280, hidden_size=7168, num_layers=61, num_heads=128,
+        num_kv_heads=128, head_dim=128, max_seq_len=4096, ffn_hidden_size=18432, num_experts=256,
+        moe_ffn_hidden_size=2048, shared_ffn_hidden_size=2048, first_dense_layers=3, top_k=8, aux_loss_coeff=0.0001,
+        router_options={"score": "sigmoid", "num_groups": 8, "group_top_k": 4, "bias_update_rate": 0.001,
+                        "scaling": 2.5},
+    ),
+    # Qwen3-30B-A3B's shape: 128 experts of width 768, top-8 renormalised, no shared expert, GQA 32/4.
+    "qwen3-moe-30b-a3b": ModelConfig(
+        name="qwen3-moe-30b-a3b", vocab_size=151936, hidden_size=2048, num_layers=48, num_heads=32,
+        num_kv_heads=4, head_dim=128, max_seq_len=32768, rope_theta=1e6, norm_eps=1e-6, ffn_hidden_size=6144,
+        num_experts=128, moe_ffn_hidden_size=768, top_k=8, aux_loss_coeff=0.001, router_options={"normalize": True},
+    ),
+}
+
+
+def preset(name: str) -> ModelConfig:
+    """A fresh copy of a named preset (mutating it never changes PRESETS)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
+    return ModelConfig.from_dict(PRESETS[name].to_dict())

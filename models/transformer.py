@@ -1,0 +1,185 @@
+"""Decoder-only MoE transformer: Mixtral-, Switch- and DeepSeek-style by configuration.
+
+Shape legend: B batch, S sequence, H hidden, V vocab, N query heads, K key/value heads, D head dim,
+T = B*S tokens.
+
+    tokens [B, S] -> embed -> L x Block -> RMSNorm -> lm_head -> logits [B, S, V]
+    Block:  h = x + Attention(RMSNorm(x))          causal, RoPE, GQA, scaled_dot_product_attention
+            y = h + FFN(RMSNorm(h))                FFN = MoELayer or DenseMLP (config.is_moe_layer)
+
+Single-device code: nothing here knows about ranks (DESIGN.md); comm/ parallelises a built model.
+Build on the meta device, move with ``to_empty``, then ``init_weights(seed)``: every parameter is
+filled from one generator in module order, so the weights depend on the seed only.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from models.config import COMMON_ROUTER_FIELDS, ModelConfig
+from moe import DenseMLP, MoELayer, build_router
+from moe.router import router_class
+
+
+def rope_angles(seq_len: int, head_dim: int, theta: float, device) -> tuple[Tensor, Tensor]:
+    """cos, sin [S, D/2] of position * theta^(-2i/D) (Su et al. 2021), computed in float32."""
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)  # [D/2]
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)  # [S, D/2]
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate channel pairs (i, i + D/2) of x [B, heads, S, D] by the position angle (GPT-NeoX/HF layout)."""
+    x1, x2 = x.float().chunk(2, dim=-1)  # [B, n, S, D/2] each
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # [B, n, S, D]
+    return out.type_as(x)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query attention: K key/value heads serve N query heads (N % K == 0)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.attn_head_dim
+        H, D = config.hidden_size, self.head_dim
+        self.wq = nn.Linear(H, self.num_heads * D, bias=False)
+        self.wk = nn.Linear(H, self.num_kv_heads * D, bias=False)
+        self.wv = nn.Linear(H, self.num_kv_heads * D, bias=False)
+        self.wo = nn.Linear(self.num_heads * D, H, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        B, S, _ = x.shape
+        q = self.wq(x).view(B, S, self.num_heads, self.head_dim).transpose(1, 2)  # [B, N, S, D]
+        k = self.wk(x).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, K, S, D]
+        v = self.wv(x).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, K, S, D]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        gqa = self.num_kv_heads != self.num_heads
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)  # [B, N, S, D]
+        return self.wo(y.transpose(1, 2).reshape(B, S, -1))  # [B, S, H]
+
+
+def router_options(config: ModelConfig) -> tuple[dict, list[str]]:
+    """The build_router options for ``config.router``, and the common fields it does not take.
+
+    Common fields (top_k, capacity_factor, aux/z-loss coefficients) go to every router that accepts
+    them, so ``--router`` can switch families without editing the preset (e.g. "switch" is top-1 by
+    definition and ignores top_k); ``router_options`` are passed as given and must all be accepted.
+    """
+    params = inspect.signature(router_class(config.router).__init__).parameters
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    options, ignored = {}, []
+    for name in COMMON_ROUTER_FIELDS:
+        if takes_any or name in params:
+            options[name] = getattr(config, name)
+        else:
+            ignored.append(name)
+    options.update(config.router_options)
+    return options, ignored
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int):
+        super().__init__()
+        H = config.hidden_size
+        self.attn_norm = nn.RMSNorm(H, eps=config.norm_eps)
+        self.attn = Attention(config)
+        self.ffn_norm = nn.RMSNorm(H, eps=config.norm_eps)
+        self.is_moe = config.is_moe_layer(layer_id)
+        if self.is_moe:
+            options, _ = router_options(config)
+            router = build_router(config.router, H, config.num_experts, **options)
+            self.ffn = MoELayer(H, config.moe_ffn_hidden_size, config.num_experts, router, config.activation,
+                                config.shared_ffn_hidden_size, backend=config.expert_backend)
+        else:
+            self.ffn = DenseMLP(H, config.ffn_hidden_size, config.activation)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, tokens: Tensor) -> Tensor:
+        h = x + self.attn(self.attn_norm(x), cos, sin)  # [B, S, H]
+        f = self.ffn_norm(h)
+        return h + (self.ffn(f, token_ids=tokens) if self.is_moe else self.ffn(f))  # [B, S, H]
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        config.validate()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
+        self.norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
+        # Tied: the output projection reads embed.weight directly, so there is one Parameter and no
+        # tie to restore after to_empty() or a checkpoint load.
+        self.lm_head = None if config.tie_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        """tokens [B, S] int64 -> logits [B, S, V] float32."""
+        B, S = tokens.shape
+        if S > self.config.max_seq_len:
+            raise ValueError(f"sequence length {S} exceeds model.max_seq_len={self.config.max_seq_len}")
+        cos, sin = rope_angles(S, self.config.attn_head_dim, self.config.rope_theta, tokens.device)  # [S, D/2]
+        x = self.embed(tokens)  # [B, S, H]
+        for layer in self.layers:
+            x = layer(x, cos, sin, tokens)  # [B, S, H]
+        x = self.norm(x)
+        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight  # [V, H]
+        return F.linear(x, weight).float()  # [B, S, V]
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """Fill every parameter and buffer from ``seed`` alone (device and layout independent).
+
+        Residual-stream inputs (embedding, q/k/v, FFN in, router) get N(0, init_std); projections
+        back into the residual stream (attention out, FFN out) get init_std / sqrt(2 L) (GPT-2) so the
+        residual's variance does not grow with depth. Draws happen on the CPU generator and are
+        copied, so a GPU run starts from the same weights as a CPU run.
+        """
+        cfg = self.config
+        gen = torch.Generator().manual_seed(seed)
+        std, std_out = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.num_layers)
+
+        def normal_(t: Tensor, s: float) -> None:
+            t.copy_(torch.empty(t.shape, dtype=torch.float32).normal_(0.0, s, generator=gen))
+
+        normal_(self.embed.weight, std)
+        for layer in self.layers:
+            for norm in (layer.attn_norm, layer.ffn_norm):
+                norm.weight.fill_(1.0)
+            for w in (layer.attn.wq, layer.attn.wk, layer.attn.wv):
+                normal_(w.weight, std)
+            normal_(layer.attn.wo.weight, std_out)
+            init_ffn(layer.ffn, normal_, std, std_out)
+        self.norm.weight.fill_(1.0)
+        if self.lm_head is not None:
+            normal_(self.lm_head.weight, std)
+
+
+def init_ffn(ffn: nn.Module, normal_, std: float, std_out: float) -> None:
+    """Initialise a DenseMLP or an MoELayer (router, experts, shared expert, router state)."""
+    if isinstance(ffn, DenseMLP):
+        normal_(ffn.w_in.weight, std)
+        normal_(ffn.w_out.weight, std_out)
+        if ffn.gate is not None:
+            normal_(ffn.gate.weight, std)
+        return
+    if ffn.router.weight is not None:
+        normal_(ffn.router.weight, std)
+    normal_(ffn.experts.w_in, std)
+    normal_(ffn.experts.w_out, std_out)
+    if ffn.shared_expert is not None:
+        init_ffn(ffn.shared_expert, normal_, std, std_out)
+    for _, buf in ffn.router.named_buffers():  # e.g. the aux-loss-free expert_bias and its pending load
+        buf.zero_()
+
+
+def build_model(config: ModelConfig, device: str | torch.device = "cpu", seed: int = 0) -> Transformer:
+    """Build on the meta device (no memory, no init), materialise on ``device``, init from ``seed``."""
+    with torch.device("meta"):
+        model = Transformer(config)
+    model.to_empty(device=device)
+    model.init_weights(seed)
+    return model
