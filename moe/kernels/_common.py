@@ -1,11 +1,12 @@
 """Shared plumbing for the Triton expert kernels: mode detection, validation, autotune wrapping.
 
-Triton decides at *decoration* time whether ``@triton.jit`` builds a compiled ``JITFunction`` or an
-``InterpretedFunction`` (``TRITON_INTERPRET=1``). Importing ``moe.kernels`` before the variable is set
-(another test module, a notebook) would otherwise pin the wrong mode for the whole process, so
-:class:`Kernel` re-decorates the raw Python function for the mode current at *launch* time. That is
-also why the kernels call no ``@triton.jit`` helpers: a helper is resolved through module globals and
-would keep its import-time mode. Shared index math is repeated inline in each kernel instead.
+Interpreter mode is decided when ``triton`` is first imported: Triton's own library functions
+(``tl.cdiv``, ``tl.sum``, ``tl.cumsum``, ...) are decorated then, for the interpreter only if
+``TRITON_INTERPRET=1`` was already set. :func:`interpret_mode` therefore reports how Triton *will*
+run (by inspecting ``tl.cdiv``), and the CPU path additionally requires the variable to be set now,
+so unsetting it turns the CPU path off again. :class:`Kernel` refuses to launch a kernel whose own
+decoration disagrees with that mode (the variable changed between ``import triton`` and
+``import moe.kernels``), instead of failing deep inside Triton.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Callable, Sequence
 
 import torch
 import triton
+import triton.language as tl
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _SUPPORTED_NAMES = "float32/bfloat16/float16"
@@ -24,7 +26,14 @@ LAUNCHES: collections.Counter = collections.Counter()
 
 
 def interpret_mode() -> bool:
-    """True when Triton launches go to the CPU interpreter (reads TRITON_INTERPRET at call time)."""
+    """True when Triton launches go to the interpreter: triton was imported under TRITON_INTERPRET=1."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(tl.cdiv, InterpretedFunction)
+
+
+def interpret_requested() -> bool:
+    """TRITON_INTERPRET as set right now (read by triton.knobs at each access)."""
     return bool(triton.knobs.runtime.interpret)
 
 
@@ -43,9 +52,12 @@ def why_not_triton_tensors(*tensors: torch.Tensor) -> str:
             return "bfloat16 Triton kernels need an sm80+ GPU; use float16 or float32 here"
         return ""
     if t0.device.type == "cpu":
-        if interpret_mode():
-            return ""
-        return "Triton needs a CUDA device or TRITON_INTERPRET=1 (the slow CPU interpreter, for tests)"
+        if not interpret_requested():
+            return "Triton needs a CUDA device or TRITON_INTERPRET=1 (the slow CPU interpreter, for tests)"
+        if not interpret_mode():
+            return ("TRITON_INTERPRET=1 was set after triton was imported in compiled mode; "
+                    "set it before the first `import triton`")
+        return ""
     return f"Triton kernels run on CUDA tensors (or CPU under TRITON_INTERPRET=1), got device {t0.device.type}"
 
 
@@ -74,11 +86,25 @@ def dot_precision(dtype: torch.dtype, allow_tf32: bool) -> str:
     return "tf32" if (dtype == torch.float32 and allow_tf32) else "ieee"
 
 
-def upcast_for_interpreter(dtype: torch.dtype) -> bool:
-    # The Triton 3.9 interpreter feeds bf16 storage (uint16 bit patterns) straight to np.matmul, which
-    # multiplies the bit patterns as integers. Upcasting bf16 operands to fp32 (exact) before tl.dot in
-    # interpreter mode only gives the product a GPU computes with fp32 accumulation.
+def interp_bf16(dtype: torch.dtype) -> bool:
+    """The INTERP_BF16 kernel flag: bf16 data in the interpreter, which gets bf16 wrong twice.
+
+    The Triton 3.9 interpreter (1) feeds bf16 storage (uint16 bit patterns) straight to np.matmul,
+    multiplying the bit patterns as integers, and (2) truncates fp32->bf16 casts where GPUs round to
+    nearest even. Under the flag the kernels upcast bf16 dot operands to fp32 (exact) and round by
+    hand (:func:`to_out`), so interpreter results model what the GPU computes. Never set on GPU.
+    """
     return dtype == torch.bfloat16 and interpret_mode()
+
+
+@triton.jit
+def to_out(x, DTYPE: tl.constexpr, INTERP_BF16: tl.constexpr):
+    """Cast an fp32 tile to the output dtype (rounding bf16 to nearest even by hand, see interp_bf16)."""
+    if INTERP_BF16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)  # RNE: add half an ulp, ties to the even neighbour
+        x = ((bits >> 16) << 16).to(tl.float32, bitcast=True)  # exact in bf16: truncation is now harmless
+    return x.to(DTYPE)
 
 
 def prune_by_smem(budget_bytes: int, b_tiles: int = 1, a_name: str = "BLOCK_M", b_name: str = "BLOCK_N",
@@ -111,7 +137,8 @@ class Kernel:
 
     def __init__(self, jitted, configs: Sequence[triton.Config], interpret_config: triton.Config,
                  key: Sequence[str], prune: Callable | None = None):
-        self.fn = jitted.fn  # the raw Python function, for re-decoration and offline compile checks
+        self.jitted = jitted
+        self.fn = jitted.fn  # the raw Python function, for offline compile checks
         self.name = self.fn.__name__
         self.configs = list(configs)
         self.interpret_config = interpret_config
@@ -120,7 +147,14 @@ class Kernel:
         self._built: dict[bool, object] = {}
 
     def _build(self, interpret: bool):
-        jitted = triton.jit(self.fn)  # decorates for the current mode (see the module docstring)
+        from triton.runtime.interpreter import InterpretedFunction
+
+        if isinstance(self.jitted, InterpretedFunction) != interpret:
+            raise RuntimeError(
+                f"{self.name} was decorated {'for' if not interpret else 'without'} the interpreter but triton "
+                f"runs {'interpreted' if interpret else 'compiled'}: TRITON_INTERPRET changed between "
+                "`import triton` and `import moe.kernels`; set it before both")
+        jitted = self.jitted
         if interpret:
             return triton.autotune(configs=[self.interpret_config], key=self.key)(jitted)
         prune = {"early_config_prune": self.prune} if self.prune else None

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._common import (Kernel, cfg, check_triton_tensors, dot_precision, prune_by_smem, upcast_for_interpreter,
+from ._common import (Kernel, cfg, check_triton_tensors, dot_precision, prune_by_smem, interp_bf16, to_out,
                       why_not_triton_tensors)
 from .grouped_mm import grouped_mm, grouped_mm_fwd
 from .grouped_mm_wgrad import grouped_mm_wgrad
@@ -67,7 +67,7 @@ def _expert_up_act_kernel(
     M, F, K, E,
     stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_hm, stride_hn, stride_pm, stride_pn,
     E_POW2: tl.constexpr, ACT: tl.constexpr, SAVE_PRE: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
+    INTERP_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """h[:, n-tile] = act(x @ w[e][:, n-tile] (, x @ w[e][:, F + n-tile])); optionally pre as well."""
@@ -107,14 +107,14 @@ def _expert_up_act_kernel(
             k_mask = offs_k < K - k0
             a = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             bg = tl.load(wg_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-            if UPCAST:
+            if INTERP_BF16:
                 a = a.to(tl.float32)
                 acc_g = tl.dot(a, bg.to(tl.float32), acc_g, input_precision="ieee")
             else:
                 acc_g = tl.dot(a, bg, acc_g, input_precision=PRECISION)
             if GATED:  # the same x tile feeds the up projection: x is read once for both halves
                 bu = tl.load(wu_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-                if UPCAST:
+                if INTERP_BF16:
                     acc_u = tl.dot(a, bu.to(tl.float32), acc_u, input_precision="ieee")
                 else:
                     acc_u = tl.dot(a, bu, acc_u, input_precision=PRECISION)
@@ -127,9 +127,9 @@ def _expert_up_act_kernel(
             h = 0.5 * acc_g * (1.0 + tl.erf(acc_g * 0.7071067811865476))
         else:
             h = tl.maximum(acc_g, 0.0)
-        h = h.to(HOUT.dtype.element_ty)
-        pre_g = acc_g.to(HOUT.dtype.element_ty)
-        pre_u = acc_u.to(HOUT.dtype.element_ty)
+        h = to_out(h, HOUT.dtype.element_ty, INTERP_BF16)
+        pre_g = to_out(acc_g, HOUT.dtype.element_ty, INTERP_BF16)
+        pre_u = to_out(acc_u, HOUT.dtype.element_ty, INTERP_BF16)
     else:  # surplus program: zero the unowned tail rows
         offs_m = tl.max(ends, 0) + (pid_m - total) * BLOCK_M + tl.arange(0, BLOCK_M)
         m_mask = offs_m < M
@@ -153,7 +153,7 @@ def _expert_down_dact_kernel(
     stride_dym, stride_dyk, stride_we, stride_wk, stride_wn, stride_pm, stride_pn, stride_dpm, stride_dpn,
     stride_hm, stride_hn,
     E_POW2: tl.constexpr, ACT: tl.constexpr, STORE_H: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
+    INTERP_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """dh = dy @ w_out[e]^T (W passed as a transposed view), epilogue: dpre = dh * act'(pre), h = act(pre)."""
@@ -192,7 +192,7 @@ def _expert_down_dact_kernel(
             k_mask = offs_k < K - k0
             a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             b = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-            if UPCAST:
+            if INTERP_BF16:
                 acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
             else:
                 acc = tl.dot(a, b, acc, input_precision=PRECISION)
@@ -218,9 +218,9 @@ def _expert_down_dact_kernel(
             d_g = tl.where(g > 0.0, acc, 0.0)
             d_u = d_g
             h = tl.maximum(g, 0.0)
-        d_g = d_g.to(DPRE.dtype.element_ty)
-        d_u = d_u.to(DPRE.dtype.element_ty)
-        h = h.to(DPRE.dtype.element_ty)
+        d_g = to_out(d_g, DPRE.dtype.element_ty, INTERP_BF16)
+        d_u = to_out(d_u, DPRE.dtype.element_ty, INTERP_BF16)
+        h = to_out(h, DPRE.dtype.element_ty, INTERP_BF16)
     else:  # surplus program: rows no expert owns get zero gradient (their output was forced to 0)
         offs_m = tl.max(ends, 0) + (pid_m - total) * BLOCK_M + tl.arange(0, BLOCK_M)
         m_mask = offs_m < M
@@ -291,7 +291,7 @@ def expert_up_act(x: torch.Tensor, w_in: torch.Tensor, offs: torch.Tensor, activ
         x.stride(0), x.stride(1), w_in.stride(0), w_in.stride(1), w_in.stride(2),
         h.stride(0), h.stride(1), p.stride(0), p.stride(1),
         E_POW2=triton.next_power_of_2(e), ACT=code, SAVE_PRE=save_pre,
-        PRECISION=dot_precision(x.dtype, allow_tf32), UPCAST=upcast_for_interpreter(x.dtype),
+        PRECISION=dot_precision(x.dtype, allow_tf32), INTERP_BF16=interp_bf16(x.dtype),
     )
     return h, pre
 
@@ -315,7 +315,7 @@ def expert_down_dact(dy: torch.Tensor, w_out: torch.Tensor, pre: torch.Tensor, o
         dy.stride(0), dy.stride(1), wt.stride(0), wt.stride(1), wt.stride(2),
         pre.stride(0), pre.stride(1), dpre.stride(0), dpre.stride(1), hp.stride(0), hp.stride(1),
         E_POW2=triton.next_power_of_2(e), ACT=code, STORE_H=store_h,
-        PRECISION=dot_precision(dy.dtype, allow_tf32), UPCAST=upcast_for_interpreter(dy.dtype),
+        PRECISION=dot_precision(dy.dtype, allow_tf32), INTERP_BF16=interp_bf16(dy.dtype),
     )
     return dpre, h
 

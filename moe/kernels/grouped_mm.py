@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from ._common import (Kernel, cfg, check_offs, check_triton_tensors, dot_precision, prune_by_smem,
-                      upcast_for_interpreter, why_not_triton_tensors)
+                      interp_bf16, to_out, why_not_triton_tensors)
 
 # ---------------------------------------------------------------------------------------------------
 # Reference (also the torch fallback where Triton cannot run)
@@ -50,7 +50,7 @@ def _grouped_mm_kernel(
     X, W, Y, OFFS, GIDX,
     M, N, K, E, X_ROWS,
     stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_ym, stride_yn,
-    E_POW2: tl.constexpr, HAS_GATHER: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    E_POW2: tl.constexpr, HAS_GATHER: tl.constexpr, PRECISION: tl.constexpr, INTERP_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # --- grouped launch order: GROUP_M row tiles share each column strip while it is hot in L2
@@ -95,13 +95,13 @@ def _grouped_mm_kernel(
             k_mask = offs_k < K - k0
             a = tl.load(x_ptrs, mask=a_mask[:, None] & k_mask[None, :], other=0.0)
             b = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-            if UPCAST:
+            if INTERP_BF16:
                 acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
             else:
                 acc = tl.dot(a, b, acc, input_precision=PRECISION)
             x_ptrs += BLOCK_K * stride_xk
             w_ptrs += BLOCK_K * stride_wk
-        y = acc.to(Y.dtype.element_ty)
+        y = to_out(acc, Y.dtype.element_ty, INTERP_BF16)
     else:
         # Surplus program: zero the rows past the last owned one (rows no expert owns).
         offs_m = tl.max(ends, 0) + (pid_m - total) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -175,7 +175,7 @@ def grouped_mm_fwd(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, gather_
         m, n, k, e, x.shape[0],
         x.stride(0), x.stride(1), wt.stride(0), wt.stride(1), wt.stride(2), y.stride(0), y.stride(1),
         E_POW2=triton.next_power_of_2(e), HAS_GATHER=gather_index is not None,
-        PRECISION=dot_precision(x.dtype, allow_tf32), UPCAST=upcast_for_interpreter(x.dtype),
+        PRECISION=dot_precision(x.dtype, allow_tf32), INTERP_BF16=interp_bf16(x.dtype),
     )
     return y
 

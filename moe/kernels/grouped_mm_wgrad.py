@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ._common import (Kernel, cfg, check_offs, check_triton_tensors, dot_precision, prune_by_smem,
-                      upcast_for_interpreter)
+                      interp_bf16, to_out)
 
 # ---------------------------------------------------------------------------------------------------
 # Reference
@@ -46,7 +46,7 @@ def _grouped_mm_wgrad_kernel(
     X, DY, DW, OFFS, GIDX,
     M, K, N, X_ROWS,
     stride_xm, stride_xk, stride_dym, stride_dyn, stride_dwe, stride_dwk, stride_dwn,
-    HAS_GATHER: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_GATHER: tl.constexpr, PRECISION: tl.constexpr, INTERP_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # --- expert-major order; inside an expert, GROUP_M k-tiles share each n strip (L2 reuse)
@@ -85,12 +85,12 @@ def _grouped_mm_wgrad_kernel(
                      mask=a_mask[None, :] & k_mask[:, None], other=0.0)
         g = tl.load(DY + offs_m.to(tl.int64)[:, None] * stride_dym + offs_n[None, :] * stride_dyn,
                     mask=m_mask[:, None] & n_mask[None, :], other=0.0)
-        if UPCAST:
+        if INTERP_BF16:
             acc = tl.dot(xt.to(tl.float32), g.to(tl.float32), acc, input_precision="ieee")
         else:
             acc = tl.dot(xt, g, acc, input_precision=PRECISION)
     dw_ptrs = DW + e.to(tl.int64) * stride_dwe + offs_k[:, None] * stride_dwk + offs_n[None, :] * stride_dwn
-    tl.store(dw_ptrs, acc.to(DW.dtype.element_ty), mask=k_mask[:, None] & n_mask[None, :])
+    tl.store(dw_ptrs, to_out(acc, DW.dtype.element_ty, INTERP_BF16), mask=k_mask[:, None] & n_mask[None, :])
 
 
 # Output tile [BLOCK_K, BLOCK_N]; BLOCK_M is the reduction step over rows. Untuned Hopper guesses.
@@ -138,6 +138,6 @@ def grouped_mm_wgrad(x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor,
         m, k, n, x.shape[0],
         x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), dw.stride(0), dw.stride(1), dw.stride(2),
         HAS_GATHER=gather_index is not None, PRECISION=dot_precision(x.dtype, allow_tf32),
-        UPCAST=upcast_for_interpreter(x.dtype),
+        INTERP_BF16=interp_bf16(x.dtype),
     )
     return dw

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import Kernel, check_triton_tensors
+from ._common import Kernel, check_triton_tensors, interp_bf16, to_out
 
 # ---------------------------------------------------------------------------------------------------
 # Reference
@@ -36,7 +36,7 @@ def scatter_add_rows_ref(src: torch.Tensor, index: torch.Tensor, num_rows: int) 
 def _segment_sum_rows_kernel(
     SRC, ORDER, SEG_START, SEG_END, OUT,
     K, stride_sm, stride_sk, stride_om, stride_ok,
-    BLOCK_K: tl.constexpr,
+    INTERP_BF16: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     row = tl.program_id(0)
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -47,7 +47,8 @@ def _segment_sum_rows_kernel(
     for j in range(first, last):  # ascending j: the fixed summation order
         src_row = tl.load(ORDER + j)
         acc += tl.load(SRC + src_row * stride_sm + offs_k * stride_sk, mask=k_mask, other=0.0).to(tl.float32)
-    tl.store(OUT + row.to(tl.int64) * stride_om + offs_k * stride_ok, acc.to(OUT.dtype.element_ty), mask=k_mask)
+    tl.store(OUT + row.to(tl.int64) * stride_om + offs_k * stride_ok, to_out(acc, OUT.dtype.element_ty, INTERP_BF16),
+             mask=k_mask)
 
 
 SEGMENT_SUM_ROWS = Kernel(
@@ -81,5 +82,6 @@ def scatter_add_rows(src: torch.Tensor, index: torch.Tensor, num_rows: int) -> t
     seg_end = torch.searchsorted(sorted_index, rows, right=True)
     grid = lambda meta: (num_rows, triton.cdiv(k, meta["BLOCK_K"]))
     SEGMENT_SUM_ROWS[grid](src, order, seg_start, seg_end, out, k,
-                           src.stride(0), src.stride(1), out.stride(0), out.stride(1))
+                           src.stride(0), src.stride(1), out.stride(0), out.stride(1),
+                           INTERP_BF16=interp_bf16(src.dtype))
     return out
