@@ -75,7 +75,7 @@ class _Permute(torch.autograd.Function):
     def backward(ctx, grad_rows: Tensor):
         (slot_row,) = ctx.saved_tensors
         padded = torch.cat([grad_rows, grad_rows.new_zeros(1, grad_rows.shape[-1])])
-        grad_x = padded.index_select(0, slot_row).view(ctx.num_tokens, ctx.top_k, -1).sum(1)
+        grad_x = padded.index_select(0, slot_row).view(ctx.num_tokens, ctx.top_k, padded.shape[-1]).sum(1)
         return grad_x, None, None, None
 
 
@@ -87,12 +87,14 @@ class _Unpermute(torch.autograd.Function):
         T, k = weights.shape
         slots = _gather_slots(rows, slot_row, T, k)  # [T, k, H]
         ctx.save_for_backward(rows, weights, slot_row, row_slot)
-        return torch.bmm(weights.to(rows.dtype).unsqueeze(1), slots).squeeze(1)  # [T, H]
+        with torch.autocast(rows.device.type, enabled=False):  # combine in the experts' output dtype
+            return torch.bmm(weights.to(rows.dtype).unsqueeze(1), slots).squeeze(1)  # [T, H]
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         rows, weights, slot_row, row_slot = ctx.saved_tensors
         T, k = weights.shape
+        grad_out = grad_out.to(rows.dtype)
         grad_rows = grad_weights = None
         if ctx.needs_input_grad[0]:
             # each row came from exactly one slot: d rows[r] = w[slot] * grad_out[token of slot]

@@ -91,12 +91,11 @@ def resolve_backend(name: str, rows: Tensor, w_in: Tensor, w_out: Tensor) -> Exp
     """Return the backend that will run, raising a clear error when the named one cannot."""
     if name == "auto":
         for cand in AUTO_ORDER:
-            b = _BACKENDS.get(cand)
-            if b is None or not b.usable(rows, w_in, w_out):
-                continue
             if cand == "triton" and rows.device.type != "cuda":
                 continue  # the interpreter is for tests, far too slow to pick automatically
-            return b
+            b = _BACKENDS.get(cand)
+            if b is not None and b.usable(rows, w_in, w_out):
+                return b
         raise AssertionError("the loop backend runs everywhere")  # pragma: no cover
     if name not in _BACKENDS:
         raise ValueError(f"expert backend {name!r} is unknown; use one of {available_backends()}")
@@ -118,15 +117,21 @@ def resolve_backend(name: str, rows: Tensor, w_in: Tensor, w_out: Tensor) -> Exp
 def loop_mlp(rows: Tensor, counts: Tensor, w_in: Tensor, w_out: Tensor, activation: str) -> Tensor:
     """One matmul pair per expert over its contiguous row block: slow, obvious, the reference."""
     act = ACTIVATIONS[activation]
-    out = rows.new_empty(rows.shape[0], w_out.shape[-1])
-    start = 0
+    outs, start = [], 0
     for e, n in enumerate(counts.tolist()):  # D2H sync: per-expert row counts drive the loop
         if n:
-            out[start : start + n] = act(rows[start : start + n] @ w_in[e]) @ w_out[e]
+            outs.append(act(rows[start : start + n] @ w_in[e]) @ w_out[e])
         start += n
-    if start < rows.shape[0]:  # rows nobody owns (not produced by moekit's dispatchers) are zero
-        out[start:] = 0
-    return out
+    # the dtype matmul produces here (autocast may lower it); rows nobody owns come out as zeros
+    dtype = outs[0].dtype if outs else _matmul_dtype(rows)
+    outs.append(rows.new_zeros(rows.shape[0] - start, w_out.shape[-1], dtype=dtype))
+    return torch.cat([o.to(dtype) for o in outs])
+
+
+def _matmul_dtype(t: Tensor) -> torch.dtype:
+    if torch.is_autocast_enabled(t.device.type) and t.dtype == torch.float32:
+        return torch.get_autocast_dtype(t.device.type)
+    return t.dtype
 
 
 def _grouped_mm_why_not(rows: Tensor, w_in: Tensor, w_out: Tensor) -> str:
@@ -233,6 +238,7 @@ class GroupedExperts(nn.Module):
         if counts.shape != (self.w_in.shape[0],):
             raise ValueError(f"counts must be [{self.w_in.shape[0]}] (one per local expert), got {tuple(counts.shape)}")
         w_in, w_out = self.w_in, self.w_out
+        rows = rows.to(_matmul_dtype(rows))  # autocast: every backend computes in the autocast dtype
         if rows.dtype != w_in.dtype:  # e.g. fp32 master weights under bf16 autocast
             w_in, w_out = w_in.to(rows.dtype), w_out.to(rows.dtype)
         backend = resolve_backend(self.backend, rows, w_in, w_out)

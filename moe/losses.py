@@ -37,7 +37,7 @@ def load_balance_loss(scores: Tensor, assigned: Tensor) -> Tensor:
     num_experts = scores.shape[-1]
     if scores.shape[0] == 0:
         return scores.sum() * 0.0  # keeps the graph (and a zero gradient) for empty batches
-    f = assigned.float() / assigned.sum().clamp_min(1).float()  # [E]
+    f = assigned.to(scores.dtype) / assigned.sum().clamp_min(1).to(scores.dtype)  # [E]
     p = scores.mean(dim=0)  # [E]
     return num_experts * torch.dot(f, p)
 

@@ -32,7 +32,7 @@ SCORES = ("softmax", "sigmoid")
 @dataclass
 class Routing:
     indices: Tensor  # [T, k] int64 expert id per slot; -1 where capacity dropped the slot
-    weights: Tensor  # [T, k] float32 combine weight per slot; 0 where dropped
+    weights: Tensor  # [T, k] float32 combine weight per slot; 0 where dropped (float64 for float64 input)
     tokens_per_expert: Tensor  # [E] int64, slots kept per expert
     aux_loss: Tensor  # scalar, coefficient-weighted sum of the auxiliary losses
     stats: dict[str, Tensor] = field(default_factory=dict)  # unweighted terms for logging
@@ -148,11 +148,12 @@ class Router(nn.Module):
                 self.weight.normal_(0.0, std, generator=generator)
 
     def logits(self, x: Tensor) -> Tensor:
-        """[T, H] -> [T, E] float32, outside autocast so low-precision training keeps fp32 routing."""
+        """[T, H] -> [T, E] float32 (float64 for float64 input), outside autocast: routing stays fp32."""
+        dtype = torch.float64 if x.dtype == torch.float64 else torch.float32  # never below fp32
         if self.weight is None:
-            return x.new_zeros(x.shape[0], self.num_experts, dtype=torch.float32)
+            return x.new_zeros(x.shape[0], self.num_experts, dtype=dtype)
         with torch.autocast(device_type=x.device.type, enabled=False):
-            return F.linear(x.float(), self.weight.float())
+            return F.linear(x.to(dtype), self.weight.to(dtype))
 
     def capacity(self, num_tokens: int) -> int | None:
         if self.capacity_factor is None:
@@ -201,7 +202,7 @@ class Router(nn.Module):
             "dropped_fraction": (assigned.sum() - kept.sum()).float() / total,
             "assigned_per_expert": assigned,
         }
-        return Routing(indices, weights.float(), kept, aux, stats, capacity)
+        return Routing(indices, weights, kept, aux, stats, capacity)
 
     def observe_load(self, global_counts: Tensor | None, local_counts: Tensor) -> None:
         """Hook for routers with load-dependent state (aux-loss-free bias); a no-op by default."""

@@ -24,6 +24,10 @@ _SUPPORTED_NAMES = "float32/bfloat16/float16"
 # the torch fallback) ran. Keys are kernel names.
 LAUNCHES: collections.Counter = collections.Counter()
 
+# Set by moe.kernels._compile_check: launchers then record (kernel, args, kwargs) instead of
+# launching, and accept CPU tensors, so kernels can be compiled for a GPU target on a CPU-only box.
+CAPTURE: list | None = None
+
 
 def interpret_mode() -> bool:
     """True when Triton launches go to the interpreter: triton was imported under TRITON_INTERPRET=1."""
@@ -62,6 +66,8 @@ def why_not_triton_tensors(*tensors: torch.Tensor) -> str:
 
 
 def check_triton_tensors(what: str, *tensors: torch.Tensor) -> None:
+    if CAPTURE is not None:
+        return
     reason = why_not_triton_tensors(*tensors)
     if reason:
         raise ValueError(f"{what}: {reason}")
@@ -107,6 +113,10 @@ def to_out(x, DTYPE: tl.constexpr, INTERP_BF16: tl.constexpr):
     return x.to(DTYPE)
 
 
+def elem_size(t) -> int:
+    return t.element_size() if isinstance(t, torch.Tensor) else 4
+
+
 def prune_by_smem(budget_bytes: int, b_tiles: int = 1, a_name: str = "BLOCK_M", b_name: str = "BLOCK_N",
                   k_name: str = "BLOCK_K", elem_arg: str = "X") -> Callable:
     """An ``early_config_prune`` dropping configs whose pipelined tiles overflow shared memory.
@@ -116,7 +126,7 @@ def prune_by_smem(budget_bytes: int, b_tiles: int = 1, a_name: str = "BLOCK_M", 
     """
 
     def prune(configs, named_args, **kwargs):
-        elem = named_args[elem_arg].element_size()
+        elem = elem_size(named_args[elem_arg])
         kept = []
         for c in configs:
             kw = c.kwargs
@@ -161,6 +171,8 @@ class Kernel:
         return triton.autotune(configs=self.configs, key=self.key, prune_configs_by=prune)(jitted)
 
     def __getitem__(self, grid):
+        if CAPTURE is not None:
+            return lambda *args, **kwargs: CAPTURE.append((self, args, kwargs))
         mode = interpret_mode()
         if mode not in self._built:
             self._built[mode] = self._build(mode)
