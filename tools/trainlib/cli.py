@@ -1,0 +1,112 @@
+"""Command line of tools/train.py: named flags (DESIGN.md), --config TOML, dotted --section.key overrides."""
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+from models.config import PRESETS
+from trainlib import UserError
+from trainlib.config import DEFAULT_PRESET, TrainConfig, load_toml, set_value, validate
+
+# Named flags and the setting each one overrides; applied before dotted overrides, in this order.
+FLAG_SETTINGS = {
+    "steps": "train.steps", "seed": "train.seed", "batch_size": "train.batch_size", "run_dir": "log.run_dir",
+    "router": "model.router", "capacity_factor": "model.capacity_factor",
+    "dp": "layout.dp", "ep": "layout.ep", "tp": "layout.tp", "pp": "layout.pp", "fsdp": "layout.fsdp",
+}
+
+EPILOG = """\
+any setting: --<section>.<key> VALUE (or =VALUE), sections model, train, data, eval, log, checkpoint,
+layout; e.g. --model.hidden_size 64 --train.lr 1e-3 --model.router_options.jitter 0 --eval.every 25.
+--print-config shows every setting and its value. Precedence: preset < --config FILE < flags.
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, no usage block: the caller prints it
+        raise UserError(f"{message} (see --help)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="train.py", description="Train a moekit MoE model (one process; multi-rank arrives with EP).",
+                allow_abbrev=False,
+                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", help=f"model preset (default {DEFAULT_PRESET}): {', '.join(PRESETS)}")
+    p.add_argument("--config", metavar="FILE", help="TOML file with [model] [train] [data] ... tables")
+    p.add_argument("--steps", help="optimizer steps")
+    p.add_argument("--seed", help="seed of weight init, data order and router noise")
+    p.add_argument("--batch-size", help="global batch: sequences per optimizer step, whatever the layout")
+    p.add_argument("--run-dir", help="where records and checkpoints go (default runs/<preset>)")
+    p.add_argument("--router", help="router name (topk, switch, expert_choice, sinkhorn, hash) or module:Class")
+    p.add_argument("--capacity-factor", help="expert capacity factor; none = dropless")
+    for name in ("dp", "ep", "tp", "pp", "fsdp"):
+        p.add_argument(f"--{name}", help=f"{name} degree (default 1{'; inferred from the world size' if name == 'dp' else ''})")
+    p.add_argument("--resume", nargs="?", const="latest", metavar="CHECKPOINT",
+                   help="continue from the newest checkpoint in the run dir, or from CHECKPOINT")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config as TOML and exit")
+    p.add_argument("--write-data", metavar="FILE", help="write the configured data as a token file and exit")
+    return p
+
+
+@dataclass
+class Options:
+    print_config: bool
+    resume: str | None
+    write_data: str | None
+
+
+def _dotted(rest: list[str]) -> list[tuple[str, str]]:
+    """['--model.hidden_size', '64', '--train.lr=1e-3'] -> [('model.hidden_size', '64'), ('train.lr', '1e-3')]."""
+    out, i = [], 0
+    while i < len(rest):
+        arg = rest[i]
+        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
+            raise UserError(f"unrecognized argument {arg!r} (see --help)")
+        if "=" in arg:
+            key, value = arg[2:].split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(rest):
+                raise UserError(f"{arg} needs a value")
+            key, value = arg[2:], rest[i + 1]
+            i += 2
+        out.append((key, value))
+    return out
+
+
+def parse_args(argv: list[str]) -> tuple[TrainConfig, Options]:
+    """Resolve and validate the whole config; raises UserError before any work on bad input."""
+    args, rest = build_parser().parse_known_args(argv)
+    overrides = _dotted(rest)
+    file_values = load_toml(args.config) if args.config else {}
+    if args.preset:
+        file_values["preset"] = args.preset
+    cfg = TrainConfig.from_dict(file_values, source=f"{args.config}: " if args.config else "")
+    for attr, setting in FLAG_SETTINGS.items():
+        value = getattr(args, attr)
+        if value is not None:
+            set_value(cfg, setting, value, source=f"--{attr.replace('_', '-')}")
+    for key, value in overrides:
+        set_value(cfg, key, value)
+    validate(cfg)
+    check_world(cfg)
+    return cfg, Options(args.print_config, args.resume, args.write_data)
+
+
+def world_size_from_env() -> int:
+    # torchrun's WORLD_SIZE. comm/topology owns launcher variables once multi-rank training lands;
+    # until then this is the one place the trainer reads them.
+    raw = os.environ.get("WORLD_SIZE", "1")
+    try:
+        return int(raw)
+    except ValueError:
+        raise UserError(f"WORLD_SIZE={raw!r} is not an integer") from None
+
+
+def check_world(cfg: TrainConfig) -> None:
+    world = world_size_from_env()
+    if world > 1:
+        raise UserError(f"WORLD_SIZE={world}: multi-rank training (torchrun) arrives with expert parallelism "
+                        f"(comm/); this trainer runs one process: python tools/train.py")
+    cfg.layout = cfg.layout.resolve(world)

@@ -1,0 +1,304 @@
+"""The training run: set up (data, model, optimizer, run dir, resume), then the step loop.
+
+One optimizer step:
+    1. the sampler yields the global batch (batch_size windows); this rank takes its contiguous share
+    2. micro-batches: forward, cross-entropy / accum, backward (router aux losses join backward
+       inside each MoELayer, scaled by 1/accum through layer.aux_loss_scale)
+    3. non-finite loss or gradient norm: stop *before* the optimizer step (checkpoints stay good)
+    4. clip, AdamW step, LR schedule step, aux-loss-free router bias update
+    5. records: metrics.jsonl, expert_load.jsonl, console; then eval / checkpoint when due
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from models.stats import model_stats
+from models.transformer import Transformer, router_options
+from moe import collect_load, moe_layers, update_expert_biases
+from trainlib import UserError, checkpoint, records
+from trainlib.cli import Options, parse_args
+from trainlib.config import TrainConfig, to_toml
+from trainlib.data import Sampler, Split, gather, load_tokens, split_windows, unigram_entropy, write_token_file
+from trainlib.monitor import Monitor, peak_flops, peak_memory_gb
+
+BYTES_PER_PARAM = 16  # fp32 weights + gradients + AdamW's two moments
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: 0 on success, 1 when training stopped on a non-finite loss, 2 on bad input."""
+    try:
+        cfg, opts = parse_args(sys.argv[1:] if argv is None else argv)
+        if opts.print_config:
+            print(to_toml(cfg), end="")
+            return 0
+        if opts.write_data:
+            return write_data(cfg, opts.write_data)
+        return Run(cfg, opts).train()
+    except UserError as exc:
+        print(f"train.py: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def write_data(cfg: TrainConfig, out: str) -> int:
+    if cfg.data.path:
+        raise UserError(f"--write-data converts the embedded corpus or a --data.text file; {cfg.data.path} is "
+                        f"already a token file")
+    tokens, desc = load_tokens("", cfg.data.text, cfg.model.vocab_size)
+    write_token_file(out, tokens, 256)  # byte-level
+    print(f"wrote {out}: {desc}")
+    return 0
+
+
+@dataclass
+class Plan:
+    """Derived quantities, resolved once."""
+
+    device: torch.device
+    autocast_dtype: torch.dtype | None  # None = plain fp32
+    micro_batch: int
+    accum: int
+    tokens_per_step: int
+    flops_per_token: float
+
+
+def make_plan(cfg: TrainConfig) -> Plan:
+    t = cfg.train
+    want = t.device if t.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if want == "cuda" and not torch.cuda.is_available():
+        raise UserError("--train.device=cuda but torch sees no CUDA device; use --train.device cpu")
+    device = torch.device(want)
+    dtype = {"float32": None, "bfloat16": torch.bfloat16, "auto": torch.bfloat16 if want == "cuda" else None}[t.dtype]
+    per_rank = t.batch_size // cfg.layout.dp
+    micro = t.micro_batch_size or per_rank
+    if t.batch_size % cfg.layout.dp or per_rank % micro:
+        raise UserError(f"--batch-size {t.batch_size} must split into dp={cfg.layout.dp} equal shares of whole "
+                        f"micro-batches of {micro} (--train.micro_batch_size)")
+    stats = model_stats(cfg.model, t.seq_len)
+    need = stats.params * BYTES_PER_PARAM
+    have = (torch.cuda.mem_get_info(device)[1] if want == "cuda"
+            else os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    if need > have:
+        raise UserError(f"{cfg.preset}: {stats.params / 1e9:.1f}B parameters need ~{need / 2**30:,.0f} GiB for fp32 "
+                        f"weights, gradients and AdamW state; this {want} has {have / 2**30:,.0f} GiB. Use a tiny "
+                        f"preset (mixtral-tiny, switch-tiny, deepseek-tiny) or wait for multi-rank training")
+    return Plan(device, dtype, micro, per_rank // micro, t.batch_size * t.seq_len, stats.train_flops_per_token)
+
+
+def lr_lambda(cfg: TrainConfig):
+    """Linear warmup to 1, then cosine to min_lr_ratio at the last step (multiplies train.lr)."""
+    t = cfg.train
+
+    def f(step: int) -> float:
+        if step < t.warmup_steps:
+            return (step + 1) / t.warmup_steps
+        progress = min((step - t.warmup_steps) / max(t.steps - t.warmup_steps, 1), 1.0)
+        return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return f
+
+
+def make_optimizer(model: Transformer, cfg: TrainConfig) -> torch.optim.AdamW:
+    t = cfg.train
+    decay = [p for p in model.parameters() if p.dim() >= 2]  # matrices, expert stacks, embeddings
+    rest = [p for p in model.parameters() if p.dim() < 2]  # norm scales
+    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": rest, "weight_decay": 0.0}]
+    # foreach=False: the per-parameter loop is what the CPU reference runs; bitwise resume relies on
+    # the same kernels before and after a restart either way.
+    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, foreach=False)
+
+
+class Run:
+    def __init__(self, cfg: TrainConfig, opts: Options):
+        self.cfg, self.opts = cfg, opts
+        self.plan = make_plan(cfg)
+        tokens, self.data_desc = load_tokens(cfg.data.path, cfg.data.text, cfg.model.vocab_size)
+        self.split: Split = split_windows(tokens, cfg.train.seq_len, cfg.data.val_fraction)
+        self.sampler = Sampler(self.split.train_starts, cfg.train.seed)
+        self.run_dir = Path(cfg.run_dir)
+        self.resume_from = checkpoint.resolve_resume(cfg.run_dir, opts.resume) if opts.resume else None
+        if self.resume_from is not None:  # fail on a bad checkpoint before building anything
+            meta = checkpoint.read_meta(self.resume_from)
+            checkpoint.check_model(self.resume_from, meta["model"], cfg.model.to_dict())
+
+    # -- setup ------------------------------------------------------------------------------------
+
+    def build(self) -> None:
+        cfg, plan = self.cfg, self.plan
+        torch.manual_seed(cfg.train.seed)  # router jitter and any other global-RNG draws
+        with torch.device("meta"):
+            self.model = Transformer(cfg.model)
+        self.model.to_empty(device=plan.device)
+        self.model.init_weights(cfg.train.seed)
+        self.model.train()
+        for _, layer in moe_layers(self.model):
+            layer.aux_loss_scale = 1.0 / plan.accum  # the aux loss is averaged over micro-batches like the LM loss
+        self.optimizer = make_optimizer(self.model, cfg)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
+        self.start_step = 0
+        if self.resume_from is not None:
+            self.start_step = checkpoint.load(self.resume_from, self.model, self.optimizer, self.scheduler,
+                                              self.sampler, cfg.model.to_dict())
+        self.last_checkpoint = self.resume_from
+
+    def open_records(self) -> None:
+        d = self.run_dir
+        if self.resume_from is None:
+            stale = [d / n for n in (records.METRICS, records.EXPERT_LOAD, records.CONFIG, "checkpoints", "tensorboard")]
+            if any(p.exists() for p in stale):
+                print(f"note: starting a fresh run in {d}: replacing its records and checkpoints "
+                      f"(--resume continues a run instead)")
+            for p in stale:
+                shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
+        d.mkdir(parents=True, exist_ok=True)
+        for name in (records.METRICS, records.EXPERT_LOAD):
+            records.truncate_after(d / name, self.start_step)
+        (d / records.CONFIG).write_text(json.dumps(self.cfg.to_dict(), indent=1))
+        self.metrics = records.JsonlWriter(d / records.METRICS)
+        new_load = not (d / records.EXPERT_LOAD).exists()
+        self.load_log = records.JsonlWriter(d / records.EXPERT_LOAD)
+        if new_load:
+            layers = collect_load(self.model, reset=False)
+            self.load_log.write(records.load_header(layers, self.cfg.model.router, self.cfg.model.top_k))
+        self.monitor = Monitor(str(d), self.plan.device, self.cfg.train.steps, self.start_step,
+                               self.cfg.log.every, self.cfg.log.tensorboard, self.cfg.log.progress)
+
+    def describe(self) -> None:
+        cfg, plan = self.cfg, self.plan
+        stats = model_stats(cfg.model, cfg.train.seq_len)
+        say = self.monitor.print
+        say(f"model {cfg.preset}: {stats.params / 1e6:.2f}M parameters, {stats.active_params / 1e6:.2f}M active, "
+            f"{stats.train_flops_per_token / 1e6:.1f} MFLOP/token; router {cfg.model.router}, "
+            f"{cfg.model.num_moe_layers} MoE layers x {cfg.model.num_experts} experts")
+        _, ignored = router_options(cfg.model)
+        for name in ignored:
+            say(f"note: router {cfg.model.router!r} takes no {name}; model.{name}={getattr(cfg.model, name)!r} is unused")
+        say(f"data: {self.data_desc}; {self.split.train_starts.size:,} train / {self.split.val_starts.size:,} "
+            f"validation sequences of {cfg.train.seq_len}")
+        say(f"device {plan.device}, {plan.autocast_dtype or torch.float32}; batch {cfg.train.batch_size} x "
+            f"{cfg.train.seq_len} tokens ({plan.accum} micro-batch(es) of {plan.micro_batch}); run dir {self.run_dir}; "
+            f"{self.monitor.describe()}")
+        if self.start_step:
+            say(f"resumed from {self.resume_from} at step {self.start_step}")
+
+    # -- the loop -----------------------------------------------------------------------------------
+
+    def autocast(self):
+        dt = self.plan.autocast_dtype
+        return torch.autocast(self.plan.device.type, dtype=dt) if dt is not None else contextlib.nullcontext()
+
+    def forward_loss(self, starts: np.ndarray) -> torch.Tensor:
+        x, y = gather(self.split.tokens, starts, self.cfg.train.seq_len)
+        x, y = x.to(self.plan.device), y.to(self.plan.device)  # [b, S] each
+        with self.autocast():
+            logits = self.model(x)  # [b, S, V]
+        return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+
+    def train(self) -> int:
+        self.build()
+        self.open_records()
+        self.describe()
+        try:
+            return self.loop()
+        finally:
+            self.metrics.close()
+            self.load_log.close()
+            self.monitor.close()
+
+    def loop(self) -> int:
+        cfg, plan = self.cfg, self.plan
+        params = [p for p in self.model.parameters()]
+        tokens_seen = self.start_step * plan.tokens_per_step
+        t_start = time.perf_counter()
+        for step in range(self.start_step + 1, cfg.train.steps + 1):
+            t0 = time.perf_counter()
+            batch = self.sampler.next(cfg.train.batch_size)  # [batch_size] window starts (dp=1: all ours)
+            loss_sum = torch.zeros((), device=plan.device)
+            for m in range(plan.accum):
+                loss = self.forward_loss(batch[m * plan.micro_batch : (m + 1) * plan.micro_batch])
+                (loss / plan.accum).backward()
+                loss_sum += loss.detach()
+            loss_value = (loss_sum / plan.accum).item()  # D2H sync: the finiteness check and the records
+            if not math.isfinite(loss_value):
+                return self.stop_nonfinite("loss", loss_value, step)
+            if cfg.train.grad_clip > 0:
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip)
+            else:
+                grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+            grad_norm = grad_norm.item()  # D2H sync: must be finite before the weights change
+            if not math.isfinite(grad_norm):
+                return self.stop_nonfinite("gradient norm", grad_norm, step)
+            lr = self.optimizer.param_groups[0]["lr"]
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            update_expert_biases(self.model)
+            load = collect_load(self.model, reset=True)  # D2H sync: one transfer per MoE layer
+            dt = time.perf_counter() - t0
+            tokens_seen += plan.tokens_per_step
+            m = self.step_metrics(step, loss_value, grad_norm, lr, load, dt, tokens_seen, time.perf_counter() - t_start)
+            if step == cfg.train.steps or (cfg.eval.every and step % cfg.eval.every == 0):
+                m["val_loss"] = self.evaluate()
+            self.metrics.write(self.monitor.step(m))
+            self.load_log.write(records.load_line(step, load))
+            if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == cfg.train.steps):
+                self.last_checkpoint = checkpoint.save(self.run_dir, step, self.model, self.optimizer, self.scheduler,
+                                                       self.sampler, cfg.model.to_dict(), cfg.checkpoint.keep)
+        self.finish()
+        return 0
+
+    def step_metrics(self, step, loss, grad_norm, lr, load, dt, tokens_seen, elapsed) -> dict:
+        tps = self.plan.tokens_per_step / dt
+        peak = peak_flops(self.plan.device, self.plan.autocast_dtype)
+        m = {"step": step, "loss": loss, "aux_loss": sum(s.aux_loss / max(s.forwards, 1) for s in load.values()),
+             "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tps, "tokens": tokens_seen, "elapsed_s": elapsed,
+             "mem_gb": peak_memory_gb(self.plan.device),
+             "mfu": tps * self.plan.flops_per_token / peak if peak else None}
+        if load:
+            imb = [s.imbalance for s in load.values()]
+            assigned = sum(s.total_slots for s in load.values())
+            m.update(imbalance=sum(imb) / len(imb), imbalance_max=max(imb),
+                     dropped_fraction=sum(s.dropped_slots for s in load.values()) / max(assigned, 1))
+        return m
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss over fixed validation windows spread evenly over the held-out blocks."""
+        val = self.split.val_starts
+        n = min(self.cfg.eval.sequences, val.size)
+        starts = val[np.linspace(0, val.size - 1, n).round().astype(np.int64)]
+        self.model.eval()
+        total = torch.zeros((), device=self.plan.device)
+        for i in range(0, n, self.plan.micro_batch):
+            part = starts[i : i + self.plan.micro_batch]
+            total += self.forward_loss(part) * part.size
+        self.model.train()
+        return total.item() / n  # D2H sync: once per evaluation
+
+    def stop_nonfinite(self, what: str, value: float, step: int) -> int:
+        self.optimizer.zero_grad(set_to_none=True)
+        good = self.last_checkpoint or "none saved yet"
+        self.monitor.progress.clear()
+        print(f"train.py: error: non-finite {what} ({value}) at step {step}; stopped before its optimizer step. "
+              f"Last good checkpoint: {good}. Lower --train.lr or raise --train.warmup_steps", file=sys.stderr)
+        return 1
+
+    def finish(self) -> None:
+        rows = records.read_metrics(self.run_dir)
+        final = rows[-1]
+        entropy = unigram_entropy(self.split.tokens[: 1 << 22], self.cfg.model.vocab_size)
+        self.monitor.print(f"done: step {final['step']}, loss {final['loss']:.4f}, val_loss "
+                           f"{final.get('val_loss', float('nan')):.4f} (unigram entropy of the data "
+                           f"{entropy:.4f}), {final['elapsed_s']:.0f}s. Expert load: python tools/heatmap.py "
+                           f"{self.run_dir}")
