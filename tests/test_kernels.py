@@ -174,6 +174,8 @@ def test_expert_mlp_fused_matches_plain_and_float64(activation):
         torch.testing.assert_close(f, p, rtol=1e-5, atol=1e-5, msg=lambda s: f"{activation} {name} fused/plain: {s}")
         torch.testing.assert_close(f.double(), r, rtol=1e-5, atol=1e-5, msg=lambda s: f"{activation} {name}: {s}")
     assert fused[0][-5:].abs().max() == 0 and fused[1][-5:].abs().max() == 0
+    with torch.no_grad():  # inference: the fused kernel skips writing pre
+        torch.testing.assert_close(expert_mlp(*f32[:1], counts, *f32[1:], activation), fused[0], rtol=0, atol=0)
 
 
 def test_expert_mlp_fused_bf16_within_torch_error():
@@ -299,3 +301,4 @@ def test_cpu_without_interpreter_uses_torch_fallback():
     env.setdefault("OMP_NUM_THREADS", "2")
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr
+

@@ -2,7 +2,7 @@
 kernels that pass in the interpreter but do not lower to real code (layouts, types, shared memory).
 
     python -m moe.kernels._compile_check            # all configs, bf16 + fp16 + fp32, sm90
-    python -m moe.kernels._compile_check --quick    # first config of each kernel, bf16 and fp32
+    python -m moe.kernels._compile_check --quick    # smallest config of each kernel, bf16 and fp32
 
 Must run with TRITON_INTERPRET unset. It drives the real launchers with small CPU tensors while
 ``_common.CAPTURE`` is set, so signatures and constexprs are exactly what a GPU launch would pass.
@@ -76,12 +76,17 @@ def _signature(kernel, args, kwargs, config):
 def compile_captured(captured, arch: int = 90, all_configs: bool = True, verbose: bool = True) -> int:
     target = GPUTarget("cuda", arch, 32)
     n = 0
+    seen = set()
     for kernel, args, kwargs in captured:
+        variant = (kernel.name, tuple(sorted((k, str(v)) for k, v in kwargs.items())))
+        if variant in seen:  # e.g. the transposed-operand launch: same constexprs, only strides differ
+            continue
+        seen.add(variant)
         named = dict(zip([p for p in inspect.signature(kernel.fn).parameters], args), **kwargs)
         configs = kernel.configs
         if kernel.prune is not None:
             configs = kernel.prune(configs, named)
-        for config in configs if all_configs else configs[:1]:
+        for config in configs if all_configs else configs[-1:]:  # the lists end with the smallest tiles
             jit, sig, constexprs = _signature(kernel, args, kwargs, config)
             t0 = time.time()
             src = triton.compiler.ASTSource(fn=jit, signature=sig, constexprs=constexprs)
@@ -96,7 +101,7 @@ def compile_captured(captured, arch: int = 90, all_configs: bool = True, verbose
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="first config of each kernel, bf16 and fp32 only")
+    ap.add_argument("--quick", action="store_true", help="smallest config of each kernel, bf16 and fp32 only")
     ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability as an int (90 = H100/H200)")
     a = ap.parse_args(argv)
     if _common.interpret_mode():

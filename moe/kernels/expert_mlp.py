@@ -327,8 +327,9 @@ def expert_down_dact(dy: torch.Tensor, w_out: torch.Tensor, pre: torch.Tensor, o
 
 class FusedExpertMLPFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, rows, offs, w_in, w_out, activation, allow_tf32):
-        need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[2] or ctx.needs_input_grad[3]
+    def forward(ctx, rows, offs, w_in, w_out, activation, allow_tf32, need_grad):
+        # need_grad comes from the caller: inside forward grad mode is off and ctx.needs_input_grad
+        # stays True under torch.no_grad(), which would make inference write pre for nothing.
         h, pre = expert_up_act(rows, w_in, offs, activation, save_pre=need_grad, allow_tf32=allow_tf32)
         y = grouped_mm_fwd(h, w_out, offs, allow_tf32=allow_tf32)
         ctx.save_for_backward(rows, offs, w_in, w_out, pre)
@@ -351,7 +352,7 @@ class FusedExpertMLPFunction(torch.autograd.Function):
             h = TORCH_ACTIVATIONS[ctx.activation](pre)
         if need_wout:
             dw_out = grouped_mm_wgrad(h, dy, offs, allow_tf32=tf32)
-        return drows, None, dw_in, dw_out, None, None
+        return drows, None, dw_in, dw_out, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -398,4 +399,5 @@ def expert_mlp(rows: torch.Tensor, counts: torch.Tensor, w_in: torch.Tensor, w_o
     if variant == "plain":
         h = TORCH_ACTIVATIONS[activation](grouped_mm(rows, w_in, offs, backend="triton", allow_tf32=allow_tf32))
         return grouped_mm(h, w_out, offs, backend="triton", allow_tf32=allow_tf32)
-    return FusedExpertMLPFunction.apply(rows, offs, w_in, w_out, activation, allow_tf32)
+    need_grad = torch.is_grad_enabled() and (rows.requires_grad or w_in.requires_grad or w_out.requires_grad)
+    return FusedExpertMLPFunction.apply(rows, offs, w_in, w_out, activation, allow_tf32, need_grad)

@@ -1,0 +1,260 @@
+"""Benchmark moekit's Triton grouped GEMM / expert MLP against torch baselines on one GPU.
+
+    python tools/bench/grouped_gemm.py --out bench-results/grouped_gemm.json      # full matrix
+    python tools/bench/grouped_gemm.py --quick                                    # small subset
+    TRITON_INTERPRET=1 python tools/bench/grouped_gemm.py --smoke --out /tmp/s.json  # CPU script check
+
+Workloads (each timed forward, and forward+backward with all gradients):
+  gemm1  the first expert projection only: [M, H] @ w_in[e] [H, 2F] (SwiGLU width), M = tokens * k
+  mlp    the whole SwiGLU expert MLP: swiglu(x @ w_in[e]) @ w_out[e]
+Implementations, timed in the same run:
+  triton        moe.kernels (gemm1: grouped_mm; mlp: expert_mlp variant="fused")
+  triton_plain  mlp only: expert_mlp variant="plain" (two grouped GEMMs, torch SwiGLU between)
+  torch_grouped torch.nn.functional.grouped_mm
+  loop          one torch matmul per expert (host sync on the counts, like the "loop" backend)
+  dense         one dense matmul (chain) of the same FLOPs: the roofline-ish ceiling
+Ratios are triton's TFLOP/s over each baseline's. Timing: triton.testing.do_bench (warmup 25 ms,
+rep 100 ms, median) on GPU; perf_counter (one call after one warmup) in --smoke.
+Shapes: Mixtral-8x7B (H 4096, F 14336, E 8, k 2); DeepSeek-V3 under EP8 (H 7168, F 2048, the 32 local
+experts of 256, k 8: a rank receives tokens * 8 rows when ranks are balanced); Qwen3-30B-A3B (H 2048,
+F 768, E 128, k 8); fine-grained (H 1536, F 256, E 128, k 8). Routing: uniform, Zipf(1.2) over the
+(local) experts, one-hot (every row to expert 0).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+SHAPES = {  # name: (hidden H, expert ffn F, local experts E, top-k)
+    "mixtral-8x7b": (4096, 14336, 8, 2),
+    "deepseek-v3-ep8": (7168, 2048, 32, 8),
+    "qwen3-30b-a3b": (2048, 768, 128, 8),
+    "fine-grained": (1536, 256, 128, 8),
+}
+TOKENS = (8192, 32768)
+ROUTINGS = ("uniform", "zipf1.2", "onehot")
+SMOKE_SHAPES = {"smoke": (32, 16, 4, 2)}
+
+
+def route_counts(rows: int, experts: int, routing: str, gen: torch.Generator) -> torch.Tensor:
+    """Rows per expert summing to ``rows``: exact even split, Zipf(1.2) sample, or all on expert 0."""
+    if routing == "uniform":
+        counts = torch.full((experts,), rows // experts, dtype=torch.int64)
+        counts[: rows % experts] += 1
+        return counts
+    if routing == "onehot":
+        counts = torch.zeros(experts, dtype=torch.int64)
+        counts[0] = rows
+        return counts
+    if routing == "zipf1.2":
+        p = 1.0 / torch.arange(1, experts + 1, dtype=torch.float64) ** 1.2
+        picks = torch.multinomial(p / p.sum(), rows, replacement=True, generator=gen)
+        return torch.bincount(picks, minlength=experts)
+    raise ValueError(f"routing={routing!r} is unknown; use one of {ROUTINGS}")
+
+
+def timer(device: torch.device, smoke: bool):
+    if device.type == "cuda" and not smoke:
+        import triton.testing
+
+        return lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+    def cpu_bench(fn):  # the interpreter is slow: one warmup, one timed call per measurement
+        fn()
+        times = []
+        for _ in range(1 if smoke else 3):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
+    return cpu_bench
+
+
+def _loop_mm(x, w, counts_list):
+    outs, start = [], 0
+    for e, n in enumerate(counts_list):
+        outs.append(x[start : start + n] @ w[e])
+        start += n
+    return torch.cat(outs)
+
+
+def _swiglu(h):
+    g, u = h.chunk(2, dim=-1)
+    return F.silu(g) * u
+
+
+def build_impls(workload: str, x, w_in, w_out, counts, has_torch_gmm: bool):
+    """name -> zero-arg forward closure returning the output tensor."""
+    from moe import kernels
+
+    offs = counts.cumsum(0).to(torch.int32).to(x.device)
+    counts_dev = counts.to(x.device)
+    counts_list = counts.tolist()  # D2H sync: done once here, outside the timed region
+    m, h = x.shape
+    f2 = w_in.shape[-1]
+    # dense weights with the same FLOPs as the grouped product (one [H, 2F] and one [F, H] matrix)
+    dense_in = w_in[0].detach().clone().requires_grad_(w_in.requires_grad)
+    dense_out = w_out[0].detach().clone().requires_grad_(w_out.requires_grad)
+    impls = {}
+    if workload == "gemm1":
+        impls["triton"] = lambda: kernels.grouped_mm(x, w_in, offs, backend="triton")
+        if has_torch_gmm:
+            impls["torch_grouped"] = lambda: F.grouped_mm(x, w_in, offs=offs)
+        impls["loop"] = lambda: _loop_mm(x, w_in, counts_list)
+        impls["dense"] = lambda: x @ dense_in
+    else:
+        impls["triton"] = lambda: kernels.expert_mlp(x, counts_dev, w_in, w_out, "swiglu", variant="fused")
+        impls["triton_plain"] = lambda: kernels.expert_mlp(x, counts_dev, w_in, w_out, "swiglu", variant="plain")
+        if has_torch_gmm:
+            impls["torch_grouped"] = lambda: F.grouped_mm(_swiglu(F.grouped_mm(x, w_in, offs=offs)), w_out, offs=offs)
+        impls["loop"] = lambda: _loop_mm(_swiglu(_loop_mm(x, w_in, counts_list)), w_out, counts_list)
+        impls["dense"] = lambda: _swiglu(x @ dense_in) @ dense_out
+    assert f2 % 2 == 0 and m >= 0 and h > 0
+    return impls
+
+
+def flops(workload: str, m: int, h: int, f: int, backward: bool) -> float:
+    fwd = 2.0 * m * h * 2 * f + (2.0 * m * f * h if workload == "mlp" else 0.0)
+    return 3.0 * fwd if backward else fwd  # backward = dX and dW GEMMs, each the forward's FLOPs
+
+
+def run_case(name, shape, tokens, routing, workload, dtype, device, bench, gen, has_torch_gmm):
+    h, f, e, k = shape
+    m = tokens * k
+    counts = route_counts(m, e, routing, gen)
+    x = (torch.randn(m, h, device=device, dtype=dtype) / h**0.25).requires_grad_()
+    w_in = (torch.randn(e, h, 2 * f, device=device, dtype=dtype) / h**0.5).requires_grad_()
+    w_out = (torch.randn(e, f, h, device=device, dtype=dtype) / f**0.5).requires_grad_()
+    row = {"shape": name, "H": h, "F": f, "E": e, "k": k, "tokens": tokens, "rows": m, "routing": routing,
+           "workload": workload, "max_rows_per_expert": int(counts.max()), "results": {}}
+    for impl, fwd in build_impls(workload, x, w_in, w_out, counts, has_torch_gmm).items():
+        res = {}
+        for mode in ("fwd", "fwd_bwd"):
+            try:
+                if mode == "fwd":
+                    with torch.no_grad():
+                        ms = bench(fwd)
+                else:
+                    def step():
+                        x.grad = w_in.grad = w_out.grad = None
+                        y = fwd()
+                        y.backward(torch.ones_like(y))
+
+                    ms = bench(step)
+                res[mode] = {"ms": ms, "tflops": flops(workload, m, h, f, mode == "fwd_bwd") / ms / 1e9}
+            except Exception as exc:  # record and keep going: one unsupported baseline must not end the run
+                res[mode] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+        row["results"][impl] = res
+    tri = row["results"].get("triton", {})
+    row["ratios"] = {}
+    for mode in ("fwd", "fwd_bwd"):
+        base = tri.get(mode, {}).get("tflops")
+        for impl, res in row["results"].items():
+            other = res.get(mode, {}).get("tflops")
+            if impl != "triton" and base and other:
+                row["ratios"][f"triton/{impl}:{mode}"] = base / other
+    del x, w_in, w_out
+    return row
+
+
+def print_table(rows):
+    impls = ["triton", "triton_plain", "torch_grouped", "loop", "dense"]
+    head = f"{'shape':<16}{'tok':>6} {'routing':<8} {'work':<6}{'mode':<8}" + "".join(f"{i:>14}" for i in impls)
+    print(head + f"{'tri/torch':>10}{'tri/dense':>10}")
+    for r in rows:
+        for mode in ("fwd", "fwd_bwd"):
+            cells = []
+            for i in impls:
+                res = r["results"].get(i, {}).get(mode)
+                cells.append("-" if res is None else ("err" if "error" in res else f"{res['tflops']:.3g}"))
+            rt = r["ratios"].get(f"triton/torch_grouped:{mode}")
+            rd = r["ratios"].get(f"triton/dense:{mode}")
+            print(f"{r['shape']:<16}{r['tokens']:>6} {r['routing']:<8} {r['workload']:<6}{mode:<8}"
+                  + "".join(f"{c:>14}" for c in cells)
+                  + (f"{rt:>10.2f}" if rt else f"{'-':>10}") + (f"{rd:>10.2f}" if rd else f"{'-':>10}"))
+    print("(TFLOP/s; ratios are triton TFLOP/s over the baseline's)")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, help="write the results as JSON here")
+    ap.add_argument("--quick", action="store_true", help="subset: 8192 tokens, uniform + zipf, 2 shapes")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes; runs on CPU under TRITON_INTERPRET=1")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--workloads", default="gemm1,mlp", help="comma list of gemm1, mlp")
+    ap.add_argument("--shapes", default=None, help=f"comma list of {','.join(SHAPES)}")
+    a = ap.parse_args(argv)
+
+    from moe import kernels
+
+    if a.smoke:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if device.type == "cpu" and not kernels.interpret_mode():
+            print("--smoke on CPU needs TRITON_INTERPRET=1 set before launch", file=sys.stderr)
+            return 2
+        shapes, tokens, routings = SMOKE_SHAPES, (32,), ("zipf1.2",)
+        dtype = torch.float32 if device.type == "cpu" else getattr(torch, a.dtype)
+    else:
+        if not torch.cuda.is_available():
+            print("grouped_gemm benchmark needs a CUDA GPU (found none); use --smoke under TRITON_INTERPRET=1 "
+                  "to check the script on CPU", file=sys.stderr)
+            return 2
+        device, dtype = torch.device("cuda"), getattr(torch, a.dtype)
+        names = a.shapes.split(",") if a.shapes else list(SHAPES)
+        unknown = [n for n in names if n not in SHAPES]
+        if unknown:
+            print(f"unknown shapes {unknown}; use {list(SHAPES)}", file=sys.stderr)
+            return 2
+        if a.quick:
+            names = [n for n in names if n in ("mixtral-8x7b", "qwen3-30b-a3b")] or names[:2]
+        shapes = {n: SHAPES[n] for n in names}
+        tokens = (8192,) if a.quick else TOKENS
+        routings = ("uniform", "zipf1.2") if a.quick else ROUTINGS
+    workloads = [w for w in a.workloads.split(",") if w]
+    if any(w not in ("gemm1", "mlp") for w in workloads):
+        print(f"--workloads takes gemm1 and/or mlp, got {a.workloads!r}", file=sys.stderr)
+        return 2
+
+    import triton
+
+    has_torch_gmm = hasattr(F, "grouped_mm")
+    bench = timer(device, a.smoke)
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for name, shape in shapes.items():
+        for t in tokens:
+            for routing in routings:
+                for w in workloads:
+                    rows.append(run_case(name, shape, t, routing, w, dtype, device, bench, gen, has_torch_gmm))
+                    print(f"done {name} tokens={t} {routing} {w}", file=sys.stderr, flush=True)
+    print_table(rows)
+    meta = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+        "dtype": str(dtype).removeprefix("torch."), "smoke": a.smoke, "quick": a.quick,
+        "interpret": kernels.interpret_mode(), "timing": "do_bench median" if device.type == "cuda" else "cpu median",
+        "gpu_autotuned_configs": "untuned guesses; see docs/kernels.md",
+    }
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
