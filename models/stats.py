@@ -5,8 +5,8 @@ with the code that trains. Active parameters: everything except the routed exper
 visit, i.e. each MoE layer counts top_k of its num_experts routed experts.
 
 FLOPs per token (the convention of Kaplan et al. 2020 / PaLM appendix B, with the causal mask):
-    forward  = 2 * active matmul parameters (all active parameters but the embedding lookup;
-               a tied output projection counts as a matmul)
+    forward  = 2 * active matmul parameters (active parameters except the embedding lookup and the
+               RMSNorm scales; a tied output projection counts as a matmul)
              + 2 * L * S * N * D   (q.k and attn.v: 2 FLOPs each per key, half the keys on average)
     training = 3 * forward         (backward costs twice the forward)
 """
@@ -47,6 +47,7 @@ def model_stats(config: ModelConfig, seq_len: int | None = None) -> ModelStats:
             inactive += per_expert * (experts.num_experts - min(config.top_k, experts.num_experts))
     active = params - inactive
     embedding = model.embed.weight.numel()
-    matmul = active - embedding + (embedding if config.tie_embeddings else 0)
+    vectors = sum(p.numel() for p in model.parameters() if p.dim() < 2)  # norm scales: elementwise, not matmuls
+    matmul = active - vectors - embedding + (embedding if config.tie_embeddings else 0)
     attention = 2 * config.num_layers * seq_len * config.num_heads * config.attn_head_dim
     return ModelStats(params, active, embedding, 3.0 * (2.0 * matmul + attention), seq_len)
