@@ -45,6 +45,7 @@ class PermuteMeta:
     row_slot: Tensor  # [N] flat slot id (t * k + j) of each row, expert-major
     slot_row: Tensor  # [T * k] row of each slot; N (a zero pad row) where the slot was dropped
     weights: Tensor  # [T, k] combine weights (0 where dropped)
+    may_drop: bool = True  # False promises slot_row < N everywhere (dropless), so no pad row is needed
 
 
 def sort_slots(indices: Tensor, num_rows: int) -> tuple[Tensor, Tensor]:
@@ -66,27 +67,27 @@ class _Permute(torch.autograd.Function):
     """rows = x[row_token]; backward gathers each token's k slot gradients and sums them."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, row_token: Tensor, slot_row: Tensor, top_k: int) -> Tensor:
+    def forward(ctx, x: Tensor, row_token: Tensor, slot_row: Tensor, top_k: int, padded: bool) -> Tensor:
         ctx.save_for_backward(slot_row)
-        ctx.top_k, ctx.num_tokens = top_k, x.shape[0]
+        ctx.top_k, ctx.num_tokens, ctx.padded = top_k, x.shape[0], padded
         return x.index_select(0, row_token)
 
     @staticmethod
     def backward(ctx, grad_rows: Tensor):
         (slot_row,) = ctx.saved_tensors
-        padded = torch.cat([grad_rows, grad_rows.new_zeros(1, grad_rows.shape[-1])])
-        grad_x = padded.index_select(0, slot_row).view(ctx.num_tokens, ctx.top_k, padded.shape[-1]).sum(1)
-        return grad_x, None, None, None
+        grad_x = _gather_slots(grad_rows, slot_row, ctx.num_tokens, ctx.top_k, ctx.padded).sum(1)
+        return grad_x, None, None, None, None
 
 
 class _Unpermute(torch.autograd.Function):
     """out[t] = sum_j weights[t, j] * rows[slot_row[t*k + j]] (a gather, then a [1,k]x[k,H] matmul)."""
 
     @staticmethod
-    def forward(ctx, rows: Tensor, weights: Tensor, slot_row: Tensor, row_slot: Tensor) -> Tensor:
+    def forward(ctx, rows: Tensor, weights: Tensor, slot_row: Tensor, row_slot: Tensor, padded: bool) -> Tensor:
         T, k = weights.shape
-        slots = _gather_slots(rows, slot_row, T, k)  # [T, k, H]
+        slots = _gather_slots(rows, slot_row, T, k, padded)  # [T, k, H]
         ctx.save_for_backward(rows, weights, slot_row, row_slot)
+        ctx.padded = padded
         with torch.autocast(rows.device.type, enabled=False):  # combine in the experts' output dtype
             return torch.bmm(weights.to(rows.dtype).unsqueeze(1), slots).squeeze(1)  # [T, H]
 
@@ -101,24 +102,26 @@ class _Unpermute(torch.autograd.Function):
             w_row = weights.reshape(-1).index_select(0, row_slot).to(grad_out.dtype)  # [N]
             grad_rows = grad_out.index_select(0, row_slot // k) * w_row[:, None]
         if ctx.needs_input_grad[1]:
-            slots = _gather_slots(rows, slot_row, T, k)  # recomputed, not saved: [T, k, H]
+            slots = _gather_slots(rows, slot_row, T, k, ctx.padded)  # recomputed, not saved: [T, k, H]
             grad_weights = torch.bmm(slots, grad_out.unsqueeze(2)).squeeze(2).to(weights.dtype)
-        return grad_rows, grad_weights, None, None
+        return grad_rows, grad_weights, None, None, None
 
 
-def _gather_slots(rows: Tensor, slot_row: Tensor, num_tokens: int, top_k: int) -> Tensor:
-    padded = torch.cat([rows, rows.new_zeros(1, rows.shape[-1])])
-    return padded.index_select(0, slot_row).view(num_tokens, top_k, rows.shape[-1])
+def _gather_slots(rows: Tensor, slot_row: Tensor, num_tokens: int, top_k: int, padded: bool) -> Tensor:
+    """[T, k, H] rows of each slot; with ``padded`` a zero row N stands in for dropped slots."""
+    if padded:  # only when slots can be dropped: the pad costs a full copy of rows
+        rows = torch.cat([rows, rows.new_zeros(1, rows.shape[-1])])
+    return rows.index_select(0, slot_row).view(num_tokens, top_k, rows.shape[-1])
 
 
 def permute(x: Tensor, meta: PermuteMeta) -> Tensor:
     """[T, H] -> [N, H] expert-major rows."""
-    return _Permute.apply(x, meta.row_slot // meta.top_k, meta.slot_row, meta.top_k)
+    return _Permute.apply(x, meta.row_slot // meta.top_k, meta.slot_row, meta.top_k, meta.may_drop)
 
 
 def unpermute(rows: Tensor, meta: PermuteMeta) -> Tensor:
     """[N, H] expert outputs -> [T, H] weighted sum over each token's kept slots."""
-    return _Unpermute.apply(rows, meta.weights, meta.slot_row, meta.row_slot)
+    return _Unpermute.apply(rows, meta.weights, meta.slot_row, meta.row_slot, meta.may_drop)
 
 
 class LocalDispatcher:
@@ -140,7 +143,7 @@ class LocalDispatcher:
         if routing.capacity is not None:
             num_rows = min(num_rows, self.num_experts * routing.capacity)
         row_slot, slot_row = sort_slots(routing.indices, num_rows)
-        meta = PermuteMeta(T, k, row_slot, slot_row, routing.weights)
+        meta = PermuteMeta(T, k, row_slot, slot_row, routing.weights, may_drop=routing.capacity is not None)
         return Dispatched(permute(x, meta), routing.tokens_per_expert, meta)
 
     def combine(self, rows: Tensor, meta: PermuteMeta) -> Tensor:

@@ -27,9 +27,29 @@ from torch import Tensor, nn
 # ---------------------------------------------------------------------------------------------------
 
 
+class _SwiGLU(torch.autograd.Function):
+    """silu(gate) * up over h = [gate | up]; backward writes both halves of dh in place (no cat)."""
+
+    @staticmethod
+    def forward(ctx, h: Tensor) -> Tensor:
+        gate, up = h.chunk(2, dim=-1)
+        ctx.save_for_backward(h)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        (h,) = ctx.saved_tensors
+        gate, up = h.chunk(2, dim=-1)
+        dh = torch.empty_like(h)
+        d_gate, d_up = dh.chunk(2, dim=-1)
+        torch.mul(grad, F.silu(gate), out=d_up)
+        # d gate = (grad * up) * silu'(gate), with torch's fused silu derivative
+        torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=d_gate)
+        return dh
+
+
 def _swiglu(h: Tensor) -> Tensor:
-    gate, up = h.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return _SwiGLU.apply(h)
 
 
 ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {

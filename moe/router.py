@@ -36,7 +36,8 @@ class Routing:
     tokens_per_expert: Tensor  # [E] int64, slots kept per expert
     aux_loss: Tensor  # scalar, coefficient-weighted sum of the auxiliary losses
     stats: dict[str, Tensor] = field(default_factory=dict)  # unweighted terms for logging
-    # Python-side facts a dispatcher may use without a host sync: None = no slot can be dropped.
+    # Slots per expert, a Python int a dispatcher can use without a host sync. None promises that no
+    # slot was dropped (no -1 in indices); a router that drops must set it (Router.finish does).
     capacity: int | None = None
 
     def to_dense(self, num_experts: int) -> tuple[Tensor, Tensor]:
