@@ -1,0 +1,184 @@
+"""Safetensors folders as HuggingFace's ``save_pretrained`` writes them: read lazily, write sharded.
+
+    folder/
+      config.json
+      model.safetensors                          one file, or
+      model-00001-of-00003.safetensors ...       shards, plus
+      model.safetensors.index.json               {"metadata": {"total_size": N}, "weight_map": {key: shard}}
+
+A safetensors file is an 8-byte little-endian header length n, n bytes of JSON
+({key: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}), then the data.
+``CheckpointReader`` parses every header first (shapes and dtypes for validation, no tensor data), checks
+that each file is as long as its header says (a truncated download fails here, naming the file), and
+reads a tensor only when asked, so loading a large checkpoint holds one tensor at a time beyond the model.
+"""
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+CONFIG_FILE = "config.json"
+MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on the JSON header
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    file: Path
+    shape: tuple[int, ...]
+    dtype: str  # safetensors name: "F32", "BF16", ...
+
+
+def read_config(folder: str | Path) -> dict:
+    """config.json of a HuggingFace model folder as a dict."""
+    path = Path(folder) / CONFIG_FILE
+    if not Path(folder).is_dir():
+        raise ValueError(f"{folder}: not a directory; pass a HuggingFace model folder (config.json + *.safetensors)")
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{path}: missing; a HuggingFace model folder has config.json next to its weights") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc})") from None
+
+
+def read_header(path: Path) -> dict[str, TensorInfo]:
+    """Shapes and dtypes of every tensor in one safetensors file, after checking the file is complete."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        n = struct.unpack("<Q", raw)[0] if len(raw) == 8 else -1
+        if n < 2 or n > MAX_HEADER_BYTES or 8 + n > size:
+            raise ValueError(f"{path}: not a safetensors file or truncated ({size} bytes, header length field "
+                             f"{n}); re-download or re-save it")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{path}: corrupt safetensors header ({exc}); re-download or re-save it") from None
+    header.pop("__metadata__", None)
+    end = max((int(v["data_offsets"][1]) for v in header.values()), default=0)
+    if 8 + n + end != size:
+        raise ValueError(f"{path}: {size} bytes on disk but its header describes {8 + n + end}; the file is "
+                         f"{'truncated' if size < 8 + n + end else 'corrupt'}; re-download or re-save it")
+    return {k: TensorInfo(path, tuple(v["shape"]), v["dtype"]) for k, v in header.items()}
+
+
+class CheckpointReader:
+    """Every tensor of a folder's safetensors files by key: ``infos`` up front, ``get(key)`` on demand."""
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        self.infos: dict[str, TensorInfo] = {}
+        files = self._files()
+        for path in files:
+            self.infos.update(read_header(path))
+        self._check_index(files)
+        self._handles: dict[Path, object] = {}
+
+    def _files(self) -> list[Path]:
+        index = self.folder / INDEX_FILE
+        if index.is_file():
+            self.weight_map = self._read_index(index)
+            names = sorted(set(self.weight_map.values()))
+            missing = [n for n in names if not (self.folder / n).is_file()]
+            if missing:
+                keys = [k for k, v in self.weight_map.items() if v == missing[0]][:3]
+                raise ValueError(f"{index} lists shard(s) {missing} that are not in {self.folder} (shard {missing[0]} "
+                                 f"holds e.g. {keys}); copy every shard the index names")
+            return [self.folder / n for n in names]
+        self.weight_map = None
+        if (self.folder / SINGLE_FILE).is_file():
+            return [self.folder / SINGLE_FILE]
+        found = sorted(p.name for p in self.folder.iterdir())
+        raise ValueError(f"{self.folder}: neither {SINGLE_FILE} nor {INDEX_FILE} (found {found[:10]}); "
+                         f"save the model with save_pretrained(..., safe_serialization=True)")
+
+    @staticmethod
+    def _read_index(index: Path) -> dict[str, str]:
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ValueError(f"{index}: not a safetensors index ({type(exc).__name__}: {exc}); it needs a "
+                             f"\"weight_map\" of key -> shard file") from None
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: \"weight_map\" must map tensor names to shard files")
+        return weight_map
+
+    def _check_index(self, files: list[Path]) -> None:
+        """The index and the shards must agree key by key: a stale index means a mixed-up download."""
+        if self.weight_map is None:
+            return
+        for key, name in self.weight_map.items():
+            info = self.infos.get(key)
+            if info is None or info.file.name != name:
+                where = "no shard" if info is None else f"shard {info.file.name}"
+                raise ValueError(f"{self.folder / INDEX_FILE} puts {key} in {name}, but {where} holds it; the index "
+                                 f"and the shards come from different saves")
+        extra = sorted(set(self.infos) - set(self.weight_map))
+        if extra:
+            raise ValueError(f"{self.folder / INDEX_FILE} does not list {extra[:3]} ({len(extra)} tensor(s)) found in "
+                             f"{self.infos[extra[0]].file.name}; the index and the shards come from different saves")
+
+    def get(self, key: str) -> Tensor:
+        info = self.infos[key]
+        if info.file not in self._handles:
+            self._handles[info.file] = safe_open(str(info.file), framework="pt")
+        return self._handles[info.file].get_tensor(key)
+
+    def dtypes(self) -> set[str]:
+        return {i.dtype for i in self.infos.values()}
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes from an int or a string such as "5GB", "200MB", "10KiB" (decimal and binary units)."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        return size
+    units = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
+    text = str(size).strip().upper()
+    for unit, factor in units.items():
+        if text.endswith(unit) and text[: -len(unit)].strip().replace(".", "", 1).isdigit():
+            return int(float(text[: -len(unit)]) * factor)
+    raise ValueError(f"max_shard_size={size!r} is invalid; use bytes or a string such as '5GB' or '200MB'")
+
+
+def write_safetensors(tensors: dict[str, Tensor], folder: Path, max_shard_size: int | str) -> list[Path]:
+    """Write ``tensors`` (in order) into one file or shards of at most ``max_shard_size`` bytes, plus an index.
+
+    A tensor larger than the limit gets a shard of its own, as save_pretrained does. Returns the files.
+    """
+    limit = parse_size(max_shard_size)
+    shards: list[dict[str, Tensor]] = [{}]
+    size = 0
+    for key, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > limit:
+            shards.append({})
+            size = 0
+        shards[-1][key] = t.contiguous()
+        size += nbytes
+    for stale in [*folder.glob("model*.safetensors"), folder / INDEX_FILE]:  # never mix with an earlier save
+        stale.unlink(missing_ok=True)
+    if len(shards) == 1:
+        save_file(shards[0], str(folder / SINGLE_FILE), metadata={"format": "pt"})
+        return [folder / SINGLE_FILE]
+    paths, weight_map = [], {}
+    for i, shard in enumerate(shards):
+        path = folder / f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(path), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, path.name))
+        paths.append(path)
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return paths
+
+
+DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

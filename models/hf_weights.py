@@ -1,0 +1,234 @@
+"""Tensor-by-tensor mapping between a moekit Transformer's state_dict and HuggingFace checkpoint keys.
+
+One ``Rule`` per moekit tensor: the HF keys it is made of, ``join`` (HF tensors -> moekit tensor) and its
+inverse ``split``. Rules are built from the moekit model (every entry of its state_dict gets exactly one
+rule, asserted), so "every model tensor is filled" holds by construction; loading then checks that every
+checkpoint key is consumed by some rule. Expected HF shapes come from running ``split`` on a meta tensor
+of the moekit shape, so the shape check can never disagree with the copy.
+
+Layouts (F = expert width, H = hidden, E experts):
+
+    moekit experts.w_in   [E, H, 2F]  x @ w_in[e] -> [gate | up]     experts.w_out [E, F, H]
+    HF per-expert         experts.{e}.{gate}.weight [F, H], {up} [F, H], {down} [H, F]
+                          (Mixtral: w1 / w3 / w2; Qwen and DeepSeek: gate_proj / up_proj / down_proj)
+    HF fused (in memory   experts.gate_up_proj [E, 2F, H] (gate rows first), experts.down_proj [E, H, F]
+    in transformers 5)
+    moekit DenseMLP       w_in.weight [2F, H] = [gate ; up] rows, w_out.weight [H, F]
+    HF MLP                gate_proj [F, H], up_proj [F, H], down_proj [H, F]
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from models.hf_io import CheckpointReader
+
+
+@dataclass(frozen=True)
+class Naming:
+    """How one HuggingFace family names the parts of a decoder layer (``model.layers.{i}.`` omitted)."""
+
+    moe_blocks: tuple[str, ...]  # sub-module holding the sparse block; the first one is written on export
+    expert_proj: tuple[str, str, str]  # one expert's gate, up, down projection names
+    experts_field: str  # config.json field with the routed expert count, for error messages
+    shared: str | None = None  # shared expert(s) inside the block
+    shared_gate: str | None = None  # Qwen2-MoE's sigmoid gate on the shared expert
+    router_bias: str | None = None  # DeepSeek-V3's selection bias, under the block's ``gate``
+
+
+@dataclass(frozen=True)
+class Rule:
+    target: str  # moekit state_dict key
+    sources: tuple[str, ...]  # HF keys, in the order join() takes them
+    join: Callable[[list[Tensor]], Tensor]
+    split: Callable[[Tensor], list[Tensor]]
+    fields: str  # config.json fields that set these shapes, for error messages
+
+
+def _one(target: str, source: str, fields: str) -> Rule:
+    return Rule(target, (source,), lambda ts: ts[0], lambda t: [t], fields)
+
+
+def _gate_up(target: str, gate: str, up: str, fields: str) -> Rule:
+    """moekit [2F, H] = HF gate [F, H] stacked over up [F, H] (rows), the [gate | up] output order."""
+    return Rule(target, (gate, up), lambda ts: torch.cat(ts, 0), lambda t: list(t.chunk(2, 0)), fields)
+
+
+def _expert_rules(t: str, block: str, naming: Naming, num_experts: int, fused: bool) -> list[Rule]:
+    """Rules for experts.w_in / w_out of one MoE layer (t: moekit prefix, block: HF block prefix)."""
+    fields = f"hidden_size, {naming.experts_field}, expert intermediate size"
+    if fused:
+        transpose = lambda ts: ts[0].transpose(1, 2)  # noqa: E731  [E, a, b] <-> [E, b, a], both ways
+        return [Rule(f"{t}.experts.w_in", (f"{block}.experts.gate_up_proj",), transpose,
+                     lambda w: [w.transpose(1, 2)], fields),
+                Rule(f"{t}.experts.w_out", (f"{block}.experts.down_proj",), transpose,
+                     lambda w: [w.transpose(1, 2)], fields)]
+    g, u, d = naming.expert_proj
+    E = num_experts
+    gates = tuple(f"{block}.experts.{e}.{g}.weight" for e in range(E))
+    ups = tuple(f"{block}.experts.{e}.{u}.weight" for e in range(E))
+    downs = tuple(f"{block}.experts.{e}.{d}.weight" for e in range(E))
+
+    def join_in(ts: list[Tensor]) -> Tensor:  # 2E x [F, H] -> [E, H, 2F]
+        return torch.stack([torch.cat((ts[e], ts[E + e]), 0).t() for e in range(E)])
+
+    def split_in(w: Tensor) -> list[Tensor]:  # [E, H, 2F] -> E gates [F, H], then E ups [F, H]
+        gate, up = w.transpose(1, 2).chunk(2, dim=1)  # [E, F, H] each
+        return [*gate.unbind(0), *up.unbind(0)]
+
+    return [Rule(f"{t}.experts.w_in", gates + ups, join_in, split_in, fields),
+            Rule(f"{t}.experts.w_out", downs, lambda ts: torch.stack([x.t() for x in ts]),
+                 lambda w: list(w.transpose(1, 2).unbind(0)), fields)]
+
+
+def moe_rules(t: str, block: str, ffn, naming: Naming, fused: bool) -> list[Rule]:
+    """Rules for one moekit MoELayer ``ffn`` at moekit prefix ``t`` from HF block prefix ``block``."""
+    rules = [_one(f"{t}.router.weight", f"{block}.gate.weight", f"hidden_size, {naming.experts_field}")]
+    if getattr(ffn.router, "expert_bias", None) is not None:
+        if naming.router_bias is None:
+            raise ValueError(f"{t}.router has an expert_bias (aux-loss-free balancing) but this HuggingFace "
+                             f"family has no selection bias to hold it; build the model without expert_bias or "
+                             f"bias_update_rate")
+        rules.append(_one(f"{t}.router.expert_bias", f"{block}.gate.{naming.router_bias}", naming.experts_field))
+    rules += _expert_rules(t, block, naming, ffn.num_experts, fused)
+    if ffn.shared_expert is not None:
+        if naming.shared is None:
+            raise ValueError(f"{t} has a shared expert but this HuggingFace family has none; export a model "
+                             f"with shared_ffn_hidden_size=0")
+        rules += mlp_rules(f"{t}.shared_expert", f"{block}.{naming.shared}", "shared expert intermediate size")
+        if ffn.shared_expert.gate is not None:
+            if naming.shared_gate is None:
+                raise ValueError(f"{t}.shared_expert has a sigmoid gate but this HuggingFace family has none")
+            rules.append(_one(f"{t}.shared_expert.gate.weight", f"{block}.{naming.shared_gate}.weight", "hidden_size"))
+    elif naming.shared is not None:
+        # Qwen2-MoE / DeepSeek-V3 always have one: a model without it cannot be written as that family.
+        raise ValueError(f"{t} has no shared expert but this HuggingFace family always has one")
+    return rules
+
+
+def mlp_rules(t: str, source: str, width: str) -> list[Rule]:
+    fields = f"hidden_size, {width}"
+    return [_gate_up(f"{t}.w_in.weight", f"{source}.gate_proj.weight", f"{source}.up_proj.weight", fields),
+            _one(f"{t}.w_out.weight", f"{source}.down_proj.weight", fields)]
+
+
+def layer_rules(i: int, layer, naming: Naming, block: str, fused: bool) -> list[Rule]:
+    t, s = f"layers.{i}", f"model.layers.{i}"
+    q_fields, kv_fields = "hidden_size, num_attention_heads, head_dim", "hidden_size, num_key_value_heads, head_dim"
+    rules = [_one(f"{t}.attn_norm.weight", f"{s}.input_layernorm.weight", "hidden_size"),
+             _one(f"{t}.attn.wq.weight", f"{s}.self_attn.q_proj.weight", q_fields),
+             _one(f"{t}.attn.wk.weight", f"{s}.self_attn.k_proj.weight", kv_fields),
+             _one(f"{t}.attn.wv.weight", f"{s}.self_attn.v_proj.weight", kv_fields),
+             _one(f"{t}.attn.wo.weight", f"{s}.self_attn.o_proj.weight", q_fields),
+             _one(f"{t}.ffn_norm.weight", f"{s}.post_attention_layernorm.weight", "hidden_size")]
+    if layer.is_moe:
+        return rules + moe_rules(f"{t}.ffn", f"{s}.{block}", layer.ffn, naming, fused)
+    return rules + mlp_rules(f"{t}.ffn", f"{s}.mlp", "intermediate_size")
+
+
+def model_rules(model, naming: Naming, blocks: list[str], fused: list[bool]) -> list[Rule]:
+    """Every rule for ``model``; blocks[i] / fused[i]: the HF block name and expert layout of layer i."""
+    rules = [_one("embed.weight", "model.embed_tokens.weight", "vocab_size, hidden_size")]
+    for i, layer in enumerate(model.layers):
+        rules += layer_rules(i, layer, naming, blocks[i], fused[i])
+    rules.append(_one("norm.weight", "model.norm.weight", "hidden_size"))
+    if model.lm_head is not None:
+        rules.append(_one("lm_head.weight", "lm_head.weight", "vocab_size, hidden_size"))
+    targets = [r.target for r in rules]
+    expected = [k for k in model.state_dict() if not k.endswith("pending_load")]
+    assert sorted(targets) == sorted(expected), f"rules miss {set(expected) - set(targets)}"
+    return rules
+
+
+# ---------------------------------------------------------------------------------------------------
+# Loading: detect the checkpoint's layout, validate everything, then copy
+# ---------------------------------------------------------------------------------------------------
+
+
+def detect_layout(keys: set[str], i: int, naming: Naming) -> tuple[str, bool]:
+    """(block name, fused?) of layer i's experts in the checkpoint; the family's default if absent."""
+    for block in naming.moe_blocks:
+        prefix = f"model.layers.{i}.{block}.experts."
+        if prefix + "gate_up_proj" in keys or prefix + "down_proj" in keys:
+            return block, True
+        if any(k.startswith(prefix) for k in keys):
+            return block, False
+    return naming.moe_blocks[0], False
+
+
+def check_counts(reader: CheckpointReader, model, naming: Naming, blocks: list[str], fused: list[bool],
+                 num_layers_field: str) -> None:
+    """Layer and expert counts in the checkpoint must match config.json before any key-level check."""
+    layer_ids = {int(m.group(1)) for k in reader.infos if (m := re.match(r"model\.layers\.(\d+)\.", k))}
+    L = len(model.layers)
+    if layer_ids and max(layer_ids) + 1 != L:
+        raise ValueError(f"config.json {num_layers_field}={L} but the checkpoint has layers 0..{max(layer_ids)} "
+                         f"(e.g. model.layers.{max(layer_ids)}.*); the config does not match the weights")
+    for i, layer in enumerate(model.layers):
+        if not layer.is_moe:
+            continue
+        prefix = f"model.layers.{i}.{blocks[i]}.experts."
+        if fused[i]:
+            key = prefix + ("gate_up_proj" if prefix + "gate_up_proj" in reader.infos else "down_proj")
+            found, where = reader.infos[key].shape[0], f"{key} has shape {list(reader.infos[key].shape)}"
+        else:
+            ids = {int(m.group(1)) for k in reader.infos if (m := re.match(re.escape(prefix) + r"(\d+)\.", k))}
+            found, where = (max(ids) + 1 if ids else 0), f"{prefix}N.* has N in {_span(ids)}"
+        if found != layer.ffn.num_experts:
+            raise ValueError(f"config.json {naming.experts_field}={layer.ffn.num_experts} but layer {i} has "
+                             f"{found} experts in the checkpoint ({where}); the config does not match the weights")
+
+
+def _span(ids: set[int]) -> str:
+    return f"{min(ids)}..{max(ids)}" if ids else "nothing"
+
+
+def check_keys(reader: CheckpointReader, rules: list[Rule], state: dict[str, Tensor], allowed_extra: set[str]) -> None:
+    """Missing keys, unconsumed keys and shape mismatches, all reported at once with their fixes."""
+    needed = {s: r for r in rules for s in r.sources}
+    missing = [s for s in needed if s not in reader.infos]
+    extra = sorted(set(reader.infos) - set(needed) - allowed_extra)
+    problems = []
+    if missing:
+        problems.append(f"missing {len(missing)} tensor(s) the config implies: " + ", ".join(
+            f"{s} (for moekit {needed[s].target})" for s in missing[:5]))
+    if extra:
+        problems.append(f"{len(extra)} tensor(s) nothing in the model consumes (a config/weight mismatch or an "
+                        f"unsupported feature): {extra[:5]}")
+    for r in rules:
+        if any(s not in reader.infos for s in r.sources):
+            continue
+        expected = [tuple(x.shape) for x in r.split(torch.empty(state[r.target].shape, device="meta"))]
+        for s, shape in zip(r.sources, expected):
+            if reader.infos[s].shape != shape:
+                problems.append(f"{s} has shape {list(reader.infos[s].shape)} in the checkpoint but config.json "
+                                f"({r.fields}) implies {list(shape)}")
+    if problems:
+        raise ValueError(f"checkpoint {reader.folder} does not match its config.json:\n  " + "\n  ".join(problems[:12])
+                         + "\nFix config.json to describe these weights, or use the checkpoint it belongs to.")
+
+
+@torch.no_grad()
+def load_into(model, reader: CheckpointReader, rules: list[Rule], allowed_extra: set[str] = frozenset()) -> None:
+    """Validate ``reader`` against ``rules`` (all problems in one ValueError), then fill every model tensor."""
+    state = model.state_dict()
+    check_keys(reader, rules, state, set(allowed_extra))
+    for r in rules:
+        state[r.target].copy_(r.join([reader.get(s) for s in r.sources]))
+
+
+@torch.no_grad()
+def export_tensors(model, rules: list[Rule], dtype: torch.dtype | None) -> dict[str, Tensor]:
+    """HF key -> tensor (contiguous, on the CPU, in ``dtype`` or the model's own) for every rule."""
+    state = model.state_dict()
+    out: dict[str, Tensor] = {}
+    for r in rules:
+        value = state[r.target].detach()
+        parts = r.split(value.to(dtype) if dtype is not None and value.is_floating_point() else value)
+        for key, part in zip(r.sources, parts):
+            out[key] = part.to("cpu").contiguous()
+    return out
