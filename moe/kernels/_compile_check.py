@@ -24,10 +24,6 @@ from .grouped_mm import grouped_mm_fwd
 from .grouped_mm_wgrad import grouped_mm_wgrad
 from .scatter_add import scatter_add_rows
 
-_PTR = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int32: "*i32",
-        torch.int64: "*i64"}
-
-
 def capture_launches(dtype: torch.dtype) -> list:
     """Run each launcher once on tiny CPU tensors of ``dtype`` and return what they would launch."""
     _common.CAPTURE = captured = []
@@ -52,25 +48,30 @@ def capture_launches(dtype: torch.dtype) -> list:
 
 
 def _signature(kernel, args, kwargs, config):
+    """(JITFunction, signature, constexprs, attrs) exactly as a launch with these arguments would
+    specialise them (Triton's own specialiser: ints == 1 become constants, 16-divisible ints and
+    16-byte-aligned pointers get tt.divisibility, which gates vectorised and async copies)."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
     jit = triton.runtime.jit.JITFunction(kernel.fn)
     bound = dict(zip([p.name for p in jit.params], args))
     bound.update(kwargs)
     bound.update(config.kwargs)
-    sig, constexprs = {}, {}
-    for p in jit.params:
+    sig, constexprs, attrs = {}, {}, {}
+    for i, p in enumerate(jit.params):
         v = bound[p.name]
         if p.is_constexpr:
-            sig[p.name] = "constexpr"
-            constexprs[p.name] = v
-        elif isinstance(v, torch.Tensor):
-            sig[p.name] = _PTR[v.dtype]
-        elif isinstance(v, bool):
-            sig[p.name] = "i1"
-        elif isinstance(v, int):
-            sig[p.name] = "i32" if -(2**31) <= v < 2**31 else "i64"
+            sig[p.name], constexprs[p.name] = "constexpr", v
+            continue
+        ty, attr = native_specialize_impl(BaseBackend, v, False, True, True)
+        if ty == "constexpr":
+            sig[p.name], constexprs[p.name] = "constexpr", attr
         else:
-            raise TypeError(f"{kernel.name}: cannot type argument {p.name}={v!r}")
-    return jit, sig, constexprs
+            sig[p.name] = ty
+            if attr:
+                attrs[(i,)] = BaseBackend.parse_attr(attr)
+    return jit, sig, constexprs, attrs
 
 
 def compile_captured(captured, arch: int = 90, all_configs: bool = True, verbose: bool = True) -> int:
@@ -87,16 +88,27 @@ def compile_captured(captured, arch: int = 90, all_configs: bool = True, verbose
         if kernel.prune is not None:
             configs = kernel.prune(configs, named)
         for config in configs if all_configs else configs[-1:]:  # the lists end with the smallest tiles
-            jit, sig, constexprs = _signature(kernel, args, kwargs, config)
+            jit, sig, constexprs, attrs = _signature(kernel, args, kwargs, config)
             t0 = time.time()
-            src = triton.compiler.ASTSource(fn=jit, signature=sig, constexprs=constexprs)
+            src = triton.compiler.ASTSource(fn=jit, signature=sig, constexprs=constexprs, attrs=attrs)
             compiled = triton.compile(src, target=target,
                                       options={"num_warps": config.num_warps, "num_stages": config.num_stages})
             n += 1
             if verbose:
                 smem = compiled.metadata.shared
-                print(f"ok {kernel.name} {config} shared={smem}B {time.time() - t0:.1f}s", flush=True)
+                pipelined = "async_copy_global_to_local" in compiled.asm["ttgir"]
+                print(f"ok {kernel.name} {_short(config)} {kwargs_dtype(args)} shared={smem}B "
+                      f"pipelined={pipelined} {time.time() - t0:.1f}s", flush=True)
     return n
+
+
+def _short(config) -> str:
+    kw = " ".join(f"{k}={v}" for k, v in config.kwargs.items())
+    return f"[{kw} warps={config.num_warps} stages={config.num_stages}]"
+
+
+def kwargs_dtype(args) -> str:
+    return next((str(a.dtype).removeprefix("torch.") for a in args if isinstance(a, torch.Tensor)), "?")
 
 
 def main(argv=None) -> int:

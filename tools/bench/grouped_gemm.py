@@ -14,7 +14,7 @@ Implementations, timed in the same run:
   loop          one torch matmul per expert (host sync on the counts, like the "loop" backend)
   dense         one dense matmul (chain) of the same FLOPs: the roofline-ish ceiling
 Ratios are triton's TFLOP/s over each baseline's. Timing: triton.testing.do_bench (warmup 25 ms,
-rep 100 ms, median) on GPU; perf_counter (one call after one warmup) in --smoke.
+rep 100 ms, median) on GPU; perf_counter of a single call in --smoke.
 Shapes: Mixtral-8x7B (H 4096, F 14336, E 8, k 2); DeepSeek-V3 under EP8 (H 7168, F 2048, the 32 local
 experts of 256, k 8: a rank receives tokens * 8 rows when ranks are balanced); Qwen3-30B-A3B (H 2048,
 F 768, E 128, k 8); fine-grained (H 1536, F 256, E 128, k 8). Routing: uniform, Zipf(1.2) over the
@@ -70,8 +70,9 @@ def timer(device: torch.device, smoke: bool):
 
         return lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
-    def cpu_bench(fn):  # the interpreter is slow: one warmup, one timed call per measurement
-        fn()
+    def cpu_bench(fn):  # the interpreter is slow: --smoke times one call, no warmup (nothing to compile)
+        if not smoke:
+            fn()
         times = []
         for _ in range(1 if smoke else 3):
             t0 = time.perf_counter()
