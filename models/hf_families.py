@@ -27,7 +27,8 @@ MIXTRAL = Naming(moe_blocks=("block_sparse_moe", "mlp"), expert_proj=("w1", "w3"
                  experts_field="num_local_experts")
 QWEN2_MOE = Naming(moe_blocks=("mlp",), expert_proj=("gate_proj", "up_proj", "down_proj"), experts_field="num_experts",
                    shared="shared_expert", shared_gate="shared_expert_gate")
-QWEN3_MOE = Naming(moe_blocks=("mlp",), expert_proj=("gate_proj", "up_proj", "down_proj"), experts_field="num_experts")
+QWEN3_MOE = Naming(moe_blocks=("mlp",), expert_proj=("gate_proj", "up_proj", "down_proj"),
+                   experts_field="num_local_experts")  # transformers 5 writes it under this name
 DEEPSEEK_V3 = Naming(moe_blocks=("mlp",), expert_proj=("gate_proj", "up_proj", "down_proj"),
                      experts_field="n_routed_experts", shared="shared_experts", router_bias="e_score_correction_bias")
 
@@ -51,9 +52,12 @@ class UnsupportedCheckpoint(ValueError):
     """A checkpoint whose math moekit's model cannot reproduce (the message names features and fixes)."""
 
 
-def _get(hf: dict, key: str, default: Any = ...) -> Any:
-    if key in hf and hf[key] is not None:
-        return hf[key]
+def _get(hf: dict, key: str | tuple[str, ...], default: Any = ...) -> Any:
+    """hf[key]; a tuple lists aliases (transformers renames fields across versions: num_experts ->
+    num_local_experts), the first present wins. No default: a missing field is a ValueError."""
+    for name in (key,) if isinstance(key, str) else key:
+        if hf.get(name) is not None:
+            return hf[name]
     if default is ...:
         raise ValueError(f"config.json lacks {key!r}, which a {hf.get('model_type')} config must have; "
                          f"re-save it with save_pretrained")
@@ -122,7 +126,7 @@ def mixtral_config(hf: dict) -> ModelConfig:
     fields = base_fields(hf, 1e6, hf.get("sliding_window"), problems)
     F = _get(hf, "intermediate_size")
     # Every Mixtral layer is sparse; the dense FFN width is unused and kept equal to the expert width.
-    fields.update(num_experts=_get(hf, "num_local_experts"), top_k=_get(hf, "num_experts_per_tok"),
+    fields.update(num_experts=_get(hf, ("num_local_experts", "num_experts")), top_k=_get(hf, "num_experts_per_tok"),
                   moe_ffn_hidden_size=F, ffn_hidden_size=F, router_options={"normalize": True})
     return _model_config(hf, fields, problems)
 
@@ -137,7 +141,7 @@ def qwen_moe_config(hf: dict) -> ModelConfig:
         problems.append(f"attention biases (qkv_bias / attention_bias) (needs {NEEDS['attention_bias']})")
     if not qwen2:
         problems.append(f"q/k RMSNorm (self_attn.q_norm, k_norm) (needs {NEEDS['qk_norm']})")
-    E, L = _get(hf, "num_experts"), fields["num_layers"]
+    E, L = _get(hf, ("num_experts", "num_local_experts")), fields["num_layers"]
     step, dense = _get(hf, "decoder_sparse_step", 1), set(_get(hf, "mlp_only_layers", []))
     moe = [i not in dense and E > 0 and (i + 1) % step == 0 for i in range(L)]
     pattern = layer_pattern(moe)
@@ -165,7 +169,7 @@ def deepseek_v3_config(hf: dict) -> ModelConfig:
     problems: list[str] = [f"multi-head latent attention (kv_lora_rank={hf.get('kv_lora_rank')}, "
                            f"q_lora_rank={hf.get('q_lora_rank')}) (needs {NEEDS['mla']})"]
     fields = base_fields(hf, 10000.0, None, problems)
-    fields.update(num_experts=_get(hf, "n_routed_experts"), top_k=_get(hf, "num_experts_per_tok"),
+    fields.update(num_experts=_get(hf, ("n_routed_experts", "num_local_experts")), top_k=_get(hf, "num_experts_per_tok"),
                   moe_ffn_hidden_size=_get(hf, "moe_intermediate_size"), ffn_hidden_size=_get(hf, "intermediate_size"),
                   shared_ffn_hidden_size=_get(hf, "moe_intermediate_size") * _get(hf, "n_shared_experts", 1),
                   first_dense_layers=_get(hf, "first_k_dense_replace", 0),
