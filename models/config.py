@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 ACTIVATIONS = ("swiglu", "gelu", "relu")
-# Options every router family understands under these names; build_router() gets each one the router
-# accepts (see models.transformer.router_options). Router-specific ones go in ``router_options``.
-COMMON_ROUTER_FIELDS = ("top_k", "capacity_factor", "aux_loss_coeff", "z_loss_coeff")
+# Options every router family understands under these names, with the value that means "off": build_router()
+# gets each one the router accepts (models.transformer.router_options); a router that does not take one
+# behaves as if it had that value. Router-specific options go in ``router_options``.
+COMMON_ROUTER_FIELDS = {"top_k": 1, "capacity_factor": None, "aux_loss_coeff": 0.0, "z_loss_coeff": 0.0}
 
 
 @dataclass

@@ -64,19 +64,20 @@ class Attention(nn.Module):
 
 
 def router_options(config: ModelConfig) -> tuple[dict, list[str]]:
-    """The build_router options for ``config.router``, and the common fields it does not take.
+    """The build_router options for ``config.router``, and the common fields it ignores (names).
 
     Common fields (top_k, capacity_factor, aux/z-loss coefficients) go to every router that accepts
     them, so ``--router`` can switch families without editing the preset (e.g. "switch" is top-1 by
-    definition and ignores top_k); ``router_options`` are passed as given and must all be accepted.
+    definition and takes no top_k); ``router_options`` are passed as given and must all be accepted.
+    A field is reported as ignored only when its value is not the one the router implies anyway.
     """
     params = inspect.signature(router_class(config.router).__init__).parameters
     takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
     options, ignored = {}, []
-    for name in COMMON_ROUTER_FIELDS:
+    for name, off in COMMON_ROUTER_FIELDS.items():
         if takes_any or name in params:
             options[name] = getattr(config, name)
-        else:
+        elif getattr(config, name) != off:
             ignored.append(name)
     options.update(config.router_options)
     return options, ignored

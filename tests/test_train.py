@@ -1,0 +1,308 @@
+"""tools/train.py: records, learning, bitwise resume, non-finite stop, config resolution, bad input.
+
+Runs call ``trainlib.loop.main(argv)`` in-process with a tiny model (seconds each); a few cases run
+``python tools/train.py`` in a subprocess to check the real exit code and that no traceback leaks.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+from trainlib import checkpoint  # noqa: E402
+from trainlib.data import embedded_corpus, split_windows, unigram_entropy, write_token_file  # noqa: E402
+from trainlib.loop import main  # noqa: E402
+
+TINY = ("--model.hidden_size 32 --model.num_layers 2 --model.num_heads 2 --model.num_kv_heads 1 "
+        "--model.ffn_hidden_size 64 --model.moe_ffn_hidden_size 32 --model.max_seq_len 32 --train.seq_len 32 "
+        "--batch-size 4 --eval.sequences 8 --eval.every 0 --log.tensorboard false --log.every 1000").split()
+
+
+def train(run_dir: Path, *flags: str) -> Path:
+    rc = main([*TINY, "--run-dir", str(run_dir), *flags])
+    assert rc == 0
+    return run_dir
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def load_lines(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "expert_load.jsonl").read_text().splitlines()]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Records
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_records_and_checkpoint_rotation(tmp_path, capsys):
+    run = train(tmp_path / "r", "--steps", "4", "--checkpoint.every", "2", "--checkpoint.keep", "1",
+                "--log.every", "2", "--eval.every", "2")
+    rows = metrics(run)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for r in rows:
+        assert {"step", "loss", "aux_loss", "tokens_per_s", "lr", "grad_norm", "mem_gb", "imbalance"} <= set(r)
+        assert np.isfinite(r["loss"]) and r["aux_loss"] > 0 and r["tokens_per_s"] > 0
+    assert "val_loss" in rows[1] and "val_loss" in rows[3] and "val_loss" not in rows[0]
+    assert rows[0]["lr"] < rows[1]["lr"]  # warmup
+    head, *steps = load_lines(run)
+    assert head["format"] == "moekit-expert-load" and head["num_experts"] == 8 and len(head["layers"]) == 2
+    assert [s["step"] for s in steps] == [1, 2, 3, 4]
+    for s in steps:  # dropless top-2: every token's two slots are counted once per layer
+        assert [sum(layer) for layer in s["tokens"]] == [4 * 32 * 2] * 2
+        assert s["tokens"] == s["assigned"] and s["dropped"] == [0, 0]
+    assert [p.name for p in checkpoint.list_checkpoints(run)] == ["step_000004"]
+    out = capsys.readouterr().out
+    assert "step=2 loss=" in out and "step=4 loss=" in out and "step=3 loss=" not in out
+    assert json.loads((run / "config.json").read_text())["train"]["steps"] == 4
+
+
+def test_capacity_drops_are_recorded(tmp_path):
+    run = train(tmp_path / "r", "--preset", "switch-tiny", "--model.num_layers", "2", "--model.num_kv_heads", "2",
+                "--capacity-factor", "0.5", "--steps", "2", "--checkpoint.every", "0")
+    head, *steps = load_lines(run)
+    assert head["router"] == "switch" and len(head["layers"]) == 1  # switch: MoE every other layer
+    for s in steps:
+        kept, assigned = sum(s["tokens"][0]), sum(s["assigned"][0])
+        assert assigned == 4 * 32 and s["dropped"][0] == assigned - kept >= assigned // 2
+    assert metrics(run)[-1]["dropped_fraction"] >= 0.5
+
+
+def test_fresh_run_replaces_previous_records(tmp_path):
+    run = train(tmp_path / "r", "--steps", "2", "--checkpoint.every", "1")
+    train(run, "--steps", "1", "--checkpoint.every", "0")
+    assert len(metrics(run)) == 1 and not (run / "checkpoints").exists()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Learning, resume, accumulation, non-finite loss
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_learns_below_unigram_entropy(tmp_path):
+    """The validation loss must beat the best context-free model of the same data by a clear margin."""
+    flags = ["--model.hidden_size", "64", "--model.moe_ffn_hidden_size", "128", "--train.seq_len", "128",
+             "--model.max_seq_len", "128", "--batch-size", "16", "--steps", "60", "--train.lr", "1e-2",
+             "--train.warmup_steps", "5", "--eval.sequences", "64", "--checkpoint.every", "0"]
+    run = train(tmp_path / "learn", *flags)
+    tokens, _ = embedded_corpus()
+    split = split_windows(tokens, 128, 0.05)
+    val = np.concatenate([tokens[s : s + 129] for s in split.val_starts])
+    entropy = unigram_entropy(val, 256)  # nats: the loss of predicting each byte by its frequency alone
+    rows = metrics(run)
+    assert rows[-1]["val_loss"] < entropy - 0.25, (rows[-1]["val_loss"], entropy)
+    assert rows[-1]["loss"] < rows[0]["loss"] - 2.0
+
+
+@pytest.mark.parametrize("preset,extra", [
+    ("deepseek-tiny", ["--model.num_experts", "8", "--train.micro_batch_size", "2"]),  # bias state, accumulation
+    ("switch-tiny", ["--model.num_kv_heads", "2"]),  # jitter draws from the global RNG; capacity drops
+])
+def test_resume_is_bitwise(tmp_path, preset, extra):
+    flags = ["--preset", preset, *extra, "--steps", "8", "--checkpoint.every", "4"]
+    straight = train(tmp_path / "straight", *flags)
+    resumed = tmp_path / "resumed"
+    shutil.copytree(straight, resumed)  # an interrupted run: records past step 4, checkpoint 4 the newest
+    shutil.rmtree(resumed / "checkpoints" / "step_000008")
+    train(resumed, *flags, "--resume")
+    a, b = metrics(straight), metrics(resumed)
+    assert [r["step"] for r in b] == list(range(1, 9))
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]  # bitwise: float equality
+    assert [r["grad_norm"] for r in a] == [r["grad_norm"] for r in b]
+    assert load_lines(straight) == load_lines(resumed)  # routing (biases, jitter) identical too
+
+
+def test_grad_accumulation_matches_full_batch(tmp_path):
+    flags = ["--steps", "3", "--model.aux_loss_coeff", "0", "--checkpoint.every", "0", "--batch-size", "8"]
+    full = metrics(train(tmp_path / "full", *flags))
+    accum = metrics(train(tmp_path / "accum", *flags, "--train.micro_batch_size", "2"))
+    np.testing.assert_allclose([r["loss"] for r in accum], [r["loss"] for r in full], rtol=2e-6)
+    np.testing.assert_allclose([r["grad_norm"] for r in accum], [r["grad_norm"] for r in full], rtol=1e-4)
+
+
+def test_nonfinite_loss_stops_before_the_step(tmp_path, monkeypatch, capsys):
+    calls = {"n": 0}
+    real = torch.nn.functional.cross_entropy
+
+    def poisoned(*args, **kwargs):
+        calls["n"] += 1
+        loss = real(*args, **kwargs)
+        return loss * float("nan") if calls["n"] == 5 else loss
+
+    monkeypatch.setattr(torch.nn.functional, "cross_entropy", poisoned)
+    run = tmp_path / "r"
+    rc = main([*TINY, "--run-dir", str(run), "--steps", "6", "--checkpoint.every", "2"])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert "non-finite loss (nan) at step 5" in err and "step_000004" in err and len(err.strip().splitlines()) == 1
+    assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4]
+    good = checkpoint.list_checkpoints(run)
+    assert [p.name for p in good] == ["step_000002", "step_000004"]
+    assert checkpoint.read_meta(good[-1])["step"] == 4  # sizes and checksums still match
+
+
+def test_token_file_trains_like_the_embedded_corpus(tmp_path):
+    data = tmp_path / "corpus.bin"
+    assert main(["--write-data", str(data)]) == 0
+    a = metrics(train(tmp_path / "a", "--steps", "2", "--checkpoint.every", "0"))
+    b = metrics(train(tmp_path / "b", "--steps", "2", "--checkpoint.every", "0", "--data.path", str(data)))
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Config resolution
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_print_config_round_trips_and_precedence(tmp_path, capsys):
+    assert main(["--preset", "switch-tiny", "--steps", "9", "--capacity-factor", "none", "--print-config"]) == 0
+    printed = capsys.readouterr().out
+    assert 'preset = "switch-tiny"' in printed and "steps = 9" in printed and 'capacity_factor = "none"' in printed
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(printed)
+    assert main(["--config", str(cfg), "--print-config"]) == 0
+    assert capsys.readouterr().out == printed
+    cfg.write_text('preset = "deepseek-tiny"\n[train]\nsteps = 7\nlr = 0.002\n')
+    assert main(["--config", str(cfg), "--steps", "11", "--print-config"]) == 0  # flags beat the file
+    out = capsys.readouterr().out
+    assert 'preset = "deepseek-tiny"' in out and "steps = 11" in out and "lr = 0.002" in out
+
+
+def test_router_flag_starts_from_the_routers_own_options(capsys):
+    assert main(["--preset", "switch-tiny", "--router", "topk", "--model.router_options.normalize", "false",
+                 "--print-config"]) == 0
+    out = capsys.readouterr().out
+    assert 'router = "topk"' in out and "router_options = {normalize = false}" in out  # jitter is gone
+
+
+# ---------------------------------------------------------------------------------------------------
+# Bad input: exit 2, one line on stderr, nothing done (in-process; the subprocess tests check wiring)
+# ---------------------------------------------------------------------------------------------------
+
+BAD = [
+    (["--preset", "gpt-9"], "unknown preset 'gpt-9'; presets: mixtral-tiny, switch-tiny, deepseek-tiny"),
+    (["--steps", "0"], "--train.steps=0 is invalid"),
+    (["--steps", "-5"], "--train.steps=-5 is invalid"),
+    (["--steps", "ten"], "--steps: expected an integer, got 'ten'"),
+    (["--batch-size", "0"], "--train.batch_size=0 is invalid"),
+    (["--train.lr", "0"], "--train.lr=0.0 is invalid"),
+    (["--train.lr", "-1e-3"], "--train.lr=-0.001 is invalid"),
+    (["--capacity-factor", "-1"], "--capacity-factor=-1.0 is invalid"),
+    (["--router", "nope"], "unknown router 'nope'"),
+    (["--router", "no.such.module:Router"], "could not be loaded"),
+    (["--ep", "2"], "layout --dp 1 --ep 2"),
+    (["--dp", "2"], "needs dp*fsdp*tp*pp = 2 processes but the world size is 1"),
+    (["--tp", "0"], "--tp=0 is invalid"),
+    (["--model.nope", "1"], "ModelConfig has no field 'nope'"),
+    (["--nonsense"], "unrecognized argument '--nonsense'"),
+    (["--model.router_options.jitter", "0.5"], "jitter"),  # a switch option on the topk router
+    (["--batch-size", "6", "--train.micro_batch_size", "4"], "whole micro-batches of 4"),
+    (["--preset", "mixtral-8x7b"], "46.7B parameters need"),
+    (["--train.seq_len", "512"], "exceeds model.max_seq_len=256"),
+]
+
+
+def _assert_one_line_error(rc: int, err: str, expected: str) -> None:
+    lines = err.strip().splitlines()
+    assert rc == 2, err
+    assert len(lines) == 1 and lines[0].startswith("train.py: error: "), err
+    assert expected in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("argv,expected", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_flags(tmp_path, capsys, argv, expected):
+    run = tmp_path / "run"
+    rc = main([*argv, "--run-dir", str(run)])
+    _assert_one_line_error(rc, capsys.readouterr().err, expected)
+    assert not run.exists()  # failed before any work
+
+
+def test_bad_data_files(tmp_path, capsys):
+    bad_header = tmp_path / "bad.bin"
+    bad_header.write_bytes(b"GARBAGE!" + bytes(100))
+    big_ids = tmp_path / "ids.bin"
+    write_token_file(str(big_ids), np.full(100, 300), 512)
+    cases = [(["--data.path", str(bad_header)], f"data file {bad_header}: bad magic"),
+             (["--data.path", str(big_ids)], "vocab_size 512 exceeds the model's vocab_size 256"),
+             (["--data.path", str(big_ids), "--model.vocab_size", "300"],
+              "vocab_size 512 exceeds the model's vocab_size 300")]
+    for argv, expected in cases:
+        _assert_one_line_error(main([*TINY, *argv, "--run-dir", str(tmp_path / "r")]), capsys.readouterr().err, expected)
+    # ids beyond the header's vocab: the file claims vocab 256 but holds 300
+    raw = tmp_path / "lying.bin"
+    write_token_file(str(raw), np.full(100, 1), 256)
+    body = bytearray(raw.read_bytes())
+    body[32 + 2 * 50 : 32 + 2 * 51] = (300).to_bytes(2, "little")
+    raw.write_bytes(bytes(body))
+    rc = main([*TINY, "--data.path", str(raw), "--run-dir", str(tmp_path / "r")])
+    _assert_one_line_error(rc, capsys.readouterr().err, "token id 300 at position 50 is >= vocab_size 256")
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    return train(tmp_path_factory.mktemp("saved") / "run", "--steps", "2", "--checkpoint.every", "2")
+
+
+def test_bad_checkpoints(saved_run, tmp_path, capsys):
+    def resume(run: Path, *extra: str) -> tuple[int, str]:
+        rc = main([*TINY, "--steps", "4", "--run-dir", str(run), "--resume", *extra])
+        return rc, capsys.readouterr().err
+
+    run = tmp_path / "copy"
+    shutil.copytree(saved_run, run)
+    ckpt = run / "checkpoints" / "step_000002"
+    rc, err = resume(run)
+    assert rc == 0, err  # the intact copy resumes
+    shutil.rmtree(run)
+    shutil.copytree(saved_run, run)
+    _assert_one_line_error(*resume(run, "--model.hidden_size", "64"),
+                           "saved for a different model: hidden_size=32 (checkpoint) vs 64 (this run)")
+    data = ckpt / "__0_0.distcp"
+    data.write_bytes(data.read_bytes()[:1000])
+    _assert_one_line_error(*resume(run), f"checkpoint {data}: 1000 bytes, saved with")
+    (ckpt / "meta.json").write_text("{not json")
+    _assert_one_line_error(*resume(run), f"checkpoint {ckpt / 'meta.json'}: corrupt")
+    _assert_one_line_error(*resume(tmp_path / "empty"), "no checkpoint in")
+
+
+def test_world_size_above_one_is_refused(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    _assert_one_line_error(main(["--steps", "1"]), capsys.readouterr().err,
+                           "multi-rank training (torchrun) arrives with expert parallelism")
+
+
+def _script(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **(env or {})}
+    return subprocess.run([sys.executable, str(ROOT / "tools" / "train.py"), *argv], capture_output=True, text=True,
+                          env=env, timeout=120)
+
+
+@pytest.mark.parametrize("argv,env,expected", [
+    (["--preset", "nope"], None, "unknown preset 'nope'; presets: mixtral-tiny"),
+    (["--capacity-factor", "-2"], None, "--capacity-factor=-2.0 is invalid"),
+    ([], {"WORLD_SIZE": "2"}, "WORLD_SIZE=2: multi-rank training"),
+])
+def test_script_exit_code_and_no_traceback(argv, env, expected):
+    proc = _script(*argv, env=env)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    _assert_one_line_error(proc.returncode, proc.stderr, expected)
+
+
+def test_script_corrupt_checkpoint(saved_run, tmp_path):
+    run = tmp_path / "c"
+    shutil.copytree(saved_run, run)
+    (run / "checkpoints" / "step_000002" / ".metadata").write_bytes(b"garbage")
+    proc = _script(*TINY, "--run-dir", str(run), "--resume")
+    assert "Traceback" not in proc.stderr
+    _assert_one_line_error(proc.returncode, proc.stderr, ".metadata: 7 bytes, saved with")
