@@ -4,6 +4,7 @@
     load_mixtral(path)         the same, insisting on model_type "mixtral"
     save_mixtral(model, path)  a folder MixtralForCausalLM.from_pretrained loads with the same logits
     config_from_hf(path)       the ModelConfig an import builds, without reading any weights
+    load_hf_into(model, path)  fill a model built elsewhere (train.py --init-from-hf), checking its config
 
 A folder is config.json plus model.safetensors, or shards plus model.safetensors.index.json, as
 ``save_pretrained`` writes it. Experts may be stored per expert (``block_sparse_moe.experts.N.w1/w2/w3``,
@@ -30,7 +31,8 @@ from models.transformer import Transformer
 SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 LAYOUTS = ("per_expert", "fused")
 
-__all__ = ["load_hf", "load_mixtral", "save_mixtral", "config_from_hf", "UnsupportedCheckpoint"]
+__all__ = ["load_hf", "load_hf_into", "load_mixtral", "save_mixtral", "config_from_hf", "check_mixtral_exportable",
+           "UnsupportedCheckpoint"]
 
 
 def config_from_hf(path: str | Path) -> ModelConfig:
@@ -46,24 +48,37 @@ def load_hf(path: str | Path, *, dtype: torch.dtype | str = torch.float32,
     dtype: parameter dtype of the returned model; "auto" keeps the checkpoint's (it must be uniform).
     Returns the model in eval mode, as ``from_pretrained`` does.
     """
-    hf = read_config(path)
-    fam = family(hf, path)
-    config = fam.to_config(hf)
-    reader = CheckpointReader(path)
+    config = config_from_hf(path)
     with torch.device("meta"):
         model = Transformer(config)
     model.to_empty(device=device)
+    reader = load_hf_into(model, path, check_config=False)
+    return model.to(_resolve_dtype(dtype, reader)).eval()
+
+
+def load_hf_into(model: Transformer, path: str | Path, *, check_config: bool = True) -> CheckpointReader:
+    """Fill an already built ``model`` (e.g. train.py's, on its device) from a HuggingFace folder in place.
+
+    The model's config may differ from the import's only in fields that do not change the forward math
+    (capacity, loss coefficients, bias update rate, backend, max_seq_len, ...): anything else is a
+    ValueError naming the fields, so fine-tuning never starts from silently mismatched weights.
+    """
+    hf = read_config(path)
+    fam = family(hf, path)
+    if check_config:
+        _check_same_math(model.config, fam.to_config(hf), path)
+    reader = CheckpointReader(path)
     keys = set(reader.infos)
-    layouts = [detect_layout(keys, i, fam.naming) for i in range(config.num_layers)]
+    layouts = [detect_layout(keys, i, fam.naming) for i in range(model.config.num_layers)]
     blocks, fused = [b for b, _ in layouts], [f for _, f in layouts]
     check_counts(reader, model, fam.naming, blocks, fused, fam.layers_field)
-    _check_lm_head(reader, config)
-    tied_extra = {"lm_head.weight"} if config.tie_embeddings and "lm_head.weight" in keys else set()
+    _check_lm_head(reader, model.config)
+    tied_extra = {"lm_head.weight"} if model.config.tie_embeddings and "lm_head.weight" in keys else set()
     load_into(model, reader, model_rules(model, fam.naming, blocks, fused), tied_extra)
     if tied_extra:
         _check_tied_copy(reader, model)
     _zero_non_persistent_buffers(model)
-    return model.to(_resolve_dtype(dtype, reader)).eval()
+    return reader
 
 
 def load_mixtral(path: str | Path, **kwargs) -> Transformer:
@@ -100,6 +115,27 @@ def save_mixtral(model: Transformer, path: str | Path, *, dtype: torch.dtype | N
     (folder / CONFIG_FILE).write_text(json.dumps(mixtral_hf_config(model.config, name), indent=2) + "\n")
     write_safetensors(tensors, folder, max_shard_size)
     return folder
+
+
+# Fields that shape the forward pass of a loaded model; the rest (capacity_factor, aux/z-loss coefficients,
+# expert_backend, max_seq_len, init_std, name, router options the import does not set) are the trainer's.
+MATH_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "attn_head_dim", "rope_theta",
+               "norm_eps", "tie_embeddings", "activation", "num_experts", "moe_ffn_hidden_size", "ffn_hidden_size",
+               "shared_ffn_hidden_size", "shared_expert_gate", "top_k", "router")
+
+
+def _check_same_math(have: ModelConfig, want: ModelConfig, path) -> None:
+    diffs = [f"{f}={getattr(have, f, None)!r} (model) vs {getattr(want, f, None)!r} (checkpoint)" for f in MATH_FIELDS
+             if getattr(have, f, None) != getattr(want, f, None)]  # getattr: fields this ModelConfig may lack
+    layers = [have.is_moe_layer(i) for i in range(have.num_layers)]
+    if layers != [want.is_moe_layer(i) for i in range(want.num_layers)]:
+        diffs.append(f"MoE layers first_dense_layers={have.first_dense_layers}, moe_every={have.moe_every} (model) vs "
+                     f"{want.first_dense_layers}, {want.moe_every} (checkpoint)")
+    diffs += [f"router_options[{k!r}]={have.router_options.get(k)!r} (model) vs {v!r} (checkpoint)"
+              for k, v in want.router_options.items() if have.router_options.get(k) != v]
+    if diffs:
+        raise ValueError(f"{path}: the model was built for different math than this checkpoint: " + "; ".join(diffs)
+                         + ". Build the model from models.hf.config_from_hf(path), overriding only training fields")
 
 
 def _check_lm_head(reader: CheckpointReader, config: ModelConfig) -> None:

@@ -149,15 +149,16 @@ def qwen_moe_config(hf: dict) -> ModelConfig:
         problems.append(f"MoE layers {[i for i in range(L) if moe[i]]} of {L} (mlp_only_layers, decoder_sparse_step) "
                         f"(needs {NEEDS['layer_pattern']})")
     first, every = pattern or (0, 1)
-    fields.update(num_experts=E, top_k=_get(hf, "num_experts_per_tok"), moe_ffn_hidden_size=_get(hf, "moe_intermediate_size"),
-                  ffn_hidden_size=_get(hf, "intermediate_size"), first_dense_layers=first, moe_every=every,
+    fields.update(num_experts=E, top_k=_get(hf, "num_experts_per_tok"), first_dense_layers=first, moe_every=every,
+                  moe_ffn_hidden_size=_get(hf, "moe_intermediate_size"), ffn_hidden_size=_get(hf, "intermediate_size"),
                   router_options=qwen_router_options(hf))
     if qwen2:
         fields["shared_ffn_hidden_size"] = _get(hf, "shared_expert_intermediate_size")
         if "shared_expert_gate" in {f.name for f in dataclasses.fields(ModelConfig)}:
             fields["shared_expert_gate"] = True
         else:
-            problems.append(f"sigmoid-gated shared expert (mlp.shared_expert_gate) (needs {NEEDS['shared_expert_gate']})")
+            problems.append(f"sigmoid-gated shared expert (mlp.shared_expert_gate) "
+                            f"(needs {NEEDS['shared_expert_gate']})")
     return _model_config(hf, fields, problems)
 
 
@@ -169,8 +170,9 @@ def deepseek_v3_config(hf: dict) -> ModelConfig:
     problems: list[str] = [f"multi-head latent attention (kv_lora_rank={hf.get('kv_lora_rank')}, "
                            f"q_lora_rank={hf.get('q_lora_rank')}) (needs {NEEDS['mla']})"]
     fields = base_fields(hf, 10000.0, None, problems)
-    fields.update(num_experts=_get(hf, ("n_routed_experts", "num_local_experts")), top_k=_get(hf, "num_experts_per_tok"),
-                  moe_ffn_hidden_size=_get(hf, "moe_intermediate_size"), ffn_hidden_size=_get(hf, "intermediate_size"),
+    fields.update(num_experts=_get(hf, ("n_routed_experts", "num_local_experts")),
+                  top_k=_get(hf, "num_experts_per_tok"), moe_ffn_hidden_size=_get(hf, "moe_intermediate_size"),
+                  ffn_hidden_size=_get(hf, "intermediate_size"),
                   shared_ffn_hidden_size=_get(hf, "moe_intermediate_size") * _get(hf, "n_shared_experts", 1),
                   first_dense_layers=_get(hf, "first_k_dense_replace", 0),
                   router_options=deepseek_router_options(hf, problems))
@@ -229,7 +231,8 @@ def check_mixtral_exportable(model) -> None:
     if cfg.activation != "swiglu":
         raise ValueError(f"Mixtral experts are SwiGLU; this model has activation={cfg.activation!r}")
     if cfg.shared_ffn_hidden_size:
-        raise ValueError(f"Mixtral has no shared expert; this model has shared_ffn_hidden_size={cfg.shared_ffn_hidden_size}")
+        raise ValueError(f"Mixtral has no shared expert; this model has "
+                         f"shared_ffn_hidden_size={cfg.shared_ffn_hidden_size}")
     for i, layer in enumerate(model.layers):
         r = layer.ffn.router
         why = _mixtral_router_mismatch(r)

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import re
 import shutil
+import warnings
 from pathlib import Path
 
 import pytest
@@ -326,3 +327,55 @@ def test_qwen2_moe_import_matches_transformers(tmp_path):
     hf.save_pretrained(tmp_path)
     with torch.no_grad():
         assert rel_err(load_hf(tmp_path)(tokens()), hf_logits(hf, tokens())) < 1e-4
+
+
+# ---------------------------------------------------------------------------------------------------
+# tools/convert.py
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_convert_round_trip(base, tmp_path, capsys):
+    import torch.distributed.checkpoint as dcp
+
+    from tools.convert import load_moekit, main
+
+    hf = MixtralForCausalLM.from_pretrained(base).eval()
+    for name in ("model.safetensors", "model.pt"):
+        assert main(["hf-to-moekit", str(base), str(tmp_path / name), "--verify"]) == 0
+        with torch.no_grad():
+            assert rel_err(load_moekit(tmp_path / name)(tokens()), hf_logits(hf, tokens())) < 1e-4
+    # A tools/train.py checkpoint: DCP state {"model", "optim", "train"} + meta.json with the model config.
+    model = load_moekit(tmp_path / "model.pt")
+    step = tmp_path / "run" / "checkpoints" / "step_000001"
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save({"model": model.state_dict(), "train": {"step": 1}}, checkpoint_id=str(step))
+    (step / "meta.json").write_text(json.dumps({"format": 1, "step": 1, "model": model.config.to_dict()}))
+    assert main(["moekit-to-hf", str(step), str(tmp_path / "hf"), "--layout", "fused", "--verify"]) == 0
+    back = MixtralForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert rel_err(hf_logits(back, tokens()), hf_logits(hf, tokens())) < 1e-4
+    assert "verified" in capsys.readouterr().out
+
+
+def test_convert_rejects_wrong_inputs(base, tmp_path, capsys):
+    from tools.convert import main
+
+    assert main(["moekit-to-hf", str(base / "model.safetensors"), str(tmp_path / "x")]) == 2
+    assert "not a moekit model file; for a HuggingFace folder use 'hf-to-moekit'" in capsys.readouterr().err
+    assert main(["hf-to-moekit", str(base), str(tmp_path / "model.bin")]) == 2
+    assert "name the output *.safetensors or *.pt" in capsys.readouterr().err
+
+
+def test_load_hf_into_checks_the_model_config(base):
+    from models.hf import config_from_hf, load_hf_into
+
+    cfg = config_from_hf(base)
+    cfg.capacity_factor, cfg.aux_loss_coeff, cfg.max_seq_len = 2.0, 0.05, 32  # training fields may differ
+    model = build_model(cfg, seed=3)
+    load_hf_into(model, base)
+    hf = MixtralForCausalLM.from_pretrained(base).eval()
+    with torch.no_grad():
+        assert rel_err(model.eval()(tokens()), hf_logits(hf, tokens())) < 1e-4
+    cfg.top_k, cfg.rope_theta = 1, 1e4
+    with pytest.raises(ValueError, match=r"rope_theta=10000.0 \(model\) vs 1000000.0 \(checkpoint\); top_k=1"):
+        load_hf_into(build_model(cfg), base)
