@@ -28,6 +28,7 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on the JSON header
+DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # config.json "dtype"
 
 
 @dataclass(frozen=True)
@@ -180,5 +181,3 @@ def write_safetensors(tensors: dict[str, Tensor], folder: Path, max_shard_size: 
     (folder / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     return paths
 
-
-DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
