@@ -190,7 +190,7 @@ def draw_steps(run: Run, out: str) -> None:
     for i, (ax, s) in enumerate(zip(axes[:, 0], run.stats)):
         im = ax.imshow(share[:, i, :].T, aspect="auto", cmap="viridis", vmin=0.0, interpolation="nearest",
                        extent=(steps.min() - 0.5, steps.max() + 0.5, E - 0.5, -0.5))
-        ax.set_ylabel(f"{s.name}\nexpert", fontsize=8)
+        ax.set_ylabel("expert", fontsize=8)
         ax.set_title(f"{s.name}: imbalance {s.imbalance:.2f}, cv {s.cv:.2f}, dropped {100 * s.dropped:.1f}%",
                      fontsize=8)
         fig.colorbar(im, ax=ax, label="share")

@@ -37,7 +37,7 @@ PROGRESS = ("auto", "on", "off")
 
 @dataclass
 class TrainSection:
-    steps: int = 200  # optimizer steps
+    steps: int = 400  # optimizer steps (the default run: ~3 minutes on a 2-core CPU)
     batch_size: int = 16  # global batch: sequences per optimizer step, whatever the layout
     micro_batch_size: int = 0  # sequences per forward on one rank; 0 = the whole per-rank batch (no accumulation)
     seq_len: int = 256  # tokens per sequence (<= model.max_seq_len)
