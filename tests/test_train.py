@@ -160,6 +160,25 @@ def test_token_file_trains_like_the_embedded_corpus(tmp_path):
     assert [r["loss"] for r in a] == [r["loss"] for r in b]
 
 
+def test_init_from_hf_starts_from_those_weights(tmp_path):
+    pytest.importorskip("safetensors")
+    from models.hf import save_mixtral
+    from models.transformer import build_model
+    from trainlib.cli import parse_args
+    from trainlib.data import Sampler, gather
+
+    flags = [*TINY, "--model.ffn_hidden_size", "32", "--steps", "1", "--checkpoint.every", "0"]
+    cfg, _ = parse_args(flags)
+    source = build_model(cfg.model, seed=5)  # not the run's seed: the weights must come from the folder
+    save_mixtral(source, tmp_path / "hf")
+    rows = metrics(train(tmp_path / "run", *flags[len(TINY):], "--init-from-hf", str(tmp_path / "hf")))
+    split = split_windows(embedded_corpus()[0], 32, 0.05)
+    x, y = gather(split.tokens, Sampler(split.train_starts, 0).next(4), 32)  # the run's first batch
+    with torch.no_grad():
+        expected = torch.nn.functional.cross_entropy(source(x).flatten(0, 1), y.flatten()).item()
+    assert rows[0]["loss"] == pytest.approx(expected, rel=1e-6)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Config resolution
 # ---------------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from trainlib.config import DEFAULT_PRESET, TrainConfig, load_toml, set_value, v
 # Named flags and the setting each one overrides; applied before dotted overrides, in this order.
 FLAG_SETTINGS = {
     "steps": "train.steps", "seed": "train.seed", "batch_size": "train.batch_size", "run_dir": "log.run_dir",
-    "router": "model.router", "capacity_factor": "model.capacity_factor",
+    "router": "model.router", "capacity_factor": "model.capacity_factor", "init_from_hf": "train.init_from_hf",
     "dp": "layout.dp", "ep": "layout.ep", "tp": "layout.tp", "pp": "layout.pp", "fsdp": "layout.fsdp",
 }
 
@@ -40,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", help="where records and checkpoints go (default runs/<preset>)")
     p.add_argument("--router", help="router name (topk, switch, expert_choice, sinkhorn, hash) or module:Class")
     p.add_argument("--capacity-factor", help="expert capacity factor; none = dropless")
+    p.add_argument("--init-from-hf", metavar="DIR", help="start from a HuggingFace folder's weights (models.hf)")
     for name in ("dp", "ep", "tp", "pp", "fsdp"):
         p.add_argument(f"--{name}", help=f"{name} degree (default 1{'; inferred from the world size' if name == 'dp' else ''})")
     p.add_argument("--resume", nargs="?", const="latest", metavar="CHECKPOINT",

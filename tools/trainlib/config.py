@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import sys
 import types
 import typing
@@ -52,6 +53,7 @@ class TrainSection:
     seed: int = 0  # weight init, data order, router noise
     dtype: str = "auto"  # auto = bf16 autocast on CUDA, fp32 on CPU
     device: str = "auto"  # auto = cuda when available
+    init_from_hf: str = ""  # a HuggingFace folder to start from (models.hf); the model config must match it
 
 
 @dataclass
@@ -272,6 +274,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         _require(math.isfinite(v) and v >= 0, f"--train.{name}={v} is invalid; it must be a finite number >= 0")
     _require(t.dtype in DTYPES, f"--train.dtype={t.dtype!r} is invalid; choose one of {list(DTYPES)}")
     _require(t.device in DEVICES, f"--train.device={t.device!r} is invalid; choose one of {list(DEVICES)}")
+    _require(not t.init_from_hf or os.path.isdir(t.init_from_hf),
+             f"--init-from-hf {t.init_from_hf}: not a directory (expected a HuggingFace model folder)")
     _require(0 < cfg.data.val_fraction < 0.5,
              f"--data.val_fraction={cfg.data.val_fraction} is invalid; it must be in (0, 0.5)")
     _require(not (cfg.data.path and cfg.data.text), "--data.path and --data.text are both set; choose one data source")

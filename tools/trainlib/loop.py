@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
             return write_data(cfg, opts.write_data)
         return Run(cfg, opts).train()
     except UserError as exc:
-        print(f"train.py: error: {exc}", file=sys.stderr)
+        print(f"train.py: error: {' '.join(str(exc).split())}", file=sys.stderr)  # one line, always
         return 2
 
 
@@ -141,6 +141,8 @@ class Run:
             self.model = Transformer(cfg.model)
         self.model.to_empty(device=plan.device)
         self.model.init_weights(cfg.train.seed)
+        if cfg.train.init_from_hf and self.resume_from is None:
+            self.load_hf(cfg.train.init_from_hf)
         self.model.train()
         for _, layer in moe_layers(self.model):
             layer.aux_loss_scale = 1.0 / plan.accum  # the aux loss is averaged over micro-batches like the LM loss
@@ -151,6 +153,14 @@ class Run:
             self.start_step = checkpoint.load(self.resume_from, self.model, self.optimizer, self.scheduler,
                                               self.sampler, cfg.model.to_dict())
         self.last_checkpoint = self.resume_from
+
+    def load_hf(self, path: str) -> None:
+        from models.hf import load_hf_into  # needs safetensors: imported only when asked for
+
+        try:
+            load_hf_into(self.model, path)
+        except ValueError as exc:  # config mismatch, missing or misshapen tensors: the message names them
+            raise UserError(f"--init-from-hf {path}: {exc}") from None
 
     def open_records(self) -> None:
         d = self.run_dir
