@@ -202,7 +202,10 @@ def test_router_options_common_fields_follow_the_router():
     assert ignored == ["top_k"] and options["aux_loss_coeff"] == cfg.aux_loss_coeff
     cfg = small("mixtral-tiny", router="hash", router_options={})
     options, ignored = router_options(cfg)
-    assert set(ignored) == {"aux_loss_coeff", "z_loss_coeff"} and options["top_k"] == 2
+    # hash takes no loss coefficients; z_loss_coeff is 0 (what hash implies) so it is not reported
+    assert ignored == ["aux_loss_coeff"] and options["top_k"] == 2 and "z_loss_coeff" not in options
+    cfg.aux_loss_coeff = 0.0
+    assert router_options(cfg)[1] == []
 
 
 @pytest.mark.parametrize("field,value,match", [

@@ -49,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"train.py: error: {' '.join(str(exc).split())}", file=sys.stderr)  # one line, always
         return 2
+    except KeyboardInterrupt:  # records are flushed per step; checkpoints are renamed only when complete
+        print("\ntrain.py: interrupted; --resume continues from the newest checkpoint", file=sys.stderr)
+        return 130
 
 
 def write_data(cfg: TrainConfig, out: str) -> int:
@@ -228,7 +231,7 @@ class Run:
 
     def loop(self) -> int:
         cfg, plan = self.cfg, self.plan
-        params = [p for p in self.model.parameters()]
+        params = list(self.model.parameters())
         tokens_seen = self.start_step * plan.tokens_per_step
         t_start = time.perf_counter()
         for step in range(self.start_step + 1, cfg.train.steps + 1):
