@@ -262,7 +262,13 @@ class GroupedExperts(nn.Module):
         if rows.dtype != w_in.dtype:  # e.g. fp32 master weights under bf16 autocast
             w_in, w_out = w_in.to(rows.dtype), w_out.to(rows.dtype)
         backend = resolve_backend(self.backend, rows, w_in, w_out)
-        return backend.fn(rows, counts, w_in, w_out, self.activation)
+        out = backend.fn(rows, counts, w_in, w_out, self.activation)
+        if torch.is_grad_enabled() and not out.requires_grad and (w_in.requires_grad or rows.requires_grad):
+            # No rows reached these experts, so the backend built no graph. Tie the (empty or zero) output
+            # to the weights anyway: under expert parallelism the collectives in backward must run on
+            # every rank, including one whose experts received nothing (else its peers hang).
+            out = out + (w_in.flatten()[:1].sum() + w_out.flatten()[:1].sum()).to(out.dtype) * 0
+        return out
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden={self.hidden_size}, ffn={self.ffn_hidden_size}, "

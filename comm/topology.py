@@ -1,0 +1,209 @@
+"""One object that knows the whole layout: degrees, rank coordinates, nodes, and every process group.
+
+The only place in moekit that reads RANK / WORLD_SIZE / LOCAL_WORLD_SIZE.
+
+Rank order (tensor parallel innermost, so TP peers share a node; pipeline outermost):
+
+    rank = ((pp_i * dp + dp_i) * fsdp + fsdp_i) * tp + tp_i
+
+Data-parallel ranks (D = dp * fsdp of them, index d = dp_i * fsdp + fsdp_i) each read their own share of
+the global batch. Expert parallelism folds into them (Megatron's "MoE parallel folding", torchtitan's
+ep-inside-dp_shard): consecutive blocks of ``ep`` data-parallel ranks form an EP group that together holds
+all E experts (E/ep each) and exchanges tokens; ranks at the same position of different EP groups hold
+the same experts and reduce those experts' gradients (the expert-data-parallel group, size D/ep).
+
+    D = 4, ep = 2:   EP groups {d0, d1} {d2, d3}     expert-DP groups {d0, d2} {d1, d3}
+
+Nodes: ``ranks_per_node`` consecutive ranks share a node (torchrun's LOCAL_WORLD_SIZE, or overridden to
+simulate several nodes on one machine). Hierarchical dispatch uses, inside an EP group, the ranks of one
+node (intra-node group) and the ranks with the same local position on every node (the "rail").
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+DEGREES = ("pp", "dp", "fsdp", "tp", "ep")
+
+
+class LayoutError(ValueError):
+    """A layout that cannot run; the message names the values and the fix."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    pp: int = 1
+    dp: int = 1  # replicated data parallel
+    fsdp: int = 1  # sharded data parallel
+    tp: int = 1
+    ep: int = 1  # folded inside the dp * fsdp data-parallel ranks
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.fsdp * self.tp
+
+    @property
+    def data_parallel(self) -> int:
+        return self.dp * self.fsdp
+
+    @classmethod
+    def infer(cls, world_size: int, pp: int = 1, dp: int | None = None, fsdp: int = 1, tp: int = 1,
+              ep: int = 1) -> "Layout":
+        """Fill ``dp`` from the world size when omitted (the rest default to 1), then validate."""
+        for name, v in (("pp", pp), ("fsdp", fsdp), ("tp", tp), ("ep", ep), ("world size", world_size)):
+            _positive(name, v)
+        if dp is None:
+            rest = pp * fsdp * tp
+            if world_size % rest:
+                raise LayoutError(f"world size {world_size} is not divisible by pp*fsdp*tp = {pp}*{fsdp}*{tp} = "
+                                  f"{rest}; launch a multiple of {rest} processes or change the degrees")
+            dp = world_size // rest
+        layout = cls(pp, dp, fsdp, tp, ep)
+        layout.validate(world_size)
+        return layout
+
+    def validate(self, world_size: int, num_experts: int | None = None) -> None:
+        for name in DEGREES:
+            _positive(f"--{name}", getattr(self, name))
+        if self.world_size != world_size:
+            raise LayoutError(
+                f"layout pp={self.pp} x dp={self.dp} x fsdp={self.fsdp} x tp={self.tp} = {self.world_size} ranks, "
+                f"but the world size is {world_size}; launch {self.world_size} processes (torchrun --nproc-per-node) "
+                f"or change the degrees so their product is {world_size}"
+            )
+        if self.data_parallel % self.ep:
+            raise LayoutError(f"ep={self.ep} must divide the data-parallel size dp*fsdp = {self.data_parallel}: "
+                              f"expert parallelism folds inside the data-parallel ranks")
+        if num_experts is not None and num_experts % self.ep:
+            raise LayoutError(f"num_experts={num_experts} is not divisible by ep={self.ep}; choose ep among "
+                              f"{[d for d in range(1, num_experts + 1) if num_experts % d == 0]}")
+
+
+def _positive(name: str, v) -> None:
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise LayoutError(f"{name}={v!r} is invalid; it must be a positive integer")
+
+
+@dataclass(frozen=True)
+class Coords:
+    pp: int
+    dp: int
+    fsdp: int
+    tp: int
+
+
+@dataclass
+class Topology:
+    """Layout + this rank + nodes; ``build()`` creates the process groups (collectively, in fixed order)."""
+
+    layout: Layout
+    rank: int
+    ranks_per_node: int
+    groups: dict[str, object] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        L = self.layout
+        if not 0 <= self.rank < L.world_size:
+            raise LayoutError(f"rank {self.rank} is outside the world of {L.world_size} ranks")
+        _positive("ranks_per_node", self.ranks_per_node)
+        if L.world_size % self.ranks_per_node:
+            raise LayoutError(f"ranks_per_node={self.ranks_per_node} must divide the world size {L.world_size}")
+
+    @classmethod
+    def from_env(cls, layout: Layout, num_experts: int | None = None,
+                 ranks_per_node: int | None = None) -> "Topology":
+        """Read torchrun's RANK / WORLD_SIZE / LOCAL_WORLD_SIZE (defaults: one process) and validate."""
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        rank = int(os.environ.get("RANK", "0"))
+        layout.validate(world, num_experts)
+        per_node = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+        return cls(layout, rank, per_node)
+
+    # --- coordinates ------------------------------------------------------------------------------------
+    def coords(self, rank: int | None = None) -> Coords:
+        r = self.rank if rank is None else rank
+        L = self.layout
+        tp_i, r = r % L.tp, r // L.tp
+        fsdp_i, r = r % L.fsdp, r // L.fsdp
+        dp_i, pp_i = r % L.dp, r // L.dp
+        return Coords(pp_i, dp_i, fsdp_i, tp_i)
+
+    def rank_of(self, pp: int, dp: int, fsdp: int, tp: int) -> int:
+        L = self.layout
+        return ((pp * L.dp + dp) * L.fsdp + fsdp) * L.tp + tp
+
+    def data_rank(self, rank: int | None = None) -> int:
+        """Index among the data-parallel ranks: which share of the global batch this rank reads."""
+        c = self.coords(rank)
+        return c.dp * self.layout.fsdp + c.fsdp
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.ranks_per_node
+
+    @property
+    def num_nodes(self) -> int:
+        return self.layout.world_size // self.ranks_per_node
+
+    # --- group membership (pure functions of the layout: testable without processes) ------------------
+    def _data_ranks(self, rank: int) -> list[int]:
+        """All data-parallel ranks with the same pp and tp coordinates as ``rank``, by data index."""
+        c, L = self.coords(rank), self.layout
+        return [self.rank_of(c.pp, d // L.fsdp, d % L.fsdp, c.tp) for d in range(L.data_parallel)]
+
+    def members(self, kind: str, rank: int | None = None) -> list[int]:
+        r = self.rank if rank is None else rank
+        ep = self.layout.ep
+        data, d = self._data_ranks(r), self.data_rank(r)
+        if kind == "dp":  # every data-parallel peer: dense gradients, global load-balance counts
+            return data
+        if kind == "ep":  # exchange tokens, together hold all experts
+            start = d - d % ep
+            return data[start : start + ep]
+        if kind == "edp":  # hold the same experts: expert gradients
+            return data[d % ep :: ep]
+        if kind in ("ep_node", "ep_rail"):
+            group = self.members("ep", r)
+            node = self.node_of(r)
+            if kind == "ep_node":
+                return [g for g in group if self.node_of(g) == node]
+            pos = [g for g in group if self.node_of(g) == node].index(r)
+            nodes = sorted({self.node_of(g) for g in group})
+            return [[g for g in group if self.node_of(g) == n][pos] for n in nodes]
+        raise ValueError(f"unknown group kind {kind!r}")
+
+    def check_hierarchical(self) -> None:
+        """Two-level dispatch needs every node of an EP group to hold the same number of its ranks."""
+        group = self.members("ep")
+        per_node = {}
+        for g in group:
+            per_node[self.node_of(g)] = per_node.get(self.node_of(g), 0) + 1
+        if len(set(per_node.values())) != 1:
+            raise LayoutError(f"hierarchical dispatch needs the EP group {group} spread evenly over nodes, got "
+                              f"ranks per node {per_node}; make ep a multiple of ranks_per_node={self.ranks_per_node} "
+                              f"or use flat dispatch")
+
+    # --- process groups -------------------------------------------------------------------------------
+    def build(self) -> "Topology":
+        """Create every process group once, on every rank in the same order (a collective requirement)."""
+        if not dist.is_initialized():
+            raise RuntimeError("Topology.build() needs torch.distributed initialised (init_process_group)")
+        if dist.get_world_size() != self.layout.world_size:
+            raise LayoutError(f"process group has {dist.get_world_size()} ranks, layout {self.layout.world_size}")
+        for kind in ("dp", "ep", "edp", "ep_node", "ep_rail"):
+            seen = set()
+            for r in range(self.layout.world_size):  # every rank creates every group, in order
+                ranks = tuple(self.members(kind, r))
+                if ranks in seen:
+                    continue
+                seen.add(ranks)
+                pg = dist.new_group(list(ranks))
+                if self.rank in ranks:
+                    self.groups[kind] = pg
+        return self
+
+    def group(self, kind: str):
+        if kind not in self.groups:
+            raise RuntimeError(f"process group {kind!r} does not exist yet: call Topology.build() first")
+        return self.groups[kind]
