@@ -5,7 +5,6 @@ Optional packages (tensorboard, nvidia-ml-py) are used when installed and skippe
 """
 from __future__ import annotations
 
-import resource
 import sys
 import time
 
@@ -30,7 +29,12 @@ def peak_memory_gb(device: torch.device) -> float:
     """Peak allocated tensor memory on CUDA; peak resident set size of the process on CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+    try:
+        import resource
+    except ImportError:  # not POSIX (Windows): no portable peak-RSS without extra packages
+        return 0.0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**30 if sys.platform == "darwin" else peak / 2**20  # macOS reports bytes, Linux KiB
 
 
 class GpuTelemetry:
