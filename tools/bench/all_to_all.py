@@ -1,0 +1,167 @@
+"""Flat vs hierarchical expert-parallel dispatch: time and bytes per link class, against the cost model.
+
+DeepSeek-V3-like routing by default (H 7168, 256 experts, top-8), nodes simulated by grouping ranks:
+
+    python tools/bench/all_to_all.py                                  # CPU: spawns 8 gloo ranks
+    python tools/bench/all_to_all.py --ranks-per-node 4 2 --node-limit 2 --tokens 64
+    torchrun --nproc-per-node 8 tools/bench/all_to_all.py --ranks-per-node 8 4 2   # GPUs (NCCL)
+
+Each row: one (ranks per node, dispatcher) pair. Measured bytes are what every rank sent per token
+(dispatch only; combine mirrors it), averaged over ranks; "model" is comm.cost_model's expectation
+for uniformly random routing. Time is one dispatch + combine with identity experts (communication and
+permutation only), median over repeats, slowest rank.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from benchlib import environment, print_table, write_json
+from comm import cost_model
+from comm.expert_parallel import FlatEPDispatcher
+from comm.hierarchical import HierarchicalEPDispatcher
+from comm.topology import Layout, Topology
+from moe import build_router
+
+
+def measure(args, world: int, rank: int, per_node: int, device) -> list[dict]:
+    topo = Topology(Layout(dp=world, ep=world), rank, per_node).build()
+    nodes = world // per_node
+    opts = {}
+    if args.node_limit and args.node_limit < nodes:  # node-limited routing = groups aligned with nodes
+        opts = dict(num_groups=nodes, group_top_k=args.node_limit)
+    router = build_router("topk", args.hidden, args.experts, top_k=args.top_k, aux_loss_coeff=0.0, **opts).to(device)
+    gen = torch.Generator(device="cpu").manual_seed(args.seed + rank)
+    dtype = getattr(torch, args.dtype)
+    x = torch.randn(args.tokens, args.hidden, generator=gen).to(device, dtype)
+    with torch.no_grad():
+        routing = router.route(torch.randn(args.tokens, args.experts, generator=gen).to(device))
+    out = []
+    dispatchers = {"flat": FlatEPDispatcher(args.experts, topo.group("ep"), topo.members("ep"), topo.node_of)}
+    if nodes > 1:
+        dispatchers["hierarchical"] = HierarchicalEPDispatcher(args.experts, topo)
+    for name, disp in dispatchers.items():
+        def step():
+            d = disp.dispatch(x, routing)
+            disp.combine(d.rows, d.meta)
+
+        step()
+        disp.traffic.snapshot(reset=True)
+        times = []
+        for _ in range(args.repeats):
+            dist.barrier()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            step()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append((time.perf_counter() - t0) * 1e3)
+        sent = disp.traffic.snapshot(reset=True)
+        stats = torch.tensor([statistics.median(times), sent.get("dispatch_inter", 0) / args.repeats,
+                              sent.get("dispatch_intra", 0) / args.repeats], dtype=torch.float64)
+        gathered = [torch.zeros_like(stats) for _ in range(world)]
+        dist.all_gather(gathered, stats.to(device) if device.type == "cuda" else stats)
+        g = torch.stack([t.cpu() for t in gathered])
+        model_fn = cost_model.hierarchical if name == "hierarchical" else cost_model.flat
+        pred = model_fn(nodes, per_node, args.experts, args.top_k, args.node_limit or None)
+        elem = torch.tensor([], dtype=dtype).element_size()
+        pred_inter, pred_intra = pred.bytes(args.hidden, elem)
+        out.append({
+            "nodes": nodes, "ranks_per_node": per_node, "dispatcher": name,
+            "median_ms": float(g[:, 0].max()),
+            "inter_B_per_token": float(g[:, 1].mean()) / args.tokens, "model_inter_B_per_token": pred_inter,
+            "intra_B_per_token": float(g[:, 2].mean()) / args.tokens, "model_intra_B_per_token": pred_intra,
+        })
+    return out
+
+
+def worker(rank: int, world: int, args, init_file: str | None) -> None:
+    if init_file:  # spawned on CPU
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=300))
+        device = torch.device("cpu")
+    else:  # under torchrun
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(seconds=300))
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if backend == "nccl" else torch.device("cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+    rows = []
+    for per_node in args.ranks_per_node:
+        if world % per_node:
+            raise SystemExit(f"--ranks-per-node {per_node} must divide the world size {world}")
+        rows += measure(args, world, rank, per_node, device)
+    if rank == 0:
+        print_table(rows, [("nodes", "nodes", "d"), ("ranks_per_node", "ranks/node", "d"), ("dispatcher", "dispatch", ""),
+                           ("median_ms", "ms", ".2f"), ("inter_B_per_token", "inter B/tok", ".0f"),
+                           ("model_inter_B_per_token", "model", ".0f"), ("intra_B_per_token", "intra B/tok", ".0f"),
+                           ("model_intra_B_per_token", "model", ".0f")])
+        write_json(args.out, {"benchmark": "ep_dispatch", "world": world, "config": vars(args),
+                              "environment": environment(device), "results": rows})
+    dist.destroy_process_group()
+
+
+def model_table(args) -> list[dict]:
+    """The cost model alone, N = 8..128 nodes of --gpus-per-node ranks (no processes)."""
+    elem = torch.tensor([], dtype=getattr(torch, args.dtype)).element_size()
+    rows = []
+    for nodes in (8, 16, 32, 64, 128):
+        G, E, k, H = args.gpus_per_node, args.experts, args.top_k, args.hidden
+        f = cost_model.flat(nodes, G, E, k).bytes(H, elem)
+        h = cost_model.hierarchical(nodes, G, E, k).bytes(H, elem)
+        m = cost_model.hierarchical(nodes, G, E, k, node_limit=args.node_limit or 4).bytes(H, elem)
+        rows.append({"nodes": nodes, "gpus": nodes * G, "flat_inter_KB": f[0] / 1e3, "hier_inter_KB": h[0] / 1e3,
+                     "limited_inter_KB": m[0] / 1e3, "hier_saving": f[0] / h[0], "limited_saving": f[0] / m[0],
+                     "hier_intra_KB": h[1] / 1e3})
+    print_table(rows, [("nodes", "nodes", "d"), ("gpus", "GPUs", "d"), ("flat_inter_KB", "flat inter KB/tok", ".1f"),
+                       ("hier_inter_KB", "hier inter", ".1f"), ("limited_inter_KB", f"hier M={args.node_limit or 4}", ".1f"),
+                       ("hier_saving", "flat/hier", ".2f"), ("limited_saving", "flat/limited", ".2f"),
+                       ("hier_intra_KB", "hier intra KB/tok", ".1f")])
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world", type=int, default=8, help="ranks to spawn on CPU (ignored under torchrun)")
+    p.add_argument("--ranks-per-node", type=int, nargs="+", default=[4, 2], help="simulated node sizes")
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--node-limit", type=int, default=0, help="M > 0: experts on at most M nodes per token")
+    p.add_argument("--tokens", type=int, default=128, help="tokens per rank")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench-results/all_to_all.json")
+    p.add_argument("--model-table", action="store_true", help="print the cost model for 8-128 nodes and exit")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="for --model-table")
+    args = p.parse_args(argv)
+    if args.model_table:
+        model_table(args)
+        return 0
+    if args.experts % args.world and "WORLD_SIZE" not in os.environ:
+        p.error(f"--experts {args.experts} must be divisible by --world {args.world}")
+    if "WORLD_SIZE" in os.environ:
+        worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args, None)
+        return 0
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(worker, args=(args.world, args, os.path.join(tmp, "store")), nprocs=args.world,
+                           start_method="spawn")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
