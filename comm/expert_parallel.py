@@ -134,6 +134,65 @@ def shard_experts(layer: nn.Module, ep_rank: int, ep_size: int) -> None:
     experts.expert_range = (lo, hi)
 
 
+def make_checkpoints_full(experts: nn.Module, group) -> None:
+    """State dicts of sharded experts hold the full [E, ...] tensors: every EP rank writes the same
+    (deduplicated) tensor and a checkpoint loads into any ep degree, each rank keeping its slice."""
+    experts.ep_group = group
+
+    def gather(module, state, prefix, local_metadata):
+        for name in ("w_in", "w_out"):
+            key = prefix + name
+            if key in state:
+                state[key] = all_gather_rows(state[key], group)
+        return state
+
+    def slice_(state, prefix, *args):
+        lo, hi = experts.expert_range
+        full = (hi - lo) * dist.get_world_size(group)
+        for name in ("w_in", "w_out"):
+            key = prefix + name
+            if key in state and state[key].shape[0] == full:
+                state[key] = state[key][lo:hi]
+
+    experts._register_state_dict_hook(gather)
+    experts._register_load_state_dict_pre_hook(slice_)
+
+
+def all_gather_rows(t: Tensor, group) -> Tensor:
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.detach().contiguous(), group=group)
+    return torch.cat(parts)
+
+
+def expert_param_names(model: nn.Module) -> dict[str, nn.Module]:
+    """FQN of every expert-sharded parameter -> its GroupedExperts module."""
+    out = {}
+    for mname, module in model.named_modules():
+        if hasattr(module, "expert_range"):
+            for pname in ("w_in", "w_out"):
+                out[f"{mname}.{pname}" if mname else pname] = module
+    return out
+
+
+def gather_optimizer_state(osd: dict, model: nn.Module) -> dict:
+    """Optimizer state (torch.distributed.checkpoint.state_dict format) with expert moments made full."""
+    for fqn, module in expert_param_names(model).items():
+        for key, value in osd.get("state", {}).get(fqn, {}).items():
+            if isinstance(value, Tensor) and value.dim() > 0:
+                osd["state"][fqn][key] = all_gather_rows(value, module.ep_group)
+    return osd
+
+
+def slice_optimizer_state(osd: dict, model: nn.Module) -> dict:
+    """The inverse of gather_optimizer_state for this rank's expert slice."""
+    for fqn, module in expert_param_names(model).items():
+        lo, hi = module.expert_range
+        for key, value in osd.get("state", {}).get(fqn, {}).items():
+            if isinstance(value, Tensor) and value.dim() > 0:
+                osd["state"][fqn][key] = value[lo:hi]
+    return osd
+
+
 def all_reduce_counts(group):
     """A moe CountReducer: per-expert counts summed over the data-parallel group (global-batch balancing)."""
 
@@ -163,6 +222,7 @@ def apply_expert_parallel(model: nn.Module, topology, hierarchical: bool = False
         if topology.layout.ep == 1:
             continue
         shard_experts(layer, ep_rank, len(ep_ranks))
+        make_checkpoints_full(layer.experts, topology.group("ep"))
         if hierarchical:
             layer.dispatcher = HierarchicalEPDispatcher(layer.num_experts, topology, traffic)
         else:

@@ -94,6 +94,13 @@ def _ep_layer_rank(rank, world, E, k, tokens, per_node, hierarchical, skew, seed
     assert ep.load.summary().total_slots == tokens * k
     stats = traffic.snapshot()
     assert all(v >= 0 for v in stats.values())
+    # checkpoints hold full expert tensors, and a full state dict loads back into the shard
+    sd = ep.state_dict()
+    torch.testing.assert_close(sd["experts.w_in"], ref.experts.w_in.detach())
+    with torch.no_grad():
+        ep.experts.w_in.zero_()
+    ep.load_state_dict(sd)
+    torch.testing.assert_close(ep.experts.w_in.detach(), ref.experts.w_in.detach()[lo:hi])
 
 
 @pytest.mark.parametrize("world,E,k,skew", [(2, 4, 2, False), (4, 8, 3, True)])

@@ -1,0 +1,140 @@
+"""What the training loop needs from the layout: one object, the same calls in one process and many.
+
+``Dist.setup`` reads the launch (torchrun's env via comm.topology), starts the process group, and
+validates the layout before any work. In one process every method is a cheap identity, so the loop
+reads the same in both cases and the single-process run stays bitwise what it was.
+"""
+from __future__ import annotations
+
+import math
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from comm.expert_parallel import sync_gradients
+from comm.topology import Layout, LayoutError, Topology
+from trainlib import UserError
+
+
+class Dist:
+    def __init__(self, topology: Topology, device: torch.device):
+        self.topology, self.device = topology, device
+        self.world = topology.layout.world_size
+        self.rank = topology.rank
+        self.is_main = self.rank == 0
+        self.data_parallel = topology.layout.data_parallel
+        self.data_rank = topology.data_rank()
+        self.traffic = None
+
+    @classmethod
+    def setup(cls, layout: Layout, num_experts: int, device: torch.device, ranks_per_node: int | None,
+              timeout_s: float) -> "Dist":
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        try:
+            topology = Topology.from_env(layout, num_experts, ranks_per_node)
+        except LayoutError as exc:
+            raise UserError(str(exc)) from None
+        if world > 1 and not dist.is_initialized():
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            if device.type == "cuda":
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            # a rank that never arrives (crash, mismatched launch) surfaces as an error after timeout_s
+            dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        if world > 1:
+            topology.build()
+        return cls(topology, device)
+
+    @property
+    def active(self) -> bool:
+        return self.world > 1
+
+    def parallelize(self, model) -> None:
+        if not self.active:
+            return
+        from models.parallelize import parallelize
+
+        try:
+            self.traffic = parallelize(model, self.topology).traffic
+        except LayoutError as exc:
+            raise UserError(str(exc)) from None
+
+    def share(self, batch, per_rank: int):
+        """This rank's contiguous share of the global batch (DESIGN.md)."""
+        return batch[self.data_rank * per_rank : (self.data_rank + 1) * per_rank]
+
+    def sync_grads(self, model) -> None:
+        if self.active:
+            sync_gradients(model, self.topology)
+
+    def mean(self, value: torch.Tensor) -> torch.Tensor:
+        """Mean over the data-parallel ranks (each rank's value is a mean over its equal share)."""
+        if not self.active:
+            return value
+        out = value.detach().clone()
+        dist.all_reduce(out, group=self.topology.group("dp"))
+        return out / self.data_parallel
+
+    def clip_grad_norm(self, params, max_norm: float) -> torch.Tensor:
+        """Global gradient norm (expert shards summed over the EP group), clipped like torch's."""
+        grads = [p.grad for p in params if p.grad is not None]
+        if not self.active:
+            if max_norm > 0:
+                return torch.nn.utils.clip_grad_norm_(params, max_norm)
+            return torch.nn.utils.get_total_norm(grads)
+        sq = {True: torch.zeros((), device=self.device), False: torch.zeros((), device=self.device)}
+        for p in params:
+            if p.grad is not None:
+                sq[bool(getattr(p, "expert_parallel", False))] += p.grad.float().square().sum()
+        expert_sq = sq[True]
+        if self.topology.layout.ep > 1:
+            dist.all_reduce(expert_sq, group=self.topology.group("ep"))
+        total = (sq[False] + expert_sq).sqrt()
+        if max_norm > 0:
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            for g in grads:
+                g.mul_(coef.to(g.dtype))
+        return total
+
+    def reduce_load(self, load: dict) -> dict:
+        """Sum every layer's expert counts over the data-parallel ranks: the record covers the global batch."""
+        if not self.active or not load:
+            return load
+        names = list(load)
+        flat = []
+        for n in names:
+            s = load[n]
+            flat += s.tokens_per_expert + s.assigned_per_expert + [s.dropped_slots]
+        t = torch.tensor(flat, dtype=torch.float64, device=self.device)
+        aux = torch.tensor([load[n].aux_loss for n in names], dtype=torch.float64, device=self.device)
+        group = self.topology.group("dp")
+        dist.all_reduce(t, group=group)
+        dist.all_reduce(aux, group=group)
+        values = t.cpu().tolist()  # D2H sync: once per step, for the records
+        i = 0
+        for j, n in enumerate(names):
+            s, E = load[n], len(load[n].tokens_per_expert)
+            s.tokens_per_expert = [int(v) for v in values[i : i + E]]
+            s.assigned_per_expert = [int(v) for v in values[i + E : i + 2 * E]]
+            s.dropped_slots = int(values[i + 2 * E])
+            s.aux_loss = float(aux[j]) / self.data_parallel
+            i += 2 * E + 1
+        return load
+
+    def any_nonfinite(self, *values: float) -> bool:
+        """Every rank agrees: if any rank sees a non-finite value, all of them stop."""
+        bad = any(not math.isfinite(v) for v in values)
+        if not self.active:
+            return bad
+        flag = torch.tensor([float(bad)], device=self.device)
+        dist.all_reduce(flag)
+        return bool(flag.item())  # D2H sync: the decision must be on the host
+
+    def barrier(self) -> None:
+        if self.active:
+            dist.barrier()
+
+    def close(self) -> None:
+        if self.active and dist.is_initialized():
+            dist.destroy_process_group()
