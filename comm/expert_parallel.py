@@ -176,20 +176,21 @@ def expert_param_names(model: nn.Module) -> dict[str, nn.Module]:
 
 def gather_optimizer_state(osd: dict, model: nn.Module) -> dict:
     """Optimizer state (torch.distributed.checkpoint.state_dict format) with expert moments made full."""
+    state = osd.get("state", {})
     for fqn, module in expert_param_names(model).items():
-        for key, value in osd.get("state", {}).get(fqn, {}).items():
-            if isinstance(value, Tensor) and value.dim() > 0:
-                osd["state"][fqn][key] = all_gather_rows(value, module.ep_group)
+        if fqn in state:  # a new dict: the optimizer's own state must keep its shards
+            state[fqn] = {k: all_gather_rows(v, module.ep_group) if isinstance(v, Tensor) and v.dim() > 0 else v
+                          for k, v in state[fqn].items()}
     return osd
 
 
 def slice_optimizer_state(osd: dict, model: nn.Module) -> dict:
     """The inverse of gather_optimizer_state for this rank's expert slice."""
+    state = osd.get("state", {})
     for fqn, module in expert_param_names(model).items():
         lo, hi = module.expert_range
-        for key, value in osd.get("state", {}).get(fqn, {}).items():
-            if isinstance(value, Tensor) and value.dim() > 0:
-                osd["state"][fqn][key] = value[lo:hi]
+        if fqn in state:
+            state[fqn] = {k: v[lo:hi] if isinstance(v, Tensor) and v.dim() > 0 else v for k, v in state[fqn].items()}
     return osd
 
 

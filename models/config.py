@@ -45,6 +45,7 @@ class ModelConfig:
     num_experts: int = 8  # E routed experts per MoE layer (0 = dense model)
     moe_ffn_hidden_size: int = 256  # width of one routed expert
     shared_ffn_hidden_size: int = 0  # > 0: an always-on shared expert of this width (DeepSeek)
+    shared_expert_gate: bool = False  # Qwen2-MoE: sigmoid(x @ w_g) gates the shared expert per token
     moe_every: int = 1  # an MoE FFN every n-th layer (Switch: 2)
     first_dense_layers: int = 0  # leading layers that keep a dense FFN (DeepSeek: 1-3)
     router: str = "topk"  # registered router name or "package.module:Class"

@@ -95,7 +95,8 @@ class Block(nn.Module):
             options, _ = router_options(config)
             router = build_router(config.router, H, config.num_experts, **options)
             self.ffn = MoELayer(H, config.moe_ffn_hidden_size, config.num_experts, router, config.activation,
-                                config.shared_ffn_hidden_size, backend=config.expert_backend)
+                                config.shared_ffn_hidden_size, shared_expert_gate=config.shared_expert_gate,
+                                backend=config.expert_backend)
         else:
             self.ffn = DenseMLP(H, config.ffn_hidden_size, config.activation)
 

@@ -1,3 +1,5 @@
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -92,21 +94,31 @@ def test_dropless_equals_huge_capacity():
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_backends_equal_loop(backend, dtype):
+    """fp32: equal to the loop. bf16: no further from a float64 reference than the loop in bf16 is."""
     layer, x = layer_and_input(E=8, k=2, T=41, seed=5, dtype=dtype)
     try:
         resolve_backend(backend, x, layer.experts.w_in, layer.experts.w_out)
     except ValueError as exc:  # triton without a GPU or TRITON_INTERPRET=1 (covered by test_kernels)
         pytest.skip(str(exc))
+
+    def run(module, inp):
+        out = module(inp)
+        return [out.detach(), *torch.autograd.grad(out.float().square().sum(), [inp] + params(module))]
+
     layer.experts.backend = "loop"
-    ref = layer(x)
-    gref = torch.autograd.grad(ref.float().square().sum(), [x] + params(layer))
+    loop = run(layer, x)
     layer.experts.backend = backend
-    out = layer(x)
-    got = torch.autograd.grad(out.float().square().sum(), [x] + params(layer))
-    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(out, ref, **tol)
-    for a, b in zip(got, gref):
-        torch.testing.assert_close(a.float(), b.float(), **tol)
+    got = run(layer, x)
+    if dtype == torch.float32:
+        for a, b in zip(got, loop):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        return
+    ref64 = copy.deepcopy(layer).double()
+    ref64.experts.backend = "loop"
+    exact = run(ref64, x.detach().double().requires_grad_())
+    for a, b, r in zip(got, loop, exact):
+        err, err_loop = (a.double() - r).abs().max(), (b.double() - r).abs().max()
+        assert err <= 2 * err_loop + 1e-3 * r.abs().max(), (err, err_loop)
 
 
 def test_bitwise_repeatable():

@@ -310,7 +310,7 @@ def _script(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("argv,env,expected", [
     (["--preset", "nope"], None, "unknown preset 'nope'; presets: mixtral-tiny"),
     (["--capacity-factor", "-2"], None, "--capacity-factor=-2.0 is invalid"),
-    ([], {"WORLD_SIZE": "2"}, "WORLD_SIZE=2: multi-rank training"),
+    ([], {"WORLD_SIZE": "2"}, "WORLD_SIZE=2 but MASTER_ADDR, MASTER_PORT, RANK unset: launch several ranks with torchrun"),
 ])
 def test_script_exit_code_and_no_traceback(argv, env, expected):
     proc = _script(*argv, env=env)

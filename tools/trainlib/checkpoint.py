@@ -25,11 +25,13 @@ import zlib
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
 )
 
+from comm.expert_parallel import gather_optimizer_state, slice_optimizer_state
 from trainlib import UserError
 
 FORMAT = 1
@@ -55,8 +57,19 @@ def _state(model, optimizer, scheduler, sampler, step: int) -> dict:
              "rng_cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         train["rng_cuda"] = torch.cuda.get_rng_state()
-    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer),
-            "train": train}
+    # expert-parallel shards appear as full [E, ...] tensors (comm.expert_parallel), so a checkpoint
+    # is the same whatever the ep degree and loads into any other
+    optim = gather_optimizer_state(get_optimizer_state_dict(model, optimizer), model)
+    return {"model": get_model_state_dict(model), "optim": optim, "train": train}
+
+
+def _main() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def _crc32(path: Path) -> int:
@@ -70,17 +83,22 @@ def _crc32(path: Path) -> int:
 def save(run_dir, step: int, model, optimizer, scheduler, sampler, model_config: dict, keep: int) -> Path:
     final = checkpoint_root(run_dir) / f"step_{step:06d}"
     tmp = final.with_name(final.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
+    if _main():
+        shutil.rmtree(tmp, ignore_errors=True)
+    _barrier()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save(_state(model, optimizer, scheduler, sampler, step), checkpoint_id=str(tmp))
-    files = {p.name: {"bytes": p.stat().st_size, "crc32": _crc32(p)} for p in sorted(tmp.iterdir())}
-    meta = {"format": FORMAT, "step": step, "model": model_config, "files": files, "torch": torch.__version__}
-    (tmp / META).write_text(json.dumps(meta, indent=1))
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    for old in list_checkpoints(run_dir)[:-keep]:
-        shutil.rmtree(old)
+    _barrier()  # every rank's files are written before rank 0 seals the checkpoint
+    if _main():
+        files = {p.name: {"bytes": p.stat().st_size, "crc32": _crc32(p)} for p in sorted(tmp.iterdir())}
+        meta = {"format": FORMAT, "step": step, "model": model_config, "files": files, "torch": torch.__version__}
+        (tmp / META).write_text(json.dumps(meta, indent=1))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        for old in list_checkpoints(run_dir)[:-keep]:
+            shutil.rmtree(old)
+    _barrier()
     return final
 
 
@@ -134,7 +152,7 @@ def load(path: Path, model, optimizer, scheduler, sampler, model_config: dict) -
         raise UserError(f"checkpoint {path}: DCP could not load it ({type(exc).__name__}: "
                         f"{reason[-1] if reason else ''})") from None
     set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, optimizer, state["optim"])
+    set_optimizer_state_dict(model, optimizer, slice_optimizer_state(state["optim"], model))
     train = state["train"]
     scheduler.load_state_dict(train["scheduler"])
     sampler.load_state_dict(train["data"])

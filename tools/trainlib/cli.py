@@ -13,6 +13,7 @@ from trainlib.config import DEFAULT_PRESET, TrainConfig, load_toml, set_value, v
 FLAG_SETTINGS = {
     "steps": "train.steps", "seed": "train.seed", "batch_size": "train.batch_size", "run_dir": "log.run_dir",
     "router": "model.router", "capacity_factor": "model.capacity_factor", "init_from_hf": "train.init_from_hf",
+    "export_hf": "train.export_hf", "ranks_per_node": "layout.ranks_per_node",
     "dp": "layout.dp", "ep": "layout.ep", "tp": "layout.tp", "pp": "layout.pp", "fsdp": "layout.fsdp",
 }
 
@@ -29,7 +30,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="train.py", description="Train a moekit MoE model (one process; multi-rank arrives with EP).",
+    p = _Parser(prog="train.py", description="Train a moekit MoE model: python tools/train.py, or torchrun ... tools/train.py --ep N.",
                 allow_abbrev=False,
                 epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", help=f"model preset (default {DEFAULT_PRESET}): {', '.join(PRESETS)}")
@@ -41,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--router", help="router name (topk, switch, expert_choice, sinkhorn, hash) or module:Class")
     p.add_argument("--capacity-factor", help="expert capacity factor; none = dropless")
     p.add_argument("--init-from-hf", metavar="DIR", help="start from a HuggingFace folder's weights (models.hf)")
+    p.add_argument("--export-hf", metavar="DIR", help="after the last step, write a HuggingFace Mixtral folder")
+    p.add_argument("--ranks-per-node", help="ranks sharing a node (default torchrun's LOCAL_WORLD_SIZE); "
+                                            "lower it to simulate several nodes (hierarchical dispatch)")
     for name in ("dp", "ep", "tp", "pp", "fsdp"):
         p.add_argument(f"--{name}", help=f"{name} degree (default 1{'; inferred from the world size' if name == 'dp' else ''})")
     p.add_argument("--resume", nargs="?", const="latest", metavar="CHECKPOINT",
@@ -96,8 +100,7 @@ def parse_args(argv: list[str]) -> tuple[TrainConfig, Options]:
 
 
 def world_size_from_env() -> int:
-    # torchrun's WORLD_SIZE. comm/topology owns launcher variables once multi-rank training lands;
-    # until then this is the one place the trainer reads them.
+    """torchrun's WORLD_SIZE, read early only to resolve dp; comm.topology owns the launch variables."""
     raw = os.environ.get("WORLD_SIZE", "1")
     try:
         return int(raw)
@@ -107,7 +110,15 @@ def world_size_from_env() -> int:
 
 def check_world(cfg: TrainConfig) -> None:
     world = world_size_from_env()
-    if world > 1:
-        raise UserError(f"WORLD_SIZE={world}: multi-rank training (torchrun) arrives with expert parallelism "
-                        f"(comm/); this trainer runs one process: python tools/train.py")
     cfg.layout = cfg.layout.resolve(world)
+    L = cfg.layout
+    if cfg.model.num_experts and cfg.model.num_moe_layers and cfg.model.num_experts % L.ep:
+        divisors = [d for d in range(1, cfg.model.num_experts + 1) if cfg.model.num_experts % d == 0]
+        raise UserError(f"--ep {L.ep}: num_experts={cfg.model.num_experts} is not divisible by it; use one of "
+                        f"{divisors}")
+    if L.ranks_per_node and world % L.ranks_per_node:
+        raise UserError(f"--ranks-per-node {L.ranks_per_node} must divide the world size {world}")
+    if L.hierarchical not in ("auto", "on", "off"):
+        raise UserError(f"--layout.hierarchical {L.hierarchical!r}: use auto, on or off")
+    if L.timeout_s <= 0:
+        raise UserError(f"--layout.timeout_s {L.timeout_s}: must be > 0 seconds")

@@ -54,6 +54,7 @@ class TrainSection:
     dtype: str = "auto"  # auto = bf16 autocast on CUDA, fp32 on CPU
     device: str = "auto"  # auto = cuda when available
     init_from_hf: str = ""  # a HuggingFace folder to start from (models.hf); the model config must match it
+    export_hf: str = ""  # after the last step, write the model here as a HuggingFace Mixtral folder
 
 
 @dataclass
@@ -87,8 +88,8 @@ class CheckpointSection:
 class Layout:
     """Parallel degrees. World size = dp * fsdp * tp * pp; ep borrows from the data-parallel ranks.
 
-    0 for dp means "infer from the world size". Multi-rank execution arrives with comm/ (expert
-    parallelism); until then only the 1-process layout runs.
+    0 for dp means "infer from the world size". Launch several ranks with torchrun; comm.topology
+    validates the layout against the world size and the model, and builds the process groups.
     """
 
     dp: int = 0
@@ -96,12 +97,15 @@ class Layout:
     tp: int = 1
     pp: int = 1
     fsdp: int = 1
+    ranks_per_node: int = 0  # 0 = torchrun's LOCAL_WORLD_SIZE; set lower to simulate several nodes
+    hierarchical: str = "auto"  # EP dispatch across nodes: auto (when the EP group spans nodes) | on | off
+    timeout_s: float = 600.0  # a collective that waits longer fails with an error instead of hanging
 
     def resolve(self, world_size: int) -> "Layout":
         others = self.fsdp * self.tp * self.pp
         dp = self.dp or max(world_size // others, 1)
         resolved = dataclasses.replace(self, dp=dp)
-        flags = " ".join(f"--{k} {v}" for k, v in dataclasses.asdict(resolved).items())
+        flags = " ".join(f"--{k} {getattr(resolved, k)}" for k in ("dp", "ep", "tp", "pp", "fsdp"))
         if dp * others != world_size:
             raise UserError(f"layout {flags} needs dp*fsdp*tp*pp = {dp * others} processes but the world size is "
                             f"{world_size}; use degrees whose product is {world_size}")
@@ -285,8 +289,11 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _require(cfg.log.progress in PROGRESS, f"--log.progress={cfg.log.progress!r} is invalid; choose one of {list(PROGRESS)}")
     _require(cfg.checkpoint.every >= 0 and cfg.checkpoint.keep >= 1,
              f"checkpoint.every={cfg.checkpoint.every} must be >= 0 and checkpoint.keep={cfg.checkpoint.keep} >= 1")
-    for name, v in dataclasses.asdict(cfg.layout).items():
+    for name in ("dp", "ep", "tp", "pp", "fsdp"):
+        v = getattr(cfg.layout, name)
         _require(v >= (0 if name == "dp" else 1), f"--{name}={v} is invalid; parallel degrees are positive integers")
+    _require(cfg.layout.ranks_per_node >= 0, f"--ranks-per-node={cfg.layout.ranks_per_node} is invalid; it must be "
+                                             f">= 0 (0 = torchrun's LOCAL_WORLD_SIZE)")
     validate_model(cfg)
     return cfg
 

@@ -32,11 +32,16 @@ class Dist:
     def setup(cls, layout: Layout, num_experts: int, device: torch.device, ranks_per_node: int | None,
               timeout_s: float) -> "Dist":
         world = int(os.environ.get("WORLD_SIZE", "1"))
+        layout = Layout(pp=layout.pp, dp=layout.dp, fsdp=layout.fsdp, tp=layout.tp, ep=layout.ep)  # comm's
         try:
-            topology = Topology.from_env(layout, num_experts, ranks_per_node)
+            topology = Topology.from_env(layout, num_experts or None, ranks_per_node)
         except LayoutError as exc:
             raise UserError(str(exc)) from None
         if world > 1 and not dist.is_initialized():
+            missing = [v for v in ("MASTER_ADDR", "MASTER_PORT", "RANK") if v not in os.environ]
+            if missing:
+                raise UserError(f"WORLD_SIZE={world} but {', '.join(missing)} unset: launch several ranks with "
+                                f"torchrun --nproc-per-node {world} tools/train.py ...")
             backend = "nccl" if device.type == "cuda" else "gloo"
             if device.type == "cuda":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -50,13 +55,13 @@ class Dist:
     def active(self) -> bool:
         return self.world > 1
 
-    def parallelize(self, model) -> None:
+    def parallelize(self, model, hierarchical: bool | None = None) -> None:
         if not self.active:
             return
         from models.parallelize import parallelize
 
         try:
-            self.traffic = parallelize(model, self.topology).traffic
+            self.traffic = parallelize(model, self.topology, hierarchical=hierarchical).traffic
         except LayoutError as exc:
             raise UserError(str(exc)) from None
 

@@ -30,6 +30,7 @@ from moe import collect_load, moe_layers, update_expert_biases
 from trainlib import UserError, checkpoint, records
 from trainlib.cli import Options, parse_args
 from trainlib.config import TrainConfig, to_toml
+from trainlib.distributed import Dist
 from trainlib.data import Sampler, Split, gather, load_tokens, split_windows, unigram_entropy, write_token_file
 from trainlib.monitor import Monitor, peak_flops, peak_memory_gb
 
@@ -72,6 +73,7 @@ class Plan:
     autocast_dtype: torch.dtype | None  # None = plain fp32
     micro_batch: int
     accum: int
+    per_rank: int
     tokens_per_step: int
     flops_per_token: float
 
@@ -83,20 +85,22 @@ def make_plan(cfg: TrainConfig) -> Plan:
         raise UserError("--train.device=cuda but torch sees no CUDA device; use --train.device cpu")
     device = torch.device(want)
     dtype = {"float32": None, "bfloat16": torch.bfloat16, "auto": torch.bfloat16 if want == "cuda" else None}[t.dtype]
-    per_rank = t.batch_size // cfg.layout.dp
+    D = cfg.layout.dp * cfg.layout.fsdp  # data-parallel ranks, each reading its share of the batch
+    per_rank = t.batch_size // D
     micro = t.micro_batch_size or per_rank
-    if t.batch_size % cfg.layout.dp or per_rank % micro:
-        raise UserError(f"--batch-size {t.batch_size} must split into dp={cfg.layout.dp} equal shares of whole "
+    if t.batch_size % D or per_rank % micro:
+        raise UserError(f"--batch-size {t.batch_size} must split into {D} data-parallel shares of whole "
                         f"micro-batches of {micro} (--train.micro_batch_size)")
     stats = model_stats(cfg.model, t.seq_len)
-    need = stats.params * BYTES_PER_PARAM
+    need = stats.params * BYTES_PER_PARAM / max(cfg.layout.ep, 1)  # experts dominate; EP shards them
     have = (torch.cuda.mem_get_info(device)[1] if want == "cuda"
             else os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
     if need > have:
         raise UserError(f"{cfg.preset}: {stats.params / 1e9:.1f}B parameters need ~{need / 2**30:,.0f} GiB for fp32 "
                         f"weights, gradients and AdamW state; this {want} has {have / 2**30:,.0f} GiB. Use a tiny "
                         f"preset (mixtral-tiny, switch-tiny, deepseek-tiny) or wait for multi-rank training")
-    return Plan(device, dtype, micro, per_rank // micro, t.batch_size * t.seq_len, stats.train_flops_per_token)
+    return Plan(device, dtype, micro, per_rank // micro, per_rank, t.batch_size * t.seq_len,
+                stats.train_flops_per_token)
 
 
 def lr_lambda(cfg: TrainConfig):
@@ -126,6 +130,8 @@ class Run:
     def __init__(self, cfg: TrainConfig, opts: Options):
         self.cfg, self.opts = cfg, opts
         self.plan = make_plan(cfg)
+        L = cfg.layout
+        self.dist = Dist.setup(L, cfg.model.num_experts, self.plan.device, L.ranks_per_node or None, L.timeout_s)
         tokens, self.data_desc = load_tokens(cfg.data.path, cfg.data.text, cfg.model.vocab_size)
         self.split: Split = split_windows(tokens, cfg.train.seq_len, cfg.data.val_fraction)
         self.sampler = Sampler(self.split.train_starts, cfg.train.seed)
@@ -146,6 +152,10 @@ class Run:
         self.model.init_weights(cfg.train.seed)
         if cfg.train.init_from_hf and self.resume_from is None:
             self.load_hf(cfg.train.init_from_hf)
+        if cfg.train.export_hf:  # refuse before training, not after
+            self.check_exportable()
+        # the full model is built and initialised first, then each rank keeps its share (layout-free init)
+        self.dist.parallelize(self.model, {"auto": None, "on": True, "off": False}[cfg.layout.hierarchical])
         self.model.train()
         for _, layer in moe_layers(self.model):
             layer.aux_loss_scale = 1.0 / plan.accum  # the aux loss is averaged over micro-batches like the LM loss
@@ -165,7 +175,18 @@ class Run:
         except ValueError as exc:  # config mismatch, missing or misshapen tensors: the message names them
             raise UserError(f"--init-from-hf {path}: {exc}") from None
 
+    def check_exportable(self) -> None:
+        from models.hf import check_mixtral_exportable
+
+        try:
+            check_mixtral_exportable(self.model)
+        except ValueError as exc:
+            raise UserError(f"--export-hf: {exc}") from None
+
     def open_records(self) -> None:
+        if not self.dist.is_main:  # rank 0 writes the records; the others only compute
+            self.metrics = self.load_log = self.monitor = None
+            return
         d = self.run_dir
         if self.resume_from is None:
             stale = [d / n for n in (records.METRICS, records.EXPERT_LOAD, records.CONFIG, "checkpoints", "tensorboard")]
@@ -188,6 +209,8 @@ class Run:
                                self.cfg.log.every, self.cfg.log.tensorboard, self.cfg.log.progress)
 
     def describe(self) -> None:
+        if not self.dist.is_main:
+            return
         cfg, plan = self.cfg, self.plan
         stats = model_stats(cfg.model, cfg.train.seq_len)
         say = self.monitor.print
@@ -202,6 +225,10 @@ class Run:
         say(f"device {plan.device}, {plan.autocast_dtype or torch.float32}; batch {cfg.train.batch_size} x "
             f"{cfg.train.seq_len} tokens ({plan.accum} micro-batch(es) of {plan.micro_batch}); run dir {self.run_dir}; "
             f"{self.monitor.describe()}")
+        if self.dist.active:
+            L = cfg.layout
+            say(f"layout: {self.dist.world} ranks, dp={L.dp} ep={L.ep} (experts {cfg.model.num_experts // L.ep} per "
+                f"rank), {self.dist.topology.num_nodes} node(s) of {self.dist.topology.ranks_per_node} ranks")
         if self.start_step:
             say(f"resumed from {self.resume_from} at step {self.start_step}")
 
@@ -225,9 +252,10 @@ class Run:
         try:
             return self.loop()
         finally:
-            self.metrics.close()
-            self.load_log.close()
-            self.monitor.close()
+            for rec in (self.metrics, self.load_log, self.monitor):
+                if rec is not None:
+                    rec.close()
+            self.dist.close()
 
     def loop(self) -> int:
         cfg, plan = self.cfg, self.plan
@@ -236,40 +264,53 @@ class Run:
         t_start = time.perf_counter()
         for step in range(self.start_step + 1, cfg.train.steps + 1):
             t0 = time.perf_counter()
-            batch = self.sampler.next(cfg.train.batch_size)  # [batch_size] window starts (dp=1: all ours)
+            batch = self.sampler.next(cfg.train.batch_size)  # [batch_size] window starts of the global batch
+            batch = self.dist.share(batch, plan.per_rank)  # this rank's contiguous share
             loss_sum = torch.zeros((), device=plan.device)
             for m in range(plan.accum):
                 loss = self.forward_loss(batch[m * plan.micro_batch : (m + 1) * plan.micro_batch])
                 (loss / plan.accum).backward()
                 loss_sum += loss.detach()
-            loss_value = (loss_sum / plan.accum).item()  # D2H sync: the finiteness check and the records
-            if not math.isfinite(loss_value):
+            self.dist.sync_grads(self.model)  # the global-batch gradient on every rank
+            loss_value = self.dist.mean(loss_sum / plan.accum).item()  # D2H sync: finiteness check, records
+            if self.dist.any_nonfinite(loss_value):  # every rank stops together
                 return self.stop_nonfinite("loss", loss_value, step)
-            if cfg.train.grad_clip > 0:
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip)
-            else:
-                grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-            grad_norm = grad_norm.item()  # D2H sync: must be finite before the weights change
-            if not math.isfinite(grad_norm):
+            grad_norm = self.dist.clip_grad_norm(params, cfg.train.grad_clip).item()  # D2H sync: before the update
+            if self.dist.any_nonfinite(grad_norm):
                 return self.stop_nonfinite("gradient norm", grad_norm, step)
             lr = self.optimizer.param_groups[0]["lr"]
             self.optimizer.step()
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
             update_expert_biases(self.model)
-            load = collect_load(self.model, reset=True)  # D2H sync: one transfer per MoE layer
+            load = self.dist.reduce_load(collect_load(self.model, reset=True))  # D2H sync: per MoE layer
             dt = time.perf_counter() - t0
             tokens_seen += plan.tokens_per_step
             m = self.step_metrics(step, loss_value, grad_norm, lr, load, dt, tokens_seen, time.perf_counter() - t_start)
             if step == cfg.train.steps or (cfg.eval.every and step % cfg.eval.every == 0):
                 m["val_loss"] = self.evaluate()
-            self.metrics.write(self.monitor.step(m))
-            self.load_log.write(records.load_line(step, load))
+            if self.dist.is_main:
+                self.metrics.write(self.monitor.step(m))
+                self.load_log.write(records.load_line(step, load))
             if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == cfg.train.steps):
                 self.last_checkpoint = checkpoint.save(self.run_dir, step, self.model, self.optimizer, self.scheduler,
                                                        self.sampler, cfg.model.to_dict(), cfg.checkpoint.keep)
-        self.finish()
+        if cfg.train.export_hf:
+            self.export_hf(cfg.train.export_hf)
+        if self.dist.is_main:
+            self.finish()
         return 0
+
+    def export_hf(self, path: str) -> None:
+        from models.hf import save_mixtral
+
+        state = self.model.state_dict()  # expert shards gather to full tensors (collective)
+        if self.dist.is_main:
+            with torch.device("meta"):
+                full = Transformer(self.cfg.model)
+            full.load_state_dict(state, assign=True)
+            self.monitor.print(f"exported {save_mixtral(full, path)} (HuggingFace Mixtral)")
+        self.dist.barrier()
 
     def step_metrics(self, step, loss, grad_norm, lr, load, dt, tokens_seen, elapsed) -> dict:
         tps = self.plan.tokens_per_step / dt
@@ -291,17 +332,22 @@ class Run:
         val = self.split.val_starts
         n = min(self.cfg.eval.sequences, val.size)
         starts = val[np.linspace(0, val.size - 1, n).round().astype(np.int64)]
+        D = self.dist.data_parallel  # each rank takes an equal share (same forward count: EP collectives)
+        starts = starts[: n - n % D] if n >= D else starts[np.arange(D) % n]
+        mine = starts.reshape(D, -1)[self.dist.data_rank]
         self.model.eval()
         total = torch.zeros((), device=self.plan.device)
-        for i in range(0, n, self.plan.micro_batch):
-            part = starts[i : i + self.plan.micro_batch]
+        for i in range(0, mine.size, self.plan.micro_batch):
+            part = mine[i : i + self.plan.micro_batch]
             total += self.forward_loss(part) * part.size
         self.model.train()
-        return total.item() / n  # D2H sync: once per evaluation
+        return self.dist.mean(total / mine.size).item()  # D2H sync: once per evaluation
 
     def stop_nonfinite(self, what: str, value: float, step: int) -> int:
         self.optimizer.zero_grad(set_to_none=True)
         good = self.last_checkpoint or "none saved yet"
+        if not self.dist.is_main:
+            return 1
         self.monitor.progress.clear()
         print(f"train.py: error: non-finite {what} ({value}) at step {step}; stopped before its optimizer step. "
               f"Last good checkpoint: {good}. Lower --train.lr or raise --train.warmup_steps", file=sys.stderr)

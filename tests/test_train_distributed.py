@@ -1,0 +1,89 @@
+"""Layout invariance under torchrun: expert parallelism (flat and hierarchical) reproduces one process."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--model.hidden_size", "32", "--model.num_layers", "2", "--train.seq_len", "32", "--batch-size", "8",
+        "--eval.every", "0", "--log.every", "1", "--log.progress", "off"]
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def run(args, nproc: int = 1, env_extra=None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env.pop("WORLD_SIZE", None)
+    env.update(env_extra or {})
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    cmd = (launch if nproc > 1 else [sys.executable]) + [str(ROOT / "tools" / "train.py"), *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    d = tmp_path_factory.mktemp("single")
+    r = run(["--steps", "4", "--run-dir", str(d), "--checkpoint.every", "0", *TINY])
+    assert r.returncode == 0, r.stderr
+    return losses(d)
+
+
+@pytest.mark.parametrize("extra", [[], ["--ranks-per-node", "2", "--checkpoint.every", "2"]],
+                         ids=["flat", "hierarchical"])
+def test_torchrun_ep4_matches_one_process(tmp_path, single, extra):
+    r = run(["--ep", "4", "--steps", "4", "--run-dir", str(tmp_path), *TINY, *extra], nproc=4)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = losses(tmp_path)
+    assert got == pytest.approx(single, rel=1e-5, abs=1e-6)
+    assert got != pytest.approx([got[0]] * len(got))  # it trains
+    if extra:
+        assert "2 node(s) of 2 ranks" in r.stdout
+        # a checkpoint written at ep=4 resumes in one process and continues the same curve
+        resumed = tmp_path / "resumed"
+        r2 = run(["--resume", str(tmp_path / "checkpoints" / "step_000002"), "--steps", "4", "--run-dir",
+                  str(resumed), "--checkpoint.every", "0", *TINY])
+        assert r2.returncode == 0, r2.stderr
+        assert losses(resumed) == pytest.approx(single[2:], rel=1e-5, abs=1e-6)
+        load = [json.loads(x) for x in (tmp_path / "expert_load.jsonl").read_text().splitlines()[1:]]
+        assert all(sum(sum(layer) for layer in rec["tokens"]) > 0 for rec in load if "tokens" in rec)
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--dp", "2", "--ep", "2"], "world size is 4"),
+    (["--ep", "3"], "ep=3 must divide"),
+    (["--model.num_experts", "6", "--ep", "4"], "num_experts=6 is not divisible"),
+    (["--ranks-per-node", "3"], "must divide the world size 4"),
+])
+def test_bad_layouts_fail_before_any_collective(args, match, monkeypatch, capsys):
+    sys.path.insert(0, str(ROOT / "tools"))
+    from trainlib.loop import main
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
+    assert main(["--steps", "1", *TINY, *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and match in err, err
+
+
+def test_export_hf_from_expert_parallel_run(tmp_path):
+    """--export-hf under ep=2 gathers the expert shards; transformers loads the folder with moekit's logits."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from models.hf import load_mixtral
+
+    out = tmp_path / "hf"
+    r = run(["--ep", "2", "--steps", "2", "--run-dir", str(tmp_path / "run"), "--export-hf", str(out),
+             "--checkpoint.every", "0", *TINY], nproc=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ours = load_mixtral(out)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
+    tokens = torch.randint(0, ours.config.vocab_size, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), theirs(tokens).logits, rtol=1e-4, atol=1e-4)
+    assert not torch.equal(ours.layers[0].ffn.experts.w_in[0], ours.layers[0].ffn.experts.w_in[-1])
