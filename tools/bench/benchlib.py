@@ -17,18 +17,23 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_fn(fn: Callable[[], object], device: torch.device, warmup: int = 2, repeats: int = 10) -> dict:
-    """Median / min / max wall time in milliseconds of ``fn`` over ``repeats`` runs after ``warmup``."""
-    for _ in range(warmup):
-        fn()
+def time_interleaved(fns: dict[str, Callable[[], object]], device: torch.device, warmup: int = 2,
+                     repeats: int = 10) -> dict[str, dict]:
+    """Median / min / max milliseconds of each peer, run round-robin (a, b, c, a, b, c, ...) so that
+    background load and clock drift hit every peer alike: the ratios between peers are what we report."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
     sync(device)
-    times = []
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        sync(device)
-        times.append((time.perf_counter() - start) * 1e3)
-    return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times), "repeats": repeats}
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            sync(device)
+            times[name].append((time.perf_counter() - start) * 1e3)
+    return {name: {"median_ms": statistics.median(t), "min_ms": min(t), "max_ms": max(t), "repeats": repeats}
+            for name, t in times.items()}
 
 
 def environment(device: torch.device) -> dict:

@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from benchlib import environment, print_table, time_fn, write_json
+from benchlib import environment, print_table, time_interleaved, write_json
 from moe import MoELayer, build_router
 
 DEFAULT_SHAPES = ["512x8x2", "128x64x8"]  # F x E x k
@@ -91,13 +91,16 @@ def bench_shape(args, ffn: int, experts: int, top_k: int, device, dtype) -> list
     grad = torch.randn(1, T, H, device=device, dtype=dtype)
     with torch.no_grad():
         ref = next(iter(peers.values()))(x) if peers else layer(x)
-    rows = []
-    for name, module in {**impls, **peers}.items():
+    modules = {**impls, **peers}
+    errors = {}
+    for name, module in modules.items():
         module.train()
         with torch.no_grad():
-            err = (module(x).float() - ref.float()).abs().max().item()  # D2H sync: benchmark check
-        t = time_fn(fwd_bwd(module, x, grad), device, warmup=args.warmup, repeats=args.repeats)
-        rows.append({"shape": f"T{T} H{H} F{ffn} E{experts} k{top_k}", "impl": name, "max_abs_err": err, **t})
+            errors[name] = (module(x).float() - ref.float()).abs().max().item()  # D2H sync: benchmark check
+    timings = time_interleaved({n: fwd_bwd(m, x, grad) for n, m in modules.items()}, device,
+                               warmup=args.warmup, repeats=args.repeats)
+    rows = [{"shape": f"T{T} H{H} F{ffn} E{experts} k{top_k}", "impl": n, "max_abs_err": errors[n], **timings[n]}
+            for n in modules]
     base = next(r["median_ms"] for r in rows if r["impl"].startswith("moekit[auto"))  # what users get
     for r in rows:
         r["moekit_speedup"] = r["median_ms"] / base
