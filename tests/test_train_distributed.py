@@ -33,15 +33,17 @@ def single(tmp_path_factory):
     return losses(d)
 
 
-@pytest.mark.parametrize("extra", [[], ["--ranks-per-node", "2", "--checkpoint.every", "2"]],
-                         ids=["flat", "hierarchical"])
-def test_torchrun_ep4_matches_one_process(tmp_path, single, extra):
-    r = run(["--ep", "4", "--steps", "4", "--run-dir", str(tmp_path), *TINY, *extra], nproc=4)
+@pytest.mark.parametrize("extra", [["--ep", "4"], ["--ep", "2"],
+                                   ["--ep", "4", "--ranks-per-node", "2", "--checkpoint.every", "2"]],
+                         ids=["flat-ep4", "flat-dp4-ep2", "hierarchical-ep4"])
+def test_torchrun_ep_matches_one_process(tmp_path, single, extra):
+    """ep4: every rank holds 2 of 8 experts; dp4 x ep2: two EP groups, expert grads reduced across them."""
+    r = run(["--steps", "4", "--run-dir", str(tmp_path), *TINY, *extra], nproc=4)
     assert r.returncode == 0, r.stderr[-3000:]
     got = losses(tmp_path)
     assert got == pytest.approx(single, rel=1e-5, abs=1e-6)
     assert got != pytest.approx([got[0]] * len(got))  # it trains
-    if extra:
+    if "--ranks-per-node" in extra:
         assert "2 node(s) of 2 ranks" in r.stdout
         # a checkpoint written at ep=4 resumes in one process and continues the same curve
         resumed = tmp_path / "resumed"
