@@ -27,12 +27,12 @@ class AuxLossInjector(torch.autograd.Function):
     @staticmethod
     def forward(ctx, out: Tensor, aux_loss: Tensor, scale: float) -> Tensor:
         ctx.scale = scale
-        ctx.aux_shape = aux_loss.shape
+        ctx.aux_shape, ctx.aux_dtype = aux_loss.shape, aux_loss.dtype
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        grad_aux = torch.full(ctx.aux_shape, ctx.scale, dtype=torch.float32, device=grad_out.device)
+        grad_aux = torch.full(ctx.aux_shape, ctx.scale, dtype=ctx.aux_dtype, device=grad_out.device)
         return grad_out, grad_aux, None
 
 
