@@ -1,4 +1,5 @@
-"""Shared plumbing for the Triton expert kernels: mode detection, validation, autotune wrapping.
+"""Shared plumbing for the Triton expert kernels: mode detection, validation, shared kernel pieces
+(tile scheduling, gather, the K loop), launcher helpers, autotune wrapping.
 
 Interpreter mode is decided when ``triton`` is first imported: Triton's own library functions
 (``tl.cdiv``, ``tl.sum``, ``tl.cumsum``, ...) are decorated then, for the interpreter only if
@@ -111,6 +112,128 @@ def to_out(x, DTYPE: tl.constexpr, INTERP_BF16: tl.constexpr):
         bits = bits + 0x7FFF + ((bits >> 16) & 1)  # RNE: add half an ulp, ties to the even neighbour
         x = ((bits >> 16) << 16).to(tl.float32, bitcast=True)  # exact in bf16: truncation is now harmless
     return x.to(DTYPE)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Kernel pieces shared by the GEMM kernels. Triton inlines a @triton.jit function into the kernel that
+# calls it (constexpr arguments pass through), so these cost nothing at run time. They are decorated in
+# the same `import moe.kernels` as the kernels, hence for the same mode (the one Kernel checks).
+# ---------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def swizzle_pid(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) in grouped launch order: GROUP_M consecutive tiles along m walk one n strip together,
+    so that strip (and those m tiles' operand rows) stay hot in L2."""
+    num_pid_in_group = GROUP_M * num_pid_n
+    first_pid_m = (pid // num_pid_in_group) * GROUP_M
+    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (pid % num_pid_in_group) % group_size_m
+    pid_n = (pid % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def expert_tile(OFFS, M, N, E, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                GROUP_M: tl.constexpr):
+    """This program's tile of a row-tiled grouped kernel, from offs on device (see grouped_mm.py).
+
+    Returns (e, offs_m, m_mask, offs_n, n_mask, owned). owned: rows offs_m[m_mask] belong to expert
+    e. Otherwise a surplus program: offs_m[m_mask] are rows past the last owned one (rows no expert
+    owns), which it must zero; e is then meaningless. The grid is row_tile_grid's.
+    """
+    pid_m, pid_n = swizzle_pid(tl.program_id(0), tl.cdiv(M, BLOCK_M) + E, tl.cdiv(N, BLOCK_N), GROUP_M)
+    # --- per-expert row tiles from offs, on device; clamping to M keeps bad offs memory-safe
+    eids = tl.arange(0, E_POW2)
+    emask = eids < E
+    ends = tl.minimum(tl.load(OFFS + eids, mask=emask, other=0), M)
+    starts = tl.minimum(tl.load(OFFS + eids - 1, mask=emask & (eids > 0), other=0), M)
+    tiles = tl.where(emask, (tl.maximum(ends - starts, 0) + BLOCK_M - 1) // BLOCK_M, 0)
+    tile_end = tl.cumsum(tiles, 0)
+    total = tl.sum(tiles, 0)
+    owned = pid_m < total
+    e = tl.sum((tile_end <= pid_m).to(tl.int32), 0)  # first expert whose tiles end past pid_m
+    sel = eids == e
+    first_tile = tl.sum(tl.where(sel, tile_end - tiles, 0), 0)
+    # owned or surplus: a few scalar selects, so every program runs the same straight-line prologue
+    first_row = tl.where(owned, tl.sum(tl.where(sel, starts, 0), 0) + (pid_m - first_tile) * BLOCK_M,
+                         tl.max(ends, 0) + (pid_m - total) * BLOCK_M)
+    row_end = tl.where(owned, tl.sum(tl.where(sel, ends, 0), 0), M)
+    offs_m = first_row + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return e, offs_m, offs_m < row_end, offs_n, offs_n < N, owned
+
+
+@triton.jit
+def gather_rows(GIDX, offs_m, m_mask, X_ROWS, HAS_GATHER: tl.constexpr):
+    """(rows of x to read, their mask) for logical rows offs_m.
+
+    HAS_GATHER: read the routed rows x[GIDX[r]] in place instead of a permuted copy of x;
+    out-of-range indices read zeros, never out of bounds.
+    """
+    if HAS_GATHER:
+        src = tl.load(GIDX + offs_m, mask=m_mask, other=0)
+        a_mask = m_mask & (src >= 0) & (src < X_ROWS)
+    else:
+        src = offs_m
+        a_mask = m_mask
+    return src, a_mask
+
+
+@triton.jit
+def dot_acc(a, b, acc, PRECISION: tl.constexpr, INTERP_BF16: tl.constexpr):
+    """acc + a @ b in fp32 (bf16 operands upcast exactly under INTERP_BF16, see interp_bf16)."""
+    if INTERP_BF16:
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def tile_mm(A, a_rows, a_mask, stride_am, stride_ak, B, offs_n, n_mask, stride_bk, stride_bn, K, B2_COL,
+            TWO_B: tl.constexpr, PRECISION: tl.constexpr, INTERP_BF16: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The K loop of one output tile: (acc, acc2) fp32 [BLOCK_M, BLOCK_N], acc = A[a_rows] @ B[:, offs_n].
+
+    B points at one expert's [K, N] matrix (any strides: a transposed view costs nothing). Masked-off
+    rows and the k / n tails read zeros. TWO_B: acc2 = A[a_rows] @ B[:, B2_COL + offs_n] from the
+    same A tile, so A is read once for both (SwiGLU's gate and up halves); otherwise acc2 stays 0.
+    """
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = A + a_rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = B + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+    b2_ptrs = b_ptrs + B2_COL * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=a_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = dot_acc(a, b, acc, PRECISION, INTERP_BF16)
+        if TWO_B:
+            b2 = tl.load(b2_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            acc2 = dot_acc(a, b2, acc2, PRECISION, INTERP_BF16)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+        b2_ptrs += BLOCK_K * stride_bk
+    return acc, acc2
+
+
+# ---------------------------------------------------------------------------------------------------
+# Launcher helpers
+# ---------------------------------------------------------------------------------------------------
+
+
+def row_tile_grid(m: int, n: int, e: int) -> Callable:
+    """Grid of the row-tiled kernels (expert_tile): an upper bound of cdiv(m, BLOCK_M) + e row tiles
+    (each expert adds at most one partial tile; no host sync for the real count) x cdiv(n, BLOCK_N)."""
+    return lambda meta: ((triton.cdiv(m, meta["BLOCK_M"]) + e) * triton.cdiv(n, meta["BLOCK_N"]),)
+
+
+def dot_flags(dtype: torch.dtype, allow_tf32: bool) -> dict:
+    """The PRECISION and INTERP_BF16 constexprs every GEMM kernel takes."""
+    return dict(PRECISION=dot_precision(dtype, allow_tf32), INTERP_BF16=interp_bf16(dtype))
 
 
 def elem_size(t) -> int:

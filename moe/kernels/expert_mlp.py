@@ -21,8 +21,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._common import (Kernel, cfg, check_triton_tensors, dot_precision, prune_by_smem, interp_bf16, to_out,
-                      why_not_triton_tensors)
+from ._common import (Kernel, cfg, check_triton_tensors, dot_flags, expert_tile, prune_by_smem, row_tile_grid,
+                      tile_mm, to_out, why_not_triton_tensors)
 from .grouped_mm import grouped_mm, grouped_mm_fwd
 from .grouped_mm_wgrad import grouped_mm_wgrad
 
@@ -57,7 +57,7 @@ def expert_mlp_ref(rows: torch.Tensor, counts: torch.Tensor, w_in: torch.Tensor,
 
 
 # ---------------------------------------------------------------------------------------------------
-# Kernels. Tile scheduling is grouped_mm's (see grouped_mm.py), repeated inline (see _common.py).
+# Kernels. Tile scheduling and the K loop are grouped_mm's (see grouped_mm.py), shared via _common.py.
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -72,55 +72,12 @@ def _expert_up_act_kernel(
 ):
     """h[:, n-tile] = act(x @ w[e][:, n-tile] (, x @ w[e][:, F + n-tile])); optionally pre as well."""
     GATED: tl.constexpr = ACT == 0
-    pid = tl.program_id(0)
-    num_pid_n = tl.cdiv(F, BLOCK_N)
-    num_pid_m = tl.cdiv(M, BLOCK_M) + E
-    num_pid_in_group = GROUP_M * num_pid_n
-    first_pid_m = (pid // num_pid_in_group) * GROUP_M
-    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + (pid % num_pid_in_group) % group_size_m
-    pid_n = (pid % num_pid_in_group) // group_size_m
-    eids = tl.arange(0, E_POW2)
-    emask = eids < E
-    ends = tl.minimum(tl.load(OFFS + eids, mask=emask, other=0), M)
-    starts = tl.minimum(tl.load(OFFS + eids - 1, mask=emask & (eids > 0), other=0), M)
-    tiles = tl.where(emask, (tl.maximum(ends - starts, 0) + BLOCK_M - 1) // BLOCK_M, 0)
-    tile_end = tl.cumsum(tiles, 0)
-    total = tl.sum(tiles, 0)
-
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < F
-    if pid_m < total:
-        e = tl.sum((tile_end <= pid_m).to(tl.int32), 0)
-        sel = eids == e
-        first_tile = tl.sum(tl.where(sel, tile_end - tiles, 0), 0)
-        row_end = tl.sum(tl.where(sel, ends, 0), 0)
-        offs_m = tl.sum(tl.where(sel, starts, 0), 0) + (pid_m - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
-        m_mask = offs_m < row_end
-        offs_k = tl.arange(0, BLOCK_K)
-        x_ptrs = X + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk
-        wg_ptrs = W + e.to(tl.int64) * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
-        wu_ptrs = wg_ptrs + F * stride_wn  # the up half starts F columns later
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k_mask = offs_k < K - k0
-            a = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            bg = tl.load(wg_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-            if INTERP_BF16:
-                a = a.to(tl.float32)
-                acc_g = tl.dot(a, bg.to(tl.float32), acc_g, input_precision="ieee")
-            else:
-                acc_g = tl.dot(a, bg, acc_g, input_precision=PRECISION)
-            if GATED:  # the same x tile feeds the up projection: x is read once for both halves
-                bu = tl.load(wu_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-                if INTERP_BF16:
-                    acc_u = tl.dot(a, bu.to(tl.float32), acc_u, input_precision="ieee")
-                else:
-                    acc_u = tl.dot(a, bu, acc_u, input_precision=PRECISION)
-            x_ptrs += BLOCK_K * stride_xk
-            wg_ptrs += BLOCK_K * stride_wk
-            wu_ptrs += BLOCK_K * stride_wk
+    e, offs_m, m_mask, offs_n, n_mask, owned = expert_tile(OFFS, M, F, E, E_POW2, BLOCK_M, BLOCK_N, GROUP_M)
+    if owned:
+        # the up half starts F columns later; the same x tile feeds it: x is read once for both halves
+        acc_g, acc_u = tile_mm(X, offs_m, m_mask, stride_xm, stride_xk, W + e.to(tl.int64) * stride_we, offs_n,
+                               n_mask, stride_wk, stride_wn, K, F, GATED, PRECISION, INTERP_BF16,
+                               BLOCK_M, BLOCK_N, BLOCK_K)
         if ACT == 0:
             h = acc_g * tl.sigmoid(acc_g) * acc_u
         elif ACT == 1:
@@ -131,8 +88,6 @@ def _expert_up_act_kernel(
         pre_g = to_out(acc_g, HOUT.dtype.element_ty, INTERP_BF16)
         pre_u = to_out(acc_u, HOUT.dtype.element_ty, INTERP_BF16)
     else:  # surplus program: zero the unowned tail rows
-        offs_m = tl.max(ends, 0) + (pid_m - total) * BLOCK_M + tl.arange(0, BLOCK_M)
-        m_mask = offs_m < M
         h = tl.zeros((BLOCK_M, BLOCK_N), dtype=HOUT.dtype.element_ty)
         pre_g = h
         pre_u = h
@@ -158,47 +113,12 @@ def _expert_down_dact_kernel(
 ):
     """dh = dy @ w_out[e]^T (W passed as a transposed view), epilogue: dpre = dh * act'(pre), h = act(pre)."""
     GATED: tl.constexpr = ACT == 0
-    pid = tl.program_id(0)
-    num_pid_n = tl.cdiv(F, BLOCK_N)
-    num_pid_m = tl.cdiv(M, BLOCK_M) + E
-    num_pid_in_group = GROUP_M * num_pid_n
-    first_pid_m = (pid // num_pid_in_group) * GROUP_M
-    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + (pid % num_pid_in_group) % group_size_m
-    pid_n = (pid % num_pid_in_group) // group_size_m
-    eids = tl.arange(0, E_POW2)
-    emask = eids < E
-    ends = tl.minimum(tl.load(OFFS + eids, mask=emask, other=0), M)
-    starts = tl.minimum(tl.load(OFFS + eids - 1, mask=emask & (eids > 0), other=0), M)
-    tiles = tl.where(emask, (tl.maximum(ends - starts, 0) + BLOCK_M - 1) // BLOCK_M, 0)
-    tile_end = tl.cumsum(tiles, 0)
-    total = tl.sum(tiles, 0)
-
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < F
-    if pid_m < total:
-        e = tl.sum((tile_end <= pid_m).to(tl.int32), 0)
-        sel = eids == e
-        first_tile = tl.sum(tl.where(sel, tile_end - tiles, 0), 0)
-        row_end = tl.sum(tl.where(sel, ends, 0), 0)
-        offs_m = tl.sum(tl.where(sel, starts, 0), 0) + (pid_m - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
-        m_mask = offs_m < row_end
-        rows64 = offs_m.to(tl.int64)[:, None]
-        offs_k = tl.arange(0, BLOCK_K)
-        a_ptrs = DY + rows64 * stride_dym + offs_k[None, :] * stride_dyk
-        w_ptrs = W + e.to(tl.int64) * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k_mask = offs_k < K - k0
-            a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            b = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-            if INTERP_BF16:
-                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, b, acc, input_precision=PRECISION)
-            a_ptrs += BLOCK_K * stride_dyk
-            w_ptrs += BLOCK_K * stride_wk
-        mn_mask = m_mask[:, None] & n_mask[None, :]
+    e, offs_m, m_mask, offs_n, n_mask, owned = expert_tile(OFFS, M, F, E, E_POW2, BLOCK_M, BLOCK_N, GROUP_M)
+    rows64 = offs_m.to(tl.int64)[:, None]
+    mn_mask = m_mask[:, None] & n_mask[None, :]
+    if owned:
+        acc, _ = tile_mm(DY, offs_m, m_mask, stride_dym, stride_dyk, W + e.to(tl.int64) * stride_we, offs_n, n_mask,
+                         stride_wk, stride_wn, K, 0, False, PRECISION, INTERP_BF16, BLOCK_M, BLOCK_N, BLOCK_K)
         p_ptrs = PRE + rows64 * stride_pm + offs_n[None, :] * stride_pn
         g = tl.load(p_ptrs, mask=mn_mask, other=0.0).to(tl.float32)
         if ACT == 0:
@@ -222,10 +142,6 @@ def _expert_down_dact_kernel(
         d_u = to_out(d_u, DPRE.dtype.element_ty, INTERP_BF16)
         h = to_out(h, DPRE.dtype.element_ty, INTERP_BF16)
     else:  # surplus program: rows no expert owns get zero gradient (their output was forced to 0)
-        offs_m = tl.max(ends, 0) + (pid_m - total) * BLOCK_M + tl.arange(0, BLOCK_M)
-        m_mask = offs_m < M
-        rows64 = offs_m.to(tl.int64)[:, None]
-        mn_mask = m_mask[:, None] & n_mask[None, :]
         d_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=DPRE.dtype.element_ty)
         d_u = d_g
         h = d_g
@@ -284,14 +200,12 @@ def expert_up_act(x: torch.Tensor, w_in: torch.Tensor, offs: torch.Tensor, activ
     pre = torch.empty(m, f_in, device=x.device, dtype=x.dtype) if save_pre else None
     if m == 0 or f == 0:
         return h, pre
-    grid = lambda meta: ((triton.cdiv(m, meta["BLOCK_M"]) + e) * triton.cdiv(f, meta["BLOCK_N"]),)
     p = pre if pre is not None else h  # placeholder pointer, never written when SAVE_PRE is False
-    EXPERT_UP_ACT[grid](
+    EXPERT_UP_ACT[row_tile_grid(m, f, e)](
         x, w_in, h, p, offs, m, f, k, e,
         x.stride(0), x.stride(1), w_in.stride(0), w_in.stride(1), w_in.stride(2),
         h.stride(0), h.stride(1), p.stride(0), p.stride(1),
-        E_POW2=triton.next_power_of_2(e), ACT=code, SAVE_PRE=save_pre,
-        PRECISION=dot_precision(x.dtype, allow_tf32), INTERP_BF16=interp_bf16(x.dtype),
+        E_POW2=triton.next_power_of_2(e), ACT=code, SAVE_PRE=save_pre, **dot_flags(x.dtype, allow_tf32),
     )
     return h, pre
 
@@ -309,13 +223,11 @@ def expert_down_dact(dy: torch.Tensor, w_out: torch.Tensor, pre: torch.Tensor, o
     if m == 0 or f == 0:
         return dpre, h
     hp = h if h is not None else dpre  # placeholder pointer, never written when STORE_H is False
-    grid = lambda meta: ((triton.cdiv(m, meta["BLOCK_M"]) + e) * triton.cdiv(f, meta["BLOCK_N"]),)
-    EXPERT_DOWN_DACT[grid](
+    EXPERT_DOWN_DACT[row_tile_grid(m, f, e)](
         dy, wt, pre, dpre, hp, offs, m, f, hdim, e,
         dy.stride(0), dy.stride(1), wt.stride(0), wt.stride(1), wt.stride(2),
         pre.stride(0), pre.stride(1), dpre.stride(0), dpre.stride(1), hp.stride(0), hp.stride(1),
-        E_POW2=triton.next_power_of_2(e), ACT=code, STORE_H=store_h,
-        PRECISION=dot_precision(dy.dtype, allow_tf32), INTERP_BF16=interp_bf16(dy.dtype),
+        E_POW2=triton.next_power_of_2(e), ACT=code, STORE_H=store_h, **dot_flags(dy.dtype, allow_tf32),
     )
     return dpre, h
 

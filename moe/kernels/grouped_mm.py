@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (Kernel, cfg, check_offs, check_triton_tensors, dot_precision, prune_by_smem,
-                      interp_bf16, to_out, why_not_triton_tensors)
+from ._common import (Kernel, cfg, check_offs, check_triton_tensors, dot_flags, expert_tile, gather_rows,
+                      prune_by_smem, row_tile_grid, tile_mm, to_out, why_not_triton_tensors)
 
 # ---------------------------------------------------------------------------------------------------
 # Reference (also the torch fallback where Triton cannot run)
@@ -53,59 +53,15 @@ def _grouped_mm_kernel(
     E_POW2: tl.constexpr, HAS_GATHER: tl.constexpr, PRECISION: tl.constexpr, INTERP_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    # --- grouped launch order: GROUP_M row tiles share each column strip while it is hot in L2
-    pid = tl.program_id(0)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_pid_m = tl.cdiv(M, BLOCK_M) + E  # upper bound on row tiles over all experts
-    num_pid_in_group = GROUP_M * num_pid_n
-    first_pid_m = (pid // num_pid_in_group) * GROUP_M
-    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + (pid % num_pid_in_group) % group_size_m
-    pid_n = (pid % num_pid_in_group) // group_size_m
-
-    # --- per-expert row tiles from offs, on device; clamping to M keeps bad offs memory-safe
-    eids = tl.arange(0, E_POW2)
-    emask = eids < E
-    ends = tl.minimum(tl.load(OFFS + eids, mask=emask, other=0), M)
-    starts = tl.minimum(tl.load(OFFS + eids - 1, mask=emask & (eids > 0), other=0), M)
-    tiles = tl.where(emask, (tl.maximum(ends - starts, 0) + BLOCK_M - 1) // BLOCK_M, 0)
-    tile_end = tl.cumsum(tiles, 0)
-    total = tl.sum(tiles, 0)
-
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    if pid_m < total:
-        e = tl.sum((tile_end <= pid_m).to(tl.int32), 0)  # first expert whose tiles end past pid_m
-        sel = eids == e
-        first_tile = tl.sum(tl.where(sel, tile_end - tiles, 0), 0)
-        row_end = tl.sum(tl.where(sel, ends, 0), 0)
-        offs_m = tl.sum(tl.where(sel, starts, 0), 0) + (pid_m - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
-        m_mask = offs_m < row_end
-        if HAS_GATHER:  # read the routed rows in place instead of a permuted copy of x
-            src = tl.load(GIDX + offs_m, mask=m_mask, other=0)
-            a_mask = m_mask & (src >= 0) & (src < X_ROWS)  # out-of-range indices read zeros, never OOB
-        else:
-            src = offs_m
-            a_mask = m_mask
-        offs_k = tl.arange(0, BLOCK_K)
-        x_ptrs = X + src.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk
-        w_ptrs = W + e.to(tl.int64) * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k_mask = offs_k < K - k0
-            a = tl.load(x_ptrs, mask=a_mask[:, None] & k_mask[None, :], other=0.0)
-            b = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-            if INTERP_BF16:
-                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, b, acc, input_precision=PRECISION)
-            x_ptrs += BLOCK_K * stride_xk
-            w_ptrs += BLOCK_K * stride_wk
+    # tile scheduling as in the module docstring (_common.expert_tile), then one K loop per owned tile
+    e, offs_m, m_mask, offs_n, n_mask, owned = expert_tile(OFFS, M, N, E, E_POW2, BLOCK_M, BLOCK_N, GROUP_M)
+    if owned:
+        src, a_mask = gather_rows(GIDX, offs_m, m_mask, X_ROWS, HAS_GATHER)
+        acc, _ = tile_mm(X, src, a_mask, stride_xm, stride_xk, W + e.to(tl.int64) * stride_we, offs_n, n_mask,
+                         stride_wk, stride_wn, K, 0, False, PRECISION, INTERP_BF16, BLOCK_M, BLOCK_N, BLOCK_K)
         y = to_out(acc, Y.dtype.element_ty, INTERP_BF16)
     else:
         # Surplus program: zero the rows past the last owned one (rows no expert owns).
-        offs_m = tl.max(ends, 0) + (pid_m - total) * BLOCK_M + tl.arange(0, BLOCK_M)
-        m_mask = offs_m < M
         y = tl.zeros((BLOCK_M, BLOCK_N), dtype=Y.dtype.element_ty)
     y_ptrs = Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :] * stride_yn
     tl.store(y_ptrs, y, mask=m_mask[:, None] & n_mask[None, :])
@@ -169,13 +125,11 @@ def grouped_mm_fwd(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, gather_
         return y
     if k == 0:
         return y.zero_()
-    grid = lambda meta: ((triton.cdiv(m, meta["BLOCK_M"]) + e) * triton.cdiv(n, meta["BLOCK_N"]),)
-    GROUPED_MM[grid](
+    GROUPED_MM[row_tile_grid(m, n, e)](
         x, wt, y, offs, gather_index if gather_index is not None else offs,
         m, n, k, e, x.shape[0],
         x.stride(0), x.stride(1), wt.stride(0), wt.stride(1), wt.stride(2), y.stride(0), y.stride(1),
-        E_POW2=triton.next_power_of_2(e), HAS_GATHER=gather_index is not None,
-        PRECISION=dot_precision(x.dtype, allow_tf32), INTERP_BF16=interp_bf16(x.dtype),
+        E_POW2=triton.next_power_of_2(e), HAS_GATHER=gather_index is not None, **dot_flags(x.dtype, allow_tf32),
     )
     return y
 

@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (Kernel, cfg, check_offs, check_triton_tensors, dot_precision, prune_by_smem,
-                      interp_bf16, to_out)
+from ._common import (Kernel, cfg, check_offs, check_triton_tensors, dot_acc, dot_flags, gather_rows,
+                      prune_by_smem, swizzle_pid, to_out)
 
 # ---------------------------------------------------------------------------------------------------
 # Reference
@@ -54,12 +54,7 @@ def _grouped_mm_wgrad_kernel(
     num_pid_k = tl.cdiv(K, BLOCK_K)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     e = pid // (num_pid_k * num_pid_n)
-    local = pid % (num_pid_k * num_pid_n)
-    num_pid_in_group = GROUP_M * num_pid_n
-    first_pid_k = (local // num_pid_in_group) * GROUP_M
-    group_size_k = tl.minimum(num_pid_k - first_pid_k, GROUP_M)
-    pid_k = first_pid_k + (local % num_pid_in_group) % group_size_k
-    pid_n = (local % num_pid_in_group) // group_size_k
+    pid_k, pid_n = swizzle_pid(pid % (num_pid_k * num_pid_n), num_pid_k, num_pid_n, GROUP_M)
 
     # --- this expert's rows; clamped so bad offs stay memory-safe
     start = tl.load(OFFS + tl.maximum(e - 1, 0))
@@ -74,21 +69,13 @@ def _grouped_mm_wgrad_kernel(
     for m0 in range(start, end, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         m_mask = offs_m < end
-        if HAS_GATHER:
-            src = tl.load(GIDX + offs_m, mask=m_mask, other=0)
-            a_mask = m_mask & (src >= 0) & (src < X_ROWS)
-        else:
-            src = offs_m
-            a_mask = m_mask
+        src, a_mask = gather_rows(GIDX, offs_m, m_mask, X_ROWS, HAS_GATHER)
         # x tile loaded as [BLOCK_K, BLOCK_M] (transposed by addressing, not by a copy)
         xt = tl.load(X + src.to(tl.int64)[None, :] * stride_xm + offs_k[:, None] * stride_xk,
                      mask=a_mask[None, :] & k_mask[:, None], other=0.0)
         g = tl.load(DY + offs_m.to(tl.int64)[:, None] * stride_dym + offs_n[None, :] * stride_dyn,
                     mask=m_mask[:, None] & n_mask[None, :], other=0.0)
-        if INTERP_BF16:
-            acc = tl.dot(xt.to(tl.float32), g.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(xt, g, acc, input_precision=PRECISION)
+        acc = dot_acc(xt, g, acc, PRECISION, INTERP_BF16)
     dw_ptrs = DW + e.to(tl.int64) * stride_dwe + offs_k[:, None] * stride_dwk + offs_n[None, :] * stride_dwn
     tl.store(dw_ptrs, to_out(acc, DW.dtype.element_ty, INTERP_BF16), mask=k_mask[:, None] & n_mask[None, :])
 
@@ -137,7 +124,6 @@ def grouped_mm_wgrad(x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor,
         x, dy, dw, offs, gather_index if gather_index is not None else offs,
         m, k, n, x.shape[0],
         x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), dw.stride(0), dw.stride(1), dw.stride(2),
-        HAS_GATHER=gather_index is not None, PRECISION=dot_precision(x.dtype, allow_tf32),
-        INTERP_BF16=interp_bf16(x.dtype),
+        HAS_GATHER=gather_index is not None, **dot_flags(x.dtype, allow_tf32),
     )
     return dw
