@@ -23,7 +23,8 @@ class ExpertChoiceRouter(Router):
     column e holds e if expert e took the token, else -1. Selection looks at all T tokens routed
     together, i.e. at future positions of a sequence: fine for encoders and for the training of
     some decoders, but not causal; say so when comparing it with token-choice routers.
-    ``dropped_fraction`` is the fraction of tokens that no expert took.
+    No slot is ever dropped (``dropped_fraction`` is 0, as in the load records); ``unrouted_fraction``
+    is the fraction of tokens that no expert took, which only the residual connection carries.
     """
 
     def __init__(self, hidden_size: int, num_experts: int, *, top_k: int = 1, capacity_factor: float = 1.0,
@@ -50,7 +51,8 @@ class ExpertChoiceRouter(Router):
         kept = count_experts(indices, E)
         zl = z_loss(logits)
         unrouted = (~taken.any(-1)).float().mean() if T else logits.new_zeros(())
-        stats = {"z_loss": zl.detach(), "dropped_fraction": unrouted, "assigned_per_expert": kept}
+        stats = {"z_loss": zl.detach(), "dropped_fraction": torch.zeros((), device=logits.device),
+                 "unrouted_fraction": unrouted, "assigned_per_expert": kept}
         return Routing(indices, weights, kept, self.z_loss_coeff * zl, stats, capacity)
 
 

@@ -170,6 +170,9 @@ def test_expert_choice_balance_and_reference():
         assert sorted(t for t in range(T) if r.indices[t, e] == e) == sorted(chosen)
     probs, mask = r.to_dense(E)
     torch.testing.assert_close(probs, torch.where(mask, scores, 0.0))
+    unrouted = sum(1 for t in range(T) if (r.indices[t] < 0).all())
+    assert r.stats["unrouted_fraction"].item() == pytest.approx(unrouted / T)
+    assert r.stats["dropped_fraction"].item() == 0
 
 
 def test_sinkhorn_plan_is_balanced_and_routing_more_balanced_than_topk():
