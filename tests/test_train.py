@@ -295,10 +295,13 @@ def test_bad_checkpoints(saved_run, tmp_path, capsys):
     _assert_one_line_error(*resume(tmp_path / "empty"), "no checkpoint in")
 
 
-def test_world_size_above_one_is_refused(monkeypatch, capsys):
+def test_world_size_without_torchrun_is_refused(monkeypatch, capsys):
+    """WORLD_SIZE alone (no torchrun rendezvous variables) fails with the launch to use, before any work."""
     monkeypatch.setenv("WORLD_SIZE", "4")
+    for var in ("MASTER_ADDR", "MASTER_PORT", "RANK"):
+        monkeypatch.delenv(var, raising=False)
     _assert_one_line_error(main(["--steps", "1"]), capsys.readouterr().err,
-                           "multi-rank training (torchrun) arrives with expert parallelism")
+                           "launch several ranks with torchrun --nproc-per-node 4")
 
 
 def _script(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
