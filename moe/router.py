@@ -275,16 +275,22 @@ class TopKRouter(Router):
     ``expert_bias`` (True, or an initial [E] tensor) is added to the scores for *selection only*;
     ``bias_update_rate`` > 0 turns it on and moves it by the observed load each
     ``update_expert_bias()`` (call once per optimizer step; ``moe.update_expert_biases(model)``).
+    ``force_expert`` (debug option, not for training): every token's first slot goes to this expert
+    (the other k-1 are chosen as usual); selection only, the weights stay the real scores. It makes
+    one expert, and under expert parallelism one rank, take every token: an imbalance stress test.
     """
 
     def __init__(self, hidden_size: int, num_experts: int, *, top_k: int = 2, score: str = "softmax",
                  normalize: bool | None = None, num_groups: int | None = None, group_top_k: int | None = None,
                  scaling: float = 1.0, expert_bias=False, bias_update_rate: float = 0.0,
                  capacity_factor: float | None = None, drop_policy: str = "probs",
-                 aux_loss_coeff: float = 0.01, z_loss_coeff: float = 0.0):
+                 aux_loss_coeff: float = 0.01, z_loss_coeff: float = 0.0, force_expert: int | None = None):
         super().__init__(hidden_size, num_experts, top_k=top_k, capacity_factor=capacity_factor,
                          drop_policy=drop_policy, aux_loss_coeff=aux_loss_coeff, z_loss_coeff=z_loss_coeff)
         check_choice("score", score, SCORES)
+        if force_expert is not None:
+            check_int("force_expert", force_expert, 0, num_experts - 1)
+        self.force_expert = force_expert
         check_float("scaling", scaling, 0.0, strict=True)
         check_float("bias_update_rate", bias_update_rate)
         self._check_groups(num_groups, group_top_k)
@@ -332,6 +338,8 @@ class TopKRouter(Router):
     def select(self, scores: Tensor) -> Tensor:
         """[T, E] scores -> [T, k] expert ids; bias and groups affect which, never the weights."""
         choice = scores if self.expert_bias is None else scores + self.expert_bias
+        if self.force_expert is not None:  # debug: +inf wins every token's first slot (and its group)
+            choice = choice.index_fill(1, torch.tensor([self.force_expert], device=choice.device), math.inf)
         if self.num_groups is not None:
             choice = self.limit_groups(choice)
         return choice.topk(self.top_k, dim=-1).indices

@@ -13,7 +13,7 @@ from trainlib.config import DEFAULT_PRESET, TrainConfig, load_toml, set_value, v
 FLAG_SETTINGS = {
     "steps": "train.steps", "seed": "train.seed", "batch_size": "train.batch_size", "run_dir": "log.run_dir",
     "router": "model.router", "capacity_factor": "model.capacity_factor", "init_from_hf": "train.init_from_hf",
-    "export_hf": "train.export_hf", "ranks_per_node": "layout.ranks_per_node",
+    "export_hf": "train.export_hf", "ranks_per_node": "layout.ranks_per_node", "deterministic": "train.deterministic",
     "dp": "layout.dp", "ep": "layout.ep", "tp": "layout.tp", "pp": "layout.pp", "fsdp": "layout.fsdp",
 }
 
@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--export-hf", metavar="DIR", help="after the last step, write a HuggingFace Mixtral folder")
     p.add_argument("--ranks-per-node", help="ranks sharing a node (default torchrun's LOCAL_WORLD_SIZE); "
                                             "lower it to simulate several nodes (hierarchical dispatch)")
+    p.add_argument("--deterministic", action="store_const", const="true",
+                   help="deterministic kernels: bitwise-identical runs (CPU; CUDA where kernels allow)")
     for name in ("dp", "ep", "tp", "pp", "fsdp"):
         p.add_argument(f"--{name}", help=f"{name} degree (default 1{'; inferred from the world size' if name == 'dp' else ''})")
     p.add_argument("--resume", nargs="?", const="latest", metavar="CHECKPOINT",

@@ -34,6 +34,7 @@ DEFAULT_PRESET = "mixtral-tiny"
 DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 PROGRESS = ("auto", "on", "off")
+ON_NONFINITE = ("stop", "skip")  # trainlib.guard acts on these
 
 
 @dataclass
@@ -55,6 +56,8 @@ class TrainSection:
     device: str = "auto"  # auto = cuda when available
     init_from_hf: str = ""  # a HuggingFace folder to start from (models.hf); the model config must match it
     export_hf: str = ""  # after the last step, write the model here as a HuggingFace Mixtral folder
+    on_nonfinite: str = "stop"  # non-finite loss / grad norm on any rank: stop, or skip the step (no update)
+    deterministic: bool = False  # deterministic kernels (torch.use_deterministic_algorithms); see docs/training.md
 
 
 @dataclass
@@ -278,6 +281,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         _require(math.isfinite(v) and v >= 0, f"--train.{name}={v} is invalid; it must be a finite number >= 0")
     _require(t.dtype in DTYPES, f"--train.dtype={t.dtype!r} is invalid; choose one of {list(DTYPES)}")
     _require(t.device in DEVICES, f"--train.device={t.device!r} is invalid; choose one of {list(DEVICES)}")
+    _require(t.on_nonfinite in ON_NONFINITE,
+             f"--train.on_nonfinite={t.on_nonfinite!r} is invalid; choose one of {list(ON_NONFINITE)}")
     _require(not t.init_from_hf or os.path.isdir(t.init_from_hf),
              f"--init-from-hf {t.init_from_hf}: not a directory (expected a HuggingFace model folder)")
     _require(0 < cfg.data.val_fraction < 0.5,

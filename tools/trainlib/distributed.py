@@ -136,6 +136,14 @@ class Dist:
         dist.all_reduce(flag)
         return bool(flag.item())  # D2H sync: the decision must be on the host
 
+    def any_flags(self, flags: torch.Tensor) -> torch.Tensor:
+        """Element-wise OR of a bool tensor over every rank (e.g. which layer went non-finite where)."""
+        if not self.active:
+            return flags
+        out = flags.to(torch.int32)  # gloo reduces no bools
+        dist.all_reduce(out, op=dist.ReduceOp.MAX)
+        return out.bool()
+
     def barrier(self) -> None:
         if self.active:
             dist.barrier()

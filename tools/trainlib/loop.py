@@ -31,6 +31,7 @@ from trainlib import UserError, checkpoint, records
 from trainlib.cli import Options, parse_args
 from trainlib.config import TrainConfig, to_toml
 from trainlib.distributed import Dist
+from trainlib.guard import Guard, NonFinite, set_deterministic
 from trainlib.data import Sampler, Split, gather, load_tokens, split_windows, unigram_entropy, write_token_file
 from trainlib.monitor import Monitor, peak_flops, peak_memory_gb
 
@@ -130,6 +131,7 @@ class Run:
     def __init__(self, cfg: TrainConfig, opts: Options):
         self.cfg, self.opts = cfg, opts
         self.plan = make_plan(cfg)
+        self.restore_determinism = set_deterministic(cfg.train.deterministic, self.plan.device)
         L = cfg.layout
         self.dist = Dist.setup(L, cfg.model.num_experts, self.plan.device, L.ranks_per_node or None, L.timeout_s)
         tokens, self.data_desc = load_tokens(cfg.data.path, cfg.data.text, cfg.model.vocab_size)
@@ -159,6 +161,7 @@ class Run:
         self.model.train()
         for _, layer in moe_layers(self.model):
             layer.aux_loss_scale = 1.0 / plan.accum  # the aux loss is averaged over micro-batches like the LM loss
+        self.guard = Guard(self.model, self.dist, cfg.train.on_nonfinite)
         self.optimizer = make_optimizer(self.model, cfg)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.start_step = 0
@@ -251,7 +254,11 @@ class Run:
         self.describe()
         try:
             return self.loop()
+        except RuntimeError as exc:  # torch.OutOfMemoryError too
+            self.guard.explain_oom(exc)  # an OOM inside an expert becomes one line naming it
+            raise
         finally:
+            self.restore_determinism()
             for rec in (self.metrics, self.load_log, self.monitor):
                 if rec is not None:
                     rec.close()
@@ -264,6 +271,7 @@ class Run:
         t_start = time.perf_counter()
         for step in range(self.start_step + 1, cfg.train.steps + 1):
             t0 = time.perf_counter()
+            self.guard.begin_step(step)
             batch = self.sampler.next(cfg.train.batch_size)  # [batch_size] window starts of the global batch
             batch = self.dist.share(batch, plan.per_rank)  # this rank's contiguous share
             loss_sum = torch.zeros((), device=plan.device)
@@ -273,11 +281,13 @@ class Run:
                 loss_sum += loss.detach()
             self.dist.sync_grads(self.model)  # the global-batch gradient on every rank
             loss_value = self.dist.mean(loss_sum / plan.accum).item()  # D2H sync: finiteness check, records
-            if self.dist.any_nonfinite(loss_value):  # every rank stops together
-                return self.stop_nonfinite("loss", loss_value, step)
             grad_norm = self.dist.clip_grad_norm(params, cfg.train.grad_clip).item()  # D2H sync: before the update
-            if self.dist.any_nonfinite(grad_norm):
-                return self.stop_nonfinite("gradient norm", grad_norm, step)
+            event = self.guard.check(step, loss_value, grad_norm)  # collective: every rank decides alike
+            if event is not None and event.action == "stop":
+                return self.stop_nonfinite(event, step)
+            if event is not None:  # skip: no optimizer, schedule or router-bias update; the batch is consumed
+                self.skip_step(event, step)
+                continue
             lr = self.optimizer.param_groups[0]["lr"]
             self.optimizer.step()
             self.scheduler.step()
@@ -343,18 +353,30 @@ class Run:
         self.model.train()
         return self.dist.mean(total / mine.size).item()  # D2H sync: once per evaluation
 
-    def stop_nonfinite(self, what: str, value: float, step: int) -> int:
+    def skip_step(self, event: NonFinite, step: int) -> None:
+        self.guard.discard_step(self.model, self.optimizer)
+        if self.dist.is_main:
+            self.metrics.write(event.record(step))
+            self.monitor.print(f"step={step} skipped: non-finite {event.what} ({event.value}); {event.where}")
+
+    def stop_nonfinite(self, event: NonFinite, step: int) -> int:
         self.optimizer.zero_grad(set_to_none=True)
         good = self.last_checkpoint or "none saved yet"
         if not self.dist.is_main:
             return 1
         self.monitor.progress.clear()
-        print(f"train.py: error: non-finite {what} ({value}) at step {step}; stopped before its optimizer step. "
-              f"Last good checkpoint: {good}. Lower --train.lr or raise --train.warmup_steps", file=sys.stderr)
+        skips = self.guard.consecutive_skips
+        gave_up = f" after {skips} skipped steps in a row" if event.action != self.cfg.train.on_nonfinite else ""
+        print(f"train.py: error: non-finite {event.what} ({event.value}) at step {step}{gave_up}; stopped before its "
+              f"optimizer step; first seen in {event.where}. Last good checkpoint: {good}. Lower --train.lr or raise "
+              f"--train.warmup_steps", file=sys.stderr)
         return 1
 
     def finish(self) -> None:
-        rows = records.read_metrics(self.run_dir)
+        rows = [r for r in records.read_metrics(self.run_dir) if not r.get("skipped")]
+        if not rows:
+            self.monitor.print(f"done: every step was skipped (non-finite); see {self.run_dir / records.METRICS}")
+            return
         final = rows[-1]
         entropy = unigram_entropy(self.split.tokens[: 1 << 22], self.cfg.model.vocab_size)
         self.monitor.print(f"done: step {final['step']}, loss {final['loss']:.4f}, val_loss "

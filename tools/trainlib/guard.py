@@ -1,0 +1,235 @@
+"""Reliability guards of the training loop: non-finite steps (stop or skip, agreed by every rank, with
+the MoE layer that produced them), out-of-memory in an expert named, determinism, and a NaN debug hook.
+
+Where a non-finite value came from, at no cost on the happy path:
+
+    forward hooks (device-side flags, no host sync)         flags [L, 3] bool, reset every step
+      router pre-hook    input x of MoE layer i             col 0: non-finite input
+      router hook        Routing.weights (from the logits)  col 1: non-finite router output
+      experts hook       expert output rows                 col 2: non-finite expert output
+    only when a rank sees a non-finite loss or gradient norm (rare): flags + per-layer gradient checks,
+    OR-reduced over every rank; named: the first MoE layer with a forward flag, else the deepest with a
+    non-finite router or expert gradient (backward runs from the last layer to the first).
+
+An expert output flag on rank r can come from rows another rank sent (expert parallelism), but that
+rank flagged the same layer's input, so the OR over ranks blames the input, not the experts.
+
+Debug hook (tests, drills): MOEKIT_DEBUG_NAN="STEP:LAYER:WHERE[:RANK]" poisons MoE layer LAYER (0-based,
+module order) at optimizer step STEP on global rank RANK (default 0): WHERE "router" makes that router's
+combine weights NaN in the forward, "grad" makes its weight gradient NaN in the backward.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from moe import moe_layers
+from trainlib import UserError
+
+# A run that skips this many steps in a row is not training any more: stop and say so.
+MAX_CONSECUTIVE_SKIPS = 10
+POISON_ENV = "MOEKIT_DEBUG_NAN"
+POISON_WHERE = ("router", "grad")
+INPUT, ROUTER, EXPERTS = 0, 1, 2
+_FORWARD = ("input (non-finite before this layer)", "router output (forward)", "expert output (forward)")
+_BACKWARD = ("router weight gradient (backward)", "expert weight gradient (backward)")
+
+
+@dataclass(frozen=True)
+class NonFinite:
+    """One step's non-finite event, identical on every rank."""
+
+    what: str  # "loss" or "gradient norm"
+    value: float
+    where: str  # e.g. "MoE layer layers.1.ffn: router output (forward)", or why none was found
+    action: str  # "stop" or "skip"
+
+    def record(self, step: int) -> dict:
+        """The metrics.jsonl line of a skipped step (JSON has no NaN: non-finite values are null)."""
+        return {"step": step, "skipped": True, "nonfinite": self.what, "value": _json_float(self.value),
+                "where": self.where}
+
+
+def _json_float(v: float) -> float | None:
+    return v if math.isfinite(v) else None
+
+
+@dataclass(frozen=True)
+class Poison:
+    step: int
+    layer: int
+    where: str
+    rank: int
+
+
+def parse_poison(raw: str | None, num_layers: int) -> Poison | None:
+    """MOEKIT_DEBUG_NAN="STEP:LAYER:WHERE[:RANK]" -> Poison; a malformed value is a one-line UserError."""
+    if not raw:
+        return None
+    parts = raw.split(":")
+    try:
+        step, layer, where = int(parts[0]), int(parts[1]), parts[2]
+        rank = int(parts[3]) if len(parts) == 4 else 0
+        ok = len(parts) in (3, 4) and step >= 1 and 0 <= layer < num_layers and where in POISON_WHERE and rank >= 0
+    except (ValueError, IndexError):
+        ok = False
+    if not ok:
+        raise UserError(f"{POISON_ENV}={raw!r} is invalid; use STEP:LAYER:WHERE[:RANK] with STEP >= 1, LAYER in "
+                        f"[0, {num_layers}) (MoE layers), WHERE one of {list(POISON_WHERE)}, e.g. 3:0:grad:1")
+    return Poison(step, layer, where, rank)
+
+
+class Guard:
+    """Per-step checks the loop calls: ``begin_step``, ``check`` (collective), ``discard_step``."""
+
+    def __init__(self, model: nn.Module, dist, on_nonfinite: str):
+        self.dist, self.on_nonfinite = dist, on_nonfinite
+        self.layers = list(moe_layers(model))  # [(name, MoELayer)] in module order
+        device = next(model.parameters()).device
+        self.flags = torch.zeros(len(self.layers), 3, dtype=torch.bool, device=device)
+        self.in_experts: tuple[int, Tensor, int] | None = None  # (layer, counts, rows) during an expert forward
+        self.consecutive_skips = 0
+        self.poison = parse_poison(os.environ.get(POISON_ENV), len(self.layers))
+        self._poison_handles: list = []
+        for i, (_, layer) in enumerate(self.layers):
+            self._probe(i, layer)
+
+    # -- forward probes -----------------------------------------------------------------------------
+
+    def _flag(self, i: int, col: int, t: Tensor) -> None:
+        self.flags[i, col] |= ~torch.isfinite(t.detach()).all()  # device op: no host sync
+
+    def _probe(self, i: int, layer: nn.Module) -> None:
+        layer.router.register_forward_pre_hook(lambda m, args: self._flag(i, INPUT, args[0]))
+        layer.router.register_forward_hook(lambda m, args, out: self._flag(i, ROUTER, out.weights))
+
+        def enter(m, args):
+            self.in_experts = (i, args[1], args[0].shape[0])  # counts [E_local], rows: names an OOM
+
+        def leave(m, args, out):
+            self.in_experts = None
+            self._flag(i, EXPERTS, out)
+
+        layer.experts.register_forward_pre_hook(enter)
+        layer.experts.register_forward_hook(leave)
+
+    # -- per step -----------------------------------------------------------------------------------
+
+    def begin_step(self, step: int) -> None:
+        self.flags.zero_()
+        p = self.poison
+        if p is None or p.step != step or p.rank != self.dist.rank:
+            return
+        router = self.layers[p.layer][1].router
+        if p.where == "grad":
+            self._poison_handles.append(router.weight.register_hook(lambda g: torch.full_like(g, math.nan)))
+        else:  # prepend: the probe hook must see the poisoned output, as it would see a real bad router
+            nan_weights = lambda m, args, out: dataclasses.replace(out, weights=out.weights * math.nan)  # noqa: E731
+            self._poison_handles.append(router.register_forward_hook(nan_weights, prepend=True))
+
+    def check(self, step: int, loss: float, grad_norm: float) -> NonFinite | None:
+        """None if the step is good on every rank; else the event, the same on all (collective)."""
+        for h in self._poison_handles:
+            h.remove()
+        self._poison_handles.clear()
+        what = [name for name, v in (("loss", loss), ("gradient norm", grad_norm)) if not math.isfinite(v)]
+        if not self.dist.any_nonfinite(loss, grad_norm):
+            self.consecutive_skips = 0
+            return None
+        name = what[0] if what else "loss"  # another rank's value: all-reduced means agree, so rarely reached
+        value = loss if name == "loss" else grad_norm
+        self.consecutive_skips += 1
+        action = self.on_nonfinite
+        if action == "skip" and self.consecutive_skips >= MAX_CONSECUTIVE_SKIPS:
+            action = "stop"
+        return NonFinite(name, value, self.locate(name == "loss"), action)
+
+    def locate(self, loss_bad: bool) -> str:
+        """Where the non-finite values started, over every rank (collective; runs only on a bad step).
+
+        Forward: the first MoE layer (module order) whose input, router or experts went non-finite; later
+        layers only inherit it. Backward runs the other way, so a gradient that went non-finite inside
+        the model reaches every earlier layer: the deepest MoE layer with one is where it started.
+        """
+        grads = torch.zeros(len(self.layers), 2, dtype=torch.bool, device=self.flags.device)
+        for i, (_, layer) in enumerate(self.layers):
+            grads[i, 0] = _nonfinite_grad([layer.router.weight])
+            grads[i, 1] = _nonfinite_grad([layer.experts.w_in, layer.experts.w_out])
+        rows = self.dist.any_flags(torch.cat([self.flags, grads], dim=1)).tolist()  # D2H sync: diagnosis only
+        names = [name for name, _ in self.layers]
+        for name, row in zip(names, rows):
+            if any(row[:3]):
+                return f"MoE layer {name}: {_FORWARD[row.index(True)]}"
+        if loss_bad:
+            return "the loss, with finite MoE layer outputs (attention, embeddings or the output head)"
+        for name, row in reversed(list(zip(names, rows))):
+            if any(row[3:]):
+                return f"MoE layer {name}: {_BACKWARD[row[3:].index(True)]}"
+        return "no MoE router or expert gradient (attention, norm or embedding gradients)"
+
+    def discard_step(self, model: nn.Module, optimizer) -> None:
+        """A skipped step leaves no trace: no gradients, no router-load or bias update from its batch."""
+        optimizer.zero_grad(set_to_none=True)
+        for _, layer in self.layers:
+            layer.load.reset()
+            pending = getattr(layer.router, "pending_load", None)
+            if pending is not None:
+                pending.zero_()
+
+    # -- out of memory ------------------------------------------------------------------------------
+
+    def explain_oom(self, exc: BaseException) -> None:
+        """Re-raise an out-of-memory inside an expert computation as a one-line UserError naming it."""
+        oom = isinstance(exc, torch.OutOfMemoryError) or (isinstance(exc, RuntimeError) and "out of memory" in str(exc))
+        if not oom or self.in_experts is None:
+            return
+        i, counts, rows = self.in_experts
+        self.in_experts = None
+        name, layer = self.layers[i]
+        per_expert = counts.cpu().tolist()  # D2H sync: error path only
+        local = max(range(len(per_expert)), key=per_expert.__getitem__)
+        first = getattr(layer.experts, "expert_range", (0, 0))[0]
+        raise UserError(
+            f"out of memory in MoE layer {name}: expert {first + local} got {per_expert[local]:,} rows "
+            f"({rows:,} rows on this rank's {len(per_expert)} experts). Dropless routing sends every token its "
+            f"router picks: set --capacity-factor (e.g. 1.25), lower --batch-size or --train.micro_batch_size, "
+            f"or raise --ep") from None
+
+
+def _nonfinite_grad(params) -> bool:
+    return any(p.grad is not None and not bool(torch.isfinite(p.grad).all()) for p in params)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Determinism
+# ---------------------------------------------------------------------------------------------------
+
+
+def set_deterministic(on: bool, device: torch.device):
+    """Deterministic kernels for --train.deterministic; returns a function restoring the previous state.
+
+    CPU runs are already bitwise reproducible. On CUDA, torch then raises on ops without a deterministic
+    kernel (index_add_ / scatter_add_ on floats among them) instead of silently varying; moe/'s dispatch
+    gathers only and the Triton grouped GEMM has no atomics (docs/kernels.md), so the MoE path runs.
+    """
+    if not on:
+        return lambda: None
+    before = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic,
+              torch.backends.cudnn.benchmark)
+    if device.type == "cuda":
+        # cuBLAS picks reduction splits by workspace; a fixed config makes GEMMs reproducible (CUDA >= 10.2).
+        # Must be set before the first cuBLAS handle: the trainer calls this before building the model.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+
+    def restore() -> None:
+        torch.use_deterministic_algorithms(before[0])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[1], before[2]
+
+    return restore
