@@ -1,27 +1,40 @@
-"""Checkpoints with torch.distributed.checkpoint (DCP).
+"""Checkpoints with torch.distributed.checkpoint (DCP): integrity manifest, atomic saves, async saves.
 
     <run_dir>/checkpoints/step_000100/
         .metadata          DCP: which tensor lives where
         __0_0.distcp       DCP: the tensors and objects (one file per rank)
-        meta.json          moekit: step, model config, size and CRC-32 of every file above
+        meta.json          moekit manifest, written last: format, step, model config, and the size and
+                           sha256 of every file above
+    <run_dir>/checkpoints/step_000200.partial/   a save in progress (or one a crash interrupted)
 
 State: model (router ``expert_bias`` buffers included), AdamW state, LR scheduler, the sampler's data
 position, RNG states. DCP works without a process group in one process (torch warns and assumes a
-single process; that warning is silenced here). The same call saves sharded state once comm/ runs
-several ranks, which is why DCP and not torch.save.
+single process; that warning is silenced here). The same call saves sharded state under torchrun,
+which is why DCP and not torch.save.
 
-A save goes to ``step_N.partial`` and is renamed when complete, so a crash mid-save never leaves a
-half checkpoint under a final name; ``keep`` newest checkpoints survive. Loading checks meta.json,
-the files' sizes and checksums, and the model config before DCP reads anything, and reports the
-file and what is wrong as a UserError.
+Life of a save (``Checkpointer``):
+    1. every rank writes its DCP files into ``step_N.partial`` (``dcp.save``, or ``dcp.async_save``:
+       it copies the state to CPU memory before it returns and writes from a background thread)
+    2. rank 0, once DCP reports every rank's files written: hash them, fsync, write meta.json
+    3. rename ``step_N.partial`` -> ``step_N`` (the commit: only a sealed directory has a final name)
+    4. rotate: retire checkpoints beyond ``keep`` (renamed to ``.stale`` first, so a crash mid-delete
+       never leaves a half-deleted directory under a final name)
+Leftover ``.partial`` / ``.stale`` directories of a crashed run are removed when the next run starts.
+
+Loading verifies meta.json and every file's size and digest, and the model config, before DCP reads
+anything; a failure is a UserError naming the file and what is wrong. ``--resume`` / ``--resume auto``
+skip checkpoints that fail verification (saying which and why) and use the newest that passes.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
+import signal
 import warnings
 import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -34,10 +47,20 @@ from torch.distributed.checkpoint.state_dict import (
 from comm.expert_parallel import gather_optimizer_state, slice_optimizer_state
 from trainlib import UserError
 
-FORMAT = 1
+FORMAT = 2  # 2: sha256 per file. 1 (CRC-32 per file, moekit before the manifest) is still verified and read
+READABLE_FORMATS = (1, 2)
 META = "meta.json"
+# DCP's own files: one of these in a checkpoint but not in its manifest means it was tampered with
+DCP_FILES = (".metadata", ".distcp")
 # Fields that do not change the weights or the math: a run may resume with a different value.
 RESUMABLE_MODEL_FIELDS = ("expert_backend",)
+# Testing hook for crash/restart (docs/training.md): rank $MOEKIT_FAULT_RANK kills itself at the start
+# of step $MOEKIT_FAULT_EXIT_AT_STEP, once per run dir (the marker file lets the restarted attempt go on).
+FAULT_STEP_ENV, FAULT_RANK_ENV, FAULT_MARKER = "MOEKIT_FAULT_EXIT_AT_STEP", "MOEKIT_FAULT_RANK", ".fault_injected"
+
+# DCP in one process warns that it assumes a single process; async saves warn from their own thread,
+# where a catch_warnings block around the call would not reach, so the filter is installed once.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 
 def checkpoint_root(run_dir: str | Path) -> Path:
@@ -45,10 +68,15 @@ def checkpoint_root(run_dir: str | Path) -> Path:
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Sealed checkpoints, oldest first (a name with a dot is a save in progress or being deleted)."""
     root = checkpoint_root(run_dir)
     if not root.is_dir():
         return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_") and "." not in p.name)
+    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_") and p.name[5:].isdigit())
+
+
+def step_of(path: Path) -> int:
+    return int(path.name.removeprefix("step_"))
 
 
 def _state(model, optimizer, scheduler, sampler, step: int) -> dict:
@@ -72,61 +100,90 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _crc32(path: Path) -> int:
-    crc = 0
+# ---------------------------------------------------------------------------------------------------
+# Integrity: digests, the manifest, verification
+# ---------------------------------------------------------------------------------------------------
+
+
+def _digest(path: Path, fmt: int) -> str | int:
+    """sha256 (hex) for format 2, CRC-32 for format 1."""
     with open(path, "rb") as f:
+        if fmt >= 2:
+            return hashlib.file_digest(f, "sha256").hexdigest()
+        crc = 0
         while chunk := f.read(1 << 24):
             crc = zlib.crc32(chunk, crc)
-    return crc
+        return crc
 
 
-def save(run_dir, step: int, model, optimizer, scheduler, sampler, model_config: dict, keep: int) -> Path:
-    final = checkpoint_root(run_dir) / f"step_{step:06d}"
-    tmp = final.with_name(final.name + ".partial")
-    if _main():
-        shutil.rmtree(tmp, ignore_errors=True)
-    _barrier()
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(_state(model, optimizer, scheduler, sampler, step), checkpoint_id=str(tmp))
-    _barrier()  # every rank's files are written before rank 0 seals the checkpoint
-    if _main():
-        files = {p.name: {"bytes": p.stat().st_size, "crc32": _crc32(p)} for p in sorted(tmp.iterdir())}
-        meta = {"format": FORMAT, "step": step, "model": model_config, "files": files, "torch": torch.__version__}
-        (tmp / META).write_text(json.dumps(meta, indent=1))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        for old in list_checkpoints(run_dir)[:-keep]:
-            shutil.rmtree(old)
-    _barrier()
-    return final
+def _fsync(path: Path) -> None:
+    """Flush a file's or a directory's entries to disk: a rename is only durable once its parent is."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
-def read_meta(path: Path) -> dict:
-    """meta.json of a checkpoint, after checking every listed file's size and checksum."""
+def _write_manifest(tmp: Path, step: int, model_config: dict) -> None:
+    """Hash and fsync every file DCP wrote, then write meta.json last."""
+    files = {}
+    for p in sorted(tmp.iterdir()):
+        _fsync(p)
+        files[p.name] = {"bytes": p.stat().st_size, "sha256": _digest(p, FORMAT)}
+    meta = {"format": FORMAT, "step": step, "model": model_config, "files": files, "torch": torch.__version__}
+    with open(tmp / META, "w") as f:
+        f.write(json.dumps(meta, indent=1))
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync(tmp)
+
+
+def _load_manifest(path: Path) -> dict:
     meta_path = path / META
     if not path.is_dir():
         raise UserError(f"checkpoint {path}: no such directory")
     try:
         meta = json.loads(meta_path.read_text())
-        files, step = meta["files"], int(meta["step"])
+        meta["step"] = int(meta["step"])
+        fmt, files = meta.get("format"), meta["files"]
+        if fmt in READABLE_FORMATS:
+            key = "sha256" if fmt >= 2 else "crc32"
+            meta["files"] = {str(n): (int(i["bytes"]), i[key]) for n, i in files.items()}
     except FileNotFoundError:
         raise UserError(f"checkpoint {meta_path}: missing; the save did not finish or this is not a moekit "
                         f"checkpoint") from None
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise UserError(f"checkpoint {meta_path}: corrupt ({type(exc).__name__}: {exc})") from None
-    if meta.get("format") != FORMAT:
-        raise UserError(f"checkpoint {meta_path}: format {meta.get('format')!r}, this moekit reads format {FORMAT}")
-    for name, info in files.items():
+    if fmt not in READABLE_FORMATS:
+        raise UserError(f"checkpoint {meta_path}: format {fmt!r}; this moekit reads formats "
+                        f"{', '.join(map(str, READABLE_FORMATS))}: resume it with the moekit that wrote it")
+    return meta
+
+
+def _verify_files(path: Path, fmt: int, files: dict) -> None:
+    listed = set(files)
+    if ".metadata" not in listed or any("/" in n or os.sep in n or n.startswith("..") for n in listed):
+        raise UserError(f"checkpoint {path / META}: corrupt (its file list {sorted(listed)} is not a DCP checkpoint's)")
+    for extra in sorted(p.name for p in path.iterdir() if p.name.endswith(DCP_FILES) and p.name not in listed):
+        raise UserError(f"checkpoint {path / extra}: not in {META}; the checkpoint was changed after it was saved")
+    for name, (size, digest) in files.items():
         f = path / name
         if not f.is_file():
             raise UserError(f"checkpoint {f}: missing")
-        if f.stat().st_size != info["bytes"]:
-            raise UserError(f"checkpoint {f}: {f.stat().st_size} bytes, saved with {info['bytes']}; it is truncated "
+        if f.stat().st_size != size:
+            raise UserError(f"checkpoint {f}: {f.stat().st_size} bytes, saved with {size}; it is truncated "
                             f"or was overwritten")
-        if _crc32(f) != info["crc32"]:
-            raise UserError(f"checkpoint {f}: checksum mismatch; the file changed after it was saved")
-    meta["step"] = step
+        if _digest(f, fmt) != digest:
+            raise UserError(f"checkpoint {f}: {'sha256' if fmt >= 2 else 'CRC-32'} mismatch; the file changed "
+                            f"after it was saved")
+
+
+def read_meta(path: Path, verify: bool = True) -> dict:
+    """meta.json of a checkpoint, after checking every listed file's size and digest (``verify``)."""
+    meta = _load_manifest(path)
+    if verify:
+        _verify_files(path, meta["format"], meta["files"])
     return meta
 
 
@@ -138,15 +195,75 @@ def check_model(path: Path, saved: dict, current: dict) -> None:
                         f"with the checkpoint's model settings or start a new --run-dir")
 
 
-def load(path: Path, model, optimizer, scheduler, sampler, model_config: dict) -> int:
-    """Restore everything in place; return the step the checkpoint was taken after."""
-    meta = read_meta(path)
+# ---------------------------------------------------------------------------------------------------
+# Choosing the checkpoint to resume from
+# ---------------------------------------------------------------------------------------------------
+
+
+def choose_resume(run_dir: str, resume: str | None, model_config: dict, warn=print) -> Path | None:
+    """The checkpoint this run starts from, None for a fresh start. Rank 0 decides, every rank gets it.
+
+    ``resume``: None (fresh), a checkpoint directory (it must verify), "latest" (the newest checkpoint
+    of run_dir that verifies; there must be one), or "auto" (as latest, but a run dir without any
+    checkpoint starts fresh: what a torchrun restart of a run that had not saved yet needs).
+    """
+    if resume is None:
+        return None
+    answer: list = [None, None]  # [path, error message]
+    if _main():
+        try:
+            answer[0] = _choose(run_dir, resume, model_config, warn)
+        except UserError as exc:
+            answer[1] = str(exc)
+    if dist.is_initialized():  # one verification, one answer: every rank loads the same checkpoint
+        dist.broadcast_object_list(answer, src=0)
+    if answer[1] is not None:
+        raise UserError(answer[1])
+    return answer[0]
+
+
+def _choose(run_dir: str, resume: str, model_config: dict, warn) -> Path | None:
+    if resume not in ("latest", "auto"):
+        path = Path(resume)
+        try:
+            meta = read_meta(path)
+        except UserError as exc:
+            raise UserError(f"{exc}; pass another checkpoint, or --resume alone for the newest one that "
+                            f"verifies") from None
+        check_model(path, meta["model"], model_config)
+        return path
+    found = list_checkpoints(run_dir)[::-1]
+    if not found:
+        if resume == "auto":
+            return None
+        raise UserError(f"--resume: no checkpoint in {checkpoint_root(run_dir)}; train without --resume first, "
+                        f"or pass --resume PATH/TO/step_N")
+    skipped = []
+    for path in found:
+        try:
+            meta = read_meta(path)
+        except UserError as exc:  # an interrupted or damaged save: an older one may still be good
+            skipped.append(str(exc))
+            continue
+        for reason in skipped:
+            warn(f"warning: skipped {reason}; resuming from {path}")
+        check_model(path, meta["model"], model_config)
+        return path
+    # all damaged: refuse rather than start fresh, which would delete them
+    raise UserError(f"--resume: no checkpoint in {checkpoint_root(run_dir)} verifies: {' | '.join(skipped)}; "
+                    f"restore one, or start a fresh run without --resume")
+
+
+def load(path: Path, model, optimizer, scheduler, sampler, model_config: dict, verify: bool = True) -> int:
+    """Restore everything in place; return the step the checkpoint was taken after.
+
+    ``verify=False`` when ``choose_resume`` has just verified this checkpoint (hashing is a full read).
+    """
+    meta = read_meta(path, verify)
     check_model(path, meta["model"], model_config)
     state = _state(model, optimizer, scheduler, sampler, 0)
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, checkpoint_id=str(path))
+        dcp.load(state, checkpoint_id=str(path))
     except Exception as exc:  # DCP wraps per-rank failures; any of them means this checkpoint is unusable
         reason = str(exc).strip().splitlines()
         raise UserError(f"checkpoint {path}: DCP could not load it ({type(exc).__name__}: "
@@ -162,12 +279,142 @@ def load(path: Path, model, optimizer, scheduler, sampler, model_config: dict) -
     return int(train["step"])
 
 
-def resolve_resume(run_dir: str, resume: str) -> Path:
-    """``resume`` is "latest" (newest checkpoint in run_dir) or a checkpoint directory."""
-    if resume != "latest":
-        return Path(resume)
+# ---------------------------------------------------------------------------------------------------
+# Saving
+# ---------------------------------------------------------------------------------------------------
+
+
+def _retire(path: Path) -> None:
+    """Delete a checkpoint directory without ever leaving a half-deleted one under a final name."""
+    stale = path.with_name(path.name + ".stale")
+    shutil.rmtree(stale, ignore_errors=True)
+    os.replace(path, stale)
+    shutil.rmtree(stale)
+
+
+def clean_stale(run_dir: str | Path) -> None:
+    """Remove what crashed saves left: ``.partial`` (unsealed) and ``.stale`` (half-deleted) directories."""
+    root = checkpoint_root(run_dir)
+    if root.is_dir():
+        for p in root.iterdir():
+            if p.is_dir() and p.name.startswith("step_") and "." in p.name:
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def _rotate(run_dir: Path, step: int, keep: int) -> None:
     found = list_checkpoints(run_dir)
-    if not found:
-        raise UserError(f"--resume: no checkpoint in {checkpoint_root(run_dir)}; train without --resume first, "
-                        f"or pass --resume PATH/TO/step_N")
-    return found[-1]
+    # newer than the one just saved: left by the timeline this run abandoned when it resumed from an
+    # older checkpoint (e.g. after skipping a damaged one); keeping them would crowd out good ones
+    abandoned = [p for p in found if step_of(p) > step]
+    current = [p for p in found if step_of(p) <= step]
+    for p in abandoned + current[:-keep]:
+        _retire(p)
+
+
+class Checkpointer:
+    """Saves of one run: at most one in flight; rank 0 seals each one when DCP reports it written.
+
+    With ``async_save`` DCP copies the state to CPU memory before ``save`` returns, so the next
+    optimizer step may change the weights at once; files are written from a background thread.
+    ``finalize`` (at the next save and at the end of training) waits until the save is sealed.
+    """
+
+    def __init__(self, run_dir: str | Path, keep: int, model_config: dict, async_save: bool = False,
+                 last: Path | None = None):
+        self.run_dir, self.keep, self.model_config, self.async_save = Path(run_dir), keep, model_config, async_save
+        self.last = last  # newest sealed checkpoint
+        self._pending: tuple[Future, Path] | None = None
+        # rank 0 seals in this thread: the hashing (a full read) overlaps training in async mode
+        self._sealer = ThreadPoolExecutor(1, thread_name_prefix="moekit-seal") if _main() else None
+        self._group = None
+        if _main():  # no save of this run is in flight yet: whatever is unsealed was left by a crash
+            clean_stale(self.run_dir)
+
+    def save(self, step: int, model, optimizer, scheduler, sampler) -> Path | None:
+        """Start saving after ``step``; return the newest sealed checkpoint (this one unless async)."""
+        self.finalize()
+        final = checkpoint_root(self.run_dir) / f"step_{step:06d}"
+        tmp = final.with_name(final.name + ".partial")
+        if _main():
+            clean_stale(self.run_dir)
+            tmp.parent.mkdir(parents=True, exist_ok=True)
+        _barrier()  # tmp is empty before any rank writes into it
+        state = _state(model, optimizer, scheduler, sampler, step)
+        if self.async_save:
+            written = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._async_group())
+        else:
+            dcp.save(state, checkpoint_id=str(tmp))
+            written = Future()
+            written.set_result(None)
+        self._pending = (self._after(written, tmp, final, step), final)
+        if not self.async_save:
+            self.finalize()
+        return self.last
+
+    def _async_group(self):
+        """A gloo group for the background save's collectives: on the default group they would
+        interleave with the training step's and deadlock or mismatch."""
+        if dist.is_initialized() and self._group is None:
+            self._group = dist.new_group(backend="gloo")
+        return self._group
+
+    def _after(self, written: Future, tmp: Path, final: Path, step: int) -> Future:
+        if self._sealer is None:
+            return written
+        return self._sealer.submit(self._seal, written, tmp, final, step)
+
+    def _seal(self, written: Future, tmp: Path, final: Path, step: int) -> None:
+        # DCP's save ends with a gather of every rank's write results to rank 0 before it writes
+        # .metadata, so rank 0's future done means every rank's files are on disk
+        written.result()
+        _write_manifest(tmp, step, self.model_config)
+        if final.exists():  # the same step saved again (a resumed run redoing it)
+            _retire(final)
+        os.replace(tmp, final)
+        _fsync(final.parent)
+        _rotate(self.run_dir, step, self.keep)
+
+    def finalize(self) -> Path | None:
+        """Wait until the save in flight is sealed; every rank returns together. The newest sealed one."""
+        if self._pending is None:
+            return self.last
+        done, final = self._pending
+        self._pending = None
+        done.result()  # this rank's files written (rank 0: and the checkpoint sealed); re-raises errors
+        _barrier()
+        self.last = final
+        return final
+
+    def close(self) -> None:
+        """Let an unfinished save end before the process group goes (no barrier: the run may be failing)."""
+        if self._pending is not None:
+            try:
+                self._pending[0].result()
+            except Exception:  # the run is ending on another error; the next run cleans a .partial
+                pass
+            self._pending = None
+        if self._sealer is not None:
+            self._sealer.shutdown(wait=True)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Testing hook: crash one rank
+# ---------------------------------------------------------------------------------------------------
+
+
+def inject_fault(run_dir: str | Path, step: int, rank: int) -> None:
+    """SIGKILL this rank at the start of ``step`` when $MOEKIT_FAULT_EXIT_AT_STEP / $MOEKIT_FAULT_RANK
+    (default 0) ask for it: simulates a crashed rank for torchrun --max-restarts tests. Once per run dir."""
+    at = os.environ.get(FAULT_STEP_ENV)
+    if not at:
+        return
+    try:
+        at_step, at_rank = int(at), int(os.environ.get(FAULT_RANK_ENV, "0"))
+    except ValueError:
+        raise UserError(f"{FAULT_STEP_ENV}={at!r} / {FAULT_RANK_ENV}: must be integers (a testing hook; "
+                        f"unset them for normal training)") from None
+    marker = Path(run_dir) / FAULT_MARKER
+    if (at_step, at_rank) != (step, rank) or marker.exists():
+        return
+    marker.write_text(f"rank {rank} killed itself at the start of step {step} ({FAULT_STEP_ENV})\n")
+    os.kill(os.getpid(), signal.SIGKILL)

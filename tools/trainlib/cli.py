@@ -50,7 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("dp", "ep", "tp", "pp", "fsdp"):
         p.add_argument(f"--{name}", help=f"{name} degree (default 1{'; inferred from the world size' if name == 'dp' else ''})")
     p.add_argument("--resume", nargs="?", const="latest", metavar="CHECKPOINT",
-                   help="continue from the newest checkpoint in the run dir, or from CHECKPOINT")
+                   help="continue from the newest checkpoint of the run dir that verifies (damaged ones are "
+                        "skipped, with a warning), or from CHECKPOINT; 'auto': the same, but start fresh when the "
+                        "run dir has no checkpoint (for torchrun --max-restarts)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as TOML and exit")
     p.add_argument("--write-data", metavar="FILE", help="write the configured data as a token file and exit")
     return p

@@ -8,7 +8,7 @@ Precedence, lowest first:  preset (model) and section defaults  <  --config FILE
     [data]   path / text, val_fraction                 --data.path tokens.bin
     [eval]   every, sequences                          --eval.every 50
     [log]    run_dir, every, tensorboard, progress     --run-dir runs/x
-    [checkpoint] every, keep                           --checkpoint.every 100
+    [checkpoint] every, keep, async_save               --checkpoint.every 100
     [layout] dp, ep, tp, pp, fsdp                      --ep 2
 
 Every value is converted to its field's type (``int``, ``float``, ``bool``, ``float | None`` with
@@ -85,6 +85,7 @@ class LogSection:
 class CheckpointSection:
     every: int = 100  # save every n steps and after the last; 0 = never
     keep: int = 2  # newest checkpoints kept
+    async_save: bool = False  # write in the background (dcp.async_save) after a synchronous copy to CPU memory
 
 
 @dataclass

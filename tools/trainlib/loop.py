@@ -138,10 +138,9 @@ class Run:
         self.split: Split = split_windows(tokens, cfg.train.seq_len, cfg.data.val_fraction)
         self.sampler = Sampler(self.split.train_starts, cfg.train.seed)
         self.run_dir = Path(cfg.run_dir)
-        self.resume_from = checkpoint.resolve_resume(cfg.run_dir, opts.resume) if opts.resume else None
-        if self.resume_from is not None:  # fail on a bad checkpoint before building anything
-            meta = checkpoint.read_meta(self.resume_from)
-            checkpoint.check_model(self.resume_from, meta["model"], cfg.model.to_dict())
+        # verified (sizes, sha256, model config) before building anything; --resume / auto skip damaged ones
+        self.resume_from = checkpoint.choose_resume(cfg.run_dir, opts.resume, cfg.model.to_dict(),
+                                                    warn=lambda msg: print(f"train.py: {msg}", file=sys.stderr))
 
     # -- setup ------------------------------------------------------------------------------------
 
@@ -167,8 +166,10 @@ class Run:
         self.start_step = 0
         if self.resume_from is not None:
             self.start_step = checkpoint.load(self.resume_from, self.model, self.optimizer, self.scheduler,
-                                              self.sampler, cfg.model.to_dict())
+                                              self.sampler, cfg.model.to_dict(), verify=False)
         self.last_checkpoint = self.resume_from
+        self.checkpointer = checkpoint.Checkpointer(self.run_dir, cfg.checkpoint.keep, cfg.model.to_dict(),
+                                                    cfg.checkpoint.async_save, last=self.resume_from)
 
     def load_hf(self, path: str) -> None:
         from models.hf import load_hf_into  # needs safetensors: imported only when asked for
@@ -258,6 +259,7 @@ class Run:
             self.guard.explain_oom(exc)  # an OOM inside an expert becomes one line naming it
             raise
         finally:
+            self.checkpointer.close()  # an async save in flight ends before the process group goes
             self.restore_determinism()
             for rec in (self.metrics, self.load_log, self.monitor):
                 if rec is not None:
@@ -270,6 +272,7 @@ class Run:
         tokens_seen = self.start_step * plan.tokens_per_step
         t_start = time.perf_counter()
         for step in range(self.start_step + 1, cfg.train.steps + 1):
+            checkpoint.inject_fault(self.run_dir, step, self.dist.rank)  # testing hook, off unless its env is set
             t0 = time.perf_counter()
             self.guard.begin_step(step)
             batch = self.sampler.next(cfg.train.batch_size)  # [batch_size] window starts of the global batch
@@ -303,8 +306,9 @@ class Run:
                 self.metrics.write(self.monitor.step(m))
                 self.load_log.write(records.load_line(step, load))
             if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == cfg.train.steps):
-                self.last_checkpoint = checkpoint.save(self.run_dir, step, self.model, self.optimizer, self.scheduler,
-                                                       self.sampler, cfg.model.to_dict(), cfg.checkpoint.keep)
+                self.last_checkpoint = self.checkpointer.save(step, self.model, self.optimizer, self.scheduler,
+                                                              self.sampler)
+        self.last_checkpoint = self.checkpointer.finalize()  # an async save is sealed before the run ends
         if cfg.train.export_hf:
             self.export_hf(cfg.train.export_hf)
         if self.dist.is_main:
