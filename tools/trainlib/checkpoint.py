@@ -165,8 +165,10 @@ def _verify_files(path: Path, fmt: int, files: dict) -> None:
     listed = set(files)
     if ".metadata" not in listed or any("/" in n or os.sep in n or n.startswith("..") for n in listed):
         raise UserError(f"checkpoint {path / META}: corrupt (its file list {sorted(listed)} is not a DCP checkpoint's)")
-    for extra in sorted(p.name for p in path.iterdir() if p.name.endswith(DCP_FILES) and p.name not in listed):
-        raise UserError(f"checkpoint {path / extra}: not in {META}; the checkpoint was changed after it was saved")
+    unlisted = sorted(p.name for p in path.iterdir() if p.name.endswith(DCP_FILES) and p.name not in listed)
+    if unlisted:
+        raise UserError(f"checkpoint {path / unlisted[0]}: not in {META}; the checkpoint was changed after it was "
+                        f"saved")
     for name, (size, digest) in files.items():
         f = path / name
         if not f.is_file():
@@ -181,9 +183,12 @@ def _verify_files(path: Path, fmt: int, files: dict) -> None:
 
 def read_meta(path: Path, verify: bool = True) -> dict:
     """meta.json of a checkpoint, after checking every listed file's size and digest (``verify``)."""
-    meta = _load_manifest(path)
-    if verify:
-        _verify_files(path, meta["format"], meta["files"])
+    try:
+        meta = _load_manifest(path)
+        if verify:
+            _verify_files(path, meta["format"], meta["files"])
+    except OSError as exc:  # permissions, I/O errors: as unusable as a damaged file
+        raise UserError(f"checkpoint {exc.filename or path}: unreadable ({exc.strerror or exc})") from None
     return meta
 
 
