@@ -45,6 +45,26 @@ def exchange_counts(send: Tensor, group, signature: int) -> Tensor:
     return recv[:, :-1]
 
 
+def agree_on_signature(group, signature: int) -> None:
+    """Once, at setup: every rank of ``group`` holds the same layout signature, else SplitMismatchError.
+
+    The per-call check in exchange_counts needs equal payload shapes first: peers built with different
+    expert counts send count rows of different widths, which gloo answers by aborting the process and
+    NCCL by reading garbage. This fixed-shape exchange runs before any of those.
+    """
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+    mine = torch.tensor([signature], dtype=torch.int64, device=device)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, mine, group=group)
+    theirs = [int(t) for t in everyone]  # D2H sync: setup only
+    bad = [(p, s) for p, s in enumerate(theirs) if s != signature]
+    if bad:
+        raise SplitMismatchError(
+            f"rank {dist.get_rank()} has layout signature {signature} but group ranks {bad} (rank, signature) "
+            f"differ: every rank of the expert-parallel group must build the same model (num_experts) and layout"
+        )
+
+
 class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, out_splits: list[int], in_splits: list[int], group) -> Tensor:

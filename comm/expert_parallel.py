@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from comm.all_to_all import Traffic, all_to_all, exchange_counts
+from comm.all_to_all import Traffic, agree_on_signature, all_to_all, exchange_counts
 from moe.dispatch import Dispatched, PermuteMeta, permute, sort_slots, unpermute
 from moe.router import Routing
 
@@ -78,6 +78,8 @@ class FlatEPDispatcher:
         self.node_of = node_of or (lambda r: 0)
         self.traffic = traffic if traffic is not None else Traffic()
         self.rank = dist.get_rank()
+        self.signature = num_experts * 4096 + self.local_experts  # travels with every count exchange
+        agree_on_signature(group, self.signature)  # before any count exchange: payload widths must match
 
     def dispatch(self, x: Tensor, routing: Routing) -> Dispatched:
         return self.dispatch_slots(x, routing.indices, routing.weights, routing.tokens_per_expert,
@@ -89,7 +91,7 @@ class FlatEPDispatcher:
         T, k = indices.shape
         P, El = self.ep, self.local_experts
         send_counts = counts.view(P, El)  # [P, El] global experts are rank-contiguous
-        recv_counts = exchange_counts(send_counts, self.group, signature=self.num_experts * 4096 + El)
+        recv_counts = exchange_counts(send_counts, self.group, signature=self.signature)
         # D2H sync: split sizes drive the variable-size exchange
         send_splits = send_counts.sum(1).cpu().tolist()
         recv_splits = recv_counts.sum(1).cpu().tolist()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -185,8 +186,12 @@ class Topology:
                               f"or use flat dispatch")
 
     # --- process groups -------------------------------------------------------------------------------
-    def build(self) -> "Topology":
-        """Create every process group once, on every rank in the same order (a collective requirement)."""
+    def build(self, timeout: timedelta | None = None) -> "Topology":
+        """Create every process group once, on every rank in the same order (a collective requirement).
+
+        ``timeout``: how long a collective on these groups may wait before it raises. torch gives new
+        groups its 30-minute default, not init_process_group's timeout, so the trainer passes its own.
+        """
         if not dist.is_initialized():
             raise RuntimeError("Topology.build() needs torch.distributed initialised (init_process_group)")
         if dist.get_world_size() != self.layout.world_size:
@@ -198,7 +203,7 @@ class Topology:
                 if ranks in seen:
                     continue
                 seen.add(ranks)
-                pg = dist.new_group(list(ranks))
+                pg = dist.new_group(list(ranks), timeout=timeout)
                 if self.rank in ranks:
                     self.groups[kind] = pg
         return self

@@ -48,7 +48,7 @@ class Dist:
             # a rank that never arrives (crash, mismatched launch) surfaces as an error after timeout_s
             dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
         if world > 1:
-            topology.build()
+            topology.build(timeout=timedelta(seconds=timeout_s))  # EP / DP groups time out like the default one
         return cls(topology, device)
 
     @property
