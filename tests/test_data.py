@@ -138,3 +138,19 @@ def test_unigram_entropy():
     assert unigram_entropy(np.array([0, 1, 2, 3] * 10), 256) == pytest.approx(np.log(4))
     assert unigram_entropy(np.zeros(10, dtype=np.uint8), 256) == 0.0
     assert struct.calcsize("<8sIIIIQ") == HEADER.size == 32
+
+
+def test_truncate_after_drops_a_half_written_last_line(tmp_path):
+    """A crash mid-write leaves a cut line; resuming must drop it (and later steps), not crash."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    records = importlib.import_module("trainlib.records")
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"format": 1}\n{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "lo')
+    records.truncate_after(path, 2)
+    assert path.read_text() == '{"format": 1}\n{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n'
+    records.truncate_after(path, 1)
+    assert path.read_text().splitlines()[-1] == '{"step": 1, "loss": 2.0}'

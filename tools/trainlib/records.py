@@ -54,8 +54,14 @@ def truncate_after(path: Path, step: int) -> None:
     """Drop the lines of steps after ``step`` (a resumed run rewrites them); keep header lines."""
     if not path.exists():
         return
-    kept = [ln for ln in path.read_text(encoding="utf-8").splitlines(keepends=True)
-            if ln.strip() and json.loads(ln).get("step", 0) <= step]
+    kept = []
+    for ln in path.read_text(encoding="utf-8").splitlines(keepends=True):
+        try:
+            record = json.loads(ln)
+        except ValueError:  # a line cut short by a crash mid-write: that step is re-done anyway
+            continue
+        if record.get("step", 0) <= step:
+            kept.append(ln if ln.endswith("\n") else ln + "\n")
     path.write_text("".join(kept), encoding="utf-8")
 
 
