@@ -245,10 +245,17 @@ def sync_gradients(model: nn.Module, topology) -> None:
     D = topology.layout.data_parallel
     if D == 1:
         return
+    buckets: dict[tuple[str, torch.dtype, torch.device], list[Tensor]] = {}
     for p in model.parameters():
-        if p.grad is None:
-            continue
-        group = topology.group("edp") if getattr(p, "expert_parallel", False) else topology.group("dp")
-        if dist.get_world_size(group) > 1:
-            dist.all_reduce(p.grad, group=group)
-        p.grad.div_(D)
+        if p.grad is not None:
+            kind = "edp" if getattr(p, "expert_parallel", False) else "dp"
+            buckets.setdefault((kind, p.grad.dtype, p.grad.device), []).append(p.grad)
+    for (kind, _, _), grads in sorted(buckets.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
+        group = topology.group(kind)
+        if dist.get_world_size(group) > 1:  # one collective per (group, dtype), not one per parameter
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=group)
+            for g, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+                g.copy_(reduced)
+        for g in grads:
+            g.div_(D)

@@ -253,9 +253,10 @@ class GroupedExperts(nn.Module):
         std_out = std_out if std_out is not None else 1.0 / math.sqrt(self.ffn_hidden_size)
         if self.w_in.is_meta:
             return
-        with torch.no_grad():
-            self.w_in.normal_(0.0, std_in, generator=generator)
-            self.w_out.normal_(0.0, std_out, generator=generator)
+        with torch.no_grad():  # drawn where the generator lives, then copied: same numbers on any device
+            gen_device = generator.device if generator is not None else self.w_in.device
+            for w, std in ((self.w_in, std_in), (self.w_out, std_out)):
+                w.copy_(torch.empty(w.shape, device=gen_device, dtype=w.dtype).normal_(0.0, std, generator=generator))
 
     def forward(self, rows: Tensor, counts: Tensor) -> Tensor:
         if rows.dim() != 2 or rows.shape[-1] != self.hidden_size:
