@@ -124,5 +124,5 @@ def check_world(cfg: TrainConfig) -> None:
         raise UserError(f"--ranks-per-node {L.ranks_per_node} must divide the world size {world}")
     if L.hierarchical not in ("auto", "on", "off"):
         raise UserError(f"--layout.hierarchical {L.hierarchical!r}: use auto, on or off")
-    if L.timeout_s <= 0:
-        raise UserError(f"--layout.timeout_s {L.timeout_s}: must be > 0 seconds")
+    if not 0 < L.timeout_s < 1e9:  # also nan and inf, which timedelta refuses with a traceback
+        raise UserError(f"--layout.timeout_s {L.timeout_s}: must be a number of seconds in (0, 1e9)")

@@ -273,6 +273,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         _require(getattr(t, name) >= 1, f"--train.{name}={getattr(t, name)} is invalid; it must be a positive integer")
     for name in ("micro_batch_size", "warmup_steps", "seed"):
         _require(getattr(t, name) >= 0, f"--train.{name}={getattr(t, name)} is invalid; it must be >= 0")
+    _require(t.seed < 2**63, f"--train.seed={t.seed} is invalid; it must be < 2**63 (torch seeds are 64-bit)")
     _require(math.isfinite(t.lr) and t.lr > 0, f"--train.lr={t.lr} is invalid; the learning rate must be > 0")
     _require(0 <= t.min_lr_ratio <= 1, f"--train.min_lr_ratio={t.min_lr_ratio} is invalid; it must be in [0, 1]")
     for name in ("beta1", "beta2"):
