@@ -125,7 +125,9 @@ MATH_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_h
 
 
 def _check_same_math(have: ModelConfig, want: ModelConfig, path) -> None:
-    diffs = [f"{f}={getattr(have, f, None)!r} (model) vs {getattr(want, f, None)!r} (checkpoint)" for f in MATH_FIELDS
+    dense_used = any(not want.is_moe_layer(i) for i in range(want.num_layers))
+    fields = [f for f in MATH_FIELDS if f != "ffn_hidden_size" or dense_used]  # unused when every layer is MoE
+    diffs = [f"{f}={getattr(have, f, None)!r} (model) vs {getattr(want, f, None)!r} (checkpoint)" for f in fields
              if getattr(have, f, None) != getattr(want, f, None)]  # getattr: fields this ModelConfig may lack
     layers = [have.is_moe_layer(i) for i in range(have.num_layers)]
     if layers != [want.is_moe_layer(i) for i in range(want.num_layers)]:

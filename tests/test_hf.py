@@ -371,6 +371,7 @@ def test_load_hf_into_checks_the_model_config(base):
 
     cfg = config_from_hf(base)
     cfg.capacity_factor, cfg.aux_loss_coeff, cfg.max_seq_len = 2.0, 0.05, 32  # training fields may differ
+    cfg.ffn_hidden_size += 8  # the dense FFN width is unused when every layer is MoE (Mixtral)
     model = build_model(cfg, seed=3)
     load_hf_into(model, base)
     hf = MixtralForCausalLM.from_pretrained(base).eval()
