@@ -2,7 +2,7 @@
 
     1. tensor parallel        (issue 7: DTensor parallelize_module on attention / dense MLP)
     2. expert parallel        shard experts over the EP group, EP dispatchers, global-batch balancing
-    3. activation checkpoint  (issue 7)
+    3. activation checkpoint  apply_activation_checkpointing: whole blocks or only their FFN / MoE part
     4. torch.compile          (issue 7)
     5. FSDP                   (issue 7: fully_shard on blocks and root)
 
@@ -14,7 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from comm.all_to_all import Traffic
 from comm.expert_parallel import apply_expert_parallel
@@ -42,3 +44,36 @@ def parallelize(model: nn.Module, topology: Topology, *, hierarchical: bool | No
         hierarchical = len(ep_nodes) > 1
     traffic = apply_expert_parallel(model, topology, hierarchical=hierarchical)
     return Parallelized(topology, traffic)
+
+
+AC_MODES = ("none", "full", "ffn")
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
+    """Recompute activations in backward instead of keeping them.
+
+    full: every transformer block keeps only its input.
+    ffn:  selective, only the FFN / MoE sublayer is recomputed: its expert hidden states (N x 2F per
+          layer, N = tokens x k) are the largest activations of an MoE block, while attention keeps its
+          own (SDPA's backward needs them anyway).
+    The forward is wrapped in place (state-dict keys unchanged). Recomputation replays the same routing
+    (RNG state is restored, so router jitter repeats), and expert-load records skip recomputed forwards.
+    Under expert parallelism the recomputed all-to-alls run in backward on every rank in the same order.
+    """
+    if mode not in AC_MODES:
+        raise ValueError(f"activation checkpointing mode {mode!r} is unknown; use one of {list(AC_MODES)}")
+    if mode == "none":
+        return
+    for block in model.layers:
+        _checkpoint_forward(block if mode == "full" else block.ffn)
+
+
+def _checkpoint_forward(module: nn.Module) -> None:
+    inner = module.forward
+
+    def forward(*args, **kwargs):
+        if not (torch.is_grad_enabled() and module.training):  # eval / no_grad: nothing to save anyway
+            return inner(*args, **kwargs)
+        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+
+    module.forward = forward

@@ -58,6 +58,7 @@ class TrainSection:
     export_hf: str = ""  # after the last step, write the model here as a HuggingFace Mixtral folder
     on_nonfinite: str = "stop"  # non-finite loss / grad norm on any rank: stop, or skip the step (no update)
     deterministic: bool = False  # deterministic kernels (torch.use_deterministic_algorithms); see docs/training.md
+    activation_checkpointing: str = "none"  # recompute in backward: none | full (blocks) | ffn (FFN/MoE only)
 
 
 @dataclass
@@ -283,6 +284,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         _require(math.isfinite(v) and v >= 0, f"--train.{name}={v} is invalid; it must be a finite number >= 0")
     _require(t.dtype in DTYPES, f"--train.dtype={t.dtype!r} is invalid; choose one of {list(DTYPES)}")
     _require(t.device in DEVICES, f"--train.device={t.device!r} is invalid; choose one of {list(DEVICES)}")
+    _require(t.activation_checkpointing in ("none", "full", "ffn"),
+             f"--train.activation_checkpointing={t.activation_checkpointing!r} is invalid; choose none, full or ffn")
     _require(t.on_nonfinite in ON_NONFINITE,
              f"--train.on_nonfinite={t.on_nonfinite!r} is invalid; choose one of {list(ON_NONFINITE)}")
     _require(not t.init_from_hf or os.path.isdir(t.init_from_hf),

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from models.parallelize import apply_activation_checkpointing
 from models.stats import model_stats
 from models.transformer import Transformer, router_options
 from moe import collect_load, moe_layers, update_expert_biases
@@ -157,6 +158,7 @@ class Run:
             self.check_exportable()
         # the full model is built and initialised first, then each rank keeps its share (layout-free init)
         self.dist.parallelize(self.model, {"auto": None, "on": True, "off": False}[cfg.layout.hierarchical])
+        apply_activation_checkpointing(self.model, cfg.train.activation_checkpointing)  # after EP, as in the recipe
         self.model.train()
         for _, layer in moe_layers(self.model):
             layer.aux_loss_scale = 1.0 / plan.accum  # the aux loss is averaged over micro-batches like the LM loss
