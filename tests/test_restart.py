@@ -14,7 +14,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
-from trainlib import checkpoint  # noqa: E402
+from trainlib import checkpoint, faults  # noqa: E402
 
 TINY = ["--model.hidden_size", "32", "--model.num_layers", "2", "--train.seq_len", "32", "--batch-size", "8",
         "--eval.every", "0", "--log.every", "1", "--log.progress", "off", "--log.tensorboard", "false",
@@ -28,7 +28,7 @@ def launch(run_dir: Path, *flags: str, env_extra: dict | None = None) -> subproc
            # torchrun >= 2.5 shares its rendezvous store with the workers and keeps it across restarts:
            # the restarted ranks could read the dead attempt's gloo addresses (pytorch/pytorch#135712)
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    for var in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT", checkpoint.FAULT_STEP_ENV, checkpoint.FAULT_RANK_ENV):
+    for var in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT", faults.FAULT_STEP_ENV, faults.FAULT_RANK_ENV):
         env.pop(var, None)
     env.update(env_extra or {})
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts",
@@ -43,12 +43,12 @@ def records(run_dir: Path, name: str) -> list[dict]:
 def test_killed_rank_restarts_from_the_latest_checkpoint(tmp_path):
     faulty, reference = tmp_path / "faulty", tmp_path / "reference"
     # both at once: the restart's waits overlap the reference's work
-    procs = [launch(faulty, env_extra={checkpoint.FAULT_STEP_ENV: "4", checkpoint.FAULT_RANK_ENV: "1"}),
+    procs = [launch(faulty, env_extra={faults.FAULT_STEP_ENV: "4", faults.FAULT_RANK_ENV: "1"}),
              launch(reference, "--checkpoint.async_save", "true")]
     (out, err), (ref_out, ref_err) = [p.communicate(timeout=300) for p in procs]
     assert procs[1].returncode == 0, ref_err[-3000:]
     assert procs[0].returncode == 0, err[-3000:]
-    assert (faulty / checkpoint.FAULT_MARKER).exists()  # the hook fired: rank 1 was killed once
+    assert (faulty / faults.FAULT_MARKER).exists()  # the hook fired: rank 1 was killed once
     assert "exitcode: -9" in err  # torchrun saw the SIGKILL and restarted the group
     assert f"resumed from {faulty / 'checkpoints' / 'step_000002'} at step 2" in out
     assert out.count("step=3 loss=") == 2 and out.count("step=4 loss=") == 1  # step 3 redone

@@ -28,7 +28,7 @@ from models.parallelize import apply_activation_checkpointing
 from models.stats import model_stats
 from models.transformer import Transformer, router_options
 from moe import collect_load, moe_layers, update_expert_biases
-from trainlib import UserError, checkpoint, records
+from trainlib import UserError, checkpoint, faults, records
 from trainlib.cli import Options, parse_args
 from trainlib.config import TrainConfig, to_toml
 from trainlib.distributed import Dist
@@ -274,7 +274,7 @@ class Run:
         tokens_seen = self.start_step * plan.tokens_per_step
         t_start = time.perf_counter()
         for step in range(self.start_step + 1, cfg.train.steps + 1):
-            checkpoint.inject_fault(self.run_dir, step, self.dist.rank)  # testing hook, off unless its env is set
+            faults.inject_fault(self.run_dir, step, self.dist.rank)  # testing hook, off unless its env is set
             t0 = time.perf_counter()
             self.guard.begin_step(step)
             batch = self.sampler.next(cfg.train.batch_size)  # [batch_size] window starts of the global batch
