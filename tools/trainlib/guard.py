@@ -49,10 +49,12 @@ class NonFinite:
     where: str  # e.g. "MoE layer layers.1.ffn: router output (forward)", or why none was found
     action: str  # "stop" or "skip"
 
-    def record(self, step: int) -> dict:
-        """The metrics.jsonl line of a skipped step (JSON has no NaN: non-finite values are null)."""
-        return {"step": step, "skipped": True, "nonfinite": self.what, "value": _json_float(self.value),
-                "where": self.where}
+    def record(self, step: int, lr: float) -> dict:
+        """The metrics.jsonl line of a skipped step (JSON has no NaN: non-finite values are null). It keeps
+        the keys every step line has (DESIGN.md: step, loss, aux_loss, tokens_per_s, lr)."""
+        loss = _json_float(self.value) if self.what == "loss" else None
+        return {"step": step, "loss": loss, "aux_loss": None, "tokens_per_s": 0.0, "lr": lr, "skipped": True,
+                "nonfinite": self.what, "value": _json_float(self.value), "where": self.where}
 
 
 def _json_float(v: float) -> float | None:

@@ -362,7 +362,7 @@ class Run:
     def skip_step(self, event: NonFinite, step: int) -> None:
         self.guard.discard_step(self.model, self.optimizer)
         if self.dist.is_main:
-            self.metrics.write(event.record(step))
+            self.metrics.write(event.record(step, self.optimizer.param_groups[0]["lr"]))
             self.monitor.print(f"step={step} skipped: non-finite {event.what} ({event.value}); {event.where}")
 
     def stop_nonfinite(self, event: NonFinite, step: int) -> int:
