@@ -22,10 +22,9 @@ sys.path.insert(0, str(ROOT / "tools"))
 from trainlib import checkpoint  # noqa: E402
 from trainlib.loop import main  # noqa: E402
 
-TINY = ("--model.hidden_size 32 --model.num_layers 2 --model.num_heads 2 --model.num_kv_heads 1 "
-        "--model.ffn_hidden_size 64 --model.moe_ffn_hidden_size 32 --model.max_seq_len 32 --train.seq_len 32 "
-        "--batch-size 4 --eval.sequences 8 --eval.every 0 --log.tensorboard false --log.every 1000 "
-        "--steps 6 --checkpoint.every 2 --checkpoint.keep 3").split()
+from tests.tiny import TINY_MODEL  # noqa: E402
+
+TINY = [*TINY_MODEL, *"--steps 6 --checkpoint.every 2 --checkpoint.keep 3".split()]
 
 
 def train(run_dir: Path, *flags: str) -> int:
