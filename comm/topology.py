@@ -27,6 +27,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 DEGREES = ("pp", "dp", "fsdp", "tp", "ep")
+GROUP_KINDS = ("dp", "ep", "edp", "ep_node", "ep_rail", "tp", "pp", "stage")
 
 
 class LayoutError(ValueError):
@@ -164,6 +165,13 @@ class Topology:
             return data[start : start + ep]
         if kind == "edp":  # hold the same experts: expert gradients
             return data[d % ep :: ep]
+        c, L = self.coords(r), self.layout
+        if kind == "tp":  # shard attention heads / dense MLP; split the MoE layer's tokens between them
+            return [self.rank_of(c.pp, c.dp, c.fsdp, t) for t in range(L.tp)]
+        if kind == "pp":  # the pipeline this rank is a stage of, stage order
+            return [self.rank_of(p, c.dp, c.fsdp, c.tp) for p in range(L.pp)]
+        if kind == "stage":  # every rank of this pipeline stage: dp x fsdp x tp (MoE token statistics)
+            return [self.rank_of(c.pp, d // L.fsdp, d % L.fsdp, t) for d in range(L.data_parallel) for t in range(L.tp)]
         if kind in ("ep_node", "ep_rail"):
             group = self.members("ep", r)
             node = self.node_of(r)
@@ -186,7 +194,7 @@ class Topology:
                               f"or use flat dispatch")
 
     # --- process groups -------------------------------------------------------------------------------
-    def build(self, timeout: timedelta | None = None) -> "Topology":
+    def build(self, timeout: timedelta | None = None, device_type: str = "cpu") -> "Topology":
         """Create every process group once, on every rank in the same order (a collective requirement).
 
         ``timeout``: how long a collective on these groups may wait before it raises. torch gives new
@@ -196,7 +204,7 @@ class Topology:
             raise RuntimeError("Topology.build() needs torch.distributed initialised (init_process_group)")
         if dist.get_world_size() != self.layout.world_size:
             raise LayoutError(f"process group has {dist.get_world_size()} ranks, layout {self.layout.world_size}")
-        for kind in ("dp", "ep", "edp", "ep_node", "ep_rail"):
+        for kind in GROUP_KINDS:
             seen = set()
             for r in range(self.layout.world_size):  # every rank creates every group, in order
                 ranks = tuple(self.members(kind, r))
@@ -206,7 +214,28 @@ class Topology:
                 pg = dist.new_group(list(ranks), timeout=timeout)
                 if self.rank in ranks:
                     self.groups[kind] = pg
+        self.meshes = self._device_meshes(device_type)
         return self
+
+    def _device_meshes(self, device_type: str) -> dict:
+        """DeviceMeshes for DTensor / fully_shard / pipelining, in rank order (see the module docstring).
+
+            "world":   (pp, dp, fsdp, tp)          dense parameters: TP shards, FSDP (HSDP) shards
+            "experts": (pp, edp, ep, tp)           the data ranks regrouped: ep consecutive ones hold all
+                                                   experts, edp of them hold the same ones
+        """
+        from torch.distributed.device_mesh import init_device_mesh
+
+        L = self.layout
+        world = init_device_mesh(device_type, (L.pp, L.dp, L.fsdp, L.tp), mesh_dim_names=("pp", "dp", "fsdp", "tp"))
+        experts = init_device_mesh(device_type, (L.pp, L.data_parallel // L.ep, L.ep, L.tp),
+                                   mesh_dim_names=("pp", "edp", "ep", "tp"))
+        return {"world": world, "experts": experts}
+
+    def mesh(self, name: str = "world"):
+        if not getattr(self, "meshes", None):
+            raise RuntimeError("device meshes do not exist yet: call Topology.build() first")
+        return self.meshes[name]
 
     def group(self, kind: str):
         if kind not in self.groups:
