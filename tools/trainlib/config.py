@@ -57,6 +57,7 @@ class TrainSection:
     init_from_hf: str = ""  # a HuggingFace folder to start from (models.hf); the model config must match it
     export_hf: str = ""  # after the last step, write the model here as a HuggingFace Mixtral folder
     on_nonfinite: str = "stop"  # non-finite loss / grad norm on any rank: stop, or skip the step (no update)
+    compile: bool = False  # torch.compile each transformer block (models.parallelize step 4)
     deterministic: bool = False  # deterministic kernels (torch.use_deterministic_algorithms); see docs/training.md
     activation_checkpointing: str = "none"  # recompute in backward: none | full (blocks) | ffn (FFN/MoE only)
 
@@ -105,6 +106,10 @@ class Layout:
     ranks_per_node: int = 0  # 0 = torchrun's LOCAL_WORLD_SIZE; set lower to simulate several nodes
     hierarchical: str = "auto"  # EP dispatch across nodes: auto (when the EP group spans nodes) | on | off
     timeout_s: float = 600.0  # a collective that waits longer fails with an error instead of hanging
+    pp_schedule: str = "1f1b"  # pipeline schedule: gpipe | 1f1b | interleaved (interleaved 1F1B)
+    pp_stages_per_rank: int = 1  # virtual stages per pipeline rank (interleaved needs >= 2)
+    pp_microbatches: int = 0  # micro-batches per step through the pipeline; 0 = 2 * pp (or the accumulation count)
+    sequence_parallel: bool = False  # TP: norms and residual stream sharded over the sequence between TP regions
 
     def resolve(self, world_size: int) -> "Layout":
         others = self.fsdp * self.tp * self.pp
