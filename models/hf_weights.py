@@ -13,7 +13,7 @@ Layouts (F = expert width, H = hidden, E experts):
                           (Mixtral: w1 / w3 / w2; Qwen and DeepSeek: gate_proj / up_proj / down_proj)
     HF fused (in memory   experts.gate_up_proj [E, 2F, H] (gate rows first), experts.down_proj [E, H, F]
     in transformers 5)
-    moekit DenseMLP       w_in.weight [2F, H] = [gate ; up] rows, w_out.weight [H, F]
+    moekit DenseMLP       w_gate.weight [F, H], w_up.weight [F, H], w_out.weight [H, F]
     HF MLP                gate_proj [F, H], up_proj [F, H], down_proj [H, F]
 """
 from __future__ import annotations
@@ -51,11 +51,6 @@ class Rule:
 
 def _one(target: str, source: str, fields: str) -> Rule:
     return Rule(target, (source,), lambda ts: ts[0], lambda t: [t], fields)
-
-
-def _gate_up(target: str, gate: str, up: str, fields: str) -> Rule:
-    """moekit [2F, H] = HF gate [F, H] stacked over up [F, H] (rows), the [gate | up] output order."""
-    return Rule(target, (gate, up), lambda ts: torch.cat(ts, 0), lambda t: list(t.chunk(2, 0)), fields)
 
 
 def _expert_rules(t: str, block: str, naming: Naming, num_experts: int, fused: bool) -> list[Rule]:
@@ -112,7 +107,8 @@ def moe_rules(t: str, block: str, ffn, naming: Naming, fused: bool) -> list[Rule
 
 def mlp_rules(t: str, source: str, width: str) -> list[Rule]:
     fields = f"hidden_size, {width}"
-    return [_gate_up(f"{t}.w_in.weight", f"{source}.gate_proj.weight", f"{source}.up_proj.weight", fields),
+    return [_one(f"{t}.w_gate.weight", f"{source}.gate_proj.weight", fields),
+            _one(f"{t}.w_up.weight", f"{source}.up_proj.weight", fields),
             _one(f"{t}.w_out.weight", f"{source}.down_proj.weight", fields)]
 
 

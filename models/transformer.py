@@ -54,9 +54,10 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         B, S, _ = x.shape
-        q = self.wq(x).view(B, S, self.num_heads, self.head_dim).transpose(1, 2)  # [B, N, S, D]
-        k = self.wk(x).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, K, S, D]
-        v = self.wv(x).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, K, S, D]
+        # -1 heads: under tensor parallelism this rank's q/k/v projections produce N/tp and K/tp heads
+        q = self.wq(x).view(B, S, -1, self.head_dim).transpose(1, 2)  # [B, N, S, D]
+        k = self.wk(x).view(B, S, -1, self.head_dim).transpose(1, 2)  # [B, K, S, D]
+        v = self.wv(x).view(B, S, -1, self.head_dim).transpose(1, 2)  # [B, K, S, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         gqa = self.num_kv_heads != self.num_heads
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)  # [B, N, S, D]
@@ -163,7 +164,9 @@ class Transformer(nn.Module):
 def init_ffn(ffn: nn.Module, normal_, std: float, std_out: float) -> None:
     """Initialise a DenseMLP or an MoELayer (router, experts, shared expert, router state)."""
     if isinstance(ffn, DenseMLP):
-        normal_(ffn.w_in.weight, std)
+        if ffn.w_gate is not None:
+            normal_(ffn.w_gate.weight, std)
+        normal_(ffn.w_up.weight, std)
         normal_(ffn.w_out.weight, std_out)
         if ffn.gate is not None:
             normal_(ffn.gate.weight, std)

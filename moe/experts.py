@@ -261,9 +261,11 @@ class GroupedExperts(nn.Module):
     def forward(self, rows: Tensor, counts: Tensor) -> Tensor:
         if rows.dim() != 2 or rows.shape[-1] != self.hidden_size:
             raise ValueError(f"rows must be [N, {self.hidden_size}], got {tuple(rows.shape)}")
-        if counts.shape != (self.w_in.shape[0],):
-            raise ValueError(f"counts must be [{self.w_in.shape[0]}] (one per local expert), got {tuple(counts.shape)}")
-        w_in, w_out = self.w_in, self.w_out
+        # Under expert parallelism the weights may be DTensors sharded over experts (comm.expert_parallel):
+        # this rank computes with its local [E_local, ...] block. Duck-typed: moe/ never imports distributed.
+        w_in, w_out = (w.to_local() if hasattr(w, "to_local") else w for w in (self.w_in, self.w_out))
+        if counts.shape != (w_in.shape[0],):
+            raise ValueError(f"counts must be [{w_in.shape[0]}] (one per local expert), got {tuple(counts.shape)}")
         rows = rows.to(_matmul_dtype(rows))  # autocast: every backend computes in the autocast dtype
         if rows.dtype != w_in.dtype:  # e.g. fp32 master weights under bf16 autocast
             w_in, w_out = w_in.to(rows.dtype), w_out.to(rows.dtype)

@@ -10,6 +10,7 @@ The dispatcher is a strategy: ``LocalDispatcher`` by default, an expert-parallel
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moe.dispatch import Dispatcher, LocalDispatcher
@@ -37,18 +38,27 @@ class AuxLossInjector(torch.autograd.Function):
 
 
 class DenseMLP(nn.Module):
-    """The shared expert (and a dense FFN): act(x @ w_in) @ w_out, optionally sigmoid-gated per token."""
+    """The shared expert (and a dense FFN): w_out(act(x)), optionally sigmoid-gated per token.
+
+    SwiGLU: silu(w_gate(x)) * w_up(x); GELU / ReLU: act(w_up(x)) (no w_gate). Gate and up are separate
+    Linears (not one fused [gate | up] matrix) so that tensor parallelism can shard both column-wise and
+    each rank keeps matching gate and up columns.
+    """
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, activation: str = "swiglu", gate: bool = False):
         super().__init__()
         check_activation(activation)
         self.activation = activation
-        self.w_in = nn.Linear(hidden_size, ffn_in_features(activation, ffn_hidden_size), bias=False)
+        gated = ffn_in_features(activation, ffn_hidden_size) != ffn_hidden_size
+        self.w_gate = nn.Linear(hidden_size, ffn_hidden_size, bias=False) if gated else None
+        self.w_up = nn.Linear(hidden_size, ffn_hidden_size, bias=False)
         self.w_out = nn.Linear(ffn_hidden_size, hidden_size, bias=False)
         self.gate = nn.Linear(hidden_size, 1, bias=False) if gate else None  # Qwen2-MoE shared_expert_gate
 
     def forward(self, x: Tensor) -> Tensor:
-        y = self.w_out(ACTIVATIONS[self.activation](self.w_in(x)))
+        up = self.w_up(x)  # [..., F]
+        h = F.silu(self.w_gate(x)) * up if self.w_gate is not None else ACTIVATIONS[self.activation](up)
+        y = self.w_out(h)  # [..., H]
         return y if self.gate is None else torch.sigmoid(self.gate(x)) * y
 
 

@@ -137,7 +137,7 @@ def test_shared_expert_with_sigmoid_gate():
     shared.load_state_dict(routed.state_dict(), strict=False)
     x = torch.randn(9, H)
     se = shared.shared_expert
-    extra = torch.sigmoid(x @ se.gate.weight.T) * (act_fn("swiglu")(x @ se.w_in.weight.T) @ se.w_out.weight.T)
+    extra = torch.sigmoid(x @ se.gate.weight.T) * (act_fn("swiglu")(x @ torch.cat([se.w_gate.weight, se.w_up.weight]).T) @ se.w_out.weight.T)
     torch.testing.assert_close(shared(x), routed(x) + extra)
 
 
