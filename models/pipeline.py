@@ -1,0 +1,273 @@
+"""Pipeline parallelism for the Transformer: cost-balanced stage split, stage modules, the Pipeline.
+
+Shape legend: b micro-batch sequences, S sequence, H hidden, V vocab, L layers, K = pp * v stages
+(v stages per rank: 1 for gpipe / 1f1b, >= 2 for interleaved 1F1B).
+
+    full model (built and initialised from the seed on every rank: layout-free init)
+        embed | layers 0 .. L-1 | norm + lm_head
+    split into K contiguous layer ranges that minimise the largest stage cost (balance_stages):
+        stage 0: embed + layers [0, a)      tokens [b, S] -> hidden [b, S, H]
+        stage k: layers [a_k, a_k+1)        hidden [b, S, H] -> hidden [b, S, H]
+        stage K-1: layers [.., L) + head    hidden [b, S, H] -> logits [b, S, V] float32
+    stage k lives on pipeline rank k % pp (torch's loop-style placement), so with pp=2, v=2:
+        rank 0: stages 0, 2      rank 1: stages 1, 3
+
+Stage modules reference the full model's submodules (no copy) and keep its parameter names:
+``layers`` is keyed by the original layer index, so ``layers.3.attn.wq.weight`` and ``embed.weight``
+mean the same tensor at every pp degree, and checkpoints move between layouts and into one process.
+``PipelineModel`` gathers all of this rank's stages under those names: the trainer's one module for
+the optimizer, gradient clipping, checkpoints, expert parallelism and activation checkpointing.
+
+The token ids travel to every stage as a keyword argument (every rank reads the data), so RoPE and
+the hash router see them on every stage; hidden states are the only tensors sent between ranks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from comm.pipeline import PipelineRunner, check_schedule, gather_load, stage_ids_of
+from models.config import ModelConfig
+from models.transformer import Transformer, rope_angles
+
+
+# ---------------------------------------------------------------------------------------------------
+# Stage costs and the balanced split
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """Forward FLOPs per token: each decoder layer, and what the first / last stage add."""
+
+    layers: list[float]
+    embed: float  # the lookup: a row read forward, a scatter-add backward (2 H)
+    head: float  # final norm is negligible; lm_head matmul 2 H V
+
+
+def layer_costs(config: ModelConfig, seq_len: int | None = None) -> LayerCosts:
+    """Per-layer forward FLOPs per token, counted on a meta-device model (allocates nothing).
+
+    attention: 2 x (q, k, v, o weights) + 2 S N D (scores and weighted values, causal half);
+    FFN: 2 x dense weights, or 2 x (router + top_k of E routed experts + shared expert) for MoE.
+    """
+    S = seq_len or config.max_seq_len
+    with torch.device("meta"):
+        model = Transformer(config)
+    costs = []
+    for block in model.layers:
+        attn = sum(p.numel() for p in block.attn.parameters())
+        cost = 2.0 * attn + 2.0 * S * config.num_heads * config.attn_head_dim
+        if block.is_moe:
+            moe = block.ffn
+            experts = moe.experts.w_in.numel() + moe.experts.w_out.numel()
+            routed = experts * min(config.top_k, moe.num_experts) / moe.num_experts
+            other = sum(p.numel() for n, p in moe.named_parameters() if not n.startswith("experts."))
+            cost += 2.0 * (routed + other)
+        else:
+            cost += 2.0 * sum(p.numel() for p in block.ffn.parameters())
+        costs.append(cost)
+    H, V = config.hidden_size, config.vocab_size
+    return LayerCosts(costs, embed=2.0 * H, head=2.0 * H * V)
+
+
+def balance_stages(costs: list[float], num_stages: int, first_extra: float = 0.0,
+                   last_extra: float = 0.0) -> list[range]:
+    """Split layers 0..L-1 into ``num_stages`` contiguous non-empty ranges minimising the largest stage
+    cost (stage 0 also pays ``first_extra``, the last stage ``last_extra``).
+
+    Exact dynamic programme, O(K L^2): best[k][j] = the smallest possible maximum over the first k
+    stages holding layers [0, j). A greedy equal-count split can be far off when costs are uneven
+    (dense first layers, MoE every other layer, a large vocabulary head).
+    """
+    L = len(costs)
+    if not isinstance(num_stages, int) or num_stages < 1:
+        raise ValueError(f"num_stages={num_stages!r} is invalid; it must be a positive integer")
+    if L < num_stages:
+        raise ValueError(f"{L} layers cannot fill {num_stages} pipeline stages (each needs at least one "
+                         f"layer); use fewer stages (pp x pp_stages_per_rank <= {L}) or more layers")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + float(c))
+
+    def cost(k: int, i: int, j: int) -> float:  # stage k holding layers [i, j)
+        return (prefix[j] - prefix[i] + (first_extra if k == 0 else 0.0)
+                + (last_extra if k == num_stages - 1 else 0.0))
+
+    inf = float("inf")
+    best = [[inf] * (L + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (L + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, num_stages + 1):
+        for j in range(k, L - (num_stages - k) + 1):  # leave a layer for each later stage
+            for i in range(k - 1, j):
+                value = max(best[k - 1][i], cost(k - 1, i, j))
+                if value < best[k][j]:
+                    best[k][j], cut[k][j] = value, i
+    bounds, j = [], L
+    for k in range(num_stages, 0, -1):
+        bounds.append(range(cut[k][j], j))
+        j = cut[k][j]
+    return bounds[::-1]
+
+
+def check_pipeline_model(config: ModelConfig, num_stages: int) -> None:
+    """Refuse models a pipeline of ``num_stages`` stages cannot run; ValueError naming the fix."""
+    if config.num_layers < num_stages:
+        raise ValueError(f"model.num_layers={config.num_layers} is fewer than the {num_stages} pipeline stages "
+                         f"(pp x layout.pp_stages_per_rank); each stage needs a layer: lower --pp or "
+                         f"--layout.pp_stages_per_rank")
+    if config.tie_embeddings and num_stages > 1:
+        raise ValueError("model.tie_embeddings=true shares embed.weight between the first and the last pipeline "
+                         "stage, which run on different ranks; use --model.tie_embeddings false with --pp > 1")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Stage modules
+# ---------------------------------------------------------------------------------------------------
+
+
+class StageLayers(nn.ModuleDict):
+    """Decoder blocks keyed by their index in the full model ("3" -> ``layers.3.``), in index order.
+
+    Iterating yields the blocks, as iterating ``Transformer.layers`` (a ModuleList) does, so code that
+    loops over ``model.layers`` (activation checkpointing, init) runs unchanged on a stage.
+    """
+
+    def __iter__(self):
+        return iter(self._modules.values())
+
+
+class StageModule(nn.Module):
+    """One pipeline stage: [embed] -> its blocks -> [norm -> lm_head], sharing the full model's modules.
+
+    forward(x, tokens): x is the token ids [b, S] on the first stage, else the hidden state [b, S, H];
+    ``tokens`` [b, S] reaches every stage (RoPE length, hash router). Returns hidden [b, S, H], or
+    float32 logits [b, S, V] on the last stage, exactly as ``Transformer.forward`` computes them.
+    """
+
+    def __init__(self, model: Transformer, layers: range, first: bool, last: bool):
+        super().__init__()
+        self.config = model.config
+        self.embed = model.embed if first else None
+        self.layers = StageLayers({str(i): model.layers[i] for i in layers})
+        self.norm = model.norm if last else None
+        self.lm_head = model.lm_head if last else None
+
+    @property
+    def is_first(self) -> bool:
+        return self.embed is not None
+
+    @property
+    def is_last(self) -> bool:
+        return self.norm is not None
+
+    def forward(self, x: Tensor, tokens: Tensor) -> Tensor:
+        cfg = self.config
+        S = tokens.shape[1]
+        if S > cfg.max_seq_len:
+            raise ValueError(f"sequence length {S} exceeds model.max_seq_len={cfg.max_seq_len}")
+        cos, sin = rope_angles(S, cfg.attn_head_dim, cfg.rope_theta, tokens.device)  # [S, D/2]
+        if self.is_first:
+            x = self.embed(tokens)  # [b, S, H]
+        for layer in self.layers:
+            x = layer(x, cos, sin, tokens)  # [b, S, H]
+        if not self.is_last:
+            return x
+        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight  # [V, H] (tied: 1 stage)
+        return F.linear(self.norm(x), weight).float()  # [b, S, V]
+
+    def io_meta(self, tokens: Tensor) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
+        """Meta tensors this stage receives and returns for a micro-batch of ``tokens`` [b, S]: the static
+        shapes torch.distributed.pipelining needs (no shape-probing forward, which would record load)."""
+        b, S = tokens.shape
+        H, V = self.config.hidden_size, self.config.vocab_size
+        dtype = next(self.parameters()).dtype  # the residual stream keeps the parameter dtype (autocast too)
+        def meta(*shape, dtype=dtype, grad=True):
+            return torch.empty(*shape, dtype=dtype, device="meta", requires_grad=grad)
+
+        inp = meta(b, S, dtype=tokens.dtype, grad=False) if self.is_first else meta(b, S, H)
+        out = meta(b, S, V, dtype=torch.float32) if self.is_last else meta(b, S, H)
+        return (inp,), (out,)
+
+
+class PipelineModel(nn.Module):
+    """All of this rank's stages under the single-process parameter names (embed., layers.<i>., norm.,
+    lm_head.): hand it to the optimizer, clip_grad_norm, checkpoints, apply_expert_parallel and
+    apply_activation_checkpointing. Run it through ``Pipeline.step``; it has no forward of its own.
+    """
+
+    def __init__(self, config: ModelConfig, stages: list[StageModule]):
+        super().__init__()
+        self.config = config
+        first = [s for s in stages if s.is_first]
+        last = [s for s in stages if s.is_last]
+        self.embed = first[0].embed if first else None
+        blocks = sorted(((int(k), b) for s in stages for k, b in s.layers.items()), key=lambda kb: kb[0])
+        self.layers = StageLayers({str(i): b for i, b in blocks})
+        self.norm = last[0].norm if last else None
+        self.lm_head = last[0].lm_head if last else None
+        self.stages = tuple(stages)  # a tuple is not registered: no second name for the same parameters
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("PipelineModel holds one rank's pipeline stages; run micro-batches with Pipeline.step "
+                           "(or Pipeline.evaluate)")
+
+
+def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
+    """Mean next-token cross-entropy of one micro-batch, as the trainer computes it."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+# ---------------------------------------------------------------------------------------------------
+# The pipeline
+# ---------------------------------------------------------------------------------------------------
+
+
+class Pipeline:
+    """This rank's stages of a pipelined Transformer and the schedule that runs them.
+
+    model:   PipelineModel, every parameter this rank holds (single-process names)
+    ranges:  layer range of every stage of the pipeline (index = stage id)
+    stage_ids: the stages this rank runs, in order
+    """
+
+    def __init__(self, model: PipelineModel, ranges: list[range], stage_ids: list[int], runner: PipelineRunner):
+        self.model, self.ranges, self.stage_ids, self.runner = model, ranges, stage_ids, runner
+
+    def step(self, tokens: Tensor, targets: Tensor, microbatches: int) -> Tensor:
+        """Forward and backward of one optimizer step's batch ``tokens``/``targets`` [B, S] in
+        ``microbatches`` equal contiguous micro-batches; gradients accumulate into ``model``'s
+        parameters exactly as ``(loss_m / M).backward()`` per micro-batch would (aux loss scaled by
+        1/M, set here). Returns the mean micro-batch loss, on every rank of the pipeline."""
+        return self.runner.step((tokens,), targets, microbatches, kwargs={"tokens": tokens})
+
+    @torch.no_grad()
+    def evaluate(self, tokens: Tensor, targets: Tensor, microbatches: int = 1) -> Tensor:
+        """Mean micro-batch loss of a forward-only pass (call ``model.eval()`` first), on every pipeline rank."""
+        return self.runner.evaluate((tokens,), targets, microbatches, kwargs={"tokens": tokens})
+
+    def gather_load(self, load: dict) -> dict:
+        """{layer name: LoadSummary} of this rank's stages -> the same for every stage, on every pipeline rank."""
+        return gather_load(load, self.runner.group)
+
+
+def build_pipeline(model: Transformer, topology, schedule: str = "1f1b", stages_per_rank: int = 1,
+                   seq_len: int | None = None) -> Pipeline:
+    """Split an initialised ``model`` into this rank's stages of ``topology``'s pipeline (``pp`` ranks,
+    ``stages_per_rank`` stages each, balanced by ``layer_costs`` at ``seq_len``) and set up ``schedule``
+    (gpipe | 1f1b | interleaved). The other layers' modules are not referenced: drop ``model`` after."""
+    pp = topology.layout.pp
+    check_schedule(schedule, pp, stages_per_rank)
+    num_stages = pp * stages_per_rank
+    check_pipeline_model(model.config, num_stages)
+    costs = layer_costs(model.config, seq_len)
+    ranges = balance_stages(costs.layers, num_stages, costs.embed, costs.head)
+    stage_ids = stage_ids_of(topology.coords().pp, pp, stages_per_rank)
+    stages = [StageModule(model, ranges[s], s == 0, s == num_stages - 1) for s in stage_ids]
+    device = next(model.parameters()).device
+    runner = PipelineRunner(stages, stage_ids, num_stages, topology.group("pp"), schedule, lm_loss, device)
+    return Pipeline(PipelineModel(model.config, stages), ranges, stage_ids, runner)

@@ -1,0 +1,270 @@
+"""Pipeline parallelism: the stage split, the error messages, and real gloo pipelines against one process.
+
+The reference is the single-process model built from the same seed and trained on the same micro-batches
+((loss_m / M).backward() per micro-batch, aux loss scaled by 1/M, AdamW): losses step by step and every
+gradient, compared by parameter name.
+"""
+import dataclasses
+import itertools
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from comm.expert_parallel import apply_expert_parallel
+from comm.pipeline import check_schedule, stage_ids_of
+from comm.topology import Layout, Topology
+from models.config import PRESETS, ModelConfig
+from models.parallelize import apply_activation_checkpointing
+from models.pipeline import balance_stages, build_pipeline, check_pipeline_model, layer_costs, lm_loss
+from models.transformer import build_model
+from moe import collect_load, moe_layers
+from tests.dist_utils import run_ranks
+
+S = 16  # sequence length
+
+
+# --------------------------------------------------------------------------------------------------
+# The balanced split (plain numbers)
+# --------------------------------------------------------------------------------------------------
+
+
+def stage_max(costs, ranges, first=0.0, last=0.0):
+    sums = [sum(costs[i] for i in r) for r in ranges]
+    sums[0] += first
+    sums[-1] += last
+    return max(sums)
+
+
+def brute_force_best(costs, k, first=0.0, last=0.0):
+    L = len(costs)
+    best = float("inf")
+    for cuts in itertools.combinations(range(1, L), k - 1):
+        bounds = (0, *cuts, L)
+        ranges = [range(bounds[i], bounds[i + 1]) for i in range(k)]
+        best = min(best, stage_max(costs, ranges, first, last))
+    return best
+
+
+def test_balance_beats_equal_count_split():
+    costs = [1, 1, 1, 1, 1, 5]  # one expensive layer at the end
+    ranges = balance_stages(costs, 2)
+    assert ranges == [range(0, 5), range(5, 6)]
+    assert stage_max(costs, ranges) == 5 < stage_max(costs, [range(0, 3), range(3, 6)]) == 7
+    # the lm_head's cost moves layers off the last stage
+    assert balance_stages([1, 1, 1, 1], 2, last_extra=2) == [range(0, 3), range(3, 4)]
+    assert balance_stages([1, 1, 1, 1], 2, first_extra=2) == [range(0, 1), range(1, 4)]
+    assert balance_stages([3, 1, 2], 1) == [range(0, 3)]
+    assert balance_stages([3, 1, 2], 3) == [range(0, 1), range(1, 2), range(2, 3)]
+
+
+def test_balance_is_optimal_against_brute_force():
+    rng = random.Random(0)
+    for _ in range(60):
+        L = rng.randint(1, 9)
+        k = rng.randint(1, L)
+        costs = [rng.choice([0.5, 1, 2, 3, 7]) for _ in range(L)]
+        first, last = rng.choice([0, 1, 4]), rng.choice([0, 2, 5])
+        ranges = balance_stages(costs, k, first, last)
+        assert len(ranges) == k and all(len(r) > 0 for r in ranges)
+        assert [i for r in ranges for i in r] == list(range(L))  # contiguous, in order, every layer once
+        assert stage_max(costs, ranges, first, last) == brute_force_best(costs, k, first, last)
+
+
+def test_layer_costs_follow_the_architecture():
+    ds = layer_costs(PRESETS["deepseek-tiny"], 64)
+    assert ds.layers[0] != ds.layers[1] == ds.layers[2] == ds.layers[3]  # first layer dense
+    sw = layer_costs(PRESETS["switch-tiny"], 64)
+    assert sw.layers[0] == sw.layers[2] != sw.layers[1] == sw.layers[3]  # MoE every other layer
+    cfg = PRESETS["mixtral-tiny"]
+    assert ds.head == 2 * cfg.hidden_size * cfg.vocab_size
+    # a real model with dense first layers and a large vocabulary: the balanced split is never worse
+    big = layer_costs(PRESETS["deepseek-v3-like"])
+    ranges = balance_stages(big.layers, 8, big.embed, big.head)
+    equal = [range(i * 61 // 8, (i + 1) * 61 // 8) for i in range(8)]
+    assert stage_max(big.layers, ranges, big.embed, big.head) <= stage_max(big.layers, equal, big.embed, big.head)
+
+
+# --------------------------------------------------------------------------------------------------
+# Error messages (no processes)
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args,match", [
+    (("zb", 2, 1), "pp_schedule='zb' is unknown"),
+    (("interleaved", 2, 1), "needs layout.pp_stages_per_rank >= 2"),
+    (("1f1b", 2, 2), "use layout.pp_schedule interleaved or layout.pp_stages_per_rank 1"),
+    (("1f1b", 4, 1, 2), "at least pp=4 micro-batches"),
+    (("interleaved", 2, 2, 5), "5 is not a multiple of 2"),
+    (("gpipe", 2, 1, 0), "pp_microbatches=0 is invalid"),
+    (("gpipe", 0, 1), "pp=0 is invalid"),
+])
+def test_schedule_errors(args, match):
+    with pytest.raises(ValueError, match=match):
+        check_schedule(*args)
+
+
+def test_schedules_torch_accepts_pass():
+    for args in (("gpipe", 4, 1, 1), ("1f1b", 2, 1, 2), ("interleaved", 2, 2, 3), ("interleaved", 4, 2, 8)):
+        check_schedule(*args)
+    assert stage_ids_of(1, 2, 2) == [1, 3] and stage_ids_of(0, 4, 1) == [0]
+
+
+def test_model_errors():
+    with pytest.raises(ValueError, match="--model.tie_embeddings false"):
+        check_pipeline_model(PRESETS["switch-tiny"], 2)
+    with pytest.raises(ValueError, match="num_layers=4 is fewer than the 8 pipeline stages"):
+        check_pipeline_model(PRESETS["mixtral-tiny"], 8)
+    with pytest.raises(ValueError, match="4 layers cannot fill 5"):
+        balance_stages([1.0] * 4, 5)
+    check_pipeline_model(PRESETS["switch-tiny"], 1)  # one stage holds both ends of the tie
+
+
+# --------------------------------------------------------------------------------------------------
+# Real pipelines vs one process
+# --------------------------------------------------------------------------------------------------
+
+
+def tiny(**over) -> ModelConfig:
+    base = dict(name="pp-test", hidden_size=32, num_layers=4, num_heads=2, num_kv_heads=1, max_seq_len=S,
+                ffn_hidden_size=64, num_experts=4, moe_ffn_hidden_size=32, top_k=2, capacity_factor=None,
+                aux_loss_coeff=0.05, z_loss_coeff=0.01, router_options={"normalize": True})
+    base.update(over)
+    return ModelConfig(**base)
+
+
+CONFIGS = {
+    "mixtral": tiny(),
+    # DeepSeek-like: dense first layer, shared expert, hash routing (every stage needs the token ids)
+    "hash": tiny(first_dense_layers=1, shared_ffn_hidden_size=32, router="hash", aux_loss_coeff=0.0,
+                 z_loss_coeff=0.0, router_options={}),
+    # Switch-like: MoE every other layer, top-1; no jitter (its random draws happen in another order per layout)
+    "switch": tiny(moe_every=2, top_k=1, activation="relu", router="switch", router_options={"jitter": 0.0}),
+}
+
+
+def local(t):
+    """The part of a tensor this rank holds (expert-parallel weights may be DTensor shards)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def average_gradients(model, topo):
+    """The data-parallel mean, written out: expert weights over the ranks holding the same experts (the EP
+    all-to-all already brought the EP peers' tokens; with ep=1 that is every data rank), the rest over all
+    data ranks; each rank's loss is the mean over its share, so divide by the number of data ranks."""
+    for name, p in model.named_parameters():
+        group = topo.group("edp" if ".experts." in name else "dp")
+        dist.all_reduce(local(p.grad), group=group)
+        local(p.grad).div_(topo.layout.data_parallel)
+
+
+def check_grads(pipe_model, ref, atol=1e-5):
+    """Every parameter of this rank's stages has the reference gradient (expert shards: their slice)."""
+    ref_params = dict(ref.named_parameters())
+    for name, p in pipe_model.named_parameters():
+        got, want = local(p.grad), ref_params[name].grad
+        if got.shape != want.shape:  # an expert shard
+            lo, hi = pipe_model.get_submodule(name.rsplit(".", 1)[0]).expert_range
+            want = want[lo:hi]
+        assert want.abs().sum() > 0, name
+        torch.testing.assert_close(got, want, atol=atol, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
+def _pipeline_rank(rank, world, config, schedule, v, ep, microbatches, ac):
+    cfg = CONFIGS[config]
+    topo = Topology(Layout(pp=2, dp=world // 2, ep=ep), rank, world).build()
+    D, d, M, per = topo.layout.data_parallel, topo.data_rank(), microbatches, 2 * microbatches
+    torch.manual_seed(0)  # router jitter and the like draw alike in both models
+    ref = build_model(cfg, seed=7)
+    pipe = build_pipeline(build_model(cfg, seed=7), topo, schedule, v, seq_len=S)
+    apply_expert_parallel(pipe.model, topo)
+    apply_activation_checkpointing(pipe.model, ac)
+    for _, layer in moe_layers(ref):
+        layer.aux_loss_scale = 1.0 / M
+    ref.train(), pipe.model.train()
+    check_bad_input(pipe, schedule)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=3e-3, foreach=False)
+    opt = torch.optim.AdamW(pipe.model.parameters(), lr=3e-3, foreach=False)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(3):
+        seqs = torch.randint(0, cfg.vocab_size, (D * per, S + 1), generator=gen)
+        x, y = seqs[:, :-1], seqs[:, 1:]  # the global batch; data rank r reads rows [r*per, (r+1)*per)
+        ref_loss = 0.0
+        for m in range(M):  # global micro-batch m = every data rank's m-th micro-batch
+            rows = [r * per + m * 2 + i for r in range(D) for i in range(2)]
+            loss_m = lm_loss(ref(x[rows]), y[rows])
+            (loss_m / M).backward()
+            ref_loss += loss_m.item() / M
+        mine = slice(d * per, (d + 1) * per)
+        loss = pipe.step(x[mine], y[mine], M)
+        average_gradients(pipe.model, topo)
+        dist.all_reduce(loss, group=topo.group("dp"))
+        assert abs(loss.item() / D - ref_loss) < 1e-5, (step, loss.item() / D, ref_loss)
+        if step == 0:
+            check_grads(pipe.model, ref)
+            check_load(pipe, ref, topo, M)
+        opt.step(), opt_ref.step()
+        opt.zero_grad(), opt_ref.zero_grad()
+    check_names(pipe, ref, topo)
+    check_eval(pipe, ref, x[: 2 * D], y[: 2 * D], D, d)
+
+
+def check_load(pipe, ref, topo, M):
+    """The gathered record has every MoE layer in model order, M forwards each (recomputation not
+    counted), and its counts summed over the data ranks are the single-process counts."""
+    load = pipe.gather_load(collect_load(pipe.model))
+    want = collect_load(ref)
+    assert list(load) == list(want)
+    for name, summary in load.items():
+        assert summary.forwards == M, (name, summary.forwards)
+        counts = torch.tensor(summary.assigned_per_expert)
+        dist.all_reduce(counts, group=topo.group("dp"))
+        assert counts.tolist() == want[name].assigned_per_expert, name
+
+
+def check_names(pipe, ref, topo):
+    """The stages' state-dict names are the single-process ones and together cover the whole model."""
+    mine = list(pipe.model.state_dict())
+    names = [None] * topo.layout.pp
+    dist.all_gather_object(names, mine, group=topo.group("pp"))
+    assert sorted(n for part in names for n in part) == sorted(ref.state_dict())
+    full = pipe.model.state_dict()  # expert shards gather to full tensors, as checkpoints hold them
+    for name, value in full.items():
+        value = value.full_tensor() if hasattr(value, "full_tensor") else value
+        torch.testing.assert_close(value, ref.state_dict()[name], atol=1e-6, rtol=1e-5)
+
+
+def check_eval(pipe, ref, x, y, D, d):
+    pipe.model.eval(), ref.eval()
+    with torch.no_grad():
+        want = lm_loss(ref(x[2 * d: 2 * d + 2]), y[2 * d: 2 * d + 2]).item()
+        got = pipe.evaluate(x[2 * d: 2 * d + 2], y[2 * d: 2 * d + 2], 2).item()
+    # the two micro-batches are equal halves: the mean of their means is the mean
+    assert abs(got - want) < 1e-5, (got, want)
+
+
+@pytest.mark.parametrize("config,schedule,v,microbatches,ac", [
+    ("mixtral", "gpipe", 1, 3, "none"),
+    ("hash", "1f1b", 1, 2, "ffn"),
+    ("switch", "interleaved", 2, 2, "full"),
+])
+def test_pp2_matches_single_process(config, schedule, v, microbatches, ac):
+    run_ranks(_pipeline_rank, 2, config, schedule, v, 1, microbatches, ac)
+
+
+def test_pp2_ep2_matches_single_process():
+    """4 ranks: 2 stages x 2 data-parallel ranks, experts split over those 2 (EP inside each stage)."""
+    run_ranks(_pipeline_rank, 4, "mixtral", "1f1b", 1, 2, 2, "none")
+
+
+def check_bad_input(pipe, schedule):
+    """Bad micro-batching fails on every rank alike before any communication, with the fix named."""
+    x = torch.zeros(3, S, dtype=torch.long)
+    with pytest.raises(ValueError, match="3 sequences does not split into 2 equal micro-batches"):
+        pipe.step(x, x, 2)
+    if schedule == "1f1b":
+        with pytest.raises(ValueError, match="at least pp=2 micro-batches"):
+            pipe.step(x[:1], x[:1], 1)
+    with pytest.raises(RuntimeError, match="Pipeline.step"):
+        pipe.model(x)
