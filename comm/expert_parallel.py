@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Shard
 
 from comm.all_to_all import Traffic, agree_on_signature, all_to_all, exchange_counts
 from moe.dispatch import Dispatched, PermuteMeta, permute, sort_slots, unpermute
@@ -121,79 +122,24 @@ class FlatEPDispatcher:
 # ---------------------------------------------------------------------------------------------------
 
 
-def shard_experts(layer: nn.Module, ep_rank: int, ep_size: int) -> None:
-    """Keep this rank's contiguous E/ep slice of the experts (after the full-tensor init: layout-free)."""
+def shard_experts(layer: nn.Module, ep_mesh) -> None:
+    """Keep this rank's contiguous E/ep slice of the experts (after the full-tensor init: layout-free).
+
+    The weights become DTensors ``Shard(0)`` over the EP mesh: their global shape stays [E, ...], so
+    checkpoints (torch.distributed.checkpoint) hold whole experts and load at any ep degree, FSDP can
+    shard them further over the ranks holding the same experts, and the experts compute on
+    ``to_local()`` (moe.experts). No communication: every rank already has the full initialised tensor.
+    """
     experts = layer.experts
-    E = experts.w_in.shape[0]
+    E, ep_size, ep_rank = experts.w_in.shape[0], ep_mesh.size(), ep_mesh.get_local_rank()
     if E % ep_size:
         raise ValueError(f"num_experts={E} is not divisible by ep={ep_size}")
     lo, hi = ep_rank * E // ep_size, (ep_rank + 1) * E // ep_size
     for name in ("w_in", "w_out"):
         full = getattr(experts, name)
-        shard = nn.Parameter(full.detach()[lo:hi].clone(), requires_grad=full.requires_grad)
-        shard.expert_parallel = True  # marks gradients reduced over the expert-data-parallel group
-        setattr(experts, name, shard)
+        shard = DTensor.from_local(full.detach()[lo:hi].clone(), ep_mesh, [Shard(0)], run_check=False)
+        setattr(experts, name, nn.Parameter(shard, requires_grad=full.requires_grad))
     experts.expert_range = (lo, hi)
-
-
-def make_checkpoints_full(experts: nn.Module, group) -> None:
-    """State dicts of sharded experts hold the full [E, ...] tensors: every EP rank writes the same
-    (deduplicated) tensor and a checkpoint loads into any ep degree, each rank keeping its slice."""
-    experts.ep_group = group
-
-    def gather(module, state, prefix, local_metadata):
-        for name in ("w_in", "w_out"):
-            key = prefix + name
-            if key in state:
-                state[key] = all_gather_rows(state[key], group)
-        return state
-
-    def slice_(state, prefix, *args):
-        lo, hi = experts.expert_range
-        full = (hi - lo) * dist.get_world_size(group)
-        for name in ("w_in", "w_out"):
-            key = prefix + name
-            if key in state and state[key].shape[0] == full:
-                state[key] = state[key][lo:hi]
-
-    experts._register_state_dict_hook(gather)
-    experts._register_load_state_dict_pre_hook(slice_)
-
-
-def all_gather_rows(t: Tensor, group) -> Tensor:
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, t.detach().contiguous(), group=group)
-    return torch.cat(parts)
-
-
-def expert_param_names(model: nn.Module) -> dict[str, nn.Module]:
-    """FQN of every expert-sharded parameter -> its GroupedExperts module."""
-    out = {}
-    for mname, module in model.named_modules():
-        if hasattr(module, "expert_range"):
-            for pname in ("w_in", "w_out"):
-                out[f"{mname}.{pname}" if mname else pname] = module
-    return out
-
-
-def gather_optimizer_state(osd: dict, model: nn.Module) -> dict:
-    """Optimizer state (torch.distributed.checkpoint.state_dict format) with expert moments made full."""
-    state = osd.get("state", {})
-    for fqn, module in expert_param_names(model).items():
-        if fqn in state:  # a new dict: the optimizer's own state must keep its shards
-            state[fqn] = {k: all_gather_rows(v, module.ep_group) if isinstance(v, Tensor) and v.dim() > 0 else v
-                          for k, v in state[fqn].items()}
-    return osd
-
-
-def slice_optimizer_state(osd: dict, model: nn.Module) -> dict:
-    """The inverse of gather_optimizer_state for this rank's expert slice."""
-    state = osd.get("state", {})
-    for fqn, module in expert_param_names(model).items():
-        lo, hi = module.expert_range
-        if fqn in state:
-            state[fqn] = {k: v[lo:hi] if isinstance(v, Tensor) and v.dim() > 0 else v for k, v in state[fqn].items()}
-    return osd
 
 
 def all_reduce_counts(group):
@@ -217,45 +163,17 @@ def apply_expert_parallel(model: nn.Module, topology, hierarchical: bool = False
 
     traffic = Traffic()
     ep_ranks = topology.members("ep")
-    ep_rank = ep_ranks.index(topology.rank)
     if hierarchical:
         topology.check_hierarchical()
     for _, layer in moe_layers(model):
-        layer.router.count_reducer = all_reduce_counts(topology.group("dp"))
+        # global-batch balancing: the counts of every rank of the stage (data ranks x TP token slices)
+        layer.router.count_reducer = all_reduce_counts(topology.group("stage"))
         if topology.layout.ep == 1:
             continue
-        shard_experts(layer, ep_rank, len(ep_ranks))
-        make_checkpoints_full(layer.experts, topology.group("ep"))
+        shard_experts(layer, topology.mesh("experts")["ep"])
         if hierarchical:
             layer.dispatcher = HierarchicalEPDispatcher(layer.num_experts, topology, traffic)
         else:
             layer.dispatcher = FlatEPDispatcher(layer.num_experts, topology.group("ep"), ep_ranks,
                                                 topology.node_of, traffic)
     return traffic
-
-
-def sync_gradients(model: nn.Module, topology) -> None:
-    """Average gradients so that every rank holds the single-process gradient of the global batch.
-
-    Each rank's loss is a mean over its own tokens, so the global-batch gradient is the sum over the D
-    data-parallel ranks divided by D. Dense parameters sum over all D ranks; expert shards already
-    received every EP peer's tokens through the all-to-all backward, so they sum over the ranks that hold
-    the same experts (expert-DP group), and divide by D as well.
-    """
-    D = topology.layout.data_parallel
-    if D == 1:
-        return
-    buckets: dict[tuple[str, torch.dtype, torch.device], list[Tensor]] = {}
-    for p in model.parameters():
-        if p.grad is not None:
-            kind = "edp" if getattr(p, "expert_parallel", False) else "dp"
-            buckets.setdefault((kind, p.grad.dtype, p.grad.device), []).append(p.grad)
-    for (kind, _, _), grads in sorted(buckets.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
-        group = topology.group(kind)
-        if dist.get_world_size(group) > 1:  # one collective per (group, dtype), not one per parameter
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=group)
-            for g, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-                g.copy_(reduced)
-        for g in grads:
-            g.div_(D)

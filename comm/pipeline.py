@@ -27,11 +27,12 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from moe.load import moe_layers
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
+# torch.distributed.pipelining class of each schedule name (imported when a pipeline is built: it pulls in
+# torch._dynamo, seconds that a run without a pipeline should not pay)
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B"}
 
 
 def check_schedule(schedule: str, pp: int, stages_per_rank: int, microbatches: int | None = None) -> None:
@@ -91,20 +92,21 @@ class PipelineRunner:
         micro = tuple(a.tensor_split(microbatches)[0] for a in args)
         key = (train, microbatches, tuple((tuple(a.shape), a.dtype) for a in micro))
         if key not in self._cache:
+            from torch.distributed import pipelining
+
             pipeline_stages = []
             for module, sid in zip(self.stages, self.stage_ids):
                 inputs, outputs = module.io_meta(*micro)
-                pipeline_stages.append(PipelineStage(module, sid, self.num_stages, self.device, input_args=inputs,
+                pipeline_stages.append(pipelining.PipelineStage(module, sid, self.num_stages, self.device, input_args=inputs,
                                                      output_args=outputs, group=self.group))
 
             def loss_fn(output: Tensor, target: Tensor) -> Tensor:
                 return self.loss_fn(output, target) / microbatches
 
-            cls = SCHEDULES[self.schedule]
-            if not train and cls is not ScheduleInterleaved1F1B:
-                cls = ScheduleGPipe  # forward only: any micro-batch count, no 1F1B minimum
-            first = pipeline_stages if cls is ScheduleInterleaved1F1B else pipeline_stages[0]
-            self._cache[key] = cls(first, microbatches, loss_fn=loss_fn, scale_grads=False)
+            name = self.schedule if train or self.schedule == "interleaved" else "gpipe"  # eval: no 1F1B minimum
+            cls = getattr(pipelining, SCHEDULES[name])
+            stages = pipeline_stages if name == "interleaved" else pipeline_stages[0]
+            self._cache[key] = cls(stages, microbatches, loss_fn=loss_fn, scale_grads=False)
         return self._cache[key]
 
     def _run(self, train: bool, args: tuple, target: Tensor, microbatches: int, kwargs: dict | None) -> Tensor:

@@ -1,11 +1,17 @@
 """The ordered recipe that turns a built single-device model into its share of a parallel layout.
 
-    1. tensor parallel        (issue 7: DTensor parallelize_module on attention / dense MLP)
-    2. expert parallel        shard experts over the EP group, EP dispatchers, global-batch balancing
-    3. activation checkpoint  apply_activation_checkpointing: whole blocks or only their FFN / MoE part
-    4. torch.compile          (issue 7)
-    5. FSDP                   (issue 7: fully_shard on blocks and root)
+    1. tensor parallel        DTensor parallelize_module: attention heads and dense MLPs column/row-wise;
+                              MoE layers split their tokens over the TP ranks (comm.tensor_parallel)
+    2. expert parallel        experts -> DTensor shards over the EP group, EP dispatchers, global-batch
+                              balancing over the stage's ranks (comm.expert_parallel)
+    3. activation checkpoint  whole blocks or only their FFN / MoE part (below)
+    4. torch.compile          each block (models.compile)
+    5. FSDP                   fully_shard experts (over the ranks holding the same experts), then each
+                              block, then the root (comm.fsdp)
 
+The order matters: TP before FSDP so FSDP shards the TP-local weights (2-D DTensors); EP before FSDP for
+the same reason on the experts; AC and compile wrap the block's forward before FSDP's hooks go around it.
+Pipeline parallelism splits the model into stages before this recipe runs on each stage (models.pipeline).
 The model code itself never changes: every step swaps a strategy object or a parameter (DESIGN.md).
 Weights are initialised in full from the seed before this runs, so every layout starts from the
 same numbers.
@@ -20,30 +26,49 @@ from torch.utils.checkpoint import checkpoint
 
 from comm.all_to_all import Traffic
 from comm.expert_parallel import apply_expert_parallel
-from comm.topology import LayoutError, Topology
+from comm.topology import Topology
 
 
 @dataclass
 class Parallelized:
-    topology: Topology
+    topology: Topology | None
     traffic: Traffic  # all-to-all bytes per link class, for the training log
+    fsdp: bool  # gradients are reduced by fully_shard (comm.grad_sync needs to know)
 
 
-def parallelize(model: nn.Module, topology: Topology, *, hierarchical: bool | None = None) -> Parallelized:
-    """Apply the layout to ``model`` in place. ``hierarchical=None`` picks two-level dispatch when the
-    EP group spans several nodes."""
-    L = topology.layout
-    unsupported = {name: getattr(L, name) for name in ("tp", "pp", "fsdp") if getattr(L, name) > 1}
-    if unsupported:
-        flags = " ".join(f"--{k} {v}" for k, v in unsupported.items())
-        raise LayoutError(f"{flags}: tensor, pipeline and fully-sharded parallelism are not available yet; "
-                          f"use --dp and --ep (expert parallelism folds inside the data-parallel ranks)")
-    # 2. expert parallelism (also installs the global-batch count reducer when ep == 1 and dp > 1)
-    if hierarchical is None:
-        ep_nodes = {topology.node_of(r) for r in topology.members("ep")}
-        hierarchical = len(ep_nodes) > 1
-    traffic = apply_expert_parallel(model, topology, hierarchical=hierarchical)
-    return Parallelized(topology, traffic)
+def parallelize(model: nn.Module, topology: Topology | None, *, hierarchical: bool | None = None,
+                activation_checkpointing: str = "none", compile: bool = False,
+                param_dtype: torch.dtype | None = None) -> Parallelized:
+    """Apply the layout to ``model`` in place (``topology=None``: one process, steps 3-4 only).
+
+    hierarchical: None picks two-level EP dispatch when the EP group spans several nodes.
+    param_dtype: FSDP's compute dtype for parameters (bf16 on GPU); gradients are reduced in fp32.
+    """
+    from comm.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
+
+    traffic, fsdp = Traffic(), False
+    if topology is not None:
+        # 1. tensor parallel (validated first: nothing is sharded when a degree does not fit)
+        check_tensor_parallel(model.config, topology.layout.tp)
+        apply_tensor_parallel(model, topology)
+        # 2. expert parallel (also installs the global-batch count reducer when ep == 1 and dp > 1)
+        if hierarchical is None:
+            hierarchical = len({topology.node_of(r) for r in topology.members("ep")}) > 1
+        traffic = apply_expert_parallel(model, topology, hierarchical=hierarchical)
+    # 3. activation checkpointing
+    apply_activation_checkpointing(model, activation_checkpointing)
+    # 4. torch.compile per block
+    if compile:
+        from models.compile import apply_compile
+
+        apply_compile(model)
+    # 5. FSDP
+    if topology is not None and topology.layout.fsdp > 1:
+        from comm.fsdp import apply_fsdp
+
+        apply_fsdp(model, topology, param_dtype)
+        fsdp = True
+    return Parallelized(topology, traffic, fsdp)
 
 
 AC_MODES = ("none", "full", "ffn")
@@ -64,7 +89,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
         raise ValueError(f"activation checkpointing mode {mode!r} is unknown; use one of {list(AC_MODES)}")
     if mode == "none":
         return
-    for block in model.layers:
+    for block in (model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers):
         _checkpoint_forward(block if mode == "full" else block.ffn)
 
 

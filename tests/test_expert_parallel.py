@@ -6,7 +6,8 @@ import torch
 import torch.distributed as dist
 
 from comm.all_to_all import SplitMismatchError, all_to_all, exchange_counts
-from comm.expert_parallel import apply_expert_parallel, sync_gradients
+from comm.expert_parallel import apply_expert_parallel
+from comm.grad_sync import sync_gradients
 from comm.topology import Layout, LayoutError, Topology
 from moe import MoELayer, build_router
 from tests.dist_utils import run_ranks
@@ -87,20 +88,17 @@ def _ep_layer_rank(rank, world, E, k, tokens, per_node, hierarchical, skew, seed
     sync_gradients(ep, topo)
     lo, hi = ep.experts.expert_range
     torch.testing.assert_close(ep.router.weight.grad, ref.router.weight.grad)
-    torch.testing.assert_close(ep.experts.w_in.grad, ref.experts.w_in.grad[lo:hi])
-    torch.testing.assert_close(ep.experts.w_out.grad, ref.experts.w_out.grad[lo:hi])
+    torch.testing.assert_close(ep.experts.w_in.grad.to_local(), ref.experts.w_in.grad[lo:hi])
+    torch.testing.assert_close(ep.experts.w_out.grad.to_local(), ref.experts.w_out.grad[lo:hi])
     if skew and rank == world - 1:
         assert ep.load.summary().tokens_per_expert[lo:hi] == [0] * El  # my experts got nothing, still fine
     assert ep.load.summary().total_slots == tokens * k
     stats = traffic.snapshot()
     assert all(v >= 0 for v in stats.values())
-    # checkpoints hold full expert tensors, and a full state dict loads back into the shard
+    # expert shards are DTensors with the global [E, ...] shape: checkpoints hold whole experts
     sd = ep.state_dict()
-    torch.testing.assert_close(sd["experts.w_in"], ref.experts.w_in.detach())
-    with torch.no_grad():
-        ep.experts.w_in.zero_()
-    ep.load_state_dict(sd)
-    torch.testing.assert_close(ep.experts.w_in.detach(), ref.experts.w_in.detach()[lo:hi])
+    assert sd["experts.w_in"].shape == ref.experts.w_in.shape
+    torch.testing.assert_close(sd["experts.w_in"].full_tensor(), ref.experts.w_in.detach())
 
 
 @pytest.mark.parametrize("world,E,k,skew", [(2, 4, 2, False), (4, 8, 3, True)])

@@ -43,7 +43,6 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
 )
 
-from comm.expert_parallel import gather_optimizer_state, slice_optimizer_state
 from trainlib import UserError
 
 FORMAT = 2  # 2: sha256 per file. 1 (CRC-32 per file, moekit before the manifest) is still verified and read
@@ -81,9 +80,9 @@ def _state(model, optimizer, scheduler, sampler, step: int) -> dict:
              "rng_cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         train["rng_cuda"] = torch.cuda.get_rng_state()
-    # expert-parallel shards appear as full [E, ...] tensors (comm.expert_parallel), so a checkpoint
-    # is the same whatever the ep degree and loads into any other
-    optim = gather_optimizer_state(get_optimizer_state_dict(model, optimizer), model)
+    # TP / EP / FSDP shards are DTensors with their global shapes: DCP writes each piece once and loads
+    # them into any other layout (resharding), including one process
+    optim = get_optimizer_state_dict(model, optimizer)
     return {"model": get_model_state_dict(model), "optim": optim, "train": train}
 
 
@@ -270,7 +269,7 @@ def load(path: Path, model, optimizer, scheduler, sampler, model_config: dict, v
         raise UserError(f"checkpoint {path}: DCP could not load it ({type(exc).__name__}: "
                         f"{reason[-1] if reason else ''})") from None
     set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, optimizer, slice_optimizer_state(state["optim"], model))
+    set_optimizer_state_dict(model, optimizer, state["optim"])
     train = state["train"]
     scheduler.load_state_dict(train["scheduler"])
     sampler.load_state_dict(train["data"])

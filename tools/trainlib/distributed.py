@@ -13,7 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from comm.expert_parallel import sync_gradients
+from comm.grad_sync import clip_gradients, sync_gradients
 from comm.topology import Layout, LayoutError, Topology
 from trainlib import UserError
 
@@ -27,6 +27,7 @@ class Dist:
         self.data_parallel = topology.layout.data_parallel
         self.data_rank = topology.data_rank()
         self.traffic = None
+        self.fsdp = False  # set by parallelize(): fully_shard reduces the gradients
 
     @classmethod
     def setup(cls, layout: Layout, num_experts: int, device: torch.device, ranks_per_node: int | None,
@@ -48,22 +49,23 @@ class Dist:
             # a rank that never arrives (crash, mismatched launch) surfaces as an error after timeout_s
             dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
         if world > 1:
-            topology.build(timeout=timedelta(seconds=timeout_s))  # EP / DP groups time out like the default one
+            topology.build(timeout=timedelta(seconds=timeout_s), device_type=device.type)  # EP / DP groups time out like the default one
         return cls(topology, device)
 
     @property
     def active(self) -> bool:
         return self.world > 1
 
-    def parallelize(self, model, hierarchical: bool | None = None) -> None:
-        if not self.active:
-            return
+    def parallelize(self, model, hierarchical: bool | None = None, **recipe) -> None:
+        """models.parallelize's recipe; in one process only its single-device steps (AC, compile)."""
         from models.parallelize import parallelize
 
         try:
-            self.traffic = parallelize(model, self.topology, hierarchical=hierarchical).traffic
+            done = parallelize(model, self.topology if self.active else None, hierarchical=hierarchical, **recipe)
         except LayoutError as exc:
             raise UserError(str(exc)) from None
+        self.traffic = done.traffic if self.active else None
+        self.fsdp = done.fsdp
 
     def share(self, batch, per_rank: int):
         """This rank's contiguous share of the global batch (DESIGN.md)."""
@@ -71,7 +73,7 @@ class Dist:
 
     def sync_grads(self, model) -> None:
         if self.active:
-            sync_gradients(model, self.topology)
+            sync_gradients(model, self.topology, fsdp=self.fsdp)
 
     def mean(self, value: torch.Tensor) -> torch.Tensor:
         """Mean over the data-parallel ranks (each rank's value is a mean over its equal share)."""
@@ -82,28 +84,17 @@ class Dist:
         return out / self.data_parallel
 
     def clip_grad_norm(self, params, max_norm: float) -> torch.Tensor:
-        """Global gradient norm (expert shards summed over the EP group), clipped like torch's."""
+        """Global gradient norm over every shard (TP, EP, FSDP), clipped like torch's."""
         grads = [p.grad for p in params if p.grad is not None]
         if not self.active:
             if max_norm > 0:
                 return torch.nn.utils.clip_grad_norm_(params, max_norm)
             return torch.nn.utils.get_total_norm(grads)
-        sq = {True: torch.zeros((), device=self.device), False: torch.zeros((), device=self.device)}
-        for p in params:
-            if p.grad is not None:
-                sq[bool(getattr(p, "expert_parallel", False))] += p.grad.float().square().sum()
-        expert_sq = sq[True]
-        if self.topology.layout.ep > 1:
-            dist.all_reduce(expert_sq, group=self.topology.group("ep"))
-        total = (sq[False] + expert_sq).sqrt()
-        if max_norm > 0:
-            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-            for g in grads:
-                g.mul_(coef.to(g.dtype))
-        return total
+        return clip_gradients(params, max_norm, self.device)
 
     def reduce_load(self, load: dict) -> dict:
-        """Sum every layer's expert counts over the data-parallel ranks: the record covers the global batch."""
+        """Sum every layer's expert counts over the stage's ranks (data ranks x TP token slices): the record
+        covers the global batch."""
         if not self.active or not load:
             return load
         names = list(load)
@@ -113,7 +104,7 @@ class Dist:
             flat += s.tokens_per_expert + s.assigned_per_expert + [s.dropped_slots]
         t = torch.tensor(flat, dtype=torch.float64, device=self.device)
         aux = torch.tensor([load[n].aux_loss for n in names], dtype=torch.float64, device=self.device)
-        group = self.topology.group("dp")
+        group = self.topology.group("stage")
         dist.all_reduce(t, group=group)
         dist.all_reduce(aux, group=group)
         values = t.cpu().tolist()  # D2H sync: once per step, for the records
@@ -123,7 +114,7 @@ class Dist:
             s.tokens_per_expert = [int(v) for v in values[i : i + E]]
             s.assigned_per_expert = [int(v) for v in values[i + E : i + 2 * E]]
             s.dropped_slots = int(values[i + 2 * E])
-            s.aux_loss = float(aux[j]) / self.data_parallel
+            s.aux_loss = float(aux[j]) / dist.get_world_size(group)  # mean over the token slices
             i += 2 * E + 1
         return load
 

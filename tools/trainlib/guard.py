@@ -204,7 +204,12 @@ class Guard:
 
 
 def _nonfinite_grad(params) -> bool:
-    return any(p.grad is not None and not bool(torch.isfinite(p.grad).all()) for p in params)
+    # this rank's shard of a DTensor gradient (a non-finite value anywhere shows on some rank: flags are OR-ed)
+    return any(p.grad is not None and not bool(torch.isfinite(_local(p.grad)).all()) for p in params)
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 # ---------------------------------------------------------------------------------------------------

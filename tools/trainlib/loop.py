@@ -24,7 +24,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from models.parallelize import apply_activation_checkpointing
 from models.stats import model_stats
 from models.transformer import Transformer, router_options
 from moe import collect_load, moe_layers, update_expert_biases
@@ -94,7 +93,8 @@ def make_plan(cfg: TrainConfig) -> Plan:
         raise UserError(f"--batch-size {t.batch_size} must split into {D} data-parallel shares of whole "
                         f"micro-batches of {micro} (--train.micro_batch_size)")
     stats = model_stats(cfg.model, t.seq_len)
-    need = stats.params * BYTES_PER_PARAM / max(cfg.layout.ep, 1)  # experts dominate; EP shards them
+    L = cfg.layout  # experts dominate (EP and FSDP shard them); TP and FSDP shard the rest
+    need = stats.params * BYTES_PER_PARAM / max(L.ep * L.fsdp, L.tp * L.fsdp, 1) / L.pp
     have = (torch.cuda.mem_get_info(device)[1] if want == "cuda"
             else os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
     if need > have:
@@ -157,11 +157,14 @@ class Run:
         if cfg.train.export_hf:  # refuse before training, not after
             self.check_exportable()
         # the full model is built and initialised first, then each rank keeps its share (layout-free init)
-        self.dist.parallelize(self.model, {"auto": None, "on": True, "off": False}[cfg.layout.hierarchical])
-        apply_activation_checkpointing(self.model, cfg.train.activation_checkpointing)  # after EP, as in the recipe
+        fsdp_dtype = plan.autocast_dtype if plan.device.type == "cuda" else None  # bf16 params, fp32 reduction
+        self.dist.parallelize(self.model, {"auto": None, "on": True, "off": False}[cfg.layout.hierarchical],
+                              activation_checkpointing=cfg.train.activation_checkpointing,
+                              compile=cfg.train.compile, param_dtype=fsdp_dtype)
         self.model.train()
         for _, layer in moe_layers(self.model):
-            layer.aux_loss_scale = 1.0 / plan.accum  # the aux loss is averaged over micro-batches like the LM loss
+            # the aux loss is averaged over micro-batches like the LM loss (and TP already set 1/tp)
+            layer.aux_loss_scale = layer.aux_loss_scale / plan.accum
         self.guard = Guard(self.model, self.dist, cfg.train.on_nonfinite)
         self.optimizer = make_optimizer(self.model, cfg)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
@@ -320,7 +323,10 @@ class Run:
     def export_hf(self, path: str) -> None:
         from models.hf import save_mixtral
 
-        state = self.model.state_dict()  # expert shards gather to full tensors (collective)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        # TP / EP / FSDP shards gather to full tensors (a collective: every rank takes part)
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.dist.is_main:
             with torch.device("meta"):
                 full = Transformer(self.cfg.model)

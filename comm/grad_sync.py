@@ -1,0 +1,120 @@
+"""Gradient reduction and the global gradient norm for every layout (dp, fsdp, tp, ep; per pipeline stage).
+
+Each data-parallel rank's loss is the mean over its own share of the global batch, so the global-batch
+gradient is (sum over the D = dp * fsdp data ranks) / D. Which ranks hold a partial sum of a parameter's
+gradient depends on what the parameter saw:
+
+    parameter                          partial over              reduced by
+    dense (attention, norms, embed)    the D data ranks          FSDP (fsdp > 1), else all-reduce over "dp"
+    MoE router / shared expert         D data ranks x tp slices  the above, then a sum over "tp"
+    experts (EP shard)                 edp ranks x tp slices     FSDP over edp (fsdp > 1) or all-reduce over
+                                       (the EP all-to-all        "edp"; then a sum over "tp"
+                                       already brought every
+                                       EP peer's tokens)
+
+Everything is divided by D (FSDP: its gradient divide factor). DTensor gradients are reduced on their
+local shards: shards of different ranks are disjoint pieces, so the per-shard sums are what is wanted.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from moe.load import moe_layers
+
+
+def local(t: Tensor) -> Tensor:
+    """The tensor this rank holds: a DTensor's local shard, or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def gradient_roles(model: nn.Module) -> dict[int, str]:
+    """id(parameter) -> "expert" | "moe" (router / shared expert) for the MoE layers' parameters.
+
+    Read from the module tree at call time (FSDP swaps Parameter objects, the tree stays)."""
+    roles = {}
+    for _, layer in moe_layers(model):
+        for p in layer.parameters():
+            roles[id(p)] = "moe"
+        for p in layer.experts.parameters():
+            roles[id(p)] = "expert"
+    return roles
+
+
+def sync_gradients(model: nn.Module, topology, fsdp: bool = False) -> None:
+    """Turn every rank's gradients into its shard of the single-process global-batch gradient.
+
+    ``fsdp``: fully_shard already reduce-scattered the gradients and divided them by its mesh size (D for
+    dense, D / ep for experts: comm.fsdp); the experts' 1 / ep and the TP sums are left.
+    """
+    L = topology.layout
+    D, tp = L.data_parallel, L.tp
+    roles = gradient_roles(model)
+    buckets: dict[tuple[str, torch.dtype], list[Tensor]] = {}
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        role = roles.get(id(p), "dense")
+        if not fsdp:
+            kind = {"dense": "dp", "moe": "stage", "expert": "edp"}[role]  # "stage" = dp x tp
+            buckets.setdefault((kind, p.grad.dtype), []).append(local(p.grad))
+        if role == "expert" and tp > 1:
+            buckets.setdefault(("tp", p.grad.dtype), []).append(local(p.grad))
+        if fsdp and role == "moe" and tp > 1:
+            buckets.setdefault(("tp", p.grad.dtype), []).append(local(p.grad))
+        if fsdp and role == "expert" and L.ep > 1:
+            local(p.grad).div_(L.ep)
+    for (kind, _), grads in sorted(buckets.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
+        _all_reduce_flat(grads, topology.group(kind))
+    if not fsdp and D > 1:
+        for kind, grads in buckets.items():
+            if kind[0] != "tp":
+                for g in grads:
+                    g.div_(D)
+
+
+def _all_reduce_flat(grads: list[Tensor], group) -> None:
+    """One collective per (group, dtype), not one per parameter."""
+    if dist.get_world_size(group) == 1 or not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    for g, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+        g.copy_(reduced)
+
+
+def _shard_groups(t: Tensor) -> tuple:
+    """Process groups over which a DTensor's local shards are disjoint pieces of the whole."""
+    if not hasattr(t, "placements"):
+        return ()
+    mesh = t.device_mesh
+    return tuple(mesh.get_group(i) for i, pl in enumerate(t.placements) if pl.is_shard())
+
+
+def global_grad_norm(params, device) -> Tensor:
+    """sqrt(sum of squares) of the whole gradient, whatever the sharding: local sums of squares are
+    grouped by the groups their shards span and all-reduced over each (replicas are counted once)."""
+    sums: dict[tuple, Tensor] = {}
+    for p in params:
+        if p.grad is not None:
+            groups = _shard_groups(p.grad)
+            sums[groups] = sums.get(groups, torch.zeros((), device=device)) + local(p.grad).float().square().sum()
+    total = torch.zeros((), device=device)
+    for groups, sq in sums.items():
+        for group in groups:
+            if dist.get_world_size(group) > 1:
+                dist.all_reduce(sq, group=group)
+        total = total + sq
+    return total.sqrt()
+
+
+def clip_gradients(params, max_norm: float, device) -> Tensor:
+    """Scale all gradients so their global norm is at most ``max_norm`` (torch's rule); returns the norm."""
+    params = [p for p in params if p.grad is not None]
+    total = global_grad_norm(params, device)
+    if max_norm > 0:
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for p in params:
+            local(p.grad).mul_(coef.to(p.grad.dtype))
+    return total
