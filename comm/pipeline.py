@@ -87,27 +87,29 @@ class PipelineRunner:
         self._cache: dict[tuple, object] = {}
 
     def _schedule_for(self, train: bool, microbatches: int, args: tuple):
-        """A schedule with fresh PipelineStages for this micro-batch shape, built once and reused
-        (stage shapes are static; every rank asks for the same keys in the same order)."""
-        micro = tuple(a.tensor_split(microbatches)[0] for a in args)
+        """The schedule for this mode and micro-batch shape, built once and reused (stage shapes are
+        static; every rank asks for the same keys in the same order)."""
+        micro = tuple(a.tensor_split(microbatches)[0] for a in args)  # one micro-batch: its shapes
         key = (train, microbatches, tuple((tuple(a.shape), a.dtype) for a in micro))
         if key not in self._cache:
-            from torch.distributed import pipelining
-
-            pipeline_stages = []
-            for module, sid in zip(self.stages, self.stage_ids):
-                inputs, outputs = module.io_meta(*micro)
-                pipeline_stages.append(pipelining.PipelineStage(module, sid, self.num_stages, self.device, input_args=inputs,
-                                                     output_args=outputs, group=self.group))
-
-            def loss_fn(output: Tensor, target: Tensor) -> Tensor:
-                return self.loss_fn(output, target) / microbatches
-
-            name = self.schedule if train or self.schedule == "interleaved" else "gpipe"  # eval: no 1F1B minimum
-            cls = getattr(pipelining, SCHEDULES[name])
-            stages = pipeline_stages if name == "interleaved" else pipeline_stages[0]
-            self._cache[key] = cls(stages, microbatches, loss_fn=loss_fn, scale_grads=False)
+            self._cache[key] = self._build_schedule(train, microbatches, micro)
         return self._cache[key]
+
+    def _build_schedule(self, train: bool, microbatches: int, micro: tuple):
+        from torch.distributed import pipelining
+
+        stages = []
+        for module, sid in zip(self.stages, self.stage_ids):
+            inputs, outputs = module.io_meta(*micro)
+            stages.append(pipelining.PipelineStage(module, sid, self.num_stages, self.device, input_args=inputs,
+                                                   output_args=outputs, group=self.group))
+
+        def loss_fn(output: Tensor, target: Tensor) -> Tensor:  # see the module docstring: scale_grads=False
+            return self.loss_fn(output, target) / microbatches
+
+        name = self.schedule if train or self.schedule == "interleaved" else "gpipe"  # eval: no 1F1B minimum
+        cls = getattr(pipelining, SCHEDULES[name])
+        return cls(stages if name == "interleaved" else stages[0], microbatches, loss_fn=loss_fn, scale_grads=False)
 
     def _run(self, train: bool, args: tuple, target: Tensor, microbatches: int, kwargs: dict | None) -> Tensor:
         if train:
@@ -122,7 +124,9 @@ class PipelineRunner:
         losses: list[Tensor] = []
         run = schedule.step if train else schedule.eval
         run(*args, target=target, losses=losses, return_outputs=False, **(kwargs or {}))
-        loss = torch.stack([x.detach().float() for x in losses]).sum() if losses else torch.zeros((), device=self.device)
+        # the last stage holds each micro-batch's loss / M: their sum is the mean micro-batch loss
+        zero = torch.zeros((), device=self.device)  # ranks without the last stage: replaced by the broadcast
+        loss = torch.stack([x.detach().float() for x in losses]).sum() if losses else zero
         return broadcast_from(loss, self.last_rank, self.group)
 
     def step(self, args: tuple, target: Tensor, microbatches: int, kwargs: dict | None = None) -> Tensor:
