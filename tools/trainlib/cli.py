@@ -55,6 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "run dir has no checkpoint (for torchrun --max-restarts)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as TOML and exit")
     p.add_argument("--write-data", metavar="FILE", help="write the configured data as a token file and exit")
+    p.add_argument("--dry-run", action="store_true",
+                   help="build the layout's process groups (fake), meshes and sharded meta-device model in this one "
+                        "process, validate it, print per-rank memory and all-to-all bytes per step, and exit")
+    p.add_argument("--world-size", type=int, metavar="N", help="with --dry-run: the world size to plan for "
+                                                               "(default WORLD_SIZE, or 1)")
+    p.add_argument("--dry-run-gpu-gb", type=float, default=80.0, metavar="GIB",
+                   help="with --dry-run: device memory to check the per-rank peak against (default 80, an H100)")
     return p
 
 
@@ -63,6 +70,9 @@ class Options:
     print_config: bool
     resume: str | None
     write_data: str | None
+    dry_run: bool = False
+    world_size: int | None = None  # --dry-run: plan for this many ranks instead of WORLD_SIZE
+    gpu_gb: float = 80.0  # --dry-run: device memory (GiB) the per-rank peak is checked against
 
 
 def _dotted(rest: list[str]) -> list[tuple[str, str]]:
@@ -99,8 +109,14 @@ def parse_args(argv: list[str]) -> tuple[TrainConfig, Options]:
     for key, value in overrides:
         set_value(cfg, key, value)
     validate(cfg)
-    check_world(cfg)
-    return cfg, Options(args.print_config, args.resume, args.write_data)
+    if args.world_size is not None and (not args.dry_run or args.world_size < 1):
+        raise UserError(f"--world-size {args.world_size}: only with --dry-run, and at least 1 (torchrun sets the "
+                        f"world size of a real run)")
+    if not args.dry_run_gpu_gb > 0:
+        raise UserError(f"--dry-run-gpu-gb {args.dry_run_gpu_gb}: must be a positive number of GiB")
+    check_world(cfg, args.world_size)
+    return cfg, Options(args.print_config, args.resume, args.write_data, args.dry_run, args.world_size,
+                        args.dry_run_gpu_gb)
 
 
 def world_size_from_env() -> int:
@@ -112,8 +128,9 @@ def world_size_from_env() -> int:
         raise UserError(f"WORLD_SIZE={raw!r} is not an integer") from None
 
 
-def check_world(cfg: TrainConfig) -> None:
-    world = world_size_from_env()
+def check_world(cfg: TrainConfig, world: int | None = None) -> None:
+    """Resolve the layout against ``world`` ranks (default: torchrun's WORLD_SIZE) and check it."""
+    world = world_size_from_env() if world is None else world
     cfg.layout = cfg.layout.resolve(world)
     L = cfg.layout
     if cfg.model.num_experts and cfg.model.num_moe_layers and cfg.model.num_experts % L.ep:

@@ -47,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if opts.write_data:
             return write_data(cfg, opts.write_data)
+        if opts.dry_run:  # plan the layout in this one process (fake process group, meta model); no training
+            from trainlib import dryrun
+            return dryrun.run(cfg, opts)
         return Run(cfg, opts).train()
     except UserError as exc:
         print(f"train.py: error: {' '.join(str(exc).split())}", file=sys.stderr)  # one line, always
