@@ -88,8 +88,10 @@ def _shard_groups(t: Tensor) -> tuple:
     """Process groups over which a DTensor's local shards are disjoint pieces of the whole."""
     if not hasattr(t, "placements"):
         return ()
-    mesh = t.device_mesh
-    return tuple(mesh.get_group(i) for i, pl in enumerate(t.placements) if pl.is_shard())
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    mesh = t.device_mesh  # FSDP over TP shards uses _StridedShard, which is not a Shard subclass
+    return tuple(mesh.get_group(i) for i, pl in enumerate(t.placements) if pl.is_shard() or isinstance(pl, _StridedShard))
 
 
 def global_grad_norm(params, device) -> Tensor:
