@@ -60,6 +60,7 @@ def test_torchrun_ep_matches_one_process(tmp_path, single, extra):
     (["--ep", "3"], "ep=3 must divide"),
     (["--model.num_experts", "6", "--ep", "4"], "num_experts=6 is not divisible"),
     (["--ranks-per-node", "3"], "must divide the world size 4"),
+    (["--tp", "4"], "--tp 4 must divide num_kv_heads=2"),
 ])
 def test_bad_layouts_fail_before_any_collective(args, match, monkeypatch, capsys):
     sys.path.insert(0, str(ROOT / "tools"))
@@ -70,6 +71,21 @@ def test_bad_layouts_fail_before_any_collective(args, match, monkeypatch, capsys
     assert main(["--steps", "1", *TINY, *args]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and match in err, err
+
+
+def test_tp_fsdp_ep_run_matches_and_resumes_at_another_layout(tmp_path, single):
+    """tp2 x fsdp2 x ep2 (4 ranks, activation checkpointing on) follows the one-process curve; its step-2
+    checkpoint (DTensor shards over three meshes) resumes as dp2 x ep2 and continues the same curve."""
+    r = run(["--steps", "4", "--run-dir", str(tmp_path), "--tp", "2", "--fsdp", "2", "--ep", "2",
+             "--train.activation_checkpointing", "full", "--checkpoint.every", "2", *TINY], nproc=4)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "pp" not in r.stdout.split("layout:")[1].split("\n")[0] and "fsdp=2 tp=2 ep=2" in r.stdout
+    assert losses(tmp_path) == pytest.approx(single, rel=1e-5, abs=1e-6)
+    resumed = tmp_path / "resumed"
+    r2 = run(["--resume", str(tmp_path / "checkpoints" / "step_000002"), "--steps", "4", "--run-dir", str(resumed),
+              "--ep", "2", "--checkpoint.every", "0", *TINY], nproc=2)
+    assert r2.returncode == 0, r2.stderr[-3000:]
+    assert losses(resumed) == pytest.approx(single[2:], rel=1e-5, abs=1e-6)
 
 
 def test_export_hf_from_expert_parallel_run(tmp_path):

@@ -139,6 +139,13 @@ def check_world(cfg: TrainConfig, world: int | None = None) -> None:
                         f"{divisors}")
     if L.ranks_per_node and world % L.ranks_per_node:
         raise UserError(f"--ranks-per-node {L.ranks_per_node} must divide the world size {world}")
+    from comm.tensor_parallel import check_tensor_parallel
+    from comm.topology import LayoutError
+
+    try:  # heads and widths, before any process group exists
+        check_tensor_parallel(cfg.model, L.tp)
+    except LayoutError as exc:
+        raise UserError(str(exc)) from None
     if L.hierarchical not in ("auto", "on", "off"):
         raise UserError(f"--layout.hierarchical {L.hierarchical!r}: use auto, on or off")
     if not 0 < L.timeout_s < 1e9:  # also nan and inf, which timedelta refuses with a traceback

@@ -239,8 +239,9 @@ class Run:
             f"{self.monitor.describe()}")
         if self.dist.active:
             L = cfg.layout
-            say(f"layout: {self.dist.world} ranks, dp={L.dp} ep={L.ep} (experts {cfg.model.num_experts // L.ep} per "
-                f"rank), {self.dist.topology.num_nodes} node(s) of {self.dist.topology.ranks_per_node} ranks")
+            degrees = " ".join(f"{k}={getattr(L, k)}" for k in ("pp", "dp", "fsdp", "tp", "ep") if getattr(L, k) > 1)
+            say(f"layout: {self.dist.world} ranks, {degrees} (experts {cfg.model.num_experts // L.ep} per rank), "
+                f"{self.dist.topology.num_nodes} node(s) of {self.dist.topology.ranks_per_node} ranks")
         if self.start_step:
             say(f"resumed from {self.resume_from} at step {self.start_step}")
 
