@@ -109,7 +109,6 @@ class Layout:
     pp_schedule: str = "1f1b"  # pipeline schedule: gpipe | 1f1b | interleaved (interleaved 1F1B)
     pp_stages_per_rank: int = 1  # virtual stages per pipeline rank (interleaved needs >= 2)
     pp_microbatches: int = 0  # micro-batches per step through the pipeline; 0 = 2 * pp (or the accumulation count)
-    sequence_parallel: bool = False  # TP: norms and residual stream sharded over the sequence between TP regions
 
     def resolve(self, world_size: int) -> "Layout":
         others = self.fsdp * self.tp * self.pp
