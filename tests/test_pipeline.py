@@ -171,7 +171,7 @@ def check_grads(pipe_model, ref, atol=1e-5):
         torch.testing.assert_close(got, want, atol=atol, rtol=1e-4, msg=lambda m: f"{name}: {m}")
 
 
-def _pipeline_rank(rank, world, config, schedule, v, ep, microbatches, ac):
+def _pipeline_rank(rank, world, config, schedule, v, ep, microbatches, ac, ckpt=None):
     cfg = CONFIGS[config]
     topo = Topology(Layout(pp=2, dp=world // 2, ep=ep), rank, world).build()
     D, d, M, per = topo.layout.data_parallel, topo.data_rank(), microbatches, 2 * microbatches
@@ -207,6 +207,8 @@ def _pipeline_rank(rank, world, config, schedule, v, ep, microbatches, ac):
         opt.step(), opt_ref.step()
         opt.zero_grad(), opt_ref.zero_grad()
     check_names(pipe, ref, topo)
+    if ckpt:
+        check_checkpoint(pipe, cfg, topo, ckpt)
     check_eval(pipe, ref, x[: 2 * D], y[: 2 * D], D, d)
 
 
@@ -235,6 +237,33 @@ def check_names(pipe, ref, topo):
         torch.testing.assert_close(value, ref.state_dict()[name], atol=1e-6, rtol=1e-5)
 
 
+def check_checkpoint(pipe, cfg, topo, path):
+    """A torch.distributed.checkpoint written by the pipeline loads into one process, and into a pipeline
+    with another stage split (interleaved, 4 stages), under the same names."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    def full(t):
+        return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+    dcp.save(get_model_state_dict(pipe.model), checkpoint_id=path)
+    dist.barrier()  # the coordinator's metadata file is complete
+    mine = {name: full(t) for name, t in pipe.model.state_dict().items()}
+    single = build_model(cfg, seed=99)  # another init: what matches came from the checkpoint
+    state = single.state_dict()
+    dcp.load(state, checkpoint_id=path, no_dist=True)
+    for name, value in mine.items():
+        torch.testing.assert_close(state[name], value, atol=0, rtol=0)
+    other = build_pipeline(build_model(cfg, seed=99), topo, "interleaved", 2, seq_len=S)
+    apply_expert_parallel(other.model, topo)
+    state = get_model_state_dict(other.model)
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(other.model, state)
+    for name, value in other.model.state_dict().items():
+        torch.testing.assert_close(full(value), single.state_dict()[name] if name not in mine else mine[name],
+                                   atol=0, rtol=0)
+
+
 def check_eval(pipe, ref, x, y, D, d):
     pipe.model.eval(), ref.eval()
     with torch.no_grad():
@@ -252,23 +281,25 @@ PP2_CASES = [
 ]
 
 
-def _pp2_cases_rank(rank, world):
+def _pp2_cases_rank(rank, world, ckpt):
     for case in PP2_CASES:  # one spawn for all three: starting processes costs far more than the cases
         try:
-            _pipeline_rank(rank, world, case[0], case[1], case[2], 1, case[3], case[4])
+            _pipeline_rank(rank, world, case[0], case[1], case[2], 1, case[3], case[4],
+                           ckpt if case[1] == "gpipe" else None)
         except AssertionError as exc:
             raise AssertionError(f"case {case}: {exc}") from exc
 
 
-def test_pp2_gpipe_1f1b_interleaved_match_single_process():
+def test_pp2_gpipe_1f1b_interleaved_match_single_process(tmp_path):
     """2 ranks, one pipeline: each schedule (interleaved: 2 stages per rank, 4 stages of 1 layer) gives the
-    single-process losses over 3 AdamW steps and gradients, for three router / layer patterns."""
-    run_ranks(_pp2_cases_rank, 2)
+    single-process losses over 3 AdamW steps and gradients, for three router / layer patterns; the gpipe
+    case also moves its checkpoint into one process and into the interleaved split."""
+    run_ranks(_pp2_cases_rank, 2, str(tmp_path / "ckpt"))
 
 
-def test_pp2_ep2_matches_single_process():
+def test_pp2_ep2_matches_single_process(tmp_path):
     """4 ranks: 2 stages x 2 data-parallel ranks, experts split over those 2 (EP inside each stage)."""
-    run_ranks(_pipeline_rank, 4, "mixtral", "1f1b", 1, 2, 2, "none")
+    run_ranks(_pipeline_rank, 4, "mixtral", "1f1b", 1, 2, 2, "none", str(tmp_path / "ckpt"))
 
 
 def check_bad_input(pipe, schedule):
