@@ -6,7 +6,8 @@ gradient depends on what the parameter saw:
 
     parameter                          partial over              reduced by
     dense (attention, norms, embed)    the D data ranks          FSDP (fsdp > 1), else all-reduce over "dp"
-    MoE router / shared expert         D data ranks x tp slices  the above, then a sum over "tp"
+    MoE router / shared expert,        D data ranks x tp slices  the above, then a sum over "tp"
+    sequence-parallel norms
     experts (EP shard)                 edp ranks x tp slices     FSDP over edp (fsdp > 1) or all-reduce over
                                        (the EP all-to-all        "edp"; then a sum over "tp"
                                        already brought every
@@ -30,10 +31,14 @@ def local(t: Tensor) -> Tensor:
 
 
 def gradient_roles(model: nn.Module) -> dict[int, str]:
-    """id(parameter) -> "expert" | "moe" (router / shared expert) for the MoE layers' parameters.
+    """id(parameter) -> "expert" | "moe" (router, shared expert, sequence-parallel norms: partial over TP).
 
     Read from the module tree at call time (FSDP swaps Parameter objects, the tree stays)."""
     roles = {}
+    for module in model.modules():  # sequence-parallel norms (comm.tensor_parallel) saw a slice of the tokens
+        if getattr(module, "grads_partial_over_tp", False):
+            for p in module.parameters():
+                roles[id(p)] = "moe"
     for _, layer in moe_layers(model):
         for p in layer.parameters():
             roles[id(p)] = "moe"

@@ -23,7 +23,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, parallelize_module
 
 from comm.topology import LayoutError
 from moe.load import moe_layers
@@ -42,25 +43,55 @@ def check_tensor_parallel(config, tp: int) -> None:
                           f"dense MLP width; choose tp dividing all of them")
 
 
-def apply_tensor_parallel(model: nn.Module, topology) -> None:
-    """Shard every block of ``model.layers`` over the TP mesh and split MoE tokens over the TP group."""
+def apply_tensor_parallel(model: nn.Module, topology, sequence_parallel: bool = False) -> None:
+    """Shard every block of ``model.layers`` over the TP mesh and split MoE tokens over the TP group.
+
+    sequence_parallel: between the TP regions (norms, residual adds, the MoE layer) each rank keeps only
+    its 1/tp slice of the sequence, so those activations take 1/tp of the memory; attention and dense MLP
+    inputs are all-gathered over the sequence and their outputs reduce-scattered back (instead of one
+    all-reduce: the same bytes). The sequence is split at the first block of ``model.layers`` and
+    gathered after the last, so a pipeline stage sends and receives whole sequences.
+    """
     tp = topology.layout.tp
     if tp == 1:
         return
     mesh = topology.mesh("world")["tp"]
-    blocks = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
-    for block in blocks:
-        plan = {f"attn.{w}": ColwiseParallel() for w in ("wq", "wk", "wv")}
-        plan["attn.wo"] = RowwiseParallel()
-        if not block.is_moe:
-            plan.update({"ffn.w_up": ColwiseParallel(), "ffn.w_out": RowwiseParallel()})
-            if block.ffn.w_gate is not None:
-                plan["ffn.w_gate"] = ColwiseParallel()
-        parallelize_module(block, mesh, plan)
     group = topology.group("tp")
     rank = topology.members("tp").index(topology.rank)
+    blocks = list(model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers)
+    for block in blocks:
+        parallelize_module(block, mesh, _block_plan(block, sequence_parallel))
+        if sequence_parallel:  # norms see only this rank's positions: their gradients are partial over TP
+            for norm in (block.attn_norm, block.ffn_norm):
+                norm.grads_partial_over_tp = True
     for _, layer in moe_layers(model):
-        split_moe_tokens(layer, group, rank, tp)
+        split_moe_tokens(layer, group, rank, tp, sequence_parallel)
+    if sequence_parallel and blocks:
+        blocks[0].register_forward_pre_hook(lambda m, args: (_slice_sequence(args[0], rank, tp, group),) + args[1:])
+        blocks[-1].register_forward_hook(
+            lambda m, args, out: _GatherTokens.apply(out, rank, [out.shape[1]] * tp, group, 1))  # S % tp == 0
+
+
+def _block_plan(block: nn.Module, sequence_parallel: bool) -> dict:
+    seq = Shard(1)  # [B, S, H] activations sharded over S
+    out = dict(output_layouts=seq) if sequence_parallel else {}
+    plan = {f"attn.{w}": ColwiseParallel() for w in ("wq", "wk", "wv")}
+    plan["attn.wo"] = RowwiseParallel(**out)
+    if sequence_parallel:  # attention needs every position: gather the sequence (backward: reduce-scatter)
+        plan["attn"] = PrepareModuleInput(input_layouts=(seq, None, None), desired_input_layouts=(Replicate(), None, None))
+    if not block.is_moe:
+        plan.update({"ffn.w_up": ColwiseParallel(), "ffn.w_out": RowwiseParallel(**out)})
+        if block.ffn.w_gate is not None:
+            plan["ffn.w_gate"] = ColwiseParallel()
+        if sequence_parallel:
+            plan["ffn"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
+    return plan
+
+
+def check_sequence_parallel(seq_len: int, tp: int) -> None:
+    if seq_len % tp:
+        raise LayoutError(f"sequence parallelism splits each sequence over the TP ranks: seq_len={seq_len} is not "
+                          f"divisible by --tp {tp}; choose a seq_len that is, or turn layout.sequence_parallel off")
 
 
 def split_sizes(tokens: int, parts: int) -> list[int]:
@@ -68,55 +99,70 @@ def split_sizes(tokens: int, parts: int) -> list[int]:
     return [tokens // parts + (i < tokens % parts) for i in range(parts)]
 
 
-def _all_gather_rows(x: Tensor, sizes: list[int], group) -> Tensor:
-    """Concatenate every rank's rows ([sizes[r], H] on rank r) in rank order; pads to the largest slice."""
+def _all_gather_rows(x: Tensor, sizes: list[int], group, dim: int = 0) -> Tensor:
+    """Concatenate every rank's slice (``sizes[r]`` along ``dim`` on rank r) in rank order; pads to the largest."""
+    x = x.movedim(dim, 0)
     most = max(sizes)
     padded = x.new_zeros((most,) + x.shape[1:])
     padded[: x.shape[0]] = x
     parts = [torch.empty_like(padded) for _ in sizes]
     dist.all_gather(parts, padded.contiguous(), group=group)
-    return torch.cat([p[:n] for p, n in zip(parts, sizes)])
+    return torch.cat([p[:n] for p, n in zip(parts, sizes)]).movedim(0, dim)
 
 
 class _SliceTokens(torch.autograd.Function):
-    """Replicated x [T, H] -> this rank's rows; backward all-gathers every rank's slice gradient."""
+    """Replicated x -> this rank's slice along ``dim``; backward all-gathers every rank's slice gradient."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, start: int, sizes: list[int], rank: int, group) -> Tensor:
-        ctx.sizes, ctx.group = sizes, group
-        return x[start : start + sizes[rank]]
+    def forward(ctx, x: Tensor, rank: int, parts: int, group, dim: int = 0) -> Tensor:
+        ctx.sizes, ctx.group, ctx.dim = split_sizes(x.shape[dim], parts), group, dim
+        return x.narrow(dim, sum(ctx.sizes[:rank]), ctx.sizes[rank])
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        return _all_gather_rows(grad, ctx.sizes, ctx.group), None, None, None, None
+        return _all_gather_rows(grad, ctx.sizes, ctx.group, ctx.dim), None, None, None, None
 
 
 class _GatherTokens(torch.autograd.Function):
-    """This rank's output rows -> the replicated [T, H]; backward keeps this rank's rows of the gradient."""
+    """This rank's slice -> the replicated whole (``sizes``: every rank's slice length along ``dim``);
+    backward keeps this rank's slice of the gradient: every rank computes the same thing from the whole,
+    so its gradient is already complete."""
 
     @staticmethod
-    def forward(ctx, y: Tensor, start: int, sizes: list[int], group) -> Tensor:
-        ctx.start, ctx.n = start, y.shape[0]
-        return _all_gather_rows(y, sizes, group)
+    def forward(ctx, y: Tensor, rank: int, sizes: list[int], group, dim: int = 0) -> Tensor:
+        ctx.start, ctx.n, ctx.dim = sum(sizes[:rank]), sizes[rank], dim
+        return _all_gather_rows(y, sizes, group, dim)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        return grad[ctx.start : ctx.start + ctx.n].contiguous(), None, None, None
+        return grad.narrow(ctx.dim, ctx.start, ctx.n).contiguous(), None, None, None, None
 
 
-def split_moe_tokens(layer: nn.Module, group, rank: int, tp: int) -> None:
-    """Wrap ``layer.forward`` (state-dict keys unchanged) so each TP rank routes 1/tp of the tokens."""
+def _slice_sequence(x: Tensor, rank: int, parts: int, group) -> Tensor:
+    return _SliceTokens.apply(x, rank, parts, group, 1)  # [B, S, H] -> [B, S/tp, H]
+
+
+def split_moe_tokens(layer: nn.Module, group, rank: int, tp: int, sequence_parallel: bool = False) -> None:
+    """Wrap ``layer.forward`` (state-dict keys unchanged) so each TP rank routes 1/tp of the tokens.
+
+    Without sequence parallelism the input is replicated: slice it, route, all-gather the outputs. With
+    it the input already is this rank's slice of the sequence: only the token ids (hash router) follow.
+    """
     inner = layer.forward
     layer.aux_loss_scale = layer.aux_loss_scale / tp  # mean over the tp slices' aux losses
+    layer.grads_partial_over_tp = True
 
     def forward(x: Tensor, token_ids: Tensor | None = None) -> Tensor:
+        if sequence_parallel:  # x [B, S/tp, H], token_ids [B, S]
+            ids = None if token_ids is None else token_ids.narrow(1, rank * x.shape[1], x.shape[1])
+            return inner(x, token_ids=ids)
         shape = x.shape
         flat = x.reshape(-1, shape[-1])  # [T, H]
+        mine = _SliceTokens.apply(flat, rank, tp, group)  # [T/tp, H]
         sizes = split_sizes(flat.shape[0], tp)
         start = sum(sizes[:rank])
-        mine = _SliceTokens.apply(flat, start, sizes, rank, group)  # [T/tp, H]
         ids = None if token_ids is None else token_ids.reshape(-1)[start : start + sizes[rank]]
         y = inner(mine, token_ids=ids)  # [T/tp, H]
-        return _GatherTokens.apply(y, start, sizes, group).view(shape)  # [T, H] on every TP rank
+        return _GatherTokens.apply(y, rank, sizes, group).view(shape)  # [T, H] on every TP rank
 
     layer.forward = forward

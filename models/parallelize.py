@@ -38,11 +38,12 @@ class Parallelized:
 
 def parallelize(model: nn.Module, topology: Topology | None, *, hierarchical: bool | None = None,
                 activation_checkpointing: str = "none", compile: bool = False,
-                param_dtype: torch.dtype | None = None) -> Parallelized:
+                param_dtype: torch.dtype | None = None, sequence_parallel: bool = False) -> Parallelized:
     """Apply the layout to ``model`` in place (``topology=None``: one process, steps 3-4 only).
 
     hierarchical: None picks two-level EP dispatch when the EP group spans several nodes.
     param_dtype: FSDP's compute dtype for parameters (bf16 on GPU); gradients are reduced in fp32.
+    sequence_parallel: with tp > 1, norms / residual / MoE layers keep 1/tp of the sequence per rank.
     """
     from comm.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
 
@@ -50,7 +51,7 @@ def parallelize(model: nn.Module, topology: Topology | None, *, hierarchical: bo
     if topology is not None:
         # 1. tensor parallel (validated first: nothing is sharded when a degree does not fit)
         check_tensor_parallel(model.config, topology.layout.tp)
-        apply_tensor_parallel(model, topology)
+        apply_tensor_parallel(model, topology, sequence_parallel)
         # 2. expert parallel (also installs the global-batch count reducer when ep == 1 and dp > 1)
         if hierarchical is None:
             hierarchical = len({topology.node_of(r) for r in topology.members("ep")}) > 1

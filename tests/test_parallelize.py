@@ -41,7 +41,7 @@ def _loss(model, tokens):
     return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
 
 
-def _layout_rank(rank, world, degrees, config_over, ac):
+def _layout_rank(rank, world, degrees, config_over, ac, sp=False):
     layout = Layout(**degrees)
     topo = Topology(layout, rank, world).build()
     cfg = tiny_config(**config_over)
@@ -50,7 +50,7 @@ def _layout_rank(rank, world, degrees, config_over, ac):
     _loss(ref, tokens).backward()
     want = {n: p.grad for n, p in ref.named_parameters()}
     model = build_model(cfg, seed=3)
-    done = parallelize(model, topo, activation_checkpointing=ac)
+    done = parallelize(model, topo, activation_checkpointing=ac, sequence_parallel=sp)
     D = layout.data_parallel
     share = tokens.view(D, B // D, S + 1)[topo.data_rank()]
     _loss(model, share).backward()
@@ -71,6 +71,14 @@ def _layout_rank(rank, world, degrees, config_over, ac):
 ], ids=["tp2", "fsdp2-ac", "dp2-tp2-ep2-shared", "fsdp2-tp2-ep2-dense", "hsdp-dp2-fsdp2-ep4"])
 def test_layout_gradients_equal_single_process(world, degrees, over, ac):
     run_ranks(_layout_rank, world, degrees, over, ac)
+
+
+@pytest.mark.parametrize("world,degrees,over", [
+    (2, dict(tp=2), {"first_dense_layers": 1, "router": "hash", "router_options": {}}),
+    (4, dict(fsdp=2, tp=2, ep=2), {"shared_ffn_hidden_size": 16}),
+], ids=["sp-tp2-dense-hash", "sp-fsdp2-tp2-ep2-shared"])
+def test_sequence_parallel_gradients_equal_single_process(world, degrees, over):
+    run_ranks(_layout_rank, world, degrees, over, "full", True)
 
 
 def test_tp_must_divide_heads():

@@ -139,11 +139,13 @@ def check_world(cfg: TrainConfig, world: int | None = None) -> None:
                         f"{divisors}")
     if L.ranks_per_node and world % L.ranks_per_node:
         raise UserError(f"--ranks-per-node {L.ranks_per_node} must divide the world size {world}")
-    from comm.tensor_parallel import check_tensor_parallel
+    from comm.tensor_parallel import check_sequence_parallel, check_tensor_parallel
     from comm.topology import LayoutError
 
     try:  # heads and widths, before any process group exists
         check_tensor_parallel(cfg.model, L.tp)
+        if L.sequence_parallel:
+            check_sequence_parallel(cfg.train.seq_len, L.tp)
     except LayoutError as exc:
         raise UserError(str(exc)) from None
     if L.hierarchical not in ("auto", "on", "off"):

@@ -108,6 +108,7 @@ class Layout:
     timeout_s: float = 600.0  # a collective that waits longer fails with an error instead of hanging
     pp_schedule: str = "1f1b"  # pipeline schedule: gpipe | 1f1b | interleaved (interleaved 1F1B)
     pp_stages_per_rank: int = 1  # virtual stages per pipeline rank (interleaved needs >= 2)
+    sequence_parallel: bool = False  # with tp > 1: norms, residual and MoE tokens split over the sequence
     pp_microbatches: int = 0  # micro-batches per step through the pipeline; 0 = 2 * pp (or the accumulation count)
 
     def resolve(self, world_size: int) -> "Layout":

@@ -163,7 +163,8 @@ class Run:
         fsdp_dtype = plan.autocast_dtype if plan.device.type == "cuda" else None  # bf16 params, fp32 reduction
         self.dist.parallelize(self.model, {"auto": None, "on": True, "off": False}[cfg.layout.hierarchical],
                               activation_checkpointing=cfg.train.activation_checkpointing,
-                              compile=cfg.train.compile, param_dtype=fsdp_dtype)
+                              compile=cfg.train.compile, param_dtype=fsdp_dtype,
+                              sequence_parallel=cfg.layout.sequence_parallel)
         self.model.train()
         for _, layer in moe_layers(self.model):
             # the aux loss is averaged over micro-batches like the LM loss (and TP already set 1/tp)
