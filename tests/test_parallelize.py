@@ -41,7 +41,7 @@ def _loss(model, tokens):
     return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
 
 
-def _layout_rank(rank, world, degrees, config_over, ac, sp=False):
+def _check_layout(rank, world, degrees, config_over, ac, sp):
     layout = Layout(**degrees)
     topo = Topology(layout, rank, world).build()
     cfg = tiny_config(**config_over)
@@ -55,30 +55,40 @@ def _layout_rank(rank, world, degrees, config_over, ac, sp=False):
     share = tokens.view(D, B // D, S + 1)[topo.data_rank()]
     _loss(model, share).backward()
     sync_gradients(model, topo, fsdp=done.fsdp)
+    where = f"{degrees} {config_over} ac={ac} sp={sp}"
     for name, p in model.named_parameters():
-        torch.testing.assert_close(_full(p.grad), want[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(_full(p.grad), want[name], rtol=1e-4, atol=1e-6,
+                                   msg=lambda m: f"{where}: {name}: {m}")
     ref_norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])
     torch.testing.assert_close(global_grad_norm(list(model.parameters()), torch.device("cpu")), ref_norm,
-                               rtol=1e-5, atol=1e-7)
+                               rtol=1e-5, atol=1e-7, msg=lambda m: f"{where}: grad norm: {m}")
 
 
-@pytest.mark.parametrize("world,degrees,over,ac", [
-    (2, dict(tp=2), {}, "none"),
-    (2, dict(fsdp=2), {}, "full"),
-    (4, dict(dp=2, tp=2, ep=2), {"shared_ffn_hidden_size": 16}, "ffn"),
-    (4, dict(fsdp=2, tp=2, ep=2), {"first_dense_layers": 1}, "none"),
-    (4, dict(dp=2, fsdp=2, ep=4), {}, "none"),
-], ids=["tp2", "fsdp2-ac", "dp2-tp2-ep2-shared", "fsdp2-tp2-ep2-dense", "hsdp-dp2-fsdp2-ep4"])
-def test_layout_gradients_equal_single_process(world, degrees, over, ac):
-    run_ranks(_layout_rank, world, degrees, over, ac)
+def _layouts_rank(rank, world, cases):
+    for case in cases:  # one spawn checks several layouts (process start-up dominates on 2 cores)
+        _check_layout(rank, world, *case)
 
 
-@pytest.mark.parametrize("world,degrees,over", [
-    (2, dict(tp=2), {"first_dense_layers": 1, "router": "hash", "router_options": {}}),
-    (4, dict(fsdp=2, tp=2, ep=2), {"shared_ffn_hidden_size": 16}),
-], ids=["sp-tp2-dense-hash", "sp-fsdp2-tp2-ep2-shared"])
-def test_sequence_parallel_gradients_equal_single_process(world, degrees, over):
-    run_ranks(_layout_rank, world, degrees, over, "full", True)
+# (degrees, model config overrides, activation checkpointing, sequence parallel)
+TWO_RANKS = [
+    (dict(tp=2), {}, "none", False),
+    (dict(fsdp=2), {}, "full", False),
+    (dict(tp=2), {"first_dense_layers": 1, "router": "hash", "router_options": {}}, "full", True),
+]
+FOUR_RANKS = [
+    (dict(dp=2, tp=2, ep=2), {"shared_ffn_hidden_size": 16}, "ffn", False),
+    (dict(fsdp=2, tp=2, ep=2), {"first_dense_layers": 1}, "none", False),
+    (dict(dp=2, fsdp=2, ep=4), {}, "none", False),
+    (dict(fsdp=2, tp=2, ep=2), {"shared_ffn_hidden_size": 16}, "full", True),
+]
+
+
+@pytest.mark.parametrize("world,cases", [(2, TWO_RANKS), (4, FOUR_RANKS)], ids=["2-ranks", "4-ranks"])
+def test_layout_gradients_equal_single_process(world, cases):
+    """2 ranks: tp2, fsdp2 + AC, tp2 + sequence parallel (dense layer, hash router). 4 ranks: dp2 x tp2 x ep2
+    (shared expert, selective AC), fsdp2 x tp2 x ep2 (dense layer), HSDP dp2 x fsdp2 x ep4, and
+    fsdp2 x tp2 x ep2 with sequence parallelism."""
+    run_ranks(_layouts_rank, world, cases)
 
 
 def test_tp_must_divide_heads():
