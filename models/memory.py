@@ -22,7 +22,8 @@ Every term counts what moekit's code keeps, read off the modules and checked aga
       head       final norm, the lm_head input, fp32 log-softmax [T, V]; token ids
       weight casts  autocast without FSDP: a bf16 copy of every matmul weight lives until backward
     Activation checkpointing: "full" keeps each block's input only; "ffn" keeps the FFN / MoE input and
-    drops its internals. What backward recomputes (one block / one FFN) is reported as transient.
+    drops its internals. Transient (at the peak only): what backward recomputes (one block / one FFN),
+    FSDP's unsharded copies, and the logits [T, V] with their gradient on the last pipeline stage.
 
 The parallel recipe (models/parallelize.py, comm/tensor_parallel.py, comm/fsdp.py, models/pipeline.py):
     TP shards attention heads and the dense FFN width; embedding, norms, lm_head and the whole MoE layer
@@ -102,12 +103,14 @@ class MemoryEstimate:
     grads: int
     optimizer: int
     activations: int
-    transient: int  # extra at the peak: the recomputed block / FFN, FSDP's unsharded copies
+    transient: int  # extra at the peak: the recomputed block / FFN, FSDP's unsharded copies, the logits
     param_numel: dict[str, int] = field(default_factory=dict)  # local elements by part
     breakdown: dict[str, int] = field(default_factory=dict)  # activation bytes by part, then transient_*
 
     @property
     def total(self) -> int:
+        """Everything held at once when gradients accumulate over micro-batches; with one micro-batch a
+        step frees activations as gradients appear, so this (and ``peak``) is an upper bound."""
         return self.params + self.grads + self.optimizer + self.activations
 
     @property
@@ -335,12 +338,16 @@ def estimate_memory(cfg: ModelConfig, layout: Layout, wl: Workload, stage: Stage
     if kept:
         breakdown["weight_casts"] = kept
     acts = sum(breakdown.values())
-    breakdown.update({f"transient_{k}": v for k, v in (("recompute", recompute), ("fsdp_unsharded", gathered)) if v})
+    # the loss: logits (and their fp32 copy under autocast) next to the kept log-softmax, then its gradient
+    a = DTYPE_BYTES[wl.dtype]
+    logits = wl.tokens * cfg.vocab_size * (FP32 + (a if a != FP32 else 0)) if stage.last else 0
+    transient = {"recompute": recompute, "fsdp_unsharded": gathered, "logits": logits}
+    breakdown.update({f"transient_{k}": v for k, v in transient.items() if v})
     by_part: dict[str, int] = {}
     for part, n in tensors:
         by_part[part] = by_part.get(part, 0) + n
     return MemoryEstimate(stage.index, numel * FP32, numel * FP32, 2 * numel * FP32 + len(tensors) * FP32, acts,
-                          recompute + gathered, by_part, breakdown)
+                          sum(transient.values()), by_part, breakdown)
 
 
 # ---------------------------------------------------------------------------------------------------
