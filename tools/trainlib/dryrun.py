@@ -268,7 +268,7 @@ def report(cfg: TrainConfig, opts: Options, plan: Plan, built: Built, estimates:
     if L.pp > 1:
         for est, st in zip(estimates, built.stages):
             lines.append(f"  pipeline rank {st.index}: {describe_stage(st)}: total {gib(est.total)}, "
-                         f"peak {gib(est.peak)} ({memory.in_flight(L, wl, st.index):g} micro-batches in flight)")
+                         f"peak {gib(est.peak)} ({memory.in_flight(L, wl, st.index):g} micro-batch(es) in flight)")
     worst = max(estimates, key=lambda e: e.peak)
     share = worst.peak / (opts.gpu_gb * GIB)
     verdict = "fits" if share <= TIGHT else "tight (CUDA context, NCCL buffers and fragmentation need room too)" \
