@@ -10,10 +10,11 @@ One optimizer step on a pipeline of P ranks, K = P * v stages (v per rank), M mi
     loss = sum_m loss_m on the last stage -> broadcast to every rank of the pipeline
 
 Scaling: torch's schedules can instead divide gradients by M after the backward (``scale_grads``);
-we divide each micro-batch loss by M and pass scale_grads=False, so that (1) MoE layers, which inject
-their aux loss into backward with ``aux_loss_scale`` (set here to 1/M), get the same 1/M, (2) the
-arithmetic is the single-process trainer's, and (3) gradients that exist before the step are not
-divided. Schedules: gpipe (all forwards, then all backwards), 1f1b, interleaved (Interleaved 1F1B,
+we divide each micro-batch loss by M and pass scale_grads=False, so that (1) the MoE aux loss, which
+layers inject into backward with their ``aux_loss_scale``, is not divided a second time: the caller
+scales that by 1/M once, as the trainer does for gradient accumulation (other factors, such as tensor
+parallelism's 1/tp, compose with it), (2) the arithmetic is the single-process trainer's, and (3)
+gradients that exist before the step are not divided. Schedules: gpipe (all forwards, then all backwards), 1f1b, interleaved (Interleaved 1F1B,
 v >= 2 stages per rank placed loop-style: stage k on pipeline rank k % P).
 
 Stage modules give their input / output shapes statically (``io_meta``), so torch runs no
@@ -27,8 +28,6 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-
-from moe.load import moe_layers
 
 # torch.distributed.pipelining class of each schedule name (imported when a pipeline is built: it pulls in
 # torch._dynamo, seconds that a run without a pipeline should not pay)
@@ -130,10 +129,8 @@ class PipelineRunner:
         return broadcast_from(loss, self.last_rank, self.group)
 
     def step(self, args: tuple, target: Tensor, microbatches: int, kwargs: dict | None = None) -> Tensor:
-        """Forward + backward of one step's micro-batches; returns the mean micro-batch loss on every rank."""
-        for stage in self.stages:
-            for _, layer in moe_layers(stage):  # the aux loss is averaged over micro-batches like the LM loss
-                layer.aux_loss_scale = 1.0 / microbatches
+        """Forward + backward of one step's micro-batches; returns the mean micro-batch loss on every rank.
+        MoE layers must already scale their aux loss by 1/microbatches (see the module docstring)."""
         return self._run(True, args, target, microbatches, kwargs)
 
     def evaluate(self, args: tuple, target: Tensor, microbatches: int = 1, kwargs: dict | None = None) -> Tensor:

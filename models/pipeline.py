@@ -240,9 +240,10 @@ class Pipeline:
 
     def step(self, tokens: Tensor, targets: Tensor, microbatches: int) -> Tensor:
         """Forward and backward of one optimizer step's batch ``tokens``/``targets`` [B, S] in
-        ``microbatches`` equal contiguous micro-batches; gradients accumulate into ``model``'s
-        parameters exactly as ``(loss_m / M).backward()`` per micro-batch would (aux loss scaled by
-        1/M, set here). Returns the mean micro-batch loss, on every rank of the pipeline."""
+        ``microbatches`` (M) equal contiguous micro-batches; gradients accumulate into ``model``'s
+        parameters exactly as ``(loss_m / M).backward()`` per micro-batch would, provided the MoE layers'
+        ``aux_loss_scale`` carries the 1/M (divide it once, as for gradient accumulation). Returns the
+        mean micro-batch loss, on every rank of the pipeline."""
         return self.runner.step((tokens,), targets, microbatches, kwargs={"tokens": tokens})
 
     @torch.no_grad()

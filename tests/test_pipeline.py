@@ -180,8 +180,8 @@ def _pipeline_rank(rank, world, config, schedule, v, ep, microbatches, ac, ckpt=
     pipe = build_pipeline(build_model(cfg, seed=7), topo, schedule, v, seq_len=S)
     apply_expert_parallel(pipe.model, topo)
     apply_activation_checkpointing(pipe.model, ac)
-    for _, layer in moe_layers(ref):
-        layer.aux_loss_scale = 1.0 / M
+    for _, layer in [*moe_layers(ref), *moe_layers(pipe.model)]:
+        layer.aux_loss_scale /= M  # the aux loss is averaged over micro-batches like the LM loss
     ref.train(), pipe.model.train()
     check_bad_input(pipe, schedule)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=3e-3, foreach=False)
