@@ -16,7 +16,6 @@ the recipe's message. Nothing here allocates parameter memory: a 688B-parameter 
 from __future__ import annotations
 
 import math
-import os
 import sys
 import time
 from contextlib import contextmanager
@@ -59,7 +58,7 @@ class Plan:
     hierarchical: bool | None
 
 
-def make_plan(cfg: TrainConfig, opts: Options) -> Plan:
+def make_plan(cfg: TrainConfig) -> Plan:
     L, t = cfg.layout, cfg.train
     world = L.pp * L.dp * L.fsdp * L.tp  # cli.check_world resolved the layout against --world-size
     validate_layout(cfg)
@@ -216,7 +215,7 @@ def _pipeline_stage(model, topo: Topology, cfg: TrainConfig, built: Built):
 
 
 def run(cfg: TrainConfig, opts: Options) -> int:
-    plan = make_plan(cfg, opts)
+    plan = make_plan(cfg)
     with fake_world(plan.world):
         built = build(cfg, plan)
     layout, wl = built.topology.layout, plan.workload
