@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 
 from comm.expert_parallel import apply_expert_parallel
+from comm.fsdp import apply_fsdp
+from comm.grad_sync import sync_gradients
 from comm.pipeline import check_schedule, stage_ids_of
 from comm.topology import Layout, Topology
 from models.config import PRESETS, ModelConfig
@@ -159,27 +161,32 @@ def average_gradients(model, topo):
         local(p.grad).div_(topo.layout.data_parallel)
 
 
+def full(t):
+    """The whole tensor from this rank's shard (collective over the shard's mesh: experts, FSDP)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 def check_grads(pipe_model, ref, atol=1e-5):
-    """Every parameter of this rank's stages has the reference gradient (expert shards: their slice)."""
+    """Every parameter of this rank's stages has the reference gradient."""
     ref_params = dict(ref.named_parameters())
     for name, p in pipe_model.named_parameters():
-        got, want = local(p.grad), ref_params[name].grad
-        if got.shape != want.shape:  # an expert shard
-            lo, hi = pipe_model.get_submodule(name.rsplit(".", 1)[0]).expert_range
-            want = want[lo:hi]
+        want = ref_params[name].grad
         assert want.abs().sum() > 0, name
-        torch.testing.assert_close(got, want, atol=atol, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(full(p.grad), want, atol=atol, rtol=1e-4, msg=lambda m: f"{name}: {m}")
 
 
-def _pipeline_rank(rank, world, config, schedule, v, ep, microbatches, ac, ckpt=None):
+def _pipeline_rank(rank, world, config, schedule, v, ep, fsdp, microbatches, ac, ckpt=None):
     cfg = CONFIGS[config]
-    topo = Topology(Layout(pp=2, dp=world // 2, ep=ep), rank, world).build()
+    topo = Topology(Layout(pp=2, dp=world // 2 // fsdp, fsdp=fsdp, ep=ep), rank, world).build()
     D, d, M, per = topo.layout.data_parallel, topo.data_rank(), microbatches, 2 * microbatches
     torch.manual_seed(0)  # router jitter and the like draw alike in both models
     ref = build_model(cfg, seed=7)
     pipe = build_pipeline(build_model(cfg, seed=7), topo, schedule, v, seq_len=S)
     apply_expert_parallel(pipe.model, topo)
     apply_activation_checkpointing(pipe.model, ac)
+    if fsdp > 1:  # per stage module: each is an FSDP root, since only the stages' forwards ever run
+        for stage in pipe.model.stages:
+            apply_fsdp(stage, topo)
     for _, layer in [*moe_layers(ref), *moe_layers(pipe.model)]:
         layer.aux_loss_scale /= M  # the aux loss is averaged over micro-batches like the LM loss
     ref.train(), pipe.model.train()
@@ -198,8 +205,11 @@ def _pipeline_rank(rank, world, config, schedule, v, ep, microbatches, ac, ckpt=
             ref_loss += loss_m.item() / M
         mine = slice(d * per, (d + 1) * per)
         loss = pipe.step(x[mine], y[mine], M)
-        average_gradients(pipe.model, topo)
-        dist.all_reduce(loss, group=topo.group("dp"))
+        if fsdp > 1:  # FSDP reduce-scattered inside the pipeline's last backward; experts still need 1/ep
+            sync_gradients(pipe.model, topo, fsdp=True)
+        else:
+            average_gradients(pipe.model, topo)
+        dist.all_reduce(loss, group=topo.group("dp"))  # every data rank (dp x fsdp)
         assert abs(loss.item() / D - ref_loss) < 1e-5, (step, loss.item() / D, ref_loss)
         if step == 0:
             check_grads(pipe.model, ref)
@@ -231,10 +241,8 @@ def check_names(pipe, ref, topo):
     names = [None] * topo.layout.pp
     dist.all_gather_object(names, mine, group=topo.group("pp"))
     assert sorted(n for part in names for n in part) == sorted(ref.state_dict())
-    full = pipe.model.state_dict()  # expert shards gather to full tensors, as checkpoints hold them
-    for name, value in full.items():
-        value = value.full_tensor() if hasattr(value, "full_tensor") else value
-        torch.testing.assert_close(value, ref.state_dict()[name], atol=1e-6, rtol=1e-5)
+    for name, value in pipe.model.state_dict().items():  # sharded tensors: the whole, as checkpoints hold it
+        torch.testing.assert_close(full(value), ref.state_dict()[name], atol=1e-6, rtol=1e-5)
 
 
 def check_checkpoint(pipe, cfg, topo, path):
@@ -242,9 +250,6 @@ def check_checkpoint(pipe, cfg, topo, path):
     with another stage split (interleaved, 4 stages), under the same names."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-
-    def full(t):
-        return t.full_tensor() if hasattr(t, "full_tensor") else t
 
     dcp.save(get_model_state_dict(pipe.model), checkpoint_id=path)
     dist.barrier()  # the coordinator's metadata file is complete
@@ -284,7 +289,7 @@ PP2_CASES = [
 def _pp2_cases_rank(rank, world, ckpt):
     for case in PP2_CASES:  # one spawn for all three: starting processes costs far more than the cases
         try:
-            _pipeline_rank(rank, world, case[0], case[1], case[2], 1, case[3], case[4],
+            _pipeline_rank(rank, world, case[0], case[1], case[2], 1, 1, case[3], case[4],
                            ckpt if case[1] == "gpipe" else None)
         except AssertionError as exc:
             raise AssertionError(f"case {case}: {exc}") from exc
@@ -297,9 +302,19 @@ def test_pp2_gpipe_1f1b_interleaved_match_single_process(tmp_path):
     run_ranks(_pp2_cases_rank, 2, str(tmp_path / "ckpt"))
 
 
-def test_pp2_ep2_matches_single_process(tmp_path):
-    """4 ranks: 2 stages x 2 data-parallel ranks, experts split over those 2 (EP inside each stage)."""
-    run_ranks(_pipeline_rank, 4, "mixtral", "1f1b", 1, 2, 2, "none", str(tmp_path / "ckpt"))
+def _ep_cases_rank(rank, world, ckpt):
+    # (model, schedule, stages per rank, ep, fsdp, micro-batches, activation checkpointing)
+    for case in [("mixtral", "1f1b", 1, 2, 1, 2, "none"), ("mixtral", "interleaved", 2, 2, 2, 2, "full")]:
+        try:
+            _pipeline_rank(rank, world, *case, f"{ckpt}-fsdp{case[4]}")
+        except AssertionError as exc:
+            raise AssertionError(f"case {case}: {exc}") from exc
+
+
+def test_pp2_ep2_and_pp2_fsdp2_ep2_match_single_process(tmp_path):
+    """4 ranks, 2 stages x 2 data ranks, experts split over those 2 (EP inside each stage): replicated
+    (dp2, 1f1b), then fully sharded (fsdp2, interleaved with activation checkpointing)."""
+    run_ranks(_ep_cases_rank, 4, str(tmp_path / "ckpt"))
 
 
 def check_bad_input(pipe, schedule):
