@@ -156,6 +156,7 @@ class StageModule(nn.Module):
         self.layers = StageLayers({str(i): model.layers[i] for i in layers})
         self.norm = model.norm if last else None
         self.lm_head = model.lm_head if last else None
+        self.activation_dtype: torch.dtype | None = None  # of the hidden state sent on; None = parameter dtype
 
     @property
     def is_first(self) -> bool:
@@ -176,16 +177,24 @@ class StageModule(nn.Module):
         for layer in self.layers:
             x = layer(x, cos, sin, tokens)  # [b, S, H]
         if not self.is_last:
+            if x.dtype != self.hidden_dtype():  # the next stage receives into a buffer of the declared dtype
+                raise RuntimeError(f"pipeline stage output is {x.dtype} but the stages declared "
+                                   f"{self.hidden_dtype()}; pass build_pipeline(..., activation_dtype={x.dtype})")
             return x
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight  # [V, H] (tied: 1 stage)
         return F.linear(self.norm(x), weight).float()  # [b, S, V]
+
+    def hidden_dtype(self) -> torch.dtype:
+        """The residual stream's dtype: the parameters' (autocast too: the residual adds promote back),
+        unless set, e.g. bf16 when FSDP computes with bf16 parameters."""
+        return self.activation_dtype or next(self.parameters()).dtype
 
     def io_meta(self, tokens: Tensor) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
         """Meta tensors this stage receives and returns for a micro-batch of ``tokens`` [b, S]: the static
         shapes torch.distributed.pipelining needs (no shape-probing forward, which would record load)."""
         b, S = tokens.shape
         H, V = self.config.hidden_size, self.config.vocab_size
-        dtype = next(self.parameters()).dtype  # the residual stream keeps the parameter dtype (autocast too)
+        dtype = self.hidden_dtype()
         def meta(*shape, dtype=dtype, grad=True):
             return torch.empty(*shape, dtype=dtype, device="meta", requires_grad=grad)
 
@@ -257,10 +266,12 @@ class Pipeline:
 
 
 def build_pipeline(model: Transformer, topology, schedule: str = "1f1b", stages_per_rank: int = 1,
-                   seq_len: int | None = None) -> Pipeline:
+                   seq_len: int | None = None, activation_dtype: torch.dtype | None = None) -> Pipeline:
     """Split an initialised ``model`` into this rank's stages of ``topology``'s pipeline (``pp`` ranks,
     ``stages_per_rank`` stages each, balanced by ``layer_costs`` at ``seq_len``) and set up ``schedule``
-    (gpipe | 1f1b | interleaved). The other layers' modules are not referenced: drop ``model`` after."""
+    (gpipe | 1f1b | interleaved). The other layers' modules are not referenced: drop ``model`` after.
+    ``activation_dtype``: of the hidden states sent between stages; None = the parameter dtype (fp32 and
+    autocast runs); torch.bfloat16 when FSDP's MixedPrecisionPolicy computes with bf16 parameters."""
     pp = topology.layout.pp
     check_schedule(schedule, pp, stages_per_rank)
     num_stages = pp * stages_per_rank
@@ -269,6 +280,8 @@ def build_pipeline(model: Transformer, topology, schedule: str = "1f1b", stages_
     ranges = balance_stages(costs.layers, num_stages, costs.embed, costs.head)
     stage_ids = stage_ids_of(topology.coords().pp, pp, stages_per_rank)
     stages = [StageModule(model, ranges[s], s == 0, s == num_stages - 1) for s in stage_ids]
+    for stage in stages:
+        stage.activation_dtype = activation_dtype
     device = next(model.parameters()).device
     runner = PipelineRunner(stages, stage_ids, num_stages, topology.group("pp"), schedule, lm_loss, device)
     return Pipeline(PipelineModel(model.config, stages), ranges, stage_ids, runner)

@@ -19,7 +19,8 @@ from comm.pipeline import check_schedule, stage_ids_of
 from comm.topology import Layout, Topology
 from models.config import PRESETS, ModelConfig
 from models.parallelize import apply_activation_checkpointing
-from models.pipeline import balance_stages, build_pipeline, check_pipeline_model, layer_costs, lm_loss
+from models.pipeline import (PipelineModel, StageModule, balance_stages, build_pipeline, check_pipeline_model,
+                             layer_costs, lm_loss)
 from models.transformer import build_model
 from moe import collect_load, moe_layers
 from tests.dist_utils import run_ranks
@@ -144,6 +145,31 @@ CONFIGS = {
     # Switch-like: MoE every other layer, top-1; no jitter (its random draws happen in another order per layout)
     "switch": tiny(moe_every=2, top_k=1, activation="relu", router="switch", router_options={"jitter": 0.0}),
 }
+
+
+def test_stages_chain_to_the_model_under_its_names():
+    """One process, no schedule: the stage modules chained are the model's forward, bitwise; their
+    static shapes are what they compute; names are the model's; a wrong declared dtype is named."""
+    cfg = tiny(first_dense_layers=1, shared_ffn_hidden_size=32)
+    model = build_model(cfg, seed=3)
+    ranges = balance_stages(layer_costs(cfg, S).layers, 3)
+    stages = [StageModule(model, r, i == 0, i == 2) for i, r in enumerate(ranges)]
+    tokens = torch.randint(0, cfg.vocab_size, (2, S), generator=torch.Generator().manual_seed(0))
+    x = tokens
+    for stage in stages:
+        (meta_in,), (meta_out,) = stage.io_meta(tokens)
+        assert (meta_in.shape, meta_in.dtype) == (x.shape, x.dtype)
+        x = stage(x, tokens)
+        assert (meta_out.shape, meta_out.dtype) == (x.shape, x.dtype)
+    assert torch.equal(x, model(tokens))
+    both = PipelineModel(cfg, [stages[0], stages[2]])  # an interleaved rank's stages: one module, model names
+    want = {n for n in model.state_dict() if not any(n.startswith(f"layers.{i}.") for i in ranges[1])}
+    assert set(both.state_dict()) == want
+    assert [b for b in both.layers] == [model.layers[i] for i in [*ranges[0], *ranges[2]]]
+    stages[0].activation_dtype = torch.bfloat16
+    assert stages[0].io_meta(tokens)[1][0].dtype == torch.bfloat16
+    with pytest.raises(RuntimeError, match=r"activation_dtype=torch.float32"):
+        stages[0](tokens, tokens)
 
 
 def local(t):
