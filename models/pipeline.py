@@ -194,7 +194,9 @@ class StageModule(nn.Module):
         shapes torch.distributed.pipelining needs (no shape-probing forward, which would record load)."""
         b, S = tokens.shape
         H, V = self.config.hidden_size, self.config.vocab_size
-        dtype = self.hidden_dtype()
+        # pinned now: the receiving stage's buffers have this dtype for good (and inside FSDP's forward
+        # the parameters are its unsharded compute-dtype copies, so they cannot tell it any more)
+        self.activation_dtype = dtype = self.hidden_dtype()
         def meta(*shape, dtype=dtype, grad=True):
             return torch.empty(*shape, dtype=dtype, device="meta", requires_grad=grad)
 
