@@ -14,8 +14,10 @@ we divide each micro-batch loss by M and pass scale_grads=False, so that (1) the
 layers inject into backward with their ``aux_loss_scale``, is not divided a second time: the caller
 scales that by 1/M once, as the trainer does for gradient accumulation (other factors, such as tensor
 parallelism's 1/tp, compose with it), (2) the arithmetic is the single-process trainer's, and (3)
-gradients that exist before the step are not divided. Schedules: gpipe (all forwards, then all backwards), 1f1b, interleaved (Interleaved 1F1B,
-v >= 2 stages per rank placed loop-style: stage k on pipeline rank k % P).
+gradients that exist before the step are not divided.
+
+Schedules: gpipe (all forwards, then all backwards), 1f1b, interleaved (Interleaved 1F1B, v >= 2
+stages per rank placed loop-style: stage k on pipeline rank k % P).
 
 Stage modules give their input / output shapes statically (``io_meta``), so torch runs no
 shape-probing forward: such a forward would record expert load and run EP all-to-alls on garbage.
