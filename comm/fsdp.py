@@ -39,4 +39,7 @@ def apply_fsdp(model: nn.Module, topology, param_dtype: torch.dtype | None = Non
                     shard_placement_fn=lambda p: Shard(1))
     for block in _blocks(model):
         fully_shard(block, mesh=dense_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=dense_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    # the roots: the model, or under pipeline parallelism each stage module this rank runs (only their
+    # forwards run, so FSDP's root hooks must sit on them, not on the container holding every stage)
+    for root in getattr(model, "stages", (model,)):
+        fully_shard(root, mesh=dense_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)

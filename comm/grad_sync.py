@@ -99,9 +99,10 @@ def _shard_groups(t: Tensor) -> tuple:
     return tuple(mesh.get_group(i) for i, pl in enumerate(t.placements) if pl.is_shard() or isinstance(pl, _StridedShard))
 
 
-def global_grad_norm(params, device) -> Tensor:
+def global_grad_norm(params, device, pp_group=None) -> Tensor:
     """sqrt(sum of squares) of the whole gradient, whatever the sharding: local sums of squares are
-    grouped by the groups their shards span and all-reduced over each (replicas are counted once)."""
+    grouped by the groups their shards span and all-reduced over each (replicas are counted once);
+    ``pp_group``: pipeline stages hold different parameters, so their totals add up."""
     sums: dict[tuple, Tensor] = {}
     for p in params:
         if p.grad is not None:
@@ -113,13 +114,15 @@ def global_grad_norm(params, device) -> Tensor:
             if dist.get_world_size(group) > 1:
                 dist.all_reduce(sq, group=group)
         total = total + sq
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        dist.all_reduce(total, group=pp_group)
     return total.sqrt()
 
 
-def clip_gradients(params, max_norm: float, device) -> Tensor:
+def clip_gradients(params, max_norm: float, device, pp_group=None) -> Tensor:
     """Scale all gradients so their global norm is at most ``max_norm`` (torch's rule); returns the norm."""
     params = [p for p in params if p.grad is not None]
-    total = global_grad_norm(params, device)
+    total = global_grad_norm(params, device, pp_group)
     if max_norm > 0:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for p in params:

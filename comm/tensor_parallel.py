@@ -66,10 +66,15 @@ def apply_tensor_parallel(model: nn.Module, topology, sequence_parallel: bool = 
                 norm.grads_partial_over_tp = True
     for _, layer in moe_layers(model):
         split_moe_tokens(layer, group, rank, tp, sequence_parallel)
-    if sequence_parallel and blocks:
-        blocks[0].register_forward_pre_hook(lambda m, args: (_slice_sequence(args[0], rank, tp, group),) + args[1:])
-        blocks[-1].register_forward_hook(
-            lambda m, args, out: _GatherTokens.apply(out, rank, [out.shape[1]] * tp, group, 1))  # S % tp == 0
+    if not sequence_parallel:
+        return
+    for root in getattr(model, "stages", (model,)):  # each pipeline stage sends and receives whole sequences
+        stage_blocks = list(root.layers)
+        if stage_blocks:
+            stage_blocks[0].register_forward_pre_hook(
+                lambda m, args: (_slice_sequence(args[0], rank, tp, group),) + args[1:])
+            stage_blocks[-1].register_forward_hook(
+                lambda m, args, out: _GatherTokens.apply(out, rank, [out.shape[1]] * tp, group, 1))  # S % tp == 0
 
 
 def _block_plan(block: nn.Module, sequence_parallel: bool) -> dict:
@@ -107,7 +112,7 @@ def _all_gather_rows(x: Tensor, sizes: list[int], group, dim: int = 0) -> Tensor
     padded[: x.shape[0]] = x
     parts = [torch.empty_like(padded) for _ in sizes]
     dist.all_gather(parts, padded.contiguous(), group=group)
-    return torch.cat([p[:n] for p, n in zip(parts, sizes)]).movedim(0, dim)
+    return torch.cat([p[:n] for p, n in zip(parts, sizes)]).movedim(0, dim).contiguous()  # e.g. sent to a stage
 
 
 class _SliceTokens(torch.autograd.Function):

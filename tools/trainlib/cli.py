@@ -148,7 +148,47 @@ def check_world(cfg: TrainConfig, world: int | None = None) -> None:
             check_sequence_parallel(cfg.train.seq_len, L.tp)
     except LayoutError as exc:
         raise UserError(str(exc)) from None
+    if L.pp > 1:
+        check_pipeline(cfg)
     if L.hierarchical not in ("auto", "on", "off"):
         raise UserError(f"--layout.hierarchical {L.hierarchical!r}: use auto, on or off")
     if not 0 < L.timeout_s < 1e9:  # also nan and inf, which timedelta refuses with a traceback
         raise UserError(f"--layout.timeout_s {L.timeout_s}: must be a number of seconds in (0, 1e9)")
+
+
+def pipeline_microbatches(cfg: TrainConfig) -> int:
+    """Micro-batches per optimizer step through the pipeline (M): layout.pp_microbatches, else the
+    accumulation count that train.micro_batch_size implies, else 2 * pp (fewer bubbles than pp)."""
+    L, t = cfg.layout, cfg.train
+    per_rank = t.batch_size // (L.dp * L.fsdp)
+    if L.pp_microbatches:
+        return L.pp_microbatches
+    if t.micro_batch_size:
+        return max(per_rank // t.micro_batch_size, 1)
+    return 2 * L.pp
+
+
+def check_pipeline(cfg: TrainConfig) -> None:
+    """Schedule, stage count and micro-batching of a pipelined run, before any process group exists."""
+    from comm.pipeline import check_schedule
+    from models.pipeline import check_pipeline_model
+
+    L, t = cfg.layout, cfg.train
+    M = pipeline_microbatches(cfg)
+    per_rank = t.batch_size // (L.dp * L.fsdp)
+    try:
+        check_schedule(L.pp_schedule, L.pp, L.pp_stages_per_rank, M)
+        check_pipeline_model(cfg.model, L.pp * L.pp_stages_per_rank)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    if per_rank % M:
+        raise UserError(f"--pp {L.pp}: each data-parallel rank's {per_rank} sequences do not split into {M} equal "
+                        f"micro-batches; set --layout.pp_microbatches (or --train.micro_batch_size) to a divisor of "
+                        f"{per_rank}, or change --batch-size")
+    if t.micro_batch_size and t.micro_batch_size * M != per_rank:
+        raise UserError(f"--train.micro_batch_size {t.micro_batch_size} x --layout.pp_microbatches {M} != {per_rank} "
+                        f"sequences per data-parallel rank; set one of them (the other follows)")
+    if t.export_hf:
+        raise UserError(f"--export-hf with --pp {L.pp}: each rank holds only its stages. Save a checkpoint, then "
+                        f"export it without pipeline parallelism: tools/train.py --resume CHECKPOINT --steps "
+                        f"{t.steps} --export-hf {t.export_hf} (one process, or --ep / --fsdp ranks)")

@@ -90,7 +90,8 @@ class Dist:
             if max_norm > 0:
                 return torch.nn.utils.clip_grad_norm_(params, max_norm)
             return torch.nn.utils.get_total_norm(grads)
-        return clip_gradients(params, max_norm, self.device)
+        pp = self.topology.group("pp") if self.topology.layout.pp > 1 else None
+        return clip_gradients(params, max_norm, self.device, pp)
 
     def reduce_load(self, load: dict) -> dict:
         """Sum every layer's expert counts over the stage's ranks (data ranks x TP token slices): the record

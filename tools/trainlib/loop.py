@@ -28,7 +28,7 @@ from models.stats import model_stats
 from models.transformer import Transformer, router_options
 from moe import collect_load, moe_layers, update_expert_biases
 from trainlib import UserError, checkpoint, faults, records
-from trainlib.cli import Options, parse_args
+from trainlib.cli import Options, parse_args, pipeline_microbatches
 from trainlib.config import TrainConfig, to_toml
 from trainlib.distributed import Dist
 from trainlib.guard import Guard, NonFinite, set_deterministic
@@ -92,6 +92,8 @@ def make_plan(cfg: TrainConfig) -> Plan:
     D = cfg.layout.dp * cfg.layout.fsdp  # data-parallel ranks, each reading its share of the batch
     per_rank = t.batch_size // D
     micro = t.micro_batch_size or per_rank
+    if cfg.layout.pp > 1:  # the pipeline's micro-batches are the accumulation (cli.check_pipeline checked them)
+        micro = per_rank // pipeline_microbatches(cfg)
     if t.batch_size % D or per_rank % micro:
         raise UserError(f"--batch-size {t.batch_size} must split into {D} data-parallel shares of whole "
                         f"micro-batches of {micro} (--train.micro_batch_size)")
@@ -159,7 +161,16 @@ class Run:
             self.load_hf(cfg.train.init_from_hf)
         if cfg.train.export_hf:  # refuse before training, not after
             self.check_exportable()
-        # the full model is built and initialised first, then each rank keeps its share (layout-free init)
+        # the full model is built and initialised first, then each rank keeps its share (layout-free init):
+        # its pipeline stages first, then the recipe (TP, EP, AC, compile, FSDP) on them
+        fsdp_dtype = plan.autocast_dtype if plan.device.type == "cuda" else None  # bf16 params, fp32 reduction
+        self.pipe = None
+        if cfg.layout.pp > 1:
+            from models.pipeline import build_pipeline
+
+            self.pipe = build_pipeline(self.model, self.dist.topology, cfg.layout.pp_schedule,
+                                       cfg.layout.pp_stages_per_rank, cfg.train.seq_len, activation_dtype=fsdp_dtype)
+            self.model = self.pipe.model  # this rank's stages, single-process parameter names
         fsdp_dtype = plan.autocast_dtype if plan.device.type == "cuda" else None  # bf16 params, fp32 reduction
         self.dist.parallelize(self.model, {"auto": None, "on": True, "off": False}[cfg.layout.hierarchical],
                               activation_checkpointing=cfg.train.activation_checkpointing,
@@ -197,6 +208,8 @@ class Run:
             raise UserError(f"--export-hf: {exc}") from None
 
     def open_records(self) -> None:
+        # every MoE layer's name for the load record's header: under pp, rank 0 holds only its stages
+        layers = self.gathered_load(reset=False) if self.pipe is not None else None
         if not self.dist.is_main:  # rank 0 writes the records; the others only compute
             self.metrics = self.load_log = self.monitor = None
             return
@@ -216,7 +229,7 @@ class Run:
         new_load = not (d / records.EXPERT_LOAD).exists()
         self.load_log = records.JsonlWriter(d / records.EXPERT_LOAD)
         if new_load:
-            layers = collect_load(self.model, reset=False)
+            layers = layers or collect_load(self.model, reset=False)
             self.load_log.write(records.load_header(layers, self.cfg.model.router, self.cfg.model.top_k))
         self.monitor = Monitor(str(d), self.plan.device, self.cfg.train.steps, self.start_step,
                                self.cfg.log.every, self.cfg.log.tensorboard, self.cfg.log.progress)
@@ -256,8 +269,32 @@ class Run:
         x, y = gather(self.split.tokens, starts, self.cfg.train.seq_len)
         x, y = x.to(self.plan.device), y.to(self.plan.device)  # [b, S] each
         with self.autocast():
+            if self.pipe is not None:  # forward only (evaluation); the loss arrives on every pipeline rank
+                return self.pipe.evaluate(x, y, 1)
             logits = self.model(x)  # [b, S, V]
         return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+
+    def forward_backward(self, batch: np.ndarray) -> torch.Tensor:
+        """This rank's share of one step: the summed loss of its micro-batches; gradients accumulated."""
+        plan = self.plan
+        if self.pipe is not None:  # the schedule runs every micro-batch's forward and backward
+            x, y = gather(self.split.tokens, batch, self.cfg.train.seq_len)
+            with self.autocast():
+                loss = self.pipe.step(x.to(plan.device), y.to(plan.device), plan.accum)
+            return loss.detach() * plan.accum
+        loss_sum = torch.zeros((), device=plan.device)
+        for m in range(plan.accum):
+            loss = self.forward_loss(batch[m * plan.micro_batch : (m + 1) * plan.micro_batch])
+            (loss / plan.accum).backward()
+            loss_sum += loss.detach()
+        return loss_sum
+
+    def gathered_load(self, reset: bool) -> dict:
+        """Expert load of every MoE layer (all pipeline stages), summed over the stage's ranks (collective)."""
+        load = collect_load(self.model, reset=reset)
+        if self.pipe is not None:
+            load = self.pipe.gather_load(load)
+        return self.dist.reduce_load(load)
 
     def train(self) -> int:
         self.build()
@@ -287,11 +324,7 @@ class Run:
             self.guard.begin_step(step)
             batch = self.sampler.next(cfg.train.batch_size)  # [batch_size] window starts of the global batch
             batch = self.dist.share(batch, plan.per_rank)  # this rank's contiguous share
-            loss_sum = torch.zeros((), device=plan.device)
-            for m in range(plan.accum):
-                loss = self.forward_loss(batch[m * plan.micro_batch : (m + 1) * plan.micro_batch])
-                (loss / plan.accum).backward()
-                loss_sum += loss.detach()
+            loss_sum = self.forward_backward(batch)
             self.dist.sync_grads(self.model)  # the global-batch gradient on every rank
             loss_value = self.dist.mean(loss_sum / plan.accum).item()  # D2H sync: finiteness check, records
             grad_norm = self.dist.clip_grad_norm(params, cfg.train.grad_clip).item()  # D2H sync: before the update
@@ -306,7 +339,7 @@ class Run:
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
             update_expert_biases(self.model)
-            load = self.dist.reduce_load(collect_load(self.model, reset=True))  # D2H sync: per MoE layer
+            load = self.gathered_load(reset=True)  # D2H sync: per MoE layer
             dt = time.perf_counter() - t0
             tokens_seen += plan.tokens_per_step
             m = self.step_metrics(step, loss_value, grad_norm, lr, load, dt, tokens_seen, time.perf_counter() - t_start)
