@@ -88,6 +88,47 @@ def test_tp_fsdp_ep_run_matches_and_resumes_at_another_layout(tmp_path, single):
     assert losses(resumed) == pytest.approx(single[2:], rel=1e-5, abs=1e-6)
 
 
+MICRO = ["--train.micro_batch_size", "2"]  # 4 micro-batches in one process = 2 per data rank at D = 2
+
+
+@pytest.fixture(scope="module")
+def single_micro(tmp_path_factory):
+    """One process, 4 micro-batches of 2, aux loss on / off (the reference for pipelines)."""
+    out = {}
+    for aux in ("0.01", "0"):
+        d = tmp_path_factory.mktemp(f"single-micro-{aux}")
+        r = run(["--steps", "4", "--run-dir", str(d), "--checkpoint.every", "0", "--model.aux_loss_coeff", aux,
+                 *MICRO, *TINY])
+        assert r.returncode == 0, r.stderr
+        out[aux] = losses(d)
+    return out
+
+
+@pytest.mark.parametrize("nproc,extra,aux", [
+    (2, ["--pp", "2", "--layout.pp_schedule", "gpipe"], "0.01"),
+    (8, ["--pp", "2", "--tp", "2", "--ep", "2", "--layout.sequence_parallel", "true"], "0"),
+], ids=["pp2-gpipe", "pp2-tp2-ep2-sp-8ranks"])
+def test_pipeline_runs_match_one_process(tmp_path, single_micro, nproc, extra, aux):
+    """pp2: the same 4 micro-batches through 2 stages, aux loss included. 8 ranks pp2 x dp2 x tp2, ep2 and
+    sequence parallel: each data rank's micro-batch m is half of the one-process micro-batch pair (2m, 2m+1),
+    so the load-balance statistics differ by construction (global-batch balancing is per micro-batch);
+    the aux loss is off there and the curve must match exactly."""
+    r = run(["--steps", "4", "--run-dir", str(tmp_path), "--checkpoint.every", "2", "--model.aux_loss_coeff", aux,
+             *MICRO, *TINY, *extra], nproc=nproc)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "pipeline: " in r.stdout and "2 stages (layers 0-0 | 1-1)" in r.stdout
+    assert losses(tmp_path) == pytest.approx(single_micro[aux], rel=1e-5, abs=1e-6)
+    load = [json.loads(x) for x in (tmp_path / "expert_load.jsonl").read_text().splitlines()]
+    assert len(load[0]["layers"]) == 2  # both stages' MoE layers in rank 0's record
+    assert all(sum(map(sum, rec["tokens"])) == 8 * 32 * 2 * 2 for rec in load[1:])  # B*S*k per layer, summed
+    if nproc == 2:  # the pp2 checkpoint (each stage wrote its layers) resumes in one process: pp changes 2 -> 1
+        resumed = tmp_path / "resumed"
+        r2 = run(["--resume", str(tmp_path / "checkpoints" / "step_000002"), "--steps", "4", "--run-dir", str(resumed),
+                  "--checkpoint.every", "0", "--model.aux_loss_coeff", aux, *MICRO, *TINY])
+        assert r2.returncode == 0, r2.stderr[-3000:]
+        assert losses(resumed) == pytest.approx(single_micro[aux][2:], rel=1e-5, abs=1e-6)
+
+
 def test_export_hf_from_expert_parallel_run(tmp_path):
     """--export-hf under ep=2 gathers the expert shards; transformers loads the folder with moekit's logits."""
     transformers = pytest.importorskip("transformers")
