@@ -197,3 +197,30 @@ def test_bf16_autocast_training_step():
     y.float().square().mean().backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in params(layer))
     assert F.mse_loss(y.float(), layer(x).detach()) < 1e-3
+
+
+def test_autocast_dispatches_rows_in_the_compute_dtype():
+    """Under bf16 autocast the rows are cast before dispatch (half the bytes through an EP all-to-all); the
+    output equals casting after dispatch (the permutation is exact), and the router still sees fp32."""
+    layer, x = layer_and_input(E=4, k=2)
+    seen = {}
+    dispatch, route = layer.dispatcher.dispatch, layer.router.forward
+
+    def spy_dispatch(rows, routing):
+        seen["rows"] = rows.dtype
+        return dispatch(rows, routing)
+
+    def spy_route(inp, *args, **kwargs):
+        seen["router"] = inp.dtype
+        return route(inp, *args, **kwargs)
+
+    layer.dispatcher.dispatch, layer.router.forward = spy_dispatch, spy_route
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x.detach())
+    assert seen == {"rows": torch.bfloat16, "router": torch.float32}
+    layer.dispatcher.dispatch, layer.router.forward = dispatch, route  # the old order: fp32 rows, cast in experts
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        flat = x.detach().reshape(-1, x.shape[-1])
+        d = layer.dispatcher.dispatch(flat, layer.router(flat))
+        ref = layer.dispatcher.combine(layer.experts(d.rows, d.counts), d.meta)
+    torch.testing.assert_close(y.reshape(ref.shape), ref.to(y.dtype), rtol=0, atol=0)
