@@ -372,8 +372,8 @@ def all_to_all(cfg: ModelConfig, layout: Layout, wl: Workload, stage: Stage | No
                ranks_per_node: int | None = None, hierarchical: bool | None = None) -> A2A:
     """Expected all-to-all bytes one rank sends per optimizer step, by link class.
 
-    Dispatch sends the norm output's rows in the residual dtype (fp32 under autocast: the experts cast
-    after the exchange); combine sends expert outputs in the compute dtype; backward sends each exchange's
+    Dispatch and combine send rows in the compute dtype (under autocast the MoE layer casts before it
+    dispatches: moe.layer); backward sends each exchange's
     gradient back in the same dtype; activation checkpointing repeats the forward exchanges. Capacity drops
     are ignored (an upper bound), and so are the two-level dispatcher's small id / weight side rows.
     """
@@ -393,7 +393,7 @@ def all_to_all(cfg: ModelConfig, layout: Layout, wl: Workload, stage: Stage | No
     node_rows = t.inter_rows + own_node if hier else 0.0
     s = _shapes(cfg, layout, wl)
     tokens = s.Tm * wl.microbatches * sum(cfg.is_moe_layer(i) for i in stage.layers)
-    row = cfg.hidden_size * (s.r + s.a)  # one dispatch row + one combine row
+    row = cfg.hidden_size * 2 * s.a  # one dispatch row + one combine row, both in the compute dtype
     forwards = 1 + (wl.activation_checkpointing != "none")
     fwd = {"inter": tokens * t.inter_rows * row * forwards, "intra": tokens * t.intra_rows * row * forwards}
     step = {"inter": fwd["inter"] + tokens * t.inter_rows * row, "intra": fwd["intra"] + tokens * t.intra_rows * row}

@@ -168,7 +168,7 @@ def test_dry_run_512_ranks_mixtral(capsys):
     assert "on 512 ranks" in out and "64 node(s) x 8 ranks" in out
     assert "the estimate agrees" in out  # the recipe's real shards are the estimate's
     assert "does NOT fit" in out  # 7.2B fp32 parameters per rank + AdamW: 108 GiB before activations
-    assert "intra-node 10.50 GiB" in out  # 32 layers x 4096 tokens x 1.75 rows x 4096 x (4 + 2) bytes x 2
+    assert "intra-node 7.00 GiB" in out  # 32 layers x 4096 tokens x 1.75 rows x 4096 x (2 + 2) bytes x 2
     print(out)
 
 
