@@ -30,13 +30,18 @@ Why the MoE forward stays eager:
 
 Order with activation checkpointing: call ``apply_compile`` BEFORE
 ``models.parallelize.apply_activation_checkpointing``, so the checkpoint wraps the compiled forward and
-the recompute in backward replays the same compiled graphs. The other way round, dynamo meets
-``checkpoint`` outside and can only trace it as a whole; the MoE's graph break makes it give up and
-the block runs eagerly (no error, just no speed-up). ``apply_compile`` therefore refuses a block whose
-forward was already wrapped. Expert parallelism goes first (its dispatchers and count reducer are read
-here); FSDP after (its hooks stay outside the compiled forward).
+the recompute in backward replays the same compiled graphs. Compiling a block whose forward is already
+a checkpoint would put ``checkpoint`` inside the traced region, which dynamo can only trace whole; the
+MoE's graph break makes it give up and the block silently runs eagerly. So when ``apply_compile`` finds
+a block's forward already wrapped, it compiles the block's parts one by one underneath the wrapper
+(attention, norms, dense FFN; the MoE as above) and warns: correct, but the residual adds run eagerly
+and the norms are not fused with their neighbours. Checkpointing only the FFN ("ffn") composes in either
+order. Expert and tensor parallelism go first (their dispatchers, count reducer and token split are
+kept eager here); FSDP after (its hooks stay outside the compiled forward).
 """
 from __future__ import annotations
+
+import warnings
 
 import torch
 from torch import nn
@@ -65,27 +70,24 @@ def apply_compile(model: nn.Module, **options) -> None:
     else:
         raise ValueError(f"apply_compile needs a model whose `layers` hold the blocks (ModuleList or ModuleDict), "
                          f"got {type(model).__name__}.layers = {type(layers).__name__}")
+    wrapped = []
     for key, block in named:
         if getattr(block, _COMPILED, False):
             continue
-        _check_not_wrapped(block, f"layers.{key}")
         for _, moe in moe_layers(block):
             _keep_moe_eager(moe, options)
-        _compile_forward(block, options)
-
-
-def _check_not_wrapped(block: nn.Module, name: str) -> None:
-    """Refuse a block whose forward something already replaced (whole-block activation checkpointing).
-
-    A wrapped FFN (checkpointing mode "ffn") is fine: the MoE forward runs eagerly anyway, and a dense
-    FFN is fully traceable, so dynamo compiles its checkpoint in-graph.
-    """
-    if "forward" in vars(block):
-        raise ValueError(
-            f"{name}.forward is already wrapped (activation checkpointing?): call models.compile.apply_compile "
-            f"before apply_activation_checkpointing, so the checkpoint wraps the compiled block and its "
-            f"recompute replays the compiled graphs"
-        )
+        if "forward" in vars(block):  # replaced on the instance: whole-block activation checkpointing
+            wrapped.append(f"layers.{key}")
+            for child in block.children():
+                if not getattr(child, _COMPILED, False):
+                    _compile_forward(child, options)
+            setattr(block, _COMPILED, True)
+        else:
+            _compile_forward(block, options)
+    if wrapped:
+        warnings.warn(f"{len(wrapped)} blocks ({wrapped[0]}, ...) already had their forward wrapped (activation "
+                      f"checkpointing?), so their parts were compiled one by one; call apply_compile before "
+                      f"apply_activation_checkpointing for one graph per block", stacklevel=2)
 
 
 def _keep_moe_eager(moe: nn.Module, options: dict) -> None:
