@@ -4,13 +4,17 @@
                               MoE layers split their tokens over the TP ranks (comm.tensor_parallel)
     2. expert parallel        experts -> DTensor shards over the EP group, EP dispatchers, global-batch
                               balancing over the stage's ranks (comm.expert_parallel)
-    3. activation checkpoint  whole blocks or only their FFN / MoE part (below)
-    4. torch.compile          each block (models.compile)
+    3. torch.compile          each block (models.compile); the MoE layer's data-dependent middle stays eager
+    4. activation checkpoint  whole blocks or only their FFN / MoE part (below)
     5. FSDP                   fully_shard experts (over the ranks holding the same experts), then each
                               block, then the root (comm.fsdp)
 
 The order matters: TP before FSDP so FSDP shards the TP-local weights (2-D DTensors); EP before FSDP for
-the same reason on the experts; AC and compile wrap the block's forward before FSDP's hooks go around it.
+the same reason on the experts; TP and EP before compile (their dispatchers and count reducers are read
+at trace time); compile before activation checkpointing (torchtitan does the reverse): the checkpoint then
+wraps the compiled block and its recompute replays the same graphs, while a checkpoint inside a traced
+region meets the MoE graph break and dynamo silently runs the whole block eagerly; both wrap the block's
+forward before FSDP's hooks go around it.
 Pipeline parallelism splits the model into stages before this recipe runs on each stage (models.pipeline).
 The model code itself never changes: every step swaps a strategy object or a parameter (DESIGN.md).
 Weights are initialised in full from the seed before this runs, so every layout starts from the
@@ -56,13 +60,13 @@ def parallelize(model: nn.Module, topology: Topology | None, *, hierarchical: bo
         if hierarchical is None:
             hierarchical = len({topology.node_of(r) for r in topology.members("ep")}) > 1
         traffic = apply_expert_parallel(model, topology, hierarchical=hierarchical)
-    # 3. activation checkpointing
-    apply_activation_checkpointing(model, activation_checkpointing)
-    # 4. torch.compile per block
+    # 3. torch.compile per block
     if compile:
         from models.compile import apply_compile
 
         apply_compile(model)
+    # 4. activation checkpointing (around the compiled forwards)
+    apply_activation_checkpointing(model, activation_checkpointing)
     # 5. FSDP
     if topology is not None and topology.layout.fsdp > 1:
         from comm.fsdp import apply_fsdp
