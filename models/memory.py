@@ -10,24 +10,18 @@ Every term counts what moekit's code keeps, read off the modules and checked aga
     parameters   fp32 master weights: the rank's shard of every tensor (TP, EP, FSDP below)
     gradients    fp32, same shards
     optimizer    AdamW: exp_avg + exp_avg_sq (fp32, same shards) + one fp32 step scalar per tensor
-    activations  what autograd holds from forward to backward, per micro-batch and block:
-      residual   block input and the post-attention sum h                           2 T H r
-      norms      rsqrt [T], and x * rsqrt [T, H] (CPU's composite RMSNorm; CUDA's fused kernel keeps x only)
-      attention  the norm output the projections read (autocast: one bf16 copy per projection), q and k
-                 after RoPE, v, SDPA output and fp32 logsumexp; on CPU a copy of the output for wo
-      router     fp32 logits (the z-loss logsumexp keeps them) and scores [T, E]; ids, weights [T, k]
-      dispatch   int64 slot <-> row maps; under EP the reorder permutation and its inverse
-      experts    input rows [R, H], [gate | up] [R, 2F] and SwiGLU output [R, F], outputs [R, H] (combine)
-      dense FFN  / shared expert (DenseMLP): gate, up, silu(gate), product: 4 T F (GELU 2 T F, ReLU T F)
-      head       final norm, the lm_head input, fp32 log-softmax [T, V]; token ids
+    activations  what autograd holds from forward to backward, per micro-batch and block, term by term in
+                 models.memory_activations (residual, norms, attention, router, dispatch, experts, dense
+                 FFN, head; activation checkpointing, sequence parallelism)
       weight casts  autocast without FSDP: a bf16 copy of every matmul weight lives until backward
-    Activation checkpointing: "full" keeps each block's input only; "ffn" keeps the FFN / MoE input and
-    drops its internals. Transient (at the peak only): what backward recomputes (one block / one FFN),
-    FSDP's unsharded copies, and the logits [T, V] with their gradient on the last pipeline stage.
+    Transient (at the peak only): what backward recomputes (one block / one FFN), FSDP's unsharded copies,
+    and the logits [T, V] with their gradient on the last pipeline stage.
 
 The parallel recipe (models/parallelize.py, comm/tensor_parallel.py, comm/fsdp.py, models/pipeline.py):
     TP shards attention heads and the dense FFN width; embedding, norms, lm_head and the whole MoE layer
-    are replicated, and the MoE layer routes a 1/tp slice of the tokens on each TP rank.
+    are replicated, and the MoE layer routes a 1/tp slice of the tokens on each TP rank. Sequence
+    parallelism (``Workload.sequence_parallel``) also keeps the residual stream and norms on 1/tp of the
+    sequence; parameters are unchanged.
     EP shards the experts' dim 0. FSDP shards dense tensors' dim 0 over fsdp, and experts' dim 1 over the
     D / ep ranks holding the same experts; it computes in bf16 parameters (so the residual stream is bf16
     too) and keeps two blocks unsharded at a time (transient).
@@ -42,16 +36,10 @@ from dataclasses import dataclass, field
 from comm import cost_model
 from comm.topology import Layout, Topology
 from models.config import ModelConfig
+from models.memory_activations import DTYPE_BYTES, FP32, in_flight, shapes, stage_activations
 
-FP32, INT64 = 4, 8
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 AC_MODES = ("none", "full", "ffn")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
-# Saved hidden state per row, in units of the FFN width. GroupedExperts' fused SwiGLU keeps [gate | up]
-# and its output (3); DenseMLP keeps gate, up, silu(gate) and the product (4); GELU its input and output;
-# ReLU only its output.
-EXPERT_HIDDEN = {"swiglu": 3, "gelu": 2, "relu": 1}
-DENSE_HIDDEN = {"swiglu": 4, "gelu": 2, "relu": 1}
 
 
 @dataclass(frozen=True)
@@ -64,6 +52,7 @@ class Workload:
     microbatches: int = 1  # forward + backward passes per optimizer step on one rank
     pp_schedule: str = "1f1b"
     pp_stages_per_rank: int = 1
+    sequence_parallel: bool = False  # with tp > 1: residual, norms and MoE layers on 1/tp of the sequence
 
     def __post_init__(self):
         for name, value, allowed in (("dtype", self.dtype, tuple(DTYPE_BYTES)), ("pp_schedule", self.pp_schedule, SCHEDULES),
@@ -182,131 +171,6 @@ def param_tensors(cfg: ModelConfig, layout: Layout, stage: Stage) -> list[tuple[
     return [(part, _local_numel(part, shape, tp_dim, layout)) for part, shape, tp_dim in _stage_tensors(cfg, stage)]
 
 
-# ---------------------------------------------------------------------------------------------------
-# Activations of one micro-batch
-# ---------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Shapes:
-    T: int  # tokens of the micro-batch (attention, projections, residual stream)
-    Tm: int  # tokens the MoE layer routes on this rank (the TP ranks split them)
-    R: int  # expert rows this rank computes and combines
-    a: int  # bytes of the compute dtype
-    r: int  # bytes of the residual stream: fp32, or bf16 when FSDP computes in bf16 parameters
-    casts: bool  # autocast over fp32 weights: each projection keeps its own bf16 copy of its input
-    cpu: bool
-
-
-def _shapes(cfg: ModelConfig, layout: Layout, wl: Workload) -> _Shapes:
-    Tm = math.ceil(wl.tokens / layout.tp)
-    k = min(cfg.top_k, cfg.num_experts)
-    R = Tm * k
-    if cfg.capacity_factor is not None and cfg.num_experts:  # capacity bounds the rows (moe.dispatch)
-        R = min(R, cfg.num_experts * min(Tm, math.ceil(Tm * k / cfg.num_experts * cfg.capacity_factor)))
-    a = DTYPE_BYTES[wl.dtype]
-    bf16_params = a == 2 and layout.fsdp > 1 and wl.device == "cuda"  # the trainer's FSDP param_dtype
-    return _Shapes(wl.tokens, Tm, R, a, a if bf16_params else FP32, a == 2 and not bf16_params, wl.device == "cpu")
-
-
-def _attention(cfg: ModelConfig, layout: Layout, s: _Shapes) -> int:
-    H, D = cfg.hidden_size, cfg.attn_head_dim
-    N, K = cfg.num_heads // layout.tp, cfg.num_kv_heads // layout.tp
-    inputs = 3 * s.T * H * s.a if s.casts else s.T * H * s.r
-    kept = s.T * (2 * N + 2 * K) * D * s.a + s.T * N * FP32  # q, k (after RoPE), v, output; logsumexp
-    copy = s.T * N * D * s.a if s.cpu else 0  # CPU SDPA returns [B, N, S, D]: the reshape for wo copies
-    return inputs + kept + copy
-
-
-def _router(cfg: ModelConfig, s: _Shapes) -> int:
-    E, k, T, H = cfg.num_experts, cfg.top_k, s.Tm, cfg.hidden_size
-    opts = cfg.router_options
-    b = 2 * T * E * FP32 + T * FP32 + T * k * (INT64 + FP32)  # logits, scores, logsumexp; ids, gathered scores
-    sigmoid = opts.get("score", "softmax") == "sigmoid"
-    if (cfg.router == "topk" and opts.get("normalize", k > 1)) or sigmoid:  # weights / their clamped sum
-        b += 2 * T * FP32 + T * k * FP32
-    elif opts.get("scaling", 1.0) != 1.0:
-        b += T * k * FP32
-    b += T * FP32 if sigmoid else 0  # the balance distribution divides by the scores' sum
-    if cfg.router == "switch" and opts.get("jitter", 0.01) > 0:  # the noise and the jittered input
-        b += 2 * T * H * FP32
-    if s.r != FP32:  # bf16 residual: the router's fp32 copy of its input
-        b += T * H * FP32
-    return b
-
-
-def _moe(cfg: ModelConfig, layout: Layout, s: _Shapes, node_rows: float) -> dict[str, int]:
-    """The MoE FFN's internals (its input is counted by the caller)."""
-    H, k, F = cfg.hidden_size, cfg.top_k, cfg.moe_ffn_hidden_size
-    dispatch = s.Tm * k * INT64 + s.R * INT64 + (2 * s.R * INT64 if layout.ep > 1 else 0)
-    dispatch += int(node_rows * s.Tm) * (H * s.a + INT64)  # two-level: one partial sum back per (token, node)
-    experts = s.R * H * (s.a if s.casts else s.r) + s.R * F * EXPERT_HIDDEN[cfg.activation] * s.a + s.R * H * s.a
-    out = {"router": _router(cfg, s), "dispatch": dispatch, "experts": experts}
-    if cfg.shared_ffn_hidden_size:
-        shared = s.Tm * cfg.shared_ffn_hidden_size * DENSE_HIDDEN[cfg.activation] * s.a
-        shared += s.Tm * H * s.a * (s.casts + cfg.shared_expert_gate) + 2 * s.Tm * FP32 * cfg.shared_expert_gate
-        out["shared_expert"] = shared
-    return out
-
-
-def _block(cfg: ModelConfig, layout: Layout, s: _Shapes, i: int, node_rows: float) -> tuple[dict, dict]:
-    """Block i's activations: (kept outside the FFN, the FFN's internals)."""
-    H = cfg.hidden_size
-    norms = 2 * s.T * FP32 + (2 * s.T * H * s.r if s.cpu else 0)  # rsqrt; x * rsqrt on CPU
-    outer = {"residual": 2 * s.T * H * s.r, "norms": norms, "attention": _attention(cfg, layout, s)}
-    if cfg.is_moe_layer(i):
-        outer["ffn_input"] = s.T * H * s.r  # kept by the router (whose own input cast is in _router)
-        return outer, _moe(cfg, layout, s, node_rows)
-    outer["ffn_input"] = s.T * H * (s.a if s.casts else s.r)
-    F = cfg.ffn_hidden_size // layout.tp
-    return outer, {"dense_ffn": s.T * F * DENSE_HIDDEN[cfg.activation] * s.a}
-
-
-def _add(total: dict[str, int], part: dict[str, int]) -> None:
-    for key, v in part.items():
-        total[key] = total.get(key, 0) + v
-
-
-def stage_activations(cfg: ModelConfig, layout: Layout, wl: Workload, stage: Stage,
-                      node_rows: float = 0.0) -> tuple[dict[str, int], int]:
-    """One micro-batch's activations on a rank of ``stage`` by part, and the recompute transient."""
-    s, H, mode = _shapes(cfg, layout, wl), cfg.hidden_size, wl.activation_checkpointing
-    out, recompute = {"rope": wl.seq_len * cfg.attn_head_dim * FP32}, 0  # cos, sin [S, D/2], shared
-    for i in stage.layers:
-        outer, ffn = _block(cfg, layout, s, i, node_rows)
-        inner = sum(ffn.values())
-        if mode == "full":  # only the block input stays; backward recomputes the whole block
-            _add(out, {"residual": s.T * H * s.r})
-            recompute = max(recompute, sum(outer.values()) - s.T * H * s.r + inner)
-            continue
-        if mode == "ffn":  # the checkpoint keeps the FFN's input (the norm output) and recomputes the rest
-            outer["ffn_input"] = s.T * H * s.r
-            recompute = max(recompute, inner)
-        else:
-            _add(out, ffn)
-        _add(out, outer)
-    if stage.first:
-        out["embedding"] = s.T * INT64  # token ids
-    if stage.last:  # last block's output, final norm, lm_head input, fp32 log-softmax
-        norm = s.T * FP32 + (s.T * H * s.r if s.cpu else 0)
-        out["head"] = s.T * H * s.r + norm + s.T * H * (s.a if s.casts else s.r) + s.T * cfg.vocab_size * FP32
-    else:  # the stage output waits for its gradient
-        _add(out, {"residual": s.T * H * s.r})
-    return out, recompute
-
-
-def in_flight(layout: Layout, wl: Workload, stage: int) -> float:
-    """Micro-batches whose activations a pipeline rank holds at once (in units of all its layers)."""
-    pp, m, v = layout.pp, wl.microbatches, wl.pp_stages_per_rank
-    if pp == 1:
-        return 1.0
-    if wl.pp_schedule == "gpipe":
-        return float(m)
-    if wl.pp_schedule == "1f1b" or v == 1:
-        return float(min(pp - stage, m))
-    chunks = 2 * (pp - stage - 1) + (v - 1) * pp + 1  # Megatron's interleaved warm-up + 1, in model chunks
-    return min(chunks, m * v) / v
-
 
 def _weight_copies(cfg: ModelConfig, layout: Layout, wl: Workload, stage: Stage) -> tuple[int, int]:
     """bf16 copies of matmul weights: (kept until backward: autocast's, transient: FSDP's unsharded)."""
@@ -391,7 +255,7 @@ def all_to_all(cfg: ModelConfig, layout: Layout, wl: Workload, stage: Stage | No
     t = (cost_model.hierarchical if hier else cost_model.flat)(N, G, E, k, limit)
     own_node = 1 - (math.comb(E - E // N, k) / math.comb(E, k) if E - E // N >= k else 0.0)
     node_rows = t.inter_rows + own_node if hier else 0.0
-    s = _shapes(cfg, layout, wl)
+    s = shapes(cfg, layout, wl)
     tokens = s.Tm * wl.microbatches * sum(cfg.is_moe_layer(i) for i in stage.layers)
     row = cfg.hidden_size * 2 * s.a  # one dispatch row + one combine row, both in the compute dtype
     forwards = 1 + (wl.activation_checkpointing != "none")

@@ -81,7 +81,7 @@ def make_plan(cfg: TrainConfig) -> Plan:
     device = "cpu" if t.device == "cpu" else "cuda"  # the dry run plans for the GPUs a real run gets
     dtype = {"float32": "float32", "bfloat16": "bfloat16", "auto": "bfloat16" if device == "cuda" else "float32"}
     wl = Workload(per_rank // M, t.seq_len, dtype[t.dtype], t.activation_checkpointing, device, M,
-                  L.pp_schedule, L.pp_stages_per_rank)
+                  L.pp_schedule, L.pp_stages_per_rank, L.sequence_parallel)
     per_node = L.ranks_per_node or math.gcd(world, 8)  # default: 8 GPUs per node
     return Plan(world, per_node, wl, {"auto": None, "on": True, "off": False}[L.hierarchical])
 
@@ -186,7 +186,7 @@ def build(cfg: TrainConfig, plan: Plan) -> Built:
     try:
         if L.pp > 1:
             model = _pipeline_stage(model, topo, cfg, built)
-        parallelize(model, topo, hierarchical=plan.hierarchical)
+        parallelize(model, topo, hierarchical=plan.hierarchical, sequence_parallel=L.sequence_parallel)
     except (LayoutError, ValueError, NotImplementedError) as exc:
         built.refused = " ".join(str(exc).split())
         return built
@@ -245,6 +245,13 @@ def _ranges(layers: tuple[int, ...]) -> str:
     return ", ".join(out) or "none"
 
 
+def _sequence_parallel(layout: Layout, wl: Workload) -> str:
+    """The header's SP clause: only where it means something (tp > 1) or was asked for in vain."""
+    if layout.tp > 1:
+        return f", sequence parallel {'on' if wl.sequence_parallel else 'off'}"
+    return ", sequence parallel: no effect at tp 1" if wl.sequence_parallel else ""
+
+
 def describe_stage(st: Stage) -> str:
     extra = (["embedding"] if st.first else []) + (["final norm + lm_head"] if st.last else [])
     return f"layers {_ranges(st.layers)}" + "".join(f" + {e}" for e in extra)
@@ -259,7 +266,7 @@ def report(cfg: TrainConfig, opts: Options, plan: Plan, built: Built, estimates:
              "  fake process group; " + ", ".join(f"{k} {v:.2f} s" for k, v in built.seconds.items()),
              f"  per rank: micro-batch {wl.micro_batch} x {wl.seq_len} tokens, {wl.microbatches} micro-batch(es) per "
              f"step, {wl.dtype}{' autocast' if wl.dtype != 'float32' else ''} on {wl.device}, activation "
-             f"checkpointing {wl.activation_checkpointing}"]
+             f"checkpointing {wl.activation_checkpointing}{_sequence_parallel(L, wl)}"]
     if built.refused:
         lines.append(f"  the recipe does not run this layout yet, so this is the estimate alone: {built.refused}")
     lines += _memory_table(built, estimates[0])
