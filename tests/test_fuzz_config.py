@@ -49,6 +49,7 @@ def _check(rc: int, err: str) -> None:
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ARGV)
 @example([["--seed", "99999999999999999999999"]])  # found by this test: torch.manual_seed overflowed
+@example([["--model.vocab_size", "99999999999999999999999"]])  # found by this test: int64 sizes overflowed
 def test_print_config_is_a_config_or_one_error_line(capsys, monkeypatch, pairs):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     argv = [x for pair in pairs for x in pair]

@@ -320,6 +320,10 @@ def validate_model(cfg: TrainConfig) -> None:
     from models.transformer import Transformer
 
     m = cfg.model
+    for f in dataclasses.fields(m):  # torch takes sizes as int64: refuse absurd ones before building anything
+        v = getattr(m, f.name)
+        if isinstance(v, int) and not isinstance(v, bool) and abs(v) > 2**40:
+            raise UserError(f"--model.{f.name}={v} is too large (limit 2**40); use a realistic size")
     if m.capacity_factor is not None and m.capacity_factor < 0:
         raise UserError(f"--capacity-factor={m.capacity_factor} is invalid; it must be > 0, or none for dropless")
     try:
