@@ -49,8 +49,8 @@ def apply_tensor_parallel(model: nn.Module, topology, sequence_parallel: bool = 
     sequence_parallel: between the TP regions (norms, residual adds, the MoE layer) each rank keeps only
     its 1/tp slice of the sequence, so those activations take 1/tp of the memory; attention and dense MLP
     inputs are all-gathered over the sequence and their outputs reduce-scattered back (instead of one
-    all-reduce: the same bytes). The sequence is split at the first block of ``model.layers`` and
-    gathered after the last, so a pipeline stage sends and receives whole sequences.
+    all-reduce: the same bytes). The sequence is split at the first block of each stage's layers and
+    gathered after its last, so a pipeline stage sends and receives whole sequences.
     """
     tp = topology.layout.tp
     if tp == 1:
@@ -144,7 +144,9 @@ class _GatherTokens(torch.autograd.Function):
 
 
 def _slice_sequence(x: Tensor, rank: int, parts: int, group) -> Tensor:
-    return _SliceTokens.apply(x, rank, parts, group, 1)  # [B, S, H] -> [B, S/tp, H]
+    # [B, S, H] -> [B, S/tp, H], copied: a view would keep the whole [B, S, H] alive as long as the
+    # first norm saves its input for backward
+    return _SliceTokens.apply(x, rank, parts, group, 1).clone()
 
 
 def split_moe_tokens(layer: nn.Module, group, rank: int, tp: int, sequence_parallel: bool = False) -> None:

@@ -19,9 +19,9 @@ its internals; the transient is what backward recomputes (one block / one FFN).
 Sequence parallelism (comm.tensor_parallel, tp > 1) keeps only the regions between the TP matmuls on 1/tp
 of the sequence: residual, norms and the whole MoE layer (its input already is the rank's slice, so Tm = Ts).
 Attention and the dense MLP all-gather their input over the sequence, and that gathered [T, H] is what
-their projections save, so those terms do not shrink. Stage boundaries stay whole: each model chunk's first
-block slices its input with a view (the whole [T, H] storage stays alive for backward), and the last block's
-output is all-gathered (the final norm / the next stage read all T).
+their projections save, so those terms do not shrink. Each model chunk's first block copies its slice of
+the input (a view would keep the whole [T, H] alive), and the last block's output is all-gathered (the
+final norm / the next stage read all T).
 """
 from __future__ import annotations
 
@@ -144,8 +144,6 @@ def stage_activations(cfg: ModelConfig, layout: Layout, wl: Workload, stage: Sta
         else:
             _add(out, ffn)
         _add(out, outer)
-    if s.Ts < s.T and stage.layers:  # SP: each model chunk's first block narrows its whole input (a view)
-        _add(out, {"residual": min(wl.pp_stages_per_rank, len(stage.layers)) * (s.T - s.Ts) * H * s.r})
     if stage.first:
         out["embedding"] = s.T * INT64  # token ids
     if stage.last:  # last block's output (all-gathered under SP), final norm, lm_head input, fp32 log-softmax
