@@ -171,6 +171,16 @@ PRESETS: dict[str, ModelConfig] = {
         num_kv_heads=4, head_dim=128, max_seq_len=32768, rope_theta=1e6, norm_eps=1e-6, ffn_hidden_size=6144,
         num_experts=128, moe_ffn_hidden_size=768, top_k=8, aux_loss_coeff=0.001, router_options={"normalize": True},
     ),
+    # 1.02B total / 0.34B active, Mixtral-style (8 experts top-2, F = 3H), sized to train on one 80 GB GPU
+    # (tools/bench/train_mfu.py). Shapes favour GPU efficiency: every width a multiple of 128, head dim
+    # 128, and wide experts, because the per-token glue (norms, RoPE, dispatch, combine) grows with H
+    # and k while the expert FLOPs grow with H*F*k: a wide F keeps the memory-bound work a small share.
+    # MHA (kv heads = heads) keeps every SDPA backend eligible; enable_gqa runs on flash attention only.
+    "mixtral-1b": ModelConfig(
+        name="mixtral-1b", vocab_size=32000, hidden_size=1024, num_layers=12, num_heads=8, num_kv_heads=8,
+        head_dim=128, max_seq_len=4096, rope_theta=1e6, ffn_hidden_size=3072, num_experts=8,
+        moe_ffn_hidden_size=3072, top_k=2, router_options={"normalize": True},
+    ),
 }
 
 

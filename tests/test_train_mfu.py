@@ -1,0 +1,104 @@
+"""The training-MFU benchmark: a CPU smoke run through the real trainer, its arithmetic, and the 1B preset."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "bench"))
+import train_mfu  # noqa: E402
+
+from models.config import preset  # noqa: E402
+from models.stats import model_stats  # noqa: E402
+
+RESULT_KEYS = {"config", "compile", "expert_backend", "status", "steps_timed", "tokens_per_step", "tokens_per_s",
+               "step_ms_median", "tflops", "mfu", "mfu_palm", "flops_per_token", "peak_tflops", "peak_mem_gib",
+               "warmup_s", "warmup_overhead_s", "trainer_mfu_median", "loss_first", "loss_last"}
+
+
+def test_smoke_run_reports_consistent_mfu(tmp_path):
+    out, runs = tmp_path / "r.json", tmp_path / "runs"
+    peak_tflops = 0.05  # CPU has no listed peak: give one so MFU is computed and can be checked
+    assert train_mfu.main(["--smoke", "--out", str(out), "--run-root", str(runs), "--peak-tflops",
+                           str(peak_tflops)]) == 0
+    data = json.loads(out.read_text())
+    assert data["benchmark"] == "train_mfu" and data["partial"] is False and data["target_mfu"] == 0.45
+    assert {"model", "workload", "environment", "peak_tflops"} <= set(data)
+    (row,) = data["results"]
+    assert RESULT_KEYS <= set(row) and row["status"] == "ok"
+    assert row["compile"] is False and row["expert_backend"] == "loop"  # auto on CPU
+    # the FLOPs per token are the trainer's: model_stats at the run's sequence length
+    w = data["workload"]
+    assert row["flops_per_token"] == model_stats(preset("mixtral-tiny"), w["seq_len"]).train_flops_per_token
+    assert row["steps_timed"] == w["steps"] - w["warmup"] and row["tokens_per_step"] == w["batch_size"] * w["seq_len"]
+    # MFU = tokens/s * FLOPs per token / peak; TFLOP/s the same without the peak
+    assert row["mfu"] == pytest.approx(row["tokens_per_s"] * row["flops_per_token"] / (peak_tflops * 1e12), rel=1e-9)
+    assert row["tflops"] == pytest.approx(row["mfu"] * peak_tflops, rel=1e-9)
+    assert row["mfu_palm"] > row["mfu"]  # PaLM's attention term has no causal halving
+    # throughput over the timed window includes the gaps between steps, so no faster than the fastest step
+    assert 1e3 * row["tokens_per_step"] / row["tokens_per_s"] >= 0.99 * row["step_ms_min"]
+    records = [json.loads(ln) for ln in (Path(row["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == w["steps"] and all(r["mfu"] is None for r in records)  # the trainer: no CPU peak
+
+
+def _records(step_s: list[float], tokens: int) -> list[dict]:
+    elapsed, out = 0.0, []
+    for i, dt in enumerate(step_s, 1):
+        elapsed += dt + 0.01  # 10 ms of records between steps: part of the timed window, not of a step
+        out.append({"step": i, "loss": 5.0 - i, "tokens_per_s": tokens / dt, "elapsed_s": elapsed, "mem_gb": 1.0 + i,
+                    "mfu": 0.4})
+    return out
+
+
+def test_summarize_leaves_out_warmup():
+    # two warm-up steps of 10 s and 3 s (compile, autotune), then steady 1 s steps
+    s = train_mfu.summarize(_records([10.0, 3.0, 1.0, 1.0, 1.0, 1.0], 1000), warmup=2, tokens_per_step=1000)
+    assert s["steps_timed"] == 4 and s["step_ms_median"] == pytest.approx(1000.0)
+    assert s["tokens_per_s"] == pytest.approx(4000 / 4.04)  # gaps count
+    assert s["warmup_s"] == pytest.approx(13.02) and s["warmup_overhead_s"] == pytest.approx(13.02 - 2 * 1.01)
+    assert s["peak_mem_gib"] == 7.0 and s["trainer_mfu_median"] == 0.4 and s["loss_last"] == -1.0
+    with pytest.raises(ValueError, match="need warmup"):
+        train_mfu.summarize(_records([1.0, 1.0], 1000), warmup=1, tokens_per_step=1000)
+    bad = _records([1.0, 1.0, 1.0, 1.0], 1000) + [{"step": 5, "skipped": True}]
+    with pytest.raises(ValueError, match="non-finite"):
+        train_mfu.summarize(bad, warmup=1, tokens_per_step=1000)
+
+
+def test_bad_arguments_stop_before_any_run():
+    with pytest.raises(SystemExit):
+        train_mfu.parse_args(["--steps", "3", "--warmup", "2"])
+    with pytest.raises(SystemExit):
+        train_mfu.parse_args(["--batch-size", "10", "--micro-batch", "4"])
+    args, extra = train_mfu.parse_args(["--smoke", "--", "--model.nonsense", "1"])
+    assert extra == ["--model.nonsense", "1"]
+    with pytest.raises(SystemExit, match="trainer flags rejected"):
+        train_mfu.resolve_config(args, extra)
+
+
+def test_mixtral_1b_preset_size_and_fit():
+    cfg = preset("mixtral-1b")
+    stats = model_stats(cfg, 2048)  # counted on the meta device: no memory
+    assert stats.params == pytest.approx(1e9, rel=0.1)
+    assert stats.active_params == pytest.approx(0.342e9, rel=0.01)  # 2 of 8 experts
+    # GPU-friendly widths: tensor-core tiles of 128
+    for width in (cfg.hidden_size, cfg.attn_head_dim, cfg.moe_ffn_hidden_size, cfg.vocab_size):
+        assert width % 128 == 0
+    # the benchmark's default workload fits an 80 GB GPU with room for the CUDA context and fragmentation
+    args, _ = train_mfu.parse_args([])
+    trainer_cfg = train_mfu.resolve_config(args, [])
+    assert train_mfu.memory_estimate_gib(trainer_cfg, torch.device("cuda"), "bfloat16") < 0.9 * 80
+
+
+def test_compile_diagnostics_separate_evaluation_recompiles():
+    log = "\n".join([
+        "step=1 loss=5.0",
+        "V [0/1] [__recompiles] Recompiling function forward in models/transformer.py:104",
+        "V [0/1] [__recompiles]     triggered by the following guard failure(s):",
+        "V [0/1] [__recompiles]     - 0/0: GLOBAL_STATE changed: grad_mode ",
+        "V [0/2] [__recompiles] Recompiling function forward in models/transformer.py:104",
+        "V [0/2] [__recompiles]     triggered by the following guard failure(s):",
+        "V [0/2] [__recompiles]     - 0/1: tensor 'x' size mismatch at index 0",
+    ])
+    assert train_mfu.compile_diagnostics(log) == {"recompiles": 2, "recompiles_in_training": 1,
+                                                  "recompile_limit_hit": False}
