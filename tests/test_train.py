@@ -328,3 +328,13 @@ def test_script_corrupt_checkpoint(saved_run, tmp_path):
     proc = _script(*TINY, "--run-dir", str(run), "--resume")
     assert "Traceback" not in proc.stderr
     _assert_one_line_error(proc.returncode, proc.stderr, ".metadata: 7 bytes, saved with")
+
+
+def test_peak_flops_table_picks_the_longest_matching_name():
+    from trainlib.monitor import peak_for_name
+
+    assert peak_for_name("NVIDIA H100 80GB HBM3") == 989e12
+    assert peak_for_name("NVIDIA H100 NVL") == 835e12
+    assert peak_for_name("NVIDIA H100 PCIe") == 756e12
+    assert peak_for_name("NVIDIA L40") == 181e12 and peak_for_name("NVIDIA L40S") == 362e12
+    assert peak_for_name("NVIDIA GH200 480GB") == 989e12 and peak_for_name("Some CPU") is None

@@ -315,7 +315,8 @@ class Run:
         m = {"step": step, "loss": loss, "aux_loss": sum(s.aux_loss / max(s.forwards, 1) for s in load.values()),
              "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tps, "tokens": tokens_seen, "elapsed_s": elapsed,
              "mem_gb": peak_memory_gb(self.plan.device),
-             "mfu": tps * self.plan.flops_per_token / peak if peak else None}
+             # tokens_per_s is the whole job's; every rank's device contributes its peak
+             "mfu": tps * self.plan.flops_per_token / (peak * self.dist.world) if peak else None}
         if load:
             imb = [s.imbalance for s in load.values()]
             assigned = sum(s.total_slots for s in load.values())

@@ -12,9 +12,9 @@ import torch
 
 # Dense bf16 tensor-core peaks (FLOP/s) by device-name substring, most specific first. MFU is only
 # reported for bf16 runs on a listed device: a made-up peak would make the number meaningless.
-BF16_PEAK_FLOPS = {
-    "H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "GH200": 989e12, "B200": 2250e12,
-    "A100": 312e12, "A10G": 70e12, "A10": 125e12, "L40S": 362e12, "L4": 121e12, "RTX 4090": 165e12,
+BF16_PEAK_FLOPS = {  # dense bf16 tensor-core peak per GPU, matched on the device name (longest key wins)
+    "H200": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "GH200": 989e12, "B200": 2250e12,
+    "A100": 312e12, "A10G": 70e12, "A10": 125e12, "L40S": 362e12, "L40": 181e12, "L4": 121e12, "RTX 4090": 165e12,
 }
 
 
@@ -22,7 +22,13 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
     if device.type != "cuda" or dtype != torch.bfloat16:
         return None
     name = torch.cuda.get_device_name(device)
-    return next((v for k, v in BF16_PEAK_FLOPS.items() if k in name), None)
+    return peak_for_name(name)
+
+
+def peak_for_name(name: str) -> float | None:
+    """"NVIDIA H100 NVL" is an H100 NVL, not an H100 SXM: the longest matching key decides."""
+    matches = [k for k in BF16_PEAK_FLOPS if k in name]
+    return BF16_PEAK_FLOPS[max(matches, key=len)] if matches else None
 
 
 def peak_memory_gb(device: torch.device) -> float:
