@@ -9,7 +9,9 @@ DeepSeek-V3-like routing by default (H 7168, 256 experts, top-8), nodes simulate
 Each row: one (ranks per node, dispatcher) pair. Measured bytes are what every rank sent per token
 (dispatch only; combine mirrors it), averaged over ranks; "model" is comm.cost_model's expectation
 for uniformly random routing. Time is one dispatch + combine with identity experts (communication and
-permutation only), median over repeats, slowest rank.
+permutation only), median over repeats, slowest rank. GB/s/rank is the dispatch + combine bytes a rank
+sent over that time: a lower bound on link use, since the time includes the permutes and count
+exchange (expected rates on NVLink / InfiniBand: docs/benchmarks.md, "Running the GPU suite").
 """
 from __future__ import annotations
 
@@ -75,9 +77,12 @@ def measure(args, world: int, rank: int, per_node: int, device) -> list[dict]:
         pred = model_fn(nodes, per_node, args.experts, args.top_k, args.node_limit or None)
         elem = torch.tensor([], dtype=dtype).element_size()
         pred_inter, pred_intra = pred.bytes(args.hidden, elem)
+        sent_per_rank = 2 * float(g[:, 1].mean() + g[:, 2].mean())  # dispatch + combine (mirrored), bytes
         out.append({
             "nodes": nodes, "ranks_per_node": per_node, "dispatcher": name,
             "median_ms": float(g[:, 0].max()),
+            # what each rank sent over the slowest rank's time: compare with the link rates (docs/benchmarks.md)
+            "send_GBps_per_rank": sent_per_rank / float(g[:, 0].max()) / 1e6,
             "inter_B_per_token": float(g[:, 1].mean()) / args.tokens, "model_inter_B_per_token": pred_inter,
             "intra_B_per_token": float(g[:, 2].mean()) / args.tokens, "model_intra_B_per_token": pred_intra,
         })
@@ -104,7 +109,8 @@ def worker(rank: int, world: int, args, init_file: str | None) -> None:
         rows += measure(args, world, rank, per_node, device)
     if rank == 0:
         print_table(rows, [("nodes", "nodes", "d"), ("ranks_per_node", "ranks/node", "d"), ("dispatcher", "dispatch", ""),
-                           ("median_ms", "ms", ".2f"), ("inter_B_per_token", "inter B/tok", ".0f"),
+                           ("median_ms", "ms", ".2f"), ("send_GBps_per_rank", "GB/s/rank", ".2f"),
+                           ("inter_B_per_token", "inter B/tok", ".0f"),
                            ("model_inter_B_per_token", "model", ".0f"), ("intra_B_per_token", "intra B/tok", ".0f"),
                            ("model_intra_B_per_token", "model", ".0f")])
         write_json(args.out, {"benchmark": "ep_dispatch", "world": world, "config": vars(args),

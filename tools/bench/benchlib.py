@@ -70,8 +70,47 @@ def print_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
             print("  ".join("-" * w for w in widths))
 
 
-def write_json(path: str | os.PathLike, payload: dict) -> None:
+def write_json(path: str | os.PathLike, payload: dict, quiet: bool = False) -> None:
+    """Write ``payload``; benchmarks also call this after every case with ``"partial": True`` (quiet), so
+    a run stopped by a time limit keeps what it measured."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2) + "\n")
-    print(f"wrote {path}")
+    if not quiet:
+        print(f"wrote {path}")
+
+
+def time_events(fns: dict[str, Callable[[], object]], device: torch.device, warmup: int = 2,
+                repeats: int = 10) -> dict[str, dict]:
+    """Like ``time_interleaved`` (round-robin), but on CUDA each call is timed with device events and
+    the host synchronises once per round, not per call: sub-millisecond kernels (a gather, a copy)
+    are then measured without the ~10-20 us of a host sync and launch gap each. CPU: perf_counter."""
+    if device.type != "cuda":
+        return time_interleaved(fns, device, warmup, repeats)
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    torch.cuda.synchronize(device)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        marks = []
+        for name, fn in fns.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            marks.append((name, start, end))
+        torch.cuda.synchronize(device)
+        for name, start, end in marks:
+            times[name].append(start.elapsed_time(end))
+    return {name: {"median_ms": statistics.median(t), "min_ms": min(t), "max_ms": max(t), "repeats": repeats}
+            for name, t in times.items()}
+
+
+def guarded(fn: Callable[[], object]) -> tuple[object, str | None]:
+    """(fn(), None), or (None, 'ErrorType: message') when it raises: one peer that cannot run on this
+    machine (an older torch, a missing transformers) must not end a run that costs GPU time."""
+    try:
+        return fn(), None
+    except Exception as exc:  # noqa: BLE001 - recorded in the JSON and printed, never swallowed silently
+        return None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"

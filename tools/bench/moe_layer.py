@@ -1,34 +1,51 @@
-"""MoE layer forward+backward: moekit vs transformers' Mixtral sparse MoE block, same weights, same routing.
+"""MoE layer forward+backward: moekit vs a torchtitan-style reference and transformers' Mixtral block.
 
-    python tools/bench/moe_layer.py                       # T=4096 H=256, (F=512,E=8,k=2) and (F=128,E=64,k=8)
-    python tools/bench/moe_layer.py --tokens 8192 --device cuda --dtype bfloat16 --out bench-results/moe_layer.json
+    python tools/bench/moe_layer.py                       # CPU: T=4096 H=256, (F=512,E=8,k=2) and (F=128,E=64,k=8)
+    python tools/bench/moe_layer.py --device cuda --dtype bfloat16 --tokens 8192 32768 \\
+        --shapes 4096x14336x8x2 2048x768x128x8 1536x256x128x8 --out bench-results/moe_layer.json
 
-Each implementation runs the same function: top-k softmax routing with renormalised weights (Mixtral),
-SwiGLU experts, no capacity dropping, no aux loss (transformers' block computes none inside the block).
-Before timing, the outputs of every implementation are checked against transformers' (max abs error in
-the table). Ratios are peer time / moekit time, so > 1 means moekit is faster.
+Shapes are FxExk (hidden from --hidden) or HxFxExk. Every implementation runs the same function on the
+same weights: top-k softmax routing with renormalised weights (Mixtral), SwiGLU experts, no capacity
+dropping, no aux loss. Implementations, timed round-robin in one run:
+  moekit[auto->...], moekit[torch], moekit[loop]   MoELayer with each expert backend
+  titan-style   router + torch argsort/index permute + torch grouped_mm + scatter_add unpermute
+                (tools/bench/titan_ref.py; shares the MoELayer's parameters)
+  transformers[eager|grouped_mm]   MixtralSparseMoeBlock with the weights copied in
+"time / moekit" is each peer's median over moekit[auto]'s, so > 1 means moekit is faster. Each case also
+records: max |err| against the first peer and the relative error of the output and of dx against an
+fp32 moekit[loop] run; moekit's per-phase times (router, permute, experts, combine; layer_probes.py);
+host syncs under torch.cuda.set_sync_debug_mode("error") (GPU); activation bytes saved for backward per
+implementation against the computed minimum.
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 
 import torch
 
-from benchlib import environment, print_table, time_interleaved, write_json
+from benchlib import environment, guarded, print_table, time_interleaved, write_json
+from layer_probes import PHASES, host_sync_check, minimum_activation_bytes, phase_steps, saved_activation_bytes
 from moe import MoELayer, build_router
+from moe.experts import resolve_backend
+from titan_ref import TitanStyleMoE
 
 DEFAULT_SHAPES = ["512x8x2", "128x64x8"]  # F x E x k
 
 
-def parse_shape(text: str) -> tuple[int, int, int]:
+def parse_shape(text: str, hidden: int = 256) -> tuple[int, int, int, int]:
+    """'FxExk' (hidden from --hidden) or 'HxFxExk' -> (H, F, E, k)."""
     try:
-        f, e, k = (int(v) for v in text.lower().split("x"))
+        vals = [int(v) for v in text.lower().split("x")]
     except ValueError:
-        raise SystemExit(f"--shapes entry {text!r} is not FxExk (e.g. 512x8x2)") from None
-    if not (0 < k <= e and f > 0):
-        raise SystemExit(f"--shapes entry {text!r} needs F > 0 and 0 < k <= E")
-    return f, e, k
+        vals = []
+    if len(vals) not in (3, 4):
+        raise SystemExit(f"--shapes entry {text!r} is not FxExk or HxFxExk (e.g. 512x8x2 or 4096x14336x8x2)")
+    h, f, e, k = vals if len(vals) == 4 else [hidden, *vals]
+    if not (0 < k <= e and f > 0 and h > 0):
+        raise SystemExit(f"--shapes entry {text!r} needs H, F > 0 and 0 < k <= E")
+    return h, f, e, k
 
 
 def hf_block(hidden: int, ffn: int, experts: int, top_k: int, implementation: str):
@@ -61,60 +78,145 @@ def fwd_bwd(module, x: torch.Tensor, grad: torch.Tensor):
     return step
 
 
-def bench_shape(args, ffn: int, experts: int, top_k: int, device, dtype) -> list[dict]:
-    torch.manual_seed(args.seed)
-    H, T = args.hidden, args.tokens
-    router = build_router("topk", H, experts, top_k=top_k, aux_loss_coeff=0.0)
-    layer = MoELayer(H, ffn, experts, router).to(device, dtype)
-    peers = {}
-    for impl in args.hf_impl:
-        block = hf_block(H, ffn, experts, top_k, impl)
-        if block is not None:
-            block = block.to(device, dtype)
-            copy_into_hf(layer, block)
-            peers[f"transformers[{impl}]"] = block
-    impls = {}
-    for backend in args.backends:
-        try:
-            from moe.experts import resolve_backend
+def moekit_layer(H, F, E, k, backend="auto"):
+    return MoELayer(H, F, E, build_router("topk", H, E, top_k=k, aux_loss_coeff=0.0), backend=backend)
 
-            x0 = torch.zeros(1, H, device=device, dtype=dtype)
-            chosen = resolve_backend(backend, x0, layer.experts.w_in, layer.experts.w_out).name
-        except ValueError as exc:
-            print(f"skip moekit[{backend}]: {exc}", file=sys.stderr)
+
+def build_impls(args, H, F, E, k, device, dtype) -> tuple[MoELayer, dict, dict]:
+    """(the moekit[auto] layer, name -> module, name -> why it was skipped)."""
+    torch.manual_seed(args.seed)
+    layer = moekit_layer(H, F, E, k).to(device, dtype)
+    modules, skipped = {}, {}
+    x0 = torch.zeros(1, H, device=device, dtype=dtype)
+    for backend in args.backends:
+        chosen, err = guarded(lambda: resolve_backend(backend, x0, layer.experts.w_in, layer.experts.w_out).name)
+        if err:
+            skipped[f"moekit[{backend}]"] = err
             continue
-        clone = MoELayer(H, ffn, experts, build_router("topk", H, experts, top_k=top_k, aux_loss_coeff=0.0),
-                         backend=backend).to(device, dtype)
-        clone.load_state_dict(layer.state_dict())
-        impls[f"moekit[{backend}->{chosen}]" if backend == "auto" else f"moekit[{backend}]"] = clone
-    x = torch.randn(1, T, H, device=device, dtype=dtype, requires_grad=True)
-    grad = torch.randn(1, T, H, device=device, dtype=dtype)
-    with torch.no_grad():
-        ref = next(iter(peers.values()))(x) if peers else layer(x)
-    modules = {**impls, **peers}
-    errors = {}
+        name = f"moekit[{backend}->{chosen}]" if backend == "auto" else f"moekit[{backend}]"
+        if backend == "auto":
+            modules[name] = layer
+        else:
+            modules[name] = moekit_layer(H, F, E, k, backend).to(device, dtype)
+            modules[name].load_state_dict(layer.state_dict())
+    if "titan" in args.peers:
+        ref = moekit_layer(H, F, E, k).to(device, dtype)
+        ref.load_state_dict(layer.state_dict())
+        modules["titan-style"], err = guarded(lambda: TitanStyleMoE(ref))
+        if err:
+            del modules["titan-style"]
+            skipped["titan-style"] = err
+    for impl in args.hf_impl:
+        block, err = guarded(lambda: hf_block(H, F, E, k, impl))
+        if block is None:
+            skipped[f"transformers[{impl}]"] = err or "transformers is not installed"
+            continue
+        block = block.to(device, dtype)
+        copy_into_hf(layer, block)
+        modules[f"transformers[{impl}]"] = block
+    return layer, modules, skipped
+
+
+def numerics(layer, modules, x, grad) -> tuple[dict, dict]:
+    """One forward+backward of each module (the trial run: a module that fails here is dropped from
+    timing), compared with the first module and with an fp32 moekit[loop] copy of the layer."""
+    ref32 = copy.deepcopy(layer).float()
+    ref32.set_backend("loop")
+    x32 = x.detach().float().requires_grad_()
+    y32 = ref32(x32)
+    y32.backward(grad.float())
+    checks, failed, first = {}, {}, None
     for name, module in modules.items():
-        module.train()
-        with torch.no_grad():
-            errors[name] = (module(x).float() - ref.float()).abs().max().item()  # D2H sync: benchmark check
-    timings = time_interleaved({n: fwd_bwd(m, x, grad) for n, m in modules.items()}, device,
+        def run():
+            x.grad = None
+            y = module(x)
+            y.backward(grad)
+            return y.detach().float(), x.grad.detach().float()
+
+        res, err = guarded(run)
+        if err:
+            failed[name] = err
+            continue
+        y, dx = res
+        first = first if first is not None else y
+        checks[name] = {  # D2H sync: benchmark check, outside timing
+            "max_abs_err": (y - first).abs().max().item(),
+            "rel_err_vs_fp32": ((y - y32).norm() / y32.norm().clamp_min(1e-30)).item(),
+            "grad_rel_err_vs_fp32": ((dx - x32.grad).norm() / x32.grad.norm().clamp_min(1e-30)).item(),
+        }
+    del ref32, y32, x32
+    return checks, failed
+
+
+def bench_case(args, tokens, H, F, E, k, device, dtype) -> tuple[list[dict], dict]:
+    layer, modules, skipped = build_impls(args, H, F, E, k, device, dtype)
+    gen = torch.Generator(device="cpu").manual_seed(args.seed)
+    x = torch.randn(1, tokens, H, generator=gen).to(device, dtype).requires_grad_()
+    grad = torch.randn(1, tokens, H, generator=gen).to(device, dtype)
+    checks, failed = numerics(layer, modules, x, grad)
+    skipped.update(failed)
+    modules = {n: m for n, m in modules.items() if n in checks}
+    for m in modules.values():
+        m.train()
+    shape = f"T{tokens} H{H} F{F} E{E} k{k}"
+    auto = next((n for n in modules if n.startswith("moekit[auto")), None)
+    steps = {n: fwd_bwd(m, x, grad) for n, m in modules.items()}
+    phases = phase_steps(layer, x.detach().view(tokens, H)) if auto else {}
+    timings = time_interleaved({**steps, **{f"phase:{p}": s for p, s in phases.items()}}, device,
                                warmup=args.warmup, repeats=args.repeats)
-    rows = [{"shape": f"T{T} H{H} F{ffn} E{experts} k{top_k}", "impl": n, "max_abs_err": errors[n], **timings[n]}
-            for n in modules]
-    base = next(r["median_ms"] for r in rows if r["impl"].startswith("moekit[auto"))  # what users get
-    for r in rows:
-        r["moekit_speedup"] = r["median_ms"] / base
-    return rows
+    base = timings[auto]["median_ms"] if auto else None
+    rows = [{"shape": shape, "tokens": tokens, "H": H, "F": F, "E": E, "k": k, "impl": n, **checks[n], **timings[n],
+             "moekit_speedup": timings[n]["median_ms"] / base if base else None} for n in modules]
+    case = {"shape": shape, "tokens": tokens, "H": H, "F": F, "E": E, "k": k, "skipped": skipped,
+            "minimum_activation_bytes": minimum_activation_bytes(tokens, H, F, E, k, x.element_size())}
+    if auto:
+        layer_ms = timings[auto]["median_ms"]
+        case["phases_ms"] = {p: timings[f"phase:{p}"]["median_ms"] for p in PHASES}
+        case["phases_share_of_layer"] = {p: t / layer_ms for p, t in case["phases_ms"].items()}
+        case["router_permute_combine_share"] = sum(case["phases_share_of_layer"][p] for p in ("router", "permute", "combine"))
+        sync_steps = {"router": phases["router"], "permute": phases["permute"], "combine": phases["combine"],
+                      **{f"layer {n}": s for n, s in steps.items() if n.startswith("moekit")}}
+        case["host_syncs"] = host_sync_check(sync_steps, device)
+    case["activation_bytes"] = {}
+    for n, m in modules.items():
+        mem, err = guarded(lambda: saved_activation_bytes(m, x.detach()))
+        mem = mem or {"error": err}
+        if "saved_tensors_bytes" in mem:
+            mem["ratio_to_minimum"] = mem["saved_tensors_bytes"] / case["minimum_activation_bytes"]["total"]
+        case["activation_bytes"][n] = mem
+    return rows, case
+
+
+def print_case_details(cases: list[dict]) -> None:
+    for c in cases:
+        if "error" in c:  # e.g. out of memory: the other cases still ran
+            print(f"\n{c['shape']}: failed: {c['error']}")
+            continue
+        print(f"\n{c['shape']}: per-phase (moekit[auto], each fwd+bwd alone) and activation memory")
+        if "phases_ms" in c:
+            cells = [f"{p} {c['phases_ms'][p]:.2f} ms ({100 * c['phases_share_of_layer'][p]:.0f}%)" for p in PHASES]
+            print("  " + ", ".join(cells) + f"; router+permute+combine {100 * c['router_permute_combine_share']:.1f}%"
+                  " of the layer (target <= 10%)")
+            print("  host syncs: " + ", ".join(f"{n}: {v}" for n, v in c["host_syncs"].items()))
+        minimum = c["minimum_activation_bytes"]["total"]
+        for n, m in c["activation_bytes"].items():
+            ratio = m.get("ratio_to_minimum")
+            extra = f", CUDA allocator {m['cuda_allocated_bytes'] / 2**20:.1f} MiB" if "cuda_allocated_bytes" in m else ""
+            print(f"  {n}: saved {m.get('saved_tensors_bytes', 0) / 2**20:.1f} MiB = "
+                  f"{ratio:.2f}x the minimum {minimum / 2**20:.1f} MiB{extra}" if ratio else f"  {n}: {m}")
+        for n, why in c["skipped"].items():
+            print(f"  skipped {n}: {why}")
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=int, default=4096)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES, help="FxExk entries")
+    p.add_argument("--tokens", type=int, nargs="+", default=[4096])
+    p.add_argument("--hidden", type=int, default=256, help="H for FxExk shape entries")
+    p.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES, help="FxExk or HxFxExk entries")
     p.add_argument("--backends", nargs="+", default=["auto", "torch", "loop"],
                    help="moekit expert backends to time ('auto' is always included: ratios are against it)")
-    p.add_argument("--hf-impl", nargs="+", default=["eager", "grouped_mm"],
+    p.add_argument("--peers", nargs="*", default=["titan"], help="'titan' adds the torchtitan-style reference")
+    p.add_argument("--hf-impl", nargs="*", default=["eager", "grouped_mm"],
                    help="transformers experts implementations to time (eager = its per-expert loop)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -124,17 +226,27 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="bench-results/moe_layer.json")
     args = p.parse_args(argv)
     args.backends = ["auto"] + [b for b in args.backends if b != "auto"]
-    if args.tokens <= 0 or args.hidden <= 0 or args.repeats <= 0:
+    if min(args.tokens) <= 0 or args.hidden <= 0 or args.repeats <= 0:
         p.error("--tokens, --hidden and --repeats must be positive")
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    rows = []
-    for shape in args.shapes:
-        rows += bench_shape(args, *parse_shape(shape), device, dtype)
+    rows, cases = [], []
+    payload = {"benchmark": "moe_layer_fwd_bwd", "dtype": args.dtype, "environment": environment(device)}
+    for tokens in args.tokens:
+        for shape in args.shapes:
+            dims = parse_shape(shape, args.hidden)
+            res, err = guarded(lambda: bench_case(args, tokens, *dims, device, dtype))
+            r, c = res or ([], {"shape": f"T{tokens} H{dims[0]} F{dims[1]} E{dims[2]} k{dims[3]}", "error": err})
+            rows, cases = rows + r, cases + [c]
+            write_json(args.out, {**payload, "partial": True, "results": rows, "cases": cases}, quiet=True)
+            print(f"done {c['shape']}", file=sys.stderr, flush=True)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     print_table(rows, [("shape", "shape", ""), ("impl", "implementation", ""), ("median_ms", "median ms", ".2f"),
                        ("min_ms", "min ms", ".2f"), ("moekit_speedup", "time / moekit", ".2f"),
-                       ("max_abs_err", "max |err|", ".1e")])
-    write_json(args.out, {"benchmark": "moe_layer_fwd_bwd", "dtype": args.dtype, "environment": environment(device),
-                          "results": rows})
+                       ("max_abs_err", "max |err|", ".1e"), ("rel_err_vs_fp32", "rel err", ".1e"),
+                       ("grad_rel_err_vs_fp32", "dx rel err", ".1e")])
+    print_case_details(cases)
+    write_json(args.out, {**payload, "results": rows, "cases": cases})
     return 0
 
 

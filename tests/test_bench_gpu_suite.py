@@ -1,0 +1,89 @@
+"""tools/bench/gpu_suite.sh --smoke runs every issue-9 benchmark end to end on CPU and returns what the
+GPU session will read: few enough files for the device tool, each benchmark's JSON with its keys."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SUITE = REPO / "tools" / "bench" / "gpu_suite.sh"
+
+
+def run_suite(tmp_path: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OUT=str(tmp_path / "out"), BENCH_RAW=str(tmp_path / "raw"), PYTHON=sys.executable,
+               OMP_NUM_THREADS="1")
+    return subprocess.run(["bash", str(SUITE), *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_gpu_suite_smoke_runs_every_benchmark(tmp_path):
+    proc = run_suite(tmp_path, "--smoke")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    out, raw = tmp_path / "out", tmp_path / "raw"
+    # the device tool brings back at most 8 files, 2 folders deep: the suite leaves 4 at the top
+    assert sorted(p.name for p in out.iterdir()) == ["results.tar.gz", "suite.log", "summary.json", "summary.txt"]
+    with tarfile.open(out / "results.tar.gz") as tar:
+        packed = set(tar.getnames())
+    assert {"./moe_layer.json", "./grouped_gemm.json", "./dispatch_bandwidth.json", "./profile/profile_step.json",
+            "./profile/trace.json.gz", "./env.txt"} <= packed
+    summary = (out / "summary.txt").read_text()
+    steps = ["env", "moe_layer", "grouped_gemm", "dispatch", "profile"]
+    has_mfu = (REPO / "tools" / "bench" / "train_mfu.py").exists()
+    for step in steps + (["train_mfu"] if has_mfu else []):
+        assert f"  {step}: ok" in summary, summary
+    assert "issue 9 target" in summary and "titan-style" in summary
+    assert "issue 9 target" in (out / "suite.log").read_text()
+
+    layer = json.loads((raw / "moe_layer.json").read_text())
+    assert "partial" not in layer
+    impls = {r["impl"] for r in layer["results"]}
+    assert {"titan-style", "transformers[eager]"} <= impls and any(i.startswith("moekit[auto->") for i in impls)
+    assert all(r["max_abs_err"] < 1e-5 and r["grad_rel_err_vs_fp32"] < 1e-5 for r in layer["results"])
+    case = layer["cases"][0]
+    assert set(case["phases_ms"]) == {"router", "permute", "experts", "combine"}
+    assert case["host_syncs"]["router"] == "not checked (CPU)"
+    assert 0.5 < case["activation_bytes"]["titan-style"]["ratio_to_minimum"] < 3
+
+    gg = json.loads((raw / "grouped_gemm.json").read_text())
+    assert gg["partial"] is False and gg["skew_ratios"]
+    assert {"triton/torch_grouped:fwd_bwd", "triton/loop:fwd"} <= set(gg["rows"][0]["ratios"])
+
+    bw = json.loads((raw / "dispatch_bandwidth.json").read_text())
+    ops = {(r["op"], r["impl"]): r for r in bw["results"]}
+    assert {op for op, _ in ops} == {"dispatch_fwd", "dispatch_bwd", "combine_fwd", "combine_bwd", "dispatch_meta"}
+    assert ops[("dispatch_fwd", "moekit")]["max_diff_vs_torch"] == 0  # the permute is exactly the gather
+    assert ops[("combine_bwd", "copy")]["vs_copy"] == pytest.approx(1.0)
+
+    prof = json.loads((raw / "profile" / "profile_step.json").read_text())
+    share = {c["category"]: c["share"] for c in prof["categories"]}
+    assert sum(share.values()) == pytest.approx(1.0)
+    for cat in ("attention", "expert_gemm", "router", "permute_unpermute", "norm", "optimizer"):
+        assert share[cat] > 0, share
+    assert share["other"] < 0.1, share  # backward work found its forward category through the sequence number
+
+
+def test_gpu_suite_budget_skips_what_does_not_fit(tmp_path):
+    proc = run_suite(tmp_path, "--smoke", "--budget", "10", "moe_layer", timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "moe_layer: skipped (budget" in (tmp_path / "out" / "summary.txt").read_text()
+
+
+def test_gpu_suite_rejects_bad_arguments(tmp_path):
+    proc = run_suite(tmp_path, "--smoke", "no_such_step", timeout=60)
+    assert proc.returncode == 2 and "unknown step 'no_such_step'" in proc.stderr
+    listing = run_suite(tmp_path, "--list", timeout=60)
+    assert listing.returncode == 0 and "train_mfu_full" in listing.stdout
+
+
+def test_gpu_suite_without_gpu_asks_for_smoke(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    proc = run_suite(tmp_path, "env", timeout=120)
+    assert proc.returncode == 2 and "--smoke" in proc.stderr and not (tmp_path / "raw").exists()

@@ -1,0 +1,100 @@
+"""The peers the issue-9 benchmarks time compute the same numbers as moekit: the torchtitan-style MoE
+reference, the plain-torch dispatch / combine, and the activation-memory accounting."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "bench"))
+import dispatch_bandwidth  # noqa: E402
+import layer_probes  # noqa: E402
+import suite_summary  # noqa: E402
+from titan_ref import TitanStyleMoE  # noqa: E402
+
+from moe import MoELayer, build_router  # noqa: E402
+
+
+def grads_of(module, layer, x, g):
+    x.grad = None
+    layer.zero_grad(set_to_none=True)
+    y = module(x)
+    y.backward(g)
+    return [y.detach(), x.grad.clone()] + [p.grad.clone() for p in layer.parameters()]
+
+
+@pytest.mark.parametrize("backend", ["loop", "torch"])
+@pytest.mark.parametrize("experts,top_k", [(4, 2), (8, 4)])
+def test_titan_reference_matches_moelayer(backend, experts, top_k):
+    torch.manual_seed(0)
+    H, F, T = 32, 16, 48
+    layer = MoELayer(H, F, experts, build_router("topk", H, experts, top_k=top_k, aux_loss_coeff=0.0), backend=backend)
+    x = torch.randn(2, T // 2, H, requires_grad=True)
+    g = torch.randn(2, T // 2, H)
+    ours = grads_of(layer, layer, x, g)
+    ref = grads_of(TitanStyleMoE(layer), layer, x, g)  # shares the layer's parameters
+    names = ["output", "dx", "router", "w_in", "w_out"]
+    for name, a, b in zip(names, ours, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_titan_reference_refuses_what_it_does_not_implement():
+    with pytest.raises(ValueError, match="dropless"):
+        TitanStyleMoE(MoELayer(16, 8, 4, build_router("topk", 16, 4, top_k=2, capacity_factor=1.0)))
+    with pytest.raises(ValueError, match="SwiGLU"):
+        TitanStyleMoE(MoELayer(16, 8, 4, "topk", activation="gelu"))
+
+
+def test_dispatch_peers_compute_the_same_thing():
+    s = dispatch_bandwidth.setup(40, 24, 8, 3, torch.float32, torch.device("cpu"), seed=0)
+    peers = dispatch_bandwidth.op_peers(s, 40, 24, 4)
+    moekit_rows = peers["dispatch_fwd"][1]["moekit"]()
+    assert torch.equal(moekit_rows, peers["dispatch_fwd"][1]["torch"]())  # permute == a plain gather
+    assert torch.equal(moekit_rows, s["x"][s["meta"].row_slot // 3])
+    for op in ("dispatch_bwd", "combine_fwd", "combine_bwd"):
+        a, b = peers[op][1]["moekit"](), peers[op][1]["torch"]()
+        for p, q in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,)):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5)
+    nbytes, fns = peers["combine_bwd"]
+    assert nbytes == 3 * 40 * 3 * 24 * 4 and fns["copy"]().numel() * 4 * 2 == nbytes  # the copy moves the same bytes
+
+
+def test_saved_bytes_count_activations_not_parameters():
+    lin = nn.Linear(16, 8)
+    x = torch.randn(10, 16)
+    assert layer_probes.saved_activation_bytes(lin, x)["saved_tensors_bytes"] == 10 * 16 * 4  # the input only
+    parts = layer_probes.minimum_activation_bytes(tokens=10, hidden=16, ffn=8, experts=4, top_k=2, elem=2)
+    assert parts["gathered_rows"] == 20 * 16 * 2 and parts["expert_hidden"] == 20 * 16 * 2
+    assert parts["total"] == sum(v for k, v in parts.items() if k != "total")
+
+
+def test_phase_steps_run_and_reach_their_inputs():
+    layer = MoELayer(16, 8, 4, build_router("topk", 16, 4, top_k=2, aux_loss_coeff=0.01))
+    steps = layer_probes.phase_steps(layer, torch.randn(12, 16))
+    assert set(steps) == set(layer_probes.PHASES)
+    for step in steps.values():
+        step()
+    assert layer.router.weight.grad is not None and layer.experts.w_in.grad is not None
+    assert layer_probes.host_sync_check(steps, torch.device("cpu")) == dict.fromkeys(steps, "not checked (CPU)")
+
+
+def test_summary_reads_targets(tmp_path):
+    rows = [{"shape": "fine-grained", "ratios": {"triton/torch_grouped:fwd": 1.1, "triton/loop:fwd": 2.0}},
+            {"shape": "mixtral-8x7b", "ratios": {"triton/torch_grouped:fwd": 0.95}}]
+    (tmp_path / "grouped_gemm.json").write_text(json.dumps({"rows": rows, "skew_ratios": []}))
+    (tmp_path / "moe_layer.json").write_text(json.dumps({"results": [
+        {"impl": "titan-style", "moekit_speedup": 1.3}], "cases": [
+        {"router_permute_combine_share": 0.2, "host_syncs": {"router": "none"}}]}))
+    assert suite_summary.main([str(tmp_path)]) == 0
+    status = {t["target"]: t["status"] for t in json.loads((tmp_path / "summary.json").read_text())["targets"]}
+    assert status["grouped GEMM: triton / torch grouped_mm, fine-grained shapes"] == "met"
+    assert status["grouped GEMM: triton / torch grouped_mm, Mixtral-8x7B"] == "met"
+    assert status["grouped GEMM: triton / per-expert loop, fine-grained shapes"] == "missed"
+    assert status["grouped GEMM: triton Zipf(1.2) / uniform routing"] == "no data"
+    assert status["MoE layer fwd+bwd: titan-style time / moekit time"] == "met"
+    assert status["MoE layer: router + permute + combine share of layer time"] == "missed"
+    assert status["MoE layer: router forward+backward free of host syncs (1 = none)"] == "met"

@@ -1,0 +1,185 @@
+#!/usr/bin/env bash
+# Issue 9's benchmarks in one command on one GPU (docs/benchmarks.md, "Running the GPU suite (issue 9)").
+#
+#   bash tools/bench/gpu_suite.sh                       # every default step, most important first (~9 min, H100)
+#   bash tools/bench/gpu_suite.sh moe_layer dispatch    # a subset, in the order given
+#   bash tools/bench/gpu_suite.sh train_mfu_full        # MFU with compile off and on at full size (~5-6 min)
+#   bash tools/bench/gpu_suite.sh --smoke               # CPU (or GPU) script check at tiny sizes (CI)
+#   bash tools/bench/gpu_suite.sh --list
+#
+# Options: --smoke; --budget SECONDS (560: no step starts past it, and each step's timeout is cut to what
+# is left, so the whole run stays inside a 10-minute command limit); --out DIR (default "${OUT:-bench-results}").
+# Environment: PYTHON (default python3, the interpreter that holds torch), OUT (the device tool's folder).
+#
+# Output: DIR/suite.log (everything printed), and every step's JSON / log / trace in a raw folder. When OUT
+# is set (the device tool brings back at most 8 files from it, 2 folders deep), the raw folder lives
+# outside it and is packed into DIR/results.tar.gz after every step, so a run cut short still returns
+# what it measured; DIR then holds suite.log, summary.txt, summary.json and results.tar.gz. Otherwise
+# the raw folder is DIR/raw. The run ends with suite_summary.py: issue 9's targets next to the numbers.
+# Nothing here asserts a timing: a step that fails or times out is reported and the suite goes on.
+set -uo pipefail
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+PY=${PYTHON:-python3}
+DEFAULT_STEPS=(env moe_layer grouped_gemm dispatch profile train_mfu)
+ALL_STEPS=(env moe_layer grouped_gemm dispatch profile train_mfu train_mfu_full)
+SMOKE=0
+BUDGET=560
+RESULTS=${OUT:-bench-results}
+STEPS=()
+
+describe() {
+  cat <<'EOF'
+env             device, driver, torch / CUDA / triton / transformers versions, moekit commit
+moe_layer       MoE layer fwd+bwd at 8192 and 32768 tokens, bf16: moekit vs torchtitan-style vs transformers;
+                per-phase times, router host syncs, activation memory vs minimum          (cap 150 s)
+grouped_gemm    Triton grouped GEMM / expert MLP vs torch grouped_mm, loop, dense; 4 shapes x 8192/32768
+                tokens x uniform/Zipf routing, fwd and fwd+bwd                              (cap 160 s)
+dispatch        local permute / unpermute GB/s vs a plain copy of the same bytes, fwd and bwd (cap 50 s)
+profile         torch.profiler of training steps of the ~1B preset: chrome trace + time by category (cap 80 s)
+train_mfu       tools/bench/train_mfu.py, compile off, shortened (15 steps)                 (what is left)
+train_mfu_full  tools/bench/train_mfu.py at its defaults (compile off and on); not in the default set
+EOF
+}
+
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --smoke) SMOKE=1 ;;
+    --budget) BUDGET=$2; shift ;;
+    --out) RESULTS=$2; shift ;;
+    --list) describe; exit 0 ;;
+    -h|--help) sed -n '2,21p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    -*) echo "gpu_suite.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
+    *) if [[ " ${ALL_STEPS[*]} " == *" $1 "* ]]; then STEPS+=("$1")
+       else echo "gpu_suite.sh: unknown step '$1'; steps: ${ALL_STEPS[*]}" >&2; exit 2; fi ;;
+  esac
+  shift
+done
+[ ${#STEPS[@]} -eq 0 ] && STEPS=("${DEFAULT_STEPS[@]}")
+case "$RESULTS" in /*) ;; *) RESULTS=$PWD/$RESULTS ;; esac  # relative to where the suite was called
+
+export PYTHONPATH="$REPO:$REPO/tools/bench${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+cd "$REPO" || exit 2
+
+HAS_CUDA=0  # nvidia-smi answers in milliseconds where importing torch to ask takes seconds
+command -v nvidia-smi >/dev/null && nvidia-smi -L 2>/dev/null | grep -q '^GPU ' && HAS_CUDA=1
+if [ "$SMOKE" = 1 ]; then
+  [ "$HAS_CUDA" = 1 ] || export TRITON_INTERPRET=1   # Triton kernels in the CPU interpreter
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}      # a script check: no thread oversubscription on small boxes
+elif [ "$HAS_CUDA" != 1 ]; then
+  echo "gpu_suite.sh: nvidia-smi lists no GPU; run with --smoke to check the scripts on CPU" >&2
+  exit 2
+fi
+mkdir -p "$RESULTS"
+if [ -n "${OUT:-}" ]; then PACK=1; RAW=${BENCH_RAW:-${TMPDIR:-/tmp}/moekit-bench-raw}; else PACK=0; RAW=$RESULTS/raw; fi
+rm -rf "$RAW" && mkdir -p "$RAW"
+exec > >(tee "$RESULTS/suite.log") 2>&1
+TEE_PID=$!
+
+START=$(date +%s)
+DEADLINE=$((START + BUDGET))
+STATUS=()
+
+pack() {
+  [ "$PACK" = 1 ] && tar -czf "$RESULTS/results.tar.gz.tmp" -C "$RAW" . && mv "$RESULTS/results.tar.gz.tmp" "$RESULTS/results.tar.gz"
+  return 0
+}
+
+# run_step NAME CAP_SECONDS CMD...: run with a timeout of min(CAP, time left), log to RAW/NAME.log,
+# echo the log's tail (the tables), record the outcome, pack.
+run_step() {
+  local name=$1 cap=$2; shift 2
+  local left=$((DEADLINE - $(date +%s) - 5))
+  if [ "$left" -lt 20 ]; then
+    STATUS+=("$name: skipped (budget of ${BUDGET}s spent; run 'bash tools/bench/gpu_suite.sh $name')"); return
+  fi
+  local limit=$((cap < left ? cap : left)) t0 rc
+  t0=$(date +%s)
+  echo "=== $name (timeout ${limit}s): $*"
+  timeout --signal=TERM --kill-after=15 "$limit" "$@" >"$RAW/$name.log" 2>&1
+  rc=$?
+  tail -n "${TAIL_LINES:-40}" "$RAW/$name.log"
+  local took=$(($(date +%s) - t0)) what="ok"
+  [ "$rc" -ne 0 ] && what="exit $rc"
+  [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ] && what="timed out after ${limit}s (partial JSON kept)"
+  STATUS+=("$name: $what, ${took}s")
+  pack
+}
+
+step_env() {
+  {
+    date -u
+    echo "moekit $(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo '(no git)')"
+    command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,power.limit,temperature.gpu --format=csv
+    "$PY" - <<'EOF'
+import importlib.metadata as md, platform, torch
+print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda,
+      "cudnn", torch.backends.cudnn.version() if torch.cuda.is_available() else None)
+for name in ("triton", "transformers", "numpy"):  # versions from the metadata: importing them takes seconds
+    try:
+        print(name, md.version(name))
+    except md.PackageNotFoundError:
+        print(name, "not installed")
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print("gpu", p.name, f"sm{p.major}{p.minor}", p.multi_processor_count, "SMs", f"{p.total_memory / 2**30:.1f} GiB",
+          "F.grouped_mm:", hasattr(torch.nn.functional, "grouped_mm"))
+EOF
+  } >"$RAW/env.txt" 2>&1
+  cat "$RAW/env.txt"
+  STATUS+=("env: ok")
+  pack
+}
+
+mfu_flags() {  # train_mfu.py is another tool's file: pass only the flags it declares
+  local f=tools/bench/train_mfu.py flag out=()
+  for flag in "$@"; do grep -q -- "\"${flag%%=*}\"" "$f" && out+=("${flag%%=*}" ${flag#*=}); done
+  echo "${out[@]}"
+}
+
+for step in "${STEPS[@]}"; do
+  case "$step" in
+    env) step_env ;;
+    moe_layer)
+      if [ "$SMOKE" = 1 ]; then size=(--tokens 64 --hidden 32 --shapes 32x4x2 --warmup 0 --repeats 1 --hf-impl eager)
+      else size=(--device cuda --dtype bfloat16 --tokens 8192 32768 --shapes 4096x14336x8x2 2048x768x128x8
+                 1536x256x128x8 --warmup 1 --repeats 5); fi
+      run_step moe_layer 150 "$PY" tools/bench/moe_layer.py "${size[@]}" --out "$RAW/moe_layer.json" ;;
+    grouped_gemm)
+      if [ "$SMOKE" = 1 ]; then size=(--smoke)
+      else size=(--shapes fine-grained,qwen3-30b-a3b,deepseek-v3-ep8,mixtral-8x7b --tokens 8192,32768
+                 --routings uniform,zipf1.2 --rounds 2); fi
+      run_step grouped_gemm 160 "$PY" tools/bench/grouped_gemm.py "${size[@]}" --out "$RAW/grouped_gemm.json" ;;
+    dispatch)
+      if [ "$SMOKE" = 1 ]; then size=(--tokens 64 --configs small --warmup 1 --repeats 2)
+      else size=(--device cuda --dtype bfloat16 --tokens 16384 --configs mixtral qwen3-30b-a3b deepseek-v3
+                 --repeats 20); fi
+      run_step dispatch 50 "$PY" tools/bench/dispatch_bandwidth.py "${size[@]}" --out "$RAW/dispatch_bandwidth.json" ;;
+    profile)
+      if [ "$SMOKE" = 1 ]; then size=(--preset mixtral-tiny --batch-size 2 --seq-len 32 --warmup 1 --steps 1)
+      else size=(--preset auto --batch-size 4 --seq-len 2048 --warmup 2 --steps 3); fi
+      run_step profile 80 "$PY" tools/bench/profile_step.py "${size[@]}" --out-dir "$RAW/profile" ;;
+    train_mfu|train_mfu_full)
+      if [ ! -f tools/bench/train_mfu.py ]; then STATUS+=("$step: skipped (tools/bench/train_mfu.py not present)"); continue; fi
+      if [ "$SMOKE" = 1 ]; then flags=$(mfu_flags --smoke=)
+      elif [ "$step" = train_mfu ]; then flags=$(mfu_flags --compile=off --steps=15 --warmup=3)
+      else flags=""; fi
+      # shellcheck disable=SC2086  # flags are words built by mfu_flags
+      run_step "$step" 560 "$PY" tools/bench/train_mfu.py $flags --out "$RAW/train_mfu.json" ;;
+  esac
+done
+
+"$PY" tools/bench/suite_summary.py "$RAW" >"$RAW/summary.txt" 2>&1
+{ echo; echo "=== steps ($(($(date +%s) - START))s of a ${BUDGET}s budget)"; printf '  %s\n' "${STATUS[@]}"; } >>"$RAW/summary.txt"
+cat "$RAW/summary.txt"
+if [ "$PACK" = 1 ]; then
+  pack
+  cp "$RAW/summary.txt" "$RAW/summary.json" "$RESULTS/" 2>/dev/null
+  echo "results: $RESULTS (suite.log, summary.txt, summary.json, results.tar.gz)"
+else
+  echo "results: $RAW"
+fi
+exec 1>&- 2>&-
+wait "$TEE_PID" 2>/dev/null  # suite.log complete before the script returns
+exit 0

@@ -1,0 +1,137 @@
+"""Probes of one MoE layer for tools/bench/moe_layer.py: per-phase times, host syncs, activation memory.
+
+Shape legend: T tokens, H hidden, E experts, k slots per token, N = T * k routed rows, F expert width.
+
+Phases are timed in isolation, each forward + backward from detached inputs, round-robin with the whole
+layer in the same run, so "phase / layer" is a share of the same clock:
+
+    router   x [T, H] -> Routing (logits, softmax, top-k, counts, losses); backward into x and the gate
+    permute  sort the slots + gather x -> rows [N, H]; backward sums each token's k row gradients
+    experts  rows [N, H] -> grouped SwiGLU MLP -> [N, H]; backward: dX, dW_in, dW_out
+    combine  [N, H] -> weighted sum of each token's k rows -> [T, H]; backward into rows and weights
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+
+PHASES = ("router", "permute", "experts", "combine")
+
+
+def _fwd_bwd(fn: Callable[[], Tensor | tuple], grads: Callable[[], tuple]) -> Callable[[], None]:
+    def step():
+        outs = fn()
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        pairs = [(o, g) for o, g in zip(outs, grads()) if o.requires_grad]  # e.g. a constant aux loss
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+
+    return step
+
+
+def phase_steps(layer: nn.Module, x: Tensor) -> dict[str, Callable[[], None]]:
+    """name -> zero-argument forward+backward of that phase alone (moekit's MoELayer, local dispatch)."""
+    T, H = x.shape
+    leaf = x.detach().requires_grad_()
+    with torch.no_grad():
+        routing = layer.router(leaf)
+        d = layer.dispatcher.dispatch(leaf, routing)
+        expert_out = layer.experts(d.rows, d.counts)
+    gen = torch.Generator(device=x.device).manual_seed(1)
+    rows = d.rows.detach().requires_grad_()
+    out_rows = expert_out.detach().requires_grad_()
+    g_rows = torch.randn(rows.shape, device=x.device, dtype=rows.dtype, generator=gen)
+    g_out = torch.randn(T, H, device=x.device, dtype=x.dtype, generator=gen)
+    w = routing.weights.detach().requires_grad_()
+    g_w = torch.randn(w.shape, device=x.device, dtype=w.dtype, generator=gen)
+    meta = dataclasses.replace(d.meta, weights=w)  # so combine's backward reaches the weights
+
+    def router():
+        r = layer.router(leaf)
+        return r.weights, r.aux_loss
+
+    def permute():
+        return layer.dispatcher.dispatch(leaf, routing).rows
+
+    return {
+        "router": _fwd_bwd(router, lambda: (g_w, torch.ones((), device=x.device))),
+        "permute": _fwd_bwd(permute, lambda: (g_rows,)),
+        "experts": _fwd_bwd(lambda: layer.experts(rows, d.counts), lambda: (g_rows,)),
+        "combine": _fwd_bwd(lambda: layer.dispatcher.combine(out_rows, meta), lambda: (g_out.to(out_rows.dtype),)),
+    }
+
+
+def host_sync_check(steps: dict[str, Callable[[], None]], device: torch.device) -> dict[str, str]:
+    """Run each step under torch.cuda.set_sync_debug_mode("error"): "none", or the first syncing call.
+
+    Run after the warm-up, so one-time work (Triton autotuning benchmarks with syncs) is done."""
+    if device.type != "cuda":
+        return {name: "not checked (CPU)" for name in steps}
+    result = {}
+    for name, step in steps.items():
+        torch.cuda.synchronize(device)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step()
+            result[name] = "none"
+        except RuntimeError as exc:
+            result[name] = "sync: " + str(exc).splitlines()[0][:200]
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return result
+
+
+def saved_activation_bytes(module: nn.Module, x: Tensor) -> dict:
+    """Bytes kept for backward by one forward of ``module`` (parameters excluded), measured two ways.
+
+    ``saved_tensors_bytes``: unique storages packed by autograd (``saved_tensors_hooks``), the whole
+    storage when a view is saved, since that is what stays allocated. ``cuda_allocated_bytes`` (GPU):
+    the allocator's growth across the forward while the graph is alive, minus the output.
+    """
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: Tensor) -> Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params and storage.nbytes():
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    leaf = x.detach().requires_grad_()
+    cuda = x.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(x.device)
+        before = torch.cuda.memory_allocated(x.device)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = module(leaf)
+    result = {"saved_tensors_bytes": sum(seen.values())}
+    if cuda:
+        torch.cuda.synchronize(x.device)
+        result["cuda_allocated_bytes"] = torch.cuda.memory_allocated(x.device) - before - out.numel() * out.element_size()
+    del out
+    return result
+
+
+def minimum_activation_bytes(tokens: int, hidden: int, ffn: int, experts: int, top_k: int, elem: int) -> dict:
+    """What any dropless SwiGLU MoE layer must keep for backward (unless it recomputes), in bytes.
+
+    inputs [T, H]; gathered rows [N, H] (dW_in); expert hidden pre-activation [N, 2F] (SwiGLU backward)
+    and its activation [N, F] (dW_out); expert outputs [N, H] (the combine weights' gradient is
+    <output row, output gradient>); routing metadata: the fp32 scores [T, E] (softmax backward),
+    an int64 row permutation [N] and the fp32 combine weights [T, k]. A fused kernel that recomputes
+    the activation from the pre-activation may go below this (ratio < 1).
+    """
+    n = tokens * top_k
+    parts = {
+        "inputs": tokens * hidden * elem,
+        "gathered_rows": n * hidden * elem,
+        "expert_hidden": n * 2 * ffn * elem,
+        "expert_activation": n * ffn * elem,
+        "expert_outputs": n * hidden * elem,
+        "routing_metadata": tokens * experts * 4 + n * 8 + tokens * top_k * 4,
+    }
+    parts["total"] = sum(parts.values())
+    return parts

@@ -1,0 +1,232 @@
+"""Profile a few training steps of a model preset: a chrome trace and time by category, in one command.
+
+    python tools/bench/profile_step.py --preset mixtral-tiny --batch-size 2 --seq-len 64   # CPU
+    python tools/bench/profile_step.py --out-dir bench-results/profile                     # GPU, bf16 autocast
+
+One step = forward under bf16 autocast (GPU; fp32 on CPU), cross-entropy, backward, AdamW step. The
+model comes from models.transformer.build_model. --preset auto takes a ~1B-parameter preset (a name
+containing "1b") when one exists, else mixtral-tiny. Warm-up steps (Triton autotuning, allocator
+growth) run before the profiler starts.
+
+Time by category: GPU kernel time (CPU op self time on CPU), attributed by where the work was issued.
+Forward: the innermost labelled region, from record_function ranges this script opens around modules
+(attention, router, experts, norms, ...), around moekit's dispatch and combine, around the head + loss
+and around the optimizer. Backward: the forward op whose autograd node ran it (the profiler's sequence
+number links the two), so a GEMM in backward counts where its forward ran. Communication kernels and
+ops (nccl, c10d) are taken by name first. Everything else is "other".
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gzip
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd.profiler import record_function
+
+from benchlib import environment, print_table, sync, write_json
+from models.config import PRESETS, preset
+from models.transformer import Attention, build_model
+from moe import DenseMLP, MoELayer, Router
+from moe.experts import GroupedExperts
+
+LABEL = "moekit/"
+MODULE_CATEGORIES = (  # first match wins, innermost labelled region wins at attribution
+    (Attention, "attention"), (GroupedExperts, "expert_gemm"), (Router, "router"), (nn.RMSNorm, "norm"),
+    (DenseMLP, "dense_ffn"), (nn.Embedding, "embedding"), (MoELayer, "moe_other"),
+)
+CATEGORIES = ("attention", "expert_gemm", "router", "permute_unpermute", "norm", "dense_ffn", "moe_other",
+              "embedding", "head_loss", "optimizer", "communication", "other")
+COMM_WORDS = ("nccl", "c10d::", "all_to_all", "allreduce", "all_reduce", "reduce_scatter", "allgather", "all_gather")
+
+
+class Labels:
+    """record_function ranges opened in one hook and closed in another (forward pre / post hooks)."""
+
+    def __init__(self):
+        self.stack = []
+
+    def push(self, category: str) -> None:
+        rf = record_function(LABEL + category)
+        rf.__enter__()
+        self.stack.append(rf)
+
+    def pop(self) -> None:
+        self.stack.pop().__exit__(None, None, None)
+
+
+class LabelledDispatcher:
+    """Wraps a model's dispatcher so its permute and unpermute show up as one labelled category."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def dispatch(self, x, routing):
+        with record_function(LABEL + "permute_unpermute"):
+            return self.inner.dispatch(x, routing)
+
+    def combine(self, rows, meta):
+        with record_function(LABEL + "permute_unpermute"):
+            return self.inner.combine(rows, meta)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def install_labels(model: nn.Module, labels: Labels) -> None:
+    for module in model.modules():
+        category = next((c for cls, c in MODULE_CATEGORIES if isinstance(module, cls)), None)
+        if category is None:
+            continue
+        module.register_forward_pre_hook(lambda m, a, c=category: labels.push(c))
+        module.register_forward_hook(lambda m, a, o: labels.pop())
+        if isinstance(module, MoELayer):
+            module.dispatcher = LabelledDispatcher(module.dispatcher)
+    # the output projection runs inside Transformer.forward after the final norm: open "head_loss" there,
+    # close it once the loss is computed (train_step)
+    model.norm.register_forward_hook(lambda m, a, o: labels.push("head_loss"))
+
+
+def pick_preset(name: str, device: torch.device) -> str:
+    if name != "auto":
+        return name
+    big = [n for n in PRESETS if "1b" in n.lower()]
+    return big[0] if big and device.type == "cuda" else "mixtral-tiny"
+
+
+def train_step(model, opt, tokens, labels: Labels, autocast_dtype) -> torch.Tensor:
+    # fp32 (CPU): no autocast context at all, exactly as tools/train.py runs it
+    ctx = torch.autocast(tokens.device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
+    with ctx:
+        logits = model(tokens[:, :-1])  # [B, S, V] float32
+        loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+    labels.pop()  # head_loss, opened after the final norm
+    loss.backward()
+    with record_function(LABEL + "optimizer"):
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return loss
+
+
+def _label_of(event) -> str | None:
+    while event is not None:
+        if event.name.startswith(LABEL):
+            return event.name[len(LABEL):]
+        if event.name.startswith("autograd::engine::evaluate_function"):
+            return None  # backward: attributed through the sequence number instead
+        event = event.cpu_parent
+    return None
+
+
+def _backward_seq(event) -> int | None:
+    while event is not None:
+        if event.name.startswith("autograd::engine::evaluate_function"):
+            return event.sequence_nr
+        event = event.cpu_parent
+    return None
+
+
+def categorize(events, on_gpu: bool) -> dict[str, float]:
+    """Category -> microseconds of self time (device time of the kernels an op launched, on GPU)."""
+    seq_category: dict[int, str] = {}
+    for e in sorted(events, key=lambda e: e.time_range.start):  # forward ops: the last op that carries a
+        label = _label_of(e)                                    # sequence number created that autograd node
+        if label is not None and e.sequence_nr >= 0 and _backward_seq(e) is None:
+            seq_category[e.sequence_nr] = label
+    totals = dict.fromkeys(CATEGORIES, 0.0)
+    for e in events:
+        us = e.self_device_time_total if on_gpu else e.self_cpu_time_total
+        if us <= 0:
+            continue
+        names = [e.name.lower()] + [k.name.lower() for k in getattr(e, "kernels", [])]
+        if any(w in n for n in names for w in COMM_WORDS):
+            cat = "communication"
+        else:
+            label = _label_of(e)
+            seq = _backward_seq(e)
+            cat = label if label is not None else seq_category.get(seq, "other") if seq is not None else "other"
+        totals[cat if cat in totals else "other"] += us
+    return totals
+
+
+def top_ops(prof, on_gpu: bool, n: int = 15) -> list[dict]:
+    key = "self_device_time_total" if on_gpu else "self_cpu_time_total"
+    avgs = sorted(prof.key_averages(), key=lambda a: getattr(a, key), reverse=True)[:n]
+    return [{"name": a.key[:80], "calls": a.count, "self_ms": getattr(a, key) / 1e3} for a in avgs]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="auto", help=f"auto or one of {', '.join(PRESETS)}")
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=2048, help="clamped to the preset's max_seq_len")
+    p.add_argument("--warmup", type=int, default=2, help="steps before profiling")
+    p.add_argument("--steps", type=int, default=3, help="profiled steps")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--expert-backend", default=None, help="override the preset's expert backend")
+    p.add_argument("--out-dir", default="bench-results/profile")
+    args = p.parse_args(argv)
+    if min(args.batch_size, args.seq_len, args.steps) <= 0 or args.warmup < 0:
+        p.error("--batch-size, --seq-len and --steps must be positive, --warmup >= 0")
+    device = torch.device(args.device)
+    name = pick_preset(args.preset, device)
+    cfg = preset(name)
+    if args.expert_backend:
+        cfg.expert_backend = args.expert_backend
+    seq = min(args.seq_len, cfg.max_seq_len)
+    model = build_model(cfg, device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    labels = Labels()
+    install_labels(model, labels)
+    autocast_dtype = torch.bfloat16 if device.type == "cuda" else None
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, cfg.vocab_size, (args.batch_size, seq + 1), generator=gen).to(device)
+    for _ in range(args.warmup):
+        train_step(model, opt, tokens, labels, autocast_dtype)
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(args.steps):  # unprofiled: the step time the profile is a breakdown of
+        loss = train_step(model, opt, tokens, labels, autocast_dtype)
+    sync(device)
+    step_ms = (time.perf_counter() - t0) * 1e3 / args.steps
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(args.steps):
+            train_step(model, opt, tokens, labels, autocast_dtype)
+        sync(device)
+    on_gpu = device.type == "cuda"
+    totals = categorize(prof.events(), on_gpu)
+    total = sum(totals.values()) or 1.0
+    rows = [{"category": c, "ms_per_step": us / 1e3 / args.steps, "share": us / total} for c, us in totals.items()]
+    print(f"preset {name}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, batch "
+          f"{args.batch_size} x {seq} tokens, {step_ms:.1f} ms/step unprofiled, loss {loss.item():.3f}")
+    print_table(rows, [("category", "category", ""), ("ms_per_step", "ms/step", ".2f"), ("share", "share", ".1%")])
+    basis = "GPU kernel time" if on_gpu else "CPU op self time"
+    print(f"({basis} per step; the categories sum to {total / 1e3 / args.steps:.1f} ms of the {step_ms:.1f} ms step)")
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    trace = out / "trace.json"
+    prof.export_chrome_trace(str(trace))
+    with open(trace, "rb") as src, gzip.open(str(trace) + ".gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    trace.unlink()
+    print(f"wrote {trace}.gz (open in https://ui.perfetto.dev or chrome://tracing)")
+    write_json(out / "profile_step.json", {
+        "benchmark": "profile_step", "preset": name, "config": cfg.to_dict(), "batch_size": args.batch_size,
+        "seq_len": seq, "tokens_per_step": args.batch_size * seq, "step_ms": step_ms, "time_basis": basis,
+        "categories": rows, "top_ops": top_ops(prof, on_gpu), "trace": "trace.json.gz",
+        "environment": environment(device),
+    })
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

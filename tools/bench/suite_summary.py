@@ -1,0 +1,127 @@
+"""Issue 9's targets next to what the GPU suite measured: reads the suite's JSON files, prints one table.
+
+    python tools/bench/suite_summary.py bench-results/raw            # the folder gpu_suite.sh wrote
+
+Each line is one target, the worst case over the measured cases (and the median), and "met" / "missed"
+/ "no data". It reports; it asserts nothing (timings vary by machine: the ratios are what to compare).
+Writes summary.json beside the inputs.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+FINE_GRAINED = ("deepseek-v3-ep8", "qwen3-30b-a3b", "fine-grained")
+
+
+def load(folder: Path, name: str) -> dict | None:
+    path = folder / name
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def line(target: str, goal: str, values: list[float], higher_is_better: bool, threshold: float, source: str) -> dict:
+    if not values:
+        return {"target": target, "goal": goal, "worst": None, "median": None, "status": "no data", "source": source}
+    worst = min(values) if higher_is_better else max(values)
+    ok = worst >= threshold if higher_is_better else worst <= threshold
+    return {"target": target, "goal": goal, "worst": worst, "median": statistics.median(values),
+            "status": "met" if ok else "missed", "cases": len(values), "source": source}
+
+
+def grouped_gemm_lines(data: dict | None) -> list[dict]:
+    rows = (data or {}).get("rows", [])
+    skews = (data or {}).get("skew_ratios", [])
+
+    def ratios(peer: str, shapes) -> list[float]:
+        return [v for r in rows if r["shape"] in shapes for k, v in r["ratios"].items() if k.startswith(f"triton/{peer}:")]
+
+    src = "grouped_gemm.json"
+    return [
+        line("grouped GEMM: triton / torch grouped_mm, fine-grained shapes", ">= 1.0",
+             ratios("torch_grouped", FINE_GRAINED), True, 1.0, src),
+        line("grouped GEMM: triton / torch grouped_mm, Mixtral-8x7B", ">= 0.9",
+             ratios("torch_grouped", ("mixtral-8x7b",)), True, 0.9, src),
+        line("grouped GEMM: triton / per-expert loop, fine-grained shapes", ">= 3",
+             ratios("loop", FINE_GRAINED), True, 3.0, src),
+        line("grouped GEMM: triton Zipf(1.2) / uniform routing", ">= 0.9",
+             [s["skew_over_uniform"] for s in skews if s["impl"] == "triton" and s["routing"] == "zipf1.2"], True, 0.9, src),
+    ]
+
+
+def moe_layer_lines(data: dict | None) -> list[dict]:
+    results = (data or {}).get("results", [])
+    cases = (data or {}).get("cases", [])
+    src = "moe_layer.json"
+
+    def speedups(prefix: str) -> list[float]:
+        return [r["moekit_speedup"] for r in results if r["impl"].startswith(prefix) and r.get("moekit_speedup")]
+
+    syncs = [v for c in cases for k, v in c.get("host_syncs", {}).items() if k == "router"]
+    router_ok = [1.0 if v == "none" else 0.0 for v in syncs if not v.startswith("not checked")]
+    memory = [c["activation_bytes"][n]["ratio_to_minimum"] for c in cases for n in c.get("activation_bytes", {})
+              if n.startswith("moekit[auto") and "ratio_to_minimum" in c["activation_bytes"][n]]
+    return [
+        line("MoE layer fwd+bwd: titan-style time / moekit time", ">= 1.2", speedups("titan-style"), True, 1.2, src),
+        line("MoE layer fwd+bwd: transformers Mixtral block (eager) / moekit", ">= 5",
+             speedups("transformers[eager]"), True, 5.0, src),
+        line("MoE layer: router + permute + combine share of layer time", "<= 10%",
+             [c["router_permute_combine_share"] for c in cases if "router_permute_combine_share" in c], False, 0.10, src),
+        line("MoE layer: router forward+backward free of host syncs (1 = none)", "= 1", router_ok, True, 1.0, src),
+        line("MoE layer: saved activations / minimum (moekit[auto])", "<= 1.2", memory, False, 1.2, src),
+    ]
+
+
+def dispatch_lines(data: dict | None) -> list[dict]:
+    results = (data or {}).get("results", [])
+    out = []
+    for op in ("dispatch_fwd", "dispatch_bwd", "combine_fwd", "combine_bwd"):
+        vals = [r["vs_copy"] for r in results if r["op"] == op and r["impl"] == "moekit" and r.get("vs_copy")]
+        out.append(line(f"local {op}: moekit GB/s / plain copy GB/s", ">= 0.7", vals, True, 0.7, "dispatch_bandwidth.json"))
+    return out
+
+
+def mfu_lines(data: dict | None) -> list[dict]:
+    rows = (data or {}).get("results", [])
+    out = []
+    for r in rows:
+        vals = [r["mfu"]] if r.get("mfu") is not None else []
+        out.append(line(f"training MFU, {r.get('config', '?')}", ">= 45%", vals, True, 0.45, "train_mfu.json"))
+    return out or [line("training MFU (mixtral-1b, bf16)", ">= 45%", [], True, 0.45, "train_mfu.json")]
+
+
+def fmt(v, goal: str) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.1%}" if "%" in goal else f"{v:.2f}"
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    folder = Path(argv[0] if argv else "bench-results/raw")
+    lines = (grouped_gemm_lines(load(folder, "grouped_gemm.json")) + moe_layer_lines(load(folder, "moe_layer.json"))
+             + dispatch_lines(load(folder, "dispatch_bandwidth.json")) + mfu_lines(load(folder, "train_mfu.json")))
+    profile = load(folder, "profile/profile_step.json") or load(folder, "profile_step.json")
+    width = max(len(ln["target"]) for ln in lines)
+    print(f"\n{'issue 9 target':<{width}}  {'goal':>7}  {'worst':>7}  {'median':>7}  status")
+    for ln in lines:
+        print(f"{ln['target']:<{width}}  {ln['goal']:>7}  {fmt(ln['worst'], ln['goal']):>7}  "
+              f"{fmt(ln['median'], ln['goal']):>7}  {ln['status']}")
+    if profile:
+        top = sorted(profile["categories"], key=lambda c: c["share"], reverse=True)[:5]
+        print(f"profile ({profile['preset']}, {profile['step_ms']:.0f} ms/step, {profile['time_basis']}): "
+              + ", ".join(f"{c['category']} {c['share']:.0%}" for c in top))
+    envs = [d.get("environment", {}) for d in (load(folder, n) for n in ("moe_layer.json", "dispatch_bandwidth.json")) if d]
+    if any(e.get("device") == "cpu" for e in envs):
+        print("(CPU run: these numbers check the scripts, they are not measurements of the GPU targets)")
+    payload = {"targets": lines, "profile_top": profile["categories"] if profile else None}
+    (folder / "summary.json").write_text(json.dumps(payload, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
