@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
 import sys
@@ -243,7 +242,7 @@ def print_table(rows):
     print("(TFLOP/s; ratios are triton TFLOP/s over the baseline's)")
 
 
-def main(argv=None) -> int:
+def parse(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
     ap.add_argument("--quick", action="store_true", help="subset: 8192 tokens, uniform + zipf, 2 shapes")
@@ -254,45 +253,48 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", default=None, help=f"comma list of token counts (default {TOKENS})")
     ap.add_argument("--routings", default=None, help=f"comma list of {','.join(ROUTINGS)}")
     ap.add_argument("--rounds", type=int, default=3, help="round-robin rounds per case on GPU (median kept)")
-    a = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
-    from moe import kernels
 
+def select_cases(a, kernels):
+    """(device, dtype, shapes, tokens, routings, workloads), or an error message for stderr."""
     if a.smoke:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if device.type == "cpu" and not kernels.interpret_mode():
-            print("--smoke on CPU needs TRITON_INTERPRET=1 set before launch", file=sys.stderr)
-            return 2
+            return "--smoke on CPU needs TRITON_INTERPRET=1 set before launch"
         shapes, tokens, routings = SMOKE_SHAPES, (32,), ("uniform", "zipf1.2")
         dtype = torch.float32 if device.type == "cpu" else getattr(torch, a.dtype)
     else:
         if not torch.cuda.is_available():
-            print("grouped_gemm benchmark needs a CUDA GPU (found none); use --smoke under TRITON_INTERPRET=1 "
-                  "to check the script on CPU", file=sys.stderr)
-            return 2
+            return ("grouped_gemm benchmark needs a CUDA GPU (found none); use --smoke under TRITON_INTERPRET=1 "
+                    "to check the script on CPU")
         device, dtype = torch.device("cuda"), getattr(torch, a.dtype)
         names = a.shapes.split(",") if a.shapes else list(SHAPES)
         unknown = [n for n in names if n not in SHAPES]
         if unknown:
-            print(f"unknown shapes {unknown}; use {list(SHAPES)}", file=sys.stderr)
-            return 2
+            return f"unknown shapes {unknown}; use {list(SHAPES)}"
         if a.quick:
             names = [n for n in names if n in ("mixtral-8x7b", "qwen3-30b-a3b")] or names[:2]
         shapes = {n: SHAPES[n] for n in names}
-        tokens = (8192,) if a.quick else TOKENS
-        routings = ("uniform", "zipf1.2") if a.quick else ROUTINGS
-        if a.tokens:
-            tokens = tuple(int(t) for t in a.tokens.split(","))
-        if a.routings:
-            routings = tuple(a.routings.split(","))
-            if any(r not in ROUTINGS for r in routings):
-                print(f"--routings takes {ROUTINGS}, got {a.routings!r}", file=sys.stderr)
-                return 2
+        tokens = tuple(int(t) for t in a.tokens.split(",")) if a.tokens else (8192,) if a.quick else TOKENS
+        routings = tuple(a.routings.split(",")) if a.routings else ("uniform", "zipf1.2") if a.quick else ROUTINGS
+        if any(r not in ROUTINGS for r in routings):
+            return f"--routings takes {ROUTINGS}, got {a.routings!r}"
     workloads = [w for w in a.workloads.split(",") if w]
     if any(w not in ("gemm1", "mlp") for w in workloads):
-        print(f"--workloads takes gemm1 and/or mlp, got {a.workloads!r}", file=sys.stderr)
-        return 2
+        return f"--workloads takes gemm1 and/or mlp, got {a.workloads!r}"
+    return device, dtype, shapes, tokens, routings, workloads
 
+
+def main(argv=None) -> int:
+    a = parse(argv)
+    from moe import kernels
+
+    selected = select_cases(a, kernels)
+    if isinstance(selected, str):
+        print(selected, file=sys.stderr)
+        return 2
+    device, dtype, shapes, tokens, routings, workloads = selected
     import triton
 
     has_torch_gmm = hasattr(F, "grouped_mm")
@@ -328,7 +330,6 @@ def main(argv=None) -> int:
     if a.out:
         print(f"wrote {a.out}")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -3,10 +3,11 @@
     python tools/bench/profile_step.py --preset mixtral-tiny --batch-size 2 --seq-len 64   # CPU
     python tools/bench/profile_step.py --out-dir bench-results/profile                     # GPU, bf16 autocast
 
-One step = forward under bf16 autocast (GPU; fp32 on CPU), cross-entropy, backward, AdamW step. The
-model comes from models.transformer.build_model. --preset auto takes a ~1B-parameter preset (a name
-containing "1b") when one exists, else mixtral-tiny. Warm-up steps (Triton autotuning, allocator
-growth) run before the profiler starts.
+One step = forward under bf16 autocast (GPU; fp32 on CPU), cross-entropy, backward, AdamW step (built
+as the trainer builds it unless --optimizer says otherwise). The model comes from
+models.transformer.build_model. --preset auto takes a ~1B-parameter preset (a name containing "1b")
+when one exists, else mixtral-tiny. Warm-up steps (Triton autotuning, allocator growth) run before the
+profiler starts.
 
 Time by category: GPU kernel time (CPU op self time on CPU), attributed by where the work was issued.
 Forward: the innermost labelled region, from record_function ranges this script opens around modules
@@ -141,6 +142,8 @@ def categorize(events, on_gpu: bool) -> dict[str, float]:
             seq_category[e.sequence_nr] = label
     totals = dict.fromkeys(CATEGORIES, 0.0)
     for e in events:
+        if not str(getattr(e, "device_type", "CPU")).endswith("CPU"):
+            continue  # GPU-side copies of record_function ranges: their kernels are already counted on the op
         us = e.self_device_time_total if on_gpu else e.self_cpu_time_total
         if us <= 0:
             continue
@@ -157,11 +160,12 @@ def categorize(events, on_gpu: bool) -> dict[str, float]:
 
 def top_ops(prof, on_gpu: bool, n: int = 15) -> list[dict]:
     key = "self_device_time_total" if on_gpu else "self_cpu_time_total"
-    avgs = sorted(prof.key_averages(), key=lambda a: getattr(a, key), reverse=True)[:n]
+    ops = [a for a in prof.key_averages() if not a.key.startswith(LABEL)]  # labels would count their contents
+    avgs = sorted(ops, key=lambda a: getattr(a, key), reverse=True)[:n]
     return [{"name": a.key[:80], "calls": a.count, "self_ms": getattr(a, key) / 1e3} for a in avgs]
 
 
-def main(argv=None) -> int:
+def parse(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="auto", help=f"auto or one of {', '.join(PRESETS)}")
     p.add_argument("--batch-size", type=int, default=4)
@@ -170,23 +174,18 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=3, help="profiled steps")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--expert-backend", default=None, help="override the preset's expert backend")
+    p.add_argument("--optimizer", default="trainer", choices=["trainer", "foreach", "fused"],
+                   help="AdamW implementation: the trainer's (foreach=False), foreach, or fused (GPU)")
     p.add_argument("--out-dir", default="bench-results/profile")
     args = p.parse_args(argv)
     if min(args.batch_size, args.seq_len, args.steps) <= 0 or args.warmup < 0:
         p.error("--batch-size, --seq-len and --steps must be positive, --warmup >= 0")
-    device = torch.device(args.device)
-    name = pick_preset(args.preset, device)
-    cfg = preset(name)
-    if args.expert_backend:
-        cfg.expert_backend = args.expert_backend
-    seq = min(args.seq_len, cfg.max_seq_len)
-    model = build_model(cfg, device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-    labels = Labels()
-    install_labels(model, labels)
-    autocast_dtype = torch.bfloat16 if device.type == "cuda" else None
-    gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, cfg.vocab_size, (args.batch_size, seq + 1), generator=gen).to(device)
+    return args
+
+
+def profile_steps(args, model, opt, tokens, labels, autocast_dtype):
+    """(unprofiled ms per step, last loss, the profiler over ``args.steps`` further steps)."""
+    device = tokens.device
     for _ in range(args.warmup):
         train_step(model, opt, tokens, labels, autocast_dtype)
     sync(device)
@@ -202,31 +201,55 @@ def main(argv=None) -> int:
         for _ in range(args.steps):
             train_step(model, opt, tokens, labels, autocast_dtype)
         sync(device)
+    return step_ms, loss.item(), prof  # D2H sync: once, after timing
+
+
+def export_trace(prof, out: Path) -> None:
+    trace = out / "trace.json"
+    prof.export_chrome_trace(str(trace))
+    with open(trace, "rb") as src, gzip.open(str(trace) + ".gz", "wb") as dst:  # ~10x smaller
+        shutil.copyfileobj(src, dst)
+    trace.unlink()
+    print(f"wrote {trace}.gz (open in https://ui.perfetto.dev or chrome://tracing)")
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    device = torch.device(args.device)
+    name = pick_preset(args.preset, device)
+    cfg = preset(name)
+    if args.expert_backend:
+        cfg.expert_backend = args.expert_backend
+    seq = min(args.seq_len, cfg.max_seq_len)
+    model = build_model(cfg, device)
+    # "trainer": AdamW as tools/train.py builds it (foreach=False), so the profile shows what training pays
+    impl = {"trainer": dict(foreach=False), "foreach": dict(foreach=True), "fused": dict(fused=True)}[args.optimizer]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **impl)
+    labels = Labels()
+    install_labels(model, labels)
+    autocast_dtype = torch.bfloat16 if device.type == "cuda" else None
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, cfg.vocab_size, (args.batch_size, seq + 1), generator=gen).to(device)
+    step_ms, loss, prof = profile_steps(args, model, opt, tokens, labels, autocast_dtype)
     on_gpu = device.type == "cuda"
     totals = categorize(prof.events(), on_gpu)
     total = sum(totals.values()) or 1.0
     rows = [{"category": c, "ms_per_step": us / 1e3 / args.steps, "share": us / total} for c, us in totals.items()]
     print(f"preset {name}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, batch "
-          f"{args.batch_size} x {seq} tokens, {step_ms:.1f} ms/step unprofiled, loss {loss.item():.3f}")
+          f"{args.batch_size} x {seq} tokens, {step_ms:.1f} ms/step unprofiled, loss {loss:.3f}")
     print_table(rows, [("category", "category", ""), ("ms_per_step", "ms/step", ".2f"), ("share", "share", ".1%")])
     basis = "GPU kernel time" if on_gpu else "CPU op self time"
     print(f"({basis} per step; the categories sum to {total / 1e3 / args.steps:.1f} ms of the {step_ms:.1f} ms step)")
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    trace = out / "trace.json"
-    prof.export_chrome_trace(str(trace))
-    with open(trace, "rb") as src, gzip.open(str(trace) + ".gz", "wb") as dst:
-        shutil.copyfileobj(src, dst)
-    trace.unlink()
-    print(f"wrote {trace}.gz (open in https://ui.perfetto.dev or chrome://tracing)")
+    export_trace(prof, out)
     write_json(out / "profile_step.json", {
         "benchmark": "profile_step", "preset": name, "config": cfg.to_dict(), "batch_size": args.batch_size,
         "seq_len": seq, "tokens_per_step": args.batch_size * seq, "step_ms": step_ms, "time_basis": basis,
-        "categories": rows, "top_ops": top_ops(prof, on_gpu), "trace": "trace.json.gz",
+        "optimizer": args.optimizer, "categories": rows, "top_ops": top_ops(prof, on_gpu), "trace": "trace.json.gz",
         "environment": environment(device),
     })
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
