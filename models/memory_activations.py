@@ -87,9 +87,7 @@ def _router(cfg: ModelConfig, s: Shapes) -> int:
     b += T * FP32 if sigmoid else 0  # the balance distribution divides by the scores' sum
     if cfg.router == "switch" and opts.get("jitter", 0.01) > 0:  # the noise and the jittered input
         b += 2 * T * H * FP32
-    if s.r != FP32:  # bf16 residual: the router's fp32 copy of its input
-        b += T * H * FP32
-    return b
+    return b  # a bf16 input is saved as bf16 (moe.precision.upcast_linear), counted with the block's inputs
 
 
 def _moe(cfg: ModelConfig, layout: Layout, s: Shapes, node_rows: float) -> dict[str, int]:

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moe.precision import compute_dtype
+
 # ---------------------------------------------------------------------------------------------------
 # Activations
 # ---------------------------------------------------------------------------------------------------
@@ -153,12 +155,6 @@ def loop_mlp(rows: Tensor, counts: Tensor, w_in: Tensor, w_out: Tensor, activati
     return torch.cat(outs)
 
 
-def _matmul_dtype(t: Tensor) -> torch.dtype:
-    if torch.is_autocast_enabled(t.device.type) and t.dtype == torch.float32:
-        return torch.get_autocast_dtype(t.device.type)
-    return t.dtype
-
-
 def _grouped_mm_why_not(rows: Tensor, w_in: Tensor, w_out: Tensor) -> str:
     if not hasattr(F, "grouped_mm"):
         return f"torch {torch.__version__} has no torch.nn.functional.grouped_mm"
@@ -266,7 +262,7 @@ class GroupedExperts(nn.Module):
         w_in, w_out = (w.to_local() if hasattr(w, "to_local") else w for w in (self.w_in, self.w_out))
         if counts.shape != (w_in.shape[0],):
             raise ValueError(f"counts must be [{w_in.shape[0]}] (one per local expert), got {tuple(counts.shape)}")
-        rows = rows.to(_matmul_dtype(rows))  # autocast: every backend computes in the autocast dtype
+        rows = rows.to(compute_dtype(rows))  # autocast: every backend computes in the autocast dtype
         if rows.dtype != w_in.dtype:  # e.g. fp32 master weights under bf16 autocast
             w_in, w_out = w_in.to(rows.dtype), w_out.to(rows.dtype)
         backend = resolve_backend(self.backend, rows, w_in, w_out)

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moe.dispatch import Dispatcher, LocalDispatcher
-from moe.experts import (ACTIVATIONS, GroupedExperts, _matmul_dtype, available_backends, check_activation,
-                         ffn_in_features)
+from moe.experts import ACTIVATIONS, GroupedExperts, available_backends, check_activation, ffn_in_features
+from moe.precision import compute_dtype
 from moe.load import ExpertLoad
 from moe.router import Router, build_router, check_int
 
@@ -112,7 +112,7 @@ class MoELayer(nn.Module):
             self.load.record(routing)
         # Under autocast the experts compute in the autocast dtype anyway: cast before dispatch, so the
         # gathered rows (and an EP all-to-all) carry half the bytes. The router keeps the fp32 input.
-        rows_in = x.to(_matmul_dtype(x))
+        rows_in = x.to(compute_dtype(x))
         d = self.dispatcher.dispatch(rows_in, routing)  # rows [N, H], counts [E_local]
         y = self.dispatcher.combine(self.experts(d.rows, d.counts), d.meta)  # [T, H]
         if self.shared_expert is not None:

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moe.precision import upcast_linear
+
 from moe.load import in_backward
 from moe.losses import CountReducer, load_balance_loss, update_expert_bias, z_loss
 
@@ -154,7 +156,10 @@ class Router(nn.Module):
         if self.weight is None:
             return x.new_zeros(x.shape[0], self.num_experts, dtype=dtype)
         with torch.autocast(device_type=x.device.type, enabled=False):
-            return F.linear(x.to(dtype), self.weight.to(dtype))
+            if x.dtype == dtype:
+                return F.linear(x, self.weight.to(dtype))
+            return upcast_linear(x, self.weight, dtype)
+
 
     def capacity(self, num_tokens: int) -> int | None:
         if self.capacity_factor is None:

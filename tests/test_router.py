@@ -307,3 +307,24 @@ def test_to_dense():
             if e >= 0:
                 assert mask[t, e] and probs[t, e].item() == r.weights[t, j].item()
     assert (probs[~mask] == 0).all()
+
+
+def test_router_keeps_a_bf16_input_in_bf16_for_backward():
+    """Router math is fp32, but a bf16 input is saved as bf16 (not its fp32 copy); gradients are bitwise the
+    same as upcasting first."""
+    from moe.router import build_router
+
+    torch.manual_seed(0)
+    router = build_router("topk", 32, 8, top_k=2)
+    x = torch.randn(64, 32).bfloat16().requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        logits = router.logits(x)
+    assert logits.dtype == torch.float32
+    assert not any(t.dtype == torch.float32 and t.shape == x.shape for t in saved)
+    g = torch.randn_like(logits)
+    logits.backward(g)
+    x2 = x.detach().clone().requires_grad_()
+    w2 = router.weight.detach().clone().requires_grad_()
+    torch.nn.functional.linear(x2.float(), w2).backward(g)
+    assert torch.equal(x.grad, x2.grad.bfloat16()) and torch.equal(router.weight.grad, w2.grad)
