@@ -114,3 +114,13 @@ def guarded(fn: Callable[[], object]) -> tuple[object, str | None]:
         return fn(), None
     except Exception as exc:  # noqa: BLE001 - recorded in the JSON and printed, never swallowed silently
         return None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+
+
+def add_timing_args(p, out: str, warmup: int = 2, repeats: int = 10) -> None:
+    """The flags every single-device benchmark shares: device, dtype, warm-up, repeats, seed, JSON path."""
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--warmup", type=int, default=warmup)
+    p.add_argument("--repeats", type=int, default=repeats)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=out)

@@ -31,7 +31,7 @@ import sys
 
 import torch
 
-from benchlib import environment, print_table, time_events, write_json
+from benchlib import add_timing_args, environment, print_table, time_events, write_json
 from moe import LocalDispatcher, build_router
 from moe.dispatch import permute, sort_slots, unpermute
 
@@ -133,12 +133,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, nargs="+", default=[4096])
     p.add_argument("--configs", nargs="+", default=["small", "qwen3-30b-a3b"], choices=list(CONFIGS),
                    help="hidden/experts/top-k sets: " + ", ".join(f"{n} {v}" for n, v in CONFIGS.items()))
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="bench-results/dispatch_bandwidth.json")
+    add_timing_args(p, out="bench-results/dispatch_bandwidth.json", warmup=3)
     args = p.parse_args(argv)
     if min(args.tokens) <= 0 or args.repeats <= 0:
         p.error("--tokens and --repeats must be positive")

@@ -25,7 +25,7 @@ import sys
 
 import torch
 
-from benchlib import environment, guarded, print_table, time_interleaved, write_json
+from benchlib import add_timing_args, environment, guarded, print_table, time_interleaved, write_json
 from layer_probes import PHASES, host_sync_check, minimum_activation_bytes, phase_steps, saved_activation_bytes
 from moe import MoELayer, build_router
 from moe.experts import resolve_backend
@@ -218,12 +218,7 @@ def main(argv=None) -> int:
     p.add_argument("--peers", nargs="*", default=["titan"], help="'titan' adds the torchtitan-style reference")
     p.add_argument("--hf-impl", nargs="*", default=["eager", "grouped_mm"],
                    help="transformers experts implementations to time (eager = its per-expert loop)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="bench-results/moe_layer.json")
+    add_timing_args(p, out="bench-results/moe_layer.json")
     args = p.parse_args(argv)
     args.backends = ["auto"] + [b for b in args.backends if b != "auto"]
     if min(args.tokens) <= 0 or args.hidden <= 0 or args.repeats <= 0:
