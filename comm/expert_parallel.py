@@ -22,9 +22,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard
 
-from comm.all_to_all import Traffic, agree_on_signature, all_to_all, exchange_counts
-from moe.dispatch import Dispatched, PermuteMeta, permute, sort_slots, unpermute
-from moe.router import Routing
+from moekit.comm.all_to_all import Traffic, agree_on_signature, all_to_all, exchange_counts
+from moekit.moe.dispatch import Dispatched, PermuteMeta, permute, sort_slots, unpermute
+from moekit.moe.router import Routing
 
 
 class _Reorder(torch.autograd.Function):
@@ -158,8 +158,8 @@ def apply_expert_parallel(model: nn.Module, topology, hierarchical: bool = False
 
     Returns the shared Traffic counter (bytes per link class) the trainer logs.
     """
-    from comm.hierarchical import HierarchicalEPDispatcher
-    from moe.load import moe_layers
+    from moekit.comm.hierarchical import HierarchicalEPDispatcher
+    from moekit.moe.load import moe_layers
 
     traffic = Traffic()
     ep_ranks = topology.members("ep")

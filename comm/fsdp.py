@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
-from moe.load import moe_layers
+from moekit.moe.load import moe_layers
 
 
 def _blocks(model: nn.Module):

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from moe.load import moe_layers
+from moekit.moe.load import moe_layers
 
 
 def local(t: Tensor) -> Tensor:

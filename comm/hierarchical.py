@@ -24,10 +24,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from comm.all_to_all import Traffic, all_to_all, exchange_counts
-from comm.expert_parallel import FlatEPDispatcher
-from moe.dispatch import Dispatched, PermuteMeta, permute, sort_slots, unpermute
-from moe.router import Routing, count_experts
+from moekit.comm.all_to_all import Traffic, all_to_all, exchange_counts
+from moekit.comm.expert_parallel import FlatEPDispatcher
+from moekit.moe.dispatch import Dispatched, PermuteMeta, permute, sort_slots, unpermute
+from moekit.moe.router import Routing, count_experts
 
 
 class _SelectRows(torch.autograd.Function):

@@ -26,8 +26,8 @@ from torch import Tensor, nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, parallelize_module
 
-from comm.topology import LayoutError
-from moe.load import moe_layers
+from moekit.comm.topology import LayoutError
+from moekit.moe.load import moe_layers
 
 
 def check_tensor_parallel(config, tp: int) -> None:

@@ -46,7 +46,7 @@ import warnings
 import torch
 from torch import nn
 
-from moe.load import moe_layers
+from moekit.moe.load import moe_layers
 
 _COMPILED = "_moekit_compiled"  # marks a module whose forward apply_compile replaced
 _EAGER = "_moekit_eager"  # marks a function wrapped by _eager (so wrapping twice is a no-op)

@@ -28,9 +28,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from comm.all_to_all import Traffic
-from comm.expert_parallel import apply_expert_parallel
-from comm.topology import Topology
+from moekit.comm.all_to_all import Traffic
+from moekit.comm.expert_parallel import apply_expert_parallel
+from moekit.comm.topology import Topology
 
 
 @dataclass
@@ -49,7 +49,7 @@ def parallelize(model: nn.Module, topology: Topology | None, *, hierarchical: bo
     param_dtype: FSDP's compute dtype for parameters (bf16 on GPU); gradients are reduced in fp32.
     sequence_parallel: with tp > 1, norms / residual / MoE layers keep 1/tp of the sequence per rank.
     """
-    from comm.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
+    from moekit.comm.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
 
     traffic, fsdp = Traffic(), False
     if topology is not None:
@@ -62,14 +62,14 @@ def parallelize(model: nn.Module, topology: Topology | None, *, hierarchical: bo
         traffic = apply_expert_parallel(model, topology, hierarchical=hierarchical)
     # 3. torch.compile per block
     if compile:
-        from models.compile import apply_compile
+        from moekit.models.compile import apply_compile
 
         apply_compile(model)
     # 4. activation checkpointing (around the compiled forwards)
     apply_activation_checkpointing(model, activation_checkpointing)
     # 5. FSDP
     if topology is not None and topology.layout.fsdp > 1:
-        from comm.fsdp import apply_fsdp
+        from moekit.comm.fsdp import apply_fsdp
 
         apply_fsdp(model, topology, param_dtype)
         fsdp = True

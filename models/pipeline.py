@@ -29,9 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from comm.pipeline import PipelineRunner, check_schedule, gather_load, stage_ids_of
-from models.config import ModelConfig
-from models.transformer import Transformer, rope_angles
+from moekit.comm.pipeline import PipelineRunner, check_schedule, gather_load, stage_ids_of
+from moekit.models.config import ModelConfig
+from moekit.models.transformer import Transformer, rope_angles
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from models.config import ModelConfig
-from models.transformer import Transformer
+from moekit.models.config import ModelConfig
+from moekit.models.transformer import Transformer
 
 
 @dataclass(frozen=True)

@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from models.config import COMMON_ROUTER_FIELDS, ModelConfig
-from moe import DenseMLP, MoELayer, build_router
-from moe.router import router_class
+from moekit.models.config import COMMON_ROUTER_FIELDS, ModelConfig
+from moekit.moe import DenseMLP, MoELayer, build_router
+from moekit.moe.router import router_class
 
 
 def rope_angles(seq_len: int, head_dim: int, theta: float, device) -> tuple[Tensor, Tensor]:

@@ -5,11 +5,11 @@ dispatchers, global load-balance reducers) into these modules.
 """
 from torch import nn
 
-from moe.dispatch import Dispatched, Dispatcher, LocalDispatcher
-from moe.experts import GroupedExperts, available_backends, register_backend
-from moe.layer import DenseMLP, MoELayer
-from moe.load import ExpertLoad, LoadSummary, collect_load, moe_layers, reset_load
-from moe.router import Router, Routing, build_router, register_router, registered_routers
+from moekit.moe.dispatch import Dispatched, Dispatcher, LocalDispatcher
+from moekit.moe.experts import GroupedExperts, available_backends, register_backend
+from moekit.moe.layer import DenseMLP, MoELayer
+from moekit.moe.load import ExpertLoad, LoadSummary, collect_load, moe_layers, reset_load
+from moekit.moe.router import Router, Routing, build_router, register_router, registered_routers
 
 
 def update_expert_biases(model: nn.Module) -> None:

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from moe.router import Routing
+from moekit.moe.router import Routing
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moe.precision import compute_dtype
+from moekit.moe.precision import compute_dtype
 
 # ---------------------------------------------------------------------------------------------------
 # Activations
@@ -187,9 +187,9 @@ def torch_grouped_mlp(rows: Tensor, counts: Tensor, w_in: Tensor, w_out: Tensor,
 
 def _triton_why_not(rows: Tensor, w_in: Tensor, w_out: Tensor) -> str:
     try:
-        from moe import kernels
+        from moekit.moe import kernels
     except ImportError as exc:  # triton missing on this platform
-        return f"moe.kernels cannot be imported ({exc})"
+        return f"moekit.moe.kernels cannot be imported ({exc})"
     return kernels.why_not_triton(rows, w_in, w_out)
 
 
@@ -199,7 +199,7 @@ def _triton_why_not(rows: Tensor, w_in: Tensor, w_out: Tensor) -> str:
     why_not=_triton_why_not,
 )
 def triton_mlp(rows: Tensor, counts: Tensor, w_in: Tensor, w_out: Tensor, activation: str) -> Tensor:
-    from moe import kernels
+    from moekit.moe import kernels
 
     return kernels.expert_mlp(rows, counts, w_in, w_out, activation)
 

@@ -13,11 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moe.dispatch import Dispatcher, LocalDispatcher
-from moe.experts import ACTIVATIONS, GroupedExperts, available_backends, check_activation, ffn_in_features
-from moe.precision import compute_dtype
-from moe.load import ExpertLoad
-from moe.router import Router, build_router, check_int
+from moekit.moe.dispatch import Dispatcher, LocalDispatcher
+from moekit.moe.experts import ACTIVATIONS, GroupedExperts, available_backends, check_activation, ffn_in_features
+from moekit.moe.precision import compute_dtype
+from moekit.moe.load import ExpertLoad
+from moekit.moe.router import Router, build_router, check_int
 
 
 class AuxLossInjector(torch.autograd.Function):

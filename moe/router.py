@@ -22,10 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moe.precision import upcast_linear
+from moekit.moe.precision import upcast_linear
 
-from moe.load import in_backward
-from moe.losses import CountReducer, load_balance_loss, update_expert_bias, z_loss
+from moekit.moe.load import in_backward
+from moekit.moe.losses import CountReducer, load_balance_loss, update_expert_bias, z_loss
 
 DROP_POLICIES = ("probs", "position")
 SCORES = ("softmax", "sigmoid")
@@ -397,4 +397,4 @@ class SwitchRouter(TopKRouter):
 
 
 # The other built-ins (expert_choice, sinkhorn, hash) register themselves on import.
-from moe import router_variants  # noqa: E402,F401  (import for registration)
+from moekit.moe import router_variants  # noqa: E402,F401  (import for registration)

@@ -10,8 +10,8 @@ import math
 import torch
 from torch import Tensor
 
-from moe.losses import z_loss
-from moe.router import Router, Routing, check_choice, check_int, count_experts, register_router
+from moekit.moe.losses import z_loss
+from moekit.moe.router import Router, Routing, check_choice, check_int, count_experts, register_router
 
 
 @register_router("expert_choice")

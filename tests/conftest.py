@@ -13,6 +13,6 @@ except ImportError:  # pragma: no cover
 if not _has_gpu:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import torch  # noqa: E402
+import torch
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))

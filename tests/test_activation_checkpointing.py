@@ -6,14 +6,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.config import PRESETS
-from models.parallelize import apply_activation_checkpointing
-from models.transformer import build_model
+from moekit.models.config import PRESETS
+from moekit.models.parallelize import apply_activation_checkpointing
+from moekit.models.transformer import build_model
 from tests.test_train_distributed import TINY, losses, run
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tools"))
-from trainlib.loop import main  # noqa: E402
+from moekit.train.loop import main
 
 
 def saved_bytes(model, tokens) -> int:

@@ -2,9 +2,7 @@
 import json
 import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "bench"))
-import all_to_all  # noqa: E402
+from moekit.bench import all_to_all
 
 
 def test_all_to_all_benchmark_smoke(tmp_path):

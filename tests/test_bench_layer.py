@@ -4,9 +4,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "bench"))
-import moe_layer  # noqa: E402
+from moekit.bench import moe_layer
 
 
 def test_moe_layer_benchmark_smoke(tmp_path, capsys):

@@ -9,14 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from moekit.bench import dispatch_bandwidth
+from moekit.bench import layer_probes
+from moekit.bench import suite_summary
+from moekit.bench.titan_ref import TitanStyleMoE
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "bench"))
-import dispatch_bandwidth  # noqa: E402
-import layer_probes  # noqa: E402
-import suite_summary  # noqa: E402
-from titan_ref import TitanStyleMoE  # noqa: E402
-
-from moe import MoELayer, build_router  # noqa: E402
+from moekit.moe import MoELayer, build_router
 
 
 def grads_of(module, layer, x, g):

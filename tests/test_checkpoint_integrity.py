@@ -18,11 +18,10 @@ import pytest
 from torch.distributed.checkpoint import FileSystemWriter
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tools"))
-from trainlib import checkpoint  # noqa: E402
-from trainlib.loop import main  # noqa: E402
+from moekit.train import checkpoint
+from moekit.train.loop import main
 
-from tests.tiny import TINY_MODEL  # noqa: E402
+from tests.tiny import TINY_MODEL
 
 TINY = [*TINY_MODEL, *"--steps 6 --checkpoint.every 2 --checkpoint.keep 3".split()]
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from comm.all_to_all import SplitMismatchError
-from comm.expert_parallel import FlatEPDispatcher, apply_expert_parallel
-from comm.topology import Layout, Topology
-from moe import MoELayer, build_router
+from moekit.comm.all_to_all import SplitMismatchError
+from moekit.comm.expert_parallel import FlatEPDispatcher, apply_expert_parallel
+from moekit.comm.topology import Layout, Topology
+from moekit.moe import MoELayer, build_router
 from tests.dist_utils import run_ranks
 
 H, FF, T = 8, 16, 6

@@ -19,12 +19,12 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
-from comm.topology import Layout, Topology
-from models.compile import apply_compile
-from models.config import PRESETS
-from models.parallelize import apply_activation_checkpointing, parallelize
-from models.transformer import build_model
-from moe.load import collect_load
+from moekit.comm.topology import Layout, Topology
+from moekit.models.compile import apply_compile
+from moekit.models.config import PRESETS
+from moekit.models.parallelize import apply_activation_checkpointing, parallelize
+from moekit.models.transformer import build_model
+from moekit.moe.load import collect_load
 from tests.dist_utils import run_ranks
 
 BATCH, SEQ = 2, 16
@@ -135,7 +135,7 @@ def test_refuses_what_cannot_work():
 
 def _expert_parallel_rank(rank: int, world: int) -> None:
     """dp2 x ep2: each rank compiles its share; losses and gradients equal one eager process on both halves."""
-    from comm.grad_sync import local, sync_gradients
+    from moekit.comm.grad_sync import local, sync_gradients
 
     cfg = tiny("mixtral-tiny")
     reference = build_model(cfg, seed=5)

@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from comm import cost_model
+from moekit.train.planning import cost_model
 
 
 def simulate(N, G, E, k, M=None, tokens=20000, seed=0):

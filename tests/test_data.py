@@ -1,4 +1,4 @@
-"""tools/trainlib/data.py: embedded corpus, token files and their header checks, split, sampler."""
+"""train/data.py: embedded corpus, token files and their header checks, split, sampler."""
 from __future__ import annotations
 
 import struct
@@ -7,10 +7,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-from trainlib import UserError  # noqa: E402
-from trainlib.data import (  # noqa: E402
+from moekit.train import UserError
+from moekit.train.data import (
     HEADER, Sampler, embedded_corpus, gather, load_tokens, read_token_file, split_windows, unigram_entropy,
     write_token_file,
 )
@@ -145,9 +143,7 @@ def test_truncate_after_drops_a_half_written_last_line(tmp_path):
     import importlib
     import sys
     from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-    records = importlib.import_module("trainlib.records")
+    records = importlib.import_module("moekit.train.records")
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"format": 1}\n{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "lo')
     records.truncate_after(path, 2)

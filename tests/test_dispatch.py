@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from moe.dispatch import LocalDispatcher
-from moe.router import Routing, build_router, count_experts
+from moekit.moe.dispatch import LocalDispatcher
+from moekit.moe.router import Routing, build_router, count_experts
 
 
 def make_routing(indices, weights=None, capacity=None):

@@ -1,4 +1,4 @@
-"""--dry-run plans big layouts on one CPU; models.memory's estimate matches memory measured on real runs."""
+"""--dry-run plans big layouts on one CPU; moekit.train.planning.memory's estimate matches memory measured on real runs."""
 import dataclasses
 import gc
 import sys
@@ -11,17 +11,17 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from comm.topology import Layout, Topology
-from models.config import preset
-from models.memory import Workload, all_to_all, estimate_memory
-from models.parallelize import apply_activation_checkpointing, parallelize
-from models.transformer import build_model
+from moekit.comm.topology import Layout, Topology
+from moekit.models.config import preset
+from moekit.train.planning.memory import Workload, all_to_all, estimate_memory
+from moekit.models.parallelize import apply_activation_checkpointing, parallelize
+from moekit.models.transformer import build_model
 from tests.dist_utils import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tools"))
-from trainlib import UserError, dryrun  # noqa: E402
-from trainlib.cli import parse_args  # noqa: E402
+from moekit.train import UserError
+from moekit.train.planning import dryrun
+from moekit.train.cli import parse_args
 
 # ---------------------------------------------------------------------------------------------------
 # Measuring real memory
@@ -145,7 +145,7 @@ def _two_ranks(rank: int, world: int):
         print(f"rank {rank} {name} {layout} ac={mode} sp={sp}: estimate / measured {ratios}")
         if layout.ep == 1:  # no routing imbalance between ranks: exact up to small tensors (SP saves ~10%
             assert abs(ratios["activations"] - 1) <= 0.01, ratios  # here, which 20% would not notice)
-        if layout.ep > 1:  # forward all-to-all bytes (the trainer's counter) against comm.cost_model's expectation
+        if layout.ep > 1:  # forward all-to-all bytes (the trainer's counter) against moekit.train.planning.cost_model's expectation
             sent = sum(v for k, v in traffic.snapshot().items() if k.endswith("_intra"))
             expected = all_to_all(cfg, layout, wl, ranks_per_node=2).forward["intra"]
             assert abs(sent / expected - 1) <= 0.25, (sent, expected)

@@ -5,11 +5,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from comm.all_to_all import SplitMismatchError, all_to_all, exchange_counts
-from comm.expert_parallel import apply_expert_parallel
-from comm.grad_sync import sync_gradients
-from comm.topology import Layout, LayoutError, Topology
-from moe import MoELayer, build_router
+from moekit.comm.all_to_all import SplitMismatchError, all_to_all, exchange_counts
+from moekit.comm.expert_parallel import apply_expert_parallel
+from moekit.comm.grad_sync import sync_gradients
+from moekit.comm.topology import Layout, LayoutError, Topology
+from moekit.moe import MoELayer, build_router
 from tests.dist_utils import run_ranks
 
 H, FF = 8, 16

@@ -1,5 +1,5 @@
 """Property-based fuzzing of tools/train.py's flags: any combination is a valid run (exit 0) or one clear
-error line (exit 2), never a traceback or a hang. In-process ``trainlib.loop.main(argv)``."""
+error line (exit 2), never a traceback or a hang. In-process ``moekit.train.loop.main(argv)``."""
 from __future__ import annotations
 
 import sys
@@ -10,8 +10,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tools"))
-from trainlib.loop import main  # noqa: E402
+from moekit.train.loop import main
 
 # values a user might type: valid, boundary, wrong type, non-finite
 NUMBERS = st.sampled_from(["0", "1", "2", "-1", "3", "8", "0.5", "1e-3", "1e309", "-1e309", "nan", "inf", "none",

@@ -12,14 +12,10 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tools"))
-from trainlib.loop import main as train_main  # noqa: E402
-from trainlib.records import ExpertLoadRecord  # noqa: E402
+from moekit.train.loop import main as train_main
+from moekit.train import heatmap
+from moekit.train.records import ExpertLoadRecord
 
-_spec = importlib.util.spec_from_file_location("heatmap", ROOT / "tools" / "heatmap.py")
-heatmap = importlib.util.module_from_spec(_spec)
-sys.modules["heatmap"] = heatmap  # dataclasses look their module up by name
-_spec.loader.exec_module(heatmap)
 
 TINY = ("--model.hidden_size 32 --model.num_layers 2 --model.num_heads 2 --model.num_kv_heads 1 "
         "--model.ffn_hidden_size 64 --model.moe_ffn_hidden_size 32 --model.max_seq_len 32 --train.seq_len 32 "
@@ -125,7 +121,7 @@ def test_without_matplotlib_says_how_to_install(runs, tmp_path):
     fake = tmp_path / "fake" / "matplotlib"
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text("raise ImportError('no matplotlib here')\n")
-    env = {**os.environ, "PYTHONPATH": f"{fake.parent}{os.pathsep}{ROOT}", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(fake.parent), "OMP_NUM_THREADS": "1"}
     script = str(ROOT / "tools" / "heatmap.py")
     proc = subprocess.run([sys.executable, script, str(runs["topk"])], capture_output=True, text=True, env=env,
                           timeout=60)

@@ -19,14 +19,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 transformers = pytest.importorskip("transformers")
-from transformers import MixtralConfig, MixtralForCausalLM  # noqa: E402
+from transformers import MixtralConfig, MixtralForCausalLM
 
-from models.config import ModelConfig  # noqa: E402
-from models.hf import UnsupportedCheckpoint, config_from_hf, load_hf, load_mixtral, save_mixtral  # noqa: E402
-from models.hf_families import DEEPSEEK_V3, QWEN2_MOE, deepseek_router_options, qwen_router_options  # noqa: E402
-from models.hf_weights import moe_rules  # noqa: E402
-from models.transformer import build_model  # noqa: E402
-from moe import MoELayer, build_router  # noqa: E402
+from moekit.models.config import ModelConfig
+from moekit.models.hf import UnsupportedCheckpoint, config_from_hf, load_hf, load_mixtral, save_mixtral
+from moekit.models.hf.families import DEEPSEEK_V3, QWEN2_MOE, deepseek_router_options, qwen_router_options
+from moekit.models.hf.weights import moe_rules
+from moekit.models.transformer import build_model
+from moekit.moe import MoELayer, build_router
 
 VOCAB, SEQ = 128, 12
 # initializer_range 0.1 (not HF's 0.02) makes router logits decisive, so a near-tie cannot flip an expert
@@ -337,7 +337,7 @@ def test_qwen2_moe_import_matches_transformers(tmp_path):
 def test_convert_round_trip(base, tmp_path, capsys):
     import torch.distributed.checkpoint as dcp
 
-    from tools.convert import load_moekit, main
+    from moekit.train.convert import load_moekit, main
 
     hf = MixtralForCausalLM.from_pretrained(base).eval()
     for name in ("model.safetensors", "model.pt"):
@@ -358,7 +358,7 @@ def test_convert_round_trip(base, tmp_path, capsys):
 
 
 def test_convert_rejects_wrong_inputs(base, tmp_path, capsys):
-    from tools.convert import main
+    from moekit.train.convert import main
 
     assert main(["moekit-to-hf", str(base / "model.safetensors"), str(tmp_path / "x")]) == 2
     assert "not a moekit model file; for a HuggingFace folder use 'hf-to-moekit'" in capsys.readouterr().err
@@ -367,7 +367,7 @@ def test_convert_rejects_wrong_inputs(base, tmp_path, capsys):
 
 
 def test_load_hf_into_checks_the_model_config(base):
-    from models.hf import config_from_hf, load_hf_into
+    from moekit.models.hf import config_from_hf, load_hf_into
 
     cfg = config_from_hf(base)
     cfg.capacity_factor, cfg.aux_loss_coeff, cfg.max_seq_len = 2.0, 0.05, 32  # training fields may differ

@@ -19,14 +19,14 @@ _PREV_INTERPRET = os.environ.get("TRITON_INTERPRET")
 os.environ["TRITON_INTERPRET"] = "1"
 import triton  # noqa: E402,F401  (first import decides the mode: see the module docstring)
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
-import moe.kernels as K  # noqa: E402
-from moe.kernels import expert_mlp, expert_mlp_ref, grouped_mm, grouped_mm_ref, why_not_triton
-import importlib  # noqa: E402
+import moekit.moe.kernels as K
+from moekit.moe.kernels import expert_mlp, expert_mlp_ref, grouped_mm, grouped_mm_ref, why_not_triton
+import importlib
 
-grouped_mm_module = importlib.import_module("moe.kernels.grouped_mm")
+grouped_mm_module = importlib.import_module("moekit.moe.kernels.grouped_mm")
 
 if _PREV_INTERPRET is None:
     del os.environ["TRITON_INTERPRET"]
@@ -224,7 +224,7 @@ def test_triton_path_runs_not_the_fallback(monkeypatch):
 
 
 def test_grouped_experts_triton_backend_matches_loop():
-    from moe.experts import GroupedExperts
+    from moekit.moe.experts import GroupedExperts
 
     torch.manual_seed(0)
     mod = GroupedExperts(4, 24, 20, activation="swiglu", backend="triton")
@@ -273,7 +273,7 @@ def test_cpu_without_interpreter_uses_torch_fallback():
     code = textwrap.dedent(
         """
         import os, torch
-        import moe.kernels as K
+        import moekit.moe.kernels as K
         x, w = torch.randn(30, 16), torch.randn(3, 16, 8)
         offs = torch.tensor([10, 10, 27], dtype=torch.int32)
         ref = K.grouped_mm_ref(x.double(), w.double(), offs)

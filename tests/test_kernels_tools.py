@@ -20,7 +20,7 @@ def test_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silences Triton 3.9's default-change warning
-    proc = subprocess.run([sys.executable, "-m", "moe.kernels._compile_check", "--quick"], env=env,
+    proc = subprocess.run([sys.executable, "-m", "moekit.moe.kernels._compile_check", "--quick"], env=env,
                           capture_output=True, text=True, timeout=300)
     if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr:
         pytest.skip("this Triton build ships no ptxas")

@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from moe import MoELayer, build_router, collect_load
-from moe.experts import GroupedExperts, resolve_backend
+from moekit.moe import MoELayer, build_router, collect_load
+from moekit.moe.experts import GroupedExperts, resolve_backend
 from tests.oracles import act_fn, ref_moe
 
 H, FF = 16, 32  # multiples of 16 bytes so the torch grouped_mm backend runs

@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.config import PRESETS, ModelConfig, preset
-from models.stats import model_stats
-from models.transformer import Attention, Transformer, apply_rope, build_model, rope_angles, router_options
-from moe import MoELayer
+from moekit.models.config import PRESETS, ModelConfig, preset
+from moekit.models.stats import model_stats
+from moekit.models.transformer import Attention, Transformer, apply_rope, build_model, rope_angles, router_options
+from moekit.moe import MoELayer
 
 TINY_PRESETS = ["mixtral-tiny", "switch-tiny", "deepseek-tiny"]
 REAL_PRESETS = [n for n in PRESETS if n not in TINY_PRESETS]

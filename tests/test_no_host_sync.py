@@ -15,9 +15,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from moe import MoELayer
-from moe.dispatch import LocalDispatcher
-from moe.router import build_router
+from moekit.moe import MoELayer
+from moekit.moe.dispatch import LocalDispatcher
+from moekit.moe.router import build_router
 
 DATA_DEPENDENT = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.unique.default",
                   "aten._unique2.default", "aten.unique_consecutive.default", "aten.masked_select.default"}

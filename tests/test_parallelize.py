@@ -11,11 +11,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from comm.grad_sync import global_grad_norm, sync_gradients
-from comm.topology import Layout, LayoutError, Topology
-from models.config import preset
-from models.parallelize import parallelize
-from models.transformer import build_model
+from moekit.comm.grad_sync import global_grad_norm, sync_gradients
+from moekit.comm.topology import Layout, LayoutError, Topology
+from moekit.models.config import preset
+from moekit.models.parallelize import parallelize
+from moekit.models.transformer import build_model
 from tests.dist_utils import run_ranks
 
 B, S = 8, 16
@@ -92,14 +92,14 @@ def test_layout_gradients_equal_single_process(world, cases):
 
 
 def test_tp_must_divide_heads():
-    from comm.tensor_parallel import check_tensor_parallel
+    from moekit.comm.tensor_parallel import check_tensor_parallel
 
     with pytest.raises(LayoutError, match="--tp 3 must divide num_heads=4, num_kv_heads=2"):
         check_tensor_parallel(tiny_config(), 3)
 
 
 def test_token_split_sizes_cover_every_token():
-    from comm.tensor_parallel import split_sizes
+    from moekit.comm.tensor_parallel import split_sizes
 
     for tokens in (0, 1, 7, 16):
         for parts in (1, 2, 3, 4):

@@ -12,17 +12,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from comm.expert_parallel import apply_expert_parallel
-from comm.fsdp import apply_fsdp
-from comm.grad_sync import sync_gradients
-from comm.pipeline import check_schedule, stage_ids_of
-from comm.topology import Layout, Topology
-from models.config import PRESETS, ModelConfig
-from models.parallelize import apply_activation_checkpointing
-from models.pipeline import (PipelineModel, StageModule, balance_stages, build_pipeline, check_pipeline_model,
+from moekit.comm.expert_parallel import apply_expert_parallel
+from moekit.comm.fsdp import apply_fsdp
+from moekit.comm.grad_sync import sync_gradients
+from moekit.comm.pipeline import check_schedule, stage_ids_of
+from moekit.comm.topology import Layout, Topology
+from moekit.models.config import PRESETS, ModelConfig
+from moekit.models.parallelize import apply_activation_checkpointing
+from moekit.models.pipeline import (PipelineModel, StageModule, balance_stages, build_pipeline, check_pipeline_model,
                              layer_costs, lm_loss)
-from models.transformer import build_model
-from moe import collect_load, moe_layers
+from moekit.models.transformer import build_model
+from moekit.moe import collect_load, moe_layers
 from tests.dist_utils import run_ranks
 
 S = 16  # sequence length

@@ -1,8 +1,8 @@
 """Reliability of tools/train.py (issue 8): non-finite steps, imbalance stress, determinism, memory, data.
 
-In-process runs call ``trainlib.loop.main(argv)`` with a tiny model; two torchrun launches (2 gloo ranks,
+In-process runs call ``moekit.train.loop.main(argv)`` with a tiny model; two torchrun launches (2 gloo ranks,
 ep 2) check that ranks agree on a skipped step and that all tokens on one expert neither hangs nor
-loses count. Non-finite values are injected with the MOEKIT_DEBUG_NAN hook (trainlib.guard).
+loses count. Non-finite values are injected with the MOEKIT_DEBUG_NAN hook (moekit.train.guard).
 """
 from __future__ import annotations
 
@@ -18,13 +18,12 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tools"))
-from trainlib import guard  # noqa: E402
-from trainlib.loop import main  # noqa: E402
+from moekit.train import guard
+from moekit.train.loop import main
 
-from tests.tiny import TINY_MODEL  # noqa: E402
+from tests.tiny import TINY_MODEL
 
-from moe import build_router  # noqa: E402
+from moekit.moe import build_router
 
 TINY = [*TINY_MODEL, *"--checkpoint.every 0 --log.progress off".split()]
 
@@ -153,7 +152,7 @@ def test_force_expert_is_selection_only():
 
 
 def test_out_of_memory_in_an_expert_names_layer_expert_and_rows(tmp_path, monkeypatch, capsys):
-    from moe.experts import GroupedExperts
+    from moekit.moe.experts import GroupedExperts
 
     real = GroupedExperts.forward
 
@@ -221,7 +220,7 @@ def test_live_tensors_do_not_grow_between_step_10_and_200(tmp_path, monkeypatch,
     """Live tensors (count and bytes, gc-reachable) after step 10 and after step 200 of one run differ by
     < 1%: no per-step growth in ExpertLoad, router state, the guard's flags, the optimizer or records,
     with and without activation checkpointing."""
-    from trainlib import records
+    from moekit.train import records
 
     seen = {}
     real = records.JsonlWriter.write

@@ -13,8 +13,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tools"))
-from trainlib import checkpoint, faults  # noqa: E402
+from moekit.train import checkpoint, faults
 
 TINY = ["--model.hidden_size", "32", "--model.num_layers", "2", "--train.seq_len", "32", "--batch-size", "8",
         "--eval.every", "0", "--log.every", "1", "--log.progress", "off", "--log.tensorboard", "false",

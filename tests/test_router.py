@@ -5,9 +5,9 @@ import textwrap
 import pytest
 import torch
 
-from moe.losses import load_balance_loss, z_loss
-from moe.router import Router, apply_capacity, build_router, registered_routers
-from moe.router_variants import sinkhorn
+from moekit.moe.losses import load_balance_loss, z_loss
+from moekit.moe.router import Router, apply_capacity, build_router, registered_routers
+from moekit.moe.router_variants import sinkhorn
 from tests.oracles import ref_capacity, ref_topk
 
 H = 8
@@ -211,7 +211,7 @@ def test_hash_router_is_deterministic_and_distinct():
 def test_user_router_by_module_path(tmp_path, monkeypatch):
     (tmp_path / "my_routers.py").write_text(textwrap.dedent("""
         import torch
-        from moe.router import Router
+        from moekit.moe.router import Router
 
         class LastExpert(Router):
             def route(self, logits, token_ids=None):
@@ -312,7 +312,7 @@ def test_to_dense():
 def test_router_keeps_a_bf16_input_in_bf16_for_backward():
     """Router math is fp32, but a bf16 input is saved as bf16 (not its fp32 copy); gradients are bitwise the
     same as upcasting first."""
-    from moe.router import build_router
+    from moekit.moe.router import build_router
 
     torch.manual_seed(0)
     router = build_router("topk", 32, 8, top_k=2)

@@ -1,6 +1,6 @@
 """tools/train.py: records, learning, bitwise resume, non-finite stop, config resolution, bad input.
 
-Runs call ``trainlib.loop.main(argv)`` in-process with a tiny model (seconds each); a few cases run
+Runs call ``moekit.train.loop.main(argv)`` in-process with a tiny model (seconds each); a few cases run
 ``python tools/train.py`` in a subprocess to check the real exit code and that no traceback leaks.
 """
 from __future__ import annotations
@@ -17,10 +17,9 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tools"))
-from trainlib import checkpoint  # noqa: E402
-from trainlib.data import embedded_corpus, split_windows, unigram_entropy, write_token_file  # noqa: E402
-from trainlib.loop import main  # noqa: E402
+from moekit.train import checkpoint
+from moekit.train.data import embedded_corpus, split_windows, unigram_entropy, write_token_file
+from moekit.train.loop import main
 
 TINY = ("--model.hidden_size 32 --model.num_layers 2 --model.num_heads 2 --model.num_kv_heads 1 "
         "--model.ffn_hidden_size 64 --model.moe_ffn_hidden_size 32 --model.max_seq_len 32 --train.seq_len 32 "
@@ -162,10 +161,10 @@ def test_token_file_trains_like_the_embedded_corpus(tmp_path):
 
 def test_init_from_hf_starts_from_those_weights(tmp_path):
     pytest.importorskip("safetensors")
-    from models.hf import save_mixtral
-    from models.transformer import build_model
-    from trainlib.cli import parse_args
-    from trainlib.data import Sampler, gather
+    from moekit.models.hf import save_mixtral
+    from moekit.models.transformer import build_model
+    from moekit.train.cli import parse_args
+    from moekit.train.data import Sampler, gather
 
     flags = [*TINY, "--model.ffn_hidden_size", "32", "--steps", "1", "--checkpoint.every", "0"]
     cfg, _ = parse_args(flags)
@@ -331,7 +330,7 @@ def test_script_corrupt_checkpoint(saved_run, tmp_path):
 
 
 def test_peak_flops_table_picks_the_longest_matching_name():
-    from trainlib.monitor import peak_for_name
+    from moekit.train.monitor import peak_for_name
 
     assert peak_for_name("NVIDIA H100 80GB HBM3") == 989e12
     assert peak_for_name("NVIDIA H100 NVL") == 835e12

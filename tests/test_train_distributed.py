@@ -63,8 +63,7 @@ def test_torchrun_ep_matches_one_process(tmp_path, single, extra):
     (["--tp", "4"], "--tp 4 must divide num_kv_heads=2"),
 ])
 def test_bad_layouts_fail_before_any_collective(args, match, monkeypatch, capsys):
-    sys.path.insert(0, str(ROOT / "tools"))
-    from trainlib.loop import main
+    from moekit.train.loop import main
 
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("RANK", "0")
@@ -134,7 +133,7 @@ def test_export_hf_from_expert_parallel_run(tmp_path):
     transformers = pytest.importorskip("transformers")
     import torch
 
-    from models.hf import load_mixtral
+    from moekit.models.hf import load_mixtral
 
     out = tmp_path / "hf"
     r = run(["--ep", "2", "--steps", "2", "--run-dir", str(tmp_path / "run"), "--export-hf", str(out),

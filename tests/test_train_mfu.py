@@ -5,12 +5,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from moekit.bench import train_mfu
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "bench"))
-import train_mfu  # noqa: E402
-
-from models.config import preset  # noqa: E402
-from models.stats import model_stats  # noqa: E402
+from moekit.models.config import preset
+from moekit.models.stats import model_stats
 
 RESULT_KEYS = {"config", "compile", "expert_backend", "status", "steps_timed", "tokens_per_step", "tokens_per_s",
                "step_ms_median", "tflops", "mfu", "mfu_palm", "flops_per_token", "peak_tflops", "peak_mem_gib",

@@ -7,7 +7,7 @@ DeepSeek-V3-like routing by default (H 7168, 256 experts, top-8), nodes simulate
     torchrun --nproc-per-node 8 tools/bench/all_to_all.py --ranks-per-node 8 4 2   # GPUs (NCCL)
 
 Each row: one (ranks per node, dispatcher) pair. Measured bytes are what every rank sent per token
-(dispatch only; combine mirrors it), averaged over ranks; "model" is comm.cost_model's expectation
+(dispatch only; combine mirrors it), averaged over ranks; "model" is moekit.train.planning.cost_model's expectation
 for uniformly random routing. Time is one dispatch + combine with identity experts (communication and
 permutation only), median over repeats, slowest rank. GB/s/rank is the dispatch + combine bytes a rank
 sent over that time: a lower bound on link use, since the time includes the permutes and count
@@ -26,12 +26,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from benchlib import environment, print_table, write_json
-from comm import cost_model
-from comm.expert_parallel import FlatEPDispatcher
-from comm.hierarchical import HierarchicalEPDispatcher
-from comm.topology import Layout, Topology
-from moe import build_router
+from moekit.bench.benchlib import environment, print_table, write_json
+from moekit.train.planning import cost_model
+from moekit.comm.expert_parallel import FlatEPDispatcher
+from moekit.comm.hierarchical import HierarchicalEPDispatcher
+from moekit.comm.topology import Layout, Topology
+from moekit.moe import build_router
 
 
 def measure(args, world: int, rank: int, per_node: int, device) -> list[dict]:

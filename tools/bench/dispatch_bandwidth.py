@@ -31,9 +31,9 @@ import sys
 
 import torch
 
-from benchlib import add_timing_args, environment, print_table, time_events, write_json
-from moe import LocalDispatcher, build_router
-from moe.dispatch import permute, sort_slots, unpermute
+from moekit.bench.benchlib import add_timing_args, environment, print_table, time_events, write_json
+from moekit.moe import LocalDispatcher, build_router
+from moekit.moe.dispatch import permute, sort_slots, unpermute
 
 CONFIGS = {  # name: (hidden H, experts E, top-k)
     "mixtral": (4096, 8, 2),

@@ -35,8 +35,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
 SHAPES = {  # name: (hidden H, expert ffn F, local experts E, top-k)
     "mixtral-8x7b": (4096, 14336, 8, 2),
@@ -102,7 +102,7 @@ def _swiglu(h):
 
 def build_impls(workload: str, x, w_in, w_out, counts, has_torch_gmm: bool):
     """name -> zero-arg forward closure returning the output tensor."""
-    from moe import kernels
+    from moekit.moe import kernels
 
     offs = counts.cumsum(0).to(torch.int32).to(x.device)
     counts_dev = counts.to(x.device)
@@ -288,7 +288,7 @@ def select_cases(a, kernels):
 
 def main(argv=None) -> int:
     a = parse(argv)
-    from moe import kernels
+    from moekit.moe import kernels
 
     selected = select_cases(a, kernels)
     if isinstance(selected, str):

@@ -25,11 +25,11 @@ import sys
 
 import torch
 
-from benchlib import add_timing_args, environment, guarded, print_table, time_interleaved, write_json
-from layer_probes import PHASES, host_sync_check, minimum_activation_bytes, phase_steps, saved_activation_bytes
-from moe import MoELayer, build_router
-from moe.experts import resolve_backend
-from titan_ref import TitanStyleMoE
+from moekit.bench.benchlib import add_timing_args, environment, guarded, print_table, time_interleaved, write_json
+from moekit.bench.layer_probes import PHASES, host_sync_check, minimum_activation_bytes, phase_steps, saved_activation_bytes
+from moekit.moe import MoELayer, build_router
+from moekit.moe.experts import resolve_backend
+from moekit.bench.titan_ref import TitanStyleMoE
 
 DEFAULT_SHAPES = ["512x8x2", "128x64x8"]  # F x E x k
 

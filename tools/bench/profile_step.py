@@ -31,11 +31,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.profiler import record_function
 
-from benchlib import environment, print_table, sync, write_json
-from models.config import PRESETS, preset
-from models.transformer import Attention, build_model
-from moe import DenseMLP, MoELayer, Router
-from moe.experts import GroupedExperts
+from moekit.bench.benchlib import environment, print_table, sync, write_json
+from moekit.models.config import PRESETS, preset
+from moekit.models.transformer import Attention, build_model
+from moekit.moe import DenseMLP, MoELayer, Router
+from moekit.moe.experts import GroupedExperts
 
 LABEL = "moekit/"
 MODULE_CATEGORIES = (  # first match wins, innermost labelled region wins at attribution

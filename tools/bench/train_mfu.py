@@ -20,7 +20,7 @@ the compile time (plus the autotuning eager runs pay as well).
 
 FLOPs per token are the trainer's (``models.stats.model_stats``: 6 x active matmul parameters + 6 L S N D
 attention, causal mask counted); ``mfu_palm`` uses PaLM / torchtitan's attention term 12 L S N D (no
-causal halving), which reads higher. The peak is ``trainlib.monitor.peak_flops`` (dense bf16) unless
+causal halving), which reads higher. The peak is ``moekit.train.monitor.peak_flops`` (dense bf16) unless
 ``--peak-tflops`` is given.
 """
 from __future__ import annotations
@@ -35,15 +35,15 @@ import time
 from pathlib import Path
 
 _TOOLS = Path(__file__).resolve().parents[1]
-for _p in (str(_TOOLS), str(_TOOLS.parent), str(_TOOLS / "bench")):  # trainlib, models / moe, benchlib
+for _p in (str(_TOOLS), str(_TOOLS.parent), str(_TOOLS / "bench")):  # moekit.train, models / moe, benchlib
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-import torch  # noqa: E402
+import torch
 
-from benchlib import environment, print_table, write_json  # noqa: E402
-from models.stats import model_stats  # noqa: E402
-from trainlib import UserError  # noqa: E402
+from moekit.bench.benchlib import environment, print_table, write_json
+from moekit.models.stats import model_stats
+from moekit.train import UserError
 
 TRAIN_PY = _TOOLS / "train.py"
 TARGET_MFU = 0.45  # issue 9
@@ -111,7 +111,7 @@ def trainer_args(args, extra: list[str], compile_on: bool, backend: str, run_dir
 
 def resolve_config(args, extra: list[str]):
     """The TrainConfig the trainer will build from these flags (its own parser: same validation)."""
-    from trainlib.cli import parse_args as trainer_parse
+    from moekit.train.cli import parse_args as trainer_parse
 
     try:
         cfg, _ = trainer_parse(trainer_args(args, extra, False, args.backends[0], "unused"))
@@ -131,9 +131,9 @@ def accounting(cfg) -> dict:
 
 
 def memory_estimate_gib(cfg, device: torch.device, dtype: str) -> float:
-    """models.memory's single-rank peak for this workload, to compare with the measured peak."""
-    from comm.topology import Layout
-    from models.memory import Workload, estimate_memory
+    """moekit.train.planning.memory's single-rank peak for this workload, to compare with the measured peak."""
+    from moekit.comm.topology import Layout
+    from moekit.train.planning.memory import Workload, estimate_memory
 
     wl = Workload(cfg.train.micro_batch_size, cfg.train.seq_len, dtype, cfg.train.activation_checkpointing,
                   device.type)
@@ -198,7 +198,7 @@ def add_rates(row: dict, acct: dict, peak: float | None) -> dict:
 
 
 def run_config(args, extra, compile_on: bool, backend: str, root: Path) -> dict:
-    from trainlib.records import read_metrics
+    from moekit.train.records import read_metrics
 
     name = f"{backend}-compile-{'on' if compile_on else 'off'}"
     run_dir = root / name
@@ -226,7 +226,7 @@ def run_config(args, extra, compile_on: bool, backend: str, root: Path) -> dict:
 
 def resolved_backend(cfg, backend: str, device: torch.device, dtype: torch.dtype) -> str:
     """The expert backend the layer picks for this model's shapes (moe.experts.resolve_backend)."""
-    from moe.experts import ffn_in_features, resolve_backend
+    from moekit.moe.experts import ffn_in_features, resolve_backend
 
     m = cfg.model
     H, F = m.hidden_size, m.moe_ffn_hidden_size
@@ -266,7 +266,7 @@ def progress_line(row: dict) -> str:
 def finish(rows: list[dict], cfg, acct: dict, args, device: torch.device, dtype: torch.dtype) -> float | None:
     """Backend names, peak, TFLOP/s and MFU: CUDA is first touched here, after the runs, so this process
     holds no GPU memory while they train. Returns the peak FLOP/s used."""
-    from trainlib.monitor import peak_flops
+    from moekit.train.monitor import peak_flops
 
     peak = args.peak_tflops * 1e12 if args.peak_tflops else peak_flops(device, dtype)
     for row in rows:

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 import torch
 
-from models.stats import model_stats
-from trainlib import UserError
-from trainlib.cli import pipeline_microbatches
-from trainlib.config import TrainConfig
+from moekit.models.stats import model_stats
+from moekit.train import UserError
+from moekit.train.cli import pipeline_microbatches
+from moekit.train.config import TrainConfig
 
 BYTES_PER_PARAM = 16  # fp32 weights + gradients + AdamW's two moments
 

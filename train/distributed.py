@@ -13,9 +13,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from comm.grad_sync import clip_gradients, sync_gradients
-from comm.topology import Layout, LayoutError, Topology
-from trainlib import UserError
+from moekit.comm.grad_sync import clip_gradients, sync_gradients
+from moekit.comm.topology import Layout, LayoutError, Topology
+from moekit.train import UserError
 
 
 class Dist:
@@ -57,8 +57,8 @@ class Dist:
         return self.world > 1
 
     def parallelize(self, model, hierarchical: bool | None = None, **recipe) -> None:
-        """models.parallelize's recipe; in one process only its single-device steps (AC, compile)."""
-        from models.parallelize import parallelize
+        """moekit.models.parallelize's recipe; in one process only its single-device steps (AC, compile)."""
+        from moekit.models.parallelize import parallelize
 
         try:
             done = parallelize(model, self.topology if self.active else None, hierarchical=hierarchical, **recipe)

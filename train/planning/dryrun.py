@@ -6,7 +6,7 @@
                   group and DeviceMesh of comm.topology, the model on the meta device (no memory), and
                   the real recipe: models.pipeline's stage split when pp > 1, then models.parallelize
     3. measure    rank 0's parameter shards as the recipe left them (DTensor: the local shard)
-    4. estimate   models.memory for the same rank (and every pipeline rank), side by side with the
+    4. estimate   moekit.train.planning.memory for the same rank (and every pipeline rank), side by side with the
                   measured shards; activations and all-to-all bytes come from the estimate only (a meta
                   model runs no forward). Disagreements are flagged; the peak is checked against the GPU.
 
@@ -24,12 +24,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from comm.topology import Layout, LayoutError, Topology
-from models import memory
-from models.memory import MemoryEstimate, Stage, Workload
-from trainlib import UserError
-from trainlib.cli import Options, parse_args
-from trainlib.config import TrainConfig
+from moekit.comm.topology import Layout, LayoutError, Topology
+from moekit.train.planning import memory
+from moekit.train.planning.memory import MemoryEstimate, Stage, Workload
+from moekit.train import UserError
+from moekit.train.cli import Options, parse_args
+from moekit.train.config import TrainConfig
 
 GIB = 2**30
 TIGHT = 0.9  # above this share of device memory the CUDA context, NCCL buffers and fragmentation may not fit
@@ -145,7 +145,7 @@ class Built:
 
 
 def part_of(name: str) -> str:
-    """The models.memory part a parameter belongs to, from its (single-process) name."""
+    """The moekit.train.planning.memory part a parameter belongs to, from its (single-process) name."""
     n = name.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")
     for prefix, part in (("embed.", "embedding"), ("lm_head.", "head"), ("norm.", "norms")):
         if n.startswith(prefix):
@@ -169,8 +169,8 @@ def local_numel(model: torch.nn.Module) -> tuple[dict[str, int], int]:
 
 
 def build(cfg: TrainConfig, plan: Plan) -> Built:
-    from models.parallelize import parallelize
-    from models.transformer import Transformer
+    from moekit.models.parallelize import parallelize
+    from moekit.models.transformer import Transformer
 
     L, seconds = cfg.layout, {}
     t0 = time.perf_counter()
@@ -198,7 +198,7 @@ def build(cfg: TrainConfig, plan: Plan) -> Built:
 def _pipeline_stage(model, topo: Topology, cfg: TrainConfig, built: Built):
     """Rank 0's stage modules from the trainer's cost-balanced split; records every rank's layers."""
     try:
-        from models.pipeline import build_pipeline
+        from moekit.models.pipeline import build_pipeline
     except ImportError:
         raise NotImplementedError("pipeline parallelism is not available in this checkout (models.pipeline)")
     L = cfg.layout
@@ -316,7 +316,7 @@ def _check_shards(built: Built, est: MemoryEstimate) -> list[str]:
         f" (estimate {_elements(est.param_numel.get(p, 0))})" if p in off else "") for p in parts)
     if not off:
         return [f"  parameter shards by part (elements, as the recipe left them; the estimate agrees): {detail}"]
-    return [f"  MISMATCH: the recipe's shards differ from models.memory's for {', '.join(off)}: {detail}; "
+    return [f"  MISMATCH: the recipe's shards differ from moekit.train.planning.memory's for {', '.join(off)}: {detail}; "
             f"the estimate's sharding assumptions (models/memory.py docstring) need updating"]
 
 

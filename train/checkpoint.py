@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
 )
 
-from trainlib import UserError
+from moekit.train import UserError
 
 FORMAT = 2  # 2: sha256 per file. 1 (CRC-32 per file, moekit before the manifest) is still verified and read
 READABLE_FORMATS = (1, 2)

@@ -1,6 +1,6 @@
-"""What autograd holds from forward to backward on one rank, per micro-batch (models.memory's activations).
+"""What autograd holds from forward to backward on one rank, per micro-batch (moekit.train.planning.memory's activations).
 
-Shape legend as in models.memory: T tokens of the micro-batch, Ts those of the residual stream on this
+Shape legend as in moekit.train.planning.memory: T tokens of the micro-batch, Ts those of the residual stream on this
 rank (T, or T / tp with sequence parallelism), Tm those the MoE layer routes (T / tp when tp > 1), R expert
 rows, a / r bytes of the compute dtype / of the residual stream.
 
@@ -29,11 +29,11 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from comm.topology import Layout
-from models.config import ModelConfig
+from moekit.comm.topology import Layout
+from moekit.models.config import ModelConfig
 
-if TYPE_CHECKING:  # models.memory imports this module
-    from models.memory import Stage, Workload
+if TYPE_CHECKING:  # moekit.train.planning.memory imports this module
+    from moekit.train.planning.memory import Stage, Workload
 
 FP32, INT64 = 4, 8
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}

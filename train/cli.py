@@ -5,9 +5,9 @@ import argparse
 import os
 from dataclasses import dataclass
 
-from models.config import PRESETS
-from trainlib import UserError
-from trainlib.config import DEFAULT_PRESET, TrainConfig, load_toml, set_value, validate
+from moekit.models.config import PRESETS
+from moekit.train import UserError
+from moekit.train.config import DEFAULT_PRESET, TrainConfig, load_toml, set_value, validate
 
 # Named flags and the setting each one overrides; applied before dotted overrides, in this order.
 FLAG_SETTINGS = {
@@ -139,8 +139,8 @@ def check_world(cfg: TrainConfig, world: int | None = None) -> None:
                         f"{divisors}")
     if L.ranks_per_node and world % L.ranks_per_node:
         raise UserError(f"--ranks-per-node {L.ranks_per_node} must divide the world size {world}")
-    from comm.tensor_parallel import check_sequence_parallel, check_tensor_parallel
-    from comm.topology import LayoutError
+    from moekit.comm.tensor_parallel import check_sequence_parallel, check_tensor_parallel
+    from moekit.comm.topology import LayoutError
 
     try:  # heads and widths, before any process group exists
         check_tensor_parallel(cfg.model, L.tp)
@@ -170,8 +170,8 @@ def pipeline_microbatches(cfg: TrainConfig) -> int:
 
 def check_pipeline(cfg: TrainConfig) -> None:
     """Schedule, stage count and micro-batching of a pipelined run, before any process group exists."""
-    from comm.pipeline import check_schedule
-    from models.pipeline import check_pipeline_model
+    from moekit.comm.pipeline import check_schedule
+    from moekit.models.pipeline import check_pipeline_model
 
     L, t = cfg.layout, cfg.train
     M = pipeline_microbatches(cfg)

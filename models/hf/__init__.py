@@ -20,13 +20,13 @@ from pathlib import Path
 
 import torch
 
-from models.config import ModelConfig
-from models.hf_families import (
+from moekit.models.config import ModelConfig
+from moekit.models.hf.families import (
     MIXTRAL, UnsupportedCheckpoint, check_mixtral_exportable, family, mixtral_hf_config,
 )
-from models.hf_io import DTYPE_NAMES, CONFIG_FILE, CheckpointReader, read_config, write_safetensors
-from models.hf_weights import check_counts, detect_layout, export_tensors, load_into, model_rules
-from models.transformer import Transformer
+from moekit.models.hf.io import DTYPE_NAMES, CONFIG_FILE, CheckpointReader, read_config, write_safetensors
+from moekit.models.hf.weights import check_counts, detect_layout, export_tensors, load_into, model_rules
+from moekit.models.transformer import Transformer
 
 SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 LAYOUTS = ("per_expert", "fused")

@@ -6,7 +6,7 @@ import os
 import signal
 from pathlib import Path
 
-from trainlib import UserError
+from moekit.train import UserError
 
 FAULT_STEP_ENV, FAULT_RANK_ENV, FAULT_MARKER = "MOEKIT_FAULT_EXIT_AT_STEP", "MOEKIT_FAULT_RANK", ".fault_injected"
 

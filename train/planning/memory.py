@@ -11,7 +11,7 @@ Every term counts what moekit's code keeps, read off the modules and checked aga
     gradients    fp32, same shards
     optimizer    AdamW: exp_avg + exp_avg_sq (fp32, same shards) + one fp32 step scalar per tensor
     activations  what autograd holds from forward to backward, per micro-batch and block, term by term in
-                 models.memory_activations (residual, norms, attention, router, dispatch, experts, dense
+                 moekit.train.planning.activations (residual, norms, attention, router, dispatch, experts, dense
                  FFN, head; activation checkpointing, sequence parallelism)
       weight casts  autocast without FSDP: a bf16 copy of every matmul weight lives until backward
     Transient (at the peak only): what backward recomputes (one block / one FFN), FSDP's unsharded copies,
@@ -33,10 +33,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from comm import cost_model
-from comm.topology import Layout, Topology
-from models.config import ModelConfig
-from models.memory_activations import DTYPE_BYTES, FP32, in_flight, shapes, stage_activations
+from moekit.train.planning import cost_model
+from moekit.comm.topology import Layout, Topology
+from moekit.models.config import ModelConfig
+from moekit.train.planning.activations import DTYPE_BYTES, FP32, in_flight, shapes, stage_activations
 
 AC_MODES = ("none", "full", "ffn")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -215,7 +215,7 @@ def estimate_memory(cfg: ModelConfig, layout: Layout, wl: Workload, stage: Stage
 
 
 # ---------------------------------------------------------------------------------------------------
-# All-to-all bytes per optimizer step: comm.cost_model's rows per token x what moekit sends
+# All-to-all bytes per optimizer step: moekit.train.planning.cost_model's rows per token x what moekit sends
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -224,7 +224,7 @@ class A2A:
     dispatcher: str  # "none" (ep == 1), "flat" or "hierarchical"
     nodes: int  # nodes the EP group of the rank spans
     ranks_per_node: int  # EP ranks per node
-    inter_rows: float  # rows per token crossing nodes, per direction (comm.cost_model)
+    inter_rows: float  # rows per token crossing nodes, per direction (moekit.train.planning.cost_model)
     intra_rows: float  # rows per token between ranks of a node
     node_rows: float  # hierarchical: partial-sum rows per token (visited nodes, own node included)
     forward: dict[str, float]  # bytes a rank sends per optimizer step in forwards (recomputation included):

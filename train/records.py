@@ -4,7 +4,7 @@
         config.json        the resolved TrainConfig (what --print-config shows, as JSON)
         metrics.jsonl      one object per optimizer step
         expert_load.jsonl  a header object, then one object per optimizer step
-        checkpoints/       see trainlib.checkpoint
+        checkpoints/       see moekit.train.checkpoint
         tensorboard/       when the tensorboard package is installed
 
 metrics.jsonl keys: step, loss (LM cross-entropy over the global batch), aux_loss (router aux losses
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trainlib import UserError
+from moekit.train import UserError
 
 LOAD_FORMAT, LOAD_VERSION = "moekit-expert-load", 1
 METRICS, EXPERT_LOAD, CONFIG = "metrics.jsonl", "expert_load.jsonl", "config.json"

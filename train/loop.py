@@ -22,17 +22,17 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from models.stats import model_stats
-from models.transformer import Transformer, router_options
-from moe import collect_load, moe_layers, update_expert_biases
-from trainlib import UserError, checkpoint, faults, records
-from trainlib.cli import Options, parse_args
-from trainlib.plan import lr_lambda, make_optimizer, make_plan
-from trainlib.config import TrainConfig, to_toml
-from trainlib.distributed import Dist
-from trainlib.guard import Guard, NonFinite, set_deterministic
-from trainlib.data import Sampler, Split, gather, load_tokens, split_windows, unigram_entropy, write_token_file
-from trainlib.monitor import Monitor, peak_flops, peak_memory_gb
+from moekit.models.stats import model_stats
+from moekit.models.transformer import Transformer, router_options
+from moekit.moe import collect_load, moe_layers, update_expert_biases
+from moekit.train import UserError, checkpoint, faults, records
+from moekit.train.cli import Options, parse_args
+from moekit.train.plan import lr_lambda, make_optimizer, make_plan
+from moekit.train.config import TrainConfig, to_toml
+from moekit.train.distributed import Dist
+from moekit.train.guard import Guard, NonFinite, set_deterministic
+from moekit.train.data import Sampler, Split, gather, load_tokens, split_windows, unigram_entropy, write_token_file
+from moekit.train.monitor import Monitor, peak_flops, peak_memory_gb
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         if opts.write_data:
             return write_data(cfg, opts.write_data)
         if opts.dry_run:  # plan the layout in this one process (fake process group, meta model); no training
-            from trainlib import dryrun
+            from moekit.train.planning import dryrun
             return dryrun.run(cfg, opts)
         return Run(cfg, opts).train()
     except UserError as exc:
@@ -99,7 +99,7 @@ class Run:
         fsdp_dtype = plan.autocast_dtype if plan.device.type == "cuda" else None  # bf16 params, fp32 reduction
         self.pipe = None
         if cfg.layout.pp > 1:
-            from models.pipeline import build_pipeline
+            from moekit.models.pipeline import build_pipeline
 
             self.pipe = build_pipeline(self.model, self.dist.topology, cfg.layout.pp_schedule,
                                        cfg.layout.pp_stages_per_rank, cfg.train.seq_len, activation_dtype=fsdp_dtype)
@@ -125,7 +125,7 @@ class Run:
                                                     cfg.checkpoint.async_save, last=self.resume_from)
 
     def load_hf(self, path: str) -> None:
-        from models.hf import load_hf_into  # needs safetensors: imported only when asked for
+        from moekit.models.hf import load_hf_into  # needs safetensors: imported only when asked for
 
         try:
             load_hf_into(self.model, path)
@@ -133,7 +133,7 @@ class Run:
             raise UserError(f"--init-from-hf {path}: {exc}") from None
 
     def check_exportable(self) -> None:
-        from models.hf import check_mixtral_exportable
+        from moekit.models.hf import check_mixtral_exportable
 
         try:
             check_mixtral_exportable(self.model)
@@ -296,7 +296,7 @@ class Run:
         return 0
 
     def export_hf(self, path: str) -> None:
-        from models.hf import save_mixtral
+        from moekit.models.hf import save_mixtral
 
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 

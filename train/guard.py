@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from moe import moe_layers
-from trainlib import UserError
+from moekit.moe import moe_layers
+from moekit.train import UserError
 
 # A run that skips this many steps in a row is not training any more: stop and say so.
 MAX_CONSECUTIVE_SKIPS = 10

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from models.hf_io import CheckpointReader
+from moekit.models.hf.io import CheckpointReader
 
 
 @dataclass(frozen=True)

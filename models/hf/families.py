@@ -19,9 +19,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from models.config import ModelConfig
-from models.hf_weights import Naming
-from moe.router import TopKRouter
+from moekit.models.config import ModelConfig
+from moekit.models.hf.weights import Naming
+from moekit.moe.router import TopKRouter
 
 MIXTRAL = Naming(moe_blocks=("block_sparse_moe", "mlp"), expert_proj=("w1", "w3", "w2"),
                  experts_field="num_local_experts")
@@ -35,7 +35,7 @@ DEEPSEEK_V3 = Naming(moe_blocks=("mlp",), expert_proj=("gate_proj", "up_proj", "
 # Model changes that would lift each unsupported feature (also listed in docs/hf.md).
 NEEDS = {
     "attention_bias": "ModelConfig.attention_bias: bool and nn.Linear(..., bias=True) for wq/wk/wv in "
-                      "models.transformer.Attention",
+                      "moekit.models.transformer.Attention",
     "qk_norm": "ModelConfig.qk_norm: bool and Attention.q_norm / k_norm = nn.RMSNorm(head_dim, eps=norm_eps) "
                "applied to q [B,S,N,D] and k [B,S,K,D] before RoPE",
     "shared_expert_gate": "ModelConfig.shared_expert_gate: bool passed by Block as "

@@ -27,14 +27,14 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from models.config import ModelConfig, preset
-from trainlib import UserError
+from moekit.models.config import ModelConfig, preset
+from moekit.train import UserError
 
 DEFAULT_PRESET = "mixtral-tiny"
 DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 PROGRESS = ("auto", "on", "off")
-ON_NONFINITE = ("stop", "skip")  # trainlib.guard acts on these
+ON_NONFINITE = ("stop", "skip")  # moekit.train.guard acts on these
 
 
 @dataclass
@@ -64,7 +64,7 @@ class TrainSection:
 
 @dataclass
 class DataSection:
-    path: str = ""  # pre-tokenised token file (see trainlib.data); "" = the embedded corpus
+    path: str = ""  # pre-tokenised token file (see moekit.train.data); "" = the embedded corpus
     text: str = ""  # a text file, tokenised as bytes (vocab 256)
     val_fraction: float = 0.05  # share of the data held out for validation
 
@@ -317,7 +317,7 @@ def validate_model(cfg: TrainConfig) -> None:
     """ModelConfig checks, then a meta-device build: router options fail here, before any work."""
     import torch  # deferred: --help and config errors should not wait for torch
 
-    from models.transformer import Transformer
+    from moekit.models.transformer import Transformer
 
     m = cfg.model
     for f in dataclasses.fields(m):  # torch takes sizes as int64: refuse absurd ones before building anything
