@@ -1,8 +1,7 @@
-#!/usr/bin/env python3
-"""Convert checkpoints between HuggingFace folders and moekit.
+"""Convert checkpoints between HuggingFace folders and moekit: ``moekit-convert`` (or ``python tools/convert.py``).
 
-    python tools/convert.py hf-to-moekit HF_DIR OUT.safetensors|OUT.pt [--dtype float32|bfloat16|auto]
-    python tools/convert.py moekit-to-hf SRC HF_DIR [--dtype ...] [--max-shard-size 5GB] [--layout per_expert|fused]
+    moekit-convert hf-to-moekit HF_DIR OUT.safetensors|OUT.pt [--dtype float32|bfloat16|auto]
+    moekit-convert moekit-to-hf SRC HF_DIR [--dtype ...] [--max-shard-size 5GB] [--layout per_expert|fused]
 
 moekit formats (SRC may be any of them; OUT is chosen by its suffix):
 
@@ -32,6 +31,7 @@ from safetensors.torch import save_file
 from moekit.models.config import ModelConfig
 from moekit.models.hf import load_hf, save_mixtral
 from moekit.models.transformer import Transformer
+from moekit.train import program_name
 
 PT_FORMAT = "moekit-model"
 CONFIG_KEY = "moekit_config"
@@ -117,7 +117,7 @@ def _pt_source(path: Path):
     blob = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(blob, dict) or blob.get("format") != PT_FORMAT:
         raise ValueError(f"{path}: not a moekit model file (format {PT_FORMAT!r}); write one with "
-                         f"'convert.py hf-to-moekit ... OUT.pt'")
+                         f"'moekit-convert hf-to-moekit ... OUT.pt'")
     return _config(blob["config"], str(path)), lambda model: _load_strict(model, blob["model"], str(path))
 
 
@@ -180,7 +180,7 @@ def moekit_to_hf(args) -> None:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="convert.py", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(prog=program_name("convert.py"), description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     a = sub.add_parser("hf-to-moekit", help="HuggingFace folder -> moekit *.safetensors / *.pt")
     a.add_argument("src", help="HuggingFace model folder (config.json + safetensors)")
@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         (hf_to_moekit if args.command == "hf-to-moekit" else moekit_to_hf)(args)
     except (ValueError, FileNotFoundError) as exc:
-        print(f"convert.py: error: {exc}", file=sys.stderr)
+        print(f"{program_name('convert.py')}: error: {exc}", file=sys.stderr)
         return 2
     return 0
 

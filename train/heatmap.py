@@ -1,11 +1,10 @@
-#!/usr/bin/env python3
-"""Expert-load analysis of tools/train.py runs.
+"""Expert-load analysis of training runs: ``moekit-heatmap`` (or ``python tools/heatmap.py`` in a checkout).
 
-    python tools/heatmap.py RUN_DIR [--steps FIRST:LAST] [--out PNG]
+    moekit-heatmap RUN_DIR [--steps FIRST:LAST] [--out PNG]
         RUN_DIR/expert_load.png        layers x experts: share of each layer's tokens per expert
         RUN_DIR/expert_load_steps.png  per MoE layer, experts x steps
         stdout                         per-layer imbalance (max/mean), CV, dropped fraction
-    python tools/heatmap.py --compare RUN_A RUN_B ... [--out PNG]
+    moekit-heatmap --compare RUN_A RUN_B ... [--out PNG]
         side-by-side heatmaps on one colour scale (default compare.png) and a table on stdout
 
 Statistics over the step window, per MoE layer, from tokens per expert c_e (kept slots, summed):
@@ -22,10 +21,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moekit.train import UserError
+from moekit.train import UserError, program_name
 from moekit.train.records import ExpertLoadRecord, read_config, read_expert_load, read_metrics
 
-INSTALL_HINT = 'tools/heatmap.py draws with matplotlib, which is not installed: pip install -e ".[viz]" ' \
+INSTALL_HINT = 'the heatmaps are drawn with matplotlib, which is not installed: pip install -e ".[viz]" ' \
                '(or pip install matplotlib); --text-only prints the summary without it'
 
 
@@ -67,7 +66,7 @@ def parse_window(text: str | None) -> tuple[int | None, int | None]:
 
 
 @dataclass
-class Run:
+class RunRecords:
     path: str
     config: dict
     metrics: list[dict]
@@ -82,9 +81,9 @@ class Run:
         return f"steps {self.load.steps.min()}-{self.load.steps.max()}"
 
 
-def read_run(path: str, window) -> Run:
+def read_run(path: str, window) -> RunRecords:
     load = read_expert_load(path).window(*window)
-    return Run(path, read_config(path), read_metrics(path), load, layer_stats(load))
+    return RunRecords(path, read_config(path), read_metrics(path), load, layer_stats(load))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -92,7 +91,7 @@ def read_run(path: str, window) -> Run:
 # ---------------------------------------------------------------------------------------------------
 
 
-def summary_text(run: Run) -> str:
+def summary_text(run: RunRecords) -> str:
     lines = [f"{run.path}: router {run.load.router} (top_k {run.load.top_k}), {len(run.load.layers)} MoE layers x "
              f"{run.load.tokens.shape[2]} experts, {run.window_text()}",
              f"{'layer':<16} {'imbalance':>9} {'cv':>6} {'dropped':>8}  {'hottest':>12}  {'coldest':>12}"]
@@ -108,7 +107,7 @@ def last_value(metrics: list[dict], key: str) -> float:
     return vals[-1] if vals else float("nan")
 
 
-def compare_rows(runs: list[Run]) -> list[list[str]]:
+def compare_rows(runs: list[RunRecords]) -> list[list[str]]:
     header = ["run", "router", "steps", "loss", "val_loss", "imbalance", "cv", "dropped", "tokens/s"]
     rows = [header]
     for r in runs:
@@ -126,7 +125,7 @@ def format_table(rows: list[list[str]]) -> str:
                      for r in rows)
 
 
-def config_differences(runs: list[Run]) -> list[str]:
+def config_differences(runs: list[RunRecords]) -> list[str]:
     """Settings (other than the router's) that differ between runs: a fair comparison keeps them equal."""
     ignore = {"model.router", "model.router_options", "model.capacity_factor", "log.run_dir", "model.name"}
     flat = [{f"{s}.{k}": v for s, sec in r.config.items() if isinstance(sec, dict) for k, v in sec.items()}
@@ -151,7 +150,7 @@ def pyplot():
     return plt
 
 
-def draw_layers(ax, run: Run, vmax: float):
+def draw_layers(ax, run: RunRecords, vmax: float):
     """Layers x experts heatmap with per-layer annotations; returns the image for a colour bar."""
     share = np.stack([s.share for s in run.stats])  # [L, E]
     im = ax.imshow(share, aspect="auto", cmap="viridis", vmin=0.0, vmax=vmax, interpolation="nearest")
@@ -168,7 +167,7 @@ def draw_layers(ax, run: Run, vmax: float):
     return im
 
 
-def draw_run(run: Run, out: str) -> None:
+def draw_run(run: RunRecords, out: str) -> None:
     plt = pyplot()
     E = run.load.tokens.shape[2]
     vmax = max(float(max(s.share.max() for s in run.stats)), 1.0 / E)
@@ -178,7 +177,7 @@ def draw_run(run: Run, out: str) -> None:
     plt.close(fig)
 
 
-def draw_steps(run: Run, out: str) -> None:
+def draw_steps(run: RunRecords, out: str) -> None:
     """One panel per MoE layer: experts (rows) x steps (columns), share of that step's tokens."""
     plt = pyplot()
     tokens = run.load.tokens.astype(np.float64)  # [N, L, E]
@@ -199,7 +198,7 @@ def draw_steps(run: Run, out: str) -> None:
     plt.close(fig)
 
 
-def draw_compare(runs: list[Run], out: str) -> None:
+def draw_compare(runs: list[RunRecords], out: str) -> None:
     plt = pyplot()
     vmax = max(float(max(s.share.max() for s in r.stats)) for r in runs)
     L = max(len(r.stats) for r in runs)
@@ -226,7 +225,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_args(argv):
-    p = _Parser(prog="heatmap.py", description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p = _Parser(prog=program_name("heatmap.py"), description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("run_dir", nargs="?", help="a tools/train.py run directory")
     p.add_argument("--compare", nargs="+", metavar="RUN", help="compare two or more run directories")
     p.add_argument("--steps", help="step window FIRST:LAST (either side may be empty); default all steps")
@@ -269,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {out} and {steps_out}")
         return 0
     except UserError as exc:
-        print(f"heatmap.py: error: {exc}", file=sys.stderr)
+        print(f"{program_name('heatmap.py')}: error: {exc}", file=sys.stderr)
         return 2
 
 

@@ -33,8 +33,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
 import torch
 import torch.nn.functional as F
 

@@ -34,18 +34,13 @@ import tempfile
 import time
 from pathlib import Path
 
-_TOOLS = Path(__file__).resolve().parents[1]
-for _p in (str(_TOOLS), str(_TOOLS.parent), str(_TOOLS / "bench")):  # moekit.train, models / moe, benchlib
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
-
 import torch
 
 from moekit.bench.benchlib import environment, print_table, write_json
 from moekit.models.stats import model_stats
 from moekit.train import UserError
 
-TRAIN_PY = _TOOLS / "train.py"
+TRAINER = ("-m", "moekit.train")  # the installed trainer, as moekit-train runs it
 TARGET_MFU = 0.45  # issue 9
 
 # Workload defaults: the GPU run (~1 s per step at 45% MFU on an H100) and the CPU smoke run.
@@ -147,8 +142,8 @@ def run_trainer(argv: list[str], run_dir: Path, timeout: float, env: dict) -> tu
     t0 = time.perf_counter()
     with open(log, "w") as f:
         try:
-            rc = subprocess.run([sys.executable, str(TRAIN_PY), *argv], stdout=f, stderr=subprocess.STDOUT,
-                                timeout=timeout, cwd=_TOOLS.parent, env=env).returncode
+            rc = subprocess.run([sys.executable, *TRAINER, *argv], stdout=f, stderr=subprocess.STDOUT,
+                                timeout=timeout, env=env).returncode
         except subprocess.TimeoutExpired:
             rc = 124
     return rc, time.perf_counter() - t0, log.read_text(errors="replace")
