@@ -11,6 +11,7 @@ The wheel test builds the real wheel (setuptools, no network) and reads its file
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
 import zipfile
@@ -107,6 +108,22 @@ def test_wheel_holds_only_the_moekit_namespace(tmp_path):
     top_level = [n for n in names if n.endswith("top_level.txt")]
     if top_level:
         assert zipfile.ZipFile(wheel).read(top_level[0]).decode().split() == ["moekit"]
+
+    # Installed (not editable) beside another distribution's top-level ``comm`` (Jupyter's), the two coexist,
+    # and the layers import from a directory outside the checkout.
+    target = tmp_path / "site"
+    (target / "comm").mkdir(parents=True)
+    (target / "comm" / "__init__.py").write_text("def create_comm(*args, **kwargs):\n    return 'jupyter'\n")
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q", "--target",
+                           str(target), str(wheel)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    code = ("import comm, moekit.moe, moekit.comm, moekit.models, moekit.train, moekit.models.hf; "
+            "print(comm.create_comm(), moekit.moe.__file__)")
+    run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(target), "PYTHONSAFEPATH": "1"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    said, where = run.stdout.split()
+    assert said == "jupyter" and Path(where).is_relative_to(target), run.stdout
 
 
 def test_console_scripts_run_outside_the_checkout(tmp_path):
