@@ -68,7 +68,10 @@ class EPMeta:
 
 
 class FlatEPDispatcher:
-    """All-to-all over one EP group; each rank computes E/P experts on every rank's tokens for them."""
+    """All-to-all over one EP group; each rank computes E/P experts on every rank's tokens for them.
+
+    ``expert_range``: the contiguous block of E/P experts at this rank's position in ``group_ranks``.
+    """
 
     def __init__(self, num_experts: int, group, group_ranks: list[int], node_of=None, traffic: Traffic | None = None):
         self.group, self.group_ranks = group, list(group_ranks)
@@ -79,6 +82,8 @@ class FlatEPDispatcher:
         self.node_of = node_of or (lambda r: 0)
         self.traffic = traffic if traffic is not None else Traffic()
         self.rank = dist.get_rank()
+        position = self.group_ranks.index(self.rank)
+        self.expert_range = (position * self.local_experts, (position + 1) * self.local_experts)
         self.signature = num_experts * 4096 + self.local_experts  # travels with every count exchange
         agree_on_signature(group, self.signature)  # before any count exchange: payload widths must match
 
@@ -122,8 +127,9 @@ class FlatEPDispatcher:
 # ---------------------------------------------------------------------------------------------------
 
 
-def shard_experts(layer: nn.Module, ep_mesh) -> None:
-    """Keep this rank's contiguous E/ep slice of the experts (after the full-tensor init: layout-free).
+def shard_experts(layer: nn.Module, ep_mesh) -> tuple[int, int]:
+    """Keep this rank's contiguous E/ep slice of the experts (after the full-tensor init: layout-free);
+    returns the slice's global expert ids [lo, hi), which the EP dispatcher must send here.
 
     The weights become DTensors ``Shard(0)`` over the EP mesh: their global shape stays [E, ...], so
     checkpoints (torch.distributed.checkpoint) hold whole experts and load at any ep degree, FSDP can
@@ -139,7 +145,7 @@ def shard_experts(layer: nn.Module, ep_mesh) -> None:
         full = getattr(experts, name)
         shard = DTensor.from_local(full.detach()[lo:hi].clone(), ep_mesh, [Shard(0)], run_check=False)
         setattr(experts, name, nn.Parameter(shard, requires_grad=full.requires_grad))
-    experts.expert_range = (lo, hi)
+    return lo, hi
 
 
 def all_reduce_counts(group):
@@ -156,7 +162,8 @@ def all_reduce_counts(group):
 def apply_expert_parallel(model: nn.Module, topology, hierarchical: bool = False) -> Traffic:
     """Shard every MoE layer's experts over the EP group, install EP dispatchers and global balancing.
 
-    Returns the shared Traffic counter (bytes per link class) the trainer logs.
+    Each layer's ``dispatcher.expert_range`` then names the experts this rank holds (the guard and tools
+    read it there). Returns the shared Traffic counter (bytes per link class) the trainer logs.
     """
     from moekit.comm.hierarchical import HierarchicalEPDispatcher
     from moekit.moe.load import moe_layers
@@ -165,15 +172,17 @@ def apply_expert_parallel(model: nn.Module, topology, hierarchical: bool = False
     ep_ranks = topology.members("ep")
     if hierarchical:
         topology.check_hierarchical()
-    for _, layer in moe_layers(model):
+    for name, layer in moe_layers(model):
         # global-batch balancing: the counts of every rank of the stage (data ranks x TP token slices)
         layer.router.count_reducer = all_reduce_counts(topology.group("stage"))
         if topology.layout.ep == 1:
             continue
-        shard_experts(layer, topology.mesh("experts")["ep"])
+        held = shard_experts(layer, topology.mesh("experts")["ep"])
         if hierarchical:
-            layer.dispatcher = HierarchicalEPDispatcher(layer.num_experts, topology, traffic)
+            dispatcher = HierarchicalEPDispatcher(layer.num_experts, topology, traffic)
         else:
-            layer.dispatcher = FlatEPDispatcher(layer.num_experts, topology.group("ep"), ep_ranks,
-                                                topology.node_of, traffic)
+            dispatcher = FlatEPDispatcher(layer.num_experts, topology.group("ep"), ep_ranks, topology.node_of, traffic)
+        # the mesh's shard (checkpoints, FSDP) and the all-to-all's destination must be the same experts
+        assert dispatcher.expert_range == held, (name, dispatcher.expert_range, held)
+        layer.dispatcher = dispatcher
     return traffic

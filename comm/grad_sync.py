@@ -15,14 +15,20 @@ gradient depends on what the parameter saw:
 
 Everything is divided by D (FSDP: its gradient divide factor). DTensor gradients are reduced on their
 local shards: shards of different ranks are disjoint pieces, so the per-shard sums are what is wanted.
+
+Which row of the table a parameter is in, its role ("dense" | "moe" | "expert"), comes from the recipe
+(models.parallelize returns ``grad_roles``, built by ``gradient_roles``), keyed by the parameter's name:
+FSDP swaps the Parameter objects, the names stay.
 """
 from __future__ import annotations
+
+from typing import Iterable
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from moekit.moe.load import moe_layers
+from moekit.moe.layer import MoELayer
 
 
 def local(t: Tensor) -> Tensor:
@@ -30,37 +36,41 @@ def local(t: Tensor) -> Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def gradient_roles(model: nn.Module) -> dict[int, str]:
-    """id(parameter) -> "expert" | "moe" (router, shared expert, sequence-parallel norms: partial over TP).
-
-    Read from the module tree at call time (FSDP swaps Parameter objects, the tree stays)."""
-    roles = {}
-    for module in model.modules():  # sequence-parallel norms (comm.tensor_parallel) saw a slice of the tokens
-        if getattr(module, "grads_partial_over_tp", False):
-            for p in module.parameters():
-                roles[id(p)] = "moe"
-    for _, layer in moe_layers(model):
-        for p in layer.parameters():
-            roles[id(p)] = "moe"
-        for p in layer.experts.parameters():
-            roles[id(p)] = "expert"
+def gradient_roles(model: nn.Module, token_sliced: Iterable[nn.Module] = ()) -> dict[str, str]:
+    """Parameter name (as ``model.named_parameters()`` gives it) -> role, from the module tree:
+    "expert" for MoE experts, "moe" for the rest of every MoE layer (router, shared expert) and the
+    parameters of ``token_sliced`` modules (the sequence-parallel norms that comm.tensor_parallel returns),
+    "dense" for the rest. The recipe calls it; so can a hand-made layout (tests, tools)."""
+    sliced = {id(m) for m in token_sliced}
+    roles = {name: "dense" for name, _ in model.named_parameters()}
+    for prefix, module in model.named_modules():
+        if isinstance(module, MoELayer) or id(module) in sliced:
+            roles.update({name: "moe" for name, _ in module.named_parameters(prefix)})
+        if isinstance(module, MoELayer):
+            roles.update({name: "expert" for name, _ in module.experts.named_parameters(_join(prefix, "experts"))})
     return roles
 
 
-def sync_gradients(model: nn.Module, topology, fsdp: bool = False) -> None:
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def sync_gradients(model: nn.Module, topology, roles: dict[str, str], fsdp: bool = False) -> None:
     """Turn every rank's gradients into its shard of the single-process global-batch gradient.
 
+    ``roles``: parameter name -> role (``Parallelized.grad_roles``, or ``gradient_roles(model)``).
     ``fsdp``: fully_shard already reduce-scattered the gradients and divided them by its mesh size (D for
     dense, D / ep for experts: comm.fsdp); the experts' 1 / ep and the TP sums are left.
     """
     L = topology.layout
     D, tp = L.data_parallel, L.tp
-    roles = gradient_roles(model)
     buckets: dict[tuple[str, torch.dtype], list[Tensor]] = {}
-    for p in model.parameters():
+    for name, p in model.named_parameters():
         if p.grad is None:
             continue
-        role = roles.get(id(p), "dense")
+        if name not in roles:
+            raise KeyError(f"no gradient role for parameter {name!r}: pass this model's roles (Parallelized.grad_roles)")
+        role = roles[name]
         if not fsdp:
             kind = {"dense": "dp", "moe": "stage", "expert": "edp"}[role]  # "stage" = dp x tp
             buckets.setdefault((kind, p.grad.dtype), []).append(local(p.grad))

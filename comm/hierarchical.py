@@ -55,6 +55,8 @@ class HierMeta:
 
 
 class HierarchicalEPDispatcher:
+    """``expert_range``: this rank's block inside its node's block of E / nodes experts (node-major)."""
+
     def __init__(self, num_experts: int, topology, traffic: Traffic | None = None):
         topology.check_hierarchical()
         self.num_experts = num_experts
@@ -72,6 +74,8 @@ class HierarchicalEPDispatcher:
         self.traffic = traffic if traffic is not None else Traffic()
         self.inner = FlatEPDispatcher(self.experts_per_node, topology.group("ep_node"), self.node_ranks,
                                       topology.node_of, self.traffic)
+        first = self.my_node * self.experts_per_node  # inner ids count from my node's first expert
+        self.expert_range = (first + self.inner.expert_range[0], first + self.inner.expert_range[1])
 
     def dispatch(self, x: Tensor, routing: Routing) -> Dispatched:
         T, k = routing.indices.shape

@@ -11,10 +11,10 @@ One optimizer step on a pipeline of P ranks, K = P * v stages (v per rank), M mi
 
 Scaling: torch's schedules can instead divide gradients by M after the backward (``scale_grads``);
 we divide each micro-batch loss by M and pass scale_grads=False, so that (1) the MoE aux loss, which
-layers inject into backward with their ``aux_loss_scale``, is not divided a second time: the caller
-scales that by 1/M once, as the trainer does for gradient accumulation (other factors, such as tensor
-parallelism's 1/tp, compose with it), (2) the arithmetic is the single-process trainer's, and (3)
-gradients that exist before the step are not divided.
+layers inject into backward with their ``aux_loss_scale``, is not divided a second time: the caller sets
+that scale once (``moe.layer.set_aux_loss_scale(model, microbatches=M, token_slices=tp)``), as the
+trainer does, (2) the arithmetic is the single-process trainer's, and (3) gradients that exist before the
+step are not divided.
 
 Schedules: gpipe (all forwards, then all backwards), 1f1b, interleaved (Interleaved 1F1B, v >= 2
 stages per rank placed loop-style: stage k on pipeline rank k % P).

@@ -14,9 +14,14 @@
                 the slice's input gradient is all-gathered (every rank's x contributed only its slice).
     Replicated: embedding, norms, lm_head, the router, experts and shared expert (token split instead).
 
-Gradients: DTensor reduces what the sharded linears need. The MoE layer's parameters saw only this rank's
-token slice, so their gradients are partial sums over the TP group; comm.grad_sync adds them up. Each
-rank's aux loss covers its slice, so its gradient scale is divided by tp (the mean over slices).
+The MoE token split is the layer's ``token_split`` strategy (``TPTokenSplit``, or ``SequenceParallelTokens``
+whose input already is this rank's slice of the sequence); MoELayer.forward calls it.
+
+Gradients: DTensor reduces what the sharded linears need. The MoE layer's parameters (and the
+sequence-parallel norms) saw only this rank's token slice, so their gradients are partial sums over the TP
+group: ``apply_tensor_parallel`` returns those norms, the recipe gives them the "moe" gradient role and
+comm.grad_sync adds them up. Each rank's aux loss covers its slice: moe.layer.set_aux_loss_scale(...,
+token_slices=tp) makes it count 1/tp (the mean over slices).
 """
 from __future__ import annotations
 
@@ -43,8 +48,11 @@ def check_tensor_parallel(config, tp: int) -> None:
                           f"dense MLP width; choose tp dividing all of them")
 
 
-def apply_tensor_parallel(model: nn.Module, topology, sequence_parallel: bool = False) -> None:
+def apply_tensor_parallel(model: nn.Module, topology, sequence_parallel: bool = False) -> list[nn.Module]:
     """Shard every block of ``model.layers`` over the TP mesh and split MoE tokens over the TP group.
+
+    Returns the modules besides the MoE layers whose gradients are partial sums over the TP group (the
+    sequence-parallel norms; empty without sequence parallelism).
 
     sequence_parallel: between the TP regions (norms, residual adds, the MoE layer) each rank keeps only
     its 1/tp slice of the sequence, so those activations take 1/tp of the memory; attention and dense MLP
@@ -54,20 +62,18 @@ def apply_tensor_parallel(model: nn.Module, topology, sequence_parallel: bool = 
     """
     tp = topology.layout.tp
     if tp == 1:
-        return
+        return []
     mesh = topology.mesh("world")["tp"]
     group = topology.group("tp")
     rank = topology.members("tp").index(topology.rank)
     blocks = list(model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers)
     for block in blocks:
         parallelize_module(block, mesh, _block_plan(block, sequence_parallel))
-        if sequence_parallel:  # norms see only this rank's positions: their gradients are partial over TP
-            for norm in (block.attn_norm, block.ffn_norm):
-                norm.grads_partial_over_tp = True
+    split = SequenceParallelTokens(rank, tp) if sequence_parallel else TPTokenSplit(group, rank, tp)
     for _, layer in moe_layers(model):
-        split_moe_tokens(layer, group, rank, tp, sequence_parallel)
+        layer.token_split = split
     if not sequence_parallel:
-        return
+        return []
     for root in getattr(model, "stages", (model,)):  # each pipeline stage sends and receives whole sequences
         stage_blocks = list(root.layers)
         if stage_blocks:
@@ -75,6 +81,8 @@ def apply_tensor_parallel(model: nn.Module, topology, sequence_parallel: bool = 
                 lambda m, args: (_slice_sequence(args[0], rank, tp, group),) + args[1:])
             stage_blocks[-1].register_forward_hook(
                 lambda m, args, out: _GatherTokens.apply(out, rank, [out.shape[1]] * tp, group, 1))  # S % tp == 0
+    # norms see only this rank's positions: their gradients are partial over TP
+    return [norm for block in blocks for norm in (block.attn_norm, block.ffn_norm)]
 
 
 def _block_plan(block: nn.Module, sequence_parallel: bool) -> dict:
@@ -149,27 +157,35 @@ def _slice_sequence(x: Tensor, rank: int, parts: int, group) -> Tensor:
     return _SliceTokens.apply(x, rank, parts, group, 1).clone()
 
 
-def split_moe_tokens(layer: nn.Module, group, rank: int, tp: int, sequence_parallel: bool = False) -> None:
-    """Wrap ``layer.forward`` (state-dict keys unchanged) so each TP rank routes 1/tp of the tokens.
+class TPTokenSplit:
+    """moe TokenSplit over the TP group: the TP ranks hold the same tokens (replicated input), each routes
+    a contiguous 1/tp slice and the outputs are all-gathered (module docstring)."""
 
-    Without sequence parallelism the input is replicated: slice it, route, all-gather the outputs. With
-    it the input already is this rank's slice of the sequence: only the token ids (hash router) follow.
-    """
-    inner = layer.forward
-    layer.aux_loss_scale = layer.aux_loss_scale / tp  # mean over the tp slices' aux losses
-    layer.grads_partial_over_tp = True
+    def __init__(self, group, rank: int, parts: int):
+        self.group, self.rank, self.parts = group, rank, parts
 
-    def forward(x: Tensor, token_ids: Tensor | None = None) -> Tensor:
-        if sequence_parallel:  # x [B, S/tp, H], token_ids [B, S]
-            ids = None if token_ids is None else token_ids.narrow(1, rank * x.shape[1], x.shape[1])
-            return inner(x, token_ids=ids)
-        shape = x.shape
-        flat = x.reshape(-1, shape[-1])  # [T, H]
-        mine = _SliceTokens.apply(flat, rank, tp, group)  # [T/tp, H]
-        sizes = split_sizes(flat.shape[0], tp)
-        start = sum(sizes[:rank])
-        ids = None if token_ids is None else token_ids.reshape(-1)[start : start + sizes[rank]]
-        y = inner(mine, token_ids=ids)  # [T/tp, H]
-        return _GatherTokens.apply(y, rank, sizes, group).view(shape)  # [T, H] on every TP rank
+    def split(self, x: Tensor, token_ids: Tensor | None) -> tuple[Tensor, Tensor | None, list[int]]:
+        flat = x.reshape(-1, x.shape[-1])  # [T, H], the same on every TP rank
+        sizes = split_sizes(flat.shape[0], self.parts)
+        start = sum(sizes[: self.rank])
+        mine = _SliceTokens.apply(flat, self.rank, self.parts, self.group)  # [T/tp, H]
+        ids = None if token_ids is None else token_ids.reshape(-1)[start : start + sizes[self.rank]]
+        return mine, ids, sizes
 
-    layer.forward = forward
+    def gather(self, y: Tensor, sizes: list[int]) -> Tensor:
+        return _GatherTokens.apply(y, self.rank, sizes, self.group)  # [T, H] on every TP rank
+
+
+class SequenceParallelTokens:
+    """moe TokenSplit under sequence parallelism: the input already is this rank's slice of the sequence
+    ([B, S/tp, H]), so only the token ids [B, S] (hash router) follow it; the outputs stay sliced."""
+
+    def __init__(self, rank: int, parts: int):
+        self.rank, self.parts = rank, parts
+
+    def split(self, x: Tensor, token_ids: Tensor | None) -> tuple[Tensor, Tensor | None, None]:
+        ids = None if token_ids is None else token_ids.narrow(1, self.rank * x.shape[1], x.shape[1]).reshape(-1)
+        return x.reshape(-1, x.shape[-1]), ids, None  # [B*S/tp, H], [B*S/tp]
+
+    def gather(self, y: Tensor, meta: None) -> Tensor:
+        return y

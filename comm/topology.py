@@ -36,6 +36,14 @@ class LayoutError(ValueError):
 
 @dataclass(frozen=True)
 class Layout:
+    """The parallel degrees of a run: moekit's one layout type, validated here and nowhere else.
+
+    The trainer's ``[layout]`` config section (moekit.train.config.LayoutSection) holds what the user asked
+    for (dp 0 = infer it, plus knobs such as the pipeline schedule); moekit.train.plan.resolve_layout turns
+    those settings into this object with ``infer`` and adds the batch split. Every message names the flag
+    (``--dp``, ``--ep``, ...), the value and the fix, so the trainer prints it as it is.
+    """
+
     pp: int = 1
     dp: int = 1  # replicated data parallel
     fsdp: int = 1  # sharded data parallel
@@ -50,20 +58,26 @@ class Layout:
     def data_parallel(self) -> int:
         return self.dp * self.fsdp
 
+    @property
+    def flags(self) -> str:
+        """The degrees as the trainer's flags: '--dp 2 --ep 2 --tp 1 --pp 1 --fsdp 1'."""
+        return " ".join(f"--{k} {getattr(self, k)}" for k in ("dp", "ep", "tp", "pp", "fsdp"))
+
     @classmethod
     def infer(cls, world_size: int, pp: int = 1, dp: int | None = None, fsdp: int = 1, tp: int = 1,
-              ep: int = 1) -> "Layout":
+              ep: int = 1, num_experts: int | None = None) -> "Layout":
         """Fill ``dp`` from the world size when omitted (the rest default to 1), then validate."""
-        for name, v in (("pp", pp), ("fsdp", fsdp), ("tp", tp), ("ep", ep), ("world size", world_size)):
+        for name, v in (("--pp", pp), ("--fsdp", fsdp), ("--tp", tp), ("--ep", ep), ("world size", world_size)):
             _positive(name, v)
         if dp is None:
             rest = pp * fsdp * tp
             if world_size % rest:
                 raise LayoutError(f"world size {world_size} is not divisible by pp*fsdp*tp = {pp}*{fsdp}*{tp} = "
-                                  f"{rest}; launch a multiple of {rest} processes or change the degrees")
+                                  f"{rest}, so dp cannot be inferred; launch a multiple of {rest} processes or "
+                                  f"change the degrees")
             dp = world_size // rest
         layout = cls(pp, dp, fsdp, tp, ep)
-        layout.validate(world_size)
+        layout.validate(world_size, num_experts)
         return layout
 
     def validate(self, world_size: int, num_experts: int | None = None) -> None:
@@ -71,21 +85,31 @@ class Layout:
             _positive(f"--{name}", getattr(self, name))
         if self.world_size != world_size:
             raise LayoutError(
-                f"layout pp={self.pp} x dp={self.dp} x fsdp={self.fsdp} x tp={self.tp} = {self.world_size} ranks, "
-                f"but the world size is {world_size}; launch {self.world_size} processes (torchrun --nproc-per-node) "
-                f"or change the degrees so their product is {world_size}"
+                f"layout {self.flags} needs dp*fsdp*tp*pp = {self.world_size} processes but the world size is "
+                f"{world_size}; launch {self.world_size} processes (torchrun --nproc-per-node) or use degrees "
+                f"whose product is {world_size}"
             )
         if self.data_parallel % self.ep:
-            raise LayoutError(f"ep={self.ep} must divide the data-parallel size dp*fsdp = {self.data_parallel}: "
-                              f"expert parallelism folds inside the data-parallel ranks")
+            raise LayoutError(f"layout {self.flags}: ep={self.ep} must divide the data-parallel size dp*fsdp = "
+                              f"{self.data_parallel} (expert parallelism folds inside the data-parallel ranks); "
+                              f"choose an ep that divides it")
         if num_experts is not None and num_experts % self.ep:
-            raise LayoutError(f"num_experts={num_experts} is not divisible by ep={self.ep}; choose ep among "
+            raise LayoutError(f"num_experts={num_experts} is not divisible by ep={self.ep}; choose --ep among "
                               f"{[d for d in range(1, num_experts + 1) if num_experts % d == 0]}")
 
 
 def _positive(name: str, v) -> None:
     if not isinstance(v, int) or isinstance(v, bool) or v < 1:
         raise LayoutError(f"{name}={v!r} is invalid; it must be a positive integer")
+
+
+def world_size_from_env() -> int:
+    """torchrun's WORLD_SIZE (1 when unset): how many processes this launch has."""
+    raw = os.environ.get("WORLD_SIZE", "1")
+    try:
+        return int(raw)
+    except ValueError:
+        raise LayoutError(f"WORLD_SIZE={raw!r} is not an integer; launch with torchrun, which sets it") from None
 
 
 @dataclass(frozen=True)
@@ -117,7 +141,7 @@ class Topology:
     def from_env(cls, layout: Layout, num_experts: int | None = None,
                  ranks_per_node: int | None = None) -> "Topology":
         """Read torchrun's RANK / WORLD_SIZE / LOCAL_WORLD_SIZE (defaults: one process) and validate."""
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+        world = world_size_from_env()
         rank = int(os.environ.get("RANK", "0"))
         layout.validate(world, num_experts)
         per_node = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))

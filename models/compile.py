@@ -28,32 +28,43 @@ Why the MoE forward stays eager:
      bypassing the autograd.Function (the pytorch#102970 family). Silent: only the router gradient is
      off. Keeping the injection eager avoids it.
 
-Order with activation checkpointing: call ``apply_compile`` BEFORE
-``models.parallelize.apply_activation_checkpointing``, so the checkpoint wraps the compiled forward and
-the recompute in backward replays the same compiled graphs. Compiling a block whose forward is already
-a checkpoint would put ``checkpoint`` inside the traced region, which dynamo can only trace whole; the
-MoE's graph break makes it give up and the block silently runs eagerly. So when ``apply_compile`` finds
-a block's forward already wrapped, it compiles the block's parts one by one underneath the wrapper
-(attention, norms, dense FFN; the MoE as above) and warns: correct, but the residual adds run eagerly
-and the norms are not fused with their neighbours. Checkpointing only the FFN ("ffn") composes in either
-order. Expert and tensor parallelism go first (their dispatchers, count reducer and token split are
-kept eager here); FSDP after (its hooks stay outside the compiled forward).
+How: a compiled module's class becomes ``Compiled<Class>`` (``CompiledBlock``, ``CompiledTopKRouter``,
+``CompiledDenseMLP``), whose ``forward`` is ``torch.compile(Class.forward)``, and the MoE layer's becomes
+``EagerMoELayer``, whose ``forward`` dynamo never traces. Only ``forward`` is compiled, not ``__call__``
+(``nn.Module.compile()`` would be): hooks stay eager and outside the graphs (FSDP's, the sequence-parallel
+split, the trainer's non-finite probes). Parameter names and state-dict keys do not change; ``print(model)``
+shows what runs compiled. Every block of a model shares one class, so they share their graphs, and a deep
+copy of a compiled model runs its own compiled forward.
+
+Order with activation checkpointing: the checkpoint must wrap the compiled forward, so the recompute in
+backward replays the same compiled graphs; a checkpoint inside the traced region is something dynamo can
+only trace whole, the MoE's graph break makes it give up and the block silently runs eagerly. The recipe
+compiles first (``Checkpointed<CompiledBlock>``). Given a module that already is ``Checkpointed<X>``,
+``apply_compile`` puts the compiled forward beneath the checkpoint, so both orders build the same model.
+Expert and tensor parallelism go first (their dispatchers, count reducer and token split are kept eager
+here); FSDP after (its hooks stay outside the compiled forward).
 """
 from __future__ import annotations
-
-import warnings
 
 import torch
 from torch import nn
 
+from moekit.models.parallelize import Checkpointed, subclass
 from moekit.moe.load import moe_layers
+from moekit.moe.router import Router
 
-_COMPILED = "_moekit_compiled"  # marks a module whose forward apply_compile replaced
-_EAGER = "_moekit_eager"  # marks a function wrapped by _eager (so wrapping twice is a no-op)
+
+class Compiled:
+    """Mixin of ``Compiled<Class>``: ``forward`` is torch.compile of the class's forward (``compiled``)."""
+
+
+class Eager:
+    """Mixin of ``EagerMoELayer``: dynamo never traces ``forward``; the router and the shared expert it
+    calls run their own compiled forwards."""
 
 
 def apply_compile(model: nn.Module, **options) -> None:
-    """Compile each block of ``model.layers`` in place (state-dict keys unchanged).
+    """Compile each block of ``model.layers`` in place (names and state-dict keys unchanged).
 
     options: passed to ``torch.compile`` (backend="inductor", mode, dynamic, options, ...).
     ``fullgraph=True`` is refused: the MoE layer breaks the graph on purpose.
@@ -64,61 +75,66 @@ def apply_compile(model: nn.Module, **options) -> None:
                          "around the data-dependent dispatch; leave fullgraph unset")
     layers = getattr(model, "layers", None)
     if isinstance(layers, nn.ModuleDict):  # a pipeline stage: blocks keyed by their index in the full model
-        named = list(layers.items())
+        blocks = list(layers.values())
     elif isinstance(layers, nn.ModuleList):
-        named = [(str(i), block) for i, block in enumerate(layers)]
+        blocks = list(layers)
     else:
         raise ValueError(f"apply_compile needs a model whose `layers` hold the blocks (ModuleList or ModuleDict), "
                          f"got {type(model).__name__}.layers = {type(layers).__name__}")
-    wrapped = []
-    for key, block in named:
-        if getattr(block, _COMPILED, False):
-            continue
+    for block in blocks:
         for _, moe in moe_layers(block):
             _keep_moe_eager(moe, options)
-        if "forward" in vars(block):  # replaced on the instance: whole-block activation checkpointing
-            wrapped.append(f"layers.{key}")
-            for child in block.children():
-                if not getattr(child, _COMPILED, False):
-                    _compile_forward(child, options)
-            setattr(block, _COMPILED, True)
-        else:
-            _compile_forward(block, options)
-    if wrapped:
-        warnings.warn(f"{len(wrapped)} blocks ({wrapped[0]}, ...) already had their forward wrapped (activation "
-                      f"checkpointing?), so their parts were compiled one by one; call apply_compile before "
-                      f"apply_activation_checkpointing for one graph per block", stacklevel=2)
+        compiled(block, options)
 
 
 def _keep_moe_eager(moe: nn.Module, options: dict) -> None:
     """MoELayer.forward runs eagerly; its router and shared expert get their own compiled graphs."""
-    router = moe.router
-    _eager(router, "observe_load", "reads in_backward() and updates router state per real forward")
-    if getattr(router, "count_reducer", None) is not None:  # installed by expert parallelism (a collective)
-        router.count_reducer = _eager_fn(router.count_reducer, "all-reduces counts over the data-parallel group")
-    _compile_forward(router, options)
-    if getattr(moe, "shared_expert", None) is not None:
-        _compile_forward(moe.shared_expert, options)
-    _eager(moe, "forward", "data-dependent dispatch, host syncs, expert-load records")
-    setattr(moe, _COMPILED, True)  # its forward is ours now: not a foreign wrapper
+    compiled(moe.router, options)
+    if moe.shared_expert is not None:
+        compiled(moe.shared_expert, options)
+    if not isinstance(moe, Eager):
+        why = "data-dependent dispatch, host syncs, expert-load records"
+        _swap(moe, Eager, lambda cls: {"forward": torch._dynamo.disable(cls.forward, reason=why)})
 
 
-def _compile_forward(module: nn.Module, options: dict) -> None:
-    # The bound forward, not module.compile(): module.compile() compiles __call__, which would put a
-    # later activation-checkpoint wrapper (it replaces module.forward) inside the compiled region.
-    module.forward = torch.compile(module.forward, **options)
-    setattr(module, _COMPILED, True)
+def compiled(module: nn.Module, options: dict) -> nn.Module:
+    """Compile ``module``'s forward in place: its class becomes ``Compiled<Class>`` (idempotent).
+
+    A router keeps its load bookkeeping eager: ``observe_load`` (reads in_backward() and updates router
+    state per real forward) and the ``count_reducer`` comm/ installs (a collective).
+    """
+    if isinstance(module, Compiled):
+        return module
+
+    def attrs(cls: type) -> dict:
+        own = {"forward": torch.compile(cls.forward, **options)}
+        if issubclass(cls, Router):
+            why = "reads in_backward() and updates router state per real forward"
+            own.update(observe_load=torch._dynamo.disable(cls.observe_load, reason=why),
+                       reduce_counts=_eager_reduce_counts())
+        return own
+
+    _swap(module, Compiled, attrs, key=repr(sorted(options.items())))
+    return module
 
 
-def _eager(obj, name: str, why: str) -> None:
-    setattr(obj, name, _eager_fn(getattr(obj, name), why))
+def _swap(module: nn.Module, mixin: type, attrs, key=()) -> None:
+    """module's class -> <mixin><Class>; beneath the checkpoint when it already is ``Checkpointed<Class>``."""
+    cls = type(module)
+    if not isinstance(module, Checkpointed):
+        module.__class__ = subclass(mixin, cls, attrs, key)
+        return
+    if cls.__bases__[0] is not Checkpointed:  # e.g. FSDP's class around it: too late
+        raise ValueError(f"cannot compile a {cls.__name__}: apply torch.compile before FSDP (models.parallelize)")
+    module.__class__ = subclass(Checkpointed, subclass(mixin, cls.__bases__[1], attrs, key))  # Checkpointed<<mixin>X>
 
 
-def _eager_fn(fn, why: str):
-    if getattr(fn, _EAGER, False):
-        return fn
-    # recursive=True: nothing called from fn is traced either, except functions compiled explicitly
-    # (the router inside the eager MoE forward).
-    wrapped = torch._dynamo.disable(fn, reason=why)
-    setattr(wrapped, _EAGER, True)
-    return wrapped
+def _eager_reduce_counts():
+    # Router.reduce_counts with the reducer call run eagerly: an all-reduce over the data-parallel group.
+    # Without a reducer nothing breaks the router's graph.
+    run = torch._dynamo.disable(lambda reducer, counts: reducer(counts), reason="a collective over the data ranks")
+
+    def reduce_counts(self, counts):
+        return counts if self.count_reducer is None else run(self.count_reducer, counts)
+
+    return reduce_counts

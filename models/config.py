@@ -1,8 +1,9 @@
 """ModelConfig and the named presets.
 
 A config is plain data: every field is a number, a string, a bool or a small dict, so it round-trips
-through TOML, JSON and command-line overrides. ``validate()`` checks everything that does not need
-torch; building the model (on the meta device, which allocates nothing) checks the router options.
+through TOML, JSON and command-line overrides. ``validate()`` checks everything short of building a
+router; building the model (on the meta device, which allocates nothing) checks the router options.
+Router configuration lives here too: ``router_kwargs()`` (what build_router gets) and ``set_router()``.
 
 Layer pattern: layer i has an MoE FFN iff i >= first_dense_layers and
 (i - first_dense_layers) % moe_every == moe_every - 1; every other layer has a dense FFN.
@@ -14,14 +15,14 @@ Layer pattern: layer i has an MoE FFN iff i >= first_dense_layers and
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
-ACTIVATIONS = ("swiglu", "gelu", "relu")
 # Options every router family understands under these names, with the value that means "off": build_router()
-# gets each one the router accepts (models.transformer.router_options); a router that does not take one
-# behaves as if it had that value. Router-specific options go in ``router_options``.
+# gets each one the router accepts (ModelConfig.router_kwargs); a router that does not take one behaves as
+# if it had that value. Router-specific options go in ``router_options``.
 COMMON_ROUTER_FIELDS = {"top_k": 1, "capacity_factor": None, "aux_loss_coeff": 0.0, "z_loss_coeff": 0.0}
 
 
@@ -84,8 +85,10 @@ class ModelConfig:
         if self.capacity_factor is not None:
             _check_float("model.capacity_factor", self.capacity_factor, strict=True,
                          hint="; use a positive number, or none for dropless routing")
+        from moekit.moe.activations import ACTIVATIONS  # the one table (imports torch: only when validating)
+
         if self.activation not in ACTIVATIONS:
-            raise ValueError(f"model.activation={self.activation!r} is invalid; choose one of {list(ACTIVATIONS)}")
+            raise ValueError(f"model.activation={self.activation!r} is invalid; choose one of {sorted(ACTIVATIONS)}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"model.num_kv_heads={self.num_kv_heads} must divide model.num_heads={self.num_heads}")
         if not self.head_dim and self.hidden_size % self.num_heads:
@@ -99,6 +102,29 @@ class ModelConfig:
             raise ValueError(f"model.router_options must be a table of router options, got {self.router_options!r}")
         return self
 
+    # Router configuration: the one place that decides what build_router gets and what a router change resets.
+
+    def router_kwargs(self) -> dict[str, Any]:
+        """The build_router options for ``self.router``: each common field the router accepts, then
+        ``router_options`` as given (they must all be accepted; build_router says which are not).
+
+        Common fields go only where accepted, so the router can change family without editing the
+        preset (e.g. "switch" is top-1 by definition and takes no top_k).
+        """
+        passed, _ = _split_common_router_fields(self)
+        return {**passed, **self.router_options}
+
+    def unused_router_fields(self) -> list[str]:
+        """Common fields ``self.router`` takes no option for although their value is not "off" (to warn about)."""
+        return _split_common_router_fields(self)[1]
+
+    def set_router(self, name: str) -> None:
+        """Choose the router family. A different family drops ``router_options``: they belong to the old
+        one (e.g. switch's jitter) and the new one starts from its defaults. Common fields carry over."""
+        if name != self.router:
+            self.router_options = {}
+        self.router = name
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -109,6 +135,21 @@ class ModelConfig:
         if unknown:
             raise ValueError(f"unknown model field(s) {unknown}; fields are {sorted(names)}")
         return cls(**d)
+
+
+def _split_common_router_fields(config: ModelConfig) -> tuple[dict[str, Any], list[str]]:
+    """({field: value} the router accepts, [fields it does not accept whose value is not "off"])."""
+    from moekit.moe.router import router_class  # imports torch: only when a router is resolved
+
+    params = inspect.signature(router_class(config.router).__init__).parameters
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    passed, unused = {}, []
+    for name, off in COMMON_ROUTER_FIELDS.items():
+        if takes_any or name in params:
+            passed[name] = getattr(config, name)
+        elif getattr(config, name) != off:
+            unused.append(name)
+    return passed, unused
 
 
 def _check_int(name: str, value, lo: int) -> None:

@@ -16,7 +16,12 @@ wraps the compiled block and its recompute replays the same graphs, while a chec
 region meets the MoE graph break and dynamo silently runs the whole block eagerly; both wrap the block's
 forward before FSDP's hooks go around it.
 Pipeline parallelism splits the model into stages before this recipe runs on each stage (models.pipeline).
-The model code itself never changes: every step swaps a strategy object or a parameter (DESIGN.md).
+The model code itself never changes: every step swaps a strategy object (``MoELayer.token_split``,
+``.dispatcher``, ``Router.count_reducer``) or a parameter (DESIGN.md), or, for compile and activation
+checkpointing, the class of a module: as FSDP's ``fully_shard`` does, it becomes a subclass that
+overrides ``forward`` (a compiled router also keeps two bookkeeping methods eager), so parameter names,
+state-dict and checkpoint keys and hooks stay, and ``print(model)`` shows what was applied
+(``CheckpointedCompiledBlock``, ``EagerMoELayer``, ...).
 Weights are initialised in full from the seed before this runs, so every layout starts from the
 same numbers.
 """
@@ -30,7 +35,9 @@ from torch.utils.checkpoint import checkpoint
 
 from moekit.comm.all_to_all import Traffic
 from moekit.comm.expert_parallel import apply_expert_parallel
+from moekit.comm.grad_sync import gradient_roles
 from moekit.comm.topology import Topology
+from moekit.moe.layer import set_aux_loss_scale
 
 
 @dataclass
@@ -38,6 +45,9 @@ class Parallelized:
     topology: Topology | None
     traffic: Traffic  # all-to-all bytes per link class, for the training log
     fsdp: bool  # gradients are reduced by fully_shard (comm.grad_sync needs to know)
+    # parameter name -> "dense" | "moe" | "expert": which ranks hold partial sums of its gradient
+    # (comm.grad_sync.sync_gradients(model, topology, grad_roles, fsdp))
+    grad_roles: dict[str, str]
 
 
 def parallelize(model: nn.Module, topology: Topology | None, *, hierarchical: bool | None = None,
@@ -51,11 +61,14 @@ def parallelize(model: nn.Module, topology: Topology | None, *, hierarchical: bo
     """
     from moekit.comm.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
 
-    traffic, fsdp = Traffic(), False
+    traffic, fsdp, token_sliced = Traffic(), False, []
     if topology is not None:
         # 1. tensor parallel (validated first: nothing is sharded when a degree does not fit)
         check_tensor_parallel(model.config, topology.layout.tp)
-        apply_tensor_parallel(model, topology, sequence_parallel)
+        token_sliced = apply_tensor_parallel(model, topology, sequence_parallel)  # sequence-parallel norms
+        # each TP rank's aux loss covers its token slice: 1/tp each (callers with several micro-batches set
+        # the scale again with their count, moe.layer.set_aux_loss_scale)
+        set_aux_loss_scale(model, token_slices=topology.layout.tp)
         # 2. expert parallel (also installs the global-batch count reducer when ep == 1 and dp > 1)
         if hierarchical is None:
             hierarchical = len({topology.node_of(r) for r in topology.members("ep")}) > 1
@@ -67,13 +80,15 @@ def parallelize(model: nn.Module, topology: Topology | None, *, hierarchical: bo
         apply_compile(model)
     # 4. activation checkpointing (around the compiled forwards)
     apply_activation_checkpointing(model, activation_checkpointing)
+    # gradient roles, by name (before FSDP, which swaps the Parameter objects; the names stay)
+    grad_roles = gradient_roles(model, token_sliced)
     # 5. FSDP
     if topology is not None and topology.layout.fsdp > 1:
         from moekit.comm.fsdp import apply_fsdp
 
         apply_fsdp(model, topology, param_dtype)
         fsdp = True
-    return Parallelized(topology, traffic, fsdp)
+    return Parallelized(topology, traffic, fsdp, grad_roles)
 
 
 AC_MODES = ("none", "full", "ffn")
@@ -86,24 +101,49 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
     ffn:  selective, only the FFN / MoE sublayer is recomputed: its expert hidden states (N x 2F per
           layer, N = tokens x k) are the largest activations of an MoE block, while attention keeps its
           own (SDPA's backward needs them anyway).
-    The forward is wrapped in place (state-dict keys unchanged). Recomputation replays the same routing
-    (RNG state is restored, so router jitter repeats), and expert-load records skip recomputed forwards.
-    Under expert parallelism the recomputed all-to-alls run in backward on every rank in the same order.
+    Each such module becomes ``Checkpointed<Class>`` (``checkpointed``): names and keys unchanged, its hooks
+    stay outside the checkpoint. Recomputation replays the same routing (RNG state is restored, so router
+    jitter repeats), and expert-load records skip recomputed forwards. Under expert parallelism the
+    recomputed all-to-alls run in backward on every rank in the same order.
     """
     if mode not in AC_MODES:
         raise ValueError(f"activation checkpointing mode {mode!r} is unknown; use one of {list(AC_MODES)}")
     if mode == "none":
         return
     for block in (model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers):
-        _checkpoint_forward(block if mode == "full" else block.ffn)
+        checkpointed(block if mode == "full" else block.ffn)
 
 
-def _checkpoint_forward(module: nn.Module) -> None:
-    inner = module.forward
+class Checkpointed:
+    """Mixin: ``forward`` runs the class's own forward under ``torch.utils.checkpoint`` while training.
 
-    def forward(*args, **kwargs):
-        if not (torch.is_grad_enabled() and module.training):  # eval / no_grad: nothing to save anyway
-            return inner(*args, **kwargs)
-        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+    It wraps whatever forward comes next in the class order, a compiled one included (models.compile), so
+    the recompute in backward replays the same compiled graphs.
+    """
 
-    module.forward = forward
+    def forward(self, *args, **kwargs):
+        forward = super().forward
+        if not (torch.is_grad_enabled() and self.training):  # eval / no_grad: nothing to save anyway
+            return forward(*args, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def checkpointed(module: nn.Module) -> nn.Module:
+    """Activation-checkpoint ``module`` in place: its class becomes ``Checkpointed<Class>``. Idempotent."""
+    if not isinstance(module, Checkpointed):
+        module.__class__ = subclass(Checkpointed, type(module))
+    return module
+
+
+_SUBCLASSES: dict[tuple, type] = {}
+
+
+def subclass(mixin: type, cls: type, attrs=None, key=()) -> type:
+    """``<mixin><cls>``, the class with ``mixin`` before ``cls``; ``attrs(cls)`` -> its own attributes.
+    One class per (mixin, cls, key): every module given the same treatment has the same class, which
+    torch.compile guards on."""
+    k = (mixin, cls, key)
+    if k not in _SUBCLASSES:
+        own = {"__module__": mixin.__module__, **(attrs(cls) if attrs else {})}
+        _SUBCLASSES[k] = type(f"{mixin.__name__}{cls.__name__}", (mixin, cls), own)
+    return _SUBCLASSES[k]

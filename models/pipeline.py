@@ -253,8 +253,8 @@ class Pipeline:
         """Forward and backward of one optimizer step's batch ``tokens``/``targets`` [B, S] in
         ``microbatches`` (M) equal contiguous micro-batches; gradients accumulate into ``model``'s
         parameters exactly as ``(loss_m / M).backward()`` per micro-batch would, provided the MoE layers'
-        ``aux_loss_scale`` carries the 1/M (divide it once, as for gradient accumulation). Returns the
-        mean micro-batch loss, on every rank of the pipeline."""
+        ``aux_loss_scale`` carries the 1/M (``moe.layer.set_aux_loss_scale(model, microbatches=M)``, once).
+        Returns the mean micro-batch loss, on every rank of the pipeline."""
         return self.runner.step((tokens,), targets, microbatches, kwargs={"tokens": tokens})
 
     @torch.no_grad()

@@ -13,16 +13,14 @@ filled from one generator in module order, so the weights depend on the seed onl
 """
 from __future__ import annotations
 
-import inspect
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moekit.models.config import COMMON_ROUTER_FIELDS, ModelConfig
+from moekit.models.config import ModelConfig
 from moekit.moe import DenseMLP, MoELayer, build_router
-from moekit.moe.router import router_class
 
 
 def rope_angles(seq_len: int, head_dim: int, theta: float, device) -> tuple[Tensor, Tensor]:
@@ -64,26 +62,6 @@ class Attention(nn.Module):
         return self.wo(y.transpose(1, 2).reshape(B, S, -1))  # [B, S, H]
 
 
-def router_options(config: ModelConfig) -> tuple[dict, list[str]]:
-    """The build_router options for ``config.router``, and the common fields it ignores (names).
-
-    Common fields (top_k, capacity_factor, aux/z-loss coefficients) go to every router that accepts
-    them, so ``--router`` can switch families without editing the preset (e.g. "switch" is top-1 by
-    definition and takes no top_k); ``router_options`` are passed as given and must all be accepted.
-    A field is reported as ignored only when its value is not the one the router implies anyway.
-    """
-    params = inspect.signature(router_class(config.router).__init__).parameters
-    takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
-    options, ignored = {}, []
-    for name, off in COMMON_ROUTER_FIELDS.items():
-        if takes_any or name in params:
-            options[name] = getattr(config, name)
-        elif getattr(config, name) != off:
-            ignored.append(name)
-    options.update(config.router_options)
-    return options, ignored
-
-
 class Block(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int):
         super().__init__()
@@ -93,8 +71,7 @@ class Block(nn.Module):
         self.ffn_norm = nn.RMSNorm(H, eps=config.norm_eps)
         self.is_moe = config.is_moe_layer(layer_id)
         if self.is_moe:
-            options, _ = router_options(config)
-            router = build_router(config.router, H, config.num_experts, **options)
+            router = build_router(config.router, H, config.num_experts, **config.router_kwargs())
             self.ffn = MoELayer(H, config.moe_ffn_hidden_size, config.num_experts, router, config.activation,
                                 config.shared_ffn_hidden_size, shared_expert_gate=config.shared_expert_gate,
                                 backend=config.expert_backend)

@@ -33,6 +33,11 @@ class Dispatched:
 
 
 class Dispatcher(Protocol):
+    """``expert_range``: the global ids [lo, hi) of the experts this rank computes, in the order of
+    ``Dispatched.counts`` (all of them locally; this rank's contiguous block under expert parallelism)."""
+
+    expert_range: tuple[int, int]
+
     def dispatch(self, x: Tensor, routing: Routing) -> Dispatched: ...
 
     def combine(self, rows: Tensor, meta: Any) -> Tensor: ...
@@ -134,6 +139,7 @@ class LocalDispatcher:
 
     def __init__(self, num_experts: int):
         self.num_experts = num_experts
+        self.expert_range = (0, num_experts)
 
     def dispatch(self, x: Tensor, routing: Routing) -> Dispatched:
         T, k = routing.indices.shape

@@ -22,56 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+# ACTIVATIONS is re-exported for moe.layer: moe.activations is the one table of activations
+from moekit.moe.activations import ACTIVATIONS, check_activation, ffn_in_features, get_activation  # noqa: F401
 from moekit.moe.precision import compute_dtype
-
-# ---------------------------------------------------------------------------------------------------
-# Activations
-# ---------------------------------------------------------------------------------------------------
-
-
-class _SwiGLU(torch.autograd.Function):
-    """silu(gate) * up over h = [gate | up]; backward writes both halves of dh in place (no cat)."""
-
-    @staticmethod
-    def forward(ctx, h: Tensor) -> Tensor:
-        gate, up = h.chunk(2, dim=-1)
-        ctx.save_for_backward(h)
-        return F.silu(gate) * up
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> Tensor:
-        (h,) = ctx.saved_tensors
-        gate, up = h.chunk(2, dim=-1)
-        dh = torch.empty_like(h)
-        d_gate, d_up = dh.chunk(2, dim=-1)
-        torch.mul(grad, F.silu(gate), out=d_up)
-        # d gate = (grad * up) * silu'(gate), with torch's fused silu derivative
-        torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=d_gate)
-        return dh
-
-
-def _swiglu(h: Tensor) -> Tensor:
-    return _SwiGLU.apply(h)
-
-
-ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
-    "swiglu": _swiglu,
-    "gelu": F.gelu,
-    "relu": F.relu,
-}
-GATED_ACTIVATIONS = frozenset({"swiglu"})
-
-
-def check_activation(activation: str) -> None:
-    if activation not in ACTIVATIONS:
-        raise ValueError(
-            f"activation={activation!r} is not supported; use one of {sorted(ACTIVATIONS)}"
-        )
-
-
-def ffn_in_features(activation: str, ffn_hidden_size: int) -> int:
-    """Width of the first projection: gated activations need a gate and an up projection."""
-    return 2 * ffn_hidden_size if activation in GATED_ACTIVATIONS else ffn_hidden_size
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -145,7 +98,7 @@ def loop_mlp(rows: Tensor, counts: Tensor, w_in: Tensor, w_out: Tensor, activati
     ``split`` / ``unbind`` make one autograd node each, so backward concatenates the per-expert
     gradients once instead of materialising a full-size zero gradient per expert slice.
     """
-    act = ACTIVATIONS[activation]
+    act = get_activation(activation)
     sizes = counts.tolist()  # D2H sync: per-expert row counts drive the loop
     owned = sum(sizes)
     blocks = rows[:owned].split(sizes)
@@ -177,7 +130,7 @@ def _grouped_mm_why_not(rows: Tensor, w_in: Tensor, w_out: Tensor) -> str:
 def torch_grouped_mlp(rows: Tensor, counts: Tensor, w_in: Tensor, w_out: Tensor, activation: str) -> Tensor:
     """torch's grouped matmul: one call per projection over all experts, no host sync."""
     offs = counts.cumsum(0).to(torch.int32)
-    h = ACTIVATIONS[activation](F.grouped_mm(rows, w_in, offs=offs))
+    h = get_activation(activation)(F.grouped_mm(rows, w_in, offs=offs))
     out = F.grouped_mm(h, w_out, offs=offs)
     if rows.shape[0] > 0:  # rows past offs[-1] are undefined in grouped_mm: zero them, no sync
         owned = torch.arange(rows.shape[0], device=rows.device) < offs[-1]

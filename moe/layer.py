@@ -5,9 +5,18 @@ Shape legend: B batch, S sequence, T = B*S tokens, H hidden, E experts, k slots 
 A drop-in replacement for a dense FFN: ``forward(x [..., H]) -> [..., H]``. The router's aux loss
 joins backward through the layer output (``AuxLossInjector``), so callers add nothing to their loss
 and it works across pipeline stages; its value is recorded in ``layer.load`` for logging.
-The dispatcher is a strategy: ``LocalDispatcher`` by default, an expert-parallel one from comm/.
+Two strategy slots, both plain objects that comm/ swaps for distributed ones (moe/ never imports
+torch.distributed):
+
+    token_split   which of the input's tokens this rank routes, and how the outputs come back
+                  (``LocalTokens``: all of them; tensor parallelism: a 1/tp slice, all-gathered back)
+    dispatcher    where the routed rows are computed (``LocalDispatcher``; expert-parallel all-to-all)
+
+    x [..., H] --split--> [T, H] --router, dispatch, experts, combine--> [T, H] --gather--> [..., H]
 """
 from __future__ import annotations
+
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +27,35 @@ from moekit.moe.experts import ACTIVATIONS, GroupedExperts, available_backends, 
 from moekit.moe.precision import compute_dtype
 from moekit.moe.load import ExpertLoad
 from moekit.moe.router import Router, build_router, check_int
+
+
+class TokenSplit(Protocol):
+    """Which tokens of a layer's input this rank routes, and how their outputs come back.
+
+    ``split(x [..., H], token_ids [...] | None) -> (rows [T, H], ids [T] | None, meta)``: this rank's tokens
+    and their ids; ``gather(y [T, H], meta) -> [N, H]`` with N * H = x.numel(): the layer's output rows
+    (the layer restores x's shape). ``meta`` is whatever gather needs; nothing is kept between the calls.
+    ``parts``: how many ranks share the input's tokens (each one's aux loss is that slice's).
+    """
+
+    parts: int
+
+    def split(self, x: Tensor, token_ids: Tensor | None) -> tuple[Tensor, Tensor | None, Any]: ...
+
+    def gather(self, y: Tensor, meta: Any) -> Tensor: ...
+
+
+class LocalTokens:
+    """Every token of the input is this rank's (the default; no communication)."""
+
+    parts = 1
+
+    def split(self, x: Tensor, token_ids: Tensor | None) -> tuple[Tensor, Tensor | None, None]:
+        ids = None if token_ids is None else token_ids.reshape(-1)
+        return x.reshape(-1, x.shape[-1]), ids, None  # [T, H], [T]
+
+    def gather(self, y: Tensor, meta: None) -> Tensor:
+        return y
 
 
 class AuxLossInjector(torch.autograd.Function):
@@ -71,12 +109,14 @@ class MoELayer(nn.Module):
     shared_ffn_hidden_size: > 0 adds an always-on shared expert (DeepSeek / Qwen2-MoE);
     shared_expert_gate: gate it with sigmoid(x @ w_g) as Qwen2-MoE does.
     backend: expert compute, "auto" | "triton" | "torch" | "loop" (see moe.experts).
-    aux_loss_scale: multiplies the aux-loss gradient, e.g. 1/grad_accum_steps (trainer sets it).
+    dispatcher, token_split: the strategies (module docstring); None = local.
+    aux_loss_scale: multiplies the aux-loss gradient; ``set_aux_loss_scale`` sets it for a training layout.
     """
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, router: Router | str,
                  activation: str = "swiglu", shared_ffn_hidden_size: int = 0, *,
-                 shared_expert_gate: bool = False, backend: str = "auto", dispatcher: Dispatcher | None = None):
+                 shared_expert_gate: bool = False, backend: str = "auto", dispatcher: Dispatcher | None = None,
+                 token_split: TokenSplit | None = None):
         super().__init__()
         check_int("hidden_size", hidden_size, 1)
         check_int("ffn_hidden_size", ffn_hidden_size, 1)
@@ -99,6 +139,7 @@ class MoELayer(nn.Module):
             if shared_ffn_hidden_size > 0 else None
         )
         self.dispatcher: Dispatcher = dispatcher or LocalDispatcher(num_experts)
+        self.token_split: TokenSplit = token_split or LocalTokens()
         self.load = ExpertLoad(num_experts)
         self.aux_loss_scale = 1.0
 
@@ -106,7 +147,7 @@ class MoELayer(nn.Module):
         if x.shape[-1] != self.hidden_size:
             raise ValueError(f"MoELayer got hidden size {x.shape[-1]}, expected {self.hidden_size}")
         shape = x.shape
-        x = x.reshape(-1, self.hidden_size)  # [T, H]
+        x, token_ids, split = self.token_split.split(x, token_ids)  # this rank's tokens [T, H], ids [T]
         routing = self.router(x, token_ids)  # indices/weights [T, k]
         if self.training:
             self.load.record(routing)
@@ -119,10 +160,30 @@ class MoELayer(nn.Module):
             y = y + self.shared_expert(x)
         if routing.aux_loss.requires_grad and torch.is_grad_enabled():
             y = AuxLossInjector.apply(y, routing.aux_loss, self.aux_loss_scale)
-        return y.view(shape)
+        return self.token_split.gather(y, split).view(shape)  # every token's output [..., H]
 
     def set_backend(self, name: str) -> None:
         """Switch the expert compute backend ("auto", "triton", "torch", "loop")."""
         if name not in available_backends():
             raise ValueError(f"expert backend {name!r} is unknown; use one of {available_backends()}")
         self.experts.backend = name
+
+
+def set_aux_loss_scale(model: nn.Module, *, accumulation: int = 1, token_slices: int = 1,
+                       microbatches: int = 1) -> None:
+    """Set every MoE layer's aux-loss gradient scale for a training layout (the one place it is computed).
+
+    The LM loss of a step is the mean over its micro-batches, so each micro-batch's aux loss counts
+    1/accumulation (gradient accumulation) or 1/microbatches (a pipeline's micro-batches); under tensor
+    parallelism each of the ``token_slices`` ranks routes a slice of the same tokens, and the slices' aux
+    losses are averaged. Sets, not multiplies: calling it again replaces the scale.
+    """
+    for name, value in (("accumulation", accumulation), ("token_slices", token_slices), ("microbatches", microbatches)):
+        check_int(name, value, 1)
+    scale = 1.0 / token_slices / accumulation / microbatches  # divided one by one: the same bits in every layout
+    for module in model.modules():
+        if isinstance(module, MoELayer):
+            if module.token_split.parts != token_slices:
+                raise ValueError(f"set_aux_loss_scale(token_slices={token_slices}) but the MoE layers' token split "
+                                 f"has {module.token_split.parts} parts; pass the tensor-parallel degree")
+            module.aux_loss_scale = scale

@@ -98,9 +98,11 @@ class ExpertLoad:
 
 
 def moe_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """(qualified name, layer) of every module that tracks expert load, in module order."""
+    """(qualified name, layer) of every ``MoELayer`` in ``model``, in module order."""
+    from moekit.moe.layer import MoELayer  # here, not at the top: moe.layer imports this module
+
     for name, module in model.named_modules():
-        if isinstance(getattr(module, "load", None), ExpertLoad):
+        if isinstance(module, MoELayer):
             yield name, module
 
 
@@ -112,8 +114,3 @@ def collect_load(model: nn.Module, reset: bool = True) -> dict[str, LoadSummary]
         if reset:
             layer.load.reset()
     return out
-
-
-def reset_load(model: nn.Module) -> None:
-    for _, layer in moe_layers(model):
-        layer.load.reset()

@@ -1,4 +1,4 @@
-"""Auxiliary routing losses and the aux-loss-free bias update.
+"""Auxiliary routing losses and the aux-loss-free bias update rule (``bias_update_step``).
 
 Shape legend: T tokens routed together, E experts, k slots per token.
 
@@ -50,7 +50,7 @@ def z_loss(logits: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def update_expert_bias(bias: Tensor, load: Tensor, rate: float) -> None:
+def bias_update_step(bias: Tensor, load: Tensor, rate: float) -> None:
     """Aux-loss-free balancing (DeepSeek-V3): raise under-loaded experts' bias, lower over-loaded ones.
 
     bias += rate * sign(mean(load) - load), then re-centred to zero mean so it never drifts.

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from moekit.moe.precision import upcast_linear
 
 from moekit.moe.load import in_backward
-from moekit.moe.losses import CountReducer, load_balance_loss, update_expert_bias, z_loss
+from moekit.moe.losses import CountReducer, bias_update_step, load_balance_loss, z_loss
 
 DROP_POLICIES = ("probs", "position")
 SCORES = ("softmax", "sigmoid")
@@ -213,6 +213,9 @@ class Router(nn.Module):
     def observe_load(self, global_counts: Tensor | None, local_counts: Tensor) -> None:
         """Hook for routers with load-dependent state (aux-loss-free bias); a no-op by default."""
 
+    def apply_bias_update(self) -> None:
+        """Once per optimizer step: fold the load seen by ``observe_load`` into router state; a no-op by default."""
+
 
 _ROUTERS: dict[str, type[Router]] = {}
 
@@ -226,7 +229,6 @@ def register_router(name: str):
         if name in _ROUTERS and _ROUTERS[name] is not cls:
             raise ValueError(f"router name {name!r} is already registered to {_ROUTERS[name].__qualname__}")
         _ROUTERS[name] = cls
-        cls.registry_name = name
         return cls
 
     return deco
@@ -279,7 +281,7 @@ class TopKRouter(Router):
     ``normalize=None`` renormalises the k weights to sum 1 whenever k > 1.
     ``expert_bias`` (True, or an initial [E] tensor) is added to the scores for *selection only*;
     ``bias_update_rate`` > 0 turns it on and moves it by the observed load each
-    ``update_expert_bias()`` (call once per optimizer step; ``moe.update_expert_biases(model)``).
+    ``apply_bias_update()`` (call once per optimizer step; ``moe.update_router_biases(model)``).
     ``force_expert`` (debug option, not for training): every token's first slot goes to this expert
     (the other k-1 are chosen as usual); selection only, the weights stay the real scores. It makes
     one expert, and under expert parallelism one rank, take every token: an imbalance stress test.
@@ -366,11 +368,11 @@ class TopKRouter(Router):
         self.pending_load += counts.float()
 
     @torch.no_grad()
-    def update_expert_bias(self) -> None:
+    def apply_bias_update(self) -> None:
         """Apply the load observed since the last call (aux-loss-free balancing), then clear it."""
         if self.expert_bias is None or self.bias_update_rate == 0:
             return
-        update_expert_bias(self.expert_bias, self.pending_load, self.bias_update_rate)
+        bias_update_step(self.expert_bias, self.pending_load, self.bias_update_rate)
         self.pending_load.zero_()
 
 

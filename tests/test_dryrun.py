@@ -206,7 +206,7 @@ def test_dry_run_512_ranks_sequence_parallel(capsys):
     (["--world-size", "512", "--dp", "100"], "world size is 512"),
     (["--world-size", "6", "--tp", "3"], "--tp 3 must divide num_heads=4, num_kv_heads=2"),
     (["--world-size", "8", "--pp", "8"], "num_layers=4 is fewer than the 8 pipeline stages"),
-    (["--world-size", "64"], "--batch-size 16 does not split into 64"),
+    (["--world-size", "64"], "--batch-size 16 must split into 64 data-parallel shares"),
     (["--world-size", "0"], "--world-size 0"),
     (["--world-size", "2", "--tp", "2", "--layout.sequence_parallel", "true", "--train.seq_len", "63"],
      "seq_len=63 is not divisible by --tp 2"),

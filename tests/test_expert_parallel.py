@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from moekit.comm.all_to_all import SplitMismatchError, all_to_all, exchange_counts
 from moekit.comm.expert_parallel import apply_expert_parallel
-from moekit.comm.grad_sync import sync_gradients
+from moekit.comm.grad_sync import gradient_roles, sync_gradients
 from moekit.comm.topology import Layout, LayoutError, Topology
 from moekit.moe import MoELayer, build_router
 from tests.dist_utils import run_ranks
@@ -85,8 +85,9 @@ def _ep_layer_rank(rank, world, E, k, tokens, per_node, hierarchical, skew, seed
     y = ep(x[mine])
     torch.testing.assert_close(y, y_ref[mine].detach())
     ((y * c[mine]).sum() / tokens).backward()
-    sync_gradients(ep, topo)
-    lo, hi = ep.experts.expert_range
+    sync_gradients(ep, topo, gradient_roles(ep))
+    lo, hi = ep.dispatcher.expert_range  # the experts this rank holds: its block of E / world
+    assert (lo, hi) == (rank * El, (rank + 1) * El)
     torch.testing.assert_close(ep.router.weight.grad, ref.router.weight.grad)
     torch.testing.assert_close(ep.experts.w_in.grad.to_local(), ref.experts.w_in.grad[lo:hi])
     torch.testing.assert_close(ep.experts.w_out.grad.to_local(), ref.experts.w_out.grad[lo:hi])

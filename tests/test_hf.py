@@ -1,4 +1,4 @@
-"""models/hf.py against transformers itself: tiny random checkpoints made locally with save_pretrained.
+"""moekit.models.hf (models/hf/) against transformers itself: tiny random checkpoints made locally with save_pretrained.
 
 Parity: moekit's logits equal transformers' (fp32, relative error < 1e-4) for imports, and transformers
 loads moekit's exports with moekit's logits. Corrupt and mismatched folders fail with errors naming the

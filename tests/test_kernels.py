@@ -9,6 +9,7 @@ sizes below (K=40, N=36, groups of 5/17/33 rows) exercise partial M, N and K til
 """
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -23,6 +24,7 @@ import pytest
 import torch
 
 import moekit.moe.kernels as K
+from moekit.moe.activations import ACTIVATIONS, ffn_in_features, get_activation
 from moekit.moe.kernels import expert_mlp, expert_mlp_ref, grouped_mm, grouped_mm_ref, why_not_triton
 import importlib
 
@@ -154,7 +156,7 @@ EXPERT_COUNTS = [0, 37, 0, 50, 3]  # first and middle experts empty, 3-row group
 
 def _mlp_inputs(activation, dtype=torch.float64, seed=0, hidden=24, ffn=20, extra=5):
     gen = torch.Generator().manual_seed(seed)
-    f_in = 2 * ffn if activation == "swiglu" else ffn
+    f_in = ffn_in_features(activation, ffn)
     e = len(EXPERT_COUNTS)
     rows = torch.randn(sum(EXPERT_COUNTS) + extra, hidden, generator=gen, dtype=torch.float64)
     w_in = torch.randn(e, hidden, f_in, generator=gen, dtype=torch.float64) / hidden**0.5
@@ -162,7 +164,7 @@ def _mlp_inputs(activation, dtype=torch.float64, seed=0, hidden=24, ffn=20, extr
     return [t.to(dtype) for t in (rows, w_in, w_out)]
 
 
-@pytest.mark.parametrize("activation", ["swiglu", "gelu", "relu"])
+@pytest.mark.parametrize("activation", sorted(ACTIVATIONS))
 def test_expert_mlp_fused_matches_plain_and_float64(activation):
     counts = torch.tensor(EXPERT_COUNTS)
     inputs = _mlp_inputs(activation)
@@ -176,6 +178,66 @@ def test_expert_mlp_fused_matches_plain_and_float64(activation):
     assert fused[0][-5:].abs().max() == 0 and fused[1][-5:].abs().max() == 0
     with torch.no_grad():  # inference: the fused kernel skips writing pre
         torch.testing.assert_close(expert_mlp(*f32[:1], counts, *f32[1:], activation), fused[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", sorted(ACTIVATIONS))
+def test_activation_table_drives_every_backend(name):
+    """One table entry, every consumer: the fused epilogues (ACT = kernel_code, hard-coded in Triton), the
+    kernels' plain variant and reference, and GroupedExperts' loop and torch backends all compute the
+    oracle built from the entry's ``unit`` and ``gated`` (an entry whose kernel_code names another
+    epilogue, or whose fn disagrees with unit/gated, fails here)."""
+    from moekit.moe import experts
+
+    act = get_activation(name)
+    counts = torch.tensor(EXPERT_COUNTS)
+    inputs = _mlp_inputs(name, seed=11)  # float64
+
+    def oracle(rows, w_in, w_out):  # per-expert loop from unit / gated alone
+        out, start = [], 0
+        for e, n in enumerate(EXPERT_COUNTS):
+            h = rows[start:start + n] @ w_in[e]
+            if act.gated:
+                gate, up = h.chunk(2, dim=-1)
+                h = act.unit(gate) * up
+            else:
+                h = act.unit(h)
+            out.append(h @ w_out[e])
+            start += n
+        return torch.cat(out + [rows.new_zeros(rows.shape[0] - start, w_out.shape[-1])])
+
+    want = _fwd_bwd(oracle, inputs)
+    f32 = [t.float() for t in inputs]
+    backends = {
+        "fused": lambda r, a, b: expert_mlp(r, counts, a, b, name, variant="fused"),
+        "plain": lambda r, a, b: expert_mlp(r, counts, a, b, name, variant="plain"),
+        "kernel reference": lambda r, a, b: expert_mlp_ref(r, counts, a, b, name),
+        "loop": lambda r, a, b: experts.loop_mlp(r, counts, a, b, name),
+    }
+    if experts._grouped_mm_why_not(*f32) == "":
+        backends["torch"] = lambda r, a, b: experts.torch_grouped_mlp(r, counts, a, b, name)
+    owned = sum(EXPERT_COUNTS)
+    for backend, fn in backends.items():
+        for what, g, w in zip(("y", "drows", "dw_in", "dw_out"), _fwd_bwd(fn, f32), want):
+            if backend == "torch" and what == "drows":  # grouped_mm leaves d rows past offs[-1] unwritten
+                g, w = g[:owned], w[:owned]
+            torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-5,
+                                       msg=lambda m: f"{name} {backend} {what}: {m}")
+    if name == "gelu":  # the exact erf form, as the kernel epilogue computes it (not the tanh approximation)
+        x = torch.linspace(-4, 4, 101, dtype=torch.float64)
+        torch.testing.assert_close(act(x), 0.5 * x * (1 + torch.erf(x / math.sqrt(2))), rtol=0, atol=1e-12)
+
+
+def test_unknown_activation_is_refused_listing_the_known_ones():
+    from moekit.moe.experts import GroupedExperts
+    from moekit.moe.layer import DenseMLP
+
+    x, w = torch.randn(10, 8), torch.randn(2, 8, 4)
+    for build in (lambda: get_activation("tanh"), lambda: GroupedExperts(2, 8, 4, activation="tanh"),
+                  lambda: DenseMLP(8, 4, "tanh"), lambda: expert_mlp(x, torch.tensor([4, 6]), w, w.mT, "tanh")):
+        with pytest.raises(ValueError) as info:
+            build()
+        msg = str(info.value)
+        assert "activation='tanh'" in msg and all(repr(n) in msg for n in ACTIVATIONS), msg
 
 
 def test_expert_mlp_fused_bf16_within_torch_error():

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from moekit.moe import MoELayer, build_router, collect_load
+from moekit.moe.layer import set_aux_loss_scale
 from moekit.moe.experts import GroupedExperts, resolve_backend
 from tests.oracles import act_fn, ref_moe
 
@@ -224,3 +225,65 @@ def test_autocast_dispatches_rows_in_the_compute_dtype():
         d = layer.dispatcher.dispatch(flat, layer.router(flat))
         ref = layer.dispatcher.combine(layer.experts(d.rows, d.counts), d.meta)
     torch.testing.assert_close(y.reshape(ref.shape), ref.to(y.dtype), rtol=0, atol=0)
+
+
+class EveryOther:
+    """A fake in-process TokenSplit: "rank" ``part`` of 2 routes every other token; gather puts its rows
+    back among zeros, so the two ranks' outputs add up to the whole layer's."""
+
+    parts = 2
+
+    def __init__(self, part):
+        self.part, self.calls = part, []
+
+    def split(self, x, token_ids):
+        flat = x.reshape(-1, x.shape[-1])
+        idx = torch.arange(self.part, flat.shape[0], 2)
+        ids = None if token_ids is None else token_ids.reshape(-1)[idx]
+        self.calls.append(("split", len(idx)))
+        return flat[idx], ids, (idx, flat.shape[0])
+
+    def gather(self, y, meta):
+        idx, T = meta
+        self.calls.append(("gather", y.shape[0]))
+        return y.new_zeros(T, y.shape[-1]).index_copy(0, idx, y)
+
+
+@pytest.mark.parametrize("router", ["topk", "hash"])
+def test_token_split_slot_routes_this_ranks_tokens(router):
+    """MoELayer routes only what its token_split hands it (token ids follow: the hash router reads them),
+    and the split aux losses, scaled by 1/parts (set_aux_loss_scale), give the whole layer's gradient."""
+    torch.manual_seed(0)
+    B, S, E = 2, 6, 4  # 12 tokens, 6 per "rank": the z-loss means over the halves average to the whole
+    opts = dict(top_k=2, aux_loss_coeff=0.0, z_loss_coeff=0.1) if router == "topk" else {}
+    whole = MoELayer(H, FF, E, build_router(router, H, E, **opts), backend="loop").double()
+    assert whole.token_split.parts == 1 and whole.dispatcher.expert_range == (0, E)
+    x = torch.randn(B, S, H, dtype=torch.float64)
+    ids = torch.randint(0, 50, (B, S))
+    y = whole(x, token_ids=ids)
+    grads = torch.autograd.grad(y.square().sum(), list(whole.parameters()))
+    halves, split_grads = [], []
+    for part in range(2):
+        layer = copy.deepcopy(whole)
+        layer.token_split = EveryOther(part)
+        set_aux_loss_scale(layer, token_slices=2)
+        out = layer(x, token_ids=ids)
+        assert out.shape == x.shape and layer.token_split.calls == [("split", 6), ("gather", 6)]
+        halves.append(out)
+        split_grads.append(torch.autograd.grad(out.square().sum(), list(layer.parameters())))
+    torch.testing.assert_close(halves[0] + halves[1], y)
+    assert halves[0].reshape(-1, H)[1::2].abs().max() == 0  # rows of the other "rank"
+    for g, a, b in zip(grads, *split_grads):
+        torch.testing.assert_close(a + b, g)
+
+
+def test_set_aux_loss_scale_sets_every_layer_once():
+    layers = torch.nn.ModuleList(MoELayer(H, FF, 4, "topk") for _ in range(2))
+    set_aux_loss_scale(layers, accumulation=4, microbatches=1)
+    set_aux_loss_scale(layers, accumulation=3, token_slices=1, microbatches=2)  # sets, does not divide again
+    assert [m.aux_loss_scale for m in layers] == [1.0 / 3 / 2] * 2
+    layers[0].token_split = EveryOther(0)
+    with pytest.raises(ValueError, match=r"token_slices=1\) but the MoE layers' token split has 2 parts"):
+        set_aux_loss_scale(layers, accumulation=2)
+    with pytest.raises(ValueError, match="microbatches=0"):
+        set_aux_loss_scale(layers, microbatches=0)

@@ -10,8 +10,9 @@ import torch.nn.functional as F
 
 from moekit.models.config import PRESETS, ModelConfig, preset
 from moekit.models.stats import model_stats
-from moekit.models.transformer import Attention, Transformer, apply_rope, build_model, rope_angles, router_options
+from moekit.models.transformer import Attention, Transformer, apply_rope, build_model, rope_angles
 from moekit.moe import MoELayer
+from moekit.moe.router import TopKRouter
 
 TINY_PRESETS = ["mixtral-tiny", "switch-tiny", "deepseek-tiny"]
 REAL_PRESETS = [n for n in PRESETS if n not in TINY_PRESETS]
@@ -196,16 +197,42 @@ def test_moe_layers_get_router_options_and_token_ids():
     assert hashed(torch.randint(0, 256, (2, 8))).shape == (2, 8, 256)
 
 
-def test_router_options_common_fields_follow_the_router():
+def test_router_kwargs_pass_common_fields_only_where_accepted():
     cfg = small("mixtral-tiny", router="switch", router_options={})
-    options, ignored = router_options(cfg)
-    assert ignored == ["top_k"] and options["aux_loss_coeff"] == cfg.aux_loss_coeff
+    kwargs = cfg.router_kwargs()
+    assert "top_k" not in kwargs and kwargs["aux_loss_coeff"] == cfg.aux_loss_coeff  # switch is top-1 by definition
+    assert cfg.unused_router_fields() == ["top_k"]
     cfg = small("mixtral-tiny", router="hash", router_options={})
-    options, ignored = router_options(cfg)
+    kwargs = cfg.router_kwargs()
     # hash takes no loss coefficients; z_loss_coeff is 0 (what hash implies) so it is not reported
-    assert ignored == ["aux_loss_coeff"] and options["top_k"] == 2 and "z_loss_coeff" not in options
+    assert cfg.unused_router_fields() == ["aux_loss_coeff"] and kwargs["top_k"] == 2 and "z_loss_coeff" not in kwargs
     cfg.aux_loss_coeff = 0.0
-    assert router_options(cfg)[1] == []
+    assert cfg.unused_router_fields() == []
+    # router_options come last: they may override a common field, and reach build_router as given
+    cfg = small("mixtral-tiny", top_k=2, router_options={"top_k": 1, "normalize": False})
+    assert cfg.router_kwargs() == {"top_k": 1, "capacity_factor": None, "aux_loss_coeff": cfg.aux_loss_coeff,
+                                   "z_loss_coeff": 0.0, "normalize": False}
+    router = build_model(cfg, seed=0).layers[0].ffn.router
+    assert (router.top_k, router.normalize) == (1, False)
+
+
+def test_router_kwargs_accept_a_user_router_taking_any_option():
+    cfg = small("mixtral-tiny", router=f"{__name__}:AnyOptionRouter", router_options={"flavour": 3})
+    assert cfg.router_kwargs() == {"top_k": 2, "capacity_factor": None, "aux_loss_coeff": cfg.aux_loss_coeff,
+                                   "z_loss_coeff": 0.0, "flavour": 3}
+    assert cfg.unused_router_fields() == []
+
+
+def test_set_router_clears_router_options_but_keeps_common_fields():
+    cfg = small("switch-tiny", capacity_factor=2.0, top_k=1)
+    assert cfg.router_options == {"jitter": 0.01}
+    cfg.set_router("switch")  # same family: its options stay
+    assert cfg.router_options == {"jitter": 0.01}
+    cfg.set_router("topk")  # jitter belongs to switch: dropped; the common fields carry over
+    assert (cfg.router, cfg.router_options, cfg.capacity_factor, cfg.top_k) == ("topk", {}, 2.0, 1)
+    assert cfg.router_kwargs()["capacity_factor"] == 2.0
+    Transformer(cfg)  # builds: no switch-only option reaches the topk router
+    assert PRESETS["switch-tiny"].router_options == {"jitter": 0.01}  # presets untouched
 
 
 @pytest.mark.parametrize("field,value,match", [
@@ -254,3 +281,11 @@ def test_forward_matches_manual_composition():
         y = h + blk.ffn(blk.ffn_norm(h), token_ids=tokens)
         expected = F.linear(model.norm(y), model.lm_head.weight)
         torch.testing.assert_close(model(tokens), expected)
+
+
+class AnyOptionRouter(TopKRouter):
+    """A user router whose __init__ takes **options: it gets every common field."""
+
+    def __init__(self, hidden_size, num_experts, flavour=0, **options):
+        super().__init__(hidden_size, num_experts, **options)
+        self.flavour = flavour

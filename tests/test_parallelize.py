@@ -54,14 +54,39 @@ def _check_layout(rank, world, degrees, config_over, ac, sp):
     D = layout.data_parallel
     share = tokens.view(D, B // D, S + 1)[topo.data_rank()]
     _loss(model, share).backward()
-    sync_gradients(model, topo, fsdp=done.fsdp)
     where = f"{degrees} {config_over} ac={ac} sp={sp}"
+    _check_roles(done.grad_roles, model, sp and layout.tp > 1, where)
+    sync_gradients(model, topo, done.grad_roles, fsdp=done.fsdp)
     for name, p in model.named_parameters():
         torch.testing.assert_close(_full(p.grad), want[name], rtol=1e-4, atol=1e-6,
                                    msg=lambda m: f"{where}: {name}: {m}")
     ref_norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])
     torch.testing.assert_close(global_grad_norm(list(model.parameters()), torch.device("cpu")), ref_norm,
                                rtol=1e-5, atol=1e-7, msg=lambda m: f"{where}: grad norm: {m}")
+
+
+def _check_roles(roles, model, sequence_parallel, where):
+    """Every parameter has the role of what it saw: experts, the rest of an MoE layer, sequence-parallel
+    norms (a slice of the tokens), or dense."""
+    assert list(roles) == [name for name, _ in model.named_parameters()], where
+    for name, role in roles.items():
+        if ".experts." in name:
+            want = "expert"
+        elif ".ffn." in name and ("router" in name or "shared_expert" in name):
+            want = "moe"
+        elif sequence_parallel and ("attn_norm" in name or "ffn_norm" in name):
+            want = "moe"
+        else:
+            want = "dense"
+        assert role == want, f"{where}: {name} has role {role}, expected {want}"
+
+
+def test_recipe_returns_gradient_roles_in_one_process():
+    model = build_model(tiny_config(first_dense_layers=1, shared_ffn_hidden_size=16), seed=3)
+    roles = parallelize(model, None, activation_checkpointing="full").grad_roles
+    _check_roles(roles, model, False, "one process")
+    assert roles["layers.1.ffn.router.weight"] == "moe" and roles["layers.1.ffn.experts.w_in"] == "expert"
+    assert roles["layers.0.ffn.w_up.weight"] == "dense"  # the dense first layer
 
 
 def _layouts_rank(rank, world, cases):

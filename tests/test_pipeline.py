@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from moekit.comm.expert_parallel import apply_expert_parallel
 from moekit.comm.fsdp import apply_fsdp
-from moekit.comm.grad_sync import sync_gradients
+from moekit.comm.grad_sync import gradient_roles, sync_gradients
 from moekit.comm.pipeline import check_schedule, stage_ids_of
 from moekit.comm.topology import Layout, Topology
 from moekit.models.config import PRESETS, ModelConfig
@@ -22,7 +22,8 @@ from moekit.models.parallelize import apply_activation_checkpointing
 from moekit.models.pipeline import (PipelineModel, StageModule, balance_stages, build_pipeline, check_pipeline_model,
                              layer_costs, lm_loss)
 from moekit.models.transformer import build_model
-from moekit.moe import collect_load, moe_layers
+from moekit.moe import collect_load
+from moekit.moe.layer import set_aux_loss_scale
 from tests.dist_utils import run_ranks
 
 S = 16  # sequence length
@@ -213,8 +214,8 @@ def _pipeline_rank(rank, world, config, schedule, v, ep, fsdp, microbatches, ac,
     if fsdp > 1:  # per stage module: each is an FSDP root, since only the stages' forwards ever run
         for stage in pipe.model.stages:
             apply_fsdp(stage, topo)
-    for _, layer in [*moe_layers(ref), *moe_layers(pipe.model)]:
-        layer.aux_loss_scale /= M  # the aux loss is averaged over micro-batches like the LM loss
+    for model in (ref, pipe.model):  # the aux loss is averaged over micro-batches like the LM loss
+        set_aux_loss_scale(model, microbatches=M)
     ref.train(), pipe.model.train()
     check_bad_input(pipe, schedule)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=3e-3, foreach=False)
@@ -232,7 +233,7 @@ def _pipeline_rank(rank, world, config, schedule, v, ep, fsdp, microbatches, ac,
         mine = slice(d * per, (d + 1) * per)
         loss = pipe.step(x[mine], y[mine], M)
         if fsdp > 1:  # FSDP reduce-scattered inside the pipeline's last backward; experts still need 1/ep
-            sync_gradients(pipe.model, topo, fsdp=True)
+            sync_gradients(pipe.model, topo, gradient_roles(pipe.model), fsdp=True)
         else:
             average_gradients(pipe.model, topo)
         dist.all_reduce(loss, group=topo.group("dp"))  # every data rank (dp x fsdp)

@@ -5,7 +5,8 @@ import textwrap
 import pytest
 import torch
 
-from moekit.moe.losses import load_balance_loss, z_loss
+from moekit.moe import update_router_biases
+from moekit.moe.losses import bias_update_step, load_balance_loss, z_loss
 from moekit.moe.router import Router, apply_capacity, build_router, registered_routers
 from moekit.moe.router_variants import sinkhorn
 from tests.oracles import ref_capacity, ref_topk
@@ -74,22 +75,42 @@ def test_aux_loss_free_bias_update_moves_toward_balance():
         r.weight[0] += 1.0  # expert 0 is over-preferred
     r.train()
     first = r(x).tokens_per_expert.clone()
-    r.update_expert_bias()
+    r.apply_bias_update()
     assert r.expert_bias.abs().sum() > 0
     assert r.expert_bias.sum().abs() < 1e-5  # kept zero-mean
     assert r.expert_bias[first.argmax()] < 0 and r.expert_bias[first.argmin()] > 0
     for _ in range(100):
         r(x)
-        r.update_expert_bias()
+        r.apply_bias_update()
     last = r(x).tokens_per_expert
     assert last.max() / last.float().mean() < first.max() / first.float().mean()
-    r.update_expert_bias()  # consume the load of the forward above
+    r.apply_bias_update()  # consume the load of the forward above
     # eval forwards do not accumulate load
     r.eval()
     before = r.expert_bias.clone()
     r(x)
-    r.update_expert_bias()
+    r.apply_bias_update()
     torch.testing.assert_close(r.expert_bias, before)
+
+
+def test_bias_update_step_rule():
+    bias = torch.tensor([0.3, 0.0, -0.1, 0.2])
+    bias_update_step(bias, torch.tensor([4, 0, 2, 2]), 0.5)  # mean load 2: sign(2 - load) = [-1, 1, 0, 0]
+    torch.testing.assert_close(bias, torch.tensor([-0.2, 0.5, -0.1, 0.2]) - 0.1)  # then re-centred to mean 0
+
+
+def test_update_router_biases_reaches_every_router():
+    """Every Router has apply_bias_update (a no-op unless it keeps a bias), so a model mixing families works."""
+    torch.manual_seed(0)
+    biased = build_router("topk", H, 4, top_k=1, score="sigmoid", bias_update_rate=0.1, aux_loss_coeff=0.0)
+    routers = torch.nn.ModuleList([biased, build_router("switch", H, 4), build_router("expert_choice", H, 4),
+                                   build_router("topk", H, 4)])
+    routers.train()
+    for r in routers:
+        r(torch.randn(16, H) + 3.0)
+    assert biased.pending_load.sum() == 16
+    update_router_biases(routers)
+    assert biased.pending_load.sum() == 0 and biased.expert_bias.abs().sum() > 0
 
 
 @pytest.mark.parametrize("policy", ["probs", "position"])

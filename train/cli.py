@@ -2,11 +2,10 @@
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass
 
 from moekit.models.config import PRESETS
-from moekit.train import UserError
+from moekit.train import UserError, program_name
 from moekit.train.config import DEFAULT_PRESET, TrainConfig, load_toml, set_value, validate
 
 # Named flags and the setting each one overrides; applied before dotted overrides, in this order.
@@ -30,7 +29,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="train.py", description="Train a moekit MoE model: python tools/train.py, or torchrun ... tools/train.py --ep N.",
+    p = _Parser(prog=program_name("train.py"), description="Train a moekit MoE model: moekit-train (python tools/train.py), or torchrun -m moekit.train --ep N.",
                 allow_abbrev=False,
                 epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", help=f"model preset (default {DEFAULT_PRESET}): {', '.join(PRESETS)}")
@@ -114,81 +113,21 @@ def parse_args(argv: list[str]) -> tuple[TrainConfig, Options]:
                         f"world size of a real run)")
     if not args.dry_run_gpu_gb > 0:
         raise UserError(f"--dry-run-gpu-gb {args.dry_run_gpu_gb}: must be a positive number of GiB")
-    check_world(cfg, args.world_size)
+    check_layout(cfg, args.world_size)
     return cfg, Options(args.print_config, args.resume, args.write_data, args.dry_run, args.world_size,
                         args.dry_run_gpu_gb)
 
 
-def world_size_from_env() -> int:
-    """torchrun's WORLD_SIZE, read early only to resolve dp; comm.topology owns the launch variables."""
-    raw = os.environ.get("WORLD_SIZE", "1")
-    try:
-        return int(raw)
-    except ValueError:
-        raise UserError(f"WORLD_SIZE={raw!r} is not an integer") from None
+def check_layout(cfg: TrainConfig, world_size: int | None = None) -> None:
+    """Resolve the layout against ``world_size`` ranks (default: torchrun's WORLD_SIZE) before any work:
+    moekit.train.plan.resolve_layout's checks, then the inferred dp is written back into ``cfg.layout``
+    (--print-config and config.json show it)."""
+    from moekit.train.plan import resolve_config  # deferred: --help and config errors should not wait for torch
 
-
-def check_world(cfg: TrainConfig, world: int | None = None) -> None:
-    """Resolve the layout against ``world`` ranks (default: torchrun's WORLD_SIZE) and check it."""
-    world = world_size_from_env() if world is None else world
-    cfg.layout = cfg.layout.resolve(world)
-    L = cfg.layout
-    if cfg.model.num_experts and cfg.model.num_moe_layers and cfg.model.num_experts % L.ep:
-        divisors = [d for d in range(1, cfg.model.num_experts + 1) if cfg.model.num_experts % d == 0]
-        raise UserError(f"--ep {L.ep}: num_experts={cfg.model.num_experts} is not divisible by it; use one of "
-                        f"{divisors}")
-    if L.ranks_per_node and world % L.ranks_per_node:
-        raise UserError(f"--ranks-per-node {L.ranks_per_node} must divide the world size {world}")
-    from moekit.comm.tensor_parallel import check_sequence_parallel, check_tensor_parallel
-    from moekit.comm.topology import LayoutError
-
-    try:  # heads and widths, before any process group exists
-        check_tensor_parallel(cfg.model, L.tp)
-        if L.sequence_parallel:
-            check_sequence_parallel(cfg.train.seq_len, L.tp)
-    except LayoutError as exc:
-        raise UserError(str(exc)) from None
-    if L.pp > 1:
-        check_pipeline(cfg)
-    if L.hierarchical not in ("auto", "on", "off"):
-        raise UserError(f"--layout.hierarchical {L.hierarchical!r}: use auto, on or off")
-    if not 0 < L.timeout_s < 1e9:  # also nan and inf, which timedelta refuses with a traceback
-        raise UserError(f"--layout.timeout_s {L.timeout_s}: must be a number of seconds in (0, 1e9)")
-
-
-def pipeline_microbatches(cfg: TrainConfig) -> int:
-    """Micro-batches per optimizer step through the pipeline (M): layout.pp_microbatches, else the
-    accumulation count that train.micro_batch_size implies, else 2 * pp (fewer bubbles than pp)."""
-    L, t = cfg.layout, cfg.train
-    per_rank = t.batch_size // (L.dp * L.fsdp)
-    if L.pp_microbatches:
-        return L.pp_microbatches
-    if t.micro_batch_size:
-        return max(per_rank // t.micro_batch_size, 1)
-    return 2 * L.pp
-
-
-def check_pipeline(cfg: TrainConfig) -> None:
-    """Schedule, stage count and micro-batching of a pipelined run, before any process group exists."""
-    from moekit.comm.pipeline import check_schedule
-    from moekit.models.pipeline import check_pipeline_model
-
-    L, t = cfg.layout, cfg.train
-    M = pipeline_microbatches(cfg)
-    per_rank = t.batch_size // (L.dp * L.fsdp)
-    try:
-        check_schedule(L.pp_schedule, L.pp, L.pp_stages_per_rank, M)
-        check_pipeline_model(cfg.model, L.pp * L.pp_stages_per_rank)
-    except ValueError as exc:
-        raise UserError(str(exc)) from None
-    if per_rank % M:
-        raise UserError(f"--pp {L.pp}: each data-parallel rank's {per_rank} sequences do not split into {M} equal "
-                        f"micro-batches; set --layout.pp_microbatches (or --train.micro_batch_size) to a divisor of "
-                        f"{per_rank}, or change --batch-size")
-    if t.micro_batch_size and t.micro_batch_size * M != per_rank:
-        raise UserError(f"--train.micro_batch_size {t.micro_batch_size} x --layout.pp_microbatches {M} != {per_rank} "
-                        f"sequences per data-parallel rank; set one of them (the other follows)")
-    if t.export_hf:
-        raise UserError(f"--export-hf with --pp {L.pp}: each rank holds only its stages. Save a checkpoint, then "
-                        f"export it without pipeline parallelism: tools/train.py --resume CHECKPOINT --steps "
-                        f"{t.steps} --export-hf {t.export_hf} (one process, or --ep / --fsdp ranks)")
+    resolved = resolve_config(cfg, world_size)
+    cfg.layout.dp = resolved.layout.dp
+    t = cfg.train
+    if resolved.layout.pp > 1 and t.export_hf:
+        raise UserError(f"--export-hf with --pp {resolved.layout.pp}: each rank holds only its stages. Save a "
+                        f"checkpoint, then export it without pipeline parallelism: tools/train.py --resume "
+                        f"CHECKPOINT --steps {t.steps} --export-hf {t.export_hf} (one process, or --ep / --fsdp ranks)")

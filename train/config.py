@@ -9,7 +9,7 @@ Precedence, lowest first:  preset (model) and section defaults  <  --config FILE
     [eval]   every, sequences                          --eval.every 50
     [log]    run_dir, every, tensorboard, progress     --run-dir runs/x
     [checkpoint] every, keep, async_save               --checkpoint.every 100
-    [layout] dp, ep, tp, pp, fsdp                      --ep 2
+    [layout] dp, ep, tp, pp, fsdp, ...                 --ep 2   (resolved by moekit.train.plan.resolve_layout)
 
 Every value is converted to its field's type (``int``, ``float``, ``bool``, ``float | None`` with
 "none", tables as JSON) and checked before any work starts; errors are ``UserError`` naming the
@@ -91,11 +91,14 @@ class CheckpointSection:
 
 
 @dataclass
-class Layout:
-    """Parallel degrees. World size = dp * fsdp * tp * pp; ep borrows from the data-parallel ranks.
+class LayoutSection:
+    """The [layout] settings as the user gave them: requested degrees and the knobs around them.
 
-    0 for dp means "infer from the world size". Launch several ranks with torchrun; comm.topology
-    validates the layout against the world size and the model, and builds the process groups.
+    Settings only, no checks: moekit.train.plan.resolve_layout turns them, with the world size, the model
+    and the batch, into comm.topology's ``Layout`` (the one degrees type, which validates itself) plus the
+    per-rank batch split. World size = dp * fsdp * tp * pp; ep borrows from the data-parallel ranks. 0 for
+    dp means "infer from the world size"; once resolved, the trainer writes the inferred dp back here, so
+    --print-config and config.json show the degrees the run used.
     """
 
     dp: int = 0
@@ -111,19 +114,6 @@ class Layout:
     sequence_parallel: bool = False  # with tp > 1: norms, residual and MoE tokens split over the sequence
     pp_microbatches: int = 0  # micro-batches per step through the pipeline; 0 = 2 * pp (or the accumulation count)
 
-    def resolve(self, world_size: int) -> "Layout":
-        others = self.fsdp * self.tp * self.pp
-        dp = self.dp or max(world_size // others, 1)
-        resolved = dataclasses.replace(self, dp=dp)
-        flags = " ".join(f"--{k} {getattr(resolved, k)}" for k in ("dp", "ep", "tp", "pp", "fsdp"))
-        if dp * others != world_size:
-            raise UserError(f"layout {flags} needs dp*fsdp*tp*pp = {dp * others} processes but the world size is "
-                            f"{world_size}; use degrees whose product is {world_size}")
-        if (dp * self.fsdp) % self.ep:
-            raise UserError(f"layout {flags}: ep={self.ep} must divide dp*fsdp = {dp * self.fsdp} (expert "
-                            f"parallelism reuses the data-parallel ranks)")
-        return resolved
-
 
 @dataclass
 class TrainConfig:
@@ -134,7 +124,7 @@ class TrainConfig:
     eval: EvalSection = field(default_factory=EvalSection)
     log: LogSection = field(default_factory=LogSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
-    layout: Layout = field(default_factory=Layout)
+    layout: LayoutSection = field(default_factory=LayoutSection)
 
     @property
     def run_dir(self) -> str:
@@ -190,10 +180,9 @@ def set_value(cfg: TrainConfig, dotted: str, value: Any, source: str = "") -> No
         getattr(section, key)[parts[2]] = _literal(value)
         return
     value = convert(value, hints[key], where)
-    if dotted == "model.router" and value != cfg.model.router:
-        # Router-specific options belong to the preset's router family (e.g. switch's jitter); a new
-        # router starts from its own defaults. Common ones (top_k, capacity_factor, ...) carry over.
-        cfg.model.router_options = {}
+    if dotted == "model.router":  # a new router family drops the old one's options (ModelConfig.set_router)
+        cfg.model.set_router(value)
+        return
     setattr(section, key, value)
 
 
@@ -274,6 +263,7 @@ def _require(ok: bool, msg: str) -> None:
 
 
 def validate(cfg: TrainConfig) -> TrainConfig:
+    """Every section but [layout], whose degrees need the world size: moekit.train.plan.resolve_layout."""
     t = cfg.train
     for name in ("steps", "batch_size", "seq_len"):
         _require(getattr(t, name) >= 1, f"--train.{name}={getattr(t, name)} is invalid; it must be a positive integer")
@@ -304,11 +294,6 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _require(cfg.log.progress in PROGRESS, f"--log.progress={cfg.log.progress!r} is invalid; choose one of {list(PROGRESS)}")
     _require(cfg.checkpoint.every >= 0 and cfg.checkpoint.keep >= 1,
              f"checkpoint.every={cfg.checkpoint.every} must be >= 0 and checkpoint.keep={cfg.checkpoint.keep} >= 1")
-    for name in ("dp", "ep", "tp", "pp", "fsdp"):
-        v = getattr(cfg.layout, name)
-        _require(v >= (0 if name == "dp" else 1), f"--{name}={v} is invalid; parallel degrees are positive integers")
-    _require(cfg.layout.ranks_per_node >= 0, f"--ranks-per-node={cfg.layout.ranks_per_node} is invalid; it must be "
-                                             f">= 0 (0 = torchrun's LOCAL_WORLD_SIZE)")
     validate_model(cfg)
     return cfg
 

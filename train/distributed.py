@@ -26,18 +26,19 @@ class Dist:
         self.is_main = self.rank == 0
         self.data_parallel = topology.layout.data_parallel
         self.data_rank = topology.data_rank()
-        self.traffic = None
         self.fsdp = False  # set by parallelize(): fully_shard reduces the gradients
+        self.grad_roles: dict[str, str] = {}  # set by parallelize(): parameter name -> gradient role
 
     @classmethod
     def setup(cls, layout: Layout, num_experts: int, device: torch.device, ranks_per_node: int | None,
               timeout_s: float) -> "Dist":
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        layout = Layout(pp=layout.pp, dp=layout.dp, fsdp=layout.fsdp, tp=layout.tp, ep=layout.ep)  # comm's
+        """``layout``: moekit.train.plan.resolve_layout's degrees; Topology.from_env checks them against this
+        launch (the same world size the resolution used, unless the environment changed in between)."""
         try:
             topology = Topology.from_env(layout, num_experts or None, ranks_per_node)
         except LayoutError as exc:
             raise UserError(str(exc)) from None
+        world = topology.layout.world_size
         if world > 1 and not dist.is_initialized():
             missing = [v for v in ("MASTER_ADDR", "MASTER_PORT", "RANK") if v not in os.environ]
             if missing:
@@ -64,8 +65,7 @@ class Dist:
             done = parallelize(model, self.topology if self.active else None, hierarchical=hierarchical, **recipe)
         except LayoutError as exc:
             raise UserError(str(exc)) from None
-        self.traffic = done.traffic if self.active else None
-        self.fsdp = done.fsdp
+        self.fsdp, self.grad_roles = done.fsdp, done.grad_roles
 
     def share(self, batch, per_rank: int):
         """This rank's contiguous share of the global batch (DESIGN.md)."""
@@ -73,7 +73,7 @@ class Dist:
 
     def sync_grads(self, model) -> None:
         if self.active:
-            sync_gradients(model, self.topology, fsdp=self.fsdp)
+            sync_gradients(model, self.topology, self.grad_roles, fsdp=self.fsdp)
 
     def mean(self, value: torch.Tensor) -> torch.Tensor:
         """Mean over the data-parallel ranks (each rank's value is a mean over its equal share)."""

@@ -195,7 +195,7 @@ class Guard:
         name, layer = self.layers[i]
         per_expert = counts.cpu().tolist()  # D2H sync: error path only
         local = max(range(len(per_expert)), key=per_expert.__getitem__)
-        first = getattr(layer.experts, "expert_range", (0, 0))[0]
+        first = layer.dispatcher.expert_range[0]  # global id of this rank's first expert (EP: its block)
         raise UserError(
             f"out of memory in MoE layer {name}: expert {first + local} got {per_expert[local]:,} rows "
             f"({rows:,} rows on this rank's {len(per_expert)} experts). Dropless routing sends every token its "

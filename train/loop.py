@@ -3,7 +3,7 @@
 One optimizer step:
     1. the sampler yields the global batch (batch_size windows); this rank takes its contiguous share
     2. micro-batches: forward, cross-entropy / accum, backward (router aux losses join backward
-       inside each MoELayer, scaled by 1/accum through layer.aux_loss_scale); under pipeline
+       inside each MoELayer, scaled once by moe.layer.set_aux_loss_scale); under pipeline
        parallelism the schedule runs them (models.pipeline.Pipeline.step)
     3. non-finite loss or gradient norm: stop *before* the optimizer step (checkpoints stay good)
     4. clip, AdamW step, LR schedule step, aux-loss-free router bias update
@@ -23,16 +23,19 @@ import torch
 import torch.nn.functional as F
 
 from moekit.models.stats import model_stats
-from moekit.models.transformer import Transformer, router_options
-from moekit.moe import collect_load, moe_layers, update_expert_biases
-from moekit.train import UserError, checkpoint, faults, records
+from moekit.models.transformer import Transformer
+from moekit.moe import collect_load, update_router_biases
+from moekit.moe.layer import set_aux_loss_scale
+from moekit.train import UserError, checkpoint, faults, program_name, records
 from moekit.train.cli import Options, parse_args
-from moekit.train.plan import lr_lambda, make_optimizer, make_plan
+from moekit.train.plan import lr_lambda, make_optimizer, plan_run
 from moekit.train.config import TrainConfig, to_toml
 from moekit.train.distributed import Dist
 from moekit.train.guard import Guard, NonFinite, set_deterministic
 from moekit.train.data import Sampler, Split, gather, load_tokens, split_windows, unigram_entropy, write_token_file
 from moekit.train.monitor import Monitor, peak_flops, peak_memory_gb
+
+PROG = program_name("train.py")  # moekit-train when started as the console script
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,9 +50,9 @@ def main(argv: list[str] | None = None) -> int:
         if opts.dry_run:  # plan the layout in this one process (fake process group, meta model); no training
             from moekit.train.planning import dryrun
             return dryrun.run(cfg, opts)
-        return Run(cfg, opts).train()
+        return Trainer(cfg, opts).train()
     except UserError as exc:
-        print(f"train.py: error: {' '.join(str(exc).split())}", file=sys.stderr)  # one line, always
+        print(f"{PROG}: error: {' '.join(str(exc).split())}", file=sys.stderr)  # one line, always
         return 2
     except KeyboardInterrupt:  # records are flushed per step; checkpoints are renamed only when complete
         print("\ntrain.py: interrupted; --resume continues from the newest checkpoint", file=sys.stderr)
@@ -66,20 +69,21 @@ def write_data(cfg: TrainConfig, out: str) -> int:
     return 0
 
 
-class Run:
+class Trainer:
     def __init__(self, cfg: TrainConfig, opts: Options):
         self.cfg, self.opts = cfg, opts
-        self.plan = make_plan(cfg)
+        self.plan = plan_run(cfg)  # resolves the layout and the batch split (moekit.train.plan)
         self.restore_determinism = set_deterministic(cfg.train.deterministic, self.plan.device)
         L = cfg.layout
-        self.dist = Dist.setup(L, cfg.model.num_experts, self.plan.device, L.ranks_per_node or None, L.timeout_s)
+        self.dist = Dist.setup(self.plan.resolved.layout, cfg.model.num_experts, self.plan.device,
+                               L.ranks_per_node or None, L.timeout_s)
         tokens, self.data_desc = load_tokens(cfg.data.path, cfg.data.text, cfg.model.vocab_size)
         self.split: Split = split_windows(tokens, cfg.train.seq_len, cfg.data.val_fraction)
         self.sampler = Sampler(self.split.train_starts, cfg.train.seed)
         self.run_dir = Path(cfg.run_dir)
         # verified (sizes, sha256, model config) before building anything; --resume / auto skip damaged ones
         self.resume_from = checkpoint.choose_resume(cfg.run_dir, opts.resume, cfg.model.to_dict(),
-                                                    warn=lambda msg: print(f"train.py: {msg}", file=sys.stderr))
+                                                    warn=lambda msg: print(f"{PROG}: {msg}", file=sys.stderr))
 
     # -- setup ------------------------------------------------------------------------------------
 
@@ -104,15 +108,15 @@ class Run:
             self.pipe = build_pipeline(self.model, self.dist.topology, cfg.layout.pp_schedule,
                                        cfg.layout.pp_stages_per_rank, cfg.train.seq_len, activation_dtype=fsdp_dtype)
             self.model = self.pipe.model  # this rank's stages, single-process parameter names
-        fsdp_dtype = plan.autocast_dtype if plan.device.type == "cuda" else None  # bf16 params, fp32 reduction
         self.dist.parallelize(self.model, {"auto": None, "on": True, "off": False}[cfg.layout.hierarchical],
                               activation_checkpointing=cfg.train.activation_checkpointing,
                               compile=cfg.train.compile, param_dtype=fsdp_dtype,
                               sequence_parallel=cfg.layout.sequence_parallel)
         self.model.train()
-        for _, layer in moe_layers(self.model):
-            # the aux loss is averaged over micro-batches like the LM loss (and TP already set 1/tp)
-            layer.aux_loss_scale = layer.aux_loss_scale / plan.accum
+        # the aux loss is averaged like the LM loss: over the micro-batches and over TP's token slices
+        pipelined = self.pipe is not None
+        set_aux_loss_scale(self.model, accumulation=1 if pipelined else plan.accum,
+                           microbatches=plan.accum if pipelined else 1, token_slices=self.dist.topology.layout.tp)
         self.guard = Guard(self.model, self.dist, cfg.train.on_nonfinite)
         self.optimizer = make_optimizer(self.model, cfg)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
@@ -176,7 +180,7 @@ class Run:
         say(f"model {cfg.preset}: {stats.params / 1e6:.2f}M parameters, {stats.active_params / 1e6:.2f}M active, "
             f"{stats.train_flops_per_token / 1e6:.1f} MFLOP/token; router {cfg.model.router}, "
             f"{cfg.model.num_moe_layers} MoE layers x {cfg.model.num_experts} experts")
-        _, ignored = router_options(cfg.model)
+        ignored = cfg.model.unused_router_fields()
         for name in ignored:
             say(f"note: router {cfg.model.router!r} takes no {name}; model.{name}={getattr(cfg.model, name)!r} is unused")
         say(f"data: {self.data_desc}; {self.split.train_starts.size:,} train / {self.split.val_starts.size:,} "
@@ -275,7 +279,7 @@ class Run:
             self.optimizer.step()
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
-            update_expert_biases(self.model)
+            update_router_biases(self.model)
             load = self.gathered_load(reset=True)  # D2H sync: per MoE layer
             dt = time.perf_counter() - t0
             tokens_seen += plan.tokens_per_step
@@ -355,7 +359,7 @@ class Run:
         self.monitor.progress.clear()
         skips = self.guard.consecutive_skips
         gave_up = f" after {skips} skipped steps in a row" if event.action != self.cfg.train.on_nonfinite else ""
-        print(f"train.py: error: non-finite {event.what} ({event.value}) at step {step}{gave_up}; stopped before its "
+        print(f"{PROG}: error: non-finite {event.what} ({event.value}) at step {step}{gave_up}; stopped before its "
               f"optimizer step; first seen in {event.where}. Last good checkpoint: {good}. Lower --train.lr or raise "
               f"--train.warmup_steps", file=sys.stderr)
         return 1

@@ -1,5 +1,19 @@
-"""What one run derives from its configuration before building anything: device, dtype, micro-batching,
-memory check (Plan); the learning-rate schedule; the optimizer."""
+"""What a run derives from its configuration before building anything.
+
+    resolve_layout   the [layout] settings + world size + model + batch -> ResolvedLayout: comm's Layout
+                     (degrees, dp inferred) and the per-rank batch split; raises LayoutError only. The
+                     command line's checks, the real run and ``--dry-run`` all use it (resolve_config).
+    plan_run         the real run's RunPlan: device, dtype, the resolved layout, memory check
+    lr_lambda, make_optimizer
+
+The global batch of B sequences splits over the D = dp * fsdp data-parallel ranks (per_rank = B / D each),
+and each rank's share into ``accum`` micro-batches of ``micro_batch`` sequences:
+
+    B = D x per_rank,   per_rank = accum x micro_batch
+    pp = 1: micro_batch = train.micro_batch_size (0 = per_rank), accum = gradient accumulation steps
+    pp > 1: accum = M, the pipeline's micro-batches per step: layout.pp_microbatches, else the count that
+            train.micro_batch_size implies, else 2 * pp (fewer bubbles than pp)
+"""
 from __future__ import annotations
 
 import math
@@ -8,44 +22,142 @@ from dataclasses import dataclass
 
 import torch
 
+from moekit.comm.pipeline import check_schedule
+from moekit.comm.tensor_parallel import check_sequence_parallel, check_tensor_parallel
+from moekit.comm.topology import Layout, LayoutError, world_size_from_env
+from moekit.models.config import ModelConfig
+from moekit.models.pipeline import check_pipeline_model
 from moekit.models.stats import model_stats
 from moekit.train import UserError
-from moekit.train.cli import pipeline_microbatches
-from moekit.train.config import TrainConfig
+from moekit.train.config import LayoutSection, TrainConfig, TrainSection
 
 BYTES_PER_PARAM = 16  # fp32 weights + gradients + AdamW's two moments
+HIERARCHICAL = {"auto": None, "on": True, "off": False}
+
+
+@dataclass(frozen=True)
+class ResolvedLayout:
+    """The degrees a run uses and how its global batch splits over them (see the module docstring)."""
+
+    layout: Layout  # comm's degrees, dp inferred, validated against the world size and the model
+    ranks_per_node: int  # as set; 0 = the launcher's (torchrun's LOCAL_WORLD_SIZE), checked to divide the world
+    hierarchical: bool | None  # layout.hierarchical: None = auto (when the EP group spans nodes)
+    per_rank: int  # sequences per step on one data-parallel rank
+    micro_batch: int  # sequences per forward (per pipeline micro-batch when pp > 1)
+    accum: int  # micro-batches per step: gradient accumulation, or the pipeline's M when pp > 1
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    @property
+    def data_parallel(self) -> int:
+        """D: the ranks that each read their own share of the global batch."""
+        return self.layout.data_parallel
+
+
+def resolve_layout(settings: LayoutSection, world_size: int, model: ModelConfig,
+                   train: TrainSection) -> ResolvedLayout:
+    """Degrees against the world size and the model, then the batch split; LayoutError naming value and fix.
+
+    ``train`` supplies the batch settings: batch_size, micro_batch_size, seq_len. Nothing is built and no
+    process group is needed, so every rank (and the dry run, for any world size) refuses alike, up front.
+    """
+    S = settings
+    if S.dp < 0:
+        raise LayoutError(f"--dp={S.dp} is invalid; it must be a positive integer, or 0 to infer it from the world size")
+    layout = Layout.infer(world_size, pp=S.pp, dp=S.dp or None, fsdp=S.fsdp, tp=S.tp, ep=S.ep,
+                          num_experts=model.num_experts or None)
+    if S.ranks_per_node < 0:
+        raise LayoutError(f"--ranks-per-node={S.ranks_per_node} is invalid; it must be >= 0 (0 = torchrun's "
+                          f"LOCAL_WORLD_SIZE)")
+    if S.ranks_per_node and world_size % S.ranks_per_node:
+        raise LayoutError(f"--ranks-per-node {S.ranks_per_node} must divide the world size {world_size}")
+    check_tensor_parallel(model, layout.tp)  # heads and widths
+    if S.sequence_parallel:
+        check_sequence_parallel(train.seq_len, layout.tp)
+    per_rank, micro, accum = _batch_split(layout, S, train)
+    try:
+        check_schedule(S.pp_schedule, layout.pp, S.pp_stages_per_rank, accum if layout.pp > 1 else None)
+        if layout.pp > 1:
+            check_pipeline_model(model, layout.pp * S.pp_stages_per_rank)
+    except ValueError as exc:  # comm.pipeline / models.pipeline speak ValueError: one error type here
+        raise LayoutError(str(exc)) from None
+    if layout.pp > 1 and per_rank % accum:
+        raise LayoutError(f"--pp {layout.pp}: each data-parallel rank's {per_rank} sequences do not split into "
+                          f"{accum} equal micro-batches; set --layout.pp_microbatches (or --train.micro_batch_size) "
+                          f"to a divisor of {per_rank}, or change --batch-size")
+    if layout.pp > 1 and train.micro_batch_size and train.micro_batch_size * accum != per_rank:
+        raise LayoutError(f"--train.micro_batch_size {train.micro_batch_size} x --layout.pp_microbatches {accum} != "
+                          f"{per_rank} sequences per data-parallel rank; set one of them (the other follows)")
+    if S.hierarchical not in HIERARCHICAL:
+        raise LayoutError(f"--layout.hierarchical {S.hierarchical!r}: use auto, on or off")
+    if not 0 < S.timeout_s < 1e9:  # also nan and inf, which timedelta refuses with a traceback
+        raise LayoutError(f"--layout.timeout_s {S.timeout_s}: must be a number of seconds in (0, 1e9)")
+    return ResolvedLayout(layout, S.ranks_per_node, HIERARCHICAL[S.hierarchical], per_rank, micro, accum)
+
+
+def _batch_split(layout: Layout, S: LayoutSection, train: TrainSection) -> tuple[int, int, int]:
+    """(per_rank, micro_batch, accum); the pipeline's micro-batch count is checked by the caller."""
+    B, mbs, D = train.batch_size, train.micro_batch_size, layout.data_parallel
+    if B % D:
+        raise LayoutError(f"--batch-size {B} must split into {D} data-parallel shares (dp*fsdp), one per rank; use "
+                          f"a multiple of {D}, e.g. --batch-size {D * max(1, B // D)}")
+    per_rank = B // D
+    if layout.pp > 1:  # the pipeline's micro-batches are the accumulation
+        M = S.pp_microbatches or (max(per_rank // mbs, 1) if mbs else 2 * layout.pp)
+        return per_rank, per_rank // M, M
+    micro = mbs or per_rank
+    if per_rank % micro:
+        raise LayoutError(f"--batch-size {B} must split into {D} data-parallel shares of whole micro-batches of "
+                          f"{micro} (--train.micro_batch_size); use a micro-batch size that divides {per_rank}")
+    return per_rank, micro, per_rank // micro
+
+
+def resolve_config(cfg: TrainConfig, world_size: int | None = None) -> ResolvedLayout:
+    """resolve_layout for a whole config; ``world_size`` None = this launch's (torchrun's WORLD_SIZE).
+
+    The trainer's form: a LayoutError becomes UserError (one line, exit 2)."""
+    try:
+        world = world_size_from_env() if world_size is None else world_size
+        return resolve_layout(cfg.layout, world, cfg.model, cfg.train)
+    except LayoutError as exc:
+        raise UserError(str(exc)) from None
 
 
 @dataclass
-class Plan:
-    """Derived quantities, resolved once."""
+class RunPlan:
+    """What the real run derives once: device, dtype, the resolved layout and batch split, throughput terms."""
 
     device: torch.device
     autocast_dtype: torch.dtype | None  # None = plain fp32
-    micro_batch: int
-    accum: int
-    per_rank: int
+    resolved: ResolvedLayout
     tokens_per_step: int
     flops_per_token: float
 
+    @property
+    def micro_batch(self) -> int:
+        return self.resolved.micro_batch
 
-def make_plan(cfg: TrainConfig) -> Plan:
+    @property
+    def accum(self) -> int:
+        return self.resolved.accum
+
+    @property
+    def per_rank(self) -> int:
+        return self.resolved.per_rank
+
+
+def plan_run(cfg: TrainConfig, world_size: int | None = None) -> RunPlan:
     t = cfg.train
     want = t.device if t.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if want == "cuda" and not torch.cuda.is_available():
         raise UserError("--train.device=cuda but torch sees no CUDA device; use --train.device cpu")
     device = torch.device(want)
     dtype = {"float32": None, "bfloat16": torch.bfloat16, "auto": torch.bfloat16 if want == "cuda" else None}[t.dtype]
-    D = cfg.layout.dp * cfg.layout.fsdp  # data-parallel ranks, each reading its share of the batch
-    per_rank = t.batch_size // D
-    micro = t.micro_batch_size or per_rank
-    if cfg.layout.pp > 1:  # the pipeline's micro-batches are the accumulation (cli.check_pipeline checked them)
-        micro = per_rank // pipeline_microbatches(cfg)
-    if t.batch_size % D or per_rank % micro:
-        raise UserError(f"--batch-size {t.batch_size} must split into {D} data-parallel shares of whole "
-                        f"micro-batches of {micro} (--train.micro_batch_size)")
+    resolved = resolve_config(cfg, world_size)
     stats = model_stats(cfg.model, t.seq_len)
-    L = cfg.layout  # experts dominate (EP and FSDP shard them); TP and FSDP shard the rest
+    L = resolved.layout  # experts dominate (EP and FSDP shard them); TP and FSDP shard the rest
     need = stats.params * BYTES_PER_PARAM / max(L.ep * L.fsdp, L.tp * L.fsdp, 1) / L.pp
     have = (torch.cuda.mem_get_info(device)[1] if want == "cuda"
             else os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
@@ -53,8 +165,7 @@ def make_plan(cfg: TrainConfig) -> Plan:
         raise UserError(f"{cfg.preset}: {stats.params / 1e9:.1f}B parameters need ~{need / 2**30:,.0f} GiB for fp32 "
                         f"weights, gradients and AdamW state; this {want} has {have / 2**30:,.0f} GiB. Use a tiny "
                         f"preset (mixtral-tiny, switch-tiny, deepseek-tiny) or wait for multi-rank training")
-    return Plan(device, dtype, micro, per_rank // micro, per_rank, t.batch_size * t.seq_len,
-                stats.train_flops_per_token)
+    return RunPlan(device, dtype, resolved, t.batch_size * t.seq_len, stats.train_flops_per_token)
 
 
 def lr_lambda(cfg: TrainConfig):

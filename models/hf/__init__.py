@@ -11,7 +11,7 @@ A folder is config.json plus model.safetensors, or shards plus model.safetensors
 what transformers 5 writes to disk) or fused (``mlp.experts.gate_up_proj / down_proj``, its in-memory
 layout); both load. Loading is strict: every checkpoint tensor is consumed, every model tensor filled,
 shapes and counts must match config.json, and each problem is a ValueError naming the key, the shapes
-and the fix (models/hf_weights.py). Features moekit's model lacks fail up front (models/hf_families.py).
+and the fix (models/hf/weights.py). Features moekit's model lacks fail up front (models/hf/families.py).
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """HuggingFace config.json <-> ModelConfig, one ``Family`` per ``model_type``.
 
 A family says how its config.json maps onto ModelConfig (sizes, layer pattern, router options), how it
-names tensors (``hf_weights.Naming``), and which of its features moekit's model lacks. An import either
+names tensors (``weights.Naming``), and which of its features moekit's model lacks. An import either
 reproduces transformers' forward exactly or fails naming every missing feature and the model change
 that would add it: moekit never drops a q/k norm or a bias and hopes for the best.
 

@@ -1,8 +1,8 @@
 """Compile every kernel config for a GPU target without a GPU (Triton's bundled ptxas), to catch
 kernels that pass in the interpreter but do not lower to real code (layouts, types, shared memory).
 
-    python -m moe.kernels._compile_check            # all configs, bf16 + fp16 + fp32, sm90
-    python -m moe.kernels._compile_check --quick    # smallest config of each kernel, bf16 and fp32
+    python -m moekit.moe.kernels._compile_check            # all configs, bf16 + fp16 + fp32, sm90
+    python -m moekit.moe.kernels._compile_check --quick    # smallest config of each kernel, bf16 and fp32
 
 Must run with TRITON_INTERPRET unset. It drives the real launchers with small CPU tensors while
 ``_common.CAPTURE`` is set, so signatures and constexprs are exactly what a GPU launch would pass.
@@ -17,6 +17,8 @@ import time
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
+
+from moekit.moe.activations import ACTIVATIONS
 
 from . import _common
 from .expert_mlp import expert_down_dact, expert_up_act
@@ -38,9 +40,10 @@ def capture_launches(dtype: torch.dtype) -> list:
         grouped_mm_fwd(torch.randn(m, 2 * f, dtype=dtype), w, offs, transpose_w=True)
         grouped_mm_wgrad(x, torch.randn(m, 2 * f, dtype=dtype), offs, gidx)
         scatter_add_rows(x, gidx, m)
-        for act, f_in in (("swiglu", 2 * f), ("gelu", f)):
-            expert_up_act(x, w[..., :f_in], offs, act, save_pre=True)
-            expert_down_dact(x, torch.randn(e, f, h, dtype=dtype), torch.randn(m, f_in, dtype=dtype), offs, act,
+        for act in ACTIVATIONS.values():  # every kernel_code the epilogues branch on
+            f_in = act.in_features(f)
+            expert_up_act(x, w[..., :f_in], offs, act.name, save_pre=True)
+            expert_down_dact(x, torch.randn(e, f, h, dtype=dtype), torch.randn(m, f_in, dtype=dtype), offs, act.name,
                              store_h=True)
     finally:
         _common.CAPTURE = None

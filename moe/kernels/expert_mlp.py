@@ -17,25 +17,20 @@ Activation math runs in fp32 on the fp32 accumulators; gelu is the exact erf for
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from moekit.moe.activations import get_activation
 
 from ._common import (Kernel, cfg, check_triton_tensors, dot_flags, expert_tile, prune_by_smem, row_tile_grid,
                       tile_mm, to_out, why_not_triton_tensors)
 from .grouped_mm import grouped_mm, grouped_mm_fwd
 from .grouped_mm_wgrad import grouped_mm_wgrad
 
-ACTIVATION_CODES = {"swiglu": 0, "gelu": 1, "relu": 2}
 VARIANTS = ("fused", "plain")
-
-
-def _swiglu(h: torch.Tensor) -> torch.Tensor:
-    gate, up = h.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-TORCH_ACTIVATIONS = {"swiglu": _swiglu, "gelu": F.gelu, "relu": F.relu}
+# The kernels' ACT constexpr is moe.activations' Activation.kernel_code; the epilogues below hard-code
+# each one's forward and derivative (0 swiglu, gated; 1 gelu, erf form; 2 relu). tests/test_kernels.py
+# checks every entry of that table against its torch function.
 
 # ---------------------------------------------------------------------------------------------------
 # Reference
@@ -45,7 +40,7 @@ TORCH_ACTIVATIONS = {"swiglu": _swiglu, "gelu": F.gelu, "relu": F.relu}
 def expert_mlp_ref(rows: torch.Tensor, counts: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor,
                    activation: str) -> torch.Tensor:
     """Per-expert loop in plain PyTorch (the same maths as moe.experts' "loop" backend)."""
-    act = TORCH_ACTIVATIONS[activation]
+    act = get_activation(activation)
     out = rows.new_zeros(rows.shape[0], w_out.shape[-1])
     start = 0
     for e, n in enumerate(counts.tolist()):  # D2H sync: the loop bounds are the counts
@@ -192,10 +187,10 @@ def expert_up_act(x: torch.Tensor, w_in: torch.Tensor, offs: torch.Tensor, activ
                   save_pre: bool, allow_tf32: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(h [M, F], pre [M, F_in] or None) with h = act(x @ w_in[e]) per expert row block."""
     check_triton_tensors("expert_up_act (Triton)", x, w_in)
-    code = ACTIVATION_CODES[activation]
+    act = get_activation(activation)
     m, k = x.shape
     e, f_in = w_in.shape[0], w_in.shape[2]
-    f = f_in // 2 if code == 0 else f_in
+    f = f_in // 2 if act.gated else f_in
     h = torch.empty(m, f, device=x.device, dtype=x.dtype)
     pre = torch.empty(m, f_in, device=x.device, dtype=x.dtype) if save_pre else None
     if m == 0 or f == 0:
@@ -205,7 +200,7 @@ def expert_up_act(x: torch.Tensor, w_in: torch.Tensor, offs: torch.Tensor, activ
         x, w_in, h, p, offs, m, f, k, e,
         x.stride(0), x.stride(1), w_in.stride(0), w_in.stride(1), w_in.stride(2),
         h.stride(0), h.stride(1), p.stride(0), p.stride(1),
-        E_POW2=triton.next_power_of_2(e), ACT=code, SAVE_PRE=save_pre, **dot_flags(x.dtype, allow_tf32),
+        E_POW2=triton.next_power_of_2(e), ACT=act.kernel_code, SAVE_PRE=save_pre, **dot_flags(x.dtype, allow_tf32),
     )
     return h, pre
 
@@ -214,7 +209,7 @@ def expert_down_dact(dy: torch.Tensor, w_out: torch.Tensor, pre: torch.Tensor, o
                      activation: str, *, store_h: bool, allow_tf32: bool = False):
     """(dpre [M, F_in], h [M, F] or None): dpre = (dy @ w_out[e]^T) * act'(pre), h = act(pre)."""
     check_triton_tensors("expert_down_dact (Triton)", dy, w_out, pre)
-    code = ACTIVATION_CODES[activation]
+    code = get_activation(activation).kernel_code
     m, hdim = dy.shape
     e, f = w_out.shape[0], w_out.shape[1]
     wt = w_out.transpose(1, 2)  # [E, H, F] view: the kernel reads w_out[e]^T through strides
@@ -261,7 +256,7 @@ class FusedExpertMLPFunction(torch.autograd.Function):
             if need_win:
                 dw_in = grouped_mm_wgrad(rows, dpre, offs, allow_tf32=tf32)
         elif need_wout:  # only w_out trains: h from pre elementwise, no GEMM needed
-            h = TORCH_ACTIVATIONS[ctx.activation](pre)
+            h = get_activation(ctx.activation)(pre)
         if need_wout:
             dw_out = grouped_mm_wgrad(h, dy, offs, allow_tf32=tf32)
         return drows, None, dw_in, dw_out, None, None, None
@@ -287,8 +282,7 @@ def expert_mlp(rows: torch.Tensor, counts: torch.Tensor, w_in: torch.Tensor, w_o
     "plain" (two grouped GEMMs, activation in torch). Triton only: see why_not_triton.
     """
     what = "expert_mlp"
-    if activation not in ACTIVATION_CODES:
-        raise ValueError(f"{what}: activation={activation!r} is not supported; use one of {sorted(ACTIVATION_CODES)}")
+    act = get_activation(activation)  # ValueError naming the known activations
     if variant not in VARIANTS:
         raise ValueError(f"{what}: variant={variant!r} is unknown; use one of {VARIANTS}")
     if rows.dim() != 2 or w_in.dim() != 3 or w_out.dim() != 3:
@@ -296,7 +290,7 @@ def expert_mlp(rows: torch.Tensor, counts: torch.Tensor, w_in: torch.Tensor, w_o
                          f"{tuple(rows.shape)}, {tuple(w_in.shape)}, {tuple(w_out.shape)}")
     e, hdim, f_in = w_in.shape
     f = w_out.shape[1]
-    want_f_in = 2 * f if activation == "swiglu" else f
+    want_f_in = act.in_features(f)
     if rows.shape[1] != hdim or w_out.shape[0] != e or w_out.shape[2] != hdim or f_in != want_f_in:
         raise ValueError(f"{what}: shapes disagree: rows {tuple(rows.shape)}, w_in {tuple(w_in.shape)}, "
                          f"w_out {tuple(w_out.shape)}; want w_in [E, H, {want_f_in}] for {activation} with "
@@ -309,7 +303,7 @@ def expert_mlp(rows: torch.Tensor, counts: torch.Tensor, w_in: torch.Tensor, w_o
         raise ValueError(f"{what}: {reason}")
     offs = counts.cumsum(0).to(torch.int32)  # on device: no host sync
     if variant == "plain":
-        h = TORCH_ACTIVATIONS[activation](grouped_mm(rows, w_in, offs, backend="triton", allow_tf32=allow_tf32))
+        h = act(grouped_mm(rows, w_in, offs, backend="triton", allow_tf32=allow_tf32))
         return grouped_mm(h, w_out, offs, backend="triton", allow_tf32=allow_tf32)
     need_grad = torch.is_grad_enabled() and (rows.requires_grad or w_in.requires_grad or w_out.requires_grad)
     return FusedExpertMLPFunction.apply(rows, offs, w_in, w_out, activation, allow_tf32, need_grad)

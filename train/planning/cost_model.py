@@ -20,7 +20,10 @@ from math import comb
 
 
 @dataclass(frozen=True)
-class Traffic:
+class ExpectedRows:
+    """Expected rows per token of one dispatch algorithm (not moekit.comm.all_to_all.Traffic, which counts
+    the bytes a run actually sent)."""
+
     inter_rows: float  # rows per token crossing a node boundary (per direction)
     intra_rows: float  # rows per token between ranks of one node
 
@@ -33,15 +36,16 @@ def _p_none(pool: int, avoid: int, k: int) -> float:
     return comb(pool - avoid, k) / comb(pool, k) if pool - avoid >= k else 0.0
 
 
-def flat(num_nodes: int, ranks_per_node: int, num_experts: int, top_k: int, node_limit: int | None = None) -> Traffic:
+def flat(num_nodes: int, ranks_per_node: int, num_experts: int, top_k: int,
+         node_limit: int | None = None) -> ExpectedRows:
     """One row per slot. Node limiting does not help here: by symmetry a slot still lands on my node
     with probability 1/N, so flat traffic is the same with or without it."""
     N, G, k = num_nodes, ranks_per_node, top_k
-    return Traffic(k * (N - 1) / N, k * (G - 1) / (N * G))
+    return ExpectedRows(k * (N - 1) / N, k * (G - 1) / (N * G))
 
 
 def hierarchical(num_nodes: int, ranks_per_node: int, num_experts: int, top_k: int,
-                 node_limit: int | None = None) -> Traffic:
+                 node_limit: int | None = None) -> ExpectedRows:
     """One row per (token, visited remote node) across nodes. Inside a visited node the row arrives at
     the peer at my position, which forwards one row per slot hosted by another rank of that node
     (moekit dedups across nodes, where links are slow, not across ranks of a node)."""
@@ -51,4 +55,4 @@ def hierarchical(num_nodes: int, ranks_per_node: int, num_experts: int, top_k: i
     pool = M * per_node  # experts a token can choose from
     p_visit = 1 - _p_none(pool, per_node, k)  # a chosen node receives >= 1 of its k experts
     remote_chosen = M * (N - 1) / N  # my node is among the M chosen with probability M/N
-    return Traffic(remote_chosen * p_visit, k * (G - 1) / G)
+    return ExpectedRows(remote_chosen * p_visit, k * (G - 1) / G)

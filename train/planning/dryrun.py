@@ -1,7 +1,8 @@
 """``train.py --dry-run [--world-size N]``: plan a layout of N ranks in one CPU process, then exit.
 
-    1. validate   degrees against the world size and the model (heads / tp, experts / ep, layers / pp,
-                  batch / data-parallel ranks): any error is one line and exit status 2
+    1. validate   moekit.train.plan.resolve_layout, as a real run: degrees against the world size and the
+                  model (heads / tp, experts / ep, layers / pp, batch / data-parallel ranks), the batch
+                  split; any error is one line and exit status 2
     2. build      a fake process group of N ranks (no peers, collectives return at once), every process
                   group and DeviceMesh of comm.topology, the model on the meta device (no memory), and
                   the real recipe: models.pipeline's stage split when pp > 1, then models.parallelize
@@ -30,6 +31,7 @@ from moekit.train.planning.memory import MemoryEstimate, Stage, Workload
 from moekit.train import UserError
 from moekit.train.cli import Options, parse_args
 from moekit.train.config import TrainConfig
+from moekit.train.plan import ResolvedLayout, resolve_config
 
 GIB = 2**30
 TIGHT = 0.9  # above this share of device memory the CUDA context, NCCL buffers and fragmentation may not fit
@@ -46,72 +48,37 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------
-# 1. the workload and the checks that need no process group
+# 1. the resolved layout (every check that needs no process group) and the workload
 # ---------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class Plan:
-    world: int
-    ranks_per_node: int
+class DryRunPlan:
+    """What the dry run plans for: the resolution the real run would make, and a GPU workload per rank."""
+
+    resolved: ResolvedLayout  # moekit.train.plan.resolve_layout, exactly as a real run of this world size
+    ranks_per_node: int  # layout.ranks_per_node, else 8 GPUs per node (or fewer ranks)
     workload: Workload
-    hierarchical: bool | None
+
+    @property
+    def world(self) -> int:
+        return self.resolved.world_size
+
+    @property
+    def hierarchical(self) -> bool | None:
+        return self.resolved.hierarchical
 
 
-def make_plan(cfg: TrainConfig) -> Plan:
+def plan_dry_run(cfg: TrainConfig, world_size: int | None = None) -> DryRunPlan:
+    """``world_size`` None = WORLD_SIZE, or 1 (parse_args resolved --world-size into the degrees already)."""
     L, t = cfg.layout, cfg.train
-    world = L.pp * L.dp * L.fsdp * L.tp  # cli.check_world resolved the layout against --world-size
-    validate_layout(cfg)
-    D = L.dp * L.fsdp
-    if t.batch_size % D:
-        raise UserError(f"--batch-size {t.batch_size} does not split into {D} data-parallel shares (dp*fsdp); "
-                        f"use a multiple of {D}, e.g. --batch-size {D * max(1, t.batch_size // D)}")
-    per_rank = t.batch_size // D
-    if L.pp > 1:  # the pipeline splits the rank's share into M micro-batches
-        M = L.pp_microbatches or (per_rank // t.micro_batch_size if t.micro_batch_size else 2 * L.pp)
-    else:
-        M = per_rank // t.micro_batch_size if t.micro_batch_size else 1
-    if M < 1 or per_rank % M:
-        raise UserError(f"--batch-size {t.batch_size}: the per-rank share of {per_rank} sequences does not split "
-                        f"into {M} micro-batches; change --batch-size, --train.micro_batch_size or "
-                        f"--layout.pp_microbatches")
-    if L.pp > 1 and L.pp_schedule == "1f1b" and M < L.pp:
-        raise UserError(f"--layout.pp_schedule 1f1b needs at least pp={L.pp} micro-batches per step, got {M}; "
-                        f"raise --batch-size or --layout.pp_microbatches")
+    resolved = resolve_config(cfg, world_size)
     device = "cpu" if t.device == "cpu" else "cuda"  # the dry run plans for the GPUs a real run gets
     dtype = {"float32": "float32", "bfloat16": "bfloat16", "auto": "bfloat16" if device == "cuda" else "float32"}
-    wl = Workload(per_rank // M, t.seq_len, dtype[t.dtype], t.activation_checkpointing, device, M,
+    wl = Workload(resolved.micro_batch, t.seq_len, dtype[t.dtype], t.activation_checkpointing, device, resolved.accum,
                   L.pp_schedule, L.pp_stages_per_rank, L.sequence_parallel)
-    per_node = L.ranks_per_node or math.gcd(world, 8)  # default: 8 GPUs per node
-    return Plan(world, per_node, wl, {"auto": None, "on": True, "off": False}[L.hierarchical])
-
-
-def validate_layout(cfg: TrainConfig) -> None:
-    """What the recipe would refuse, checked before building anything: UserError naming value and fix."""
-    m, L = cfg.model, cfg.layout
-    bad = {n: getattr(m, n) for n in ("num_heads", "num_kv_heads") if getattr(m, n) % L.tp}
-    if m.num_layers > m.num_moe_layers and m.ffn_hidden_size % L.tp:
-        bad["ffn_hidden_size"] = m.ffn_hidden_size
-    if bad:
-        values = ", ".join(f"{k}={v}" for k, v in bad.items())
-        raise UserError(f"--tp {L.tp} must divide {values}: tensor parallelism shards attention heads and the "
-                        f"dense FFN width; choose a tp that divides them")
-    stages = L.pp * L.pp_stages_per_rank
-    if m.num_layers < stages:
-        raise UserError(f"--pp {L.pp}: model.num_layers={m.num_layers} is fewer than the {stages} pipeline "
-                        f"stages (pp x layout.pp_stages_per_rank); each stage needs a layer: lower --pp")
-    if L.pp > 1 and m.tie_embeddings:
-        raise UserError("--pp: model.tie_embeddings=true shares embed.weight between the first and the last "
-                        "stage; use --model.tie_embeddings false with --pp > 1")
-    if L.pp_schedule not in memory.SCHEDULES:
-        raise UserError(f"--layout.pp_schedule {L.pp_schedule!r}: use one of {list(memory.SCHEDULES)}")
-    if (L.pp_schedule == "interleaved") != (L.pp_stages_per_rank > 1):
-        raise UserError(f"--layout.pp_schedule {L.pp_schedule} with --layout.pp_stages_per_rank "
-                        f"{L.pp_stages_per_rank}: interleaved needs >= 2 stages per rank, the others exactly 1")
-    try:
-        Layout(L.pp, L.dp, L.fsdp, L.tp, L.ep).validate(L.pp * L.dp * L.fsdp * L.tp, m.num_experts or None)
-    except LayoutError as exc:
-        raise UserError(str(exc)) from None
+    per_node = resolved.ranks_per_node or math.gcd(resolved.world_size, 8)  # default: 8 GPUs per node
+    return DryRunPlan(resolved, per_node, wl)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -168,13 +135,13 @@ def local_numel(model: torch.nn.Module) -> tuple[dict[str, int], int]:
     return out, count
 
 
-def build(cfg: TrainConfig, plan: Plan) -> Built:
+def build(cfg: TrainConfig, plan: DryRunPlan) -> Built:
     from moekit.models.parallelize import parallelize
     from moekit.models.transformer import Transformer
 
     L, seconds = cfg.layout, {}
     t0 = time.perf_counter()
-    topo = Topology(Layout(L.pp, L.dp, L.fsdp, L.tp, L.ep), 0, plan.ranks_per_node).build()
+    topo = Topology(plan.resolved.layout, 0, plan.ranks_per_node).build()
     seconds["groups and meshes"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     with torch.device("meta"):
@@ -215,7 +182,7 @@ def _pipeline_stage(model, topo: Topology, cfg: TrainConfig, built: Built):
 
 
 def run(cfg: TrainConfig, opts: Options) -> int:
-    plan = make_plan(cfg)
+    plan = plan_dry_run(cfg, opts.world_size)
     with fake_world(plan.world):
         built = build(cfg, plan)
     layout, wl = built.topology.layout, plan.workload
@@ -257,7 +224,7 @@ def describe_stage(st: Stage) -> str:
     return f"layers {_ranges(st.layers)}" + "".join(f" + {e}" for e in extra)
 
 
-def report(cfg: TrainConfig, opts: Options, plan: Plan, built: Built, estimates: list[MemoryEstimate],
+def report(cfg: TrainConfig, opts: Options, plan: DryRunPlan, built: Built, estimates: list[MemoryEstimate],
            a2a: memory.A2A) -> list[str]:
     L, wl, topo = built.topology.layout, plan.workload, built.topology
     lines = [f"dry run: {cfg.preset} ({_elements(built.model_params)} parameters) on {plan.world} ranks: "
