@@ -19,11 +19,11 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moekit.moe.dispatch import Dispatcher, LocalDispatcher
-from moekit.moe.experts import ACTIVATIONS, GroupedExperts, available_backends, check_activation, ffn_in_features
+from moekit.moe.activations import get_activation
+from moekit.moe.experts import GroupedExperts, available_backends
 from moekit.moe.precision import compute_dtype
 from moekit.moe.load import ExpertLoad
 from moekit.moe.router import Router, build_router, check_int
@@ -86,17 +86,16 @@ class DenseMLP(nn.Module):
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, activation: str = "swiglu", gate: bool = False):
         super().__init__()
-        check_activation(activation)
+        self.act = get_activation(activation)  # refuses unknown names, listing the known ones
         self.activation = activation
-        gated = ffn_in_features(activation, ffn_hidden_size) != ffn_hidden_size
-        self.w_gate = nn.Linear(hidden_size, ffn_hidden_size, bias=False) if gated else None
+        self.w_gate = nn.Linear(hidden_size, ffn_hidden_size, bias=False) if self.act.gated else None
         self.w_up = nn.Linear(hidden_size, ffn_hidden_size, bias=False)
         self.w_out = nn.Linear(ffn_hidden_size, hidden_size, bias=False)
         self.gate = nn.Linear(hidden_size, 1, bias=False) if gate else None  # Qwen2-MoE shared_expert_gate
 
     def forward(self, x: Tensor) -> Tensor:
         up = self.w_up(x)  # [..., F]
-        h = F.silu(self.w_gate(x)) * up if self.w_gate is not None else ACTIVATIONS[self.activation](up)
+        h = self.act.unit(self.w_gate(x)) * up if self.act.gated else self.act.unit(up)  # [..., F]
         y = self.w_out(h)  # [..., H]
         return y if self.gate is None else torch.sigmoid(self.gate(x)) * y
 
