@@ -129,7 +129,7 @@ def _dcp_source(path: Path):
         meta = json.loads((path / DCP_META).read_text())
     except (FileNotFoundError, json.JSONDecodeError) as exc:
         raise ValueError(f"{path}: no readable {DCP_META} ({type(exc).__name__}); pass a "
-                         f"<run_dir>/checkpoints/step_N directory written by tools/train.py") from None
+                         f"<run_dir>/checkpoints/step_N directory written by moekit-train") from None
 
     def load(model):
         state = {"model": model.state_dict()}

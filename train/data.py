@@ -102,7 +102,7 @@ def read_token_file(path: str) -> tuple[np.ndarray, int]:
     magic, version, vocab, code, _, count = HEADER.unpack(head)
     if magic != MAGIC:
         raise UserError(f"data file {path}: bad magic {magic!r}, expected {MAGIC!r}; write token files with "
-                        f"tools/train.py --write-data (or moekit.train.data.write_token_file)")
+                        f"moekit-train --write-data (or moekit.train.data.write_token_file)")
     if version != VERSION:
         raise UserError(f"data file {path}: format version {version}, this moekit reads version {VERSION}")
     if code not in DTYPE_CODES:

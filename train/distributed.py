@@ -43,7 +43,7 @@ class Dist:
             missing = [v for v in ("MASTER_ADDR", "MASTER_PORT", "RANK") if v not in os.environ]
             if missing:
                 raise UserError(f"WORLD_SIZE={world} but {', '.join(missing)} unset: launch several ranks with "
-                                f"torchrun --nproc-per-node {world} tools/train.py ...")
+                                f"torchrun --nproc-per-node {world} -m moekit.train ...")
             backend = "nccl" if device.type == "cuda" else "gloo"
             if device.type == "cuda":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

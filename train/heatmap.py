@@ -226,7 +226,7 @@ class _Parser(argparse.ArgumentParser):
 
 def parse_args(argv):
     p = _Parser(prog=program_name("heatmap.py"), description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    p.add_argument("run_dir", nargs="?", help="a tools/train.py run directory")
+    p.add_argument("run_dir", nargs="?", help="a moekit-train run directory")
     p.add_argument("--compare", nargs="+", metavar="RUN", help="compare two or more run directories")
     p.add_argument("--steps", help="step window FIRST:LAST (either side may be empty); default all steps")
     p.add_argument("--out", help="PNG path (default RUN_DIR/expert_load.png, or compare.png)")
@@ -259,13 +259,19 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"wrote {out}")
             return 0
         run = read_run(args.run_dir, window)
-        print(summary_text(run))
-        if not args.text_only:
+        wrote = ""
+        if not args.text_only:  # figures first: a reader that stops early (| head) does not cost them
             out = args.out or os.path.join(args.run_dir, "expert_load.png")
             steps_out = os.path.splitext(out)[0] + "_steps.png"
             draw_run(run, out)
             draw_steps(run, steps_out)
-            print(f"wrote {out} and {steps_out}")
+            wrote = f"wrote {out} and {steps_out}"
+        print(summary_text(run))
+        if wrote:
+            print(wrote)
+        return 0
+    except BrokenPipeError:  # e.g. `moekit-heatmap RUN | head`: the reader has gone, not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
         return 0
     except UserError as exc:
         print(f"{program_name('heatmap.py')}: error: {exc}", file=sys.stderr)

@@ -373,5 +373,5 @@ class Trainer:
         entropy = unigram_entropy(self.split.tokens[: 1 << 22], self.cfg.model.vocab_size)
         self.monitor.print(f"done: step {final['step']}, loss {final['loss']:.4f}, val_loss "
                            f"{final.get('val_loss', float('nan')):.4f} (unigram entropy of the data "
-                           f"{entropy:.4f}), {final['elapsed_s']:.0f}s. Expert load: python tools/heatmap.py "
+                           f"{entropy:.4f}), {final['elapsed_s']:.0f}s. Expert load: moekit-heatmap "
                            f"{self.run_dir}")

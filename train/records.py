@@ -106,7 +106,7 @@ class ExpertLoadRecord:
 
 def _read_jsonl(path: Path) -> list[dict]:
     if not path.is_file():
-        raise UserError(f"{path}: not found; is {path.parent} a moekit run directory (tools/train.py --run-dir)?")
+        raise UserError(f"{path}: not found; is {path.parent} a moekit run directory (moekit-train --run-dir)?")
     out = []
     for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if line.strip():
