@@ -81,10 +81,10 @@ def test_checker_sees_a_violation(tmp_path):
 
 
 def test_no_sys_path_edits_in_tools_or_tests():
-    edits = ("sys.path.insert", "sys.path.append", "sys.path[")
+    edits = tuple("sys.path" + op for op in (".insert", ".append", "["))  # spelled so this file has none
     hits = [str(p.relative_to(ROOT)) for folder in ("tools", "tests", "train", "moe", "comm", "models")
             for p in (ROOT / folder).rglob("*.py")
-            if p != Path(__file__).resolve() and any(e in p.read_text() for e in edits)]
+            if any(e in p.read_text() for e in edits)]
     assert not hits, hits
 
 
