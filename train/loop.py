@@ -108,7 +108,7 @@ class Trainer:
             self.pipe = build_pipeline(self.model, self.dist.topology, cfg.layout.pp_schedule,
                                        cfg.layout.pp_stages_per_rank, cfg.train.seq_len, activation_dtype=fsdp_dtype)
             self.model = self.pipe.model  # this rank's stages, single-process parameter names
-        self.dist.parallelize(self.model, {"auto": None, "on": True, "off": False}[cfg.layout.hierarchical],
+        self.dist.parallelize(self.model, plan.resolved.hierarchical,
                               activation_checkpointing=cfg.train.activation_checkpointing,
                               compile=cfg.train.compile, param_dtype=fsdp_dtype,
                               sequence_parallel=cfg.layout.sequence_parallel)
