@@ -130,12 +130,13 @@ def _grouped_mm_why_not(rows: Tensor, w_in: Tensor, w_out: Tensor) -> str:
 def torch_grouped_mlp(rows: Tensor, counts: Tensor, w_in: Tensor, w_out: Tensor, activation: str) -> Tensor:
     """torch's grouped matmul: one call per projection over all experts, no host sync."""
     offs = counts.cumsum(0).to(torch.int32)
+    owned = None
+    if rows.shape[0] > 0:  # rows past offs[-1] are undefined in grouped_mm, forward and backward: mask them
+        owned = (torch.arange(rows.shape[0], device=rows.device) < offs[-1])[:, None]
+        rows = torch.where(owned, rows, 0)  # their gradient is then exactly 0, not grouped_mm's garbage
     h = get_activation(activation)(F.grouped_mm(rows, w_in, offs=offs))
     out = F.grouped_mm(h, w_out, offs=offs)
-    if rows.shape[0] > 0:  # rows past offs[-1] are undefined in grouped_mm: zero them, no sync
-        owned = torch.arange(rows.shape[0], device=rows.device) < offs[-1]
-        out = torch.where(owned[:, None], out, 0)
-    return out
+    return out if owned is None else torch.where(owned, out, 0)
 
 
 def _triton_why_not(rows: Tensor, w_in: Tensor, w_out: Tensor) -> str:

@@ -21,8 +21,8 @@ set -uo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 PY=${PYTHON:-python3}
-DEFAULT_STEPS=(env moe_layer grouped_gemm dispatch profile train_mfu)
-ALL_STEPS=(env moe_layer grouped_gemm dispatch profile train_mfu train_mfu_full)
+DEFAULT_STEPS=(env tests moe_layer grouped_gemm dispatch profile train_mfu)
+ALL_STEPS=(env tests moe_layer grouped_gemm dispatch profile train_mfu train_mfu_full)
 SMOKE=0
 BUDGET=560
 RESULTS=${OUT:-bench-results}
@@ -31,6 +31,8 @@ STEPS=()
 describe() {
   cat <<'EOF'
 env             device, driver, torch / CUDA / triton / transformers versions, moekit commit
+tests           the GPU test tier, pytest -m gpu (kernels vs float64, layer, training, FSDP bf16, compile)
+                                                                                            (cap 240 s)
 moe_layer       MoE layer fwd+bwd at 8192 and 32768 tokens, bf16: moekit vs torchtitan-style vs transformers;
                 per-phase times, router host syncs, activation memory vs minimum          (cap 150 s)
 grouped_gemm    Triton grouped GEMM / expert MLP vs torch grouped_mm, loop, dense; 4 shapes x 8192/32768
@@ -58,9 +60,16 @@ done
 [ ${#STEPS[@]} -eq 0 ] && STEPS=("${DEFAULT_STEPS[@]}")
 case "$RESULTS" in /*) ;; *) RESULTS=$PWD/$RESULTS ;; esac  # relative to where the suite was called
 
-export PYTHONPATH="$REPO:$REPO/tools/bench${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 cd "$REPO" || exit 2
+# moekit must be importable as installed (moekit.* maps folders of this checkout): on a bare GPU machine,
+# install this checkout in place, without touching its dependencies (no network is needed).
+if ! "$PY" -c "import moekit.moe, moekit.bench" 2>/dev/null; then
+  echo "gpu_suite.sh: installing this checkout (pip install --no-deps --no-build-isolation -e .)"
+  "$PY" -m pip install -q --no-deps --no-build-isolation --no-index -e "$REPO" >/dev/null 2>&1 ||
+    "$PY" -m pip install -q --no-deps --no-build-isolation -e "$REPO" ||
+    { echo "gpu_suite.sh: cannot install moekit from $REPO; install it first (README)" >&2; exit 2; }
+fi
 
 HAS_CUDA=0  # nvidia-smi answers in milliseconds where importing torch to ask takes seconds
 command -v nvidia-smi >/dev/null && nvidia-smi -L 2>/dev/null | grep -q '^GPU ' && HAS_CUDA=1
@@ -141,6 +150,10 @@ mfu_flags() {  # train_mfu.py is another tool's file: pass only the flags it dec
 for step in "${STEPS[@]}"; do
   case "$step" in
     env) step_env ;;
+    tests)
+      if [ "$SMOKE" = 1 ]; then STATUS+=("tests: skipped (--smoke: the GPU tier needs a GPU)"); continue; fi
+      run_step tests 240 "$PY" -m pytest -m gpu -q -p no:cacheprovider -rfEs tests/test_gpu.py \
+        tests/test_compile.py::test_inductor_matches_eager --junitxml="$RAW/gpu_tests.xml" ;;
     moe_layer)
       if [ "$SMOKE" = 1 ]; then size=(--tokens 64 --hidden 32 --shapes 32x4x2 --warmup 0 --repeats 1 --hf-impl eager)
       else size=(--device cuda --dtype bfloat16 --tokens 8192 32768 --shapes 4096x14336x8x2 2048x768x128x8

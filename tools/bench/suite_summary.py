@@ -94,6 +94,27 @@ def mfu_lines(data: dict | None) -> list[dict]:
     return out or [line("training MFU (mixtral-1b, bf16)", ">= 45%", [], True, 0.45, "train_mfu.json")]
 
 
+def test_tier(folder: Path) -> dict | None:
+    """Counts and failing test names from the GPU tier's JUnit XML (gpu_suite.sh's tests step)."""
+    import xml.etree.ElementTree as ET
+
+    try:
+        root = ET.parse(folder / "gpu_tests.xml").getroot()
+    except (OSError, ET.ParseError):
+        return None
+    cases = root.iter("testcase")
+    out = {"passed": 0, "failed": [], "skipped": 0}
+    for case in cases:
+        name = f"{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name')}"
+        if case.find("failure") is not None or case.find("error") is not None:
+            out["failed"].append(name)
+        elif case.find("skipped") is not None:
+            out["skipped"] += 1
+        else:
+            out["passed"] += 1
+    return out
+
+
 def fmt(v, goal: str) -> str:
     if v is None:
         return "-"
@@ -115,10 +136,14 @@ def main(argv=None) -> int:
         top = sorted(profile["categories"], key=lambda c: c["share"], reverse=True)[:5]
         print(f"profile ({profile['preset']}, {profile['step_ms']:.0f} ms/step, {profile['time_basis']}): "
               + ", ".join(f"{c['category']} {c['share']:.0%}" for c in top))
+    tests = test_tier(folder)
+    if tests:
+        print(f"GPU test tier (pytest -m gpu): {tests['passed']} passed, {len(tests['failed'])} failed, "
+              f"{tests['skipped']} skipped" + "".join(f"\n  FAILED {n}" for n in tests["failed"]))
     envs = [d.get("environment", {}) for d in (load(folder, n) for n in ("moe_layer.json", "dispatch_bandwidth.json")) if d]
     if any(e.get("device") == "cpu" for e in envs):
         print("(CPU run: these numbers check the scripts, they are not measurements of the GPU targets)")
-    payload = {"targets": lines, "profile_top": profile["categories"] if profile else None}
+    payload = {"targets": lines, "profile_top": profile["categories"] if profile else None, "gpu_tests": tests}
     (folder / "summary.json").write_text(json.dumps(payload, indent=2) + "\n")
     return 0
 
