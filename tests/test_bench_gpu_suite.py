@@ -87,3 +87,15 @@ def test_gpu_suite_without_gpu_asks_for_smoke(tmp_path):
         pytest.skip("a GPU is present")
     proc = run_suite(tmp_path, "env", timeout=120)
     assert proc.returncode == 2 and "--smoke" in proc.stderr and not (tmp_path / "raw").exists()
+
+
+def test_gpu_tier_runs_on_cpu_against_its_references(tmp_path):
+    """The GPU tier (tests/test_gpu.py) with MOEKIT_GPU_TESTS_ON=cpu: Triton in the interpreter at tiny sizes.
+    CI has no GPU, so this is what keeps the tier's own logic (references, tolerances, shapes) from rotting
+    between GPU sessions; the CUDA-only cases (sync debug mode, NCCL FSDP, inductor) stay skipped."""
+    env = dict(os.environ, MOEKIT_GPU_TESTS_ON="cpu", TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+                           str(REPO / "tests" / "test_gpu.py")], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and " failed" not in proc.stdout
