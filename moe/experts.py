@@ -6,6 +6,10 @@ Shape legend: N routed rows (expert-major, contiguous per expert), E experts, H 
     w_in  [E, H, F_in]   F_in = 2F for SwiGLU, laid out [gate | up] along the last dim; F otherwise
     w_out [E, F, H]
 
+Rows past sum(counts) belong to no expert: their output is 0 and they get zero gradient. Every backend
+treats out-of-range counts alike (:func:`counts_to_offs`): a negative count is 0, and the blocks stop
+at row N, so counts summing past N truncate the last blocks.
+
 A backend is a function ``fn(rows, counts, w_in, w_out, activation) -> [N, H]`` registered under a
 name with a predicate saying whether it can run for given tensors. ``"loop"`` is the obvious per-expert
 loop and stays the reference; ``"torch"`` uses ``torch.nn.functional.grouped_mm`` where it runs;
@@ -25,6 +29,17 @@ from torch import Tensor, nn
 # ACTIVATIONS is re-exported for moe.layer: moe.activations is the one table of activations
 from moekit.moe.activations import ACTIVATIONS, check_activation, ffn_in_features, get_activation  # noqa: F401
 from moekit.moe.precision import compute_dtype
+
+
+def counts_to_offs(counts: Tensor, num_rows: int) -> Tensor:
+    """int32 [E] cumulative row ends (torch.nn.functional.grouped_mm's ``offs``) of per-expert row counts.
+
+    Defines how every backend reads out-of-range counts: a negative count is 0 and the ends are
+    clamped to ``num_rows``, so the result is monotone within [0, num_rows] for any counts (no int32
+    wrap-around, no cumsum overflow). Device ops only: no host sync.
+    """
+    ends = counts.to(torch.int64).clamp(0, num_rows).cumsum(0)
+    return ends.clamp_(max=num_rows).to(torch.int32)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -99,12 +114,13 @@ def loop_mlp(rows: Tensor, counts: Tensor, w_in: Tensor, w_out: Tensor, activati
     gradients once instead of materialising a full-size zero gradient per expert slice.
     """
     act = get_activation(activation)
-    sizes = counts.tolist()  # D2H sync: per-expert row counts drive the loop
-    owned = sum(sizes)
+    ends = counts_to_offs(counts, rows.shape[0]).tolist()  # D2H sync: the row blocks drive the loop
+    sizes = [end - start for start, end in zip([0] + ends[:-1], ends)]
+    owned = ends[-1] if ends else 0
     blocks = rows[:owned].split(sizes)
     outs = [act(x @ wi) @ wo for x, wi, wo in zip(blocks, w_in.unbind(0), w_out.unbind(0))]
     if owned < rows.shape[0]:  # rows nobody owns come out as zeros
-        outs.append(outs[0].new_zeros(rows.shape[0] - owned, w_out.shape[-1]))
+        outs.append(rows.new_zeros(rows.shape[0] - owned, w_out.shape[-1]))
     return torch.cat(outs)
 
 
@@ -129,7 +145,7 @@ def _grouped_mm_why_not(rows: Tensor, w_in: Tensor, w_out: Tensor) -> str:
 )
 def torch_grouped_mlp(rows: Tensor, counts: Tensor, w_in: Tensor, w_out: Tensor, activation: str) -> Tensor:
     """torch's grouped matmul: one call per projection over all experts, no host sync."""
-    offs = counts.cumsum(0).to(torch.int32)
+    offs = counts_to_offs(counts, rows.shape[0])  # monotone within [0, N]: grouped_mm checks no values
     owned = None
     if rows.shape[0] > 0:  # rows past offs[-1] are undefined in grouped_mm, forward and backward: mask them
         owned = (torch.arange(rows.shape[0], device=rows.device) < offs[-1])[:, None]

@@ -8,6 +8,16 @@ run (by inspecting ``tl.cdiv``), and the CPU path additionally requires the vari
 so unsetting it turns the CPU path off again. :class:`Kernel` refuses to launch a kernel whose own
 decoration disagrees with that mode (the variable changed between ``import triton`` and
 ``import moe.kernels``), instead of failing deep inside Triton.
+
+Out-of-range values (one semantics for every kernel, reference and expert backend; docs/kernels.md):
+  * offsets: expert e owns rows ``end[e-1]:end[e]`` with ``end[e] = clamp(max(offs[:e+1]), 0, M)``
+    (``end[-1] = 0``), i.e. each end is clamped to [previous end, M]. A negative or decreasing offset
+    gives an empty group, one past M stops at M; rows at or past ``end[E-1]`` belong to no expert:
+    their output is 0 and they get zero gradient.
+  * gather indices: a logical row whose index is outside [0, M_x) reads a zero row, and its gradient
+    is dropped (x gets none from it).
+The Triton kernels apply this on device (no value check, which would need a host sync), the
+references with host loops: they agree for any values.
 """
 from __future__ import annotations
 
@@ -74,8 +84,13 @@ def check_triton_tensors(what: str, *tensors: torch.Tensor) -> None:
         raise ValueError(f"{what}: {reason}")
 
 
-def check_offs(offs: torch.Tensor, num_groups: int, device: torch.device, what: str) -> torch.Tensor:
-    """Validate the cumulative-offsets tensor's metadata (not its values: that would need a sync)."""
+def check_offs(offs: torch.Tensor, num_groups: int, device: torch.device, num_rows: int, what: str) -> torch.Tensor:
+    """Validate the cumulative-offsets tensor's metadata and return it as contiguous int32.
+
+    Values are not checked (that would need a sync): the kernels clamp them (module docstring). A
+    wider dtype is clamped to [0, num_rows] before the cast, which leaves the clamped semantics
+    unchanged but keeps e.g. 2**32 + 5 from wrapping around to 5.
+    """
     if not isinstance(offs, torch.Tensor):
         raise ValueError(f"{what}: offs must be a tensor of cumulative row ends, got {type(offs).__name__}")
     if offs.dim() != 1 or offs.shape[0] != num_groups:
@@ -84,8 +99,27 @@ def check_offs(offs: torch.Tensor, num_groups: int, device: torch.device, what: 
         raise ValueError(f"{what}: offs must be an integer tensor (int32), got {offs.dtype}")
     if offs.device != device:
         raise ValueError(f"{what}: offs is on {offs.device} but the operands are on {device}; move it there")
-    # The kernels read int32 offsets; converting int64 ones here is a tiny device op, not a sync.
-    return offs.to(torch.int32).contiguous()
+    if offs.dtype != torch.int32:  # tiny device ops, not a sync
+        offs = offs.to(torch.int64).clamp(0, num_rows).to(torch.int32)
+    return offs.contiguous()
+
+
+def check_gather_index(gather_index: torch.Tensor | None, device: torch.device, what: str) -> None:
+    if gather_index is None:
+        return
+    if not isinstance(gather_index, torch.Tensor) or gather_index.dim() != 1:
+        raise ValueError(f"{what}: gather_index must be a 1-D int64 tensor of row indices into x")
+    if gather_index.dtype != torch.int64:
+        raise ValueError(f"{what}: gather_index must be int64, got {gather_index.dtype}; use .long()")
+    if gather_index.device != device:
+        raise ValueError(f"{what}: gather_index is on {gather_index.device}, x on {device}; move it there")
+
+
+def gather_rows_ref(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x[index] where indices outside [0, len(x)) read a zero row (and pass no gradient back to x)."""
+    valid = (index >= 0) & (index < x.shape[0])
+    padded = torch.cat([x, x.new_zeros(1, x.shape[1])])  # row len(x) is the zero row
+    return padded[torch.where(valid, index, x.shape[0])]
 
 
 def dot_precision(dtype: torch.dtype, allow_tf32: bool) -> str:
@@ -134,21 +168,37 @@ def swizzle_pid(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def expert_row_bounds(OFFS, M, E, E_POW2: tl.constexpr):
+    """(eids, starts, ends), each [E_POW2]: expert e owns rows starts[e]:ends[e], the offsets made
+    monotone and clamped to [0, M] as the module docstring defines (ends[e] = clamp(max(offs[:e+1]),
+    0, M), starts[e] = ends[e-1]). Entries e >= E are empty groups at ends[E-1]. Only offs[:E] is read.
+    """
+    eids = tl.arange(0, E_POW2)
+    prev = tl.load(OFFS + eids - 1, mask=(eids > 0) & (eids <= E), other=0)  # offs[e-1]; 0 for e = 0
+    starts = tl.minimum(tl.associative_scan(prev, 0, _max_combine), M)  # running max >= 0: ends[e-1]
+    ends = tl.minimum(tl.maximum(tl.load(OFFS + eids, mask=eids < E, other=0), starts), M)
+    return eids, starts, ends
+
+
+@triton.jit
 def expert_tile(OFFS, M, N, E, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 GROUP_M: tl.constexpr):
     """This program's tile of a row-tiled grouped kernel, from offs on device (see grouped_mm.py).
 
     Returns (e, offs_m, m_mask, offs_n, n_mask, owned). owned: rows offs_m[m_mask] belong to expert
     e. Otherwise a surplus program: offs_m[m_mask] are rows past the last owned one (rows no expert
-    owns), which it must zero; e is then meaningless. The grid is row_tile_grid's.
+    owns), which it must zero; e is then meaningless. The grid is row_tile_grid's. Every masked row
+    lies in [0, M) and each row of [0, M) is written by exactly one program, whatever offs holds.
     """
     pid_m, pid_n = swizzle_pid(tl.program_id(0), tl.cdiv(M, BLOCK_M) + E, tl.cdiv(N, BLOCK_N), GROUP_M)
-    # --- per-expert row tiles from offs, on device; clamping to M keeps bad offs memory-safe
-    eids = tl.arange(0, E_POW2)
-    emask = eids < E
-    ends = tl.minimum(tl.load(OFFS + eids, mask=emask, other=0), M)
-    starts = tl.minimum(tl.load(OFFS + eids - 1, mask=emask & (eids > 0), other=0), M)
-    tiles = tl.where(emask, (tl.maximum(ends - starts, 0) + BLOCK_M - 1) // BLOCK_M, 0)
+    # --- per-expert row tiles from the clamped monotone bounds, on device
+    eids, starts, ends = expert_row_bounds(OFFS, M, E, E_POW2)
+    tiles = (ends - starts + BLOCK_M - 1) // BLOCK_M
     tile_end = tl.cumsum(tiles, 0)
     total = tl.sum(tiles, 0)
     owned = pid_m < total

@@ -2,6 +2,8 @@
 
 Shapes: rows [N, H] expert-major, counts [E] int64, w_in [E, H, F_in] (F_in = 2F for SwiGLU laid out
 [gate | up], F otherwise), w_out [E, F, H] -> y [N, H]; rows at or past sum(counts) come out 0.
+Any counts values are safe: a negative count is 0 and the row blocks stop at N
+(moe.experts.counts_to_offs); the kernels clamp the offsets like every grouped kernel (_common).
 
 Variants: ``"plain"`` = grouped_mm, the activation in torch, grouped_mm. ``"fused"``:
   forward   kernel 1 computes the gate and up tiles of one [BLOCK_M, BLOCK_N] block of h in the same
@@ -21,9 +23,10 @@ import triton
 import triton.language as tl
 
 from moekit.moe.activations import get_activation
+from moekit.moe.experts import counts_to_offs
 
-from ._common import (Kernel, cfg, check_triton_tensors, dot_flags, expert_tile, prune_by_smem, row_tile_grid,
-                      tile_mm, to_out, why_not_triton_tensors)
+from ._common import (Kernel, cfg, check_offs, check_triton_tensors, dot_flags, expert_tile, prune_by_smem,
+                      row_tile_grid, tile_mm, to_out, why_not_triton_tensors)
 from .grouped_mm import grouped_mm, grouped_mm_fwd
 from .grouped_mm_wgrad import grouped_mm_wgrad
 
@@ -39,12 +42,12 @@ VARIANTS = ("fused", "plain")
 
 def expert_mlp_ref(rows: torch.Tensor, counts: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor,
                    activation: str) -> torch.Tensor:
-    """Per-expert loop in plain PyTorch (the same maths as moe.experts' "loop" backend)."""
+    """Per-expert loop in plain PyTorch (the same maths as moe.experts' "loop" backend), rows past the
+    clamped counts (counts_to_offs) 0."""
     act = get_activation(activation)
     out = rows.new_zeros(rows.shape[0], w_out.shape[-1])
     start = 0
-    for e, n in enumerate(counts.tolist()):  # D2H sync: the loop bounds are the counts
-        end = min(start + max(n, 0), rows.shape[0])
+    for e, end in enumerate(counts_to_offs(counts, rows.shape[0]).tolist()):  # D2H sync: the loop bounds
         if end > start:
             out[start:end] = act(rows[start:end] @ w_in[e]) @ w_out[e]
         start = end
@@ -186,15 +189,22 @@ EXPERT_DOWN_DACT = Kernel(
 def expert_up_act(x: torch.Tensor, w_in: torch.Tensor, offs: torch.Tensor, activation: str, *,
                   save_pre: bool, allow_tf32: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(h [M, F], pre [M, F_in] or None) with h = act(x @ w_in[e]) per expert row block."""
-    check_triton_tensors("expert_up_act (Triton)", x, w_in)
+    what = "expert_up_act (Triton)"
     act = get_activation(activation)
+    if x.dim() != 2 or w_in.dim() != 3 or w_in.shape[1] != x.shape[1] or (act.gated and w_in.shape[2] % 2):
+        raise ValueError(f"{what}: need x [M, K] and w_in [E, K, F_in] (F_in even for {activation}), got "
+                         f"{tuple(x.shape)} and {tuple(w_in.shape)}")
+    check_triton_tensors(what, x, w_in)
     m, k = x.shape
     e, f_in = w_in.shape[0], w_in.shape[2]
+    offs = check_offs(offs, e, x.device, m, what)
     f = f_in // 2 if act.gated else f_in
     h = torch.empty(m, f, device=x.device, dtype=x.dtype)
     pre = torch.empty(m, f_in, device=x.device, dtype=x.dtype) if save_pre else None
     if m == 0 or f == 0:
         return h, pre
+    if e == 0:  # no expert owns a row
+        return h.zero_(), pre if pre is None else pre.zero_()
     p = pre if pre is not None else h  # placeholder pointer, never written when SAVE_PRE is False
     EXPERT_UP_ACT[row_tile_grid(m, f, e)](
         x, w_in, h, p, offs, m, f, k, e,
@@ -208,21 +218,29 @@ def expert_up_act(x: torch.Tensor, w_in: torch.Tensor, offs: torch.Tensor, activ
 def expert_down_dact(dy: torch.Tensor, w_out: torch.Tensor, pre: torch.Tensor, offs: torch.Tensor,
                      activation: str, *, store_h: bool, allow_tf32: bool = False):
     """(dpre [M, F_in], h [M, F] or None): dpre = (dy @ w_out[e]^T) * act'(pre), h = act(pre)."""
-    check_triton_tensors("expert_down_dact (Triton)", dy, w_out, pre)
-    code = get_activation(activation).kernel_code
+    what = "expert_down_dact (Triton)"
+    act = get_activation(activation)
+    if (dy.dim() != 2 or w_out.dim() != 3 or pre.dim() != 2 or w_out.shape[2] != dy.shape[1]
+            or tuple(pre.shape) != (dy.shape[0], act.in_features(w_out.shape[1]))):
+        raise ValueError(f"{what}: need dy [M, H], w_out [E, F, H], pre [M, F_in] (F_in for {activation}), got "
+                         f"{tuple(dy.shape)}, {tuple(w_out.shape)}, {tuple(pre.shape)}")
+    check_triton_tensors(what, dy, w_out, pre)
     m, hdim = dy.shape
     e, f = w_out.shape[0], w_out.shape[1]
+    offs = check_offs(offs, e, dy.device, m, what)
     wt = w_out.transpose(1, 2)  # [E, H, F] view: the kernel reads w_out[e]^T through strides
     dpre = torch.empty(m, pre.shape[1], device=dy.device, dtype=dy.dtype)
     h = torch.empty(m, f, device=dy.device, dtype=dy.dtype) if store_h else None
     if m == 0 or f == 0:
         return dpre, h
+    if e == 0:  # no expert owns a row: zero gradient, and act(pre) of rows that are not an expert's is 0
+        return dpre.zero_(), h if h is None else h.zero_()
     hp = h if h is not None else dpre  # placeholder pointer, never written when STORE_H is False
     EXPERT_DOWN_DACT[row_tile_grid(m, f, e)](
         dy, wt, pre, dpre, hp, offs, m, f, hdim, e,
         dy.stride(0), dy.stride(1), wt.stride(0), wt.stride(1), wt.stride(2),
         pre.stride(0), pre.stride(1), dpre.stride(0), dpre.stride(1), hp.stride(0), hp.stride(1),
-        E_POW2=triton.next_power_of_2(e), ACT=code, STORE_H=store_h, **dot_flags(dy.dtype, allow_tf32),
+        E_POW2=triton.next_power_of_2(e), ACT=act.kernel_code, STORE_H=store_h, **dot_flags(dy.dtype, allow_tf32),
     )
     return dpre, h
 
@@ -278,8 +296,10 @@ def expert_mlp(rows: torch.Tensor, counts: torch.Tensor, w_in: torch.Tensor, w_o
 
     rows [N, H], counts [E] (int64, expert e owns rows sum(counts[:e]):sum(counts[:e+1])),
     w_in [E, H, F_in] (F_in = 2F, [gate | up], for "swiglu"; F for "gelu"/"relu"), w_out [E, F, H]
-    -> [N, H]; rows past sum(counts) are 0. variant "fused" (activation in the GEMM epilogues) or
-    "plain" (two grouped GEMMs, activation in torch). Triton only: see why_not_triton.
+    -> [N, H]; rows past sum(counts) are 0 (with zero gradient). A negative count counts as 0, and
+    counts summing past N stop at N (moe.experts.counts_to_offs). variant "fused" (activation in
+    the GEMM epilogues) or "plain" (two grouped GEMMs, activation in torch). Triton only: see
+    why_not_triton.
     """
     what = "expert_mlp"
     act = get_activation(activation)  # ValueError naming the known activations
@@ -295,13 +315,14 @@ def expert_mlp(rows: torch.Tensor, counts: torch.Tensor, w_in: torch.Tensor, w_o
         raise ValueError(f"{what}: shapes disagree: rows {tuple(rows.shape)}, w_in {tuple(w_in.shape)}, "
                          f"w_out {tuple(w_out.shape)}; want w_in [E, H, {want_f_in}] for {activation} with "
                          f"w_out [E, F={f}, H]")
-    if counts.shape != (e,) or counts.dtype.is_floating_point or counts.device != rows.device:
+    if (counts.shape != (e,) or counts.dtype.is_floating_point or counts.dtype.is_complex
+            or counts.dtype == torch.bool or counts.device != rows.device):
         raise ValueError(f"{what}: counts must be an integer [E={e}] tensor on {rows.device}, got "
                          f"{tuple(counts.shape)} {counts.dtype} on {counts.device}")
     reason = why_not_triton(rows, w_in, w_out)
     if reason:
         raise ValueError(f"{what}: {reason}")
-    offs = counts.cumsum(0).to(torch.int32)  # on device: no host sync
+    offs = counts_to_offs(counts, rows.shape[0])  # on device: no host sync
     if variant == "plain":
         h = act(grouped_mm(rows, w_in, offs, backend="triton", allow_tf32=allow_tf32))
         return grouped_mm(h, w_out, offs, backend="triton", allow_tf32=allow_tf32)

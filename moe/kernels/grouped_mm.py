@@ -3,6 +3,8 @@
 Shapes: x [M_x, K], w [E, K, N], offs [E] int32 cumulative row ends (expert e owns logical rows
 offs[e-1]:offs[e], offs[-1] = 0), optional gather_index [M] int64 (logical row r reads x[gather_index[r]];
 without it M = M_x), y [M, N]. Logical rows at or past offs[-1] belong to no expert and come out 0.
+Any offs and gather_index values are memory-safe, with one semantics everywhere (_common's docstring):
+each offset is clamped to [previous end, M], and an index outside [0, M_x) reads a zero row.
 
 Tile scheduling (no host sync): the grid is an upper bound of cdiv(M, BLOCK_M) + E row tiles times
 cdiv(N, BLOCK_N) column tiles (each expert adds at most one partial row tile). Every program rebuilds
@@ -17,8 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (Kernel, cfg, check_offs, check_triton_tensors, dot_flags, expert_tile, gather_rows,
-                      prune_by_smem, row_tile_grid, tile_mm, to_out, why_not_triton_tensors)
+from ._common import (Kernel, cfg, check_gather_index, check_offs, check_triton_tensors, dot_flags, expert_tile,
+                      gather_rows, gather_rows_ref, prune_by_smem, row_tile_grid, tile_mm, to_out,
+                      why_not_triton_tensors)
 
 # ---------------------------------------------------------------------------------------------------
 # Reference (also the torch fallback where Triton cannot run)
@@ -27,13 +30,16 @@ from ._common import (Kernel, cfg, check_offs, check_triton_tensors, dot_flags, 
 
 def grouped_mm_ref(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,
                    gather_index: torch.Tensor | None = None) -> torch.Tensor:
-    """Per-expert loop in plain PyTorch; differentiable through autograd. Any dtype, any device."""
-    a = x if gather_index is None else x[gather_index]
+    """Per-expert loop in plain PyTorch; differentiable through autograd. Any dtype, any device.
+
+    Out-of-range offs and gather_index values as the kernels treat them (_common's docstring).
+    """
+    a = x if gather_index is None else gather_rows_ref(x, gather_index)
     m = a.shape[0]
     out = a.new_zeros(m, w.shape[-1])
     start = 0
     for e, end in enumerate(offs.tolist()):  # D2H sync: the loop bounds are the offsets
-        end = min(max(end, start), m)
+        end = min(max(end, start), m)  # clamped to [previous end, M]
         if end > start:
             out[start:end] = a[start:end] @ w[e]
         start = end
@@ -91,17 +97,6 @@ GROUPED_MM = Kernel(
 # ---------------------------------------------------------------------------------------------------
 
 
-def check_gather_index(gather_index: torch.Tensor | None, device: torch.device, what: str) -> None:
-    if gather_index is None:
-        return
-    if not isinstance(gather_index, torch.Tensor) or gather_index.dim() != 1:
-        raise ValueError(f"{what}: gather_index must be a 1-D int64 tensor of row indices into x")
-    if gather_index.dtype != torch.int64:
-        raise ValueError(f"{what}: gather_index must be int64, got {gather_index.dtype}; use .long()")
-    if gather_index.device != device:
-        raise ValueError(f"{what}: gather_index is on {gather_index.device}, x on {device}; move it there")
-
-
 def check_grouped_mm_shapes(x: torch.Tensor, w: torch.Tensor, what: str) -> None:
     if x.dim() != 2 or w.dim() != 3:
         raise ValueError(f"{what}: x must be [M, K] and w [E, K, N], got {tuple(x.shape)} and {tuple(w.shape)}")
@@ -116,14 +111,14 @@ def grouped_mm_fwd(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, gather_
     wt = w.transpose(1, 2) if transpose_w else w  # a view: the kernel only sees strides
     check_grouped_mm_shapes(x, wt, what)
     check_triton_tensors(what, x, w)
-    offs = check_offs(offs, w.shape[0], x.device, what)
     check_gather_index(gather_index, x.device, what)
     m = x.shape[0] if gather_index is None else gather_index.shape[0]
+    offs = check_offs(offs, w.shape[0], x.device, m, what)
     e, k, n = wt.shape
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     if m == 0 or n == 0:
         return y
-    if k == 0:
+    if k == 0 or e == 0:  # no products, or no expert owns a row
         return y.zero_()
     GROUPED_MM[row_tile_grid(m, n, e)](
         x, wt, y, offs, gather_index if gather_index is not None else offs,
@@ -180,7 +175,10 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, gather_inde
     x [M_x, K], w [E, K, N], offs [E] int32 cumulative row ends (torch.nn.functional.grouped_mm's
     convention: expert e owns rows offs[e-1]:offs[e]) -> y [M, N] with M = M_x, or with
     gather_index [M] int64, M = len(gather_index) and logical row r = x[gather_index[r]].
-    Rows at or past offs[-1] are zero. Empty experts and M = 0 are fine.
+    Rows at or past offs[-1] are zero. Empty experts and M = 0 are fine. Out-of-range values are
+    memory-safe and defined: each offset is clamped to [previous end, M] (a negative or decreasing
+    one gives an empty expert; rows no expert owns come out 0 and get zero gradient), and a gather
+    index outside [0, M_x) reads a zero row whose gradient is dropped.
 
     backend: "auto" runs Triton where it can (CUDA, or CPU under TRITON_INTERPRET=1) and a per-expert
     torch loop elsewhere (one host sync); "triton" raises a ValueError saying why when it cannot run;
@@ -192,6 +190,6 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, gather_inde
     check_gather_index(gather_index, x.device, "grouped_mm")
     use_triton = backend == "triton" or (backend == "auto" and why_not_triton_tensors(x, w) == "")
     if not use_triton:
-        offs = check_offs(offs, w.shape[0], x.device, "grouped_mm")
-        return grouped_mm_ref(x, w, offs, gather_index)
+        m = x.shape[0] if gather_index is None else gather_index.shape[0]
+        return grouped_mm_ref(x, w, check_offs(offs, w.shape[0], x.device, m, "grouped_mm"), gather_index)
     return GroupedMMFunction.apply(x, w, offs, gather_index, allow_tf32)

@@ -1,7 +1,9 @@
 """Weight gradient of the grouped GEMM: dW[e] = X_e^T dY_e, a k-grouped GEMM over each row block.
 
 Shapes: x [M_x, K] (optional gather_index [M] int64: logical row r = x[gather_index[r]]), dy [M, N],
-offs [E] int32 cumulative row ends -> dw [E, K, N] in x's dtype, fp32 accumulation.
+offs [E] int32 cumulative row ends -> dw [E, K, N] in x's dtype, fp32 accumulation. Out-of-range offs
+and gather_index values as in grouped_mm (_common's docstring): an expert whose clamped row range is
+empty gets dw[e] = 0, and rows gathered from outside [0, M_x) contribute nothing.
 
 One program owns one [BLOCK_K, BLOCK_N] tile of one expert's dW and walks that expert's rows
 BLOCK_M at a time: the reduction order is fixed, so dW is bitwise deterministic (no atomics, no
@@ -14,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (Kernel, cfg, check_offs, check_triton_tensors, dot_acc, dot_flags, gather_rows,
-                      prune_by_smem, swizzle_pid, to_out)
+from ._common import (Kernel, cfg, check_gather_index, check_offs, check_triton_tensors, dot_acc, dot_flags,
+                      expert_row_bounds, gather_rows, gather_rows_ref, prune_by_smem, swizzle_pid, to_out)
 
 # ---------------------------------------------------------------------------------------------------
 # Reference
@@ -24,12 +26,13 @@ from ._common import (Kernel, cfg, check_offs, check_triton_tensors, dot_acc, do
 
 def grouped_mm_wgrad_ref(x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor,
                          gather_index: torch.Tensor | None = None) -> torch.Tensor:
-    """Per-expert loop in plain PyTorch: dw[e] = x_e^T @ dy_e, zeros for empty experts."""
-    a = x if gather_index is None else x[gather_index]
+    """Per-expert loop in plain PyTorch: dw[e] = x_e^T @ dy_e, zeros for empty experts (and out-of-range
+    values treated as the kernel treats them)."""
+    a = x if gather_index is None else gather_rows_ref(x, gather_index)
     dw = a.new_zeros(offs.shape[0], a.shape[1], dy.shape[1])
     start, m = 0, dy.shape[0]
     for e, end in enumerate(offs.tolist()):  # D2H sync: the loop bounds are the offsets
-        end = min(max(end, start), m)
+        end = min(max(end, start), m)  # clamped to [previous end, M]
         if end > start:
             dw[e] = a[start:end].transpose(0, 1) @ dy[start:end]
         start = end
@@ -44,9 +47,9 @@ def grouped_mm_wgrad_ref(x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor,
 @triton.jit
 def _grouped_mm_wgrad_kernel(
     X, DY, DW, OFFS, GIDX,
-    M, K, N, X_ROWS,
+    M, K, N, E, X_ROWS,
     stride_xm, stride_xk, stride_dym, stride_dyn, stride_dwe, stride_dwk, stride_dwn,
-    HAS_GATHER: tl.constexpr, PRECISION: tl.constexpr, INTERP_BF16: tl.constexpr,
+    E_POW2: tl.constexpr, HAS_GATHER: tl.constexpr, PRECISION: tl.constexpr, INTERP_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # --- expert-major order; inside an expert, GROUP_M k-tiles share each n strip (L2 reuse)
@@ -56,10 +59,10 @@ def _grouped_mm_wgrad_kernel(
     e = pid // (num_pid_k * num_pid_n)
     pid_k, pid_n = swizzle_pid(pid % (num_pid_k * num_pid_n), num_pid_k, num_pid_n, GROUP_M)
 
-    # --- this expert's rows; clamped so bad offs stay memory-safe
-    start = tl.load(OFFS + tl.maximum(e - 1, 0))
-    start = tl.minimum(tl.where(e > 0, start, 0), M)
-    end = tl.maximum(tl.minimum(tl.load(OFFS + e), M), start)
+    # --- this expert's rows, from the same clamped monotone bounds as the forward (any offs is safe)
+    eids, starts, ends = expert_row_bounds(OFFS, M, E, E_POW2)
+    start = tl.sum(tl.where(eids == e, starts, 0), 0)
+    end = tl.sum(tl.where(eids == e, ends, 0), 0)
 
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -107,12 +110,13 @@ def grouped_mm_wgrad(x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor,
     what = "grouped_mm_wgrad (Triton)"
     if x.dim() != 2 or dy.dim() != 2:
         raise ValueError(f"{what}: x must be [M, K] and dy [M, N], got {tuple(x.shape)} and {tuple(dy.shape)}")
+    check_gather_index(gather_index, x.device, what)
     m = x.shape[0] if gather_index is None else gather_index.shape[0]
     if dy.shape[0] != m:
         raise ValueError(f"{what}: dy has {dy.shape[0]} rows but the (gathered) x has {m}; they must match")
     check_triton_tensors(what, x, dy)
     e = offs.shape[0] if isinstance(offs, torch.Tensor) and offs.dim() == 1 else -1
-    offs = check_offs(offs, e, x.device, what)
+    offs = check_offs(offs, e, x.device, m, what)
     k, n = x.shape[1], dy.shape[1]
     dw = torch.empty(e, k, n, device=x.device, dtype=x.dtype)
     if dw.numel() == 0:
@@ -122,8 +126,8 @@ def grouped_mm_wgrad(x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor,
     grid = lambda meta: (e * triton.cdiv(k, meta["BLOCK_K"]) * triton.cdiv(n, meta["BLOCK_N"]),)
     GROUPED_MM_WGRAD[grid](
         x, dy, dw, offs, gather_index if gather_index is not None else offs,
-        m, k, n, x.shape[0],
+        m, k, n, e, x.shape[0],
         x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), dw.stride(0), dw.stride(1), dw.stride(2),
-        HAS_GATHER=gather_index is not None, **dot_flags(x.dtype, allow_tf32),
+        E_POW2=triton.next_power_of_2(e), HAS_GATHER=gather_index is not None, **dot_flags(x.dtype, allow_tf32),
     )
     return dw

@@ -70,6 +70,8 @@ def scatter_add_rows(src: torch.Tensor, index: torch.Tensor, num_rows: int) -> t
         raise ValueError(f"{what}: need src [M, K] and index [M], got {tuple(src.shape)} and {tuple(index.shape)}")
     if index.dtype != torch.int64 or index.device != src.device:
         raise ValueError(f"{what}: index must be int64 on {src.device}, got {index.dtype} on {index.device}")
+    if num_rows < 0:
+        raise ValueError(f"{what}: num_rows={num_rows} must be >= 0 (the number of rows of the output)")
     check_triton_tensors(what, src)
     k = src.shape[1]
     out = torch.empty(num_rows, k, device=src.device, dtype=src.dtype)
