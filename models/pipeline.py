@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from moekit.comm.pipeline import PipelineRunner, check_schedule, gather_load, stage_ids_of
 from moekit.models.config import ModelConfig
 from moekit.models.transformer import Transformer, rope_angles
+from moekit.moe import moe_layers
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -209,11 +210,16 @@ class PipelineModel(nn.Module):
     """All of this rank's stages under the single-process parameter names (embed., layers.<i>., norm.,
     lm_head.): hand it to the optimizer, clip_grad_norm, checkpoints, apply_expert_parallel and
     apply_activation_checkpointing. Run it through ``Pipeline.step``; it has no forward of its own.
+
+    ``moe_layer_names``: every MoE layer of the whole model (all stages), in module order; position i is
+    MoE layer i's global index, the same on every rank (the non-finite guard's rows, its debug hook's LAYER).
     """
 
     def __init__(self, config: ModelConfig, stages: list[StageModule]):
         super().__init__()
         self.config = config
+        with torch.device("meta"):  # the whole model's names from its config; allocates nothing
+            self.moe_layer_names = tuple(name for name, _ in moe_layers(Transformer(config)))
         first = [s for s in stages if s.is_first]
         last = [s for s in stages if s.is_last]
         self.embed = first[0].embed if first else None

@@ -7,16 +7,25 @@ Where a non-finite value came from, at no cost on the happy path:
       router pre-hook    input x of MoE layer i             col 0: non-finite input
       router hook        Routing.weights (from the logits)  col 1: non-finite router output
       experts hook       expert output rows                 col 2: non-finite expert output
-    only when a rank sees a non-finite loss or gradient norm (rare): flags + per-layer gradient checks,
-    OR-reduced over every rank; named: the first MoE layer with a forward flag, else the deepest with a
-    non-finite router or expert gradient (backward runs from the last layer to the first).
+    only when a rank sees a non-finite loss or gradient norm (rare): flags + per-layer gradient checks +
+    a check of the parameters themselves, OR-reduced over every rank; named: the parameters if they are
+    non-finite or blown up (|w| >= 1e6: an update with far too large a learning rate), else the first MoE
+    layer with a forward flag, else the deepest with a non-finite router or expert gradient (backward runs
+    from the last layer to the first).
+
+Rows are indexed by the GLOBAL MoE-layer index i (module order of the whole single-process model, L rows on
+every rank): a pipeline rank holds only its stages' layers and fills their rows, so the OR-reduce has the
+same shape everywhere and row i is always the layer named ``names[i]`` (e.g. ``layers.3.ffn``). A model
+holding part of a larger one lists the whole model's MoE layers in ``moe_layer_names``
+(models.pipeline.PipelineModel does).
 
 An expert output flag on rank r can come from rows another rank sent (expert parallelism), but that
 rank flagged the same layer's input, so the OR over ranks blames the input, not the experts.
 
-Debug hook (tests, drills): MOEKIT_DEBUG_NAN="STEP:LAYER:WHERE[:RANK]" poisons MoE layer LAYER (0-based,
-module order) at optimizer step STEP on global rank RANK (default 0): WHERE "router" makes that router's
-combine weights NaN in the forward, "grad" makes its weight gradient NaN in the backward.
+Debug hook (tests, drills): MOEKIT_DEBUG_NAN="STEP:LAYER:WHERE[:RANK]" poisons MoE layer LAYER (global,
+0-based, module order of the whole model; under pipeline parallelism too) at optimizer step STEP on global
+rank RANK (default: the lowest rank holding that layer): WHERE "router" makes that router's combine
+weights NaN in the forward, "grad" makes its weight gradient NaN in the backward.
 """
 from __future__ import annotations
 
@@ -38,6 +47,10 @@ POISON_WHERE = ("router", "grad")
 INPUT, ROUTER, EXPERTS = 0, 1, 2
 _FORWARD = ("input (non-finite before this layer)", "router output (forward)", "expert output (forward)")
 _BACKWARD = ("router weight gradient (backward)", "expert weight gradient (backward)")
+# |parameter| >= 10**BLOWN_UP_EXP is far beyond any trained weight: AdamW moves each weight by about lr per
+# step, so it is what a far too large learning rate leaves, and the forward's products overflow from it
+BLOWN_UP_EXP = 6
+_MAGNITUDES = 39  # thermometer of |w| >= 10**k, k = 0 .. 38 (float32 ends at 3.4e38)
 
 
 @dataclass(frozen=True)
@@ -64,20 +77,22 @@ def _json_float(v: float) -> float | None:
 @dataclass(frozen=True)
 class Poison:
     step: int
-    layer: int
+    layer: int  # global MoE-layer index
     where: str
-    rank: int
+    rank: int | None  # None: the lowest rank holding the layer
 
 
 def parse_poison(raw: str | None, num_layers: int) -> Poison | None:
-    """MOEKIT_DEBUG_NAN="STEP:LAYER:WHERE[:RANK]" -> Poison; a malformed value is a one-line UserError."""
+    """MOEKIT_DEBUG_NAN="STEP:LAYER:WHERE[:RANK]" -> Poison; a malformed value is a one-line UserError.
+    ``num_layers``: MoE layers of the whole model (LAYER is a global index)."""
     if not raw:
         return None
     parts = raw.split(":")
     try:
         step, layer, where = int(parts[0]), int(parts[1]), parts[2]
-        rank = int(parts[3]) if len(parts) == 4 else 0
-        ok = len(parts) in (3, 4) and step >= 1 and 0 <= layer < num_layers and where in POISON_WHERE and rank >= 0
+        rank = int(parts[3]) if len(parts) == 4 else None
+        ok = (len(parts) in (3, 4) and step >= 1 and 0 <= layer < num_layers and where in POISON_WHERE
+              and (rank is None or rank >= 0))
     except (ValueError, IndexError):
         ok = False
     if not ok:
@@ -90,16 +105,37 @@ class Guard:
     """Per-step checks the loop calls: ``begin_step``, ``check`` (collective), ``discard_step``."""
 
     def __init__(self, model: nn.Module, dist, on_nonfinite: str):
-        self.dist, self.on_nonfinite = dist, on_nonfinite
-        self.layers = list(moe_layers(model))  # [(name, MoELayer)] in module order
+        self.model, self.dist, self.on_nonfinite = model, dist, on_nonfinite
+        local = dict(moe_layers(model))  # this rank's MoE layers: every one in one process
+        self.names: tuple[str, ...] = tuple(getattr(model, "moe_layer_names", None) or local)  # global order
+        unknown = sorted(set(local) - set(self.names))
+        assert not unknown, f"MoE layers {unknown} are missing from the model's moe_layer_names"
+        # global index -> this rank's layer, in module order
+        self.layers: dict[int, nn.Module] = {i: local[n] for i, n in enumerate(self.names) if n in local}
         device = next(model.parameters()).device
-        self.flags = torch.zeros(len(self.layers), 3, dtype=torch.bool, device=device)
+        self.flags = torch.zeros(len(self.names), 3, dtype=torch.bool, device=device)  # rows: global index
         self.in_experts: tuple[int, Tensor, int] | None = None  # (layer, counts, rows) during an expert forward
         self.consecutive_skips = 0
-        self.poison = parse_poison(os.environ.get(POISON_ENV), len(self.layers))
+        self.updated = False  # an optimizer step has run in this process (a bad parameter is its doing)
+        self.poison = self._resolve_poison(parse_poison(os.environ.get(POISON_ENV), len(self.names)))
         self._poison_handles: list = []
-        for i, (_, layer) in enumerate(self.layers):
+        for i, layer in self.layers.items():
             self._probe(i, layer)
+
+    def _resolve_poison(self, p: Poison | None) -> Poison | None:
+        """Under pipeline parallelism not every rank holds LAYER: pick the default rank among those that do,
+        and refuse a RANK that does not (collective, only when the drill is set; every rank raises alike)."""
+        if p is None:
+            return None
+        held = torch.zeros(len(self.names), self.dist.world, dtype=torch.bool, device=self.flags.device)
+        held[list(self.layers), self.dist.rank] = True
+        holders = self.dist.any_flags(held)[p.layer].nonzero().flatten().tolist()
+        if p.rank is None:
+            return dataclasses.replace(p, rank=holders[0])
+        if p.rank not in holders:
+            raise UserError(f"{POISON_ENV}: rank {p.rank} does not hold MoE layer {p.layer} "
+                            f"({self.names[p.layer]}); ranks holding it: {holders}")
+        return p
 
     # -- forward probes -----------------------------------------------------------------------------
 
@@ -127,7 +163,7 @@ class Guard:
         p = self.poison
         if p is None or p.step != step or p.rank != self.dist.rank:
             return
-        router = self.layers[p.layer][1].router
+        router = self.layers[p.layer].router  # resolved: this rank holds the layer
         if p.where == "grad":
             self._poison_handles.append(router.weight.register_hook(lambda g: torch.full_like(g, math.nan)))
         else:  # prepend: the probe hook must see the poisoned output, as it would see a real bad router
@@ -142,6 +178,7 @@ class Guard:
         what = [name for name, v in (("loss", loss), ("gradient norm", grad_norm)) if not math.isfinite(v)]
         if not self.dist.any_nonfinite(loss, grad_norm):
             self.consecutive_skips = 0
+            self.updated = True  # the loop steps the optimizer next
             return None
         name = what[0] if what else "loss"  # another rank's value: all-reduced means agree, so rarely reached
         value = loss if name == "loss" else grad_norm
@@ -154,30 +191,53 @@ class Guard:
     def locate(self, loss_bad: bool) -> str:
         """Where the non-finite values started, over every rank (collective; runs only on a bad step).
 
-        Forward: the first MoE layer (module order) whose input, router or experts went non-finite; later
-        layers only inherit it. Backward runs the other way, so a gradient that went non-finite inside
-        the model reaches every earlier layer: the deepest MoE layer with one is where it started.
+        Parameters that are non-finite or blown up (AdamW with far too large a learning rate) spoil
+        everything computed from them: they come first. Forward: the first MoE layer whose input, router
+        or experts went non-finite; later layers only inherit it. Backward runs the other way, so a
+        gradient that went non-finite inside the model reaches every earlier layer: the deepest MoE layer
+        with one is where it started.
         """
-        grads = torch.zeros(len(self.layers), 2, dtype=torch.bool, device=self.flags.device)
-        for i, (_, layer) in enumerate(self.layers):
+        grads = torch.zeros(len(self.names), 2, dtype=torch.bool, device=self.flags.device)
+        for i, layer in self.layers.items():
             grads[i, 0] = _nonfinite_grad([layer.router.weight])
             grads[i, 1] = _nonfinite_grad([layer.experts.w_in, layer.experts.w_out])
-        rows = self.dist.any_flags(torch.cat([self.flags, grads], dim=1)).tolist()  # D2H sync: diagnosis only
-        names = [name for name, _ in self.layers]
-        for name, row in zip(names, rows):
+        flags = torch.cat([self.flags, grads], dim=1).flatten()  # [L * 5]: the same shape on every rank
+        agreed = self.dist.any_flags(torch.cat([flags, self._param_flags()])).tolist()  # D2H sync: diagnosis only
+        rows = [agreed[5 * i : 5 * i + 5] for i in range(len(self.names))]
+        nonfinite, magnitude = agreed[-_MAGNITUDES - 1], sum(agreed[-_MAGNITUDES:]) - 1  # log10 of max |w|
+        if nonfinite or magnitude >= BLOWN_UP_EXP:
+            what = "non-finite" if nonfinite else f"blown up (|w| up to ~1e{magnitude})"
+            when = ("after the last optimizer step (learning rate too large)" if self.updated else
+                    "before any update of this run (the initial or loaded weights)")
+            return f"the parameters themselves: {what} {when}"
+        for name, row in zip(self.names, rows):
             if any(row[:3]):
                 return f"MoE layer {name}: {_FORWARD[row.index(True)]}"
         if loss_bad:
             return "the loss, with finite MoE layer outputs (attention, embeddings or the output head)"
-        for name, row in reversed(list(zip(names, rows))):
+        for name, row in reversed(list(zip(self.names, rows))):
             if any(row[3:]):
                 return f"MoE layer {name}: {_BACKWARD[row[3:].index(True)]}"
         return "no MoE router or expert gradient (attention, norm or embedding gradients)"
 
+    def _param_flags(self) -> Tensor:
+        """[1 + _MAGNITUDES] bool, device-side: some parameter of this rank is non-finite; then the
+        thermometer max |w| >= 10**k of the finite ones (OR over ranks: the global maximum's)."""
+        device = self.flags.device
+        nonfinite, largest = torch.zeros((), dtype=torch.bool, device=device), torch.zeros((), device=device)
+        for p in self.model.parameters():
+            t = _local(p.detach())
+            if t.numel() == 0 or not t.is_floating_point():
+                continue
+            nonfinite |= ~torch.isfinite(t).all()
+            largest = torch.maximum(largest, t.abs().float().nan_to_num(0.0, 0.0, 0.0).amax())
+        powers = torch.logspace(0, _MAGNITUDES - 1, _MAGNITUDES, dtype=torch.float64, device=device)
+        return torch.cat([nonfinite[None], largest.double() >= powers])
+
     def discard_step(self, model: nn.Module, optimizer) -> None:
         """A skipped step leaves no trace: no gradients, no router-load or bias update from its batch."""
         optimizer.zero_grad(set_to_none=True)
-        for _, layer in self.layers:
+        for layer in self.layers.values():
             layer.load.reset()
             pending = getattr(layer.router, "pending_load", None)
             if pending is not None:
@@ -192,7 +252,7 @@ class Guard:
             return
         i, counts, rows = self.in_experts
         self.in_experts = None
-        name, layer = self.layers[i]
+        name, layer = self.names[i], self.layers[i]
         per_expert = counts.cpu().tolist()  # D2H sync: error path only
         local = max(range(len(per_expert)), key=per_expert.__getitem__)
         first = layer.dispatcher.expert_range[0]  # global id of this rank's first expert (EP: its block)
@@ -203,9 +263,11 @@ class Guard:
             f"or raise --ep") from None
 
 
-def _nonfinite_grad(params) -> bool:
-    # this rank's shard of a DTensor gradient (a non-finite value anywhere shows on some rank: flags are OR-ed)
-    return any(p.grad is not None and not bool(torch.isfinite(_local(p.grad)).all()) for p in params)
+def _nonfinite_grad(params) -> Tensor:
+    # device-side; this rank's shard of a DTensor gradient (a non-finite value anywhere shows on some rank:
+    # flags are OR-ed)
+    bad = [~torch.isfinite(_local(p.grad)).all() for p in params if p.grad is not None]
+    return torch.stack(bad).any() if bad else torch.zeros((), dtype=torch.bool)
 
 
 def _local(t):
