@@ -85,6 +85,12 @@ class ModelConfig:
         if self.capacity_factor is not None:
             _check_float("model.capacity_factor", self.capacity_factor, strict=True,
                          hint="; use a positive number, or none for dropless routing")
+        for name in ("name", "activation", "router", "expert_backend"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"model.{name}={getattr(self, name)!r} is invalid; it must be a string")
+        for name in ("tie_embeddings", "shared_expert_gate"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"model.{name}={getattr(self, name)!r} is invalid; it must be true or false")
         from moekit.moe.activations import ACTIVATIONS  # the one table (imports torch: only when validating)
 
         if self.activation not in ACTIVATIONS:

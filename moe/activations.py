@@ -20,7 +20,12 @@ from torch import Tensor
 
 
 class _SwiGLU(torch.autograd.Function):
-    """silu(gate) * up over h = [gate | up]; backward writes both halves of dh in place (no cat)."""
+    """silu(gate) * up over h = [gate | up]; backward writes both halves of dh in place (no cat).
+
+    Double backward (``torch.autograd.grad(..., create_graph=True)``, e.g. a gradient penalty): the
+    backward then runs in grad mode and computes dh with differentiable ops, so autograd differentiates
+    it like the composite ``silu(gate) * up``.
+    """
 
     @staticmethod
     def forward(ctx, h: Tensor) -> Tensor:
@@ -32,6 +37,10 @@ class _SwiGLU(torch.autograd.Function):
     def backward(ctx, grad: Tensor) -> Tensor:
         (h,) = ctx.saved_tensors
         gate, up = h.chunk(2, dim=-1)
+        if torch.is_grad_enabled():  # create_graph: out= and the fused silu_backward are not differentiable
+            sig = torch.sigmoid(gate)
+            d_gate = grad * up * sig * (1 + gate * (1 - sig))  # silu'(g) = sigmoid(g) * (1 + g * (1 - sigmoid(g)))
+            return torch.cat([d_gate, grad * gate * sig], dim=-1)
         dh = torch.empty_like(h)
         d_gate, d_up = dh.chunk(2, dim=-1)
         torch.mul(grad, F.silu(gate), out=d_up)

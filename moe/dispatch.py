@@ -48,7 +48,7 @@ class PermuteMeta:
     num_tokens: int
     top_k: int
     row_slot: Tensor  # [N] flat slot id (t * k + j) of each row, expert-major
-    slot_row: Tensor  # [T * k] row of each slot; N (a zero pad row) where the slot was dropped
+    slot_row: Tensor  # [T * k] row of each slot; N (a zero pad row) for a slot that has none (sort_slots)
     weights: Tensor  # [T, k] combine weights (0 where dropped)
     may_drop: bool = True  # False promises slot_row < N everywhere (dropless), so no pad row is needed
 
@@ -56,15 +56,18 @@ class PermuteMeta:
 def sort_slots(indices: Tensor, num_rows: int) -> tuple[Tensor, Tensor]:
     """Expert-major order of the slots. Returns (row_slot [N], slot_row [T*k]).
 
-    A stable sort keeps tokens in order inside each expert; dropped slots (-1) sort last and map to
-    the pad row N so they neither read nor receive anything.
+    A stable sort keeps tokens in order inside each expert; dropped slots (-1) sort last. A slot past
+    the first ``num_rows`` maps to the pad row N, so it neither reads nor receives anything; a dropped
+    slot inside them (dropless local dispatch has a row per slot) keeps its own row, which lies past
+    ``counts.sum()`` (no expert's: the backends return zeros there), so even a -1 in a routing that
+    promised none (``capacity`` None: no pad row) reads zeros, never out of bounds.
     """
     flat = indices.reshape(-1)
     num_slots = flat.numel()
     key = torch.where(flat < 0, torch.iinfo(torch.int64).max, flat)
     order = torch.sort(key, stable=True).indices  # [T*k]
     slot_row = torch.empty_like(order).scatter_(0, order, torch.arange(num_slots, device=flat.device))
-    slot_row = torch.where((flat < 0) | (slot_row >= num_rows), num_rows, slot_row)
+    slot_row = torch.where(slot_row >= num_rows, num_rows, slot_row)
     return order[:num_rows], slot_row
 
 

@@ -10,12 +10,25 @@ pass ``"package.module:ClassName"``.
 
 Capacity (per rank, documented in DESIGN.md): C = min(T, ceil(T * k / E * capacity_factor)).
 Slots beyond an expert's capacity are dropped: index -1, weight 0. ``capacity_factor=None`` is dropless.
+
+Contract of a ``Routing`` (what every dispatcher relies on): ``indices`` [T, k] integer, each in [0, E)
+or -1 (dropped: nothing computed, weight 0); ``tokens_per_expert`` counts exactly the kept slots;
+``capacity`` None promises no -1 at all. moekit's own routers keep it by construction. A router defined
+elsewhere (``module:Class``, a subclass) cannot be trusted to, and checking its ids on the host would
+cost a device sync, so ``Router.forward`` makes its routing safe on the device instead: an id outside
+[0, E), -1 included, becomes a dropped slot (-1, weight 0) that no expert reads or writes; the counts
+are recomputed from the ids; ``capacity`` becomes T * k (a bound that always holds, so dispatch keeps
+room for drops); ``stats["invalid_fraction"]`` is the share of ids outside [0, E) other than -1, which
+``stats["dropped_fraction"]`` includes. Wrong shapes or a non-integer ``indices`` are a ValueError.
 """
 from __future__ import annotations
 
 import importlib
 import inspect
 import math
+import numbers
+import types
+import typing
 from dataclasses import dataclass, field
 
 import torch
@@ -44,7 +57,7 @@ class Routing:
 
     def to_dense(self, num_experts: int) -> tuple[Tensor, Tensor]:
         """probs [T, E] float32 (combine weight per chosen expert, else 0), mask [T, E] bool (kept)."""
-        kept = self.indices >= 0
+        kept = (self.indices >= 0) & (self.indices < num_experts)
         col = torch.where(kept, self.indices, num_experts)  # dropped slots land in a spare column
         T = self.indices.shape[0]
         probs = torch.zeros(T, num_experts + 1, dtype=torch.float32, device=self.indices.device)
@@ -79,9 +92,10 @@ def check_float(name: str, value, lo: float = 0.0, strict: bool = False) -> None
 
 
 def count_experts(indices: Tensor, num_experts: int) -> Tensor:
-    """[E] int64 slots per expert, ignoring -1. scatter_add on integers: exact, no host sync."""
+    """[E] int64 slots per expert, ignoring -1 (and any id outside [0, E)). scatter_add on integers: exact,
+    no host sync."""
     flat = indices.reshape(-1)
-    flat = torch.where(flat < 0, num_experts, flat)
+    flat = torch.where((flat < 0) | (flat >= num_experts), num_experts, flat)
     counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=indices.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
     return counts[:num_experts]
@@ -94,8 +108,8 @@ def apply_capacity(indices: Tensor, weights: Tensor, capacity: int, num_experts:
     Ties go to the earlier token (stable sort), so results never depend on the sort backend.
     """
     T, k = indices.shape
-    chosen = indices >= 0
-    safe = indices.clamp_min(0)
+    chosen = (indices >= 0) & (indices < num_experts)  # an id outside [0, E) is dropped too
+    safe = torch.where(chosen, indices, 0)
     selected = torch.zeros(T, num_experts, dtype=torch.bool, device=indices.device)
     selected.scatter_(1, safe, chosen)  # [T, E] token t chose expert e
     if policy == "position":
@@ -167,6 +181,8 @@ class Router(nn.Module):
         return min(num_tokens, math.ceil(num_tokens * self.top_k / self.num_experts * self.capacity_factor))
 
     def forward(self, x: Tensor, token_ids: Tensor | None = None) -> Routing:
+        """x [..., H] -> Routing of its T tokens; a router outside moekit gets its routing made safe (module
+        docstring, "Contract"): override ``route``, not this."""
         if x.shape[-1] != self.hidden_size:
             raise ValueError(f"router got hidden size {x.shape[-1]} but was built for hidden_size={self.hidden_size}")
         x = x.reshape(-1, self.hidden_size)
@@ -176,7 +192,48 @@ class Router(nn.Module):
                 raise ValueError(f"token_ids has {token_ids.numel()} entries for {x.shape[0]} tokens")
         elif self.requires_token_ids:
             raise ValueError(f"the {type(self).__name__} needs token ids: call forward(x, token_ids=...)")
-        return self.route(self.logits(x), token_ids)
+        routing = self.route(self.logits(x), token_ids)
+        if type(self) not in _BUILTIN:  # module docstring, "Contract": made safe on the device, no host sync
+            routing = self._safe_routing(routing, x.shape[0])
+        return routing
+
+    def _safe_routing(self, routing: Routing, num_tokens: int) -> Routing:
+        """``routing`` with ids outside [0, E) dropped, counts recomputed, capacity T * k (no host sync)."""
+        who = f"router {type(self).__qualname__}"
+        if not isinstance(routing, Routing):
+            raise ValueError(f"{who}: route() returned {type(routing).__name__}; it must return a moe.router.Routing")
+        idx, w = routing.indices, routing.weights
+        if not (isinstance(idx, Tensor) and isinstance(w, Tensor)):
+            raise ValueError(f"{who}: Routing.indices and .weights must be tensors, got {type(idx).__name__} and "
+                             f"{type(w).__name__}")
+        if idx.dim() != 2 or idx.shape[0] != num_tokens or w.shape != idx.shape:
+            raise ValueError(f"{who}: Routing.indices {tuple(idx.shape)} and .weights {tuple(w.shape)} must both "
+                             f"be [T, k] with T={num_tokens} tokens")
+        if idx.dtype.is_floating_point or idx.dtype.is_complex or idx.dtype == torch.bool:
+            raise ValueError(f"{who}: Routing.indices has dtype {idx.dtype}; expert ids must be an integer tensor")
+        if not w.dtype.is_floating_point:
+            raise ValueError(f"{who}: Routing.weights has dtype {w.dtype}; combine weights must be floating point")
+
+        def tensor(v) -> Tensor:  # the load records and the aux-loss injection take tensors (a fill: no sync)
+            if isinstance(v, Tensor):
+                return v
+            if isinstance(v, numbers.Real):
+                return w.new_full((), float(v), dtype=torch.float32)
+            raise ValueError(f"{who}: Routing.aux_loss and the .stats values must be tensors or numbers, got {v!r}")
+
+        E = self.num_experts
+        aux, stats = tensor(routing.aux_loss), {k: tensor(v) for k, v in routing.stats.items()}
+        assigned = stats.get("assigned_per_expert")
+        if assigned is not None and assigned.shape != (E,):
+            raise ValueError(f"{who}: stats['assigned_per_expert'] has shape {tuple(assigned.shape)}; it must be "
+                             f"[num_experts={E}]")
+        kept = (idx >= 0) & (idx < E)
+        invalid = (~kept & (idx != -1)).sum() / max(idx.numel(), 1)  # 0-dim device tensor
+        stats["invalid_fraction"] = invalid
+        stats["dropped_fraction"] = stats.get("dropped_fraction", 0.0) + invalid
+        indices = torch.where(kept, idx.long(), -1)
+        return Routing(indices, torch.where(kept, w, 0.0), count_experts(indices, E), aux, stats,
+                       num_tokens * idx.shape[1])
 
     def route(self, logits: Tensor, token_ids: Tensor | None = None) -> Routing:
         raise NotImplementedError
@@ -218,6 +275,13 @@ class Router(nn.Module):
 
 
 _ROUTERS: dict[str, type[Router]] = {}
+_BUILTIN: set[type[Router]] = set()  # moekit's routers, whose routings keep the contract by construction
+
+
+def _builtin(cls):
+    """Class decorator for moekit's own routers (not inherited: a subclass's routing is checked)."""
+    _BUILTIN.add(cls)
+    return cls
 
 
 def register_router(name: str):
@@ -239,13 +303,20 @@ def registered_routers() -> list[str]:
 
 
 def router_class(name: str) -> type[Router]:
-    """Resolve a registered name or ``package.module:ClassName`` to a Router class."""
+    """Resolve a registered name or ``package.module:ClassName`` to a Router class.
+
+    Whatever goes wrong importing the module (ImportError, a SyntaxError, any exception its code raises,
+    even ``sys.exit``) or finding the class is a ValueError naming the spec and the original error."""
+    if not isinstance(name, str):
+        raise ValueError(f"router={name!r} is invalid; use a registered name {registered_routers()} or "
+                         f"'package.module:ClassName'")
     if ":" in name:
         module_name, _, cls_name = name.partition(":")
         try:
             cls = getattr(importlib.import_module(module_name), cls_name)
-        except (ImportError, AttributeError) as exc:
-            raise ValueError(f"router {name!r} could not be loaded ({exc}); expected 'package.module:ClassName'") from exc
+        except (Exception, SystemExit) as exc:
+            raise ValueError(f"router {name!r} could not be loaded ({_error_text(exc)}); expected "
+                             f"'package.module:ClassName' naming an importable module and a class in it") from exc
         if not (isinstance(cls, type) and issubclass(cls, Router)):
             raise ValueError(f"router {name!r} is not a subclass of moe.router.Router")
         return cls
@@ -257,6 +328,11 @@ def router_class(name: str) -> type[Router]:
 
 
 def build_router(name: str, hidden_size: int, num_experts: int, **options) -> Router:
+    """Build router ``name`` (registered or ``module:Class``) with ``options``, checked first against the
+    constructor: unknown names, and values whose type contradicts the parameter's annotation (or, where
+    it has none, its default's type: a bool, a number, a string), are ValueErrors naming the router, the
+    option, the value and the expected type. An exception other than ValueError from the constructor
+    becomes a ValueError naming the router and the original error."""
     cls = router_class(name)
     params = inspect.signature(cls.__init__).parameters
     if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
@@ -264,7 +340,82 @@ def build_router(name: str, hidden_size: int, num_experts: int, **options) -> Ro
         unknown = sorted(set(options) - set(accepted))
         if unknown:
             raise ValueError(f"router {name!r} has no option(s) {unknown}; its options are {accepted}")
-    return cls(hidden_size, num_experts, **options)
+    try:
+        hints = typing.get_type_hints(cls.__init__)
+    except Exception:  # an annotation that does not evaluate here: fall back to the defaults' types
+        hints = {}
+    for key, value in options.items():
+        p = params.get(key)
+        if p is None:  # taken by **kwargs: nothing to check against
+            continue
+        expected = hints.get(key, _default_type(p.default))
+        if expected is not None and not _accepts(expected, value):
+            raise ValueError(f"router {name!r}: option {key}={value!r} ({_kind(value)}) has the wrong type; it "
+                             f"must be {_describe(expected)}")
+    try:
+        return cls(hidden_size, num_experts, **options)
+    except ValueError:
+        raise
+    except Exception as exc:
+        raise ValueError(f"router {name!r} could not be built ({_error_text(exc)})") from exc
+
+
+def _error_text(exc: BaseException) -> str:
+    """``Type: message`` of an exception, on one line."""
+    return " ".join(f"{type(exc).__name__}: {exc}".split())
+
+
+def _default_type(default):
+    """The type an unannotated parameter's default implies (bool, a number, str), else None (unchecked)."""
+    if isinstance(default, bool):
+        return bool
+    if isinstance(default, (int, float)):
+        return float  # an unannotated number: int or float
+    return str if isinstance(default, str) else None
+
+
+def _accepts(tp, value) -> bool:
+    """Whether ``value`` fits annotation ``tp``; True for annotations this does not understand."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return any(_accepts(a, value) for a in typing.get_args(tp))
+    if origin is typing.Literal:
+        return value in typing.get_args(tp)
+    if tp is type(None) or tp is None:
+        return value is None
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if origin is not None and isinstance(origin, type):  # list[int], dict[str, float]: the container only
+        return isinstance(value, origin)
+    if isinstance(tp, type) and tp is not object:
+        return isinstance(value, tp)
+    return True  # Any, TypeVars, callables, strings that did not resolve
+
+
+def _describe(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(tp))
+    if origin is typing.Literal:
+        return f"one of {list(typing.get_args(tp))}"
+    names = {bool: "a boolean (true / false)", int: "an integer", float: "a number", str: "a string",
+             type(None): "none"}
+    if tp in names:
+        return names[tp]
+    tp = origin or tp
+    return f"a {getattr(tp, '__name__', tp)}"
+
+
+def _kind(value) -> str:
+    for tp, kind in ((bool, "a boolean"), (numbers.Integral, "an integer"), (numbers.Real, "a number"),
+                     (str, "a string"), (type(None), "none")):
+        if isinstance(value, tp):
+            return kind
+    return f"a {type(value).__name__}"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -272,6 +423,7 @@ def build_router(name: str, hidden_size: int, num_experts: int, **options) -> Ro
 # ---------------------------------------------------------------------------------------------------
 
 
+@_builtin
 @register_router("topk")
 class TopKRouter(Router):
     """Top-k over softmax or sigmoid scores.
@@ -289,7 +441,7 @@ class TopKRouter(Router):
 
     def __init__(self, hidden_size: int, num_experts: int, *, top_k: int = 2, score: str = "softmax",
                  normalize: bool | None = None, num_groups: int | None = None, group_top_k: int | None = None,
-                 scaling: float = 1.0, expert_bias=False, bias_update_rate: float = 0.0,
+                 scaling: float = 1.0, expert_bias: bool | Tensor = False, bias_update_rate: float = 0.0,
                  capacity_factor: float | None = None, drop_policy: str = "probs",
                  aux_loss_coeff: float = 0.01, z_loss_coeff: float = 0.0, force_expert: int | None = None):
         super().__init__(hidden_size, num_experts, top_k=top_k, capacity_factor=capacity_factor,
@@ -376,6 +528,7 @@ class TopKRouter(Router):
         self.pending_load.zero_()
 
 
+@_builtin
 @register_router("switch")
 class SwitchRouter(TopKRouter):
     """Switch Transformer: top-1 softmax with multiplicative input jitter in training, capacity 1.25."""

@@ -11,9 +11,10 @@ import torch
 from torch import Tensor
 
 from moekit.moe.losses import z_loss
-from moekit.moe.router import Router, Routing, check_choice, check_int, count_experts, register_router
+from moekit.moe.router import Router, Routing, _builtin, check_choice, check_int, count_experts, register_router
 
 
+@_builtin
 @register_router("expert_choice")
 class ExpertChoiceRouter(Router):
     """Experts pick tokens (Zhou et al. 2022): expert e takes its top C tokens by score.
@@ -27,7 +28,7 @@ class ExpertChoiceRouter(Router):
     is the fraction of tokens that no expert took, which only the residual connection carries.
     """
 
-    def __init__(self, hidden_size: int, num_experts: int, *, top_k: int = 1, capacity_factor: float = 1.0,
+    def __init__(self, hidden_size: int, num_experts: int, *, top_k: int = 1, capacity_factor: float | None = 1.0,
                  score: str = "softmax", z_loss_coeff: float = 0.0):
         if capacity_factor is None:
             raise ValueError("capacity_factor=None is invalid for expert_choice: experts always take C tokens; "
@@ -71,6 +72,7 @@ def sinkhorn(logits: Tensor, num_iters: int) -> Tensor:
     return log_p
 
 
+@_builtin
 @register_router("sinkhorn")
 class SinkhornRouter(Router):
     """Balanced assignment by Sinkhorn normalisation in training, plain top-k in eval (BASE-style).
@@ -109,6 +111,7 @@ def hash_tokens(token_ids: Tensor, seed: int) -> Tensor:
     return h ^ (h >> 16)
 
 
+@_builtin
 @register_router("hash")
 class HashRouter(Router):
     """Hash layers (Roller et al. 2021): expert = hash(token id); no gate, nothing learned.

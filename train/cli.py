@@ -1,4 +1,4 @@
-"""Command line of tools/train.py: named flags (DESIGN.md), --config TOML, dotted --section.key overrides."""
+"""Command line of tools/train.py: named flags (DESIGN.md), --config TOML / JSON, dotted --section.key overrides."""
 from __future__ import annotations
 
 import argparse
@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from moekit.models.config import PRESETS
 from moekit.train import UserError, program_name
-from moekit.train.config import DEFAULT_PRESET, TrainConfig, load_toml, set_value, validate
+from moekit.train.config import DEFAULT_PRESET, TrainConfig, load_config, set_value, validate
 
 # Named flags and the setting each one overrides; applied before dotted overrides, in this order.
 FLAG_SETTINGS = {
@@ -33,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
                 allow_abbrev=False,
                 epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", help=f"model preset (default {DEFAULT_PRESET}): {', '.join(PRESETS)}")
-    p.add_argument("--config", metavar="FILE", help="TOML file with [model] [train] [data] ... tables")
+    p.add_argument("--config", metavar="FILE", help="TOML file with [model] [train] [data] ... tables, or a run "
+                                                   "directory's config.json (JSON, the same layout)")
     p.add_argument("--steps", help="optimizer steps")
     p.add_argument("--seed", help="seed of weight init, data order and router noise")
     p.add_argument("--batch-size", help="global batch: sequences per optimizer step, whatever the layout")
@@ -97,10 +98,10 @@ def parse_args(argv: list[str]) -> tuple[TrainConfig, Options]:
     """Resolve and validate the whole config; raises UserError before any work on bad input."""
     args, rest = build_parser().parse_known_args(argv)
     overrides = _dotted(rest)
-    file_values = load_toml(args.config) if args.config else {}
-    if args.preset:
+    file_values = load_config(args.config) if args.config is not None else {}
+    if args.preset is not None:
         file_values["preset"] = args.preset
-    cfg = TrainConfig.from_dict(file_values, source=f"{args.config}: " if args.config else "")
+    cfg = TrainConfig.from_dict(file_values, source=f"{args.config}: " if args.config is not None else "")
     for attr, setting in FLAG_SETTINGS.items():
         value = getattr(args, attr)
         if value is not None:

@@ -1,6 +1,7 @@
 """Training configuration: preset + optional TOML file + command-line overrides, validated up front.
 
 Precedence, lowest first:  preset (model) and section defaults  <  --config FILE  <  flags.
+FILE is TOML, or JSON in the same layout: a run directory's config.json reproduces that run's config.
 
     preset = "mixtral-tiny"          # TOML: top-level key, or --preset
     [model]  any models.config.ModelConfig field       --model.hidden_size 64
@@ -27,7 +28,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from moekit.models.config import ModelConfig, preset
+from moekit.models.config import PRESETS, ModelConfig, preset
 from moekit.train import UserError
 
 DEFAULT_PRESET = "mixtral-tiny"
@@ -35,6 +36,7 @@ DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 PROGRESS = ("auto", "on", "off")
 ON_NONFINITE = ("stop", "skip")  # moekit.train.guard acts on these
+MAX_LR = 1.0  # AdamW's step is ~lr per weight: beyond this a run can only diverge (and 10 * lr can overflow fp32)
 
 
 @dataclass
@@ -135,14 +137,23 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str = "") -> "TrainConfig":
-        cfg = new_config(d.get("preset", DEFAULT_PRESET))
+        """A config from parsed TOML / JSON (``to_dict``'s layout); ``source`` prefixes error messages."""
+        name = d.get("preset", DEFAULT_PRESET)
+        if not isinstance(name, str):
+            raise UserError(f"{source}preset: expected a string (a preset name), got {_shown(name)}; "
+                            f"presets: {', '.join(PRESETS)}")
+        cfg = new_config(name)
         for section, values in d.items():
-            if section != "preset":
-                if not isinstance(values, dict):
-                    raise UserError(f"config: {section!r} must be a [table] of settings, got {values!r}")
-                # model.router first: choosing a router resets router_options (see set_value)
-                for key, value in sorted(values.items(), key=lambda kv: kv[0] != "router"):
-                    set_value(cfg, f"{section}.{key}", value, source=f"{source}{section}.{key}")
+            if section == "preset":
+                continue
+            if section not in SECTIONS:
+                raise UserError(f"{source}{section}: unknown setting {section!r}; the config has 'preset' and the "
+                                f"sections {list(SECTIONS)}")
+            if not isinstance(values, dict):
+                raise UserError(f"{source}{section}: expected a [{section}] table of settings, got {_shown(values)}")
+            # model.router first: choosing a router resets router_options (see set_value)
+            for key, value in sorted(values.items(), key=lambda kv: kv[0] != "router"):
+                set_value(cfg, f"{section}.{key}", value, source=f"{source}{section}.{key}", typed=True)
         return cfg
 
 
@@ -162,8 +173,11 @@ def new_config(preset_name: str) -> TrainConfig:
 # ---------------------------------------------------------------------------------------------------
 
 
-def set_value(cfg: TrainConfig, dotted: str, value: Any, source: str = "") -> None:
-    """Assign ``section.key`` (or ``model.router_options.key``), converting ``value`` to the field type."""
+def set_value(cfg: TrainConfig, dotted: str, value: Any, source: str = "", typed: bool = False) -> None:
+    """Assign ``section.key`` (or ``model.router_options.key``), converting ``value`` to the field type.
+
+    ``typed``: ``value`` comes from TOML / JSON, which have numbers and booleans of their own, so a string
+    is not parsed as one (``steps = "5"`` is refused; "none" still means None, as to_toml writes it)."""
     where = source or f"--{dotted}"
     parts = dotted.split(".")
     if parts[0] not in SECTIONS or len(parts) < 2:
@@ -179,20 +193,20 @@ def set_value(cfg: TrainConfig, dotted: str, value: Any, source: str = "") -> No
             raise UserError(f"{where}: {parts[0]}.{key} is not a table; use --{parts[0]}.{key} VALUE")
         getattr(section, key)[parts[2]] = _literal(value)
         return
-    value = convert(value, hints[key], where)
+    value = convert(value, hints[key], where, typed)
     if dotted == "model.router":  # a new router family drops the old one's options (ModelConfig.set_router)
         cfg.model.set_router(value)
         return
     setattr(section, key, value)
 
 
-def convert(value: Any, tp, where: str) -> Any:
-    """Convert a TOML value or a command-line string to type ``tp``."""
+def convert(value: Any, tp, where: str, typed: bool = False) -> Any:
+    """Convert a command-line string, or (``typed``) a TOML / JSON value, to type ``tp``."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (typing.Union, types.UnionType) and type(None) in args:
         if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
             return None
-        return convert(value, next(a for a in args if a is not type(None)), where)
+        return convert(value, next(a for a in args if a is not type(None)), where, typed)
     if origin is dict:
         if isinstance(value, str):
             try:
@@ -205,10 +219,13 @@ def convert(value: Any, tp, where: str) -> Any:
     converter = _CONVERTERS.get(tp)
     if converter is None:
         raise AssertionError(f"no converter for field type {tp!r}")
+    if typed and isinstance(value, str) and tp is not str:
+        raise UserError(f"{where}: expected {_TYPE_NAMES[tp]}, got {value!r} (a string); in a config file write "
+                        f"numbers and true / false without quotes")
     try:
         return converter(value)
     except (TypeError, ValueError):
-        raise UserError(f"{where}: expected {_TYPE_NAMES[tp]}, got {value!r}") from None
+        raise UserError(f"{where}: expected {_TYPE_NAMES[tp]}, got {_shown(value)}") from None
 
 
 def _to_int(v) -> int:
@@ -240,6 +257,21 @@ def _to_str(v) -> str:
 
 _CONVERTERS = {int: _to_int, float: _to_float, bool: _to_bool, str: _to_str}
 _TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+_KINDS = ((bool, "a boolean"), (int, "an integer"), (float, "a number"), (list, "an array"), (dict, "a table"))
+
+
+def _shown(value: Any) -> str:
+    """A value as the user wrote it: strings quoted; TOML / JSON values spelled as JSON, with their kind."""
+    if isinstance(value, str):
+        return repr(value)
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):  # e.g. a TOML date
+        text = repr(value)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    kind = next((k for t, k in _KINDS if isinstance(value, t)), type(value).__name__)
+    return f"{text} ({kind})"
 
 
 def _literal(value: Any) -> Any:
@@ -270,13 +302,18 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     for name in ("micro_batch_size", "warmup_steps", "seed"):
         _require(getattr(t, name) >= 0, f"--train.{name}={getattr(t, name)} is invalid; it must be >= 0")
     _require(t.seed < 2**63, f"--train.seed={t.seed} is invalid; it must be < 2**63 (torch seeds are 64-bit)")
-    _require(math.isfinite(t.lr) and t.lr > 0, f"--train.lr={t.lr} is invalid; the learning rate must be > 0")
+    _require(math.isfinite(t.lr) and 0 < t.lr <= MAX_LR,
+             f"--train.lr={t.lr} is invalid; AdamW moves every weight by about lr per step, so the learning rate "
+             f"must be in (0, {MAX_LR:g}] (typical: 1e-4 to 1e-2)")
     _require(0 <= t.min_lr_ratio <= 1, f"--train.min_lr_ratio={t.min_lr_ratio} is invalid; it must be in [0, 1]")
     for name in ("beta1", "beta2"):
         _require(0 <= getattr(t, name) < 1, f"--train.{name}={getattr(t, name)} is invalid; it must be in [0, 1)")
     for name in ("weight_decay", "grad_clip", "eps"):
         v = getattr(t, name)
         _require(math.isfinite(v) and v >= 0, f"--train.{name}={v} is invalid; it must be a finite number >= 0")
+    _require(t.lr * t.weight_decay < 1,
+             f"--train.weight_decay={t.weight_decay} with --train.lr={t.lr} is invalid; AdamW scales the weights by "
+             f"1 - lr * weight_decay each step, so lr * weight_decay must be < 1 (typical weight_decay: 0 to 0.1)")
     _require(t.dtype in DTYPES, f"--train.dtype={t.dtype!r} is invalid; choose one of {list(DTYPES)}")
     _require(t.device in DEVICES, f"--train.device={t.device!r} is invalid; choose one of {list(DEVICES)}")
     _require(t.activation_checkpointing in ("none", "full", "ffn"),
@@ -318,30 +355,82 @@ def validate_model(cfg: TrainConfig) -> None:
         with torch.device("meta"):
             Transformer(m)
     except ValueError as exc:
-        raise UserError(f"model config ({cfg.preset}, router {m.router!r}): {exc}") from None
+        msg = str(exc)
+        named = msg.startswith(f"router {m.router!r}")  # build_router's messages name the router already
+        raise UserError(f"model config ({cfg.preset}{'' if named else f', router {m.router!r}'}): {msg}") from None
+    if m.num_experts:
+        check_expert_backend(cfg)
+
+
+def check_expert_backend(cfg: TrainConfig) -> None:
+    """A named expert backend must run on this run's device and dtype (``auto`` always does): refused here,
+    not at the first forward. Device and dtype are chosen as moekit.train.plan.plan_run does."""
+    import torch
+
+    from moekit.moe.experts import ffn_in_features, resolve_backend
+
+    m, t = cfg.model, cfg.train
+    if m.expert_backend == "auto":
+        return
+    kind = t.device if t.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if kind == "cuda" and not torch.cuda.is_available():
+        return  # plan_run refuses the device itself, naming it
+    dtype = torch.bfloat16 if t.dtype == "bfloat16" or (t.dtype == "auto" and kind == "cuda") else torch.float32
+    device = torch.device("cpu")
+    if kind == "cuda":  # this rank's GPU (train.distributed picks LOCAL_RANK's): not a context on GPU 0 from every rank
+        local = os.environ.get("LOCAL_RANK", "0")
+        device = torch.device("cuda", int(local) if local.isdigit() and int(local) < torch.cuda.device_count() else 0)
+    H, F = m.hidden_size, m.moe_ffn_hidden_size
+    one = torch.zeros((), device=device, dtype=dtype)  # expanded views: the real shapes, one element allocated
+    rows, w_in, w_out = one.expand(1, H), one.expand(1, H, ffn_in_features(m.activation, F)), one.expand(1, F, H)
+    try:
+        resolve_backend(m.expert_backend, rows, w_in, w_out)
+    except ValueError as exc:
+        raise UserError(f"--model.expert_backend={m.expert_backend!r}: {exc}") from None
 
 
 # ---------------------------------------------------------------------------------------------------
-# TOML in and out
+# Config files: TOML or JSON in, TOML out
 # ---------------------------------------------------------------------------------------------------
 
 
-def load_toml(path: str) -> dict[str, Any]:
+def load_config(path: str) -> dict[str, Any]:
+    """Read ``--config FILE``: TOML, or JSON (a run directory's config.json) by its suffix or its first character."""
+    where = f"--config {path or repr(path)}"
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        raise UserError(f"{where}: file not found") from None
+    except IsADirectoryError:
+        raise UserError(f"{where}: is a directory; pass a TOML file or a run directory's config.json") from None
+    except OSError as exc:
+        raise UserError(f"{where}: cannot read it ({exc.strerror or exc})") from None
+    try:
+        text = raw.decode("utf-8").removeprefix("\ufeff")  # a byte-order mark some editors write
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{where}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); save it "
+                        f"as UTF-8") from None
+    if path.lower().endswith(".json") or text.lstrip().startswith("{"):  # a TOML document never starts with {
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{where}: invalid JSON ({exc})") from None
+        if not isinstance(values, dict):
+            raise UserError(f"{where}: expected a JSON object of sections like config.json's, got {_shown(values)}")
+        return values
     try:
         import tomllib
     except ImportError:  # Python 3.10
         try:
             import tomli as tomllib
         except ImportError:
-            raise UserError(f"--config {path}: reading TOML on Python {sys.version_info[0]}.{sys.version_info[1]} "
+            raise UserError(f"{where}: reading TOML on Python {sys.version_info[0]}.{sys.version_info[1]} "
                             f"needs the tomli package (pip install tomli), or Python >= 3.11") from None
     try:
-        with open(path, "rb") as f:
-            return tomllib.load(f)
-    except FileNotFoundError:
-        raise UserError(f"--config {path}: file not found") from None
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise UserError(f"--config {path}: invalid TOML ({exc})") from None
+        raise UserError(f"{where}: invalid TOML ({exc})") from None
 
 
 def to_toml(cfg: TrainConfig) -> str:
