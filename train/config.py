@@ -362,6 +362,16 @@ def validate_model(cfg: TrainConfig) -> None:
         check_expert_backend(cfg)
 
 
+def run_device(t: TrainSection) -> tuple[str, "torch.dtype | None"]:
+    """(device kind, autocast dtype or None for plain fp32) that ``train.device`` / ``train.dtype`` ask for:
+    auto = CUDA when torch sees a GPU, and bf16 autocast there. The one place this choice is made."""
+    import torch
+
+    kind = t.device if t.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = {"float32": None, "bfloat16": torch.bfloat16, "auto": torch.bfloat16 if kind == "cuda" else None}[t.dtype]
+    return kind, dtype
+
+
 def check_expert_backend(cfg: TrainConfig) -> None:
     """A named expert backend must run on this run's device and dtype (``auto`` always does): refused here,
     not at the first forward. Device and dtype are chosen as moekit.train.plan.plan_run does."""
@@ -372,10 +382,10 @@ def check_expert_backend(cfg: TrainConfig) -> None:
     m, t = cfg.model, cfg.train
     if m.expert_backend == "auto":
         return
-    kind = t.device if t.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    kind, dtype = run_device(t)
     if kind == "cuda" and not torch.cuda.is_available():
         return  # plan_run refuses the device itself, naming it
-    dtype = torch.bfloat16 if t.dtype == "bfloat16" or (t.dtype == "auto" and kind == "cuda") else torch.float32
+    dtype = dtype or torch.float32
     device = torch.device("cpu")
     if kind == "cuda":  # this rank's GPU (train.distributed picks LOCAL_RANK's): not a context on GPU 0 from every rank
         local = os.environ.get("LOCAL_RANK", "0")

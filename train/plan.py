@@ -29,7 +29,7 @@ from moekit.models.config import ModelConfig
 from moekit.models.pipeline import check_pipeline_model
 from moekit.models.stats import model_stats
 from moekit.train import UserError
-from moekit.train.config import LayoutSection, TrainConfig, TrainSection
+from moekit.train.config import LayoutSection, TrainConfig, TrainSection, run_device
 
 BYTES_PER_PARAM = 16  # fp32 weights + gradients + AdamW's two moments
 HIERARCHICAL = {"auto": None, "on": True, "off": False}
@@ -150,11 +150,10 @@ class RunPlan:
 
 def plan_run(cfg: TrainConfig, world_size: int | None = None) -> RunPlan:
     t = cfg.train
-    want = t.device if t.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    want, dtype = run_device(t)
     if want == "cuda" and not torch.cuda.is_available():
         raise UserError("--train.device=cuda but torch sees no CUDA device; use --train.device cpu")
     device = torch.device(want)
-    dtype = {"float32": None, "bfloat16": torch.bfloat16, "auto": torch.bfloat16 if want == "cuda" else None}[t.dtype]
     resolved = resolve_config(cfg, world_size)
     stats = model_stats(cfg.model, t.seq_len)
     L = resolved.layout  # experts dominate (EP and FSDP shard them); TP and FSDP shard the rest
