@@ -19,7 +19,10 @@ Life of a save (``Checkpointer``):
     3. rename ``step_N.partial`` -> ``step_N`` (the commit: only a sealed directory has a final name)
     4. rotate: retire checkpoints beyond ``keep`` (renamed to ``.stale`` first, so a crash mid-delete
        never leaves a half-deleted directory under a final name)
-Leftover ``.partial`` / ``.stale`` directories of a crashed run are removed when the next run starts.
+Leftover ``.partial`` / ``.stale`` directories of a crashed run are removed when the next run starts
+(safe: the run directory's lock, moekit.train.runlock, keeps a second trainer out). A save that fails
+(full disk, permissions, a rank that stalls past --layout.timeout_s) ends the run with one line naming
+the path and the newest sealed checkpoint (moekit.train.faults.RunFailed, exit status 1).
 
 Loading verifies meta.json and every file's size and digest, and the model config, before DCP reads
 anything; a failure is a UserError naming the file and what is wrong. ``--resume`` / ``--resume auto``
@@ -31,19 +34,26 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import warnings
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
 )
 
 from moekit.train import UserError
+from moekit.train.distributed import comm_failure, first_line
+from moekit.train.faults import RunFailed
+from moekit.train.runlock import describe_os_error
 
 FORMAT = 2  # 2: sha256 per file. 1 (CRC-32 per file, moekit before the manifest) is still verified and read
 READABLE_FORMATS = (1, 2)
@@ -52,6 +62,8 @@ META = "meta.json"
 DCP_FILES = (".metadata", ".distcp")
 # Fields that do not change the weights or the math: a run may resume with a different value.
 RESUMABLE_MODEL_FIELDS = ("expert_backend",)
+# Beyond --layout.timeout_s: how long the end of a save may be waited for (thread hand-over, sealing a small one)
+JOIN_GRACE_S = 5.0
 
 # DCP in one process warns that it assumes a single process; async saves warn from their own thread,
 # where a catch_warnings block around the call would not reach, so the filter is installed once.
@@ -88,11 +100,6 @@ def _state(model, optimizer, scheduler, sampler, step: int) -> dict:
 
 def _main() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -317,45 +324,75 @@ class Checkpointer:
     With ``async_save`` DCP copies the state to CPU memory before ``save`` returns, so the next
     optimizer step may change the weights at once; files are written from a background thread.
     ``finalize`` (at the next save and at the end of training) waits until the save is sealed.
+
+    No wait is longer than ``timeout_s`` (--layout.timeout_s) plus ``JOIN_GRACE_S``: the background
+    save's collectives run on a gloo group with that timeout, and ``finalize`` / ``close`` give up on a
+    save thread that has not ended by then (``stuck``: the thread cannot be stopped, only abandoned). A
+    save that fails (a full disk, a permission, a stalled rank) is a ``RunFailed`` naming the path and the
+    newest sealed checkpoint, the same on every rank where they can still agree.
     """
 
     def __init__(self, run_dir: str | Path, keep: int, model_config: dict, async_save: bool = False,
-                 last: Path | None = None):
+                 last: Path | None = None, timeout_s: float = 600.0, warn=None):
         self.run_dir, self.keep, self.model_config, self.async_save = Path(run_dir), keep, model_config, async_save
         self.last = last  # newest sealed checkpoint
-        self._pending: tuple[Future, Path] | None = None
+        self.timeout_s = timeout_s
+        self.warn = warn or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self.saved_step: int | None = None  # step of the newest save started by this run
+        self.stuck = False  # a save thread outlived its wait (see _abandon)
+        self._pending: tuple[Future, Path, Path, int] | None = None  # (done, tmp, final, step)
         # rank 0 seals in this thread: the hashing (a full read) overlaps training in async mode
         self._sealer = ThreadPoolExecutor(1, thread_name_prefix="moekit-seal") if _main() else None
         self._group = None
         if _main():  # no save of this run is in flight yet: whatever is unsealed was left by a crash
             clean_stale(self.run_dir)
 
+    @property
+    def wait_s(self) -> float:
+        return self.timeout_s + JOIN_GRACE_S
+
+    def _abandon(self) -> None:
+        """A save thread outlived its wait: it cannot be stopped, only left behind (see stuck_saves)."""
+        self.stuck = True
+        _ABANDONED.append(self)
+
     def save(self, step: int, model, optimizer, scheduler, sampler) -> Path | None:
         """Start saving after ``step``; return the newest sealed checkpoint (this one unless async)."""
         self.finalize()
         final = checkpoint_root(self.run_dir) / f"step_{step:06d}"
         tmp = final.with_name(final.name + ".partial")
+        error = None
         if _main():
             clean_stale(self.run_dir)
-            tmp.parent.mkdir(parents=True, exist_ok=True)
-        _barrier()  # tmp is empty before any rank writes into it
+            try:
+                tmp.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                error = f"checkpoint of step {step} could not be written to {tmp}: {describe_os_error(exc)}"
+        error = _agree(error, f"checkpoint of step {step} ({tmp})")  # a barrier too: tmp is empty before any writes
+        if error is not None:
+            self._fail(error, removed=False)
         state = _state(model, optimizer, scheduler, sampler, step)
-        if self.async_save:
-            written = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._async_group())
-        else:
-            dcp.save(state, checkpoint_id=str(tmp))
-            written = Future()
-            written.set_result(None)
-        self._pending = (self._after(written, tmp, final, step), final)
+        self.saved_step = step
+        written: Future = Future()
+        try:
+            if self.async_save:
+                written = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._async_group())
+            else:
+                dcp.save(state, checkpoint_id=str(tmp))
+                written.set_result(None)
+        except (Exception, CheckpointException) as exc:  # reported by finalize, the same way as a background failure
+            written.set_exception(exc)
+        self._pending = (self._after(written, tmp, final, step), tmp, final, step)
         if not self.async_save:
             self.finalize()
         return self.last
 
     def _async_group(self):
         """A gloo group for the background save's collectives: on the default group they would
-        interleave with the training step's and deadlock or mismatch."""
+        interleave with the training step's and deadlock or mismatch. Its timeout is the run's: torch
+        would give a new group 30 minutes, and a stalled rank would hold the save (and the exit) that long."""
         if dist.is_initialized() and self._group is None:
-            self._group = dist.new_group(backend="gloo")
+            self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout_s))
         return self._group
 
     def _after(self, written: Future, tmp: Path, final: Path, step: int) -> Future:
@@ -372,26 +409,95 @@ class Checkpointer:
             _retire(final)
         os.replace(tmp, final)
         _fsync(final.parent)
-        _rotate(self.run_dir, step, self.keep)
+        try:
+            _rotate(self.run_dir, step, self.keep)
+        except OSError as exc:  # the new checkpoint is sealed; only the old ones stay for now
+            self.warn(f"warning: could not remove old checkpoints beyond checkpoint.keep={self.keep}: "
+                      f"{describe_os_error(exc)}; {final} is saved")
 
     def finalize(self) -> Path | None:
         """Wait until the save in flight is sealed; every rank returns together. The newest sealed one."""
         if self._pending is None:
             return self.last
-        done, final = self._pending
+        done, tmp, final, step = self._pending
         self._pending = None
-        done.result()  # this rank's files written (rank 0: and the checkpoint sealed); re-raises errors
-        _barrier()
-        self.last = final
-        return final
+        error, lost_peers = None, False
+        try:
+            done.result(timeout=self.wait_s)  # this rank's files written (rank 0: and the checkpoint sealed)
+        except FutureTimeout:
+            self._abandon()
+            error = (f"checkpoint of step {step} was not written within --layout.timeout_s={self.timeout_s:g} s + "
+                     f"{JOIN_GRACE_S:g} s ({tmp}): the filesystem or another rank stalled")
+        except (Exception, CheckpointException) as exc:
+            cause = _cause(exc)
+            lost_peers = comm_failure(cause)
+            if not (lost_peers or isinstance(cause, OSError)):  # a bug, not the filesystem or a peer: as it is
+                raise
+            reason = ("another rank did not take part within --layout.timeout_s="
+                      f"{self.timeout_s:g} s ({first_line(cause)})" if lost_peers else describe_os_error(cause))
+            error = f"checkpoint of step {step} could not be written to {tmp}: {reason}"
+        if not (self.stuck or lost_peers):  # one outcome on every rank (a stalled or lost rank cannot answer)
+            error = _agree(error, f"checkpoint of step {step} ({tmp})")
+        if error is None:
+            self.last = final
+            return final
+        stalled = self.stuck or lost_peers
+        removed = False
+        if _main() and not stalled and tmp.exists():  # every rank is done with it; a full disk needs the space
+            shutil.rmtree(tmp, ignore_errors=True)
+            removed = not tmp.exists()
+        self._fail(error, removed, stalled)
+
+    def _fail(self, error: str, removed: bool, stalled: bool = False) -> None:
+        kept = f"newest checkpoint kept: {self.last}" if self.last else "no earlier checkpoint of this run"
+        fix = ("find the stalled rank or filesystem (raise --layout.timeout_s only if saves legitimately take "
+               "longer)" if stalled else "free space or fix permissions")
+        raise RunFailed(f"{error}; {'removed the unfinished save; ' if removed else ''}{kept}; {fix}, then "
+                        f"--resume continues from the newest checkpoint")
 
     def close(self) -> None:
-        """Let an unfinished save end before the process group goes (no barrier: the run may be failing)."""
+        """Let an unfinished save end before the process group goes, waiting at most ``wait_s`` (no
+        collective: the run may be failing)."""
         if self._pending is not None:
-            try:
-                self._pending[0].result()
-            except Exception:  # the run is ending on another error; the next run cleans a .partial
-                pass
+            done = self._pending[0]
             self._pending = None
+            try:
+                done.result(timeout=self.wait_s)
+            except FutureTimeout:
+                self._abandon()
+            except (Exception, CheckpointException):  # the run ends on another error; the next cleans a .partial
+                pass
         if self._sealer is not None:
-            self._sealer.shutdown(wait=True)
+            self._sealer.shutdown(wait=not self.stuck)
+
+
+_ABANDONED: list[Checkpointer] = []
+
+
+def stuck_saves() -> bool:
+    """Whether a save thread of this process outlived its wait: the interpreter would join it at exit
+    and hang with it, so the program ends without joining (os._exit, after its message)."""
+    return bool(_ABANDONED)
+
+
+def _agree(error: str | None, what: str) -> str | None:
+    """The first error of any rank (rank order), the same on all; None when every rank succeeded
+    (collective, so also a barrier). A rank that does not answer in time is an error about ``what``."""
+    if dist.is_initialized():
+        errors: list = [None] * dist.get_world_size()
+        try:
+            dist.all_gather_object(errors, error)
+            error = next((e for e in errors if e), None)
+        except RuntimeError as exc:
+            if not comm_failure(exc):
+                raise
+            error = error or f"{what}: another rank did not answer within --layout.timeout_s ({first_line(exc)})"
+    return error
+
+
+def _cause(exc: BaseException) -> BaseException:
+    """The exception behind DCP's wrapper: the first failing rank's."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        inner = exc.failures[min(exc.failures)]
+        return inner[0] if isinstance(inner, tuple) else inner
+    return exc

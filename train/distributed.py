@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from datetime import timedelta
 
 import torch
@@ -18,9 +19,40 @@ from moekit.comm.topology import Layout, LayoutError, Topology
 from moekit.train import UserError
 
 
+# How gloo reports a collective that timed out or lost its peer (it raises plain RuntimeErrors); NCCL and
+# the stores raise torch.distributed.DistError subclasses.
+_COMM_MESSAGES = ("Timed out waiting", "Connection closed by peer", "Connection reset by peer", "pair closure",
+                  "Broken pipe", "gloo/transport")
+
+
+def first_line(exc: BaseException) -> str:
+    """The gist of an exception's message: its last line's first sentence, without gloo's source location
+    ("[.../unbound_buffer.cc:78] ") and advice ("Connection reset by peer. This is typically caused by ...")."""
+    lines = str(exc).strip().splitlines()
+    line = lines[-1] if lines else type(exc).__name__
+    return re.sub(r"^\[[^\]]*\.(cc|cpp|h|hpp):\d+\]\s*", "", line).split(". ", 1)[0]
+
+
+def comm_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective or store failure (a timeout or a lost peer), not a bug or bad data."""
+    if isinstance(exc, dist.DistError):
+        return True
+    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _COMM_MESSAGES)
+
+
+def _mesh_timeouts(topology: Topology, timeout: timedelta) -> None:
+    """init_device_mesh creates its dimension groups with torch's 30-minute default, whatever
+    init_process_group was given; DTensor, FSDP and TP collectives run on them, so they get the run's."""
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    for mesh in (getattr(topology, "meshes", None) or {}).values():
+        for dim in range(mesh.ndim):
+            _set_pg_timeout(timeout, mesh.get_group(dim))
+
+
 class Dist:
-    def __init__(self, topology: Topology, device: torch.device):
-        self.topology, self.device = topology, device
+    def __init__(self, topology: Topology, device: torch.device, timeout_s: float = 600.0):
+        self.topology, self.device, self.timeout_s = topology, device, timeout_s  # how long a collective may wait
         self.world = topology.layout.world_size
         self.rank = topology.rank
         self.is_main = self.rank == 0
@@ -28,6 +60,9 @@ class Dist:
         self.data_rank = topology.data_rank()
         self.fsdp = False  # set by parallelize(): fully_shard reduces the gradients
         self.grad_roles: dict[str, str] = {}  # set by parallelize(): parameter name -> gradient role
+        # this rank's stop request (a signal number, 0 = none): set by the trainer, agreed on by agree_stop()
+        self.stop_signal = lambda: 0
+        self._agreed_stop: int | None = None  # the stop request that rode on this step's non-finite check
 
     @classmethod
     def setup(cls, layout: Layout, num_experts: int, device: torch.device, ranks_per_node: int | None,
@@ -51,7 +86,8 @@ class Dist:
             dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
         if world > 1:
             topology.build(timeout=timedelta(seconds=timeout_s), device_type=device.type)  # EP / DP groups time out like the default one
-        return cls(topology, device)
+            _mesh_timeouts(topology, timedelta(seconds=timeout_s))
+        return cls(topology, device, timeout_s)
 
     @property
     def active(self) -> bool:
@@ -120,13 +156,48 @@ class Dist:
         return load
 
     def any_nonfinite(self, *values: float) -> bool:
-        """Every rank agrees: if any rank sees a non-finite value, all of them stop."""
+        """Every rank agrees: if any rank sees a non-finite value, all of them stop.
+
+        The same all-reduce carries this rank's stop request (``stop_signal``), so agreeing on a
+        preemption costs no collective of its own: ``agree_stop`` reads the result."""
         bad = any(not math.isfinite(v) for v in values)
         if not self.active:
+            self._agreed_stop = self.stop_signal()
             return bad
-        flag = torch.tensor([float(bad)], device=self.device)
-        dist.all_reduce(flag)
-        return bool(flag.item())  # D2H sync: the decision must be on the host
+        flags = torch.tensor([float(bad), float(self.stop_signal())], device=self.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        bad_any, stop = flags.tolist()  # D2H sync: the decision must be on the host
+        self._agreed_stop = int(stop)
+        return bad_any > 0
+
+    def agree_stop(self) -> int:
+        """The signal every rank stops for after this step (the highest number any rank got), 0 to go on.
+
+        Read from this step's non-finite check when it ran (``Guard.check``); else one all-reduce."""
+        agreed, self._agreed_stop = self._agreed_stop, None
+        if agreed is not None:
+            return agreed
+        if not self.active:
+            return self.stop_signal()
+        flag = torch.tensor([float(self.stop_signal())], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
+
+    def from_main(self, fn):
+        """``fn()`` on rank 0 (its result there, None elsewhere); a UserError it raises is raised on every
+        rank, so all of them stop together instead of the others waiting for rank 0 (collective)."""
+        answer: list = [None]  # the exception itself: its class (UserError, RunFailed) sets the exit status
+        result = None
+        if self.is_main:
+            try:
+                result = fn()
+            except UserError as exc:
+                answer[0] = exc
+        if self.active:
+            dist.broadcast_object_list(answer, src=0)
+        if answer[0] is not None:
+            raise answer[0]
+        return result
 
     def any_flags(self, flags: torch.Tensor) -> torch.Tensor:
         """Element-wise OR of a bool tensor over every rank (e.g. which layer went non-finite where)."""
@@ -139,6 +210,14 @@ class Dist:
     def barrier(self) -> None:
         if self.active:
             dist.barrier()
+
+    def failure(self, exc: BaseException, step: int) -> str | None:
+        """One line for a collective that failed (timed out, or a peer went away); None for other errors."""
+        if not self.active or not comm_failure(exc):
+            return None
+        return (f"rank {self.rank}: a collective failed at step {step} ({first_line(exc)}): another rank stopped, "
+                f"crashed or stalled past --layout.timeout_s={self.timeout_s:g} (raise it only if ranks legitimately "
+                f"wait longer: slow saves, long evaluations)")
 
     def close(self) -> None:
         if self.active and dist.is_initialized():

@@ -1,15 +1,71 @@
-"""Testing hook for crash/restart (docs/training.md): rank $MOEKIT_FAULT_RANK kills itself at the start
-of step $MOEKIT_FAULT_EXIT_AT_STEP, once per run dir (the marker file lets the restarted attempt go on)."""
+"""Faults from outside the run (docs/training.md, "Reliability").
+
+* ``StopSignals``: SIGTERM / SIGINT (what Slurm, Kubernetes and torchrun send before killing) become a
+  flag the loop reads at the next step boundary, where every rank agrees to save a checkpoint and exit
+  with ``128 + signal`` (143 for SIGTERM, 130 for SIGINT).
+* ``RunFailed``: a fault that stops a run already under way (a write that failed, a collective or a
+  background save that waited past --layout.timeout_s): one line, exit status 1.
+* Testing hook for crash/restart: rank $MOEKIT_FAULT_RANK kills itself at the start of step
+  $MOEKIT_FAULT_EXIT_AT_STEP, once per run dir (the marker file lets the restarted attempt go on).
+"""
 from __future__ import annotations
 
 import os
 import signal
+import threading
 from pathlib import Path
 
 from moekit.train import UserError
 
 FAULT_STEP_ENV, FAULT_RANK_ENV, FAULT_MARKER = "MOEKIT_FAULT_EXIT_AT_STEP", "MOEKIT_FAULT_RANK", ".fault_injected"
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
+
+class RunFailed(UserError):
+    """Training started and could not go on; the message says what was kept. Exit status 1 (not 2: the
+    input was fine), so torchrun --max-restarts retries it."""
+
+    exit_code = 1
+
+
+class StopSignals:
+    """While entered, SIGTERM and SIGINT set ``received`` (the first signal's number) instead of killing.
+
+    Later signals only count in ``repeats``: Slurm signals every process of a job step and torchrun's agent
+    forwards its own signal too, so a rank commonly gets two; neither may cut a checkpoint save short
+    (SIGKILL still does, and leaves an unsealed ``.partial`` directory that resuming ignores). The handler
+    only sets attributes: it runs between bytecodes of the main thread, where printing could re-enter a
+    stream that is being written.
+    """
+
+    def __init__(self):
+        self.received = 0
+        self.repeats = 0
+        self._previous: dict = {}
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():  # signal.signal works only there
+            for sig in STOP_SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():  # None: a handler installed outside Python
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.received:
+            self.repeats += 1
+        else:
+            self.received = signum
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 def inject_fault(run_dir: str | Path, step: int, rank: int) -> None:

@@ -8,11 +8,13 @@ One optimizer step:
     3. non-finite loss or gradient norm: stop *before* the optimizer step (checkpoints stay good)
     4. clip, AdamW step, LR schedule step, aux-loss-free router bias update
     5. records: metrics.jsonl, expert_load.jsonl, console; then eval / checkpoint when due
+    6. a SIGTERM / SIGINT on any rank (agreed on in step 3's all-reduce): save, exit 128 + signal
 """
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import sys
 import time
@@ -26,11 +28,12 @@ from moekit.models.stats import model_stats
 from moekit.models.transformer import Transformer
 from moekit.moe import collect_load, update_router_biases
 from moekit.moe.layer import set_aux_loss_scale
-from moekit.train import UserError, checkpoint, faults, program_name, records
+from moekit.train import UserError, checkpoint, faults, program_name, records, runlock
 from moekit.train.cli import Options, parse_args
 from moekit.train.plan import lr_lambda, make_optimizer, plan_run
 from moekit.train.config import TrainConfig, to_toml
-from moekit.train.distributed import Dist
+from moekit.train.distributed import Dist, comm_failure, first_line
+from moekit.train.faults import RunFailed
 from moekit.train.guard import Guard, NonFinite, set_deterministic
 from moekit.train.data import Sampler, Split, gather, load_tokens, split_windows, unigram_entropy, write_token_file
 from moekit.train.monitor import Monitor, peak_flops, peak_memory_gb
@@ -38,8 +41,27 @@ from moekit.train.monitor import Monitor, peak_flops, peak_memory_gb
 PROG = program_name("train.py")  # moekit-train when started as the console script
 
 
+def _warn(msg: str) -> None:
+    print(f"{PROG}: {msg}", file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: 0 on success, 1 when training stopped on a non-finite loss, 2 on bad input."""
+    """Entry point. Exit status: 0 on success; 1 when training stopped on a failure (a non-finite loss, a
+    write that failed, a collective or checkpoint that waited past --layout.timeout_s); 2 on bad input
+    (flags, data, paths, a run directory in use); 128 + signal (143 SIGTERM, 130 SIGINT) when a signal
+    stopped it after saving a checkpoint: non-zero, so torchrun --max-restarts and schedulers retry it."""
+    try:
+        code = _run(argv)
+    finally:
+        runlock.release_all()  # a trainer that failed during setup lets go of its run directory too
+    if checkpoint.stuck_saves():  # a save thread hung in the filesystem: the interpreter would wait for it at exit
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def _run(argv: list[str] | None) -> int:
     try:
         cfg, opts = parse_args(sys.argv[1:] if argv is None else argv)
         if opts.print_config:
@@ -53,7 +75,17 @@ def main(argv: list[str] | None = None) -> int:
         return Trainer(cfg, opts).train()
     except UserError as exc:
         print(f"{PROG}: error: {' '.join(str(exc).split())}", file=sys.stderr)  # one line, always
-        return 2
+        return getattr(exc, "exit_code", 2)  # RunFailed: 1
+    except OSError as exc:  # a file outside the loop's own reporting (records at setup, say): one line
+        print(f"{PROG}: error: {runlock.describe_os_error(exc)}; fix that path (free space, permissions) and run "
+              f"again", file=sys.stderr)
+        return 1
+    except RuntimeError as exc:  # the rendezvous or a collective during setup (the loop reports its own)
+        if not comm_failure(exc):
+            raise
+        print(f"{PROG}: error: starting the ranks failed ({first_line(exc)}): another rank crashed, stalled or was "
+              f"launched differently (every wait is bounded by --layout.timeout_s)", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:  # records are flushed per step; checkpoints are renamed only when complete
         print("\ntrain.py: interrupted; --resume continues from the newest checkpoint", file=sys.stderr)
         return 130
@@ -64,7 +96,15 @@ def write_data(cfg: TrainConfig, out: str) -> int:
         raise UserError(f"--write-data converts the embedded corpus or a --data.text file; {cfg.data.path} is "
                         f"already a token file")
     tokens, desc = load_tokens("", cfg.data.text, cfg.model.vocab_size)
-    write_token_file(out, tokens, 256)  # byte-level
+    part = f"{out}.partial"  # renamed when complete: a full disk leaves no truncated token file
+    try:
+        write_token_file(part, tokens, 256)  # byte-level
+        os.replace(part, out)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(part)
+        raise UserError(f"--write-data {out}: cannot write it: {runlock.describe_os_error(exc)}; free space, fix "
+                        f"permissions or choose another path") from None
     print(f"wrote {out}: {desc}")
     return 0
 
@@ -77,6 +117,7 @@ class Trainer:
         L = cfg.layout
         self.dist = Dist.setup(self.plan.resolved.layout, cfg.model.num_experts, self.plan.device,
                                L.ranks_per_node or None, L.timeout_s)
+        self.run_lock = self.dist.from_main(self.claim_run_dir)  # before anything in the run dir is touched
         tokens, self.data_desc = load_tokens(cfg.data.path, cfg.data.text, cfg.model.vocab_size)
         self.split: Split = split_windows(tokens, cfg.train.seq_len, cfg.data.val_fraction)
         self.sampler = Sampler(self.split.train_starts, cfg.train.seed)
@@ -126,7 +167,26 @@ class Trainer:
                                               self.sampler, cfg.model.to_dict(), verify=False)
         self.last_checkpoint = self.resume_from
         self.checkpointer = checkpoint.Checkpointer(self.run_dir, cfg.checkpoint.keep, cfg.model.to_dict(),
-                                                    cfg.checkpoint.async_save, last=self.resume_from)
+                                                    cfg.checkpoint.async_save, last=self.resume_from,
+                                                    timeout_s=cfg.layout.timeout_s, warn=_warn)
+
+    def claim_run_dir(self) -> runlock.RunLock:
+        """Rank 0: lock the run dir (a second trainer is refused, naming the first), probe it and the
+        export dir for writing, and warn when a checkpoint will not fit in the free space."""
+        cfg = self.cfg
+        lock = runlock.RunLock.acquire(cfg.run_dir, warn=_warn)
+        try:
+            if cfg.train.export_hf:
+                runlock.probe_writable(cfg.train.export_hf, "--export-hf")
+        except UserError:
+            lock.release()
+            raise
+        need = 12 * model_stats(cfg.model, cfg.train.seq_len).params  # fp32 weights + AdamW's two moments
+        free = shutil.disk_usage(cfg.run_dir).free
+        if free < need:
+            _warn(f"warning: --run-dir {cfg.run_dir} has {free / 1e9:.3g} GB free and a checkpoint takes about "
+                  f"{need / 1e9:.3g} GB: saves will fail unless space is freed")
+        return lock
 
     def load_hf(self, path: str) -> None:
         from moekit.models.hf import load_hf_into  # needs safetensors: imported only when asked for
@@ -241,10 +301,20 @@ class Trainer:
         self.build()
         self.open_records()
         self.describe()
+        self.step = self.start_step
         try:
-            return self.loop()
+            with faults.StopSignals() as signals:  # SIGTERM / SIGINT: save at the next step boundary
+                self.signals = signals
+                self.dist.stop_signal = lambda: signals.received
+                return self.loop()
+        except OSError as exc:  # records (metrics.jsonl, ...): a full disk or a permission
+            raise RunFailed(f"{runlock.describe_os_error(exc)} at step {self.step}; {self.kept()}; free space or fix "
+                            f"permissions") from None
         except RuntimeError as exc:  # torch.OutOfMemoryError too
             self.guard.explain_oom(exc)  # an OOM inside an expert becomes one line naming it
+            failure = self.dist.failure(exc, self.step)  # a collective that timed out or lost its peer
+            if failure is not None:
+                raise RunFailed(f"{failure}; {self.kept()}") from None
             raise
         finally:
             self.checkpointer.close()  # an async save in flight ends before the process group goes
@@ -253,13 +323,23 @@ class Trainer:
                 if rec is not None:
                     rec.close()
             self.dist.close()
+            if self.run_lock is not None:
+                self.run_lock.release()
+
+    def kept(self) -> str:
+        last = self.checkpointer.last
+        return f"newest checkpoint: {last} (--resume continues from it)" if last else "no checkpoint saved yet"
 
     def loop(self) -> int:
         cfg, plan = self.cfg, self.plan
         params = list(self.model.parameters())
         tokens_seen = self.start_step * plan.tokens_per_step
         t_start = time.perf_counter()
+        stop = 0
         for step in range(self.start_step + 1, cfg.train.steps + 1):
+            if stop:  # a signal, agreed on in the last step's check: every rank saves that step and exits
+                return self.preempt(step - 1, stop)
+            self.step = step
             faults.inject_fault(self.run_dir, step, self.dist.rank)  # testing hook, off unless its env is set
             t0 = time.perf_counter()
             self.guard.begin_step(step)
@@ -270,6 +350,7 @@ class Trainer:
             loss_value = self.dist.mean(loss_sum / plan.accum).item()  # D2H sync: finiteness check, records
             grad_norm = self.dist.clip_grad_norm(params, cfg.train.grad_clip).item()  # D2H sync: before the update
             event = self.guard.check(step, loss_value, grad_norm)  # collective: every rank decides alike
+            stop = self.dist.agree_stop()  # rode on that collective: a signal on any rank stops all of them
             if event is not None and event.action == "stop":
                 return self.stop_nonfinite(event, step)
             if event is not None:  # skip: no optimizer, schedule or router-bias update; the batch is consumed
@@ -294,6 +375,9 @@ class Trainer:
                                                               self.sampler)
         self.last_checkpoint = self.checkpointer.finalize()  # an async save is sealed before the run ends
         if cfg.train.export_hf:
+            if cfg.train.steps not in (self.checkpointer.saved_step, self.start_step):  # the export's fallback
+                self.checkpointer.save(cfg.train.steps, self.model, self.optimizer, self.scheduler, self.sampler)
+                self.last_checkpoint = self.checkpointer.finalize()
             self.export_hf(cfg.train.export_hf)
         if self.dist.is_main:
             self.finish()
@@ -306,12 +390,22 @@ class Trainer:
 
         # TP / EP / FSDP shards gather to full tensors (a collective: every rank takes part)
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if self.dist.is_main:
+
+        def write() -> Path:
             with torch.device("meta"):
                 full = Transformer(self.cfg.model)
             full.load_state_dict(state, assign=True)
-            self.monitor.print(f"exported {save_mixtral(full, path)} (HuggingFace Mixtral)")
-        self.dist.barrier()
+            try:
+                return save_mixtral(full, path)
+            except OSError as exc:  # the trained weights are safe in the final checkpoint: say where
+                ckpt = self.last_checkpoint
+                raise RunFailed(f"--export-hf {path}: {runlock.describe_os_error(exc)}; training finished and its "
+                                f"final checkpoint is {ckpt}: free space or fix permissions, then export it with "
+                                f"{PROG} --resume {ckpt} --steps {self.cfg.train.steps} --export-hf {path}") from None
+
+        folder = self.dist.from_main(write)  # every rank ends alike: rank 0's failure is everyone's
+        if self.dist.is_main:
+            self.monitor.print(f"exported {folder} (HuggingFace Mixtral)")
 
     def step_metrics(self, step, loss, grad_norm, lr, load, dt, tokens_seen, elapsed) -> dict:
         tps = self.plan.tokens_per_step / dt
@@ -363,6 +457,21 @@ class Trainer:
               f"optimizer step; first seen in {event.where}. Last good checkpoint: {good}. Lower --train.lr or raise "
               f"--train.warmup_steps", file=sys.stderr)
         return 1
+
+    def preempt(self, step: int, signum: int) -> int:
+        """Every rank: save after ``step`` (unless that save is under way), wait until it is sealed, and
+        return 128 + signal. A repeated signal meanwhile is ignored; SIGKILL leaves an unsealed save."""
+        if self.checkpointer.saved_step != step:
+            self.checkpointer.save(step, self.model, self.optimizer, self.scheduler, self.sampler)
+        self.last_checkpoint = self.checkpointer.finalize()
+        if self.dist.is_main:
+            self.monitor.progress.clear()
+            repeats = self.signals.repeats
+            ignored = f" ({repeats} more signal{'s' * (repeats > 1)} ignored while stopping)" if repeats else ""
+            print(f"{PROG}: stopped by {faults.signal_name(signum)} after step {step} of {self.cfg.train.steps}: "
+                  f"saved {self.last_checkpoint}{ignored}; continue with the same command and --resume (under "
+                  f"torchrun --max-restarts, --resume auto continues by itself)", file=sys.stderr, flush=True)
+        return 128 + signum
 
     def finish(self) -> None:
         rows = [r for r in records.read_metrics(self.run_dir) if not r.get("skipped")]

@@ -41,13 +41,22 @@ class JsonlWriter:
     def __init__(self, path: Path):
         self.path = path
         self._f = open(path, "a", encoding="utf-8")
+        self._failed = False
 
     def write(self, obj: dict) -> None:
-        self._f.write(json.dumps(obj, separators=(",", ":")) + "\n")
-        self._f.flush()
+        try:
+            self._f.write(json.dumps(obj, separators=(",", ":")) + "\n")
+            self._f.flush()
+        except OSError as exc:  # a full disk: name the file (a buffered write's error does not)
+            self._failed = True
+            raise OSError(exc.errno, exc.strerror, str(self.path)) from None
 
     def close(self) -> None:
-        self._f.close()
+        try:
+            self._f.close()
+        except OSError:  # the unwritten line of a failed write, reported already
+            if not self._failed:
+                raise
 
 
 def truncate_after(path: Path, step: int) -> None:
