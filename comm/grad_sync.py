@@ -135,6 +135,9 @@ def clip_gradients(params, max_norm: float, device, pp_group=None) -> Tensor:
     total = global_grad_norm(params, device, pp_group)
     if max_norm > 0:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        # a non-finite norm leaves the gradients as they are: scaling by NaN would poison every layer and
+        # hide which one went bad from the non-finite guard (the step is skipped or stopped anyway)
+        coef = torch.where(torch.isfinite(total), coef, torch.ones_like(coef))
         for p in params:
             local(p.grad).mul_(coef.to(p.grad.dtype))
     return total

@@ -24,17 +24,15 @@ room for drops); ``stats["invalid_fraction"]`` is the share of ids outside [0, E
 from __future__ import annotations
 
 import importlib
-import inspect
 import math
 import numbers
-import types
-import typing
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moekit.moe.options import check_options, error_text
 from moekit.moe.precision import upcast_linear
 
 from moekit.moe.load import in_backward
@@ -315,7 +313,7 @@ def router_class(name: str) -> type[Router]:
         try:
             cls = getattr(importlib.import_module(module_name), cls_name)
         except (Exception, SystemExit) as exc:
-            raise ValueError(f"router {name!r} could not be loaded ({_error_text(exc)}); expected "
+            raise ValueError(f"router {name!r} could not be loaded ({error_text(exc)}); expected "
                              f"'package.module:ClassName' naming an importable module and a class in it") from exc
         if not (isinstance(cls, type) and issubclass(cls, Router)):
             raise ValueError(f"router {name!r} is not a subclass of moe.router.Router")
@@ -334,88 +332,13 @@ def build_router(name: str, hidden_size: int, num_experts: int, **options) -> Ro
     option, the value and the expected type. An exception other than ValueError from the constructor
     becomes a ValueError naming the router and the original error."""
     cls = router_class(name)
-    params = inspect.signature(cls.__init__).parameters
-    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        accepted = [p for p in params if p not in ("self", "hidden_size", "num_experts")]
-        unknown = sorted(set(options) - set(accepted))
-        if unknown:
-            raise ValueError(f"router {name!r} has no option(s) {unknown}; its options are {accepted}")
-    try:
-        hints = typing.get_type_hints(cls.__init__)
-    except Exception:  # an annotation that does not evaluate here: fall back to the defaults' types
-        hints = {}
-    for key, value in options.items():
-        p = params.get(key)
-        if p is None:  # taken by **kwargs: nothing to check against
-            continue
-        expected = hints.get(key, _default_type(p.default))
-        if expected is not None and not _accepts(expected, value):
-            raise ValueError(f"router {name!r}: option {key}={value!r} ({_kind(value)}) has the wrong type; it "
-                             f"must be {_describe(expected)}")
+    check_options(f"router {name!r}", cls.__init__, options, skip=("self", "hidden_size", "num_experts"))
     try:
         return cls(hidden_size, num_experts, **options)
     except ValueError:
         raise
     except Exception as exc:
-        raise ValueError(f"router {name!r} could not be built ({_error_text(exc)})") from exc
-
-
-def _error_text(exc: BaseException) -> str:
-    """``Type: message`` of an exception, on one line."""
-    return " ".join(f"{type(exc).__name__}: {exc}".split())
-
-
-def _default_type(default):
-    """The type an unannotated parameter's default implies (bool, a number, str), else None (unchecked)."""
-    if isinstance(default, bool):
-        return bool
-    if isinstance(default, (int, float)):
-        return float  # an unannotated number: int or float
-    return str if isinstance(default, str) else None
-
-
-def _accepts(tp, value) -> bool:
-    """Whether ``value`` fits annotation ``tp``; True for annotations this does not understand."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        return any(_accepts(a, value) for a in typing.get_args(tp))
-    if origin is typing.Literal:
-        return value in typing.get_args(tp)
-    if tp is type(None) or tp is None:
-        return value is None
-    if tp is bool:
-        return isinstance(value, bool)
-    if tp is int:
-        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-    if tp is float:
-        return isinstance(value, numbers.Real) and not isinstance(value, bool)
-    if origin is not None and isinstance(origin, type):  # list[int], dict[str, float]: the container only
-        return isinstance(value, origin)
-    if isinstance(tp, type) and tp is not object:
-        return isinstance(value, tp)
-    return True  # Any, TypeVars, callables, strings that did not resolve
-
-
-def _describe(tp) -> str:
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_describe(a) for a in typing.get_args(tp))
-    if origin is typing.Literal:
-        return f"one of {list(typing.get_args(tp))}"
-    names = {bool: "a boolean (true / false)", int: "an integer", float: "a number", str: "a string",
-             type(None): "none"}
-    if tp in names:
-        return names[tp]
-    tp = origin or tp
-    return f"a {getattr(tp, '__name__', tp)}"
-
-
-def _kind(value) -> str:
-    for tp, kind in ((bool, "a boolean"), (numbers.Integral, "an integer"), (numbers.Real, "a number"),
-                     (str, "a string"), (type(None), "none")):
-        if isinstance(value, tp):
-            return kind
-    return f"a {type(value).__name__}"
+        raise ValueError(f"router {name!r} could not be built ({error_text(exc)})") from exc
 
 
 # ---------------------------------------------------------------------------------------------------

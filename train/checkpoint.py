@@ -127,13 +127,16 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def _write_manifest(tmp: Path, step: int, model_config: dict) -> None:
-    """Hash and fsync every file DCP wrote, then write meta.json last."""
+def _write_manifest(tmp: Path, step: int, model_config: dict, run: dict | None = None) -> None:
+    """Hash and fsync every file DCP wrote, then write meta.json last. ``run``: the trainer's record of the
+    run that saved it (its resolved config and tokens trained; moekit.train.resume reads it back)."""
     files = {}
     for p in sorted(tmp.iterdir()):
         _fsync(p)
         files[p.name] = {"bytes": p.stat().st_size, "sha256": _digest(p, FORMAT)}
     meta = {"format": FORMAT, "step": step, "model": model_config, "files": files, "torch": torch.__version__}
+    if run is not None:
+        meta["run"] = run
     with open(tmp / META, "w") as f:
         f.write(json.dumps(meta, indent=1))
         f.flush()
@@ -356,8 +359,9 @@ class Checkpointer:
         self.stuck = True
         _ABANDONED.append(self)
 
-    def save(self, step: int, model, optimizer, scheduler, sampler) -> Path | None:
-        """Start saving after ``step``; return the newest sealed checkpoint (this one unless async)."""
+    def save(self, step: int, model, optimizer, scheduler, sampler, run: dict | None = None) -> Path | None:
+        """Start saving after ``step``; return the newest sealed checkpoint (this one unless async).
+        ``run`` goes into meta.json as it is (JSON; see _write_manifest)."""
         self.finalize()
         final = checkpoint_root(self.run_dir) / f"step_{step:06d}"
         tmp = final.with_name(final.name + ".partial")
@@ -382,7 +386,7 @@ class Checkpointer:
                 written.set_result(None)
         except (Exception, CheckpointException) as exc:  # reported by finalize, the same way as a background failure
             written.set_exception(exc)
-        self._pending = (self._after(written, tmp, final, step), tmp, final, step)
+        self._pending = (self._after(written, tmp, final, step, run), tmp, final, step)
         if not self.async_save:
             self.finalize()
         return self.last
@@ -395,16 +399,16 @@ class Checkpointer:
             self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout_s))
         return self._group
 
-    def _after(self, written: Future, tmp: Path, final: Path, step: int) -> Future:
+    def _after(self, written: Future, tmp: Path, final: Path, step: int, run: dict | None) -> Future:
         if self._sealer is None:
             return written
-        return self._sealer.submit(self._seal, written, tmp, final, step)
+        return self._sealer.submit(self._seal, written, tmp, final, step, run)
 
-    def _seal(self, written: Future, tmp: Path, final: Path, step: int) -> None:
+    def _seal(self, written: Future, tmp: Path, final: Path, step: int, run: dict | None) -> None:
         # DCP's save ends with a gather of every rank's write results to rank 0 before it writes
         # .metadata, so rank 0's future done means every rank's files are on disk
         written.result()
-        _write_manifest(tmp, step, self.model_config)
+        _write_manifest(tmp, step, self.model_config, run)
         if final.exists():  # the same step saved again (a resumed run redoing it)
             _retire(final)
         os.replace(tmp, final)

@@ -26,10 +26,13 @@ import sys
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moekit.models.config import PRESETS, ModelConfig, preset
 from moekit.train import UserError
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_PRESET = "mixtral-tiny"
 DTYPES = ("auto", "float32", "bfloat16")
@@ -362,7 +365,7 @@ def validate_model(cfg: TrainConfig) -> None:
         check_expert_backend(cfg)
 
 
-def run_device(t: TrainSection) -> tuple[str, "torch.dtype | None"]:
+def run_device(t: TrainSection) -> tuple[str, torch.dtype | None]:
     """(device kind, autocast dtype or None for plain fp32) that ``train.device`` / ``train.dtype`` ask for:
     auto = CUDA when torch sees a GPU, and bf16 autocast there. The one place this choice is made."""
     import torch

@@ -123,9 +123,10 @@ class Dist:
         """Global gradient norm over every shard (TP, EP, FSDP), clipped like torch's."""
         grads = [p.grad for p in params if p.grad is not None]
         if not self.active:
-            if max_norm > 0:
-                return torch.nn.utils.clip_grad_norm_(params, max_norm)
-            return torch.nn.utils.get_total_norm(grads)
+            total = torch.nn.utils.get_total_norm(grads)
+            if max_norm > 0:  # a non-finite norm leaves the gradients as they are (comm.grad_sync.clip_gradients)
+                torch.nn.utils.clip_grads_with_norm_(params, max_norm, torch.where(total.isfinite(), total, 0.0))
+            return total
         pp = self.topology.group("pp") if self.topology.layout.pp > 1 else None
         return clip_gradients(params, max_norm, self.device, pp)
 

@@ -28,10 +28,11 @@ from moekit.models.stats import model_stats
 from moekit.models.transformer import Transformer
 from moekit.moe import collect_load, update_router_biases
 from moekit.moe.layer import set_aux_loss_scale
-from moekit.train import UserError, checkpoint, faults, program_name, records, runlock
+from moekit.train import UserError, checkpoint, faults, program_name, records, resume, runlock
 from moekit.train.cli import Options, parse_args
 from moekit.train.plan import lr_lambda, make_optimizer, plan_run
 from moekit.train.config import TrainConfig, to_toml
+from moekit.train.consistency import check_ranks_agree
 from moekit.train.distributed import Dist, comm_failure, first_line
 from moekit.train.faults import RunFailed
 from moekit.train.guard import Guard, NonFinite, set_deterministic
@@ -74,7 +75,8 @@ def _run(argv: list[str] | None) -> int:
             return dryrun.run(cfg, opts)
         return Trainer(cfg, opts).train()
     except UserError as exc:
-        print(f"{PROG}: error: {' '.join(str(exc).split())}", file=sys.stderr)  # one line, always
+        if not getattr(exc, "quiet", False):  # RanksDisagree: raised on every rank, printed by rank 0
+            print(f"{PROG}: error: {' '.join(str(exc).split())}", file=sys.stderr)  # one line, always
         return getattr(exc, "exit_code", 2)  # RunFailed: 1
     except OSError as exc:  # a file outside the loop's own reporting (records at setup, say): one line
         print(f"{PROG}: error: {runlock.describe_os_error(exc)}; fix that path (free space, permissions) and run "
@@ -87,7 +89,7 @@ def _run(argv: list[str] | None) -> int:
               f"launched differently (every wait is bounded by --layout.timeout_s)", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # records are flushed per step; checkpoints are renamed only when complete
-        print("\ntrain.py: interrupted; --resume continues from the newest checkpoint", file=sys.stderr)
+        print(f"\n{PROG}: interrupted; --resume continues from the newest checkpoint", file=sys.stderr)
         return 130
 
 
@@ -117,14 +119,26 @@ class Trainer:
         L = cfg.layout
         self.dist = Dist.setup(self.plan.resolved.layout, cfg.model.num_experts, self.plan.device,
                                L.ranks_per_node or None, L.timeout_s)
+        tokens, error = None, None
+        try:
+            tokens, self.data_desc = load_tokens(cfg.data.path, cfg.data.text, cfg.model.vocab_size)
+        except UserError as exc:  # raised below, on every rank alike
+            error = exc
+        # every rank: the same settings, software and data, or one line naming what differs (collective)
+        check_ranks_agree(cfg.to_dict(), tokens, error)
         self.run_lock = self.dist.from_main(self.claim_run_dir)  # before anything in the run dir is touched
-        tokens, self.data_desc = load_tokens(cfg.data.path, cfg.data.text, cfg.model.vocab_size)
         self.split: Split = split_windows(tokens, cfg.train.seq_len, cfg.data.val_fraction)
         self.sampler = Sampler(self.split.train_starts, cfg.train.seed)
         self.run_dir = Path(cfg.run_dir)
         # verified (sizes, sha256, model config) before building anything; --resume / auto skip damaged ones
         self.resume_from = checkpoint.choose_resume(cfg.run_dir, opts.resume, cfg.model.to_dict(),
                                                     warn=lambda msg: print(f"{PROG}: {msg}", file=sys.stderr))
+        # changed settings: applied (reported by describe) or refused here, before anything is written
+        self.resumed_run = resume.saved_run(self.resume_from) if self.resume_from is not None else None
+        self.changes = resume.check((self.resumed_run or {}).get("config"), cfg.to_dict(), self.resume_from)
+        for key, saved, _ in self.changes.kept:  # config.json records what runs: the checkpoint's value
+            section, name = key.split(".", 1)
+            setattr(getattr(cfg, section), name, saved)
 
     # -- setup ------------------------------------------------------------------------------------
 
@@ -163,8 +177,11 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.start_step = 0
         if self.resume_from is not None:
+            fresh = resume.optimizer_settings(self.optimizer)  # this run's lr, betas, eps, weight decay
             self.start_step = checkpoint.load(self.resume_from, self.model, self.optimizer, self.scheduler,
                                               self.sampler, cfg.model.to_dict(), verify=False)
+            resume.apply_optimizer_settings(self.optimizer, self.scheduler, fresh)
+        self.tokens_seen = resume.tokens_at(self.resumed_run, self.start_step, plan.tokens_per_step)
         self.last_checkpoint = self.resume_from
         self.checkpointer = checkpoint.Checkpointer(self.run_dir, cfg.checkpoint.keep, cfg.model.to_dict(),
                                                     cfg.checkpoint.async_save, last=self.resume_from,
@@ -259,6 +276,8 @@ class Trainer:
                 f"{plan.accum} micro-batches of {plan.micro_batch} per step")
         if self.start_step:
             say(f"resumed from {self.resume_from} at step {self.start_step}")
+        if self.changes.summary():
+            say(self.changes.summary())
 
     # -- the loop -----------------------------------------------------------------------------------
 
@@ -326,6 +345,11 @@ class Trainer:
             if self.run_lock is not None:
                 self.run_lock.release()
 
+    def save(self, step: int) -> Path | None:
+        """Checkpoint after ``step``; its meta.json records this run's settings and tokens (moekit.train.resume)."""
+        run = {"config": self.cfg.to_dict(), "tokens": self.tokens_seen}
+        return self.checkpointer.save(step, self.model, self.optimizer, self.scheduler, self.sampler, run=run)
+
     def kept(self) -> str:
         last = self.checkpointer.last
         return f"newest checkpoint: {last} (--resume continues from it)" if last else "no checkpoint saved yet"
@@ -333,7 +357,6 @@ class Trainer:
     def loop(self) -> int:
         cfg, plan = self.cfg, self.plan
         params = list(self.model.parameters())
-        tokens_seen = self.start_step * plan.tokens_per_step
         t_start = time.perf_counter()
         stop = 0
         for step in range(self.start_step + 1, cfg.train.steps + 1):
@@ -363,20 +386,20 @@ class Trainer:
             update_router_biases(self.model)
             load = self.gathered_load(reset=True)  # D2H sync: per MoE layer
             dt = time.perf_counter() - t0
-            tokens_seen += plan.tokens_per_step
-            m = self.step_metrics(step, loss_value, grad_norm, lr, load, dt, tokens_seen, time.perf_counter() - t_start)
+            self.tokens_seen += plan.tokens_per_step
+            m = self.step_metrics(step, loss_value, grad_norm, lr, load, dt, self.tokens_seen,
+                                  time.perf_counter() - t_start)
             if step == cfg.train.steps or (cfg.eval.every and step % cfg.eval.every == 0):
                 m["val_loss"] = self.evaluate()
             if self.dist.is_main:
                 self.metrics.write(self.monitor.step(m))
                 self.load_log.write(records.load_line(step, load))
             if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == cfg.train.steps):
-                self.last_checkpoint = self.checkpointer.save(step, self.model, self.optimizer, self.scheduler,
-                                                              self.sampler)
+                self.last_checkpoint = self.save(step)
         self.last_checkpoint = self.checkpointer.finalize()  # an async save is sealed before the run ends
         if cfg.train.export_hf:
             if cfg.train.steps not in (self.checkpointer.saved_step, self.start_step):  # the export's fallback
-                self.checkpointer.save(cfg.train.steps, self.model, self.optimizer, self.scheduler, self.sampler)
+                self.save(cfg.train.steps)
                 self.last_checkpoint = self.checkpointer.finalize()
             self.export_hf(cfg.train.export_hf)
         if self.dist.is_main:
@@ -462,7 +485,7 @@ class Trainer:
         """Every rank: save after ``step`` (unless that save is under way), wait until it is sealed, and
         return 128 + signal. A repeated signal meanwhile is ignored; SIGKILL leaves an unsealed save."""
         if self.checkpointer.saved_step != step:
-            self.checkpointer.save(step, self.model, self.optimizer, self.scheduler, self.sampler)
+            self.save(step)
         self.last_checkpoint = self.checkpointer.finalize()
         if self.dist.is_main:
             self.monitor.progress.clear()

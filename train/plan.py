@@ -28,6 +28,7 @@ from moekit.comm.topology import Layout, LayoutError, world_size_from_env
 from moekit.models.config import ModelConfig
 from moekit.models.pipeline import check_pipeline_model
 from moekit.models.stats import model_stats
+from moekit.models.transformer import Transformer
 from moekit.train import UserError
 from moekit.train.config import LayoutSection, TrainConfig, TrainSection, run_device
 
