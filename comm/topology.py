@@ -239,6 +239,13 @@ class Topology:
                 if self.rank in ranks:
                     self.groups[kind] = pg
         self.meshes = self._device_meshes(device_type)
+        if timeout is not None:  # init_device_mesh gives its dimension groups torch's 30-minute default,
+            # whatever init_process_group was given; DTensor, FSDP and TP collectives run on them
+            from torch.distributed.distributed_c10d import _set_pg_timeout
+
+            for mesh in self.meshes.values():
+                for dim in range(mesh.ndim):
+                    _set_pg_timeout(timeout, mesh.get_group(dim))
         return self
 
     def _device_meshes(self, device_type: str) -> dict:

@@ -40,16 +40,6 @@ def comm_failure(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _COMM_MESSAGES)
 
 
-def _mesh_timeouts(topology: Topology, timeout: timedelta) -> None:
-    """init_device_mesh creates its dimension groups with torch's 30-minute default, whatever
-    init_process_group was given; DTensor, FSDP and TP collectives run on them, so they get the run's."""
-    from torch.distributed.distributed_c10d import _set_pg_timeout
-
-    for mesh in (getattr(topology, "meshes", None) or {}).values():
-        for dim in range(mesh.ndim):
-            _set_pg_timeout(timeout, mesh.get_group(dim))
-
-
 class Dist:
     def __init__(self, topology: Topology, device: torch.device, timeout_s: float = 600.0):
         self.topology, self.device, self.timeout_s = topology, device, timeout_s  # how long a collective may wait
@@ -85,8 +75,8 @@ class Dist:
             # a rank that never arrives (crash, mismatched launch) surfaces as an error after timeout_s
             dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
         if world > 1:
-            topology.build(timeout=timedelta(seconds=timeout_s), device_type=device.type)  # EP / DP groups time out like the default one
-            _mesh_timeouts(topology, timedelta(seconds=timeout_s))
+            # EP / DP groups and the device meshes time out like the default group
+            topology.build(timeout=timedelta(seconds=timeout_s), device_type=device.type)
         return cls(topology, device, timeout_s)
 
     @property
