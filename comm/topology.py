@@ -241,11 +241,14 @@ class Topology:
         self.meshes = self._device_meshes(device_type)
         if timeout is not None:  # init_device_mesh gives its dimension groups torch's 30-minute default,
             # whatever init_process_group was given; DTensor, FSDP and TP collectives run on them
-            from torch.distributed.distributed_c10d import _set_pg_timeout
+            # (a dimension spanning the whole world may reuse the default group: its timeout is the caller's)
+            from torch.distributed.distributed_c10d import _get_default_group, _set_pg_timeout
 
+            default = _get_default_group()
             for mesh in self.meshes.values():
                 for dim in range(mesh.ndim):
-                    _set_pg_timeout(timeout, mesh.get_group(dim))
+                    if mesh.get_group(dim) is not default:
+                        _set_pg_timeout(timeout, mesh.get_group(dim))
         return self
 
     def _device_meshes(self, device_type: str) -> dict:

@@ -15,6 +15,7 @@ No torch here: a test (or a tool) can hold a run directory's lock from a small p
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import socket
@@ -63,7 +64,8 @@ def probe_writable(path: str | Path, what: str, keep: bool = False) -> None:
     except OSError as exc:
         raise UserError(_unwritable(what, folder, exc)) from None
     finally:
-        probe.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # e.g. NotADirectoryError when path is a file: reported above
+            probe.unlink(missing_ok=True)
         _remove_empty(created)  # no trace of the probe: the output is written at the end, if the run gets there
 
 
