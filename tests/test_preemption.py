@@ -209,17 +209,18 @@ def test_torchrun_sigterm_to_one_rank_then_to_the_agent(tmp_path):
     assert same(run) == same(ref)  # bitwise
 
 
-@pytest.mark.parametrize("async_save", ["false", "true"])
-def test_signal_during_a_save_corrupts_nothing(base, tmp_path, capsys, monkeypatch, async_save):
-    """Deterministic, in-process: SIGTERM at step 3, a second one in the middle of the preemption save.
-    With async saves the step-2 save is still in flight when the stop comes; both end sealed."""
+@pytest.mark.parametrize("async_save,first", [("false", signal.SIGUSR1), ("true", signal.SIGTERM)])
+def test_signal_during_a_save_corrupts_nothing(base, tmp_path, capsys, monkeypatch, async_save, first):
+    """Deterministic, in-process: a stop signal at step 3 (SIGUSR1: Slurm's --signal warning; SIGTERM), a
+    second one in the middle of the preemption save. With async saves the step-2 save is still in flight
+    when the stop comes; both end sealed."""
     flags = [*SIX, "--checkpoint.async_save", async_save]
     run = tmp_path / "run"
     real_inject, real_write = faults.inject_fault, FileSystemWriter.write_data
 
     def signal_at_step_3(run_dir, step, rank):
         if step == 3:
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), first)
         real_inject(run_dir, step, rank)
 
     def signal_while_writing_step_3(self, *args, **kwargs):
@@ -230,12 +231,12 @@ def test_signal_during_a_save_corrupts_nothing(base, tmp_path, capsys, monkeypat
 
     monkeypatch.setattr(faults, "inject_fault", signal_at_step_3)
     monkeypatch.setattr(FileSystemWriter, "write_data", signal_while_writing_step_3)
-    before = [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)]
+    before = [signal.getsignal(s) for s in faults.STOP_SIGNALS]
     capsys.readouterr()
-    assert main([*flags, "--run-dir", str(run)]) == 143
+    assert main([*flags, "--run-dir", str(run)]) == 128 + first
     err = capsys.readouterr().err
-    assert stopped_at(err, run) == 3 and "(1 more signal ignored while stopping)" in err
-    assert [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)] == before  # handlers restored
+    assert stopped_at(err, run, first.name) == 3 and "(1 more signal ignored while stopping)" in err
+    assert [signal.getsignal(s) for s in faults.STOP_SIGNALS] == before  # handlers restored
     assert [p.name for p in checkpoint.list_checkpoints(run)] == ["step_000002", "step_000003"]
     monkeypatch.undo()
     assert main([*flags, "--run-dir", str(run), "--resume"]) == 0

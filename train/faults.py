@@ -1,8 +1,8 @@
 """Faults from outside the run (docs/training.md, "Reliability").
 
-* ``StopSignals``: SIGTERM / SIGINT (what Slurm, Kubernetes and torchrun send before killing) become a
-  flag the loop reads at the next step boundary, where every rank agrees to save a checkpoint and exit
-  with ``128 + signal`` (143 for SIGTERM, 130 for SIGINT).
+* ``StopSignals``: SIGTERM / SIGINT (what Slurm, Kubernetes and torchrun send before killing) and SIGUSR1
+  (Slurm's ``--signal`` warning) become a flag the loop reads at the next step boundary, where every rank
+  agrees to save a checkpoint and exit with ``128 + signal`` (143 SIGTERM, 130 SIGINT, 138 SIGUSR1).
 * ``RunFailed``: a fault that stops a run already under way (a write that failed, a collective or a
   background save that waited past --layout.timeout_s): one line, exit status 1.
 * Testing hook for crash/restart: rank $MOEKIT_FAULT_RANK kills itself at the start of step
@@ -18,7 +18,9 @@ from pathlib import Path
 from moekit.train import UserError
 
 FAULT_STEP_ENV, FAULT_RANK_ENV, FAULT_MARKER = "MOEKIT_FAULT_EXIT_AT_STEP", "MOEKIT_FAULT_RANK", ".fault_injected"
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# SIGUSR1: what Slurm's --signal=USR1@<seconds> sends ahead of the time limit or a preemption (srun delivers it
+# to every rank; torchrun's agent does not forward it, so under torchrun signal the workers or use SIGTERM)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 
 class RunFailed(UserError):
@@ -29,7 +31,7 @@ class RunFailed(UserError):
 
 
 class StopSignals:
-    """While entered, SIGTERM and SIGINT set ``received`` (the first signal's number) instead of killing.
+    """While entered, SIGTERM, SIGINT and SIGUSR1 set ``received`` (the first signal's number) instead of killing.
 
     Later signals only count in ``repeats``: Slurm signals every process of a job step and torchrun's agent
     forwards its own signal too, so a rank commonly gets two; neither may cut a checkpoint save short
