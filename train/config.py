@@ -6,7 +6,7 @@ FILE is TOML, or JSON in the same layout: a run directory's config.json reproduc
     preset = "mixtral-tiny"          # TOML: top-level key, or --preset
     [model]  any models.config.ModelConfig field       --model.hidden_size 64
     [train]  steps, batch_size, lr, ...                --train.lr 1e-3     (--steps, --batch-size, --seed)
-    [data]   path / text, val_fraction                 --data.path tokens.bin
+    [data]   path / text / blend, dtype, val_fraction  --data.path tokens.bin
     [eval]   every, sequences                          --eval.every 50
     [log]    run_dir, every, tensorboard, progress     --run-dir runs/x
     [checkpoint] every, keep, async_save               --checkpoint.every 100
@@ -69,8 +69,10 @@ class TrainSection:
 
 @dataclass
 class DataSection:
-    path: str = ""  # pre-tokenised token file (see moekit.train.data); "" = the embedded corpus
+    path: str = ""  # token ids: a token file (moekit-prepare), a raw .bin (nanoGPT) or a .npy; "" = embedded corpus
     text: str = ""  # a text file, tokenised as bytes (vocab 256)
+    blend: str = ""  # a weighted mixture of token files, "a.bin:0.7,b.bin:0.3" (config file: also a table / array)
+    dtype: str = "uint16"  # the ids of a raw (headerless) .bin file: uint16 (nanoGPT), uint32 or uint8
     val_fraction: float = 0.05  # share of the data held out for validation
 
 
@@ -130,6 +132,11 @@ class TrainConfig:
     log: LogSection = field(default_factory=LogSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     layout: LayoutSection = field(default_factory=LayoutSection)
+
+    def __post_init__(self):
+        # settings a config file or a flag gave (set_value), as opposed to preset and section defaults; not a
+        # dataclass field, so not part of to_dict / config.json
+        self.given: set[str] = set()
 
     @property
     def run_dir(self) -> str:
@@ -195,8 +202,14 @@ def set_value(cfg: TrainConfig, dotted: str, value: Any, source: str = "", typed
         if typing.get_origin(hints[key]) is not dict or len(parts) != 3:
             raise UserError(f"{where}: {parts[0]}.{key} is not a table; use --{parts[0]}.{key} VALUE")
         getattr(section, key)[parts[2]] = _literal(value)
+        cfg.given.add(dotted)
         return
+    if dotted == "data.blend":  # a string, or in a config file a table / array of tables
+        from moekit.train.data import blend_spec
+
+        value = blend_spec(value, where)
     value = convert(value, hints[key], where, typed)
+    cfg.given.add(dotted)
     if dotted == "model.router":  # a new router family drops the old one's options (ModelConfig.set_router)
         cfg.model.set_router(value)
         return
@@ -325,17 +338,47 @@ def validate(cfg: TrainConfig) -> TrainConfig:
              f"--train.on_nonfinite={t.on_nonfinite!r} is invalid; choose one of {list(ON_NONFINITE)}")
     _require(not t.init_from_hf or os.path.isdir(t.init_from_hf),
              f"--init-from-hf {t.init_from_hf}: not a directory (expected a HuggingFace model folder)")
-    _require(0 < cfg.data.val_fraction < 0.5,
-             f"--data.val_fraction={cfg.data.val_fraction} is invalid; it must be in (0, 0.5)")
-    _require(not (cfg.data.path and cfg.data.text), "--data.path and --data.text are both set; choose one data source")
+    validate_data(cfg)
     _require(cfg.eval.every >= 0 and cfg.eval.sequences >= 1,
              f"eval.every={cfg.eval.every} must be >= 0 and eval.sequences={cfg.eval.sequences} >= 1")
     _require(cfg.log.every >= 1, f"--log.every={cfg.log.every} is invalid; it must be a positive integer")
     _require(cfg.log.progress in PROGRESS, f"--log.progress={cfg.log.progress!r} is invalid; choose one of {list(PROGRESS)}")
     _require(cfg.checkpoint.every >= 0 and cfg.checkpoint.keep >= 1,
              f"checkpoint.every={cfg.checkpoint.every} must be >= 0 and checkpoint.keep={cfg.checkpoint.keep} >= 1")
+    resolve_vocab(cfg)
     validate_model(cfg)
     return cfg
+
+
+def validate_data(cfg: TrainConfig) -> None:
+    from moekit.train.data import RAW_DTYPES
+
+    d = cfg.data
+    _require(0 < d.val_fraction < 0.5, f"--data.val_fraction={d.val_fraction} is invalid; it must be in (0, 0.5)")
+    _require(not (d.path and d.text), "--data.path and --data.text are both set; choose one data source")
+    _require(not (d.blend and (d.path or d.text)),
+             f"--data.blend and --data.{'path' if d.path else 'text'} are both set; choose one data source (a blend "
+             f"of one set is --data.blend FILE:1)")
+    _require(d.dtype in RAW_DTYPES, f"--data.dtype={d.dtype!r} is invalid; choose one of {list(RAW_DTYPES)} (the ids "
+                                    f"of a raw .bin file; token files and .npy files carry their own)")
+
+
+def resolve_vocab(cfg: TrainConfig) -> None:
+    """The model's vocabulary from the data's metadata (a moekit-prepare set) unless a config file or flag set
+    model.vocab_size; a data vocabulary larger than a given one is refused. Missing blend sets and blends of
+    different tokenizers are refused here too, before any work."""
+    from moekit.train.data import prepared_vocab
+
+    found = prepared_vocab(cfg.data)
+    if found is None:
+        return
+    vocab, path = found
+    if "model.vocab_size" not in cfg.given:
+        cfg.model.vocab_size = vocab
+    elif vocab > cfg.model.vocab_size:
+        raise UserError(f"data file {path}: its tokenizer has vocab_size {vocab} (metadata {path}.json) but "
+                        f"model.vocab_size is set to {cfg.model.vocab_size}; set it to at least {vocab}, or leave it "
+                        f"out to take the data's")
 
 
 def validate_model(cfg: TrainConfig) -> None:

@@ -36,7 +36,7 @@ from moekit.train.consistency import check_ranks_agree
 from moekit.train.distributed import Dist, comm_failure, first_line
 from moekit.train.faults import RunFailed
 from moekit.train.guard import Guard, NonFinite, set_deterministic
-from moekit.train.data import Sampler, Split, gather, load_tokens, split_windows, unigram_entropy, write_token_file
+from moekit.train.data import Split, gather, load_data, load_tokens, record_tokenizer, unigram_entropy, write_token_file
 from moekit.train.monitor import Monitor, peak_flops, peak_memory_gb
 
 PROG = program_name("train.py")  # moekit-train when started as the console script
@@ -94,9 +94,9 @@ def _run(argv: list[str] | None) -> int:
 
 
 def write_data(cfg: TrainConfig, out: str) -> int:
-    if cfg.data.path:
-        raise UserError(f"--write-data converts the embedded corpus or a --data.text file; {cfg.data.path} is "
-                        f"already a token file")
+    if cfg.data.path or cfg.data.blend:
+        raise UserError(f"--write-data converts the embedded corpus or a --data.text file; "
+                        f"{cfg.data.path or cfg.data.blend} is already token data")
     tokens, desc = load_tokens("", cfg.data.text, cfg.model.vocab_size)
     part = f"{out}.partial"  # renamed when complete: a full disk leaves no truncated token file
     try:
@@ -119,16 +119,17 @@ class Trainer:
         L = cfg.layout
         self.dist = Dist.setup(self.plan.resolved.layout, cfg.model.num_experts, self.plan.device,
                                L.ranks_per_node or None, L.timeout_s)
-        tokens, error = None, None
-        try:
-            tokens, self.data_desc = load_tokens(cfg.data.path, cfg.data.text, cfg.model.vocab_size)
+        self.data, error = None, None
+        try:  # moekit.train.data: a token file (its metadata: vocab, tokenizer), a blend, text, the embedded corpus
+            self.data = load_data(cfg.data, cfg.model.vocab_size)
+            self.data_desc = self.data.desc
         except UserError as exc:  # raised below, on every rank alike
             error = exc
         # every rank: the same settings, software and data, or one line naming what differs (collective)
-        check_ranks_agree(cfg.to_dict(), tokens, error)
+        check_ranks_agree(cfg.to_dict(), self.data.fingerprint_tokens() if self.data else None, error)
         self.run_lock = self.dist.from_main(self.claim_run_dir)  # before anything in the run dir is touched
-        self.split: Split = split_windows(tokens, cfg.train.seq_len, cfg.data.val_fraction)
-        self.sampler = Sampler(self.split.train_starts, cfg.train.seed)
+        self.split: Split = self.data.split(cfg.train.seq_len, cfg.data.val_fraction)
+        self.sampler = self.split.sampler(cfg.train.seed)  # data.Sampler, or data.BlendSampler for a blend
         self.run_dir = Path(cfg.run_dir)
         # verified (sizes, sha256, model config) before building anything; --resume / auto skip damaged ones
         self.resume_from = checkpoint.choose_resume(cfg.run_dir, opts.resume, cfg.model.to_dict(),
@@ -239,6 +240,7 @@ class Trainer:
         for name in (records.METRICS, records.EXPERT_LOAD):
             records.truncate_after(d / name, self.start_step)
         (d / records.CONFIG).write_text(json.dumps(self.cfg.to_dict(), indent=1))
+        record_tokenizer(d, self.data.tokenizer)  # tokenizer.json + tokenizer_info.json: how to decode this run
         self.metrics = records.JsonlWriter(d / records.METRICS)
         new_load = not (d / records.EXPERT_LOAD).exists()
         self.load_log = records.JsonlWriter(d / records.EXPERT_LOAD)
@@ -389,6 +391,8 @@ class Trainer:
             self.tokens_seen += plan.tokens_per_step
             m = self.step_metrics(step, loss_value, grad_norm, lr, load, dt, self.tokens_seen,
                                   time.perf_counter() - t_start)
+            if self.data.weights is not None:  # a blend: tokens drawn from each set so far
+                m["tokens_by_source"] = self.sampler.tokens_by_source(cfg.train.seq_len)
             if step == cfg.train.steps or (cfg.eval.every and step % cfg.eval.every == 0):
                 m["val_loss"] = self.evaluate()
             if self.dist.is_main:
@@ -448,9 +452,8 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean loss over fixed validation windows spread evenly over the held-out blocks."""
-        val = self.split.val_starts
-        n = min(self.cfg.eval.sequences, val.size)
-        starts = val[np.linspace(0, val.size - 1, n).round().astype(np.int64)]
+        starts = self.split.validation(self.cfg.eval.sequences)  # a blend: a fixed mix by weight
+        n = starts.size
         D = self.dist.data_parallel  # each rank takes an equal share (same forward count: EP collectives)
         starts = starts[: n - n % D] if n >= D else starts[np.arange(D) % n]
         mine = starts.reshape(D, -1)[self.dist.data_rank]

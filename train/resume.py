@@ -33,6 +33,8 @@ REFUSED = {
     "data.path": "the checkpoint's data position indexes its token data",
     "data.text": "the checkpoint's data position indexes its token data",
     "data.val_fraction": "the train / validation split of the checkpoint's data position would move",
+    "data.blend": "the checkpoint's data position counts windows drawn from each set of its blend",
+    "data.dtype": "the checkpoint's data position indexes its token data",
 }
 KEPT = {"train.init_from_hf": "the resumed weights come from the checkpoint"}
 # compared by checkpoint.check_model (shape-changing fields refused there, with their own message)

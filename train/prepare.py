@@ -1,0 +1,574 @@
+"""``moekit-prepare``: tokenize documents (text, JSONL, Parquet) into a token file the trainer memory-maps.
+
+    moekit-prepare 'data/*.jsonl' --tokenizer path/to/hf-folder -o data/train.bin
+    moekit-train --data.path data/train.bin          # vocab, EOS and tokenizer come from the set's metadata
+
+Inputs (several files or globs, read in the order given, globs sorted): ``.jsonl`` / ``.ndjson`` (one
+document per record, its ``--field``), ``.parquet`` (one document per row of column ``--field``; needs
+pyarrow, the ``data`` extra), anything else UTF-8 text (one document per file, or per line with
+``--docs-per-line``). Documents with nothing but whitespace are skipped and counted.
+
+Tokenizer: a HuggingFace ``tokenizers`` tokenizer.json, a folder holding one (a downloaded checkpoint), or
+``bytes`` (ids 0-255 are the UTF-8 bytes; EOS 256, so vocab 257, or ``--no-eos`` for vocab 256). Documents
+are encoded as plain text: no BOS or template tokens (``--add-special-tokens`` adds the tokenizer's), and
+special-token strings inside a document stay text. The end-of-document id follows every document: the
+tokenizer's (``tokenizer_config.json``'s eos_token beside it, else a well-known name such as
+``<|endoftext|>`` or ``</s>`` in its vocabulary), or ``--eos-token`` / ``--eos-id``.
+
+Output, each written under a ``.partial`` name and renamed when complete:
+    OUT                  MOEKTOK token file (moekit.train.data): uint16 ids when vocab <= 65536, else uint32
+    OUT.json             metadata (``data.metadata_path``): tokenizer kind / source / sha256 / copy, vocab_size,
+                         eos_id, documents, tokens, text_bytes (UTF-8 bytes tokenized: bits per byte), inputs...
+    OUT.tokenizer.json   a copy of the tokenizer.json (hf), so the set is self-contained
+
+Documents are tokenized by ``--workers`` processes in chunks; the output is in input order whatever the
+number of workers. Bad input is one line on stderr and exit status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import glob
+import importlib.metadata
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+
+from moekit.train import UserError, program_name
+from moekit.train.data import TokenFileWriter, metadata_path, sha256_file, tokenizer_copy_path
+
+PROG = program_name("prepare.py")
+JSONL_SUFFIXES = (".jsonl", ".ndjson")
+COMPRESSED_SUFFIXES = (".gz", ".bz2", ".xz", ".zst", ".zip")
+# end-of-document tokens of common tokenizers, most specific first (GPT-2 / Qwen / Phi, Llama 3, Llama 2 /
+# Mistral / T5, Gemma, DeepSeek)
+EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<｜end▁of▁sentence｜>",
+             "<|end▁of▁sentence|>")
+BYTES_EOS = 256
+CHUNK_DOCS, CHUNK_CHARS = 512, 1 << 22  # a chunk of work for one process: whichever limit comes first
+PROGRESS_EVERY_S = 30.0  # progress line period when stderr is not a terminal
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, no usage block: main prints it
+        raise UserError(f"{message} (see --help)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
+                description="Tokenize text / JSONL / Parquet documents into a moekit token file (+ OUT.json metadata "
+                            "and OUT.tokenizer.json) for moekit-train --data.path OUT.",
+                epilog="docs/training.md, \"Data\", describes the files and how the trainer uses them.")
+    p.add_argument("inputs", nargs="+", metavar="INPUT",
+                   help="files or quoted globs ('data/*.jsonl'): .jsonl/.ndjson, .parquet, anything else is text")
+    p.add_argument("-o", "--output", required=True, metavar="OUT", help="the token file to write")
+    p.add_argument("--tokenizer", required=True, metavar="TOKENIZER",
+                   help="a tokenizer.json, a folder holding one (HuggingFace checkpoint), or 'bytes'")
+    p.add_argument("--field", default="text", help="the JSONL key / Parquet column holding the text (default text)")
+    p.add_argument("--docs-per-line", action="store_true", help="text files: one document per line (default: per file)")
+    eos = p.add_mutually_exclusive_group()
+    eos.add_argument("--eos-token", metavar="TOKEN", help="end-of-document token (default: the tokenizer's own)")
+    eos.add_argument("--eos-id", type=int, metavar="ID", help="end-of-document id")
+    eos.add_argument("--no-eos", action="store_true", help="no end-of-document id between documents")
+    p.add_argument("--add-special-tokens", action="store_true",
+                   help="let the tokenizer add its template tokens to each document (e.g. a BOS)")
+    p.add_argument("--workers", type=int, metavar="N", default=None,
+                   help="tokenizing processes (default: the CPUs available, at most 8)")
+    p.add_argument("--quiet", action="store_true", help="no progress and no summary line")
+    return p
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tokenizer
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TokenizerSpec:
+    """What each process needs to encode, and what the metadata records."""
+
+    kind: str  # "hf" | "bytes"
+    source: str  # as given (made absolute): the tokenizer.json, the folder, or "bytes"
+    file: str | None  # the tokenizer.json (hf)
+    sha256: str | None
+    vocab_size: int
+    eos_id: int | None
+    add_special_tokens: bool = False
+
+
+def load_hf(file: str):
+    """A ``tokenizers.Tokenizer`` from ``file`` set up for data: no truncation or padding, special-token
+    strings inside a document encoded as text. One-line UserError when it cannot be read."""
+    from tokenizers import Tokenizer
+
+    try:
+        tok = Tokenizer.from_file(file)
+    except Exception as exc:  # tokenizers raises plain Exception for unreadable or invalid files
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise UserError(f"--tokenizer {file}: not a valid tokenizer.json ({reason})") from None
+    tok.no_truncation()
+    tok.no_padding()
+    tok.encode_special_tokens = True
+    return tok
+
+
+def resolve_tokenizer(args: argparse.Namespace) -> TokenizerSpec:
+    given = args.tokenizer
+    if given == "bytes":
+        if args.eos_token is not None or (args.eos_id is not None and args.eos_id != BYTES_EOS):
+            raise UserError(f"--tokenizer bytes: the end-of-document id is {BYTES_EOS} (vocab 257), or --no-eos for "
+                            f"none (vocab 256); --eos-token / --eos-id choose among a real tokenizer's ids")
+        eos = None if args.no_eos else BYTES_EOS
+        return TokenizerSpec("bytes", "bytes", None, None, 256 if eos is None else 257, eos, args.add_special_tokens)
+    path = os.path.abspath(given)
+    if os.path.isdir(path):
+        file = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(file):
+            has_sp = os.path.isfile(os.path.join(path, "tokenizer.model"))
+            hint = (" (it has a sentencepiece tokenizer.model: write a tokenizer.json with transformers' "
+                    "AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR))" if has_sp else "")
+            raise UserError(f"--tokenizer {given}: the folder holds no tokenizer.json{hint}; pass a tokenizer.json, "
+                            f"a folder with one, or 'bytes'")
+    elif os.path.isfile(path):
+        file = path
+    else:
+        raise UserError(f"--tokenizer {given}: no such file or folder; pass a tokenizer.json, a folder with one "
+                        f"(a HuggingFace checkpoint), or 'bytes'")
+    tok = load_hf(file)
+    vocab = tok.get_vocab(with_added_tokens=True)
+    if not vocab:
+        raise UserError(f"--tokenizer {given}: the tokenizer has an empty vocabulary")
+    vocab_size = max(vocab.values()) + 1
+    try:
+        digest = sha256_file(file)
+    except OSError as exc:
+        raise UserError(f"--tokenizer {given}: cannot read {file} ({exc.strerror})") from None
+    return TokenizerSpec("hf", path, file, digest, vocab_size, choose_eos(args, tok, file, vocab_size),
+                         args.add_special_tokens)
+
+
+def choose_eos(args: argparse.Namespace, tok, file: str, vocab_size: int) -> int | None:
+    """--eos-id / --eos-token / --no-eos, else the folder's tokenizer_config.json eos_token, else the first of
+    EOS_NAMES the tokenizer knows."""
+    if args.no_eos:
+        return None
+    if args.eos_id is not None:
+        if not 0 <= args.eos_id < vocab_size or tok.id_to_token(args.eos_id) is None:
+            raise UserError(f"--eos-id {args.eos_id}: not an id of the tokenizer {file} (vocab_size {vocab_size})")
+        return args.eos_id
+    if args.eos_token is not None:
+        eos = tok.token_to_id(args.eos_token)
+        if eos is None:
+            raise UserError(f"--eos-token {args.eos_token!r}: not a token of the tokenizer {file}; "
+                            f"its special tokens: {special_tokens(tok)}")
+        return eos
+    configured = config_eos_token(os.path.dirname(file))
+    for name in ([configured] if configured else []) + list(EOS_NAMES):
+        eos = tok.token_to_id(name)
+        if eos is not None:
+            return eos
+    raise UserError(f"--tokenizer {args.tokenizer}: found no end-of-document token (tokenizer_config.json's "
+                    f"eos_token, or one of {', '.join(EOS_NAMES[:4])}); its special tokens: {special_tokens(tok)}; "
+                    f"name it with --eos-token TOKEN or --eos-id ID, or pass --no-eos")
+
+
+def special_tokens(tok) -> str:
+    names = [t.content for _, t in sorted(tok.get_added_tokens_decoder().items()) if t.special]
+    return ", ".join(names[:12]) + (f" (+{len(names) - 12} more)" if len(names) > 12 else "") if names else "none"
+
+
+def config_eos_token(folder: str) -> str | None:
+    """eos_token from a HuggingFace folder's tokenizer_config.json or special_tokens_map.json, if any."""
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        try:
+            with open(os.path.join(folder, name), encoding="utf-8") as f:
+                value = json.load(f).get("eos_token")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(value, dict):
+            value = value.get("content")
+        if isinstance(value, str) and value:
+            return value
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Encoding (in worker processes, or in this one)
+# ---------------------------------------------------------------------------------------------------
+
+_ENCODER: tuple[TokenizerSpec, object] | None = None  # (spec, tokenizers.Tokenizer or None), per process
+
+
+def init_encoder(spec: TokenizerSpec, single_threaded: bool) -> None:
+    global _ENCODER
+    if single_threaded:  # one of several processes: each encodes on its own core
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _ENCODER = (spec, load_hf(spec.file) if spec.kind == "hf" else None)
+
+
+def encode_chunk(docs: list[str]) -> tuple[np.ndarray, int]:
+    """(ids of every document followed by EOS, UTF-8 bytes of the documents), in document order."""
+    spec, tok = _ENCODER
+    if spec.kind == "bytes":
+        encoded = [d.encode("utf-8") for d in docs]
+        pieces = [np.frombuffer(b, dtype=np.uint8) for b in encoded]
+        nbytes = sum(len(b) for b in encoded)
+    else:
+        encode = getattr(tok, "encode_batch_fast", tok.encode_batch)  # _fast: no offsets (tokenizers >= 0.20)
+        batch = encode(docs, add_special_tokens=spec.add_special_tokens)
+        pieces = [np.asarray(e.ids, dtype=np.uint32) for e in batch]
+        nbytes = sum(len(d.encode("utf-8")) for d in docs)
+    if spec.eos_id is not None:
+        eos = np.array([spec.eos_id], dtype=np.uint32)
+        pieces = [x for piece in pieces for x in (piece, eos)]
+    ids = np.concatenate(pieces).astype(np.uint32) if pieces else np.empty(0, np.uint32)
+    return ids, nbytes
+
+
+# ---------------------------------------------------------------------------------------------------
+# Reading documents
+# ---------------------------------------------------------------------------------------------------
+
+
+def expand_inputs(patterns: list[str]) -> list[str]:
+    """Files in the order given; a glob's matches sorted. Missing files, empty globs, folders and files named
+    twice are refused."""
+    files: list[str] = []
+    for pattern in patterns:
+        if any(c in pattern for c in "*?["):
+            matches = sorted(m for m in glob.glob(pattern, recursive=True) if os.path.isfile(m))
+            if not matches:
+                raise UserError(f"input {pattern!r}: the pattern matches no file")
+            files += matches
+        elif os.path.isdir(pattern):
+            raise UserError(f"input {pattern}: is a folder; pass its files, e.g. '{os.path.join(pattern, '*.jsonl')}'")
+        elif not os.path.isfile(pattern):
+            raise UserError(f"input {pattern}: no such file")
+        else:
+            files.append(pattern)
+    seen = set()
+    for f in files:
+        key = os.path.realpath(f)
+        if key in seen:
+            raise UserError(f"input {f}: named twice (overlapping files / globs); each file is tokenized once")
+        seen.add(key)
+    return files
+
+
+def input_kind(path: str) -> str:
+    lower = path.lower()
+    if lower.endswith(JSONL_SUFFIXES):
+        return "jsonl"
+    if lower.endswith(".parquet"):
+        return "parquet"
+    return "text"
+
+
+def _decode(raw: bytes, where: str, path: str) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        hint = "; decompress it first" if path.lower().endswith(COMPRESSED_SUFFIXES) else "; convert it to UTF-8"
+        raise UserError(f"{where}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}){hint}") from None
+
+
+def _vanished(path: str, exc: OSError) -> UserError:
+    return UserError(f"input {path}: cannot read it ({exc.strerror or exc}): it disappeared or became unreadable "
+                     f"while preparing; restore it and run again")
+
+
+def read_text(path: str, per_line: bool) -> Iterator[str]:
+    try:
+        with open(path, "rb") as f:
+            if not per_line:
+                yield _decode(f.read(), f"input {path}", path).removeprefix("\ufeff")
+                return
+            for number, line in enumerate(f, 1):
+                text = _decode(line, f"input {path} line {number}", path)
+                yield (text.removeprefix("\ufeff") if number == 1 else text).rstrip("\r\n")
+    except OSError as exc:
+        raise _vanished(path, exc) from None
+
+
+def _kind_of(value) -> str:
+    return {bool: "a boolean", int: "a number", float: "a number", list: "an array", dict: "an object"}.get(
+        type(value), type(value).__name__)
+
+
+def read_jsonl(path: str, field: str) -> Iterator[str | None]:
+    first = True
+    try:
+        with open(path, "rb") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue  # a blank line is no record
+                where = f"input {path} line {number}"
+                text = _decode(line, where, path)
+                try:
+                    record = json.loads(text.removeprefix("\ufeff") if number == 1 else text)
+                except ValueError as exc:
+                    raise UserError(f"{where}: invalid JSON ({exc}); each line must be one JSON object") from None
+                if not isinstance(record, dict):
+                    raise UserError(f"{where}: expected a JSON object per line, got {_kind_of(record)}")
+                if field not in record:
+                    fields = ", ".join(repr(k) for k in list(record)[:20]) or "none"
+                    which = "the first record" if first else "this record"
+                    raise UserError(f"{where}: {which} has no field {field!r}; its fields: {fields}; choose the text "
+                                    f"field with --field")
+                first = False
+                value = record[field]
+                if value is not None and not isinstance(value, str):
+                    raise UserError(f"{where}: field {field!r} is {_kind_of(value)}, not a string")
+                yield value
+    except OSError as exc:
+        raise _vanished(path, exc) from None
+
+
+def read_parquet(path: str, field: str) -> Iterator[str | None]:
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise UserError(f"input {path}: reading Parquet needs pyarrow: pip install 'moekit[data]' "
+                        f"(or pip install pyarrow)") from None
+    try:
+        pf = pq.ParquetFile(path)
+    except OSError as exc:
+        if not os.path.exists(path):
+            raise _vanished(path, exc) from None
+        raise UserError(f"input {path}: not a Parquet file ({str(exc).splitlines()[0]})") from None
+    except pa.ArrowException as exc:
+        raise UserError(f"input {path}: not a Parquet file ({str(exc).splitlines()[0]})") from None
+    schema = pf.schema_arrow
+    if field not in schema.names:
+        raise UserError(f"input {path}: no column {field!r}; its columns: {', '.join(map(repr, schema.names[:20]))}; "
+                        f"choose the text column with --field")
+    kind = schema.field(field).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)
+            or getattr(pa.types, "is_string_view", lambda t: False)(kind)):
+        raise UserError(f"input {path}: column {field!r} holds {kind}, not text (string)")
+    try:
+        for batch in pf.iter_batches(batch_size=1024, columns=[field]):
+            column = batch.column(0)
+            try:
+                yield from column.to_pylist()
+            except UnicodeDecodeError as exc:
+                raise UserError(f"input {path}: column {field!r} holds a value that is not UTF-8 "
+                                f"({exc.reason})") from None
+    except OSError as exc:
+        raise _vanished(path, exc) from None
+    except pa.ArrowException as exc:
+        raise UserError(f"input {path}: cannot read it ({str(exc).splitlines()[0]})") from None
+
+
+@dataclass
+class Counts:
+    documents: int = 0
+    empty: int = 0
+    tokens: int = 0
+    text_bytes: int = 0
+
+
+def documents(files: list[str], field: str, per_line: bool, counts: Counts) -> Iterator[str]:
+    """Every non-empty document of ``files`` in order; empty (whitespace-only, null) ones are counted and skipped."""
+    for path in files:
+        kind = input_kind(path)
+        docs = (read_jsonl(path, field) if kind == "jsonl" else read_parquet(path, field) if kind == "parquet"
+                else read_text(path, per_line))
+        for doc in docs:
+            if doc is None or not doc.strip():
+                counts.empty += 1
+                continue
+            counts.documents += 1
+            yield doc
+
+
+def chunks(docs: Iterator[str]) -> Iterator[list[str]]:
+    chunk, chars = [], 0
+    for doc in docs:
+        chunk.append(doc)
+        chars += len(doc)
+        if len(chunk) >= CHUNK_DOCS or chars >= CHUNK_CHARS:
+            yield chunk
+            chunk, chars = [], 0
+    if chunk:
+        yield chunk
+
+
+def encoded(spec: TokenizerSpec, work: Iterator[list[str]], workers: int) -> Iterator[tuple[np.ndarray, int]]:
+    """Each chunk's (ids, bytes), in chunk order: in this process, or ``workers`` processes with a bounded
+    number of chunks in flight (reading never runs far ahead of writing)."""
+    if workers == 1:
+        init_encoder(spec, single_threaded=False)
+        for chunk in work:
+            yield encode_chunk(chunk)
+        return
+    import multiprocessing
+
+    # spawn: a fresh interpreter per worker (no fork of a threaded parent: torch, tokenizers' thread pool)
+    with multiprocessing.get_context("spawn").Pool(workers, initializer=init_encoder, initargs=(spec, True)) as pool:
+        pending: collections.deque = collections.deque()
+        for chunk in work:
+            pending.append(pool.apply_async(encode_chunk, (chunk,)))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Progress and output
+# ---------------------------------------------------------------------------------------------------
+
+
+class Progress:
+    """Documents, tokens and MB/s of text on stderr: redrawn in place on a terminal, else a line every 30 s."""
+
+    def __init__(self, quiet: bool):
+        self.enabled = not quiet
+        self.tty = sys.stderr.isatty()
+        self.t0 = self.last = time.perf_counter()
+
+    def update(self, counts: Counts, force: bool = False) -> None:
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        if not force and now - self.last < (0.25 if self.tty else PROGRESS_EVERY_S):
+            return
+        self.last = now
+        elapsed = max(now - self.t0, 1e-9)
+        line = (f"{counts.documents:,} documents, {counts.tokens:,} tokens, {counts.text_bytes / 1e6:,.1f} MB "
+                f"({counts.text_bytes / 1e6 / elapsed:,.1f} MB/s), {elapsed:.0f}s")
+        sys.stderr.write(f"\r\033[K{line}" if self.tty else f"{PROG}: {line}\n")
+        sys.stderr.flush()
+
+    def clear(self) -> None:
+        if self.enabled and self.tty:
+            sys.stderr.write("\r\033[K")
+            sys.stderr.flush()
+
+
+def moekit_version() -> str:
+    try:
+        return importlib.metadata.version("moekit")
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def metadata(spec: TokenizerSpec, out: str, counts: Counts, files: list[str], args, dtype: np.dtype) -> dict:
+    kinds = {input_kind(f) for f in files}
+    return {
+        "format": "moekit-prepared", "version": 1, "moekit_version": moekit_version(),
+        "token_file": os.path.basename(out), "dtype": dtype.name,
+        "vocab_size": spec.vocab_size, "eos_id": spec.eos_id,
+        "tokenizer": {"kind": spec.kind, "source": spec.source, "sha256": spec.sha256,
+                      "file": os.path.basename(tokenizer_copy_path(out)) if spec.kind == "hf" else None},
+        "add_special_tokens": spec.add_special_tokens,
+        "documents": counts.documents, "empty_documents": counts.empty, "tokens": counts.tokens,
+        "text_bytes": counts.text_bytes,
+        "inputs": [os.path.abspath(f) for f in files],
+        "field": args.field if kinds & {"jsonl", "parquet"} else None,
+        "docs_per_line": bool(args.docs_per_line) if "text" in kinds else None,
+    }
+
+
+def open_output(out: str, vocab_size: int) -> TokenFileWriter:
+    """The writer of ``OUT.partial`` (its folder made): refused in one line before any tokenizing."""
+    try:
+        folder = os.path.dirname(os.path.abspath(out))
+        os.makedirs(folder, exist_ok=True)
+        if os.path.isdir(out):
+            raise IsADirectoryError(21, "Is a directory", out)
+        return TokenFileWriter(f"{out}.partial", vocab_size)
+    except OSError as exc:
+        raise UserError(f"--output {out}: cannot write it ({exc.strerror or exc}); choose another path, free space "
+                        f"or fix permissions") from None
+
+
+def prepare(args: argparse.Namespace) -> int:
+    out = args.output
+    workers = args.workers if args.workers is not None else min(len(os.sched_getaffinity(0)) if hasattr(
+        os, "sched_getaffinity") else (os.cpu_count() or 1), 8)
+    if workers < 1:
+        raise UserError(f"--workers {workers}: must be at least 1")
+    spec = resolve_tokenizer(args)
+    files = expand_inputs(args.inputs)
+    if os.path.abspath(out) in {os.path.abspath(f) for f in files}:
+        raise UserError(f"--output {out}: is also an input; write the tokens elsewhere")
+    folder = os.path.dirname(os.path.abspath(out))
+    made_folder = not os.path.isdir(folder)
+    writer = open_output(out, spec.vocab_size)
+    partials = [f"{out}.partial"]
+    done = False
+    counts, progress = Counts(), Progress(args.quiet)
+    try:
+        for ids, nbytes in encoded(spec, chunks(documents(files, args.field, args.docs_per_line, counts)), workers):
+            writer.write(ids)
+            counts.tokens += ids.size
+            counts.text_bytes += nbytes
+            progress.update(counts)
+        writer.close()
+        progress.clear()
+        if counts.documents == 0:
+            raise UserError(f"no documents to tokenize: {', '.join(files[:5])}{' ...' if len(files) > 5 else ''} "
+                            f"held {counts.empty} empty document(s) and no text (--field {args.field!r}"
+                            f"{', --docs-per-line' if args.docs_per_line else ''})")
+        meta = metadata(spec, out, counts, files, args, writer.dtype)
+        meta_file, tok_copy = metadata_path(out), tokenizer_copy_path(out)
+        partials += [f"{meta_file}.partial", f"{tok_copy}.partial"]
+        with open(f"{meta_file}.partial", "w", encoding="utf-8") as f:
+            json.dump(meta, f, indent=1)
+            f.write("\n")
+        if spec.kind == "hf":
+            shutil.copyfile(spec.file, f"{tok_copy}.partial")
+            os.replace(f"{tok_copy}.partial", tok_copy)
+        elif os.path.lexists(tok_copy):
+            os.unlink(tok_copy)  # a stale copy from an earlier hf preparation of the same OUT
+        os.replace(f"{out}.partial", out)
+        os.replace(f"{meta_file}.partial", meta_file)  # last: the metadata describes a complete token file
+        done = True
+    except OSError as exc:
+        raise UserError(f"--output {out}: writing failed ({exc.strerror or exc}); nothing was kept; free space or "
+                        f"fix permissions and run again") from None
+    finally:
+        writer.close()
+        progress.clear()
+        for p in partials:
+            with contextlib.suppress(OSError):
+                os.unlink(p)
+        if made_folder and not done:
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)  # the folder this run made for OUT, when it stayed empty
+    if not args.quiet:
+        per_byte = counts.tokens / max(counts.text_bytes, 1)
+        eos = "no EOS" if spec.eos_id is None else f"EOS {spec.eos_id}"
+        print(f"wrote {out}: {counts.documents:,} documents ({counts.empty:,} empty skipped), {counts.tokens:,} tokens "
+              f"({writer.dtype.name}, {per_byte:.3f} per byte of {counts.text_bytes:,} bytes of text); "
+              f"{spec.kind} tokenizer {spec.source}, vocab {spec.vocab_size}, {eos}; metadata {metadata_path(out)}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point (moekit-prepare): 0 when the set was written, 2 on bad input (one line on stderr)."""
+    try:
+        args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+        return prepare(args)
+    except UserError as exc:
+        print(f"{PROG}: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return getattr(exc, "exit_code", 2)
+    except KeyboardInterrupt:
+        print(f"\n{PROG}: interrupted; nothing was written", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # python -m moekit.train.prepare: the workers unpickle the installed module's functions
+    from moekit.train.prepare import main as _main
+
+    sys.exit(_main())
