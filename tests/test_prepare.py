@@ -203,6 +203,40 @@ def test_bytes_tokenizer(tmp_path):
     assert meta["eos_id"] is None
 
 
+def test_bpe_trained_on_the_inputs(corpus, tmp_path, capsys):
+    """--tokenizer bpe:N trains a byte-level BPE on the inputs (no download): N ids, EOS <|endoftext|> = 0,
+    saved beside the output; the prepared ids are that tokenizer's own encode of each document + EOS."""
+    folder, docs, _ = corpus
+    inputs = write_inputs(tmp_path / "in", "lines", docs)
+    vocab = int(np.random.default_rng().integers(300, 600))
+    out = tmp_path / "bpe" / "t.bin"  # a folder that does not exist yet
+    assert main([*inputs, "--docs-per-line", "--tokenizer", f"bpe:{vocab}", "-o", str(out), "--quiet"]) == 0
+    ids, meta = read(out)
+    tok = reference(Path(f"{out}.tokenizer.json"))
+    assert tok.token_to_id("<|endoftext|>") == 0 and meta["eos_id"] == 0
+    assert tok.get_vocab_size() <= vocab and meta["vocab_size"] == tok.get_vocab_size()
+    lines = [ln for f in inputs for ln in Path(f).read_text(encoding="utf-8").splitlines()]
+    assert ids == expected(tok, lines, 0)
+    assert meta["tokenizer"]["source"].startswith("bpe:") and not list(out.parent.glob("*.partial"))
+    assert tok.decode(ids[: ids.index(0)]) == next(ln for ln in lines if ln.strip())  # byte-level: lossless
+    for bad in ("bpe:12", "bpe:x"):
+        one_error(capsys, main([*inputs, "--tokenizer", bad, "-o", str(tmp_path / "x.bin")]), "vocabulary size")
+    one_error(capsys, main([*inputs, "--tokenizer", "bpe:400", "--no-eos", "-o", str(tmp_path / "x.bin")]), "id 0")
+    assert not (tmp_path / "x.bin").exists()
+
+
+def test_embedded_corpus_as_input(tmp_path):
+    """@embedded: the trainer's embedded corpus, one document per stdlib module, byte tokens + EOS."""
+    from moekit.train.data import embedded_corpus_files
+
+    files = embedded_corpus_files()
+    assert main(["@embedded", "--tokenizer", "bytes", "-o", str(tmp_path / "e.bin"), "--quiet"]) == 0
+    ids, meta = read(tmp_path / "e.bin")
+    assert meta["documents"] == len(files) and ids.count(256) == len(files)
+    first = Path(files[0]).read_bytes()
+    assert ids[: len(first)] == list(first) and ids[len(first)] == 256
+
+
 # ---------------------------------------------------------------------------------------------------
 # Training on prepared sets, raw .bin, .npy; the run directory's tokenizer record
 # ---------------------------------------------------------------------------------------------------

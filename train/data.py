@@ -67,16 +67,19 @@ STDLIB_FILES = (
 MIN_CORPUS_BYTES = 1 << 20
 
 
+def embedded_corpus_files() -> list[str]:
+    """The standard-library modules of the embedded corpus that this Python has, in corpus order."""
+    root = sysconfig.get_paths()["stdlib"]
+    return [os.path.join(root, n) for n in sorted(STDLIB_FILES) if os.path.isfile(os.path.join(root, n))]
+
+
 def embedded_corpus() -> tuple[np.ndarray, str]:
     """(uint8 tokens, description) of the standard-library corpus."""
     root = sysconfig.get_paths()["stdlib"]
-    parts, found = [], []
-    for name in sorted(STDLIB_FILES):
-        path = os.path.join(root, name)
-        if os.path.isfile(path):
-            with open(path, "rb") as f:
-                parts.append(f.read())
-            found.append(name)
+    parts, found = [], embedded_corpus_files()
+    for path in found:
+        with open(path, "rb") as f:
+            parts.append(f.read())
     data = b"\n\n".join(parts)
     if len(data) < MIN_CORPUS_BYTES:
         raise UserError(f"the embedded corpus needs the Python standard library sources in {root}, but only "

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import dataclasses
 import glob
 import importlib.metadata
 import json
@@ -42,7 +43,9 @@ from typing import Iterator
 import numpy as np
 
 from moekit.train import UserError, program_name
-from moekit.train.data import TokenFileWriter, metadata_path, sha256_file, tokenizer_copy_path
+from moekit.train.data import (
+    TokenFileWriter, embedded_corpus_files, metadata_path, sha256_file, tokenizer_copy_path,
+)
 
 PROG = program_name("prepare.py")
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
@@ -52,6 +55,9 @@ COMPRESSED_SUFFIXES = (".gz", ".bz2", ".xz", ".zst", ".zip")
 EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<｜end▁of▁sentence｜>",
              "<|end▁of▁sentence|>")
 BYTES_EOS = 256
+EMBEDDED = "@embedded"  # input: the trainer's embedded corpus (stdlib modules), one document per module
+BPE_PREFIX = "bpe:"  # --tokenizer bpe:N: train a byte-level BPE of N ids on the inputs first
+BPE_EOS = "<|endoftext|>"
 CHUNK_DOCS, CHUNK_CHARS = 512, 1 << 22  # a chunk of work for one process: whichever limit comes first
 PROGRESS_EVERY_S = 30.0  # progress line period when stderr is not a terminal
 
@@ -67,10 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
                             "and OUT.tokenizer.json) for moekit-train --data.path OUT.",
                 epilog="docs/training.md, \"Data\", describes the files and how the trainer uses them.")
     p.add_argument("inputs", nargs="+", metavar="INPUT",
-                   help="files or quoted globs ('data/*.jsonl'): .jsonl/.ndjson, .parquet, anything else is text")
+                   help="files or quoted globs ('data/*.jsonl'): .jsonl/.ndjson, .parquet, anything else is text; "
+                        f"{EMBEDDED}: the trainer's embedded corpus (Python stdlib modules, one document each)")
     p.add_argument("-o", "--output", required=True, metavar="OUT", help="the token file to write")
     p.add_argument("--tokenizer", required=True, metavar="TOKENIZER",
-                   help="a tokenizer.json, a folder holding one (HuggingFace checkpoint), or 'bytes'")
+                   help="a tokenizer.json, a folder holding one (HuggingFace checkpoint), 'bytes', or 'bpe:N': train "
+                        f"a byte-level BPE tokenizer of N ids on the inputs first (EOS {BPE_EOS}, saved as "
+                        "OUT.tokenizer.json; no download)")
     p.add_argument("--field", default="text", help="the JSONL key / Parquet column holding the text (default text)")
     p.add_argument("--docs-per-line", action="store_true", help="text files: one document per line (default: per file)")
     eos = p.add_mutually_exclusive_group()
@@ -152,6 +161,35 @@ def resolve_tokenizer(args: argparse.Namespace) -> TokenizerSpec:
         raise UserError(f"--tokenizer {given}: cannot read {file} ({exc.strerror})") from None
     return TokenizerSpec("hf", path, file, digest, vocab_size, choose_eos(args, tok, file, vocab_size),
                          args.add_special_tokens)
+
+
+def train_bpe(args: argparse.Namespace, files: list[str], path: str) -> None:
+    """--tokenizer bpe:N: a byte-level BPE tokenizer (GPT-2 style: any text encodes, no unknown token) with
+    N ids, EOS ``<|endoftext|>`` = id 0, trained on the non-empty documents of ``files`` with the
+    ``tokenizers`` library (one pass over the inputs before the tokenizing pass), saved to ``path``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    spec = args.tokenizer[len(BPE_PREFIX):]
+    if not spec.isdigit() or not 300 <= int(spec) <= 1_000_000:
+        raise UserError(f"--tokenizer {args.tokenizer}: N must be a vocabulary size from 300 to 1000000 (the 256 "
+                        f"byte symbols, the EOS and at least a few merges), e.g. bpe:4096")
+    if args.eos_token not in (None, BPE_EOS) or args.eos_id not in (None, 0) or args.no_eos:
+        raise UserError(f"--tokenizer {args.tokenizer}: a trained BPE tokenizer's end-of-document token is {BPE_EOS} "
+                        f"(id 0); drop --eos-token / --eos-id / --no-eos")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=int(spec), special_tokens=[BPE_EOS], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    if not args.quiet:
+        print(f"{PROG}: training a byte-level BPE tokenizer of {int(spec):,} ids on {len(files)} file(s)",
+              file=sys.stderr, flush=True)
+    tok.train_from_iterator(documents(files, args.field, args.docs_per_line, Counts()), trainer=trainer)
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        tok.save(path)
+    except Exception as exc:  # tokenizers raises plain Exception on I/O errors
+        raise UserError(f"--output {args.output}: cannot write the trained tokenizer beside it ({exc})") from None
 
 
 def choose_eos(args: argparse.Namespace, tok, file: str, vocab_size: int) -> int | None:
@@ -242,7 +280,12 @@ def expand_inputs(patterns: list[str]) -> list[str]:
     twice are refused."""
     files: list[str] = []
     for pattern in patterns:
-        if any(c in pattern for c in "*?["):
+        if pattern == EMBEDDED:
+            found = embedded_corpus_files()
+            if not found:
+                raise UserError(f"input {EMBEDDED}: this Python has none of the corpus's stdlib sources; pass files")
+            files += found
+        elif any(c in pattern for c in "*?["):
             matches = sorted(m for m in glob.glob(pattern, recursive=True) if os.path.isfile(m))
             if not matches:
                 raise UserError(f"input {pattern!r}: the pattern matches no file")
@@ -498,14 +541,26 @@ def prepare(args: argparse.Namespace) -> int:
         os, "sched_getaffinity") else (os.cpu_count() or 1), 8)
     if workers < 1:
         raise UserError(f"--workers {workers}: must be at least 1")
-    spec = resolve_tokenizer(args)
     files = expand_inputs(args.inputs)
-    if os.path.abspath(out) in {os.path.abspath(f) for f in files}:
-        raise UserError(f"--output {out}: is also an input; write the tokens elsewhere")
     folder = os.path.dirname(os.path.abspath(out))
     made_folder = not os.path.isdir(folder)
+    trained = None
+    if args.tokenizer.startswith(BPE_PREFIX):  # trained here, then used like any tokenizer.json
+        trained = f"{out}.bpe.partial"
+        train_bpe(args, files, trained)
+        args = argparse.Namespace(**{**vars(args), "tokenizer": trained})
+    try:
+        spec = resolve_tokenizer(args)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(trained or "")
+        raise
+    if trained:
+        spec = dataclasses.replace(spec, source=f"bpe:{spec.vocab_size} trained on the inputs by moekit-prepare")
+    if os.path.abspath(out) in {os.path.abspath(f) for f in files}:
+        raise UserError(f"--output {out}: is also an input; write the tokens elsewhere")
     writer = open_output(out, spec.vocab_size)
-    partials = [f"{out}.partial"]
+    partials = [f"{out}.partial"] + ([trained] if trained else [])
     done = False
     counts, progress = Counts(), Progress(args.quiet)
     try:
