@@ -10,6 +10,13 @@ T = B*S tokens.
 Single-device code: nothing here knows about ranks (DESIGN.md); comm/ parallelises a built model.
 Build on the meta device, move with ``to_empty``, then ``init_weights(seed)``: every parameter is
 filled from one generator in module order, so the weights depend on the seed only.
+
+Incremental decoding (generation): ``model(tokens [B, S_new], cache=KVCache(...))`` runs only the new
+positions P .. P+S_new-1 (P = ``cache.length``): RoPE at those positions, attention over the cached keys
+and values plus the new ones, MoE layers routing the new tokens only. With a router whose choice for a
+token depends on that token alone (top-k / switch / hash without capacity, Sinkhorn in eval) the logits
+equal a full forward of the whole sequence up to rounding. Without ``cache`` the forward is the training
+one, unchanged.
 """
 from __future__ import annotations
 
@@ -23,10 +30,12 @@ from moekit.models.config import ModelConfig
 from moekit.moe import DenseMLP, MoELayer, build_router
 
 
-def rope_angles(seq_len: int, head_dim: int, theta: float, device) -> tuple[Tensor, Tensor]:
-    """cos, sin [S, D/2] of position * theta^(-2i/D) (Su et al. 2021), computed in float32."""
+def rope_angles(seq_len: int, head_dim: int, theta: float, device, start: int = 0) -> tuple[Tensor, Tensor]:
+    """cos, sin [S, D/2] of position * theta^(-2i/D) (Su et al. 2021) for positions start .. start+S-1, in
+    float32."""
     inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)  # [D/2]
-    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)  # [S, D/2]
+    positions = torch.arange(start, start + seq_len, device=device, dtype=torch.float32)  # [S]
+    angles = torch.outer(positions, inv_freq)  # [S, D/2]
     return angles.cos(), angles.sin()
 
 
@@ -50,7 +59,9 @@ class Attention(nn.Module):
         self.wv = nn.Linear(H, self.num_kv_heads * D, bias=False)
         self.wo = nn.Linear(self.num_heads * D, H, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: LayerKV | None = None) -> Tensor:
+        """x [B, S, H] at the positions cos/sin describe. ``kv``: this layer's cache (incremental decoding);
+        the new keys/values are appended and the queries attend to every cached position as well."""
         B, S, _ = x.shape
         # -1 heads: under tensor parallelism this rank's q/k/v projections produce N/tp and K/tp heads
         q = self.wq(x).view(B, S, -1, self.head_dim).transpose(1, 2)  # [B, N, S, D]
@@ -58,8 +69,75 @@ class Attention(nn.Module):
         v = self.wv(x).view(B, S, -1, self.head_dim).transpose(1, 2)  # [B, K, S, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         gqa = self.num_kv_heads != self.num_heads
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)  # [B, N, S, D]
+        if kv is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)  # [B, N, S, D]
+        else:
+            start = kv.length
+            k, v = kv.append(k, v)  # [B, K, start+S, D]: every position so far
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(start, S, q.device),
+                                               is_causal=start == 0 and S > 1, enable_gqa=gqa)  # [B, N, S, D]
         return self.wo(y.transpose(1, 2).reshape(B, S, -1))  # [B, S, H]
+
+
+def causal_mask(start: int, new: int, device) -> Tensor | None:
+    """[new, start+new] bool: query start+i sees keys 0 .. start+i. None where no mask is needed: one new
+    query sees every key; a first chunk (start 0) is plain causal attention (is_causal)."""
+    if new == 1 or start == 0:
+        return None
+    keys = torch.arange(start + new, device=device)  # [P+S]
+    return keys[None, :] <= torch.arange(start, start + new, device=device)[:, None]  # [S, P+S]
+
+
+class LayerKV:
+    """One attention layer's cached keys and values: [B, K, capacity, D] buffers, ``length`` filled.
+
+    Allocated at the first ``append`` with the keys' batch, heads, dtype and device (the model's compute
+    dtype: autocast's when it is on), so one cache serves any model without being told its layout."""
+
+    def __init__(self, capacity: int):
+        self.capacity, self.length = capacity, 0
+        self.keys: Tensor | None = None
+        self.values: Tensor | None = None
+
+    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write k, v [B, K, S, D] at positions length .. length+S-1; return every position's [B, K, length, D]."""
+        B, K, S, D = k.shape
+        end = self.length + S
+        if end > self.capacity:
+            raise ValueError(f"KV cache holds {self.capacity} positions; appending {S} at position {self.length} "
+                             f"overflows it: make a larger cache (at most model.max_seq_len) or start a new one")
+        if self.keys is None:
+            self.keys = k.new_empty(B, K, self.capacity, D)
+            self.values = v.new_empty(B, K, self.capacity, D)
+        elif self.keys.shape[0] != B or self.keys.dtype != k.dtype:
+            raise ValueError(f"KV cache was filled with batch {self.keys.shape[0]} in {self.keys.dtype}, got batch "
+                             f"{B} in {k.dtype}; use one cache per batch of sequences")
+        self.keys[:, :, self.length : end] = k
+        self.values[:, :, self.length : end] = v
+        self.length = end
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+
+class KVCache:
+    """Per-layer keys and values of the positions decoded so far (``Transformer.forward(tokens, cache=...)``).
+
+    ``capacity``: the most positions it will hold (default and limit: model.max_seq_len). Memory is
+    2 * L * B * K * capacity * D elements, allocated as the layers first write. A cache belongs to one
+    batch of sequences that all share positions: start a new one for another prompt.
+    """
+
+    def __init__(self, config: ModelConfig, capacity: int | None = None):
+        capacity = config.max_seq_len if capacity is None else capacity
+        if not 1 <= capacity <= config.max_seq_len:
+            raise ValueError(f"KV cache capacity {capacity} is invalid; it must be in [1, model.max_seq_len="
+                             f"{config.max_seq_len}]")
+        self.capacity = capacity
+        self.layers = [LayerKV(capacity) for _ in range(config.num_layers)]
+
+    @property
+    def length(self) -> int:
+        """Positions cached: the next token's position."""
+        return self.layers[0].length if self.layers else 0
 
 
 class Block(nn.Module):
@@ -78,8 +156,8 @@ class Block(nn.Module):
         else:
             self.ffn = DenseMLP(H, config.ffn_hidden_size, config.activation)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, tokens: Tensor) -> Tensor:
-        h = x + self.attn(self.attn_norm(x), cos, sin)  # [B, S, H]
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, tokens: Tensor, kv: LayerKV | None = None) -> Tensor:
+        h = x + self.attn(self.attn_norm(x), cos, sin, kv=kv)  # [B, S, H]
         f = self.ffn_norm(h)
         return h + (self.ffn(f, token_ids=tokens) if self.is_moe else self.ffn(f))  # [B, S, H]
 
@@ -96,15 +174,25 @@ class Transformer(nn.Module):
         # tie to restore after to_empty() or a checkpoint load.
         self.lm_head = None if config.tie_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
-    def forward(self, tokens: Tensor) -> Tensor:
-        """tokens [B, S] int64 -> logits [B, S, V] float32."""
+    def forward(self, tokens: Tensor, cache: KVCache | None = None) -> Tensor:
+        """tokens [B, S] int64 -> logits [B, S, V] float32.
+
+        ``cache``: incremental decoding (module docstring): tokens are the positions after the cached ones,
+        whose keys and values are appended to it."""
         B, S = tokens.shape
-        if S > self.config.max_seq_len:
-            raise ValueError(f"sequence length {S} exceeds model.max_seq_len={self.config.max_seq_len}")
-        cos, sin = rope_angles(S, self.config.attn_head_dim, self.config.rope_theta, tokens.device)  # [S, D/2]
+        if cache is not None and len(cache.layers) != len(self.layers):
+            raise ValueError(f"KV cache has {len(cache.layers)} layers, the model {len(self.layers)}; build it with "
+                             f"KVCache(model.config)")
+        start = 0 if cache is None else cache.length  # position of tokens[:, 0]
+        if start + S > self.config.max_seq_len:
+            raise ValueError(f"sequence length {start + S} exceeds model.max_seq_len={self.config.max_seq_len}")
+        cos, sin = rope_angles(S, self.config.attn_head_dim, self.config.rope_theta, tokens.device, start)  # [S, D/2]
         x = self.embed(tokens)  # [B, S, H]
-        for layer in self.layers:
-            x = layer(x, cos, sin, tokens)  # [B, S, H]
+        for i, layer in enumerate(self.layers):
+            if cache is None:
+                x = layer(x, cos, sin, tokens)  # [B, S, H]
+            else:
+                x = layer(x, cos, sin, tokens, cache.layers[i])  # [B, S, H]
         x = self.norm(x)
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight  # [V, H]
         return F.linear(x, weight).float()  # [B, S, V]

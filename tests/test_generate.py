@@ -1,0 +1,412 @@
+"""Text out: the KV cache, sampling, moekit-generate and moekit-eval on freshly trained tiny runs.
+
+One module-scoped fixture trains mixtral-tiny, switch-tiny and deepseek-tiny for two steps in-process (the
+tiny flags of tests/tiny.py, a checkpoint after each step); every test reads those runs. The references:
+a full forward for the cache, decoding without the cache for greedy tokens, a plain NumPy computation of
+the top-k / top-p set, the trainer's own val_loss for moekit-eval, and a HuggingFace export of the same
+weights for the HF path.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from moekit.models.config import ModelConfig
+from moekit.models.transformer import KVCache, build_model
+from moekit.train import UserError
+from moekit.train.evaluate import main as eval_main
+from moekit.train.generate import Sampling, candidates, continuation, generate, next_token
+from moekit.train.generate import main as generate_main
+from moekit.train.inference import ByteTokenizer, cache_inexact, inference_routing, load_for_inference, load_tokenizer
+from moekit.train.loop import main as train_main
+
+from tests.tiny import TINY_MODEL
+
+ROOT = Path(__file__).resolve().parents[1]
+FAMILIES = ("mixtral-tiny", "switch-tiny", "deepseek-tiny")
+STEPS = 2
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Decoding runs many tiny ops: one thread is faster than two on a busy two-core box (and less noisy)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("runs")
+    out = {}
+    for name in FAMILIES:
+        run = root / name
+        flags = [*TINY_MODEL, "--preset", name, "--steps", str(STEPS), "--checkpoint.every", "1",
+                 "--checkpoint.keep", "2", "--run-dir", str(run)]
+        assert train_main(flags) == 0
+        out[name] = run
+    return out
+
+
+def quiet(msg: str) -> None:
+    pass
+
+
+def load(run: Path):
+    return load_for_inference(run, "cpu", "float32", warn=quiet)
+
+
+def val_loss(run: Path) -> float:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return rows[-1]["val_loss"]
+
+
+def one_line(capsys, rc: int, prog: str) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith(f"{prog}: error: "), err
+    return err[0]
+
+
+# ---------------------------------------------------------------------------------------------------
+# The KV cache
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cached_logits_equal_the_full_forward(runs, family):
+    model, _, info = load(runs[family])
+    assert info.cache_inexact is None and not model.training
+    tokens = torch.randint(0, 256, (2, model.config.max_seq_len), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        full = model(tokens)  # [2, S, V]
+        cache = KVCache(model.config)
+        chunks = [(0, 5), (5, 6), (6, 13), *[(i, i + 1) for i in range(13, tokens.shape[1])]]  # prefill, steps, chunk
+        inc = torch.cat([model(tokens[:, a:b], cache=cache) for a, b in chunks], dim=1)
+    assert cache.length == tokens.shape[1]
+    torch.testing.assert_close(inc, full, rtol=1e-5, atol=1e-5)
+
+
+def test_kv_cache_refuses_overflow_and_wrong_capacity():
+    cfg = ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, ffn_hidden_size=64,
+                      moe_ffn_hidden_size=32, max_seq_len=8)
+    model = build_model(cfg).eval()
+    cache = KVCache(cfg, 4)
+    with torch.inference_mode():
+        model(torch.zeros(1, 3, dtype=torch.long), cache=cache)
+        with pytest.raises(ValueError, match="KV cache holds 4 positions; appending 2 at position 3"):
+            model(torch.zeros(1, 2, dtype=torch.long), cache=cache)
+    with pytest.raises(ValueError, match=r"capacity 9 is invalid; it must be in \[1, model.max_seq_len=8\]"):
+        KVCache(cfg, 9)
+
+
+def test_expert_choice_is_not_decoded_with_the_cache():
+    cfg = ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, ffn_hidden_size=64,
+                      moe_ffn_hidden_size=32, max_seq_len=8, router="expert_choice", capacity_factor=1.0, top_k=1)
+    model = build_model(cfg)
+    assert inference_routing(model) == [] and not model.training  # its capacity is its selection rule: kept
+    assert "expert_choice" in cache_inexact(model)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_tokens_are_the_same_with_and_without_the_cache(runs, family):
+    model, _, _ = load(runs[family])
+    W = model.config.max_seq_len
+    rng = np.random.default_rng(7)
+    for length, shifts in ((1, 0), (20, 1), (W + 8, 2)):  # the last prompt is longer than the window (W = 32)
+        prompt = rng.integers(0, 256, length).tolist()
+        cached = generate(model, prompt, 24, use_cache=True)
+        full = generate(model, prompt, 24, use_cache=False)
+        assert cached.new_ids == full.new_ids and len(cached.new_ids) == 24
+        assert cached.shifts == full.shifts == shifts  # the window moved on to its newest W/2 tokens
+        assert cached.prompt_dropped == max(0, length - W)
+
+
+def test_generation_stops_at_eos(runs):
+    model, _, _ = load(runs["mixtral-tiny"])
+    prompt = list(b"def main(")
+    free = generate(model, prompt, 6)
+    eos = free.new_ids[3]
+    stopped = generate(model, prompt, 6, eos_ids=(eos,))
+    assert stopped.stopped == "eos" and stopped.new_ids == free.new_ids[: free.new_ids.index(eos)]
+    assert free.stopped == "length"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Sampling
+# ---------------------------------------------------------------------------------------------------
+
+
+def reference_set(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> tuple[list[int], np.ndarray]:
+    """The top-k / top-p candidates by plain NumPy and Python sorting: ids most likely first, their probabilities."""
+    z = logits.astype(np.float64) / temperature
+    ids = sorted(range(z.size), key=lambda i: (-z[i], i))[: top_k or z.size]
+    p = np.exp(z[ids] - z[ids].max())
+    p /= p.sum()
+    if top_p < 1:
+        n = next(i + 1 for i in range(len(ids)) if p[: i + 1].sum() >= top_p)
+        ids, p = ids[:n], p[:n] / p[:n].sum()
+    return ids, p
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 5, 1.0), (0.7, 0, 0.6), (1.3, 12, 0.8), (0.5, 1, 1.0)])
+def test_top_k_top_p_candidates_match_a_reference(temperature, top_k, top_p):
+    logits = torch.randn(64, generator=torch.Generator().manual_seed(3)) * 3
+    sampling = Sampling(temperature, top_k, top_p)
+    ids, probs = candidates(logits, sampling)
+    want_ids, want_p = reference_set(logits.numpy(), temperature, top_k, top_p)
+    assert ids.tolist() == want_ids
+    np.testing.assert_allclose(probs.numpy(), want_p, rtol=1e-9)
+    draws = [next_token(logits, sampling, torch.Generator().manual_seed(s)) for s in range(200)]
+    assert set(draws) <= set(want_ids)
+    again = [next_token(logits, sampling, torch.Generator().manual_seed(s)) for s in range(200)]
+    assert draws == again  # a seed fixes the draw
+    if len(want_ids) > 2:
+        assert len(set(draws)) > 1  # and it does sample
+
+
+def test_greedy_is_argmax_and_sampled_generation_follows_the_seed(runs):
+    logits = torch.tensor([0.5, 2.0, 2.0, -1.0])
+    assert next_token(logits, Sampling(), torch.Generator()) == 1  # a tie goes to the lower id
+    model, _, _ = load(runs["deepseek-tiny"])
+    prompt = list(b"import ")
+    sampling = Sampling(0.9, 20, 0.95)
+    a = generate(model, prompt, 24, sampling, seed=5)
+    b = generate(model, prompt, 24, sampling, seed=5)
+    c = generate(model, prompt, 24, sampling, seed=6)
+    assert a.new_ids == b.new_ids and a.new_ids != c.new_ids
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tokenizers
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_byte_tokenizer_decodes_with_replacement():
+    tok = ByteTokenizer(eos_id=256, vocab_size=257)
+    assert tok.encode("é€") == [0xC3, 0xA9, 0xE2, 0x82, 0xAC]
+    assert tok.decode([0xC3, 0xA9, 256, 0xE2, 0x82, 0xAC]) == "é€"  # 256 (EOS) decodes to nothing
+    assert tok.decode([0x61, 0xE2, 0x82]) == "a\ufffd"  # a cut multi-byte character
+    assert tok.decode([0xFF, 0x62]) == "\ufffdb"  # not UTF-8 at all
+    assert tok.byte_count([0x61, 256, 0x62]) == 2
+    assert continuation(tok, tok.encode("caf"), [0xC3, 0xA9]) == "é"
+
+
+def write_hf_tokenizer(folder: Path) -> Path:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["def foo(x):\n    return x + 1\n"] * 20, trainer)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    return folder / "tokenizer.json"
+
+
+def test_hf_tokenizer_contract(tmp_path):
+    path = write_hf_tokenizer(tmp_path / "hf")
+    (tmp_path / "hf" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    tok = load_tokenizer(tmp_path / "hf", 320, hf=True)
+    assert tok.eos_id == 1 and tok.decode(tok.encode("def foo(x): héllo")) == "def foo(x): héllo"
+    (tmp_path / "hf" / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 0]}))
+    assert load_tokenizer(tmp_path / "hf", 320, hf=True).eos_ids == (1, 0)
+    with pytest.raises(UserError, match="token ids but the model's vocab_size is 256"):
+        load_tokenizer(tmp_path / "hf", 256, hf=True)
+    run = tmp_path / "run"  # a run directory: tokenizer_info.json names the EOS and pins the file's digest
+    run.mkdir()
+    shutil.copy(path, run / "tokenizer.json")
+    info = {"kind": "hf", "source": str(path), "sha256": "0" * 64, "vocab_size": 289, "eos_id": 1}
+    (run / "tokenizer_info.json").write_text(json.dumps(info))
+    with pytest.raises(UserError, match="not the tokenizer the run was trained with"):
+        load_tokenizer(run, 320)
+    info["sha256"] = load_tokenizer(tmp_path / "hf", 320).sha256
+    (run / "tokenizer_info.json").write_text(json.dumps(info))
+    tok = load_tokenizer(run, 320)
+    assert tok.eos_id == 1 and tok.kind == "hf" and not tok.add_special_tokens
+
+
+def test_a_run_on_a_prepared_bpe_set_decodes_with_its_tokenizer(tmp_path, capsys):
+    """moekit-prepare's BPE set -> moekit-train -> the run's tokenizer.json / tokenizer_info.json -> text out."""
+    from tokenizers import Tokenizer
+
+    from moekit.train.config import DataSection
+    from moekit.train.data import load_data
+    from moekit.train.prepare import main as prepare_main
+
+    data, run = tmp_path / "bpe.bin", tmp_path / "run"
+    assert prepare_main(["@embedded", "--tokenizer", "bpe:300", "-o", str(data), "--workers", "1", "--quiet"]) == 0
+    assert train_main([*TINY_MODEL, "--steps", "1", "--data.path", str(data), "--run-dir", str(run)]) == 0
+    capsys.readouterr()
+    assert generate_main([str(run), "--prompt", "def f(x):", "--max-new-tokens", "5", "--device", "cpu"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("def f(x):") and f"tokenizer {run / 'tokenizer.json'} (vocab 300, EOS 0)" in err
+    report = tmp_path / "eval.json"
+    assert eval_main([str(run), "--batches", "2", "--out", str(report)]) == 0
+    capsys.readouterr()
+    r = json.loads(report.read_text())
+    assert r["loss"] == pytest.approx(val_loss(run), rel=1e-6)
+    split = load_data(DataSection(path=str(data)), 300).split(32, 0.05)
+    tok = Tokenizer.from_file(str(run / "tokenizer.json"))
+    rows = [split.tokens[s + 1 : s + 33].tolist() for s in split.validation(8)]  # the predicted tokens
+    nbytes = sum(len(tok.decode(row).encode("utf-8")) for row in rows)
+    assert r["bytes"] == nbytes != r["tokens"]
+    assert r["bits_per_byte"] == pytest.approx(r["loss"] * r["tokens"] / math.log(2) / nbytes, rel=1e-9)
+    with open(run / "tokenizer.json", "a") as f:
+        f.write(" ")  # another file than the run recorded
+    line = one_line(capsys, generate_main([str(run), "--prompt", "x"]), "generate.py")
+    assert "is not the tokenizer the run was trained with" in line
+
+
+# ---------------------------------------------------------------------------------------------------
+# The programs
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_generate_from_a_checkpoint_and_from_its_hf_export(runs, tmp_path, capsys):
+    from moekit.models.hf import save_mixtral
+
+    run = runs["mixtral-tiny"]
+    ckpt = run / "checkpoints" / f"step_{STEPS:06d}"
+    argv = ["--prompt", "def main(", "--max-new-tokens", "12", "--device", "cpu"]
+    assert generate_main([str(ckpt), *argv]) == 0
+    out, err = capsys.readouterr()
+    text = out.rstrip("\n")
+    assert text.startswith("def main(") and "tokens/s" in err.splitlines()[-1] and "12 new tokens" in err
+    assert generate_main([str(run), *argv, "--no-cache"]) == 0  # the run dir reads the same (newest) checkpoint
+    assert capsys.readouterr().out.rstrip("\n") == text
+    model, _, _ = load(run)
+    hf = save_mixtral(model, tmp_path / "hf")
+    assert generate_main([str(hf), *argv]) == 0
+    out, err = capsys.readouterr()
+    assert out.rstrip("\n") == text and "HuggingFace" in err  # the same weights, the same greedy text
+
+
+def test_run_dir_skips_a_damaged_newest_checkpoint(runs, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(runs["switch-tiny"], run)
+    newest = run / "checkpoints" / f"step_{STEPS:06d}"
+    data = next(newest.glob("*.distcp"))
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # same size, another digest
+    data.write_bytes(bytes(raw))
+    warnings = []
+    _, _, info = load_for_inference(run, "cpu", "float32", warn=warnings.append)
+    assert info.step == STEPS - 1 and "sha256 mismatch" in warnings[0]
+
+
+@pytest.mark.parametrize("family,capacity", [("mixtral-tiny", "dropless"), ("deepseek-tiny", "dropless"),
+                                             ("switch-tiny", "trained")])
+def test_eval_reproduces_the_trainers_val_loss(runs, tmp_path, family, capacity, capsys):
+    run, out = runs[family], tmp_path / "eval.json"
+    # the trainer evaluated eval.sequences=8 validation windows in micro-batches of 4: two batches of 4
+    assert eval_main([str(run), "--batches", "2", "--capacity", capacity, "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["windows"] == 8 and r["tokens"] == 8 * 32 and r["batch_size"] == 4 and r["step"] == STEPS
+    assert r["loss"] == pytest.approx(val_loss(run), rel=1e-6)
+    assert r["bits_per_byte"] == pytest.approx(r["loss"] / math.log(2), rel=1e-12)  # byte tokens
+    assert r["perplexity"] == pytest.approx(math.exp(r["loss"]))
+    cfg = ModelConfig.from_dict(json.loads((run / "config.json").read_text())["model"])
+    load = r["expert_load"]
+    assert len(load["layers"]) == cfg.num_moe_layers
+    for layer in load["layers"]:
+        assert sum(layer["assigned_per_expert"]) == r["tokens"] * cfg.top_k
+        assert sum(layer["tokens_per_expert"]) + layer["dropped_slots"] == r["tokens"] * cfg.top_k
+        assert layer["dead_experts"] == layer["tokens_per_expert"].count(0) and layer["imbalance"] >= 1
+        assert (layer["dropped_slots"] == 0) == (capacity == "dropless")
+    assert capsys.readouterr().out.startswith(f"loss {r['loss']:.4f}")
+
+
+def test_eval_all_windows_within_a_token_budget(runs, tmp_path):
+    out = tmp_path / "eval.json"
+    assert eval_main([str(runs["switch-tiny"]), "--split", "all", "--max-tokens", "200", "--seq-len", "16",
+                      "--batch-size", "3", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert (r["windows"], r["tokens"], r["seq_len"], r["split"]) == (12, 192, 16, "all")
+    assert r["expert_load"]["dropped_fraction"] == 0  # dropless by default
+
+
+def bad_runs(runs, tmp_path) -> dict[str, Path]:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    no_ckpt = tmp_path / "no_ckpt"
+    no_ckpt.mkdir()
+    shutil.copy(runs["mixtral-tiny"] / "config.json", no_ckpt / "config.json")
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(runs["mixtral-tiny"], corrupt)
+    for meta in corrupt.glob("checkpoints/*/meta.json"):
+        meta.write_text("{not json")
+    other = tmp_path / "other"
+    shutil.copytree(runs["mixtral-tiny"], other)
+    config = json.loads((other / "config.json").read_text())
+    config["model"]["hidden_size"] = 64
+    (other / "config.json").write_text(json.dumps(config))
+    return {"empty": empty, "no_ckpt": no_ckpt, "corrupt": corrupt, "other": other}
+
+
+GENERATE_BAD = [
+    (["{missing}"], "no such file or directory; pass a run directory"),
+    (["{empty}"], "neither a run directory (checkpoints/), a checkpoint (meta.json) nor a HuggingFace folder"),
+    (["{no_ckpt}"], "a run directory without checkpoints"),
+    (["{corrupt}"], "no checkpoint verifies: checkpoint"),
+    (["{corrupt}/checkpoints/step_000002"], "meta.json: corrupt (JSONDecodeError"),
+    (["{other}"], "describe a different model than the checkpoint: hidden_size=64 (run) vs 32 (checkpoint)"),
+    (["{run}", "--max-new-tokens", "0"], "--max-new-tokens 0 is invalid; it must be a positive number"),
+    (["{run}", "--max-new-tokens", "-3"], "--max-new-tokens -3 is invalid"),
+    (["{run}", "--top-p", "0"], "--top-p 0.0 is invalid; use a probability in (0, 1]"),
+    (["{run}", "--temperature", "-1"], "--temperature -1.0 is invalid"),
+    (["{run}", "--prompt", ""], "--prompt encodes to no tokens"),
+    (["{run}", "--dtype", "int8"], "--dtype 'int8' is invalid"),
+    (["{run}", "--device", "tpu"], "--device 'tpu'"),
+]
+
+
+@pytest.mark.parametrize("argv,expected", GENERATE_BAD)
+def test_generate_bad_input_is_one_line(runs, tmp_path, capsys, argv, expected):
+    paths = {**bad_runs(runs, tmp_path), "missing": tmp_path / "missing", "run": runs["mixtral-tiny"]}
+    argv = [a.format(**paths) for a in argv]
+    if "--prompt" not in argv:
+        argv += ["--prompt", "x"]
+    line = one_line(capsys, generate_main(argv), "generate.py")
+    assert expected in line, line
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--seq-len", "64"], "--seq-len 64 exceeds the model's max_seq_len 32"),
+    (["--max-tokens", "10"], "--max-tokens 10 is less than one window of 32"),
+    (["--batches", "0"], "--batches 0 is invalid"),
+    (["--data", "{missing}"], "cannot read it"),
+])
+def test_eval_bad_input_is_one_line(runs, tmp_path, capsys, argv, expected):
+    argv = [str(runs["deepseek-tiny"]), *[a.format(missing=tmp_path / "nope.bin") for a in argv]]
+    line = one_line(capsys, eval_main(argv), "evaluate.py")
+    assert expected in line, line
+
+
+def test_generate_benchmark_smoke(tmp_path, capsys):
+    from moekit.bench.generate import main as bench_main
+
+    out = tmp_path / "bench.json"
+    assert bench_main(["--presets", "switch-tiny", "--max-seq-len", "16", "--prompt-len", "4", "--new-tokens", "20",
+                       "--repeats", "1", "--device", "cpu", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["same"] and row["generated"] == 20 and row["speedup"] > 0  # 24 positions > 16: the window moves
+    assert "speedup" in capsys.readouterr().out
+
+
+def test_generate_script_exit_status_and_no_traceback(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "generate.py"), str(tmp_path / "nope"), "--prompt",
+                           "x"], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr

@@ -1,0 +1,103 @@
+"""Decoding speed with and without the KV cache, in the same run: ``python tools/bench/generate.py``.
+
+    python tools/bench/generate.py                                 # CPU, the three tiny presets, seconds
+    python tools/bench/generate.py --device cuda --dtype bfloat16 --presets mixtral-1b --max-seq-len 2048 \\
+        --prompt-len 512 --new-tokens 256 1024 --out bench-results/generate.json
+
+Each case builds the preset (random weights from --seed: speed does not depend on training), routes
+dropless in eval mode as moekit-generate does (moekit.train.inference), and decodes --new-tokens greedy
+tokens after a random --prompt-len prompt with ``moekit.train.generate.generate``: once with the KV cache
+(the prompt once, then one position per step) and once recomputing the whole window every step
+(--no-cache). The two are timed round-robin (benchlib.time_interleaved), so background load hits both
+alike; "speedup" = cache tokens/s / no-cache tokens/s. tokens/s counts the new tokens over the whole
+decode, the prompt's forward included. "same" checks the greedy tokens agree (they must: the cached
+logits equal the full forward's up to rounding).
+
+--threads (default 1): intra-op threads on CPU. Tiny models gain nothing from more, and on a shared
+machine a second thread that waits for a busy core makes every small op slower and the timings noisy.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from moekit.bench.benchlib import environment, print_table, time_interleaved, write_json
+from moekit.models.config import preset
+from moekit.models.transformer import build_model
+from moekit.train.generate import generate
+from moekit.train.inference import DTYPES, cast_parameters, inference_routing
+
+DEFAULT_PRESETS = ["mixtral-tiny", "switch-tiny", "deepseek-tiny"]
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)
+    p.add_argument("--presets", nargs="+", default=DEFAULT_PRESETS, help="model presets (default: the tiny ones)")
+    p.add_argument("--max-seq-len", type=int, default=256, help="the model's context window (default 256)")
+    p.add_argument("--prompt-len", type=int, default=16, help="prompt tokens (default 16)")
+    p.add_argument("--new-tokens", type=int, nargs="+", default=[32, 96], help="tokens to decode (default 32 96)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    p.add_argument("--threads", type=int, default=1, help="CPU intra-op threads (default 1; see above)")
+    p.add_argument("--warmup", type=int, default=0, help="untimed rounds besides the first (default 0)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench-results/generate.json")
+    args = p.parse_args(argv)
+    if min(args.new_tokens) < 1 or args.prompt_len < 1 or args.max_seq_len < 2 or args.threads < 1:
+        p.error("--new-tokens, --prompt-len and --threads must be >= 1, --max-seq-len >= 2")
+    return args
+
+
+def build(name: str, args, device: torch.device) -> torch.nn.Module:
+    cfg = preset(name)
+    cfg.max_seq_len = args.max_seq_len
+    model = build_model(cfg, device, seed=args.seed)
+    cast_parameters(model, DTYPES[args.dtype])
+    inference_routing(model)  # eval mode, dropless: what moekit-generate runs
+    return model
+
+
+def bench_case(model, name: str, prompt: list[int], new: int, args, device) -> dict:
+    runs = {mode: (lambda cache=cache: generate(model, prompt, new, use_cache=cache))
+            for mode, cache in (("cache", True), ("no_cache", False))}
+    cached, full = runs["cache"](), runs["no_cache"]()  # also the first warm-up round
+    times = time_interleaved(runs, device, args.warmup, args.repeats)
+    row = {"preset": name, "prompt": len(prompt), "new_tokens": new, "generated": len(cached.new_ids),
+           "same": cached.new_ids == full.new_ids}
+    for mode, t in times.items():
+        row[f"{mode}_ms"] = t["median_ms"]
+        row[f"{mode}_tok_s"] = len(cached.new_ids) / (t["median_ms"] / 1e3)
+    row["speedup"] = row["cache_tok_s"] / row["no_cache_tok_s"]
+    return row
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads)
+    rows = []
+    payload = {"benchmark": "generate", "environment": environment(device), "args": vars(args), "results": rows}
+    for name in args.presets:
+        model = build(name, args, device)
+        vocab = model.config.vocab_size
+        prompt = torch.randint(0, vocab, (args.prompt_len,), generator=torch.Generator().manual_seed(args.seed))
+        for new in args.new_tokens:
+            rows.append(bench_case(model, name, prompt.tolist(), new, args, device))
+            write_json(args.out, {**payload, "partial": True}, quiet=True)
+    print_table(rows, [("preset", "preset", "s"), ("prompt", "prompt", "d"), ("new_tokens", "new", "d"),
+                       ("cache_tok_s", "cache tok/s", ".1f"), ("no_cache_tok_s", "no-cache tok/s", ".1f"),
+                       ("speedup", "speedup", ".2f"), ("same", "same tokens", "")])
+    write_json(args.out, payload)
+    if not all(r["same"] for r in rows):
+        print("error: cached and uncached greedy decoding disagree", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,295 @@
+"""Evaluate a trained model on held-out data: ``moekit-eval`` (or ``python tools/evaluate.py`` in a checkout).
+
+    moekit-eval RUN_DIR|CHECKPOINT|HF_DIR [--data FILE] [--split val|all] [--seq-len N] [--batch-size B]
+                [--batches N | --max-tokens N] [--capacity dropless|trained] [--out JSON] [--device D] [--dtype T]
+
+Data: ``--data FILE`` (a token file, or any token data moekit-train's --data.path reads), else the data the
+run trained on (its config: path, blend or text), else (an HF folder) the embedded corpus, encoded with
+the folder's tokenizer. The windows are the trainer's (moekit.train.data): sequences of --seq-len + 1
+tokens inside blocks, ``val`` = the held-out blocks (default), ``all`` = every window of the data. Fewer
+windows (--batches, --max-tokens) are spread evenly over the split as the trainer's evaluation picks them,
+so ``--batches E/B --batch-size B`` with E = the run's eval.sequences evaluates the trainer's own windows.
+
+Reported (stdout; ``--out`` writes JSON): mean cross-entropy per predicted token (nats), perplexity
+exp(loss), bits per byte = total nats / ln 2 / the UTF-8 bytes the predicted tokens decode to (byte tokens:
+one byte each, so loss / ln 2), tokens evaluated, and per MoE layer the expert load of that data
+(moekit.moe.load): imbalance max/mean, coefficient of variation std/mean of the tokens per expert, dead
+experts (no token), dropped slots. Progress goes to stderr every few seconds.
+
+Routing (--capacity): ``dropless`` (default) evaluates the model as moekit-generate runs it (every slot
+kept; moekit.train.inference); ``trained`` keeps the router's capacity factor, as the trainer's
+evaluation does, where drops depend on which --batch-size windows share a forward. Both equal the
+trainer's val_loss on its windows for dropless models; a capacity model (switch-tiny) matches it with
+``trained`` and the run's micro-batch (the default --batch-size).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from moekit.moe.load import collect_load, moe_layers
+from moekit.train import UserError, program_name
+from moekit.train.config import DataSection
+from moekit.train.data import BYTES, Split, TokenizerInfo, embedded_corpus, gather, load_data, split_windows
+from moekit.train.inference import OneLineParser, add_model_args, load_for_inference
+from moekit.train.runlock import describe_os_error
+
+PROG = program_name("evaluate.py")
+HF_SEQ_LEN = 1024  # default window of an HF model (its max_seq_len when shorter)
+PROGRESS_EVERY_S = 5.0
+
+
+def _note(msg: str) -> None:
+    print(f"{PROG}: {msg}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Data and windows
+# ---------------------------------------------------------------------------------------------------
+
+
+def data_section(run_config: dict | None, path: str | None) -> DataSection | None:
+    """The [data] settings to read: --data FILE (the run's raw-id dtype kept), the run's own, or None."""
+    saved = (run_config or {}).get("data")
+    names = {f.name for f in dataclasses.fields(DataSection)}
+    section = DataSection(**{k: v for k, v in saved.items() if k in names}) if isinstance(saved, dict) else None
+    if path is not None:
+        return DataSection(path=path, dtype=section.dtype if section else DataSection.dtype,
+                           val_fraction=section.val_fraction if section else DataSection.val_fraction)
+    return section
+
+
+def load_split(section: DataSection | None, tokenizer, vocab: int, seq_len: int) -> tuple[Split, str, TokenizerInfo]:
+    """(the windows' split, a description, the tokenizer the data was made with)."""
+    if section is not None:
+        data = load_data(section, vocab)
+        return data.split(seq_len, section.val_fraction), data.desc, data.tokenizer
+    corpus, desc = embedded_corpus()
+    if tokenizer is None or tokenizer.kind == "bytes":
+        return split_windows(corpus, seq_len, DataSection.val_fraction), desc, BYTES
+    ids = np.asarray(tokenizer.encode(bytes(corpus).decode("utf-8", errors="replace")), dtype=np.int64)
+    info = TokenizerInfo("hf", str(tokenizer.path), tokenizer.sha256, tokenizer.vocab_size, tokenizer.eos_id)
+    return (split_windows(ids, seq_len, DataSection.val_fraction), f"{desc}, {ids.size:,} tokens by {tokenizer.path}",
+            info)
+
+
+def check_tokenizers(data_tok: TokenizerInfo, tokenizer, where: str) -> None:
+    """The data's token ids must come from the model's tokenizer (a set without metadata cannot be checked)."""
+    if tokenizer is None or data_tok.kind == "unknown":
+        return
+    if data_tok.kind != tokenizer.kind or (data_tok.kind == "hf" and data_tok.sha256 != tokenizer.sha256):
+        raise UserError(f"{where}: made with the {data_tok.describe()}, but the model's tokenizer is "
+                        f"{tokenizer.describe()}; evaluate on data prepared with the model's tokenizer")
+
+
+def choose_windows(split: Split, which: str, count: int | None) -> np.ndarray:
+    """Window starts of ``which`` split; ``count`` of them (None: all) spread evenly, as the trainer does."""
+    if which == "val":
+        starts = split.val_starts
+        return starts if count is None or count >= starts.size else split.validation(count)
+    starts = np.sort(np.concatenate([split.train_starts, split.val_starts]))
+    if count is None or count >= starts.size:
+        return starts
+    return starts[np.linspace(0, starts.size - 1, count).round().astype(np.int64)]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Evaluation
+# ---------------------------------------------------------------------------------------------------
+
+
+def record_eval_load(model: torch.nn.Module) -> list:
+    """Record every MoE layer's routing into its ExpertLoad in eval mode too (MoELayer records only in
+    training); returns the hook handles to remove."""
+    handles = []
+    for _, layer in moe_layers(model):
+        layer.load.reset()
+        hook = layer.router.register_forward_hook(lambda _m, _a, routing, load=layer.load: load.record(routing))
+        handles.append(hook)
+    return handles
+
+
+def load_summary(model: torch.nn.Module) -> dict:
+    """Per MoE layer and overall: imbalance (max/mean), cv (std/mean), dead experts, dropped slots."""
+    layers = []
+    for name, s in collect_load(model).items():
+        counts = np.asarray(s.tokens_per_expert, dtype=np.float64)
+        mean = counts.mean()
+        layers.append({"name": name, "imbalance": s.imbalance, "cv": float(counts.std() / mean) if mean > 0 else 0.0,
+                       "dead_experts": int((counts == 0).sum()), "dropped_slots": s.dropped_slots,
+                       "dropped_fraction": s.dropped_fraction, "tokens_per_expert": s.tokens_per_expert,
+                       "assigned_per_expert": s.assigned_per_expert})
+    if not layers:
+        return {"layers": []}
+    assigned = sum(sum(layer["assigned_per_expert"]) for layer in layers)
+    return {"imbalance_mean": float(np.mean([layer["imbalance"] for layer in layers])),
+            "imbalance_max": max(layer["imbalance"] for layer in layers),
+            "cv_mean": float(np.mean([layer["cv"] for layer in layers])),
+            "dead_experts": sum(layer["dead_experts"] for layer in layers),
+            "dropped_fraction": sum(layer["dropped_slots"] for layer in layers) / max(assigned, 1), "layers": layers}
+
+
+@torch.inference_mode()
+def evaluate(model, tokens, starts: np.ndarray, seq_len: int, batch_size: int, tokenizer=None,
+             progress=None) -> dict:
+    """Loss over the windows at ``starts`` (each predicts seq_len tokens), bytes for bits per byte, expert load."""
+    device = model.embed.weight.device
+    handles = record_eval_load(model)
+    nats, byte_count, last = 0.0, 0, time.perf_counter()
+    try:
+        for i in range(0, starts.size, batch_size):
+            x, y = gather(tokens, starts[i : i + batch_size], seq_len)  # [b, S] each
+            logits = model(x.to(device))  # [b, S, V]
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten().to(device), reduction="sum")
+            nats += float(loss)  # D2H sync: once per batch
+            if tokenizer is not None:
+                byte_count += sum(tokenizer.byte_count(row) for row in y.tolist())
+            done = min(i + batch_size, starts.size)
+            if progress is not None and time.perf_counter() - last > PROGRESS_EVERY_S and done < starts.size:
+                progress(f"{done:,}/{starts.size:,} windows, loss so far {nats / (done * seq_len):.4f}")
+                last = time.perf_counter()
+    finally:
+        for h in handles:
+            h.remove()
+    count = starts.size * seq_len
+    loss = nats / count
+    return {"loss": loss, "perplexity": math.exp(loss) if loss < 700 else math.inf,
+            "bits_per_byte": nats / math.log(2) / byte_count if byte_count else None, "tokens": count,
+            "bytes": byte_count if tokenizer is not None else None, "windows": int(starts.size),
+            "expert_load": load_summary(model)}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                      allow_abbrev=False)
+    add_model_args(p)
+    p.add_argument("--data", metavar="FILE", help="token data (default: the run's, else the embedded corpus)")
+    p.add_argument("--split", choices=("val", "all"), default="val",
+                   help="val: the held-out windows (default); all: every window of the data")
+    p.add_argument("--seq-len", type=int, metavar="N", help=f"tokens per window (default: the run's train.seq_len; "
+                                                            f"an HF model: min(max_seq_len, {HF_SEQ_LEN}))")
+    p.add_argument("--batch-size", type=int, metavar="B", help="windows per forward (default: the run's micro-batch, "
+                                                               "else 8)")
+    p.add_argument("--batches", type=int, metavar="N", help="evaluate N batches (default: every window)")
+    p.add_argument("--max-tokens", type=int, metavar="N", help="evaluate at most N predicted tokens")
+    p.add_argument("--capacity", choices=("dropless", "trained"), default="dropless",
+                   help="dropless (default, as generation runs) or the trained capacity factor (as the trainer "
+                        "evaluates)")
+    p.add_argument("--out", metavar="JSON", help="also write the results as JSON here")
+    return p
+
+
+def _positive(name: str, value: int | None) -> None:
+    if value is not None and value < 1:
+        raise UserError(f"{name} {value} is invalid; it must be a positive integer")
+
+
+def _run_defaults(run_config: dict | None) -> tuple[int | None, int | None]:
+    """(train.seq_len, the per-rank micro-batch) of the run, where its config says."""
+    train = (run_config or {}).get("train") or {}
+    layout = (run_config or {}).get("layout") or {}
+    seq_len = train.get("seq_len") if isinstance(train.get("seq_len"), int) else None
+    ranks = max(1, int(layout.get("dp") or 1) * int(layout.get("fsdp") or 1))
+    micro = train.get("micro_batch_size") or (train.get("batch_size") or 0) // ranks
+    return seq_len, micro if isinstance(micro, int) and micro > 0 else None
+
+
+def run(args: argparse.Namespace) -> dict:
+    for name in ("--seq-len", "--batch-size", "--batches", "--max-tokens"):
+        _positive(name, getattr(args, name[2:].replace("-", "_")))
+    out = Path(args.out) if args.out else None
+    if out is not None:  # before the evaluation, not after it
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UserError(f"--out {out}: cannot create its folder: {describe_os_error(exc)}") from None
+    model, tokenizer, info = load_for_inference(args.path, args.device, args.dtype, warn=_note,
+                                                dropless=args.capacity == "dropless", require_tokenizer=False)
+    cfg = model.config
+    run_seq, run_micro = _run_defaults(info.run_config)
+    seq_len = args.seq_len or run_seq or min(cfg.max_seq_len, HF_SEQ_LEN)
+    if seq_len > cfg.max_seq_len:
+        raise UserError(f"--seq-len {seq_len} exceeds the model's max_seq_len {cfg.max_seq_len}; use at most that")
+    batch_size = args.batch_size or run_micro or 8
+    section = data_section(info.run_config, args.data)
+    split, desc, data_tok = load_split(section, tokenizer, cfg.vocab_size, seq_len)
+    where = f"data {section.path or section.blend or section.text or '(embedded corpus)'}" if section else "data"
+    check_tokenizers(data_tok, tokenizer, where)
+    limits = []  # windows: all of the split unless --batches / --max-tokens ask for fewer
+    if args.batches:
+        limits.append(args.batches * batch_size)
+    if args.max_tokens:
+        limits.append(args.max_tokens // seq_len)
+    starts = choose_windows(split, args.split, min(limits) if limits else None)
+    if starts.size == 0:
+        why = f"--max-tokens {args.max_tokens} is less than one window of {seq_len}" if limits else "the split is empty"
+        raise UserError(f"no windows to evaluate: {why}")
+    _note(f"{info.describe()}; tokenizer {tokenizer.describe() if tokenizer else 'none: no bits per byte'}")
+    for line in info.routing:
+        _note(f"note: {line}")
+    _note(f"data: {desc}; {args.split} split: {starts.size:,} windows of {seq_len} in batches of {batch_size}")
+    result = evaluate(model, split.tokens, starts, seq_len, batch_size, tokenizer, progress=_note)
+    result = {"path": str(info.path), "checkpoint": str(info.checkpoint) if info.checkpoint else None,
+              "step": info.step, "model": cfg.name, "data": desc, "split": args.split, "seq_len": seq_len,
+              "batch_size": batch_size, "capacity": args.capacity, "device": str(info.device),
+              "dtype": str(info.dtype).removeprefix("torch."), **result}
+    print(report(result))
+    if out is not None:
+        try:
+            out.write_text(json.dumps(result, indent=1) + "\n")
+        except OSError as exc:
+            raise UserError(f"--out {out}: cannot write it: {describe_os_error(exc)}") from None
+        _note(f"wrote {out}")
+    return result
+
+
+def report(r: dict) -> str:
+    bpb = f"{r['bits_per_byte']:.4f}" if r["bits_per_byte"] is not None else "n/a"
+    nbytes = f", {r['bytes']:,} bytes" if r["bytes"] else ""
+    lines = [f"loss {r['loss']:.4f}  perplexity {r['perplexity']:.3f}  bits/byte {bpb}  ({r['tokens']:,} tokens"
+             f"{nbytes}, {r['windows']:,} windows of {r['seq_len']})"]
+    load = r["expert_load"]
+    if load["layers"]:
+        lines.append(f"expert load ({r['capacity']}): imbalance mean {load['imbalance_mean']:.2f} max "
+                     f"{load['imbalance_max']:.2f}, cv {load['cv_mean']:.2f}, dead experts {load['dead_experts']}, "
+                     f"dropped {100 * load['dropped_fraction']:.2f}%")
+        lines.append(f"  {'layer':<16} {'imbalance':>9} {'cv':>6} {'dead':>5} {'dropped':>8}")
+        for layer in load["layers"]:
+            E = len(layer["tokens_per_expert"])
+            lines.append(f"  {layer['name']:<16} {layer['imbalance']:>9.2f} {layer['cv']:>6.2f} "
+                         f"{layer['dead_experts']:>2}/{E:<2} {100 * layer['dropped_fraction']:>7.2f}%")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Exit status: 0 done; 2 bad input (flags, paths, checkpoints, data), one line on stderr."""
+    try:
+        run(build_parser().parse_args(sys.argv[1:] if argv is None else argv))
+        return 0
+    except UserError as exc:
+        print(f"{PROG}: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"{PROG}: error: {describe_os_error(exc)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"\n{PROG}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

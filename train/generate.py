@@ -1,0 +1,224 @@
+"""Generate text from a trained model: ``moekit-generate`` (or ``python tools/generate.py`` in a checkout).
+
+    moekit-generate RUN_DIR|CHECKPOINT|HF_DIR --prompt TEXT [--max-new-tokens N] [--temperature T]
+                    [--top-k K] [--top-p P] [--seed S] [--no-cache] [--device D] [--dtype T]
+
+stdout: the prompt and its continuation; stderr: what was loaded, and one stats line (tokens/s).
+Decoding stops after --max-new-tokens tokens or at the tokenizer's EOS (not printed).
+
+Sampling (``next_token``): temperature 0 is greedy (argmax, the lowest id on a tie); otherwise the logits
+are divided by the temperature, cut to the top-k most likely tokens (ties: the lower id first), then to
+the smallest most-likely set whose probability reaches top-p (renormalised over what top-k kept), and
+one token is drawn with a CPU generator seeded by --seed: the same seed gives the same tokens on any
+device for the same logits.
+
+Context window: the model attends to at most model.max_seq_len (W) positions. A prompt longer than W
+keeps its last W tokens (a note says how many were dropped). When the sequence fills the window, the
+oldest tokens are dropped and decoding continues on the newest W/2, re-encoded from position 0 (training
+windows start at position 0 too); with the cache that is one prefill every W/2 tokens. --no-cache runs
+the model on the whole window at every step and uses the same windows, so greedy decoding gives the same
+tokens with and without the cache (the logits agree up to float rounding).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from moekit.models.transformer import KVCache, Transformer
+from moekit.train import UserError, program_name
+from moekit.train.inference import OneLineParser, add_model_args, load_for_inference
+from moekit.train.runlock import describe_os_error
+
+PROG = program_name("generate.py")
+
+
+def _note(msg: str) -> None:
+    print(f"{PROG}: {msg}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Sampling
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = no top-k cut
+    top_p: float = 1.0  # 1 = no nucleus cut
+
+    def check(self) -> "Sampling":
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise UserError(f"--temperature {self.temperature} is invalid; use 0 (greedy) or a positive number")
+        if self.top_k < 0:
+            raise UserError(f"--top-k {self.top_k} is invalid; use 0 (off) or a positive number of tokens")
+        if not 0 < self.top_p <= 1:
+            raise UserError(f"--top-p {self.top_p} is invalid; use a probability in (0, 1] (1 = off)")
+        return self
+
+
+def candidates(logits: torch.Tensor, sampling: Sampling) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token ids [n], probabilities [n] float64 summing to 1): what ``next_token`` draws from, most likely
+    first, for one position's logits [V] and a temperature > 0."""
+    scaled = logits.detach().to("cpu", torch.float64) / sampling.temperature  # [V]
+    order = torch.sort(scaled, descending=True, stable=True).indices  # [V] ties: lower id first
+    if sampling.top_k:
+        order = order[: sampling.top_k]
+    probs = torch.softmax(scaled[order], dim=0)  # [n]
+    if sampling.top_p < 1:
+        reach = int((probs.cumsum(0) < sampling.top_p).sum()) + 1  # smallest prefix whose mass reaches top_p
+        order, probs = order[:reach], probs[:reach]
+        probs = probs / probs.sum()
+    return order, probs
+
+
+def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> int:
+    """One token id from logits [V]: argmax at temperature 0, else drawn from ``candidates``."""
+    if sampling.temperature == 0:
+        return int(logits.argmax())  # D2H sync: the token decides the next step
+    ids, probs = candidates(logits, sampling)
+    return int(ids[torch.multinomial(probs, 1, generator=generator)])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Decoding
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Generation:
+    prompt_ids: list[int]
+    new_ids: list[int]
+    seconds: float  # the whole decode, prefill included
+    first_token_s: float  # prompt forward and the first token (time to first token)
+    stopped: str  # "eos" or "length"
+    prompt_dropped: int = 0  # prompt tokens beyond the window (module docstring)
+    shifts: int = 0  # times the window moved on
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.new_ids) / self.seconds if self.seconds > 0 else float("inf")
+
+
+@torch.inference_mode()
+def generate(model: Transformer, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling = Sampling(), *,
+             seed: int = 0, eos_ids: tuple[int, ...] = (), use_cache: bool = True) -> Generation:
+    """Decode up to ``max_new_tokens`` after ``prompt_ids`` (one sequence), stopping at an id in ``eos_ids``.
+
+    use_cache: KV cache (the prompt once, then one token per step) or the whole window every step."""
+    if not prompt_ids:
+        raise ValueError("generate() needs at least one prompt token")
+    W = model.config.max_seq_len
+    keep = max(1, W // 2)  # tokens kept when the window moves on
+    device = model.embed.weight.device
+    generator = torch.Generator().manual_seed(seed)
+    seq = list(prompt_ids)
+    start = max(0, len(seq) - W)  # first position of the window: seq[start:] is what the model sees
+    cache, shifts, first, stopped = None, 0, None, "length"
+    t0 = time.perf_counter()
+    for step in range(max_new_tokens):
+        if use_cache and cache is not None:
+            logits = model(torch.tensor([seq[-1:]], device=device), cache=cache)  # [1, 1, V]
+        else:
+            window = torch.tensor([seq[start:]], device=device)  # [1, S]
+            if use_cache:
+                cache = KVCache(model.config, min(W, window.shape[1] + max_new_tokens - step))
+            logits = model(window, cache=cache)  # [1, S, V]
+        token = next_token(logits[0, -1], sampling, generator)
+        if first is None:
+            first = time.perf_counter() - t0
+        if token in eos_ids:
+            stopped = "eos"
+            break
+        seq.append(token)
+        if len(seq) - start > W:  # the window is full: move on to the newest `keep` tokens
+            start, cache, shifts = len(seq) - keep, None, shifts + 1
+    seconds = time.perf_counter() - t0
+    return Generation(list(prompt_ids), seq[len(prompt_ids):], seconds, first or seconds, stopped,
+                      max(0, len(prompt_ids) - W), shifts)
+
+
+def continuation(tokenizer, prompt_ids: list[int], new_ids: list[int]) -> str:
+    """The text the new tokens add to the prompt's (decoded together: a tokenizer may join them)."""
+    head, full = tokenizer.decode(prompt_ids), tokenizer.decode(prompt_ids + new_ids)
+    return full[len(head):] if full.startswith(head) else tokenizer.decode(new_ids)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                      allow_abbrev=False)
+    add_model_args(p)
+    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="tokens to add (default 128)")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default); > 0 samples")
+    p.add_argument("--top-k", type=int, default=0, metavar="K", help="sample among the K most likely (0 = all)")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                   help="sample among the most likely tokens holding probability P (1 = all)")
+    p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the sampler (default 0)")
+    p.add_argument("--no-cache", action="store_true", help="recompute the whole window every step (no KV cache)")
+    return p
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens {args.max_new_tokens} is invalid; it must be a positive number of tokens")
+    if args.seed < 0:
+        raise UserError(f"--seed {args.seed} is invalid; it must be >= 0")
+    args.sampling = Sampling(args.temperature, args.top_k, args.top_p).check()
+    return args
+
+
+def run(args: argparse.Namespace) -> int:
+    model, tokenizer, info = load_for_inference(args.path, args.device, args.dtype, warn=_note)
+    prompt_ids = tokenizer.encode(args.prompt)
+    if not prompt_ids:
+        raise UserError("--prompt encodes to no tokens; give some text to continue")
+    _note(f"{info.describe()}; tokenizer {tokenizer.describe()}")
+    for line in info.routing:
+        _note(f"note: {line}")
+    use_cache = not args.no_cache
+    if use_cache and info.cache_inexact:  # its routing is not per token: only full forwards are right
+        _note(f"note: {info.cache_inexact}, so every step runs the whole window (as --no-cache)")
+        use_cache = False
+    out = generate(model, prompt_ids, args.max_new_tokens, args.sampling, seed=args.seed,
+                   eos_ids=tokenizer.eos_ids, use_cache=use_cache)
+    if out.prompt_dropped:
+        _note(f"note: the prompt has {len(prompt_ids)} tokens, more than model.max_seq_len="
+              f"{model.config.max_seq_len}; the model saw its last {len(prompt_ids) - out.prompt_dropped}")
+    print(args.prompt + continuation(tokenizer, prompt_ids, out.new_ids), flush=True)
+    why = "EOS" if out.stopped == "eos" else f"--max-new-tokens {args.max_new_tokens}"
+    moved = f", window moved {out.shifts}x" if out.shifts else ""
+    _note(f"{len(prompt_ids)} prompt + {len(out.new_ids)} new tokens in {out.seconds:.3f} s: {out.tokens_per_s:.1f} "
+          f"tokens/s ({'KV cache' if use_cache else 'no cache'}, first token {1e3 * out.first_token_s:.1f} ms"
+          f"{moved}); stopped at {why}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Exit status: 0 done; 2 bad input (flags, paths, checkpoints, tokenizer), one line on stderr."""
+    try:
+        return run(parse_args(sys.argv[1:] if argv is None else argv))
+    except UserError as exc:
+        print(f"{PROG}: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"{PROG}: error: {describe_os_error(exc)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"\n{PROG}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
