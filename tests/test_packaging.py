@@ -103,7 +103,7 @@ def test_wheel_holds_only_the_moekit_namespace(tmp_path):
         assert f"moekit/{layer}/__init__.py" in names, layer
     dist_info = next(t for t in tops if t.endswith(".dist-info"))
     entry_points = zipfile.ZipFile(wheel).read(f"{dist_info}/entry_points.txt").decode()
-    for script in ("moekit-train", "moekit-heatmap", "moekit-convert"):
+    for script in SCRIPTS:
         assert script in entry_points
     top_level = [n for n in names if n.endswith("top_level.txt")]
     if top_level:
@@ -126,10 +126,13 @@ def test_wheel_holds_only_the_moekit_namespace(tmp_path):
     assert said == "jupyter" and Path(where).is_relative_to(target), run.stdout
 
 
+SCRIPTS = ("moekit-train", "moekit-heatmap", "moekit-convert", "moekit-prepare", "moekit-generate", "moekit-eval")
+
+
 def test_console_scripts_run_outside_the_checkout(tmp_path):
     """The installed ``moekit-*`` programs answer --help from a directory that is not the checkout."""
     bindir = Path(sys.executable).parent
-    for script in ("moekit-train", "moekit-heatmap", "moekit-convert"):
+    for script in SCRIPTS:
         exe = bindir / script
         if not exe.exists():
             pytest.skip(f"{script} is not installed next to {sys.executable} (moekit not pip-installed)")
