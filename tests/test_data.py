@@ -8,10 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from moekit.train import UserError
-from moekit.train.data import (
-    HEADER, Sampler, embedded_corpus, gather, load_tokens, read_token_file, split_windows, unigram_entropy,
-    write_token_file,
-)
+from moekit.train.data import Sampler, gather, split_windows, unigram_entropy
+from moekit.train.tokens import HEADER, embedded_corpus, load_tokens, read_token_file, write_token_file
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from moekit.train import prepare
-from moekit.train.data import read_token_file
+from moekit.train.tokens import read_token_file
 from moekit.train.loop import main as train_main
 from moekit.train.prepare import main
 from tests.tiny import TINY_MODEL
@@ -227,7 +227,7 @@ def test_bpe_trained_on_the_inputs(corpus, tmp_path, capsys):
 
 def test_embedded_corpus_as_input(tmp_path):
     """@embedded: the trainer's embedded corpus, one document per stdlib module, byte tokens + EOS."""
-    from moekit.train.data import embedded_corpus_files
+    from moekit.train.tokens import embedded_corpus_files
 
     files = embedded_corpus_files()
     assert main(["@embedded", "--tokenizer", "bytes", "-o", str(tmp_path / "e.bin"), "--quiet"]) == 0

@@ -19,7 +19,7 @@ import pytest
 
 from moekit.train.config import TrainConfig
 from moekit.train.consistency import data_fingerprint, describe_rank, disagreements, message, rank_ranges
-from moekit.train.data import write_token_file
+from moekit.train.tokens import write_token_file
 from moekit.train.loop import main
 from moekit.train.plan import lr_lambda
 from moekit.train.resume import compare

@@ -18,7 +18,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 from moekit.train import checkpoint
-from moekit.train.data import embedded_corpus, split_windows, unigram_entropy, write_token_file
+from moekit.train.data import split_windows, unigram_entropy
+from moekit.train.tokens import embedded_corpus, write_token_file
 from moekit.train.loop import main
 
 TINY = ("--model.hidden_size 32 --model.num_layers 2 --model.num_heads 2 --model.num_kv_heads 1 "

@@ -351,7 +351,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
 
 
 def validate_data(cfg: TrainConfig) -> None:
-    from moekit.train.data import RAW_DTYPES
+    from moekit.train.tokens import RAW_DTYPES
 
     d = cfg.data
     _require(0 < d.val_fraction < 0.5, f"--data.val_fraction={d.val_fraction} is invalid; it must be in (0, 0.5)")

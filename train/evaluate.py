@@ -39,7 +39,8 @@ import torch.nn.functional as F
 from moekit.moe.load import collect_load, moe_layers
 from moekit.train import UserError, program_name
 from moekit.train.config import DataSection
-from moekit.train.data import BYTES, Split, TokenizerInfo, embedded_corpus, gather, load_data, split_windows
+from moekit.train.data import Split, gather, load_data, split_windows
+from moekit.train.tokens import BYTES, TokenizerInfo, embedded_corpus
 from moekit.train.inference import OneLineParser, add_model_args, load_for_inference
 from moekit.train.runlock import describe_os_error
 

@@ -36,7 +36,8 @@ from moekit.train.consistency import check_ranks_agree
 from moekit.train.distributed import Dist, comm_failure, first_line
 from moekit.train.faults import RunFailed
 from moekit.train.guard import Guard, NonFinite, set_deterministic
-from moekit.train.data import Split, gather, load_data, load_tokens, record_tokenizer, unigram_entropy, write_token_file
+from moekit.train.data import Split, gather, load_data, unigram_entropy
+from moekit.train.tokens import load_tokens, record_tokenizer, write_token_file
 from moekit.train.monitor import Monitor, peak_flops, peak_memory_gb
 
 PROG = program_name("train.py")  # moekit-train when started as the console script

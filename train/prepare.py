@@ -43,7 +43,7 @@ from typing import Iterator
 import numpy as np
 
 from moekit.train import UserError, program_name
-from moekit.train.data import (
+from moekit.train.tokens import (
     TokenFileWriter, embedded_corpus_files, metadata_path, sha256_file, tokenizer_copy_path,
 )
 
