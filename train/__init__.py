@@ -9,6 +9,25 @@ class UserError(Exception):
     """Bad input (flags, config, data, checkpoint): the programs print the message as one line, exit 2."""
 
 
+def run_program(prog: str, body, interrupted: str = "interrupted") -> int:
+    """``body() -> exit status`` as a command-line program: a UserError becomes one line ``prog: error: ...``
+    and its ``exit_code`` (2 unless it sets one), an OSError one line and 2, Ctrl-C a note and 130."""
+    import sys
+
+    try:
+        return body()
+    except UserError as exc:
+        print(f"{prog}: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return getattr(exc, "exit_code", 2)
+    except OSError as exc:  # a path the program could not read or write, reported where it was not already
+        from moekit.train.runlock import describe_os_error
+
+        print(f"{prog}: error: {describe_os_error(exc)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"\n{prog}: {interrupted}", file=sys.stderr)
+        return 130
+
 
 def program_name(script: str) -> str:
     """The name for usage and error lines: the console script (``moekit-train``) when started as one, else

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from moekit.moe.load import collect_load, moe_layers
-from moekit.train import UserError, program_name
+from moekit.train import UserError, program_name, run_program
 from moekit.train.config import DataSection
 from moekit.train.data import Split, gather, load_data, split_windows
 from moekit.train.tokens import BYTES, TokenizerInfo, embedded_corpus
@@ -278,18 +278,12 @@ def report(r: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Exit status: 0 done; 2 bad input (flags, paths, checkpoints, data), one line on stderr."""
-    try:
+
+    def body() -> int:
         run(build_parser().parse_args(sys.argv[1:] if argv is None else argv))
         return 0
-    except UserError as exc:
-        print(f"{PROG}: error: {' '.join(str(exc).split())}", file=sys.stderr)
-        return 2
-    except OSError as exc:
-        print(f"{PROG}: error: {describe_os_error(exc)}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"\n{PROG}: interrupted", file=sys.stderr)
-        return 130
+
+    return run_program(PROG, body)
 
 
 if __name__ == "__main__":

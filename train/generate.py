@@ -30,9 +30,8 @@ from dataclasses import dataclass
 import torch
 
 from moekit.models.transformer import KVCache, Transformer
-from moekit.train import UserError, program_name
+from moekit.train import UserError, program_name, run_program
 from moekit.train.inference import OneLineParser, add_model_args, load_for_inference
-from moekit.train.runlock import describe_os_error
 
 PROG = program_name("generate.py")
 
@@ -207,17 +206,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Exit status: 0 done; 2 bad input (flags, paths, checkpoints, tokenizer), one line on stderr."""
-    try:
-        return run(parse_args(sys.argv[1:] if argv is None else argv))
-    except UserError as exc:
-        print(f"{PROG}: error: {' '.join(str(exc).split())}", file=sys.stderr)
-        return 2
-    except OSError as exc:
-        print(f"{PROG}: error: {describe_os_error(exc)}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"\n{PROG}: interrupted", file=sys.stderr)
-        return 130
+    return run_program(PROG, lambda: run(parse_args(sys.argv[1:] if argv is None else argv)))
 
 
 if __name__ == "__main__":

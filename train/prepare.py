@@ -42,7 +42,7 @@ from typing import Iterator
 
 import numpy as np
 
-from moekit.train import UserError, program_name
+from moekit.train import UserError, program_name, run_program
 from moekit.train.tokens import (
     TokenFileWriter, embedded_corpus_files, metadata_path, sha256_file, tokenizer_copy_path,
 )
@@ -612,15 +612,8 @@ def prepare(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point (moekit-prepare): 0 when the set was written, 2 on bad input (one line on stderr)."""
-    try:
-        args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-        return prepare(args)
-    except UserError as exc:
-        print(f"{PROG}: error: {' '.join(str(exc).split())}", file=sys.stderr)
-        return getattr(exc, "exit_code", 2)
-    except KeyboardInterrupt:
-        print(f"\n{PROG}: interrupted; nothing was written", file=sys.stderr)
-        return 130
+    return run_program(PROG, lambda: prepare(build_parser().parse_args(sys.argv[1:] if argv is None else argv)),
+                       interrupted="interrupted; nothing was written")
 
 
 if __name__ == "__main__":  # python -m moekit.train.prepare: the workers unpickle the installed module's functions
