@@ -59,8 +59,8 @@ def data_fingerprint(tokens: np.ndarray) -> str:
     return f"{n} tokens, crc32 {crc:08x}"
 
 
-def describe_rank(config: dict[str, Any], tokens: np.ndarray | None = None) -> dict[str, Any]:
-    """What must be equal on every rank: the resolved config, the software, the data."""
+def describe_rank(config: dict[str, Any], data: list[np.ndarray] | None = None) -> dict[str, Any]:
+    """What must be equal on every rank: the resolved config, the software, the data (its token sets)."""
     try:
         version = importlib.metadata.version("moekit")
     except importlib.metadata.PackageNotFoundError:  # a checkout used without installing
@@ -68,8 +68,8 @@ def describe_rank(config: dict[str, Any], tokens: np.ndarray | None = None) -> d
     desc = {k: v for k, v in flatten(config).items() if k not in PER_RANK_KEYS}
     desc["software.moekit"] = version
     desc["software.torch"] = torch.__version__
-    if tokens is not None:
-        desc["data.content"] = data_fingerprint(tokens)
+    if data is not None:
+        desc["data.content"] = "; ".join(data_fingerprint(tokens) for tokens in data)
     return desc
 
 
@@ -110,7 +110,7 @@ def message(diffs: list[tuple[str, dict[str, list[int]]]], world: int) -> str:
             f"rank with the same flags, config file, data and moekit/torch versions")
 
 
-def check_ranks_agree(config: dict[str, Any], tokens: np.ndarray | None = None, error: UserError | None = None,
+def check_ranks_agree(config: dict[str, Any], data: list[np.ndarray] | None = None, error: UserError | None = None,
                       group=None) -> None:
     """Collective over ``group`` (default: the world): raise RanksDisagree on every rank when any rank's
     description differs, or when setup failed on some rank (``error``: e.g. its data file is missing),
@@ -120,7 +120,7 @@ def check_ranks_agree(config: dict[str, Any], tokens: np.ndarray | None = None, 
         if error is not None:
             raise error
         return
-    mine = {"error": str(error)} if error is not None else describe_rank(config, tokens)
+    mine = {"error": str(error)} if error is not None else describe_rank(config, data)
     gathered: list[dict[str, Any] | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, mine, group=group)
     quiet = dist.get_rank(group) != 0  # every rank raises alike; rank 0 speaks for all

@@ -121,15 +121,6 @@ class Data:
             return split_windows(self.sources[0].tokens, seq_len, val_fraction)
         return blend_split(self.sources, self.weights, seq_len, val_fraction)
 
-    def fingerprint_tokens(self) -> np.ndarray:
-        """What moekit.train.consistency fingerprints to check that every rank reads the same data."""
-        if self.weights is None:
-            return self.sources[0].tokens
-        from moekit.train.consistency import data_fingerprint
-
-        text = "; ".join(data_fingerprint(s.tokens) for s in self.sources)
-        return np.frombuffer(text.encode(), dtype=np.uint8)
-
 
 def load_data(section, model_vocab: int) -> Data:
     """The [data] section's data (moekit.train.config.DataSection): --data.blend, --data.path, --data.text,

@@ -127,7 +127,7 @@ class Trainer:
         except UserError as exc:  # raised below, on every rank alike
             error = exc
         # every rank: the same settings, software and data, or one line naming what differs (collective)
-        check_ranks_agree(cfg.to_dict(), self.data.fingerprint_tokens() if self.data else None, error)
+        check_ranks_agree(cfg.to_dict(), [s.tokens for s in self.data.sources] if self.data else None, error)
         self.run_lock = self.dist.from_main(self.claim_run_dir)  # before anything in the run dir is touched
         self.split: Split = self.data.split(cfg.train.seq_len, cfg.data.val_fraction)
         self.sampler = self.split.sampler(cfg.train.seed)  # data.Sampler, or data.BlendSampler for a blend
