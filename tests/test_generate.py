@@ -26,7 +26,8 @@ from moekit.train import UserError
 from moekit.train.evaluate import main as eval_main
 from moekit.train.generate import Sampling, candidates, continuation, generate, next_token
 from moekit.train.generate import main as generate_main
-from moekit.train.inference import ByteTokenizer, cache_inexact, inference_routing, load_for_inference, load_tokenizer
+from moekit.train.inference import cache_inexact, inference_routing, load_for_inference
+from moekit.train.tokenizer import ByteTokenizer, load_tokenizer
 from moekit.train.loop import main as train_main
 
 from tests.tiny import TINY_MODEL

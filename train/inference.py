@@ -18,29 +18,17 @@ which other tokens share its forward (the batch, the prompt, cached or not). Inf
 dropless wherever the router allows it (every built-in router but expert_choice, whose capacity is its
 selection rule); ``dropless=False`` keeps the trained capacity (moekit-eval --capacity trained).
 
-Tokenizer contract, read from one folder (the run directory; the HF folder itself):
+The tokenizer comes from the run directory (or the HF folder) as moekit.train.tokenizer describes.
 
-    tokenizer.json        present: encode/decode with the ``tokenizers`` library
-    tokenizer_info.json   {"kind": "hf" | "bytes", "source", "sha256" (of tokenizer.json), "vocab_size",
-                          "eos_id": int | null}: the EOS id, and a check that tokenizer.json is the one
-                          the run used
-    neither               bytes: vocab 256, encode = UTF-8 bytes, decode = UTF-8 with errors="replace"
-
-A run whose data had no tokenizer metadata records kind "unknown": its ids cannot become text
-(``NoTokenizer``; moekit-eval still reports the loss).
-
-An HF folder's EOS comes from generation_config.json, config.json or tokenizer_config.json. Every problem
-is a UserError naming the path and the fix (the programs print it as one line, exit status 2).
+Every problem is a UserError naming the path and the fix (the programs print it as one line, exit status 2).
 """
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
@@ -50,160 +38,10 @@ from moekit.moe.load import moe_layers
 from moekit.moe.router_variants import ExpertChoiceRouter
 from moekit.train import UserError, checkpoint
 from moekit.train.runlock import describe_os_error
+from moekit.train.tokenizer import NoTokenizer, Tokenizer, load_tokenizer, read_json
 
-TOKENIZER_FILE, TOKENIZER_INFO = "tokenizer.json", "tokenizer_info.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KINDS = ("run", "checkpoint", "hf")
-
-
-# ---------------------------------------------------------------------------------------------------
-# Tokenizers
-# ---------------------------------------------------------------------------------------------------
-
-
-class ByteTokenizer:
-    """UTF-8 bytes as tokens 0..255 (what moekit trains on by default); ids from 256 on are special (a
-    prepared byte set's EOS is 256, vocab 257) and decode to nothing."""
-
-    kind = "bytes"
-    sha256 = None
-
-    def __init__(self, eos_id: int | None = None, vocab_size: int = 256):
-        self.vocab_size = vocab_size
-        self.eos_ids = () if eos_id is None else (eos_id,)
-
-    @property
-    def eos_id(self) -> int | None:
-        return self.eos_ids[0] if self.eos_ids else None
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids: list[int]) -> str:
-        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
-
-    def byte_count(self, ids: list[int]) -> int:
-        """Bytes of text these tokens stand for (bits per byte): one per byte id."""
-        return sum(1 for i in ids if 0 <= i < 256)
-
-    def describe(self) -> str:
-        return f"bytes (vocab {self.vocab_size}, EOS {self.eos_id if self.eos_id is not None else 'none'})"
-
-
-class HFTokenizer:
-    """A ``tokenizers`` tokenizer.json. ``add_special_tokens``: whether encode adds BOS and the like (as
-    transformers does for an HF folder; a run's token stream is plain text)."""
-
-    kind = "hf"
-
-    def __init__(self, path: Path, add_special_tokens: bool, eos_ids: tuple[int, ...] = ()):
-        from tokenizers import Tokenizer  # a moekit dependency; imported only for a tokenizer.json
-
-        try:
-            self.tok = Tokenizer.from_file(str(path))
-        except Exception as exc:  # the library raises its own exception type for a malformed file
-            raise UserError(f"{path}: not a tokenizers file ({' '.join(str(exc).split())[:200]}); restore the "
-                            f"tokenizer.json the model was trained with") from None
-        self.path, self.add_special_tokens, self.eos_ids = path, add_special_tokens, eos_ids
-        self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
-        self.sha256 = hashlib.sha256(path.read_bytes()).hexdigest()
-
-    @property
-    def eos_id(self) -> int | None:
-        return self.eos_ids[0] if self.eos_ids else None
-
-    def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=self.add_special_tokens).ids
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tok.decode(list(ids), skip_special_tokens=True)
-
-    def byte_count(self, ids: list[int]) -> int:
-        return len(self.decode(ids).encode("utf-8"))
-
-    def describe(self) -> str:
-        eos = ",".join(map(str, self.eos_ids)) or "none"
-        return f"{self.path} (vocab {self.vocab_size}, EOS {eos})"
-
-
-Tokenizer = ByteTokenizer | HFTokenizer
-
-
-class NoTokenizer(UserError):
-    """The run recorded no tokenizer (its data were ids without metadata): ids cannot become text."""
-
-
-def _read_json(path: Path, what: str) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise UserError(f"{path}: corrupt {what} ({type(exc).__name__}: {exc}); restore it") from None
-    except OSError as exc:
-        raise UserError(f"{path}: unreadable ({describe_os_error(exc)})") from None
-
-
-def _eos(values: Any, vocab: int, where: Path) -> tuple[int, ...]:
-    """EOS ids from an int, a list of them or None, each checked to be a token id of the model."""
-    values = [] if values is None else values if isinstance(values, list) else [values]
-    for v in values:
-        if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < vocab:
-            raise UserError(f"{where}: EOS id {v!r} is not a token id of the model (vocab_size {vocab}); fix it")
-    return tuple(values)
-
-
-def _tokenizer_info(folder: Path) -> dict | None:
-    path = folder / TOKENIZER_INFO
-    info = _read_json(path, "tokenizer info") if path.is_file() else None
-    if info is not None and (not isinstance(info, dict) or info.get("kind") not in ("hf", "bytes", "unknown")):
-        raise UserError(f"{path}: expected an object with kind \"hf\" or \"bytes\"; restore it")
-    if info is not None and info["kind"] == "unknown":
-        raise NoTokenizer(f"{path}: the run trained on token ids without tokenizer metadata, so they cannot be "
-                          f"turned into text; train on a set made by moekit-prepare (it records the tokenizer)")
-    if info is not None and info["kind"] != ("hf" if (folder / TOKENIZER_FILE).is_file() else "bytes"):
-        found = "a" if info["kind"] == "bytes" else "no"
-        raise UserError(f"{path} says kind {info['kind']!r} but there is {found} {folder / TOKENIZER_FILE}; restore "
-                        f"the tokenizer files the run was trained with")
-    return info
-
-
-def load_tokenizer(folder: Path, model_vocab: int, hf: bool = False) -> Tokenizer:
-    """The tokenizer of ``folder`` by the contract above. ``hf``: an HF model folder (EOS from its configs,
-    BOS added by encode as transformers does)."""
-    info = _tokenizer_info(folder)
-    eos = _eos(info.get("eos_id"), model_vocab, folder / TOKENIZER_INFO) if info is not None else ()
-    tok_file = folder / TOKENIZER_FILE
-    if not tok_file.is_file():
-        if model_vocab < 256:
-            raise UserError(f"{folder}: no {TOKENIZER_FILE}, so the text is byte tokens, but the model's vocab_size "
-                            f"is {model_vocab} < 256; add the tokenizer.json the model was trained with")
-        vocab = info.get("vocab_size") if info is not None else None
-        vocab = vocab if isinstance(vocab, int) and 256 <= vocab <= model_vocab else 256
-        return ByteTokenizer(eos[0], max(vocab, eos[0] + 1)) if eos else ByteTokenizer(None, vocab)
-    tok = HFTokenizer(tok_file, add_special_tokens=hf, eos_ids=eos)
-    if hf:
-        tok.eos_ids = _hf_eos_ids(folder, tok, model_vocab)
-    if info is not None and isinstance(info.get("sha256"), str) and tok.sha256 != info["sha256"]:
-        raise UserError(f"{tok_file}: sha256 {tok.sha256[:12]}... differs from {TOKENIZER_INFO}'s "
-                        f"{info['sha256'][:12]}...; this is not the tokenizer the run was trained with: restore that one")
-    if tok.vocab_size > model_vocab:
-        raise UserError(f"{tok_file}: {tok.vocab_size} token ids but the model's vocab_size is {model_vocab}; "
-                        f"this tokenizer does not belong to the model")
-    return tok
-
-
-def _hf_eos_ids(folder: Path, tok: HFTokenizer, vocab: int) -> tuple[int, ...]:
-    """An HF folder's EOS: eos_token_id of generation_config.json, else config.json, else the id of
-    tokenizer_config.json's eos_token."""
-    for name in ("generation_config.json", "config.json"):
-        path = folder / name
-        value = _read_json(path, name).get("eos_token_id") if path.is_file() else None
-        if value is not None:
-            return _eos(value, vocab, path)
-    path = folder / "tokenizer_config.json"
-    eos = _read_json(path, "tokenizer_config.json").get("eos_token") if path.is_file() else None
-    text = eos.get("content") if isinstance(eos, dict) else eos
-    eos_id = tok.tok.token_to_id(text) if isinstance(text, str) else None
-    return () if eos_id is None else _eos(eos_id, vocab, path)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -328,7 +166,7 @@ def detect_kind(path: Path) -> str:
         return "run"
     config = path / "config.json"
     if config.is_file():
-        data = _read_json(config, "config.json")
+        data = read_json(config, "config.json")
         if isinstance(data, dict) and "model_type" in data:
             return "hf"
         if isinstance(data, dict) and "model" in data:
@@ -365,7 +203,7 @@ def _run_configs(meta: dict, run_dir: Path) -> list[tuple[str, dict]]:
     if isinstance(run, dict) and isinstance(run.get("config"), dict):
         found.append((f"{checkpoint.META} \"run\"", run["config"]))
     path = run_dir / "config.json"
-    data = _read_json(path, "config.json") if path.is_file() else None
+    data = read_json(path, "config.json") if path.is_file() else None
     if isinstance(data, dict):
         found.append((str(path), data))
     return found
