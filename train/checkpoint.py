@@ -242,26 +242,32 @@ def _choose(run_dir: str, resume: str, model_config: dict, warn) -> Path | None:
                             f"verifies") from None
         check_model(path, meta["model"], model_config)
         return path
-    found = list_checkpoints(run_dir)[::-1]
-    if not found:
+    if not list_checkpoints(run_dir):
         if resume == "auto":
             return None
         raise UserError(f"--resume: no checkpoint in {checkpoint_root(run_dir)}; train without --resume first, "
                         f"or pass --resume PATH/TO/step_N")
+    path, meta, skipped = newest_verified(run_dir)
+    if path is None:  # all damaged: refuse rather than start fresh, which would delete them
+        raise UserError(f"--resume: no checkpoint in {checkpoint_root(run_dir)} verifies: {' | '.join(skipped)}; "
+                        f"restore one, or start a fresh run without --resume")
+    for reason in skipped:
+        warn(f"warning: skipped {reason}; resuming from {path}")
+    check_model(path, meta["model"], model_config)
+    return path
+
+
+def newest_verified(run_dir: str | Path) -> tuple[Path | None, dict | None, list[str]]:
+    """(path, meta.json) of the newest checkpoint of ``run_dir`` whose files verify, and why each newer one
+    was skipped (an interrupted or damaged save: an older one may still be good). (None, None, reasons)
+    when none verifies."""
     skipped = []
-    for path in found:
+    for path in list_checkpoints(run_dir)[::-1]:
         try:
-            meta = read_meta(path)
-        except UserError as exc:  # an interrupted or damaged save: an older one may still be good
+            return path, read_meta(path), skipped
+        except UserError as exc:
             skipped.append(str(exc))
-            continue
-        for reason in skipped:
-            warn(f"warning: skipped {reason}; resuming from {path}")
-        check_model(path, meta["model"], model_config)
-        return path
-    # all damaged: refuse rather than start fresh, which would delete them
-    raise UserError(f"--resume: no checkpoint in {checkpoint_root(run_dir)} verifies: {' | '.join(skipped)}; "
-                    f"restore one, or start a fresh run without --resume")
+    return None, None, skipped
 
 
 def load(path: Path, model, optimizer, scheduler, sampler, model_config: dict, verify: bool = True) -> int:

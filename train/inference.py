@@ -178,21 +178,15 @@ def detect_kind(path: Path) -> str:
 
 def newest_verified(run_dir: Path, warn: Callable[[str], None]) -> tuple[Path, dict]:
     """The newest checkpoint of ``run_dir`` whose files verify, and its meta.json; damaged ones are skipped."""
-    found = checkpoint.list_checkpoints(run_dir)[::-1]
-    if not found:
+    if not checkpoint.list_checkpoints(run_dir):
         raise UserError(f"{run_dir}: no checkpoint in {checkpoint.checkpoint_root(run_dir)}; train until one is "
                         f"saved, or pass a checkpoint directory")
-    skipped = []
-    for path in found:
-        try:
-            meta = checkpoint.read_meta(path)
-        except UserError as exc:  # an interrupted or damaged save: an older one may still be good
-            skipped.append(str(exc))
-            continue
-        for reason in skipped:
-            warn(f"warning: skipped {reason}; using {path}")
-        return path, meta
-    raise UserError(f"{run_dir}: no checkpoint verifies: {' | '.join(skipped)}; restore one from a backup")
+    path, meta, skipped = checkpoint.newest_verified(run_dir)
+    if path is None:
+        raise UserError(f"{run_dir}: no checkpoint verifies: {' | '.join(skipped)}; restore one from a backup")
+    for reason in skipped:
+        warn(f"warning: skipped {reason}; using {path}")
+    return path, meta
 
 
 def _run_configs(meta: dict, run_dir: Path) -> list[tuple[str, dict]]:
