@@ -210,6 +210,14 @@ class Dist:
                 f"crashed or stalled past --layout.timeout_s={self.timeout_s:g} (raise it only if ranks legitimately "
                 f"wait longer: slow saves, long evaluations)")
 
-    def close(self) -> None:
+    def close(self, together: bool = False) -> None:
+        """Tear the process groups down. ``together``: every rank got here the normal way, so first wait for
+        all of them (a barrier, bounded by --layout.timeout_s): a rank that tears gloo down while rank 0 is
+        still writing its final records was seen to abort (std::terminate, exit -6) now and then."""
         if self.active and dist.is_initialized():
+            if together:
+                try:
+                    dist.barrier()
+                except RuntimeError:  # a rank that failed after all: tear down regardless, it has said why
+                    pass
             dist.destroy_process_group()

@@ -324,11 +324,14 @@ class Trainer:
         self.open_records()
         self.describe()
         self.step = self.start_step
+        ended = False  # loop() returned on this rank: every rank did (its ends are collective decisions)
         try:
             with faults.StopSignals() as signals:  # SIGTERM / SIGINT: save at the next step boundary
                 self.signals = signals
                 self.dist.stop_signal = lambda: signals.received
-                return self.loop()
+                code = self.loop()
+                ended = True
+                return code
         except OSError as exc:  # records (metrics.jsonl, ...): a full disk or a permission
             raise RunFailed(f"{runlock.describe_os_error(exc)} at step {self.step}; {self.kept()}; free space or fix "
                             f"permissions") from None
@@ -344,7 +347,7 @@ class Trainer:
             for rec in (self.metrics, self.load_log, self.monitor):
                 if rec is not None:
                     rec.close()
-            self.dist.close()
+            self.dist.close(together=ended)
             if self.run_lock is not None:
                 self.run_lock.release()
 
