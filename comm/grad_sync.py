@@ -7,7 +7,8 @@ gradient depends on what the parameter saw:
     parameter                          partial over              reduced by
     dense (attention, norms, embed)    the D data ranks          FSDP (fsdp > 1), else all-reduce over "dp"
     MoE router / shared expert,        D data ranks x tp slices  the above, then a sum over "tp"
-    sequence-parallel norms
+    sequence-parallel norms, per-head  (of tokens, or of heads)
+    q/k norms under TP
     experts (EP shard)                 edp ranks x tp slices     FSDP over edp (fsdp > 1) or all-reduce over
                                        (the EP all-to-all        "edp"; then a sum over "tp"
                                        already brought every
@@ -39,7 +40,8 @@ def local(t: Tensor) -> Tensor:
 def gradient_roles(model: nn.Module, token_sliced: Iterable[nn.Module] = ()) -> dict[str, str]:
     """Parameter name (as ``model.named_parameters()`` gives it) -> role, from the module tree:
     "expert" for MoE experts, "moe" for the rest of every MoE layer (router, shared expert) and the
-    parameters of ``token_sliced`` modules (the sequence-parallel norms that comm.tensor_parallel returns),
+    parameters of ``token_sliced`` modules (what comm.tensor_parallel returns: the sequence-parallel norms and
+    the per-head q/k norms, each of which saw a TP rank's share of the tokens or of the heads),
     "dense" for the rest. The recipe calls it; so can a hand-made layout (tests, tools)."""
     sliced = {id(m) for m in token_sliced}
     roles = {name: "dense" for name, _ in model.named_parameters()}

@@ -1,7 +1,15 @@
 """Tensor parallelism over the TP group: DTensor sharding of attention and dense MLPs, MoE token split.
 
-    Attention   wq wk wv  column-wise: each rank computes N/tp query and K/tp key/value heads
+    Attention   wq wk wv  column-wise (biases too): each rank computes N/tp query and K/tp key/value heads
                 wo        row-wise: partial [B, S, H] outputs all-reduced into a replicated one
+                q_norm, k_norm (qk_norm "head") replicated: each rank normalises its own heads, so their
+                          gradients are partial over TP (returned for the "moe" gradient role, below);
+                          qk_norm "full" normalises over all heads at once: refused under TP
+    MLA         wq | wq_b, wkv_b column-wise (N/tp heads), wo row-wise; wq_a, q_a_norm, wkv_a, kv_a_norm
+                replicated. Their outputs reach the heads through a column-wise input, whose backward
+                all-reduces the gradient, except the shared RoPE key (wkv_a's last rope columns), which each
+                rank's heads use directly: a hook all-reduces that slice's gradient over TP, so every
+                replicated MLA weight gets its full gradient (the "dense" role)
     Dense MLP   w_gate w_up column-wise (matching gate / up columns), w_out row-wise
     MoE layer   the TP ranks hold the same tokens (replicated activations), so routing them on every rank
                 would compute each token tp times. Instead each rank takes a contiguous 1/tp slice of the
@@ -39,7 +47,12 @@ def check_tensor_parallel(config, tp: int) -> None:
     """Head and width divisibility, before anything is sharded (``config``: a models.config.ModelConfig)."""
     if tp == 1:
         return
-    bad = {name: getattr(config, name) for name in ("num_heads", "num_kv_heads") if getattr(config, name) % tp}
+    if getattr(config, "qk_norm", "none") == "full":
+        raise LayoutError(f"--tp {tp} cannot shard model.qk_norm='full': it normalises q and k over all heads at "
+                          f"once while tensor parallelism gives each rank a share of the heads; use --tp 1 (and "
+                          f"fsdp / ep / pp for scale)")
+    heads = ("num_heads",) if getattr(config, "attention", "gqa") == "mla" else ("num_heads", "num_kv_heads")
+    bad = {name: getattr(config, name) for name in heads if getattr(config, name) % tp}
     if config.num_layers > config.num_moe_layers and config.ffn_hidden_size % tp:
         bad["ffn_hidden_size"] = config.ffn_hidden_size
     if bad:
@@ -52,7 +65,7 @@ def apply_tensor_parallel(model: nn.Module, topology, sequence_parallel: bool = 
     """Shard every block of ``model.layers`` over the TP mesh and split MoE tokens over the TP group.
 
     Returns the modules besides the MoE layers whose gradients are partial sums over the TP group (the
-    sequence-parallel norms; empty without sequence parallelism).
+    per-head q/k norms, and the sequence-parallel norms).
 
     sequence_parallel: between the TP regions (norms, residual adds, the MoE layer) each rank keeps only
     its 1/tp slice of the sequence, so those activations take 1/tp of the memory; attention and dense MLP
@@ -67,13 +80,20 @@ def apply_tensor_parallel(model: nn.Module, topology, sequence_parallel: bool = 
     group = topology.group("tp")
     rank = topology.members("tp").index(topology.rank)
     blocks = list(model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers)
+    partial = []  # modules whose gradients are partial sums over TP
     for block in blocks:
         parallelize_module(block, mesh, _block_plan(block, sequence_parallel))
+        attn = block.attn
+        if hasattr(attn, "wkv_a"):  # MLA: the shared rope key's gradient is partial over the heads' ranks
+            attn.wkv_a.register_forward_hook(
+                lambda m, args, out, start=attn.kv_lora_rank: _ReduceGradTail.apply(out, start, group))
+        if hasattr(attn, "q_norm"):
+            partial += [attn.q_norm, attn.k_norm]  # qk_norm "head" (check_tensor_parallel refused "full")
     split = SequenceParallelTokens(rank, tp) if sequence_parallel else TPTokenSplit(group, rank, tp)
     for _, layer in moe_layers(model):
         layer.token_split = split
     if not sequence_parallel:
-        return []
+        return partial
     for root in getattr(model, "stages", (model,)):  # each pipeline stage sends and receives whole sequences
         stage_blocks = list(root.layers)
         if stage_blocks:
@@ -82,16 +102,21 @@ def apply_tensor_parallel(model: nn.Module, topology, sequence_parallel: bool = 
             stage_blocks[-1].register_forward_hook(
                 lambda m, args, out: _GatherTokens.apply(out, rank, [out.shape[1]] * tp, group, 1))  # S % tp == 0
     # norms see only this rank's positions: their gradients are partial over TP
-    return [norm for block in blocks for norm in (block.attn_norm, block.ffn_norm)]
+    return partial + [norm for block in blocks for norm in (block.attn_norm, block.ffn_norm)]
 
 
 def _block_plan(block: nn.Module, sequence_parallel: bool) -> dict:
     seq = Shard(1)  # [B, S, H] activations sharded over S
     out = dict(output_layouts=seq) if sequence_parallel else {}
-    plan = {f"attn.{w}": ColwiseParallel() for w in ("wq", "wk", "wv")}
+    heads = ("wq", "wk", "wv", "wq_b", "wkv_b")  # GQA's q/k/v, MLA's query and key/value up-projections
+    plan = {f"attn.{w}": ColwiseParallel() for w in heads if hasattr(block.attn, w)}
     plan["attn.wo"] = RowwiseParallel(**out)
     if sequence_parallel:  # attention needs every position: gather the sequence (backward: reduce-scatter)
-        plan["attn"] = PrepareModuleInput(input_layouts=(seq, None, None), desired_input_layouts=(Replicate(), None, None))
+        # MLA's replicated projections (wkv_a, wq_a) are plain modules: they get the gathered local tensor, whose
+        # gradient is complete on every rank (see the module docstring), as without sequence parallelism
+        mla = hasattr(block.attn, "wkv_a")
+        plan["attn"] = PrepareModuleInput(input_layouts=(seq, None, None),
+                                          desired_input_layouts=(Replicate(), None, None), use_local_output=mla)
     if not block.is_moe:
         plan.update({"ffn.w_up": ColwiseParallel(), "ffn.w_out": RowwiseParallel(**out)})
         if block.ffn.w_gate is not None:
@@ -121,6 +146,24 @@ def _all_gather_rows(x: Tensor, sizes: list[int], group, dim: int = 0) -> Tensor
     parts = [torch.empty_like(padded) for _ in sizes]
     dist.all_gather(parts, padded.contiguous(), group=group)
     return torch.cat([p[:n] for p, n in zip(parts, sizes)]).movedim(0, dim).contiguous()  # e.g. sent to a stage
+
+
+class _ReduceGradTail(torch.autograd.Function):
+    """Identity forward; backward all-reduces the gradient's last-dim slice [start:] over ``group`` (the rest
+    is already complete: MLA's wkv_a output, whose rope slice each TP rank's heads use directly)."""
+
+    @staticmethod
+    def forward(ctx, y: Tensor, start: int, group) -> Tensor:
+        ctx.start, ctx.group = start, group
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        grad = grad.clone()
+        tail = grad[..., ctx.start :].contiguous()
+        dist.all_reduce(tail, group=ctx.group)
+        grad[..., ctx.start :] = tail
+        return grad, None, None
 
 
 class _SliceTokens(torch.autograd.Function):

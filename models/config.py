@@ -57,10 +57,41 @@ class ModelConfig:
     router_options: dict[str, Any] = field(default_factory=dict)  # router-specific build_router options
     expert_backend: str = "auto"  # auto | torch | loop | triton (see moe.experts)
     init_std: float = 0.02  # std of embeddings, projections into the residual stream, router
+    # Attention variants (models.attention)
+    attention: str = "gqa"  # gqa (grouped-query) | mla (DeepSeek-V2/V3 multi-head latent attention)
+    attention_bias: bool = False  # gqa: a bias on wq, wk, wv (Qwen2 qkv_bias); never on wo
+    qk_norm: str = "none"  # gqa: none | head (RMSNorm(D) on each q/k head, Qwen3) | full (RMSNorm over the
+    #                        whole q [N*D] and k [K*D] projections, OLMoE); before RoPE
+    qkv_clip: float = 0.0  # gqa, > 0: clamp q, k, v to [-clip, clip] after projection and norm (OLMoE clip_qkv)
+    rope_scaling: dict[str, Any] = field(default_factory=dict)  # {} = plain RoPE; else transformers'
+    #   rope_parameters without rope_theta: {"rope_type": "linear" | "yarn" | "llama3", "factor": ..., ...}
+    # MLA only (attention = "mla"); 0 where unused. num_kv_heads and head_dim are unused by MLA.
+    q_lora_rank: int = 0  # 0 = full-rank query projection wq (DeepSeek-V2-Lite); else wq_a -> norm -> wq_b
+    kv_lora_rank: int = 0  # compressed key/value width (wkv_a -> norm -> wkv_b)
+    qk_nope_head_dim: int = 0  # per-head query/key dims without RoPE
+    qk_rope_head_dim: int = 0  # per-head query dims with RoPE; the rotated key part is shared by all heads
+    v_head_dim: int = 0  # per-head value dim
+    rope_interleave: bool = True  # MLA: the rope dims are stored as interleaved pairs (DeepSeek-V3)
 
     @property
     def attn_head_dim(self) -> int:
+        """GQA head dim D (hidden_size // num_heads unless head_dim is set); for MLA see the two below."""
         return self.head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def attn_qk_head_dim(self) -> int:
+        """Per-head query / key width: D, or MLA's qk_nope_head_dim + qk_rope_head_dim."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.attention == "mla" else self.attn_head_dim
+
+    @property
+    def attn_v_head_dim(self) -> int:
+        """Per-head value width: D, or MLA's v_head_dim."""
+        return self.v_head_dim if self.attention == "mla" else self.attn_head_dim
+
+    @property
+    def rope_dim(self) -> int:
+        """Channels RoPE rotates per head: D, or MLA's qk_rope_head_dim."""
+        return self.qk_rope_head_dim if self.attention == "mla" else self.attn_head_dim
 
     def is_moe_layer(self, i: int) -> bool:
         if self.num_experts == 0 or i < self.first_dense_layers:
@@ -88,25 +119,58 @@ class ModelConfig:
         for name in ("name", "activation", "router", "expert_backend"):
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"model.{name}={getattr(self, name)!r} is invalid; it must be a string")
-        for name in ("tie_embeddings", "shared_expert_gate"):
+        for name in ("tie_embeddings", "shared_expert_gate", "attention_bias", "rope_interleave"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"model.{name}={getattr(self, name)!r} is invalid; it must be true or false")
         from moekit.moe.activations import ACTIVATIONS  # the one table (imports torch: only when validating)
 
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"model.activation={self.activation!r} is invalid; choose one of {sorted(ACTIVATIONS)}")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"model.num_kv_heads={self.num_kv_heads} must divide model.num_heads={self.num_heads}")
-        if not self.head_dim and self.hidden_size % self.num_heads:
-            raise ValueError(f"model.hidden_size={self.hidden_size} is not divisible by model.num_heads="
-                             f"{self.num_heads}; change one or set model.head_dim")
-        if self.attn_head_dim % 2:
-            raise ValueError(f"head dim {self.attn_head_dim} must be even for RoPE; set model.head_dim")
+        self._validate_attention()
         if self.num_experts and self.top_k > self.num_experts:
             raise ValueError(f"model.top_k={self.top_k} exceeds model.num_experts={self.num_experts}")
         if not isinstance(self.router_options, dict):
             raise ValueError(f"model.router_options must be a table of router options, got {self.router_options!r}")
         return self
+
+    def _validate_attention(self) -> None:
+        for name in ("attention", "qk_norm"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"model.{name}={getattr(self, name)!r} is invalid; it must be a string")
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"model.attention={self.attention!r} is invalid; choose one of {list(ATTENTIONS)}")
+        if self.qk_norm not in QK_NORMS:
+            raise ValueError(f"model.qk_norm={self.qk_norm!r} is invalid; choose one of {list(QK_NORMS)} (head: "
+                             f"Qwen3's per-head norm, full: OLMoE's norm over the whole projection)")
+        _check_float("model.qkv_clip", self.qkv_clip, strict=False, hint="; 0 turns clipping off")
+        mla_fields = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        for name in mla_fields:
+            _check_int(f"model.{name}", getattr(self, name), 0)
+        if self.attention == "mla":
+            missing = [n for n in mla_fields[1:] if getattr(self, n) == 0]
+            if missing:
+                raise ValueError(f"model.attention='mla' needs {', '.join(f'model.{n}' for n in missing)} > 0 "
+                                 f"(DeepSeek-V3: kv_lora_rank 512, qk_nope_head_dim 128, qk_rope_head_dim 64, "
+                                 f"v_head_dim 128); set them or use attention='gqa'")
+            if self.qk_rope_head_dim % 2:
+                raise ValueError(f"model.qk_rope_head_dim={self.qk_rope_head_dim} must be even for RoPE")
+            for name, off in (("attention_bias", False), ("qk_norm", "none"), ("qkv_clip", 0.0)):
+                if getattr(self, name) != off:
+                    raise ValueError(f"model.{name}={getattr(self, name)!r} applies to attention='gqa' only; MLA has "
+                                     f"its own latent norms: set model.{name}={off!r} with attention='mla'")
+        else:
+            set_mla = [n for n in mla_fields if getattr(self, n)]
+            if set_mla:
+                raise ValueError(f"{', '.join(f'model.{n}' for n in set_mla)} only apply to attention='mla'; set "
+                                 f"model.attention='mla' or leave them 0")
+            if self.num_heads % self.num_kv_heads:
+                raise ValueError(f"model.num_kv_heads={self.num_kv_heads} must divide model.num_heads={self.num_heads}")
+            if not self.head_dim and self.hidden_size % self.num_heads:
+                raise ValueError(f"model.hidden_size={self.hidden_size} is not divisible by model.num_heads="
+                                 f"{self.num_heads}; change one or set model.head_dim")
+            if self.attn_head_dim % 2:
+                raise ValueError(f"head dim {self.attn_head_dim} must be even for RoPE; set model.head_dim")
+        _check_rope_scaling(self.rope_scaling)
 
     # Router configuration: the one place that decides what build_router gets and what a router change resets.
 
@@ -156,6 +220,56 @@ def _split_common_router_fields(config: ModelConfig) -> tuple[dict[str, Any], li
         elif getattr(config, name) != off:
             unused.append(name)
     return passed, unused
+
+
+ATTENTIONS = ("gqa", "mla")
+QK_NORMS = ("none", "head", "full")
+# rope_scaling: rope_type -> (required keys, optional keys) besides rope_type; the meaning of each is
+# transformers' (modeling_rope_utils); models.attention.rope_frequencies computes them.
+ROPE_SCALINGS = {
+    "default": ((), ()),
+    "linear": (("factor",), ()),
+    "yarn": (("factor", "original_max_position_embeddings"),
+             ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")),
+    "llama3": (("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"), ()),
+}
+
+
+def _check_rope_scaling(rs) -> None:
+    where = "model.rope_scaling"
+    if not isinstance(rs, dict):
+        raise ValueError(f"{where}={rs!r} is invalid; it must be a table ({{}} for plain RoPE)")
+    if not rs:
+        return
+    kind = rs.get("rope_type")
+    if kind not in ROPE_SCALINGS:
+        raise ValueError(f"{where}.rope_type={kind!r} is invalid; choose one of {list(ROPE_SCALINGS)} (or an "
+                         f"empty table for plain RoPE)")
+    required, optional = ROPE_SCALINGS[kind]
+    missing = [k for k in required if k not in rs]
+    unknown = sorted(set(rs) - {"rope_type", *required, *optional})
+    if missing:
+        raise ValueError(f"{where} with rope_type={kind!r} needs {missing}; it takes {list(required)} and optionally "
+                         f"{list(optional)}")
+    if unknown:
+        raise ValueError(f"{where} with rope_type={kind!r} has unknown key(s) {unknown}; it takes {list(required)} "
+                         f"and optionally {list(optional)} (model.rope_theta is the base)")
+    for key, value in rs.items():
+        if key == "rope_type":
+            continue
+        name = f"{where}.{key}"
+        if key == "truncate":
+            if not isinstance(value, bool):
+                raise ValueError(f"{name}={value!r} is invalid; it must be true or false")
+        elif key == "original_max_position_embeddings":
+            _check_int(name, value, 1)
+        elif value is None and key in optional:  # transformers writes null for an unset optional key
+            continue
+        else:
+            _check_float(name, value, strict=key not in ("mscale", "mscale_all_dim"))
+    if kind == "llama3" and not rs["high_freq_factor"] > rs["low_freq_factor"]:
+        raise ValueError(f"{where}.high_freq_factor={rs['high_freq_factor']!r} must exceed low_freq_factor="
+                         f"{rs['low_freq_factor']!r}")
 
 
 def _check_int(name: str, value, lo: int) -> None:

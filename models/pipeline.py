@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from moekit.comm.pipeline import PipelineRunner, check_schedule, gather_load, stage_ids_of
 from moekit.models.config import ModelConfig
-from moekit.models.transformer import Transformer, rope_angles
+from moekit.models.transformer import Transformer, rope_tables
 from moekit.moe import moe_layers
 
 
@@ -52,7 +52,7 @@ class LayerCosts:
 def layer_costs(config: ModelConfig, seq_len: int | None = None) -> LayerCosts:
     """Per-layer forward FLOPs per token, counted on a meta-device model (allocates nothing).
 
-    attention: 2 x (q, k, v, o weights) + 2 S N D (scores and weighted values, causal half);
+    attention: 2 x (its weights) + S N (Dqk + Dv) (scores and weighted values, causal half);
     FFN: 2 x dense weights, or 2 x (router + top_k of E routed experts + shared expert) for MoE.
     """
     S = seq_len or config.max_seq_len
@@ -61,7 +61,7 @@ def layer_costs(config: ModelConfig, seq_len: int | None = None) -> LayerCosts:
     costs = []
     for block in model.layers:
         attn = sum(p.numel() for p in block.attn.parameters())
-        cost = 2.0 * attn + 2.0 * S * config.num_heads * config.attn_head_dim
+        cost = 2.0 * attn + S * config.num_heads * (config.attn_qk_head_dim + config.attn_v_head_dim)
         if block.is_moe:
             moe = block.ffn
             experts = moe.experts.w_in.numel() + moe.experts.w_out.numel()
@@ -172,7 +172,7 @@ class StageModule(nn.Module):
         S = tokens.shape[1]
         if S > cfg.max_seq_len:
             raise ValueError(f"sequence length {S} exceeds model.max_seq_len={cfg.max_seq_len}")
-        cos, sin = rope_angles(S, cfg.attn_head_dim, cfg.rope_theta, tokens.device)  # [S, D/2]
+        cos, sin = rope_tables(cfg, S, tokens.device)  # [S, R/2]
         if self.is_first:
             x = self.embed(tokens)  # [b, S, H]
         for layer in self.layers:

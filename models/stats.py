@@ -6,8 +6,9 @@ visit, i.e. each MoE layer counts top_k of its num_experts routed experts.
 
 FLOPs per token (the convention of Kaplan et al. 2020 / PaLM appendix B, with the causal mask):
     forward  = 2 * active matmul parameters (active parameters except the embedding lookup and the
-               RMSNorm scales; a tied output projection counts as a matmul)
-             + 2 * L * S * N * D   (q.k and attn.v: 2 FLOPs each per key, half the keys on average)
+               RMSNorm scales and biases; a tied output projection counts as a matmul)
+             + L * S * N * (Dqk + Dv)   (q.k and attn.v: 2 FLOPs per key and channel, half the keys on
+                                        average; Dqk = Dv = D for GQA, nope + rope and v for MLA)
     training = 3 * forward         (backward costs twice the forward)
 """
 from __future__ import annotations
@@ -47,7 +48,7 @@ def model_stats(config: ModelConfig, seq_len: int | None = None) -> ModelStats:
             inactive += per_expert * (experts.num_experts - min(config.top_k, experts.num_experts))
     active = params - inactive
     embedding = model.embed.weight.numel()
-    vectors = sum(p.numel() for p in model.parameters() if p.dim() < 2)  # norm scales: elementwise, not matmuls
+    vectors = sum(p.numel() for p in model.parameters() if p.dim() < 2)  # norm scales, biases: not matmuls
     matmul = active - vectors - embedding + (embedding if config.tie_embeddings else 0)
-    attention = 2 * config.num_layers * seq_len * config.num_heads * config.attn_head_dim
+    attention = config.num_layers * seq_len * config.num_heads * (config.attn_qk_head_dim + config.attn_v_head_dim)
     return ModelStats(params, active, embedding, 3.0 * (2.0 * matmul + attention), seq_len)

@@ -4,7 +4,7 @@ Shape legend: B batch, S sequence, H hidden, V vocab, N query heads, K key/value
 T = B*S tokens.
 
     tokens [B, S] -> embed -> L x Block -> RMSNorm -> lm_head -> logits [B, S, V]
-    Block:  h = x + Attention(RMSNorm(x))          causal, RoPE, GQA, scaled_dot_product_attention
+    Block:  h = x + Attention(RMSNorm(x))          causal, RoPE, GQA or MLA, SDPA (models.attention)
             y = h + FFN(RMSNorm(h))                FFN = MoELayer or DenseMLP (config.is_moe_layer)
 
 Single-device code: nothing here knows about ranks (DESIGN.md); comm/ parallelises a built model.
@@ -26,118 +26,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moekit.models.attention import (  # noqa: F401  (re-exported: the attention and RoPE API lived here)
+    Attention, KVCache, LayerKV, MLAttention, apply_rope, apply_rope_interleaved, build_attention, causal_mask,
+    rope_angles, rope_frequencies, rope_tables)
 from moekit.models.config import ModelConfig
 from moekit.moe import DenseMLP, MoELayer, build_router
-
-
-def rope_angles(seq_len: int, head_dim: int, theta: float, device, start: int = 0) -> tuple[Tensor, Tensor]:
-    """cos, sin [S, D/2] of position * theta^(-2i/D) (Su et al. 2021) for positions start .. start+S-1, in
-    float32."""
-    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)  # [D/2]
-    positions = torch.arange(start, start + seq_len, device=device, dtype=torch.float32)  # [S]
-    angles = torch.outer(positions, inv_freq)  # [S, D/2]
-    return angles.cos(), angles.sin()
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate channel pairs (i, i + D/2) of x [B, heads, S, D] by the position angle (GPT-NeoX/HF layout)."""
-    x1, x2 = x.float().chunk(2, dim=-1)  # [B, n, S, D/2] each
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # [B, n, S, D]
-    return out.type_as(x)
-
-
-class Attention(nn.Module):
-    """Causal grouped-query attention: K key/value heads serve N query heads (N % K == 0)."""
-
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
-        self.head_dim = config.attn_head_dim
-        H, D = config.hidden_size, self.head_dim
-        self.wq = nn.Linear(H, self.num_heads * D, bias=False)
-        self.wk = nn.Linear(H, self.num_kv_heads * D, bias=False)
-        self.wv = nn.Linear(H, self.num_kv_heads * D, bias=False)
-        self.wo = nn.Linear(self.num_heads * D, H, bias=False)
-
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: LayerKV | None = None) -> Tensor:
-        """x [B, S, H] at the positions cos/sin describe. ``kv``: this layer's cache (incremental decoding);
-        the new keys/values are appended and the queries attend to every cached position as well."""
-        B, S, _ = x.shape
-        # -1 heads: under tensor parallelism this rank's q/k/v projections produce N/tp and K/tp heads
-        q = self.wq(x).view(B, S, -1, self.head_dim).transpose(1, 2)  # [B, N, S, D]
-        k = self.wk(x).view(B, S, -1, self.head_dim).transpose(1, 2)  # [B, K, S, D]
-        v = self.wv(x).view(B, S, -1, self.head_dim).transpose(1, 2)  # [B, K, S, D]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        gqa = self.num_kv_heads != self.num_heads
-        if kv is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)  # [B, N, S, D]
-        else:
-            start = kv.length
-            k, v = kv.append(k, v)  # [B, K, start+S, D]: every position so far
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(start, S, q.device),
-                                               is_causal=start == 0 and S > 1, enable_gqa=gqa)  # [B, N, S, D]
-        return self.wo(y.transpose(1, 2).reshape(B, S, -1))  # [B, S, H]
-
-
-def causal_mask(start: int, new: int, device) -> Tensor | None:
-    """[new, start+new] bool: query start+i sees keys 0 .. start+i. None where no mask is needed: one new
-    query sees every key; a first chunk (start 0) is plain causal attention (is_causal)."""
-    if new == 1 or start == 0:
-        return None
-    keys = torch.arange(start + new, device=device)  # [P+S]
-    return keys[None, :] <= torch.arange(start, start + new, device=device)[:, None]  # [S, P+S]
-
-
-class LayerKV:
-    """One attention layer's cached keys and values: [B, K, capacity, D] buffers, ``length`` filled.
-
-    Allocated at the first ``append`` with the keys' batch, heads, dtype and device (the model's compute
-    dtype: autocast's when it is on), so one cache serves any model without being told its layout."""
-
-    def __init__(self, capacity: int):
-        self.capacity, self.length = capacity, 0
-        self.keys: Tensor | None = None
-        self.values: Tensor | None = None
-
-    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Write k, v [B, K, S, D] at positions length .. length+S-1; return every position's [B, K, length, D]."""
-        B, K, S, D = k.shape
-        end = self.length + S
-        if end > self.capacity:
-            raise ValueError(f"KV cache holds {self.capacity} positions; appending {S} at position {self.length} "
-                             f"overflows it: make a larger cache (at most model.max_seq_len) or start a new one")
-        if self.keys is None:
-            self.keys = k.new_empty(B, K, self.capacity, D)
-            self.values = v.new_empty(B, K, self.capacity, D)
-        elif self.keys.shape[0] != B or self.keys.dtype != k.dtype:
-            raise ValueError(f"KV cache was filled with batch {self.keys.shape[0]} in {self.keys.dtype}, got batch "
-                             f"{B} in {k.dtype}; use one cache per batch of sequences")
-        self.keys[:, :, self.length : end] = k
-        self.values[:, :, self.length : end] = v
-        self.length = end
-        return self.keys[:, :, :end], self.values[:, :, :end]
-
-
-class KVCache:
-    """Per-layer keys and values of the positions decoded so far (``Transformer.forward(tokens, cache=...)``).
-
-    ``capacity``: the most positions it will hold (default and limit: model.max_seq_len). Memory is
-    2 * L * B * K * capacity * D elements, allocated as the layers first write. A cache belongs to one
-    batch of sequences that all share positions: start a new one for another prompt.
-    """
-
-    def __init__(self, config: ModelConfig, capacity: int | None = None):
-        capacity = config.max_seq_len if capacity is None else capacity
-        if not 1 <= capacity <= config.max_seq_len:
-            raise ValueError(f"KV cache capacity {capacity} is invalid; it must be in [1, model.max_seq_len="
-                             f"{config.max_seq_len}]")
-        self.capacity = capacity
-        self.layers = [LayerKV(capacity) for _ in range(config.num_layers)]
-
-    @property
-    def length(self) -> int:
-        """Positions cached: the next token's position."""
-        return self.layers[0].length if self.layers else 0
 
 
 class Block(nn.Module):
@@ -145,7 +38,7 @@ class Block(nn.Module):
         super().__init__()
         H = config.hidden_size
         self.attn_norm = nn.RMSNorm(H, eps=config.norm_eps)
-        self.attn = Attention(config)
+        self.attn = build_attention(config)
         self.ffn_norm = nn.RMSNorm(H, eps=config.norm_eps)
         self.is_moe = config.is_moe_layer(layer_id)
         if self.is_moe:
@@ -186,7 +79,7 @@ class Transformer(nn.Module):
         start = 0 if cache is None else cache.length  # position of tokens[:, 0]
         if start + S > self.config.max_seq_len:
             raise ValueError(f"sequence length {start + S} exceeds model.max_seq_len={self.config.max_seq_len}")
-        cos, sin = rope_angles(S, self.config.attn_head_dim, self.config.rope_theta, tokens.device, start)  # [S, D/2]
+        cos, sin = rope_tables(self.config, S, tokens.device, start)  # [S, R/2] (R: the rotated dims per head)
         x = self.embed(tokens)  # [B, S, H]
         for i, layer in enumerate(self.layers):
             if cache is None:
@@ -201,10 +94,10 @@ class Transformer(nn.Module):
     def init_weights(self, seed: int = 0) -> None:
         """Fill every parameter and buffer from ``seed`` alone (device and layout independent).
 
-        Residual-stream inputs (embedding, q/k/v, FFN in, router) get N(0, init_std); projections
-        back into the residual stream (attention out, FFN out) get init_std / sqrt(2 L) (GPT-2) so the
-        residual's variance does not grow with depth. Draws happen on the CPU generator and are
-        copied, so a GPU run starts from the same weights as a CPU run.
+        Residual-stream inputs (embedding, q/k/v and MLA's projections, FFN in, router) get N(0, init_std);
+        projections back into the residual stream (attention out, FFN out) get init_std / sqrt(2 L) (GPT-2)
+        so the residual's variance does not grow with depth; biases 0, norm scales 1. Draws happen on the CPU
+        generator and are copied, so a GPU run starts from the same weights as a CPU run.
         """
         cfg = self.config
         gen = torch.Generator().manual_seed(seed)
@@ -217,9 +110,7 @@ class Transformer(nn.Module):
         for layer in self.layers:
             for norm in (layer.attn_norm, layer.ffn_norm):
                 norm.weight.fill_(1.0)
-            for w in (layer.attn.wq, layer.attn.wk, layer.attn.wv):
-                normal_(w.weight, std)
-            normal_(layer.attn.wo.weight, std_out)
+            layer.attn.init_weights(normal_, std, std_out)
             init_ffn(layer.ffn, normal_, std, std_out)
         self.norm.weight.fill_(1.0)
         if self.lm_head is not None:

@@ -352,7 +352,10 @@ class TopKRouter(Router):
     """Top-k over softmax or sigmoid scores.
 
     Mixtral: softmax, normalize. Switch: top_k=1, softmax, no normalize. DeepSeek-V3: sigmoid,
-    num_groups/group_top_k, expert_bias with bias_update_rate > 0, scaling (routed_scaling_factor).
+    num_groups/group_top_k, group_score_top=2, expert_bias with bias_update_rate > 0, scaling
+    (routed_scaling_factor). Group-limited routing keeps each token's ``group_top_k`` best of ``num_groups``
+    expert groups, a group scoring the sum of its best ``group_score_top`` expert scores (default
+    top_k // group_top_k; DeepSeek-V3 uses 2).
     ``normalize=None`` renormalises the k weights to sum 1 whenever k > 1.
     ``expert_bias`` (True, or an initial [E] tensor) is added to the scores for *selection only*;
     ``bias_update_rate`` > 0 turns it on and moves it by the observed load each
@@ -364,7 +367,8 @@ class TopKRouter(Router):
 
     def __init__(self, hidden_size: int, num_experts: int, *, top_k: int = 2, score: str = "softmax",
                  normalize: bool | None = None, num_groups: int | None = None, group_top_k: int | None = None,
-                 scaling: float = 1.0, expert_bias: bool | Tensor = False, bias_update_rate: float = 0.0,
+                 group_score_top: int | None = None, scaling: float = 1.0, expert_bias: bool | Tensor = False,
+                 bias_update_rate: float = 0.0,
                  capacity_factor: float | None = None, drop_policy: str = "probs",
                  aux_loss_coeff: float = 0.01, z_loss_coeff: float = 0.0, force_expert: int | None = None):
         super().__init__(hidden_size, num_experts, top_k=top_k, capacity_factor=capacity_factor,
@@ -375,10 +379,12 @@ class TopKRouter(Router):
         self.force_expert = force_expert
         check_float("scaling", scaling, 0.0, strict=True)
         check_float("bias_update_rate", bias_update_rate)
-        self._check_groups(num_groups, group_top_k)
+        self._check_groups(num_groups, group_top_k, group_score_top)
         self.score, self.scaling, self.bias_update_rate = score, float(scaling), float(bias_update_rate)
         self.normalize = top_k > 1 if normalize is None else bool(normalize)
         self.num_groups, self.group_top_k = num_groups, group_top_k
+        # experts summed per group to score it (moekit's default top_k // group_top_k; DeepSeek-V3: 2)
+        self.group_score_top = group_score_top or (top_k // group_top_k if group_top_k else None)
         if isinstance(expert_bias, Tensor) or expert_bias or bias_update_rate > 0:
             init = expert_bias if isinstance(expert_bias, Tensor) else torch.zeros(num_experts)
             if init.shape != (num_experts,):
@@ -388,8 +394,11 @@ class TopKRouter(Router):
         else:
             self.expert_bias = None
 
-    def _check_groups(self, num_groups, group_top_k) -> None:
+    def _check_groups(self, num_groups, group_top_k, group_score_top=None) -> None:
         if num_groups is None and group_top_k is None:
+            if group_score_top is not None:
+                raise ValueError(f"group_score_top={group_score_top!r} scores expert groups: it needs num_groups and "
+                                 f"group_top_k (group-limited routing); set them or drop group_score_top")
             return
         if num_groups is None or group_top_k is None:
             raise ValueError(f"num_groups={num_groups!r} and group_top_k={group_top_k!r}: set both or neither")
@@ -398,6 +407,12 @@ class TopKRouter(Router):
         if E % num_groups:
             raise ValueError(f"num_groups={num_groups} must divide num_experts={E}")
         check_int("group_top_k", group_top_k, 1, num_groups)
+        if group_score_top is not None:
+            check_int("group_score_top", group_score_top, 1, E // num_groups)  # experts per group
+            if k > group_top_k * (E // num_groups):
+                raise ValueError(f"top_k={k} exceeds the {group_top_k * (E // num_groups)} experts of the "
+                                 f"group_top_k={group_top_k} groups a token may use; raise group_top_k")
+            return
         if k % group_top_k:
             raise ValueError(f"group_top_k={group_top_k} must divide top_k={k} (a group's score sums its "
                              f"top top_k // group_top_k experts)")
@@ -412,7 +427,7 @@ class TopKRouter(Router):
         """Mask experts outside each token's best ``group_top_k`` groups with -inf."""
         T, E, G = choice.shape[0], self.num_experts, self.num_groups
         per_group = choice.view(T, G, E // G)
-        group_score = per_group.topk(self.top_k // self.group_top_k, dim=-1).values.sum(-1)  # [T, G]
+        group_score = per_group.topk(self.group_score_top, dim=-1).values.sum(-1)  # [T, G]
         best = group_score.topk(self.group_top_k, dim=-1).indices  # [T, group_top_k]
         allowed = torch.zeros(T, G, dtype=torch.bool, device=choice.device).scatter_(1, best, True)
         return per_group.masked_fill(~allowed[:, :, None], -math.inf).view(T, E)

@@ -1,0 +1,317 @@
+"""Attention, RoPE and the KV cache of the decoder (models.transformer builds blocks from these).
+
+Shape legend: B batch, S sequence, H hidden, N query heads, K key/value heads, D head dim.
+
+    gqa (Attention)      q = wq(x), k = wk(x), v = wv(x)         [+ bias: attention_bias]
+                         qk_norm "full": RMSNorm over q [N*D] and k [K*D] (OLMoE), then split into heads
+                         qk_norm "head": RMSNorm(D) on every q and k head (Qwen3)
+                         qkv_clip: clamp q, k, v to [-clip, clip] (OLMoE); RoPE on q, k; causal SDPA (GQA)
+    mla (MLAttention)    DeepSeek-V2/V3 multi-head latent attention, per head n:
+                         q_n = [q_nope_n, q_rope_n] = wq(x) or wq_b(norm(wq_a(x)))        (nope + rope dims)
+                         [c, k_rope] = wkv_a(x); [k_nope_n, v_n] = wkv_b(norm(c))        (c: kv_lora_rank)
+                         k_n = [k_nope_n, RoPE(k_rope)]  (the rope key is shared by all heads)
+                         softmax(q_n . k_n * scale) v_n, scale = (nope + rope)^-0.5 * yarn mscale^2
+    RoPE                 cos, sin [S, R/2] of position * inv_freq (R = rope_dim: D, or MLA's rope dims), with
+                         transformers' scalings (linear, yarn, llama3) and their attention factor folded into
+                         cos / sin, as transformers does (``rope_frequencies``, ``rope_tables``).
+
+Under tensor parallelism the projections into heads are column-sharded, so q / k / v views use -1 heads
+(this rank's share) and nothing here knows about ranks (comm.tensor_parallel).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from moekit.models.config import ModelConfig
+
+# DeepSeek's latent norms (q_a_layernorm, kv_a_layernorm) use RMSNorm's default epsilon, not rms_norm_eps
+LATENT_NORM_EPS = 1e-6
+
+
+# ---------------------------------------------------------------------------------------------------
+# RoPE
+# ---------------------------------------------------------------------------------------------------
+
+
+def rope_angles(seq_len: int, head_dim: int, theta: float, device, start: int = 0) -> tuple[Tensor, Tensor]:
+    """cos, sin [S, D/2] of position * theta^(-2i/D) (Su et al. 2021) for positions start .. start+S-1, in
+    float32 (plain RoPE; ``rope_tables`` covers the scalings)."""
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)  # [D/2]
+    return _angles(inv_freq, seq_len, start, 1.0)
+
+
+def _angles(inv_freq: Tensor, seq_len: int, start: int, factor: float) -> tuple[Tensor, Tensor]:
+    positions = torch.arange(start, start + seq_len, device=inv_freq.device, dtype=torch.float32)  # [S]
+    angles = torch.outer(positions, inv_freq)  # [S, R/2]
+    if factor == 1.0:
+        return angles.cos(), angles.sin()
+    return angles.cos() * factor, angles.sin() * factor
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature term 0.1 * mscale * ln(factor) + 1 (1 for factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_frequencies(config: ModelConfig, device=None) -> tuple[Tensor, float]:
+    """(inv_freq [R/2] float32, attention_factor) for ``config.rope_scaling``: the numbers transformers'
+    ROPE_INIT_FUNCTIONS give for the same rope_parameters (R = config.rope_dim). The attention factor
+    multiplies cos and sin (YaRN; 1 otherwise)."""
+    dim, base, rs = config.rope_dim, float(config.rope_theta), config.rope_scaling
+    exponents = torch.arange(0, dim, 2, device=device, dtype=torch.int64).float() / dim  # [R/2]
+    inv_freq = 1.0 / base**exponents
+    kind = rs.get("rope_type", "default")
+    if kind == "default":
+        return inv_freq, 1.0
+    factor = float(rs["factor"])
+    if kind == "linear":
+        return inv_freq / factor, 1.0
+    if kind == "llama3":
+        old = rs["original_max_position_embeddings"]
+        low, high = float(rs["low_freq_factor"]), float(rs["high_freq_factor"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old / low, inv_freq / factor, inv_freq)  # long wavelengths: / factor
+        smooth = (old / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old / high) & (wavelen <= old / low)
+        return torch.where(medium, blended, scaled), 1.0
+    # yarn: interpolate the low frequencies (/ factor), keep the high ones, ramp linearly in between
+    attention = rs.get("attention_factor")
+    mscale, mscale_all = rs.get("mscale"), rs.get("mscale_all_dim")
+    if attention is None:
+        attention = (yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all) if mscale and mscale_all
+                     else yarn_mscale(factor))
+    beta_fast, beta_slow = rs.get("beta_fast") or 32, rs.get("beta_slow") or 1
+    old = rs["original_max_position_embeddings"]
+
+    def correction_dim(rotations: float) -> float:  # the dim whose wavelength fits ``rotations`` times in ``old``
+        return dim * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    lo, hi = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rs.get("truncate", True):
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, dim - 1)
+    if lo == hi:
+        hi += 0.001
+    ramp = ((torch.arange(dim // 2, device=device, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (the original frequency), 0: interpolate (/ factor)
+    return (inv_freq / factor) * (1 - keep) + inv_freq * keep, float(attention)
+
+
+def rope_tables(config: ModelConfig, seq_len: int, device, start: int = 0) -> tuple[Tensor, Tensor]:
+    """cos, sin [S, R/2] float32 for positions start .. start+S-1 of ``config``'s RoPE (its scaling and
+    attention factor included); what every attention layer of the model gets."""
+    if not config.rope_scaling or config.rope_scaling.get("rope_type") == "default":
+        return rope_angles(seq_len, config.rope_dim, config.rope_theta, device, start)
+    inv_freq, factor = rope_frequencies(config, device)
+    return _angles(inv_freq, seq_len, start, factor)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate channel pairs (i, i + D/2) of x [B, heads, S, D] by the position angle (GPT-NeoX/HF layout)."""
+    x1, x2 = x.float().chunk(2, dim=-1)  # [B, n, S, D/2] each
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # [B, n, S, D]
+    return out.type_as(x)
+
+
+def apply_rope_interleaved(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate channel pairs (2i, 2i + 1) of x [B, heads, S, D] (DeepSeek's layout); the result is in the
+    half layout (rotated evens, then rotated odds), as transformers returns it: q and k get the same
+    permutation, so q . k is unchanged."""
+    x1, x2 = x.float()[..., 0::2], x.float()[..., 1::2]  # [B, n, S, D/2] each
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).type_as(x)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Attention modules
+# ---------------------------------------------------------------------------------------------------
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, kv: LayerKV | None, gqa: bool, scale: float | None = None) -> Tensor:
+    """Causal SDPA of q [B, N, S, Dqk] over k [B, K, S, Dqk], v [B, K, S, Dv] (-> [B, N, S, Dv]); with ``kv``
+    the new keys / values are appended to the cache and q attends to every cached position too."""
+    if kv is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)
+    start, S = kv.length, q.shape[2]
+    k, v = kv.append(k, v)  # [B, K, start+S, D*]: every position so far
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(start, S, q.device),
+                                          is_causal=start == 0 and S > 1, enable_gqa=gqa, scale=scale)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query attention: K key/value heads serve N query heads (N % K == 0); optional q/k/v
+    biases, q/k RMSNorm ("head" or "full") and q/k/v clipping (module docstring)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.attn_head_dim
+        self.qk_norm, self.qkv_clip = config.qk_norm, float(config.qkv_clip)
+        H, D, bias = config.hidden_size, self.head_dim, config.attention_bias
+        self.wq = nn.Linear(H, self.num_heads * D, bias=bias)
+        self.wk = nn.Linear(H, self.num_kv_heads * D, bias=bias)
+        self.wv = nn.Linear(H, self.num_kv_heads * D, bias=bias)
+        self.wo = nn.Linear(self.num_heads * D, H, bias=False)
+        if config.qk_norm != "none":
+            full = config.qk_norm == "full"
+            self.q_norm = nn.RMSNorm(self.num_heads * D if full else D, eps=config.norm_eps)
+            self.k_norm = nn.RMSNorm(self.num_kv_heads * D if full else D, eps=config.norm_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: LayerKV | None = None) -> Tensor:
+        """x [B, S, H] at the positions cos/sin describe. ``kv``: this layer's cache (incremental decoding);
+        the new keys/values are appended and the queries attend to every cached position as well."""
+        B, S, _ = x.shape
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)  # [B, S, N*D], [B, S, K*D] x 2
+        if self.qk_norm == "full":  # over the whole projection (never under TP: comm.tensor_parallel)
+            q, k = self.q_norm(q), self.k_norm(k)
+        # -1 heads: under tensor parallelism this rank's q/k/v projections produce N/tp and K/tp heads
+        q, k, v = (t.view(B, S, -1, self.head_dim) for t in (q, k, v))  # [B, S, heads, D]
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.qkv_clip > 0:
+            q, k, v = (t.clamp(-self.qkv_clip, self.qkv_clip) for t in (q, k, v))
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, S, D]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = attend(q, k, v, kv, self.num_kv_heads != self.num_heads)  # [B, N, S, D]
+        return self.wo(y.transpose(1, 2).reshape(B, S, -1))  # [B, S, H]
+
+    @torch.no_grad()
+    def init_weights(self, normal_, std: float, std_out: float) -> None:
+        for w in (self.wq, self.wk, self.wv):
+            normal_(w.weight, std)
+            if w.bias is not None:
+                w.bias.zero_()
+        normal_(self.wo.weight, std_out)
+        if self.qk_norm != "none":
+            self.q_norm.weight.fill_(1.0)
+            self.k_norm.weight.fill_(1.0)
+
+
+class MLAttention(nn.Module):
+    """DeepSeek-V2/V3 multi-head latent attention (module docstring), numerically transformers'
+    DeepseekV3Attention: low-rank (or full-rank, q_lora_rank = 0) queries, a compressed key/value latent
+    with one RoPE key shared by all heads, decoupled RoPE on the rope dims only."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        H, N = config.hidden_size, config.num_heads
+        self.num_heads = N
+        self.nope, self.rope, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        self.kv_lora_rank, self.interleave = config.kv_lora_rank, config.rope_interleave
+        qk = self.nope + self.rope
+        if config.q_lora_rank:
+            self.wq_a = nn.Linear(H, config.q_lora_rank, bias=False)
+            self.q_a_norm = nn.RMSNorm(config.q_lora_rank, eps=LATENT_NORM_EPS)
+            self.wq_b = nn.Linear(config.q_lora_rank, N * qk, bias=False)
+        else:
+            self.wq = nn.Linear(H, N * qk, bias=False)
+        self.wkv_a = nn.Linear(H, self.kv_lora_rank + self.rope, bias=False)
+        self.kv_a_norm = nn.RMSNorm(self.kv_lora_rank, eps=LATENT_NORM_EPS)
+        self.wkv_b = nn.Linear(self.kv_lora_rank, N * (self.nope + self.v_dim), bias=False)
+        self.wo = nn.Linear(N * self.v_dim, H, bias=False)
+        self.scale = qk**-0.5
+        rs = config.rope_scaling
+        if rs.get("rope_type") == "yarn" and rs.get("mscale_all_dim"):
+            self.scale *= yarn_mscale(float(rs["factor"]), rs["mscale_all_dim"]) ** 2
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: LayerKV | None = None) -> Tensor:
+        """As Attention.forward; the cache holds the expanded keys [B, N, S, nope+rope] and values [B, N, S, v]."""
+        B, S, _ = x.shape
+        q = self.wq(x) if hasattr(self, "wq") else self.wq_b(self.q_a_norm(self.wq_a(x)))  # [B, S, N*(nope+rope)]
+        q = q.view(B, S, -1, self.nope + self.rope).transpose(1, 2)  # [B, n, S, nope+rope] (n: this rank's heads)
+        q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
+        latent, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.rope], dim=-1)  # [B, S, kv_lora], [B, S, rope]
+        kv_heads = self.wkv_b(self.kv_a_norm(latent)).view(B, S, -1, self.nope + self.v_dim).transpose(1, 2)
+        k_nope, v = kv_heads.split([self.nope, self.v_dim], dim=-1)  # [B, n, S, nope], [B, n, S, v]
+        rotate = apply_rope_interleaved if self.interleave else apply_rope
+        q_rope, k_rope = rotate(q_rope, cos, sin), rotate(k_rope[:, None], cos, sin)  # k_rope [B, 1, S, rope]
+        q = torch.cat((q_nope, q_rope), dim=-1)  # [B, n, S, nope+rope]
+        k = torch.cat((k_nope, k_rope.expand(-1, k_nope.shape[1], -1, -1)), dim=-1)  # [B, n, S, nope+rope]
+        y = attend(q, k, v.contiguous(), kv, False, self.scale)  # [B, n, S, v]
+        return self.wo(y.transpose(1, 2).reshape(B, S, -1))  # [B, S, H]
+
+    @torch.no_grad()
+    def init_weights(self, normal_, std: float, std_out: float) -> None:
+        for name in ("wq", "wq_a", "wq_b", "wkv_a", "wkv_b"):
+            if hasattr(self, name):
+                normal_(getattr(self, name).weight, std)
+        normal_(self.wo.weight, std_out)
+        for norm in (getattr(self, "q_a_norm", None), self.kv_a_norm):
+            if norm is not None:
+                norm.weight.fill_(1.0)
+
+
+def build_attention(config: ModelConfig) -> nn.Module:
+    return MLAttention(config) if config.attention == "mla" else Attention(config)
+
+
+# ---------------------------------------------------------------------------------------------------
+# KV cache (incremental decoding)
+# ---------------------------------------------------------------------------------------------------
+
+
+def causal_mask(start: int, new: int, device) -> Tensor | None:
+    """[new, start+new] bool: query start+i sees keys 0 .. start+i. None where no mask is needed: one new
+    query sees every key; a first chunk (start 0) is plain causal attention (is_causal)."""
+    if new == 1 or start == 0:
+        return None
+    keys = torch.arange(start + new, device=device)  # [P+S]
+    return keys[None, :] <= torch.arange(start, start + new, device=device)[:, None]  # [S, P+S]
+
+
+class LayerKV:
+    """One attention layer's cached keys [B, K, capacity, Dk] and values [B, K, capacity, Dv], ``length`` filled.
+
+    Allocated at the first ``append`` with the keys' and values' batch, heads, widths, dtype and device (the
+    model's compute dtype: autocast's when it is on), so one cache serves any model (GQA, MLA, whose key and
+    value widths differ) without being told its layout."""
+
+    def __init__(self, capacity: int):
+        self.capacity, self.length = capacity, 0
+        self.keys: Tensor | None = None
+        self.values: Tensor | None = None
+
+    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write k [B, K, S, Dk], v [B, K, S, Dv] at positions length .. length+S-1; return every position's."""
+        B, K, S, _ = k.shape
+        end = self.length + S
+        if end > self.capacity:
+            raise ValueError(f"KV cache holds {self.capacity} positions; appending {S} at position {self.length} "
+                             f"overflows it: make a larger cache (at most model.max_seq_len) or start a new one")
+        if self.keys is None:
+            self.keys = k.new_empty(B, K, self.capacity, k.shape[-1])
+            self.values = v.new_empty(B, v.shape[1], self.capacity, v.shape[-1])
+        elif self.keys.shape[0] != B or self.keys.dtype != k.dtype:
+            raise ValueError(f"KV cache was filled with batch {self.keys.shape[0]} in {self.keys.dtype}, got batch "
+                             f"{B} in {k.dtype}; use one cache per batch of sequences")
+        self.keys[:, :, self.length : end] = k
+        self.values[:, :, self.length : end] = v
+        self.length = end
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+
+class KVCache:
+    """Per-layer keys and values of the positions decoded so far (``Transformer.forward(tokens, cache=...)``).
+
+    ``capacity``: the most positions it will hold (default and limit: model.max_seq_len). Memory is
+    L * B * capacity * (K * D keys + K * D values) elements for GQA, L * B * capacity * N * (nope + rope + v)
+    for MLA (expanded keys and values), allocated as the layers first write. A cache belongs to one batch
+    of sequences that all share positions: start a new one for another prompt.
+    """
+
+    def __init__(self, config: ModelConfig, capacity: int | None = None):
+        capacity = config.max_seq_len if capacity is None else capacity
+        if not 1 <= capacity <= config.max_seq_len:
+            raise ValueError(f"KV cache capacity {capacity} is invalid; it must be in [1, model.max_seq_len="
+                             f"{config.max_seq_len}]")
+        self.capacity = capacity
+        self.layers = [LayerKV(capacity) for _ in range(config.num_layers)]
+
+    @property
+    def length(self) -> int:
+        """Positions cached: the next token's position."""
+        return self.layers[0].length if self.layers else 0
