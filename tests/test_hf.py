@@ -1,13 +1,13 @@
 """moekit.models.hf (models/hf/) against transformers itself: tiny random checkpoints made locally with save_pretrained.
 
-Parity: moekit's logits equal transformers' (fp32, relative error < 1e-4) for imports, and transformers
-loads moekit's exports with moekit's logits. Corrupt and mismatched folders fail with errors naming the
-key, the shapes and the fix. Router semantics of the families the model cannot import whole yet
-(Qwen2-MoE shared-expert gate, DeepSeek-V3 group-limited sigmoid routing) are checked block by block.
+Parity: for every family (mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v3, llama, qwen2, qwen3) moekit's
+logits equal transformers' (fp32, relative error < 1e-5) for imports, and transformers loads moekit's
+exports (save_hf) with the same logits, tokenizer included. Native moekit models export as the nearest
+family that reproduces them, or are refused with the reasons. Corrupt and mismatched folders fail with
+errors naming the key, the shapes and the fix; unsupported features fail listing every one.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 import shutil
@@ -19,14 +19,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 transformers = pytest.importorskip("transformers")
-from transformers import MixtralConfig, MixtralForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, MixtralConfig, MixtralForCausalLM
 
 from moekit.models.config import ModelConfig
-from moekit.models.hf import UnsupportedCheckpoint, config_from_hf, load_hf, load_mixtral, save_mixtral
-from moekit.models.hf.families import DEEPSEEK_V3, QWEN2_MOE, deepseek_router_options, qwen_router_options
-from moekit.models.hf.weights import moe_rules
+from moekit.models.hf import (
+    UnsupportedCheckpoint, check_hf_exportable, config_from_hf, load_hf, load_mixtral, save_hf, save_mixtral,
+)
 from moekit.models.transformer import build_model
-from moekit.moe import MoELayer, build_router
 
 VOCAB, SEQ = 128, 12
 # initializer_range 0.1 (not HF's 0.02) makes router logits decisive, so a near-tie cannot flip an expert
@@ -189,8 +188,8 @@ def test_bad_tensors(base, tmp_path, breakage, match):
     (dict(intermediate_size=40), r"experts\.0\.w1\.weight has shape \[48, 32\] .* implies \[40, 32\]"),
     (dict(tie_word_embeddings=True), r"tie_word_embeddings=true but lm_head\.weight \[128, 32\] differs"),
     (dict(hidden_act="gelu"), r"hidden_act='gelu'"),
-    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}), r"rope_type='yarn'"),
-    (dict(model_type="llama"), r"model_type='llama' is not supported"),
+    (dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0}), r"rope_type='dynamic'"),
+    (dict(model_type="gpt2"), r"model_type='gpt2' is not supported; moekit imports \['deepseek_v3', 'llama'"),
 ])
 def test_config_weight_mismatch(base, tmp_path, changes, match):
     folder = broken_copy(base, tmp_path)
@@ -224,7 +223,7 @@ def test_missing_shard_and_stale_index(tmp_path):
 
 
 def test_export_rejects_what_mixtral_cannot_express(tmp_path):
-    with pytest.raises(ValueError, match=r"MoE FFN in every layer; this model has 1 of 2"):
+    with pytest.raises(ValueError, match=r"Mixtral has an MoE FFN in every layer; this model has 1 of 2"):
         save_mixtral(build_model(moekit_mixtral(moe_every=2)), tmp_path)
     with pytest.raises(ValueError, match=r"drops tokens \(capacity_factor=1.25\)"):
         save_mixtral(build_model(moekit_mixtral(capacity_factor=1.25)), tmp_path)
@@ -234,127 +233,290 @@ def test_export_rejects_what_mixtral_cannot_express(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------
-# Other families: unsupported features are named; MoE block semantics match block by block
+# Every family: transformers -> moekit -> transformers, tokenizer included
 # ---------------------------------------------------------------------------------------------------
 
-QWEN_SIZES = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=24,
-                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=4,
-                  num_experts_per_tok=2, initializer_range=0.1)
-HAS_SHARED_GATE = "shared_expert_gate" in {f.name for f in dataclasses.fields(ModelConfig)}
+SIZES = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, initializer_range=0.1, max_position_embeddings=64)
+QWEN_MOE = dict(moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2)
+MLA = dict(num_key_value_heads=4, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+           moe_intermediate_size=16, n_routed_experts=8)  # transformers' MLA needs num_key_value_heads = heads
+YARN = dict(rope_type="yarn", rope_theta=1e4, factor=4.0, original_max_position_embeddings=16, mscale=1.0,
+            mscale_all_dim=0.707, beta_fast=32, beta_slow=1)
+LLAMA3 = dict(rope_type="llama3", rope_theta=1e4, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+              original_max_position_embeddings=16)
+FAMILY_CASES = {  # case -> (model_type, config overrides)
+    "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16)),
+    "qwen2_moe": ("qwen2_moe", dict(QWEN_MOE, shared_expert_intermediate_size=40, qkv_bias=True, norm_topk_prob=True)),
+    "qwen3_moe": ("qwen3_moe", dict(QWEN_MOE, head_dim=12, num_hidden_layers=3, mlp_only_layers=[0],
+                                    tie_word_embeddings=True)),
+    "olmoe": ("olmoe", dict(num_experts=4, num_experts_per_tok=2, clip_qkv=0.5, norm_topk_prob=False)),
+    # groups scored by their top 2 with top_k=3 != 2 * topk_group; YaRN with DeepSeek's mscale_all_dim
+    "deepseek_v3-qlora-yarn": ("deepseek_v3", dict(MLA, num_hidden_layers=3, first_k_dense_replace=1, q_lora_rank=16,
+                                                   n_group=4, topk_group=2, num_experts_per_tok=3,
+                                                   rope_parameters=YARN)),
+    "deepseek_v3-fullq": ("deepseek_v3", dict(MLA, q_lora_rank=None, first_k_dense_replace=0, n_group=2, topk_group=1,
+                                              num_experts_per_tok=2, n_shared_experts=2, norm_topk_prob=False,
+                                              rope_interleave=False, routed_scaling_factor=1.5)),
+    "llama": ("llama", dict(rope_parameters=LLAMA3)),
+    "qwen2": ("qwen2", dict(use_sliding_window=True, sliding_window=32, max_window_layers=0)),
+    "qwen3": ("qwen3", dict(head_dim=16, rope_parameters=dict(rope_type="linear", rope_theta=1e4, factor=2.0))),
+}
+TEXT = "the quick brown fox jumps over the lazy dog while the dog sleeps"
 
 
-def test_unsupported_features_are_named(tmp_path):
-    from transformers import DeepseekV3Config, Qwen2MoeConfig, Qwen3MoeConfig
-
-    cases = [
-        (Qwen3MoeConfig(**QWEN_SIZES), [r"q/k RMSNorm", r"qk_norm"]),
-        (Qwen2MoeConfig(**QWEN_SIZES, qkv_bias=True), [r"attention biases", r"attention_bias: bool"]),
-        (DeepseekV3Config(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, n_routed_experts=8, n_group=2,
-                          topk_group=1, num_experts_per_tok=2), [r"multi-head latent attention"]),
-        (Qwen2MoeConfig(**{**QWEN_SIZES, "num_hidden_layers": 4}, qkv_bias=False, mlp_only_layers=[2]),
-         [r"MoE layers \[0, 1, 3\] of 4", r"moe_layers"]),
-    ]
-    for i, (cfg, patterns) in enumerate(cases):
-        cfg.save_pretrained(tmp_path / str(i))
-        with pytest.raises(UnsupportedCheckpoint) as err:
-            config_from_hf(tmp_path / str(i))
-        for pattern in patterns:
-            assert re.search(pattern, str(err.value)), (pattern, str(err.value))
-
-
-def load_block(layer: MoELayer, hf_block: torch.nn.Module, naming, fused: bool = True) -> None:
-    """Fill a moekit MoELayer from a transformers sparse block through the importer's own rules."""
-    hf_state = {f"b.{k}": v for k, v in hf_block.state_dict().items()}
-    state = layer.state_dict()
+def hf_family_model(folder: Path, model_type: str, overrides: dict, seed: int = 0):
+    """A random tiny transformers model of ``model_type`` saved with save_pretrained; returns it."""
+    cfg = transformers.AutoConfig.for_model(model_type, **{**SIZES, **overrides})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():
-        for rule in moe_rules("m", "b", layer, naming, fused):
-            state[rule.target.removeprefix("m.")].copy_(rule.join([hf_state[s] for s in rule.sources]))
+        for name, p in model.named_parameters():
+            if "norm" in name:  # transformers starts every norm at 1: a swapped or dropped norm would not show
+                p.normal_(1.0, 0.2)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # the bias must change which experts win
+                b.normal_(0.0, 0.3)
+    model.save_pretrained(folder)
+    return model
 
 
-def test_qwen2_moe_block_matches(tmp_path):
-    from transformers import Qwen2MoeConfig
-    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+@pytest.fixture(scope="module")
+def tokenizer_files(tmp_path_factory) -> Path:
+    """tokenizer.json (a BPE trained here with the tokenizers library) + tokenizer_config.json."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-    for norm_topk_prob in (False, True):
-        cfg = Qwen2MoeConfig(**QWEN_SIZES, shared_expert_intermediate_size=40, norm_topk_prob=norm_topk_prob)
-        torch.manual_seed(0)
-        block = Qwen2MoeSparseMoeBlock(cfg).eval()
-        for p in block.parameters():
-            torch.nn.init.normal_(p, std=0.1)  # HF zero-inits the router; random weights route for real
-        router = build_router("topk", 32, 4, top_k=2, aux_loss_coeff=0.0, **qwen_router_options(cfg.to_dict()))
-        layer = MoELayer(32, 24, 4, router, shared_ffn_hidden_size=40, shared_expert_gate=True).eval()
-        load_block(layer, block, QWEN2_MOE)
-        x = torch.randn(2, SEQ, 32)
-        with torch.no_grad():
-            assert rel_err(layer(x), block(x)) < 1e-5
+    folder = tmp_path_factory.mktemp("tokenizer")
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator([TEXT] * 20, trainers.BpeTrainer(vocab_size=VOCAB, show_progress=False,
+                                                             special_tokens=["<unk>", "<|endoftext|>"]))
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "unk_token": "<unk>"}))
+    return folder
 
 
-def test_deepseek_v3_moe_block_matches():
-    from transformers import DeepseekV3Config
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+def check_tokenizer(folder: Path, tokenizer_files: Path, eos: str = "<|endoftext|>") -> None:
+    from tokenizers import Tokenizer
 
-    for E, groups, topk_group, k in ((8, 2, 1, 2), (8, 4, 2, 4)):
-        cfg = DeepseekV3Config(hidden_size=32, moe_intermediate_size=16, n_routed_experts=E, n_shared_experts=2,
-                               n_group=groups, topk_group=topk_group, num_experts_per_tok=k, norm_topk_prob=True,
-                               routed_scaling_factor=2.5)
-        torch.manual_seed(0)
-        block = DeepseekV3MoE(cfg).eval()
-        for p in block.parameters():
-            torch.nn.init.normal_(p, std=0.1)
-        block.gate.e_score_correction_bias.normal_(0.0, 0.3)  # the bias must change which experts win
-        problems: list[str] = []
-        options = deepseek_router_options(cfg.to_dict(), problems)
-        assert not problems and options["num_groups"] == groups and options["scaling"] == 2.5
-        router = build_router("topk", 32, E, top_k=k, aux_loss_coeff=0.0, **options)
-        layer = MoELayer(32, 16, E, router, shared_ffn_hidden_size=32).eval()
-        load_block(layer, block, DEEPSEEK_V3)
-        x = torch.randn(2, SEQ, 32)
-        with torch.no_grad():
-            assert rel_err(layer(x), block(x)) < 1e-5
+    tok = AutoTokenizer.from_pretrained(folder)
+    assert tok(TEXT).input_ids == Tokenizer.from_file(str(tokenizer_files / "tokenizer.json")).encode(TEXT).ids
+    assert tok.eos_token == eos
 
 
-@pytest.mark.skipif(not HAS_SHARED_GATE, reason="ModelConfig has no shared_expert_gate field yet (see docs/hf.md)")
-def test_qwen2_moe_import_matches_transformers(tmp_path):
-    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+def add_mtp_layer(folder: Path, layer: int) -> None:
+    """Tensors of a DeepSeek-V3 multi-token-prediction layer, as the released checkpoints carry them."""
+    def add(t: dict) -> None:
+        t.update({f"model.layers.{layer}.{k}": torch.randn(shape) for k, shape in (
+            ("eh_proj.weight", (32, 64)), ("enorm.weight", (32,)), ("hnorm.weight", (32,)),
+            ("shared_head.norm.weight", (32,)), ("self_attn.kv_a_proj_with_mqa.weight", (12, 32)))})
+    edit_tensors(folder, add)
 
-    torch.manual_seed(0)
-    cfg = Qwen2MoeConfig(**QWEN_SIZES, shared_expert_intermediate_size=40, qkv_bias=False, norm_topk_prob=True)
-    hf = Qwen2MoeForCausalLM(cfg).eval()
+
+@pytest.mark.parametrize("case", list(FAMILY_CASES))
+def test_family_round_trip(tmp_path, tokenizer_files, case):
+    model_type, overrides = FAMILY_CASES[case]
+    src, out = tmp_path / "hf", tmp_path / "out"
+    hf = hf_family_model(src, model_type, overrides)
+    for f in tokenizer_files.iterdir():  # a checkpoint folder carries its tokenizer
+        shutil.copy(f, src)
+    L = hf.config.num_hidden_layers
+    if model_type == "deepseek_v3":
+        add_mtp_layer(src, L)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = load_hf(src)
+    mtp = [str(w.message) for w in caught if "multi-token-prediction" in str(w.message)]
+    assert len(mtp) == (model_type == "deepseek_v3") and all(f"model.layers.{L}.*" in m for m in mtp)
+    toks = tokens()
+    ref = hf_logits(hf, toks)
     with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith("gate.weight"):
-                p.normal_(0.0, 0.1)
-    hf.save_pretrained(tmp_path)
-    with torch.no_grad():
-        assert rel_err(load_hf(tmp_path)(tokens()), hf_logits(hf, tokens())) < 1e-4
+        assert rel_err(model(toks), ref) < 1e-5
+    assert model.config.name == f"hf:{model_type}" and model.hf_family == model_type
 
+    save_hf(model, out)  # its own family, with the tokenizer of the folder it came from
+    assert json.loads((out / "config.json").read_text())["model_type"] == model_type
+    back = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(back) is type(hf)
+    assert rel_err(hf_logits(back, toks), ref) < 1e-5
+    check_tokenizer(out, tokenizer_files)
+    if model_type == "deepseek_v3":  # without num_nextn_predict_layers the extra layer is a mismatch
+        edit_config(src, num_nextn_predict_layers=0)
+        with pytest.raises(ValueError, match=rf"num_hidden_layers={L} but the checkpoint has layers 0\.\.{L} "):
+            load_hf(src)
+
+
+def write_hf_config(folder: Path, model_type: str, **changes) -> Path:
+    """config.json of a tiny ``model_type`` with ``changes`` written as given (no transformers validation)."""
+    folder.mkdir()
+    cfg = {**transformers.AutoConfig.for_model(model_type, **SIZES).to_dict(), **changes}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+@pytest.mark.parametrize("model_type,changes,patterns", [
+    ("llama", dict(attention_bias=True, mlp_bias=True, partial_rotary_factor=0.5),
+     [r"attention_bias=true \(biases on q/k/v and o_proj\)", r"mlp_bias=true", r"partial_rotary_factor=0\.5"]),
+    ("qwen2_moe", dict(QWEN_MOE, num_hidden_layers=4, mlp_only_layers=[2]),
+     [r"MoE layers \[0, 1, 3\] of 4 .* per-layer MoE/dense list"]),
+    ("qwen3_moe", dict(QWEN_MOE, attention_bias=True, hidden_act="gelu"), [r"o_proj", r"hidden_act='gelu'"]),
+    ("deepseek_v3", dict(MLA, moe_layer_freq=2, attention_bias=True, scoring_func="softmax",
+                         rope_parameters={"rope_type": "longrope", "rope_theta": 1e4},
+                         quantization_config={"quant_method": "fp8", "fmt": "e4m3"}),
+     [r"moe_layer_freq=2", r"MLA's q_a / kv_a / o", r"scoring_func='softmax'", r"rope_type='longrope'",
+      r"quant_method='fp8'"]),
+    ("olmoe", dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}),
+     [r"rope_type='dynamic'"]),
+])
+def test_unsupported_features_are_named(tmp_path, model_type, changes, patterns):
+    folder = write_hf_config(tmp_path / "cfg", model_type, **changes)
+    with pytest.raises(UnsupportedCheckpoint) as err:
+        config_from_hf(folder)
+    assert len(str(err.value).splitlines()) == len(patterns) + 1  # one line per missing feature
+    for pattern in patterns:
+        assert re.search(pattern, str(err.value)), (pattern, str(err.value))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Native moekit models: the nearest family that reproduces them, or a refusal with the reasons
+# ---------------------------------------------------------------------------------------------------
+
+MLA_MOEKIT = dict(attention="mla", kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+                  num_experts=8, num_layers=3, first_dense_layers=1, ffn_hidden_size=40)
+NATIVE = {  # case -> (family asked for or None, moekit config overrides); the family written is case's prefix
+    "qwen3_moe": (None, dict(qk_norm="head", head_dim=12, num_layers=3, moe_every=2, ffn_hidden_size=40,
+                             router_options={"normalize": False})),
+    "olmoe": (None, dict(qk_norm="full", qkv_clip=0.4, top_k=1, router_options={})),
+    "qwen2_moe": (None, dict(attention_bias=True, shared_ffn_hidden_size=20, shared_expert_gate=True, num_layers=3,
+                             first_dense_layers=1, ffn_hidden_size=40)),
+    "qwen2_moe-zero-shared": (None, dict(router_options={"normalize": False})),  # plain softmax top-k, no renorm
+    "qwen2_moe-asked": ("qwen2_moe", dict()),  # Mixtral-like, written as Qwen2-MoE on request
+    # sigmoid routing without expert_bias or shared expert (both written as zeros); moekit's group score
+    # (top top_k // group_top_k = 2) is DeepSeek's
+    "deepseek_v3": (None, dict(MLA_MOEKIT, q_lora_rank=12, top_k=4, rope_scaling={k: v for k, v in YARN.items()
+                                                                                   if k != "rope_theta"},
+                               router_options={"score": "sigmoid", "num_groups": 4, "group_top_k": 2,
+                                               "scaling": 2.0})),
+    "deepseek_v3-bias-shared": (None, dict(MLA_MOEKIT, top_k=3, rope_interleave=False, shared_ffn_hidden_size=48,
+                                           router_options={"score": "sigmoid", "expert_bias": True, "num_groups": 4,
+                                                           "group_top_k": 2, "group_score_top": 2,
+                                                           "normalize": False})),
+    "llama": (None, dict(num_experts=0, rope_scaling={k: v for k, v in LLAMA3.items() if k != "rope_theta"})),
+    "qwen2": (None, dict(num_experts=0, attention_bias=True)),
+    "qwen3": (None, dict(num_experts=0, qk_norm="head", tie_embeddings=True)),
+}
+
+
+@torch.no_grad()
+def perturb(model) -> None:
+    """Norms away from 1 and selection biases away from 0, so that every one of them matters."""
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if "norm" in name:
+            t.normal_(1.0, 0.2)
+        elif name.endswith("expert_bias"):
+            t.normal_(0.0, 0.3)
+
+
+@pytest.mark.parametrize("case", list(NATIVE))
+def test_native_model_exports_as_nearest_family(tmp_path, case):
+    asked, overrides = NATIVE[case]
+    model = build_model(moekit_mixtral(**overrides), seed=2).eval()
+    perturb(model)
+    family = case.split("-")[0]
+    assert check_hf_exportable(model, asked) == family
+    save_hf(model, tmp_path, family=asked)
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == family
+    toks = tokens(3)
+    with torch.no_grad():
+        want = model(toks)
+        assert rel_err(hf_logits(AutoModelForCausalLM.from_pretrained(tmp_path).eval(), toks), want) < 1e-5
+        assert rel_err(load_hf(tmp_path)(toks), want) < 1e-6  # zero-filled parts add nothing
+
+
+@pytest.mark.parametrize("overrides,family,patterns", [
+    (dict(router_options={"score": "sigmoid"}), None,
+     [r"no HuggingFace family reproduces", r"Mixtral: .*is not a softmax top-k router",
+      r"DeepSeek-V3: DeepSeek-V3 has multi-head latent attention"]),
+    (dict(qk_norm="head"), "mixtral", [r"Mixtral cannot reproduce this model: Mixtral has qk_norm='none'; this "
+                                       r"model has qk_norm='head'"]),
+    (dict(shared_ffn_hidden_size=16), "qwen2_moe", [r"shared expert is sigmoid-gated; this model's has no gate"]),
+    (dict(num_experts=0), "mixtral", [r"Mixtral is an MoE family; this model has no experts"]),
+    (dict(router="switch", top_k=1, router_options={}, qk_norm="head"), "qwen3_moe", [r"jitter=0\.01 noise"]),
+    (dict(name="hf:olmoe"), None, [r"imported from olmoe but no longer matches it: OLMoE has qk_norm='full'"]),
+    (dict(attention="mla", kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+          router_options={"score": "sigmoid", "num_groups": 2, "group_top_k": 1, "group_score_top": 1}),
+     "deepseek_v3", [r"scores a group by its top 1 experts; DeepSeek-V3 by its top 2 \(router option "
+                     r"group_score_top=2\)"]),
+])
+def test_export_refusals(tmp_path, overrides, family, patterns):
+    with pytest.raises(ValueError) as err:
+        save_hf(build_model(moekit_mixtral(**overrides)), tmp_path, family=family)
+    for pattern in patterns:
+        assert re.search(pattern, str(err.value)), (pattern, str(err.value))
+    assert not (tmp_path / "config.json").exists()
+
+
+def test_run_tokenizer_exports(tmp_path):
+    """A moekit run's byte tokenizer becomes a byte-level tokenizer.json: ids 0-255 = UTF-8 bytes, EOS 256."""
+    from moekit.train.tokens import TokenizerInfo, record_tokenizer
+
+    model = build_model(moekit_mixtral(vocab_size=260))
+    run = tmp_path / "run"
+    run.mkdir()
+    record_tokenizer(run, TokenizerInfo("bytes", "bytes", None, 257, 256))
+    save_hf(model, tmp_path / "out", tokenizer_from=run)
+    tok = AutoTokenizer.from_pretrained(tmp_path / "out")
+    text = "héllo, wörld ✓ <tag>"
+    ids = tok(text).input_ids
+    assert ids == list(text.encode()) and tok.decode(ids) == text
+    assert tok.eos_token_id == 256 and json.loads((tmp_path / "out" / "config.json").read_text())["eos_token_id"] == 256
+    record_tokenizer(run, TokenizerInfo("unknown", None, None, 257, None))
+    with pytest.raises(ValueError, match=r"without tokenizer metadata \(kind 'unknown'\)"):
+        save_hf(model, tmp_path / "out2", tokenizer_from=run)
+    with pytest.raises(ValueError, match=r"no tokenizer files"):
+        save_hf(model, tmp_path / "out3", tokenizer_from=tmp_path / "out2")
 
 # ---------------------------------------------------------------------------------------------------
 # tools/convert.py
 # ---------------------------------------------------------------------------------------------------
 
 
-def test_convert_round_trip(base, tmp_path, capsys):
+def test_convert_round_trip(base, tmp_path, tokenizer_files, capsys):
     import torch.distributed.checkpoint as dcp
 
     from moekit.train.convert import load_moekit, main
+    from moekit.train.tokens import TokenizerInfo, record_tokenizer, sha256_file
 
     hf = MixtralForCausalLM.from_pretrained(base).eval()
     for name in ("model.safetensors", "model.pt"):
         assert main(["hf-to-moekit", str(base), str(tmp_path / name), "--verify"]) == 0
         with torch.no_grad():
             assert rel_err(load_moekit(tmp_path / name)(tokens()), hf_logits(hf, tokens())) < 1e-4
-    # A tools/train.py checkpoint: DCP state {"model", "optim", "train"} + meta.json with the model config.
+    # A tools/train.py checkpoint: DCP state {"model", "optim", "train"} + meta.json with the model config,
+    # in a run directory that recorded its tokenizer.
     model = load_moekit(tmp_path / "model.pt")
-    step = tmp_path / "run" / "checkpoints" / "step_000001"
+    assert model.config.name == "hf:mixtral"  # the family survives the moekit file
+    run = tmp_path / "run"
+    step = run / "checkpoints" / "step_000001"
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save({"model": model.state_dict(), "train": {"step": 1}}, checkpoint_id=str(step))
     (step / "meta.json").write_text(json.dumps({"format": 1, "step": 1, "model": model.config.to_dict()}))
+    tok_file = tokenizer_files / "tokenizer.json"
+    record_tokenizer(run, TokenizerInfo("hf", str(tok_file), sha256_file(str(tok_file)), VOCAB, 1, str(tok_file)))
     assert main(["moekit-to-hf", str(step), str(tmp_path / "hf"), "--layout", "fused", "--verify"]) == 0
     back = MixtralForCausalLM.from_pretrained(tmp_path / "hf").eval()
     assert rel_err(hf_logits(back, tokens()), hf_logits(hf, tokens())) < 1e-4
-    assert "verified" in capsys.readouterr().out
+    check_tokenizer(tmp_path / "hf", tokenizer_files)
+    out = capsys.readouterr().out
+    assert "verified" in out and f"(mixtral, fused experts, tokenizer from {run})" in out
+    # Another family on request (a zero shared expert), the tokenizer from the HF folder it came from
+    assert main(["moekit-to-hf", str(tmp_path / "model.safetensors"), str(tmp_path / "qwen"), "--family",
+                 "qwen2_moe", "--tokenizer", str(tokenizer_files), "--verify"]) == 0
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "qwen").eval()
+    assert back.config.model_type == "qwen2_moe" and rel_err(hf_logits(back, tokens()), hf_logits(hf, tokens())) < 1e-4
+    check_tokenizer(tmp_path / "qwen", tokenizer_files)
 
 
 def test_convert_rejects_wrong_inputs(base, tmp_path, capsys):

@@ -1,7 +1,8 @@
 """Convert checkpoints between HuggingFace folders and moekit: ``moekit-convert`` (or ``python tools/convert.py``).
 
     moekit-convert hf-to-moekit HF_DIR OUT.safetensors|OUT.pt [--dtype float32|bfloat16|auto]
-    moekit-convert moekit-to-hf SRC HF_DIR [--dtype ...] [--max-shard-size 5GB] [--layout per_expert|fused]
+    moekit-convert moekit-to-hf SRC HF_DIR [--family F] [--tokenizer DIR] [--dtype ...] [--max-shard-size 5GB]
+                                           [--layout per_expert|fused]
 
 moekit formats (SRC may be any of them; OUT is chosen by its suffix):
 
@@ -11,8 +12,13 @@ moekit formats (SRC may be any of them; OUT is chosen by its suffix):
     run/checkpoints/step_N/   a tools/train.py checkpoint (DCP + meta.json); only the model is read
 
 HF_DIR is config.json + safetensors (shards with an index when larger than --max-shard-size), as
-``save_pretrained`` writes it; import supports the model types of models.hf.load_hf, export writes
-Mixtral. ``--verify`` reloads what was written and checks the logits match on random tokens.
+``save_pretrained`` writes it. hf-to-moekit reads every model type of models.hf.load_hf (mixtral, qwen2_moe,
+qwen3_moe, olmoe, deepseek_v3, llama, qwen2, qwen3); the moekit file remembers the family (config name
+``hf:<model_type>``). moekit-to-hf writes that family, or with --family another one, else the nearest family
+that reproduces the model (models.hf.save_hf; a model no family reproduces is refused with the reasons).
+The tokenizer goes along: a run checkpoint's run directory (its recorded tokenizer), or --tokenizer DIR (an
+HF folder, e.g. the one hf-to-moekit read, or a run directory), so AutoTokenizer.from_pretrained(HF_DIR)
+works. ``--verify`` reloads what was written and checks the logits match on random tokens.
 Exit status: 0 done, 2 bad input (the message names the file, the problem and the fix).
 """
 from __future__ import annotations
@@ -28,7 +34,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from moekit.models.config import ModelConfig
-from moekit.models.hf import load_hf, save_mixtral
+from moekit.models.hf import FAMILIES, load_hf, save_hf
 from moekit.models.transformer import Transformer
 from moekit.train import program_name
 
@@ -163,17 +169,31 @@ def verify(a: Transformer, b: Transformer, what: str) -> None:
 def hf_to_moekit(args) -> None:
     model = load_hf(args.src, dtype=args.dtype if args.dtype == "auto" else DTYPES[args.dtype])
     out = save_moekit(model, args.out)
-    print(f"wrote {out}: {model.config.num_layers} layers, {model.config.num_experts} experts, "
-          f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
+    print(f"wrote {out}: {model.hf_family}, {model.config.num_layers} layers, {model.config.num_experts} experts, "
+          f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters (for the tokenizer, pass "
+          f"--tokenizer {args.src} to moekit-to-hf)")
     if args.verify:
         verify(load_moekit(out), model, f"{args.src} -> {out}")
 
 
+def run_tokenizer(src: Path) -> Path | None:
+    """The run directory of a checkpoint SRC (<run_dir>/checkpoints/step_N) when it recorded a tokenizer."""
+    run = src.parent.parent
+    if src.is_dir() and src.parent.name == "checkpoints" and (run / "tokenizer_info.json").is_file():
+        return run
+    return None
+
+
 def moekit_to_hf(args) -> None:
-    model = load_moekit(args.src)
+    src = Path(args.src)
+    model = load_moekit(src)
     dtype = None if args.dtype == "auto" else DTYPES[args.dtype]
-    out = save_mixtral(model, args.out, dtype=dtype, max_shard_size=args.max_shard_size, layout=args.layout)
-    print(f"wrote {out} (Mixtral, {args.layout} experts)")
+    tokenizer = Path(args.tokenizer) if args.tokenizer else run_tokenizer(src)
+    out = save_hf(model, args.out, family=args.family, dtype=dtype, max_shard_size=args.max_shard_size,
+                  layout=args.layout, tokenizer_from=tokenizer)
+    family = json.loads((out / "config.json").read_text())["model_type"]
+    told = f", tokenizer from {tokenizer}" if tokenizer else ", no tokenizer (pass --tokenizer DIR to add one)"
+    print(f"wrote {out} ({family}, {args.layout} experts{told})")
     if args.verify:
         verify(load_hf(out, dtype="auto"), model.to(dtype) if dtype else model, f"{args.src} -> {out}")
 
@@ -186,14 +206,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     a.add_argument("out", help="output file, *.safetensors or *.pt")
     a.add_argument("--dtype", choices=[*DTYPES, "auto"], default="float32",
                    help="parameter dtype (default float32; auto = the checkpoint's)")
-    b = sub.add_parser("moekit-to-hf", help="moekit model or train.py checkpoint -> HuggingFace Mixtral folder")
+    b = sub.add_parser("moekit-to-hf", help="moekit model or train.py checkpoint -> HuggingFace folder")
     b.add_argument("src", help="*.safetensors, *.pt or <run_dir>/checkpoints/step_N")
     b.add_argument("out", help="output folder")
+    b.add_argument("--family", choices=list(FAMILIES), default=None,
+                   help="HuggingFace model_type to write (default: the one the model was imported from, else the "
+                        "nearest that reproduces it)")
+    b.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="copy this tokenizer into the output: an HF folder or a moekit run directory (default: the "
+                        "run directory of a checkpoint SRC, when it recorded one)")
     b.add_argument("--dtype", choices=[*DTYPES, "auto"], default="auto",
                    help="tensor dtype on disk (default: the model's)")
     b.add_argument("--max-shard-size", default="5GB", help="shard the safetensors above this size (default 5GB)")
     b.add_argument("--layout", choices=["per_expert", "fused"], default="per_expert",
-                   help="per_expert: block_sparse_moe.experts.N.w1/w2/w3 (default); fused: mlp.experts.gate_up_proj")
+                   help="per_expert: experts.N.<proj> tensors, as save_pretrained writes (default); fused: "
+                        "mlp.experts.gate_up_proj / down_proj")
     for q in (a, b):
         q.add_argument("--verify", action="store_true", help="reload the output and compare logits")
     return p.parse_args(argv)

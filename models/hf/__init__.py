@@ -1,17 +1,26 @@
 """HuggingFace safetensors import and export.
 
-    load_hf(path)              any supported model_type (mixtral, qwen2_moe, qwen3_moe, deepseek_v3) -> Transformer
-    load_mixtral(path)         the same, insisting on model_type "mixtral"
-    save_mixtral(model, path)  a folder MixtralForCausalLM.from_pretrained loads with the same logits
+    load_hf(path)              a folder of any supported model_type -> Transformer (families.FAMILIES):
+                               mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v3; dense llama, qwen2, qwen3
+    save_hf(model, path)       a folder transformers loads with the same logits, as the family the model came
+                               from or the nearest one that reproduces it (export.choose_family), with the
+                               tokenizer files when there is a tokenizer to carry
+    load_mixtral / save_mixtral  the same, insisting on / writing Mixtral
     config_from_hf(path)       the ModelConfig an import builds, without reading any weights
     load_hf_into(model, path)  fill a model built elsewhere (train.py --init-from-hf), checking its config
+    check_hf_exportable(model) the family save_hf would write, or a ValueError naming why none fits
 
 A folder is config.json plus model.safetensors, or shards plus model.safetensors.index.json, as
 ``save_pretrained`` writes it. Experts may be stored per expert (``block_sparse_moe.experts.N.w1/w2/w3``,
-what transformers 5 writes to disk) or fused (``mlp.experts.gate_up_proj / down_proj``, its in-memory
-layout); both load. Loading is strict: every checkpoint tensor is consumed, every model tensor filled,
+``mlp.experts.N.gate_proj/...``, what transformers 5 writes to disk) or fused (``mlp.experts.gate_up_proj /
+down_proj``, its in-memory layout); both load. Loading is strict: every checkpoint tensor is consumed
+(DeepSeek-V3's multi-token-prediction layers are skipped with a warning), every model tensor filled,
 shapes and counts must match config.json, and each problem is a ValueError naming the key, the shapes
-and the fix (models/hf/weights.py). Features moekit's model lacks fail up front (models/hf/families.py).
+and the fix (models/hf/weights.py). Features moekit's model lacks fail up front, all listed
+(``UnsupportedCheckpoint``, models/hf/families.py).
+
+An imported model remembers its family twice: ``model.hf_family`` (and ``model.hf_source``, the folder),
+and its config's name ``hf:<model_type>``, which survives moekit checkpoints and moekit-convert files.
 """
 from __future__ import annotations
 
@@ -21,9 +30,8 @@ from pathlib import Path
 import torch
 
 from moekit.models.config import ModelConfig
-from moekit.models.hf.families import (
-    MIXTRAL, UnsupportedCheckpoint, check_mixtral_exportable, family, mixtral_hf_config,
-)
+from moekit.models.hf.export import choose_family, copy_tokenizer, export_problems, hf_config, zero_fill
+from moekit.models.hf.families import FAMILIES, UnsupportedCheckpoint, family, skipped_keys
 from moekit.models.hf.io import DTYPE_NAMES, CONFIG_FILE, CheckpointReader, read_config, write_safetensors
 from moekit.models.hf.weights import check_counts, detect_layout, export_tensors, load_into, model_rules
 from moekit.models.transformer import Transformer
@@ -31,8 +39,8 @@ from moekit.models.transformer import Transformer
 SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 LAYOUTS = ("per_expert", "fused")
 
-__all__ = ["load_hf", "load_hf_into", "load_mixtral", "save_mixtral", "config_from_hf", "check_mixtral_exportable",
-           "UnsupportedCheckpoint"]
+__all__ = ["load_hf", "load_hf_into", "load_mixtral", "save_hf", "save_mixtral", "config_from_hf",
+           "check_hf_exportable", "check_mixtral_exportable", "export_problems", "UnsupportedCheckpoint", "FAMILIES"]
 
 
 def config_from_hf(path: str | Path) -> ModelConfig:
@@ -60,7 +68,7 @@ def load_hf_into(model: Transformer, path: str | Path, *, check_config: bool = T
     """Fill an already built ``model`` (e.g. train.py's, on its device) from a HuggingFace folder in place.
 
     The model's config may differ from the import's only in fields that do not change the forward math
-    (capacity, loss coefficients, bias update rate, backend, max_seq_len, ...): anything else is a
+    (capacity, loss coefficients, bias update rate, backend, max_seq_len, name, ...): anything else is a
     ValueError naming the fields, so fine-tuning never starts from silently mismatched weights.
     """
     hf = read_config(path)
@@ -69,15 +77,17 @@ def load_hf_into(model: Transformer, path: str | Path, *, check_config: bool = T
         _check_same_math(model.config, fam.to_config(hf), path)
     reader = CheckpointReader(path)
     keys = set(reader.infos)
+    skipped = skipped_keys(hf, keys, model.config.num_layers, path)
     layouts = [detect_layout(keys, i, fam.naming) for i in range(model.config.num_layers)]
     blocks, fused = [b for b, _ in layouts], [f for _, f in layouts]
-    check_counts(reader, model, fam.naming, blocks, fused, fam.layers_field)
+    check_counts(reader, model, fam.naming, blocks, fused, fam.layers_field, skipped)
     _check_lm_head(reader, model.config)
     tied_extra = {"lm_head.weight"} if model.config.tie_embeddings and "lm_head.weight" in keys else set()
-    load_into(model, reader, model_rules(model, fam.naming, blocks, fused), tied_extra)
+    load_into(model, reader, model_rules(model, fam.naming, blocks, fused), tied_extra | skipped)
     if tied_extra:
         _check_tied_copy(reader, model)
     _zero_non_persistent_buffers(model)
+    model.hf_family, model.hf_source = fam.model_type, Path(path)
     return reader
 
 
@@ -90,43 +100,89 @@ def load_mixtral(path: str | Path, **kwargs) -> Transformer:
     return load_hf(path, **kwargs)
 
 
-def save_mixtral(model: Transformer, path: str | Path, *, dtype: torch.dtype | None = None,
-                 max_shard_size: int | str = "5GB", layout: str = "per_expert") -> Path:
-    """Write ``model`` as a HuggingFace Mixtral folder; returns the folder.
+def check_hf_exportable(model: Transformer, family: str | None = None) -> str:
+    """The family ``save_hf(model, ..., family=family)`` writes; a ValueError naming every reason if none."""
+    return choose_family(model, family)
 
-    dtype: tensor dtype on disk (default: the model's). max_shard_size: bytes or "5GB"-style; larger
-    models are sharded with an index, as save_pretrained does. layout: "per_expert" writes
-    ``block_sparse_moe.experts.N.w1/w2/w3`` (what save_pretrained writes), "fused" writes
-    ``mlp.experts.gate_up_proj / down_proj``; transformers loads both.
+
+def check_mixtral_exportable(model: Transformer) -> None:
+    """Raise naming the parts of ``model`` whose math transformers' Mixtral cannot express."""
+    problems = export_problems(model, "mixtral")
+    if problems:
+        raise ValueError("Mixtral cannot reproduce this model: " + "; ".join(problems))
+
+
+def save_hf(model: Transformer, path: str | Path, *, family: str | None = None, dtype: torch.dtype | None = None,
+            max_shard_size: int | str = "5GB", layout: str = "per_expert",
+            tokenizer_from: str | Path | None = None) -> Path:
+    """Write ``model`` as a HuggingFace folder that ``AutoModelForCausalLM.from_pretrained`` loads with the
+    same logits; returns the folder.
+
+    family: a model_type of ``FAMILIES``; default: the family the model was imported from, else the
+    nearest that reproduces it (models/hf/export.py); a family that cannot reproduce it is a ValueError
+    naming every reason. dtype: tensor dtype on disk (default: the model's). max_shard_size: bytes or
+    "5GB"-style; larger models are sharded with an index, as save_pretrained does. layout: "per_expert"
+    writes ``experts.N.<proj>.weight`` (what save_pretrained writes), "fused" writes ``mlp.experts.gate_up_proj
+    / down_proj``; transformers loads both. tokenizer_from: a HuggingFace folder or a moekit run directory
+    whose tokenizer is written beside the model (default: the folder the model was imported from, if it
+    has tokenizer files).
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} is invalid; choose one of {list(LAYOUTS)}")
     if dtype is not None and dtype not in DTYPE_NAMES.values():
         raise ValueError(f"dtype={dtype} is not supported; use one of {list(DTYPE_NAMES)}")
-    check_mixtral_exportable(model)
-    L = model.config.num_layers
-    block = MIXTRAL.moe_blocks[layout == "fused"]  # fused tensors live under "mlp", as in transformers' modules
-    rules = model_rules(model, MIXTRAL, [block] * L, [layout == "fused"] * L)
-    tensors = export_tensors(model, rules, dtype)
+    name = choose_family(model, family)
+    naming, L = FAMILIES[name].naming, model.config.num_layers
+    block = naming.moe_blocks[-1 if layout == "fused" else 0]  # fused tensors live under "mlp", as in transformers
+    tensors = export_tensors(model, model_rules(model, naming, [block] * L, [layout == "fused"] * L), dtype)
     out_dtype = dtype or next(model.parameters()).dtype
+    tensors.update(zero_fill(model, name, out_dtype))
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
-    name = {v: k for k, v in DTYPE_NAMES.items()}[out_dtype]
-    (folder / CONFIG_FILE).write_text(json.dumps(mixtral_hf_config(model.config, name), indent=2) + "\n")
+    source = tokenizer_from if tokenizer_from is not None else _imported_tokenizer(model)
+    token_ids = copy_tokenizer(source, folder, model.config.vocab_size, model.config.max_seq_len) if source else {}
+    dtype_name = {v: k for k, v in DTYPE_NAMES.items()}[out_dtype]
+    (folder / CONFIG_FILE).write_text(json.dumps(hf_config(model, name, dtype_name, token_ids), indent=2) + "\n")
     write_safetensors(tensors, folder, max_shard_size)
     return folder
+
+
+def save_mixtral(model: Transformer, path: str | Path, *, dtype: torch.dtype | None = None,
+                 max_shard_size: int | str = "5GB", layout: str = "per_expert",
+                 tokenizer_from: str | Path | None = None) -> Path:
+    """``save_hf(model, path, family="mixtral", ...)``: a folder MixtralForCausalLM loads with the same logits."""
+    return save_hf(model, path, family="mixtral", dtype=dtype, max_shard_size=max_shard_size, layout=layout,
+                   tokenizer_from=tokenizer_from)
+
+
+def _imported_tokenizer(model: Transformer) -> Path | None:
+    """The folder ``model`` was imported from, when it still holds a tokenizer."""
+    source = getattr(model, "hf_source", None)
+    if source is not None and any((Path(source) / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
+        return Path(source)
+    return None
 
 
 # Fields that shape the forward pass of a loaded model; the rest (capacity_factor, aux/z-loss coefficients,
 # expert_backend, max_seq_len, init_std, name, router options the import does not set) are the trainer's.
 MATH_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "attn_head_dim", "rope_theta",
-               "norm_eps", "tie_embeddings", "activation", "num_experts", "moe_ffn_hidden_size", "ffn_hidden_size",
-               "shared_ffn_hidden_size", "shared_expert_gate", "top_k", "router")
+               "rope_scaling", "norm_eps", "tie_embeddings", "activation", "attention", "attention_bias", "qk_norm",
+               "qkv_clip", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+               "rope_interleave", "num_experts", "moe_ffn_hidden_size", "ffn_hidden_size", "shared_ffn_hidden_size",
+               "shared_expert_gate", "top_k", "router")
+
+
+MLA_ONLY = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_interleave")
+MOE_ONLY = ("moe_ffn_hidden_size", "shared_ffn_hidden_size", "shared_expert_gate", "top_k", "router")
 
 
 def _check_same_math(have: ModelConfig, want: ModelConfig, path) -> None:
-    dense_used = any(not want.is_moe_layer(i) for i in range(want.num_layers))
-    fields = [f for f in MATH_FIELDS if f != "ffn_hidden_size" or dense_used]  # unused when every layer is MoE
+    unused = set(MLA_ONLY) if want.attention != "mla" else {"num_kv_heads", "attn_head_dim"}
+    if all(want.is_moe_layer(i) for i in range(want.num_layers)):
+        unused.add("ffn_hidden_size")  # the dense FFN width is unused when every layer is MoE
+    if want.num_experts == 0:
+        unused.update(MOE_ONLY)
+    fields = [f for f in MATH_FIELDS if f not in unused]
     diffs = [f"{f}={getattr(have, f, None)!r} (model) vs {getattr(want, f, None)!r} (checkpoint)" for f in fields
              if getattr(have, f, None) != getattr(want, f, None)]  # getattr: fields this ModelConfig may lack
     layers = [have.is_moe_layer(i) for i in range(have.num_layers)]

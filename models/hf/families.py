@@ -1,55 +1,64 @@
-"""HuggingFace config.json <-> ModelConfig, one ``Family`` per ``model_type``.
+"""HuggingFace config.json -> ModelConfig, one ``Family`` per ``model_type`` (the export side: models/hf/export.py).
 
-A family says how its config.json maps onto ModelConfig (sizes, layer pattern, router options), how it
-names tensors (``weights.Naming``), and which of its features moekit's model lacks. An import either
-reproduces transformers' forward exactly or fails naming every missing feature and the model change
-that would add it: moekit never drops a q/k norm or a bias and hopes for the best.
+A family says how its config.json maps onto ModelConfig (sizes, attention, RoPE, layer pattern, router),
+how it names tensors (``weights.Naming``), and which of its features moekit's model lacks. Each family
+reads exactly the fields its transformers class reads, with the same defaults. An import either
+reproduces transformers' forward exactly or fails naming every missing feature: moekit never drops a
+bias or a norm and hopes for the best.
 
-    transformers                          moekit router ("topk")
-    Mixtral     softmax, top-k, renorm    score=softmax, normalize=True (also for k=1: HF renormalises)
-    Qwen2/3-MoE softmax, norm_topk_prob   score=softmax, normalize=norm_topk_prob
-    DeepSeek-V3 sigmoid + bias, groups    score=sigmoid, expert_bias, num_groups=n_group,
-                (top-2 sum per group),    group_top_k=topk_group (needs top_k // topk_group == 2),
-                norm_topk_prob, scaling   normalize=norm_topk_prob, scaling=routed_scaling_factor
+    family       attention                              router (moekit "topk")
+    mixtral      GQA                                    softmax, top-k renormalised (also k=1)
+    qwen2_moe    GQA, qkv_bias                          softmax, normalize=norm_topk_prob; sigmoid-gated shared expert
+    qwen3_moe    GQA, q/k RMSNorm per head              softmax, normalize=norm_topk_prob
+    olmoe        GQA, q/k RMSNorm over the projection,  softmax, normalize=norm_topk_prob
+                 clip_qkv
+    deepseek_v3  MLA (q_lora_rank, kv_lora_rank, ...)   sigmoid + e_score_correction_bias, groups scored by their
+                                                        top-2 (group_score_top=2), normalize, routed scaling;
+                                                        shared experts, first_k_dense_replace dense layers
+    llama, qwen2 (qkv bias), qwen3 (q/k norm per head): dense (num_experts=0)
+
+Every family reads RoPE from ``rope_parameters`` (transformers 5) or ``rope_theta`` / ``rope_scaling`` (4):
+plain, linear, yarn and llama3 map onto ModelConfig.rope_scaling. An imported config is named
+``hf:<model_type>`` (``HF_NAME_PREFIX``): that is how ``save_hf`` knows the family a model came from, also
+after a moekit checkpoint or ``moekit-convert`` round trip.
 """
 from __future__ import annotations
 
-import dataclasses
+import re
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from moekit.models.config import ModelConfig
+from moekit.models.config import ROPE_SCALINGS, ModelConfig
 from moekit.models.hf.weights import Naming
-from moekit.moe.router import TopKRouter
 
+HF_NAME_PREFIX = "hf:"
+GATED = ("gate_proj", "up_proj", "down_proj")
 MIXTRAL = Naming(moe_blocks=("block_sparse_moe", "mlp"), expert_proj=("w1", "w3", "w2"),
                  experts_field="num_local_experts")
-QWEN2_MOE = Naming(moe_blocks=("mlp",), expert_proj=("gate_proj", "up_proj", "down_proj"), experts_field="num_experts",
-                   shared="shared_expert", shared_gate="shared_expert_gate")
-QWEN3_MOE = Naming(moe_blocks=("mlp",), expert_proj=("gate_proj", "up_proj", "down_proj"),
-                   experts_field="num_local_experts")  # transformers 5 writes it under this name
-DEEPSEEK_V3 = Naming(moe_blocks=("mlp",), expert_proj=("gate_proj", "up_proj", "down_proj"),
-                     experts_field="n_routed_experts", shared="shared_experts", router_bias="e_score_correction_bias")
+QWEN2_MOE = Naming(moe_blocks=("mlp",), expert_proj=GATED, experts_field="num_experts", shared="shared_expert",
+                   shared_gate="shared_expert_gate")
+QWEN3_MOE = Naming(moe_blocks=("mlp",), expert_proj=GATED, experts_field="num_experts")
+OLMOE = Naming(moe_blocks=("mlp",), expert_proj=GATED, experts_field="num_experts")
+DEEPSEEK_V3 = Naming(moe_blocks=("mlp",), expert_proj=GATED, experts_field="n_routed_experts", shared="shared_experts",
+                     router_bias="e_score_correction_bias")
+DENSE = Naming(moe_blocks=("mlp",), expert_proj=GATED, experts_field="(dense model: no experts)")
 
-# Model changes that would lift each unsupported feature (also listed in docs/hf.md).
+# What moekit's model would need to lift each refusal (also listed in docs/hf.md).
 NEEDS = {
-    "attention_bias": "ModelConfig.attention_bias: bool and nn.Linear(..., bias=True) for wq/wk/wv in "
-                      "moekit.models.transformer.Attention",
-    "qk_norm": "ModelConfig.qk_norm: bool and Attention.q_norm / k_norm = nn.RMSNorm(head_dim, eps=norm_eps) "
-               "applied to q [B,S,N,D] and k [B,S,K,D] before RoPE",
-    "shared_expert_gate": "ModelConfig.shared_expert_gate: bool passed by Block as "
-                          "MoELayer(..., shared_expert_gate=config.shared_expert_gate)",
-    "mla": "a multi-head latent attention module (q_a/q_b, kv_a_proj_with_mqa, kv_b projections, split "
-           "nope/rope head dims, interleaved RoPE) selected by a ModelConfig.attention field",
-    "rope_scaling": "RoPE scaling (rope_type, factor, ...) in ModelConfig and models.transformer.rope_angles",
-    "layer_pattern": "an explicit per-layer MoE/dense list in ModelConfig (moe_layers) besides "
-                     "first_dense_layers / moe_every",
+    "o_bias": "a bias on the attention output projection (moekit's attention_bias covers q/k/v only)",
+    "mla_bias": "biases on MLA's q_a / kv_a / o projections",
+    "mlp_bias": "biases on the FFN projections",
+    "activation": "an FFN gated by another activation (moekit's gated FFN is SwiGLU = silu(gate) * up)",
+    "partial_rotary": "partial rotary embeddings (RoPE on a fraction of each head)",
+    "rope_type": "this RoPE scaling type (moekit has linear, yarn and llama3)",
+    "layer_pattern": "an explicit per-layer MoE/dense list in ModelConfig besides first_dense_layers / moe_every",
 }
 
 
 class UnsupportedCheckpoint(ValueError):
-    """A checkpoint whose math moekit's model cannot reproduce (the message names features and fixes)."""
+    """A checkpoint whose math moekit's model cannot reproduce (the message names every missing feature)."""
 
 
 def _get(hf: dict, key: str | tuple[str, ...], default: Any = ...) -> Any:
@@ -64,35 +73,89 @@ def _get(hf: dict, key: str | tuple[str, ...], default: Any = ...) -> Any:
     return default
 
 
-def rope_theta(hf: dict, default: float, problems: list[str]) -> float:
-    """RoPE base from transformers 5's rope_parameters or 4's top-level rope_theta / rope_scaling."""
-    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        problems.append(f"RoPE scaling rope_type={rope_type!r} (needs {NEEDS['rope_scaling']})")
+# ---------------------------------------------------------------------------------------------------
+# Shared fields: sizes, attention, RoPE
+# ---------------------------------------------------------------------------------------------------
+
+
+def rope_fields(hf: dict, default_theta: float, problems: list[str]) -> dict[str, Any]:
+    """rope_theta and rope_scaling from transformers 5's rope_parameters or 4's rope_theta / rope_scaling,
+    with transformers' defaults filled in (original_max_position_embeddings, yarn's factor)."""
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    if any(isinstance(v, dict) for v in params.values()):
+        problems.append(f"RoPE parameters per layer type ({sorted(params)}) (needs {NEEDS['rope_type']})")
+        return {}
+    theta = float(params.get("rope_theta", hf.get("rope_theta", default_theta)))
     partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
-        problems.append(f"partial rotary embedding partial_rotary_factor={partial} (needs {NEEDS['rope_scaling']})")
-    return float(params.get("rope_theta", hf.get("rope_theta", default)))
-
-
-def base_fields(hf: dict, rope_default: float, window: int | None, problems: list[str]) -> dict[str, Any]:
-    """ModelConfig fields every family shares: sizes, attention, RoPE, norm, embeddings."""
-    H, N = _get(hf, "hidden_size"), _get(hf, "num_attention_heads")
-    head_dim = _get(hf, "head_dim", 0)
-    if _get(hf, "hidden_act", "silu") != "silu":
-        problems.append(f"hidden_act={hf['hidden_act']!r} (moekit's gated FFN is SwiGLU = silu(gate) * up)")
+    if partial is not None and partial != 1.0:
+        problems.append(f"partial_rotary_factor={partial} (needs {NEEDS['partial_rotary']})")
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return dict(rope_theta=theta, rope_scaling={})
+    if kind not in ROPE_SCALINGS:
+        problems.append(f"rope_type={kind!r} (needs {NEEDS['rope_type']})")
+        return dict(rope_theta=theta)
     max_pos = _get(hf, "max_position_embeddings", 4096)
-    # Sliding-window attention equals full causal attention while the sequence fits in the window, so
-    # the import is exact up to max_seq_len = window (longer inputs raise in Transformer.forward).
+    required, optional = ROPE_SCALINGS[kind]
+    scaling = {"rope_type": kind}
+    if "original_max_position_embeddings" in required:  # transformers: the top-level field wins, then max_pos
+        params["original_max_position_embeddings"] = (hf.get("original_max_position_embeddings")
+                                                      or params.get("original_max_position_embeddings") or max_pos)
+    if kind == "yarn" and params.get("factor") is None:
+        params["factor"] = max_pos / params["original_max_position_embeddings"]
+    for key in required:
+        if params.get(key) is None:
+            raise ValueError(f"config.json rope_parameters with rope_type={kind!r} lacks {key!r}; add it")
+        scaling[key] = params[key]
+    for key in optional:
+        # transformers reads yarn's beta_fast / beta_slow as `value or default`: a 0 means the default
+        if params.get(key) is not None and not (key in ("beta_fast", "beta_slow") and not params[key]):
+            scaling[key] = params[key]
+    return dict(rope_theta=theta, rope_scaling=scaling)
+
+
+def base_fields(hf: dict, problems: list[str], *, default_theta: float = 10000.0, head_dim_default: int = 0,
+                window: int | None = None) -> dict[str, Any]:
+    """ModelConfig fields every family shares: sizes, GQA heads, RoPE, norm, embeddings, training defaults.
+
+    window: the sliding-window length when some layer uses one. Sliding-window attention equals full causal
+    attention while the sequence fits in the window, so the import is exact up to max_seq_len = window
+    (longer inputs raise in Transformer.forward)."""
+    H, N = _get(hf, "hidden_size"), _get(hf, "num_attention_heads")
+    if _get(hf, "hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act={hf['hidden_act']!r} (needs {NEEDS['activation']})")
+    quant = hf.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+        problems.append(f"quantized weights (quantization_config, quant_method={method!r}): moekit loads float "
+                        f"checkpoints; dequantize to bf16 first (DeepSeek-V3: its fp8_cast_bf16 script, or a bf16 "
+                        f"release of the model)")
+    head_dim = _get(hf, "head_dim", 0) or head_dim_default or H // N
+    max_pos = _get(hf, "max_position_embeddings", 4096)
     return dict(
-        vocab_size=_get(hf, "vocab_size"), hidden_size=H, num_layers=_get(hf, "num_hidden_layers"), num_heads=N,
-        num_kv_heads=_get(hf, "num_key_value_heads", N), head_dim=0 if head_dim * N == H else head_dim,
-        max_seq_len=min(max_pos, window) if window else max_pos, rope_theta=rope_theta(hf, rope_default, problems),
+        name=HF_NAME_PREFIX + hf["model_type"], vocab_size=_get(hf, "vocab_size"), hidden_size=H,
+        num_layers=_get(hf, "num_hidden_layers"), num_heads=N, num_kv_heads=_get(hf, "num_key_value_heads", N),
+        head_dim=0 if head_dim * N == H else head_dim, max_seq_len=min(max_pos, window) if window else max_pos,
         norm_eps=float(_get(hf, "rms_norm_eps", 1e-6)), tie_embeddings=bool(_get(hf, "tie_word_embeddings", False)),
         init_std=float(_get(hf, "initializer_range", 0.02)), activation="swiglu", router="topk",
         capacity_factor=None, aux_loss_coeff=float(_get(hf, "router_aux_loss_coef", 0.0)), z_loss_coeff=0.0,
+        **rope_fields(hf, default_theta, problems),
     )
+
+
+def qwen_window(hf: dict) -> int | None:
+    """Qwen families: a window only with use_sliding_window, and only if some layer is a sliding one."""
+    window = hf.get("sliding_window")
+    if not hf.get("use_sliding_window") or not window:
+        return None
+    types = hf.get("layer_types")
+    return window if types is None or "sliding_attention" in types else None
+
+
+def refuse_output_bias(hf: dict, problems: list[str]) -> None:
+    """Llama, Qwen3, Qwen3-MoE, OLMoE: attention_bias puts a bias on o_proj too."""
+    if hf.get("attention_bias"):
+        problems.append(f"attention_bias=true (biases on q/k/v and o_proj) (needs {NEEDS['o_bias']})")
 
 
 def layer_pattern(moe: list[bool]) -> tuple[int, int] | None:
@@ -123,7 +186,7 @@ def _model_config(hf: dict, fields: dict[str, Any], problems: list[str]) -> Mode
 
 def mixtral_config(hf: dict) -> ModelConfig:
     problems: list[str] = []
-    fields = base_fields(hf, 1e6, hf.get("sliding_window"), problems)
+    fields = base_fields(hf, problems, default_theta=1e6, window=hf.get("sliding_window"))
     F = _get(hf, "intermediate_size")
     # Every Mixtral layer is sparse; the dense FFN width is unused and kept equal to the expert width.
     fields.update(num_experts=_get(hf, ("num_local_experts", "num_experts")), top_k=_get(hf, "num_experts_per_tok"),
@@ -135,12 +198,12 @@ def qwen_moe_config(hf: dict) -> ModelConfig:
     """Qwen2-MoE and Qwen3-MoE: softmax top-k, optional renorm, sparse-step layer pattern."""
     problems: list[str] = []
     qwen2 = hf.get("model_type") == "qwen2_moe"
-    window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
-    fields = base_fields(hf, 10000.0, window, problems)
-    if hf.get("qkv_bias", qwen2) or hf.get("attention_bias", False):
-        problems.append(f"attention biases (qkv_bias / attention_bias) (needs {NEEDS['attention_bias']})")
-    if not qwen2:
-        problems.append(f"q/k RMSNorm (self_attn.q_norm, k_norm) (needs {NEEDS['qk_norm']})")
+    fields = base_fields(hf, problems, window=qwen_window(hf))
+    if qwen2:
+        fields["attention_bias"] = bool(hf.get("qkv_bias", True))  # Qwen2MoeConfig: qkv_bias, default true
+    else:
+        refuse_output_bias(hf, problems)
+        fields["qk_norm"] = "head"
     E, L = _get(hf, ("num_experts", "num_local_experts")), fields["num_layers"]
     step, dense = _get(hf, "decoder_sparse_step", 1), set(_get(hf, "mlp_only_layers", []))
     moe = [i not in dense and E > 0 and (i + 1) % step == 0 for i in range(L)]
@@ -151,62 +214,114 @@ def qwen_moe_config(hf: dict) -> ModelConfig:
     first, every = pattern or (0, 1)
     fields.update(num_experts=E, top_k=_get(hf, "num_experts_per_tok"), first_dense_layers=first, moe_every=every,
                   moe_ffn_hidden_size=_get(hf, "moe_intermediate_size"), ffn_hidden_size=_get(hf, "intermediate_size"),
-                  router_options=qwen_router_options(hf))
+                  router_options=softmax_router_options(hf))
     if qwen2:
-        fields["shared_ffn_hidden_size"] = _get(hf, "shared_expert_intermediate_size")
-        if "shared_expert_gate" in {f.name for f in dataclasses.fields(ModelConfig)}:
-            fields["shared_expert_gate"] = True
-        else:
-            problems.append(f"sigmoid-gated shared expert (mlp.shared_expert_gate) "
-                            f"(needs {NEEDS['shared_expert_gate']})")
+        fields.update(shared_ffn_hidden_size=_get(hf, "shared_expert_intermediate_size"), shared_expert_gate=True)
     return _model_config(hf, fields, problems)
 
 
-def qwen_router_options(hf: dict) -> dict[str, Any]:
+def softmax_router_options(hf: dict) -> dict[str, Any]:
+    """Qwen2/3-MoE and OLMoE: softmax over all experts, top-k, renormalised iff norm_topk_prob."""
     return {"normalize": bool(_get(hf, "norm_topk_prob", False))}
 
 
-def deepseek_v3_config(hf: dict) -> ModelConfig:
-    problems: list[str] = [f"multi-head latent attention (kv_lora_rank={hf.get('kv_lora_rank')}, "
-                           f"q_lora_rank={hf.get('q_lora_rank')}) (needs {NEEDS['mla']})"]
-    fields = base_fields(hf, 10000.0, None, problems)
-    fields.update(num_experts=_get(hf, ("n_routed_experts", "num_local_experts")),
-                  top_k=_get(hf, "num_experts_per_tok"), moe_ffn_hidden_size=_get(hf, "moe_intermediate_size"),
-                  ffn_hidden_size=_get(hf, "intermediate_size"),
-                  shared_ffn_hidden_size=_get(hf, "moe_intermediate_size") * _get(hf, "n_shared_experts", 1),
-                  first_dense_layers=_get(hf, "first_k_dense_replace", 0),
-                  router_options=deepseek_router_options(hf, problems))
+qwen_router_options = softmax_router_options  # the earlier name
+
+
+def olmoe_config(hf: dict) -> ModelConfig:
+    problems: list[str] = []
+    fields = base_fields(hf, problems)
+    refuse_output_bias(hf, problems)
+    E = _get(hf, ("num_experts", "num_local_experts"))
+    F = _get(hf, "intermediate_size")  # OLMoE's experts have intermediate_size; every layer is sparse
+    fields.update(qk_norm="full", qkv_clip=float(_get(hf, "clip_qkv", 0.0)), num_experts=E,
+                  top_k=_get(hf, "num_experts_per_tok"), moe_ffn_hidden_size=F, ffn_hidden_size=F,
+                  router_options=softmax_router_options(hf))
     return _model_config(hf, fields, problems)
 
 
-def deepseek_router_options(hf: dict, problems: list[str]) -> dict[str, Any]:
-    """Sigmoid scores, selection bias, group-limited top-k, renorm, routed scaling (DeepseekV3TopkRouter)."""
-    k, groups, topk_group = _get(hf, "num_experts_per_tok"), _get(hf, "n_group", 1), _get(hf, "topk_group", 1)
+def deepseek_v3_config(hf: dict) -> ModelConfig:
+    problems: list[str] = []
+    fields = base_fields(hf, problems)
+    if hf.get("attention_bias"):
+        problems.append(f"attention_bias=true (needs {NEEDS['mla_bias']})")
+    if _get(hf, "moe_layer_freq", 1) != 1:
+        problems.append(f"moe_layer_freq={hf['moe_layer_freq']} (transformers' DeepseekV3 ignores it and puts an MoE "
+                        f"FFN in every layer from first_k_dense_replace on; needs {NEEDS['layer_pattern']})")
+    if _get(hf, "scoring_func", "sigmoid") != "sigmoid":
+        problems.append(f"scoring_func={hf['scoring_func']!r} (transformers' DeepseekV3 always scores with sigmoid, "
+                        f"so the checkpoint was not trained for it)")
+    scaling = fields.get("rope_scaling") or {}
+    raw = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if scaling.get("rope_type") not in (None, "yarn") and raw.get("mscale_all_dim"):
+        problems.append(f"mscale_all_dim with rope_type={scaling['rope_type']!r} (transformers' MLA scales its "
+                        f"softmax by it for any scaled RoPE; moekit's MLA for yarn only)")
+    N = fields["num_heads"]
+    fields.update(
+        attention="mla", num_kv_heads=N, head_dim=0, q_lora_rank=_get(hf, "q_lora_rank", 0),
+        kv_lora_rank=_get(hf, "kv_lora_rank"), qk_nope_head_dim=_get(hf, "qk_nope_head_dim"),
+        qk_rope_head_dim=_get(hf, "qk_rope_head_dim"), v_head_dim=_get(hf, "v_head_dim"),
+        rope_interleave=bool(_get(hf, "rope_interleave", True)),
+        num_experts=_get(hf, ("n_routed_experts", "num_local_experts")), top_k=_get(hf, "num_experts_per_tok"),
+        moe_ffn_hidden_size=_get(hf, "moe_intermediate_size"), ffn_hidden_size=_get(hf, "intermediate_size"),
+        shared_ffn_hidden_size=_get(hf, "moe_intermediate_size") * _get(hf, "n_shared_experts", 1),
+        first_dense_layers=_get(hf, "first_k_dense_replace", 0), aux_loss_coeff=0.0,
+        router_options=deepseek_router_options(hf, problems))
+    return _model_config(hf, fields, problems)
+
+
+def deepseek_router_options(hf: dict, problems: list[str] | None = None) -> dict[str, Any]:
+    """Sigmoid scores, selection bias, group-limited top-k, renorm, routed scaling (DeepseekV3TopkRouter).
+
+    transformers scores a group by the sum of its top-2 experts (group_score_top=2). Groups are left out
+    when they cannot mask anything (one group, or every group kept)."""
+    groups, topk_group = _get(hf, "n_group", 1), _get(hf, "topk_group", 1)
     options = {"score": "sigmoid", "normalize": bool(_get(hf, "norm_topk_prob", True)), "expert_bias": True,
                "scaling": float(_get(hf, "routed_scaling_factor", 1.0))}
-    # transformers scores a group by the sum of its top-2 experts; moekit by its top top_k // group_top_k.
-    if k == 2 * topk_group:
-        options.update(num_groups=groups, group_top_k=topk_group)
-    elif groups > 1:
-        problems.append(f"group scores from each group's top 2 experts with num_experts_per_tok={k}, "
-                        f"topk_group={topk_group} (moekit's group score sums the top top_k // group_top_k = "
-                        f"{k // max(topk_group, 1)}; needs a group_score_top option in moe.router.TopKRouter)")
+    if groups > 1 and topk_group < groups:
+        options.update(num_groups=groups, group_top_k=topk_group, group_score_top=2)
     return options
+
+
+def dense_config(hf: dict) -> ModelConfig:
+    """Llama, Qwen2, Qwen3: a moekit model without experts (num_experts=0)."""
+    problems: list[str] = []
+    kind = hf["model_type"]
+    fields = base_fields(hf, problems, head_dim_default=128 if kind == "qwen3" else 0,
+                         window=None if kind == "llama" else qwen_window(hf))
+    if kind == "qwen2":
+        fields["attention_bias"] = True  # Qwen2Attention: q/k/v biases always, none on o_proj
+    else:
+        refuse_output_bias(hf, problems)
+    if kind == "qwen3":
+        fields["qk_norm"] = "head"
+    if hf.get("mlp_bias"):
+        problems.append(f"mlp_bias=true (needs {NEEDS['mlp_bias']})")
+    F = _get(hf, "intermediate_size")
+    fields.update(num_experts=0, ffn_hidden_size=F, moe_ffn_hidden_size=F, aux_loss_coeff=0.0)
+    return _model_config(hf, fields, problems)
 
 
 @dataclass(frozen=True)
 class Family:
+    model_type: str
+    architecture: str  # the transformers class config.json's "architectures" names
     to_config: Callable[[dict], ModelConfig]
     naming: Naming
+    moe: bool = True
     layers_field: str = "num_hidden_layers"
 
 
-FAMILIES: dict[str, Family] = {
-    "mixtral": Family(mixtral_config, MIXTRAL),
-    "qwen2_moe": Family(qwen_moe_config, QWEN2_MOE),
-    "qwen3_moe": Family(qwen_moe_config, QWEN3_MOE),
-    "deepseek_v3": Family(deepseek_v3_config, DEEPSEEK_V3),
-}
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (
+    Family("mixtral", "MixtralForCausalLM", mixtral_config, MIXTRAL),
+    Family("qwen2_moe", "Qwen2MoeForCausalLM", qwen_moe_config, QWEN2_MOE),
+    Family("qwen3_moe", "Qwen3MoeForCausalLM", qwen_moe_config, QWEN3_MOE),
+    Family("olmoe", "OlmoeForCausalLM", olmoe_config, OLMOE),
+    Family("deepseek_v3", "DeepseekV3ForCausalLM", deepseek_v3_config, DEEPSEEK_V3),
+    Family("llama", "LlamaForCausalLM", dense_config, DENSE, moe=False),
+    Family("qwen2", "Qwen2ForCausalLM", dense_config, DENSE, moe=False),
+    Family("qwen3", "Qwen3ForCausalLM", dense_config, DENSE, moe=False),
+)}
 
 
 def family(hf: dict, path) -> Family:
@@ -217,58 +332,26 @@ def family(hf: dict, path) -> Family:
     return FAMILIES[model_type]
 
 
-# ---------------------------------------------------------------------------------------------------
-# Export: ModelConfig -> Mixtral config.json
-# ---------------------------------------------------------------------------------------------------
+def recorded_family(config: ModelConfig) -> str | None:
+    """The model_type an imported config came from (its name ``hf:<model_type>``), else None."""
+    name = config.name
+    if isinstance(name, str) and name.startswith(HF_NAME_PREFIX) and name[len(HF_NAME_PREFIX):] in FAMILIES:
+        return name[len(HF_NAME_PREFIX):]
+    return None
 
 
-def check_mixtral_exportable(model) -> None:
-    """Raise naming the first part of ``model`` whose math transformers' Mixtral cannot express."""
-    cfg = model.config
-    if cfg.num_experts == 0 or cfg.num_moe_layers != cfg.num_layers:
-        raise ValueError(f"Mixtral has an MoE FFN in every layer; this model has {cfg.num_moe_layers} of "
-                         f"{cfg.num_layers} (moe_every={cfg.moe_every}, first_dense_layers={cfg.first_dense_layers})")
-    if cfg.activation != "swiglu":
-        raise ValueError(f"Mixtral experts are SwiGLU; this model has activation={cfg.activation!r}")
-    if cfg.shared_ffn_hidden_size:
-        raise ValueError(f"Mixtral has no shared expert; this model has "
-                         f"shared_ffn_hidden_size={cfg.shared_ffn_hidden_size}")
-    for i, layer in enumerate(model.layers):
-        r = layer.ffn.router
-        why = _mixtral_router_mismatch(r)
-        if why:
-            raise ValueError(f"layers.{i}.ffn.router ({type(r).__name__}) {why}; transformers' Mixtral routes by "
-                             f"softmax top-k renormalised over the k, dropless. Export a model built with "
-                             f"router='topk', router_options={{'normalize': True}}, capacity_factor=None")
-
-
-def _mixtral_router_mismatch(r) -> str:
-    if not isinstance(r, TopKRouter) or r.score != "softmax":
-        return "is not a softmax top-k router"
-    if getattr(r, "jitter", 0.0) > 0:
-        return f"multiplies its input by jitter={r.jitter} noise in training"
-    if r.capacity_factor is not None:
-        return f"drops tokens (capacity_factor={r.capacity_factor})"
-    if not r.normalize:
-        return "does not renormalise the top-k weights (normalize=False)"
-    if r.scaling != 1.0 or r.num_groups is not None:
-        return f"uses scaling={r.scaling} / num_groups={r.num_groups}"
-    if r.expert_bias is not None:
-        return "has an expert_bias (aux-loss-free balancing changes which experts are chosen)"
-    return ""
-
-
-def mixtral_hf_config(cfg: ModelConfig, dtype_name: str) -> dict[str, Any]:
-    """config.json for MixtralForCausalLM: every field transformers 5 reads, plus v4's rope_theta/torch_dtype."""
-    return {
-        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.moe_ffn_hidden_size,
-        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.attn_head_dim, "hidden_act": "silu",
-        "max_position_embeddings": cfg.max_seq_len, "initializer_range": cfg.init_std, "rms_norm_eps": cfg.norm_eps,
-        "tie_word_embeddings": cfg.tie_embeddings, "sliding_window": None, "attention_dropout": 0.0,
-        "num_experts_per_tok": cfg.top_k, "num_local_experts": cfg.num_experts, "output_router_logits": False,
-        "router_aux_loss_coef": cfg.aux_loss_coeff, "router_jitter_noise": 0.0,
-        "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default"}, "rope_theta": cfg.rope_theta,
-        "use_cache": True, "dtype": dtype_name, "torch_dtype": dtype_name,
-    }
+def skipped_keys(hf: dict, keys, num_layers: int, path) -> set[str]:
+    """Checkpoint keys an import leaves out on purpose: DeepSeek-V3's multi-token-prediction layers
+    (``model.layers.{num_hidden_layers + j}.*``, j < num_nextn_predict_layers), with a warning naming them."""
+    extra = _get(hf, ("num_nextn_predict_layers", "num_mtp_layers"), 0) if hf.get("model_type") == "deepseek_v3" else 0
+    if not extra:
+        return set()
+    mtp = range(num_layers, num_layers + extra)
+    skipped = {k for k in keys if (m := re.match(r"model\.layers\.(\d+)\.", k)) and int(m.group(1)) in mtp}
+    if skipped:
+        found = sorted({int(re.match(r"model\.layers\.(\d+)\.", k).group(1)) for k in skipped})
+        warnings.warn(f"{path}: skipping the multi-token-prediction layer(s) "
+                      f"{', '.join(f'model.layers.{i}.*' for i in found)} (num_nextn_predict_layers={extra}, "
+                      f"{len(skipped)} tensors): moekit has no MTP head; the main model's logits are unaffected",
+                      stacklevel=3)
+    return skipped

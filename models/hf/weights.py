@@ -15,6 +15,10 @@ Layouts (F = expert width, H = hidden, E experts):
     in transformers 5)
     moekit DenseMLP       w_gate.weight [F, H], w_up.weight [F, H], w_out.weight [H, F]
     HF MLP                gate_proj [F, H], up_proj [F, H], down_proj [H, F]
+
+Attention tensors have the HF tensor's shape and row order in moekit (``ATTENTION_NAMES``), so every
+attention rule is an identity: GQA wq/wk/wv(/bias)/wo, q_norm/k_norm; MLA wq or wq_a/q_a_norm/wq_b,
+wkv_a/kv_a_norm/wkv_b, wo.
 """
 from __future__ import annotations
 
@@ -41,16 +45,45 @@ class Naming:
 
 
 @dataclass(frozen=True)
+class Piece:
+    """Where one HF tensor sits inside its moekit target, for slice-wise loads and exports (models/hf/sharded.py).
+
+    Along target dim d the source covers chunk ``parts[d][0]`` of ``parts[d][1]`` equal chunks; ``dims[k]`` is
+    the target dim that source dim k runs along. Target dims missing from ``dims`` are one index wide and
+    absent from the source (the expert index of a per-expert tensor). E.g. expert e's gate [F, H] inside
+    w_in [E, H, 2F]: parts ((e, E), (0, 1), (0, 2)), dims (2, 1).
+    """
+
+    parts: tuple[tuple[int, int], ...]
+    dims: tuple[int, ...]
+
+    def box(self, shape: tuple[int, ...]) -> tuple[range, ...]:
+        """The target indices this source covers, one range per target dim."""
+        return tuple(range(i * (n // c), (i + 1) * (n // c)) for n, (i, c) in zip(shape, self.parts))
+
+
+@dataclass(frozen=True)
 class Rule:
     target: str  # moekit state_dict key
     sources: tuple[str, ...]  # HF keys, in the order join() takes them
     join: Callable[[list[Tensor]], Tensor]
     split: Callable[[Tensor], list[Tensor]]
     fields: str  # config.json fields that set these shapes, for error messages
+    identity: bool = False  # one source with the target's shape and layout: a box of one is that box of the other
+    pieces: tuple[Piece, ...] = ()  # one per source: where it sits in the target (identity rules need none)
+
+    def layout(self, shape: tuple[int, ...]) -> list[tuple[tuple[range, ...], tuple[int, ...]]] | None:
+        """Per source: (its box in a target of ``shape``, the target dim of each source dim); None when
+        only join / split know (no slice-wise load or export for such a rule)."""
+        if self.identity:
+            return [(tuple(range(n) for n in shape), tuple(range(len(shape))))]
+        if len(self.pieces) != len(self.sources):
+            return None
+        return [(p.box(shape), p.dims) for p in self.pieces]
 
 
 def _one(target: str, source: str, fields: str) -> Rule:
-    return Rule(target, (source,), lambda ts: ts[0], lambda t: [t], fields)
+    return Rule(target, (source,), lambda ts: ts[0], lambda t: [t], fields, identity=True)
 
 
 def _expert_rules(t: str, block: str, naming: Naming, num_experts: int, fused: bool) -> list[Rule]:
@@ -58,10 +91,11 @@ def _expert_rules(t: str, block: str, naming: Naming, num_experts: int, fused: b
     fields = f"hidden_size, {naming.experts_field}, expert intermediate size"
     if fused:
         transpose = lambda ts: ts[0].transpose(1, 2)  # noqa: E731  [E, a, b] <-> [E, b, a], both ways
+        whole = (Piece(((0, 1),) * 3, (0, 2, 1)),)  # the whole target, its last two dims swapped
         return [Rule(f"{t}.experts.w_in", (f"{block}.experts.gate_up_proj",), transpose,
-                     lambda w: [w.transpose(1, 2)], fields),
+                     lambda w: [w.transpose(1, 2)], fields, pieces=whole),
                 Rule(f"{t}.experts.w_out", (f"{block}.experts.down_proj",), transpose,
-                     lambda w: [w.transpose(1, 2)], fields)]
+                     lambda w: [w.transpose(1, 2)], fields, pieces=whole)]
     g, u, d = naming.expert_proj
     E = num_experts
     gates = tuple(f"{block}.experts.{e}.{g}.weight" for e in range(E))
@@ -75,9 +109,12 @@ def _expert_rules(t: str, block: str, naming: Naming, num_experts: int, fused: b
         gate, up = w.transpose(1, 2).chunk(2, dim=1)  # [E, F, H] each
         return [*gate.unbind(0), *up.unbind(0)]
 
-    return [Rule(f"{t}.experts.w_in", gates + ups, join_in, split_in, fields),
+    # expert e's gate [F, H] = w_in[e, :, :F].T, its up = w_in[e, :, F:].T, its down [H, F] = w_out[e].T
+    in_pieces = tuple(Piece(((e, E), (0, 1), (half, 2)), (2, 1)) for half in (0, 1) for e in range(E))
+    out_pieces = tuple(Piece(((e, E), (0, 1), (0, 1)), (2, 1)) for e in range(E))
+    return [Rule(f"{t}.experts.w_in", gates + ups, join_in, split_in, fields, pieces=in_pieces),
             Rule(f"{t}.experts.w_out", downs, lambda ts: torch.stack([x.t() for x in ts]),
-                 lambda w: list(w.transpose(1, 2).unbind(0)), fields)]
+                 lambda w: list(w.transpose(1, 2).unbind(0)), fields, pieces=out_pieces)]
 
 
 def moe_rules(t: str, block: str, ffn, naming: Naming, fused: bool) -> list[Rule]:
@@ -99,9 +136,8 @@ def moe_rules(t: str, block: str, ffn, naming: Naming, fused: bool) -> list[Rule
             if naming.shared_gate is None:
                 raise ValueError(f"{t}.shared_expert has a sigmoid gate but this HuggingFace family has none")
             rules.append(_one(f"{t}.shared_expert.gate.weight", f"{block}.{naming.shared_gate}.weight", "hidden_size"))
-    elif naming.shared is not None:
-        # Qwen2-MoE / DeepSeek-V3 always have one: a model without it cannot be written as that family.
-        raise ValueError(f"{t} has no shared expert but this HuggingFace family always has one")
+    # No shared expert while the family always has one (Qwen2-MoE, DeepSeek-V3): an import never builds
+    # that (the config implies one); export writes an all-zero one (models/hf/export.py, zero_fill).
     return rules
 
 
@@ -112,14 +148,40 @@ def mlp_rules(t: str, source: str, width: str) -> list[Rule]:
             _one(f"{t}.w_out.weight", f"{source}.down_proj.weight", fields)]
 
 
+# moekit attention module -> HF self_attn module, and the config.json fields that set its shape.
+ATTENTION_NAMES = {
+    "wq": ("q_proj", "hidden_size, num_attention_heads, head_dim (MLA: qk_nope_head_dim + qk_rope_head_dim)"),
+    "wk": ("k_proj", "hidden_size, num_key_value_heads, head_dim"),
+    "wv": ("v_proj", "hidden_size, num_key_value_heads, head_dim"),
+    "wo": ("o_proj", "hidden_size, num_attention_heads, head_dim (MLA: v_head_dim)"),
+    "q_norm": ("q_norm", "head_dim (OLMoE: num_attention_heads * head_dim)"),
+    "k_norm": ("k_norm", "head_dim (OLMoE: num_key_value_heads * head_dim)"),
+    "wq_a": ("q_a_proj", "hidden_size, q_lora_rank"),
+    "q_a_norm": ("q_a_layernorm", "q_lora_rank"),
+    "wq_b": ("q_b_proj", "q_lora_rank, num_attention_heads, qk_nope_head_dim + qk_rope_head_dim"),
+    "wkv_a": ("kv_a_proj_with_mqa", "hidden_size, kv_lora_rank + qk_rope_head_dim"),
+    "kv_a_norm": ("kv_a_layernorm", "kv_lora_rank"),
+    "wkv_b": ("kv_b_proj", "kv_lora_rank, num_attention_heads, qk_nope_head_dim + v_head_dim"),
+}
+
+
+def attention_rules(t: str, s: str, attn) -> list[Rule]:
+    """Identity rules for every parameter of a moekit attention module (t: its prefix, s: HF self_attn's)."""
+    rules = []
+    for ours, (theirs, fields) in ATTENTION_NAMES.items():
+        module = getattr(attn, ours, None)
+        if module is None:
+            continue
+        for p in ("weight", "bias"):
+            if getattr(module, p, None) is not None:
+                rules.append(_one(f"{t}.{ours}.{p}", f"{s}.{theirs}.{p}", fields))
+    return rules
+
+
 def layer_rules(i: int, layer, naming: Naming, block: str, fused: bool) -> list[Rule]:
     t, s = f"layers.{i}", f"model.layers.{i}"
-    q_fields, kv_fields = "hidden_size, num_attention_heads, head_dim", "hidden_size, num_key_value_heads, head_dim"
     rules = [_one(f"{t}.attn_norm.weight", f"{s}.input_layernorm.weight", "hidden_size"),
-             _one(f"{t}.attn.wq.weight", f"{s}.self_attn.q_proj.weight", q_fields),
-             _one(f"{t}.attn.wk.weight", f"{s}.self_attn.k_proj.weight", kv_fields),
-             _one(f"{t}.attn.wv.weight", f"{s}.self_attn.v_proj.weight", kv_fields),
-             _one(f"{t}.attn.wo.weight", f"{s}.self_attn.o_proj.weight", q_fields),
+             *attention_rules(f"{t}.attn", f"{s}.self_attn", layer.attn),
              _one(f"{t}.ffn_norm.weight", f"{s}.post_attention_layernorm.weight", "hidden_size")]
     if layer.is_moe:
         return rules + moe_rules(f"{t}.ffn", f"{s}.{block}", layer.ffn, naming, fused)
@@ -157,9 +219,11 @@ def detect_layout(keys: set[str], i: int, naming: Naming) -> tuple[str, bool]:
 
 
 def check_counts(reader: CheckpointReader, model, naming: Naming, blocks: list[str], fused: list[bool],
-                 num_layers_field: str) -> None:
-    """Layer and expert counts in the checkpoint must match config.json before any key-level check."""
-    layer_ids = {int(m.group(1)) for k in reader.infos if (m := re.match(r"model\.layers\.(\d+)\.", k))}
+                 num_layers_field: str, skipped: set[str] = frozenset()) -> None:
+    """Layer and expert counts in the checkpoint must match config.json before any key-level check.
+    ``skipped``: keys the import leaves out on purpose (families.skipped_keys), not counted."""
+    layer_ids = {int(m.group(1)) for k in reader.infos
+                 if k not in skipped and (m := re.match(r"model\.layers\.(\d+)\.", k))}
     L = len(model.layers)
     if layer_ids and max(layer_ids) + 1 != L:
         raise ValueError(f"config.json {num_layers_field}={L} but the checkpoint has layers 0..{max(layer_ids)} "

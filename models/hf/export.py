@@ -1,0 +1,387 @@
+"""moekit model -> HuggingFace family: which families reproduce a model, their config.json, the tokenizer files.
+
+``export_problems(model, family)`` lists every reason transformers' ``family`` would compute different
+logits (empty: it reproduces the model). ``choose_family`` picks the family ``save_hf`` writes: the one
+asked for, else the one the model was imported from (``model.hf_family`` or a config named
+``hf:<model_type>``), else the first of ``NEAREST`` that reproduces it:
+
+    MoE    mixtral      softmax top-k renormalised, no shared expert, every layer MoE, plain GQA
+           qwen3_moe    softmax top-k, q/k RMSNorm per head (qk_norm="head")
+           olmoe        softmax top-k, q/k RMSNorm over the projection (qk_norm="full"), qkv_clip
+           qwen2_moe    softmax top-k, q/k/v biases, a sigmoid-gated shared expert (or none), any layer pattern
+           deepseek_v3  MLA, sigmoid + expert_bias, group-limited (groups scored by their top 2), routed
+                        scaling, an ungated shared expert (or none), dense first layers
+    dense  llama, qwen2 (q/k/v biases), qwen3 (qk_norm="head")
+
+Where a family always has a part the model lacks, the export writes it so that it adds nothing
+(``zero_fill``): DeepSeek-V3's e_score_correction_bias as zeros (no selection bias), an all-zero shared
+expert for Qwen2-MoE or DeepSeek-V3 (it outputs 0). The logits are unchanged; importing the export back
+gives a model with those (zero) parts.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from moekit.models.config import ModelConfig
+from moekit.models.hf.families import FAMILIES, recorded_family
+from moekit.moe.router import TopKRouter
+
+NEAREST = {True: ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "deepseek_v3"), False: ("llama", "qwen2", "qwen3")}
+PRETTY = {"mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE", "olmoe": "OLMoE",
+          "deepseek_v3": "DeepSeek-V3", "llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+# (attention kind, q/k/v bias allowed, qk_norm, qkv_clip allowed) that each family's attention computes
+ATTENTION = {"mixtral": ("gqa", False, "none", False), "qwen2_moe": ("gqa", True, "none", False),
+             "qwen3_moe": ("gqa", False, "head", False), "olmoe": ("gqa", False, "full", True),
+             "deepseek_v3": ("mla", False, "none", False), "llama": ("gqa", False, "none", False),
+             "qwen2": ("gqa", True, "none", False), "qwen3": ("gqa", False, "head", False)}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Which families reproduce a model
+# ---------------------------------------------------------------------------------------------------
+
+
+def export_problems(model, family: str) -> list[str]:
+    """Every part of ``model`` whose math transformers' ``family`` cannot express ([] = it reproduces it)."""
+    if family not in FAMILIES:
+        raise ValueError(f"family={family!r} is not a HuggingFace family moekit writes; choose one of "
+                         f"{list(FAMILIES)}")
+    cfg, name = model.config, PRETTY[family]
+    problems: list[str] = []
+    if cfg.activation != "swiglu":
+        problems.append(f"{name}'s FFNs are SwiGLU; this model has activation={cfg.activation!r}")
+    problems += _attention_problems(cfg, family, name)
+    moe_layers = [i for i, layer in enumerate(model.layers) if layer.is_moe]
+    if not FAMILIES[family].moe:
+        if moe_layers:
+            problems.append(f"{name} is a dense family; this model has {len(moe_layers)} MoE layers (export an MoE "
+                            f"family: {', '.join(NEAREST[True])})")
+        return problems
+    if cfg.num_experts == 0:
+        problems.append(f"{name} is an MoE family; this model has no experts (num_experts=0); export a dense "
+                        f"family: {', '.join(NEAREST[False])}")
+        return problems
+    problems += _layer_problems(cfg, family, name)
+    for i in moe_layers:  # every MoE layer is built alike: report the first that differs
+        why = _router_problems(model.layers[i].ffn.router, family, name) + _shared_problems(model.layers[i].ffn,
+                                                                                             cfg, family, name)
+        if why:
+            problems += [f"layers.{i}.ffn: {w}" for w in why]
+            break
+    return problems
+
+
+def _attention_problems(cfg: ModelConfig, family: str, name: str) -> list[str]:
+    kind, bias_ok, qk_norm, clip_ok = ATTENTION[family]
+    if cfg.attention != kind:
+        what = "multi-head latent attention (MLA)" if kind == "mla" else "grouped-query attention"
+        return [f"{name} has {what}; this model has attention={cfg.attention!r}"]
+    problems = []
+    if cfg.attention_bias and not bias_ok:
+        problems.append(f"{name} has no q/k/v biases; this model has attention_bias=true (Qwen2 and Qwen2-MoE "
+                        f"have them)")
+    if family == "qwen2" and not cfg.attention_bias:
+        problems.append("Qwen2 always has q/k/v biases; this model has attention_bias=false (Llama has none)")
+    if cfg.qk_norm != qk_norm:
+        problems.append(f"{name} has qk_norm={qk_norm!r}; this model has qk_norm={cfg.qk_norm!r} (head: Qwen3, "
+                        f"Qwen3-MoE; full: OLMoE)")
+    if cfg.qkv_clip and not clip_ok:
+        problems.append(f"{name} does not clip q/k/v; this model has qkv_clip={cfg.qkv_clip} (OLMoE does)")
+    if family == "llama" and cfg.hidden_size % cfg.num_heads:
+        problems.append(f"transformers' LlamaConfig needs hidden_size divisible by num_heads; this model has "
+                        f"{cfg.hidden_size} and {cfg.num_heads} (Qwen2 / Qwen3 take any head_dim)")
+    if family == "olmoe" and cfg.attn_head_dim * cfg.num_heads != cfg.hidden_size:
+        problems.append(f"OLMoE's q norm spans hidden_size, so num_heads * head_dim must equal hidden_size; this "
+                        f"model has {cfg.num_heads} * {cfg.attn_head_dim} != {cfg.hidden_size}")
+    return problems
+
+
+def _layer_problems(cfg: ModelConfig, family: str, name: str) -> list[str]:
+    L, n = cfg.num_layers, cfg.num_moe_layers
+    if family in ("mixtral", "olmoe") and n != L:
+        return [f"{name} has an MoE FFN in every layer; this model has {n} of {L} (moe_every={cfg.moe_every}, "
+                f"first_dense_layers={cfg.first_dense_layers})"]
+    if family == "deepseek_v3" and cfg.moe_every != 1:
+        return [f"DeepSeek-V3 has an MoE FFN in every layer from first_k_dense_replace on; this model has "
+                f"moe_every={cfg.moe_every}"]
+    return []
+
+
+def _router_problems(r, family: str, name: str) -> list[str]:
+    if not isinstance(r, TopKRouter):
+        return [f"router {type(r).__name__} is not a top-k router; {name} routes by top-k over expert scores"]
+    problems = []
+    if getattr(r, "jitter", 0.0) > 0:
+        problems.append(f"router multiplies its input by jitter={r.jitter} noise in training")
+    if r.capacity_factor is not None:
+        problems.append(f"router drops tokens (capacity_factor={r.capacity_factor}); transformers is dropless: "
+                        f"rebuild the model with capacity_factor=None and load the state_dict into it")
+    if r.force_expert is not None:
+        problems.append(f"router forces expert {r.force_expert} (a debug option)")
+    deepseek = family == "deepseek_v3"
+    if r.score != ("sigmoid" if deepseek else "softmax"):
+        problems.append(f"router scores with {r.score}; {name} scores with {'sigmoid' if deepseek else 'softmax'} "
+                        f"(is not a {'sigmoid' if deepseek else 'softmax'} top-k router)")
+    if family == "mixtral" and not r.normalize:
+        problems.append("router does not renormalise the top-k weights (normalize=False); Mixtral always does "
+                        "(Qwen2-MoE, Qwen3-MoE, OLMoE: norm_topk_prob=false)")
+    if deepseek:
+        if r.num_groups is not None and r.group_score_top != 2:
+            problems.append(f"router scores a group by its top {r.group_score_top} experts; DeepSeek-V3 by its top "
+                            f"2 (router option group_score_top=2)")
+        return problems
+    if r.scaling != 1.0 or r.num_groups is not None:
+        problems.append(f"router uses scaling={r.scaling} / num_groups={r.num_groups} (DeepSeek-V3 has them)")
+    if r.expert_bias is not None:
+        problems.append("router has an expert_bias (aux-loss-free balancing changes which experts are chosen; "
+                        "DeepSeek-V3 has it)")
+    return problems
+
+
+def _shared_problems(ffn, cfg: ModelConfig, family: str, name: str) -> list[str]:
+    shared = ffn.shared_expert
+    if shared is None:
+        return []
+    gated = shared.gate is not None
+    if family == "qwen2_moe" and not gated:
+        return ["Qwen2-MoE's shared expert is sigmoid-gated; this model's has no gate (shared_expert_gate=false)"]
+    if family == "deepseek_v3":
+        if gated:
+            return ["DeepSeek-V3's shared experts have no gate; this model has shared_expert_gate=true"]
+        if cfg.shared_ffn_hidden_size % cfg.moe_ffn_hidden_size:
+            return [f"DeepSeek-V3's shared experts are n_shared_experts * moe_intermediate_size wide; this model's "
+                    f"shared_ffn_hidden_size={cfg.shared_ffn_hidden_size} is not a multiple of "
+                    f"moe_ffn_hidden_size={cfg.moe_ffn_hidden_size}"]
+    if family not in ("qwen2_moe", "deepseek_v3"):
+        return [f"{name} has no shared expert; this model has shared_ffn_hidden_size={cfg.shared_ffn_hidden_size}"]
+    return []
+
+
+def choose_family(model, family: str | None = None) -> str:
+    """The family ``save_hf`` writes (module docstring); a ValueError with every reason when none fits."""
+    if family is None:
+        family = getattr(model, "hf_family", None) or recorded_family(model.config)
+        came = family is not None
+    else:
+        came = False
+    if family is not None:
+        problems = export_problems(model, family)
+        if problems:
+            how = (f"the model was imported from {family} but no longer matches it" if came
+                   else f"{PRETTY[family]} cannot reproduce this model")
+            raise ValueError(f"{how}: " + "; ".join(problems))
+        return family
+    moe = model.config.num_experts > 0 and model.config.num_moe_layers > 0
+    reasons = {}
+    for candidate in NEAREST[moe]:
+        reasons[candidate] = export_problems(model, candidate)
+        if not reasons[candidate]:
+            return candidate
+    raise ValueError("no HuggingFace family reproduces this model's logits:\n  - " + "\n  - ".join(
+        f"{PRETTY[f]}: {'; '.join(why)}" for f, why in reasons.items()))
+
+
+# ---------------------------------------------------------------------------------------------------
+# config.json
+# ---------------------------------------------------------------------------------------------------
+
+
+def _router(model) -> TopKRouter:
+    """The model's router (its first MoE layer's; one built from the config when every layer is dense)."""
+    found = next((layer.ffn.router for layer in model.layers if layer.is_moe), None)
+    if found is not None:
+        return found
+    from moekit.moe import build_router
+
+    cfg = model.config
+    with torch.device("meta"):
+        return build_router(cfg.router, cfg.hidden_size, cfg.num_experts, **cfg.router_kwargs())
+
+
+def _rope(cfg: ModelConfig) -> dict[str, Any]:
+    scaling = {k: v for k, v in cfg.rope_scaling.items()} if cfg.rope_scaling else {"rope_type": "default"}
+    out = {"rope_parameters": {"rope_theta": cfg.rope_theta, **scaling}, "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling:  # transformers 4 reads the scaling here (and "type")
+        out["rope_scaling"] = {**scaling, "type": scaling["rope_type"]}
+    return out
+
+
+def hf_config(model, family: str, dtype_name: str, token_ids: dict[str, Any] | None = None) -> dict[str, Any]:
+    """config.json for ``family``: every field its transformers config reads (plus transformers 4's
+    rope_theta / rope_scaling / torch_dtype), so ``from_pretrained`` rebuilds the same math."""
+    cfg: ModelConfig = model.config
+    L, E, D = cfg.num_layers, cfg.num_experts, cfg.attn_head_dim
+    out: dict[str, Any] = {
+        "architectures": [FAMILIES[family].architecture], "model_type": family, "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size, "num_hidden_layers": L, "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads, "head_dim": D, "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len, "initializer_range": cfg.init_std, "rms_norm_eps": cfg.norm_eps,
+        "tie_word_embeddings": cfg.tie_embeddings, "attention_dropout": 0.0, "use_cache": True,
+        **_rope(cfg), "bos_token_id": None, "eos_token_id": None, "pad_token_id": None, **(token_ids or {}),
+        "dtype": dtype_name, "torch_dtype": dtype_name,
+    }
+    r = _router(model) if FAMILIES[family].moe else None
+    moe = dict(num_experts_per_tok=cfg.top_k, router_aux_loss_coef=cfg.aux_loss_coeff, output_router_logits=False)
+    no_window = dict(use_sliding_window=False, sliding_window=None, max_window_layers=L,
+                     layer_types=["full_attention"] * L)
+    if family == "mixtral":
+        out.update(moe, intermediate_size=cfg.moe_ffn_hidden_size, num_local_experts=E, sliding_window=None,
+                   router_jitter_noise=0.0)
+    elif family in ("qwen2_moe", "qwen3_moe"):
+        out.update({**moe, **no_window}, intermediate_size=cfg.ffn_hidden_size,
+                   moe_intermediate_size=cfg.moe_ffn_hidden_size, num_experts=E, norm_topk_prob=r.normalize,
+                   decoder_sparse_step=1, mlp_only_layers=[i for i in range(L) if not cfg.is_moe_layer(i)])
+        if family == "qwen2_moe":
+            out.update(qkv_bias=cfg.attention_bias,
+                       shared_expert_intermediate_size=cfg.shared_ffn_hidden_size or cfg.moe_ffn_hidden_size)
+        else:
+            out.update(attention_bias=False)
+    elif family == "olmoe":
+        out.update(moe, intermediate_size=cfg.moe_ffn_hidden_size, num_experts=E, norm_topk_prob=r.normalize,
+                   clip_qkv=cfg.qkv_clip or None, attention_bias=False)
+    elif family == "deepseek_v3":
+        groups = (r.num_groups, r.group_top_k) if r.num_groups is not None else (1, 1)
+        out.update(moe, intermediate_size=cfg.ffn_hidden_size, moe_intermediate_size=cfg.moe_ffn_hidden_size,
+                   n_routed_experts=E, n_shared_experts=max(cfg.shared_ffn_hidden_size // cfg.moe_ffn_hidden_size, 1),
+                   n_group=groups[0], topk_group=groups[1], norm_topk_prob=r.normalize,
+                   routed_scaling_factor=r.scaling, first_k_dense_replace=cfg.first_dense_layers, moe_layer_freq=1,
+                   scoring_func="sigmoid", topk_method="noaux_tc", q_lora_rank=cfg.q_lora_rank or None,
+                   kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
+                   qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim, head_dim=cfg.qk_rope_head_dim,
+                   rope_interleave=cfg.rope_interleave, attention_bias=False, num_nextn_predict_layers=0,
+                   num_key_value_heads=cfg.num_heads, pretraining_tp=1)
+        out.pop("router_aux_loss_coef")
+    elif family == "llama":
+        out.update(intermediate_size=cfg.ffn_hidden_size, attention_bias=False, mlp_bias=False, pretraining_tp=1)
+    else:  # qwen2, qwen3
+        out.update(no_window, intermediate_size=cfg.ffn_hidden_size)
+        if family == "qwen3":
+            out["attention_bias"] = False
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Parts a family always has and the model lacks: written so that they add nothing
+# ---------------------------------------------------------------------------------------------------
+
+
+def zero_fill(model, family: str, dtype: torch.dtype) -> dict[str, Tensor]:
+    """HF key -> zero tensor for the parts of ``family`` the model lacks (module docstring)."""
+    cfg, out = model.config, {}
+    H, F = cfg.hidden_size, cfg.moe_ffn_hidden_size
+    for i, layer in enumerate(model.layers):
+        if not layer.is_moe or family not in ("qwen2_moe", "deepseek_v3"):
+            continue
+        block = f"model.layers.{i}.mlp"
+        if family == "deepseek_v3" and layer.ffn.router.expert_bias is None:
+            out[f"{block}.gate.e_score_correction_bias"] = torch.zeros(cfg.num_experts, dtype=dtype)
+        if layer.ffn.shared_expert is None:
+            shared = "shared_expert" if family == "qwen2_moe" else "shared_experts"
+            for proj, shape in (("gate_proj", (F, H)), ("up_proj", (F, H)), ("down_proj", (H, F))):
+                out[f"{block}.{shared}.{proj}.weight"] = torch.zeros(shape, dtype=dtype)
+            if family == "qwen2_moe":
+                out[f"{block}.shared_expert_gate.weight"] = torch.zeros(1, H, dtype=dtype)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tokenizer files
+# ---------------------------------------------------------------------------------------------------
+
+# What AutoTokenizer / generate read from a model folder, copied as they are.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model", "chat_template.jinja",
+                   "chat_template.json", "generation_config.json")
+RUN_TOKENIZER_INFO = "tokenizer_info.json"  # a moekit run directory's record (moekit.train.tokens.record_tokenizer)
+TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+BYTE_EOS = "<|endoftext|>"
+
+
+def copy_tokenizer(src: str | Path, out: Path, model_vocab: int, max_len: int) -> dict[str, Any]:
+    """Put ``src``'s tokenizer into ``out`` so ``AutoTokenizer.from_pretrained(out)`` works; returns the
+    special token ids for config.json.
+
+    ``src``: a HuggingFace folder (its tokenizer files are copied, its config.json's token ids kept) or a
+    moekit run directory (tokenizer_info.json): an "hf" run's tokenizer.json gets a tokenizer_config.json
+    naming its EOS; a "bytes" run gets a byte-level tokenizer.json with ids 0-255 = bytes and its EOS."""
+    src = Path(src)
+    if not src.is_dir():
+        raise ValueError(f"tokenizer_from={str(src)!r} is not a directory; pass a HuggingFace model folder or a "
+                         f"moekit run directory")
+    if (src / RUN_TOKENIZER_INFO).is_file():
+        return _run_tokenizer(src, out, model_vocab, max_len)
+    found = [name for name in TOKENIZER_FILES if (src / name).is_file()]
+    if not any(name in found for name in ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")):
+        raise ValueError(f"{src}: no tokenizer files (looked for {', '.join(TOKENIZER_FILES[:8])}); pass the "
+                         f"folder the tokenizer lies in, or a moekit run directory (tokenizer_info.json)")
+    for name in found:
+        if (src / name).resolve() != (out / name).resolve():  # exporting into the folder it came from
+            shutil.copyfile(src / name, out / name)
+    config = _read_json(src / "config.json") if (src / "config.json").is_file() else {}
+    return {k: config[k] for k in TOKEN_ID_FIELDS if k in config}
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: unreadable ({type(exc).__name__}: {exc}); restore it") from None
+
+
+def _run_tokenizer(run: Path, out: Path, model_vocab: int, max_len: int) -> dict[str, Any]:
+    info = _read_json(run / RUN_TOKENIZER_INFO)
+    kind = info.get("kind") if isinstance(info, dict) else None
+    eos = info.get("eos_id")
+    if eos is not None and (not isinstance(eos, int) or not 0 <= eos < model_vocab):
+        raise ValueError(f"{run / RUN_TOKENIZER_INFO}: eos_id={eos!r} is not a token id of the model (vocab_size "
+                         f"{model_vocab}); restore the record")
+    if kind == "hf":
+        if not (run / "tokenizer.json").is_file():
+            raise ValueError(f"{run}: {RUN_TOKENIZER_INFO} records an hf tokenizer but tokenizer.json is missing; "
+                             f"restore it")
+        from tokenizers import Tokenizer
+
+        shutil.copyfile(run / "tokenizer.json", out / "tokenizer.json")
+        tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    elif kind == "bytes":
+        tok = byte_tokenizer(eos)
+        tok.save(str(out / "tokenizer.json"))
+    else:
+        raise ValueError(f"{run / RUN_TOKENIZER_INFO}: the run trained on token ids without tokenizer metadata "
+                         f"(kind {kind!r}), so there is no tokenizer to export; pass tokenizer_from= (moekit-convert "
+                         f"--tokenizer) the folder of the tokenizer the data were made with")
+    settings: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_len,
+                                "clean_up_tokenization_spaces": False}
+    if eos is not None:
+        settings["eos_token"] = tok.id_to_token(eos)
+        (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}, indent=2) + "\n")
+    (out / "tokenizer_config.json").write_text(json.dumps(settings, indent=2) + "\n")
+    return {"eos_token_id": eos}
+
+
+def byte_symbols() -> dict[int, str]:
+    """Byte -> the printable character byte-level BPE (GPT-2, ``tokenizers.pre_tokenizers.ByteLevel``) writes
+    for it: printable Latin-1 bytes stand for themselves, the other 68 take 256, 257, ... in byte order."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = iter(range(256, 512))
+    return {b: chr(b) if b in keep else chr(next(extra)) for b in range(256)}
+
+
+def byte_tokenizer(eos_id: int | None):
+    """A ``tokenizers`` tokenizer whose ids 0-255 are the UTF-8 bytes (moekit's byte data), no merges, and
+    ``BYTE_EOS`` at ``eos_id`` (ids between 256 and it become placeholders)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {ch: b for b, ch in byte_symbols().items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    if eos_id is not None and eos_id >= 256:
+        tok.add_special_tokens([f"<|reserved_{i}|>" for i in range(256, eos_id)] + [BYTE_EOS])
+    return tok
