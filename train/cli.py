@@ -12,7 +12,7 @@ from moekit.train.config import DEFAULT_PRESET, TrainConfig, load_config, set_va
 FLAG_SETTINGS = {
     "steps": "train.steps", "seed": "train.seed", "batch_size": "train.batch_size", "run_dir": "log.run_dir",
     "router": "model.router", "capacity_factor": "model.capacity_factor", "init_from_hf": "train.init_from_hf",
-    "export_hf": "train.export_hf", "ranks_per_node": "layout.ranks_per_node", "deterministic": "train.deterministic",
+    "init_from_dense": "train.init_from_dense", "upcycle_granularity": "train.upcycle_granularity", "export_hf": "train.export_hf", "ranks_per_node": "layout.ranks_per_node", "deterministic": "train.deterministic",
     "dp": "layout.dp", "ep": "layout.ep", "tp": "layout.tp", "pp": "layout.pp", "fsdp": "layout.fsdp",
 }
 
@@ -42,6 +42,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--router", help="router name (topk, switch, expert_choice, sinkhorn, hash) or module:Class")
     p.add_argument("--capacity-factor", help="expert capacity factor; none = dropless")
     p.add_argument("--init-from-hf", metavar="DIR", help="start from a HuggingFace folder's weights (models.hf)")
+    p.add_argument("--init-from-dense", metavar="PATH",
+                   help="upcycle a dense model into this MoE model (Megatron's --moe-use-upcycling): PATH is a "
+                        "HuggingFace dense folder (Llama, Qwen2, Qwen3), a moekit model file or a dense run's "
+                        "checkpoint / run dir. Attention, norms and embeddings are copied, every expert starts as "
+                        "the dense MLP, and at step 0 the model gives the dense model's logits. The model flags "
+                        "must keep the dense sizes (an error names the --model.* flags to use); choose "
+                        "--model.num_experts and --model.top_k. Ignored when resuming")
+    p.add_argument("--upcycle-granularity", metavar="G",
+                   help="with --init-from-dense: split each dense MLP of width F into G experts of F/G (granular "
+                        "upcycling); needs --model.moe_ffn_hidden_size F/G and num_experts, top_k multiples of G "
+                        "(default 1: every expert a copy of the whole MLP)")
     p.add_argument("--export-hf", metavar="DIR", help="after the last step, write a HuggingFace Mixtral folder")
     p.add_argument("--ranks-per-node", help="ranks sharing a node (default torchrun's LOCAL_WORLD_SIZE); "
                                             "lower it to simulate several nodes (hierarchical dispatch)")

@@ -60,6 +60,8 @@ class TrainSection:
     dtype: str = "auto"  # auto = bf16 autocast on CUDA, fp32 on CPU
     device: str = "auto"  # auto = cuda when available
     init_from_hf: str = ""  # a HuggingFace folder to start from (models.hf); the model config must match it
+    init_from_dense: str = ""  # upcycle a dense model (HF folder, moekit file, checkpoint or run dir) into this MoE
+    upcycle_granularity: int = 1  # with init_from_dense: each dense MLP split into g experts of F/g (1 = copies)
     export_hf: str = ""  # after the last step, write the model here as a HuggingFace Mixtral folder
     on_nonfinite: str = "stop"  # non-finite loss / grad norm on any rank: stop, or skip the step (no update)
     compile: bool = False  # torch.compile each transformer block (models.parallelize step 4)
@@ -338,6 +340,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
              f"--train.on_nonfinite={t.on_nonfinite!r} is invalid; choose one of {list(ON_NONFINITE)}")
     _require(not t.init_from_hf or os.path.isdir(t.init_from_hf),
              f"--init-from-hf {t.init_from_hf}: not a directory (expected a HuggingFace model folder)")
+    validate_upcycling_flags(t)
     validate_data(cfg)
     _require(cfg.eval.every >= 0 and cfg.eval.sequences >= 1,
              f"eval.every={cfg.eval.every} must be >= 0 and eval.sequences={cfg.eval.sequences} >= 1")
@@ -347,7 +350,37 @@ def validate(cfg: TrainConfig) -> TrainConfig:
              f"checkpoint.every={cfg.checkpoint.every} must be >= 0 and checkpoint.keep={cfg.checkpoint.keep} >= 1")
     resolve_vocab(cfg)
     validate_model(cfg)
+    validate_upcycling(cfg)
     return cfg
+
+
+def validate_upcycling_flags(t: TrainSection) -> None:
+    """--init-from-dense / --upcycle-granularity on their own (the model is checked by validate_upcycling)."""
+    g = t.upcycle_granularity
+    _require(g >= 1, f"--upcycle-granularity={g} is invalid; it must be an integer >= 1 (1 = every expert a copy of "
+                     f"the dense MLP)")
+    if not t.init_from_dense:
+        _require(g == 1, f"--upcycle-granularity {g} needs --init-from-dense (the dense model to split)")
+        return
+    _require(not t.init_from_hf, f"--init-from-hf {t.init_from_hf} and --init-from-dense {t.init_from_dense} are both "
+                                 f"set; choose one: --init-from-hf continues an MoE checkpoint, --init-from-dense "
+                                 f"upcycles a dense one")
+    _require(os.path.exists(t.init_from_dense),
+             f"--init-from-dense {t.init_from_dense}: no such file or directory (expected a HuggingFace dense folder, a "
+             f"moekit model file *.safetensors / *.pt, or a moekit-train checkpoint or run directory)")
+
+
+def validate_upcycling(cfg: TrainConfig) -> None:
+    """With --init-from-dense, the MoE config must be one whose upcycled model reproduces the dense model
+    (moekit.models.upcycle.check_upcycle_config); the dense model's sizes are checked when it is read."""
+    if not cfg.train.init_from_dense:
+        return
+    from moekit.models.upcycle import check_upcycle_config
+
+    try:
+        check_upcycle_config(cfg.model, cfg.train.upcycle_granularity)
+    except ValueError as exc:
+        raise UserError(f"--init-from-dense with --upcycle-granularity {cfg.train.upcycle_granularity}: {exc}") from None
 
 
 def validate_data(cfg: TrainConfig) -> None:

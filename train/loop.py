@@ -153,6 +153,13 @@ class Trainer:
         self.model.init_weights(cfg.train.seed)
         if cfg.train.init_from_hf and self.resume_from is None:
             self.load_hf(cfg.train.init_from_hf)
+        if cfg.train.init_from_dense and self.resume_from is None:  # dense-to-MoE upcycling (models.upcycle)
+            from moekit.train.upcycle import init_from_dense
+
+            for note in init_from_dense(self.model, cfg.train.init_from_dense, cfg.train.upcycle_granularity,
+                                        cfg.train.seed):
+                if self.dist.is_main:
+                    _warn(note)
         if cfg.train.export_hf:  # refuse before training, not after
             self.check_exportable()
         # the full model is built and initialised first, then each rank keeps its share (layout-free init):
@@ -260,6 +267,8 @@ class Trainer:
         say(f"model {cfg.preset}: {stats.params / 1e6:.2f}M parameters, {stats.active_params / 1e6:.2f}M active, "
             f"{stats.train_flops_per_token / 1e6:.1f} MFLOP/token; router {cfg.model.router}, "
             f"{cfg.model.num_moe_layers} MoE layers x {cfg.model.num_experts} experts")
+        if cfg.train.init_from_dense and not self.resume_from:
+            say(f"upcycled from the dense model {cfg.train.init_from_dense} (granularity {cfg.train.upcycle_granularity})")
         ignored = cfg.model.unused_router_fields()
         for name in ignored:
             say(f"note: router {cfg.model.router!r} takes no {name}; model.{name}={getattr(cfg.model, name)!r} is unused")

@@ -7,8 +7,8 @@ current settings are compared with those:
 * refused (UserError before anything is built or written): what the checkpoint's data position or RNG
   streams depend on -- the seed, the sequence length, the data and its validation split. The model's
   shape is checked by moekit.train.checkpoint.check_model.
-* ignored, and the checkpoint's value kept in config.json: ``train.init_from_hf`` (the weights come from
-  the checkpoint).
+* ignored, and the checkpoint's value kept in config.json: ``train.init_from_hf``, ``train.init_from_dense``
+  and ``train.upcycle_granularity`` (the weights come from the checkpoint).
 * applied, everything else: the optimizer's lr, betas, eps and weight decay and the LR schedule (steps,
   warmup, minimum) take the new values (``apply_optimizer_settings``: the restored AdamW moments stay),
   the batch size (token counts continue from the recorded total), the layout (DCP reshards), logging,
@@ -36,7 +36,9 @@ REFUSED = {
     "data.blend": "the checkpoint's data position counts windows drawn from each set of its blend",
     "data.dtype": "the checkpoint's data position indexes its token data",
 }
-KEPT = {"train.init_from_hf": "the resumed weights come from the checkpoint"}
+KEPT = {"train.init_from_hf": "the resumed weights come from the checkpoint",
+        "train.init_from_dense": "the resumed weights come from the checkpoint",
+        "train.upcycle_granularity": "the resumed weights come from the checkpoint"}
 # compared by checkpoint.check_model (shape-changing fields refused there, with their own message)
 MODEL_PREFIX = "model."
 NOT_COMPARED = {"log.run_dir"}  # a run directory may be moved or copied between attempts

@@ -67,10 +67,18 @@ def shapes(cfg: ModelConfig, layout: Layout, wl: Workload) -> Shapes:
     bf16_params = a == 2 and layout.fsdp > 1 and wl.device == "cuda"  # the trainer's FSDP param_dtype
     return Shapes(wl.tokens, Ts, Tm, R, a, a if bf16_params else FP32, a == 2 and not bf16_params, wl.device == "cpu")
 def _attention(cfg: ModelConfig, layout: Layout, s: Shapes) -> int:
-    H, D = cfg.hidden_size, cfg.attn_head_dim
-    N, K = cfg.num_heads // layout.tp, cfg.num_kv_heads // layout.tp
+    H, N = cfg.hidden_size, cfg.num_heads // layout.tp
+    if cfg.attention == "mla":  # keys are expanded per head (models.attention.MLAttention); plus the latents
+        Dqk, Dv = cfg.attn_qk_head_dim, cfg.v_head_dim
+        kept = s.T * N * (2 * Dqk + 2 * Dv) * s.a + s.T * (cfg.q_lora_rank + cfg.kv_lora_rank) * 2 * s.a
+        kept += s.T * N * FP32  # logsumexp
+        inputs = 3 * s.T * H * s.a if s.casts else s.T * H * s.r
+        return inputs + kept + (s.T * N * Dv * s.a if s.cpu else 0)
+    D, K = cfg.attn_head_dim, cfg.num_kv_heads // layout.tp
     inputs = 3 * s.T * H * s.a if s.casts else s.T * H * s.r
     kept = s.T * (2 * N + 2 * K) * D * s.a + s.T * N * FP32  # q, k (after RoPE), v, output; logsumexp
+    if cfg.qk_norm != "none":  # the norms keep their inputs (q, k before the norm)
+        kept += s.T * (N + K) * D * s.a
     copy = s.T * N * D * s.a if s.cpu else 0  # CPU SDPA returns [B, N, S, D]: the reshape for wo copies
     return inputs + kept + copy
 
@@ -127,7 +135,7 @@ def stage_activations(cfg: ModelConfig, layout: Layout, wl: Workload, stage: Sta
                       node_rows: float = 0.0) -> tuple[dict[str, int], int]:
     """One micro-batch's activations on a rank of ``stage`` by part, and the recompute transient."""
     s, H, mode = shapes(cfg, layout, wl), cfg.hidden_size, wl.activation_checkpointing
-    out, recompute = {"rope": wl.seq_len * cfg.attn_head_dim * FP32}, 0  # cos, sin [S, D/2], shared
+    out, recompute = {"rope": wl.seq_len * cfg.rope_dim * FP32}, 0  # cos, sin [S, D/2], shared
     for i in stage.layers:
         outer, ffn = _block(cfg, layout, s, i, node_rows)
         inner = sum(ffn.values())

@@ -121,11 +121,31 @@ def _dense_mlp(cfg: ModelConfig, part: str, width: int, tp: bool) -> list:
     return out
 
 
+def attention_tensors(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], int | None]]:
+    """(part, full shape, TP-sharded dim or None) of one attention module's parameters (models.attention)."""
+    H, N = cfg.hidden_size, cfg.num_heads
+    if cfg.attention == "mla":
+        qk, v, rope, c = cfg.attn_qk_head_dim, cfg.v_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+        q = ([("attention", (cfg.q_lora_rank, H), None), ("attention", (cfg.q_lora_rank,), None),
+              ("attention", (N * qk, cfg.q_lora_rank), 0)] if cfg.q_lora_rank else [("attention", (N * qk, H), 0)])
+        return q + [("attention", (c + rope, H), None), ("attention", (c,), None),
+                    ("attention", (N * (cfg.qk_nope_head_dim + v), c), 0), ("attention", (H, N * v), 1)]
+    K, D = cfg.num_kv_heads, cfg.attn_head_dim
+    out = [("attention", (N * D, H), 0), ("attention", (K * D, H), 0), ("attention", (K * D, H), 0),
+           ("attention", (H, N * D), 1)]
+    if cfg.attention_bias:
+        out += [("attention", (N * D,), 0), ("attention", (K * D,), 0), ("attention", (K * D,), 0)]
+    if cfg.qk_norm == "head":
+        out += [("attention", (D,), None), ("attention", (D,), None)]
+    elif cfg.qk_norm == "full":
+        out += [("attention", (N * D,), None), ("attention", (K * D,), None)]
+    return out
+
+
 def layer_tensors(cfg: ModelConfig, i: int) -> list[tuple[str, tuple[int, ...], int | None]]:
     """(part, full shape, TP-sharded dim or None) of every parameter of block ``i``."""
-    H, N, K, D = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.attn_head_dim
-    out = [("norms", (H,), None), ("norms", (H,), None), ("attention", (N * D, H), 0),
-           ("attention", (K * D, H), 0), ("attention", (K * D, H), 0), ("attention", (H, N * D), 1)]
+    H = cfg.hidden_size
+    out = [("norms", (H,), None), ("norms", (H,), None), *attention_tensors(cfg)]
     if not cfg.is_moe_layer(i):
         return out + _dense_mlp(cfg, "dense_ffn", cfg.ffn_hidden_size, tp=True)
     E, F, Fs = cfg.num_experts, cfg.moe_ffn_hidden_size, cfg.shared_ffn_hidden_size

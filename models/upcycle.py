@@ -1,0 +1,308 @@
+"""Dense-to-MoE upcycling: an MoE model whose experts start as the dense model's MLP, with the same output.
+
+Sparse upcycling (Komatsuzaki et al. 2023) copies a dense model's MLP into every expert; granular
+upcycling (He et al. 2024, arXiv:2410.07524; Megatron-Core's ``--moe-use-upcycling``) first splits the MLP
+into g shards of F/g hidden units, so the experts are finer than the dense MLP. Here the router and the
+experts' output projections are chosen so that the upcycled model computes exactly the dense model's
+function at step 0 (up to rounding), whatever g:
+
+    upcycled_config(dense_cfg, num_experts, top_k, granularity)  the MoE ModelConfig for a dense one
+    upcycle(dense, config, granularity, seed)                   a new MoE Transformer from a dense Transformer
+    upcycle_into(moe, dense, granularity, seed)                 the same into an already built MoE model
+    check_upcycle_config(config, granularity)                   refuse an MoE config that cannot reproduce it
+    dense_mismatches(dense_cfg, config, granularity)            fields the MoE config must take from the dense
+
+(Reading a dense checkpoint from a path, HF folder or moekit file, is ``moekit.train.upcycle.load_dense``:
+the moekit file formats live in the application layer.)
+
+What is copied: every tensor outside the FFNs (embedding, attention with its biases / q-k norms, the
+norms, lm_head) unchanged; the FFN of a layer the MoE config keeps dense (first_dense_layers, moe_every)
+unchanged; each MoE layer's experts from that layer's dense MLP, as follows.
+
+Construction and proof. F dense hidden units, g shards of f = F/g units, E experts, c = E/g copies,
+top_k = g*m, router weights scaled by lambda (router option ``scaling``, 1 by default):
+
+  1. The dense MLP is a sum over its hidden units, because the activation is elementwise along F
+     (SwiGLU: silu(gate_j) * up_j; GELU / ReLU: act(up_j)):
+         y(x) = W_out act(W_in x) = sum_{s<g} y_s(x),   y_s(x) = W_out[:, S_s] act(W_in[S_s] x)
+     with S_s the s-th block of f units (for SwiGLU the same units of the gate and the up projection).
+  2. Expert e is shard s(e) = e mod g of copy c(e) = e div g, its output projection scaled by g / lambda:
+         expert_e(x) = (g / lambda) y_{e mod g}(x).
+  3. Router row e is u_{e div g}, with u_0 .. u_{c-1} ~ N(0, init_std) drawn from the seed: the g experts
+     of a copy have the same logit, hence the same score p_c (softmax: the same numerator over the same
+     denominator; sigmoid: elementwise).
+  4. Selection. The scores are constant on each copy and (u random) differ between copies, so in
+     descending order each copy's g experts are adjacent and the top g*m are exactly the g experts of the
+     m best copies, C. Group-limited routing keeps this when each group holds whole copies ((E /
+     num_groups) % g == 0, checked): the selectable experts are then whole copies. The aux-loss-free
+     expert_bias starts at zero, so it changes nothing at step 0.
+  5. Weights, renormalised (normalize=True): each selected expert of copy c gets
+         w_c = lambda p_c / sum_{selected e'} p_{c(e')} = lambda p_c / (g sum_{c' in C} p_{c'}).
+  6. Output: sum_{c in C} sum_{s<g} w_c (g / lambda) y_s(x) = sum_{c in C} (p_c / sum_{c' in C} p_{c'}) y(x)
+     = y(x).  QED.
+
+Each condition is needed, so each is checked (``check_upcycle_config``) and its absence refused with the
+reason: top_k a multiple of g and identical router rows within a copy (else a token selects shards of
+different copies, with unequal weights, so the shards do not add up to y: tests/test_upcycle.py shows the
+output moving with random rows), normalize (else the weights sum to sum p, not 1), the "topk" router
+(switch's jitter, expert choice, Sinkhorn and hash routing do not pick per token the top-k scores), no
+``force_expert``. Capacity (capacity_factor set) is allowed with a warning: a dropped slot removes a shard
+of a copy, so tokens that overflow an expert differ from the dense model; Sparse Upcycling itself trains
+with a capacity, so refusing it would rule out that recipe. Use dropless routing for an exact start.
+
+Shared expert (shared_ffn_hidden_size > 0, any width, gated or not): its input projections are drawn
+N(0, init_std) from the seed and its output projection starts at zero, so it adds nothing at step 0 and
+learns from the first step on (the gradient of its output projection is nonzero). Splitting the dense MLP
+between the shared and the routed experts would tie the shared width to F/g and change which shards the
+copies hold; a zero-output start keeps every width and the simple expert = shard e mod g rule.
+
+g = 1 is plain sparse upcycling: every expert is the whole dense MLP, any top_k, rows all random.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from moekit.models.config import ModelConfig
+from moekit.models.transformer import Transformer
+from moekit.moe import DenseMLP, MoELayer
+from moekit.moe.activations import get_activation
+from moekit.moe.router import TopKRouter, build_router, router_class
+
+# ModelConfig fields that only describe the MoE part: an upcycled config sets them freely.
+MOE_FIELDS = ("num_experts", "moe_ffn_hidden_size", "shared_ffn_hidden_size", "shared_expert_gate", "moe_every",
+              "first_dense_layers", "router", "top_k", "capacity_factor", "aux_loss_coeff", "z_loss_coeff",
+              "router_options", "expert_backend")
+# Fields that change none of the copied tensors' math (max_seq_len: RoPE is computed per position).
+FREE_FIELDS = ("name", "max_seq_len", "init_std")
+# Every other field (vocabulary, widths, attention, RoPE, norms, activation, ...) must equal the dense
+# model's; ffn_hidden_size only while some layer keeps a dense FFN.
+
+
+def _check_granularity(granularity) -> None:
+    if not isinstance(granularity, int) or isinstance(granularity, bool) or granularity < 1:
+        raise ValueError(f"granularity={granularity!r} is invalid; it must be an integer >= 1 (1 = every expert a "
+                         f"copy of the whole dense MLP; g = experts of F/g hidden units)")
+
+
+def _check_dense(dense: ModelConfig, granularity: int) -> None:
+    if dense.num_experts:
+        raise ValueError(f"the source model is not dense: it has num_experts={dense.num_experts} (an MoE model); "
+                         f"upcycling starts from a dense model (num_experts = 0)")
+    F = dense.ffn_hidden_size
+    if F % granularity:
+        divisors = [d for d in range(2, min(F, 64) + 1) if F % d == 0][:6]
+        raise ValueError(f"granularity {granularity} does not divide the dense model's ffn_hidden_size={F} (each "
+                         f"expert takes F/g of its hidden units); use a divisor of {F}"
+                         + (f", e.g. {', '.join(map(str, divisors))}" if divisors else ""))
+
+
+def check_upcycle_config(config: ModelConfig, granularity: int = 1) -> list[str]:
+    """Refuse (ValueError with the reason and the fix) an MoE config whose upcycled model could not give the
+    dense model's output (module docstring, "Each condition is needed"); return warnings for what is
+    allowed but inexact (capacity)."""
+    _check_granularity(granularity)
+    g, E, k = granularity, config.num_experts, config.top_k
+    if E == 0 or config.num_moe_layers == 0:
+        raise ValueError(f"the MoE config has no MoE layer (model.num_experts={E}, {config.num_layers} layers, "
+                         f"first_dense_layers={config.first_dense_layers}, moe_every={config.moe_every}); set "
+                         f"model.num_experts (and top_k) for the upcycled model")
+    if E % g:
+        raise ValueError(f"granularity {g} does not divide model.num_experts={E}: the experts are E/g copies of the "
+                         f"dense MLP's g shards; use num_experts a multiple of {g}, e.g. {g * max(1, round(E / g))}")
+    if k % g:
+        up = g * math.ceil(k / g)
+        raise ValueError(f"model.top_k={k} is not a multiple of granularity {g}: a token must select all {g} shards of "
+                         f"the copies it routes to for their sum to be the dense MLP; use top_k "
+                         f"{up if up <= E else g} (top_k = g * copies per token)")
+    if router_class(config.router) is not TopKRouter:
+        raise ValueError(f"model.router={config.router!r}: upcycling reproduces the dense model only with the 'topk' "
+                         f"router (each token takes its top-k softmax or sigmoid scores, renormalised); use "
+                         f"--router topk with router_options normalize = true")
+    with torch.device("meta"):
+        router = build_router(config.router, config.hidden_size, E, **config.router_kwargs())
+    if not router.normalize:
+        raise ValueError(f"router_options normalize={config.router_options.get('normalize')!r} (top_k={k}): without "
+                         f"renormalising, a token's weights sum to its scores' sum, not 1, so the experts add up to a "
+                         f"scaled dense MLP; set model.router_options.normalize = true")
+    if router.force_expert is not None:
+        raise ValueError(f"router_options force_expert={router.force_expert} sends every token to one shard; drop it "
+                         f"for upcycling")
+    if router.num_groups is not None and (E // router.num_groups) % g:
+        raise ValueError(f"router_options num_groups={router.num_groups} puts {E // router.num_groups} experts in a "
+                         f"group, not a multiple of granularity {g}: a copy's shards would straddle groups and a token "
+                         f"could select part of a copy; choose num_groups so that num_experts / num_groups is a "
+                         f"multiple of {g}")
+    notes = []
+    if config.capacity_factor is not None:
+        notes.append(f"capacity_factor={config.capacity_factor}: tokens whose slots overflow an expert lose a shard "
+                     f"of their copy, so the upcycled model differs from the dense one on those tokens; use "
+                     f"capacity_factor none (dropless) for an exact start")
+    return notes
+
+
+def dense_mismatches(dense: ModelConfig, config: ModelConfig, granularity: int = 1) -> list[tuple[str, Any, Any]]:
+    """[(field, the dense model's value, the MoE config's value)] for every field the MoE config must take from
+    the dense model and does not: everything but the MoE fields, plus moe_ffn_hidden_size = F / granularity."""
+    _check_granularity(granularity)
+    _check_dense(dense, granularity)
+    keeps_dense = any(not config.is_moe_layer(i) for i in range(config.num_layers))
+    out = []
+    for f in dataclasses.fields(ModelConfig):
+        name = f.name
+        if name in MOE_FIELDS or name in FREE_FIELDS or (name == "ffn_hidden_size" and not keeps_dense):
+            continue
+        want, have = getattr(dense, name), getattr(config, name)
+        if name == "head_dim" and want != have:  # 0 = hidden_size // num_heads: compare the dims the fixed config
+            want = dense.attn_head_dim           # (hidden_size and num_heads the dense model's) would have
+            have = have or (dense.hidden_size // dense.num_heads if dense.num_heads else 0)
+        if want != have:
+            out.append((name, want, have))
+    if config.moe_ffn_hidden_size != dense.ffn_hidden_size // granularity:
+        out.append(("moe_ffn_hidden_size", dense.ffn_hidden_size // granularity, config.moe_ffn_hidden_size))
+    return out
+
+
+def upcycled_config(dense: ModelConfig, num_experts: int, top_k: int, granularity: int = 1,
+                    **moe_overrides) -> ModelConfig:
+    """The MoE config of an upcycled ``dense``: its attention, embeddings, norms and activation; every layer
+    MoE (unless ``moe_every`` / ``first_dense_layers`` say otherwise) with ``num_experts`` experts of width
+    ffn_hidden_size / granularity, top-``top_k`` renormalised softmax routing, dropless.
+
+    ``moe_overrides``: any other MoE field (router, router_options, moe_every, first_dense_layers,
+    shared_ffn_hidden_size, capacity_factor, aux_loss_coeff, ...) or max_seq_len / init_std / name.
+    router_options default to {"normalize": True}; given ones are added to that. A field copied from the
+    dense model, or an MoE config that cannot reproduce it (``check_upcycle_config``), is a ValueError.
+    """
+    _check_granularity(granularity)
+    _check_dense(dense, granularity)
+    settable = (set(MOE_FIELDS) | set(FREE_FIELDS)) - {"num_experts", "top_k", "moe_ffn_hidden_size"}
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    for name in moe_overrides:
+        if name in ("num_experts", "top_k"):
+            raise ValueError(f"upcycled_config: {name} is a positional argument, not an override")
+        if name == "moe_ffn_hidden_size":
+            raise ValueError(f"upcycled_config: moe_ffn_hidden_size is ffn_hidden_size / granularity = "
+                             f"{dense.ffn_hidden_size // granularity}; choose the expert width with granularity")
+        if name not in fields:
+            raise ValueError(f"upcycled_config: unknown model field {name!r}; MoE fields are {sorted(settable)}")
+        if name not in settable:
+            raise ValueError(f"upcycled_config: {name} is copied from the dense model ({getattr(dense, name)!r}); "
+                             f"only MoE fields can be set: {sorted(settable)}")
+    values = dense.to_dict()
+    values.update(name=f"{dense.name}-upcycled", num_experts=num_experts, top_k=top_k,
+                  moe_ffn_hidden_size=dense.ffn_hidden_size // granularity, router="topk", capacity_factor=None,
+                  shared_ffn_hidden_size=0, shared_expert_gate=False, moe_every=1, first_dense_layers=0)
+    options = dict(moe_overrides.pop("router_options", None) or {})
+    values.update(moe_overrides)
+    values["router_options"] = {"normalize": True, **options} if values["router"] == "topk" else options
+    config = ModelConfig.from_dict(values).validate()
+    for note in check_upcycle_config(config, granularity):
+        warnings.warn(note, stacklevel=2)
+    return config
+
+
+def upcycle(dense: Transformer, config: ModelConfig, granularity: int = 1, seed: int = 0) -> Transformer:
+    """A new MoE Transformer (float32, on ``dense``'s device, train mode) built from ``config`` and filled from
+    ``dense`` by ``upcycle_into``: at step 0 it computes ``dense``'s logits (module docstring)."""
+    with torch.device("meta"):
+        model = Transformer(config)
+    model.to_empty(device=dense.embed.weight.device)
+    return upcycle_into(model, dense, granularity, seed)
+
+
+@torch.no_grad()
+def upcycle_into(moe: Transformer, dense: Transformer, granularity: int = 1, seed: int = 0) -> Transformer:
+    """Fill every parameter and buffer of the built MoE model ``moe`` from ``dense`` (in place; returned).
+
+    Copies the tensors outside the FFNs and the dense-FFN layers; builds the experts from the dense MLP
+    shards, the routers from ``seed`` (rows drawn N(0, init_std), identical within a copy), the shared
+    experts with a zero output projection. ValueError when the configs do not allow an exact upcycle
+    (``check_upcycle_config``, ``dense_mismatches``); capacity is allowed with a warning.
+    """
+    config = moe.config
+    for note in check_upcycle_config(config, granularity):
+        warnings.warn(note, stacklevel=2)
+    diffs = dense_mismatches(dense.config, config, granularity)
+    if diffs:
+        listed = ", ".join(f"model.{k}={have!r} (dense{' F / granularity' if k == 'moe_ffn_hidden_size' else ''}: "
+                           f"{want!r})" for k, want, have in diffs)
+        raise ValueError(f"the MoE config differs from the dense model where upcycling copies it: {listed}; set "
+                         f"those fields to the dense model's values")
+    _copy_outside_ffn(moe, dense)
+    gen = torch.Generator().manual_seed(seed)
+    for i, (block, dense_block) in enumerate(zip(moe.layers, dense.layers)):
+        mlp = dense_block.ffn
+        if not isinstance(mlp, DenseMLP):
+            raise ValueError(f"dense model layer {i}: its FFN is {type(mlp).__name__}, not a DenseMLP")
+        if isinstance(block.ffn, MoELayer):
+            _upcycle_ffn(block.ffn, mlp, granularity, gen, config.init_std, f"layers.{i}.ffn")
+        else:
+            _copy_state(block.ffn, mlp, f"layers.{i}.ffn")
+    return moe
+
+
+def _is_ffn(name: str) -> bool:
+    parts = name.split(".")
+    return len(parts) > 2 and parts[0] == "layers" and parts[2] == "ffn"
+
+
+def _copy_state(dst: torch.nn.Module, src: torch.nn.Module, where: str, skip=lambda name: False) -> None:
+    """Copy every state_dict tensor of ``dst`` (but the skipped) from ``src``'s tensor of the same name and shape,
+    and require that every such tensor of ``src`` was used."""
+    have, want = src.state_dict(), {k: v for k, v in dst.state_dict().items() if not skip(k)}
+    for name, t in want.items():
+        s = have.get(name)
+        if s is None or s.shape != t.shape:
+            got = "missing" if s is None else f"shape {list(s.shape)}"
+            raise ValueError(f"{where}{name}: the MoE model has shape {list(t.shape)}, the dense model {got}; the "
+                             f"models differ outside the FFNs (dense_mismatches should have named the field)")
+        t.copy_(s)
+    extra = sorted(k for k in have if not skip(k) and k not in want)
+    if extra:
+        raise ValueError(f"{where}: the dense model has tensors the MoE model lacks: {extra[:5]}")
+
+
+def _copy_outside_ffn(moe: Transformer, dense: Transformer) -> None:
+    _copy_state(moe, dense, "", skip=_is_ffn)
+
+
+def _normal(t: Tensor, std: float, gen: torch.Generator) -> None:
+    """t ~ N(0, std), drawn in float32 on the CPU generator and copied (device independent, as init_weights)."""
+    t.copy_(torch.empty(t.shape, dtype=torch.float32).normal_(0.0, std, generator=gen))
+
+
+def _upcycle_ffn(layer: MoELayer, mlp: DenseMLP, g: int, gen: torch.Generator, std: float, where: str) -> None:
+    """One MoE layer from its dense MLP (module docstring, steps 2-3)."""
+    known = {"router.weight", "router.expert_bias", "experts.w_in", "experts.w_out"}
+    unknown = [k for k in layer.state_dict() if k not in known and not k.startswith("shared_expert.")]
+    if unknown:  # a tensor this function would leave uninitialised
+        raise ValueError(f"{where}: upcycling does not know how to initialise {unknown}")
+    E, f, router, experts = layer.num_experts, layer.experts.ffn_hidden_size, layer.router, layer.experts
+    gated = get_activation(experts.activation).gated
+    scale = g / router.scaling  # step 2: undo the 1/g of each shard's weight and the router's scaling
+    w_in, w_out = [], []
+    for s in range(g):
+        units = slice(s * f, (s + 1) * f)
+        up = mlp.w_up.weight[units].t()  # [H, f]
+        w_in.append(torch.cat([mlp.w_gate.weight[units].t(), up], dim=1) if gated else up)  # [H, 2f | f]: [gate | up]
+        w_out.append(mlp.w_out.weight[:, units].t())  # [f, H]
+    shards_in = torch.stack(w_in).to(experts.w_in.device, experts.w_in.dtype)  # [g, H, F_in]
+    shards_out = torch.stack(w_out).to(experts.w_out.device, experts.w_out.dtype) * scale  # [g, f, H]
+    experts.w_in.copy_(shards_in.repeat(E // g, 1, 1))  # expert e = shard e % g
+    experts.w_out.copy_(shards_out.repeat(E // g, 1, 1))
+    rows = torch.empty(E // g, layer.hidden_size, dtype=torch.float32).normal_(0.0, std, generator=gen)  # [c, H]
+    router.weight.copy_(rows.repeat_interleave(g, dim=0))  # step 3: row e = u_{e // g}
+    for _, buf in router.named_buffers():  # aux-loss-free expert_bias, its pending load: zero at step 0
+        buf.zero_()
+    shared = layer.shared_expert
+    if shared is not None:  # zero output projection: adds nothing at step 0, learns from step 1
+        for lin in (shared.w_gate, shared.w_up, shared.gate):
+            if lin is not None:
+                _normal(lin.weight, std, gen)
+        shared.w_out.weight.zero_()

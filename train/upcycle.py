@@ -1,0 +1,105 @@
+"""Reading the dense model to upcycle (moekit-train --init-from-dense; the math is moekit.models.upcycle).
+
+    load_dense(path)                                a dense Transformer from any source below (float32, CPU)
+    init_from_dense(model, path, granularity, seed) upcycle into the trainer's built model; UserError on bad input
+
+Sources, told apart by what the path holds:
+    DIR/meta.json                 a moekit-train checkpoint (run/checkpoints/step_N)
+    DIR/checkpoints/              a moekit-train run directory: its newest checkpoint that verifies
+    DIR/config.json               a HuggingFace folder (models.hf.load_hf: Llama, Qwen2, Qwen3 dense, ...)
+    MODEL.safetensors, MODEL.pt   a moekit model file (moekit-convert, train.convert.save_moekit)
+
+This lives in the application layer because the moekit file formats do (train/convert.py).
+"""
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+from moekit.models.transformer import Transformer
+from moekit.train import UserError
+
+SOURCES = ("a HuggingFace dense folder (config.json + safetensors), a moekit model file (*.safetensors / *.pt), a "
+           "moekit-train checkpoint directory (checkpoints/step_N) or run directory")
+
+
+def load_dense(path: str | Path) -> Transformer:
+    """The dense model at ``path`` (module docstring), float32 on the CPU, eval mode. ValueError when the path
+    is none of the sources, or holds an MoE model (num_experts > 0)."""
+    from moekit.train import checkpoint
+    from moekit.train.convert import load_moekit
+
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"{path}: no such file or directory; expected {SOURCES}")
+    if path.is_dir() and (path / "meta.json").is_file():
+        model = load_moekit(path)
+    elif path.is_dir() and (path / "checkpoints").is_dir():
+        newest, _, skipped = checkpoint.newest_verified(path)
+        if newest is None:
+            why = f" ({'; '.join(skipped)})" if skipped else ""
+            raise ValueError(f"{path}: a run directory without a checkpoint that verifies{why}; pass a checkpoint or "
+                             f"model file instead")
+        model = load_moekit(newest)
+    elif path.is_dir() and (path / "config.json").is_file():
+        from moekit.models.hf import config_from_hf, load_hf  # needs safetensors: imported only when asked for
+
+        config = config_from_hf(path)  # config.json alone: refuse an MoE folder before reading its weights
+        if config.num_experts:
+            raise ValueError(_not_dense(path, config.num_experts))
+        model = load_hf(path)
+    elif path.is_dir():
+        raise ValueError(f"{path}: a directory with no config.json, meta.json or checkpoints/; expected {SOURCES}")
+    elif path.suffix in (".safetensors", ".pt"):
+        model = load_moekit(path)
+    else:
+        raise ValueError(f"{path}: unknown file type {path.suffix!r}; expected {SOURCES}")
+    if model.config.num_experts:
+        raise ValueError(_not_dense(path, model.config.num_experts))
+    return model
+
+
+def _not_dense(path: Path, num_experts: int) -> str:
+    return (f"{path}: not a dense model (num_experts={num_experts}); upcycling starts from a dense model (num_experts "
+            f"= 0). To continue training an MoE checkpoint use --init-from-hf (HuggingFace) or --resume")
+
+
+def init_from_dense(model: Transformer, path: str, granularity: int, seed: int) -> list[str]:
+    """Upcycle the dense model at ``path`` into the trainer's built ``model`` (moekit.models.upcycle.upcycle_into);
+    return the warnings to print. Bad sources and config mismatches are UserErrors naming the flags that fix them."""
+    from moekit.models.upcycle import dense_mismatches, upcycle_into
+
+    where = f"--init-from-dense {path}"
+    try:
+        dense = load_dense(path)
+        diffs = dense_mismatches(dense.config, model.config, granularity)
+    except (ValueError, OSError) as exc:
+        raise UserError(f"{where}: {exc}") from None
+    if diffs:
+        listed = ", ".join(f"model.{k}={_flag_value(have)} (" + (f"dense ffn_hidden_size / granularity {granularity}"
+                                                                  if k == "moe_ffn_hidden_size" else "dense model")
+                           + f": {_flag_value(want)})" for k, want, have in diffs)
+        fix = " ".join(f"--model.{k} {_flag_value(want)}" for k, want, _ in diffs)
+        raise UserError(f"{where}: the MoE model must keep the dense model's attention, embedding and FFN sizes; it "
+                        f"differs in {listed}; use {fix}"
+                        + (f" (or another --upcycle-granularity)" if any(k == "moe_ffn_hidden_size" for k, *_ in diffs)
+                           else ""))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            upcycle_into(model, dense, granularity, seed)
+        except ValueError as exc:
+            raise UserError(f"{where}: {exc}") from None
+    return [f"{where}: warning: {w.message}" for w in caught]
+
+
+def _flag_value(value) -> str:
+    """A value as a --model.KEY flag takes it (tables as JSON, None as none, booleans as true / false)."""
+    import json
+
+    if value is None:
+        return "none"
+    if isinstance(value, (bool, dict, list)):
+        text = json.dumps(value)
+        return f"'{text}'" if isinstance(value, (dict, list)) else text
+    return str(value)
