@@ -139,6 +139,7 @@ class TrainConfig:
         # settings a config file or a flag gave (set_value), as opposed to preset and section defaults; not a
         # dataclass field, so not part of to_dict / config.json
         self.given: set[str] = set()
+        self.source_note: str | None = None  # where the model architecture came from (train.modelsource)
 
     @property
     def run_dir(self) -> str:
@@ -155,6 +156,8 @@ class TrainConfig:
             raise UserError(f"{source}preset: expected a string (a preset name), got {_shown(name)}; "
                             f"presets: {', '.join(PRESETS)}")
         cfg = new_config(name)
+        if "preset" in d:  # chosen, not defaulted: --init-from-hf / --init-from-dense then keep it (train.modelsource)
+            cfg.given.add("preset")
         for section, values in d.items():
             if section == "preset":
                 continue
@@ -341,6 +344,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _require(not t.init_from_hf or os.path.isdir(t.init_from_hf),
              f"--init-from-hf {t.init_from_hf}: not a directory (expected a HuggingFace model folder)")
     validate_upcycling_flags(t)
+    from moekit.train.modelsource import adopt_source_model
+
+    cfg.source_note = adopt_source_model(cfg)  # the architecture of --init-from-hf / --init-from-dense
     validate_data(cfg)
     _require(cfg.eval.every >= 0 and cfg.eval.sequences >= 1,
              f"eval.every={cfg.eval.every} must be >= 0 and eval.sequences={cfg.eval.sequences} >= 1")

@@ -64,6 +64,19 @@ def save_moekit(model: Transformer, path: str | Path) -> Path:
     return path
 
 
+def read_moekit_config(path: str | Path) -> ModelConfig:
+    """The ModelConfig of a moekit model file or checkpoint directory (``load_moekit``'s sources), without
+    building the model (a .pt file is read whole: its config is inside the pickle)."""
+    path = Path(path)
+    if path.is_dir():
+        return _dcp_source(path)[0]
+    if path.suffix == ".safetensors":
+        return _safetensors_source(path)[0]
+    if path.suffix == ".pt":
+        return _pt_source(path)[0]
+    raise ValueError(f"{path}: not a moekit model (expected *.safetensors, *.pt or a checkpoints/step_N directory)")
+
+
 def load_moekit(path: str | Path, device: str = "cpu") -> Transformer:
     """A moekit model from MODEL.safetensors, MODEL.pt or a train.py checkpoint directory (eval mode)."""
     path = Path(path)

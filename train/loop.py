@@ -220,7 +220,9 @@ class Trainer:
         try:
             load_hf_into(self.model, path)
         except ValueError as exc:  # config mismatch, missing or misshapen tensors: the message names them
-            raise UserError(f"--init-from-hf {path}: {exc}") from None
+            hint = ("; or leave out --preset (and the preset in --config) to take the checkpoint's architecture"
+                    if "different math" in str(exc) else "")
+            raise UserError(f"--init-from-hf {path}: {exc}{hint}") from None
 
     def check_exportable(self) -> None:
         from moekit.models.hf import check_mixtral_exportable
@@ -264,9 +266,11 @@ class Trainer:
         cfg, plan = self.cfg, self.plan
         stats = model_stats(cfg.model, cfg.train.seq_len)
         say = self.monitor.print
-        say(f"model {cfg.preset}: {stats.params / 1e6:.2f}M parameters, {stats.active_params / 1e6:.2f}M active, "
+        say(f"model {cfg.model.name if cfg.source_note else cfg.preset}: {stats.params / 1e6:.2f}M parameters, {stats.active_params / 1e6:.2f}M active, "
             f"{stats.train_flops_per_token / 1e6:.1f} MFLOP/token; router {cfg.model.router}, "
             f"{cfg.model.num_moe_layers} MoE layers x {cfg.model.num_experts} experts")
+        if getattr(cfg, "source_note", None) and not self.resume_from:
+            say(cfg.source_note)
         if cfg.train.init_from_dense and not self.resume_from:
             say(f"upcycled from the dense model {cfg.train.init_from_dense} (granularity {cfg.train.upcycle_granularity})")
         ignored = cfg.model.unused_router_fields()

@@ -9,6 +9,9 @@
     config_from_hf(path)       the ModelConfig an import builds, without reading any weights
     load_hf_into(model, path)  fill a model built elsewhere (train.py --init-from-hf), checking its config
     check_hf_exportable(model) the family save_hf would write, or a ValueError naming why none fits
+    load_hf_sharded(model, path) / save_hf_sharded(model, path)
+                               the same for an already parallelised model (TP / EP / FSDP shards): each rank
+                               reads only its slices, and writes its own files (models/hf/sharded.py)
 
 A folder is config.json plus model.safetensors, or shards plus model.safetensors.index.json, as
 ``save_pretrained`` writes it. Experts may be stored per expert (``block_sparse_moe.experts.N.w1/w2/w3``,
@@ -40,7 +43,9 @@ SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch
 LAYOUTS = ("per_expert", "fused")
 
 __all__ = ["load_hf", "load_hf_into", "load_mixtral", "save_hf", "save_mixtral", "config_from_hf",
-           "check_hf_exportable", "check_mixtral_exportable", "export_problems", "UnsupportedCheckpoint", "FAMILIES"]
+           "check_hf_exportable", "check_mixtral_exportable", "export_problems", "UnsupportedCheckpoint", "FAMILIES",
+           "load_hf_sharded", "save_hf_sharded"]
+
 
 
 def config_from_hf(path: str | Path) -> ModelConfig:
@@ -232,3 +237,6 @@ def _resolve_dtype(dtype: torch.dtype | str, reader: CheckpointReader) -> torch.
         raise ValueError(f"dtype='auto' needs one floating dtype in the checkpoint, found {sorted(found)}; "
                          f"pass dtype=torch.float32 or torch.bfloat16")
     return SAFETENSORS_DTYPES[next(iter(found))]
+
+
+from moekit.models.hf.sharded import load_hf_sharded, save_hf_sharded  # noqa: E402  (uses the helpers above)

@@ -1,0 +1,579 @@
+"""HuggingFace import and export for a model already split by models.parallelize: no rank ever holds it whole.
+
+    load_hf_sharded(model, path)   each rank reads only the slices of the checkpoint it holds
+    save_hf_sharded(model, path)   each rank writes the HF tensors it owns into its own safetensors file
+
+Every moekit tensor is a plain tensor (replicated: every rank has all of it) or a DTensor whose local part
+is one box of the global tensor: TP (Shard over "tp"), FSDP (Shard / _StridedShard over "fsdp", experts
+Shard(1) over "edp") and EP (experts Shard(0) over "ep": a rank holds the whole [E/ep, ...] block of its
+experts, global shape [E, ...]). ``shard_box`` turns the placements into that box (one range per dim).
+Each ``weights.Rule`` says where its HF tensors sit inside the moekit tensor (``Rule.layout``: an identity,
+or per-expert ``Piece``s such as "expert e's gate is w_in[e, :, :F] transposed"), so a box of the moekit
+tensor maps to boxes of HF tensors:
+
+    load    box of w_in on this rank (experts 2..3, H/fsdp rows) -> for each HF tensor that meets it, the
+            intersecting slice, read with safetensors' get_slice: bytes outside it are never read, and the
+            keys of other ranks' experts are never opened
+    export  one HF tensor at a time: its owner (the rank holding most of it, least loaded on ties)
+            receives the other parts (send / recv from one rank per distinct shard), transposes and writes
+            it. Peak extra memory: one HF tensor. Files: model-0000i-of-0000N.safetensors, each written by
+            one rank (streamed: header first, then each tensor as it is assembled); rank 0 writes
+            config.json and model.safetensors.index.json last, so a folder with an index is complete.
+
+Failures: the checks (config, keys, shapes and counts from the file headers, as load_hf_into does) run
+before any collective; their outcome, and that of reading or writing, is exchanged (``_agree``) so every
+rank raises the same error and none is left waiting in a collective. ``path`` must be a file system every
+rank sees. Pipeline-parallel models (stages) are not covered.
+"""
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from torch import Tensor
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from moekit.models.hf.io import CONFIG_FILE, DTYPE_NAMES, INDEX_FILE, CheckpointReader, parse_size, read_config
+from moekit.models.hf.weights import Rule, check_counts, check_keys, detect_layout, model_rules
+
+__all__ = ["load_hf_sharded", "save_hf_sharded", "shard_box"]
+
+# safetensors dtype names (the header's "dtype")
+ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
+             torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+             torch.bool: "BOOL"}
+
+Box = tuple[range, ...]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Which part of a tensor this rank holds
+# ---------------------------------------------------------------------------------------------------
+
+
+def _chunk(seq: Sequence[int], parts: int, i: int) -> Sequence[int]:
+    """torch.chunk's i-th piece (what DTensor's Shard keeps): ceil-sized pieces, the last ones short or empty."""
+    size = -(-len(seq) // parts)
+    return seq[i * size : (i + 1) * size]
+
+
+def shard_box(t: Tensor, name: str = "tensor") -> Box:
+    """The global indices of this rank's part of ``t`` (a DTensor's ``to_local()``, all of a plain tensor),
+    one range per dim. Placements are replayed left to right as DTensor does: Shard(d) keeps chunk c of the
+    indices along d; _StridedShard(d, sf) (FSDP over TP on the same dim) splits them into sf pieces and keeps
+    chunk c of each. A part that is not one box (never made by moekit's layouts) is a ValueError."""
+    if not isinstance(t, DTensor):
+        return tuple(range(n) for n in t.shape)
+    mesh, coord = t.device_mesh, t.device_mesh.get_coordinate()
+    idx: list[Sequence[int]] = [range(n) for n in t.shape]
+    for m, p in enumerate(t.placements):
+        n, c = mesh.size(m), coord[m]
+        if isinstance(p, _StridedShard):
+            sf = int(p.split_factor)
+            idx[p.dim] = [i for j in range(sf) for i in _chunk(_chunk(idx[p.dim], sf, j), n, c)]
+        elif isinstance(p, Shard):
+            idx[p.dim] = _chunk(idx[p.dim], n, c)
+        elif p.is_partial():
+            raise ValueError(f"{name} has a Partial placement ({t.placements}): pending sums cannot be saved or "
+                             f"loaded; redistribute it to Replicate or Shard first")
+    box = []
+    for d, ix in enumerate(idx):
+        if not isinstance(ix, range):  # Shard keeps a range; _StridedShard's pieces must join up again
+            run = range(ix[0], ix[0] + len(ix)) if ix else range(0)
+            if ix != list(run):
+                raise ValueError(f"{name}: this rank's part along dim {d} is not contiguous (placements "
+                                 f"{t.placements}); sharded HF load / export needs each rank's part to be one box")
+            ix = run
+        box.append(ix)
+    local = t.to_local().shape
+    if tuple(len(r) for r in box) != tuple(local):  # the replay must agree with DTensor's own split
+        raise RuntimeError(f"{name}: computed local shape {[len(r) for r in box]} but the local tensor is "
+                           f"{list(local)} (placements {t.placements})")
+    return tuple(box)
+
+
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _meet(a: Box, b: Box) -> Box | None:
+    out = tuple(range(max(x.start, y.start), min(x.stop, y.stop)) for x, y in zip(a, b))
+    return None if any(len(r) == 0 for r in out) else out
+
+
+def _rel(box: Box, origin: Box) -> tuple[slice, ...]:
+    """``box`` as slices of a tensor whose indices start at ``origin``'s starts."""
+    return tuple(slice(r.start - o.start, r.stop - o.start) for r, o in zip(box, origin))
+
+
+def _to_target(part: Tensor, dims: tuple[int, ...], ndim: int) -> Tensor:
+    """A source-ordered slice -> the target's dim order (dropped target dims back as size 1)."""
+    kept = sorted(dims)
+    out = part.permute([dims.index(d) for d in kept])
+    for d in range(ndim):
+        if d not in dims:
+            out = out.unsqueeze(d)
+    return out
+
+
+def _to_source(region: Tensor, dims: tuple[int, ...]) -> Tensor:
+    """A target-ordered region (dropped dims of size 1) -> the HF tensor's dim order."""
+    kept = sorted(dims)
+    out = region.reshape([region.shape[d] for d in kept])
+    return out.permute([kept.index(d) for d in dims])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Every rank fails together
+# ---------------------------------------------------------------------------------------------------
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _agree(fn: Callable, *args):
+    """``fn(*args)`` on every rank; when it raises on any rank, every rank raises the same error: the lowest
+    failing rank's message (naming the failing ranks when not all failed), as a ValueError for bad input
+    (a ValueError or safetensors' error), an OSError for an OSError (disk full, permissions), else a
+    RuntimeError. One all_gather_object."""
+    error, result = None, None
+    try:
+        result = fn(*args)
+    except Exception as exc:  # noqa: BLE001  re-raised below, on every rank
+        if not _distributed():
+            raise
+        error = exc
+    if not _distributed():
+        return result
+    mine = None if error is None else (_kind(error), str(error))
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    failed = [r for r, e in enumerate(everyone) if e is not None]
+    if not failed:
+        return result
+    kind, message = everyone[failed[0]]
+    if len(failed) < len(everyone):
+        message += f" (on rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))} of {len(everyone)})"
+    raise {"value": ValueError, "os": OSError}.get(kind, RuntimeError)(message) from error
+
+
+def _kind(exc: Exception) -> str:
+    if isinstance(exc, OSError):
+        return "os"
+    return "value" if isinstance(exc, ValueError) or type(exc).__name__ == "SafetensorError" else "other"
+
+
+def _reshard(model: torch.nn.Module) -> None:
+    """FSDP modules back to their sharded parameters (after a forward the root may hold unsharded ones)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
+def _check_not_pipelined(model) -> None:
+    if hasattr(model, "stages"):
+        raise ValueError("sharded HF load / export does not cover pipeline-parallel models (this rank holds only "
+                         "its stages); load before building the pipeline, or export with pp=1")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------------
+
+
+class SliceReader:
+    """Slices of a checkpoint's tensors by key (safetensors ``get_slice``); ``read`` records bytes per key."""
+
+    def __init__(self, reader: CheckpointReader):
+        self.reader = reader
+        self.bytes_read: dict[str, int] = {}
+        self._handles: dict[Path, object] = {}
+
+    def read(self, key: str, index: tuple[slice, ...]) -> Tensor:
+        file = self.reader.infos[key].file
+        if file not in self._handles:
+            self._handles[file] = safe_open(str(file), framework="pt")
+        part = self._handles[file].get_slice(key)[index]
+        self.bytes_read[key] = self.bytes_read.get(key, 0) + part.numel() * part.element_size()
+        return part
+
+
+@dataclass
+class _LoadPlan:
+    reader: CheckpointReader
+    rules: list[Rule]
+    boxes: dict[str, Box]  # moekit key -> this rank's box
+    tied_copy: bool  # the checkpoint stores lm_head.weight for a tied model: it must equal the embedding
+    family: str  # config.json's model_type
+
+
+def _plan_load(model, path, check_config: bool) -> _LoadPlan:
+    """Everything load_hf_into checks (the same calls, in the same order, minus its data reads), from
+    config.json and the safetensors headers only; plus this rank's box of every tensor."""
+    from moekit.models.hf import _check_lm_head, _check_same_math
+    from moekit.models.hf.families import family, skipped_keys
+
+    _check_not_pipelined(model)
+    hf = read_config(path)
+    fam = family(hf, path)
+    if check_config:
+        _check_same_math(model.config, fam.to_config(hf), path)
+    reader = CheckpointReader(path)
+    keys = set(reader.infos)
+    skipped = skipped_keys(hf, keys, model.config.num_layers, path)
+    layouts = [detect_layout(keys, i, fam.naming) for i in range(model.config.num_layers)]
+    blocks, fused = [b for b, _ in layouts], [f for _, f in layouts]
+    check_counts(reader, model, fam.naming, blocks, fused, fam.layers_field, skipped)
+    _check_lm_head(reader, model.config)
+    tied = model.config.tie_embeddings and "lm_head.weight" in keys
+    rules = model_rules(model, fam.naming, blocks, fused)
+    state = model.state_dict()
+    check_keys(reader, rules, state, ({"lm_head.weight"} if tied else set()) | skipped)
+    boxes = {}
+    for r in rules:
+        if r.layout(tuple(state[r.target].shape)) is None:
+            raise ValueError(f"{r.target}: its HuggingFace rule has no slice layout (weights.Rule.pieces), so it "
+                             f"cannot be loaded slice by slice; use load_hf_into before parallelize")
+        boxes[r.target] = shard_box(state[r.target], r.target)
+    return _LoadPlan(reader, rules, boxes, tied, fam.model_type)
+
+
+@torch.no_grad()
+def _read_slices(model, plan: _LoadPlan, slices: SliceReader) -> None:
+    state = model.state_dict()
+    for r in plan.rules:
+        target, box = state[r.target], plan.boxes[r.target]
+        local = _local(target)
+        for source, (where, dims) in zip(r.sources, r.layout(tuple(target.shape))):
+            meet = _meet(box, where)
+            if meet is None:  # none of this HF tensor is here: not even opened
+                continue
+            # the same box in the HF tensor's own indices and dim order
+            part = slices.read(source, tuple(slice(meet[d].start - where[d].start, meet[d].stop - where[d].start)
+                                             for d in dims))
+            local[_rel(meet, box)].copy_(_to_target(part, dims, target.dim()))
+    if plan.tied_copy:
+        _check_tied_slice(model, plan, slices)
+    persistent = set(model.state_dict())  # to_empty() leaves buffers uninitialised; unsaved ones start at 0
+    for name, buf in model.named_buffers():
+        if name not in persistent:
+            buf.zero_()
+
+
+def _check_tied_slice(model, plan: _LoadPlan, slices: SliceReader) -> None:
+    """A tied checkpoint that also stores lm_head.weight: this rank's rows of it must equal the embedding's."""
+    embed = model.state_dict()["embed.weight"]
+    box, local = plan.boxes["embed.weight"], _local(embed)
+    if local.numel() == 0:
+        return
+    head = slices.read("lm_head.weight", tuple(slice(r.start, r.stop) for r in box)).to(local.dtype)
+    if not torch.equal(head, local.cpu()):
+        raise ValueError(f"{plan.reader.folder}/config.json has tie_word_embeddings=true but lm_head.weight "
+                         f"differs from model.embed_tokens.weight; set tie_word_embeddings to false")
+
+
+def load_hf_sharded(model, path: str | Path, *, check_config: bool = True) -> dict[str, int]:
+    """Fill an already parallelised ``model`` (models.parallelize) from a HuggingFace folder, each rank reading
+    only the slices it holds. Call on every rank, collectively (one process without torch.distributed works
+    too). ``model`` may have been built on the meta device, parallelised and moved with ``to_empty``: every
+    parameter and persistent buffer is overwritten, the others zeroed.
+
+    Checks as load_hf_into (the config's math, missing / extra keys, shapes, counts), from the file headers
+    before any data is read; any failure, on any rank, raises the same ValueError on every rank.
+    Returns the bytes this rank read per checkpoint key.
+    """
+    _reshard(model)
+    plan = _agree(_plan_load, model, path, check_config)
+    slices = SliceReader(plan.reader)
+    _agree(_read_slices, model, plan, slices)
+    model.hf_family, model.hf_source = plan.family, Path(path)  # as load_hf_into: save_hf's default family
+    return dict(slices.bytes_read)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Export
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Unit:
+    """One HF tensor: the region of a moekit tensor it is made of, who assembles it and from whom."""
+
+    key: str
+    target: str | None  # None: a part the family always has and the model lacks, written as zeros
+    region: Box  # in the moekit tensor's indices
+    dims: tuple[int, ...]  # target dim of each HF dim
+    dtype: torch.dtype  # on disk
+    owner: int
+    parts: list[tuple[int, Box]]  # (rank sending it, sub-box of region) for every part the owner lacks
+
+    @property
+    def shape(self) -> list[int]:
+        return [len(self.region[d]) for d in self.dims]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclass
+class _ExportSpec:
+    family: str
+    rules: list[Rule]
+    zeros: dict[str, tuple[tuple[int, ...], torch.dtype]]  # HF key -> shape, dtype of the all-zero parts
+    dtype: torch.dtype | None  # on disk for floating tensors (None: the model's)
+    dtype_name: str  # config.json's "dtype"
+
+
+def _export_spec(model, family: str | None, dtype: torch.dtype | None, layout: str) -> _ExportSpec:
+    """What save_hf writes for ``model`` (family, rules, zero-filled parts), without touching any tensor."""
+    from moekit.models.hf import LAYOUTS
+    from moekit.models.hf.export import choose_family, zero_fill
+    from moekit.models.hf.families import FAMILIES
+
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} is invalid; choose one of {list(LAYOUTS)}")
+    if dtype is not None and dtype not in DTYPE_NAMES.values():
+        raise ValueError(f"dtype={dtype} is not supported; use one of {list(DTYPE_NAMES)}")
+    name = choose_family(model, family)
+    naming, L = FAMILIES[name].naming, model.config.num_layers
+    block = naming.moe_blocks[-1 if layout == "fused" else 0]  # as save_hf
+    rules = model_rules(model, naming, [block] * L, [layout == "fused"] * L)
+    out_dtype = dtype or next(model.parameters()).dtype
+    with torch.device("meta"):  # shapes only
+        zeros = {k: (tuple(t.shape), t.dtype) for k, t in zero_fill(model, name, out_dtype).items()}
+    return _ExportSpec(name, rules, zeros, dtype, {v: k for k, v in DTYPE_NAMES.items()}[out_dtype])
+
+
+def _export_boxes(model, spec: _ExportSpec, max_shard_size) -> tuple[dict, dict]:
+    _check_not_pipelined(model)
+    parse_size(max_shard_size)
+    state = model.state_dict()
+    boxes, meta = {}, {}
+    for r in spec.rules:
+        t = state[r.target]
+        if r.layout(tuple(t.shape)) is None:
+            raise ValueError(f"{r.target}: its HuggingFace rule has no slice layout (weights.Rule.pieces), so it "
+                             f"cannot be exported shard by shard; gather the model and use save_hf")
+        if t.dtype not in ST_DTYPES:
+            raise ValueError(f"{r.target} has dtype {t.dtype}, which safetensors cannot store")
+        boxes[r.target] = tuple((b.start, b.stop) for b in shard_box(t, r.target))
+        meta[r.target] = (tuple(t.shape), t.dtype)
+    return boxes, meta
+
+
+def _plan_export(spec: _ExportSpec, meta: dict, all_boxes: list[dict]) -> list[_Unit]:
+    """Every HF tensor, its owner and its senders; the same on every rank (a function of gathered facts)."""
+    world = len(all_boxes)
+    owned, sent = [0] * world, [0] * world  # bytes each rank writes / sends so far: work is balanced
+    units = []
+
+    def volume(box: Box) -> int:
+        return math.prod(map(len, box))
+
+    for r in spec.rules:
+        shape, dtype = meta[r.target]
+        out_dtype = spec.dtype if spec.dtype is not None and dtype.is_floating_point else dtype
+        held: dict[Box, list[int]] = {}  # distinct shards of this tensor -> the ranks holding each
+        for rank, boxes in enumerate(all_boxes):
+            held.setdefault(tuple(range(a, b) for a, b in boxes[r.target]), []).append(rank)
+        for key, (region, dims) in zip(r.sources, r.layout(shape)):
+            meets = {box: m for box in held if (m := _meet(box, region)) is not None}
+            if sum(map(volume, meets.values())) != volume(region):
+                raise RuntimeError(f"the ranks' shards of {r.target} do not tile {key} exactly (shards "
+                                   f"{[[(x.start, x.stop) for x in b] for b in held]}); are placements overlapping?")
+            # owner: holds the most of it; then the least loaded; then the lowest rank
+            most = max(map(volume, meets.values()))
+            best = [k for b, m in meets.items() if volume(m) == most for k in held[b]]
+            owner = min(best, key=lambda k: (owned[k], k))
+            owned[owner] += volume(region) * out_dtype.itemsize
+            parts = []
+            for box, m in meets.items():
+                if owner not in held[box]:
+                    sender = min(held[box], key=lambda k: (sent[k], k))
+                    sent[sender] += volume(m)
+                    parts.append((sender, m))
+            units.append(_Unit(key, r.target, region, dims, out_dtype, owner, parts))
+    for key, (shape, dtype) in spec.zeros.items():
+        owner = min(range(world), key=lambda k: (owned[k], k))
+        owned[owner] += math.prod(shape) * dtype.itemsize
+        units.append(_Unit(key, None, tuple(range(n) for n in shape), tuple(range(len(shape))), dtype, owner, []))
+    return units
+
+
+def _files(units: list[_Unit], world: int, limit: int) -> list[tuple[int, list[_Unit]]]:
+    """(writing rank, its units) per output file: each rank's units in plan order, cut at ``limit`` bytes."""
+    files = []
+    for rank in range(world):
+        current: list[_Unit] = []
+        size = 0
+        for u in (u for u in units if u.owner == rank):
+            if current and size + u.nbytes > limit:
+                files.append((rank, current))
+                current, size = [], 0
+            current.append(u)
+            size += u.nbytes
+        if current:
+            files.append((rank, current))
+    return files
+
+
+class _StreamWriter:
+    """A safetensors file written tensor by tensor: the header (known up front) first, then each tensor's bytes
+    in header order as it arrives, so a rank holds one tensor at a time however large its file."""
+
+    def __init__(self, path: Path, units: list[_Unit]):
+        header, offset = {}, 0
+        for u in units:
+            header[u.key] = {"dtype": ST_DTYPES[u.dtype], "shape": u.shape, "data_offsets": [offset, offset + u.nbytes]}
+            offset += u.nbytes
+        header["__metadata__"] = {"format": "pt"}
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned
+        self.path, self.expected = path, [u.key for u in units]
+        self.file = open(path, "wb")
+        self.file.write(len(raw).to_bytes(8, "little") + raw)
+
+    def write(self, key: str, tensor: Tensor) -> None:
+        assert self.expected and self.expected[0] == key, (key, self.expected[:1])
+        self.expected.pop(0)
+        self.file.write(tensor.contiguous().view(torch.uint8).reshape(-1).numpy())
+        if not self.expected:
+            self.file.close()
+
+
+def _prepare_folder(folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for stale in [*folder.glob("model*.safetensors"), folder / INDEX_FILE]:  # never mix with an earlier save
+        stale.unlink(missing_ok=True)
+
+
+def _check_folder(folder: Path) -> None:
+    if not folder.is_dir():
+        raise ValueError(f"{folder}: rank 0 created it but this rank does not see it; save_hf_sharded needs a "
+                         f"path on a file system every rank shares")
+
+
+@torch.no_grad()
+def _stream(model, units: list[_Unit], files: list[tuple[int, list[_Unit]]], folder: Path, names: list[str],
+            rank: int) -> Exception | None:
+    """Assemble and write this rank's HF tensors, sending its parts of the others'. A failed write is kept
+    (returned) while this rank goes on sending and receiving, so no peer waits on it forever."""
+    state = model.state_dict()
+    boxes = {u.target: shard_box(state[u.target], u.target) for u in units if u.target is not None}
+    writers: dict[str, _StreamWriter] = {}  # HF key -> the open writer of its file
+    error: Exception | None = None
+    try:
+        for (writer_rank, its), name in zip(files, names):
+            if writer_rank == rank:
+                w = _StreamWriter(folder / name, its)
+                writers.update(dict.fromkeys((u.key for u in its), w))
+    except Exception as exc:  # noqa: BLE001
+        error = exc
+
+    def write(u: _Unit, make: Callable[[], Tensor]) -> None:
+        nonlocal error
+        if error is None:
+            try:
+                writers[u.key].write(u.key, make())
+            except Exception as exc:  # noqa: BLE001
+                error = exc
+
+    for u in units:
+        if u.target is None:  # all zeros: nothing to gather
+            if u.owner == rank:
+                write(u, lambda: torch.zeros(u.shape, dtype=u.dtype))
+            continue
+        local, box = _local(state[u.target]), boxes[u.target]
+        if u.owner == rank:
+            region = torch.empty([len(r) for r in u.region], dtype=local.dtype, device=local.device)
+            mine = _meet(box, u.region)
+            if mine is not None:
+                region[_rel(mine, u.region)] = local[_rel(mine, box)]
+            for sender, part in u.parts:
+                buf = torch.empty([len(r) for r in part], dtype=local.dtype, device=local.device)
+                dist.recv(buf, src=sender)
+                region[_rel(part, u.region)] = buf
+            write(u, lambda: _to_source(region, u.dims).to("cpu", u.dtype))
+            del region
+        else:
+            for sender, part in u.parts:
+                if sender == rank:
+                    dist.send(local[_rel(part, box)].contiguous(), dst=u.owner)
+    for w in set(writers.values()):
+        if not w.file.closed:
+            w.file.close()
+    return error
+
+
+def _write_index(folder: Path, config: dict, units: list[_Unit], files: list[tuple[int, list[_Unit]]],
+                 names: list[str]) -> None:
+    weight_map = {}
+    for (_, its), name in zip(files, names):
+        path = folder / name
+        if not path.is_file() or path.stat().st_size < 8 + sum(u.nbytes for u in its):
+            raise ValueError(f"{path}: missing or short after every rank wrote its files; save_hf_sharded needs a "
+                             f"path on a file system every rank shares")
+        weight_map.update(dict.fromkeys((u.key for u in its), name))
+    (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    index = {"metadata": {"total_size": sum(u.nbytes for u in units)}, "weight_map": dict(sorted(weight_map.items()))}
+    (folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def save_hf_sharded(model, path: str | Path, *, family: str | None = None, dtype: torch.dtype | None = None,
+                    max_shard_size: int | str = "5GB", layout: str = "per_expert",
+                    tokenizer_from: str | Path | None = None) -> Path:
+    """``save_hf`` for a parallelised ``model`` (models.parallelize), without gathering it on any rank.
+
+    Call on every rank, collectively; ``path`` must be on a file system they all see. Each rank assembles
+    the HF tensors it owns one at a time (receiving the parts other ranks hold) and streams them into its
+    own file(s) of at most ``max_shard_size``; rank 0 copies the tokenizer and, once every rank is done,
+    writes config.json and the index naming every file. Arguments and the folder written as save_hf's;
+    any failure raises the same error on every rank.
+    """
+    from moekit.models.hf import _imported_tokenizer
+    from moekit.models.hf.export import copy_tokenizer, hf_config
+
+    _reshard(model)
+    spec = _agree(_export_spec, model, family, dtype, layout)
+    boxes, meta = _agree(_export_boxes, model, spec, max_shard_size)
+    world = dist.get_world_size() if _distributed() else 1
+    rank = dist.get_rank() if _distributed() else 0
+    all_boxes = [boxes] * world
+    if _distributed():
+        dist.all_gather_object(all_boxes, boxes)
+    units = _agree(_plan_export, spec, meta, all_boxes)
+    files = _files(units, world, parse_size(max_shard_size))
+    names = [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
+    folder = Path(path)
+    token_ids: dict = {}
+
+    def prepare() -> None:  # rank 0, before anyone writes: the folder, no stale shards, the tokenizer
+        if rank == 0:
+            _prepare_folder(folder)
+            source = tokenizer_from if tokenizer_from is not None else _imported_tokenizer(model)
+            if source:
+                token_ids.update(copy_tokenizer(source, folder, model.config.vocab_size, model.config.max_seq_len))
+
+    _agree(prepare)
+    _agree(_check_folder, folder)
+    error = _stream(model, units, files, folder, names, rank)
+
+    def finish() -> None:  # after this exchange every rank has closed its files
+        if error is not None:
+            raise error
+
+    _agree(finish)
+    _agree(lambda: _write_index(folder, hf_config(model, spec.family, spec.dtype_name, token_ids), units, files,
+                                names) if rank == 0 else None)
+    return folder

@@ -1,0 +1,316 @@
+"""Shard-wise HuggingFace load and export (models/hf/sharded.py) at ep / tp / fsdp over real gloo ranks.
+
+Each layout builds its model on the meta device, parallelises it, materialises only its shards
+(``to_empty``) and loads the checkpoint with ``load_hf_sharded``. It must equal the one-process ``load_hf``:
+every parameter gathered, and the logits. Each rank must read exactly the bytes it holds (counted by a
+wrapper around safetensors' ``safe_open``, independently of the loader's own count), and under EP only its
+own experts' keys. ``save_hf_sharded`` of the parallel model must write exactly what ``save_hf`` writes
+for the one-process model (same keys, tensors, config.json), each key once in the index. A checkpoint
+that does not match fails on every rank with the same message, also when only one rank can see why.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from moekit.comm.topology import Layout, Topology
+from moekit.models.config import ModelConfig
+from moekit.models.hf import config_from_hf, load_hf, save_hf
+from moekit.models.hf import sharded
+from moekit.models.hf.families import FAMILIES
+from moekit.models.hf.weights import model_rules
+from moekit.models.parallelize import parallelize
+from moekit.models.transformer import Transformer, build_model
+from tests.dist_utils import run_ranks
+
+VOCAB = 64
+BASE = dict(name="t", vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=64,
+            num_experts=4, moe_ffn_hidden_size=24, ffn_hidden_size=40, top_k=2, init_std=0.1,
+            router_options={"normalize": True})
+MLA = dict(attention="mla", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, q_lora_rank=12)
+# family -> model config overrides: what each checkpoint exercises
+MODELS = {
+    "mixtral": {},
+    "qwen2_moe": dict(num_layers=3, first_dense_layers=1, shared_ffn_hidden_size=16, shared_expert_gate=True,
+                      attention_bias=True, router_options={"normalize": False}),
+    "deepseek_v3": dict(**MLA, num_layers=3, first_dense_layers=1, shared_ffn_hidden_size=24, num_heads=4,
+                        num_kv_heads=4, router_options={"score": "sigmoid", "normalize": True, "expert_bias": True,
+                                                        "scaling": 1.5}, aux_loss_coeff=0.0),
+    "qwen3_moe": dict(qk_norm="head", router_options={"normalize": False}),
+    "olmoe": dict(qk_norm="full", qkv_clip=0.4, router_options={"normalize": False}),
+    "qwen2": dict(num_experts=0, attention_bias=True),
+}
+
+
+def tiny(family: str, **over) -> ModelConfig:
+    return ModelConfig(**{**BASE, **MODELS[family], **over}).validate()
+
+
+def make_checkpoint(folder: Path, family: str, seed: int = 1, layout: str = "per_expert", **over) -> Path:
+    model = build_model(tiny(family, **over), seed=seed)
+    with torch.no_grad():  # a nonzero selection bias, so loading it is checked
+        for layer in model.layers:
+            bias = getattr(layer.ffn, "router", None) and layer.ffn.router.expert_bias
+            if bias is not None:
+                bias.copy_(torch.randn(bias.shape, generator=torch.Generator().manual_seed(seed)))
+    return save_hf(model, folder, family=family, layout=layout)
+
+
+def tokens() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(7))
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, sharded.DTensor) else t
+
+
+# ---------------------------------------------------------------------------------------------------
+# Inside the ranks
+# ---------------------------------------------------------------------------------------------------
+
+
+class CountingOpen:
+    """Stands in for safetensors.safe_open in the loader: counts the bytes of every slice taken, per key."""
+
+    def __init__(self):
+        self.read: dict[str, int] = {}
+        self.whole: list[str] = []  # keys read whole with get_tensor (the sharded loader must not)
+
+    def __call__(self, path, framework="pt", **kw):
+        handle, log = safe_open(path, framework=framework, **kw), self
+
+        class Slice:
+            def __init__(self, key):
+                self.key, self.inner = key, handle.get_slice(key)
+
+            def __getitem__(self, index):
+                part = self.inner[index]
+                log.read[self.key] = log.read.get(self.key, 0) + part.numel() * part.element_size()
+                return part
+
+        class Handle:
+            def get_slice(self, key):
+                return Slice(key)
+
+            def get_tensor(self, key):
+                log.whole.append(key)
+                return handle.get_tensor(key)
+
+        return Handle()
+
+
+def parallel_model(ckpt: Path, topo: Topology) -> Transformer:
+    """The big-checkpoint path: meta build, parallelise, materialise this rank's shards only."""
+    with torch.device("meta"):
+        model = Transformer(config_from_hf(ckpt))
+    parallelize(model, topo)
+    return model.to_empty(device="cpu")
+
+
+def check_load(ckpt: Path, topo: Topology, where: str) -> Transformer:
+    ref = load_hf(ckpt)
+    model = parallel_model(ckpt, topo)
+    counting = CountingOpen()
+    real_open, sharded.safe_open = sharded.safe_open, counting
+    try:
+        reported = sharded.load_hf_sharded(model, ckpt)
+    finally:
+        sharded.safe_open = real_open
+    want = ref.state_dict()
+    held = 0
+    for name, t in model.state_dict().items():
+        box = sharded.shard_box(t, name)
+        local = sharded._local(t)
+        assert torch.equal(local, want[name][tuple(slice(r.start, r.stop) for r in box)]), f"{where}: {name} local"
+        assert torch.equal(full(t), want[name]), f"{where}: {name}"
+        held += local.numel() * 4  # the checkpoint is fp32
+    # this rank read exactly what it holds: every byte once, nothing read whole
+    assert counting.whole == [] and counting.read == reported, where
+    assert sum(counting.read.values()) == held, f"{where}: read {sum(counting.read.values())} B, holds {held} B"
+    per_expert = not any(k.endswith("experts.gate_up_proj") for k in counting.read)
+    for i, layer in enumerate(model.layers):
+        if layer.is_moe and per_expert:  # under EP: only the keys of this rank's experts were opened
+            lo, hi = getattr(layer.ffn.dispatcher, "expert_range", (0, layer.ffn.num_experts))
+            pattern = rf"model\.layers\.{i}\.\w+\.experts\.(\d+)\."
+            experts = {int(m.group(1)) for k in counting.read if (m := re.match(pattern, k))}
+            assert experts == set(range(lo, hi)), f"{where}: layer {i} read {sorted(experts)}, has {lo}..{hi - 1}"
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens()), ref(tokens()), rtol=1e-5, atol=1e-5, msg=lambda m: f"{where}: {m}")
+    return model
+
+
+def _layouts(rank, world, cases, tmp):
+    for degrees, ckpt, exports in cases:
+        topo = Topology(Layout(**degrees), rank, world).build()
+        where = f"{degrees} {Path(ckpt).name} rank {rank}"
+        model = check_load(Path(ckpt), topo, where)
+        for out, kwargs in exports:
+            sharded.save_hf_sharded(model, out, max_shard_size=6000, **kwargs)
+    if world == 2:
+        _failures(rank, tmp)
+
+
+def _same_error_everywhere(fn, *args, error=ValueError, **kwargs) -> str:
+    """fn must raise ``error`` on this rank; returns the message after checking every rank got the same one."""
+    with pytest.raises(error) as info:
+        fn(*args, **kwargs)
+    messages = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, str(info.value))
+    assert len(set(messages)) == 1, messages
+    return messages[0]
+
+
+def _failures(rank, tmp):
+    tmp = Path(tmp)
+    topo = Topology(Layout(fsdp=2), rank, 2).build()
+    model = parallel_model(tmp / "mixtral", topo)
+    # every rank sees the problem (from the headers, before any data is read)
+    msg = _same_error_everywhere(sharded.load_hf_sharded, model, tmp / "bad-shape")
+    assert "experts.3.w2.weight has shape [32, 25]" in msg and "(on rank" not in msg, msg
+    # only rank 1 sees it: its folder is missing (a file system the ranks do not share)
+    msg = _same_error_everywhere(sharded.load_hf_sharded, model, tmp / ("mixtral" if rank == 0 else "missing"))
+    assert "missing: not a directory" in msg and msg.endswith("(on rank 1 of 2)"), msg
+    # only rank 1 reads the rows where the stored lm_head differs from the tied embedding
+    tied = parallel_model(tmp / "tied", topo)
+    msg = _same_error_everywhere(sharded.load_hf_sharded, tied, tmp / "tied")
+    assert "lm_head.weight differs from model.embed_tokens.weight" in msg and msg.endswith("(on rank 1 of 2)"), msg
+    # export: rank 1's disk fails mid-way; it keeps sending its parts, so nobody hangs, and all raise
+    sharded.load_hf_sharded(model, tmp / "mixtral")
+    if rank == 1:
+        def full_disk(self, key, tensor):
+            raise OSError(28, "No space left on device")
+        sharded._StreamWriter.write = full_disk
+    msg = _same_error_everywhere(sharded.save_hf_sharded, model, tmp / "export-fails", max_shard_size=6000,
+                                 error=OSError)
+    assert "No space left on device" in msg and msg.endswith("(on rank 1 of 2)"), msg
+    assert not (tmp / "export-fails" / "model.safetensors.index.json").exists()
+
+
+# ---------------------------------------------------------------------------------------------------
+# The tests
+# ---------------------------------------------------------------------------------------------------
+
+
+def check_export(out: Path, ref_model: Transformer, tmp: Path, **kwargs) -> None:
+    """The sharded export equals save_hf's of the one-process model: keys, tensors, config; each key once."""
+    one = save_hf(ref_model, tmp / f"{out.name}-one-process", **kwargs)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    assert sorted(set(index["weight_map"].values())) == files and len(files) > 2, files
+    seen = []
+    for name in files:
+        with safe_open(str(out / name), framework="pt") as f:
+            seen += list(f.keys())
+            assert all(index["weight_map"][k] == name for k in f.keys())
+    assert len(seen) == len(set(seen)) and set(seen) == set(index["weight_map"])
+    ours, theirs = {}, {}
+    for p in files:
+        ours.update(load_file(out / p))
+    for p in one.glob("*.safetensors"):
+        theirs.update(load_file(p))
+    assert ours.keys() == theirs.keys()
+    for k in ours:
+        same = ours[k].dtype == theirs[k].dtype and torch.equal(ours[k], theirs[k])
+        assert same, f"{out.name}: {k} differs from save_hf's"
+    assert json.loads((out / "config.json").read_text()) == json.loads((one / "config.json").read_text())
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in ours.values())
+    reloaded, ref = load_hf(out).state_dict(), load_hf(one).state_dict()
+    assert all(torch.equal(reloaded[k], ref[k]) for k in ref)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("ckpts")
+    make_checkpoint(tmp / "mixtral", "mixtral")
+    make_checkpoint(tmp / "mixtral-fused", "mixtral", layout="fused")
+    make_checkpoint(tmp / "qwen2_moe", "qwen2_moe")
+    make_checkpoint(tmp / "deepseek_v3", "deepseek_v3")
+    bad = Path(shutil.copytree(tmp / "mixtral", tmp / "bad-shape"))
+    tensors = load_file(bad / "model.safetensors")
+    tensors["model.layers.1.block_sparse_moe.experts.3.w2.weight"] = torch.zeros(32, 25)
+    save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
+    tied = make_checkpoint(tmp / "tied", "mixtral", tie_embeddings=True)
+    tensors = load_file(tied / "model.safetensors")
+    head = tensors["model.embed_tokens.weight"].clone()
+    head[-1, 0] += 1.0  # a row rank 1 holds under fsdp2
+    save_file({**tensors, "lm_head.weight": head}, tied / "model.safetensors", metadata={"format": "pt"})
+    return tmp
+
+
+def test_two_ranks_ep_tp_fsdp(checkpoints, tmp_path):
+    """ep2 (per-expert Mixtral), tp2 (Qwen2-MoE: biases, gated shared expert, a dense layer), fsdp2 (fused
+    Mixtral layout read in slices along H; exported per expert, each expert tensor assembled from both
+    ranks); then the failures."""
+    c = checkpoints
+    cases = [
+        (dict(fsdp=2, ep=2), c / "mixtral", [(tmp_path / "ep2", {}),
+                                             (tmp_path / "ep2-as-qwen2", {"family": "qwen2_moe"})]),
+        (dict(tp=2), c / "qwen2_moe", [(tmp_path / "tp2", {})]),
+        (dict(fsdp=2), c / "mixtral-fused", [(tmp_path / "fsdp2", {})]),
+    ]
+    run_ranks(_layouts, 2, [(d, str(p), [(str(o), k) for o, k in e]) for d, p, e in cases], str(c))
+    check_export(tmp_path / "ep2", load_hf(c / "mixtral"), tmp_path)
+    # each file is one rank's: under ep2 no file holds experts of both EP ranks (0-1 on rank 0, 2-3 on rank 1)
+    for p in (tmp_path / "ep2").glob("*.safetensors"):
+        with safe_open(str(p), framework="pt") as f:
+            ranks = {int(m.group(1)) // 2 for k in f.keys() if (m := re.search(r"\.experts\.(\d+)\.", k))}
+        assert len(ranks) <= 1, (p.name, ranks)
+    # as a family that always has a shared expert: the missing one is written as zeros (save_hf's zero_fill)
+    check_export(tmp_path / "ep2-as-qwen2", load_hf(c / "mixtral"), tmp_path, family="qwen2_moe")
+    check_export(tmp_path / "tp2", load_hf(c / "qwen2_moe"), tmp_path)
+    check_export(tmp_path / "fsdp2", load_hf(c / "mixtral-fused"), tmp_path)
+
+
+def test_four_ranks_combined(checkpoints, tmp_path):
+    """fsdp2 x tp2 x ep2, DeepSeek-V3: MLA heads over TP, FSDP over TP (_StridedShard), experts over EP,
+    the selection bias, a shared expert and a dense first layer."""
+    c = checkpoints
+    cases = [(dict(fsdp=2, tp=2, ep=2), c / "deepseek_v3", [(tmp_path / "fsdp2-tp2-ep2", {"layout": "fused"})])]
+    run_ranks(_layouts, 4, [(d, str(p), [(str(o), k) for o, k in e]) for d, p, e in cases], str(c))
+    check_export(tmp_path / "fsdp2-tp2-ep2", load_hf(c / "deepseek_v3"), tmp_path, layout="fused")
+
+
+@pytest.mark.parametrize("family,layout", [("mixtral", "per_expert"), ("mixtral", "fused"), ("qwen2_moe", "per_expert"),
+                                           ("deepseek_v3", "fused"), ("qwen3_moe", "per_expert"), ("olmoe", "fused"),
+                                           ("qwen2", "per_expert")])
+def test_rule_layouts_agree_with_split(family, layout):
+    """Every rule's slice layout (Rule.layout: identity or per-expert pieces) picks out exactly what its
+    split() writes, for a random tensor: the sharded paths and the whole-tensor paths cannot disagree."""
+    model = build_model(tiny(family), seed=2)
+    naming, L = FAMILIES[family].naming, model.config.num_layers
+    rules = model_rules(model, naming, [naming.moe_blocks[-1 if layout == "fused" else 0]] * L, [layout == "fused"] * L)
+    gen = torch.Generator().manual_seed(0)
+    for r in rules:
+        shape = tuple(model.state_dict()[r.target].shape)
+        t = torch.randn(shape, generator=gen)
+        spots = r.layout(shape)
+        assert spots is not None, r.target
+        for got, (box, dims) in zip(r.split(t), spots):
+            assert torch.equal(sharded._to_source(t[tuple(slice(b.start, b.stop) for b in box)], dims), got), r.target
+        # and back: every element of the target comes from exactly one source
+        cover = torch.zeros(shape)
+        for box, dims in spots:
+            cover[tuple(slice(b.start, b.stop) for b in box)] += 1
+        assert torch.equal(cover, torch.ones(shape)), r.target
+
+
+def test_one_process_without_distributed(checkpoints, tmp_path):
+    """No process group: the same calls load and export a whole model, reading each byte once."""
+    ref = load_hf(checkpoints / "qwen2_moe")
+    model = build_model(config_from_hf(checkpoints / "qwen2_moe"), seed=9)
+    read = sharded.load_hf_sharded(model, checkpoints / "qwen2_moe")
+    assert sum(read.values()) == sum(t.numel() * 4 for t in model.state_dict().values())
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), ref.state_dict().values()))
+    sharded.save_hf_sharded(model, tmp_path / "out", max_shard_size=5000)
+    check_export(tmp_path / "out", ref, tmp_path)
+    with pytest.raises(ValueError, match="experts.3.w2.weight has shape"):
+        sharded.load_hf_sharded(build_model(config_from_hf(checkpoints / "mixtral")), checkpoints / "bad-shape")

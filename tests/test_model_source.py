@@ -1,0 +1,86 @@
+"""--init-from-hf / --init-from-dense without --preset take the model architecture from the source
+(moekit.train.modelsource); given model settings apply on top; with --preset the preset must match."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from moekit.train import UserError
+from moekit.train.cli import parse_args
+
+RUN = ["--train.seq_len", "32", "--batch-size", "4", "--eval.every", "0", "--log.tensorboard", "false",
+       "--checkpoint.every", "0"]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sources")
+    torch.manual_seed(0)
+    transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        vocab_size=300, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_experts=4,
+        num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        max_position_embeddings=64, norm_topk_prob=True, initializer_range=0.1)).save_pretrained(root / "moe")
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64)).save_pretrained(root / "dense")
+    return root
+
+
+def test_hf_architecture_is_adopted_and_given_settings_apply(folders):
+    from moekit.models.hf import config_from_hf
+
+    cfg, _ = parse_args(["--init-from-hf", str(folders / "moe"), "--capacity-factor", "2.0",
+                         "--model.aux_loss_coeff", "0.05", *RUN])
+    want = config_from_hf(folders / "moe")
+    m = cfg.model
+    assert (m.hidden_size, m.num_layers, m.num_experts, m.qk_norm, m.vocab_size, m.top_k) == (
+        want.hidden_size, want.num_layers, want.num_experts, "head", 300, 2)
+    assert (m.capacity_factor, m.aux_loss_coeff) == (2.0, 0.05)
+    assert m.router_options == want.router_options and "qwen3_moe" in cfg.source_note
+
+
+def test_dense_source_upcycles_with_default_and_given_expert_counts(folders):
+    cfg, _ = parse_args(["--init-from-dense", str(folders / "dense"), *RUN])
+    m = cfg.model
+    assert (m.num_experts, m.top_k, m.moe_ffn_hidden_size, m.hidden_size, m.aux_loss_coeff) == (8, 2, 48, 32, 0.01)
+    cfg, _ = parse_args(["--init-from-dense", str(folders / "dense"), "--upcycle-granularity", "2",
+                         "--model.num_experts", "6", "--model.top_k", "4", *RUN])
+    assert (cfg.model.num_experts, cfg.model.top_k, cfg.model.moe_ffn_hidden_size) == (6, 4, 24)
+    with pytest.raises(UserError, match="num_experts=5"):  # 5 experts cannot hold whole copies of 2 shards
+        parse_args(["--init-from-dense", str(folders / "dense"), "--upcycle-granularity", "2",
+                    "--model.num_experts", "5", *RUN])
+
+
+def test_a_chosen_preset_still_has_to_match(folders, tmp_path, capsys):
+    from moekit.train.loop import main
+
+    cfg, _ = parse_args(["--preset", "mixtral-tiny", "--init-from-hf", str(folders / "moe"), *RUN])
+    assert cfg.model.hidden_size == 128 and cfg.source_note is None
+    code = main(["--preset", "mixtral-tiny", "--init-from-hf", str(folders / "moe"), "--run-dir",
+                 str(tmp_path / "r"), "--steps", "1", *RUN])
+    err = capsys.readouterr().err
+    assert code == 2 and "hidden_size=128 (model) vs 32 (checkpoint)" in err and "leave out --preset" in err
+
+
+def test_training_from_an_hf_folder_starts_from_its_loss(folders, tmp_path, capsys):
+    """Step 1's loss is the HF model's own loss on the trainer's first batch: the architecture and weights both
+    came from the folder."""
+    from moekit.train.data import Sampler, gather, split_windows
+    from moekit.train.loop import main
+    from moekit.train.tokens import embedded_corpus
+
+    run = tmp_path / "run"
+    assert main(["--init-from-hf", str(folders / "moe"), "--run-dir", str(run), "--steps", "1", *RUN]) == 0, \
+        capsys.readouterr().err
+    split = split_windows(embedded_corpus()[0], 32, 0.05)
+    x, y = gather(split.tokens, Sampler(split.train_starts, 0).next(4), 32)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folders / "moe").eval()
+    with torch.no_grad():
+        want = torch.nn.functional.cross_entropy(ref(x).logits.flatten(0, 1).float(), y.flatten()).item()
+    first = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["loss"] == pytest.approx(want, rel=1e-5)
+    assert "model architecture from --init-from-hf" in capsys.readouterr().out
