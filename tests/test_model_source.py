@@ -84,3 +84,29 @@ def test_training_from_an_hf_folder_starts_from_its_loss(folders, tmp_path, caps
     first = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
     assert first["loss"] == pytest.approx(want, rel=1e-5)
     assert "model architecture from --init-from-hf" in capsys.readouterr().out
+
+
+def test_expert_parallel_run_loads_its_shards_and_exports_without_gathering(folders, tmp_path):
+    """torchrun --ep 2 --init-from-hf: each rank reads only its experts (models.hf.load_hf_sharded) and the first
+    loss is still the HF model's; --export-hf writes per-rank files that transformers loads with moekit's logits."""
+    from moekit.models.hf import load_hf
+    from tests.test_train_distributed import run
+
+    run_dir, out = tmp_path / "run", tmp_path / "hf"
+    r = run(["--init-from-hf", str(folders / "moe"), "--ep", "2", "--run-dir", str(run_dir), "--steps", "2",
+             "--export-hf", str(out), *RUN], nproc=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    single = tmp_path / "single"
+    r = run(["--init-from-hf", str(folders / "moe"), "--run-dir", str(single), "--steps", "2", *RUN])
+    assert r.returncode == 0, r.stderr[-3000:]
+    losses = [[json.loads(line)["loss"] for line in (d / "metrics.jsonl").read_text().splitlines()]
+              for d in (run_dir, single)]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(index.values())) >= 2  # each rank wrote its own file
+    ours = load_hf(out)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    x = torch.randint(0, 300, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), theirs(x).logits.float(), rtol=1e-5, atol=1e-5)
+    assert transformers.AutoTokenizer.from_pretrained(out).decode([104, 105]) == "hi"  # the run's byte tokenizer

@@ -450,7 +450,7 @@ def test_failed_export_keeps_the_final_checkpoint_and_says_how_to_export_it(tmp_
     def full_disk(model, path, **kwargs):
         raise no_space(Path(path) / "model.safetensors")
 
-    monkeypatch.setattr(hf, "save_mixtral", full_disk)
+    monkeypatch.setattr(hf, "save_hf_sharded", full_disk)
     flags = [*TINY_MODEL, "--steps", "3", "--checkpoint.every", "0", "--run-dir", str(run)]
     line = one_error(capsys, main([*flags, "--export-hf", str(out)]), 1)
     final = ckpt(run, 3)  # saved before the export although checkpoint.every is 0

@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --init-from-dense: split each dense MLP of width F into G experts of F/G (granular "
                         "upcycling); needs --model.moe_ffn_hidden_size F/G and num_experts, top_k multiples of G "
                         "(default 1: every expert a copy of the whole MLP)")
-    p.add_argument("--export-hf", metavar="DIR", help="after the last step, write a HuggingFace Mixtral folder")
+    p.add_argument("--export-hf", metavar="DIR", help="after the last step, write the model as a HuggingFace folder (its own family, or the nearest that reproduces it: mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v3, ...) with the run's tokenizer; each rank writes its own shards")
     p.add_argument("--ranks-per-node", help="ranks sharing a node (default torchrun's LOCAL_WORLD_SIZE); "
                                             "lower it to simulate several nodes (hierarchical dispatch)")
     p.add_argument("--deterministic", action="store_const", const="true",

@@ -149,9 +149,13 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)  # router jitter and any other global-RNG draws
         with torch.device("meta"):
             self.model = Transformer(cfg.model)
-        self.model.to_empty(device=plan.device)
-        self.model.init_weights(cfg.train.seed)
-        if cfg.train.init_from_hf and self.resume_from is None:
+        # --init-from-hf (no pipeline): every weight comes from the folder, so the model stays on the meta device
+        # until it is parallelised and each rank then reads only its shards (models.hf.load_hf_sharded)
+        sharded_hf = bool(cfg.train.init_from_hf) and self.resume_from is None and cfg.layout.pp == 1
+        if not sharded_hf:
+            self.model.to_empty(device=plan.device)
+            self.model.init_weights(cfg.train.seed)
+        if cfg.train.init_from_hf and self.resume_from is None and not sharded_hf:  # pp > 1: before the stages
             self.load_hf(cfg.train.init_from_hf)
         if cfg.train.init_from_dense and self.resume_from is None:  # dense-to-MoE upcycling (models.upcycle)
             from moekit.train.upcycle import init_from_dense
@@ -176,6 +180,9 @@ class Trainer:
                               activation_checkpointing=cfg.train.activation_checkpointing,
                               compile=cfg.train.compile, param_dtype=fsdp_dtype,
                               sequence_parallel=cfg.layout.sequence_parallel)
+        if sharded_hf:
+            self.model.to_empty(device=plan.device)
+            self.load_hf(cfg.train.init_from_hf, sharded=True)
         self.model.train()
         # the aux loss is averaged like the LM loss: over the micro-batches and over TP's token slices
         pipelined = self.pipe is not None
@@ -214,21 +221,23 @@ class Trainer:
                   f"{need / 1e9:.3g} GB: saves will fail unless space is freed")
         return lock
 
-    def load_hf(self, path: str) -> None:
-        from moekit.models.hf import load_hf_into  # needs safetensors: imported only when asked for
+    def load_hf(self, path: str, sharded: bool = False) -> None:
+        """Fill the model from a HuggingFace folder: the whole model (before the pipeline split), or ``sharded``
+        into the parallelised model, each rank reading only its slices (all ranks fail alike)."""
+        from moekit.models.hf import load_hf_into, load_hf_sharded  # safetensors: imported only when asked for
 
         try:
-            load_hf_into(self.model, path)
-        except ValueError as exc:  # config mismatch, missing or misshapen tensors: the message names them
+            (load_hf_sharded if sharded else load_hf_into)(self.model, path)
+        except (ValueError, OSError) as exc:  # config mismatch, missing or misshapen tensors: the message names them
             hint = ("; or leave out --preset (and the preset in --config) to take the checkpoint's architecture"
                     if "different math" in str(exc) else "")
             raise UserError(f"--init-from-hf {path}: {exc}{hint}") from None
 
     def check_exportable(self) -> None:
-        from moekit.models.hf import check_mixtral_exportable
+        from moekit.models.hf import check_hf_exportable
 
         try:
-            check_mixtral_exportable(self.model)
+            check_hf_exportable(self.model)
         except ValueError as exc:
             raise UserError(f"--export-hf: {exc}") from None
 
@@ -428,28 +437,21 @@ class Trainer:
         return 0
 
     def export_hf(self, path: str) -> None:
-        from moekit.models.hf import save_mixtral
+        """Write the trained model as a HuggingFace folder (models.hf.save_hf_sharded: every rank writes the
+        tensors it owns, nothing is gathered on one rank), with the run's tokenizer (tokenizer_info.json)."""
+        from moekit.models.hf import save_hf_sharded
+        from moekit.models.hf.export import choose_family
 
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        # TP / EP / FSDP shards gather to full tensors (a collective: every rank takes part)
-        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-        def write() -> Path:
-            with torch.device("meta"):
-                full = Transformer(self.cfg.model)
-            full.load_state_dict(state, assign=True)
-            try:
-                return save_mixtral(full, path)
-            except OSError as exc:  # the trained weights are safe in the final checkpoint: say where
-                ckpt = self.last_checkpoint
-                raise RunFailed(f"--export-hf {path}: {runlock.describe_os_error(exc)}; training finished and its "
-                                f"final checkpoint is {ckpt}: free space or fix permissions, then export it with "
-                                f"{PROG} --resume {ckpt} --steps {self.cfg.train.steps} --export-hf {path}") from None
-
-        folder = self.dist.from_main(write)  # every rank ends alike: rank 0's failure is everyone's
+        try:
+            folder = save_hf_sharded(self.model, path, tokenizer_from=self.run_dir)
+        except (OSError, ValueError) as exc:  # the trained weights are safe in the final checkpoint: say where
+            ckpt = self.last_checkpoint
+            why = runlock.describe_os_error(exc) if isinstance(exc, OSError) else str(exc)
+            raise RunFailed(f"--export-hf {path}: {why}; training finished and its final checkpoint is {ckpt}: "
+                            f"fix that, then export it with {PROG} --resume {ckpt} --steps {self.cfg.train.steps} "
+                            f"--export-hf {path}") from None
         if self.dist.is_main:
-            self.monitor.print(f"exported {folder} (HuggingFace Mixtral)")
+            self.monitor.print(f"exported {folder} (HuggingFace {choose_family(self.model)})")
 
     def step_metrics(self, step, loss, grad_norm, lr, load, dt, tokens_seen, elapsed) -> dict:
         tps = self.plan.tokens_per_step / dt
