@@ -82,7 +82,7 @@ def init_from_dense(model: Transformer, path: str, granularity: int, seed: int) 
         fix = " ".join(f"--model.{k} {_flag_value(want)}" for k, want, _ in diffs)
         raise UserError(f"{where}: the MoE model must keep the dense model's attention, embedding and FFN sizes; it "
                         f"differs in {listed}; use {fix}"
-                        + (f" (or another --upcycle-granularity)" if any(k == "moe_ffn_hidden_size" for k, *_ in diffs)
+                        + (" (or another --upcycle-granularity)" if any(k == "moe_ffn_hidden_size" for k, *_ in diffs)
                            else ""))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -28,15 +28,16 @@ and its config's name ``hf:<model_type>``, which survives moekit checkpoints and
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from moekit.models.config import ModelConfig
 from moekit.models.hf.export import choose_family, copy_tokenizer, export_problems, hf_config, zero_fill
-from moekit.models.hf.families import FAMILIES, UnsupportedCheckpoint, family, skipped_keys
+from moekit.models.hf.families import FAMILIES, Family, UnsupportedCheckpoint, family, skipped_keys
 from moekit.models.hf.io import DTYPE_NAMES, CONFIG_FILE, CheckpointReader, read_config, write_safetensors
-from moekit.models.hf.weights import check_counts, detect_layout, export_tensors, load_into, model_rules
+from moekit.models.hf.weights import Rule, check_counts, detect_layout, export_tensors, load_into, model_rules
 from moekit.models.transformer import Transformer
 
 SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
@@ -76,6 +77,30 @@ def load_hf_into(model: Transformer, path: str | Path, *, check_config: bool = T
     (capacity, loss coefficients, bias update rate, backend, max_seq_len, name, ...): anything else is a
     ValueError naming the fields, so fine-tuning never starts from silently mismatched weights.
     """
+    spec = plan_load(model, path, check_config)
+    load_into(model, spec.reader, spec.rules, spec.allowed_extra)
+    if spec.tied_copy:
+        _check_tied_copy(spec.reader, model)
+    _zero_non_persistent_buffers(model)
+    model.hf_family, model.hf_source = spec.family.model_type, Path(path)
+    return spec.reader
+
+
+@dataclass
+class LoadSpec:
+    """What loading ``path`` into a model takes, checked from config.json and the file headers (no data read)."""
+
+    family: Family
+    reader: CheckpointReader
+    rules: list[Rule]  # one per model tensor (models/hf/weights.py)
+    allowed_extra: set[str]  # checkpoint keys no rule consumes on purpose: skipped MTP layers, a tied lm_head copy
+    tied_copy: bool  # the checkpoint stores lm_head.weight for a tied model: it must equal the embedding
+
+
+def plan_load(model: Transformer, path: str | Path, check_config: bool = True) -> LoadSpec:
+    """The checks every HF load makes before reading data (the config's math, layer and expert counts, the
+    output layer) and the rules it fills the model by; load_hf_into and load_hf_sharded both start here.
+    Missing / extra keys and shapes are then checked against the rules (weights.check_keys)."""
     hf = read_config(path)
     fam = family(hf, path)
     if check_config:
@@ -87,13 +112,9 @@ def load_hf_into(model: Transformer, path: str | Path, *, check_config: bool = T
     blocks, fused = [b for b, _ in layouts], [f for _, f in layouts]
     check_counts(reader, model, fam.naming, blocks, fused, fam.layers_field, skipped)
     _check_lm_head(reader, model.config)
-    tied_extra = {"lm_head.weight"} if model.config.tie_embeddings and "lm_head.weight" in keys else set()
-    load_into(model, reader, model_rules(model, fam.naming, blocks, fused), tied_extra | skipped)
-    if tied_extra:
-        _check_tied_copy(reader, model)
-    _zero_non_persistent_buffers(model)
-    model.hf_family, model.hf_source = fam.model_type, Path(path)
-    return reader
+    tied = model.config.tie_embeddings and "lm_head.weight" in keys
+    rules = model_rules(model, fam.naming, blocks, fused)
+    return LoadSpec(fam, reader, rules, ({"lm_head.weight"} if tied else set()) | skipped, tied)
 
 
 def load_mixtral(path: str | Path, **kwargs) -> Transformer:

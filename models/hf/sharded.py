@@ -40,8 +40,8 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from moekit.models.hf.io import CONFIG_FILE, DTYPE_NAMES, INDEX_FILE, CheckpointReader, parse_size, read_config
-from moekit.models.hf.weights import Rule, check_counts, check_keys, detect_layout, model_rules
+from moekit.models.hf.io import CONFIG_FILE, DTYPE_NAMES, INDEX_FILE, CheckpointReader, parse_size
+from moekit.models.hf.weights import Rule, check_keys, model_rules
 
 __all__ = ["load_hf_sharded", "save_hf_sharded", "shard_box"]
 
@@ -220,32 +220,19 @@ class _LoadPlan:
 def _plan_load(model, path, check_config: bool) -> _LoadPlan:
     """Everything load_hf_into checks (the same calls, in the same order, minus its data reads), from
     config.json and the safetensors headers only; plus this rank's box of every tensor."""
-    from moekit.models.hf import _check_lm_head, _check_same_math
-    from moekit.models.hf.families import family, skipped_keys
+    from moekit.models.hf import plan_load
 
     _check_not_pipelined(model)
-    hf = read_config(path)
-    fam = family(hf, path)
-    if check_config:
-        _check_same_math(model.config, fam.to_config(hf), path)
-    reader = CheckpointReader(path)
-    keys = set(reader.infos)
-    skipped = skipped_keys(hf, keys, model.config.num_layers, path)
-    layouts = [detect_layout(keys, i, fam.naming) for i in range(model.config.num_layers)]
-    blocks, fused = [b for b, _ in layouts], [f for _, f in layouts]
-    check_counts(reader, model, fam.naming, blocks, fused, fam.layers_field, skipped)
-    _check_lm_head(reader, model.config)
-    tied = model.config.tie_embeddings and "lm_head.weight" in keys
-    rules = model_rules(model, fam.naming, blocks, fused)
-    state = model.state_dict()
-    check_keys(reader, rules, state, ({"lm_head.weight"} if tied else set()) | skipped)
+    spec = plan_load(model, path, check_config)
+    rules, state = spec.rules, model.state_dict()
+    check_keys(spec.reader, rules, state, spec.allowed_extra)
     boxes = {}
     for r in rules:
         if r.layout(tuple(state[r.target].shape)) is None:
             raise ValueError(f"{r.target}: its HuggingFace rule has no slice layout (weights.Rule.pieces), so it "
                              f"cannot be loaded slice by slice; use load_hf_into before parallelize")
         boxes[r.target] = shard_box(state[r.target], r.target)
-    return _LoadPlan(reader, rules, boxes, tied, fam.model_type)
+    return _LoadPlan(spec.reader, rules, boxes, spec.tied_copy, spec.family.model_type)
 
 
 @torch.no_grad()
