@@ -13,6 +13,7 @@ from tests.test_train_distributed import TINY, losses, run
 
 ROOT = Path(__file__).resolve().parents[1]
 from moekit.train.loop import main
+from moekit.train.records import load_rows
 
 
 def saved_bytes(model, tokens) -> int:
@@ -51,7 +52,7 @@ def test_checkpointing_saves_activation_memory_and_keeps_gradients():
 
 def _records(run_dir: Path):
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    load = [json.loads(x) for x in (run_dir / "expert_load.jsonl").read_text().splitlines()]
+    load = load_rows(run_dir)
     return [(m["loss"], m["grad_norm"]) for m in metrics], load
 
 

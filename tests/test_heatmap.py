@@ -34,11 +34,34 @@ def runs(tmp_path_factory):
     return out
 
 
+def raw_steps(run_dir: Path) -> tuple[np.ndarray, np.ndarray]:
+    """(steps [N], kept tokens [N, L, E]) straight from the run's file: expert_load.jsonl, or expert_load.bin
+    parsed here from its header's description (not with moekit.train.records)."""
+    if (run_dir / "expert_load.jsonl").exists():
+        lines = [json.loads(x) for x in (run_dir / "expert_load.jsonl").read_text().splitlines()[1:]]
+        return np.array([x["step"] for x in lines]), np.array([x["tokens"] for x in lines], dtype=np.float64)
+    raw = (run_dir / "expert_load.bin").read_bytes()
+    end = raw.index(b"\n") + 1
+    head = json.loads(raw[:end])
+    L, E, d = len(head["layers"]), head["num_experts"], np.dtype(head["dtype"]).newbyteorder("<")
+    rec = np.dtype([("step", "<i8"), ("tokens", d, (L, E)), ("assigned", d, (L, E)), ("dropped", d, (L,))])
+    n = (len(raw) - end) // rec.itemsize
+    rows = np.frombuffer(raw[end : end + n * rec.itemsize], dtype=rec)
+    return rows["step"], rows["tokens"].astype(np.float64)
+
+
 def expected_imbalance(run_dir: Path, first: int = 1, last: int = 10**9) -> list[float]:
-    """The oracle: max/mean of summed kept tokens per layer, straight from expert_load.jsonl."""
-    lines = [json.loads(x) for x in (run_dir / "expert_load.jsonl").read_text().splitlines()[1:]]
-    counts = np.array([x["tokens"] for x in lines if first <= x["step"] <= last]).sum(0)  # [L, E]
+    """The oracle: max/mean of summed kept tokens per layer (the window's imbalance)."""
+    steps, tokens = raw_steps(run_dir)
+    counts = tokens[(steps >= first) & (steps <= last)].sum(0)  # [L, E]
     return list(counts.max(1) / counts.mean(1))
+
+
+def expected_step_imbalance(run_dir: Path, first: int = 1, last: int = 10**9) -> np.ndarray:
+    """The oracle: [N, L] max/mean of each step's kept tokens per layer."""
+    steps, tokens = raw_steps(run_dir)
+    t = tokens[(steps >= first) & (steps <= last)]
+    return t.max(2) / t.mean(2)
 
 
 def png_size(path: Path) -> tuple[int, int]:
@@ -55,9 +78,13 @@ def test_single_run_figures_and_summary(runs, capsys):
         w, h = png_size(run / name)
         assert w > 300 and h > 200
     assert "router topk (top_k 2), 2 MoE layers x 8 experts, steps 1-6" in out
-    for layer, imb in zip(("layers.0.ffn", "layers.1.ffn"), expected_imbalance(run)):
-        row = next(line for line in out.splitlines() if line.startswith(layer))
-        assert float(row.split()[1]) == pytest.approx(imb, abs=0.006)
+    per_step = expected_step_imbalance(run)
+    for i, (layer, imb) in enumerate(zip(("layers.0.ffn", "layers.1.ffn"), expected_imbalance(run))):
+        row = next(line for line in out.splitlines() if line.startswith(layer)).split()
+        assert float(row[1]) == pytest.approx(per_step[:, i].mean(), abs=0.006)  # per-step mean
+        assert float(row[3]) == pytest.approx(np.percentile(per_step[:, i], 95), abs=0.006)
+        assert float(row[4]) == pytest.approx(per_step[:, i].max(), abs=0.006)
+        assert float(row[5]) == pytest.approx(imb, abs=0.006)  # the window's summed counts
 
 
 def test_step_window(runs, capsys):
@@ -67,7 +94,8 @@ def test_step_window(runs, capsys):
     out = capsys.readouterr().out
     assert "steps 4-6" in out and out_png.exists() and (run / "window_steps.png").exists()
     row = next(line for line in out.splitlines() if line.startswith("layers.0.ffn"))
-    assert float(row.split()[1]) == pytest.approx(expected_imbalance(run, 4)[0], abs=0.006)
+    assert float(row.split()[1]) == pytest.approx(expected_step_imbalance(run, 4)[:, 0].mean(), abs=0.006)
+    assert float(row.split()[5]) == pytest.approx(expected_imbalance(run, 4)[0], abs=0.006)
 
 
 def test_compare_two_routers(runs, tmp_path, capsys):
@@ -80,7 +108,13 @@ def test_compare_two_routers(runs, tmp_path, capsys):
     assert table[1].split()[:2] == ["topk", "topk"] and table[2].split()[:2] == ["hash", "hash"]
     final_loss = [json.loads(x) for x in (runs["hash"] / "metrics.jsonl").read_text().splitlines()][-1]["loss"]
     assert float(table[2].split()[3]) == pytest.approx(final_loss, abs=1e-4)
+    # per-step imbalance, not the window's: mean, p50, p95, max over (step, layer)
+    per_step = expected_step_imbalance(runs["hash"])
+    assert [float(x) for x in table[2].split()[5:9]] == pytest.approx(
+        [per_step.mean(), np.percentile(per_step, 50), np.percentile(per_step, 95), per_step.max()], abs=0.006)
     assert "note:" not in out  # same data, seed and model: only the router differs
+    html = tmp_path / "cmp.html"  # the report, by default beside --out
+    assert f"wrote {html}" in out and html.read_text().startswith("<!DOCTYPE html>")
 
 
 def test_compare_notes_unfair_differences(runs, capsys):
@@ -96,6 +130,9 @@ def test_layer_stats_oracle():
     c = np.array([40.0, 20, 0, 20])
     assert s.imbalance == pytest.approx(2.0) and s.cv == pytest.approx(c.std() / c.mean())
     assert s.dropped == pytest.approx(5 / 85) and np.allclose(s.share, c / 80)
+    # per step: 30/10 = 3.0 and 20/10 = 2.0 (the summed window above says 2.0)
+    assert s.step_imbalance == pytest.approx({"mean": 2.5, "p50": 2.5, "p95": 2.95, "max": 3.0})
+    assert s.dead_fraction == pytest.approx((2 + 1) / 2 / 4)
 
 
 @pytest.mark.parametrize("argv,expected", [
@@ -111,7 +148,7 @@ def test_bad_windows(runs, capsys, argv, expected):
 
 def test_not_a_run_dir_and_bad_usage(tmp_path, capsys):
     assert heatmap.main([str(tmp_path), "--text-only"]) == 2
-    assert "expert_load.jsonl: not found" in capsys.readouterr().err
+    assert "expert_load.bin: not found (nor expert_load.jsonl)" in capsys.readouterr().err
     assert heatmap.main(["--compare", str(tmp_path)]) == 2
     assert "at least two" in capsys.readouterr().err
     assert heatmap.main([]) == 2

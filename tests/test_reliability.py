@@ -20,6 +20,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 from moekit.train import guard
 from moekit.train.loop import main
+from moekit.train.records import load_rows
 
 from tests.tiny import TINY_MODEL
 
@@ -58,7 +59,7 @@ def test_skip_discards_the_step_and_names_the_gradient(tmp_path, monkeypatch, ca
     assert got[1]["lr"] > 0
     assert "step=2 skipped: non-finite gradient norm (nan)" in capsys.readouterr().out
     assert np.isfinite([got[0]["loss"], got[2]["loss"], got[2]["grad_norm"]]).all()
-    assert [r["step"] for r in rows(run, "expert_load.jsonl")[1:]] == [1, 3]  # no load line for step 2
+    assert [r["step"] for r in load_rows(run)[1:]] == [1, 3]  # no load line for step 2
     # the scheduler did not move at step 2: step 3 trains at the LR a clean run uses at step 2
     clean = tmp_path / "clean"
     monkeypatch.delenv(guard.POISON_ENV)
@@ -112,7 +113,7 @@ def test_torchrun_ranks_skip_together_with_all_tokens_on_one_expert(tmp_path):
     assert [x.get("skipped", False) for x in got] == [False, True, False]
     assert got[1]["where"] == "MoE layer layers.1.ffn: router output (forward)"
     tokens = 4 * 32  # global batch
-    for line in rows(run, "expert_load.jsonl")[1:]:
+    for line in load_rows(run)[1:]:
         for layer in line["tokens"]:  # dropless: expert 0 took every token, nothing was lost
             assert layer[0] == tokens and sum(layer) == 2 * tokens
     assert got[2]["imbalance"] >= 4  # max/mean over 8 experts: expert 0 holds half of all slots
@@ -124,7 +125,7 @@ def test_torchrun_capacity_drops_when_all_tokens_pick_one_expert(tmp_path):
                    "--model.router_options.force_expert", "0"])
     assert r.returncode == 0, r.stderr[-3000:]
     capacity = 2 * 32 * 2 // 8  # per rank: T=64 tokens, k=2, 8 experts, factor 1
-    for line in rows(run, "expert_load.jsonl")[1:]:
+    for line in load_rows(run)[1:]:
         assert all(layer[0] == 2 * capacity for layer in line["tokens"])  # two ranks, each full
         assert all(layer[0] == 4 * 32 for layer in line["assigned"])  # every token chose it
     dropped = (4 * 32 - 2 * capacity) / (2 * 4 * 32)  # expert 0's overflow alone: 96 of 256 slots
@@ -223,14 +224,15 @@ def test_live_tensors_do_not_grow_between_step_10_and_200(tmp_path, monkeypatch,
     from moekit.train import records
 
     seen = {}
-    real = records.JsonlWriter.write
+    real = records.ExpertLoadWriter.write
 
-    def write(self, obj):
-        real(self, obj)
-        if self.path.name == records.EXPERT_LOAD and obj.get("step") in (10, 200):
-            seen[obj["step"]] = _live_tensor_bytes()
+    def write(self, step, load, force=False):
+        written = real(self, step, load, force)
+        if step in (10, 200):
+            seen[step] = _live_tensor_bytes()
+        return written
 
-    monkeypatch.setattr(records.JsonlWriter, "write", write)
+    monkeypatch.setattr(records.ExpertLoadWriter, "write", write)
     small = ["--model.hidden_size", "16", "--model.num_layers", "1", "--model.moe_ffn_hidden_size", "16",
              "--model.num_experts", "2", "--model.top_k", "1",
              "--model.ffn_hidden_size", "16", "--train.seq_len", "8", "--batch-size", "2",

@@ -21,6 +21,7 @@ from moekit.train import checkpoint
 from moekit.train.data import split_windows, unigram_entropy
 from moekit.train.tokens import embedded_corpus, write_token_file
 from moekit.train.loop import main
+from moekit.train.records import load_rows
 
 TINY = ("--model.hidden_size 32 --model.num_layers 2 --model.num_heads 2 --model.num_kv_heads 1 "
         "--model.ffn_hidden_size 64 --model.moe_ffn_hidden_size 32 --model.max_seq_len 32 --train.seq_len 32 "
@@ -38,7 +39,7 @@ def metrics(run_dir: Path) -> list[dict]:
 
 
 def load_lines(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "expert_load.jsonl").read_text().splitlines()]
+    return load_rows(run_dir)  # expert_load.bin (or an older run's expert_load.jsonl), as JSONL objects
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from moekit.train.records import load_rows
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--model.hidden_size", "32", "--model.num_layers", "2", "--train.seq_len", "32", "--batch-size", "8",
         "--eval.every", "0", "--log.every", "1", "--log.progress", "off"]
@@ -51,7 +53,7 @@ def test_torchrun_ep_matches_one_process(tmp_path, single, extra):
                   str(resumed), "--checkpoint.every", "0", *TINY])
         assert r2.returncode == 0, r2.stderr
         assert losses(resumed) == pytest.approx(single[2:], rel=1e-5, abs=1e-6)
-        load = [json.loads(x) for x in (tmp_path / "expert_load.jsonl").read_text().splitlines()[1:]]
+        load = load_rows(tmp_path)[1:]
         assert all(sum(sum(layer) for layer in rec["tokens"]) > 0 for rec in load if "tokens" in rec)
 
 
@@ -117,7 +119,7 @@ def test_pipeline_runs_match_one_process(tmp_path, single_micro, nproc, extra, a
     assert r.returncode == 0, r.stderr[-3000:]
     assert "pipeline: " in r.stdout and "2 stages (layers 0-0 | 1-1)" in r.stdout
     assert losses(tmp_path) == pytest.approx(single_micro[aux], rel=1e-5, abs=1e-6)
-    load = [json.loads(x) for x in (tmp_path / "expert_load.jsonl").read_text().splitlines()]
+    load = load_rows(tmp_path)
     assert len(load[0]["layers"]) == 2  # both stages' MoE layers in rank 0's record
     assert all(sum(map(sum, rec["tokens"])) == 8 * 32 * 2 * 2 for rec in load[1:])  # B*S*k per layer, summed
     if nproc == 2:  # the pp2 checkpoint (each stage wrote its layers) resumes in one process: pp changes 2 -> 1

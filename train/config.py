@@ -90,6 +90,9 @@ class LogSection:
     every: int = 10  # console line every n steps (metrics.jsonl gets every step)
     tensorboard: bool = True  # write <run_dir>/tensorboard when the tensorboard package is installed
     progress: str = "auto"  # progress bar: auto = when stderr is a terminal
+    load_every: int = 0  # expert_load.bin and per-layer TensorBoard / W&B scalars every n steps; 0 = auto (<= ~2 GiB)
+    wandb: bool = False  # also log to Weights & Biases (the wandb extra); WANDB_MODE=offline needs no network
+    wandb_project: str = "moekit"  # the W&B project (--log.wandb)
 
 
 @dataclass
@@ -351,6 +354,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _require(cfg.eval.every >= 0 and cfg.eval.sequences >= 1,
              f"eval.every={cfg.eval.every} must be >= 0 and eval.sequences={cfg.eval.sequences} >= 1")
     _require(cfg.log.every >= 1, f"--log.every={cfg.log.every} is invalid; it must be a positive integer")
+    _require(cfg.log.load_every >= 0, f"--log.load_every={cfg.log.load_every} is invalid; it must be >= 0 (0 = auto)")
     _require(cfg.log.progress in PROGRESS, f"--log.progress={cfg.log.progress!r} is invalid; choose one of {list(PROGRESS)}")
     _require(cfg.checkpoint.every >= 0 and cfg.checkpoint.keep >= 1,
              f"checkpoint.every={cfg.checkpoint.every} must be >= 0 and checkpoint.keep={cfg.checkpoint.keep} >= 1")

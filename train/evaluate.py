@@ -2,6 +2,7 @@
 
     moekit-eval RUN_DIR|CHECKPOINT|HF_DIR [--data FILE] [--split val|all] [--seq-len N] [--batch-size B]
                 [--batches N | --max-tokens N] [--capacity dropless|trained] [--out JSON] [--device D] [--dtype T]
+                [--specialisation]
 
 Data: ``--data FILE`` (a token file, or any token data moekit-train's --data.path reads), else the data the
 run trained on (its config: path, blend or text), else (an HF folder) the embedded corpus, encoded with
@@ -15,6 +16,12 @@ exp(loss), bits per byte = total nats / ln 2 / the UTF-8 bytes the predicted tok
 one byte each, so loss / ln 2), tokens evaluated, and per MoE layer the expert load of that data
 (moekit.moe.load): imbalance max/mean, coefficient of variation std/mean of the tokens per expert, dead
 experts (no token), dropped slots. Progress goes to stderr every few seconds.
+
+Expert specialisation (--specialisation, moekit.train.specialisation): the same forward passes also record
+which token ids and positions each expert receives: per MoE layer the top tokens per expert (decoded with
+the run's tokenizer), the share of each position bucket's slots per expert and how concentrated each
+token id's routing is. A table on stdout, and "specialisation" in the --out JSON (what moekit-heatmap
+--specialisation shows in its report).
 
 Routing (--capacity): ``dropless`` (default) evaluates the model as moekit-generate runs it (every slot
 kept; moekit.train.inference); ``trained`` keeps the router's capacity factor, as the trainer's
@@ -141,14 +148,17 @@ def load_summary(model: torch.nn.Module) -> dict:
 
 @torch.inference_mode()
 def evaluate(model, tokens, starts: np.ndarray, seq_len: int, batch_size: int, tokenizer=None,
-             progress=None) -> dict:
-    """Loss over the windows at ``starts`` (each predicts seq_len tokens), bytes for bits per byte, expert load."""
+             progress=None, observer=None) -> dict:
+    """Loss over the windows at ``starts`` (each predicts seq_len tokens), bytes for bits per byte, expert load.
+    ``observer``: a specialisation.Specialisation attached to the model, told each batch's input ids."""
     device = model.embed.weight.device
     handles = record_eval_load(model)
     nats, byte_count, last = 0.0, 0, time.perf_counter()
     try:
         for i in range(0, starts.size, batch_size):
             x, y = gather(tokens, starts[i : i + batch_size], seq_len)  # [b, S] each
+            if observer is not None:
+                observer.begin_batch(x)
             logits = model(x.to(device))  # [b, S, V]
             loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten().to(device), reduction="sum")
             nats += float(loss)  # D2H sync: once per batch
@@ -191,6 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dropless (default, as generation runs) or the trained capacity factor (as the trainer "
                         "evaluates)")
     p.add_argument("--out", metavar="JSON", help="also write the results as JSON here")
+    p.add_argument("--specialisation", action="store_true",
+                   help="also report which tokens and positions each expert receives (module docstring)")
+    p.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)  # no stdout report (library use)
     return p
 
 
@@ -239,16 +252,34 @@ def run(args: argparse.Namespace) -> dict:
     if starts.size == 0:
         why = f"--max-tokens {args.max_tokens} is less than one window of {seq_len}" if limits else "the split is empty"
         raise UserError(f"no windows to evaluate: {why}")
-    _note(f"{info.describe()}; tokenizer {tokenizer.describe() if tokenizer else 'none: no bits per byte'}")
+    note = (lambda _msg: None) if args.quiet else _note
+    note(f"{info.describe()}; tokenizer {tokenizer.describe() if tokenizer else 'none: no bits per byte'}")
     for line in info.routing:
-        _note(f"note: {line}")
-    _note(f"data: {desc}; {args.split} split: {starts.size:,} windows of {seq_len} in batches of {batch_size}")
-    result = evaluate(model, split.tokens, starts, seq_len, batch_size, tokenizer, progress=_note)
+        note(f"note: {line}")
+    note(f"data: {desc}; {args.split} split: {starts.size:,} windows of {seq_len} in batches of {batch_size}")
+    observer = None
+    if args.specialisation:
+        from moekit.train.specialisation import Specialisation
+
+        observer = Specialisation(cfg.vocab_size, seq_len).attach(model)
+    try:
+        result = evaluate(model, split.tokens, starts, seq_len, batch_size, tokenizer,
+                          progress=None if args.quiet else _note, observer=observer)
+    finally:
+        if observer is not None:
+            observer.detach()
+    if observer is not None:
+        result["specialisation"] = observer.result(tokenizer)
     result = {"path": str(info.path), "checkpoint": str(info.checkpoint) if info.checkpoint else None,
               "step": info.step, "model": cfg.name, "data": desc, "split": args.split, "seq_len": seq_len,
               "batch_size": batch_size, "capacity": args.capacity, "device": str(info.device),
               "dtype": str(info.dtype).removeprefix("torch."), **result}
-    print(report(result))
+    if not args.quiet:
+        print(report(result))
+        if observer is not None:
+            from moekit.train.specialisation import report as specialisation_report
+
+            print(specialisation_report(result["specialisation"]))
     if out is not None:
         try:
             out.write_text(json.dumps(result, indent=1) + "\n")

@@ -249,25 +249,30 @@ class Trainer:
             return
         d = self.run_dir
         if self.resume_from is None:
-            stale = [d / n for n in (records.METRICS, records.EXPERT_LOAD, records.CONFIG, "checkpoints", "tensorboard")]
+            stale = [d / n for n in (records.METRICS, records.EXPERT_LOAD, records.EXPERT_LOAD_BIN, records.CONFIG,
+                                     "checkpoints", "tensorboard")]
             if any(p.exists() for p in stale):
                 print(f"note: starting a fresh run in {d}: replacing its records and checkpoints "
                       f"(--resume continues a run instead)")
             for p in stale:
                 shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
         d.mkdir(parents=True, exist_ok=True)
-        for name in (records.METRICS, records.EXPERT_LOAD):
+        for name in (records.METRICS, records.EXPERT_LOAD, records.EXPERT_LOAD_BIN):
             records.truncate_after(d / name, self.start_step)
         (d / records.CONFIG).write_text(json.dumps(self.cfg.to_dict(), indent=1))
         record_tokenizer(d, self.data.tokenizer)  # tokenizer.json + tokenizer_info.json: how to decode this run
         self.metrics = records.JsonlWriter(d / records.METRICS)
-        new_load = not (d / records.EXPERT_LOAD).exists()
-        self.load_log = records.JsonlWriter(d / records.EXPERT_LOAD)
-        if new_load:
-            layers = layers or collect_load(self.model, reset=False)
-            self.load_log.write(records.load_header(layers, self.cfg.model.router, self.cfg.model.top_k))
-        self.monitor = Monitor(str(d), self.plan.device, self.cfg.train.steps, self.start_step,
-                               self.cfg.log.every, self.cfg.log.tensorboard, self.cfg.log.progress)
+        cfg = self.cfg
+        # expert_load.bin every `stride`-th step (and the last); 0 = the smallest stride under ~2 GiB
+        stride = cfg.log.load_every or records.auto_stride(cfg.model.num_moe_layers, cfg.model.num_experts,
+                                                            cfg.train.steps)
+        self.load_log = records.ExpertLoadWriter(d / records.EXPERT_LOAD_BIN,
+                                                 layers or collect_load(self.model, reset=False), cfg.model.router,
+                                                 cfg.model.top_k, stride=stride,
+                                                 max_count=self.plan.tokens_per_step * max(cfg.model.top_k, 1))
+        self.monitor = Monitor(str(d), self.plan.device, cfg.train.steps, self.start_step, cfg.log.every,
+                               cfg.log.tensorboard, cfg.log.progress, load_every=stride, wandb=cfg.log.wandb,
+                               wandb_project=cfg.log.wandb_project, config=cfg.to_dict())
 
     def describe(self) -> None:
         if not self.dist.is_main:
@@ -422,8 +427,8 @@ class Trainer:
             if step == cfg.train.steps or (cfg.eval.every and step % cfg.eval.every == 0):
                 m["val_loss"] = self.evaluate()
             if self.dist.is_main:
-                self.metrics.write(self.monitor.step(m))
-                self.load_log.write(records.load_line(step, load))
+                self.metrics.write(self.monitor.step(m, load))  # + balance_loss, z_loss, cv, dead_experts
+                self.load_log.write(step, load, force=step == cfg.train.steps)
             if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == cfg.train.steps):
                 self.last_checkpoint = self.save(step)
         self.last_checkpoint = self.checkpointer.finalize()  # an async save is sealed before the run ends

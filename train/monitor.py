@@ -1,14 +1,34 @@
-"""What a run reports besides its records: console lines, progress bar, MFU, memory, TensorBoard, GPU telemetry.
+"""What a run reports besides its records: console lines, progress bar, MFU, memory, TensorBoard, Weights &
+Biases, GPU telemetry.
 
 Optional packages (tensorboard, nvidia-ml-py) are used when installed and skipped silently otherwise;
 ``Monitor.describe()`` says which are active so a missing one is visible in the first lines of a run.
+Weights & Biases (``wandb``, the ``wandb`` extra) is used only when asked for (``wandb=True``), and a
+missing package or a failed ``wandb.init`` is then an error; ``WANDB_MODE=offline`` writes the run under
+``<run_dir>/wandb`` without a network (``wandb sync`` uploads it later).
+
+Per step the loop calls ``Monitor.step(metrics, load)`` with the per-layer summaries of
+``moe.collect_load`` ({layer name: LoadSummary}). It adds ``loadstats.load_metrics`` to the metrics
+(balance_loss, z_loss, cv, dead_experts) and sends to TensorBoard and W&B:
+
+    every step                  the metrics' numbers (loss, aux_loss, balance_loss, z_loss, imbalance, ...)
+    every ``load_every`` steps  per MoE layer: <stat>/<layer> for stat in imbalance, cv, dropped, dead_experts,
+                                saturated_experts, balance_loss, z_loss (the unweighted router terms)
+    every ``image_every`` steps and the last: expert_load/share, the [layers x experts] share of each
+                                layer's tokens as an image, and expert_load/<layer>, a histogram of the
+                                experts' load relative to the mean (1 = fair share)
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 
+import numpy as np
 import torch
+
+from moekit.train import UserError
+from moekit.train.loadstats import layer_load_stats, load_metrics
 
 # Dense bf16 tensor-core peaks (FLOP/s) by device-name substring, most specific first. MFU is only
 # reported for bf16 runs on a listed device: a made-up peak would make the number meaningless.
@@ -67,9 +87,50 @@ class GpuTelemetry:
                 "gpu_temp_c": n.nvmlDeviceGetTemperature(h, n.NVML_TEMPERATURE_GPU)}
 
 
+LAYER_STATS = {"imbalance": "imbalance", "cv": "cv", "dropped": "dropped", "dead": "dead_experts",
+               "saturated": "saturated_experts", "balance_loss": "balance_loss", "z_loss": "z_loss"}
+
+
+def layer_scalars(load: dict) -> dict[str, float]:
+    """{"<stat>/<layer>": value} of one step's per-layer load statistics (tags grouped by statistic)."""
+    out = {}
+    for name, row in layer_load_stats(load).items():
+        for key, tag in LAYER_STATS.items():
+            if key in row:
+                out[f"{tag}/{name}"] = row[key]
+    return out
+
+
+def load_share(load: dict) -> np.ndarray:
+    """[L, E] each expert's share of its layer's kept tokens in one step."""
+    t = np.array([s.tokens_per_expert for s in load.values()], dtype=np.float64)
+    tot = t.sum(axis=1, keepdims=True)
+    return np.divide(t, tot, out=np.zeros_like(t), where=tot > 0)
+
+
+def load_image(share: np.ndarray, min_size: int = 128) -> np.ndarray:
+    """[H, W, 3] uint8 picture of an [L, E] share matrix (viridis when matplotlib is present, else grey),
+    each cell scaled up so the picture is at least ``min_size`` pixels on its short side, at most ~1 MP."""
+    L, E = share.shape
+    peak = share.max() if share.size and share.max() > 0 else 1.0
+    v = share / peak
+    try:
+        import matplotlib
+
+        rgb = (matplotlib.colormaps["viridis"](v)[..., :3] * 255).astype(np.uint8)
+    except ImportError:
+        rgb = np.repeat((v * 255).astype(np.uint8)[..., None], 3, axis=2)
+    ry = max(1, min(-(-min_size // max(L, 1)), 1024 // max(L, 1) or 1))
+    rx = max(1, min(-(-min_size // max(E, 1)), 1024 // max(E, 1) or 1))
+    return np.repeat(np.repeat(rgb, ry, axis=0), rx, axis=1)
+
+
 class TensorBoard:
+    """TensorBoard event files under ``log_dir`` (torch.utils.tensorboard; needs the tensorboard package)."""
+
     def __init__(self, log_dir: str, enabled: bool):
         self.writer = None
+        self.installed = True
         if enabled:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -77,17 +138,93 @@ class TensorBoard:
                 self.writer = SummaryWriter(log_dir)
             except ImportError:  # the tensorboard package is optional
                 self.writer = None
+                self.installed = False
 
     def write(self, metrics: dict) -> None:
         if self.writer is None:
             return
         for k, v in metrics.items():
-            if k != "step" and isinstance(v, (int, float)):
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
                 self.writer.add_scalar(k, v, metrics["step"])
+
+    def write_layers(self, step: int, scalars: dict[str, float]) -> None:
+        if self.writer is None:
+            return
+        for tag, v in scalars.items():
+            self.writer.add_scalar(tag, v, step)
+
+    def write_load(self, step: int, load: dict) -> None:
+        if self.writer is None:
+            return
+        share = load_share(load)
+        self.writer.add_image("expert_load/share", load_image(share), step, dataformats="HWC")
+        E = share.shape[1]
+        for name, row in zip(load, share):
+            self.writer.add_histogram(f"expert_load/{name}", row * E, step)  # 1 = the expert's fair share
+
+    def flush(self) -> None:
+        if self.writer is not None:
+            self.writer.flush()
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+
+WANDB_HINT = 'Weights & Biases logging needs the wandb package: pip install -e ".[wandb]" (or pip install wandb)'
+
+
+class WandB:
+    """A Weights & Biases run (``wandb``), logging what TensorBoard gets. ``enabled`` False: does nothing.
+
+    The run's files go to ``<run_dir>/wandb``; WANDB_MODE (online, offline, disabled) and the other WANDB_*
+    variables apply as usual. ``project``: the W&B project (default "moekit"); ``name``: the run's name
+    (default the run directory's name); ``config``: the resolved TrainConfig as a dict. A resumed training
+    run (``resume_step`` > 0) continues the W&B run it started (its id is kept in <run_dir>/wandb/)."""
+
+    def __init__(self, run_dir: str, enabled: bool, project: str = "", name: str = "", config: dict | None = None,
+                 resume_step: int = 0):
+        self.run = None
+        if not enabled:
+            return
+        try:
+            import wandb
+        except ImportError:
+            raise UserError(WANDB_HINT) from None
+        self.wandb = wandb
+        os.makedirs(os.path.join(run_dir, "wandb"), exist_ok=True)
+        id_file = os.path.join(run_dir, "wandb", "moekit-run-id")  # a resumed training run continues its W&B run
+        run_id = None
+        if resume_step > 0 and os.path.exists(id_file):
+            with open(id_file, encoding="utf-8") as f:
+                run_id = f.read().strip() or None
+        try:
+            self.run = wandb.init(project=project or "moekit", name=name or os.path.basename(os.path.normpath(run_dir)),
+                                  dir=run_dir, config=config or {}, id=run_id, resume="allow" if run_id else None)
+        except Exception as exc:  # no login, no network in online mode, a bad project name: say which, stop
+            raise UserError(f"Weights & Biases: wandb.init failed ({' '.join(str(exc).split())[:300]}); log in "
+                            f"(wandb login), set WANDB_MODE=offline to write the run locally, or turn it off "
+                            f"(--log.wandb false)") from None
+        with open(id_file, "w", encoding="utf-8") as f:
+            f.write(self.run.id + "\n")
+
+    def log(self, step: int, values: dict) -> None:
+        if self.run is not None and values:
+            self.run.log(values, step=step)
+
+    def load_values(self, load: dict) -> dict:
+        """The image and histograms of one step's load, as W&B media."""
+        share = load_share(load)
+        E = share.shape[1]
+        out = {"expert_load/share": self.wandb.Image(load_image(share))}
+        for name, row in zip(load, share):
+            out[f"expert_load/{name}"] = self.wandb.Histogram(row * E)
+        return out
+
+    def close(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+            self.run = None
 
 
 class Progress:
@@ -130,26 +267,53 @@ def format_line(m: dict) -> str:
 
 
 class Monitor:
-    """Everything per-step output goes through: console, progress bar, TensorBoard, telemetry."""
+    """Everything per-step output goes through: console, progress bar, TensorBoard, W&B, telemetry.
+
+    ``load_every``: per-layer scalars every n steps (the expert-load record's stride is a good choice);
+    ``image_every``: the load image and histograms every n steps (default 10 x load_every) and at the last.
+    ``wandb``, ``wandb_project``, ``wandb_name``, ``config``: the optional Weights & Biases run (class WandB)."""
 
     def __init__(self, run_dir: str, device: torch.device, total: int, start: int, log_every: int,
-                 tensorboard: bool, progress: str):
+                 tensorboard: bool, progress: str, *, load_every: int = 1, image_every: int = 0, wandb: bool = False,
+                 wandb_project: str = "", wandb_name: str = "", config: dict | None = None):
         self.log_every = log_every
+        self.load_every = max(1, load_every)
+        self.image_every = image_every or 10 * self.load_every
         self.telemetry = GpuTelemetry(device)
         self.tb = TensorBoard(f"{run_dir}/tensorboard", tensorboard)
+        self.wandb = WandB(run_dir, wandb, wandb_project, wandb_name, config, start)
         self.progress = Progress(total, start, progress)
         self.total = total
 
     def describe(self) -> str:
-        on = lambda x: "on" if x else "off (not installed)"  # noqa: E731
-        return f"tensorboard {on(self.tb.writer)}, gpu telemetry {on(self.telemetry.handle)}"
+        def state(active, asked=True, installed=True):
+            return "on" if active else ("off (not installed)" if asked and not installed else "off")
 
-    def step(self, m: dict) -> dict:
+        tb = state(self.tb.writer, installed=self.tb.installed)
+        return (f"tensorboard {tb}, wandb {'on' if self.wandb.run is not None else 'off'}, gpu telemetry "
+                f"{state(self.telemetry.handle, installed=False)}")
+
+    def step(self, m: dict, load: dict | None = None) -> dict:
+        """One optimizer step's output. ``load``: {layer: LoadSummary} of that step (moe.collect_load), which
+        adds balance_loss, z_loss, cv and dead_experts to ``m`` and the per-layer logging (class doc)."""
         m.update(self.telemetry.read())
+        step = m["step"]
+        if load:
+            m.update(load_metrics(load))
         self.tb.write(m)
-        if m["step"] % self.log_every == 0 or m["step"] == self.total or "val_loss" in m:
+        values = {k: v for k, v in m.items() if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if load and (step % self.load_every == 0 or step == self.total):
+            scalars = layer_scalars(load)
+            self.tb.write_layers(step, scalars)
+            values.update(scalars)
+        if load and (step % self.image_every == 0 or step == self.total):
+            self.tb.write_load(step, load)
+            if self.wandb.run is not None:
+                values.update(self.wandb.load_values(load))
+        self.wandb.log(step, values)
+        if step % self.log_every == 0 or step == self.total or "val_loss" in m:
             self.print(format_line(m))
-        self.progress.update(m["step"], m["loss"])
+        self.progress.update(step, m["loss"])
         return m
 
     def print(self, line: str) -> None:
@@ -159,3 +323,4 @@ class Monitor:
     def close(self) -> None:
         self.progress.clear()
         self.tb.close()
+        self.wandb.close()

@@ -1,9 +1,10 @@
-"""The run directory's records: writers used by training, readers used by tools/heatmap.py.
+"""The run directory's records: writers used by training, readers used by moekit-heatmap and the report.
 
     <run_dir>/
         config.json        the resolved TrainConfig (what --print-config shows, as JSON)
         metrics.jsonl      one object per optimizer step
-        expert_load.jsonl  a header object, then one object per optimizer step
+        expert_load.bin    expert load, binary: a JSON header line, then one fixed-size record per written step
+        expert_load.jsonl  the same record as JSON lines (moekit before the binary format; still read)
         checkpoints/       see moekit.train.checkpoint
         tensorboard/       when the tensorboard package is installed
 
@@ -12,27 +13,54 @@ added to the objective: sum over MoE layers of the mean over micro-batches), lr,
 clipping), tokens_per_s, tokens (seen so far), elapsed_s, mem_gb (peak), mfu (null where the device
 peak is unknown), imbalance (mean over MoE layers of max/mean tokens per expert), imbalance_max (the
 worst layer), dropped_fraction (dropped slots / routed slots, all layers); val_loss on evaluation
-steps; gpu_* telemetry when nvidia-ml-py is present.
+steps; gpu_* telemetry when nvidia-ml-py is present. With moekit.train.monitor.load_metrics: balance_loss
+and z_loss (the routers' unweighted terms, mean over MoE layers), cv, dead_experts.
 
-expert_load.jsonl:
+The expert-load record, one entry per written optimizer step (every step, or every ``stride``-th):
+
+    field     shape    meaning
+    step      []       optimizer step, from 1
+    tokens    [L, E]   slots expert e of MoE layer l processed in that step (all micro-batches), after
+                       capacity dropping
+    assigned  [L, E]   slots the router chose before dropping
+    dropped   [L]      sum(assigned[l]) - sum(tokens[l])
+
+L = MoE layers in module order (header "layers"), E = experts per layer (header "num_experts").
+
+expert_load.bin (``ExpertLoadWriter``; read memory-mapped, so a window or an aggregate of a long run
+never loads the whole record):
+    bytes 0..H-1  one line of UTF-8 JSON padded with spaces to a multiple of 4096 bytes, ending in "\\n":
+                  {"format": "moekit-expert-load-binary", "version": 1, "router", "top_k", "num_experts",
+                   "layers", "stride", "dtype": "int32" | "int64", "record_bytes"}
+    then          fixed-size little-endian records: step int64, tokens dtype[L, E], assigned dtype[L, E],
+                  dropped dtype[L] (record_bytes = 8 + size(dtype) * (2 * L * E + L))
+A crash mid-write leaves a partial last record; readers ignore it and a resumed run cuts it off.
+Size: 61 layers x 256 experts in int32 is 125 KB per written step, so 100k steps cost 12.5 GB at stride
+1, 1.25 GB at stride 10 (``auto_stride`` picks one for a budget).
+
+expert_load.jsonl (version 1, read for older runs):
     line 1: {"format": "moekit-expert-load", "version": 1, "router": str, "top_k": int,
              "num_experts": E, "layers": [L MoE layer names, module order]}
     then:   {"step": n, "tokens": [[E ints] x L], "assigned": [[E ints] x L], "dropped": [L ints]}
-tokens = slots each expert processed in that optimizer step (all micro-batches), after capacity
-dropping; assigned = slots the router chose before dropping; dropped = sum(assigned) - sum(tokens).
 """
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
 from moekit.train import UserError
 
 LOAD_FORMAT, LOAD_VERSION = "moekit-expert-load", 1
+BIN_FORMAT, BIN_VERSION = "moekit-expert-load-binary", 1
 METRICS, EXPERT_LOAD, CONFIG = "metrics.jsonl", "expert_load.jsonl", "config.json"
+EXPERT_LOAD_BIN = "expert_load.bin"
+HEADER_ALIGN = 4096
+LOAD_BUDGET_BYTES = 2 << 30  # auto_stride: keep a run's expert-load record under about 2 GiB
 
 
 class JsonlWriter:
@@ -60,8 +88,13 @@ class JsonlWriter:
 
 
 def truncate_after(path: Path, step: int) -> None:
-    """Drop the lines of steps after ``step`` (a resumed run rewrites them); keep header lines."""
+    """Drop the records of steps after ``step`` (a resumed run rewrites them); keep header lines.
+    ``expert_load.bin`` (by its suffix) is cut at the first record past ``step`` (and a partial last record)."""
+    path = Path(path)
     if not path.exists():
+        return
+    if path.suffix == ".bin":
+        _truncate_binary(path, step)
         return
     kept = []
     for ln in path.read_text(encoding="utf-8").splitlines(keepends=True):
@@ -88,29 +121,247 @@ def load_line(step: int, layers: dict) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------
+# The binary expert-load record
+# ---------------------------------------------------------------------------------------------------
+
+
+def record_dtype(layers: int, experts: int, dtype: str = "int32") -> np.dtype:
+    """The fixed-size record of expert_load.bin (explicitly little-endian, unaligned)."""
+    d = np.dtype(dtype).newbyteorder("<")
+    return np.dtype([("step", "<i8"), ("tokens", d, (layers, experts)), ("assigned", d, (layers, experts)),
+                     ("dropped", d, (layers,))])
+
+
+def count_dtype(max_count: int | None) -> str:
+    """int32 when every count fits (slots per step < 2**31), else int64; unknown: int64."""
+    return "int32" if max_count is not None and max_count < 2**31 else "int64"
+
+
+def auto_stride(layers: int, experts: int, steps: int, budget_bytes: int = LOAD_BUDGET_BYTES,
+                dtype: str = "int32") -> int:
+    """The smallest stride that keeps ``steps`` steps of expert-load records under ``budget_bytes``."""
+    per_step = record_dtype(max(layers, 1), max(experts, 1), dtype).itemsize
+    return max(1, -(-steps * per_step // max(budget_bytes, 1)))
+
+
+def _read_bin_header(path: Path) -> tuple[dict, int]:
+    """(header, header length in bytes) of expert_load.bin."""
+    with open(path, "rb") as f:
+        raw = b""
+        while b"\n" not in raw:
+            chunk = f.read(HEADER_ALIGN)
+            if not chunk:
+                raise UserError(f"{path}: no header line; not a {BIN_FORMAT} file (a write cut short?)")
+            raw += chunk
+            if len(raw) > 1 << 24:
+                raise UserError(f"{path}: no header line in its first 16 MiB; not a {BIN_FORMAT} file")
+    end = raw.index(b"\n") + 1
+    try:
+        head = json.loads(raw[:end].decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise UserError(f"{path}: its header is not JSON; not a {BIN_FORMAT} file") from None
+    if not isinstance(head, dict) or head.get("format") != BIN_FORMAT:
+        raise UserError(f"{path}: header format {head.get('format') if isinstance(head, dict) else head!r}; "
+                        f"expected {BIN_FORMAT!r}")
+    if head.get("version") != BIN_VERSION:
+        raise UserError(f"{path}: format version {head.get('version')!r}; this moekit reads {BIN_VERSION}")
+    return head, end
+
+
+def _bin_layout(path: Path, head: dict) -> np.dtype:
+    L, E = len(head["layers"]), int(head["num_experts"])
+    rec = record_dtype(L, E, head.get("dtype", "int32"))
+    if head.get("record_bytes", rec.itemsize) != rec.itemsize:
+        raise UserError(f"{path}: header says {head['record_bytes']} bytes per record, but {L} layers x {E} "
+                        f"experts of {head.get('dtype')} take {rec.itemsize}")
+    return rec
+
+
+def _truncate_binary(path: Path, step: int) -> None:
+    head, start = _read_bin_header(path)
+    rec = _bin_layout(path, head)
+    n = (path.stat().st_size - start) // rec.itemsize
+    keep = 0
+    if n:
+        steps = _read_steps(path, start, rec, n)
+        keep = int(np.searchsorted(steps, step, side="right")) if _sorted(steps) else int((steps <= step).sum())
+    os.truncate(path, start + keep * rec.itemsize)
+
+
+def _sorted(a: np.ndarray) -> bool:
+    return a.size < 2 or bool(np.all(a[1:] > a[:-1]))
+
+
+class ExpertLoadWriter:
+    """Appends expert-load records to ``expert_load.bin``, one every ``stride``-th optimizer step.
+
+    ``layers``: the MoE layer names in module order (or ``moe.collect_load``'s dict). An existing file (a
+    resumed run) is appended to after checking it records the same layers and experts; its partial last
+    record, if any, is cut off. Without one, but with an ``expert_load.jsonl`` beside it (a run begun by an
+    older moekit), that record is converted first (every step it has), so the run keeps one record.
+    ``max_count``: the most slots a count can hold (tokens per step x top_k); it picks int32 or int64.
+
+        writer = ExpertLoadWriter(run_dir / EXPERT_LOAD_BIN, collect_load(model, reset=False), "topk", 2,
+                                  stride=10, max_count=tokens_per_step * top_k)
+        writer.write(step, load)      # every step: writes only when step % stride == 0
+    """
+
+    def __init__(self, path: Path, layers, router: str, top_k: int, num_experts: int | None = None,
+                 stride: int = 1, max_count: int | None = None, migrate: bool = True):
+        if stride < 1:
+            raise ValueError(f"stride {stride}: must be a positive integer")
+        self.path, self.stride = Path(path), stride
+        names = list(layers)
+        if num_experts is None:
+            num_experts = len(next(iter(layers.values())).tokens_per_expert) if isinstance(layers, dict) and layers \
+                else 0
+        self._failed = False
+        if self.path.exists() and self.path.stat().st_size > 0:
+            head, start = _read_bin_header(self.path)
+            if head["layers"] != names or head["num_experts"] != num_experts:
+                raise UserError(f"{self.path}: records {len(head['layers'])} MoE layers x {head['num_experts']} "
+                                f"experts, this model has {len(names)} x {num_experts}; use a new --run-dir")
+            self.header = head
+            self.rec = _bin_layout(self.path, head)
+            size = self.path.stat().st_size
+            whole = start + (size - start) // self.rec.itemsize * self.rec.itemsize
+            if whole != size:  # a partial record from a crash mid-write
+                os.truncate(self.path, whole)
+        else:
+            dtype = count_dtype(max_count)
+            self.rec = record_dtype(len(names), num_experts, dtype)
+            self.header = {"format": BIN_FORMAT, "version": BIN_VERSION, "router": router, "top_k": top_k,
+                           "num_experts": num_experts, "layers": names, "stride": stride, "dtype": dtype,
+                           "record_bytes": self.rec.itemsize}
+            text = json.dumps(self.header, separators=(",", ":")).encode("utf-8")
+            size = -(-(len(text) + 1) // HEADER_ALIGN) * HEADER_ALIGN
+            tmp = self.path.with_name(self.path.name + ".partial")
+            with open(tmp, "wb") as f:
+                f.write(text + b" " * (size - len(text) - 1) + b"\n")
+                old = self.path.with_name(EXPERT_LOAD)
+                migrate = migrate and old.exists()
+                if migrate:  # an older moekit's run, resumed: its steps move into the binary record
+                    for chunk in _jsonl_chunks(old, self.rec):
+                        f.write(chunk.tobytes())
+            os.replace(tmp, self.path)
+            if migrate:
+                old.unlink()
+        self.limit = np.iinfo(self.rec["tokens"].base).max
+        self._f = open(self.path, "ab")
+
+    def due(self, step: int) -> bool:
+        return step % self.stride == 0
+
+    def write(self, step: int, load: dict, force: bool = False) -> bool:
+        """Record ``step`` from ``moe.collect_load`` summaries {name: LoadSummary} when it is due (or
+        ``force``); returns whether it was written."""
+        if not (force or self.due(step)):
+            return False
+        s = list(load.values())
+        self.write_counts(step, [x.tokens_per_expert for x in s], [x.assigned_per_expert for x in s],
+                          [x.dropped_slots for x in s])
+        return True
+
+    def write_counts(self, step: int, tokens, assigned, dropped) -> None:
+        """One record from arrays: tokens and assigned [L, E], dropped [L]."""
+        row = np.zeros((), dtype=self.rec)
+        row["step"] = step
+        for name, value in (("tokens", tokens), ("assigned", assigned), ("dropped", dropped)):
+            arr = np.asarray(value, dtype=np.int64)
+            if arr.size == 0 and row[name].size == 0:  # a model without MoE layers: the step alone
+                continue
+            if arr.shape != row[name].shape:
+                raise ValueError(f"{name}: shape {arr.shape}, the record holds {row[name].shape}")
+            if arr.size and (arr.max() > self.limit or arr.min() < 0):
+                raise ValueError(f"{name}: a count of {arr.max()} does not fit {self.header['dtype']} (pass "
+                                 f"max_count when creating {self.path})")
+            row[name] = arr
+        self.write_rows(row.reshape(1))
+
+    def write_rows(self, rows: np.ndarray) -> None:
+        """Append records already in this file's record dtype (tools/bench, conversions)."""
+        try:
+            self._f.write(np.ascontiguousarray(rows, dtype=self.rec).tobytes())
+            self._f.flush()
+        except OSError as exc:  # a full disk: name the file (a buffered write's error does not)
+            self._failed = True
+            raise OSError(exc.errno, exc.strerror, str(self.path)) from None
+
+    def close(self) -> None:
+        try:
+            self._f.close()
+        except OSError:
+            if not self._failed:
+                raise
+
+
+# ---------------------------------------------------------------------------------------------------
 # Readers
 # ---------------------------------------------------------------------------------------------------
 
 
 @dataclass
 class ExpertLoadRecord:
+    """A run's expert-load record. From expert_load.bin the arrays are memory-mapped views: slicing a
+    window reads nothing, and ``chunks()`` reads the file a chunk at a time (plain reads, so the process
+    holds one chunk, not the mapped pages). ``steps`` are ascending."""
+
     router: str
     top_k: int
     layers: list[str]
     steps: np.ndarray  # [N] int
-    tokens: np.ndarray  # [N, L, E] int64, kept slots per expert per step
-    assigned: np.ndarray  # [N, L, E] int64
-    dropped: np.ndarray  # [N, L] int64
+    tokens: np.ndarray  # [N, L, E] kept slots per expert per step
+    assigned: np.ndarray  # [N, L, E]
+    dropped: np.ndarray  # [N, L]
+    stride: int = 1  # the writer's stride (informational: the steps are in ``steps``)
+    source: str = ""  # the file it was read from
+    file: tuple | None = None  # expert_load.bin: (path, byte offset of row 0, record dtype) for chunked reads
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.tokens.shape[2])
+
+    def __len__(self) -> int:
+        return int(self.steps.shape[0])
 
     def window(self, first: int | None, last: int | None) -> "ExpertLoadRecord":
-        lo = self.steps.min() if first is None else first
-        hi = self.steps.max() if last is None else last
-        sel = (self.steps >= lo) & (self.steps <= hi)
-        if not sel.any():
+        lo = int(self.steps[0]) if first is None else first
+        hi = int(self.steps[-1]) if last is None else last
+        file = None
+        if _sorted(self.steps):
+            a, b = int(np.searchsorted(self.steps, lo, "left")), int(np.searchsorted(self.steps, hi, "right"))
+            sel = slice(a, b)  # a view: nothing is read
+            empty = b <= a
+            if self.file is not None:
+                path, offset, rec = self.file
+                file = (path, offset + a * rec.itemsize, rec)
+        else:
+            sel = (self.steps >= lo) & (self.steps <= hi)
+            empty = not sel.any()
+        if empty:
             raise UserError(f"no expert-load records in steps {lo}..{hi} (the run has steps "
                             f"{self.steps.min()}..{self.steps.max()})")
         return ExpertLoadRecord(self.router, self.top_k, self.layers, self.steps[sel], self.tokens[sel],
-                                self.assigned[sel], self.dropped[sel])
+                                self.assigned[sel], self.dropped[sel], self.stride, self.source, file)
+
+    def chunks(self, rows: int) -> Iterator[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
+        """(first row index, tokens, assigned, dropped) of at most ``rows`` steps each, as integer arrays (the
+        file's int32 or int64: sum with dtype=np.int64)."""
+        if self.file is None:
+            for i in range(0, len(self), rows):
+                yield (i, np.asarray(self.tokens[i : i + rows], dtype=np.int64),
+                       np.asarray(self.assigned[i : i + rows], dtype=np.int64),
+                       np.asarray(self.dropped[i : i + rows], dtype=np.int64))
+            return
+        path, offset, rec = self.file
+        with open(path, "rb") as f:
+            f.seek(offset)
+            for i in range(0, len(self), rows):
+                n = min(rows, len(self) - i)
+                block = np.frombuffer(f.read(n * rec.itemsize), dtype=rec)
+                if block.shape[0] != n:
+                    raise UserError(f"{path}: ended while reading steps {self.steps[i]}..; was it truncated meanwhile?")
+                yield i, block["tokens"], block["assigned"], block["dropped"]
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -138,22 +389,151 @@ def read_config(run_dir: str | Path) -> dict:
         raise UserError(f"{path}: not found; is {run_dir} a moekit run directory?") from None
 
 
+def expert_load_path(run_dir: str | Path) -> Path:
+    """The run's expert-load file: expert_load.bin, else expert_load.jsonl (an older run)."""
+    d = Path(run_dir)
+    binary = d / EXPERT_LOAD_BIN
+    if binary.exists():
+        return binary
+    old = d / EXPERT_LOAD
+    if old.exists():
+        return old
+    raise UserError(f"{binary}: not found (nor {EXPERT_LOAD}); is {d} a moekit run directory (moekit-train "
+                    f"--run-dir)?")
+
+
 def read_expert_load(run_dir: str | Path) -> ExpertLoadRecord:
-    path = Path(run_dir) / EXPERT_LOAD
-    lines = _read_jsonl(path)
-    if not lines or lines[0].get("format") != LOAD_FORMAT:
-        raise UserError(f"{path}: first line is not a {LOAD_FORMAT!r} header")
-    head, rows = lines[0], lines[1:]
-    if head.get("version") != LOAD_VERSION:
-        raise UserError(f"{path}: format version {head.get('version')!r}; this moekit reads {LOAD_VERSION}")
+    """The run's expert-load record, from either format. The binary one is memory-mapped, not read."""
+    path = expert_load_path(run_dir)
+    return _read_binary(path) if path.suffix == ".bin" else _read_jsonl_load(path)
+
+
+def _check_header(path: Path, head: dict) -> None:
     if not head["layers"]:
         raise UserError(f"{path}: the model has no MoE layers, so there is no expert load to show")
+
+
+def _read_steps(path: Path, start: int, rec: np.dtype, n: int) -> np.ndarray:
+    """The step of each record, 8 bytes per record read with pread: reading the field through the memory
+    map would fault in (and count as this process's memory) the pages around every record."""
+    out = np.empty(n, dtype=np.int64)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for i in range(n):
+            out[i] = int.from_bytes(os.pread(fd, 8, start + i * rec.itemsize), "little", signed=True)
+    finally:
+        os.close(fd)
+    return out
+
+
+def _read_binary(path: Path) -> ExpertLoadRecord:
+    head, start = _read_bin_header(path)
+    _check_header(path, head)
+    rec = _bin_layout(path, head)
+    n = (path.stat().st_size - start) // rec.itemsize  # a partial last record (a crash mid-write) is left out
+    if n == 0:
+        raise UserError(f"{path}: no steps recorded yet")
+    mm = np.memmap(path, dtype=rec, mode="r", offset=start, shape=(n,))
+    steps = _read_steps(path, start, rec, n)  # [N]: small, and the sorted checks want it in memory
+    return ExpertLoadRecord(head["router"], head["top_k"], head["layers"], steps, mm["tokens"], mm["assigned"],
+                            mm["dropped"], int(head.get("stride", 1)), str(path), (str(path), start, rec))
+
+
+def _jsonl_header(path: Path, first: dict) -> dict:
+    if first.get("format") != LOAD_FORMAT:
+        raise UserError(f"{path}: first line is not a {LOAD_FORMAT!r} header")
+    if first.get("version") != LOAD_VERSION:
+        raise UserError(f"{path}: format version {first.get('version')!r}; this moekit reads {LOAD_VERSION}")
+    return first
+
+
+def _jsonl_chunks(path: Path, rec: np.dtype, rows: int = 256) -> Iterator[np.ndarray]:
+    """The steps of an expert_load.jsonl as records of dtype ``rec``, ``rows`` at a time (a cut last line is
+    skipped, as truncate_after does)."""
+    buf = []
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f):
+            if i == 0 or not line.strip():
+                continue
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            row = np.zeros((), dtype=rec)
+            row["step"], row["tokens"], row["assigned"], row["dropped"] = (r["step"], r["tokens"], r["assigned"],
+                                                                           r["dropped"])
+            buf.append(row)
+            if len(buf) == rows:
+                yield np.stack(buf)
+                buf = []
+    if buf:
+        yield np.stack(buf)
+
+
+def _read_jsonl_load(path: Path) -> ExpertLoadRecord:
+    lines = _read_jsonl(path)
+    if not lines:
+        raise UserError(f"{path}: first line is not a {LOAD_FORMAT!r} header")
+    head, rows = _jsonl_header(path, lines[0]), lines[1:]
+    _check_header(path, head)
     if not rows:
         raise UserError(f"{path}: no steps recorded yet")
     L, E = len(head["layers"]), head["num_experts"]
     tokens = np.array([r["tokens"] for r in rows], dtype=np.int64)
     if tokens.shape[1:] != (L, E):
         raise UserError(f"{path}: records hold {tokens.shape[1:]} counts, the header says {L} layers x {E} experts")
-    return ExpertLoadRecord(head["router"], head["top_k"], head["layers"], np.array([r["step"] for r in rows]),
-                            tokens, np.array([r["assigned"] for r in rows], dtype=np.int64),
-                            np.array([r["dropped"] for r in rows], dtype=np.int64))
+    steps = np.array([r["step"] for r in rows])
+    assigned = np.array([r["assigned"] for r in rows], dtype=np.int64)
+    dropped = np.array([r["dropped"] for r in rows], dtype=np.int64)
+    if not _sorted(steps):
+        order = np.argsort(steps, kind="stable")
+        steps, tokens, assigned, dropped = steps[order], tokens[order], assigned[order], dropped[order]
+    return ExpertLoadRecord(head["router"], head["top_k"], head["layers"], steps, tokens, assigned, dropped, 1,
+                            str(path))
+
+
+def load_rows(run_dir: str | Path) -> list[dict]:
+    """The expert-load record as expert_load.jsonl's objects (header first, then one per step), whichever
+    format the run wrote: for tests and small tools (it loads everything)."""
+    path = expert_load_path(run_dir)
+    if path.suffix != ".bin":
+        return _read_jsonl(path)
+    head, start = _read_bin_header(path)
+    rec = _bin_layout(path, head)
+    n = (path.stat().st_size - start) // rec.itemsize
+    out = [{"format": LOAD_FORMAT, "version": LOAD_VERSION, "router": head["router"], "top_k": head["top_k"],
+            "num_experts": head["num_experts"], "layers": head["layers"]}]
+    if n:
+        mm = np.memmap(path, dtype=rec, mode="r", offset=start, shape=(n,))
+        out += [{"step": int(r["step"]), "tokens": r["tokens"].tolist(), "assigned": r["assigned"].tolist(),
+                 "dropped": r["dropped"].tolist()} for r in mm]
+    return out
+
+
+def convert_jsonl(run_dir: str | Path, stride: int = 1) -> Path:
+    """Rewrite a run's expert_load.jsonl as expert_load.bin (every ``stride``-th recorded step); the JSONL
+    file is removed once the binary one is complete. Returns the new file."""
+    d = Path(run_dir)
+    old = d / EXPERT_LOAD
+    lines = _read_jsonl(old)[:1]
+    if not lines:
+        raise UserError(f"{old}: empty")
+    head = _jsonl_header(old, lines[0])
+    target = d / EXPERT_LOAD_BIN
+    if target.exists():
+        raise UserError(f"{target}: exists already; the run has a binary record")
+    tmp = d / (EXPERT_LOAD_BIN + ".convert")
+    tmp.unlink(missing_ok=True)
+    wide = record_dtype(len(head["layers"]), head["num_experts"], "int64")
+    peak = max((int(max(c["tokens"].max(), c["assigned"].max(), c["dropped"].max())) for c in _jsonl_chunks(old, wide)),
+               default=0)
+    w = ExpertLoadWriter(tmp, head["layers"], head["router"], head["top_k"], head["num_experts"], stride=stride,
+                         max_count=peak, migrate=False)
+    try:
+        for chunk in _jsonl_chunks(old, w.rec):
+            w.write_rows(chunk[chunk["step"] % stride == 0])
+    finally:
+        w.close()
+    os.replace(tmp, target)
+    old.unlink()
+    return target
