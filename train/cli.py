@@ -19,7 +19,8 @@ FLAG_SETTINGS = {
 EPILOG = """\
 any setting: --<section>.<key> VALUE (or =VALUE), sections model, train, data, eval, log, checkpoint,
 layout; e.g. --model.hidden_size 64 --train.lr 1e-3 --model.router_options.jitter 0 --eval.every 25.
---print-config shows every setting and its value. Precedence: preset < --config FILE < flags.
+--print-config shows every setting and its value, --help-config what each one means.
+Precedence: preset < --config FILE < flags.
 """
 
 
@@ -41,18 +42,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", help="where records and checkpoints go (default runs/<preset>)")
     p.add_argument("--router", help="router name (topk, switch, expert_choice, sinkhorn, hash) or module:Class")
     p.add_argument("--capacity-factor", help="expert capacity factor; none = dropless")
-    p.add_argument("--init-from-hf", metavar="DIR", help="start from a HuggingFace folder's weights (models.hf)")
+    p.add_argument("--init-from-hf", metavar="DIR",
+                   help="start from a HuggingFace folder (mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v3, ...; "
+                        "docs/hf.md). Without --preset the model is the folder's config.json plus the --model.* "
+                        "flags given; each rank reads only its shards. Ignored when resuming")
     p.add_argument("--init-from-dense", metavar="PATH",
                    help="upcycle a dense model into this MoE model (Megatron's --moe-use-upcycling): PATH is a "
                         "HuggingFace dense folder (Llama, Qwen2, Qwen3), a moekit model file or a dense run's "
                         "checkpoint / run dir. Attention, norms and embeddings are copied, every expert starts as "
-                        "the dense MLP, and at step 0 the model gives the dense model's logits. The model flags "
-                        "must keep the dense sizes (an error names the --model.* flags to use); choose "
-                        "--model.num_experts and --model.top_k. Ignored when resuming")
+                        "the dense MLP, and at step 0 the model gives the dense model's logits. Without --preset "
+                        "the sizes are the dense model's, with 8*G experts, top_k 2*G unless --model.num_experts "
+                        "/ --model.top_k say otherwise. Ignored when resuming")
     p.add_argument("--upcycle-granularity", metavar="G",
                    help="with --init-from-dense: split each dense MLP of width F into G experts of F/G (granular "
-                        "upcycling); needs --model.moe_ffn_hidden_size F/G and num_experts, top_k multiples of G "
-                        "(default 1: every expert a copy of the whole MLP)")
+                        "upcycling); num_experts and top_k must be multiples of G (default 1: every expert a copy "
+                        "of the whole MLP)")
     p.add_argument("--export-hf", metavar="DIR", help="after the last step, write the model as a HuggingFace folder (its own family, or the nearest that reproduces it: mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v3, ...) with the run's tokenizer; each rank writes its own shards")
     p.add_argument("--ranks-per-node", help="ranks sharing a node (default torchrun's LOCAL_WORLD_SIZE); "
                                             "lower it to simulate several nodes (hierarchical dispatch)")
@@ -65,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "skipped, with a warning), or from CHECKPOINT; 'auto': the same, but start fresh when the "
                         "run dir has no checkpoint (for torchrun --max-restarts)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as TOML and exit")
+    p.add_argument("--help-config", nargs="?", const="all", metavar="SECTION",
+                   help="explain every setting (--section.key, type, default, meaning), or one section's "
+                        "(model, train, data, eval, log, checkpoint, layout), and exit")
     p.add_argument("--write-data", metavar="FILE", help="write the configured data as a token file and exit")
     p.add_argument("--dry-run", action="store_true",
                    help="build the layout's process groups (fake), meshes and sharded meta-device model in this one "
@@ -108,6 +115,12 @@ def _dotted(rest: list[str]) -> list[tuple[str, str]]:
 def parse_args(argv: list[str]) -> tuple[TrainConfig, Options]:
     """Resolve and validate the whole config; raises UserError before any work on bad input."""
     args, rest = build_parser().parse_known_args(argv)
+    if args.help_config is not None:  # before anything is validated: it explains the settings
+        from moekit.train.confighelp import describe
+
+        cfg = TrainConfig.from_dict({"preset": args.preset} if args.preset else {})
+        print(describe(cfg, args.help_config))
+        raise SystemExit(0)
     overrides = _dotted(rest)
     file_values = load_config(args.config) if args.config is not None else {}
     if args.preset is not None:
