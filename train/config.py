@@ -52,9 +52,9 @@ class TrainSection:
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     warmup_steps: int = 20  # linear warmup from lr / warmup_steps
     weight_decay: float = 0.1  # on matrices and embeddings, not on norms
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
+    beta1: float = 0.9  # AdamW first-moment decay
+    beta2: float = 0.95  # AdamW second-moment decay
+    eps: float = 1e-8  # AdamW denominator epsilon
     grad_clip: float = 1.0  # max global grad norm; 0 = no clipping (the norm is still logged)
     seed: int = 0  # weight init, data order, router noise
     dtype: str = "auto"  # auto = bf16 autocast on CUDA, fp32 on CPU
@@ -113,11 +113,11 @@ class LayoutSection:
     --print-config and config.json show the degrees the run used.
     """
 
-    dp: int = 0
-    ep: int = 1
-    tp: int = 1
-    pp: int = 1
-    fsdp: int = 1
+    dp: int = 0  # data-parallel replicas; 0 = world size / (fsdp * tp * pp)
+    ep: int = 1  # expert-parallel ranks (divides dp * fsdp and num_experts): each holds E / ep experts
+    tp: int = 1  # tensor-parallel ranks: attention heads and dense MLP widths split, MoE tokens split
+    pp: int = 1  # pipeline stages: contiguous groups of layers
+    fsdp: int = 1  # fully-sharded data-parallel ranks (FSDP2: parameters, gradients, optimizer state)
     ranks_per_node: int = 0  # 0 = torchrun's LOCAL_WORLD_SIZE; set lower to simulate several nodes
     hierarchical: str = "auto"  # EP dispatch across nodes: auto (when the EP group spans nodes) | on | off
     timeout_s: float = 600.0  # a collective that waits longer fails with an error instead of hanging
