@@ -226,6 +226,20 @@ def _integer_x(ax):
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
+def _style(*axes, xlabel: str | None = "step", ylabel: str | None = None, zero: bool = False) -> None:
+    """The finish every line panel shares: labels, integer x ticks, grid, legend; ``zero``: y from 0."""
+    for ax in axes:
+        if xlabel:
+            ax.set_xlabel(xlabel)
+            _integer_x(ax)
+        if ylabel:
+            ax.set_ylabel(ylabel)
+        if zero:
+            ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        _legend(ax)
+
+
 def fig_loss(runs: list[Series]):
     fig, axes = _panels(2)
     tr, va = axes[0]
@@ -237,12 +251,7 @@ def fig_loss(runs: list[Series]):
         va.plot(x, y, color=colour(i), marker="o", ms=3, label=r.label, lw=1.2)
     tr.set_title("train loss (LM cross-entropy, binned mean)", fontsize=9)
     va.set_title("validation loss", fontsize=9)
-    for ax in (tr, va):
-        ax.set_xlabel("step")
-        _integer_x(ax)
-        ax.set_ylabel("nats / token")
-        ax.grid(alpha=0.3)
-        _legend(ax)
+    _style(tr, va, ylabel="nats / token")
     return fig
 
 
@@ -258,11 +267,7 @@ def fig_imbalance_time(runs: list[Series]):
         cv.plot(x, a.binned(a.cv.mean(axis=1)), color=colour(i), lw=1.2, label=r.label)
     imb.set_title("per-step imbalance max/mean (1 = balanced), binned over steps", fontsize=9)
     cv.set_title("per-step coefficient of variation std/mean, mean of layers", fontsize=9)
-    for ax in (imb, cv):
-        ax.set_xlabel("step")
-        _integer_x(ax)
-        ax.grid(alpha=0.3)
-        _legend(ax)
+    _style(imb, cv)
     return fig
 
 
@@ -283,11 +288,8 @@ def fig_imbalance_dist(runs: list[Series]):
     cdf.set_xlabel("max/mean tokens per expert in a step")
     cdf.set_ylabel("fraction of (step, layer) pairs <= x")
     lay.set_title("per-step imbalance by layer: p50, p95, max over steps", fontsize=9)
-    lay.set_xlabel("MoE layer (index)")
-    _integer_x(lay)
-    for ax in (cdf, lay):
-        ax.grid(alpha=0.3)
-        _legend(ax)
+    _style(cdf, xlabel=None)
+    _style(lay, xlabel="MoE layer (index)")
     return fig
 
 
@@ -301,12 +303,7 @@ def fig_drops(runs: list[Series]):
         ax.plot(a.bin_steps, 100 * a.binned(a.dropped.max(axis=1)), color=colour(i), lw=1.0, ls="--",
                 label=f"{r.label}: worst layer")
     ax.set_title("dropped slots / assigned slots per step (%)", fontsize=9)
-    ax.set_xlabel("step")
-    _integer_x(ax)
-    ax.set_ylim(bottom=0)
-    ax.set_ylabel("%")
-    ax.grid(alpha=0.3)
-    _legend(ax)
+    _style(ax, ylabel="%", zero=True)
     return fig
 
 
@@ -323,13 +320,7 @@ def fig_experts(runs: list[Series]):
                  label=f"{r.label}: hot (>= {HOT:g}x mean)")
     dead.set_title("dead experts: no token in the step (% of experts, mean of layers)", fontsize=9)
     sat.set_title("saturated and hot experts (% of experts, mean of layers)", fontsize=9)
-    for ax in (dead, sat):
-        ax.set_xlabel("step")
-        _integer_x(ax)
-        ax.set_ylim(bottom=0)
-        ax.set_ylabel("% of experts")
-        ax.grid(alpha=0.3)
-        _legend(ax)
+    _style(dead, sat, ylabel="% of experts", zero=True)
     return fig
 
 
@@ -341,11 +332,7 @@ def fig_throughput(runs: list[Series]):
         bx, by = binned_curve(x, y)
         ax.plot(bx, by, color=colour(i), lw=1.2, label=r.label)
     ax.set_title("throughput (tokens/s of the whole job, binned mean)", fontsize=9)
-    ax.set_xlabel("step")
-    _integer_x(ax)
-    ax.set_ylabel("tokens / s")
-    ax.grid(alpha=0.3)
-    _legend(ax)
+    _style(ax, ylabel="tokens / s")
     return fig
 
 
