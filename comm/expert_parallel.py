@@ -12,6 +12,10 @@ Flat dispatch, one EP group of P ranks:
     4. reorder      -> local-expert-major for the grouped GEMM                             [R, H]
                       e0: src0 src1 | e1: src0 src1
     combine: 4^-1, all_to_all back, weighted unpermute (moe.dispatch) -> [T, H]
+
+With a placement (comm.placement) the expert ids above are physical: step 0 maps each slot's logical
+expert to one of its copies (``RouteMap``), so rank p's S slots are again the contiguous ids p*S .. and
+steps 1-4 run unchanged with El = S.
 """
 from __future__ import annotations
 
@@ -23,8 +27,9 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard
 
 from moekit.comm.all_to_all import Traffic, agree_on_signature, all_to_all, exchange_counts
+from moekit.comm.placement import Placement
 from moekit.moe.dispatch import Dispatched, PermuteMeta, permute, sort_slots, unpermute
-from moekit.moe.router import Routing
+from moekit.moe.router import Routing, count_experts
 
 
 class _Reorder(torch.autograd.Function):
@@ -67,36 +72,80 @@ class EPMeta:
     inverse: Tensor  # [R] its inverse
 
 
-class FlatEPDispatcher:
-    """All-to-all over one EP group; each rank computes E/P experts on every rank's tokens for them.
+class RouteMap:
+    """Logical expert ids [T, k] -> physical ids under a placement, for the tokens of one EP position: a
+    slot goes to one copy of its expert (Placement.route_table: copies on the source's node first), token
+    t of source position i to copy (t + i) mod #copies, so a replicated expert's tokens split evenly."""
 
-    ``expert_range``: the contiguous block of E/P experts at this rank's position in ``group_ranks``.
+    def __init__(self, placement: Placement, source: int, nodes: tuple[int, ...] | None = None):
+        table = placement.route_table(source, nodes)
+        width = max(len(c) for c in table)
+        self.table = torch.tensor([c + c[:1] * (width - len(c)) for c in table])  # [E, width] padded
+        self.count = torch.tensor([len(c) for c in table])  # [E]
+        self.source = source
+
+    def __call__(self, indices: Tensor) -> Tensor:
+        if self.table.device != indices.device:
+            self.table, self.count = self.table.to(indices.device), self.count.to(indices.device)
+        safe = indices.clamp(min=0)  # [T, k]; -1 (dropped) stays -1 below
+        token = torch.arange(indices.shape[0], device=indices.device)[:, None]
+        pick = (token + self.source) % self.count[safe]
+        return torch.where(indices >= 0, self.table[safe, pick], -1)
+
+
+class FlatEPDispatcher:
+    """All-to-all over one EP group; each rank computes S experts on every rank's tokens for them.
+
+    ``expert_range``: the ids [lo, hi) of this rank's S experts (physical ids: position * S ..);
+    ``local_expert_ids``: the logical expert in each of them (the contiguous block without a placement).
+    ``placement``: None (contiguous blocks of E/P) or a comm.placement.Placement; ``set_placement`` swaps it.
     """
 
-    def __init__(self, num_experts: int, group, group_ranks: list[int], node_of=None, traffic: Traffic | None = None):
+    def __init__(self, num_experts: int, group, group_ranks: list[int], node_of=None, traffic: Traffic | None = None,
+                 placement: Placement | None = None):
         self.group, self.group_ranks = group, list(group_ranks)
         self.ep = len(group_ranks)
         if num_experts % self.ep:
             raise ValueError(f"num_experts={num_experts} is not divisible by the EP group size {self.ep}")
-        self.num_experts, self.local_experts = num_experts, num_experts // self.ep
+        self.num_experts = num_experts
         self.node_of = node_of or (lambda r: 0)
         self.traffic = traffic if traffic is not None else Traffic()
         self.rank = dist.get_rank()
-        position = self.group_ranks.index(self.rank)
-        self.expert_range = (position * self.local_experts, (position + 1) * self.local_experts)
-        self.signature = num_experts * 4096 + self.local_experts  # travels with every count exchange
-        agree_on_signature(group, self.signature)  # before any count exchange: payload widths must match
+        self.ep_group, self.ep_position = group, self.group_ranks.index(self.rank)
+        self.set_placement(placement)
+
+    def set_placement(self, placement: Placement | None) -> None:
+        """Route by ``placement`` from now on (None or contiguous: blocks of E/P). Collective: the EP group
+        checks that every rank holds the same placement."""
+        if placement is not None and (placement.ep, placement.num_experts) != (self.ep, self.num_experts):
+            raise ValueError(f"placement for ep={placement.ep}, {placement.num_experts} experts; this EP group has "
+                             f"{self.ep} ranks and {self.num_experts} experts")
+        self.placement = None if placement is None or placement.is_contiguous else placement
+        P, pos = self.ep, self.ep_position
+        S = self.num_experts // P if self.placement is None else self.placement.slots_per_rank
+        self.local_experts, self.num_physical = S, P * S
+        self.expert_range = (pos * S, (pos + 1) * S)
+        self.local_expert_ids = tuple(range(pos * S, (pos + 1) * S)) if self.placement is None else self.placement.slots[pos]
+        nodes = tuple(self.node_of(r) for r in self.group_ranks)
+        self.routes = None if self.placement is None else RouteMap(self.placement, pos, nodes if len(set(nodes)) > 1 else None)
+        self.signature = self.num_physical * 4096 + S  # travels with every count exchange
+        if self.placement is not None:
+            self.signature += self.placement.signature() << 32
+        agree_on_signature(self.group, self.signature)  # before any count exchange: payload widths must match
 
     def dispatch(self, x: Tensor, routing: Routing) -> Dispatched:
-        return self.dispatch_slots(x, routing.indices, routing.weights, routing.tokens_per_expert,
-                                   may_drop=routing.capacity is not None)
+        indices, counts = routing.indices, routing.tokens_per_expert
+        if self.routes is not None:  # 0. logical -> physical expert ids (the copies this source uses)
+            indices = self.routes(indices)
+            counts = count_experts(indices, self.num_physical)
+        return self.dispatch_slots(x, indices, routing.weights, counts, may_drop=routing.capacity is not None)
 
     def dispatch_slots(self, x: Tensor, indices: Tensor, weights: Tensor, counts: Tensor,
                        may_drop: bool) -> Dispatched:
-        """dispatch() on raw slots: indices [T, k] (-1 = no expert), weights [T, k], counts [E]."""
+        """dispatch() on raw slots: indices [T, k] physical ids (-1 = no expert), weights [T, k], counts [P*S]."""
         T, k = indices.shape
         P, El = self.ep, self.local_experts
-        send_counts = counts.view(P, El)  # [P, El] global experts are rank-contiguous
+        send_counts = counts.view(P, El)  # [P, El] (physical) experts are rank-contiguous
         recv_counts = exchange_counts(send_counts, self.group, signature=self.signature)
         # D2H sync: split sizes drive the variable-size exchange
         send_splits = send_counts.sum(1).cpu().tolist()
@@ -127,12 +176,14 @@ class FlatEPDispatcher:
 # ---------------------------------------------------------------------------------------------------
 
 
-def shard_experts(layer: nn.Module, ep_mesh) -> tuple[int, int]:
-    """Keep this rank's contiguous E/ep slice of the experts (after the full-tensor init: layout-free);
-    returns the slice's global expert ids [lo, hi), which the EP dispatcher must send here.
+def shard_experts(layer: nn.Module, ep_mesh, placement: Placement | None = None) -> tuple[int, int]:
+    """Keep this rank's experts (after the full-tensor init: layout-free): the contiguous E/ep block, or
+    under a ``placement`` the experts of its S slots in slot order (replicas are copies of the same init);
+    returns their ids [lo, hi) (physical ids under a placement), which the EP dispatcher must send here.
 
-    The weights become DTensors ``Shard(0)`` over the EP mesh: their global shape stays [E, ...], so
-    checkpoints (torch.distributed.checkpoint) hold whole experts and load at any ep degree, FSDP can
+    The weights become DTensors ``Shard(0)`` over the EP mesh: their global shape is [E, ...] ([P*S, ...]
+    in physical order under a placement, which checkpoints turn back into logical order: comm.relocate),
+    so checkpoints (torch.distributed.checkpoint) hold whole experts and load at any ep degree, FSDP can
     shard them further over the ranks holding the same experts, and the experts compute on
     ``to_local()`` (moe.experts). No communication: every rank already has the full initialised tensor.
     """
@@ -140,12 +191,14 @@ def shard_experts(layer: nn.Module, ep_mesh) -> tuple[int, int]:
     E, ep_size, ep_rank = experts.w_in.shape[0], ep_mesh.size(), ep_mesh.get_local_rank()
     if E % ep_size:
         raise ValueError(f"num_experts={E} is not divisible by ep={ep_size}")
-    lo, hi = ep_rank * E // ep_size, (ep_rank + 1) * E // ep_size
+    rows = list(range(ep_rank * E // ep_size, (ep_rank + 1) * E // ep_size))
+    if placement is not None:
+        rows = list(placement.slots[ep_rank])
     for name in ("w_in", "w_out"):
         full = getattr(experts, name)
-        shard = DTensor.from_local(full.detach()[lo:hi].clone(), ep_mesh, [Shard(0)], run_check=False)
+        shard = DTensor.from_local(full.detach()[rows].clone(), ep_mesh, [Shard(0)], run_check=False)
         setattr(experts, name, nn.Parameter(shard, requires_grad=full.requires_grad))
-    return lo, hi
+    return ep_rank * len(rows), (ep_rank + 1) * len(rows)
 
 
 def all_reduce_counts(group):
@@ -159,17 +212,22 @@ def all_reduce_counts(group):
     return reduce
 
 
-def apply_expert_parallel(model: nn.Module, topology, hierarchical: bool = False) -> Traffic:
+def apply_expert_parallel(model: nn.Module, topology, hierarchical: bool = False,
+                          placements: dict[str, Placement] | None = None) -> Traffic:
     """Shard every MoE layer's experts over the EP group, install EP dispatchers and global balancing.
 
-    Each layer's ``dispatcher.expert_range`` then names the experts this rank holds (the guard and tools
-    read it there). Returns the shared Traffic counter (bytes per link class) the trainer logs.
+    ``placements``: {MoE layer name: comm.placement.Placement} for layers whose experts are not placed in
+    contiguous blocks (any layer not named, or a contiguous one, keeps the blocks).
+    Each layer's ``dispatcher.expert_range`` then names the slots this rank holds and
+    ``dispatcher.local_expert_ids`` their logical experts (the guard and tools read them there). Returns the
+    shared Traffic counter (bytes per link class) the trainer logs.
     """
     from moekit.comm.hierarchical import HierarchicalEPDispatcher
     from moekit.moe.load import moe_layers
 
     traffic = Traffic()
     ep_ranks = topology.members("ep")
+    placements = placements or {}
     if hierarchical:
         topology.check_hierarchical()
     for name, layer in moe_layers(model):
@@ -177,11 +235,18 @@ def apply_expert_parallel(model: nn.Module, topology, hierarchical: bool = False
         layer.router.count_reducer = all_reduce_counts(topology.group("stage"))
         if topology.layout.ep == 1:
             continue
-        held = shard_experts(layer, topology.mesh("experts")["ep"])
+        placement = placements.get(name)
+        if placement is not None and (placement.ep, placement.num_experts) != (topology.layout.ep, layer.num_experts):
+            raise ValueError(f"{name}: expert placement for ep={placement.ep} and {placement.num_experts} experts, "
+                             f"but the layout has ep={topology.layout.ep} and the layer {layer.num_experts} experts")
+        if placement is not None and placement.is_contiguous:
+            placement = None
+        held = shard_experts(layer, topology.mesh("experts")["ep"], placement)
         if hierarchical:
-            dispatcher = HierarchicalEPDispatcher(layer.num_experts, topology, traffic)
+            dispatcher = HierarchicalEPDispatcher(layer.num_experts, topology, traffic, placement)
         else:
-            dispatcher = FlatEPDispatcher(layer.num_experts, topology.group("ep"), ep_ranks, topology.node_of, traffic)
+            dispatcher = FlatEPDispatcher(layer.num_experts, topology.group("ep"), ep_ranks, topology.node_of, traffic,
+                                          placement)
         # the mesh's shard (checkpoints, FSDP) and the all-to-all's destination must be the same experts
         assert dispatcher.expert_range == held, (name, dispatcher.expert_range, held)
         layer.dispatcher = dispatcher

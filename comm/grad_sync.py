@@ -20,6 +20,10 @@ local shards: shards of different ranks are disjoint pieces, so the per-shard su
 Which row of the table a parameter is in, its role ("dense" | "moe" | "expert"), comes from the recipe
 (models.parallelize returns ``grad_roles``, built by ``gradient_roles``), keyed by the parameter's name:
 FSDP swaps the Parameter objects, the names stay.
+
+Replicated experts (comm.placement, redundant slots): each copy saw part of its expert's tokens, so after
+the reductions above the copies' gradients are summed over the EP group (comm.relocate.sum_replica_grads)
+and the gradient norm counts one copy of each expert (``expert_primary`` rows, comm.relocate.tag_primaries).
 """
 from __future__ import annotations
 
@@ -89,6 +93,10 @@ def sync_gradients(model: nn.Module, topology, roles: dict[str, str], fsdp: bool
             if kind[0] != "tp":
                 for g in grads:
                     g.div_(D)
+    if L.ep > 1:  # every copy of a replicated expert: the whole expert's gradient
+        from moekit.comm.relocate import sum_replica_grads
+
+        sum_replica_grads(model)
 
 
 def _all_reduce_flat(grads: list[Tensor], group) -> None:
@@ -119,7 +127,10 @@ def global_grad_norm(params, device, pp_group=None) -> Tensor:
     for p in params:
         if p.grad is not None:
             groups = _shard_groups(p.grad)
-            sums[groups] = sums.get(groups, torch.zeros((), device=device)) + local(p.grad).float().square().sum()
+            square = local(p.grad).float().square()
+            primary = getattr(p, "expert_primary", None)  # [S]: replicas of an expert count once
+            sq = square.sum() if primary is None else (square.flatten(1).sum(1) * primary).sum()
+            sums[groups] = sums.get(groups, torch.zeros((), device=device)) + sq
     total = torch.zeros((), device=device)
     for groups, sq in sums.items():
         for group in groups:

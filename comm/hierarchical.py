@@ -16,6 +16,10 @@ A token with several experts on one remote node crosses the node boundary once e
 weighted sum of its experts on that node is taken before the return trip. The rail group is the set of
 EP ranks with the same position on every node, so inter-node traffic runs between matching local ranks
 (one NIC rail each on typical clusters).
+
+Under a placement (comm.placement) the expert ids are first mapped to physical copies (copies on the
+source's own node preferred: a replicated expert then often costs no inter-node row at all); node b holds
+physical ids b*G*S .. (b+1)*G*S - 1.
 """
 from __future__ import annotations
 
@@ -24,8 +28,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from moekit.comm.all_to_all import Traffic, all_to_all, exchange_counts
-from moekit.comm.expert_parallel import FlatEPDispatcher
+from moekit.comm.all_to_all import Traffic, agree_on_signature, all_to_all, exchange_counts
+from moekit.comm.expert_parallel import FlatEPDispatcher, RouteMap
+from moekit.comm.placement import Placement
 from moekit.moe.dispatch import Dispatched, PermuteMeta, permute, sort_slots, unpermute
 from moekit.moe.router import Routing, count_experts
 
@@ -55,39 +60,63 @@ class HierMeta:
 
 
 class HierarchicalEPDispatcher:
-    """``expert_range``: this rank's block inside its node's block of E / nodes experts (node-major)."""
+    """``expert_range``: this rank's block inside its node's block of E / nodes experts (node-major); physical
+    ids (position * S ..) under a placement, whose logical experts are ``local_expert_ids``."""
 
-    def __init__(self, num_experts: int, topology, traffic: Traffic | None = None):
+    def __init__(self, num_experts: int, topology, traffic: Traffic | None = None, placement: Placement | None = None):
         topology.check_hierarchical()
         self.num_experts = num_experts
         self.ep_ranks = topology.members("ep")
         self.rail_ranks = topology.members("ep_rail")
         self.node_ranks = topology.members("ep_node")
         self.num_nodes, self.per_node = len(self.rail_ranks), len(self.node_ranks)
-        P = len(self.ep_ranks)
+        self.ep = P = len(self.ep_ranks)
         if num_experts % P:
             raise ValueError(f"num_experts={num_experts} is not divisible by the EP group size {P}")
-        self.experts_per_node = num_experts // self.num_nodes
         self.my_node = self.rail_ranks.index(topology.rank)  # my node's index inside the EP group
         self.rank, self.node_of = topology.rank, topology.node_of
         self.rail_group = topology.group("ep_rail")
+        self.ep_group, self.ep_position = topology.group("ep"), self.ep_ranks.index(topology.rank)
         self.traffic = traffic if traffic is not None else Traffic()
-        self.inner = FlatEPDispatcher(self.experts_per_node, topology.group("ep_node"), self.node_ranks,
-                                      topology.node_of, self.traffic)
+        self.topology, self.inner = topology, None
+        self.set_placement(placement)
+
+    def set_placement(self, placement: Placement | None) -> None:
+        """Route by ``placement`` from now on (None: contiguous blocks); collective over the EP group."""
+        if placement is not None and (placement.ep, placement.num_experts) != (self.ep, self.num_experts):
+            raise ValueError(f"placement for ep={placement.ep}, {placement.num_experts} experts; this EP group has "
+                             f"{self.ep} ranks and {self.num_experts} experts")
+        self.placement = None if placement is None or placement.is_contiguous else placement
+        S = self.num_experts // self.ep if self.placement is None else self.placement.slots_per_rank
+        self.num_physical = self.ep * S
+        self.experts_per_node = self.num_physical // self.num_nodes  # physical ids per node
+        if self.inner is None or self.inner.num_experts != self.experts_per_node:
+            topology = self.topology
+            self.inner = FlatEPDispatcher(self.experts_per_node, topology.group("ep_node"), self.node_ranks,
+                                          topology.node_of, self.traffic)
         first = self.my_node * self.experts_per_node  # inner ids count from my node's first expert
         self.expert_range = (first + self.inner.expert_range[0], first + self.inner.expert_range[1])
+        self.local_expert_ids = (tuple(range(*self.expert_range)) if self.placement is None
+                                 else self.placement.slots[self.ep_position])
+        nodes = tuple(self.node_of(r) for r in self.ep_ranks)
+        self.routes = None if self.placement is None else RouteMap(self.placement, self.ep_position, nodes)
+        self.signature = self.num_physical * 4096 + self.num_nodes
+        if self.placement is not None:
+            self.signature += self.placement.signature() << 32
+            agree_on_signature(self.ep_group, self.signature)
 
     def dispatch(self, x: Tensor, routing: Routing) -> Dispatched:
-        T, k = routing.indices.shape
+        indices = routing.indices if self.routes is None else self.routes(routing.indices)  # physical ids
+        T, k = indices.shape
         m, Epn = self.num_nodes, self.experts_per_node
-        kept = routing.indices >= 0
-        slot_node = torch.where(kept, routing.indices // Epn, -1)  # [T, k]
+        kept = indices >= 0
+        slot_node = torch.where(kept, indices // Epn, -1)  # [T, k]
         visits = torch.zeros(T, m + 1, dtype=torch.bool, device=x.device)
         visits.scatter_(1, torch.where(kept, slot_node, m), True)
         visits = visits[:, :m]  # [T, m] token t has at least one expert on node j
         node_ids = torch.where(visits, torch.arange(m, device=x.device), -1)  # [T, m] virtual slots
         send_counts = count_experts(node_ids, m)  # [m] rows per destination node
-        recv_counts = exchange_counts(send_counts.view(m, 1), self.rail_group, signature=self.num_experts * 4096 + m)
+        recv_counts = exchange_counts(send_counts.view(m, 1), self.rail_group, signature=self.signature)
         # D2H sync: split sizes of the inter-node exchange
         send_splits, recv_splits = send_counts.cpu().tolist(), recv_counts.view(-1).cpu().tolist()
         row_slot, slot_row = sort_slots(node_ids, sum(send_splits))
@@ -95,7 +124,7 @@ class HierarchicalEPDispatcher:
         # 1. rows and their per-node routing, one per (token, node), node-major
         rows = permute(x, nodes)  # [N1, H]
         node_of_slot = slot_node[:, None, :] == torch.arange(m, device=x.device)[None, :, None]  # [T, m, k]
-        local_ids = torch.where(node_of_slot, routing.indices[:, None, :] - torch.arange(m, device=x.device)[None, :, None] * Epn, -1)
+        local_ids = torch.where(node_of_slot, indices[:, None, :] - torch.arange(m, device=x.device)[None, :, None] * Epn, -1)
         local_w = torch.where(node_of_slot, routing.weights[:, None, :], 0.0)  # [T, m, k]
         ids_rows = local_ids.view(T * m, k).index_select(0, row_slot)  # [N1, k] ids on the destination node
         w_rows = _SelectRows.apply(local_w.view(T * m, k), row_slot)  # [N1, k]

@@ -52,10 +52,13 @@ class Parallelized:
 
 def parallelize(model: nn.Module, topology: Topology | None, *, hierarchical: bool | None = None,
                 activation_checkpointing: str = "none", compile: bool = False,
-                param_dtype: torch.dtype | None = None, sequence_parallel: bool = False) -> Parallelized:
+                param_dtype: torch.dtype | None = None, sequence_parallel: bool = False,
+                expert_placement: dict | None = None) -> Parallelized:
     """Apply the layout to ``model`` in place (``topology=None``: one process, steps 3-4 only).
 
     hierarchical: None picks two-level EP dispatch when the EP group spans several nodes.
+    expert_placement: {MoE layer name: comm.placement.Placement}: which experts each EP rank holds (layers
+    not named: contiguous blocks); ignored without expert parallelism.
     param_dtype: FSDP's compute dtype for parameters (bf16 on GPU); gradients are reduced in fp32.
     sequence_parallel: with tp > 1, norms / residual / MoE layers keep 1/tp of the sequence per rank.
     """
@@ -72,7 +75,7 @@ def parallelize(model: nn.Module, topology: Topology | None, *, hierarchical: bo
         # 2. expert parallel (also installs the global-batch count reducer when ep == 1 and dp > 1)
         if hierarchical is None:
             hierarchical = len({topology.node_of(r) for r in topology.members("ep")}) > 1
-        traffic = apply_expert_parallel(model, topology, hierarchical=hierarchical)
+        traffic = apply_expert_parallel(model, topology, hierarchical=hierarchical, placements=expert_placement)
     # 3. torch.compile per block
     if compile:
         from moekit.models.compile import apply_compile
@@ -88,6 +91,10 @@ def parallelize(model: nn.Module, topology: Topology | None, *, hierarchical: bo
 
         apply_fsdp(model, topology, param_dtype)
         fsdp = True
+    if topology is not None:  # replicated experts: the norm counts one copy (on the Parameters FSDP left)
+        from moekit.comm.relocate import tag_primaries
+
+        tag_primaries(model)
     return Parallelized(topology, traffic, fsdp, grad_roles)
 
 

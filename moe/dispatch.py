@@ -34,7 +34,9 @@ class Dispatched:
 
 class Dispatcher(Protocol):
     """``expert_range``: the global ids [lo, hi) of the experts this rank computes, in the order of
-    ``Dispatched.counts`` (all of them locally; this rank's contiguous block under expert parallelism)."""
+    ``Dispatched.counts`` (all of them locally; this rank's contiguous block under expert parallelism, or its
+    slots' physical ids under an expert placement, comm.placement, whose dispatchers also name the logical
+    expert of each slot in ``local_expert_ids``)."""
 
     expert_range: tuple[int, int]
 

@@ -126,7 +126,8 @@ def test_wheel_holds_only_the_moekit_namespace(tmp_path):
     assert said == "jupyter" and Path(where).is_relative_to(target), run.stdout
 
 
-SCRIPTS = ("moekit-train", "moekit-heatmap", "moekit-convert", "moekit-prepare", "moekit-generate", "moekit-eval", "moekit-sweep")
+SCRIPTS = ("moekit-train", "moekit-heatmap", "moekit-convert", "moekit-prepare", "moekit-generate", "moekit-eval", "moekit-sweep",
+           "moekit-placement")
 
 
 def test_console_scripts_run_outside_the_checkout(tmp_path):

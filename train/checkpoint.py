@@ -4,13 +4,16 @@
         .metadata          DCP: which tensor lives where
         __0_0.distcp       DCP: the tensors and objects (one file per rank)
         meta.json          moekit manifest, written last: format, step, model config, and the size and
-                           sha256 of every file above
+                           sha256 of every file above; the expert placement of the run that saved it, if
+                           any ("placement": a comm.placement document plus the rebalancer's load window)
     <run_dir>/checkpoints/step_000200.partial/   a save in progress (or one a crash interrupted)
 
 State: model (router ``expert_bias`` buffers included), AdamW state, LR scheduler, the sampler's data
 position, RNG states. DCP works without a process group in one process (torch warns and assumes a
 single process; that warning is silenced here). The same call saves sharded state under torchrun,
-which is why DCP and not torch.save.
+which is why DCP and not torch.save. Experts under a placement (comm.placement: physical slots, replicas)
+are saved in logical order, one copy each (comm.relocate.logical_state), so the files are those of the
+contiguous layout and resume under any placement, ep degree or in one process.
 
 Life of a save (``Checkpointer``):
     1. every rank writes its DCP files into ``step_N.partial`` (``dcp.save``, or ``dcp.async_save``:
@@ -50,6 +53,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
 )
 
+from moekit.comm.relocate import logical_state, physical_state
 from moekit.train import UserError
 from moekit.train.distributed import comm_failure, first_line
 from moekit.train.faults import RunFailed
@@ -95,7 +99,9 @@ def _state(model, optimizer, scheduler, sampler, step: int) -> dict:
     # TP / EP / FSDP shards are DTensors with their global shapes: DCP writes each piece once and loads
     # them into any other layout (resharding), including one process
     optim = get_optimizer_state_dict(model, optimizer)
-    return {"model": get_model_state_dict(model), "optim": optim, "train": train}
+    weights = get_model_state_dict(model)
+    logical_state(model, weights, optim)  # experts in logical order (a no-op without a placement)
+    return {"model": weights, "optim": optim, "train": train}
 
 
 def _main() -> bool:
@@ -127,9 +133,11 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def _write_manifest(tmp: Path, step: int, model_config: dict, run: dict | None = None) -> None:
+def _write_manifest(tmp: Path, step: int, model_config: dict, run: dict | None = None,
+                    placement: dict | None = None) -> None:
     """Hash and fsync every file DCP wrote, then write meta.json last. ``run``: the trainer's record of the
-    run that saved it (its resolved config and tokens trained; moekit.train.resume reads it back)."""
+    run that saved it (its resolved config and tokens trained; moekit.train.resume reads it back);
+    ``placement``: its expert placement (read_placement)."""
     files = {}
     for p in sorted(tmp.iterdir()):
         _fsync(p)
@@ -137,6 +145,8 @@ def _write_manifest(tmp: Path, step: int, model_config: dict, run: dict | None =
     meta = {"format": FORMAT, "step": step, "model": model_config, "files": files, "torch": torch.__version__}
     if run is not None:
         meta["run"] = run
+    if placement is not None:
+        meta["placement"] = placement
     with open(tmp / META, "w") as f:
         f.write(json.dumps(meta, indent=1))
         f.flush()
@@ -270,6 +280,16 @@ def newest_verified(run_dir: str | Path) -> tuple[Path | None, dict | None, list
     return None, None, skipped
 
 
+def read_placement(path: Path) -> dict | None:
+    """The "placement" record of a checkpoint's meta.json (what the run that saved it used), or None."""
+    try:
+        meta = json.loads((Path(path) / META).read_text())
+    except (OSError, ValueError):
+        return None
+    found = meta.get("placement") if isinstance(meta, dict) else None
+    return found if isinstance(found, dict) else None
+
+
 def load(path: Path, model, optimizer, scheduler, sampler, model_config: dict, verify: bool = True) -> int:
     """Restore everything in place; return the step the checkpoint was taken after.
 
@@ -284,6 +304,7 @@ def load(path: Path, model, optimizer, scheduler, sampler, model_config: dict, v
         reason = str(exc).strip().splitlines()
         raise UserError(f"checkpoint {path}: DCP could not load it ({type(exc).__name__}: "
                         f"{reason[-1] if reason else ''})") from None
+    physical_state(model, state["model"], state["optim"])  # back to this run's expert placement
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optim"])
     train = state["train"]
@@ -365,9 +386,10 @@ class Checkpointer:
         self.stuck = True
         _ABANDONED.append(self)
 
-    def save(self, step: int, model, optimizer, scheduler, sampler, run: dict | None = None) -> Path | None:
+    def save(self, step: int, model, optimizer, scheduler, sampler, run: dict | None = None,
+             placement: dict | None = None) -> Path | None:
         """Start saving after ``step``; return the newest sealed checkpoint (this one unless async).
-        ``run`` goes into meta.json as it is (JSON; see _write_manifest)."""
+        ``run`` and ``placement`` go into meta.json as they are (JSON; see _write_manifest)."""
         self.finalize()
         final = checkpoint_root(self.run_dir) / f"step_{step:06d}"
         tmp = final.with_name(final.name + ".partial")
@@ -392,7 +414,7 @@ class Checkpointer:
                 written.set_result(None)
         except (Exception, CheckpointException) as exc:  # reported by finalize, the same way as a background failure
             written.set_exception(exc)
-        self._pending = (self._after(written, tmp, final, step, run), tmp, final, step)
+        self._pending = (self._after(written, tmp, final, step, run, placement), tmp, final, step)
         if not self.async_save:
             self.finalize()
         return self.last
@@ -405,16 +427,18 @@ class Checkpointer:
             self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout_s))
         return self._group
 
-    def _after(self, written: Future, tmp: Path, final: Path, step: int, run: dict | None) -> Future:
+    def _after(self, written: Future, tmp: Path, final: Path, step: int, run: dict | None,
+               placement: dict | None) -> Future:
         if self._sealer is None:
             return written
-        return self._sealer.submit(self._seal, written, tmp, final, step, run)
+        return self._sealer.submit(self._seal, written, tmp, final, step, run, placement)
 
-    def _seal(self, written: Future, tmp: Path, final: Path, step: int, run: dict | None) -> None:
+    def _seal(self, written: Future, tmp: Path, final: Path, step: int, run: dict | None,
+              placement: dict | None) -> None:
         # DCP's save ends with a gather of every rank's write results to rank 0 before it writes
         # .metadata, so rank 0's future done means every rank's files are on disk
         written.result()
-        _write_manifest(tmp, step, self.model_config, run)
+        _write_manifest(tmp, step, self.model_config, run, placement)
         if final.exists():  # the same step saved again (a resumed run redoing it)
             _retire(final)
         os.replace(tmp, final)

@@ -125,6 +125,10 @@ class LayoutSection:
     pp_stages_per_rank: int = 1  # virtual stages per pipeline rank (interleaved needs >= 2)
     sequence_parallel: bool = False  # with tp > 1: norms, residual and MoE tokens split over the sequence
     pp_microbatches: int = 0  # micro-batches per step through the pipeline; 0 = 2 * pp (or the accumulation count)
+    # expert placement over the EP ranks (moekit.train.rebalance); default: contiguous blocks of E / ep
+    expert_placement: str = ""  # a moekit-placement file: which experts each EP rank holds
+    expert_replicas: int = 0  # redundant expert slots over the EP group (a multiple of ep): hot experts get copies
+    rebalance_every: int = 0  # re-plan the placement from the last n steps' expert load and move the experts; 0 = never
 
 
 @dataclass
@@ -351,6 +355,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
 
     cfg.source_note = adopt_source_model(cfg)  # the architecture of --init-from-hf / --init-from-dense
     validate_data(cfg)
+    validate_placement(cfg)
     _require(cfg.eval.every >= 0 and cfg.eval.sequences >= 1,
              f"eval.every={cfg.eval.every} must be >= 0 and eval.sequences={cfg.eval.sequences} >= 1")
     _require(cfg.log.every >= 1, f"--log.every={cfg.log.every} is invalid; it must be a positive integer")
@@ -391,6 +396,28 @@ def validate_upcycling(cfg: TrainConfig) -> None:
         check_upcycle_config(cfg.model, cfg.train.upcycle_granularity)
     except ValueError as exc:
         raise UserError(f"--init-from-dense with --upcycle-granularity {cfg.train.upcycle_granularity}: {exc}") from None
+
+
+def validate_placement(cfg: TrainConfig) -> None:
+    """--layout.expert_placement / expert_replicas / rebalance_every on their own (the file's contents are
+    checked against the model when the trainer reads it: moekit.train.rebalance)."""
+    L = cfg.layout
+    _require(L.rebalance_every >= 0, f"--layout.rebalance_every={L.rebalance_every} is invalid; it must be >= 0 (0 = never)")
+    _require(L.expert_replicas >= 0, f"--layout.expert_replicas={L.expert_replicas} is invalid; it must be >= 0")
+    placed = [f"--layout.{k} {getattr(L, k)}" for k in ("expert_placement", "expert_replicas", "rebalance_every")
+              if getattr(L, k)]
+    _require(not placed or (L.ep > 1 and cfg.model.num_experts > 0),
+             f"{' '.join(placed)} places experts over expert-parallel ranks: it needs --ep > 1 and an MoE model")
+    _require(L.ep < 1 or L.expert_replicas % L.ep == 0,
+             f"--layout.expert_replicas {L.expert_replicas} must be a multiple of --ep {L.ep}: every rank holds the "
+             f"same number of extra slots (e.g. {L.ep} or {2 * L.ep})")
+    E = cfg.model.num_experts
+    _require(not L.expert_replicas or L.expert_replicas <= E * (L.ep - 1),
+             f"--layout.expert_replicas {L.expert_replicas} exceeds {E * (L.ep - 1)}: with it every rank would hold "
+             f"some expert twice; use at most num_experts x (ep - 1)")
+    _require(not L.expert_placement or os.path.isfile(L.expert_placement),
+             f"--layout.expert_placement {L.expert_placement}: no such file (write one with moekit-placement RUN_DIR "
+             f"--ep {L.ep} -o FILE)")
 
 
 def validate_data(cfg: TrainConfig) -> None:

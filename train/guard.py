@@ -255,9 +255,11 @@ class Guard:
         name, layer = self.names[i], self.layers[i]
         per_expert = counts.cpu().tolist()  # D2H sync: error path only
         local = max(range(len(per_expert)), key=per_expert.__getitem__)
-        first = layer.dispatcher.expert_range[0]  # global id of this rank's first expert (EP: its block)
+        # the logical expert of each local slot: under an expert placement the slots are any experts
+        ids = getattr(layer.dispatcher, "local_expert_ids", None)
+        expert = ids[local] if ids is not None else layer.dispatcher.expert_range[0] + local
         raise UserError(
-            f"out of memory in MoE layer {name}: expert {first + local} got {per_expert[local]:,} rows "
+            f"out of memory in MoE layer {name}: expert {expert} got {per_expert[local]:,} rows "
             f"({rows:,} rows on this rank's {len(per_expert)} experts). Dropless routing sends every token its "
             f"router picks: set --capacity-factor (e.g. 1.25), lower --batch-size or --train.micro_batch_size, "
             f"or raise --ep") from None

@@ -31,6 +31,7 @@ from moekit.moe.layer import set_aux_loss_scale
 from moekit.train import UserError, checkpoint, faults, program_name, records, resume, runlock
 from moekit.train.cli import Options, parse_args
 from moekit.train.plan import lr_lambda, make_optimizer, plan_run
+from moekit.train.rebalance import RunPlacement
 from moekit.train.config import TrainConfig, to_toml
 from moekit.train.consistency import check_ranks_agree
 from moekit.train.distributed import Dist, comm_failure, first_line
@@ -149,9 +150,13 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)  # router jitter and any other global-RNG draws
         with torch.device("meta"):
             self.model = Transformer(cfg.model)
+        # which experts each EP rank holds: a placement file, a rebalancing run's checkpoint, or contiguous blocks
+        self.placement = RunPlacement.for_run(cfg, self.dist.topology, self.model, self.resume_from)
         # --init-from-hf (no pipeline): every weight comes from the folder, so the model stays on the meta device
-        # until it is parallelised and each rank then reads only its shards (models.hf.load_hf_sharded)
-        sharded_hf = bool(cfg.train.init_from_hf) and self.resume_from is None and cfg.layout.pp == 1
+        # until it is parallelised and each rank then reads only its shards (models.hf.load_hf_sharded; its
+        # shard boxes are contiguous expert blocks: under a placement the whole model is read first)
+        sharded_hf = (bool(cfg.train.init_from_hf) and self.resume_from is None and cfg.layout.pp == 1
+                      and self.placement.placements is None)
         if not sharded_hf:
             self.model.to_empty(device=plan.device)
             self.model.init_weights(cfg.train.seed)
@@ -179,7 +184,8 @@ class Trainer:
         self.dist.parallelize(self.model, plan.resolved.hierarchical,
                               activation_checkpointing=cfg.train.activation_checkpointing,
                               compile=cfg.train.compile, param_dtype=fsdp_dtype,
-                              sequence_parallel=cfg.layout.sequence_parallel)
+                              sequence_parallel=cfg.layout.sequence_parallel,
+                              expert_placement=self.placement.placements)
         if sharded_hf:
             self.model.to_empty(device=plan.device)
             self.load_hf(cfg.train.init_from_hf, sharded=True)
@@ -304,6 +310,8 @@ class Trainer:
             stages = " | ".join(f"{r.start}-{r.stop - 1}" for r in self.pipe.ranges)
             say(f"pipeline: {cfg.layout.pp_schedule}, {len(self.pipe.ranges)} stages (layers {stages}), "
                 f"{plan.accum} micro-batches of {plan.micro_batch} per step")
+        if self.placement.describe():
+            say(self.placement.describe())
         if self.start_step:
             say(f"resumed from {self.resume_from} at step {self.start_step}")
         if self.changes.summary():
@@ -381,7 +389,8 @@ class Trainer:
     def save(self, step: int) -> Path | None:
         """Checkpoint after ``step``; its meta.json records this run's settings and tokens (moekit.train.resume)."""
         run = {"config": self.cfg.to_dict(), "tokens": self.tokens_seen}
-        return self.checkpointer.save(step, self.model, self.optimizer, self.scheduler, self.sampler, run=run)
+        return self.checkpointer.save(step, self.model, self.optimizer, self.scheduler, self.sampler, run=run,
+                                      placement=self.placement.record())
 
     def kept(self) -> str:
         last = self.checkpointer.last
@@ -418,6 +427,8 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             update_router_biases(self.model)
             load = self.gathered_load(reset=True)  # D2H sync: per MoE layer
+            if self.placement.observe(step, load, self.model, self.optimizer) and self.dist.is_main:
+                self.monitor.print(self.placement.last_note)  # --layout.rebalance_every: experts moved
             dt = time.perf_counter() - t0
             self.tokens_seen += plan.tokens_per_step
             m = self.step_metrics(step, loss_value, grad_norm, lr, load, dt, self.tokens_seen,
@@ -448,6 +459,7 @@ class Trainer:
         from moekit.models.hf.export import choose_family
 
         try:
+            self.placement.to_contiguous(self.model, self.optimizer)  # HF shard boxes: contiguous expert blocks
             folder = save_hf_sharded(self.model, path, tokenizer_from=self.run_dir)
         except (OSError, ValueError) as exc:  # the trained weights are safe in the final checkpoint: say where
             ckpt = self.last_checkpoint
