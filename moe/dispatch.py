@@ -12,7 +12,7 @@ All state lives in the frozen ``meta``: nothing is hidden on the dispatcher betw
 so one dispatcher serves every layer and activation checkpointing can replay either call.
 
 Determinism: forward and backward are gathers plus a fixed-order sum over the k slots of a token;
-no scatter-add whose result depends on thread order.
+no scatter-add whose result depends on thread order (the CPU path's ``index_add_`` adds in index order).
 """
 from __future__ import annotations
 
@@ -74,30 +74,50 @@ def sort_slots(indices: Tensor, num_rows: int) -> tuple[Tensor, Tensor]:
 
 
 class _Permute(torch.autograd.Function):
-    """rows = x[row_token]; backward gathers each token's k slot gradients and sums them."""
+    """rows = x[row_token]; backward gathers each token's k slot gradients and sums them.
+
+    On CPU without a pad row the backward is ``index_add_`` of the row gradients onto their tokens
+    instead: no [T, k, H] temporary (CPU index_add_ runs its index in order: deterministic).
+    """
 
     @staticmethod
     def forward(ctx, x: Tensor, row_token: Tensor, slot_row: Tensor, top_k: int, padded: bool) -> Tensor:
-        ctx.save_for_backward(slot_row)
+        ctx.save_for_backward(slot_row, row_token)
         ctx.top_k, ctx.num_tokens, ctx.padded = top_k, x.shape[0], padded
         return x.index_select(0, row_token)
 
     @staticmethod
     def backward(ctx, grad_rows: Tensor):
-        (slot_row,) = ctx.saved_tensors
-        grad_x = _gather_slots(grad_rows, slot_row, ctx.num_tokens, ctx.top_k, ctx.padded).sum(1)
+        slot_row, row_token = ctx.saved_tensors
+        if _cpu_fast_path(grad_rows, ctx.padded):
+            grad_x = grad_rows.new_zeros(ctx.num_tokens, grad_rows.shape[-1]).index_add_(0, row_token, grad_rows)
+        else:
+            grad_x = _gather_slots(grad_rows, slot_row, ctx.num_tokens, ctx.top_k, ctx.padded).sum(1)
         return grad_x, None, None, None, None
 
 
 class _Unpermute(torch.autograd.Function):
-    """out[t] = sum_j weights[t, j] * rows[slot_row[t*k + j]] (a gather, then a [1,k]x[k,H] matmul)."""
+    """out[t] = sum_j weights[t, j] * rows[slot_row[t*k + j]] (a gather, then a [1,k]x[k,H] matmul).
+
+    On CPU without a pad row: k gathers of [T, H] accumulated with ``addcmul_`` (fp32 or wider
+    accumulator), and a backward that gathers the output gradient once per row; no [T, k, H] temporary,
+    whose fresh allocation (page faults) costs more than the arithmetic on CPU.
+    """
 
     @staticmethod
     def forward(ctx, rows: Tensor, weights: Tensor, slot_row: Tensor, row_slot: Tensor, padded: bool) -> Tensor:
         T, k = weights.shape
-        slots = _gather_slots(rows, slot_row, T, k, padded)  # [T, k, H]
         ctx.save_for_backward(rows, weights, slot_row, row_slot)
         ctx.padded = padded
+        if _cpu_fast_path(rows, padded):
+            acc = torch.promote_types(rows.dtype, torch.float32)
+            w = weights.to(acc)
+            slot_rows = slot_row.view(T, k)
+            out = rows.index_select(0, slot_rows[:, 0]).to(acc).mul_(w[:, :1])
+            for j in range(1, k):
+                out.addcmul_(rows.index_select(0, slot_rows[:, j]), w[:, j:j + 1])
+            return out.to(rows.dtype)  # [T, H]
+        slots = _gather_slots(rows, slot_row, T, k, padded)  # [T, k, H]
         with torch.autocast(rows.device.type, enabled=False):  # combine in the experts' output dtype
             return torch.bmm(weights.to(rows.dtype).unsqueeze(1), slots).squeeze(1)  # [T, H]
 
@@ -107,6 +127,16 @@ class _Unpermute(torch.autograd.Function):
         T, k = weights.shape
         grad_out = grad_out.to(rows.dtype)
         grad_rows = grad_weights = None
+        if _cpu_fast_path(rows, ctx.padded):
+            g = grad_out.index_select(0, row_slot // k)  # [N, H] each row's token gradient
+            if ctx.needs_input_grad[1]:  # d w[slot] = <rows[row of slot], grad_out[token]>
+                g_row = torch.linalg.vecdot(g, rows).to(weights.dtype)  # [N]
+                grad_weights = torch.empty_like(g_row).index_copy_(0, row_slot, g_row).view(T, k)
+            if ctx.needs_input_grad[0]:
+                w_row = weights.reshape(-1).index_select(0, row_slot).to(g.dtype)  # [N]
+                # in place unless a double backward differentiates this (g is then saved by vecdot)
+                grad_rows = g * w_row[:, None] if torch.is_grad_enabled() else g.mul_(w_row[:, None])
+            return grad_rows, grad_weights, None, None, None
         if ctx.needs_input_grad[0]:
             # each row came from exactly one slot: d rows[r] = w[slot] * grad_out[token of slot]
             w_row = weights.reshape(-1).index_select(0, row_slot).to(grad_out.dtype)  # [N]
@@ -115,6 +145,12 @@ class _Unpermute(torch.autograd.Function):
             slots = _gather_slots(rows, slot_row, T, k, ctx.padded)  # recomputed, not saved: [T, k, H]
             grad_weights = torch.bmm(slots, grad_out.unsqueeze(2)).squeeze(2).to(weights.dtype)
         return grad_rows, grad_weights, None, None, None
+
+
+def _cpu_fast_path(rows: Tensor, padded: bool) -> bool:
+    """CPU, and a row for every slot (no pad row): the combine / permute-backward variants without a
+    [T, k, H] temporary. GPUs keep the single gather (+ bmm): one kernel each, no atomics."""
+    return rows.device.type == "cpu" and not padded
 
 
 def _gather_slots(rows: Tensor, slot_row: Tensor, num_tokens: int, top_k: int, padded: bool) -> Tensor:

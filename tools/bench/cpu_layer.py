@@ -1,0 +1,265 @@
+"""CPU: moekit's MoE layer against transformers' MoE blocks, forward and forward+backward, fp32 and bf16.
+
+    python tools/bench/cpu_layer.py                      # 3 shapes x {fp32, bf16} x {fwd, fwd+bwd}, ~4 min
+    python tools/bench/cpu_layer.py --dtypes float32 --shapes fine --repeats 9 --profile
+    python tools/bench/cpu_layer.py --baseline HEAD       # also moekit as committed: before/after, same run
+
+Shapes (T from --tokens, H 256):
+    mixtral    E 8,  F 512, top-2                           vs transformers' MixtralSparseMoeBlock
+    fine       E 64, F 128, top-8                           vs MixtralSparseMoeBlock
+    deepseek   E 64, F 128, top-6, shared expert (F 256,    vs Qwen2MoeSparseMoeBlock (the same function:
+               sigmoid-gated)                                  softmax top-k renormalised + gated shared MLP)
+
+Every implementation gets the same weights and its output is checked against moekit's before timing.
+All peers of one (shape, dtype, mode) are timed round-robin in one process (tools/bench/benchlib.py), so
+"ratio" = transformers' median / moekit's median is a same-clock comparison (> 1: moekit is faster).
+transformers runs both of its experts implementations, "eager" (its per-expert loop, the default) and
+"grouped_mm"; "ratio vs best" divides by the faster of the two. Per-phase times of moekit's layer (router,
+permute, experts, combine, each forward+backward alone; tools/bench/layer_probes.py) and, with
+``--profile``, the torch.profiler top operators of one moekit forward+backward are printed and saved.
+"""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import torch
+
+import statistics
+import time
+
+from moekit.bench.benchlib import environment, guarded, print_table, write_json
+from moekit.bench.layer_probes import PHASES, phase_steps
+from moekit.moe import MoELayer, build_router
+from moekit.moe.experts import resolve_backend
+
+SHAPES = {  # name -> (F, E, k, shared F)
+    "mixtral": (512, 8, 2, 0),
+    "fine": (128, 64, 8, 0),
+    "deepseek": (128, 64, 6, 256),
+}
+
+
+def moekit_layer(H, F, E, k, shared, backend="auto") -> MoELayer:
+    router = build_router("topk", H, E, top_k=k, aux_loss_coeff=0.0)
+    return MoELayer(H, F, E, router, shared_ffn_hidden_size=shared, shared_expert_gate=shared > 0, backend=backend)
+
+
+def baseline_layer(ref: str, layer: MoELayer) -> MoELayer:
+    """A copy of ``layer`` computing with moe/dispatch.py and the loop backend of moe/experts.py as they
+    were at git ``ref`` (e.g. HEAD before a change): a before/after pair timed in the same process."""
+    import copy
+
+    from moekit.moe import experts
+
+    repo = Path(__file__).resolve().parents[2]
+    mods = {}
+    for path in ("moe/dispatch.py", "moe/experts.py"):
+        name = f"_baseline_{ref}_{Path(path).stem}".replace("~", "_").replace("^", "_")
+        if name not in sys.modules:
+            src = subprocess.check_output(["git", "show", f"{ref}:{path}"], cwd=repo, text=True)
+            mod = sys.modules[name] = types.ModuleType(name)
+            exec(compile(src, f"{ref}:{path}", "exec"), mod.__dict__)
+        mods[path] = sys.modules[name]
+    backend = f"loop@{ref}"
+    experts._BACKENDS.setdefault(backend, experts.ExpertBackend(backend, mods["moe/experts.py"].loop_mlp,
+                                                                lambda *a: True, lambda *a: ""))
+    old = copy.deepcopy(layer)
+    old.experts.backend = backend
+    old.dispatcher = mods["moe/dispatch.py"].LocalDispatcher(layer.num_experts)
+    return old
+
+
+def hf_block(H, F, E, k, shared, impl):
+    """transformers' block computing the same function as ``moekit_layer`` (None without transformers)."""
+    try:
+        if shared:
+            from transformers import Qwen2MoeConfig
+            from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock as Block
+            cfg = Qwen2MoeConfig(hidden_size=H, moe_intermediate_size=F, num_experts=E, num_experts_per_tok=k,
+                                 shared_expert_intermediate_size=shared, norm_topk_prob=True)
+        else:
+            from transformers import MixtralConfig
+            from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock as Block
+            cfg = MixtralConfig(hidden_size=H, intermediate_size=F, num_local_experts=E, num_experts_per_tok=k,
+                                router_jitter_noise=0.0)
+    except ImportError:
+        return None
+    cfg._experts_implementation = impl
+    return Block(cfg)
+
+
+def copy_into_hf(layer: MoELayer, block) -> None:
+    """moekit stores x @ w; transformers stores linear weights ([out, in])."""
+    with torch.no_grad():
+        block.gate.weight.copy_(layer.router.weight)
+        block.experts.gate_up_proj.copy_(layer.experts.w_in.transpose(1, 2))
+        block.experts.down_proj.copy_(layer.experts.w_out.transpose(1, 2))
+        if layer.shared_expert is not None:
+            s, b = layer.shared_expert, block.shared_expert
+            b.gate_proj.weight.copy_(s.w_gate.weight)
+            b.up_proj.weight.copy_(s.w_up.weight)
+            b.down_proj.weight.copy_(s.w_out.weight)
+            block.shared_expert_gate.weight.copy_(s.gate.weight)
+
+
+def time_interleaved(fns: dict, device=None, warmup: int = 2, repeats: int = 7) -> dict[str, dict]:
+    """Round-robin like benchlib.time_interleaved, but each round starts one peer later (a, b, c; b, c, a;
+    ...): on CPU the peer that runs right after another one's large frees pays the page faults of
+    re-growing the heap, which a fixed order would always charge to the same peer."""
+    names = list(fns)
+    for name in names:
+        for _ in range(warmup):
+            fns[name]()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(max(repeats, len(names)) if repeats > 1 else repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            start = time.perf_counter()
+            fns[name]()
+            times[name].append((time.perf_counter() - start) * 1e3)
+    return {name: {"median_ms": statistics.median(t), "min_ms": min(t), "max_ms": max(t), "repeats": len(t)}
+            for name, t in times.items()}
+
+
+def make_step(module, x, grad, backward: bool):
+    def fwd():
+        with torch.no_grad():
+            module(x)
+
+    def fwd_bwd():
+        x.grad = None
+        module.zero_grad(set_to_none=True)
+        module(x).backward(grad)
+
+    return fwd_bwd if backward else fwd
+
+
+def profile_ops(step, top: int = 12) -> list[dict]:
+    """torch.profiler: the operators of one ``step`` by self CPU time (after one warm-up)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in events) or 1.0
+    return [{"op": e.key, "calls": e.count, "self_ms": e.self_cpu_time_total / 1e3,
+             "share": e.self_cpu_time_total / total} for e in events[:top]]
+
+
+def bench_shape(args, name, dtype) -> tuple[list[dict], dict]:
+    F, E, k, shared = SHAPES[name]
+    H, T = args.hidden, args.tokens
+    torch.manual_seed(args.seed)
+    layer = moekit_layer(H, F, E, k, shared).to(dtype).train()
+    chosen = resolve_backend("auto", torch.zeros(1, H, dtype=dtype), layer.experts.w_in, layer.experts.w_out).name
+    modules, skipped = {f"moekit[auto->{chosen}]": layer}, {}
+    if args.baseline:
+        modules[f"moekit@{args.baseline}"] = baseline_layer(args.baseline, layer)
+    for b in args.backends:
+        m = moekit_layer(H, F, E, k, shared, b).to(dtype).train()
+        m.load_state_dict(layer.state_dict())
+        modules[f"moekit[{b}]"] = m
+    for impl in args.hf_impl:
+        block, err = guarded(lambda: hf_block(H, F, E, k, shared, impl))
+        if block is None:
+            skipped[f"transformers[{impl}]"] = err or "transformers is not installed"
+            continue
+        block = block.to(dtype).train()
+        copy_into_hf(layer, block)
+        modules[f"transformers[{impl}]"] = block
+    gen = torch.Generator().manual_seed(args.seed)
+    x = torch.randn(1, T, H, generator=gen).to(dtype).requires_grad_()
+    grad = torch.randn(1, T, H, generator=gen).to(dtype)
+    base = next(iter(modules))
+    with torch.no_grad():
+        y0 = layer(x).float()
+    errs = {}
+    for n, m in list(modules.items()):
+        res, err = guarded(lambda: m(x).detach().float())
+        if err:
+            skipped[n] = err
+            del modules[n]
+            continue
+        errs[n] = ((res - y0).norm() / y0.norm().clamp_min(1e-30)).item()  # D2H sync: check, outside timing
+    rows = []
+    for mode, backward in (("fwd", False), ("fwd+bwd", True)):
+        steps = {n: make_step(m, x, grad, backward) for n, m in modules.items()}
+        t = time_interleaved(steps, torch.device("cpu"), warmup=args.warmup, repeats=args.repeats)
+        st = f"{args.stat}_ms"
+        hf = {n: t[n][st] for n in modules if n.startswith("transformers")}
+        for n in modules:
+            rows.append({"shape": name, "dtype": str(dtype).removeprefix("torch."), "mode": mode, "impl": n,
+                         "median_ms": t[n]["median_ms"], "min_ms": t[n]["min_ms"], "rel_err": errs[n],
+                         "ratio": t[n][st] / t[base][st]})
+        rows.append({"shape": name, "dtype": str(dtype).removeprefix("torch."), "mode": mode,
+                     "impl": "=> transformers best / moekit", "ratio": min(hf.values()) / t[base][st]
+                     if hf else None})
+    case = {"shape": name, "dtype": str(dtype).removeprefix("torch."), "T": T, "H": H, "F": F, "E": E, "k": k,
+            "shared": shared, "skipped": skipped}
+    whole = make_step(layer, x, grad, True)
+    steps = {"layer": whole, **phase_steps(layer, x.detach().view(T, H))}
+    if args.baseline:
+        old = modules[f"moekit@{args.baseline}"]
+        steps.update({"baseline:layer": make_step(old, x, grad, True),
+                      **{f"baseline:{p}": f for p, f in phase_steps(old, x.detach().view(T, H)).items()}})
+    pt = time_interleaved(steps, torch.device("cpu"), warmup=1, repeats=max(3, args.repeats // 2))
+    case["phases_ms"] = {p: pt[p][f"{args.stat}_ms"] for p in ("layer", *PHASES)}
+    if args.baseline:
+        case["baseline_phases_ms"] = {p: pt[f"baseline:{p}"][f"{args.stat}_ms"] for p in ("layer", *PHASES)}
+    if args.profile:
+        case["profile_top_ops"] = profile_ops(whole)
+    return rows, case
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    p.add_argument("--backends", nargs="*", default=[], help="also time moekit with these expert backends")
+    p.add_argument("--hf-impl", nargs="*", default=["eager", "grouped_mm"])
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stat", default="min", choices=["min", "median"],
+                   help="which statistic the ratios use: min (default) is the robust one on a shared, loaded box")
+    p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
+    p.add_argument("--baseline", default="", metavar="GIT_REF",
+                   help="also time moekit's dispatch + loop backend as of this git ref (before/after in one run)")
+    p.add_argument("--profile", action="store_true", help="also record torch.profiler top ops per case")
+    p.add_argument("--out", default="bench-results/cpu_layer.json")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    payload = {"benchmark": "cpu_moe_layer", "tokens": args.tokens, "hidden": args.hidden,
+               "environment": environment(torch.device("cpu"))}
+    rows, cases = [], []
+    for dt in args.dtypes:
+        for name in args.shapes:
+            res, err = guarded(lambda: bench_shape(args, name, getattr(torch, dt)))
+            r, c = res or ([], {"shape": name, "dtype": dt, "error": err})
+            rows, cases = rows + r, cases + [c]
+            write_json(args.out, {**payload, "partial": True, "results": rows, "cases": cases}, quiet=True)
+            print(f"done {name} {dt}" + (f": {err}" if err else ""), file=sys.stderr, flush=True)
+    print_table(rows, [("shape", "shape", ""), ("dtype", "dtype", ""), ("mode", "mode", ""), ("impl", "impl", ""),
+                       ("median_ms", "median ms", ".1f"), ("min_ms", "min ms", ".1f"),
+                       ("ratio", "time / moekit", ".2f"), ("rel_err", "rel err", ".1e")])
+    print("\nmoekit[auto] phases (each forward+backward alone, ms):")
+    for c in cases:
+        if "phases_ms" in c:
+            print(f"  {c['shape']:9s} {c['dtype']:9s} " + ", ".join(f"{p} {v:.1f}" for p, v in c["phases_ms"].items()))
+        if "baseline_phases_ms" in c:
+            print(f"  {'':9s} {'@' + args.baseline:9s} " + ", ".join(f"{p} {v:.1f}" for p, v in c["baseline_phases_ms"].items()))
+        for op in c.get("profile_top_ops", [])[:8]:
+            print(f"      {op['op'][:40]:40s} {op['calls']:5d} calls {op['self_ms']:8.1f} ms {100 * op['share']:4.0f}%")
+    write_json(args.out, {**payload, "results": rows, "cases": cases})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
