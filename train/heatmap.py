@@ -30,25 +30,12 @@ import numpy as np
 from moekit.train import UserError, program_name
 from moekit.train.loadplots import INSTALL_HINT, Series, fig_layers, fig_steps, pyplot, save_png  # noqa: F401
 from moekit.train.loadstats import LayerStats, LoadAnalysis, analyse
-from moekit.train.records import ExpertLoadRecord, read_config, read_expert_load, read_metrics
+from moekit.train.records import ExpertLoadRecord, parse_window, read_config, read_expert_load, read_metrics
 
 
 def layer_stats(rec: ExpertLoadRecord) -> list[LayerStats]:
     """Per-layer statistics of a record's window (summed counts and per-step distributions)."""
     return analyse(rec).layer_stats()
-
-
-def parse_window(text: str | None) -> tuple[int | None, int | None]:
-    if not text:
-        return None, None
-    first, sep, last = text.partition(":")
-    try:
-        lo, hi = (int(first) if first else None), (int(last) if last else None)
-    except ValueError:
-        raise UserError(f"--steps {text!r}: expected FIRST:LAST step numbers, e.g. 100:200 or 100:") from None
-    if not sep or (lo is not None and hi is not None and lo > hi):
-        raise UserError(f"--steps {text!r}: expected FIRST:LAST with FIRST <= LAST, e.g. 100:200")
-    return lo, hi
 
 
 @dataclass

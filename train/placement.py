@@ -69,25 +69,12 @@ def expected_rows(placement: Placement, counts, top_k: int, ranks_per_node: int 
     return ExpectedRows(*(flat / P)), ExpectedRows(*(hier / P))
 
 
-def parse_steps(text: str | None) -> tuple[int | None, int | None]:
-    if not text:
-        return None, None
-    first, sep, last = text.partition(":")
-    try:
-        lo, hi = (int(first) if first else None), (int(last) if last else None)
-    except ValueError:
-        raise UserError(f"--steps {text!r}: expected FIRST:LAST step numbers, e.g. 100:200 or 100:") from None
-    if not sep or (lo is not None and hi is not None and lo > hi):
-        raise UserError(f"--steps {text!r}: expected FIRST:LAST with FIRST <= LAST, e.g. 100:200")
-    return lo, hi
-
-
 def recorded_load(run_dir: str, steps: str | None):
     """(layer names, top_k, step numbers [N], tokens [N, L, E] int64) of the record's window."""
-    from moekit.train.records import read_expert_load
+    from moekit.train.records import parse_window, read_expert_load
 
     rec = read_expert_load(run_dir)
-    lo, hi = parse_steps(steps)
+    lo, hi = parse_window(steps)
     chosen = np.ones(len(rec.steps), dtype=bool)
     if lo is not None:
         chosen &= rec.steps >= lo

@@ -63,28 +63,54 @@ HEADER_ALIGN = 4096
 LOAD_BUDGET_BYTES = 2 << 30  # auto_stride: keep a run's expert-load record under about 2 GiB
 
 
-class JsonlWriter:
-    """Appends one JSON object per line, flushed at once so a crash loses at most the current step."""
+class _AppendOnly:
+    """A record file opened for appending; every write is flushed at once, so a crash loses at most the
+    current step. A failed write (a full disk) is an OSError naming the file, which a buffered write's
+    error does not; close() then does not report the unwritten bytes again."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, mode: str):
         self.path = path
-        self._f = open(path, "a", encoding="utf-8")
+        self._f = open(path, mode, encoding="utf-8" if "b" not in mode else None)
         self._failed = False
 
-    def write(self, obj: dict) -> None:
+    def _append(self, data) -> None:
         try:
-            self._f.write(json.dumps(obj, separators=(",", ":")) + "\n")
+            self._f.write(data)
             self._f.flush()
-        except OSError as exc:  # a full disk: name the file (a buffered write's error does not)
+        except OSError as exc:
             self._failed = True
             raise OSError(exc.errno, exc.strerror, str(self.path)) from None
 
     def close(self) -> None:
         try:
             self._f.close()
-        except OSError:  # the unwritten line of a failed write, reported already
+        except OSError:  # the unwritten data of a failed write, reported already
             if not self._failed:
                 raise
+
+
+class JsonlWriter(_AppendOnly):
+    """Appends one JSON object per line."""
+
+    def __init__(self, path: Path):
+        super().__init__(path, "a")
+
+    def write(self, obj: dict) -> None:
+        self._append(json.dumps(obj, separators=(",", ":")) + "\n")
+
+
+def parse_window(text: str | None) -> tuple[int | None, int | None]:
+    """--steps FIRST:LAST (either side may be empty) -> (first, last); None, None for no window."""
+    if not text:
+        return None, None
+    first, sep, last = text.partition(":")
+    try:
+        lo, hi = (int(first) if first else None), (int(last) if last else None)
+    except ValueError:
+        raise UserError(f"--steps {text!r}: expected FIRST:LAST step numbers, e.g. 100:200 or 100:") from None
+    if not sep or (lo is not None and hi is not None and lo > hi):
+        raise UserError(f"--steps {text!r}: expected FIRST:LAST with FIRST <= LAST, e.g. 100:200")
+    return lo, hi
 
 
 def truncate_after(path: Path, step: int) -> None:
@@ -192,7 +218,7 @@ def _sorted(a: np.ndarray) -> bool:
     return a.size < 2 or bool(np.all(a[1:] > a[:-1]))
 
 
-class ExpertLoadWriter:
+class ExpertLoadWriter(_AppendOnly):
     """Appends expert-load records to ``expert_load.bin``, one every ``stride``-th optimizer step.
 
     ``layers``: the MoE layer names in module order (or ``moe.collect_load``'s dict). An existing file (a
@@ -215,7 +241,6 @@ class ExpertLoadWriter:
         if num_experts is None:
             num_experts = len(next(iter(layers.values())).tokens_per_expert) if isinstance(layers, dict) and layers \
                 else 0
-        self._failed = False
         if self.path.exists() and self.path.stat().st_size > 0:
             head, start = _read_bin_header(self.path)
             if head["layers"] != names or head["num_experts"] != num_experts:
@@ -247,7 +272,7 @@ class ExpertLoadWriter:
             if migrate:
                 old.unlink()
         self.limit = np.iinfo(self.rec["tokens"].base).max
-        self._f = open(self.path, "ab")
+        super().__init__(self.path, "ab")
 
     def due(self, step: int) -> bool:
         return step % self.stride == 0
@@ -280,19 +305,7 @@ class ExpertLoadWriter:
 
     def write_rows(self, rows: np.ndarray) -> None:
         """Append records already in this file's record dtype (tools/bench, conversions)."""
-        try:
-            self._f.write(np.ascontiguousarray(rows, dtype=self.rec).tobytes())
-            self._f.flush()
-        except OSError as exc:  # a full disk: name the file (a buffered write's error does not)
-            self._failed = True
-            raise OSError(exc.errno, exc.strerror, str(self.path)) from None
-
-    def close(self) -> None:
-        try:
-            self._f.close()
-        except OSError:
-            if not self._failed:
-                raise
+        self._append(np.ascontiguousarray(rows, dtype=self.rec).tobytes())
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -138,6 +138,21 @@ def check_mixtral_exportable(model: Transformer) -> None:
         raise ValueError("Mixtral cannot reproduce this model: " + "; ".join(problems))
 
 
+def export_rules(model: Transformer, family: str | None, dtype: torch.dtype | None,
+                 layout: str) -> tuple[str, list[Rule], torch.dtype]:
+    """(the family written, the rules mapping the model's tensors to its keys, the dtype on disk) for an export;
+    save_hf and save_hf_sharded both start here. Bad arguments and unexportable models are ValueErrors."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} is invalid; choose one of {list(LAYOUTS)}")
+    if dtype is not None and dtype not in DTYPE_NAMES.values():
+        raise ValueError(f"dtype={dtype} is not supported; use one of {list(DTYPE_NAMES)}")
+    name = choose_family(model, family)
+    naming, L = FAMILIES[name].naming, model.config.num_layers
+    block = naming.moe_blocks[-1 if layout == "fused" else 0]  # fused tensors live under "mlp", as in transformers
+    rules = model_rules(model, naming, [block] * L, [layout == "fused"] * L)
+    return name, rules, dtype or next(model.parameters()).dtype
+
+
 def save_hf(model: Transformer, path: str | Path, *, family: str | None = None, dtype: torch.dtype | None = None,
             max_shard_size: int | str = "5GB", layout: str = "per_expert",
             tokenizer_from: str | Path | None = None) -> Path:
@@ -153,15 +168,8 @@ def save_hf(model: Transformer, path: str | Path, *, family: str | None = None, 
     whose tokenizer is written beside the model (default: the folder the model was imported from, if it
     has tokenizer files).
     """
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout={layout!r} is invalid; choose one of {list(LAYOUTS)}")
-    if dtype is not None and dtype not in DTYPE_NAMES.values():
-        raise ValueError(f"dtype={dtype} is not supported; use one of {list(DTYPE_NAMES)}")
-    name = choose_family(model, family)
-    naming, L = FAMILIES[name].naming, model.config.num_layers
-    block = naming.moe_blocks[-1 if layout == "fused" else 0]  # fused tensors live under "mlp", as in transformers
-    tensors = export_tensors(model, model_rules(model, naming, [block] * L, [layout == "fused"] * L), dtype)
-    out_dtype = dtype or next(model.parameters()).dtype
+    name, rules, out_dtype = export_rules(model, family, dtype, layout)
+    tensors = export_tensors(model, rules, dtype)
     tensors.update(zero_fill(model, name, out_dtype))
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)

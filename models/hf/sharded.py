@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from moekit.models.hf.io import CONFIG_FILE, DTYPE_NAMES, INDEX_FILE, CheckpointReader, parse_size
-from moekit.models.hf.weights import Rule, check_keys, model_rules
+from moekit.models.hf.weights import Rule, check_keys
 
 __all__ = ["load_hf_sharded", "save_hf_sharded", "shard_box"]
 
@@ -324,19 +324,10 @@ class _ExportSpec:
 
 def _export_spec(model, family: str | None, dtype: torch.dtype | None, layout: str) -> _ExportSpec:
     """What save_hf writes for ``model`` (family, rules, zero-filled parts), without touching any tensor."""
-    from moekit.models.hf import LAYOUTS
-    from moekit.models.hf.export import choose_family, zero_fill
-    from moekit.models.hf.families import FAMILIES
+    from moekit.models.hf import export_rules
+    from moekit.models.hf.export import zero_fill
 
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout={layout!r} is invalid; choose one of {list(LAYOUTS)}")
-    if dtype is not None and dtype not in DTYPE_NAMES.values():
-        raise ValueError(f"dtype={dtype} is not supported; use one of {list(DTYPE_NAMES)}")
-    name = choose_family(model, family)
-    naming, L = FAMILIES[name].naming, model.config.num_layers
-    block = naming.moe_blocks[-1 if layout == "fused" else 0]  # as save_hf
-    rules = model_rules(model, naming, [block] * L, [layout == "fused"] * L)
-    out_dtype = dtype or next(model.parameters()).dtype
+    name, rules, out_dtype = export_rules(model, family, dtype, layout)
     with torch.device("meta"):  # shapes only
         zeros = {k: (tuple(t.shape), t.dtype) for k, t in zero_fill(model, name, out_dtype).items()}
     return _ExportSpec(name, rules, zeros, dtype, {v: k for k, v in DTYPE_NAMES.items()}[out_dtype])

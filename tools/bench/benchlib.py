@@ -18,21 +18,28 @@ def sync(device: torch.device) -> None:
 
 
 def time_interleaved(fns: dict[str, Callable[[], object]], device: torch.device, warmup: int = 2,
-                     repeats: int = 10) -> dict[str, dict]:
+                     repeats: int = 10, rotate: bool = False) -> dict[str, dict]:
     """Median / min / max milliseconds of each peer, run round-robin (a, b, c, a, b, c, ...) so that
-    background load and clock drift hit every peer alike: the ratios between peers are what we report."""
+    background load and clock drift hit every peer alike: the ratios between peers are what we report.
+
+    rotate: each round starts one peer later (a, b, c; b, c, a; ...), with at least one round per peer. On
+    CPU the peer that runs right after another one's large frees pays the page faults of re-growing the
+    heap, which a fixed order would always charge to the same peer."""
+    names = list(fns)
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     sync(device)
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
+    times: dict[str, list[float]] = {name: [] for name in names}
+    rounds = max(repeats, len(names)) if rotate and repeats > 1 else repeats
+    for r in range(rounds):
+        shift = r % len(names) if rotate else 0
+        for name in names[shift:] + names[:shift]:
             start = time.perf_counter()
-            fn()
+            fns[name]()
             sync(device)
             times[name].append((time.perf_counter() - start) * 1e3)
-    return {name: {"median_ms": statistics.median(t), "min_ms": min(t), "max_ms": max(t), "repeats": repeats}
+    return {name: {"median_ms": statistics.median(t), "min_ms": min(t), "max_ms": max(t), "repeats": len(t)}
             for name, t in times.items()}
 
 

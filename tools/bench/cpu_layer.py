@@ -28,11 +28,9 @@ from pathlib import Path
 
 import torch
 
-import statistics
-import time
-
-from moekit.bench.benchlib import environment, guarded, print_table, write_json
+from moekit.bench.benchlib import environment, guarded, print_table, time_interleaved, write_json
 from moekit.bench.layer_probes import PHASES, phase_steps
+from moekit.bench.moe_layer import copy_into_hf
 from moekit.moe import MoELayer, build_router
 from moekit.moe.experts import resolve_backend
 
@@ -90,38 +88,6 @@ def hf_block(H, F, E, k, shared, impl):
         return None
     cfg._experts_implementation = impl
     return Block(cfg)
-
-
-def copy_into_hf(layer: MoELayer, block) -> None:
-    """moekit stores x @ w; transformers stores linear weights ([out, in])."""
-    with torch.no_grad():
-        block.gate.weight.copy_(layer.router.weight)
-        block.experts.gate_up_proj.copy_(layer.experts.w_in.transpose(1, 2))
-        block.experts.down_proj.copy_(layer.experts.w_out.transpose(1, 2))
-        if layer.shared_expert is not None:
-            s, b = layer.shared_expert, block.shared_expert
-            b.gate_proj.weight.copy_(s.w_gate.weight)
-            b.up_proj.weight.copy_(s.w_up.weight)
-            b.down_proj.weight.copy_(s.w_out.weight)
-            block.shared_expert_gate.weight.copy_(s.gate.weight)
-
-
-def time_interleaved(fns: dict, device=None, warmup: int = 2, repeats: int = 7) -> dict[str, dict]:
-    """Round-robin like benchlib.time_interleaved, but each round starts one peer later (a, b, c; b, c, a;
-    ...): on CPU the peer that runs right after another one's large frees pays the page faults of
-    re-growing the heap, which a fixed order would always charge to the same peer."""
-    names = list(fns)
-    for name in names:
-        for _ in range(warmup):
-            fns[name]()
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(max(repeats, len(names)) if repeats > 1 else repeats):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            start = time.perf_counter()
-            fns[name]()
-            times[name].append((time.perf_counter() - start) * 1e3)
-    return {name: {"median_ms": statistics.median(t), "min_ms": min(t), "max_ms": max(t), "repeats": len(t)}
-            for name, t in times.items()}
 
 
 def make_step(module, x, grad, backward: bool):
@@ -188,7 +154,7 @@ def bench_shape(args, name, dtype) -> tuple[list[dict], dict]:
     rows = []
     for mode, backward in (("fwd", False), ("fwd+bwd", True)):
         steps = {n: make_step(m, x, grad, backward) for n, m in modules.items()}
-        t = time_interleaved(steps, torch.device("cpu"), warmup=args.warmup, repeats=args.repeats)
+        t = time_interleaved(steps, torch.device("cpu"), warmup=args.warmup, repeats=args.repeats, rotate=True)
         st = f"{args.stat}_ms"
         hf = {n: t[n][st] for n in modules if n.startswith("transformers")}
         for n in modules:
@@ -206,7 +172,7 @@ def bench_shape(args, name, dtype) -> tuple[list[dict], dict]:
         old = modules[f"moekit@{args.baseline}"]
         steps.update({"baseline:layer": make_step(old, x, grad, True),
                       **{f"baseline:{p}": f for p, f in phase_steps(old, x.detach().view(T, H)).items()}})
-    pt = time_interleaved(steps, torch.device("cpu"), warmup=1, repeats=max(3, args.repeats // 2))
+    pt = time_interleaved(steps, torch.device("cpu"), warmup=1, repeats=max(3, args.repeats // 2), rotate=True)
     case["phases_ms"] = {p: pt[p][f"{args.stat}_ms"] for p in ("layer", *PHASES)}
     if args.baseline:
         case["baseline_phases_ms"] = {p: pt[f"baseline:{p}"][f"{args.stat}_ms"] for p in ("layer", *PHASES)}

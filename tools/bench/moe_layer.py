@@ -62,11 +62,19 @@ def hf_block(hidden: int, ffn: int, experts: int, top_k: int, implementation: st
 
 
 def copy_into_hf(layer: MoELayer, block) -> None:
-    """moekit stores x @ w (w_in [E, H, 2F], w_out [E, F, H]); transformers stores linear weights (transposed)."""
+    """moekit stores x @ w (w_in [E, H, 2F], w_out [E, F, H]); transformers stores linear weights (transposed).
+    A shared expert (and its gate) goes to the block's ``shared_expert`` (Qwen2-MoE's block)."""
     with torch.no_grad():
         block.gate.weight.copy_(layer.router.weight)
         block.experts.gate_up_proj.copy_(layer.experts.w_in.transpose(1, 2))
         block.experts.down_proj.copy_(layer.experts.w_out.transpose(1, 2))
+        if layer.shared_expert is not None:
+            s, b = layer.shared_expert, block.shared_expert
+            b.gate_proj.weight.copy_(s.w_gate.weight)
+            b.up_proj.weight.copy_(s.w_up.weight)
+            b.down_proj.weight.copy_(s.w_out.weight)
+            if s.gate is not None:
+                block.shared_expert_gate.weight.copy_(s.gate.weight)
 
 
 def fwd_bwd(module, x: torch.Tensor, grad: torch.Tensor):
