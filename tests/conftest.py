@@ -16,3 +16,15 @@ if not _has_gpu:
 import torch
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models, many small ops: one thread is faster than two on a busy two-core box (and less noisy).
+    A module opts in with ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -37,13 +37,7 @@ FAMILIES = ("mixtral-tiny", "switch-tiny", "deepseek-tiny")
 STEPS = 2
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Decoding runs many tiny ops: one thread is faster than two on a busy two-core box (and less noisy)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

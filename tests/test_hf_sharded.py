@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from moekit.comm.topology import Layout, Topology
 from moekit.models.config import ModelConfig
 from moekit.models.hf import config_from_hf, load_hf, save_hf
-from moekit.models.hf import sharded
+from moekit.models.hf import sharded, sharded_export
 from moekit.models.hf.families import FAMILIES
 from moekit.models.hf.weights import model_rules
 from moekit.models.parallelize import parallelize
@@ -188,7 +188,7 @@ def _failures(rank, tmp):
     if rank == 1:
         def full_disk(self, key, tensor):
             raise OSError(28, "No space left on device")
-        sharded._StreamWriter.write = full_disk
+        sharded_export._StreamWriter.write = full_disk
     msg = _same_error_everywhere(sharded.save_hf_sharded, model, tmp / "export-fails", max_shard_size=6000,
                                  error=OSError)
     assert "No space left on device" in msg and msg.endswith("(on rank 1 of 2)"), msg

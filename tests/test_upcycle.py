@@ -8,7 +8,6 @@ by O(1): a wrong expert, weight or scale shows up far above the tolerance.
 from __future__ import annotations
 
 import json
-import warnings
 
 import pytest
 import torch
@@ -23,13 +22,7 @@ DENSE = dict(num_experts=0, vocab_size=256, hidden_size=32, num_layers=3, num_he
              ffn_hidden_size=64, max_seq_len=32, init_std=0.1)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models, many small ops: one thread is faster than two on a busy two-core box (and less noisy)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 def dense_model(seed: int = 3, **fields) -> torch.nn.Module:

@@ -1,0 +1,297 @@
+"""``save_hf_sharded``: every rank writes the HF tensors it owns, nobody gathers the model (models/hf/sharded.py
+has the picture, the box arithmetic and the load).
+
+One HF tensor at a time: its owner (the rank holding most of it, least loaded on ties) receives the other
+parts (send / recv from one rank per distinct shard), transposes and writes it. Peak extra memory: one HF
+tensor. Files: model-0000i-of-0000N.safetensors, each written by one rank (streamed: header first, then each
+tensor as it is assembled); rank 0 writes config.json and model.safetensors.index.json last, so a folder with
+an index is complete.
+"""
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from moekit.models.hf.io import CONFIG_FILE, DTYPE_NAMES, INDEX_FILE, parse_size
+from moekit.models.hf.sharded import (Box, _agree, _check_not_pipelined, _distributed, _local, _meet, _rel,
+                                      _reshard, _to_source, shard_box)
+from moekit.models.hf.weights import Rule
+
+__all__ = ["save_hf_sharded"]
+
+# safetensors dtype names (the header's "dtype")
+ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
+             torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+             torch.bool: "BOOL"}
+
+
+@dataclass
+class _Unit:
+    """One HF tensor: the region of a moekit tensor it is made of, who assembles it and from whom."""
+
+    key: str
+    target: str | None  # None: a part the family always has and the model lacks, written as zeros
+    region: Box  # in the moekit tensor's indices
+    dims: tuple[int, ...]  # target dim of each HF dim
+    dtype: torch.dtype  # on disk
+    owner: int
+    parts: list[tuple[int, Box]]  # (rank sending it, sub-box of region) for every part the owner lacks
+
+    @property
+    def shape(self) -> list[int]:
+        return [len(self.region[d]) for d in self.dims]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclass
+class _ExportSpec:
+    family: str
+    rules: list[Rule]
+    zeros: dict[str, tuple[tuple[int, ...], torch.dtype]]  # HF key -> shape, dtype of the all-zero parts
+    dtype: torch.dtype | None  # on disk for floating tensors (None: the model's)
+    dtype_name: str  # config.json's "dtype"
+
+
+def _export_spec(model, family: str | None, dtype: torch.dtype | None, layout: str) -> _ExportSpec:
+    """What save_hf writes for ``model`` (family, rules, zero-filled parts), without touching any tensor."""
+    from moekit.models.hf import export_rules
+    from moekit.models.hf.export import zero_fill
+
+    name, rules, out_dtype = export_rules(model, family, dtype, layout)
+    with torch.device("meta"):  # shapes only
+        zeros = {k: (tuple(t.shape), t.dtype) for k, t in zero_fill(model, name, out_dtype).items()}
+    return _ExportSpec(name, rules, zeros, dtype, {v: k for k, v in DTYPE_NAMES.items()}[out_dtype])
+
+
+def _export_boxes(model, spec: _ExportSpec, max_shard_size) -> tuple[dict, dict]:
+    _check_not_pipelined(model)
+    parse_size(max_shard_size)
+    state = model.state_dict()
+    boxes, meta = {}, {}
+    for r in spec.rules:
+        t = state[r.target]
+        if r.layout(tuple(t.shape)) is None:
+            raise ValueError(f"{r.target}: its HuggingFace rule has no slice layout (weights.Rule.pieces), so it "
+                             f"cannot be exported shard by shard; gather the model and use save_hf")
+        if t.dtype not in ST_DTYPES:
+            raise ValueError(f"{r.target} has dtype {t.dtype}, which safetensors cannot store")
+        boxes[r.target] = tuple((b.start, b.stop) for b in shard_box(t, r.target))
+        meta[r.target] = (tuple(t.shape), t.dtype)
+    return boxes, meta
+
+
+def _plan_export(spec: _ExportSpec, meta: dict, all_boxes: list[dict]) -> list[_Unit]:
+    """Every HF tensor, its owner and its senders; the same on every rank (a function of gathered facts)."""
+    world = len(all_boxes)
+    owned, sent = [0] * world, [0] * world  # bytes each rank writes / sends so far: work is balanced
+    units = []
+
+    def volume(box: Box) -> int:
+        return math.prod(map(len, box))
+
+    for r in spec.rules:
+        shape, dtype = meta[r.target]
+        out_dtype = spec.dtype if spec.dtype is not None and dtype.is_floating_point else dtype
+        held: dict[Box, list[int]] = {}  # distinct shards of this tensor -> the ranks holding each
+        for rank, boxes in enumerate(all_boxes):
+            held.setdefault(tuple(range(a, b) for a, b in boxes[r.target]), []).append(rank)
+        for key, (region, dims) in zip(r.sources, r.layout(shape)):
+            meets = {box: m for box in held if (m := _meet(box, region)) is not None}
+            if sum(map(volume, meets.values())) != volume(region):
+                raise RuntimeError(f"the ranks' shards of {r.target} do not tile {key} exactly (shards "
+                                   f"{[[(x.start, x.stop) for x in b] for b in held]}); are placements overlapping?")
+            # owner: holds the most of it; then the least loaded; then the lowest rank
+            most = max(map(volume, meets.values()))
+            best = [k for b, m in meets.items() if volume(m) == most for k in held[b]]
+            owner = min(best, key=lambda k: (owned[k], k))
+            owned[owner] += volume(region) * out_dtype.itemsize
+            parts = []
+            for box, m in meets.items():
+                if owner not in held[box]:
+                    sender = min(held[box], key=lambda k: (sent[k], k))
+                    sent[sender] += volume(m)
+                    parts.append((sender, m))
+            units.append(_Unit(key, r.target, region, dims, out_dtype, owner, parts))
+    for key, (shape, dtype) in spec.zeros.items():
+        owner = min(range(world), key=lambda k: (owned[k], k))
+        owned[owner] += math.prod(shape) * dtype.itemsize
+        units.append(_Unit(key, None, tuple(range(n) for n in shape), tuple(range(len(shape))), dtype, owner, []))
+    return units
+
+
+def _files(units: list[_Unit], world: int, limit: int) -> list[tuple[int, list[_Unit]]]:
+    """(writing rank, its units) per output file: each rank's units in plan order, cut at ``limit`` bytes."""
+    files = []
+    for rank in range(world):
+        current: list[_Unit] = []
+        size = 0
+        for u in (u for u in units if u.owner == rank):
+            if current and size + u.nbytes > limit:
+                files.append((rank, current))
+                current, size = [], 0
+            current.append(u)
+            size += u.nbytes
+        if current:
+            files.append((rank, current))
+    return files
+
+
+class _StreamWriter:
+    """A safetensors file written tensor by tensor: the header (known up front) first, then each tensor's bytes
+    in header order as it arrives, so a rank holds one tensor at a time however large its file."""
+
+    def __init__(self, path: Path, units: list[_Unit]):
+        header, offset = {}, 0
+        for u in units:
+            header[u.key] = {"dtype": ST_DTYPES[u.dtype], "shape": u.shape, "data_offsets": [offset, offset + u.nbytes]}
+            offset += u.nbytes
+        header["__metadata__"] = {"format": "pt"}
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned
+        self.path, self.expected = path, [u.key for u in units]
+        self.file = open(path, "wb")
+        self.file.write(len(raw).to_bytes(8, "little") + raw)
+
+    def write(self, key: str, tensor: Tensor) -> None:
+        assert self.expected and self.expected[0] == key, (key, self.expected[:1])
+        self.expected.pop(0)
+        self.file.write(tensor.contiguous().view(torch.uint8).reshape(-1).numpy())
+        if not self.expected:
+            self.file.close()
+
+
+def _prepare_folder(folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for stale in [*folder.glob("model*.safetensors"), folder / INDEX_FILE]:  # never mix with an earlier save
+        stale.unlink(missing_ok=True)
+
+
+def _check_folder(folder: Path) -> None:
+    if not folder.is_dir():
+        raise ValueError(f"{folder}: rank 0 created it but this rank does not see it; save_hf_sharded needs a "
+                         f"path on a file system every rank shares")
+
+
+@torch.no_grad()
+def _stream(model, units: list[_Unit], files: list[tuple[int, list[_Unit]]], folder: Path, names: list[str],
+            rank: int) -> Exception | None:
+    """Assemble and write this rank's HF tensors, sending its parts of the others'. A failed write is kept
+    (returned) while this rank goes on sending and receiving, so no peer waits on it forever."""
+    state = model.state_dict()
+    boxes = {u.target: shard_box(state[u.target], u.target) for u in units if u.target is not None}
+    writers: dict[str, _StreamWriter] = {}  # HF key -> the open writer of its file
+    error: Exception | None = None
+    try:
+        for (writer_rank, its), name in zip(files, names):
+            if writer_rank == rank:
+                w = _StreamWriter(folder / name, its)
+                writers.update(dict.fromkeys((u.key for u in its), w))
+    except Exception as exc:  # noqa: BLE001
+        error = exc
+
+    def write(u: _Unit, make: Callable[[], Tensor]) -> None:
+        nonlocal error
+        if error is None:
+            try:
+                writers[u.key].write(u.key, make())
+            except Exception as exc:  # noqa: BLE001
+                error = exc
+
+    for u in units:
+        if u.target is None:  # all zeros: nothing to gather
+            if u.owner == rank:
+                write(u, lambda: torch.zeros(u.shape, dtype=u.dtype))
+            continue
+        local, box = _local(state[u.target]), boxes[u.target]
+        if u.owner == rank:
+            region = torch.empty([len(r) for r in u.region], dtype=local.dtype, device=local.device)
+            mine = _meet(box, u.region)
+            if mine is not None:
+                region[_rel(mine, u.region)] = local[_rel(mine, box)]
+            for sender, part in u.parts:
+                buf = torch.empty([len(r) for r in part], dtype=local.dtype, device=local.device)
+                dist.recv(buf, src=sender)
+                region[_rel(part, u.region)] = buf
+            write(u, lambda: _to_source(region, u.dims).to("cpu", u.dtype))
+            del region
+        else:
+            for sender, part in u.parts:
+                if sender == rank:
+                    dist.send(local[_rel(part, box)].contiguous(), dst=u.owner)
+    for w in set(writers.values()):
+        if not w.file.closed:
+            w.file.close()
+    return error
+
+
+def _write_index(folder: Path, config: dict, units: list[_Unit], files: list[tuple[int, list[_Unit]]],
+                 names: list[str]) -> None:
+    weight_map = {}
+    for (_, its), name in zip(files, names):
+        path = folder / name
+        if not path.is_file() or path.stat().st_size < 8 + sum(u.nbytes for u in its):
+            raise ValueError(f"{path}: missing or short after every rank wrote its files; save_hf_sharded needs a "
+                             f"path on a file system every rank shares")
+        weight_map.update(dict.fromkeys((u.key for u in its), name))
+    (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    index = {"metadata": {"total_size": sum(u.nbytes for u in units)}, "weight_map": dict(sorted(weight_map.items()))}
+    (folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def save_hf_sharded(model, path: str | Path, *, family: str | None = None, dtype: torch.dtype | None = None,
+                    max_shard_size: int | str = "5GB", layout: str = "per_expert",
+                    tokenizer_from: str | Path | None = None) -> Path:
+    """``save_hf`` for a parallelised ``model`` (models.parallelize), without gathering it on any rank.
+
+    Call on every rank, collectively; ``path`` must be on a file system they all see. Each rank assembles
+    the HF tensors it owns one at a time (receiving the parts other ranks hold) and streams them into its
+    own file(s) of at most ``max_shard_size``; rank 0 copies the tokenizer and, once every rank is done,
+    writes config.json and the index naming every file. Arguments and the folder written as save_hf's;
+    any failure raises the same error on every rank.
+    """
+    from moekit.models.hf import _imported_tokenizer
+    from moekit.models.hf.export import copy_tokenizer, hf_config
+
+    _reshard(model)
+    spec = _agree(_export_spec, model, family, dtype, layout)
+    boxes, meta = _agree(_export_boxes, model, spec, max_shard_size)
+    world = dist.get_world_size() if _distributed() else 1
+    rank = dist.get_rank() if _distributed() else 0
+    all_boxes = [boxes] * world
+    if _distributed():
+        dist.all_gather_object(all_boxes, boxes)
+    units = _agree(_plan_export, spec, meta, all_boxes)
+    files = _files(units, world, parse_size(max_shard_size))
+    names = [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
+    folder = Path(path)
+    token_ids: dict = {}
+
+    def prepare() -> None:  # rank 0, before anyone writes: the folder, no stale shards, the tokenizer
+        if rank == 0:
+            _prepare_folder(folder)
+            source = tokenizer_from if tokenizer_from is not None else _imported_tokenizer(model)
+            if source:
+                token_ids.update(copy_tokenizer(source, folder, model.config.vocab_size, model.config.max_seq_len))
+
+    _agree(prepare)
+    _agree(_check_folder, folder)
+    error = _stream(model, units, files, folder, names, rank)
+
+    def finish() -> None:  # after this exchange every rank has closed its files
+        if error is not None:
+            raise error
+
+    _agree(finish)
+    _agree(lambda: _write_index(folder, hf_config(model, spec.family, spec.dtype_name, token_ids), units, files,
+                                names) if rank == 0 else None)
+    return folder
