@@ -63,6 +63,10 @@ def test_data_fingerprint_sees_a_change_anywhere():
     other[-1] ^= 1  # the last block is always sampled
     assert data_fingerprint(tokens) != data_fingerprint(other)
     assert data_fingerprint(tokens[:-1]) != data_fingerprint(tokens)  # the count is part of it
+    small = tokens[: int(rng.integers(1, 64 * 2048))]  # up to 256 KiB: every token counts, gaps included
+    changed = small.copy()
+    changed[int(rng.integers(0, small.size))] ^= 1
+    assert data_fingerprint(small) != data_fingerprint(changed)
 
 
 def free_port() -> int:
