@@ -112,10 +112,40 @@ def rope_tables(config: ModelConfig, seq_len: int, device, start: int = 0) -> tu
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate channel pairs (i, i + D/2) of x [B, heads, S, D] by the position angle (GPT-NeoX/HF layout)."""
-    x1, x2 = x.float().chunk(2, dim=-1)  # [B, n, S, D/2] each
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # [B, n, S, D]
-    return out.type_as(x)
+    """Rotate channel pairs (i, i + D/2) of x [B, heads, S, D] by the position angle (GPT-NeoX/HF layout).
+
+    cos, sin [S, D/2] broadcast against each half of x; [S, 1, D/2] serves x [B, S, heads, D]. Computed in
+    float32, returned in x's dtype, rounded exactly as [x1 cos - x2 sin, x2 cos + x1 sin]."""
+    return _Rope.apply(x, cos, sin)
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool = False) -> Tensor:
+    """x * [cos, cos] + [x2, x1] * [-sin, sin] (``inverse``: the sines negated), in float32."""
+    c = torch.cat((cos, cos), dim=-1)  # [..., D]
+    s = torch.cat((sin, -sin) if inverse else (-sin, sin), dim=-1)
+    # one contiguous table row per trailing index of x: the products then broadcast over the leading dims
+    # only (on CPU a table broadcast inside the rows runs several times slower)
+    rows = x.shape[x.dim() - c.dim():]
+    c, s = c.expand(rows).contiguous(), s.expand(rows).contiguous()
+    x1, x2 = x.float().chunk(2, dim=-1)  # [..., D/2] each
+    out = x.float() * c
+    return out.add_(torch.cat((x2, x1), dim=-1) * s).to(x.dtype)  # a + b * (-sin) == a - b * sin, bitwise
+
+
+class _Rope(torch.autograd.Function):
+    """y = R(angle) x is linear in x, so dL/dx = R(-angle) dL/dy: the backward is the same rotation with the
+    sines negated. Autograd keeps only the [S, D/2] tables (shared by every layer), not x's halves and the
+    expression's products; the per-head tables are rebuilt in backward rather than kept."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        ctx.save_for_backward(cos, sin)
+        return _rotate(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        cos, sin = ctx.saved_tensors
+        return _rotate(grad, cos, sin, inverse=True), None, None
 
 
 def apply_rope_interleaved(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -174,8 +204,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.qkv_clip > 0:
             q, k, v = (t.clamp(-self.qkv_clip, self.qkv_clip) for t in (q, k, v))
+        # RoPE before the transpose: x [B, S, heads, D] is laid out as the projection wrote it
+        q, k = apply_rope(q, cos[:, None], sin[:, None]), apply_rope(k, cos[:, None], sin[:, None])
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, S, D]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         y = attend(q, k, v, kv, self.num_kv_heads != self.num_heads)  # [B, N, S, D]
         return self.wo(y.transpose(1, 2).reshape(B, S, -1))  # [B, S, H]
 

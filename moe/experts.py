@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 # ACTIVATIONS is re-exported for moe.layer: moe.activations is the one table of activations
 from moekit.moe.activations import ACTIVATIONS, check_activation, ffn_in_features, get_activation  # noqa: F401
+from moekit.moe.expert_threads import choose_workers, for_each_expert
 from moekit.moe.precision import compute_dtype
 
 
@@ -114,7 +115,8 @@ def loop_mlp(rows: Tensor, counts: Tensor, w_in: Tensor, w_out: Tensor, activati
 
     SwiGLU runs as one autograd function (:class:`_LoopSwiGLU`) whose forward and backward write
     every expert's block into preallocated outputs and gradients; other activations compose autograd
-    ops (:func:`_loop_composite`). Both compute the same per-expert matmuls.
+    ops (:func:`_loop_composite`). Both compute the same per-expert matmuls. On CPU the SwiGLU path runs
+    independent experts concurrently, one thread each, where the shape gains (moe/expert_threads.py).
     """
     ends = counts_to_offs(counts, rows.shape[0]).tolist()  # D2H sync: the row blocks drive the loop
     sizes = [end - start for start, end in zip([0] + ends[:-1], ends)]
@@ -128,22 +130,26 @@ def loop_mlp(rows: Tensor, counts: Tensor, w_in: Tensor, w_out: Tensor, activati
 def _loop_swiglu_forward(rows: Tensor, w_in: Tensor, w_out: Tensor, sizes: list[int],
                          keep: bool) -> tuple[Tensor, Tensor, Tensor]:
     """(out [N, H], h, a): each expert's block written into ``out``. ``keep``: h [owned, 2F] and
-    a = swiglu(h) [owned, F] kept whole for backward; else one expert-sized buffer each, reused (inference)."""
+    a = swiglu(h) [owned, F] kept whole for backward; else one expert-sized buffer each per worker,
+    reused (inference). Experts may run concurrently on CPU (moe.expert_threads)."""
     N, f_in, owned = rows.shape[0], w_in.shape[-1], sum(sizes)
     out = rows.new_empty(N, w_out.shape[-1])
-    m = owned if keep else max(sizes, default=0)
-    h, a = rows.new_empty(m, f_in), rows.new_empty(m, f_in // 2)
+    h, a = (rows.new_empty(owned, f_in), rows.new_empty(owned, f_in // 2)) if keep else (None, None)
+    m = max(sizes, default=0)
+
+    def scratch():  # inference: one worker's expert-sized buffers
+        return None if keep else (rows.new_empty(m, f_in), rows.new_empty(m, f_in // 2))
+
+    def expert(e: int, start: int, n: int, bufs) -> None:
+        end = start + n
+        hb, ab = (h[start:end], a[start:end]) if keep else (bufs[0][:n], bufs[1][:n])
+        torch.mm(rows[start:end], w_in[e], out=hb)
+        gate, up = hb.chunk(2, dim=-1)
+        torch.ops.aten.silu.out(gate, out=ab).mul_(up)  # no temporaries
+        torch.mm(ab, w_out[e], out=out[start:end])
+
     with torch.autocast(rows.device.type, enabled=False):  # rows and weights are the compute dtype
-        start = 0
-        for e, n in enumerate(sizes):
-            if n:
-                end = start + n
-                hb, ab = (h[start:end], a[start:end]) if keep else (h[:n], a[:n])
-                torch.mm(rows[start:end], w_in[e], out=hb)
-                gate, up = hb.chunk(2, dim=-1)
-                torch.ops.aten.silu.out(gate, out=ab).mul_(up)  # no temporaries
-                torch.mm(ab, w_out[e], out=out[start:end])
-                start = end
+        for_each_expert(sizes, expert, choose_workers(rows, w_in, sizes), scratch)
     out[owned:].zero_()  # rows nobody owns
     return out, h, a
 
@@ -193,18 +199,17 @@ class _LoopSwiGLU(torch.autograd.Function):
         d_wi = torch.zeros_like(w_in) if need_wi else None
         d_wo = torch.zeros_like(w_out) if need_wo else None
         biggest = max(sizes, default=0)
-        d_a = rows.new_empty(biggest, a.shape[-1])
-        d_h = rows.new_empty(biggest, h.shape[-1])
-        start = 0
-        for e, n in enumerate(sizes):
-            if not n:
-                continue
+
+        def scratch():  # one worker's expert-sized d_a, d_h
+            return rows.new_empty(biggest, a.shape[-1]), rows.new_empty(biggest, h.shape[-1])
+
+        def expert(e: int, start: int, n: int, bufs) -> None:
             end = start + n
             g = grad[start:end]
             if need_wo:
                 torch.mm(a[start:end].t(), g, out=d_wo[e])
             if need_x or need_wi:
-                da, dh = d_a[:n], d_h[:n]
+                da, dh = bufs[0][:n], bufs[1][:n]
                 torch.mm(g, w_out[e].t(), out=da)
                 gate, up = h[start:end].chunk(2, dim=-1)
                 d_gate, d_up = dh.chunk(2, dim=-1)
@@ -215,7 +220,8 @@ class _LoopSwiGLU(torch.autograd.Function):
                     torch.mm(rows[start:end].t(), dh, out=d_wi[e])
                 if need_x:
                     torch.mm(dh, w_in[e].t(), out=d_x[start:end])
-            start = end
+
+        for_each_expert(sizes, expert, choose_workers(rows, w_in, sizes), scratch)
         return d_x, d_wi, d_wo, None
 
 

@@ -253,8 +253,12 @@ class Router(nn.Module):
         kept = count_experts(indices, E)
         balance_counts = self.reduce_counts(assigned) if self.aux_loss_coeff > 0 else assigned
         self.observe_load(balance_counts if self.aux_loss_coeff > 0 else None, assigned)
-        lb = load_balance_loss(balance_scores, balance_counts)
-        zl = z_loss(logits)
+        # A term whose coefficient is 0 is only logged (stats): computed outside autograd, so backward skips
+        # it, and with both at 0 the aux loss is a constant the layer does not inject. Same values either way.
+        with torch.set_grad_enabled(torch.is_grad_enabled() and self.aux_loss_coeff > 0):
+            lb = load_balance_loss(balance_scores, balance_counts)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and self.z_loss_coeff > 0):
+            zl = z_loss(logits)
         aux = self.aux_loss_coeff * lb + self.z_loss_coeff * zl
         total = max(indices.numel(), 1)
         stats = {

@@ -50,7 +50,8 @@ class ExpertChoiceRouter(Router):
         indices = torch.where(taken, experts, -1)  # [T, E]
         weights = torch.where(taken, scores, 0.0)
         kept = count_experts(indices, E)
-        zl = z_loss(logits)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and self.z_loss_coeff > 0):  # only logged at 0
+            zl = z_loss(logits)
         unrouted = (~taken.any(-1)).float().mean() if T else logits.new_zeros(())
         stats = {"z_loss": zl.detach(), "dropped_fraction": torch.zeros((), device=logits.device),
                  "unrouted_fraction": unrouted, "assigned_per_expert": kept}

@@ -349,3 +349,29 @@ def test_router_keeps_a_bf16_input_in_bf16_for_backward():
     w2 = router.weight.detach().clone().requires_grad_()
     torch.nn.functional.linear(x2.float(), w2).backward(g)
     assert torch.equal(x.grad, x2.grad.bfloat16()) and torch.equal(router.weight.grad, w2.grad)
+
+
+@pytest.mark.parametrize("name,opts", [("topk", dict(top_k=2)), ("expert_choice", dict(capacity_factor=1.0))])
+def test_zero_coefficient_terms_are_logged_but_left_out_of_backward(name, opts):
+    """A loss term at coefficient 0 is computed outside autograd (issue 19): the same routing and logged
+    stats as with the term weighted, an aux loss that is a constant 0, and backward never reaches it."""
+    g = torch.Generator().manual_seed(4)
+    E, T = 6, 29
+    x = torch.randn(T, H, generator=g)
+    zero = build_router(name, H, E, **opts, **({"aux_loss_coeff": 0.0} if name == "topk" else {}), z_loss_coeff=0.0)
+    weighted = build_router(name, H, E, **opts, **({"aux_loss_coeff": 0.5} if name == "topk" else {}),
+                            z_loss_coeff=0.25)
+    weighted.load_state_dict(zero.state_dict())
+    r0, r1 = zero(x), weighted(x)
+    for a, b in ((r0.indices, r1.indices), (r0.weights, r1.weights), (r0.tokens_per_expert, r1.tokens_per_expert)):
+        assert torch.equal(a, b)
+    assert r0.stats.keys() == r1.stats.keys() and all(torch.equal(r0.stats[s], r1.stats[s]) for s in r0.stats)
+    logits = x @ zero.weight.t()  # the logged z-loss against its definition, mean_t logsumexp^2
+    torch.testing.assert_close(r0.stats["z_loss"], torch.logsumexp(logits, -1).square().mean())
+    assert not r0.aux_loss.requires_grad and r0.aux_loss.item() == 0.0
+    assert r1.aux_loss.requires_grad  # > 0 still computes it, with its gradient
+    lb = r1.stats.get("load_balance", torch.zeros(()))
+    torch.testing.assert_close(r1.aux_loss.detach(), (0.5 if name == "topk" else 0.0) * lb + 0.25 * r1.stats["z_loss"])
+    (gz,) = torch.autograd.grad(z_loss(x @ weighted.weight.t()), weighted.weight, retain_graph=True)
+    if name == "expert_choice":  # aux = 0.25 * z-loss alone: its gradient is the z-loss's
+        torch.testing.assert_close(torch.autograd.grad(r1.aux_loss, weighted.weight)[0], 0.25 * gz)

@@ -44,6 +44,7 @@ MODULE_CATEGORIES = (  # first match wins, innermost labelled region wins at att
 )
 CATEGORIES = ("attention", "expert_gemm", "router", "permute_unpermute", "norm", "dense_ffn", "moe_other",
               "embedding", "head_loss", "optimizer", "communication", "other")
+OPTIMIZER_REGIONS = ("Optimizer.step#", "Optimizer.zero_grad#")
 COMM_WORDS = ("nccl", "c10d::", "all_to_all", "allreduce", "all_reduce", "reduce_scatter", "allgather", "all_gather")
 
 
@@ -63,24 +64,27 @@ class Labels:
 
 
 class LabelledDispatcher:
-    """Wraps a model's dispatcher so its permute and unpermute show up as one labelled category."""
+    """Wraps a model's dispatcher so its permute and unpermute show up as labelled categories (one category
+    for both by default; tools/bench/cpu_train.py splits them)."""
 
-    def __init__(self, inner):
-        self.inner = inner
+    def __init__(self, inner, dispatch_label: str = "permute_unpermute", combine_label: str = "permute_unpermute"):
+        self.inner, self.dispatch_label, self.combine_label = inner, dispatch_label, combine_label
 
     def dispatch(self, x, routing):
-        with record_function(LABEL + "permute_unpermute"):
+        with record_function(LABEL + self.dispatch_label):
             return self.inner.dispatch(x, routing)
 
     def combine(self, rows, meta):
-        with record_function(LABEL + "permute_unpermute"):
+        with record_function(LABEL + self.combine_label):
             return self.inner.combine(rows, meta)
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
 
-def install_labels(model: nn.Module, labels: Labels) -> None:
+def install_labels(model: nn.Module, labels: Labels, dispatch_labels: tuple[str, str] | None = None) -> None:
+    """Label ``model``'s modules (MODULE_CATEGORIES), its MoE dispatchers (``dispatch_labels``: the permute's
+    and the combine's category, default one "permute_unpermute") and its output head."""
     for module in model.modules():
         category = next((c for cls, c in MODULE_CATEGORIES if isinstance(module, cls)), None)
         if category is None:
@@ -88,7 +92,7 @@ def install_labels(model: nn.Module, labels: Labels) -> None:
         module.register_forward_pre_hook(lambda m, a, c=category: labels.push(c))
         module.register_forward_hook(lambda m, a, o: labels.pop())
         if isinstance(module, MoELayer):
-            module.dispatcher = LabelledDispatcher(module.dispatcher)
+            module.dispatcher = LabelledDispatcher(module.dispatcher, *(dispatch_labels or ()))
     # the output projection runs inside Transformer.forward after the final norm: open "head_loss" there,
     # close it once the loss is computed (train_step)
     model.norm.register_forward_hook(lambda m, a, o: labels.push("head_loss"))
@@ -119,6 +123,8 @@ def _label_of(event) -> str | None:
     while event is not None:
         if event.name.startswith(LABEL):
             return event.name[len(LABEL):]
+        if event.name.startswith(OPTIMIZER_REGIONS):  # torch.optim's own ranges: whoever calls step()
+            return "optimizer"
         if event.name.startswith("autograd::engine::evaluate_function"):
             return None  # backward: attributed through the sequence number instead
         event = event.cpu_parent
@@ -133,14 +139,15 @@ def _backward_seq(event) -> int | None:
     return None
 
 
-def categorize(events, on_gpu: bool) -> dict[str, float]:
-    """Category -> microseconds of self time (device time of the kernels an op launched, on GPU)."""
+def attribute(events, on_gpu: bool):
+    """Yield (event, category, microseconds of self time) for every op with time (on GPU: the device time
+    of the kernels it launched). The category is the raw label (module docstring), "communication" or
+    "other"; callers that keep a fixed set of categories map unknown labels themselves."""
     seq_category: dict[int, str] = {}
     for e in sorted(events, key=lambda e: e.time_range.start):  # forward ops: the last op that carries a
         label = _label_of(e)                                    # sequence number created that autograd node
         if label is not None and e.sequence_nr >= 0 and _backward_seq(e) is None:
             seq_category[e.sequence_nr] = label
-    totals = dict.fromkeys(CATEGORIES, 0.0)
     for e in events:
         if not str(getattr(e, "device_type", "CPU")).endswith("CPU"):
             continue  # GPU-side copies of record_function ranges: their kernels are already counted on the op
@@ -149,11 +156,17 @@ def categorize(events, on_gpu: bool) -> dict[str, float]:
             continue
         names = [e.name.lower()] + [k.name.lower() for k in getattr(e, "kernels", [])]
         if any(w in n for n in names for w in COMM_WORDS):
-            cat = "communication"
-        else:
-            label = _label_of(e)
-            seq = _backward_seq(e)
-            cat = label if label is not None else seq_category.get(seq, "other") if seq is not None else "other"
+            yield e, "communication", us
+            continue
+        label = _label_of(e)
+        seq = _backward_seq(e)
+        yield e, label if label is not None else seq_category.get(seq, "other") if seq is not None else "other", us
+
+
+def categorize(events, on_gpu: bool) -> dict[str, float]:
+    """Category (CATEGORIES) -> microseconds of self time (device time of the kernels an op launched, on GPU)."""
+    totals = dict.fromkeys(CATEGORIES, 0.0)
+    for _, cat, us in attribute(events, on_gpu):
         totals[cat if cat in totals else "other"] += us
     return totals
 
@@ -175,11 +188,16 @@ def parse(argv):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--expert-backend", default=None, help="override the preset's expert backend")
     p.add_argument("--optimizer", default="trainer", choices=["trainer", "foreach", "fused"],
-                   help="AdamW implementation: the trainer's (foreach=False), foreach, or fused (GPU)")
+                   help="AdamW implementation: the trainer's (foreach on unsharded parameters), foreach, or fused")
     p.add_argument("--out-dir", default="bench-results/profile")
     args = p.parse_args(argv)
     if min(args.batch_size, args.seq_len, args.steps) <= 0 or args.warmup < 0:
         p.error("--batch-size, --seq-len and --steps must be positive, --warmup >= 0")
+    try:  # now, not after minutes of profiling: a file in the way or a read-only parent
+        Path(args.out_dir).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        p.error(f"--out-dir {args.out_dir}: cannot create that folder ({exc.strerror or exc}); pass a folder path "
+                f"that is not an existing file, somewhere writable")
     return args
 
 
@@ -222,8 +240,8 @@ def main(argv=None) -> int:
         cfg.expert_backend = args.expert_backend
     seq = min(args.seq_len, cfg.max_seq_len)
     model = build_model(cfg, device)
-    # "trainer": AdamW as tools/train.py builds it (foreach=False), so the profile shows what training pays
-    impl = {"trainer": dict(foreach=False), "foreach": dict(foreach=True), "fused": dict(fused=True)}[args.optimizer]
+    # "trainer": AdamW as train.plan.make_optimizer builds it for one process (foreach), what training pays
+    impl = {"trainer": dict(foreach=True), "foreach": dict(foreach=True), "fused": dict(fused=True)}[args.optimizer]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **impl)
     labels = Labels()
     install_labels(model, labels)

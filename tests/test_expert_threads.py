@@ -1,0 +1,117 @@
+"""Experts in parallel on CPU (moe/expert_threads.py, issue 19): bitwise the sequential loop, forward and
+backward, fp32 and bf16, ragged and empty experts; the pool leaves torch's thread settings as they were;
+the by-shape choice."""
+import threading
+
+import pytest
+import torch
+
+from moekit.moe import experts, expert_threads as et
+from moekit.moe.expert_threads import choose_workers, expert_threads, for_each_expert
+
+
+def _case(dtype, counts, N=301, H=32, F=24, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    E = len(counts)
+    rows = torch.randn(N, H, generator=g).to(dtype).requires_grad_()
+    w_in = (torch.randn(E, H, 2 * F, generator=g) / H ** 0.5).to(dtype).requires_grad_()
+    w_out = (torch.randn(E, F, H, generator=g) / F ** 0.5).to(dtype).requires_grad_()
+    return rows, torch.tensor(counts), w_in, w_out, torch.randn(N, H, generator=g).to(dtype)
+
+
+def _fwd_bwd(workers, rows, counts, w_in, w_out, dy):
+    with expert_threads(workers):
+        y = experts.loop_mlp(rows, counts, w_in, w_out, "swiglu")
+        grads = torch.autograd.grad(y, (rows, w_in, w_out), dy)
+        with torch.no_grad():
+            y_ng = experts.loop_mlp(rows, counts, w_in, w_out, "swiglu")
+        with torch.inference_mode():
+            y_inf = experts.loop_mlp(rows, counts, w_in, w_out, "swiglu")
+    return (y, *grads, y_ng, y_inf)
+
+
+# ragged with empty experts, all rows to one expert, rows nobody owns (counts sum < N), nothing at all
+COUNTS = [[40, 0, 77, 3, 0, 120, 1, 60], [0, 0, 301, 0], [10, 0, 50, 20, 0, 5], [0, 0, 0, 0]]
+
+
+def _one_thread_loop(case):
+    """The sequential loop with torch (and MKL) at one thread, as each worker runs: MKL's blocking of a GEMM
+    depends on its thread count, so the multithreaded loop agrees only to rounding."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _fwd_bwd(1, *case)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("counts", COUNTS)
+def test_parallel_experts_equal_the_sequential_loop_bitwise(dtype, counts):
+    case = _case(dtype, counts)
+    want = _one_thread_loop(case)
+    for workers in (2, 3):
+        for a, b in zip(_fwd_bwd(workers, *case), want):
+            assert torch.equal(a, b)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    for a, b in zip(_fwd_bwd(1, *case), want):  # the loop on torch's threads: to rounding
+        torch.testing.assert_close(a, b, **tol)
+
+
+def test_parallel_experts_match_the_autograd_composite_in_float64():
+    rows, counts, w_in, w_out, dy = _case(torch.float64, COUNTS[0])
+    want = experts._loop_composite(rows, counts.tolist(), w_in, w_out, "swiglu")  # the autograd reference
+    with expert_threads(2):
+        got = experts.loop_mlp(rows, counts, w_in, w_out, "swiglu")
+    torch.testing.assert_close(got, want)
+    for a, b in zip(torch.autograd.grad(got, (rows, w_in, w_out), dy), torch.autograd.grad(want, (rows, w_in, w_out), dy)):
+        torch.testing.assert_close(a, b)
+
+
+def test_every_expert_runs_once_on_a_single_threaded_worker_and_settings_are_restored():
+    before = torch.get_num_threads()
+    seen, lock = [], threading.Lock()
+
+    def body(e, start, n, bufs):
+        with lock:
+            seen.append((e, start, n, threading.current_thread().name, torch.get_num_threads(), bufs))
+
+    sizes = [3, 0, 5, 1, 0, 2]
+    for_each_expert(sizes, body, 2, scratch=lambda: threading.get_ident())
+    assert sorted(s[:3] for s in seen) == [(0, 0, 3), (2, 3, 5), (3, 8, 1), (5, 9, 2)]
+    assert all(name.startswith("moekit-experts") and width == 1 for *_, name, width, _ in seen)
+    assert [s[0] for s in seen][:1] == [2]  # the biggest expert is taken first
+    assert torch.get_num_threads() == before  # the caller's width, and torch's default for new threads
+    fresh = []
+    t = threading.Thread(target=lambda: fresh.append(torch.get_num_threads()))
+    t.start(), t.join()
+    assert fresh == [before]
+
+
+def test_a_worker_error_reaches_the_caller():
+    def body(e, start, n, bufs):
+        if e == 1:
+            raise RuntimeError("expert 1 failed")
+
+    with pytest.raises(RuntimeError, match="expert 1 failed"):
+        for_each_expert([2, 2, 2, 2], body, 2)
+
+
+def test_choice_by_shape(monkeypatch):
+    def choice(N, E, H, F_in, threads, device="cpu"):
+        monkeypatch.setattr(et.torch, "get_num_threads", lambda: threads)
+        return choose_workers(torch.empty(N, H, device=device), torch.empty(E, H, F_in, device=device), [1] * E)
+
+    assert choice(32768, 64, 256, 256, 2) == 2  # fine-grained: small per-expert GEMMs
+    assert choice(8192, 8, 256, 1024, 2) == 1  # Mixtral-like: MKL's own threads (measured faster)
+    assert choice(8192, 16, 256, 1024, 2) == 2  # 16 x F 512: measured faster in parallel
+    assert choice(8192, 8, 128, 512, 2) == 1  # the README main job (H 128): measured slower in parallel
+    assert choice(32768, 8, 4096, 28672, 2) == 1  # big GEMMs: MKL's own threads
+    assert choice(32768, 64, 256, 256, 1) == 1  # one thread: nothing to share
+    assert choice(32768, 3, 256, 256, 2) == 1  # fewer than two experts per thread: no balance
+    assert choice(32768, 64, 256, 256, 2, device="meta") == 1  # CPU only
+    with expert_threads(1):
+        assert choice(32768, 64, 256, 256, 2) == 1
+    with pytest.raises(ValueError, match="positive integer"):
+        with expert_threads(0):
+            pass
