@@ -101,6 +101,8 @@ class FlatEPDispatcher:
     ``placement``: None (contiguous blocks of E/P) or a comm.placement.Placement; ``set_placement`` swaps it.
     """
 
+    overlap_chunks, overlap_trace = 1, None  # comm.overlap.set_overlap: > 1 pipelines dispatch / experts / combine
+
     def __init__(self, num_experts: int, group, group_ranks: list[int], node_of=None, traffic: Traffic | None = None,
                  placement: Placement | None = None):
         self.group, self.group_ranks = group, list(group_ranks)
@@ -113,6 +115,13 @@ class FlatEPDispatcher:
         self.rank = dist.get_rank()
         self.ep_group, self.ep_position = group, self.group_ranks.index(self.rank)
         self.set_placement(placement)
+
+    def pipelined(self, x: Tensor, routing: Routing, experts) -> Tensor:
+        """dispatch -> experts -> combine in ``overlap_chunks`` overlapped chunks (comm.overlap); MoELayer
+        calls it instead of the three when ``overlap_chunks`` > 1."""
+        from moekit.comm.overlap import pipelined
+
+        return pipelined(self, x, routing, experts)
 
     def set_placement(self, placement: Placement | None) -> None:
         """Route by ``placement`` from now on (None or contiguous: blocks of E/P). Collective: the EP group
@@ -213,7 +222,7 @@ def all_reduce_counts(group):
 
 
 def apply_expert_parallel(model: nn.Module, topology, hierarchical: bool = False,
-                          placements: dict[str, Placement] | None = None) -> Traffic:
+                          placements: dict[str, Placement] | None = None, overlap_chunks: int = 1) -> Traffic:
     """Shard every MoE layer's experts over the EP group, install EP dispatchers and global balancing.
 
     ``placements``: {MoE layer name: comm.placement.Placement} for layers whose experts are not placed in
@@ -221,6 +230,8 @@ def apply_expert_parallel(model: nn.Module, topology, hierarchical: bool = False
     Each layer's ``dispatcher.expert_range`` then names the slots this rank holds and
     ``dispatcher.local_expert_ids`` their logical experts (the guard and tools read them there). Returns the
     shared Traffic counter (bytes per link class) the trainer logs.
+    ``overlap_chunks`` > 1: each layer's dispatch / experts / combine runs in that many token chunks whose
+    all-to-alls overlap the other chunks' experts (comm.overlap); it needs ep > 1.
     """
     from moekit.comm.hierarchical import HierarchicalEPDispatcher
     from moekit.moe.load import moe_layers
@@ -230,6 +241,9 @@ def apply_expert_parallel(model: nn.Module, topology, hierarchical: bool = False
     placements = placements or {}
     if hierarchical:
         topology.check_hierarchical()
+    if overlap_chunks != 1 and topology.layout.ep == 1:
+        raise ValueError(f"ep_overlap_chunks={overlap_chunks} needs expert parallelism (ep > 1): it overlaps the EP "
+                         f"all-to-all, which ep=1 does not have; set it to 1 or raise ep")
     for name, layer in moe_layers(model):
         # global-batch balancing: the counts of every rank of the stage (data ranks x TP token slices)
         layer.router.count_reducer = all_reduce_counts(topology.group("stage"))
@@ -249,5 +263,9 @@ def apply_expert_parallel(model: nn.Module, topology, hierarchical: bool = False
                                           placement)
         # the mesh's shard (checkpoints, FSDP) and the all-to-all's destination must be the same experts
         assert dispatcher.expert_range == held, (name, dispatcher.expert_range, held)
+        if overlap_chunks != 1:
+            from moekit.comm.overlap import set_overlap
+
+            set_overlap(dispatcher, overlap_chunks)
         layer.dispatcher = dispatcher
     return traffic

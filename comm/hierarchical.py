@@ -63,6 +63,8 @@ class HierarchicalEPDispatcher:
     """``expert_range``: this rank's block inside its node's block of E / nodes experts (node-major); physical
     ids (position * S ..) under a placement, whose logical experts are ``local_expert_ids``."""
 
+    overlap_chunks, overlap_trace = 1, None  # comm.overlap.set_overlap: > 1 pipelines dispatch / experts / combine
+
     def __init__(self, num_experts: int, topology, traffic: Traffic | None = None, placement: Placement | None = None):
         topology.check_hierarchical()
         self.num_experts = num_experts
@@ -80,6 +82,13 @@ class HierarchicalEPDispatcher:
         self.traffic = traffic if traffic is not None else Traffic()
         self.topology, self.inner = topology, None
         self.set_placement(placement)
+
+    def pipelined(self, x: Tensor, routing: Routing, experts) -> Tensor:
+        """dispatch -> experts -> combine in ``overlap_chunks`` overlapped chunks (comm.overlap); MoELayer
+        calls it instead of the three when ``overlap_chunks`` > 1."""
+        from moekit.comm.overlap import pipelined
+
+        return pipelined(self, x, routing, experts)
 
     def set_placement(self, placement: Placement | None) -> None:
         """Route by ``placement`` from now on (None: contiguous blocks); collective over the EP group."""
@@ -106,43 +115,64 @@ class HierarchicalEPDispatcher:
             agree_on_signature(self.ep_group, self.signature)
 
     def dispatch(self, x: Tensor, routing: Routing) -> Dispatched:
-        indices = routing.indices if self.routes is None else self.routes(routing.indices)  # physical ids
-        T, k = indices.shape
-        m, Epn = self.num_nodes, self.experts_per_node
-        kept = indices >= 0
-        slot_node = torch.where(kept, indices // Epn, -1)  # [T, k]
-        visits = torch.zeros(T, m + 1, dtype=torch.bool, device=x.device)
-        visits.scatter_(1, torch.where(kept, slot_node, m), True)
-        visits = visits[:, :m]  # [T, m] token t has at least one expert on node j
-        node_ids = torch.where(visits, torch.arange(m, device=x.device), -1)  # [T, m] virtual slots
+        indices = self.physical(routing)
+        node_ids = self.node_slots(indices)
+        m = self.num_nodes
         send_counts = count_experts(node_ids, m)  # [m] rows per destination node
         recv_counts = exchange_counts(send_counts.view(m, 1), self.rail_group, signature=self.signature)
         # D2H sync: split sizes of the inter-node exchange
         send_splits, recv_splits = send_counts.cpu().tolist(), recv_counts.view(-1).cpu().tolist()
-        row_slot, slot_row = sort_slots(node_ids, sum(send_splits))
-        nodes = PermuteMeta(T, m, row_slot, slot_row, visits.to(routing.weights.dtype), may_drop=True)
-        # 1. rows and their per-node routing, one per (token, node), node-major
-        rows = permute(x, nodes)  # [N1, H]
-        node_of_slot = slot_node[:, None, :] == torch.arange(m, device=x.device)[None, :, None]  # [T, m, k]
-        local_ids = torch.where(node_of_slot, indices[:, None, :] - torch.arange(m, device=x.device)[None, :, None] * Epn, -1)
-        local_w = torch.where(node_of_slot, routing.weights[:, None, :], 0.0)  # [T, m, k]
-        ids_rows = local_ids.view(T * m, k).index_select(0, row_slot)  # [N1, k] ids on the destination node
-        w_rows = _SelectRows.apply(local_w.view(T * m, k), row_slot)  # [N1, k]
-        self.traffic.add("dispatch", send_splits, self.rail_ranks, rows.shape[-1] * rows.element_size(),
-                         self.node_of, self.rank)
+        rows, ids_rows, w_rows, nodes = self.to_nodes(x, indices, routing.weights, node_ids, sum(send_splits))
+        self.count_rail("dispatch", send_splits, rows)
         # 2. across nodes on the rail, then a flat EP dispatch inside the destination node
         recv = all_to_all(rows, recv_splits, send_splits, self.rail_group)  # [R1, H]
         recv_ids = all_to_all(ids_rows, recv_splits, send_splits, self.rail_group)  # [R1, k]
         recv_w = all_to_all(w_rows, recv_splits, send_splits, self.rail_group)  # [R1, k]
-        inner = self.inner.dispatch_slots(recv, recv_ids, recv_w, count_experts(recv_ids, Epn), may_drop=True)
-        meta = HierMeta(nodes, send_splits, recv_splits, inner.meta)
-        return Dispatched(inner.rows, inner.counts, meta)
+        return self.inside_node(recv, recv_ids, recv_w, nodes, send_splits, recv_splits)
+
+    def physical(self, routing: Routing) -> Tensor:
+        """[T, k] the slots' physical expert ids (logical ones without a placement)."""
+        return routing.indices if self.routes is None else self.routes(routing.indices)
+
+    def node_slots(self, indices: Tensor) -> Tensor:
+        """[T, m] virtual slots: node j where token t has at least one expert on node j, else -1."""
+        T, m = indices.shape[0], self.num_nodes
+        kept = indices >= 0
+        visits = torch.zeros(T, m + 1, dtype=torch.bool, device=indices.device)
+        visits.scatter_(1, torch.where(kept, indices // self.experts_per_node, m), True)
+        return torch.where(visits[:, :m], torch.arange(m, device=indices.device), -1)
+
+    def to_nodes(self, x: Tensor, indices: Tensor, weights: Tensor, node_ids: Tensor, num_rows: int):
+        """1. one row per (token, node), node-major, with the token's slots on that node: (rows [N1, H],
+        ids [N1, k] expert ids on the destination node (-1 elsewhere), weights [N1, k], PermuteMeta)."""
+        T, k = indices.shape
+        m, Epn = self.num_nodes, self.experts_per_node
+        slot_node = torch.where(indices >= 0, indices // Epn, -1)  # [T, k]
+        row_slot, slot_row = sort_slots(node_ids, num_rows)
+        nodes = PermuteMeta(T, m, row_slot, slot_row, (node_ids >= 0).to(weights.dtype), may_drop=True)
+        rows = permute(x, nodes)  # [N1, H]
+        node_range = torch.arange(m, device=x.device)
+        node_of_slot = slot_node[:, None, :] == node_range[None, :, None]  # [T, m, k]
+        local_ids = torch.where(node_of_slot, indices[:, None, :] - node_range[None, :, None] * Epn, -1)
+        local_w = torch.where(node_of_slot, weights[:, None, :], 0.0)  # [T, m, k]
+        ids_rows = local_ids.view(T * m, k).index_select(0, row_slot)  # [N1, k] ids on the destination node
+        w_rows = _SelectRows.apply(local_w.view(T * m, k), row_slot)  # [N1, k]
+        return rows, ids_rows, w_rows, nodes
+
+    def inside_node(self, recv: Tensor, recv_ids: Tensor, recv_w: Tensor, nodes: PermuteMeta,
+                    send_splits: list[int], recv_splits: list[int]) -> Dispatched:
+        """2b. the rows that arrived on the rail, dispatched by a flat EP exchange inside this node."""
+        inner = self.inner.dispatch_slots(recv, recv_ids, recv_w, count_experts(recv_ids, self.experts_per_node),
+                                          may_drop=True)
+        return Dispatched(inner.rows, inner.counts, HierMeta(nodes, send_splits, recv_splits, inner.meta))
+
+    def count_rail(self, phase: str, splits: list[int], rows: Tensor) -> None:
+        self.traffic.add(phase, splits, self.rail_ranks, rows.shape[-1] * rows.element_size(), self.node_of, self.rank)
 
     def combine(self, rows: Tensor, meta: HierMeta) -> Tensor:
         # 3. weighted sum over the token's experts on this node, then one row back across nodes
         partial = self.inner.combine(rows, meta.inner)  # [R1, H]
-        self.traffic.add("combine", meta.recv_splits, self.rail_ranks, partial.shape[-1] * partial.element_size(),
-                         self.node_of, self.rank)
+        self.count_rail("combine", meta.recv_splits, partial)
         back = all_to_all(partial, meta.send_splits, meta.recv_splits, self.rail_group)  # [N1, H]
         # 4. sum over the nodes each token visited (weights are 1 there: expert weights were applied)
         return unpermute(back, meta.nodes)

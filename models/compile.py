@@ -124,9 +124,10 @@ def _swap(module: nn.Module, mixin: type, attrs, key=()) -> None:
     if not isinstance(module, Checkpointed):
         module.__class__ = subclass(mixin, cls, attrs, key)
         return
-    if cls.__bases__[0] is not Checkpointed:  # e.g. FSDP's class around it: too late
+    wrap = cls.__bases__[0]  # Checkpointed or SelectiveCheckpointed
+    if not (isinstance(wrap, type) and issubclass(wrap, Checkpointed)):  # e.g. FSDP's class around it: too late
         raise ValueError(f"cannot compile a {cls.__name__}: apply torch.compile before FSDP (models.parallelize)")
-    module.__class__ = subclass(Checkpointed, subclass(mixin, cls.__bases__[1], attrs, key))  # Checkpointed<<mixin>X>
+    module.__class__ = subclass(wrap, subclass(mixin, cls.__bases__[1], attrs, key))  # Checkpointed<<mixin>X>
 
 
 def _eager_reduce_counts():

@@ -5,7 +5,7 @@
     2. expert parallel        experts -> DTensor shards over the EP group, EP dispatchers, global-batch
                               balancing over the stage's ranks (comm.expert_parallel)
     3. torch.compile          each block (models.compile); the MoE layer's data-dependent middle stays eager
-    4. activation checkpoint  whole blocks or only their FFN / MoE part (below)
+    4. activation checkpoint  whole blocks, only their FFN / MoE part, or op level (below)
     5. FSDP                   fully_shard experts (over the ranks holding the same experts), then each
                               block, then the root (comm.fsdp)
 
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from moekit.comm.all_to_all import Traffic
 from moekit.comm.expert_parallel import apply_expert_parallel
@@ -53,12 +53,14 @@ class Parallelized:
 def parallelize(model: nn.Module, topology: Topology | None, *, hierarchical: bool | None = None,
                 activation_checkpointing: str = "none", compile: bool = False,
                 param_dtype: torch.dtype | None = None, sequence_parallel: bool = False,
-                expert_placement: dict | None = None) -> Parallelized:
+                expert_placement: dict | None = None, ep_overlap_chunks: int = 1) -> Parallelized:
     """Apply the layout to ``model`` in place (``topology=None``: one process, steps 3-4 only).
 
     hierarchical: None picks two-level EP dispatch when the EP group spans several nodes.
     expert_placement: {MoE layer name: comm.placement.Placement}: which experts each EP rank holds (layers
     not named: contiguous blocks); ignored without expert parallelism.
+    ep_overlap_chunks: > 1 pipelines each MoE layer's EP dispatch / experts / combine in that many token chunks
+    (comm.overlap); needs ep > 1.
     param_dtype: FSDP's compute dtype for parameters (bf16 on GPU); gradients are reduced in fp32.
     sequence_parallel: with tp > 1, norms / residual / MoE layers keep 1/tp of the sequence per rank.
     """
@@ -75,7 +77,8 @@ def parallelize(model: nn.Module, topology: Topology | None, *, hierarchical: bo
         # 2. expert parallel (also installs the global-batch count reducer when ep == 1 and dp > 1)
         if hierarchical is None:
             hierarchical = len({topology.node_of(r) for r in topology.members("ep")}) > 1
-        traffic = apply_expert_parallel(model, topology, hierarchical=hierarchical, placements=expert_placement)
+        traffic = apply_expert_parallel(model, topology, hierarchical=hierarchical, placements=expert_placement,
+                                        overlap_chunks=ep_overlap_chunks)
     # 3. torch.compile per block
     if compile:
         from moekit.models.compile import apply_compile
@@ -98,27 +101,31 @@ def parallelize(model: nn.Module, topology: Topology | None, *, hierarchical: bo
     return Parallelized(topology, traffic, fsdp, grad_roles)
 
 
-AC_MODES = ("none", "full", "ffn")
+AC_MODES = ("none", "full", "ffn", "selective")
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
     """Recompute activations in backward instead of keeping them.
 
-    full: every transformer block keeps only its input.
-    ffn:  selective, only the FFN / MoE sublayer is recomputed: its expert hidden states (N x 2F per
-          layer, N = tokens x k) are the largest activations of an MoE block, while attention keeps its
-          own (SDPA's backward needs them anyway).
-    Each such module becomes ``Checkpointed<Class>`` (``checkpointed``): names and keys unchanged, its hooks
-    stay outside the checkpoint. Recomputation replays the same routing (RNG state is restored, so router
-    jitter repeats), and expert-load records skip recomputed forwards. Under expert parallelism the
-    recomputed all-to-alls run in backward on every rank in the same order.
+    full:      every transformer block keeps only its input.
+    ffn:       only the FFN / MoE sublayer is recomputed: its expert hidden states (N x 2F per layer,
+               N = tokens x k) are the largest activations of an MoE block, while attention keeps its own
+               (SDPA's backward needs them anyway).
+    selective: op level, per block (``selective_policy``): the outputs of matmuls, attention kernels,
+               functional collectives and routing decisions are kept, everything elementwise between them
+               (norms, RoPE, SwiGLU, softmax, gathers) is recomputed, so backward replays no GEMM it can see.
+    Each such module becomes ``Checkpointed<Class>`` / ``SelectiveCheckpointed<Class>`` (``checkpointed``):
+    names and keys unchanged, its hooks stay outside the checkpoint. Recomputation replays the same routing
+    (RNG state is restored, so router jitter repeats), and expert-load records skip recomputed forwards
+    (moe.load.in_backward). Under expert parallelism the recomputed all-to-alls run in backward on every
+    rank in the same order (selective too: moekit's all-to-all writes into its output, see the policy).
     """
     if mode not in AC_MODES:
         raise ValueError(f"activation checkpointing mode {mode!r} is unknown; use one of {list(AC_MODES)}")
     if mode == "none":
         return
     for block in (model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers):
-        checkpointed(block if mode == "full" else block.ffn)
+        checkpointed(block.ffn if mode == "ffn" else block, selective=mode == "selective")
 
 
 class Checkpointed:
@@ -128,17 +135,111 @@ class Checkpointed:
     the recompute in backward replays the same compiled graphs.
     """
 
+    # torch.utils.checkpoint's options beyond use_reentrant: none, so that a checkpoint dynamo traces (a dense
+    # FFN's, inside a compiled block) stays one it can trace; SelectiveCheckpointed adds its context_fn
+    checkpoint_options: dict = {}
+
     def forward(self, *args, **kwargs):
         forward = super().forward
         if not (torch.is_grad_enabled() and self.training):  # eval / no_grad: nothing to save anyway
             return forward(*args, **kwargs)
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **self.checkpoint_options, **kwargs)
 
 
-def checkpointed(module: nn.Module) -> nn.Module:
-    """Activation-checkpoint ``module`` in place: its class becomes ``Checkpointed<Class>``. Idempotent."""
+# ---------------------------------------------------------------------------------------------------
+# Op-level selective checkpointing: which ops' outputs a checkpointed block keeps
+# ---------------------------------------------------------------------------------------------------
+
+
+def _ops(*names: str) -> frozenset:
+    """The OpOverloads ``namespace.op.overload`` that this torch build has (newer ones are skipped)."""
+    found = set()
+    for name in names:
+        space, op, overload = name.split(".")
+        packet = getattr(getattr(torch.ops, space), op, None) if hasattr(torch.ops, space) else None
+        if packet is not None and hasattr(packet, overload):
+            found.add(getattr(packet, overload))
+    return frozenset(found)
+
+
+# Kept: recomputing them costs a GEMM (or attention, or a collective) per element kept; all else is
+# memory-bound. Routing decisions (top-k; the dispatch sort, [T, k]; with a capacity the [T, E] priority
+# sort) are small and kept, so the replayed routing is the forward's by construction. Not bmm: SDPA's math
+# fallback (CPU MLA, Dqk != Dv) computes its [B, N, S, S] scores with it, what the fused kernels avoid keeping.
+SAVED_OPS = _ops(
+    "aten.mm.default", "aten.addmm.default",
+    "aten._grouped_mm.default", "aten._scaled_mm.default", "aten._scaled_grouped_mm.default",
+    "aten._scaled_dot_product_flash_attention.default", "aten._scaled_dot_product_efficient_attention.default",
+    "aten._scaled_dot_product_cudnn_attention.default", "aten._scaled_dot_product_flash_attention_for_cpu.default",
+    "aten._scaled_dot_product_fused_attention_overrideable.default",
+    "_c10d_functional.all_to_all_single.default", "_c10d_functional.all_gather_into_tensor.default",
+    "_c10d_functional.reduce_scatter_tensor.default", "_c10d_functional.all_reduce.default",
+    "aten.topk.default", "aten.sort.default", "aten.sort.stable",
+)
+
+
+def selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """Keep the outputs of ``SAVED_OPS``, recompute the rest (torch.utils.checkpoint's SAC policy).
+
+    Why these: recomputing a kept [M, n] matmul output would cost 2K flops per element (K its inner
+    dimension), an elementwise op a few; so backward replays only memory-bound work. In an MoE block that
+    means keeping the experts' first GEMM output [N, 2F] (N = T x k), the largest activation, when the
+    dispatcher sees it: dropping it too would recompute 2/3 of the expert FLOPs, which is what "ffn" mode
+    trades. The SwiGLU output [N, F], the gathered rows [N, H], norms and RoPE are what selective drops.
+
+    An op that writes into a tensor it was given (``out=``, in place) is always recomputed: its cached
+    result would not be written into the buffer the recompute allocates (and SAC refuses a cached tensor
+    mutated later). So the loop backend's SwiGLU experts (``moe.experts._LoopSwiGLU``: ``torch.mm(..., out=)``
+    into preallocated h, a) and Triton kernels (raw launches, invisible to the dispatcher) are recomputed
+    whole, like "ffn" does, while the torch backend's ``_grouped_mm`` outputs, [N, 2F] and [N, H], are kept.
+    moekit's EP all-to-all (``dist.all_to_all_single`` into a preallocated output, an autograd Function)
+    is not a functional collective: it re-runs in backward with its count exchange, on every rank in the
+    same order, as under "full"; a functional one (``_c10d_functional.all_to_all_single``) would be kept.
+
+    SAC hands cached outputs back by (op, call index): code that runs in the real forward only (expert-load
+    records, the router's load observation, skipped when ``in_backward()``) must not call a kept op.
+    """
+    schema = getattr(op, "_schema", None)
+    if op in SAVED_OPS and not (schema is not None and schema.is_mutable):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+# Profiler annotations carry no tensors, and FSDP's hooks on modules inside a block (the experts) issue a
+# different number of them in the forward and in the recompute, which SAC's per-op replay counters refuse
+# ("invocation index ... not found in storage"); the same exclusion was proposed upstream (pytorch PR 196862).
+ANNOTATION_OPS = _ops("profiler._record_function_enter.default", "profiler._record_function_enter_new.default",
+                      "profiler._record_function_exit.default", "profiler._record_function_exit._RecordFunction")
+
+
+class SkipAnnotations:
+    """Mixin for SAC's two dispatch modes: profiler annotations run as they come, uncounted."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in ANNOTATION_OPS:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def selective_contexts():
+    """``checkpoint``'s ``context_fn`` for op-level selective checkpointing (a fresh cache per call)."""
+    modes = create_selective_checkpoint_contexts(selective_policy)
+    for mode in modes:
+        mode.__class__ = subclass(SkipAnnotations, type(mode))
+    return modes
+
+
+class SelectiveCheckpointed(Checkpointed):
+    """Mixin: as ``Checkpointed``, keeping the outputs ``selective_policy`` chooses."""
+
+    checkpoint_options = {"context_fn": selective_contexts}
+
+
+def checkpointed(module: nn.Module, selective: bool = False) -> nn.Module:
+    """Activation-checkpoint ``module`` in place: its class becomes ``Checkpointed<Class>`` (``selective``:
+    ``SelectiveCheckpointed<Class>``). Idempotent: a module checkpointed already keeps its mode."""
     if not isinstance(module, Checkpointed):
-        module.__class__ = subclass(Checkpointed, type(module))
+        module.__class__ = subclass(SelectiveCheckpointed if selective else Checkpointed, type(module))
     return module
 
 

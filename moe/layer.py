@@ -153,8 +153,11 @@ class MoELayer(nn.Module):
         # Under autocast the experts compute in the autocast dtype anyway: cast before dispatch, so the
         # gathered rows (and an EP all-to-all) carry half the bytes. The router keeps the fp32 input.
         rows_in = x.to(compute_dtype(x))
-        d = self.dispatcher.dispatch(rows_in, routing)  # rows [N, H], counts [E_local]
-        y = self.dispatcher.combine(self.experts(d.rows, d.counts), d.meta)  # [T, H]
+        if getattr(self.dispatcher, "overlap_chunks", 1) > 1:  # EP: chunks whose all-to-alls overlap experts
+            y = self.dispatcher.pipelined(rows_in, routing, self.experts)  # [T, H] (comm.overlap)
+        else:
+            d = self.dispatcher.dispatch(rows_in, routing)  # rows [N, H], counts [E_local]
+            y = self.dispatcher.combine(self.experts(d.rows, d.counts), d.meta)  # [T, H]
         if self.shared_expert is not None:
             y = y + self.shared_expert(x)
         if routing.aux_loss.requires_grad and torch.is_grad_enabled():

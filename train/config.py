@@ -66,7 +66,7 @@ class TrainSection:
     on_nonfinite: str = "stop"  # non-finite loss / grad norm on any rank: stop, or skip the step (no update)
     compile: bool = False  # torch.compile each transformer block (models.parallelize step 4)
     deterministic: bool = False  # deterministic kernels (torch.use_deterministic_algorithms); see docs/training.md
-    activation_checkpointing: str = "none"  # recompute in backward: none | full (blocks) | ffn (FFN/MoE only)
+    activation_checkpointing: str = "none"  # recompute: none | full (blocks) | ffn (FFN/MoE) | selective (elementwise ops)
 
 
 @dataclass
@@ -124,6 +124,7 @@ class LayoutSection:
     pp_schedule: str = "1f1b"  # pipeline schedule: gpipe | 1f1b | interleaved (interleaved 1F1B)
     pp_stages_per_rank: int = 1  # virtual stages per pipeline rank (interleaved needs >= 2)
     sequence_parallel: bool = False  # with tp > 1: norms, residual and MoE tokens split over the sequence
+    ep_overlap_chunks: int = 1  # with ep > 1: token chunks whose EP all-to-alls overlap the other chunks' experts; 1 = off
     pp_microbatches: int = 0  # micro-batches per step through the pipeline; 0 = 2 * pp (or the accumulation count)
     # expert placement over the EP ranks (moekit.train.rebalance); default: contiguous blocks of E / ep
     expert_placement: str = ""  # a moekit-placement file: which experts each EP rank holds
@@ -344,8 +345,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
              f"1 - lr * weight_decay each step, so lr * weight_decay must be < 1 (typical weight_decay: 0 to 0.1)")
     _require(t.dtype in DTYPES, f"--train.dtype={t.dtype!r} is invalid; choose one of {list(DTYPES)}")
     _require(t.device in DEVICES, f"--train.device={t.device!r} is invalid; choose one of {list(DEVICES)}")
-    _require(t.activation_checkpointing in ("none", "full", "ffn"),
-             f"--train.activation_checkpointing={t.activation_checkpointing!r} is invalid; choose none, full or ffn")
+    _require(t.activation_checkpointing in ("none", "full", "ffn", "selective"),
+             f"--train.activation_checkpointing={t.activation_checkpointing!r} is invalid; choose none, full, ffn or "
+             f"selective")
     _require(t.on_nonfinite in ON_NONFINITE,
              f"--train.on_nonfinite={t.on_nonfinite!r} is invalid; choose one of {list(ON_NONFINITE)}")
     _require(not t.init_from_hf or os.path.isdir(t.init_from_hf),
@@ -356,6 +358,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     cfg.source_note = adopt_source_model(cfg)  # the architecture of --init-from-hf / --init-from-dense
     validate_data(cfg)
     validate_placement(cfg)
+    _require(cfg.layout.ep_overlap_chunks >= 1 and (cfg.layout.ep_overlap_chunks == 1 or cfg.layout.ep > 1),
+             f"--layout.ep_overlap_chunks {cfg.layout.ep_overlap_chunks} is invalid; it must be >= 1, and > 1 only with "
+             f"--ep > 1 (it overlaps the expert-parallel all-to-all; 1 = off)")
     _require(cfg.eval.every >= 0 and cfg.eval.sequences >= 1,
              f"eval.every={cfg.eval.every} must be >= 0 and eval.sequences={cfg.eval.sequences} >= 1")
     _require(cfg.log.every >= 1, f"--log.every={cfg.log.every} is invalid; it must be a positive integer")

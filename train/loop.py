@@ -185,7 +185,8 @@ class Trainer:
                               activation_checkpointing=cfg.train.activation_checkpointing,
                               compile=cfg.train.compile, param_dtype=fsdp_dtype,
                               sequence_parallel=cfg.layout.sequence_parallel,
-                              expert_placement=self.placement.placements)
+                              expert_placement=self.placement.placements,
+                              ep_overlap_chunks=cfg.layout.ep_overlap_chunks)
         if sharded_hf:
             self.model.to_empty(device=plan.device)
             self.load_hf(cfg.train.init_from_hf, sharded=True)

@@ -21,12 +21,11 @@ import statistics
 import sys
 import tempfile
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from moekit.bench.benchlib import environment, print_table, write_json
+from moekit.bench.benchlib import environment, init_bench_process, print_table, write_json
 from moekit.train.planning import cost_model
 from moekit.comm.expert_parallel import FlatEPDispatcher
 from moekit.comm.hierarchical import HierarchicalEPDispatcher
@@ -90,18 +89,7 @@ def measure(args, world: int, rank: int, per_node: int, device) -> list[dict]:
 
 
 def worker(rank: int, world: int, args, init_file: str | None) -> None:
-    if init_file:  # spawned on CPU
-        os.environ["OMP_NUM_THREADS"] = "1"
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=300))
-        device = torch.device("cpu")
-    else:  # under torchrun
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(seconds=300))
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if backend == "nccl" else torch.device("cpu")
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
+    device = init_bench_process(rank, world, init_file, 1)  # spawned on CPU, or under torchrun
     rows = []
     for per_node in args.ranks_per_node:
         if world % per_node:

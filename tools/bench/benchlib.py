@@ -131,3 +131,27 @@ def add_timing_args(p, out: str, warmup: int = 2, repeats: int = 10) -> None:
     p.add_argument("--repeats", type=int, default=repeats)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=out)
+
+
+
+def init_bench_process(rank: int, world: int, init_file: str | None, threads: int = 1) -> torch.device:
+    """Join a multi-rank benchmark's process group and return this rank's device. ``init_file`` set: a rank
+    spawned on CPU (gloo over that file, ``threads`` torch threads); None: a rank started by torchrun (NCCL on
+    its LOCAL_RANK's GPU when there is one, else gloo; ``rank`` and ``world`` come from its environment)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    if init_file:
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=300))
+        return torch.device("cpu")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=300))
+    if backend == "gloo":
+        return torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    torch.cuda.set_device(device)
+    return device

@@ -14,7 +14,9 @@ rows, a / r bytes of the compute dtype / of the residual stream.
     dense FFN  / shared expert (DenseMLP): gate, up, silu(gate), product: 4 T F (GELU 2 T F, ReLU T F)
     head       final norm, the lm_head input, fp32 log-softmax [T, V]; token ids
 Activation checkpointing: "full" keeps each block's input only; "ffn" keeps the FFN / MoE input and drops
-its internals; the transient is what backward recomputes (one block / one FFN).
+its internals; "selective" keeps each block's input and the outputs models.parallelize.selective_policy
+caches (``_selective``: projections, fused attention, router logits and routing decisions, the experts'
+GEMMs where the dispatcher sees them); the transient is what backward recomputes (one block / one FFN).
 
 Sequence parallelism (comm.tensor_parallel, tp > 1) keeps only the regions between the TP matmuls on 1/tp
 of the sequence: residual, norms and the whole MoE layer (its input already is the rank's slice, so Tm = Ts).
@@ -79,8 +81,9 @@ def _attention(cfg: ModelConfig, layout: Layout, s: Shapes) -> int:
     kept = s.T * (2 * N + 2 * K) * D * s.a + s.T * N * FP32  # q, k (after RoPE), v, output; logsumexp
     if cfg.qk_norm != "none":  # the norms keep their inputs (q, k before the norm)
         kept += s.T * (N + K) * D * s.a
-    copy = s.T * N * D * s.a if s.cpu else 0  # CPU SDPA returns [B, N, S, D]: the reshape for wo copies
-    return inputs + kept + copy
+    # no copy for wo: RoPE runs before the head transpose, so q reaches SDPA as a [B, S, N, D] view and CPU
+    # SDPA returns its output in q's layout, whose reshape back to [B, S, N*D] is a view
+    return inputs + kept
 
 
 def _router(cfg: ModelConfig, s: Shapes) -> int:
@@ -126,6 +129,40 @@ def _block(cfg: ModelConfig, layout: Layout, s: Shapes, i: int, node_rows: float
     return outer, {"dense_ffn": s.T * F * DENSE_HIDDEN[cfg.activation] * s.a}
 
 
+def _selective(cfg: ModelConfig, layout: Layout, s: Shapes, i: int) -> dict[str, int]:
+    """What an op-level selective checkpoint caches of block i besides its input (models.parallelize's
+    SAVED_OPS): matmul outputs, fused attention outputs and the routing decisions; nothing elementwise."""
+    H, a, N = cfg.hidden_size, s.a, cfg.num_heads // layout.tp
+    if cfg.attention == "mla":
+        Dqk, Dv, c = cfg.attn_qk_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        proj = (cfg.q_lora_rank + N * Dqk) + (c + cfg.qk_rope_head_dim) + N * (cfg.qk_nope_head_dim + Dv)
+        fused = not (s.cpu and Dqk != Dv)  # CPU SDPA falls back to math (bmm, not kept) when Dqk != Dv
+    else:
+        Dv, K = cfg.attn_head_dim, cfg.num_kv_heads // layout.tp
+        proj, fused = (N + 2 * K) * Dv, True
+    # q / k / v (or MLA's latents) and the output projection; SDPA's output and fp32 logsumexp
+    out = {"attention": s.T * (proj + H) * a + (s.T * N * (Dv * a + FP32) if fused else 0)}
+    gated = cfg.activation == "swiglu"
+    if not cfg.is_moe_layer(i):  # gate and up [T, F], out [T, H]
+        out["dense_ffn"] = s.T * ((1 + gated) * cfg.ffn_hidden_size // layout.tp + H) * a
+        return out
+    E, k, T, opts = cfg.num_experts, min(cfg.top_k, cfg.num_experts), s.Tm, cfg.router_options
+    router = T * E * FP32 * (cfg.router != "hash")  # fp32 logits
+    router += 12 * T * k + 16 * T * k  # top-k (fp32 values, int64 ids), the dispatch's stable sort (int64 pairs)
+    if opts.get("num_groups"):  # group-limited: the per-group top scores, then the chosen groups
+        router += 12 * T * (opts["num_groups"] * opts.get("group_score_top", 2) + opts.get("group_top_k", 1))
+    if cfg.capacity_factor is not None:  # the [T, E] priority sort that drops slots past capacity
+        router += 12 * T * E
+    out["router"] = router
+    backend = cfg.expert_backend if cfg.expert_backend != "auto" else ("loop" if s.cpu else "triton")
+    # Triton launches are invisible to the dispatcher and the loop's SwiGLU writes out=: both recomputed
+    if not (backend == "triton" or (backend == "loop" and gated)):
+        out["experts"] = s.R * (cfg.moe_ffn_hidden_size * (1 + gated) + H) * a  # both GEMMs' outputs
+    if cfg.shared_ffn_hidden_size:
+        out["shared_expert"] = T * ((1 + gated) * cfg.shared_ffn_hidden_size + H + cfg.shared_expert_gate) * a
+    return out
+
+
 def _add(total: dict[str, int], part: dict[str, int]) -> None:
     for key, v in part.items():
         total[key] = total.get(key, 0) + v
@@ -142,6 +179,11 @@ def stage_activations(cfg: ModelConfig, layout: Layout, wl: Workload, stage: Sta
         if mode == "full":  # only the block input stays; backward recomputes the whole block
             _add(out, {"residual": s.Ts * H * s.r})
             recompute = max(recompute, sum(outer.values()) - s.Ts * H * s.r + inner)
+            continue
+        if mode == "selective":  # the block input and the cached op outputs; backward rebuilds the rest
+            kept = _selective(cfg, layout, s, i)
+            _add(out, {"residual": s.Ts * H * s.r, **kept})
+            recompute = max(recompute, sum(outer.values()) + inner - s.Ts * H * s.r - sum(kept.values()))
             continue
         if mode == "ffn":  # the checkpoint keeps the FFN's input and recomputes the rest: the norm output,
             # which under SP is the MoE's own slice, but for a dense MLP the sequence gathered before it

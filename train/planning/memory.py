@@ -38,7 +38,7 @@ from moekit.comm.topology import Layout, Topology
 from moekit.models.config import ModelConfig
 from moekit.train.planning.activations import DTYPE_BYTES, FP32, in_flight, shapes, stage_activations
 
-AC_MODES = ("none", "full", "ffn")
+AC_MODES = ("none", "full", "ffn", "selective")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
@@ -47,7 +47,7 @@ class Workload:
     micro_batch: int  # sequences per forward on one data-parallel rank
     seq_len: int
     dtype: str = "bfloat16"  # float32 | bfloat16 (autocast over fp32 master weights)
-    activation_checkpointing: str = "none"  # none | full | ffn
+    activation_checkpointing: str = "none"  # none | full | ffn | selective
     device: str = "cuda"  # cuda | cpu: the kernels that run decide what is kept (RMSNorm, SDPA layout)
     microbatches: int = 1  # forward + backward passes per optimizer step on one rank
     pp_schedule: str = "1f1b"
