@@ -178,6 +178,19 @@ def test_dry_run_512_ranks_mixtral(capsys):
     print(out)
 
 
+def test_dry_run_counts_redundant_expert_slots(capsys):
+    """--layout.expert_replicas 8 over ep 8: two expert slots per rank instead of one. The recipe builds the
+    run's placement (its shards double the experts) and the estimate counts the same slots."""
+    base = ("--preset", "mixtral-8x7b", "--world-size", "64", "--fsdp", "8", "--ep", "8", "--batch-size", "64")
+    parts = {}
+    for replicas in ("0", "8"):
+        rc, out, err = dry(capsys, *base, "--layout.expert_replicas", replicas)
+        assert rc == 0 and "the estimate agrees" in out, err + out
+        parts[replicas] = out.split("the estimate agrees): ")[1].split("\n")[0]
+    experts = {r: next(p for p in text.split(", ") if p.startswith("experts")) for r, text in parts.items()}
+    assert experts == {"0": "experts 704.64M", "8": "experts 1.41B"}, experts  # 32 x 176.2M / fsdp 8, then x 2
+
+
 def test_dry_run_512_ranks_deepseek_v3(capsys):
     """pp 16 x fsdp 32, ep 8: the recipe measures it where it supports pp / FSDP, else the estimate stands alone."""
     rc, out, err = dry(capsys, "--preset", "deepseek-v3-like", "--world-size", "512", "--pp", "16", "--fsdp", "32",

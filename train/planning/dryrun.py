@@ -20,7 +20,7 @@ import math
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -108,6 +108,7 @@ class Built:
     measured: dict[str, int] | None = None  # rank 0's local parameter elements by part
     tensors: int = 0  # rank 0's parameter tensors
     refused: str = ""  # the recipe's message when it does not support the layout yet
+    replicas: int = 0  # redundant expert slots over the EP group (--layout.expert_replicas / a placement file)
     stages: list[Stage] = field(default_factory=list)  # every pipeline rank's layers (the real split if built)
 
 
@@ -138,6 +139,8 @@ def local_numel(model: torch.nn.Module) -> tuple[dict[str, int], int]:
 def build(cfg: TrainConfig, plan: DryRunPlan) -> Built:
     from moekit.models.parallelize import parallelize
     from moekit.models.transformer import Transformer
+    from moekit.moe.load import moe_layers
+    from moekit.train.rebalance import RunPlacement
 
     L, seconds = cfg.layout, {}
     t0 = time.perf_counter()
@@ -153,7 +156,10 @@ def build(cfg: TrainConfig, plan: DryRunPlan) -> Built:
     try:
         if L.pp > 1:
             model = _pipeline_stage(model, topo, cfg, built)
-        parallelize(model, topo, hierarchical=plan.hierarchical, sequence_parallel=L.sequence_parallel)
+        placements = RunPlacement(cfg, topo, [name for name, _ in moe_layers(model)]).placements
+        built.replicas = next(iter(placements.values())).replicas if placements else 0
+        parallelize(model, topo, hierarchical=plan.hierarchical, sequence_parallel=L.sequence_parallel,
+                    expert_placement=placements)
     except (LayoutError, ValueError, NotImplementedError) as exc:
         built.refused = " ".join(str(exc).split())
         return built
@@ -185,7 +191,8 @@ def run(cfg: TrainConfig, opts: Options) -> int:
     plan = plan_dry_run(cfg, opts.world_size)
     with fake_world(plan.world):
         built = build(cfg, plan)
-    layout, wl = built.topology.layout, plan.workload
+    layout = built.topology.layout
+    wl = replace(plan.workload, expert_replicas=built.replicas or cfg.layout.expert_replicas)
     estimates = [memory.estimate_memory(cfg.model, layout, wl, st, plan.ranks_per_node, plan.hierarchical)
                  for st in built.stages]
     a2a = memory.all_to_all(cfg.model, layout, wl, built.stages[0], plan.ranks_per_node, plan.hierarchical)

@@ -53,6 +53,7 @@ class Workload:
     pp_schedule: str = "1f1b"
     pp_stages_per_rank: int = 1
     sequence_parallel: bool = False  # with tp > 1: residual, norms and MoE layers on 1/tp of the sequence
+    expert_replicas: int = 0  # redundant expert slots over the EP group (--layout.expert_replicas, a placement file)
 
     def __post_init__(self):
         for name, value, allowed in (("dtype", self.dtype, tuple(DTYPE_BYTES)), ("pp_schedule", self.pp_schedule, SCHEDULES),
@@ -159,11 +160,13 @@ def layer_tensors(cfg: ModelConfig, i: int) -> list[tuple[str, tuple[int, ...], 
     return out
 
 
-def _local_numel(part: str, shape: tuple[int, ...], tp_dim: int | None, layout: Layout, fsdp: bool = True) -> int:
-    """Elements of the first rank's shard (FSDP's first chunk is the largest)."""
+def _local_numel(part: str, shape: tuple[int, ...], tp_dim: int | None, layout: Layout, fsdp: bool = True,
+                 replicas: int = 0) -> int:
+    """Elements of the first rank's shard (FSDP's first chunk is the largest). ``replicas``: redundant expert
+    slots over the EP group, (E + replicas) / ep slots per rank (comm.placement)."""
     dims = list(shape)
     if part == "experts":
-        dims[0] //= layout.ep
+        dims[0] = (dims[0] + replicas) // layout.ep
         if fsdp and layout.fsdp > 1:  # FSDP over the ranks holding the same experts, on dim 1 (dim 0 is EP's)
             dims[1] = math.ceil(dims[1] / (layout.data_parallel // layout.ep))
         return math.prod(dims)
@@ -186,9 +189,11 @@ def _stage_tensors(cfg: ModelConfig, stage: Stage) -> list:
     return tensors
 
 
-def param_tensors(cfg: ModelConfig, layout: Layout, stage: Stage) -> list[tuple[str, int]]:
-    """(part, local numel) of every parameter tensor a rank of ``stage`` holds."""
-    return [(part, _local_numel(part, shape, tp_dim, layout)) for part, shape, tp_dim in _stage_tensors(cfg, stage)]
+def param_tensors(cfg: ModelConfig, layout: Layout, stage: Stage, replicas: int = 0) -> list[tuple[str, int]]:
+    """(part, local numel) of every parameter tensor a rank of ``stage`` holds (``replicas``: redundant expert
+    slots over the EP group)."""
+    return [(part, _local_numel(part, shape, tp_dim, layout, replicas=replicas))
+            for part, shape, tp_dim in _stage_tensors(cfg, stage)]
 
 
 
@@ -198,11 +203,11 @@ def _weight_copies(cfg: ModelConfig, layout: Layout, wl: Workload, stage: Stage)
         return 0, 0
     a = DTYPE_BYTES[wl.dtype]
     if layout.fsdp > 1:  # FSDP all-gathers each block in bf16 and frees it after use; two are live at once
-        largest = max((sum(_local_numel(*t, layout, fsdp=False) for t in layer_tensors(cfg, i))
+        largest = max((sum(_local_numel(*t, layout, fsdp=False, replicas=wl.expert_replicas) for t in layer_tensors(cfg, i))
                        for i in stage.layers), default=0)
         return 0, 2 * largest * a
     matmul = ("attention", "dense_ffn", "experts", "shared_expert", "head")
-    kept = sum(n for part, n in param_tensors(cfg, layout, stage) if part in matmul)
+    kept = sum(n for part, n in param_tensors(cfg, layout, stage, wl.expert_replicas) if part in matmul)
     if cfg.tie_embeddings and stage.last:  # the tied output projection casts the embedding table
         kept += cfg.vocab_size * cfg.hidden_size
     return kept * a, 0
@@ -212,7 +217,7 @@ def estimate_memory(cfg: ModelConfig, layout: Layout, wl: Workload, stage: Stage
                     ranks_per_node: int | None = None, hierarchical: bool | None = None) -> MemoryEstimate:
     """Per-rank bytes of a rank of ``stage`` (default: pipeline rank 0, even split) training with AdamW."""
     stage = stage or even_stages(cfg, layout, wl.pp_stages_per_rank)[0]
-    tensors = param_tensors(cfg, layout, stage)
+    tensors = param_tensors(cfg, layout, stage, wl.expert_replicas)
     numel = sum(n for _, n in tensors)
     traffic = all_to_all(cfg, layout, wl, stage, ranks_per_node, hierarchical)
     per_mb, recompute = stage_activations(cfg, layout, wl, stage, traffic.node_rows)
