@@ -78,12 +78,19 @@ class _AllToAll(torch.autograd.Function):
 
 
 def _all_to_all(x: Tensor, out_splits: list[int], in_splits: list[int], group) -> Tensor:
+    return start_all_to_all(x, out_splits, in_splits, group)[0]
+
+
+def start_all_to_all(x: Tensor, out_splits: list[int], in_splits: list[int], group, async_op: bool = False):
+    """(out, work, sent): ``x``'s rows exchanged into a new ``out``; with ``async_op`` the exchange is in
+    flight until ``work.wait()``, and ``sent`` (x, contiguous) must stay alive until then (work is None else)."""
     if x.shape[0] != sum(in_splits):
         raise SplitMismatchError(f"all_to_all input has {x.shape[0]} rows but the splits {in_splits} sum to "
                                  f"{sum(in_splits)}")
+    x = x.contiguous()
     out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), list(out_splits), list(in_splits), group=group)
-    return out
+    work = dist.all_to_all_single(out, x, list(out_splits), list(in_splits), group=group, async_op=async_op)
+    return out, work, x
 
 
 def all_to_all(x: Tensor, out_splits: Sequence[int], in_splits: Sequence[int], group) -> Tensor:

@@ -93,15 +93,34 @@ class RouteMap:
         return torch.where(indices >= 0, self.table[safe, pick], -1)
 
 
-class FlatEPDispatcher:
+class EPDispatcherBase:
+    """What the flat and the hierarchical EP dispatcher share: the chunked overlap entry point and the
+    placement check. Subclasses set ``ep`` and ``num_experts``."""
+
+    overlap_chunks, overlap_trace = 1, None  # comm.overlap.set_overlap: > 1 pipelines dispatch / experts / combine
+
+    def pipelined(self, x: Tensor, routing: Routing, experts) -> Tensor:
+        """dispatch -> experts -> combine in ``overlap_chunks`` overlapped chunks (comm.overlap); MoELayer
+        calls it instead of the three when ``overlap_chunks`` > 1."""
+        from moekit.comm.overlap import pipelined
+
+        return pipelined(self, x, routing, experts)
+
+    def checked(self, placement: Placement | None) -> Placement | None:
+        """``placement`` if it fits this EP group (None for a contiguous one: the plain blocks)."""
+        if placement is not None and (placement.ep, placement.num_experts) != (self.ep, self.num_experts):
+            raise ValueError(f"placement for ep={placement.ep}, {placement.num_experts} experts; this EP group has "
+                             f"{self.ep} ranks and {self.num_experts} experts")
+        return None if placement is None or placement.is_contiguous else placement
+
+
+class FlatEPDispatcher(EPDispatcherBase):
     """All-to-all over one EP group; each rank computes S experts on every rank's tokens for them.
 
     ``expert_range``: the ids [lo, hi) of this rank's S experts (physical ids: position * S ..);
     ``local_expert_ids``: the logical expert in each of them (the contiguous block without a placement).
     ``placement``: None (contiguous blocks of E/P) or a comm.placement.Placement; ``set_placement`` swaps it.
     """
-
-    overlap_chunks, overlap_trace = 1, None  # comm.overlap.set_overlap: > 1 pipelines dispatch / experts / combine
 
     def __init__(self, num_experts: int, group, group_ranks: list[int], node_of=None, traffic: Traffic | None = None,
                  placement: Placement | None = None):
@@ -116,20 +135,10 @@ class FlatEPDispatcher:
         self.ep_group, self.ep_position = group, self.group_ranks.index(self.rank)
         self.set_placement(placement)
 
-    def pipelined(self, x: Tensor, routing: Routing, experts) -> Tensor:
-        """dispatch -> experts -> combine in ``overlap_chunks`` overlapped chunks (comm.overlap); MoELayer
-        calls it instead of the three when ``overlap_chunks`` > 1."""
-        from moekit.comm.overlap import pipelined
-
-        return pipelined(self, x, routing, experts)
-
     def set_placement(self, placement: Placement | None) -> None:
         """Route by ``placement`` from now on (None or contiguous: blocks of E/P). Collective: the EP group
         checks that every rank holds the same placement."""
-        if placement is not None and (placement.ep, placement.num_experts) != (self.ep, self.num_experts):
-            raise ValueError(f"placement for ep={placement.ep}, {placement.num_experts} experts; this EP group has "
-                             f"{self.ep} ranks and {self.num_experts} experts")
-        self.placement = None if placement is None or placement.is_contiguous else placement
+        self.placement = self.checked(placement)
         P, pos = self.ep, self.ep_position
         S = self.num_experts // P if self.placement is None else self.placement.slots_per_rank
         self.local_experts, self.num_physical = S, P * S

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from moekit.comm.all_to_all import Traffic, agree_on_signature, all_to_all, exchange_counts
-from moekit.comm.expert_parallel import FlatEPDispatcher, RouteMap
+from moekit.comm.expert_parallel import EPDispatcherBase, FlatEPDispatcher, RouteMap
 from moekit.comm.placement import Placement
 from moekit.moe.dispatch import Dispatched, PermuteMeta, permute, sort_slots, unpermute
 from moekit.moe.router import Routing, count_experts
@@ -59,11 +59,9 @@ class HierMeta:
     inner: object  # the intra-node flat dispatcher's metadata
 
 
-class HierarchicalEPDispatcher:
+class HierarchicalEPDispatcher(EPDispatcherBase):
     """``expert_range``: this rank's block inside its node's block of E / nodes experts (node-major); physical
     ids (position * S ..) under a placement, whose logical experts are ``local_expert_ids``."""
-
-    overlap_chunks, overlap_trace = 1, None  # comm.overlap.set_overlap: > 1 pipelines dispatch / experts / combine
 
     def __init__(self, num_experts: int, topology, traffic: Traffic | None = None, placement: Placement | None = None):
         topology.check_hierarchical()
@@ -83,19 +81,9 @@ class HierarchicalEPDispatcher:
         self.topology, self.inner = topology, None
         self.set_placement(placement)
 
-    def pipelined(self, x: Tensor, routing: Routing, experts) -> Tensor:
-        """dispatch -> experts -> combine in ``overlap_chunks`` overlapped chunks (comm.overlap); MoELayer
-        calls it instead of the three when ``overlap_chunks`` > 1."""
-        from moekit.comm.overlap import pipelined
-
-        return pipelined(self, x, routing, experts)
-
     def set_placement(self, placement: Placement | None) -> None:
         """Route by ``placement`` from now on (None: contiguous blocks); collective over the EP group."""
-        if placement is not None and (placement.ep, placement.num_experts) != (self.ep, self.num_experts):
-            raise ValueError(f"placement for ep={placement.ep}, {placement.num_experts} experts; this EP group has "
-                             f"{self.ep} ranks and {self.num_experts} experts")
-        self.placement = None if placement is None or placement.is_contiguous else placement
+        self.placement = self.checked(placement)
         S = self.num_experts // self.ep if self.placement is None else self.placement.slots_per_rank
         self.num_physical = self.ep * S
         self.experts_per_node = self.num_physical // self.num_nodes  # physical ids per node

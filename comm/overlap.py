@@ -48,10 +48,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
-from moekit.comm.all_to_all import SplitMismatchError, agree_on_signature, exchange_counts
+from moekit.comm.all_to_all import SplitMismatchError, agree_on_signature, exchange_counts, start_all_to_all
 from moekit.comm.expert_parallel import EPMeta, FlatEPDispatcher, _inverse, _Reorder, source_to_expert_order
 from moekit.comm.hierarchical import HierarchicalEPDispatcher
 from moekit.moe.dispatch import Dispatched, PermuteMeta, permute, sort_slots, unpermute
@@ -100,16 +99,6 @@ class Channel:
             self.trace.append((direction, action, self.phase, self.chunk))
 
 
-def _start(x: Tensor, out_splits: list[int], in_splits: list[int], group):
-    if x.shape[0] != sum(in_splits):
-        raise SplitMismatchError(f"all_to_all input has {x.shape[0]} rows but the splits {in_splits} sum to "
-                                 f"{sum(in_splits)}")
-    x = x.contiguous()
-    out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-    work = dist.all_to_all_single(out, x, out_splits, in_splits, group=group, async_op=True)
-    return out, work, x
-
-
 class _Issue(torch.autograd.Function):
     """Start the all-to-all of ``x``; return its output buffer (valid once ``_Wait`` ran on it).
     Backward: wait for the reverse exchange ``_Wait.backward`` started; its result is x's gradient (the
@@ -118,7 +107,7 @@ class _Issue(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, chan: Channel) -> Tensor:
         ctx.chan = chan
-        out, chan.work, chan.keep = _start(x, chan.out_splits, chan.in_splits, chan.group)
+        out, chan.work, chan.keep = start_all_to_all(x, chan.out_splits, chan.in_splits, chan.group, async_op=True)
         chan.record("fwd", "issue")
         return out
 
@@ -147,7 +136,8 @@ class _Wait(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         chan = ctx.chan
-        chan.grad_out, chan.grad_work, chan.grad_keep = _start(grad, chan.in_splits, chan.out_splits, chan.group)
+        chan.grad_out, chan.grad_work, chan.grad_keep = start_all_to_all(grad, chan.in_splits, chan.out_splits,
+                                                                         chan.group, async_op=True)
         chan.record("bwd", "issue")
         return grad, None
 
@@ -290,10 +280,10 @@ class _HierStages:
         d, m = self.d, self.d.num_nodes
         indices = d.physical(routing)  # whole batch: same copies as unchunked
         node_ids = d.node_slots(indices)  # [T, m]
-        send = _chunk_counts(node_ids, chunk_sizes(x.shape[0], C), m)  # [C, m]
+        sizes = chunk_sizes(x.shape[0], C)
+        send = _chunk_counts(node_ids, sizes, m)  # [C, m]
         recv = exchange_counts(send.t().contiguous(), d.rail_group, signature=d.signature).t()  # [C, m]
         splits = torch.stack([send, recv]).cpu().tolist()  # D2H sync: every chunk's rail splits at once
-        sizes = chunk_sizes(x.shape[0], C)
         return [_Chunk(c, xc, ic, wc, splits[0][c], splits[1][c], nc) for c, ((xc, ic, wc), nc)
                 in enumerate(zip(_split(x, indices, routing.weights, C), node_ids.split(sizes)))]
 

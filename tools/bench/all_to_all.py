@@ -19,13 +19,12 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
 
-from moekit.bench.benchlib import environment, init_bench_process, print_table, write_json
+from moekit.bench.benchlib import environment, init_bench_process, launch_ranks, print_table, write_json
 from moekit.train.planning import cost_model
 from moekit.comm.expert_parallel import FlatEPDispatcher
 from moekit.comm.hierarchical import HierarchicalEPDispatcher
@@ -146,14 +145,7 @@ def main(argv=None) -> int:
         return 0
     if args.experts % args.world and "WORLD_SIZE" not in os.environ:
         p.error(f"--experts {args.experts} must be divisible by --world {args.world}")
-    if "WORLD_SIZE" in os.environ:
-        worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args, None)
-        return 0
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(worker, args=(args.world, args, os.path.join(tmp, "store")), nprocs=args.world,
-                           start_method="spawn")
+    launch_ranks(worker, args, args.world)
     return 0
 
 

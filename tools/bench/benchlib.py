@@ -133,7 +133,6 @@ def add_timing_args(p, out: str, warmup: int = 2, repeats: int = 10) -> None:
     p.add_argument("--out", default=out)
 
 
-
 def init_bench_process(rank: int, world: int, init_file: str | None, threads: int = 1) -> torch.device:
     """Join a multi-rank benchmark's process group and return this rank's device. ``init_file`` set: a rank
     spawned on CPU (gloo over that file, ``threads`` torch threads); None: a rank started by torchrun (NCCL on
@@ -155,3 +154,19 @@ def init_bench_process(rank: int, world: int, init_file: str | None, threads: in
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     torch.cuda.set_device(device)
     return device
+
+
+def launch_ranks(worker: Callable, args, world: int) -> None:
+    """Run ``worker(rank, world, args, init_file)`` on every rank: under torchrun this process is one rank
+    (init_file None: init_bench_process joins torchrun's group); otherwise spawn ``world`` CPU ranks that
+    meet through a file in a temporary folder."""
+    if "WORLD_SIZE" in os.environ:
+        worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args, None)
+        return
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(worker, args=(world, args, os.path.join(tmp, "store")), nprocs=world,
+                           start_method="spawn")

@@ -135,7 +135,7 @@ class Probe:
         self.profile_steps = None
         if code != 0:
             raise RuntimeError(f"the trainer's loop returned {code} (see the worker log)")
-        out = {"records": [{k: v for k, v in r.items()} for r in self.records]}
+        out = {"records": self.records}
         if profile:
             out["fwd_bwd_split"] = split_forward_backward(self.prof.events(), self.label)
             self.prof = None
@@ -269,11 +269,8 @@ class Worker:
 
 def summarize(rounds: list[dict], split: dict[str, float], tokens_per_step: int) -> dict:
     """The fastest round's mean step, by phase (ms), and tokens/s."""
-    means = []
-    for r in rounds:
-        recs = r["records"]
-        mean = {k: 1e3 * sum(x[k] for x in recs) / len(recs) for k in ("step", "fwd_bwd", "optimizer")}
-        means.append(mean)
+    means = [{k: 1e3 * sum(x[k] for x in r["records"]) / len(r["records"]) for k in ("step", "fwd_bwd", "optimizer")}
+             for r in rounds]
     best = min(means, key=lambda m: m["step"])
     phases = {p: best["fwd_bwd"] * split[p] for p in MODEL_PHASES}
     phases["optimizer"] = best["optimizer"]

@@ -22,12 +22,12 @@ import argparse
 import copy
 import os
 import sys
-import tempfile
 
 import torch
 import torch.distributed as dist
 
-from moekit.bench.benchlib import environment, init_bench_process, print_table, time_interleaved, write_json
+from moekit.bench.benchlib import (environment, init_bench_process, launch_ranks, print_table, time_interleaved,
+                                   write_json)
 from moekit.comm.expert_parallel import apply_expert_parallel
 from moekit.comm.topology import Layout, Topology
 from moekit.moe import MoELayer, build_router
@@ -103,17 +103,12 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if any(c < 1 for c in args.chunks):
         p.error(f"--chunks {args.chunks}: every count must be >= 1")
-    if "WORLD_SIZE" in os.environ:
-        worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args, None)
-        return 0
-    if args.world < 2 or args.experts % args.world or (args.ranks_per_node and args.world % args.ranks_per_node):
+    spawned = "WORLD_SIZE" not in os.environ  # else torchrun's ranks and world size
+    if spawned and (args.world < 2 or args.experts % args.world
+                    or (args.ranks_per_node and args.world % args.ranks_per_node)):
         p.error(f"--world {args.world} must be >= 2 and divide --experts {args.experts}; --ranks-per-node "
                 f"{args.ranks_per_node} must divide it")
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(worker, args=(args.world, args, os.path.join(tmp, "store")), nprocs=args.world,
-                           start_method="spawn")
+    launch_ranks(worker, args, args.world)
     return 0
 
 

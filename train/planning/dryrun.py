@@ -139,7 +139,6 @@ def local_numel(model: torch.nn.Module) -> tuple[dict[str, int], int]:
 def build(cfg: TrainConfig, plan: DryRunPlan) -> Built:
     from moekit.models.parallelize import parallelize
     from moekit.models.transformer import Transformer
-    from moekit.moe.load import moe_layers
     from moekit.train.rebalance import RunPlacement
 
     L, seconds = cfg.layout, {}
@@ -156,10 +155,10 @@ def build(cfg: TrainConfig, plan: DryRunPlan) -> Built:
     try:
         if L.pp > 1:
             model = _pipeline_stage(model, topo, cfg, built)
-        placements = RunPlacement(cfg, topo, [name for name, _ in moe_layers(model)]).placements
-        built.replicas = next(iter(placements.values())).replicas if placements else 0
+        placement = RunPlacement.for_run(cfg, topo, model)  # as the trainer: flag, file or contiguous
+        built.replicas = placement.replicas
         parallelize(model, topo, hierarchical=plan.hierarchical, sequence_parallel=L.sequence_parallel,
-                    expert_placement=placements)
+                    expert_placement=placement.placements)
     except (LayoutError, ValueError, NotImplementedError) as exc:
         built.refused = " ".join(str(exc).split())
         return built
