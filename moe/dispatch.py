@@ -55,6 +55,33 @@ class PermuteMeta:
     may_drop: bool = True  # False promises slot_row < N everywhere (dropless), so no pad row is needed
 
 
+# torch's CPU sort takes its parallel radix sort (FBGEMM's, x86 builds) for an integer key of at least
+# at::internal::GRAIN_SIZE = 32768 elements; below that it is std::stable_sort, ~3x slower at 24576 keys
+# (0.81 vs 0.30 ms, 2-core box: T 4096 x top-6). Padding the key up to the radix size (pads sort last) pays
+# from about 12k keys on. Measured by tools/bench/cpu_layer.py's dispatch phase; results are identical.
+_RADIX_MIN_KEYS = 32768
+_PAD_FROM_KEYS = 12288
+
+
+def _cpu_radix_sort() -> bool:
+    import platform
+
+    return platform.machine().lower() in ("x86_64", "amd64") and "fbgemm" in torch.backends.quantized.supported_engines
+
+
+_RADIX = _cpu_radix_sort()
+
+
+def stable_argsort(key: Tensor) -> Tensor:
+    """``torch.sort(key, stable=True).indices`` of a 1-D int64 key, on CPU padded into torch's radix path
+    where that is faster (above). Same result either way: the pads carry the largest key and sort last."""
+    n = key.numel()
+    if _RADIX and key.device.type == "cpu" and _PAD_FROM_KEYS <= n < _RADIX_MIN_KEYS:
+        pad = key.new_full((_RADIX_MIN_KEYS - n,), torch.iinfo(torch.int64).max)
+        return torch.sort(torch.cat([key, pad]), stable=True).indices[:n]
+    return torch.sort(key, stable=True).indices
+
+
 def sort_slots(indices: Tensor, num_rows: int) -> tuple[Tensor, Tensor]:
     """Expert-major order of the slots. Returns (row_slot [N], slot_row [T*k]).
 
@@ -67,7 +94,7 @@ def sort_slots(indices: Tensor, num_rows: int) -> tuple[Tensor, Tensor]:
     flat = indices.reshape(-1)
     num_slots = flat.numel()
     key = torch.where(flat < 0, torch.iinfo(torch.int64).max, flat)
-    order = torch.sort(key, stable=True).indices  # [T*k]
+    order = stable_argsort(key)  # [T*k]
     slot_row = torch.empty_like(order).scatter_(0, order, torch.arange(num_slots, device=flat.device))
     slot_row = torch.where(slot_row >= num_rows, num_rows, slot_row)
     return order[:num_rows], slot_row
@@ -113,7 +140,9 @@ class _Unpermute(torch.autograd.Function):
             acc = torch.promote_types(rows.dtype, torch.float32)
             w = weights.to(acc)
             slot_rows = slot_row.view(T, k)
-            out = rows.index_select(0, slot_rows[:, 0]).to(acc).mul_(w[:, :1])
+            first = rows.index_select(0, slot_rows[:, 0])
+            # bf16 rows: one promoting multiply into the fp32 accumulator, not a cast pass and then a multiply
+            out = first.mul_(w[:, :1]) if first.dtype == acc else torch.mul(first, w[:, :1])
             for j in range(1, k):
                 out.addcmul_(rows.index_select(0, slot_rows[:, j]), w[:, j:j + 1])
             return out.to(rows.dtype)  # [T, H]

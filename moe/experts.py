@@ -127,26 +127,45 @@ def loop_mlp(rows: Tensor, counts: Tensor, w_in: Tensor, w_out: Tensor, activati
     return _loop_composite(rows, sizes, w_in, w_out, activation)
 
 
+def _blocks(t: Tensor, sizes: list[int], dim: int = 0) -> tuple[Tensor, ...]:
+    """Every expert's block of ``t`` along ``dim`` as views, made in one call: per-expert Python slicing
+    (``t[start:end]``, ``chunk``, ``.t()``) costs more than the small experts' arithmetic on CPU."""
+    return t.narrow(dim, 0, sum(sizes)).split(sizes, dim)
+
+
+def _zeroed(t: Tensor, experts: list[int]) -> Tensor:
+    """``t`` with the blocks of ``experts`` (dim 0) set to 0."""
+    if experts:
+        t.index_fill_(0, torch.tensor(experts, device=t.device), 0)
+    return t
+
+
 def _loop_swiglu_forward(rows: Tensor, w_in: Tensor, w_out: Tensor, sizes: list[int],
                          keep: bool) -> tuple[Tensor, Tensor, Tensor]:
     """(out [N, H], h, a): each expert's block written into ``out``. ``keep``: h [owned, 2F] and
     a = swiglu(h) [owned, F] kept whole for backward; else one expert-sized buffer each per worker,
     reused (inference). Experts may run concurrently on CPU (moe.expert_threads)."""
     N, f_in, owned = rows.shape[0], w_in.shape[-1], sum(sizes)
+    F = f_in // 2
     out = rows.new_empty(N, w_out.shape[-1])
-    h, a = (rows.new_empty(owned, f_in), rows.new_empty(owned, f_in // 2)) if keep else (None, None)
+    xs, outs, wis, wos = _blocks(rows, sizes), _blocks(out, sizes), w_in.unbind(0), w_out.unbind(0)
+    h, a = (rows.new_empty(owned, f_in), rows.new_empty(owned, F)) if keep else (None, None)
+    if keep:  # views of every expert's h = [gate | up] and a, made once
+        hs, gates, ups, acts = _blocks(h, sizes), _blocks(h[:, :F], sizes), _blocks(h[:, F:], sizes), _blocks(a, sizes)
     m = max(sizes, default=0)
 
     def scratch():  # inference: one worker's expert-sized buffers
-        return None if keep else (rows.new_empty(m, f_in), rows.new_empty(m, f_in // 2))
+        return None if keep else (rows.new_empty(m, f_in), rows.new_empty(m, F))
 
     def expert(e: int, start: int, n: int, bufs) -> None:
-        end = start + n
-        hb, ab = (h[start:end], a[start:end]) if keep else (bufs[0][:n], bufs[1][:n])
-        torch.mm(rows[start:end], w_in[e], out=hb)
-        gate, up = hb.chunk(2, dim=-1)
+        if keep:
+            hb, gate, up, ab = hs[e], gates[e], ups[e], acts[e]
+        else:
+            hb, ab = bufs[0][:n], bufs[1][:n]
+            gate, up = hb[:, :F], hb[:, F:]
+        torch.mm(xs[e], wis[e], out=hb)
         torch.ops.aten.silu.out(gate, out=ab).mul_(up)  # no temporaries
-        torch.mm(ab, w_out[e], out=out[start:end])
+        torch.mm(ab, wos[e], out=outs[e])
 
     with torch.autocast(rows.device.type, enabled=False):  # rows and weights are the compute dtype
         for_each_expert(sizes, expert, choose_workers(rows, w_in, sizes), scratch)
@@ -193,33 +212,42 @@ class _LoopSwiGLU(torch.autograd.Function):
             return (next(grads) if need_x else None, next(grads) if need_wi else None,
                     next(grads) if need_wo else None, None)
         grad = grad.to(rows.dtype)
+        owned, F = sum(sizes), a.shape[-1]
         d_x = torch.empty_like(rows) if need_x else None
         if need_x:
-            d_x[sum(sizes):].zero_()  # rows nobody owns get no gradient
-        d_wi = torch.zeros_like(w_in) if need_wi else None
-        d_wo = torch.zeros_like(w_out) if need_wo else None
+            d_x[owned:].zero_()  # rows nobody owns get no gradient
+        # every expert with rows overwrites its whole weight-gradient block (mm out=); only the others need zeros
+        idle = [e for e, n in enumerate(sizes) if n == 0] + list(range(len(sizes), w_in.shape[0]))
+        d_wi = _zeroed(torch.empty_like(w_in), idle) if need_wi else None
+        d_wo = _zeroed(torch.empty_like(w_out), idle) if need_wo else None
         biggest = max(sizes, default=0)
+        # every per-expert view made once, outside the loop (see _blocks): transposed operands as views too
+        gs, gates, ups = _blocks(grad, sizes), _blocks(h[:, :F], sizes), _blocks(h[:, F:], sizes)
+        a_t, x_t = _blocks(a.t(), sizes, 1), _blocks(rows.t(), sizes, 1)
+        w_out_t, w_in_t = w_out.transpose(1, 2).unbind(0), w_in.transpose(1, 2).unbind(0)
+        d_xs = _blocks(d_x, sizes) if need_x else None
+        d_wos = d_wo.unbind(0) if need_wo else None
+        d_wis = d_wi.unbind(0) if need_wi else None
 
         def scratch():  # one worker's expert-sized d_a, d_h
-            return rows.new_empty(biggest, a.shape[-1]), rows.new_empty(biggest, h.shape[-1])
+            return rows.new_empty(biggest, F), rows.new_empty(biggest, h.shape[-1])
 
         def expert(e: int, start: int, n: int, bufs) -> None:
-            end = start + n
-            g = grad[start:end]
+            g = gs[e]
             if need_wo:
-                torch.mm(a[start:end].t(), g, out=d_wo[e])
+                torch.mm(a_t[e], g, out=d_wos[e])
             if need_x or need_wi:
                 da, dh = bufs[0][:n], bufs[1][:n]
-                torch.mm(g, w_out[e].t(), out=da)
-                gate, up = h[start:end].chunk(2, dim=-1)
-                d_gate, d_up = dh.chunk(2, dim=-1)
+                gate, up = gates[e], ups[e]
+                torch.mm(g, w_out_t[e], out=da)
+                d_gate, d_up = dh[:, :F], dh[:, F:]
                 torch.ops.aten.silu.out(gate, out=d_up).mul_(da)  # d up = da * silu(gate)
                 # d gate = (da * up) * silu'(gate), torch's fused silu derivative; da is not needed after
                 torch.ops.aten.silu_backward.grad_input(da.mul_(up), gate, grad_input=d_gate)
                 if need_wi:
-                    torch.mm(rows[start:end].t(), dh, out=d_wi[e])
+                    torch.mm(x_t[e], dh, out=d_wis[e])
                 if need_x:
-                    torch.mm(dh, w_in[e].t(), out=d_x[start:end])
+                    torch.mm(dh, w_in_t[e], out=d_xs[e])
 
         for_each_expert(sizes, expert, choose_workers(rows, w_in, sizes), scratch)
         return d_x, d_wi, d_wo, None

@@ -99,3 +99,18 @@ def test_token_count_mismatch():
     r = make_routing([[0], [1]])
     with pytest.raises(ValueError, match="3 tokens but routing for 2"):
         LocalDispatcher(2).dispatch(torch.randn(3, 4), r)
+
+
+@pytest.mark.parametrize("n", [0, 7, 12287, 12288, 24576, 32767, 32768, 40000])
+def test_stable_argsort_is_torchs_stable_sort(n):
+    """The CPU radix padding (moe.dispatch.stable_argsort) returns exactly torch's stable order, dropped
+    slots (int64 max keys) included, on both sides of its size thresholds."""
+    from moekit.moe.dispatch import stable_argsort
+
+    g = torch.Generator().manual_seed(n)
+    key = torch.randint(-1, 13, (n,), generator=g)
+    key = torch.where(key < 0, torch.iinfo(torch.int64).max, key)
+    got = stable_argsort(key)
+    assert got.dtype == torch.int64 and torch.equal(got, torch.sort(key, stable=True).indices)
+    # stable: equal keys keep their order
+    assert torch.equal(key[got], key.sort().values) and bool((torch.diff(got[key[got] == 3]) > 0).all())

@@ -14,7 +14,10 @@ Every implementation gets the same weights and its output is checked against moe
 All peers of one (shape, dtype, mode) are timed round-robin in one process (tools/bench/benchlib.py), so
 "ratio" = transformers' median / moekit's median is a same-clock comparison (> 1: moekit is faster).
 transformers runs both of its experts implementations, "eager" (its per-expert loop, the default) and
-"grouped_mm"; "ratio vs best" divides by the faster of the two. Per-phase times of moekit's layer (router,
+"grouped_mm"; "ratio vs best" divides by the faster of the two. "GEMMs alone (floor)" runs only the layer's
+matrix multiplies, the same shapes for the same routing, on preallocated operands (tools/bench/layer_probes.py
+gemm_floor_step): on a GEMM-bound shape no implementation of these torch GEMMs gets much below it, so
+"ceiling" = transformers' best / floor is the most any such layer can be faster than transformers'. Per-phase times of moekit's layer (router,
 permute, experts, combine, each forward+backward alone; tools/bench/layer_probes.py) and, with
 ``--profile``, the torch.profiler top operators of one moekit forward+backward are printed and saved.
 """
@@ -29,11 +32,12 @@ from pathlib import Path
 import torch
 
 from moekit.bench.benchlib import environment, guarded, print_table, time_interleaved, write_json
-from moekit.bench.layer_probes import PHASES, phase_steps
+from moekit.bench.layer_probes import PHASES, gemm_floor_step, phase_steps
 from moekit.bench.moe_layer import copy_into_hf
 from moekit.moe import MoELayer, build_router
 from moekit.moe.experts import resolve_backend
 
+FLOOR = "GEMMs alone (floor)"
 SHAPES = {  # name -> (F, E, k, shared F)
     "mixtral": (512, 8, 2, 0),
     "fine": (128, 64, 8, 0),
@@ -154,16 +158,20 @@ def bench_shape(args, name, dtype) -> tuple[list[dict], dict]:
     rows = []
     for mode, backward in (("fwd", False), ("fwd+bwd", True)):
         steps = {n: make_step(m, x, grad, backward) for n, m in modules.items()}
+        steps[FLOOR], flop = gemm_floor_step(layer, x.detach().view(T, H), backward)
         t = time_interleaved(steps, torch.device("cpu"), warmup=args.warmup, repeats=args.repeats, rotate=True)
         st = f"{args.stat}_ms"
         hf = {n: t[n][st] for n in modules if n.startswith("transformers")}
+        common = {"shape": name, "dtype": str(dtype).removeprefix("torch."), "mode": mode}
         for n in modules:
-            rows.append({"shape": name, "dtype": str(dtype).removeprefix("torch."), "mode": mode, "impl": n,
-                         "median_ms": t[n]["median_ms"], "min_ms": t[n]["min_ms"], "rel_err": errs[n],
-                         "ratio": t[n][st] / t[base][st]})
-        rows.append({"shape": name, "dtype": str(dtype).removeprefix("torch."), "mode": mode,
-                     "impl": "=> transformers best / moekit", "ratio": min(hf.values()) / t[base][st]
+            rows.append({**common, "impl": n, "median_ms": t[n]["median_ms"], "min_ms": t[n]["min_ms"],
+                         "rel_err": errs[n], "ratio": t[n][st] / t[base][st]})
+        rows.append({**common, "impl": FLOOR, "median_ms": t[FLOOR]["median_ms"], "min_ms": t[FLOOR]["min_ms"],
+                     "ratio": t[FLOOR][st] / t[base][st], "gflops": flop / t[FLOOR][st] / 1e6})
+        rows.append({**common, "impl": "=> transformers best / moekit", "ratio": min(hf.values()) / t[base][st]
                      if hf else None})
+        rows.append({**common, "impl": "=> ceiling: transformers best / GEMMs alone",
+                     "ratio": min(hf.values()) / t[FLOOR][st] if hf else None})
     case = {"shape": name, "dtype": str(dtype).removeprefix("torch."), "T": T, "H": H, "F": F, "E": E, "k": k,
             "shared": shared, "skipped": skipped}
     whole = make_step(layer, x, grad, True)
@@ -214,7 +222,7 @@ def main(argv=None) -> int:
             print(f"done {name} {dt}" + (f": {err}" if err else ""), file=sys.stderr, flush=True)
     print_table(rows, [("shape", "shape", ""), ("dtype", "dtype", ""), ("mode", "mode", ""), ("impl", "impl", ""),
                        ("median_ms", "median ms", ".1f"), ("min_ms", "min ms", ".1f"),
-                       ("ratio", "time / moekit", ".2f"), ("rel_err", "rel err", ".1e")])
+                       ("ratio", "time / moekit", ".2f"), ("gflops", "GFLOP/s", ".0f"), ("rel_err", "rel err", ".1e")])
     print("\nmoekit[auto] phases (each forward+backward alone, ms):")
     for c in cases:
         if "phases_ms" in c:

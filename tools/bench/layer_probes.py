@@ -64,6 +64,65 @@ def phase_steps(layer: nn.Module, x: Tensor) -> dict[str, Callable[[], None]]:
     }
 
 
+def gemm_floor_step(layer: nn.Module, x: Tensor, backward: bool) -> tuple[Callable[[], None], float]:
+    """(step, flop): the layer's matrix multiplies alone, nothing else: the same GEMM shapes as moekit's
+    layer runs for this input's routing (router in fp32, each routed expert's block, the shared expert),
+    on preallocated contiguous operands with ``torch.mm(out=)``, the experts scheduled as the loop backend
+    schedules them (moe.expert_threads). With ``backward`` the two gradient GEMMs of each (dX, dW) too.
+
+    No implementation built on these torch GEMMs runs the layer much faster than this step, so
+    "transformers' time / this time" bounds the ratio any such implementation can reach (the ceiling)."""
+    from moekit.moe.expert_threads import choose_workers, for_each_expert
+
+    T, H = x.shape
+    dev, dt = x.device, layer.experts.w_in.dtype
+    with torch.no_grad():
+        counts = layer.router(x).tokens_per_expert
+    sizes = [int(c) for c in counts.tolist()]
+    E, _, f_in = layer.experts.w_in.shape
+    F = layer.experts.w_out.shape[1]
+    gemms: list[tuple[int, int, int, torch.dtype]] = [(T, H, E, torch.float32)]  # (m, k, n): [m, k] @ [k, n]
+    shared = layer.shared_expert
+    if shared is not None:
+        Fs = shared.w_up.out_features
+        gemms += [(T, H, Fs, dt)] * (2 if shared.w_gate is not None else 1) + [(T, Fs, H, dt)]
+        if shared.gate is not None:
+            gemms.append((T, H, 1, dt))
+    if backward:  # d input = dY @ W^T (m, n, k), d weight = X^T @ dY (k, m, n)
+        gemms += [g for m, k, n, d in gemms for g in ((m, n, k, d), (k, m, n, d))]
+    dense = [(torch.randn(m, k, device=dev, dtype=d), torch.randn(k, n, device=dev, dtype=d),
+              torch.empty(m, n, device=dev, dtype=d)) for m, k, n, d in gemms]
+    fwd_ops = [(H, f_in), (F, H)]  # (k, n): rows [n_e, H] @ w_in [H, f_in], a [n_e, F] @ w_out [F, H]
+    # backward, per expert: dW_out = a^T g, d a = g w_out^T, dW_in = rows^T dh, d rows = dh w_in^T
+    bwd_ops = [("t", F, H), ("n", H, F), ("t", H, f_in), ("n", f_in, H)] if backward else []
+    m, wide = max(sizes, default=0), max(H, f_in, F)
+    X = torch.randn(max(m, 1), wide, device=dev, dtype=dt)  # every expert's operands are slices of these
+    W = torch.randn(E, wide, wide, device=dev, dtype=dt)
+    flop = 2 * sum(m_ * k * n for m_, k, n, _ in gemms) + 2 * sum(sizes) * H * (f_in + F) * (3 if backward else 1)
+
+    def scratch():  # one worker's output buffer
+        return torch.empty(max(m, wide), wide, device=dev, dtype=dt)
+
+    def expert(e: int, start: int, n: int, out: Tensor) -> None:
+        for k_, n_ in fwd_ops:  # [n, k] @ [k, n_]
+            torch.mm(X[:n, :k_], W[e, :k_, :n_], out=out[:n, :n_])
+        for kind, a, b in bwd_ops:
+            if kind == "t":  # weight gradient: [a, n] @ [n, b]
+                torch.mm(X[:n, :a].t(), X[:n, :b], out=out[:a, :b])
+            else:  # input gradient: [n, a] @ [a, b]
+                torch.mm(X[:n, :a], W[e, :a, :b], out=out[:n, :b])
+
+    workers = choose_workers(torch.empty(sum(sizes), H, device=dev, dtype=dt), layer.experts.w_in, sizes)
+
+    def step() -> None:
+        with torch.no_grad():
+            for a, b, out in dense:
+                torch.mm(a, b, out=out)
+            for_each_expert(sizes, expert, workers, scratch)
+
+    return step, float(flop)
+
+
 def host_sync_check(steps: dict[str, Callable[[], None]], device: torch.device) -> dict[str, str]:
     """Run each step under torch.cuda.set_sync_debug_mode("error"): "none", or the first syncing call.
 
