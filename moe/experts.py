@@ -140,6 +140,62 @@ def _zeroed(t: Tensor, experts: list[int]) -> Tensor:
     return t
 
 
+# torch runs CPU bf16 / fp16 matmuls through oneDNN, which builds a primitive for every GEMM shape and keeps
+# the last 1024 in a cache: a shape it has not seen costs 0.2-0.45 ms to create, about as long as running a
+# [900, 128] x [128, 512] bf16 GEMM (ONEDNN_VERBOSE=profile_create). Expert row counts change every step, so
+# nearly every expert GEMM of a training run would be a new shape. The loop splits such a GEMM along its rows
+# into pieces whose lengths come from a small set (multiples of 1024, then of 64, then a rest < 64): the
+# same few dozen shapes recur step after step and hit the cache. fp32 runs on MKL (no primitives): not split.
+_PIECE_QUANTA = (1024, 64)
+
+
+def _split_rows(t: Tensor) -> bool:
+    return t.device.type == "cpu" and t.dtype in (torch.bfloat16, torch.float16)
+
+
+def _pieces(n: int) -> list[tuple[int, int]]:
+    """(start, length) of the pieces of n rows: lengths are multiples of 1024, then of 64, then < 64."""
+    pieces, start = [], 0
+    for quantum in _PIECE_QUANTA:
+        length = (n - start) // quantum * quantum
+        if length:
+            pieces.append((start, length))
+            start += length
+    if start < n:
+        pieces.append((start, n - start))
+    return pieces
+
+
+def _mm(a: Tensor, b: Tensor, out: Tensor) -> None:
+    """out = a @ b, in row pieces where oneDNN runs it (above): the same result row for row."""
+    if not _split_rows(a) or a.shape[0] <= _PIECE_QUANTA[-1]:
+        torch.mm(a, b, out=out)
+        return
+    for start, n in _pieces(a.shape[0]):
+        torch.mm(a[start:start + n], b, out=out[start:start + n])
+
+
+
+def _padded_rows(n: int) -> int:
+    """The row count a weight-gradient GEMM over n rows is padded to (with zero rows): a multiple of 64, or of
+    1/16 of the power of two at or below n when that is more; at most 6.25% more work (or < 64 rows), and 16
+    lengths per octave, so its reduction length comes from a small set too (above)."""
+    quantum = max(64, (1 << (max(n, 1).bit_length() - 1)) // 16)
+    return -(-n // quantum) * quantum
+
+
+def _rows_or_copy(t: Tensor, start: int, n: int, padded: int, scratch: Tensor) -> Tensor:
+    """Rows [start, start + padded) of ``t`` as a view when they exist, else its n rows from ``start`` copied
+    into ``scratch`` over zero rows. The rows past n are then another expert's (or zeros): they meet zero
+    rows of the other operand and add exactly nothing."""
+    if start + padded <= t.shape[0]:
+        return t[start:start + padded]
+    out = scratch[:padded]
+    out[:n].copy_(t[start:start + n])
+    out[n:].zero_()
+    return out
+
+
 def _loop_swiglu_forward(rows: Tensor, w_in: Tensor, w_out: Tensor, sizes: list[int],
                          keep: bool) -> tuple[Tensor, Tensor, Tensor]:
     """(out [N, H], h, a): each expert's block written into ``out``. ``keep``: h [owned, 2F] and
@@ -163,9 +219,9 @@ def _loop_swiglu_forward(rows: Tensor, w_in: Tensor, w_out: Tensor, sizes: list[
         else:
             hb, ab = bufs[0][:n], bufs[1][:n]
             gate, up = hb[:, :F], hb[:, F:]
-        torch.mm(xs[e], wis[e], out=hb)
+        _mm(xs[e], wis[e], hb)
         torch.ops.aten.silu.out(gate, out=ab).mul_(up)  # no temporaries
-        torch.mm(ab, wos[e], out=outs[e])
+        _mm(ab, wos[e], outs[e])
 
     with torch.autocast(rows.device.type, enabled=False):  # rows and weights are the compute dtype
         for_each_expert(sizes, expert, choose_workers(rows, w_in, sizes), scratch)
@@ -229,25 +285,45 @@ class _LoopSwiGLU(torch.autograd.Function):
         d_wos = d_wo.unbind(0) if need_wo else None
         d_wis = d_wi.unbind(0) if need_wi else None
 
-        def scratch():  # one worker's expert-sized d_a, d_h
-            return rows.new_empty(biggest, F), rows.new_empty(biggest, h.shape[-1])
+        # oneDNN dtypes (bf16 / fp16 on CPU): the weight gradients reduce over a padded row count, the padding
+        # zero rows of one operand, so their GEMM shapes recur across steps (_padded_rows); exact, one rounding
+        pad = _split_rows(rows) and biggest > _PIECE_QUANTA[-1]
+        rows_owned = rows[:owned]
+        tall = _padded_rows(biggest) if pad else biggest
+
+        def scratch():  # one worker's d_a, d_h (+ zero-padded copies for the weight gradients)
+            bufs = (rows.new_empty(tall, F), rows.new_empty(tall, h.shape[-1]))
+            if pad:  # the output gradient block, and rows / a near the end
+                bufs += (rows.new_empty(tall, grad.shape[-1]), rows.new_empty(tall, F), rows.new_empty(tall, rows.shape[-1]))
+            return bufs
 
         def expert(e: int, start: int, n: int, bufs) -> None:
             g = gs[e]
+            m = _padded_rows(n) if pad and n > _PIECE_QUANTA[-1] else n  # rows the weight gradients reduce over
             if need_wo:
-                torch.mm(a_t[e], g, out=d_wos[e])
+                if m == n:
+                    torch.mm(a_t[e], g, out=d_wos[e])
+                else:  # d W_out = a^T g over m rows: g's block over zero rows
+                    gp = bufs[2][:m]
+                    gp[:n].copy_(g)
+                    gp[n:].zero_()
+                    torch.mm(_rows_or_copy(a, start, n, m, bufs[3]).t(), gp, out=d_wos[e])
             if need_x or need_wi:
-                da, dh = bufs[0][:n], bufs[1][:n]
+                da, dh = bufs[0][:n], bufs[1][:m]
                 gate, up = gates[e], ups[e]
-                torch.mm(g, w_out_t[e], out=da)
-                d_gate, d_up = dh[:, :F], dh[:, F:]
+                _mm(g, w_out_t[e], da)
+                d_gate, d_up = dh[:n, :F], dh[:n, F:]
                 torch.ops.aten.silu.out(gate, out=d_up).mul_(da)  # d up = da * silu(gate)
                 # d gate = (da * up) * silu'(gate), torch's fused silu derivative; da is not needed after
                 torch.ops.aten.silu_backward.grad_input(da.mul_(up), gate, grad_input=d_gate)
                 if need_wi:
-                    torch.mm(x_t[e], dh, out=d_wis[e])
+                    if m == n:
+                        torch.mm(x_t[e], dh, out=d_wis[e])
+                    else:  # d W_in = rows^T dh over m rows: dh's rows past n are zero
+                        dh[n:].zero_()
+                        torch.mm(_rows_or_copy(rows_owned, start, n, m, bufs[4]).t(), dh, out=d_wis[e])
                 if need_x:
-                    torch.mm(dh, w_in_t[e], out=d_xs[e])
+                    _mm(dh[:n], w_in_t[e], d_xs[e])
 
         for_each_expert(sizes, expert, choose_workers(rows, w_in, sizes), scratch)
         return d_x, d_wi, d_wo, None

@@ -96,3 +96,53 @@ def test_summary_reads_targets(tmp_path):
     assert status["MoE layer fwd+bwd: titan-style time / moekit time"] == "met"
     assert status["MoE layer: router + permute + combine share of layer time"] == "missed"
     assert status["MoE layer: router forward+backward free of host syncs (1 = none)"] == "met"
+
+
+@pytest.mark.parametrize("shared,backward", [(0, False), (24, True)])
+def test_gemm_floor_runs_the_layers_gemms(shared, backward):
+    """The floor step of tools/bench/cpu_layer.py issues exactly the layer's matmuls for this routing (router,
+    shared expert, each routed expert's block; x3 with backward) and counts their flops."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    torch.manual_seed(0)
+    T, H, F, E, k = 40, 16, 12, 4, 2
+    layer = MoELayer(H, F, E, build_router("topk", H, E, top_k=k), shared_ffn_hidden_size=shared,
+                     shared_expert_gate=shared > 0)
+    x = torch.randn(T, H)
+    step, flop = layer_probes.gemm_floor_step(layer, x, backward)
+    counts = layer.router(x).tokens_per_expert.tolist()
+    busy = sum(1 for c in counts if c)
+    passes = 3 if backward else 1
+    dense = [(T, H, E)] + ([(T, H, shared), (T, H, shared), (T, shared, H), (T, H, 1)] if shared else [])
+    assert flop == passes * 2 * (sum(m * kk * n for m, kk, n in dense) + T * k * H * (2 * F + F))
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.calls += func in (torch.ops.aten.mm.out, torch.ops.aten.mm.default)
+            return func(*args, **(kwargs or {}))
+
+    from moekit.moe.expert_threads import expert_threads
+
+    with expert_threads(1), Count():
+        step()
+    assert Count.calls == passes * (len(dense) + 2 * busy)
+
+
+def test_cpu_layer_benchmark_smoke(tmp_path):
+    """tools/bench/cpu_layer.py end to end at a tiny size: every peer, the floor and the ceiling rows."""
+    bench = Path(__file__).resolve().parents[1] / "tools" / "bench" / "cpu_layer.py"
+    out = tmp_path / "cpu_layer.json"
+    import subprocess
+
+    proc = subprocess.run([sys.executable, str(bench), "--tokens", "64", "--hidden", "32", "--shapes", "deepseek",
+                           "--dtypes", "float32", "--repeats", "1", "--warmup", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["results"]
+    ceilings = [r for r in rows if r["impl"].startswith("=> ceiling")]
+    has_hf = any(r["impl"].startswith("transformers[") for r in rows)
+    assert len(ceilings) == 2 and all((r["ratio"] is not None) == has_hf for r in ceilings)
+    floor = [r for r in rows if r["impl"] == "GEMMs alone (floor)"]
+    assert len(floor) == 2 and all(r["min_ms"] > 0 and r["gflops"] > 0 for r in floor)

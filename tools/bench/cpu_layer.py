@@ -10,7 +10,9 @@ Shapes (T from --tokens, H 256):
     deepseek   E 64, F 128, top-6, shared expert (F 256,    vs Qwen2MoeSparseMoeBlock (the same function:
                sigmoid-gated)                                  softmax top-k renormalised + gated shared MLP)
 
-Every implementation gets the same weights and its output is checked against moekit's before timing.
+Every implementation gets the same weights and its output is checked against moekit's before timing. Each
+timed call takes the next of a sequence of fresh inputs (the same sequence for every peer; ``--same-input``:
+one input throughout), so routing and expert row counts change from call to call as they do in training.
 All peers of one (shape, dtype, mode) are timed round-robin in one process (tools/bench/benchlib.py), so
 "ratio" = transformers' median / moekit's median is a same-clock comparison (> 1: moekit is faster).
 transformers runs both of its experts implementations, "eager" (its per-expert loop, the default) and
@@ -24,12 +26,18 @@ permute, experts, combine, each forward+backward alone; tools/bench/layer_probes
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import types
 from pathlib import Path
 
-import torch
+# Peers share the process, and oneDNN's primitive cache (CPU bf16 GEMMs, one entry per shape; 1024 by default):
+# transformers' ever-new expert shapes would evict the few shapes moekit's loop reuses (moe/experts.py), which
+# alone in a training run it never loses. A cache that holds every peer's shapes keeps each peer's own behaviour.
+os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "16384")
+
+import torch  # noqa: E402
 
 from moekit.bench.benchlib import environment, guarded, print_table, time_interleaved, write_json
 from moekit.bench.layer_probes import PHASES, gemm_floor_step, phase_steps
@@ -95,14 +103,20 @@ def hf_block(H, F, E, k, shared, impl):
 
 
 def make_step(module, x, grad, backward: bool):
+    """One timed call of ``module``; ``x`` is one input or a list of inputs taken in turn, call after call (the
+    same sequence for every peer), so the routing and every expert's row count change as in training."""
+    xs = x if isinstance(x, list) else [x]
+    calls = iter(range(1 << 62))
+
     def fwd():
         with torch.no_grad():
-            module(x)
+            module(xs[next(calls) % len(xs)])
 
     def fwd_bwd():
-        x.grad = None
+        xi = xs[next(calls) % len(xs)]
+        xi.grad = None
         module.zero_grad(set_to_none=True)
-        module(x).backward(grad)
+        module(xi).backward(grad)
 
     return fwd_bwd if backward else fwd
 
@@ -144,6 +158,9 @@ def bench_shape(args, name, dtype) -> tuple[list[dict], dict]:
     gen = torch.Generator().manual_seed(args.seed)
     x = torch.randn(1, T, H, generator=gen).to(dtype).requires_grad_()
     grad = torch.randn(1, T, H, generator=gen).to(dtype)
+    calls = args.warmup + max(args.repeats, len(modules) + 1)  # time_interleaved's calls per peer (+ the floor)
+    inputs = [x] if args.same_input else [x] + [torch.randn(1, T, H, generator=gen).to(dtype).requires_grad_()
+                                                for _ in range(calls - 1)]
     base = next(iter(modules))
     with torch.no_grad():
         y0 = layer(x).float()
@@ -157,7 +174,7 @@ def bench_shape(args, name, dtype) -> tuple[list[dict], dict]:
         errs[n] = ((res - y0).norm() / y0.norm().clamp_min(1e-30)).item()  # D2H sync: check, outside timing
     rows = []
     for mode, backward in (("fwd", False), ("fwd+bwd", True)):
-        steps = {n: make_step(m, x, grad, backward) for n, m in modules.items()}
+        steps = {n: make_step(m, inputs, grad, backward) for n, m in modules.items()}
         steps[FLOOR], flop = gemm_floor_step(layer, x.detach().view(T, H), backward)
         t = time_interleaved(steps, torch.device("cpu"), warmup=args.warmup, repeats=args.repeats, rotate=True)
         st = f"{args.stat}_ms"
@@ -197,9 +214,15 @@ def main(argv=None) -> int:
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     p.add_argument("--backends", nargs="*", default=[], help="also time moekit with these expert backends")
     p.add_argument("--hf-impl", nargs="*", default=["eager", "grouped_mm"])
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=24,
+                   help="untimed calls per peer first, each on a fresh input: a training run's steady state, in "
+                        "which shapes that recur are in oneDNN's primitive cache")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--same-input", action="store_true",
+                   help="time every call on one input (default: a new input each call, the same sequence for every "
+                        "peer, so expert row counts change as in training: CPU bf16 GEMMs then pay oneDNN's "
+                        "per-shape setup unless shapes recur, moe/experts.py)")
     p.add_argument("--stat", default="min", choices=["min", "median"],
                    help="which statistic the ratios use: min (default) is the robust one on a shared, loaded box")
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
