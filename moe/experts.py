@@ -19,6 +19,8 @@ first usable of triton, torch, loop on GPU, and the loop on CPU (measured fastes
 from __future__ import annotations
 
 import math
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 
@@ -146,7 +148,39 @@ def _zeroed(t: Tensor, experts: list[int]) -> Tensor:
 # nearly every expert GEMM of a training run would be a new shape. The loop splits such a GEMM along its rows
 # into pieces whose lengths come from a small set (multiples of 1024, then of 64, then a rest < 64): the
 # same few dozen shapes recur step after step and hit the cache. fp32 runs on MKL (no primitives): not split.
+# Pieces cost something too (a small rest GEMM, padding): 7-27% of the experts when every shape is cached
+# anyway. So a GEMM runs whole when its exact shape ran recently (``_recent``: the second time, then cached),
+# in pieces otherwise: balanced routings whose counts recur run whole, real data's ever-new counts in pieces.
 _PIECE_QUANTA = (1024, 64)
+
+
+class _RecentShapes:
+    """The GEMM shapes seen lately (an LRU of ``capacity``, well under oneDNN's 1024 primitives, which other
+    ops share). ``seen(key)`` records the key and says whether it was already there. Thread-safe."""
+
+    def __init__(self, capacity: int = 384):
+        self.capacity, self.keys, self.lock = capacity, OrderedDict(), threading.Lock()
+
+    def seen(self, key: tuple) -> bool:
+        with self.lock:
+            if key in self.keys:
+                self.keys.move_to_end(key)
+                return True
+            self.keys[key] = None
+            if len(self.keys) > self.capacity:
+                self.keys.popitem(last=False)
+            return False
+
+
+_recent = _RecentShapes()
+
+
+def _whole(a: Tensor, b: Tensor, rows: int) -> bool:
+    """Run ``a @ b``, whose ``rows`` would be split, as one GEMM: not a oneDNN dtype, too few rows to split,
+    or its shape ran recently."""
+    if not _split_rows(a) or rows <= _PIECE_QUANTA[-1]:
+        return True
+    return _recent.seen((tuple(a.shape), a.stride(), tuple(b.shape), b.stride(), a.dtype, torch.get_num_threads()))
 
 
 def _split_rows(t: Tensor) -> bool:
@@ -168,7 +202,7 @@ def _pieces(n: int) -> list[tuple[int, int]]:
 
 def _mm(a: Tensor, b: Tensor, out: Tensor) -> None:
     """out = a @ b, in row pieces where oneDNN runs it (above): the same result row for row."""
-    if not _split_rows(a) or a.shape[0] <= _PIECE_QUANTA[-1]:
+    if _whole(a, b, a.shape[0]):
         torch.mm(a, b, out=out)
         return
     for start, n in _pieces(a.shape[0]):
@@ -299,7 +333,7 @@ class _LoopSwiGLU(torch.autograd.Function):
 
         def expert(e: int, start: int, n: int, bufs) -> None:
             g = gs[e]
-            m = _padded_rows(n) if pad and n > _PIECE_QUANTA[-1] else n  # rows the weight gradients reduce over
+            m = n if not pad or _whole(a_t[e], g, n) else _padded_rows(n)  # rows the weight gradients reduce over
             if need_wo:
                 if m == n:
                     torch.mm(a_t[e], g, out=d_wos[e])
