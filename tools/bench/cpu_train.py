@@ -4,6 +4,7 @@ time of one optimizer step by phase; with ``--baseline REF`` the same measuremen
     python tools/bench/cpu_train.py                                   # this tree, about a minute
     python tools/bench/cpu_train.py --baseline HEAD --json bench-results/cpu_train.json
     python tools/bench/cpu_train.py --rounds 3 -- --preset switch-tiny --batch-size 8   # trainer flags after --
+    python tools/bench/cpu_train.py --baseline-args "" -- --train.dtype bfloat16      # bf16 vs fp32, same tree
 
 What is measured: the trainer's own loop (``moekit.train.loop.Trainer``, built from the trainer flags as
 moekit-train builds it: data, model, AdamW, records, TensorBoard, load records, guard, grad clipping),
@@ -32,6 +33,7 @@ import argparse
 import contextlib
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -287,11 +289,14 @@ def losses(worker: Worker) -> dict[int, float]:
 
 def measure(args, tmp: Path) -> dict:
     trees = {"current": REPO}
+    argvs = {"current": args.trainer_args}
     stack = contextlib.ExitStack()
     with stack:
-        if args.baseline:
-            trees[f"baseline@{args.baseline}"] = stack.enter_context(git_worktree(args.baseline, tmp))
-        workers = [Worker(n.split("@")[0], t, tmp, args.trainer_args, args.threads) for n, t in trees.items()]
+        if args.baseline or args.baseline_args is not None:
+            name = f"baseline@{args.baseline or 'tree'}"
+            trees[name] = stack.enter_context(git_worktree(args.baseline, tmp)) if args.baseline else REPO
+            argvs[name] = args.trainer_args if args.baseline_args is None else shlex.split(args.baseline_args)
+        workers = [Worker(n.split("@")[0], t, tmp, argvs[n], args.threads) for n, t in trees.items()]
         for w, n in zip(workers, trees):
             w.label = n
         stack.callback(lambda: [w.close() for w in workers])
@@ -308,7 +313,7 @@ def measure(args, tmp: Path) -> dict:
     tps = info[0]["tokens_per_step"]
     result = {w.label: summarize(w.rounds, s, tps) for w, s in zip(workers, splits)}
     out = {"trees": result, "tokens_per_step": tps, "torch": info[0]["torch"], "threads": info[0]["threads"]}
-    if args.baseline:
+    if len(workers) == 2:
         cur, base = (result[w.label] for w in workers)
         out["ratio_tokens_per_s"] = cur["tokens_per_s"] / base["tokens_per_s"]
         a, b = losses(workers[0]), losses(workers[1])
@@ -339,6 +344,9 @@ def print_result(out: dict) -> None:
 def parse(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--baseline", default="", metavar="GIT_REF", help="also measure this git ref (before / after)")
+    p.add_argument("--baseline-args", default=None, metavar="FLAGS",
+                   help="the baseline runs these trainer flags instead (one string, e.g. '--train.dtype float32'), "
+                        "on --baseline's tree or this one: two configurations in the same run")
     p.add_argument("--rounds", type=int, default=5, help="timed chunks per tree, taken in turns")
     p.add_argument("--steps", type=int, default=4, help="timed steps per chunk (plus one untimed closing step)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before the first round")
@@ -355,10 +363,12 @@ def parse(argv):
     from moekit.train import UserError
     from moekit.train.cli import parse_args
 
-    try:  # here, before any worker starts: a bad trainer flag is one line
-        parse_args([*BENCH_FLAGS, *args.trainer_args])
-    except UserError as exc:
-        p.error(f"trainer flags {' '.join(args.trainer_args)}: {exc}")
+    for flags in (args.trainer_args, None if args.baseline_args is None else shlex.split(args.baseline_args)):
+        try:  # here, before any worker starts: a bad trainer flag is one line
+            if flags is not None:
+                parse_args([*BENCH_FLAGS, *flags])
+        except UserError as exc:
+            p.error(f"trainer flags {' '.join(flags)}: {exc}")
     if args.json and Path(args.json).is_dir():
         p.error(f"--json {args.json} is a folder; pass a file path such as {Path(args.json) / 'cpu_train.json'}")
     return args
@@ -376,7 +386,7 @@ def main(argv=None) -> int:
     from moekit.bench.benchlib import environment, write_json
 
     out = {"benchmark": "cpu_train", "trainer_args": args.trainer_args, "threads_flag": args.threads,
-           "baseline": args.baseline or None, "rounds": args.rounds, "steps_per_round": args.steps, **out,
+           "baseline": args.baseline or None, "baseline_args": args.baseline_args, "rounds": args.rounds, "steps_per_round": args.steps, **out,
            "environment": environment(torch.device("cpu"))}
     print_result(out)
     if args.json:
