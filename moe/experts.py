@@ -19,6 +19,7 @@ first usable of triton, torch, loop on GPU, and the loop on CPU (measured fastes
 from __future__ import annotations
 
 import math
+import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -155,10 +156,14 @@ _PIECE_QUANTA = (1024, 64)
 
 
 class _RecentShapes:
-    """The GEMM shapes seen lately (an LRU of ``capacity``, well under oneDNN's 1024 primitives, which other
-    ops share). ``seen(key)`` records the key and says whether it was already there. Thread-safe."""
+    """The GEMM shapes seen lately: an LRU of half oneDNN's primitive cache (ONEDNN_PRIMITIVE_CACHE_CAPACITY,
+    1024 by default; other ops share it), so a shape remembered here is likely still built there.
+    ``seen(key)`` records the key and says whether it was already there. Thread-safe."""
 
-    def __init__(self, capacity: int = 384):
+    def __init__(self, capacity: int | None = None):
+        if capacity is None:
+            env = os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "")
+            capacity = max(16, (int(env) if env.isdigit() else 1024) // 2)
         self.capacity, self.keys, self.lock = capacity, OrderedDict(), threading.Lock()
 
     def seen(self, key: tuple) -> bool:
