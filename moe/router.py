@@ -248,9 +248,10 @@ class Router(nn.Module):
         """
         E = self.num_experts
         assigned = count_experts(indices, E)  # [E] before dropping
+        kept = assigned  # dropless: every assignment is kept
         if capacity is not None:
             indices, weights = apply_capacity(indices, weights, capacity, E, self.drop_policy)
-        kept = count_experts(indices, E)
+            kept = count_experts(indices, E)
         balance_counts = self.reduce_counts(assigned) if self.aux_loss_coeff > 0 else assigned
         self.observe_load(balance_counts if self.aux_loss_coeff > 0 else None, assigned)
         # A term whose coefficient is 0 is only logged (stats): computed outside autograd, so backward skips

@@ -102,6 +102,20 @@ def hf_block(H, F, E, k, shared, impl):
     return Block(cfg)
 
 
+def skewed_input(layer: MoELayer, T: int, skew: float, gen: torch.Generator) -> torch.Tensor:
+    """[1, T, H] random tokens; with ``skew`` > 0 each token is also pulled toward one expert's router row,
+    the expert drawn from a popularity that is itself drawn per input (Dirichlet(0.3)): uneven loads that
+    change from input to input, as real text routes (one expert of the main job's got 3481 of 8192 slots)."""
+    H, E = layer.hidden_size, layer.num_experts
+    x = torch.randn(T, H, generator=gen)
+    if skew > 0:
+        popularity = torch._standard_gamma(torch.full((E,), 0.3), generator=gen)
+        hot = torch.multinomial(popularity / popularity.sum(), T, replacement=True, generator=gen)
+        w = layer.router.weight.detach().float()
+        x += skew * H ** 0.5 * (w / w.norm(dim=1, keepdim=True))[hot]
+    return x[None]
+
+
 def make_step(module, x, grad, backward: bool):
     """One timed call of ``module``; ``x`` is one input or a list of inputs taken in turn, call after call (the
     same sequence for every peer), so the routing and every expert's row count change as in training."""
@@ -159,7 +173,7 @@ def bench_shape(args, name, dtype) -> tuple[list[dict], dict]:
     x = torch.randn(1, T, H, generator=gen).to(dtype).requires_grad_()
     grad = torch.randn(1, T, H, generator=gen).to(dtype)
     calls = args.warmup + max(args.repeats, len(modules) + 1)  # time_interleaved's calls per peer (+ the floor)
-    inputs = [x] if args.same_input else [x] + [torch.randn(1, T, H, generator=gen).to(dtype).requires_grad_()
+    inputs = [x] if args.same_input else [x] + [skewed_input(layer, T, args.skew, gen).to(dtype).requires_grad_()
                                                 for _ in range(calls - 1)]
     base = next(iter(modules))
     with torch.no_grad():
@@ -219,6 +233,9 @@ def main(argv=None) -> int:
                         "which shapes that recur are in oneDNN's primitive cache")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skew", type=float, default=0.0,
+                   help="pull each token toward an expert drawn from a per-input popularity: uneven expert loads "
+                        "that change from call to call, as with real text (0: balanced random routing)")
     p.add_argument("--same-input", action="store_true",
                    help="time every call on one input (default: a new input each call, the same sequence for every "
                         "peer, so expert row counts change as in training: CPU bf16 GEMMs then pay oneDNN's "
