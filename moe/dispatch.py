@@ -16,6 +16,7 @@ no scatter-add whose result depends on thread order (the CPU path's ``index_add_
 """
 from __future__ import annotations
 
+import platform
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -64,8 +65,6 @@ _PAD_FROM_KEYS = 12288
 
 
 def _cpu_radix_sort() -> bool:
-    import platform
-
     return platform.machine().lower() in ("x86_64", "amd64") and "fbgemm" in torch.backends.quantized.supported_engines
 
 

@@ -19,9 +19,6 @@ first usable of triton, torch, loop on GPU, and the loop on CPU (measured fastes
 from __future__ import annotations
 
 import math
-import os
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 
@@ -31,6 +28,7 @@ from torch import Tensor, nn
 
 # ACTIVATIONS is re-exported for moe.layer: moe.activations is the one table of activations
 from moekit.moe.activations import ACTIVATIONS, check_activation, ffn_in_features, get_activation  # noqa: F401
+from moekit.moe import onednn_gemm as onednn
 from moekit.moe.expert_threads import choose_workers, for_each_expert
 from moekit.moe.precision import compute_dtype
 
@@ -143,98 +141,6 @@ def _zeroed(t: Tensor, experts: list[int]) -> Tensor:
     return t
 
 
-# torch runs CPU bf16 / fp16 matmuls through oneDNN, which builds a primitive for every GEMM shape and keeps
-# the last 1024 in a cache: a shape it has not seen costs 0.2-0.45 ms to create, about as long as running a
-# [900, 128] x [128, 512] bf16 GEMM (ONEDNN_VERBOSE=profile_create). Expert row counts change every step, so
-# nearly every expert GEMM of a training run would be a new shape. The loop splits such a GEMM along its rows
-# into pieces whose lengths come from a small set (multiples of 1024, then of 64, then a rest < 64): the
-# same few dozen shapes recur step after step and hit the cache. fp32 runs on MKL (no primitives): not split.
-# Pieces cost something too (a small rest GEMM, padding): 7-27% of the experts when every shape is cached
-# anyway. So a GEMM runs whole when its exact shape ran recently (``_recent``: the second time, then cached),
-# in pieces otherwise: balanced routings whose counts recur run whole, real data's ever-new counts in pieces.
-_PIECE_QUANTA = (1024, 64)
-
-
-class _RecentShapes:
-    """The GEMM shapes seen lately: an LRU of half oneDNN's primitive cache (ONEDNN_PRIMITIVE_CACHE_CAPACITY,
-    1024 by default; other ops share it), so a shape remembered here is likely still built there.
-    ``seen(key)`` records the key and says whether it was already there. Thread-safe."""
-
-    def __init__(self, capacity: int | None = None):
-        if capacity is None:
-            env = os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "")
-            capacity = max(16, (int(env) if env.isdigit() else 1024) // 2)
-        self.capacity, self.keys, self.lock = capacity, OrderedDict(), threading.Lock()
-
-    def seen(self, key: tuple) -> bool:
-        with self.lock:
-            if key in self.keys:
-                self.keys.move_to_end(key)
-                return True
-            self.keys[key] = None
-            if len(self.keys) > self.capacity:
-                self.keys.popitem(last=False)
-            return False
-
-
-_recent = _RecentShapes()
-
-
-def _whole(a: Tensor, b: Tensor, rows: int) -> bool:
-    """Run ``a @ b``, whose ``rows`` would be split, as one GEMM: not a oneDNN dtype, too few rows to split,
-    or its shape ran recently."""
-    if not _split_rows(a) or rows <= _PIECE_QUANTA[-1]:
-        return True
-    return _recent.seen((tuple(a.shape), a.stride(), tuple(b.shape), b.stride(), a.dtype, torch.get_num_threads()))
-
-
-def _split_rows(t: Tensor) -> bool:
-    return t.device.type == "cpu" and t.dtype in (torch.bfloat16, torch.float16)
-
-
-def _pieces(n: int) -> list[tuple[int, int]]:
-    """(start, length) of the pieces of n rows: lengths are multiples of 1024, then of 64, then < 64."""
-    pieces, start = [], 0
-    for quantum in _PIECE_QUANTA:
-        length = (n - start) // quantum * quantum
-        if length:
-            pieces.append((start, length))
-            start += length
-    if start < n:
-        pieces.append((start, n - start))
-    return pieces
-
-
-def _mm(a: Tensor, b: Tensor, out: Tensor) -> None:
-    """out = a @ b, in row pieces where oneDNN runs it (above): the same result row for row."""
-    if _whole(a, b, a.shape[0]):
-        torch.mm(a, b, out=out)
-        return
-    for start, n in _pieces(a.shape[0]):
-        torch.mm(a[start:start + n], b, out=out[start:start + n])
-
-
-
-def _padded_rows(n: int) -> int:
-    """The row count a weight-gradient GEMM over n rows is padded to (with zero rows): a multiple of 64, or of
-    1/16 of the power of two at or below n when that is more; at most 6.25% more work (or < 64 rows), and 16
-    lengths per octave, so its reduction length comes from a small set too (above)."""
-    quantum = max(64, (1 << (max(n, 1).bit_length() - 1)) // 16)
-    return -(-n // quantum) * quantum
-
-
-def _rows_or_copy(t: Tensor, start: int, n: int, padded: int, scratch: Tensor) -> Tensor:
-    """Rows [start, start + padded) of ``t`` as a view when they exist, else its n rows from ``start`` copied
-    into ``scratch`` over zero rows. The rows past n are then another expert's (or zeros): they meet zero
-    rows of the other operand and add exactly nothing."""
-    if start + padded <= t.shape[0]:
-        return t[start:start + padded]
-    out = scratch[:padded]
-    out[:n].copy_(t[start:start + n])
-    out[n:].zero_()
-    return out
-
-
 def _loop_swiglu_forward(rows: Tensor, w_in: Tensor, w_out: Tensor, sizes: list[int],
                          keep: bool) -> tuple[Tensor, Tensor, Tensor]:
     """(out [N, H], h, a): each expert's block written into ``out``. ``keep``: h [owned, 2F] and
@@ -258,9 +164,9 @@ def _loop_swiglu_forward(rows: Tensor, w_in: Tensor, w_out: Tensor, sizes: list[
         else:
             hb, ab = bufs[0][:n], bufs[1][:n]
             gate, up = hb[:, :F], hb[:, F:]
-        _mm(xs[e], wis[e], hb)
+        onednn.mm(xs[e], wis[e], hb)
         torch.ops.aten.silu.out(gate, out=ab).mul_(up)  # no temporaries
-        _mm(ab, wos[e], outs[e])
+        onednn.mm(ab, wos[e], outs[e])
 
     with torch.autocast(rows.device.type, enabled=False):  # rows and weights are the compute dtype
         for_each_expert(sizes, expert, choose_workers(rows, w_in, sizes), scratch)
@@ -312,7 +218,7 @@ class _LoopSwiGLU(torch.autograd.Function):
         if need_x:
             d_x[owned:].zero_()  # rows nobody owns get no gradient
         # every expert with rows overwrites its whole weight-gradient block (mm out=); only the others need zeros
-        idle = [e for e, n in enumerate(sizes) if n == 0] + list(range(len(sizes), w_in.shape[0]))
+        idle = [e for e, n in enumerate(sizes) if n == 0]
         d_wi = _zeroed(torch.empty_like(w_in), idle) if need_wi else None
         d_wo = _zeroed(torch.empty_like(w_out), idle) if need_wo else None
         biggest = max(sizes, default=0)
@@ -325,10 +231,10 @@ class _LoopSwiGLU(torch.autograd.Function):
         d_wis = d_wi.unbind(0) if need_wi else None
 
         # oneDNN dtypes (bf16 / fp16 on CPU): the weight gradients reduce over a padded row count, the padding
-        # zero rows of one operand, so their GEMM shapes recur across steps (_padded_rows); exact, one rounding
-        pad = _split_rows(rows) and biggest > _PIECE_QUANTA[-1]
+        # zero rows of one operand, so their GEMM shapes recur across steps (moe.onednn_gemm); exact, one rounding
+        pad = onednn.split_rows(rows) and biggest > onednn.PIECE_QUANTA[-1]
         rows_owned = rows[:owned]
-        tall = _padded_rows(biggest) if pad else biggest
+        tall = onednn.padded_rows(biggest) if pad else biggest
 
         def scratch():  # one worker's d_a, d_h (+ zero-padded copies for the weight gradients)
             bufs = (rows.new_empty(tall, F), rows.new_empty(tall, h.shape[-1]))
@@ -338,7 +244,8 @@ class _LoopSwiGLU(torch.autograd.Function):
 
         def expert(e: int, start: int, n: int, bufs) -> None:
             g = gs[e]
-            m = n if not pad or _whole(a_t[e], g, n) else _padded_rows(n)  # rows the weight gradients reduce over
+            # the rows the weight gradients reduce over
+            m = n if not pad or onednn.runs_whole(a_t[e], g, n) else onednn.padded_rows(n)
             if need_wo:
                 if m == n:
                     torch.mm(a_t[e], g, out=d_wos[e])
@@ -346,11 +253,11 @@ class _LoopSwiGLU(torch.autograd.Function):
                     gp = bufs[2][:m]
                     gp[:n].copy_(g)
                     gp[n:].zero_()
-                    torch.mm(_rows_or_copy(a, start, n, m, bufs[3]).t(), gp, out=d_wos[e])
+                    torch.mm(onednn.rows_or_copy(a, start, n, m, bufs[3]).t(), gp, out=d_wos[e])
             if need_x or need_wi:
                 da, dh = bufs[0][:n], bufs[1][:m]
                 gate, up = gates[e], ups[e]
-                _mm(g, w_out_t[e], da)
+                onednn.mm(g, w_out_t[e], da)
                 d_gate, d_up = dh[:n, :F], dh[:n, F:]
                 torch.ops.aten.silu.out(gate, out=d_up).mul_(da)  # d up = da * silu(gate)
                 # d gate = (da * up) * silu'(gate), torch's fused silu derivative; da is not needed after
@@ -360,9 +267,9 @@ class _LoopSwiGLU(torch.autograd.Function):
                         torch.mm(x_t[e], dh, out=d_wis[e])
                     else:  # d W_in = rows^T dh over m rows: dh's rows past n are zero
                         dh[n:].zero_()
-                        torch.mm(_rows_or_copy(rows_owned, start, n, m, bufs[4]).t(), dh, out=d_wis[e])
+                        torch.mm(onednn.rows_or_copy(rows_owned, start, n, m, bufs[4]).t(), dh, out=d_wis[e])
                 if need_x:
-                    _mm(dh[:n], w_in_t[e], d_xs[e])
+                    onednn.mm(dh[:n], w_in_t[e], d_xs[e])
 
         for_each_expert(sizes, expert, choose_workers(rows, w_in, sizes), scratch)
         return d_x, d_wi, d_wo, None

@@ -4,7 +4,7 @@ gather + bmm path GPUs keep. float64, so "agree" is to rounding."""
 import pytest
 import torch
 
-from moekit.moe import dispatch, experts
+from moekit.moe import dispatch, experts, onednn_gemm
 from moekit.moe.dispatch import LocalDispatcher
 from moekit.moe.router import build_router
 
@@ -68,14 +68,14 @@ def test_cpu_combine_and_permute_match_the_gather_path(monkeypatch, capacity_fac
 def test_row_pieces_cover_every_row_with_recurring_lengths():
     seen = set()
     for n in range(0, 5000, 7):
-        pieces = experts._pieces(n)
+        pieces = onednn_gemm.pieces(n)
         assert sum(m for _, m in pieces) == n and all(m > 0 for _, m in pieces)
         assert [s for s, _ in pieces] == [sum(m for _, m in pieces[:i]) for i in range(len(pieces))]  # contiguous
         seen.update(m for _, m in pieces)
-        padded = experts._padded_rows(n)
+        padded = onednn_gemm.padded_rows(n)
         assert padded >= n and padded - n < max(64, padded // 16 + 1)  # at most 6.25% (or < 64 rows) of padding
     assert len(seen) < 100  # lengths recur: multiples of 1024, of 64 below 1024, and 63 rests
-    assert len({experts._padded_rows(n) for n in range(1, 5000)}) < 60
+    assert len({onednn_gemm.padded_rows(n) for n in range(1, 5000)}) < 60
 
 
 def _bf16_experts(counts, seed):
@@ -93,14 +93,14 @@ def test_bf16_loop_in_row_pieces_matches_the_plain_loop(monkeypatch, counts):
     """CPU bf16: GEMMs split into row pieces and weight gradients over zero-padded rows (the last expert's
     rows copied, as they end at the buffer's end) give what one GEMM per expert gives, against float64."""
     rows, w_in, w_out, dy, c = _bf16_experts(counts, seed=len(counts) + counts[0])
-    assert experts._split_rows(rows)
+    assert onednn_gemm.split_rows(rows)
 
     def run():
         y = experts.loop_mlp(rows, c, w_in, w_out, "swiglu")
         return (y, *torch.autograd.grad(y, (rows, w_in, w_out), dy))
 
     split = run()
-    monkeypatch.setattr(experts, "_split_rows", lambda t: False)
+    monkeypatch.setattr(onednn_gemm, "split_rows", lambda t: False)
     plain = run()
     r64 = [t.detach().double().requires_grad_() for t in (rows, w_in, w_out)]
     y64 = experts._loop_composite(r64[0], c.tolist(), r64[1], r64[2], "swiglu")
@@ -139,8 +139,8 @@ def test_bf16_loop_gemm_shapes_recur_across_routings():
     for split in (True, False):
         mode = Shapes()
         with expert_threads(1), mode:
-            keep = experts._split_rows
-            experts._split_rows = (lambda t: t.dtype == torch.bfloat16) if split else (lambda t: False)
+            keep = onednn_gemm.split_rows
+            onednn_gemm.split_rows = (lambda t: t.dtype == torch.bfloat16) if split else (lambda t: False)
             try:
                 for i, c in enumerate(draws):
                     if i == 30:
@@ -148,6 +148,6 @@ def test_bf16_loop_gemm_shapes_recur_across_routings():
                     y = experts.loop_mlp(rows, c, w_in, w_out, "swiglu")
                     torch.autograd.grad(y, (rows, w_in, w_out), dy)
             finally:
-                experts._split_rows = keep
+                onednn_gemm.split_rows = keep
         new_late[split] = len(mode.seen) - before
     assert new_late[False] > 200 and new_late[True] < new_late[False] / 8, new_late

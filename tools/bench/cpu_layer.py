@@ -26,6 +26,7 @@ permute, experts, combine, each forward+backward alone; tools/bench/layer_probes
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import subprocess
 import sys
@@ -33,7 +34,7 @@ import types
 from pathlib import Path
 
 # Peers share the process, and oneDNN's primitive cache (CPU bf16 GEMMs, one entry per shape; 1024 by default):
-# transformers' ever-new expert shapes would evict the few shapes moekit's loop reuses (moe/experts.py), which
+# transformers' ever-new expert shapes would evict the few shapes moekit's loop reuses (moe/onednn_gemm.py), which
 # alone in a training run it never loses. A cache that holds every peer's shapes keeps each peer's own behaviour.
 os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "16384")
 
@@ -119,15 +120,14 @@ def skewed_input(layer: MoELayer, T: int, skew: float, gen: torch.Generator) -> 
 def make_step(module, x, grad, backward: bool):
     """One timed call of ``module``; ``x`` is one input or a list of inputs taken in turn, call after call (the
     same sequence for every peer), so the routing and every expert's row count change as in training."""
-    xs = x if isinstance(x, list) else [x]
-    calls = iter(range(1 << 62))
+    next_input = itertools.cycle(x if isinstance(x, list) else [x]).__next__
 
     def fwd():
         with torch.no_grad():
-            module(xs[next(calls) % len(xs)])
+            module(next_input())
 
     def fwd_bwd():
-        xi = xs[next(calls) % len(xs)]
+        xi = next_input()
         xi.grad = None
         module.zero_grad(set_to_none=True)
         module(xi).backward(grad)
@@ -239,7 +239,7 @@ def main(argv=None) -> int:
     p.add_argument("--same-input", action="store_true",
                    help="time every call on one input (default: a new input each call, the same sequence for every "
                         "peer, so expert row counts change as in training: CPU bf16 GEMMs then pay oneDNN's "
-                        "per-shape setup unless shapes recur, moe/experts.py)")
+                        "per-shape setup unless shapes recur, moe/onednn_gemm.py)")
     p.add_argument("--stat", default="min", choices=["min", "median"],
                    help="which statistic the ratios use: min (default) is the robust one on a shared, loaded box")
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
