@@ -22,6 +22,11 @@ gemm_floor_step): on a GEMM-bound shape no implementation of these torch GEMMs g
 "ceiling" = transformers' best / floor is the most any such layer can be faster than transformers'. Per-phase times of moekit's layer (router,
 permute, experts, combine, each forward+backward alone; tools/bench/layer_probes.py) and, with
 ``--profile``, the torch.profiler top operators of one moekit forward+backward are printed and saved.
+
+Host memory: the process keeps freed heap memory (``--host-memory retain``, as ``moekit-train`` does on a CPU
+run). Under glibc's defaults every tensor of 32 MiB or more (fine: the routed rows, h, the output, their
+gradients) is a fresh mmap, paying ~10 ms of page faults each, every call, for whichever peer allocates it:
+that, not the layers, moved cells by 1.5x between runs. ``--host-memory system`` measures that setting.
 """
 from __future__ import annotations
 
@@ -45,6 +50,7 @@ from moekit.bench.layer_probes import PHASES, gemm_floor_step, phase_steps
 from moekit.bench.moe_layer import copy_into_hf
 from moekit.moe import MoELayer, build_router
 from moekit.moe.experts import resolve_backend
+from moekit.train import host_memory
 
 FLOOR = "GEMMs alone (floor)"
 SHAPES = {  # name -> (F, E, k, shared F)
@@ -246,11 +252,17 @@ def main(argv=None) -> int:
     p.add_argument("--baseline", default="", metavar="GIT_REF",
                    help="also time moekit's dispatch + loop backend as of this git ref (before/after in one run)")
     p.add_argument("--profile", action="store_true", help="also record torch.profiler top ops per case")
+    p.add_argument("--host-memory", default="retain", choices=["retain", "system"],
+                   help="retain (default, as moekit-train on a CPU run): this process keeps freed heap memory, so "
+                        "no peer pays page faults for its large tensors every call; system: glibc's defaults, "
+                        "under which a tensor of 32 MiB or more is a fresh mmap each time (moekit.train.host_memory)")
     p.add_argument("--out", default="bench-results/cpu_layer.json")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    payload = {"benchmark": "cpu_moe_layer", "tokens": args.tokens, "hidden": args.hidden,
+    memory = host_memory.configure(args.host_memory, "cpu")  # every peer in this process alike
+    print(memory)
+    payload = {"benchmark": "cpu_moe_layer", "tokens": args.tokens, "hidden": args.hidden, "host_memory": memory,
                "environment": environment(torch.device("cpu"))}
     rows, cases = [], []
     for dt in args.dtypes:

@@ -1,0 +1,79 @@
+"""moekit.train.host_memory: keeping freed heap memory, so large tensors stop paying page faults every step."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from moekit.train import host_memory
+
+GLIBC = host_memory._glibc() is not None
+
+# allocate, write and free one tensor of 40 MiB (over glibc's largest mmap threshold, 32 MiB) again and again;
+# print the minor page faults of each of the last rounds (resource.getrusage counts them per process)
+PROBE = textwrap.dedent("""
+    import resource, sys, torch
+    from moekit.train import host_memory
+    print(host_memory.configure(sys.argv[1], "cpu"), file=sys.stderr)
+    faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    per_round = []
+    for _ in range(16):  # glibc's aligned allocations settle into reuse within ~8 rounds (module docstring)
+        before = faults()
+        torch.empty(40 << 18).fill_(1.0)  # 40 MiB of fp32
+        per_round.append(faults() - before)
+    print(" ".join(map(str, per_round[-4:])))
+""")
+
+
+def probe_faults(mode: str) -> list[int]:
+    out = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr
+    return [int(v) for v in out.stdout.split()]
+
+
+@pytest.mark.skipif(not GLIBC, reason="mallopt is glibc's")
+def test_retained_memory_is_reused_without_page_faults():
+    pages = (40 << 20) // 4096
+    system = probe_faults("system")
+    retain = probe_faults("retain")
+    # glibc's default: a fresh mapping every time, every page faulted in again
+    assert all(f >= pages * 0.9 for f in system), system
+    # retained: the freed block is reused, already mapped
+    assert all(f < pages * 0.05 for f in retain), retain
+
+
+def test_modes_and_devices(monkeypatch):
+    assert "system allocator's defaults" in host_memory.configure("system", "cpu")
+    assert "system allocator's defaults" in host_memory.configure("auto", "cuda")  # GPU runs keep glibc's behaviour
+    with pytest.raises(ValueError, match="host_memory='sometimes' is invalid; choose one of"):
+        host_memory.configure("sometimes", "cpu")
+
+
+@pytest.mark.parametrize("preload, expected", [
+    ("/usr/lib/x86_64-linux-gnu/libjemalloc.so.2", "libjemalloc.so.2 is preloaded"),
+    ("libtcmalloc_minimal.so.4:/opt/x.so", "libtcmalloc_minimal.so.4 is preloaded"),
+])
+def test_a_preloaded_allocator_is_left_alone(monkeypatch, preload, expected):
+    monkeypatch.setattr(host_memory, "_applied", None)
+    monkeypatch.setenv("LD_PRELOAD", preload)
+    monkeypatch.setattr(host_memory, "_glibc", lambda: pytest.fail("mallopt must not be called"))
+    assert expected in host_memory.retain_freed_memory()
+
+
+def test_not_glibc_is_said(monkeypatch):
+    monkeypatch.setattr(host_memory, "_applied", None)
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    monkeypatch.setattr(host_memory, "_glibc", lambda: None)
+    assert "not glibc" in host_memory.retain_freed_memory()
+
+
+def test_bad_flag_is_refused_by_the_trainer(tmp_path, capsys):
+    from moekit.train.loop import main
+
+    assert main(["--train.host_memory", "lots", "--run-dir", str(tmp_path / "r"), "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--train.host_memory='lots' is invalid; choose one of ['auto', 'retain', 'system']" in err
