@@ -140,7 +140,9 @@ def test_cpu_layer_benchmark_smoke(tmp_path):
                            "--dtypes", "float32", "--repeats", "1", "--warmup", "1", "--out", str(out)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = json.loads(out.read_text())["results"]
+    payload = json.loads(out.read_text())
+    assert payload["host_memory"].startswith("host memory: ")  # what the process's allocator did is recorded
+    rows = payload["results"]
     ceilings = [r for r in rows if r["impl"].startswith("=> ceiling")]
     has_hf = any(r["impl"].startswith("transformers[") for r in rows)
     assert len(ceilings) == 2 and all((r["ratio"] is not None) == has_hf for r in ceilings)

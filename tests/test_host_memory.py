@@ -17,7 +17,7 @@ GLIBC = host_memory._glibc() is not None
 PROBE = textwrap.dedent("""
     import resource, sys, torch
     from moekit.train import host_memory
-    print(host_memory.configure(sys.argv[1], "cpu"), file=sys.stderr)
+    print(host_memory.configure(sys.argv[1]), file=sys.stderr)
     faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     per_round = []
     for _ in range(16):  # glibc's aligned allocations settle into reuse within ~8 rounds (module docstring)
@@ -46,11 +46,10 @@ def test_retained_memory_is_reused_without_page_faults():
     assert all(f < pages * 0.05 for f in retain), retain
 
 
-def test_modes_and_devices(monkeypatch):
-    assert "system allocator's defaults" in host_memory.configure("system", "cpu")
-    assert "system allocator's defaults" in host_memory.configure("auto", "cuda")  # GPU runs keep glibc's behaviour
+def test_modes():
+    assert host_memory.configure("system") == "host memory: the C library's defaults"
     with pytest.raises(ValueError, match="host_memory='sometimes' is invalid; choose one of"):
-        host_memory.configure("sometimes", "cpu")
+        host_memory.configure("sometimes")
 
 
 @pytest.mark.parametrize("preload, expected", [
@@ -76,4 +75,4 @@ def test_bad_flag_is_refused_by_the_trainer(tmp_path, capsys):
 
     assert main(["--train.host_memory", "lots", "--run-dir", str(tmp_path / "r"), "--steps", "1"]) == 2
     err = capsys.readouterr().err
-    assert "--train.host_memory='lots' is invalid; choose one of ['auto', 'retain', 'system']" in err
+    assert "--train.host_memory='lots' is invalid; choose one of ['system', 'retain']" in err

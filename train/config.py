@@ -38,7 +38,7 @@ DEFAULT_PRESET = "mixtral-tiny"
 DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 PROGRESS = ("auto", "on", "off")
-HOST_MEMORY = ("auto", "retain", "system")  # moekit.train.host_memory
+HOST_MEMORY = ("system", "retain")  # moekit.train.host_memory
 ON_NONFINITE = ("stop", "skip")  # moekit.train.guard acts on these
 MAX_LR = 1.0  # AdamW's step is ~lr per weight: beyond this a run can only diverge (and 10 * lr can overflow fp32)
 
@@ -68,7 +68,7 @@ class TrainSection:
     compile: bool = False  # torch.compile each transformer block (models.parallelize step 4)
     deterministic: bool = False  # deterministic kernels (torch.use_deterministic_algorithms); see docs/training.md
     activation_checkpointing: str = "none"  # recompute: none | full (blocks) | ffn (FFN/MoE) | selective (elementwise ops)
-    host_memory: str = "auto"  # retain freed CPU memory (no page faults per step) | system; auto: retain on CPU
+    host_memory: str = "system"  # system (the C library's) | retain: keep freed CPU memory (moekit.train.host_memory)
 
 
 @dataclass
@@ -351,8 +351,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
              f"--train.activation_checkpointing={t.activation_checkpointing!r} is invalid; choose none, full, ffn or "
              f"selective")
     _require(t.host_memory in HOST_MEMORY,
-             f"--train.host_memory={t.host_memory!r} is invalid; choose one of {list(HOST_MEMORY)} (retain: keep "
-             f"freed CPU memory for reuse, system: the C library's defaults, auto: retain on CPU runs)")
+             f"--train.host_memory={t.host_memory!r} is invalid; choose one of {list(HOST_MEMORY)} (system: the C "
+             f"library's defaults; retain: keep freed CPU memory for reuse, see docs/training.md)")
     _require(t.on_nonfinite in ON_NONFINITE,
              f"--train.on_nonfinite={t.on_nonfinite!r} is invalid; choose one of {list(ON_NONFINITE)}")
     _require(not t.init_from_hf or os.path.isdir(t.init_from_hf),

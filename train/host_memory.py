@@ -5,9 +5,8 @@ Why. glibc's malloc hands an allocation of 32 MiB or more (its largest mmap thre
 Every such tensor then pays one page fault per 4 KiB page when first written: ~10 ms for a 32 MiB tensor on
 the 2-core CI box (``torch.empty(32768, 256).fill_(1)``: 10.2 ms, against 0.35 ms at 24 MiB), more than the
 gather that fills it. A CPU training step allocates the same large activations every step (an MoE layer's
-routed rows at 4096 tokens x top-8 x H 256 in fp32 are exactly 32 MiB), so it pays them every step, and
-unevenly: whether a size is mapped or reused depends on what was freed before, which made the same
-benchmark cell vary 1.5x from run to run (tools/bench/cpu_layer.py, docs/benchmarks.md).
+routed rows at 4096 tokens x top-8 x H 256 in fp32 are exactly 32 MiB), so it pays them every step; below
+32 MiB, whether a size is mapped or reused depends on what was freed before (glibc's threshold moves).
 
 What. ``retain_freed_memory()`` sets glibc's ``M_MMAP_MAX`` to 0 (every allocation comes from the heap,
 which reuses freed blocks) and ``M_TRIM_THRESHOLD`` to 2 GiB, its largest value (freed memory stays mapped).
@@ -20,10 +19,17 @@ blocks, which glibc's per-thread cache holds for a while), so the peak is above 
 Threads other than the main one allocate from their own 64 MiB glibc heaps; an allocation larger than
 that still gets its own mapping there (glibc falls back to mmap), so nothing fails.
 
-The trainer calls it at start on a CPU run (``--train.host_memory auto``, the default; ``retain`` on any
-device, ``system`` keeps glibc's behaviour), and so do the CPU benchmarks, for every peer in the process
-alike. Elsewhere (musl, macOS,
-Windows, or an allocator preloaded with LD_PRELOAD) it changes nothing and says why.
+When. It is opt-in (``--train.host_memory retain``; the CPU benchmarks' ``--host-memory retain`` applies it
+to every peer in the process alike), because it is not a win everywhere. Measured on the 2-core box
+(docs/benchmarks.md, issue 19): forward+backward of a fine-grained layer (E 64, F 128, top-8, T 4096, fp32),
+whose routed rows, hidden states and gradients are each exactly 32 MiB, 194 -> 149 ms; the same for a
+Mixtral-shaped layer (E 8, F 512, top-2), whose largest tensors are 32 MiB too, 121 -> 140 ms, the bare
+GEMMs on preallocated operands included (105 -> 114 ms: where the heap places the operands costs the
+GEMMs more than the page faults it saves, a cause not pinned down); the README main job (small tensors)
+0.99x. Try it for CPU runs whose per-step tensors reach 32 MiB, and measure (tools/bench/cpu_train.py
+--baseline-args "--train.host_memory system" -- --train.host_memory retain ...). A GPU run's host work per
+step is small, and a checkpoint staged in host memory would stay resident: keep ``system`` there.
+Elsewhere (musl, macOS, Windows, or an allocator preloaded with LD_PRELOAD) it changes nothing and says why.
 """
 from __future__ import annotations
 
@@ -37,7 +43,7 @@ M_TRIM_THRESHOLD = -1
 M_MMAP_MAX = -4
 RETAIN_TRIM_THRESHOLD = 2**31 - 1  # mallopt takes a C int: trim only a free top of the heap over 2 GiB
 
-MODES = ("auto", "retain", "system")  # --train.host_memory
+MODES = ("system", "retain")  # --train.host_memory
 
 _applied: str | None = None
 
@@ -85,12 +91,10 @@ def retain_freed_memory() -> str:
     return _applied
 
 
-def configure(mode: str, device_type: str) -> str:
-    """Apply ``--train.host_memory``: ``retain`` calls :func:`retain_freed_memory`, ``system`` changes nothing,
-    ``auto`` retains on a CPU run only. A GPU run's large host buffers are transient (a checkpoint staged in
-    host memory, say): glibc returning them keeps the process small, and its per-step host work is small."""
+def configure(mode: str) -> str:
+    """Apply ``--train.host_memory``: ``retain`` calls :func:`retain_freed_memory`; ``system`` changes nothing."""
     if mode not in MODES:
         raise ValueError(f"host_memory={mode!r} is invalid; choose one of {list(MODES)}")
-    if mode == "system" or (mode == "auto" and device_type != "cpu"):
-        return f"host memory: the system allocator's defaults (--train.host_memory {mode})"
+    if mode == "system":
+        return "host memory: the C library's defaults"
     return retain_freed_memory()

@@ -118,7 +118,7 @@ class Trainer:
         self.cfg, self.opts = cfg, opts
         self.plan = plan_run(cfg)  # resolves the layout and the batch split (moekit.train.plan)
         self.restore_determinism = set_deterministic(cfg.train.deterministic, self.plan.device)
-        self.host_memory = host_memory.configure(cfg.train.host_memory, self.plan.device.type)
+        self.host_memory = host_memory.configure(cfg.train.host_memory)
         L = cfg.layout
         self.dist = Dist.setup(self.plan.resolved.layout, cfg.model.num_experts, self.plan.device,
                                L.ranks_per_node or None, L.timeout_s)
@@ -300,9 +300,11 @@ class Trainer:
             say(f"note: router {cfg.model.router!r} takes no {name}; model.{name}={getattr(cfg.model, name)!r} is unused")
         say(f"data: {self.data_desc}; {self.split.train_starts.size:,} train / {self.split.val_starts.size:,} "
             f"validation sequences of {cfg.train.seq_len}")
-        say(f"device {plan.device}, {plan.autocast_dtype or torch.float32}; {self.host_memory}; batch {cfg.train.batch_size} x "
+        say(f"device {plan.device}, {plan.autocast_dtype or torch.float32}; batch {cfg.train.batch_size} x "
             f"{cfg.train.seq_len} tokens ({plan.accum} micro-batch(es) of {plan.micro_batch}); run dir {self.run_dir}; "
             f"{self.monitor.describe()}")
+        if cfg.train.host_memory != "system":
+            say(self.host_memory)
         if self.dist.active:
             L = cfg.layout
             degrees = " ".join(f"{k}={getattr(L, k)}" for k in ("pp", "dp", "fsdp", "tp", "ep") if getattr(L, k) > 1)

@@ -23,10 +23,10 @@ gemm_floor_step): on a GEMM-bound shape no implementation of these torch GEMMs g
 permute, experts, combine, each forward+backward alone; tools/bench/layer_probes.py) and, with
 ``--profile``, the torch.profiler top operators of one moekit forward+backward are printed and saved.
 
-Host memory: the process keeps freed heap memory (``--host-memory retain``, as ``moekit-train`` does on a CPU
-run). Under glibc's defaults every tensor of 32 MiB or more (fine: the routed rows, h, the output, their
-gradients) is a fresh mmap, paying ~10 ms of page faults each, every call, for whichever peer allocates it:
-that, not the layers, moved cells by 1.5x between runs. ``--host-memory system`` measures that setting.
+Host memory: under glibc's defaults (``--host-memory system``, as ``moekit-train`` runs) every tensor of 32 MiB
+or more (fine at T 4096: the routed rows, h, the output, their gradients) is a fresh mmap, paying ~10 ms of
+page faults each, every call, for whichever peer allocates it. ``--host-memory retain`` makes the process
+keep freed memory instead, for every peer alike (moekit.train.host_memory; docs/benchmarks.md, fourth round).
 """
 from __future__ import annotations
 
@@ -252,15 +252,15 @@ def main(argv=None) -> int:
     p.add_argument("--baseline", default="", metavar="GIT_REF",
                    help="also time moekit's dispatch + loop backend as of this git ref (before/after in one run)")
     p.add_argument("--profile", action="store_true", help="also record torch.profiler top ops per case")
-    p.add_argument("--host-memory", default="retain", choices=["retain", "system"],
-                   help="retain (default, as moekit-train on a CPU run): this process keeps freed heap memory, so "
-                        "no peer pays page faults for its large tensors every call; system: glibc's defaults, "
-                        "under which a tensor of 32 MiB or more is a fresh mmap each time (moekit.train.host_memory)")
+    p.add_argument("--host-memory", default="system", choices=["system", "retain"],
+                   help="system (default, as moekit-train): glibc's defaults, under which a tensor of 32 MiB or more "
+                        "is a fresh mmap, page-faulted in, on every call; retain: this process keeps freed heap "
+                        "memory, for every peer alike (moekit.train.host_memory, --train.host_memory retain)")
     p.add_argument("--out", default="bench-results/cpu_layer.json")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    memory = host_memory.configure(args.host_memory, "cpu")  # every peer in this process alike
+    memory = host_memory.configure(args.host_memory)  # every peer in this process alike
     print(memory)
     payload = {"benchmark": "cpu_moe_layer", "tokens": args.tokens, "hidden": args.hidden, "host_memory": memory,
                "environment": environment(torch.device("cpu"))}
