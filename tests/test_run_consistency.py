@@ -121,6 +121,35 @@ def test_ranks_started_differently_are_refused_before_training(tmp_path, case):
     assert not run.exists()  # refused before the run directory was touched
 
 
+def test_bad_flags_under_torchrun_are_reported_once_per_node(tmp_path):
+    """Every local rank fails alike on bad flags; local rank 0 prints and the others wait, so torchrun stops them
+    before they repeat the line (train.loop.LOCAL_ECHO_DELAY_S)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                                                             "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(ROOT / "tools" / "train.py"), "--train.lr", "-1", "--run-dir", str(tmp_path / "r")],
+                          capture_output=True, text=True, timeout=120, env={**env, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode != 0
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("train.py: error:")]
+    assert errors == ["train.py: error: --train.lr=-1.0 is invalid; AdamW moves every weight by about lr per step, "
+                      "so the learning rate must be in (0, 1] (typical: 1e-4 to 1e-2)"], proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("local_rank, waits", [("0", False), ("1", True)])
+def test_a_local_rank_waits_then_still_reports(monkeypatch, capsys, tmp_path, local_rank, waits):
+    """A rank other than local rank 0 waits before printing, and prints if it is still running (its failure may
+    be its own); local rank 0, and a process outside torchrun, print at once."""
+    from moekit.train import loop
+
+    slept = []
+    monkeypatch.setattr(loop.time, "sleep", slept.append)
+    monkeypatch.setenv("LOCAL_RANK", local_rank)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert main(["--train.lr", "-1", "--run-dir", str(tmp_path / "r")]) == 2
+    assert slept == ([loop.LOCAL_ECHO_DELAY_S] if waits else [])
+    assert "--train.lr=-1.0 is invalid" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------------------------------------------
 # Resume with changed settings
 # ---------------------------------------------------------------------------------------------------

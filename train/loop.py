@@ -66,7 +66,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(argv: list[str] | None) -> int:
     try:
-        cfg, opts = parse_args(sys.argv[1:] if argv is None else argv)
+        try:
+            cfg, opts = parse_args(sys.argv[1:] if argv is None else argv)
+        except UserError as exc:
+            _wait_for_local_rank_0()
+            raise
         if opts.print_config:
             print(to_toml(cfg), end="")
             return 0
@@ -93,6 +97,18 @@ def _run(argv: list[str] | None) -> int:
     except KeyboardInterrupt:  # records are flushed per step; checkpoints are renamed only when complete
         print(f"\n{PROG}: interrupted; --resume continues from the newest checkpoint", file=sys.stderr)
         return 130
+
+
+# torchrun starts a node's ranks with one command line, so bad flags fail alike on all of them. A local rank other
+# than 0 waits this long before it reports its error: when local rank 0 fails too, it prints first and torchrun
+# stops the node's other ranks meanwhile, so the line appears once per node instead of once per rank. A rank still
+# running after the wait (rank 0 did not fail: a difference only this rank sees) prints its own message.
+LOCAL_ECHO_DELAY_S = 5.0
+
+
+def _wait_for_local_rank_0() -> None:
+    if os.environ.get("LOCAL_RANK", "0") not in ("", "0") and os.environ.get("LOCAL_WORLD_SIZE", "1") != "1":
+        time.sleep(LOCAL_ECHO_DELAY_S)
 
 
 def write_data(cfg: TrainConfig, out: str) -> int:
