@@ -12,8 +12,9 @@ from tests.tiny import TINY_MODEL
 def test_cpu_train_smoke(tmp_path, capsys):
     out = tmp_path / "r.json"
     assert cpu_train.main(["--rounds", "1", "--steps", "2", "--warmup", "1", "--json", str(out),
-                           "--", *TINY_MODEL]) == 0
+                           "--env", "OMP_NUM_THREADS=1", "--", *TINY_MODEL]) == 0
     data = json.loads(out.read_text())
+    assert data["env"] == {"OMP_NUM_THREADS": "1"} and data["threads"] == 1  # --env reached the worker (tests: 2)
     assert data["tokens_per_step"] == 4 * 32  # --batch-size 4 x --train.seq_len 32
     assert set(data["trees"]) == {"current"}
     for tree in data["trees"].values():
@@ -38,7 +39,8 @@ def test_baseline_tree_is_importable_and_removed(tmp_path):
 
 
 @pytest.mark.parametrize("argv, words", [(["--rounds", "0"], "--rounds 0"),
-                                         (["--", "--batch-size", "-3"], "trainer flags --batch-size -3")])
+                                         (["--", "--batch-size", "-3"], "trainer flags --batch-size -3"),
+                                         (["--env", "OMP_WAIT_POLICY"], "expected VAR=VALUE")])
 def test_bad_arguments_are_one_line(argv, words, capsys):
     with pytest.raises(SystemExit):
         cpu_train.main(argv)

@@ -5,6 +5,7 @@ time of one optimizer step by phase; with ``--baseline REF`` the same measuremen
     python tools/bench/cpu_train.py --baseline HEAD --json bench-results/cpu_train.json
     python tools/bench/cpu_train.py --rounds 3 -- --preset switch-tiny --batch-size 8   # trainer flags after --
     python tools/bench/cpu_train.py --baseline-args "" -- --train.dtype bfloat16      # bf16 vs fp32, same tree
+    python tools/bench/cpu_train.py --env GLIBC_TUNABLES=glibc.malloc.mmap_max=0 --baseline-env ""   # same tree
 
 What is measured: the trainer's own loop (``moekit.train.loop.Trainer``, built from the trainer flags as
 moekit-train builds it: data, model, AdamW, records, TensorBoard, load records, guard, grad clipping),
@@ -227,10 +228,12 @@ def git_worktree(ref: str, parent: Path):
 
 
 class Worker:
-    def __init__(self, name: str, tree: Path, tmp: Path, trainer_argv: list[str], threads: int):
+    def __init__(self, name: str, tree: Path, tmp: Path, trainer_argv: list[str], threads: int,
+                 extra_env: dict[str, str] | None = None):
         self.name, self.tree = name, tree
         shim = link_tree(tree, tmp / f"shim-{name}")
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(shim), os.environ.get("PYTHONPATH")])))
+        env.update(extra_env or {})  # before the worker starts: OpenMP and glibc read theirs at load
         self.log_path = tmp / f"{name}.log"
         argv = [*BENCH_FLAGS, *trainer_argv, "--run-dir", str(tmp / f"run-{name}")]
         self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--worker", "--threads",
@@ -290,13 +293,15 @@ def losses(worker: Worker) -> dict[int, float]:
 def measure(args, tmp: Path) -> dict:
     trees = {"current": REPO}
     argvs = {"current": args.trainer_args}
+    envs = {"current": env_pairs(args.env)}
     stack = contextlib.ExitStack()
     with stack:
-        if args.baseline or args.baseline_args is not None:
+        if args.baseline or args.baseline_args is not None or args.baseline_env is not None:
             name = f"baseline@{args.baseline or 'tree'}"
             trees[name] = stack.enter_context(git_worktree(args.baseline, tmp)) if args.baseline else REPO
             argvs[name] = args.trainer_args if args.baseline_args is None else shlex.split(args.baseline_args)
-        workers = [Worker(n.split("@")[0], t, tmp, argvs[n], args.threads) for n, t in trees.items()]
+            envs[name] = env_pairs(args.env if args.baseline_env is None else args.baseline_env)
+        workers = [Worker(n.split("@")[0], t, tmp, argvs[n], args.threads, envs[n]) for n, t in trees.items()]
         for w, n in zip(workers, trees):
             w.label = n
         stack.callback(lambda: [w.close() for w in workers])
@@ -341,12 +346,24 @@ def print_result(out: dict) -> None:
               f"same steps: {out['max_rel_loss_diff']:.1e}")
 
 
+def env_pairs(items: list[str]) -> dict[str, str]:
+    """``VAR=VALUE`` items (an empty item is none) as a dict."""
+    return dict(item.split("=", 1) for item in items if item)
+
+
 def parse(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--baseline", default="", metavar="GIT_REF", help="also measure this git ref (before / after)")
     p.add_argument("--baseline-args", default=None, metavar="FLAGS",
                    help="the baseline runs these trainer flags instead (one string, e.g. '--train.dtype float32'), "
                         "on --baseline's tree or this one: two configurations in the same run")
+    p.add_argument("--env", action="append", default=[], metavar="VAR=VALUE",
+                   help="environment for this tree's worker (repeatable), set before it starts: a runtime setting "
+                        "such as GLIBC_TUNABLES=... or LD_PRELOAD=libjemalloc.so.2. The workers take turns, so a "
+                        "setting that burns CPU while idle (OMP_WAIT_POLICY=ACTIVE spins) slows the other worker")
+    p.add_argument("--baseline-env", action="append", default=None, metavar="VAR=VALUE",
+                   help="the baseline's environment instead of --env (repeatable; '' for none): with no --baseline "
+                        "or --baseline-args, the same tree and flags under two environments in the same run")
     p.add_argument("--rounds", type=int, default=5, help="timed chunks per tree, taken in turns")
     p.add_argument("--steps", type=int, default=4, help="timed steps per chunk (plus one untimed closing step)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before the first round")
@@ -369,6 +386,9 @@ def parse(argv):
                 parse_args([*BENCH_FLAGS, *flags])
         except UserError as exc:
             p.error(f"trainer flags {' '.join(flags)}: {exc}")
+    for item in args.env + (args.baseline_env or []):
+        if item and ("=" not in item or not item.split("=", 1)[0].isidentifier()):
+            p.error(f"--env / --baseline-env {item!r}: expected VAR=VALUE, e.g. OMP_WAIT_POLICY=ACTIVE")
     if args.json and Path(args.json).is_dir():
         p.error(f"--json {args.json} is a folder; pass a file path such as {Path(args.json) / 'cpu_train.json'}")
     return args
@@ -386,7 +406,8 @@ def main(argv=None) -> int:
     from moekit.bench.benchlib import environment, write_json
 
     out = {"benchmark": "cpu_train", "trainer_args": args.trainer_args, "threads_flag": args.threads,
-           "baseline": args.baseline or None, "baseline_args": args.baseline_args, "rounds": args.rounds, "steps_per_round": args.steps, **out,
+           "baseline": args.baseline or None, "baseline_args": args.baseline_args, "env": env_pairs(args.env),
+           "baseline_env": None if args.baseline_env is None else env_pairs(args.baseline_env), "rounds": args.rounds, "steps_per_round": args.steps, **out,
            "environment": environment(torch.device("cpu"))}
     print_result(out)
     if args.json:
