@@ -146,5 +146,6 @@ def test_cpu_layer_benchmark_smoke(tmp_path):
     ceilings = [r for r in rows if r["impl"].startswith("=> ceiling")]
     has_hf = any(r["impl"].startswith("transformers[") for r in rows)
     assert len(ceilings) == 2 and all((r["ratio"] is not None) == has_hf for r in ceilings)
+    assert all(r["faults_per_call"] >= 0 for r in rows if "min_ms" in r)
     floor = [r for r in rows if r["impl"] == "GEMMs alone (floor)"]
     assert len(floor) == 2 and all(r["min_ms"] > 0 and r["gflops"] > 0 for r in floor)

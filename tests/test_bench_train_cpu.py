@@ -25,6 +25,7 @@ def test_cpu_train_smoke(tmp_path, capsys):
         # the profiler labels reached the trainer's model: the work is found where it ran, not in other_model
         assert all(phases[p] > 0 for p in ("router", "experts", "attention", "norm", "head_loss", "optimizer"))
         assert tree["fwd_bwd_split"]["other_model"] < 0.5
+        assert tree["minor_faults_per_step"] >= 0
     assert "tokens/s" in capsys.readouterr().out
 
 

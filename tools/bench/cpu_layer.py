@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import resource
 import subprocess
 import sys
 import types
@@ -141,6 +142,17 @@ def make_step(module, x, grad, backward: bool):
     return fwd_bwd if backward else fwd
 
 
+def counting_faults(step, tally: list[int]):
+    """``step`` that adds its minor page faults and one call to ``tally`` (both warm-up and timed calls)."""
+    def counted():
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        step()
+        tally[0] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+        tally[1] += 1
+
+    return counted
+
+
 def profile_ops(step, top: int = 12) -> list[dict]:
     """torch.profiler: the operators of one ``step`` by self CPU time (after one warm-up)."""
     from torch.profiler import ProfilerActivity, profile
@@ -196,15 +208,19 @@ def bench_shape(args, name, dtype) -> tuple[list[dict], dict]:
     for mode, backward in (("fwd", False), ("fwd+bwd", True)):
         steps = {n: make_step(m, inputs, grad, backward) for n, m in modules.items()}
         steps[FLOOR], flop = gemm_floor_step(layer, x.detach().view(T, H), backward)
+        faults = {n: [0, 0] for n in steps}  # minor page faults, calls: a count, whatever the box's load
+        steps = {n: counting_faults(f, faults[n]) for n, f in steps.items()}
         t = time_interleaved(steps, torch.device("cpu"), warmup=args.warmup, repeats=args.repeats, rotate=True)
         st = f"{args.stat}_ms"
         hf = {n: t[n][st] for n in modules if n.startswith("transformers")}
         common = {"shape": name, "dtype": str(dtype).removeprefix("torch."), "mode": mode}
         for n in modules:
             rows.append({**common, "impl": n, "median_ms": t[n]["median_ms"], "min_ms": t[n]["min_ms"],
-                         "rel_err": errs[n], "ratio": t[n][st] / t[base][st]})
+                         "rel_err": errs[n], "ratio": t[n][st] / t[base][st],
+                         "faults_per_call": faults[n][0] / max(faults[n][1], 1)})
         rows.append({**common, "impl": FLOOR, "median_ms": t[FLOOR]["median_ms"], "min_ms": t[FLOOR]["min_ms"],
-                     "ratio": t[FLOOR][st] / t[base][st], "gflops": flop / t[FLOOR][st] / 1e6})
+                     "ratio": t[FLOOR][st] / t[base][st], "gflops": flop / t[FLOOR][st] / 1e6,
+                     "faults_per_call": faults[FLOOR][0] / max(faults[FLOOR][1], 1)})
         rows.append({**common, "impl": "=> transformers best / moekit", "ratio": min(hf.values()) / t[base][st]
                      if hf else None})
         rows.append({**common, "impl": "=> ceiling: transformers best / GEMMs alone",
@@ -274,7 +290,8 @@ def main(argv=None) -> int:
             print(f"done {name} {dt}" + (f": {err}" if err else ""), file=sys.stderr, flush=True)
     print_table(rows, [("shape", "shape", ""), ("dtype", "dtype", ""), ("mode", "mode", ""), ("impl", "impl", ""),
                        ("median_ms", "median ms", ".1f"), ("min_ms", "min ms", ".1f"),
-                       ("ratio", "time / moekit", ".2f"), ("gflops", "GFLOP/s", ".0f"), ("rel_err", "rel err", ".1e")])
+                       ("ratio", "time / moekit", ".2f"), ("gflops", "GFLOP/s", ".0f"), ("rel_err", "rel err", ".1e"),
+                       ("faults_per_call", "page faults", ".0f")])
     print("\nmoekit[auto] phases (each forward+backward alone, ms):")
     for c in cases:
         if "phases_ms" in c:
