@@ -153,7 +153,7 @@ def _loop_swiglu_forward(rows: Tensor, w_in: Tensor, w_out: Tensor, sizes: list[
     h, a = (rows.new_empty(owned, f_in), rows.new_empty(owned, F)) if keep else (None, None)
     if keep:  # views of every expert's h = [gate | up] and a, made once
         hs, gates, ups, acts = _blocks(h, sizes), _blocks(h[:, :F], sizes), _blocks(h[:, F:], sizes), _blocks(a, sizes)
-    m = max(sizes, default=0)
+    m = max(sizes) if sizes else 0  # (no default=: torch.compile warns on it)
 
     def scratch():  # inference: one worker's expert-sized buffers
         return None if keep else (rows.new_empty(m, f_in), rows.new_empty(m, F))
@@ -221,7 +221,7 @@ class _LoopSwiGLU(torch.autograd.Function):
         idle = [e for e, n in enumerate(sizes) if n == 0]
         d_wi = _zeroed(torch.empty_like(w_in), idle) if need_wi else None
         d_wo = _zeroed(torch.empty_like(w_out), idle) if need_wo else None
-        biggest = max(sizes, default=0)
+        biggest = max(sizes) if sizes else 0
         # every per-expert view made once, outside the loop (see _blocks): transposed operands as views too
         gs, gates, ups = _blocks(grad, sizes), _blocks(h[:, :F], sizes), _blocks(h[:, F:], sizes)
         a_t, x_t = _blocks(a.t(), sizes, 1), _blocks(rows.t(), sizes, 1)
