@@ -20,12 +20,12 @@ Threads other than the main one allocate from their own 64 MiB glibc heaps; an a
 that still gets its own mapping there (glibc falls back to mmap), so nothing fails.
 
 When. It is opt-in (``--train.host_memory retain``; the CPU benchmarks' ``--host-memory retain`` applies it
-to every peer in the process alike), because it is not a win everywhere. Measured on the 2-core box
+to every peer in the process alike), because it is not a measured win everywhere. Measured on the 2-core box
 (docs/benchmarks.md, issue 19): forward+backward of a fine-grained layer (E 64, F 128, top-8, T 4096, fp32),
 whose routed rows, hidden states and gradients are each exactly 32 MiB, 194 -> 149 ms; the same for a
-Mixtral-shaped layer (E 8, F 512, top-2), whose largest tensors are 32 MiB too, 121 -> 140 ms, the bare
-GEMMs on preallocated operands included (105 -> 114 ms: where the heap places the operands costs the
-GEMMs more than the page faults it saves, a cause not pinned down); the README main job (small tensors)
+Mixtral-shaped layer (E 8, F 512, top-2), whose largest tensors are 32 MiB too, is not settled: 121 -> 140 ms
+in one pair of runs, 138-148 -> 122 ms in another (heap tensors are only 64-byte aligned, and MKL's fp32
+GEMMs ran up to ~10% slower on operands that are not page-aligned); the README main job (small tensors)
 0.99x. Try it for CPU runs whose per-step tensors reach 32 MiB, and measure (tools/bench/cpu_train.py
 --baseline-args "--train.host_memory system" -- --train.host_memory retain ...). A GPU run's host work per
 step is small, and a checkpoint staged in host memory would stay resident: keep ``system`` there.
