@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from moekit.models.config import PRESETS, ModelConfig, preset
-from moekit.train import UserError
+from moekit.train import UserError, host_memory
 
 if TYPE_CHECKING:
     import torch
@@ -38,7 +38,6 @@ DEFAULT_PRESET = "mixtral-tiny"
 DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 PROGRESS = ("auto", "on", "off")
-HOST_MEMORY = ("system", "retain")  # moekit.train.host_memory
 ON_NONFINITE = ("stop", "skip")  # moekit.train.guard acts on these
 MAX_LR = 1.0  # AdamW's step is ~lr per weight: beyond this a run can only diverge (and 10 * lr can overflow fp32)
 
@@ -350,9 +349,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _require(t.activation_checkpointing in ("none", "full", "ffn", "selective"),
              f"--train.activation_checkpointing={t.activation_checkpointing!r} is invalid; choose none, full, ffn or "
              f"selective")
-    _require(t.host_memory in HOST_MEMORY,
-             f"--train.host_memory={t.host_memory!r} is invalid; choose one of {list(HOST_MEMORY)} (system: the C "
-             f"library's defaults; retain: keep freed CPU memory for reuse, see docs/training.md)")
+    _require(t.host_memory in host_memory.MODES,
+             f"--train.host_memory={t.host_memory!r} is invalid; choose one of {list(host_memory.MODES)} (system: "
+             f"the C library's defaults; retain: keep freed CPU memory for reuse, see docs/training.md)")
     _require(t.on_nonfinite in ON_NONFINITE,
              f"--train.on_nonfinite={t.on_nonfinite!r} is invalid; choose one of {list(ON_NONFINITE)}")
     _require(not t.init_from_hf or os.path.isdir(t.init_from_hf),

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import resource
 import subprocess
 import sys
 import types
@@ -46,7 +45,7 @@ os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "16384")
 
 import torch  # noqa: E402
 
-from moekit.bench.benchlib import environment, guarded, print_table, time_interleaved, write_json
+from moekit.bench.benchlib import environment, guarded, minor_faults, print_table, time_interleaved, write_json
 from moekit.bench.layer_probes import PHASES, gemm_floor_step, phase_steps
 from moekit.bench.moe_layer import copy_into_hf
 from moekit.moe import MoELayer, build_router
@@ -145,9 +144,9 @@ def make_step(module, x, grad, backward: bool):
 def counting_faults(step, tally: list[int]):
     """``step`` that adds its minor page faults and one call to ``tally`` (both warm-up and timed calls)."""
     def counted():
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        before = minor_faults()
         step()
-        tally[0] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+        tally[0] += minor_faults() - before
         tally[1] += 1
 
     return counted
@@ -268,7 +267,7 @@ def main(argv=None) -> int:
     p.add_argument("--baseline", default="", metavar="GIT_REF",
                    help="also time moekit's dispatch + loop backend as of this git ref (before/after in one run)")
     p.add_argument("--profile", action="store_true", help="also record torch.profiler top ops per case")
-    p.add_argument("--host-memory", default="system", choices=["system", "retain"],
+    p.add_argument("--host-memory", default="system", choices=host_memory.MODES,
                    help="system (default, as moekit-train): glibc's defaults, under which a tensor of 32 MiB or more "
                         "is a fresh mmap, page-faulted in, on every call; retain: this process keeps freed heap "
                         "memory, for every peer alike (moekit.train.host_memory, --train.host_memory retain)")

@@ -34,7 +34,6 @@ import argparse
 import contextlib
 import json
 import os
-import resource
 import shlex
 import shutil
 import subprocess
@@ -64,9 +63,11 @@ class Probe:
     """Timers and profiler labels around one Trainer's methods; ``serve`` replaces its ``loop``."""
 
     def __init__(self, trainer, loop):
+        from moekit.bench.benchlib import minor_faults
         from moekit.bench.profile_step import LABEL, Labels, install_labels
 
         self.t, self.loop, self.label = trainer, loop, LABEL
+        self.faults = minor_faults
         self.labels = Labels()
         install_labels(trainer.model, self.labels, ("permute", "combine"))
         self.records: list[dict] = []
@@ -114,7 +115,7 @@ class Probe:
 
     def _begin(self, fn):
         def begin_step(step):
-            now, faults = time.perf_counter(), minor_faults()
+            now, faults = time.perf_counter(), self.faults()
             if self.current is not None:  # the previous step ends where this one begins
                 self.current["step"] = now - self.current.pop("t0")
                 self.current["minor_faults"] = faults - self.current.pop("faults0")
@@ -123,7 +124,7 @@ class Probe:
                 self.prof.stop()  # before the chunk's closing step (it evaluates)
             if self.profile_steps is not None and step == self.profile_steps[0]:
                 self.prof.start()
-            self.current = {"t0": time.perf_counter(), "faults0": minor_faults(), "step_no": step, "fwd_bwd": 0.0,
+            self.current = {"t0": time.perf_counter(), "faults0": self.faults(), "step_no": step, "fwd_bwd": 0.0,
                             "optimizer": 0.0}
             return fn(step)
         return begin_step
@@ -159,13 +160,6 @@ class Probe:
                 break
             send(proto, self.chunk(cmd["steps"], cmd.get("profile", False)))
         return 0
-
-
-def minor_faults() -> int:
-    """This process's minor page faults so far: memory the kernel mapped in on first touch. A step that
-    allocates tensors of 32 MiB or more under glibc's defaults pays ~8k of them per 32 MiB (moekit.train.host_memory);
-    unlike a time, the count does not depend on what else the machine is doing."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def split_forward_backward(events, label: str) -> dict[str, float]:
@@ -402,7 +396,7 @@ def parse(argv):
             p.error(f"trainer flags {' '.join(flags)}: {exc}")
     for item in args.env + (args.baseline_env or []):
         if item and ("=" not in item or not item.split("=", 1)[0].isidentifier()):
-            p.error(f"--env / --baseline-env {item!r}: expected VAR=VALUE, e.g. OMP_WAIT_POLICY=ACTIVE")
+            p.error(f"--env / --baseline-env {item!r}: expected VAR=VALUE, e.g. GLIBC_TUNABLES=glibc.malloc.mmap_max=0")
     if args.json and Path(args.json).is_dir():
         p.error(f"--json {args.json} is a folder; pass a file path such as {Path(args.json) / 'cpu_train.json'}")
     return args
@@ -421,7 +415,8 @@ def main(argv=None) -> int:
 
     out = {"benchmark": "cpu_train", "trainer_args": args.trainer_args, "threads_flag": args.threads,
            "baseline": args.baseline or None, "baseline_args": args.baseline_args, "env": env_pairs(args.env),
-           "baseline_env": None if args.baseline_env is None else env_pairs(args.baseline_env), "rounds": args.rounds, "steps_per_round": args.steps, **out,
+           "baseline_env": None if args.baseline_env is None else env_pairs(args.baseline_env),
+           "rounds": args.rounds, "steps_per_round": args.steps, **out,
            "environment": environment(torch.device("cpu"))}
     print_result(out)
     if args.json:
