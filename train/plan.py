@@ -190,5 +190,12 @@ def make_optimizer(model: Transformer, cfg: TrainConfig) -> torch.optim.AdamW:
     # job) rounds exactly as the per-parameter loop does, so every layout computes the same numbers. The loop
     # stays where a parameter is a DTensor (TP, EP, FSDP): foreach ops refuse a list mixing DTensors and
     # plain tensors. torch's fused CPU kernel is faster still but rounds differently (~1e-7 per step).
+    # On a GPU, torch's fused kernel is one pass over each parameter's weight, gradient and two moments:
+    # ~29 GB per step for mixtral-1b, ~7 ms on an H200, where foreach took 21.6 ms in 392 kernels
+    # (docs/benchmarks.md, first GPU round). It rounds like the CPU fused kernel (~1e-7 off foreach per
+    # step); a sharded model keeps the per-parameter loop (the list mixes DTensors and plain tensors).
     sharded = any(hasattr(p, "to_local") for p in model.parameters())
+    on_gpu = all(p.device.type == "cuda" for p in model.parameters())
+    if on_gpu and not sharded:
+        return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, fused=True)
     return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, foreach=not sharded)

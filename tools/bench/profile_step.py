@@ -36,6 +36,8 @@ from moekit.models.config import PRESETS, preset
 from moekit.models.transformer import Attention, build_model
 from moekit.moe import DenseMLP, MoELayer, Router
 from moekit.moe.experts import GroupedExperts
+from moekit.train.config import TrainConfig
+from moekit.train.plan import make_optimizer
 
 LABEL = "moekit/"
 MODULE_CATEGORIES = (  # first match wins, innermost labelled region wins at attribution
@@ -188,7 +190,8 @@ def parse(argv):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--expert-backend", default=None, help="override the preset's expert backend")
     p.add_argument("--optimizer", default="trainer", choices=["trainer", "foreach", "fused"],
-                   help="AdamW implementation: the trainer's (foreach on unsharded parameters), foreach, or fused")
+                   help="AdamW implementation: the trainer's (train.plan.make_optimizer: fused on a GPU, foreach on "
+                        "CPU), foreach, or fused")
     p.add_argument("--out-dir", default="bench-results/profile")
     args = p.parse_args(argv)
     if min(args.batch_size, args.seq_len, args.steps) <= 0 or args.warmup < 0:
@@ -240,9 +243,13 @@ def main(argv=None) -> int:
         cfg.expert_backend = args.expert_backend
     seq = min(args.seq_len, cfg.max_seq_len)
     model = build_model(cfg, device)
-    # "trainer": AdamW as train.plan.make_optimizer builds it for one process (foreach), what training pays
-    impl = {"trainer": dict(foreach=True), "foreach": dict(foreach=True), "fused": dict(fused=True)}[args.optimizer]
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **impl)
+    if args.optimizer == "trainer":  # AdamW exactly as the trainer builds it (fused on a GPU, foreach on CPU)
+        train_cfg = TrainConfig(preset=name, model=cfg)
+        train_cfg.train.lr = 1e-4
+        opt = make_optimizer(model, train_cfg)
+    else:
+        impl = {"foreach": dict(foreach=True), "fused": dict(fused=True)}[args.optimizer]
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **impl)
     labels = Labels()
     install_labels(model, labels)
     autocast_dtype = torch.bfloat16 if device.type == "cuda" else None
