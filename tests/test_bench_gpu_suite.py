@@ -99,3 +99,31 @@ def test_gpu_tier_runs_on_cpu_against_its_references(tmp_path):
                           timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout and " failed" not in proc.stdout
+
+
+def test_gpu_suite_tune_step_sweeps_every_kernel_call(tmp_path):
+    """The non-default 'tune' step (tools/bench/tune_kernels.py): every expert-MLP kernel call is timed as
+    autotuned today and with pinned candidates; the JSON names the winners per kernel."""
+    proc = run_suite(tmp_path, "--smoke", "tune", timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "  tune: ok" in (tmp_path / "out" / "summary.txt").read_text()
+    tune = json.loads((tmp_path / "raw" / "tune_kernels.json").read_text())
+    assert tune["partial"] is False
+    calls = {r["call"] for r in tune["results"]}
+    assert calls == {"up_act", "down", "down_dact", "dx", "wgrad_in", "wgrad_out"}
+    for r in tune["results"]:
+        assert r["current_ms"] > 0 and len(r["candidates"]) == 2 and all("ms" in c for c in r["candidates"]), r
+        assert r["best_ms"] == min(c["ms"] for c in r["candidates"])
+    assert set(tune["winners"]) == {"_expert_up_act_kernel", "_grouped_mm_kernel", "_expert_down_dact_kernel",
+                                    "_grouped_mm_wgrad_kernel"}
+
+
+def test_tune_kernels_refuses_bad_flags_and_a_box_without_gpu():
+    script = REPO / "tools" / "bench" / "tune_kernels.py"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    bad = subprocess.run([sys.executable, str(script), "--shapes", "gpt5"], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and "--shapes gpt5: unknown" in bad.stderr
+    if not __import__("torch").cuda.is_available():
+        nogpu = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+        assert nogpu.returncode == 2 and "needs a CUDA GPU" in nogpu.stderr

@@ -22,6 +22,7 @@ references with host loops: they agree for any values.
 from __future__ import annotations
 
 import collections
+import contextlib
 from typing import Callable, Sequence
 
 import torch
@@ -311,11 +312,30 @@ def prune_by_smem(budget_bytes: int, b_tiles: int = 1, a_name: str = "BLOCK_M", 
     return prune
 
 
+AUTOTUNE_ENV = "MOEKIT_AUTOTUNE"
+AUTOTUNE_MODES = ("full", "first")
+
+
+def autotune_mode() -> str:
+    """``MOEKIT_AUTOTUNE``: "full" (default) times every candidate config per key and keeps the fastest;
+    "first" compiles only the first candidate that fits shared memory, for runs where compile time
+    matters more than speed (the GPU test tier: each candidate is a separate compile)."""
+    import os
+
+    mode = os.environ.get(AUTOTUNE_ENV, "full").strip().lower() or "full"
+    if mode not in AUTOTUNE_MODES:
+        raise ValueError(f"{AUTOTUNE_ENV}={mode!r} is invalid; use one of {list(AUTOTUNE_MODES)} "
+                         f"(full: autotune every candidate config; first: one config, fastest to compile)")
+    return mode
+
+
 class Kernel:
     """A ``@triton.jit`` kernel plus its autotune configs, rebuilt for the launch-time Triton mode.
 
-    GPU: ``triton.autotune`` over ``configs`` keyed on ``key``. Interpreter: the single small
-    ``interpret_config`` (autotuning there would only multiply the run time of the tests).
+    GPU: ``triton.autotune`` over ``configs`` keyed on ``key`` (only the first that fits under
+    ``MOEKIT_AUTOTUNE=first``). Interpreter: the single small ``interpret_config`` (autotuning there
+    would only multiply the run time of the tests). ``with kernel.pinned(config):`` launches exactly
+    that config (the tuning sweep, tools/bench/tune_kernels.py, and the every-config GPU test).
     """
 
     def __init__(self, jitted, configs: Sequence[triton.Config], interpret_config: triton.Config,
@@ -327,7 +347,8 @@ class Kernel:
         self.interpret_config = interpret_config
         self.key = list(key)
         self.prune = prune
-        self._built: dict[bool, object] = {}
+        self._pinned: triton.Config | None = None
+        self._built: dict = {}  # launch-time mode (and autotune mode) -> the autotuned callable
 
     def _build(self, interpret: bool):
         from triton.runtime.interpreter import InterpretedFunction
@@ -340,17 +361,35 @@ class Kernel:
         jitted = self.jitted
         if interpret:
             return triton.autotune(configs=[self.interpret_config], key=self.key)(jitted)
-        prune = {"early_config_prune": self.prune} if self.prune else None
-        return triton.autotune(configs=self.configs, key=self.key, prune_configs_by=prune)(jitted)
+        if self._pinned is not None:  # exactly this config, no prune: a sweep wants to see it fail
+            return triton.autotune(configs=[self._pinned], key=self.key)(jitted)
+        prune = self.prune
+        if autotune_mode() == "first":
+            fits = self.prune or (lambda configs, named_args, **kw: configs)
+            prune = lambda configs, named_args, **kw: fits(configs, named_args, **kw)[:1]  # noqa: E731
+        return triton.autotune(configs=self.configs, key=self.key,
+                               prune_configs_by={"early_config_prune": prune} if prune else None)(jitted)
+
+    @contextlib.contextmanager
+    def pinned(self, config: triton.Config):
+        """Launch only ``config`` inside the block (compiled mode; the interpreter keeps its own config)."""
+        saved, self._pinned = self._pinned, config
+        self._built.pop(False, None)
+        try:
+            yield self
+        finally:
+            self._pinned = saved
+            self._built.pop(False, None)
 
     def __getitem__(self, grid):
         if CAPTURE is not None:
             return lambda *args, **kwargs: CAPTURE.append((self, args, kwargs))
         mode = interpret_mode()
-        if mode not in self._built:
-            self._built[mode] = self._build(mode)
+        key = (mode, autotune_mode()) if not mode and self._pinned is None else mode
+        if key not in self._built:
+            self._built[key] = self._build(mode)
         LAUNCHES[self.name] += 1
-        return self._built[mode][grid]
+        return self._built[key][grid]
 
 
 def cfg(bm: int, bn: int, bk: int, warps: int, stages: int, group: int = 8, **extra) -> triton.Config:
