@@ -127,8 +127,9 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool = False) -> Tenso
     # only (on CPU a table broadcast inside the rows runs several times slower)
     rows = x.shape[x.dim() - c.dim():]
     c, s = c.expand(rows).contiguous(), s.expand(rows).contiguous()
-    x1, x2 = x.float().chunk(2, dim=-1)  # [..., D/2] each
-    out = x.float() * c
+    xf = x.float()  # one upcast (a no-op for fp32 x), read twice
+    x1, x2 = xf.chunk(2, dim=-1)  # [..., D/2] each
+    out = xf * c
     return out.add_(torch.cat((x2, x1), dim=-1) * s).to(x.dtype)  # a + b * (-sin) == a - b * sin, bitwise
 
 
