@@ -13,6 +13,9 @@ so one dispatcher serves every layer and activation checkpointing can replay eit
 
 Determinism: forward and backward are gathers plus a fixed-order sum over the k slots of a token;
 no scatter-add whose result depends on thread order (the CPU path's ``index_add_`` adds in index order).
+On CUDA the combine, its backward and the permute's backward run as Triton kernels
+(``moe.kernels.combine``: fp32 sums in slot order, each row's gradient written once, no atomics), so
+they are bitwise reproducible too; ``TRITON_COMBINE`` selects where those kernels run.
 """
 from __future__ import annotations
 
@@ -99,11 +102,46 @@ def sort_slots(indices: Tensor, num_rows: int) -> tuple[Tensor, Tensor]:
     return order[:num_rows], slot_row
 
 
+# Where the combine kernels (moe.kernels.combine) replace the torch gathers of _Permute.backward and
+# _Unpermute: "auto" on CUDA tensors the kernels support (float32/bfloat16/float16; not while torch.compile
+# traces, where inductor fuses the torch ops itself); "always" on CPU tensors too, in the Triton
+# interpreter (TRITON_INTERPRET=1; tests use it to run this module's Triton path), and a tensor the
+# kernels cannot take raises instead of falling back; "never": the torch paths everywhere. A backward
+# that builds a graph (create_graph=True, for a double backward) always takes the torch path.
+TRITON_COMBINE = "auto"
+_TRITON_COMBINE_MODES = ("auto", "always", "never")
+_COMBINE_OK: dict = {}  # (device, rows dtype, weights dtype) -> why_not_combine's answer, CUDA only
+
+
+def _triton_combine(rows: Tensor, weights: Tensor | None = None) -> bool:
+    """Whether the combine kernels run on these tensors (TRITON_COMBINE above)."""
+    mode = TRITON_COMBINE
+    if mode not in _TRITON_COMBINE_MODES:
+        raise ValueError(f"moe.dispatch.TRITON_COMBINE={mode!r}; use one of {', '.join(_TRITON_COMBINE_MODES)}")
+    if mode == "never" or (mode == "auto" and (rows.device.type != "cuda" or torch.compiler.is_compiling())):
+        return False
+    key = (rows.device, rows.dtype, None if weights is None else (weights.device, weights.dtype))
+    reason = _COMBINE_OK.get(key)  # cached: this runs on every step, and the answer is fixed per key on CUDA
+    if reason is None:
+        try:
+            from moekit.moe.kernels.combine import why_not_combine
+        except ImportError as exc:  # no triton on this platform
+            reason = f"the kernels cannot be imported ({exc}); install triton"
+        else:
+            reason = why_not_combine(rows, weights)
+        if rows.device.type == "cuda":  # on CPU the answer follows TRITON_INTERPRET, which may change
+            _COMBINE_OK[key] = reason
+    if reason and mode == "always":
+        raise ValueError(f"moe.dispatch.TRITON_COMBINE='always': {reason} (or set it to 'auto')")
+    return not reason
+
+
 class _Permute(torch.autograd.Function):
     """rows = x[row_token]; backward gathers each token's k slot gradients and sums them.
 
     On CPU without a pad row the backward is ``index_add_`` of the row gradients onto their tokens
-    instead: no [T, k, H] temporary (CPU index_add_ runs its index in order: deterministic).
+    instead: no [T, k, H] temporary (CPU index_add_ runs its index in order: deterministic). On CUDA it
+    is the combine kernel without weights (moe.kernels.combine_rows): one pass, pad index skipped.
     """
 
     @staticmethod
@@ -115,7 +153,11 @@ class _Permute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_rows: Tensor):
         slot_row, row_token = ctx.saved_tensors
-        if _cpu_fast_path(grad_rows, ctx.padded):
+        if not torch.is_grad_enabled() and _triton_combine(grad_rows):  # create_graph needs the torch ops
+            from moekit.moe.kernels.combine import combine_rows
+
+            grad_x = combine_rows(grad_rows, slot_row, None, ctx.num_tokens, ctx.top_k)
+        elif _cpu_fast_path(grad_rows, ctx.padded):
             grad_x = grad_rows.new_zeros(ctx.num_tokens, grad_rows.shape[-1]).index_add_(0, row_token, grad_rows)
         else:
             grad_x = _gather_slots(grad_rows, slot_row, ctx.num_tokens, ctx.top_k, ctx.padded).sum(1)
@@ -128,6 +170,11 @@ class _Unpermute(torch.autograd.Function):
     On CPU without a pad row: k gathers of [T, H] accumulated with ``addcmul_`` (fp32 or wider
     accumulator), and a backward that gathers the output gradient once per row; no [T, k, H] temporary,
     whose fresh allocation (page faults) costs more than the arithmetic on CPU.
+
+    On CUDA (``TRITON_COMBINE``): moe.kernels.combine's kernels, padded or not (they skip the pad index
+    N themselves): the forward reads each slot's row once and writes [T, H]; the backward reads the
+    output gradient and the rows once and writes the row gradients and the weight gradients in the same
+    pass. The weights stay in their own dtype there (fp32 products, one rounding to rows.dtype).
     """
 
     @staticmethod
@@ -135,6 +182,10 @@ class _Unpermute(torch.autograd.Function):
         T, k = weights.shape
         ctx.save_for_backward(rows, weights, slot_row, row_slot)
         ctx.padded = padded
+        if _triton_combine(rows, weights):
+            from moekit.moe.kernels.combine import combine_rows
+
+            return combine_rows(rows, slot_row, weights, T, k)  # [T, H]
         if _cpu_fast_path(rows, padded):
             acc = torch.promote_types(rows.dtype, torch.float32)
             w = weights.to(acc)
@@ -155,6 +206,14 @@ class _Unpermute(torch.autograd.Function):
         T, k = weights.shape
         grad_out = grad_out.to(rows.dtype)
         grad_rows = grad_weights = None
+        if not torch.is_grad_enabled() and _triton_combine(rows, weights):  # create_graph needs the torch ops
+            from moekit.moe.kernels.combine import combine_rows_backward
+
+            # sort_slots gives each of the N = len(row_slot) rows one slot; zero-fill anything else
+            grad_rows, grad_weights = combine_rows_backward(
+                grad_out, rows, weights, slot_row, need_grad_rows=ctx.needs_input_grad[0],
+                need_grad_weights=ctx.needs_input_grad[1], zero_fill_rows=rows.shape[0] != row_slot.shape[0])
+            return grad_rows, grad_weights, None, None, None
         if _cpu_fast_path(rows, ctx.padded):
             g = grad_out.index_select(0, row_slot // k)  # [N, H] each row's token gradient
             if ctx.needs_input_grad[1]:  # d w[slot] = <rows[row of slot], grad_out[token]>
@@ -177,7 +236,8 @@ class _Unpermute(torch.autograd.Function):
 
 def _cpu_fast_path(rows: Tensor, padded: bool) -> bool:
     """CPU, and a row for every slot (no pad row): the combine / permute-backward variants without a
-    [T, k, H] temporary. GPUs keep the single gather (+ bmm): one kernel each, no atomics."""
+    [T, k, H] temporary. Where neither these nor the combine kernels (TRITON_COMBINE) run: the single
+    gather (+ bmm), one kernel each, no atomics."""
     return rows.device.type == "cpu" and not padded
 
 

@@ -149,6 +149,85 @@ def test_scatter_add_rows_is_deterministic_and_exact_in_fp32(dtype):
     assert rel_err(a, ref) <= bound
 
 
+def combine_layout(gen, T, k, E):
+    """(row_slot, slot_row, weights) of a top-k routing with 1 slot in 8 dropped (-1) and a capacity of 90%
+    of the kept slots, so the layout has dropped slots (the pad index N) and kept slots past the capacity."""
+    from moekit.moe.dispatch import sort_slots
+
+    idx = torch.rand(T, E, generator=gen).topk(k, dim=-1).indices
+    idx = torch.where(torch.rand(T, k, generator=gen) < 0.125, -1, idx)
+    row_slot, slot_row = sort_slots(idx, int((idx >= 0).sum()) * 9 // 10)
+    return row_slot, slot_row, torch.where(idx >= 0, torch.rand(T, k, generator=gen), 0.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d).split(".")[-1])
+def test_combine_kernels_match_float64(dtype):
+    """moe.kernels.combine at a realistic size (T 4096, H 2048, k 8): the forward (weighted and plain, the
+    permute's backward) and both gradients against float64 on the same rounded inputs, bitwise repeatable."""
+    from moekit.moe.kernels import combine_rows, combine_rows_backward, combine_rows_backward_ref, combine_rows_ref
+
+    gen = torch.Generator().manual_seed(17)
+    T, H, k, E = (40, 48, 3, 6) if SMALL else (4096, 2048, 8, 64)
+    row_slot, slot_row, w = combine_layout(gen, T, k, E)
+    N = row_slot.shape[0]
+    assert N < T * k and bool((slot_row == N).any())
+    rows = torch.randn(N, H, generator=gen).to(dtype)
+    g = torch.randn(T, H, generator=gen).to(dtype)
+    rows_d, g_d, w_d, slots_d = rows.to(DEVICE), g.to(DEVICE), w.to(DEVICE), slot_row.to(DEVICE)
+
+    def run():
+        out = combine_rows(rows_d, slots_d, w_d, T, k)
+        plain = combine_rows(rows_d, slots_d, None, T, k)
+        return (out, plain, *combine_rows_backward(g_d, rows_d, w_d, slots_d))
+
+    got = run()
+    for name, a, b in zip(("out", "plain", "grad_rows", "grad_w"), got, run()):
+        assert torch.equal(a, b), f"{name}: two runs differ, the kernel is not deterministic"
+    r64, g64, w64 = rows_d.double(), g_d.double(), w_d.double()
+    ref = (combine_rows_ref(r64, slots_d, w64, T, k), combine_rows_ref(r64, slots_d, None, T, k),
+           *combine_rows_backward_ref(g64, r64, w64, slots_d))
+    # one rounding of an fp32 sum to the output dtype; grad_w is fp32 (the router's weights) in both cases
+    bounds = {"out": FLOOR[dtype], "plain": FLOOR[dtype], "grad_rows": FLOOR[dtype], "grad_w": 1e-5}
+    for name, a, r in zip(bounds, got, ref):
+        assert a.device.type == DEVICE.type and a.shape == r.shape, name
+        assert rel_err(a, r) <= bounds[name], f"{name}: rel err {rel_err(a, r):.3g} > {bounds[name]:.3g}"
+
+
+def test_dispatch_runs_the_combine_kernels_on_the_device(monkeypatch):
+    """moe.dispatch takes the kernels by itself on CUDA (on the CPU stand-in: forced), fp32 and bf16, and
+    agrees with its torch path (TRITON_COMBINE="never") through permute, combine and both backwards."""
+    from moekit.moe import build_router, dispatch
+    from moekit.moe.kernels import LAUNCHES
+    from moekit.moe.router import Routing
+
+    gen = torch.Generator().manual_seed(23)
+    T, H, k, E = (40, 48, 3, 6) if SMALL else (4096, 1024, 8, 64)
+    routing = build_router("topk", H, E, top_k=k, capacity_factor=0.9).route(torch.randn(T, E, generator=gen))
+    assert bool((routing.indices < 0).any())  # the capacity dropped slots: a padded meta
+    x0, cot = torch.randn(T, H, generator=gen), torch.randn(T, H, generator=gen)
+
+    def run(dtype, mode):
+        monkeypatch.setattr(dispatch, "TRITON_COMBINE", mode)
+        x = x0.to(DEVICE, dtype).requires_grad_()
+        w = routing.weights.to(DEVICE).requires_grad_()
+        r = Routing(routing.indices.to(DEVICE), w, routing.tokens_per_expert.to(DEVICE), routing.aux_loss.to(DEVICE),
+                    capacity=routing.capacity)
+        disp = dispatch.LocalDispatcher(E)
+        d = disp.dispatch(x, r)
+        out = disp.combine(d.rows * 2.0, d.meta)
+        return (out, *torch.autograd.grad(out, (x, w), cot.to(DEVICE, dtype)))
+
+    for dtype in (torch.float32, torch.bfloat16):
+        before = (LAUNCHES["_combine_fwd_kernel"], LAUNCHES["_combine_bwd_kernel"])
+        got = run(dtype, "auto" if ON == "cuda" else "always")
+        # combine forward + the permute's backward (the same kernel, no weights), combine backward
+        assert (LAUNCHES["_combine_fwd_kernel"], LAUNCHES["_combine_bwd_kernel"]) == (before[0] + 2, before[1] + 1)
+        ref = run(dtype, "never")
+        tol = 1e-5 if dtype == torch.float32 else 8e-3  # bf16: the torch path rounds the weights to bf16 too
+        for name, a, b in zip(("out", "grad_x", "grad_w"), got, ref):
+            assert a.dtype == b.dtype and rel_err(a, b) <= tol, f"{dtype} {name}: rel err {rel_err(a, b):.3g}"
+
+
 # ---------------------------------------------------------------------------------------------------
 # The MoE layer on the device
 # ---------------------------------------------------------------------------------------------------
@@ -342,3 +421,63 @@ def test_compiled_bf16_training_matches_eager():
     # inductor fuses bf16 elementwise work differently from eager: rounding, not a different model
     assert losses["compiled"][0] == pytest.approx(losses["eager"][0], rel=1e-2)
     assert losses["compiled"][-1] == pytest.approx(losses["eager"][-1], rel=3e-2)
+
+
+@pytest.mark.skipif(ON != "cuda", reason="pinning a config only matters compiled (the interpreter has one config)")
+def test_every_candidate_tile_config_matches_float64():
+    """Each kernel's every autotune candidate, pinned in turn (Kernel.pinned), in the fused SwiGLU MLP's
+    forward and backward: the tier otherwise runs with MOEKIT_AUTOTUNE=first, so this is where the other
+    configs' tails, masks and pipelining are checked. bf16, a ragged layout with empty experts."""
+    from moekit.moe.kernels import expert_mlp, expert_mlp_ref
+    from moekit.moe.kernels.expert_mlp import EXPERT_DOWN_DACT, EXPERT_UP_ACT
+    from moekit.moe.kernels.grouped_mm import GROUPED_MM
+    from moekit.moe.kernels.grouped_mm_wgrad import GROUPED_MM_WGRAD
+
+    counts, extra = [300, 0, 1, 517, 0, 129], 11
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
+    h, f, e, dtype = 320, 192, len(counts), torch.bfloat16  # tails in every tile dimension
+    rows = torch.randn(sum(counts) + extra, h, generator=gen, dtype=torch.float64).to(dtype).double()
+    w_in = (torch.randn(e, h, 2 * f, generator=gen, dtype=torch.float64) / h**0.5).to(dtype).double()
+    w_out = (torch.randn(e, f, h, generator=gen, dtype=torch.float64) / f**0.5).to(dtype).double()
+    c = torch.tensor(counts)
+    ref = fwd_bwd(lambda a, b, d: expert_mlp_ref(a, c, b, d, "swiglu"), (rows, w_in, w_out))
+    lo = [t.to(DEVICE, dtype) for t in (rows, w_in, w_out)]
+    same = fwd_bwd(lambda a, b, d: expert_mlp_ref(a, c.to(DEVICE), b, d, "swiglu"), lo)
+    checked = 0
+    for kernel in (EXPERT_UP_ACT, GROUPED_MM, EXPERT_DOWN_DACT, GROUPED_MM_WGRAD):
+        for config in kernel.configs:
+            with kernel.pinned(config):
+                got = fwd_bwd(lambda a, b, d: expert_mlp(a, c.to(DEVICE), b, d, "swiglu"), lo)
+            for name, g, r, t in zip(("y", "d_rows", "d_w_in", "d_w_out"), got, ref, same):
+                assert_calibrated(f"{kernel.name} {config}: {name}", g, r, t, dtype)
+            assert got[0][-extra:].abs().max().item() == 0
+            checked += 1
+    assert checked == sum(len(k.configs) for k in (EXPERT_UP_ACT, GROUPED_MM, EXPERT_DOWN_DACT, GROUPED_MM_WGRAD))
+
+
+@pytest.mark.skipif(ON != "cuda", reason="the trainer's optimizer is fused on CUDA only")
+def test_trainer_optimizer_is_fused_on_gpu_and_steps_like_foreach():
+    import copy
+
+    from moekit.models.transformer import build_model
+    from moekit.train.config import new_config
+    from moekit.train.plan import make_optimizer
+
+    cfg = new_config("mixtral-tiny")
+    model = build_model(cfg.model, torch.device("cuda"), seed=3)
+    twin = copy.deepcopy(model)
+    fused = make_optimizer(model, cfg)
+    assert fused.defaults["fused"] is True
+    foreach = torch.optim.AdamW(
+        [{**g, "params": [p2 for p1, p2 in zip(model.parameters(), twin.parameters()) if any(p1 is q for q in g["params"])]}
+         for g in fused.param_groups], lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2), eps=cfg.train.eps,
+        foreach=True)
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0)).cuda()
+    for m, opt in ((model, fused), (twin, foreach)):
+        for _ in range(3):
+            loss = F.cross_entropy(m(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+    for (name, a), b in zip(model.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)

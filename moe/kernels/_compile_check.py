@@ -21,6 +21,7 @@ from triton.backends.compiler import GPUTarget
 from moekit.moe.activations import ACTIVATIONS
 
 from . import _common
+from .combine import combine_rows, combine_rows_backward
 from .expert_mlp import expert_down_dact, expert_up_act
 from .grouped_mm import grouped_mm_fwd
 from .grouped_mm_wgrad import grouped_mm_wgrad
@@ -40,6 +41,12 @@ def capture_launches(dtype: torch.dtype) -> list:
         grouped_mm_fwd(torch.randn(m, 2 * f, dtype=dtype), w, offs, transpose_w=True)
         grouped_mm_wgrad(x, torch.randn(m, 2 * f, dtype=dtype), offs, gidx)
         scatter_add_rows(x, gidx, m)
+        t, k = 16, 2  # the combine: fp32 router weights on rows of this dtype, weighted and plain, backward
+        slot_row = torch.randint(-1, m + 2, (t * k,))
+        weights = torch.rand(t, k)
+        combine_rows(x, slot_row, weights, t, k)
+        combine_rows(x, slot_row, None, t, k)
+        combine_rows_backward(torch.randn(t, h, dtype=dtype), x, weights, slot_row)
         for act in ACTIVATIONS.values():  # every kernel_code the epilogues branch on
             f_in = act.in_features(f)
             expert_up_act(x, w[..., :f_in], offs, act.name, save_pre=True)
