@@ -99,7 +99,12 @@ def time_events(fns: dict[str, Callable[[], object]], device: torch.device, warm
                 repeats: int = 10) -> dict[str, dict]:
     """Like ``time_interleaved`` (round-robin), but on CUDA each call is timed with device events and
     the host synchronises once per round, not per call: sub-millisecond kernels (a gather, a copy)
-    are then measured without the ~10-20 us of a host sync and launch gap each. CPU: perf_counter."""
+    are then measured without the ~10-20 us of a host sync and launch gap each. CPU: perf_counter.
+
+    Fairness: right after the sync the GPU is idle, so whichever call comes first in a round would
+    have its host-side launch time counted while the others' hides behind queued work. Each round
+    therefore starts with a short device-side sleep (the queue runs ahead of the host) and rotates
+    the order, so no peer is always first."""
     if device.type != "cuda":
         return time_interleaved(fns, device, warmup, repeats)
     for fn in fns.values():
@@ -107,9 +112,14 @@ def time_events(fns: dict[str, Callable[[], object]], device: torch.device, warm
             fn()
     torch.cuda.synchronize(device)
     times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
+    names = list(fns)
+    sleep = getattr(torch.cuda, "_sleep", None)  # spins the GPU for a number of cycles (~0.1 ms here)
+    for r in range(repeats):
         marks = []
-        for name, fn in fns.items():
+        if sleep is not None:
+            sleep(200_000)
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            fn = fns[name]
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fn()
