@@ -106,7 +106,8 @@ def test_gpu_suite_tune_step_sweeps_every_kernel_call(tmp_path):
     autotuned today and with pinned candidates; the JSON names the winners per kernel."""
     proc = run_suite(tmp_path, "--smoke", "tune", timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "  tune: ok" in (tmp_path / "out" / "summary.txt").read_text()
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    assert "  tune: ok" in summary and "tile-config sweep" in summary and "winners _grouped_mm_wgrad_kernel" in summary
     tune = json.loads((tmp_path / "raw" / "tune_kernels.json").read_text())
     assert tune["partial"] is False
     calls = {r["call"] for r in tune["results"]}

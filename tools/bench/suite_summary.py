@@ -136,6 +136,15 @@ def main(argv=None) -> int:
         top = sorted(profile["categories"], key=lambda c: c["share"], reverse=True)[:5]
         print(f"profile ({profile['preset']}, {profile['step_ms']:.0f} ms/step, {profile['time_basis']}): "
               + ", ".join(f"{c['category']} {c['share']:.0%}" for c in top))
+    tune = load(folder, "tune_kernels.json")
+    if tune and tune.get("results"):
+        print("tile-config sweep (tune_kernels.py): today's autotuned time / the best candidate's, per call")
+        for r in tune["results"]:
+            if r.get("best_config"):
+                print(f"  {r['shape']:<16} {r['call']:<10} {r['speedup']:.2f}x  best {r['best_config']} "
+                      f"({r['best_tflops']:.0f} vs {r['current_tflops']:.0f} TFLOP/s)")
+        for kernel, configs in (tune.get("winners") or {}).items():
+            print(f"  winners {kernel}: {', '.join(configs)}")
     tests = test_tier(folder)
     if tests:
         print(f"GPU test tier (pytest -m gpu): {tests['passed']} passed, {len(tests['failed'])} failed, "
@@ -143,7 +152,8 @@ def main(argv=None) -> int:
     envs = [d.get("environment", {}) for d in (load(folder, n) for n in ("moe_layer.json", "dispatch_bandwidth.json")) if d]
     if any(e.get("device") == "cpu" for e in envs):
         print("(CPU run: these numbers check the scripts, they are not measurements of the GPU targets)")
-    payload = {"targets": lines, "profile_top": profile["categories"] if profile else None, "gpu_tests": tests}
+    payload = {"targets": lines, "profile_top": profile["categories"] if profile else None, "gpu_tests": tests,
+               "tune_winners": tune.get("winners") if tune else None}
     (folder / "summary.json").write_text(json.dumps(payload, indent=2) + "\n")
     return 0
 
