@@ -133,19 +133,52 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool = False) -> Tenso
     return out.add_(torch.cat((x2, x1), dim=-1) * s).to(x.dtype)  # a + b * (-sin) == a - b * sin, bitwise
 
 
+# Where the one-pass Triton RoPE (moe.kernels.rope) replaces _rotate: "auto" on CUDA tensors it takes
+# (not while torch.compile traces: inductor fuses _rotate itself); "always" on CPU tensors too, in the
+# Triton interpreter (tests), raising instead of falling back; "never": _rotate everywhere.
+TRITON_ROPE = "auto"
+_TRITON_ROPE_MODES = ("auto", "always", "never")
+
+
+def _rope_kernel_or_none(x: Tensor, cos: Tensor, sin: Tensor):
+    """moe.kernels.rope.rope when TRITON_ROPE says it runs on these tensors, else None."""
+    mode = TRITON_ROPE
+    if mode not in _TRITON_ROPE_MODES:
+        raise ValueError(f"models.attention.TRITON_ROPE={mode!r}; use one of {', '.join(_TRITON_ROPE_MODES)}")
+    if mode == "never" or (mode == "auto" and (x.device.type != "cuda" or torch.compiler.is_compiling())):
+        return None
+    try:
+        from moekit.moe.kernels._common import why_not_triton_tensors
+        from moekit.moe.kernels.rope import rope, why_not_rope
+    except ImportError as exc:  # no triton on this platform
+        reason = f"the Triton kernels cannot be imported ({exc})"
+    else:
+        reason = why_not_triton_tensors(x) or why_not_rope(x, cos, sin)
+    if reason:
+        if mode == "always":
+            raise ValueError(f"models.attention.TRITON_ROPE='always': {reason} (or set it to 'auto')")
+        return None
+    return rope
+
+
 class _Rope(torch.autograd.Function):
     """y = R(angle) x is linear in x, so dL/dx = R(-angle) dL/dy: the backward is the same rotation with the
     sines negated. Autograd keeps only the [S, D/2] tables (shared by every layer), not x's halves and the
-    expression's products; the per-head tables are rebuilt in backward rather than kept."""
+    expression's products; the per-head tables are rebuilt in backward rather than kept. On CUDA both run
+    as one Triton pass (TRITON_ROPE), the same float32 arithmetic up to fused multiply-adds."""
 
     @staticmethod
     def forward(ctx, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         ctx.save_for_backward(cos, sin)
-        return _rotate(x, cos, sin)
+        kernel = _rope_kernel_or_none(x, cos, sin)
+        return kernel(x, cos, sin) if kernel is not None else _rotate(x, cos, sin)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         cos, sin = ctx.saved_tensors
+        kernel = None if torch.is_grad_enabled() else _rope_kernel_or_none(grad, cos, sin)  # create_graph: torch
+        if kernel is not None:
+            return kernel(grad, cos, sin, inverse=True), None, None
         return _rotate(grad, cos, sin, inverse=True), None, None
 
 

@@ -481,3 +481,36 @@ def test_trainer_optimizer_is_fused_on_gpu_and_steps_like_foreach():
             opt.step()
     for (name, a), b in zip(model.named_parameters(), twin.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d).split(".")[-1])
+def test_rope_kernel_on_device_matches_float64(dtype):
+    """moe.kernels.rope at a training size (both layouts, forward and inverse) against float64, and
+    models.attention picking it by itself on CUDA ("auto") with the same numbers as its torch path."""
+    from moekit.models import attention
+    from moekit.models.attention import apply_rope, rope_angles
+    from moekit.moe.kernels import LAUNCHES
+    from moekit.moe.kernels.rope import rope, rope_ref
+
+    B, S, heads, D = (2, 9, 3, 16) if SMALL else (4, 2048, 8, 128)
+    cos, sin = rope_angles(S, D, 1e6, DEVICE, 3)
+    x = torch.randn(B, S, heads, D, generator=torch.Generator().manual_seed(5)).to(DEVICE, dtype)
+    for xs, c, s in ((x, cos[:, None], sin[:, None]), (x.transpose(1, 2), cos, sin)):
+        for inverse in (False, True):
+            got = rope(xs, c, s, inverse=inverse)
+            ref = rope_ref(xs.double(), c.double(), s.double(), inverse=inverse)
+            assert rel_err(got, ref) <= FLOOR[dtype], (inverse, rel_err(got, ref))
+    if ON == "cuda":
+        before = LAUNCHES["_rope_kernel"]
+        xr = x.clone().requires_grad_()
+        y = apply_rope(xr, cos[:, None], sin[:, None])
+        y.backward(torch.ones_like(y))
+        assert LAUNCHES["_rope_kernel"] == before + 2  # forward and backward on the kernel, unasked
+        old, attention.TRITON_ROPE = attention.TRITON_ROPE, "never"
+        try:
+            xt = x.clone().requires_grad_()
+            yt = apply_rope(xt, cos[:, None], sin[:, None])
+            yt.backward(torch.ones_like(yt))
+        finally:
+            attention.TRITON_ROPE = old
+        assert rel_err(y, yt) <= FLOOR[dtype] and rel_err(xr.grad, xt.grad) <= FLOOR[dtype]

@@ -25,6 +25,7 @@ from .combine import combine_rows, combine_rows_backward
 from .expert_mlp import expert_down_dact, expert_up_act
 from .grouped_mm import grouped_mm_fwd
 from .grouped_mm_wgrad import grouped_mm_wgrad
+from .rope import rope
 from .scatter_add import scatter_add_rows
 
 def capture_launches(dtype: torch.dtype) -> list:
@@ -47,6 +48,9 @@ def capture_launches(dtype: torch.dtype) -> list:
         combine_rows(x, slot_row, weights, t, k)
         combine_rows(x, slot_row, None, t, k)
         combine_rows_backward(torch.randn(t, h, dtype=dtype), x, weights, slot_row)
+        cos, sin = torch.rand(8, 16), torch.rand(8, 16)  # RoPE: both layouts, forward and inverse
+        rope(torch.randn(2, 8, 3, 32, dtype=dtype), cos[:, None], sin[:, None])
+        rope(torch.randn(2, 8, 3, 32, dtype=dtype).transpose(1, 2), cos, sin, inverse=True)
         for act in ACTIVATIONS.values():  # every kernel_code the epilogues branch on
             f_in = act.in_features(f)
             expert_up_act(x, w[..., :f_in], offs, act.name, save_pre=True)

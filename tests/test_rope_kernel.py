@@ -1,0 +1,119 @@
+"""moe.kernels.rope (one-pass Triton RoPE) against the torch rotation, in the interpreter (CPU).
+
+Both layouts attention uses ([B, S, heads, R] with [S, 1, R/2] tables, and the transposed [B, heads, S, R]
+view with [S, R/2]), a half width that is not a power of two, positions that start past 0 (a KV cache),
+fp32 and bf16, the inverse rotation, and models.attention's _Rope forced onto the kernel (forward and
+backward) against its torch path. References: float64 torch (a different computation: cat of halves).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moekit.models import attention
+from moekit.models.attention import apply_rope, rope_angles
+from moekit.moe.kernels import LAUNCHES, interpret_mode
+from moekit.moe.kernels.rope import rope, rope_ref, why_not_rope
+
+pytestmark = pytest.mark.skipif(not interpret_mode() and not torch.cuda.is_available(),
+                                reason="Triton interpreter (TRITON_INTERPRET=1 before import) or a GPU")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+ULP = {torch.float32: 2e-6, torch.bfloat16: 2 ** -8}  # one rounding of the output (relative), with slack
+
+
+def tables(seq: int, dim: int, start: int):
+    cos, sin = rope_angles(seq, dim, 10000.0, DEV, start)  # [S, R/2] float32
+    return cos, sin
+
+
+def check_close(got, ref64, dtype):
+    err = (got.double() - ref64).abs()
+    bound = ULP[dtype] * ref64.abs() + 1e-6
+    assert bool((err <= bound).all()), f"max err {err.max().item():.3g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+@pytest.mark.parametrize("dim", [16, 12])  # half 8, and half 6 (not a power of two: masked columns)
+@pytest.mark.parametrize("inverse", [False, True], ids=["fwd", "inverse"])
+def test_rope_kernel_matches_float64(dtype, layout, dim, inverse):
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
+    B, S, heads, start = 2, 7, 3, 5
+    cos, sin = tables(S, dim, start)
+    x = torch.randn(B, S, heads, dim, generator=gen).to(DEV, dtype)
+    if layout == "bshd":
+        c, s = cos[:, None], sin[:, None]
+    else:  # the transposed view attention has after .transpose(1, 2): not contiguous
+        x, c, s = x.transpose(1, 2), cos, sin
+        assert not x.is_contiguous()
+    before = LAUNCHES["_rope_kernel"]
+    got = rope(x, c, s, inverse=inverse)
+    assert LAUNCHES["_rope_kernel"] == before + 1
+    assert got.shape == x.shape and got.dtype == dtype
+    x64 = x.double()
+    sign = -1.0 if inverse else 1.0
+    c64, s64 = (c.double(), sign * s.double())
+    half = dim // 2
+    ref = torch.empty_like(x64)
+    ref[..., :half] = x64[..., :half] * c64 - x64[..., half:] * s64
+    ref[..., half:] = x64[..., half:] * c64 + x64[..., :half] * s64
+    check_close(got, ref, dtype)
+    # the inverse undoes the rotation (fp32: to rounding)
+    if dtype == torch.float32:
+        back = rope(got, c, s, inverse=not inverse)
+        torch.testing.assert_close(back, x, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_attention_rope_forced_onto_the_kernel_matches_its_torch_path(monkeypatch, dtype):
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
+    B, S, heads, dim = 2, 9, 4, 8
+    cos, sin = tables(S, dim, 0)
+    x0 = torch.randn(B, S, heads, dim, generator=gen).to(DEV, dtype)
+    g = torch.randn(B, S, heads, dim, generator=gen).to(DEV, dtype)
+
+    def run(mode):
+        monkeypatch.setattr(attention, "TRITON_ROPE", mode)
+        x = x0.clone().requires_grad_()
+        y = apply_rope(x, cos[:, None], sin[:, None])
+        (dx,) = torch.autograd.grad(y, x, g)
+        return y, dx
+
+    before = LAUNCHES["_rope_kernel"]
+    y_k, dx_k = run("always")
+    assert LAUNCHES["_rope_kernel"] == before + 2  # forward and backward
+    y_t, dx_t = run("never")
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=2 ** -7)
+    torch.testing.assert_close(y_k, y_t, **tol)
+    torch.testing.assert_close(dx_k, dx_t, **tol)
+    # the torch path's fp32 rotation against float64: the kernel's numbers are the rotation's, not a rounding
+    # artefact of one path
+    check_close(y_k, rope_ref(x0.double(), cos.double()[:, None], sin.double()[:, None]), dtype)
+
+
+def test_double_backward_keeps_the_torch_path(monkeypatch):
+    monkeypatch.setattr(attention, "TRITON_ROPE", "always")
+    cos, sin = tables(5, 8, 0)
+    x = torch.randn(1, 5, 2, 8, device=DEV, dtype=torch.float64 if DEV == "cpu" else torch.float32)
+    x = x.float().requires_grad_()
+    y = apply_rope(x, cos[:, None], sin[:, None])
+    (dx,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
+    (ddx,) = torch.autograd.grad(dx.sum(), x)  # the rotation is orthogonal: d/dx sum(2 R^T R x) = 2 * 1
+    torch.testing.assert_close(ddx, torch.full_like(x, 2.0), rtol=1e-5, atol=1e-5)
+
+
+def test_refusals_name_the_problem(monkeypatch):
+    cos, sin = tables(4, 8, 0)
+    x = torch.randn(1, 4, 2, 8, device=DEV)
+    assert why_not_rope(x, cos[:, None], sin[:, None]) == ""
+    assert "even" in why_not_rope(torch.randn(1, 4, 2, 7, device=DEV), cos[:, None], sin[:, None])
+    assert "float32" in why_not_rope(x, cos[:, None].double(), sin[:, None].double())
+    assert "fit neither" in why_not_rope(x, cos[:3, None], sin[:3, None])
+    with pytest.raises(ValueError, match="fit neither"):
+        rope(x, cos, sin)  # [S, R/2] tables with positions along dim 1: the wrong layout
+    monkeypatch.setattr(attention, "TRITON_ROPE", "sometimes")
+    with pytest.raises(ValueError, match="TRITON_ROPE='sometimes'"):
+        apply_rope(x, cos[:, None], sin[:, None])
+    monkeypatch.setattr(attention, "TRITON_ROPE", "always")
+    with pytest.raises(ValueError, match="TRITON_ROPE='always'.*fit neither"):
+        apply_rope(x, cos[:3, None], sin[:3, None])
