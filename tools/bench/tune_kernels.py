@@ -35,18 +35,14 @@ import argparse
 import itertools
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: import the sibling benches
-
-from moekit.bench.benchlib import environment, print_table, write_json  # noqa: E402
-from moekit.moe.kernels._common import cfg, interpret_mode  # noqa: E402
-from moekit.moe.kernels.expert_mlp import (EXPERT_DOWN_DACT, EXPERT_UP_ACT, expert_down_dact,  # noqa: E402
-                                           expert_up_act)
-from moekit.moe.kernels.grouped_mm import GROUPED_MM, grouped_mm_fwd  # noqa: E402
-from moekit.moe.kernels.grouped_mm_wgrad import GROUPED_MM_WGRAD, grouped_mm_wgrad  # noqa: E402
+from moekit.bench.benchlib import environment, print_table, write_json
+from moekit.moe.kernels._common import cfg, interpret_mode
+from moekit.moe.kernels.expert_mlp import EXPERT_DOWN_DACT, EXPERT_UP_ACT, expert_down_dact, expert_up_act
+from moekit.moe.kernels.grouped_mm import GROUPED_MM, grouped_mm_fwd
+from moekit.moe.kernels.grouped_mm_wgrad import GROUPED_MM_WGRAD, grouped_mm_wgrad
 
 SHAPES = {  # name: (hidden H, expert ffn F, local experts E, top-k); the shapes of grouped_gemm.py
     "mixtral-8x7b": (4096, 14336, 8, 2),
