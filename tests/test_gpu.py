@@ -443,16 +443,25 @@ def test_every_candidate_tile_config_matches_float64():
     ref = fwd_bwd(lambda a, b, d: expert_mlp_ref(a, c, b, d, "swiglu"), (rows, w_in, w_out))
     lo = [t.to(DEVICE, dtype) for t in (rows, w_in, w_out)]
     same = fwd_bwd(lambda a, b, d: expert_mlp_ref(a, c.to(DEVICE), b, d, "swiglu"), lo)
-    checked = 0
+    from triton.runtime.errors import OutOfResources
+
+    too_big = []  # a config this GPU cannot hold (the autotuner skips those silently): listed, not failed
     for kernel in (EXPERT_UP_ACT, GROUPED_MM, EXPERT_DOWN_DACT, GROUPED_MM_WGRAD):
+        ran = 0
         for config in kernel.configs:
-            with kernel.pinned(config):
-                got = fwd_bwd(lambda a, b, d: expert_mlp(a, c.to(DEVICE), b, d, "swiglu"), lo)
+            try:
+                with kernel.pinned(config):
+                    got = fwd_bwd(lambda a, b, d: expert_mlp(a, c.to(DEVICE), b, d, "swiglu"), lo)
+            except OutOfResources as exc:
+                too_big.append(f"{kernel.name} {config}: {exc}")
+                continue
             for name, g, r, t in zip(("y", "d_rows", "d_w_in", "d_w_out"), got, ref, same):
                 assert_calibrated(f"{kernel.name} {config}: {name}", g, r, t, dtype)
             assert got[0][-extra:].abs().max().item() == 0
-            checked += 1
-    assert checked == sum(len(k.configs) for k in (EXPERT_UP_ACT, GROUPED_MM, EXPERT_DOWN_DACT, GROUPED_MM_WGRAD))
+            ran += 1
+        assert ran >= 1, f"{kernel.name}: no candidate config fits this GPU: {too_big}"
+    if too_big:
+        print("configs that do not fit this GPU (drop them from the lists):", *too_big, sep="\n  ")
 
 
 @pytest.mark.skipif(ON != "cuda", reason="the trainer's optimizer is fused on CUDA only")
