@@ -287,6 +287,17 @@ def dot_flags(dtype: torch.dtype, allow_tf32: bool) -> dict:
     return dict(PRECISION=dot_precision(dtype, allow_tf32), INTERP_BF16=interp_bf16(dtype))
 
 
+# Launch-path helpers in plain Python: triton.cdiv / next_power_of_2 are jit functions, ~4 us a call from
+# Python, which shows on short memory-bound launches (the combine, RoPE).
+def pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def elem_size(t) -> int:
     return t.element_size() if isinstance(t, torch.Tensor) else 4
 

@@ -41,8 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (SUPPORTED_DTYPES, Kernel, check_triton_tensors, gather_rows_ref, interp_bf16, interpret_mode,
-                      to_out, why_not_triton_tensors)
+from ._common import (SUPPORTED_DTYPES, Kernel, cdiv, check_triton_tensors, gather_rows_ref, interp_bf16,
+                      interpret_mode, pow2, to_out, why_not_triton_tensors)
 
 # k up to this is unrolled in the forward (all k row loads of a program issued together) and is one slot
 # chunk in the backward; above it (e.g. expert choice's [T, E] slot layout) a loop keeps the kernels small.
@@ -207,23 +207,15 @@ _FWD_TILE_BYTES, _BWD_TILE_BYTES = 4096, 8192
 _INTERPRET_TILE, _INTERPRET_BLOCK_H = 256, 32
 
 
-# Launch-path helpers in plain Python: this op is short enough (tens of microseconds on a GPU) for host
-# overhead to show, and triton.cdiv / next_power_of_2 are jit functions, ~4 us a call from Python.
+# Block sizes come from plain-Python helpers (_common.pow2 / cdiv): this op is short enough (tens of
+# microseconds on a GPU) for host overhead to show.
 _INTERPRET = interpret_mode()  # fixed once triton is imported (moe.kernels._common, Kernel._build)
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _blocks(h: int, elem_size: int, tile_bytes: int, slots: int = 1) -> tuple[int, int]:
     """(BLOCK_T, BLOCK_H) for rows of h elements of elem_size bytes, ``slots`` rows per token in a tile."""
     tile = max(1, (_INTERPRET_TILE if _INTERPRET else tile_bytes // elem_size) // slots)
-    block_h = min(_pow2(h), _INTERPRET_BLOCK_H if _INTERPRET else tile)
+    block_h = min(pow2(h), _INTERPRET_BLOCK_H if _INTERPRET else tile)
     return max(1, tile // block_h), block_h
 
 
@@ -299,7 +291,7 @@ def combine_rows(rows: torch.Tensor, slot_row: torch.Tensor, weights: torch.Tens
         return out.zero_()
     rows = _inner_contiguous(rows)
     block_t, block_h = _blocks(H, rows.element_size(), _FWD_TILE_BYTES)
-    grid = (_cdiv(num_tokens, block_t), _cdiv(H, block_h))
+    grid = (cdiv(num_tokens, block_t), cdiv(H, block_h))
     w = weights if weights is not None else slot_row  # never read without HAS_W
     with _on_device(rows):
         COMBINE_FWD[grid](
@@ -346,12 +338,12 @@ def combine_rows_backward(grad_out: torch.Tensor, rows: torch.Tensor, weights: t
     if N == 0 or H == 0:  # no slot has a row, or nothing to sum: grad_w is 0, grad_rows has no elements
         return grad_rows, grad_w.zero_() if grad_w is not None else None
     rows, grad_out = _inner_contiguous(rows), _inner_contiguous(grad_out)
-    k_chunk = min(_pow2(k), MAX_K_CHUNK)
+    k_chunk = min(pow2(k), MAX_K_CHUNK)
     block_t, block_h = _blocks(H, max(rows.element_size(), grad_out.element_size()), _BWD_TILE_BYTES, k_chunk)
     gr = grad_rows if grad_rows is not None else rows  # never written without NEED_GR
     gw = grad_w if grad_w is not None else weights  # never written without NEED_GW
     with _on_device(rows):
-        COMBINE_BWD[(_cdiv(T, block_t),)](
+        COMBINE_BWD[(cdiv(T, block_t),)](
             grad_out, rows, slot_row, weights, gr, gw, T, N, H,
             grad_out.stride(0), rows.stride(0), weights.stride(0), weights.stride(1), gr.stride(0),
             TOP_K=k, K_CHUNK=k_chunk, NEED_GR=need_grad_rows,

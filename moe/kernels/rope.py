@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import Kernel, check_triton_tensors, interp_bf16, interpret_mode, to_out
+from ._common import Kernel, cdiv, check_triton_tensors, interp_bf16, interpret_mode, pow2, to_out
 
 
 def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
@@ -74,10 +74,6 @@ _INTERPRET_ROWS = 4
 _INTERPRET = interpret_mode()
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
 def why_not_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> str:
     """"" when :func:`rope` can run on these tensors, else the reason (naming the fix)."""
     if x.dim() != 4 or x.shape[-1] % 2 or (x.shape[-1] > 1 and x.stride(-1) != 1):
@@ -116,11 +112,11 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = 
     half = r // 2
     rows = a0 * a1 * a2
     block_r = _INTERPRET_ROWS if _INTERPRET else max(1, _TILE_BYTES // (r * x.element_size()))
-    block_r = min(_pow2(block_r), 1024)
+    block_r = min(pow2(block_r), 1024)
     so = out.stride()
-    ROPE[(-(-rows // block_r),)](
+    ROPE[(cdiv(rows, block_r),)](
         x, cos, sin, out, rows, a1, a2, x.stride(0), x.stride(1), x.stride(2), so[0], so[1], so[2],
-        HALF=half, HALF_P2=_pow2(half), POS_AXIS=1 if cos.dim() == 3 else 2, INVERSE=inverse,
+        HALF=half, HALF_P2=pow2(half), POS_AXIS=1 if cos.dim() == 3 else 2, INVERSE=inverse,
         INTERP_BF16=interp_bf16(x.dtype), BLOCK_R=block_r,
     )
     return out
