@@ -19,6 +19,15 @@ torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 import pytest  # noqa: E402
 
+# One fresh seed per test session for the tests that draw their inputs from it (test_seed(...) below):
+# new random inputs every run, and the header line tells how to replay a failing one.
+os.environ.setdefault("MOEKIT_TEST_SEED", str(int.from_bytes(os.urandom(4), "little") >> 1))
+
+
+def pytest_report_header(config):
+    seed = os.environ["MOEKIT_TEST_SEED"]
+    return f"moekit test seed: {seed} (MOEKIT_TEST_SEED={seed} replays this run's random inputs)"
+
 
 @pytest.fixture(scope="module")
 def one_torch_thread():

@@ -53,8 +53,9 @@ def _interpret(monkeypatch):
 
 
 def _gen(*key) -> torch.Generator:
-    """A generator of its own for each test case: fresh inputs per test, reproducible per case."""
-    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+    """A generator of its own for each test case: fresh inputs every run (the session's MOEKIT_TEST_SEED,
+    tests/conftest.py, printed in pytest's header), different per case, replayable with that seed."""
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()) ^ int(os.environ.get("MOEKIT_TEST_SEED", "0")))
 
 
 def _routing(gen, T: int, E: int, k: int, capacity_factor: float | None, empty=(0, 3)) -> Routing:
