@@ -32,7 +32,8 @@ describe() {
   cat <<'EOF'
 env             device, driver, torch / CUDA / triton / transformers versions, moekit commit
 tests           the GPU test tier, pytest -m gpu (kernels vs float64, layer, training, FSDP bf16, compile),
-                with MOEKIT_AUTOTUNE=first (one compile per kernel, not one per candidate config)  (cap 240 s)
+                with MOEKIT_AUTOTUNE=first (one compile per kernel, not one per candidate config),
+                4 pytest-xdist workers where installed                                      (cap 300 s)
 moe_layer       MoE layer fwd+bwd at 8192 and 32768 tokens, bf16: moekit vs torchtitan-style vs transformers;
                 per-phase times, router host syncs, activation memory vs minimum          (cap 150 s)
 grouped_gemm    Triton grouped GEMM / expert MLP vs torch grouped_mm, loop, dense; 4 shapes x 8192/32768
@@ -154,11 +155,14 @@ for step in "${STEPS[@]}"; do
     env) step_env ;;
     tests)
       if [ "$SMOKE" = 1 ]; then STATUS+=("tests: skipped (--smoke: the GPU tier needs a GPU)"); continue; fi
-      # one config per kernel: the tier checks correctness, and every candidate is a separate compile (the
+      # One config per kernel: the tier checks correctness, and every candidate is a separate compile (the
       # first H200 run spent >345 s on the tier with full autotuning); test_gpu.py's every-config test
-      # pins each candidate itself
-      run_step tests 240 env MOEKIT_AUTOTUNE=first "$PY" -m pytest -m gpu -q -p no:cacheprovider -rfEs \
-        --durations=12 tests/test_gpu.py tests/test_compile.py::test_inductor_matches_eager \
+      # pins each candidate itself. Where pytest-xdist is installed (the GPU image has it), 4 workers
+      # share the GPU: the tier's time is mostly Triton / inductor compiles, which are CPU work.
+      xdist=()
+      "$PY" -c "import xdist" 2>/dev/null && xdist=(-n 4)
+      run_step tests 300 env MOEKIT_AUTOTUNE=first "$PY" -m pytest -m gpu -q -p no:cacheprovider -rfEs \
+        ${xdist[@]+"${xdist[@]}"} --durations=12 tests/test_gpu.py tests/test_compile.py::test_inductor_matches_eager \
         --junitxml="$RAW/gpu_tests.xml" ;;
     moe_layer)
       if [ "$SMOKE" = 1 ]; then size=(--tokens 64 --hidden 32 --shapes 32x4x2 --warmup 0 --repeats 1 --hf-impl eager)
