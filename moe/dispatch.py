@@ -84,6 +84,18 @@ def stable_argsort(key: Tensor) -> Tensor:
     return torch.sort(key, stable=True).indices
 
 
+def slot_sort_key(flat: Tensor, narrow: bool) -> Tensor:
+    """The expert-major sort key of flat expert ids: the id, dropped slots (< 0) last.
+
+    ``narrow`` (CUDA): int32 keys. CUDA's radix sort makes one pass per key byte, so half the passes of
+    int64 keys; expert ids are below 2**31 - 1 (the sentinel), where both keys give the same order. CPU
+    keeps int64 keys, the ones torch's CPU radix path (stable_argsort) was measured with."""
+    if narrow:
+        big = torch.iinfo(torch.int32).max
+        return torch.where(flat < 0, big, flat.clamp(max=big - 1)).to(torch.int32)
+    return torch.where(flat < 0, torch.iinfo(torch.int64).max, flat)
+
+
 def sort_slots(indices: Tensor, num_rows: int) -> tuple[Tensor, Tensor]:
     """Expert-major order of the slots. Returns (row_slot [N], slot_row [T*k]).
 
@@ -95,8 +107,7 @@ def sort_slots(indices: Tensor, num_rows: int) -> tuple[Tensor, Tensor]:
     """
     flat = indices.reshape(-1)
     num_slots = flat.numel()
-    key = torch.where(flat < 0, torch.iinfo(torch.int64).max, flat)
-    order = stable_argsort(key)  # [T*k]
+    order = stable_argsort(slot_sort_key(flat, narrow=flat.device.type == "cuda"))  # [T*k]
     slot_row = torch.empty_like(order).scatter_(0, order, torch.arange(num_slots, device=flat.device))
     slot_row = torch.where(slot_row >= num_rows, num_rows, slot_row)
     return order[:num_rows], slot_row

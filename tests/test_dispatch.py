@@ -114,3 +114,21 @@ def test_stable_argsort_is_torchs_stable_sort(n):
     assert got.dtype == torch.int64 and torch.equal(got, torch.sort(key, stable=True).indices)
     # stable: equal keys keep their order
     assert torch.equal(key[got], key.sort().values) and bool((torch.diff(got[key[got] == 3]) > 0).all())
+
+
+@pytest.mark.parametrize("num_experts", [1, 8, 256])
+def test_narrow_sort_key_orders_slots_as_the_int64_key(num_experts):
+    """The int32 slot key (CUDA's sort, half the radix passes) gives the int64 key's stable order: expert
+    ids ascending, each expert's slots in token order, dropped slots (-1, any negative) last."""
+    from moekit.moe.dispatch import slot_sort_key
+
+    g = torch.Generator().manual_seed(num_experts)
+    flat = torch.randint(0, num_experts, (5000,), generator=g)
+    flat[torch.rand(5000, generator=g) < 0.1] = -1
+    flat[:3] = torch.tensor([-7, num_experts - 1, 0])
+    narrow, wide = slot_sort_key(flat, narrow=True), slot_sort_key(flat, narrow=False)
+    assert narrow.dtype == torch.int32 and wide.dtype == torch.int64
+    order = torch.sort(narrow, stable=True).indices
+    assert torch.equal(order, torch.sort(wide, stable=True).indices)
+    kept = int((flat >= 0).sum())
+    assert bool((flat[order[kept:]] < 0).all()) and bool((torch.diff(flat[order[:kept]]) >= 0).all())
