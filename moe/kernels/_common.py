@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import os
 from typing import Callable, Sequence
 
 import torch
@@ -331,8 +332,6 @@ def autotune_mode() -> str:
     """``MOEKIT_AUTOTUNE``: "full" (default) times every candidate config per key and keeps the fastest;
     "first" compiles only the first candidate that fits shared memory, for runs where compile time
     matters more than speed (the GPU test tier: each candidate is a separate compile)."""
-    import os
-
     mode = os.environ.get(AUTOTUNE_ENV, "full").strip().lower() or "full"
     if mode not in AUTOTUNE_MODES:
         raise ValueError(f"{AUTOTUNE_ENV}={mode!r} is invalid; use one of {list(AUTOTUNE_MODES)} "
