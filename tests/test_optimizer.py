@@ -56,3 +56,43 @@ def test_fused_adamw_on_the_trainers_groups_matches_foreach():
     assert moved > 1e-3  # three steps of lr 1e-2: the comparison below is not between untouched weights
     for (name, pa), pb in zip(model_a.named_parameters(), model_b.parameters()):
         torch.testing.assert_close(pa, pb, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_resume_keeps_this_runs_adamw_implementation_whatever_wrote_the_checkpoint():
+    """torch's load_state_dict copies the saved groups' 'fused' / 'foreach' flags: a checkpoint written on a
+    GPU (fused) would make a CPU resume fused, and a CPU one would make a GPU resume foreach. The trainer's
+    resume (train.resume.apply_optimizer_settings) puts this run's implementation back; the moments stay."""
+    from moekit.train import resume
+
+    model, cfg = _model_and_cfg(0)
+    sched = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)  # noqa: E731
+
+    def fused_like_a_gpu_run():  # the trainer's groups, AdamW fused (what make_optimizer builds on a GPU)
+        groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in make_optimizer(model, cfg).param_groups]
+        return torch.optim.AdamW(groups, lr=cfg.train.lr, fused=True)
+
+    written = fused_like_a_gpu_run()
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    written.step()
+    saved = written.state_dict()
+    assert all(g["fused"] for g in saved["param_groups"])
+
+    run = make_optimizer(model, cfg)  # this run: CPU, foreach
+    fresh = resume.optimizer_settings(run)
+    run.load_state_dict(saved)
+    assert all(g["fused"] for g in run.param_groups)  # what torch alone would leave
+    resume.apply_optimizer_settings(run, sched(run), fresh)
+    assert all(g["foreach"] is True and not g["fused"] for g in run.param_groups)
+    moments = [run.state[p]["exp_avg"] for p in model.parameters()]
+    assert all(m.abs().sum() > 0 for m in moments)  # the restored moments stay
+    run.step()  # and the foreach step runs on them
+
+    # the other way: a foreach checkpoint into a fused run keeps fused, step counts on the parameters' device
+    fused_run = fused_like_a_gpu_run()
+    fresh = resume.optimizer_settings(fused_run)
+    fused_run.load_state_dict(run.state_dict())
+    resume.apply_optimizer_settings(fused_run, sched(fused_run), fresh)
+    assert all(g["fused"] is True for g in fused_run.param_groups)
+    assert all(fused_run.state[p]["step"].device == p.device for p in model.parameters())
+    fused_run.step()

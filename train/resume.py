@@ -10,7 +10,8 @@ current settings are compared with those:
 * ignored, and the checkpoint's value kept in config.json: ``train.init_from_hf``, ``train.init_from_dense``
   and ``train.upcycle_granularity`` (the weights come from the checkpoint).
 * applied, everything else: the optimizer's lr, betas, eps and weight decay and the LR schedule (steps,
-  warmup, minimum) take the new values (``apply_optimizer_settings``: the restored AdamW moments stay),
+  warmup, minimum) take the new values (``apply_optimizer_settings``: the restored AdamW moments stay; so
+  does AdamW's implementation, fused on a GPU and foreach on CPU, whatever device wrote the checkpoint),
   the batch size (token counts continue from the recorded total), the layout (DCP reshards), logging,
   evaluation and checkpoint settings.
 
@@ -23,6 +24,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from moekit.train import UserError
 from moekit.train.consistency import flatten
@@ -43,6 +46,9 @@ KEPT = {"train.init_from_hf": "the resumed weights come from the checkpoint",
 MODEL_PREFIX = "model."
 NOT_COMPARED = {"log.run_dir"}  # a run directory may be moved or copied between attempts
 HYPERPARAMETERS = ("betas", "eps", "weight_decay")
+# How this run's AdamW computes (train.plan.make_optimizer: fused on a GPU, foreach on CPU): a checkpoint
+# written on another device must not carry its implementation over (torch's load_state_dict would)
+IMPLEMENTATION = ("foreach", "fused", "capturable")
 
 
 @dataclass
@@ -119,7 +125,8 @@ def keep_checkpoint_values(current: dict[str, Any], changes: Changes) -> dict[st
 
 def optimizer_settings(optimizer) -> list[dict[str, Any]]:
     """Per param group: the base lr (``initial_lr``, set by the LR scheduler) and AdamW's hyperparameters."""
-    return [{"initial_lr": g.get("initial_lr", g["lr"]), **{k: g[k] for k in HYPERPARAMETERS if k in g}}
+    keys = HYPERPARAMETERS + IMPLEMENTATION
+    return [{"initial_lr": g.get("initial_lr", g["lr"]), **{k: g[k] for k in keys if k in g}}
             for g in optimizer.param_groups]
 
 
@@ -133,6 +140,13 @@ def apply_optimizer_settings(optimizer, scheduler, fresh: list[dict[str, Any]]) 
                         f"{len(fresh)}: it was written by another moekit version; start a fresh run")
     for group, want in zip(optimizer.param_groups, fresh):
         group.update(want)
+        if group.get("fused") or group.get("capturable"):
+            # these kernels keep the step count on the parameter's device (torch moves it there on load
+            # only when the checkpoint itself was fused): a CPU checkpoint resumed on a GPU
+            for p in group["params"]:
+                step = optimizer.state.get(p, {}).get("step")
+                if isinstance(step, torch.Tensor) and step.device != p.device:
+                    optimizer.state[p]["step"] = step.to(device=p.device, dtype=torch.float32)
     scheduler.base_lrs = [w["initial_lr"] for w in fresh]
     lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
     for group, lr in zip(optimizer.param_groups, lrs):
