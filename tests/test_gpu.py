@@ -523,3 +523,16 @@ def test_rope_kernel_on_device_matches_float64(dtype):
         finally:
             attention.TRITON_ROPE = old
         assert rel_err(y, yt) <= FLOOR[dtype] and rel_err(xr.grad, xt.grad) <= FLOOR[dtype]
+
+
+def test_cpu_checkpoint_resumes_on_the_device_with_its_optimizer(tmp_path):
+    """A run checkpointed on CPU (foreach AdamW, step counts on the CPU) resumes on the device, where the
+    trainer's AdamW is fused (train.resume puts this run's implementation back and moves the step counts):
+    the resumed steps continue the CPU run's curve."""
+    common = ["--preset", "mixtral-tiny", "--train.dtype", "float32"]
+    cpu = train(tmp_path / "cpu", *common, "--steps", "4", "--train.device", "cpu", "--checkpoint.every", "2")
+    resumed = train(tmp_path / "dev", *common, "--steps", "4", "--train.device", DEVICE.type,
+                    "--resume", str(tmp_path / "cpu" / "checkpoints" / "step_000002"), "--checkpoint.every", "0")
+    assert [m["step"] for m in resumed] == [3, 4]
+    for a, b in zip(resumed, cpu[2:]):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-3), (a, b)
