@@ -21,6 +21,7 @@ Under tensor parallelism the projections into heads are column-sharded, so q / k
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -138,6 +139,7 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool = False) -> Tenso
 # Triton interpreter (tests), raising instead of falling back; "never": _rotate everywhere.
 TRITON_ROPE = "auto"
 _TRITON_ROPE_MODES = ("auto", "always", "never")
+_ROPE_BUILD_FAILURE: list[str] = []  # why the kernel could not be built here, once it failed (then: torch)
 
 
 def _rope_kernel_or_none(x: Tensor, cos: Tensor, sin: Tensor):
@@ -145,11 +147,12 @@ def _rope_kernel_or_none(x: Tensor, cos: Tensor, sin: Tensor):
     mode = TRITON_ROPE
     if mode not in _TRITON_ROPE_MODES:
         raise ValueError(f"models.attention.TRITON_ROPE={mode!r}; use one of {', '.join(_TRITON_ROPE_MODES)}")
-    if mode == "never" or (mode == "auto" and (x.device.type != "cuda" or torch.compiler.is_compiling())):
+    if mode == "never" or (mode == "auto" and (x.device.type != "cuda" or torch.compiler.is_compiling()
+                                               or _ROPE_BUILD_FAILURE)):
         return None
     try:
         from moekit.moe.kernels._common import why_not_triton_tensors
-        from moekit.moe.kernels.rope import rope, why_not_rope
+        from moekit.moe.kernels.rope import why_not_rope
     except ImportError as exc:  # no triton on this platform
         reason = f"the Triton kernels cannot be imported ({exc})"
     else:
@@ -158,7 +161,26 @@ def _rope_kernel_or_none(x: Tensor, cos: Tensor, sin: Tensor):
         if mode == "always":
             raise ValueError(f"models.attention.TRITON_ROPE='always': {reason} (or set it to 'auto')")
         return None
-    return rope
+    return _rope_or_fallback
+
+
+def _rope_or_fallback(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool = False) -> Tensor:
+    """The Triton RoPE; if this machine's Triton cannot build it (a compile error, a GPU that cannot hold
+    it), one warning and the torch rotation from then on (TRITON_ROPE='always' raises instead)."""
+    from moekit.moe.kernels._common import BUILD_ERRORS
+    from moekit.moe.kernels.rope import rope
+
+    try:
+        return rope(x, cos, sin, inverse=inverse)
+    except BUILD_ERRORS as exc:
+        if TRITON_ROPE == "always":
+            raise
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+        _ROPE_BUILD_FAILURE.append(f"{type(exc).__name__}: {first}")
+        warnings.warn(f"models.attention: the Triton RoPE kernel failed to build here ({_ROPE_BUILD_FAILURE[-1]}); "
+                      f"the torch rotation runs instead. Set models.attention.TRITON_ROPE = 'never' to choose that "
+                      f"without this warning.", stacklevel=2)
+        return _rotate(x, cos, sin, inverse=inverse)
 
 
 class _Rope(torch.autograd.Function):

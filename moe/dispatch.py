@@ -20,6 +20,7 @@ they are bitwise reproducible too; ``TRITON_COMBINE`` selects where those kernel
 from __future__ import annotations
 
 import platform
+import warnings
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -124,6 +125,10 @@ _TRITON_COMBINE_MODES = ("auto", "always", "never")
 _COMBINE_OK: dict = {}  # (device, rows dtype, weights dtype) -> why_not_combine's answer, CUDA only
 
 
+def _combine_key(rows: Tensor, weights: Tensor | None) -> tuple:
+    return rows.device, rows.dtype, None if weights is None else (weights.device, weights.dtype)
+
+
 def _triton_combine(rows: Tensor, weights: Tensor | None = None) -> bool:
     """Whether the combine kernels run on these tensors (TRITON_COMBINE above)."""
     mode = TRITON_COMBINE
@@ -131,7 +136,7 @@ def _triton_combine(rows: Tensor, weights: Tensor | None = None) -> bool:
         raise ValueError(f"moe.dispatch.TRITON_COMBINE={mode!r}; use one of {', '.join(_TRITON_COMBINE_MODES)}")
     if mode == "never" or (mode == "auto" and (rows.device.type != "cuda" or torch.compiler.is_compiling())):
         return False
-    key = (rows.device, rows.dtype, None if weights is None else (weights.device, weights.dtype))
+    key = _combine_key(rows, weights)
     reason = _COMBINE_OK.get(key)  # cached: this runs on every step, and the answer is fixed per key on CUDA
     if reason is None:
         try:
@@ -145,6 +150,27 @@ def _triton_combine(rows: Tensor, weights: Tensor | None = None) -> bool:
     if reason and mode == "always":
         raise ValueError(f"moe.dispatch.TRITON_COMBINE='always': {reason} (or set it to 'auto')")
     return not reason
+
+
+def _run_combine_kernel(name: str, rows: Tensor, weights: Tensor | None, *args, **kwargs):
+    """moe.kernels.combine.<name>(*args, **kwargs), or None when the kernel cannot be built here (a Triton
+    compile error or a config this GPU cannot hold: Triton versions differ from machine to machine). Then
+    the torch path runs, now and for every later call on these dtypes, after one warning that says so;
+    under TRITON_COMBINE="always" the error is raised instead."""
+    from moekit.moe.kernels import combine
+    from moekit.moe.kernels._common import BUILD_ERRORS
+
+    try:
+        return getattr(combine, name)(*args, **kwargs)
+    except BUILD_ERRORS as exc:
+        if TRITON_COMBINE == "always":
+            raise
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+        reason = f"the Triton combine kernel failed to build here ({type(exc).__name__}: {first})"
+        _COMBINE_OK[_combine_key(rows, weights)] = reason
+        warnings.warn(f"moe.dispatch: {reason}; the torch combine runs instead (slower on GPUs). Set "
+                      f"moe.dispatch.TRITON_COMBINE = 'never' to choose that without this warning.", stacklevel=2)
+        return None
 
 
 class _Permute(torch.autograd.Function):
@@ -164,13 +190,13 @@ class _Permute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_rows: Tensor):
         slot_row, row_token = ctx.saved_tensors
+        grad_x = None
         if not torch.is_grad_enabled() and _triton_combine(grad_rows):  # create_graph needs the torch ops
-            from moekit.moe.kernels.combine import combine_rows
-
-            grad_x = combine_rows(grad_rows, slot_row, None, ctx.num_tokens, ctx.top_k)
-        elif _cpu_fast_path(grad_rows, ctx.padded):
+            grad_x = _run_combine_kernel("combine_rows", grad_rows, None, grad_rows, slot_row, None, ctx.num_tokens,
+                                         ctx.top_k)
+        if grad_x is None and _cpu_fast_path(grad_rows, ctx.padded):
             grad_x = grad_rows.new_zeros(ctx.num_tokens, grad_rows.shape[-1]).index_add_(0, row_token, grad_rows)
-        else:
+        elif grad_x is None:
             grad_x = _gather_slots(grad_rows, slot_row, ctx.num_tokens, ctx.top_k, ctx.padded).sum(1)
         return grad_x, None, None, None, None
 
@@ -194,9 +220,9 @@ class _Unpermute(torch.autograd.Function):
         ctx.save_for_backward(rows, weights, slot_row, row_slot)
         ctx.padded = padded
         if _triton_combine(rows, weights):
-            from moekit.moe.kernels.combine import combine_rows
-
-            return combine_rows(rows, slot_row, weights, T, k)  # [T, H]
+            out = _run_combine_kernel("combine_rows", rows, weights, rows, slot_row, weights, T, k)  # [T, H]
+            if out is not None:
+                return out
         if _cpu_fast_path(rows, padded):
             acc = torch.promote_types(rows.dtype, torch.float32)
             w = weights.to(acc)
@@ -218,13 +244,13 @@ class _Unpermute(torch.autograd.Function):
         grad_out = grad_out.to(rows.dtype)
         grad_rows = grad_weights = None
         if not torch.is_grad_enabled() and _triton_combine(rows, weights):  # create_graph needs the torch ops
-            from moekit.moe.kernels.combine import combine_rows_backward
-
             # sort_slots gives each of the N = len(row_slot) rows one slot; zero-fill anything else
-            grad_rows, grad_weights = combine_rows_backward(
-                grad_out, rows, weights, slot_row, need_grad_rows=ctx.needs_input_grad[0],
-                need_grad_weights=ctx.needs_input_grad[1], zero_fill_rows=rows.shape[0] != row_slot.shape[0])
-            return grad_rows, grad_weights, None, None, None
+            grads = _run_combine_kernel(
+                "combine_rows_backward", rows, weights, grad_out, rows, weights, slot_row,
+                need_grad_rows=ctx.needs_input_grad[0], need_grad_weights=ctx.needs_input_grad[1],
+                zero_fill_rows=rows.shape[0] != row_slot.shape[0])
+            if grads is not None:
+                return grads[0], grads[1], None, None, None
         if _cpu_fast_path(rows, ctx.padded):
             g = grad_out.index_select(0, row_slot // k)  # [N, H] each row's token gradient
             if ctx.needs_input_grad[1]:  # d w[slot] = <rows[row of slot], grad_out[token]>

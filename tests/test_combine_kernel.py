@@ -449,3 +449,43 @@ def test_kernels_compile_for_sm90_with_vector_loads():
     for _, name, *counts in lines:  # forward: rows in, out out; backward: rows in (grad_w), grad_rows out
         writes_rows, reads_rows, v4_loads, v4_stores = map(int, counts)
         assert (v4_stores > 0 or not writes_rows) and (v4_loads > 0 or not reads_rows), proc.stdout
+
+
+def test_a_kernel_that_cannot_be_built_falls_back_to_torch_once_with_a_warning(monkeypatch):
+    """A Triton version whose compiler rejects the kernel (or a GPU that cannot hold its config) must not
+    stop training: moe.dispatch warns once, records why for these dtypes, and runs its torch combine;
+    TRITON_COMBINE='always' raises instead. Simulated on CPU: the kernel path is chosen, the launcher raises."""
+    from triton.compiler.errors import CompilationError
+
+    from moekit.moe import dispatch
+    from moekit.moe.kernels import combine
+
+    def broken(*args, **kwargs):
+        raise CompilationError("kernel.py", None, "unsupported op in this Triton")
+
+    gen = _gen("fallback")
+    routing = _routing(gen, 24, 6, 2, None)
+    x = torch.randn(24, 16, generator=gen, requires_grad=True)
+    cot = torch.randn(24, 16, generator=gen)
+    disp = dispatch.LocalDispatcher(6)
+
+    def run():
+        d = disp.dispatch(x, routing)
+        out = disp.combine(d.rows * 1.5, d.meta)
+        return (out, *torch.autograd.grad(out, x, cot))
+
+    monkeypatch.setattr(dispatch, "TRITON_COMBINE", "never")
+    ref = run()
+    monkeypatch.setattr(combine, "combine_rows", broken)
+    monkeypatch.setattr(combine, "combine_rows_backward", broken)
+    monkeypatch.setattr(dispatch, "TRITON_COMBINE", "auto")
+    monkeypatch.setattr(dispatch, "_triton_combine", lambda rows, weights=None: True)  # as on a GPU
+    monkeypatch.setattr(dispatch, "_COMBINE_OK", {})
+    with pytest.warns(UserWarning, match="failed to build here.*CompilationError.*torch combine runs instead"):
+        got = run()
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)  # the torch path itself
+    assert any("CompilationError" in v for v in dispatch._COMBINE_OK.values())  # later calls skip the kernel
+    monkeypatch.setattr(dispatch, "TRITON_COMBINE", "always")
+    with pytest.raises(CompilationError):
+        run()

@@ -119,3 +119,33 @@ def test_refusals_name_the_problem(monkeypatch):
     monkeypatch.setattr(attention, "TRITON_ROPE", "always")
     with pytest.raises(ValueError, match="TRITON_ROPE='always'.*fit neither"):
         apply_rope(x, cos[:3, None], sin[:3, None])
+
+
+def test_a_rope_kernel_that_cannot_be_built_falls_back_to_torch_once_with_a_warning(monkeypatch):
+    from triton.compiler.errors import CompilationError
+
+    from moekit.moe.kernels import rope as rope_module
+
+    def broken(*args, **kwargs):
+        raise CompilationError("rope.py", None, "unsupported op in this Triton")
+
+    cos, sin = tables(6, 8, 0)
+    x = torch.randn(2, 6, 3, 8, device=DEV, requires_grad=True)
+    monkeypatch.setattr(attention, "TRITON_ROPE", "never")
+    ref = apply_rope(x, cos[:, None], sin[:, None])
+    monkeypatch.setattr(rope_module, "rope", broken)
+    monkeypatch.setattr(attention, "_ROPE_BUILD_FAILURE", [])
+    monkeypatch.setattr(attention, "TRITON_ROPE", "auto")
+    # on CPU "auto" never picks the kernel: pick it as a GPU would
+    monkeypatch.setattr(attention, "_rope_kernel_or_none", lambda *a: attention._rope_or_fallback)
+    with pytest.warns(UserWarning, match="RoPE kernel failed to build here.*CompilationError.*torch rotation"):
+        got = apply_rope(x, cos[:, None], sin[:, None])
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    assert attention._ROPE_BUILD_FAILURE  # and "auto" skips the kernel from now on
+    monkeypatch.undo()
+    monkeypatch.setattr(attention, "_ROPE_BUILD_FAILURE", ["CompilationError: earlier"])
+    assert attention._rope_kernel_or_none(x.cuda() if DEV == "cuda" else x, cos[:, None], sin[:, None]) is None
+    monkeypatch.setattr(attention, "TRITON_ROPE", "always")
+    monkeypatch.setattr(rope_module, "rope", broken)
+    with pytest.raises(CompilationError):
+        attention._rope_or_fallback(x, cos[:, None], sin[:, None])

@@ -33,6 +33,19 @@ import triton.language as tl
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _SUPPORTED_NAMES = "float32/bfloat16/float16"
 
+# What a launch raises when a kernel cannot be built on this machine (a compile error in this Triton
+# version, a config the GPU cannot hold). moe.dispatch and models.attention catch it for their optional
+# kernels (combine, RoPE) and fall back to torch, once, with a warning.
+try:
+    from triton.runtime.errors import TritonError as _TritonError
+
+    BUILD_ERRORS: tuple = (_TritonError,)
+except ImportError:  # pragma: no cover  (older Triton: the two it has always had)
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources
+
+    BUILD_ERRORS = (CompilationError, OutOfResources)
+
 # Incremented by every launcher right before it launches: tests use it to prove the Triton path (not
 # the torch fallback) ran. Keys are kernel names.
 LAUNCHES: collections.Counter = collections.Counter()
