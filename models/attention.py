@@ -167,7 +167,7 @@ def _rope_kernel_or_none(x: Tensor, cos: Tensor, sin: Tensor):
 def _rope_or_fallback(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool = False) -> Tensor:
     """The Triton RoPE; if this machine's Triton cannot build it (a compile error, a GPU that cannot hold
     it), one warning and the torch rotation from then on (TRITON_ROPE='always' raises instead)."""
-    from moekit.moe.kernels._common import BUILD_ERRORS
+    from moekit.moe.kernels._common import BUILD_ERRORS, build_failure
     from moekit.moe.kernels.rope import rope
 
     try:
@@ -175,8 +175,7 @@ def _rope_or_fallback(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool = False
     except BUILD_ERRORS as exc:
         if TRITON_ROPE == "always":
             raise
-        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
-        _ROPE_BUILD_FAILURE.append(f"{type(exc).__name__}: {first}")
+        _ROPE_BUILD_FAILURE.append(build_failure(exc))
         warnings.warn(f"models.attention: the Triton RoPE kernel failed to build here ({_ROPE_BUILD_FAILURE[-1]}); "
                       f"the torch rotation runs instead. Set models.attention.TRITON_ROPE = 'never' to choose that "
                       f"without this warning.", stacklevel=2)

@@ -158,15 +158,14 @@ def _run_combine_kernel(name: str, rows: Tensor, weights: Tensor | None, *args, 
     the torch path runs, now and for every later call on these dtypes, after one warning that says so;
     under TRITON_COMBINE="always" the error is raised instead."""
     from moekit.moe.kernels import combine
-    from moekit.moe.kernels._common import BUILD_ERRORS
+    from moekit.moe.kernels._common import BUILD_ERRORS, build_failure
 
     try:
         return getattr(combine, name)(*args, **kwargs)
     except BUILD_ERRORS as exc:
         if TRITON_COMBINE == "always":
             raise
-        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
-        reason = f"the Triton combine kernel failed to build here ({type(exc).__name__}: {first})"
+        reason = f"the Triton combine kernel failed to build here ({build_failure(exc)})"
         _COMBINE_OK[_combine_key(rows, weights)] = reason
         warnings.warn(f"moe.dispatch: {reason}; the torch combine runs instead (slower on GPUs). Set "
                       f"moe.dispatch.TRITON_COMBINE = 'never' to choose that without this warning.", stacklevel=2)

@@ -46,6 +46,12 @@ except ImportError:  # pragma: no cover  (older Triton: the two it has always ha
 
     BUILD_ERRORS = (CompilationError, OutOfResources)
 
+
+def build_failure(exc: BaseException) -> str:
+    """One line naming a BUILD_ERRORS exception: its type and the first line of its message."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0][:200] if text else ''}"
+
 # Incremented by every launcher right before it launches: tests use it to prove the Triton path (not
 # the torch fallback) ran. Keys are kernel names.
 LAUNCHES: collections.Counter = collections.Counter()

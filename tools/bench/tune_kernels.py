@@ -39,18 +39,15 @@ import time
 import torch
 
 from moekit.bench.benchlib import environment, print_table, write_json
+from moekit.bench.grouped_gemm import SHAPES as GEMM_SHAPES
 from moekit.moe.kernels._common import cfg, interpret_mode
 from moekit.moe.kernels.expert_mlp import EXPERT_DOWN_DACT, EXPERT_UP_ACT, expert_down_dact, expert_up_act
 from moekit.moe.kernels.grouped_mm import GROUPED_MM, grouped_mm_fwd
 from moekit.moe.kernels.grouped_mm_wgrad import GROUPED_MM_WGRAD, grouped_mm_wgrad
 
-SHAPES = {  # name: (hidden H, expert ffn F, local experts E, top-k); the shapes of grouped_gemm.py
-    "mixtral-8x7b": (4096, 14336, 8, 2),
-    "deepseek-v3-ep8": (7168, 2048, 32, 8),
-    "qwen3-30b-a3b": (2048, 768, 128, 8),
-    "fine-grained": (1536, 256, 128, 8),
-    "mixtral-1b": (1024, 3072, 8, 2),  # the preset train_mfu.py trains
-}
+# name: (hidden H, expert ffn F, local experts E, top-k): grouped_gemm.py's shapes, plus the preset
+# train_mfu.py trains
+SHAPES = {**GEMM_SHAPES, "mixtral-1b": (1024, 3072, 8, 2)}
 SMOKE_SHAPE = {"smoke": (32, 16, 4, 2)}
 CALLS = ("wgrad_in", "wgrad_out", "down_dact", "dx", "up_act", "down")  # backward first: it is the gap
 KERNEL_OF = {"up_act": EXPERT_UP_ACT, "down": GROUPED_MM, "down_dact": EXPERT_DOWN_DACT, "dx": GROUPED_MM,
