@@ -3,6 +3,7 @@ reference, the plain-torch dispatch / combine, and the activation-memory account
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -149,3 +150,64 @@ def test_cpu_layer_benchmark_smoke(tmp_path):
     assert all(r["faults_per_call"] >= 0 for r in rows if "min_ms" in r)
     floor = [r for r in rows if r["impl"] == "GEMMs alone (floor)"]
     assert len(floor) == 2 and all(r["min_ms"] > 0 and r["gflops"] > 0 for r in floor)
+
+
+def test_cpu_fusion_peers_compute_moekits_functions():
+    """tools/bench/cpu_fusion.py times plain-torch versions of the combine and the SwiGLU epilogues against
+    moekit's eager ones: they must be the same functions (fresh random routing with empty and ragged experts,
+    float64 so only the maths can differ), else the ratios compare different work."""
+    from moekit.bench import cpu_fusion
+    from moekit.moe.dispatch import PermuteMeta, sort_slots, unpermute
+
+    T, k, E, H, F = 37, 3, 6, 8, 5
+    ids = torch.randint(0, E - 2, (T, k))  # the last two experts get nothing
+    ids[:5] = 0  # one crowded expert
+    row_slot, slot_row = sort_slots(ids, T * k)
+    weights, rows = torch.rand(T, k, dtype=torch.float64), torch.randn(T * k, H, dtype=torch.float64)
+    meta = PermuteMeta(T, k, row_slot, slot_row, weights, may_drop=False)
+    # the reference another way: each token's rows found by searching row_slot, not through slot_row
+    ref = torch.stack([sum(weights[t, j] * rows[(row_slot == t * k + j).nonzero().item()] for j in range(k))
+                       for t in range(T)])
+    torch.testing.assert_close(unpermute(rows, meta), ref)
+    torch.testing.assert_close(cpu_fusion.combine_plain(rows, slot_row, weights), ref)
+
+    N = 23
+    h = torch.randn(N, 2 * F, dtype=torch.float64, requires_grad=True)
+    da = torch.randn(N, F, dtype=torch.float64)
+    a = torch.nn.functional.silu(h[:, :F]) * h[:, F:]  # autograd is the reference for both epilogues
+    (dh_ref,) = torch.autograd.grad(a, h, da)
+    h = h.detach()
+    torch.testing.assert_close(cpu_fusion.swiglu_eager(h, torch.empty(N, F, dtype=h.dtype)), a.detach())
+    torch.testing.assert_close(cpu_fusion.swiglu_plain(h), a.detach())
+    torch.testing.assert_close(cpu_fusion.swiglu_bwd_eager(da, h, torch.empty_like(h)), dh_ref)
+    torch.testing.assert_close(cpu_fusion.swiglu_bwd_plain(da, h), dh_ref)
+
+    B, heads, S, D = 2, 3, 7, 4
+    q, kk, v = (torch.randn(B, heads, S, D, dtype=torch.float64) for _ in range(3))
+    mask = torch.full((S, S), -math.inf, dtype=torch.float64).triu(1).expand(B * heads, S, S)
+    torch.testing.assert_close(cpu_fusion.attention_explicit(q, kk, v, mask),
+                               torch.nn.functional.scaled_dot_product_attention(q, kk, v, is_causal=True))
+
+
+def test_cpu_fusion_benchmark_smoke(tmp_path):
+    """tools/bench/cpu_fusion.py end to end at a tiny size, with torch.compile's aot_eager backend (no C++
+    compile in CI): every case's peers are timed, checked against moekit's output and written to the JSON."""
+    from moekit.bench import cpu_fusion
+
+    out = tmp_path / "cpu_fusion.json"
+    try:
+        assert cpu_fusion.main(["--tokens", "48", "--hidden", "16", "--shapes", "fine", "--dtypes", "float32",
+                                "--attn-batch", "2", "--attn-seq", "8", "--repeats", "1", "--warmup", "1",
+                                "--compile-backend", "aot_eager", "--out", str(out)]) == 0
+    finally:
+        torch._dynamo.reset()
+    rows = json.loads(out.read_text())["results"]
+    assert {r["case"] for r in rows} == set(cpu_fusion.CASES)
+    for r in rows:
+        assert r["min_ms"] > 0 and r["ratio"] > 0
+        if r["impl"] == "moekit":
+            assert r["ratio"] == 1.0
+        if r["max_err"] is not None:
+            assert r["max_err"] < 1e-5, r
+    with pytest.raises(SystemExit):
+        cpu_fusion.main(["--tokens", "0"])
