@@ -18,12 +18,12 @@ def losses(run_dir: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def run(args, nproc: int = 1, env_extra=None) -> subprocess.CompletedProcess:
+def run(args, nproc: int = 1, env_extra=None, script=ROOT / "tools" / "train.py") -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     env.pop("WORLD_SIZE", None)
     env.update(env_extra or {})
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    cmd = (launch if nproc > 1 else [sys.executable]) + [str(ROOT / "tools" / "train.py"), *args]
+    cmd = (launch if nproc > 1 else [sys.executable]) + [str(script), *args]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
 
 
@@ -55,6 +55,54 @@ def test_torchrun_ep_matches_one_process(tmp_path, single, extra):
         assert losses(resumed) == pytest.approx(single[2:], rel=1e-5, abs=1e-6)
         load = load_rows(tmp_path)[1:]
         assert all(sum(sum(layer) for layer in rec["tokens"]) > 0 for rec in load if "tokens" in rec)
+
+
+# tools/train.py with a probe that fires only if the interpreter finalizes (module globals are cleared then):
+# it writes the names of the threads still alive at that moment
+FINALIZE_PROBE = """
+import os, sys
+
+
+class Probe:
+    def __del__(self, listdir=os.listdir, open=open, out=os.environ["PROBE_OUT"] + os.environ.get("RANK", "single")):
+        names = []
+        for tid in listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/comm") as f:
+                    names.append(f.read().strip())
+            except OSError:  # a thread that ended meanwhile
+                pass
+        with open(out, "w") as f:
+            f.write(" ".join(names))
+
+
+probe = Probe()
+from moekit.train.loop import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads thread names from /proc")
+def test_ranks_never_finalize_the_interpreter_with_gloo_workers_alive(tmp_path):
+    """A gloo worker thread (pt_gloo_runloop) that frees its last collective's tensors while the interpreter
+    finalizes dies taking the GIL, inside a noexcept destructor: the rank aborts with "terminate called without
+    an active exception" (exit -6), now and then. Nothing joins those threads before exit (destroy_process_group
+    leaves them running while DeviceMeshes and DTensor's caches hold the groups), so a rank must not finalize
+    with them alive. The one-process run shows the probe fires when the interpreter does finalize."""
+    script = tmp_path / "probed_train.py"
+    script.write_text(FINALIZE_PROBE)
+    env = {"PROBE_OUT": str(tmp_path / "threads-")}
+    flags = ["--steps", "2", "--checkpoint.every", "0", *TINY]
+    r = run([*flags, "--run-dir", str(tmp_path / "one")], script=script, env_extra=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (tmp_path / "threads-single").read_text().startswith("python"), "the probe did not fire"
+    r = run([*flags, "--run-dir", str(tmp_path / "ep2"), "--ep", "2"], nproc=2, script=script, env_extra=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "done: step 2" in r.stdout
+    for rank in (0, 1):
+        probe = tmp_path / f"threads-{rank}"
+        alive = probe.read_text().split().count("pt_gloo_runloop") if probe.exists() else 0
+        assert alive == 0, f"rank {rank} finalized its interpreter with {alive} gloo worker threads alive"
 
 
 @pytest.mark.parametrize("args,match", [

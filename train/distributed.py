@@ -25,6 +25,26 @@ _COMM_MESSAGES = ("Timed out waiting", "Connection closed by peer", "Connection 
                   "Broken pipe", "gloo/transport")
 
 
+# Whether this process started the process group (Dist.setup): see owns_process_group.
+_started_group = False
+
+
+def owns_process_group() -> bool:
+    """Whether this process started a process group (Dist.setup), so that it must end without finalizing the
+    interpreter (moekit.train.loop.main does, after its orderly teardown).
+
+    gloo runs each group's collectives on worker threads (pt_gloo_runloop) that only the group's C++
+    destructor joins, and destroy_process_group does not run it: the Topology, the DeviceMeshes and torch's
+    DTensor caches still hold the groups, until interpreter finalization or forever. A worker that lets go of
+    its last collective after the rank has moved on (the final barrier, whose work keeps the collective
+    before it, all_gather_object's Python-owned tensors, alive) must take the GIL to free them; during
+    finalization CPython ends such a thread with pthread_exit, whose unwinding through the noexcept
+    destructor calls std::terminate: "terminate called without an active exception", exit -6, now and then
+    (seen in about 1 of 20 loaded runs of 4 ranks; core dumps show ~AsyncBarrierWork -> ~AsyncAllgatherWork
+    -> decref_pyobject -> take_gil -> PyThread_exit_thread while the main thread is in Py_FinalizeEx)."""
+    return _started_group
+
+
 def first_line(exc: BaseException) -> str:
     """The gist of an exception's message: its last line's first sentence, without gloo's source location
     ("[.../unbound_buffer.cc:78] ") and advice ("Connection reset by peer. This is typically caused by ...")."""
@@ -74,6 +94,8 @@ class Dist:
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
             # a rank that never arrives (crash, mismatched launch) surfaces as an error after timeout_s
             dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+            global _started_group
+            _started_group = True  # from here on this process ends through os._exit (owns_process_group)
         if world > 1:
             # EP / DP groups and the device meshes time out like the default group
             topology.build(timeout=timedelta(seconds=timeout_s), device_type=device.type)
@@ -212,8 +234,9 @@ class Dist:
 
     def close(self, together: bool = False) -> None:
         """Tear the process groups down. ``together``: every rank got here the normal way, so first wait for
-        all of them (a barrier, bounded by --layout.timeout_s): a rank that tears gloo down while rank 0 is
-        still writing its final records was seen to abort (std::terminate, exit -6) now and then."""
+        all of them (a barrier, bounded by --layout.timeout_s): no rank leaves while another may still be in
+        a collective with it. destroy_process_group only unregisters the groups; their gloo worker threads
+        live on until the process ends, which is why a rank ends without finalizing (owns_process_group)."""
         if self.active and dist.is_initialized():
             if together:
                 try:

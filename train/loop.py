@@ -12,12 +12,14 @@ One optimizer step:
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
 import shutil
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -34,7 +36,7 @@ from moekit.train.plan import lr_lambda, make_optimizer, plan_run
 from moekit.train.rebalance import RunPlacement
 from moekit.train.config import TrainConfig, to_toml
 from moekit.train.consistency import check_ranks_agree
-from moekit.train.distributed import Dist, comm_failure, first_line
+from moekit.train.distributed import Dist, comm_failure, first_line, owns_process_group
 from moekit.train.faults import RunFailed
 from moekit.train.guard import Guard, NonFinite, set_deterministic
 from moekit.train.data import Split, gather, load_data, unigram_entropy
@@ -52,12 +54,25 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point. Exit status: 0 on success; 1 when training stopped on a failure (a non-finite loss, a
     write that failed, a collective or checkpoint that waited past --layout.timeout_s); 2 on bad input
     (flags, data, paths, a run directory in use); 128 + signal (143 SIGTERM, 130 SIGINT) when a signal
-    stopped it after saving a checkpoint: non-zero, so torchrun --max-restarts and schedulers retry it."""
+    stopped it after saving a checkpoint: non-zero, so torchrun --max-restarts and schedulers retry it.
+
+    A rank of a multi-process run does not return: once the trainer has torn down what it started (saves
+    sealed, records closed, the ranks past their last barrier, the groups destroyed), it ends its process
+    with that status without finalizing the interpreter, whose finalization races gloo's worker threads
+    (moekit.train.distributed.owns_process_group). So does one whose save thread hung (checkpoint.stuck_saves)."""
     try:
         code = _run(argv)
+    except Exception:  # a bug: reported as the interpreter would, but a rank must not finalize (below)
+        if not owns_process_group():
+            raise
+        traceback.print_exc()
+        code = 1
     finally:
         runlock.release_all()  # a trainer that failed during setup lets go of its run directory too
-    if checkpoint.stuck_saves():  # a save thread hung in the filesystem: the interpreter would wait for it at exit
+    stuck = checkpoint.stuck_saves()  # a save thread hung in the filesystem: the interpreter would wait for it
+    if stuck or owns_process_group():
+        if not stuck:  # what a normal exit runs before finalizing: logging's flush, weakref finalizers, ...
+            atexit._run_exitfuncs()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
