@@ -216,10 +216,61 @@ def apply_rope_interleaved(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 # ---------------------------------------------------------------------------------------------------
 
 
+# Where causal attention runs as explicit bmm + softmax + bmm (``explicit_causal_attention``) instead of torch's
+# SDPA: "auto" for CPU bf16 / fp16 (including under autocast) with sequences of at most EXPLICIT_MAX_SEQ and
+# [B, N, S, S] scores of at most EXPLICIT_MAX_SCORES elements, not while torch.compile traces; "always"
+# everywhere (tests); "never": SDPA everywhere. Measured forward + backward, bf16, 4 heads of 32, 2 cores
+# (tools/bench/cpu_fusion.py --cases attention --attn-batch B --attn-seq S), explicit / SDPA time:
+#     S 128: 0.30 (B 16)   S 256: 0.74 (B 4), 0.43 (B 16), 0.94 (B 64)   S 384: 0.48 (B 16)
+#     S 512: 1.22-1.24 (B 4, 16)   S 768: 1.95   S 1024: 1.92   S 2048: 2.32
+# torch's CPU flash attention is slow in bf16 at short sequences; from S 512 on its tiling wins. In fp32 the
+# two were equal at S 256 (0.97) and explicit lost 3-4x at S 1024-2048, so fp32 keeps SDPA. The explicit form
+# materialises the scores (and keeps the probabilities for backward), hence the element cap as well (2**24:
+# 32 MiB in bf16 per layer; past it the fresh allocations' page faults eat the gain, B 64 x S 256).
+EXPLICIT_ATTENTION = "auto"
+_EXPLICIT_ATTENTION_MODES = ("auto", "always", "never")
+EXPLICIT_MAX_SEQ = 384
+EXPLICIT_MAX_SCORES = 2**24
+
+
+def _explicit_attention(q: Tensor) -> bool:
+    mode = EXPLICIT_ATTENTION
+    if mode not in _EXPLICIT_ATTENTION_MODES:
+        raise ValueError(f"models.attention.EXPLICIT_ATTENTION={mode!r}; use one of "
+                         f"{', '.join(_EXPLICIT_ATTENTION_MODES)}")
+    if mode != "auto":
+        return mode == "always"
+    dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else q.dtype
+    B, N, S, _ = q.shape
+    return (q.device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and S <= EXPLICIT_MAX_SEQ
+            and B * N * S * S <= EXPLICIT_MAX_SCORES and not torch.compiler.is_compiling())
+
+
+def explicit_causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None) -> Tensor:
+    """Causal attention of q [B, N, S, Dqk] over k [B, K, S, Dqk], v [B, K, S, Dv] (N % K == 0) as
+    softmax(q k^T * scale + causal mask) v in batched matmuls: each key head's G = N / K query heads are
+    stacked into one [G * S, Dqk] block, so the keys and values are read as they are (no GQA expansion).
+    The same function as ``F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)``."""
+    B, N, S, Dqk = q.shape
+    K, Dv = k.shape[1], v.shape[-1]
+    if N % K or k.shape[2] != S:
+        raise ValueError(f"explicit_causal_attention: {N} query heads over {K} key heads of length {k.shape[2]} "
+                         f"for {S} queries; need N % K == 0 and keys as long as the queries")
+    G = N // K
+    scale = Dqk ** -0.5 if scale is None else scale
+    mask = torch.full((S, S), -math.inf, device=q.device, dtype=q.dtype).triu_(1).repeat(G, 1)  # [G*S, S]
+    scores = torch.baddbmm(mask, q.reshape(B * K, G * S, Dqk), k.reshape(B * K, S, Dqk).transpose(1, 2),
+                           alpha=scale)  # [B*K, G*S, S]
+    return torch.bmm(scores.softmax(-1), v.reshape(B * K, S, Dv)).view(B, N, S, Dv)
+
+
 def attend(q: Tensor, k: Tensor, v: Tensor, kv: LayerKV | None, gqa: bool, scale: float | None = None) -> Tensor:
     """Causal SDPA of q [B, N, S, Dqk] over k [B, K, S, Dqk], v [B, K, S, Dv] (-> [B, N, S, Dv]); with ``kv``
-    the new keys / values are appended to the cache and q attends to every cached position too."""
+    the new keys / values are appended to the cache and q attends to every cached position too. Where it
+    is faster (CPU bf16, small S: EXPLICIT_ATTENTION) the same function runs as bmm + softmax + bmm."""
     if kv is None:
+        if _explicit_attention(q):
+            return explicit_causal_attention(q, k, v, scale)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)
     start, S = kv.length, q.shape[2]
     k, v = kv.append(k, v)  # [B, K, start+S, D*]: every position so far

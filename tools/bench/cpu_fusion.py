@@ -140,8 +140,7 @@ def run_case(case: str, shape: str, dtype: torch.dtype, args, compile_fn) -> lis
         outputs = {name: fn() for name, fn in peers.items()}
     else:
         raise ValueError(case)
-    with torch.no_grad() if case != "attention" else torch.enable_grad():
-        timings = time_interleaved(peers, torch.device("cpu"), warmup=args.warmup, repeats=args.repeats, rotate=True)
+    timings = time_interleaved(peers, torch.device("cpu"), warmup=args.warmup, repeats=args.repeats, rotate=True)
     base = timings["moekit"][args.stat]
     where = f"{shape} (T {T})" if case != "attention" else f"main job (B {args.attn_batch}, S {args.attn_seq})"
     rows_out = []
@@ -185,7 +184,9 @@ def main(argv=None) -> int:
     for dt in args.dtypes:
         for case in args.cases:
             for shape in (args.shapes if case != "attention" else [None]):
-                results += run_case(case, shape or "mixtral", getattr(torch, dt), args, compile_fn)
+                torch._dynamo.reset()  # each case compiles afresh: no recompile limit across cases
+                with torch.no_grad() if case != "attention" else torch.enable_grad():  # one grad mode per case
+                    results += run_case(case, shape or "mixtral", getattr(torch, dt), args, compile_fn)
                 print(f"done {case} {shape or ''} {dt}", file=sys.stderr, flush=True)
                 write_json(args.out, {**payload, "partial": True}, quiet=True)
     print_table(results, [("case", "case", ""), ("shape", "shape", ""), ("dtype", "dtype", ""), ("impl", "impl", ""),
