@@ -233,17 +233,24 @@ EXPLICIT_MAX_SEQ = 384
 EXPLICIT_MAX_SCORES = 2**24
 
 
-def _explicit_attention(q: Tensor) -> bool:
+def explicit_attention_applies(device_type: str, dtype: torch.dtype, batch: int, heads: int, seq_len: int) -> bool:
+    """Whether causal attention without a KV cache runs as ``explicit_causal_attention`` (EXPLICIT_ATTENTION
+    above) for these shapes in this compute dtype; also what train.planning's activation estimate asks."""
     mode = EXPLICIT_ATTENTION
     if mode not in _EXPLICIT_ATTENTION_MODES:
         raise ValueError(f"models.attention.EXPLICIT_ATTENTION={mode!r}; use one of "
                          f"{', '.join(_EXPLICIT_ATTENTION_MODES)}")
     if mode != "auto":
         return mode == "always"
-    dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else q.dtype
+    return (device_type == "cpu" and dtype in (torch.bfloat16, torch.float16) and seq_len <= EXPLICIT_MAX_SEQ
+            and batch * heads * seq_len * seq_len <= EXPLICIT_MAX_SCORES)
+
+
+def _explicit_attention(q: Tensor) -> bool:
+    dtype = torch.get_autocast_dtype("cpu") if q.device.type == "cpu" and torch.is_autocast_enabled("cpu") else q.dtype
     B, N, S, _ = q.shape
-    return (q.device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and S <= EXPLICIT_MAX_SEQ
-            and B * N * S * S <= EXPLICIT_MAX_SCORES and not torch.compiler.is_compiling())
+    return (explicit_attention_applies(q.device.type, dtype, B, N, S)
+            and not (EXPLICIT_ATTENTION == "auto" and torch.compiler.is_compiling()))
 
 
 def explicit_causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None) -> Tensor:

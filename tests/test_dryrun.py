@@ -62,12 +62,13 @@ class LiveStorages(TorchDispatchMode):
                    for key, (ref, _) in self.seen.items() if not ref.expired() and key not in skip)
 
 
-def measure(model, tokens: torch.Tensor, targets: torch.Tensor) -> dict[str, int]:
-    """Bytes of parameters, activations kept by one forward, gradients, AdamW state after one step."""
+def measure(model, tokens: torch.Tensor, targets: torch.Tensor, autocast: torch.dtype | None = None) -> dict[str, int]:
+    """Bytes of parameters, activations kept by one forward (under CPU ``autocast`` when given), gradients,
+    AdamW state after one step."""
     params = list(model.parameters())
     out = {"params": sum(_local(p).numel() * p.element_size() for p in params)}
     track = LiveStorages()
-    with track:
+    with track, torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
         loss = F.cross_entropy(model(tokens).flatten(0, 1).float(), targets.flatten())  # as the trainer
     out["activations"] = track.alive(params + list(model.buffers()) + [tokens, targets])
     loss.backward()
@@ -116,6 +117,27 @@ def test_estimate_matches_one_process(name, mode, over):
     assert (est.params, est.grads, est.optimizer) == (measured["params"], measured["grads"], measured["optimizer"])
     tol = 0.1 if cfg.capacity_factor is not None else 0.005
     assert est.activations == pytest.approx(measured["activations"], rel=tol), est.breakdown
+
+
+@pytest.mark.parametrize("attention", ["auto", "never"])
+def test_estimate_matches_one_process_under_cpu_bf16_autocast(attention):
+    """CPU bf16 autocast (``--train.dtype bfloat16``): each projection's bf16 input copy, and the attention's
+    kept tensors whichever path runs: the explicit bmm + softmax (auto at this length: it keeps the [B, N, S, S]
+    probabilities) or SDPA (its output and logsumexp)."""
+    from moekit.models import attention as A
+
+    cfg = dataclasses.replace(preset("mixtral-tiny"), num_layers=2)
+    before, A.EXPLICIT_ATTENTION = A.EXPLICIT_ATTENTION, attention
+    try:
+        assert A.explicit_attention_applies("cpu", torch.bfloat16, B, cfg.num_heads, S) == (attention == "auto")
+        model = build_model(cfg, seed=0).train()
+        gen = torch.Generator().manual_seed(0)
+        tokens, targets = (torch.randint(0, cfg.vocab_size, (B, S), generator=gen) for _ in range(2))
+        measured = measure(model, tokens, targets, autocast=torch.bfloat16)
+        est = estimate_memory(cfg, Layout(), Workload(B, S, "bfloat16", "none", "cpu"))
+    finally:
+        A.EXPLICIT_ATTENTION = before
+    assert est.activations == pytest.approx(measured["activations"], rel=0.005), (est.breakdown, measured)
 
 
 TWO_RANK_LAYOUTS = [  # (preset, layout, activation checkpointing, sequence parallel)

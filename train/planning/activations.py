@@ -31,7 +31,10 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
+
 from moekit.comm.topology import Layout
+from moekit.models.attention import explicit_attention_applies
 from moekit.models.config import ModelConfig
 
 if TYPE_CHECKING:  # moekit.train.planning.memory imports this module
@@ -56,6 +59,8 @@ class Shapes:
     r: int  # bytes of the residual stream: fp32, or bf16 when FSDP computes in bf16 parameters
     casts: bool  # autocast over fp32 weights: each projection keeps its own bf16 copy of its input
     cpu: bool
+    S: int  # sequence length
+    explicit_attention: bool  # attention as bmm + softmax + bmm (models.attention.explicit_attention_applies)
 
 
 def shapes(cfg: ModelConfig, layout: Layout, wl: Workload) -> Shapes:
@@ -67,7 +72,10 @@ def shapes(cfg: ModelConfig, layout: Layout, wl: Workload) -> Shapes:
         R = min(R, cfg.num_experts * min(Tm, math.ceil(Tm * k / cfg.num_experts * cfg.capacity_factor)))
     a = DTYPE_BYTES[wl.dtype]
     bf16_params = a == 2 and layout.fsdp > 1 and wl.device == "cuda"  # the trainer's FSDP param_dtype
-    return Shapes(wl.tokens, Ts, Tm, R, a, a if bf16_params else FP32, a == 2 and not bf16_params, wl.device == "cpu")
+    explicit = explicit_attention_applies(wl.device, torch.bfloat16 if a == 2 else torch.float32, wl.micro_batch,
+                                          cfg.num_heads // layout.tp, wl.seq_len)
+    return Shapes(wl.tokens, Ts, Tm, R, a, a if bf16_params else FP32, a == 2 and not bf16_params, wl.device == "cpu",
+                  wl.seq_len, explicit)
 def _attention(cfg: ModelConfig, layout: Layout, s: Shapes) -> int:
     H, N = cfg.hidden_size, cfg.num_heads // layout.tp
     if cfg.attention == "mla":  # keys are expanded per head (models.attention.MLAttention); plus the latents
@@ -75,7 +83,7 @@ def _attention(cfg: ModelConfig, layout: Layout, s: Shapes) -> int:
         kept = s.T * N * (2 * Dqk + 2 * Dv) * s.a + s.T * (cfg.q_lora_rank + cfg.kv_lora_rank) * 2 * s.a
         kept += s.T * N * FP32  # logsumexp
         inputs = 3 * s.T * H * s.a if s.casts else s.T * H * s.r
-        return inputs + kept + (s.T * N * Dv * s.a if s.cpu else 0)
+        return inputs + kept + (s.T * N * Dv * s.a if s.cpu else 0) + _explicit_probs(cfg, layout, s)
     D, K = cfg.attn_head_dim, cfg.num_kv_heads // layout.tp
     inputs = 3 * s.T * H * s.a if s.casts else s.T * H * s.r
     kept = s.T * (2 * N + 2 * K) * D * s.a + s.T * N * FP32  # q, k (after RoPE), v, output; logsumexp
@@ -83,7 +91,17 @@ def _attention(cfg: ModelConfig, layout: Layout, s: Shapes) -> int:
         kept += s.T * (N + K) * D * s.a
     # no copy for wo: RoPE runs before the head transpose, so q reaches SDPA as a [B, S, N, D] view and CPU
     # SDPA returns its output in q's layout, whose reshape back to [B, S, N*D] is a view
-    return inputs + kept
+    return inputs + kept + _explicit_probs(cfg, layout, s)
+
+
+def _explicit_probs(cfg: ModelConfig, layout: Layout, s: Shapes) -> int:
+    """The explicit attention (CPU bf16, short sequences) keeps the softmax probabilities [B, N, S, S] for
+    backward where SDPA keeps an fp32 logsumexp [B, N, S]; it keeps copies of q, k, v in place of the views
+    SDPA keeps, and the output either way (the same bytes)."""
+    if not s.explicit_attention:
+        return 0
+    N = cfg.num_heads // layout.tp
+    return s.T * N * (s.S * s.a - FP32)
 
 
 def _router(cfg: ModelConfig, s: Shapes) -> int:
@@ -140,6 +158,7 @@ def _selective(cfg: ModelConfig, layout: Layout, s: Shapes, i: int) -> dict[str,
     else:
         Dv, K = cfg.attn_head_dim, cfg.num_kv_heads // layout.tp
         proj, fused = (N + 2 * K) * Dv, True
+    fused = fused and not s.explicit_attention  # bmm + softmax + bmm: nothing a selective checkpoint caches
     # q / k / v (or MLA's latents) and the output projection; SDPA's output and fp32 logsumexp
     out = {"attention": s.T * (proj + H) * a + (s.T * N * (Dv * a + FP32) if fused else 0)}
     gated = cfg.activation == "swiglu"
