@@ -8,6 +8,7 @@ checks that background saves (on their own gloo group) leave training untouched.
 """
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -49,7 +50,10 @@ def test_killed_rank_restarts_from_the_latest_checkpoint(tmp_path):
     assert procs[1].returncode == 0, ref_err[-3000:]
     assert procs[0].returncode == 0, err[-3000:]
     assert (faulty / faults.FAULT_MARKER).exists()  # the hook fired: rank 1 was killed once
-    assert "exitcode: -9" in err  # torchrun saw the SIGKILL and restarted the group
+    # torchrun saw a worker fail and restarted the group: rank 1's SIGKILL (-9), or rank 0's own exit (1) when
+    # it stopped on the broken collective before torchrun's next poll (ranks end with os._exit after their
+    # teardown, so that can be quick); the restart itself is checked by the resume below
+    assert re.search(r"failed \(exitcode: (-9|1)\) local_rank: [01]", err), err[-3000:]
     assert f"resumed from {faulty / 'checkpoints' / 'step_000002'} at step 2" in out
     assert out.count("step=3 loss=") == 2 and out.count("step=4 loss=") == 1  # step 3 redone
 
