@@ -141,6 +141,12 @@ def _zeroed(t: Tensor, experts: list[int]) -> Tensor:
     return t
 
 
+def swiglu_into(gate: Tensor, up: Tensor, out: Tensor) -> Tensor:
+    """out = silu(gate) * up, computed into ``out`` without temporaries: the loop backend's forward epilogue
+    (also what tools/bench/cpu_fusion.py times against a fused kernel)."""
+    return torch.ops.aten.silu.out(gate, out=out).mul_(up)
+
+
 def _loop_swiglu_forward(rows: Tensor, w_in: Tensor, w_out: Tensor, sizes: list[int],
                          keep: bool) -> tuple[Tensor, Tensor, Tensor]:
     """(out [N, H], h, a): each expert's block written into ``out``. ``keep``: h [owned, 2F] and
@@ -165,7 +171,7 @@ def _loop_swiglu_forward(rows: Tensor, w_in: Tensor, w_out: Tensor, sizes: list[
             hb, ab = bufs[0][:n], bufs[1][:n]
             gate, up = hb[:, :F], hb[:, F:]
         onednn.mm(xs[e], wis[e], hb)
-        torch.ops.aten.silu.out(gate, out=ab).mul_(up)  # no temporaries
+        swiglu_into(gate, up, ab)
         onednn.mm(ab, wos[e], outs[e])
 
     with torch.autocast(rows.device.type, enabled=False):  # rows and weights are the compute dtype

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 from moekit.bench.benchlib import environment, print_table, time_interleaved, write_json
 from moekit.moe.dispatch import PermuteMeta, sort_slots, unpermute
+from moekit.moe.experts import swiglu_into
 
 SHAPES = {"mixtral": (8, 512, 2), "fine": (64, 128, 8), "deepseek": (64, 128, 6)}  # E, F, k (cpu_layer.py's)
 CASES = ("combine", "swiglu", "swiglu_bwd", "attention")
@@ -55,7 +56,7 @@ def combine_plain(rows: torch.Tensor, slot_row: torch.Tensor, weights: torch.Ten
 def swiglu_eager(h: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     """moe/experts.py's forward epilogue over the whole block: no temporaries."""
     F_ = a.shape[-1]
-    return torch.ops.aten.silu.out(h[:, :F_], out=a).mul_(h[:, F_:])
+    return swiglu_into(h[:, :F_], h[:, F_:], a)
 
 
 def swiglu_plain(h: torch.Tensor) -> torch.Tensor:
@@ -64,7 +65,8 @@ def swiglu_plain(h: torch.Tensor) -> torch.Tensor:
 
 
 def swiglu_bwd_eager(da: torch.Tensor, h: torch.Tensor, dh: torch.Tensor) -> torch.Tensor:
-    """moe/experts.py's backward epilogue: d up = da * silu(gate), d gate = (da * up) * silu'(gate)."""
+    """moe/experts.py's backward epilogue: d up = da * silu(gate), d gate = (da * up) * silu'(gate). The same
+    ops, except that da * up goes to a new tensor: the loop overwrites da, which repeated timed calls cannot."""
     F_ = da.shape[-1]
     gate, up = h[:, :F_], h[:, F_:]
     torch.ops.aten.silu.out(gate, out=dh[:, F_:]).mul_(da)

@@ -76,6 +76,8 @@ def shapes(cfg: ModelConfig, layout: Layout, wl: Workload) -> Shapes:
                                           cfg.num_heads // layout.tp, wl.seq_len)
     return Shapes(wl.tokens, Ts, Tm, R, a, a if bf16_params else FP32, a == 2 and not bf16_params, wl.device == "cpu",
                   wl.seq_len, explicit)
+
+
 def _attention(cfg: ModelConfig, layout: Layout, s: Shapes) -> int:
     H, N = cfg.hidden_size, cfg.num_heads // layout.tp
     if cfg.attention == "mla":  # keys are expanded per head (models.attention.MLAttention); plus the latents
