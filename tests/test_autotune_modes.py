@@ -65,3 +65,75 @@ def test_bad_mode_names_the_variable_and_the_choices():
     bad = probe("fastest")
     assert bad.returncode != 0
     assert "MOEKIT_AUTOTUNE='fastest' is invalid" in bad.stderr and "['full', 'first']" in bad.stderr
+
+
+TUNED_PROBE = r"""
+import json, torch
+from moekit.moe.kernels.grouped_mm_wgrad import GROUPED_MM_WGRAD
+from moekit.moe.kernels.grouped_mm import GROUPED_MM
+
+def spelled(c):
+    kw = c.kwargs
+    return f"{kw['BLOCK_M']}x{kw['BLOCK_N']}x{kw['BLOCK_K']} w{c.num_warps} s{c.num_stages}"
+
+def kept(kernel):
+    built = kernel._build(False)
+    configs = built.early_config_prune(built.configs, {"X": torch.empty(1, dtype=torch.bfloat16)}) \
+        if built.early_config_prune is not None else built.configs
+    return [spelled(c) for c in configs]
+
+print(json.dumps({"wgrad": kept(GROUPED_MM_WGRAD), "mm": kept(GROUPED_MM),
+                  "own_wgrad": [spelled(c) for c in GROUPED_MM_WGRAD.configs]}))
+"""
+
+
+def tuned_probe(tmp_path, content, mode=None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "MOEKIT_AUTOTUNE")}
+    if mode is not None:
+        env["MOEKIT_AUTOTUNE"] = mode
+    if content is not None:
+        path = tmp_path / "tuned.json"
+        path.write_text(content if isinstance(content, str) else json.dumps(content))
+        env["MOEKIT_KERNEL_CONFIGS"] = str(path)
+    return subprocess.run([sys.executable, "-c", TUNED_PROBE], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_tuned_config_file_puts_its_winners_first_without_duplicates(tmp_path):
+    base = tuned_probe(tmp_path, None)
+    assert base.returncode == 0, base.stderr
+    base = json.loads(base.stdout)
+    own = base["own_wgrad"]
+    assert base["wgrad"][0] == own[0]
+    new = "32x64x32 w4 s2"  # not in any default list
+    assert new not in own
+    # tune_kernels.py's own output shape: the winners table inside a bigger payload
+    payload = {"benchmark": "tune_kernels", "results": [],
+               "winners": {"_grouped_mm_wgrad_kernel": [new, own[-1]]}}
+    got = tuned_probe(tmp_path, payload)
+    assert got.returncode == 0, got.stderr
+    got = json.loads(got.stdout)
+    assert got["wgrad"][:2] == [new, own[-1]]
+    assert sorted(got["wgrad"]) == sorted(set(base["wgrad"]) | {new})  # the old last one moved, not copied
+    assert got["mm"] == base["mm"]  # a kernel the file does not name keeps its list
+    first = tuned_probe(tmp_path, payload, mode="first")
+    assert first.returncode == 0, first.stderr
+    assert json.loads(first.stdout)["wgrad"] == [new]
+
+
+def test_tuned_config_file_errors_name_the_file_and_the_fix(tmp_path):
+    cases = [
+        ({"_no_such_kernel": ["64x64x32 w4 s3"]}, "no moekit kernel is named _no_such_kernel"),
+        ({"_grouped_mm_wgrad_kernel": ["64x64 w4 s3"]}, "'64x64 w4 s3' is not of the form"),
+        ({"_grouped_mm_wgrad_kernel": ["64x48x32 w4 s3"]}, "BLOCK_N 48 must be a power of two"),
+        ("{not json", "not valid JSON"),
+        ([1, 2], "expected a mapping of kernel name"),
+    ]
+    for content, message in cases:
+        bad = tuned_probe(tmp_path, content)
+        assert bad.returncode != 0, content
+        assert "MOEKIT_KERNEL_CONFIGS=" in bad.stderr and message in bad.stderr, (content, bad.stderr[-600:])
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["MOEKIT_KERNEL_CONFIGS"] = str(tmp_path / "missing.json")
+    missing = subprocess.run([sys.executable, "-c", TUNED_PROBE], env=env, capture_output=True, text=True,
+                             timeout=120)
+    assert missing.returncode != 0 and "cannot read it" in missing.stderr

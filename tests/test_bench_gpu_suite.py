@@ -119,6 +119,31 @@ def test_gpu_suite_tune_step_sweeps_every_kernel_call(tmp_path):
                                     "_grouped_mm_wgrad_kernel"}
 
 
+def test_tune_kernels_precompile_plan_covers_each_binary_once():
+    """The precompile workers' work list: one entry per (expert-count class, call, config), so shapes sharing
+    E share binaries, dx (unit-stride transposed weight) is not taken for down, and the workers' row count
+    keeps the real rows' divisibility by 16 (Triton specialises integer arguments on it)."""
+    import torch
+
+    from moekit.bench import tune_kernels as tk
+    from moekit.moe.kernels._common import parse_config
+
+    shapes = {s: tk.SHAPES[s] for s in ("fine-grained", "qwen3-30b-a3b", "mixtral-1b")}
+    items = tk.compile_items(shapes, tk.CALLS, torch.bfloat16, wide=False)
+    per_call = {c: len(tk.candidates(tk.KERNEL_OF[c], torch.bfloat16, False)) for c in tk.CALLS}
+    assert len(items) == 2 * sum(per_call.values())  # two E classes (128, 8); qwen3 adds nothing to fine-grained
+    assert {s for s, _, _ in items} == {"fine-grained", "mixtral-1b"}
+    assert sum(1 for s, c, _ in items if c == "dx") == sum(1 for s, c, _ in items if c == "down") == 2 * per_call["dx"]
+    assert len(set(items)) == len(items)
+    for tokens, k in ((8192, 8), (8192, 2), (1001, 2), (1001, 16), (3, 5)):
+        t = tk.worker_tokens(tokens, k)
+        assert ((t * k) % 16 == 0) == ((tokens * k) % 16 == 0) and t <= tokens
+    # the sweep's spelling of a config is what MOEKIT_KERNEL_CONFIGS reads back
+    for c in tk.candidates(tk.KERNEL_OF["wgrad_in"], torch.bfloat16, wide=True):
+        again = parse_config(tk.describe(c))
+        assert again.kwargs == c.kwargs and (again.num_warps, again.num_stages) == (c.num_warps, c.num_stages)
+
+
 def test_tune_kernels_refuses_bad_flags_and_a_box_without_gpu():
     script = REPO / "tools" / "bench" / "tune_kernels.py"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import json
 import os
+import re
 from typing import Callable, Sequence
 
 import torch
@@ -358,6 +360,65 @@ def autotune_mode() -> str:
     return mode
 
 
+TUNED_ENV = "MOEKIT_KERNEL_CONFIGS"
+_CONFIG_RE = re.compile(r"^\s*(\d+)x(\d+)x(\d+)\s+w(\d+)\s+s(\d+)\s*$")
+KERNELS: dict[str, "Kernel"] = {}  # name -> Kernel, every one constructed (the tuned file's names are checked)
+_tuned_cache: dict = {}
+
+
+def parse_config(text: str, where: str = "") -> triton.Config:
+    """``"128x128x64 w8 s4"`` (BLOCK_MxBLOCK_NxBLOCK_K, warps, stages; tune_kernels.py's spelling) -> a config."""
+    m = _CONFIG_RE.match(text) if isinstance(text, str) else None
+    if m is None:
+        raise ValueError(f"{where}tile config {text!r} is not of the form 'BMxBNxBK wWARPS sSTAGES' "
+                         "(e.g. '128x128x64 w8 s4', as tools/bench/tune_kernels.py prints them)")
+    bm, bn, bk, w, s = map(int, m.groups())
+    for name, v in (("BLOCK_M", bm), ("BLOCK_N", bn), ("BLOCK_K", bk), ("warps", w)):
+        if v < 1 or v & (v - 1):
+            raise ValueError(f"{where}tile config {text!r}: {name} {v} must be a power of two")
+    if not 1 <= s <= 8:
+        raise ValueError(f"{where}tile config {text!r}: stages {s} must be in 1..8")
+    return cfg(bm, bn, bk, w, s)
+
+
+def tuned_configs(name: str) -> list:
+    """Extra candidate configs for kernel ``name`` from the JSON file ``MOEKIT_KERNEL_CONFIGS`` names.
+
+    The file is tools/bench/tune_kernels.py's output (its ``"winners"``: kernel name -> config strings)
+    or just that mapping. Its configs go to the front of the kernel's own list, so full autotuning times
+    them alongside the defaults and ``MOEKIT_AUTOTUNE=first`` takes the first tuned one that fits. A
+    missing or malformed file, a kernel name moekit does not have, or a bad config string is an error
+    naming the file and the fix: a tuning result must not be silently ignored."""
+    path = os.environ.get(TUNED_ENV, "").strip()
+    if not path:
+        return []
+    if path not in _tuned_cache:
+        where = f"{TUNED_ENV}={path}: "
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except OSError as exc:
+            raise ValueError(f"{where}cannot read it ({exc.strerror}); point it at tune_kernels.py's JSON "
+                             f"or unset {TUNED_ENV}") from None
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where}not valid JSON ({exc.msg} at line {exc.lineno}); point it at "
+                             "tune_kernels.py's JSON output") from None
+        table = data.get("winners", data) if isinstance(data, dict) else None
+        if not isinstance(table, dict) or not all(isinstance(v, list) for v in table.values()):
+            raise ValueError(f"{where}expected a mapping of kernel name -> list of configs (or tune_kernels.py's "
+                             "JSON with its 'winners')")
+        unknown = sorted(set(table) - set(KERNELS))
+        if unknown:
+            raise ValueError(f"{where}no moekit kernel is named {', '.join(unknown)}; "
+                             f"the kernels are {', '.join(sorted(KERNELS))}")
+        _tuned_cache[path] = {k: [parse_config(t, f"{where}{k}: ") for t in v] for k, v in table.items()}
+    return list(_tuned_cache[path].get(name, []))
+
+
+def _same_config(a: triton.Config, b: triton.Config) -> bool:
+    return a.kwargs == b.kwargs and a.num_warps == b.num_warps and a.num_stages == b.num_stages
+
+
 class Kernel:
     """A ``@triton.jit`` kernel plus its autotune configs, rebuilt for the launch-time Triton mode.
 
@@ -378,6 +439,16 @@ class Kernel:
         self.prune = prune
         self._pinned: triton.Config | None = None
         self._built: dict = {}  # launch-time mode (and autotune mode) -> the autotuned callable
+        KERNELS[self.name] = self
+
+    def candidate_configs(self) -> list:
+        """The configs the GPU autotuner chooses from: ``MOEKIT_KERNEL_CONFIGS``' tuned ones first, then
+        the kernel's own list (duplicates dropped)."""
+        out = []
+        for c in tuned_configs(self.name) + self.configs:
+            if not any(_same_config(c, d) for d in out):
+                out.append(c)
+        return out
 
     def _build(self, interpret: bool):
         from triton.runtime.interpreter import InterpretedFunction
@@ -396,7 +467,7 @@ class Kernel:
         if autotune_mode() == "first":
             fits = self.prune or (lambda configs, named_args, **kw: configs)
             prune = lambda configs, named_args, **kw: fits(configs, named_args, **kw)[:1]  # noqa: E731
-        return triton.autotune(configs=self.configs, key=self.key,
+        return triton.autotune(configs=self.candidate_configs(), key=self.key,
                                prune_configs_by={"early_config_prune": prune} if prune else None)(jitted)
 
     @contextlib.contextmanager
@@ -414,7 +485,7 @@ class Kernel:
         if CAPTURE is not None:
             return lambda *args, **kwargs: CAPTURE.append((self, args, kwargs))
         mode = interpret_mode()
-        key = (mode, autotune_mode()) if not mode and self._pinned is None else mode
+        key = (mode, autotune_mode(), os.environ.get(TUNED_ENV, "")) if not mode and self._pinned is None else mode
         if key not in self._built:
             self._built[key] = self._build(mode)
         LAUNCHES[self.name] += 1

@@ -28,11 +28,20 @@ best so far), so a run fits a device session; the JSON is rewritten after every 
 (kernel, config) compiles once (~1-2 s) and later shapes reuse it, so the first shape costs the most:
 the defaults (~180 configs over 4 kernels) need ~5-8 minutes on an H100/H200; order --shapes by
 importance.
+
+Compiling is CPU work and the sweep's largest cost (each (kernel, config) compiles once per expert-count
+class, since E_POW2 is a constexpr). So before timing anything, --jobs worker processes (default: the
+machine's cores less two) compile every candidate once at a small row count into Triton's on-disk cache
+(the binary depends on the config and constexprs, and on H, F, rows only through their divisibility by
+16, which the workers keep); the timing sweep then loads each binary instead of compiling it. --jobs 0
+compiles in the sweep itself, as before.
 """
 from __future__ import annotations
 
 import argparse
 import itertools
+import os
+import subprocess
 import sys
 import time
 
@@ -40,7 +49,7 @@ import torch
 
 from moekit.bench.benchlib import environment, print_table, write_json
 from moekit.bench.grouped_gemm import SHAPES as GEMM_SHAPES
-from moekit.moe.kernels._common import cfg, interpret_mode
+from moekit.moe.kernels._common import cfg, interpret_mode, pow2
 from moekit.moe.kernels.expert_mlp import EXPERT_DOWN_DACT, EXPERT_UP_ACT, expert_down_dact, expert_up_act
 from moekit.moe.kernels.grouped_mm import GROUPED_MM, grouped_mm_fwd
 from moekit.moe.kernels.grouped_mm_wgrad import GROUPED_MM_WGRAD, grouped_mm_wgrad
@@ -113,6 +122,80 @@ def build_calls(shape, tokens: int, dtype, device, gen) -> dict:
     }
 
 
+def compile_items(shapes: dict, calls, dtype, wide: bool) -> list:
+    """Every distinct compile the sweep needs: (shape name, call, candidate index), one per
+    (expert-count class, call, config). Calls stay distinct even on one kernel: dx's transposed weight has
+    unit stride where down's has not, which Triton specialises on."""
+    items, seen = [], set()
+    for shape_name, (_h, _f, e, _k) in shapes.items():
+        for call in calls:
+            for i, c in enumerate(candidates(KERNEL_OF[call], dtype, wide)):
+                key = (pow2(e), call, describe(c))
+                if key not in seen:
+                    seen.add(key)
+                    items.append((shape_name, call, i))
+    return items
+
+
+def worker_tokens(tokens: int, k: int) -> int:
+    """A small token count whose rows (tokens x k) have the same divisibility by 16 as the real ones."""
+    return min(tokens, 64) if (tokens * k) % 16 == 0 else tokens
+
+
+def precompile_part(a, part: int, parts: int) -> int:
+    """Worker: launch its share of compile_items once each (pinned), filling Triton's cache; errors are the
+    sweep's business (it records them), so they are only counted here."""
+    device, dtype = torch.device("cuda"), getattr(torch, a.dtype)
+    shapes = {s: SHAPES[s] for s in a.shapes}
+    mine = compile_items(shapes, a.calls, dtype, a.wide)[part::parts]
+    gen, built, failed = torch.Generator().manual_seed(a.seed), {}, 0
+    for shape_name, call, i in mine:
+        if shape_name not in built:
+            built.clear()  # one shape's operands at a time
+            shape = shapes[shape_name]
+            built[shape_name] = build_calls(shape, worker_tokens(a.tokens, shape[3]), dtype, device, gen)
+        kernel, launch, _ = built[shape_name][call]
+        try:
+            with kernel.pinned(candidates(kernel, dtype, a.wide)[i]):
+                launch()
+        except Exception:  # out of resources, a compile error
+            failed += 1
+    torch.cuda.synchronize()
+    print(f"precompile part {part}/{parts}: {len(mine)} configs, {failed} failed", flush=True)
+    return 0
+
+
+def precompile(a, jobs: int, limit_s: float) -> None:
+    """Run ``jobs`` worker processes of precompile_part and wait (at most ``limit_s``); a worker that fails
+    or is cut only means the sweep compiles the rest itself."""
+    shapes = {s: SHAPES[s] for s in a.shapes}
+    n = len(compile_items(shapes, a.calls, getattr(torch, a.dtype), a.wide))
+    jobs = max(1, min(jobs, n))
+    print(f"precompiling {n} (kernel call, config, expert-count) variants on {jobs} workers "
+          f"(at most {limit_s:.0f}s)...", flush=True)
+    t0 = time.monotonic()
+    env = dict(os.environ, MOEKIT_AUTOTUNE="first")  # the workers' own operand set-up compiles one default
+    base = [sys.executable, os.path.abspath(__file__), "--shapes", *a.shapes, "--calls", *a.calls,
+            "--dtype", a.dtype, "--tokens", str(a.tokens), "--seed", str(a.seed)] + (["--wide"] if a.wide else [])
+    procs = [subprocess.Popen(base + ["--precompile-part", f"{i}/{jobs}"], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for i in range(jobs)]
+    bad = 0
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=max(1.0, t0 + limit_s - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, _ = p.communicate()
+            bad += 1
+            continue
+        if p.returncode != 0:
+            bad += 1
+            print(f"  a precompile worker exited {p.returncode}: {(out or '').strip().splitlines()[-1:]}", flush=True)
+    print(f"precompiled in {time.monotonic() - t0:.0f}s"
+          + (f"; {bad} worker(s) failed or were cut, the sweep compiles what they missed" if bad else ""),
+          flush=True)
+
+
 def make_timer(device, smoke: bool):
     if device.type == "cuda" and not smoke:
         import triton.testing
@@ -149,6 +232,16 @@ def tune_call(name, kernel, launch, flops, cands, bench, deadline) -> dict:
     return res
 
 
+def winners(rows) -> dict[str, list[str]]:
+    """kernel name -> the configs that were fastest for some call, in order of first win: the list to paste
+    into the kernel's configs, or to hand to the autotuner as it is (MOEKIT_KERNEL_CONFIGS=this JSON)."""
+    out: dict[str, list[str]] = {}
+    for r in rows:
+        if r.get("best_config") and r["best_config"] not in out.setdefault(r["kernel"], []):
+            out[r["kernel"]].append(r["best_config"])
+    return {k: v for k, v in out.items() if v}
+
+
 def parse(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=["fine-grained", "mixtral-1b", "qwen3-30b-a3b", "mixtral-8x7b",
@@ -160,6 +253,13 @@ def parse(argv):
     p.add_argument("--wide", action="store_true", help="a wider grid (BLOCK_M 32-256, 2-5 stages): ~4x the configs")
     p.add_argument("--budget", type=float, default=480.0, help="seconds after which no new candidate starts")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 1) - 2),
+                   help="worker processes that compile every candidate before the timing sweep "
+                        "(default: cores less two; 0: compile inside the sweep)")
+    p.add_argument("--precompile-only", action="store_true",
+                   help="only fill Triton's cache with every candidate (--jobs workers, at most --budget seconds), "
+                        "e.g. while the GPU is busy with something else; a later sweep with --jobs 0 times them")
+    p.add_argument("--precompile-part", default=None, help=argparse.SUPPRESS)  # i/N: one worker's share
     p.add_argument("--smoke", action="store_true", help="tiny shape, 2 candidates per call (CPU interpreter)")
     p.add_argument("--out", default="bench-results/tune_kernels.json")
     a = p.parse_args(argv)
@@ -171,6 +271,8 @@ def parse(argv):
         p.error(f"--calls {' '.join(bad)}: unknown; choose from {', '.join(CALLS)}")
     if a.tokens <= 0 or a.budget <= 0:
         p.error(f"--tokens {a.tokens} and --budget {a.budget} must be positive")
+    if a.jobs < 0:
+        p.error(f"--jobs {a.jobs} must be >= 0 (0: no precompile workers)")
     return a
 
 
@@ -181,12 +283,23 @@ def main(argv=None) -> int:
         print("tune_kernels.py: needs a CUDA GPU (or --smoke under TRITON_INTERPRET=1 to check the script)",
               file=sys.stderr)
         return 2
+    if a.precompile_part is not None:
+        part, parts = map(int, a.precompile_part.split("/"))
+        return precompile_part(a, part, parts)
     device = torch.device("cuda" if on_gpu else "cpu")
     dtype = getattr(torch, a.dtype)
     shapes = SMOKE_SHAPE if a.smoke else {s: SHAPES[s] for s in a.shapes}
     tokens = 8 if a.smoke else a.tokens
     bench = make_timer(device, a.smoke)
     deadline = time.monotonic() + a.budget
+    if a.precompile_only:
+        if not on_gpu or a.jobs == 0:
+            print("tune_kernels.py: --precompile-only needs a GPU and --jobs > 0", file=sys.stderr)
+            return 2
+        precompile(a, a.jobs, limit_s=a.budget)
+        return 0
+    if on_gpu and a.jobs > 0:
+        precompile(a, a.jobs, limit_s=0.6 * a.budget)
     gen = torch.Generator().manual_seed(a.seed)
     payload = {"benchmark": "tune_kernels", "dtype": a.dtype, "tokens": tokens, "wide": a.wide,
                "environment": environment(device), "partial": True, "results": []}
@@ -200,6 +313,7 @@ def main(argv=None) -> int:
             res = tune_call(call, kernel, launch, flops, cands, bench, deadline)
             res.update(shape=shape_name, H=shape[0], F=shape[1], E=shape[2], k=shape[3])
             payload["results"].append(res)
+            payload["winners"] = winners(payload["results"])  # usable even if the run is cut
             write_json(a.out, payload, quiet=True)
             print(f"done {shape_name} {call}: {len(res['candidates'])} candidates", flush=True)
         if time.monotonic() > deadline:
@@ -211,13 +325,9 @@ def main(argv=None) -> int:
                        ("current_tflops", "TFLOP/s", ".0f"), ("best_config", "best config", "s"),
                        ("best_ms", "best ms", ".3f"), ("best_tflops", "TFLOP/s", ".0f"),
                        ("speedup", "current/best", ".2f")])
-    winners: dict[str, list[str]] = {}
-    for r in rows:
-        if r.get("best_config") and r["best_config"] not in winners.setdefault(r["kernel"], []):
-            winners[r["kernel"]].append(r["best_config"])
-    payload["winners"] = winners
+    payload["winners"] = winners(rows)
     print("\nconfigs that won somewhere (BLOCK_MxBLOCK_NxBLOCK_K, warps, stages), per kernel:")
-    for kernel, configs in winners.items():
+    for kernel, configs in payload["winners"].items():
         print(f"  {kernel}: {', '.join(configs)}")
     print("(speedup = today's autotuned time / the best candidate's, same run; > 1 means the list is missing a "
           "better config)")
