@@ -14,7 +14,8 @@ A backend is a function ``fn(rows, counts, w_in, w_out, activation) -> [N, H]`` 
 name with a predicate saying whether it can run for given tensors. ``"loop"`` is the obvious per-expert
 loop and stays the reference; ``"torch"`` uses ``torch.nn.functional.grouped_mm`` where it runs;
 ``"triton"`` calls ``moe.kernels`` (GPU, or CPU under ``TRITON_INTERPRET=1``). ``"auto"`` takes the
-first usable of triton, torch, loop on GPU, and the loop on CPU (measured fastest there).
+first usable of triton, torch, loop on GPU (torch first for large experts: :func:`auto_order`), and the
+loop on CPU (measured fastest there).
 """
 from __future__ import annotations
 
@@ -78,18 +79,35 @@ def available_backends() -> list[str]:
     return sorted(_BACKENDS) + ["auto"]
 
 
-def auto_order(device: torch.device) -> tuple[str, ...]:
+# On a GPU, experts at least this large (H x F elements per expert matrix) run faster on torch's grouped
+# matmul (CUTLASS) than on moekit's Triton kernels; smaller ones the other way round. Measured on an H100,
+# bf16, forward+backward (docs/benchmarks.md, "Second GPU round"): Mixtral-8x7B's 4096 x 14336 layer
+# 1.12x faster on torch, DeepSeek-V3's 7168 x 2048 expert MLP 1.19x faster on torch (grouped_gemm.py);
+# mixtral-1b's 1024 x 3072 trained 1.11x faster on Triton (train_mfu.py), Qwen3-30B-A3B's 2048 x 768 and
+# the 1536 x 256 fine-grained layers 1.14x and 1.03x faster on Triton (moe_layer.py). The threshold
+# sits between 3.1M and 14.7M.
+LARGE_EXPERT_ELEMENTS = 1 << 23
+
+
+def auto_order(device: torch.device, w_out: Tensor | None = None) -> tuple[str, ...]:
     """Fastest first. On CPU the per-expert loop wins on every shape measured (E 8 / F 512 / top-2,
     E 64 / F 128 / top-8 and top-6, fp32 and bf16, forward and backward): its blocks stay in cache for
     the elementwise work and MKL runs each GEMM well, while torch's CPU grouped_mm was 1.1-1.45x
-    slower (tools/bench/cpu_layer.py, moe_layer.py); the interpreter is for tests only."""
-    return ("triton", "torch", "loop") if device.type == "cuda" else ("loop",)
+    slower (tools/bench/cpu_layer.py, moe_layer.py); the interpreter is for tests only. On a GPU,
+    Triton first, except for large experts (``w_out`` [E, F, H] with F x H >= LARGE_EXPERT_ELEMENTS),
+    where torch's grouped matmul comes first. Triton keeps less activation memory (its fused MLP
+    recomputes the activation: 0.73x of the torch backend's on Mixtral-8x7B); name it to keep that."""
+    if device.type != "cuda":
+        return ("loop",)
+    if w_out is not None and w_out.shape[-2] * w_out.shape[-1] >= LARGE_EXPERT_ELEMENTS:
+        return ("torch", "triton", "loop")
+    return ("triton", "torch", "loop")
 
 
 def resolve_backend(name: str, rows: Tensor, w_in: Tensor, w_out: Tensor) -> ExpertBackend:
     """Return the backend that will run, raising a clear error when the named one cannot."""
     if name == "auto":
-        for cand in auto_order(rows.device):
+        for cand in auto_order(rows.device, w_out):
             b = _BACKENDS.get(cand)
             if b is not None and b.usable(rows, w_in, w_out):
                 return b

@@ -27,7 +27,7 @@ out = {"mode": autotune_mode(),
        "fp32": kept(GROUPED_MM, torch.float32), "bf16": kept(GROUPED_MM, torch.bfloat16),
        "wgrad_bf16": kept(GROUPED_MM_WGRAD, torch.bfloat16)}
 out["wgrad_fp32"] = kept(GROUPED_MM_WGRAD, torch.float32)
-pin = GROUPED_MM_WGRAD.configs[1]  # 64x256x128, 3 stages: too big for fp32 tiles
+pin = GROUPED_MM_WGRAD.configs[1]  # 64x256x128, 4 stages: too big for fp32 tiles
 with GROUPED_MM_WGRAD.pinned(pin):
     out["pinned"] = kept(GROUPED_MM_WGRAD, torch.float32)
 out["after_pin"] = kept(GROUPED_MM_WGRAD, torch.bfloat16)

@@ -122,6 +122,28 @@ def test_backends_equal_loop(backend, dtype):
         assert err <= 2 * err_loop + 1e-3 * r.abs().max(), (err, err_loop)
 
 
+def test_auto_backend_order_follows_the_measured_shapes():
+    """auto on a GPU: Triton first, torch's grouped matmul first for large experts (H x F >= 2**23); the
+    loop on CPU. Shapes from docs/benchmarks.md's second GPU round (meta tensors: no GPU needed)."""
+    from moekit.moe.experts import LARGE_EXPERT_ELEMENTS, auto_order
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+
+    def w_out(E, F, H):
+        return torch.empty(E, F, H, device="meta")
+
+    assert auto_order(cpu, w_out(8, 14336, 4096)) == ("loop",)
+    for E, F, H in ((8, 14336, 4096), (32, 2048, 7168)):  # Mixtral-8x7B, DeepSeek-V3 local experts
+        assert auto_order(cuda, w_out(E, F, H))[0] == "torch"
+    for E, F, H in ((8, 3072, 1024), (128, 768, 2048), (128, 256, 1536)):  # mixtral-1b, Qwen3-30B-A3B, fine
+        assert auto_order(cuda, w_out(E, F, H))[0] == "triton"
+    F = 2048
+    H = LARGE_EXPERT_ELEMENTS // F
+    assert auto_order(cuda, w_out(4, F, H))[0] == "torch"  # the threshold itself counts as large
+    assert auto_order(cuda, w_out(4, F, H - 1))[0] == "triton"
+    assert set(auto_order(cuda, w_out(4, F, H))) == set(auto_order(cuda)) == {"torch", "triton", "loop"}
+
+
 def test_bitwise_repeatable():
     layer, x = layer_and_input(E=8, k=2, T=64, seed=2)
     y1 = layer(x)

@@ -73,18 +73,21 @@ def _grouped_mm_kernel(
     tl.store(y_ptrs, y, mask=m_mask[:, None] & n_mask[None, :])
 
 
-# Hopper-oriented candidates (bf16/fp16; the smem prune drops what fp32 cannot fit). Not yet tuned on
-# hardware: see docs/kernels.md.
+# Candidates from the H100 sweep (tools/bench/tune_kernels.py; docs/kernels.md, "Autotuning"), best overall
+# first (what MOEKIT_AUTOTUNE=first takes): the 128x256 tiles won the forward and dx on every shape but the
+# fine-grained one (K = F = 256), where 128x128x32 with 4 warps did. The small ones are for fp32, whose
+# tiles are twice the bytes (the smem prune drops the big ones there).
 GROUPED_MM = Kernel(
     _grouped_mm_kernel,
     configs=[
+        cfg(128, 256, 64, 8, 4),
         cfg(128, 256, 64, 8, 3),
-        cfg(128, 128, 64, 8, 4),
-        cfg(128, 128, 64, 4, 4),
-        cfg(64, 128, 64, 4, 4),
-        cfg(128, 64, 64, 4, 4),
-        cfg(64, 64, 64, 4, 4),
+        cfg(128, 256, 32, 8, 4),
         cfg(128, 128, 32, 4, 4),
+        cfg(128, 128, 32, 4, 3),
+        cfg(128, 128, 64, 8, 4),
+        cfg(64, 128, 64, 4, 4),
+        cfg(64, 64, 64, 4, 4),
         cfg(64, 64, 32, 4, 3),
     ],
     interpret_config=cfg(32, 32, 16, 4, 1, group=2),
