@@ -182,6 +182,7 @@ def _inductor_available() -> bool:
     return os.environ.get("MOEKIT_TEST_INDUCTOR") == "1" or torch.cuda.is_available()
 
 
+@pytest.mark.gpu  # part of the GPU tier (pytest -m gpu; the suite's `tests` step names it); on CPU, opt in below
 @pytest.mark.skipif(not _inductor_available(), reason="inductor compiles take 40-60 s on a 2-core CPU; "
                     "set MOEKIT_TEST_INDUCTOR=1 (or run on a CUDA machine)")
 def test_inductor_matches_eager():
