@@ -40,6 +40,32 @@ from moekit.moe.losses import CountReducer, bias_update_step, load_balance_loss,
 
 DROP_POLICIES = ("probs", "position")
 SCORES = ("softmax", "sigmoid")
+# Where top-k routing (TopKRouter and Switch, without expert groups or force_expert) runs as one Triton
+# kernel each way (moe.kernels.topk_route) instead of ~35 torch ops: "auto" on CUDA outside torch.compile,
+# "always" wherever the kernel can run (also the CPU under TRITON_INTERPRET=1: tests; a kernel that fails
+# to build raises), "never" (the torch reference everywhere).
+FUSED_ROUTER = "auto"
+_FUSED_ROUTER_MODES = ("auto", "always", "never")
+_FUSED_BUILD_FAILURE: list[str] = []  # why the kernel could not be built here, once it failed (then: torch)
+
+
+def _fused_topk_route(logits: Tensor, top_k: int, score: str, normalize: bool, scaling: float, bias: Tensor | None):
+    """moe.kernels.topk_route's outputs, or None (one warning) if this machine's Triton cannot build it."""
+    import warnings
+
+    from moekit.moe.kernels._common import BUILD_ERRORS, build_failure
+    from moekit.moe.kernels.topk_route import topk_route
+
+    try:
+        return topk_route(logits, top_k, score, normalize, scaling, bias)
+    except BUILD_ERRORS as exc:
+        if FUSED_ROUTER == "always":
+            raise
+        _FUSED_BUILD_FAILURE.append(build_failure(exc))
+        warnings.warn(f"moe.router: the fused top-k kernel failed to build here ({_FUSED_BUILD_FAILURE[-1]}); the "
+                      f"torch router runs instead. Set moe.router.FUSED_ROUTER = 'never' to choose that without "
+                      f"this warning.", stacklevel=3)
+        return None
 
 
 @dataclass
@@ -241,13 +267,16 @@ class Router(nn.Module):
         return counts if self.count_reducer is None else self.count_reducer(counts)
 
     def finish(self, logits: Tensor, balance_scores: Tensor, indices: Tensor, weights: Tensor,
-               capacity: int | None = None) -> Routing:
+               capacity: int | None = None, assigned: Tensor | None = None, lse: Tensor | None = None) -> Routing:
         """Shared tail of top-k-style routers: capacity dropping, counts, aux losses, stats.
 
         balance_scores [T, E]: each token's score distribution (rows sum to 1) for the balance loss.
+        ``assigned`` ([E] slots per expert of ``indices``) and ``lse`` (the logits' per-token logsumexp) are
+        passed by routers that already have them (the fused top-k kernel); otherwise computed here.
         """
         E = self.num_experts
-        assigned = count_experts(indices, E)  # [E] before dropping
+        if assigned is None:
+            assigned = count_experts(indices, E)  # [E] before dropping
         kept = assigned  # dropless: every assignment is kept
         if capacity is not None:
             indices, weights = apply_capacity(indices, weights, capacity, E, self.drop_policy)
@@ -259,13 +288,17 @@ class Router(nn.Module):
         with torch.set_grad_enabled(torch.is_grad_enabled() and self.aux_loss_coeff > 0):
             lb = load_balance_loss(balance_scores, balance_counts)
         with torch.set_grad_enabled(torch.is_grad_enabled() and self.z_loss_coeff > 0):
-            zl = z_loss(logits)
-        aux = self.aux_loss_coeff * lb + self.z_loss_coeff * zl
+            zl = z_loss(logits) if lse is None or lse.shape[0] == 0 else lse.square().mean()
+        # only the terms with a coefficient (each op is a launch on a GPU, where the router is launch-bound)
+        terms = [c * t for c, t in ((self.aux_loss_coeff, lb), (self.z_loss_coeff, zl)) if c != 0]
+        aux = terms[0] + terms[1] if len(terms) == 2 else terms[0] if terms else lb.new_zeros(())
         total = max(indices.numel(), 1)
+        dropped = ((assigned.sum() - kept.sum()).float() / total if capacity is not None
+                   else assigned.new_zeros((), dtype=torch.float32))  # dropless: nothing dropped
         stats = {
             "load_balance": lb.detach(),
             "z_loss": zl.detach(),
-            "dropped_fraction": (assigned.sum() - kept.sum()).float() / total,
+            "dropped_fraction": dropped,
             "assigned_per_expert": assigned,
         }
         return Routing(indices, weights, kept, aux, stats, capacity)
@@ -446,7 +479,38 @@ class TopKRouter(Router):
             choice = self.limit_groups(choice)
         return choice.topk(self.top_k, dim=-1).indices
 
+    def fused_route_reason(self, logits: Tensor) -> str:
+        """"" when this routing runs as moe.kernels.topk_route (one kernel each way), else why not."""
+        mode = FUSED_ROUTER
+        if mode not in _FUSED_ROUTER_MODES:
+            raise ValueError(f"moe.router.FUSED_ROUTER={mode!r}; use one of {', '.join(_FUSED_ROUTER_MODES)}")
+        if mode == "never":
+            return "moe.router.FUSED_ROUTER is 'never'"
+        if mode == "auto":
+            if logits.device.type != "cuda":
+                return "FUSED_ROUTER 'auto' fuses on CUDA only"
+            if torch.compiler.is_compiling():
+                return "under torch.compile the torch steps run (inductor fuses them itself)"
+            if _FUSED_BUILD_FAILURE:
+                return f"the kernel failed to build here ({_FUSED_BUILD_FAILURE[0]})"
+        if self.num_groups is not None or self.force_expert is not None:
+            return "group-limited routing and force_expert run in torch"
+        cls = type(self)
+        if cls.scores is not TopKRouter.scores or cls.select is not TopKRouter.select:
+            return f"{cls.__qualname__} overrides scores() or select(): its own code runs"
+        try:
+            from moekit.moe.kernels.topk_route import why_not_topk_route
+        except ImportError as exc:  # no triton on this platform
+            return f"moekit.moe.kernels cannot be imported ({exc})"
+        return why_not_topk_route(logits, self.top_k, self.score, self.expert_bias)
+
     def route(self, logits: Tensor, token_ids: Tensor | None = None) -> Routing:
+        if FUSED_ROUTER != "never" and not self.fused_route_reason(logits):
+            fused = _fused_topk_route(logits, self.top_k, self.score, self.normalize, self.scaling, self.expert_bias)
+            if fused is not None:
+                indices, weights, scores, lse, assigned = fused
+                balance = scores if self.score == "softmax" else scores / scores.sum(-1, keepdim=True).clamp_min(1e-20)
+                return self.finish(logits, balance, indices, weights, self.capacity(logits.shape[0]), assigned, lse)
         scores = self.scores(logits)  # [T, E]
         indices = self.select(scores)  # [T, k]
         weights = scores.gather(1, indices)  # [T, k]

@@ -525,6 +525,38 @@ def test_rope_kernel_on_device_matches_float64(dtype):
         assert rel_err(y, yt) <= FLOOR[dtype] and rel_err(xr.grad, xt.grad) <= FLOOR[dtype]
 
 
+@pytest.mark.parametrize("case", range(7))
+def test_fused_router_kernels_on_device(case):
+    """moe.kernels.topk_route on CUDA against the torch steps: tests/test_topk_route.py's cases (exact
+    indices and counts, fp32 values and every subset of the backward's inputs), which CI runs in the
+    interpreter."""
+    from tests import test_topk_route as t
+
+    assert len(t.CASES) == 7
+    t.test_kernel_matches_the_torch_steps_forward_and_backward(*t.CASES[case])
+
+
+def test_router_is_fused_on_device_by_default_and_equals_torch(monkeypatch):
+    """FUSED_ROUTER 'auto' runs the kernel for a CUDA TopKRouter (one launch each way) and gives the torch
+    router's routing, losses and gradients (tests/test_topk_route.py's router cases, on CUDA)."""
+    from moekit.moe import router as router_mod
+    from moekit.moe.kernels import LAUNCHES
+    from moekit.moe.router import build_router
+    from tests import test_topk_route as t
+
+    assert router_mod.FUSED_ROUTER == "auto"
+    if DEVICE.type != "cuda":  # the tier's CPU run (MOEKIT_GPU_TESTS_ON=cpu): auto fuses on CUDA only
+        monkeypatch.setattr(router_mod, "FUSED_ROUTER", "always")
+    r = build_router("topk", 64, 16, top_k=4, aux_loss_coeff=0.01, z_loss_coeff=0.001).to(DEVICE)
+    x = torch.randn(300, 64, device=DEVICE, requires_grad=True)
+    before = (LAUNCHES["_topk_route_fwd_kernel"], LAUNCHES["_topk_route_bwd_kernel"])
+    rt = r(x)
+    (rt.weights.sum() + rt.aux_loss).backward()
+    assert (LAUNCHES["_topk_route_fwd_kernel"], LAUNCHES["_topk_route_bwd_kernel"]) == (before[0] + 1, before[1] + 1)
+    for name, options in t.ROUTERS:
+        t.test_router_with_the_kernel_equals_the_torch_router(monkeypatch, name, options)
+
+
 def test_cpu_checkpoint_resumes_on_the_device_with_its_optimizer(tmp_path):
     """A run checkpointed on CPU (foreach AdamW, step counts on the CPU) resumes on the device, where the
     trainer's AdamW is fused (train.resume puts this run's implementation back and moves the step counts):
