@@ -119,7 +119,8 @@ def test_stable_argsort_is_torchs_stable_sort(n):
 @pytest.mark.parametrize("num_experts", [1, 8, 256])
 def test_narrow_sort_key_orders_slots_as_the_int64_key(num_experts):
     """The int32 slot key (CUDA's sort, half the radix passes) gives the int64 key's stable order: expert
-    ids ascending, each expert's slots in token order, dropped slots (-1, any negative) last."""
+    ids ascending, each expert's slots in token order, dropped slots (-1, any negative) last; the -1s in
+    token order."""
     from moekit.moe.dispatch import slot_sort_key
 
     g = torch.Generator().manual_seed(num_experts)
@@ -132,3 +133,5 @@ def test_narrow_sort_key_orders_slots_as_the_int64_key(num_experts):
     assert torch.equal(order, torch.sort(wide, stable=True).indices)
     kept = int((flat >= 0).sum())
     assert bool((flat[order[kept:]] < 0).all()) and bool((torch.diff(flat[order[:kept]]) >= 0).all())
+    dropped = order[kept:][flat[order[kept:]] == -1]
+    assert torch.equal(dropped, (flat == -1).nonzero().squeeze(1))  # stable among the dropped

@@ -173,8 +173,8 @@ def test_backward_reference_with_the_saved_selection_matches_the_kernel():
                   torch.randn(T, generator=g).to(DEV))
     cfg = (k, "sigmoid", True, 2.0)
     for args in ((dw, ds, dl), (dw, None, None), (None, ds, dl)):
-        torch.testing.assert_close(tr._backward_kernel(logits, idx, *args, cfg), tr.backward_ref(logits, idx, *args, cfg),
-                                   rtol=1e-5, atol=1e-6)
+        got, want = tr._backward_kernel(logits, idx, *args, cfg), tr.backward_ref(logits, idx, *args, cfg)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_a_kernel_that_cannot_build_falls_back_to_torch_with_one_warning(monkeypatch):

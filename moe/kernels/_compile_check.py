@@ -25,8 +25,10 @@ from .combine import combine_rows, combine_rows_backward
 from .expert_mlp import expert_down_dact, expert_up_act
 from .grouped_mm import grouped_mm_fwd
 from .grouped_mm_wgrad import grouped_mm_wgrad
+from . import topk_route as topk_route_mod
 from .rope import rope
 from .scatter_add import scatter_add_rows
+from .topk_route import topk_route
 
 def capture_launches(dtype: torch.dtype) -> list:
     """Run each launcher once on tiny CPU tensors of ``dtype`` and return what they would launch."""
@@ -51,6 +53,14 @@ def capture_launches(dtype: torch.dtype) -> list:
         cos, sin = torch.rand(8, 16), torch.rand(8, 16)  # RoPE: both layouts, forward and inverse
         rope(torch.randn(2, 8, 3, 32, dtype=dtype), cos[:, None], sin[:, None])
         rope(torch.randn(2, 8, 3, 32, dtype=dtype).transpose(1, 2), cos, sin, inverse=True)
+        if dtype == torch.float32:  # the fused router is float32 whatever the model's dtype
+            lg = torch.randn(t, 12)
+            topk_route(lg, 3, "softmax", True, 1.0, torch.zeros(12))  # normalised, biased selection
+            topk_route(lg, 1, "sigmoid", False, 2.5)
+            idx = torch.randint(0, 12, (t, 3))
+            cfg = (3, "softmax", True, 1.0)  # backward: every input present, and the weights' alone
+            topk_route_mod._backward_kernel(lg, idx, torch.randn(t, 3), torch.randn(t, 12), torch.randn(t), cfg)
+            topk_route_mod._backward_kernel(lg, idx, torch.randn(t, 3), None, None, (3, "sigmoid", False, 2.0))
         for act in ACTIVATIONS.values():  # every kernel_code the epilogues branch on
             f_in = act.in_features(f)
             expert_up_act(x, w[..., :f_in], offs, act.name, save_pre=True)

@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import _common
 from ._common import BUILD_ERRORS, Kernel, build_failure, cdiv, interpret_mode, pow2
 
 MAX_EXPERTS = 1024  # one [BLOCK_T, pow2(E)] fp32 tile per program
@@ -176,7 +177,7 @@ def why_not_topk_route(logits: torch.Tensor, top_k: int, score: str, bias: torch
         return f"logits must be [T, E], got shape {tuple(logits.shape)}"
     if logits.dtype != torch.float32:
         return f"logits must be float32, got {logits.dtype}"
-    if logits.device.type != "cuda" and not interpret_mode():
+    if logits.device.type != "cuda" and not interpret_mode() and _common.CAPTURE is None:  # (capture: offline compile)
         return f"the kernel runs on CUDA (or the CPU under TRITON_INTERPRET=1), not on {logits.device.type}"
     E = logits.shape[1]
     if not 1 <= E <= MAX_EXPERTS:
