@@ -349,6 +349,24 @@ def triton_mlp(rows: Tensor, counts: Tensor, w_in: Tensor, w_out: Tensor, activa
     return kernels.expert_mlp(rows, counts, w_in, w_out, activation)
 
 
+def _float8_why_not(rows: Tensor, w_in: Tensor, w_out: Tensor) -> str:
+    from moekit.moe import float8  # imported on use: moe.float8 imports this module
+
+    return float8.why_not_float8(rows, w_in, w_out)
+
+
+@register_backend(
+    "float8",
+    usable=lambda r, wi, wo: _float8_why_not(r, wi, wo) == "",
+    why_not=_float8_why_not,
+)
+def float8_mlp(rows: Tensor, counts: Tensor, w_in: Tensor, w_out: Tensor, activation: str) -> Tensor:
+    """fp8 e4m3 GEMMs with rowwise scales (moe/float8.py, docs/float8.md); never chosen by "auto"."""
+    from moekit.moe import float8
+
+    return float8.float8_mlp(rows, counts, w_in, w_out, activation)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Module
 # ---------------------------------------------------------------------------------------------------

@@ -13,6 +13,9 @@ Implementations, timed in the same run:
   torch_grouped torch.nn.functional.grouped_mm
   loop          one torch matmul per expert (host sync on the counts, like the "loop" backend)
   dense         one dense matmul (chain) of the same FLOPs: the roofline-ish ceiling
+  float8        mlp only, with --float8: the "float8" expert backend (moe/float8.py: e4m3 GEMMs with rowwise
+                scales, bf16 weight gradients), where its CUDA fp8 path runs (sm90 / sm100); under --smoke
+                its CPU emulation, to check the wiring
 Ratios are triton's TFLOP/s over each baseline's; "skew/unif" is an implementation's Zipf or one-hot
 TFLOP/s over its uniform-routing TFLOP/s. Timing on GPU: --rounds rounds (3), each timing every
 implementation once with triton.testing.do_bench (warmup 10 ms, rep 40 ms, median, L2 flushed between
@@ -98,8 +101,10 @@ def _swiglu(h):
     return F.silu(g) * u
 
 
-def build_impls(workload: str, x, w_in, w_out, counts, has_torch_gmm: bool):
-    """name -> zero-arg forward closure returning the output tensor."""
+def build_impls(workload: str, x, w_in, w_out, counts, has_torch_gmm: bool, float8: bool = False):
+    """name -> zero-arg forward closure returning the output tensor. ``float8``: add the float8 backend to
+    the mlp workload where its CUDA fp8 path runs (anywhere when x is on CPU: the --smoke check)."""
+    from moekit.moe import float8 as fp8
     from moekit.moe import kernels
 
     offs = counts.cumsum(0).to(torch.int32).to(x.device)
@@ -124,6 +129,9 @@ def build_impls(workload: str, x, w_in, w_out, counts, has_torch_gmm: bool):
             impls["torch_grouped"] = lambda: F.grouped_mm(_swiglu(F.grouped_mm(x, w_in, offs=offs)), w_out, offs=offs)
         impls["loop"] = lambda: _loop_mm(_swiglu(_loop_mm(x, w_in, counts_list)), w_out, counts_list)
         impls["dense"] = lambda: _swiglu(x @ dense_in) @ dense_out
+        if float8 and fp8.why_not_float8(x, w_in, w_out) == "" and (
+                x.device.type == "cpu" or fp8.fast_path_why_not(x, w_in, w_out) == ""):
+            impls["float8"] = lambda: fp8.float8_mlp(x, counts_dev, w_in, w_out, "swiglu")
     assert f2 % 2 == 0 and m >= 0 and h > 0
     return impls
 
@@ -146,7 +154,8 @@ def _timed_step(fwd, mode, x, w_in, w_out):
     return step
 
 
-def run_case(name, shape, tokens, routing, workload, dtype, device, bench, gen, has_torch_gmm, rounds=1):
+def run_case(name, shape, tokens, routing, workload, dtype, device, bench, gen, has_torch_gmm, rounds=1,
+             float8=False):
     h, f, e, k = shape
     m = tokens * k
     counts = route_counts(m, e, routing, gen)
@@ -155,7 +164,7 @@ def run_case(name, shape, tokens, routing, workload, dtype, device, bench, gen, 
     w_out = (torch.randn(e, f, h, device=device, dtype=dtype) / f**0.5).requires_grad_()
     row = {"shape": name, "H": h, "F": f, "E": e, "k": k, "tokens": tokens, "rows": m, "routing": routing,
            "workload": workload, "max_rows_per_expert": int(counts.max()), "results": {}}
-    impls = build_impls(workload, x, w_in, w_out, counts, has_torch_gmm)
+    impls = build_impls(workload, x, w_in, w_out, counts, has_torch_gmm, float8)
     for mode in ("fwd", "fwd_bwd"):
         # round-robin: every implementation is timed once per round, so drift hits all alike
         times, errors = {impl: [] for impl in impls}, {}
@@ -224,6 +233,7 @@ def print_targets(rows, skews) -> None:
 
 def print_table(rows):
     impls = ["triton", "triton_plain", "torch_grouped", "loop", "dense"]
+    impls += ["float8"] if any("float8" in r["results"] for r in rows) else []
     head = f"{'shape':<16}{'tok':>6} {'routing':<8} {'work':<6}{'mode':<8}" + "".join(f"{i:>14}" for i in impls)
     print(head + f"{'tri/torch':>10}{'tri/dense':>10}")
     for r in rows:
@@ -251,6 +261,8 @@ def parse(argv):
     ap.add_argument("--tokens", default=None, help=f"comma list of token counts (default {TOKENS})")
     ap.add_argument("--routings", default=None, help=f"comma list of {','.join(ROUTINGS)}")
     ap.add_argument("--rounds", type=int, default=3, help="round-robin rounds per case on GPU (median kept)")
+    ap.add_argument("--float8", action="store_true",
+                    help="also time the float8 expert backend on the mlp workload (CUDA sm90 / sm100)")
     return ap.parse_args(argv)
 
 
@@ -304,7 +316,7 @@ def main(argv=None) -> int:
         "dtype": str(dtype).removeprefix("torch."), "smoke": a.smoke, "quick": a.quick,
         "interpret": kernels.interpret_mode(),
         "timing": "median of round-robin do_bench medians" if device.type == "cuda" and not a.smoke else "cpu median",
-        "gpu_autotuned_configs": "untuned guesses; see docs/kernels.md",
+        "gpu_autotuned_configs": "untuned guesses; see docs/kernels.md", "float8_peer": a.float8,
     }
 
     def save(rows, partial):
@@ -319,7 +331,7 @@ def main(argv=None) -> int:
             for routing in routings:
                 for w in workloads:
                     rows.append(run_case(name, shape, t, routing, w, dtype, device, bench, gen, has_torch_gmm,
-                                         rounds=1 if a.smoke else a.rounds))
+                                         rounds=1 if a.smoke else a.rounds, float8=a.float8))
                     save(rows, partial=True)
                     print(f"done {name} tokens={t} {routing} {w}", file=sys.stderr, flush=True)
     print_table(rows)
