@@ -3,6 +3,11 @@ kernels that pass in the interpreter but do not lower to real code (layouts, typ
 
     python -m moekit.moe.kernels._compile_check            # all configs, bf16 + fp16 + fp32, sm90
     python -m moekit.moe.kernels._compile_check --quick    # smallest config of each kernel, bf16 and fp32
+    python -m moekit.moe.kernels._compile_check --first --dtypes bfloat16 --kernels _expert_down_dact_kernel
+
+Each line names the kernel, config, dtype, shared memory, whether the K loop is software-pipelined, and
+the registers and spill bytes per thread that Triton's ptxas reports (``-v``) for the cubin: spills in a
+GEMM's epilogue cost it a large share of its speed (the down_dact epilogue did, docs/kernels.md).
 
 Must run with TRITON_INTERPRET unset. It drives the real launchers with small CPU tensors while
 ``_common.CAPTURE`` is set, so signatures and constexprs are exactly what a GPU launch would pass.
@@ -98,11 +103,46 @@ def _signature(kernel, args, kwargs, config):
     return jit, sig, constexprs, attrs
 
 
-def compile_captured(captured, arch: int = 90, all_configs: bool = True, verbose: bool = True) -> int:
+def _ptxas(arch: int) -> str | None:
+    """The ptxas Triton itself runs for ``arch`` (its backend's choice), or None where it cannot say."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        return get_ptxas(arch).path
+    except Exception:  # an older or newer Triton without this helper: no register report
+        return None
+
+
+def register_use(ptx: str, arch: int) -> str:
+    """"regs=R spills=S" (per thread, spill stores in bytes) from ptxas -v on this PTX; "" without ptxas."""
+    import re
+    import subprocess
+    import tempfile
+
+    ptxas = _ptxas(arch)
+    if ptxas is None:
+        return ""
+    with tempfile.TemporaryDirectory() as tmp:
+        src = f"{tmp}/k.ptx"
+        with open(src, "w") as f:
+            f.write(ptx)
+        out = subprocess.run([ptxas, "-v", f"--gpu-name=sm_{arch}a", src, "-o", f"{tmp}/k.cubin"],
+                             capture_output=True, text=True)
+    text = out.stdout + out.stderr
+    regs, spills = re.search(r"Used (\d+) registers", text), re.search(r"(\d+) bytes spill stores", text)
+    return f"regs={regs.group(1) if regs else '?'} spills={spills.group(1) if spills else '?'}"
+
+
+def compile_captured(captured, arch: int = 90, all_configs: bool = True, verbose: bool = True,
+                     first: bool = False, kernels: set[str] | None = None) -> int:
+    """Compile the captured launches: every config (all_configs), the list's first (first: the tuned
+    best, what MOEKIT_AUTOTUNE=first runs) or its last (the smallest tiles); ``kernels`` limits by name."""
     target = GPUTarget("cuda", arch, 32)
     n = 0
     seen = set()
     for kernel, args, kwargs in captured:
+        if kernels and kernel.name not in kernels:
+            continue
         variant = (kernel.name, tuple(sorted((k, str(v)) for k, v in kwargs.items())))
         if variant in seen:  # e.g. the transposed-operand launch: same constexprs, only strides differ
             continue
@@ -111,7 +151,7 @@ def compile_captured(captured, arch: int = 90, all_configs: bool = True, verbose
         configs = kernel.configs
         if kernel.prune is not None:
             configs = kernel.prune(configs, named)
-        for config in configs if all_configs else configs[-1:]:  # the lists end with the smallest tiles
+        for config in configs if all_configs else configs[:1] if first else configs[-1:]:  # smallest tiles last
             jit, sig, constexprs, attrs = _signature(kernel, args, kwargs, config)
             t0 = time.time()
             src = triton.compiler.ASTSource(fn=jit, signature=sig, constexprs=constexprs, attrs=attrs)
@@ -122,7 +162,8 @@ def compile_captured(captured, arch: int = 90, all_configs: bool = True, verbose
                 smem = compiled.metadata.shared
                 pipelined = "async_copy_global_to_local" in compiled.asm["ttgir"]
                 print(f"ok {kernel.name} {_short(config)} {kwargs_dtype(args)} shared={smem}B "
-                      f"pipelined={pipelined} {time.time() - t0:.1f}s", flush=True)
+                      f"pipelined={pipelined} {register_use(compiled.asm['ptx'], arch)} {time.time() - t0:.1f}s",
+                      flush=True)
     return n
 
 
@@ -138,13 +179,25 @@ def kwargs_dtype(args) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smallest config of each kernel, bf16 and fp32 only")
+    ap.add_argument("--first", action="store_true", help="the first (tuned best) config of each kernel instead")
+    ap.add_argument("--dtypes", nargs="+", choices=["bfloat16", "float16", "float32"], default=None,
+                    help="operand dtypes (default: bf16 + fp32 with --quick / --first, else all three)")
+    ap.add_argument("--kernels", nargs="+", default=None, help="only these kernels (names as printed)")
     ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability as an int (90 = H100/H200)")
     a = ap.parse_args(argv)
     if _common.interpret_mode():
         print("unset TRITON_INTERPRET: this compiles real GPU code", file=sys.stderr)
         return 2
-    dtypes = (torch.bfloat16, torch.float32) if a.quick else (torch.bfloat16, torch.float16, torch.float32)
-    n = sum(compile_captured(capture_launches(dt), a.arch, all_configs=not a.quick) for dt in dtypes)
+    if a.dtypes:
+        dtypes = tuple(getattr(torch, d) for d in a.dtypes)
+    else:
+        dtypes = (torch.bfloat16, torch.float32) if a.quick or a.first else (torch.bfloat16, torch.float16, torch.float32)
+    one = a.quick or a.first
+    n = sum(compile_captured(capture_launches(dt), a.arch, all_configs=not one, first=a.first,
+                             kernels=set(a.kernels) if a.kernels else None) for dt in dtypes)
+    if n == 0:
+        print(f"no kernel compiled: --kernels {a.kernels} names none of the captured launches", file=sys.stderr)
+        return 2
     print(f"compiled {n} kernel variants for sm{a.arch}")
     return 0
 

@@ -100,6 +100,48 @@ def _expert_up_act_kernel(
 
 
 @triton.jit
+def _dact_columns(acc, PRE, DPRE, HOUT, rows64, m_mask, col0, F,
+                  stride_pn, stride_pm, stride_dpm, stride_dpn, stride_hm, stride_hn,
+                  ACT: tl.constexpr, STORE_H: tl.constexpr, INTERP_BF16: tl.constexpr, WIDTH: tl.constexpr):
+    """The down_dact epilogue for WIDTH columns from col0: dpre = dh * act'(pre) (and h = act(pre))."""
+    GATED: tl.constexpr = ACT == 0
+    offs_n = col0 + tl.arange(0, WIDTH)
+    mask = m_mask[:, None] & (offs_n < F)[None, :]
+    p_ptrs = PRE + rows64 * stride_pm + offs_n[None, :] * stride_pn
+    g = tl.load(p_ptrs, mask=mask, other=0.0).to(tl.float32)
+    if ACT == 0:
+        u = tl.load(p_ptrs + F * stride_pn, mask=mask, other=0.0).to(tl.float32)
+        sig = tl.sigmoid(g)
+        silu = g * sig
+        d_g = acc * u * sig * (1.0 + g * (1.0 - sig))
+        d_u = acc * silu
+        h = silu * u
+    elif ACT == 1:
+        cdf = 0.5 * (1.0 + tl.erf(g * 0.7071067811865476))
+        pdf = tl.exp(-0.5 * g * g) * 0.3989422804014327  # 1/sqrt(2*pi)
+        d_g = acc * (cdf + g * pdf)
+        d_u = d_g
+        h = g * cdf
+    else:
+        d_g = tl.where(g > 0.0, acc, 0.0)
+        d_u = d_g
+        h = tl.maximum(g, 0.0)
+    dp_ptrs = DPRE + rows64 * stride_dpm + offs_n[None, :] * stride_dpn
+    tl.store(dp_ptrs, to_out(d_g, DPRE.dtype.element_ty, INTERP_BF16), mask=mask)
+    if GATED:
+        tl.store(dp_ptrs + F * stride_dpn, to_out(d_u, DPRE.dtype.element_ty, INTERP_BF16), mask=mask)
+    if STORE_H:
+        tl.store(HOUT + rows64 * stride_hm + offs_n[None, :] * stride_hn, to_out(h, HOUT.dtype.element_ty, INTERP_BF16),
+                 mask=mask)
+
+
+@triton.jit
+def _column_halves(t, ROWS: tl.constexpr, HALF: tl.constexpr):
+    """[ROWS, 2 * HALF] -> its left and right [ROWS, HALF] column halves (element order kept)."""
+    return tl.split(tl.permute(tl.reshape(t, (ROWS, 2, HALF)), (0, 2, 1)))
+
+
+@triton.jit
 def _expert_down_dact_kernel(
     DY, W, PRE, DPRE, HOUT, OFFS,
     M, F, K, E,
@@ -109,46 +151,41 @@ def _expert_down_dact_kernel(
     INTERP_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    """dh = dy @ w_out[e]^T (W passed as a transposed view), epilogue: dpre = dh * act'(pre), h = act(pre)."""
+    """dh = dy @ w_out[e]^T (W passed as a transposed view), epilogue: dpre = dh * act'(pre), h = act(pre).
+
+    The epilogue runs on the tile's four column quarters in turn (BLOCK_N >= 4). On a whole 128 x 128 tile,
+    the fp32 accumulator, the two pre tiles, their products and the 64-bit pointers did not fit in 255
+    registers: ptxas (sm90) reported 830-940 bytes of spills per thread at 8 warps and 5.8 KB at 4, and the
+    kernel ran at 175-400 TFLOP/s where the plain GEMMs reached 500-720 (docs/benchmarks.md, second GPU
+    round). In quarters the tuned configs spill nothing (64 x 128: 107 registers instead of 246)."""
     GATED: tl.constexpr = ACT == 0
     e, offs_m, m_mask, offs_n, n_mask, owned = expert_tile(OFFS, M, F, E, E_POW2, BLOCK_M, BLOCK_N, GROUP_M)
     rows64 = offs_m.to(tl.int64)[:, None]
-    mn_mask = m_mask[:, None] & n_mask[None, :]
     if owned:
         acc, _ = tile_mm(DY, offs_m, m_mask, stride_dym, stride_dyk, W + e.to(tl.int64) * stride_we, offs_n, n_mask,
                          stride_wk, stride_wn, K, 0, False, PRECISION, INTERP_BF16, BLOCK_M, BLOCK_N, BLOCK_K)
-        p_ptrs = PRE + rows64 * stride_pm + offs_n[None, :] * stride_pn
-        g = tl.load(p_ptrs, mask=mn_mask, other=0.0).to(tl.float32)
-        if ACT == 0:
-            u = tl.load(p_ptrs + F * stride_pn, mask=mn_mask, other=0.0).to(tl.float32)
-            sig = tl.sigmoid(g)
-            silu = g * sig
-            d_g = acc * u * sig * (1.0 + g * (1.0 - sig))
-            d_u = acc * silu
-            h = silu * u
-        elif ACT == 1:
-            cdf = 0.5 * (1.0 + tl.erf(g * 0.7071067811865476))
-            pdf = tl.exp(-0.5 * g * g) * 0.3989422804014327  # 1/sqrt(2*pi)
-            d_g = acc * (cdf + g * pdf)
-            d_u = d_g
-            h = g * cdf
-        else:
-            d_g = tl.where(g > 0.0, acc, 0.0)
-            d_u = d_g
-            h = tl.maximum(g, 0.0)
-        d_g = to_out(d_g, DPRE.dtype.element_ty, INTERP_BF16)
-        d_u = to_out(d_u, DPRE.dtype.element_ty, INTERP_BF16)
-        h = to_out(h, DPRE.dtype.element_ty, INTERP_BF16)
+        Q: tl.constexpr = BLOCK_N // 4
+        col0 = tl.min(offs_n, 0)
+        left, right = _column_halves(acc, BLOCK_M, 2 * Q)
+        a, b = _column_halves(left, BLOCK_M, Q)
+        _dact_columns(a, PRE, DPRE, HOUT, rows64, m_mask, col0, F, stride_pn, stride_pm, stride_dpm, stride_dpn,
+                      stride_hm, stride_hn, ACT, STORE_H, INTERP_BF16, Q)
+        _dact_columns(b, PRE, DPRE, HOUT, rows64, m_mask, col0 + Q, F, stride_pn, stride_pm, stride_dpm,
+                      stride_dpn, stride_hm, stride_hn, ACT, STORE_H, INTERP_BF16, Q)
+        c, d = _column_halves(right, BLOCK_M, Q)
+        _dact_columns(c, PRE, DPRE, HOUT, rows64, m_mask, col0 + 2 * Q, F, stride_pn, stride_pm, stride_dpm,
+                      stride_dpn, stride_hm, stride_hn, ACT, STORE_H, INTERP_BF16, Q)
+        _dact_columns(d, PRE, DPRE, HOUT, rows64, m_mask, col0 + 3 * Q, F, stride_pn, stride_pm, stride_dpm,
+                      stride_dpn, stride_hm, stride_hn, ACT, STORE_H, INTERP_BF16, Q)
     else:  # surplus program: rows no expert owns get zero gradient (their output was forced to 0)
-        d_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=DPRE.dtype.element_ty)
-        d_u = d_g
-        h = d_g
-    dp_ptrs = DPRE + rows64 * stride_dpm + offs_n[None, :] * stride_dpn
-    tl.store(dp_ptrs, d_g, mask=mn_mask)
-    if GATED:
-        tl.store(dp_ptrs + F * stride_dpn, d_u, mask=mn_mask)
-    if STORE_H:
-        tl.store(HOUT + rows64 * stride_hm + offs_n[None, :] * stride_hn, h, mask=mn_mask)
+        mn_mask = m_mask[:, None] & n_mask[None, :]
+        zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=DPRE.dtype.element_ty)
+        dp_ptrs = DPRE + rows64 * stride_dpm + offs_n[None, :] * stride_dpn
+        tl.store(dp_ptrs, zero, mask=mn_mask)
+        if GATED:
+            tl.store(dp_ptrs + F * stride_dpn, zero, mask=mn_mask)
+        if STORE_H:
+            tl.store(HOUT + rows64 * stride_hm + offs_n[None, :] * stride_hn, zero, mask=mn_mask)
 
 
 _SMEM = 200 * 1024
@@ -178,7 +215,6 @@ EXPERT_DOWN_DACT = Kernel(
         cfg(64, 128, 128, 8, 4),
         cfg(128, 128, 64, 8, 4),
         cfg(64, 128, 128, 8, 3),
-        cfg(128, 128, 64, 4, 4),
         cfg(64, 128, 64, 4, 4),
         cfg(128, 64, 64, 4, 4),
         cfg(64, 64, 32, 4, 3),
