@@ -557,6 +557,36 @@ def test_router_is_fused_on_device_by_default_and_equals_torch(monkeypatch):
         t.test_router_with_the_kernel_equals_the_torch_router(monkeypatch, name, options)
 
 
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_float8_experts_on_device_match_the_emulation_and_float64(activation):
+    """The float8 backend's CUDA path (torch's rowwise-scaled fp8 grouped GEMM, sm90 / sm100) against its
+    CPU emulation, which quantizes the same way (tests/test_float8.py checks that one bit for bit), and
+    against float64: forward and backward, ragged and empty experts, rows nobody owns."""
+    from moekit.moe import float8 as f8
+    from moekit.moe.experts import loop_mlp
+    from tests import test_float8 as t
+
+    x, counts, w_in, w_out, dy = t._mlp_case(activation, torch.bfloat16)
+    dev = [v.to(DEVICE) for v in (x, w_in, w_out)]
+    reason = f8.fast_path_why_not(*dev)
+    if reason:
+        pytest.skip(f"the CUDA fp8 path does not run here: {reason}")
+    counts_dev = counts.to(DEVICE)
+    got = t._fwd_bwd(lambda *v: f8.float8_mlp(v[0], counts_dev, v[1], v[2], activation), dev, dy.to(DEVICE))
+    emu = t._fwd_bwd(lambda *v: f8.float8_mlp(v[0], counts, v[1], v[2], activation), (x, w_in, w_out), dy)
+    want = t._fwd_bwd(lambda *v: loop_mlp(v[0], counts, v[1], v[2], activation),
+                      (x.double(), w_in.double(), w_out.double()), dy.double())
+    owned = int(f8.counts_to_offs(counts, x.shape[0])[-1])
+    for name, a, e, w in zip(("y", "d rows", "d w_in", "d w_out"), got, emu, want):
+        a = a.cpu()
+        assert a.dtype == torch.bfloat16 and torch.isfinite(a).all(), name
+        if name in ("y", "d rows"):
+            assert torch.equal(a[owned:], torch.zeros_like(a[owned:])), f"{name}: rows nobody owns"
+        # same quantized operands; only accumulation order / fast accumulation and bf16 output rounding differ
+        assert rel_err(a, e) < 2e-2, f"{name}: {rel_err(a, e):.4f} from the emulation"
+        assert t.U / 4 < rel_err(a, w) < 1.6 * t.U, f"{name}: {rel_err(a, w):.4f} from float64"
+
+
 def test_cpu_checkpoint_resumes_on_the_device_with_its_optimizer(tmp_path):
     """A run checkpointed on CPU (foreach AdamW, step counts on the CPU) resumes on the device, where the
     trainer's AdamW is fused (train.resume puts this run's implementation back and moves the step counts):
