@@ -587,6 +587,35 @@ def test_float8_experts_on_device_match_the_emulation_and_float64(activation):
         assert t.U / 4 < rel_err(a, w) < 1.6 * t.U, f"{name}: {rel_err(a, w):.4f} from float64"
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_tma_wgrad_on_device_equals_the_pointer_kernel(monkeypatch, dtype):
+    """The TMA variant of the weight gradient (device-side tensor descriptors, sm90+) gives the pointer
+    kernel's bits at the tier's ragged layouts, every candidate config's first entry included."""
+    import importlib
+
+    from moekit.moe.kernels import LAUNCHES
+
+    W = importlib.import_module("moekit.moe.kernels.grouped_mm_wgrad")
+    probe = torch.zeros(16, 16, device=DEVICE, dtype=dtype)
+    reason = W.why_not_tma(probe, probe, None)
+    if reason:
+        pytest.skip(f"TMA does not run here: {reason}")
+    g = torch.Generator().manual_seed(5)
+    for name, (counts, tail) in layouts().items():
+        m = sum(counts) + tail
+        x = torch.randn(m, 96, generator=g).to(DEVICE, dtype)
+        dy = torch.randn(m, 160, generator=g).to(DEVICE, dtype)
+        offs = offs_of(counts).to(DEVICE)
+        monkeypatch.setattr(W, "WGRAD_TMA", "never")
+        want = W.grouped_mm_wgrad(x, dy, offs)
+        monkeypatch.setattr(W, "WGRAD_TMA", "always")
+        before = LAUNCHES["_grouped_mm_wgrad_tma_kernel"]
+        got = W.grouped_mm_wgrad(x, dy, offs)
+        assert LAUNCHES["_grouped_mm_wgrad_tma_kernel"] == before + (1 if m else 0), name  # no rows: zeros, no launch
+        assert not W._TMA_FAILURE, W._TMA_FAILURE
+        assert torch.equal(got, want), f"{name}: max diff {(got.float() - want.float()).abs().max().item()}"
+
+
 def test_cpu_checkpoint_resumes_on_the_device_with_its_optimizer(tmp_path):
     """A run checkpointed on CPU (foreach AdamW, step counts on the CPU) resumes on the device, where the
     trainer's AdamW is fused (train.resume puts this run's implementation back and moves the step counts):

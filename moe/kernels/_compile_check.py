@@ -30,6 +30,8 @@ from .combine import combine_rows, combine_rows_backward
 from .expert_mlp import expert_down_dact, expert_up_act
 from .grouped_mm import grouped_mm_fwd
 from .grouped_mm_wgrad import grouped_mm_wgrad
+
+wgrad_mod = sys.modules[grouped_mm_wgrad.__module__]  # the module (the package binds the name to the function)
 from . import topk_route as topk_route_mod
 from .rope import rope
 from .scatter_add import scatter_add_rows
@@ -48,6 +50,11 @@ def capture_launches(dtype: torch.dtype) -> list:
         grouped_mm_fwd(x, w, offs, gidx)
         grouped_mm_fwd(torch.randn(m, 2 * f, dtype=dtype), w, offs, transpose_w=True)
         grouped_mm_wgrad(x, torch.randn(m, 2 * f, dtype=dtype), offs, gidx)
+        saved, wgrad_mod.WGRAD_TMA = wgrad_mod.WGRAD_TMA, "always"  # the TMA variant (no gather)
+        try:
+            grouped_mm_wgrad(x, torch.randn(m, 2 * f, dtype=dtype), offs)
+        finally:
+            wgrad_mod.WGRAD_TMA = saved
         scatter_add_rows(x, gidx, m)
         t, k = 16, 2  # the combine: fp32 router weights on rows of this dtype, weighted and plain, backward
         slot_row = torch.randint(-1, m + 2, (t * k,))
@@ -160,7 +167,8 @@ def compile_captured(captured, arch: int = 90, all_configs: bool = True, verbose
             n += 1
             if verbose:
                 smem = compiled.metadata.shared
-                pipelined = "async_copy_global_to_local" in compiled.asm["ttgir"]
+                ttgir = compiled.asm["ttgir"]  # cp.async (pointer loads) or TMA copies into multi-buffered smem
+                pipelined = "async_copy_global_to_local" in ttgir or "async_tma_copy_global_to_local" in ttgir
                 print(f"ok {kernel.name} {_short(config)} {kwargs_dtype(args)} shared={smem}B "
                       f"pipelined={pipelined} {register_use(compiled.asm['ptx'], arch)} {time.time() - t0:.1f}s",
                       flush=True)

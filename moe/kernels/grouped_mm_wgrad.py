@@ -12,12 +12,15 @@ tiles of one expert (which all stream the same X_e and dY_e rows) run together a
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 import triton
 import triton.language as tl
 
-from ._common import (Kernel, cfg, check_gather_index, check_offs, check_triton_tensors, dot_acc, dot_flags,
-                      expert_row_bounds, gather_rows, gather_rows_ref, prune_by_smem, swizzle_pid, to_out)
+from ._common import (BUILD_ERRORS, Kernel, build_failure, cfg, check_gather_index, check_offs, check_triton_tensors,
+                      dot_acc, dot_flags, expert_row_bounds, gather_rows, gather_rows_ref, prune_by_smem, swizzle_pid,
+                      to_out)
 
 # ---------------------------------------------------------------------------------------------------
 # Reference
@@ -102,6 +105,85 @@ GROUPED_MM_WGRAD = Kernel(
     prune=prune_by_smem(200 * 1024, a_name="BLOCK_K", k_name="BLOCK_M"),
 )
 
+@triton.jit
+def _grouped_mm_wgrad_tma_kernel(
+    X, DY, DW, OFFS,
+    M, K, N, E,
+    stride_xm, stride_dym, stride_dwe, stride_dwk, stride_dwn,
+    E_POW2: tl.constexpr, PRECISION: tl.constexpr, INTERP_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """The same dW tiles and reduction order as _grouped_mm_wgrad_kernel, its operands read by tensor-memory
+    (TMA) descriptors instead of masked pointer loads: one descriptor per operand over this expert's rows
+    only (base at its first row, its row count as the bound), so the hardware zero-fills the rows past the
+    expert's end and the k / n tails. Unit inner strides, no gather (the launcher's conditions)."""
+    pid = tl.program_id(0)
+    num_pid_k = tl.cdiv(K, BLOCK_K)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    e = pid // (num_pid_k * num_pid_n)
+    pid_k, pid_n = swizzle_pid(pid % (num_pid_k * num_pid_n), num_pid_k, num_pid_n, GROUP_M)
+    eids, starts, ends = expert_row_bounds(OFFS, M, E, E_POW2)
+    start = tl.sum(tl.where(eids == e, starts, 0), 0)
+    rows = tl.sum(tl.where(eids == e, ends, 0), 0) - start
+    # a descriptor's dims must be positive: an empty expert gets a 1-row bound and runs no iteration
+    x_desc = tl.make_tensor_descriptor(X + start.to(tl.int64) * stride_xm, shape=[tl.maximum(rows, 1), K],
+                                       strides=[stride_xm, 1], block_shape=[BLOCK_M, BLOCK_K])
+    dy_desc = tl.make_tensor_descriptor(DY + start.to(tl.int64) * stride_dym, shape=[tl.maximum(rows, 1), N],
+                                        strides=[stride_dym, 1], block_shape=[BLOCK_M, BLOCK_N])
+    k0 = pid_k * BLOCK_K
+    n0 = pid_n * BLOCK_N
+    acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+    for m0 in range(0, rows, BLOCK_M):
+        x = x_desc.load([m0, k0])  # [BLOCK_M, BLOCK_K]
+        g = dy_desc.load([m0, n0])  # [BLOCK_M, BLOCK_N]
+        acc = dot_acc(tl.trans(x), g, acc, PRECISION, INTERP_BF16)
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    dw_ptrs = DW + e.to(tl.int64) * stride_dwe + offs_k[:, None] * stride_dwk + offs_n[None, :] * stride_dwn
+    tl.store(dw_ptrs, to_out(acc, DW.dtype.element_ty, INTERP_BF16), mask=(offs_k < K)[:, None] & (offs_n < N)[None, :])
+
+
+# The pointer kernel's list: the same tiles, so the two are compared config for config.
+GROUPED_MM_WGRAD_TMA = Kernel(
+    _grouped_mm_wgrad_tma_kernel,
+    configs=GROUPED_MM_WGRAD.configs,
+    interpret_config=GROUPED_MM_WGRAD.interpret_config,
+    key=["N", "K"],
+    prune=prune_by_smem(200 * 1024, a_name="BLOCK_K", k_name="BLOCK_M"),
+)
+
+# Where the TMA variant runs (no gather, unit inner strides, 16-byte row strides, CUDA sm90+ or the
+# interpreter): "never" (default until a GPU measures it against the pointer kernel), "always" (benchmarks,
+# tests). Triton without tl.make_tensor_descriptor, or one that cannot build it here, falls back with a warning.
+WGRAD_TMA = "never"
+_WGRAD_TMA_MODES = ("never", "always")
+_TMA_FAILURE: list[str] = []
+
+
+def why_not_tma(x: torch.Tensor, dy: torch.Tensor, gather_index) -> str:
+    """"" when _grouped_mm_wgrad_tma_kernel can take these operands, else why not."""
+    if gather_index is not None:
+        return "a gathered x (the descriptors read contiguous row blocks)"
+    if not hasattr(tl, "make_tensor_descriptor"):
+        return f"triton {triton.__version__} has no tl.make_tensor_descriptor"
+    for name, t in (("x", x), ("dy", dy)):
+        if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
+            return f"{name} needs a unit inner stride and 16-byte aligned rows, got strides {t.stride()}"
+    if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device) < (9, 0):
+        return "TMA needs sm90 or newer"
+    if _TMA_FAILURE:
+        return f"the TMA kernel failed to build here ({_TMA_FAILURE[0]})"
+    return ""
+
+
+def _set_tma_allocator(device: torch.device) -> None:
+    """Device-side descriptors need a global scratch buffer from Triton's allocator hook."""
+    def alloc(size: int, alignment: int, stream):
+        return torch.empty(size, dtype=torch.int8, device=device)
+
+    triton.set_allocator(alloc)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Launcher (the backward of grouped_mm calls this; it has no autograd of its own)
 # ---------------------------------------------------------------------------------------------------
@@ -127,6 +209,21 @@ def grouped_mm_wgrad(x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor,
     if m == 0:
         return dw.zero_()
     grid = lambda meta: (e * triton.cdiv(k, meta["BLOCK_K"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+    if WGRAD_TMA not in _WGRAD_TMA_MODES:
+        raise ValueError(f"moe.kernels.grouped_mm_wgrad.WGRAD_TMA={WGRAD_TMA!r}; use one of {', '.join(_WGRAD_TMA_MODES)}")
+    if WGRAD_TMA == "always" and not why_not_tma(x, dy, gather_index):
+        _set_tma_allocator(x.device)
+        try:
+            GROUPED_MM_WGRAD_TMA[grid](
+                x, dy, dw, offs, m, k, n, e,
+                x.stride(0), dy.stride(0), dw.stride(0), dw.stride(1), dw.stride(2),
+                E_POW2=triton.next_power_of_2(e), **dot_flags(x.dtype, allow_tf32),
+            )
+            return dw
+        except BUILD_ERRORS as exc:
+            _TMA_FAILURE.append(build_failure(exc))
+            warnings.warn(f"grouped_mm_wgrad: the TMA kernel failed to build here ({_TMA_FAILURE[-1]}); the pointer "
+                          "kernel runs instead", stacklevel=2)
     GROUPED_MM_WGRAD[grid](
         x, dy, dw, offs, gather_index if gather_index is not None else offs,
         m, k, n, e, x.shape[0],

@@ -13,6 +13,8 @@ Implementations, timed in the same run:
   torch_grouped torch.nn.functional.grouped_mm
   loop          one torch matmul per expert (host sync on the counts, like the "loop" backend)
   dense         one dense matmul (chain) of the same FLOPs: the roofline-ish ceiling
+  triton_tma    triton with the weight gradient's TMA variant (moe.kernels.grouped_mm_wgrad.WGRAD_TMA
+                "always": tensor-descriptor loads, sm90+); the forward is triton's, so read its fwd_bwd
   float8        mlp only, with --float8: the "float8" expert backend (moe/float8.py: e4m3 GEMMs with rowwise
                 scales, bf16 weight gradients), where its CUDA fp8 path runs (sm90 / sm100); under --smoke
                 its CPU emulation, to check the wiring
@@ -29,6 +31,7 @@ F 768, E 128, k 8); fine-grained (H 1536, F 256, E 128, k 8). Routing: uniform, 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import statistics
@@ -118,12 +121,14 @@ def build_impls(workload: str, x, w_in, w_out, counts, has_torch_gmm: bool, floa
     impls = {}
     if workload == "gemm1":
         impls["triton"] = lambda: kernels.grouped_mm(x, w_in, offs, backend="triton")
+        tma_fwd = impls["triton"]
         if has_torch_gmm:
             impls["torch_grouped"] = lambda: F.grouped_mm(x, w_in, offs=offs)
         impls["loop"] = lambda: _loop_mm(x, w_in, counts_list)
         impls["dense"] = lambda: x @ dense_in
     else:
         impls["triton"] = lambda: kernels.expert_mlp(x, counts_dev, w_in, w_out, "swiglu", variant="fused")
+        tma_fwd = impls["triton"]
         impls["triton_plain"] = lambda: kernels.expert_mlp(x, counts_dev, w_in, w_out, "swiglu", variant="plain")
         if has_torch_gmm:
             impls["torch_grouped"] = lambda: F.grouped_mm(_swiglu(F.grouped_mm(x, w_in, offs=offs)), w_out, offs=offs)
@@ -132,8 +137,31 @@ def build_impls(workload: str, x, w_in, w_out, counts, has_torch_gmm: bool, floa
         if float8 and fp8.why_not_float8(x, w_in, w_out) == "" and (
                 x.device.type == "cpu" or fp8.fast_path_why_not(x, w_in, w_out) == ""):
             impls["float8"] = lambda: fp8.float8_mlp(x, counts_dev, w_in, w_out, "swiglu")
+    wgrad = sys.modules[kernels.grouped_mm_wgrad.__module__]
+    if not wgrad.why_not_tma(x, x, None):  # the weight gradient's TMA variant, same forward
+        impls["triton_tma"] = _InContext(tma_fwd, lambda: _module_setting(wgrad, "WGRAD_TMA", "always"))
     assert f2 % 2 == 0 and m >= 0 and h > 0
     return impls
+
+
+class _InContext:
+    """A peer's forward closure whose whole timed step (forward and backward) runs inside ``context()``."""
+
+    def __init__(self, fn, context):
+        self.fn, self.context = fn, context
+
+    def __call__(self):
+        return self.fn()
+
+
+@contextlib.contextmanager
+def _module_setting(module, name: str, value):
+    saved = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, saved)
 
 
 def flops(workload: str, m: int, h: int, f: int, backward: bool) -> float:
@@ -142,15 +170,17 @@ def flops(workload: str, m: int, h: int, f: int, backward: bool) -> float:
 
 
 def _timed_step(fwd, mode, x, w_in, w_out):
+    context = getattr(fwd, "context", contextlib.nullcontext)
     if mode == "fwd":
         def step():
-            with torch.no_grad():
+            with torch.no_grad(), context():
                 fwd()
     else:
         def step():
             x.grad = w_in.grad = w_out.grad = None
-            y = fwd()
-            y.backward(torch.ones_like(y))
+            with context():
+                y = fwd()
+                y.backward(torch.ones_like(y))
     return step
 
 
@@ -232,7 +262,7 @@ def print_targets(rows, skews) -> None:
 
 
 def print_table(rows):
-    impls = ["triton", "triton_plain", "torch_grouped", "loop", "dense"]
+    impls = ["triton", "triton_plain", "triton_tma", "torch_grouped", "loop", "dense"]
     impls += ["float8"] if any("float8" in r["results"] for r in rows) else []
     head = f"{'shape':<16}{'tok':>6} {'routing':<8} {'work':<6}{'mode':<8}" + "".join(f"{i:>14}" for i in impls)
     print(head + f"{'tri/torch':>10}{'tri/dense':>10}")
