@@ -39,16 +39,17 @@ def test_kernels_compile_for_sm90():
 
 
 def test_tuned_first_configs_do_not_spill_registers():
-    """The first (tuned best) config of each GEMM kernel, bf16, compiled for sm90: ptxas -v must report no
-    spill stores. The down_dact epilogue spilled 830-940 bytes per thread at 128 x 128 before it was split
-    into column quarters; a change that brings spills back would cost GPU speed without failing anything
-    the interpreter can see."""
+    """The first config each GEMM kernel keeps (the tuned best), compiled for sm90: ptxas -v must report no
+    spill stores in bf16, and at most a few bytes in fp32. The down_dact epilogue spilled 830-940 bytes
+    per thread at 128 x 128 before it was split into column quarters, and fp32's first configs spilled
+    24-41 KB (the FMA dot) before the prune bounded their accumulators; a change that brings spills back
+    would cost GPU speed without failing anything the interpreter can see."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     kernels = ["_grouped_mm_kernel", "_grouped_mm_wgrad_kernel", "_expert_up_act_kernel", "_expert_down_dact_kernel"]
     proc = subprocess.run([sys.executable, "-m", "moekit.moe.kernels._compile_check", "--first", "--dtypes", "bfloat16",
-                           "--kernels", *kernels], env=env, capture_output=True, text=True, timeout=300)
+                           "float32", "--kernels", *kernels], env=env, capture_output=True, text=True, timeout=300)
     if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr:
         pytest.skip("this Triton build ships no ptxas")
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -56,7 +57,10 @@ def test_tuned_first_configs_do_not_spill_registers():
     assert {ln.split()[1] for ln in lines} == set(kernels), proc.stdout
     if not all("regs=" in ln for ln in lines) or any("regs=?" in ln for ln in lines):
         pytest.skip("this Triton's ptxas gives no register report")
-    spilling = [ln for ln in lines if "spills=0 " not in ln]
+    def spilled(ln: str) -> int:
+        return int(ln.split("spills=")[1].split()[0])
+
+    spilling = [ln for ln in lines if spilled(ln) > (64 if " float32 " in ln else 0)]
     assert not spilling, "\n".join(spilling)
 
 

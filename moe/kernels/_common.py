@@ -325,11 +325,17 @@ def elem_size(t) -> int:
 
 
 def prune_by_smem(budget_bytes: int, b_tiles: int = 1, a_name: str = "BLOCK_M", b_name: str = "BLOCK_N",
-                  k_name: str = "BLOCK_K", elem_arg: str = "X") -> Callable:
-    """An ``early_config_prune`` dropping configs whose pipelined tiles overflow shared memory.
+                  k_name: str = "BLOCK_K", elem_arg: str = "X", fp32_acc_per_thread: int = 64,
+                  acc_names: tuple[str, str] = ("BLOCK_M", "BLOCK_N")) -> Callable:
+    """An ``early_config_prune`` dropping configs whose pipelined tiles overflow shared memory, and for
+    4-byte operands also those whose accumulators overflow the registers.
 
     Stage footprint = (A tile + b_tiles * B tile) * element size; fp32 inputs double it, so the bf16
     configs with 4 stages would not fit for fp32 and the autotuner should not waste time on them.
+    fp32 operands (IEEE products) take Triton's FMA dot, not the tensor cores, and hold more per thread:
+    configs with more than ``fp32_acc_per_thread`` accumulator values per thread (``b_tiles`` accumulators
+    of acc_names' tile over 32 * num_warps threads) spilled in ptxas (sm90), up to 41 KB a thread, so they
+    are dropped for fp32 (docs/kernels.md, "Autotuning").
     """
 
     def prune(configs, named_args, **kwargs):
@@ -338,9 +344,13 @@ def prune_by_smem(budget_bytes: int, b_tiles: int = 1, a_name: str = "BLOCK_M", 
         for c in configs:
             kw = c.kwargs
             stage = (kw[a_name] * kw[k_name] + b_tiles * kw[k_name] * kw[b_name]) * elem
-            if stage * c.num_stages <= budget_bytes:
-                kept.append(c)
-        return kept or [min(configs, key=lambda c: c.num_stages)]
+            if stage * c.num_stages > budget_bytes:
+                continue
+            per_thread = b_tiles * kw[acc_names[0]] * kw[acc_names[1]] // (32 * c.num_warps)
+            if elem >= 4 and per_thread > fp32_acc_per_thread:
+                continue
+            kept.append(c)
+        return kept or [min(configs, key=lambda c: (c.num_stages, c.kwargs[a_name] * c.kwargs[b_name]))]
 
     return prune
 

@@ -203,10 +203,12 @@ EXPERT_UP_ACT = Kernel(
         cfg(64, 64, 64, 4, 4),
         cfg(128, 64, 32, 4, 4),
         cfg(64, 64, 32, 4, 3),
+        cfg(64, 64, 32, 8, 3),  # fp32 (FMA dot): two accumulators of 16 values a thread, no spills
+        cfg(32, 64, 32, 4, 3),
     ],
     interpret_config=cfg(32, 32, 16, 4, 1, group=2),
     key=["F", "K", "ACT"],
-    prune=prune_by_smem(_SMEM, b_tiles=2),
+    prune=prune_by_smem(_SMEM, b_tiles=2, fp32_acc_per_thread=32),
 )
 EXPERT_DOWN_DACT = Kernel(
     _expert_down_dact_kernel,
@@ -218,10 +220,12 @@ EXPERT_DOWN_DACT = Kernel(
         cfg(64, 128, 64, 4, 4),
         cfg(128, 64, 64, 4, 4),
         cfg(64, 64, 32, 4, 3),
+        cfg(64, 64, 32, 8, 3),  # fp32 (FMA dot)
+        cfg(32, 64, 32, 4, 3),
     ],
     interpret_config=cfg(32, 32, 16, 4, 1, group=2),
     key=["F", "K", "ACT"],
-    prune=prune_by_smem(_SMEM, elem_arg="DY"),
+    prune=prune_by_smem(_SMEM, elem_arg="DY", fp32_acc_per_thread=32),
 )
 
 # ---------------------------------------------------------------------------------------------------

@@ -48,6 +48,24 @@ def grouped_mm_wgrad_ref(x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor,
 
 
 @triton.jit
+def _wgrad_tile(OFFS, M, K, N, E, E_POW2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                GROUP_M: tl.constexpr):
+    """(e, pid_k, pid_n, start, end): this program's expert and dW tile, and the expert's rows.
+
+    Expert-major order; inside an expert, GROUP_M k-tiles share each n strip (L2 reuse). The rows come from
+    the same clamped monotone bounds as the forward's, so any offs is safe."""
+    pid = tl.program_id(0)
+    num_pid_k = tl.cdiv(K, BLOCK_K)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    e = pid // (num_pid_k * num_pid_n)
+    pid_k, pid_n = swizzle_pid(pid % (num_pid_k * num_pid_n), num_pid_k, num_pid_n, GROUP_M)
+    eids, starts, ends = expert_row_bounds(OFFS, M, E, E_POW2)
+    start = tl.sum(tl.where(eids == e, starts, 0), 0)
+    end = tl.sum(tl.where(eids == e, ends, 0), 0)
+    return e, pid_k, pid_n, start, end
+
+
+@triton.jit
 def _grouped_mm_wgrad_kernel(
     X, DY, DW, OFFS, GIDX,
     M, K, N, E, X_ROWS,
@@ -55,17 +73,7 @@ def _grouped_mm_wgrad_kernel(
     E_POW2: tl.constexpr, HAS_GATHER: tl.constexpr, PRECISION: tl.constexpr, INTERP_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    # --- expert-major order; inside an expert, GROUP_M k-tiles share each n strip (L2 reuse)
-    pid = tl.program_id(0)
-    num_pid_k = tl.cdiv(K, BLOCK_K)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    e = pid // (num_pid_k * num_pid_n)
-    pid_k, pid_n = swizzle_pid(pid % (num_pid_k * num_pid_n), num_pid_k, num_pid_n, GROUP_M)
-
-    # --- this expert's rows, from the same clamped monotone bounds as the forward (any offs is safe)
-    eids, starts, ends = expert_row_bounds(OFFS, M, E, E_POW2)
-    start = tl.sum(tl.where(eids == e, starts, 0), 0)
-    end = tl.sum(tl.where(eids == e, ends, 0), 0)
+    e, pid_k, pid_n, start, end = _wgrad_tile(OFFS, M, K, N, E, E_POW2, BLOCK_N, BLOCK_K, GROUP_M)
 
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -102,7 +110,7 @@ GROUPED_MM_WGRAD = Kernel(
     ],
     interpret_config=cfg(16, 32, 32, 4, 1, group=2),
     key=["N", "K"],
-    prune=prune_by_smem(200 * 1024, a_name="BLOCK_K", k_name="BLOCK_M"),
+    prune=prune_by_smem(200 * 1024, a_name="BLOCK_K", k_name="BLOCK_M", acc_names=("BLOCK_K", "BLOCK_N")),
 )
 
 @triton.jit
@@ -117,14 +125,8 @@ def _grouped_mm_wgrad_tma_kernel(
     (TMA) descriptors instead of masked pointer loads: one descriptor per operand over this expert's rows
     only (base at its first row, its row count as the bound), so the hardware zero-fills the rows past the
     expert's end and the k / n tails. Unit inner strides, no gather (the launcher's conditions)."""
-    pid = tl.program_id(0)
-    num_pid_k = tl.cdiv(K, BLOCK_K)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    e = pid // (num_pid_k * num_pid_n)
-    pid_k, pid_n = swizzle_pid(pid % (num_pid_k * num_pid_n), num_pid_k, num_pid_n, GROUP_M)
-    eids, starts, ends = expert_row_bounds(OFFS, M, E, E_POW2)
-    start = tl.sum(tl.where(eids == e, starts, 0), 0)
-    rows = tl.sum(tl.where(eids == e, ends, 0), 0) - start
+    e, pid_k, pid_n, start, end = _wgrad_tile(OFFS, M, K, N, E, E_POW2, BLOCK_N, BLOCK_K, GROUP_M)
+    rows = end - start
     # a descriptor's dims must be positive: an empty expert gets a 1-row bound and runs no iteration
     x_desc = tl.make_tensor_descriptor(X + start.to(tl.int64) * stride_xm, shape=[tl.maximum(rows, 1), K],
                                        strides=[stride_xm, 1], block_shape=[BLOCK_M, BLOCK_K])
@@ -149,7 +151,7 @@ GROUPED_MM_WGRAD_TMA = Kernel(
     configs=GROUPED_MM_WGRAD.configs,
     interpret_config=GROUPED_MM_WGRAD.interpret_config,
     key=["N", "K"],
-    prune=prune_by_smem(200 * 1024, a_name="BLOCK_K", k_name="BLOCK_M"),
+    prune=prune_by_smem(200 * 1024, a_name="BLOCK_K", k_name="BLOCK_M", acc_names=("BLOCK_K", "BLOCK_N")),
 )
 
 # Where the TMA variant runs (no gather, unit inner strides, 16-byte row strides, CUDA sm90+ or the
