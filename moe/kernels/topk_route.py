@@ -67,19 +67,26 @@ def _scores(lg, e_mask, SCORE: tl.constexpr):
 
 
 @triton.jit
-def _topk_route_fwd_kernel(
-    LOGITS, BIAS, IDX, W, SCORES_OUT, LSE, COUNTS,
-    T, E, stride_lt, scaling,
-    TOP_K: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr, SCORE: tl.constexpr, NORMALIZE: tl.constexpr,
-    HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr,
-):
+def _logits_tile(LOGITS, T, E, stride_lt, E_P2: tl.constexpr, BLOCK_T: tl.constexpr):
+    """This program's BLOCK_T tokens x pow2(E) logits: (token offsets, token mask, expert ids, expert mask,
+    their product, the tile). Padded experts read -inf (never selected); tokens past T read finite zeros."""
     offs_t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     t_mask = offs_t < T
     cols = tl.arange(0, E_P2)
     e_mask = cols < E
     m = t_mask[:, None] & e_mask[None, :]
     lg = tl.load(LOGITS + offs_t[:, None] * stride_lt + cols[None, :], mask=m, other=0.0)
-    lg = tl.where(e_mask[None, :], lg, -float("inf"))  # padded experts never win; rows past T stay finite
+    return offs_t, t_mask, cols, e_mask, m, tl.where(e_mask[None, :], lg, -float("inf"))
+
+
+@triton.jit
+def _topk_route_fwd_kernel(
+    LOGITS, BIAS, IDX, W, SCORES_OUT, LSE, COUNTS,
+    T, E, stride_lt, scaling,
+    TOP_K: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr, SCORE: tl.constexpr, NORMALIZE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    offs_t, t_mask, cols, e_mask, m, lg = _logits_tile(LOGITS, T, E, stride_lt, E_P2, BLOCK_T)
     s, _, lse = _scores(lg, e_mask, SCORE)
     choice = s
     if HAS_BIAS:
@@ -117,13 +124,7 @@ def _topk_route_bwd_kernel(
     TOP_K: tl.constexpr, E_P2: tl.constexpr, SCORE: tl.constexpr, NORMALIZE: tl.constexpr,
     HAS_DW: tl.constexpr, HAS_DSCORES: tl.constexpr, HAS_DLSE: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
-    offs_t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
-    t_mask = offs_t < T
-    cols = tl.arange(0, E_P2)
-    e_mask = cols < E
-    m = t_mask[:, None] & e_mask[None, :]
-    lg = tl.load(LOGITS + offs_t[:, None] * stride_lt + cols[None, :], mask=m, other=0.0)
-    lg = tl.where(e_mask[None, :], lg, -float("inf"))  # padded experts never win; rows past T stay finite
+    offs_t, t_mask, cols, e_mask, m, lg = _logits_tile(LOGITS, T, E, stride_lt, E_P2, BLOCK_T)
     s, soft, _ = _scores(lg, e_mask, SCORE)
     g = tl.zeros((BLOCK_T, E_P2), dtype=tl.float32)  # d loss / d scores
     if HAS_DSCORES:
