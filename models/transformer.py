@@ -30,8 +30,21 @@ from moekit.models.attention import (  # noqa: F401  (re-exported: the attention
     Attention, KVCache, LayerKV, MLAttention, apply_rope, apply_rope_interleaved, build_attention, causal_mask,
     rope_angles, rope_frequencies, rope_tables)
 from moekit.models.config import ModelConfig
+from moekit.models.loss import chunked_lm_loss
 from moekit.moe import DenseMLP, MoELayer, build_router
 
+
+
+# The training loss from hidden states (models.loss): "auto" wherever the head's weight is a plain tensor
+# (a tensor-parallel DTensor head, or a graph being traced by torch.compile, takes the logits path);
+# "never": always the logits path (materialised [B, S, V] logits, then cross-entropy).
+LOSS_CHUNKS = "auto"
+
+
+def chunked_loss_applies(weight: Tensor) -> bool:
+    if LOSS_CHUNKS not in ("auto", "never"):
+        raise ValueError(f"models.transformer.LOSS_CHUNKS={LOSS_CHUNKS!r}; use 'auto' or 'never'")
+    return type(weight) in (torch.Tensor, nn.Parameter) and not torch.compiler.is_compiling()
 
 class Block(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int):
@@ -67,11 +80,17 @@ class Transformer(nn.Module):
         # tie to restore after to_empty() or a checkpoint load.
         self.lm_head = None if config.tie_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
-    def forward(self, tokens: Tensor, cache: KVCache | None = None) -> Tensor:
-        """tokens [B, S] int64 -> logits [B, S, V] float32.
+    def forward(self, tokens: Tensor, cache: KVCache | None = None, targets: Tensor | None = None) -> Tensor:
+        """tokens [B, S] int64 -> logits [B, S, V] float32; with ``targets`` [B, S], the mean next-token
+        cross-entropy instead, computed from the final hidden states in token chunks without keeping the
+        logits (models.loss.chunked_lm_loss: the trainer's loss, GBs less activation memory at large
+        vocabularies). The same value as ``F.cross_entropy(forward(tokens).flatten(0, 1), targets.flatten())``
+        up to the order of float sums.
 
         ``cache``: incremental decoding (module docstring): tokens are the positions after the cached ones,
         whose keys and values are appended to it."""
+        if targets is not None and targets.shape != tokens.shape:
+            raise ValueError(f"targets {tuple(targets.shape)} must have the tokens' shape {tuple(tokens.shape)}")
         B, S = tokens.shape
         if cache is not None and len(cache.layers) != len(self.layers):
             raise ValueError(f"KV cache has {len(cache.layers)} layers, the model {len(self.layers)}; build it with "
@@ -88,6 +107,10 @@ class Transformer(nn.Module):
                 x = layer(x, cos, sin, tokens, cache.layers[i])  # [B, S, H]
         x = self.norm(x)
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight  # [V, H]
+        if targets is not None:
+            if LOSS_CHUNKS == "never" or not chunked_loss_applies(weight):
+                return F.cross_entropy(F.linear(x, weight).float().flatten(0, 1), targets.flatten())
+            return chunked_lm_loss(x, weight, targets)
         return F.linear(x, weight).float()  # [B, S, V]
 
     @torch.no_grad()

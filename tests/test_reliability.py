@@ -79,8 +79,11 @@ def test_stop_names_the_router_that_went_nan(tmp_path, monkeypatch, capsys):
 
 
 def test_skipping_every_step_gives_up(tmp_path, monkeypatch, capsys):
-    real = torch.nn.functional.cross_entropy
-    monkeypatch.setattr(torch.nn.functional, "cross_entropy", lambda *a, **k: real(*a, **k) * float("nan"))
+    from moekit.models import transformer
+
+    for mod, name in ((torch.nn.functional, "cross_entropy"), (transformer, "chunked_lm_loss")):  # either loss path
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, real=real, **k: real(*a, **k) * float("nan"))
     monkeypatch.setattr(guard, "MAX_CONSECUTIVE_SKIPS", 2)
     assert main([*TINY, "--run-dir", str(tmp_path / "r"), "--steps", "5", "--train.on_nonfinite", "skip"]) == 1
     line = one_line(capsys.readouterr().err)
@@ -179,14 +182,18 @@ def test_out_of_memory_in_an_expert_names_layer_expert_and_rows(tmp_path, monkey
 def test_deterministic_runs_are_bitwise_identical(tmp_path, monkeypatch):
     """Two --deterministic runs: the same losses and the same final weights, bit for bit (CPU)."""
     pytest.importorskip("safetensors")
+    from moekit.models import transformer
+
     seen = []
-    real = torch.nn.functional.cross_entropy
 
-    def spy(*a, **k):
-        seen.append(torch.are_deterministic_algorithms_enabled())
-        return real(*a, **k)
+    def spy(real):
+        def loss_fn(*a, **k):
+            seen.append(torch.are_deterministic_algorithms_enabled())
+            return real(*a, **k)
+        return loss_fn
 
-    monkeypatch.setattr(torch.nn.functional, "cross_entropy", spy)
+    for mod, name in ((torch.nn.functional, "cross_entropy"), (transformer, "chunked_lm_loss")):  # either loss path
+        monkeypatch.setattr(mod, name, spy(getattr(mod, name)))
     a, b = tmp_path / "a", tmp_path / "b"
     for run in (a, b):
         assert main([*TINY, "--steps", "3", "--deterministic", "--run-dir", str(run), "--export-hf", str(run / "hf"),

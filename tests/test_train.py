@@ -133,15 +133,20 @@ def test_grad_accumulation_matches_full_batch(tmp_path):
 
 
 def test_nonfinite_loss_stops_before_the_step(tmp_path, monkeypatch, capsys):
+    from moekit.models import transformer
+
     calls = {"n": 0}
-    real = torch.nn.functional.cross_entropy
 
-    def poisoned(*args, **kwargs):
-        calls["n"] += 1
-        loss = real(*args, **kwargs)
-        return loss * float("nan") if calls["n"] == 5 else loss
+    def poisoned(real):
+        def loss_fn(*args, **kwargs):
+            calls["n"] += 1
+            loss = real(*args, **kwargs)
+            return loss * float("nan") if calls["n"] == 5 else loss
+        return loss_fn
 
-    monkeypatch.setattr(torch.nn.functional, "cross_entropy", poisoned)
+    # the trainer's loss: the chunked one from hidden states, or cross-entropy of logits where that does not apply
+    monkeypatch.setattr(transformer, "chunked_lm_loss", poisoned(transformer.chunked_lm_loss))
+    monkeypatch.setattr(torch.nn.functional, "cross_entropy", poisoned(torch.nn.functional.cross_entropy))
     run = tmp_path / "r"
     rc = main([*TINY, "--run-dir", str(run), "--steps", "6", "--checkpoint.every", "2"])
     err = capsys.readouterr().err

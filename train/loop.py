@@ -24,7 +24,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from moekit.models.stats import model_stats
 from moekit.models.transformer import Transformer
@@ -364,8 +363,7 @@ class Trainer:
         with self.autocast():
             if self.pipe is not None:  # forward only (evaluation); the loss arrives on every pipeline rank
                 return self.pipe.evaluate(x, y, 1)
-            logits = self.model(x)  # [b, S, V]
-        return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+            return self.model(x, targets=y)  # mean cross-entropy, no [b, S, V] logits kept (models.loss)
 
     def forward_backward(self, batch: np.ndarray) -> torch.Tensor:
         """This rank's share of one step: the summed loss of its micro-batches; gradients accumulated."""

@@ -12,7 +12,8 @@ rows, a / r bytes of the compute dtype / of the residual stream.
     dispatch   int64 slot <-> row maps; under EP the reorder permutation and its inverse
     experts    input rows [R, H], [gate | up] [R, 2F] and SwiGLU output [R, F], outputs [R, H] (combine)
     dense FFN  / shared expert (DenseMLP): gate, up, silu(gate), product: 4 T F (GELU 2 T F, ReLU T F)
-    head       final norm, the lm_head input, fp32 log-softmax [T, V]; token ids
+    head       final norm and the loss: its gradients dh [T, H] and dW [V, H] (models.loss, no logits),
+               or under pipeline parallelism the lm_head input and the fp32 log-softmax [T, V]; token ids
 Activation checkpointing: "full" keeps each block's input only; "ffn" keeps the FFN / MoE input and drops
 its internals; "selective" keeps each block's input and the outputs models.parallelize.selective_policy
 caches (``_selective``: projections, fused attention, router logits and routing decisions, the experts'
@@ -184,6 +185,13 @@ def _selective(cfg: ModelConfig, layout: Layout, s: Shapes, i: int) -> dict[str,
     return out
 
 
+def _loss_chunks() -> bool:
+    """Whether the trainer's loss runs from hidden states (models.transformer.LOSS_CHUNKS)."""
+    from moekit.models import transformer
+
+    return transformer.LOSS_CHUNKS == "auto"
+
+
 def _add(total: dict[str, int], part: dict[str, int]) -> None:
     for key, v in part.items():
         total[key] = total.get(key, 0) + v
@@ -215,9 +223,15 @@ def stage_activations(cfg: ModelConfig, layout: Layout, wl: Workload, stage: Sta
         _add(out, outer)
     if stage.first:
         out["embedding"] = s.T * INT64  # token ids
-    if stage.last:  # last block's output (all-gathered under SP), final norm, lm_head input, fp32 log-softmax
+    if stage.last:  # last block's output (all-gathered under SP), final norm, then the loss's own
         norm = s.T * FP32 + (s.T * H * s.r if s.cpu else 0)
-        out["head"] = s.T * H * s.r + norm + s.T * H * (s.a if s.casts else s.r) + s.T * cfg.vocab_size * FP32
+        if layout.pp == 1 and _loss_chunks():  # models.loss: its gradients dh [T, H] and dW [V, H], no logits
+            # measured on CPU: under autocast the final norm's kept product and dh are in the autocast dtype
+            low = s.a if s.casts else s.r
+            norm = s.T * FP32 + (s.T * H * low if s.cpu else 0)
+            out["head"] = s.T * H * s.r + norm + s.T * H * low + cfg.vocab_size * H * s.r
+        else:  # the pipeline's loss (and LOSS_CHUNKS "never"): lm_head input, fp32 log-softmax [T, V]
+            out["head"] = s.T * H * s.r + norm + s.T * H * (s.a if s.casts else s.r) + s.T * cfg.vocab_size * FP32
     else:  # the stage output (all-gathered under SP) waits for its gradient
         _add(out, {"residual": s.T * H * s.r})
     return out, recompute

@@ -15,7 +15,8 @@ Every term counts what moekit's code keeps, read off the modules and checked aga
                  FFN, head; activation checkpointing, sequence parallelism)
       weight casts  autocast without FSDP: a bf16 copy of every matmul weight lives until backward
     Transient (at the peak only): what backward recomputes (one block / one FFN), FSDP's unsharded copies,
-    and the logits [T, V] with their gradient on the last pipeline stage.
+    and the logits [T, V] with their gradient on the last pipeline stage (one chunk of them without a
+    pipeline: the loss from hidden states, models.loss).
 
 The parallel recipe (models/parallelize.py, comm/tensor_parallel.py, comm/fsdp.py, models/pipeline.py):
     TP shards attention heads and the dense FFN width; embedding, norms, lm_head and the whole MoE layer
@@ -36,7 +37,7 @@ from dataclasses import dataclass, field
 from moekit.train.planning import cost_model
 from moekit.comm.topology import Layout, Topology
 from moekit.models.config import ModelConfig
-from moekit.train.planning.activations import DTYPE_BYTES, FP32, in_flight, shapes, stage_activations
+from moekit.train.planning.activations import DTYPE_BYTES, FP32, _loss_chunks, in_flight, shapes, stage_activations
 
 AC_MODES = ("none", "full", "ffn", "selective")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -227,9 +228,18 @@ def estimate_memory(cfg: ModelConfig, layout: Layout, wl: Workload, stage: Stage
     if kept:
         breakdown["weight_casts"] = kept
     acts = sum(breakdown.values())
-    # the loss: logits (and their fp32 copy under autocast) next to the kept log-softmax, then its gradient
+    # the loss: logits (and their fp32 copy under autocast) next to the kept log-softmax, then its gradient;
+    # from hidden states in chunks (models.loss, no pipeline) only one chunk's logits, plus the head in a
     a = DTYPE_BYTES[wl.dtype]
-    logits = wl.tokens * cfg.vocab_size * (FP32 + (a if a != FP32 else 0)) if stage.last else 0
+    low = a if a != FP32 else 0
+    if not stage.last:
+        logits = 0
+    elif layout.pp == 1 and _loss_chunks():
+        from moekit.models.loss import DEFAULT_CHUNK
+
+        logits = min(wl.tokens, DEFAULT_CHUNK) * cfg.vocab_size * (FP32 + low) + cfg.vocab_size * cfg.hidden_size * low
+    else:
+        logits = wl.tokens * cfg.vocab_size * (FP32 + low)
     transient = {"recompute": recompute, "fsdp_unsharded": gathered, "logits": logits}
     breakdown.update({f"transient_{k}": v for k, v in transient.items() if v})
     by_part: dict[str, int] = {}
