@@ -79,6 +79,19 @@ def test_phase_steps_run_and_reach_their_inputs():
         step()
     assert layer.router.weight.grad is not None and layer.experts.w_in.grad is not None
     assert layer_probes.host_sync_check(steps, torch.device("cpu")) == dict.fromkeys(steps, "not checked (CPU)")
+    assert layer_probes.device_times(steps, torch.device("cpu")) == {}  # GPU kernel time: CUDA only
+
+
+def test_kernel_time_sums_device_kernels_per_run():
+    """The profiler events' device time: what each host-side op launched, summed once; the GPU-side copies
+    of record_function ranges (device type CUDA) are not counted again."""
+    from types import SimpleNamespace as Ev
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    events = [Ev(device_type=cpu, self_device_time_total=1500.0), Ev(device_type=cpu, self_device_time_total=500.0),
+              Ev(device_type=cuda, self_device_time_total=9000.0), Ev(self_device_time_total=0.0)]
+    assert layer_probes.kernel_ms(events, runs=2) == pytest.approx(1.0)  # (1500 + 500) us / 2 runs
+    assert layer_probes.kernel_ms([], runs=3) == 0.0
 
 
 def test_summary_reads_targets(tmp_path):
@@ -87,7 +100,8 @@ def test_summary_reads_targets(tmp_path):
     (tmp_path / "grouped_gemm.json").write_text(json.dumps({"rows": rows, "skew_ratios": []}))
     (tmp_path / "moe_layer.json").write_text(json.dumps({"results": [
         {"impl": "titan-style", "moekit_speedup": 1.3}], "cases": [
-        {"router_permute_combine_share": 0.2, "host_syncs": {"router": "none"}}]}))
+        {"router_permute_combine_share": 0.2, "router_permute_combine_kernel_share": 0.08,
+         "host_syncs": {"router": "none"}}]}))
     assert suite_summary.main([str(tmp_path)]) == 0
     status = {t["target"]: t["status"] for t in json.loads((tmp_path / "summary.json").read_text())["targets"]}
     assert status["grouped GEMM: triton / torch grouped_mm, fine-grained shapes"] == "met"
@@ -96,6 +110,7 @@ def test_summary_reads_targets(tmp_path):
     assert status["grouped GEMM: triton Zipf(1.2) / uniform routing"] == "no data"
     assert status["MoE layer fwd+bwd: titan-style time / moekit time"] == "met"
     assert status["MoE layer: router + permute + combine share of layer time"] == "missed"
+    assert status["  the same share of GPU kernel time (no launch overhead)"] == "met"
     assert status["MoE layer: router forward+backward free of host syncs (1 = none)"] == "met"
 
 

@@ -9,6 +9,9 @@ layer in the same run, so "phase / layer" is a share of the same clock:
     permute  sort the slots + gather x -> rows [N, H]; backward sums each token's k row gradients
     experts  rows [N, H] -> grouped SwiGLU MLP -> [N, H]; backward: dX, dW_in, dW_out
     combine  [N, H] -> weighted sum of each token's k rows -> [T, H]; backward into rows and weights
+
+Those wall-clock shares include each phase's host launch time, which the whole layer overlaps with GPU
+work; on a GPU the phases' kernel time alone (``device_times``, torch.profiler) is recorded too.
 """
 from __future__ import annotations
 
@@ -20,6 +23,35 @@ import torch
 from torch import Tensor, nn
 
 PHASES = ("router", "permute", "experts", "combine")
+
+
+def kernel_ms(events, runs: int) -> float:
+    """Milliseconds of GPU time per run from a profiler's events (CPU and CUDA activities): the device time
+    each host-side op launched (``self_device_time_total``: its kernels, copies and sets, each counted once,
+    on the op that launched it; Triton launches included), over ``runs`` runs. The GPU-side copies of
+    record_function ranges are skipped, as profile_step.py does, since their kernels are already counted."""
+    total_us = sum(e.self_device_time_total for e in events if str(getattr(e, "device_type", "CPU")).endswith("CPU"))
+    return total_us / 1e3 / max(runs, 1)
+
+
+def device_times(steps: dict[str, Callable[[], None]], device: torch.device, runs: int = 3) -> dict[str, float]:
+    """name -> GPU kernel milliseconds per call of each step (CUDA only; {} elsewhere), each step profiled
+    alone after a warm-up call. Unlike the wall-clock phase times, host launch overhead is not in it: this
+    is what a phase costs the GPU when the host keeps ahead of it, as in a training step at scale."""
+    if device.type != "cuda":
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+
+    out = {}
+    for name, step in steps.items():
+        step()
+        torch.cuda.synchronize(device)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(runs):
+                step()
+            torch.cuda.synchronize(device)
+        out[name] = kernel_ms(prof.events(), runs)
+    return out
 
 
 def _fwd_bwd(fn: Callable[[], Tensor | tuple], grads: Callable[[], tuple]) -> Callable[[], None]:

@@ -26,7 +26,8 @@ import sys
 import torch
 
 from moekit.bench.benchlib import add_timing_args, environment, guarded, print_table, time_interleaved, write_json
-from moekit.bench.layer_probes import PHASES, host_sync_check, minimum_activation_bytes, phase_steps, saved_activation_bytes
+from moekit.bench.layer_probes import (PHASES, device_times, host_sync_check, minimum_activation_bytes, phase_steps,
+                                       saved_activation_bytes)
 from moekit.moe import MoELayer, build_router
 from moekit.moe.experts import resolve_backend
 from moekit.bench.titan_ref import TitanStyleMoE
@@ -182,6 +183,11 @@ def bench_case(args, tokens, H, F, E, k, device, dtype) -> tuple[list[dict], dic
         case["phases_ms"] = {p: timings[f"phase:{p}"]["median_ms"] for p in PHASES}
         case["phases_share_of_layer"] = {p: t / layer_ms for p, t in case["phases_ms"].items()}
         case["router_permute_combine_share"] = sum(case["phases_share_of_layer"][p] for p in ("router", "permute", "combine"))
+        kernels = device_times({"layer": steps[auto], **phases}, device)  # GPU kernel time, no launch overhead
+        if kernels:
+            case["phases_kernel_ms"] = {p: kernels[p] for p in PHASES} | {"layer": kernels["layer"]}
+            case["router_permute_combine_kernel_share"] = sum(kernels[p] for p in ("router", "permute", "combine")) / (
+                kernels["layer"] or float("nan"))
         sync_steps = {"router": phases["router"], "permute": phases["permute"], "combine": phases["combine"],
                       **{f"layer {n}": s for n, s in steps.items() if n.startswith("moekit")}}
         case["host_syncs"] = host_sync_check(sync_steps, device)
@@ -205,6 +211,11 @@ def print_case_details(cases: list[dict]) -> None:
             cells = [f"{p} {c['phases_ms'][p]:.2f} ms ({100 * c['phases_share_of_layer'][p]:.0f}%)" for p in PHASES]
             print("  " + ", ".join(cells) + f"; router+permute+combine {100 * c['router_permute_combine_share']:.1f}%"
                   " of the layer (target <= 10%)")
+            if "phases_kernel_ms" in c:
+                km = c["phases_kernel_ms"]
+                print("  GPU kernel time (profiler, no launch overhead): " + ", ".join(
+                    f"{p} {km[p]:.2f} ms" for p in PHASES) + f", layer {km['layer']:.2f} ms; router+permute+combine "
+                    f"{100 * c['router_permute_combine_kernel_share']:.1f}% of the layer's kernel time")
             print("  host syncs: " + ", ".join(f"{n}: {v}" for n, v in c["host_syncs"].items()))
         minimum = c["minimum_activation_bytes"]["total"]
         for n, m in c["activation_bytes"].items():

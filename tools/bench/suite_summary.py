@@ -71,6 +71,9 @@ def moe_layer_lines(data: dict | None) -> list[dict]:
              speedups("transformers[eager]"), True, 5.0, src),
         line("MoE layer: router + permute + combine share of layer time", "<= 10%",
              [c["router_permute_combine_share"] for c in cases if "router_permute_combine_share" in c], False, 0.10, src),
+        line("  the same share of GPU kernel time (no launch overhead)", "<= 10%",
+             [c["router_permute_combine_kernel_share"] for c in cases if "router_permute_combine_kernel_share" in c],
+             False, 0.10, src),
         line("MoE layer: router forward+backward free of host syncs (1 = none)", "= 1", router_ok, True, 1.0, src),
         line("MoE layer: saved activations / minimum (moekit[auto])", "<= 1.2", memory, False, 1.2, src),
     ]
