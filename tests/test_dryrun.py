@@ -255,3 +255,40 @@ def test_dry_run_refuses_bad_layouts_in_one_line(capsys, args, match):
 def test_world_size_needs_dry_run():
     with pytest.raises(UserError, match="only with --dry-run"):
         parse_args(["--world-size", "4"])
+
+
+@pytest.mark.parametrize("router,options,z", [
+    ("topk", {"normalize": True}, 0.0),
+    ("topk", {"score": "sigmoid", "expert_bias": True, "bias_update_rate": 1e-3, "scaling": 2.5}, 1e-3),
+    ("switch", {"jitter": 0.0}, 0.0),
+])
+def test_router_term_counts_what_the_fused_router_keeps(monkeypatch, router, options, z):
+    """On CUDA the router runs as moe.kernels.topk_route (FUSED_ROUTER): the planner's router term must be
+    the bytes autograd keeps for it. Measured here with the kernel in the interpreter (FUSED_ROUTER
+    "always"), the input and the parameters excluded, as the block's inputs count the former."""
+    from moekit.moe import router as router_mod
+    from moekit.moe.kernels._common import interpret_mode
+    from moekit.moe.router import build_router
+    from moekit.train.planning import activations as A
+
+    if not interpret_mode():
+        pytest.skip("needs the Triton interpreter (CPU)")
+    monkeypatch.setattr(router_mod, "FUSED_ROUTER", "always")
+    cfg = dataclasses.replace(preset("mixtral-tiny"), router=router, router_options=options, z_loss_coeff=z,
+                              top_k=1 if router == "switch" else 4, aux_loss_coeff=0.01)
+    r = build_router(cfg.router, cfg.hidden_size, cfg.num_experts, **cfg.router_kwargs()).train()
+    T = 96
+    x = torch.randn(T, cfg.hidden_size, requires_grad=True)
+    seen = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        r(x)
+    skip = {x.untyped_storage().data_ptr()} | {p.untyped_storage().data_ptr() for p in r.parameters()}
+    measured = sum(n for ptr, n in seen.items() if ptr not in skip)
+    s = dataclasses.replace(A.shapes(cfg, Layout(), Workload(1, T, "float32", "none", "cuda")), Tm=T, cpu=False)
+    assert A.fused_router_applies(cfg, cpu=False)
+    assert A._router(cfg, s) == measured

@@ -107,19 +107,33 @@ def _explicit_probs(cfg: ModelConfig, layout: Layout, s: Shapes) -> int:
     return s.T * N * (s.S * s.a - FP32)
 
 
+def fused_router_applies(cfg: ModelConfig, cpu: bool) -> bool:
+    """Whether the layer's router runs as moe.kernels.topk_route (moe.router.FUSED_ROUTER "auto": on CUDA,
+    top-k / Switch without expert groups or force_expert)."""
+    from moekit.moe import router
+
+    opts = cfg.router_options
+    return (router.FUSED_ROUTER == "always" or (router.FUSED_ROUTER == "auto" and not cpu)) and \
+        cfg.router in ("topk", "switch") and opts.get("num_groups") is None and opts.get("force_expert") is None
+
+
 def _router(cfg: ModelConfig, s: Shapes) -> int:
     E, k, T, H = cfg.num_experts, cfg.top_k, s.Tm, cfg.hidden_size
     opts = cfg.router_options
-    b = 2 * T * E * FP32 + T * FP32 + T * k * (INT64 + FP32)  # logits, scores, logsumexp; ids, gathered scores
     sigmoid = opts.get("score", "softmax") == "sigmoid"
+    jitter = 2 * T * H * FP32 if cfg.router == "switch" and opts.get("jitter", 0.01) > 0 else 0
+    if fused_router_applies(cfg, s.cpu):  # the kernel keeps the logits and the ids; torch ops on its outputs
+        b = T * E * FP32 + T * k * INT64 + E * FP32  # + the balance loss's [E] operand of its dot product
+        b += T * E * FP32 + 2 * T * FP32 if sigmoid else 0  # the balance distribution: scores / clamped sum
+        b += T * FP32 if cfg.z_loss_coeff > 0 else 0  # the z-loss squares the kernel's logsumexp
+        return b + jitter
+    b = 2 * T * E * FP32 + T * FP32 + T * k * (INT64 + FP32)  # logits, scores, logsumexp; ids, gathered scores
     if (cfg.router == "topk" and opts.get("normalize", k > 1)) or sigmoid:  # weights / their clamped sum
         b += 2 * T * FP32 + T * k * FP32
     elif opts.get("scaling", 1.0) != 1.0:
         b += T * k * FP32
     b += T * FP32 if sigmoid else 0  # the balance distribution divides by the scores' sum
-    if cfg.router == "switch" and opts.get("jitter", 0.01) > 0:  # the noise and the jittered input
-        b += 2 * T * H * FP32
-    return b  # a bf16 input is saved as bf16 (moe.precision.upcast_linear), counted with the block's inputs
+    return b + jitter  # Switch's jitter: the noise and the jittered input  # a bf16 input is saved as bf16 (moe.precision.upcast_linear), counted with the block's inputs
 
 
 def _moe(cfg: ModelConfig, layout: Layout, s: Shapes, node_rows: float) -> dict[str, int]:
