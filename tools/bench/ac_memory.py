@@ -28,7 +28,6 @@ import functools
 import gc
 
 import torch
-import torch.nn.functional as F
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -105,8 +104,7 @@ def step_fn(model, tokens, targets, dtype):
 
     def step():
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-            logits = model(tokens)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+            loss = model(tokens, targets=targets)  # the trainer's loss (models.loss)
         loss.backward()
         model.zero_grad(set_to_none=True)
         return loss.detach()
@@ -118,7 +116,7 @@ def measure(model, tokens, targets, dtype) -> tuple[int, int | None, float]:
     """(saved bytes, CUDA peak bytes or None, loss) of one step."""
     track = NewStorages()
     with track, torch.autocast(tokens.device.type, dtype=dtype, enabled=dtype != torch.float32):
-        loss = F.cross_entropy(model(tokens).flatten(0, 1).float(), targets.flatten())
+        loss = model(tokens, targets=targets)  # as the trainer: the loss from hidden states (models.loss)
     saved = track.alive(list(model.parameters()) + list(model.buffers()) + [tokens, targets, loss])
     loss.backward()
     model.zero_grad(set_to_none=True)

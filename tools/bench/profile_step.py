@@ -27,7 +27,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.autograd.profiler import record_function
 
@@ -111,8 +110,7 @@ def train_step(model, opt, tokens, labels: Labels, autocast_dtype) -> torch.Tens
     # fp32 (CPU): no autocast context at all, exactly as tools/train.py runs it
     ctx = torch.autocast(tokens.device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
     with ctx:
-        logits = model(tokens[:, :-1])  # [B, S, V] float32
-        loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        loss = model(tokens[:, :-1], targets=tokens[:, 1:])  # the trainer's loss (models.loss: no logits kept)
     labels.pop()  # head_loss, opened after the final norm
     loss.backward()
     with record_function(LABEL + "optimizer"):
