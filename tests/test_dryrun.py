@@ -292,3 +292,20 @@ def test_router_term_counts_what_the_fused_router_keeps(monkeypatch, router, opt
     s = dataclasses.replace(A.shapes(cfg, Layout(), Workload(1, T, "float32", "none", "cuda")), Tm=T, cpu=False)
     assert A.fused_router_applies(cfg, cpu=False)
     assert A._router(cfg, s) == measured
+
+
+def test_planner_resolves_auto_experts_as_the_layer_does():
+    """The selective-checkpoint estimate depends on the expert backend; "auto" must resolve as
+    moe.experts.auto_order does (the loop on CPU; on a GPU Triton, torch for large experts)."""
+    import torch
+
+    from moekit.moe.experts import auto_order
+    from moekit.train.planning import activations as A
+
+    for name in ("mixtral-tiny", "mixtral-1b", "mixtral-8x7b", "qwen3-moe-30b-a3b", "deepseek-v3-like"):
+        cfg = preset(name)
+        w_out = torch.empty(1, cfg.moe_ffn_hidden_size, cfg.hidden_size, device="meta")
+        assert A._auto_backend(cfg, cpu=False) == auto_order(torch.device("cuda"), w_out)[0], name
+        assert A._auto_backend(cfg, cpu=True) == auto_order(torch.device("cpu"), w_out)[0] == "loop"
+    assert A._auto_backend(preset("mixtral-8x7b"), cpu=False) == "torch"
+    assert A._auto_backend(preset("mixtral-1b"), cpu=False) == "triton"

@@ -190,7 +190,7 @@ def _selective(cfg: ModelConfig, layout: Layout, s: Shapes, i: int) -> dict[str,
     if cfg.capacity_factor is not None:  # the [T, E] priority sort that drops slots past capacity
         router += 12 * T * E
     out["router"] = router
-    backend = cfg.expert_backend if cfg.expert_backend != "auto" else ("loop" if s.cpu else "triton")
+    backend = cfg.expert_backend if cfg.expert_backend != "auto" else _auto_backend(cfg, s.cpu)
     # Triton launches are invisible to the dispatcher and the loop's SwiGLU writes out=: both recomputed
     if not (backend == "triton" or (backend == "loop" and gated)):
         out["experts"] = s.R * (cfg.moe_ffn_hidden_size * (1 + gated) + H) * a  # both GEMMs' outputs
@@ -204,6 +204,16 @@ def _loss_chunks() -> bool:
     from moekit.models import transformer
 
     return transformer.LOSS_CHUNKS == "auto"
+
+
+def _auto_backend(cfg: ModelConfig, cpu: bool) -> str:
+    """The expert backend "auto" takes (moe.experts.auto_order): the loop on CPU; on a GPU Triton, or torch's
+    grouped matmul for large experts (H x F >= moe.experts.LARGE_EXPERT_ELEMENTS)."""
+    from moekit.moe.experts import LARGE_EXPERT_ELEMENTS
+
+    if cpu:
+        return "loop"
+    return "torch" if cfg.hidden_size * cfg.moe_ffn_hidden_size >= LARGE_EXPERT_ELEMENTS else "triton"
 
 
 def _add(total: dict[str, int], part: dict[str, int]) -> None:
