@@ -166,8 +166,8 @@ def why_not_tma(x: torch.Tensor, dy: torch.Tensor, gather_index) -> str:
     """"" when _grouped_mm_wgrad_tma_kernel can take these operands, else why not."""
     if gather_index is not None:
         return "a gathered x (the descriptors read contiguous row blocks)"
-    if not hasattr(tl, "make_tensor_descriptor"):
-        return f"triton {triton.__version__} has no tl.make_tensor_descriptor"
+    if not hasattr(tl, "make_tensor_descriptor") or not hasattr(triton, "set_allocator"):
+        return f"triton {triton.__version__} has no tl.make_tensor_descriptor / triton.set_allocator"
     for name, t in (("x", x), ("dy", dy)):
         if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
             return f"{name} needs a unit inner stride and 16-byte aligned rows, got strides {t.stride()}"
