@@ -33,8 +33,6 @@ from moekit.models.config import ModelConfig
 from moekit.models.loss import chunked_lm_loss
 from moekit.moe import DenseMLP, MoELayer, build_router
 
-
-
 # The training loss from hidden states (models.loss): "auto" wherever the head's weight is a plain tensor
 # (a tensor-parallel DTensor head, or a graph being traced by torch.compile, takes the logits path);
 # "never": always the logits path (materialised [B, S, V] logits, then cross-entropy).
@@ -44,7 +42,8 @@ LOSS_CHUNKS = "auto"
 def chunked_loss_applies(weight: Tensor) -> bool:
     if LOSS_CHUNKS not in ("auto", "never"):
         raise ValueError(f"models.transformer.LOSS_CHUNKS={LOSS_CHUNKS!r}; use 'auto' or 'never'")
-    return type(weight) in (torch.Tensor, nn.Parameter) and not torch.compiler.is_compiling()
+    return LOSS_CHUNKS == "auto" and type(weight) in (torch.Tensor, nn.Parameter) and not torch.compiler.is_compiling()
+
 
 class Block(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int):
@@ -108,7 +107,7 @@ class Transformer(nn.Module):
         x = self.norm(x)
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight  # [V, H]
         if targets is not None:
-            if LOSS_CHUNKS == "never" or not chunked_loss_applies(weight):
+            if not chunked_loss_applies(weight):
                 return F.cross_entropy(F.linear(x, weight).float().flatten(0, 1), targets.flatten())
             return chunked_lm_loss(x, weight, targets)
         return F.linear(x, weight).float()  # [B, S, V]

@@ -479,6 +479,11 @@ class TopKRouter(Router):
             choice = self.limit_groups(choice)
         return choice.topk(self.top_k, dim=-1).indices
 
+    def balance_scores(self, scores: Tensor) -> Tensor:
+        """Each token's score distribution for the balance loss: softmax scores as they are, sigmoid scores
+        normalised to sum 1."""
+        return scores if self.score == "softmax" else scores / scores.sum(-1, keepdim=True).clamp_min(1e-20)
+
     def fused_route_reason(self, logits: Tensor) -> str:
         """"" when this routing runs as moe.kernels.topk_route (one kernel each way), else why not."""
         mode = FUSED_ROUTER
@@ -509,15 +514,15 @@ class TopKRouter(Router):
             fused = _fused_topk_route(logits, self.top_k, self.score, self.normalize, self.scaling, self.expert_bias)
             if fused is not None:
                 indices, weights, scores, lse, assigned = fused
-                balance = scores if self.score == "softmax" else scores / scores.sum(-1, keepdim=True).clamp_min(1e-20)
-                return self.finish(logits, balance, indices, weights, self.capacity(logits.shape[0]), assigned, lse)
+                return self.finish(logits, self.balance_scores(scores), indices, weights, self.capacity(logits.shape[0]),
+                                   assigned, lse)
         scores = self.scores(logits)  # [T, E]
         indices = self.select(scores)  # [T, k]
         weights = scores.gather(1, indices)  # [T, k]
         if self.normalize:
             weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-20)
         weights = weights * self.scaling
-        balance = scores if self.score == "softmax" else scores / scores.sum(-1, keepdim=True).clamp_min(1e-20)
+        balance = self.balance_scores(scores)
         return self.finish(logits, balance, indices, weights, self.capacity(logits.shape[0]))
 
     def observe_load(self, global_counts: Tensor | None, local_counts: Tensor) -> None:

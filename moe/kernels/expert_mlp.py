@@ -101,7 +101,7 @@ def _expert_up_act_kernel(
 
 @triton.jit
 def _dact_columns(acc, PRE, DPRE, HOUT, rows64, m_mask, col0, F,
-                  stride_pn, stride_pm, stride_dpm, stride_dpn, stride_hm, stride_hn,
+                  stride_pm, stride_pn, stride_dpm, stride_dpn, stride_hm, stride_hn,
                   ACT: tl.constexpr, STORE_H: tl.constexpr, INTERP_BF16: tl.constexpr, WIDTH: tl.constexpr):
     """The down_dact epilogue for WIDTH columns from col0: dpre = dh * act'(pre) (and h = act(pre))."""
     GATED: tl.constexpr = ACT == 0
@@ -168,14 +168,14 @@ def _expert_down_dact_kernel(
         col0 = tl.min(offs_n, 0)
         left, right = _column_halves(acc, BLOCK_M, 2 * Q)
         a, b = _column_halves(left, BLOCK_M, Q)
-        _dact_columns(a, PRE, DPRE, HOUT, rows64, m_mask, col0, F, stride_pn, stride_pm, stride_dpm, stride_dpn,
+        _dact_columns(a, PRE, DPRE, HOUT, rows64, m_mask, col0, F, stride_pm, stride_pn, stride_dpm, stride_dpn,
                       stride_hm, stride_hn, ACT, STORE_H, INTERP_BF16, Q)
-        _dact_columns(b, PRE, DPRE, HOUT, rows64, m_mask, col0 + Q, F, stride_pn, stride_pm, stride_dpm,
+        _dact_columns(b, PRE, DPRE, HOUT, rows64, m_mask, col0 + Q, F, stride_pm, stride_pn, stride_dpm,
                       stride_dpn, stride_hm, stride_hn, ACT, STORE_H, INTERP_BF16, Q)
         c, d = _column_halves(right, BLOCK_M, Q)
-        _dact_columns(c, PRE, DPRE, HOUT, rows64, m_mask, col0 + 2 * Q, F, stride_pn, stride_pm, stride_dpm,
+        _dact_columns(c, PRE, DPRE, HOUT, rows64, m_mask, col0 + 2 * Q, F, stride_pm, stride_pn, stride_dpm,
                       stride_dpn, stride_hm, stride_hn, ACT, STORE_H, INTERP_BF16, Q)
-        _dact_columns(d, PRE, DPRE, HOUT, rows64, m_mask, col0 + 3 * Q, F, stride_pn, stride_pm, stride_dpm,
+        _dact_columns(d, PRE, DPRE, HOUT, rows64, m_mask, col0 + 3 * Q, F, stride_pm, stride_pn, stride_dpm,
                       stride_dpn, stride_hm, stride_hn, ACT, STORE_H, INTERP_BF16, Q)
     else:  # surplus program: rows no expert owns get zero gradient (their output was forced to 0)
         mn_mask = m_mask[:, None] & n_mask[None, :]

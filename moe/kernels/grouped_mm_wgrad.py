@@ -150,8 +150,8 @@ GROUPED_MM_WGRAD_TMA = Kernel(
     _grouped_mm_wgrad_tma_kernel,
     configs=GROUPED_MM_WGRAD.configs,
     interpret_config=GROUPED_MM_WGRAD.interpret_config,
-    key=["N", "K"],
-    prune=prune_by_smem(200 * 1024, a_name="BLOCK_K", k_name="BLOCK_M", acc_names=("BLOCK_K", "BLOCK_N")),
+    key=GROUPED_MM_WGRAD.key,
+    prune=GROUPED_MM_WGRAD.prune,
 )
 
 # Where the TMA variant runs (no gather, unit inner strides, 16-byte row strides, CUDA sm90+ or the

@@ -38,6 +38,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -139,7 +140,7 @@ def build_impls(workload: str, x, w_in, w_out, counts, has_torch_gmm: bool, floa
             impls["float8"] = lambda: fp8.float8_mlp(x, counts_dev, w_in, w_out, "swiglu")
     wgrad = sys.modules[kernels.grouped_mm_wgrad.__module__]
     if not wgrad.why_not_tma(x, x, None):  # the weight gradient's TMA variant, same forward
-        impls["triton_tma"] = _InContext(tma_fwd, lambda: _module_setting(wgrad, "WGRAD_TMA", "always"))
+        impls["triton_tma"] = _InContext(tma_fwd, lambda: mock.patch.object(wgrad, "WGRAD_TMA", "always"))
     assert f2 % 2 == 0 and m >= 0 and h > 0
     return impls
 
@@ -152,16 +153,6 @@ class _InContext:
 
     def __call__(self):
         return self.fn()
-
-
-@contextlib.contextmanager
-def _module_setting(module, name: str, value):
-    saved = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, saved)
 
 
 def flops(workload: str, m: int, h: int, f: int, backward: bool) -> float:

@@ -207,13 +207,11 @@ def _loss_chunks() -> bool:
 
 
 def _auto_backend(cfg: ModelConfig, cpu: bool) -> str:
-    """The expert backend "auto" takes (moe.experts.auto_order): the loop on CPU; on a GPU Triton, or torch's
-    grouped matmul for large experts (H x F >= moe.experts.LARGE_EXPERT_ELEMENTS)."""
-    from moekit.moe.experts import LARGE_EXPERT_ELEMENTS
+    """The expert backend "auto" takes: moe.experts.auto_order's first choice for this expert shape."""
+    from moekit.moe.experts import auto_order
 
-    if cpu:
-        return "loop"
-    return "torch" if cfg.hidden_size * cfg.moe_ffn_hidden_size >= LARGE_EXPERT_ELEMENTS else "triton"
+    w_out = torch.empty(0, cfg.moe_ffn_hidden_size, cfg.hidden_size, device="meta")  # only its shape is read
+    return auto_order(torch.device("cpu" if cpu else "cuda"), w_out)[0]
 
 
 def _add(total: dict[str, int], part: dict[str, int]) -> None:
