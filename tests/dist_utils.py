@@ -9,6 +9,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from moekit.train.distributed import end_process
+
 
 def _entry(rank: int, fn, world_size: int, init_file: str, env: dict, args: tuple):
     os.environ.update({"OMP_NUM_THREADS": "1", "RANK": str(rank), "WORLD_SIZE": str(world_size),
@@ -20,6 +22,10 @@ def _entry(rank: int, fn, world_size: int, init_file: str, env: dict, args: tupl
         fn(rank, world_size, *args)
     finally:
         dist.destroy_process_group()
+    # as the trainer's ranks do (moekit.train.distributed.owns_process_group): interpreter finalization
+    # races gloo's worker threads and aborts the process now and then ("terminate called without an active
+    # exception"). A rank that raised leaves through torch.multiprocessing, which has recorded its error.
+    end_process(0)
 
 
 def run_ranks(fn, world_size: int, *args, env: dict | None = None) -> None:

@@ -6,10 +6,13 @@ reads the same in both cases and the single-process run stays bitwise what it wa
 """
 from __future__ import annotations
 
+import atexit
 import math
 import os
 import re
+import sys
 from datetime import timedelta
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -43,6 +46,19 @@ def owns_process_group() -> bool:
     (seen in about 1 of 20 loaded runs of 4 ranks; core dumps show ~AsyncBarrierWork -> ~AsyncAllgatherWork
     -> decref_pyobject -> take_gil -> PyThread_exit_thread while the main thread is in Py_FinalizeEx)."""
     return _started_group
+
+
+def end_process(code: int, run_exit_handlers: bool = True) -> NoReturn:
+    """End this process with ``code`` without finalizing the interpreter: what a rank that ran gloo
+    collectives must do, since finalization races the groups' worker threads (owns_process_group).
+    ``run_exit_handlers``: first run what a normal exit runs before finalizing (atexit handlers: logging's
+    flush, weakref finalizers, ...); False where one of them could block (a save thread hung in the file
+    system). stdout and stderr are flushed either way."""
+    if run_exit_handlers:
+        atexit._run_exitfuncs()  # no public API runs them; os._exit skips them
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def first_line(exc: BaseException) -> str:

@@ -12,7 +12,6 @@ One optimizer step:
 """
 from __future__ import annotations
 
-import atexit
 import contextlib
 import json
 import os
@@ -35,7 +34,7 @@ from moekit.train.plan import lr_lambda, make_optimizer, plan_run
 from moekit.train.rebalance import RunPlacement
 from moekit.train.config import TrainConfig, to_toml
 from moekit.train.consistency import check_ranks_agree
-from moekit.train.distributed import Dist, comm_failure, first_line, owns_process_group
+from moekit.train.distributed import Dist, comm_failure, end_process, first_line, owns_process_group
 from moekit.train.faults import RunFailed
 from moekit.train.guard import Guard, NonFinite, set_deterministic
 from moekit.train.data import Split, gather, load_data, unigram_entropy
@@ -70,11 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         runlock.release_all()  # a trainer that failed during setup lets go of its run directory too
     stuck = checkpoint.stuck_saves()  # a save thread hung in the filesystem: the interpreter would wait for it
     if stuck or owns_process_group():
-        if not stuck:  # what a normal exit runs before finalizing: logging's flush, weakref finalizers, ...
-            atexit._run_exitfuncs()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        end_process(code, run_exit_handlers=not stuck)
     return code
 
 

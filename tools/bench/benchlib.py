@@ -186,5 +186,15 @@ def launch_ranks(worker: Callable, args, world: int) -> None:
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(worker, args=(world, args, os.path.join(tmp, "store")), nprocs=world,
+        mp.start_processes(_spawned_rank, args=(worker, world, args, os.path.join(tmp, "store")), nprocs=world,
                            start_method="spawn")
+
+
+def _spawned_rank(rank: int, worker: Callable, world: int, args, init_file: str) -> None:
+    """A spawned rank: the worker, then an end without interpreter finalization, which races gloo's worker
+    threads (moekit.train.distributed.end_process). A worker that raised leaves through torch.multiprocessing,
+    which reports its error."""
+    from moekit.train.distributed import end_process
+
+    worker(rank, world, args, init_file)
+    end_process(0)
