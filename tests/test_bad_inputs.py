@@ -508,6 +508,19 @@ def test_unusable_expert_backend_is_refused_before_the_run(tmp_path, capsys, mon
     refused(capsys, run, [*TINY, "--model.expert_backend", "cutlass"], "expert backend 'cutlass' is unknown")
 
 
+@pytest.mark.parametrize("var,value,expected", [
+    ("MOEKIT_TMA", "yes", "MOEKIT_TMA='yes' is invalid; use one of ['never', 'always']"),
+    ("MOEKIT_AUTOTUNE", "fastest", "MOEKIT_AUTOTUNE='fastest' is invalid"),
+    ("MOEKIT_KERNEL_CONFIGS", "/nonexistent/tuned.json", "cannot read it"),
+])
+def test_bad_kernel_environment_is_refused_before_the_run(tmp_path, capsys, monkeypatch, var, value, expected):
+    """The kernels' environment variables are checked with the config, not at the first expert GEMM (where a
+    CPU run without the Triton interpreter would never look at them)."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv(var, value)
+    refused(capsys, tmp_path / "run", [*TINY, "--steps", "1"], expected)
+
+
 # ---------------------------------------------------------------------------------------------------
 # The real program: exit code and no traceback
 # ---------------------------------------------------------------------------------------------------

@@ -616,6 +616,35 @@ def test_tma_wgrad_on_device_equals_the_pointer_kernel(monkeypatch, dtype):
         assert torch.equal(got, want), f"{name}: max diff {(got.float() - want.float()).abs().max().item()}"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+def test_tma_grouped_mm_on_device_equals_the_pointer_kernel(monkeypatch, dtype):
+    """The persistent TMA forward / dX kernel (moe.kernels.grouped_mm.GEMM_TMA) gives the pointer kernel's
+    bits at the tier's ragged layouts, plain and through W^T, one program per SM walking the tiles."""
+    import importlib
+
+    from moekit.moe.kernels import LAUNCHES
+
+    G = importlib.import_module("moekit.moe.kernels.grouped_mm")
+    probe = torch.zeros(16, 16, device=DEVICE, dtype=dtype)
+    reason = G.why_not_tma(probe, probe[None])
+    if reason:
+        pytest.skip(f"TMA does not run here: {reason}")
+    g = torch.Generator().manual_seed(6)
+    for name, (counts, tail) in layouts().items():
+        m = sum(counts) + tail
+        w = torch.randn(len(counts), 96, 160, generator=g).to(DEVICE, dtype)
+        for a, transpose in ((torch.randn(m, 96, generator=g), False), (torch.randn(m, 160, generator=g), True)):
+            a, offs = a.to(DEVICE, dtype), offs_of(counts).to(DEVICE)
+            monkeypatch.setattr(G, "GEMM_TMA", "never")
+            want = G.grouped_mm_fwd(a, w, offs, transpose_w=transpose)
+            monkeypatch.setattr(G, "GEMM_TMA", "always")
+            before = LAUNCHES["_grouped_mm_tma_kernel"]
+            got = G.grouped_mm_fwd(a, w, offs, transpose_w=transpose)
+            assert LAUNCHES["_grouped_mm_tma_kernel"] == before + (1 if m else 0), name  # no rows: no launch
+            assert not G._TMA_FAILURE, G._TMA_FAILURE
+            assert torch.equal(got, want), f"{name} (W^T: {transpose}): max diff {(got.float() - want.float()).abs().max().item()}"
+
+
 def test_cpu_checkpoint_resumes_on_the_device_with_its_optimizer(tmp_path):
     """A run checkpointed on CPU (foreach AdamW, step counts on the CPU) resumes on the device, where the
     trainer's AdamW is fused (train.resume puts this run's implementation back and moves the step counts):

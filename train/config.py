@@ -485,6 +485,19 @@ def validate_model(cfg: TrainConfig) -> None:
         raise UserError(f"model config ({cfg.preset}{'' if named else f', router {m.router!r}'}): {msg}") from None
     if m.num_experts:
         check_expert_backend(cfg)
+        check_kernel_environment()
+
+
+def check_kernel_environment() -> None:
+    """The Triton kernels' environment variables, checked before the run instead of at its first expert GEMM
+    (nothing to check where triton is not installed: the kernels never run)."""
+    try:
+        from moekit.moe.kernels import environment_problem
+    except ImportError:
+        return
+    problem = environment_problem()
+    if problem:
+        raise UserError(problem)
 
 
 def run_device(t: TrainSection) -> tuple[str, torch.dtype | None]:

@@ -209,6 +209,39 @@ def expert_row_bounds(OFFS, M, E, E_POW2: tl.constexpr):
 
 
 @triton.jit
+def expert_tile_table(OFFS, M, E, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The per-expert row-tile table of a row-tiled grouped kernel, from offs on device: (eids, starts, ends,
+    tiles, tile_end), each [E_POW2]. Expert e owns rows starts[e]:ends[e] (expert_row_bounds) in ``tiles[e]``
+    row tiles of BLOCK_M, the last of which ends at tile_end[e] (a cumsum). A persistent kernel builds it
+    once and reads it for every tile it visits (tile_at)."""
+    eids, starts, ends = expert_row_bounds(OFFS, M, E, E_POW2)
+    tiles = (ends - starts + BLOCK_M - 1) // BLOCK_M
+    return eids, starts, ends, tiles, tl.cumsum(tiles, 0)
+
+
+@triton.jit
+def tile_at(tile_id, eids, starts, ends, tiles, tile_end, M, N, E, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+            GROUP_M: tl.constexpr):
+    """Scalars of tile ``tile_id`` of the row_tile_grid order (GROUP_M swizzle) over expert_tile_table's table:
+    (e, first_row, row_end, start, pid_n, owned). owned: rows first_row:row_end (at most BLOCK_M) belong to
+    expert e, whose rows begin at ``start``. Otherwise a surplus tile: first_row:row_end are rows past the last
+    owned one (rows no expert owns), which its program must zero; e and start are then meaningless. Over every
+    tile id below row_tile_grid's count, each row of [0, M) lies in exactly one tile's range, whatever offs
+    holds, and every range lies in [0, M)."""
+    pid_m, pid_n = swizzle_pid(tile_id, tl.cdiv(M, BLOCK_M) + E, tl.cdiv(N, BLOCK_N), GROUP_M)
+    total = tl.sum(tiles, 0)
+    owned = pid_m < total
+    e = tl.sum((tile_end <= pid_m).to(tl.int32), 0)  # first expert whose tiles end past pid_m
+    sel = eids == e
+    first_tile = tl.sum(tl.where(sel, tile_end - tiles, 0), 0)
+    start = tl.sum(tl.where(sel, starts, 0), 0)
+    # owned or surplus: a few scalar selects, so every program runs the same straight-line prologue
+    first_row = tl.where(owned, start + (pid_m - first_tile) * BLOCK_M, tl.max(ends, 0) + (pid_m - total) * BLOCK_M)
+    row_end = tl.minimum(tl.where(owned, tl.sum(tl.where(sel, ends, 0), 0), M), first_row + BLOCK_M)
+    return e, first_row, row_end, start, pid_n, owned
+
+
+@triton.jit
 def expert_tile(OFFS, M, N, E, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 GROUP_M: tl.constexpr):
     """This program's tile of a row-tiled grouped kernel, from offs on device (see grouped_mm.py).
@@ -218,20 +251,9 @@ def expert_tile(OFFS, M, N, E, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOC
     owns), which it must zero; e is then meaningless. The grid is row_tile_grid's. Every masked row
     lies in [0, M) and each row of [0, M) is written by exactly one program, whatever offs holds.
     """
-    pid_m, pid_n = swizzle_pid(tl.program_id(0), tl.cdiv(M, BLOCK_M) + E, tl.cdiv(N, BLOCK_N), GROUP_M)
-    # --- per-expert row tiles from the clamped monotone bounds, on device
-    eids, starts, ends = expert_row_bounds(OFFS, M, E, E_POW2)
-    tiles = (ends - starts + BLOCK_M - 1) // BLOCK_M
-    tile_end = tl.cumsum(tiles, 0)
-    total = tl.sum(tiles, 0)
-    owned = pid_m < total
-    e = tl.sum((tile_end <= pid_m).to(tl.int32), 0)  # first expert whose tiles end past pid_m
-    sel = eids == e
-    first_tile = tl.sum(tl.where(sel, tile_end - tiles, 0), 0)
-    # owned or surplus: a few scalar selects, so every program runs the same straight-line prologue
-    first_row = tl.where(owned, tl.sum(tl.where(sel, starts, 0), 0) + (pid_m - first_tile) * BLOCK_M,
-                         tl.max(ends, 0) + (pid_m - total) * BLOCK_M)
-    row_end = tl.where(owned, tl.sum(tl.where(sel, ends, 0), 0), M)
+    eids, starts, ends, tiles, tile_end = expert_tile_table(OFFS, M, E, E_POW2, BLOCK_M)
+    e, first_row, row_end, _, pid_n, owned = tile_at(tl.program_id(0), eids, starts, ends, tiles, tile_end, M, N, E,
+                                                     BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = first_row + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     return e, offs_m, offs_m < row_end, offs_n, offs_n < N, owned
@@ -302,6 +324,66 @@ def row_tile_grid(m: int, n: int, e: int) -> Callable:
     """Grid of the row-tiled kernels (expert_tile): an upper bound of cdiv(m, BLOCK_M) + e row tiles
     (each expert adds at most one partial tile; no host sync for the real count) x cdiv(n, BLOCK_N)."""
     return lambda meta: ((triton.cdiv(m, meta["BLOCK_M"]) + e) * triton.cdiv(n, meta["BLOCK_N"]),)
+
+
+# The TMA kernel variants' switches (moe.kernels.grouped_mm.GEMM_TMA, moe.kernels.grouped_mm_wgrad.WGRAD_TMA)
+# start from this environment variable, so a benchmark or a training run can flip them without code:
+# MOEKIT_TMA=always. Unset: "never" (until a GPU has measured the variants against the pointer kernels).
+TMA_ENV = "MOEKIT_TMA"
+TMA_MODES = ("never", "always")
+
+
+def tma_default() -> str:
+    return os.environ.get(TMA_ENV, "").strip().lower() or "never"
+
+
+def check_tma_mode(mode: str, name: str) -> None:
+    """A ValueError naming the switch (and the environment variable, where the bad value came from it)."""
+    if mode in TMA_MODES:
+        return
+    env = os.environ.get(TMA_ENV)
+    hint = f" (it came from {TMA_ENV}={env!r}: set that to never or always)" if env is not None and \
+        env.strip().lower() == mode else ""
+    raise ValueError(f"moe.kernels.{name}={mode!r}; use one of {', '.join(TMA_MODES)}{hint}")
+
+
+def environment_problem() -> str:
+    """"" or what is wrong with the kernels' environment variables (MOEKIT_AUTOTUNE, MOEKIT_TMA,
+    MOEKIT_KERNEL_CONFIGS), so a trainer refuses them at start-up instead of at its first expert GEMM."""
+    tma = tma_default()
+    if tma not in TMA_MODES:
+        return f"{TMA_ENV}={os.environ.get(TMA_ENV)!r} is invalid; use one of {list(TMA_MODES)} (always: the TMA " \
+               "kernel variants on sm90+; never: the pointer kernels) or unset it"
+    try:
+        autotune_mode()
+        if KERNELS:
+            tuned_configs(next(iter(KERNELS)))  # reads and checks the whole file
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
+def why_not_tma_tensors(**tensors: torch.Tensor) -> str:
+    """"" when tensor-memory (TMA) descriptors can read every named 2-D operand, else why not: a Triton with
+    device-side descriptors, unit inner strides, 16-byte aligned rows and bases, CUDA sm90+ (or the
+    interpreter, which models the descriptors' bounds)."""
+    if not hasattr(tl, "make_tensor_descriptor") or not hasattr(triton, "set_allocator"):
+        return f"triton {triton.__version__} has no tl.make_tensor_descriptor / triton.set_allocator"
+    for name, t in tensors.items():
+        if t.stride(-1) != 1 or any((s * t.element_size()) % 16 for s in t.stride()[:-1]) or t.data_ptr() % 16:
+            return f"{name} needs a unit inner stride and 16-byte aligned rows, got strides {t.stride()}"
+    first = next(iter(tensors.values()))
+    if first.device.type == "cuda" and torch.cuda.get_device_capability(first.device) < (9, 0):
+        return "TMA needs sm90 or newer"
+    return ""
+
+
+def set_tma_allocator(device: torch.device) -> None:
+    """Device-side descriptors need a global scratch buffer from Triton's allocator hook."""
+    def alloc(size: int, alignment: int, stream):
+        return torch.empty(size, dtype=torch.int8, device=device)
+
+    triton.set_allocator(alloc)
 
 
 def dot_flags(dtype: torch.dtype, allow_tf32: bool) -> dict:

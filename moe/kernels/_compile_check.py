@@ -32,6 +32,7 @@ from .grouped_mm import grouped_mm_fwd
 from .grouped_mm_wgrad import grouped_mm_wgrad
 
 wgrad_mod = sys.modules[grouped_mm_wgrad.__module__]  # the module (the package binds the name to the function)
+gmm_mod = sys.modules[grouped_mm_fwd.__module__]
 from . import topk_route as topk_route_mod
 from .rope import rope
 from .scatter_add import scatter_add_rows
@@ -50,11 +51,14 @@ def capture_launches(dtype: torch.dtype) -> list:
         grouped_mm_fwd(x, w, offs, gidx)
         grouped_mm_fwd(torch.randn(m, 2 * f, dtype=dtype), w, offs, transpose_w=True)
         grouped_mm_wgrad(x, torch.randn(m, 2 * f, dtype=dtype), offs, gidx)
-        saved, wgrad_mod.WGRAD_TMA = wgrad_mod.WGRAD_TMA, "always"  # the TMA variant (no gather)
+        saved = wgrad_mod.WGRAD_TMA, gmm_mod.GEMM_TMA
+        wgrad_mod.WGRAD_TMA = gmm_mod.GEMM_TMA = "always"  # the TMA variants (no gather)
         try:
             grouped_mm_wgrad(x, torch.randn(m, 2 * f, dtype=dtype), offs)
+            grouped_mm_fwd(x, w, offs)  # the pointer kernel again for float32 (the TMA one is 16-bit only)
+            grouped_mm_fwd(torch.randn(m, 2 * f, dtype=dtype), w, offs, transpose_w=True)
         finally:
-            wgrad_mod.WGRAD_TMA = saved
+            wgrad_mod.WGRAD_TMA, gmm_mod.GEMM_TMA = saved
         scatter_add_rows(x, gidx, m)
         t, k = 16, 2  # the combine: fp32 router weights on rows of this dtype, weighted and plain, backward
         slot_row = torch.randint(-1, m + 2, (t * k,))

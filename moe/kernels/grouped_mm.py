@@ -15,13 +15,16 @@ a time per column strip so consecutive programs share W[e] and X tiles in L2.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 import triton
 import triton.language as tl
 
-from ._common import (Kernel, cfg, check_gather_index, check_offs, check_triton_tensors, dot_flags, expert_tile,
-                      gather_rows, gather_rows_ref, prune_by_smem, row_tile_grid, tile_mm, to_out,
-                      why_not_triton_tensors)
+from ._common import (BUILD_ERRORS, Kernel, build_failure, cfg, check_gather_index, check_offs, check_tma_mode,
+                      check_triton_tensors, dot_acc, dot_flags, expert_tile, expert_tile_table, gather_rows,
+                      gather_rows_ref, prune_by_smem, row_tile_grid, set_tma_allocator, tile_at, tile_mm, tma_default,
+                      to_out, why_not_tma_tensors, why_not_triton_tensors)
 
 # ---------------------------------------------------------------------------------------------------
 # Reference (also the torch fallback where Triton cannot run)
@@ -95,6 +98,125 @@ GROUPED_MM = Kernel(
     prune=prune_by_smem(200 * 1024),
 )
 
+@triton.jit
+def _grouped_mm_tma_kernel(
+    X, W, Y, OFFS,
+    M, N, K, E,
+    stride_xm, stride_we, stride_wr, stride_ym, stride_yn,
+    E_POW2: tl.constexpr, W_TRANS: tl.constexpr, PRECISION: tl.constexpr, INTERP_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """_grouped_mm_kernel's tiles, persistent and through tensor-memory (TMA) descriptors.
+
+    Persistent: a grid of about one program per SM; each builds the expert tile table once and walks the
+    tiles program_id, program_id + num_programs, ... in the row_tile_grid order (GROUP_M swizzle), so the
+    launch is a fixed size whatever the routing and a program's next tile starts while the SM is warm.
+    TMA: x is read through a descriptor bound to the tile's expert (base at its first row, its row count
+    as the bound), so the hardware zero-fills past the expert's end and the k tail; W[e] through one over
+    its stored [K, N] (W_TRANS: the stored [N, K] of a transposed view, transposed in registers, as dX
+    reads it). The K loop and its reduction order are the pointer kernel's, so the results are its bits.
+    Unit inner strides, no gather (the launcher's conditions)."""
+    eids, starts, ends, tiles, tile_end = expert_tile_table(OFFS, M, E, E_POW2, BLOCK_M)
+    num_tiles = (tl.cdiv(M, BLOCK_M) + E) * tl.cdiv(N, BLOCK_N)
+    for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
+        e, first_row, row_end, start, pid_n, owned = tile_at(tile, eids, starts, ends, tiles, tile_end, M, N, E,
+                                                             BLOCK_M, BLOCK_N, GROUP_M)
+        offs_m = first_row + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        if owned:
+            expert_end = tl.sum(tl.where(eids == e, ends, 0), 0)
+            x_desc = tl.make_tensor_descriptor(X + start.to(tl.int64) * stride_xm, shape=[expert_end - start, K],
+                                               strides=[stride_xm, 1], block_shape=[BLOCK_M, BLOCK_K])
+            w_base = W + e.to(tl.int64) * stride_we
+            if W_TRANS:
+                w_desc = tl.make_tensor_descriptor(w_base, shape=[N, K], strides=[stride_wr, 1],
+                                                   block_shape=[BLOCK_N, BLOCK_K])
+            else:
+                w_desc = tl.make_tensor_descriptor(w_base, shape=[K, N], strides=[stride_wr, 1],
+                                                   block_shape=[BLOCK_K, BLOCK_N])
+            m0 = first_row - start
+            n0 = pid_n * BLOCK_N
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                a = x_desc.load([m0, k0])
+                if W_TRANS:
+                    b = tl.trans(w_desc.load([n0, k0]))
+                else:
+                    b = w_desc.load([k0, n0])
+                acc = dot_acc(a, b, acc, PRECISION, INTERP_BF16)
+            y = to_out(acc, Y.dtype.element_ty, INTERP_BF16)
+        else:
+            y = tl.zeros((BLOCK_M, BLOCK_N), dtype=Y.dtype.element_ty)  # a surplus tile: rows no expert owns
+        y_ptrs = Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :] * stride_yn
+        tl.store(y_ptrs, y, mask=(offs_m < row_end)[:, None] & (offs_n < N)[None, :])
+
+
+# The pointer kernel's tiles, so the two are compared config for config.
+GROUPED_MM_TMA = Kernel(
+    _grouped_mm_tma_kernel,
+    configs=GROUPED_MM.configs,
+    interpret_config=GROUPED_MM.interpret_config,
+    key=GROUPED_MM.key,
+    prune=GROUPED_MM.prune,
+)
+
+# Where the persistent TMA variant runs (no gather; unit inner strides and 16-byte aligned rows of x and of
+# W's stored layout; CUDA sm90+ or the interpreter): "never" (the default until a GPU measures it against the
+# pointer kernel: tools/bench/grouped_gemm.py's triton_tma peer), "always" (benchmarks, tests); it starts as
+# MOEKIT_TMA says (_common.TMA_ENV). A Triton
+# without device-side descriptors, or one that cannot build the kernel here, falls back with a warning.
+GEMM_TMA = tma_default()
+_TMA_FAILURE: list[str] = []
+# programs per SM of the persistent launch, and the SM count per device (the interpreter runs a few programs,
+# so that its tests cover the tile loop's stride)
+PROGRAMS_PER_SM = 1
+_SMS: dict = {}
+
+
+def why_not_tma(x: torch.Tensor, w: torch.Tensor, gather_index=None) -> str:
+    """"" when _grouped_mm_tma_kernel can take these operands (w as stored: [E, K, N], or [E, N, K] for a
+    transposed view), else why not."""
+    if gather_index is not None:
+        return "a gathered x (the descriptors read contiguous row blocks)"
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        # ptxas (sm90): the fp32 (IEEE, FMA) dots on descriptor tiles spill 0.4-20 KB a thread
+        return f"{x.dtype} operands (the TMA variant is for bfloat16 / float16)"
+    reason = why_not_tma_tensors(x=x, w=w)
+    if not reason and _TMA_FAILURE:
+        return f"the TMA kernel failed to build here ({_TMA_FAILURE[0]})"
+    return reason
+
+
+def _persistent_programs(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 3
+    if device not in _SMS:
+        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SMS[device] * PROGRAMS_PER_SM
+
+
+def _launch_tma(x, w, y, offs, m, n, k, e, transpose_w: bool, flags: dict) -> bool:
+    """Run the persistent TMA kernel into y; False when it cannot run here (then the pointer kernel does)."""
+    check_tma_mode(GEMM_TMA, "grouped_mm.GEMM_TMA")
+    if GEMM_TMA == "never" or why_not_tma(x, w):
+        return False
+    set_tma_allocator(x.device)
+    programs = _persistent_programs(x.device)
+    grid = lambda meta: (min(programs, (triton.cdiv(m, meta["BLOCK_M"]) + e) * triton.cdiv(n, meta["BLOCK_N"])),)  # noqa: E731
+    try:
+        GROUPED_MM_TMA[grid](
+            x, w, y, offs, m, n, k, e,
+            x.stride(0), w.stride(0), w.stride(1), y.stride(0), y.stride(1),
+            E_POW2=triton.next_power_of_2(e), W_TRANS=transpose_w, **flags,
+        )
+        return True
+    except BUILD_ERRORS as exc:
+        _TMA_FAILURE.append(build_failure(exc))
+        warnings.warn(f"grouped_mm: the TMA kernel failed to build here ({_TMA_FAILURE[-1]}); the pointer kernel "
+                      "runs instead", stacklevel=3)
+        return False
+
+
 # ---------------------------------------------------------------------------------------------------
 # Launcher
 # ---------------------------------------------------------------------------------------------------
@@ -123,11 +245,14 @@ def grouped_mm_fwd(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, gather_
         return y
     if k == 0 or e == 0:  # no products, or no expert owns a row
         return y.zero_()
+    flags = dot_flags(x.dtype, allow_tf32)
+    if gather_index is None and _launch_tma(x, w, y, offs, m, n, k, e, transpose_w, flags):
+        return y
     GROUPED_MM[row_tile_grid(m, n, e)](
         x, wt, y, offs, gather_index if gather_index is not None else offs,
         m, n, k, e, x.shape[0],
         x.stride(0), x.stride(1), wt.stride(0), wt.stride(1), wt.stride(2), y.stride(0), y.stride(1),
-        E_POW2=triton.next_power_of_2(e), HAS_GATHER=gather_index is not None, **dot_flags(x.dtype, allow_tf32),
+        E_POW2=triton.next_power_of_2(e), HAS_GATHER=gather_index is not None, **flags,
     )
     return y
 

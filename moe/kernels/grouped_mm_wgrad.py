@@ -18,9 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (BUILD_ERRORS, Kernel, build_failure, cfg, check_gather_index, check_offs, check_triton_tensors,
-                      dot_acc, dot_flags, expert_row_bounds, gather_rows, gather_rows_ref, prune_by_smem, swizzle_pid,
-                      to_out)
+from ._common import (BUILD_ERRORS, Kernel, build_failure, cfg, check_gather_index, check_offs, check_tma_mode,
+                      check_triton_tensors, dot_acc, dot_flags, expert_row_bounds, gather_rows, gather_rows_ref,
+                      prune_by_smem, set_tma_allocator, swizzle_pid, tma_default, to_out, why_not_tma_tensors)
 
 # ---------------------------------------------------------------------------------------------------
 # Reference
@@ -156,9 +156,8 @@ GROUPED_MM_WGRAD_TMA = Kernel(
 
 # Where the TMA variant runs (no gather, unit inner strides, 16-byte row strides, CUDA sm90+ or the
 # interpreter): "never" (default until a GPU measures it against the pointer kernel), "always" (benchmarks,
-# tests). Triton without tl.make_tensor_descriptor, or one that cannot build it here, falls back with a warning.
-WGRAD_TMA = "never"
-_WGRAD_TMA_MODES = ("never", "always")
+# tests); it starts as MOEKIT_TMA says (_common.TMA_ENV). Triton without tl.make_tensor_descriptor, or one that cannot build it here, falls back with a warning.
+WGRAD_TMA = tma_default()
 _TMA_FAILURE: list[str] = []
 
 
@@ -166,24 +165,10 @@ def why_not_tma(x: torch.Tensor, dy: torch.Tensor, gather_index) -> str:
     """"" when _grouped_mm_wgrad_tma_kernel can take these operands, else why not."""
     if gather_index is not None:
         return "a gathered x (the descriptors read contiguous row blocks)"
-    if not hasattr(tl, "make_tensor_descriptor") or not hasattr(triton, "set_allocator"):
-        return f"triton {triton.__version__} has no tl.make_tensor_descriptor / triton.set_allocator"
-    for name, t in (("x", x), ("dy", dy)):
-        if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
-            return f"{name} needs a unit inner stride and 16-byte aligned rows, got strides {t.stride()}"
-    if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device) < (9, 0):
-        return "TMA needs sm90 or newer"
-    if _TMA_FAILURE:
+    reason = why_not_tma_tensors(x=x, dy=dy)
+    if not reason and _TMA_FAILURE:
         return f"the TMA kernel failed to build here ({_TMA_FAILURE[0]})"
-    return ""
-
-
-def _set_tma_allocator(device: torch.device) -> None:
-    """Device-side descriptors need a global scratch buffer from Triton's allocator hook."""
-    def alloc(size: int, alignment: int, stream):
-        return torch.empty(size, dtype=torch.int8, device=device)
-
-    triton.set_allocator(alloc)
+    return reason
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -211,10 +196,9 @@ def grouped_mm_wgrad(x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor,
     if m == 0:
         return dw.zero_()
     grid = lambda meta: (e * triton.cdiv(k, meta["BLOCK_K"]) * triton.cdiv(n, meta["BLOCK_N"]),)
-    if WGRAD_TMA not in _WGRAD_TMA_MODES:
-        raise ValueError(f"moe.kernels.grouped_mm_wgrad.WGRAD_TMA={WGRAD_TMA!r}; use one of {', '.join(_WGRAD_TMA_MODES)}")
+    check_tma_mode(WGRAD_TMA, "grouped_mm_wgrad.WGRAD_TMA")
     if WGRAD_TMA == "always" and not why_not_tma(x, dy, gather_index):
-        _set_tma_allocator(x.device)
+        set_tma_allocator(x.device)
         try:
             GROUPED_MM_WGRAD_TMA[grid](
                 x, dy, dw, offs, m, k, n, e,

@@ -1,0 +1,180 @@
+"""The persistent TMA variant of the grouped GEMM's forward / dX kernel (moe.kernels.grouped_mm.GEMM_TMA)
+against the pointer kernel and a float64 loop: the same tiles and reduction order, so the same bits, over
+ragged, empty and out-of-range experts, with more tiles than programs (each program walks several); where it
+does not apply (a gather, float32, misaligned rows) the pointer kernel runs. CPU: the Triton interpreter,
+which models the descriptors' bounds (zero fill past the expert's rows and the k / n tails)."""
+from __future__ import annotations
+
+import importlib
+import os
+import zlib
+
+import pytest
+import torch
+
+from moekit.moe.kernels import LAUNCHES
+from moekit.moe.kernels._common import interpret_mode
+
+G = importlib.import_module("moekit.moe.kernels.grouped_mm")  # the module (the package exports the function)
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TMA, POINTER = "_grouped_mm_tma_kernel", "_grouped_mm_kernel"
+pytestmark = pytest.mark.skipif(not (interpret_mode() or torch.cuda.is_available()),
+                                reason="needs TRITON_INTERPRET=1 or a GPU")
+
+
+def gen(*key) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()) ^ int(os.environ.get("MOEKIT_TEST_SEED", "0")))
+
+
+def launches() -> tuple[int, int]:
+    return LAUNCHES[TMA], LAUNCHES[POINTER]
+
+
+@pytest.fixture
+def tma(monkeypatch):
+    monkeypatch.setattr(G, "GEMM_TMA", "always")
+    monkeypatch.setattr(G, "_TMA_FAILURE", [])
+
+
+def ref(x, w, offs, transpose_w=False):
+    return G.grouped_mm_ref(x.double(), (w.transpose(1, 2) if transpose_w else w).double(), offs)
+
+
+COUNTS = {"ragged": [5, 0, 133, 17, 0, 100, 1, 0, 44], "all-empty": [0, 0, 0], "one": [300],
+          "tail-unowned": [0, 0, 290], "past-the-rows": [40, 400], "decreasing": [50, 20, 300]}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("counts", COUNTS.values(), ids=COUNTS.keys())
+def test_tma_forward_and_dx_equal_the_pointer_kernel_bit_for_bit(tma, monkeypatch, counts, dtype):
+    g = gen("tma-fwd", counts, dtype)
+    M, K, N = 300, 48, 80  # K, N not multiples of the tiles: the descriptors' bounds zero-fill the tails
+    E = len(counts)
+    x = torch.randn(M, K, generator=g).to(DEV, dtype)
+    dy = torch.randn(M, N, generator=g).to(DEV, dtype)
+    w = torch.randn(E, K, N, generator=g).to(DEV, dtype)
+    if counts == COUNTS["decreasing"]:  # offsets as given, not a cumsum: 50, 20 (clamped to 50), 300
+        offs = torch.tensor(counts, dtype=torch.int32, device=DEV)
+    else:
+        offs = torch.tensor(counts).cumsum(0).to(torch.int32).to(DEV)
+    before = launches()
+    got_y = G.grouped_mm_fwd(x, w, offs)
+    got_dx = G.grouped_mm_fwd(dy, w, offs, transpose_w=True)  # dX reads W[e]^T through the stored [K, N]
+    assert launches() == (before[0] + 2, before[1])
+    monkeypatch.setattr(G, "GEMM_TMA", "never")
+    want_y, want_dx = G.grouped_mm_fwd(x, w, offs), G.grouped_mm_fwd(dy, w, offs, transpose_w=True)
+    assert torch.equal(got_y, want_y) and torch.equal(got_dx, want_dx)
+    for got, r in ((got_y, ref(x, w, offs)), (got_dx, ref(dy, w, offs, transpose_w=True))):
+        assert (got.double() - r).abs().max() <= 1e-2 * max(1.0, float(r.abs().max()))
+
+
+def test_more_tiles_than_programs_each_tile_written_once(tma, monkeypatch):
+    """Every program walks tiles pid, pid + programs, ...: a poisoned output shows any tile skipped, and the
+    float64 reference any tile computed twice into the wrong rows. Programs 1, 2, 3, 7 over ~40 tiles."""
+    g = gen("stride")
+    M, K, N = 200, 32, 64
+    counts = [30, 0, 70, 1, 64, 0]
+    x = torch.randn(M, K, generator=g).to(DEV, torch.bfloat16)
+    w = torch.randn(len(counts), K, N, generator=g).to(DEV, torch.bfloat16)
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32).to(DEV)
+    want = ref(x, w, offs)
+    for programs in (1, 2, 3, 7):
+        with monkeypatch.context() as m:
+            m.setattr(G, "_persistent_programs", lambda device, p=programs: p)
+            m.setattr(torch, "empty", _poisoned(torch.empty))
+            before = launches()
+            got = G.grouped_mm_fwd(x, w, offs)
+            assert launches() == (before[0] + 1, before[1])
+        assert not torch.isnan(got).any(), programs
+        assert (got.double() - want).abs().max() <= 1e-2 * float(want.abs().max()), programs
+        assert torch.equal(got[sum(counts):], torch.zeros_like(got[sum(counts):])), programs  # unowned rows: zeros
+
+
+def _poisoned(empty):
+    def fill(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+    return fill
+
+
+def test_autograd_runs_the_tma_kernel_for_y_and_dx(tma, monkeypatch):
+    g = gen("autograd")
+    counts = [17, 0, 60, 3]
+    x = torch.randn(80, 32, generator=g).to(DEV, torch.bfloat16).requires_grad_()
+    w = torch.randn(4, 32, 48, generator=g).to(DEV, torch.bfloat16).requires_grad_()
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32).to(DEV)
+    grad = torch.randn(80, 48, generator=g).to(DEV, torch.bfloat16)
+    before = launches()
+    y = G.grouped_mm(x, w, offs, backend="triton")
+    dx, dw = torch.autograd.grad(y, (x, w), grad)
+    assert launches() == (before[0] + 2, before[1])  # forward and dX; dW is the wgrad kernel
+    monkeypatch.setattr(G, "GEMM_TMA", "never")
+    y2 = G.grouped_mm(x, w, offs, backend="triton")
+    dx2, dw2 = torch.autograd.grad(y2, (x, w), grad)
+    assert torch.equal(y, y2) and torch.equal(dx, dx2) and torch.equal(dw, dw2)
+
+
+def test_where_tma_does_not_apply_the_pointer_kernel_runs(tma):
+    g = gen("fallback")
+    w = torch.randn(2, 32, 16, generator=g).to(DEV, torch.bfloat16)
+    offs = torch.tensor([20, 64], dtype=torch.int32, device=DEV)
+    x = torch.randn(64, 32, generator=g).to(DEV, torch.bfloat16)
+    gidx = torch.randperm(64, generator=g).to(DEV)
+    odd = torch.randn(64, 33, generator=g).to(DEV, torch.bfloat16)[:, :32]  # rows of 66 bytes
+    assert "gathered" in G.why_not_tma(x, w, gidx)
+    assert "16-byte aligned rows" in G.why_not_tma(odd, w, None)
+    assert "float32" in G.why_not_tma(x.float(), w.float(), None)
+    for args, kwargs in (((x, w, offs, gidx), {}), ((odd, w, offs), {}), ((x.float(), w.float(), offs), {})):
+        before = launches()
+        got = G.grouped_mm_fwd(*args, **kwargs)
+        assert launches() == (before[0], before[1] + 1)
+        a, ww = args[0], args[1]
+        want = ref(a if len(args) == 3 else a[args[3]], ww, offs)
+        assert (got.double() - want).abs().max() <= 1e-2 * float(want.abs().max())
+
+
+def test_a_tma_kernel_that_cannot_build_falls_back_once(tma, monkeypatch):
+    from moekit.moe.kernels._common import BUILD_ERRORS
+
+    class Broken:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise BUILD_ERRORS[0]("no tensor descriptors here (simulated)")
+            return launch
+
+    monkeypatch.setattr(G, "GROUPED_MM_TMA", Broken())
+    x, w = torch.randn(32, 16).to(DEV, torch.bfloat16), torch.randn(2, 16, 16).to(DEV, torch.bfloat16)
+    offs = torch.tensor([10, 32], dtype=torch.int32, device=DEV)
+    with pytest.warns(UserWarning, match="TMA kernel failed to build here"):
+        got = G.grouped_mm_fwd(x, w, offs)
+    assert (got.double() - ref(x, w, offs)).abs().max() <= 1e-2 * float(ref(x, w, offs).abs().max())
+    assert "simulated" in G.why_not_tma(x, w, None)  # remembered: no second try
+
+
+def test_a_bad_mode_is_named(monkeypatch):
+    monkeypatch.setattr(G, "GEMM_TMA", "sometimes")
+    with pytest.raises(ValueError, match="GEMM_TMA='sometimes'; use one of never, always"):
+        G.grouped_mm_fwd(torch.randn(8, 16).to(DEV, torch.bfloat16), torch.randn(1, 16, 16).to(DEV, torch.bfloat16),
+                         torch.tensor([8], dtype=torch.int32, device=DEV))
+
+
+def test_moekit_tma_sets_both_switches_and_a_bad_value_names_the_variable(tmp_path):
+    """MOEKIT_TMA=always starts both TMA switches on (a benchmark or a training run flips them without code);
+    a value that is neither never nor always fails on the first GEMM, naming the variable."""
+    import subprocess
+    import sys
+
+    probe = ("import importlib, torch\n"
+             "G = importlib.import_module('moekit.moe.kernels.grouped_mm')\n"
+             "W = importlib.import_module('moekit.moe.kernels.grouped_mm_wgrad')\n"
+             "print(G.GEMM_TMA, W.WGRAD_TMA)\n"
+             "x = torch.randn(8, 16, dtype=torch.bfloat16)\n"
+             "G.grouped_mm_fwd(x, torch.randn(1, 16, 16, dtype=torch.bfloat16), torch.tensor([8], dtype=torch.int32))\n")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    for value, want in (("always", "always always"), (" Always ", "always always"), ("", "never never")):
+        out = subprocess.run([sys.executable, "-c", probe], env={**env, "MOEKIT_TMA": value}, capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 0 and out.stdout.split("\n")[0] == want, out.stdout + out.stderr
+    bad = subprocess.run([sys.executable, "-c", probe], env={**env, "MOEKIT_TMA": "yes"}, capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode != 0 and "GEMM_TMA='yes'; use one of never, always (it came from MOEKIT_TMA='yes'" in bad.stderr
