@@ -94,6 +94,28 @@ def test_kernel_time_sums_device_kernels_per_run():
     assert layer_probes.kernel_ms([], runs=3) == 0.0
 
 
+def test_kernel_table_groups_device_kernels_by_name_per_run():
+    """kernel_table: device events only (no host ops, no record_function ranges), grouped by name, most time
+    first, per run; the tail past ``top`` is one "(others)" entry, and the totals are kept."""
+    from types import SimpleNamespace as Ev
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def k(name, us, **kw):
+        return Ev(name=name, device_type=cuda, device_time_total=us, **kw)
+
+    events = [k("gather", 100.0), k("sort_pass", 30.0), k("gather", 120.0), k("sort_pass", 30.0), k("fill", 4.0),
+              k("scatter", 10.0), k("my_range", 999.0, is_user_annotation=True),
+              Ev(name="aten::index_select", device_type=cpu, device_time_total=220.0)]
+    table = layer_probes.kernel_table(events, runs=2, top=2)
+    assert [r["kernel"] for r in table] == ["gather", "sort_pass", "(others)"]
+    assert table[0] == {"kernel": "gather", "us": 110.0, "launches": 1.0}
+    assert table[1]["launches"] == 1.0 and table[2] == {"kernel": "(others)", "us": 7.0, "launches": 1.0}
+    assert sum(r["us"] for r in table) == pytest.approx((220 + 60 + 14) / 2)
+    assert layer_probes.kernel_table([], runs=3) == []
+    assert layer_probes.kernel_breakdown({"x": lambda: None}, torch.device("cpu")) == {}
+
+
 def test_summary_reads_targets(tmp_path):
     rows = [{"shape": "fine-grained", "ratios": {"triton/torch_grouped:fwd": 1.1, "triton/loop:fwd": 2.0}},
             {"shape": "mixtral-8x7b", "ratios": {"triton/torch_grouped:fwd": 0.95}}]

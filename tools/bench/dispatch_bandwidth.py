@@ -21,7 +21,9 @@ Peers of each operation, timed round-robin in one run (CUDA events on GPU):
     copy     x.clone() of a buffer holding half the operation's bytes: reads and writes exactly them
 "GB/s" is the operation's bytes over its time; "vs copy" is moekit's GB/s over the copy's (issue 9:
 >= 0.7). The slot sort that builds the permutation (dispatch_meta) is timed too, without a ratio.
-Before timing, moekit's outputs are compared with the torch peer's (max |diff| / max |torch|).
+Before timing, moekit's outputs are compared with the torch peer's (max |diff| / max |torch|). On a GPU
+each moekit op and both slot sorts are then profiled (torch.profiler): their kernels, GPU time and
+launches go into the JSON ("kernels", "kernel_ms", "launches") and a second table.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ import sys
 import torch
 
 from moekit.bench.benchlib import add_timing_args, environment, print_table, time_events, write_json
+from moekit.bench.layer_probes import kernel_breakdown
 from moekit.moe import LocalDispatcher, build_router
 from moekit.moe.dispatch import permute, sort_slots, unpermute
 
@@ -112,7 +115,8 @@ def bench_config(name: str, tokens: int, args, device, dtype) -> list[dict]:
     elem = s["x"].element_size()
     base = {"config": name, "tokens": tokens, "H": hidden, "E": experts, "k": top_k}
     rows = []
-    for op, (nbytes, fns) in op_peers(s, tokens, hidden, elem).items():
+    peers = op_peers(s, tokens, hidden, elem)
+    for op, (nbytes, fns) in peers.items():
         diff = rel_diff(fns["moekit"](), fns["torch"]())
         t = time_events(fns, device, warmup=args.warmup, repeats=args.repeats)
         copy_gbps = nbytes / t["copy"]["median_ms"] / 1e6
@@ -125,6 +129,16 @@ def bench_config(name: str, tokens: int, args, device, dtype) -> list[dict]:
                 "torch": lambda: torch.argsort(indices.reshape(-1), stable=True)}
     for peer, res in time_events(meta_fns, device, warmup=args.warmup, repeats=args.repeats).items():
         rows.append({**base, "op": "dispatch_meta", "impl": peer, "median_ms": res["median_ms"]})
+    # GPU: the kernels behind each moekit op and both slot sorts (what a gap to the copy or to argsort is made of)
+    steps = {(op, "moekit"): fns["moekit"] for op, (_, fns) in peers.items()}
+    steps.update({("dispatch_meta", peer): fn for peer, fn in meta_fns.items()})
+    tables = kernel_breakdown({f"{op}/{peer}": fn for (op, peer), fn in steps.items()}, device)
+    for r in rows:
+        table = tables.get(f"{r['op']}/{r['impl']}")
+        if table is not None:
+            r["kernels"] = table
+            r["kernel_ms"] = sum(k["us"] for k in table) / 1e3
+            r["launches"] = sum(k["launches"] for k in table)
     return rows
 
 
@@ -151,6 +165,14 @@ def main(argv=None) -> int:
                        ("median_ms", "median ms", ".3f"), ("GBps", "GB/s", ".1f"), ("vs_copy", "vs copy", ".2f"),
                        ("rel_diff_vs_torch", "rel diff", ".1e")])
     print("(vs copy: GB/s over a plain clone of the same bytes in the same run; issue 9 target >= 0.7 for moekit)")
+    profiled = [dict(r, top=f"{r['kernels'][0]['kernel'][:48]} {r['kernels'][0]['us']:.0f} us" if r["kernels"] else "")
+                for r in rows if "kernels" in r]
+    if profiled:  # GPU only: the profiler's kernel time against the event-timed median
+        print_table(profiled, [("config", "config", ""), ("tokens", "T", "d"), ("op", "op", ""), ("impl", "impl", ""),
+                               ("median_ms", "median ms", ".3f"), ("kernel_ms", "kernel ms", ".3f"),
+                               ("launches", "launches", ".0f"), ("top", "largest kernel", "")])
+        print("(kernel ms: GPU time of the op's kernels alone, torch.profiler; median - kernel ms is time between "
+              "them. Every kernel per op is in the JSON's 'kernels')")
     write_json(args.out, {**payload, "results": rows})
     return 0
 

@@ -38,7 +38,7 @@ moe_layer       MoE layer fwd+bwd at 8192 and 32768 tokens, bf16: moekit vs torc
                 per-phase times, router host syncs, activation memory vs minimum          (cap 210 s)
 grouped_gemm    Triton grouped GEMM / expert MLP vs torch grouped_mm, loop, dense; 4 shapes x 8192/32768
                 tokens x uniform/Zipf routing, fwd and fwd+bwd                              (cap 160 s)
-dispatch        local permute / unpermute GB/s vs a plain copy of the same bytes, fwd and bwd (cap 50 s)
+dispatch        local permute / unpermute GB/s vs a plain copy of the same bytes, fwd and bwd and the kernels behind each op (cap 70 s)
 profile         torch.profiler of training steps of the ~1B preset: chrome trace + time by category (cap 80 s)
 train_mfu       tools/bench/train_mfu.py, compile off, shortened (15 steps)                 (what is left)
 train_mfu_full  tools/bench/train_mfu.py at its defaults (compile off and on); not in the default set
@@ -200,7 +200,7 @@ for step in "${STEPS[@]}"; do
       if [ "$SMOKE" = 1 ]; then size=(--tokens 64 --configs small --warmup 1 --repeats 2)
       else size=(--device cuda --dtype bfloat16 --tokens 16384 --configs mixtral qwen3-30b-a3b deepseek-v3
                  --repeats 20); fi
-      run_step dispatch 50 "$PY" tools/bench/dispatch_bandwidth.py "${size[@]}" --out "$RAW/dispatch_bandwidth.json" ;;
+      run_step dispatch 70 "$PY" tools/bench/dispatch_bandwidth.py "${size[@]}" --out "$RAW/dispatch_bandwidth.json" ;;
     profile)
       if [ "$SMOKE" = 1 ]; then size=(--preset mixtral-tiny --batch-size 2 --seq-len 32 --warmup 1 --steps 1)
       else size=(--preset auto --batch-size 4 --seq-len 2048 --warmup 2 --steps 3); fi

@@ -54,6 +54,47 @@ def device_times(steps: dict[str, Callable[[], None]], device: torch.device, run
     return out
 
 
+def kernel_table(events, runs: int, top: int = 6) -> list[dict]:
+    """The GPU kernels (and copies / memsets) in a profiler's events, by name, most time first: [{"kernel",
+    "us" (per run), "launches" (per run)}], the first ``top`` and one "(others)" entry for the rest. Names are
+    cut to 80 characters (CUTLASS / CUB template names run to thousands)."""
+    by_name: dict[str, list[float]] = {}
+    for e in events:
+        if str(getattr(e, "device_type", "CPU")).endswith("CPU") or getattr(e, "is_user_annotation", False):
+            continue  # host-side ops (their kernels appear as device events of their own), record_function ranges
+        us, n = by_name.setdefault(e.name[:80], [0.0, 0])
+        by_name[e.name[:80]] = [us + e.device_time_total, n + 1]
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])
+    runs = max(runs, 1)
+    out = [{"kernel": k, "us": us / runs, "launches": n / runs} for k, (us, n) in ranked[:top]]
+    rest = ranked[top:]
+    if rest:
+        out.append({"kernel": "(others)", "us": sum(v[0] for _, v in rest) / runs,
+                    "launches": sum(v[1] for _, v in rest) / runs})
+    return out
+
+
+def kernel_breakdown(steps: dict[str, Callable[[], None]], device: torch.device, runs: int = 3,
+                     top: int = 6) -> dict[str, list[dict]]:
+    """name -> kernel_table of each step (CUDA only; {} elsewhere), each profiled alone after a warm-up
+    call: which kernels an operation launches and what each costs the GPU. A step whose event-timed
+    median is well above its kernels' sum spends the rest between kernels (launches, host work)."""
+    if device.type != "cuda":
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+
+    out = {}
+    for name, step in steps.items():
+        step()
+        torch.cuda.synchronize(device)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(runs):
+                step()
+            torch.cuda.synchronize(device)
+        out[name] = kernel_table(prof.events(), runs, top)
+    return out
+
+
 def _fwd_bwd(fn: Callable[[], Tensor | tuple], grads: Callable[[], tuple]) -> Callable[[], None]:
     def step():
         outs = fn()
