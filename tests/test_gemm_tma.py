@@ -158,8 +158,8 @@ def test_a_bad_mode_is_named(monkeypatch):
                          torch.tensor([8], dtype=torch.int32, device=DEV))
 
 
-def test_moekit_tma_sets_both_switches_and_a_bad_value_names_the_variable(tmp_path):
-    """MOEKIT_TMA=always starts both TMA switches on (a benchmark or a training run flips them without code);
+def test_moekit_tma_sets_every_switch_and_a_bad_value_names_the_variable(tmp_path):
+    """MOEKIT_TMA=always starts the three TMA switches on (a benchmark or a training run flips them without code);
     a value that is neither never nor always fails on the first GEMM, naming the variable."""
     import subprocess
     import sys
@@ -167,14 +167,101 @@ def test_moekit_tma_sets_both_switches_and_a_bad_value_names_the_variable(tmp_pa
     probe = ("import importlib, torch\n"
              "G = importlib.import_module('moekit.moe.kernels.grouped_mm')\n"
              "W = importlib.import_module('moekit.moe.kernels.grouped_mm_wgrad')\n"
-             "print(G.GEMM_TMA, W.WGRAD_TMA)\n"
+             "X = importlib.import_module('moekit.moe.kernels.expert_mlp')\n"
+             "print(G.GEMM_TMA, W.WGRAD_TMA, X.MLP_TMA)\n"
              "x = torch.randn(8, 16, dtype=torch.bfloat16)\n"
              "G.grouped_mm_fwd(x, torch.randn(1, 16, 16, dtype=torch.bfloat16), torch.tensor([8], dtype=torch.int32))\n")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    for value, want in (("always", "always always"), (" Always ", "always always"), ("", "never never")):
+    for value, want in (("always", "always always always"), (" Always ", "always always always"),
+                        ("", "never never never")):
         out = subprocess.run([sys.executable, "-c", probe], env={**env, "MOEKIT_TMA": value}, capture_output=True,
                              text=True, timeout=120)
         assert out.returncode == 0 and out.stdout.split("\n")[0] == want, out.stdout + out.stderr
     bad = subprocess.run([sys.executable, "-c", probe], env={**env, "MOEKIT_TMA": "yes"}, capture_output=True,
                          text=True, timeout=120)
     assert bad.returncode != 0 and "GEMM_TMA='yes'; use one of never, always (it came from MOEKIT_TMA='yes'" in bad.stderr
+
+
+# ---------------------------------------------------------------------------------------------------
+# The fused expert MLP's kernels (moe.kernels.expert_mlp.MLP_TMA): descriptor loads in the up-projection +
+# activation and the dact kernels, one program per tile as before
+# ---------------------------------------------------------------------------------------------------
+
+X = importlib.import_module("moekit.moe.kernels.expert_mlp")
+
+
+def mlp_tma_launches() -> tuple[int, int]:
+    return LAUNCHES["_expert_up_act_kernel:tma"], LAUNCHES["_expert_down_dact_kernel:tma"]
+
+
+@pytest.mark.parametrize("activation,F", [("swiglu", 24), ("swiglu", 40), ("gelu", 40), ("relu", 24)])
+@pytest.mark.parametrize("counts", [[5, 0, 70, 17, 0, 33], [0, 0, 0], [40, 100]], ids=["ragged", "empty", "past"])
+def test_fused_mlp_with_tma_loads_equals_pointer_loads_bit_for_bit(monkeypatch, activation, F, counts):
+    """Forward and every gradient, TMA loads in all five GEMM kernels against all pointer loads. F = 24 with
+    the interpreter's 32-column tiles: the gate tile's last strip reads into the up half, which the stores
+    mask; past: counts beyond the rows."""
+    monkeypatch.setattr(X, "_TMA_FAILURE", [])
+    monkeypatch.setattr(G, "_TMA_FAILURE", [])
+    g = gen("mlp", activation, F, counts)
+    M, H = 125, 48
+    f_in = 2 * F if activation == "swiglu" else F
+    x = torch.randn(M, H, generator=g).to(DEV, torch.bfloat16).requires_grad_()
+    w_in = (torch.randn(len(counts), H, f_in, generator=g) * 0.2).to(DEV, torch.bfloat16).requires_grad_()
+    w_out = (torch.randn(len(counts), F, H, generator=g) * 0.2).to(DEV, torch.bfloat16).requires_grad_()
+    c = torch.tensor(counts, device=DEV)
+    dy = torch.randn(M, H, generator=g).to(DEV, torch.bfloat16)
+    results = {}
+    for mode in ("never", "always"):
+        for module, switch in ((X, "MLP_TMA"), (G, "GEMM_TMA"), (W, "WGRAD_TMA")):
+            monkeypatch.setattr(module, switch, mode)
+        before = mlp_tma_launches()
+        y = X.expert_mlp(x, c, w_in, w_out, activation, variant="fused")
+        results[mode] = (y, *torch.autograd.grad(y, (x, w_in, w_out), dy))
+        used = tuple(b - a for a, b in zip(before, mlp_tma_launches()))
+        assert used == ((0, 0) if mode == "never" else (1, 1)), used  # no owned rows: it launches to zero them
+    for name, a, b in zip(("y", "dx", "dw_in", "dw_out"), results["never"], results["always"]):
+        assert torch.equal(a, b), f"{name}: max diff {(a.float() - b.float()).abs().max().item()}"
+    with torch.no_grad():
+        ref = X.expert_mlp_ref(x.double(), c, w_in.double(), w_out.double(), activation)
+    assert (results["always"][0].detach().double() - ref).abs().max() <= 2e-2 * max(1.0, float(ref.abs().max()))
+
+
+W = importlib.import_module("moekit.moe.kernels.grouped_mm_wgrad")
+
+
+def test_fused_mlp_tma_falls_back_where_it_cannot_run(monkeypatch):
+    """float32 takes the pointer loads (no TMA launch); a build failure warns once and is remembered."""
+    monkeypatch.setattr(X, "MLP_TMA", "always")
+    monkeypatch.setattr(X, "_TMA_FAILURE", [])
+    g = gen("mlp-fallback")
+    x = torch.randn(40, 32, generator=g).to(DEV)
+    w_in, w_out = torch.randn(2, 32, 32, generator=g).to(DEV), torch.randn(2, 16, 32, generator=g).to(DEV)
+    c = torch.tensor([10, 30], device=DEV)
+    before = mlp_tma_launches()
+    y = X.expert_mlp(x, c, w_in, w_out, "swiglu", variant="fused")
+    assert mlp_tma_launches() == before and "float32" in X.why_not_tma(x, w_in)
+    torch.testing.assert_close(y, X.expert_mlp_ref(x, c, w_in, w_out, "swiglu"), rtol=1e-4, atol=1e-4)
+
+    from moekit.moe.kernels._common import BUILD_ERRORS
+
+    real = X.EXPERT_UP_ACT
+
+    class BrokenWithTMA:
+        name = real.name
+
+        def __getitem__(self, grid):
+            launch = real[grid]
+
+            def run(*args, TMA, **kwargs):
+                if TMA:
+                    raise BUILD_ERRORS[0]("no tensor descriptors here (simulated)")
+                return launch(*args, TMA=TMA, **kwargs)
+            return run
+
+    monkeypatch.setattr(X, "EXPERT_UP_ACT", BrokenWithTMA())
+    xb, wb_in, wb_out = x.bfloat16(), w_in.bfloat16(), w_out.bfloat16()
+    with pytest.warns(UserWarning, match="TMA kernels failed to build here"):
+        yb = X.expert_mlp(xb, c, wb_in, wb_out, "swiglu", variant="fused")
+    assert "simulated" in X.why_not_tma(xb, wb_in)  # remembered: no second try
+    ref = X.expert_mlp_ref(xb.double(), c, wb_in.double(), wb_out.double(), "swiglu")
+    assert (yb.double() - ref).abs().max() <= 2e-2 * max(1.0, float(ref.abs().max()))

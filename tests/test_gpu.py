@@ -645,6 +645,45 @@ def test_tma_grouped_mm_on_device_equals_the_pointer_kernel(monkeypatch, dtype):
             assert torch.equal(got, want), f"{name} (W^T: {transpose}): max diff {(got.float() - want.float()).abs().max().item()}"
 
 
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_expert_mlp_with_every_tma_variant_equals_the_pointer_kernels(monkeypatch, activation):
+    """MOEKIT_TMA's three switches at once (the fused kernels' descriptor loads, the persistent forward / dX,
+    the weight gradient's): the fused expert MLP's output and gradients keep the pointer kernels' bits."""
+    import importlib
+
+    from moekit.moe.kernels import LAUNCHES
+
+    mods = {name: importlib.import_module(f"moekit.moe.kernels.{name}") for name in
+            ("expert_mlp", "grouped_mm", "grouped_mm_wgrad")}
+    switches = {"expert_mlp": "MLP_TMA", "grouped_mm": "GEMM_TMA", "grouped_mm_wgrad": "WGRAD_TMA"}
+    probe = torch.zeros(16, 16, device=DEVICE, dtype=torch.bfloat16)
+    reason = mods["expert_mlp"].why_not_tma(probe, probe[None])
+    if reason:
+        pytest.skip(f"TMA does not run here: {reason}")
+    g = torch.Generator().manual_seed(7)
+    H, F = 256, 192
+    f_in = 2 * F if activation == "swiglu" else F
+    for name, (counts, tail) in layouts().items():
+        m = sum(counts) + tail
+        x = torch.randn(m, H, generator=g).to(DEVICE, torch.bfloat16).requires_grad_()
+        w_in = (torch.randn(len(counts), H, f_in, generator=g) * H ** -0.5).to(DEVICE, torch.bfloat16).requires_grad_()
+        w_out = (torch.randn(len(counts), F, H, generator=g) * F ** -0.5).to(DEVICE, torch.bfloat16).requires_grad_()
+        dy = torch.randn(m, H, generator=g).to(DEVICE, torch.bfloat16)
+        c = torch.tensor(counts, device=DEVICE)
+        out = {}
+        for mode in ("never", "always"):
+            for mod, switch in switches.items():
+                monkeypatch.setattr(mods[mod], switch, mode)
+            before = LAUNCHES["_expert_up_act_kernel:tma"]
+            y = mods["expert_mlp"].expert_mlp(x, c, w_in, w_out, activation, variant="fused")
+            out[mode] = (y, *torch.autograd.grad(y, (x, w_in, w_out), dy)) if m else (y,)
+            assert LAUNCHES["_expert_up_act_kernel:tma"] - before == (1 if mode == "always" and m else 0), name
+        for mod in mods.values():
+            assert not mod._TMA_FAILURE, mod._TMA_FAILURE
+        for what, a, b in zip(("y", "dx", "dw_in", "dw_out"), out["never"], out["always"]):
+            assert torch.equal(a, b), f"{name} {what}: max diff {(a.float() - b.float()).abs().max().item()}"
+
+
 def test_cpu_checkpoint_resumes_on_the_device_with_its_optimizer(tmp_path):
     """A run checkpointed on CPU (foreach AdamW, step counts on the CPU) resumes on the device, where the
     trainer's AdamW is fused (train.resume puts this run's implementation back and moves the step counts):

@@ -223,9 +223,9 @@ def expert_tile_table(OFFS, M, E, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr):
 def tile_at(tile_id, eids, starts, ends, tiles, tile_end, M, N, E, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
             GROUP_M: tl.constexpr):
     """Scalars of tile ``tile_id`` of the row_tile_grid order (GROUP_M swizzle) over expert_tile_table's table:
-    (e, first_row, row_end, start, pid_n, owned). owned: rows first_row:row_end (at most BLOCK_M) belong to
-    expert e, whose rows begin at ``start``. Otherwise a surplus tile: first_row:row_end are rows past the last
-    owned one (rows no expert owns), which its program must zero; e and start are then meaningless. Over every
+    (e, first_row, row_end, start, end, pid_n, owned). owned: rows first_row:row_end (at most BLOCK_M) belong
+    to expert e, whose rows are start:end. Otherwise a surplus tile: first_row:row_end are rows past the last
+    owned one (rows no expert owns), which its program must zero; e, start and end are then meaningless. Over every
     tile id below row_tile_grid's count, each row of [0, M) lies in exactly one tile's range, whatever offs
     holds, and every range lies in [0, M)."""
     pid_m, pid_n = swizzle_pid(tile_id, tl.cdiv(M, BLOCK_M) + E, tl.cdiv(N, BLOCK_N), GROUP_M)
@@ -235,10 +235,11 @@ def tile_at(tile_id, eids, starts, ends, tiles, tile_end, M, N, E, BLOCK_M: tl.c
     sel = eids == e
     first_tile = tl.sum(tl.where(sel, tile_end - tiles, 0), 0)
     start = tl.sum(tl.where(sel, starts, 0), 0)
+    end = tl.sum(tl.where(sel, ends, 0), 0)
     # owned or surplus: a few scalar selects, so every program runs the same straight-line prologue
     first_row = tl.where(owned, start + (pid_m - first_tile) * BLOCK_M, tl.max(ends, 0) + (pid_m - total) * BLOCK_M)
-    row_end = tl.minimum(tl.where(owned, tl.sum(tl.where(sel, ends, 0), 0), M), first_row + BLOCK_M)
-    return e, first_row, row_end, start, pid_n, owned
+    row_end = tl.minimum(tl.where(owned, end, M), first_row + BLOCK_M)
+    return e, first_row, row_end, start, end, pid_n, owned
 
 
 @triton.jit
@@ -246,17 +247,18 @@ def expert_tile(OFFS, M, N, E, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOC
                 GROUP_M: tl.constexpr):
     """This program's tile of a row-tiled grouped kernel, from offs on device (see grouped_mm.py).
 
-    Returns (e, offs_m, m_mask, offs_n, n_mask, owned). owned: rows offs_m[m_mask] belong to expert
-    e. Otherwise a surplus program: offs_m[m_mask] are rows past the last owned one (rows no expert
-    owns), which it must zero; e is then meaningless. The grid is row_tile_grid's. Every masked row
-    lies in [0, M) and each row of [0, M) is written by exactly one program, whatever offs holds.
+    Returns (e, offs_m, m_mask, offs_n, n_mask, owned, start, end). owned: rows offs_m[m_mask] belong to
+    expert e, whose rows are start:end (what a TMA descriptor over the expert is bound to). Otherwise a
+    surplus program: offs_m[m_mask] are rows past the last owned one (rows no expert owns), which it must
+    zero; e, start and end are then meaningless. The grid is row_tile_grid's. Every masked row lies in
+    [0, M) and each row of [0, M) is written by exactly one program, whatever offs holds.
     """
     eids, starts, ends, tiles, tile_end = expert_tile_table(OFFS, M, E, E_POW2, BLOCK_M)
-    e, first_row, row_end, _, pid_n, owned = tile_at(tl.program_id(0), eids, starts, ends, tiles, tile_end, M, N, E,
-                                                     BLOCK_M, BLOCK_N, GROUP_M)
+    e, first_row, row_end, start, end, pid_n, owned = tile_at(tl.program_id(0), eids, starts, ends, tiles, tile_end,
+                                                              M, N, E, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = first_row + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    return e, offs_m, offs_m < row_end, offs_n, offs_n < N, owned
+    return e, offs_m, offs_m < row_end, offs_n, offs_n < N, owned, start, end
 
 
 @triton.jit
@@ -312,6 +314,43 @@ def tile_mm(A, a_rows, a_mask, stride_am, stride_ak, B, offs_n, n_mask, stride_b
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
         b2_ptrs += BLOCK_K * stride_bk
+    return acc, acc2
+
+
+@triton.jit
+def tile_mm_tma(A, start, rows, stride_am, m0, B, stride_br, n0, N_B, K, B2_COL,
+                B_TRANS: tl.constexpr, TWO_B: tl.constexpr, PRECISION: tl.constexpr, INTERP_BF16: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """tile_mm through tensor-memory (TMA) descriptors: (acc, acc2) fp32 [BLOCK_M, BLOCK_N] for the tile at
+    rows m0: of one expert's block of A and columns n0: of its B, the same K loop and reduction order.
+
+    A: a descriptor over the expert's ``rows`` rows from row ``start`` (unit inner stride), so the hardware
+    zero-fills rows past the expert's end and the k tail. B: one expert's matrix as stored, [K, N_B] with row
+    stride ``stride_br``, or with B_TRANS its stored [N_B, K] (a transposed view: the tile is transposed in
+    registers). TWO_B: acc2 from the columns B2_COL + n0: of the same B (SwiGLU's up half), A read once.
+    Columns past n0's strip that still lie inside N_B (the gate tile's last strip reaching into the up half)
+    are computed and must be masked by the caller's store, as its own column bound does anyway."""
+    a_desc = tl.make_tensor_descriptor(A + start.to(tl.int64) * stride_am, shape=[rows, K], strides=[stride_am, 1],
+                                       block_shape=[BLOCK_M, BLOCK_K])
+    if B_TRANS:
+        b_desc = tl.make_tensor_descriptor(B, shape=[N_B, K], strides=[stride_br, 1], block_shape=[BLOCK_N, BLOCK_K])
+    else:
+        b_desc = tl.make_tensor_descriptor(B, shape=[K, N_B], strides=[stride_br, 1], block_shape=[BLOCK_K, BLOCK_N])
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = a_desc.load([m0, k0])
+        if B_TRANS:
+            b = tl.trans(b_desc.load([n0, k0]))
+        else:
+            b = b_desc.load([k0, n0])
+        acc = dot_acc(a, b, acc, PRECISION, INTERP_BF16)
+        if TWO_B:
+            if B_TRANS:
+                b2 = tl.trans(b_desc.load([B2_COL + n0, k0]))
+            else:
+                b2 = b_desc.load([k0, B2_COL + n0])
+            acc2 = dot_acc(a, b2, acc2, PRECISION, INTERP_BF16)
     return acc, acc2
 
 
@@ -376,6 +415,16 @@ def why_not_tma_tensors(**tensors: torch.Tensor) -> str:
     if first.device.type == "cuda" and torch.cuda.get_device_capability(first.device) < (9, 0):
         return "TMA needs sm90 or newer"
     return ""
+
+
+def why_not_tma_gemm(**tensors: torch.Tensor) -> str:
+    """why_not_tma_tensors for the forward-type TMA kernels (grouped_mm's and the fused expert MLP's), which
+    also need 16-bit data: ptxas (sm90) spills 0.4-20 KB a thread for the fp32 (IEEE, FMA) dots on
+    descriptor tiles."""
+    dtype = next(iter(tensors.values())).dtype
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"{dtype} operands (the TMA variants are for bfloat16 / float16)"
+    return why_not_tma_tensors(**tensors)
 
 
 def set_tma_allocator(device: torch.device) -> None:

@@ -33,6 +33,7 @@ from .grouped_mm_wgrad import grouped_mm_wgrad
 
 wgrad_mod = sys.modules[grouped_mm_wgrad.__module__]  # the module (the package binds the name to the function)
 gmm_mod = sys.modules[grouped_mm_fwd.__module__]
+mlp_mod = sys.modules[expert_up_act.__module__]
 from . import topk_route as topk_route_mod
 from .rope import rope
 from .scatter_add import scatter_add_rows
@@ -51,14 +52,20 @@ def capture_launches(dtype: torch.dtype) -> list:
         grouped_mm_fwd(x, w, offs, gidx)
         grouped_mm_fwd(torch.randn(m, 2 * f, dtype=dtype), w, offs, transpose_w=True)
         grouped_mm_wgrad(x, torch.randn(m, 2 * f, dtype=dtype), offs, gidx)
-        saved = wgrad_mod.WGRAD_TMA, gmm_mod.GEMM_TMA
-        wgrad_mod.WGRAD_TMA = gmm_mod.GEMM_TMA = "always"  # the TMA variants (no gather)
+        saved = wgrad_mod.WGRAD_TMA, gmm_mod.GEMM_TMA, mlp_mod.MLP_TMA
+        wgrad_mod.WGRAD_TMA = gmm_mod.GEMM_TMA = mlp_mod.MLP_TMA = "always"  # the TMA variants (no gather)
         try:
             grouped_mm_wgrad(x, torch.randn(m, 2 * f, dtype=dtype), offs)
-            grouped_mm_fwd(x, w, offs)  # the pointer kernel again for float32 (the TMA one is 16-bit only)
-            grouped_mm_fwd(torch.randn(m, 2 * f, dtype=dtype), w, offs, transpose_w=True)
+            if dtype != torch.float32:  # the forward-type ones are 16-bit only
+                grouped_mm_fwd(x, w, offs)
+                grouped_mm_fwd(torch.randn(m, 2 * f, dtype=dtype), w, offs, transpose_w=True)
+                for act in ACTIVATIONS.values():
+                    f_in = act.in_features(f)
+                    expert_up_act(x, w[..., :f_in], offs, act.name, save_pre=True)
+                    expert_down_dact(x, torch.randn(e, f, h, dtype=dtype), torch.randn(m, f_in, dtype=dtype), offs,
+                                     act.name, store_h=True)
         finally:
-            wgrad_mod.WGRAD_TMA, gmm_mod.GEMM_TMA = saved
+            wgrad_mod.WGRAD_TMA, gmm_mod.GEMM_TMA, mlp_mod.MLP_TMA = saved
         scatter_add_rows(x, gidx, m)
         t, k = 16, 2  # the combine: fp32 router weights on rows of this dtype, weighted and plain, backward
         slot_row = torch.randint(-1, m + 2, (t * k,))

@@ -18,6 +18,8 @@ Activation math runs in fp32 on the fp32 accumulators; gelu is the exact erf for
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 import triton
 import triton.language as tl
@@ -25,8 +27,9 @@ import triton.language as tl
 from moekit.moe.activations import get_activation
 from moekit.moe.experts import counts_to_offs
 
-from ._common import (Kernel, cfg, check_offs, check_triton_tensors, dot_flags, expert_tile, prune_by_smem,
-                      row_tile_grid, tile_mm, to_out, why_not_triton_tensors)
+from ._common import (BUILD_ERRORS, LAUNCHES, Kernel, build_failure, cfg, check_offs, check_tma_mode, check_triton_tensors,
+                      dot_flags, expert_tile, prune_by_smem, row_tile_grid, set_tma_allocator, tile_mm, tile_mm_tma,
+                      tma_default, to_out, why_not_tma_gemm, why_not_triton_tensors)
 from .grouped_mm import grouped_mm, grouped_mm_fwd
 from .grouped_mm_wgrad import grouped_mm_wgrad
 
@@ -65,17 +68,24 @@ def _expert_up_act_kernel(
     M, F, K, E,
     stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_hm, stride_hn, stride_pm, stride_pn,
     E_POW2: tl.constexpr, ACT: tl.constexpr, SAVE_PRE: tl.constexpr, PRECISION: tl.constexpr,
-    INTERP_BF16: tl.constexpr,
+    INTERP_BF16: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    """h[:, n-tile] = act(x @ w[e][:, n-tile] (, x @ w[e][:, F + n-tile])); optionally pre as well."""
+    """h[:, n-tile] = act(x @ w[e][:, n-tile] (, x @ w[e][:, F + n-tile])); optionally pre as well.
+    TMA: the operands through descriptors (_common.tile_mm_tma; unit inner strides, no gather)."""
     GATED: tl.constexpr = ACT == 0
-    e, offs_m, m_mask, offs_n, n_mask, owned = expert_tile(OFFS, M, F, E, E_POW2, BLOCK_M, BLOCK_N, GROUP_M)
+    e, offs_m, m_mask, offs_n, n_mask, owned, start, end = expert_tile(OFFS, M, F, E, E_POW2, BLOCK_M, BLOCK_N,
+                                                                       GROUP_M)
     if owned:
         # the up half starts F columns later; the same x tile feeds it: x is read once for both halves
-        acc_g, acc_u = tile_mm(X, offs_m, m_mask, stride_xm, stride_xk, W + e.to(tl.int64) * stride_we, offs_n,
-                               n_mask, stride_wk, stride_wn, K, F, GATED, PRECISION, INTERP_BF16,
-                               BLOCK_M, BLOCK_N, BLOCK_K)
+        w_e = W + e.to(tl.int64) * stride_we
+        if TMA:
+            acc_g, acc_u = tile_mm_tma(X, start, end - start, stride_xm, tl.min(offs_m, 0) - start, w_e, stride_wk,
+                                       tl.min(offs_n, 0), (1 + GATED) * F, K, F, False, GATED, PRECISION, INTERP_BF16,
+                                       BLOCK_M, BLOCK_N, BLOCK_K)
+        else:
+            acc_g, acc_u = tile_mm(X, offs_m, m_mask, stride_xm, stride_xk, w_e, offs_n, n_mask, stride_wk, stride_wn,
+                                   K, F, GATED, PRECISION, INTERP_BF16, BLOCK_M, BLOCK_N, BLOCK_K)
         if ACT == 0:
             h = acc_g * tl.sigmoid(acc_g) * acc_u
         elif ACT == 1:
@@ -148,7 +158,7 @@ def _expert_down_dact_kernel(
     stride_dym, stride_dyk, stride_we, stride_wk, stride_wn, stride_pm, stride_pn, stride_dpm, stride_dpn,
     stride_hm, stride_hn,
     E_POW2: tl.constexpr, ACT: tl.constexpr, STORE_H: tl.constexpr, PRECISION: tl.constexpr,
-    INTERP_BF16: tl.constexpr,
+    INTERP_BF16: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """dh = dy @ w_out[e]^T (W passed as a transposed view), epilogue: dpre = dh * act'(pre), h = act(pre).
@@ -157,15 +167,29 @@ def _expert_down_dact_kernel(
     the fp32 accumulator, the two pre tiles, their products and the 64-bit pointers did not fit in 255
     registers: ptxas (sm90) reported 830-940 bytes of spills per thread at 8 warps and 5.8 KB at 4, and the
     kernel ran at 175-400 TFLOP/s where the plain GEMMs reached 500-720 (docs/benchmarks.md, second GPU
-    round). In quarters the tuned configs spill nothing (64 x 128: 107 registers instead of 246)."""
+    round). In quarters the tuned configs spill nothing (64 x 128: 107 registers instead of 246).
+
+    TMA: dy and w_out[e] through descriptors (_common.tile_mm_tma; W_OUT_ROW is w_out's stored row stride,
+    the view's column stride)."""
     GATED: tl.constexpr = ACT == 0
-    e, offs_m, m_mask, offs_n, n_mask, owned = expert_tile(OFFS, M, F, E, E_POW2, BLOCK_M, BLOCK_N, GROUP_M)
-    rows64 = offs_m.to(tl.int64)[:, None]
+    e, offs_m, m_mask, offs_n, n_mask, owned, start, end = expert_tile(OFFS, M, F, E, E_POW2, BLOCK_M, BLOCK_N,
+                                                                       GROUP_M)
     if owned:
-        acc, _ = tile_mm(DY, offs_m, m_mask, stride_dym, stride_dyk, W + e.to(tl.int64) * stride_we, offs_n, n_mask,
-                         stride_wk, stride_wn, K, 0, False, PRECISION, INTERP_BF16, BLOCK_M, BLOCK_N, BLOCK_K)
-        Q: tl.constexpr = BLOCK_N // 4
+        w_e = W + e.to(tl.int64) * stride_we
+        first_row = tl.min(offs_m, 0)
         col0 = tl.min(offs_n, 0)
+        if TMA:  # W is w_out[e]^T [H, F] as a view; its storage [F, H] is read and the tile transposed
+            acc, _ = tile_mm_tma(DY, start, end - start, stride_dym, first_row - start, w_e, stride_wn, col0, F, K, 0,
+                                 True, False, PRECISION, INTERP_BF16, BLOCK_M, BLOCK_N, BLOCK_K)
+        else:
+            acc, _ = tile_mm(DY, offs_m, m_mask, stride_dym, stride_dyk, w_e, offs_n, n_mask, stride_wk, stride_wn, K,
+                             0, False, PRECISION, INTERP_BF16, BLOCK_M, BLOCK_N, BLOCK_K)
+        Q: tl.constexpr = BLOCK_N // 4
+        # the rows again from scalars, after the K loop: no row vectors held in registers across it (an owned
+        # tile's rows end at its expert's end)
+        rows = first_row + tl.arange(0, BLOCK_M)
+        m_mask = rows < end
+        rows64 = rows.to(tl.int64)[:, None]
         left, right = _column_halves(acc, BLOCK_M, 2 * Q)
         a, b = _column_halves(left, BLOCK_M, Q)
         _dact_columns(a, PRE, DPRE, HOUT, rows64, m_mask, col0, F, stride_pm, stride_pn, stride_dpm, stride_dpn,
@@ -178,6 +202,7 @@ def _expert_down_dact_kernel(
         _dact_columns(d, PRE, DPRE, HOUT, rows64, m_mask, col0 + 3 * Q, F, stride_pm, stride_pn, stride_dpm,
                       stride_dpn, stride_hm, stride_hn, ACT, STORE_H, INTERP_BF16, Q)
     else:  # surplus program: rows no expert owns get zero gradient (their output was forced to 0)
+        rows64 = offs_m.to(tl.int64)[:, None]
         mn_mask = m_mask[:, None] & n_mask[None, :]
         zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=DPRE.dtype.element_ty)
         dp_ptrs = DPRE + rows64 * stride_dpm + offs_n[None, :] * stride_dpn
@@ -207,7 +232,7 @@ EXPERT_UP_ACT = Kernel(
         cfg(32, 64, 32, 4, 3),
     ],
     interpret_config=cfg(32, 32, 16, 4, 1, group=2),
-    key=["F", "K", "ACT"],
+    key=["F", "K", "ACT", "TMA"],
     prune=prune_by_smem(_SMEM, b_tiles=2, fp32_acc_per_thread=32),
 )
 EXPERT_DOWN_DACT = Kernel(
@@ -224,9 +249,43 @@ EXPERT_DOWN_DACT = Kernel(
         cfg(32, 64, 32, 4, 3),
     ],
     interpret_config=cfg(32, 32, 16, 4, 1, group=2),
-    key=["F", "K", "ACT"],
+    key=["F", "K", "ACT", "TMA"],
     prune=prune_by_smem(_SMEM, elem_arg="DY", fp32_acc_per_thread=32),
 )
+
+# Where the fused kernels read their GEMM operands through TMA descriptors (bf16 / fp16; unit inner strides and
+# 16-byte aligned rows of the rows and of the weights as stored; CUDA sm90+ or the interpreter): "never" (the
+# default until a GPU measures it), "always" (benchmarks, tests); it starts as MOEKIT_TMA says
+# (_common.TMA_ENV). Unlike grouped_mm's variant these stay one program per tile (not persistent): only the
+# K loop's loads change. A Triton that cannot build them falls back to the pointer loads with a warning.
+MLP_TMA = tma_default()
+_TMA_FAILURE: list[str] = []
+
+
+def why_not_tma(x: torch.Tensor, w: torch.Tensor) -> str:
+    """"" when the fused kernels can read x [M, K] and the weights w (as stored) through descriptors."""
+    reason = why_not_tma_gemm(x=x, w=w)
+    if not reason and _TMA_FAILURE:
+        return f"the TMA kernels failed to build here ({_TMA_FAILURE[0]})"
+    return reason
+
+
+def _launch(kernel: Kernel, grid, args: tuple, x: torch.Tensor, w: torch.Tensor, **constexprs) -> None:
+    """kernel[grid](*args, TMA=..., **constexprs): the descriptor loads where MLP_TMA asks and they can run,
+    else (or after they fail to build, once, with a warning) the pointer loads."""
+    check_tma_mode(MLP_TMA, "expert_mlp.MLP_TMA")
+    if MLP_TMA == "always" and not why_not_tma(x, w):
+        set_tma_allocator(x.device)
+        try:
+            kernel[grid](*args, TMA=True, **constexprs)
+            LAUNCHES[f"{kernel.name}:tma"] += 1  # of the launches counted under its name: those with descriptors
+            return
+        except BUILD_ERRORS as exc:
+            _TMA_FAILURE.append(build_failure(exc))
+            warnings.warn(f"expert_mlp: the TMA kernels failed to build here ({_TMA_FAILURE[-1]}); the pointer "
+                          "loads run instead", stacklevel=3)
+    kernel[grid](*args, TMA=False, **constexprs)
+
 
 # ---------------------------------------------------------------------------------------------------
 # Launchers
@@ -253,12 +312,12 @@ def expert_up_act(x: torch.Tensor, w_in: torch.Tensor, offs: torch.Tensor, activ
     if e == 0:  # no expert owns a row
         return h.zero_(), pre if pre is None else pre.zero_()
     p = pre if pre is not None else h  # placeholder pointer, never written when SAVE_PRE is False
-    EXPERT_UP_ACT[row_tile_grid(m, f, e)](
+    _launch(EXPERT_UP_ACT, row_tile_grid(m, f, e), (
         x, w_in, h, p, offs, m, f, k, e,
         x.stride(0), x.stride(1), w_in.stride(0), w_in.stride(1), w_in.stride(2),
         h.stride(0), h.stride(1), p.stride(0), p.stride(1),
-        E_POW2=triton.next_power_of_2(e), ACT=act.kernel_code, SAVE_PRE=save_pre, **dot_flags(x.dtype, allow_tf32),
-    )
+    ), x, w_in, E_POW2=triton.next_power_of_2(e), ACT=act.kernel_code, SAVE_PRE=save_pre,
+        **dot_flags(x.dtype, allow_tf32))
     return h, pre
 
 
@@ -283,12 +342,12 @@ def expert_down_dact(dy: torch.Tensor, w_out: torch.Tensor, pre: torch.Tensor, o
     if e == 0:  # no expert owns a row: zero gradient, and act(pre) of rows that are not an expert's is 0
         return dpre.zero_(), h if h is None else h.zero_()
     hp = h if h is not None else dpre  # placeholder pointer, never written when STORE_H is False
-    EXPERT_DOWN_DACT[row_tile_grid(m, f, e)](
+    _launch(EXPERT_DOWN_DACT, row_tile_grid(m, f, e), (
         dy, wt, pre, dpre, hp, offs, m, f, hdim, e,
         dy.stride(0), dy.stride(1), wt.stride(0), wt.stride(1), wt.stride(2),
         pre.stride(0), pre.stride(1), dpre.stride(0), dpre.stride(1), hp.stride(0), hp.stride(1),
-        E_POW2=triton.next_power_of_2(e), ACT=act.kernel_code, STORE_H=store_h, **dot_flags(dy.dtype, allow_tf32),
-    )
+    ), dy, w_out, E_POW2=triton.next_power_of_2(e), ACT=act.kernel_code, STORE_H=store_h,
+        **dot_flags(dy.dtype, allow_tf32))
     return dpre, h
 
 

@@ -22,9 +22,9 @@ import triton
 import triton.language as tl
 
 from ._common import (BUILD_ERRORS, Kernel, build_failure, cfg, check_gather_index, check_offs, check_tma_mode,
-                      check_triton_tensors, dot_acc, dot_flags, expert_tile, expert_tile_table, gather_rows,
-                      gather_rows_ref, prune_by_smem, row_tile_grid, set_tma_allocator, tile_at, tile_mm, tma_default,
-                      to_out, why_not_tma_tensors, why_not_triton_tensors)
+                      check_triton_tensors, dot_flags, expert_tile, expert_tile_table, gather_rows,
+                      gather_rows_ref, prune_by_smem, row_tile_grid, set_tma_allocator, tile_at, tile_mm, tile_mm_tma,
+                      tma_default, to_out, why_not_tma_gemm, why_not_triton_tensors)
 
 # ---------------------------------------------------------------------------------------------------
 # Reference (also the torch fallback where Triton cannot run)
@@ -63,7 +63,8 @@ def _grouped_mm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # tile scheduling as in the module docstring (_common.expert_tile), then one K loop per owned tile
-    e, offs_m, m_mask, offs_n, n_mask, owned = expert_tile(OFFS, M, N, E, E_POW2, BLOCK_M, BLOCK_N, GROUP_M)
+    e, offs_m, m_mask, offs_n, n_mask, owned, _start, _end = expert_tile(OFFS, M, N, E, E_POW2, BLOCK_M, BLOCK_N,
+                                                                         GROUP_M)
     if owned:
         src, a_mask = gather_rows(GIDX, offs_m, m_mask, X_ROWS, HAS_GATHER)
         acc, _ = tile_mm(X, src, a_mask, stride_xm, stride_xk, W + e.to(tl.int64) * stride_we, offs_n, n_mask,
@@ -119,31 +120,14 @@ def _grouped_mm_tma_kernel(
     eids, starts, ends, tiles, tile_end = expert_tile_table(OFFS, M, E, E_POW2, BLOCK_M)
     num_tiles = (tl.cdiv(M, BLOCK_M) + E) * tl.cdiv(N, BLOCK_N)
     for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
-        e, first_row, row_end, start, pid_n, owned = tile_at(tile, eids, starts, ends, tiles, tile_end, M, N, E,
-                                                             BLOCK_M, BLOCK_N, GROUP_M)
+        e, first_row, row_end, start, end, pid_n, owned = tile_at(tile, eids, starts, ends, tiles, tile_end, M, N,
+                                                                  E, BLOCK_M, BLOCK_N, GROUP_M)
         offs_m = first_row + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         if owned:
-            expert_end = tl.sum(tl.where(eids == e, ends, 0), 0)
-            x_desc = tl.make_tensor_descriptor(X + start.to(tl.int64) * stride_xm, shape=[expert_end - start, K],
-                                               strides=[stride_xm, 1], block_shape=[BLOCK_M, BLOCK_K])
-            w_base = W + e.to(tl.int64) * stride_we
-            if W_TRANS:
-                w_desc = tl.make_tensor_descriptor(w_base, shape=[N, K], strides=[stride_wr, 1],
-                                                   block_shape=[BLOCK_N, BLOCK_K])
-            else:
-                w_desc = tl.make_tensor_descriptor(w_base, shape=[K, N], strides=[stride_wr, 1],
-                                                   block_shape=[BLOCK_K, BLOCK_N])
-            m0 = first_row - start
-            n0 = pid_n * BLOCK_N
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                a = x_desc.load([m0, k0])
-                if W_TRANS:
-                    b = tl.trans(w_desc.load([n0, k0]))
-                else:
-                    b = w_desc.load([k0, n0])
-                acc = dot_acc(a, b, acc, PRECISION, INTERP_BF16)
+            acc, _ = tile_mm_tma(X, start, end - start, stride_xm, first_row - start,
+                                 W + e.to(tl.int64) * stride_we, stride_wr, pid_n * BLOCK_N, N, K, 0, W_TRANS, False,
+                                 PRECISION, INTERP_BF16, BLOCK_M, BLOCK_N, BLOCK_K)
             y = to_out(acc, Y.dtype.element_ty, INTERP_BF16)
         else:
             y = tl.zeros((BLOCK_M, BLOCK_N), dtype=Y.dtype.element_ty)  # a surplus tile: rows no expert owns
@@ -178,10 +162,7 @@ def why_not_tma(x: torch.Tensor, w: torch.Tensor, gather_index=None) -> str:
     transposed view), else why not."""
     if gather_index is not None:
         return "a gathered x (the descriptors read contiguous row blocks)"
-    if x.dtype not in (torch.bfloat16, torch.float16):
-        # ptxas (sm90): the fp32 (IEEE, FMA) dots on descriptor tiles spill 0.4-20 KB a thread
-        return f"{x.dtype} operands (the TMA variant is for bfloat16 / float16)"
-    reason = why_not_tma_tensors(x=x, w=w)
+    reason = why_not_tma_gemm(x=x, w=w)
     if not reason and _TMA_FAILURE:
         return f"the TMA kernel failed to build here ({_TMA_FAILURE[0]})"
     return reason

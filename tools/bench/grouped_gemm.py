@@ -13,11 +13,11 @@ Implementations, timed in the same run:
   torch_grouped torch.nn.functional.grouped_mm
   loop          one torch matmul per expert (host sync on the counts, like the "loop" backend)
   dense         one dense matmul (chain) of the same FLOPs: the roofline-ish ceiling
-  triton_tma    triton with the TMA kernel variants, bf16 / fp16 on sm90+: the persistent forward / dX
-                grouped GEMM (moe.kernels.grouped_mm.GEMM_TMA "always") and the weight gradient's
-                (moe.kernels.grouped_mm_wgrad.WGRAD_TMA). gemm1 runs them everywhere; mlp in its plain
-                GEMMs (down, dX, dW), while its fused up-projection and dact kernels stay triton's.
-                float32 (--smoke on CPU) runs the weight gradient's variant only
+  triton_tma    triton with every TMA kernel variant (what MOEKIT_TMA=always turns on), bf16 / fp16 on
+                sm90+: the persistent forward / dX grouped GEMM (moe.kernels.grouped_mm.GEMM_TMA), the
+                weight gradient's (grouped_mm_wgrad.WGRAD_TMA) and the fused up-projection / dact kernels'
+                descriptor loads (expert_mlp.MLP_TMA). float32 (--smoke on CPU) runs the weight
+                gradient's variant only
   float8        mlp only, with --float8: the "float8" expert backend (moe/float8.py: e4m3 GEMMs with rowwise
                 scales, bf16 weight gradients), where its CUDA fp8 path runs (sm90 / sm100); under --smoke
                 its CPU emulation, to check the wiring
@@ -142,16 +142,17 @@ def build_impls(workload: str, x, w_in, w_out, counts, has_torch_gmm: bool, floa
                 x.device.type == "cpu" or fp8.fast_path_why_not(x, w_in, w_out) == ""):
             impls["float8"] = lambda: fp8.float8_mlp(x, counts_dev, w_in, w_out, "swiglu")
     wgrad = sys.modules[kernels.grouped_mm_wgrad.__module__]
-    gmm = sys.modules[kernels.grouped_mm.__module__]
-    if not wgrad.why_not_tma(x, x, None):  # the forward / dX variant also needs 16-bit data: else triton's runs
-        impls["triton_tma"] = _InContext(tma_fwd, lambda: _both_tma(gmm, wgrad))
+    gmm, mlp = sys.modules[kernels.grouped_mm.__module__], sys.modules[kernels.expert_mlp.__module__]
+    if not wgrad.why_not_tma(x, x, None):  # the forward-type variants also need 16-bit data: else triton's run
+        impls["triton_tma"] = _InContext(tma_fwd, lambda: _all_tma(gmm, wgrad, mlp))
     assert f2 % 2 == 0 and m >= 0 and h > 0
     return impls
 
 
 @contextlib.contextmanager
-def _both_tma(gmm, wgrad):
-    with mock.patch.object(gmm, "GEMM_TMA", "always"), mock.patch.object(wgrad, "WGRAD_TMA", "always"):
+def _all_tma(gmm, wgrad, mlp):
+    with mock.patch.object(gmm, "GEMM_TMA", "always"), mock.patch.object(wgrad, "WGRAD_TMA", "always"), \
+            mock.patch.object(mlp, "MLP_TMA", "always"):
         yield
 
 
