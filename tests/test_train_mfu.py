@@ -63,6 +63,26 @@ def test_summarize_leaves_out_warmup():
         train_mfu.summarize(bad, warmup=1, tokens_per_step=1000)
 
 
+def test_tma_configurations_set_the_variable_explicitly(monkeypatch, tmp_path):
+    """--tma off on: one configuration each, named for it, with MOEKIT_TMA=never / always in the trainer's
+    environment whatever the caller's (a stray MOEKIT_TMA must not turn 'off' into on)."""
+    seen = []
+
+    def fake_trainer(argv, run_dir, timeout, env):
+        seen.append((run_dir.name, env["MOEKIT_TMA"]))
+        return 1, 0.0, "stopped by the test"
+
+    monkeypatch.setattr(train_mfu, "run_trainer", fake_trainer)
+    monkeypatch.setenv("MOEKIT_TMA", "always")
+    args, extra = train_mfu.parse_args(["--smoke", "--tma", "off", "on", "--compile", "off", "on"])
+    rows = [train_mfu.run_config(args, extra, c == "on", "auto", tmp_path, tma=t == "on")
+            for c in args.compile for t in args.tma]
+    assert seen == [("auto-compile-off", "never"), ("auto-compile-off-tma", "always"),
+                    ("auto-compile-on", "never"), ("auto-compile-on-tma", "always")]
+    assert [r["tma"] for r in rows] == [False, True, False, True] and {r["status"] for r in rows} == {"failed"}
+    assert train_mfu.parse_args(["--smoke"])[0].tma == ["off"]
+
+
 def test_bad_arguments_stop_before_any_run():
     with pytest.raises(SystemExit):
         train_mfu.parse_args(["--steps", "3", "--warmup", "2"])

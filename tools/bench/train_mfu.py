@@ -2,11 +2,12 @@
 
     python tools/bench/train_mfu.py                        # mixtral-1b, bf16 autocast, compile off and on
     python tools/bench/train_mfu.py --backends auto torch  # also time torch's grouped_mm experts
+    python tools/bench/train_mfu.py --compile off --tma off on  # the Triton experts with and without TMA
     python tools/bench/train_mfu.py --compile on -- --model.num_experts 16 --model.top_k 4 \
         --model.moe_ffn_hidden_size 1536                   # any trainer flag after `--` goes to train.py
     python tools/bench/train_mfu.py --smoke                # CPU, mixtral-tiny, a few steps (CI)
 
-Each configuration (expert backend x compile off/on) runs ``tools/train.py`` as its own process with
+Each configuration (expert backend x compile off/on x TMA off/on) runs ``tools/train.py`` as its own process with
 ``--log.every 1``, and this script reads the run's ``metrics.jsonl``. Why a subprocess, not the model
 and an optimizer called from here: the measured step is exactly the one users run (micro-batching,
 autocast, the non-finite guard, clipping, AdamW, router-bias update, expert-load records, host syncs),
@@ -63,6 +64,9 @@ def parse_args(argv):
     p.add_argument("--compile", nargs="+", choices=["off", "on"], help="torch.compile settings to run "
                    "(default: off on; smoke: off)")
     p.add_argument("--backends", nargs="+", default=["auto"], help="expert backends (model.expert_backend)")
+    p.add_argument("--tma", nargs="+", choices=["off", "on"], default=["off"],
+                   help="the Triton experts' TMA kernel variants (MOEKIT_TMA=always for 'on', never for 'off'; "
+                        "bf16 on sm90+ only) for each configuration: 'off on' times both in one run (default off)")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                    help="auto = bf16 autocast on CUDA, fp32 on CPU (the trainer's default)")
@@ -192,18 +196,18 @@ def add_rates(row: dict, acct: dict, peak: float | None) -> dict:
     return row
 
 
-def run_config(args, extra, compile_on: bool, backend: str, root: Path) -> dict:
+def run_config(args, extra, compile_on: bool, backend: str, root: Path, tma: bool = False) -> dict:
     from moekit.train.records import read_metrics
 
-    name = f"{backend}-compile-{'on' if compile_on else 'off'}"
+    name = f"{backend}-compile-{'on' if compile_on else 'off'}{'-tma' if tma else ''}"
     run_dir = root / name
     print(f"[train_mfu] {name}: {args.steps} steps of {args.batch_size} x {args.seq_len} tokens ...", flush=True)
-    env = dict(os.environ)
+    env = dict(os.environ, MOEKIT_TMA="always" if tma else "never")  # explicit: not inherited from the caller
     if compile_on:  # a recompile per block in the timed steps would show in tokens/s: count them
         env["TORCH_LOGS"] = ",".join(filter(None, [env.get("TORCH_LOGS"), "recompiles"]))
     rc, wall, log = run_trainer(trainer_args(args, extra, compile_on, backend, str(run_dir)), run_dir, args.timeout,
                                 env)
-    row = {"config": name, "compile": compile_on, "expert_backend_requested": backend, "exit_status": rc,
+    row = {"config": name, "compile": compile_on, "tma": tma, "expert_backend_requested": backend, "exit_status": rc,
            "wall_s": wall, "run_dir": str(run_dir) if args.run_root else None}  # a temporary one is removed
     try:
         if rc != 0:
@@ -290,8 +294,8 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="train_mfu-") as tmp:
         root = Path(args.run_root or tmp)
         for backend in args.backends:
-            for c in args.compile:
-                rows.append(run_config(args, extra, c == "on", backend, root))
+            for c, t in ((c, t) for c in args.compile for t in args.tma):
+                rows.append(run_config(args, extra, c == "on", backend, root, tma=t == "on"))
                 print(progress_line(rows[-1]), flush=True)
                 # partial results on disk after every configuration: a run killed later keeps them
                 write_json(args.out, {**payload, "partial": True, "results": rows})
