@@ -26,6 +26,7 @@ import contextlib
 import json
 import os
 import re
+import warnings
 from typing import Callable, Sequence
 
 import torch
@@ -427,6 +428,21 @@ def why_not_tma_gemm(**tensors: torch.Tensor) -> str:
     return why_not_tma_tensors(**tensors)
 
 
+def try_tma_launch(launch: Callable[[], None], failures: list[str], what: str, stacklevel: int = 4) -> bool:
+    """Run a TMA variant's ``launch()``; True when it ran. A Triton that cannot build it (BUILD_ERRORS: no
+    device-side descriptors, a compile error in that version) is remembered in ``failures`` (the caller's
+    why_not_tma reports it from then on: no second try) and warned about once; False, so the caller runs
+    its pointer kernel instead."""
+    try:
+        launch()
+        return True
+    except BUILD_ERRORS as exc:
+        failures.append(build_failure(exc))
+        warnings.warn(f"{what}: the TMA kernel failed to build here ({failures[-1]}); the pointer kernel runs "
+                      "instead", stacklevel=stacklevel)
+        return False
+
+
 def set_tma_allocator(device: torch.device) -> None:
     """Device-side descriptors need a global scratch buffer from Triton's allocator hook."""
     def alloc(size: int, alignment: int, stream):
@@ -581,6 +597,11 @@ class Kernel:
         self._pinned: triton.Config | None = None
         self._built: dict = {}  # launch-time mode (and autotune mode) -> the autotuned callable
         KERNELS[self.name] = self
+
+    def variant(self, jitted) -> "Kernel":
+        """Another kernel on this one's tiles (configs, interpreter config, autotune key, prune): a variant
+        compared with it config for config, as the TMA kernels are with the pointer kernels."""
+        return Kernel(jitted, self.configs, self.interpret_config, self.key, self.prune)
 
     def candidate_configs(self) -> list:
         """The configs the GPU autotuner chooses from: ``MOEKIT_KERNEL_CONFIGS``' tuned ones first, then

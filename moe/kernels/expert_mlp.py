@@ -18,8 +18,6 @@ Activation math runs in fp32 on the fp32 accumulators; gelu is the exact erf for
 """
 from __future__ import annotations
 
-import warnings
-
 import torch
 import triton
 import triton.language as tl
@@ -27,9 +25,9 @@ import triton.language as tl
 from moekit.moe.activations import get_activation
 from moekit.moe.experts import counts_to_offs
 
-from ._common import (BUILD_ERRORS, LAUNCHES, Kernel, build_failure, cfg, check_offs, check_tma_mode, check_triton_tensors,
+from ._common import (LAUNCHES, Kernel, cfg, check_offs, check_tma_mode, check_triton_tensors,
                       dot_flags, expert_tile, prune_by_smem, row_tile_grid, set_tma_allocator, tile_mm, tile_mm_tma,
-                      tma_default, to_out, why_not_tma_gemm, why_not_triton_tensors)
+                      tma_default, to_out, try_tma_launch, why_not_tma_gemm, why_not_triton_tensors)
 from .grouped_mm import grouped_mm, grouped_mm_fwd
 from .grouped_mm_wgrad import grouped_mm_wgrad
 
@@ -276,14 +274,9 @@ def _launch(kernel: Kernel, grid, args: tuple, x: torch.Tensor, w: torch.Tensor,
     check_tma_mode(MLP_TMA, "expert_mlp.MLP_TMA")
     if MLP_TMA == "always" and not why_not_tma(x, w):
         set_tma_allocator(x.device)
-        try:
-            kernel[grid](*args, TMA=True, **constexprs)
+        if try_tma_launch(lambda: kernel[grid](*args, TMA=True, **constexprs), _TMA_FAILURE, "expert_mlp"):
             LAUNCHES[f"{kernel.name}:tma"] += 1  # of the launches counted under its name: those with descriptors
             return
-        except BUILD_ERRORS as exc:
-            _TMA_FAILURE.append(build_failure(exc))
-            warnings.warn(f"expert_mlp: the TMA kernels failed to build here ({_TMA_FAILURE[-1]}); the pointer "
-                          "loads run instead", stacklevel=3)
     kernel[grid](*args, TMA=False, **constexprs)
 
 

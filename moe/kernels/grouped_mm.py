@@ -15,16 +15,14 @@ a time per column strip so consecutive programs share W[e] and X tiles in L2.
 """
 from __future__ import annotations
 
-import warnings
-
 import torch
 import triton
 import triton.language as tl
 
-from ._common import (BUILD_ERRORS, Kernel, build_failure, cfg, check_gather_index, check_offs, check_tma_mode,
+from ._common import (Kernel, cfg, check_gather_index, check_offs, check_tma_mode,
                       check_triton_tensors, dot_flags, expert_tile, expert_tile_table, gather_rows,
                       gather_rows_ref, prune_by_smem, row_tile_grid, set_tma_allocator, tile_at, tile_mm, tile_mm_tma,
-                      tma_default, to_out, why_not_tma_gemm, why_not_triton_tensors)
+                      tma_default, to_out, try_tma_launch, why_not_tma_gemm, why_not_triton_tensors)
 
 # ---------------------------------------------------------------------------------------------------
 # Reference (also the torch fallback where Triton cannot run)
@@ -135,14 +133,7 @@ def _grouped_mm_tma_kernel(
         tl.store(y_ptrs, y, mask=(offs_m < row_end)[:, None] & (offs_n < N)[None, :])
 
 
-# The pointer kernel's tiles, so the two are compared config for config.
-GROUPED_MM_TMA = Kernel(
-    _grouped_mm_tma_kernel,
-    configs=GROUPED_MM.configs,
-    interpret_config=GROUPED_MM.interpret_config,
-    key=GROUPED_MM.key,
-    prune=GROUPED_MM.prune,
-)
+GROUPED_MM_TMA = GROUPED_MM.variant(_grouped_mm_tma_kernel)
 
 # Where the persistent TMA variant runs (no gather; unit inner strides and 16-byte aligned rows of x and of
 # W's stored layout; CUDA sm90+ or the interpreter): "never" (the default until a GPU measures it against the
@@ -184,18 +175,11 @@ def _launch_tma(x, w, y, offs, m, n, k, e, transpose_w: bool, flags: dict) -> bo
     set_tma_allocator(x.device)
     programs = _persistent_programs(x.device)
     grid = lambda meta: (min(programs, (triton.cdiv(m, meta["BLOCK_M"]) + e) * triton.cdiv(n, meta["BLOCK_N"])),)  # noqa: E731
-    try:
-        GROUPED_MM_TMA[grid](
-            x, w, y, offs, m, n, k, e,
-            x.stride(0), w.stride(0), w.stride(1), y.stride(0), y.stride(1),
-            E_POW2=triton.next_power_of_2(e), W_TRANS=transpose_w, **flags,
-        )
-        return True
-    except BUILD_ERRORS as exc:
-        _TMA_FAILURE.append(build_failure(exc))
-        warnings.warn(f"grouped_mm: the TMA kernel failed to build here ({_TMA_FAILURE[-1]}); the pointer kernel "
-                      "runs instead", stacklevel=3)
-        return False
+    return try_tma_launch(lambda: GROUPED_MM_TMA[grid](
+        x, w, y, offs, m, n, k, e,
+        x.stride(0), w.stride(0), w.stride(1), y.stride(0), y.stride(1),
+        E_POW2=triton.next_power_of_2(e), W_TRANS=transpose_w, **flags,
+    ), _TMA_FAILURE, "grouped_mm")
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -12,15 +12,14 @@ tiles of one expert (which all stream the same X_e and dY_e rows) run together a
 """
 from __future__ import annotations
 
-import warnings
-
 import torch
 import triton
 import triton.language as tl
 
-from ._common import (BUILD_ERRORS, Kernel, build_failure, cfg, check_gather_index, check_offs, check_tma_mode,
+from ._common import (Kernel, cfg, check_gather_index, check_offs, check_tma_mode,
                       check_triton_tensors, dot_acc, dot_flags, expert_row_bounds, gather_rows, gather_rows_ref,
-                      prune_by_smem, set_tma_allocator, swizzle_pid, tma_default, to_out, why_not_tma_tensors)
+                      prune_by_smem, set_tma_allocator, swizzle_pid, tma_default, to_out, try_tma_launch,
+                      why_not_tma_tensors)
 
 # ---------------------------------------------------------------------------------------------------
 # Reference
@@ -145,14 +144,7 @@ def _grouped_mm_wgrad_tma_kernel(
     tl.store(dw_ptrs, to_out(acc, DW.dtype.element_ty, INTERP_BF16), mask=(offs_k < K)[:, None] & (offs_n < N)[None, :])
 
 
-# The pointer kernel's list: the same tiles, so the two are compared config for config.
-GROUPED_MM_WGRAD_TMA = Kernel(
-    _grouped_mm_wgrad_tma_kernel,
-    configs=GROUPED_MM_WGRAD.configs,
-    interpret_config=GROUPED_MM_WGRAD.interpret_config,
-    key=GROUPED_MM_WGRAD.key,
-    prune=GROUPED_MM_WGRAD.prune,
-)
+GROUPED_MM_WGRAD_TMA = GROUPED_MM_WGRAD.variant(_grouped_mm_wgrad_tma_kernel)
 
 # Where the TMA variant runs (no gather, unit inner strides, 16-byte row strides, CUDA sm90+ or the
 # interpreter): "never" (default until a GPU measures it against the pointer kernel), "always" (benchmarks,
@@ -199,17 +191,12 @@ def grouped_mm_wgrad(x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor,
     check_tma_mode(WGRAD_TMA, "grouped_mm_wgrad.WGRAD_TMA")
     if WGRAD_TMA == "always" and not why_not_tma(x, dy, gather_index):
         set_tma_allocator(x.device)
-        try:
-            GROUPED_MM_WGRAD_TMA[grid](
-                x, dy, dw, offs, m, k, n, e,
-                x.stride(0), dy.stride(0), dw.stride(0), dw.stride(1), dw.stride(2),
-                E_POW2=triton.next_power_of_2(e), **dot_flags(x.dtype, allow_tf32),
-            )
+        if try_tma_launch(lambda: GROUPED_MM_WGRAD_TMA[grid](
+            x, dy, dw, offs, m, k, n, e,
+            x.stride(0), dy.stride(0), dw.stride(0), dw.stride(1), dw.stride(2),
+            E_POW2=triton.next_power_of_2(e), **dot_flags(x.dtype, allow_tf32),
+        ), _TMA_FAILURE, "grouped_mm_wgrad", stacklevel=3):
             return dw
-        except BUILD_ERRORS as exc:
-            _TMA_FAILURE.append(build_failure(exc))
-            warnings.warn(f"grouped_mm_wgrad: the TMA kernel failed to build here ({_TMA_FAILURE[-1]}); the pointer "
-                          "kernel runs instead", stacklevel=2)
     GROUPED_MM_WGRAD[grid](
         x, dy, dw, offs, gather_index if gather_index is not None else offs,
         m, k, n, e, x.shape[0],

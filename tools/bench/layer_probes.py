@@ -38,11 +38,16 @@ def device_times(steps: dict[str, Callable[[], None]], device: torch.device, run
     """name -> GPU kernel milliseconds per call of each step (CUDA only; {} elsewhere), each step profiled
     alone after a warm-up call. Unlike the wall-clock phase times, host launch overhead is not in it: this
     is what a phase costs the GPU when the host keeps ahead of it, as in a training step at scale."""
+    return {name: kernel_ms(events, runs) for name, events in _profiled(steps, device, runs)}
+
+
+def _profiled(steps: dict[str, Callable[[], None]], device: torch.device, runs: int):
+    """(name, profiler events of ``runs`` calls) for each step, profiled alone after a warm-up call; CUDA
+    only (nothing elsewhere)."""
     if device.type != "cuda":
-        return {}
+        return
     from torch.profiler import ProfilerActivity, profile
 
-    out = {}
     for name, step in steps.items():
         step()
         torch.cuda.synchronize(device)
@@ -50,8 +55,7 @@ def device_times(steps: dict[str, Callable[[], None]], device: torch.device, run
             for _ in range(runs):
                 step()
             torch.cuda.synchronize(device)
-        out[name] = kernel_ms(prof.events(), runs)
-    return out
+        yield name, prof.events()
 
 
 def kernel_table(events, runs: int, top: int = 6) -> list[dict]:
@@ -79,20 +83,7 @@ def kernel_breakdown(steps: dict[str, Callable[[], None]], device: torch.device,
     """name -> kernel_table of each step (CUDA only; {} elsewhere), each profiled alone after a warm-up
     call: which kernels an operation launches and what each costs the GPU. A step whose event-timed
     median is well above its kernels' sum spends the rest between kernels (launches, host work)."""
-    if device.type != "cuda":
-        return {}
-    from torch.profiler import ProfilerActivity, profile
-
-    out = {}
-    for name, step in steps.items():
-        step()
-        torch.cuda.synchronize(device)
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(runs):
-                step()
-            torch.cuda.synchronize(device)
-        out[name] = kernel_table(prof.events(), runs, top)
-    return out
+    return {name: kernel_table(events, runs, top) for name, events in _profiled(steps, device, runs)}
 
 
 def _fwd_bwd(fn: Callable[[], Tensor | tuple], grads: Callable[[], tuple]) -> Callable[[], None]:
