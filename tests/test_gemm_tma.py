@@ -265,3 +265,23 @@ def test_fused_mlp_tma_falls_back_where_it_cannot_run(monkeypatch):
     assert "simulated" in X.why_not_tma(xb, wb_in)  # remembered: no second try
     ref = X.expert_mlp_ref(xb.double(), c, wb_in.double(), wb_out.double(), "swiglu")
     assert (yb.double() - ref).abs().max() <= 2e-2 * max(1.0, float(ref.abs().max()))
+
+
+def test_try_tma_launch_treats_a_failing_compiler_pass_as_a_build_failure():
+    """Triton reports a failing MLIR pass (a loop it cannot flatten in some version, say) as a RuntimeError
+    "PassManager::run failed": the variant is then given up, as for a CompilationError. Any other runtime
+    error (a CUDA fault) is not a build failure and propagates."""
+    from moekit.moe.kernels._common import try_tma_launch
+
+    def failing(message):
+        def launch():
+            raise RuntimeError(message)
+        return launch
+
+    failures: list[str] = []
+    with pytest.warns(UserWarning, match="demo: the TMA kernel failed to build here"):
+        assert try_tma_launch(failing("PassManager::run failed"), failures, "demo") is False
+    assert failures == ["RuntimeError: PassManager::run failed"]
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        try_tma_launch(failing("CUDA error: an illegal memory access was encountered"), failures, "demo")
+    assert try_tma_launch(lambda: None, failures, "demo") is True and len(failures) == 1

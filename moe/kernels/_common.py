@@ -232,15 +232,23 @@ def tile_at(tile_id, eids, starts, ends, tiles, tile_end, M, N, E, BLOCK_M: tl.c
     pid_m, pid_n = swizzle_pid(tile_id, tl.cdiv(M, BLOCK_M) + E, tl.cdiv(N, BLOCK_N), GROUP_M)
     total = tl.sum(tiles, 0)
     owned = pid_m < total
+    e, first_row, end = owned_row_tile(pid_m, eids, starts, ends, tiles, tile_end, BLOCK_M)
+    start = tl.sum(tl.where(eids == e, starts, 0), 0)
+    # owned or surplus: a few scalar selects, so every program runs the same straight-line prologue
+    first_row = tl.where(owned, first_row, tl.max(ends, 0) + (pid_m - total) * BLOCK_M)
+    row_end = tl.minimum(tl.where(owned, end, M), first_row + BLOCK_M)
+    return e, first_row, row_end, start, end, pid_n, owned
+
+
+@triton.jit
+def owned_row_tile(pid_m, eids, starts, ends, tiles, tile_end, BLOCK_M: tl.constexpr):
+    """(e, first_row, end) of owned row tile ``pid_m`` (below the table's tile count): its expert, its first
+    row, and the expert's end row (the tile's rows are first_row:min(end, first_row + BLOCK_M))."""
     e = tl.sum((tile_end <= pid_m).to(tl.int32), 0)  # first expert whose tiles end past pid_m
     sel = eids == e
     first_tile = tl.sum(tl.where(sel, tile_end - tiles, 0), 0)
-    start = tl.sum(tl.where(sel, starts, 0), 0)
-    end = tl.sum(tl.where(sel, ends, 0), 0)
-    # owned or surplus: a few scalar selects, so every program runs the same straight-line prologue
-    first_row = tl.where(owned, start + (pid_m - first_tile) * BLOCK_M, tl.max(ends, 0) + (pid_m - total) * BLOCK_M)
-    row_end = tl.minimum(tl.where(owned, end, M), first_row + BLOCK_M)
-    return e, first_row, row_end, start, end, pid_n, owned
+    first_row = tl.sum(tl.where(sel, starts, 0), 0) + (pid_m - first_tile) * BLOCK_M
+    return e, first_row, tl.sum(tl.where(sel, ends, 0), 0)
 
 
 @triton.jit
@@ -436,7 +444,9 @@ def try_tma_launch(launch: Callable[[], None], failures: list[str], what: str, s
     try:
         launch()
         return True
-    except BUILD_ERRORS as exc:
+    except (*BUILD_ERRORS, RuntimeError) as exc:
+        if isinstance(exc, RuntimeError) and not isinstance(exc, BUILD_ERRORS) and "PassManager" not in str(exc):
+            raise  # a failing MLIR pass is a build failure too ("PassManager::run failed"); anything else is not
         failures.append(build_failure(exc))
         warnings.warn(f"{what}: the TMA kernel failed to build here ({failures[-1]}); the pointer kernel runs "
                       "instead", stacklevel=stacklevel)

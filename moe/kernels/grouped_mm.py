@@ -19,10 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (Kernel, cfg, check_gather_index, check_offs, check_tma_mode,
-                      check_triton_tensors, dot_flags, expert_tile, expert_tile_table, gather_rows,
-                      gather_rows_ref, prune_by_smem, row_tile_grid, set_tma_allocator, tile_at, tile_mm, tile_mm_tma,
-                      tma_default, to_out, try_tma_launch, why_not_tma_gemm, why_not_triton_tensors)
+from ._common import (Kernel, cfg, check_gather_index, check_offs, check_tma_mode, check_triton_tensors, dot_acc,
+                      dot_flags, expert_tile, expert_tile_table, gather_rows, gather_rows_ref, owned_row_tile,
+                      prune_by_smem, row_tile_grid, set_tma_allocator, swizzle_pid, tile_mm, tma_default, to_out,
+                      try_tma_launch, why_not_tma_gemm, why_not_triton_tensors)
 
 # ---------------------------------------------------------------------------------------------------
 # Reference (also the torch fallback where Triton cannot run)
@@ -102,35 +102,59 @@ def _grouped_mm_tma_kernel(
     X, W, Y, OFFS,
     M, N, K, E,
     stride_xm, stride_we, stride_wr, stride_ym, stride_yn,
-    E_POW2: tl.constexpr, W_TRANS: tl.constexpr, PRECISION: tl.constexpr, INTERP_BF16: tl.constexpr,
+    E_POW2: tl.constexpr, W_TRANS: tl.constexpr, FLATTEN: tl.constexpr, PRECISION: tl.constexpr,
+    INTERP_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """_grouped_mm_kernel's tiles, persistent and through tensor-memory (TMA) descriptors.
 
-    Persistent: a grid of about one program per SM; each builds the expert tile table once and walks the
-    tiles program_id, program_id + num_programs, ... in the row_tile_grid order (GROUP_M swizzle), so the
-    launch is a fixed size whatever the routing and a program's next tile starts while the SM is warm.
-    TMA: x is read through a descriptor bound to the tile's expert (base at its first row, its row count
-    as the bound), so the hardware zero-fills past the expert's end and the k tail; W[e] through one over
-    its stored [K, N] (W_TRANS: the stored [N, K] of a transposed view, transposed in registers, as dX
-    reads it). The K loop and its reduction order are the pointer kernel's, so the results are its bits.
-    Unit inner strides, no gather (the launcher's conditions)."""
+    Persistent: a grid of about one program per SM. Each builds the expert tile table once, then walks the
+    owned tiles program_id, program_id + num_programs, ... (GROUP_M swizzle over the owned row tiles), then
+    the tiles of the tail rows no expert owns, which it zeroes. The owned-tile loop is a plain nest (no
+    branch around the K loop) so that FLATTEN lets Triton pipeline one tile's loads under the previous
+    tile's epilogue, the point of a persistent kernel when K is short (fine-grained experts: 4-8 K steps).
+    TMA: three descriptors made once per program. x over all of [M, K]: a tile's rows past its expert's end
+    read the next expert's rows, which only feed output rows the store masks (a row's result depends on
+    that row alone); past M and the k tail the hardware fills zeros. W over [E, K, N] as stored (W_TRANS:
+    the stored [E, N, K] of a transposed view, the tile transposed in registers), so each expert's k and n
+    tails are zero-filled at its own bounds. The K loop and its reduction order are the pointer kernel's:
+    the same bits. Unit inner strides, no gather (the launcher's conditions)."""
     eids, starts, ends, tiles, tile_end = expert_tile_table(OFFS, M, E, E_POW2, BLOCK_M)
-    num_tiles = (tl.cdiv(M, BLOCK_M) + E) * tl.cdiv(N, BLOCK_N)
-    for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
-        e, first_row, row_end, start, end, pid_n, owned = tile_at(tile, eids, starts, ends, tiles, tile_end, M, N,
-                                                                  E, BLOCK_M, BLOCK_N, GROUP_M)
+    owned_m = tl.sum(tiles, 0)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pid, programs = tl.program_id(0), tl.num_programs(0)
+    x_desc = tl.make_tensor_descriptor(X, shape=[M, K], strides=[stride_xm, 1], block_shape=[BLOCK_M, BLOCK_K])
+    if W_TRANS:
+        w_desc = tl.make_tensor_descriptor(W, shape=[E, N, K], strides=[stride_we, stride_wr, 1],
+                                           block_shape=[1, BLOCK_N, BLOCK_K])
+    else:
+        w_desc = tl.make_tensor_descriptor(W, shape=[E, K, N], strides=[stride_we, stride_wr, 1],
+                                           block_shape=[1, BLOCK_K, BLOCK_N])
+    for tile in tl.range(pid, owned_m * num_pid_n, programs, flatten=FLATTEN):
+        pid_m, pid_n = swizzle_pid(tile, owned_m, num_pid_n, GROUP_M)
+        e, first_row, end = owned_row_tile(pid_m, eids, starts, ends, tiles, tile_end, BLOCK_M)
+        n0 = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            a = x_desc.load([first_row, k0])
+            if W_TRANS:
+                b = tl.trans(tl.reshape(w_desc.load([e, n0, k0]), (BLOCK_N, BLOCK_K)))
+            else:
+                b = tl.reshape(w_desc.load([e, k0, n0]), (BLOCK_K, BLOCK_N))
+            acc = dot_acc(a, b, acc, PRECISION, INTERP_BF16)
         offs_m = first_row + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        if owned:
-            acc, _ = tile_mm_tma(X, start, end - start, stride_xm, first_row - start,
-                                 W + e.to(tl.int64) * stride_we, stride_wr, pid_n * BLOCK_N, N, K, 0, W_TRANS, False,
-                                 PRECISION, INTERP_BF16, BLOCK_M, BLOCK_N, BLOCK_K)
-            y = to_out(acc, Y.dtype.element_ty, INTERP_BF16)
-        else:
-            y = tl.zeros((BLOCK_M, BLOCK_N), dtype=Y.dtype.element_ty)  # a surplus tile: rows no expert owns
+        offs_n = n0 + tl.arange(0, BLOCK_N)
         y_ptrs = Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :] * stride_yn
-        tl.store(y_ptrs, y, mask=(offs_m < row_end)[:, None] & (offs_n < N)[None, :])
+        tl.store(y_ptrs, to_out(acc, Y.dtype.element_ty, INTERP_BF16),
+                 mask=(offs_m < end)[:, None] & (offs_n < N)[None, :])
+    # rows no expert owns (past the last expert's end) come out 0, as in the pointer kernel
+    tail = tl.max(ends, 0)
+    for tile in range(pid, tl.cdiv(M - tail, BLOCK_M) * num_pid_n, programs):
+        offs_m = tail + (tile // num_pid_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = (tile % num_pid_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+        y_ptrs = Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :] * stride_yn
+        tl.store(y_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=Y.dtype.element_ty),
+                 mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
 
 
 GROUPED_MM_TMA = GROUPED_MM.variant(_grouped_mm_tma_kernel)
@@ -145,6 +169,9 @@ _TMA_FAILURE: list[str] = []
 # programs per SM of the persistent launch, and the SM count per device (the interpreter runs a few programs,
 # so that its tests cover the tile loop's stride)
 PROGRAMS_PER_SM = 1
+# Loop flattening of the persistent tile loop (tl.range(flatten=...)): the next tile's loads pipelined under
+# this tile's epilogue. On by default with the variant; False keeps the two loops apart.
+FLATTEN = True
 _SMS: dict = {}
 
 
@@ -178,7 +205,7 @@ def _launch_tma(x, w, y, offs, m, n, k, e, transpose_w: bool, flags: dict) -> bo
     return try_tma_launch(lambda: GROUPED_MM_TMA[grid](
         x, w, y, offs, m, n, k, e,
         x.stride(0), w.stride(0), w.stride(1), y.stride(0), y.stride(1),
-        E_POW2=triton.next_power_of_2(e), W_TRANS=transpose_w, **flags,
+        E_POW2=triton.next_power_of_2(e), W_TRANS=transpose_w, FLATTEN=FLATTEN, **flags,
     ), _TMA_FAILURE, "grouped_mm")
 
 
