@@ -117,7 +117,8 @@ def test_kernel_table_groups_device_kernels_by_name_per_run():
 
 
 def test_summary_reads_targets(tmp_path):
-    rows = [{"shape": "fine-grained", "ratios": {"triton/torch_grouped:fwd": 1.1, "triton/loop:fwd": 2.0}},
+    rows = [{"shape": "fine-grained", "ratios": {"triton/torch_grouped:fwd": 1.1, "triton/loop:fwd": 2.0,
+                                                 "triton/triton_tma:fwd": 0.8}},
             {"shape": "mixtral-8x7b", "ratios": {"triton/torch_grouped:fwd": 0.95}}]
     (tmp_path / "grouped_gemm.json").write_text(json.dumps({"rows": rows, "skew_ratios": []}))
     (tmp_path / "moe_layer.json").write_text(json.dumps({"results": [
@@ -130,6 +131,11 @@ def test_summary_reads_targets(tmp_path):
     assert status["grouped GEMM: triton / torch grouped_mm, Mixtral-8x7B"] == "met"
     assert status["grouped GEMM: triton / per-expert loop, fine-grained shapes"] == "missed"
     assert status["grouped GEMM: triton Zipf(1.2) / uniform routing"] == "no data"
+    targets = {t["target"]: t for t in json.loads((tmp_path / "summary.json").read_text())["targets"]}
+    assert targets["  with the TMA variants: triton_tma / torch grouped_mm, fine-grained"]["worst"] == pytest.approx(1.1 / 0.8)
+    assert targets["  with the TMA variants: triton_tma / torch grouped_mm, Mixtral-8x7B"]["status"] == "no data"
+    assert targets["grouped GEMM: TMA variants / pointer kernels (triton_tma / triton; > 1: make them the default)"][
+        "worst"] == pytest.approx(1.25)
     assert status["MoE layer fwd+bwd: titan-style time / moekit time"] == "met"
     assert status["MoE layer: router + permute + combine share of layer time"] == "missed"
     assert status["  the same share of GPU kernel time (no launch overhead)"] == "met"

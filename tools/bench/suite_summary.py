@@ -40,12 +40,34 @@ def grouped_gemm_lines(data: dict | None) -> list[dict]:
     def ratios(peer: str, shapes) -> list[float]:
         return [v for r in rows if r["shape"] in shapes for k, v in r["ratios"].items() if k.startswith(f"triton/{peer}:")]
 
+    def tma_ratios(shapes, over_torch: bool) -> list[float]:
+        """triton_tma / torch grouped_mm (over_torch) or triton_tma / triton, from the rows' triton ratios."""
+        out = []
+        for r in rows:
+            if r["shape"] not in shapes:
+                continue
+            for key, vs_tma in r["ratios"].items():
+                mode = key.split(":", 1)[-1]
+                if key.startswith("triton/triton_tma:") and vs_tma:
+                    vs_torch = r["ratios"].get(f"triton/torch_grouped:{mode}")
+                    if not over_torch:
+                        out.append(1.0 / vs_tma)
+                    elif vs_torch:
+                        out.append(vs_torch / vs_tma)
+        return out
+
     src = "grouped_gemm.json"
     return [
         line("grouped GEMM: triton / torch grouped_mm, fine-grained shapes", ">= 1.0",
              ratios("torch_grouped", FINE_GRAINED), True, 1.0, src),
+        line("  with the TMA variants: triton_tma / torch grouped_mm, fine-grained", ">= 1.0",
+             tma_ratios(FINE_GRAINED, over_torch=True), True, 1.0, src),
         line("grouped GEMM: triton / torch grouped_mm, Mixtral-8x7B", ">= 0.9",
              ratios("torch_grouped", ("mixtral-8x7b",)), True, 0.9, src),
+        line("  with the TMA variants: triton_tma / torch grouped_mm, Mixtral-8x7B", ">= 0.9",
+             tma_ratios(("mixtral-8x7b",), over_torch=True), True, 0.9, src),
+        line("grouped GEMM: TMA variants / pointer kernels (triton_tma / triton; > 1: make them the default)",
+             ">= 1.0", tma_ratios(FINE_GRAINED + ("mixtral-8x7b",), over_torch=False), True, 1.0, src),
         line("grouped GEMM: triton / per-expert loop, fine-grained shapes", ">= 3",
              ratios("loop", FINE_GRAINED), True, 3.0, src),
         line("grouped GEMM: triton Zipf(1.2) / uniform routing", ">= 0.9",
