@@ -271,7 +271,7 @@ def test_try_tma_launch_treats_a_failing_compiler_pass_as_a_build_failure():
     """Triton reports a failing MLIR pass (a loop it cannot flatten in some version, say) as a RuntimeError
     "PassManager::run failed": the variant is then given up, as for a CompilationError. Any other runtime
     error (a CUDA fault) is not a build failure and propagates."""
-    from moekit.moe.kernels._common import try_tma_launch
+    from moekit.moe.kernels._tma import try_tma_launch
 
     def failing(message):
         def launch():

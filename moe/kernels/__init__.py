@@ -9,7 +9,8 @@ Public API:
     environment_problem() -> "" or what is wrong with MOEKIT_AUTOTUNE / MOEKIT_TMA / MOEKIT_KERNEL_CONFIGS
 See docs/kernels.md for the design (tile scheduling, gather, fused epilogues, determinism).
 """
-from ._common import LAUNCHES, SUPPORTED_DTYPES, environment_problem, interpret_mode
+from ._common import KERNELS, LAUNCHES, SUPPORTED_DTYPES, autotune_mode, interpret_mode, tuned_configs
+from ._tma import TMA_ENV, TMA_MODES, tma_default
 from .combine import combine_rows, combine_rows_backward, combine_rows_backward_ref, combine_rows_ref
 from .expert_mlp import expert_mlp, expert_mlp_ref, why_not_triton
 from .grouped_mm import grouped_mm, grouped_mm_ref
@@ -24,3 +25,20 @@ __all__ = [
     "grouped_mm_wgrad", "grouped_mm_wgrad_ref",
     "scatter_add_rows", "scatter_add_rows_ref",
 ]
+
+
+def environment_problem() -> str:
+    """"" or what is wrong with the kernels' environment variables (MOEKIT_AUTOTUNE, MOEKIT_TMA,
+    MOEKIT_KERNEL_CONFIGS), so a trainer refuses them at start-up instead of at its first expert GEMM."""
+    import os
+
+    if tma_default() not in TMA_MODES:
+        return (f"{TMA_ENV}={os.environ.get(TMA_ENV)!r} is invalid; use one of {list(TMA_MODES)} (always: the TMA "
+                "kernel variants on sm90+; never: the pointer kernels) or unset it")
+    try:
+        autotune_mode()
+        if KERNELS:
+            tuned_configs(next(iter(KERNELS)))  # reads and checks the whole file
+    except ValueError as exc:
+        return str(exc)
+    return ""

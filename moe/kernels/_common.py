@@ -26,7 +26,6 @@ import contextlib
 import json
 import os
 import re
-import warnings
 from typing import Callable, Sequence
 
 import torch
@@ -326,43 +325,6 @@ def tile_mm(A, a_rows, a_mask, stride_am, stride_ak, B, offs_n, n_mask, stride_b
     return acc, acc2
 
 
-@triton.jit
-def tile_mm_tma(A, start, rows, stride_am, m0, B, stride_br, n0, N_B, K, B2_COL,
-                B_TRANS: tl.constexpr, TWO_B: tl.constexpr, PRECISION: tl.constexpr, INTERP_BF16: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """tile_mm through tensor-memory (TMA) descriptors: (acc, acc2) fp32 [BLOCK_M, BLOCK_N] for the tile at
-    rows m0: of one expert's block of A and columns n0: of its B, the same K loop and reduction order.
-
-    A: a descriptor over the expert's ``rows`` rows from row ``start`` (unit inner stride), so the hardware
-    zero-fills rows past the expert's end and the k tail. B: one expert's matrix as stored, [K, N_B] with row
-    stride ``stride_br``, or with B_TRANS its stored [N_B, K] (a transposed view: the tile is transposed in
-    registers). TWO_B: acc2 from the columns B2_COL + n0: of the same B (SwiGLU's up half), A read once.
-    Columns past n0's strip that still lie inside N_B (the gate tile's last strip reaching into the up half)
-    are computed and must be masked by the caller's store, as its own column bound does anyway."""
-    a_desc = tl.make_tensor_descriptor(A + start.to(tl.int64) * stride_am, shape=[rows, K], strides=[stride_am, 1],
-                                       block_shape=[BLOCK_M, BLOCK_K])
-    if B_TRANS:
-        b_desc = tl.make_tensor_descriptor(B, shape=[N_B, K], strides=[stride_br, 1], block_shape=[BLOCK_N, BLOCK_K])
-    else:
-        b_desc = tl.make_tensor_descriptor(B, shape=[K, N_B], strides=[stride_br, 1], block_shape=[BLOCK_K, BLOCK_N])
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        a = a_desc.load([m0, k0])
-        if B_TRANS:
-            b = tl.trans(b_desc.load([n0, k0]))
-        else:
-            b = b_desc.load([k0, n0])
-        acc = dot_acc(a, b, acc, PRECISION, INTERP_BF16)
-        if TWO_B:
-            if B_TRANS:
-                b2 = tl.trans(b_desc.load([B2_COL + n0, k0]))
-            else:
-                b2 = b_desc.load([k0, B2_COL + n0])
-            acc2 = dot_acc(a, b2, acc2, PRECISION, INTERP_BF16)
-    return acc, acc2
-
-
 # ---------------------------------------------------------------------------------------------------
 # Launcher helpers
 # ---------------------------------------------------------------------------------------------------
@@ -372,93 +334,6 @@ def row_tile_grid(m: int, n: int, e: int) -> Callable:
     """Grid of the row-tiled kernels (expert_tile): an upper bound of cdiv(m, BLOCK_M) + e row tiles
     (each expert adds at most one partial tile; no host sync for the real count) x cdiv(n, BLOCK_N)."""
     return lambda meta: ((triton.cdiv(m, meta["BLOCK_M"]) + e) * triton.cdiv(n, meta["BLOCK_N"]),)
-
-
-# The TMA kernel variants' switches (moe.kernels.grouped_mm.GEMM_TMA, moe.kernels.grouped_mm_wgrad.WGRAD_TMA)
-# start from this environment variable, so a benchmark or a training run can flip them without code:
-# MOEKIT_TMA=always. Unset: "never" (until a GPU has measured the variants against the pointer kernels).
-TMA_ENV = "MOEKIT_TMA"
-TMA_MODES = ("never", "always")
-
-
-def tma_default() -> str:
-    return os.environ.get(TMA_ENV, "").strip().lower() or "never"
-
-
-def check_tma_mode(mode: str, name: str) -> None:
-    """A ValueError naming the switch (and the environment variable, where the bad value came from it)."""
-    if mode in TMA_MODES:
-        return
-    env = os.environ.get(TMA_ENV)
-    hint = f" (it came from {TMA_ENV}={env!r}: set that to never or always)" if env is not None and \
-        env.strip().lower() == mode else ""
-    raise ValueError(f"moe.kernels.{name}={mode!r}; use one of {', '.join(TMA_MODES)}{hint}")
-
-
-def environment_problem() -> str:
-    """"" or what is wrong with the kernels' environment variables (MOEKIT_AUTOTUNE, MOEKIT_TMA,
-    MOEKIT_KERNEL_CONFIGS), so a trainer refuses them at start-up instead of at its first expert GEMM."""
-    tma = tma_default()
-    if tma not in TMA_MODES:
-        return f"{TMA_ENV}={os.environ.get(TMA_ENV)!r} is invalid; use one of {list(TMA_MODES)} (always: the TMA " \
-               "kernel variants on sm90+; never: the pointer kernels) or unset it"
-    try:
-        autotune_mode()
-        if KERNELS:
-            tuned_configs(next(iter(KERNELS)))  # reads and checks the whole file
-    except ValueError as exc:
-        return str(exc)
-    return ""
-
-
-def why_not_tma_tensors(**tensors: torch.Tensor) -> str:
-    """"" when tensor-memory (TMA) descriptors can read every named 2-D operand, else why not: a Triton with
-    device-side descriptors, unit inner strides, 16-byte aligned rows and bases, CUDA sm90+ (or the
-    interpreter, which models the descriptors' bounds)."""
-    if not hasattr(tl, "make_tensor_descriptor") or not hasattr(triton, "set_allocator"):
-        return f"triton {triton.__version__} has no tl.make_tensor_descriptor / triton.set_allocator"
-    for name, t in tensors.items():
-        if t.stride(-1) != 1 or any((s * t.element_size()) % 16 for s in t.stride()[:-1]) or t.data_ptr() % 16:
-            return f"{name} needs a unit inner stride and 16-byte aligned rows, got strides {t.stride()}"
-    first = next(iter(tensors.values()))
-    if first.device.type == "cuda" and torch.cuda.get_device_capability(first.device) < (9, 0):
-        return "TMA needs sm90 or newer"
-    return ""
-
-
-def why_not_tma_gemm(**tensors: torch.Tensor) -> str:
-    """why_not_tma_tensors for the forward-type TMA kernels (grouped_mm's and the fused expert MLP's), which
-    also need 16-bit data: ptxas (sm90) spills 0.4-20 KB a thread for the fp32 (IEEE, FMA) dots on
-    descriptor tiles."""
-    dtype = next(iter(tensors.values())).dtype
-    if dtype not in (torch.bfloat16, torch.float16):
-        return f"{dtype} operands (the TMA variants are for bfloat16 / float16)"
-    return why_not_tma_tensors(**tensors)
-
-
-def try_tma_launch(launch: Callable[[], None], failures: list[str], what: str, stacklevel: int = 4) -> bool:
-    """Run a TMA variant's ``launch()``; True when it ran. A Triton that cannot build it (BUILD_ERRORS: no
-    device-side descriptors, a compile error in that version) is remembered in ``failures`` (the caller's
-    why_not_tma reports it from then on: no second try) and warned about once; False, so the caller runs
-    its pointer kernel instead."""
-    try:
-        launch()
-        return True
-    except (*BUILD_ERRORS, RuntimeError) as exc:
-        if isinstance(exc, RuntimeError) and not isinstance(exc, BUILD_ERRORS) and "PassManager" not in str(exc):
-            raise  # a failing MLIR pass is a build failure too ("PassManager::run failed"); anything else is not
-        failures.append(build_failure(exc))
-        warnings.warn(f"{what}: the TMA kernel failed to build here ({failures[-1]}); the pointer kernel runs "
-                      "instead", stacklevel=stacklevel)
-        return False
-
-
-def set_tma_allocator(device: torch.device) -> None:
-    """Device-side descriptors need a global scratch buffer from Triton's allocator hook."""
-    def alloc(size: int, alignment: int, stream):
-        return torch.empty(size, dtype=torch.int8, device=device)
-
-    triton.set_allocator(alloc)
 
 
 def dot_flags(dtype: torch.dtype, allow_tf32: bool) -> dict:

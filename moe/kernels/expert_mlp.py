@@ -25,9 +25,9 @@ import triton.language as tl
 from moekit.moe.activations import get_activation
 from moekit.moe.experts import counts_to_offs
 
-from ._common import (LAUNCHES, Kernel, cfg, check_offs, check_tma_mode, check_triton_tensors,
-                      dot_flags, expert_tile, prune_by_smem, row_tile_grid, set_tma_allocator, tile_mm, tile_mm_tma,
-                      tma_default, to_out, try_tma_launch, why_not_tma_gemm, why_not_triton_tensors)
+from ._common import (LAUNCHES, Kernel, cfg, check_offs, check_triton_tensors, dot_flags, expert_tile, prune_by_smem,
+                      row_tile_grid, tile_mm, to_out, why_not_triton_tensors)
+from ._tma import (check_tma_mode, set_tma_allocator, tile_mm_tma, tma_default, try_tma_launch, why_not_tma_gemm)
 from .grouped_mm import grouped_mm, grouped_mm_fwd
 from .grouped_mm_wgrad import grouped_mm_wgrad
 
@@ -70,7 +70,7 @@ def _expert_up_act_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """h[:, n-tile] = act(x @ w[e][:, n-tile] (, x @ w[e][:, F + n-tile])); optionally pre as well.
-    TMA: the operands through descriptors (_common.tile_mm_tma; unit inner strides, no gather)."""
+    TMA: the operands through descriptors (_tma.tile_mm_tma; unit inner strides, no gather)."""
     GATED: tl.constexpr = ACT == 0
     e, offs_m, m_mask, offs_n, n_mask, owned, start, end = expert_tile(OFFS, M, F, E, E_POW2, BLOCK_M, BLOCK_N,
                                                                        GROUP_M)
@@ -167,7 +167,7 @@ def _expert_down_dact_kernel(
     kernel ran at 175-400 TFLOP/s where the plain GEMMs reached 500-720 (docs/benchmarks.md, second GPU
     round). In quarters the tuned configs spill nothing (64 x 128: 107 registers instead of 246).
 
-    TMA: dy and w_out[e] through descriptors (_common.tile_mm_tma; W_OUT_ROW is w_out's stored row stride,
+    TMA: dy and w_out[e] through descriptors (_tma.tile_mm_tma; stride_wn is w_out's stored row stride,
     the view's column stride)."""
     GATED: tl.constexpr = ACT == 0
     e, offs_m, m_mask, offs_n, n_mask, owned, start, end = expert_tile(OFFS, M, F, E, E_POW2, BLOCK_M, BLOCK_N,
@@ -254,7 +254,7 @@ EXPERT_DOWN_DACT = Kernel(
 # Where the fused kernels read their GEMM operands through TMA descriptors (bf16 / fp16; unit inner strides and
 # 16-byte aligned rows of the rows and of the weights as stored; CUDA sm90+ or the interpreter): "never" (the
 # default until a GPU measures it), "always" (benchmarks, tests); it starts as MOEKIT_TMA says
-# (_common.TMA_ENV). Unlike grouped_mm's variant these stay one program per tile (not persistent): only the
+# (_tma.TMA_ENV). Unlike grouped_mm's variant these stay one program per tile (not persistent): only the
 # K loop's loads change. A Triton that cannot build them falls back to the pointer loads with a warning.
 MLP_TMA = tma_default()
 _TMA_FAILURE: list[str] = []

@@ -19,10 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (Kernel, cfg, check_gather_index, check_offs, check_tma_mode, check_triton_tensors, dot_acc,
-                      dot_flags, expert_tile, expert_tile_table, gather_rows, gather_rows_ref, owned_row_tile,
-                      prune_by_smem, row_tile_grid, set_tma_allocator, swizzle_pid, tile_mm, tma_default, to_out,
-                      try_tma_launch, why_not_tma_gemm, why_not_triton_tensors)
+from ._common import (Kernel, cfg, check_gather_index, check_offs, check_triton_tensors, dot_acc, dot_flags,
+                      expert_tile, expert_tile_table, gather_rows, gather_rows_ref, owned_row_tile, prune_by_smem,
+                      row_tile_grid, swizzle_pid, tile_mm, to_out, why_not_triton_tensors)
+from ._tma import (check_tma_mode, set_tma_allocator, tma_default, try_tma_launch, why_not_tma_gemm)
 
 # ---------------------------------------------------------------------------------------------------
 # Reference (also the torch fallback where Triton cannot run)
@@ -162,7 +162,7 @@ GROUPED_MM_TMA = GROUPED_MM.variant(_grouped_mm_tma_kernel)
 # Where the persistent TMA variant runs (no gather; unit inner strides and 16-byte aligned rows of x and of
 # W's stored layout; CUDA sm90+ or the interpreter): "never" (the default until a GPU measures it against the
 # pointer kernel: tools/bench/grouped_gemm.py's triton_tma peer), "always" (benchmarks, tests); it starts as
-# MOEKIT_TMA says (_common.TMA_ENV). A Triton
+# MOEKIT_TMA says (_tma.TMA_ENV). A Triton
 # without device-side descriptors, or one that cannot build the kernel here, falls back with a warning.
 GEMM_TMA = tma_default()
 _TMA_FAILURE: list[str] = []

@@ -16,10 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (Kernel, cfg, check_gather_index, check_offs, check_tma_mode,
-                      check_triton_tensors, dot_acc, dot_flags, expert_row_bounds, gather_rows, gather_rows_ref,
-                      prune_by_smem, set_tma_allocator, swizzle_pid, tma_default, to_out, try_tma_launch,
-                      why_not_tma_tensors)
+from ._common import (Kernel, cfg, check_gather_index, check_offs, check_triton_tensors, dot_acc, dot_flags,
+                      expert_row_bounds, gather_rows, gather_rows_ref, prune_by_smem, swizzle_pid, to_out)
+from ._tma import (check_tma_mode, set_tma_allocator, tma_default, try_tma_launch, why_not_tma_tensors)
 
 # ---------------------------------------------------------------------------------------------------
 # Reference
@@ -148,7 +147,8 @@ GROUPED_MM_WGRAD_TMA = GROUPED_MM_WGRAD.variant(_grouped_mm_wgrad_tma_kernel)
 
 # Where the TMA variant runs (no gather, unit inner strides, 16-byte row strides, CUDA sm90+ or the
 # interpreter): "never" (default until a GPU measures it against the pointer kernel), "always" (benchmarks,
-# tests); it starts as MOEKIT_TMA says (_common.TMA_ENV). Triton without tl.make_tensor_descriptor, or one that cannot build it here, falls back with a warning.
+# tests); it starts as MOEKIT_TMA says (_tma.TMA_ENV). A Triton without tl.make_tensor_descriptor, or one
+# that cannot build it here, falls back with a warning.
 WGRAD_TMA = tma_default()
 _TMA_FAILURE: list[str] = []
 
