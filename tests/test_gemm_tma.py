@@ -44,8 +44,8 @@ COUNTS = {"ragged": [5, 0, 133, 17, 0, 100, 1, 0, 44], "all-empty": [0, 0, 0], "
           "tail-unowned": [0, 0, 290], "past-the-rows": [40, 400], "decreasing": [50, 20, 300]}
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("counts", COUNTS.values(), ids=COUNTS.keys())
+@pytest.mark.parametrize("counts,dtype", [(c, torch.bfloat16) for c in COUNTS.values()] + [(COUNTS["ragged"], torch.float16)],
+                         ids=[f"{name}-bf16" for name in COUNTS] + ["ragged-fp16"])
 def test_tma_forward_and_dx_equal_the_pointer_kernel_bit_for_bit(tma, monkeypatch, counts, dtype):
     g = gen("tma-fwd", counts, dtype)
     M, K, N = 300, 48, 80  # K, N not multiples of the tiles: the descriptors' bounds zero-fill the tails
@@ -172,14 +172,21 @@ def test_moekit_tma_sets_every_switch_and_a_bad_value_names_the_variable(tmp_pat
              "x = torch.randn(8, 16, dtype=torch.bfloat16)\n"
              "G.grouped_mm_fwd(x, torch.randn(1, 16, 16, dtype=torch.bfloat16), torch.tensor([8], dtype=torch.int32))\n")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    for value, want in (("always", "always always always"), (" Always ", "always always always"),
-                        ("", "never never never")):
-        out = subprocess.run([sys.executable, "-c", probe], env={**env, "MOEKIT_TMA": value}, capture_output=True,
-                             text=True, timeout=120)
-        assert out.returncode == 0 and out.stdout.split("\n")[0] == want, out.stdout + out.stderr
+    out = subprocess.run([sys.executable, "-c", probe], env={**env, "MOEKIT_TMA": " Always "}, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split("\n")[0] == "always always always", out.stdout + out.stderr
     bad = subprocess.run([sys.executable, "-c", probe], env={**env, "MOEKIT_TMA": "yes"}, capture_output=True,
                          text=True, timeout=120)
     assert bad.returncode != 0 and "GEMM_TMA='yes'; use one of never, always (it came from MOEKIT_TMA='yes'" in bad.stderr
+    from moekit.moe.kernels._tma import tma_default  # unset or empty: never (in this process: no new imports)
+
+    for value in (None, ""):
+        env_value = {} if value is None else {"MOEKIT_TMA": value}
+        with pytest.MonkeyPatch.context() as m:
+            m.delenv("MOEKIT_TMA", raising=False)
+            for k, v in env_value.items():
+                m.setenv(k, v)
+            assert tma_default() == "never"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -194,8 +201,12 @@ def mlp_tma_launches() -> tuple[int, int]:
     return LAUNCHES["_expert_up_act_kernel:tma"], LAUNCHES["_expert_down_dact_kernel:tma"]
 
 
-@pytest.mark.parametrize("activation,F", [("swiglu", 24), ("swiglu", 40), ("gelu", 40), ("relu", 24)])
-@pytest.mark.parametrize("counts", [[5, 0, 70, 17, 0, 33], [0, 0, 0], [40, 100]], ids=["ragged", "empty", "past"])
+MLP_CASES = {"swiglu-24-ragged": ("swiglu", 24, [5, 0, 70, 17, 0, 33]), "swiglu-24-empty": ("swiglu", 24, [0, 0, 0]),
+             "swiglu-40-past": ("swiglu", 40, [40, 100]), "gelu-40-ragged": ("gelu", 40, [5, 0, 70, 17, 0, 33]),
+             "relu-24-past": ("relu", 24, [40, 100])}
+
+
+@pytest.mark.parametrize("activation,F,counts", MLP_CASES.values(), ids=MLP_CASES.keys())
 def test_fused_mlp_with_tma_loads_equals_pointer_loads_bit_for_bit(monkeypatch, activation, F, counts):
     """Forward and every gradient, TMA loads in all five GEMM kernels against all pointer loads. F = 24 with
     the interpreter's 32-column tiles: the gate tile's last strip reads into the up half, which the stores
