@@ -47,9 +47,28 @@ def why_not_tma_tensors(**tensors: torch.Tensor) -> str:
         if t.stride(-1) != 1 or any((s * t.element_size()) % 16 for s in t.stride()[:-1]) or t.data_ptr() % 16:
             return f"{name} needs a unit inner stride and 16-byte aligned rows, got strides {t.stride()}"
     first = next(iter(tensors.values()))
-    if first.device.type == "cuda" and torch.cuda.get_device_capability(first.device) < (9, 0):
+    if first.device.type == "cuda" and _capability(first.device) < (9, 0):
         return "TMA needs sm90 or newer"
     return ""
+
+
+_CAPABILITY: dict = {}  # device -> compute capability: asked once, not on every GEMM launch
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    if device not in _CAPABILITY:
+        _CAPABILITY[device] = torch.cuda.get_device_capability(device)
+    return _CAPABILITY[device]
+
+
+def why_not_variant(reason: str, failures: list[str], gather_index=None) -> str:
+    """A variant's why_not_tma from its operand check's ``reason``: a gathered x first (the descriptors read
+    contiguous row blocks), then the operands, then a build failure remembered by try_tma_launch."""
+    if gather_index is not None:
+        return "a gathered x (the descriptors read contiguous row blocks)"
+    if reason or not failures:
+        return reason
+    return f"the TMA kernel failed to build here ({failures[0]})"
 
 
 def why_not_tma_gemm(**tensors: torch.Tensor) -> str:
@@ -79,12 +98,19 @@ def try_tma_launch(launch: Callable[[], None], failures: list[str], what: str, s
         return False
 
 
+_ALLOCATOR_DEVICE: list = []  # the device whose allocator Triton holds (set once, not per launch)
+
+
 def set_tma_allocator(device: torch.device) -> None:
     """Device-side descriptors need a global scratch buffer from Triton's allocator hook."""
+    if _ALLOCATOR_DEVICE == [device]:
+        return
+
     def alloc(size: int, alignment: int, stream):
         return torch.empty(size, dtype=torch.int8, device=device)
 
     triton.set_allocator(alloc)
+    _ALLOCATOR_DEVICE[:] = [device]
 
 
 @triton.jit

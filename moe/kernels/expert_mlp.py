@@ -27,7 +27,8 @@ from moekit.moe.experts import counts_to_offs
 
 from ._common import (LAUNCHES, Kernel, cfg, check_offs, check_triton_tensors, dot_flags, expert_tile, prune_by_smem,
                       row_tile_grid, tile_mm, to_out, why_not_triton_tensors)
-from ._tma import (check_tma_mode, set_tma_allocator, tile_mm_tma, tma_default, try_tma_launch, why_not_tma_gemm)
+from ._tma import (check_tma_mode, set_tma_allocator, tile_mm_tma, tma_default, try_tma_launch, why_not_tma_gemm,
+                   why_not_variant)
 from .grouped_mm import grouped_mm, grouped_mm_fwd
 from .grouped_mm_wgrad import grouped_mm_wgrad
 
@@ -262,10 +263,7 @@ _TMA_FAILURE: list[str] = []
 
 def why_not_tma(x: torch.Tensor, w: torch.Tensor) -> str:
     """"" when the fused kernels can read x [M, K] and the weights w (as stored) through descriptors."""
-    reason = why_not_tma_gemm(x=x, w=w)
-    if not reason and _TMA_FAILURE:
-        return f"the TMA kernels failed to build here ({_TMA_FAILURE[0]})"
-    return reason
+    return why_not_variant(why_not_tma_gemm(x=x, w=w), _TMA_FAILURE)
 
 
 def _launch(kernel: Kernel, grid, args: tuple, x: torch.Tensor, w: torch.Tensor, **constexprs) -> None:

@@ -22,7 +22,7 @@ import triton.language as tl
 from ._common import (Kernel, cfg, check_gather_index, check_offs, check_triton_tensors, dot_acc, dot_flags,
                       expert_tile, expert_tile_table, gather_rows, gather_rows_ref, owned_row_tile, prune_by_smem,
                       row_tile_grid, swizzle_pid, tile_mm, to_out, why_not_triton_tensors)
-from ._tma import (check_tma_mode, set_tma_allocator, tma_default, try_tma_launch, why_not_tma_gemm)
+from ._tma import check_tma_mode, set_tma_allocator, tma_default, try_tma_launch, why_not_tma_gemm, why_not_variant
 
 # ---------------------------------------------------------------------------------------------------
 # Reference (also the torch fallback where Triton cannot run)
@@ -162,8 +162,8 @@ GROUPED_MM_TMA = GROUPED_MM.variant(_grouped_mm_tma_kernel)
 # Where the persistent TMA variant runs (no gather; unit inner strides and 16-byte aligned rows of x and of
 # W's stored layout; CUDA sm90+ or the interpreter): "never" (the default until a GPU measures it against the
 # pointer kernel: tools/bench/grouped_gemm.py's triton_tma peer), "always" (benchmarks, tests); it starts as
-# MOEKIT_TMA says (_tma.TMA_ENV). A Triton
-# without device-side descriptors, or one that cannot build the kernel here, falls back with a warning.
+# MOEKIT_TMA says (_tma.TMA_ENV). A Triton without device-side descriptors, or one that cannot build the
+# kernel here, falls back with a warning.
 GEMM_TMA = tma_default()
 _TMA_FAILURE: list[str] = []
 # programs per SM of the persistent launch, and the SM count per device (the interpreter runs a few programs,
@@ -178,12 +178,7 @@ _SMS: dict = {}
 def why_not_tma(x: torch.Tensor, w: torch.Tensor, gather_index=None) -> str:
     """"" when _grouped_mm_tma_kernel can take these operands (w as stored: [E, K, N], or [E, N, K] for a
     transposed view), else why not."""
-    if gather_index is not None:
-        return "a gathered x (the descriptors read contiguous row blocks)"
-    reason = why_not_tma_gemm(x=x, w=w)
-    if not reason and _TMA_FAILURE:
-        return f"the TMA kernel failed to build here ({_TMA_FAILURE[0]})"
-    return reason
+    return why_not_variant(why_not_tma_gemm(x=x, w=w), _TMA_FAILURE, gather_index)
 
 
 def _persistent_programs(device: torch.device) -> int:

@@ -18,7 +18,8 @@ import triton.language as tl
 
 from ._common import (Kernel, cfg, check_gather_index, check_offs, check_triton_tensors, dot_acc, dot_flags,
                       expert_row_bounds, gather_rows, gather_rows_ref, prune_by_smem, swizzle_pid, to_out)
-from ._tma import (check_tma_mode, set_tma_allocator, tma_default, try_tma_launch, why_not_tma_tensors)
+from ._tma import (check_tma_mode, set_tma_allocator, tma_default, try_tma_launch, why_not_tma_tensors,
+                   why_not_variant)
 
 # ---------------------------------------------------------------------------------------------------
 # Reference
@@ -155,12 +156,7 @@ _TMA_FAILURE: list[str] = []
 
 def why_not_tma(x: torch.Tensor, dy: torch.Tensor, gather_index) -> str:
     """"" when _grouped_mm_wgrad_tma_kernel can take these operands, else why not."""
-    if gather_index is not None:
-        return "a gathered x (the descriptors read contiguous row blocks)"
-    reason = why_not_tma_tensors(x=x, dy=dy)
-    if not reason and _TMA_FAILURE:
-        return f"the TMA kernel failed to build here ({_TMA_FAILURE[0]})"
-    return reason
+    return why_not_variant(why_not_tma_tensors(x=x, dy=dy), _TMA_FAILURE, gather_index)
 
 
 # ---------------------------------------------------------------------------------------------------
