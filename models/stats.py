@@ -10,6 +10,9 @@ FLOPs per token (the convention of Kaplan et al. 2020 / PaLM appendix B, with th
              + L * S * N * (Dqk + Dv)   (q.k and attn.v: 2 FLOPs per key and channel, half the keys on
                                         average; Dqk = Dv = D for GQA, nope + rope and v for MLA)
     training = 3 * forward         (backward costs twice the forward)
+
+tests/test_models.py checks this count against torch's FlopCounterMode over a real forward and backward
+(GQA and MLA attention, tied heads, shared and gated shared experts, dense first layers), exactly.
 """
 from __future__ import annotations
 

@@ -91,6 +91,45 @@ def test_flops_per_token_formula():
     assert untied.train_flops_per_token == s.train_flops_per_token
 
 
+FLOP_CASES = {
+    "mixtral-gqa": ("mixtral-tiny", {}),
+    "switch-tied-dropless": ("switch-tiny", {"capacity_factor": None}),
+    "deepseek-shared-dense-first": ("deepseek-tiny", {}),
+    "deepseek-mla": ("deepseek-tiny", dict(attention="mla", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                                           v_head_dim=6, q_lora_rank=12)),
+    "qwen2-gated-shared": ("mixtral-tiny", {"shared_ffn_hidden_size": 24, "shared_expert_gate": True}),
+}
+
+
+@pytest.mark.parametrize("case", FLOP_CASES)
+def test_flops_per_token_equal_torchs_flop_counter(monkeypatch, case):
+    """The MFU numerator (model_stats, counted on the meta device) against torch's FlopCounterMode over a real
+    forward + backward of the same model: every matmul torch runs, counted from its shapes. The per-expert loop
+    backend and the explicit bmm attention make every product an aten (b)mm the counter knows; the chunked
+    loss's weight-gradient addmm_ gets addmm's formula. The bmm attention computes the whole S x S score
+    matrix, where the formula counts the causal half, so the counter sees one more attention term (x3)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from moekit.models import attention
+
+    name, overrides = FLOP_CASES[case]
+    cfg = small(name, num_layers=2, expert_backend="loop", **overrides)
+    monkeypatch.setattr(attention, "EXPLICIT_ATTENTION", "always")
+    model = build_model(cfg, seed=3)
+    B, S = 2, 48
+    tokens = torch.randint(0, cfg.vocab_size, (B, S), generator=torch.Generator().manual_seed(4))
+    def addmm_(acc_shape, a_shape, b_shape, *args, **kwargs):  # acc += a @ b: 2 m k n
+        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+
+    with FlopCounterMode(display=False, custom_mapping={torch.ops.aten.addmm_: addmm_}) as counter:
+        model(tokens, targets=tokens.roll(-1, 1)).backward()
+    counted = counter.get_total_flops() / (B * S)
+    stats = model_stats(cfg, seq_len=S)
+    attention_term = cfg.num_layers * S * cfg.num_heads * (cfg.attn_qk_head_dim + cfg.attn_v_head_dim)
+    assert counted == stats.train_flops_per_token + 3 * attention_term, (counted, stats.train_flops_per_token)
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)  # nothing left out of backward
+
+
 @pytest.mark.parametrize("name", TINY_PRESETS)
 def test_meta_build_and_init_are_deterministic(name):
     cfg = small(name)
