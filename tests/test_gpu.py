@@ -56,6 +56,14 @@ def offs_of(counts) -> torch.Tensor:
 
 # Ragged routings (counts per expert, unowned tail rows): empty experts at both ends, one hot expert,
 # a block that is not a multiple of any tile, and no rows at all.
+def first_on_cpu(values, ids=None, why="tests/test_gemm_tma.py and test_wgrad_tma.py run every case in the interpreter"):
+    """Parametrize values for a tier test whose interpreter twin lives in the CPU suite: all of them on a GPU,
+    only the first where the tier runs on CPU (its logic still runs once there; CI's time stays for the rest)."""
+    ids = ids or [str(v).split(".")[-1] for v in values]
+    return [pytest.param(v, id=i, marks=pytest.mark.skipif(SMALL and n > 0, reason=why))
+            for n, (v, i) in enumerate(zip(values, ids))]
+
+
 def layouts():
     if SMALL:
         return {"ragged": ([5, 0, 33, 17, 0, 40], 6), "one_hot": ([0, 0, 77, 0], 3), "empty": ([0, 0, 0], 0)}
@@ -587,7 +595,7 @@ def test_float8_experts_on_device_match_the_emulation_and_float64(activation):
         assert t.U / 4 < rel_err(a, w) < 1.6 * t.U, f"{name}: {rel_err(a, w):.4f} from float64"
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("dtype", first_on_cpu([torch.bfloat16, torch.float16, torch.float32]))
 def test_tma_wgrad_on_device_equals_the_pointer_kernel(monkeypatch, dtype):
     """The TMA variant of the weight gradient (device-side tensor descriptors, sm90+) gives the pointer
     kernel's bits at the tier's ragged layouts, every candidate config's first entry included."""
@@ -616,7 +624,7 @@ def test_tma_wgrad_on_device_equals_the_pointer_kernel(monkeypatch, dtype):
         assert torch.equal(got, want), f"{name}: max diff {(got.float() - want.float()).abs().max().item()}"
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+@pytest.mark.parametrize("dtype", first_on_cpu([torch.bfloat16, torch.float16]))
 def test_tma_grouped_mm_on_device_equals_the_pointer_kernel(monkeypatch, dtype):
     """The persistent TMA forward / dX kernel (moe.kernels.grouped_mm.GEMM_TMA) gives the pointer kernel's
     bits at the tier's ragged layouts, plain and through W^T, one program per SM walking the tiles."""
@@ -646,7 +654,7 @@ def test_tma_grouped_mm_on_device_equals_the_pointer_kernel(monkeypatch, dtype):
             assert torch.equal(got, want), f"{name} (W^T: {transpose}): max diff {(got.float() - want.float()).abs().max().item()}"
 
 
-@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+@pytest.mark.parametrize("activation", first_on_cpu(["swiglu", "gelu"]))
 def test_expert_mlp_with_every_tma_variant_equals_the_pointer_kernels(monkeypatch, activation):
     """MOEKIT_TMA's three switches at once (the fused kernels' descriptor loads, the persistent forward / dX,
     the weight gradient's): the fused expert MLP's output and gradients keep the pointer kernels' bits."""
