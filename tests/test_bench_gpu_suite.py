@@ -21,8 +21,16 @@ def run_suite(tmp_path: Path, *args: str, timeout: int = 300) -> subprocess.Comp
     return subprocess.run(["bash", str(SUITE), *args], env=env, capture_output=True, text=True, timeout=timeout)
 
 
+DEFAULT_STEPS = ["env", "tests", "moe_layer", "grouped_gemm", "dispatch", "profile", "train_mfu"]
+
+
 def test_gpu_suite_smoke_runs_every_benchmark(tmp_path):
-    proc = run_suite(tmp_path, "--smoke")
+    listing = run_suite(tmp_path, "--list", timeout=60).stdout
+    listed = {line.split()[0] for line in listing.splitlines() if line[:1].strip()}
+    assert set(DEFAULT_STEPS) | {"train_mfu_tma", "grouped_gemm_quick"} <= listed, listing
+    # the default steps with train_mfu_tma for train_mfu (the same script, then also with MOEKIT_TMA=always;
+    # one train_mfu run less keeps CI's time)
+    proc = run_suite(tmp_path, "--smoke", *DEFAULT_STEPS[:-1], "train_mfu_tma")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     out, raw = tmp_path / "out", tmp_path / "raw"
     # the device tool brings back at most 8 files, 2 folders deep: the suite leaves 4 at the top
@@ -34,9 +42,11 @@ def test_gpu_suite_smoke_runs_every_benchmark(tmp_path):
     summary = (out / "summary.txt").read_text()
     steps = ["env", "moe_layer", "grouped_gemm", "dispatch", "profile"]
     has_mfu = (REPO / "tools" / "bench" / "train_mfu.py").exists()
-    for step in steps + (["train_mfu"] if has_mfu else []):
+    for step in steps + (["train_mfu_tma"] if has_mfu else []):
         assert f"  {step}: ok" in summary, summary
     assert "issue 9 target" in summary and "titan-style" in summary
+    if has_mfu:
+        assert "MFU, auto-compile-off " in summary and "MFU, auto-compile-off-tma " in summary, summary
     assert "issue 9 target" in (out / "suite.log").read_text()
 
     layer = json.loads((raw / "moe_layer.json").read_text())

@@ -22,7 +22,8 @@ set -uo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 PY=${PYTHON:-python3}
 DEFAULT_STEPS=(env tests moe_layer grouped_gemm dispatch profile train_mfu)
-ALL_STEPS=(env tests moe_layer grouped_gemm dispatch profile train_mfu train_mfu_full tune grouped_gemm_tuned)
+ALL_STEPS=(env tests moe_layer grouped_gemm dispatch profile train_mfu train_mfu_full tune grouped_gemm_tuned
+           grouped_gemm_quick train_mfu_tma)
 SMOKE=0
 BUDGET=560
 RESULTS=${OUT:-bench-results}
@@ -48,6 +49,12 @@ tune            tools/bench/tune_kernels.py: tile-config sweep of every expert-M
 grouped_gemm_tuned
                 grouped_gemm at 8192 tokens, uniform routing, with the sweep's winners added to the
                 autotuner's lists (MOEKIT_KERNEL_CONFIGS=tune_kernels.json); after `tune`  (cap 160 s)
+grouped_gemm_quick
+                grouped_gemm's 4 shapes at 8192 tokens, uniform routing, one round: the triton_tma peer
+                against triton and torch in about half the default step's time; writes grouped_gemm.json
+                (use it instead of grouped_gemm)                                            (cap 120 s)
+train_mfu_tma   tools/bench/train_mfu.py, compile off, 12 steps, the Triton experts without and with
+                MOEKIT_TMA=always: TMA's end-to-end effect; writes train_mfu.json          (what is left)
 EOF
 }
 
@@ -213,6 +220,11 @@ for step in "${STEPS[@]}"; do
           left=$((left - 100)); size=(--budget $((left > 10 ? left : 10)) "${size[@]:2}"); fi
       fi
       run_step tune 560 "$PY" tools/bench/tune_kernels.py "${size[@]}" --out "$RAW/tune_kernels.json" ;;
+    grouped_gemm_quick)
+      if [ "$SMOKE" = 1 ]; then size=(--smoke)
+      else size=(--shapes fine-grained,qwen3-30b-a3b,deepseek-v3-ep8,mixtral-8x7b --tokens 8192 --routings uniform
+                 --rounds 1); fi
+      run_step grouped_gemm_quick 120 "$PY" tools/bench/grouped_gemm.py "${size[@]}" --out "$RAW/grouped_gemm.json" ;;
     grouped_gemm_tuned)
       if ! "$PY" -c 'import json, sys; sys.exit(0 if json.load(open(sys.argv[1])).get("winners") else 1)' \
           "$RAW/tune_kernels.json" 2>/dev/null; then
@@ -223,12 +235,14 @@ for step in "${STEPS[@]}"; do
                  --rounds 1); fi
       run_step grouped_gemm_tuned 160 env MOEKIT_KERNEL_CONFIGS="$RAW/tune_kernels.json" \
         "$PY" tools/bench/grouped_gemm.py "${size[@]}" --out "$RAW/grouped_gemm_tuned.json" ;;
-    train_mfu|train_mfu_full)
+    train_mfu|train_mfu_full|train_mfu_tma)
       if [ ! -f tools/bench/train_mfu.py ]; then STATUS+=("$step: skipped (tools/bench/train_mfu.py not present)"); continue; fi
       # its own per-configuration timeout ends inside the suite's, so it still writes its JSON
       mfu_limit=$((DEADLINE - $(date +%s) - 30))
-      if [ "$SMOKE" = 1 ]; then flags=$(mfu_flags --smoke=)
+      if [ "$SMOKE" = 1 ]; then flags=$(mfu_flags --smoke=); [ "$step" = train_mfu_tma ] && flags+=" $(mfu_flags "--tma=off on")"
       elif [ "$step" = train_mfu ]; then flags=$(mfu_flags --compile=off --steps=15 --warmup=3 --timeout=$mfu_limit)
+      elif [ "$step" = train_mfu_tma ]; then
+        flags=$(mfu_flags --compile=off "--tma=off on" --steps=12 --warmup=3 --timeout=$((mfu_limit / 2)))
       else flags=$(mfu_flags --timeout=$((mfu_limit / 2))); fi
       # shellcheck disable=SC2086  # flags are words built by mfu_flags
       run_step "$step" 560 "$PY" tools/bench/train_mfu.py $flags --out "$RAW/train_mfu.json" ;;
