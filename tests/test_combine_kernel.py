@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import zlib
 from pathlib import Path
 
 _PREV_INTERPRET = os.environ.get("TRITON_INTERPRET")
@@ -32,6 +31,7 @@ from moekit.moe.dispatch import LocalDispatcher, sort_slots
 from moekit.moe.kernels.combine import (combine_rows, combine_rows_backward, combine_rows_backward_ref,
                                         combine_rows_ref)
 from moekit.moe.router import Routing, build_router
+from tests.helpers import gen as _gen
 
 if _PREV_INTERPRET is None:
     del os.environ["TRITON_INTERPRET"]
@@ -50,12 +50,6 @@ def _interpret(monkeypatch):
         pytest.fail("triton was imported in compiled mode before this module set TRITON_INTERPRET=1; "
                     "run `TRITON_INTERPRET=1 pytest tests/test_combine_kernel.py`")
     torch.set_num_threads(min(2, os.cpu_count() or 1))
-
-
-def _gen(*key) -> torch.Generator:
-    """A generator of its own for each test case: fresh inputs every run (the session's MOEKIT_TEST_SEED,
-    tests/conftest.py, printed in pytest's header), different per case, replayable with that seed."""
-    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()) ^ int(os.environ.get("MOEKIT_TEST_SEED", "0")))
 
 
 def _routing(gen, T: int, E: int, k: int, capacity_factor: float | None, empty=(0, 3)) -> Routing:

@@ -9,8 +9,6 @@ Inputs are fresh each run (MOEKIT_TEST_SEED, printed in pytest's header, replays
 from __future__ import annotations
 
 import inspect
-import os
-import zlib
 
 import pytest
 import torch
@@ -19,16 +17,12 @@ import torch.nn.functional as F
 from moekit.moe import MoELayer, build_router
 from moekit.moe import float8 as f8
 from moekit.moe.experts import GroupedExperts, auto_order, loop_mlp, resolve_backend
+from tests.helpers import gen as _gen
 
 U = 2.0**-4  # e4m3: half an ulp relative to the value, normal range
 SUB = 2.0**-10  # e4m3: half the subnormal spacing 2^-9, in scaled units
 U_BF16 = 2.0**-8
 TINY = torch.finfo(torch.float32).tiny
-
-
-def _gen(*key) -> torch.Generator:
-    """Fresh inputs per run and per case (tests/conftest.py's MOEKIT_TEST_SEED), replayable with that seed."""
-    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()) ^ int(os.environ.get("MOEKIT_TEST_SEED", "0")))
 
 
 def _wide(shape, g, dtype=torch.float32) -> torch.Tensor:

@@ -7,23 +7,19 @@ from __future__ import annotations
 
 import importlib
 import os
-import zlib
 
 import pytest
 import torch
 
 from moekit.moe.kernels import LAUNCHES
 from moekit.moe.kernels._common import interpret_mode
+from tests.helpers import BrokenLauncher, gen
 
 G = importlib.import_module("moekit.moe.kernels.grouped_mm")  # the module (the package exports the function)
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TMA, POINTER = "_grouped_mm_tma_kernel", "_grouped_mm_kernel"
 pytestmark = pytest.mark.skipif(not (interpret_mode() or torch.cuda.is_available()),
                                 reason="needs TRITON_INTERPRET=1 or a GPU")
-
-
-def gen(*key) -> torch.Generator:
-    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()) ^ int(os.environ.get("MOEKIT_TEST_SEED", "0")))
 
 
 def launches() -> tuple[int, int]:
@@ -134,15 +130,7 @@ def test_where_tma_does_not_apply_the_pointer_kernel_runs(tma):
 
 
 def test_a_tma_kernel_that_cannot_build_falls_back_once(tma, monkeypatch):
-    from moekit.moe.kernels._common import BUILD_ERRORS
-
-    class Broken:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                raise BUILD_ERRORS[0]("no tensor descriptors here (simulated)")
-            return launch
-
-    monkeypatch.setattr(G, "GROUPED_MM_TMA", Broken())
+    monkeypatch.setattr(G, "GROUPED_MM_TMA", BrokenLauncher())
     x, w = torch.randn(32, 16).to(DEV, torch.bfloat16), torch.randn(2, 16, 16).to(DEV, torch.bfloat16)
     offs = torch.tensor([10, 32], dtype=torch.int32, device=DEV)
     with pytest.warns(UserWarning, match="TMA kernel failed to build here"):
@@ -253,23 +241,7 @@ def test_fused_mlp_tma_falls_back_where_it_cannot_run(monkeypatch):
     assert mlp_tma_launches() == before and "float32" in X.why_not_tma(x, w_in)
     torch.testing.assert_close(y, X.expert_mlp_ref(x, c, w_in, w_out, "swiglu"), rtol=1e-4, atol=1e-4)
 
-    from moekit.moe.kernels._common import BUILD_ERRORS
-
-    real = X.EXPERT_UP_ACT
-
-    class BrokenWithTMA:
-        name = real.name
-
-        def __getitem__(self, grid):
-            launch = real[grid]
-
-            def run(*args, TMA, **kwargs):
-                if TMA:
-                    raise BUILD_ERRORS[0]("no tensor descriptors here (simulated)")
-                return launch(*args, TMA=TMA, **kwargs)
-            return run
-
-    monkeypatch.setattr(X, "EXPERT_UP_ACT", BrokenWithTMA())
+    monkeypatch.setattr(X, "EXPERT_UP_ACT", BrokenLauncher(X.EXPERT_UP_ACT, only_tma=True))
     xb, wb_in, wb_out = x.bfloat16(), w_in.bfloat16(), w_out.bfloat16()
     with pytest.warns(UserWarning, match="expert_mlp: the TMA kernel failed to build here"):
         yb = X.expert_mlp(xb, c, wb_in, wb_out, "swiglu", variant="fused")

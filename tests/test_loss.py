@@ -3,8 +3,6 @@ path, F.cross_entropy(F.linear(h, W).float(), y): values and gradients, chunk si
 divide the tokens, autocast, a tied head, the model's ``targets=`` entry, what it keeps for backward."""
 from __future__ import annotations
 
-import os
-import zlib
 
 import pytest
 import torch
@@ -13,10 +11,7 @@ import torch.nn.functional as F
 from moekit.models import transformer
 from moekit.models.config import ModelConfig
 from moekit.models.loss import chunked_lm_loss
-
-
-def gen(*key) -> torch.Generator:
-    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()) ^ int(os.environ.get("MOEKIT_TEST_SEED", "0")))
+from tests.helpers import gen
 
 
 def case(N, H, V, key):

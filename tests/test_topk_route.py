@@ -6,8 +6,6 @@ indices must match exactly; values and gradients are compared with float32 toler
 """
 from __future__ import annotations
 
-import os
-import zlib
 
 import pytest
 import torch
@@ -17,15 +15,11 @@ from moekit.moe.kernels._common import interpret_mode
 from moekit.moe.kernels import topk_route as tr
 from moekit.moe.kernels.topk_route import MAX_EXPERTS, topk_route, topk_route_ref, why_not_topk_route
 from moekit.moe.router import TopKRouter, build_router
+from tests.helpers import gen
 
 pytestmark = pytest.mark.skipif(not (interpret_mode() or torch.cuda.is_available()),
                                 reason="needs TRITON_INTERPRET=1 or a GPU")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def gen(*key) -> torch.Generator:
-    """Fresh inputs every run (the session's MOEKIT_TEST_SEED), distinct per case."""
-    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()) ^ int(os.environ.get("MOEKIT_TEST_SEED", "0")))
 
 
 def separated_logits(T: int, E: int, g: torch.Generator, spread: float = 3.0) -> torch.Tensor:

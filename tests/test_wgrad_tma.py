@@ -5,23 +5,18 @@ pointer kernel runs. CPU: the Triton interpreter (which models the descriptors' 
 from __future__ import annotations
 
 import importlib
-import os
-import zlib
 
 import pytest
 import torch
 
 from moekit.moe.kernels import LAUNCHES
 from moekit.moe.kernels._common import interpret_mode
+from tests.helpers import BrokenLauncher, gen
 
 W = importlib.import_module("moekit.moe.kernels.grouped_mm_wgrad")  # the module (the package exports the function)
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(not (interpret_mode() or torch.cuda.is_available()),
                                 reason="needs TRITON_INTERPRET=1 or a GPU")
-
-
-def gen(*key) -> torch.Generator:
-    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()) ^ int(os.environ.get("MOEKIT_TEST_SEED", "0")))
 
 
 @pytest.fixture
@@ -66,15 +61,7 @@ def test_where_tma_does_not_apply_the_pointer_kernel_runs(tma):
 
 
 def test_a_tma_kernel_that_cannot_build_falls_back_once(tma, monkeypatch):
-    from moekit.moe.kernels._common import BUILD_ERRORS
-
-    class Broken:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                raise BUILD_ERRORS[0]("no tensor descriptors here (simulated)")
-            return launch
-
-    monkeypatch.setattr(W, "GROUPED_MM_WGRAD_TMA", Broken())
+    monkeypatch.setattr(W, "GROUPED_MM_WGRAD_TMA", BrokenLauncher())
     x, dy = torch.randn(32, 16).to(DEV), torch.randn(32, 16).to(DEV)
     offs = torch.tensor([10, 32], dtype=torch.int32, device=DEV)
     with pytest.warns(UserWarning, match="TMA kernel failed to build here"):
