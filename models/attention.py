@@ -131,7 +131,16 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool = False) -> Tenso
     xf = x.float()  # one upcast (a no-op for fp32 x), read twice
     x1, x2 = xf.chunk(2, dim=-1)  # [..., D/2] each
     out = xf * c
-    return out.add_(torch.cat((x2, x1), dim=-1) * s).to(x.dtype)  # a + b * (-sin) == a - b * sin, bitwise
+    rotated = torch.cat((x2, x1), dim=-1) * s
+    # a + b * (-sin) == a - b * sin, bitwise. Traced by torch.compile: out of place, and no `.to` that would
+    # be a no-op. Torch 2.11 (fixed by 2.13) drops the gradient of an autograd.Function whose forward returns
+    # an in-place result or a no-op `.to` of one of its intermediates: wq and wk got zero gradients in a
+    # compiled model (tests/test_compile.py shows it on such versions). Inductor fuses the add either way.
+    if torch.compiler.is_compiling():
+        out = out + rotated
+    else:
+        out.add_(rotated)
+    return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
 # Where the one-pass Triton RoPE (moe.kernels.rope) replaces _rotate: "auto" on CUDA tensors it takes
