@@ -133,7 +133,7 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool = False) -> Tenso
     out = xf * c
     rotated = torch.cat((x2, x1), dim=-1) * s
     # a + b * (-sin) == a - b * sin, bitwise. Traced by torch.compile: out of place, and no `.to` that would
-    # be a no-op. Torch 2.11 (fixed by 2.13) drops the gradient of an autograd.Function whose forward returns
+    # be a no-op. Torch 2.11 (fixed in 2.12) drops the gradient of an autograd.Function whose forward returns
     # an in-place result or a no-op `.to` of one of its intermediates: wq and wk got zero gradients in a
     # compiled model (tests/test_compile.py shows it on such versions). Inductor fuses the add either way.
     if torch.compiler.is_compiling():
