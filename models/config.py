@@ -225,7 +225,7 @@ def _split_common_router_fields(config: ModelConfig) -> tuple[dict[str, Any], li
 ATTENTIONS = ("gqa", "mla")
 QK_NORMS = ("none", "head", "full")
 # rope_scaling: rope_type -> (required keys, optional keys) besides rope_type; the meaning of each is
-# transformers' (modeling_rope_utils); models.attention.rope_frequencies computes them.
+# transformers' (modeling_rope_utils); models.rope.rope_frequencies computes them.
 ROPE_SCALINGS = {
     "default": ((), ()),
     "linear": (("factor",), ()),

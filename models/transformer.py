@@ -26,11 +26,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moekit.models.attention import (  # noqa: F401  (re-exported: the attention and RoPE API lived here)
-    Attention, KVCache, LayerKV, MLAttention, apply_rope, apply_rope_interleaved, build_attention, causal_mask,
-    rope_angles, rope_frequencies, rope_tables)
+from moekit.models.attention import (  # noqa: F401  (re-exported: the attention API lived here)
+    Attention, KVCache, LayerKV, MLAttention, build_attention, causal_mask)
 from moekit.models.config import ModelConfig
 from moekit.models.loss import chunked_lm_loss
+from moekit.models.rope import (  # noqa: F401  (re-exported: the RoPE API lived here)
+    apply_rope, apply_rope_interleaved, rope_angles, rope_frequencies, rope_tables)
 from moekit.moe import DenseMLP, MoELayer, build_router
 
 # The training loss from hidden states (models.loss): "auto" wherever the head's weight is a plain tensor

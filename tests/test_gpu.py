@@ -503,9 +503,9 @@ def test_trainer_optimizer_is_fused_on_gpu_and_steps_like_foreach():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d).split(".")[-1])
 def test_rope_kernel_on_device_matches_float64(dtype):
     """moe.kernels.rope at a training size (both layouts, forward and inverse) against float64, and
-    models.attention picking it by itself on CUDA ("auto") with the same numbers as its torch path."""
-    from moekit.models import attention
-    from moekit.models.attention import apply_rope, rope_angles
+    models.rope picking it by itself on CUDA ("auto") with the same numbers as its torch path."""
+    from moekit.models import rope as attention_rope
+    from moekit.models.rope import apply_rope, rope_angles
     from moekit.moe.kernels import LAUNCHES
     from moekit.moe.kernels.rope import rope, rope_ref
 

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from moekit.comm.topology import Layout, LayoutError, Topology
-from moekit.models.attention import MLAttention, rope_frequencies, rope_tables
+from moekit.models.attention import MLAttention
+from moekit.models.rope import rope_frequencies, rope_tables
 from moekit.models.config import ModelConfig
 from moekit.models.transformer import Attention, KVCache, build_model
 from moekit.moe.router import build_router

@@ -2,7 +2,7 @@
 
 Both layouts attention uses ([B, S, heads, R] with [S, 1, R/2] tables, and the transposed [B, heads, S, R]
 view with [S, R/2]), a half width that is not a power of two, positions that start past 0 (a KV cache),
-fp32 and bf16, the inverse rotation, and models.attention's _Rope forced onto the kernel (forward and
+fp32 and bf16, the inverse rotation, and models.rope's _Rope forced onto the kernel (forward and
 backward) against its torch path. References: float64 torch (a different computation: cat of halves).
 """
 from __future__ import annotations
@@ -12,8 +12,8 @@ import os
 import pytest
 import torch
 
-from moekit.models import attention
-from moekit.models.attention import apply_rope, rope_angles
+from moekit.models import rope as attention_rope
+from moekit.models.rope import apply_rope, rope_angles
 from moekit.moe.kernels import LAUNCHES, interpret_mode
 from moekit.moe.kernels.rope import rope, rope_ref, why_not_rope
 
@@ -75,7 +75,7 @@ def test_attention_rope_forced_onto_the_kernel_matches_its_torch_path(monkeypatc
     g = torch.randn(B, S, heads, dim, generator=gen).to(DEV, dtype)
 
     def run(mode):
-        monkeypatch.setattr(attention, "TRITON_ROPE", mode)
+        monkeypatch.setattr(attention_rope, "TRITON_ROPE", mode)
         x = x0.clone().requires_grad_()
         y = apply_rope(x, cos[:, None], sin[:, None])
         (dx,) = torch.autograd.grad(y, x, g)
@@ -94,7 +94,7 @@ def test_attention_rope_forced_onto_the_kernel_matches_its_torch_path(monkeypatc
 
 
 def test_double_backward_keeps_the_torch_path(monkeypatch):
-    monkeypatch.setattr(attention, "TRITON_ROPE", "always")
+    monkeypatch.setattr(attention_rope, "TRITON_ROPE", "always")
     cos, sin = tables(5, 8, 0)
     x = torch.randn(1, 5, 2, 8, device=DEV, dtype=torch.float64 if DEV == "cpu" else torch.float32)
     x = x.float().requires_grad_()
@@ -113,10 +113,10 @@ def test_refusals_name_the_problem(monkeypatch):
     assert "fit neither" in why_not_rope(x, cos[:3, None], sin[:3, None])
     with pytest.raises(ValueError, match="fit neither"):
         rope(x, cos, sin)  # [S, R/2] tables with positions along dim 1: the wrong layout
-    monkeypatch.setattr(attention, "TRITON_ROPE", "sometimes")
+    monkeypatch.setattr(attention_rope, "TRITON_ROPE", "sometimes")
     with pytest.raises(ValueError, match="TRITON_ROPE='sometimes'"):
         apply_rope(x, cos[:, None], sin[:, None])
-    monkeypatch.setattr(attention, "TRITON_ROPE", "always")
+    monkeypatch.setattr(attention_rope, "TRITON_ROPE", "always")
     with pytest.raises(ValueError, match="TRITON_ROPE='always'.*fit neither"):
         apply_rope(x, cos[:3, None], sin[:3, None])
 
@@ -131,21 +131,21 @@ def test_a_rope_kernel_that_cannot_be_built_falls_back_to_torch_once_with_a_warn
 
     cos, sin = tables(6, 8, 0)
     x = torch.randn(2, 6, 3, 8, device=DEV, requires_grad=True)
-    monkeypatch.setattr(attention, "TRITON_ROPE", "never")
+    monkeypatch.setattr(attention_rope, "TRITON_ROPE", "never")
     ref = apply_rope(x, cos[:, None], sin[:, None])
     monkeypatch.setattr(rope_module, "rope", broken)
-    monkeypatch.setattr(attention, "_ROPE_BUILD_FAILURE", [])
-    monkeypatch.setattr(attention, "TRITON_ROPE", "auto")
+    monkeypatch.setattr(attention_rope, "_ROPE_BUILD_FAILURE", [])
+    monkeypatch.setattr(attention_rope, "TRITON_ROPE", "auto")
     # on CPU "auto" never picks the kernel: pick it as a GPU would
-    monkeypatch.setattr(attention, "_rope_kernel_or_none", lambda *a: attention._rope_or_fallback)
+    monkeypatch.setattr(attention_rope, "_rope_kernel_or_none", lambda *a: attention_rope._rope_or_fallback)
     with pytest.warns(UserWarning, match="RoPE kernel failed to build here.*CompilationError.*torch rotation"):
         got = apply_rope(x, cos[:, None], sin[:, None])
     torch.testing.assert_close(got, ref, rtol=0, atol=0)
-    assert attention._ROPE_BUILD_FAILURE  # and "auto" skips the kernel from now on
+    assert attention_rope._ROPE_BUILD_FAILURE  # and "auto" skips the kernel from now on
     monkeypatch.undo()
-    monkeypatch.setattr(attention, "_ROPE_BUILD_FAILURE", ["CompilationError: earlier"])
-    assert attention._rope_kernel_or_none(x.cuda() if DEV == "cuda" else x, cos[:, None], sin[:, None]) is None
-    monkeypatch.setattr(attention, "TRITON_ROPE", "always")
+    monkeypatch.setattr(attention_rope, "_ROPE_BUILD_FAILURE", ["CompilationError: earlier"])
+    assert attention_rope._rope_kernel_or_none(x.cuda() if DEV == "cuda" else x, cos[:, None], sin[:, None]) is None
+    monkeypatch.setattr(attention_rope, "TRITON_ROPE", "always")
     monkeypatch.setattr(rope_module, "rope", broken)
     with pytest.raises(CompilationError):
-        attention._rope_or_fallback(x, cos[:, None], sin[:, None])
+        attention_rope._rope_or_fallback(x, cos[:, None], sin[:, None])

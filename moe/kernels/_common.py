@@ -36,7 +36,7 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _SUPPORTED_NAMES = "float32/bfloat16/float16"
 
 # What a launch raises when a kernel cannot be built on this machine (a compile error in this Triton
-# version, a config the GPU cannot hold). moe.dispatch and models.attention catch it for their optional
+# version, a config the GPU cannot hold). moe.dispatch and models.rope catch it for their optional
 # kernels (combine, RoPE) and fall back to torch, once, with a warning.
 try:
     from triton.runtime.errors import TritonError as _TritonError

@@ -8,7 +8,7 @@ x is 4-D with a unit-stride last dimension of R channels, in one of the two layo
 [B, heads, S, R] with cos / sin [S, R/2] (positions along dim 2). cos / sin are float32; the products
 and sums are float32 and the result is rounded once to x's dtype.
 
-Why a kernel: the torch version (models.attention._rotate) is an upcast, two multiplies, a cat, an add
+Why a kernel: the torch version (models.rope._rotate) is an upcast, two multiplies, a cat, an add
 and a downcast, each a pass over [B, S, heads, R] in fp32. On an H200 that was 3.7 ms
 of a 128 ms mixtral-1b training step, plus 1.8 ms of cat (docs/benchmarks.md, first GPU round), for
 what moves 2 x 2 bytes per element in bf16. The torch version stays the reference and the CPU path.
@@ -98,7 +98,7 @@ def why_not_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> str:
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """The rotation (module docstring) as one Triton launch; not differentiable itself (models.attention's
+    """The rotation (module docstring) as one Triton launch; not differentiable itself (models.rope's
     _Rope wraps it: its backward is this with ``inverse``)."""
     what = "rope (Triton)"
     reason = why_not_rope(x, cos, sin)
