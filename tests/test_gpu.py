@@ -54,16 +54,17 @@ def offs_of(counts) -> torch.Tensor:
     return torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
 
 
+def first_on_cpu(values):
+    """Parametrize values for a tier test whose interpreter twin lives in the CPU suite (tests/test_gemm_tma.py,
+    test_wgrad_tma.py): all of them on a GPU, only the first where the tier runs on CPU (its logic still runs
+    once there; CI's time stays for the rest)."""
+    why = "tests/test_gemm_tma.py and test_wgrad_tma.py run every case in the interpreter"
+    return [pytest.param(v, id=str(v).split(".")[-1], marks=pytest.mark.skipif(SMALL and n > 0, reason=why))
+            for n, v in enumerate(values)]
+
+
 # Ragged routings (counts per expert, unowned tail rows): empty experts at both ends, one hot expert,
 # a block that is not a multiple of any tile, and no rows at all.
-def first_on_cpu(values, ids=None, why="tests/test_gemm_tma.py and test_wgrad_tma.py run every case in the interpreter"):
-    """Parametrize values for a tier test whose interpreter twin lives in the CPU suite: all of them on a GPU,
-    only the first where the tier runs on CPU (its logic still runs once there; CI's time stays for the rest)."""
-    ids = ids or [str(v).split(".")[-1] for v in values]
-    return [pytest.param(v, id=i, marks=pytest.mark.skipif(SMALL and n > 0, reason=why))
-            for n, (v, i) in enumerate(zip(values, ids))]
-
-
 def layouts():
     if SMALL:
         return {"ragged": ([5, 0, 33, 17, 0, 40], 6), "one_hot": ([0, 0, 77, 0], 3), "empty": ([0, 0, 0], 0)}
@@ -523,13 +524,13 @@ def test_rope_kernel_on_device_matches_float64(dtype):
         y = apply_rope(xr, cos[:, None], sin[:, None])
         y.backward(torch.ones_like(y))
         assert LAUNCHES["_rope_kernel"] == before + 2  # forward and backward on the kernel, unasked
-        old, attention.TRITON_ROPE = attention.TRITON_ROPE, "never"
+        old, attention_rope.TRITON_ROPE = attention_rope.TRITON_ROPE, "never"
         try:
             xt = x.clone().requires_grad_()
             yt = apply_rope(xt, cos[:, None], sin[:, None])
             yt.backward(torch.ones_like(yt))
         finally:
-            attention.TRITON_ROPE = old
+            attention_rope.TRITON_ROPE = old
         assert rel_err(y, yt) <= FLOOR[dtype] and rel_err(xr.grad, xt.grad) <= FLOOR[dtype]
 
 

@@ -27,6 +27,7 @@ causal halving), which reads higher. The peak is ``moekit.train.monitor.peak_flo
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import subprocess
@@ -294,7 +295,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="train_mfu-") as tmp:
         root = Path(args.run_root or tmp)
         for backend in args.backends:
-            for c, t in ((c, t) for c in args.compile for t in args.tma):
+            for c, t in itertools.product(args.compile, args.tma):
                 rows.append(run_config(args, extra, c == "on", backend, root, tma=t == "on"))
                 print(progress_line(rows[-1]), flush=True)
                 # partial results on disk after every configuration: a run killed later keeps them
