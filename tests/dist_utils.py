@@ -1,6 +1,7 @@
 """Run a function on N real processes over gloo (CPU). Assertions inside ranks fail the test."""
 from __future__ import annotations
 
+import multiprocessing
 import os
 import tempfile
 from datetime import timedelta
@@ -28,9 +29,19 @@ def _entry(rank: int, fn, world_size: int, init_file: str, env: dict, args: tupl
     end_process(0)
 
 
+# Ranks start from a fork server that has imported torch and moekit once for the whole test session: each rank
+# then costs a fork instead of a fresh interpreter importing torch (~2 s of CPU per rank, on a 2-core box). The
+# server is started by the first run_ranks and keeps the environment of that moment; what a rank needs from
+# its caller travels in ``env`` (applied in _entry), never through this process's os.environ.
+_CONTEXT = multiprocessing.get_context("forkserver")
+_CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.checkpoint",
+                                 "torch.distributed.fsdp", "moekit.moe", "moekit.comm", "moekit.models",
+                                 "moekit.train.loop", "tests.dist_utils"])
+
+
 def run_ranks(fn, world_size: int, *args, env: dict | None = None) -> None:
     """Spawn ``world_size`` processes running ``fn(rank, world_size, *args)``; re-raise any rank's error."""
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "store")
         mp.start_processes(_entry, args=(fn, world_size, init_file, env or {}, args), nprocs=world_size,
-                           join=True, start_method="spawn")
+                           join=True, start_method="forkserver")
