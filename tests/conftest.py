@@ -37,3 +37,35 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The GPU tier run on the CPU (``MOEKIT_GPU_TESTS_ON=cpu``, Triton in the interpreter) checks the tier's
+    own code: references, tolerances, shapes. There every parameter value of a tier test runs at least once
+    (the first case that brings a value not yet seen), not every combination, which keeps CI's run of the
+    tier to a third of its cases. ``MOEKIT_GPU_TIER_CASES=all`` runs every combination; on CUDA all run."""
+    if os.environ.get("MOEKIT_GPU_TESTS_ON", "cuda") == "cuda":
+        return
+    mode = os.environ.get("MOEKIT_GPU_TIER_CASES", "cover")
+    if mode not in ("cover", "all"):
+        raise pytest.UsageError(f"MOEKIT_GPU_TIER_CASES={mode!r}: use 'cover' (each parameter value once, the "
+                                "default on CPU) or 'all' (every combination)")
+    if mode == "all":
+        return
+    by_test: dict[str, list] = {}
+    for item in items:
+        if item.get_closest_marker("gpu") is not None and getattr(item, "callspec", None) is not None:
+            by_test.setdefault(item.originalname, []).append(item)
+    drop = []
+    for cases in by_test.values():  # greedy set cover: the case with the most values not yet seen, first
+        values = [{(name, repr(v)) for name, v in case.callspec.params.items()} for case in cases]
+        uncovered, chosen = set().union(*values), set()
+        while uncovered:
+            best = max(range(len(cases)), key=lambda i: (len(values[i] & uncovered), -i))
+            chosen.add(best)
+            uncovered -= values[best]
+        drop += [case for i, case in enumerate(cases) if i not in chosen]
+    if drop:
+        dropped = set(map(id, drop))
+        config.hook.pytest_deselected(items=drop)
+        items[:] = [item for item in items if id(item) not in dropped]

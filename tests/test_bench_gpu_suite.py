@@ -111,6 +111,44 @@ def test_gpu_tier_runs_on_cpu_against_its_references(tmp_path):
     assert " passed" in proc.stdout and " failed" not in proc.stdout
 
 
+def test_gpu_tier_on_cpu_runs_each_parameter_value_and_all_on_request(monkeypatch):
+    """conftest's sampling of the tier on CPU: per test, a few cases that between them hold every parameter
+    value (set cover), tests without parameters and tests outside the tier untouched; 'all' keeps everything;
+    on CUDA nothing is sampled; a bad MOEKIT_GPU_TIER_CASES is a usage error that names it."""
+    import itertools
+    from types import SimpleNamespace
+
+    from tests import conftest
+
+    def item(name, gpu=True, **params):
+        return SimpleNamespace(originalname=name, callspec=SimpleNamespace(params=params) if params else None,
+                               get_closest_marker=lambda marker: object() if gpu and marker == "gpu" else None)
+
+    grid = [item("t_mm", gather=g, layout=lay, dtype=d)
+            for g, lay, d in itertools.product([False, True], ["ragged", "one_hot", "empty"], ["f32", "bf16", "f16"])]
+    rest = [item("t_plain"), item("t_case", case=0), item("t_case", case=1), item("t_cpu", gpu=False, x=1),
+            item("t_cpu", gpu=False, x=1)]
+
+    def sample(mode, on="cpu"):
+        monkeypatch.setenv("MOEKIT_GPU_TESTS_ON", on)
+        monkeypatch.setenv("MOEKIT_GPU_TIER_CASES", mode)
+        items, deselected = grid + rest, []
+        config = SimpleNamespace(hook=SimpleNamespace(pytest_deselected=lambda items: deselected.extend(items)))
+        conftest.pytest_collection_modifyitems(config, items)
+        assert len(items) + len(deselected) == len(grid) + len(rest)
+        return items
+
+    kept = sample("cover")
+    mm = [i.callspec.params for i in kept if i.originalname == "t_mm"]
+    assert len(mm) == 3  # 3 layouts x 3 dtypes x 2 gathers: three cases hold every value
+    for name in ("gather", "layout", "dtype"):
+        assert {p[name] for p in mm} == {p.callspec.params[name] for p in grid}
+    assert [i for i in kept if i.originalname != "t_mm"] == rest
+    assert len(sample("all")) == len(sample("cover", on="cuda")) == len(grid) + len(rest)
+    with pytest.raises(pytest.UsageError, match="MOEKIT_GPU_TIER_CASES='some'"):
+        sample("some")
+
+
 def test_gpu_suite_tune_step_sweeps_every_kernel_call(tmp_path):
     """The non-default 'tune' step (tools/bench/tune_kernels.py): every expert-MLP kernel call is timed as
     autotuned today and with pinned candidates; the JSON names the winners per kernel."""

@@ -54,11 +54,13 @@ def offs_of(counts) -> torch.Tensor:
     return torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
 
 
-def first_on_cpu(values):
-    """Parametrize values for a tier test whose interpreter twin lives in the CPU suite (tests/test_gemm_tma.py,
-    test_wgrad_tma.py): all of them on a GPU, only the first where the tier runs on CPU (its logic still runs
-    once there; CI's time stays for the rest)."""
-    why = "tests/test_gemm_tma.py and test_wgrad_tma.py run every case in the interpreter"
+TMA_TWINS = "tests/test_gemm_tma.py and test_wgrad_tma.py run every case in the interpreter"
+
+
+def first_on_cpu(values, why=TMA_TWINS):
+    """Parametrize values for a tier test whose interpreter twin lives in the CPU suite (``why`` names it): all
+    of them on a GPU, only the first where the tier runs on CPU (its logic still runs once there; CI's time
+    stays for the rest)."""
     return [pytest.param(v, id=str(v).split(".")[-1], marks=pytest.mark.skipif(SMALL and n > 0, reason=why))
             for n, v in enumerate(values)]
 
@@ -534,7 +536,7 @@ def test_rope_kernel_on_device_matches_float64(dtype):
         assert rel_err(y, yt) <= FLOOR[dtype] and rel_err(xr.grad, xt.grad) <= FLOOR[dtype]
 
 
-@pytest.mark.parametrize("case", range(7))
+@pytest.mark.parametrize("case", first_on_cpu(range(7), "tests/test_topk_route.py runs each in the interpreter"))
 def test_fused_router_kernels_on_device(case):
     """moe.kernels.topk_route on CUDA against the torch steps: tests/test_topk_route.py's cases (exact
     indices and counts, fp32 values and every subset of the backward's inputs), which CI runs in the
