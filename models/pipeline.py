@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from moekit.comm.pipeline import PipelineRunner, check_schedule, gather_load, stage_ids_of
 from moekit.models.config import ModelConfig
-from moekit.models.transformer import Transformer, rope_tables
+from moekit.models.transformer import Transformer, meta_device, rope_tables
 from moekit.moe import moe_layers
 
 
@@ -56,7 +56,7 @@ def layer_costs(config: ModelConfig, seq_len: int | None = None) -> LayerCosts:
     FFN: 2 x dense weights, or 2 x (router + top_k of E routed experts + shared expert) for MoE.
     """
     S = seq_len or config.max_seq_len
-    with torch.device("meta"):
+    with meta_device():
         model = Transformer(config)
     costs = []
     for block in model.layers:
@@ -218,7 +218,7 @@ class PipelineModel(nn.Module):
     def __init__(self, config: ModelConfig, stages: list[StageModule]):
         super().__init__()
         self.config = config
-        with torch.device("meta"):  # the whole model's names from its config; allocates nothing
+        with meta_device():  # the whole model's names from its config; allocates nothing
             self.moe_layer_names = tuple(name for name, _ in moe_layers(Transformer(config)))
         first = [s for s in stages if s.is_first]
         last = [s for s in stages if s.is_last]

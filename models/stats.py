@@ -18,10 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from moekit.models.config import ModelConfig
-from moekit.models.transformer import Transformer
+from moekit.models.transformer import Transformer, meta_device
 
 
 @dataclass(frozen=True)
@@ -40,7 +38,7 @@ class ModelStats:
 def model_stats(config: ModelConfig, seq_len: int | None = None) -> ModelStats:
     """Count on the meta device; ``seq_len`` defaults to config.max_seq_len."""
     seq_len = seq_len or config.max_seq_len
-    with torch.device("meta"):
+    with meta_device():
         model = Transformer(config)
     params = sum(p.numel() for p in model.parameters())
     inactive = 0

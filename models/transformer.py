@@ -20,11 +20,13 @@ one, unchanged.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 from moekit.models.attention import (  # noqa: F401  (re-exported: the attention API lived here)
     Attention, KVCache, LayerKV, MLAttention, build_attention, causal_mask)
@@ -160,9 +162,35 @@ def init_ffn(ffn: nn.Module, normal_, std: float, std_out: float) -> None:
         buf.zero_()
 
 
+class _NoInitOnMeta(TorchFunctionMode):
+    """``torch.nn.init`` and the in-place random fills do nothing to a meta tensor: it holds no values. Without
+    this the modules' constructors run them anyway, and torch's meta path for a random fill (a Python reference
+    wrapped to keep dynamo out) imports torch._dynamo: ~1.3 s of every trainer's start-up, before any work."""
+
+    FILLS = frozenset({"normal_", "uniform_", "random_", "exponential_", "cauchy_", "log_normal_", "geometric_",
+                       "bernoulli_"})
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        target = args[0] if args else kwargs.get("tensor")
+        name = getattr(func, "__name__", "")
+        initialising = getattr(func, "__module__", None) == "torch.nn.init" or name in self.FILLS
+        if initialising and isinstance(target, Tensor) and target.is_meta:
+            return target
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def meta_device():
+    """``torch.device("meta")`` for building a model's skeleton (shapes, no memory), its modules' weight init
+    skipped: ``init_weights(seed)`` fills every parameter once the model is materialised."""
+    with torch.device("meta"), _NoInitOnMeta():
+        yield
+
+
 def build_model(config: ModelConfig, device: str | torch.device = "cpu", seed: int = 0) -> Transformer:
     """Build on the meta device (no memory, no init), materialise on ``device``, init from ``seed``."""
-    with torch.device("meta"):
+    with meta_device():
         model = Transformer(config)
     model.to_empty(device=device)
     model.init_weights(seed)

@@ -69,7 +69,7 @@ import torch
 from torch import Tensor
 
 from moekit.models.config import ModelConfig
-from moekit.models.transformer import Transformer
+from moekit.models.transformer import Transformer, meta_device
 from moekit.moe import DenseMLP, MoELayer
 from moekit.moe.activations import get_activation
 from moekit.moe.router import TopKRouter, build_router, router_class
@@ -124,7 +124,7 @@ def check_upcycle_config(config: ModelConfig, granularity: int = 1) -> list[str]
         raise ValueError(f"model.router={config.router!r}: upcycling reproduces the dense model only with the 'topk' "
                          f"router (each token takes its top-k softmax or sigmoid scores, renormalised); use "
                          f"--router topk with router_options normalize = true")
-    with torch.device("meta"):
+    with meta_device():
         router = build_router(config.router, config.hidden_size, E, **config.router_kwargs())
     if not router.normalize:
         raise ValueError(f"router_options normalize={config.router_options.get('normalize')!r} (top_k={k}): without "
@@ -210,7 +210,7 @@ def upcycled_config(dense: ModelConfig, num_experts: int, top_k: int, granularit
 def upcycle(dense: Transformer, config: ModelConfig, granularity: int = 1, seed: int = 0) -> Transformer:
     """A new MoE Transformer (float32, on ``dense``'s device, train mode) built from ``config`` and filled from
     ``dense`` by ``upcycle_into``: at step 0 it computes ``dense``'s logits (module docstring)."""
-    with torch.device("meta"):
+    with meta_device():
         model = Transformer(config)
     model.to_empty(device=dense.embed.weight.device)
     return upcycle_into(model, dense, granularity, seed)

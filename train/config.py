@@ -462,9 +462,8 @@ def resolve_vocab(cfg: TrainConfig) -> None:
 
 def validate_model(cfg: TrainConfig) -> None:
     """ModelConfig checks, then a meta-device build: router options fail here, before any work."""
-    import torch  # deferred: --help and config errors should not wait for torch
-
-    from moekit.models.transformer import Transformer
+    # deferred: --help and config errors should not wait for torch
+    from moekit.models.transformer import Transformer, meta_device
 
     m = cfg.model
     for f in dataclasses.fields(m):  # torch takes sizes as int64: refuse absurd ones before building anything
@@ -477,7 +476,7 @@ def validate_model(cfg: TrainConfig) -> None:
         m.validate()
         _require(cfg.train.seq_len <= m.max_seq_len,
                  f"--train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
-        with torch.device("meta"):
+        with meta_device():
             Transformer(m)
     except ValueError as exc:
         msg = str(exc)

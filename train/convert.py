@@ -35,7 +35,7 @@ from safetensors.torch import save_file
 
 from moekit.models.config import ModelConfig
 from moekit.models.hf import FAMILIES, load_hf, save_hf
-from moekit.models.transformer import Transformer
+from moekit.models.transformer import Transformer, meta_device
 from moekit.train import program_name
 
 PT_FORMAT = "moekit-model"
@@ -89,7 +89,7 @@ def load_moekit(path: str | Path, device: str = "cpu") -> Transformer:
     else:
         raise ValueError(f"{path}: not a moekit model (expected *.safetensors, *.pt or a checkpoints/step_N "
                          f"directory)")
-    with torch.device("meta"):
+    with meta_device():
         model = Transformer(config)
     model.to_empty(device=device)
     load(model)

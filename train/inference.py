@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 
 from moekit.models.config import ModelConfig
-from moekit.models.transformer import Transformer
+from moekit.models.transformer import Transformer, meta_device
 from moekit.moe.load import moe_layers
 from moekit.moe.router_variants import ExpertChoiceRouter
 from moekit.train import UserError, checkpoint
@@ -225,7 +225,7 @@ def _model_config(ckpt: Path, meta: dict, run_configs: list[tuple[str, dict]]) -
 
 def _build(config: ModelConfig, where: str) -> Transformer:
     try:
-        with torch.device("meta"):
+        with meta_device():
             model = Transformer(config)
     except ValueError as exc:  # e.g. a module:Class router that no longer imports
         raise UserError(f"{where}: the model cannot be built ({' '.join(str(exc).split())})") from None

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from moekit.models.stats import model_stats
-from moekit.models.transformer import Transformer
+from moekit.models.transformer import Transformer, meta_device
 from moekit.moe import collect_load, update_router_biases
 from moekit.moe.layer import set_aux_loss_scale
 from moekit.train import UserError, checkpoint, faults, host_memory, program_name, records, resume, runlock
@@ -174,7 +174,7 @@ class Trainer:
     def build(self) -> None:
         cfg, plan = self.cfg, self.plan
         torch.manual_seed(cfg.train.seed)  # router jitter and any other global-RNG draws
-        with torch.device("meta"):
+        with meta_device():
             self.model = Transformer(cfg.model)
         # which experts each EP rank holds: a placement file, a rebalancing run's checkpoint, or contiguous blocks
         self.placement = RunPlacement.for_run(cfg, self.dist.topology, self.model, self.resume_from)

@@ -38,7 +38,7 @@ from moekit.models.hf.export import choose_family, copy_tokenizer, export_proble
 from moekit.models.hf.families import FAMILIES, Family, UnsupportedCheckpoint, family, skipped_keys
 from moekit.models.hf.io import DTYPE_NAMES, CONFIG_FILE, CheckpointReader, read_config, write_safetensors
 from moekit.models.hf.weights import Rule, check_counts, detect_layout, export_tensors, load_into, model_rules
-from moekit.models.transformer import Transformer
+from moekit.models.transformer import Transformer, meta_device
 
 SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 LAYOUTS = ("per_expert", "fused")
@@ -63,7 +63,7 @@ def load_hf(path: str | Path, *, dtype: torch.dtype | str = torch.float32,
     Returns the model in eval mode, as ``from_pretrained`` does.
     """
     config = config_from_hf(path)
-    with torch.device("meta"):
+    with meta_device():
         model = Transformer(config)
     model.to_empty(device=device)
     reader = load_hf_into(model, path, check_config=False)

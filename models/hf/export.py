@@ -197,10 +197,11 @@ def _router(model) -> TopKRouter:
     found = next((layer.ffn.router for layer in model.layers if layer.is_moe), None)
     if found is not None:
         return found
+    from moekit.models.transformer import meta_device
     from moekit.moe import build_router
 
     cfg = model.config
-    with torch.device("meta"):
+    with meta_device():
         return build_router(cfg.router, cfg.hidden_size, cfg.num_experts, **cfg.router_kwargs())
 
 

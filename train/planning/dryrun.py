@@ -138,7 +138,7 @@ def local_numel(model: torch.nn.Module) -> tuple[dict[str, int], int]:
 
 def build(cfg: TrainConfig, plan: DryRunPlan) -> Built:
     from moekit.models.parallelize import parallelize
-    from moekit.models.transformer import Transformer
+    from moekit.models.transformer import Transformer, meta_device
     from moekit.train.rebalance import RunPlacement
 
     L, seconds = cfg.layout, {}
@@ -146,7 +146,7 @@ def build(cfg: TrainConfig, plan: DryRunPlan) -> Built:
     topo = Topology(plan.resolved.layout, 0, plan.ranks_per_node).build()
     seconds["groups and meshes"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    with torch.device("meta"):
+    with meta_device():
         model = Transformer(cfg.model)
     seconds["meta model"] = time.perf_counter() - t0
     built = Built(topo, seconds, sum(p.numel() for p in model.parameters()),
