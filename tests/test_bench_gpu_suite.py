@@ -62,6 +62,13 @@ def test_gpu_suite_smoke_runs_every_benchmark(tmp_path):
     gg = json.loads((raw / "grouped_gemm.json").read_text())
     assert gg["partial"] is False and gg["skew_ratios"]
     assert {"triton/torch_grouped:fwd_bwd", "triton/loop:fwd"} <= set(gg["rows"][0]["ratios"])
+    assert {"device", "torch", "triton"} <= set(gg["meta"])
+    assert {r["workload"] for r in gg["rows"]} == {"gemm1", "mlp"}
+    for r in gg["rows"]:
+        assert "tflops" in r["results"]["triton"]["fwd_bwd"], r["results"]["triton"]
+        assert "triton/loop:fwd" in r["ratios"]
+        # the weight gradient's TMA variant is a peer wherever it runs (the interpreter models descriptors)
+        assert "tflops" in r["results"]["triton_tma"]["fwd_bwd"] and "triton/triton_tma:fwd_bwd" in r["ratios"]
 
     bw = json.loads((raw / "dispatch_bandwidth.json").read_text())
     ops = {(r["op"], r["impl"]): r for r in bw["results"]}
