@@ -120,20 +120,25 @@ def test_tuned_config_file_puts_its_winners_first_without_duplicates(tmp_path):
     assert json.loads(first.stdout)["wgrad"] == [new]
 
 
-def test_tuned_config_file_errors_name_the_file_and_the_fix(tmp_path):
+def test_tuned_config_file_errors_name_the_file_and_the_fix(tmp_path, monkeypatch):
+    """Each bad file is refused by the trainer's start-up check (moe.kernels.environment_problem) with the file and
+    the fix; a kernel built in compiled mode (a subprocess: the GPU path) fails on it too, before any launch."""
+    from moekit.moe import kernels
+
     cases = [
         ({"_no_such_kernel": ["64x64x32 w4 s3"]}, "no moekit kernel is named _no_such_kernel"),
         ({"_grouped_mm_wgrad_kernel": ["64x64 w4 s3"]}, "'64x64 w4 s3' is not of the form"),
         ({"_grouped_mm_wgrad_kernel": ["64x48x32 w4 s3"]}, "BLOCK_N 48 must be a power of two"),
         ("{not json", "not valid JSON"),
         ([1, 2], "expected a mapping of kernel name"),
+        (None, "cannot read it"),
     ]
-    for content, message in cases:
-        bad = tuned_probe(tmp_path, content)
-        assert bad.returncode != 0, content
-        assert "MOEKIT_KERNEL_CONFIGS=" in bad.stderr and message in bad.stderr, (content, bad.stderr[-600:])
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["MOEKIT_KERNEL_CONFIGS"] = str(tmp_path / "missing.json")
-    missing = subprocess.run([sys.executable, "-c", TUNED_PROBE], env=env, capture_output=True, text=True,
-                             timeout=120)
-    assert missing.returncode != 0 and "cannot read it" in missing.stderr
+    for n, (content, message) in enumerate(cases):
+        path = tmp_path / f"tuned{n}.json"  # one path each: the file is read once per path
+        if content is not None:
+            path.write_text(content if isinstance(content, str) else json.dumps(content))
+        monkeypatch.setenv("MOEKIT_KERNEL_CONFIGS", str(path))
+        problem = kernels.environment_problem()
+        assert f"MOEKIT_KERNEL_CONFIGS={path}" in problem and message in problem, (content, problem)
+    bad = tuned_probe(tmp_path, cases[2][0])
+    assert bad.returncode != 0 and "MOEKIT_KERNEL_CONFIGS=" in bad.stderr and cases[2][1] in bad.stderr, bad.stderr
