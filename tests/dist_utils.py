@@ -36,7 +36,7 @@ def _entry(rank: int, fn, world_size: int, init_file: str, env: dict, args: tupl
 _CONTEXT = multiprocessing.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.checkpoint",
                                  "torch.distributed.fsdp", "moekit.moe", "moekit.comm", "moekit.models",
-                                 "moekit.train.loop", "tests.dist_utils"])
+                                 "moekit.train.trainer", "tests.dist_utils"])
 
 
 def run_ranks(fn, world_size: int, *args, env: dict | None = None) -> None:

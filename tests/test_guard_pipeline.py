@@ -128,9 +128,9 @@ def test_drill_rank_that_does_not_hold_the_layer_is_refused(tmp_path):
 def test_learning_rate_overflow_blames_the_parameters(tmp_path, monkeypatch, capsys):
     """AdamW moves each weight by about lr: at lr 1e30 (past config validation) step 1 leaves |w| ~1e29-1e30
     and step 2 goes non-finite. The guard names the parameters, not the first MoE layer's input."""
-    from moekit.train import loop
+    from moekit.train import trainer
 
-    real = loop.make_optimizer
+    real = trainer.make_optimizer
 
     def huge_lr(model, cfg):
         optimizer = real(model, cfg)
@@ -138,7 +138,7 @@ def test_learning_rate_overflow_blames_the_parameters(tmp_path, monkeypatch, cap
             group["lr"] = 1e30
         return optimizer
 
-    monkeypatch.setattr(loop, "make_optimizer", huge_lr)
+    monkeypatch.setattr(trainer, "make_optimizer", huge_lr)
     assert main([*BASE, "--run-dir", str(tmp_path)]) == 1
     err = capsys.readouterr().err.strip()
     (line,) = err.splitlines()

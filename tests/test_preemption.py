@@ -475,7 +475,7 @@ def test_write_data_to_a_bad_path_is_one_line(tmp_path, capsys, monkeypatch):
         Path(path).write_bytes(b"partial")
         raise no_space(path)
 
-    monkeypatch.setattr("moekit.train.loop.write_token_file", full)
+    monkeypatch.setattr("moekit.train.tokens.write_token_file", full)
     line = one_error(capsys, main(["--write-data", str(out)]), 2)
     assert f"--write-data {out}: cannot write it: No space left on device" in line
     assert not list(tmp_path.glob("tokens.bin*"))  # no truncated token file left behind

@@ -327,6 +327,19 @@ def test_script_exit_code_and_no_traceback(argv, env, expected):
     _assert_one_line_error(proc.returncode, proc.stderr, expected)
 
 
+def test_help_and_flag_errors_answer_before_torch_is_imported():
+    """moekit-train's entry (moekit.train.loop) imports no torch: --help and a flag refused by its cheap checks
+    print from the flags alone, in a fraction of a second; torch loads for a run or a model check."""
+    probe = ("import sys, contextlib, io\nfrom moekit.train.loop import main\nout = io.StringIO()\n"
+             "with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit): main(['--help'])\n"
+             "code = main(['--preset', 'nope'])\n"
+             "print(code, 'usage:' in out.getvalue(), 'torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.stdout.split() == ["2", "True", "False"], proc.stdout + proc.stderr[-2000:]
+    assert "unknown preset 'nope'" in proc.stderr
+
+
 def test_script_corrupt_checkpoint(saved_run, tmp_path):
     run = tmp_path / "c"
     shutil.copytree(saved_run, run)

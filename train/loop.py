@@ -1,51 +1,21 @@
-"""The training run: set up (data, model, optimizer, run dir, resume), then the step loop.
+"""``moekit-train``: the flags, then the run (moekit.train.trainer.Trainer), and one line for each failure.
 
-One optimizer step:
-    1. the sampler yields the global batch (batch_size windows); this rank takes its contiguous share
-    2. micro-batches: forward, cross-entropy / accum, backward (router aux losses join backward
-       inside each MoELayer, scaled once by moe.layer.set_aux_loss_scale); under pipeline
-       parallelism the schedule runs them (models.pipeline.Pipeline.step)
-    3. non-finite loss or gradient norm: stop *before* the optimizer step (checkpoints stay good)
-    4. clip, AdamW step, LR schedule step, aux-loss-free router bias update
-    5. records: metrics.jsonl, expert_load.jsonl, console; then eval / checkpoint when due
-    6. a SIGTERM / SIGINT on any rank (agreed on in step 3's all-reduce): save, exit 128 + signal
+This module imports no torch: ``--help``, a bad flag or a bad config value is answered in a fraction of a second,
+and torch, the models and checkpointing load only for a run (or a config check that builds the model).
 """
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import shutil
 import sys
 import time
 import traceback
-from pathlib import Path
 
-import numpy as np
-import torch
-
-from moekit.models.stats import model_stats
-from moekit.models.transformer import Transformer, meta_device
-from moekit.moe import collect_load, update_router_biases
-from moekit.moe.layer import set_aux_loss_scale
-from moekit.train import UserError, checkpoint, faults, host_memory, program_name, records, resume, runlock
-from moekit.train.cli import Options, parse_args
-from moekit.train.plan import lr_lambda, make_optimizer, plan_run
-from moekit.train.rebalance import RunPlacement
+from moekit.train import UserError, program_name, runlock
+from moekit.train.cli import parse_args
 from moekit.train.config import TrainConfig, to_toml
-from moekit.train.consistency import check_ranks_agree
-from moekit.train.distributed import Dist, comm_failure, end_process, first_line, owns_process_group
-from moekit.train.faults import RunFailed
-from moekit.train.guard import Guard, NonFinite, set_deterministic
-from moekit.train.data import Split, gather, load_data, unigram_entropy
-from moekit.train.tokens import load_tokens, record_tokenizer, write_token_file
-from moekit.train.monitor import Monitor, peak_flops, peak_memory_gb
 
 PROG = program_name("train.py")  # moekit-train when started as the console script
-
-
-def _warn(msg: str) -> None:
-    print(f"{PROG}: {msg}", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,14 +31,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         code = _run(argv)
     except Exception:  # a bug: reported as the interpreter would, but a rank must not finalize (below)
-        if not owns_process_group():
+        if not _owns_process_group():
             raise
         traceback.print_exc()
         code = 1
     finally:
         runlock.release_all()  # a trainer that failed during setup lets go of its run directory too
-    stuck = checkpoint.stuck_saves()  # a save thread hung in the filesystem: the interpreter would wait for it
-    if stuck or owns_process_group():
+    checkpoint = sys.modules.get("moekit.train.checkpoint")  # imported by a run that got past its flags
+    stuck = checkpoint is not None and checkpoint.stuck_saves()  # a save thread hung: finalizing would wait
+    if stuck or _owns_process_group():
+        from moekit.train.distributed import end_process
+
         end_process(code, run_exit_handlers=not stuck)
     return code
 
@@ -77,7 +50,7 @@ def _run(argv: list[str] | None) -> int:
     try:
         try:
             cfg, opts = parse_args(sys.argv[1:] if argv is None else argv)
-        except UserError as exc:
+        except UserError:
             _wait_for_local_rank_0()
             raise
         if opts.print_config:
@@ -88,6 +61,8 @@ def _run(argv: list[str] | None) -> int:
         if opts.dry_run:  # plan the layout in this one process (fake process group, meta model); no training
             from moekit.train.planning import dryrun
             return dryrun.run(cfg, opts)
+        from moekit.train.trainer import Trainer  # torch, the models, checkpoints: after the flags
+
         return Trainer(cfg, opts).train()
     except UserError as exc:
         if not getattr(exc, "quiet", False):  # RanksDisagree: raised on every rank, printed by rank 0
@@ -98,6 +73,8 @@ def _run(argv: list[str] | None) -> int:
               f"again", file=sys.stderr)
         return 1
     except RuntimeError as exc:  # the rendezvous or a collective during setup (the loop reports its own)
+        from moekit.train.distributed import comm_failure, first_line
+
         if not comm_failure(exc):
             raise
         print(f"{PROG}: error: starting the ranks failed ({first_line(exc)}): another rank crashed, stalled or was "
@@ -124,6 +101,8 @@ def write_data(cfg: TrainConfig, out: str) -> int:
     if cfg.data.path or cfg.data.blend:
         raise UserError(f"--write-data converts the embedded corpus or a --data.text file; "
                         f"{cfg.data.path or cfg.data.blend} is already token data")
+    from moekit.train.tokens import load_tokens, write_token_file
+
     tokens, desc = load_tokens("", cfg.data.text, cfg.model.vocab_size)
     part = f"{out}.partial"  # renamed when complete: a full disk leaves no truncated token file
     try:
@@ -138,439 +117,7 @@ def write_data(cfg: TrainConfig, out: str) -> int:
     return 0
 
 
-class Trainer:
-    def __init__(self, cfg: TrainConfig, opts: Options):
-        self.cfg, self.opts = cfg, opts
-        self.plan = plan_run(cfg)  # resolves the layout and the batch split (moekit.train.plan)
-        self.restore_determinism = set_deterministic(cfg.train.deterministic, self.plan.device)
-        self.host_memory = host_memory.configure(cfg.train.host_memory)
-        L = cfg.layout
-        self.dist = Dist.setup(self.plan.resolved.layout, cfg.model.num_experts, self.plan.device,
-                               L.ranks_per_node or None, L.timeout_s)
-        self.data, error = None, None
-        try:  # moekit.train.data: a token file (its metadata: vocab, tokenizer), a blend, text, the embedded corpus
-            self.data = load_data(cfg.data, cfg.model.vocab_size)
-            self.data_desc = self.data.desc
-        except UserError as exc:  # raised below, on every rank alike
-            error = exc
-        # every rank: the same settings, software and data, or one line naming what differs (collective)
-        check_ranks_agree(cfg.to_dict(), [s.tokens for s in self.data.sources] if self.data else None, error)
-        self.run_lock = self.dist.from_main(self.claim_run_dir)  # before anything in the run dir is touched
-        self.split: Split = self.data.split(cfg.train.seq_len, cfg.data.val_fraction)
-        self.sampler = self.split.sampler(cfg.train.seed)  # data.Sampler, or data.BlendSampler for a blend
-        self.run_dir = Path(cfg.run_dir)
-        # verified (sizes, sha256, model config) before building anything; --resume / auto skip damaged ones
-        self.resume_from = checkpoint.choose_resume(cfg.run_dir, opts.resume, cfg.model.to_dict(),
-                                                    warn=lambda msg: print(f"{PROG}: {msg}", file=sys.stderr))
-        # changed settings: applied (reported by describe) or refused here, before anything is written
-        self.resumed_run = resume.saved_run(self.resume_from) if self.resume_from is not None else None
-        self.changes = resume.check((self.resumed_run or {}).get("config"), cfg.to_dict(), self.resume_from)
-        for key, saved, _ in self.changes.kept:  # config.json records what runs: the checkpoint's value
-            section, name = key.split(".", 1)
-            setattr(getattr(cfg, section), name, saved)
-
-    # -- setup ------------------------------------------------------------------------------------
-
-    def build(self) -> None:
-        cfg, plan = self.cfg, self.plan
-        torch.manual_seed(cfg.train.seed)  # router jitter and any other global-RNG draws
-        with meta_device():
-            self.model = Transformer(cfg.model)
-        # which experts each EP rank holds: a placement file, a rebalancing run's checkpoint, or contiguous blocks
-        self.placement = RunPlacement.for_run(cfg, self.dist.topology, self.model, self.resume_from)
-        # --init-from-hf (no pipeline): every weight comes from the folder, so the model stays on the meta device
-        # until it is parallelised and each rank then reads only its shards (models.hf.load_hf_sharded; its
-        # shard boxes are contiguous expert blocks: under a placement the whole model is read first)
-        sharded_hf = (bool(cfg.train.init_from_hf) and self.resume_from is None and cfg.layout.pp == 1
-                      and self.placement.placements is None)
-        if not sharded_hf:
-            self.model.to_empty(device=plan.device)
-            self.model.init_weights(cfg.train.seed)
-        if cfg.train.init_from_hf and self.resume_from is None and not sharded_hf:  # pp > 1: before the stages
-            self.load_hf(cfg.train.init_from_hf)
-        if cfg.train.init_from_dense and self.resume_from is None:  # dense-to-MoE upcycling (models.upcycle)
-            from moekit.train.upcycle import init_from_dense
-
-            for note in init_from_dense(self.model, cfg.train.init_from_dense, cfg.train.upcycle_granularity,
-                                        cfg.train.seed):
-                if self.dist.is_main:
-                    _warn(note)
-        if cfg.train.export_hf:  # refuse before training, not after
-            self.check_exportable()
-        # the full model is built and initialised first, then each rank keeps its share (layout-free init):
-        # its pipeline stages first, then the recipe (TP, EP, AC, compile, FSDP) on them
-        fsdp_dtype = plan.autocast_dtype if plan.device.type == "cuda" else None  # bf16 params, fp32 reduction
-        self.pipe = None
-        if cfg.layout.pp > 1:
-            from moekit.models.pipeline import build_pipeline
-
-            self.pipe = build_pipeline(self.model, self.dist.topology, cfg.layout.pp_schedule,
-                                       cfg.layout.pp_stages_per_rank, cfg.train.seq_len, activation_dtype=fsdp_dtype)
-            self.model = self.pipe.model  # this rank's stages, single-process parameter names
-        self.dist.parallelize(self.model, plan.resolved.hierarchical,
-                              activation_checkpointing=cfg.train.activation_checkpointing,
-                              compile=cfg.train.compile, param_dtype=fsdp_dtype,
-                              sequence_parallel=cfg.layout.sequence_parallel,
-                              expert_placement=self.placement.placements,
-                              ep_overlap_chunks=cfg.layout.ep_overlap_chunks)
-        if sharded_hf:
-            self.model.to_empty(device=plan.device)
-            self.load_hf(cfg.train.init_from_hf, sharded=True)
-        self.model.train()
-        # the aux loss is averaged like the LM loss: over the micro-batches and over TP's token slices
-        pipelined = self.pipe is not None
-        set_aux_loss_scale(self.model, accumulation=1 if pipelined else plan.accum,
-                           microbatches=plan.accum if pipelined else 1, token_slices=self.dist.topology.layout.tp)
-        self.guard = Guard(self.model, self.dist, cfg.train.on_nonfinite)
-        self.optimizer = make_optimizer(self.model, cfg)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
-        self.start_step = 0
-        if self.resume_from is not None:
-            fresh = resume.optimizer_settings(self.optimizer)  # this run's lr, betas, eps, weight decay
-            self.start_step = checkpoint.load(self.resume_from, self.model, self.optimizer, self.scheduler,
-                                              self.sampler, cfg.model.to_dict(), verify=False)
-            resume.apply_optimizer_settings(self.optimizer, self.scheduler, fresh)
-        self.tokens_seen = resume.tokens_at(self.resumed_run, self.start_step, plan.tokens_per_step)
-        self.last_checkpoint = self.resume_from
-        self.checkpointer = checkpoint.Checkpointer(self.run_dir, cfg.checkpoint.keep, cfg.model.to_dict(),
-                                                    cfg.checkpoint.async_save, last=self.resume_from,
-                                                    timeout_s=cfg.layout.timeout_s, warn=_warn)
-
-    def claim_run_dir(self) -> runlock.RunLock:
-        """Rank 0: lock the run dir (a second trainer is refused, naming the first), probe it and the
-        export dir for writing, and warn when a checkpoint will not fit in the free space."""
-        cfg = self.cfg
-        lock = runlock.RunLock.acquire(cfg.run_dir, warn=_warn)
-        try:
-            if cfg.train.export_hf:
-                runlock.probe_writable(cfg.train.export_hf, "--export-hf")
-        except UserError:
-            lock.release()
-            raise
-        need = 12 * model_stats(cfg.model, cfg.train.seq_len).params  # fp32 weights + AdamW's two moments
-        free = shutil.disk_usage(cfg.run_dir).free
-        if free < need:
-            _warn(f"warning: --run-dir {cfg.run_dir} has {free / 1e9:.3g} GB free and a checkpoint takes about "
-                  f"{need / 1e9:.3g} GB: saves will fail unless space is freed")
-        return lock
-
-    def load_hf(self, path: str, sharded: bool = False) -> None:
-        """Fill the model from a HuggingFace folder: the whole model (before the pipeline split), or ``sharded``
-        into the parallelised model, each rank reading only its slices (all ranks fail alike)."""
-        from moekit.models.hf import load_hf_into, load_hf_sharded  # safetensors: imported only when asked for
-
-        try:
-            (load_hf_sharded if sharded else load_hf_into)(self.model, path)
-        except (ValueError, OSError) as exc:  # config mismatch, missing or misshapen tensors: the message names them
-            hint = ("; or leave out --preset (and the preset in --config) to take the checkpoint's architecture"
-                    if "different math" in str(exc) else "")
-            raise UserError(f"--init-from-hf {path}: {exc}{hint}") from None
-
-    def check_exportable(self) -> None:
-        from moekit.models.hf import check_hf_exportable
-
-        try:
-            check_hf_exportable(self.model)
-        except ValueError as exc:
-            raise UserError(f"--export-hf: {exc}") from None
-
-    def open_records(self) -> None:
-        # every MoE layer's name for the load record's header: under pp, rank 0 holds only its stages
-        layers = self.gathered_load(reset=False) if self.pipe is not None else None
-        if not self.dist.is_main:  # rank 0 writes the records; the others only compute
-            self.metrics = self.load_log = self.monitor = None
-            return
-        d = self.run_dir
-        if self.resume_from is None:
-            stale = [d / n for n in (records.METRICS, records.EXPERT_LOAD, records.EXPERT_LOAD_BIN, records.CONFIG,
-                                     "checkpoints", "tensorboard")]
-            if any(p.exists() for p in stale):
-                print(f"note: starting a fresh run in {d}: replacing its records and checkpoints "
-                      f"(--resume continues a run instead)")
-            for p in stale:
-                shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
-        d.mkdir(parents=True, exist_ok=True)
-        for name in (records.METRICS, records.EXPERT_LOAD, records.EXPERT_LOAD_BIN):
-            records.truncate_after(d / name, self.start_step)
-        (d / records.CONFIG).write_text(json.dumps(self.cfg.to_dict(), indent=1))
-        record_tokenizer(d, self.data.tokenizer)  # tokenizer.json + tokenizer_info.json: how to decode this run
-        self.metrics = records.JsonlWriter(d / records.METRICS)
-        cfg = self.cfg
-        # expert_load.bin every `stride`-th step (and the last); 0 = the smallest stride under ~2 GiB
-        stride = cfg.log.load_every or records.auto_stride(cfg.model.num_moe_layers, cfg.model.num_experts,
-                                                            cfg.train.steps)
-        self.load_log = records.ExpertLoadWriter(d / records.EXPERT_LOAD_BIN,
-                                                 layers or collect_load(self.model, reset=False), cfg.model.router,
-                                                 cfg.model.top_k, stride=stride,
-                                                 max_count=self.plan.tokens_per_step * max(cfg.model.top_k, 1))
-        self.monitor = Monitor(str(d), self.plan.device, cfg.train.steps, self.start_step, cfg.log.every,
-                               cfg.log.tensorboard, cfg.log.progress, load_every=stride, wandb=cfg.log.wandb,
-                               wandb_project=cfg.log.wandb_project, config=cfg.to_dict())
-
-    def describe(self) -> None:
-        if not self.dist.is_main:
-            return
-        cfg, plan = self.cfg, self.plan
-        stats = model_stats(cfg.model, cfg.train.seq_len)
-        say = self.monitor.print
-        say(f"model {cfg.model.name if cfg.source_note else cfg.preset}: {stats.params / 1e6:.2f}M parameters, {stats.active_params / 1e6:.2f}M active, "
-            f"{stats.train_flops_per_token / 1e6:.1f} MFLOP/token; router {cfg.model.router}, "
-            f"{cfg.model.num_moe_layers} MoE layers x {cfg.model.num_experts} experts")
-        if getattr(cfg, "source_note", None) and not self.resume_from:
-            say(cfg.source_note)
-        if cfg.train.init_from_dense and not self.resume_from:
-            say(f"upcycled from the dense model {cfg.train.init_from_dense} (granularity {cfg.train.upcycle_granularity})")
-        ignored = cfg.model.unused_router_fields()
-        for name in ignored:
-            say(f"note: router {cfg.model.router!r} takes no {name}; model.{name}={getattr(cfg.model, name)!r} is unused")
-        say(f"data: {self.data_desc}; {self.split.train_starts.size:,} train / {self.split.val_starts.size:,} "
-            f"validation sequences of {cfg.train.seq_len}")
-        say(f"device {plan.device}, {plan.autocast_dtype or torch.float32}; batch {cfg.train.batch_size} x "
-            f"{cfg.train.seq_len} tokens ({plan.accum} micro-batch(es) of {plan.micro_batch}); run dir {self.run_dir}; "
-            f"{self.monitor.describe()}")
-        if cfg.train.host_memory != "system":
-            say(self.host_memory)
-        if self.dist.active:
-            L = cfg.layout
-            degrees = " ".join(f"{k}={getattr(L, k)}" for k in ("pp", "dp", "fsdp", "tp", "ep") if getattr(L, k) > 1)
-            say(f"layout: {self.dist.world} ranks, {degrees} (experts {cfg.model.num_experts // L.ep} per rank), "
-                f"{self.dist.topology.num_nodes} node(s) of {self.dist.topology.ranks_per_node} ranks")
-        if self.pipe is not None:
-            stages = " | ".join(f"{r.start}-{r.stop - 1}" for r in self.pipe.ranges)
-            say(f"pipeline: {cfg.layout.pp_schedule}, {len(self.pipe.ranges)} stages (layers {stages}), "
-                f"{plan.accum} micro-batches of {plan.micro_batch} per step")
-        if self.placement.describe():
-            say(self.placement.describe())
-        if self.start_step:
-            say(f"resumed from {self.resume_from} at step {self.start_step}")
-        if self.changes.summary():
-            say(self.changes.summary())
-
-    # -- the loop -----------------------------------------------------------------------------------
-
-    def autocast(self):
-        dt = self.plan.autocast_dtype
-        return torch.autocast(self.plan.device.type, dtype=dt) if dt is not None else contextlib.nullcontext()
-
-    def forward_loss(self, starts: np.ndarray) -> torch.Tensor:
-        x, y = gather(self.split.tokens, starts, self.cfg.train.seq_len)
-        x, y = x.to(self.plan.device), y.to(self.plan.device)  # [b, S] each
-        with self.autocast():
-            if self.pipe is not None:  # forward only (evaluation); the loss arrives on every pipeline rank
-                return self.pipe.evaluate(x, y, 1)
-            return self.model(x, targets=y)  # mean cross-entropy, no [b, S, V] logits kept (models.loss)
-
-    def forward_backward(self, batch: np.ndarray) -> torch.Tensor:
-        """This rank's share of one step: the summed loss of its micro-batches; gradients accumulated."""
-        plan = self.plan
-        if self.pipe is not None:  # the schedule runs every micro-batch's forward and backward
-            x, y = gather(self.split.tokens, batch, self.cfg.train.seq_len)
-            with self.autocast():
-                loss = self.pipe.step(x.to(plan.device), y.to(plan.device), plan.accum)
-            return loss.detach() * plan.accum
-        loss_sum = torch.zeros((), device=plan.device)
-        for m in range(plan.accum):
-            loss = self.forward_loss(batch[m * plan.micro_batch : (m + 1) * plan.micro_batch])
-            (loss / plan.accum).backward()
-            loss_sum += loss.detach()
-        return loss_sum
-
-    def gathered_load(self, reset: bool) -> dict:
-        """Expert load of every MoE layer (all pipeline stages), summed over the stage's ranks (collective)."""
-        load = collect_load(self.model, reset=reset)
-        if self.pipe is not None:
-            load = self.pipe.gather_load(load)
-        return self.dist.reduce_load(load)
-
-    def train(self) -> int:
-        self.build()
-        self.open_records()
-        self.describe()
-        self.step = self.start_step
-        ended = False  # loop() returned on this rank: every rank did (its ends are collective decisions)
-        try:
-            with faults.StopSignals() as signals:  # SIGTERM / SIGINT: save at the next step boundary
-                self.signals = signals
-                self.dist.stop_signal = lambda: signals.received
-                code = self.loop()
-                ended = True
-                return code
-        except OSError as exc:  # records (metrics.jsonl, ...): a full disk or a permission
-            raise RunFailed(f"{runlock.describe_os_error(exc)} at step {self.step}; {self.kept()}; free space or fix "
-                            f"permissions") from None
-        except RuntimeError as exc:  # torch.OutOfMemoryError too
-            self.guard.explain_oom(exc)  # an OOM inside an expert becomes one line naming it
-            failure = self.dist.failure(exc, self.step)  # a collective that timed out or lost its peer
-            if failure is not None:
-                raise RunFailed(f"{failure}; {self.kept()}") from None
-            raise
-        finally:
-            self.checkpointer.close()  # an async save in flight ends before the process group goes
-            self.restore_determinism()
-            for rec in (self.metrics, self.load_log, self.monitor):
-                if rec is not None:
-                    rec.close()
-            self.dist.close(together=ended)
-            if self.run_lock is not None:
-                self.run_lock.release()
-
-    def save(self, step: int) -> Path | None:
-        """Checkpoint after ``step``; its meta.json records this run's settings and tokens (moekit.train.resume)."""
-        run = {"config": self.cfg.to_dict(), "tokens": self.tokens_seen}
-        return self.checkpointer.save(step, self.model, self.optimizer, self.scheduler, self.sampler, run=run,
-                                      placement=self.placement.record())
-
-    def kept(self) -> str:
-        last = self.checkpointer.last
-        return f"newest checkpoint: {last} (--resume continues from it)" if last else "no checkpoint saved yet"
-
-    def loop(self) -> int:
-        cfg, plan = self.cfg, self.plan
-        params = list(self.model.parameters())
-        t_start = time.perf_counter()
-        stop = 0
-        for step in range(self.start_step + 1, cfg.train.steps + 1):
-            if stop:  # a signal, agreed on in the last step's check: every rank saves that step and exits
-                return self.preempt(step - 1, stop)
-            self.step = step
-            faults.inject_fault(self.run_dir, step, self.dist.rank)  # testing hook, off unless its env is set
-            t0 = time.perf_counter()
-            self.guard.begin_step(step)
-            batch = self.sampler.next(cfg.train.batch_size)  # [batch_size] window starts of the global batch
-            batch = self.dist.share(batch, plan.per_rank)  # this rank's contiguous share
-            loss_sum = self.forward_backward(batch)
-            self.dist.sync_grads(self.model)  # the global-batch gradient on every rank
-            loss_value = self.dist.mean(loss_sum / plan.accum).item()  # D2H sync: finiteness check, records
-            grad_norm = self.dist.clip_grad_norm(params, cfg.train.grad_clip).item()  # D2H sync: before the update
-            event = self.guard.check(step, loss_value, grad_norm)  # collective: every rank decides alike
-            stop = self.dist.agree_stop()  # rode on that collective: a signal on any rank stops all of them
-            if event is not None and event.action == "stop":
-                return self.stop_nonfinite(event, step)
-            if event is not None:  # skip: no optimizer, schedule or router-bias update; the batch is consumed
-                self.skip_step(event, step)
-                continue
-            lr = self.optimizer.param_groups[0]["lr"]
-            self.optimizer.step()
-            self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            update_router_biases(self.model)
-            load = self.gathered_load(reset=True)  # D2H sync: per MoE layer
-            if self.placement.observe(step, load, self.model, self.optimizer) and self.dist.is_main:
-                self.monitor.print(self.placement.last_note)  # --layout.rebalance_every: experts moved
-            dt = time.perf_counter() - t0
-            self.tokens_seen += plan.tokens_per_step
-            m = self.step_metrics(step, loss_value, grad_norm, lr, load, dt, self.tokens_seen,
-                                  time.perf_counter() - t_start)
-            if self.data.weights is not None:  # a blend: tokens drawn from each set so far
-                m["tokens_by_source"] = self.sampler.tokens_by_source(cfg.train.seq_len)
-            if step == cfg.train.steps or (cfg.eval.every and step % cfg.eval.every == 0):
-                m["val_loss"] = self.evaluate()
-            if self.dist.is_main:
-                self.metrics.write(self.monitor.step(m, load))  # + balance_loss, z_loss, cv, dead_experts
-                self.load_log.write(step, load, force=step == cfg.train.steps)
-            if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == cfg.train.steps):
-                self.last_checkpoint = self.save(step)
-        self.last_checkpoint = self.checkpointer.finalize()  # an async save is sealed before the run ends
-        if cfg.train.export_hf:
-            if cfg.train.steps not in (self.checkpointer.saved_step, self.start_step):  # the export's fallback
-                self.save(cfg.train.steps)
-                self.last_checkpoint = self.checkpointer.finalize()
-            self.export_hf(cfg.train.export_hf)
-        if self.dist.is_main:
-            self.finish()
-        return 0
-
-    def export_hf(self, path: str) -> None:
-        """Write the trained model as a HuggingFace folder (models.hf.save_hf_sharded: every rank writes the
-        tensors it owns, nothing is gathered on one rank), with the run's tokenizer (tokenizer_info.json)."""
-        from moekit.models.hf import save_hf_sharded
-        from moekit.models.hf.export import choose_family
-
-        try:
-            self.placement.to_contiguous(self.model, self.optimizer)  # HF shard boxes: contiguous expert blocks
-            folder = save_hf_sharded(self.model, path, tokenizer_from=self.run_dir)
-        except (OSError, ValueError) as exc:  # the trained weights are safe in the final checkpoint: say where
-            ckpt = self.last_checkpoint
-            why = runlock.describe_os_error(exc) if isinstance(exc, OSError) else str(exc)
-            raise RunFailed(f"--export-hf {path}: {why}; training finished and its final checkpoint is {ckpt}: "
-                            f"fix that, then export it with {PROG} --resume {ckpt} --steps {self.cfg.train.steps} "
-                            f"--export-hf {path}") from None
-        if self.dist.is_main:
-            self.monitor.print(f"exported {folder} (HuggingFace {choose_family(self.model)})")
-
-    def step_metrics(self, step, loss, grad_norm, lr, load, dt, tokens_seen, elapsed) -> dict:
-        tps = self.plan.tokens_per_step / dt
-        peak = peak_flops(self.plan.device, self.plan.autocast_dtype)
-        m = {"step": step, "loss": loss, "aux_loss": sum(s.aux_loss / max(s.forwards, 1) for s in load.values()),
-             "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tps, "tokens": tokens_seen, "elapsed_s": elapsed,
-             "mem_gb": peak_memory_gb(self.plan.device),
-             # tokens_per_s is the whole job's; every rank's device contributes its peak
-             "mfu": tps * self.plan.flops_per_token / (peak * self.dist.world) if peak else None}
-        if load:
-            imb = [s.imbalance for s in load.values()]
-            assigned = sum(s.total_slots for s in load.values())
-            m.update(imbalance=sum(imb) / len(imb), imbalance_max=max(imb),
-                     dropped_fraction=sum(s.dropped_slots for s in load.values()) / max(assigned, 1))
-        return m
-
-    @torch.no_grad()
-    def evaluate(self) -> float:
-        """Mean loss over fixed validation windows spread evenly over the held-out blocks."""
-        starts = self.split.validation(self.cfg.eval.sequences)  # a blend: a fixed mix by weight
-        n = starts.size
-        D = self.dist.data_parallel  # each rank takes an equal share (same forward count: EP collectives)
-        starts = starts[: n - n % D] if n >= D else starts[np.arange(D) % n]
-        mine = starts.reshape(D, -1)[self.dist.data_rank]
-        self.model.eval()
-        total = torch.zeros((), device=self.plan.device)
-        for i in range(0, mine.size, self.plan.micro_batch):
-            part = mine[i : i + self.plan.micro_batch]
-            total += self.forward_loss(part) * part.size
-        self.model.train()
-        return self.dist.mean(total / mine.size).item()  # D2H sync: once per evaluation
-
-    def skip_step(self, event: NonFinite, step: int) -> None:
-        self.guard.discard_step(self.model, self.optimizer)
-        if self.dist.is_main:
-            self.metrics.write(event.record(step, self.optimizer.param_groups[0]["lr"]))
-            self.monitor.print(f"step={step} skipped: non-finite {event.what} ({event.value}); {event.where}")
-
-    def stop_nonfinite(self, event: NonFinite, step: int) -> int:
-        self.optimizer.zero_grad(set_to_none=True)
-        good = self.last_checkpoint or "none saved yet"
-        if not self.dist.is_main:
-            return 1
-        self.monitor.progress.clear()
-        skips = self.guard.consecutive_skips
-        gave_up = f" after {skips} skipped steps in a row" if event.action != self.cfg.train.on_nonfinite else ""
-        print(f"{PROG}: error: non-finite {event.what} ({event.value}) at step {step}{gave_up}; stopped before its "
-              f"optimizer step; first seen in {event.where}. Last good checkpoint: {good}. Lower --train.lr or raise "
-              f"--train.warmup_steps", file=sys.stderr)
-        return 1
-
-    def preempt(self, step: int, signum: int) -> int:
-        """Every rank: save after ``step`` (unless that save is under way), wait until it is sealed, and
-        return 128 + signal. A repeated signal meanwhile is ignored; SIGKILL leaves an unsealed save."""
-        if self.checkpointer.saved_step != step:
-            self.save(step)
-        self.last_checkpoint = self.checkpointer.finalize()
-        if self.dist.is_main:
-            self.monitor.progress.clear()
-            repeats = self.signals.repeats
-            ignored = f" ({repeats} more signal{'s' * (repeats > 1)} ignored while stopping)" if repeats else ""
-            print(f"{PROG}: stopped by {faults.signal_name(signum)} after step {step} of {self.cfg.train.steps}: "
-                  f"saved {self.last_checkpoint}{ignored}; continue with the same command and --resume (under "
-                  f"torchrun --max-restarts, --resume auto continues by itself)", file=sys.stderr, flush=True)
-        return 128 + signum
-
-    def finish(self) -> None:
-        rows = [r for r in records.read_metrics(self.run_dir) if not r.get("skipped")]
-        if not rows:
-            self.monitor.print(f"done: every step was skipped (non-finite); see {self.run_dir / records.METRICS}")
-            return
-        final = rows[-1]
-        entropy = unigram_entropy(self.split.tokens[: 1 << 22], self.cfg.model.vocab_size)
-        self.monitor.print(f"done: step {final['step']}, loss {final['loss']:.4f}, val_loss "
-                           f"{final.get('val_loss', float('nan')):.4f} (unigram entropy of the data "
-                           f"{entropy:.4f}), {final['elapsed_s']:.0f}s. Expert load: moekit-heatmap "
-                           f"{self.run_dir}")
+def _owns_process_group() -> bool:
+    """moekit.train.distributed.owns_process_group, without importing torch for a run that never got that far."""
+    distributed = sys.modules.get("moekit.train.distributed")
+    return distributed is not None and distributed.owns_process_group()

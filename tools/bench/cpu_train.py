@@ -7,7 +7,7 @@ time of one optimizer step by phase; with ``--baseline REF`` the same measuremen
     python tools/bench/cpu_train.py --baseline-args "" -- --train.dtype bfloat16      # bf16 vs fp32, same tree
     python tools/bench/cpu_train.py --env GLIBC_TUNABLES=glibc.malloc.mmap_max=0 --baseline-env ""   # same tree
 
-What is measured: the trainer's own loop (``moekit.train.loop.Trainer``, built from the trainer flags as
+What is measured: the trainer's own loop (``moekit.train.trainer.Trainer``, built from the trainer flags as
 moekit-train builds it: data, model, AdamW, records, TensorBoard, load records, guard, grad clipping),
 each tree in its own worker process. A worker runs the loop in chunks of ``--steps`` timed steps plus one
 untimed step that closes the chunk (the loop evaluates after its last step). A step is the time from one
@@ -149,7 +149,7 @@ class Probe:
         return out
 
     def serve(self, proto) -> int:
-        import moekit.train.loop as loop_module
+        loop_module = sys.modules[type(self.t).__module__]  # the module the Trainer came from
 
         send(proto, {"ready": True, "loop_file": str(Path(loop_module.__file__).resolve()),
                      "tokens_per_step": self.t.plan.tokens_per_step, "torch": torch.__version__,
@@ -191,7 +191,11 @@ def worker(trainer_argv: list[str], threads: int) -> int:
     os.dup2(2, 1)  # ... and the trainer's console lines go to the worker log
     sys.stdout = os.fdopen(1, "w", buffering=1)
     from moekit.train.cli import parse_args
-    from moekit.train.loop import Trainer
+
+    try:
+        from moekit.train.trainer import Trainer
+    except ImportError:  # a tree from before the Trainer left moekit.train.loop (a --baseline checkout)
+        from moekit.train.loop import Trainer
 
     cfg, opts = parse_args(trainer_argv)
     trainer = Trainer(cfg, opts)
