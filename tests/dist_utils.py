@@ -32,11 +32,13 @@ def _entry(rank: int, fn, world_size: int, init_file: str, env: dict, args: tupl
 # Ranks start from a fork server that has imported torch and moekit once for the whole test session: each rank
 # then costs a fork instead of a fresh interpreter importing torch (~2 s of CPU per rank, on a 2-core box). The
 # server is started by the first run_ranks and keeps the environment of that moment; what a rank needs from
-# its caller travels in ``env`` (applied in _entry), never through this process's os.environ.
-_CONTEXT = multiprocessing.get_context("forkserver")
-_CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.checkpoint",
-                                 "torch.distributed.fsdp", "moekit.moe", "moekit.comm", "moekit.models",
-                                 "moekit.train.trainer", "tests.dist_utils"])
+# its caller travels in ``env`` (applied in _entry), never through this process's os.environ. Where there is no
+# fork server (Windows), ranks are spawned as fresh interpreters.
+START = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+if START == "forkserver":
+    multiprocessing.get_context("forkserver").set_forkserver_preload([
+        "torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.fsdp", "moekit.moe",
+        "moekit.comm", "moekit.models", "moekit.train.trainer", "tests.dist_utils"])
 
 
 def run_ranks(fn, world_size: int, *args, env: dict | None = None) -> None:
@@ -44,4 +46,4 @@ def run_ranks(fn, world_size: int, *args, env: dict | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "store")
         mp.start_processes(_entry, args=(fn, world_size, init_file, env or {}, args), nprocs=world_size,
-                           join=True, start_method="forkserver")
+                           join=True, start_method=START)
