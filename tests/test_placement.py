@@ -165,7 +165,8 @@ def test_placement_cli(tmp_path, capsys):
 ])
 def test_placement_flags_are_checked(flags, match):
     from moekit.train import UserError
-    from moekit.train.config import TrainConfig, set_value, validate_placement
+    from moekit.train.config import TrainConfig, set_value
+    from moekit.train.validation import validate_placement
 
     cfg = TrainConfig()
     for flag, value in zip(flags[::2], flags[1::2]):

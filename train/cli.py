@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 from moekit.models.config import PRESETS
 from moekit.train import UserError, program_name
-from moekit.train.config import DEFAULT_PRESET, TrainConfig, load_config, set_value, validate
+from moekit.train.config import DEFAULT_PRESET, TrainConfig, load_config, set_value
+from moekit.train.validation import validate
 
 # Named flags and the setting each one overrides; applied before dotted overrides, in this order.
 FLAG_SETTINGS = {

@@ -30,7 +30,8 @@ from moekit.models.pipeline import check_pipeline_model
 from moekit.models.stats import model_stats
 from moekit.models.transformer import Transformer
 from moekit.train import UserError
-from moekit.train.config import LayoutSection, TrainConfig, TrainSection, run_device
+from moekit.train.config import LayoutSection, TrainConfig, TrainSection
+from moekit.train.validation import run_device
 
 BYTES_PER_PARAM = 16  # fp32 weights + gradients + AdamW's two moments
 HIERARCHICAL = {"auto": None, "on": True, "off": False}

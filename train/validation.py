@@ -1,0 +1,235 @@
+"""Training configuration checks: everything that can be checked before data is read or a device is touched
+(moekit.train.config holds the settings; moekit.train.plan.resolve_layout checks [layout] against the world).
+
+Each check raises ``UserError`` naming the flag, the value and what would be accepted. ``validate(cfg)`` runs
+them all, cheapest first: the model is built on the meta device last, so a typo in a flag never waits for torch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import TYPE_CHECKING
+
+from moekit.train import UserError, host_memory
+from moekit.train.config import DEVICES, DTYPES, MAX_LR, ON_NONFINITE, PROGRESS, TrainConfig, TrainSection
+
+if TYPE_CHECKING:
+    import torch
+
+
+def _require(ok: bool, msg: str) -> None:
+    if not ok:
+        raise UserError(msg)
+
+
+def validate(cfg: TrainConfig) -> TrainConfig:
+    """Every section but [layout], whose degrees need the world size: moekit.train.plan.resolve_layout."""
+    t = cfg.train
+    for name in ("steps", "batch_size", "seq_len"):
+        _require(getattr(t, name) >= 1, f"--train.{name}={getattr(t, name)} is invalid; it must be a positive integer")
+    for name in ("micro_batch_size", "warmup_steps", "seed"):
+        _require(getattr(t, name) >= 0, f"--train.{name}={getattr(t, name)} is invalid; it must be >= 0")
+    _require(t.seed < 2**63, f"--train.seed={t.seed} is invalid; it must be < 2**63 (torch seeds are 64-bit)")
+    _require(math.isfinite(t.lr) and 0 < t.lr <= MAX_LR,
+             f"--train.lr={t.lr} is invalid; AdamW moves every weight by about lr per step, so the learning rate "
+             f"must be in (0, {MAX_LR:g}] (typical: 1e-4 to 1e-2)")
+    _require(0 <= t.min_lr_ratio <= 1, f"--train.min_lr_ratio={t.min_lr_ratio} is invalid; it must be in [0, 1]")
+    for name in ("beta1", "beta2"):
+        _require(0 <= getattr(t, name) < 1, f"--train.{name}={getattr(t, name)} is invalid; it must be in [0, 1)")
+    for name in ("weight_decay", "grad_clip", "eps"):
+        v = getattr(t, name)
+        _require(math.isfinite(v) and v >= 0, f"--train.{name}={v} is invalid; it must be a finite number >= 0")
+    _require(t.lr * t.weight_decay < 1,
+             f"--train.weight_decay={t.weight_decay} with --train.lr={t.lr} is invalid; AdamW scales the weights by "
+             f"1 - lr * weight_decay each step, so lr * weight_decay must be < 1 (typical weight_decay: 0 to 0.1)")
+    _require(t.dtype in DTYPES, f"--train.dtype={t.dtype!r} is invalid; choose one of {list(DTYPES)}")
+    _require(t.device in DEVICES, f"--train.device={t.device!r} is invalid; choose one of {list(DEVICES)}")
+    _require(t.activation_checkpointing in ("none", "full", "ffn", "selective"),
+             f"--train.activation_checkpointing={t.activation_checkpointing!r} is invalid; choose none, full, ffn or "
+             f"selective")
+    _require(t.host_memory in host_memory.MODES,
+             f"--train.host_memory={t.host_memory!r} is invalid; choose one of {list(host_memory.MODES)} (system: "
+             f"the C library's defaults; retain: keep freed CPU memory for reuse, see docs/training.md)")
+    _require(t.on_nonfinite in ON_NONFINITE,
+             f"--train.on_nonfinite={t.on_nonfinite!r} is invalid; choose one of {list(ON_NONFINITE)}")
+    _require(not t.init_from_hf or os.path.isdir(t.init_from_hf),
+             f"--init-from-hf {t.init_from_hf}: not a directory (expected a HuggingFace model folder)")
+    validate_upcycling_flags(t)
+    from moekit.train.modelsource import adopt_source_model
+
+    cfg.source_note = adopt_source_model(cfg)  # the architecture of --init-from-hf / --init-from-dense
+    validate_data(cfg)
+    validate_placement(cfg)
+    _require(cfg.layout.ep_overlap_chunks >= 1 and (cfg.layout.ep_overlap_chunks == 1 or cfg.layout.ep > 1),
+             f"--layout.ep_overlap_chunks {cfg.layout.ep_overlap_chunks} is invalid; it must be >= 1, and > 1 only with "
+             f"--ep > 1 (it overlaps the expert-parallel all-to-all; 1 = off)")
+    _require(cfg.eval.every >= 0 and cfg.eval.sequences >= 1,
+             f"eval.every={cfg.eval.every} must be >= 0 and eval.sequences={cfg.eval.sequences} >= 1")
+    _require(cfg.log.every >= 1, f"--log.every={cfg.log.every} is invalid; it must be a positive integer")
+    _require(cfg.log.load_every >= 0, f"--log.load_every={cfg.log.load_every} is invalid; it must be >= 0 (0 = auto)")
+    _require(cfg.log.progress in PROGRESS, f"--log.progress={cfg.log.progress!r} is invalid; choose one of {list(PROGRESS)}")
+    _require(cfg.checkpoint.every >= 0 and cfg.checkpoint.keep >= 1,
+             f"checkpoint.every={cfg.checkpoint.every} must be >= 0 and checkpoint.keep={cfg.checkpoint.keep} >= 1")
+    resolve_vocab(cfg)
+    validate_model(cfg)
+    validate_upcycling(cfg)
+    return cfg
+
+
+def validate_upcycling_flags(t: TrainSection) -> None:
+    """--init-from-dense / --upcycle-granularity on their own (the model is checked by validate_upcycling)."""
+    g = t.upcycle_granularity
+    _require(g >= 1, f"--upcycle-granularity={g} is invalid; it must be an integer >= 1 (1 = every expert a copy of "
+                     f"the dense MLP)")
+    if not t.init_from_dense:
+        _require(g == 1, f"--upcycle-granularity {g} needs --init-from-dense (the dense model to split)")
+        return
+    _require(not t.init_from_hf, f"--init-from-hf {t.init_from_hf} and --init-from-dense {t.init_from_dense} are both "
+                                 f"set; choose one: --init-from-hf continues an MoE checkpoint, --init-from-dense "
+                                 f"upcycles a dense one")
+    _require(os.path.exists(t.init_from_dense),
+             f"--init-from-dense {t.init_from_dense}: no such file or directory (expected a HuggingFace dense folder, a "
+             f"moekit model file *.safetensors / *.pt, or a moekit-train checkpoint or run directory)")
+
+
+def validate_upcycling(cfg: TrainConfig) -> None:
+    """With --init-from-dense, the MoE config must be one whose upcycled model reproduces the dense model
+    (moekit.models.upcycle.check_upcycle_config); the dense model's sizes are checked when it is read."""
+    if not cfg.train.init_from_dense:
+        return
+    from moekit.models.upcycle import check_upcycle_config
+
+    try:
+        check_upcycle_config(cfg.model, cfg.train.upcycle_granularity)
+    except ValueError as exc:
+        raise UserError(f"--init-from-dense with --upcycle-granularity {cfg.train.upcycle_granularity}: {exc}") from None
+
+
+def validate_placement(cfg: TrainConfig) -> None:
+    """--layout.expert_placement / expert_replicas / rebalance_every on their own (the file's contents are
+    checked against the model when the trainer reads it: moekit.train.rebalance)."""
+    L = cfg.layout
+    _require(L.rebalance_every >= 0, f"--layout.rebalance_every={L.rebalance_every} is invalid; it must be >= 0 (0 = never)")
+    _require(L.expert_replicas >= 0, f"--layout.expert_replicas={L.expert_replicas} is invalid; it must be >= 0")
+    placed = [f"--layout.{k} {getattr(L, k)}" for k in ("expert_placement", "expert_replicas", "rebalance_every")
+              if getattr(L, k)]
+    _require(not placed or (L.ep > 1 and cfg.model.num_experts > 0),
+             f"{' '.join(placed)} places experts over expert-parallel ranks: it needs --ep > 1 and an MoE model")
+    _require(L.ep < 1 or L.expert_replicas % L.ep == 0,
+             f"--layout.expert_replicas {L.expert_replicas} must be a multiple of --ep {L.ep}: every rank holds the "
+             f"same number of extra slots (e.g. {L.ep} or {2 * L.ep})")
+    E = cfg.model.num_experts
+    _require(not L.expert_replicas or L.expert_replicas <= E * (L.ep - 1),
+             f"--layout.expert_replicas {L.expert_replicas} exceeds {E * (L.ep - 1)}: with it every rank would hold "
+             f"some expert twice; use at most num_experts x (ep - 1)")
+    _require(not L.expert_placement or os.path.isfile(L.expert_placement),
+             f"--layout.expert_placement {L.expert_placement}: no such file (write one with moekit-placement RUN_DIR "
+             f"--ep {L.ep} -o FILE)")
+
+
+def validate_data(cfg: TrainConfig) -> None:
+    from moekit.train.tokens import RAW_DTYPES
+
+    d = cfg.data
+    _require(0 < d.val_fraction < 0.5, f"--data.val_fraction={d.val_fraction} is invalid; it must be in (0, 0.5)")
+    _require(not (d.path and d.text), "--data.path and --data.text are both set; choose one data source")
+    _require(not (d.blend and (d.path or d.text)),
+             f"--data.blend and --data.{'path' if d.path else 'text'} are both set; choose one data source (a blend "
+             f"of one set is --data.blend FILE:1)")
+    _require(d.dtype in RAW_DTYPES, f"--data.dtype={d.dtype!r} is invalid; choose one of {list(RAW_DTYPES)} (the ids "
+                                    f"of a raw .bin file; token files and .npy files carry their own)")
+
+
+def resolve_vocab(cfg: TrainConfig) -> None:
+    """The model's vocabulary from the data's metadata (a moekit-prepare set) unless a config file or flag set
+    model.vocab_size; a data vocabulary larger than a given one is refused. Missing blend sets and blends of
+    different tokenizers are refused here too, before any work."""
+    from moekit.train.data import prepared_vocab
+
+    found = prepared_vocab(cfg.data)
+    if found is None:
+        return
+    vocab, path = found
+    if "model.vocab_size" not in cfg.given:
+        cfg.model.vocab_size = vocab
+    elif vocab > cfg.model.vocab_size:
+        raise UserError(f"data file {path}: its tokenizer has vocab_size {vocab} (metadata {path}.json) but "
+                        f"model.vocab_size is set to {cfg.model.vocab_size}; set it to at least {vocab}, or leave it "
+                        f"out to take the data's")
+
+
+def validate_model(cfg: TrainConfig) -> None:
+    """ModelConfig checks, then a meta-device build: router options fail here, before any work."""
+    # deferred: --help and config errors should not wait for torch
+    from moekit.models.transformer import Transformer, meta_device
+
+    m = cfg.model
+    for f in dataclasses.fields(m):  # torch takes sizes as int64: refuse absurd ones before building anything
+        v = getattr(m, f.name)
+        if isinstance(v, int) and not isinstance(v, bool) and abs(v) > 2**40:
+            raise UserError(f"--model.{f.name}={v} is too large (limit 2**40); use a realistic size")
+    if m.capacity_factor is not None and m.capacity_factor < 0:
+        raise UserError(f"--capacity-factor={m.capacity_factor} is invalid; it must be > 0, or none for dropless")
+    try:
+        m.validate()
+        _require(cfg.train.seq_len <= m.max_seq_len,
+                 f"--train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+        with meta_device():
+            Transformer(m)
+    except ValueError as exc:
+        msg = str(exc)
+        named = msg.startswith(f"router {m.router!r}")  # build_router's messages name the router already
+        raise UserError(f"model config ({cfg.preset}{'' if named else f', router {m.router!r}'}): {msg}") from None
+    if m.num_experts:
+        check_expert_backend(cfg)
+        check_kernel_environment()
+
+
+def check_kernel_environment() -> None:
+    """The Triton kernels' environment variables, checked before the run instead of at its first expert GEMM
+    (nothing to check where triton is not installed: the kernels never run)."""
+    try:
+        from moekit.moe.kernels import environment_problem
+    except ImportError:
+        return
+    problem = environment_problem()
+    if problem:
+        raise UserError(problem)
+
+
+def run_device(t: TrainSection) -> tuple[str, torch.dtype | None]:
+    """(device kind, autocast dtype or None for plain fp32) that ``train.device`` / ``train.dtype`` ask for:
+    auto = CUDA when torch sees a GPU, and bf16 autocast there. The one place this choice is made."""
+    import torch
+
+    kind = t.device if t.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = {"float32": None, "bfloat16": torch.bfloat16, "auto": torch.bfloat16 if kind == "cuda" else None}[t.dtype]
+    return kind, dtype
+
+
+def check_expert_backend(cfg: TrainConfig) -> None:
+    """A named expert backend must run on this run's device and dtype (``auto`` always does): refused here,
+    not at the first forward. Device and dtype are chosen as moekit.train.plan.plan_run does."""
+    import torch
+
+    from moekit.moe.experts import ffn_in_features, resolve_backend
+
+    m, t = cfg.model, cfg.train
+    if m.expert_backend == "auto":
+        return
+    kind, dtype = run_device(t)
+    if kind == "cuda" and not torch.cuda.is_available():
+        return  # plan_run refuses the device itself, naming it
+    dtype = dtype or torch.float32
+    device = torch.device("cpu")
+    if kind == "cuda":  # this rank's GPU (train.distributed picks LOCAL_RANK's): not a context on GPU 0 from every rank
+        local = os.environ.get("LOCAL_RANK", "0")
+        device = torch.device("cuda", int(local) if local.isdigit() and int(local) < torch.cuda.device_count() else 0)
+    H, F = m.hidden_size, m.moe_ffn_hidden_size
+    one = torch.zeros((), device=device, dtype=dtype)  # expanded views: the real shapes, one element allocated
+    rows, w_in, w_out = one.expand(1, H), one.expand(1, H, ffn_in_features(m.activation, F)), one.expand(1, F, H)
+    try:
+        resolve_backend(m.expert_backend, rows, w_in, w_out)
+    except ValueError as exc:
+        raise UserError(f"--model.expert_backend={m.expert_backend!r}: {exc}") from None
