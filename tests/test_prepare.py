@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from moekit.train import prepare
+from moekit.train import documents, prepare
 from moekit.train.tokens import read_token_file
 from moekit.train.loop import main as train_main
 from moekit.train.prepare import main
@@ -150,7 +150,7 @@ def test_prepared_ids_are_the_tokenizers_own(corpus, tmp_path, kind):
 def test_workers_write_the_same_file_in_input_order(corpus, tmp_path, monkeypatch):
     folder, docs, tokenizer = corpus
     inputs = write_inputs(tmp_path / "in", "jsonl", docs)
-    monkeypatch.setattr(prepare, "CHUNK_DOCS", 7)  # many chunks in flight across the processes
+    monkeypatch.setattr(documents, "CHUNK_DOCS", 7)  # many chunks in flight across the processes
     one, two = tmp_path / "one.bin", tmp_path / "two.bin"
     for out, workers in ((one, "1"), (two, "2")):
         assert main([*inputs, "--field", "body", "--tokenizer", str(tokenizer.parent), "-o", str(out),
