@@ -165,7 +165,8 @@ def init_ffn(ffn: nn.Module, normal_, std: float, std_out: float) -> None:
 class _NoInitOnMeta(TorchFunctionMode):
     """``torch.nn.init`` and the in-place random fills do nothing to a meta tensor: it holds no values. Without
     this the modules' constructors run them anyway, and torch's meta path for a random fill (a Python reference
-    wrapped to keep dynamo out) imports torch._dynamo: ~1.3 s of every trainer's start-up, before any work."""
+    wrapped to keep dynamo out) imports torch._dynamo: ~1.3 s at a process's first build (generate, convert,
+    eval, dry runs, config checks; a trainer pays it anyway when it builds AdamW)."""
 
     FILLS = frozenset({"normal_", "uniform_", "random_", "exponential_", "cauchy_", "log_normal_", "geometric_",
                        "bernoulli_"})

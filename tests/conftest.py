@@ -42,8 +42,8 @@ def one_torch_thread():
 def pytest_collection_modifyitems(config, items):
     """The GPU tier run on the CPU (``MOEKIT_GPU_TESTS_ON=cpu``, Triton in the interpreter) checks the tier's
     own code: references, tolerances, shapes. There every parameter value of a tier test runs at least once
-    (the first case that brings a value not yet seen), not every combination, which keeps CI's run of the
-    tier to a third of its cases. ``MOEKIT_GPU_TIER_CASES=all`` runs every combination; on CUDA all run."""
+    (a greedy set cover: few cases that between them hold every value), not every combination, which keeps
+    CI's run of the tier to a third of its cases. ``MOEKIT_GPU_TIER_CASES=all`` runs every combination; on CUDA all run."""
     if os.environ.get("MOEKIT_GPU_TESTS_ON", "cuda") == "cuda":
         return
     mode = os.environ.get("MOEKIT_GPU_TIER_CASES", "cover")

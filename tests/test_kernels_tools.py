@@ -1,6 +1,7 @@
 """Tooling around moe.kernels, each in a subprocess: the offline sm90 compile check and the GEMM
-benchmark's refusal without a GPU (its smoke run: tests/test_bench_gpu_suite.py). Kept apart from tests/test_kernels.py (the numerics) because
-these are slower (the first cold sm90 compile is ~20 s) and test the tools, not the maths."""
+benchmark's refusal without a GPU (its smoke run: tests/test_bench_gpu_suite.py). Kept apart from
+tests/test_kernels.py (the numerics) because these are slower (the first cold sm90 compile is ~20 s)
+and test the tools, not the maths."""
 from __future__ import annotations
 
 import os

@@ -2,7 +2,8 @@
 (moekit.train.config holds the settings; moekit.train.plan.resolve_layout checks [layout] against the world).
 
 Each check raises ``UserError`` naming the flag, the value and what would be accepted. ``validate(cfg)`` runs
-them all, cheapest first: the model is built on the meta device last, so a typo in a flag never waits for torch.
+them all, cheapest first: the model is built on the meta device last, so a value the cheap checks refuse never
+waits for torch.
 """
 from __future__ import annotations
 
