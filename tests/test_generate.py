@@ -24,7 +24,8 @@ from moekit.models.config import ModelConfig
 from moekit.models.transformer import KVCache, build_model
 from moekit.train import UserError
 from moekit.train.evaluate import main as eval_main
-from moekit.train.generate import Sampling, candidates, continuation, generate, next_token
+from moekit.train.decoding import candidates, continuation, generate, next_token
+from moekit.train.generate import Sampling
 from moekit.train.generate import main as generate_main
 from moekit.train.inference import cache_inexact, inference_routing, load_for_inference
 from moekit.train.tokenizer import ByteTokenizer, load_tokenizer

@@ -485,7 +485,8 @@ def test_run_tokenizer_exports(tmp_path):
 def test_convert_round_trip(base, tmp_path, tokenizer_files, capsys):
     import torch.distributed.checkpoint as dcp
 
-    from moekit.train.convert import load_moekit, main
+    from moekit.train.convert import main
+    from moekit.train.modelfiles import load_moekit
     from moekit.train.tokens import TokenizerInfo, record_tokenizer, sha256_file
 
     hf = MixtralForCausalLM.from_pretrained(base).eval()
@@ -517,6 +518,14 @@ def test_convert_round_trip(base, tmp_path, tokenizer_files, capsys):
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "qwen").eval()
     assert back.config.model_type == "qwen2_moe" and rel_err(hf_logits(back, tokens()), hf_logits(hf, tokens())) < 1e-4
     check_tokenizer(tmp_path / "qwen", tokenizer_files)
+
+
+def test_convert_names_every_family_without_torch():
+    """moekit-convert lists the families for --family without importing the models: the list must be theirs."""
+    from moekit.models.hf import FAMILIES
+    from moekit.train.convert import HF_FAMILIES
+
+    assert sorted(HF_FAMILIES) == sorted(FAMILIES)
 
 
 def test_convert_rejects_wrong_inputs(base, tmp_path, capsys):

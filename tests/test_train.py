@@ -327,17 +327,36 @@ def test_script_exit_code_and_no_traceback(argv, env, expected):
     _assert_one_line_error(proc.returncode, proc.stderr, expected)
 
 
+# Every program: (module, a flag its parser refuses, what its one-line error says).
+PROGRAMS = [("loop", ["--preset", "nope"], "unknown preset 'nope'"),
+            ("heatmap", ["--nope"], "unrecognized arguments: --nope"),
+            ("convert", ["moekit-to-hf", "a", "b", "--family", "gpt2"], "argument --family: invalid choice: 'gpt2'"),
+            ("generate", ["run", "--prompt", "x", "--top-p", "2"], "--top-p 2.0 is invalid"),
+            ("evaluate", ["run", "--split", "test"], "argument --split: invalid choice: 'test'"),
+            ("prepare", ["in.txt", "-o", "out", "--tokenizer", "bytes", "--nope"], "unrecognized arguments: --nope"),
+            ("sweep", ["--nope"], "unrecognized arguments: --nope"),
+            ("placement", ["--nope"], "the following arguments are required: run_dir")]
+
+
 def test_help_and_flag_errors_answer_before_torch_is_imported():
-    """moekit-train's entry (moekit.train.loop) imports no torch: --help and a flag refused by its cheap checks
-    print from the flags alone, in a fraction of a second; torch loads for a run or a model check."""
-    probe = ("import sys, contextlib, io\nfrom moekit.train.loop import main\nout = io.StringIO()\n"
-             "with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit): main(['--help'])\n"
-             "code = main(['--preset', 'nope'])\n"
-             "print(code, 'usage:' in out.getvalue(), 'torch' in sys.modules)")
+    """The programs' entries import no torch: --help and a flag refused by their cheap checks print from the flags
+    alone, in a fraction of a second; torch loads for a run or a model check. Each error is one line, status 2."""
+    probe = ("import sys, contextlib, importlib, io, json\nresults = {}\n"
+             f"for name, bad, _ in {[(n, b, '') for n, b, _ in PROGRAMS]!r}:\n"
+             "    main = importlib.import_module(f'moekit.train.{name}').main\n    out, err = io.StringIO(), io.StringIO()\n"
+             "    with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit): main(['--help'])\n"
+             "    with contextlib.redirect_stderr(err): code = main(bad)\n"
+             "    results[name] = [code, 'usage:' in out.getvalue(), err.getvalue()]\n"
+             "print(json.dumps({'torch': 'torch' in sys.modules, 'results': results}))")
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert proc.stdout.split() == ["2", "True", "False"], proc.stdout + proc.stderr[-2000:]
-    assert "unknown preset 'nope'" in proc.stderr
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.splitlines()[-1])
+    for name, _, message in PROGRAMS:
+        code, usage, err = got["results"][name]
+        assert (code, usage) == (2, True), (name, code, usage, err)
+        assert len(err.strip().splitlines()) == 1 and "error:" in err and message in err, (name, err)
+    assert not got["torch"], "a program imported torch for --help or a flag error"
 
 
 def test_script_corrupt_checkpoint(saved_run, tmp_path):

@@ -173,7 +173,7 @@ def _first_batch_loss(model, seq_len: int = 32, batch: int = 4) -> float:
 
 def test_train_init_from_dense_starts_from_the_dense_loss(tmp_path, capsys):
     pytest.importorskip("safetensors")
-    from moekit.train.convert import save_moekit
+    from moekit.train.modelfiles import save_moekit
     from moekit.train.loop import main
 
     # the trainer's TINY model (hidden 32, 2 layers, heads 2/1, ffn 64), dense
@@ -193,7 +193,7 @@ def test_train_init_from_dense_starts_from_the_dense_loss(tmp_path, capsys):
 
 def test_load_dense_reads_runs_checkpoints_and_files(tmp_path):
     from moekit.train import checkpoint
-    from moekit.train.convert import load_moekit, save_moekit
+    from moekit.train.modelfiles import load_moekit, save_moekit
     from moekit.train.loop import main
     from moekit.train.upcycle import load_dense
 
@@ -231,7 +231,7 @@ BAD_FLAGS = [
 @pytest.mark.parametrize("argv,expected", BAD_FLAGS, ids=[" ".join(a) for a, _ in BAD_FLAGS])
 def test_bad_init_from_dense_flags(tmp_path, capsys, argv, expected):
     pytest.importorskip("safetensors")
-    from moekit.train.convert import save_moekit
+    from moekit.train.modelfiles import save_moekit
     from moekit.train.loop import main
 
     small = dict(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, ffn_hidden_size=64, max_seq_len=32)

@@ -3,10 +3,19 @@ command-line programs built on them (``moekit-train``, ``moekit-heatmap``, ``moe
 
 The top layer: it imports ``moekit.models``, ``moekit.comm`` and ``moekit.moe``; none of them imports it.
 """
+import argparse
 
 
 class UserError(Exception):
     """Bad input (flags, config, data, checkpoint): the programs print the message as one line, exit 2."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """The programs' flag parser: a bad flag is a UserError (one line naming it, exit status 2), not argparse's
+    usage block."""
+
+    def error(self, message: str):
+        raise UserError(f"{message} (see --help)")
 
 
 def run_program(prog: str, body, interrupted: str = "interrupted") -> int:

@@ -5,7 +5,7 @@ import argparse
 from dataclasses import dataclass
 
 from moekit.models.config import PRESETS
-from moekit.train import UserError, program_name
+from moekit.train import OneLineParser, UserError, program_name
 from moekit.train.config import DEFAULT_PRESET, TrainConfig, load_config, set_value
 from moekit.train.validation import validate
 
@@ -25,13 +25,8 @@ Precedence: preset < --config FILE < flags.
 """
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, no usage block: the caller prints it
-        raise UserError(f"{message} (see --help)")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=program_name("train.py"), description="Train a moekit MoE model: moekit-train (python tools/train.py), or torchrun -m moekit.train --ep N.",
+    p = OneLineParser(prog=program_name("train.py"), description="Train a moekit MoE model: moekit-train (python tools/train.py), or torchrun -m moekit.train --ep N.",
                 allow_abbrev=False,
                 epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", help=f"model preset (default {DEFAULT_PRESET}): {', '.join(PRESETS)}")

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from moekit.train import UserError, program_name
+from moekit.train import OneLineParser, UserError, program_name
 from moekit.train.loadplots import INSTALL_HINT, Series, fig_layers, fig_steps, pyplot, save_png  # noqa: F401
 from moekit.train.loadstats import LayerStats, LoadAnalysis, analyse
 from moekit.train.records import ExpertLoadRecord, parse_window, read_config, read_expert_load, read_metrics
@@ -189,13 +189,8 @@ def write_html(runs: list[RunRecords], out: str, specialisation: bool = False, f
 # ---------------------------------------------------------------------------------------------------
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        raise UserError(f"{message} (see --help)")
-
-
 def parse_args(argv):
-    p = _Parser(prog=program_name("heatmap.py"), description=__doc__, allow_abbrev=False,
+    p = OneLineParser(prog=program_name("heatmap.py"), description=__doc__, allow_abbrev=False,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", nargs="?", help="a moekit-train run directory")
     p.add_argument("--compare", nargs="+", metavar="RUN", help="compare two or more run directories")

@@ -24,7 +24,6 @@ Every problem is a UserError naming the path and the fix (the programs print it 
 """
 from __future__ import annotations
 
-import argparse
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,10 +36,11 @@ from moekit.models.transformer import Transformer, meta_device
 from moekit.moe.load import moe_layers
 from moekit.moe.router_variants import ExpertChoiceRouter
 from moekit.train import UserError, checkpoint
+from moekit.train.model_args import DTYPE_NAMES
 from moekit.train.runlock import describe_os_error
 from moekit.train.tokenizer import NoTokenizer, Tokenizer, load_tokenizer, read_json
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 KINDS = ("run", "checkpoint", "hf")
 
 
@@ -103,28 +103,6 @@ def cache_inexact(model: torch.nn.Module) -> str | None:
             return (f"{name}.router drops slots beyond capacity_factor={router.capacity_factor:g} of the tokens "
                     f"routed together")
     return None
-
-
-# ---------------------------------------------------------------------------------------------------
-# The programs' shared command line (moekit-generate, moekit-eval)
-# ---------------------------------------------------------------------------------------------------
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """Flag errors as a UserError (the program prints one line, exit status 2), not a usage block."""
-
-    def error(self, message: str):
-        raise UserError(f"{message} (see --help)")
-
-
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    """The model to load and where: PATH, --device, --dtype (``load_for_inference``'s arguments)."""
-    p.add_argument("path", metavar="RUN_DIR|CHECKPOINT|HF_DIR",
-                   help="a run directory (its newest checkpoint that verifies), RUN_DIR/checkpoints/step_N, or a "
-                        "HuggingFace model folder")
-    p.add_argument("--device", default="auto", metavar="D", help="auto (CUDA when available), cpu, cuda, cuda:N")
-    p.add_argument("--dtype", default="auto", metavar="T",
-                   help=f"parameter dtype: auto (bfloat16 on CUDA, float32 on CPU), {', '.join(DTYPES)}")
 
 
 # ---------------------------------------------------------------------------------------------------

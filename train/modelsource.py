@@ -51,7 +51,7 @@ def adopt_source_model(cfg) -> str | None:
 
 def dense_config(path: str | Path) -> ModelConfig:
     """The ModelConfig of a dense source (train.upcycle.SOURCES) without reading its weights."""
-    from moekit.train.convert import read_moekit_config
+    from moekit.train.modelfiles import read_moekit_config
 
     path = Path(path)
     if path.is_dir() and (path / "config.json").is_file() and not (path / "meta.json").is_file():

@@ -30,7 +30,7 @@ import sys
 import numpy as np
 
 from moekit.comm.placement import Placement, imbalance, plan_placement, save_placements
-from moekit.train import UserError, program_name
+from moekit.train import OneLineParser, UserError, program_name, run_program
 from moekit.train.planning.cost_model import ExpectedRows
 
 PROG = program_name("placement.py")
@@ -143,8 +143,8 @@ def checked(path: str, names: list[str], ep: int | None, E: int) -> tuple[list[P
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description="Plan a load-balanced expert placement from a run's "
-                                "recorded expert load (for moekit-train --layout.expert_placement).")
+    p = OneLineParser(prog=PROG, allow_abbrev=False, description="Plan a load-balanced expert placement from a "
+                      "run's recorded expert load (for moekit-train --layout.expert_placement).")
     p.add_argument("run_dir", help="a moekit-train run directory (its expert-load record and config.json)")
     p.add_argument("--ep", type=int, default=None, help="expert-parallel ranks to place the experts on")
     p.add_argument("--check", default=None, metavar="FILE", help="score this placement file instead of planning one")
@@ -158,12 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        return run(args)
-    except UserError as exc:
-        print(f"{PROG}: error: {' '.join(str(exc).split())}", file=sys.stderr)
-        return 2
+    """Exit status: 0 done; 2 bad input (flags, a run without load records, a placement that does not fit), one
+    line on stderr."""
+    return run_program(PROG, lambda: run(build_parser().parse_args(sys.argv[1:] if argv is None else argv)))
 
 
 def run(args) -> int:

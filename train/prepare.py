@@ -41,7 +41,7 @@ from typing import Iterator
 
 import numpy as np
 
-from moekit.train import UserError, program_name, run_program
+from moekit.train import OneLineParser, UserError, program_name, run_program
 from moekit.train.documents import EMBEDDED, Counts, chunks, documents, expand_inputs, input_kind
 from moekit.train.tokens import TokenFileWriter, metadata_path, sha256_file, tokenizer_copy_path
 
@@ -56,13 +56,8 @@ BPE_EOS = "<|endoftext|>"
 PROGRESS_EVERY_S = 30.0  # progress line period when stderr is not a terminal
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, no usage block: main prints it
-        raise UserError(f"{message} (see --help)")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = OneLineParser(prog=PROG, allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
                 description="Tokenize text / JSONL / Parquet documents into a moekit token file (+ OUT.json metadata "
                             "and OUT.tokenizer.json) for moekit-train --data.path OUT.",
                 epilog="docs/training.md, \"Data\", describes the files and how the trainer uses them.")

@@ -7,9 +7,9 @@ Sources, told apart by what the path holds:
     DIR/meta.json                 a moekit-train checkpoint (run/checkpoints/step_N)
     DIR/checkpoints/              a moekit-train run directory: its newest checkpoint that verifies
     DIR/config.json               a HuggingFace folder (models.hf.load_hf: Llama, Qwen2, Qwen3 dense, ...)
-    MODEL.safetensors, MODEL.pt   a moekit model file (moekit-convert, train.convert.save_moekit)
+    MODEL.safetensors, MODEL.pt   a moekit model file (moekit-convert, train.modelfiles.save_moekit)
 
-This lives in the application layer because the moekit file formats do (train/convert.py).
+This lives in the application layer because the moekit file formats do (train/modelfiles.py).
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def load_dense(path: str | Path) -> Transformer:
     """The dense model at ``path`` (module docstring), float32 on the CPU, eval mode. ValueError when the path
     is none of the sources, or holds an MoE model (num_experts > 0)."""
     from moekit.train import checkpoint
-    from moekit.train.convert import load_moekit
+    from moekit.train.modelfiles import load_moekit
 
     path = Path(path)
     if not path.exists():

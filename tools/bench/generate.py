@@ -6,7 +6,7 @@
 
 Each case builds the preset (random weights from --seed: speed does not depend on training), routes
 dropless in eval mode as moekit-generate does (moekit.train.inference), and decodes --new-tokens greedy
-tokens after a random --prompt-len prompt with ``moekit.train.generate.generate``: once with the KV cache
+tokens after a random --prompt-len prompt with ``moekit.train.decoding.generate``: once with the KV cache
 (the prompt once, then one position per step) and once recomputing the whole window every step
 (--no-cache). The two are timed round-robin (benchlib.time_interleaved), so background load hits both
 alike; "speedup" = cache tokens/s / no-cache tokens/s. tokens/s counts the new tokens over the whole
@@ -26,7 +26,7 @@ import torch
 from moekit.bench.benchlib import environment, print_table, time_interleaved, write_json
 from moekit.models.config import preset
 from moekit.models.transformer import build_model
-from moekit.train.generate import generate
+from moekit.train.decoding import generate
 from moekit.train.inference import DTYPES, cast_parameters, inference_routing
 
 DEFAULT_PRESETS = ["mixtral-tiny", "switch-tiny", "deepseek-tiny"]

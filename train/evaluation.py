@@ -1,0 +1,140 @@
+"""Evaluation for moekit-eval (moekit.train.evaluate, the program): which windows of which data
+(``data_section``, ``load_split``, ``choose_windows``), the loss, bits per byte and expert load over them
+(``evaluate``). What each number means is in moekit.train.evaluate's docstring.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from moekit.moe.load import collect_load, moe_layers
+from moekit.train import UserError
+from moekit.train.config import DataSection
+from moekit.train.data import Split, gather, load_data, split_windows
+from moekit.train.tokens import BYTES, TokenizerInfo, embedded_corpus
+
+PROGRESS_EVERY_S = 5.0
+
+
+# ---------------------------------------------------------------------------------------------------
+# Data and windows
+# ---------------------------------------------------------------------------------------------------
+
+
+def data_section(run_config: dict | None, path: str | None) -> DataSection | None:
+    """The [data] settings to read: --data FILE (the run's raw-id dtype kept), the run's own, or None."""
+    saved = (run_config or {}).get("data")
+    names = {f.name for f in dataclasses.fields(DataSection)}
+    section = DataSection(**{k: v for k, v in saved.items() if k in names}) if isinstance(saved, dict) else None
+    if path is not None:
+        return DataSection(path=path, dtype=section.dtype if section else DataSection.dtype,
+                           val_fraction=section.val_fraction if section else DataSection.val_fraction)
+    return section
+
+
+def load_split(section: DataSection | None, tokenizer, vocab: int, seq_len: int) -> tuple[Split, str, TokenizerInfo]:
+    """(the windows' split, a description, the tokenizer the data was made with)."""
+    if section is not None:
+        data = load_data(section, vocab)
+        return data.split(seq_len, section.val_fraction), data.desc, data.tokenizer
+    corpus, desc = embedded_corpus()
+    if tokenizer is None or tokenizer.kind == "bytes":
+        return split_windows(corpus, seq_len, DataSection.val_fraction), desc, BYTES
+    ids = np.asarray(tokenizer.encode(bytes(corpus).decode("utf-8", errors="replace")), dtype=np.int64)
+    info = TokenizerInfo("hf", str(tokenizer.path), tokenizer.sha256, tokenizer.vocab_size, tokenizer.eos_id)
+    return (split_windows(ids, seq_len, DataSection.val_fraction), f"{desc}, {ids.size:,} tokens by {tokenizer.path}",
+            info)
+
+
+def check_tokenizers(data_tok: TokenizerInfo, tokenizer, where: str) -> None:
+    """The data's token ids must come from the model's tokenizer (a set without metadata cannot be checked)."""
+    if tokenizer is None or data_tok.kind == "unknown":
+        return
+    if data_tok.kind != tokenizer.kind or (data_tok.kind == "hf" and data_tok.sha256 != tokenizer.sha256):
+        raise UserError(f"{where}: made with the {data_tok.describe()}, but the model's tokenizer is "
+                        f"{tokenizer.describe()}; evaluate on data prepared with the model's tokenizer")
+
+
+def choose_windows(split: Split, which: str, count: int | None) -> np.ndarray:
+    """Window starts of ``which`` split; ``count`` of them (None: all) spread evenly, as the trainer does."""
+    if which == "val":
+        starts = split.val_starts
+        return starts if count is None or count >= starts.size else split.validation(count)
+    starts = np.sort(np.concatenate([split.train_starts, split.val_starts]))
+    if count is None or count >= starts.size:
+        return starts
+    return starts[np.linspace(0, starts.size - 1, count).round().astype(np.int64)]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Evaluation
+# ---------------------------------------------------------------------------------------------------
+
+
+def record_eval_load(model: torch.nn.Module) -> list:
+    """Record every MoE layer's routing into its ExpertLoad in eval mode too (MoELayer records only in
+    training); returns the hook handles to remove."""
+    handles = []
+    for _, layer in moe_layers(model):
+        layer.load.reset()
+        hook = layer.router.register_forward_hook(lambda _m, _a, routing, load=layer.load: load.record(routing))
+        handles.append(hook)
+    return handles
+
+
+def load_summary(model: torch.nn.Module) -> dict:
+    """Per MoE layer and overall: imbalance (max/mean), cv (std/mean), dead experts, dropped slots."""
+    layers = []
+    for name, s in collect_load(model).items():
+        counts = np.asarray(s.tokens_per_expert, dtype=np.float64)
+        mean = counts.mean()
+        layers.append({"name": name, "imbalance": s.imbalance, "cv": float(counts.std() / mean) if mean > 0 else 0.0,
+                       "dead_experts": int((counts == 0).sum()), "dropped_slots": s.dropped_slots,
+                       "dropped_fraction": s.dropped_fraction, "tokens_per_expert": s.tokens_per_expert,
+                       "assigned_per_expert": s.assigned_per_expert})
+    if not layers:
+        return {"layers": []}
+    assigned = sum(sum(layer["assigned_per_expert"]) for layer in layers)
+    return {"imbalance_mean": float(np.mean([layer["imbalance"] for layer in layers])),
+            "imbalance_max": max(layer["imbalance"] for layer in layers),
+            "cv_mean": float(np.mean([layer["cv"] for layer in layers])),
+            "dead_experts": sum(layer["dead_experts"] for layer in layers),
+            "dropped_fraction": sum(layer["dropped_slots"] for layer in layers) / max(assigned, 1), "layers": layers}
+
+
+@torch.inference_mode()
+def evaluate(model, tokens, starts: np.ndarray, seq_len: int, batch_size: int, tokenizer=None,
+             progress=None, observer=None) -> dict:
+    """Loss over the windows at ``starts`` (each predicts seq_len tokens), bytes for bits per byte, expert load.
+    ``observer``: a specialisation.Specialisation attached to the model, told each batch's input ids."""
+    device = model.embed.weight.device
+    handles = record_eval_load(model)
+    nats, byte_count, last = 0.0, 0, time.perf_counter()
+    try:
+        for i in range(0, starts.size, batch_size):
+            x, y = gather(tokens, starts[i : i + batch_size], seq_len)  # [b, S] each
+            if observer is not None:
+                observer.begin_batch(x)
+            logits = model(x.to(device))  # [b, S, V]
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten().to(device), reduction="sum")
+            nats += float(loss)  # D2H sync: once per batch
+            if tokenizer is not None:
+                byte_count += sum(tokenizer.byte_count(row) for row in y.tolist())
+            done = min(i + batch_size, starts.size)
+            if progress is not None and time.perf_counter() - last > PROGRESS_EVERY_S and done < starts.size:
+                progress(f"{done:,}/{starts.size:,} windows, loss so far {nats / (done * seq_len):.4f}")
+                last = time.perf_counter()
+    finally:
+        for h in handles:
+            h.remove()
+    count = starts.size * seq_len
+    loss = nats / count
+    return {"loss": loss, "perplexity": math.exp(loss) if loss < 700 else math.inf,
+            "bits_per_byte": nats / math.log(2) / byte_count if byte_count else None, "tokens": count,
+            "bytes": byte_count if tokenizer is not None else None, "windows": int(starts.size),
+            "expert_load": load_summary(model)}
