@@ -34,6 +34,21 @@ PROBE_BYTES = 4096  # one filesystem block: a full disk refuses it
 _held: list["RunLock"] = []  # locks of this process, released by release_all()
 
 
+# What a moekit-train run directory holds (docs/training.md, "Run directory"); any one of them marks one.
+RUN_DIR_MARKERS = ("checkpoints", "metrics.jsonl", "expert_load.bin", "tokenizer_info.json", LOCK_FILE)
+
+
+def refuse_run_directory(path: str | Path, what: str) -> None:
+    """UserError when ``path`` is a moekit-train run directory: an HF export (config.json, tokenizer.json) into
+    one would overwrite the run's own config.json and change which tokenizer it reads. ``what`` names the flag."""
+    folder = Path(path)
+    marker = next((m for m in RUN_DIR_MARKERS if (folder / m).exists()), None) if folder.is_dir() else None
+    if marker is not None:
+        raise UserError(f"{what} {folder} is a moekit-train run directory (it holds {marker}); writing a HuggingFace "
+                        f"folder there would replace the run's config.json; choose another folder, e.g. "
+                        f"{folder / 'hf'}")
+
+
 def describe_os_error(exc: OSError) -> str:
     """'No space left on device (/runs/x/checkpoints/step_000004.partial/__0_0.distcp)'."""
     what = exc.strerror or errno.errorcode.get(exc.errno or 0) or str(exc) or type(exc).__name__
