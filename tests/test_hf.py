@@ -537,6 +537,112 @@ def test_convert_rejects_wrong_inputs(base, tmp_path, capsys):
     assert "name the output *.safetensors or *.pt" in capsys.readouterr().err
 
 
+
+@pytest.fixture(scope="module")
+def moekit_pt(base, tmp_path_factory) -> Path:
+    """``base`` as a moekit model file (what hf-to-moekit writes), for the moekit-to-hf refusals."""
+    from moekit.train.modelfiles import save_moekit
+
+    return save_moekit(load_hf(base), tmp_path_factory.mktemp("moekit_pt") / "model.pt")
+
+
+def convert_refuses(capsys, argv: list, *words: str) -> str:
+    """moekit-convert ``argv`` exits 2 with one line on stderr holding every one of ``words``."""
+    from moekit.train.convert import main
+
+    capsys.readouterr()  # only what this call writes
+    rc = main([str(a) for a in argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and all(w in err[0] for w in words), (rc, err)
+    return err[0]
+
+
+def test_convert_refuses_an_unreadable_pt_file(moekit_pt, tmp_path, capsys):
+    truncated, garbage = tmp_path / "truncated.pt", tmp_path / "garbage.pt"
+    truncated.write_bytes(moekit_pt.read_bytes()[:1000])
+    garbage.write_text("hello\n")
+    for bad in (truncated, garbage):
+        convert_refuses(capsys, ["moekit-to-hf", bad, tmp_path / "out"], f"{bad}: unreadable (truncated, or not a "
+                        f"file torch.save wrote", "write it again with 'moekit-convert hf-to-moekit")
+    convert_refuses(capsys, ["moekit-to-hf", tmp_path / "nonexist.safetensors", tmp_path / "out"],
+                    "nonexist.safetensors: no such file or directory; pass a moekit model file")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["garbage.pt", "truncated.pt"]  # no OUT made
+
+
+def test_convert_checks_out_before_reading_the_model(base, moekit_pt, tmp_path, capsys, monkeypatch):
+    import errno
+    import os
+
+    (tmp_path / "tiny.txt").write_text("hi")
+    (tmp_path / "ro").mkdir()
+    real_open = os.open
+
+    def read_only(path, *args, **kwargs):  # the machine runs as root: chmod makes no read-only folder
+        if str(path).startswith(str(tmp_path / "ro")):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", read_only)
+    monkeypatch.setattr("moekit.train.modelfiles.load_hf", lambda *a, **k: pytest.fail("read the model before OUT"))
+    for name in ("x.safetensors", "x.pt"):  # safetensors and torch.save would fail with tracebacks of their own
+        convert_refuses(capsys, ["hf-to-moekit", base, tmp_path / "ro" / name], f"OUT {tmp_path / 'ro' / name}: "
+                        f"folder {tmp_path / 'ro'}: not writable: Read-only file system", "choose another folder")
+        convert_refuses(capsys, ["hf-to-moekit", base, tmp_path / "tiny.txt" / name],
+                        f"OUT {tmp_path / 'tiny.txt' / name}: {tmp_path / 'tiny.txt'} is a file, not a folder; "
+                        f"choose another OUT")
+    convert_refuses(capsys, ["hf-to-moekit", base, tmp_path / "ro"], "OUT", "name the output *.safetensors or *.pt")
+    convert_refuses(capsys, ["moekit-to-hf", moekit_pt, tmp_path / "ro" / "hf"],
+                    f"OUT {tmp_path / 'ro' / 'hf'}: not writable: Read-only file system", "choose another OUT")
+    convert_refuses(capsys, ["moekit-to-hf", moekit_pt, tmp_path / "tiny.txt"],
+                    f"OUT {tmp_path / 'tiny.txt'}: an existing file; moekit-to-hf writes a folder",
+                    "choose another OUT")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ro", "tiny.txt"] and not any((tmp_path / "ro").iterdir())
+
+
+def test_convert_names_the_flags_before_reading_the_model(moekit_pt, tmp_path, capsys, monkeypatch):
+    from moekit.models.hf.io import parse_size
+
+    monkeypatch.setattr("moekit.train.modelfiles.load_moekit", lambda *a: pytest.fail("read the model first"))
+    (tmp_path / "empty").mkdir()
+    for argv, words in ((["--tokenizer", tmp_path / "nonexist"], (f"--tokenizer {tmp_path / 'nonexist'}: no such "
+                                                                  f"directory; pass a HuggingFace model folder",)),
+                        (["--tokenizer", tmp_path / "empty"], (f"--tokenizer {tmp_path / 'empty'}: no tokenizer "
+                                                               f"files", "pass --tokenizer the folder")),
+                        (["--max-shard-size", "0"], ("--max-shard-size 0: not a size; use a positive number",)),
+                        (["--max-shard-size", "5XB"], ("--max-shard-size 5XB: not a size",))):
+        convert_refuses(capsys, ["moekit-to-hf", moekit_pt, tmp_path / "out", *argv], *words)
+    assert [p.name for p in tmp_path.iterdir()] == ["empty"]  # no OUT made
+    assert (parse_size("1000000"), parse_size("2KiB"), parse_size(" 1.5 kb ")) == (10**6, 2048, 1500)
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory) -> Path:
+    """A moekit-train run directory with one checkpoint (the trainer's tiny native model)."""
+    from moekit.train.loop import main
+    from tests.tiny import TINY_MODEL
+
+    run = tmp_path_factory.mktemp("trained") / "run"
+    assert main([*TINY_MODEL, "--run-dir", str(run), "--steps", "1", "--checkpoint.every", "1"]) == 0
+    return run
+
+
+def test_convert_takes_a_run_directory_and_refuses_one_as_out(trained_run, moekit_pt, tmp_path, capsys):
+    from moekit.train.convert import main
+
+    step = sorted((trained_run / "checkpoints").iterdir())[-1]
+    assert main(["moekit-to-hf", str(trained_run), str(tmp_path / "hf")]) == 0  # as moekit-generate takes one
+    assert f"its newest checkpoint, {step}" in capsys.readouterr().out
+    assert (tmp_path / "hf" / "tokenizer.json").is_file()  # the run's recorded tokenizer went along
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "hf").config.num_hidden_layers == 2
+    before = {p.name: p.read_bytes() for p in trained_run.iterdir() if p.is_file()}
+    convert_refuses(capsys, ["moekit-to-hf", moekit_pt, trained_run], f"OUT {trained_run} is a moekit-train run "
+                    f"directory", "choose another folder")
+    assert {p.name: p.read_bytes() for p in trained_run.iterdir() if p.is_file()} == before
+    empty = tmp_path / "empty_run"
+    (empty / "checkpoints").mkdir(parents=True)
+    convert_refuses(capsys, ["moekit-to-hf", empty, tmp_path / "out"], f"{empty}: no checkpoint in")
+
+
 def test_load_hf_into_checks_the_model_config(base):
     from moekit.models.hf import config_from_hf, load_hf_into
 

@@ -209,7 +209,8 @@ def test_load_dense_reads_runs_checkpoints_and_files(tmp_path):
         load_dense(tmp_path / "moe.pt")
     (tmp_path / "empty").mkdir()
     for bad, expected in ((tmp_path / "nope", "no such file or directory"), (tmp_path / "empty", "no config.json"),
-                          (tmp_path / "x.txt", "unknown file type")):
+                          (tmp_path / "x.txt", "unknown file type"),
+                          (tmp_path / "empty.pt", r"empty.pt: unreadable \(truncated, or not a file torch.save wrote")):
         bad.touch() if bad.suffix else None
         with pytest.raises(ValueError, match=expected):
             load_dense(bad)
@@ -225,6 +226,8 @@ BAD_FLAGS = [
     (["--init-from-dense", "{dense}", "--model.hidden_size", "64"],  # sizes: named with the flags that fix them
      "use --model.hidden_size 32 --model.moe_ffn_hidden_size 64"),
     (["--init-from-dense", "{moe}"], "not a dense model (num_experts=8)"),
+    (["--init-from-dense", "{truncated}"], "truncated.pt: unreadable (truncated, or not a file torch.save wrote"),
+    (["--init-from-dense", "{garbage}"], "garbage.pt: unreadable (truncated, or not a file torch.save wrote"),
 ]
 
 
@@ -237,11 +240,16 @@ def test_bad_init_from_dense_flags(tmp_path, capsys, argv, expected):
     small = dict(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, ffn_hidden_size=64, max_seq_len=32)
     save_moekit(build_model(ModelConfig(num_experts=0, **small)), tmp_path / "dense.safetensors")
     save_moekit(build_model(ModelConfig(moe_ffn_hidden_size=32, **small)), tmp_path / "moe.safetensors")
-    names = {"dense": tmp_path / "dense.safetensors", "moe": tmp_path / "moe.safetensors", "tmp": tmp_path}
+    (tmp_path / "truncated.pt").write_bytes(save_moekit(build_model(ModelConfig(num_experts=0, **small)),
+                                                        tmp_path / "dense.pt").read_bytes()[:1000])
+    (tmp_path / "garbage.pt").write_text("hello\n")
+    names = {"dense": tmp_path / "dense.safetensors", "moe": tmp_path / "moe.safetensors", "tmp": tmp_path,
+             "truncated": tmp_path / "truncated.pt", "garbage": tmp_path / "garbage.pt"}
     argv = [a.format(**names) for a in argv]
     rc = main([*TINY_MODEL, "--run-dir", str(tmp_path / "run"), "--steps", "1", *argv])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and expected in err[0], err
+    assert not (tmp_path / "run").exists()
 
 
 def test_resume_keeps_the_checkpoint_weights_not_the_dense_ones():

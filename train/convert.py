@@ -9,7 +9,8 @@ moekit formats (SRC may be any of them; OUT is chosen by its suffix):
     MODEL.safetensors   the model's state_dict; the ModelConfig as JSON in the header metadata
                         under "moekit_config", so the file describes itself
     MODEL.pt            torch.save({"format": "moekit-model", "config": {...}, "model": state_dict})
-    run/checkpoints/step_N/   a tools/train.py checkpoint (DCP + meta.json); only the model is read
+    run/checkpoints/step_N/   a moekit-train checkpoint (DCP + meta.json); only the model is read
+    run/                      (SRC only) a moekit-train run directory: its newest checkpoint that verifies
 
 HF_DIR is config.json + safetensors (shards with an index when larger than --max-shard-size), as
 ``save_pretrained`` writes it. hf-to-moekit reads every model type of models.hf.load_hf (mixtral, qwen2_moe,
@@ -19,6 +20,8 @@ that reproduces the model (models.hf.save_hf; a model no family reproduces is re
 The tokenizer goes along: a run checkpoint's run directory (its recorded tokenizer), or --tokenizer DIR (an
 HF folder, e.g. the one hf-to-moekit read, or a run directory), so AutoTokenizer.from_pretrained(HF_DIR)
 works. ``--verify`` reloads what was written and checks the logits match on random tokens.
+OUT is checked before any model is read: it must be writable, and moekit-to-hf refuses a moekit-train run
+directory (the export would replace the run's config.json).
 Exit status: 0 done, 2 bad input (the message names the file, the problem and the fix).
 """
 from __future__ import annotations
@@ -44,8 +47,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     a.add_argument("--dtype", choices=[*DTYPE_NAMES, "auto"], default="float32",
                    help="parameter dtype (default float32; auto = the checkpoint's)")
     b = sub.add_parser("moekit-to-hf", help="moekit model or train.py checkpoint -> HuggingFace folder")
-    b.add_argument("src", help="*.safetensors, *.pt or <run_dir>/checkpoints/step_N")
-    b.add_argument("out", help="output folder")
+    b.add_argument("src", help="*.safetensors, *.pt, <run_dir>/checkpoints/step_N, or a run directory (its newest "
+                               "checkpoint that verifies)")
+    b.add_argument("out", help="output folder (not a moekit-train run directory)")
     b.add_argument("--family", choices=HF_FAMILIES, default=None,
                    help="HuggingFace model_type to write (default: the one the model was imported from, else the "
                         "nearest that reproduces it)")
@@ -54,7 +58,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "run directory of a checkpoint SRC, when it recorded one)")
     b.add_argument("--dtype", choices=[*DTYPE_NAMES, "auto"], default="auto",
                    help="tensor dtype on disk (default: the model's)")
-    b.add_argument("--max-shard-size", default="5GB", help="shard the safetensors above this size (default 5GB)")
+    b.add_argument("--max-shard-size", default="5GB",
+                   help="shard the safetensors above this size: bytes, or e.g. 200MB, 2GiB (default 5GB)")
     b.add_argument("--layout", choices=["per_expert", "fused"], default="per_expert",
                    help="per_expert: experts.N.<proj> tensors, as save_pretrained writes (default); fused: "
                         "mlp.experts.gate_up_proj / down_proj")

@@ -1,19 +1,22 @@
 """moekit model files and the conversions behind moekit-convert (moekit.train.convert, the program; its
-docstring describes the formats): ``save_moekit``, ``load_moekit``, ``read_moekit_config``, ``verify``, and
-the two commands, ``hf_to_moekit`` and ``moekit_to_hf``.
+docstring describes the formats): ``save_moekit``, ``load_moekit``, ``read_moekit_config``, ``verify``,
+``check_out``, and the two commands, ``hf_to_moekit`` and ``moekit_to_hf``, which check their flags and OUT
+before reading any model.
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import re
 import warnings
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from moekit.models.config import ModelConfig
 from moekit.models.hf import load_hf, save_hf
+from moekit.models.hf.io import save_safetensors
 from moekit.models.transformer import Transformer, meta_device
 from moekit.train.convert import DTYPE_NAMES
 
@@ -33,41 +36,31 @@ def save_moekit(model: Transformer, path: str | Path) -> Path:
     path = Path(path)
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     config = model.config.to_dict()
+    if path.suffix not in (".safetensors", ".pt"):
+        raise ValueError(f"{path}: unknown moekit format {path.suffix!r}; name the output *.safetensors or *.pt")
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.suffix == ".safetensors":
-        save_file(state, str(path), metadata={"format": "pt", CONFIG_KEY: json.dumps(config)})
-    elif path.suffix == ".pt":
+        save_safetensors(state, path, {"format": "pt", CONFIG_KEY: json.dumps(config)})
+        return path
+    try:
         torch.save({"format": PT_FORMAT, "config": config, "model": state}, path)
-    else:
-        raise ValueError(f"{path}: unknown moekit format {path.suffix!r}; name the output *.safetensors or *.pt")
+    except RuntimeError as exc:  # torch.save's file errors (open failed, a full disk): no half-written file left
+        with contextlib.suppress(OSError):
+            path.unlink(missing_ok=True)
+        raise ValueError(f"{path}: could not write it ({_first_line(exc)}); free space, fix the folder's "
+                         f"permissions, or choose another path") from None
     return path
 
 
 def read_moekit_config(path: str | Path) -> ModelConfig:
     """The ModelConfig of a moekit model file or checkpoint directory (``load_moekit``'s sources), without
     building the model (a .pt file is read whole: its config is inside the pickle)."""
-    path = Path(path)
-    if path.is_dir():
-        return _dcp_source(path)[0]
-    if path.suffix == ".safetensors":
-        return _safetensors_source(path)[0]
-    if path.suffix == ".pt":
-        return _pt_source(path)[0]
-    raise ValueError(f"{path}: not a moekit model (expected *.safetensors, *.pt or a checkpoints/step_N directory)")
+    return _source(Path(path))[0]
 
 
 def load_moekit(path: str | Path, device: str = "cpu") -> Transformer:
     """A moekit model from MODEL.safetensors, MODEL.pt or a train.py checkpoint directory (eval mode)."""
-    path = Path(path)
-    if path.is_dir():
-        config, load = _dcp_source(path)
-    elif path.suffix == ".safetensors":
-        config, load = _safetensors_source(path)
-    elif path.suffix == ".pt":
-        config, load = _pt_source(path)
-    else:
-        raise ValueError(f"{path}: not a moekit model (expected *.safetensors, *.pt or a checkpoints/step_N "
-                         f"directory)")
+    config, load = _source(Path(path))
     with meta_device():
         model = Transformer(config)
     model.to_empty(device=device)
@@ -77,6 +70,41 @@ def load_moekit(path: str | Path, device: str = "cpu") -> Transformer:
             if name not in model.state_dict():
                 buf.zero_()
     return model.eval()
+
+
+SOURCES = "a moekit model file (*.safetensors, *.pt) or a checkpoint directory (<run_dir>/checkpoints/step_N)"
+
+
+def _source(path: Path):
+    """(ModelConfig, load(model)) of a moekit model file or checkpoint directory; ValueError naming the fix."""
+    if not path.exists():
+        raise ValueError(f"{path}: no such file or directory; pass {SOURCES}")
+    if path.is_dir():
+        if _run_directory(path):
+            from moekit.train import checkpoint
+
+            steps = checkpoint.list_checkpoints(path)
+            which = (f"e.g. its newest, {steps[-1]}" if steps else "it holds none yet")
+            raise ValueError(f"{path}: a moekit-train run directory, not a checkpoint; pass one of its checkpoints, "
+                             f"{path}/checkpoints/step_N ({which})")
+        return _dcp_source(path)
+    if path.suffix == ".safetensors":
+        return _safetensors_source(path)
+    if path.suffix == ".pt":
+        return _pt_source(path)
+    raise ValueError(f"{path}: not a moekit model; pass {SOURCES}")
+
+
+def _run_directory(path: Path) -> bool:
+    """A moekit-train run directory (checkpoints/ inside), not one of its checkpoints (meta.json inside)."""
+    return path.is_dir() and not (path / DCP_META).exists() and (path / "checkpoints").is_dir()
+
+
+def _first_line(exc: Exception) -> str:
+    """``Type: the first sentence of the message``: torch's messages go on for lines."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    text = re.sub(r"^\[enforce fail at [^\]]*\][ .]*", "", text).split(". ")[0].removesuffix(".")
+    return f"{type(exc).__name__}: {text[:200]}" if text else type(exc).__name__
 
 
 def _config(raw, where: str) -> ModelConfig:
@@ -111,7 +139,13 @@ def _safetensors_source(path: Path):
 
 
 def _pt_source(path: Path):
-    blob = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        blob = torch.load(path, map_location="cpu", weights_only=True)
+    except OSError:
+        raise  # permissions, I/O errors: the program reports them with the path
+    except Exception as exc:  # torch.load fails on a bad file with whatever its reader met: any means unusable
+        raise ValueError(f"{path}: unreadable (truncated, or not a file torch.save wrote: {_first_line(exc)}); "
+                         f"restore it, or write it again with 'moekit-convert hf-to-moekit ... OUT.pt'") from None
     if not isinstance(blob, dict) or blob.get("format") != PT_FORMAT:
         raise ValueError(f"{path}: not a moekit model file (format {PT_FORMAT!r}); write one with "
                          f"'moekit-convert hf-to-moekit ... OUT.pt'")
@@ -158,7 +192,37 @@ def verify(a: Transformer, b: Transformer, what: str) -> None:
     print(f"verified: {what} keeps the logits (relative error {err:.1e})")
 
 
+def check_out(out: str | Path, folder: bool) -> None:
+    """Refuse an OUT that cannot be written, before any work, naming OUT and the fix; leave nothing behind.
+    ``folder``: OUT is moekit-to-hf's HuggingFace folder (else hf-to-moekit's *.safetensors / *.pt file)."""
+    from moekit.train import UserError
+    from moekit.train.runlock import probe_writable, refuse_run_directory
+
+    out = Path(out)
+    if folder:
+        refuse_run_directory(out, "OUT")
+    elif out.suffix not in (".safetensors", ".pt"):
+        raise ValueError(f"OUT {out}: unknown moekit format {out.suffix!r}; name the output *.safetensors or *.pt")
+    elif out.is_dir():
+        raise ValueError(f"OUT {out}: a directory; name the output file, e.g. {out / ('model' + out.suffix)}")
+    parent = out if folder else out.parent
+    existing = next((p for p in (parent, *parent.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        if existing == out:
+            raise ValueError(f"OUT {out}: an existing file; moekit-to-hf writes a folder (config.json + "
+                             f"safetensors): choose another OUT")
+        raise ValueError(f"OUT {out}: {existing} is a file, not a folder; choose another OUT")
+    if folder:
+        probe_writable(out, "OUT")
+        return
+    try:
+        probe_writable(parent, "folder")
+    except UserError as exc:
+        raise UserError(f"OUT {out}: {exc}") from None
+
+
 def hf_to_moekit(args) -> None:
+    check_out(args.out, folder=False)
     model = load_hf(args.src, dtype=args.dtype if args.dtype == "auto" else DTYPES[args.dtype])
     out = save_moekit(model, args.out)
     print(f"wrote {out}: {model.hf_family}, {model.config.num_layers} layers, {model.config.num_experts} experts, "
@@ -176,11 +240,38 @@ def run_tokenizer(src: Path) -> Path | None:
     return None
 
 
+def run_checkpoint(src: Path) -> Path:
+    """SRC itself, or for a moekit-train run directory its newest checkpoint that verifies (as moekit-generate
+    takes it; damaged newer ones are skipped with a warning)."""
+    if not _run_directory(src):
+        return src
+    import sys
+
+    from moekit.train.inference import newest_verified
+
+    path, _ = newest_verified(src, lambda line: print(line, file=sys.stderr))
+    print(f"SRC {src} is a run directory: converting its newest checkpoint, {path}")
+    return path
+
+
 def moekit_to_hf(args) -> None:
-    src = Path(args.src)
+    from moekit.models.hf.export import check_tokenizer_source
+    from moekit.models.hf.io import parse_size
+
+    try:  # the flags first, then OUT, then SRC: each refused before any model is read or anything written
+        parse_size(args.max_shard_size)
+    except ValueError:
+        raise ValueError(f"--max-shard-size {args.max_shard_size}: not a size; use a positive number of bytes or a "
+                         f"size such as 5GB or 200MB") from None
+    if args.tokenizer:
+        check_tokenizer_source(args.tokenizer, f"--tokenizer {args.tokenizer}", "--tokenizer")
+    check_out(args.out, folder=True)
+    src = run_checkpoint(Path(args.src))
+    tokenizer = Path(args.tokenizer) if args.tokenizer else run_tokenizer(src)
+    if tokenizer and not args.tokenizer:
+        check_tokenizer_source(tokenizer, f"the tokenizer of SRC's run {tokenizer}", "--tokenizer")
     model = load_moekit(src)
     dtype = None if args.dtype == "auto" else DTYPES[args.dtype]
-    tokenizer = Path(args.tokenizer) if args.tokenizer else run_tokenizer(src)
     out = save_hf(model, args.out, family=args.family, dtype=dtype, max_shard_size=args.max_shard_size,
                   layout=args.layout, tokenizer_from=tokenizer)
     family = json.loads((out / "config.json").read_text())["model_type"]

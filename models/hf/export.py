@@ -304,6 +304,36 @@ TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 BYTE_EOS = "<|endoftext|>"
 
 
+def check_tokenizer_source(src: str | Path, what: str | None = None, flag: str = "tokenizer_from=") -> str:
+    """Refuse a tokenizer source ``copy_tokenizer`` cannot use, before any work: a ValueError that starts with
+    ``what`` (default ``tokenizer_from='SRC'``; a program passes its flag, ``--tokenizer SRC``) and names
+    ``flag`` in the fix. Returns "run" (a moekit run directory) or "hf" (a folder of tokenizer files). The EOS
+    id against the model's vocabulary needs the model: ``copy_tokenizer`` checks it."""
+    src = Path(src)
+    what = what or f"tokenizer_from={str(src)!r}"
+    where = "pass a HuggingFace model folder or a moekit run directory"
+    if not src.exists():
+        raise ValueError(f"{what}: no such directory; {where}")
+    if not src.is_dir():
+        raise ValueError(f"{what} is not a directory; {where}")
+    if (src / RUN_TOKENIZER_INFO).is_file():
+        info = _read_json(src / RUN_TOKENIZER_INFO)
+        kind = info.get("kind") if isinstance(info, dict) else None
+        if kind == "hf" and not (src / "tokenizer.json").is_file():
+            raise ValueError(f"{what}: {RUN_TOKENIZER_INFO} records an hf tokenizer but tokenizer.json is missing; "
+                             f"restore it")
+        if kind not in ("hf", "bytes"):
+            raise ValueError(f"{what}: {src / RUN_TOKENIZER_INFO}: the run trained on token ids without tokenizer "
+                             f"metadata (kind {kind!r}), so there is no tokenizer to export; pass {flag} the folder "
+                             f"of the tokenizer the data were made with")
+        return "run"
+    found = [name for name in TOKENIZER_FILES if (src / name).is_file()]
+    if not any(name in found for name in ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")):
+        raise ValueError(f"{what}: no tokenizer files (looked for {', '.join(TOKENIZER_FILES[:8])}); pass {flag} "
+                         f"the folder the tokenizer lies in, or a moekit run directory (tokenizer_info.json)")
+    return "hf"
+
+
 def copy_tokenizer(src: str | Path, out: Path, model_vocab: int, max_len: int) -> dict[str, Any]:
     """Put ``src``'s tokenizer into ``out`` so ``AutoTokenizer.from_pretrained(out)`` works; returns the
     special token ids for config.json.
@@ -312,17 +342,10 @@ def copy_tokenizer(src: str | Path, out: Path, model_vocab: int, max_len: int) -
     moekit run directory (tokenizer_info.json): an "hf" run's tokenizer.json gets a tokenizer_config.json
     naming its EOS; a "bytes" run gets a byte-level tokenizer.json with ids 0-255 = bytes and its EOS."""
     src = Path(src)
-    if not src.is_dir():
-        raise ValueError(f"tokenizer_from={str(src)!r} is not a directory; pass a HuggingFace model folder or a "
-                         f"moekit run directory")
-    if (src / RUN_TOKENIZER_INFO).is_file():
+    if check_tokenizer_source(src) == "run":
         return _run_tokenizer(src, out, model_vocab, max_len)
-    found = [name for name in TOKENIZER_FILES if (src / name).is_file()]
-    if not any(name in found for name in ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")):
-        raise ValueError(f"{src}: no tokenizer files (looked for {', '.join(TOKENIZER_FILES[:8])}); pass the "
-                         f"folder the tokenizer lies in, or a moekit run directory (tokenizer_info.json)")
-    for name in found:
-        if (src / name).resolve() != (out / name).resolve():  # exporting into the folder it came from
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file() and (src / name).resolve() != (out / name).resolve():  # exporting into its source
             shutil.copyfile(src / name, out / name)
     config = _read_json(src / "config.json") if (src / "config.json").is_file() else {}
     return {k: config[k] for k in TOKEN_ID_FIELDS if k in config}
@@ -336,27 +359,20 @@ def _read_json(path: Path) -> Any:
 
 
 def _run_tokenizer(run: Path, out: Path, model_vocab: int, max_len: int) -> dict[str, Any]:
+    """A run directory's tokenizer (its record already passed ``check_tokenizer_source``: kind "hf" or "bytes")."""
     info = _read_json(run / RUN_TOKENIZER_INFO)
-    kind = info.get("kind") if isinstance(info, dict) else None
     eos = info.get("eos_id")
     if eos is not None and (not isinstance(eos, int) or not 0 <= eos < model_vocab):
         raise ValueError(f"{run / RUN_TOKENIZER_INFO}: eos_id={eos!r} is not a token id of the model (vocab_size "
                          f"{model_vocab}); restore the record")
-    if kind == "hf":
-        if not (run / "tokenizer.json").is_file():
-            raise ValueError(f"{run}: {RUN_TOKENIZER_INFO} records an hf tokenizer but tokenizer.json is missing; "
-                             f"restore it")
+    if info["kind"] == "hf":
         from tokenizers import Tokenizer
 
         shutil.copyfile(run / "tokenizer.json", out / "tokenizer.json")
         tok = Tokenizer.from_file(str(out / "tokenizer.json"))
-    elif kind == "bytes":
+    else:
         tok = byte_tokenizer(eos)
         tok.save(str(out / "tokenizer.json"))
-    else:
-        raise ValueError(f"{run / RUN_TOKENIZER_INFO}: the run trained on token ids without tokenizer metadata "
-                         f"(kind {kind!r}), so there is no tokenizer to export; pass tokenizer_from= (moekit-convert "
-                         f"--tokenizer) the folder of the tokenizer the data were made with")
     settings: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_len,
                                 "clean_up_tokenization_spaces": False}
     if eos is not None:

@@ -15,12 +15,14 @@ reads a tensor only when asked, so loading a large checkpoint holds one tensor a
 from __future__ import annotations
 
 import json
+import os
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
@@ -41,6 +43,8 @@ class TensorInfo:
 def read_config(folder: str | Path) -> dict:
     """config.json of a HuggingFace model folder as a dict."""
     path = Path(folder) / CONFIG_FILE
+    if not Path(folder).exists():
+        raise ValueError(f"{folder}: no such directory; pass a HuggingFace model folder (config.json + *.safetensors)")
     if not Path(folder).is_dir():
         raise ValueError(f"{folder}: not a directory; pass a HuggingFace model folder (config.json + *.safetensors)")
     try:
@@ -139,15 +143,33 @@ class CheckpointReader:
 
 
 def parse_size(size: int | str) -> int:
-    """Bytes from an int or a string such as "5GB", "200MB", "10KiB" (decimal and binary units)."""
+    """Bytes (at least 1) from an int or a string: plain bytes ("1000000") or a size such as "5GB", "200MB",
+    "10KiB" (decimal and binary units)."""
     if isinstance(size, int) and not isinstance(size, bool):
-        return size
-    units = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
-    text = str(size).strip().upper()
-    for unit, factor in units.items():
-        if text.endswith(unit) and text[: -len(unit)].strip().replace(".", "", 1).isdigit():
-            return int(float(text[: -len(unit)]) * factor)
-    raise ValueError(f"max_shard_size={size!r} is invalid; use bytes or a string such as '5GB' or '200MB'")
+        value = size
+    else:
+        units = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
+        text = str(size).strip().upper()
+        unit = next((u for u in units if text.endswith(u)), "")
+        number = text[: len(text) - len(unit)].strip()
+        value = int(float(number) * units.get(unit, 1)) if number.replace(".", "", 1).isdigit() else 0
+    if value < 1:
+        raise ValueError(f"max_shard_size={size!r} is invalid; use a positive number of bytes or a size such as "
+                         f"'5GB' or '200MB'")
+    return value
+
+
+def save_safetensors(tensors: dict[str, Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """safetensors' ``save_file``, with its I/O failures (a full disk, a read-only folder) as the OSError they
+    are, naming ``path`` (safetensors reports them as a SafetensorError naming its temporary file)."""
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except SafetensorError as exc:
+        found = re.search(r"\(os error (\d+)\)", str(exc))
+        if found is None:
+            raise
+        code = int(found.group(1))
+        raise OSError(code, os.strerror(code), str(path)) from None
 
 
 def write_safetensors(tensors: dict[str, Tensor], folder: Path, max_shard_size: int | str) -> list[Path]:
@@ -168,12 +190,12 @@ def write_safetensors(tensors: dict[str, Tensor], folder: Path, max_shard_size: 
     for stale in [*folder.glob("model*.safetensors"), folder / INDEX_FILE]:  # never mix with an earlier save
         stale.unlink(missing_ok=True)
     if len(shards) == 1:
-        save_file(shards[0], str(folder / SINGLE_FILE), metadata={"format": "pt"})
+        save_safetensors(shards[0], folder / SINGLE_FILE, {"format": "pt"})
         return [folder / SINGLE_FILE]
     paths, weight_map = [], {}
     for i, shard in enumerate(shards):
         path = folder / f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(path), metadata={"format": "pt"})
+        save_safetensors(shard, path, {"format": "pt"})
         weight_map.update(dict.fromkeys(shard, path.name))
         paths.append(path)
     total = sum(t.numel() * t.element_size() for t in tensors.values())
