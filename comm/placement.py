@@ -182,9 +182,14 @@ def placements_from_json(doc: dict, where: str = "placement") -> dict[str, Place
         raise ValueError(f"{where}: version {doc.get('version')!r}; this moekit reads version {VERSION}")
     try:
         E = int(doc["num_experts"])
-        return {str(name): Placement(tuple(map(tuple, rows)), E) for name, rows in doc["layers"].items()}
-    except (KeyError, TypeError, AttributeError) as exc:
-        raise ValueError(f"{where}: malformed ({type(exc).__name__}: {exc})") from None
+        found = {str(name): Placement(tuple(map(tuple, rows)), E) for name, rows in doc["layers"].items()}
+    except (KeyError, TypeError, AttributeError, ValueError) as exc:  # ValueError: a non-integer expert id
+        raise ValueError(f"{where}: malformed ({type(exc).__name__}: {exc}); write it with moekit-placement") from None
+    ranks = {p.ep for p in found.values()}
+    if "ep" in doc and ranks != {doc["ep"]}:
+        raise ValueError(f"{where}: says ep={doc['ep']!r} but its layers place the experts on {sorted(ranks)} ranks; "
+                         f"write it again with moekit-placement")
+    return found
 
 
 def load_placements(path: str | Path) -> tuple[dict[str, Placement], dict]:

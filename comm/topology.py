@@ -90,9 +90,14 @@ class Layout:
                 f"whose product is {world_size}"
             )
         if self.data_parallel % self.ep:
+            fix = "choose an ep that divides it"
+            if self.data_parallel < self.ep:  # typically one process launched for an --ep run
+                need = self.ep * self.tp * self.pp
+                fix = (f"launch at least {need} processes (torchrun --nproc-per-node {need} -m moekit.train ...; "
+                       f"--dry-run --world-size {need} plans it in one) or {fix}")
             raise LayoutError(f"layout {self.flags}: ep={self.ep} must divide the data-parallel size dp*fsdp = "
                               f"{self.data_parallel} (expert parallelism folds inside the data-parallel ranks); "
-                              f"choose an ep that divides it")
+                              f"{fix}")
         if num_experts is not None and num_experts % self.ep:
             raise LayoutError(f"num_experts={num_experts} is not divisible by ep={self.ep}; choose --ep among "
                               f"{[d for d in range(1, num_experts + 1) if num_experts % d == 0]}")

@@ -561,3 +561,51 @@ def test_local_dispatch_reads_no_row_out_of_bounds_for_any_id():
     valid = (ids >= 0) & (ids < E)
     torch.testing.assert_close(y, 2.0 * x * torch.where(valid, w, 0.0).sum(1, keepdim=True),
                                msg=lambda m: f"seed {seed}: {m}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# 9. Operators' slips found by an audit of every program (session 15)
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--print-config", "--dry-run"], "--print-config and --dry-run each do one thing and exit"),
+    (["--write-data", "x.bin", "--help-config"], "--help-config and --write-data each do one thing"),
+    (["--write-data", " "], "--write-data needs a file name"),
+    (["--dry-run-gpu-gb", "10"], "--dry-run-gpu-gb 10.0: only with --dry-run"),
+    (["--world-size", "2"], "--world-size 2: only with --dry-run"),
+    (["--checkpoint.keep", "0"], "--checkpoint.keep=0 is invalid; it must keep at least 1"),
+    (["--eval.sequences", "0"], "--eval.sequences=0 is invalid"),
+    (["--eval.every", "-1"], "--eval.every=-1 is invalid"),
+    (["--ep", "2"], "launch at least 2 processes (torchrun --nproc-per-node 2"),
+    (["--batch-size", "4000000", "--train.seq_len", "16"],
+     "activations of a micro-batch of 4000000 x 16 tokens), but this cpu has"),
+])
+def test_modes_and_settings_an_operator_gets_wrong(tmp_path, capsys, argv, expected):
+    refused(capsys, tmp_path / "run", [*TINY, *argv], expected)
+
+
+def test_an_hf_export_into_a_run_directory_is_refused(tmp_path, capsys):
+    """--export-hf writes config.json and tokenizer files: into this run's directory, or another run's, it would
+    replace that run's config and change its tokenizer; both are refused before any work."""
+    run = tmp_path / "run"
+    refused(capsys, run, [*TINY, "--export-hf", str(run)], f"--export-hf {run} is this run's --run-dir")
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "metrics.jsonl").write_text("")
+    refused(capsys, run, [*TINY, "--export-hf", str(other)],
+            f"--export-hf {other} is a moekit-train run directory (it holds metrics.jsonl)")
+
+
+def test_run_dir_under_a_file_and_resume_paths_name_the_form_meant(tmp_path, capsys):
+    (tmp_path / "f").write_text("x")
+    refused(capsys, tmp_path / "f" / "run", TINY, "--run-dir", "is a file, not a directory")
+    step = tmp_path / "old" / "checkpoints" / "step_000002"
+    step.mkdir(parents=True)
+    (step / "meta.json").write_text("{}")
+    for resume, expected in ((" ", "--resume needs a checkpoint folder"),
+                             (str(step / "meta.json"), f"a file; pass its checkpoint folder ({step})"),
+                             (str(tmp_path / "old"), "a run directory, not a checkpoint; pass --run-dir")):
+        rc = main([*TINY, "--run-dir", str(tmp_path / "run"), "--resume", resume])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert rc == 2 and len(err) == 1 and expected in err[0], err

@@ -282,6 +282,10 @@ def test_generate_from_a_checkpoint_and_from_its_hf_export(runs, tmp_path, capsy
     assert text.startswith("def main(") and "tokens/s" in err.splitlines()[-1] and "12 new tokens" in err
     assert generate_main([str(run), *argv, "--no-cache"]) == 0  # the run dir reads the same (newest) checkpoint
     assert capsys.readouterr().out.rstrip("\n") == text
+    assert generate_main([str(run), *argv, "--top-k", "5"]) == 0  # greedy: the same text, and a note says so
+    out, err = capsys.readouterr()
+    assert out.rstrip("\n") == text and "--temperature 0 decodes greedily (the most likely token), so --top-k has " \
+        "no effect" in err
     model, _, _ = load(run)
     hf = save_mixtral(model, tmp_path / "hf")
     assert generate_main([str(hf), *argv]) == 0
@@ -365,6 +369,7 @@ GENERATE_BAD = [
     (["{run}", "--prompt", ""], "--prompt encodes to no tokens"),
     (["{run}", "--dtype", "int8"], "--dtype 'int8' is invalid"),
     (["{run}", "--device", "tpu"], "--device 'tpu'"),
+    (["{run}", "--seed", str(2**64)], f"--seed {2**64} is invalid; it must be in [0, 2**64)"),
 ]
 
 
@@ -383,9 +388,10 @@ def test_generate_bad_input_is_one_line(runs, tmp_path, capsys, argv, expected):
     (["--max-tokens", "10"], "--max-tokens 10 is less than one window of 32"),
     (["--batches", "0"], "--batches 0 is invalid"),
     (["--data", "{missing}"], "cannot read it"),
+    (["--out", "{tmp}"], "a directory; name the JSON file to write"),
 ])
 def test_eval_bad_input_is_one_line(runs, tmp_path, capsys, argv, expected):
-    argv = [str(runs["deepseek-tiny"]), *[a.format(missing=tmp_path / "nope.bin") for a in argv]]
+    argv = [str(runs["deepseek-tiny"]), *[a.format(missing=tmp_path / "nope.bin", tmp=tmp_path) for a in argv]]
     line = one_line(capsys, eval_main(argv), "evaluate.py")
     assert expected in line, line
 

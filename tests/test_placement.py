@@ -469,3 +469,29 @@ def test_trainer_rebalances_under_fsdp_hierarchical_and_pipeline(tmp_path, singl
     assert r.stdout.count("rebalanced the experts") == 2
     want = [m["loss"] for m in metrics(tmp_path / "micro")]
     assert [m["loss"] for m in metrics(tmp_path / "pp")] == pytest.approx(want, rel=1e-5, abs=1e-6)
+
+
+def test_placement_cli_refuses_bad_flags_and_files_before_planning(tmp_path, capsys):
+    from moekit.train.placement import main
+
+    synthetic_run(tmp_path / "run", skewed_load())
+    run = str(tmp_path / "run")
+    out = tmp_path / "p.json"
+    assert main([run, "--ep", "4", "-o", str(out)]) == 0
+    capsys.readouterr()
+    doc = json.loads(out.read_text())
+    wrong_ep, not_ints = tmp_path / "ep.json", tmp_path / "ints.json"
+    wrong_ep.write_text(json.dumps({**doc, "ep": 2}))
+    first = next(iter(doc["layers"]))
+    not_ints.write_text(json.dumps({**doc, "layers": {**doc["layers"], first: [["a"]] + doc["layers"][first][1:]}}))
+    (tmp_path / "f").write_text("x")
+    for argv, expected in (([run, "--ep", "0"], "--ep 0 is invalid; it must be a positive integer"),
+                           ([run, "--ep", "4", "--bytes-per-elem", "-1"], "--bytes-per-elem -1 is invalid"),
+                           ([run, "--ep", "4", "--replicas", "-4"], "--replicas -4 is invalid"),
+                           ([run, "--ep", "4", "-o", str(tmp_path)], "-o/--out"),
+                           ([run, "--ep", "4", "-o", str(tmp_path / "f" / "p.json")], "-o/--out"),
+                           ([run, "--check", str(wrong_ep)], "says ep=2 but its layers place the experts on [4] ranks"),
+                           ([run, "--check", str(not_ints)], "malformed (ValueError: invalid literal")):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and expected in err[0], (argv, err)

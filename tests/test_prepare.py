@@ -13,6 +13,7 @@ import os
 import secrets
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -408,7 +409,11 @@ def test_bad_inputs(corpus, tmp_path, capsys):
     for argv, message in cases:
         one_error(capsys, main([*argv, "-o", out]), message)
     # unwritable output: a folder in the way, or a file where a folder should be
-    one_error(capsys, main([str(latin1), "--tokenizer", "bytes", "-o", str(tmp_path / "emptydir")]), "cannot write it")
+    one_error(capsys, main([str(latin1), "--tokenizer", "bytes", "-o", str(tmp_path / "emptydir")]),
+              "a directory; name the token file to write")
+    one_error(capsys, main([str(latin1), "--tokenizer", "bytes", "-o", ""]), "--output '': empty")
+    one_error(capsys, main([str(latin1), "--tokenizer", "bytes", "--field", "body", "-o", out]),
+              "--field 'body' names a JSONL key or Parquet column, but the inputs are plain text")
     one_error(capsys, main([str(latin1), "--tokenizer", "bytes", "-o", str(tmp_path / "afile" / "x.bin")]),
               "cannot write it")
     assert not (tmp_path / "o").exists()  # nothing left behind, not even the folder made for the output
@@ -455,3 +460,29 @@ def test_console_script_help():
         pytest.skip(f"moekit-prepare is not installed next to {sys.executable}")
     proc = subprocess.run([str(exe), "--help"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "usage: moekit-prepare" in proc.stdout, proc.stderr
+
+
+def test_interruptible_work_hands_back_its_result_and_its_error():
+    """BPE training runs in a helper thread (so Ctrl-C reaches the main thread at once): its effects and its
+    exceptions come back to the caller."""
+    from moekit.train.prepare import interruptible
+
+    done = []
+    interruptible(lambda: done.append(threading.current_thread().name))
+    assert done == ["moekit-prepare-work"]
+
+    def fail():
+        raise ValueError("boom")
+
+    with pytest.raises(ValueError, match="boom"):
+        interruptible(fail)
+
+
+def test_more_workers_than_cpus_are_capped_with_a_note(corpus, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0}, raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 1)
+    _, docs, _ = corpus
+    src = tmp_path / "a.txt"
+    src.write_text(docs[0])
+    assert main([str(src), "--tokenizer", "bytes", "-o", str(tmp_path / "o.bin"), "--workers", "64"]) == 0
+    assert "--workers 64 is more than the 1 CPU(s) available; using 1" in capsys.readouterr().err

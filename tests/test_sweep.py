@@ -23,8 +23,11 @@ def swept(tmp_path_factory):
     sweep_file = root / "sweep.toml"
     sweep_file.write_text(f'base = {json.dumps(BASE)}\n[variants]\ntopk = "--router topk"\n'
                           f'switch = ["--router", "switch", "--capacity-factor", "1.0"]\n')
+    # broken: its flags pass moekit-train's checks, but its run directory is locked (below), so the run fails;
+    # typo: refused by those checks before anything trains
     argv = ["--config", str(sweep_file), "--runs-dir", str(root / "runs"), "--variant", "hash=--router hash",
-            "--variant", "broken=--router no_such_router", "--specialisation", "--quiet"]
+            "--variant", "broken=--router topk", "--variant", "typo=--router no_such_router", "--specialisation",
+            "--quiet"]
     return root, argv
 
 
@@ -34,27 +37,33 @@ def result(swept):
     import io
 
     from moekit.train import specialisation
+    from moekit.train.runlock import RunLock
 
     root, argv = swept
     out = io.StringIO()
     tokens, specialisation.DEFAULT_TOKENS = specialisation.DEFAULT_TOKENS, 2048  # a small sample: seconds
+    lock = RunLock.acquire(root / "runs" / "broken")  # a trainer holds it: the variant's run is refused
     try:
         with contextlib.redirect_stdout(out):
             code = sweep.main(argv)
     finally:
         specialisation.DEFAULT_TOKENS = tokens
+        lock.release()
     return root, code, out.getvalue()
 
 
 def test_sweep_trains_every_variant_and_continues_past_a_failure(result):
     root, code, out = result
-    assert code == 1  # one variant failed; the report covers the others
-    for i, name in enumerate(("topk", "switch", "hash", "broken"), 1):
-        assert f"[sweep {i}/4] {name}: " in out
-    assert "[sweep 4/4] broken: FAILED (exit status 2)" in out and "unknown router 'no_such_router'" in out
+    assert code == 1  # two variants failed; the report covers the others
+    for i, name in enumerate(("topk", "switch", "hash", "broken", "typo"), 1):
+        assert f"[sweep {i}/5] {name}: " in out
+    assert "[sweep 4/5] broken: FAILED (exit status 2)" in out and "in use by another trainer" in out
+    assert ("[sweep 5/5] typo: FAILED before starting: moekit-train: error:" in out
+            and "unknown router 'no_such_router'" in out)
     summary = json.loads((root / "runs" / "sweep.json").read_text())
     assert [(v["name"], v["status"]) for v in summary["variants"]] == [
-        ("topk", "ok"), ("switch", "ok"), ("hash", "ok"), ("broken", "failed")]
+        ("topk", "ok"), ("switch", "ok"), ("hash", "ok"), ("broken", "failed"), ("typo", "failed")]
+    assert not (root / "runs" / "typo").exists()
     assert summary["variants"][1]["command"][-6:] == ["--router", "switch", "--capacity-factor", "1.0", "--run-dir",
                                                       str(root / "runs" / "switch")]
     table = out[out.index("run     "):].splitlines()
@@ -73,7 +82,7 @@ def test_sweep_report_is_complete_self_contained_and_recomputable(result):
     assert len(images) >= 10 and "failed: broken: exit status 2" in page
     data = report.read_report_data(str(html))
     assert [r["name"] for r in data["runs"]] == ["topk", "switch", "hash"]
-    assert data["failed"][0]["name"] == "broken"
+    assert [f["name"] for f in data["failed"]] == ["broken", "typo"]
     for entry in data["runs"]:
         run_dir = root / "runs" / entry["name"]
         imb = expected_step_imbalance(run_dir)  # [steps, layers] from the raw records
@@ -95,9 +104,9 @@ def test_sweep_report_is_complete_self_contained_and_recomputable(result):
 
 def test_skip_done_and_dry_run(swept, result, capsys):
     root, argv = swept
-    assert sweep.main([*argv, "--skip-done", "--dry-run"]) == 0
+    assert sweep.main([*argv, "--skip-done", "--dry-run"]) == 2  # typo is refused; every command is still printed
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 4 and lines[0].startswith("python -m moekit.train ") and "--run-dir" in lines[0]
+    assert len(lines) == 5 and lines[0].startswith("python -m moekit.train ") and "--run-dir" in lines[0]
     assert sweep.finished(sweep.plan(sweep.build_parser().parse_args(argv))[1][0])  # topk: done, same command
     assert sweep.main(["--runs-dir", "x", "--variant", "a=--steps 2", "--nproc", "2", "--dry-run"]) == 0
     assert "-m torch.distributed.run --standalone --nproc-per-node 2 -m moekit.train --steps 2" in \
@@ -113,6 +122,8 @@ def test_skip_done_and_dry_run(swept, result, capsys):
     (["--base=--log.run_dir=y", "--variant", "a=--steps 1"], "--log.run_dir is set by the sweep"),
     (["--variant", "a=--steps 1", "--nproc", "0"], "positive integer"),
     (["--config", "/nonexistent.toml", "--variant", "a="], "file not found"),
+    (["--variant", "a=--router topk", "--variant", "b=--train.lr -1"], "variant b: moekit-train: error: --train.lr=-1"),
+    (["--variant", "a=--help-config"], "--help-config is set by the sweep"),
 ])
 def test_bad_sweeps_are_one_line_errors(argv, expected, capsys):
     assert sweep.main([*argv, "--dry-run"]) == 2
@@ -138,3 +149,28 @@ def test_eval_specialisation_table_and_json(result, tmp_path, capsys):
         assert sum(layer["expert_share"]) == pytest.approx(1.0)
         for e in layer["experts"]:
             assert all(0 < t["specificity"] <= 1 for t in e["top_tokens"])
+
+
+@pytest.mark.parametrize("line,expected", [
+    ("runs_dir = 5", "runs_dir = 5: expected a string"),
+    ("html = 5", "html = 5: expected a string"),
+    ('specialisation = "no"', "specialisation = 'no': expected true or false"),
+    ("nproc = true", "nproc = True: expected an integer"),
+])
+def test_sweep_file_values_of_the_wrong_type_are_refused(tmp_path, line, expected, capsys):
+    """A sweep file's values are checked by type before anything runs (a string "no" is not false)."""
+    path = tmp_path / "s.toml"
+    path.write_text(f'{line}\n[variants]\ntopk = "--router topk"\n')
+    assert sweep.main(["--config", str(path), "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and expected in err[0], err
+
+
+def test_an_unwritable_report_is_refused_before_training(tmp_path, capsys):
+    """--html naming a directory or a path under a file fails in one line before any variant trains."""
+    (tmp_path / "file").write_text("x")
+    for html in (tmp_path, tmp_path / "file" / "r.html"):
+        assert sweep.main(["--runs-dir", str(tmp_path / "runs"), "--variant", "a=--steps 1", "--html", str(html)]) == 2
+        out, err = capsys.readouterr()
+        assert "--html" in err and len(err.strip().splitlines()) == 1 and "[sweep" not in out, (out, err)
+    assert not (tmp_path / "runs" / "a").exists()

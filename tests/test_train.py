@@ -233,7 +233,7 @@ BAD = [
     (["--nonsense"], "unrecognized argument '--nonsense'"),
     (["--model.router_options.jitter", "0.5"], "jitter"),  # a switch option on the topk router
     (["--batch-size", "6", "--train.micro_batch_size", "4"], "whole micro-batches of 4"),
-    (["--preset", "mixtral-8x7b"], "46.7B parameters need"),
+    (["--preset", "mixtral-8x7b"], "(46.7B parameters): a rank needs"),
     (["--train.seq_len", "512"], "exceeds model.max_seq_len=256"),
 ]
 
@@ -287,6 +287,9 @@ def test_bad_checkpoints(saved_run, tmp_path, capsys):
     run = tmp_path / "copy"
     shutil.copytree(saved_run, run)
     ckpt = run / "checkpoints" / "step_000002"
+    rc = main([*TINY, "--steps", "2", "--run-dir", str(run), "--resume"])  # finished already (a retried job)
+    out = capsys.readouterr().out
+    assert rc == 0 and "nothing to train: the checkpoint is at step 2 and --steps is 2" in out, out
     rc, err = resume(run)
     assert rc == 0, err  # the intact copy resumes
     shutil.rmtree(run)

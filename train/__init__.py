@@ -39,10 +39,17 @@ def run_program(prog: str, body, interrupted: str = "interrupted") -> int:
 
 
 def program_name(script: str) -> str:
-    """The name for usage and error lines: the console script (``moekit-train``) when started as one, else
-    ``script`` (``train.py``, as from ``python tools/train.py`` or a call of ``main()`` from Python)."""
+    """The name for usage and error lines: the console script (``moekit-train``) when started as one, ``python -m
+    PACKAGE`` when started so, else ``script`` (``train.py``, as from ``python tools/train.py`` or a call of
+    ``main()`` from Python)."""
     import os
     import sys
 
     name = os.path.basename(sys.argv[0]) if sys.argv else ""
-    return name if name.startswith("moekit-") else script
+    if name.startswith("moekit-"):
+        return name
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)  # python -m moekit.train (torchrun -m too)
+    if name == "__main__.py" and spec is not None and spec.name.startswith("moekit.") and spec.name.endswith(
+            ".__main__"):
+        return f"python -m {spec.name.removesuffix('.__main__')}"
+    return script

@@ -132,6 +132,7 @@ def choose_resume(run_dir: str, resume: str | None, model_config: dict, warn=pri
 def _choose(run_dir: str, resume: str, model_config: dict, warn) -> Path | None:
     if resume not in ("latest", "auto"):
         path = Path(resume)
+        _check_resume_path(path)
         try:
             meta = read_meta(path)
         except UserError as exc:
@@ -152,6 +153,20 @@ def _choose(run_dir: str, resume: str, model_config: dict, warn) -> Path | None:
         warn(f"warning: skipped {reason}; resuming from {path}")
     check_model(path, meta["model"], model_config)
     return path
+
+
+def _check_resume_path(path: Path) -> None:
+    """--resume PATH must name a checkpoint folder: an empty path, a file or a whole run directory is refused
+    with the form that was meant."""
+    if not str(path).strip() or str(path) == ".":
+        raise UserError("--resume needs a checkpoint folder (RUN_DIR/checkpoints/step_N), or no value for the "
+                        "newest checkpoint of --run-dir that verifies")
+    if path.is_file():
+        raise UserError(f"--resume {path}: a file; pass its checkpoint folder ({path.parent})")
+    steps = list_checkpoints(path) if (path / "checkpoints").is_dir() else []
+    if steps:
+        raise UserError(f"--resume {path}: a run directory, not a checkpoint; pass --run-dir {path} --resume (its "
+                        f"newest checkpoint that verifies), or one checkpoint, e.g. --resume {steps[-1]}")
 
 
 def newest_verified(run_dir: str | Path) -> tuple[Path | None, dict | None, list[str]]:

@@ -19,7 +19,7 @@ FLAG_SETTINGS = {
 
 EPILOG = """\
 any setting: --<section>.<key> VALUE (or =VALUE), sections model, train, data, eval, log, checkpoint,
-layout; e.g. --model.hidden_size 64 --train.lr 1e-3 --model.router_options.jitter 0 --eval.every 25.
+layout; e.g. --model.hidden_size 64 --train.lr 1e-3 --model.router_options.aux_loss_coeff 0.02 --eval.every 25.
 --print-config shows every setting and its value, --help-config what each one means.
 Precedence: preset < --config FILE < flags.
 """
@@ -41,14 +41,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--init-from-hf", metavar="DIR",
                    help="start from a HuggingFace folder (mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v3, ...; "
                         "docs/hf.md). Without --preset the model is the folder's config.json plus the --model.* "
-                        "flags given; each rank reads only its shards. Ignored when resuming")
+                        "flags given; each rank reads only its shards. When resuming, the weights come from the checkpoint "
+                        "(the folder still sets the model, which must be the checkpoint's: the same command line "
+                        "serves torchrun restarts with --resume auto)")
     p.add_argument("--init-from-dense", metavar="PATH",
                    help="upcycle a dense model into this MoE model (Megatron's --moe-use-upcycling): PATH is a "
                         "HuggingFace dense folder (Llama, Qwen2, Qwen3), a moekit model file or a dense run's "
                         "checkpoint / run dir. Attention, norms and embeddings are copied, every expert starts as "
                         "the dense MLP, and at step 0 the model gives the dense model's logits. Without --preset "
                         "the sizes are the dense model's, with 8*G experts, top_k 2*G unless --model.num_experts "
-                        "/ --model.top_k say otherwise. Ignored when resuming")
+                        "/ --model.top_k say otherwise. When resuming, the weights come from the checkpoint (PATH still "
+                        "sets the sizes, which must be the checkpoint's)")
     p.add_argument("--upcycle-granularity", metavar="G",
                    help="with --init-from-dense: split each dense MLP of width F into G experts of F/G (granular "
                         "upcycling); num_experts and top_k must be multiples of G (default 1: every expert a copy "
@@ -74,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "process, validate it, print per-rank memory and all-to-all bytes per step, and exit")
     p.add_argument("--world-size", type=int, metavar="N", help="with --dry-run: the world size to plan for "
                                                                "(default WORLD_SIZE, or 1)")
-    p.add_argument("--dry-run-gpu-gb", type=float, default=80.0, metavar="GIB",
+    p.add_argument("--dry-run-gpu-gb", type=float, default=None, metavar="GIB",
                    help="with --dry-run: device memory to check the per-rank peak against (default 80, an H100)")
     return p
 
@@ -108,9 +111,28 @@ def _dotted(rest: list[str]) -> list[tuple[str, str]]:
     return out
 
 
-def parse_args(argv: list[str]) -> tuple[TrainConfig, Options]:
-    """Resolve and validate the whole config; raises UserError before any work on bad input."""
+# The flags that do one thing and exit instead of training: at most one per command.
+EXITS = ("help_config", "print_config", "write_data", "dry_run")
+
+
+def _check_modes(args: argparse.Namespace) -> None:
+    """At most one of EXITS; --world-size / --dry-run-gpu-gb only with --dry-run; a non-empty --write-data."""
+    given = [f"--{name.replace('_', '-')}" for name in EXITS if getattr(args, name) not in (None, False)]
+    if len(given) > 1:
+        raise UserError(f"{' and '.join(given)} each do one thing and exit; give one of them")
+    if args.write_data is not None and not args.write_data.strip():
+        raise UserError("--write-data needs a file name (the token file to write)")
+    for flag, value in (("--world-size", args.world_size), ("--dry-run-gpu-gb", args.dry_run_gpu_gb)):
+        if value is not None and not args.dry_run:
+            raise UserError(f"{flag} {value}: only with --dry-run (it plans a layout; a real run takes the world "
+                            f"size from torchrun and measures the device)")
+
+
+def parse_args(argv: list[str], world_size: int | None = None) -> tuple[TrainConfig, Options]:
+    """Resolve and validate the whole config; raises UserError before any work on bad input. ``world_size``: the
+    ranks the layout is checked against (default --world-size with --dry-run, else torchrun's WORLD_SIZE)."""
     args, rest = build_parser().parse_known_args(argv)
+    _check_modes(args)
     if args.help_config is not None:  # before anything is validated: it explains the settings
         from moekit.train.confighelp import describe
 
@@ -129,14 +151,13 @@ def parse_args(argv: list[str]) -> tuple[TrainConfig, Options]:
     for key, value in overrides:
         set_value(cfg, key, value)
     validate(cfg)
-    if args.world_size is not None and (not args.dry_run or args.world_size < 1):
-        raise UserError(f"--world-size {args.world_size}: only with --dry-run, and at least 1 (torchrun sets the "
-                        f"world size of a real run)")
-    if not args.dry_run_gpu_gb > 0:
-        raise UserError(f"--dry-run-gpu-gb {args.dry_run_gpu_gb}: must be a positive number of GiB")
-    check_layout(cfg, args.world_size)
-    return cfg, Options(args.print_config, args.resume, args.write_data, args.dry_run, args.world_size,
-                        args.dry_run_gpu_gb)
+    if args.world_size is not None and args.world_size < 1:
+        raise UserError(f"--world-size {args.world_size}: must be at least 1")
+    gpu_gb = 80.0 if args.dry_run_gpu_gb is None else args.dry_run_gpu_gb
+    if not gpu_gb > 0:
+        raise UserError(f"--dry-run-gpu-gb {gpu_gb}: must be a positive number of GiB")
+    check_layout(cfg, args.world_size if world_size is None else world_size)
+    return cfg, Options(args.print_config, args.resume, args.write_data, args.dry_run, args.world_size, gpu_gb)
 
 
 def check_layout(cfg: TrainConfig, world_size: int | None = None) -> None:

@@ -1,15 +1,16 @@
 """Evaluate a trained model on held-out data: ``moekit-eval`` (or ``python tools/evaluate.py`` in a checkout).
 
     moekit-eval RUN_DIR|CHECKPOINT|HF_DIR [--data FILE] [--split val|all] [--seq-len N] [--batch-size B]
-                [--batches N | --max-tokens N] [--capacity dropless|trained] [--out JSON] [--device D] [--dtype T]
+                [--batches N] [--max-tokens N] [--capacity dropless|trained] [--out JSON] [--device D] [--dtype T]
                 [--specialisation]
 
 Data: ``--data FILE`` (a token file, or any token data moekit-train's --data.path reads), else the data the
 run trained on (its config: path, blend or text), else (an HF folder) the embedded corpus, encoded with
 the folder's tokenizer. The windows are the trainer's (moekit.train.data): sequences of --seq-len + 1
 tokens inside blocks, ``val`` = the held-out blocks (default), ``all`` = every window of the data. Fewer
-windows (--batches, --max-tokens) are spread evenly over the split as the trainer's evaluation picks them,
-so ``--batches E/B --batch-size B`` with E = the run's eval.sequences evaluates the trainer's own windows.
+windows (--batches, --max-tokens; with both, the fewer windows) are spread evenly over the split as the
+trainer's evaluation picks them, so ``--batches E/B --batch-size B`` with E = the run's eval.sequences
+evaluates the trainer's own windows.
 
 Reported (stdout; ``--out`` writes JSON): mean cross-entropy per predicted token (nats), perplexity
 exp(loss), bits per byte = total nats / ln 2 / the UTF-8 bytes the predicted tokens decode to (byte tokens:
@@ -38,7 +39,7 @@ from pathlib import Path
 
 from moekit.train import OneLineParser, UserError, program_name, run_program
 from moekit.train.model_args import add_model_args
-from moekit.train.runlock import describe_os_error
+from moekit.train.runlock import describe_os_error, probe_writable
 
 PROG = program_name("evaluate.py")
 HF_SEQ_LEN = 1024  # default window of an HF model (its max_seq_len when shorter)
@@ -96,10 +97,9 @@ def run(args: argparse.Namespace) -> dict:
         _positive(name, getattr(args, name[2:].replace("-", "_")))
     out = Path(args.out) if args.out else None
     if out is not None:  # before the evaluation, not after it
-        try:
-            out.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise UserError(f"--out {out}: cannot create its folder: {describe_os_error(exc)}") from None
+        if out.is_dir():
+            raise UserError(f"--out {out}: a directory; name the JSON file to write, e.g. {out / 'eval.json'}")
+        probe_writable(out.parent, "--out", keep=True)  # created if missing; a full or read-only folder refused
     model, tokenizer, info = load_for_inference(args.path, args.device, args.dtype, warn=_note,
                                                 dropless=args.capacity == "dropless", require_tokenizer=False)
     cfg = model.config

@@ -73,8 +73,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens {args.max_new_tokens} is invalid; it must be a positive number of tokens")
-    if args.seed < 0:
-        raise UserError(f"--seed {args.seed} is invalid; it must be >= 0")
+    if not 0 <= args.seed < 2**64:
+        raise UserError(f"--seed {args.seed} is invalid; it must be in [0, 2**64) (the sampler's seed is 64-bit)")
     args.sampling = Sampling(args.temperature, args.top_k, args.top_p).check()
     return args
 
@@ -90,6 +90,10 @@ def run(args: argparse.Namespace) -> int:
     _note(f"{info.describe()}; tokenizer {tokenizer.describe()}")
     for line in info.routing:
         _note(f"note: {line}")
+    cuts = [f for f, on in (("--top-k", args.top_k), ("--top-p", args.top_p < 1)) if on]
+    if cuts and args.sampling.temperature == 0:
+        _note(f"note: --temperature 0 decodes greedily (the most likely token), so {' and '.join(cuts)} "
+              f"{'has' if len(cuts) == 1 else 'have'} no effect; sample with a --temperature above 0, e.g. 0.8")
     use_cache = not args.no_cache
     if use_cache and info.cache_inexact:  # its routing is not per token: only full forwards are right
         _note(f"note: {info.cache_inexact}, so every step runs the whole window (as --no-cache)")

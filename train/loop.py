@@ -10,6 +10,7 @@ import os
 import sys
 import time
 import traceback
+from pathlib import Path
 
 from moekit.train import UserError, program_name, runlock
 from moekit.train.cli import parse_args
@@ -47,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(argv: list[str] | None) -> int:
+    cfg = None
     try:
         try:
             cfg, opts = parse_args(sys.argv[1:] if argv is None else argv)
@@ -81,7 +83,10 @@ def _run(argv: list[str] | None) -> int:
               f"launched differently (every wait is bounded by --layout.timeout_s)", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # records are flushed per step; checkpoints are renamed only when complete
-        print(f"\n{PROG}: interrupted; --resume continues from the newest checkpoint", file=sys.stderr)
+        saved = cfg is not None and any(p.name.removeprefix("step_").isdigit()  # complete ones, not .partial
+                                        for p in Path(cfg.run_dir, "checkpoints").glob("step_*"))
+        print(f"\n{PROG}: interrupted{'; --resume continues from the newest checkpoint' if saved else ''}",
+              file=sys.stderr)
         return 130
 
 

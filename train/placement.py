@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import numpy as np
 
 from moekit.comm.placement import Placement, imbalance, plan_placement, save_placements
 from moekit.train import OneLineParser, UserError, program_name, run_program
 from moekit.train.planning.cost_model import ExpectedRows
+from moekit.train.runlock import probe_writable
 
 PROG = program_name("placement.py")
 
@@ -163,9 +165,25 @@ def main(argv: list[str] | None = None) -> int:
     return run_program(PROG, lambda: run(build_parser().parse_args(sys.argv[1:] if argv is None else argv)))
 
 
+def check_flags(args) -> None:
+    """The flags' own values, before any record is read."""
+    for flag, value in (("--ep", args.ep), ("--ranks-per-node", args.ranks_per_node),
+                        ("--bytes-per-elem", args.bytes_per_elem)):
+        if value is not None and value < 1:
+            raise UserError(f"{flag} {value} is invalid; it must be a positive integer")
+    if args.replicas < 0:
+        raise UserError(f"--replicas {args.replicas} is invalid; it must be >= 0 (a multiple of --ep)")
+    if not args.check:  # the placement file to write: checked now, not after the planning
+        out = Path(args.out)
+        if out.is_dir():
+            raise UserError(f"-o/--out {out}: a directory; name the placement file, e.g. {out / 'placement.json'}")
+        probe_writable(out.parent, "-o/--out", keep=True)
+
+
 def run(args) -> int:
     from moekit.train.records import read_config
 
+    check_flags(args)
     names, top_k, steps, tokens = recorded_load(args.run_dir, args.steps)
     config = read_config(args.run_dir)
     model = config.get("model", {})

@@ -33,7 +33,6 @@ from moekit.train import UserError
 from moekit.train.config import LayoutSection, TrainConfig, TrainSection
 from moekit.train.validation import run_device
 
-BYTES_PER_PARAM = 16  # fp32 weights + gradients + AdamW's two moments
 HIERARCHICAL = {"auto": None, "on": True, "off": False}
 
 
@@ -158,15 +157,34 @@ def plan_run(cfg: TrainConfig, world_size: int | None = None) -> RunPlan:
     device = torch.device(want)
     resolved = resolve_config(cfg, world_size)
     stats = model_stats(cfg.model, t.seq_len)
-    L = resolved.layout  # experts dominate (EP and FSDP shard them); TP and FSDP shard the rest
-    need = stats.params * BYTES_PER_PARAM / max(L.ep * L.fsdp, L.tp * L.fsdp, 1) / L.pp
-    have = (torch.cuda.mem_get_info(device)[1] if want == "cuda"
-            else os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-    if need > have:
-        raise UserError(f"{cfg.preset}: {stats.params / 1e9:.1f}B parameters need ~{need / 2**30:,.0f} GiB for fp32 "
-                        f"weights, gradients and AdamW state; this {want} has {have / 2**30:,.0f} GiB. Use a tiny "
-                        f"preset (mixtral-tiny, switch-tiny, deepseek-tiny) or wait for multi-rank training")
+    check_memory(cfg, resolved, device, dtype, stats.params)
     return RunPlan(device, dtype, resolved, t.batch_size * t.seq_len, stats.train_flops_per_token)
+
+
+def check_memory(cfg: TrainConfig, resolved: ResolvedLayout, device: torch.device, dtype: torch.dtype | None,
+                 params: int) -> None:
+    """Refuse a run whose per-rank memory estimate (weights, gradients, AdamW state and a micro-batch's
+    activations: moekit.train.planning.memory, an upper bound within a few percent on measured runs) is more
+    than the device has: it would die in an out-of-memory kill (on a CPU without a message) at its first step."""
+    from moekit.train.planning.memory import Workload, estimate_memory
+
+    t, L = cfg.train, resolved.layout
+    wl = Workload(resolved.micro_batch, t.seq_len, "bfloat16" if dtype == torch.bfloat16 else "float32",
+                  t.activation_checkpointing, device.type, resolved.accum, cfg.layout.pp_schedule,
+                  cfg.layout.pp_stages_per_rank, cfg.layout.sequence_parallel)
+    est = estimate_memory(cfg.model, L, wl, ranks_per_node=resolved.ranks_per_node or None,
+                          hierarchical=resolved.hierarchical)
+    have = (torch.cuda.mem_get_info(device)[1] if device.type == "cuda"
+            else os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    if est.peak <= have:
+        return
+    state = est.params + est.grads + est.optimizer
+    fix = ("a smaller --batch-size, or --train.micro_batch_size to split it into micro-batches" if state < have / 2
+           else "a smaller model (mixtral-tiny, switch-tiny, deepseek-tiny), or more ranks (--ep, --fsdp) to shard it")
+    raise UserError(f"{cfg.preset} ({params / 1e9:.1f}B parameters): a rank needs ~{est.peak / 2**30:,.1f} GiB ({state / 2**30:,.1f} GiB weights, "
+                    f"gradients and AdamW state; {(est.peak - state) / 2**30:,.1f} GiB activations of a micro-batch "
+                    f"of {resolved.micro_batch} x {t.seq_len} tokens), but this {device.type} has "
+                    f"{have / 2**30:,.1f} GiB; use {fix} (moekit-train --dry-run shows the estimate by term)")
 
 
 def lr_lambda(cfg: TrainConfig):

@@ -35,6 +35,7 @@ import json
 import os
 import shutil
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Iterator
@@ -173,12 +174,32 @@ def train_bpe(args: argparse.Namespace, files: list[str], path: str) -> None:
     if not args.quiet:
         print(f"{PROG}: training a byte-level BPE tokenizer of {int(spec):,} ids on {len(files)} file(s)",
               file=sys.stderr, flush=True)
-    tok.train_from_iterator(documents(files, args.field, args.docs_per_line, Counts()), trainer=trainer)
+    docs = documents(files, args.field, args.docs_per_line, Counts())
+    interruptible(lambda: tok.train_from_iterator(docs, trainer=trainer))
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         tok.save(path)
     except Exception as exc:  # tokenizers raises plain Exception on I/O errors
         raise UserError(f"--output {args.output}: cannot write the trained tokenizer beside it ({exc})") from None
+
+
+def interruptible(work) -> None:
+    """``work()`` in a helper thread while this (the main) thread waits, so Ctrl-C stops the program at once: a
+    library call that runs for minutes in native code (BPE training) does not see Python's signal handling."""
+    failure: list[BaseException] = []
+
+    def target():
+        try:
+            work()
+        except BaseException as exc:  # handed to the main thread, which raises it
+            failure.append(exc)
+
+    thread = threading.Thread(target=target, name="moekit-prepare-work", daemon=True)  # left behind on Ctrl-C
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.1)
+    if failure:
+        raise failure[0]
 
 
 def choose_eos(args: argparse.Namespace, tok, file: str, vocab_size: int) -> int | None:
@@ -356,11 +377,23 @@ def open_output(out: str, vocab_size: int) -> TokenFileWriter:
 
 def prepare(args: argparse.Namespace) -> int:
     out = args.output
+    if not out.strip() or os.path.isdir(out):
+        raise UserError(f"--output {out!r}: {'a directory' if out.strip() else 'empty'}; name the token file to "
+                        f"write, e.g. {os.path.join(out, 'tokens.bin') if out.strip() else 'data/tokens.bin'}")
     workers = args.workers if args.workers is not None else min(len(os.sched_getaffinity(0)) if hasattr(
         os, "sched_getaffinity") else (os.cpu_count() or 1), 8)
     if workers < 1:
         raise UserError(f"--workers {workers}: must be at least 1")
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if workers > cpus:  # tokenizing is CPU-bound: more processes than CPUs only cost their start-up and memory
+        if not args.quiet:
+            print(f"{PROG}: note: --workers {workers} is more than the {cpus} CPU(s) available; using {cpus}",
+                  file=sys.stderr)
+        workers = cpus
     files = expand_inputs(args.inputs)
+    if args.field != "text" and all(input_kind(f) not in ("jsonl", "parquet") for f in files):
+        raise UserError(f"--field {args.field!r} names a JSONL key or Parquet column, but the inputs are plain text "
+                        f"({', '.join(files[:3])}{' ...' if len(files) > 3 else ''}); leave --field out")
     folder = os.path.dirname(os.path.abspath(out))
     made_folder = not os.path.isdir(folder)
     trained = None

@@ -96,6 +96,9 @@ class RunLock:
         """Lock ``run_dir`` (created if missing, then probed for writing) or raise a UserError naming its holder."""
         d = Path(run_dir)
         path = d / LOCK_FILE
+        clash = next((p for p in (d, *d.parents) if p.exists() and not p.is_dir()), None)
+        if clash is not None:
+            raise UserError(f"--run-dir {d}: {clash} is a file, not a directory; choose another --run-dir")
         made = [p for p in (d, *d.parents) if not p.exists()]
         for _ in range(10):  # a lock file unlinked by a failed trainer between our open and flock: open again
             try:

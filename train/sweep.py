@@ -22,8 +22,11 @@ A sweep file (TOML) holds the same settings; flags override it and --variant add
 
 Each variant runs ``python -m moekit.train BASE VARIANT --run-dir RUNS_DIR/NAME`` (with --nproc N:
 ``python -m torch.distributed.run --standalone --nproc-per-node N -m moekit.train ...``); the variant's
-flags come after the base's, so they win. Its output is streamed prefixed with [NAME]. A variant that
-fails is reported (exit status, last error line) and the sweep goes on; the report lists it. Written:
+flags come after the base's, so they win. Its output is streamed prefixed with [NAME]. Before anything trains,
+every variant's flags go through moekit-train's own checks (config, data, layout for --nproc ranks), so a typo
+fails in seconds, not after the variants before it have trained (--dry-run reports it too, exit status 2). A
+variant that fails, then or while training, is reported (exit status, last error line) and the sweep goes on;
+the report lists it. Written:
 RUNS_DIR/NAME/ (each run's records), RUNS_DIR/sweep.json (commands, exit statuses, times),
 RUNS_DIR/report.html (or --html). Exit status: 0 when every variant trained, 1 when any failed (the
 report still covers the others), 2 on bad input.
@@ -43,10 +46,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from moekit.train import UserError, program_name, run_program
+from moekit.train.runlock import probe_writable
 
 PROG = program_name("sweep.py")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
-RESERVED = ("--run-dir", "--log.run_dir", "--resume", "--print-config", "--dry-run", "--write-data")
+RESERVED = ("--run-dir", "--log.run_dir", "--resume", "--print-config", "--dry-run", "--write-data", "--help-config",
+            "--help", "-h")
+KINDS = {str: "a string", list: "an array of arguments", int: "an integer", dict: "a table", bool: "true or false"}
+SETTINGS = {"runs_dir": str, "base": (str, list), "nproc": int, "variants": dict, "html": str, "specialisation": bool}
 
 
 @dataclass
@@ -101,12 +108,16 @@ def load_sweep_file(path: str) -> dict:
         raise UserError(f"--config {path}: file not found") from None
     except tomllib.TOMLDecodeError as exc:
         raise UserError(f"--config {path}: invalid TOML ({exc})") from None
-    known = {"runs_dir", "base", "nproc", "variants", "html", "specialisation"}
-    unknown = sorted(set(data) - known)
+    unknown = sorted(set(data) - set(SETTINGS))
     if unknown:
-        raise UserError(f"--config {path}: unknown setting(s) {unknown}; a sweep file has {sorted(known)}")
+        raise UserError(f"--config {path}: unknown setting(s) {unknown}; a sweep file has {sorted(SETTINGS)}")
     if "variants" in data and not isinstance(data["variants"], dict):
         raise UserError(f"--config {path}: [variants] must be a table of NAME = \"FLAGS\"")
+    for key, want in SETTINGS.items():
+        value = data.get(key)
+        if value is not None and (not isinstance(value, want) or (want is int and isinstance(value, bool))):
+            kinds = " or ".join(KINDS[t] for t in (want if isinstance(want, tuple) else (want,)))
+            raise UserError(f"--config {path}: {key} = {value!r}: expected {kinds}")
     return data
 
 
@@ -164,6 +175,19 @@ def plan(args) -> tuple[Path, list[Variant], int, str, bool]:
         out.append(Variant(name, vargs, [*launcher, *base, *vargs, "--run-dir", str(run_dir)], str(run_dir)))
     html = args.html or file.get("html") or str(runs_dir / "report.html")
     return runs_dir, out, nproc, html, bool(args.specialisation or file.get("specialisation", False))
+
+
+def check_variants(variants: list[Variant], nproc: int) -> None:
+    """moekit-train's own checks of each variant's flags (its config, data and layout for ``nproc`` ranks), in this
+    process and before anything trains: a refused variant is failed with its one-line error (exit status 2, as
+    moekit-train would end), and the sweep goes on with the others."""
+    from moekit.train.cli import parse_args
+
+    for v in variants:
+        try:
+            parse_args([*v.command[v.command.index("moekit.train") + 1:]], world_size=nproc)
+        except UserError as exc:
+            v.status, v.exit_code, v.error = "failed", 2, f"moekit-train: error: {' '.join(str(exc).split())}"
 
 
 def finished(v: Variant) -> bool:
@@ -224,15 +248,25 @@ def main(argv: list[str] | None = None) -> int:
     def body() -> int:
         args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
         runs_dir, variants, nproc, html, spec = plan(args)
+        check_variants(variants, nproc)
+        refused = [v for v in variants if v.status == "failed"]
         if args.dry_run:
             for v in variants:
                 print(shlex.join(["python", *v.command[1:]]))
-            return 0
-        runs_dir.mkdir(parents=True, exist_ok=True)
+            for v in refused:
+                print(f"{PROG}: variant {v.name}: {v.error}", file=sys.stderr)
+            return 2 if refused else 0
+        probe_writable(runs_dir, "--runs-dir", keep=True)
+        probe_writable(Path(html).parent, "--html", keep=True)  # the report is written after hours of training
+        if Path(html).is_dir():
+            raise UserError(f"--html {html}: a directory; name the report's file, e.g. {Path(html) / 'report.html'}")
         t0 = time.perf_counter()
         print(f"[sweep] {len(variants)} variants into {runs_dir}"
               f"{f', {nproc} processes each (torchrun)' if nproc > 1 else ''}; report: {html}", flush=True)
         for i, v in enumerate(variants, 1):
+            if v.status == "failed":  # refused by check_variants
+                print(f"[sweep {i}/{len(variants)}] {v.name}: FAILED before starting: {v.error}", flush=True)
+                continue
             if args.skip_done and finished(v):
                 v.status = "skipped"
                 print(f"[sweep {i}/{len(variants)}] {v.name}: finished already with the same command; skipped",

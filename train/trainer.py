@@ -252,6 +252,9 @@ class Trainer:
             say(self.placement.describe())
         if self.start_step:
             say(f"resumed from {self.resume_from} at step {self.start_step}")
+        if self.start_step >= cfg.train.steps:  # a finished run restarted (a scheduler's retry): nothing to do
+            say(f"note: nothing to train: the checkpoint is at step {self.start_step} and --steps is "
+                f"{cfg.train.steps}; raise --steps to train further")
         if self.changes.summary():
             say(self.changes.summary())
 

@@ -12,7 +12,7 @@ import math
 import os
 from typing import TYPE_CHECKING
 
-from moekit.train import UserError, host_memory
+from moekit.train import UserError, host_memory, runlock
 from moekit.train.config import DEVICES, DTYPES, MAX_LR, ON_NONFINITE, PROGRESS, TrainConfig, TrainSection
 
 if TYPE_CHECKING:
@@ -57,6 +57,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _require(not t.init_from_hf or os.path.isdir(t.init_from_hf),
              f"--init-from-hf {t.init_from_hf}: not a directory (expected a HuggingFace model folder)")
     validate_upcycling_flags(t)
+    if t.export_hf:
+        validate_export_dir(t.export_hf, cfg.run_dir)
     from moekit.train.modelsource import adopt_source_model
 
     cfg.source_note = adopt_source_model(cfg)  # the architecture of --init-from-hf / --init-from-dense
@@ -65,13 +67,17 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _require(cfg.layout.ep_overlap_chunks >= 1 and (cfg.layout.ep_overlap_chunks == 1 or cfg.layout.ep > 1),
              f"--layout.ep_overlap_chunks {cfg.layout.ep_overlap_chunks} is invalid; it must be >= 1, and > 1 only with "
              f"--ep > 1 (it overlaps the expert-parallel all-to-all; 1 = off)")
-    _require(cfg.eval.every >= 0 and cfg.eval.sequences >= 1,
-             f"eval.every={cfg.eval.every} must be >= 0 and eval.sequences={cfg.eval.sequences} >= 1")
+    _require(cfg.eval.every >= 0,
+             f"--eval.every={cfg.eval.every} is invalid; it must be >= 0 (0 = only after the last step)")
+    _require(cfg.eval.sequences >= 1, f"--eval.sequences={cfg.eval.sequences} is invalid; it must be a positive number "
+                                      f"of validation sequences")
     _require(cfg.log.every >= 1, f"--log.every={cfg.log.every} is invalid; it must be a positive integer")
     _require(cfg.log.load_every >= 0, f"--log.load_every={cfg.log.load_every} is invalid; it must be >= 0 (0 = auto)")
     _require(cfg.log.progress in PROGRESS, f"--log.progress={cfg.log.progress!r} is invalid; choose one of {list(PROGRESS)}")
-    _require(cfg.checkpoint.every >= 0 and cfg.checkpoint.keep >= 1,
-             f"checkpoint.every={cfg.checkpoint.every} must be >= 0 and checkpoint.keep={cfg.checkpoint.keep} >= 1")
+    _require(cfg.checkpoint.every >= 0,
+             f"--checkpoint.every={cfg.checkpoint.every} is invalid; it must be >= 0 (0 = never)")
+    _require(cfg.checkpoint.keep >= 1, f"--checkpoint.keep={cfg.checkpoint.keep} is invalid; it must keep at least 1 "
+                                       f"checkpoint (the newest)")
     resolve_vocab(cfg)
     validate_model(cfg)
     validate_upcycling(cfg)
@@ -158,6 +164,15 @@ def resolve_vocab(cfg: TrainConfig) -> None:
         raise UserError(f"data file {path}: its tokenizer has vocab_size {vocab} (metadata {path}.json) but "
                         f"model.vocab_size is set to {cfg.model.vocab_size}; set it to at least {vocab}, or leave it "
                         f"out to take the data's")
+
+
+def validate_export_dir(export: str, run_dir: str) -> None:
+    """--export-hf must not be a run directory (this run's or another's): the HF config.json would replace the
+    run's, and its tokenizer.json change what the run's readers load."""
+    if os.path.realpath(export) == os.path.realpath(run_dir):
+        raise UserError(f"--export-hf {export} is this run's --run-dir; the HuggingFace folder would replace the "
+                        f"run's config.json; export to another folder, e.g. {os.path.join(run_dir, 'hf')}")
+    runlock.refuse_run_directory(export, "--export-hf")
 
 
 def validate_model(cfg: TrainConfig) -> None:
