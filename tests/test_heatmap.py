@@ -1,9 +1,12 @@
 """tools/heatmap.py on real short runs: figures, the summary's numbers, --compare, windows, errors."""
 from __future__ import annotations
 
-import importlib.util
+import builtins
+import errno
+import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -135,23 +138,228 @@ def test_layer_stats_oracle():
     assert s.dead_fraction == pytest.approx((2 + 1) / 2 / 4)
 
 
+def one_error(capsys, *words: str) -> str:
+    """The one line on stderr, holding every one of ``words``."""
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    for w in words:
+        assert w in err[0], (w, err[0])
+    return err[0]
+
+
 @pytest.mark.parametrize("argv,expected", [
     (["--steps", "5:2"], "FIRST <= LAST"),
     (["--steps", "x"], "expected FIRST:LAST"),
     (["--steps", "50:60"], "no expert-load records in steps 50..60"),
+    (["--steps=-5:3"], "--steps '-5:3': steps are >= 0"),
+    (["--steps", ":-1"], "--steps ':-1': steps are >= 0"),
+    (["--steps", "3"], "--steps '3': the colon is missing; give FIRST:LAST, e.g. 3:3 for step 3 alone"),
 ])
 def test_bad_windows(runs, capsys, argv, expected):
     assert heatmap.main([str(runs["topk"]), *argv, "--text-only"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and expected in err[0]
+    one_error(capsys, expected)
 
 
 def test_not_a_run_dir_and_bad_usage(tmp_path, capsys):
     assert heatmap.main([str(tmp_path), "--text-only"]) == 2
     assert "expert_load.bin: not found (nor expert_load.jsonl)" in capsys.readouterr().err
+    assert heatmap.main([str(tmp_path / "nonexist"), "--text-only"]) == 2
+    one_error(capsys, "nonexist: no such directory; give a moekit-train run directory")
+    (tmp_path / "tiny.txt").write_text("hi\n")
+    assert heatmap.main([str(tmp_path / "tiny.txt")]) == 2
+    one_error(capsys, "tiny.txt: is a file, not a run directory")
     assert heatmap.main(["--compare", str(tmp_path)]) == 2
     assert "at least two" in capsys.readouterr().err
     assert heatmap.main([]) == 2
+
+
+@pytest.fixture
+def read_only(monkeypatch):
+    """read_only(folder): creating or writing a file under ``folder`` fails as on a read-only filesystem (EROFS);
+    the tests may run as root, whom chmod does not stop."""
+    folders = []
+    real_open, real_os_open = builtins.open, os.open
+
+    def under(path) -> bool:
+        if not isinstance(path, (str, os.PathLike)):
+            return False  # a file descriptor
+        p = os.path.abspath(os.fspath(path))
+        return any(p == f or p.startswith(f + os.sep) for f in folders)
+
+    def refuse(path):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), os.fspath(path))
+
+    def fake_open(file, mode="r", *args, **kwargs):
+        if any(c in mode for c in "wax+") and under(file):
+            refuse(file)
+        return real_open(file, mode, *args, **kwargs)
+
+    def fake_os_open(path, flags, *args, **kwargs):
+        if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT) and under(path):
+            refuse(path)
+        return real_os_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", fake_open)
+    monkeypatch.setattr(io, "open", fake_open)  # pathlib's write_text
+    monkeypatch.setattr(os, "open", fake_os_open)
+    return lambda folder: folders.append(os.path.abspath(folder))
+
+
+def tree(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+@pytest.mark.parametrize("argv,words", [
+    ("{RUN} --out {DIR}", "--out {DIR}: is a directory; give a file path, e.g. {DIR}/expert_load.png"),
+    ("{RUN} --out {FILE}/x.png", "--out {FILE}/x.png: {FILE} is a file, not a directory; choose another path"),
+    ("{RUN} --out {RO}/x.png", "--out {RO}/x.png: cannot write in {RO} (Read-only file system); choose another"),
+    ("{RUN} --out {RO}/sub/x.png", "--out {RO}/sub/x.png: cannot write in {RO} (Read-only file system)"),
+    ("{RUN}", "{RUN}/expert_load.png: cannot write in {RUN} (Read-only file system); give --out elsewhere, or "
+              "--text-only"),
+    ("{RUN} --out {x} --html {DIR}", "--html {DIR}: is a directory; give a file path, e.g. {DIR}/report.html"),
+    ("--compare {RUN} {RUN2} --out {DIR}", "--out {DIR}: is a directory"),
+    ("--compare {RUN} {RUN2} --out {RO}/c.png", "--out {RO}/c.png: cannot write in {RO} (Read-only file system)"),
+    ("--compare {RUN} {RUN2} --html {FILE}/c.html", "--html {FILE}/c.html: {FILE} is a file, not a directory"),
+    ("--compare {RUN} {RUN2} --html {DIR}", "--html {DIR}: is a directory"),
+    ("--compare {RUN} {RUN2} --html {RO}/c.html", "--html {RO}/c.html: cannot write in {RO} (Read-only file "
+                                                  "system)"),
+])
+def test_unwritable_outputs_are_one_line_before_any_work(runs, tmp_path, monkeypatch, read_only, capsys, argv,
+                                                        words):
+    """--out, --html and the default figures in a read-only run directory: checked before the runs are read,
+    one line naming the flag and the path (never a .partial), nothing left behind."""
+    ro_run = tmp_path / "ro_run"
+    shutil.copytree(runs["topk"], ro_run)
+    for name in ("DIR", "RO"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "FILE").write_text("a file\n")
+    read_only(tmp_path / "RO")
+    read_only(ro_run)
+    paths = {"RUN": ro_run, "RUN2": runs["hash"], "DIR": tmp_path / "DIR", "FILE": tmp_path / "FILE",
+             "RO": tmp_path / "RO", "x": tmp_path / "x.png"}
+    before = tree(tmp_path)
+    monkeypatch.setattr(heatmap, "read_run", lambda *a: pytest.fail("read a run before checking the outputs"))
+    assert heatmap.main(argv.format(**paths).split()) == 2
+    line = one_error(capsys, words.format(**paths))
+    assert ".partial" not in line and ".write-probe" not in line
+    assert tree(tmp_path) == before
+
+
+def test_report_write_failure_leaves_no_partial(runs, tmp_path, monkeypatch, capsys):
+    """A report whose final rename fails (its path became a directory meanwhile): one line naming --html and the
+    path, and no REPORT.partial left."""
+    out = tmp_path / "c.html"
+    real_replace = os.replace
+
+    def replace(src, dst):
+        if str(dst) == str(out):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(src), str(dst))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    assert heatmap.main(["--compare", str(runs["topk"]), str(runs["hash"]), "--html", str(out)]) == 2
+    line = one_error(capsys, f"--html {out}: cannot write it (Is a directory)")
+    assert ".partial" not in line and tree(tmp_path) == []
+
+
+def fake_specialisation(run_dir: str) -> dict:
+    return {"format": "moekit-specialisation", "version": 1, "tokens": 64, "position_buckets": ["0", "1"],
+            "layers": [{"name": "layers.0.ffn", "position_share": [[0.5, 0.5], [0.25, 0.75]],
+                        "token_concentration": 0.5,
+                        "experts": [{"expert": 0, "share": 0.5, "top_tokens": [
+                            {"id": 7, "text": "a", "count": 3, "specificity": 1.0}]}]}]}
+
+
+def test_specialisation_cache_in_a_read_only_run_is_a_note(runs, tmp_path, monkeypatch, read_only, capsys):
+    """--specialisation where one run directory cannot take specialisation.json: a note, the specialisation
+    computed without its cache, and the report written."""
+    from moekit.train import evaluate
+
+    a, b = tmp_path / "ro_topk", tmp_path / "hash"
+    shutil.copytree(runs["topk"], a)
+    shutil.copytree(runs["hash"], b)
+    monkeypatch.setattr(evaluate, "run", lambda args: {"specialisation": fake_specialisation(args.path),
+                                                       "checkpoint": f"{args.path}/checkpoints/step_6",
+                                                       "step": 6})
+    read_only(a)
+    out = tmp_path / "c.html"
+    assert heatmap.main(["--compare", str(a), str(b), "--specialisation", "--html", str(out)]) == 0
+    one_error(capsys, "note:", f"{a}/specialisation.json: cannot write in {a} (Read-only file system)",
+              "without caching")
+    assert not (a / "specialisation.json").exists() and (b / "specialisation.json").exists()
+    page = out.read_text()
+    assert '<section id="specialisation">' in page and "<h3>ro_topk</h3>" in page and "<h3>hash</h3>" in page
+
+
+def test_corrupt_run_config_is_one_line(runs, tmp_path, capsys):
+    from moekit.train import placement
+
+    bad = tmp_path / "hm2"
+    shutil.copytree(runs["topk"], bad)
+    (bad / "config.json").write_text("garbage{\n")
+    want = [f"{bad}/config.json: corrupt config.json (JSONDecodeError", "restore it"]
+    assert heatmap.main([str(bad), "--text-only"]) == 2
+    one_error(capsys, *want)
+    assert heatmap.main(["--compare", str(runs["topk"]), str(bad), "--text-only"]) == 2
+    one_error(capsys, *want)
+    assert placement.main([str(bad), "--ep", "2", "-o", str(tmp_path / "p.json")]) == 2
+    one_error(capsys, *want)
+    (bad / "config.json").write_text("[1, 2]\n")
+    assert heatmap.main([str(bad), "--text-only"]) == 2
+    one_error(capsys, "config.json: corrupt config.json (a JSON list, not an object); restore it")
+
+
+@pytest.mark.parametrize("argv,words", [
+    ("{RUN} --text-only --out {x}.png", "--text-only draws nothing, so it cannot take --out; drop one of them"),
+    ("{RUN} --text-only --html {x}.html --specialisation", "--text-only draws nothing, so it cannot take --html "
+                                                           "or --specialisation"),
+    ("--compare {RUN} {RUN2} --text-only --html {x}.html", "--text-only draws nothing, so it cannot take --html"),
+    ("{RUN} --specialisation", "--specialisation adds a section to the HTML report, which one run writes only "
+                               "with --html REPORT.html; give --html too"),
+    ("{RUN} --out {x}.txt", "--out {x}.txt: cannot draw a .txt file; give a path ending in .png, .jpg, .jpeg, "
+                            ".pdf or .svg"),
+    ("{RUN} --out {x}", "--out {x}: cannot draw a file without a suffix"),
+    ("--compare {RUN} {RUN}", "--compare {RUN}: given twice; compare different run directories"),
+    ("--compare {RUN} {RUN2} {RUN}/", "--compare {RUN}/: the same run as {RUN}"),
+])
+def test_inputs_that_would_be_ignored_or_misread_are_refused(runs, tmp_path, capsys, argv, words):
+    paths = {"RUN": runs["topk"], "RUN2": runs["hash"], "x": tmp_path / "x"}
+    before = tree(runs["topk"])
+    assert heatmap.main(argv.format(**paths).split()) == 2
+    one_error(capsys, words.format(**paths))
+    assert tree(tmp_path) == [] and tree(runs["topk"]) == before
+
+
+def test_figures_in_the_format_the_suffix_names(runs, tmp_path, capsys):
+    out = tmp_path / "load.jpg"
+    assert heatmap.main([str(runs["topk"]), "--out", str(out)]) == 0
+    assert f"wrote {out} and {tmp_path / 'load_steps.jpg'}" in capsys.readouterr().out
+    assert tree(tmp_path) == ["load.jpg", "load_steps.jpg"]
+    for name in tree(tmp_path):
+        assert (tmp_path / name).read_bytes()[:3] == b"\xff\xd8\xff"  # JPEG
+    assert heatmap.main(["--compare", str(runs["topk"]), str(runs["hash"]), "--out", str(tmp_path / "c.svg")]) == 0
+    assert (tmp_path / "c.svg").read_text().lstrip().startswith("<?xml") and (tmp_path / "c.html").exists()
+
+
+def test_partial_last_record_is_a_note(runs, tmp_path, capsys):
+    run = tmp_path / "cut"
+    shutil.copytree(runs["topk"], run)
+    with open(run / "expert_load.bin", "ab") as f:  # a crash mid-write
+        f.write(b"\x01" * 17)
+    assert heatmap.main([str(run), "--text-only"]) == 0
+    one_error(capsys, f"note: {run}/expert_load.bin ends in a partial record (17 bytes); read 6 whole records")
+    assert heatmap.main([str(runs["topk"]), "--text-only"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_compare_with_a_run_without_config_says_so(runs, tmp_path, capsys):
+    bare = tmp_path / "bare"
+    shutil.copytree(runs["seed1"], bare)
+    (bare / "config.json").unlink()
+    assert heatmap.main(["--compare", str(runs["topk"]), str(bare), "--text-only"]) == 0
+    out = capsys.readouterr().out
+    assert f"note: {bare} has no config.json, so the runs' settings are not compared" in out
+    assert "differ in" not in out
 
 
 def test_without_matplotlib_says_how_to_install(runs, tmp_path):

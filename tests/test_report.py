@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import re
 import struct
 import time
@@ -93,7 +94,8 @@ def test_binary_record_resume_truncates_and_cut_records_are_ignored(tmp_path):
     w.close()
     with open(path, "ab") as f:  # a crash mid-write: half a record
         f.write(b"\x01" * 17)
-    assert records.read_expert_load(tmp_path).steps.tolist() == [1, 2, 3, 4, 5]
+    cut = records.read_expert_load(tmp_path)
+    assert cut.steps.tolist() == [1, 2, 3, 4, 5] and cut.partial_bytes == 17 and cut.window(2, 3).partial_bytes == 17
     records.truncate_after(path, 3)  # --resume from step 3
     w = records.ExpertLoadWriter(path, ["a", "b"], "topk", 2, 3, max_count=100)
     w.write_counts(4, np.full((2, 3), 40), np.full((2, 3), 40), [0, 0])
@@ -276,6 +278,36 @@ def test_report_from_old_jsonl_run_and_single_run_html(tmp_path, capsys):
     assert heatmap.main([str(run), "--html", str(out)]) == 0
     assert (run / "expert_load.png").exists() and (run / "expert_load_steps.png").exists()
     check_self_contained(out.read_text())
+
+
+def test_report_to_an_unwritable_path_is_one_line_before_drawing(tmp_path, monkeypatch):
+    """write_report (moekit-heatmap, moekit-sweep): a path that is a directory, under a file, or whose final rename
+    fails is a UserError naming --html and that path, never its .partial, and leaves no .partial behind."""
+    run = heatmap.read_run(str(synthetic_run(tmp_path / "s", layers=2, experts=4, steps=10, tokens_per_step=16,
+                                             top_k=1)), (None, None))
+    (tmp_path / "f").write_text("a file\n")
+    (tmp_path / "d").mkdir()
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with monkeypatch.context() as m:
+        m.setattr(loadplots, "png_bytes", lambda *a, **k: pytest.fail("drew before checking the path"))
+        with pytest.raises(records.UserError, match=re.escape(f"--html {tmp_path}/d: is a directory; give a file")):
+            report.write_report([run], str(tmp_path / "d"))
+        with pytest.raises(records.UserError, match=re.escape(f"--html {tmp_path}/f/r.html: {tmp_path}/f is a file, "
+                                                              f"not a directory")):
+            report.write_report([run], str(tmp_path / "f" / "r.html"))
+    out = tmp_path / "r.html"
+    real_replace = os.replace
+
+    def replace(src, dst):  # the path became a directory while the figures were drawn
+        if str(dst) == str(out):
+            raise IsADirectoryError(21, "Is a directory", str(src), str(dst))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(records.UserError) as exc:
+        report.write_report([run], str(out))
+    assert str(exc.value) == f"--html {out}: cannot write it (Is a directory); choose another path"
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
 # ---------------------------------------------------------------------------------------------------

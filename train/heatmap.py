@@ -1,10 +1,11 @@
 """Expert-load analysis of training runs: ``moekit-heatmap`` (or ``python tools/heatmap.py`` in a checkout).
 
-    moekit-heatmap RUN_DIR [--steps FIRST:LAST] [--out PNG] [--html REPORT.html]
+    moekit-heatmap RUN_DIR [--steps FIRST:LAST] [--out FIGURE] [--html REPORT.html [--specialisation]]
         RUN_DIR/expert_load.png        layers x experts: share of each layer's tokens per expert
         RUN_DIR/expert_load_steps.png  load over steps: step bins x layers, experts sorted by load
+                                       (--out names the first, .png, .jpg, .pdf or .svg; OUT_steps the second)
         stdout                         per layer: per-step imbalance (mean, p50, p95, max), CV, drops, dead
-    moekit-heatmap --compare RUN_A RUN_B ... [--html REPORT.html] [--out PNG] [--specialisation]
+    moekit-heatmap --compare RUN_A RUN_B ... [--html REPORT.html] [--out FIGURE] [--specialisation]
         REPORT.html (default compare.html, or --out's name with .html): the comparison report, one
         self-contained page (loss, per-step imbalance and its distribution, drops, dead and saturated
         experts, tokens/s, heatmaps on a shared colour scale); --out also writes the heatmaps as a PNG;
@@ -16,7 +17,7 @@ Per optimizer step and MoE layer, from the kept tokens per expert c_e of that st
 then their distribution over steps: mean, p50, p95, max. The heatmaps colour each expert by its share
 of the layer's tokens. Records of any size (61 layers x 256 experts x 100k steps) are read in chunks and
 every figure is binned to at most 16 megapixels. Needs matplotlib (pip install -e ".[viz]"); --text-only
-prints the summary without it.
+prints the summary without it. Output paths are checked before any run is read.
 """
 from __future__ import annotations
 
@@ -27,10 +28,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from moekit.train import OneLineParser, UserError, program_name
-from moekit.train.loadplots import INSTALL_HINT, Series, fig_layers, fig_steps, pyplot, save_png  # noqa: F401
+from moekit.train import OneLineParser, UserError, program_name, run_program
+from moekit.train.loadplots import (Series, check_figure_suffix, check_output, fig_layers, fig_steps, pyplot,
+                                    save_figure)
 from moekit.train.loadstats import LayerStats, LoadAnalysis, analyse
-from moekit.train.records import ExpertLoadRecord, parse_window, read_config, read_expert_load, read_metrics
+from moekit.train.record_readers import (ExpertLoadRecord, expert_load_path, parse_window, read_config,
+                                         read_expert_load, read_metrics)
+from moekit.train.runlock import describe_os_error
 
 
 def layer_stats(rec: ExpertLoadRecord) -> list[LayerStats]:
@@ -70,8 +74,17 @@ class RunRecords:
         return float(np.median(vals)) if vals else float("nan")
 
 
+def print_note(text: str) -> None:
+    print(f"{program_name('heatmap.py')}: note: {text}", file=sys.stderr)
+
+
 def read_run(path: str, window) -> RunRecords:
-    load = read_expert_load(path).window(*window)
+    load = read_expert_load(path)
+    if load.partial_bytes:  # a crash mid-write, or a run still writing
+        n = len(load)
+        print_note(f"{load.source} ends in a partial record ({load.partial_bytes} bytes); read {n} whole "
+             f"record{'s' if n != 1 else ''}")
+    load = load.window(*window)
     analysis = analyse(load)
     metrics = read_metrics(path) if os.path.exists(os.path.join(path, "metrics.jsonl")) else []
     config = read_config(path) if os.path.exists(os.path.join(path, "config.json")) else {}
@@ -138,6 +151,10 @@ def config_differences(runs: list[RunRecords]) -> list[str]:
 
 
 def difference_note(runs: list[RunRecords]) -> str | None:
+    missing = [r.path for r in runs if not r.config]
+    if missing:
+        return (f"note: {', '.join(missing)} {'has' if len(missing) == 1 else 'have'} no config.json, so the runs' "
+                f"settings are not compared")
     diffs = config_differences(runs)
     if not diffs:
         return None
@@ -153,35 +170,65 @@ def series(run: RunRecords) -> Series:
     return Series(run.label, run.analysis, run.metrics, run.window_text())
 
 
-def draw_run(run: RunRecords, out: str) -> None:
-    save_png(fig_layers([series(run)]), out)
+def draw_run(run: RunRecords, out: str, flag: str | None = "--out", fix: str = "choose another path") -> None:
+    save_figure(fig_layers([series(run)]), out, flag=flag, fix=fix)
 
 
-def draw_steps(run: RunRecords, out: str) -> None:
-    save_png(fig_steps(series(run)), out)
+def draw_steps(run: RunRecords, out: str, flag: str | None = "--out", fix: str = "choose another path") -> None:
+    save_figure(fig_steps(series(run)), out, flag=flag, fix=fix)
 
 
 def draw_compare(runs: list[RunRecords], out: str) -> None:
-    save_png(fig_layers([series(r) for r in runs]), out)
+    save_figure(fig_layers([series(r) for r in runs]), out)
 
 
-def write_html(runs: list[RunRecords], out: str, specialisation: bool = False, failed=None, title=None) -> dict:
+def specialisation_of(run: RunRecords) -> dict | None:
+    """The run's expert specialisation (specialisation.for_run_dir: RUN/specialisation.json, computed from the
+    newest checkpoint and cached there when missing); where the run directory cannot take that cache, computed
+    without it. None, with a note, for a run without one."""
+    from moekit.train import specialisation
+
+    cache = os.path.join(run.path, specialisation.SPEC_FILE)
+    try:
+        if not os.path.exists(cache):
+            try:
+                check_output(cache, fix="computing it without caching")
+            except UserError as exc:
+                print_note(str(exc))
+                return _uncached_specialisation(run)
+        return specialisation.for_run_dir(run.path)
+    except UserError as exc:
+        print_note(f"no specialisation for {run.path}: {exc}")
+    except OSError as exc:  # e.g. the cache's write failed after all (a full disk)
+        print_note(f"no specialisation for {run.path}: {describe_os_error(exc)}")
+    return None
+
+
+def _uncached_specialisation(run: RunRecords) -> dict:
+    """for_run_dir's computation without its cache write: the run directory is read-only."""
+    from moekit.train import evaluate
+    from moekit.train.specialisation import DEFAULT_TOKENS
+
+    seq_len = evaluate._run_defaults(run.config)[0] or 1024
+    result = evaluate.run(evaluate.build_parser().parse_args(
+        [run.path, "--max-tokens", str(DEFAULT_TOKENS), "--batch-size", str(max(1, 8192 // seq_len)),
+         "--specialisation", "--quiet"]))
+    spec = result["specialisation"]
+    spec["source"] = f"{result['checkpoint']} (step {result['step']}; not cached: the run directory is read-only)"
+    return spec
+
+
+def write_html(runs: list[RunRecords], out: str, specialisation: bool = False, failed=None, title=None,
+               flag: str | None = "--html", fix: str = "choose another path") -> dict:
     from moekit.train.report import write_report
 
     spec = None
     if specialisation:
-        from moekit.train.specialisation import for_run_dir
-
-        spec = {}
-        for r in runs:
-            try:
-                spec[r.name] = for_run_dir(r.path)
-            except UserError as exc:
-                print(f"{program_name('heatmap.py')}: note: no specialisation for {r.path}: {exc}", file=sys.stderr)
+        spec = {r.name: s for r in runs if (s := specialisation_of(r)) is not None}
     note = difference_note(runs) if len(runs) > 1 else None
     return write_report(runs, out, title=title or ("moekit routing comparison" if len(runs) > 1 else
                                                   f"moekit expert load: {runs[0].name}"),
-                        notes=[note] if note else [], failed=failed, specialisation=spec)
+                        notes=[note] if note else [], failed=failed, specialisation=spec, flag=flag, fix=fix)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -191,30 +238,75 @@ def write_html(runs: list[RunRecords], out: str, specialisation: bool = False, f
 
 def parse_args(argv):
     p = OneLineParser(prog=program_name("heatmap.py"), description=__doc__, allow_abbrev=False,
-                formatter_class=argparse.RawDescriptionHelpFormatter)
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", nargs="?", help="a moekit-train run directory")
     p.add_argument("--compare", nargs="+", metavar="RUN", help="compare two or more run directories")
-    p.add_argument("--steps", help="step window FIRST:LAST (either side may be empty); default all steps")
-    p.add_argument("--out", help="PNG path (default RUN_DIR/expert_load.png; with --compare: also write the "
-                                 "side-by-side heatmaps here)")
+    p.add_argument("--steps", help="step window FIRST:LAST (either side may be empty; 5:5 is step 5 alone); "
+                                   "default all steps")
+    p.add_argument("--out", help="figure path, .png, .jpg, .pdf or .svg (default RUN_DIR/expert_load.png, and "
+                                 "OUT_steps beside it; with --compare: also write the side-by-side heatmaps here)")
     p.add_argument("--html", metavar="REPORT", help="write the HTML report here (with --compare the default is "
                                                     "compare.html, or --out's path with .html)")
     p.add_argument("--specialisation", action="store_true",
-                   help="add expert specialisation to the report: RUN/specialisation.json, computed from the run's "
-                        "newest checkpoint when missing (moekit-eval --specialisation)")
-    p.add_argument("--text-only", action="store_true", help="print the summary, draw nothing")
+                   help="add expert specialisation to the HTML report (so, for one run, with --html): "
+                        "RUN/specialisation.json, computed from the run's newest checkpoint when missing "
+                        "(moekit-eval --specialisation) and cached there where the run directory is writable")
+    p.add_argument("--text-only", action="store_true", help="print the summary, draw nothing (no --out, --html or "
+                                                            "--specialisation)")
     args = p.parse_args(argv)
     if bool(args.run_dir) == bool(args.compare):
         raise UserError("give one RUN_DIR, or --compare RUN_A RUN_B ... (see --help)")
     if args.compare and len(args.compare) < 2:
         raise UserError("--compare needs at least two run directories")
+    seen = {}
+    for path in args.compare or []:
+        first = seen.setdefault(os.path.realpath(path), path)
+        if first is not path:
+            same = "given twice" if first == path else f"the same run as {first}"
+            raise UserError(f"--compare {path}: {same}; compare different run directories")
+    drawn = [flag for flag, given in (("--out", args.out), ("--html", args.html),
+                                      ("--specialisation", args.specialisation)) if given]
+    if args.text_only and drawn:
+        raise UserError(f"--text-only draws nothing, so it cannot take {' or '.join(drawn)}; drop one of them")
+    if args.specialisation and args.run_dir and not args.html:
+        raise UserError("--specialisation adds a section to the HTML report, which one run writes only with "
+                        "--html REPORT.html; give --html too")
     return args
 
 
+def outputs(args) -> list[tuple[str, str | None, str, str]]:
+    """The files the program will write: (path, its flag or None for a default path, the fix to suggest when it
+    cannot be written, an example file name for a path that is a directory); the report last."""
+    if args.text_only:
+        return []
+    another = "choose another path"
+    if args.compare:
+        figure = [(args.out, "--out", another, "expert_load.png")] if args.out else []
+        if args.html:
+            return figure + [(args.html, "--html", another, "report.html")]
+        html = os.path.splitext(args.out)[0] + ".html" if args.out else "compare.html"
+        return figure + [(html, None, "give --html elsewhere, or --text-only", "report.html")]
+    flag, fix = ("--out", another) if args.out else (None, "give --out elsewhere, or --text-only")
+    out = args.out or os.path.join(args.run_dir, "expert_load.png")
+    stem, ext = os.path.splitext(out)
+    files = [(out, flag, fix, "expert_load.png"), (f"{stem}_steps{ext}", flag, fix, "expert_load.png")]
+    return files + ([(args.html, "--html", another, "report.html")] if args.html else [])
+
+
 def main(argv: list[str] | None = None) -> int:
+    return run_program(program_name("heatmap.py"), lambda: run(parse_args(sys.argv[1:] if argv is None else argv)))
+
+
+def run(args) -> int:
     try:
-        args = parse_args(sys.argv[1:] if argv is None else argv)
         window = parse_window(args.steps)
+        for path in args.compare or [args.run_dir]:
+            expert_load_path(path)  # a missing or wrong run directory first: the output checks would name it
+        files = outputs(args)
+        for path, flag, fix, example in files:
+            check_output(path, flag, fix, example)
+        if args.out:
+            check_figure_suffix(args.out)
         if not args.text_only:
             pyplot()  # fail on a missing matplotlib before reading anything
         if args.compare:
@@ -225,35 +317,31 @@ def main(argv: list[str] | None = None) -> int:
             note = difference_note(runs)
             if note:
                 print(note)
-            if not args.text_only:
+            if files:
                 if args.out:
                     draw_compare(runs, args.out)
                     print(f"wrote {args.out}")
-                html = args.html or (os.path.splitext(args.out)[0] + ".html" if args.out else "compare.html")
-                write_html(runs, html, args.specialisation)
+                html, flag, fix, _ = files[-1]
+                write_html(runs, html, args.specialisation, flag=flag, fix=fix)
                 print(f"wrote {html}")
             return 0
-        run = read_run(args.run_dir, window)
+        single = read_run(args.run_dir, window)
         wrote = []
-        if not args.text_only:  # figures first: a reader that stops early (| head) does not cost them
-            out = args.out or os.path.join(args.run_dir, "expert_load.png")
-            steps_out = os.path.splitext(out)[0] + "_steps.png"
-            draw_run(run, out)
-            draw_steps(run, steps_out)
+        if files:  # figures first: a reader that stops early (| head) does not cost them
+            (out, flag, fix, _), (steps_out, *_) = files[:2]
+            draw_run(single, out, flag, fix)
+            draw_steps(single, steps_out, flag, fix)
             wrote += [out, steps_out]
             if args.html:
-                write_html([run], args.html, args.specialisation)
+                write_html([single], args.html, args.specialisation)
                 wrote.append(args.html)
-        print(summary_text(run))
+        print(summary_text(single))
         if wrote:
             print(f"wrote {', '.join(wrote[:-1])} and {wrote[-1]}" if len(wrote) > 1 else f"wrote {wrote[0]}")
         return 0
     except BrokenPipeError:  # e.g. `moekit-heatmap RUN | head`: the reader has gone, not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
         return 0
-    except UserError as exc:
-        print(f"{program_name('heatmap.py')}: error: {exc}", file=sys.stderr)
-        return 2
 
 
 if __name__ == "__main__":

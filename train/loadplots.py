@@ -10,11 +10,16 @@ raw [N, L, E] record, and saved at a size capped to MAX_PIXELS (16 megapixels; m
     lines       loss, per-step imbalance over time and its distribution, drops, dead / saturated experts,
                 tokens/s: curves of at most MAX_POINTS binned points per run
 
-Needs matplotlib (the ``viz`` extra).
+``save_figure`` writes a figure in the format its path's suffix names (FIGURE_FORMATS); ``check_output`` tells,
+before any work, whether a path can be written, and ``write_file`` writes one through a .partial file, both as
+one-line UserErrors naming the flag and the path. Needs matplotlib (the ``viz`` extra).
 """
 from __future__ import annotations
 
+import contextlib
 import io
+import os
+import tempfile
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +33,9 @@ MAX_PIXELS = 16_000_000
 STEP_GROUPS = 32  # rows per layer band in the steps heatmap (experts grouped by load rank beyond that)
 MAX_POINTS = 600  # points per curve
 DPI = 100
+FIGURE_FORMATS = ("png", "jpg", "jpeg", "pdf", "svg")  # what --out may name (Agg writes each by suffix)
+# no metadata naming matplotlib's web address in the files (jpg carries none)
+_NO_METADATA = {"png": {"Software": None}, "pdf": {"Creator": None, "Producer": None}, "svg": {"Creator": None}}
 
 
 def pyplot():
@@ -59,10 +67,62 @@ def png_bytes(fig, dpi: float = DPI) -> bytes:
     return buf.getvalue()
 
 
-def save_png(fig, path: str, dpi: float = DPI) -> None:
-    data = png_bytes(fig, dpi)
-    with open(path, "wb") as f:
-        f.write(data)
+def check_figure_suffix(path: str, flag: str = "--out") -> str:
+    """The figure format ``path``'s suffix asks for (png, jpg, pdf, svg); UserError for any other."""
+    fmt = os.path.splitext(path)[1].lower().lstrip(".")
+    if fmt not in FIGURE_FORMATS:
+        what = f"a .{fmt} file" if fmt else "a file without a suffix"
+        raise UserError(f"{flag} {path}: cannot draw {what}; give a path ending in "
+                        f"{', '.join('.' + f for f in FIGURE_FORMATS[:-1])} or .{FIGURE_FORMATS[-1]}")
+    return fmt
+
+
+def check_output(path: str, flag: str | None = None, fix: str = "choose another path",
+                 example: str = "expert_load.png") -> None:
+    """UserError, before any work, where ``path`` cannot become a file: it is a directory, a folder on its way is
+    a file, or the nearest existing folder refuses a new file (tried with a probe file, removed again). The
+    message names ``flag`` and ``path`` and ends in ``fix``; missing folders are made when the file is written."""
+    label = f"{flag} {path}" if flag else path
+    if os.path.isdir(path):
+        raise UserError(f"{label}: is a directory; give a file path, e.g. {os.path.join(path, example)}")
+    folder = os.path.dirname(path) or "."
+    while not os.path.lexists(folder):
+        folder = os.path.dirname(folder) or "."
+    if not os.path.isdir(folder):
+        raise UserError(f"{label}: {folder} is a file, not a directory; {fix}")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise UserError(f"{label}: cannot write in {folder} ({exc.strerror or exc}); {fix}") from None
+
+
+def write_file(path: str, data: bytes, flag: str | None = None, fix: str = "choose another path") -> None:
+    """Write ``data`` to ``path`` (its missing folders made) through ``path``.partial, so no half-written file
+    takes its name; an OSError is a UserError naming ``flag`` and ``path``, and leaves no .partial behind."""
+    tmp = f"{path}.partial"
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        label = f"{flag} {path}" if flag else path
+        raise UserError(f"{label}: cannot write it ({exc.strerror or exc}); {fix}") from None
+
+
+def save_figure(fig, path: str, dpi: float = DPI, flag: str | None = "--out",
+                fix: str = "choose another path") -> None:
+    """Write the figure in the format its suffix names (check_figure_suffix), closed afterwards."""
+    fmt = check_figure_suffix(path, flag or "--out")
+    plt = pyplot()
+    buf = io.BytesIO()
+    fig.savefig(buf, format=fmt, dpi=capped_dpi(fig, dpi), metadata=_NO_METADATA.get(fmt))
+    plt.close(fig)
+    write_file(path, buf.getvalue(), flag, fix)
 
 
 def png_size(data: bytes) -> tuple[int, int]:

@@ -13,7 +13,10 @@ from typing import Iterator
 import numpy as np
 
 from moekit.train import UserError
-from moekit.train.records import (CONFIG, EXPERT_LOAD, EXPERT_LOAD_BIN, ExpertLoadWriter, LOAD_FORMAT, LOAD_VERSION, METRICS, _bin_layout, _jsonl_chunks, _read_bin_header, _read_steps, _sorted, record_dtype)
+from moekit.train.records import (CONFIG, EXPERT_LOAD, EXPERT_LOAD_BIN, ExpertLoadWriter, LOAD_FORMAT, LOAD_VERSION,
+                                  METRICS, _bin_layout, _jsonl_chunks, _read_bin_header, _read_steps, _sorted,
+                                  record_dtype)
+
 
 @dataclass
 class ExpertLoadRecord:
@@ -31,6 +34,7 @@ class ExpertLoadRecord:
     stride: int = 1  # the writer's stride (informational: the steps are in ``steps``)
     source: str = ""  # the file it was read from
     file: tuple | None = None  # expert_load.bin: (path, byte offset of row 0, record dtype) for chunked reads
+    partial_bytes: int = 0  # expert_load.bin: bytes of a partial last record after the whole ones, left out
 
     @property
     def num_experts(self) -> int:
@@ -57,7 +61,8 @@ class ExpertLoadRecord:
             raise UserError(f"no expert-load records in steps {lo}..{hi} (the run has steps "
                             f"{self.steps.min()}..{self.steps.max()})")
         return ExpertLoadRecord(self.router, self.top_k, self.layers, self.steps[sel], self.tokens[sel],
-                                self.assigned[sel], self.dropped[sel], self.stride, self.source, file)
+                                self.assigned[sel], self.dropped[sel], self.stride, self.source, file,
+                                self.partial_bytes)
 
     def chunks(self, rows: int) -> Iterator[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
         """(first row index, tokens, assigned, dropped) of at most ``rows`` steps each, as integer arrays (the
@@ -99,14 +104,43 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
 def read_config(run_dir: str | Path) -> dict:
     path = Path(run_dir) / CONFIG
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        config = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise UserError(f"{path}: not found; is {run_dir} a moekit run directory?") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"{path}: corrupt config.json ({type(exc).__name__}: {exc}); restore it") from None
+    except OSError as exc:
+        raise UserError(f"{path}: unreadable ({exc.strerror or exc})") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{path}: corrupt config.json (a JSON {type(config).__name__}, not an object); restore it")
+    return config
+
+
+def parse_window(text: str | None) -> tuple[int | None, int | None]:
+    """--steps FIRST:LAST (either side may be empty) -> (first, last); None, None for no window."""
+    if not text:
+        return None, None
+    first, sep, last = text.partition(":")
+    try:
+        lo, hi = (int(first) if first.strip() else None), (int(last) if last.strip() else None)
+    except ValueError:
+        raise UserError(f"--steps {text!r}: expected FIRST:LAST step numbers, e.g. 100:200 or 100:") from None
+    if (lo is not None and lo < 0) or (hi is not None and hi < 0):
+        raise UserError(f"--steps {text!r}: steps are >= 0; give FIRST:LAST, e.g. 100:200 or :200")
+    if not sep:  # "--steps 100" may mean step 100 or the first 100 steps: ask
+        raise UserError(f"--steps {text!r}: the colon is missing; give FIRST:LAST, e.g. {lo}:{lo} for step {lo} "
+                        f"alone, {lo}: from it on, :{lo} up to it")
+    if lo is not None and hi is not None and lo > hi:
+        raise UserError(f"--steps {text!r}: expected FIRST:LAST with FIRST <= LAST, e.g. 100:200")
+    return lo, hi
 
 
 def expert_load_path(run_dir: str | Path) -> Path:
     """The run's expert-load file: expert_load.bin, else expert_load.jsonl (an older run)."""
     d = Path(run_dir)
+    if not d.is_dir():
+        what = "is a file, not a run directory" if d.exists() else "no such directory"
+        raise UserError(f"{d}: {what}; give a moekit-train run directory (moekit-train --run-dir)")
     binary = d / EXPERT_LOAD_BIN
     if binary.exists():
         return binary
@@ -134,13 +168,13 @@ def _read_binary(path: Path) -> ExpertLoadRecord:
     head, start = _read_bin_header(path)
     _check_header(path, head)
     rec = _bin_layout(path, head)
-    n = (path.stat().st_size - start) // rec.itemsize  # a partial last record (a crash mid-write) is left out
+    n, partial = divmod(path.stat().st_size - start, rec.itemsize)  # a crash mid-write leaves a partial record
     if n == 0:
         raise UserError(f"{path}: no steps recorded yet")
     mm = np.memmap(path, dtype=rec, mode="r", offset=start, shape=(n,))
     steps = _read_steps(path, start, rec, n)  # [N]: small, and the sorted checks want it in memory
     return ExpertLoadRecord(head["router"], head["top_k"], head["layers"], steps, mm["tokens"], mm["assigned"],
-                            mm["dropped"], int(head.get("stride", 1)), str(path), (str(path), start, rec))
+                            mm["dropped"], int(head.get("stride", 1)), str(path), (str(path), start, rec), partial)
 
 
 def _jsonl_header(path: Path, first: dict) -> dict:

@@ -14,7 +14,6 @@ import datetime
 import html
 import json
 import math
-import os
 
 import numpy as np
 
@@ -27,7 +26,8 @@ SECTIONS = ("summary", "loss", "imbalance", "drops", "experts", "throughput", "h
 STYLE = """
 body { font-family: -apple-system, "Segoe UI", Helvetica, Arial, sans-serif; margin: 1.5em 2em; color: #222;
        max-width: 1800px; }
-h1 { font-size: 1.5em; } h2 { font-size: 1.2em; border-bottom: 1px solid #ccc; padding-bottom: .2em; margin-top: 1.8em; }
+h1 { font-size: 1.5em; }
+h2 { font-size: 1.2em; border-bottom: 1px solid #ccc; padding-bottom: .2em; margin-top: 1.8em; }
 table { border-collapse: collapse; font-size: .85em; margin: .5em 0; }
 th, td { border: 1px solid #ddd; padding: .25em .5em; text-align: right; }
 th { background: #f3f3f3; } td.l, th.l { text-align: left; }
@@ -69,7 +69,8 @@ def summary_rows(runs) -> tuple[list[str], list[list[str]]]:
         s = r.summary
         rows.append([html.escape(r.name), html.escape(s["router"]), str(s["experts"]), str(s["layers"]),
                      f"{s['steps'][0]}-{s['steps'][1]}", _fmt(r.final("loss"), ".4f"),
-                     _fmt(r.final("val_loss"), ".4f"), *(_fmt(s["step_imbalance"][k]) for k in ("mean", "p50", "p95", "max")),
+                     _fmt(r.final("val_loss"), ".4f"),
+                     *(_fmt(s["step_imbalance"][k]) for k in ("mean", "p50", "p95", "max")),
                      _fmt(s["step_imbalance_worst_layer"]["p95"]), _fmt(s["step_cv"]["mean"]),
                      _fmt(s["dropped_fraction"], ".2f", True), _fmt(s["dead_fraction"], ".1f", True),
                      _fmt(s["saturated_fraction"], ".1f", True), _fmt(r.tokens_per_s(), ".0f")])
@@ -129,8 +130,12 @@ shared by every run, so runs with different expert counts compare.</li>
 
 
 def write_report(runs, out: str, title: str = "moekit routing comparison", notes: list[str] | None = None,
-                 failed: list[tuple[str, str]] | None = None, specialisation: dict | None = None) -> dict:
-    """Write the HTML report of ``runs`` (heatmap.RunRecords) to ``out``; returns the embedded data."""
+                 failed: list[tuple[str, str]] | None = None, specialisation: dict | None = None,
+                 flag: str | None = "--html", fix: str = "choose another path") -> dict:
+    """Write the HTML report of ``runs`` (heatmap.RunRecords) to ``out``; returns the embedded data. An ``out``
+    that cannot be written is a UserError naming ``flag`` and ``out`` and ending in ``fix``, before the figures
+    are drawn."""
+    loadplots.check_output(out, flag, fix, example="report.html")
     series = [loadplots.Series(r.name, r.analysis, r.metrics, r.window_text()) for r in runs]
     parts, images = [], []
 
@@ -162,7 +167,8 @@ def write_report(runs, out: str, title: str = "moekit routing comparison", notes
                           figure(loadplots.fig_layers(series, vmax), "layers x experts load heatmaps")))
     bands = [loadplots.step_bands(s.analysis)[0] for s in series]
     svmax = max(float(np.nanmax(b)) for b in bands)
-    steps = "".join(f"<div>{figure(loadplots.fig_steps(s, svmax), f'{s.label}: load over steps')}</div>" for s in series)
+    steps = "".join(f"<div>{figure(loadplots.fig_steps(s, svmax), f'{s.label}: load over steps')}</div>"
+                    for s in series)
     parts.append(_section("load-over-steps", "Expert load over steps (shared colour scale)", steps))
     parts.append(_section("per-layer", "Per layer", "".join(
         f"<details{' open' if len(runs) <= 2 else ''}><summary>{html.escape(r.name)}</summary>{per_layer_table(r)}"
@@ -184,11 +190,7 @@ def write_report(runs, out: str, title: str = "moekit routing comparison", notes
     page = (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
             f"<style>{STYLE}</style></head><body>\n" + "\n".join(parts)
             + f'\n<script type="application/json" id="moekit-report-data">{blob}</script>\n</body></html>\n')
-    tmp = f"{out}.partial"
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(page)
-    os.replace(tmp, out)
+    loadplots.write_file(out, page.encode("utf-8"), flag, fix)
     return data
 
 
