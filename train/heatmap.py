@@ -195,27 +195,13 @@ def specialisation_of(run: RunRecords) -> dict | None:
                 check_output(cache, fix="computing it without caching")
             except UserError as exc:
                 print_note(str(exc))
-                return _uncached_specialisation(run)
+                return specialisation.for_run_dir(run.path, cache=False)
         return specialisation.for_run_dir(run.path)
     except UserError as exc:
         print_note(f"no specialisation for {run.path}: {exc}")
     except OSError as exc:  # e.g. the cache's write failed after all (a full disk)
         print_note(f"no specialisation for {run.path}: {describe_os_error(exc)}")
     return None
-
-
-def _uncached_specialisation(run: RunRecords) -> dict:
-    """for_run_dir's computation without its cache write: the run directory is read-only."""
-    from moekit.train import evaluate
-    from moekit.train.specialisation import DEFAULT_TOKENS
-
-    seq_len = evaluate._run_defaults(run.config)[0] or 1024
-    result = evaluate.run(evaluate.build_parser().parse_args(
-        [run.path, "--max-tokens", str(DEFAULT_TOKENS), "--batch-size", str(max(1, 8192 // seq_len)),
-         "--specialisation", "--quiet"]))
-    spec = result["specialisation"]
-    spec["source"] = f"{result['checkpoint']} (step {result['step']}; not cached: the run directory is read-only)"
-    return spec
 
 
 def write_html(runs: list[RunRecords], out: str, specialisation: bool = False, failed=None, title=None,

@@ -99,20 +99,6 @@ class JsonlWriter(_AppendOnly):
         self._append(json.dumps(obj, separators=(",", ":")) + "\n")
 
 
-def parse_window(text: str | None) -> tuple[int | None, int | None]:
-    """--steps FIRST:LAST (either side may be empty) -> (first, last); None, None for no window."""
-    if not text:
-        return None, None
-    first, sep, last = text.partition(":")
-    try:
-        lo, hi = (int(first) if first else None), (int(last) if last else None)
-    except ValueError:
-        raise UserError(f"--steps {text!r}: expected FIRST:LAST step numbers, e.g. 100:200 or 100:") from None
-    if not sep or (lo is not None and hi is not None and lo > hi):
-        raise UserError(f"--steps {text!r}: expected FIRST:LAST with FIRST <= LAST, e.g. 100:200")
-    return lo, hi
-
-
 def truncate_after(path: Path, step: int) -> None:
     """Drop the records of steps after ``step`` (a resumed run rewrites them); keep header lines.
     ``expert_load.bin`` (by its suffix) is cut at the first record past ``step`` (and a partial last record)."""
@@ -344,8 +330,8 @@ class ExpertLoadWriter(_AppendOnly):
         self._append(np.ascontiguousarray(rows, dtype=self.rec).tobytes())
 
 
-_READERS = ("ExpertLoadRecord", "convert_jsonl", "expert_load_path", "load_rows", "read_config", "read_expert_load",
-            "read_metrics")
+_READERS = ("ExpertLoadRecord", "convert_jsonl", "expert_load_path", "load_rows", "parse_window", "read_config",
+            "read_expert_load", "read_metrics")
 
 
 def __getattr__(name: str):

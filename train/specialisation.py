@@ -222,9 +222,11 @@ def _run_config(run_dir) -> dict | None:
         return None
 
 
-def for_run_dir(run_dir: str | Path, max_tokens: int | None = None, refresh: bool = False) -> dict:
-    """RUN_DIR/specialisation.json, computed (and written) from the run's newest checkpoint on ``max_tokens``
-    (default DEFAULT_TOKENS) of its validation windows when missing or ``refresh``."""
+def for_run_dir(run_dir: str | Path, max_tokens: int | None = None, refresh: bool = False,
+                cache: bool = True) -> dict:
+    """RUN_DIR/specialisation.json, computed (and written, unless not ``cache``: a read-only run directory) from
+    the run's newest checkpoint on ``max_tokens`` (default DEFAULT_TOKENS) of its validation windows when
+    missing or ``refresh``."""
     max_tokens = max_tokens or DEFAULT_TOKENS
     path = Path(run_dir) / SPEC_FILE
     if path.exists() and not refresh:
@@ -241,6 +243,7 @@ def for_run_dir(run_dir: str | Path, max_tokens: int | None = None, refresh: boo
         [str(run_dir), "--max-tokens", str(max_tokens), "--batch-size", str(max(1, 8192 // seq_len)),
          "--specialisation", "--quiet"]))
     spec = result["specialisation"]
-    spec["source"] = f"{result['checkpoint']} (step {result['step']})"
-    path.write_text(json.dumps(spec) + "\n", encoding="utf-8")
+    spec["source"] = f"{result['checkpoint']} (step {result['step']}{'' if cache else '; not cached'})"
+    if cache:
+        path.write_text(json.dumps(spec) + "\n", encoding="utf-8")
     return spec
