@@ -178,7 +178,7 @@ def _failures(rank, tmp):
     assert "experts.3.w2.weight has shape [32, 25]" in msg and "(on rank" not in msg, msg
     # only rank 1 sees it: its folder is missing (a file system the ranks do not share)
     msg = _same_error_everywhere(sharded.load_hf_sharded, model, tmp / ("mixtral" if rank == 0 else "missing"))
-    assert "missing: not a directory" in msg and msg.endswith("(on rank 1 of 2)"), msg
+    assert "missing: no such directory" in msg and msg.endswith("(on rank 1 of 2)"), msg
     # only rank 1 reads the rows where the stored lm_head differs from the tied embedding
     tied = parallel_model(tmp / "tied", topo)
     msg = _same_error_everywhere(sharded.load_hf_sharded, tied, tmp / "tied")
