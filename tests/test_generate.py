@@ -396,6 +396,19 @@ def test_eval_bad_input_is_one_line(runs, tmp_path, capsys, argv, expected):
     assert expected in line, line
 
 
+def test_eval_data_errors_name_evals_own_flags(runs, tmp_path, capsys):
+    """The data layer's messages name moekit-train's settings; moekit-eval words them for its own flags."""
+    text, small = tmp_path / "notes.txt", tmp_path / "small.bin"
+    text.write_text("hi there")
+    np.arange(40, dtype=np.uint16).tofile(small)
+    run = str(runs["deepseek-tiny"])
+    line = one_line(capsys, eval_main([run, "--data", str(text)]), "evaluate.py")
+    assert "the run's data.dtype" in line and "prepared with the model's tokenizer" in line, line
+    assert "--model.vocab_size" not in line and "--data.dtype" not in line, line
+    line = one_line(capsys, eval_main([run, "--data", str(small)]), "evaluate.py")
+    assert "use more data or a smaller --seq-len" in line and "--train.seq_len" not in line, line
+
+
 def test_generate_benchmark_smoke(tmp_path, capsys):
     from moekit.bench.generate import main as bench_main
 

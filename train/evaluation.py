@@ -37,8 +37,24 @@ def data_section(run_config: dict | None, path: str | None) -> DataSection | Non
     return section
 
 
+# The data layer's messages name moekit-train's settings; moekit-eval's user has these instead.
+EVAL_WORDING = (("a smaller --train.seq_len", "a smaller --seq-len"),
+                ("set --model.vocab_size", "evaluate data prepared with the model's tokenizer (moekit-prepare)"),
+                ("; --data.dtype)", "; the run's data.dtype)"))
+
+
 def load_split(section: DataSection | None, tokenizer, vocab: int, seq_len: int) -> tuple[Split, str, TokenizerInfo]:
     """(the windows' split, a description, the tokenizer the data was made with)."""
+    try:
+        return _load_split(section, tokenizer, vocab, seq_len)
+    except UserError as exc:
+        message = str(exc)
+        for train_words, eval_words in EVAL_WORDING:
+            message = message.replace(train_words, eval_words)
+        raise UserError(message) from None
+
+
+def _load_split(section: DataSection | None, tokenizer, vocab: int, seq_len: int) -> tuple[Split, str, TokenizerInfo]:
     if section is not None:
         data = load_data(section, vocab)
         return data.split(seq_len, section.val_fraction), data.desc, data.tokenizer
