@@ -129,6 +129,11 @@ class ModelConfig:
         self._validate_attention()
         if self.num_experts and self.top_k > self.num_experts:
             raise ValueError(f"model.top_k={self.top_k} exceeds model.num_experts={self.num_experts}")
+        if self.num_experts and not self.num_moe_layers:
+            raise ValueError(f"model.num_experts={self.num_experts}, but no layer is an MoE layer (num_layers="
+                             f"{self.num_layers}, first_dense_layers={self.first_dense_layers}, moe_every="
+                             f"{self.moe_every}); lower first_dense_layers / moe_every, or set num_experts 0 for a "
+                             f"dense model")
         if not isinstance(self.router_options, dict):
             raise ValueError(f"model.router_options must be a table of router options, got {self.router_options!r}")
         return self

@@ -86,6 +86,9 @@ REFUSED = [
     (dict(world=6, tp=3), "--tp 3 must divide num_heads=4, num_kv_heads=2"),
     (dict(world=4, tp=4), "--tp 4 must divide num_kv_heads=2"),
     (dict(world=2, tp=2, sequence_parallel=True, seq_len=63), "seq_len=63 is not divisible by --tp 2"),
+    (dict(world=1, sequence_parallel=True), "layout.sequence_parallel splits each sequence over the tensor-parallel "
+                                            "ranks, and --tp is 1"),
+    (dict(world=1, ep=2), "launch at least 2 processes (torchrun --nproc-per-node 2"),
     (dict(world=64), "--batch-size 16 must split into 64 data-parallel shares (dp*fsdp)"),
     (dict(world=1, batch=6, micro=4),
      "--batch-size 6 must split into 1 data-parallel shares of whole micro-batches of 4"),

@@ -355,3 +355,29 @@ def test_meta_device_builds_the_same_skeleton_without_initialising_or_importing_
              "print('torch._dynamo' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-2000:]
+
+
+def test_models_package_exports_its_public_names():
+    """docs/architecture.md's model API is importable from moekit.models itself (loaded on first use)."""
+    import moekit.models as models
+    from moekit.models import config, transformer
+
+    for name in models.__all__:
+        assert getattr(models, name) is getattr(config if hasattr(config, name) else transformer, name), name
+    assert {"ModelConfig", "PRESETS", "Transformer", "build_model"} <= set(models.__all__)
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        models.nope
+
+
+@pytest.mark.parametrize("over", [dict(first_dense_layers=9), dict(moe_every=9)])
+def test_experts_without_an_moe_layer_are_refused(over):
+    """num_experts > 0 with a layer pattern that leaves no MoE layer would train a dense model without a word."""
+    from moekit.models.config import preset
+
+    cfg = preset("mixtral-tiny")
+    for k, v in over.items():
+        setattr(cfg, k, v)
+    with pytest.raises(ValueError, match="but no layer is an MoE layer"):
+        cfg.validate()
+    cfg.num_experts = 0  # a dense model says so
+    cfg.validate()
