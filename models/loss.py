@@ -23,6 +23,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 DEFAULT_CHUNK = 8192  # tokens per chunk: 8192 x 32000 fp32 logits = 1 GB at a time
+IGNORE_INDEX = -100  # a target that does not count (F.cross_entropy's default ignore_index; HF's label masking)
 
 
 def _compute_dtype(t: Tensor) -> torch.dtype:
@@ -40,23 +41,27 @@ class _ChunkedLMLoss(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         dh = torch.empty_like(hidden) if need_h else None
         dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        kept = targets != IGNORE_INDEX  # [n] the positions that count
+        count = kept.sum().clamp_min(1).float()  # a tensor: no host sync (all ignored: loss 0, no gradient)
         for s in range(0, n, chunk):
             h = hidden[s:s + chunk].to(dtype)
-            y = targets[s:s + chunk]
+            keep = kept[s:s + chunk]
+            y = targets[s:s + chunk].masked_fill(~keep, 0)[:, None]  # [c, 1] an ignored position reads id 0
             logits = (h @ w.t()).float()  # [c, V]
             lse = torch.logsumexp(logits, dim=-1)
-            total += (lse - logits.gather(1, y[:, None]).squeeze(1)).sum()
+            total += ((lse - logits.gather(1, y).squeeze(1)) * keep).sum()
             if need_h or need_w:
                 g = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
-                g[torch.arange(g.shape[0], device=g.device), y] -= 1.0
+                g[torch.arange(g.shape[0], device=g.device), y.squeeze(1)] -= 1.0  # minus the one-hot
                 del logits  # g holds that buffer; once cast, the fp32 one is freed before the two GEMMs
-                g = g.div_(n).to(dtype)  # d loss / d logits for the mean over all n tokens
+                # d loss / d logits for the mean over the kept tokens; ignored rows get 0 (one pass, as /n was)
+                g = g.mul_((keep / count)[:, None]).to(dtype)
                 if need_h:
                     dh[s:s + chunk] = (g @ w).to(hidden.dtype)
                 if need_w:
                     _accumulate_mm(dw, g.t(), h)
         ctx.save_for_backward(dh if need_h else None, dw.to(weight.dtype) if need_w else None)
-        return total / max(n, 1)
+        return total / count
 
     @staticmethod
     @once_differentiable
@@ -88,7 +93,8 @@ def _accumulate_mm(acc: Tensor, a: Tensor, b: Tensor) -> None:
 
 def chunked_lm_loss(hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int = DEFAULT_CHUNK) -> Tensor:
     """Mean cross-entropy of ``hidden`` [..., H] through the LM head ``weight`` [V, H] against ``targets``
-    [...] (token ids in [0, V)), without keeping the logits (module docstring)."""
+    [...] (token ids in [0, V), or IGNORE_INDEX for a position that does not count: the mean is over the
+    others, as F.cross_entropy's; all ignored gives 0), without keeping the logits (module docstring)."""
     if hidden.shape[:-1] != targets.shape:
         raise ValueError(f"hidden {tuple(hidden.shape)} and targets {tuple(targets.shape)}: targets must have "
                          f"hidden's shape without its last dimension")

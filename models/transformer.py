@@ -91,9 +91,16 @@ class Transformer(nn.Module):
 
         ``cache``: incremental decoding (module docstring): tokens are the positions after the cached ones,
         whose keys and values are appended to it."""
-        if targets is not None and targets.shape != tokens.shape:
-            raise ValueError(f"targets {tuple(targets.shape)} must have the tokens' shape {tuple(tokens.shape)}")
+        _check_ids("tokens", tokens)
+        if targets is not None:
+            _check_ids("targets", targets)
+            if targets.shape != tokens.shape:
+                raise ValueError(f"targets {tuple(targets.shape)} must have the tokens' shape {tuple(tokens.shape)}")
         B, S = tokens.shape
+        if B * S == 0:  # nothing to run: the empty logits (a loss over no tokens has no value)
+            if targets is not None:
+                raise ValueError(f"tokens {tuple(tokens.shape)} hold no token to compute a loss over")
+            return torch.zeros(B, S, self.config.vocab_size, device=tokens.device)
         if cache is not None and len(cache.layers) != len(self.layers):
             raise ValueError(f"KV cache has {len(cache.layers)} layers, the model {len(self.layers)}; build it with "
                              f"KVCache(model.config)")
@@ -140,6 +147,14 @@ class Transformer(nn.Module):
         self.norm.weight.fill_(1.0)
         if self.lm_head is not None:
             normal_(self.lm_head.weight, std)
+
+
+def _check_ids(name: str, ids) -> None:
+    """A [B, S] tensor of integer ids (their range is not checked: that would read them, a device sync)."""
+    if not isinstance(ids, Tensor) or ids.dim() != 2 or ids.dtype.is_floating_point or ids.dtype.is_complex \
+            or ids.dtype == torch.bool:
+        what = f"a {ids.dim()}-d {ids.dtype} tensor {tuple(ids.shape)}" if isinstance(ids, Tensor) else type(ids).__name__
+        raise TypeError(f"{name} must be a [batch, seq] tensor of integer token ids (torch.long), got {what}")
 
 
 def init_ffn(ffn: nn.Module, normal_, std: float, std_out: float) -> None:

@@ -43,6 +43,23 @@ def test_float32_matches_the_logits_path(chunk):
         torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-6, msg=name)
 
 
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+def test_ignored_targets_count_as_in_cross_entropy(chunk):
+    """-100 targets (HF's label masking) add nothing and the mean is over the others, as F.cross_entropy's
+    ignore_index; a chunk of only ignored positions included. All ignored: loss 0 and no gradient (F gives nan)."""
+    h, w, y = case(100, 24, 130, ("ignore", chunk))
+    g = gen("ignore-mask", chunk)
+    y = y.masked_fill(torch.rand(100, generator=g) < 0.4, -100)
+    y[10:30] = -100  # whole chunks of 7 (and of 1) with nothing to count
+    got = grads(lambda *a: chunked_lm_loss(*a, chunk=chunk), h, w, y)
+    want = grads(plain, h, w, y)
+    for name, a, b in zip(("loss", "dh", "dw"), got, want):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-6, msg=name)
+    assert got[1][10:30].abs().max() == 0  # ignored positions get no gradient
+    loss, dh, dw = grads(lambda *a: chunked_lm_loss(*a, chunk=chunk), h, w, torch.full((100,), -100))
+    assert loss.item() == 0 and dh.abs().max() == 0 and dw.abs().max() == 0
+
+
 def test_bf16_autocast_matches_the_logits_path_to_bf16_rounding():
     h, w, y = case(200, 32, 300, ("bf16",))
     with torch.autocast("cpu", dtype=torch.bfloat16):

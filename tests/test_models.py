@@ -381,3 +381,20 @@ def test_experts_without_an_moe_layer_are_refused(over):
         cfg.validate()
     cfg.num_experts = 0  # a dense model says so
     cfg.validate()
+
+
+def test_forward_names_bad_token_tensors_and_runs_an_empty_batch():
+    from moekit.models import build_model, preset
+
+    cfg = preset("mixtral-tiny")
+    model = build_model(cfg)
+    for bad, what in ((torch.zeros(2, 3), "2-d torch.float32"), (torch.zeros(3, dtype=torch.long), "1-d torch.int64"),
+                      (torch.zeros(2, 3, dtype=torch.bool), "torch.bool"), ([[1, 2]], "got list")):
+        with pytest.raises(TypeError, match=f"tokens must be a \\[batch, seq\\] tensor of integer token ids.*{what}"):
+            model(bad)
+    ok = torch.zeros(2, 3, dtype=torch.long)
+    with pytest.raises(TypeError, match="targets must be"):
+        model(ok, targets=ok.float())
+    assert model(torch.zeros(2, 0, dtype=torch.long)).shape == (2, 0, cfg.vocab_size)
+    with pytest.raises(ValueError, match="hold no token to compute a loss over"):
+        model(torch.zeros(0, 4, dtype=torch.long), targets=torch.zeros(0, 4, dtype=torch.long))
