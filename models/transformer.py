@@ -206,6 +206,16 @@ def meta_device():
 
 def build_model(config: ModelConfig, device: str | torch.device = "cpu", seed: int = 0) -> Transformer:
     """Build on the meta device (no memory, no init), materialise on ``device``, init from ``seed``."""
+    if not isinstance(config, ModelConfig):
+        hint = f"; for a preset: build_model(preset({config!r}))" if isinstance(config, str) else (
+            "; from a dict: build_model(ModelConfig.from_dict(d))" if isinstance(config, dict) else "")
+        raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}{hint}")
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63:
+        raise ValueError(f"seed={seed!r} is invalid; it must be an integer in [0, 2**63)")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device={device!r} is invalid; use 'cpu', 'cuda', 'cuda:N' or a torch.device") from None
     with meta_device():
         model = Transformer(config)
     model.to_empty(device=device)

@@ -398,3 +398,17 @@ def test_forward_names_bad_token_tensors_and_runs_an_empty_batch():
     assert model(torch.zeros(2, 0, dtype=torch.long)).shape == (2, 0, cfg.vocab_size)
     with pytest.raises(ValueError, match="hold no token to compute a loss over"):
         model(torch.zeros(0, 4, dtype=torch.long), targets=torch.zeros(0, 4, dtype=torch.long))
+
+
+@pytest.mark.parametrize("args,error,match", [
+    (("mixtral-tiny",), TypeError, r"config must be a ModelConfig, got str; for a preset: build_model\(preset"),
+    (({"hidden_size": 8},), TypeError, "ModelConfig.from_dict"),
+    ((None, "cpu", 1.5), ValueError, "seed=1.5 is invalid"),
+    ((None, "tpu:x"), ValueError, "device='tpu:x' is invalid"),
+])
+def test_build_model_names_a_bad_argument(args, error, match):
+    from moekit.models import build_model, preset
+
+    args = (preset("mixtral-tiny"), *args[1:]) if args[0] is None else args
+    with pytest.raises(error, match=match):
+        build_model(*args)
