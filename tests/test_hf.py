@@ -657,3 +657,13 @@ def test_load_hf_into_checks_the_model_config(base):
     cfg.top_k, cfg.rope_theta = 1, 1e4
     with pytest.raises(ValueError, match=r"rope_theta=10000.0 \(model\) vs 1000000.0 \(checkpoint\); top_k=1"):
         load_hf_into(build_model(cfg), base)
+
+
+@pytest.mark.parametrize("content,match", [(b"[1, 2]", "holds a JSON list, not the object of a model config"),
+                                           (b"{nope", "not valid JSON"), (b"\xff\xfe", "not valid JSON")])
+def test_a_config_json_that_is_not_an_object_is_named(tmp_path, content, match):
+    from moekit.models.hf import load_hf
+
+    (tmp_path / "config.json").write_bytes(content)
+    with pytest.raises(ValueError, match=match):
+        load_hf(tmp_path)

@@ -48,11 +48,14 @@ def read_config(folder: str | Path) -> dict:
     if not Path(folder).is_dir():
         raise ValueError(f"{folder}: not a directory; pass a HuggingFace model folder (config.json + *.safetensors)")
     try:
-        return json.loads(path.read_text())
+        config = json.loads(path.read_text())
     except FileNotFoundError:
         raise ValueError(f"{path}: missing; a HuggingFace model folder has config.json next to its weights") from None
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: holds a JSON {type(config).__name__}, not the object of a model config")
+    return config
 
 
 def read_header(path: Path) -> dict[str, TensorInfo]:
