@@ -578,6 +578,9 @@ def test_local_dispatch_reads_no_row_out_of_bounds_for_any_id():
     (["--eval.sequences", "0"], "--eval.sequences=0 is invalid"),
     (["--eval.every", "-1"], "--eval.every=-1 is invalid"),
     (["--ep", "2"], "launch at least 2 processes (torchrun --nproc-per-node 2"),
+    (["--model.vocab_size", "100", "--dry-run"], "--model.vocab_size=100: the data is byte-level text"),
+    (["--layout.sequence_parallel", "true"], "and --tp is 1"),
+    (["--model.first_dense_layers", "5"], "but no layer is an MoE layer"),
     (["--batch-size", "4000000", "--train.seq_len", "16"],
      "activations of a micro-batch of 4000000 x 16 tokens), but this cpu has"),
 ])

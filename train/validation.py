@@ -155,6 +155,10 @@ def resolve_vocab(cfg: TrainConfig) -> None:
     from moekit.train.data import prepared_vocab
 
     found = prepared_vocab(cfg.data)
+    d = cfg.data
+    if found is None and not (d.path or d.blend) and cfg.model.vocab_size < 256:  # bytes: the corpus, --data.text
+        raise UserError(f"--model.vocab_size={cfg.model.vocab_size}: the data is byte-level text "
+                        f"({d.text or 'the embedded corpus'}), whose 256 byte values need model.vocab_size >= 256")
     if found is None:
         return
     vocab, path = found
