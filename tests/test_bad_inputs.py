@@ -502,7 +502,8 @@ def test_unusable_expert_backend_is_refused_before_the_run(tmp_path, capsys, mon
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     run = tmp_path / "run"
-    for extra in ([], ["--train.dtype", "bfloat16"], ["--preset", "switch-tiny", "--model.num_kv_heads", "1"]):
+    for extra in ([], ["--train.dtype", "bfloat16"], ["--preset", "switch-tiny", "--model.num_kv_heads", "1",
+                                                                  "--model.num_layers", "2"]):  # D M
         refused(capsys, run, [*TINY, "--train.device", "cpu", "--model.expert_backend", "triton", *extra],
                 "--model.expert_backend='triton'", "TRITON_INTERPRET=1")
     refused(capsys, run, [*TINY, "--model.expert_backend", "cutlass"], "expert backend 'cutlass' is unknown")
@@ -581,6 +582,7 @@ def test_local_dispatch_reads_no_row_out_of_bounds_for_any_id():
     (["--model.vocab_size", "100", "--dry-run"], "--model.vocab_size=100: the data is byte-level text"),
     (["--layout.sequence_parallel", "true"], "and --tp is 1"),
     (["--model.first_dense_layers", "5"], "but no layer is an MoE layer"),
+    (["--model.rope_scaling", "yarn"], """expected a JSON object such as '{"rope_type": "linear", "factor": 2.0}'"""),
     (["--batch-size", "4000000", "--train.seq_len", "16"],
      "activations of a micro-batch of 4000000 x 16 tokens), but this cpu has"),
 ])

@@ -226,6 +226,10 @@ def set_value(cfg: TrainConfig, dotted: str, value: Any, source: str = "", typed
     setattr(section, key, value)
 
 
+# A JSON object for each table-valued setting, for the message when a string is not one.
+EXAMPLES = {"router_options": '{"jitter": 0.0}', "rope_scaling": '{"rope_type": "linear", "factor": 2.0}'}
+
+
 def convert(value: Any, tp, where: str, typed: bool = False) -> Any:
     """Convert a command-line string, or (``typed``) a TOML / JSON value, to type ``tp``."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
@@ -238,7 +242,8 @@ def convert(value: Any, tp, where: str, typed: bool = False) -> Any:
             try:
                 value = json.loads(value)
             except json.JSONDecodeError:
-                raise UserError(f"{where}: expected a JSON object such as '{{\"jitter\": 0.0}}', got {value!r}") from None
+                example = EXAMPLES.get(where.rsplit(".", 1)[-1], '{"key": value}')
+                raise UserError(f"{where}: expected a JSON object such as '{example}', got {value!r}") from None
         if not isinstance(value, dict):
             raise UserError(f"{where}: expected a table of options, got {value!r}")
         return dict(value)
