@@ -27,7 +27,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from moekit.moe.router import Routing
+from moekit.moe.router import Routing, check_int
 
 
 @dataclass(frozen=True)
@@ -307,6 +307,7 @@ class LocalDispatcher:
     """
 
     def __init__(self, num_experts: int):
+        check_int("LocalDispatcher num_experts", num_experts, 1)
         self.num_experts = num_experts
         self.expert_range = (0, num_experts)
 
@@ -314,6 +315,11 @@ class LocalDispatcher:
         T, k = routing.indices.shape
         if x.shape[0] != T:
             raise ValueError(f"dispatch got {x.shape[0]} tokens but routing for {T}")
+        counts = routing.tokens_per_expert  # [E]: the routing's number of experts (shape only, no sync)
+        if counts.shape != (self.num_experts,):
+            raise ValueError(f"dispatch: routing.tokens_per_expert has shape {tuple(counts.shape)} but this "
+                             f"LocalDispatcher has num_experts={self.num_experts}; build the dispatcher and the "
+                             f"router with the same number of experts")
         num_rows = T * k
         if routing.capacity is not None:
             num_rows = min(num_rows, self.num_experts * routing.capacity)
@@ -322,4 +328,9 @@ class LocalDispatcher:
         return Dispatched(permute(x, meta), routing.tokens_per_expert, meta)
 
     def combine(self, rows: Tensor, meta: PermuteMeta) -> Tensor:
+        num_rows = meta.row_slot.shape[0]  # N, the rows dispatch produced
+        if rows.dim() != 2 or rows.shape[0] != num_rows:
+            raise ValueError(f"combine: rows has shape {tuple(rows.shape)} but this dispatch produced "
+                             f"[N={num_rows}, H] rows; pass the experts' output for Dispatched.rows (one row each, "
+                             f"same order)")
         return unpermute(rows, meta)

@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moekit.moe.dispatch import Dispatcher, LocalDispatcher
@@ -26,7 +27,7 @@ from moekit.moe.activations import get_activation
 from moekit.moe.experts import GroupedExperts, available_backends
 from moekit.moe.precision import compute_dtype
 from moekit.moe.load import ExpertLoad
-from moekit.moe.router import Router, build_router, check_int
+from moekit.moe.router import Router, build_router, check_hidden_states, check_int
 
 
 class TokenSplit(Protocol):
@@ -94,10 +95,20 @@ class DenseMLP(nn.Module):
         self.gate = nn.Linear(hidden_size, 1, bias=False) if gate else None  # Qwen2-MoE shared_expert_gate
 
     def forward(self, x: Tensor) -> Tensor:
-        up = self.w_up(x)  # [..., F]
-        h = self.act.unit(self.w_gate(x)) * up if self.act.gated else self.act.unit(up)  # [..., F]
-        y = self.w_out(h)  # [..., H]
-        return y if self.gate is None else torch.sigmoid(self.gate(x)) * y
+        dtype = compute_dtype(x)
+        if dtype != x.dtype or dtype == self.w_up.weight.dtype:  # autocast casts, or nothing to cast
+            return self._mlp(x, lambda linear, t: linear(t))
+        # x's dtype differs from the weights' and no autocast reconciles them (float64 input, or bf16 input on
+        # fp32 weights): compute in x's dtype with the weights cast, the routed experts' rule (GroupedExperts)
+        with torch.autocast(x.device.type, enabled=False):
+            return self._mlp(x, lambda linear, t: F.linear(t, linear.weight.to(dtype)))
+
+    def _mlp(self, x: Tensor, apply) -> Tensor:
+        """The MLP with ``apply(linear, t)`` as each projection."""
+        up = apply(self.w_up, x)  # [..., F]
+        h = self.act.unit(apply(self.w_gate, x)) * up if self.act.gated else self.act.unit(up)  # [..., F]
+        y = apply(self.w_out, h)  # [..., H]
+        return y if self.gate is None else torch.sigmoid(apply(self.gate, x)) * y
 
 
 class MoELayer(nn.Module):
@@ -143,6 +154,7 @@ class MoELayer(nn.Module):
         self.aux_loss_scale = 1.0
 
     def forward(self, x: Tensor, token_ids: Tensor | None = None) -> Tensor:
+        check_hidden_states("MoELayer", x, self.hidden_size)  # type, 0-d, dtype, meta: no host sync
         if x.shape[-1] != self.hidden_size:
             raise ValueError(f"MoELayer got hidden size {x.shape[-1]}, expected {self.hidden_size}")
         shape = x.shape

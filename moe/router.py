@@ -99,8 +99,13 @@ class Routing:
 def check_int(name: str, value, lo: int, hi: int | None = None) -> None:
     ok = isinstance(value, int) and not isinstance(value, bool) and value >= lo and (hi is None or value <= hi)
     if not ok:
-        rng = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
-        raise ValueError(f"{name}={value!r} is invalid; it must be an integer in {rng}")
+        if hi is None:
+            allowed = f"an integer >= {lo}"
+        elif hi == lo:
+            allowed = f"the integer {lo}"
+        else:
+            allowed = f"an integer in [{lo}, {hi}]"
+        raise ValueError(f"{name}={value!r} is invalid; it must be {allowed}")
 
 
 def check_choice(name: str, value, choices) -> None:
@@ -113,6 +118,33 @@ def check_float(name: str, value, lo: float = 0.0, strict: bool = False) -> None
     if bad or value < lo or (strict and value == lo):
         op = ">" if strict else ">="
         raise ValueError(f"{name}={value!r} is invalid; it must be a finite number {op} {lo}")
+
+
+# The dtypes hidden states may have: what the gate, every expert backend and the shared expert compute in
+# (routing itself runs in float32, float64 for float64 input). Integer, bool and complex inputs fail deep
+# inside torch, or (complex) run and return complex outputs, so they are refused up front.
+HIDDEN_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_HIDDEN_DTYPE_NAMES = ", ".join(str(d).removeprefix("torch.") for d in HIDDEN_DTYPES)
+
+
+def check_hidden_states(who: str, x, hidden_size: int) -> None:
+    """Refuse hidden states no layer can compute on, before any op touches them: not a tensor, 0-d, a dtype
+    outside HIDDEN_DTYPES, or on the meta device. The caller then checks ``x.shape[-1]``. Type, shape,
+    dtype and device only: no host sync, and torch.compile turns them into guards."""
+    want = f"a tensor [..., {hidden_size}] (hidden states)"
+    if not isinstance(x, Tensor):
+        what = type(x).__name__ if type(x).__module__ == "builtins" else f"{type(x).__module__}.{type(x).__qualname__}"
+        hint = "; convert it with torch.as_tensor(x)" if hasattr(x, "__array__") or isinstance(x, (list, tuple)) else ""
+        raise TypeError(f"{who}: x must be {want}, got a {what}{hint}")
+    if x.dim() == 0:
+        raise ValueError(f"{who}: x must be {want}, got a 0-d tensor (shape ())")
+    if x.dtype not in HIDDEN_DTYPES:
+        raise TypeError(f"{who}: x.dtype={x.dtype} is not supported; hidden states must be a floating dtype, "
+                        f"one of {_HIDDEN_DTYPE_NAMES}")
+    if x.device.type == "meta":
+        raise ValueError(f"{who}: x is on the meta device: meta tensors are not supported in forward (routing and the "
+                         f"experts read the data); build on meta, then to_empty(device=...) and initialise the "
+                         f"weights before running")
 
 
 def count_experts(indices: Tensor, num_experts: int) -> Tensor:
@@ -207,6 +239,7 @@ class Router(nn.Module):
     def forward(self, x: Tensor, token_ids: Tensor | None = None) -> Routing:
         """x [..., H] -> Routing of its T tokens; a router outside moekit gets its routing made safe (module
         docstring, "Contract"): override ``route``, not this."""
+        check_hidden_states(f"router {type(self).__qualname__}", x, self.hidden_size)
         if x.shape[-1] != self.hidden_size:
             raise ValueError(f"router got hidden size {x.shape[-1]} but was built for hidden_size={self.hidden_size}")
         x = x.reshape(-1, self.hidden_size)
@@ -245,8 +278,15 @@ class Router(nn.Module):
                 return w.new_full((), float(v), dtype=torch.float32)
             raise ValueError(f"{who}: Routing.aux_loss and the .stats values must be tensors or numbers, got {v!r}")
 
+        aux_in = routing.aux_loss
+        if isinstance(aux_in, bool) or (isinstance(aux_in, numbers.Real) and not math.isfinite(aux_in)):
+            raise ValueError(f"{who}: Routing.aux_loss={aux_in!r} is invalid; it must be a scalar tensor (or a finite "
+                             f"number for a constant loss)")
+        if isinstance(aux_in, Tensor) and aux_in.dim() != 0:  # shape only: AuxLossInjector adds it as a scalar
+            raise ValueError(f"{who}: Routing.aux_loss has shape {tuple(aux_in.shape)}; it must be a scalar tensor "
+                             f"(shape ()): reduce it, e.g. .sum() or .mean()")
         E = self.num_experts
-        aux, stats = tensor(routing.aux_loss), {k: tensor(v) for k, v in routing.stats.items()}
+        aux, stats = tensor(aux_in), {k: tensor(v) for k, v in routing.stats.items()}
         assigned = stats.get("assigned_per_expert")
         if assigned is not None and assigned.shape != (E,):
             raise ValueError(f"{who}: stats['assigned_per_expert'] has shape {tuple(assigned.shape)}; it must be "
@@ -260,7 +300,11 @@ class Router(nn.Module):
                        num_tokens * idx.shape[1])
 
     def route(self, logits: Tensor, token_ids: Tensor | None = None) -> Routing:
-        raise NotImplementedError
+        """The routing policy: logits [T, E] float32 (float64 for float64 input) -> Routing; subclasses implement it."""
+        raise NotImplementedError(
+            f"router {type(self).__qualname__} does not implement route(): define "
+            f"route(self, logits: Tensor, token_ids: Tensor | None = None) -> Routing, the policy over the gate "
+            f"logits [T, E={self.num_experts}] (see moe.router.Router and Router.finish for the shared tail)")
 
     def reduce_counts(self, counts: Tensor) -> Tensor:
         """Counts over the balancing batch (this micro-batch unless comm/ installed a reducer)."""

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import torch
 
@@ -5,18 +7,17 @@ from moekit.moe.dispatch import LocalDispatcher
 from moekit.moe.router import Routing, build_router, count_experts
 
 
-def make_routing(indices, weights=None, capacity=None):
+def make_routing(indices, weights=None, capacity=None, *, num_experts):
     indices = torch.as_tensor(indices, dtype=torch.long)
     if weights is None:
         weights = torch.where(indices >= 0, 1.0, 0.0)
-    E = int(indices.max()) + 1 if indices.numel() else 1
-    return Routing(indices, torch.as_tensor(weights, dtype=torch.float32), count_experts(indices, max(E, 4)),
+    return Routing(indices, torch.as_tensor(weights, dtype=torch.float32), count_experts(indices, num_experts),
                    torch.zeros(()), {}, capacity)
 
 
 def test_rows_are_expert_major_and_stable():
     x = torch.arange(4.0)[:, None].expand(4, 3).contiguous()  # row t holds t
-    r = make_routing([[2, 0], [0, 1], [2, 1], [3, 0]])
+    r = make_routing([[2, 0], [0, 1], [2, 1], [3, 0]], num_experts=4)
     d = LocalDispatcher(4).dispatch(x, r)
     # expert 0: t0, t1, t3 | expert 1: t1, t2 | expert 2: t0, t2 | expert 3: t3
     assert d.rows[:, 0].tolist() == [0, 1, 3, 1, 2, 0, 2, 3]
@@ -29,19 +30,18 @@ def test_permute_then_combine_is_identity(k):
     T, E, H = 31, 8, 5
     x = torch.randn(T, H, generator=g)
     idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
-    r = make_routing(idx, torch.full((T, k), 1.0 / k))
+    r = make_routing(idx, torch.full((T, k), 1.0 / k), num_experts=E)
     disp = LocalDispatcher(E)
     d = disp.dispatch(x, r)
     torch.testing.assert_close(disp.combine(d.rows, d.meta), x)
-    r1 = make_routing(idx)  # unit weights: each token comes back k times
+    r1 = make_routing(idx, num_experts=E)  # unit weights: each token comes back k times
     d1 = disp.dispatch(x, r1)
     torch.testing.assert_close(disp.combine(d1.rows, d1.meta), k * x)
 
 
 def test_empty_experts_and_empty_batch():
     x = torch.randn(5, 3)
-    r = make_routing([[3], [3], [0], [3], [0]])
-    d = LocalDispatcher(6).dispatch(x, Routing(r.indices, r.weights, count_experts(r.indices, 6), r.aux_loss))
+    d = LocalDispatcher(6).dispatch(x, make_routing([[3], [3], [0], [3], [0]], num_experts=6))
     assert d.counts.tolist() == [2, 0, 0, 3, 0, 0]
     empty = Routing(torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2), torch.zeros(6, dtype=torch.long),
                     torch.zeros(()))
@@ -55,7 +55,7 @@ def test_empty_experts_and_empty_batch():
 
 def test_dropped_slots_neither_read_nor_receive():
     x = torch.randn(4, 2, requires_grad=True)
-    r = make_routing([[0, -1], [-1, -1], [1, 0], [-1, 1]], capacity=2)
+    r = make_routing([[0, -1], [-1, -1], [1, 0], [-1, 1]], capacity=2, num_experts=2)
     disp = LocalDispatcher(2)
     d = disp.dispatch(x, r)
     assert d.rows.shape[0] == 4  # min(T*k, E*capacity): static, no host sync
@@ -96,7 +96,7 @@ def test_gradients_match_plain_indexing():
 
 
 def test_token_count_mismatch():
-    r = make_routing([[0], [1]])
+    r = make_routing([[0], [1]], num_experts=2)
     with pytest.raises(ValueError, match="3 tokens but routing for 2"):
         LocalDispatcher(2).dispatch(torch.randn(3, 4), r)
 
@@ -135,3 +135,27 @@ def test_narrow_sort_key_orders_slots_as_the_int64_key(num_experts):
     assert bool((flat[order[kept:]] < 0).all()) and bool((torch.diff(flat[order[:kept]]) >= 0).all())
     dropped = order[kept:][flat[order[kept:]] == -1]
     assert torch.equal(dropped, (flat == -1).nonzero().squeeze(1))  # stable among the dropped
+
+
+def test_local_dispatcher_refuses_no_experts():
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match=rf"LocalDispatcher num_experts={bad!r} is invalid; it must be an "
+                                             rf"integer >= 1"):
+            LocalDispatcher(bad)
+
+
+def test_dispatch_refuses_a_routing_for_another_number_of_experts():
+    r = make_routing([[0, 1], [3, 2], [1, 0]], num_experts=4)
+    with pytest.raises(ValueError, match=r"tokens_per_expert has shape \(4,\) but this LocalDispatcher has "
+                                         r"num_experts=8"):
+        LocalDispatcher(8).dispatch(torch.randn(3, 5), r)
+
+
+@pytest.mark.parametrize("cut", ["short", "long", "flat"])
+def test_combine_checks_rows_against_the_dispatch(cut):
+    r = make_routing([[0, 1], [3, 2], [1, 0]], capacity=None, num_experts=4)
+    disp = LocalDispatcher(4)
+    d = disp.dispatch(torch.randn(3, 5), r)
+    rows = {"short": d.rows[:-1], "long": torch.cat([d.rows, d.rows[:1]]), "flat": d.rows.reshape(-1)}[cut]
+    with pytest.raises(ValueError, match=re.escape(f"combine: rows has shape {tuple(rows.shape)}") + r".*\[N=6, H\]"):
+        disp.combine(rows, d.meta)

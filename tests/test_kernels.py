@@ -330,6 +330,26 @@ def test_clear_errors():
     torch.testing.assert_close(grouped_mm(x.double(), w.double(), offs), grouped_mm_ref(x.double(), w.double(), offs))
 
 
+@pytest.mark.parametrize("backend", ["auto", "triton", "torch"])
+def test_operand_errors_are_the_same_on_every_backend(backend):
+    """Mixed dtypes or devices, and bad offs, are one ValueError labelled by the public function whichever backend
+    would run (the auto path used to fall back to the torch loop and fail there with a RuntimeError)."""
+    x, w, offs = torch.randn(10, 8), torch.randn(2, 8, 4), _offs([4, 6])
+    cases = [
+        (lambda: grouped_mm(x, w.bfloat16(), offs, backend=backend),
+         "grouped_mm: all tensors must share one dtype, got x torch.float32 and w torch.bfloat16"),
+        (lambda: grouped_mm(x.half(), w, offs, backend=backend), "grouped_mm: all tensors must share one dtype"),
+        (lambda: grouped_mm(x, w.to("meta"), offs, backend=backend), "grouped_mm: all tensors must be on one device"),
+        (lambda: grouped_mm(x, w, _offs([10]), backend=backend), "grouped_mm: offs must be [E=2]"),
+        (lambda: grouped_mm(x, w, offs.float(), backend=backend), "grouped_mm: offs must be an integer tensor"),
+        (lambda: grouped_mm(x.tolist(), w, offs, backend=backend), "grouped_mm: x must be a tensor, got list"),
+    ]
+    for fn, needle in cases:
+        with pytest.raises(ValueError) as info:
+            fn()
+        assert needle in str(info.value) and "(Triton)" not in str(info.value), (needle, str(info.value))
+
+
 def test_cpu_without_interpreter_uses_torch_fallback():
     """Subprocess (triton imported without TRITON_INTERPRET): the torch fallback, and clear refusals."""
     code = textwrap.dedent(

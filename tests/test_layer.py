@@ -309,3 +309,63 @@ def test_set_aux_loss_scale_sets_every_layer_once():
         set_aux_loss_scale(layers, accumulation=2)
     with pytest.raises(ValueError, match="microbatches=0"):
         set_aux_loss_scale(layers, microbatches=0)
+
+
+# --- bad inputs to forward: a TypeError / ValueError naming x, before any op (shape/dtype/device checks only) ---
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+@pytest.mark.parametrize("dtype", [torch.long, torch.int32, torch.int8, torch.bool, torch.complex64])
+def test_non_floating_input_is_a_type_error_naming_the_dtype(dtype, activation):
+    layer = MoELayer(H, FF, 4, "topk", activation=activation)
+    with pytest.raises(TypeError, match=rf"MoELayer: x\.dtype={dtype}.*float32, bfloat16, float16, float64"):
+        layer(torch.ones(3, H, dtype=dtype))
+
+
+@pytest.mark.parametrize("x,error,needle", [
+    (torch.tensor(1.0), ValueError, r"x must be a tensor \[\.\.\., 16\].*0-d tensor"),
+    ([[0.0] * H], TypeError, r"x must be a tensor \[\.\.\., 16\].*got a list"),
+    (pytest.importorskip("numpy").zeros((3, H), dtype="float32"), TypeError,
+     r"x must be a tensor \[\.\.\., 16\].*numpy\.ndarray.*torch\.as_tensor"),
+])
+def test_non_tensor_or_0d_input_names_what_was_given(x, error, needle):
+    with pytest.raises(error, match=needle):
+        MoELayer(H, FF, 4, "topk")(x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_shared_expert_follows_the_routed_experts_dtype(dtype):
+    """float32 weights, float64 (or bf16) input: the shared expert computes in the input's dtype, as the routed
+    experts do, instead of failing in F.linear; in float64 it matches a float64 copy of itself exactly."""
+    torch.manual_seed(0)
+    layer = MoELayer(H, FF, 4, "topk", shared_ffn_hidden_size=8, shared_expert_gate=True)
+    x = torch.randn(5, H, dtype=dtype, requires_grad=True)
+    y = layer(x)
+    assert y.dtype == dtype and y.shape == x.shape
+    y.sum().backward()
+    assert x.grad.dtype == dtype and layer.shared_expert.w_up.weight.grad.dtype == torch.float32
+    if dtype == torch.float64:
+        ref = copy.deepcopy(layer.shared_expert).double()
+        torch.testing.assert_close(layer.shared_expert(x), ref(x), rtol=0, atol=0)
+
+
+def test_shared_expert_under_autocast_keeps_autocasts_dtype():
+    layer = MoELayer(H, FF, 4, "topk", shared_ffn_hidden_size=8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert layer.shared_expert(torch.randn(3, H)).dtype == torch.bfloat16
+
+
+def test_meta_input_is_refused_clearly():
+    with pytest.raises(ValueError, match="meta tensors are not supported in forward.*to_empty"):
+        MoELayer(H, FF, 4, "topk")(torch.randn(3, H, device="meta"))
+
+
+def test_router_without_route_names_the_method_to_implement():
+    from moekit.moe.router import Router
+
+    class NoRoute(Router):
+        pass
+
+    layer = MoELayer(H, FF, 4, NoRoute(H, 4))
+    with pytest.raises(NotImplementedError, match=r"NoRoute does not implement route\(\).*route\(self, logits"):
+        layer(torch.randn(3, H))

@@ -375,3 +375,52 @@ def test_zero_coefficient_terms_are_logged_but_left_out_of_backward(name, opts):
     (gz,) = torch.autograd.grad(z_loss(x @ weighted.weight.t()), weighted.weight, retain_graph=True)
     if name == "expert_choice":  # aux = 0.25 * z-loss alone: its gradient is the z-loss's
         torch.testing.assert_close(torch.autograd.grad(r1.aux_loss, weighted.weight)[0], 0.25 * gz)
+
+
+@pytest.mark.parametrize("args,allowed", [((1,), "an integer >= 1"), ((0, 7), r"an integer in \[0, 7\]"),
+                                          ((1, 1), "the integer 1")])
+def test_check_int_wording(args, allowed):
+    from moekit.moe.router import check_int
+
+    with pytest.raises(ValueError, match=rf"^n=-3 is invalid; it must be {allowed}$"):
+        check_int("n", -3, *args)
+
+
+@pytest.mark.parametrize("x,error,needle", [
+    (torch.ones(3, H, dtype=torch.long), TypeError, r"x\.dtype=torch\.int64 is not supported.*float32"),
+    (torch.ones(3, H, dtype=torch.complex64), TypeError, r"x\.dtype=torch\.complex64"),
+    (torch.tensor(2.0), ValueError, rf"x must be a tensor \[\.\.\., {H}\].*0-d"),
+    ([[1.0] * H], TypeError, rf"x must be a tensor \[\.\.\., {H}\].*list"),
+    (torch.zeros(3, H, device="meta"), ValueError, "meta tensors are not supported"),
+])
+def test_router_refuses_bad_hidden_states(x, error, needle):
+    with pytest.raises(error, match=rf"router TopKRouter: .*{needle}"):
+        build_router("topk", H, 4)(x)
+
+
+def _fixed_router(aux_loss):
+    from moekit.moe.router import Routing
+
+    class Fixed(Router):
+        def route(self, logits, token_ids=None):
+            idx = logits.topk(1, dim=-1).indices
+            return Routing(idx, torch.ones(idx.shape), torch.zeros(4, dtype=torch.long), aux_loss)
+
+    return Fixed(H, 4)
+
+
+@pytest.mark.parametrize("aux,needle", [
+    (torch.ones(3, requires_grad=True), r"aux_loss has shape \(3,\); it must be a scalar tensor"),
+    (torch.ones(1), r"aux_loss has shape \(1,\)"),
+    (float("nan"), r"aux_loss=nan is invalid"), (float("inf"), r"aux_loss=inf is invalid"),
+    (True, r"aux_loss=True is invalid"), ("0.1", r"must be tensors or numbers, got '0.1'"),
+])
+def test_custom_router_aux_loss_must_be_a_scalar(aux, needle):
+    with pytest.raises(ValueError, match=rf"router .*Fixed: .*{needle}"):
+        _fixed_router(aux)(torch.randn(3, H))
+
+
+def test_custom_router_scalar_aux_loss_is_accepted():
+    assert _fixed_router(0.5)(torch.randn(3, H)).aux_loss.shape == ()
+    aux = torch.tensor(0.25, requires_grad=True)
+    assert _fixed_router(aux)(torch.randn(3, H)).aux_loss is aux

@@ -216,6 +216,21 @@ def check_grouped_mm_shapes(x: torch.Tensor, w: torch.Tensor, what: str) -> None
         raise ValueError(f"{what}: x is [M, K={x.shape[1]}] but w is [E, K={w.shape[1]}, N]; K must match")
 
 
+def check_grouped_mm_operands(x: torch.Tensor, w: torch.Tensor, what: str) -> None:
+    """What every backend needs of x and w (the Triton kernels and the torch loop alike), checked once where
+    the backend is chosen so that each reports the same ValueError: tensors of shapes [M, K] and [E, K, N],
+    one dtype, one device. Metadata only: no host sync."""
+    for name, t in (("x", x), ("w", w)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{what}: {name} must be a tensor, got {type(t).__name__}")
+    check_grouped_mm_shapes(x, w, what)
+    if x.device != w.device:
+        raise ValueError(f"{what}: all tensors must be on one device, got x on {x.device} and w on {w.device}")
+    if x.dtype != w.dtype:
+        raise ValueError(f"{what}: all tensors must share one dtype, got x {x.dtype} and w {w.dtype}; cast one "
+                         f"of them")
+
+
 def grouped_mm_fwd(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, gather_index: torch.Tensor | None = None,
                    *, transpose_w: bool = False, allow_tf32: bool = False) -> torch.Tensor:
     """Triton launch: y [M, N] = x[rows] @ w[e] (``transpose_w``: @ w[e]^T via strides, no copy)."""
@@ -299,12 +314,15 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, gather_inde
     torch loop elsewhere (one host sync); "triton" raises a ValueError saying why when it cannot run;
     "torch" always takes the loop. allow_tf32: fp32 inputs multiply in TF32 (faster, ~1e-3 relative).
     """
+    what = "grouped_mm"  # every argument error names the public function, whichever backend then runs
     if backend not in BACKENDS:
-        raise ValueError(f"grouped_mm: backend={backend!r} is unknown; use one of {BACKENDS}")
-    check_grouped_mm_shapes(x, w, "grouped_mm")
-    check_gather_index(gather_index, x.device, "grouped_mm")
+        raise ValueError(f"{what}: backend={backend!r} is unknown; use one of {BACKENDS}")
+    check_grouped_mm_operands(x, w, what)
+    check_gather_index(gather_index, x.device, what)
+    m = x.shape[0] if gather_index is None else gather_index.shape[0]
+    offs = check_offs(offs, w.shape[0], x.device, m, what)  # metadata only; int32 contiguous
     use_triton = backend == "triton" or (backend == "auto" and why_not_triton_tensors(x, w) == "")
     if not use_triton:
-        m = x.shape[0] if gather_index is None else gather_index.shape[0]
-        return grouped_mm_ref(x, w, check_offs(offs, w.shape[0], x.device, m, "grouped_mm"), gather_index)
+        return grouped_mm_ref(x, w, offs, gather_index)
     return GroupedMMFunction.apply(x, w, offs, gather_index, allow_tf32)
+
