@@ -1,7 +1,5 @@
 """The MoE layer benchmark runs end to end on tiny shapes and checks itself against transformers."""
 import json
-import sys
-from pathlib import Path
 
 import pytest
 from moekit.bench import moe_layer
@@ -22,6 +20,13 @@ def test_moe_layer_benchmark_smoke(tmp_path, capsys):
     assert "time / moekit" in capsys.readouterr().out
 
 
-def test_bad_shape_is_rejected():
-    with pytest.raises(SystemExit, match="FxExk"):
+def test_bad_shape_is_rejected(tmp_path, capsys):
+    """parse_shape raises; main checks every --shapes entry before the first case runs: one line, exit 2."""
+    with pytest.raises(ValueError, match="FxExk"):
         moe_layer.parse_shape("8x2")
+    out = tmp_path / "r.json"
+    with pytest.raises(SystemExit) as exc:
+        moe_layer.main(["--tokens", "16", "--hidden", "16", "--shapes", "16x4x2", "8x2", "--out", str(out)])
+    assert exc.value.code == 2 and not out.exists()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--shapes entry '8x2' is not FxExk" in err[0], err

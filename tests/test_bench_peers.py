@@ -142,6 +142,32 @@ def test_summary_reads_targets(tmp_path):
     assert status["MoE layer: router forward+backward free of host syncs (1 = none)"] == "met"
 
 
+def test_summary_help_and_bad_folders(tmp_path, capsys):
+    """--help says what it reads and prints (it used to be taken for a folder); a missing folder or a file is one
+    line and exit status 2, with nothing written; a corrupt input is named in a note, not passed over."""
+    with pytest.raises(SystemExit) as exc:
+        suite_summary.main(["--help"])
+    out = capsys.readouterr().out
+    assert exc.value.code == 0 and "grouped_gemm.json" in out and "summary.json" in out and "FOLDER" in out
+    for bad, words in ((tmp_path / "nope", "nope: no such folder"), (tmp_path / "f.txt", "f.txt: is a file")):
+        if bad.suffix:
+            bad.write_text("x\n")
+        with pytest.raises(SystemExit) as exc:
+            suite_summary.main([str(bad)])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exc.value.code == 2 and len(err) == 1 and words in err[0], err
+        assert err[0].startswith("suite_summary.py: error: ")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f.txt"]
+    (tmp_path / "moe_layer.json").write_text('{"results": [')  # cut short
+    assert suite_summary.main([str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert "moe_layer.json: cannot be read as JSON" in err and (tmp_path / "summary.json").exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert suite_summary.main([str(empty)]) == 0
+    assert "holds none of grouped_gemm.json" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("shared,backward", [(0, False), (24, True)])
 def test_gemm_floor_runs_the_layers_gemms(shared, backward):
     """The floor step of tools/bench/cpu_layer.py issues exactly the layer's matmuls for this routing (router,

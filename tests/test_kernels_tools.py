@@ -4,6 +4,7 @@ tests/test_kernels.py (the numerics) because these are slower (the first cold sm
 and test the tools, not the maths."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -73,3 +74,41 @@ def test_benchmark_refuses_a_box_without_gpu_unless_smoke():
     refused = subprocess.run([sys.executable, str(REPO / "tools/bench/grouped_gemm.py")], env=env,
                              capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2 and "needs a CUDA GPU" in refused.stderr
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--shapes", "nope"], "--shapes nope: unknown; choose from mixtral-8x7b"),
+    (["--tokens", "0"], "--tokens '0': not a token count"),
+    (["--tokens", "8192,abc"], "--tokens 'abc': not a token count"),
+    (["--routings", "foo"], "--routings foo: unknown; choose from uniform, zipf1.2, onehot"),
+    (["--workloads", "gemm2"], "--workloads gemm2: unknown"),
+    (["--rounds", "0"], "--rounds 0: must be >= 1"),
+    (["--out", "{tmp}"], "--out {tmp}: is a directory"),
+])
+@pytest.mark.parametrize("smoke", [True, False])
+def test_grouped_gemm_checks_flags_with_or_without_smoke(argv, words, smoke, tmp_path, capsys):
+    """A bad --shapes / --tokens / --routings is an error whether or not --smoke (which replaces them) is on, and
+    before the GPU check: one line, exit 2, nothing written."""
+    from moekit.bench import grouped_gemm
+
+    argv = [a.format(tmp=tmp_path) for a in argv] + ["--smoke"] * smoke
+    with pytest.raises(SystemExit) as exc:
+        grouped_gemm.main(argv + ([] if "--out" in argv else ["--out", str(tmp_path / "g.json")]))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and len(err) == 1 and words.format(tmp=tmp_path) in err[0], err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_grouped_gemm_smoke_notes_the_flags_it_overrides(tmp_path):
+    """Valid --shapes / --tokens / --dtype under --smoke on CPU: the run goes on with its own tiny case and says,
+    in one note line, which flags it did not use."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
+    out = tmp_path / "g.json"
+    proc = subprocess.run([sys.executable, str(REPO / "tools/bench/grouped_gemm.py"), "--smoke", "--shapes",
+                           "fine-grained", "--tokens", "64", "--workloads", "gemm1", "--out", str(out)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    notes = [ln for ln in proc.stderr.splitlines() if ln.startswith("note:")]
+    assert len(notes) == 1 and "ignoring --shapes fine-grained, --tokens 64" in notes[0], proc.stderr
+    assert "--routings" not in notes[0] and "--dtype" not in notes[0]
+    assert {r["shape"] for r in json.loads(out.read_text())["rows"]} == {"smoke"}

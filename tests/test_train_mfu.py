@@ -1,6 +1,5 @@
 """The training-MFU benchmark: a CPU smoke run through the real trainer, its arithmetic, and the 1B preset."""
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -83,15 +82,42 @@ def test_tma_configurations_set_the_variable_explicitly(monkeypatch, tmp_path):
     assert train_mfu.parse_args(["--smoke"])[0].tma == ["off"]
 
 
-def test_bad_arguments_stop_before_any_run():
-    with pytest.raises(SystemExit):
+def _one_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    return err[0]
+
+
+def test_bad_arguments_stop_before_any_run(capsys):
+    """Bad flags (the benchmark's and the trainer's) are one line and exit status 2, before any run."""
+    with pytest.raises(SystemExit) as exc:
         train_mfu.parse_args(["--steps", "3", "--warmup", "2"])
+    assert exc.value.code == 2 and "--warmup 2 / --steps 3" in _one_line(capsys)
     with pytest.raises(SystemExit):
         train_mfu.parse_args(["--batch-size", "10", "--micro-batch", "4"])
+    assert "--batch-size 10 must be a positive multiple of --micro-batch 4" in _one_line(capsys)
     args, extra = train_mfu.parse_args(["--smoke", "--", "--model.nonsense", "1"])
     assert extra == ["--model.nonsense", "1"]
-    with pytest.raises(SystemExit, match="trainer flags rejected"):
+    with pytest.raises(SystemExit) as exc:
         train_mfu.resolve_config(args, extra)
+    assert exc.value.code == 2
+    assert _one_line(capsys).startswith("train_mfu.py: error: trainer flags rejected: ")
+
+
+def test_every_backend_is_checked_and_nothing_is_written(tmp_path, monkeypatch, capsys):
+    """A bad second --backends entry or an unusable --device stops main before the first configuration runs:
+    no train_mfu.json with a failed configuration, no run folder."""
+    monkeypatch.setattr(train_mfu, "run_trainer", lambda *a: pytest.fail("a configuration ran"))
+    out, runs = tmp_path / "r.json", tmp_path / "runs"
+    base = ["--smoke", "--out", str(out), "--run-root", str(runs)]
+    with pytest.raises(SystemExit) as exc:
+        train_mfu.main(base + ["--backends", "loop", "nope"])
+    assert exc.value.code == 2 and "--backends nope: unknown" in _one_line(capsys)
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit) as exc:
+            train_mfu.main(base + ["--device", "cuda"])
+        assert exc.value.code == 2 and "--device cuda: this machine has no CUDA GPU" in _one_line(capsys)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_mixtral_1b_preset_size_and_fit():

@@ -33,7 +33,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from moekit.bench.benchlib import environment, print_table, sync, time_interleaved, write_json
+from moekit.bench.benchlib import (BenchParser, check_at_least, check_backend, check_device, check_out, environment,
+                                   print_table, sync, time_interleaved, write_json)
 from moekit.comm.topology import Layout
 from moekit.models.config import PRESETS, preset
 from moekit.models.parallelize import AC_MODES, apply_activation_checkpointing
@@ -72,7 +73,7 @@ def keep_nothing(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = BenchParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="mixtral-tiny", choices=sorted(PRESETS))
     p.add_argument("--layers", type=int, default=None, help="override the preset's num_layers")
     p.add_argument("--batch-size", type=int, default=8)
@@ -83,7 +84,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sac-overhead", action="store_true",
                    help="add 'selective-empty': selective checkpointing whose policy keeps nothing (full's memory), "
                         "so its time against full's is the cost of SAC's per-op dispatch alone")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cpu, cuda or cuda:N (default: cuda when there is a GPU)")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="bfloat16: autocast, fp32 weights")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)
@@ -92,9 +94,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.modes[0] != "none":
         p.error(f"--modes {' '.join(args.modes)}: the first mode is the baseline of the ratios; start with none")
-    for name in ("batch_size", "seq_len", "repeats"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} {getattr(args, name)} is invalid; it must be >= 1")
+    check_at_least(p, args, 1, "batch_size", "seq_len", "repeats", "layers")
+    check_at_least(p, args, 0, "warmup")
+    window = preset(args.preset).max_seq_len
+    if args.seq_len > window:
+        p.error(f"--seq-len {args.seq_len}: exceeds {args.preset}'s max_seq_len {window}; use at most {window}")
+    device = check_device(p, args.device)
+    if args.expert_backend is not None:
+        check_backend(p, args.expert_backend, preset(args.preset), device, DTYPES[args.dtype])
+    if args.json:
+        check_out(p, args.json, "--json")
     return args
 
 

@@ -24,7 +24,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from moekit.bench.benchlib import environment, init_bench_process, launch_ranks, print_table, write_json
+from moekit.bench.benchlib import (BenchParser, check_at_least, check_out, environment, init_bench_process,
+                                   launch_ranks, print_table, write_json)
 from moekit.train.planning import cost_model
 from moekit.comm.expert_parallel import FlatEPDispatcher
 from moekit.comm.hierarchical import HierarchicalEPDispatcher
@@ -90,9 +91,7 @@ def measure(args, world: int, rank: int, per_node: int, device) -> list[dict]:
 def worker(rank: int, world: int, args, init_file: str | None) -> None:
     device = init_bench_process(rank, world, init_file, 1)  # spawned on CPU, or under torchrun
     rows = []
-    for per_node in args.ranks_per_node:
-        if world % per_node:
-            raise SystemExit(f"--ranks-per-node {per_node} must divide the world size {world}")
+    for per_node in args.ranks_per_node:  # each divides the world size (main checked, before any rank started)
         rows += measure(args, world, rank, per_node, device)
     if rank == 0:
         print_table(rows, [("nodes", "nodes", "d"), ("ranks_per_node", "ranks/node", "d"), ("dispatcher", "dispatch", ""),
@@ -125,7 +124,7 @@ def model_table(args) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = BenchParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world", type=int, default=8, help="ranks to spawn on CPU (ignored under torchrun)")
     p.add_argument("--ranks-per-node", type=int, nargs="+", default=[4, 2], help="simulated node sizes")
     p.add_argument("--hidden", type=int, default=7168)
@@ -140,11 +139,23 @@ def main(argv=None) -> int:
     p.add_argument("--model-table", action="store_true", help="print the cost model for 8-128 nodes and exit")
     p.add_argument("--gpus-per-node", type=int, default=8, help="for --model-table")
     args = p.parse_args(argv)
+    check_at_least(p, args, 1, "hidden", "experts", "top_k", "gpus_per_node")
+    check_at_least(p, args, 0, "node_limit")
+    if args.top_k > args.experts:
+        p.error(f"--top-k {args.top_k}: must be <= --experts {args.experts}")
     if args.model_table:
         model_table(args)
         return 0
-    if args.experts % args.world and "WORLD_SIZE" not in os.environ:
-        p.error(f"--experts {args.experts} must be divisible by --world {args.world}")
+    check_at_least(p, args, 1, "world", "ranks_per_node", "tokens", "repeats")
+    # every check before any rank starts: a rank that fails its own check leaves a traceback per rank
+    world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else args.world
+    where = "torchrun's world size" if "WORLD_SIZE" in os.environ else "--world"
+    if args.experts % world:
+        p.error(f"--experts {args.experts} must be divisible by {where} {world}")
+    bad = [n for n in args.ranks_per_node if world % n]
+    if bad:
+        p.error(f"--ranks-per-node {' '.join(map(str, bad))}: each must divide {where} {world}")
+    check_out(p, args.out)
     launch_ranks(worker, args, args.world)
     return 0
 

@@ -1,11 +1,15 @@
-"""Shared benchmark plumbing: timing, environment record, table printing, JSON output."""
+"""Shared benchmark plumbing: timing, environment record, table printing, JSON output, and the checks of
+the flags every script shares (device, counts, names, output paths), each a one-line error with exit status 2."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
 import resource
 import statistics
+import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -142,13 +146,158 @@ def guarded(fn: Callable[[], object]) -> tuple[object, str | None]:
 
 
 def add_timing_args(p, out: str, warmup: int = 2, repeats: int = 10) -> None:
-    """The flags every single-device benchmark shares: device, dtype, warm-up, repeats, seed, JSON path."""
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    """The flags every single-device benchmark shares: device, dtype, warm-up, repeats, seed, JSON path
+    (check_timing_args checks them)."""
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cpu, cuda or cuda:N (default: cuda when there is a GPU)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--warmup", type=int, default=warmup)
-    p.add_argument("--repeats", type=int, default=repeats)
+    p.add_argument("--warmup", type=int, default=warmup, help=f"untimed calls per peer first (default {warmup})")
+    p.add_argument("--repeats", type=int, default=repeats, help=f"timed calls per peer (default {repeats})")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=out)
+    p.add_argument("--out", default=out, help=f"the JSON results (default {out})")
+
+
+class BenchParser(argparse.ArgumentParser):
+    """argparse whose errors (its own and the scripts' ``p.error``) are one line on stderr,
+    ``prog: error: message (see --help)``, and exit status 2: no usage block. ``prog`` defaults to the file name
+    of the script that builds the parser, also when its main() is called from Python."""
+
+    def __init__(self, *args, **kwargs):
+        if not args and "prog" not in kwargs:
+            caller = sys._getframe(1).f_globals.get("__file__")
+            if caller:
+                kwargs["prog"] = os.path.basename(caller)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        fail(self.prog, f"{message} (see --help)")
+
+
+def fail(prog: str, message: str):
+    """Print ``prog: error: message`` as one line on stderr and exit with status 2 (bad input)."""
+    print(f"{prog}: error: {' '.join(str(message).split())}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def check_device(p, name: str, flag: str = "--device") -> torch.device:
+    """The device ``name`` names; a usage error (p.error) for a name torch does not parse, a device other than
+    cpu / cuda, or a CUDA device this machine does not have."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        p.error(f"{flag} {name!r}: not a device; use cpu, cuda or cuda:N")
+    if device.type not in ("cpu", "cuda"):
+        p.error(f"{flag} {name}: the benchmarks run on cpu or cuda only; use one of those")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            p.error(f"{flag} {name}: this machine has no CUDA GPU (torch.cuda.is_available() is False); "
+                    "use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            p.error(f"{flag} {name}: this machine has {torch.cuda.device_count()} CUDA GPU(s); "
+                    f"use cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    return device
+
+
+def check_at_least(p, args, minimum: int, *names: str) -> None:
+    """A usage error naming the flag and value when an ``args`` attribute in ``names`` (or an item of a list
+    one) is below ``minimum``; None (a flag left unset) passes."""
+    for name in names:
+        value = getattr(args, name)
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            if v is not None and v < minimum:
+                p.error(f"--{name.replace('_', '-')} {v}: must be >= {minimum}")
+
+
+def check_positive(p, args, *names: str) -> None:
+    """A usage error naming the flag and value when an ``args`` attribute in ``names`` (a number) is not > 0;
+    None (a flag left unset) passes."""
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and not value > 0:  # NaN too
+            p.error(f"--{name.replace('_', '-')} {value}: must be > 0")
+
+
+def check_names(p, flag: str, values, allowed) -> None:
+    """A usage error naming the unknown items of ``values`` and listing ``allowed``."""
+    unknown = [v for v in values if v not in allowed]
+    if unknown:
+        p.error(f"{flag} {' '.join(map(str, unknown))}: unknown; choose from {', '.join(map(str, allowed))}")
+
+
+def check_out(p, path, flag: str = "--out", example: str = "results.json", folder: bool = False) -> None:
+    """Before any work, a usage error naming ``flag`` and ``path`` where it cannot be written: a directory given
+    for a file (or a file for a folder, ``folder=True``), a file on the way, or a nearest existing folder that
+    refuses a new file (tried with a probe file, removed again). Creates nothing: missing folders are made
+    when the results are written. An empty ``flag``: the message names the path alone."""
+    path = os.fspath(path)
+    if not path:
+        p.error(f"{flag} is empty; give a path")
+    label = f"{flag} {path}" if flag else path
+    if folder and os.path.lexists(path) and not os.path.isdir(path):
+        p.error(f"{label}: is a file; give a folder path")
+    if not folder and os.path.isdir(path):
+        p.error(f"{label}: is a directory; give a file path, e.g. {os.path.join(path, example)}")
+    parent = path if folder and os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    while not os.path.lexists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        p.error(f"{label}: {parent} is a file, not a directory; choose another path")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        p.error(f"{label}: cannot write in {parent} ({exc.strerror or exc}); choose another path")
+
+
+def check_git_ref(p, ref: str, flag: str = "--baseline") -> None:
+    """A usage error naming ``flag`` when ``ref`` is not a commit of this checkout (git rev-parse)."""
+    import subprocess
+
+    repo = Path(__file__).resolve().parents[2]
+    try:
+        ok = subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}"], cwd=repo,
+                            capture_output=True, text=True, timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        p.error(f"{flag} {ref}: cannot ask git about it ({exc}); run from a git checkout with git installed")
+    if not ok:
+        p.error(f"{flag} {ref}: not a commit of {repo}; pass a commit, branch or tag (e.g. HEAD)")
+
+
+def check_timing_args(p, args) -> torch.device:
+    """add_timing_args' flags: the device (check_device), --warmup >= 0, --repeats >= 1, a writable --out."""
+    device = check_device(p, args.device)
+    check_at_least(p, args, 0, "warmup")
+    check_at_least(p, args, 1, "repeats")
+    check_out(p, args.out)
+    return device
+
+
+def check_backend(p, backend: str, cfg, device: torch.device, dtype: torch.dtype,
+                  flag: str = "--expert-backend") -> None:
+    """A usage error, with moe.experts.resolve_backend's reason, when expert backend ``backend`` cannot run the
+    experts of model config ``cfg`` on ``device`` in ``dtype`` (e.g. triton on CPU without the interpreter)."""
+    from moekit.moe.activations import ffn_in_features
+    from moekit.moe.experts import resolve_backend
+
+    H, F = cfg.hidden_size, cfg.moe_ffn_hidden_size
+    rows = torch.empty(1, H, device=device, dtype=dtype)  # one expert of the real widths: usable() reads shapes
+    w_in = torch.empty(1, H, ffn_in_features(cfg.activation, F), device=device, dtype=dtype)
+    w_out = torch.empty(1, F, H, device=device, dtype=dtype)
+    try:
+        resolve_backend(backend, rows, w_in, w_out)
+    except ValueError as exc:
+        p.error(f"{flag} {backend}: {exc}")
+
+
+def hf_experts_implementations() -> list[str] | None:
+    """The experts implementations transformers' MoE blocks accept ("eager" and its ExpertsInterface's), or
+    None when transformers (or that interface) is not installed."""
+    try:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    except ImportError:
+        return None
+    return ["eager", *ALL_EXPERTS_FUNCTIONS]
 
 
 def init_bench_process(rank: int, world: int, init_file: str | None, threads: int = 1) -> torch.device:

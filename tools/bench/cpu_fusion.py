@@ -36,7 +36,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from moekit.bench.benchlib import environment, print_table, time_interleaved, write_json
+from moekit.bench.benchlib import (BenchParser, check_at_least, check_out, environment, print_table,
+                                   time_interleaved, write_json)
 from moekit.moe.dispatch import PermuteMeta, sort_slots, unpermute
 from moekit.moe.experts import swiglu_into
 
@@ -157,7 +158,7 @@ def run_case(case: str, shape: str, dtype: torch.dtype, args, compile_fn) -> lis
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = BenchParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES),
                    help="routed shapes for combine / swiglu / swiglu_bwd (attention has its own)")
@@ -176,9 +177,12 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench-results/cpu_fusion.json")
     args = p.parse_args(argv)
-    for name in ("tokens", "hidden", "attn_batch", "attn_seq", "repeats"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    check_at_least(p, args, 1, "tokens", "hidden", "attn_batch", "attn_seq", "repeats")
+    check_at_least(p, args, 0, "warmup")
+    if args.compile_backend not in torch._dynamo.list_backends(exclude_tags=()):  # debug backends too
+        p.error(f"--compile-backend {args.compile_backend}: unknown; choose from "
+                f"{', '.join(torch._dynamo.list_backends())} (or a debug one such as aot_eager)")
+    check_out(p, args.out)
 
     def compile_fn(fn):  # static shapes: each case's shapes never change, Inductor's best case
         return torch.compile(fn, backend=args.compile_backend, dynamic=False)

@@ -45,11 +45,13 @@ os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "16384")
 
 import torch  # noqa: E402
 
-from moekit.bench.benchlib import environment, guarded, minor_faults, print_table, time_interleaved, write_json
+from moekit.bench.benchlib import (BenchParser, check_at_least, check_git_ref, check_names, check_out, environment,
+                                   guarded, hf_experts_implementations, minor_faults, print_table, time_interleaved,
+                                   write_json)
 from moekit.bench.layer_probes import PHASES, gemm_floor_step, phase_steps
 from moekit.bench.moe_layer import copy_into_hf
 from moekit.moe import MoELayer, build_router
-from moekit.moe.experts import resolve_backend
+from moekit.moe.experts import available_backends, resolve_backend
 from moekit.train import host_memory
 
 FLOOR = "GEMMs alone (floor)"
@@ -242,12 +244,13 @@ def bench_shape(args, name, dtype) -> tuple[list[dict], dict]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = BenchParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
-    p.add_argument("--backends", nargs="*", default=[], help="also time moekit with these expert backends")
+    p.add_argument("--backends", nargs="*", default=[],
+                   help=f"also time moekit with these expert backends ({', '.join(available_backends())})")
     p.add_argument("--hf-impl", nargs="*", default=["eager", "grouped_mm"])
     p.add_argument("--warmup", type=int, default=24,
                    help="untimed calls per peer first, each on a fresh input: a training run's steady state, in "
@@ -273,6 +276,17 @@ def main(argv=None) -> int:
                         "memory, for every peer alike (moekit.train.host_memory, --train.host_memory retain)")
     p.add_argument("--out", default="bench-results/cpu_layer.json")
     args = p.parse_args(argv)
+    check_at_least(p, args, 1, "tokens", "hidden", "repeats")
+    check_at_least(p, args, 0, "warmup", "threads")
+    if not args.skew >= 0:
+        p.error(f"--skew {args.skew}: must be >= 0 (0: balanced random routing)")
+    check_names(p, "--backends", args.backends, available_backends())
+    check_out(p, args.out)
+    if args.baseline:
+        check_git_ref(p, args.baseline)
+    hf_impls = hf_experts_implementations() if args.hf_impl else None
+    if hf_impls is not None:  # without transformers each block is reported as skipped
+        check_names(p, "--hf-impl", args.hf_impl, hf_impls)
     if args.threads:
         torch.set_num_threads(args.threads)
     memory = host_memory.configure(args.host_memory)  # every peer in this process alike

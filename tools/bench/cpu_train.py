@@ -364,7 +364,9 @@ def env_pairs(items: list[str]) -> dict[str, str]:
 
 
 def parse(argv):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from moekit.bench.benchlib import BenchParser, check_git_ref, check_out
+
+    p = BenchParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--baseline", default="", metavar="GIT_REF", help="also measure this git ref (before / after)")
     p.add_argument("--baseline-args", default=None, metavar="FLAGS",
                    help="the baseline runs these trainer flags instead (one string, e.g. '--train.dtype float32'), "
@@ -401,8 +403,10 @@ def parse(argv):
     for item in args.env + (args.baseline_env or []):
         if item and ("=" not in item or not item.split("=", 1)[0].isidentifier()):
             p.error(f"--env / --baseline-env {item!r}: expected VAR=VALUE, e.g. GLIBC_TUNABLES=glibc.malloc.mmap_max=0")
-    if args.json and Path(args.json).is_dir():
-        p.error(f"--json {args.json} is a folder; pass a file path such as {Path(args.json) / 'cpu_train.json'}")
+    if args.json:
+        check_out(p, args.json, "--json", example="cpu_train.json")
+    if args.baseline:
+        check_git_ref(p, args.baseline)
     return args
 
 

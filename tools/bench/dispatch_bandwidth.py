@@ -33,7 +33,8 @@ import sys
 
 import torch
 
-from moekit.bench.benchlib import add_timing_args, environment, print_table, time_events, write_json
+from moekit.bench.benchlib import (BenchParser, add_timing_args, check_at_least, check_timing_args, environment,
+                                   print_table, time_events, write_json)
 from moekit.bench.layer_probes import kernel_breakdown
 from moekit.moe import LocalDispatcher, build_router
 from moekit.moe.dispatch import permute, sort_slots, unpermute
@@ -143,15 +144,14 @@ def bench_config(name: str, tokens: int, args, device, dtype) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = BenchParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, nargs="+", default=[4096])
     p.add_argument("--configs", nargs="+", default=["small", "qwen3-30b-a3b"], choices=list(CONFIGS),
                    help="hidden/experts/top-k sets: " + ", ".join(f"{n} {v}" for n, v in CONFIGS.items()))
     add_timing_args(p, out="bench-results/dispatch_bandwidth.json", warmup=3)
     args = p.parse_args(argv)
-    if min(args.tokens) <= 0 or args.repeats <= 0:
-        p.error("--tokens and --repeats must be positive")
-    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    check_at_least(p, args, 1, "tokens")
+    device, dtype = check_timing_args(p, args), getattr(torch, args.dtype)
     rows = []
     payload = {"benchmark": "dispatch_bandwidth", "dtype": args.dtype, "environment": environment(device)}
     for tokens in args.tokens:

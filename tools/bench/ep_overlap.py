@@ -26,8 +26,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from moekit.bench.benchlib import (environment, init_bench_process, launch_ranks, print_table, time_interleaved,
-                                   write_json)
+from moekit.bench.benchlib import (BenchParser, check_at_least, check_out, environment, init_bench_process,
+                                   launch_ranks, print_table, time_interleaved, write_json)
 from moekit.comm.expert_parallel import apply_expert_parallel
 from moekit.comm.topology import Layout, Topology
 from moekit.moe import MoELayer, build_router
@@ -85,7 +85,7 @@ def worker(rank: int, world: int, args, init_file: str | None) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = BenchParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world", type=int, default=4, help="ranks to spawn on CPU (ignored under torchrun)")
     p.add_argument("--ranks-per-node", type=int, default=0, help="< world: hierarchical dispatch over simulated nodes")
     p.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4], help="the first one is the baseline")
@@ -101,13 +101,18 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench-results/ep_overlap.json")
     args = p.parse_args(argv)
-    if any(c < 1 for c in args.chunks):
-        p.error(f"--chunks {args.chunks}: every count must be >= 1")
+    check_at_least(p, args, 1, "chunks", "hidden", "ffn", "experts", "top_k", "tokens", "threads", "repeats")
+    check_at_least(p, args, 0, "ranks_per_node", "warmup")
+    if args.top_k > args.experts:
+        p.error(f"--top-k {args.top_k}: must be <= --experts {args.experts}")
+    # every check before any rank starts: a rank that fails its own check leaves a traceback per rank
     spawned = "WORLD_SIZE" not in os.environ  # else torchrun's ranks and world size
-    if spawned and (args.world < 2 or args.experts % args.world
-                    or (args.ranks_per_node and args.world % args.ranks_per_node)):
-        p.error(f"--world {args.world} must be >= 2 and divide --experts {args.experts}; --ranks-per-node "
-                f"{args.ranks_per_node} must divide it")
+    world, where = (args.world, "--world") if spawned else (int(os.environ["WORLD_SIZE"]), "torchrun's world size")
+    if world < 2 or args.experts % world:
+        p.error(f"{where} {world}: must be >= 2 and divide --experts {args.experts}")
+    if args.ranks_per_node and world % args.ranks_per_node:
+        p.error(f"--ranks-per-node {args.ranks_per_node}: must divide {where} {world}")
+    check_out(p, args.out)
     launch_ranks(worker, args, args.world)
     return 0
 

@@ -16,7 +16,8 @@ import sys
 
 import torch
 
-from moekit.bench.benchlib import environment, print_table, time_interleaved, write_json
+from moekit.bench.benchlib import (BenchParser, check_at_least, check_out, environment, print_table,
+                                   time_interleaved, write_json)
 from moekit.moe.experts import loop_mlp
 from moekit.moe.expert_threads import choose_workers, expert_threads
 
@@ -63,7 +64,7 @@ def bench_case(E: int, F: int, dtype: torch.dtype, args) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = BenchParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES, help="ExF: experts x FFN width")
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     p.add_argument("--tokens", type=int, default=4096)
@@ -73,13 +74,18 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench-results/expert_threads.json")
     args = p.parse_args(argv)
+    check_at_least(p, args, 1, "tokens", "hidden", "repeats")
+    check_at_least(p, args, 0, "warmup")
     shapes = []
     for s in args.shapes:
         try:
             E, F = (int(v) for v in s.lower().split("x"))
         except ValueError:
-            p.error(f"--shapes {s!r} is invalid; write experts x width, e.g. 64x128")
+            E = F = 0
+        if E < 1 or F < 1:
+            p.error(f"--shapes {s!r} is invalid; write experts x width, both >= 1, e.g. 64x128")
         shapes.append((E, F))
+    check_out(p, args.out)
     if torch.get_num_threads() < 2:
         p.error("torch has 1 thread here: there is nothing to run in parallel (unset OMP_NUM_THREADS=1)")
     rows = []

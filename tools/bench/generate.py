@@ -23,8 +23,9 @@ import sys
 
 import torch
 
-from moekit.bench.benchlib import environment, print_table, time_interleaved, write_json
-from moekit.models.config import preset
+from moekit.bench.benchlib import (BenchParser, check_at_least, check_device, check_names, check_out, environment,
+                                   print_table, time_interleaved, write_json)
+from moekit.models.config import PRESETS, preset
 from moekit.models.transformer import build_model
 from moekit.train.decoding import generate
 from moekit.train.inference import DTYPES, cast_parameters, inference_routing
@@ -33,22 +34,27 @@ DEFAULT_PRESETS = ["mixtral-tiny", "switch-tiny", "deepseek-tiny"]
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                allow_abbrev=False)
-    p.add_argument("--presets", nargs="+", default=DEFAULT_PRESETS, help="model presets (default: the tiny ones)")
+    p = BenchParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    p.add_argument("--presets", nargs="+", default=DEFAULT_PRESETS,
+                   help=f"model presets, of {', '.join(PRESETS)} (default: the tiny ones)")
     p.add_argument("--max-seq-len", type=int, default=256, help="the model's context window (default 256)")
     p.add_argument("--prompt-len", type=int, default=16, help="prompt tokens (default 16)")
     p.add_argument("--new-tokens", type=int, nargs="+", default=[32, 96], help="tokens to decode (default 32 96)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cpu, cuda or cuda:N (default: cuda when there is a GPU)")
     p.add_argument("--dtype", default="float32", choices=list(DTYPES))
     p.add_argument("--threads", type=int, default=1, help="CPU intra-op threads (default 1; see above)")
     p.add_argument("--warmup", type=int, default=0, help="untimed rounds besides the first (default 0)")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3, help="timed rounds (default 3)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench-results/generate.json")
     args = p.parse_args(argv)
-    if min(args.new_tokens) < 1 or args.prompt_len < 1 or args.max_seq_len < 2 or args.threads < 1:
-        p.error("--new-tokens, --prompt-len and --threads must be >= 1, --max-seq-len >= 2")
+    check_names(p, "--presets", args.presets, PRESETS)
+    check_at_least(p, args, 1, "new_tokens", "prompt_len", "threads", "repeats")
+    check_at_least(p, args, 2, "max_seq_len")
+    check_at_least(p, args, 0, "warmup")
+    check_device(p, args.device)
+    check_out(p, args.out)
     return args
 
 

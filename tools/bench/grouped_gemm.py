@@ -33,7 +33,6 @@ F 768, E 128, k 8); fine-grained (H 1536, F 256, E 128, k 8). Routing: uniform, 
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import platform
@@ -45,6 +44,8 @@ from unittest import mock
 
 import torch
 import torch.nn.functional as F
+
+from moekit.bench.benchlib import BenchParser, check_at_least, check_names, check_out
 
 SHAPES = {  # name: (hidden H, expert ffn F, local experts E, top-k)
     "mixtral-8x7b": (4096, 14336, 8, 2),
@@ -282,49 +283,82 @@ def print_table(rows):
     print("(TFLOP/s; ratios are triton TFLOP/s over the baseline's)")
 
 
+def _csv(text: str | None) -> list[str]:
+    return [t for t in text.split(",") if t] if text else []
+
+
 def parse(argv):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    """The flags, each checked whether or not --smoke is on (--smoke then replaces shapes, tokens, routings,
+    rounds and, on CPU, the dtype; select_cases says so): a bad value is one line and exit status 2."""
+    ap = BenchParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
     ap.add_argument("--quick", action="store_true", help="subset: 8192 tokens, uniform + zipf, 2 shapes")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes; runs on CPU under TRITON_INTERPRET=1")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
+                    help="default bfloat16 (--smoke on CPU: float32)")
     ap.add_argument("--workloads", default="gemm1,mlp", help="comma list of gemm1, mlp")
     ap.add_argument("--shapes", default=None, help=f"comma list of {','.join(SHAPES)}")
     ap.add_argument("--tokens", default=None, help=f"comma list of token counts (default {TOKENS})")
     ap.add_argument("--routings", default=None, help=f"comma list of {','.join(ROUTINGS)}")
-    ap.add_argument("--rounds", type=int, default=3, help="round-robin rounds per case on GPU (median kept)")
+    ap.add_argument("--rounds", type=int, default=None, help="round-robin rounds per case on GPU (median kept; "
+                                                             "default 3)")
     ap.add_argument("--float8", action="store_true",
                     help="also time the float8 expert backend on the mlp workload (CUDA sm90 / sm100)")
-    return ap.parse_args(argv)
+    a = ap.parse_args(argv)
+    for flag, text in (("--shapes", a.shapes), ("--routings", a.routings), ("--tokens", a.tokens),
+                       ("--workloads", a.workloads)):
+        if text is not None and not _csv(text):
+            ap.error(f"{flag} {text!r}: empty; give a comma list")
+    check_names(ap, "--shapes", _csv(a.shapes), list(SHAPES))
+    check_names(ap, "--routings", _csv(a.routings), ROUTINGS)
+    check_names(ap, "--workloads", _csv(a.workloads), ["gemm1", "mlp"])
+    for t in _csv(a.tokens):
+        if not t.strip().isdigit() or int(t) < 1:
+            ap.error(f"--tokens {t!r}: not a token count; give whole numbers >= 1, e.g. 8192,32768")
+    check_at_least(ap, a, 1, "rounds")
+    if a.out is not None:
+        check_out(ap, a.out)
+    return a
+
+
+def smoke_note(a, device: torch.device) -> str | None:
+    """The one note line naming the valid flags --smoke overrides, or None when it overrides none."""
+    given = [f"{flag} {v}" for flag, v in (("--shapes", a.shapes), ("--tokens", a.tokens), ("--routings", a.routings),
+                                            ("--rounds", a.rounds)) if v is not None]
+    given += ["--quick"] if a.quick else []
+    if device.type == "cpu" and a.dtype not in (None, "float32"):
+        given.append(f"--dtype {a.dtype}")
+    if not given:
+        return None
+    h, f, e, k = SMOKE_SHAPES["smoke"]
+    return (f"note: --smoke runs its own tiny case (H {h}, F {f}, E {e}, k {k}, 32 tokens, uniform and zipf1.2 "
+            f"routing, one round{', float32 on CPU' if device.type == 'cpu' else ''}); ignoring {', '.join(given)}")
 
 
 def select_cases(a, kernels):
-    """(device, dtype, shapes, tokens, routings, workloads), or an error message for stderr."""
+    """(device, dtype, shapes, tokens, routings, workloads) from flags parse() checked, or an error message for
+    stderr; under --smoke, prints smoke_note's line when it overrides a flag."""
+    workloads = _csv(a.workloads)
     if a.smoke:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if device.type == "cpu" and not kernels.interpret_mode():
             return "--smoke on CPU needs TRITON_INTERPRET=1 set before launch"
+        note = smoke_note(a, device)
+        if note:
+            print(note, file=sys.stderr)
         shapes, tokens, routings = SMOKE_SHAPES, (32,), ("uniform", "zipf1.2")
-        dtype = torch.float32 if device.type == "cpu" else getattr(torch, a.dtype)
-    else:
-        if not torch.cuda.is_available():
-            return ("grouped_gemm benchmark needs a CUDA GPU (found none); use --smoke under TRITON_INTERPRET=1 "
-                    "to check the script on CPU")
-        device, dtype = torch.device("cuda"), getattr(torch, a.dtype)
-        names = a.shapes.split(",") if a.shapes else list(SHAPES)
-        unknown = [n for n in names if n not in SHAPES]
-        if unknown:
-            return f"unknown shapes {unknown}; use {list(SHAPES)}"
-        if a.quick:
-            names = [n for n in names if n in ("mixtral-8x7b", "qwen3-30b-a3b")] or names[:2]
-        shapes = {n: SHAPES[n] for n in names}
-        tokens = tuple(int(t) for t in a.tokens.split(",")) if a.tokens else (8192,) if a.quick else TOKENS
-        routings = tuple(a.routings.split(",")) if a.routings else ("uniform", "zipf1.2") if a.quick else ROUTINGS
-        if any(r not in ROUTINGS for r in routings):
-            return f"--routings takes {ROUTINGS}, got {a.routings!r}"
-    workloads = [w for w in a.workloads.split(",") if w]
-    if any(w not in ("gemm1", "mlp") for w in workloads):
-        return f"--workloads takes gemm1 and/or mlp, got {a.workloads!r}"
+        dtype = torch.float32 if device.type == "cpu" else getattr(torch, a.dtype or "bfloat16")
+        return device, dtype, shapes, tokens, routings, workloads
+    if not torch.cuda.is_available():
+        return ("grouped_gemm benchmark needs a CUDA GPU (found none); use --smoke under TRITON_INTERPRET=1 "
+                "to check the script on CPU")
+    device, dtype = torch.device("cuda"), getattr(torch, a.dtype or "bfloat16")
+    names = _csv(a.shapes) or list(SHAPES)
+    if a.quick:
+        names = [n for n in names if n in ("mixtral-8x7b", "qwen3-30b-a3b")] or names[:2]
+    shapes = {n: SHAPES[n] for n in names}
+    tokens = tuple(int(t) for t in _csv(a.tokens)) or ((8192,) if a.quick else TOKENS)
+    routings = tuple(_csv(a.routings)) or (("uniform", "zipf1.2") if a.quick else ROUTINGS)
     return device, dtype, shapes, tokens, routings, workloads
 
 
@@ -334,7 +368,7 @@ def main(argv=None) -> int:
 
     selected = select_cases(a, kernels)
     if isinstance(selected, str):
-        print(selected, file=sys.stderr)
+        print(f"grouped_gemm.py: error: {selected}", file=sys.stderr)
         return 2
     device, dtype, shapes, tokens, routings, workloads = selected
     import triton
@@ -363,7 +397,7 @@ def main(argv=None) -> int:
             for routing in routings:
                 for w in workloads:
                     rows.append(run_case(name, shape, t, routing, w, dtype, device, bench, gen, has_torch_gmm,
-                                         rounds=1 if a.smoke else a.rounds, float8=a.float8))
+                                         rounds=1 if a.smoke else a.rounds or 3, float8=a.float8))
                     save(rows, partial=True)
                     print(f"done {name} tokens={t} {routing} {w}", file=sys.stderr, flush=True)
     print_table(rows)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from moekit.bench.benchlib import BenchParser, check_at_least, check_out
 from moekit.train import loadplots, records
 from moekit.train.loadplots import MAX_PIXELS, png_bytes, png_size
 
@@ -118,13 +119,18 @@ def run(layers: int, experts: int, steps: int, root: Path) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=61)
-    p.add_argument("--experts", type=int, default=256)
-    p.add_argument("--steps", type=int, default=10_000)
+    p = BenchParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=61, help="MoE layers in the synthetic record (default 61)")
+    p.add_argument("--experts", type=int, default=256, help="experts per layer (default 256)")
+    p.add_argument("--steps", type=int, default=10_000, help="training steps recorded (default 10,000)")
     p.add_argument("--keep", metavar="DIR", help="write the synthetic runs here and keep them")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = p.parse_args(argv)
+    check_at_least(p, args, 1, "layers", "experts", "steps")
+    if args.json:
+        check_out(p, args.json, "--json")
+    if args.keep:
+        check_out(p, args.keep, "--keep", folder=True)
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="moekit-heatmap-scale-"))
     try:
         res = run(args.layers, args.experts, args.steps, root)

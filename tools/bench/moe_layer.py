@@ -25,27 +25,29 @@ import sys
 
 import torch
 
-from moekit.bench.benchlib import add_timing_args, environment, guarded, print_table, time_interleaved, write_json
+from moekit.bench.benchlib import (BenchParser, add_timing_args, check_at_least, check_names, check_timing_args,
+                                   environment, guarded, hf_experts_implementations, print_table, time_interleaved,
+                                   write_json)
 from moekit.bench.layer_probes import (PHASES, device_times, host_sync_check, minimum_activation_bytes, phase_steps,
                                        saved_activation_bytes)
 from moekit.moe import MoELayer, build_router
-from moekit.moe.experts import resolve_backend
+from moekit.moe.experts import available_backends, resolve_backend
 from moekit.bench.titan_ref import TitanStyleMoE
 
 DEFAULT_SHAPES = ["512x8x2", "128x64x8"]  # F x E x k
 
 
 def parse_shape(text: str, hidden: int = 256) -> tuple[int, int, int, int]:
-    """'FxExk' (hidden from --hidden) or 'HxFxExk' -> (H, F, E, k)."""
+    """'FxExk' (hidden from --hidden) or 'HxFxExk' -> (H, F, E, k); ValueError naming the entry otherwise."""
     try:
         vals = [int(v) for v in text.lower().split("x")]
     except ValueError:
         vals = []
     if len(vals) not in (3, 4):
-        raise SystemExit(f"--shapes entry {text!r} is not FxExk or HxFxExk (e.g. 512x8x2 or 4096x14336x8x2)")
+        raise ValueError(f"--shapes entry {text!r} is not FxExk or HxFxExk (e.g. 512x8x2 or 4096x14336x8x2)")
     h, f, e, k = vals if len(vals) == 4 else [hidden, *vals]
     if not (0 < k <= e and f > 0 and h > 0):
-        raise SystemExit(f"--shapes entry {text!r} needs H, F > 0 and 0 < k <= E")
+        raise ValueError(f"--shapes entry {text!r} needs H, F > 0 and 0 < k <= E")
     return h, f, e, k
 
 
@@ -228,26 +230,36 @@ def print_case_details(cases: list[dict]) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = BenchParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, nargs="+", default=[4096])
     p.add_argument("--hidden", type=int, default=256, help="H for FxExk shape entries")
     p.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES, help="FxExk or HxFxExk entries")
     p.add_argument("--backends", nargs="+", default=["auto", "torch", "loop"],
-                   help="moekit expert backends to time ('auto' is always included: ratios are against it)")
-    p.add_argument("--peers", nargs="*", default=["titan"], help="'titan' adds the torchtitan-style reference")
+                   help=f"moekit expert backends to time, of {', '.join(available_backends())} ('auto' is always "
+                        "included: ratios are against it)")
+    p.add_argument("--peers", nargs="*", default=["titan"], choices=["titan"],
+                   help="'titan' adds the torchtitan-style reference")
     p.add_argument("--hf-impl", nargs="*", default=["eager", "grouped_mm"],
                    help="transformers experts implementations to time (eager = its per-expert loop)")
     add_timing_args(p, out="bench-results/moe_layer.json")
     args = p.parse_args(argv)
+    check_at_least(p, args, 1, "tokens", "hidden")
+    device, dtype = check_timing_args(p, args), getattr(torch, args.dtype)
+    check_names(p, "--backends", args.backends, available_backends())
     args.backends = ["auto"] + [b for b in args.backends if b != "auto"]
-    if min(args.tokens) <= 0 or args.hidden <= 0 or args.repeats <= 0:
-        p.error("--tokens, --hidden and --repeats must be positive")
-    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    shapes = []
+    for shape in args.shapes:  # all of them now: a bad entry must not wait for the cases before it
+        try:
+            shapes.append(parse_shape(shape, args.hidden))
+        except ValueError as exc:
+            p.error(str(exc))
+    hf_impls = hf_experts_implementations() if args.hf_impl else None
+    if hf_impls is not None:  # without transformers each block is reported as skipped
+        check_names(p, "--hf-impl", args.hf_impl, hf_impls)
     rows, cases = [], []
     payload = {"benchmark": "moe_layer_fwd_bwd", "dtype": args.dtype, "environment": environment(device)}
     for tokens in args.tokens:
-        for shape in args.shapes:
-            dims = parse_shape(shape, args.hidden)
+        for dims in shapes:
             res, err = guarded(lambda: bench_case(args, tokens, *dims, device, dtype))
             r, c = res or ([], {"shape": f"T{tokens} H{dims[0]} F{dims[1]} E{dims[2]} k{dims[3]}", "error": err})
             rows, cases = rows + r, cases + [c]

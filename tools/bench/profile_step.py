@@ -30,11 +30,12 @@ import torch
 from torch import nn
 from torch.autograd.profiler import record_function
 
-from moekit.bench.benchlib import environment, print_table, sync, write_json
+from moekit.bench.benchlib import (BenchParser, check_at_least, check_backend, check_device, check_names, check_out,
+                                   environment, print_table, sync, write_json)
 from moekit.models.config import PRESETS, preset
 from moekit.models.transformer import Attention, build_model
 from moekit.moe import DenseMLP, MoELayer, Router
-from moekit.moe.experts import GroupedExperts
+from moekit.moe.experts import GroupedExperts, available_backends
 from moekit.train.config import TrainConfig
 from moekit.train.plan import make_optimizer
 
@@ -179,26 +180,32 @@ def top_ops(prof, on_gpu: bool, n: int = 15) -> list[dict]:
 
 
 def parse(argv):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = BenchParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="auto", help=f"auto or one of {', '.join(PRESETS)}")
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=2048, help="clamped to the preset's max_seq_len")
     p.add_argument("--warmup", type=int, default=2, help="steps before profiling")
     p.add_argument("--steps", type=int, default=3, help="profiled steps")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--expert-backend", default=None, help="override the preset's expert backend")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cpu, cuda or cuda:N (default: cuda when there is a GPU)")
+    p.add_argument("--expert-backend", default=None,
+                   help=f"override the preset's expert backend: {', '.join(available_backends())}")
     p.add_argument("--optimizer", default="trainer", choices=["trainer", "foreach", "fused"],
                    help="AdamW implementation: the trainer's (train.plan.make_optimizer: fused on a GPU, foreach on "
                         "CPU), foreach, or fused")
     p.add_argument("--out-dir", default="bench-results/profile")
     args = p.parse_args(argv)
-    if min(args.batch_size, args.seq_len, args.steps) <= 0 or args.warmup < 0:
-        p.error("--batch-size, --seq-len and --steps must be positive, --warmup >= 0")
-    try:  # now, not after minutes of profiling: a file in the way or a read-only parent
-        Path(args.out_dir).mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        p.error(f"--out-dir {args.out_dir}: cannot create that folder ({exc.strerror or exc}); pass a folder path "
-                f"that is not an existing file, somewhere writable")
+    check_names(p, "--preset", [args.preset], ["auto", *PRESETS])
+    if args.expert_backend is not None:
+        check_names(p, "--expert-backend", [args.expert_backend], available_backends())
+    check_at_least(p, args, 1, "batch_size", "seq_len", "steps")
+    check_at_least(p, args, 0, "warmup")
+    device = check_device(p, args.device)
+    if args.expert_backend is not None:
+        check_backend(p, args.expert_backend, preset(pick_preset(args.preset, device)), device,
+                      torch.bfloat16 if device.type == "cuda" else torch.float32)
+    # now, not after minutes of profiling: a file in the way or a read-only parent (created when written)
+    check_out(p, args.out_dir, "--out-dir", folder=True)
     return args
 
 

@@ -2,25 +2,40 @@
 
     python tools/bench/suite_summary.py bench-results/raw            # the folder gpu_suite.sh wrote
 
-Each line is one target, the worst case over the measured cases (and the median), and "met" / "missed"
-/ "no data". It reports; it asserts nothing (timings vary by machine: the ratios are what to compare).
-Writes summary.json beside the inputs.
+Reads, from FOLDER (each optional): grouped_gemm.json, moe_layer.json, dispatch_bandwidth.json,
+train_mfu.json, profile/profile_step.json (or profile_step.json), tune_kernels.json and gpu_tests.xml
+(the GPU test tier's JUnit report). Prints one line per target: the worst case over the measured cases
+(and the median) and "met" / "missed" / "no data"; then the profile's top categories, the tile-config
+sweep's winners and the test tier's counts where those files exist. It reports; it asserts nothing
+(timings vary by machine: the ratios are what to compare). Writes FOLDER/summary.json. A file that is
+missing leaves its targets at "no data"; one that cannot be read or parsed is named in a note on stderr.
 """
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
 
+from moekit.bench.benchlib import BenchParser, check_out
+
 FINE_GRAINED = ("deepseek-v3-ep8", "qwen3-30b-a3b", "fine-grained")
+INPUTS = ("grouped_gemm.json", "moe_layer.json", "dispatch_bandwidth.json", "train_mfu.json",
+          "profile/profile_step.json", "profile_step.json", "tune_kernels.json", "gpu_tests.xml")
 
 
 def load(folder: Path, name: str) -> dict | None:
+    """The JSON in ``folder/name``, or None when it is missing; a file that is there but cannot be read or
+    parsed is None too, with a note on stderr naming it."""
     path = folder / name
+    if not path.exists():
+        return None
     try:
         return json.loads(path.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError) as exc:
+        print(f"note: {path}: cannot be read as JSON ({exc}); its targets read 'no data'", file=sys.stderr)
         return None
 
 
@@ -123,9 +138,13 @@ def test_tier(folder: Path) -> dict | None:
     """Counts and failing test names from the GPU tier's JUnit XML (gpu_suite.sh's tests step)."""
     import xml.etree.ElementTree as ET
 
+    path = folder / "gpu_tests.xml"
+    if not path.exists():
+        return None
     try:
-        root = ET.parse(folder / "gpu_tests.xml").getroot()
-    except (OSError, ET.ParseError):
+        root = ET.parse(path).getroot()
+    except (OSError, ET.ParseError) as exc:
+        print(f"note: {path}: cannot be read as JUnit XML ({exc}); no test tier counts", file=sys.stderr)
         return None
     cases = root.iter("testcase")
     out = {"passed": 0, "failed": [], "skipped": 0}
@@ -146,9 +165,22 @@ def fmt(v, goal: str) -> str:
     return f"{v:.1%}" if "%" in goal else f"{v:.2f}"
 
 
+def parse(argv):
+    p = BenchParser(prog="suite_summary.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("folder", nargs="?", default="bench-results/raw", metavar="FOLDER",
+                   help="the folder of the suite's JSON files (default bench-results/raw; gpu_suite.sh passes its own)")
+    args = p.parse_args(argv)
+    if not os.path.isdir(args.folder):
+        what = "is a file, not a folder" if os.path.exists(args.folder) else "no such folder"
+        p.error(f"{args.folder}: {what}; give the folder gpu_suite.sh wrote its JSON files to")
+    check_out(p, os.path.join(args.folder, "summary.json"), flag="")
+    return Path(args.folder)
+
+
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    folder = Path(argv[0] if argv else "bench-results/raw")
+    folder = parse(sys.argv[1:] if argv is None else argv)
+    if not any((folder / name).exists() for name in INPUTS):
+        print(f"note: {folder} holds none of {', '.join(INPUTS)}; every target reads 'no data'", file=sys.stderr)
     lines = (grouped_gemm_lines(load(folder, "grouped_gemm.json")) + moe_layer_lines(load(folder, "moe_layer.json"))
              + dispatch_lines(load(folder, "dispatch_bandwidth.json")) + mfu_lines(load(folder, "train_mfu.json")))
     profile = load(folder, "profile/profile_step.json") or load(folder, "profile_step.json")

@@ -38,10 +38,13 @@ from pathlib import Path
 
 import torch
 
-from moekit.bench.benchlib import environment, print_table, write_json
+from moekit.bench.benchlib import (BenchParser, check_device, check_names, check_out, check_positive, environment,
+                                   fail, print_table, write_json)
 from moekit.models.stats import model_stats
+from moekit.moe.experts import available_backends
 from moekit.train import UserError
 
+PROG = "train_mfu.py"
 TRAINER = ("-m", "moekit.train")  # the installed trainer, as moekit-train runs it
 TARGET_MFU = 0.45  # issue 9
 
@@ -51,8 +54,8 @@ SMOKE = dict(preset="mixtral-tiny", seq_len=64, micro_batch=4, batch_size=8, ste
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                allow_abbrev=False)
+    p = BenchParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                    allow_abbrev=False)
     p.add_argument("--smoke", action="store_true", help="CPU smoke run: mixtral-tiny, a few steps, compile off")
     p.add_argument("--preset", help=f"model preset (default {GPU['preset']}; smoke {SMOKE['preset']})")
     p.add_argument("--seq-len", type=int, help=f"tokens per sequence (default {GPU['seq_len']})")
@@ -64,7 +67,8 @@ def parse_args(argv):
     p.add_argument("--lr", type=float, help="peak learning rate (low enough that 1B parameters stay finite)")
     p.add_argument("--compile", nargs="+", choices=["off", "on"], help="torch.compile settings to run "
                    "(default: off on; smoke: off)")
-    p.add_argument("--backends", nargs="+", default=["auto"], help="expert backends (model.expert_backend)")
+    p.add_argument("--backends", nargs="+", default=["auto"],
+                   help=f"expert backends (model.expert_backend): {', '.join(available_backends())}")
     p.add_argument("--tma", nargs="+", choices=["off", "on"], default=["off"],
                    help="the Triton experts' TMA kernel variants (MOEKIT_TMA=always for 'on', never for 'off'; "
                         "bf16 on sm90+ only) for each configuration: 'off on' times both in one run (default off)")
@@ -91,6 +95,13 @@ def parse_args(argv):
         p.error(f"--warmup {args.warmup} / --steps {args.steps}: need warmup >= 1 and at least 2 timed steps")
     if min(args.seq_len, args.micro_batch, args.batch_size) < 1 or args.batch_size % args.micro_batch:
         p.error(f"--batch-size {args.batch_size} must be a positive multiple of --micro-batch {args.micro_batch}")
+    check_positive(p, args, "lr", "peak_tflops", "timeout")
+    check_names(p, "--backends", args.backends, available_backends())
+    if args.device == "cuda":  # auto: the trainer's choice; cpu needs no check
+        check_device(p, args.device)
+    check_out(p, args.out)  # before the runs: a run of minutes must not end on an unwritable path
+    if args.run_root:
+        check_out(p, args.run_root, "--run-root", folder=True)
     return args, extra
 
 
@@ -110,14 +121,17 @@ def trainer_args(args, extra: list[str], compile_on: bool, backend: str, run_dir
 
 
 def resolve_config(args, extra: list[str]):
-    """The TrainConfig the trainer will build from these flags (its own parser: same validation)."""
+    """The TrainConfig the trainer will build from these flags (its own parser: same validation), checked with
+    every --backends entry; a rejected flag is one line and exit status 2 (SystemExit)."""
     from moekit.train.cli import parse_args as trainer_parse
 
-    try:
-        cfg, _ = trainer_parse(trainer_args(args, extra, False, args.backends[0], "unused"))
-    except UserError as exc:
-        raise SystemExit(f"train_mfu.py: trainer flags rejected: {exc}") from None
-    return cfg
+    configs = []
+    for backend in dict.fromkeys(args.backends):
+        try:
+            configs.append(trainer_parse(trainer_args(args, extra, False, backend, "unused"))[0])
+        except UserError as exc:
+            fail(PROG, f"trainer flags rejected: {exc}")
+    return configs[0]
 
 
 def accounting(cfg) -> dict:

@@ -47,7 +47,7 @@ import time
 
 import torch
 
-from moekit.bench.benchlib import environment, print_table, write_json
+from moekit.bench.benchlib import BenchParser, check_out, environment, print_table, write_json
 from moekit.bench.grouped_gemm import SHAPES as GEMM_SHAPES
 from moekit.moe.kernels._common import cfg, interpret_mode, pow2
 from moekit.moe.kernels.expert_mlp import EXPERT_DOWN_DACT, EXPERT_UP_ACT, expert_down_dact, expert_up_act
@@ -243,7 +243,7 @@ def winners(rows) -> dict[str, list[str]]:
 
 
 def parse(argv):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = BenchParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=["fine-grained", "mixtral-1b", "qwen3-30b-a3b", "mixtral-8x7b",
                                                   "deepseek-v3-ep8"],
                    help=f"shape names: {', '.join(SHAPES)}")
@@ -273,6 +273,8 @@ def parse(argv):
         p.error(f"--tokens {a.tokens} and --budget {a.budget} must be positive")
     if a.jobs < 0:
         p.error(f"--jobs {a.jobs} must be >= 0 (0: no precompile workers)")
+    if a.precompile_part is None and not a.precompile_only:  # those write no JSON
+        check_out(p, a.out)
     return a
 
 
@@ -280,7 +282,7 @@ def main(argv=None) -> int:
     a = parse(argv)
     on_gpu = torch.cuda.is_available() and not a.smoke
     if not on_gpu and not (a.smoke and interpret_mode()):
-        print("tune_kernels.py: needs a CUDA GPU (or --smoke under TRITON_INTERPRET=1 to check the script)",
+        print("tune_kernels.py: error: needs a CUDA GPU (or --smoke under TRITON_INTERPRET=1 to check the script)",
               file=sys.stderr)
         return 2
     if a.precompile_part is not None:
@@ -294,7 +296,7 @@ def main(argv=None) -> int:
     deadline = time.monotonic() + a.budget
     if a.precompile_only:
         if not on_gpu or a.jobs == 0:
-            print("tune_kernels.py: --precompile-only needs a GPU and --jobs > 0", file=sys.stderr)
+            print("tune_kernels.py: error: --precompile-only needs a GPU and --jobs > 0", file=sys.stderr)
             return 2
         precompile(a, a.jobs, limit_s=a.budget)
         return 0
