@@ -1,4 +1,5 @@
-"""Small pieces several test modules share: per-case random generators, and kernel launchers that fail to build."""
+"""Small pieces several test modules share: per-case random generators, kernel launchers that fail to build, and
+the check that a program refused its input in one line."""
 from __future__ import annotations
 
 import os
@@ -11,6 +12,15 @@ def gen(*key) -> torch.Generator:
     """A generator of its own for each test case: fresh inputs every run (the session's MOEKIT_TEST_SEED, set and
     printed by tests/conftest.py; setting it replays a run's inputs), distinct per ``key``."""
     return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()) ^ int(os.environ.get("MOEKIT_TEST_SEED", "0")))
+
+
+def one_stderr_line(capsys, *words: str) -> str:
+    """The program's one line on stderr (captured by ``capsys``), holding every one of ``words``."""
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    for w in words:
+        assert w in err[0], (w, err[0])
+    return err[0]
 
 
 class BrokenLauncher:

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from moekit.bench import benchlib
+from tests.helpers import one_stderr_line
 
 
 def exit_status(main, argv) -> int:
@@ -52,12 +53,6 @@ def place(tmp_path, monkeypatch):
     assert tree(tmp_path) == before, "a refused run wrote something"
 
 
-def one_line(capsys, *words: str) -> str:
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1, err
-    for w in words:
-        assert w in err[0], (w, err[0])
-    return err[0]
 
 
 NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
@@ -79,7 +74,7 @@ def test_cuda_without_a_gpu_is_one_line(script, argv, place, capsys):
     partial JSON (train_mfu wrote a failed configuration), no profile folder (profile_step made one)."""
     main = importlib.import_module(f"moekit.bench.{script}").main
     assert exit_status(main, argv) == 2
-    one_line(capsys, f"{script}.py: error: --device cuda", "no CUDA GPU", "use --device cpu")
+    one_stderr_line(capsys, f"{script}.py: error: --device cuda", "no CUDA GPU", "use --device cpu")
 
 
 @pytest.mark.parametrize("script,argv,words", [
@@ -146,7 +141,7 @@ def test_cuda_without_a_gpu_is_one_line(script, argv, place, capsys):
 def test_bad_values_are_one_line_before_any_work(script, argv, words, place, capsys):
     main = importlib.import_module(f"moekit.bench.{script}").main
     assert exit_status(main, [a.format(**place) for a in argv]) == 2
-    line = one_line(capsys, *(w.format(**place) for w in words))
+    line = one_stderr_line(capsys, *(w.format(**place) for w in words))
     assert line.startswith(f"{script}.py: error: "), line
 
 
@@ -158,9 +153,9 @@ def test_all_to_all_checks_ranks_per_node_before_spawning(place, capsys, monkeyp
     monkeypatch.setattr(all_to_all, "launch_ranks", lambda *a: pytest.fail("ranks spawned before the check"))
     argv = ["--world", "2", "--ranks-per-node", "3", "--experts", "4", "--top-k", "2"]
     assert exit_status(all_to_all.main, argv) == 2
-    one_line(capsys, "--ranks-per-node 3: each must divide --world 2")
+    one_stderr_line(capsys, "--ranks-per-node 3: each must divide --world 2")
     assert exit_status(all_to_all.main, ["--world", "2", "--experts", "3", "--top-k", "2"]) == 2
-    one_line(capsys, "--experts 3 must be divisible by --world 2")
+    one_stderr_line(capsys, "--experts 3 must be divisible by --world 2")
 
 
 def test_check_out_accepts_a_new_folder_and_creates_nothing(tmp_path):
@@ -178,7 +173,7 @@ def test_bench_parser_names_the_script_and_prints_one_line(capsys):
     with pytest.raises(SystemExit) as exc:
         p.parse_args(["--n", "x"])
     assert exc.value.code == 2
-    one_line(capsys, "test_bench_inputs.py: error: argument --n: invalid int value: 'x' (see --help)")
+    one_stderr_line(capsys, "test_bench_inputs.py: error: argument --n: invalid int value: 'x' (see --help)")
 
 
 @pytest.mark.parametrize("script", ["ac_memory", "profile_step"])

@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 from moekit.train.loop import main as train_main
 from moekit.train import heatmap
 from moekit.train.records import ExpertLoadRecord
+from tests.helpers import one_stderr_line
 
 
 TINY = ("--model.hidden_size 32 --model.num_layers 2 --model.num_heads 2 --model.num_kv_heads 1 "
@@ -138,13 +139,6 @@ def test_layer_stats_oracle():
     assert s.dead_fraction == pytest.approx((2 + 1) / 2 / 4)
 
 
-def one_error(capsys, *words: str) -> str:
-    """The one line on stderr, holding every one of ``words``."""
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1, err
-    for w in words:
-        assert w in err[0], (w, err[0])
-    return err[0]
 
 
 @pytest.mark.parametrize("argv,expected", [
@@ -157,17 +151,17 @@ def one_error(capsys, *words: str) -> str:
 ])
 def test_bad_windows(runs, capsys, argv, expected):
     assert heatmap.main([str(runs["topk"]), *argv, "--text-only"]) == 2
-    one_error(capsys, expected)
+    one_stderr_line(capsys, expected)
 
 
 def test_not_a_run_dir_and_bad_usage(tmp_path, capsys):
     assert heatmap.main([str(tmp_path), "--text-only"]) == 2
     assert "expert_load.bin: not found (nor expert_load.jsonl)" in capsys.readouterr().err
     assert heatmap.main([str(tmp_path / "nonexist"), "--text-only"]) == 2
-    one_error(capsys, "nonexist: no such directory; give a moekit-train run directory")
+    one_stderr_line(capsys, "nonexist: no such directory; give a moekit-train run directory")
     (tmp_path / "tiny.txt").write_text("hi\n")
     assert heatmap.main([str(tmp_path / "tiny.txt")]) == 2
-    one_error(capsys, "tiny.txt: is a file, not a run directory")
+    one_stderr_line(capsys, "tiny.txt: is a file, not a run directory")
     assert heatmap.main(["--compare", str(tmp_path)]) == 2
     assert "at least two" in capsys.readouterr().err
     assert heatmap.main([]) == 2
@@ -240,7 +234,7 @@ def test_unwritable_outputs_are_one_line_before_any_work(runs, tmp_path, monkeyp
     before = tree(tmp_path)
     monkeypatch.setattr(heatmap, "read_run", lambda *a: pytest.fail("read a run before checking the outputs"))
     assert heatmap.main(argv.format(**paths).split()) == 2
-    line = one_error(capsys, words.format(**paths))
+    line = one_stderr_line(capsys, words.format(**paths))
     assert ".partial" not in line and ".write-probe" not in line
     assert tree(tmp_path) == before
 
@@ -258,7 +252,7 @@ def test_report_write_failure_leaves_no_partial(runs, tmp_path, monkeypatch, cap
 
     monkeypatch.setattr(os, "replace", replace)
     assert heatmap.main(["--compare", str(runs["topk"]), str(runs["hash"]), "--html", str(out)]) == 2
-    line = one_error(capsys, f"--html {out}: cannot write it (Is a directory)")
+    line = one_stderr_line(capsys, f"--html {out}: cannot write it (Is a directory)")
     assert ".partial" not in line and tree(tmp_path) == []
 
 
@@ -284,7 +278,7 @@ def test_specialisation_cache_in_a_read_only_run_is_a_note(runs, tmp_path, monke
     read_only(a)
     out = tmp_path / "c.html"
     assert heatmap.main(["--compare", str(a), str(b), "--specialisation", "--html", str(out)]) == 0
-    one_error(capsys, "note:", f"{a}/specialisation.json: cannot write in {a} (Read-only file system)",
+    one_stderr_line(capsys, "note:", f"{a}/specialisation.json: cannot write in {a} (Read-only file system)",
               "without caching")
     assert not (a / "specialisation.json").exists() and (b / "specialisation.json").exists()
     page = out.read_text()
@@ -299,14 +293,14 @@ def test_corrupt_run_config_is_one_line(runs, tmp_path, capsys):
     (bad / "config.json").write_text("garbage{\n")
     want = [f"{bad}/config.json: corrupt config.json (JSONDecodeError", "restore it"]
     assert heatmap.main([str(bad), "--text-only"]) == 2
-    one_error(capsys, *want)
+    one_stderr_line(capsys, *want)
     assert heatmap.main(["--compare", str(runs["topk"]), str(bad), "--text-only"]) == 2
-    one_error(capsys, *want)
+    one_stderr_line(capsys, *want)
     assert placement.main([str(bad), "--ep", "2", "-o", str(tmp_path / "p.json")]) == 2
-    one_error(capsys, *want)
+    one_stderr_line(capsys, *want)
     (bad / "config.json").write_text("[1, 2]\n")
     assert heatmap.main([str(bad), "--text-only"]) == 2
-    one_error(capsys, "config.json: corrupt config.json (a JSON list, not an object); restore it")
+    one_stderr_line(capsys, "config.json: corrupt config.json (a JSON list, not an object); restore it")
 
 
 @pytest.mark.parametrize("argv,words", [
@@ -326,7 +320,7 @@ def test_inputs_that_would_be_ignored_or_misread_are_refused(runs, tmp_path, cap
     paths = {"RUN": runs["topk"], "RUN2": runs["hash"], "x": tmp_path / "x"}
     before = tree(runs["topk"])
     assert heatmap.main(argv.format(**paths).split()) == 2
-    one_error(capsys, words.format(**paths))
+    one_stderr_line(capsys, words.format(**paths))
     assert tree(tmp_path) == [] and tree(runs["topk"]) == before
 
 
@@ -347,7 +341,7 @@ def test_partial_last_record_is_a_note(runs, tmp_path, capsys):
     with open(run / "expert_load.bin", "ab") as f:  # a crash mid-write
         f.write(b"\x01" * 17)
     assert heatmap.main([str(run), "--text-only"]) == 0
-    one_error(capsys, f"note: {run}/expert_load.bin ends in a partial record (17 bytes); read 6 whole records")
+    one_stderr_line(capsys, f"note: {run}/expert_load.bin ends in a partial record (17 bytes); read 6 whole records")
     assert heatmap.main([str(runs["topk"]), "--text-only"]) == 0
     assert capsys.readouterr().err == ""
 
