@@ -582,6 +582,7 @@ def test_local_dispatch_reads_no_row_out_of_bounds_for_any_id():
     (["--model.vocab_size", "100", "--dry-run"], "--model.vocab_size=100: the data is byte-level text"),
     (["--layout.sequence_parallel", "true"], "and --tp is 1"),
     (["--model.first_dense_layers", "5"], "but no layer is an MoE layer"),
+    (["--data.val_fraction", "1e-9"], "use more data, a smaller --train.seq_len, or a larger --data.val_fraction"),
     (["--model.rope_scaling", "yarn"], """expected a JSON object such as '{"rope_type": "linear", "factor": 2.0}'"""),
     (["--batch-size", "4000000", "--train.seq_len", "16"],
      "activations of a micro-batch of 4000000 x 16 tokens), but this cpu has"),

@@ -169,7 +169,8 @@ def split_windows(tokens: np.ndarray, seq_len: int, val_fraction: float) -> Spli
     block = min(BLOCK, n // k)  # small data still gets k blocks, hence one validation block
     if block < seq_len + 1:
         raise UserError(f"the data has {n:,} tokens: too few for sequences of {seq_len} with a 1/{k} validation "
-                        f"split (need at least {k * (seq_len + 1):,}); use more data or a smaller --train.seq_len")
+                        f"split (need at least {k * (seq_len + 1):,}); use more data, a smaller --train.seq_len"
+                        f"{', or a larger --data.val_fraction' if k > 20 else ''}")
     per_block = (block - 1) // seq_len
     blocks = np.arange(n // block, dtype=np.int64)
     starts = blocks[:, None] * block + np.arange(per_block, dtype=np.int64)[None, :] * seq_len  # [blocks, w]

@@ -40,7 +40,7 @@ def data_section(run_config: dict | None, path: str | None) -> DataSection | Non
 # The data layer's messages name moekit-train's settings; moekit-eval's user has these instead.
 EVAL_WORDING = (("a smaller --train.seq_len", "a smaller --seq-len"),
                 ("set --model.vocab_size", "evaluate data prepared with the model's tokenizer (moekit-prepare)"),
-                ("; --data.dtype)", "; the run's data.dtype)"))
+                ("; --data.dtype)", "; the run's data.dtype)"), (", or a larger --data.val_fraction", ""))
 
 
 def load_split(section: DataSection | None, tokenizer, vocab: int, seq_len: int) -> tuple[Split, str, TokenizerInfo]:
