@@ -231,6 +231,8 @@ def test_hf_tokenizer_contract(tmp_path):
     (run / "tokenizer_info.json").write_text(json.dumps(info))
     tok = load_tokenizer(run, 320)
     assert tok.eos_id == 1 and tok.kind == "hf" and not tok.add_special_tokens
+    (run / "tokenizer_info.json").unlink()  # lost: the EOS is the one moekit-prepare would have chosen
+    assert load_tokenizer(run, 320).eos_ids == (1,)  # "</s>"
 
 
 def test_a_run_on_a_prepared_bpe_set_decodes_with_its_tokenizer(tmp_path, capsys):
@@ -406,7 +408,7 @@ def test_eval_data_errors_name_evals_own_flags(runs, tmp_path, capsys):
     assert "the run's data.dtype" in line and "prepared with the model's tokenizer" in line, line
     assert "--model.vocab_size" not in line and "--data.dtype" not in line, line
     line = one_line(capsys, eval_main([run, "--data", str(small)]), "evaluate.py")
-    assert "use more data or a smaller --seq-len" in line and "--train.seq_len" not in line, line
+    assert "use more data, a smaller --seq-len" in line and "--train.seq_len" not in line, line
 
 
 def test_generate_benchmark_smoke(tmp_path, capsys):

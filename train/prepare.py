@@ -45,12 +45,9 @@ import numpy as np
 from moekit.train import OneLineParser, UserError, program_name, run_program
 from moekit.train.documents import EMBEDDED, Counts, chunks, documents, expand_inputs, input_kind
 from moekit.train.tokens import TokenFileWriter, metadata_path, sha256_file, tokenizer_copy_path
+from moekit.train.tokenizer import EOS_NAMES
 
 PROG = program_name("prepare.py")
-# end-of-document tokens of common tokenizers, most specific first (GPT-2 / Qwen / Phi, Llama 3, Llama 2 /
-# Mistral / T5, Gemma, DeepSeek)
-EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<｜end▁of▁sentence｜>",
-             "<|end▁of▁sentence|>")
 BYTES_EOS = 256
 BPE_PREFIX = "bpe:"  # --tokenizer bpe:N: train a byte-level BPE of N ids on the inputs first
 BPE_EOS = "<|endoftext|>"

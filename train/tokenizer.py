@@ -10,7 +10,8 @@ Contract, read from one folder (the run directory; an HF folder itself):
     neither               bytes: vocab 256, encode = UTF-8 bytes, decode = UTF-8 with errors="replace"
 
 A run whose data had no tokenizer metadata records kind "unknown": its ids cannot become text
-(``NoTokenizer``). An HF folder's EOS comes from generation_config.json, config.json or
+(``NoTokenizer``). A run folder with tokenizer.json but no tokenizer_info.json (lost, or copied by hand) takes
+as EOS the first of EOS_NAMES the tokenizer knows, as moekit-prepare chose it. An HF folder's EOS comes from generation_config.json, config.json or
 tokenizer_config.json. Every problem is a UserError naming the path and the fix.
 """
 from __future__ import annotations
@@ -22,6 +23,11 @@ from typing import Any
 
 from moekit.train import UserError
 from moekit.train.runlock import describe_os_error
+
+# end-of-document tokens of common tokenizers, most specific first (GPT-2 / Qwen / Phi, Llama 3, Llama 2 /
+# Mistral / T5, Gemma, DeepSeek)
+EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<｜end▁of▁sentence｜>",
+             "<|end▁of▁sentence|>")
 
 TOKENIZER_FILE, TOKENIZER_INFO = "tokenizer.json", "tokenizer_info.json"
 
@@ -147,6 +153,9 @@ def load_tokenizer(folder: Path, model_vocab: int, hf: bool = False) -> Tokenize
     tok = HFTokenizer(tok_file, add_special_tokens=hf, eos_ids=eos)
     if hf:
         tok.eos_ids = _hf_eos_ids(folder, tok, model_vocab)
+    elif info is None:  # no record of the EOS: moekit-prepare's default choice (module docstring)
+        found = (tok.tok.token_to_id(name) for name in EOS_NAMES)
+        tok.eos_ids = next(((i,) for i in found if i is not None and i < model_vocab), ())
     if info is not None and isinstance(info.get("sha256"), str) and tok.sha256 != info["sha256"]:
         raise UserError(f"{tok_file}: sha256 {tok.sha256[:12]}... differs from {TOKENIZER_INFO}'s "
                         f"{info['sha256'][:12]}...; this is not the tokenizer the run was trained with: restore that one")
