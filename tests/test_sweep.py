@@ -124,6 +124,7 @@ def test_skip_done_and_dry_run(swept, result, capsys):
     (["--config", "/nonexistent.toml", "--variant", "a="], "file not found"),
     (["--variant", "a=--router topk", "--variant", "b=--train.lr -1"], "variant b: moekit-train: error: --train.lr=-1"),
     (["--variant", "a=--help-config"], "--help-config is set by the sweep"),
+    (["--base", "--steps", "--variant", "a="], "expected one argument; a value that starts with '-' goes after '='"),
 ])
 def test_bad_sweeps_are_one_line_errors(argv, expected, capsys):
     assert sweep.main([*argv, "--dry-run"]) == 2

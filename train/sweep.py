@@ -45,7 +45,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from moekit.train import UserError, program_name, run_program
+from moekit.train import OneLineParser, UserError, program_name, run_program
 from moekit.train.runlock import probe_writable
 
 PROG = program_name("sweep.py")
@@ -122,9 +122,11 @@ def load_sweep_file(path: str) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    class Parser(argparse.ArgumentParser):
+    class Parser(OneLineParser):
         def error(self, message: str):
-            raise UserError(f"{message} (see --help)")
+            if "expected one argument" in message and ("--base" in message or "--variant" in message):
+                message += "; a value that starts with '-' goes after '=', e.g. --base=\"--steps\""
+            super().error(message)
 
     p = Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                allow_abbrev=False)
