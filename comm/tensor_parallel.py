@@ -128,8 +128,8 @@ def _block_plan(block: nn.Module, sequence_parallel: bool) -> dict:
 
 def check_sequence_parallel(seq_len: int, tp: int) -> None:
     if tp == 1:
-        raise LayoutError("layout.sequence_parallel splits each sequence over the tensor-parallel ranks, and --tp is 1; "
-                          "use --tp > 1, or turn layout.sequence_parallel off")
+        raise LayoutError("layout.sequence_parallel splits each sequence over the tensor-parallel ranks, and --tp "
+                          "is 1; use --tp > 1, or turn layout.sequence_parallel off")
     if seq_len % tp:
         raise LayoutError(f"sequence parallelism splits each sequence over the TP ranks: seq_len={seq_len} is not "
                           f"divisible by --tp {tp}; choose a seq_len that is, or turn layout.sequence_parallel off")

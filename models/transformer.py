@@ -153,7 +153,8 @@ def _check_ids(name: str, ids) -> None:
     """A [B, S] tensor of integer ids (their range is not checked: that would read them, a device sync)."""
     if not isinstance(ids, Tensor) or ids.dim() != 2 or ids.dtype.is_floating_point or ids.dtype.is_complex \
             or ids.dtype == torch.bool:
-        what = f"a {ids.dim()}-d {ids.dtype} tensor {tuple(ids.shape)}" if isinstance(ids, Tensor) else type(ids).__name__
+        what = (f"a {ids.dim()}-d {ids.dtype} tensor {tuple(ids.shape)}" if isinstance(ids, Tensor)
+                else type(ids).__name__)
         raise TypeError(f"{name} must be a [batch, seq] tensor of integer token ids (torch.long), got {what}")
 
 

@@ -41,17 +41,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--init-from-hf", metavar="DIR",
                    help="start from a HuggingFace folder (mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v3, ...; "
                         "docs/hf.md). Without --preset the model is the folder's config.json plus the --model.* "
-                        "flags given; each rank reads only its shards. When resuming, the weights come from the checkpoint "
-                        "(the folder still sets the model, which must be the checkpoint's: the same command line "
-                        "serves torchrun restarts with --resume auto)")
+                        "flags given; each rank reads only its shards. When resuming, the weights come from the "
+                        "checkpoint (the folder still sets the model, which must be the checkpoint's: the same "
+                        "command line serves torchrun restarts with --resume auto)")
     p.add_argument("--init-from-dense", metavar="PATH",
                    help="upcycle a dense model into this MoE model (Megatron's --moe-use-upcycling): PATH is a "
                         "HuggingFace dense folder (Llama, Qwen2, Qwen3), a moekit model file or a dense run's "
                         "checkpoint / run dir. Attention, norms and embeddings are copied, every expert starts as "
                         "the dense MLP, and at step 0 the model gives the dense model's logits. Without --preset "
                         "the sizes are the dense model's, with 8*G experts, top_k 2*G unless --model.num_experts "
-                        "/ --model.top_k say otherwise. When resuming, the weights come from the checkpoint (PATH still "
-                        "sets the sizes, which must be the checkpoint's)")
+                        "/ --model.top_k say otherwise. When resuming, the weights come from the checkpoint (PATH "
+                        "still sets the sizes, which must be the checkpoint's)")
     p.add_argument("--upcycle-granularity", metavar="G",
                    help="with --init-from-dense: split each dense MLP of width F into G experts of F/G (granular "
                         "upcycling); num_experts and top_k must be multiples of G (default 1: every expert a copy "

@@ -181,7 +181,8 @@ def check_memory(cfg: TrainConfig, resolved: ResolvedLayout, device: torch.devic
     state = est.params + est.grads + est.optimizer
     fix = ("a smaller --batch-size, or --train.micro_batch_size to split it into micro-batches" if state < have / 2
            else "a smaller model (mixtral-tiny, switch-tiny, deepseek-tiny), or more ranks (--ep, --fsdp) to shard it")
-    raise UserError(f"{cfg.preset} ({params / 1e9:.1f}B parameters): a rank needs ~{est.peak / 2**30:,.1f} GiB ({state / 2**30:,.1f} GiB weights, "
+    raise UserError(f"{cfg.preset} ({params / 1e9:.1f}B parameters): a rank needs ~{est.peak / 2**30:,.1f} GiB "
+                    f"({state / 2**30:,.1f} GiB weights, "
                     f"gradients and AdamW state; {(est.peak - state) / 2**30:,.1f} GiB activations of a micro-batch "
                     f"of {resolved.micro_batch} x {t.seq_len} tokens), but this {device.type} has "
                     f"{have / 2**30:,.1f} GiB; use {fix} (moekit-train --dry-run shows the estimate by term)")

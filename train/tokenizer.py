@@ -11,8 +11,9 @@ Contract, read from one folder (the run directory; an HF folder itself):
 
 A run whose data had no tokenizer metadata records kind "unknown": its ids cannot become text
 (``NoTokenizer``). A run folder with tokenizer.json but no tokenizer_info.json (lost, or copied by hand) takes
-as EOS the first of EOS_NAMES the tokenizer knows, as moekit-prepare chose it. An HF folder's EOS comes from generation_config.json, config.json or
-tokenizer_config.json. Every problem is a UserError naming the path and the fix.
+as EOS the first of EOS_NAMES the tokenizer knows, as moekit-prepare chose it. An HF folder's EOS comes from
+generation_config.json, config.json or tokenizer_config.json. Every problem is a UserError naming the path and
+the fix.
 """
 from __future__ import annotations
 
