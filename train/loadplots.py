@@ -19,12 +19,12 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import tempfile
 from dataclasses import dataclass
 
 import numpy as np
 
 from moekit.train import UserError
+from moekit.train.runlock import check_output_path
 from moekit.train.loadstats import HOT, LoadAnalysis
 
 INSTALL_HINT = 'the heatmaps are drawn with matplotlib, which is not installed: pip install -e ".[viz]" ' \
@@ -79,23 +79,9 @@ def check_figure_suffix(path: str, flag: str = "--out") -> str:
 
 def check_output(path: str, flag: str | None = None, fix: str = "choose another path",
                  example: str = "expert_load.png") -> None:
-    """UserError, before any work, where ``path`` cannot become a file: it is a directory, a folder on its way is
-    a file, or the nearest existing folder refuses a new file (tried with a probe file, removed again). The
-    message names ``flag`` and ``path`` and ends in ``fix``; missing folders are made when the file is written."""
-    label = f"{flag} {path}" if flag else path
-    if os.path.isdir(path):
-        raise UserError(f"{label}: is a directory; give a file path, e.g. {os.path.join(path, example)}")
-    folder = os.path.dirname(path) or "."
-    while not os.path.lexists(folder):
-        folder = os.path.dirname(folder) or "."
-    if not os.path.isdir(folder):
-        raise UserError(f"{label}: {folder} is a file, not a directory; {fix}")
-    try:
-        fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=folder)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as exc:
-        raise UserError(f"{label}: cannot write in {folder} ({exc.strerror or exc}); {fix}") from None
+    """UserError, before any work, where ``path`` cannot become a file (runlock.check_output_path); the message
+    names ``flag`` and ``path`` and ends in ``fix``; missing folders are made when the file is written."""
+    check_output_path(path, f"{flag} {path}" if flag else path, fix, example)
 
 
 def write_file(path: str, data: bytes, flag: str | None = None, fix: str = "choose another path") -> None:

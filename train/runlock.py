@@ -19,6 +19,7 @@ import contextlib
 import errno
 import os
 import socket
+import tempfile
 import time
 from pathlib import Path
 
@@ -47,6 +48,30 @@ def refuse_run_directory(path: str | Path, what: str) -> None:
         raise UserError(f"{what} {folder} is a moekit-train run directory (it holds {marker}); writing a HuggingFace "
                         f"folder there would replace the run's config.json; choose another folder, e.g. "
                         f"{folder / 'hf'}")
+
+
+def check_output_path(path: str | os.PathLike, label: str, fix: str = "choose another path", example: str = "out",
+                      folder: bool = False) -> None:
+    """UserError, before any work, where ``path`` cannot be written: a directory given for a file (a file for a
+    folder, ``folder=True``), a file on the way, or a nearest existing folder that refuses a new file (tried with
+    a probe file, removed again). Creates nothing: the writer makes missing folders. ``label`` (the flag and the
+    path) starts the message, ``fix`` ends it."""
+    path = os.fspath(path)
+    if folder and os.path.lexists(path) and not os.path.isdir(path):
+        raise UserError(f"{label}: is a file; give a folder path")
+    if not folder and os.path.isdir(path):
+        raise UserError(f"{label}: is a directory; give a file path, e.g. {os.path.join(path, example)}")
+    parent = path if folder and os.path.isdir(path) else (os.path.dirname(path) or ".")
+    while not os.path.lexists(parent):
+        parent = os.path.dirname(parent) or "."
+    if not os.path.isdir(parent):
+        raise UserError(f"{label}: {parent} is a file, not a directory; {fix}")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise UserError(f"{label}: cannot write in {parent} ({exc.strerror or exc}); {fix}") from None
 
 
 def describe_os_error(exc: OSError) -> str:

@@ -229,25 +229,16 @@ def check_out(p, path, flag: str = "--out", example: str = "results.json", folde
     for a file (or a file for a folder, ``folder=True``), a file on the way, or a nearest existing folder that
     refuses a new file (tried with a probe file, removed again). Creates nothing: missing folders are made
     when the results are written. An empty ``flag``: the message names the path alone."""
+    from moekit.train import UserError
+    from moekit.train.runlock import check_output_path
+
     path = os.fspath(path)
     if not path:
         p.error(f"{flag} is empty; give a path")
-    label = f"{flag} {path}" if flag else path
-    if folder and os.path.lexists(path) and not os.path.isdir(path):
-        p.error(f"{label}: is a file; give a folder path")
-    if not folder and os.path.isdir(path):
-        p.error(f"{label}: is a directory; give a file path, e.g. {os.path.join(path, example)}")
-    parent = path if folder and os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
-    while not os.path.lexists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        p.error(f"{label}: {parent} is a file, not a directory; choose another path")
     try:
-        fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=parent)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as exc:
-        p.error(f"{label}: cannot write in {parent} ({exc.strerror or exc}); choose another path")
+        check_output_path(path, f"{flag} {path}" if flag else path, example=example, folder=folder)
+    except UserError as exc:
+        p.error(str(exc))
 
 
 def check_git_ref(p, ref: str, flag: str = "--baseline") -> None:
@@ -330,8 +321,6 @@ def launch_ranks(worker: Callable, args, world: int) -> None:
     if "WORLD_SIZE" in os.environ:
         worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args, None)
         return
-    import tempfile
-
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
