@@ -363,9 +363,9 @@ def write_hf_config(folder: Path, model_type: str, **changes) -> Path:
     ("qwen3_moe", dict(QWEN_MOE, attention_bias=True, hidden_act="gelu"), [r"o_proj", r"hidden_act='gelu'"]),
     ("deepseek_v3", dict(MLA, moe_layer_freq=2, attention_bias=True, scoring_func="softmax",
                          rope_parameters={"rope_type": "longrope", "rope_theta": 1e4},
-                         quantization_config={"quant_method": "fp8", "fmt": "e4m3"}),
+                         quantization_config={"quant_method": "awq", "bits": 4}),
      [r"moe_layer_freq=2", r"MLA's q_a / kv_a / o", r"scoring_func='softmax'", r"rope_type='longrope'",
-      r"quant_method='fp8'"]),
+      r"quant_method='awq'"]),
     ("olmoe", dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}),
      [r"rope_type='dynamic'"]),
 ])

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from moekit.models.config import ModelConfig
+from moekit.models.hf import fp8
 from moekit.models.hf.export import choose_family, copy_tokenizer, export_problems, hf_config, zero_fill
 from moekit.models.hf.families import FAMILIES, Family, UnsupportedCheckpoint, family, skipped_keys
 from moekit.models.hf.io import DTYPE_NAMES, CONFIG_FILE, CheckpointReader, read_config, write_safetensors
@@ -59,7 +60,8 @@ def load_hf(path: str | Path, *, dtype: torch.dtype | str = torch.float32,
             device: str | torch.device = "cpu") -> Transformer:
     """Build a moekit Transformer from a HuggingFace folder, dispatching on config.json's model_type.
 
-    dtype: parameter dtype of the returned model; "auto" keeps the checkpoint's (it must be uniform).
+    dtype: parameter dtype of the returned model; "auto": config.json's ``dtype`` (``torch_dtype``), as
+    ``from_pretrained(dtype="auto")`` reads it, else the checkpoint's (it must then be uniform).
     Returns the model in eval mode, as ``from_pretrained`` does.
     """
     config = config_from_hf(path)
@@ -67,7 +69,7 @@ def load_hf(path: str | Path, *, dtype: torch.dtype | str = torch.float32,
         model = Transformer(config)
     model.to_empty(device=device)
     reader = load_hf_into(model, path, check_config=False)
-    return model.to(_resolve_dtype(dtype, reader)).eval()
+    return model.to(_resolve_dtype(dtype, reader, read_config(path))).eval()
 
 
 def load_hf_into(model: Transformer, path: str | Path, *, check_config: bool = True) -> CheckpointReader:
@@ -105,7 +107,7 @@ def plan_load(model: Transformer, path: str | Path, check_config: bool = True) -
     fam = family(hf, path)
     if check_config:
         _check_same_math(model.config, fam.to_config(hf), path)
-    reader = CheckpointReader(path)
+    reader = CheckpointReader(path, fp8.scheme(hf))
     keys = set(reader.infos)
     skipped = skipped_keys(hf, keys, model.config.num_layers, path)
     layouts = [detect_layout(keys, i, fam.naming) for i in range(model.config.num_layers)]
@@ -255,12 +257,15 @@ def _zero_non_persistent_buffers(model: Transformer) -> None:
                 buf.zero_()
 
 
-def _resolve_dtype(dtype: torch.dtype | str, reader: CheckpointReader) -> torch.dtype:
+def _resolve_dtype(dtype: torch.dtype | str, reader: CheckpointReader, hf: dict) -> torch.dtype:
     if dtype != "auto":
         if dtype not in DTYPE_NAMES.values():
             raise ValueError(f"dtype={dtype!r} is not supported; use torch.float32, torch.bfloat16, torch.float16 "
                              f"or 'auto'")
         return dtype
+    named = hf.get("dtype", hf.get("torch_dtype"))  # transformers 5 writes "dtype", 4 "torch_dtype"
+    if named in DTYPE_NAMES:
+        return DTYPE_NAMES[named]
     found = reader.dtypes()
     if len(found) != 1 or next(iter(found)) not in SAFETENSORS_DTYPES:
         raise ValueError(f"dtype='auto' needs one floating dtype in the checkpoint, found {sorted(found)}; "

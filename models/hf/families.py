@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from moekit.models.config import ROPE_SCALINGS, ModelConfig
+from moekit.models.hf import fp8
 from moekit.models.hf.weights import Naming
 
 HF_NAME_PREFIX = "hf:"
@@ -124,12 +125,7 @@ def base_fields(hf: dict, problems: list[str], *, default_theta: float = 10000.0
     H, N = _get(hf, "hidden_size"), _get(hf, "num_attention_heads")
     if _get(hf, "hidden_act", "silu") != "silu":
         problems.append(f"hidden_act={hf['hidden_act']!r} (needs {NEEDS['activation']})")
-    quant = hf.get("quantization_config")
-    if quant:
-        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
-        problems.append(f"quantized weights (quantization_config, quant_method={method!r}): moekit loads float "
-                        f"checkpoints; dequantize to bf16 first (DeepSeek-V3: its fp8_cast_bf16 script, or a bf16 "
-                        f"release of the model)")
+    problems += fp8.config_problems(hf.get("quantization_config"))  # block-wise fp8 is read, dequantized
     head_dim = _get(hf, "head_dim", 0) or head_dim_default or H // N
     max_pos = _get(hf, "max_position_embeddings", 4096)
     return dict(

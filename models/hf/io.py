@@ -11,6 +11,8 @@ A safetensors file is an 8-byte little-endian header length n, n bytes of JSON
 ``CheckpointReader`` parses every header first (shapes and dtypes for validation, no tensor data), checks
 that each file is as long as its header says (a truncated download fails here, naming the file), and
 reads a tensor only when asked, so loading a large checkpoint holds one tensor at a time beyond the model.
+Block-wise float8 weights (DeepSeek-V3's release) are returned dequantized, their scales hidden from ``infos``
+(models/hf/fp8.py).
 """
 from __future__ import annotations
 
@@ -25,6 +27,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
+
+from moekit.models.hf.fp8 import SCALE_SUFFIX, BlockFp8, dequantize, pair_scales
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -80,15 +84,21 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
 
 
 class CheckpointReader:
-    """Every tensor of a folder's safetensors files by key: ``infos`` up front, ``get(key)`` on demand."""
+    """Every tensor of a folder's safetensors files by key: ``infos`` up front, ``get(key)`` on demand.
 
-    def __init__(self, folder: str | Path):
+    ``fp8``: the checkpoint's float8 scheme (``fp8.scheme(config)``); its weights' scales are then left out of
+    ``infos`` (``scales`` holds them by weight key) and ``get`` returns those weights dequantized, in float32.
+    """
+
+    def __init__(self, folder: str | Path, fp8: BlockFp8 | None = None):
         self.folder = Path(folder)
         self.infos: dict[str, TensorInfo] = {}
         files = self._files()
         for path in files:
             self.infos.update(read_header(path))
         self._check_index(files)
+        self.fp8 = fp8
+        self.scales: dict[str, TensorInfo] = pair_scales(self.infos, fp8, self.folder)
         self._handles: dict[Path, object] = {}
 
     def _files(self) -> list[Path]:
@@ -135,14 +145,21 @@ class CheckpointReader:
             raise ValueError(f"{self.folder / INDEX_FILE} does not list {extra[:3]} ({len(extra)} tensor(s)) found in "
                              f"{self.infos[extra[0]].file.name}; the index and the shards come from different saves")
 
+    def _read(self, file: Path, key: str) -> Tensor:
+        if file not in self._handles:
+            self._handles[file] = safe_open(str(file), framework="pt")
+        return self._handles[file].get_tensor(key)
+
     def get(self, key: str) -> Tensor:
-        info = self.infos[key]
-        if info.file not in self._handles:
-            self._handles[info.file] = safe_open(str(info.file), framework="pt")
-        return self._handles[info.file].get_tensor(key)
+        """The tensor stored under ``key``; a block-wise float8 weight comes dequantized, in float32."""
+        value = self._read(self.infos[key].file, key)
+        if key in self.scales:
+            value = dequantize(value, self._read(self.scales[key].file, key + SCALE_SUFFIX), self.fp8.block)
+        return value
 
     def dtypes(self) -> set[str]:
-        return {i.dtype for i in self.infos.values()}
+        """The dtypes ``get`` returns (float8 weights come back as float32)."""
+        return {"F32" if k in self.scales else i.dtype for k, i in self.infos.items()}
 
 
 def parse_size(size: int | str) -> int:

@@ -41,6 +41,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from moekit.models.hf import fp8
 from moekit.models.hf.io import CheckpointReader
 from moekit.models.hf.weights import Rule, check_keys
 
@@ -188,20 +189,32 @@ def _check_not_pipelined(model) -> None:
 
 
 class SliceReader:
-    """Slices of a checkpoint's tensors by key (safetensors ``get_slice``); ``read`` records bytes per key."""
+    """Slices of a checkpoint's tensors by key (safetensors ``get_slice``); ``read`` records bytes per key.
+    A block-wise float8 weight's slice comes dequantized (float32), read with just the scale blocks covering it
+    (their bytes are recorded under the scale's own key)."""
 
     def __init__(self, reader: CheckpointReader):
         self.reader = reader
         self.bytes_read: dict[str, int] = {}
         self._handles: dict[Path, object] = {}
 
-    def read(self, key: str, index: tuple[slice, ...]) -> Tensor:
-        file = self.reader.infos[key].file
+    def _slice(self, file: Path, key: str, index: tuple[slice, ...]) -> Tensor:
         if file not in self._handles:
             self._handles[file] = safe_open(str(file), framework="pt")
         part = self._handles[file].get_slice(key)[index]
         self.bytes_read[key] = self.bytes_read.get(key, 0) + part.numel() * part.element_size()
         return part
+
+    def read(self, key: str, index: tuple[slice, ...]) -> Tensor:
+        info = self.reader.infos[key]
+        part = self._slice(info.file, key, index)
+        scale = self.reader.scales.get(key)
+        if scale is None:
+            return part
+        block = self.reader.fp8.block
+        blocks = self._slice(scale.file, key + fp8.SCALE_SUFFIX, fp8.scale_index(index, info.shape, block))
+        start = tuple(s.indices(n)[0] for s, n in zip(index[-2:], info.shape[-2:]))
+        return fp8.dequantize(part, blocks, block, start)
 
 
 @dataclass
