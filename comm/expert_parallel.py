@@ -19,6 +19,7 @@ steps 1-4 run unchanged with El = S.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +30,7 @@ from torch.distributed.tensor import DTensor, Shard
 from moekit.comm.all_to_all import Traffic, agree_on_signature, all_to_all, exchange_counts
 from moekit.comm.placement import Placement
 from moekit.moe.dispatch import Dispatched, PermuteMeta, permute, sort_slots, unpermute
-from moekit.moe.router import Routing, count_experts
+from moekit.moe.router import Routing, check_int, count_experts
 
 
 class _Reorder(torch.autograd.Function):
@@ -93,6 +94,51 @@ class RouteMap:
         return torch.where(indices >= 0, self.table[safe, pick], -1)
 
 
+# ---------------------------------------------------------------------------------------------------
+# Input checks: shapes and Python ints only (no host sync), run on every rank before its first collective.
+# Every rank given the same bad input raises the same ValueError instead of one of them raising deep inside
+# (an IndexError after the count exchange) while its peers wait in the all-to-all, or the exchange running
+# on wrong data. A rank whose peers' inputs are fine still leaves them waiting until the group's timeout.
+# ---------------------------------------------------------------------------------------------------
+
+
+def check_ep_num_experts(who: str, num_experts, ep: int) -> None:
+    """``num_experts``: a positive integer that the ``ep`` ranks of the EP group split evenly."""
+    check_int(f"{who} num_experts", num_experts, 1)
+    if num_experts % ep:
+        sizes = sorted({d for i in range(1, math.isqrt(num_experts) + 1) if num_experts % i == 0
+                        for d in (i, num_experts // i)})
+        raise ValueError(f"{who} num_experts={num_experts} is not divisible by the EP group size {ep}: every rank "
+                         f"holds num_experts / ep experts; use a multiple of {ep} experts or an EP group size "
+                         f"among {sizes}")
+
+
+def check_tokens(who: str, x: Tensor, routing: Routing) -> None:
+    """One row of ``x`` per routed token."""
+    T = routing.indices.shape[0]
+    if x.shape[0] != T:
+        raise ValueError(f"{who}.dispatch got {x.shape[0]} tokens (x.shape[0]) but routing for {T} "
+                         f"(routing.indices.shape[0]); pass the x the router routed, one row per token")
+
+
+def check_expert_counts(who: str, routing: Routing, num_experts: int) -> None:
+    """The routing is for ``num_experts`` (logical) experts: its tokens_per_expert has shape [E]."""
+    shape = routing.tokens_per_expert.shape  # the routing's number of experts: shape only, no sync
+    if shape != (num_experts,):
+        raise ValueError(f"{who}.dispatch: routing.tokens_per_expert has shape {tuple(shape)} but this {who} has "
+                         f"num_experts={num_experts}; build the dispatcher and the router with the same number of "
+                         f"experts")
+
+
+def check_combine_rows(rows: Tensor, num_rows: int) -> None:
+    """``rows``: [R, H], one per row the dispatch delivered to this rank (the flat and, through its intra-node
+    dispatcher, the hierarchical combine)."""
+    if rows.dim() != 2 or rows.shape[0] != num_rows:
+        raise ValueError(f"combine: rows has shape {tuple(rows.shape)} but this expert-parallel dispatch delivered "
+                         f"[R={num_rows}, H] rows to this rank; pass the experts' output for Dispatched.rows (one "
+                         f"row each, same order)")
+
+
 class EPDispatcherBase:
     """What the flat and the hierarchical EP dispatcher share: the chunked overlap entry point and the
     placement check. Subclasses set ``ep`` and ``num_experts``."""
@@ -104,6 +150,7 @@ class EPDispatcherBase:
         calls it instead of the three when ``overlap_chunks`` > 1."""
         from moekit.comm.overlap import pipelined
 
+        check_expert_counts(type(self).__name__, routing, self.num_experts)  # overlap.pipelined checks the tokens
         return pipelined(self, x, routing, experts)
 
     def checked(self, placement: Placement | None) -> Placement | None:
@@ -126,14 +173,29 @@ class FlatEPDispatcher(EPDispatcherBase):
                  placement: Placement | None = None):
         self.group, self.group_ranks = group, list(group_ranks)
         self.ep = len(group_ranks)
-        if num_experts % self.ep:
-            raise ValueError(f"num_experts={num_experts} is not divisible by the EP group size {self.ep}")
+        self.rank = dist.get_rank()
+        self.check_group(group, self.group_ranks, self.rank)
+        check_ep_num_experts("FlatEPDispatcher", num_experts, self.ep)
         self.num_experts = num_experts
         self.node_of = node_of or (lambda r: 0)
         self.traffic = traffic if traffic is not None else Traffic()
-        self.rank = dist.get_rank()
         self.ep_group, self.ep_position = group, self.group_ranks.index(self.rank)
         self.set_placement(placement)
+
+    @staticmethod
+    def check_group(group, group_ranks: list[int], rank: int) -> None:
+        """``group_ranks``: the global ranks of ``group`` in its group-rank order (the all-to-all sends split p
+        to group rank p and ``expert_range`` follows this rank's index), this rank among them."""
+        if rank not in group_ranks or group == dist.GroupMember.NON_GROUP_MEMBER:
+            raise ValueError(f"FlatEPDispatcher: this rank ({rank}) is not in group_ranks={group_ranks} or not a "
+                             f"member of the process group; build the dispatcher only on the ranks of its EP group, "
+                             f"with that group and its ranks")
+        members = dist.get_process_group_ranks(group)
+        if group_ranks != members:
+            raise ValueError(f"FlatEPDispatcher: group_ranks={group_ranks} but the process group holds ranks {members} "
+                             f"(in group-rank order, which the all-to-all's splits follow); pass "
+                             f"group_ranks=dist.get_process_group_ranks(group) (with a Topology: group('ep') and "
+                             f"members('ep'))")
 
     def set_placement(self, placement: Placement | None) -> None:
         """Route by ``placement`` from now on (None or contiguous: blocks of E/P). Collective: the EP group
@@ -152,6 +214,8 @@ class FlatEPDispatcher(EPDispatcherBase):
         agree_on_signature(self.group, self.signature)  # before any count exchange: payload widths must match
 
     def dispatch(self, x: Tensor, routing: Routing) -> Dispatched:
+        check_tokens("FlatEPDispatcher", x, routing)
+        check_expert_counts("FlatEPDispatcher", routing, self.num_experts)
         indices, counts = routing.indices, routing.tokens_per_expert
         if self.routes is not None:  # 0. logical -> physical expert ids (the copies this source uses)
             indices = self.routes(indices)
@@ -179,6 +243,7 @@ class FlatEPDispatcher(EPDispatcherBase):
         return Dispatched(_Reorder.apply(recv, order, inverse), recv_counts.sum(0), meta)
 
     def combine(self, rows: Tensor, meta: EPMeta) -> Tensor:
+        check_combine_rows(rows, meta.order.shape[0])  # else IndexError here or rows lost, peers in the all-to-all
         back = _Reorder.apply(rows, meta.inverse, meta.order)  # [R, H] source-major again
         self._count("combine", meta.recv_splits, back)
         mine = all_to_all(back, meta.send_splits, meta.recv_splits, self.group)  # [N, H] in my sort order

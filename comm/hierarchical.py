@@ -29,7 +29,8 @@ import torch
 from torch import Tensor
 
 from moekit.comm.all_to_all import Traffic, agree_on_signature, all_to_all, exchange_counts
-from moekit.comm.expert_parallel import EPDispatcherBase, FlatEPDispatcher, RouteMap
+from moekit.comm.expert_parallel import (EPDispatcherBase, FlatEPDispatcher, RouteMap, check_ep_num_experts,
+                                         check_expert_counts, check_tokens)
 from moekit.comm.placement import Placement
 from moekit.moe.dispatch import Dispatched, PermuteMeta, permute, sort_slots, unpermute
 from moekit.moe.router import Routing, count_experts
@@ -65,14 +66,14 @@ class HierarchicalEPDispatcher(EPDispatcherBase):
 
     def __init__(self, num_experts: int, topology, traffic: Traffic | None = None, placement: Placement | None = None):
         topology.check_hierarchical()
-        self.num_experts = num_experts
         self.ep_ranks = topology.members("ep")
         self.rail_ranks = topology.members("ep_rail")
         self.node_ranks = topology.members("ep_node")
         self.num_nodes, self.per_node = len(self.rail_ranks), len(self.node_ranks)
-        self.ep = P = len(self.ep_ranks)
-        if num_experts % P:
-            raise ValueError(f"num_experts={num_experts} is not divisible by the EP group size {P}")
+        self.ep = len(self.ep_ranks)
+        # E / ep per rank; then E / nodes per node divides too (ep = nodes * per_node: check_hierarchical)
+        check_ep_num_experts("HierarchicalEPDispatcher", num_experts, self.ep)
+        self.num_experts = num_experts
         self.my_node = self.rail_ranks.index(topology.rank)  # my node's index inside the EP group
         self.rank, self.node_of = topology.rank, topology.node_of
         self.rail_group = topology.group("ep_rail")
@@ -103,6 +104,9 @@ class HierarchicalEPDispatcher(EPDispatcherBase):
             agree_on_signature(self.ep_group, self.signature)
 
     def dispatch(self, x: Tensor, routing: Routing) -> Dispatched:
+        # routing.tokens_per_expert is not read below, but its shape is the routing's number of experts
+        check_tokens("HierarchicalEPDispatcher", x, routing)
+        check_expert_counts("HierarchicalEPDispatcher", routing, self.num_experts)
         indices = self.physical(routing)
         node_ids = self.node_slots(indices)
         m = self.num_nodes
@@ -158,7 +162,8 @@ class HierarchicalEPDispatcher(EPDispatcherBase):
         self.traffic.add(phase, splits, self.rail_ranks, rows.shape[-1] * rows.element_size(), self.node_of, self.rank)
 
     def combine(self, rows: Tensor, meta: HierMeta) -> Tensor:
-        # 3. weighted sum over the token's experts on this node, then one row back across nodes
+        # 3. weighted sum over the token's experts on this node, then one row back across nodes; the inner
+        # combine checks rows (expert_parallel.check_combine_rows) before its all-to-all, the first collective here
         partial = self.inner.combine(rows, meta.inner)  # [R1, H]
         self.count_rail("combine", meta.recv_splits, partial)
         back = all_to_all(partial, meta.send_splits, meta.recv_splits, self.rail_group)  # [N1, H]
