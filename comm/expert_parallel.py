@@ -273,7 +273,8 @@ def shard_experts(layer: nn.Module, ep_mesh, placement: Placement | None = None)
     experts = layer.experts
     E, ep_size, ep_rank = experts.w_in.shape[0], ep_mesh.size(), ep_mesh.get_local_rank()
     if E % ep_size:
-        raise ValueError(f"num_experts={E} is not divisible by ep={ep_size}")
+        raise ValueError(f"num_experts={E} is not divisible by ep={ep_size}; every EP rank holds num_experts / ep "
+                         f"experts: use an ep among {[d for d in range(1, E + 1) if E % d == 0]}")
     rows = list(range(ep_rank * E // ep_size, (ep_rank + 1) * E // ep_size))
     if placement is not None:
         rows = list(placement.slots[ep_rank])

@@ -51,7 +51,8 @@ import torch
 from torch import Tensor
 
 from moekit.comm.all_to_all import SplitMismatchError, agree_on_signature, exchange_counts, start_all_to_all
-from moekit.comm.expert_parallel import EPMeta, FlatEPDispatcher, _inverse, _Reorder, source_to_expert_order
+from moekit.comm.expert_parallel import (EPMeta, FlatEPDispatcher, _inverse, _Reorder, check_combine_rows,
+                                        source_to_expert_order)
 from moekit.comm.hierarchical import HierarchicalEPDispatcher
 from moekit.moe.dispatch import Dispatched, PermuteMeta, permute, sort_slots, unpermute
 from moekit.moe.router import Routing, count_experts
@@ -259,6 +260,7 @@ class _FlatStages:
         return Dispatched(_Reorder.apply(recv, order, inverse), ch.extra.sum(0), meta)
 
     def start_combine(self, rows: Tensor, meta: EPMeta, c: int):
+        check_combine_rows(rows, meta.order.shape[0])  # before the all-to-all, as FlatEPDispatcher.combine
         back = _Reorder.apply(rows, meta.inverse, meta.order)  # [R, H] source-major again
         self.d._count("combine", meta.recv_splits, back)
         chan = Channel("combine", c, meta.send_splits, meta.recv_splits, self.d.group, self.d.overlap_trace)

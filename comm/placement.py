@@ -63,7 +63,9 @@ class Placement:
     def contiguous(cls, num_experts: int, ep: int) -> "Placement":
         """What expert parallelism does without a placement: rank p holds the block p*E/P .. (p+1)*E/P - 1."""
         if num_experts % ep:
-            raise ValueError(f"num_experts={num_experts} is not divisible by ep={ep}")
+            divisors = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
+            raise ValueError(f"num_experts={num_experts} is not divisible by ep={ep}; every EP rank holds the same "
+                             f"number of experts: use an ep among {divisors}")
         El = num_experts // ep
         return cls(tuple(tuple(range(p * El, (p + 1) * El)) for p in range(ep)), num_experts)
 
@@ -219,7 +221,8 @@ def plan_placement(load, ep: int, ranks_per_node: int | None = None, replicas: i
         raise ValueError(f"load must be non-negative token counts [steps, L, E], [L, E] or [E], got shape {w.shape}")
     E = w.shape[1]
     if ep < 1 or E % ep:
-        raise ValueError(f"num_experts={E} is not divisible by ep={ep}")
+        raise ValueError(f"num_experts={E} is not divisible by ep={ep}; every EP rank holds the same number of "
+                         f"experts: use an ep among {[d for d in range(1, E + 1) if E % d == 0]}")
     if replicas < 0 or replicas % ep:
         raise ValueError(f"replicas={replicas} must be a non-negative multiple of ep={ep} (every rank gets the "
                          f"same number of slots)")

@@ -232,14 +232,14 @@ def _combine_rows_rank(rank, world, per_node, hierarchical, E, unused):
                                              r"pass the experts' output"):
             d.combine(bad, out.meta)
     assert d.combine(rows, out.meta).shape == x[mine].shape  # the group still works
-    if hierarchical:  # the chunked path combines through the same intra-node combine
-        set_overlap(d, 2)
+    # the chunked path: hierarchical combines through the same intra-node combine; flat checks in start_combine
+    set_overlap(d, 2)
 
-        def extra_row(rows, counts):
-            return torch.cat([_experts(d.expert_range[0])(rows, counts), rows.new_zeros(1, H)])
+    def extra_row(rows, counts):
+        return torch.cat([_experts(d.expert_range[0])(rows, counts), rows.new_zeros(1, H)])
 
-        with pytest.raises(ValueError, match=r"combine: rows has shape .* but this expert-parallel dispatch"):
-            d.pipelined(x[mine], routing, extra_row)
+    with pytest.raises(ValueError, match=r"combine: rows has shape .* but this expert-parallel dispatch"):
+        d.pipelined(x[mine], routing, extra_row)
 
 
 @pytest.mark.parametrize("case", CASES)
