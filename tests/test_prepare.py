@@ -288,7 +288,7 @@ def test_fresh_byte_run_replaces_a_stale_tokenizer(prepared, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(prepared[1], run)
     assert (run / "tokenizer.json").exists()
-    assert train(run, "--steps", "1") == 0  # the embedded corpus: byte tokens
+    assert train(run, "--steps", "1", "--overwrite") == 0  # the embedded corpus: byte tokens
     assert not (run / "tokenizer.json").exists()
     assert json.loads((run / "tokenizer_info.json").read_text()) == {
         "kind": "bytes", "source": "bytes", "sha256": None, "vocab_size": 256, "eos_id": None}

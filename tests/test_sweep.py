@@ -64,8 +64,8 @@ def test_sweep_trains_every_variant_and_continues_past_a_failure(result):
     assert [(v["name"], v["status"]) for v in summary["variants"]] == [
         ("topk", "ok"), ("switch", "ok"), ("hash", "ok"), ("broken", "failed"), ("typo", "failed")]
     assert not (root / "runs" / "typo").exists()
-    assert summary["variants"][1]["command"][-6:] == ["--router", "switch", "--capacity-factor", "1.0", "--run-dir",
-                                                      str(root / "runs" / "switch")]
+    assert summary["variants"][1]["command"][-7:] == ["--router", "switch", "--capacity-factor", "1.0", "--run-dir",
+                                                      str(root / "runs" / "switch"), "--overwrite"]
     table = out[out.index("run     "):].splitlines()
     assert [row.split()[:2] for row in table[1:4]] == [["topk", "topk"], ["switch", "switch"], ["hash", "hash"]]
     assert "note:" not in out  # the same model, data and seed: only the routers differ

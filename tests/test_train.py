@@ -22,6 +22,7 @@ from moekit.train.data import split_windows, unigram_entropy
 from moekit.train.tokens import embedded_corpus, write_token_file
 from moekit.train.loop import main
 from moekit.train.records import load_rows
+from tests.helpers import one_stderr_line
 
 TINY = ("--model.hidden_size 32 --model.num_layers 2 --model.num_heads 2 --model.num_kv_heads 1 "
         "--model.ffn_hidden_size 64 --model.moe_ffn_hidden_size 32 --model.max_seq_len 32 --train.seq_len 32 "
@@ -80,10 +81,25 @@ def test_capacity_drops_are_recorded(tmp_path):
     assert metrics(run)[-1]["dropped_fraction"] >= 0.5
 
 
-def test_fresh_run_replaces_previous_records(tmp_path):
+def test_a_fresh_run_never_silently_deletes_an_earlier_one(tmp_path, capsys):
+    """A fresh run into a run directory holding checkpoints or metrics is refused before any work (the earlier
+    run stays whole); --overwrite deletes it and starts over; --overwrite with --resume is refused."""
     run = train(tmp_path / "r", "--steps", "2", "--checkpoint.every", "1")
-    train(run, "--steps", "1", "--checkpoint.every", "0")
+    before = sorted(p.relative_to(run) for p in run.rglob("*"))
+    capsys.readouterr()
+    assert main([*TINY, "--run-dir", str(run), "--steps", "1"]) == 2
+    one_stderr_line(capsys, f"--run-dir {run} holds an earlier run (2 checkpoints, the newest at step 2; metrics",
+                    "--resume continues it", "--overwrite deletes it")
+    assert sorted(p.relative_to(run) for p in run.rglob("*")) == before and len(metrics(run)) == 2
+    assert main([*TINY, "--run-dir", str(run), "--overwrite", "--resume"]) == 2
+    one_stderr_line(capsys, "--overwrite and --resume:", "give one of them")
+    train(run, "--steps", "1", "--checkpoint.every", "0", "--overwrite")
     assert len(metrics(run)) == 1 and not (run / "checkpoints").exists()
+    assert "deleting the records and checkpoints there" in capsys.readouterr().out
+    # metrics alone (no checkpoint) are an earlier run too; an empty folder is not
+    assert main([*TINY, "--run-dir", str(run), "--steps", "1"]) == 2
+    one_stderr_line(capsys, "holds an earlier run (metrics in metrics.jsonl)")
+    train(tmp_path / "empty", "--steps", "1", "--checkpoint.every", "0")
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue from the newest checkpoint of the run dir that verifies (damaged ones are "
                         "skipped, with a warning), or from CHECKPOINT; 'auto': the same, but start fresh when the "
                         "run dir has no checkpoint (for torchrun --max-restarts)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start over in a --run-dir that holds an earlier run, deleting its checkpoints and records "
+                        "(without it such a directory is refused: --resume continues it)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as TOML and exit")
     p.add_argument("--help-config", nargs="?", const="all", metavar="SECTION",
                    help="explain every setting (--section.key, type, default, meaning), or one section's "
@@ -90,6 +93,7 @@ class Options:
     dry_run: bool = False
     world_size: int | None = None  # --dry-run: plan for this many ranks instead of WORLD_SIZE
     gpu_gb: float = 80.0  # --dry-run: device memory (GiB) the per-rank peak is checked against
+    overwrite: bool = False  # a fresh run may replace an earlier run in its run directory
 
 
 def _dotted(rest: list[str]) -> list[tuple[str, str]]:
@@ -122,6 +126,10 @@ def _check_modes(args: argparse.Namespace) -> None:
         raise UserError(f"{' and '.join(given)} each do one thing and exit; give one of them")
     if args.write_data is not None and not args.write_data.strip():
         raise UserError("--write-data needs a file name (the token file to write)")
+    if args.overwrite and args.resume is not None:
+        given = "--resume" if args.resume == "latest" else f"--resume {args.resume}"
+        raise UserError(f"--overwrite and {given}: --resume continues the run in --run-dir, "
+                        f"--overwrite deletes it and starts over; give one of them")
     for flag, value in (("--world-size", args.world_size), ("--dry-run-gpu-gb", args.dry_run_gpu_gb)):
         if value is not None and not args.dry_run:
             raise UserError(f"{flag} {value}: only with --dry-run (it plans a layout; a real run takes the world "
@@ -157,7 +165,8 @@ def parse_args(argv: list[str], world_size: int | None = None) -> tuple[TrainCon
     if not gpu_gb > 0:
         raise UserError(f"--dry-run-gpu-gb {gpu_gb}: must be a positive number of GiB")
     check_layout(cfg, args.world_size if world_size is None else world_size)
-    return cfg, Options(args.print_config, args.resume, args.write_data, args.dry_run, args.world_size, gpu_gb)
+    return cfg, Options(args.print_config, args.resume, args.write_data, args.dry_run, args.world_size, gpu_gb,
+                        args.overwrite)
 
 
 def check_layout(cfg: TrainConfig, world_size: int | None = None) -> None:

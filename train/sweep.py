@@ -50,8 +50,8 @@ from moekit.train.runlock import probe_writable
 
 PROG = program_name("sweep.py")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
-RESERVED = ("--run-dir", "--log.run_dir", "--resume", "--print-config", "--dry-run", "--write-data", "--help-config",
-            "--help", "-h")
+RESERVED = ("--run-dir", "--log.run_dir", "--resume", "--overwrite", "--print-config", "--dry-run", "--write-data",
+            "--help-config", "--help", "-h")
 KINDS = {str: "a string", list: "an array of arguments", int: "an integer", dict: "a table", bool: "true or false"}
 SETTINGS = {"runs_dir": str, "base": (str, list), "nproc": int, "variants": dict, "html": str, "specialisation": bool}
 
@@ -174,7 +174,9 @@ def plan(args) -> tuple[Path, list[Variant], int, str, bool]:
         launcher = [sys.executable, "-m", "moekit.train"] if nproc == 1 else [
             sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "-m",
             "moekit.train"]
-        out.append(Variant(name, vargs, [*launcher, *base, *vargs, "--run-dir", str(run_dir)], str(run_dir)))
+        # the sweep owns RUNS_DIR/NAME: a variant run again (not --skip-done) replaces what an earlier sweep left
+        command = [*launcher, *base, *vargs, "--run-dir", str(run_dir), "--overwrite"]
+        out.append(Variant(name, vargs, command, str(run_dir)))
     html = args.html or file.get("html") or str(runs_dir / "report.html")
     return runs_dir, out, nproc, html, bool(args.specialisation or file.get("specialisation", False))
 

@@ -47,6 +47,20 @@ def _warn(msg: str) -> None:
     print(f"{PROG}: {msg}", file=sys.stderr, flush=True)
 
 
+def earlier_run(run_dir: str | Path) -> str:
+    """What a fresh run in ``run_dir`` would delete that a user may want: its checkpoints and its metrics ('' when
+    neither is there: an empty folder, or the config / lock of a run that stopped during setup)."""
+    found = []
+    saved = checkpoint.list_checkpoints(run_dir)
+    if saved:
+        found.append(f"{len(saved)} checkpoint{'s' if len(saved) > 1 else ''}, the newest at step "
+                     f"{checkpoint.step_of(saved[-1])}")
+    metrics = Path(run_dir) / records.METRICS
+    if metrics.is_file() and metrics.stat().st_size > 0:
+        found.append(f"metrics in {records.METRICS}")
+    return "; ".join(found)
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig, opts: Options):
         self.cfg, self.opts = cfg, opts
@@ -151,6 +165,10 @@ class Trainer:
         cfg = self.cfg
         lock = runlock.RunLock.acquire(cfg.run_dir, warn=_warn)
         try:
+            earlier = earlier_run(cfg.run_dir) if self.opts.resume is None and not self.opts.overwrite else None
+            if earlier:
+                raise UserError(f"--run-dir {cfg.run_dir} holds an earlier run ({earlier}): --resume continues it, "
+                                f"--overwrite deletes it and starts over, or choose another --run-dir")
             if cfg.train.export_hf:
                 runlock.probe_writable(cfg.train.export_hf, "--export-hf")
         except UserError:
@@ -194,8 +212,7 @@ class Trainer:
             stale = [d / n for n in (records.METRICS, records.EXPERT_LOAD, records.EXPERT_LOAD_BIN, records.CONFIG,
                                      "checkpoints", "tensorboard")]
             if any(p.exists() for p in stale):
-                print(f"note: starting a fresh run in {d}: replacing its records and checkpoints "
-                      f"(--resume continues a run instead)")
+                print(f"note: starting a fresh run in {d}: deleting the records and checkpoints there")
             for p in stale:
                 shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
         d.mkdir(parents=True, exist_ok=True)

@@ -117,7 +117,8 @@ def trainer_args(args, extra: list[str], compile_on: bool, backend: str, run_dir
         "--log.every": 1, "--log.progress": "off", "--log.tensorboard": "false", "--checkpoint.every": 0,
         "--eval.every": 0, "--eval.sequences": args.micro_batch,
     }
-    return [str(x) for kv in flags.items() for x in kv] + list(extra)
+    # --overwrite: the benchmark owns its run directories; a second run with the same --run-root replaces them
+    return [str(x) for kv in flags.items() for x in kv] + ["--overwrite"] + list(extra)
 
 
 def resolve_config(args, extra: list[str]):
