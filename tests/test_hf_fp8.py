@@ -20,34 +20,39 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from moekit.models.hf import config_from_hf, fp8, load_hf
+from moekit.models.hf import config_from_hf, fp8, fp8_reference, load_hf, save_hf
 from moekit.models.hf.families import UnsupportedCheckpoint
+from moekit.models.transformer import build_model
 from tests.dist_utils import run_ranks
 
 transformers = pytest.importorskip("transformers")
 from tests.test_hf import FAMILY_CASES, hf_family_model, hf_logits, rel_err, tokens  # noqa: E402
+from tests.test_hf_sharded import tokens as small_tokens  # noqa: E402  (the vocabulary of its tiny models)
 
 QUANT = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
 
 
 def quantizable(key: str, t: torch.Tensor) -> bool:
-    """What DeepSeek-V3's release stores in fp8: the linear layers; not embeddings, norms, routers, lm_head."""
+    """What DeepSeek-V3's release stores in fp8: the linear layers; not embeddings, norms, routers (``*.gate``),
+    Qwen2-MoE's shared-expert gate or lm_head."""
     return (t.dim() >= 2 and key.endswith(".weight") and "embed" not in key and "norm" not in key
-            and "lm_head" not in key and not key.endswith(("mlp.gate.weight", "router.weight")))
+            and "lm_head" not in key and not key.endswith((".gate.weight", "shared_expert_gate.weight")))
 
 
 def quantize_folder(src: Path, dst: Path, block: tuple[int, int] | None, *, fp8_dtype=torch.float8_e4m3fn,
-                    scale_dtype=torch.float32, quant: dict | None = None) -> dict[str, torch.Tensor]:
+                    scale_dtype=torch.float32, quant: dict | None = None,
+                    rest_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """``src`` rewritten in ``dst`` with every quantizable weight in float8 and per-block scales (amax / max
-    of the format, partial blocks at the edges); block None writes no weight_block_size (the 128 x 128
-    default). Returns {key: its reference value}: every block dequantized on its own in float64."""
+    of the format, at least fp8.SCALE_FLOOR; partial blocks at the edges), the other tensors cast to
+    ``rest_dtype`` when given; block None writes no weight_block_size (the 128 x 128 default). Returns
+    {key: its reference value}: every block dequantized on its own in float64."""
     dst.mkdir()
     b0, b1 = block or fp8.DEFAULT_BLOCK
     top = torch.finfo(fp8_dtype).max
     tensors, reference = {}, {}
     for key, w in load_file(src / "model.safetensors").items():
         if not quantizable(key, w):
-            tensors[key] = reference[key] = w
+            tensors[key] = reference[key] = w.to(rest_dtype) if rest_dtype and w.is_floating_point() else w
             continue
         *lead, rows, cols = w.shape
         q = torch.empty(w.shape, dtype=fp8_dtype)
@@ -56,9 +61,9 @@ def quantize_folder(src: Path, dst: Path, block: tuple[int, int] | None, *, fp8_
         for i in range(scale.shape[-2]):
             for j in range(scale.shape[-1]):
                 at = (..., slice(i * b0, (i + 1) * b0), slice(j * b1, (j + 1) * b1))
-                s = (w[at].abs().amax(dim=(-2, -1)) / top).clamp(min=1e-8).to(scale_dtype)
+                s = (w[at].float().abs().amax(dim=(-2, -1)) / top).clamp(min=fp8.SCALE_FLOOR).to(scale_dtype)
                 scale[..., i, j] = s
-                q[at] = (w[at] / s.float()[..., None, None]).clamp(-top, top).to(fp8_dtype)
+                q[at] = (w[at].float() / s.float()[..., None, None]).clamp(-top, top).to(fp8_dtype)
                 ref[at] = q[at].double() * s.double()[..., None, None]
         tensors[key], tensors[key + "_scale_inv"], reference[key] = q, scale, ref
     save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
@@ -166,7 +171,6 @@ def test_scale_blocks_of_a_slice():
 
 def _sharded(rank, world, cases):
     from tests.test_hf_sharded import CountingOpen, full, parallel_model
-    from tests.test_hf_sharded import tokens as small_vocab_tokens
 
     from moekit.comm.topology import Layout, Topology
     from moekit.models.hf import sharded
@@ -190,16 +194,117 @@ def _sharded(rank, world, cases):
         assert scales and all(k[: -len(fp8.SCALE_SUFFIX)] in reported for k in scales)
         model.eval()
         with torch.no_grad():
-            torch.testing.assert_close(model(small_vocab_tokens()), ref(small_vocab_tokens()), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(model(small_tokens()), ref(small_tokens()), rtol=1e-5, atol=1e-5)
+        # and back out in fp8, each rank quantizing the tensors it assembles
+        out = ckpt.parent / f"export-{'-'.join(f'{k}{v}' for k, v in degrees.items())}"
+        sharded.save_hf_sharded(model, out, max_shard_size=6000, fp8=True, fp8_block=(3, 5))
 
 
-def test_sharded_load_at_ep_tp_fsdp(tmp_path):
-    """Blocks of 3 x 5 cut across every shard boundary (experts' H rows under fsdp, MLA heads under tp)."""
-    from tests.test_hf_sharded import make_checkpoint
+def test_sharded_load_and_export_at_ep_tp_fsdp(tmp_path):
+    """Blocks of 3 x 5 cut across every shard boundary (experts' H rows under fsdp, MLA heads under tp). The
+    sharded fp8 export equals save_hf's of the one-process model, key by key and byte by byte."""
+    from tests.test_hf_sharded import check_export, make_checkpoint
 
     make_checkpoint(tmp_path / "float", "deepseek_v3")
     quantize_folder(tmp_path / "float", tmp_path / "fp8", (3, 5))
-    run_ranks(_sharded, 2, [(dict(ep=2, fsdp=2), str(tmp_path / "fp8")), (dict(tp=2), str(tmp_path / "fp8"))])
+    layouts = [dict(ep=2, fsdp=2), dict(tp=2)]
+    run_ranks(_sharded, 2, [(d, str(tmp_path / "fp8")) for d in layouts])
+    for name in ("export-ep2-fsdp2", "export-tp2"):
+        check_export(tmp_path / name, load_hf(tmp_path / "fp8"), tmp_path, fp8=True, fp8_block=(3, 5))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Writing fp8: save_hf(fp8=True), moekit-convert --fp8, moekit-train --train.export_hf_fp8
+# ---------------------------------------------------------------------------------------------------
+
+
+def tiny_model(family: str, seed: int = 3):
+    from tests.test_hf_sharded import tiny
+
+    return build_model(tiny(family), seed=seed).eval()
+
+
+def read_folder(folder: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for p in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(p))
+    return out
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen2_moe", "mixtral"])
+def test_fp8_export_is_the_release_format(tmp_path, family):
+    """save_hf(fp8=True) writes, byte for byte, what the test's block-by-block quantizer makes of the float export
+    (bf16 for the rest), with the release's quantization_config; reading it back gives fp8_reference's model."""
+    model = tiny_model(family)
+    save_hf(model, tmp_path / "float")
+    quantize_folder(tmp_path / "float", tmp_path / "want", (3, 5), rest_dtype=torch.bfloat16)
+    save_hf(model, tmp_path / "fp8", fp8=True, fp8_block=(3, 5), max_shard_size=20_000)
+    ours, want = read_folder(tmp_path / "fp8"), read_folder(tmp_path / "want")
+    assert ours.keys() == want.keys()
+    for k in want:
+        assert ours[k].dtype == want[k].dtype and torch.equal(ours[k], want[k]), k
+    assert sum(t.dtype == torch.float8_e4m3fn for t in ours.values()) > 10
+    config = json.loads((tmp_path / "fp8" / "config.json").read_text())
+    assert config["quantization_config"] == {**QUANT, "weight_block_size": [3, 5]} and config["dtype"] == "bfloat16"
+    back, ref = load_hf(tmp_path / "fp8").state_dict(), fp8_reference(model, fp8_block=(3, 5)).state_dict()
+    assert back.keys() == ref.keys() and all(torch.equal(back[k], ref[k]) for k in ref)
+    with torch.no_grad():  # fp8 moved the model by about its precision, not more
+        assert 1e-3 < rel_err(load_hf(tmp_path / "fp8")(small_tokens()), model(small_tokens())) < 0.2
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "mixtral"])
+def test_fp8_export_loads_in_transformers(tmp_path, family):
+    """transformers reads moekit's fp8 export with moekit's logits (blocks of 4 divide every shape: above)."""
+    pytest.importorskip("accelerate")
+    model = tiny_model(family)
+    save_hf(model, tmp_path / "fp8", fp8=True, fp8_block=(4, 4))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "fp8", dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert rel_err(load_hf(tmp_path / "fp8")(small_tokens()), hf_logits(theirs, small_tokens())) < 1e-5
+
+
+def test_fp8_export_refusals(tmp_path, capsys):
+    from moekit.train.convert import main
+    from moekit.train.modelfiles import save_moekit
+
+    model = tiny_model("mixtral")
+    with pytest.raises(ValueError, match=r"fp8=True writes per-expert tensors.*layout='fused' is not supported"):
+        save_hf(model, tmp_path / "x", fp8=True, layout="fused")
+    with pytest.raises(ValueError, match=r"fp8_block=\(0, 128\) is invalid"):
+        save_hf(model, tmp_path / "x", fp8=True, fp8_block=(0, 128))
+    assert not (tmp_path / "x").exists()
+    src = save_moekit(model, tmp_path / "model.safetensors")
+    capsys.readouterr()
+    assert main(["moekit-to-hf", str(src), str(tmp_path / "out"), "--fp8", "--layout", "fused"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "--fp8 writes per-expert tensors" in lines[0] and not (tmp_path / "out").exists()
+
+
+def test_programs_write_fp8(tmp_path, capsys):
+    """moekit-convert moekit-to-hf --fp8 --verify; moekit-train --export-hf DIR --train.export_hf_fp8 true."""
+    from moekit.train.convert import main as convert
+    from moekit.train.loop import main as train
+    from moekit.train.modelfiles import save_moekit
+
+    model = tiny_model("deepseek_v3")
+    src = save_moekit(model, tmp_path / "model.safetensors")
+    assert convert(["moekit-to-hf", str(src), str(tmp_path / "hf"), "--fp8", "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert "fp8 linear weights" in out and "verified:" in out and "fp8 rounding changed the logits by" in out
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["quantization_config"]["weight_block_size"] == [
+        128, 128]
+    tiny = ["--model.hidden_size", "32", "--model.num_layers", "2", "--model.num_heads", "2", "--model.num_kv_heads",
+            "1", "--model.ffn_hidden_size", "64", "--model.moe_ffn_hidden_size", "32", "--model.max_seq_len", "32",
+            "--train.seq_len", "32", "--batch-size", "4", "--eval.sequences", "8", "--eval.every", "0",
+            "--log.tensorboard", "false", "--steps", "1", "--run-dir", str(tmp_path / "run")]
+    assert train([*tiny, "--train.export_hf_fp8", "true"]) == 2
+    assert "--train.export_hf_fp8 true writes the --export-hf folder in fp8; give --export-hf DIR" in (
+        capsys.readouterr().err)
+    assert train([*tiny, "--export-hf", str(tmp_path / "exported"), "--train.export_hf_fp8", "true"]) == 0
+    assert "fp8 linear weights" in capsys.readouterr().out
+    exported = read_folder(tmp_path / "exported")
+    assert any(k.endswith(fp8.SCALE_SUFFIX) for k in exported)
+    assert load_hf(tmp_path / "exported").config.num_experts == 8
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -143,12 +143,12 @@ def _choose(run_dir: str, resume: str, model_config: dict, warn) -> Path | None:
     if not list_checkpoints(run_dir):
         if resume == "auto":
             return None
-        raise UserError(f"--resume: no checkpoint in {checkpoint_root(run_dir)}; train without --resume first, "
-                        f"or pass --resume PATH/TO/step_N")
+        raise UserError(f"--resume: no checkpoint in {checkpoint_root(run_dir)}; train without --resume first (with "
+                        f"--overwrite when the folder holds an earlier run's metrics), or pass --resume PATH/TO/step_N")
     path, meta, skipped = newest_verified(run_dir)
     if path is None:  # all damaged: refuse rather than start fresh, which would delete them
         raise UserError(f"--resume: no checkpoint in {checkpoint_root(run_dir)} verifies: {' | '.join(skipped)}; "
-                        f"restore one, or start a fresh run without --resume")
+                        f"restore one, or start a fresh run (--overwrite instead of --resume)")
     for reason in skipped:
         warn(f"warning: skipped {reason}; resuming from {path}")
     check_model(path, meta["model"], model_config)

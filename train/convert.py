@@ -63,6 +63,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     b.add_argument("--layout", choices=["per_expert", "fused"], default="per_expert",
                    help="per_expert: experts.N.<proj> tensors, as save_pretrained writes (default); fused: "
                         "mlp.experts.gate_up_proj / down_proj")
+    b.add_argument("--fp8", action="store_true",
+                   help="write the linear layers' weights in block-wise float8 e4m3, one float32 scale per 128 x 128 "
+                        "block (DeepSeek-V3's release format; transformers, vLLM and SGLang read it); the other "
+                        "tensors in --dtype (default bfloat16 with --fp8). --verify then checks the logits of that "
+                        "rounding and reports what it changed")
     for q in (a, b):
         q.add_argument("--verify", action="store_true", help="reload the output and compare logits")
     return p.parse_args(argv)

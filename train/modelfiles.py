@@ -181,12 +181,17 @@ def _dcp_source(path: Path):
 
 
 @torch.no_grad()
-def verify(a: Transformer, b: Transformer, what: str) -> None:
-    """Same logits on random tokens: both sides hold the same values in the same dtype, so equal up to rounding."""
+def logit_error(a: Transformer, b: Transformer) -> float:
+    """Relative error of ``a``'s logits against ``b``'s on fixed random tokens."""
     cfg = a.config
     tokens = torch.randint(0, cfg.vocab_size, (2, min(16, cfg.max_seq_len)), generator=torch.Generator().manual_seed(0))
     la, lb = a(tokens), b(tokens)
-    err = ((la - lb).norm() / lb.norm().clamp_min(1e-30)).item()
+    return ((la.float() - lb.float()).norm() / lb.float().norm().clamp_min(1e-30)).item()
+
+
+def verify(a: Transformer, b: Transformer, what: str) -> None:
+    """Same logits on random tokens: both sides hold the same values in the same dtype, so equal up to rounding."""
+    err = logit_error(a, b)
     if err > 1e-6:
         raise ValueError(f"verification failed: {what} changes the logits (relative error {err:.2e})")
     print(f"verified: {what} keeps the logits (relative error {err:.1e})")
@@ -263,6 +268,9 @@ def moekit_to_hf(args) -> None:
     except ValueError:
         raise ValueError(f"--max-shard-size {args.max_shard_size}: not a size; use a positive number of bytes or a "
                          f"size such as 5GB or 200MB") from None
+    if args.fp8 and args.layout != "per_expert":
+        raise ValueError(f"--fp8 writes per-expert tensors, as the released fp8 checkpoints do; drop --layout "
+                         f"{args.layout}")
     if args.tokenizer:
         check_tokenizer_source(args.tokenizer, f"--tokenizer {args.tokenizer}", "--tokenizer")
     check_out(args.out, folder=True)
@@ -273,9 +281,15 @@ def moekit_to_hf(args) -> None:
     model = load_moekit(src)
     dtype = None if args.dtype == "auto" else DTYPES[args.dtype]
     out = save_hf(model, args.out, family=args.family, dtype=dtype, max_shard_size=args.max_shard_size,
-                  layout=args.layout, tokenizer_from=tokenizer)
+                  layout=args.layout, tokenizer_from=tokenizer, fp8=args.fp8)
     family = json.loads((out / "config.json").read_text())["model_type"]
     told = f", tokenizer from {tokenizer}" if tokenizer else ", no tokenizer (pass --tokenizer DIR to add one)"
-    print(f"wrote {out} ({family}, {args.layout} experts{told})")
-    if args.verify:
+    print(f"wrote {out} ({family}, {args.layout} experts{', fp8 linear weights' if args.fp8 else ''}{told})")
+    if args.verify and args.fp8:  # the file must hold exactly the fp8 rounding of the model; report its cost
+        from moekit.models.hf import fp8_reference
+
+        rounded = fp8_reference(model, family=family, dtype=dtype)
+        verify(load_hf(out), rounded, f"{args.src} -> {out} (fp8)")
+        print(f"fp8 rounding changed the logits by {logit_error(rounded, model):.2e} (relative) against {args.src}")
+    elif args.verify:
         verify(load_hf(out, dtype="auto"), model.to(dtype) if dtype else model, f"{args.src} -> {out}")

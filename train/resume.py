@@ -110,7 +110,7 @@ def check(saved_config: dict[str, Any] | None, current: dict[str, Any], checkpoi
         why = "; ".join(f"{k} {_show(a)} -> {_show(b)}: {REFUSED[k]}" for k, a, b in changes.refused)
         keep = " ".join(f"--{k} {a}" for k, a, _ in changes.refused)
         raise UserError(f"cannot resume {checkpoint} with changed settings ({why}); resume with {keep}, or "
-                        f"start a fresh run (a new --run-dir, or without --resume)")
+                        f"start a fresh run (a new --run-dir, or --overwrite instead of --resume)")
     return changes
 
 

@@ -417,15 +417,17 @@ class Trainer:
 
         try:
             self.placement.to_contiguous(self.model, self.optimizer)  # HF shard boxes: contiguous expert blocks
-            folder = save_hf_sharded(self.model, path, tokenizer_from=self.run_dir)
+            folder = save_hf_sharded(self.model, path, tokenizer_from=self.run_dir, fp8=self.cfg.train.export_hf_fp8)
         except (OSError, ValueError) as exc:  # the trained weights are safe in the final checkpoint: say where
             ckpt = self.last_checkpoint
             why = runlock.describe_os_error(exc) if isinstance(exc, OSError) else str(exc)
+            fp8 = " --train.export_hf_fp8 true" if self.cfg.train.export_hf_fp8 else ""
             raise RunFailed(f"--export-hf {path}: {why}; training finished and its final checkpoint is {ckpt}: "
                             f"fix that, then export it with {PROG} --resume {ckpt} --steps {self.cfg.train.steps} "
-                            f"--export-hf {path}") from None
+                            f"--export-hf {path}{fp8}") from None
         if self.dist.is_main:
-            self.monitor.print(f"exported {folder} (HuggingFace {choose_family(self.model)})")
+            fp8 = ", fp8 linear weights" if self.cfg.train.export_hf_fp8 else ""
+            self.monitor.print(f"exported {folder} (HuggingFace {choose_family(self.model)}{fp8})")
 
     def step_metrics(self, step, loss, grad_norm, lr, load, dt, tokens_seen, elapsed) -> dict:
         tps = self.plan.tokens_per_step / dt

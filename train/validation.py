@@ -57,6 +57,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _require(not t.init_from_hf or os.path.isdir(t.init_from_hf),
              f"--init-from-hf {t.init_from_hf}: not a directory (expected a HuggingFace model folder)")
     validate_upcycling_flags(t)
+    _require(t.export_hf or not t.export_hf_fp8, "--train.export_hf_fp8 true writes the --export-hf folder in fp8; "
+                                                 "give --export-hf DIR too")
     if t.export_hf:
         validate_export_dir(t.export_hf, cfg.run_dir)
     from moekit.train.modelsource import adopt_source_model

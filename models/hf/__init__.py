@@ -35,6 +35,7 @@ import torch
 
 from moekit.models.config import ModelConfig
 from moekit.models.hf import fp8
+from moekit.models.hf.fp8 import quantizable, quantize_tensors
 from moekit.models.hf.export import choose_family, copy_tokenizer, export_problems, hf_config, zero_fill
 from moekit.models.hf.families import FAMILIES, Family, UnsupportedCheckpoint, family, skipped_keys
 from moekit.models.hf.io import DTYPE_NAMES, CONFIG_FILE, CheckpointReader, read_config, write_safetensors
@@ -155,9 +156,23 @@ def export_rules(model: Transformer, family: str | None, dtype: torch.dtype | No
     return name, rules, dtype or next(model.parameters()).dtype
 
 
+def fp8_export_args(fp8_on: bool, fp8_block, dtype: torch.dtype | None,
+                    layout: str) -> tuple[tuple[int, int] | None, torch.dtype | None]:
+    """(the fp8 block or None, the dtype of the other tensors) of an export; save_hf and save_hf_sharded share it.
+    fp8 writes the linear weights as the released fp8 checkpoints do (models/hf/fp8.py), the rest in bf16 unless
+    ``dtype`` says otherwise."""
+    if not fp8_on:
+        return None, dtype
+    if layout != "per_expert":
+        raise ValueError(f"fp8=True writes per-expert tensors, as the released fp8 checkpoints do; layout={layout!r} "
+                         f"is not supported with it: use layout='per_expert'")
+    return fp8.check_block(fp8_block), dtype or torch.bfloat16
+
+
 def save_hf(model: Transformer, path: str | Path, *, family: str | None = None, dtype: torch.dtype | None = None,
             max_shard_size: int | str = "5GB", layout: str = "per_expert",
-            tokenizer_from: str | Path | None = None) -> Path:
+            tokenizer_from: str | Path | None = None, fp8: bool = False,
+            fp8_block: tuple[int, int] = fp8.DEFAULT_BLOCK) -> Path:
     """Write ``model`` as a HuggingFace folder that ``AutoModelForCausalLM.from_pretrained`` loads with the
     same logits; returns the folder.
 
@@ -168,19 +183,55 @@ def save_hf(model: Transformer, path: str | Path, *, family: str | None = None, 
     writes ``experts.N.<proj>.weight`` (what save_pretrained writes), "fused" writes ``mlp.experts.gate_up_proj
     / down_proj``; transformers loads both. tokenizer_from: a HuggingFace folder or a moekit run directory
     whose tokenizer is written beside the model (default: the folder the model was imported from, if it
-    has tokenizer files).
+    has tokenizer files). fp8: the linear layers' weights in block-wise float8 e4m3 with one float32 scale per
+    ``fp8_block`` (DeepSeek-V3's release format, which transformers, vLLM and SGLang read), the other tensors in
+    ``dtype`` (default bf16); per-expert layout only.
     """
+    block, dtype = fp8_export_args(fp8, fp8_block, dtype, layout)
     name, rules, out_dtype = export_rules(model, family, dtype, layout)
-    tensors = export_tensors(model, rules, dtype)
+    if block is None:
+        tensors = export_tensors(model, rules, dtype)
+    else:  # the weights to quantize keep the model's precision; the rest are cast
+        tensors = {k: t if not t.is_floating_point() or quantizable(k, tuple(t.shape)) else t.to(out_dtype)
+                   for k, t in export_tensors(model, rules, None).items()}
     tensors.update(zero_fill(model, name, out_dtype))
+    if block is not None:
+        tensors = quantize_tensors(tensors, block)
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     source = tokenizer_from if tokenizer_from is not None else _imported_tokenizer(model)
     token_ids = copy_tokenizer(source, folder, model.config.vocab_size, model.config.max_seq_len) if source else {}
     dtype_name = {v: k for k, v in DTYPE_NAMES.items()}[out_dtype]
-    (folder / CONFIG_FILE).write_text(json.dumps(hf_config(model, name, dtype_name, token_ids), indent=2) + "\n")
+    config = hf_config(model, name, dtype_name, token_ids, block)
+    (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     write_safetensors(tensors, folder, max_shard_size)
     return folder
+
+
+@torch.no_grad()
+def fp8_reference(model: Transformer, *, family: str | None = None, dtype: torch.dtype | None = None,
+                  fp8_block: tuple[int, int] = fp8.DEFAULT_BLOCK) -> Transformer:
+    """A copy of ``model`` holding what ``save_hf(model, fp8=True, ...)`` stores: each quantized weight replaced by
+    its dequantized float8 value, the other tensors rounded to the export's dtype. Loading that export must give
+    this model's logits (moekit-convert --fp8 --verify checks it); comparing with ``model`` measures what fp8 costs."""
+    import copy
+
+    block, dtype = fp8_export_args(True, fp8_block, dtype, "per_expert")
+    _, rules, out_dtype = export_rules(model, family, dtype, "per_expert")
+    ref = copy.deepcopy(model)
+    state = ref.state_dict()
+    for r in rules:
+        target = state[r.target]
+        if not target.is_floating_point():
+            continue
+        parts = []
+        for key, part in zip(r.sources, r.split(target)):
+            if quantizable(key, tuple(part.shape)):
+                parts.append(fp8.dequantize(*fp8.quantize(part, block), block))
+            else:
+                parts.append(part.to(out_dtype))
+        target.copy_(r.join(parts))
+    return ref
 
 
 def save_mixtral(model: Transformer, path: str | Path, *, dtype: torch.dtype | None = None,

@@ -30,6 +30,7 @@ from torch import Tensor
 
 from moekit.models.config import ModelConfig
 from moekit.models.hf.families import FAMILIES, recorded_family
+from moekit.models.hf.fp8 import quantization_config
 from moekit.moe.router import TopKRouter
 
 NEAREST = {True: ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "deepseek_v3"), False: ("llama", "qwen2", "qwen3")}
@@ -213,9 +214,11 @@ def _rope(cfg: ModelConfig) -> dict[str, Any]:
     return out
 
 
-def hf_config(model, family: str, dtype_name: str, token_ids: dict[str, Any] | None = None) -> dict[str, Any]:
+def hf_config(model, family: str, dtype_name: str, token_ids: dict[str, Any] | None = None,
+              fp8_block: tuple[int, int] | None = None) -> dict[str, Any]:
     """config.json for ``family``: every field its transformers config reads (plus transformers 4's
-    rope_theta / rope_scaling / torch_dtype), so ``from_pretrained`` rebuilds the same math."""
+    rope_theta / rope_scaling / torch_dtype), so ``from_pretrained`` rebuilds the same math; with ``fp8_block``
+    the quantization_config of block-wise fp8 weights (models/hf/fp8.py)."""
     cfg: ModelConfig = model.config
     L, E, D = cfg.num_layers, cfg.num_experts, cfg.attn_head_dim
     out: dict[str, Any] = {
@@ -264,6 +267,8 @@ def hf_config(model, family: str, dtype_name: str, token_ids: dict[str, Any] | N
         out.update(no_window, intermediate_size=cfg.ffn_hidden_size)
         if family == "qwen3":
             out["attention_bias"] = False
+    if fp8_block is not None:
+        out["quantization_config"] = quantization_config(fp8_block)
     return out
 
 

@@ -141,3 +141,57 @@ def dequantize(weight: Tensor, scale: Tensor, block: tuple[int, int], start: tup
     rows = torch.arange(r0, r0 + weight.shape[-2]) // block[0] - r0 // block[0]
     cols = torch.arange(c0, c0 + weight.shape[-1]) // block[1] - c0 // block[1]
     return weight.float() * scale.float().index_select(-2, rows).index_select(-1, cols)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Writing: save_hf(..., fp8=True) / save_hf_sharded / moekit-convert moekit-to-hf --fp8
+# ---------------------------------------------------------------------------------------------------
+
+E4M3_MAX = 448.0  # the largest float8_e4m3fn value
+SCALE_FLOOR = 1e-12  # the scale of an all-zero block (its values stay 0); keeps w / scale finite
+NOT_QUANTIZED = ("embed_tokens", "lm_head", "norm", ".gate.weight", "shared_expert_gate.weight")
+
+
+def quantizable(key: str, shape: tuple[int, ...]) -> bool:
+    """What the fp8 releases store in float8: the linear layers' weights (attention, dense MLPs, experts, shared
+    experts); not embeddings, norms, routers (``*.gate.weight``), Qwen2-MoE's shared-expert gate or lm_head."""
+    return len(shape) == 2 and key.endswith(".weight") and not any(part in key for part in NOT_QUANTIZED)
+
+
+def quantize(weight: Tensor, block: tuple[int, int]) -> tuple[Tensor, Tensor]:
+    """(float8_e4m3fn weight, float32 weight_scale_inv) of a 2-d ``weight``: per block, scale = amax / 448 (at least
+    SCALE_FLOOR) and weight / scale rounded to e4m3; dequantize(*quantize(w)) is w to e4m3's precision."""
+    rows, cols = weight.shape
+    b0, b1 = block
+    w = weight.float()
+    padded = torch.zeros(math.ceil(rows / b0) * b0, math.ceil(cols / b1) * b1, dtype=torch.float32, device=w.device)
+    padded[:rows, :cols] = w.abs()
+    amax = padded.reshape(padded.shape[0] // b0, b0, padded.shape[1] // b1, b1).amax(dim=(1, 3))
+    scale = (amax / E4M3_MAX).clamp(min=SCALE_FLOOR)
+    expanded = scale.repeat_interleave(b0, 0)[:rows].repeat_interleave(b1, 1)[:, :cols]
+    return (w / expanded).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
+
+
+def quantization_config(block: tuple[int, int]) -> dict[str, Any]:
+    """config.json's quantization_config for weights written by ``quantize``."""
+    return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)}
+
+
+def check_block(block: Any) -> tuple[int, int]:
+    """``block`` as (rows, cols) of positive ints, or a ValueError naming it."""
+    if not (isinstance(block, (list, tuple)) and len(block) == 2
+            and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise ValueError(f"fp8_block={block!r} is invalid; give (rows, cols) of one scale's block, e.g. (128, 128)")
+    return int(block[0]), int(block[1])
+
+
+def quantize_tensors(tensors: dict[str, Tensor], block: tuple[int, int]) -> dict[str, Tensor]:
+    """``tensors`` (HF key -> tensor) with every quantizable one replaced by its float8 weight followed by its
+    ``weight_scale_inv``."""
+    out: dict[str, Tensor] = {}
+    for key, t in tensors.items():
+        if quantizable(key, tuple(t.shape)):
+            out[key], out[key + SCALE_SUFFIX] = quantize(t, block)
+        else:
+            out[key] = t
+    return out

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from moekit.models.hf import fp8
 from moekit.models.hf.io import CONFIG_FILE, DTYPE_NAMES, INDEX_FILE, parse_size
 from moekit.models.hf.sharded import (Box, _agree, _check_not_pipelined, _distributed, _local, _meet, _rel,
                                       _reshard, _to_source, shard_box)
@@ -29,7 +30,7 @@ __all__ = ["save_hf_sharded"]
 # safetensors dtype names (the header's "dtype")
 ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-             torch.bool: "BOOL"}
+             torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3"}
 
 
 @dataclass
@@ -43,14 +44,29 @@ class _Unit:
     dtype: torch.dtype  # on disk
     owner: int
     parts: list[tuple[int, Box]]  # (rank sending it, sub-box of region) for every part the owner lacks
+    fp8_block: tuple[int, int] | None = None  # written as float8 + its weight_scale_inv (models/hf/fp8.py)
 
     @property
     def shape(self) -> list[int]:
         return [len(self.region[d]) for d in self.dims]
 
     @property
+    def entries(self) -> list[tuple[str, torch.dtype, list[int]]]:
+        """(key, dtype, shape) of each tensor this unit writes: itself, or a float8 weight and its scales."""
+        if self.fp8_block is None:
+            return [(self.key, self.dtype, self.shape)]
+        return [(self.key, torch.float8_e4m3fn, self.shape),
+                (self.key + fp8.SCALE_SUFFIX, torch.float32, list(fp8.grid(tuple(self.shape), self.fp8_block)))]
+
+    @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
+        return sum(math.prod(shape) * dtype.itemsize for _, dtype, shape in self.entries)
+
+    def encode(self, value: Tensor) -> list[Tensor]:
+        """The tensors of ``entries`` for this unit's assembled ``value`` (in the model's precision)."""
+        if self.fp8_block is None:
+            return [value.to("cpu", self.dtype)]
+        return [t.cpu() for t in fp8.quantize(value, self.fp8_block)]
 
 
 @dataclass
@@ -60,17 +76,20 @@ class _ExportSpec:
     zeros: dict[str, tuple[tuple[int, ...], torch.dtype]]  # HF key -> shape, dtype of the all-zero parts
     dtype: torch.dtype | None  # on disk for floating tensors (None: the model's)
     dtype_name: str  # config.json's "dtype"
+    fp8_block: tuple[int, int] | None = None  # save_hf's fp8: the linear weights as block-wise float8
 
 
-def _export_spec(model, family: str | None, dtype: torch.dtype | None, layout: str) -> _ExportSpec:
+def _export_spec(model, family: str | None, dtype: torch.dtype | None, layout: str,
+                 fp8_on: bool = False, fp8_block=fp8.DEFAULT_BLOCK) -> _ExportSpec:
     """What save_hf writes for ``model`` (family, rules, zero-filled parts), without touching any tensor."""
-    from moekit.models.hf import export_rules
+    from moekit.models.hf import export_rules, fp8_export_args
     from moekit.models.hf.export import zero_fill
 
+    block, dtype = fp8_export_args(fp8_on, fp8_block, dtype, layout)
     name, rules, out_dtype = export_rules(model, family, dtype, layout)
     with torch.device("meta"):  # shapes only
         zeros = {k: (tuple(t.shape), t.dtype) for k, t in zero_fill(model, name, out_dtype).items()}
-    return _ExportSpec(name, rules, zeros, dtype, {v: k for k, v in DTYPE_NAMES.items()}[out_dtype])
+    return _ExportSpec(name, rules, zeros, dtype, {v: k for k, v in DTYPE_NAMES.items()}[out_dtype], block)
 
 
 def _export_boxes(model, spec: _ExportSpec, max_shard_size) -> tuple[dict, dict]:
@@ -121,12 +140,19 @@ def _plan_export(spec: _ExportSpec, meta: dict, all_boxes: list[dict]) -> list[_
                     sender = min(held[box], key=lambda k: (sent[k], k))
                     sent[sender] += volume(m)
                     parts.append((sender, m))
-            units.append(_Unit(key, r.target, region, dims, out_dtype, owner, parts))
+            units.append(_Unit(key, r.target, region, dims, out_dtype, owner, parts, _block(spec, key, region, dims)))
     for key, (shape, dtype) in spec.zeros.items():
         owner = min(range(world), key=lambda k: (owned[k], k))
         owned[owner] += math.prod(shape) * dtype.itemsize
-        units.append(_Unit(key, None, tuple(range(n) for n in shape), tuple(range(len(shape))), dtype, owner, []))
+        units.append(_Unit(key, None, tuple(range(n) for n in shape), tuple(range(len(shape))), dtype, owner, [],
+                           spec.fp8_block if spec.fp8_block and fp8.quantizable(key, shape) else None))
     return units
+
+
+def _block(spec: _ExportSpec, key: str, region: Box, dims: tuple[int, ...]) -> tuple[int, int] | None:
+    """The fp8 block of HF tensor ``key`` when the export quantizes it (save_hf's choice, by key and shape)."""
+    shape = tuple(len(region[d]) for d in dims)
+    return spec.fp8_block if spec.fp8_block is not None and fp8.quantizable(key, shape) else None
 
 
 def _files(units: list[_Unit], world: int, limit: int) -> list[tuple[int, list[_Unit]]]:
@@ -153,8 +179,10 @@ class _StreamWriter:
     def __init__(self, path: Path, units: list[_Unit]):
         header, offset = {}, 0
         for u in units:
-            header[u.key] = {"dtype": ST_DTYPES[u.dtype], "shape": u.shape, "data_offsets": [offset, offset + u.nbytes]}
-            offset += u.nbytes
+            for key, dtype, shape in u.entries:
+                nbytes = math.prod(shape) * dtype.itemsize
+                header[key] = {"dtype": ST_DTYPES[dtype], "shape": shape, "data_offsets": [offset, offset + nbytes]}
+                offset += nbytes
         header["__metadata__"] = {"format": "pt"}
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned
@@ -162,10 +190,12 @@ class _StreamWriter:
         self.file = open(path, "wb")
         self.file.write(len(raw).to_bytes(8, "little") + raw)
 
-    def write(self, key: str, tensor: Tensor) -> None:
+    def write(self, key: str, tensors: list[Tensor]) -> None:
+        """Unit ``key``'s tensors (``_Unit.encode``), in header order."""
         assert self.expected and self.expected[0] == key, (key, self.expected[:1])
         self.expected.pop(0)
-        self.file.write(tensor.contiguous().view(torch.uint8).reshape(-1).numpy())
+        for tensor in tensors:
+            self.file.write(tensor.contiguous().view(torch.uint8).reshape(-1).numpy())
         if not self.expected:
             self.file.close()
 
@@ -210,7 +240,7 @@ def _stream(model, units: list[_Unit], files: list[tuple[int, list[_Unit]]], fol
     for u in units:
         if u.target is None:  # all zeros: nothing to gather
             if u.owner == rank:
-                write(u, lambda: torch.zeros(u.shape, dtype=u.dtype))
+                write(u, lambda: u.encode(torch.zeros(u.shape, dtype=u.dtype)))
             continue
         local, box = _local(state[u.target]), boxes[u.target]
         if u.owner == rank:
@@ -222,7 +252,7 @@ def _stream(model, units: list[_Unit], files: list[tuple[int, list[_Unit]]], fol
                 buf = torch.empty([len(r) for r in part], dtype=local.dtype, device=local.device)
                 dist.recv(buf, src=sender)
                 region[_rel(part, u.region)] = buf
-            write(u, lambda: _to_source(region, u.dims).to("cpu", u.dtype))
+            write(u, lambda: u.encode(_to_source(region, u.dims)))
             del region
         else:
             for sender, part in u.parts:
@@ -242,7 +272,7 @@ def _write_index(folder: Path, config: dict, units: list[_Unit], files: list[tup
         if not path.is_file() or path.stat().st_size < 8 + sum(u.nbytes for u in its):
             raise ValueError(f"{path}: missing or short after every rank wrote its files; save_hf_sharded needs a "
                              f"path on a file system every rank shares")
-        weight_map.update(dict.fromkeys((u.key for u in its), name))
+        weight_map.update(dict.fromkeys((key for u in its for key, _, _ in u.entries), name))
     (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     index = {"metadata": {"total_size": sum(u.nbytes for u in units)}, "weight_map": dict(sorted(weight_map.items()))}
     (folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
@@ -250,7 +280,8 @@ def _write_index(folder: Path, config: dict, units: list[_Unit], files: list[tup
 
 def save_hf_sharded(model, path: str | Path, *, family: str | None = None, dtype: torch.dtype | None = None,
                     max_shard_size: int | str = "5GB", layout: str = "per_expert",
-                    tokenizer_from: str | Path | None = None) -> Path:
+                    tokenizer_from: str | Path | None = None, fp8: bool = False,
+                    fp8_block: tuple[int, int] = fp8.DEFAULT_BLOCK) -> Path:
     """``save_hf`` for a parallelised ``model`` (models.parallelize), without gathering it on any rank.
 
     Call on every rank, collectively; ``path`` must be on a file system they all see. Each rank assembles
@@ -263,7 +294,7 @@ def save_hf_sharded(model, path: str | Path, *, family: str | None = None, dtype
     from moekit.models.hf.export import copy_tokenizer, hf_config
 
     _reshard(model)
-    spec = _agree(_export_spec, model, family, dtype, layout)
+    spec = _agree(_export_spec, model, family, dtype, layout, fp8, fp8_block)
     boxes, meta = _agree(_export_boxes, model, spec, max_shard_size)
     world = dist.get_world_size() if _distributed() else 1
     rank = dist.get_rank() if _distributed() else 0
@@ -292,6 +323,6 @@ def save_hf_sharded(model, path: str | Path, *, family: str | None = None, dtype
             raise error
 
     _agree(finish)
-    _agree(lambda: _write_index(folder, hf_config(model, spec.family, spec.dtype_name, token_ids), units, files,
-                                names) if rank == 0 else None)
+    config = hf_config(model, spec.family, spec.dtype_name, token_ids, spec.fp8_block)
+    _agree(lambda: _write_index(folder, config, units, files, names) if rank == 0 else None)
     return folder
