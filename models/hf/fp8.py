@@ -67,12 +67,17 @@ def config_problems(quant: Any) -> list[str]:
         problems.append(f"quantization_config activation_scheme={quant['activation_scheme']!r}: calibrated "
                         f"activation scales (moekit reads 'dynamic', where a dequantized model loses nothing); {NEEDS}")
     block = quant.get("weight_block_size", list(DEFAULT_BLOCK))
-    if not (isinstance(block, (list, tuple)) and len(block) == 2
-            and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+    if not _is_block(block):
         problems.append(f"quantization_config weight_block_size={block!r} (moekit reads two positive integers, "
                         f"the rows and columns of one scale's block, e.g. [128, 128]; per-tensor or per-channel "
                         f"fp8 checkpoints: {NEEDS})")
     return problems
+
+
+def _is_block(block: Any) -> bool:
+    """Two positive ints: the rows and columns one scale covers."""
+    return (isinstance(block, (list, tuple)) and len(block) == 2
+            and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block))
 
 
 def scheme(hf: dict) -> BlockFp8 | None:
@@ -179,8 +184,7 @@ def quantization_config(block: tuple[int, int]) -> dict[str, Any]:
 
 def check_block(block: Any) -> tuple[int, int]:
     """``block`` as (rows, cols) of positive ints, or a ValueError naming it."""
-    if not (isinstance(block, (list, tuple)) and len(block) == 2
-            and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+    if not _is_block(block):
         raise ValueError(f"fp8_block={block!r} is invalid; give (rows, cols) of one scale's block, e.g. (128, 128)")
     return int(block[0]), int(block[1])
 

@@ -144,8 +144,8 @@ def _plan_export(spec: _ExportSpec, meta: dict, all_boxes: list[dict]) -> list[_
     for key, (shape, dtype) in spec.zeros.items():
         owner = min(range(world), key=lambda k: (owned[k], k))
         owned[owner] += math.prod(shape) * dtype.itemsize
-        units.append(_Unit(key, None, tuple(range(n) for n in shape), tuple(range(len(shape))), dtype, owner, [],
-                           spec.fp8_block if spec.fp8_block and fp8.quantizable(key, shape) else None))
+        region, dims = tuple(range(n) for n in shape), tuple(range(len(shape)))
+        units.append(_Unit(key, None, region, dims, dtype, owner, [], _block(spec, key, region, dims)))
     return units
 
 
