@@ -113,7 +113,7 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
-        self.head_dim = config.attn_head_dim
+        self.head_dim, self.rope_dim = config.attn_head_dim, config.rope_dim
         self.qk_norm, self.qkv_clip = config.qk_norm, float(config.qkv_clip)
         H, D, bias = config.hidden_size, self.head_dim, config.attention_bias
         self.wq = nn.Linear(H, self.num_heads * D, bias=bias)
@@ -139,10 +139,17 @@ class Attention(nn.Module):
         if self.qkv_clip > 0:
             q, k, v = (t.clamp(-self.qkv_clip, self.qkv_clip) for t in (q, k, v))
         # RoPE before the transpose: x [B, S, heads, D] is laid out as the projection wrote it
-        q, k = apply_rope(q, cos[:, None], sin[:, None]), apply_rope(k, cos[:, None], sin[:, None])
+        q, k = self._rope(q, cos[:, None], sin[:, None]), self._rope(k, cos[:, None], sin[:, None])
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, S, D]
         y = attend(q, k, v, kv, self.num_kv_heads != self.num_heads)  # [B, N, S, D]
         return self.wo(y.transpose(1, 2).reshape(B, S, -1))  # [B, S, H]
+
+    def _rope(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """RoPE on the first rope_dim channels of each head (all of them unless partial_rotary_factor < 1)."""
+        if self.rope_dim == self.head_dim:
+            return apply_rope(x, cos, sin)
+        rot, rest = x.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
+        return torch.cat((apply_rope(rot, cos, sin), rest), dim=-1)
 
     @torch.no_grad()
     def init_weights(self, normal_, std: float, std_out: float) -> None:

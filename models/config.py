@@ -65,6 +65,7 @@ class ModelConfig:
     qkv_clip: float = 0.0  # gqa, > 0: clamp q, k, v to [-clip, clip] after projection and norm (OLMoE clip_qkv)
     rope_scaling: dict[str, Any] = field(default_factory=dict)  # {} = plain RoPE; else transformers'
     #   rope_parameters without rope_theta: {"rope_type": "linear" | "yarn" | "llama3", "factor": ..., ...}
+    partial_rotary_factor: float = 1.0  # gqa: the fraction of each q/k head RoPE rotates, first channels (GLM-4.5 0.5)
     # MLA only (attention = "mla"); 0 where unused. num_kv_heads and head_dim are unused by MLA.
     q_lora_rank: int = 0  # 0 = full-rank query projection wq (DeepSeek-V2-Lite); else wq_a -> norm -> wq_b
     kv_lora_rank: int = 0  # compressed key/value width (wkv_a -> norm -> wkv_b)
@@ -90,8 +91,11 @@ class ModelConfig:
 
     @property
     def rope_dim(self) -> int:
-        """Channels RoPE rotates per head: D, or MLA's qk_rope_head_dim."""
-        return self.qk_rope_head_dim if self.attention == "mla" else self.attn_head_dim
+        """Channels RoPE rotates per head: partial_rotary_factor * D (transformers rounds down), or MLA's
+        qk_rope_head_dim."""
+        if self.attention == "mla":
+            return self.qk_rope_head_dim
+        return int(self.attn_head_dim * self.partial_rotary_factor)
 
     def is_moe_layer(self, i: int) -> bool:
         if self.num_experts == 0 or i < self.first_dense_layers:
@@ -148,6 +152,11 @@ class ModelConfig:
             raise ValueError(f"model.qk_norm={self.qk_norm!r} is invalid; choose one of {list(QK_NORMS)} (head: "
                              f"Qwen3's per-head norm, full: OLMoE's norm over the whole projection)")
         _check_float("model.qkv_clip", self.qkv_clip, strict=False, hint="; 0 turns clipping off")
+        _check_float("model.partial_rotary_factor", self.partial_rotary_factor, strict=True,
+                     hint="; 1 rotates the whole head, 0.5 its first half (GLM-4.5)")
+        if self.partial_rotary_factor > 1:
+            raise ValueError(f"model.partial_rotary_factor={self.partial_rotary_factor} is above 1; RoPE rotates at "
+                             f"most the whole head: use a value in (0, 1]")
         mla_fields = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
         for name in mla_fields:
             _check_int(f"model.{name}", getattr(self, name), 0)
@@ -159,7 +168,8 @@ class ModelConfig:
                                  f"v_head_dim 128); set them or use attention='gqa'")
             if self.qk_rope_head_dim % 2:
                 raise ValueError(f"model.qk_rope_head_dim={self.qk_rope_head_dim} must be even for RoPE")
-            for name, off in (("attention_bias", False), ("qk_norm", "none"), ("qkv_clip", 0.0)):
+            for name, off in (("attention_bias", False), ("qk_norm", "none"), ("qkv_clip", 0.0),
+                              ("partial_rotary_factor", 1.0)):
                 if getattr(self, name) != off:
                     raise ValueError(f"model.{name}={getattr(self, name)!r} applies to attention='gqa' only; MLA has "
                                      f"its own latent norms: set model.{name}={off!r} with attention='mla'")
@@ -175,6 +185,10 @@ class ModelConfig:
                                  f"{self.num_heads}; change one or set model.head_dim")
             if self.attn_head_dim % 2:
                 raise ValueError(f"head dim {self.attn_head_dim} must be even for RoPE; set model.head_dim")
+            if self.rope_dim < 2 or self.rope_dim % 2:
+                raise ValueError(f"model.partial_rotary_factor={self.partial_rotary_factor} rotates "
+                                 f"{self.rope_dim} of the head's {self.attn_head_dim} channels; RoPE needs an even "
+                                 f"number >= 2: choose a factor such as 0.5 or 1")
         _check_rope_scaling(self.rope_scaling)
 
     # Router configuration: the one place that decides what build_router gets and what a router change resets.

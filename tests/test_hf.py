@@ -189,7 +189,8 @@ def test_bad_tensors(base, tmp_path, breakage, match):
     (dict(tie_word_embeddings=True), r"tie_word_embeddings=true but lm_head\.weight \[128, 32\] differs"),
     (dict(hidden_act="gelu"), r"hidden_act='gelu'"),
     (dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0}), r"rope_type='dynamic'"),
-    (dict(model_type="gpt2"), r"model_type='gpt2' is not supported; moekit imports \['deepseek_v3', 'llama'"),
+    (dict(model_type="gpt2"),
+     r"model_type='gpt2' is not supported; moekit imports \['deepseek_v3', 'glm4_moe', 'llama'"),
 ])
 def test_config_weight_mismatch(base, tmp_path, changes, match):
     folder = broken_copy(base, tmp_path)
@@ -258,6 +259,16 @@ FAMILY_CASES = {  # case -> (model_type, config overrides)
     "deepseek_v3-fullq": ("deepseek_v3", dict(MLA, q_lora_rank=None, first_k_dense_replace=0, n_group=2, topk_group=1,
                                               num_experts_per_tok=2, n_shared_experts=2, norm_topk_prob=False,
                                               rope_interleave=False, routed_scaling_factor=1.5)),
+    # GLM-4.5: GQA with q/k/v biases, RoPE on half of each head, DeepSeek's MoE (4 groups keep 2, scaling 2.5,
+    # 2 shared experts, a dense first layer)
+    "glm4_moe": ("glm4_moe", dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                                  first_k_dense_replace=1, num_hidden_layers=3, attention_bias=True, n_group=4,
+                                  topk_group=2, routed_scaling_factor=2.5, n_shared_experts=2)),
+    # per-head q/k norm, a quarter of each head rotated, no renorm, every layer MoE
+    "glm4_moe-qknorm": ("glm4_moe", dict(n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=16,
+                                         use_qk_norm=True, head_dim=16, first_k_dense_replace=0,
+                                         rope_parameters=dict(rope_type="default", rope_theta=1e4,
+                                                              partial_rotary_factor=0.25), norm_topk_prob=False)),
     "llama": ("llama", dict(rope_parameters=LLAMA3)),
     "qwen2": ("qwen2", dict(use_sliding_window=True, sliding_window=32, max_window_layers=0)),
     "qwen3": ("qwen3", dict(head_dim=16, rope_parameters=dict(rope_type="linear", rope_theta=1e4, factor=2.0))),
@@ -322,13 +333,15 @@ def test_family_round_trip(tmp_path, tokenizer_files, case):
     for f in tokenizer_files.iterdir():  # a checkpoint folder carries its tokenizer
         shutil.copy(f, src)
     L = hf.config.num_hidden_layers
-    if model_type == "deepseek_v3":
+    mtp_family = model_type in ("deepseek_v3", "glm4_moe")  # their releases carry multi-token-prediction layers
+    if mtp_family:
+        edit_config(src, num_nextn_predict_layers=1)
         add_mtp_layer(src, L)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model = load_hf(src)
     mtp = [str(w.message) for w in caught if "multi-token-prediction" in str(w.message)]
-    assert len(mtp) == (model_type == "deepseek_v3") and all(f"model.layers.{L}.*" in m for m in mtp)
+    assert len(mtp) == mtp_family and all(f"model.layers.{L}.*" in m for m in mtp)
     toks = tokens()
     ref = hf_logits(hf, toks)
     with torch.no_grad():
@@ -341,7 +354,7 @@ def test_family_round_trip(tmp_path, tokenizer_files, case):
     assert type(back) is type(hf)
     assert rel_err(hf_logits(back, toks), ref) < 1e-5
     check_tokenizer(out, tokenizer_files)
-    if model_type == "deepseek_v3":  # without num_nextn_predict_layers the extra layer is a mismatch
+    if mtp_family:  # without num_nextn_predict_layers the extra layer is a mismatch
         edit_config(src, num_nextn_predict_layers=0)
         with pytest.raises(ValueError, match=rf"num_hidden_layers={L} but the checkpoint has layers 0\.\.{L} "):
             load_hf(src)
@@ -402,6 +415,12 @@ NATIVE = {  # case -> (family asked for or None, moekit config overrides); the f
                                            router_options={"score": "sigmoid", "expert_bias": True, "num_groups": 4,
                                                            "group_top_k": 2, "group_score_top": 2,
                                                            "normalize": False})),
+    # GQA with sigmoid routing: GLM-4-MoE's MoE (the selection bias and the shared expert it lacks: zeros)
+    "glm4_moe": (None, dict(router_options={"score": "sigmoid", "scaling": 1.5})),
+    "glm4_moe-partial": (None, dict(partial_rotary_factor=0.5, attention_bias=True, qk_norm="head", num_layers=3,
+                                    first_dense_layers=1, ffn_hidden_size=40, shared_ffn_hidden_size=48,
+                                    router_options={"score": "sigmoid", "expert_bias": True, "num_groups": 2,
+                                                    "group_top_k": 1, "group_score_top": 2})),
     "llama": (None, dict(num_experts=0, rope_scaling={k: v for k, v in LLAMA3.items() if k != "rope_theta"})),
     "qwen2": (None, dict(num_experts=0, attention_bias=True)),
     "qwen3": (None, dict(num_experts=0, qk_norm="head", tie_embeddings=True)),
@@ -435,9 +454,11 @@ def test_native_model_exports_as_nearest_family(tmp_path, case):
 
 
 @pytest.mark.parametrize("overrides,family,patterns", [
-    (dict(router_options={"score": "sigmoid"}), None,
+    (dict(router_options={"score": "sigmoid"}, qkv_clip=0.5), None,
      [r"no HuggingFace family reproduces", r"Mixtral: .*is not a softmax top-k router",
-      r"DeepSeek-V3: DeepSeek-V3 has multi-head latent attention"]),
+      r"DeepSeek-V3: DeepSeek-V3 has multi-head latent attention", r"GLM-4-MoE: GLM-4-MoE does not clip q/k/v"]),
+    (dict(partial_rotary_factor=0.5), "qwen3_moe",
+     [r"Qwen3-MoE rotates every channel of a head; this model has partial_rotary_factor=0\.5"]),
     (dict(qk_norm="head"), "mixtral", [r"Mixtral cannot reproduce this model: Mixtral has qk_norm='none'; this "
                                        r"model has qk_norm='head'"]),
     (dict(shared_ffn_hidden_size=16), "qwen2_moe", [r"shared expert is sigmoid-gated; this model's has no gate"]),

@@ -45,6 +45,10 @@ MODELS = {
                         num_kv_heads=4, router_options={"score": "sigmoid", "normalize": True, "expert_bias": True,
                                                         "scaling": 1.5}, aux_loss_coeff=0.0),
     "qwen3_moe": dict(qk_norm="head", router_options={"normalize": False}),
+    "glm4_moe": dict(num_layers=3, first_dense_layers=1, shared_ffn_hidden_size=24, attention_bias=True, qk_norm="head",
+                     partial_rotary_factor=0.5, router_options={"score": "sigmoid", "normalize": True,
+                                                                 "expert_bias": True, "scaling": 2.5},
+                     aux_loss_coeff=0.0),
     "olmoe": dict(qk_norm="full", qkv_clip=0.4, router_options={"normalize": False}),
     "qwen2": dict(num_experts=0, attention_bias=True),
 }
@@ -234,6 +238,7 @@ def checkpoints(tmp_path_factory) -> Path:
     make_checkpoint(tmp / "mixtral-fused", "mixtral", layout="fused")
     make_checkpoint(tmp / "qwen2_moe", "qwen2_moe")
     make_checkpoint(tmp / "deepseek_v3", "deepseek_v3")
+    make_checkpoint(tmp / "glm4_moe", "glm4_moe")
     bad = Path(shutil.copytree(tmp / "mixtral", tmp / "bad-shape"))
     tensors = load_file(bad / "model.safetensors")
     tensors["model.layers.1.block_sparse_moe.experts.3.w2.weight"] = torch.zeros(32, 25)
@@ -247,7 +252,8 @@ def checkpoints(tmp_path_factory) -> Path:
 
 
 def test_two_ranks_ep_tp_fsdp(checkpoints, tmp_path):
-    """ep2 (per-expert Mixtral), tp2 (Qwen2-MoE: biases, gated shared expert, a dense layer), fsdp2 (fused
+    """ep2 (per-expert Mixtral), tp2 (Qwen2-MoE: biases, gated shared expert, a dense layer; GLM-4-MoE: partial
+    RoPE heads, per-head q/k norm, sigmoid routing), fsdp2 (fused
     Mixtral layout read in slices along H; exported per expert, each expert tensor assembled from both
     ranks); then the failures."""
     c = checkpoints
@@ -255,6 +261,7 @@ def test_two_ranks_ep_tp_fsdp(checkpoints, tmp_path):
         (dict(fsdp=2, ep=2), c / "mixtral", [(tmp_path / "ep2", {}),
                                              (tmp_path / "ep2-as-qwen2", {"family": "qwen2_moe"})]),
         (dict(tp=2), c / "qwen2_moe", [(tmp_path / "tp2", {})]),
+        (dict(tp=2), c / "glm4_moe", [(tmp_path / "tp2-glm", {})]),  # heads with partial RoPE split over TP
         (dict(fsdp=2), c / "mixtral-fused", [(tmp_path / "fsdp2", {})]),
     ]
     run_ranks(_layouts, 2, [(d, str(p), [(str(o), k) for o, k in e]) for d, p, e in cases], str(c))
@@ -267,6 +274,7 @@ def test_two_ranks_ep_tp_fsdp(checkpoints, tmp_path):
     # as a family that always has a shared expert: the missing one is written as zeros (save_hf's zero_fill)
     check_export(tmp_path / "ep2-as-qwen2", load_hf(c / "mixtral"), tmp_path, family="qwen2_moe")
     check_export(tmp_path / "tp2", load_hf(c / "qwen2_moe"), tmp_path)
+    check_export(tmp_path / "tp2-glm", load_hf(c / "glm4_moe"), tmp_path)
     check_export(tmp_path / "fsdp2", load_hf(c / "mixtral-fused"), tmp_path)
 
 
@@ -281,6 +289,7 @@ def test_four_ranks_combined(checkpoints, tmp_path):
 
 @pytest.mark.parametrize("family,layout", [("mixtral", "per_expert"), ("mixtral", "fused"), ("qwen2_moe", "per_expert"),
                                            ("deepseek_v3", "fused"), ("qwen3_moe", "per_expert"), ("olmoe", "fused"),
+                                           ("glm4_moe", "per_expert"),
                                            ("qwen2", "per_expert")])
 def test_rule_layouts_agree_with_split(family, layout):
     """Every rule's slice layout (Rule.layout: identity or per-expert pieces) picks out exactly what its

@@ -85,6 +85,13 @@ def hf_attention(family: str, cfg: ModelConfig, rope: dict):
 
             c = transformers.Qwen3MoeConfig(**kv, **common)
             pair = m.Qwen3MoeAttention, m.Qwen3MoeRotaryEmbedding
+        elif family == "glm4_moe":
+            from transformers.models.glm4_moe import modeling_glm4_moe as m
+
+            common["rope_parameters"]["partial_rotary_factor"] = cfg.partial_rotary_factor
+            c = transformers.Glm4MoeConfig(attention_bias=cfg.attention_bias, use_qk_norm=cfg.qk_norm == "head",
+                                           **kv, **common)
+            pair = m.Glm4MoeAttention, m.Glm4MoeRotaryEmbedding
         else:
             from transformers.models.olmoe import modeling_olmoe as m
 
@@ -101,6 +108,9 @@ CASES = {  # family -> moekit config overrides, rope scaling
     "deepseek_v3": (dict(**MLA, q_lora_rank=12), YARN_DS),
     "deepseek_v3-full-rank-q": (dict(**MLA, rope_interleave=False), YARN),
     "deepseek_v3-plain-rope": (dict(**MLA, q_lora_rank=12), {}),
+    # RoPE on part of each head (the rest passes), with the head-width frequencies of that part
+    "glm4_moe": (dict(attention_bias=True, partial_rotary_factor=0.5), {}),
+    "glm4_moe-qknorm-yarn": (dict(qk_norm="head", head_dim=16, partial_rotary_factor=0.25), YARN),
 }
 
 
@@ -149,7 +159,9 @@ def test_rope_frequencies_match_transformers(rope, attention):
     dict(**MLA, q_lora_rank=12, rope_scaling=YARN_DS, num_experts=0),
     dict(**MLA, rope_interleave=False),
     dict(qk_norm="full", qkv_clip=0.5, attention_bias=True, rope_scaling=LLAMA3),
-    dict(qk_norm="head", rope_scaling=LINEAR)], ids=["mla-yarn", "mla-full-rank-q", "olmoe-like", "qwen3-like"])
+    dict(qk_norm="head", rope_scaling=LINEAR),
+    dict(attention_bias=True, partial_rotary_factor=0.5)],
+    ids=["mla-yarn", "mla-full-rank-q", "olmoe-like", "qwen3-like", "glm-partial-rope"])
 def test_cached_decoding_equals_full_forward(over):
     cfg = config(**over)
     model = build_model(cfg, seed=2).eval()
@@ -275,6 +287,11 @@ def test_group_score_top_refusals(options, message):
     (dict(attention="flash"), "model.attention='flash' is invalid; choose one of"),
     (dict(qk_norm="rms"), "model.qk_norm='rms' is invalid"),
     (dict(qkv_clip=-1.0), "model.qkv_clip=-1.0 is invalid"),
+    (dict(partial_rotary_factor=0.0), "model.partial_rotary_factor=0.0 is invalid; it must be a finite number > 0"),
+    (dict(partial_rotary_factor=1.5), "partial_rotary_factor=1.5 is above 1"),
+    (dict(partial_rotary_factor=0.1), r"partial_rotary_factor=0.1 rotates 0 of the head's \d+ channels; RoPE needs an "
+                                      "even number >= 2"),
+    (dict(MLA, partial_rotary_factor=0.5), "partial_rotary_factor=0.5 applies to attention='gqa' only"),
     (dict(attention_bias="yes"), "model.attention_bias='yes' is invalid"),
     (dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "rope_type='dynamic' is invalid"),
     (dict(rope_scaling={"rope_type": "yarn", "factor": 2.0}), r"needs \['original_max_position_embeddings'\]"),

@@ -1,7 +1,7 @@
 """HuggingFace safetensors import and export.
 
     load_hf(path)              a folder of any supported model_type -> Transformer (families.FAMILIES):
-                               mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v3; dense llama, qwen2, qwen3
+                               mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v3, glm4_moe; dense llama, qwen2, qwen3
     save_hf(model, path)       a folder transformers loads with the same logits, as the family the model came
                                from or the nearest one that reproduces it (export.choose_family), with the
                                tokenizer files when there is a tokenizer to carry
@@ -255,8 +255,8 @@ def _imported_tokenizer(model: Transformer) -> Path | None:
 MATH_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "attn_head_dim", "rope_theta",
                "rope_scaling", "norm_eps", "tie_embeddings", "activation", "attention", "attention_bias", "qk_norm",
                "qkv_clip", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-               "rope_interleave", "num_experts", "moe_ffn_hidden_size", "ffn_hidden_size", "shared_ffn_hidden_size",
-               "shared_expert_gate", "top_k", "router")
+               "rope_interleave", "partial_rotary_factor", "num_experts", "moe_ffn_hidden_size", "ffn_hidden_size",
+               "shared_ffn_hidden_size", "shared_expert_gate", "top_k", "router")
 
 
 MLA_ONLY = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_interleave")

@@ -11,12 +11,14 @@ asked for, else the one the model was imported from (``model.hf_family`` or a co
            qwen2_moe    softmax top-k, q/k/v biases, a sigmoid-gated shared expert (or none), any layer pattern
            deepseek_v3  MLA, sigmoid + expert_bias, group-limited (groups scored by their top 2), routed
                         scaling, an ungated shared expert (or none), dense first layers
+           glm4_moe     DeepSeek-V3's MoE with GQA: q/k/v biases or not, qk_norm none or "head", RoPE on
+                        partial_rotary_factor of each head (the only family with partial RoPE)
     dense  llama, qwen2 (q/k/v biases), qwen3 (qk_norm="head")
 
 Where a family always has a part the model lacks, the export writes it so that it adds nothing
-(``zero_fill``): DeepSeek-V3's e_score_correction_bias as zeros (no selection bias), an all-zero shared
-expert for Qwen2-MoE or DeepSeek-V3 (it outputs 0). The logits are unchanged; importing the export back
-gives a model with those (zero) parts.
+(``zero_fill``): DeepSeek-V3's / GLM-4-MoE's e_score_correction_bias as zeros (no selection bias), an all-zero
+shared expert for Qwen2-MoE, DeepSeek-V3 or GLM-4-MoE (it outputs 0). The logits are unchanged; importing the
+export back gives a model with those (zero) parts.
 """
 from __future__ import annotations
 
@@ -33,14 +35,18 @@ from moekit.models.hf.families import FAMILIES, recorded_family
 from moekit.models.hf.fp8 import quantization_config
 from moekit.moe.router import TopKRouter
 
-NEAREST = {True: ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "deepseek_v3"), False: ("llama", "qwen2", "qwen3")}
+NEAREST = {True: ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "deepseek_v3", "glm4_moe"),
+           False: ("llama", "qwen2", "qwen3")}
 PRETTY = {"mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE", "olmoe": "OLMoE",
-          "deepseek_v3": "DeepSeek-V3", "llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}
-# (attention kind, q/k/v bias allowed, qk_norm, qkv_clip allowed) that each family's attention computes
-ATTENTION = {"mixtral": ("gqa", False, "none", False), "qwen2_moe": ("gqa", True, "none", False),
-             "qwen3_moe": ("gqa", False, "head", False), "olmoe": ("gqa", False, "full", True),
-             "deepseek_v3": ("mla", False, "none", False), "llama": ("gqa", False, "none", False),
-             "qwen2": ("gqa", True, "none", False), "qwen3": ("gqa", False, "head", False)}
+          "deepseek_v3": "DeepSeek-V3", "glm4_moe": "GLM-4-MoE", "llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+# (attention kind, q/k/v bias allowed, the qk_norms it can compute, qkv_clip allowed) of each family's attention
+ATTENTION = {"mixtral": ("gqa", False, ("none",), False), "qwen2_moe": ("gqa", True, ("none",), False),
+             "qwen3_moe": ("gqa", False, ("head",), False), "olmoe": ("gqa", False, ("full",), True),
+             "deepseek_v3": ("mla", False, ("none",), False), "glm4_moe": ("gqa", True, ("none", "head"), False),
+             "llama": ("gqa", False, ("none",), False), "qwen2": ("gqa", True, ("none",), False),
+             "qwen3": ("gqa", False, ("head",), False)}
+# the families whose MoE is DeepSeek-V3's: sigmoid scores, selection bias, groups, scaling, ungated shared experts
+DEEPSEEK_MOE = ("deepseek_v3", "glm4_moe")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -79,7 +85,7 @@ def export_problems(model, family: str) -> list[str]:
 
 
 def _attention_problems(cfg: ModelConfig, family: str, name: str) -> list[str]:
-    kind, bias_ok, qk_norm, clip_ok = ATTENTION[family]
+    kind, bias_ok, qk_norms, clip_ok = ATTENTION[family]
     if cfg.attention != kind:
         what = "multi-head latent attention (MLA)" if kind == "mla" else "grouped-query attention"
         return [f"{name} has {what}; this model has attention={cfg.attention!r}"]
@@ -89,9 +95,12 @@ def _attention_problems(cfg: ModelConfig, family: str, name: str) -> list[str]:
                         f"have them)")
     if family == "qwen2" and not cfg.attention_bias:
         problems.append("Qwen2 always has q/k/v biases; this model has attention_bias=false (Llama has none)")
-    if cfg.qk_norm != qk_norm:
-        problems.append(f"{name} has qk_norm={qk_norm!r}; this model has qk_norm={cfg.qk_norm!r} (head: Qwen3, "
-                        f"Qwen3-MoE; full: OLMoE)")
+    if cfg.qk_norm not in qk_norms:
+        problems.append(f"{name} has qk_norm={' or '.join(map(repr, qk_norms))}; this model has qk_norm="
+                        f"{cfg.qk_norm!r} (head: Qwen3, Qwen3-MoE, GLM-4-MoE; full: OLMoE)")
+    if cfg.partial_rotary_factor != 1.0 and family != "glm4_moe":
+        problems.append(f"{name} rotates every channel of a head; this model has partial_rotary_factor="
+                        f"{cfg.partial_rotary_factor} (GLM-4-MoE rotates part of it)")
     if cfg.qkv_clip and not clip_ok:
         problems.append(f"{name} does not clip q/k/v; this model has qkv_clip={cfg.qkv_clip} (OLMoE does)")
     if family == "llama" and cfg.hidden_size % cfg.num_heads:
@@ -108,8 +117,8 @@ def _layer_problems(cfg: ModelConfig, family: str, name: str) -> list[str]:
     if family in ("mixtral", "olmoe") and n != L:
         return [f"{name} has an MoE FFN in every layer; this model has {n} of {L} (moe_every={cfg.moe_every}, "
                 f"first_dense_layers={cfg.first_dense_layers})"]
-    if family == "deepseek_v3" and cfg.moe_every != 1:
-        return [f"DeepSeek-V3 has an MoE FFN in every layer from first_k_dense_replace on; this model has "
+    if family in DEEPSEEK_MOE and cfg.moe_every != 1:
+        return [f"{name} has an MoE FFN in every layer from first_k_dense_replace on; this model has "
                 f"moe_every={cfg.moe_every}"]
     return []
 
@@ -125,7 +134,7 @@ def _router_problems(r, family: str, name: str) -> list[str]:
                         f"rebuild the model with capacity_factor=None and load the state_dict into it")
     if r.force_expert is not None:
         problems.append(f"router forces expert {r.force_expert} (a debug option)")
-    deepseek = family == "deepseek_v3"
+    deepseek = family in DEEPSEEK_MOE
     if r.score != ("sigmoid" if deepseek else "softmax"):
         problems.append(f"router scores with {r.score}; {name} scores with {'sigmoid' if deepseek else 'softmax'} "
                         f"(is not a {'sigmoid' if deepseek else 'softmax'} top-k router)")
@@ -134,14 +143,15 @@ def _router_problems(r, family: str, name: str) -> list[str]:
                         "(Qwen2-MoE, Qwen3-MoE, OLMoE: norm_topk_prob=false)")
     if deepseek:
         if r.num_groups is not None and r.group_score_top != 2:
-            problems.append(f"router scores a group by its top {r.group_score_top} experts; DeepSeek-V3 by its top "
+            problems.append(f"router scores a group by its top {r.group_score_top} experts; {name} by its top "
                             f"2 (router option group_score_top=2)")
         return problems
     if r.scaling != 1.0 or r.num_groups is not None:
-        problems.append(f"router uses scaling={r.scaling} / num_groups={r.num_groups} (DeepSeek-V3 has them)")
+        problems.append(f"router uses scaling={r.scaling} / num_groups={r.num_groups} (DeepSeek-V3 and GLM-4-MoE "
+                        f"have them)")
     if r.expert_bias is not None:
         problems.append("router has an expert_bias (aux-loss-free balancing changes which experts are chosen; "
-                        "DeepSeek-V3 has it)")
+                        "DeepSeek-V3 and GLM-4-MoE have it)")
     return problems
 
 
@@ -152,14 +162,14 @@ def _shared_problems(ffn, cfg: ModelConfig, family: str, name: str) -> list[str]
     gated = shared.gate is not None
     if family == "qwen2_moe" and not gated:
         return ["Qwen2-MoE's shared expert is sigmoid-gated; this model's has no gate (shared_expert_gate=false)"]
-    if family == "deepseek_v3":
+    if family in DEEPSEEK_MOE:
         if gated:
-            return ["DeepSeek-V3's shared experts have no gate; this model has shared_expert_gate=true"]
+            return [f"{name}'s shared experts have no gate; this model has shared_expert_gate=true"]
         if cfg.shared_ffn_hidden_size % cfg.moe_ffn_hidden_size:
-            return [f"DeepSeek-V3's shared experts are n_shared_experts * moe_intermediate_size wide; this model's "
+            return [f"{name}'s shared experts are n_shared_experts * moe_intermediate_size wide; this model's "
                     f"shared_ffn_hidden_size={cfg.shared_ffn_hidden_size} is not a multiple of "
                     f"moe_ffn_hidden_size={cfg.moe_ffn_hidden_size}"]
-    if family not in ("qwen2_moe", "deepseek_v3"):
+    if family not in ("qwen2_moe", *DEEPSEEK_MOE):
         return [f"{name} has no shared expert; this model has shared_ffn_hidden_size={cfg.shared_ffn_hidden_size}"]
     return []
 
@@ -261,6 +271,16 @@ def hf_config(model, family: str, dtype_name: str, token_ids: dict[str, Any] | N
                    rope_interleave=cfg.rope_interleave, attention_bias=False, num_nextn_predict_layers=0,
                    num_key_value_heads=cfg.num_heads, pretraining_tp=1)
         out.pop("router_aux_loss_coef")
+    elif family == "glm4_moe":
+        groups = (r.num_groups, r.group_top_k) if r.num_groups is not None else (1, 1)
+        out.update(moe, intermediate_size=cfg.ffn_hidden_size, moe_intermediate_size=cfg.moe_ffn_hidden_size,
+                   n_routed_experts=E, n_shared_experts=max(cfg.shared_ffn_hidden_size // cfg.moe_ffn_hidden_size, 1),
+                   n_group=groups[0], topk_group=groups[1], norm_topk_prob=r.normalize,
+                   routed_scaling_factor=r.scaling, first_k_dense_replace=cfg.first_dense_layers,
+                   attention_bias=cfg.attention_bias, use_qk_norm=cfg.qk_norm == "head", num_nextn_predict_layers=0,
+                   partial_rotary_factor=cfg.partial_rotary_factor)
+        out["rope_parameters"]["partial_rotary_factor"] = cfg.partial_rotary_factor  # where transformers 5 reads it
+        out.pop("router_aux_loss_coef")
     elif family == "llama":
         out.update(intermediate_size=cfg.ffn_hidden_size, attention_bias=False, mlp_bias=False, pretraining_tp=1)
     else:  # qwen2, qwen3
@@ -282,10 +302,10 @@ def zero_fill(model, family: str, dtype: torch.dtype) -> dict[str, Tensor]:
     cfg, out = model.config, {}
     H, F = cfg.hidden_size, cfg.moe_ffn_hidden_size
     for i, layer in enumerate(model.layers):
-        if not layer.is_moe or family not in ("qwen2_moe", "deepseek_v3"):
+        if not layer.is_moe or family not in ("qwen2_moe", *DEEPSEEK_MOE):
             continue
         block = f"model.layers.{i}.mlp"
-        if family == "deepseek_v3" and layer.ffn.router.expert_bias is None:
+        if family in DEEPSEEK_MOE and layer.ffn.router.expert_bias is None:
             out[f"{block}.gate.e_score_correction_bias"] = torch.zeros(cfg.num_experts, dtype=dtype)
         if layer.ffn.shared_expert is None:
             shared = "shared_expert" if family == "qwen2_moe" else "shared_experts"

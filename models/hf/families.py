@@ -79,23 +79,29 @@ def _get(hf: dict, key: str | tuple[str, ...], default: Any = ...) -> Any:
 # ---------------------------------------------------------------------------------------------------
 
 
-def rope_fields(hf: dict, default_theta: float, problems: list[str]) -> dict[str, Any]:
+def rope_fields(hf: dict, default_theta: float, problems: list[str], partial_rotary: bool = False) -> dict[str, Any]:
     """rope_theta and rope_scaling from transformers 5's rope_parameters or 4's rope_theta / rope_scaling,
-    with transformers' defaults filled in (original_max_position_embeddings, yarn's factor)."""
+    with transformers' defaults filled in (original_max_position_embeddings, yarn's factor).
+    partial_rotary: the family rotates partial_rotary_factor of each head (GLM-4-MoE); elsewhere a factor
+    other than 1 is refused (transformers' other families would not run it)."""
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     if any(isinstance(v, dict) for v in params.values()):
         problems.append(f"RoPE parameters per layer type ({sorted(params)}) (needs {NEEDS['rope_type']})")
         return {}
     theta = float(params.get("rope_theta", hf.get("rope_theta", default_theta)))
     partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    if partial is not None and partial != 1.0:
+    partial = 1.0 if partial is None else partial
+    fields: dict[str, Any] = dict(rope_theta=theta)
+    if partial_rotary:
+        fields["partial_rotary_factor"] = float(partial)
+    elif partial != 1.0:
         problems.append(f"partial_rotary_factor={partial} (needs {NEEDS['partial_rotary']})")
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
-        return dict(rope_theta=theta, rope_scaling={})
+        return dict(fields, rope_scaling={})
     if kind not in ROPE_SCALINGS:
         problems.append(f"rope_type={kind!r} (needs {NEEDS['rope_type']})")
-        return dict(rope_theta=theta)
+        return fields
     max_pos = _get(hf, "max_position_embeddings", 4096)
     required, optional = ROPE_SCALINGS[kind]
     scaling = {"rope_type": kind}
@@ -112,11 +118,11 @@ def rope_fields(hf: dict, default_theta: float, problems: list[str]) -> dict[str
         # transformers reads yarn's beta_fast / beta_slow as `value or default`: a 0 means the default
         if params.get(key) is not None and not (key in ("beta_fast", "beta_slow") and not params[key]):
             scaling[key] = params[key]
-    return dict(rope_theta=theta, rope_scaling=scaling)
+    return dict(fields, rope_scaling=scaling)
 
 
 def base_fields(hf: dict, problems: list[str], *, default_theta: float = 10000.0, head_dim_default: int = 0,
-                window: int | None = None) -> dict[str, Any]:
+                window: int | None = None, partial_rotary: bool = False) -> dict[str, Any]:
     """ModelConfig fields every family shares: sizes, GQA heads, RoPE, norm, embeddings, training defaults.
 
     window: the sliding-window length when some layer uses one. Sliding-window attention equals full causal
@@ -135,7 +141,7 @@ def base_fields(hf: dict, problems: list[str], *, default_theta: float = 10000.0
         norm_eps=float(_get(hf, "rms_norm_eps", 1e-6)), tie_embeddings=bool(_get(hf, "tie_word_embeddings", False)),
         init_std=float(_get(hf, "initializer_range", 0.02)), activation="swiglu", router="topk",
         capacity_factor=None, aux_loss_coeff=float(_get(hf, "router_aux_loss_coef", 0.0)), z_loss_coeff=0.0,
-        **rope_fields(hf, default_theta, problems),
+        **rope_fields(hf, default_theta, problems, partial_rotary),
     )
 
 
@@ -279,6 +285,23 @@ def deepseek_router_options(hf: dict, problems: list[str] | None = None) -> dict
     return options
 
 
+def glm4_moe_config(hf: dict) -> ModelConfig:
+    """GLM-4.5 / 4.6 (transformers' Glm4Moe): grouped-query attention with q/k/v biases (attention_bias; none on
+    o_proj), optional per-head q/k norm, RoPE on partial_rotary_factor of each head; DeepSeek-V3's MoE (sigmoid
+    scores, selection bias, group-limited top-k, routed scaling, ungated shared experts, dense first layers)."""
+    problems: list[str] = []
+    fields = base_fields(hf, problems, partial_rotary=True)
+    moe_width = _get(hf, "moe_intermediate_size")
+    fields.update(
+        attention_bias=bool(_get(hf, "attention_bias", False)), qk_norm="head" if hf.get("use_qk_norm") else "none",
+        num_experts=_get(hf, ("n_routed_experts", "num_local_experts")), top_k=_get(hf, "num_experts_per_tok"),
+        moe_ffn_hidden_size=moe_width, ffn_hidden_size=_get(hf, "intermediate_size"),
+        shared_ffn_hidden_size=moe_width * _get(hf, "n_shared_experts", 1),
+        first_dense_layers=_get(hf, "first_k_dense_replace", 1), aux_loss_coeff=0.0,
+        router_options=deepseek_router_options(hf, problems))
+    return _model_config(hf, fields, problems)
+
+
 def dense_config(hf: dict) -> ModelConfig:
     """Llama, Qwen2, Qwen3: a moekit model without experts (num_experts=0)."""
     problems: list[str] = []
@@ -314,6 +337,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("qwen3_moe", "Qwen3MoeForCausalLM", qwen_moe_config, QWEN3_MOE),
     Family("olmoe", "OlmoeForCausalLM", olmoe_config, OLMOE),
     Family("deepseek_v3", "DeepseekV3ForCausalLM", deepseek_v3_config, DEEPSEEK_V3),
+    Family("glm4_moe", "Glm4MoeForCausalLM", glm4_moe_config, DEEPSEEK_V3),  # DeepSeek-V3's MoE names
     Family("llama", "LlamaForCausalLM", dense_config, DENSE, moe=False),
     Family("qwen2", "Qwen2ForCausalLM", dense_config, DENSE, moe=False),
     Family("qwen3", "Qwen3ForCausalLM", dense_config, DENSE, moe=False),
@@ -337,9 +361,10 @@ def recorded_family(config: ModelConfig) -> str | None:
 
 
 def skipped_keys(hf: dict, keys, num_layers: int, path) -> set[str]:
-    """Checkpoint keys an import leaves out on purpose: DeepSeek-V3's multi-token-prediction layers
+    """Checkpoint keys an import leaves out on purpose: DeepSeek-V3's and GLM-4.5's multi-token-prediction layers
     (``model.layers.{num_hidden_layers + j}.*``, j < num_nextn_predict_layers), with a warning naming them."""
-    extra = _get(hf, ("num_nextn_predict_layers", "num_mtp_layers"), 0) if hf.get("model_type") == "deepseek_v3" else 0
+    mtp_families = ("deepseek_v3", "glm4_moe")
+    extra = _get(hf, ("num_nextn_predict_layers", "num_mtp_layers"), 0) if hf.get("model_type") in mtp_families else 0
     if not extra:
         return set()
     mtp = range(num_layers, num_layers + extra)
