@@ -149,3 +149,35 @@ def test_a_rope_kernel_that_cannot_be_built_falls_back_to_torch_once_with_a_warn
     monkeypatch.setattr(rope_module, "rope", broken)
     with pytest.raises(CompilationError):
         attention_rope._rope_or_fallback(x, cos[:, None], sin[:, None])
+
+
+def test_partial_rotary_attention_on_the_kernel_matches_its_torch_path(monkeypatch):
+    """partial_rotary_factor < 1 (GLM-4.5) hands the kernel a slice of each head: rows D wide, R = D / 2 rotated.
+    The kernel (forward on the q / k slices, backward on the gradient's slices) must equal the torch rotation."""
+    from moekit.models.attention import Attention
+    from moekit.models.config import ModelConfig
+    from moekit.models.rope import rope_tables
+
+    cfg = ModelConfig(name="t", vocab_size=64, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2,
+                      max_seq_len=16, num_experts=0, head_dim=12, partial_rotary_factor=0.5,
+                      attention_bias=True).validate()
+    torch.manual_seed(0)
+    attn = Attention(cfg).to(DEV)
+    x0 = torch.randn(2, 9, 32, device=DEV)
+    cos, sin = rope_tables(cfg, 9, DEV)
+    assert cos.shape == (9, 3)  # R / 2 = 12 * 0.5 / 2: half 3, not a power of two
+
+    def run(mode):
+        monkeypatch.setattr(attention_rope, "TRITON_ROPE", mode)
+        x = x0.clone().requires_grad_()
+        y = attn(x, cos, sin)
+        grads = torch.autograd.grad(y.square().sum(), [x, attn.wq.weight, attn.wk.weight])
+        return y, grads
+
+    before = LAUNCHES["_rope_kernel"]
+    y_k, g_k = run("always")
+    assert LAUNCHES["_rope_kernel"] == before + 4  # q and k, forward and backward
+    y_t, g_t = run("never")
+    torch.testing.assert_close(y_k, y_t, rtol=1e-5, atol=1e-6)
+    for a, b in zip(g_k, g_t):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
