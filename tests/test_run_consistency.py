@@ -173,14 +173,16 @@ def test_changed_optimizer_and_schedule_are_applied_and_reported(base_run, tmp_p
     rng = np.random.default_rng()
     lr = float(f"{rng.uniform(1e-4, 2e-3):.3g}")
     changed = ["--train.lr", str(lr), "--train.beta2", "0.99", "--train.weight_decay", "0.05", "--steps", "6",
-               "--train.warmup_steps", "3"]
+               "--train.warmup_steps", "3", "--train.lr_schedule", "wsd", "--train.decay_fraction", "0.5",
+               "--train.wsd_decay", "sqrt"]
     capsys.readouterr()
     assert main([*TINY, "--run-dir", str(run), "--checkpoint.every", "2", "--resume", *changed]) == 0
     out = capsys.readouterr().out
     line = [ln for ln in out.splitlines() if ln.startswith("resuming with changed settings")]
     assert len(line) == 1, out
     for text in (f"train.lr 0.003 -> {lr}", "train.beta2 0.95 -> 0.99", "train.weight_decay 0.1 -> 0.05",
-                 "train.steps 4 -> 6", "train.warmup_steps 20 -> 3"):
+                 "train.steps 4 -> 6", "train.warmup_steps 20 -> 3", "train.lr_schedule 'cosine' -> 'wsd'",
+                 "train.wsd_decay 'linear' -> 'sqrt'", "train.decay_fraction 0.2 -> 0.5"):
         assert text in line[0], line[0]
     cfg = json.loads((run / "config.json").read_text())
     assert cfg["train"]["lr"] == lr and cfg["train"]["beta2"] == 0.99 and cfg["train"]["steps"] == 6

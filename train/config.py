@@ -35,6 +35,8 @@ DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 PROGRESS = ("auto", "on", "off")
 ON_NONFINITE = ("stop", "skip")  # moekit.train.guard acts on these
+LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")  # train.lr_schedule (moekit.train.plan.lr_lambda)
+WSD_DECAYS = ("linear", "sqrt", "cosine")  # train.wsd_decay
 MAX_LR = 1.0  # AdamW's step is ~lr per weight: beyond this a run can only diverge (and 10 * lr can overflow fp32)
 
 
@@ -45,8 +47,11 @@ class TrainSection:
     micro_batch_size: int = 0  # sequences per forward on one rank; 0 = the whole per-rank batch (no accumulation)
     seq_len: int = 256  # tokens per sequence (<= model.max_seq_len)
     lr: float = 3e-3  # peak learning rate (AdamW)
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    min_lr_ratio: float = 0.1  # the schedule decays to lr * min_lr_ratio at the last step
     warmup_steps: int = 20  # linear warmup from lr / warmup_steps
+    lr_schedule: str = "cosine"  # after warmup: cosine | linear | constant | wsd (constant, then decay at the end)
+    decay_fraction: float = 0.2  # wsd: the final share of the post-warmup steps spent decaying to min_lr_ratio
+    wsd_decay: str = "linear"  # wsd: the decay's shape, linear | sqrt (1 - sqrt) | cosine
     weight_decay: float = 0.1  # on matrices and embeddings, not on norms
     beta1: float = 0.9  # AdamW first-moment decay
     beta2: float = 0.95  # AdamW second-moment decay

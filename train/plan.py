@@ -188,15 +188,32 @@ def check_memory(cfg: TrainConfig, resolved: ResolvedLayout, device: torch.devic
                     f"{have / 2**30:,.1f} GiB; use {fix} (moekit-train --dry-run shows the estimate by term)")
 
 
+DECAY_SHAPES = {  # train.wsd_decay: the decay's shape over its own progress q in [0, 1], 1 at its start, 0 at its end
+    "linear": lambda q: 1 - q,
+    "sqrt": lambda q: 1 - math.sqrt(q),  # 1 - sqrt: the cooldown of Hagele et al. 2024
+    "cosine": lambda q: 0.5 * (1 + math.cos(math.pi * q)),
+}
+
+
 def lr_lambda(cfg: TrainConfig):
-    """Linear warmup to 1, then cosine to min_lr_ratio at the last step (multiplies train.lr)."""
+    """The LR multiplier of step s (0-based; multiplies train.lr): linear warmup to 1 over warmup_steps, then,
+    over the rest (progress p from 0 to 1), down to min_lr_ratio: cosine, linear, constant (stays 1), or wsd
+    (warmup-stable-decay: 1 until the last decay_fraction of the steps, then wsd_decay's shape)."""
     t = cfg.train
+    floor, shape = t.min_lr_ratio, DECAY_SHAPES[t.wsd_decay]
 
     def f(step: int) -> float:
         if step < t.warmup_steps:
             return (step + 1) / t.warmup_steps
-        progress = min((step - t.warmup_steps) / max(t.steps - t.warmup_steps, 1), 1.0)
-        return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        p = min((step - t.warmup_steps) / max(t.steps - t.warmup_steps, 1), 1.0)
+        if t.lr_schedule == "constant":
+            return 1.0
+        if t.lr_schedule == "linear":
+            return floor + (1 - floor) * (1 - p)
+        if t.lr_schedule == "wsd":
+            start = 1 - t.decay_fraction
+            return 1.0 if p < start else floor + (1 - floor) * shape((p - start) / t.decay_fraction)
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * p))
 
     return f
 

@@ -13,7 +13,8 @@ import os
 from typing import TYPE_CHECKING
 
 from moekit.train import UserError, host_memory, runlock
-from moekit.train.config import DEVICES, DTYPES, MAX_LR, ON_NONFINITE, PROGRESS, TrainConfig, TrainSection
+from moekit.train.config import (DEVICES, DTYPES, LR_SCHEDULES, MAX_LR, ON_NONFINITE, PROGRESS, WSD_DECAYS, TrainConfig,
+                                 TrainSection)
 
 if TYPE_CHECKING:
     import torch
@@ -36,6 +37,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
              f"--train.lr={t.lr} is invalid; AdamW moves every weight by about lr per step, so the learning rate "
              f"must be in (0, {MAX_LR:g}] (typical: 1e-4 to 1e-2)")
     _require(0 <= t.min_lr_ratio <= 1, f"--train.min_lr_ratio={t.min_lr_ratio} is invalid; it must be in [0, 1]")
+    validate_schedule(t)
     for name in ("beta1", "beta2"):
         _require(0 <= getattr(t, name) < 1, f"--train.{name}={getattr(t, name)} is invalid; it must be in [0, 1)")
     for name in ("weight_decay", "grad_clip", "eps"):
@@ -170,6 +172,24 @@ def resolve_vocab(cfg: TrainConfig) -> None:
         raise UserError(f"data file {path}: its tokenizer has vocab_size {vocab} (metadata {path}.json) but "
                         f"model.vocab_size is set to {cfg.model.vocab_size}; set it to at least {vocab}, or leave it "
                         f"out to take the data's")
+
+
+def validate_schedule(t) -> None:
+    """lr_schedule and the wsd settings, which apply to wsd only (a changed one with another schedule is refused:
+    it would do nothing)."""
+    _require(t.lr_schedule in LR_SCHEDULES,
+             f"--train.lr_schedule={t.lr_schedule!r} is invalid; choose one of {list(LR_SCHEDULES)} (wsd: warmup, "
+             f"constant, then a decay over the last --train.decay_fraction of the steps)")
+    _require(t.wsd_decay in WSD_DECAYS,
+             f"--train.wsd_decay={t.wsd_decay!r} is invalid; choose one of {list(WSD_DECAYS)}")
+    _require(isinstance(t.decay_fraction, (int, float)) and 0 < t.decay_fraction <= 1,
+             f"--train.decay_fraction={t.decay_fraction} is invalid; it must be in (0, 1] (0.2: decay over the last "
+             f"fifth of the steps)")
+    defaults = TrainSection()
+    for name in ("decay_fraction", "wsd_decay"):
+        _require(t.lr_schedule == "wsd" or getattr(t, name) == getattr(defaults, name),
+                 f"--train.{name}={getattr(t, name)} applies to --train.lr_schedule wsd only (this run's is "
+                 f"{t.lr_schedule!r}); add --train.lr_schedule wsd or leave it out")
 
 
 def validate_export_dir(export: str, run_dir: str) -> None:

@@ -1,0 +1,83 @@
+"""The learning-rate schedules (moekit.train.plan.lr_lambda) against the same curves written another way: numpy
+over every step, the warmup-stable-decay as a piecewise-linear interpolation (np.interp) or its shapes applied to
+the decay's own progress. Then the properties a user relies on, and the refusals."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moekit.train import UserError
+from moekit.train.cli import parse_args
+from moekit.train.config import LR_SCHEDULES, WSD_DECAYS, TrainConfig
+from moekit.train.plan import DECAY_SHAPES, lr_lambda
+
+
+def config(**train) -> TrainConfig:
+    cfg = TrainConfig()
+    for k, v in train.items():
+        setattr(cfg.train, k, v)
+    return cfg
+
+
+def expected(steps: int, warmup: int, floor: float, schedule: str, fraction: float, decay: str) -> np.ndarray:
+    s = np.arange(steps, dtype=np.float64)
+    p = np.clip((s - warmup) / max(steps - warmup, 1), 0.0, 1.0)
+    if schedule == "cosine":
+        after = floor + (1 - floor) * (np.cos(np.pi * p) + 1) / 2
+    elif schedule == "linear":
+        after = np.interp(p, [0.0, 1.0], [1.0, floor])
+    elif schedule == "constant":
+        after = np.ones_like(p)
+    elif decay == "linear":
+        after = np.interp(p, [0.0, 1.0 - fraction, 1.0], [1.0, 1.0, floor])
+    else:
+        q = np.clip((p - (1.0 - fraction)) / fraction, 0.0, 1.0)
+        shape = 1 - np.sqrt(q) if decay == "sqrt" else (1 + np.cos(np.pi * q)) / 2
+        after = floor + (1 - floor) * shape
+    return np.where(s < warmup, (s + 1) / max(warmup, 1), after)
+
+
+CASES = [(s, d) for s in LR_SCHEDULES if s != "wsd" for d in ["linear"]] + [("wsd", d) for d in WSD_DECAYS]
+
+
+@pytest.mark.parametrize("schedule,decay", CASES, ids=[f"{s}-{d}" for s, d in CASES])
+def test_schedules_match_the_curves_written_another_way(schedule, decay):
+    rng = np.random.default_rng()
+    steps, warmup = int(rng.integers(20, 400)), int(rng.integers(0, 15))
+    floor, fraction = float(rng.uniform(0, 0.5)), float(rng.uniform(0.05, 1.0))
+    extra = dict(decay_fraction=fraction, wsd_decay=decay) if schedule == "wsd" else {}
+    f = lr_lambda(config(steps=steps, warmup_steps=warmup, min_lr_ratio=floor, lr_schedule=schedule, **extra))
+    got = np.array([f(i) for i in range(steps)])
+    want = expected(steps, warmup, floor, schedule, fraction, decay)
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12, err_msg=f"{steps=} {warmup=} {floor=} {fraction=}")
+    after = got[warmup:]
+    assert after[0] == 1.0  # the peak right after warmup
+    assert np.all(np.diff(after) <= 1e-15)  # never rises again
+    decay_steps = (steps - warmup) * (fraction if schedule == "wsd" else 1.0)
+    if schedule != "constant" and decay_steps >= 5:  # the last step is close to the floor, above it
+        assert floor <= after[-1] <= floor + (1 - floor) * 0.2
+    if schedule == "wsd":  # exactly the peak until the decay starts
+        stable = after[: int((1 - fraction) * (steps - warmup))]
+        assert np.all(stable == 1.0)
+
+
+def test_every_wsd_decay_has_a_shape():
+    assert sorted(DECAY_SHAPES) == sorted(WSD_DECAYS)
+    for shape in DECAY_SHAPES.values():
+        assert shape(0.0) == 1.0 and abs(shape(1.0)) < 1e-15
+
+
+@pytest.mark.parametrize("flags,words", [
+    (["--train.lr_schedule", "step"], "--train.lr_schedule='step' is invalid; choose one of"),
+    (["--train.lr_schedule", "wsd", "--train.decay_fraction", "0"], "--train.decay_fraction=0.0 is invalid"),
+    (["--train.lr_schedule", "wsd", "--train.decay_fraction", "1.5"], "it must be in (0, 1]"),
+    (["--train.lr_schedule", "wsd", "--train.wsd_decay", "exp"], "--train.wsd_decay='exp' is invalid"),
+    (["--train.decay_fraction", "0.3"], "--train.decay_fraction=0.3 applies to --train.lr_schedule wsd only"),
+    (["--train.wsd_decay", "cosine"], "--train.wsd_decay=cosine applies to --train.lr_schedule wsd only"),
+])
+def test_schedule_settings_are_checked(flags, words):
+    with pytest.raises(UserError) as err:
+        parse_args(flags)
+    assert words in str(err.value), str(err.value)
+    cfg, _ = parse_args(["--train.lr_schedule", "wsd", "--train.decay_fraction", "0.3", "--train.wsd_decay", "sqrt"])
+    assert (cfg.train.lr_schedule, cfg.train.decay_fraction, cfg.train.wsd_decay) == ("wsd", 0.3, "sqrt")
