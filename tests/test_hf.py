@@ -360,6 +360,30 @@ def test_family_round_trip(tmp_path, tokenizer_files, case):
             load_hf(src)
 
 
+@pytest.mark.parametrize("case,change", [
+    ("glm4_moe", "no_partial_factor"),  # transformers' Glm4Moe then rotates half of each head
+    ("glm4_moe", "no_shared_experts"),  # n_shared_experts 0: transformers saves [0, H] shared-expert tensors
+    ("deepseek_v3-fullq", "no_shared_experts"),
+])
+def test_config_defaults_and_empty_tensors_import_as_transformers_reads_them(tmp_path, case, change):
+    model_type, overrides = FAMILY_CASES[case]
+    if change == "no_shared_experts":
+        overrides = {**overrides, "n_shared_experts": 0}
+    hf_family_model(tmp_path, model_type, overrides)
+    if change == "no_partial_factor":
+        cfg = json.loads((tmp_path / "config.json").read_text())
+        found = [cfg.pop("partial_rotary_factor", None), (cfg.get("rope_parameters") or {}).pop("partial_rotary_factor",
+                                                                                                 None)]
+        assert any(f is not None for f in found)  # the key was there, and is gone now
+        (tmp_path / "config.json").write_text(json.dumps(cfg))
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    ours = load_hf(tmp_path)
+    assert ours.config.partial_rotary_factor == (0.5 if model_type == "glm4_moe" else 1.0)
+    assert (ours.config.shared_ffn_hidden_size == 0) == (change == "no_shared_experts")
+    with torch.no_grad():
+        assert rel_err(ours(tokens()), hf_logits(theirs, tokens())) < 1e-5
+
+
 def write_hf_config(folder: Path, model_type: str, **changes) -> Path:
     """config.json of a tiny ``model_type`` with ``changes`` written as given (no transformers validation)."""
     folder.mkdir()

@@ -390,3 +390,6 @@ def test_programs_read_fp8_checkpoints(deepseek, tmp_path):
     assert {t.dtype for t in ref.values()} == {torch.float32}
     assert ours.keys() == ref.keys() and all(torch.equal(ours[k], ref[k]) for k in ref)
     assert next(iter(load_hf(tmp_path / "fp8", dtype="auto").parameters())).dtype == torch.bfloat16
+    # --dtype auto (bf16 here) --verify compares the file with the model in the dtype it was written in
+    assert main(["hf-to-moekit", str(tmp_path / "fp8"), str(tmp_path / "bf16.safetensors"), "--dtype", "auto",
+                 "--verify"]) == 0

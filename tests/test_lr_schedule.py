@@ -21,7 +21,7 @@ def config(**train) -> TrainConfig:
 
 def expected(steps: int, warmup: int, floor: float, schedule: str, fraction: float, decay: str) -> np.ndarray:
     s = np.arange(steps, dtype=np.float64)
-    p = np.clip((s - warmup) / max(steps - warmup, 1), 0.0, 1.0)
+    p = np.clip((s - warmup) / max(steps - 1 - warmup, 1), 0.0, 1.0)  # 1 at the last step
     if schedule == "cosine":
         after = floor + (1 - floor) * (np.cos(np.pi * p) + 1) / 2
     elif schedule == "linear":
@@ -53,12 +53,19 @@ def test_schedules_match_the_curves_written_another_way(schedule, decay):
     after = got[warmup:]
     assert after[0] == 1.0  # the peak right after warmup
     assert np.all(np.diff(after) <= 1e-15)  # never rises again
-    decay_steps = (steps - warmup) * (fraction if schedule == "wsd" else 1.0)
-    if schedule != "constant" and decay_steps >= 5:  # the last step is close to the floor, above it
-        assert floor <= after[-1] <= floor + (1 - floor) * 0.2
+    if schedule != "constant":  # the last step trains at the floor, however short the decay
+        assert after[-1] == pytest.approx(floor, abs=1e-12)
     if schedule == "wsd":  # exactly the peak until the decay starts
-        stable = after[: int((1 - fraction) * (steps - warmup))]
+        stable = after[: int((1 - fraction) * (steps - 1 - warmup)) + 1]
         assert np.all(stable == 1.0)
+
+
+@pytest.mark.parametrize("decay", WSD_DECAYS)
+def test_a_short_wsd_decay_still_reaches_the_floor(decay):
+    """A decay shorter than one step (decay_fraction * steps < 1) still ends the run at the floor."""
+    f = lr_lambda(config(steps=100, warmup_steps=0, min_lr_ratio=0.1, lr_schedule="wsd", decay_fraction=0.005,
+                         wsd_decay=decay))
+    assert [f(i) for i in range(98)] == [1.0] * 98 and f(99) == pytest.approx(0.1)
 
 
 def test_every_wsd_decay_has_a_shape():
@@ -81,3 +88,15 @@ def test_schedule_settings_are_checked(flags, words):
     assert words in str(err.value), str(err.value)
     cfg, _ = parse_args(["--train.lr_schedule", "wsd", "--train.decay_fraction", "0.3", "--train.wsd_decay", "sqrt"])
     assert (cfg.train.lr_schedule, cfg.train.decay_fraction, cfg.train.wsd_decay) == ("wsd", 0.3, "sqrt")
+
+
+def test_a_run_that_only_warms_up_says_its_schedule_never_applies(tmp_path, capsys):
+    from moekit.train.loop import main
+    from tests.test_train import TINY
+
+    assert main([*TINY, "--run-dir", str(tmp_path / "a"), "--steps", "2", "--train.lr_schedule", "wsd"]) == 0
+    assert ("note: --train.warmup_steps 20 >= --steps 2: the whole run warms up, so --train.lr_schedule wsd never "
+            "applies") in capsys.readouterr().out
+    assert main([*TINY, "--run-dir", str(tmp_path / "b"), "--steps", "2", "--train.lr_schedule", "wsd",
+                 "--train.warmup_steps", "1"]) == 0
+    assert "never applies" not in capsys.readouterr().out

@@ -93,13 +93,35 @@ def test_a_fresh_run_never_silently_deletes_an_earlier_one(tmp_path, capsys):
     assert sorted(p.relative_to(run) for p in run.rglob("*")) == before and len(metrics(run)) == 2
     assert main([*TINY, "--run-dir", str(run), "--overwrite", "--resume"]) == 2
     one_stderr_line(capsys, "--overwrite and --resume:", "give one of them")
+    (run / "expert_load.png").write_bytes(b"a heatmap of the earlier run")
     train(run, "--steps", "1", "--checkpoint.every", "0", "--overwrite")
     assert len(metrics(run)) == 1 and not (run / "checkpoints").exists()
+    assert not (run / "expert_load.png").exists()  # drawn from the deleted records: it would pass for this run's
     assert "deleting the records and checkpoints there" in capsys.readouterr().out
+    for mode in (["--dry-run"], ["--print-config"]):  # they write no run: --overwrite would do nothing
+        assert main([*TINY, "--run-dir", str(run), "--overwrite", *mode]) == 2
+        one_stderr_line(capsys, f"--overwrite with {mode[0]}: {mode[0]} writes no run")
     # metrics alone (no checkpoint) are an earlier run too; an empty folder is not
     assert main([*TINY, "--run-dir", str(run), "--steps", "1"]) == 2
     one_stderr_line(capsys, "holds an earlier run (metrics in metrics.jsonl)")
     train(tmp_path / "empty", "--steps", "1", "--checkpoint.every", "0")
+
+
+def test_a_model_folder_is_never_taken_for_a_run_directory(tmp_path, capsys):
+    """A HuggingFace folder (config.json with a model_type, safetensors) given as --run-dir is refused, even with
+    --overwrite, and keeps every file; so is --run-dir equal to --init-from-hf."""
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    files = {"config.json": b'{"model_type": "mixtral"}', "model.safetensors": b"weights", "tokenizer.json": b"{}"}
+    for name, data in files.items():
+        (hf / name).write_bytes(data)
+    for extra in ([], ["--overwrite"]):
+        assert main([*TINY, "--run-dir", str(hf), "--steps", "1", *extra]) == 2
+        one_stderr_line(capsys, f"--run-dir {hf} is not a moekit run directory: it holds a config.json that is not a "
+                                f"moekit run's (a HuggingFace 'mixtral' model) and model weights (model.safetensors)")
+    assert {p.name: p.read_bytes() for p in hf.iterdir()} == files  # not even a .lock left behind
+    assert main([*TINY, "--run-dir", str(hf), "--init-from-hf", str(hf)]) == 2
+    one_stderr_line(capsys, f"--run-dir {hf} is the --init-from-hf folder")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -396,3 +418,17 @@ def test_peak_flops_table_picks_the_longest_matching_name():
     assert peak_for_name("NVIDIA H100 PCIe") == 756e12
     assert peak_for_name("NVIDIA L40") == 181e12 and peak_for_name("NVIDIA L40S") == 362e12
     assert peak_for_name("NVIDIA GH200 480GB") == 989e12 and peak_for_name("Some CPU") is None
+
+
+def test_an_export_without_a_tokenizer_is_refused_before_training(tmp_path, capsys):
+    """Raw token ids (no metadata) name no tokenizer: --export-hf would end the run without one, so it is refused
+    before the first step, naming the ways out."""
+    ids = tmp_path / "ids.npy"
+    np.save(ids, np.random.default_rng(0).integers(0, 256, 20_000).astype(np.uint16))
+    run = tmp_path / "r"
+    rc = main([*TINY, "--run-dir", str(run), "--data.path", str(ids), "--steps", "1", "--export-hf",
+               str(tmp_path / "hf")])
+    assert rc == 2
+    one_stderr_line(capsys, f"--export-hf {tmp_path / 'hf'}: the data", "carry no tokenizer metadata",
+                    "moekit-convert moekit-to-hf RUN_DIR OUT --tokenizer DIR")
+    assert not (run / "metrics.jsonl").exists() and not (tmp_path / "hf").exists()

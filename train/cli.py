@@ -127,6 +127,9 @@ def _check_modes(args: argparse.Namespace) -> None:
         raise UserError(f"{' and '.join(given)} each do one thing and exit; give one of them")
     if args.write_data is not None and not args.write_data.strip():
         raise UserError("--write-data needs a file name (the token file to write)")
+    if args.overwrite and given:
+        raise UserError(f"--overwrite with {given[0]}: {given[0]} writes no run, so there is nothing to overwrite; "
+                        f"drop --overwrite")
     if args.overwrite and args.resume is not None:
         given = "--resume" if args.resume == "latest" else f"--resume {args.resume}"
         raise UserError(f"--overwrite and {given}: --resume continues the run in --run-dir, "

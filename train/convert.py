@@ -1,8 +1,8 @@
 """Convert checkpoints between HuggingFace folders and moekit: ``moekit-convert`` (or ``python tools/convert.py``).
 
-    moekit-convert hf-to-moekit HF_DIR OUT.safetensors|OUT.pt [--dtype float32|bfloat16|auto]
+    moekit-convert hf-to-moekit HF_DIR OUT.safetensors|OUT.pt [--dtype float32|bfloat16|auto] [--verify]
     moekit-convert moekit-to-hf SRC HF_DIR [--family F] [--tokenizer DIR] [--dtype ...] [--max-shard-size 5GB]
-                                           [--layout per_expert|fused]
+                                           [--layout per_expert|fused] [--fp8] [--verify]
 
 moekit formats (SRC may be any of them; OUT is chosen by its suffix):
 
@@ -57,7 +57,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="copy this tokenizer into the output: an HF folder or a moekit run directory (default: the "
                         "run directory of a checkpoint SRC, when it recorded one)")
     b.add_argument("--dtype", choices=[*DTYPE_NAMES, "auto"], default="auto",
-                   help="tensor dtype on disk (default: the model's)")
+                   help="tensor dtype on disk (default: the model's; bfloat16 for the unquantized tensors with --fp8)")
     b.add_argument("--max-shard-size", default="5GB",
                    help="shard the safetensors above this size: bytes, or e.g. 200MB, 2GiB (default 5GB)")
     b.add_argument("--layout", choices=["per_expert", "fused"], default="per_expert",

@@ -125,4 +125,5 @@ def check_model(path: Path, saved: dict, current: dict) -> None:
              if k not in RESUMABLE_MODEL_FIELDS and saved.get(k) != v]
     if diffs:
         raise UserError(f"checkpoint {path / META}: saved for a different model: {'; '.join(diffs[:3])}; resume "
-                        f"with the checkpoint's model settings or start a new --run-dir")
+                        f"with the checkpoint's model settings, or start over (another --run-dir, or --overwrite "
+                        f"instead of --resume)")

@@ -233,8 +233,9 @@ def hf_to_moekit(args) -> None:
     print(f"wrote {out}: {model.hf_family}, {model.config.num_layers} layers, {model.config.num_experts} experts, "
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters (for the tokenizer, pass "
           f"--tokenizer {args.src} to moekit-to-hf)")
-    if args.verify:
-        verify(load_moekit(out), model, f"{args.src} -> {out}")
+    if args.verify:  # load_moekit builds float32: compare in the dtype that was written
+        dtype = next(model.parameters()).dtype
+        verify(load_moekit(out).to(dtype), model, f"{args.src} -> {out}")
 
 
 def run_tokenizer(src: Path) -> Path | None:

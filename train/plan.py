@@ -197,15 +197,16 @@ DECAY_SHAPES = {  # train.wsd_decay: the decay's shape over its own progress q i
 
 def lr_lambda(cfg: TrainConfig):
     """The LR multiplier of step s (0-based; multiplies train.lr): linear warmup to 1 over warmup_steps, then,
-    over the rest (progress p from 0 to 1), down to min_lr_ratio: cosine, linear, constant (stays 1), or wsd
-    (warmup-stable-decay: 1 until the last decay_fraction of the steps, then wsd_decay's shape)."""
+    over the rest (progress p from 0 at step warmup_steps to 1 at the last step, steps - 1), down to min_lr_ratio:
+    cosine, linear, constant (stays 1), or wsd (warmup-stable-decay: 1 until p reaches 1 - decay_fraction, then
+    wsd_decay's shape). The last step trains at lr * min_lr_ratio, however short the decay."""
     t = cfg.train
     floor, shape = t.min_lr_ratio, DECAY_SHAPES[t.wsd_decay]
 
     def f(step: int) -> float:
         if step < t.warmup_steps:
             return (step + 1) / t.warmup_steps
-        p = min((step - t.warmup_steps) / max(t.steps - t.warmup_steps, 1), 1.0)
+        p = min((step - t.warmup_steps) / max(t.steps - 1 - t.warmup_steps, 1), 1.0)
         if t.lr_schedule == "constant":
             return 1.0
         if t.lr_schedule == "linear":

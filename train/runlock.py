@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import socket
 import tempfile
@@ -48,6 +49,34 @@ def refuse_run_directory(path: str | Path, what: str) -> None:
         raise UserError(f"{what} {folder} is a moekit-train run directory (it holds {marker}); writing a HuggingFace "
                         f"folder there would replace the run's config.json; choose another folder, e.g. "
                         f"{folder / 'hf'}")
+
+
+def refuse_foreign_folder(path: str | Path) -> None:
+    """UserError when --run-dir ``path`` holds something other than a moekit run: a HuggingFace (or other) model
+    folder, whose config.json and tokenizer a run would replace. Refused even with --overwrite, which deletes
+    moekit runs only."""
+    folder = Path(path)
+    if not folder.is_dir():
+        return
+    found = []
+    config = folder / "config.json"
+    if config.is_file():
+        try:
+            data = json.loads(config.read_text())
+        except (OSError, ValueError):
+            data = None
+        if not (isinstance(data, dict) and "model" in data and "train" in data):  # a moekit run's has both
+            kind = data.get("model_type") if isinstance(data, dict) else None
+            found.append("a config.json that is not a moekit run's"
+                         + (f" (a HuggingFace {kind!r} model)" if isinstance(kind, str) else ""))
+    weights = sorted(p.name for p in folder.iterdir()  # what HF / llama.cpp folders hold; no moekit run has them
+                     if p.suffix in (".safetensors", ".gguf")
+                     or (p.name.startswith("pytorch_model") and p.suffix == ".bin"))
+    if weights:
+        found.append(f"model weights ({', '.join(weights[:2])}{', ...' if len(weights) > 2 else ''})")
+    if found:
+        raise UserError(f"--run-dir {folder} is not a moekit run directory: it holds {' and '.join(found)}, which a "
+                        f"run would replace; choose another --run-dir, e.g. {folder.parent / 'runs' / folder.name}")
 
 
 def check_output_path(path: str | os.PathLike, label: str, fix: str = "choose another path", example: str = "out",

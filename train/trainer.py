@@ -163,6 +163,7 @@ class Trainer:
         """Rank 0: lock the run dir (a second trainer is refused, naming the first), probe it and the
         export dir for writing, and warn when a checkpoint will not fit in the free space."""
         cfg = self.cfg
+        runlock.refuse_foreign_folder(cfg.run_dir)  # before the lock: a refused trainer leaves no .lock there
         lock = runlock.RunLock.acquire(cfg.run_dir, warn=_warn)
         try:
             earlier = earlier_run(cfg.run_dir) if self.opts.resume is None and not self.opts.overwrite else None
@@ -194,12 +195,34 @@ class Trainer:
             raise UserError(f"--init-from-hf {path}: {exc}{hint}") from None
 
     def check_exportable(self) -> None:
+        """Before training: a family reproduces the model, and there is a tokenizer to export with it."""
         from moekit.models.hf import check_hf_exportable
 
         try:
             check_hf_exportable(self.model)
         except ValueError as exc:
             raise UserError(f"--export-hf: {exc}") from None
+        self.export_tokenizer = self.tokenizer_to_export()
+
+    def tokenizer_to_export(self) -> Path:
+        """The run directory when the data recorded their tokenizer (moekit-prepare, bytes); else the
+        --init-from-hf folder's tokenizer, which raw token ids of that model were made with."""
+        from moekit.models.hf.export import check_tokenizer_source
+
+        if self.data.tokenizer.kind in ("hf", "bytes"):
+            return self.run_dir
+        source = self.cfg.train.init_from_hf
+        if source:
+            try:
+                check_tokenizer_source(source)
+                return Path(source)
+            except ValueError:
+                pass
+        raise UserError(f"--export-hf {self.cfg.train.export_hf}: the data ({self.data_desc}) carry no tokenizer "
+                        f"metadata{' and the --init-from-hf folder has no tokenizer' if source else ''}, so the export "
+                        f"would have none; make the data with moekit-prepare (it records the tokenizer), or drop "
+                        f"--export-hf and export afterwards with "
+                        f"moekit-convert moekit-to-hf RUN_DIR OUT --tokenizer DIR")
 
     def open_records(self) -> None:
         # every MoE layer's name for the load record's header: under pp, rank 0 holds only its stages
@@ -209,8 +232,9 @@ class Trainer:
             return
         d = self.run_dir
         if self.resume_from is None:
+            # and what tools drew from those records, which would otherwise pass for this run's
             stale = [d / n for n in (records.METRICS, records.EXPERT_LOAD, records.EXPERT_LOAD_BIN, records.CONFIG,
-                                     "checkpoints", "tensorboard")]
+                                     "checkpoints", "tensorboard", "wandb", "expert_load.png", "expert_load_steps.png")]
             if any(p.exists() for p in stale):
                 print(f"note: starting a fresh run in {d}: deleting the records and checkpoints there")
             for p in stale:
@@ -246,6 +270,10 @@ class Trainer:
             say(cfg.source_note)
         if cfg.train.init_from_dense and not self.resume_from:
             say(f"upcycled from the dense model {cfg.train.init_from_dense} (granularity {cfg.train.upcycle_granularity})")
+        t = cfg.train
+        if t.warmup_steps >= t.steps and t.lr_schedule != "cosine":  # the default's short test runs stay quiet
+            say(f"note: --train.warmup_steps {t.warmup_steps} >= --steps {t.steps}: the whole run warms up, so "
+                f"--train.lr_schedule {t.lr_schedule} never applies; lower --train.warmup_steps")
         ignored = cfg.model.unused_router_fields()
         for name in ignored:
             say(f"note: router {cfg.model.router!r} takes no {name}; model.{name}={getattr(cfg.model, name)!r} is unused")
@@ -417,7 +445,8 @@ class Trainer:
 
         try:
             self.placement.to_contiguous(self.model, self.optimizer)  # HF shard boxes: contiguous expert blocks
-            folder = save_hf_sharded(self.model, path, tokenizer_from=self.run_dir, fp8=self.cfg.train.export_hf_fp8)
+            folder = save_hf_sharded(self.model, path, tokenizer_from=self.export_tokenizer,
+                                     fp8=self.cfg.train.export_hf_fp8)
         except (OSError, ValueError) as exc:  # the trained weights are safe in the final checkpoint: say where
             ckpt = self.last_checkpoint
             why = runlock.describe_os_error(exc) if isinstance(exc, OSError) else str(exc)

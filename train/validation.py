@@ -59,6 +59,10 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _require(not t.init_from_hf or os.path.isdir(t.init_from_hf),
              f"--init-from-hf {t.init_from_hf}: not a directory (expected a HuggingFace model folder)")
     validate_upcycling_flags(t)
+    for flag, source in (("--init-from-hf", t.init_from_hf), ("--init-from-dense", t.init_from_dense)):
+        _require(not source or os.path.realpath(source) != os.path.realpath(cfg.run_dir),
+                 f"--run-dir {cfg.run_dir} is the {flag} folder; the run would replace its config.json and "
+                 f"tokenizer: choose another --run-dir")
     _require(t.export_hf or not t.export_hf_fp8, "--train.export_hf_fp8 true writes the --export-hf folder in fp8; "
                                                  "give --export-hf DIR too")
     if t.export_hf:

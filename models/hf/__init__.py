@@ -96,7 +96,7 @@ class LoadSpec:
     family: Family
     reader: CheckpointReader
     rules: list[Rule]  # one per model tensor (models/hf/weights.py)
-    allowed_extra: set[str]  # checkpoint keys no rule consumes on purpose: skipped MTP layers, a tied lm_head copy
+    allowed_extra: set[str]  # keys no rule consumes on purpose: skipped MTP layers, a tied lm_head copy, empty tensors
     tied_copy: bool  # the checkpoint stores lm_head.weight for a tied model: it must equal the embedding
 
 
@@ -117,7 +117,9 @@ def plan_load(model: Transformer, path: str | Path, check_config: bool = True) -
     _check_lm_head(reader, model.config)
     tied = model.config.tie_embeddings and "lm_head.weight" in keys
     rules = model_rules(model, fam.naming, blocks, fused)
-    return LoadSpec(fam, reader, rules, ({"lm_head.weight"} if tied else set()) | skipped, tied)
+    # tensors without elements hold nothing to load: transformers saves n_shared_experts=0 as [0, H] shared experts
+    empty = {k for k, info in reader.infos.items() if 0 in info.shape}
+    return LoadSpec(fam, reader, rules, ({"lm_head.weight"} if tied else set()) | skipped | empty, tied)
 
 
 def load_mixtral(path: str | Path, **kwargs) -> Transformer:

@@ -79,22 +79,23 @@ def _get(hf: dict, key: str | tuple[str, ...], default: Any = ...) -> Any:
 # ---------------------------------------------------------------------------------------------------
 
 
-def rope_fields(hf: dict, default_theta: float, problems: list[str], partial_rotary: bool = False) -> dict[str, Any]:
+def rope_fields(hf: dict, default_theta: float, problems: list[str],
+                partial_rotary: float | None = None) -> dict[str, Any]:
     """rope_theta and rope_scaling from transformers 5's rope_parameters or 4's rope_theta / rope_scaling,
     with transformers' defaults filled in (original_max_position_embeddings, yarn's factor).
-    partial_rotary: the family rotates partial_rotary_factor of each head (GLM-4-MoE); elsewhere a factor
-    other than 1 is refused (transformers' other families would not run it)."""
+    partial_rotary: the family rotates partial_rotary_factor of each head (GLM-4-MoE), this value when config.json
+    has none (transformers' default for the family); None: a factor other than 1 is refused (transformers' other
+    families would not run it)."""
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     if any(isinstance(v, dict) for v in params.values()):
         problems.append(f"RoPE parameters per layer type ({sorted(params)}) (needs {NEEDS['rope_type']})")
         return {}
     theta = float(params.get("rope_theta", hf.get("rope_theta", default_theta)))
-    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    partial = 1.0 if partial is None else partial
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
     fields: dict[str, Any] = dict(rope_theta=theta)
-    if partial_rotary:
-        fields["partial_rotary_factor"] = float(partial)
-    elif partial != 1.0:
+    if partial_rotary is not None:
+        fields["partial_rotary_factor"] = float(partial_rotary if partial is None else partial)
+    elif partial is not None and partial != 1.0:
         problems.append(f"partial_rotary_factor={partial} (needs {NEEDS['partial_rotary']})")
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
@@ -122,7 +123,7 @@ def rope_fields(hf: dict, default_theta: float, problems: list[str], partial_rot
 
 
 def base_fields(hf: dict, problems: list[str], *, default_theta: float = 10000.0, head_dim_default: int = 0,
-                window: int | None = None, partial_rotary: bool = False) -> dict[str, Any]:
+                window: int | None = None, partial_rotary: float | None = None) -> dict[str, Any]:
     """ModelConfig fields every family shares: sizes, GQA heads, RoPE, norm, embeddings, training defaults.
 
     window: the sliding-window length when some layer uses one. Sliding-window attention equals full causal
@@ -290,7 +291,7 @@ def glm4_moe_config(hf: dict) -> ModelConfig:
     o_proj), optional per-head q/k norm, RoPE on partial_rotary_factor of each head; DeepSeek-V3's MoE (sigmoid
     scores, selection bias, group-limited top-k, routed scaling, ungated shared experts, dense first layers)."""
     problems: list[str] = []
-    fields = base_fields(hf, problems, partial_rotary=True)
+    fields = base_fields(hf, problems, partial_rotary=0.5)  # Glm4MoeConfig's default when config.json has none
     moe_width = _get(hf, "moe_intermediate_size")
     fields.update(
         attention_bias=bool(_get(hf, "attention_bias", False)), qk_norm="head" if hf.get("use_qk_norm") else "none",
