@@ -355,6 +355,8 @@ EXPERT = "model.layers.2.mlp.experts.3.down_proj.weight"
     (dict(fn=lambda t: t.update({WO + "_scale_inv": t[WO + "_scale_inv"].to(torch.int32)})),
      [f"{WO}_scale_inv is I32; scales are one of"]),
     (dict(config=lambda c: c.pop("quantization_config")), ["holds float8 tensors", "no quantization_config"]),
+    (dict(fn=lambda t: t[EXPERT + "_scale_inv"].view(-1)[1:2].fill_(float("nan"))),
+     [f"{EXPERT}_scale_inv holds 1 scale(s) that are not finite and positive (e.g. nan)", "re-download it"]),
     (dict(config=lambda c: c["quantization_config"].update(weight_block_size=[16, 16])),
      ["in blocks of [16, 16] (config.json weight_block_size) needs"]),
 ])

@@ -139,6 +139,16 @@ def scale_index(index: tuple[slice, ...], shape: tuple[int, ...], block: tuple[i
             slice(cols.start // block[1], math.ceil(cols.stop / block[1]) if len(cols) else cols.start // block[1]))
 
 
+def check_scales(key: str, scale: Tensor) -> Tensor:
+    """``scale`` (read for float8 weight ``key``) when every value is finite and positive, else a ValueError: a NaN
+    or infinite scale would load as a model that generates garbage without a word."""
+    bad = ~(torch.isfinite(scale.float()) & (scale.float() > 0))
+    if bool(bad.any()):
+        raise ValueError(f"{key}{SCALE_SUFFIX} holds {int(bad.sum())} scale(s) that are not finite and positive "
+                         f"(e.g. {scale.float()[bad][0].item()}); the checkpoint is corrupt: re-download it")
+    return scale
+
+
 def dequantize(weight: Tensor, scale: Tensor, block: tuple[int, int], start: tuple[int, int] = (0, 0)) -> Tensor:
     """float32 values of a float8 ``weight`` slice whose first element is at (row, col) = ``start`` of the whole
     tensor; ``scale`` holds the scale blocks that cover it (``scale_index``), starting at the block of ``start``."""

@@ -28,7 +28,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from moekit.models.hf.fp8 import SCALE_SUFFIX, BlockFp8, dequantize, pair_scales
+from moekit.models.hf.fp8 import SCALE_SUFFIX, BlockFp8, check_scales, dequantize, pair_scales
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -154,7 +154,8 @@ class CheckpointReader:
         """The tensor stored under ``key``; a block-wise float8 weight comes dequantized, in float32."""
         value = self._read(self.infos[key].file, key)
         if key in self.scales:
-            value = dequantize(value, self._read(self.scales[key].file, key + SCALE_SUFFIX), self.fp8.block)
+            scale = check_scales(key, self._read(self.scales[key].file, key + SCALE_SUFFIX))
+            value = dequantize(value, scale, self.fp8.block)
         return value
 
     def dtypes(self) -> set[str]:

@@ -212,7 +212,8 @@ class SliceReader:
         if scale is None:
             return part
         block = self.reader.fp8.block
-        blocks = self._slice(scale.file, key + fp8.SCALE_SUFFIX, fp8.scale_index(index, info.shape, block))
+        blocks = fp8.check_scales(key, self._slice(scale.file, key + fp8.SCALE_SUFFIX,
+                                                   fp8.scale_index(index, info.shape, block)))
         start = tuple(s.indices(n)[0] for s, n in zip(index[-2:], info.shape[-2:]))
         return fp8.dequantize(part, blocks, block, start)
 
