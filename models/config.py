@@ -351,6 +351,16 @@ PRESETS: dict[str, ModelConfig] = {
         num_kv_heads=4, head_dim=128, max_seq_len=32768, rope_theta=1e6, norm_eps=1e-6, ffn_hidden_size=6144,
         num_experts=128, moe_ffn_hidden_size=768, top_k=8, aux_loss_coeff=0.001, router_options={"normalize": True},
     ),
+    # GLM-4.5-Air's shape (106B total, 12B active besides the embeddings): GQA 96/8 with q/k/v biases, RoPE on
+    # half of each head, 128 experts of width 1408, top-8 sigmoid with selection bias, one shared expert, one
+    # dense first layer. Its checkpoint imports as glm4_moe (models/hf).
+    "glm-4.5-air": ModelConfig(
+        name="glm-4.5-air", vocab_size=151552, hidden_size=4096, num_layers=46, num_heads=96, num_kv_heads=8,
+        head_dim=128, max_seq_len=131072, rope_theta=1e6, norm_eps=1e-5, ffn_hidden_size=10944, num_experts=128,
+        moe_ffn_hidden_size=1408, shared_ffn_hidden_size=1408, first_dense_layers=1, top_k=8, attention_bias=True,
+        partial_rotary_factor=0.5, aux_loss_coeff=0.0,
+        router_options={"score": "sigmoid", "expert_bias": True, "normalize": True, "bias_update_rate": 0.001},
+    ),
     # 1.02B total / 0.34B active, Mixtral-style (8 experts top-2, F = 3H), sized to train on one 80 GB GPU
     # (tools/bench/train_mfu.py). Shapes favour GPU efficiency: every width a multiple of 128, head dim
     # 128, and wide experts, because the per-token glue (norms, RoPE, dispatch, combine) grows with H

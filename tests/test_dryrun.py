@@ -302,7 +302,7 @@ def test_planner_resolves_auto_experts_as_the_layer_does():
     from moekit.moe.experts import auto_order
     from moekit.train.planning import activations as A
 
-    for name in ("mixtral-tiny", "mixtral-1b", "mixtral-8x7b", "qwen3-moe-30b-a3b", "deepseek-v3-like"):
+    for name in ("mixtral-tiny", "mixtral-1b", "mixtral-8x7b", "qwen3-moe-30b-a3b", "deepseek-v3-like", "glm-4.5-air"):
         cfg = preset(name)
         w_out = torch.empty(1, cfg.moe_ffn_hidden_size, cfg.hidden_size, device="meta")
         assert A._auto_backend(cfg, cpu=False) == auto_order(torch.device("cuda"), w_out)[0], name

@@ -75,6 +75,11 @@ def test_published_parameter_counts():
     assert mix.params / 1e9 == pytest.approx(46.7, abs=0.05) and mix.active_params / 1e9 == pytest.approx(12.9, abs=0.05)
     qwen = model_stats(preset("qwen3-moe-30b-a3b"))
     assert qwen.params / 1e9 == pytest.approx(30.5, abs=0.05) and qwen.active_params / 1e9 == pytest.approx(3.3, abs=0.06)
+    # GLM-4.5-Air: "106B total, 12B active" (Z.ai), the active count without the embedding and output matrices
+    glm = model_stats(preset("glm-4.5-air"))
+    embeddings = 2 * 151552 * 4096
+    assert 106.0 <= glm.params / 1e9 < 107.0
+    assert (glm.active_params - embeddings) / 1e9 == pytest.approx(12.0, abs=0.25)
 
 
 def test_flops_per_token_formula():
