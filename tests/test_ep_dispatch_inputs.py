@@ -166,12 +166,16 @@ def test_flat_group_ranks_must_be_the_groups_ranks_in_order():
 # --------------------------------------------------------------------------------------------------
 
 
-def _tokens_rank(rank, world, per_node, hierarchical, E, unused):
-    topo = _topology(rank, world, per_node)
-    d = _dispatcher(topo, hierarchical, E)
+def _rank_inputs(rank, world, per_node, hierarchical, E, unused):
+    """(this rank's dispatcher, its tokens, their routing) of the shared global routing."""
+    d = _dispatcher(_topology(rank, world, per_node), hierarchical, E)
     x_all, indices, weights = _global_routing(world, E, unused)
     mine = _mine(rank, world)
-    routing = _routing(indices[mine], weights[mine], E)
+    return d, x_all[mine], _routing(indices[mine], weights[mine], E)
+
+
+def _tokens_rank(rank, world, per_node, hierarchical, E, unused):
+    d, x_mine, routing = _rank_inputs(rank, world, per_node, hierarchical, E, unused)
     T = routing.indices.shape[0]
     # even ranks one row too many (without the check: dispatched anyway), odd ranks one too few (an IndexError
     # after the count exchange, while the even ranks wait in the all-to-all)
@@ -181,7 +185,7 @@ def _tokens_rank(rank, world, per_node, hierarchical, E, unused):
     with pytest.raises(ValueError, match=rf"{who}.dispatch got {n} tokens \(x.shape\[0\]\) but routing for {T} "
                                          r".*one row per token"):
         d.dispatch(x, routing)
-    out = d.dispatch(x_all[mine], routing)  # the group still works
+    out = d.dispatch(x_mine, routing)  # the group still works
     d.combine(out.rows, out.meta)
 
 
@@ -217,12 +221,8 @@ def test_dispatch_routing_must_be_for_the_dispatchers_experts(case):
 
 
 def _combine_rows_rank(rank, world, per_node, hierarchical, E, unused):
-    topo = _topology(rank, world, per_node)
-    d = _dispatcher(topo, hierarchical, E)
-    x, indices, weights = _global_routing(world, E, unused)
-    mine = _mine(rank, world)
-    routing = _routing(indices[mine], weights[mine], E)
-    out = d.dispatch(x[mine], routing)
+    d, x_mine, routing = _rank_inputs(rank, world, per_node, hierarchical, E, unused)
+    out = d.dispatch(x_mine, routing)
     R = out.rows.shape[0]
     rows = _experts(d.expert_range[0])(out.rows, out.counts)
     # one row too many (without the check: combined anyway), and the rows flattened to 1-D
@@ -231,7 +231,7 @@ def _combine_rows_rank(rank, world, per_node, hierarchical, E, unused):
                                              rf"expert-parallel dispatch delivered \[R={R}, H\] rows to this rank; "
                                              r"pass the experts' output"):
             d.combine(bad, out.meta)
-    assert d.combine(rows, out.meta).shape == x[mine].shape  # the group still works
+    assert d.combine(rows, out.meta).shape == x_mine.shape  # the group still works
     # the chunked path: hierarchical combines through the same intra-node combine; flat checks in start_combine
     set_overlap(d, 2)
 
@@ -239,7 +239,7 @@ def _combine_rows_rank(rank, world, per_node, hierarchical, E, unused):
         return torch.cat([_experts(d.expert_range[0])(rows, counts), rows.new_zeros(1, H)])
 
     with pytest.raises(ValueError, match=r"combine: rows has shape .* but this expert-parallel dispatch"):
-        d.pipelined(x[mine], routing, extra_row)
+        d.pipelined(x_mine, routing, extra_row)
 
 
 @pytest.mark.parametrize("case", CASES)

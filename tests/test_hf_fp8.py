@@ -170,7 +170,7 @@ def test_scale_blocks_of_a_slice():
 
 
 def _sharded(rank, world, cases):
-    from tests.test_hf_sharded import CountingOpen, full, parallel_model
+    from tests.test_hf_sharded import counted_load, full, parallel_model
 
     from moekit.comm.topology import Layout, Topology
     from moekit.models.hf import sharded
@@ -180,12 +180,7 @@ def _sharded(rank, world, cases):
         topo = Topology(Layout(**degrees), rank, world).build()
         ref = load_hf(ckpt)
         model = parallel_model(ckpt, topo)
-        counting = CountingOpen()
-        real_open, sharded.safe_open = sharded.safe_open, counting
-        try:
-            reported = sharded.load_hf_sharded(model, ckpt)
-        finally:
-            sharded.safe_open = real_open
+        counting, reported = counted_load(model, ckpt)
         want = ref.state_dict()
         for name, t in model.state_dict().items():
             assert torch.equal(full(t), want[name]), f"{degrees} rank {rank}: {name}"

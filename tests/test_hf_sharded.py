@@ -119,15 +119,21 @@ def parallel_model(ckpt: Path, topo: Topology) -> Transformer:
     return model.to_empty(device="cpu")
 
 
-def check_load(ckpt: Path, topo: Topology, where: str) -> Transformer:
-    ref = load_hf(ckpt)
-    model = parallel_model(ckpt, topo)
+def counted_load(model: Transformer, ckpt: Path) -> tuple[CountingOpen, dict[str, int]]:
+    """load_hf_sharded with safe_open counting every slice read: (the count, the loader's own report)."""
     counting = CountingOpen()
     real_open, sharded.safe_open = sharded.safe_open, counting
     try:
         reported = sharded.load_hf_sharded(model, ckpt)
     finally:
         sharded.safe_open = real_open
+    return counting, reported
+
+
+def check_load(ckpt: Path, topo: Topology, where: str) -> Transformer:
+    ref = load_hf(ckpt)
+    model = parallel_model(ckpt, topo)
+    counting, reported = counted_load(model, ckpt)
     want = ref.state_dict()
     held = 0
     for name, t in model.state_dict().items():
