@@ -268,3 +268,27 @@ def test_try_tma_launch_treats_a_failing_compiler_pass_as_a_build_failure():
     with pytest.raises(RuntimeError, match="illegal memory access"):
         try_tma_launch(failing("CUDA error: an illegal memory access was encountered"), failures, "demo")
     assert try_tma_launch(lambda: None, failures, "demo") is True and len(failures) == 1
+
+
+def test_the_tma_allocator_is_set_in_every_launching_thread():
+    """Triton keeps its allocator in a ContextVar, which a new thread sees unset. On a GPU the backward
+    kernels launch in autograd's device thread: an allocator set once in the main thread was missing there
+    (the first GPU run of the fused MLP's TMA backward failed so). Each launching thread must get it."""
+    import threading
+
+    from triton.runtime import _allocation
+
+    from moekit.moe.kernels._tma import set_tma_allocator
+    dev = torch.device("cpu")
+    set_tma_allocator(dev)
+    assert _allocation._allocator.get()(16, 16, None).numel() == 16
+    seen = []
+
+    def launch_thread():
+        set_tma_allocator(dev)
+        seen.append(_allocation._allocator.get()(32, 16, None))
+
+    t = threading.Thread(target=launch_thread)
+    t.start()
+    t.join()
+    assert len(seen) == 1 and seen[0].numel() == 32 and seen[0].dtype == torch.int8

@@ -98,19 +98,22 @@ def try_tma_launch(launch: Callable[[], None], failures: list[str], what: str, s
         return False
 
 
-_ALLOCATOR_DEVICE: list = []  # the device whose allocator Triton holds (set once, not per launch)
+_ALLOCATORS: dict = {}  # device -> its allocator function (one per device, so the identity is stable)
 
 
 def set_tma_allocator(device: torch.device) -> None:
-    """Device-side descriptors need a global scratch buffer from Triton's allocator hook."""
-    if _ALLOCATOR_DEVICE == [device]:
-        return
+    """Device-side descriptors need a global scratch buffer from Triton's allocator hook.
 
-    def alloc(size: int, alignment: int, stream):
-        return torch.empty(size, dtype=torch.int8, device=device)
-
+    Triton keeps the allocator in a ContextVar, which every thread sees afresh: one set in the main thread
+    is absent from autograd's device thread, where the backward kernels launch ("Kernel requires a runtime
+    memory allocation, but no allocator was set", the first GPU run of the TMA variants). So it is set on
+    every launch, in the launching thread (a ContextVar set costs far less than the launch)."""
+    alloc = _ALLOCATORS.get(device)
+    if alloc is None:
+        def alloc(size: int, alignment: int, stream):
+            return torch.empty(size, dtype=torch.int8, device=device)
+        _ALLOCATORS[device] = alloc
     triton.set_allocator(alloc)
-    _ALLOCATOR_DEVICE[:] = [device]
 
 
 @triton.jit
