@@ -510,7 +510,7 @@ def test_unusable_expert_backend_is_refused_before_the_run(tmp_path, capsys, mon
 
 
 @pytest.mark.parametrize("var,value,expected", [
-    ("MOEKIT_TMA", "yes", "MOEKIT_TMA='yes' is invalid; use one of ['never', 'always']"),
+    ("MOEKIT_TMA", "yes", "MOEKIT_TMA='yes' is invalid; use one of ['auto', 'never', 'always']"),
     ("MOEKIT_AUTOTUNE", "fastest", "MOEKIT_AUTOTUNE='fastest' is invalid"),
     ("MOEKIT_KERNEL_CONFIGS", "/nonexistent/tuned.json", "cannot read it"),
 ])

@@ -110,6 +110,27 @@ def test_autograd_runs_the_tma_kernel_for_y_and_dx(tma, monkeypatch):
     assert torch.equal(y, y2) and torch.equal(dx, dx2) and torch.equal(dw, dw2)
 
 
+def test_auto_runs_the_variant_on_cuda_and_the_pointer_kernel_in_the_interpreter(monkeypatch):
+    """MOEKIT_TMA unset is "auto": the TMA variants where they measured faster (CUDA; why_not_tma then asks for
+    sm90+), the pointer kernels in the CPU interpreter, whose tests cover the variants with "always"."""
+    from moekit.moe.kernels._tma import tma_wanted
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert tma_wanted("auto", cuda) and not tma_wanted("auto", cpu)
+    assert tma_wanted("always", cpu) and not tma_wanted("never", cuda)
+    monkeypatch.setattr(G, "GEMM_TMA", "auto")
+    monkeypatch.setattr(G, "_TMA_FAILURE", [])
+    g = gen("auto")
+    x = torch.randn(40, 32, generator=g).to(DEV, torch.bfloat16)
+    w = torch.randn(2, 32, 16, generator=g).to(DEV, torch.bfloat16)
+    offs = torch.tensor([15, 40], dtype=torch.int32, device=DEV)
+    before = launches()
+    got = G.grouped_mm_fwd(x, w, offs)
+    on_variant = DEV == "cuda" and torch.cuda.get_device_capability() >= (9, 0)
+    assert launches() == ((before[0] + 1, before[1]) if on_variant else (before[0], before[1] + 1))
+    want = ref(x, w, offs)
+    assert (got.double() - want).abs().max() <= 1e-2 * float(want.abs().max())
+
+
 def test_where_tma_does_not_apply_the_pointer_kernel_runs(tma):
     g = gen("fallback")
     w = torch.randn(2, 32, 16, generator=g).to(DEV, torch.bfloat16)
@@ -141,7 +162,7 @@ def test_a_tma_kernel_that_cannot_build_falls_back_once(tma, monkeypatch):
 
 def test_a_bad_mode_is_named(monkeypatch):
     monkeypatch.setattr(G, "GEMM_TMA", "sometimes")
-    with pytest.raises(ValueError, match="GEMM_TMA='sometimes'; use one of never, always"):
+    with pytest.raises(ValueError, match="GEMM_TMA='sometimes'; use one of auto, never, always"):
         G.grouped_mm_fwd(torch.randn(8, 16).to(DEV, torch.bfloat16), torch.randn(1, 16, 16).to(DEV, torch.bfloat16),
                          torch.tensor([8], dtype=torch.int32, device=DEV))
 
@@ -165,8 +186,8 @@ def test_moekit_tma_sets_every_switch_and_a_bad_value_names_the_variable(tmp_pat
     assert out.returncode == 0 and out.stdout.split("\n")[0] == "always always always", out.stdout + out.stderr
     bad = subprocess.run([sys.executable, "-c", probe], env={**env, "MOEKIT_TMA": "yes"}, capture_output=True,
                          text=True, timeout=120)
-    assert bad.returncode != 0 and "GEMM_TMA='yes'; use one of never, always (it came from MOEKIT_TMA='yes'" in bad.stderr
-    from moekit.moe.kernels._tma import tma_default  # unset or empty: never (in this process: no new imports)
+    assert bad.returncode != 0 and "GEMM_TMA='yes'; use one of auto, never, always (it came from MOEKIT_TMA='yes'" in bad.stderr
+    from moekit.moe.kernels._tma import tma_default  # unset or empty: auto (in this process: no new imports)
 
     for value in (None, ""):
         env_value = {} if value is None else {"MOEKIT_TMA": value}
@@ -174,7 +195,7 @@ def test_moekit_tma_sets_every_switch_and_a_bad_value_names_the_variable(tmp_pat
             m.delenv("MOEKIT_TMA", raising=False)
             for k, v in env_value.items():
                 m.setenv(k, v)
-            assert tma_default() == "never"
+            assert tma_default() == "auto"
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -63,8 +63,8 @@ def test_summarize_leaves_out_warmup():
 
 
 def test_tma_configurations_set_the_variable_explicitly(monkeypatch, tmp_path):
-    """--tma off on: one configuration each, named for it, with MOEKIT_TMA=never / always in the trainer's
-    environment whatever the caller's (a stray MOEKIT_TMA must not turn 'off' into on)."""
+    """--tma off on auto: one configuration each, named for it, with MOEKIT_TMA=never / always / auto in the
+    trainer's environment whatever the caller's (a stray MOEKIT_TMA must not turn 'off' into on)."""
     seen = []
 
     def fake_trainer(argv, run_dir, timeout, env):
@@ -73,13 +73,14 @@ def test_tma_configurations_set_the_variable_explicitly(monkeypatch, tmp_path):
 
     monkeypatch.setattr(train_mfu, "run_trainer", fake_trainer)
     monkeypatch.setenv("MOEKIT_TMA", "always")
-    args, extra = train_mfu.parse_args(["--smoke", "--tma", "off", "on", "--compile", "off", "on"])
-    rows = [train_mfu.run_config(args, extra, c == "on", "auto", tmp_path, tma=t == "on")
+    args, extra = train_mfu.parse_args(["--smoke", "--tma", "off", "on", "auto", "--compile", "off", "on"])
+    rows = [train_mfu.run_config(args, extra, c == "on", "auto", tmp_path, tma=t)
             for c in args.compile for t in args.tma]
-    assert seen == [("auto-compile-off", "never"), ("auto-compile-off-tma", "always"),
-                    ("auto-compile-on", "never"), ("auto-compile-on-tma", "always")]
-    assert [r["tma"] for r in rows] == [False, True, False, True] and {r["status"] for r in rows} == {"failed"}
-    assert train_mfu.parse_args(["--smoke"])[0].tma == ["off"]
+    assert seen == [("auto-compile-off-notma", "never"), ("auto-compile-off-tma", "always"),
+                    ("auto-compile-off", "auto"), ("auto-compile-on-notma", "never"),
+                    ("auto-compile-on-tma", "always"), ("auto-compile-on", "auto")]
+    assert [r["tma"] for r in rows] == ["off", "on", "auto"] * 2 and {r["status"] for r in rows} == {"failed"}
+    assert train_mfu.parse_args(["--smoke"])[0].tma == ["auto"]
 
 
 def _one_line(capsys) -> str:

@@ -72,6 +72,6 @@ def test_a_tma_kernel_that_cannot_build_falls_back_once(tma, monkeypatch):
 
 def test_a_bad_mode_is_named(monkeypatch):
     monkeypatch.setattr(W, "WGRAD_TMA", "sometimes")
-    with pytest.raises(ValueError, match="WGRAD_TMA='sometimes'; use one of never, always"):
+    with pytest.raises(ValueError, match="WGRAD_TMA='sometimes'; use one of auto, never, always"):
         W.grouped_mm_wgrad(torch.randn(8, 16).to(DEV), torch.randn(8, 16).to(DEV),
                            torch.tensor([8], dtype=torch.int32, device=DEV))

@@ -33,8 +33,9 @@ def environment_problem() -> str:
     import os
 
     if tma_default() not in TMA_MODES:
-        return (f"{TMA_ENV}={os.environ.get(TMA_ENV)!r} is invalid; use one of {list(TMA_MODES)} (always: the TMA "
-                "kernel variants on sm90+; never: the pointer kernels) or unset it")
+        return (f"{TMA_ENV}={os.environ.get(TMA_ENV)!r} is invalid; use one of {list(TMA_MODES)} (auto, the default: "
+                "the TMA kernel variants on CUDA sm90+; always: also in the interpreter; never: the pointer kernels) "
+                "or unset it")
     try:
         autotune_mode()
         if KERNELS:

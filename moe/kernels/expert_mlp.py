@@ -27,8 +27,8 @@ from moekit.moe.experts import counts_to_offs
 
 from ._common import (LAUNCHES, Kernel, cfg, check_offs, check_triton_tensors, dot_flags, expert_tile, prune_by_smem,
                       row_tile_grid, tile_mm, to_out, why_not_triton_tensors)
-from ._tma import (check_tma_mode, set_tma_allocator, tile_mm_tma, tma_default, try_tma_launch, why_not_tma_gemm,
-                   why_not_variant)
+from ._tma import (check_tma_mode, set_tma_allocator, tile_mm_tma, tma_default, tma_wanted, try_tma_launch,
+                   why_not_tma_gemm, why_not_variant)
 from .grouped_mm import grouped_mm, grouped_mm_fwd
 from .grouped_mm_wgrad import grouped_mm_wgrad
 
@@ -253,8 +253,8 @@ EXPERT_DOWN_DACT = Kernel(
 )
 
 # Where the fused kernels read their GEMM operands through TMA descriptors (bf16 / fp16; unit inner strides and
-# 16-byte aligned rows of the rows and of the weights as stored; CUDA sm90+ or the interpreter): "never" (the
-# default until a GPU measures it), "always" (benchmarks, tests); it starts as MOEKIT_TMA says
+# 16-byte aligned rows of the rows and of the weights as stored; CUDA sm90+ or the interpreter): "auto" (the
+# default: on CUDA), "never", "always" (also in the interpreter: tests); it starts as MOEKIT_TMA says
 # (_tma.TMA_ENV). Unlike grouped_mm's variant these stay one program per tile (not persistent): only the
 # K loop's loads change. A Triton that cannot build them falls back to the pointer loads with a warning.
 MLP_TMA = tma_default()
@@ -270,7 +270,7 @@ def _launch(kernel: Kernel, grid, args: tuple, x: torch.Tensor, w: torch.Tensor,
     """kernel[grid](*args, TMA=..., **constexprs): the descriptor loads where MLP_TMA asks and they can run,
     else (or after they fail to build, once, with a warning) the pointer loads."""
     check_tma_mode(MLP_TMA, "expert_mlp.MLP_TMA")
-    if MLP_TMA == "always" and not why_not_tma(x, w):
+    if tma_wanted(MLP_TMA, x.device) and not why_not_tma(x, w):
         set_tma_allocator(x.device)
         if try_tma_launch(lambda: kernel[grid](*args, TMA=True, **constexprs), _TMA_FAILURE, "expert_mlp"):
             LAUNCHES[f"{kernel.name}:tma"] += 1  # of the launches counted under its name: those with descriptors

@@ -22,7 +22,8 @@ import triton.language as tl
 from ._common import (Kernel, cfg, check_gather_index, check_offs, check_triton_tensors, dot_acc, dot_flags,
                       expert_tile, expert_tile_table, gather_rows, gather_rows_ref, owned_row_tile, prune_by_smem,
                       row_tile_grid, swizzle_pid, tile_mm, to_out, why_not_triton_tensors)
-from ._tma import check_tma_mode, set_tma_allocator, tma_default, try_tma_launch, why_not_tma_gemm, why_not_variant
+from ._tma import (check_tma_mode, set_tma_allocator, tma_default, tma_wanted, try_tma_launch, why_not_tma_gemm,
+                   why_not_variant)
 
 # ---------------------------------------------------------------------------------------------------
 # Reference (also the torch fallback where Triton cannot run)
@@ -160,8 +161,9 @@ def _grouped_mm_tma_kernel(
 GROUPED_MM_TMA = GROUPED_MM.variant(_grouped_mm_tma_kernel)
 
 # Where the persistent TMA variant runs (no gather; unit inner strides and 16-byte aligned rows of x and of
-# W's stored layout; CUDA sm90+ or the interpreter): "never" (the default until a GPU measures it against the
-# pointer kernel: tools/bench/grouped_gemm.py's triton_tma peer), "always" (benchmarks, tests); it starts as
+# W's stored layout; CUDA sm90+ or the interpreter): "auto" (the default: on CUDA, where it measured faster than the
+# pointer kernel, tools/bench/grouped_gemm.py's triton_tma peer), "never", "always" (also in the interpreter:
+# tests); it starts as
 # MOEKIT_TMA says (_tma.TMA_ENV). A Triton without device-side descriptors, or one that cannot build the
 # kernel here, falls back with a warning.
 GEMM_TMA = tma_default()
@@ -192,7 +194,7 @@ def _persistent_programs(device: torch.device) -> int:
 def _launch_tma(x, w, y, offs, m, n, k, e, transpose_w: bool, flags: dict) -> bool:
     """Run the persistent TMA kernel into y; False when it cannot run here (then the pointer kernel does)."""
     check_tma_mode(GEMM_TMA, "grouped_mm.GEMM_TMA")
-    if GEMM_TMA == "never" or why_not_tma(x, w):
+    if not tma_wanted(GEMM_TMA, x.device) or why_not_tma(x, w):
         return False
     set_tma_allocator(x.device)
     programs = _persistent_programs(x.device)

@@ -18,8 +18,8 @@ import triton.language as tl
 
 from ._common import (Kernel, cfg, check_gather_index, check_offs, check_triton_tensors, dot_acc, dot_flags,
                       expert_row_bounds, gather_rows, gather_rows_ref, prune_by_smem, swizzle_pid, to_out)
-from ._tma import (check_tma_mode, set_tma_allocator, tma_default, try_tma_launch, why_not_tma_tensors,
-                   why_not_variant)
+from ._tma import (check_tma_mode, set_tma_allocator, tma_default, tma_wanted, try_tma_launch,
+                   why_not_tma_tensors, why_not_variant)
 
 # ---------------------------------------------------------------------------------------------------
 # Reference
@@ -147,9 +147,9 @@ def _grouped_mm_wgrad_tma_kernel(
 GROUPED_MM_WGRAD_TMA = GROUPED_MM_WGRAD.variant(_grouped_mm_wgrad_tma_kernel)
 
 # Where the TMA variant runs (no gather, unit inner strides, 16-byte row strides, CUDA sm90+ or the
-# interpreter): "never" (default until a GPU measures it against the pointer kernel), "always" (benchmarks,
-# tests); it starts as MOEKIT_TMA says (_tma.TMA_ENV). A Triton without tl.make_tensor_descriptor, or one
-# that cannot build it here, falls back with a warning.
+# interpreter): "auto" (the default: on CUDA), "never", "always" (also in the interpreter: tests); it starts
+# as MOEKIT_TMA says (_tma.TMA_ENV). A Triton without tl.make_tensor_descriptor, or one that cannot build it
+# here, falls back with a warning.
 WGRAD_TMA = tma_default()
 _TMA_FAILURE: list[str] = []
 
@@ -185,7 +185,7 @@ def grouped_mm_wgrad(x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor,
         return dw.zero_()
     grid = lambda meta: (e * triton.cdiv(k, meta["BLOCK_K"]) * triton.cdiv(n, meta["BLOCK_N"]),)
     check_tma_mode(WGRAD_TMA, "grouped_mm_wgrad.WGRAD_TMA")
-    if WGRAD_TMA == "always" and not why_not_tma(x, dy, gather_index):
+    if tma_wanted(WGRAD_TMA, x.device) and not why_not_tma(x, dy, gather_index):
         set_tma_allocator(x.device)
         if try_tma_launch(lambda: GROUPED_MM_WGRAD_TMA[grid](
             x, dy, dw, offs, m, k, n, e,

@@ -53,8 +53,8 @@ grouped_gemm_quick
                 grouped_gemm's 4 shapes at 8192 tokens, uniform routing, one round: the triton_tma peer
                 against triton and torch in about half the default step's time; writes grouped_gemm.json
                 (use it instead of grouped_gemm)                                            (cap 120 s)
-train_mfu_tma   tools/bench/train_mfu.py, compile off, 12 steps, the Triton experts without and with
-                MOEKIT_TMA=always: TMA's end-to-end effect; writes train_mfu.json          (what is left)
+train_mfu_tma   tools/bench/train_mfu.py, compile off, 12 steps, the Triton experts with MOEKIT_TMA=never and
+                always: TMA's end-to-end effect; writes train_mfu.json                     (what is left)
 EOF
 }
 

@@ -8,13 +8,14 @@ Workloads (each timed forward, and forward+backward with all gradients):
   gemm1  the first expert projection only: [M, H] @ w_in[e] [H, 2F] (SwiGLU width), M = tokens * k
   mlp    the whole SwiGLU expert MLP: swiglu(x @ w_in[e]) @ w_out[e]
 Implementations, timed in the same run:
-  triton        moe.kernels (gemm1: grouped_mm; mlp: expert_mlp variant="fused")
-  triton_plain  mlp only: expert_mlp variant="plain" (two grouped GEMMs, torch SwiGLU between)
+  triton        moe.kernels (gemm1: grouped_mm; mlp: expert_mlp variant="fused"), the pointer kernels
+                (MOEKIT_TMA=never)
+  triton_plain  mlp only: expert_mlp variant="plain" (two grouped GEMMs, torch SwiGLU between), pointer kernels
   torch_grouped torch.nn.functional.grouped_mm
   loop          one torch matmul per expert (host sync on the counts, like the "loop" backend)
   dense         one dense matmul (chain) of the same FLOPs: the roofline-ish ceiling
-  triton_tma    triton with every TMA kernel variant (what MOEKIT_TMA=always turns on), bf16 / fp16 on
-                sm90+: the persistent forward / dX grouped GEMM (moe.kernels.grouped_mm.GEMM_TMA), the
+  triton_tma    triton with every TMA kernel variant (MOEKIT_TMA=always; what the default, auto, runs on a
+                CUDA device), bf16 / fp16 on sm90+: the persistent forward / dX grouped GEMM (moe.kernels.grouped_mm.GEMM_TMA), the
                 weight gradient's (grouped_mm_wgrad.WGRAD_TMA) and the fused up-projection / dact kernels'
                 descriptor loads (expert_mlp.MLP_TMA). float32 (--smoke on CPU) runs the weight
                 gradient's variant only
@@ -144,16 +145,19 @@ def build_impls(workload: str, x, w_in, w_out, counts, has_torch_gmm: bool, floa
             impls["float8"] = lambda: fp8.float8_mlp(x, counts_dev, w_in, w_out, "swiglu")
     wgrad = sys.modules[kernels.grouped_mm_wgrad.__module__]
     gmm, mlp = sys.modules[kernels.grouped_mm.__module__], sys.modules[kernels.expert_mlp.__module__]
+    for name in ("triton", "triton_plain"):  # the pointer kernels, whatever MOEKIT_TMA says
+        if name in impls:
+            impls[name] = _InContext(impls[name], lambda: _all_tma(gmm, wgrad, mlp, "never"))
     if not wgrad.why_not_tma(x, x, None):  # the forward-type variants also need 16-bit data: else triton's run
-        impls["triton_tma"] = _InContext(tma_fwd, lambda: _all_tma(gmm, wgrad, mlp))
+        impls["triton_tma"] = _InContext(tma_fwd, lambda: _all_tma(gmm, wgrad, mlp, "always"))
     assert f2 % 2 == 0 and m >= 0 and h > 0
     return impls
 
 
 @contextlib.contextmanager
-def _all_tma(gmm, wgrad, mlp):
-    with mock.patch.object(gmm, "GEMM_TMA", "always"), mock.patch.object(wgrad, "WGRAD_TMA", "always"), \
-            mock.patch.object(mlp, "MLP_TMA", "always"):
+def _all_tma(gmm, wgrad, mlp, mode: str):
+    with mock.patch.object(gmm, "GEMM_TMA", mode), mock.patch.object(wgrad, "WGRAD_TMA", mode), \
+            mock.patch.object(mlp, "MLP_TMA", mode):
         yield
 
 

@@ -69,9 +69,10 @@ def parse_args(argv):
                    "(default: off on; smoke: off)")
     p.add_argument("--backends", nargs="+", default=["auto"],
                    help=f"expert backends (model.expert_backend): {', '.join(available_backends())}")
-    p.add_argument("--tma", nargs="+", choices=["off", "on"], default=["off"],
-                   help="the Triton experts' TMA kernel variants (MOEKIT_TMA=always for 'on', never for 'off'; "
-                        "bf16 on sm90+ only) for each configuration: 'off on' times both in one run (default off)")
+    p.add_argument("--tma", nargs="+", choices=["auto", "off", "on"], default=["auto"],
+                   help="the Triton experts' TMA kernel variants for each configuration (MOEKIT_TMA=auto, never "
+                        "for 'off', always for 'on'; they run in bf16 on sm90+ only, where auto turns them on): "
+                        "'off on' times both in one run (default auto, what a training run gets)")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                    help="auto = bf16 autocast on CUDA, fp32 on CPU (the trainer's default)")
@@ -212,13 +213,17 @@ def add_rates(row: dict, acct: dict, peak: float | None) -> dict:
     return row
 
 
-def run_config(args, extra, compile_on: bool, backend: str, root: Path, tma: bool = False) -> dict:
+TMA_ENV_VALUE = {"auto": "auto", "off": "never", "on": "always"}  # --tma -> MOEKIT_TMA
+TMA_SUFFIX = {"auto": "", "off": "-notma", "on": "-tma"}  # --tma -> the configuration's name
+
+
+def run_config(args, extra, compile_on: bool, backend: str, root: Path, tma: str = "auto") -> dict:
     from moekit.train.records import read_metrics
 
-    name = f"{backend}-compile-{'on' if compile_on else 'off'}{'-tma' if tma else ''}"
+    name = f"{backend}-compile-{'on' if compile_on else 'off'}{TMA_SUFFIX[tma]}"
     run_dir = root / name
     print(f"[train_mfu] {name}: {args.steps} steps of {args.batch_size} x {args.seq_len} tokens ...", flush=True)
-    env = dict(os.environ, MOEKIT_TMA="always" if tma else "never")  # explicit: not inherited from the caller
+    env = dict(os.environ, MOEKIT_TMA=TMA_ENV_VALUE[tma])  # explicit: not inherited from the caller
     if compile_on:  # a recompile per block in the timed steps would show in tokens/s: count them
         env["TORCH_LOGS"] = ",".join(filter(None, [env.get("TORCH_LOGS"), "recompiles"]))
     rc, wall, log = run_trainer(trainer_args(args, extra, compile_on, backend, str(run_dir)), run_dir, args.timeout,
@@ -311,7 +316,7 @@ def main(argv=None) -> int:
         root = Path(args.run_root or tmp)
         for backend in args.backends:
             for c, t in itertools.product(args.compile, args.tma):
-                rows.append(run_config(args, extra, c == "on", backend, root, tma=t == "on"))
+                rows.append(run_config(args, extra, c == "on", backend, root, tma=t))
                 print(progress_line(rows[-1]), flush=True)
                 # partial results on disk after every configuration: a run killed later keeps them
                 write_json(args.out, {**payload, "partial": True, "results": rows})
