@@ -142,6 +142,30 @@ def test_summary_reads_targets(tmp_path):
     assert status["MoE layer: router forward+backward free of host syncs (1 = none)"] == "met"
 
 
+def test_summary_dispatch_by_wall_clock_and_by_kernel_time(tmp_path):
+    """Each dispatch op: moekit / copy by wall clock, then by the op's GPU kernel time against the same
+    config's copy (the small-op case where the kernel runs at copy speed and the isolated call's host time
+    makes the wall-clock ratio miss); rows without a profile give no kernel line."""
+    def row(op, impl, ms, vs_copy=None, kernel_ms=None, config="mixtral"):
+        return {"config": config, "tokens": 16384, "op": op, "impl": impl, "median_ms": ms, "vs_copy": vs_copy,
+                **({"kernel_ms": kernel_ms} if kernel_ms is not None else {})}
+
+    results = [row("dispatch_bwd", "copy", 0.134, 1.0), row("dispatch_bwd", "moekit", 0.343, 0.39, 0.136),
+               row("dispatch_bwd", "copy", 0.7, 1.0, config="ds"), row("dispatch_bwd", "moekit", 0.71, 0.98, 1.4, "ds"),
+               row("combine_fwd", "copy", 0.135, 1.0), row("combine_fwd", "moekit", 0.208, 0.65)]
+    (tmp_path / "dispatch_bandwidth.json").write_text(json.dumps({"results": results}))
+    assert suite_summary.main([str(tmp_path)]) == 0
+    targets = json.loads((tmp_path / "summary.json").read_text())["targets"]
+    names = [t["target"] for t in targets]
+    at = names.index("local dispatch_bwd: moekit GB/s / plain copy GB/s")
+    wall, kernel = targets[at], targets[at + 1]
+    assert wall["status"] == "missed" and wall["worst"] == pytest.approx(0.39)
+    assert kernel["target"].startswith("  the same by GPU kernel time") and kernel["status"] == "missed"
+    assert kernel["worst"] == pytest.approx(0.5) and kernel["median"] == pytest.approx((0.5 + 0.134 / 0.136) / 2)
+    combine = targets[names.index("local combine_fwd: moekit GB/s / plain copy GB/s") + 1]
+    assert combine["status"] == "no data"
+
+
 def test_summary_help_and_bad_folders(tmp_path, capsys):
     """--help says what it reads and prints (it used to be taken for a folder); a missing folder or a file is one
     line and exit status 2, with nothing written; a corrupt input is named in a note, not passed over."""
