@@ -361,6 +361,35 @@ PRESETS: dict[str, ModelConfig] = {
         partial_rotary_factor=0.5, aux_loss_coeff=0.0,
         router_options={"score": "sigmoid", "expert_bias": True, "normalize": True, "bias_update_rate": 0.001},
     ),
+    # DeepSeek-V3 itself (671B total, 37B active; the multi-token-prediction layer not counted): MLA with a
+    # 1536-rank query and 512-rank key/value compression, 256 experts of width 2048 in 8 groups (top-4 groups
+    # by their top-2 scores), top-8 sigmoid with selection bias scaled by 2.5, one shared expert, 3 dense first
+    # layers, YaRN x40 from 4k. Its checkpoint imports as deepseek_v3 (models/hf), fp8 included.
+    "deepseek-v3": ModelConfig(
+        name="deepseek-v3", vocab_size=129280, hidden_size=7168, num_layers=61, num_heads=128, num_kv_heads=128,
+        head_dim=0, attention="mla", q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, max_seq_len=163840, rope_theta=10000.0, norm_eps=1e-6,
+        rope_scaling={"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+                      "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+        ffn_hidden_size=18432, num_experts=256, moe_ffn_hidden_size=2048, shared_ffn_hidden_size=2048,
+        first_dense_layers=3, top_k=8, aux_loss_coeff=0.0,
+        router_options={"score": "sigmoid", "expert_bias": True, "normalize": True, "num_groups": 8,
+                        "group_top_k": 4, "group_score_top": 2, "scaling": 2.5, "bias_update_rate": 0.001},
+    ),
+    # Kimi K2 (Moonshot AI; 1T total, 32B active): DeepSeek-V3's architecture with 64 heads, 384 experts in
+    # one group, routed scaling 2.827, one dense first layer, YaRN x32 from 4k. Its checkpoint (model_type
+    # kimi_k2) imports as deepseek_v3.
+    "kimi-k2": ModelConfig(
+        name="kimi-k2", vocab_size=163840, hidden_size=7168, num_layers=61, num_heads=64, num_kv_heads=64,
+        head_dim=0, attention="mla", q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, max_seq_len=131072, rope_theta=50000.0, norm_eps=1e-6,
+        rope_scaling={"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
+                      "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+        ffn_hidden_size=18432, num_experts=384, moe_ffn_hidden_size=2048, shared_ffn_hidden_size=2048,
+        first_dense_layers=1, top_k=8, aux_loss_coeff=0.0,
+        router_options={"score": "sigmoid", "expert_bias": True, "normalize": True, "scaling": 2.827,
+                        "bias_update_rate": 0.001},
+    ),
     # 1.02B total / 0.34B active, Mixtral-style (8 experts top-2, F = 3H), sized to train on one 80 GB GPU
     # (tools/bench/train_mfu.py). Shapes favour GPU efficiency: every width a multiple of 128, head dim
     # 128, and wide experts, because the per-token glue (norms, RoPE, dispatch, combine) grows with H

@@ -316,6 +316,34 @@ def check_tokenizer(folder: Path, tokenizer_files: Path, eos: str = "<|endoftext
     assert tok.eos_token == eos
 
 
+def test_kimi_k2_imports_as_deepseek_v3_and_exports_for_transformers(tmp_path):
+    """Kimi K2 is DeepseekV3ForCausalLM under model_type "kimi_k2" with a remote-code tiktoken tokenizer: it
+    imports as deepseek_v3 (transformers' logits), records that family, and exports a folder transformers
+    loads without remote code; the tokenizer's files and the code its auto_map names come along."""
+    src, out = tmp_path / "kimi", tmp_path / "out"
+    hf = hf_family_model(src, "deepseek_v3", dict(MLA, q_lora_rank=16, first_k_dense_replace=1, num_hidden_layers=3,
+                                                  n_group=1, topk_group=1, num_experts_per_tok=3,
+                                                  routed_scaling_factor=2.827))
+    edit_config(src, model_type="kimi_k2", auto_map={"AutoConfig": "configuration_deepseek.DeepseekV3Config"})
+    (src / "tiktoken.model").write_bytes(torch.randint(0, 256, (300,), dtype=torch.uint8).numpy().tobytes())
+    (src / "tokenization_kimi.py").write_text("# the tokenizer's remote code\n")
+    (src / "tokenizer_config.json").write_text(json.dumps({"auto_map": {"AutoTokenizer": [
+        "tokenization_kimi.TikTokenTokenizer", None], "AutoProcessor": "other/repo--processing.P"}}))
+    model = load_hf(src)
+    toks = tokens()
+    with torch.no_grad():
+        assert rel_err(model(toks), hf_logits(hf, toks)) < 1e-5
+    assert model.config.name == "hf:deepseek_v3" and model.hf_family == "deepseek_v3"
+    save_hf(model, out)
+    assert json.loads((out / "config.json").read_text())["model_type"] == "deepseek_v3"
+    back = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(back) is type(hf)
+    assert rel_err(hf_logits(back, toks), hf_logits(hf, toks)) < 1e-5
+    for name in ("tiktoken.model", "tokenization_kimi.py", "tokenizer_config.json"):
+        assert (out / name).read_bytes() == (src / name).read_bytes(), name
+    assert not (out / "processing.py").exists()
+
+
 def add_mtp_layer(folder: Path, layer: int) -> None:
     """Tensors of a DeepSeek-V3 multi-token-prediction layer, as the released checkpoints carry them."""
     def add(t: dict) -> None:

@@ -80,6 +80,53 @@ def test_published_parameter_counts():
     embeddings = 2 * 151552 * 4096
     assert 106.0 <= glm.params / 1e9 < 107.0
     assert (glm.active_params - embeddings) / 1e9 == pytest.approx(12.0, abs=0.25)
+    # DeepSeek-V3: 671B total, 37B active (DeepSeek-AI 2024; without the 14B multi-token-prediction module);
+    # Kimi K2: "1 trillion total parameters, 32 billion activated" (Moonshot AI 2025)
+    ds, kimi = model_stats(preset("deepseek-v3")), model_stats(preset("kimi-k2"))
+    assert ds.params / 1e9 == pytest.approx(671.0, abs=0.5) and ds.active_params / 1e9 == pytest.approx(37.0, abs=0.6)
+    assert 1000 <= kimi.params / 1e9 < 1050 and kimi.active_params / 1e9 == pytest.approx(32.0, abs=0.9)
+
+
+# config.json of the releases (the fields that shape the model), as published on the Hub
+DEEPSEEK_V3_RELEASE = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "attention_bias": False,
+    "first_k_dense_replace": 3, "hidden_act": "silu", "hidden_size": 7168, "intermediate_size": 18432,
+    "kv_lora_rank": 512, "max_position_embeddings": 163840, "moe_intermediate_size": 2048, "moe_layer_freq": 1,
+    "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 128,
+    "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 128, "num_nextn_predict_layers": 1,
+    "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06,
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                            "weight_block_size": [128, 128]},
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "tie_word_embeddings": False,
+    "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "v_head_dim": 128, "vocab_size": 129280}
+KIMI_K2_RELEASE = {
+    **DEEPSEEK_V3_RELEASE, "model_type": "kimi_k2", "first_k_dense_replace": 1, "max_position_embeddings": 131072,
+    "n_group": 1, "n_routed_experts": 384, "num_attention_heads": 64, "num_key_value_heads": 64,
+    "num_nextn_predict_layers": 0, "topk_group": 1, "routed_scaling_factor": 2.827, "rope_theta": 50000.0,
+    "vocab_size": 163840, "rope_scaling": {"beta_fast": 1.0, "beta_slow": 1.0, "factor": 32.0, "mscale": 1.0,
+                                           "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                                           "type": "yarn"},
+    "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV3Config",
+                 "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"}}
+
+
+@pytest.mark.parametrize("name,release", [("deepseek-v3", DEEPSEEK_V3_RELEASE), ("kimi-k2", KIMI_K2_RELEASE)])
+def test_real_presets_are_what_the_release_config_imports_as(tmp_path, name, release):
+    """The deepseek-v3 and kimi-k2 presets are the models their checkpoints load into (the forward's fields,
+    routing included; the bias update rate is a training setting), so a dry run of the preset plans the run
+    that --init-from-hf will make. Kimi K2's model_type imports as deepseek_v3."""
+    import json
+
+    from moekit.models.hf import MATH_FIELDS, config_from_hf
+
+    (tmp_path / "config.json").write_text(json.dumps(release))
+    imported, mine = config_from_hf(tmp_path), preset(name)
+    for field in (*MATH_FIELDS, "first_dense_layers", "max_seq_len"):
+        assert getattr(imported, field) == getattr(mine, field), field
+    assert imported.router_options == {k: v for k, v in mine.router_options.items() if k != "bias_update_rate"}
+    assert imported.name == "hf:deepseek_v3"
 
 
 def test_flops_per_token_formula():

@@ -247,7 +247,8 @@ def save_mixtral(model: Transformer, path: str | Path, *, dtype: torch.dtype | N
 def _imported_tokenizer(model: Transformer) -> Path | None:
     """The folder ``model`` was imported from, when it still holds a tokenizer."""
     source = getattr(model, "hf_source", None)
-    if source is not None and any((Path(source) / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
+    if source is not None and any((Path(source) / f).is_file() for f in ("tokenizer.json", "tokenizer.model",
+                                                                          "tiktoken.model")):
         return Path(source)
     return None
 

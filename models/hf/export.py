@@ -323,7 +323,8 @@ def zero_fill(model, family: str, dtype: torch.dtype) -> dict[str, Tensor]:
 # What AutoTokenizer / generate read from a model folder, copied as they are.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model", "chat_template.jinja",
-                   "chat_template.json", "generation_config.json")
+                   "chat_template.json", "generation_config.json", "tiktoken.model")
+VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "tiktoken.model")  # any makes one
 RUN_TOKENIZER_INFO = "tokenizer_info.json"  # a moekit run directory's record (moekit.train.tokens.record_tokenizer)
 TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 BYTE_EOS = "<|endoftext|>"
@@ -353,8 +354,8 @@ def check_tokenizer_source(src: str | Path, what: str | None = None, flag: str =
                              f"of the tokenizer the data were made with")
         return "run"
     found = [name for name in TOKENIZER_FILES if (src / name).is_file()]
-    if not any(name in found for name in ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")):
-        raise ValueError(f"{what}: no tokenizer files (looked for {', '.join(TOKENIZER_FILES[:8])}); pass {flag} "
+    if not any(name in found for name in VOCABULARY_FILES):
+        raise ValueError(f"{what}: no tokenizer files (looked for {', '.join(VOCABULARY_FILES)}); pass {flag} "
                          f"the folder the tokenizer lies in, or a moekit run directory (tokenizer_info.json)")
     return "hf"
 
@@ -369,11 +370,26 @@ def copy_tokenizer(src: str | Path, out: Path, model_vocab: int, max_len: int) -
     src = Path(src)
     if check_tokenizer_source(src) == "run":
         return _run_tokenizer(src, out, model_vocab, max_len)
-    for name in TOKENIZER_FILES:
+    for name in (*TOKENIZER_FILES, *_tokenizer_code(src)):
         if (src / name).is_file() and (src / name).resolve() != (out / name).resolve():  # exporting into its source
             shutil.copyfile(src / name, out / name)
     config = _read_json(src / "config.json") if (src / "config.json").is_file() else {}
     return {k: config[k] for k in TOKEN_ID_FIELDS if k in config}
+
+
+def _tokenizer_code(src: Path) -> list[str]:
+    """The Python files a remote-code tokenizer needs (tokenizer_config.json's ``auto_map``, e.g. Kimi K2's
+    ``tokenization_kimi.TikTokenTokenizer`` -> tokenization_kimi.py), so the copy loads as the source does with
+    ``trust_remote_code=True``. Only plain module names of this folder; a reference into another repository
+    ("org/repo--module.Class") names no file here."""
+    path = src / "tokenizer_config.json"
+    settings = _read_json(path) if path.is_file() else {}
+    auto_map = settings.get("auto_map") if isinstance(settings, dict) else None
+    refs: list = []
+    for value in auto_map.values() if isinstance(auto_map, dict) else ():
+        refs.extend(value if isinstance(value, list) else [value])
+    names = {r.rsplit(".", 1)[0] + ".py" for r in refs if isinstance(r, str) and "." in r and "--" not in r}
+    return sorted(n for n in names if "/" not in n and (src / n).is_file())
 
 
 def _read_json(path: Path) -> Any:

@@ -32,6 +32,7 @@ from typing import Any
 
 from moekit.models.config import ROPE_SCALINGS, ModelConfig
 from moekit.models.hf import fp8
+from moekit.models.hf.io import MODEL_TYPE_ALIASES
 from moekit.models.hf.weights import Naming
 
 HF_NAME_PREFIX = "hf:"
@@ -348,8 +349,9 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
 def family(hf: dict, path) -> Family:
     model_type = hf.get("model_type")
     if model_type not in FAMILIES:
+        aliases = ", ".join(f"{a} (as {f})" for a, f in sorted(MODEL_TYPE_ALIASES.items()))
         raise ValueError(f"{path}/config.json: model_type={model_type!r} is not supported; moekit imports "
-                         f"{sorted(FAMILIES)}")
+                         f"{sorted(FAMILIES)}, and {aliases}")
     return FAMILIES[model_type]
 
 

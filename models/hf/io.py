@@ -35,6 +35,10 @@ INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on the JSON header
 DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # config.json "dtype"
+# model_types that are another family's architecture under their own name: read as that family, so the
+# import, the sharded load and the export (a folder transformers reads without remote code) all follow it.
+# Kimi K2 / K2-Instruct: DeepseekV3ForCausalLM with model_type "kimi_k2" and a tiktoken tokenizer (remote code).
+MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,9 @@ def read_config(folder: str | Path) -> dict:
         raise ValueError(f"{path}: not valid JSON ({exc})") from None
     if not isinstance(config, dict):
         raise ValueError(f"{path}: holds a JSON {type(config).__name__}, not the object of a model config")
+    alias = config.get("model_type")
+    if isinstance(alias, str) and alias in MODEL_TYPE_ALIASES:  # the family it is (module constant above)
+        config = {**config, "model_type": MODEL_TYPE_ALIASES[alias], "moekit_model_type_alias": alias}
     return config
 
 
