@@ -220,6 +220,13 @@ def test_hf_tokenizer_contract(tmp_path):
     assert load_tokenizer(tmp_path / "hf", 320, hf=True).eos_ids == (1, 0)
     with pytest.raises(UserError, match="token ids but the model's vocab_size is 256"):
         load_tokenizer(tmp_path / "hf", 256, hf=True)
+    for other in ("tiktoken.model", "tokenizer.model"):  # Kimi K2, sentencepiece: never byte tokens instead
+        folder = tmp_path / other
+        folder.mkdir()
+        (folder / other).write_bytes(b"\0" * 16)
+        with pytest.raises(UserError, match=rf"the tokenizer is {other} with no tokenizer.json"):
+            load_tokenizer(folder, 320, hf=True)
+        assert load_tokenizer(folder, 320).kind == "bytes"  # a run directory's contract: bytes without the file
     run = tmp_path / "run"  # a run directory: tokenizer_info.json names the EOS and pins the file's digest
     run.mkdir()
     shutil.copy(path, run / "tokenizer.json")

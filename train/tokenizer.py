@@ -138,6 +138,11 @@ def _tokenizer_info(folder: Path) -> dict | None:
     return info
 
 
+# An HF folder's tokenizer in a format other than tokenizer.json (sentencepiece, tiktoken, WordPiece / BPE vocab
+# files): its model is not a byte model, so ``load_tokenizer`` refuses it rather than falling back to bytes
+OTHER_TOKENIZER_FILES = ("tokenizer.model", "spiece.model", "tiktoken.model", "vocab.json", "vocab.txt")
+
+
 def load_tokenizer(folder: Path, model_vocab: int, hf: bool = False) -> Tokenizer:
     """The tokenizer of ``folder`` by the contract above. ``hf``: an HF model folder (EOS from its configs,
     BOS added by encode as transformers does)."""
@@ -145,6 +150,12 @@ def load_tokenizer(folder: Path, model_vocab: int, hf: bool = False) -> Tokenize
     eos = _eos(info.get("eos_id"), model_vocab, folder / TOKENIZER_INFO) if info is not None else ()
     tok_file = folder / TOKENIZER_FILE
     if not tok_file.is_file():
+        others = [name for name in OTHER_TOKENIZER_FILES if (folder / name).is_file()]
+        if hf and others:  # the model has a tokenizer, in a format read here only through tokenizer.json
+            raise UserError(f"{folder}: the tokenizer is {', '.join(others)} with no {TOKENIZER_FILE}, the one format "
+                            f"moekit reads; write one with transformers, AutoTokenizer.from_pretrained(folder)"
+                            f".save_pretrained(folder), where the tokenizer has a fast version. Byte tokens would be "
+                            f"the wrong tokens for this model")
         if model_vocab < 256:
             raise UserError(f"{folder}: no {TOKENIZER_FILE}, so the text is byte tokens, but the model's vocab_size "
                             f"is {model_vocab} < 256; add the tokenizer.json the model was trained with")
