@@ -128,19 +128,19 @@ def attention_tensors(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], int 
     H, N = cfg.hidden_size, cfg.num_heads
     if cfg.attention == "mla":
         qk, v, rope, c = cfg.attn_qk_head_dim, cfg.v_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
-        q = ([("attention", (cfg.q_lora_rank, H), None), ("attention", (cfg.q_lora_rank,), None),
+        q = ([("attention", (cfg.q_lora_rank, H), None), ("norms", (cfg.q_lora_rank,), None),
               ("attention", (N * qk, cfg.q_lora_rank), 0)] if cfg.q_lora_rank else [("attention", (N * qk, H), 0)])
-        return q + [("attention", (c + rope, H), None), ("attention", (c,), None),
+        return q + [("attention", (c + rope, H), None), ("norms", (c,), None),
                     ("attention", (N * (cfg.qk_nope_head_dim + v), c), 0), ("attention", (H, N * v), 1)]
     K, D = cfg.num_kv_heads, cfg.attn_head_dim
     out = [("attention", (N * D, H), 0), ("attention", (K * D, H), 0), ("attention", (K * D, H), 0),
            ("attention", (H, N * D), 1)]
     if cfg.attention_bias:
         out += [("attention", (N * D,), 0), ("attention", (K * D,), 0), ("attention", (K * D,), 0)]
-    if cfg.qk_norm == "head":
-        out += [("attention", (D,), None), ("attention", (D,), None)]
+    if cfg.qk_norm == "head":  # the norms inside attention count as norms, as dryrun.part_of files them
+        out += [("norms", (D,), None), ("norms", (D,), None)]
     elif cfg.qk_norm == "full":
-        out += [("attention", (N * D,), None), ("attention", (K * D,), None)]
+        out += [("norms", (N * D,), None), ("norms", (K * D,), None)]
     return out
 
 
