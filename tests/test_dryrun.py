@@ -1,12 +1,10 @@
 """--dry-run plans big layouts on one CPU; moekit.train.planning.memory's estimate matches memory measured on real runs."""
 import dataclasses
 import gc
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
