@@ -83,6 +83,39 @@ def test_tma_configurations_set_the_variable_explicitly(monkeypatch, tmp_path):
     assert train_mfu.parse_args(["--smoke"])[0].tma == ["auto"]
 
 
+def test_a_configuration_cut_by_its_timeout_keeps_the_steps_it_finished(monkeypatch, tmp_path, capsys):
+    """--timeout kills the trainer (status 124): the steps in metrics.jsonl past the warm-up still give a row,
+    marked partial (a torn last line is left out); too few steps, or a missing file, are a failed row with the
+    reason; a trainer that died of anything else is failed whatever it recorded."""
+    records = _records([10.0, 3.0, 1.0, 1.0, 1.0], 1000)
+    torn = "\n".join(json.dumps(r) for r in records) + '\n{"step": 6, "loss'
+
+    def fake(text, rc=124):
+        def run(argv, run_dir, timeout, env):
+            run_dir.mkdir(parents=True, exist_ok=True)
+            if text is not None:
+                (run_dir / "metrics.jsonl").write_text(text)
+            return rc, timeout, "killed"
+        return run
+
+    args, extra = train_mfu.parse_args(["--smoke", "--steps", "8", "--warmup", "2", "--timeout", "30"])
+    args.batch_size, args.seq_len = 10, 100  # 1000 tokens a step, as _records
+    monkeypatch.setattr(train_mfu, "run_trainer", fake(torn))
+    row = train_mfu.run_config(args, extra, False, "auto", tmp_path / "a")
+    assert row["status"] == "partial: timeout after 5 of 8 steps" and row["steps_timed"] == 3
+    assert row["tokens_per_s"] == pytest.approx(3000 / 3.03) and train_mfu.measured(row)
+    assert "kept" in capsys.readouterr().err
+    for text, why in (("\n".join(json.dumps(r) for r in records[:3]), "only 3 steps recorded"),
+                      (None, "it recorded no step")):
+        monkeypatch.setattr(train_mfu, "run_trainer", fake(text))
+        row = train_mfu.run_config(args, extra, False, "auto", tmp_path / why.replace(" ", "_"))
+        assert row["status"] == "failed" and "status 124 (timeout), and" in row["error"] and why in row["error"]
+    monkeypatch.setattr(train_mfu, "run_trainer", fake(torn, rc=1))
+    row = train_mfu.run_config(args, extra, False, "auto", tmp_path / "b")
+    assert row["status"] == "failed" and row["error"].startswith("train.py exited with status 1")
+    assert not train_mfu.measured(row)
+
+
 def _one_line(capsys) -> str:
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import statistics
 import subprocess
@@ -217,7 +218,24 @@ TMA_ENV_VALUE = {"auto": "auto", "off": "never", "on": "always"}  # --tma -> MOE
 TMA_SUFFIX = {"auto": "", "off": "-notma", "on": "-tma"}  # --tma -> the configuration's name
 
 
+def finished_steps(run_dir: Path) -> list[dict]:
+    """metrics.jsonl of a trainer killed by the timeout: every complete record (the kill may have torn the last)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise ValueError(f"it recorded no step ({path} is missing)")
+    out = []
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    for i, line in enumerate(lines):
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i != len(lines) - 1:
+                raise ValueError(f"{path}:{i + 1}: not JSON") from None
+    return out
+
+
 def run_config(args, extra, compile_on: bool, backend: str, root: Path, tma: str = "auto") -> dict:
+    from moekit.train import UserError
     from moekit.train.records import read_metrics
 
     name = f"{backend}-compile-{'on' if compile_on else 'off'}{TMA_SUFFIX[tma]}"
@@ -231,13 +249,22 @@ def run_config(args, extra, compile_on: bool, backend: str, root: Path, tma: str
     row = {"config": name, "compile": compile_on, "tma": tma, "expert_backend_requested": backend, "exit_status": rc,
            "wall_s": wall, "run_dir": str(run_dir) if args.run_root else None}  # a temporary one is removed
     try:
+        if rc == 124:  # cut by --timeout: the steps it finished still measure, if enough ran past the warm-up
+            try:
+                row.update(summarize(finished_steps(run_dir), args.warmup, args.batch_size * args.seq_len))
+            except (ValueError, OSError, KeyError) as exc:
+                raise ValueError(f"train.py exited with status 124 (timeout), and {exc}") from None
+            row["status"] = f"partial: timeout after {row['steps_timed'] + args.warmup} of {args.steps} steps"
+            print(f"[train_mfu] {name}: --timeout {args.timeout:.0f} s cut the run; its {row['steps_timed']} timed "
+                  f"steps are kept", file=sys.stderr, flush=True)
+            return row
         if rc != 0:
-            raise ValueError(f"train.py exited with status {rc}" + (" (timeout)" if rc == 124 else ""))
+            raise ValueError(f"train.py exited with status {rc}")
         row.update(summarize(read_metrics(run_dir), args.warmup, args.batch_size * args.seq_len))
         if compile_on:
             row.update(compile_diagnostics(log))
         row["status"] = "ok"
-    except (ValueError, OSError, KeyError) as exc:
+    except (ValueError, OSError, KeyError, UserError) as exc:
         tail = "\n".join(log.strip().splitlines()[-15:])
         print(f"[train_mfu] {name} failed: {exc}\n{tail}", file=sys.stderr, flush=True)
         row.update(status="failed", error=f"{exc}; log tail: {tail[-2000:]}")
@@ -272,9 +299,14 @@ COLUMNS = [("config", "configuration", ""), ("expert_backend", "experts", ""), (
            ("warmup_overhead_s", "compile/warm-up s", ".1f"), ("status", "status", "")]
 
 
+def measured(row: dict) -> bool:
+    """A row with numbers: a run that finished, or one its timeout cut after enough steps ("partial: ...")."""
+    return row["status"] == "ok" or row["status"].startswith("partial")
+
+
 def progress_line(row: dict) -> str:
     """One line per finished configuration, so a run cut short still shows what it measured."""
-    if row["status"] != "ok":
+    if not measured(row):
         return f"[train_mfu] {row['config']}: failed ({row['error'].split(';')[0]})"
     mfu = row["trainer_mfu_median"]
     return (f"[train_mfu] {row['config']}: {row['tokens_per_s']:,.0f} tokens/s, step {row['step_ms_median']:.0f} ms, "
@@ -292,7 +324,7 @@ def finish(rows: list[dict], cfg, acct: dict, args, device: torch.device, dtype:
     for row in rows:
         row["expert_backend"] = resolved_backend(cfg, row["expert_backend_requested"], device, dtype)
         row.update(flops_per_token=acct["flops_per_token"], peak_tflops=peak / 1e12 if peak else None)
-        if row["status"] == "ok":
+        if measured(row):
             add_rates(row, acct, peak)
     return peak
 
