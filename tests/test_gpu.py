@@ -435,14 +435,27 @@ def test_compiled_bf16_training_matches_eager():
 
 
 @pytest.mark.skipif(ON != "cuda", reason="pinning a config only matters compiled (the interpreter has one config)")
-def test_every_candidate_tile_config_matches_float64():
+@pytest.mark.parametrize("tma", ["never", "always"])
+def test_every_candidate_tile_config_matches_float64(monkeypatch, tma):
     """Each kernel's every autotune candidate, pinned in turn (Kernel.pinned), in the fused SwiGLU MLP's
     forward and backward: the tier otherwise runs with MOEKIT_AUTOTUNE=first, so this is where the other
-    configs' tails, masks and pipelining are checked. bf16, a ragged layout with empty experts."""
+    configs' tails, masks and pipelining are checked. bf16, a ragged layout with empty experts. Both kernel
+    families: the pointer kernels, and the TMA variants (the default on sm90+), whose grouped GEMM and weight
+    gradient are Kernel objects of their own (pinning the pointer kernel's config does not reach them)."""
+    import importlib
+
     from moekit.moe.kernels import expert_mlp, expert_mlp_ref
     from moekit.moe.kernels.expert_mlp import EXPERT_DOWN_DACT, EXPERT_UP_ACT
-    from moekit.moe.kernels.grouped_mm import GROUPED_MM
-    from moekit.moe.kernels.grouped_mm_wgrad import GROUPED_MM_WGRAD
+
+    modules = {m: importlib.import_module(f"moekit.moe.kernels.{m}") for m in ("grouped_mm", "grouped_mm_wgrad",
+                                                                               "expert_mlp")}
+    for module, switch in (("grouped_mm", "GEMM_TMA"), ("grouped_mm_wgrad", "WGRAD_TMA"), ("expert_mlp", "MLP_TMA")):
+        monkeypatch.setattr(modules[module], switch, tma)
+    if tma == "always" and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the TMA variants need sm90+")
+    suffix = "_TMA" if tma == "always" else ""
+    GROUPED_MM = getattr(modules["grouped_mm"], "GROUPED_MM" + suffix)
+    GROUPED_MM_WGRAD = getattr(modules["grouped_mm_wgrad"], "GROUPED_MM_WGRAD" + suffix)
 
     counts, extra = [300, 0, 1, 517, 0, 129], 11
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
