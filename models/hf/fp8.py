@@ -153,9 +153,17 @@ def dequantize(weight: Tensor, scale: Tensor, block: tuple[int, int], start: tup
     """float32 values of a float8 ``weight`` slice whose first element is at (row, col) = ``start`` of the whole
     tensor; ``scale`` holds the scale blocks that cover it (``scale_index``), starting at the block of ``start``."""
     r0, c0 = start
-    rows = torch.arange(r0, r0 + weight.shape[-2]) // block[0] - r0 // block[0]
-    cols = torch.arange(c0, c0 + weight.shape[-1]) // block[1] - c0 // block[1]
-    return weight.float() * scale.float().index_select(-2, rows).index_select(-1, cols)
+    (b0, b1), R = block, weight.shape[-2]
+    cols = torch.arange(c0, c0 + weight.shape[-1]) // b1 - c0 // b1
+    col_scale = scale.float().index_select(-1, cols)  # [..., row blocks, C]: 1/b0 of the weight's size
+    out = weight.float()
+    r = 0
+    while r < R:  # one scale row per row block, multiplied in place: no full-size scale matrix
+        blk = (r0 + r) // b0 - r0 // b0
+        end = min(R, (r0 // b0 + blk + 1) * b0 - r0)
+        out[..., r:end, :].mul_(col_scale[..., blk:blk + 1, :])
+        r = end
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -178,13 +186,13 @@ def quantize(weight: Tensor, block: tuple[int, int]) -> tuple[Tensor, Tensor]:
     SCALE_FLOOR) and weight / scale rounded to e4m3; dequantize(*quantize(w)) is w to e4m3's precision."""
     rows, cols = weight.shape
     b0, b1 = block
-    w = weight.float()
-    padded = torch.zeros(math.ceil(rows / b0) * b0, math.ceil(cols / b1) * b1, dtype=torch.float32, device=w.device)
-    padded[:rows, :cols] = w.abs()
-    amax = padded.reshape(padded.shape[0] // b0, b0, padded.shape[1] // b1, b1).amax(dim=(1, 3))
-    scale = (amax / E4M3_MAX).clamp(min=SCALE_FLOOR)
-    expanded = scale.repeat_interleave(b0, 0)[:rows].repeat_interleave(b1, 1)[:, :cols]
-    return (w / expanded).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
+    padded = torch.zeros(math.ceil(rows / b0) * b0, math.ceil(cols / b1) * b1, dtype=torch.float32,
+                         device=weight.device)
+    padded[:rows, :cols] = weight
+    blocks = padded.view(padded.shape[0] // b0, b0, padded.shape[1] // b1, b1)  # scales broadcast: no expanded copy
+    scale = (blocks.abs().amax(dim=(1, 3)) / E4M3_MAX).clamp(min=SCALE_FLOOR)
+    blocks.div_(scale[:, None, :, None]).clamp_(-E4M3_MAX, E4M3_MAX)
+    return padded[:rows, :cols].to(torch.float8_e4m3fn), scale
 
 
 def quantization_config(block: tuple[int, int]) -> dict[str, Any]:
