@@ -73,6 +73,11 @@ class ModelConfig:
     qk_rope_head_dim: int = 0  # per-head query dims with RoPE; the rotated key part is shared by all heads
     v_head_dim: int = 0  # per-head value dim
     rope_interleave: bool = True  # MLA: the rope dims are stored as interleaved pairs (DeepSeek-V3)
+    # Multi-token prediction (DeepSeek-V3; models.mtp): mtp_layers modules after the last block, module k
+    # predicting the token k + 1 places past the next one; their mean loss, times mtp_loss_coeff, joins the
+    # training loss (the reported loss stays the next-token one)
+    mtp_layers: int = 0  # D prediction depths (DeepSeek-V3: 1); 0 = off
+    mtp_loss_coeff: float = 0.3  # lambda: DeepSeek-V3 used 0.3 for its first 10T tokens, then 0.1
 
     @property
     def attn_head_dim(self) -> int:
@@ -112,10 +117,10 @@ class ModelConfig:
                     "ffn_hidden_size", "moe_ffn_hidden_size", "moe_every", "top_k")
         for name in positive:
             _check_int(f"model.{name}", getattr(self, name), 1)
-        for name in ("head_dim", "num_experts", "shared_ffn_hidden_size", "first_dense_layers"):
+        for name in ("head_dim", "num_experts", "shared_ffn_hidden_size", "first_dense_layers", "mtp_layers"):
             _check_int(f"model.{name}", getattr(self, name), 0)
         for name, strict in (("rope_theta", True), ("norm_eps", True), ("init_std", True),
-                             ("aux_loss_coeff", False), ("z_loss_coeff", False)):
+                             ("aux_loss_coeff", False), ("z_loss_coeff", False), ("mtp_loss_coeff", False)):
             _check_float(f"model.{name}", getattr(self, name), strict)
         if self.capacity_factor is not None:
             _check_float("model.capacity_factor", self.capacity_factor, strict=True,

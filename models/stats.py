@@ -10,6 +10,8 @@ FLOPs per token (the convention of Kaplan et al. 2020 / PaLM appendix B, with th
              + L * S * N * (Dqk + Dv)   (q.k and attn.v: 2 FLOPs per key and channel, half the keys on
                                         average; Dqk = Dv = D for GQA, nope + rope and v for MLA)
     training = 3 * forward         (backward costs twice the forward)
+With multi-token prediction (models.mtp), depth k runs its projection, block and the shared head on S - k of
+every S positions: (S - k) / S * (2 * its active matmul parameters + 2 * head + (S - k) * N * (Dqk + Dv)).
 
 tests/test_models.py checks this count against torch's FlopCounterMode over a real forward and backward
 (GQA and MLA attention, tied heads, shared and gated shared experts, dense first layers), exactly.
@@ -41,15 +43,25 @@ def model_stats(config: ModelConfig, seq_len: int | None = None) -> ModelStats:
     with meta_device():
         model = Transformer(config)
     params = sum(p.numel() for p in model.parameters())
-    inactive = 0
-    for layer in model.layers:
-        if layer.is_moe:
-            experts = layer.ffn.experts
-            per_expert = (experts.w_in.numel() + experts.w_out.numel()) // experts.num_experts
-            inactive += per_expert * (experts.num_experts - min(config.top_k, experts.num_experts))
-    active = params - inactive
+    blocks = [*model.layers, *(module.block for module in model.mtp)]
+    active = params - sum(_inactive(block, config) for block in blocks)
     embedding = model.embed.weight.numel()
     vectors = sum(p.numel() for p in model.parameters() if p.dim() < 2)  # norm scales, biases: not matmuls
     matmul = active - vectors - embedding + (embedding if config.tie_embeddings else 0)
-    attention = config.num_layers * seq_len * config.num_heads * (config.attn_qk_head_dim + config.attn_v_head_dim)
-    return ModelStats(params, active, embedding, 3.0 * (2.0 * matmul + attention), seq_len)
+    per_key = config.num_heads * (config.attn_qk_head_dim + config.attn_v_head_dim)
+    forward = 2.0 * matmul + config.num_layers * seq_len * per_key
+    head = embedding if config.tie_embeddings else model.lm_head.weight.numel()
+    for k, module in enumerate(model.mtp, start=1):  # models.mtp: depth k runs on S - k of every S positions
+        mtp_matmul = sum(p.numel() for p in module.parameters() if p.dim() >= 2) - _inactive(module.block, config)
+        n = max(seq_len - k, 0)
+        forward += -2.0 * mtp_matmul + n / seq_len * (2.0 * (mtp_matmul + head) + n * per_key)
+    return ModelStats(params, active, embedding, 3.0 * forward, seq_len)
+
+
+def _inactive(layer, config: ModelConfig) -> int:
+    """Routed-expert parameters a token does not visit in ``layer`` (a Block)."""
+    if not layer.is_moe:
+        return 0
+    experts = layer.ffn.experts
+    per_expert = (experts.w_in.numel() + experts.w_out.numel()) // experts.num_experts
+    return per_expert * (experts.num_experts - min(config.top_k, experts.num_experts))

@@ -32,6 +32,7 @@ from moekit.models.attention import (  # noqa: F401  (re-exported: the attention
     Attention, KVCache, LayerKV, MLAttention, build_attention, causal_mask)
 from moekit.models.config import ModelConfig
 from moekit.models.loss import chunked_lm_loss
+from moekit.models.mtp import LossInjector, MTPModule, mtp_loss
 from moekit.models.rope import (  # noqa: F401  (re-exported: the RoPE API lived here)
     apply_rope, apply_rope_interleaved, rope_angles, rope_frequencies, rope_tables)
 from moekit.moe import DenseMLP, MoELayer, build_router
@@ -81,6 +82,10 @@ class Transformer(nn.Module):
         # Tied: the output projection reads embed.weight directly, so there is one Parameter and no
         # tie to restore after to_empty() or a checkpoint load.
         self.lm_head = None if config.tie_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # multi-token prediction depths (models.mtp): empty unless model.mtp_layers > 0
+        self.mtp = nn.ModuleList(MTPModule(config, config.num_layers + k) for k in range(config.mtp_layers))
+        self._mtp_sum: Tensor | None = None  # MTP losses of the forwards since pop_mtp_loss (detached)
+        self._mtp_count = 0
 
     def forward(self, tokens: Tensor, cache: KVCache | None = None, targets: Tensor | None = None) -> Tensor:
         """tokens [B, S] int64 -> logits [B, S, V] float32; with ``targets`` [B, S], the mean next-token
@@ -108,7 +113,7 @@ class Transformer(nn.Module):
         if start + S > self.config.max_seq_len:
             raise ValueError(f"sequence length {start + S} exceeds model.max_seq_len={self.config.max_seq_len}")
         cos, sin = rope_tables(self.config, S, tokens.device, start)  # [S, R/2] (R: the rotated dims per head)
-        x = self.embed(tokens)  # [B, S, H]
+        x = emb = self.embed(tokens)  # [B, S, H]
         for i, layer in enumerate(self.layers):
             if cache is None:
                 x = layer(x, cos, sin, tokens)  # [B, S, H]
@@ -117,10 +122,30 @@ class Transformer(nn.Module):
         x = self.norm(x)
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight  # [V, H]
         if targets is not None:
-            if not chunked_loss_applies(weight):
-                return F.cross_entropy(F.linear(x, weight).float().flatten(0, 1), targets.flatten())
-            return chunked_lm_loss(x, weight, targets)
+            loss = self._head_loss(x, weight, targets)
+            if len(self.mtp) and self.training and torch.is_grad_enabled():  # models.mtp: training only
+                extra = mtp_loss(self, x, emb, tokens, targets, cos, sin, lambda h, t: self._head_loss(h, weight, t))
+                if extra is not None:
+                    done = extra.detach()
+                    self._mtp_sum = done if self._mtp_sum is None else self._mtp_sum + done
+                    self._mtp_count += 1
+                    loss = LossInjector.apply(loss, extra, self.config.mtp_loss_coeff)
+            return loss
         return F.linear(x, weight).float()  # [B, S, V]
+
+    @staticmethod
+    def _head_loss(x: Tensor, weight: Tensor, targets: Tensor) -> Tensor:
+        """Mean next-token cross-entropy of hidden states x [B, S, H] through the head ``weight`` [V, H]."""
+        if not chunked_loss_applies(weight):
+            return F.cross_entropy(F.linear(x, weight).float().flatten(0, 1), targets.flatten())
+        return chunked_lm_loss(x, weight, targets)
+
+    def pop_mtp_loss(self) -> Tensor | None:
+        """The mean multi-token-prediction loss (models.mtp) of the training forwards since the last call, a
+        detached device tensor (no sync), or None when none ran; resets the running mean."""
+        out = None if self._mtp_sum is None else self._mtp_sum / self._mtp_count
+        self._mtp_sum, self._mtp_count = None, 0
+        return out
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
@@ -147,6 +172,12 @@ class Transformer(nn.Module):
         self.norm.weight.fill_(1.0)
         if self.lm_head is not None:
             normal_(self.lm_head.weight, std)
+        for module in self.mtp:  # after every main-model tensor: adding depths leaves the main weights as they were
+            for norm in (module.enorm, module.hnorm, module.norm, module.block.attn_norm, module.block.ffn_norm):
+                norm.weight.fill_(1.0)
+            normal_(module.eh_proj.weight, std)
+            module.block.attn.init_weights(normal_, std, std_out)
+            init_ffn(module.block.ffn, normal_, std, std_out)
 
 
 def _check_ids(name: str, ids) -> None:

@@ -150,6 +150,9 @@ FLOP_CASES = {
     "deepseek-mla": ("deepseek-tiny", dict(attention="mla", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
                                            v_head_dim=6, q_lora_rank=12)),
     "qwen2-gated-shared": ("mixtral-tiny", {"shared_ffn_hidden_size": 24, "shared_expert_gate": True}),
+    # two multi-token-prediction depths (models.mtp): MoE blocks on S - 1 and S - 2 positions, the head reused
+    "deepseek-mtp2": ("deepseek-tiny", {"mtp_layers": 2}),
+    "switch-tied-mtp1": ("switch-tiny", {"capacity_factor": None, "mtp_layers": 1}),
 }
 
 
@@ -177,8 +180,11 @@ def test_flops_per_token_equal_torchs_flop_counter(monkeypatch, case):
         model(tokens, targets=tokens.roll(-1, 1)).backward()
     counted = counter.get_total_flops() / (B * S)
     stats = model_stats(cfg, seq_len=S)
-    attention_term = cfg.num_layers * S * cfg.num_heads * (cfg.attn_qk_head_dim + cfg.attn_v_head_dim)
-    assert counted == stats.train_flops_per_token + 3 * attention_term, (counted, stats.train_flops_per_token)
+    # the whole score matrix of every block: S keys for the main layers, S - k for MTP depth k on (S - k) / S
+    keys = cfg.num_layers * S + sum((S - k) ** 2 / S for k in range(1, cfg.mtp_layers + 1))
+    attention_term = keys * cfg.num_heads * (cfg.attn_qk_head_dim + cfg.attn_v_head_dim)
+    assert counted == pytest.approx(stats.train_flops_per_token + 3 * attention_term, rel=1e-12), \
+        (counted, stats.train_flops_per_token)
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)  # nothing left out of backward
 
 

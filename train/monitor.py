@@ -253,8 +253,10 @@ class Progress:
 
 def format_line(m: dict) -> str:
     """The structured console line: key=value pairs, fixed order, greppable."""
-    parts = [f"step={m['step']}", f"loss={m['loss']:.4f}", f"aux_loss={m['aux_loss']:.4f}", f"lr={m['lr']:.2e}",
-             f"grad_norm={m['grad_norm']:.3f}", f"tokens_per_s={m['tokens_per_s']:.0f}"]
+    parts = [f"step={m['step']}", f"loss={m['loss']:.4f}", f"aux_loss={m['aux_loss']:.4f}"]
+    if m.get("mtp_loss") is not None:  # multi-token prediction (models.mtp)
+        parts.append(f"mtp_loss={m['mtp_loss']:.4f}")
+    parts += [f"lr={m['lr']:.2e}", f"grad_norm={m['grad_norm']:.3f}", f"tokens_per_s={m['tokens_per_s']:.0f}"]
     if m.get("mfu") is not None:
         parts.append(f"mfu={100 * m['mfu']:.1f}%")
     parts.append(f"mem_gb={m['mem_gb']:.2f}")

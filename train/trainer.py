@@ -398,6 +398,8 @@ class Trainer:
             loss_sum = self.forward_backward(batch)
             self.dist.sync_grads(self.model)  # the global-batch gradient on every rank
             loss_value = self.dist.mean(loss_sum / plan.accum).item()  # D2H sync: finiteness check, records
+            mtp = self.model.pop_mtp_loss() if cfg.model.mtp_layers else None  # models.mtp: the depths' mean loss
+            mtp_value = self.dist.mean(mtp).item() if mtp is not None else None  # D2H sync (only with MTP)
             grad_norm = self.dist.clip_grad_norm(params, cfg.train.grad_clip).item()  # D2H sync: before the update
             event = self.guard.check(step, loss_value, grad_norm)  # collective: every rank decides alike
             stop = self.dist.agree_stop()  # rode on that collective: a signal on any rank stops all of them
@@ -418,6 +420,8 @@ class Trainer:
             self.tokens_seen += plan.tokens_per_step
             m = self.step_metrics(step, loss_value, grad_norm, lr, load, dt, self.tokens_seen,
                                   time.perf_counter() - t_start)
+            if mtp_value is not None:
+                m["mtp_loss"] = mtp_value
             if self.data.weights is not None:  # a blend: tokens drawn from each set so far
                 m["tokens_by_source"] = self.sampler.tokens_by_source(cfg.train.seq_len)
             if step == cfg.train.steps or (cfg.eval.every and step % cfg.eval.every == 0):

@@ -88,8 +88,24 @@ def validate(cfg: TrainConfig) -> TrainConfig:
                                        f"checkpoint (the newest)")
     resolve_vocab(cfg)
     validate_model(cfg)
+    validate_mtp(cfg)
     validate_upcycling(cfg)
     return cfg
+
+
+def validate_mtp(cfg: TrainConfig) -> None:
+    """Multi-token prediction (models.mtp) needs a sequence longer than its depths, and runs where its modules
+    sit beside the main model's (one process, dp, fsdp, ep): not yet with a pipeline or tensor parallelism."""
+    D, L = cfg.model.mtp_layers, cfg.layout
+    if not D:
+        return
+    _require(cfg.train.seq_len > D, f"--model.mtp_layers {D} predicts up to {D + 1} tokens ahead, but --train.seq_len "
+                                    f"is {cfg.train.seq_len}: use sequences longer than {D}, or fewer depths")
+    for flag, degree, why in (("--pp", L.pp, "its modules would need the embedding on the last stage"),
+                              ("--tp", L.tp, "its block is not sharded over the TP group")):
+        _require(degree == 1, f"--model.mtp_layers {D} with {flag} {degree}: multi-token prediction does not run with "
+                              f"{'pipeline' if flag == '--pp' else 'tensor'} parallelism yet ({why}); use dp / fsdp / "
+                              f"ep, or --model.mtp_layers 0")
 
 
 def validate_upcycling_flags(t: TrainSection) -> None:

@@ -1,0 +1,77 @@
+"""Multi-token prediction (DeepSeek-V3, section 2.2): extra depths that predict tokens further ahead.
+
+With ``model.mtp_layers = D``, module k (1 <= k <= D) sits after the main model and sees, at position i, the
+previous depth's representation of token i and the embedding of token i + k:
+
+    h^0   = the main model's final hidden states (after its final norm, as vLLM's DeepSeek MTP reads them)
+    h^k_i = Block_k( eh_proj_k( [enorm_k(embed(t_{i+k})) ; hnorm_k(h^{k-1}_i)] ) )      i < S - k
+    loss_k = cross-entropy of head(norm_k(h^k_i)) against t_{i+k+1}                      (the targets shifted by k)
+
+The embedding and the output head are the main model's (shared, as in the paper); each depth has its own
+two input norms, projection [H, 2H], transformer block (an MoE block where the layer pattern puts one at
+index num_layers + k - 1) and final norm. Those are the tensors of DeepSeek-V3's checkpoint layer 61
+(``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm`` and the block), which models/hf maps.
+
+Training adds ``mtp_loss_coeff * mean_k loss_k`` to the objective through ``LossInjector``: the loss the
+model returns (and the trainer reports, and evaluation computes) stays the next-token loss, while backward
+gives the MTP loss its gradient. Depths run only when a gradient is wanted (training): evaluation, inference
+and generation never compute them. The last MTP loss is kept in ``Transformer.mtp_loss`` (detached) for the
+trainer's records.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+
+class MTPModule(nn.Module):
+    """One prediction depth: the two input norms, the projection back to H, a transformer block, a final norm."""
+
+    def __init__(self, config, layer_id: int):
+        super().__init__()
+        from moekit.models.transformer import Block  # the main model's block (models.transformer imports this)
+
+        H = config.hidden_size
+        self.enorm = nn.RMSNorm(H, eps=config.norm_eps)
+        self.hnorm = nn.RMSNorm(H, eps=config.norm_eps)
+        self.eh_proj = nn.Linear(2 * H, H, bias=False)
+        self.block = Block(config, layer_id)
+        self.norm = nn.RMSNorm(H, eps=config.norm_eps)
+
+    def forward(self, h: Tensor, emb: Tensor, cos: Tensor, sin: Tensor, tokens: Tensor) -> Tensor:
+        """h [B, n, H] (the previous depth), emb [B, n, H] (embeddings of the tokens k ahead) -> [B, n, H]."""
+        x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1))
+        return self.block(x, cos, sin, tokens)
+
+
+class LossInjector(torch.autograd.Function):
+    """Identity on ``loss``; in backward, ``extra`` gets ``coeff`` times the incoming gradient, as if
+    ``loss + coeff * extra`` had been returned (a caller's ``loss / accum`` scales both alike) while the value
+    stays ``loss`` exactly."""
+
+    @staticmethod
+    def forward(ctx, loss: Tensor, extra: Tensor, coeff: float) -> Tensor:
+        ctx.coeff = coeff
+        return loss.view_as(loss)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad, grad * ctx.coeff, None
+
+
+def mtp_loss(model, x: Tensor, emb: Tensor, tokens: Tensor, targets: Tensor, cos: Tensor, sin: Tensor,
+             head_loss) -> Tensor | None:
+    """Mean over the depths of their losses (module docstring), or None when the sequence is too short for any
+    depth. ``x``: the main model's final (normed) hidden states [B, S, H]; ``emb``: embed(tokens) [B, S, H];
+    ``head_loss(hidden, targets)``: the main model's loss from hidden states (its head, chunking, ignore index)."""
+    S = tokens.shape[1]
+    losses, h = [], x
+    for k, module in enumerate(model.mtp, start=1):
+        n = S - k
+        if n <= 0:
+            break
+        h = module(h[:, :n], emb[:, k:], cos[:n], sin[:n], tokens[:, k:])
+        losses.append(head_loss(module.norm(h), targets[:, k:]))
+    if not losses:
+        return None
+    return torch.stack(losses).mean()

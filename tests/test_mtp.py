@@ -1,0 +1,155 @@
+"""Multi-token prediction (models.mtp): the objective against the paper's formula computed here from full logits,
+the reported loss left as the next-token loss, depths only in training, and runs under dp / fsdp / ep matching one
+process (torchrun over gloo), with checkpoints that resume."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moekit.models.config import preset
+from moekit.models.rope import rope_tables
+from moekit.models.transformer import build_model
+from tests.test_train_distributed import TINY, losses, run
+
+B, S = 2, 20
+
+
+def tiny(**over):
+    return dataclasses.replace(preset("deepseek-tiny"), num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=4,
+                               ffn_hidden_size=48, moe_ffn_hidden_size=16, shared_ffn_hidden_size=16, **over)
+
+
+def batch(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (B, S), generator=g), torch.randint(0, 256, (B, S), generator=g)
+
+
+def reference_objective(model, tokens, targets, coeff: float) -> torch.Tensor:
+    """main CE + coeff * mean_k CE_k from materialised logits, each depth written out from the paper: depth k
+    combines the previous depth's state at i with the embedding of token i + k and predicts targets[i + k]."""
+    cfg = model.config
+    cos, sin = rope_tables(cfg, S, tokens.device, 0)
+    x = emb = model.embed.weight[tokens]
+    for layer in model.layers:
+        x = layer(x, cos, sin, tokens)
+    h = model.norm(x)
+    head = model.embed.weight if model.lm_head is None else model.lm_head.weight
+    main = F.cross_entropy((h @ head.T).flatten(0, 1), targets.flatten())
+    depth_losses = []
+    for k, m in enumerate(model.mtp, start=1):
+        n = S - k
+        mixed = torch.cat([m.enorm(emb[:, k:]), m.hnorm(h[:, :n])], dim=-1) @ m.eh_proj.weight.T
+        h = m.block(mixed, cos[:n], sin[:n], tokens[:, k:])
+        depth_losses.append(F.cross_entropy((m.norm(h) @ head.T).flatten(0, 1), targets[:, k:].flatten()))
+    return main + coeff * torch.stack(depth_losses).mean()
+
+
+@pytest.mark.parametrize("depths,coeff,tie", [(1, 0.3, False), (3, 0.5, False), (2, 1.0, True)])
+def test_gradient_is_the_papers_objective_and_the_value_the_next_token_loss(depths, coeff, tie):
+    cfg = tiny(mtp_layers=depths, mtp_loss_coeff=coeff, tie_embeddings=tie)
+    model = build_model(cfg, seed=int(torch.randint(0, 1000, ())))
+    tokens, targets = batch(depths)
+    loss = model(tokens, targets=targets)
+    plain = build_model(dataclasses.replace(cfg, mtp_layers=0), seed=0)
+    plain.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith("mtp.")})
+    assert torch.equal(loss, plain(tokens, targets=targets))  # the value: the next-token loss, bit for bit
+    loss.backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    ref_model = model  # the same weights; the reference objective from full logits
+    reference_objective(ref_model, tokens, targets, coeff).backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(got[name], p.grad, rtol=2e-5, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+    assert all(got[n].abs().sum() > 0 for n in got if n.startswith("mtp.") and "expert" not in n)
+    mtp = model.pop_mtp_loss()
+    assert mtp is not None and model.pop_mtp_loss() is None  # popped: the running mean restarts
+
+
+def test_coefficient_zero_leaves_the_main_model_alone_and_depths_run_only_in_training():
+    """With mtp_loss_coeff 0 no gradient reaches the main model through the depths (the depths' own MoE aux
+    loss, like any MoE layer's, would: it is off here), and the initial weights are the plain model's."""
+    cfg = tiny(mtp_layers=2, mtp_loss_coeff=0.0, aux_loss_coeff=0.0)
+    model = build_model(cfg, seed=3)
+    plain = build_model(dataclasses.replace(cfg, mtp_layers=0), seed=3)  # depths initialise after the main model
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in plain.state_dict().items())
+    tokens, targets = batch(0)
+    model(tokens, targets=targets).backward()
+    plain(tokens, targets=targets).backward()
+    grads = dict(plain.named_parameters())
+    for name, p in model.named_parameters():
+        if name.startswith("mtp."):
+            assert p.grad is None or not p.grad.any(), name
+        else:
+            torch.testing.assert_close(p.grad, grads[name].grad, rtol=0, atol=1e-7)
+    model.pop_mtp_loss()
+    with torch.no_grad():  # evaluation: no depth runs, nothing is recorded
+        model(tokens, targets=targets)
+    model.eval()
+    model(tokens, targets=targets)
+    assert model.pop_mtp_loss() is None
+    model.train()
+    short = torch.randint(0, 256, (B, 2))
+    model(short, targets=short)  # S = 2: depth 1 runs on one position, depth 2 on none
+    assert model.pop_mtp_loss() is not None
+    one = torch.randint(0, 256, (B, 1))
+    model(one, targets=one)
+    assert model.pop_mtp_loss() is None
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("mtp_layers", -1, "model.mtp_layers=-1 is invalid; it must be an integer >= 0"),
+    ("mtp_layers", 1.5, "model.mtp_layers=1.5 is invalid"),
+    ("mtp_loss_coeff", float("nan"), "model.mtp_loss_coeff=nan is invalid"),
+    ("mtp_loss_coeff", -0.1, "model.mtp_loss_coeff=-0.1 is invalid"),
+])
+def test_bad_config_values_are_named(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        tiny(**{field: value}).validate()
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--model.mtp_layers", "2", "--train.seq_len", "2"], "--model.mtp_layers 2 predicts up to 3 tokens ahead"),
+    (["--model.mtp_layers", "1", "--pp", "2"], "--model.mtp_layers 1 with --pp 2: multi-token prediction does not run"),
+    (["--model.mtp_layers", "1", "--tp", "2"], "--model.mtp_layers 1 with --tp 2: multi-token prediction does not run"),
+])
+def test_trainer_refuses_what_mtp_cannot_run(tmp_path, capsys, args, match):
+    from tests.test_bad_inputs import refused
+
+    refused(capsys, tmp_path / "r", ["--preset", "deepseek-tiny", *args], match)
+
+
+@pytest.fixture(scope="module")
+def single_mtp(tmp_path_factory):
+    d = tmp_path_factory.mktemp("single_mtp")
+    r = run(["--preset", "deepseek-tiny", "--model.mtp_layers", "2", "--steps", "4", "--run-dir", str(d),
+             "--checkpoint.every", "2", *TINY])
+    assert r.returncode == 0, r.stderr
+    return d
+
+
+def test_one_process_records_the_mtp_loss_and_resumes_bitwise(tmp_path, single_mtp):
+    rows = [json.loads(line) for line in (single_mtp / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 and all(0 < r["mtp_loss"] < 10 for r in rows)  # recorded every step, finite
+    resumed = tmp_path / "resumed"
+    r = run(["--preset", "deepseek-tiny", "--model.mtp_layers", "2", "--resume",
+             str(single_mtp / "checkpoints" / "step_000002"), "--steps", "4", "--run-dir", str(resumed),
+             "--checkpoint.every", "0", *TINY])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert losses(resumed) == losses(single_mtp)[2:]
+
+
+@pytest.mark.parametrize("extra", [["--ep", "2", "--fsdp", "2"], ["--ep", "4"]], ids=["fsdp2-ep2", "ep4"])
+def test_expert_parallel_and_fsdp_runs_match_one_process(tmp_path, single_mtp, extra):
+    """The depths' MoE layer is expert-parallel like the others (its experts split over the EP ranks) and their
+    parameters sit in FSDP's root unit; the loss and the MTP loss follow the one-process run."""
+    r = run(["--preset", "deepseek-tiny", "--model.mtp_layers", "2", "--steps", "4", "--run-dir", str(tmp_path),
+             "--checkpoint.every", "0", *TINY, *extra], nproc=4)
+    assert r.returncode == 0, r.stderr[-3000:]
+    want = [json.loads(line) for line in (single_mtp / "metrics.jsonl").read_text().splitlines()]
+    got = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    for key in ("loss", "mtp_loss"):
+        assert [g[key] for g in got] == pytest.approx([w[key] for w in want], rel=1e-5, abs=1e-6), key
