@@ -99,6 +99,7 @@ B, S = 2, 64  # one micro-batch
     ("mixtral-tiny", "none", {}), ("mixtral-tiny", "ffn", {}), ("mixtral-tiny", "full", {}),
     ("deepseek-tiny", "none", {}), ("switch-tiny", "none", {}),
     ("mixtral-tiny", "none", {"activation": "gelu", "shared_ffn_hidden_size": 64, "shared_expert_gate": True}),
+    ("deepseek-tiny", "none", {"mtp_layers": 2}), ("deepseek-tiny", "full", {"mtp_layers": 1}),
 ])
 def test_estimate_matches_one_process(name, mode, over):
     cfg = dataclasses.replace(preset(name), num_layers=2, **over)

@@ -254,9 +254,36 @@ def stage_activations(cfg: ModelConfig, layout: Layout, wl: Workload, stage: Sta
             out["head"] = s.T * H * s.r + norm + s.T * H * low + cfg.vocab_size * H * s.r
         else:  # the pipeline's loss (and LOSS_CHUNKS "never"): lm_head input, fp32 log-softmax [T, V]
             out["head"] = s.T * H * s.r + norm + s.T * H * (s.a if s.casts else s.r) + s.T * cfg.vocab_size * FP32
+        if cfg.mtp_layers and wl.seq_len > 1:  # the final norm's output, which depth 1's hnorm keeps
+            _add(out, {"mtp": s.T * H * s.r})
+        for k in range(1, cfg.mtp_layers + 1):
+            _add(out, _mtp_depth(cfg, layout, wl, k, node_rows))
     else:  # the stage output (all-gathered under SP) waits for its gradient
         _add(out, {"residual": s.T * H * s.r})
     return out, recompute
+
+
+def _mtp_depth(cfg: ModelConfig, layout: Layout, wl: Workload, k: int, node_rows: float) -> dict[str, int]:
+    """Multi-token-prediction depth k (models.mtp; no pipeline, no TP): on S - k positions per sequence, its two
+    input norms, the [embedding; state] concatenation its projection reads, its block (never checkpointed) and
+    its own loss through the shared head (gradients dh and dW, as the main loss keeps them)."""
+    import dataclasses
+
+    n = wl.seq_len - k
+    if n <= 0:
+        return {}
+    s = shapes(cfg, layout, dataclasses.replace(wl, seq_len=n))
+    H, low = cfg.hidden_size, s.a if s.casts else s.r
+    outer, ffn = _block(cfg, layout, s, cfg.num_layers + k - 1, node_rows)
+    norm = s.T * FP32 + (s.T * H * s.r if s.cpu else 0)  # rsqrt; x * rsqrt on CPU
+    out = {"mtp": 2 * norm + 2 * s.T * H * low, **{key: v for key, v in outer.items()}}
+    _add(out, ffn)
+    if _loss_chunks():
+        head_norm = s.T * FP32 + (s.T * H * low if s.cpu else 0)
+        out["head"] = s.T * H * s.r + head_norm + s.T * H * low + cfg.vocab_size * H * s.r
+    else:
+        out["head"] = s.T * H * s.r + norm + s.T * H * low + s.T * cfg.vocab_size * FP32
+    return out
 
 
 def in_flight(layout: Layout, wl: Workload, stage: int) -> float:

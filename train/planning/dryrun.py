@@ -118,9 +118,11 @@ def part_of(name: str) -> str:
     for prefix, part in (("embed.", "embedding"), ("lm_head.", "head"), ("norm.", "norms")):
         if n.startswith(prefix):
             return part
+    if n.startswith("mtp.") and n.split(".")[2] == "norm":  # a depth's final norm (models.mtp)
+        return "norms"
     for key, part in ((".ffn.router.", "router"), (".ffn.experts.", "experts"),
                       (".ffn.shared_expert.", "shared_expert"), ("_norm.", "norms"), (".attn.", "attention"),
-                      (".ffn.", "dense_ffn")):
+                      (".ffn.", "dense_ffn"), (".enorm.", "norms"), (".hnorm.", "norms"), (".eh_proj.", "mtp")):
         if key in n:
             return part
     return "other"

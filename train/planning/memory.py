@@ -12,7 +12,8 @@ Every term counts what moekit's code keeps, read off the modules and checked aga
     optimizer    AdamW: exp_avg + exp_avg_sq (fp32, same shards) + one fp32 step scalar per tensor
     activations  what autograd holds from forward to backward, per micro-batch and block, term by term in
                  moekit.train.planning.activations (residual, norms, attention, router, dispatch, experts, dense
-                 FFN, head; activation checkpointing, sequence parallelism)
+                 FFN, head, mtp: the multi-token-prediction depths; activation checkpointing, sequence
+                 parallelism)
       weight casts  autocast without FSDP: a bf16 copy of every matmul weight lives until backward
     Transient (at the peak only): what backward recomputes (one block / one FFN), FSDP's unsharded copies,
     and the logits [T, V] with their gradient on the last pipeline stage (one chunk of them without a
@@ -187,6 +188,9 @@ def _stage_tensors(cfg: ModelConfig, stage: Stage) -> list:
         tensors.append(("norms", (H,), None))
         if not cfg.tie_embeddings:
             tensors.append(("head", (V, H), None))
+        for k in range(cfg.mtp_layers):  # multi-token prediction depths (models.mtp): norms, projection, block
+            tensors += [("norms", (H,), None)] * 3 + [("mtp", (H, 2 * H), None)]
+            tensors += layer_tensors(cfg, cfg.num_layers + k)
     return tensors
 
 
