@@ -8,6 +8,7 @@ errors naming the key, the shapes and the fix; unsupported features fail listing
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -23,7 +24,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, MixtralConfig, Mix
 
 from moekit.models.config import ModelConfig
 from moekit.models.hf import (
-    UnsupportedCheckpoint, check_hf_exportable, config_from_hf, load_hf, load_mixtral, save_hf, save_mixtral,
+    UnsupportedCheckpoint, check_hf_exportable, config_from_hf, load_hf, load_hf_into, load_mixtral, save_hf,
+    save_mixtral,
 )
 from moekit.models.transformer import build_model
 
@@ -344,13 +346,26 @@ def test_kimi_k2_imports_as_deepseek_v3_and_exports_for_transformers(tmp_path):
     assert not (out / "processing.py").exists()
 
 
-def add_mtp_layer(folder: Path, layer: int) -> None:
-    """Tensors of a DeepSeek-V3 multi-token-prediction layer, as the released checkpoints carry them."""
+def add_mtp_layer(folder: Path, layer: int) -> dict[str, torch.Tensor]:
+    """A multi-token-prediction layer as the releases store it: a transformer block at index ``layer`` (here a
+    perturbed copy of the last one), its two input norms, the [H, 2H] projection, its final norm, and copies of
+    the embedding and the head. Returns the tensors added."""
+    added = {}
+
     def add(t: dict) -> None:
-        t.update({f"model.layers.{layer}.{k}": torch.randn(shape) for k, shape in (
-            ("eh_proj.weight", (32, 64)), ("enorm.weight", (32,)), ("hnorm.weight", (32,)),
-            ("shared_head.norm.weight", (32,)), ("self_attn.kv_a_proj_with_mqa.weight", (12, 32)))})
+        H = t["model.embed_tokens.weight"].shape[1]
+        last = f"model.layers.{layer - 1}."
+        for k, v in list(t.items()):
+            if k.startswith(last):
+                added[f"model.layers.{layer}." + k[len(last):]] = v + 0.1 * torch.randn(v.shape)
+        added.update({f"model.layers.{layer}.{k}": v for k, v in (
+            ("eh_proj.weight", torch.randn(H, 2 * H) / H), ("enorm.weight", 1 + 0.2 * torch.randn(H)),
+            ("hnorm.weight", 1 + 0.2 * torch.randn(H)), ("shared_head.norm.weight", 1 + 0.2 * torch.randn(H)),
+            ("embed_tokens.weight", t["model.embed_tokens.weight"].clone()),
+            ("shared_head.head.weight", t.get("lm_head.weight", t["model.embed_tokens.weight"]).clone()))})
+        t.update(added)
     edit_tensors(folder, add)
+    return added
 
 
 @pytest.mark.parametrize("case", list(FAMILY_CASES))
@@ -364,12 +379,12 @@ def test_family_round_trip(tmp_path, tokenizer_files, case):
     mtp_family = model_type in ("deepseek_v3", "glm4_moe")  # their releases carry multi-token-prediction layers
     if mtp_family:
         edit_config(src, num_nextn_predict_layers=1)
-        add_mtp_layer(src, L)
+        added = add_mtp_layer(src, L)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model = load_hf(src)
-    mtp = [str(w.message) for w in caught if "multi-token-prediction" in str(w.message)]
-    assert len(mtp) == mtp_family and all(f"model.layers.{L}.*" in m for m in mtp)
+    assert not [str(w.message) for w in caught if "multi-token-prediction" in str(w.message)]
+    assert model.config.mtp_layers == mtp_family  # the layer loads into the model's MTP depth (models.mtp)
     toks = tokens()
     ref = hf_logits(hf, toks)
     with torch.no_grad():
@@ -382,6 +397,22 @@ def test_family_round_trip(tmp_path, tokenizer_files, case):
     assert type(back) is type(hf)
     assert rel_err(hf_logits(back, toks), ref) < 1e-5
     check_tokenizer(out, tokenizer_files)
+    if mtp_family:  # the MTP layer is written back as it came (but for its copies of the shared tensors)
+        written = {}
+        for f in out.glob("*.safetensors"):
+            written.update(load_file(f))
+        copies = {f"model.layers.{L}.embed_tokens.weight", f"model.layers.{L}.shared_head.head.weight"}
+        assert {k for k in written if k.startswith(f"model.layers.{L}.")} == set(added) - copies
+        for k in set(added) - copies:
+            assert torch.equal(written[k], added[k]), k
+        assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 1
+        with warnings.catch_warnings(record=True) as caught:  # a model without the depth leaves it out, saying so
+            warnings.simplefilter("always")
+            plain = build_model(dataclasses.replace(model.config, mtp_layers=0))
+            load_hf_into(plain, src)
+        assert any(f"model.layers.{L}.*" in str(w.message) and "mtp_layers=0" in str(w.message) for w in caught)
+        with torch.no_grad():
+            assert rel_err(plain(toks), ref) < 1e-5
     if mtp_family:  # without num_nextn_predict_layers the extra layer is a mismatch
         edit_config(src, num_nextn_predict_layers=0)
         with pytest.raises(ValueError, match=rf"num_hidden_layers={L} but the checkpoint has layers 0\.\.{L} "):

@@ -153,3 +153,69 @@ def test_expert_parallel_and_fsdp_runs_match_one_process(tmp_path, single_mtp, e
     got = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     for key in ("loss", "mtp_loss"):
         assert [g[key] for g in got] == pytest.approx([w[key] for w in want], rel=1e-5, abs=1e-6), key
+
+
+HF_RUN = ["--train.seq_len", "32", "--batch-size", "4", "--eval.every", "0", "--log.tensorboard", "false",
+          "--checkpoint.every", "0"]
+
+
+@pytest.fixture(scope="module")
+def deepseek_with_mtp(tmp_path_factory):
+    """A tiny DeepSeek-V3 saved by transformers (vocab 300: the byte data fits), with a release-style MTP layer."""
+    transformers = pytest.importorskip("transformers")
+    from tests.test_hf import add_mtp_layer, edit_config
+
+    folder = tmp_path_factory.mktemp("deepseek") / "hf"
+    torch.manual_seed(0)
+    transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+        vocab_size=300, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, n_routed_experts=4,
+        num_experts_per_tok=2, num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=4,
+        num_key_value_heads=4, kv_lora_rank=8, q_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+        n_group=1, topk_group=1, max_position_embeddings=64, initializer_range=0.1)).save_pretrained(folder)
+    edit_config(folder, num_nextn_predict_layers=1)
+    return folder, add_mtp_layer(folder, 2)
+
+
+def test_a_checkpoints_mtp_layer_trains_sharded_and_exports(deepseek_with_mtp, tmp_path):
+    """--init-from-hf a DeepSeek-V3 folder with its MTP layer: the run adopts one depth and loads it (one process,
+    and each of 2 EP ranks reading only its shards), records mtp_loss alike, and --export-hf writes the layer
+    back (lr 1e-9: the values are the checkpoint's)."""
+    from safetensors.torch import load_file
+
+    src, added = deepseek_with_mtp
+    single, sharded, out = tmp_path / "single", tmp_path / "ep2", tmp_path / "out"
+    args = ["--init-from-hf", str(src), "--steps", "2", "--train.lr", "1e-9", *HF_RUN]
+    r = run([*args, "--run-dir", str(single), "--export-hf", str(out)])
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = run([*args, "--run-dir", str(sharded), "--ep", "2"], nproc=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [[json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()] for d in (single, sharded)]
+    for key in ("loss", "mtp_loss"):
+        assert [r[key] for r in rows[1]] == pytest.approx([r[key] for r in rows[0]], rel=1e-5), key
+    written = {}
+    for f in out.glob("*.safetensors"):
+        written.update(load_file(f))
+    copies = {"model.layers.2.embed_tokens.weight", "model.layers.2.shared_head.head.weight"}
+    assert {k for k in written if k.startswith("model.layers.2.")} == set(added) - copies
+    for key in set(added) - copies:
+        torch.testing.assert_close(written[key], added[key], rtol=0, atol=1e-6, msg=key)
+
+
+def test_depths_a_checkpoint_lacks_start_fresh(deepseek_with_mtp, tmp_path):
+    """--model.mtp_layers 2 over a checkpoint with one MTP layer: the first depth loads, the second starts from
+    init_weights (the model is initialised whole before the load, not read slice by slice), and it trains."""
+    src, _ = deepseek_with_mtp
+    r = run(["--init-from-hf", str(src), "--model.mtp_layers", "2", "--steps", "2", "--run-dir", str(tmp_path),
+             *HF_RUN])
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all(0 < r["mtp_loss"] < 20 for r in rows)
+
+
+def test_an_adopted_mtp_layer_says_where_it_came_from_when_refused(deepseek_with_mtp, tmp_path, capsys):
+    from tests.test_bad_inputs import refused
+
+    src, _ = deepseek_with_mtp
+    refused(capsys, tmp_path / "r", ["--init-from-hf", str(src), "--tp", "2", "--train.seq_len", "32"],
+            "--model.mtp_layers 1 (the --init-from-hf checkpoint's num_nextn_predict_layers) with --tp 2",
+            "--model.mtp_layers 0")

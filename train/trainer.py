@@ -105,7 +105,7 @@ class Trainer:
         # until it is parallelised and each rank then reads only its shards (models.hf.load_hf_sharded; its
         # shard boxes are contiguous expert blocks: under a placement the whole model is read first)
         sharded_hf = (bool(cfg.train.init_from_hf) and self.resume_from is None and cfg.layout.pp == 1
-                      and self.placement.placements is None)
+                      and self.placement.placements is None and not self.fresh_mtp_depths())
         if not sharded_hf:
             self.model.to_empty(device=plan.device)
             self.model.init_weights(cfg.train.seed)
@@ -302,6 +302,15 @@ class Trainer:
                 f"{cfg.train.steps}; raise --steps to train further")
         if self.changes.summary():
             say(self.changes.summary())
+
+    def fresh_mtp_depths(self) -> bool:
+        """Whether the model has multi-token-prediction depths (models.mtp) the --init-from-hf folder lacks: those
+        start from init_weights, so the model is initialised whole before the load, not read slice by slice."""
+        if not self.cfg.model.mtp_layers:
+            return False
+        from moekit.models.hf import config_from_hf
+
+        return self.cfg.model.mtp_layers > config_from_hf(self.cfg.train.init_from_hf).mtp_layers
 
     # -- the loop -----------------------------------------------------------------------------------
 

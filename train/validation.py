@@ -99,13 +99,15 @@ def validate_mtp(cfg: TrainConfig) -> None:
     D, L = cfg.model.mtp_layers, cfg.layout
     if not D:
         return
+    adopted = cfg.train.init_from_hf and "model.mtp_layers" not in cfg.given and "preset" not in cfg.given
+    source = " (the --init-from-hf checkpoint's num_nextn_predict_layers)" if adopted else ""
     _require(cfg.train.seq_len > D, f"--model.mtp_layers {D} predicts up to {D + 1} tokens ahead, but --train.seq_len "
                                     f"is {cfg.train.seq_len}: use sequences longer than {D}, or fewer depths")
     for flag, degree, why in (("--pp", L.pp, "its modules would need the embedding on the last stage"),
                               ("--tp", L.tp, "its block is not sharded over the TP group")):
-        _require(degree == 1, f"--model.mtp_layers {D} with {flag} {degree}: multi-token prediction does not run with "
-                              f"{'pipeline' if flag == '--pp' else 'tensor'} parallelism yet ({why}); use dp / fsdp / "
-                              f"ep, or --model.mtp_layers 0")
+        kind = "pipeline" if flag == "--pp" else "tensor"
+        _require(degree == 1, f"--model.mtp_layers {D}{source} with {flag} {degree}: multi-token prediction does not "
+                              f"run with {kind} parallelism yet ({why}); use dp / fsdp / ep, or --model.mtp_layers 0")
 
 
 def validate_upcycling_flags(t: TrainSection) -> None:

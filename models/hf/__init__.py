@@ -28,6 +28,7 @@ and its config's name ``hf:<model_type>``, which survives moekit checkpoints and
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,7 +38,8 @@ from moekit.models.config import ModelConfig
 from moekit.models.hf import fp8
 from moekit.models.hf.fp8 import quantizable, quantize_tensors
 from moekit.models.hf.export import choose_family, copy_tokenizer, export_problems, hf_config, zero_fill
-from moekit.models.hf.families import FAMILIES, Family, UnsupportedCheckpoint, family, skipped_keys
+from moekit.models.hf.families import (FAMILIES, MTP_FAMILIES, Family, UnsupportedCheckpoint, family,
+                                      mtp_layers_present, skipped_keys)
 from moekit.models.hf.io import DTYPE_NAMES, CONFIG_FILE, CheckpointReader, read_config, write_safetensors
 from moekit.models.hf.weights import Rule, check_counts, detect_layout, export_tensors, load_into, model_rules
 from moekit.models.transformer import Transformer, meta_device
@@ -54,7 +56,14 @@ __all__ = ["load_hf", "load_hf_into", "load_mixtral", "save_hf", "save_mixtral",
 def config_from_hf(path: str | Path) -> ModelConfig:
     """The moekit ModelConfig for a HuggingFace folder's config.json (raises for unsupported features)."""
     hf = read_config(path)
-    return family(hf, path).to_config(hf)
+    config = family(hf, path).to_config(hf)
+    if config.mtp_layers:  # the multi-token-prediction layers the folder holds (a config-only folder: as it says)
+        try:
+            keys = CheckpointReader(path, fp8.scheme(hf)).infos
+        except ValueError:  # no weights here (a config alone), or unreadable ones, which the load itself reports
+            return config
+        config.mtp_layers = mtp_layers_present(hf, keys, config.num_layers)
+    return config
 
 
 def load_hf(path: str | Path, *, dtype: torch.dtype | str = torch.float32,
@@ -110,13 +119,16 @@ def plan_load(model: Transformer, path: str | Path, check_config: bool = True) -
         _check_same_math(model.config, fam.to_config(hf), path)
     reader = CheckpointReader(path, fp8.scheme(hf))
     keys = set(reader.infos)
-    skipped = skipped_keys(hf, keys, model.config.num_layers, path)
-    layouts = [detect_layout(keys, i, fam.naming) for i in range(model.config.num_layers)]
+    skipped = skipped_keys(hf, keys, model.config.num_layers, path, model.config.mtp_layers)
+    # models.mtp: the checkpoint's MTP layers follow the main ones and fill the model's first depths; depths it
+    # lacks keep their initialisation (families.skipped_keys leaves out the layers the model has no depth for)
+    depths = min(len(model.mtp), mtp_layers_present(hf, keys, model.config.num_layers))
+    layouts = [detect_layout(keys, i, fam.naming) for i in range(model.config.num_layers + depths)]
     blocks, fused = [b for b, _ in layouts], [f for _, f in layouts]
-    check_counts(reader, model, fam.naming, blocks, fused, fam.layers_field, skipped)
+    check_counts(reader, model, fam.naming, blocks, fused, fam.layers_field, skipped, depths)
     _check_lm_head(reader, model.config)
     tied = model.config.tie_embeddings and "lm_head.weight" in keys
-    rules = model_rules(model, fam.naming, blocks, fused)
+    rules = model_rules(model, fam.naming, blocks, fused, depths)
     # tensors without elements hold nothing to load: transformers saves n_shared_experts=0 as [0, H] shared experts
     empty = {k for k, info in reader.infos.items() if 0 in info.shape}
     return LoadSpec(fam, reader, rules, ({"lm_head.weight"} if tied else set()) | skipped | empty, tied)
@@ -152,9 +164,14 @@ def export_rules(model: Transformer, family: str | None, dtype: torch.dtype | No
     if dtype is not None and dtype not in DTYPE_NAMES.values():
         raise ValueError(f"dtype={dtype} is not supported; use one of {list(DTYPE_NAMES)}")
     name = choose_family(model, family)
-    naming, L = FAMILIES[name].naming, model.config.num_layers
+    depths = len(model.mtp) if name in MTP_FAMILIES else 0  # models.mtp: only DeepSeek-V3's format stores them
+    if len(model.mtp) and not depths:
+        warnings.warn(f"the model's {len(model.mtp)} multi-token-prediction depth(s) are not written: {name} has no "
+                      f"place for them (deepseek_v3 and glm4_moe do); the main model is exported whole and its "
+                      f"logits are unaffected", stacklevel=3)
+    naming, L = FAMILIES[name].naming, model.config.num_layers + depths
     block = naming.moe_blocks[-1 if layout == "fused" else 0]  # fused tensors live under "mlp", as in transformers
-    rules = model_rules(model, naming, [block] * L, [layout == "fused"] * L)
+    rules = model_rules(model, naming, [block] * L, [layout == "fused"] * L, depths)
     return name, rules, dtype or next(model.parameters()).dtype
 
 

@@ -268,7 +268,7 @@ def hf_config(model, family: str, dtype_name: str, token_ids: dict[str, Any] | N
                    scoring_func="sigmoid", topk_method="noaux_tc", q_lora_rank=cfg.q_lora_rank or None,
                    kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
                    qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim, head_dim=cfg.qk_rope_head_dim,
-                   rope_interleave=cfg.rope_interleave, attention_bias=False, num_nextn_predict_layers=0,
+                   rope_interleave=cfg.rope_interleave, attention_bias=False, num_nextn_predict_layers=cfg.mtp_layers,
                    num_key_value_heads=cfg.num_heads, pretraining_tp=1)
         out.pop("router_aux_loss_coef")
     elif family == "glm4_moe":
@@ -277,8 +277,8 @@ def hf_config(model, family: str, dtype_name: str, token_ids: dict[str, Any] | N
                    n_routed_experts=E, n_shared_experts=max(cfg.shared_ffn_hidden_size // cfg.moe_ffn_hidden_size, 1),
                    n_group=groups[0], topk_group=groups[1], norm_topk_prob=r.normalize,
                    routed_scaling_factor=r.scaling, first_k_dense_replace=cfg.first_dense_layers,
-                   attention_bias=cfg.attention_bias, use_qk_norm=cfg.qk_norm == "head", num_nextn_predict_layers=0,
-                   partial_rotary_factor=cfg.partial_rotary_factor)
+                   attention_bias=cfg.attention_bias, use_qk_norm=cfg.qk_norm == "head",
+                   num_nextn_predict_layers=cfg.mtp_layers, partial_rotary_factor=cfg.partial_rotary_factor)
         out["rope_parameters"]["partial_rotary_factor"] = cfg.partial_rotary_factor  # where transformers 5 reads it
         out.pop("router_aux_loss_coef")
     elif family == "llama":

@@ -270,7 +270,7 @@ def deepseek_v3_config(hf: dict) -> ModelConfig:
         moe_ffn_hidden_size=_get(hf, "moe_intermediate_size"), ffn_hidden_size=_get(hf, "intermediate_size"),
         shared_ffn_hidden_size=_get(hf, "moe_intermediate_size") * _get(hf, "n_shared_experts", 1),
         first_dense_layers=_get(hf, "first_k_dense_replace", 0), aux_loss_coeff=0.0,
-        router_options=deepseek_router_options(hf, problems))
+        router_options=deepseek_router_options(hf, problems), mtp_layers=mtp_layers_of(hf))
     return _model_config(hf, fields, problems)
 
 
@@ -300,7 +300,7 @@ def glm4_moe_config(hf: dict) -> ModelConfig:
         moe_ffn_hidden_size=moe_width, ffn_hidden_size=_get(hf, "intermediate_size"),
         shared_ffn_hidden_size=moe_width * _get(hf, "n_shared_experts", 1),
         first_dense_layers=_get(hf, "first_k_dense_replace", 1), aux_loss_coeff=0.0,
-        router_options=deepseek_router_options(hf, problems))
+        router_options=deepseek_router_options(hf, problems), mtp_layers=mtp_layers_of(hf))
     return _model_config(hf, fields, problems)
 
 
@@ -363,19 +363,46 @@ def recorded_family(config: ModelConfig) -> str | None:
     return None
 
 
-def skipped_keys(hf: dict, keys, num_layers: int, path) -> set[str]:
-    """Checkpoint keys an import leaves out on purpose: DeepSeek-V3's and GLM-4.5's multi-token-prediction layers
-    (``model.layers.{num_hidden_layers + j}.*``, j < num_nextn_predict_layers), with a warning naming them."""
-    mtp_families = ("deepseek_v3", "glm4_moe")
-    extra = _get(hf, ("num_nextn_predict_layers", "num_mtp_layers"), 0) if hf.get("model_type") in mtp_families else 0
+MTP_FAMILIES = ("deepseek_v3", "glm4_moe")  # their releases carry multi-token-prediction layers
+MTP_COPIES = ("embed_tokens.weight", "shared_head.head.weight")  # an MTP layer's copies of the shared tensors
+
+
+def mtp_layers_of(hf: dict) -> int:
+    """num_nextn_predict_layers of a family that stores multi-token-prediction layers, else 0."""
+    return _get(hf, ("num_nextn_predict_layers", "num_mtp_layers"), 0) if hf.get("model_type") in MTP_FAMILIES else 0
+
+
+def mtp_layers_present(hf: dict, keys, num_layers: int) -> int:
+    """How many of num_nextn_predict_layers the checkpoint holds (the leading ones with an ``eh_proj``):
+    transformers saves the field (DeepseekV3Config's default is 1) without writing the layers it does not run."""
+    n = 0
+    while n < mtp_layers_of(hf) and f"model.layers.{num_layers + n}.eh_proj.weight" in keys:
+        n += 1
+    return n
+
+
+def skipped_keys(hf: dict, keys, num_layers: int, path, mtp_layers: int | None = None) -> set[str]:
+    """Checkpoint keys an import leaves out on purpose. DeepSeek-V3's and GLM-4.5's multi-token-prediction layers
+    (``model.layers.{num_hidden_layers + j}.*``, j < num_nextn_predict_layers) load into the model's MTP depths
+    (models.mtp) but for their copies of the embedding and the head (``MTP_COPIES``: the depths share the main
+    model's); the layers beyond the model's ``mtp_layers`` (default: all of them) are left out with a warning."""
+    extra = mtp_layers_of(hf)
     if not extra:
         return set()
-    mtp = range(num_layers, num_layers + extra)
-    skipped = {k for k in keys if (m := re.match(r"model\.layers\.(\d+)\.", k)) and int(m.group(1)) in mtp}
-    if skipped:
-        found = sorted({int(re.match(r"model\.layers\.(\d+)\.", k).group(1)) for k in skipped})
+    taken = extra if mtp_layers is None else min(mtp_layers, extra)
+    skipped, left = set(), set()
+    for k in keys:
+        m = re.match(r"model\.layers\.(\d+)\.(.*)", k)
+        if m is None or not num_layers <= int(m.group(1)) < num_layers + extra:
+            continue
+        if int(m.group(1)) >= num_layers + taken:
+            left.add(k)
+        elif m.group(2) in MTP_COPIES:
+            skipped.add(k)
+    if left:
+        found = sorted({int(re.match(r"model\.layers\.(\d+)\.", k).group(1)) for k in left})
         warnings.warn(f"{path}: skipping the multi-token-prediction layer(s) "
                       f"{', '.join(f'model.layers.{i}.*' for i in found)} (num_nextn_predict_layers={extra}, "
-                      f"{len(skipped)} tensors): moekit has no MTP head; the main model's logits are unaffected",
-                      stacklevel=3)
-    return skipped
+                      f"{len(left)} tensors): the model has model.mtp_layers={taken}; the main model's logits are "
+                      f"unaffected", stacklevel=3)
+    return skipped | left

@@ -178,8 +178,9 @@ def attention_rules(t: str, s: str, attn) -> list[Rule]:
     return rules
 
 
-def layer_rules(i: int, layer, naming: Naming, block: str, fused: bool) -> list[Rule]:
-    t, s = f"layers.{i}", f"model.layers.{i}"
+def layer_rules(i: int, layer, naming: Naming, block: str, fused: bool, target: str | None = None) -> list[Rule]:
+    """Rules of the block at HF index i; ``target``: its moekit prefix (default ``layers.{i}``)."""
+    t, s = target or f"layers.{i}", f"model.layers.{i}"
     rules = [_one(f"{t}.attn_norm.weight", f"{s}.input_layernorm.weight", "hidden_size"),
              *attention_rules(f"{t}.attn", f"{s}.self_attn", layer.attn),
              _one(f"{t}.ffn_norm.weight", f"{s}.post_attention_layernorm.weight", "hidden_size")]
@@ -188,16 +189,28 @@ def layer_rules(i: int, layer, naming: Naming, block: str, fused: bool) -> list[
     return rules + mlp_rules(f"{t}.ffn", f"{s}.mlp", "intermediate_size")
 
 
-def model_rules(model, naming: Naming, blocks: list[str], fused: list[bool]) -> list[Rule]:
-    """Every rule for ``model``; blocks[i] / fused[i]: the HF block name and expert layout of layer i."""
+def model_rules(model, naming: Naming, blocks: list[str], fused: list[bool], depths: int | None = None) -> list[Rule]:
+    """Every rule for ``model``; blocks[i] / fused[i]: the HF block name and expert layout of layer i (MTP depth k:
+    i = num_layers + k). ``depths``: how many of the model's MTP depths (models.mtp) the checkpoint holds (default
+    all): the others have no rule (an import leaves them as initialised, an export does not write them)."""
     rules = [_one("embed.weight", "model.embed_tokens.weight", "vocab_size, hidden_size")]
     for i, layer in enumerate(model.layers):
         rules += layer_rules(i, layer, naming, blocks[i], fused[i])
     rules.append(_one("norm.weight", "model.norm.weight", "hidden_size"))
     if model.lm_head is not None:
         rules.append(_one("lm_head.weight", "lm_head.weight", "vocab_size, hidden_size"))
+    L, mtp = len(model.layers), list(getattr(model, "mtp", ()))
+    depths = len(mtp) if depths is None else depths
+    for k, depth in enumerate(mtp[:depths]):  # models.mtp, as DeepSeek-V3 stores them: layer L + k
+        t, s = f"mtp.{k}", f"model.layers.{L + k}"
+        rules += [_one(f"{t}.enorm.weight", f"{s}.enorm.weight", "hidden_size"),
+                  _one(f"{t}.hnorm.weight", f"{s}.hnorm.weight", "hidden_size"),
+                  _one(f"{t}.eh_proj.weight", f"{s}.eh_proj.weight", "hidden_size"),
+                  *layer_rules(L + k, depth.block, naming, blocks[L + k], fused[L + k], target=f"{t}.block"),
+                  _one(f"{t}.norm.weight", f"{s}.shared_head.norm.weight", "hidden_size")]
     targets = [r.target for r in rules]
-    expected = [k for k in model.state_dict() if not k.endswith("pending_load")]
+    unmapped = tuple(f"mtp.{k}." for k in range(depths, len(mtp)))
+    expected = [k for k in model.state_dict() if not k.endswith("pending_load") and not k.startswith(unmapped or "\0")]
     assert sorted(targets) == sorted(expected), f"rules miss {set(expected) - set(targets)}"
     return rules
 
@@ -219,16 +232,19 @@ def detect_layout(keys: set[str], i: int, naming: Naming) -> tuple[str, bool]:
 
 
 def check_counts(reader: CheckpointReader, model, naming: Naming, blocks: list[str], fused: list[bool],
-                 num_layers_field: str, skipped: set[str] = frozenset()) -> None:
+                 num_layers_field: str, skipped: set[str] = frozenset(), depths: int = 0) -> None:
     """Layer and expert counts in the checkpoint must match config.json before any key-level check.
     ``skipped``: keys the import leaves out on purpose (families.skipped_keys), not counted."""
     layer_ids = {int(m.group(1)) for k in reader.infos
                  if k not in skipped and (m := re.match(r"model\.layers\.(\d+)\.", k))}
-    L = len(model.layers)
-    if layer_ids and max(layer_ids) + 1 != L:
-        raise ValueError(f"config.json {num_layers_field}={L} but the checkpoint has layers 0..{max(layer_ids)} "
-                         f"(e.g. model.layers.{max(layer_ids)}.*); the config does not match the weights")
-    for i, layer in enumerate(model.layers):
+    L, D = len(model.layers), min(len(getattr(model, "mtp", ())), depths)
+    if layer_ids and max(layer_ids) + 1 != L + D:
+        mtp = f" and {D} multi-token-prediction layer(s) (num_nextn_predict_layers)" if D else ""
+        raise ValueError(f"config.json {num_layers_field}={L}{mtp} but the checkpoint has layers "
+                         f"0..{max(layer_ids)} (e.g. model.layers.{max(layer_ids)}.*); the config does not match "
+                         f"the weights")
+    blocks_of = [*model.layers, *(depth.block for depth in list(getattr(model, "mtp", ()))[:D])]
+    for i, layer in enumerate(blocks_of):
         if not layer.is_moe:
             continue
         prefix = f"model.layers.{i}.{blocks[i]}.experts."
