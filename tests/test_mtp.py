@@ -142,12 +142,12 @@ def test_one_process_records_the_mtp_loss_and_resumes_bitwise(tmp_path, single_m
     assert losses(resumed) == losses(single_mtp)[2:]
 
 
-@pytest.mark.parametrize("extra", [["--ep", "2", "--fsdp", "2"], ["--ep", "4"]], ids=["fsdp2-ep2", "ep4"])
-def test_expert_parallel_and_fsdp_runs_match_one_process(tmp_path, single_mtp, extra):
-    """The depths' MoE layer is expert-parallel like the others (its experts split over the EP ranks) and their
-    parameters sit in FSDP's root unit; the loss and the MTP loss follow the one-process run."""
+def test_expert_parallel_and_fsdp_run_matches_one_process(tmp_path, single_mtp):
+    """fsdp2 x ep2: the depths' MoE layer is expert-parallel like the others (its experts split over the EP ranks,
+    then FSDP-sharded) and their other parameters sit in FSDP's root unit; the loss and the MTP loss follow the
+    one-process run. (Plain ep2 from an HF folder: test_a_checkpoints_mtp_layer_trains_sharded_and_exports.)"""
     r = run(["--preset", "deepseek-tiny", "--model.mtp_layers", "2", "--steps", "4", "--run-dir", str(tmp_path),
-             "--checkpoint.every", "0", *TINY, *extra], nproc=4)
+             "--checkpoint.every", "0", *TINY, "--ep", "2", "--fsdp", "2"], nproc=4)
     assert r.returncode == 0, r.stderr[-3000:]
     want = [json.loads(line) for line in (single_mtp / "metrics.jsonl").read_text().splitlines()]
     got = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
