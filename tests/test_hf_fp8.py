@@ -34,9 +34,10 @@ QUANT = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
 
 def quantizable(key: str, t: torch.Tensor) -> bool:
     """What DeepSeek-V3's release stores in fp8: the linear layers; not embeddings, norms, routers (``*.gate``),
-    Qwen2-MoE's shared-expert gate or lm_head."""
+    Qwen2-MoE's shared-expert gate, lm_head, or the MTP layer's projection and head copy."""
     return (t.dim() >= 2 and key.endswith(".weight") and "embed" not in key and "norm" not in key
-            and "lm_head" not in key and not key.endswith((".gate.weight", "shared_expert_gate.weight")))
+            and "lm_head" not in key and not key.endswith((".gate.weight", "shared_expert_gate.weight"))
+            and "eh_proj" not in key and "shared_head.head" not in key)
 
 
 def quantize_folder(src: Path, dst: Path, block: tuple[int, int] | None, *, fp8_dtype=torch.float8_e4m3fn,

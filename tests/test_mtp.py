@@ -195,10 +195,10 @@ def test_a_checkpoints_mtp_layer_trains_sharded_and_exports(deepseek_with_mtp, t
     written = {}
     for f in out.glob("*.safetensors"):
         written.update(load_file(f))
-    copies = {"model.layers.2.embed_tokens.weight", "model.layers.2.shared_head.head.weight"}
-    assert {k for k in written if k.startswith("model.layers.2.")} == set(added) - copies
-    for key in set(added) - copies:
+    assert {k for k in written if k.startswith("model.layers.2.")} == set(added)
+    for key in added:  # the embedding / head copies are the main tensors, written again
         torch.testing.assert_close(written[key], added[key], rtol=0, atol=1e-6, msg=key)
+    assert torch.equal(written["model.layers.2.shared_head.head.weight"], written["lm_head.weight"])
 
 
 def test_depths_a_checkpoint_lacks_start_fresh(deepseek_with_mtp, tmp_path):
@@ -219,3 +219,28 @@ def test_an_adopted_mtp_layer_says_where_it_came_from_when_refused(deepseek_with
     refused(capsys, tmp_path / "r", ["--init-from-hf", str(src), "--tp", "2", "--train.seq_len", "32"],
             "--model.mtp_layers 1 (the --init-from-hf checkpoint's num_nextn_predict_layers) with --tp 2",
             "--model.mtp_layers 0")
+
+
+def test_an_fp8_export_keeps_the_mtp_projection_and_head_copy_in_bf16(tmp_path):
+    """As DeepSeek-V3's fp8 release: an MTP depth's block is float8 with scales like any layer's, its eh_proj and its
+    copies of the embedding / head stay bf16 (served as plain linears), and the folder loads back with its depth."""
+    import json as _json
+    import struct
+
+    from moekit.models.hf import load_hf, save_hf
+
+    model = build_model(tiny(mtp_layers=1, attention="mla", kv_lora_rank=8, qk_nope_head_dim=8,
+                             qk_rope_head_dim=4, v_head_dim=8, q_lora_rank=16, aux_loss_coeff=0.0,
+                             router_options={"score": "sigmoid", "expert_bias": True, "num_groups": 4,
+                                             "group_top_k": 2, "group_score_top": 2, "scaling": 1.0}), seed=0)
+    save_hf(model, tmp_path, fp8=True, fp8_block=(8, 8))
+    raw = (tmp_path / "model.safetensors").read_bytes()
+    header = _json.loads(raw[8:8 + struct.unpack("<Q", raw[:8])[0]])
+    dtypes = {k: v["dtype"] for k, v in header.items() if k.startswith("model.layers.2.")}
+    for key in ("eh_proj.weight", "embed_tokens.weight", "shared_head.head.weight", "enorm.weight"):
+        assert dtypes[f"model.layers.2.{key}"] == "BF16", key
+    assert dtypes["model.layers.2.self_attn.kv_a_proj_with_mqa.weight"] == "F8_E4M3"
+    assert "model.layers.2.self_attn.kv_a_proj_with_mqa.weight_scale_inv" in dtypes
+    back = load_hf(tmp_path)
+    assert back.config.mtp_layers == 1
+    torch.testing.assert_close(back.mtp[0].eh_proj.weight, model.mtp[0].eh_proj.weight.bfloat16().float())

@@ -41,7 +41,8 @@ from moekit.models.hf.export import choose_family, copy_tokenizer, export_proble
 from moekit.models.hf.families import (FAMILIES, MTP_FAMILIES, Family, UnsupportedCheckpoint, family,
                                       mtp_layers_present, skipped_keys)
 from moekit.models.hf.io import DTYPE_NAMES, CONFIG_FILE, CheckpointReader, read_config, write_safetensors
-from moekit.models.hf.weights import Rule, check_counts, detect_layout, export_tensors, load_into, model_rules
+from moekit.models.hf.weights import (Rule, _one, check_counts, detect_layout, export_tensors, load_into,
+                                      model_rules)
 from moekit.models.transformer import Transformer, meta_device
 
 SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
@@ -172,6 +173,10 @@ def export_rules(model: Transformer, family: str | None, dtype: torch.dtype | No
     naming, L = FAMILIES[name].naming, model.config.num_layers + depths
     block = naming.moe_blocks[-1 if layout == "fused" else 0]  # fused tensors live under "mlp", as in transformers
     rules = model_rules(model, naming, [block] * L, [layout == "fused"] * L, depths)
+    head = "embed.weight" if model.lm_head is None else "lm_head.weight"
+    for i in range(model.config.num_layers, L):  # each MTP layer's copies of the shared tensors, as released
+        rules += [_one("embed.weight", f"model.layers.{i}.embed_tokens.weight", "vocab_size, hidden_size"),
+                  _one(head, f"model.layers.{i}.shared_head.head.weight", "vocab_size, hidden_size")]
     return name, rules, dtype or next(model.parameters()).dtype
 
 

@@ -172,7 +172,9 @@ def dequantize(weight: Tensor, scale: Tensor, block: tuple[int, int], start: tup
 
 E4M3_MAX = 448.0  # the largest float8_e4m3fn value
 SCALE_FLOOR = 1e-12  # the scale of an all-zero block (its values stay 0); keeps w / scale finite
-NOT_QUANTIZED = ("embed_tokens", "lm_head", "norm", ".gate.weight", "shared_expert_gate.weight")
+# DeepSeek-V3's MTP layer keeps its projection and its head copy in bf16 (vLLM reads them as plain linears)
+NOT_QUANTIZED = ("embed_tokens", "lm_head", "norm", ".gate.weight", "shared_expert_gate.weight", "eh_proj",
+                 "shared_head.head")
 
 
 def quantizable(key: str, shape: tuple[int, ...]) -> bool:

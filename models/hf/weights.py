@@ -302,9 +302,14 @@ def export_tensors(model, rules: list[Rule], dtype: torch.dtype | None) -> dict[
     """HF key -> tensor (contiguous, on the CPU, in ``dtype`` or the model's own) for every rule."""
     state = model.state_dict()
     out: dict[str, Tensor] = {}
+    written: set[tuple[int, int]] = set()  # tensors already written: a second key of one (MTP's copies) gets a copy
     for r in rules:
         value = state[r.target].detach()
         parts = r.split(value.to(dtype) if dtype is not None and value.is_floating_point() else value)
         for key, part in zip(r.sources, parts):
-            out[key] = part.to("cpu").contiguous()
+            t = part.to("cpu").contiguous()
+            if (t.data_ptr(), t.numel()) in written:  # safetensors refuses two keys on the same memory
+                t = t.clone()
+            written.add((t.data_ptr(), t.numel()))
+            out[key] = t
     return out
