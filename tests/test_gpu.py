@@ -22,6 +22,10 @@ import torch
 import torch.nn.functional as F
 
 ON = os.environ.get("MOEKIT_GPU_TESTS_ON", "cuda")
+# The TMA variants against the pointer kernels: in the interpreter, tests/test_gemm_tma.py and test_wgrad_tma.py
+# cover them at interpreter sizes (bit for bit), so the tier's CPU run leaves these out (13 s of CI)
+ON_DEVICE_ONLY = pytest.mark.skipif(ON != "cuda", reason="the interpreter runs of the TMA variants are "
+                                    "tests/test_gemm_tma.py and test_wgrad_tma.py")
 DEVICE = torch.device(ON)
 pytestmark = [
     pytest.mark.gpu,
@@ -611,6 +615,7 @@ def test_float8_experts_on_device_match_the_emulation_and_float64(activation):
         assert t.U / 4 < rel_err(a, w) < 1.6 * t.U, f"{name}: {rel_err(a, w):.4f} from float64"
 
 
+@ON_DEVICE_ONLY
 @pytest.mark.parametrize("dtype", first_on_cpu([torch.bfloat16, torch.float16, torch.float32]))
 def test_tma_wgrad_on_device_equals_the_pointer_kernel(monkeypatch, dtype):
     """The TMA variant of the weight gradient (device-side tensor descriptors, sm90+) gives the pointer
@@ -640,6 +645,7 @@ def test_tma_wgrad_on_device_equals_the_pointer_kernel(monkeypatch, dtype):
         assert torch.equal(got, want), f"{name}: max diff {(got.float() - want.float()).abs().max().item()}"
 
 
+@ON_DEVICE_ONLY
 @pytest.mark.parametrize("dtype", first_on_cpu([torch.bfloat16, torch.float16]))
 def test_tma_grouped_mm_on_device_equals_the_pointer_kernel(monkeypatch, dtype):
     """The persistent TMA forward / dX kernel (moe.kernels.grouped_mm.GEMM_TMA) gives the pointer kernel's
@@ -670,6 +676,7 @@ def test_tma_grouped_mm_on_device_equals_the_pointer_kernel(monkeypatch, dtype):
             assert torch.equal(got, want), f"{name} (W^T: {transpose}): max diff {(got.float() - want.float()).abs().max().item()}"
 
 
+@ON_DEVICE_ONLY
 @pytest.mark.parametrize("activation", first_on_cpu(["swiglu", "gelu"]))
 def test_expert_mlp_with_every_tma_variant_equals_the_pointer_kernels(monkeypatch, activation):
     """MOEKIT_TMA's three switches at once (the fused kernels' descriptor loads, the persistent forward / dX,
