@@ -124,6 +124,9 @@ def check_pipeline_model(config: ModelConfig, num_stages: int) -> None:
     if config.tie_embeddings and num_stages > 1:
         raise ValueError("model.tie_embeddings=true shares embed.weight between the first and the last pipeline "
                          "stage, which run on different ranks; use --model.tie_embeddings false with --pp > 1")
+    if config.mtp_layers:
+        raise ValueError(f"model.mtp_layers={config.mtp_layers}: a pipeline does not run multi-token prediction yet "
+                         f"(its depths need the embedding on the last stage); use --model.mtp_layers 0 with --pp")
 
 
 # ---------------------------------------------------------------------------------------------------

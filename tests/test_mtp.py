@@ -122,6 +122,13 @@ def test_trainer_refuses_what_mtp_cannot_run(tmp_path, capsys, args, match):
     refused(capsys, tmp_path / "r", ["--preset", "deepseek-tiny", *args], match)
 
 
+def test_a_pipeline_refuses_mtp_depths():
+    from moekit.models.pipeline import check_pipeline_model
+
+    with pytest.raises(ValueError, match="model.mtp_layers=1: a pipeline does not run multi-token prediction"):
+        check_pipeline_model(tiny(mtp_layers=1), 2)
+
+
 @pytest.fixture(scope="module")
 def single_mtp(tmp_path_factory):
     d = tmp_path_factory.mktemp("single_mtp")

@@ -123,7 +123,8 @@ def plan_load(model: Transformer, path: str | Path, check_config: bool = True) -
     skipped = skipped_keys(hf, keys, model.config.num_layers, path, model.config.mtp_layers)
     # models.mtp: the checkpoint's MTP layers follow the main ones and fill the model's first depths; depths it
     # lacks keep their initialisation (families.skipped_keys leaves out the layers the model has no depth for)
-    depths = min(len(model.mtp), mtp_layers_present(hf, keys, model.config.num_layers))
+    mtp = getattr(model, "mtp", ())  # a pipeline's stage container has none (MTP runs without pp)
+    depths = min(len(mtp), mtp_layers_present(hf, keys, model.config.num_layers))
     layouts = [detect_layout(keys, i, fam.naming) for i in range(model.config.num_layers + depths)]
     blocks, fused = [b for b, _ in layouts], [f for _, f in layouts]
     check_counts(reader, model, fam.naming, blocks, fused, fam.layers_field, skipped, depths)
@@ -165,15 +166,16 @@ def export_rules(model: Transformer, family: str | None, dtype: torch.dtype | No
     if dtype is not None and dtype not in DTYPE_NAMES.values():
         raise ValueError(f"dtype={dtype} is not supported; use one of {list(DTYPE_NAMES)}")
     name = choose_family(model, family)
-    depths = len(model.mtp) if name in MTP_FAMILIES else 0  # models.mtp: only DeepSeek-V3's format stores them
-    if len(model.mtp) and not depths:
-        warnings.warn(f"the model's {len(model.mtp)} multi-token-prediction depth(s) are not written: {name} has no "
+    mtp = getattr(model, "mtp", ())  # a pipeline's stage container has none (MTP runs without pp)
+    depths = len(mtp) if name in MTP_FAMILIES else 0  # models.mtp: only DeepSeek-V3's format stores them
+    if len(mtp) and not depths:
+        warnings.warn(f"the model's {len(mtp)} multi-token-prediction depth(s) are not written: {name} has no "
                       f"place for them (deepseek_v3 and glm4_moe do); the main model is exported whole and its "
                       f"logits are unaffected", stacklevel=3)
     naming, L = FAMILIES[name].naming, model.config.num_layers + depths
     block = naming.moe_blocks[-1 if layout == "fused" else 0]  # fused tensors live under "mlp", as in transformers
     rules = model_rules(model, naming, [block] * L, [layout == "fused"] * L, depths)
-    head = "embed.weight" if model.lm_head is None else "lm_head.weight"
+    head = "embed.weight" if getattr(model, "lm_head", None) is None else "lm_head.weight"
     for i in range(model.config.num_layers, L):  # each MTP layer's copies of the shared tensors, as released
         rules += [_one("embed.weight", f"model.layers.{i}.embed_tokens.weight", "vocab_size, hidden_size"),
                   _one(head, f"model.layers.{i}.shared_head.head.weight", "vocab_size, hidden_size")]
