@@ -15,8 +15,8 @@ index num_layers + k - 1) and final norm. Those are the tensors of DeepSeek-V3's
 Training adds ``mtp_loss_coeff * mean_k loss_k`` to the objective through ``LossInjector``: the loss the
 model returns (and the trainer reports, and evaluation computes) stays the next-token loss, while backward
 gives the MTP loss its gradient. Depths run only when a gradient is wanted (training): evaluation, inference
-and generation never compute them. The last MTP loss is kept in ``Transformer.mtp_loss`` (detached) for the
-trainer's records.
+and generation never compute them. ``Transformer.pop_mtp_loss()`` gives the mean MTP loss of the forwards since
+its last call (detached), for the trainer's records.
 """
 from __future__ import annotations
 

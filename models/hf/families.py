@@ -375,8 +375,8 @@ def mtp_layers_of(hf: dict) -> int:
 def mtp_layers_present(hf: dict, keys, num_layers: int) -> int:
     """How many of num_nextn_predict_layers the checkpoint holds (the leading ones with an ``eh_proj``):
     transformers saves the field (DeepseekV3Config's default is 1) without writing the layers it does not run."""
-    n = 0
-    while n < mtp_layers_of(hf) and f"model.layers.{num_layers + n}.eh_proj.weight" in keys:
+    n, stored = 0, mtp_layers_of(hf)
+    while n < stored and f"model.layers.{num_layers + n}.eh_proj.weight" in keys:
         n += 1
     return n
 

@@ -209,8 +209,8 @@ def model_rules(model, naming: Naming, blocks: list[str], fused: list[bool], dep
                   *layer_rules(L + k, depth.block, naming, blocks[L + k], fused[L + k], target=f"{t}.block"),
                   _one(f"{t}.norm.weight", f"{s}.shared_head.norm.weight", "hidden_size")]
     targets = [r.target for r in rules]
-    unmapped = tuple(f"mtp.{k}." for k in range(depths, len(mtp)))
-    expected = [k for k in model.state_dict() if not k.endswith("pending_load") and not k.startswith(unmapped or "\0")]
+    unmapped = tuple(f"mtp.{k}." for k in range(depths, len(mtp)))  # depths the checkpoint has no layer for
+    expected = [k for k in model.state_dict() if not k.endswith("pending_load") and not k.startswith(unmapped)]
     assert sorted(targets) == sorted(expected), f"rules miss {set(expected) - set(targets)}"
     return rules
 

@@ -28,6 +28,7 @@ final norm / the next stage read all T).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -246,14 +247,7 @@ def stage_activations(cfg: ModelConfig, layout: Layout, wl: Workload, stage: Sta
     if stage.first:
         out["embedding"] = s.T * INT64  # token ids
     if stage.last:  # last block's output (all-gathered under SP), final norm, then the loss's own
-        norm = s.T * FP32 + (s.T * H * s.r if s.cpu else 0)
-        if layout.pp == 1 and _loss_chunks():  # models.loss: its gradients dh [T, H] and dW [V, H], no logits
-            # measured on CPU: under autocast the final norm's kept product and dh are in the autocast dtype
-            low = s.a if s.casts else s.r
-            norm = s.T * FP32 + (s.T * H * low if s.cpu else 0)
-            out["head"] = s.T * H * s.r + norm + s.T * H * low + cfg.vocab_size * H * s.r
-        else:  # the pipeline's loss (and LOSS_CHUNKS "never"): lm_head input, fp32 log-softmax [T, V]
-            out["head"] = s.T * H * s.r + norm + s.T * H * (s.a if s.casts else s.r) + s.T * cfg.vocab_size * FP32
+        out["head"] = _head(cfg, layout, s)
         if cfg.mtp_layers and wl.seq_len > 1:  # the final norm's output, which depth 1's hnorm keeps
             _add(out, {"mtp": s.T * H * s.r})
         for k in range(1, cfg.mtp_layers + 1):
@@ -263,12 +257,22 @@ def stage_activations(cfg: ModelConfig, layout: Layout, wl: Workload, stage: Sta
     return out, recompute
 
 
+def _head(cfg: ModelConfig, layout: Layout, s: Shapes) -> int:
+    """The final norm and the loss over s.T tokens: the main model's head, and each MTP depth's."""
+    H, low = cfg.hidden_size, s.a if s.casts else s.r
+    if layout.pp == 1 and _loss_chunks():  # models.loss: its gradients dh [T, H] and dW [V, H], no logits
+        # measured on CPU: under autocast the final norm's kept product and dh are in the autocast dtype
+        norm = s.T * FP32 + (s.T * H * low if s.cpu else 0)
+        return s.T * H * s.r + norm + s.T * H * low + cfg.vocab_size * H * s.r
+    # the pipeline's loss (and LOSS_CHUNKS "never"): lm_head input, fp32 log-softmax [T, V]
+    norm = s.T * FP32 + (s.T * H * s.r if s.cpu else 0)
+    return s.T * H * s.r + norm + s.T * H * low + s.T * cfg.vocab_size * FP32
+
+
 def _mtp_depth(cfg: ModelConfig, layout: Layout, wl: Workload, k: int, node_rows: float) -> dict[str, int]:
     """Multi-token-prediction depth k (models.mtp; no pipeline, no TP): on S - k positions per sequence, its two
     input norms, the [embedding; state] concatenation its projection reads, its block (never checkpointed) and
     its own loss through the shared head (gradients dh and dW, as the main loss keeps them)."""
-    import dataclasses
-
     n = wl.seq_len - k
     if n <= 0:
         return {}
@@ -276,13 +280,9 @@ def _mtp_depth(cfg: ModelConfig, layout: Layout, wl: Workload, k: int, node_rows
     H, low = cfg.hidden_size, s.a if s.casts else s.r
     outer, ffn = _block(cfg, layout, s, cfg.num_layers + k - 1, node_rows)
     norm = s.T * FP32 + (s.T * H * s.r if s.cpu else 0)  # rsqrt; x * rsqrt on CPU
-    out = {"mtp": 2 * norm + 2 * s.T * H * low, **{key: v for key, v in outer.items()}}
+    out = {"mtp": 2 * norm + 2 * s.T * H * low, **outer}
     _add(out, ffn)
-    if _loss_chunks():
-        head_norm = s.T * FP32 + (s.T * H * low if s.cpu else 0)
-        out["head"] = s.T * H * s.r + head_norm + s.T * H * low + cfg.vocab_size * H * s.r
-    else:
-        out["head"] = s.T * H * s.r + norm + s.T * H * low + s.T * cfg.vocab_size * FP32
+    out["head"] = _head(cfg, layout, s)
     return out
 
 
