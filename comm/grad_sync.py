@@ -122,10 +122,11 @@ def _shard_groups(t: Tensor) -> tuple:
 def global_grad_norm(params, device, pp_group=None) -> Tensor:
     """sqrt(sum of squares) of the whole gradient, whatever the sharding: local sums of squares are
     grouped by the groups their shards span and all-reduced over each (replicas are counted once);
-    ``pp_group``: pipeline stages hold different parameters, so their totals add up."""
+    ``pp_group``: pipeline stages hold different parameters, so their totals add up; the last stage's replica of
+    the embedding (models.pipeline, ``pipeline_replica``) is stage 0's tensor again and is left out."""
     sums: dict[tuple, Tensor] = {}
     for p in params:
-        if p.grad is not None:
+        if p.grad is not None and not getattr(p, "pipeline_replica", False):
             groups = _shard_groups(p.grad)
             square = local(p.grad).float().square()
             primary = getattr(p, "expert_primary", None)  # [S]: replicas of an expert count once

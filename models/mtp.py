@@ -16,7 +16,8 @@ Training adds ``mtp_loss_coeff * mean_k loss_k`` to the objective through ``Loss
 model returns (and the trainer reports, and evaluation computes) stays the next-token loss, while backward
 gives the MTP loss its gradient. Depths run only when a gradient is wanted (training): evaluation, inference
 and generation never compute them. ``Transformer.pop_mtp_loss()`` gives the mean MTP loss of the forwards since
-its last call (detached), for the trainer's records.
+its last call (detached), for the trainer's records (``Pipeline.pop_mtp_loss()`` under pipeline parallelism,
+where the depths run on the last stage with a replica of the embedding: models.pipeline).
 """
 from __future__ import annotations
 
@@ -42,6 +43,26 @@ class MTPModule(nn.Module):
         """h [B, n, H] (the previous depth), emb [B, n, H] (embeddings of the tokens k ahead) -> [B, n, H]."""
         x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1))
         return self.block(x, cos, sin, tokens)
+
+
+class MTPRecord:
+    """Running mean of the MTP losses of the training forwards since the last ``pop`` (detached, on the device:
+    recording costs no host sync)."""
+
+    def __init__(self):
+        self.sum: Tensor | None = None
+        self.count = 0
+
+    def add(self, value: Tensor) -> None:
+        value = value.detach()
+        self.sum = value if self.sum is None else self.sum + value
+        self.count += 1
+
+    def pop(self) -> Tensor | None:
+        """The mean since the last call, or None when no forward recorded one; restarts the mean."""
+        out = None if self.sum is None else self.sum / self.count
+        self.sum, self.count = None, 0
+        return out
 
 
 class LossInjector(torch.autograd.Function):

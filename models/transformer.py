@@ -32,7 +32,7 @@ from moekit.models.attention import (  # noqa: F401  (re-exported: the attention
     Attention, KVCache, LayerKV, MLAttention, build_attention, causal_mask)
 from moekit.models.config import ModelConfig
 from moekit.models.loss import chunked_lm_loss
-from moekit.models.mtp import LossInjector, MTPModule, mtp_loss
+from moekit.models.mtp import LossInjector, MTPModule, MTPRecord, mtp_loss
 from moekit.models.rope import (  # noqa: F401  (re-exported: the RoPE API lived here)
     apply_rope, apply_rope_interleaved, rope_angles, rope_frequencies, rope_tables)
 from moekit.moe import DenseMLP, MoELayer, build_router
@@ -47,6 +47,29 @@ def chunked_loss_applies(weight: Tensor) -> bool:
     if LOSS_CHUNKS not in ("auto", "never"):
         raise ValueError(f"models.transformer.LOSS_CHUNKS={LOSS_CHUNKS!r}; use 'auto' or 'never'")
     return LOSS_CHUNKS == "auto" and type(weight) in (torch.Tensor, nn.Parameter) and not torch.compiler.is_compiling()
+
+
+def head_loss(x: Tensor, weight: Tensor, targets: Tensor) -> Tensor:
+    """Mean next-token cross-entropy of hidden states x [B, S, H] through the head ``weight`` [V, H]: in token
+    chunks without keeping the logits (models.loss) where that applies, else from the whole fp32 logits."""
+    if not chunked_loss_applies(weight):
+        return F.cross_entropy(F.linear(x, weight).float().flatten(0, 1), targets.flatten())
+    return chunked_lm_loss(x, weight, targets)
+
+
+def training_loss(owner: nn.Module, x: Tensor, weight: Tensor, emb: Tensor, tokens: Tensor, targets: Tensor,
+                  cos: Tensor, sin: Tensor) -> Tensor:
+    """The loss a forward with targets returns: the next-token loss of the final normed hidden states ``x``
+    [B, S, H] through the head ``weight``, carrying the multi-token-prediction objective into backward when
+    ``owner`` (a Transformer, or a pipeline's last stage: ``.mtp``, ``.mtp_record``, ``.config``) has depths and
+    trains (models.mtp). ``emb``: embed(tokens) [B, S, H], which the depths read."""
+    loss = head_loss(x, weight, targets)
+    if len(owner.mtp) and owner.training and torch.is_grad_enabled():  # models.mtp: training only
+        extra = mtp_loss(owner, x, emb, tokens, targets, cos, sin, lambda h, t: head_loss(h, weight, t))
+        if extra is not None:
+            owner.mtp_record.add(extra)
+            loss = LossInjector.apply(loss, extra, owner.config.mtp_loss_coeff)
+    return loss
 
 
 class Block(nn.Module):
@@ -84,8 +107,7 @@ class Transformer(nn.Module):
         self.lm_head = None if config.tie_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         # multi-token prediction depths (models.mtp): empty unless model.mtp_layers > 0
         self.mtp = nn.ModuleList(MTPModule(config, config.num_layers + k) for k in range(config.mtp_layers))
-        self._mtp_sum: Tensor | None = None  # MTP losses of the forwards since pop_mtp_loss (detached)
-        self._mtp_count = 0
+        self.mtp_record = MTPRecord()  # MTP losses of the training forwards since pop_mtp_loss
 
     def forward(self, tokens: Tensor, cache: KVCache | None = None, targets: Tensor | None = None) -> Tensor:
         """tokens [B, S] int64 -> logits [B, S, V] float32; with ``targets`` [B, S], the mean next-token
@@ -122,30 +144,13 @@ class Transformer(nn.Module):
         x = self.norm(x)
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight  # [V, H]
         if targets is not None:
-            loss = self._head_loss(x, weight, targets)
-            if len(self.mtp) and self.training and torch.is_grad_enabled():  # models.mtp: training only
-                extra = mtp_loss(self, x, emb, tokens, targets, cos, sin, lambda h, t: self._head_loss(h, weight, t))
-                if extra is not None:
-                    done = extra.detach()
-                    self._mtp_sum = done if self._mtp_sum is None else self._mtp_sum + done
-                    self._mtp_count += 1
-                    loss = LossInjector.apply(loss, extra, self.config.mtp_loss_coeff)
-            return loss
+            return training_loss(self, x, weight, emb, tokens, targets, cos, sin)
         return F.linear(x, weight).float()  # [B, S, V]
-
-    @staticmethod
-    def _head_loss(x: Tensor, weight: Tensor, targets: Tensor) -> Tensor:
-        """Mean next-token cross-entropy of hidden states x [B, S, H] through the head ``weight`` [V, H]."""
-        if not chunked_loss_applies(weight):
-            return F.cross_entropy(F.linear(x, weight).float().flatten(0, 1), targets.flatten())
-        return chunked_lm_loss(x, weight, targets)
 
     def pop_mtp_loss(self) -> Tensor | None:
         """The mean multi-token-prediction loss (models.mtp) of the training forwards since the last call, a
         detached device tensor (no sync), or None when none ran; resets the running mean."""
-        out = None if self._mtp_sum is None else self._mtp_sum / self._mtp_count
-        self._mtp_sum, self._mtp_count = None, 0
-        return out
+        return self.mtp_record.pop()
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:

@@ -59,6 +59,10 @@ def test_batch_split(world, micro, layout, split):
     assert r.per_rank * r.data_parallel == 16 and r.micro_batch * r.accum == r.per_rank
 
 
+def test_a_tied_head_resolves_under_a_pipeline():  # the last stage keeps a replica of the embedding (models.pipeline)
+    assert resolve(2, model=dataclasses.replace(MIXTRAL, tie_embeddings=True), pp=2).layout.pp == 2
+
+
 def test_knobs():
     assert resolve(1).hierarchical is None and resolve(1).ranks_per_node == 0
     assert resolve(8, hierarchical="on", ranks_per_node=4).hierarchical is True
@@ -68,8 +72,6 @@ def test_knobs():
 # ---------------------------------------------------------------------------------------------------
 # Every refusal: LayoutError, one line naming the value and the fix
 # ---------------------------------------------------------------------------------------------------
-
-TIED = dataclasses.replace(MIXTRAL, tie_embeddings=True)
 
 REFUSED = [
     (dict(world=1, dp=2), "layout --dp 2 --ep 1 --tp 1 --pp 1 --fsdp 1 needs dp*fsdp*tp*pp = 2 processes but the "
@@ -94,7 +96,6 @@ REFUSED = [
      "--batch-size 6 must split into 1 data-parallel shares of whole micro-batches of 4"),
     (dict(world=1, batch=2, micro=4), "whole micro-batches of 4"),  # larger than the rank's share
     (dict(world=8, pp=8), "num_layers=4 is fewer than the 8 pipeline stages"),
-    (dict(world=2, pp=2, model=TIED), "--model.tie_embeddings false"),
     (dict(world=2, pp=2, pp_microbatches=3), "--pp 2: each data-parallel rank's 16 sequences do not split into 3"),
     (dict(world=2, pp=2, micro=3), "--pp 2: each data-parallel rank's 16 sequences do not split into 5"),
     (dict(world=2, pp=2, micro=4, pp_microbatches=2), "--train.micro_batch_size 4 x --layout.pp_microbatches 2 != 16"),

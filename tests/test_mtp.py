@@ -1,6 +1,7 @@
 """Multi-token prediction (models.mtp): the objective against the paper's formula computed here from full logits,
 the reported loss left as the next-token loss, depths only in training, and runs under dp / fsdp / ep matching one
-process (torchrun over gloo), with checkpoints that resume."""
+process (torchrun over gloo: dp, fsdp, ep, and pp with the depths on the last stage), with checkpoints that
+resume."""
 from __future__ import annotations
 
 import dataclasses
@@ -113,7 +114,6 @@ def test_bad_config_values_are_named(field, value, match):
 
 @pytest.mark.parametrize("args,match", [
     (["--model.mtp_layers", "2", "--train.seq_len", "2"], "--model.mtp_layers 2 predicts up to 3 tokens ahead"),
-    (["--model.mtp_layers", "1", "--pp", "2"], "--model.mtp_layers 1 with --pp 2: multi-token prediction does not run"),
     (["--model.mtp_layers", "1", "--tp", "2"], "--model.mtp_layers 1 with --tp 2: multi-token prediction does not run"),
 ])
 def test_trainer_refuses_what_mtp_cannot_run(tmp_path, capsys, args, match):
@@ -122,11 +122,26 @@ def test_trainer_refuses_what_mtp_cannot_run(tmp_path, capsys, args, match):
     refused(capsys, tmp_path / "r", ["--preset", "deepseek-tiny", *args], match)
 
 
-def test_a_pipeline_refuses_mtp_depths():
-    from moekit.models.pipeline import check_pipeline_model
-
-    with pytest.raises(ValueError, match="model.mtp_layers=1: a pipeline does not run multi-token prediction"):
-        check_pipeline_model(tiny(mtp_layers=1), 2)
+def test_a_pipeline_trains_mtp_and_a_tied_head_on_its_last_stage(tmp_path):
+    """pp2 (1f1b): the depths and the tied head run on the last stage with its replica of the embedding; loss,
+    mtp_loss and the gradient norm (which counts the replica once) follow one process over the same 4
+    micro-batches, and the pipeline's checkpoint (both stages hold embed.weight) resumes in one process.
+    (Gradients parameter by parameter, FSDP and interleaving: tests/test_pipeline.py.)"""
+    args = ["--preset", "deepseek-tiny", "--model.mtp_layers", "2", "--model.tie_embeddings", "true", "--steps", "4",
+            "--train.micro_batch_size", "2", *TINY]
+    single, piped, resumed = tmp_path / "single", tmp_path / "pp2", tmp_path / "resumed"
+    r = run([*args, "--run-dir", str(single), "--checkpoint.every", "0"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = run([*args, "--run-dir", str(piped), "--checkpoint.every", "2", "--pp", "2"], nproc=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "pipeline: 1f1b, 2 stages" in r.stdout
+    want, got = ([json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()] for d in (single, piped))
+    for key in ("loss", "mtp_loss", "grad_norm"):
+        assert [g[key] for g in got] == pytest.approx([w[key] for w in want], rel=1e-5, abs=1e-6), key
+    r = run([*args, "--run-dir", str(resumed), "--checkpoint.every", "0", "--resume",
+             str(piped / "checkpoints" / "step_000002")])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert losses(resumed) == pytest.approx(losses(single)[2:], rel=1e-5, abs=1e-6)
 
 
 @pytest.fixture(scope="module")

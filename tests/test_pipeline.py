@@ -14,13 +14,13 @@ import torch.distributed as dist
 
 from moekit.comm.expert_parallel import apply_expert_parallel
 from moekit.comm.fsdp import apply_fsdp
-from moekit.comm.grad_sync import gradient_roles, sync_gradients
+from moekit.comm.grad_sync import global_grad_norm, gradient_roles, sync_gradients
 from moekit.comm.pipeline import check_schedule, stage_ids_of
 from moekit.comm.topology import Layout, Topology
 from moekit.models.config import PRESETS, ModelConfig
 from moekit.models.parallelize import apply_activation_checkpointing
 from moekit.models.pipeline import (PipelineModel, StageModule, balance_stages, build_pipeline, check_pipeline_model,
-                             layer_costs, lm_loss)
+                                    layer_costs, lm_loss, needs_embedding_replica)
 from moekit.models.transformer import build_model
 from moekit.moe import collect_load
 from moekit.moe.layer import set_aux_loss_scale
@@ -116,13 +116,41 @@ def test_schedules_torch_accepts_pass():
 
 
 def test_model_errors():
-    with pytest.raises(ValueError, match="--model.tie_embeddings false"):
-        check_pipeline_model(PRESETS["switch-tiny"], 2)
     with pytest.raises(ValueError, match="num_layers=4 is fewer than the 8 pipeline stages"):
         check_pipeline_model(PRESETS["mixtral-tiny"], 8)
     with pytest.raises(ValueError, match="4 layers cannot fill 5"):
         balance_stages([1.0] * 4, 5)
-    check_pipeline_model(PRESETS["switch-tiny"], 1)  # one stage holds both ends of the tie
+    check_pipeline_model(PRESETS["switch-tiny"], 2)  # tied: the last stage keeps a replica of the embedding
+    model = build_model(PRESETS["switch-tiny"], seed=0)
+    with pytest.raises(ValueError, match="embedding_replica=True"):
+        StageModule(model, range(2, 4), False, True)
+
+
+@pytest.mark.parametrize("over", [{}, {"tie_embeddings": True}, {"mtp_layers": 2}, {"tie_embeddings": True, "mtp_layers": 1}],
+                         ids=["untied", "tied", "mtp2", "tied-mtp"])
+def test_the_memory_plan_counts_each_stages_parameters(over):
+    """The dry run's per-stage parameter tensors (train.planning.memory) against the stage modules built here, part by
+    part: the last stage's embedding replica (tied head, MTP) included, and nothing on stage 0 changes."""
+    from moekit.train.planning.dryrun import part_of
+    from moekit.train.planning.memory import Stage, param_tensors
+
+    cfg = dataclasses.replace(PRESETS["mixtral-tiny"], **over)
+    model = build_model(cfg, seed=0)
+    ranges = balance_stages(layer_costs(cfg, S).layers, 2)
+    replica = needs_embedding_replica(cfg, 2)
+    assert replica == bool(over)
+    for i, r in enumerate(ranges):
+        stage = StageModule(model, r, i == 0, i == 1, replica)
+        built: dict[str, int] = {}
+        for name, p in stage.named_parameters():
+            built[part_of(name)] = built.get(part_of(name), 0) + p.numel()
+        planned: dict[str, int] = {}
+        for part, n in param_tensors(cfg, Layout(pp=2), Stage(i, tuple(r), i == 0, i == 1)):
+            planned[part] = planned.get(part, 0) + n
+        assert built == planned, (i, built, planned)
+        assert ("embedding" in built) == (i == 0 or replica)
+        if stage.has_replica:  # a copy, not the same tensor: the two stages live on different ranks
+            assert stage.embed is not model.embed and torch.equal(stage.embed.weight, model.embed.weight)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -145,6 +173,10 @@ CONFIGS = {
                  z_loss_coeff=0.0, router_options={}),
     # Switch-like: MoE every other layer, top-1; no jitter (its random draws happen in another order per layout)
     "switch": tiny(moe_every=2, top_k=1, activation="relu", router="switch", router_options={"jitter": 0.0}),
+    # the last stage needs the embedding: a tied head and a multi-token-prediction depth (an MoE block)
+    "tied_mtp": tiny(tie_embeddings=True, mtp_layers=1, mtp_loss_coeff=0.5),
+    # MTP alone (untied head), two depths: the replica serves only the depths' lookups
+    "mtp2": tiny(mtp_layers=2, moe_every=2),
 }
 
 
@@ -156,13 +188,17 @@ def test_stages_chain_to_the_model_under_its_names():
     ranges = balance_stages(layer_costs(cfg, S).layers, 3)
     stages = [StageModule(model, r, i == 0, i == 2) for i, r in enumerate(ranges)]
     tokens = torch.randint(0, cfg.vocab_size, (2, S), generator=torch.Generator().manual_seed(0))
+    targets = torch.randint(0, cfg.vocab_size, (2, S), generator=torch.Generator().manual_seed(1))
     x = tokens
     for stage in stages:
         (meta_in,), (meta_out,) = stage.io_meta(tokens)
         assert (meta_in.shape, meta_in.dtype) == (x.shape, x.dtype)
-        x = stage(x, tokens)
-        assert (meta_out.shape, meta_out.dtype) == (x.shape, x.dtype)
-    assert torch.equal(x, model(tokens))
+        out = stage(x, tokens, targets)  # the last stage: the loss, as the schedule runs it
+        assert (meta_out.shape, meta_out.dtype) == (out.shape, out.dtype)
+        if not stage.is_last:
+            x = out
+    assert torch.equal(out, model(tokens, targets=targets))
+    assert torch.equal(stages[-1](x, tokens), model(tokens))  # without targets: the logits
     both = PipelineModel(cfg, [stages[0], stages[2]])  # an interleaved rank's stages: one module, model names
     want = {n for n in model.state_dict() if not any(n.startswith(f"layers.{i}.") for i in ranges[1])}
     assert set(both.state_dict()) == want
@@ -227,7 +263,7 @@ def _pipeline_rank(rank, world, config, schedule, v, ep, fsdp, microbatches, ac,
         ref_loss = 0.0
         for m in range(M):  # global micro-batch m = every data rank's m-th micro-batch
             rows = [r * per + m * 2 + i for r in range(D) for i in range(2)]
-            loss_m = lm_loss(ref(x[rows]), y[rows])
+            loss_m = ref(x[rows], targets=y[rows])  # the trainer's loss, as the last stage computes it
             (loss_m / M).backward()
             ref_loss += loss_m.item() / M
         mine = slice(d * per, (d + 1) * per)
@@ -238,9 +274,16 @@ def _pipeline_rank(rank, world, config, schedule, v, ep, fsdp, microbatches, ac,
             average_gradients(pipe.model, topo)
         dist.all_reduce(loss, group=topo.group("dp"))  # every data rank (dp x fsdp)
         assert abs(loss.item() / D - ref_loss) < 1e-5, (step, loss.item() / D, ref_loss)
+        mtp, mtp_ref = pipe.pop_mtp_loss(), ref.pop_mtp_loss()  # on every pipeline rank
+        assert (mtp is None) == (mtp_ref is None) == (not cfg.mtp_layers)
+        if mtp is not None and D == 1:  # (with D > 1 the reference's micro-batches mix the data ranks' rows)
+            assert abs(mtp.item() - mtp_ref.item()) < 1e-5, (step, mtp.item(), mtp_ref.item())
         if step == 0:
             check_grads(pipe.model, ref)
             check_load(pipe, ref, topo, M)
+            want = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])
+            got = global_grad_norm(list(pipe.model.parameters()), torch.device("cpu"), topo.group("pp"))
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=0)  # an embedding replica is counted once
         opt.step(), opt_ref.step()
         opt.zero_grad(), opt_ref.zero_grad()
     check_names(pipe, ref, topo)
@@ -267,7 +310,10 @@ def check_names(pipe, ref, topo):
     mine = list(pipe.model.state_dict())
     names = [None] * topo.layout.pp
     dist.all_gather_object(names, mine, group=topo.group("pp"))
-    assert sorted(n for part in names for n in part) == sorted(ref.state_dict())
+    every = [n for part in names for n in part]
+    replica = needs_embedding_replica(ref.config, len(pipe.ranges))  # on the first and the last rank
+    assert sorted({n for n in every if every.count(n) > 1}) == (["embed.weight"] if replica else [])
+    assert sorted(set(every)) == sorted(ref.state_dict())
     for name, value in pipe.model.state_dict().items():  # sharded tensors: the whole, as checkpoints hold it
         torch.testing.assert_close(full(value), ref.state_dict()[name], atol=1e-6, rtol=1e-5)
 
@@ -310,28 +356,32 @@ PP2_CASES = [
     ("mixtral", "gpipe", 1, 3, "none"),
     ("hash", "1f1b", 1, 2, "ffn"),
     ("switch", "interleaved", 2, 2, "full"),
+    ("tied_mtp", "1f1b", 1, 2, "none"),
+    ("mtp2", "interleaved", 2, 2, "ffn"),
 ]
 
 
 def _pp2_cases_rank(rank, world, ckpt):
-    for case in PP2_CASES:  # one spawn for all three: starting processes costs far more than the cases
+    for case in PP2_CASES:  # one spawn for all of them: starting processes costs far more than the cases
         try:
             _pipeline_rank(rank, world, case[0], case[1], case[2], 1, 1, case[3], case[4],
-                           ckpt if case[1] == "gpipe" else None)
+                           f"{ckpt}-{case[0]}" if case[0] in ("mixtral", "tied_mtp") else None)
         except AssertionError as exc:
             raise AssertionError(f"case {case}: {exc}") from exc
 
 
 def test_pp2_gpipe_1f1b_interleaved_match_single_process(tmp_path):
     """2 ranks, one pipeline: each schedule (interleaved: 2 stages per rank, 4 stages of 1 layer) gives the
-    single-process losses over 3 AdamW steps and gradients, for three router / layer patterns; the gpipe
-    case also moves its checkpoint into one process and into the interleaved split."""
+    single-process losses over 3 AdamW steps, gradients and gradient norm, for five router / layer patterns,
+    two of them with the embedding replicated on the last stage (a tied head and MTP; MTP alone with two
+    depths); the mixtral and the tied case also move their checkpoint into one process and into the
+    interleaved split."""
     run_ranks(_pp2_cases_rank, 2, str(tmp_path / "ckpt"))
 
 
 def _ep_cases_rank(rank, world, ckpt):
     # (model, schedule, stages per rank, ep, fsdp, micro-batches, activation checkpointing)
-    for case in [("mixtral", "1f1b", 1, 2, 1, 2, "none"), ("mixtral", "interleaved", 2, 2, 2, 2, "full")]:
+    for case in [("mixtral", "1f1b", 1, 2, 1, 2, "none"), ("tied_mtp", "interleaved", 2, 2, 2, 2, "full")]:
         try:
             _pipeline_rank(rank, world, *case, f"{ckpt}-fsdp{case[4]}")
         except AssertionError as exc:
@@ -340,7 +390,8 @@ def _ep_cases_rank(rank, world, ckpt):
 
 def test_pp2_ep2_and_pp2_fsdp2_ep2_match_single_process(tmp_path):
     """4 ranks, 2 stages x 2 data ranks, experts split over those 2 (EP inside each stage): replicated
-    (dp2, 1f1b), then fully sharded (fsdp2, interleaved with activation checkpointing)."""
+    (dp2, 1f1b), then fully sharded (fsdp2, interleaved with activation checkpointing, a tied head and an MTP
+    depth: the embedding's replica is an FSDP shard whose gradient the two stages sum)."""
     run_ranks(_ep_cases_rank, 4, str(tmp_path / "ckpt"))
 
 

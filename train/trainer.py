@@ -407,7 +407,7 @@ class Trainer:
             loss_sum = self.forward_backward(batch)
             self.dist.sync_grads(self.model)  # the global-batch gradient on every rank
             loss_value = self.dist.mean(loss_sum / plan.accum).item()  # D2H sync: finiteness check, records
-            mtp = self.model.pop_mtp_loss() if cfg.model.mtp_layers else None  # models.mtp: the depths' mean loss
+            mtp = (self.pipe or self.model).pop_mtp_loss() if cfg.model.mtp_layers else None  # models.mtp: depths' mean
             mtp_value = self.dist.mean(mtp).item() if mtp is not None else None  # D2H sync (only with MTP)
             grad_norm = self.dist.clip_grad_norm(params, cfg.train.grad_clip).item()  # D2H sync: before the update
             event = self.guard.check(step, loss_value, grad_norm)  # collective: every rank decides alike

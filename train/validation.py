@@ -95,7 +95,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
 
 def validate_mtp(cfg: TrainConfig) -> None:
     """Multi-token prediction (models.mtp) needs a sequence longer than its depths, and runs where its modules
-    sit beside the main model's (one process, dp, fsdp, ep): not yet with a pipeline or tensor parallelism."""
+    sit beside the main model's (one process, dp, fsdp, ep, and pp: on the last stage): not yet with tensor
+    parallelism."""
     D, L = cfg.model.mtp_layers, cfg.layout
     if not D:
         return
@@ -103,11 +104,9 @@ def validate_mtp(cfg: TrainConfig) -> None:
     source = " (the --init-from-hf checkpoint's num_nextn_predict_layers)" if adopted else ""
     _require(cfg.train.seq_len > D, f"--model.mtp_layers {D} predicts up to {D + 1} tokens ahead, but --train.seq_len "
                                     f"is {cfg.train.seq_len}: use sequences longer than {D}, or fewer depths")
-    for flag, degree, why in (("--pp", L.pp, "its modules would need the embedding on the last stage"),
-                              ("--tp", L.tp, "its block is not sharded over the TP group")):
-        kind = "pipeline" if flag == "--pp" else "tensor"
-        _require(degree == 1, f"--model.mtp_layers {D}{source} with {flag} {degree}: multi-token prediction does not "
-                              f"run with {kind} parallelism yet ({why}); use dp / fsdp / ep, or --model.mtp_layers 0")
+    _require(L.tp == 1, f"--model.mtp_layers {D}{source} with --tp {L.tp}: multi-token prediction does not run with "
+                        f"tensor parallelism yet (its block is not sharded over the TP group); use dp / fsdp / ep / "
+                        f"pp, or --model.mtp_layers 0")
 
 
 def validate_upcycling_flags(t: TrainSection) -> None:

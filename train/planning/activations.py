@@ -250,6 +250,8 @@ def stage_activations(cfg: ModelConfig, layout: Layout, wl: Workload, stage: Sta
         out["head"] = _head(cfg, layout, s)
         if cfg.mtp_layers and wl.seq_len > 1:  # the final norm's output, which depth 1's hnorm keeps
             _add(out, {"mtp": s.T * H * s.r})
+            if not stage.first:  # a pipeline's last stage looks the tokens up again (its embedding replica)
+                _add(out, {"mtp": s.T * H * s.r})
         for k in range(1, cfg.mtp_layers + 1):
             _add(out, _mtp_depth(cfg, layout, wl, k, node_rows))
     else:  # the stage output (all-gathered under SP) waits for its gradient
@@ -260,17 +262,17 @@ def stage_activations(cfg: ModelConfig, layout: Layout, wl: Workload, stage: Sta
 def _head(cfg: ModelConfig, layout: Layout, s: Shapes) -> int:
     """The final norm and the loss over s.T tokens: the main model's head, and each MTP depth's."""
     H, low = cfg.hidden_size, s.a if s.casts else s.r
-    if layout.pp == 1 and _loss_chunks():  # models.loss: its gradients dh [T, H] and dW [V, H], no logits
+    if _loss_chunks():  # models.loss: its gradients dh [T, H] and dW [V, H], no logits
         # measured on CPU: under autocast the final norm's kept product and dh are in the autocast dtype
         norm = s.T * FP32 + (s.T * H * low if s.cpu else 0)
         return s.T * H * s.r + norm + s.T * H * low + cfg.vocab_size * H * s.r
-    # the pipeline's loss (and LOSS_CHUNKS "never"): lm_head input, fp32 log-softmax [T, V]
+    # LOSS_CHUNKS "never": lm_head input, fp32 log-softmax [T, V]
     norm = s.T * FP32 + (s.T * H * s.r if s.cpu else 0)
     return s.T * H * s.r + norm + s.T * H * low + s.T * cfg.vocab_size * FP32
 
 
 def _mtp_depth(cfg: ModelConfig, layout: Layout, wl: Workload, k: int, node_rows: float) -> dict[str, int]:
-    """Multi-token-prediction depth k (models.mtp; no pipeline, no TP): on S - k positions per sequence, its two
+    """Multi-token-prediction depth k (models.mtp; no TP): on S - k positions per sequence, its two
     input norms, the [embedding; state] concatenation its projection reads, its block (never checkpointed) and
     its own loss through the shared head (gradients dh and dW, as the main loss keeps them)."""
     n = wl.seq_len - k

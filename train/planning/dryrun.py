@@ -227,8 +227,18 @@ def _sequence_parallel(layout: Layout, wl: Workload) -> str:
     return ", sequence parallel: no effect at tp 1" if wl.sequence_parallel else ""
 
 
-def describe_stage(st: Stage) -> str:
-    extra = (["embedding"] if st.first else []) + (["final norm + lm_head"] if st.last else [])
+def describe_stage(st: Stage, cfg=None) -> str:
+    """"layers 2-3 + final norm + lm_head"; with the model ``cfg``, a last stage's embedding replica, tied head and
+    MTP depths are named too (models.pipeline)."""
+    tied = cfg is not None and cfg.tie_embeddings
+    mtp = cfg.mtp_layers if cfg is not None else 0
+    extra = ["embedding"] if st.first else []
+    if st.last:
+        if not st.first and (tied or mtp):
+            extra.append("embedding replica")
+        extra.append("final norm + " + ("tied head" if tied else "lm_head"))
+        if mtp:
+            extra.append(f"{mtp} MTP depth{'s' if mtp > 1 else ''}")
     return f"layers {_ranges(st.layers)}" + "".join(f" + {e}" for e in extra)
 
 
@@ -248,7 +258,7 @@ def report(cfg: TrainConfig, opts: Options, plan: DryRunPlan, built: Built, esti
     lines += _check_shards(built, estimates[0])
     if L.pp > 1:
         for est, st in zip(estimates, built.stages):
-            lines.append(f"  pipeline rank {st.index}: {describe_stage(st)}: total {gib(est.total)}, "
+            lines.append(f"  pipeline rank {st.index}: {describe_stage(st, cfg.model)}: total {gib(est.total)}, "
                          f"peak {gib(est.peak)} ({memory.in_flight(L, wl, st.index):g} micro-batch(es) in flight)")
     worst = max(estimates, key=lambda e: e.peak)
     share = worst.peak / (opts.gpu_gb * GIB)

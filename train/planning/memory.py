@@ -16,8 +16,8 @@ Every term counts what moekit's code keeps, read off the modules and checked aga
                  parallelism)
       weight casts  autocast without FSDP: a bf16 copy of every matmul weight lives until backward
     Transient (at the peak only): what backward recomputes (one block / one FFN), FSDP's unsharded copies,
-    and the logits [T, V] with their gradient on the last pipeline stage (one chunk of them without a
-    pipeline: the loss from hidden states, models.loss).
+    and one chunk of the logits [T, V] with its gradient on the last stage (the loss from hidden states,
+    models.loss; the whole logits with models.transformer.LOSS_CHUNKS = "never").
 
 The parallel recipe (models/parallelize.py, comm/tensor_parallel.py, comm/fsdp.py, models/pipeline.py):
     TP shards attention heads and the dense FFN width; embedding, norms, lm_head and the whole MoE layer
@@ -181,7 +181,9 @@ def _local_numel(part: str, shape: tuple[int, ...], tp_dim: int | None, layout: 
 
 def _stage_tensors(cfg: ModelConfig, stage: Stage) -> list:
     V, H = cfg.vocab_size, cfg.hidden_size
-    tensors = [("embedding", (V, H), None)] if stage.first else []
+    # the last stage of a pipeline keeps a replica of the embedding for a tied head or MTP (models.pipeline)
+    replica = stage.last and (cfg.tie_embeddings or cfg.mtp_layers > 0)
+    tensors = [("embedding", (V, H), None)] if stage.first or replica else []
     for i in stage.layers:
         tensors += layer_tensors(cfg, i)
     if stage.last:
@@ -233,12 +235,12 @@ def estimate_memory(cfg: ModelConfig, layout: Layout, wl: Workload, stage: Stage
         breakdown["weight_casts"] = kept
     acts = sum(breakdown.values())
     # the loss: logits (and their fp32 copy under autocast) next to the kept log-softmax, then its gradient;
-    # from hidden states in chunks (models.loss, no pipeline) only one chunk's logits, plus the head in a
+    # from hidden states in chunks (models.loss; a pipeline's last stage too) only one chunk's logits, plus the head in a
     a = DTYPE_BYTES[wl.dtype]
     low = a if a != FP32 else 0
     if not stage.last:
         logits = 0
-    elif layout.pp == 1 and _loss_chunks():
+    elif _loss_chunks():
         from moekit.models.loss import DEFAULT_CHUNK
 
         logits = min(wl.tokens, DEFAULT_CHUNK) * cfg.vocab_size * (FP32 + low) + cfg.vocab_size * cfg.hidden_size * low
