@@ -79,6 +79,41 @@ def test_model_vocab_must_cover_the_file(tmp_path):
     assert list(tokens) == [1, 2, 3]
 
 
+@pytest.mark.parametrize("form,metadata,fix", [
+    ("raw", None, "set --model.vocab_size 1000 (or more) if the ids are right, or tokenize the data again"),
+    ("npy", None, "set --model.vocab_size 1000 (or more)"),
+    ("raw", 260, "declares vocab_size 260, fewer than the ids need: prepare the set again"),
+    ("npy", 260, "declares vocab_size 260, fewer than the ids need: prepare the set again"),
+    ("moektok", None, "its header's vocab_size understates its ids: write the file again"),
+])
+def test_ids_beyond_the_vocabulary_are_refused_when_the_data_opens(tmp_path, form, metadata, fix):
+    """Ids the model's embedding cannot hold never reach it: a file without metadata (checked against the model's
+    vocab_size), metadata declaring fewer ids than the file holds, or a token file whose header does. One check of
+    the whole file at open (not per batch); the error names the file, the first bad id, the largest and the fix."""
+    import json
+
+    from moekit.train.data import load_data
+    from moekit.train.config import DataSection
+
+    ids = np.array([1, 2, 300, 5, 999] * 1000)
+    path = tmp_path / ("t.npy" if form == "npy" else "t.bin")
+    if form == "npy":
+        np.save(path, ids.astype(np.int32))
+    elif form == "raw":
+        ids.astype("<u2").tofile(path)
+    else:  # a token file whose header claims vocab 256 but holds 300 and 999
+        write_token_file(str(path), np.ones_like(ids), 256)
+        path.write_bytes(path.read_bytes()[:HEADER.size] + ids.astype("<u2").tobytes())
+    if metadata:
+        Path(f"{path}.json").write_text(json.dumps({"vocab_size": metadata}))
+    vocab = metadata or 256
+    with pytest.raises(UserError) as info:
+        load_data(DataSection(path=str(path)), 1024 if metadata else 256)
+    msg = str(info.value)
+    assert f"data file {path}" in msg and f"token id 300 at position 2 is >= vocab_size {vocab}" in msg, msg
+    assert "(the largest id is 999)" in msg and fix in msg, msg
+
+
 def test_split_is_disjoint_deterministic_and_seq_len_independent(corpus):
     s = split_windows(corpus, 64, 0.05)
     seq = 64

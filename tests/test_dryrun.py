@@ -191,12 +191,30 @@ def dry(capsys, *args) -> tuple[int, str, str]:
 def test_dry_run_512_ranks_mixtral(capsys):
     rc, out, err = dry(capsys, "--preset", "mixtral-8x7b", "--world-size", "512", "--ep", "8", "--batch-size", "512",
                        "--train.seq_len", "4096")
-    assert rc == 0, err
+    assert rc == dryrun.DOES_NOT_FIT == 3, err  # a script or sweep sees the verdict in the exit status
     assert "on 512 ranks" in out and "64 node(s) x 8 ranks" in out
     assert "the estimate agrees" in out  # the recipe's real shards are the estimate's
     assert "does NOT fit" in out  # 7.2B fp32 parameters per rank + AdamW: 108 GiB before activations
     assert "intra-node 7.00 GiB" in out  # 32 layers x 4096 tokens x 1.75 rows x 4096 x (2 + 2) bytes x 2
+    assert out.rstrip().splitlines()[-1].startswith("all-to-all per optimizer step")  # the full report, then 3
     print(out)
+
+
+@pytest.mark.parametrize("gpu_gb,status,verdict", [
+    (None, 0, ": fits"),  # mixtral-tiny on an 80 GiB GPU
+    ("1e-4", 3, ": does NOT fit"),  # the same plan on a 100 KiB device
+])
+def test_dry_run_exit_status_is_the_verdict(capsys, gpu_gb, status, verdict):
+    """Through the program's own entry point (moekit-train / tools/train.py): a plan that fits exits 0, one whose
+    peak exceeds --dry-run-gpu-gb exits 3 after printing the whole report, so scripts need not parse it."""
+    from moekit.train.loop import main
+
+    rc = main(["--dry-run", "--world-size", "2", "--ep", "2", "--batch-size", "4"]
+              + (["--dry-run-gpu-gb", gpu_gb] if gpu_gb else []))
+    out = capsys.readouterr()
+    assert rc == status, out.err + out.out
+    assert verdict in out.out and out.err == "", out
+    assert "rank 0 (pipeline rank 0" in out.out and "all-to-all per optimizer step" in out.out
 
 
 def test_dry_run_counts_redundant_expert_slots(capsys):
@@ -230,7 +248,7 @@ def test_dry_run_of_the_mla_releases_agrees_with_the_recipe(capsys, name):
     attention by the estimate, which the recipe flagged as a mismatch)."""
     rc, out, err = dry(capsys, "--preset", name, "--world-size", "512", "--pp", "8", "--fsdp", "64", "--ep", "64",
                        "--batch-size", "512", "--train.micro_batch_size", "1", "--train.seq_len", "4096")
-    assert rc == 0, err
+    assert rc == (dryrun.DOES_NOT_FIT if "does NOT fit" in out else 0) and err == "", err  # ~150 GiB at pp 8
     assert "the estimate agrees" in out and "MISMATCH" not in out, out
     assert "norms 2048" in out  # rank 0's 8 layers x (1536 + 512 + 2 x 7168) norm elements / fsdp 64
 

@@ -107,6 +107,32 @@ def test_a_fresh_run_never_silently_deletes_an_earlier_one(tmp_path, capsys):
     train(tmp_path / "empty", "--steps", "1", "--checkpoint.every", "0")
 
 
+def test_resume_auto_without_a_checkpoint_keeps_the_earlier_records(tmp_path, capsys):
+    """--resume auto in a run directory whose earlier attempt wrote metrics but no checkpoint (it crashed before
+    its first save): the new attempt starts at step 0, and the earlier records are moved to previous/N (N counting
+    up, never overwritten) with one warning line naming the folder, instead of being deleted."""
+    run = train(tmp_path / "r", "--steps", "2", "--checkpoint.every", "0")
+    (run / "expert_load.png").write_bytes(b"a heatmap of the first attempt")
+    first = {n: (run / n).read_bytes() for n in ("metrics.jsonl", "expert_load.bin", "config.json", "expert_load.png")}
+    first_load = load_lines(run)
+    capsys.readouterr()
+    train(run, "--steps", "1", "--checkpoint.every", "0", "--resume", "auto")
+    warning = one_stderr_line(capsys, "warning: --resume auto: no checkpoint in", "starts at step 0",
+                              "metrics.jsonl", "2 metrics lines", f"moved to {run / 'previous' / '1'}, not deleted")
+    kept = run / "previous" / "1"
+    assert {n: (kept / n).read_bytes() for n in first} == first, warning  # byte for byte
+    assert load_lines(kept) == first_load  # previous/1 is itself a run directory the readers open
+    assert [r["step"] for r in metrics(run)] == [1] and not (run / "expert_load.png").exists()
+    # a second restart without a checkpoint: previous/2, and previous/1 stays as it was
+    train(run, "--steps", "1", "--checkpoint.every", "0", "--resume", "auto")
+    one_stderr_line(capsys, f"moved to {run / 'previous' / '2'}", "1 metrics line)")
+    assert {n: (kept / n).read_bytes() for n in first} == first
+    assert len(metrics(run / "previous" / "2")) == 1 and len(metrics(run)) == 1
+    # an empty run directory (nothing to keep): no warning, no previous/
+    train(tmp_path / "empty", "--steps", "1", "--checkpoint.every", "0", "--resume", "auto")
+    assert capsys.readouterr().err == "" and not (tmp_path / "empty" / "previous").exists()
+
+
 def test_a_model_folder_is_never_taken_for_a_run_directory(tmp_path, capsys):
     """A HuggingFace folder (config.json with a model_type, safetensors) given as --run-dir is refused, even with
     --overwrite, and keeps every file; so is --run-dir equal to --init-from-hf."""
@@ -310,6 +336,13 @@ def test_bad_data_files(tmp_path, capsys):
     raw.write_bytes(bytes(body))
     rc = main([*TINY, "--data.path", str(raw), "--run-dir", str(tmp_path / "r")])
     _assert_one_line_error(rc, capsys.readouterr().err, "token id 300 at position 50 is >= vocab_size 256")
+    # a raw file without metadata: the ids are checked against the model's vocab_size, before any work
+    headerless = tmp_path / "headerless.bin"
+    np.array([1, 2, 3, 300] * 2000, dtype=np.uint16).tofile(headerless)
+    rc = main([*TINY, "--data.path", str(headerless), "--run-dir", str(tmp_path / "r")])
+    _assert_one_line_error(rc, capsys.readouterr().err, "token id 300 at position 3 is >= vocab_size 256 (the "
+                           "largest id is 300); set --model.vocab_size 301 (or more)")
+    assert not (tmp_path / "r").exists()
 
 
 @pytest.fixture(scope="module")

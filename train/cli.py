@@ -78,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--write-data", metavar="FILE", help="write the configured data as a token file and exit")
     p.add_argument("--dry-run", action="store_true",
                    help="build the layout's process groups (fake), meshes and sharded meta-device model in this one "
-                        "process, validate it, print per-rank memory and all-to-all bytes per step, and exit")
+                        "process, validate it, print per-rank memory and all-to-all bytes per step, and exit: status 0 "
+                        "when the per-rank peak fits --dry-run-gpu-gb, 3 when it does NOT fit, 2 on a bad layout")
     p.add_argument("--world-size", type=int, metavar="N", help="with --dry-run: the world size to plan for "
                                                                "(default WORLD_SIZE, or 1)")
     p.add_argument("--dry-run-gpu-gb", type=float, default=None, metavar="GIB",

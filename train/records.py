@@ -8,6 +8,8 @@ moekit-heatmap and the report, are in train/record_readers.py and re-exported he
         expert_load.jsonl  the same record as JSON lines (moekit before the binary format; still read)
         checkpoints/       see moekit.train.checkpoint
         tensorboard/       when the tensorboard package is installed
+        previous/N/        an earlier attempt's records, set aside by --resume auto when it found no checkpoint
+                           (``set_aside``; N counts up, so repeated restarts never overwrite one)
 
 metrics.jsonl keys: step, loss (LM cross-entropy over the global batch), aux_loss (router aux losses
 added to the objective: sum over MoE layers of the mean over micro-batches), lr, grad_norm (before
@@ -117,6 +119,34 @@ def truncate_after(path: Path, step: int) -> None:
         if record.get("step", 0) <= step:
             kept.append(ln if ln.endswith("\n") else ln + "\n")
     path.write_text("".join(kept), encoding="utf-8")
+
+
+# What a run writes into its run directory from step 0 (besides checkpoints/): set aside as a whole, so a
+# previous/N folder is itself a run directory the readers (moekit-heatmap, the report) can open
+RUN_RECORDS = (METRICS, EXPERT_LOAD, EXPERT_LOAD_BIN, CONFIG, "tokenizer.json", "tokenizer_info.json", "tensorboard",
+               "wandb", "expert_load.png", "expert_load_steps.png")
+PREVIOUS = "previous"
+
+
+def set_aside(run_dir: str | Path) -> str:
+    """Before a fresh start in ``run_dir`` that was meant to resume (--resume auto found no checkpoint): move the
+    earlier attempt's records (RUN_RECORDS) into ``run_dir/previous/N``, N one above the highest there, and return
+    the warning line that says so; '' (nothing moved) when there are no metrics to keep (an empty metrics.jsonl:
+    the attempt stopped before its first step)."""
+    d = Path(run_dir)
+    metrics = d / METRICS
+    if not metrics.is_file() or metrics.stat().st_size == 0:
+        return ""
+    numbers = [int(p.name) for p in (d / PREVIOUS).glob("*") if p.name.isdigit()]
+    dest = d / PREVIOUS / str(max(numbers, default=0) + 1)
+    dest.mkdir(parents=True)
+    moved = [name for name in RUN_RECORDS if (d / name).exists()]
+    for name in moved:
+        (d / name).rename(dest / name)
+    lines = sum(1 for line in (dest / METRICS).read_bytes().splitlines() if line.strip())
+    return (f"warning: --resume auto: no checkpoint in {d} to resume from, so this run starts at step 0; the earlier "
+            f"attempt's records ({', '.join(moved)}; {lines} metrics line{'s' if lines != 1 else ''}) were moved to "
+            f"{dest}, not deleted")
 
 
 def load_header(layers: dict, router: str, top_k: int) -> dict:

@@ -235,7 +235,10 @@ class Trainer:
             # and what tools drew from those records, which would otherwise pass for this run's
             stale = [d / n for n in (records.METRICS, records.EXPERT_LOAD, records.EXPERT_LOAD_BIN, records.CONFIG,
                                      "checkpoints", "tensorboard", "wandb", "expert_load.png", "expert_load_steps.png")]
-            if any(p.exists() for p in stale):
+            kept = records.set_aside(d) if self.opts.resume is not None else ""  # --resume auto, no checkpoint
+            if kept:
+                _warn(kept)  # what is left of `stale`: checkpoints/ with at most a crashed save's .partial
+            elif any(p.exists() for p in stale):
                 print(f"note: starting a fresh run in {d}: deleting the records and checkpoints there")
             for p in stale:
                 shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)

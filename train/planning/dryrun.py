@@ -9,7 +9,8 @@
     3. measure    rank 0's parameter shards as the recipe left them (DTensor: the local shard)
     4. estimate   moekit.train.planning.memory for the same rank (and every pipeline rank), side by side with the
                   measured shards; activations and all-to-all bytes come from the estimate only (a meta
-                  model runs no forward). Disagreements are flagged; the peak is checked against the GPU.
+                  model runs no forward). Disagreements are flagged; the peak is checked against the GPU, and
+                  a peak above it ends the run with exit status 3 (DOES_NOT_FIT) after the full report
 
 A layout the recipe does not support yet (it raises LayoutError / ValueError) still gets the estimate, with
 the recipe's message. Nothing here allocates parameter memory: a 688B-parameter model plans in seconds.
@@ -35,10 +36,12 @@ from moekit.train.plan import ResolvedLayout, resolve_config
 
 GIB = 2**30
 TIGHT = 0.9  # above this share of device memory the CUDA context, NCCL buffers and fragmentation may not fit
+DOES_NOT_FIT = 3  # exit status of a dry run whose peak exceeds --dry-run-gpu-gb (2 is bad input, 1 a failed run)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point for ``train.py --dry-run``: 0 when planned, 2 on bad input (one line on stderr)."""
+    """Entry point for ``train.py --dry-run``: 0 when planned and the peak fits (or is tight), DOES_NOT_FIT (3)
+    when it exceeds the device memory (the whole report is printed first), 2 on bad input (one line on stderr)."""
     try:
         cfg, opts = parse_args(sys.argv[1:] if argv is None else argv)
         return run(cfg, opts)
@@ -189,6 +192,8 @@ def _pipeline_stage(model, topo: Topology, cfg: TrainConfig, built: Built):
 
 
 def run(cfg: TrainConfig, opts: Options) -> int:
+    """Print the report; the exit status is 0, or DOES_NOT_FIT when the worst rank's peak exceeds --dry-run-gpu-gb
+    (scripts and sweeps can test it without parsing the verdict)."""
     plan = plan_dry_run(cfg, opts.world_size)
     with fake_world(plan.world):
         built = build(cfg, plan)
@@ -197,8 +202,8 @@ def run(cfg: TrainConfig, opts: Options) -> int:
     estimates = [memory.estimate_memory(cfg.model, layout, wl, st, plan.ranks_per_node, plan.hierarchical)
                  for st in built.stages]
     a2a = memory.all_to_all(cfg.model, layout, wl, built.stages[0], plan.ranks_per_node, plan.hierarchical)
-    print("\n".join(report(cfg, opts, plan, built, estimates, a2a)))
-    return 0
+    print("\n".join(report(cfg, opts, plan, built, estimates, a2a)), flush=True)
+    return 0 if fits(estimates, opts) else DOES_NOT_FIT
 
 
 def gib(n: float) -> str:
@@ -263,11 +268,17 @@ def report(cfg: TrainConfig, opts: Options, plan: DryRunPlan, built: Built, esti
     worst = max(estimates, key=lambda e: e.peak)
     share = worst.peak / (opts.gpu_gb * GIB)
     verdict = "fits" if share <= TIGHT else "tight (CUDA context, NCCL buffers and fragmentation need room too)" \
-        if share <= 1 else "does NOT fit: raise ep / fsdp / tp / pp, lower the micro-batch or checkpoint activations"
+        if fits(estimates, opts) else ("does NOT fit: raise ep / fsdp / tp / pp, lower the micro-batch or checkpoint "
+                                       f"activations (exit status {DOES_NOT_FIT})")
     where = f" (pipeline rank {worst.stage})" if L.pp > 1 else ""
     lines.append(f"memory: peak {gib(worst.peak)}{where} of {opts.gpu_gb:g} GiB per GPU ({share:.0%}): {verdict}")
     lines.append(_a2a_line(a2a, wl))
     return lines
+
+
+def fits(estimates: list[MemoryEstimate], opts: Options) -> bool:
+    """Whether the worst rank's peak is within --dry-run-gpu-gb ("tight", above TIGHT of it, still fits)."""
+    return max(e.peak for e in estimates) <= opts.gpu_gb * GIB
 
 
 def _memory_table(built: Built, est: MemoryEstimate) -> list[str]:
