@@ -21,6 +21,9 @@
                 backward: the gathered output's gradient is replicated, so each rank keeps its slice's rows;
                 the slice's input gradient is all-gathered (every rank's x contributed only its slice).
     Replicated: embedding, norms, lm_head, the router, experts and shared expert (token split instead).
+    MTP depths  (models.mtp) each depth's block as any block; its input norms and projection replicated. The
+                depths run on the whole sequence after the main model, sequence parallel or not (their inputs
+                are shifted along it), so their blocks take the plain TP plan and TP token split
 
 The MoE token split is the layer's ``token_split`` strategy (``TPTokenSplit``, or ``SequenceParallelTokens``
 whose input already is this rank's slice of the sequence); MoELayer.forward calls it.
@@ -53,7 +56,8 @@ def check_tensor_parallel(config, tp: int) -> None:
                           f"fsdp / ep / pp for scale)")
     heads = ("num_heads",) if getattr(config, "attention", "gqa") == "mla" else ("num_heads", "num_kv_heads")
     bad = {name: getattr(config, name) for name in heads if getattr(config, name) % tp}
-    if config.num_layers > config.num_moe_layers and config.ffn_hidden_size % tp:
+    dense = [i for i in range(config.num_layers + getattr(config, "mtp_layers", 0)) if not config.is_moe_layer(i)]
+    if dense and config.ffn_hidden_size % tp:  # the dense blocks' MLP width (MTP depths included)
         bad["ffn_hidden_size"] = config.ffn_hidden_size
     if bad:
         values = ", ".join(f"{k}={v}" for k, v in bad.items())
@@ -82,16 +86,14 @@ def apply_tensor_parallel(model: nn.Module, topology, sequence_parallel: bool = 
     blocks = list(model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers)
     partial = []  # modules whose gradients are partial sums over TP
     for block in blocks:
-        parallelize_module(block, mesh, _block_plan(block, sequence_parallel))
-        attn = block.attn
-        if hasattr(attn, "wkv_a"):  # MLA: the shared rope key's gradient is partial over the heads' ranks
-            attn.wkv_a.register_forward_hook(
-                lambda m, args, out, start=attn.kv_lora_rank: _ReduceGradTail.apply(out, start, group))
-        if hasattr(attn, "q_norm"):
-            partial += [attn.q_norm, attn.k_norm]  # qk_norm "head" (check_tensor_parallel refused "full")
+        partial += _shard_block(block, mesh, group, sequence_parallel)
     split = SequenceParallelTokens(rank, tp) if sequence_parallel else TPTokenSplit(group, rank, tp)
     for _, layer in moe_layers(model):
         layer.token_split = split
+    for depth in getattr(model, "mtp", None) or ():  # multi-token prediction: whole sequences (module docstring)
+        partial += _shard_block(depth.block, mesh, group, sequence_parallel=False)
+        for _, layer in moe_layers(depth.block):
+            layer.token_split = TPTokenSplit(group, rank, tp)
     if not sequence_parallel:
         return partial
     for root in getattr(model, "stages", (model,)):  # each pipeline stage sends and receives whole sequences
@@ -103,6 +105,19 @@ def apply_tensor_parallel(model: nn.Module, topology, sequence_parallel: bool = 
                 lambda m, args, out: _GatherTokens.apply(out, rank, [out.shape[1]] * tp, group, 1))  # S % tp == 0
     # norms see only this rank's positions: their gradients are partial over TP
     return partial + [norm for block in blocks for norm in (block.attn_norm, block.ffn_norm)]
+
+
+def _shard_block(block: nn.Module, mesh, group, sequence_parallel: bool) -> list[nn.Module]:
+    """Shard one block's attention and dense MLP over the TP mesh; returns its per-head q/k norms, whose gradients
+    are partial over TP."""
+    parallelize_module(block, mesh, _block_plan(block, sequence_parallel))
+    attn = block.attn
+    if hasattr(attn, "wkv_a"):  # MLA: the shared rope key's gradient is partial over the heads' ranks
+        attn.wkv_a.register_forward_hook(
+            lambda m, args, out, start=attn.kv_lora_rank: _ReduceGradTail.apply(out, start, group))
+    if hasattr(attn, "q_norm"):
+        return [attn.q_norm, attn.k_norm]  # qk_norm "head" (check_tensor_parallel refused "full")
+    return []
 
 
 def _block_plan(block: nn.Module, sequence_parallel: bool) -> dict:

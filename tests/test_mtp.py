@@ -1,7 +1,7 @@
 """Multi-token prediction (models.mtp): the objective against the paper's formula computed here from full logits,
 the reported loss left as the next-token loss, depths only in training, and runs under dp / fsdp / ep matching one
-process (torchrun over gloo: dp, fsdp, ep, and pp with the depths on the last stage), with checkpoints that
-resume."""
+process (torchrun over gloo: fsdp, ep, tp with sequence parallelism, and pp with the depths on the last stage),
+with checkpoints that resume."""
 from __future__ import annotations
 
 import dataclasses
@@ -114,7 +114,6 @@ def test_bad_config_values_are_named(field, value, match):
 
 @pytest.mark.parametrize("args,match", [
     (["--model.mtp_layers", "2", "--train.seq_len", "2"], "--model.mtp_layers 2 predicts up to 3 tokens ahead"),
-    (["--model.mtp_layers", "1", "--tp", "2"], "--model.mtp_layers 1 with --tp 2: multi-token prediction does not run"),
 ])
 def test_trainer_refuses_what_mtp_cannot_run(tmp_path, capsys, args, match):
     from tests.test_bad_inputs import refused
@@ -164,17 +163,39 @@ def test_one_process_records_the_mtp_loss_and_resumes_bitwise(tmp_path, single_m
     assert losses(resumed) == losses(single_mtp)[2:]
 
 
-def test_expert_parallel_and_fsdp_run_matches_one_process(tmp_path, single_mtp):
-    """fsdp2 x ep2: the depths' MoE layer is expert-parallel like the others (its experts split over the EP ranks,
-    then FSDP-sharded) and their other parameters sit in FSDP's root unit; the loss and the MTP loss follow the
-    one-process run. (Plain ep2 from an HF folder: test_a_checkpoints_mtp_layer_trains_sharded_and_exports.)"""
+def test_tensor_expert_and_fsdp_run_matches_one_process(tmp_path, single_mtp):
+    """tp2 x fsdp2 x ep2 with sequence parallelism: the depths' blocks are TP-sharded and run on whole sequences
+    (their inputs are shifted along it) with the TP token split, their MoE layers expert-parallel like the
+    others (experts split over the EP ranks, then FSDP-sharded), their other parameters in FSDP's root unit; the
+    loss and the MTP loss follow the one-process run. (Plain ep2 from an HF folder:
+    test_a_checkpoints_mtp_layer_trains_sharded_and_exports; pp: the test above.)"""
     r = run(["--preset", "deepseek-tiny", "--model.mtp_layers", "2", "--steps", "4", "--run-dir", str(tmp_path),
-             "--checkpoint.every", "0", *TINY, "--ep", "2", "--fsdp", "2"], nproc=4)
+             "--checkpoint.every", "0", *TINY, "--tp", "2", "--layout.sequence_parallel", "true", "--ep", "2",
+             "--fsdp", "2"], nproc=4)
     assert r.returncode == 0, r.stderr[-3000:]
     want = [json.loads(line) for line in (single_mtp / "metrics.jsonl").read_text().splitlines()]
     got = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     for key in ("loss", "mtp_loss"):
         assert [g[key] for g in got] == pytest.approx([w[key] for w in want], rel=1e-5, abs=1e-6), key
+
+
+MLA = ["--model.attention", "mla", "--model.kv_lora_rank", "16", "--model.q_lora_rank", "32",
+       "--model.qk_nope_head_dim", "16", "--model.qk_rope_head_dim", "8", "--model.v_head_dim", "16"]
+
+
+@pytest.mark.parametrize("layout", [["--tp", "2", "--ep", "2", "--layout.sequence_parallel", "true"],
+                                    ["--tp", "2", "--fsdp", "2", *MLA]], ids=["tp2-sp", "tp2-fsdp2-mla"])
+def test_the_recipe_shards_the_depths_as_the_dry_run_plans(capsys, layout):
+    """The dry run builds rank 0's share with the real recipe and compares its parameter shards, part by part, with
+    train.planning.memory's: under TP the depth's block is sharded as any block (an unsharded block would be a
+    MISMATCH in attention). (The last pipeline stage's replica: tests/test_pipeline.py builds it.)"""
+    from moekit.train.planning import dryrun
+
+    rc = dryrun.main(["--dry-run", "--preset", "deepseek-tiny", "--model.mtp_layers", "1", "--world-size", "4",
+                      *layout])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    assert "the estimate agrees" in out.out and "MISMATCH" not in out.out, out.out
 
 
 HF_RUN = ["--train.seq_len", "32", "--batch-size", "4", "--eval.every", "0", "--log.tensorboard", "false",
@@ -238,9 +259,9 @@ def test_an_adopted_mtp_layer_says_where_it_came_from_when_refused(deepseek_with
     from tests.test_bad_inputs import refused
 
     src, _ = deepseek_with_mtp
-    refused(capsys, tmp_path / "r", ["--init-from-hf", str(src), "--tp", "2", "--train.seq_len", "32"],
-            "--model.mtp_layers 1 (the --init-from-hf checkpoint's num_nextn_predict_layers) with --tp 2",
-            "--model.mtp_layers 0")
+    refused(capsys, tmp_path / "r", ["--init-from-hf", str(src), "--train.seq_len", "1"],
+            "--model.mtp_layers 1 (the --init-from-hf checkpoint's num_nextn_predict_layers) predicts up to 2",
+            "--model.mtp_layers")
 
 
 def test_an_fp8_export_keeps_the_mtp_projection_and_head_copy_in_bf16(tmp_path):

@@ -94,19 +94,16 @@ def validate(cfg: TrainConfig) -> TrainConfig:
 
 
 def validate_mtp(cfg: TrainConfig) -> None:
-    """Multi-token prediction (models.mtp) needs a sequence longer than its depths, and runs where its modules
-    sit beside the main model's (one process, dp, fsdp, ep, and pp: on the last stage): not yet with tensor
-    parallelism."""
-    D, L = cfg.model.mtp_layers, cfg.layout
+    """Multi-token prediction (models.mtp) needs a sequence longer than its depths (it runs under every layout:
+    one process, dp, fsdp, ep, tp with or without sequence parallelism, and pp on the last stage)."""
+    D = cfg.model.mtp_layers
     if not D:
         return
     adopted = cfg.train.init_from_hf and "model.mtp_layers" not in cfg.given and "preset" not in cfg.given
     source = " (the --init-from-hf checkpoint's num_nextn_predict_layers)" if adopted else ""
-    _require(cfg.train.seq_len > D, f"--model.mtp_layers {D} predicts up to {D + 1} tokens ahead, but --train.seq_len "
-                                    f"is {cfg.train.seq_len}: use sequences longer than {D}, or fewer depths")
-    _require(L.tp == 1, f"--model.mtp_layers {D}{source} with --tp {L.tp}: multi-token prediction does not run with "
-                        f"tensor parallelism yet (its block is not sharded over the TP group); use dp / fsdp / ep / "
-                        f"pp, or --model.mtp_layers 0")
+    _require(cfg.train.seq_len > D, f"--model.mtp_layers {D}{source} predicts up to {D + 1} tokens ahead, but "
+                                    f"--train.seq_len is {cfg.train.seq_len}: use sequences longer than {D}, or fewer "
+                                    f"depths (--model.mtp_layers)")
 
 
 def validate_upcycling_flags(t: TrainSection) -> None:

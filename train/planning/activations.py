@@ -272,13 +272,14 @@ def _head(cfg: ModelConfig, layout: Layout, s: Shapes) -> int:
 
 
 def _mtp_depth(cfg: ModelConfig, layout: Layout, wl: Workload, k: int, node_rows: float) -> dict[str, int]:
-    """Multi-token-prediction depth k (models.mtp; no TP): on S - k positions per sequence, its two
+    """Multi-token-prediction depth k (models.mtp; under TP its block is sharded as any block, on the whole
+    sequence even with sequence parallelism): on S - k positions per sequence, its two
     input norms, the [embedding; state] concatenation its projection reads, its block (never checkpointed) and
     its own loss through the shared head (gradients dh and dW, as the main loss keeps them)."""
     n = wl.seq_len - k
     if n <= 0:
         return {}
-    s = shapes(cfg, layout, dataclasses.replace(wl, seq_len=n))
+    s = shapes(cfg, layout, dataclasses.replace(wl, seq_len=n, sequence_parallel=False))  # whole sequences
     H, low = cfg.hidden_size, s.a if s.casts else s.r
     outer, ffn = _block(cfg, layout, s, cfg.num_layers + k - 1, node_rows)
     norm = s.T * FP32 + (s.T * H * s.r if s.cpu else 0)  # rsqrt; x * rsqrt on CPU
