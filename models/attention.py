@@ -265,6 +265,12 @@ class LayerKV:
         self.length = end
         return self.keys[:, :, :end], self.values[:, :, :end]
 
+    def truncate(self, length: int) -> None:
+        """Forget the positions from ``length`` on (a rejected draft token's, speculative decoding)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a KV cache of {self.length} positions to {length}")
+        self.length = length
+
 
 class KVCache:
     """Per-layer keys and values of the positions decoded so far (``Transformer.forward(tokens, cache=...)``).
@@ -287,3 +293,8 @@ class KVCache:
     def length(self) -> int:
         """Positions cached: the next token's position."""
         return self.layers[0].length if self.layers else 0
+
+    def truncate(self, length: int) -> None:
+        """Forget the positions from ``length`` on, in every layer."""
+        for layer in self.layers:
+            layer.truncate(length)

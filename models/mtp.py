@@ -39,10 +39,11 @@ class MTPModule(nn.Module):
         self.block = Block(config, layer_id)
         self.norm = nn.RMSNorm(H, eps=config.norm_eps)
 
-    def forward(self, h: Tensor, emb: Tensor, cos: Tensor, sin: Tensor, tokens: Tensor) -> Tensor:
-        """h [B, n, H] (the previous depth), emb [B, n, H] (embeddings of the tokens k ahead) -> [B, n, H]."""
+    def forward(self, h: Tensor, emb: Tensor, cos: Tensor, sin: Tensor, tokens: Tensor, kv=None) -> Tensor:
+        """h [B, n, H] (the previous depth), emb [B, n, H] (embeddings of the tokens k ahead) -> [B, n, H].
+        ``kv``: the depth's attention cache when drafting tokens (a models.attention.LayerKV)."""
         x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1))
-        return self.block(x, cos, sin, tokens)
+        return self.block(x, cos, sin, tokens, kv)
 
 
 class MTPRecord:

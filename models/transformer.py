@@ -109,7 +109,8 @@ class Transformer(nn.Module):
         self.mtp = nn.ModuleList(MTPModule(config, config.num_layers + k) for k in range(config.mtp_layers))
         self.mtp_record = MTPRecord()  # MTP losses of the training forwards since pop_mtp_loss
 
-    def forward(self, tokens: Tensor, cache: KVCache | None = None, targets: Tensor | None = None) -> Tensor:
+    def forward(self, tokens: Tensor, cache: KVCache | None = None, targets: Tensor | None = None,
+                return_hidden: bool = False) -> Tensor | tuple[Tensor, Tensor]:
         """tokens [B, S] int64 -> logits [B, S, V] float32; with ``targets`` [B, S], the mean next-token
         cross-entropy instead, computed from the final hidden states in token chunks without keeping the
         logits (models.loss.chunked_lm_loss: the trainer's loss, GBs less activation memory at large
@@ -117,7 +118,8 @@ class Transformer(nn.Module):
         up to the order of float sums.
 
         ``cache``: incremental decoding (module docstring): tokens are the positions after the cached ones,
-        whose keys and values are appended to it."""
+        whose keys and values are appended to it. ``return_hidden`` (no targets): (logits, the final normed
+        hidden states [B, S, H]), which multi-token-prediction drafting reads (moekit.train.decoding)."""
         _check_ids("tokens", tokens)
         if targets is not None:
             _check_ids("targets", targets)
@@ -145,7 +147,8 @@ class Transformer(nn.Module):
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight  # [V, H]
         if targets is not None:
             return training_loss(self, x, weight, emb, tokens, targets, cos, sin)
-        return F.linear(x, weight).float()  # [B, S, V]
+        logits = F.linear(x, weight).float()  # [B, S, V]
+        return (logits, x) if return_hidden else logits
 
     def pop_mtp_loss(self) -> Tensor | None:
         """The mean multi-token-prediction loss (models.mtp) of the training forwards since the last call, a

@@ -24,7 +24,7 @@ from moekit.models.config import ModelConfig
 from moekit.models.transformer import KVCache, build_model
 from moekit.train import UserError
 from moekit.train.evaluate import main as eval_main
-from moekit.train.decoding import candidates, continuation, generate, next_token
+from moekit.train.decoding import accept_draft, candidates, continuation, generate, generate_speculative, next_token
 from moekit.train.generate import Sampling
 from moekit.train.generate import main as generate_main
 from moekit.train.inference import cache_inexact, inference_routing, load_for_inference
@@ -49,6 +49,8 @@ def runs(tmp_path_factory) -> dict[str, Path]:
         run = root / name
         flags = [*TINY_MODEL, "--preset", name, "--steps", str(STEPS), "--checkpoint.every", "1",
                  "--checkpoint.keep", "2", "--run-dir", str(run)]
+        if name == "deepseek-tiny":  # with a multi-token-prediction depth: speculative decoding drafts with it
+            flags += ["--model.mtp_layers", "1"]
         assert train_main(flags) == 0
         out[name] = run
     return out
@@ -379,6 +381,8 @@ GENERATE_BAD = [
     (["{run}", "--dtype", "int8"], "--dtype 'int8' is invalid"),
     (["{run}", "--device", "tpu"], "--device 'tpu'"),
     (["{run}", "--seed", str(2**64)], f"--seed {2**64} is invalid; it must be in [0, 2**64)"),
+    (["{run}", "--speculative"], "has none (model.mtp_layers 0): train with --model.mtp_layers 1, or drop"),
+    (["{run}", "--speculative", "--no-cache"], "--speculative checks its drafts against the KV cache; drop --no-cache"),
 ]
 
 
@@ -434,3 +438,103 @@ def test_generate_script_exit_status_and_no_traceback(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "generate.py"), str(tmp_path / "nope"), "--prompt",
                            "x"], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------------
+# Speculative decoding with the multi-token-prediction depth
+# ---------------------------------------------------------------------------------------------------
+
+
+def spec_model(seed: int, **over):
+    """A tiny DeepSeek-style model with one MTP depth, a 12-token vocabulary (random drafts are accepted now and
+    then, so both branches run) and a 20-position window (the window moves during a 50-token decode)."""
+    base = dict(name="spec", vocab_size=12, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=4, max_seq_len=20,
+                ffn_hidden_size=48, num_experts=4, moe_ffn_hidden_size=16, shared_ffn_hidden_size=16, top_k=2,
+                first_dense_layers=1, mtp_layers=1)
+    base.update(over)
+    return build_model(ModelConfig(**base), seed=seed).eval()
+
+
+@pytest.mark.parametrize("over", [{}, {"tie_embeddings": True, "mtp_layers": 2}], ids=["untied", "tied-2-depths"])
+def test_speculative_greedy_gives_the_plain_greedy_tokens(over):
+    """Greedy speculative decoding against generate() with the cache, over several models and prompts: the same
+    tokens through accepted and rejected drafts and moving windows; an accepted draft saves a forward."""
+    accepted = 0
+    for seed in range(4):
+        model = spec_model(seed, **over)
+        prompt = torch.randint(0, 12, (3 + seed,), generator=torch.Generator().manual_seed(seed)).tolist()
+        want = generate(model, prompt, 50)
+        got = generate_speculative(model, prompt, 50)
+        assert got.new_ids == want.new_ids, seed
+        assert got.shifts > 0 and want.shifts - got.shifts in (0, 1)  # (generate counts a move after its last token)
+        assert 0 < got.drafted and got.accepted <= got.drafted
+        # each draft checked is one forward; prefills (one per window) and full-window steps are the others
+        assert got.forwards < len(got.new_ids) + got.shifts + 1
+        assert got.forwards + got.accepted >= len(got.new_ids)  # an accepted draft: two tokens for one forward
+        accepted += got.accepted
+    if not over:  # both branches ran (the tied models' random drafts happen to miss every time)
+        assert accepted > 0
+
+
+def test_the_drafts_are_the_trained_depths_predictions():
+    """draft_logits with the depth's cache, fed 1-3 positions at a time, against depth 1 of the training objective run
+    on the whole sequence (models.mtp.mtp_loss's inputs, written out here): the drafter is the depth training taught."""
+    from moekit.models.attention import LayerKV
+    from moekit.models.rope import rope_tables
+    from moekit.train.decoding import draft_logits
+
+    model = spec_model(3)
+    tokens = torch.randint(0, 12, (2, 15), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        _, h = model(tokens, return_hidden=True)  # [2, 15, H]
+        cos, sin = rope_tables(model.config, 14, "cpu")
+        depth = model.mtp[0]
+        y = depth(h[:, :14], model.embed(tokens[:, 1:]), cos, sin, tokens[:, 1:])  # positions 0..13, no cache
+        want = torch.nn.functional.linear(depth.norm(y), model.lm_head.weight)  # [2, 14, V]
+        kv, got, pos = LayerKV(20), [], 0
+        for n in (3, 1, 2, 1, 3, 2, 2):
+            got.append(draft_logits(model, kv, h[:, pos:pos + n], tokens[:, pos + 1:pos + n + 1]))
+            pos += n
+    torch.testing.assert_close(torch.cat(got, 1), want, rtol=1e-5, atol=1e-5)
+
+
+def test_accept_draft_keeps_the_target_distribution():
+    """Speculative sampling's rule, drawn 20000 times: the tokens it returns follow p whatever the draft
+    distribution q (including tokens q never proposes and p lacks), within 4 standard errors."""
+    gen = torch.Generator().manual_seed(0)
+    p_ids, p = torch.tensor([0, 1, 2, 3]), torch.tensor([0.5, 0.25, 0.15, 0.10], dtype=torch.float64)
+    q_ids, q = torch.tensor([1, 0, 4]), torch.tensor([0.6, 0.1, 0.3], dtype=torch.float64)
+    n, counts, kept = 20000, torch.zeros(5), 0
+    for _ in range(n):
+        draft = int(q_ids[torch.multinomial(q, 1, generator=gen)])
+        ok, token = accept_draft(p_ids, p, q_ids, q, draft, gen)
+        counts[token] += 1
+        kept += ok
+    want = torch.tensor([0.5, 0.25, 0.15, 0.10, 0.0])
+    err = (want * (1 - want) / n).sqrt()
+    assert ((counts / n - want).abs() <= 4 * err + 1e-9).all(), counts / n
+    assert abs(kept / n - 0.35) < 0.02  # sum_x min(p, q) = 0.25 + 0.1 + 0 = 0.35
+
+
+def test_speculative_sampling_follows_the_seed_and_stops_at_eos():
+    model = spec_model(0)
+    sampling = Sampling(temperature=0.9, top_k=8)
+    a = generate_speculative(model, [1, 2, 3], 30, sampling, seed=5)
+    b = generate_speculative(model, [1, 2, 3], 30, sampling, seed=5)
+    assert a.new_ids == b.new_ids and len(a.new_ids) == 30 and all(0 <= t < 12 for t in a.new_ids)
+    eos = a.new_ids[7]
+    c = generate_speculative(model, [1, 2, 3], 30, sampling, seed=5, eos_ids=(eos,))
+    assert c.stopped == "eos" and c.new_ids == a.new_ids[: a.new_ids.index(eos)]
+    with pytest.raises(ValueError, match="has none"):
+        generate_speculative(spec_model(0, mtp_layers=0), [1], 4)
+
+
+def test_generate_speculative_from_a_run_with_an_mtp_depth(runs, capsys):
+    """moekit-generate --speculative on a run trained with --model.mtp_layers 1: the greedy text of the plain
+    decode, and the acceptance in the stats line."""
+    argv = [str(runs["deepseek-tiny"]), "--prompt", "def main(", "--max-new-tokens", "16", "--device", "cpu"]
+    assert generate_main(argv) == 0
+    plain = capsys.readouterr().out
+    assert generate_main([*argv, "--speculative"]) == 0
+    out, err = capsys.readouterr()
+    assert out == plain and "MTP drafts accepted " in err and "tokens per forward" in err

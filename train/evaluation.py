@@ -104,9 +104,12 @@ def record_eval_load(model: torch.nn.Module) -> list:
 
 
 def load_summary(model: torch.nn.Module) -> dict:
-    """Per MoE layer and overall: imbalance (max/mean), cv (std/mean), dead experts, dropped slots."""
+    """Per MoE layer and overall: imbalance (max/mean), cv (std/mean), dead experts, dropped slots. Layers that
+    routed nothing are left out: the multi-token-prediction depths', which run only in training (models.mtp)."""
     layers = []
     for name, s in collect_load(model).items():
+        if not s.forwards:
+            continue
         counts = np.asarray(s.tokens_per_expert, dtype=np.float64)
         mean = counts.mean()
         layers.append({"name": name, "imbalance": s.imbalance, "cv": float(counts.std() / mean) if mean > 0 else 0.0,
