@@ -40,7 +40,8 @@ moe_layer       MoE layer fwd+bwd at 8192 and 32768 tokens, bf16: moekit vs torc
 grouped_gemm    Triton grouped GEMM / expert MLP vs torch grouped_mm, loop, dense; 4 shapes x 8192/32768
                 tokens x uniform/Zipf routing, fwd and fwd+bwd                              (cap 160 s)
 dispatch        local permute / unpermute GB/s vs a plain copy of the same bytes, fwd and bwd and the kernels behind each op (cap 70 s)
-profile         torch.profiler of training steps of the ~1B preset: chrome trace + time by category (cap 80 s)
+profile         torch.profiler of training steps of the ~1B preset at train_mfu's micro-batch (16 x 2048): chrome
+                trace + time by category (cap 80 s)
 train_mfu       tools/bench/train_mfu.py, compile off, shortened (15 steps)                 (what is left)
 train_mfu_full  tools/bench/train_mfu.py at its defaults (compile off and on); not in the default set
 tune            tools/bench/tune_kernels.py: tile-config sweep of every expert-MLP kernel call, backward
@@ -210,7 +211,7 @@ for step in "${STEPS[@]}"; do
       run_step dispatch 70 "$PY" tools/bench/dispatch_bandwidth.py "${size[@]}" --out "$RAW/dispatch_bandwidth.json" ;;
     profile)
       if [ "$SMOKE" = 1 ]; then size=(--preset mixtral-tiny --batch-size 2 --seq-len 32 --warmup 1 --steps 1)
-      else size=(--preset auto --batch-size 4 --seq-len 2048 --warmup 2 --steps 3); fi
+      else size=(--preset auto --batch-size 16 --seq-len 2048 --warmup 2 --steps 3); fi  # train_mfu's micro-batch
       run_step profile 80 "$PY" tools/bench/profile_step.py "${size[@]}" --out-dir "$RAW/profile" ;;
     tune)
       if [ "$SMOKE" = 1 ]; then size=(--smoke)
@@ -222,7 +223,8 @@ for step in "${STEPS[@]}"; do
       run_step tune 560 "$PY" tools/bench/tune_kernels.py "${size[@]}" --out "$RAW/tune_kernels.json" ;;
     grouped_gemm_quick)
       if [ "$SMOKE" = 1 ]; then size=(--smoke)
-      else size=(--shapes fine-grained,qwen3-30b-a3b,deepseek-v3-ep8,mixtral-8x7b --tokens 8192 --routings uniform
+      # the shapes the last rounds' time cap left unmeasured first
+      else size=(--shapes mixtral-8x7b,deepseek-v3-ep8,fine-grained,qwen3-30b-a3b --tokens 8192 --routings uniform
                  --rounds 1); fi
       run_step grouped_gemm_quick 120 "$PY" tools/bench/grouped_gemm.py "${size[@]}" --out "$RAW/grouped_gemm.json" ;;
     grouped_gemm_tuned)
