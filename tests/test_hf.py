@@ -24,7 +24,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, MixtralConfig, Mix
 
 from moekit.models.config import ModelConfig
 from moekit.models.hf import (
-    UnsupportedCheckpoint, check_hf_exportable, config_from_hf, load_hf, load_hf_into, load_mixtral, save_hf,
+    UnsupportedCheckpoint, check_hf_exportable, config_from_hf, load_hf, load_hf_into, load_hf_sharded,
+    load_mixtral, save_hf,
     save_mixtral,
 )
 from moekit.models.transformer import build_model
@@ -412,6 +413,14 @@ def test_family_round_trip(tmp_path, tokenizer_files, case):
         assert any(f"model.layers.{L}.*" in str(w.message) and "mtp_layers=0" in str(w.message) for w in caught)
         with torch.no_grad():
             assert rel_err(plain(toks), ref) < 1e-5
+        for copy in ("shared_head.head.weight", "embed_tokens.weight"):  # a copy that is not the main tensor
+            key = f"model.layers.{L}.{copy}"
+            edit_tensors(src, lambda t: t.update({key: t[key].clone().index_fill_(0, torch.tensor([3]), 0.5)}))
+            for load in (load_hf, lambda p: load_hf_sharded(build_model(model.config), p)):  # whole / by slices
+                with pytest.raises(ValueError, match=rf"{key}, the multi-token-prediction layer's copy of "
+                                                     r".* differs from it; .* --model\.mtp_layers 0"):
+                    load(src)
+            edit_tensors(src, lambda t: t.update({key: added[key]}))
     if mtp_family:  # without num_nextn_predict_layers the extra layer is a mismatch
         edit_config(src, num_nextn_predict_layers=0)
         with pytest.raises(ValueError, match=rf"num_hidden_layers={L} but the checkpoint has layers 0\.\.{L} "):

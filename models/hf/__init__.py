@@ -38,7 +38,7 @@ from moekit.models.config import ModelConfig
 from moekit.models.hf import fp8
 from moekit.models.hf.fp8 import quantizable, quantize_tensors
 from moekit.models.hf.export import choose_family, copy_tokenizer, export_problems, hf_config, zero_fill
-from moekit.models.hf.families import (FAMILIES, MTP_FAMILIES, Family, UnsupportedCheckpoint, family,
+from moekit.models.hf.families import (FAMILIES, MTP_COPIES, MTP_FAMILIES, Family, UnsupportedCheckpoint, family,
                                       mtp_layers_present, skipped_keys)
 from moekit.models.hf.io import DTYPE_NAMES, CONFIG_FILE, CheckpointReader, read_config, write_safetensors
 from moekit.models.hf.weights import (Rule, _one, check_counts, detect_layout, export_tensors, load_into,
@@ -94,6 +94,11 @@ def load_hf_into(model: Transformer, path: str | Path, *, check_config: bool = T
     load_into(model, spec.reader, spec.rules, spec.allowed_extra)
     if spec.tied_copy:
         _check_tied_copy(spec.reader, model)
+    state = model.state_dict()
+    for key, main in spec.mtp_copies:
+        copy = spec.reader.get(key)
+        if copy.shape != state[main].shape or not torch.equal(copy.to(state[main].dtype), state[main].cpu()):
+            raise ValueError(mtp_copy_differs(spec.reader.folder, key, main))
     _zero_non_persistent_buffers(model)
     model.hf_family, model.hf_source = spec.family.model_type, Path(path)
     return spec.reader
@@ -108,6 +113,9 @@ class LoadSpec:
     rules: list[Rule]  # one per model tensor (models/hf/weights.py)
     allowed_extra: set[str]  # keys no rule consumes on purpose: skipped MTP layers, a tied lm_head copy, empty tensors
     tied_copy: bool  # the checkpoint stores lm_head.weight for a tied model: it must equal the embedding
+    # (checkpoint key, model tensor) of each loaded MTP layer's copies of the embedding and the head: the depths
+    # share the main tensors (models.mtp), so the copies must equal them
+    mtp_copies: tuple[tuple[str, str], ...] = ()
 
 
 def plan_load(model: Transformer, path: str | Path, check_config: bool = True) -> LoadSpec:
@@ -123,7 +131,7 @@ def plan_load(model: Transformer, path: str | Path, check_config: bool = True) -
     skipped = skipped_keys(hf, keys, model.config.num_layers, path, model.config.mtp_layers)
     # models.mtp: the checkpoint's MTP layers follow the main ones and fill the model's first depths; depths it
     # lacks keep their initialisation (families.skipped_keys leaves out the layers the model has no depth for)
-    mtp = getattr(model, "mtp", ())  # a pipeline's stage container has none (MTP runs without pp)
+    mtp = getattr(model, "mtp", None) or ()  # (a pipeline rank without the last stage has none)
     depths = min(len(mtp), mtp_layers_present(hf, keys, model.config.num_layers))
     layouts = [detect_layout(keys, i, fam.naming) for i in range(model.config.num_layers + depths)]
     blocks, fused = [b for b, _ in layouts], [f for _, f in layouts]
@@ -133,7 +141,11 @@ def plan_load(model: Transformer, path: str | Path, check_config: bool = True) -
     rules = model_rules(model, fam.naming, blocks, fused, depths)
     # tensors without elements hold nothing to load: transformers saves n_shared_experts=0 as [0, H] shared experts
     empty = {k for k, info in reader.infos.items() if 0 in info.shape}
-    return LoadSpec(fam, reader, rules, ({"lm_head.weight"} if tied else set()) | skipped | empty, tied)
+    head = "embed.weight" if model.config.tie_embeddings else "lm_head.weight"
+    L = model.config.num_layers
+    copies = tuple((f"model.layers.{L + j}.{copy}", main) for j in range(depths)
+                   for copy, main in zip(MTP_COPIES, ("embed.weight", head)) if f"model.layers.{L + j}.{copy}" in keys)
+    return LoadSpec(fam, reader, rules, ({"lm_head.weight"} if tied else set()) | skipped | empty, tied, copies)
 
 
 def load_mixtral(path: str | Path, **kwargs) -> Transformer:
@@ -315,6 +327,14 @@ def _check_lm_head(reader: CheckpointReader, config: ModelConfig) -> None:
         raise ValueError(f"{reader.folder}/config.json has tie_word_embeddings=false but the checkpoint has no "
                          f"lm_head.weight; set tie_word_embeddings to true if the output layer shares "
                          f"model.embed_tokens.weight, or add the missing tensor")
+
+
+def mtp_copy_differs(folder, key: str, main: str) -> str:
+    """The error for an MTP layer's embedding / head copy that is not the main model's tensor."""
+    hf = "model.embed_tokens.weight" if main == "embed.weight" else "lm_head.weight"
+    return (f"{folder}: {key}, the multi-token-prediction layer's copy of {hf}, differs from it; moekit's MTP depths "
+            f"share the main model's embedding and head (DeepSeek-V3 section 2.2), so that layer would not compute "
+            f"what it was trained to: load it with --model.mtp_layers 0 (leaves the layer out), or fix the copy")
 
 
 def _check_tied_copy(reader: CheckpointReader, model: Transformer) -> None:

@@ -225,6 +225,7 @@ class _LoadPlan:
     boxes: dict[str, Box]  # moekit key -> this rank's box
     tied_copy: bool  # the checkpoint stores lm_head.weight for a tied model: it must equal the embedding
     family: str  # config.json's model_type
+    mtp_copies: tuple = ()  # (checkpoint key, model tensor): MTP layers' copies of the embedding / head (LoadSpec)
 
 
 def _plan_load(model, path, check_config: bool) -> _LoadPlan:
@@ -242,7 +243,7 @@ def _plan_load(model, path, check_config: bool) -> _LoadPlan:
             raise ValueError(f"{r.target}: its HuggingFace rule has no slice layout (weights.Rule.pieces), so it "
                              f"cannot be loaded slice by slice; use load_hf_into before parallelize")
         boxes[r.target] = shard_box(state[r.target], r.target)
-    return _LoadPlan(spec.reader, rules, boxes, spec.tied_copy, spec.family.model_type)
+    return _LoadPlan(spec.reader, rules, boxes, spec.tied_copy, spec.family.model_type, spec.mtp_copies)
 
 
 @torch.no_grad()
@@ -261,6 +262,14 @@ def _read_slices(model, plan: _LoadPlan, slices: SliceReader) -> None:
             local[_rel(meet, box)].copy_(_to_target(part, dims, target.dim()))
     if plan.tied_copy:
         _check_tied_slice(model, plan, slices)
+    for key, main in plan.mtp_copies:  # this rank's rows of each copy must equal the main tensor's
+        local = _local(state[main])
+        if local.numel():
+            part = slices.read(key, tuple(slice(r.start, r.stop) for r in plan.boxes[main])).to(local.dtype)
+            if not torch.equal(part, local.cpu()):
+                from moekit.models.hf import mtp_copy_differs
+
+                raise ValueError(mtp_copy_differs(plan.reader.folder, key, main))
     persistent = set(model.state_dict())  # to_empty() leaves buffers uninitialised; unsaved ones start at 0
     for name, buf in model.named_buffers():
         if name not in persistent:
