@@ -330,13 +330,17 @@ def test_eval_reproduces_the_trainers_val_loss(runs, tmp_path, family, capacity,
     assert r["perplexity"] == pytest.approx(math.exp(r["loss"]))
     cfg = ModelConfig.from_dict(json.loads((run / "config.json").read_text())["model"])
     load = r["expert_load"]
-    assert len(load["layers"]) == cfg.num_moe_layers
-    for layer in load["layers"]:
-        assert sum(layer["assigned_per_expert"]) == r["tokens"] * cfg.top_k
-        assert sum(layer["tokens_per_expert"]) + layer["dropped_slots"] == r["tokens"] * cfg.top_k
+    depths = [k for k in range(1, cfg.mtp_layers + 1) if cfg.is_moe_layer(cfg.num_layers + k - 1)]
+    assert [layer["name"] for layer in load["layers"]][cfg.num_moe_layers:] == [f"mtp.{k - 1}.block.ffn" for k in depths]
+    for layer in load["layers"]:  # an MTP depth k routes the S - k positions it predicts from
+        k = int(layer["name"].split(".")[1]) + 1 if layer["name"].startswith("mtp.") else 0
+        tokens = r["windows"] * (32 - k)
+        assert sum(layer["assigned_per_expert"]) == tokens * cfg.top_k
+        assert sum(layer["tokens_per_expert"]) + layer["dropped_slots"] == tokens * cfg.top_k
         assert layer["dead_experts"] == layer["tokens_per_expert"].count(0) and layer["imbalance"] >= 1
         assert (layer["dropped_slots"] == 0) == (capacity == "dropless")
     assert capsys.readouterr().out.startswith(f"loss {r['loss']:.4f}")
+    assert len(r["mtp"]) == cfg.mtp_layers  # deepseek-tiny trained with one depth (tested below)
 
 
 def test_eval_all_windows_within_a_token_budget(runs, tmp_path):
@@ -538,3 +542,27 @@ def test_generate_speculative_from_a_run_with_an_mtp_depth(runs, capsys):
     assert generate_main([*argv, "--speculative"]) == 0
     out, err = capsys.readouterr()
     assert out == plain and "MTP drafts accepted " in err and "tokens per forward" in err
+
+
+def test_eval_reports_each_mtp_depth_as_training_computes_it(tmp_path):
+    """moekit.train.evaluation.mtp_counts against the training objective on the same batch: depth k's mean loss
+    is the one pop_mtp_loss reports (one depth), its accuracy and agreement are counted from the logits here."""
+    from moekit.models.rope import rope_tables
+    from moekit.train.evaluation import mtp_counts
+
+    model = spec_model(2, vocab_size=40, max_seq_len=24)
+    x = torch.randint(0, 40, (3, 24), generator=torch.Generator().manual_seed(0))
+    y = torch.randint(0, 40, (3, 24), generator=torch.Generator().manual_seed(1))
+    model.train()
+    model(x, targets=y)  # the training forward records depth 1's loss
+    want = model.pop_mtp_loss()
+    model.eval()
+    with torch.no_grad():
+        logits, hidden = model(x, return_hidden=True)
+        counts = mtp_counts(model, x, y, logits, hidden)[0]
+        cos, sin = rope_tables(model.config, 24, "cpu")
+        h = model.mtp[0](hidden[:, :23], model.embed(x[:, 1:]), cos[:23], sin[:23], x[:, 1:])
+        top = torch.nn.functional.linear(model.mtp[0].norm(h), model.lm_head.weight).argmax(-1)
+    assert counts[3] == 3 * 23
+    assert counts[0] / counts[3] == pytest.approx(float(want), rel=1e-5)
+    assert counts[1] == (top == y[:, 1:]).sum() and counts[2] == (top == logits.argmax(-1)[:, 1:]).sum()

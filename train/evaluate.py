@@ -16,7 +16,10 @@ Reported (stdout; ``--out`` writes JSON): mean cross-entropy per predicted token
 exp(loss), bits per byte = total nats / ln 2 / the UTF-8 bytes the predicted tokens decode to (byte tokens:
 one byte each, so loss / ln 2), tokens evaluated, and per MoE layer the expert load of that data
 (moekit.moe.load): imbalance max/mean, coefficient of variation std/mean of the tokens per expert, dead
-experts (no token), dropped slots. Progress goes to stderr every few seconds.
+experts (no token), dropped slots. Progress goes to stderr every few seconds. A model with multi-token-prediction
+depths (models.mtp) also gets, per depth k, its loss on the token k + 1 ahead, its top-1 accuracy there, and how
+often its top-1 agrees with the main model's top-1 for that same token: depth 1's agreement is the acceptance
+rate greedy ``moekit-generate --speculative`` would see on this text.
 
 Expert specialisation (--specialisation, moekit.train.specialisation): the same forward passes also record
 which token ids and positions each expert receives: per MoE layer the top tokens per expert (decoded with
@@ -163,6 +166,10 @@ def report(r: dict) -> str:
     nbytes = f", {r['bytes']:,} bytes" if r["bytes"] else ""
     lines = [f"loss {r['loss']:.4f}  perplexity {r['perplexity']:.3f}  bits/byte {bpb}  ({r['tokens']:,} tokens"
              f"{nbytes}, {r['windows']:,} windows of {r['seq_len']})"]
+    for d in r.get("mtp", ()):
+        lines.append(f"MTP depth {d['depth']}: loss {d['loss']:.4f}, top-1 accuracy {100 * d['accuracy']:.1f}% on the token "
+                     f"{d['depth'] + 1} ahead, agrees with the main model's next-token top-1 at that position "
+                     f"{100 * d['agreement']:.1f}% (greedy --speculative acceptance on this text)")
     load = r["expert_load"]
     if load["layers"]:
         lines.append(f"expert load ({r['capacity']}): imbalance mean {load['imbalance_mean']:.2f} max "

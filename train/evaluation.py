@@ -134,12 +134,16 @@ def evaluate(model, tokens, starts: np.ndarray, seq_len: int, batch_size: int, t
     device = model.embed.weight.device
     handles = record_eval_load(model)
     nats, byte_count, last = 0.0, 0, time.perf_counter()
+    depths = len(getattr(model, "mtp", ()))
+    mtp = torch.zeros(depths, 4, dtype=torch.float64)  # per depth: nats, correct, agreeing, predictions
     try:
         for i in range(0, starts.size, batch_size):
             x, y = gather(tokens, starts[i : i + batch_size], seq_len)  # [b, S] each
             if observer is not None:
                 observer.begin_batch(x)
-            logits = model(x.to(device))  # [b, S, V]
+            logits, hidden = model(x.to(device), return_hidden=True)  # [b, S, V], [b, S, H]
+            if depths:
+                mtp += mtp_counts(model, x.to(device), y.to(device), logits, hidden)
             loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten().to(device), reduction="sum")
             nats += float(loss)  # D2H sync: once per batch
             if tokenizer is not None:
@@ -156,4 +160,31 @@ def evaluate(model, tokens, starts: np.ndarray, seq_len: int, batch_size: int, t
     return {"loss": loss, "perplexity": math.exp(loss) if loss < 700 else math.inf,
             "bits_per_byte": nats / math.log(2) / byte_count if byte_count else None, "tokens": count,
             "bytes": byte_count if tokenizer is not None else None, "windows": int(starts.size),
-            "expert_load": load_summary(model)}
+            "expert_load": load_summary(model),
+            "mtp": [{"depth": k + 1, "loss": row[0] / row[3], "accuracy": row[1] / row[3], "agreement": row[2] / row[3],
+                     "predictions": int(row[3])} for k, row in enumerate(mtp.tolist()) if row[3]]}
+
+
+def mtp_counts(model, x: torch.Tensor, y: torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """The multi-token-prediction depths (models.mtp) on one batch, as training runs them: per depth k, [summed
+    cross-entropy against the token k + 1 ahead, its top-1 hits, agreements of its top-1 with the main model's
+    top-1 for the same position (the acceptance greedy speculative decoding would see on this text), predictions].
+    x, y [b, S]; logits [b, S, V] and hidden [b, S, H], the main model's."""
+    from moekit.models.rope import rope_tables
+
+    S = x.shape[1]
+    weight = model.embed.weight if model.lm_head is None else model.lm_head.weight
+    cos, sin = rope_tables(model.config, S, x.device)
+    emb, h, rows = model.embed(x), hidden, []
+    main_top = logits.argmax(-1)  # [b, S]: the main model's prediction of y[:, i]
+    for k, depth in enumerate(model.mtp, start=1):
+        n = S - k
+        if n <= 0:
+            rows.append([0.0] * 4)
+            continue
+        h = depth(h[:, :n], emb[:, k:], cos[:n], sin[:n], x[:, k:])  # [b, n, H]
+        out = F.linear(depth.norm(h), weight).float()  # [b, n, V]: position i predicts y[:, i + k]
+        top = out.argmax(-1)
+        rows.append([float(F.cross_entropy(out.flatten(0, 1), y[:, k:].flatten(), reduction="sum")),
+                     float((top == y[:, k:]).sum()), float((top == main_top[:, k:]).sum()), float(top.numel())])
+    return torch.tensor(rows, dtype=torch.float64)
