@@ -426,7 +426,7 @@ def test_eval_data_errors_name_evals_own_flags(runs, tmp_path, capsys):
     assert "use more data, a smaller --seq-len" in line and "--train.seq_len" not in line, line
 
 
-def test_generate_benchmark_smoke(tmp_path, capsys):
+def test_generate_benchmark_smoke(runs, tmp_path, capsys):
     from moekit.bench.generate import main as bench_main
 
     out = tmp_path / "bench.json"
@@ -434,7 +434,16 @@ def test_generate_benchmark_smoke(tmp_path, capsys):
                        "--repeats", "1", "--device", "cpu", "--out", str(out)]) == 0
     (row,) = json.loads(out.read_text())["results"]
     assert row["same"] and row["generated"] == 20 and row["speedup"] > 0  # 24 positions > 16: the window moves
-    assert "speedup" in capsys.readouterr().out
+    assert "speedup" in capsys.readouterr().out and "spec_tok_s" not in row
+    # a trained run with an MTP depth (and a preset given one): speculative decoding joins the round-robin
+    assert bench_main(["--presets", "mixtral-tiny", "--mtp-layers", "1", "--runs", str(runs["deepseek-tiny"]),
+                       "--max-seq-len", "16", "--prompt-len", "4", "--new-tokens", "12", "--repeats", "1",
+                       "--device", "cpu", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [r["preset"] for r in rows] == ["mixtral-tiny", "deepseek-tiny"]
+    for r in rows:
+        assert r["same"] and r["spec_tok_s"] > 0 and 0 <= r["acceptance"] <= 1 and 1 <= r["tokens_per_forward"] <= 2
+    assert "spec tok/s" in capsys.readouterr().out
 
 
 def test_generate_script_exit_status_and_no_traceback(tmp_path):

@@ -3,6 +3,7 @@
     python tools/bench/generate.py                                 # CPU, the three tiny presets, seconds
     python tools/bench/generate.py --device cuda --dtype bfloat16 --presets mixtral-1b --max-seq-len 2048 \\
         --prompt-len 512 --new-tokens 256 1024 --out bench-results/generate.json
+    python tools/bench/generate.py --presets --runs runs/ds-mtp    # a trained run: + speculative decoding
 
 Each case builds the preset (random weights from --seed: speed does not depend on training), routes
 dropless in eval mode as moekit-generate does (moekit.train.inference), and decodes --new-tokens greedy
@@ -13,6 +14,12 @@ alike; "speedup" = cache tokens/s / no-cache tokens/s. tokens/s counts the new t
 decode, the prompt's forward included. "same" checks the greedy tokens agree (they must: the cached
 logits equal the full forward's up to rounding).
 
+Models with multi-token-prediction depths (a trained run with --model.mtp_layers, --runs; or a preset with
+--mtp-layers N, random weights) also decode with ``generate_speculative`` (moekit-generate --speculative), timed
+in the same round-robin: "spec tok/s", "spec x" = speculative / cache tokens/s, the share of drafts accepted and
+the tokens per main-model forward; "same" then also checks its greedy tokens. Acceptance decides the speed-up,
+so random weights only show the drafting overhead: measure trained runs.
+
 --threads (default 1): intra-op threads on CPU. Tiny models gain nothing from more, and on a shared
 machine a second thread that waits for a busy core makes every small op slower and the timings noisy.
 """
@@ -20,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 
@@ -27,7 +35,7 @@ from moekit.bench.benchlib import (BenchParser, check_at_least, check_device, ch
                                    print_table, time_interleaved, write_json)
 from moekit.models.config import PRESETS, preset
 from moekit.models.transformer import build_model
-from moekit.train.decoding import generate
+from moekit.train.decoding import generate, generate_speculative
 from moekit.train.inference import DTYPES, cast_parameters, inference_routing
 
 DEFAULT_PRESETS = ["mixtral-tiny", "switch-tiny", "deepseek-tiny"]
@@ -35,8 +43,13 @@ DEFAULT_PRESETS = ["mixtral-tiny", "switch-tiny", "deepseek-tiny"]
 
 def parse_args(argv):
     p = BenchParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
-    p.add_argument("--presets", nargs="+", default=DEFAULT_PRESETS,
-                   help=f"model presets, of {', '.join(PRESETS)} (default: the tiny ones)")
+    p.add_argument("--presets", nargs="*", default=DEFAULT_PRESETS,
+                   help=f"model presets, of {', '.join(PRESETS)} (default: the tiny ones; none: only --runs)")
+    p.add_argument("--runs", nargs="*", default=[], metavar="PATH",
+                   help="trained models too: run directories, checkpoints or HF folders (as moekit-generate reads "
+                        "them; their max_seq_len is kept)")
+    p.add_argument("--mtp-layers", type=int, default=0, metavar="N",
+                   help="build the presets with N multi-token-prediction depths (speculative decoding; default 0)")
     p.add_argument("--max-seq-len", type=int, default=256, help="the model's context window (default 256)")
     p.add_argument("--prompt-len", type=int, default=16, help="prompt tokens (default 16)")
     p.add_argument("--new-tokens", type=int, nargs="+", default=[32, 96], help="tokens to decode (default 32 96)")
@@ -52,7 +65,9 @@ def parse_args(argv):
     check_names(p, "--presets", args.presets, PRESETS)
     check_at_least(p, args, 1, "new_tokens", "prompt_len", "threads", "repeats")
     check_at_least(p, args, 2, "max_seq_len")
-    check_at_least(p, args, 0, "warmup")
+    check_at_least(p, args, 0, "warmup", "mtp_layers")
+    if not args.presets and not args.runs:
+        p.error("nothing to measure: name --presets, --runs or both")
     check_device(p, args.device)
     check_out(p, args.out)
     return args
@@ -61,6 +76,7 @@ def parse_args(argv):
 def build(name: str, args, device: torch.device) -> torch.nn.Module:
     cfg = preset(name)
     cfg.max_seq_len = args.max_seq_len
+    cfg.mtp_layers = args.mtp_layers
     model = build_model(cfg, device, seed=args.seed)
     cast_parameters(model, DTYPES[args.dtype])
     inference_routing(model)  # eval mode, dropless: what moekit-generate runs
@@ -70,15 +86,30 @@ def build(name: str, args, device: torch.device) -> torch.nn.Module:
 def bench_case(model, name: str, prompt: list[int], new: int, args, device) -> dict:
     runs = {mode: (lambda cache=cache: generate(model, prompt, new, use_cache=cache))
             for mode, cache in (("cache", True), ("no_cache", False))}
-    cached, full = runs["cache"](), runs["no_cache"]()  # also the first warm-up round
+    if len(model.mtp):
+        runs["spec"] = lambda: generate_speculative(model, prompt, new)
+    first = {mode: run() for mode, run in runs.items()}  # also the first warm-up round
+    cached = first["cache"]
     times = time_interleaved(runs, device, args.warmup, args.repeats)
     row = {"preset": name, "prompt": len(prompt), "new_tokens": new, "generated": len(cached.new_ids),
-           "same": cached.new_ids == full.new_ids}
+           "same": all(out.new_ids == cached.new_ids for out in first.values())}
     for mode, t in times.items():
         row[f"{mode}_ms"] = t["median_ms"]
         row[f"{mode}_tok_s"] = len(cached.new_ids) / (t["median_ms"] / 1e3)
     row["speedup"] = row["cache_tok_s"] / row["no_cache_tok_s"]
+    if "spec" in first:
+        spec = first["spec"]
+        row.update(spec_speedup=row["spec_tok_s"] / row["cache_tok_s"], acceptance=spec.acceptance,
+                   tokens_per_forward=len(spec.new_ids) / spec.forwards)
     return row
+
+
+def load_run(path: str, args) -> torch.nn.Module:
+    """A trained model as moekit-generate loads it (its tokenizer is not needed: the prompt is random ids)."""
+    from moekit.train.inference import load_for_inference
+
+    model, _, _ = load_for_inference(path, args.device, args.dtype, warn=lambda msg: None)
+    return model
 
 
 def main(argv=None) -> int:
@@ -88,19 +119,25 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     rows = []
     payload = {"benchmark": "generate", "environment": environment(device), "args": vars(args), "results": rows}
-    for name in args.presets:
-        model = build(name, args, device)
+    models = [(name, lambda name=name: build(name, args, device)) for name in args.presets]
+    models += [(Path(path).name, lambda path=path: load_run(path, args)) for path in args.runs]
+    for name, make in models:
+        model = make()
         vocab = model.config.vocab_size
         prompt = torch.randint(0, vocab, (args.prompt_len,), generator=torch.Generator().manual_seed(args.seed))
         for new in args.new_tokens:
             rows.append(bench_case(model, name, prompt.tolist(), new, args, device))
             write_json(args.out, {**payload, "partial": True}, quiet=True)
-    print_table(rows, [("preset", "preset", "s"), ("prompt", "prompt", "d"), ("new_tokens", "new", "d"),
-                       ("cache_tok_s", "cache tok/s", ".1f"), ("no_cache_tok_s", "no-cache tok/s", ".1f"),
-                       ("speedup", "speedup", ".2f"), ("same", "same tokens", "")])
+    columns = [("preset", "model", "s"), ("prompt", "prompt", "d"), ("new_tokens", "new", "d"),
+               ("cache_tok_s", "cache tok/s", ".1f"), ("no_cache_tok_s", "no-cache tok/s", ".1f"),
+               ("speedup", "speedup", ".2f")]
+    if any("spec_tok_s" in r for r in rows):
+        columns += [("spec_tok_s", "spec tok/s", ".1f"), ("spec_speedup", "spec x", ".2f"),
+                    ("acceptance", "accepted", ".0%"), ("tokens_per_forward", "tok/fwd", ".2f")]
+    print_table(rows, columns + [("same", "same tokens", "")])
     write_json(args.out, payload)
     if not all(r["same"] for r in rows):
-        print("error: cached and uncached greedy decoding disagree", file=sys.stderr)
+        print("error: cached, uncached (and speculative) greedy decoding disagree", file=sys.stderr)
         return 1
     return 0
 
