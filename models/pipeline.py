@@ -186,6 +186,7 @@ class StageModule(nn.Module):
         self.lm_head = model.lm_head if last else None
         self.mtp = model.mtp if last else nn.ModuleList()  # multi-token prediction depths (models.mtp)
         self.mtp_record = MTPRecord()
+        self.mtp_in_eval = False  # as Transformer.mtp_in_eval
         self.activation_dtype: torch.dtype | None = None  # of the hidden state sent on; None = parameter dtype
         if last and self.embed is None and (self.lm_head is None or len(self.mtp)):
             raise ValueError("the last pipeline stage needs the embedding (a tied head, or multi-token prediction): "
@@ -211,8 +212,8 @@ class StageModule(nn.Module):
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight  # [V, H]
         if targets is None:
             return F.linear(x, weight).float()  # [b, S, V]
-        if emb is None and len(self.mtp) and self.training and torch.is_grad_enabled():  # the depths read it
-            emb = self.embed(tokens)
+        if emb is None and len(self.mtp) and ((self.training and torch.is_grad_enabled()) or self.mtp_in_eval):
+            emb = self.embed(tokens)  # the depths read it
         return training_loss(self, x, weight, emb, tokens, targets, cos, sin).float()  # []
 
     def hidden_dtype(self) -> torch.dtype:

@@ -62,13 +62,16 @@ def training_loss(owner: nn.Module, x: Tensor, weight: Tensor, emb: Tensor, toke
     """The loss a forward with targets returns: the next-token loss of the final normed hidden states ``x``
     [B, S, H] through the head ``weight``, carrying the multi-token-prediction objective into backward when
     ``owner`` (a Transformer, or a pipeline's last stage: ``.mtp``, ``.mtp_record``, ``.config``) has depths and
-    trains (models.mtp). ``emb``: embed(tokens) [B, S, H], which the depths read."""
+    trains (models.mtp); ``owner.mtp_in_eval`` (the trainer's validation) runs them outside training as well, to
+    record their loss only. ``emb``: embed(tokens) [B, S, H], which the depths read."""
     loss = head_loss(x, weight, targets)
-    if len(owner.mtp) and owner.training and torch.is_grad_enabled():  # models.mtp: training only
+    training = owner.training and torch.is_grad_enabled()
+    if len(owner.mtp) and (training or getattr(owner, "mtp_in_eval", False)):  # models.mtp
         extra = mtp_loss(owner, x, emb, tokens, targets, cos, sin, lambda h, t: head_loss(h, weight, t))
         if extra is not None:
             owner.mtp_record.add(extra)
-            loss = LossInjector.apply(loss, extra, owner.config.mtp_loss_coeff)
+            if training:
+                loss = LossInjector.apply(loss, extra, owner.config.mtp_loss_coeff)
     return loss
 
 
@@ -108,6 +111,7 @@ class Transformer(nn.Module):
         # multi-token prediction depths (models.mtp): empty unless model.mtp_layers > 0
         self.mtp = nn.ModuleList(MTPModule(config, config.num_layers + k) for k in range(config.mtp_layers))
         self.mtp_record = MTPRecord()  # MTP losses of the training forwards since pop_mtp_loss
+        self.mtp_in_eval = False  # the depths also run (recording only) in eval forwards with targets
 
     def forward(self, tokens: Tensor, cache: KVCache | None = None, targets: Tensor | None = None,
                 return_hidden: bool = False) -> Tensor | tuple[Tensor, Tensor]:

@@ -340,7 +340,10 @@ def test_eval_reproduces_the_trainers_val_loss(runs, tmp_path, family, capacity,
         assert layer["dead_experts"] == layer["tokens_per_expert"].count(0) and layer["imbalance"] >= 1
         assert (layer["dropped_slots"] == 0) == (capacity == "dropless")
     assert capsys.readouterr().out.startswith(f"loss {r['loss']:.4f}")
-    assert len(r["mtp"]) == cfg.mtp_layers  # deepseek-tiny trained with one depth (tested below)
+    assert len(r["mtp"]) == cfg.mtp_layers  # deepseek-tiny trained with one depth
+    if cfg.mtp_layers:  # the trainer's val_mtp_loss on the same windows: the same number, computed another way
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        assert r["mtp"][0]["loss"] == pytest.approx(rows[-1]["val_mtp_loss"], rel=1e-5)
 
 
 def test_eval_all_windows_within_a_token_budget(runs, tmp_path):

@@ -137,6 +137,8 @@ def test_a_pipeline_trains_mtp_and_a_tied_head_on_its_last_stage(tmp_path):
     want, got = ([json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()] for d in (single, piped))
     for key in ("loss", "mtp_loss", "grad_norm"):
         assert [g[key] for g in got] == pytest.approx([w[key] for w in want], rel=1e-5, abs=1e-6), key
+    for key in ("val_loss", "val_mtp_loss"):  # the last stage's validation, the depths' included
+        assert got[-1][key] == pytest.approx(want[-1][key], rel=1e-5), key
     r = run([*args, "--run-dir", str(resumed), "--checkpoint.every", "0", "--resume",
              str(piped / "checkpoints" / "step_000002")])
     assert r.returncode == 0, r.stderr[-3000:]
@@ -155,6 +157,8 @@ def single_mtp(tmp_path_factory):
 def test_one_process_records_the_mtp_loss_and_resumes_bitwise(tmp_path, single_mtp):
     rows = [json.loads(line) for line in (single_mtp / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 4 and all(0 < r["mtp_loss"] < 10 for r in rows)  # recorded every step, finite
+    assert [("val_mtp_loss" in r) for r in rows] == [False] * 3 + [True]  # with val_loss, at the final evaluation
+    assert 0 < rows[-1]["val_mtp_loss"] < 10 and rows[-1]["val_mtp_loss"] != rows[-1]["val_loss"]
     resumed = tmp_path / "resumed"
     r = run(["--preset", "deepseek-tiny", "--model.mtp_layers", "2", "--resume",
              str(single_mtp / "checkpoints" / "step_000002"), "--steps", "4", "--run-dir", str(resumed),
@@ -177,6 +181,7 @@ def test_tensor_expert_and_fsdp_run_matches_one_process(tmp_path, single_mtp):
     got = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     for key in ("loss", "mtp_loss"):
         assert [g[key] for g in got] == pytest.approx([w[key] for w in want], rel=1e-5, abs=1e-6), key
+    assert got[-1]["val_mtp_loss"] == pytest.approx(want[-1]["val_mtp_loss"], rel=1e-5)
 
 
 MLA = ["--model.attention", "mla", "--model.kv_lora_rank", "16", "--model.q_lora_rank", "32",

@@ -265,6 +265,8 @@ def format_line(m: dict) -> str:
         parts.append(f"dropped={100 * m['dropped_fraction']:.1f}%")
     if "val_loss" in m:
         parts.append(f"val_loss={m['val_loss']:.4f}")
+    if m.get("val_mtp_loss") is not None:
+        parts.append(f"val_mtp_loss={m['val_mtp_loss']:.4f}")
     return " ".join(parts)
 
 

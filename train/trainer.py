@@ -148,6 +148,7 @@ class Trainer:
         self.optimizer = make_optimizer(self.model, cfg)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.start_step = 0
+        self.val_mtp: float | None = None  # the MTP depths' loss at the last evaluation (models.mtp)
         if self.resume_from is not None:
             fresh = resume.optimizer_settings(self.optimizer)  # this run's lr, betas, eps, weight decay
             self.start_step = checkpoint.load(self.resume_from, self.model, self.optimizer, self.scheduler,
@@ -438,6 +439,8 @@ class Trainer:
                 m["tokens_by_source"] = self.sampler.tokens_by_source(cfg.train.seq_len)
             if step == cfg.train.steps or (cfg.eval.every and step % cfg.eval.every == 0):
                 m["val_loss"] = self.evaluate()
+                if cfg.model.mtp_layers:  # the depths' loss on the same windows (models.mtp)
+                    m["val_mtp_loss"] = self.val_mtp
             if self.dist.is_main:
                 self.metrics.write(self.monitor.step(m, load))  # + balance_loss, z_loss, cv, dead_experts
                 self.load_log.write(step, load, force=step == cfg.train.steps)
@@ -498,11 +501,21 @@ class Trainer:
         starts = starts[: n - n % D] if n >= D else starts[np.arange(D) % n]
         mine = starts.reshape(D, -1)[self.dist.data_rank]
         self.model.eval()
+        mtp = [m for m in (self.model, *getattr(self.model, "stages", ())) if hasattr(m, "mtp_in_eval")]
+        for m in mtp:  # the MTP depths record their loss on these windows too (val_mtp_loss)
+            m.mtp_in_eval = True
         total = torch.zeros((), device=self.plan.device)
-        for i in range(0, mine.size, self.plan.micro_batch):
-            part = mine[i : i + self.plan.micro_batch]
-            total += self.forward_loss(part) * part.size
-        self.model.train()
+        try:
+            for i in range(0, mine.size, self.plan.micro_batch):
+                part = mine[i : i + self.plan.micro_batch]
+                total += self.forward_loss(part) * part.size
+        finally:
+            for m in mtp:
+                m.mtp_in_eval = False
+            self.model.train()
+        if self.cfg.model.mtp_layers:  # a mean over micro-batches of equal size: the windows' mean
+            depth = (self.pipe or self.model).pop_mtp_loss()
+            self.val_mtp = self.dist.mean(depth).item() if depth is not None else None
         return self.dist.mean(total / mine.size).item()  # D2H sync: once per evaluation
 
     def skip_step(self, event: NonFinite, step: int) -> None:
