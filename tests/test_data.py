@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import struct
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -174,8 +173,6 @@ def test_unigram_entropy():
 def test_truncate_after_drops_a_half_written_last_line(tmp_path):
     """A crash mid-write leaves a cut line; resuming must drop it (and later steps), not crash."""
     import importlib
-    import sys
-    from pathlib import Path
     records = importlib.import_module("moekit.train.records")
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"format": 1}\n{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "lo')
