@@ -375,4 +375,8 @@ def build_pipeline(model: Transformer, topology, schedule: str = "1f1b", stages_
         stage.activation_dtype = activation_dtype
     device = next(model.parameters()).device
     runner = PipelineRunner(stages, stage_ids, num_stages, topology.group("pp"), schedule, stage_loss, device)
-    return Pipeline(PipelineModel(model.config, stages), ranges, stage_ids, runner, replica)
+    held = PipelineModel(model.config, stages)
+    for attr in ("hf_family", "hf_source"):  # an imported model's family and folder: the HF export's defaults
+        if hasattr(model, attr):
+            setattr(held, attr, getattr(model, attr))
+    return Pipeline(held, ranges, stage_ids, runner, replica)

@@ -131,9 +131,10 @@ def test_a_pipeline_trains_mtp_and_a_tied_head_on_its_last_stage(tmp_path):
     single, piped, resumed = tmp_path / "single", tmp_path / "pp2", tmp_path / "resumed"
     r = run([*args, "--run-dir", str(single), "--checkpoint.every", "0"])
     assert r.returncode == 0, r.stderr[-3000:]
-    r = run([*args, "--run-dir", str(piped), "--checkpoint.every", "2", "--pp", "2"], nproc=2)
+    r = run([*args, "--run-dir", str(piped), "--checkpoint.every", "2", "--pp", "2", "--export-hf",
+             str(tmp_path / "hf-pp2")], nproc=2)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "pipeline: 1f1b, 2 stages" in r.stdout
+    assert "pipeline: 1f1b, 2 stages" in r.stdout and "(HuggingFace glm4_moe)" in r.stdout
     want, got = ([json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()] for d in (single, piped))
     for key in ("loss", "mtp_loss", "grad_norm"):
         assert [g[key] for g in got] == pytest.approx([w[key] for w in want], rel=1e-5, abs=1e-6), key
@@ -143,6 +144,19 @@ def test_a_pipeline_trains_mtp_and_a_tied_head_on_its_last_stage(tmp_path):
              str(piped / "checkpoints" / "step_000002")])
     assert r.returncode == 0, r.stderr[-3000:]
     assert losses(resumed) == pytest.approx(losses(single)[2:], rel=1e-5, abs=1e-6)
+    from safetensors.torch import load_file
+
+    # --export-hf under pp: each rank wrote the tensors of its stages (the depths with their copies of the tied
+    # embedding too), the same folder as one process exporting the pipeline's final checkpoint
+    r = run([*args, "--run-dir", str(tmp_path / "export"), "--resume", str(piped / "checkpoints" / "step_000004"),
+             "--export-hf", str(tmp_path / "hf-one")])
+    assert r.returncode == 0 and "done: nothing to train (the checkpoint is at step 4" in r.stdout, r.stderr[-3000:]
+    folders = [tmp_path / "hf-pp2", tmp_path / "hf-one"]
+    assert [json.loads((f / "config.json").read_text()) for f in folders].count(
+        json.loads((folders[0] / "config.json").read_text())) == 2
+    pp2, one = ({k: v for p in f.glob("*.safetensors") for k, v in load_file(p).items()} for f in folders)
+    assert sorted(pp2) == sorted(one) and "model.layers.3.shared_head.head.weight" in pp2  # 2 layers + 2 depths
+    assert all(torch.equal(pp2[k], one[k]) for k in one)
 
 
 @pytest.fixture(scope="module")

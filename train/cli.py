@@ -182,10 +182,3 @@ def check_layout(cfg: TrainConfig, world_size: int | None = None) -> None:
 
     resolved = resolve_config(cfg, world_size)
     cfg.layout.dp = resolved.layout.dp
-    t = cfg.train
-    if resolved.layout.pp > 1 and t.export_hf:
-        raise UserError(f"--export-hf with --pp {resolved.layout.pp}: each rank holds only its stages. Save a "
-                        f"checkpoint, then export it without pipeline parallelism: moekit-train --resume "
-                        f"CHECKPOINT --steps {t.steps} --export-hf {t.export_hf}"
-                        f"{' --train.export_hf_fp8 true' if t.export_hf_fp8 else ''} (one process, or --ep / --fsdp "
-                        f"ranks)")

@@ -460,7 +460,6 @@ class Trainer:
         """Write the trained model as a HuggingFace folder (models.hf.save_hf_sharded: every rank writes the
         tensors it owns, nothing is gathered on one rank), with the run's tokenizer (tokenizer_info.json)."""
         from moekit.models.hf import save_hf_sharded
-        from moekit.models.hf.export import choose_family
 
         try:
             self.placement.to_contiguous(self.model, self.optimizer)  # HF shard boxes: contiguous expert blocks
@@ -475,7 +474,8 @@ class Trainer:
                             f"--export-hf {path}{fp8}") from None
         if self.dist.is_main:
             fp8 = ", fp8 linear weights" if self.cfg.train.export_hf_fp8 else ""
-            self.monitor.print(f"exported {folder} (HuggingFace {choose_family(self.model)}{fp8})")
+            family = json.loads((folder / "config.json").read_text())["model_type"]  # what was written
+            self.monitor.print(f"exported {folder} (HuggingFace {family}{fp8})")
 
     def step_metrics(self, step, loss, grad_norm, lr, load, dt, tokens_seen, elapsed) -> dict:
         tps = self.plan.tokens_per_step / dt
@@ -553,7 +553,12 @@ class Trainer:
         return 128 + signum
 
     def finish(self) -> None:
-        rows = [r for r in records.read_metrics(self.run_dir) if not r.get("skipped")]
+        every = records.read_metrics(self.run_dir)
+        rows = [r for r in every if not r.get("skipped")]
+        if not rows and not every:  # a run resumed at its last step (e.g. to export): nothing trained, nothing logged
+            self.monitor.print(f"done: nothing to train (the checkpoint is at step {self.start_step}, --steps "
+                               f"{self.cfg.train.steps})")
+            return
         if not rows:
             self.monitor.print(f"done: every step was skipped (non-finite); see {self.run_dir / records.METRICS}")
             return

@@ -179,8 +179,8 @@ def _reshard(model: torch.nn.Module) -> None:
 
 def _check_not_pipelined(model) -> None:
     if hasattr(model, "stages"):
-        raise ValueError("sharded HF load / export does not cover pipeline-parallel models (this rank holds only "
-                         "its stages); load before building the pipeline, or export with pp=1")
+        raise ValueError("sharded HF load does not cover pipeline-parallel models (this rank holds only its "
+                         "stages); load into the whole model before building the pipeline (the trainer does)")
 
 
 # ---------------------------------------------------------------------------------------------------

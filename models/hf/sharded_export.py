@@ -1,6 +1,11 @@
 """``save_hf_sharded``: every rank writes the HF tensors it owns, nobody gathers the model (models/hf/sharded.py
 has the picture, the box arithmetic and the load).
 
+Pipeline parallelism: a rank holds only its stages' tensors (models.pipeline.PipelineModel, single-process
+names). The export's structure (family, rules, zero-filled parts, config.json) then comes from the whole model
+built on the meta device, each rank offers the tensors it holds, and a tensor two ranks hold alike (the last
+stage's replica of the embedding) is taken from one of them, as data-parallel replicas are.
+
 One HF tensor at a time: its owner (the rank holding most of it, least loaded on ties) receives the other
 parts (send / recv from one rank per distinct shard), transposes and writes it. Peak extra memory: one HF
 tensor. Files: model-0000i-of-0000N.safetensors, each written by one rank (streamed: header first, then each
@@ -21,7 +26,7 @@ from torch import Tensor
 
 from moekit.models.hf import fp8
 from moekit.models.hf.io import CONFIG_FILE, DTYPE_NAMES, INDEX_FILE, parse_size
-from moekit.models.hf.sharded import (Box, _agree, _check_not_pipelined, _distributed, _local, _meet, _rel,
+from moekit.models.hf.sharded import (Box, _agree, _distributed, _local, _meet, _rel,
                                       _reshard, _to_source, shard_box)
 from moekit.models.hf.weights import Rule
 
@@ -79,6 +84,21 @@ class _ExportSpec:
     fp8_block: tuple[int, int] | None = None  # save_hf's fp8: the linear weights as block-wise float8
 
 
+def _whole(model):
+    """The model whose structure the export follows: ``model``, or for a pipeline rank (module docstring) the whole
+    model on the meta device, with the import's family and folder."""
+    if not hasattr(model, "stages"):
+        return model
+    from moekit.models.transformer import Transformer, meta_device
+
+    with meta_device():
+        whole = Transformer(model.config)
+    for attr in ("hf_family", "hf_source"):
+        if hasattr(model, attr):
+            setattr(whole, attr, getattr(model, attr))
+    return whole
+
+
 def _export_spec(model, family: str | None, dtype: torch.dtype | None, layout: str,
                  fp8_on: bool = False, fp8_block=fp8.DEFAULT_BLOCK) -> _ExportSpec:
     """What save_hf writes for ``model`` (family, rules, zero-filled parts), without touching any tensor."""
@@ -86,18 +106,23 @@ def _export_spec(model, family: str | None, dtype: torch.dtype | None, layout: s
     from moekit.models.hf.export import zero_fill
 
     block, dtype = fp8_export_args(fp8_on, fp8_block, dtype, layout)
-    name, rules, out_dtype = export_rules(model, family, dtype, layout)
+    whole = _whole(model)
+    name, rules, out_dtype = export_rules(whole, family, dtype, layout)
+    if dtype is None:  # the model's own (a meta stand-in has the default dtype)
+        out_dtype = next(model.parameters()).dtype
     with torch.device("meta"):  # shapes only
-        zeros = {k: (tuple(t.shape), t.dtype) for k, t in zero_fill(model, name, out_dtype).items()}
+        zeros = {k: (tuple(t.shape), t.dtype) for k, t in zero_fill(whole, name, out_dtype).items()}
     return _ExportSpec(name, rules, zeros, dtype, {v: k for k, v in DTYPE_NAMES.items()}[out_dtype], block)
 
 
 def _export_boxes(model, spec: _ExportSpec, max_shard_size) -> tuple[dict, dict]:
-    _check_not_pipelined(model)
+    """This rank's box, shape and dtype of every rule's tensor it holds (a pipeline rank: its stages' only)."""
     parse_size(max_shard_size)
     state = model.state_dict()
     boxes, meta = {}, {}
     for r in spec.rules:
+        if r.target not in state and hasattr(model, "stages"):  # another pipeline rank's
+            continue
         t = state[r.target]
         if r.layout(tuple(t.shape)) is None:
             raise ValueError(f"{r.target}: its HuggingFace rule has no slice layout (weights.Rule.pieces), so it "
@@ -119,11 +144,14 @@ def _plan_export(spec: _ExportSpec, meta: dict, all_boxes: list[dict]) -> list[_
         return math.prod(map(len, box))
 
     for r in spec.rules:
+        if r.target not in meta:
+            raise RuntimeError(f"no rank holds {r.target}, which the export writes; are the pipeline's stages complete?")
         shape, dtype = meta[r.target]
         out_dtype = spec.dtype if spec.dtype is not None and dtype.is_floating_point else dtype
         held: dict[Box, list[int]] = {}  # distinct shards of this tensor -> the ranks holding each
         for rank, boxes in enumerate(all_boxes):
-            held.setdefault(tuple(range(a, b) for a, b in boxes[r.target]), []).append(rank)
+            if r.target in boxes:  # (under pipeline parallelism, only its stages' ranks)
+                held.setdefault(tuple(range(a, b) for a, b in boxes[r.target]), []).append(rank)
         for key, (region, dims) in zip(r.sources, r.layout(shape)):
             meets = {box: m for box in held if (m := _meet(box, region)) is not None}
             if sum(map(volume, meets.values())) != volume(region):
@@ -218,7 +246,7 @@ def _stream(model, units: list[_Unit], files: list[tuple[int, list[_Unit]]], fol
     """Assemble and write this rank's HF tensors, sending its parts of the others'. A failed write is kept
     (returned) while this rank goes on sending and receiving, so no peer waits on it forever."""
     state = model.state_dict()
-    boxes = {u.target: shard_box(state[u.target], u.target) for u in units if u.target is not None}
+    boxes = {u.target: shard_box(state[u.target], u.target) for u in units if u.target in state}
     writers: dict[str, _StreamWriter] = {}  # HF key -> the open writer of its file
     error: Exception | None = None
     try:
@@ -241,6 +269,8 @@ def _stream(model, units: list[_Unit], files: list[tuple[int, list[_Unit]]], fol
         if u.target is None:  # all zeros: nothing to gather
             if u.owner == rank:
                 write(u, lambda: u.encode(torch.zeros(u.shape, dtype=u.dtype)))
+            continue
+        if u.target not in state:  # another pipeline stage's tensor: its owner and senders hold it, this rank neither
             continue
         local, box = _local(state[u.target]), boxes[u.target]
         if u.owner == rank:
@@ -298,9 +328,11 @@ def save_hf_sharded(model, path: str | Path, *, family: str | None = None, dtype
     boxes, meta = _agree(_export_boxes, model, spec, max_shard_size)
     world = dist.get_world_size() if _distributed() else 1
     rank = dist.get_rank() if _distributed() else 0
-    all_boxes = [boxes] * world
+    gathered = [(boxes, meta)] * world
     if _distributed():
-        dist.all_gather_object(all_boxes, boxes)
+        dist.all_gather_object(gathered, (boxes, meta))
+    all_boxes = [b for b, _ in gathered]
+    meta = {k: v for _, m in gathered for k, v in m.items()}  # under pipeline parallelism each rank knows its stages'
     units = _agree(_plan_export, spec, meta, all_boxes)
     files = _files(units, world, parse_size(max_shard_size))
     names = [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
@@ -323,6 +355,6 @@ def save_hf_sharded(model, path: str | Path, *, family: str | None = None, dtype
             raise error
 
     _agree(finish)
-    config = hf_config(model, spec.family, spec.dtype_name, token_ids, spec.fp8_block)
+    config = hf_config(_whole(model), spec.family, spec.dtype_name, token_ids, spec.fp8_block)
     _agree(lambda: _write_index(folder, config, units, files, names) if rank == 0 else None)
     return folder
