@@ -22,8 +22,10 @@ checkpointing, the class of a module: as FSDP's ``fully_shard`` does, it becomes
 overrides ``forward`` (a compiled router also keeps two bookkeeping methods eager), so parameter names,
 state-dict and checkpoint keys and hooks stay, and ``print(model)`` shows what was applied
 (``CheckpointedCompiledBlock``, ``EagerMoELayer``, ...).
-Weights are initialised in full from the seed before this runs, so every layout starts from the
-same numbers.
+Every layout starts from the same numbers: either the weights are initialised in full from the seed before
+this runs, or (the trainer's way) the model is parallelised on the meta device, moved with ``to_empty`` and each
+rank fills what it holds with models.init.init_weights, whose values depend on the seed, the name and the
+position only.
 """
 from __future__ import annotations
 

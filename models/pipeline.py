@@ -3,7 +3,7 @@
 Shape legend: b micro-batch sequences, S sequence, H hidden, V vocab, L layers, K = pp * v stages
 (v stages per rank: 1 for gpipe / 1f1b, >= 2 for interleaved 1F1B).
 
-    full model (built and initialised from the seed on every rank: layout-free init)
+    full model (on the meta device, or built and initialised; every rank builds it alike)
         embed | layers 0 .. L-1 | norm + lm_head
     split into K contiguous layer ranges that minimise the largest stage cost (balance_stages):
         stage 0: embed + layers [0, a)      tokens [b, S] -> hidden [b, S, H]
@@ -179,7 +179,8 @@ class StageModule(nn.Module):
         self.config = model.config
         self.is_first, self.is_last = first, last
         self.has_replica = last and not first and embedding_replica
-        # the replica: a copy of the initialised embedding (every rank built the same full model)
+        # the replica: a copy of the embedding (of its values when the model is initialised; on the meta device
+        # models.init gives it stage 0's values, as it draws by name)
         self.embed = model.embed if first else copy.deepcopy(model.embed) if self.has_replica else None
         self.layers = StageLayers({str(i): model.layers[i] for i in layers})
         self.norm = model.norm if last else None
@@ -356,12 +357,15 @@ class Pipeline:
 
 
 def build_pipeline(model: Transformer, topology, schedule: str = "1f1b", stages_per_rank: int = 1,
-                   seq_len: int | None = None, activation_dtype: torch.dtype | None = None) -> Pipeline:
+                   seq_len: int | None = None, activation_dtype: torch.dtype | None = None,
+                   device: torch.device | None = None) -> Pipeline:
     """Split an initialised ``model`` into this rank's stages of ``topology``'s pipeline (``pp`` ranks,
     ``stages_per_rank`` stages each, balanced by ``layer_costs`` at ``seq_len``) and set up ``schedule``
     (gpipe | 1f1b | interleaved). The other layers' modules are not referenced: drop ``model`` after.
     ``activation_dtype``: of the hidden states sent between stages; None = the parameter dtype (fp32 and
-    autocast runs); torch.bfloat16 when FSDP's MixedPrecisionPolicy computes with bf16 parameters."""
+    autocast runs); torch.bfloat16 when FSDP's MixedPrecisionPolicy computes with bf16 parameters.
+    ``device``: where the stages will run; needed when ``model`` is still on the meta device (it is then
+    parallelised, moved with ``to_empty`` and filled with models.init.init_weights, rank by rank)."""
     pp = topology.layout.pp
     check_schedule(schedule, pp, stages_per_rank)
     num_stages = pp * stages_per_rank
@@ -373,7 +377,9 @@ def build_pipeline(model: Transformer, topology, schedule: str = "1f1b", stages_
     stages = [StageModule(model, ranges[s], s == 0, s == num_stages - 1, replica) for s in stage_ids]
     for stage in stages:
         stage.activation_dtype = activation_dtype
-    device = next(model.parameters()).device
+    device = torch.device(device) if device is not None else next(model.parameters()).device
+    if device.type == "meta":
+        raise ValueError("build_pipeline: the model is on the meta device; pass device= (where the stages will run)")
     runner = PipelineRunner(stages, stage_ids, num_stages, topology.group("pp"), schedule, stage_loss, device)
     held = PipelineModel(model.config, stages)
     for attr in ("hf_family", "hf_source"):  # an imported model's family and folder: the HF export's defaults

@@ -8,8 +8,9 @@ T = B*S tokens.
             y = h + FFN(RMSNorm(h))                FFN = MoELayer or DenseMLP (config.is_moe_layer)
 
 Single-device code: nothing here knows about ranks (DESIGN.md); comm/ parallelises a built model.
-Build on the meta device, move with ``to_empty``, then ``init_weights(seed)``: every parameter is
-filled from one generator in module order, so the weights depend on the seed only.
+Build on the meta device, move with ``to_empty``, then ``init_weights(seed)``: every value depends on the seed,
+the parameter's name and its position only (models.init), so a model parallelised on the meta device can be
+initialised shard by shard.
 
 Incremental decoding (generation): ``model(tokens [B, S_new], cache=KVCache(...))`` runs only the new
 positions P .. P+S_new-1 (P = ``cache.length``): RoPE at those positions, attention over the cached keys
@@ -159,37 +160,13 @@ class Transformer(nn.Module):
         detached device tensor (no sync), or None when none ran; resets the running mean."""
         return self.mtp_record.pop()
 
-    @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
-        """Fill every parameter and buffer from ``seed`` alone (device and layout independent).
+        """Fill every parameter and buffer from ``seed`` alone, device and layout independent (models.init: each
+        value is a function of the seed, the parameter's name and its position; a parallelised model fills only
+        what each rank holds)."""
+        from moekit.models.init import init_weights
 
-        Residual-stream inputs (embedding, q/k/v and MLA's projections, FFN in, router) get N(0, init_std);
-        projections back into the residual stream (attention out, FFN out) get init_std / sqrt(2 L) (GPT-2)
-        so the residual's variance does not grow with depth; biases 0, norm scales 1. Draws happen on the CPU
-        generator and are copied, so a GPU run starts from the same weights as a CPU run.
-        """
-        cfg = self.config
-        gen = torch.Generator().manual_seed(seed)
-        std, std_out = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.num_layers)
-
-        def normal_(t: Tensor, s: float) -> None:
-            t.copy_(torch.empty(t.shape, dtype=torch.float32).normal_(0.0, s, generator=gen))
-
-        normal_(self.embed.weight, std)
-        for layer in self.layers:
-            for norm in (layer.attn_norm, layer.ffn_norm):
-                norm.weight.fill_(1.0)
-            layer.attn.init_weights(normal_, std, std_out)
-            init_ffn(layer.ffn, normal_, std, std_out)
-        self.norm.weight.fill_(1.0)
-        if self.lm_head is not None:
-            normal_(self.lm_head.weight, std)
-        for module in self.mtp:  # after every main-model tensor: adding depths leaves the main weights as they were
-            for norm in (module.enorm, module.hnorm, module.norm, module.block.attn_norm, module.block.ffn_norm):
-                norm.weight.fill_(1.0)
-            normal_(module.eh_proj.weight, std)
-            module.block.attn.init_weights(normal_, std, std_out)
-            init_ffn(module.block.ffn, normal_, std, std_out)
+        init_weights(self, seed)
 
 
 def _check_ids(name: str, ids) -> None:

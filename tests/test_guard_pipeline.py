@@ -150,16 +150,16 @@ def test_learning_rate_overflow_blames_the_parameters(tmp_path, monkeypatch, cap
 def test_nonfinite_initial_weights_are_named_with_skip_giving_up(tmp_path, monkeypatch, capsys):
     """Non-finite weights before any update (a bad checkpoint or init): skipping cannot repair them, so the
     run gives up after MAX_CONSECUTIVE_SKIPS, naming the parameters."""
-    from moekit.models.transformer import Transformer
+    from moekit.train import trainer
 
-    real = Transformer.init_weights
+    real = trainer.init_weights  # models.init's, as the trainer fills the model it has parallelised
 
-    def bad_init(self, seed=0):
-        real(self, seed)
+    def bad_init(model, seed=0):
+        real(model, seed)
         with torch.no_grad():
-            self.norm.weight[0] = math.inf
+            model.norm.weight[0] = math.inf
 
-    monkeypatch.setattr(Transformer, "init_weights", bad_init)
+    monkeypatch.setattr(trainer, "init_weights", bad_init)
     monkeypatch.setattr(guard, "MAX_CONSECUTIVE_SKIPS", 2)
     assert main([*BASE, "--run-dir", str(tmp_path), "--train.on_nonfinite", "skip"]) == 1
     (line,) = capsys.readouterr().err.strip().splitlines()

@@ -286,7 +286,10 @@ def _pipeline_rank(rank, world, config, schedule, v, ep, fsdp, microbatches, ac,
             torch.testing.assert_close(got, want, rtol=1e-5, atol=0)  # an embedding replica is counted once
         opt.step(), opt_ref.step()
         opt.zero_grad(), opt_ref.zero_grad()
-    check_names(pipe, ref, topo)
+    # after 3 AdamW steps: the data ranks' gradients are summed in another order than one process sums them, and
+    # Adam turns a relative error in a near-zero gradient into up to ~lr x that error per step (1 element in 512
+    # was 4e-6 off at lr 3e-3, dp2 x ep2); one data rank is all but bitwise
+    check_names(pipe, ref, topo, atol=3e-5 if D > 1 else 1e-6)
     if ckpt:
         check_checkpoint(pipe, cfg, topo, ckpt)
     check_eval(pipe, ref, x[: 2 * D], y[: 2 * D], D, d)
@@ -305,7 +308,7 @@ def check_load(pipe, ref, topo, M):
         assert counts.tolist() == want[name].assigned_per_expert, name
 
 
-def check_names(pipe, ref, topo):
+def check_names(pipe, ref, topo, atol=1e-6):
     """The stages' state-dict names are the single-process ones and together cover the whole model."""
     mine = list(pipe.model.state_dict())
     names = [None] * topo.layout.pp
@@ -315,7 +318,7 @@ def check_names(pipe, ref, topo):
     assert sorted({n for n in every if every.count(n) > 1}) == (["embed.weight"] if replica else [])
     assert sorted(set(every)) == sorted(ref.state_dict())
     for name, value in pipe.model.state_dict().items():  # sharded tensors: the whole, as checkpoints hold it
-        torch.testing.assert_close(full(value), ref.state_dict()[name], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(full(value), ref.state_dict()[name], atol=atol, rtol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
 def check_checkpoint(pipe, cfg, topo, path):

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from moekit.models.init import init_weights
 from moekit.models.stats import model_stats
 from moekit.models.transformer import Transformer, meta_device
 from moekit.moe import collect_load, update_router_biases
@@ -101,15 +102,20 @@ class Trainer:
             self.model = Transformer(cfg.model)
         # which experts each EP rank holds: a placement file, a rebalancing run's checkpoint, or contiguous blocks
         self.placement = RunPlacement.for_run(cfg, self.dist.topology, self.model, self.resume_from)
-        # --init-from-hf (no pipeline): every weight comes from the folder, so the model stays on the meta device
-        # until it is parallelised and each rank then reads only its shards (models.hf.load_hf_sharded; its
-        # shard boxes are contiguous expert blocks: under a placement the whole model is read first)
-        sharded_hf = (bool(cfg.train.init_from_hf) and self.resume_from is None and cfg.layout.pp == 1
+        # The model stays on the meta device until it is parallelised; each rank then allocates its share and fills
+        # it: from the seed (models.init: every value depends on the seed, the name and the position only, so this
+        # is the one-process model's share whatever the layout), or with --init-from-hf reading only its slices
+        # (models.hf.load_hf_sharded). The whole model is built first only to import into it (a pipeline's import,
+        # an MTP depth the folder lacks), to upcycle it, or to place experts (their shard boxes are not contiguous).
+        fresh = self.resume_from is None
+        sharded_hf = (bool(cfg.train.init_from_hf) and fresh and cfg.layout.pp == 1
                       and self.placement.placements is None and not self.fresh_mtp_depths())
-        if not sharded_hf:
+        whole = ((bool(cfg.train.init_from_hf) and fresh and not sharded_hf) or (bool(cfg.train.init_from_dense) and fresh)
+                 or self.placement.placements is not None)
+        if whole:
             self.model.to_empty(device=plan.device)
             self.model.init_weights(cfg.train.seed)
-        if cfg.train.init_from_hf and self.resume_from is None and not sharded_hf:  # pp > 1: before the stages
+        if cfg.train.init_from_hf and fresh and not sharded_hf:  # pp > 1: before the stages
             self.load_hf(cfg.train.init_from_hf)
         if cfg.train.init_from_dense and self.resume_from is None:  # dense-to-MoE upcycling (models.upcycle)
             from moekit.train.upcycle import init_from_dense
@@ -120,15 +126,15 @@ class Trainer:
                     _warn(note)
         if cfg.train.export_hf:  # refuse before training, not after
             self.check_exportable()
-        # the full model is built and initialised first, then each rank keeps its share (layout-free init):
-        # its pipeline stages first, then the recipe (TP, EP, AC, compile, FSDP) on them
+        # each rank keeps its share: its pipeline stages first, then the recipe (TP, EP, AC, compile, FSDP) on them
         fsdp_dtype = plan.autocast_dtype if plan.device.type == "cuda" else None  # bf16 params, fp32 reduction
         self.pipe = None
         if cfg.layout.pp > 1:
             from moekit.models.pipeline import build_pipeline
 
             self.pipe = build_pipeline(self.model, self.dist.topology, cfg.layout.pp_schedule,
-                                       cfg.layout.pp_stages_per_rank, cfg.train.seq_len, activation_dtype=fsdp_dtype)
+                                       cfg.layout.pp_stages_per_rank, cfg.train.seq_len, activation_dtype=fsdp_dtype,
+                                       device=plan.device)
             self.model = self.pipe.model  # this rank's stages, single-process parameter names
         self.dist.parallelize(self.model, plan.resolved.hierarchical,
                               activation_checkpointing=cfg.train.activation_checkpointing,
@@ -136,9 +142,12 @@ class Trainer:
                               sequence_parallel=cfg.layout.sequence_parallel,
                               expert_placement=self.placement.placements,
                               ep_overlap_chunks=cfg.layout.ep_overlap_chunks)
-        if sharded_hf:
+        if not whole:  # on the meta device until now: each rank allocates and fills only what it holds
             self.model.to_empty(device=plan.device)
-            self.load_hf(cfg.train.init_from_hf, sharded=True)
+            if sharded_hf:
+                self.load_hf(cfg.train.init_from_hf, sharded=True)
+            else:
+                init_weights(self.model, cfg.train.seed)
         self.model.train()
         # the aux loss is averaged like the LM loss: over the micro-batches and over TP's token slices
         pipelined = self.pipe is not None

@@ -179,7 +179,8 @@ def _pipeline_stage(model, topo: Topology, cfg: TrainConfig, built: Built):
     except ImportError:
         raise NotImplementedError("pipeline parallelism is not available in this checkout (models.pipeline)")
     L = cfg.layout
-    pipe = build_pipeline(model, topo, L.pp_schedule, L.pp_stages_per_rank, cfg.train.seq_len)
+    pipe = build_pipeline(model, topo, L.pp_schedule, L.pp_stages_per_rank, cfg.train.seq_len,
+                          device=torch.device("cpu"))  # the stages never run here
     n = L.pp * L.pp_stages_per_rank
     built.stages = [Stage(r, tuple(i for s in range(r, n, L.pp) for i in pipe.ranges[s]), r == 0, (n - 1) % L.pp == r)
                     for r in range(L.pp)]

@@ -1,0 +1,154 @@
+"""Weight initialisation that any rank can do for the part of a tensor it holds (``init_weights``).
+
+Every value is a function of (seed, the parameter's single-process name, its position) alone:
+
+    tensor [d0, d1, rest...] is cut into tiles along dims 0 and 1 (rest whole), about TILE elements each
+    (3-d tensors, the experts' [E, ., .]: one expert per tile row); tile (i0, i1) is drawn in float32 on a CPU
+    generator seeded by a hash of (seed, name, i0, i1)
+
+So a rank that holds a box of a tensor (a DTensor shard under TP / EP / FSDP, a pipeline stage's layers, the
+last stage's replica of the embedding) draws only the tiles its box meets and copies its part: the model is
+initialised after it is parallelised, on meta-device modules moved with ``to_empty``, and no rank ever holds
+the whole model. The values do not depend on the layout (tested against one process), on the device (the
+draws are on the CPU), on the order in which tensors are filled, or on which other tensors exist (adding MTP
+depths leaves the main weights as they were).
+
+Under an expert placement (comm.placement) a rank's expert rows are physical slots; each row is drawn as the
+logical expert its slot holds (``dispatcher.local_expert_ids``), so replicas start equal.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+from torch import Tensor, nn
+
+TILE = 1 << 20  # elements per tile (4 MiB of float32)
+WRAPPERS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
+
+
+def tile_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The tile of a tensor of ``shape`` along dims 0 and 1 (module docstring); depends on the shape only."""
+    if len(shape) == 0:
+        return ()
+    if len(shape) == 1:
+        return (max(1, min(shape[0], TILE)),)
+    rest = math.prod(shape[2:])
+    t1 = max(1, min(shape[1], TILE // max(rest, 1)))
+    t0 = 1 if len(shape) > 2 else max(1, min(shape[0], TILE // (t1 * max(rest, 1))))
+    return (t0, t1)
+
+
+def _seed(seed: int, name: str, tile: tuple[int, ...]) -> int:
+    text = f"{seed}:{name}:{':'.join(map(str, tile))}".encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") & ((1 << 63) - 1)
+
+
+def normal_values(seed: int, name: str, shape: tuple[int, ...], box: tuple[range, ...], std: float,
+                  rows: list[int] | None = None) -> Tensor:
+    """Float32 CPU values N(0, std) of the part ``box`` (one range per dim) of tensor ``name`` of ``shape``.
+    ``rows``: the dim-0 indices of the whole tensor that the box's rows stand for, when they are not box[0]
+    (an expert placement's logical experts)."""
+    out = torch.empty([len(r) for r in box], dtype=torch.float32)
+    if out.numel() == 0:
+        return out
+    if len(shape) == 0:
+        g = torch.Generator().manual_seed(_seed(seed, name, ()))
+        return out.normal_(0.0, std, generator=g)
+    tile = tile_shape(shape)
+    rows = list(box[0]) if rows is None else list(rows)
+    cols = box[1] if len(shape) > 1 else None
+    # group the wanted rows by tile row, keeping where each goes in ``out``
+    by_tile: dict[int, list[tuple[int, int]]] = {}
+    for j, r in enumerate(rows):
+        by_tile.setdefault(r // tile[0], []).append((j, r))
+    for i0, members in by_tile.items():
+        r0, r1 = i0 * tile[0], min(shape[0], (i0 + 1) * tile[0])
+        if cols is None:  # 1-d
+            g = torch.Generator().manual_seed(_seed(seed, name, (i0,)))
+            values = torch.empty(r1 - r0, dtype=torch.float32).normal_(0.0, std, generator=g)
+            for j, r in members:
+                out[j] = values[r - r0]
+            continue
+        c_first, c_last = cols.start // tile[1], (cols.stop - 1) // tile[1] if len(cols) else -1
+        for i1 in range(c_first, c_last + 1):
+            c0, c1 = i1 * tile[1], min(shape[1], (i1 + 1) * tile[1])
+            g = torch.Generator().manual_seed(_seed(seed, name, (i0, i1)))
+            values = torch.empty(r1 - r0, c1 - c0, *shape[2:], dtype=torch.float32).normal_(0.0, std, generator=g)
+            lo, hi = max(c0, cols.start), min(c1, cols.stop)
+            rest = tuple(slice(b.start, b.stop) for b in box[2:])
+            for j, r in members:
+                out[(j, slice(lo - cols.start, hi - cols.start), *((slice(None),) * len(rest)))] = \
+                    values[(r - r0, slice(lo - c0, hi - c0), *rest)]
+    return out
+
+
+def canonical_name(name: str) -> str:
+    """A parameter's single-process name: without the wrappers compile / checkpointing / FSDP insert."""
+    for w in WRAPPERS:
+        name = name.replace(w, "")
+    return name
+
+
+class _Filler:
+    """``normal_(t, std)`` for the model's parameters: each rank fills the part it holds (module docstring)."""
+
+    def __init__(self, model: nn.Module, seed: int):
+        from moekit.moe.load import moe_layers
+
+        self.seed = seed
+        self.names = {id(p): canonical_name(n) for n, p in model.named_parameters()}
+        # expert tensors under a placement: (the logical expert of each local row, the number of experts)
+        self.logical: dict[int, tuple[list[int], int]] = {}
+        for _, layer in moe_layers(model):
+            dispatcher = getattr(layer, "dispatcher", None)
+            if getattr(dispatcher, "placement", None) is not None:
+                rows = [int(e) for e in dispatcher.local_expert_ids]
+                for w in (layer.experts.w_in, layer.experts.w_out):
+                    self.logical[id(w)] = (rows, layer.num_experts)
+
+    @torch.no_grad()
+    def __call__(self, t: Tensor, std: float) -> None:
+        from moekit.models.hf.sharded import shard_box
+
+        name = self.names[id(t)]
+        box = shard_box(t, name)
+        local = t.to_local() if hasattr(t, "to_local") else t
+        shape, rows = tuple(t.shape), None
+        if id(t) in self.logical:  # physical slots: the values are those of the logical expert each slot holds
+            rows, experts = self.logical[id(t)]
+            shape = (experts,) + shape[1:]
+        local.copy_(normal_values(self.seed, name, shape, box, std, rows))
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, seed: int = 0) -> None:
+    """Fill every parameter and buffer of ``model`` (a Transformer, or a pipeline rank's PipelineModel: the same
+    attributes, some None) from ``seed`` (module docstring), whatever it holds of each tensor.
+
+    Residual-stream inputs (embedding, q/k/v and MLA's projections, FFN in, router) get N(0, init_std);
+    projections back into the residual stream (attention out, FFN out) get init_std / sqrt(2 L) (GPT-2), so
+    the residual's variance does not grow with depth; biases 0, norm scales 1, router state 0."""
+    from moekit.models.transformer import init_ffn
+
+    cfg = model.config
+    normal_ = _Filler(model, seed)
+    std, std_out = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.num_layers)
+    if getattr(model, "embed", None) is not None:
+        normal_(model.embed.weight, std)
+    for layer in model.layers:
+        for norm in (layer.attn_norm, layer.ffn_norm):
+            norm.weight.fill_(1.0)
+        layer.attn.init_weights(normal_, std, std_out)
+        init_ffn(layer.ffn, normal_, std, std_out)
+    if getattr(model, "norm", None) is not None:
+        model.norm.weight.fill_(1.0)
+    if getattr(model, "lm_head", None) is not None:
+        normal_(model.lm_head.weight, std)
+    for module in getattr(model, "mtp", None) or ():
+        for norm in (module.enorm, module.hnorm, module.norm, module.block.attn_norm, module.block.ffn_norm):
+            norm.weight.fill_(1.0)
+        normal_(module.eh_proj.weight, std)
+        module.block.attn.init_weights(normal_, std, std_out)
+        init_ffn(module.block.ffn, normal_, std, std_out)
