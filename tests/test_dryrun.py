@@ -220,14 +220,40 @@ def test_dry_run_exit_status_is_the_verdict(capsys, gpu_gb, status, verdict):
 def test_dry_run_counts_redundant_expert_slots(capsys):
     """--layout.expert_replicas 8 over ep 8: two expert slots per rank instead of one. The recipe builds the
     run's placement (its shards double the experts) and the estimate counts the same slots."""
-    base = ("--preset", "mixtral-8x7b", "--world-size", "64", "--fsdp", "8", "--ep", "8", "--batch-size", "64")
+    base = ("--preset", "mixtral-8x7b", "--world-size", "64", "--fsdp", "8", "--ep", "8", "--batch-size", "64",
+            "--dry-run-gpu-gb", "200")  # room for the whole-model build a placement needs (below)
     parts = {}
     for replicas in ("0", "8"):
         rc, out, err = dry(capsys, *base, "--layout.expert_replicas", replicas)
         assert rc == 0 and "the estimate agrees" in out, err + out
         parts[replicas] = out.split("the estimate agrees): ")[1].split("\n")[0]
+        # a placement is applied to the whole model: every rank builds it first (train.plan.whole_model_reason)
+        assert ("init: every rank first builds the whole model in fp32, 173.98 GiB" in out) == (replicas == "8"), out
     experts = {r: next(p for p in text.split(", ") if p.startswith("experts")) for r, text in parts.items()}
     assert experts == {"0": "experts 704.64M", "8": "experts 1.41B"}, experts  # 32 x 176.2M / fsdp 8, then x 2
+    rc, out, err = dry(capsys, *base[:-2], "--layout.expert_replicas", "8")  # 80 GiB: the shards fit, that build not
+    assert rc == dryrun.DOES_NOT_FIT and "that alone does NOT fit" in out and "peak 27.97 GiB" in out, out
+
+
+def test_whole_model_builds_are_named_and_refused_before_allocating(tmp_path):
+    """train.plan.whole_model_reason names each case where the trainer builds the whole model on every rank, and
+    check_whole_model refuses one larger than the device before anything is allocated."""
+    from moekit.train import UserError
+    from moekit.train.config import new_config
+    from moekit.train.plan import check_whole_model, whole_model_reason
+
+    cfg = new_config("mixtral-tiny")
+    assert whole_model_reason(cfg, None, fresh=True) is None  # from the seed: each rank fills its share
+    assert "expert placement" in whole_model_reason(cfg, {"layers.1.ffn": object()}, fresh=False)
+    cfg.train.init_from_dense = str(tmp_path)
+    assert "--init-from-dense" in whole_model_reason(cfg, None, fresh=True)
+    assert whole_model_reason(cfg, None, fresh=False) is None  # resuming: the checkpoint is loaded by shards
+    cfg.train.init_from_dense, cfg.train.init_from_hf, cfg.layout.pp = "", str(tmp_path), 2
+    assert "--init-from-hf with --pp" in whole_model_reason(cfg, None, fresh=True)
+    check_whole_model("a reason", 1000, torch.device("cpu"))
+    with pytest.raises(UserError, match=r"whole model in fp32, 3,725.3 GiB, but this cpu has .* GiB: a reason\. "
+                                        r"Without that step each rank builds only its share"):
+        check_whole_model("a reason", 10**12, torch.device("cpu"))
 
 
 def test_dry_run_512_ranks_deepseek_v3(capsys):

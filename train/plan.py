@@ -174,8 +174,7 @@ def check_memory(cfg: TrainConfig, resolved: ResolvedLayout, device: torch.devic
                   cfg.layout.pp_stages_per_rank, cfg.layout.sequence_parallel)
     est = estimate_memory(cfg.model, L, wl, ranks_per_node=resolved.ranks_per_node or None,
                           hierarchical=resolved.hierarchical)
-    have = (torch.cuda.mem_get_info(device)[1] if device.type == "cuda"
-            else os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    have = device_memory(device)
     if est.peak <= have:
         return
     state = est.params + est.grads + est.optimizer
@@ -186,6 +185,52 @@ def check_memory(cfg: TrainConfig, resolved: ResolvedLayout, device: torch.devic
                     f"gradients and AdamW state; {(est.peak - state) / 2**30:,.1f} GiB activations of a micro-batch "
                     f"of {resolved.micro_batch} x {t.seq_len} tokens), but this {device.type} has "
                     f"{have / 2**30:,.1f} GiB; use {fix} (moekit-train --dry-run shows the estimate by term)")
+
+
+def fresh_mtp_depths(cfg: TrainConfig) -> bool:
+    """Whether the model has multi-token-prediction depths (models.mtp) the --init-from-hf folder lacks: those
+    start from init_weights, so the model is initialised whole before the load, not read slice by slice."""
+    if not cfg.model.mtp_layers or not cfg.train.init_from_hf:
+        return False
+    from moekit.models.hf import config_from_hf
+
+    return cfg.model.mtp_layers > config_from_hf(cfg.train.init_from_hf).mtp_layers
+
+
+def whole_model_reason(cfg: TrainConfig, placements, fresh: bool) -> str | None:
+    """Why the trainer builds and fills the whole model on every rank before it splits and parallelises it, or
+    None: then the model stays on the meta device and each rank fills only its share (models.init, or a sliced
+    --init-from-hf). ``placements``: the run's expert placements (train.rebalance.RunPlacement); ``fresh``: no
+    checkpoint to resume."""
+    t = cfg.train
+    if t.init_from_dense and fresh:
+        return "--init-from-dense upcycles the whole dense model"
+    if placements is not None:
+        return "the expert placement (a placement file, --layout.expert_replicas or a rebalanced checkpoint) is " \
+               "applied to the whole model"
+    if t.init_from_hf and fresh and cfg.layout.pp > 1:
+        return "--init-from-hf with --pp reads the folder into the whole model before the pipeline split"
+    if t.init_from_hf and fresh and fresh_mtp_depths(cfg):
+        return (f"--init-from-hf into {cfg.model.mtp_layers} MTP depth(s), more than the folder holds: the model is "
+                f"initialised whole before the load")
+    return None
+
+
+def device_memory(device: torch.device) -> int:
+    """Bytes of memory the device has (a CPU: the machine's RAM)."""
+    return (torch.cuda.mem_get_info(device)[1] if device.type == "cuda"
+            else os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+def check_whole_model(reason: str, params: int, device: torch.device) -> None:
+    """Refuse, before allocating, a whole-model build (``whole_model_reason``) that cannot fit the device."""
+    need, have = 4 * params, device_memory(device)
+    if need > have:
+        raise UserError(f"every rank would first build the whole model in fp32, {need / 2**30:,.1f} GiB, but this "
+                        f"{device.type} has {have / 2**30:,.1f} GiB: {reason}. Without that step each rank builds only "
+                        f"its share: start from the seed or a checkpoint, import the HF folder without --pp, keep "
+                        f"contiguous expert blocks (no placement file or --layout.expert_replicas), or upcycle a "
+                        f"smaller model")
 
 
 DECAY_SHAPES = {  # train.wsd_decay: the decay's shape over its own progress q in [0, 1], 1 at its start, 0 at its end

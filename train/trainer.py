@@ -30,7 +30,7 @@ from moekit.moe import collect_load, update_router_biases
 from moekit.moe.layer import set_aux_loss_scale
 from moekit.train import UserError, checkpoint, faults, host_memory, program_name, records, resume, runlock
 from moekit.train.cli import Options
-from moekit.train.plan import lr_lambda, make_optimizer, plan_run
+from moekit.train.plan import check_whole_model, lr_lambda, make_optimizer, plan_run, whole_model_reason
 from moekit.train.rebalance import RunPlacement
 from moekit.train.config import TrainConfig
 from moekit.train.consistency import check_ranks_agree
@@ -108,11 +108,11 @@ class Trainer:
         # (models.hf.load_hf_sharded). The whole model is built first only to import into it (a pipeline's import,
         # an MTP depth the folder lacks), to upcycle it, or to place experts (their shard boxes are not contiguous).
         fresh = self.resume_from is None
-        sharded_hf = (bool(cfg.train.init_from_hf) and fresh and cfg.layout.pp == 1
-                      and self.placement.placements is None and not self.fresh_mtp_depths())
-        whole = ((bool(cfg.train.init_from_hf) and fresh and not sharded_hf) or (bool(cfg.train.init_from_dense) and fresh)
-                 or self.placement.placements is not None)
+        reason = whole_model_reason(cfg, self.placement.placements, fresh)
+        whole = reason is not None
+        sharded_hf = bool(cfg.train.init_from_hf) and fresh and not whole
         if whole:
+            check_whole_model(reason, sum(p.numel() for p in self.model.parameters()), plan.device)
             self.model.to_empty(device=plan.device)
             self.model.init_weights(cfg.train.seed)
         if cfg.train.init_from_hf and fresh and not sharded_hf:  # pp > 1: before the stages
@@ -315,15 +315,6 @@ class Trainer:
                 f"{cfg.train.steps}; raise --steps to train further")
         if self.changes.summary():
             say(self.changes.summary())
-
-    def fresh_mtp_depths(self) -> bool:
-        """Whether the model has multi-token-prediction depths (models.mtp) the --init-from-hf folder lacks: those
-        start from init_weights, so the model is initialised whole before the load, not read slice by slice."""
-        if not self.cfg.model.mtp_layers:
-            return False
-        from moekit.models.hf import config_from_hf
-
-        return self.cfg.model.mtp_layers > config_from_hf(self.cfg.train.init_from_hf).mtp_layers
 
     # -- the loop -----------------------------------------------------------------------------------
 

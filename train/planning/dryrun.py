@@ -32,7 +32,7 @@ from moekit.train.planning.memory import MemoryEstimate, Stage, Workload
 from moekit.train import UserError
 from moekit.train.cli import Options, parse_args
 from moekit.train.config import TrainConfig
-from moekit.train.plan import ResolvedLayout, resolve_config
+from moekit.train.plan import ResolvedLayout, resolve_config, whole_model_reason
 
 GIB = 2**30
 TIGHT = 0.9  # above this share of device memory the CUDA context, NCCL buffers and fragmentation may not fit
@@ -112,6 +112,7 @@ class Built:
     tensors: int = 0  # rank 0's parameter tensors
     refused: str = ""  # the recipe's message when it does not support the layout yet
     replicas: int = 0  # redundant expert slots over the EP group (--layout.expert_replicas / a placement file)
+    whole: str | None = None  # why the trainer builds the whole model on every rank first (train.plan.whole_model_reason)
     stages: list[Stage] = field(default_factory=list)  # every pipeline rank's layers (the real split if built)
 
 
@@ -162,6 +163,7 @@ def build(cfg: TrainConfig, plan: DryRunPlan) -> Built:
             model = _pipeline_stage(model, topo, cfg, built)
         placement = RunPlacement.for_run(cfg, topo, model)  # as the trainer: flag, file or contiguous
         built.replicas = placement.replicas
+        built.whole = whole_model_reason(cfg, placement.placements, fresh=True)
         parallelize(model, topo, hierarchical=plan.hierarchical, sequence_parallel=L.sequence_parallel,
                     expert_placement=placement.placements)
     except (LayoutError, ValueError, NotImplementedError) as exc:
@@ -204,7 +206,8 @@ def run(cfg: TrainConfig, opts: Options) -> int:
                  for st in built.stages]
     a2a = memory.all_to_all(cfg.model, layout, wl, built.stages[0], plan.ranks_per_node, plan.hierarchical)
     print("\n".join(report(cfg, opts, plan, built, estimates, a2a)), flush=True)
-    return 0 if fits(estimates, opts) else DOES_NOT_FIT
+    whole = 4 * built.model_params if built.whole else 0
+    return 0 if fits(estimates, opts) and whole <= opts.gpu_gb * GIB else DOES_NOT_FIT
 
 
 def gib(n: float) -> str:
@@ -272,6 +275,13 @@ def report(cfg: TrainConfig, opts: Options, plan: DryRunPlan, built: Built, esti
         if fits(estimates, opts) else ("does NOT fit: raise ep / fsdp / tp / pp, lower the micro-batch or checkpoint "
                                        f"activations (exit status {DOES_NOT_FIT})")
     where = f" (pipeline rank {worst.stage})" if L.pp > 1 else ""
+    if built.whole:  # the trainer's first step on every rank, before any split: the whole model in fp32
+        whole = 4 * built.model_params
+        lines.append(f"  init: every rank first builds the whole model in fp32, {gib(whole)}: {built.whole}"
+                     + ("" if whole <= opts.gpu_gb * GIB else f"; that alone does NOT fit (exit status {DOES_NOT_FIT})"))
+        if whole > opts.gpu_gb * GIB:
+            verdict = (f"does NOT fit: the whole-model build above ({gib(whole)}) exceeds the GPU; "
+                       f"drop what needs it (exit status {DOES_NOT_FIT})")
     lines.append(f"memory: peak {gib(worst.peak)}{where} of {opts.gpu_gb:g} GiB per GPU ({share:.0%}): {verdict}")
     lines.append(_a2a_line(a2a, wl))
     return lines
