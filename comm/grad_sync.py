@@ -130,7 +130,7 @@ def global_grad_norm(params, device, pp_group=None) -> Tensor:
             groups = _shard_groups(p.grad)
             square = local(p.grad).float().square()
             primary = getattr(p, "expert_primary", None)  # [S]: replicas of an expert count once
-            sq = square.sum() if primary is None else (square.flatten(1).sum(1) * primary).sum()
+            sq = square.sum() if primary is None else (square.flatten(1).sum(1) * primary.to(square.device)).sum()
             sums[groups] = sums.get(groups, torch.zeros((), device=device)) + sq
     total = torch.zeros((), device=device)
     for groups, sq in sums.items():

@@ -155,8 +155,8 @@ def sum_replica_grads(model: nn.Module) -> None:
 
 def tag_primaries(model: nn.Module) -> None:
     """Mark each expert parameter with ``expert_primary`` ([S] float, 1 on the slots holding an expert's
-    first copy; None without replicas) for comm.grad_sync.global_grad_norm. Call after FSDP (it replaces
-    the Parameter objects) and after every rebalance."""
+    first copy; None without replicas) for comm.grad_sync.global_grad_norm. Call after FSDP and after
+    ``to_empty`` (both replace the Parameter objects), and after every rebalance."""
     placed = {id(layer): (placement, pos) for _, layer, placement, _, pos in placed_layers(model)}
     for _, layer in moe_layers(model):
         placement, pos = placed.get(id(layer), (None, 0))
@@ -164,7 +164,9 @@ def tag_primaries(model: nn.Module) -> None:
             p = getattr(layer.experts, param)
             mask = None
             if placement is not None and placement.replicas:
-                mask = torch.tensor(placement.primary_mask(pos), dtype=torch.float32, device=_local(p).device)
+                device = _local(p).device  # a model parallelised on the meta device gets its storage later
+                mask = torch.tensor(placement.primary_mask(pos), dtype=torch.float32,
+                                    device="cpu" if device.type == "meta" else device)
             p.expert_primary = mask
 
 

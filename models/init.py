@@ -101,7 +101,9 @@ class _Filler:
         self.names = {id(p): canonical_name(n) for n, p in model.named_parameters()}
         # expert tensors under a placement: (the logical expert of each local row, the number of experts)
         self.logical: dict[int, tuple[list[int], int]] = {}
+        self.experts: dict[int, int] = {}  # every expert tensor: the number of (logical) experts
         for _, layer in moe_layers(model):
+            self.experts.update({id(layer.experts.w_in): layer.num_experts, id(layer.experts.w_out): layer.num_experts})
             dispatcher = getattr(layer, "dispatcher", None)
             if getattr(dispatcher, "placement", None) is not None:
                 rows = [int(e) for e in dispatcher.local_expert_ids]
@@ -119,6 +121,9 @@ class _Filler:
         if id(t) in self.logical:  # physical slots: the values are those of the logical expert each slot holds
             rows, experts = self.logical[id(t)]
             shape = (experts,) + shape[1:]
+        elif id(t) in self.experts and shape[0] != self.experts[id(t)]:
+            raise RuntimeError(f"{name} has {shape[0]} expert rows for {self.experts[id(t)]} experts but no placement "
+                               f"names their logical experts; initialise before placing them (comm.relocate)")
         local.copy_(normal_values(self.seed, name, shape, box, std, rows))
 
 

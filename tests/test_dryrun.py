@@ -217,22 +217,30 @@ def test_dry_run_exit_status_is_the_verdict(capsys, gpu_gb, status, verdict):
     assert "rank 0 (pipeline rank 0" in out.out and "all-to-all per optimizer step" in out.out
 
 
-def test_dry_run_counts_redundant_expert_slots(capsys):
+def test_dry_run_counts_redundant_expert_slots(capsys, tmp_path):
     """--layout.expert_replicas 8 over ep 8: two expert slots per rank instead of one. The recipe builds the
     run's placement (its shards double the experts) and the estimate counts the same slots."""
-    base = ("--preset", "mixtral-8x7b", "--world-size", "64", "--fsdp", "8", "--ep", "8", "--batch-size", "64",
-            "--dry-run-gpu-gb", "200")  # room for the whole-model build a placement needs (below)
+    base = ("--preset", "mixtral-8x7b", "--world-size", "64", "--fsdp", "8", "--ep", "8", "--batch-size", "64")
     parts = {}
     for replicas in ("0", "8"):
         rc, out, err = dry(capsys, *base, "--layout.expert_replicas", replicas)
-        assert rc == 0 and "the estimate agrees" in out, err + out
+        assert rc == 0 and "the estimate agrees" in out and "init:" not in out, err + out  # each rank: its share
         parts[replicas] = out.split("the estimate agrees): ")[1].split("\n")[0]
-        # a placement is applied to the whole model: every rank builds it first (train.plan.whole_model_reason)
-        assert ("init: every rank first builds the whole model in fp32, 173.98 GiB" in out) == (replicas == "8"), out
     experts = {r: next(p for p in text.split(", ") if p.startswith("experts")) for r, text in parts.items()}
     assert experts == {"0": "experts 704.64M", "8": "experts 1.41B"}, experts  # 32 x 176.2M / fsdp 8, then x 2
-    rc, out, err = dry(capsys, *base[:-2], "--layout.expert_replicas", "8")  # 80 GiB: the shards fit, that build not
-    assert rc == dryrun.DOES_NOT_FIT and "that alone does NOT fit" in out and "peak 27.97 GiB" in out, out
+    # importing an HF folder into a placement reads it into the whole model first: 174 GiB on every rank (a dry
+    # run reads only the folder's config.json)
+    import json
+
+    from moekit.models.hf.export import hf_config
+    from moekit.models.transformer import Transformer, meta_device
+
+    with meta_device():
+        whole = Transformer(preset("mixtral-8x7b"))
+    (tmp_path / "config.json").write_text(json.dumps(hf_config(whole, "mixtral", "bfloat16")))
+    rc, out, err = dry(capsys, *base, "--layout.expert_replicas", "8", "--init-from-hf", str(tmp_path))
+    assert rc == dryrun.DOES_NOT_FIT and "init: every rank first builds the whole model in fp32, 173.98 GiB" in out \
+        and "that alone does NOT fit" in out and "peak 27.97 GiB" in out, err + out
 
 
 def test_whole_model_builds_are_named_and_refused_before_allocating(tmp_path):
@@ -244,11 +252,13 @@ def test_whole_model_builds_are_named_and_refused_before_allocating(tmp_path):
 
     cfg = new_config("mixtral-tiny")
     assert whole_model_reason(cfg, None, fresh=True) is None  # from the seed: each rank fills its share
-    assert "expert placement" in whole_model_reason(cfg, {"layers.1.ffn": object()}, fresh=False)
+    assert whole_model_reason(cfg, {"layers.1.ffn": object()}, fresh=True) is None  # each slot draws its expert
     cfg.train.init_from_dense = str(tmp_path)
     assert "--init-from-dense" in whole_model_reason(cfg, None, fresh=True)
     assert whole_model_reason(cfg, None, fresh=False) is None  # resuming: the checkpoint is loaded by shards
-    cfg.train.init_from_dense, cfg.train.init_from_hf, cfg.layout.pp = "", str(tmp_path), 2
+    cfg.train.init_from_dense, cfg.train.init_from_hf = "", str(tmp_path)
+    assert "expert placement" in whole_model_reason(cfg, {"layers.1.ffn": object()}, fresh=True)
+    cfg.layout.pp = 2
     assert "--init-from-hf with --pp" in whole_model_reason(cfg, None, fresh=True)
     check_whole_model("a reason", 1000, torch.device("cpu"))
     with pytest.raises(UserError, match=r"whole model in fp32, 3,725.3 GiB, but this cpu has .* GiB: a reason\. "

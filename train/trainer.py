@@ -144,6 +144,10 @@ class Trainer:
                               ep_overlap_chunks=cfg.layout.ep_overlap_chunks)
         if not whole:  # on the meta device until now: each rank allocates and fills only what it holds
             self.model.to_empty(device=plan.device)
+            if self.dist.active:  # to_empty made new Parameters: mark the replicated experts' rows again
+                from moekit.comm.relocate import tag_primaries
+
+                tag_primaries(self.model)
             if sharded_hf:
                 self.load_hf(cfg.train.init_from_hf, sharded=True)
             else:
