@@ -240,20 +240,26 @@ def deepseek_with_mtp(tmp_path_factory):
 
 def test_a_checkpoints_mtp_layer_trains_sharded_and_exports(deepseek_with_mtp, tmp_path):
     """--init-from-hf a DeepSeek-V3 folder with its MTP layer: the run adopts one depth and loads it (one process,
-    and each of 2 EP ranks reading only its shards), records mtp_loss alike, and --export-hf writes the layer
-    back (lr 1e-9: the values are the checkpoint's)."""
+    each of 2 EP ranks reading only its shards, and 2 pipeline stages each reading its own), records mtp_loss
+    alike, and --export-hf writes the layer back (lr 1e-9: the values are the checkpoint's)."""
     from safetensors.torch import load_file
 
     src, added = deepseek_with_mtp
-    single, sharded, out = tmp_path / "single", tmp_path / "ep2", tmp_path / "out"
+    single, sharded, piped, out = tmp_path / "single", tmp_path / "ep2", tmp_path / "pp2", tmp_path / "out"
     args = ["--init-from-hf", str(src), "--steps", "2", "--train.lr", "1e-9", *HF_RUN]
     r = run([*args, "--run-dir", str(single), "--export-hf", str(out)])
     assert r.returncode == 0, r.stderr[-3000:]
     r = run([*args, "--run-dir", str(sharded), "--ep", "2"], nproc=2)
     assert r.returncode == 0, r.stderr[-3000:]
-    rows = [[json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()] for d in (single, sharded)]
+    # a pipeline reads the folder by slices too: each rank its stages' (the MTP layer on the last stage, the
+    # embedding there as well), none the whole model (train.plan.whole_model_reason)
+    r = run([*args, "--run-dir", str(piped), "--pp", "2", "--train.micro_batch_size", "2"], nproc=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [[json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+            for d in (single, sharded, piped)]
     for key in ("loss", "mtp_loss"):
-        assert [r[key] for r in rows[1]] == pytest.approx([r[key] for r in rows[0]], rel=1e-5), key
+        for other in rows[1:]:
+            assert [r[key] for r in other] == pytest.approx([r[key] for r in rows[0]], rel=1e-5), key
     written = {}
     for f in out.glob("*.safetensors"):
         written.update(load_file(f))

@@ -208,8 +208,6 @@ def whole_model_reason(cfg: TrainConfig, placements, fresh: bool) -> str | None:
     if t.init_from_hf and fresh and placements is not None:
         return ("--init-from-hf reads the folder by contiguous expert blocks, and an expert placement (a placement "
                 "file, --layout.expert_replicas) puts them elsewhere: the folder is read into the whole model first")
-    if t.init_from_hf and fresh and cfg.layout.pp > 1:
-        return "--init-from-hf with --pp reads the folder into the whole model before the pipeline split"
     if t.init_from_hf and fresh and fresh_mtp_depths(cfg):
         return (f"--init-from-hf into {cfg.model.mtp_layers} MTP depth(s), more than the folder holds: the model is "
                 f"initialised whole before the load")
@@ -228,8 +226,8 @@ def check_whole_model(reason: str, params: int, device: torch.device) -> None:
     if need > have:
         raise UserError(f"every rank would first build the whole model in fp32, {need / 2**30:,.1f} GiB, but this "
                         f"{device.type} has {have / 2**30:,.1f} GiB: {reason}. Without that step each rank builds only "
-                        f"its share: start from the seed or a checkpoint, import the HF folder without --pp and with "
-                        f"contiguous expert blocks (no placement file or --layout.expert_replicas), or upcycle a "
+                        f"its share: start from the seed or a checkpoint, import the HF folder with contiguous expert "
+                        f"blocks (no placement file or --layout.expert_replicas) and the depths it has, or upcycle a "
                         f"smaller model")
 
 

@@ -177,12 +177,6 @@ def _reshard(model: torch.nn.Module) -> None:
             m.reshard()
 
 
-def _check_not_pipelined(model) -> None:
-    if hasattr(model, "stages"):
-        raise ValueError("sharded HF load does not cover pipeline-parallel models (this rank holds only its "
-                         "stages); load into the whole model before building the pipeline (the trainer does)")
-
-
 # ---------------------------------------------------------------------------------------------------
 # Loading
 # ---------------------------------------------------------------------------------------------------
@@ -232,18 +226,22 @@ def _plan_load(model, path, check_config: bool) -> _LoadPlan:
     """Everything load_hf_into checks (the same calls, in the same order, minus its data reads), from
     config.json and the safetensors headers only; plus this rank's box of every tensor."""
     from moekit.models.hf import plan_load
+    from moekit.models.hf.sharded_export import _whole
 
-    _check_not_pipelined(model)
-    spec = plan_load(model, path, check_config)
-    rules, state = spec.rules, model.state_dict()
-    check_keys(spec.reader, rules, state, spec.allowed_extra)
+    whole = _whole(model)  # a pipeline rank: the whole model on the meta device names every tensor and checks
+    spec = plan_load(whole, path, check_config)
+    state = model.state_dict()
+    check_keys(spec.reader, spec.rules, {**whole.state_dict(), **state}, spec.allowed_extra)
+    rules = [r for r in spec.rules if r.target in state]  # this rank's (a pipeline rank: its stages')
     boxes = {}
     for r in rules:
         if r.layout(tuple(state[r.target].shape)) is None:
             raise ValueError(f"{r.target}: its HuggingFace rule has no slice layout (weights.Rule.pieces), so it "
                              f"cannot be loaded slice by slice; use load_hf_into before parallelize")
         boxes[r.target] = shard_box(state[r.target], r.target)
-    return _LoadPlan(spec.reader, rules, boxes, spec.tied_copy, spec.family.model_type, spec.mtp_copies)
+    copies = tuple((key, main) for key, main in spec.mtp_copies if main in state)
+    return _LoadPlan(spec.reader, rules, boxes, spec.tied_copy and "embed.weight" in state, spec.family.model_type,
+                     copies)
 
 
 @torch.no_grad()
