@@ -65,11 +65,15 @@ def normal_values(seed: int, name: str, shape: tuple[int, ...], box: tuple[range
         by_tile.setdefault(r // tile[0], []).append((j, r))
     for i0, members in by_tile.items():
         r0, r1 = i0 * tile[0], min(shape[0], (i0 + 1) * tile[0])
+        (j0, first), n = members[0], len(members)
+        run = all(m == (j0 + t, first + t) for t, m in enumerate(members))  # consecutive rows: one slice copy
+        dst = [slice(j0, j0 + n)] if run else [j for j, _ in members]
+        src = [slice(first - r0, first - r0 + n)] if run else [r - r0 for _, r in members]
         if cols is None:  # 1-d
             g = torch.Generator().manual_seed(_seed(seed, name, (i0,)))
             values = torch.empty(r1 - r0, dtype=torch.float32).normal_(0.0, std, generator=g)
-            for j, r in members:
-                out[j] = values[r - r0]
+            for d, s_ in zip(dst, src):
+                out[d] = values[s_]
             continue
         c_first, c_last = cols.start // tile[1], (cols.stop - 1) // tile[1] if len(cols) else -1
         for i1 in range(c_first, c_last + 1):
@@ -78,9 +82,9 @@ def normal_values(seed: int, name: str, shape: tuple[int, ...], box: tuple[range
             values = torch.empty(r1 - r0, c1 - c0, *shape[2:], dtype=torch.float32).normal_(0.0, std, generator=g)
             lo, hi = max(c0, cols.start), min(c1, cols.stop)
             rest = tuple(slice(b.start, b.stop) for b in box[2:])
-            for j, r in members:
-                out[(j, slice(lo - cols.start, hi - cols.start), *((slice(None),) * len(rest)))] = \
-                    values[(r - r0, slice(lo - c0, hi - c0), *rest)]
+            for d, s_ in zip(dst, src):
+                out[(d, slice(lo - cols.start, hi - cols.start), *((slice(None),) * len(rest)))] = \
+                    values[(s_, slice(lo - c0, hi - c0), *rest)]
     return out
 
 

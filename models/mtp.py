@@ -81,19 +81,25 @@ class LossInjector(torch.autograd.Function):
         return grad, grad * ctx.coeff, None
 
 
-def mtp_loss(model, x: Tensor, emb: Tensor, tokens: Tensor, targets: Tensor, cos: Tensor, sin: Tensor,
-             head_loss) -> Tensor | None:
-    """Mean over the depths of their losses (module docstring), or None when the sequence is too short for any
-    depth. ``x``: the main model's final (normed) hidden states [B, S, H]; ``emb``: embed(tokens) [B, S, H];
-    ``head_loss(hidden, targets)``: the main model's loss from hidden states (its head, chunking, ignore index)."""
-    S = tokens.shape[1]
-    losses, h = [], x
+def depth_states(model, x: Tensor, emb: Tensor, tokens: Tensor, cos: Tensor, sin: Tensor):
+    """Yield (k, depth k's final normed states [B, S - k, H]) for the depths the sequence is long enough for (module
+    docstring); position i of depth k predicts the token k + 1 after position i. ``x``: the main model's final
+    (normed) hidden states [B, S, H]; ``emb``: embed(tokens) [B, S, H]."""
+    S, h = tokens.shape[1], x
     for k, module in enumerate(model.mtp, start=1):
         n = S - k
         if n <= 0:
-            break
+            return
         h = module(h[:, :n], emb[:, k:], cos[:n], sin[:n], tokens[:, k:])
-        losses.append(head_loss(module.norm(h), targets[:, k:]))
+        yield k, module.norm(h)
+
+
+def mtp_loss(model, x: Tensor, emb: Tensor, tokens: Tensor, targets: Tensor, cos: Tensor, sin: Tensor,
+             head_loss) -> Tensor | None:
+    """Mean over the depths of their losses (module docstring), or None when the sequence is too short for any
+    depth. ``head_loss(hidden, targets)``: the main model's loss from hidden states (its head, chunking, ignore
+    index); the other arguments are ``depth_states``'."""
+    losses = [head_loss(h, targets[:, k:]) for k, h in depth_states(model, x, emb, tokens, cos, sin)]
     if not losses:
         return None
     return torch.stack(losses).mean()

@@ -42,6 +42,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moekit.comm.grad_sync import local
 from moekit.comm.pipeline import PipelineRunner, broadcast_from, check_schedule, gather_load, stage_ids_of
 from moekit.models.config import ModelConfig
 from moekit.models.mtp import MTPRecord
@@ -279,10 +280,6 @@ def stage_loss(output: Tensor, targets: Tensor) -> Tensor:
     return output
 
 
-def _local(t: Tensor) -> Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 # ---------------------------------------------------------------------------------------------------
 # The pipeline
 # ---------------------------------------------------------------------------------------------------
@@ -318,7 +315,7 @@ class Pipeline:
         loss = self.runner.step((tokens,), targets, microbatches, kwargs={"tokens": tokens, "targets": targets})
         self._sum_embedding_grads(weight)
         if earlier is not None:
-            _local(weight.grad).add_(_local(earlier))
+            local(weight.grad).add_(local(earlier))
         return loss
 
     def _sum_embedding_grads(self, weight: Tensor) -> None:
@@ -327,7 +324,7 @@ class Pipeline:
         weight.pipeline_replica = any(s.has_replica for s in self.model.stages)  # the gradient norm counts it once
         if weight.grad is None:  # e.g. MTP on sequences too short for any depth: this side added nothing
             weight.grad = torch.zeros_like(weight)
-        mine = _local(weight.grad)
+        mine = local(weight.grad)
         theirs = torch.empty_like(mine)
         group = self.runner.group
         ops = [dist.P2POp(dist.isend, mine, group=group, group_peer=self.embedding_peer),

@@ -32,12 +32,17 @@ def candidates(logits: torch.Tensor, sampling: Sampling) -> tuple[torch.Tensor, 
     return order, probs
 
 
+def _pick(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator):
+    """(token, its candidate ids, probabilities) from logits [V]; greedy: (argmax, None, None)."""
+    if sampling.temperature == 0:
+        return int(logits.argmax()), None, None  # D2H sync: the token decides the next step
+    ids, probs = candidates(logits, sampling)
+    return int(ids[torch.multinomial(probs, 1, generator=generator)]), ids, probs
+
+
 def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> int:
     """One token id from logits [V]: argmax at temperature 0, else drawn from ``candidates``."""
-    if sampling.temperature == 0:
-        return int(logits.argmax())  # D2H sync: the token decides the next step
-    ids, probs = candidates(logits, sampling)
-    return int(ids[torch.multinomial(probs, 1, generator=generator)])
+    return _pick(logits, sampling, generator)[0]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -129,14 +134,6 @@ def accept_draft(p_ids: torch.Tensor, p: torch.Tensor, q_ids: torch.Tensor, q: t
     if residual.sum() <= 0:  # p == q up to rounding: the draft was p's own draw after all
         residual = torch.tensor([table[i][0] for i in ids], dtype=torch.float64)
     return False, ids[int(torch.multinomial(residual / residual.sum(), 1, generator=generator))]
-
-
-def _pick(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator):
-    """(token, its candidate ids, probabilities) from logits [V]; greedy: (argmax, None, None)."""
-    if sampling.temperature == 0:
-        return int(logits.argmax()), None, None
-    ids, probs = candidates(logits, sampling)
-    return int(ids[torch.multinomial(probs, 1, generator=generator)]), ids, probs
 
 
 def draft_logits(model: Transformer, kv, h: torch.Tensor, ahead: torch.Tensor) -> torch.Tensor:

@@ -170,21 +170,16 @@ def mtp_counts(model, x: torch.Tensor, y: torch.Tensor, logits: torch.Tensor, hi
     cross-entropy against the token k + 1 ahead, its top-1 hits, agreements of its top-1 with the main model's
     top-1 for the same position (the acceptance greedy speculative decoding would see on this text), predictions].
     x, y [b, S]; logits [b, S, V] and hidden [b, S, H], the main model's."""
+    from moekit.models.mtp import depth_states
     from moekit.models.rope import rope_tables
 
-    S = x.shape[1]
     weight = model.embed.weight if model.lm_head is None else model.lm_head.weight
-    cos, sin = rope_tables(model.config, S, x.device)
-    emb, h, rows = model.embed(x), hidden, []
+    cos, sin = rope_tables(model.config, x.shape[1], x.device)
     main_top = logits.argmax(-1)  # [b, S]: the main model's prediction of y[:, i]
-    for k, depth in enumerate(model.mtp, start=1):
-        n = S - k
-        if n <= 0:
-            rows.append([0.0] * 4)
-            continue
-        h = depth(h[:, :n], emb[:, k:], cos[:n], sin[:n], x[:, k:])  # [b, n, H]
-        out = F.linear(depth.norm(h), weight).float()  # [b, n, V]: position i predicts y[:, i + k]
+    rows = [[0.0] * 4 for _ in model.mtp]  # depths the sequence is too short for stay empty
+    for k, h in depth_states(model, hidden, model.embed(x), x, cos, sin):
+        out = F.linear(h, weight).float()  # [b, S - k, V]: position i predicts y[:, i + k]
         top = out.argmax(-1)
-        rows.append([float(F.cross_entropy(out.flatten(0, 1), y[:, k:].flatten(), reduction="sum")),
-                     float((top == y[:, k:]).sum()), float((top == main_top[:, k:]).sum()), float(top.numel())])
+        rows[k - 1] = [float(F.cross_entropy(out.flatten(0, 1), y[:, k:].flatten(), reduction="sum")),
+                       float((top == y[:, k:]).sum()), float((top == main_top[:, k:]).sum()), float(top.numel())]
     return torch.tensor(rows, dtype=torch.float64)

@@ -118,7 +118,9 @@ class Built:
 
 def part_of(name: str) -> str:
     """The moekit.train.planning.memory part a parameter belongs to, from its (single-process) name."""
-    n = name.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")
+    from moekit.models.init import canonical_name
+
+    n = canonical_name(name)
     for prefix, part in (("embed.", "embedding"), ("lm_head.", "head"), ("norm.", "norms")):
         if n.startswith(prefix):
             return part
