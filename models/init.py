@@ -98,10 +98,10 @@ def canonical_name(name: str) -> str:
 class _Filler:
     """``normal_(t, std)`` for the model's parameters: each rank fills the part it holds (module docstring)."""
 
-    def __init__(self, model: nn.Module, seed: int):
+    def __init__(self, model: nn.Module, seed: int, only: set[str] | None = None):
         from moekit.moe.load import moe_layers
 
-        self.seed = seed
+        self.seed, self.only = seed, only
         self.names = {id(p): canonical_name(n) for n, p in model.named_parameters()}
         # expert tensors under a placement: (the logical expert of each local row, the number of experts)
         self.logical: dict[int, tuple[list[int], int]] = {}
@@ -119,6 +119,8 @@ class _Filler:
         from moekit.models.hf.sharded import shard_box
 
         name = self.names[id(t)]
+        if self.only is not None and name not in self.only:
+            return
         box = shard_box(t, name)
         local = t.to_local() if hasattr(t, "to_local") else t
         shape, rows = tuple(t.shape), None
@@ -132,17 +134,20 @@ class _Filler:
 
 
 @torch.no_grad()
-def init_weights(model: nn.Module, seed: int = 0) -> None:
+def init_weights(model: nn.Module, seed: int = 0, only: set[str] | None = None) -> None:
     """Fill every parameter and buffer of ``model`` (a Transformer, or a pipeline rank's PipelineModel: the same
     attributes, some None) from ``seed`` (module docstring), whatever it holds of each tensor.
 
     Residual-stream inputs (embedding, q/k/v and MLA's projections, FFN in, router) get N(0, init_std);
     projections back into the residual stream (attention out, FFN out) get init_std / sqrt(2 L) (GPT-2), so
-    the residual's variance does not grow with depth; biases 0, norm scales 1, router state 0."""
+    the residual's variance does not grow with depth; biases 0, norm scales 1, router state 0.
+
+    ``only``: draw just these parameters (single-process names), for a load that fills the rest next
+    (models.hf.load_hf_sharded); the constant fills still run everywhere, they cost nothing."""
     from moekit.models.transformer import init_ffn
 
     cfg = model.config
-    normal_ = _Filler(model, seed)
+    normal_ = _Filler(model, seed, only)
     std, std_out = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.num_layers)
     if getattr(model, "embed", None) is not None:
         normal_(model.embed.weight, std)

@@ -228,8 +228,9 @@ def test_dry_run_counts_redundant_expert_slots(capsys, tmp_path):
         parts[replicas] = out.split("the estimate agrees): ")[1].split("\n")[0]
     experts = {r: next(p for p in text.split(", ") if p.startswith("experts")) for r, text in parts.items()}
     assert experts == {"0": "experts 704.64M", "8": "experts 1.41B"}, experts  # 32 x 176.2M / fsdp 8, then x 2
-    # importing an HF folder into a placement reads it into the whole model first: 174 GiB on every rank (a dry
-    # run reads only the folder's config.json)
+    # importing an HF folder into a placement reads it by slices as well: each slot its logical expert's rows (a
+    # dry run reads only the folder's config.json)
+    import dataclasses
     import json
 
     from moekit.models.hf.export import hf_config
@@ -239,8 +240,16 @@ def test_dry_run_counts_redundant_expert_slots(capsys, tmp_path):
         whole = Transformer(preset("mixtral-8x7b"))
     (tmp_path / "config.json").write_text(json.dumps(hf_config(whole, "mixtral", "bfloat16")))
     rc, out, err = dry(capsys, *base, "--layout.expert_replicas", "8", "--init-from-hf", str(tmp_path))
+    assert rc == 0 and "init:" not in out and parts["8"] in out, err + out
+    # upcycling still builds the whole model on every rank first: 174 GiB, which no rank has
+    dense_dir = tmp_path / "dense"
+    dense_dir.mkdir()
+    with meta_device():
+        dense = Transformer(dataclasses.replace(preset("mixtral-8x7b"), num_experts=0, ffn_hidden_size=14336))
+    (dense_dir / "config.json").write_text(json.dumps(hf_config(dense, "llama", "bfloat16")))
+    rc, out, err = dry(capsys, *base, "--init-from-dense", str(dense_dir))
     assert rc == dryrun.DOES_NOT_FIT and "init: every rank first builds the whole model in fp32, 173.98 GiB" in out \
-        and "that alone does NOT fit" in out and "peak 27.97 GiB" in out, err + out
+        and "that alone does NOT fit" in out and "--init-from-dense upcycles" in out, err + out
 
 
 def test_whole_model_builds_are_named_and_refused_before_allocating(tmp_path):
@@ -251,15 +260,14 @@ def test_whole_model_builds_are_named_and_refused_before_allocating(tmp_path):
     from moekit.train.plan import check_whole_model, whole_model_reason
 
     cfg = new_config("mixtral-tiny")
-    assert whole_model_reason(cfg, None, fresh=True) is None  # from the seed: each rank fills its share
-    assert whole_model_reason(cfg, {"layers.1.ffn": object()}, fresh=True) is None  # each slot draws its expert
+    assert whole_model_reason(cfg, fresh=True) is None  # from the seed: each rank fills its share
     cfg.train.init_from_dense = str(tmp_path)
-    assert "--init-from-dense" in whole_model_reason(cfg, None, fresh=True)
-    assert whole_model_reason(cfg, None, fresh=False) is None  # resuming: the checkpoint is loaded by shards
+    assert "--init-from-dense" in whole_model_reason(cfg, fresh=True)
+    assert whole_model_reason(cfg, fresh=False) is None  # resuming: the checkpoint is loaded by shards
     cfg.train.init_from_dense, cfg.train.init_from_hf = "", str(tmp_path)
-    assert "expert placement" in whole_model_reason(cfg, {"layers.1.ffn": object()}, fresh=True)
-    cfg.layout.pp = 2
-    assert whole_model_reason(cfg, None, fresh=True) is None  # each pipeline rank reads its stages' slices
+    # placed experts, a pipeline's stages, MTP depths the folder lacks: all read by slices (models.hf.sharded)
+    cfg.layout.pp, cfg.model.mtp_layers = 2, 2
+    assert whole_model_reason(cfg, fresh=True) is None
     check_whole_model("a reason", 1000, torch.device("cpu"))
     with pytest.raises(UserError, match=r"whole model in fp32, 3,725.3 GiB, but this cpu has .* GiB: a reason\. "
                                         r"Without that step each rank builds only its share"):

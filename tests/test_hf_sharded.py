@@ -7,9 +7,12 @@ wrapper around safetensors' ``safe_open``, independently of the loader's own cou
 own experts' keys. ``save_hf_sharded`` of the parallel model must write exactly what ``save_hf`` writes
 for the one-process model (same keys, tensors, config.json), each key once in the index. A checkpoint
 that does not match fails on every rank with the same message, also when only one rank can see why.
+Under an expert placement (replicas, experts out of order) each slot holds its logical expert's rows, and
+MTP depths the folder lacks start from the seed: both equal the whole model initialised, then loaded.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -21,14 +24,17 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from moekit.comm.placement import Placement
 from moekit.comm.topology import Layout, Topology
 from moekit.models.config import ModelConfig
-from moekit.models.hf import config_from_hf, load_hf, save_hf
+from moekit.models.hf import config_from_hf, load_hf, load_hf_into, save_hf
 from moekit.models.hf import sharded, sharded_export
 from moekit.models.hf.families import FAMILIES
 from moekit.models.hf.weights import model_rules
+from moekit.models.init import init_weights
 from moekit.models.parallelize import parallelize
 from moekit.models.transformer import Transformer, build_model
+from moekit.moe.load import moe_layers
 from tests.dist_utils import run_ranks
 
 VOCAB = 64
@@ -119,12 +125,12 @@ def parallel_model(ckpt: Path, topo: Topology) -> Transformer:
     return model.to_empty(device="cpu")
 
 
-def counted_load(model: Transformer, ckpt: Path) -> tuple[CountingOpen, dict[str, int]]:
+def counted_load(model: Transformer, ckpt: Path, **kwargs) -> tuple[CountingOpen, dict[str, int]]:
     """load_hf_sharded with safe_open counting every slice read: (the count, the loader's own report)."""
     counting = CountingOpen()
     real_open, sharded.safe_open = sharded.safe_open, counting
     try:
-        reported = sharded.load_hf_sharded(model, ckpt)
+        reported = sharded.load_hf_sharded(model, ckpt, **kwargs)
     finally:
         sharded.safe_open = real_open
     return counting, reported
@@ -158,13 +164,68 @@ def check_load(ckpt: Path, topo: Topology, where: str) -> Transformer:
     return model
 
 
-def _layouts(rank, world, cases, tmp):
+def check_placed_load(ckpt: Path, topo: Topology, where: str, slots, mtp_layers: int | None = None,
+                      seed: int = 5) -> None:
+    """Experts under a placement (``slots``: every MoE layer's table) and ``mtp_layers`` depths, more than the
+    folder holds: every local tensor equals the whole model initialised from ``seed`` and then loaded
+    (load_hf_into), each slot its logical expert's rows; the rank reads exactly the bytes it holds of what the
+    folder has, and only the keys of the experts its slots name; the logits equal the one-process model's."""
+    config = config_from_hf(ckpt)
+    if mtp_layers is not None:
+        config = dataclasses.replace(config, mtp_layers=mtp_layers)
+    ref = Transformer(config)
+    init_weights(ref, seed)
+    load_hf_into(ref, ckpt)
+    with torch.device("meta"):
+        model = Transformer(config)
+    placement = Placement(slots, config.num_experts)
+    parallelize(model, topo, expert_placement={name: placement for name, _ in moe_layers(model)})
+    model.to_empty(device="cpu")
+    counting, reported = counted_load(model, ckpt, init_seed=seed)
+    want, rows = ref.state_dict(), sharded.placed_rows(model)
+    mine = list(slots[topo.members("ep").index(topo.rank)])  # this rank's slots
+    assert rows and all(r == mine for r in rows.values()), (where, rows)
+    held = 0
+    for name, t in model.state_dict().items():
+        index = tuple(slice(r.start, r.stop) for r in sharded.shard_box(t, name))
+        if name in rows:  # physical slots: each holds its logical expert's rows
+            index = (rows[name],) + index[1:]
+        local = sharded._local(t)
+        assert torch.equal(local, want[name][index]), f"{where}: {name}"
+        fresh = mtp_layers is not None and name.startswith(tuple(f"mtp.{d}." for d in range(1, mtp_layers)))
+        held += 0 if fresh else local.numel() * 4
+    assert counting.whole == [] and counting.read == reported, where
+    # a loaded MTP layer's copies of the embedding and the head: read (to check them) as the main rows held
+    L, state = config.num_layers, model.state_dict()
+    copies = {k: v for k, v in counting.read.items() if re.match(rf"model\.layers\.{L}\.(embed_tokens|shared_head\.head)\.", k)}
+    assert copies == {k: sharded._local(state[main]).numel() * 4 for k, main in
+                      ((f"model.layers.{L}.embed_tokens.weight", "embed.weight"),
+                       (f"model.layers.{L}.shared_head.head.weight", "lm_head.weight"))
+                      if mtp_layers and sharded._local(state[main]).numel()}, (where, copies)
+    read = sum(counting.read.values()) - sum(copies.values())
+    assert read == held, f"{where}: read {read} B, holds {held} B"
+    per_expert = not any(k.endswith("experts.gate_up_proj") for k in counting.read)
+    for i, layer in enumerate(model.layers):
+        if layer.is_moe and per_expert:  # only the experts this rank's slots hold were opened
+            pattern = rf"model\.layers\.{i}\.\w+\.experts\.(\d+)\."
+            experts = {int(m.group(1)) for k in counting.read if (m := re.match(pattern, k))}
+            assert experts == set(mine), f"{where}: layer {i} read experts {sorted(experts)}"
+    model.eval()
+    ref.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens()), ref(tokens()), rtol=1e-5, atol=1e-5, msg=lambda m: f"{where}: {m}")
+
+
+def _layouts(rank, world, cases, tmp, placed=()):
     for degrees, ckpt, exports in cases:
         topo = Topology(Layout(**degrees), rank, world).build()
         where = f"{degrees} {Path(ckpt).name} rank {rank}"
         model = check_load(Path(ckpt), topo, where)
         for out, kwargs in exports:
             sharded.save_hf_sharded(model, out, max_shard_size=6000, **kwargs)
+    for degrees, ckpt, slots, mtp_layers in placed:
+        topo = Topology(Layout(**degrees), rank, world).build()
+        check_placed_load(Path(ckpt), topo, f"{degrees} placed {Path(ckpt).name} rank {rank}", slots, mtp_layers)
     if world == 2:
         _failures(rank, tmp)
 
@@ -245,6 +306,7 @@ def checkpoints(tmp_path_factory) -> Path:
     make_checkpoint(tmp / "qwen2_moe", "qwen2_moe")
     make_checkpoint(tmp / "deepseek_v3", "deepseek_v3")
     make_checkpoint(tmp / "glm4_moe", "glm4_moe")
+    make_checkpoint(tmp / "deepseek_v3-mtp", "deepseek_v3", mtp_layers=1)
     bad = Path(shutil.copytree(tmp / "mixtral", tmp / "bad-shape"))
     tensors = load_file(bad / "model.safetensors")
     tensors["model.layers.1.block_sparse_moe.experts.3.w2.weight"] = torch.zeros(32, 25)
@@ -270,7 +332,11 @@ def test_two_ranks_ep_tp_fsdp(checkpoints, tmp_path):
         (dict(tp=2), c / "glm4_moe", [(tmp_path / "tp2-glm", {})]),  # heads with partial RoPE split over TP
         (dict(fsdp=2), c / "mixtral-fused", [(tmp_path / "fsdp2", {})]),
     ]
-    run_ranks(_layouts, 2, [(d, str(p), [(str(o), k) for o, k in e]) for d, p, e in cases], str(c))
+    # an expert placement: replicas (experts 0 and 3 twice), slots out of order, runs of consecutive experts
+    slots = ((2, 3, 0), (3, 0, 1))
+    placed = [(dict(dp=2, ep=2), str(c / "mixtral"), slots, None),
+              (dict(fsdp=2, ep=2), str(c / "mixtral-fused"), slots, None)]
+    run_ranks(_layouts, 2, [(d, str(p), [(str(o), k) for o, k in e]) for d, p, e in cases], str(c), placed)
     check_export(tmp_path / "ep2", load_hf(c / "mixtral"), tmp_path)
     # each file is one rank's: under ep2 no file holds experts of both EP ranks (0-1 on rank 0, 2-3 on rank 1)
     for p in (tmp_path / "ep2").glob("*.safetensors"):
@@ -289,7 +355,9 @@ def test_four_ranks_combined(checkpoints, tmp_path):
     the selection bias, a shared expert and a dense first layer."""
     c = checkpoints
     cases = [(dict(fsdp=2, tp=2, ep=2), c / "deepseek_v3", [(tmp_path / "fsdp2-tp2-ep2", {"layout": "fused"})])]
-    run_ranks(_layouts, 4, [(d, str(p), [(str(o), k) for o, k in e]) for d, p, e in cases], str(c))
+    # placed experts under FSDP (experts Shard(1) over "edp"), and a second MTP depth the folder lacks (from the seed)
+    placed = [(dict(fsdp=2, tp=2, ep=2), str(c / "deepseek_v3-mtp"), ((3, 1, 2), (0, 1, 2)), 2)]
+    run_ranks(_layouts, 4, [(d, str(p), [(str(o), k) for o, k in e]) for d, p, e in cases], str(c), placed)
     check_export(tmp_path / "fsdp2-tp2-ep2", load_hf(c / "deepseek_v3"), tmp_path, layout="fused")
 
 
@@ -329,3 +397,16 @@ def test_one_process_without_distributed(checkpoints, tmp_path):
     check_export(tmp_path / "out", ref, tmp_path)
     with pytest.raises(ValueError, match="experts.3.w2.weight has shape"):
         sharded.load_hf_sharded(build_model(config_from_hf(checkpoints / "mixtral")), checkpoints / "bad-shape")
+    # an MTP depth the folder lacks: the seed to start it from, or a clear error (never uninitialised memory)
+    ckpt = checkpoints / "deepseek_v3-mtp"
+    deeper = dataclasses.replace(config_from_hf(ckpt), mtp_layers=2)
+    with pytest.raises(ValueError, match=r"tensor\(s\) are not in .*deepseek_v3-mtp \(mtp\.1\..*pass init_seed"):
+        sharded.load_hf_sharded(build_model(deeper), ckpt)
+    ref = Transformer(deeper)
+    init_weights(ref, 3)
+    load_hf_into(ref, ckpt)
+    with torch.device("meta"):
+        model = Transformer(deeper)
+    model.to_empty(device="cpu")
+    sharded.load_hf_sharded(model, ckpt, init_seed=3)
+    assert all(torch.equal(a, ref.state_dict()[k]) for k, a in model.state_dict().items())

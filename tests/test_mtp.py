@@ -270,14 +270,21 @@ def test_a_checkpoints_mtp_layer_trains_sharded_and_exports(deepseek_with_mtp, t
 
 
 def test_depths_a_checkpoint_lacks_start_fresh(deepseek_with_mtp, tmp_path):
-    """--model.mtp_layers 2 over a checkpoint with one MTP layer: the first depth loads, the second starts from
-    init_weights (the model is initialised whole before the load, not read slice by slice), and it trains."""
+    """--model.mtp_layers 2 over a checkpoint with one MTP layer: the first depth loads, the second starts from the
+    seed, and it trains. Two EP ranks with replicated experts (--layout.expert_replicas 2) read the folder by
+    slices, each slot its logical expert's rows, the missing depth from the seed (models.hf.load_hf_sharded; no
+    whole-model build): the same losses as one process."""
     src, _ = deepseek_with_mtp
-    r = run(["--init-from-hf", str(src), "--model.mtp_layers", "2", "--steps", "2", "--run-dir", str(tmp_path),
-             *HF_RUN])
+    args = ["--init-from-hf", str(src), "--model.mtp_layers", "2", "--steps", "2", *HF_RUN]
+    r = run([*args, "--run-dir", str(tmp_path / "one")])
     assert r.returncode == 0, r.stderr[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert all(0 < r["mtp_loss"] < 20 for r in rows)
+    r = run([*args, "--run-dir", str(tmp_path / "ep2"), "--ep", "2", "--layout.expert_replicas", "2"], nproc=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [[json.loads(line) for line in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+            for d in ("one", "ep2")]
+    assert all(0 < r["mtp_loss"] < 20 for r in rows[0])
+    for key in ("loss", "mtp_loss"):
+        assert [r[key] for r in rows[1]] == pytest.approx([r[key] for r in rows[0]], rel=1e-5), key
 
 
 def test_an_adopted_mtp_layer_says_where_it_came_from_when_refused(deepseek_with_mtp, tmp_path, capsys):

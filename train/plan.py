@@ -187,30 +187,13 @@ def check_memory(cfg: TrainConfig, resolved: ResolvedLayout, device: torch.devic
                     f"{have / 2**30:,.1f} GiB; use {fix} (moekit-train --dry-run shows the estimate by term)")
 
 
-def fresh_mtp_depths(cfg: TrainConfig) -> bool:
-    """Whether the model has multi-token-prediction depths (models.mtp) the --init-from-hf folder lacks: those
-    start from init_weights, so the model is initialised whole before the load, not read slice by slice."""
-    if not cfg.model.mtp_layers or not cfg.train.init_from_hf:
-        return False
-    from moekit.models.hf import config_from_hf
-
-    return cfg.model.mtp_layers > config_from_hf(cfg.train.init_from_hf).mtp_layers
-
-
-def whole_model_reason(cfg: TrainConfig, placements, fresh: bool) -> str | None:
+def whole_model_reason(cfg: TrainConfig, fresh: bool) -> str | None:
     """Why the trainer builds and fills the whole model on every rank before it splits and parallelises it, or
     None: then the model stays on the meta device and each rank fills only its share (models.init, or a sliced
-    --init-from-hf). ``placements``: the run's expert placements (train.rebalance.RunPlacement); ``fresh``: no
-    checkpoint to resume."""
-    t = cfg.train
-    if t.init_from_dense and fresh:
+    --init-from-hf, into placed experts and MTP depths the folder lacks as well); ``fresh``: no checkpoint to
+    resume."""
+    if cfg.train.init_from_dense and fresh:
         return "--init-from-dense upcycles the whole dense model"
-    if t.init_from_hf and fresh and placements is not None:
-        return ("--init-from-hf reads the folder by contiguous expert blocks, and an expert placement (a placement "
-                "file, --layout.expert_replicas) puts them elsewhere: the folder is read into the whole model first")
-    if t.init_from_hf and fresh and fresh_mtp_depths(cfg):
-        return (f"--init-from-hf into {cfg.model.mtp_layers} MTP depth(s), more than the folder holds: the model is "
-                f"initialised whole before the load")
     return None
 
 

@@ -105,18 +105,15 @@ class Trainer:
         # The model stays on the meta device until it is parallelised; each rank then allocates its share and fills
         # it: from the seed (models.init: every value depends on the seed, the name and the position only, so this
         # is the one-process model's share whatever the layout), or with --init-from-hf reading only its slices
-        # (models.hf.load_hf_sharded). The whole model is built first only to import into it (a pipeline's import,
-        # an MTP depth the folder lacks), to upcycle it, or to place experts (their shard boxes are not contiguous).
+        # (models.hf.load_hf_sharded: placed experts from their logical rows, MTP depths the folder lacks from the
+        # seed). The whole model is built first only to upcycle it (train.plan.whole_model_reason).
         fresh = self.resume_from is None
-        reason = whole_model_reason(cfg, self.placement.placements, fresh)
+        reason = whole_model_reason(cfg, fresh)
         whole = reason is not None
-        sharded_hf = bool(cfg.train.init_from_hf) and fresh and not whole
         if whole:
             check_whole_model(reason, sum(p.numel() for p in self.model.parameters()), plan.device)
             self.model.to_empty(device=plan.device)
             self.model.init_weights(cfg.train.seed)
-        if cfg.train.init_from_hf and fresh and not sharded_hf:  # pp > 1: before the stages
-            self.load_hf(cfg.train.init_from_hf)
         if cfg.train.init_from_dense and self.resume_from is None:  # dense-to-MoE upcycling (models.upcycle)
             from moekit.train.upcycle import init_from_dense
 
@@ -148,8 +145,8 @@ class Trainer:
                 from moekit.comm.relocate import tag_primaries
 
                 tag_primaries(self.model)
-            if sharded_hf:
-                self.load_hf(cfg.train.init_from_hf, sharded=True)
+            if cfg.train.init_from_hf and fresh:
+                self.load_hf(cfg.train.init_from_hf)
             else:
                 init_weights(self.model, cfg.train.seed)
         self.model.train()
@@ -196,13 +193,13 @@ class Trainer:
                   f"{need / 1e9:.3g} GB: saves will fail unless space is freed")
         return lock
 
-    def load_hf(self, path: str, sharded: bool = False) -> None:
-        """Fill the model from a HuggingFace folder: the whole model (before the pipeline split), or ``sharded``
-        into the parallelised model, each rank reading only its slices (all ranks fail alike)."""
-        from moekit.models.hf import load_hf_into, load_hf_sharded  # safetensors: imported only when asked for
+    def load_hf(self, path: str) -> None:
+        """Fill the parallelised model from a HuggingFace folder, each rank reading only its slices (all ranks
+        fail alike); what the folder lacks (MTP depths) starts from the run's seed."""
+        from moekit.models.hf import load_hf_sharded  # safetensors: imported only when asked for
 
         try:
-            (load_hf_sharded if sharded else load_hf_into)(self.model, path)
+            load_hf_sharded(self.model, path, init_seed=self.cfg.train.seed)
         except (ValueError, OSError) as exc:  # config mismatch, missing or misshapen tensors: the message names them
             hint = ("; or leave out --preset (and the preset in --config) to take the checkpoint's architecture"
                     if "different math" in str(exc) else "")

@@ -23,7 +23,14 @@ tensor maps to boxes of HF tensors:
 Failures: the checks (config, keys, shapes and counts from the file headers, as load_hf_into does) run
 before any collective; their outcome, and that of reading or writing, is exchanged (``_agree``) so every
 rank raises the same error and none is left waiting in a collective. ``path`` must be a file system every
-rank sees. Pipeline-parallel models (stages) are not covered.
+rank sees. A pipeline rank (models.pipeline.PipelineModel) loads and exports its stages' tensors.
+
+Expert placements (comm.placement): a placed expert tensor's rows are physical slots, each holding the logical
+expert ``dispatcher.local_expert_ids`` names (replicas: the same expert in several slots). The load reads each
+slot's row from its logical expert's HF tensors, so a placed model loads by slices like any other.
+
+Tensors the folder does not hold (multi-token-prediction depths beyond the folder's, models.mtp) start from
+``init_seed`` by models.init, exactly as the whole model initialised and then loaded would.
 
 This file holds the box arithmetic, the cross-rank agreement and the load; models/hf/sharded_export.py holds
 the export (re-exported here).
@@ -212,17 +219,50 @@ class SliceReader:
         return fp8.dequantize(part, blocks, block, start)
 
 
+def placed_rows(model: torch.nn.Module) -> dict[str, list[int]]:
+    """The expert tensors under an expert placement, by state-dict name: the logical expert of each local row
+    (``dispatcher.local_expert_ids``; the tensor's global dim 0 counts physical slots)."""
+    from moekit.moe.load import moe_layers
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = {}
+    for _, layer in moe_layers(model):
+        dispatcher = getattr(layer, "dispatcher", None)
+        if getattr(dispatcher, "placement", None) is not None:
+            for w in (layer.experts.w_in, layer.experts.w_out):
+                out[names[id(w)]] = [int(e) for e in dispatcher.local_expert_ids]
+    return out
+
+
+def _row_runs(rows: list[int]) -> list[tuple[slice, range]]:
+    """A placed tensor's local rows in runs of consecutive logical experts: (local rows, their experts)."""
+    runs, j = [], 0
+    while j < len(rows):
+        k = j
+        while k + 1 < len(rows) and rows[k + 1] == rows[k] + 1:
+            k += 1
+        runs.append((slice(j, k + 1), range(rows[j], rows[k] + 1)))
+        j = k + 1
+    return runs
+
+
 @dataclass
 class _LoadPlan:
     reader: CheckpointReader
     rules: list[Rule]
     boxes: dict[str, Box]  # moekit key -> this rank's box
+    rows: dict[str, list[int]]  # placed expert tensors (placed_rows): the logical expert of each local row
+    fresh: list[str]  # model tensors the folder does not hold (MTP depths it lacks): initialised from the seed
     tied_copy: bool  # the checkpoint stores lm_head.weight for a tied model: it must equal the embedding
     family: str  # config.json's model_type
     mtp_copies: tuple = ()  # (checkpoint key, model tensor): MTP layers' copies of the embedding / head (LoadSpec)
 
 
-def _plan_load(model, path, check_config: bool) -> _LoadPlan:
+def _logical_shape(t: Tensor, rows: list[int] | None, experts: int) -> tuple[int, ...]:
+    return tuple(t.shape) if rows is None else (experts,) + tuple(t.shape[1:])
+
+
+def _plan_load(model, path, check_config: bool, init_seed: int | None) -> _LoadPlan:
     """Everything load_hf_into checks (the same calls, in the same order, minus its data reads), from
     config.json and the safetensors headers only; plus this rank's box of every tensor."""
     from moekit.models.hf import plan_load
@@ -230,34 +270,50 @@ def _plan_load(model, path, check_config: bool) -> _LoadPlan:
 
     whole = _whole(model)  # a pipeline rank: the whole model on the meta device names every tensor and checks
     spec = plan_load(whole, path, check_config)
-    state = model.state_dict()
-    check_keys(spec.reader, spec.rules, {**whole.state_dict(), **state}, spec.allowed_extra)
+    state, rows = model.state_dict(), placed_rows(model)
+    E = model.config.num_experts
+    logical = {name: torch.empty(_logical_shape(state[name], placed, E), device="meta")
+               for name, placed in rows.items()}  # the checkpoint's shapes: experts, not slots
+    check_keys(spec.reader, spec.rules, {**whole.state_dict(), **state, **logical}, spec.allowed_extra)
     rules = [r for r in spec.rules if r.target in state]  # this rank's (a pipeline rank: its stages')
     boxes = {}
     for r in rules:
-        if r.layout(tuple(state[r.target].shape)) is None:
+        if r.layout(_logical_shape(state[r.target], rows.get(r.target), E)) is None:
             raise ValueError(f"{r.target}: its HuggingFace rule has no slice layout (weights.Rule.pieces), so it "
                              f"cannot be loaded slice by slice; use load_hf_into before parallelize")
         boxes[r.target] = shard_box(state[r.target], r.target)
+    fresh = sorted(n for n in state if n not in boxes)  # parameters and persistent buffers
+    if fresh and init_seed is None:
+        raise ValueError(f"{len(fresh)} model tensor(s) are not in {spec.reader.folder} ({', '.join(fresh[:4])}"
+                         f"{', ...' if len(fresh) > 4 else ''}): pass init_seed to initialise them (models.init), or "
+                         f"build the model with only what the folder holds")
     copies = tuple((key, main) for key, main in spec.mtp_copies if main in state)
-    return _LoadPlan(spec.reader, rules, boxes, spec.tied_copy and "embed.weight" in state, spec.family.model_type,
-                     copies)
+    return _LoadPlan(spec.reader, rules, boxes, rows, fresh, spec.tied_copy and "embed.weight" in state,
+                     spec.family.model_type, copies)
 
 
 @torch.no_grad()
-def _read_slices(model, plan: _LoadPlan, slices: SliceReader) -> None:
+def _read_slices(model, plan: _LoadPlan, slices: SliceReader, init_seed: int | None) -> None:
+    if plan.fresh:  # first, so the loaded tensors overwrite init_weights' norms and biases
+        from moekit.models.init import canonical_name, init_weights
+
+        init_weights(model, init_seed, only={canonical_name(n) for n in plan.fresh})
     state = model.state_dict()
     for r in plan.rules:
-        target, box = state[r.target], plan.boxes[r.target]
+        target, box, rows = state[r.target], plan.boxes[r.target], plan.rows.get(r.target)
         local = _local(target)
-        for source, (where, dims) in zip(r.sources, r.layout(tuple(target.shape))):
-            meet = _meet(box, where)
-            if meet is None:  # none of this HF tensor is here: not even opened
-                continue
-            # the same box in the HF tensor's own indices and dim order
-            part = slices.read(source, tuple(slice(meet[d].start - where[d].start, meet[d].stop - where[d].start)
-                                             for d in dims))
-            local[_rel(meet, box)].copy_(_to_target(part, dims, target.dim()))
+        pieces = r.layout(_logical_shape(target, rows, model.config.num_experts))
+        runs = [(local, box)] if rows is None else [(local[here], (indices,) + box[1:])
+                                                    for here, indices in _row_runs(rows)]
+        for dest, want in runs:  # a placement: each run of slots from its logical experts' rows
+            for source, (where, dims) in zip(r.sources, pieces):
+                meet = _meet(want, where)
+                if meet is None:  # none of this HF tensor is here: not even opened
+                    continue
+                # the same box in the HF tensor's own indices and dim order
+                part = slices.read(source, tuple(slice(meet[d].start - where[d].start,
+                                                       meet[d].stop - where[d].start) for d in dims))
+                dest[_rel(meet, want)].copy_(_to_target(part, dims, target.dim()))
     if plan.tied_copy:
         _check_tied_slice(model, plan, slices)
     for key, main in plan.mtp_copies:  # this rank's rows of each copy must equal the main tensor's
@@ -286,20 +342,26 @@ def _check_tied_slice(model, plan: _LoadPlan, slices: SliceReader) -> None:
                          f"differs from model.embed_tokens.weight; set tie_word_embeddings to false")
 
 
-def load_hf_sharded(model, path: str | Path, *, check_config: bool = True) -> dict[str, int]:
+def load_hf_sharded(model, path: str | Path, *, check_config: bool = True,
+                    init_seed: int | None = None) -> dict[str, int]:
     """Fill an already parallelised ``model`` (models.parallelize) from a HuggingFace folder, each rank reading
     only the slices it holds. Call on every rank, collectively (one process without torch.distributed works
     too). ``model`` may have been built on the meta device, parallelised and moved with ``to_empty``: every
-    parameter and persistent buffer is overwritten, the others zeroed.
+    parameter and persistent buffer is overwritten, the others zeroed. Placed experts read their logical
+    experts' rows (module docstring).
+
+    ``init_seed``: parameters the folder does not hold (MTP depths beyond the folder's) are initialised from it
+    (models.init.init_weights: the values the whole model initialised from that seed has); without it they are
+    a ValueError.
 
     Checks as load_hf_into (the config's math, missing / extra keys, shapes, counts), from the file headers
     before any data is read; any failure, on any rank, raises the same ValueError on every rank.
     Returns the bytes this rank read per checkpoint key.
     """
     _reshard(model)
-    plan = _agree(_plan_load, model, path, check_config)
+    plan = _agree(_plan_load, model, path, check_config, init_seed)
     slices = SliceReader(plan.reader)
-    _agree(_read_slices, model, plan, slices)
+    _agree(_read_slices, model, plan, slices, init_seed)
     model.hf_family, model.hf_source = plan.family, Path(path)  # as load_hf_into: save_hf's default family
     return dict(slices.bytes_read)
 

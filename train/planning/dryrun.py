@@ -165,7 +165,7 @@ def build(cfg: TrainConfig, plan: DryRunPlan) -> Built:
             model = _pipeline_stage(model, topo, cfg, built)
         placement = RunPlacement.for_run(cfg, topo, model)  # as the trainer: flag, file or contiguous
         built.replicas = placement.replicas
-        built.whole = whole_model_reason(cfg, placement.placements, fresh=True)
+        built.whole = whole_model_reason(cfg, fresh=True)
         parallelize(model, topo, hierarchical=plan.hierarchical, sequence_parallel=L.sequence_parallel,
                     expert_placement=placement.placements)
     except (LayoutError, ValueError, NotImplementedError) as exc:
