@@ -164,18 +164,25 @@ def check_load(ckpt: Path, topo: Topology, where: str) -> Transformer:
     return model
 
 
-def check_placed_load(ckpt: Path, topo: Topology, where: str, slots, mtp_layers: int | None = None,
-                      seed: int = 5) -> None:
-    """Experts under a placement (``slots``: every MoE layer's table) and ``mtp_layers`` depths, more than the
-    folder holds: every local tensor equals the whole model initialised from ``seed`` and then loaded
-    (load_hf_into), each slot its logical expert's rows; the rank reads exactly the bytes it holds of what the
-    folder has, and only the keys of the experts its slots name; the logits equal the one-process model's."""
+def whole_then_loaded(ckpt: Path, mtp_layers: int | None, seed: int) -> Transformer:
+    """The reference for a placed / deeper load: the whole model initialised from ``seed``, then load_hf_into."""
     config = config_from_hf(ckpt)
     if mtp_layers is not None:
         config = dataclasses.replace(config, mtp_layers=mtp_layers)
     ref = Transformer(config)
     init_weights(ref, seed)
     load_hf_into(ref, ckpt)
+    return ref
+
+
+def check_placed_load(ckpt: Path, topo: Topology, where: str, slots, mtp_layers: int | None = None,
+                      seed: int = 5) -> Transformer:
+    """Experts under a placement (``slots``: every MoE layer's table) and ``mtp_layers`` depths, more than the
+    folder holds: every local tensor equals the whole model initialised from ``seed`` and then loaded
+    (load_hf_into), each slot its logical expert's rows; the rank reads exactly the bytes it holds of what the
+    folder has, and only the keys of the experts its slots name; the logits equal the one-process model's."""
+    ref = whole_then_loaded(ckpt, mtp_layers, seed)
+    config = ref.config
     with torch.device("meta"):
         model = Transformer(config)
     placement = Placement(slots, config.num_experts)
@@ -214,6 +221,7 @@ def check_placed_load(ckpt: Path, topo: Topology, where: str, slots, mtp_layers:
     ref.eval()
     with torch.no_grad():
         torch.testing.assert_close(model(tokens()), ref(tokens()), rtol=1e-5, atol=1e-5, msg=lambda m: f"{where}: {m}")
+    return model
 
 
 def _layouts(rank, world, cases, tmp, placed=()):
@@ -223,9 +231,11 @@ def _layouts(rank, world, cases, tmp, placed=()):
         model = check_load(Path(ckpt), topo, where)
         for out, kwargs in exports:
             sharded.save_hf_sharded(model, out, max_shard_size=6000, **kwargs)
-    for degrees, ckpt, slots, mtp_layers in placed:
+    for degrees, ckpt, slots, mtp_layers, out in placed:
         topo = Topology(Layout(**degrees), rank, world).build()
-        check_placed_load(Path(ckpt), topo, f"{degrees} placed {Path(ckpt).name} rank {rank}", slots, mtp_layers)
+        model = check_placed_load(Path(ckpt), topo, f"{degrees} placed {Path(ckpt).name} rank {rank}", slots,
+                                  mtp_layers)
+        sharded.save_hf_sharded(model, out, max_shard_size=6000)  # each expert once, from one of its copies
     if world == 2:
         _failures(rank, tmp)
 
@@ -334,9 +344,11 @@ def test_two_ranks_ep_tp_fsdp(checkpoints, tmp_path):
     ]
     # an expert placement: replicas (experts 0 and 3 twice), slots out of order, runs of consecutive experts
     slots = ((2, 3, 0), (3, 0, 1))
-    placed = [(dict(dp=2, ep=2), str(c / "mixtral"), slots, None),
-              (dict(fsdp=2, ep=2), str(c / "mixtral-fused"), slots, None)]
+    placed = [(dict(dp=2, ep=2), str(c / "mixtral"), slots, None, str(tmp_path / "placed")),
+              (dict(fsdp=2, ep=2), str(c / "mixtral-fused"), slots, None, str(tmp_path / "placed-fused"))]
     run_ranks(_layouts, 2, [(d, str(p), [(str(o), k) for o, k in e]) for d, p, e in cases], str(c), placed)
+    check_export(tmp_path / "placed", load_hf(c / "mixtral"), tmp_path)
+    check_export(tmp_path / "placed-fused", load_hf(c / "mixtral-fused"), tmp_path)
     check_export(tmp_path / "ep2", load_hf(c / "mixtral"), tmp_path)
     # each file is one rank's: under ep2 no file holds experts of both EP ranks (0-1 on rank 0, 2-3 on rank 1)
     for p in (tmp_path / "ep2").glob("*.safetensors"):
@@ -356,8 +368,10 @@ def test_four_ranks_combined(checkpoints, tmp_path):
     c = checkpoints
     cases = [(dict(fsdp=2, tp=2, ep=2), c / "deepseek_v3", [(tmp_path / "fsdp2-tp2-ep2", {"layout": "fused"})])]
     # placed experts under FSDP (experts Shard(1) over "edp"), and a second MTP depth the folder lacks (from the seed)
-    placed = [(dict(fsdp=2, tp=2, ep=2), str(c / "deepseek_v3-mtp"), ((3, 1, 2), (0, 1, 2)), 2)]
+    placed = [(dict(fsdp=2, tp=2, ep=2), str(c / "deepseek_v3-mtp"), ((3, 1, 2), (0, 1, 2)), 2,
+               str(tmp_path / "placed-mtp"))]
     run_ranks(_layouts, 4, [(d, str(p), [(str(o), k) for o, k in e]) for d, p, e in cases], str(c), placed)
+    check_export(tmp_path / "placed-mtp", whole_then_loaded(c / "deepseek_v3-mtp", 2, 5), tmp_path)
     check_export(tmp_path / "fsdp2-tp2-ep2", load_hf(c / "deepseek_v3"), tmp_path, layout="fused")
 
 

@@ -48,10 +48,6 @@ class RunPlacement:
         if self.every and saved is not None:
             self._resume(saved, E)
         self.replicas = next(iter(self.placements.values())).replicas if self.placements else 0
-        if cfg.train.export_hf and self.replicas:
-            raise UserError(f"--export-hf with {self.replicas} redundant expert slots: the run's expert tensors hold "
-                            f"replicas; export its final checkpoint instead (moekit-convert moekit-to-hf "
-                            f"RUN/checkpoints/step_N HF_DIR), which holds one copy per expert")
 
     @classmethod
     def for_run(cls, cfg, topology, model, resume_from=None) -> "RunPlacement":
@@ -62,12 +58,6 @@ class RunPlacement:
 
         saved = read_placement(resume_from) if resume_from is not None else None
         return cls(cfg, topology, [name for name, _ in moe_layers(model)], saved)
-
-    def to_contiguous(self, model, optimizer) -> None:
-        """Move every layer back to contiguous blocks (what HF export's shard boxes expect; no replicas)."""
-        if self.placements is not None:
-            rebalance(model, optimizer, {})
-            self.placements = None
 
     def _from_file(self, path: str, E: int, replicas: int) -> dict[str, Placement]:
         try:

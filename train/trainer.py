@@ -459,11 +459,11 @@ class Trainer:
 
     def export_hf(self, path: str) -> None:
         """Write the trained model as a HuggingFace folder (models.hf.save_hf_sharded: every rank writes the
-        tensors it owns, nothing is gathered on one rank), with the run's tokenizer (tokenizer_info.json)."""
+        tensors it owns, nothing is gathered on one rank; placed experts from their slots, each expert once), with
+        the run's tokenizer (tokenizer_info.json)."""
         from moekit.models.hf import save_hf_sharded
 
         try:
-            self.placement.to_contiguous(self.model, self.optimizer)  # HF shard boxes: contiguous expert blocks
             folder = save_hf_sharded(self.model, path, tokenizer_from=self.export_tokenizer,
                                      fp8=self.cfg.train.export_hf_fp8)
         except (OSError, ValueError) as exc:  # the trained weights are safe in the final checkpoint: say where

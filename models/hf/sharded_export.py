@@ -6,6 +6,10 @@ names). The export's structure (family, rules, zero-filled parts, config.json) t
 built on the meta device, each rank offers the tensors it holds, and a tensor two ranks hold alike (the last
 stage's replica of the embedding) is taken from one of them, as data-parallel replicas are.
 
+Expert placements (comm.placement): a placed expert tensor's rows are slots, each holding one logical expert.
+Each slot then counts as its own piece, one expert row of the logical [E, ...] tensor, and a replicated expert
+is a piece several ranks hold alike, taken from one of them as above.
+
 One HF tensor at a time: its owner (the rank holding most of it, least loaded on ties) receives the other
 parts (send / recv from one rank per distinct shard), transposes and writes it. Peak extra memory: one HF
 tensor. Files: model-0000i-of-0000N.safetensors, each written by one rank (streamed: header first, then each
@@ -27,7 +31,7 @@ from torch import Tensor
 from moekit.models.hf import fp8
 from moekit.models.hf.io import CONFIG_FILE, DTYPE_NAMES, INDEX_FILE, parse_size
 from moekit.models.hf.sharded import (Box, _agree, _distributed, _local, _meet, _rel,
-                                      _reshard, _to_source, shard_box)
+                                      _reshard, _to_source, placed_rows, shard_box)
 from moekit.models.hf.weights import Rule
 
 __all__ = ["save_hf_sharded"]
@@ -115,22 +119,44 @@ def _export_spec(model, family: str | None, dtype: torch.dtype | None, layout: s
     return _ExportSpec(name, rules, zeros, dtype, {v: k for k, v in DTYPE_NAMES.items()}[out_dtype], block)
 
 
+def _pieces(model) -> dict[str, list[tuple[Box, Tensor]]]:
+    """What this rank holds of each tensor: (box in the tensor's logical indices, the local values). One piece, the
+    shard box, for most tensors; under an expert placement one per slot (its logical expert's row), a rank's
+    second copy of an expert left out."""
+    state, rows = model.state_dict(), placed_rows(model)
+    out = {}
+    for name, t in state.items():
+        box, local = shard_box(t, name), _local(t)
+        if name not in rows:
+            out[name] = [(box, local)]
+            continue
+        seen: dict[int, tuple[Box, Tensor]] = {}
+        for j, e in enumerate(rows[name]):
+            seen.setdefault(e, ((range(e, e + 1),) + box[1:], local[j:j + 1]))
+        out[name] = list(seen.values())
+    return out
+
+
 def _export_boxes(model, spec: _ExportSpec, max_shard_size) -> tuple[dict, dict]:
-    """This rank's box, shape and dtype of every rule's tensor it holds (a pipeline rank: its stages' only)."""
+    """This rank's boxes (``_pieces``), and the logical shape and the dtype, of every rule's tensor it holds (a
+    pipeline rank: its stages' only)."""
     parse_size(max_shard_size)
-    state = model.state_dict()
+    state, pieces = model.state_dict(), _pieces(model)
+    experts = getattr(model.config, "num_experts", 0)
+    placed = placed_rows(model)
     boxes, meta = {}, {}
     for r in spec.rules:
         if r.target not in state and hasattr(model, "stages"):  # another pipeline rank's
             continue
         t = state[r.target]
-        if r.layout(tuple(t.shape)) is None:
+        shape = (experts,) + tuple(t.shape[1:]) if r.target in placed else tuple(t.shape)
+        if r.layout(shape) is None:
             raise ValueError(f"{r.target}: its HuggingFace rule has no slice layout (weights.Rule.pieces), so it "
                              f"cannot be exported shard by shard; gather the model and use save_hf")
         if t.dtype not in ST_DTYPES:
             raise ValueError(f"{r.target} has dtype {t.dtype}, which safetensors cannot store")
-        boxes[r.target] = tuple((b.start, b.stop) for b in shard_box(t, r.target))
-        meta[r.target] = (tuple(t.shape), t.dtype)
+        boxes[r.target] = [tuple((b.start, b.stop) for b in box) for box, _ in pieces[r.target]]
+        meta[r.target] = (shape, t.dtype)
     return boxes, meta
 
 
@@ -150,8 +176,8 @@ def _plan_export(spec: _ExportSpec, meta: dict, all_boxes: list[dict]) -> list[_
         out_dtype = spec.dtype if spec.dtype is not None and dtype.is_floating_point else dtype
         held: dict[Box, list[int]] = {}  # distinct shards of this tensor -> the ranks holding each
         for rank, boxes in enumerate(all_boxes):
-            if r.target in boxes:  # (under pipeline parallelism, only its stages' ranks)
-                held.setdefault(tuple(range(a, b) for a, b in boxes[r.target]), []).append(rank)
+            for box in boxes.get(r.target, ()):  # (under pipeline parallelism, only its stages' ranks)
+                held.setdefault(tuple(range(a, b) for a, b in box), []).append(rank)
         for key, (region, dims) in zip(r.sources, r.layout(shape)):
             meets = {box: m for box in held if (m := _meet(box, region)) is not None}
             if sum(map(volume, meets.values())) != volume(region):
@@ -245,8 +271,7 @@ def _stream(model, units: list[_Unit], files: list[tuple[int, list[_Unit]]], fol
             rank: int) -> Exception | None:
     """Assemble and write this rank's HF tensors, sending its parts of the others'. A failed write is kept
     (returned) while this rank goes on sending and receiving, so no peer waits on it forever."""
-    state = model.state_dict()
-    boxes = {u.target: shard_box(state[u.target], u.target) for u in units if u.target in state}
+    pieces = _pieces(model)
     writers: dict[str, _StreamWriter] = {}  # HF key -> the open writer of its file
     error: Exception | None = None
     try:
@@ -270,23 +295,25 @@ def _stream(model, units: list[_Unit], files: list[tuple[int, list[_Unit]]], fol
             if u.owner == rank:
                 write(u, lambda: u.encode(torch.zeros(u.shape, dtype=u.dtype)))
             continue
-        if u.target not in state:  # another pipeline stage's tensor: its owner and senders hold it, this rank neither
+        if u.target not in pieces:  # another pipeline stage's tensor: its owner and senders hold it, this rank neither
             continue
-        local, box = _local(state[u.target]), boxes[u.target]
+        held = pieces[u.target]
+        like = held[0][1]
         if u.owner == rank:
-            region = torch.empty([len(r) for r in u.region], dtype=local.dtype, device=local.device)
-            mine = _meet(box, u.region)
-            if mine is not None:
-                region[_rel(mine, u.region)] = local[_rel(mine, box)]
+            region = torch.empty([len(r) for r in u.region], dtype=like.dtype, device=like.device)
+            for box, local in held:
+                if (mine := _meet(box, u.region)) is not None:
+                    region[_rel(mine, u.region)] = local[_rel(mine, box)]
             for sender, part in u.parts:
-                buf = torch.empty([len(r) for r in part], dtype=local.dtype, device=local.device)
+                buf = torch.empty([len(r) for r in part], dtype=like.dtype, device=like.device)
                 dist.recv(buf, src=sender)
                 region[_rel(part, u.region)] = buf
             write(u, lambda: u.encode(_to_source(region, u.dims)))
             del region
         else:
             for sender, part in u.parts:
-                if sender == rank:
+                if sender == rank:  # the part is one of this rank's boxes, or inside one
+                    box, local = next((b, t) for b, t in held if _meet(b, part) == part)
                     dist.send(local[_rel(part, box)].contiguous(), dst=u.owner)
     for w in set(writers.values()):
         if not w.file.closed:
