@@ -269,6 +269,19 @@ class PipelineModel(nn.Module):
                            "(or Pipeline.evaluate)")
 
 
+def whole_structure(model: nn.Module) -> nn.Module:
+    """The model whose structure a whole-model operation follows (HF import / export, upcycling): ``model``, or for
+    a pipeline rank's PipelineModel the whole model on the meta device, with the import's family and folder."""
+    if not hasattr(model, "stages"):
+        return model
+    with meta_device():
+        whole = Transformer(model.config)
+    for attr in ("hf_family", "hf_source"):
+        if hasattr(model, attr):
+            setattr(whole, attr, getattr(model, attr))
+    return whole
+
+
 def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
     """Mean next-token cross-entropy of one micro-batch from its logits [b, S, V] (a reference: the pipeline's
     last stage computes the same from hidden states, ``stage_loss``)."""

@@ -217,14 +217,21 @@ def upcycle(dense: Transformer, config: ModelConfig, granularity: int = 1, seed:
 
 
 @torch.no_grad()
-def upcycle_into(moe: Transformer, dense: Transformer, granularity: int = 1, seed: int = 0) -> Transformer:
+def upcycle_into(moe, dense: Transformer, granularity: int = 1, seed: int = 0):
     """Fill every parameter and buffer of the built MoE model ``moe`` from ``dense`` (in place; returned).
 
     Copies the tensors outside the FFNs and the dense-FFN layers; builds the experts from the dense MLP
     shards, the routers from ``seed`` (rows drawn N(0, init_std), identical within a copy), the shared
     experts with a zero output projection. ValueError when the configs do not allow an exact upcycle
     (``check_upcycle_config``, ``dense_mismatches``); capacity is allowed with a warning.
+
+    ``moe`` may be a whole Transformer or a parallelised one (models.parallelize: TP / EP / FSDP DTensors, expert
+    placements, a pipeline rank's PipelineModel, built on the meta device and moved with ``to_empty``): each
+    rank writes only what it holds, the values the whole upcycled model has there (the router rows are drawn
+    for every layer, held or not, so each layer's draws are the same on every rank).
     """
+    from moekit.models.pipeline import whole_structure
+
     config = moe.config
     for note in check_upcycle_config(config, granularity):
         warnings.warn(note, stacklevel=2)
@@ -234,15 +241,20 @@ def upcycle_into(moe: Transformer, dense: Transformer, granularity: int = 1, see
                            f"{want!r})" for k, want, have in diffs)
         raise ValueError(f"the MoE config differs from the dense model where upcycling copies it: {listed}; set "
                          f"those fields to the dense model's values")
-    _copy_outside_ffn(moe, dense)
+    whole = whole_structure(moe)  # every layer's structure (a pipeline rank holds only its stages)
+    _copy_state(moe, dense, "", skip=_is_ffn, names=whole.state_dict())
+    held = dict(moe.layers.items()) if isinstance(moe.layers, torch.nn.ModuleDict) else {
+        str(i): b for i, b in enumerate(moe.layers)}
     gen = torch.Generator().manual_seed(seed)
-    for i, (block, dense_block) in enumerate(zip(moe.layers, dense.layers)):
+    for i, (shape, dense_block) in enumerate(zip(whole.layers, dense.layers)):
         mlp = dense_block.ffn
         if not isinstance(mlp, DenseMLP):
             raise ValueError(f"dense model layer {i}: its FFN is {type(mlp).__name__}, not a DenseMLP")
-        if isinstance(block.ffn, MoELayer):
-            _upcycle_ffn(block.ffn, mlp, granularity, gen, config.init_std, f"layers.{i}.ffn")
-        else:
+        block = held.get(str(i))
+        if isinstance(shape.ffn, MoELayer):  # drawn on every rank, written where held
+            _upcycle_ffn(shape.ffn, block.ffn if block is not None else None, mlp, granularity, gen,
+                         config.init_std, f"layers.{i}.ffn")
+        elif block is not None:
             _copy_state(block.ffn, mlp, f"layers.{i}.ffn")
     return moe
 
@@ -252,38 +264,72 @@ def _is_ffn(name: str) -> bool:
     return len(parts) > 2 and parts[0] == "layers" and parts[2] == "ffn"
 
 
-def _copy_state(dst: torch.nn.Module, src: torch.nn.Module, where: str, skip=lambda name: False) -> None:
-    """Copy every state_dict tensor of ``dst`` (but the skipped) from ``src``'s tensor of the same name and shape,
-    and require that every such tensor of ``src`` was used."""
-    have, want = src.state_dict(), {k: v for k, v in dst.state_dict().items() if not skip(k)}
-    for name, t in want.items():
+@torch.no_grad()
+def _put(t: Tensor, whole, rows: list[int] | None = None) -> None:
+    """Write into ``t`` (a tensor, or a DTensor: its local shard) its part of ``whole``: the whole tensor's values,
+    or a function of dim-0 indices giving those rows of it (whole along the other dims). ``rows``: the dim-0
+    indices the local rows stand for, when not the shard's own (an expert placement's logical experts)."""
+    from moekit.models.hf.sharded import shard_box
+
+    box = shard_box(t)
+    local = t.to_local() if hasattr(t, "to_local") else t
+    if local.numel() == 0:
+        return
+    index = [slice(r.start, r.stop) for r in box]
+    if rows is not None or callable(whole):
+        wanted = list(box[0]) if rows is None else rows
+        part = whole(wanted) if callable(whole) else whole[wanted]
+        index[0] = slice(None)
+    else:
+        part = whole
+    local.copy_(part[tuple(index)])
+
+
+def _copy_state(dst: torch.nn.Module, src: torch.nn.Module, where: str, skip=lambda name: False,
+                names=None) -> None:
+    """Copy every state_dict tensor of ``dst`` (but the skipped) from ``src``'s tensor of the same name and shape
+    (each rank its part), and require that every such tensor of ``src`` is one of ``names`` (the whole model's
+    state, by default ``dst``'s)."""
+    have = src.state_dict()
+    want = {k: v for k, v in dst.state_dict().items() if not skip(k)}
+    names = want if names is None else {k: v for k, v in names.items() if not skip(k)}
+    for name, t in names.items():
         s = have.get(name)
         if s is None or s.shape != t.shape:
             got = "missing" if s is None else f"shape {list(s.shape)}"
             raise ValueError(f"{where}{name}: the MoE model has shape {list(t.shape)}, the dense model {got}; the "
                              f"models differ outside the FFNs (dense_mismatches should have named the field)")
-        t.copy_(s)
-    extra = sorted(k for k in have if not skip(k) and k not in want)
+    for name, t in want.items():
+        _put(t, have[name])
+    extra = sorted(k for k in have if not skip(k) and k not in names)
     if extra:
         raise ValueError(f"{where}: the dense model has tensors the MoE model lacks: {extra[:5]}")
 
 
-def _copy_outside_ffn(moe: Transformer, dense: Transformer) -> None:
-    _copy_state(moe, dense, "", skip=_is_ffn)
+def _normal(shape, std: float, gen: torch.Generator) -> Tensor:
+    """N(0, std) of ``shape``, drawn in float32 on the CPU generator (device independent, as init_weights)."""
+    return torch.empty(tuple(shape), dtype=torch.float32).normal_(0.0, std, generator=gen)
 
 
-def _normal(t: Tensor, std: float, gen: torch.Generator) -> None:
-    """t ~ N(0, std), drawn in float32 on the CPU generator and copied (device independent, as init_weights)."""
-    t.copy_(torch.empty(t.shape, dtype=torch.float32).normal_(0.0, std, generator=gen))
-
-
-def _upcycle_ffn(layer: MoELayer, mlp: DenseMLP, g: int, gen: torch.Generator, std: float, where: str) -> None:
-    """One MoE layer from its dense MLP (module docstring, steps 2-3)."""
+def _upcycle_ffn(shape: MoELayer, layer: MoELayer | None, mlp: DenseMLP, g: int, gen: torch.Generator, std: float,
+                 where: str) -> None:
+    """One MoE layer from its dense MLP (module docstring, steps 2-3): the draws from ``shape`` (the whole model's
+    layer, possibly on the meta device), the writes into ``layer`` (this rank's, None when another rank holds it)."""
     known = {"router.weight", "router.expert_bias", "experts.w_in", "experts.w_out"}
-    unknown = [k for k in layer.state_dict() if k not in known and not k.startswith("shared_expert.")]
+    unknown = [k for k in shape.state_dict() if k not in known and not k.startswith("shared_expert.")]
     if unknown:  # a tensor this function would leave uninitialised
         raise ValueError(f"{where}: upcycling does not know how to initialise {unknown}")
-    E, f, router, experts = layer.num_experts, layer.experts.ffn_hidden_size, layer.router, layer.experts
+    E, f = shape.num_experts, shape.experts.ffn_hidden_size
+    rows = torch.empty(E // g, shape.hidden_size, dtype=torch.float32).normal_(0.0, std, generator=gen)  # [c, H]
+    shared = shape.shared_expert
+    drawn = {}  # shared expert: input projections drawn, output projection zero (adds nothing at step 0)
+    if shared is not None:
+        for name in ("w_gate", "w_up", "gate"):
+            if getattr(shared, name) is not None:
+                drawn[name] = _normal(getattr(shared, name).weight.shape, std, gen)
+    if layer is None:
+        return
+    experts, router = layer.experts, layer.router
     gated = get_activation(experts.activation).gated
     scale = g / router.scaling  # step 2: undo the 1/g of each shard's weight and the router's scaling
     w_in, w_out = [], []
@@ -292,17 +338,16 @@ def _upcycle_ffn(layer: MoELayer, mlp: DenseMLP, g: int, gen: torch.Generator, s
         up = mlp.w_up.weight[units].t()  # [H, f]
         w_in.append(torch.cat([mlp.w_gate.weight[units].t(), up], dim=1) if gated else up)  # [H, 2f | f]: [gate | up]
         w_out.append(mlp.w_out.weight[:, units].t())  # [f, H]
-    shards_in = torch.stack(w_in).to(experts.w_in.device, experts.w_in.dtype)  # [g, H, F_in]
-    shards_out = torch.stack(w_out).to(experts.w_out.device, experts.w_out.dtype) * scale  # [g, f, H]
-    experts.w_in.copy_(shards_in.repeat(E // g, 1, 1))  # expert e = shard e % g
-    experts.w_out.copy_(shards_out.repeat(E // g, 1, 1))
-    rows = torch.empty(E // g, layer.hidden_size, dtype=torch.float32).normal_(0.0, std, generator=gen)  # [c, H]
-    router.weight.copy_(rows.repeat_interleave(g, dim=0))  # step 3: row e = u_{e // g}
+    shards_in, shards_out = torch.stack(w_in), torch.stack(w_out) * scale  # [g, H, F_in], [g, f, H]
+    dispatcher = getattr(layer, "dispatcher", None)
+    placed = ([int(e) for e in dispatcher.local_expert_ids]
+              if getattr(dispatcher, "placement", None) is not None else None)
+    _put(experts.w_in, lambda ids: shards_in[[e % g for e in ids]], placed)  # expert e = shard e % g
+    _put(experts.w_out, lambda ids: shards_out[[e % g for e in ids]], placed)
+    _put(router.weight, rows.repeat_interleave(g, dim=0))  # step 3: row e = u_{e // g}
     for _, buf in router.named_buffers():  # aux-loss-free expert_bias, its pending load: zero at step 0
         buf.zero_()
-    shared = layer.shared_expert
-    if shared is not None:  # zero output projection: adds nothing at step 0, learns from step 1
-        for lin in (shared.w_gate, shared.w_up, shared.gate):
-            if lin is not None:
-                _normal(lin.weight, std, gen)
-        shared.w_out.weight.zero_()
+    if layer.shared_expert is not None:
+        for name, value in drawn.items():
+            _put(getattr(layer.shared_expert, name).weight, value)
+        layer.shared_expert.w_out.weight.zero_()

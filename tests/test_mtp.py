@@ -252,7 +252,7 @@ def test_a_checkpoints_mtp_layer_trains_sharded_and_exports(deepseek_with_mtp, t
     r = run([*args, "--run-dir", str(sharded), "--ep", "2"], nproc=2)
     assert r.returncode == 0, r.stderr[-3000:]
     # a pipeline reads the folder by slices too: each rank its stages' (the MTP layer on the last stage, the
-    # embedding there as well), none the whole model (train.plan.whole_model_reason)
+    # embedding there as well), none the whole model (models.hf.load_hf_sharded)
     r = run([*args, "--run-dir", str(piped), "--pp", "2", "--train.micro_batch_size", "2"], nproc=2)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [[json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]

@@ -189,6 +189,73 @@ def test_train_init_from_dense_starts_from_the_dense_loss(tmp_path, capsys):
     assert "upcycled from the dense model" in capsys.readouterr().out
     saved = json.loads((run / "config.json").read_text())["train"]
     assert saved["init_from_dense"] == str(path) and saved["upcycle_granularity"] == 2
+    # under torchrun (ep2, two replicated experts) each rank upcycles its share, never the whole MoE model: the
+    # same first loss, the dense model's
+    from tests.test_train_distributed import run as torchrun
+
+    r = torchrun([*flags[:flags.index("--run-dir")], "--run-dir", str(tmp_path / "ep2"), "--steps", "1",
+                  "--checkpoint.every", "0", "--init-from-dense", str(path), "--upcycle-granularity", "2",
+                  "--model.top_k", "4", "--ep", "2", "--layout.expert_replicas", "2"], nproc=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    first = json.loads((tmp_path / "ep2" / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["loss"] == pytest.approx(_first_batch_loss(dense), rel=1e-5)
+
+
+UPCYCLE_LAYOUTS = {  # 4 gloo ranks: (layout degrees, an expert placement over the EP ranks or None)
+    "fsdp4-ep2-placed": (dict(fsdp=4, ep=2), ((5, 0, 1, 7, 2), (3, 4, 5, 6, 0))),  # 2 replicas, slots out of order
+    "tp2-fsdp2-ep2": (dict(tp=2, fsdp=2, ep=2), None),
+    "pp2-fsdp2-ep2": (dict(pp=2, fsdp=2, ep=2), None),
+}
+
+
+def _upcycle_rank(rank, world, folder):
+    from moekit.comm.placement import Placement
+    from moekit.comm.topology import Layout, Topology
+    from moekit.models.hf.sharded import placed_rows, shard_box
+    from moekit.models.parallelize import parallelize
+    from moekit.models.pipeline import build_pipeline
+    from moekit.models.transformer import Transformer, meta_device
+    from moekit.models.upcycle import upcycle_into
+    from moekit.moe.load import moe_layers
+
+    dense = torch.load(f"{folder}/dense.pt", weights_only=False)
+    config = torch.load(f"{folder}/config.pt", weights_only=False)
+    want = torch.load(f"{folder}/want.pt")
+    for case, (degrees, slots) in UPCYCLE_LAYOUTS.items():
+        topo = Topology(Layout(**degrees), rank, world).build()
+        with meta_device():
+            model = Transformer(config)
+        if topo.layout.pp > 1:
+            model = build_pipeline(model, topo, device="cpu").model
+        placements = slots and {name: Placement(slots, config.num_experts) for name, _ in moe_layers(model)}
+        parallelize(model, topo, expert_placement=placements)
+        model.to_empty(device="cpu")
+        with torch.no_grad():  # what to_empty left must not survive: every tensor is written
+            for t in model.state_dict().values():
+                (t.to_local() if hasattr(t, "to_local") else t).fill_(float("nan"))
+        upcycle_into(model, dense, 2, seed=4)
+        rows = placed_rows(model)
+        assert bool(rows) == bool(slots), case
+        for name, t in model.state_dict().items():
+            index = tuple(slice(r.start, r.stop) for r in shard_box(t, name))
+            if name in rows:
+                index = (rows[name],) + index[1:]
+            local = t.to_local() if hasattr(t, "to_local") else t
+            assert torch.equal(local, want[name][index]), (case, rank, name)
+
+
+def test_upcycling_a_parallelised_model_fills_each_ranks_share(tmp_path):
+    """Built on the meta device, parallelised (FSDP over EP with a placement: replicas, slots out of order; TP x
+    FSDP x EP; a pipeline's stages), moved with to_empty (filled with NaN) and upcycled rank by rank: every local tensor is
+    its part of the one-process upcycled model, bit for bit (granularity 2, a shared expert, a dense layer)."""
+    dense = dense_model(num_layers=4)
+    config = upcycled_config(dense.config, 8, 4, 2, first_dense_layers=1, shared_ffn_hidden_size=16)
+    torch.save(dense, tmp_path / "dense.pt")
+    torch.save(config, tmp_path / "config.pt")
+    torch.save(upcycle(dense, config, 2, seed=4).state_dict(), tmp_path / "want.pt")
+    from tests.dist_utils import run_ranks
+
+    run_ranks(_upcycle_rank, 4, str(tmp_path))
 
 
 def test_load_dense_reads_runs_checkpoints_and_files(tmp_path):

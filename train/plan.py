@@ -187,31 +187,10 @@ def check_memory(cfg: TrainConfig, resolved: ResolvedLayout, device: torch.devic
                     f"{have / 2**30:,.1f} GiB; use {fix} (moekit-train --dry-run shows the estimate by term)")
 
 
-def whole_model_reason(cfg: TrainConfig, fresh: bool) -> str | None:
-    """Why the trainer builds and fills the whole model on every rank before it splits and parallelises it, or
-    None: then the model stays on the meta device and each rank fills only its share (models.init, or a sliced
-    --init-from-hf, into placed experts and MTP depths the folder lacks as well); ``fresh``: no checkpoint to
-    resume."""
-    if cfg.train.init_from_dense and fresh:
-        return "--init-from-dense upcycles the whole dense model"
-    return None
-
-
 def device_memory(device: torch.device) -> int:
     """Bytes of memory the device has (a CPU: the machine's RAM)."""
     return (torch.cuda.mem_get_info(device)[1] if device.type == "cuda"
             else os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-
-
-def check_whole_model(reason: str, params: int, device: torch.device) -> None:
-    """Refuse, before allocating, a whole-model build (``whole_model_reason``) that cannot fit the device."""
-    need, have = 4 * params, device_memory(device)
-    if need > have:
-        raise UserError(f"every rank would first build the whole model in fp32, {need / 2**30:,.1f} GiB, but this "
-                        f"{device.type} has {have / 2**30:,.1f} GiB: {reason}. Without that step each rank builds only "
-                        f"its share: start from the seed or a checkpoint, import the HF folder with contiguous expert "
-                        f"blocks (no placement file or --layout.expert_replicas) and the depths it has, or upcycle a "
-                        f"smaller model")
 
 
 DECAY_SHAPES = {  # train.wsd_decay: the decay's shape over its own progress q in [0, 1], 1 at its start, 0 at its end

@@ -30,7 +30,7 @@ from moekit.moe import collect_load, update_router_biases
 from moekit.moe.layer import set_aux_loss_scale
 from moekit.train import UserError, checkpoint, faults, host_memory, program_name, records, resume, runlock
 from moekit.train.cli import Options
-from moekit.train.plan import check_whole_model, lr_lambda, make_optimizer, plan_run, whole_model_reason
+from moekit.train.plan import lr_lambda, make_optimizer, plan_run
 from moekit.train.rebalance import RunPlacement
 from moekit.train.config import TrainConfig
 from moekit.train.consistency import check_ranks_agree
@@ -104,23 +104,15 @@ class Trainer:
         self.placement = RunPlacement.for_run(cfg, self.dist.topology, self.model, self.resume_from)
         # The model stays on the meta device until it is parallelised; each rank then allocates its share and fills
         # it: from the seed (models.init: every value depends on the seed, the name and the position only, so this
-        # is the one-process model's share whatever the layout), or with --init-from-hf reading only its slices
+        # is the one-process model's share whatever the layout), with --init-from-hf reading only its slices
         # (models.hf.load_hf_sharded: placed experts from their logical rows, MTP depths the folder lacks from the
-        # seed). The whole model is built first only to upcycle it (train.plan.whole_model_reason).
+        # seed), or upcycled from a dense model (models.upcycle.upcycle_into: its shards of the upcycled model).
         fresh = self.resume_from is None
-        reason = whole_model_reason(cfg, fresh)
-        whole = reason is not None
-        if whole:
-            check_whole_model(reason, sum(p.numel() for p in self.model.parameters()), plan.device)
-            self.model.to_empty(device=plan.device)
-            self.model.init_weights(cfg.train.seed)
-        if cfg.train.init_from_dense and self.resume_from is None:  # dense-to-MoE upcycling (models.upcycle)
-            from moekit.train.upcycle import init_from_dense
+        dense = None
+        if cfg.train.init_from_dense and fresh:  # read and checked before anything is built
+            from moekit.train.upcycle import read_dense
 
-            for note in init_from_dense(self.model, cfg.train.init_from_dense, cfg.train.upcycle_granularity,
-                                        cfg.train.seed):
-                if self.dist.is_main:
-                    _warn(note)
+            dense = read_dense(cfg.model, cfg.train.init_from_dense, cfg.train.upcycle_granularity)
         if cfg.train.export_hf:  # refuse before training, not after
             self.check_exportable()
         # each rank keeps its share: its pipeline stages first, then the recipe (TP, EP, AC, compile, FSDP) on them
@@ -139,16 +131,24 @@ class Trainer:
                               sequence_parallel=cfg.layout.sequence_parallel,
                               expert_placement=self.placement.placements,
                               ep_overlap_chunks=cfg.layout.ep_overlap_chunks)
-        if not whole:  # on the meta device until now: each rank allocates and fills only what it holds
-            self.model.to_empty(device=plan.device)
-            if self.dist.active:  # to_empty made new Parameters: mark the replicated experts' rows again
-                from moekit.comm.relocate import tag_primaries
+        # on the meta device until now: each rank allocates and fills only what it holds
+        self.model.to_empty(device=plan.device)
+        if self.dist.active:  # to_empty made new Parameters: mark the replicated experts' rows again
+            from moekit.comm.relocate import tag_primaries
 
-                tag_primaries(self.model)
-            if cfg.train.init_from_hf and fresh:
-                self.load_hf(cfg.train.init_from_hf)
-            else:
-                init_weights(self.model, cfg.train.seed)
+            tag_primaries(self.model)
+        if cfg.train.init_from_hf and fresh:
+            self.load_hf(cfg.train.init_from_hf)
+        elif dense is not None:  # dense-to-MoE upcycling
+            from moekit.train.upcycle import init_from_dense
+
+            for note in init_from_dense(self.model, dense, cfg.train.init_from_dense, cfg.train.upcycle_granularity,
+                                        cfg.train.seed):
+                if self.dist.is_main:
+                    _warn(note)
+            del dense
+        else:
+            init_weights(self.model, cfg.train.seed)
         self.model.train()
         # the aux loss is averaged like the LM loss: over the micro-batches and over TP's token slices
         pipelined = self.pipe is not None

@@ -1,7 +1,8 @@
 """Reading the dense model to upcycle (moekit-train --init-from-dense; the math is moekit.models.upcycle).
 
     load_dense(path)                                a dense Transformer from any source below (float32, CPU)
-    init_from_dense(model, path, granularity, seed) upcycle into the trainer's built model; UserError on bad input
+    read_dense(config, path, granularity)           load_dense, checked against the MoE config; UserError on bad input
+    init_from_dense(model, dense, path, g, seed)    upcycle into the trainer's (parallelised) model
 
 Sources, told apart by what the path holds:
     DIR/meta.json                 a moekit-train checkpoint (run/checkpoints/step_N)
@@ -64,15 +65,17 @@ def _not_dense(path: Path, num_experts: int) -> str:
             f"= 0). To continue training an MoE checkpoint use --init-from-hf (HuggingFace) or --resume")
 
 
-def init_from_dense(model: Transformer, path: str, granularity: int, seed: int) -> list[str]:
-    """Upcycle the dense model at ``path`` into the trainer's built ``model`` (moekit.models.upcycle.upcycle_into);
-    return the warnings to print. Bad sources and config mismatches are UserErrors naming the flags that fix them."""
-    from moekit.models.upcycle import dense_mismatches, upcycle_into
+def read_dense(config, path: str, granularity: int) -> Transformer:
+    """The dense model at ``path`` to upcycle into an MoE model of ``config`` (whole, float32, on the CPU), checked
+    against it before anything is built; bad sources and config mismatches are UserErrors naming the flags that
+    fix them."""
+    from moekit.models.upcycle import check_upcycle_config, dense_mismatches
 
     where = f"--init-from-dense {path}"
     try:
+        check_upcycle_config(config, granularity)  # its warnings come with the upcycle itself
         dense = load_dense(path)
-        diffs = dense_mismatches(dense.config, model.config, granularity)
+        diffs = dense_mismatches(dense.config, config, granularity)
     except (ValueError, OSError) as exc:
         raise UserError(f"{where}: {exc}") from None
     if diffs:
@@ -84,6 +87,15 @@ def init_from_dense(model: Transformer, path: str, granularity: int, seed: int) 
                         f"differs in {listed}; use {fix}"
                         + (" (or another --upcycle-granularity)" if any(k == "moe_ffn_hidden_size" for k, *_ in diffs)
                            else ""))
+    return dense
+
+
+def init_from_dense(model, dense: Transformer, path: str, granularity: int, seed: int) -> list[str]:
+    """Upcycle ``dense`` (``read_dense``; from ``path``) into the trainer's ``model``, a whole or parallelised one
+    (moekit.models.upcycle.upcycle_into: each rank fills what it holds); return the warnings to print."""
+    from moekit.models.upcycle import upcycle_into
+
+    where = f"--init-from-dense {path}"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:

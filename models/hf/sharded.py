@@ -266,9 +266,9 @@ def _plan_load(model, path, check_config: bool, init_seed: int | None) -> _LoadP
     """Everything load_hf_into checks (the same calls, in the same order, minus its data reads), from
     config.json and the safetensors headers only; plus this rank's box of every tensor."""
     from moekit.models.hf import plan_load
-    from moekit.models.hf.sharded_export import _whole
+    from moekit.models.pipeline import whole_structure
 
-    whole = _whole(model)  # a pipeline rank: the whole model on the meta device names every tensor and checks
+    whole = whole_structure(model)  # a pipeline rank: the whole model on the meta device names every tensor and checks
     spec = plan_load(whole, path, check_config)
     state, rows = model.state_dict(), placed_rows(model)
     E = model.config.num_experts

@@ -33,6 +33,7 @@ from moekit.models.hf.io import CONFIG_FILE, DTYPE_NAMES, INDEX_FILE, parse_size
 from moekit.models.hf.sharded import (Box, _agree, _distributed, _local, _meet, _rel,
                                       _reshard, _to_source, placed_rows, shard_box)
 from moekit.models.hf.weights import Rule
+from moekit.models.pipeline import whole_structure
 
 __all__ = ["save_hf_sharded"]
 
@@ -88,21 +89,6 @@ class _ExportSpec:
     fp8_block: tuple[int, int] | None = None  # save_hf's fp8: the linear weights as block-wise float8
 
 
-def _whole(model):
-    """The model whose structure the export follows: ``model``, or for a pipeline rank (module docstring) the whole
-    model on the meta device, with the import's family and folder."""
-    if not hasattr(model, "stages"):
-        return model
-    from moekit.models.transformer import Transformer, meta_device
-
-    with meta_device():
-        whole = Transformer(model.config)
-    for attr in ("hf_family", "hf_source"):
-        if hasattr(model, attr):
-            setattr(whole, attr, getattr(model, attr))
-    return whole
-
-
 def _export_spec(model, family: str | None, dtype: torch.dtype | None, layout: str,
                  fp8_on: bool = False, fp8_block=fp8.DEFAULT_BLOCK) -> _ExportSpec:
     """What save_hf writes for ``model`` (family, rules, zero-filled parts), without touching any tensor."""
@@ -110,7 +96,7 @@ def _export_spec(model, family: str | None, dtype: torch.dtype | None, layout: s
     from moekit.models.hf.export import zero_fill
 
     block, dtype = fp8_export_args(fp8_on, fp8_block, dtype, layout)
-    whole = _whole(model)
+    whole = whole_structure(model)
     name, rules, out_dtype = export_rules(whole, family, dtype, layout)
     if dtype is None:  # the model's own (a meta stand-in has the default dtype)
         out_dtype = next(model.parameters()).dtype
@@ -382,6 +368,6 @@ def save_hf_sharded(model, path: str | Path, *, family: str | None = None, dtype
             raise error
 
     _agree(finish)
-    config = hf_config(_whole(model), spec.family, spec.dtype_name, token_ids, spec.fp8_block)
+    config = hf_config(whole_structure(model), spec.family, spec.dtype_name, token_ids, spec.fp8_block)
     _agree(lambda: _write_index(folder, config, units, files, names) if rank == 0 else None)
     return folder

@@ -32,7 +32,7 @@ from moekit.train.planning.memory import MemoryEstimate, Stage, Workload
 from moekit.train import UserError
 from moekit.train.cli import Options, parse_args
 from moekit.train.config import TrainConfig
-from moekit.train.plan import ResolvedLayout, resolve_config, whole_model_reason
+from moekit.train.plan import ResolvedLayout, resolve_config
 
 GIB = 2**30
 TIGHT = 0.9  # above this share of device memory the CUDA context, NCCL buffers and fragmentation may not fit
@@ -112,7 +112,7 @@ class Built:
     tensors: int = 0  # rank 0's parameter tensors
     refused: str = ""  # the recipe's message when it does not support the layout yet
     replicas: int = 0  # redundant expert slots over the EP group (--layout.expert_replicas / a placement file)
-    whole: str | None = None  # why the trainer builds the whole model on every rank first (train.plan.whole_model_reason)
+    dense_params: int = 0  # --init-from-dense: the dense model every rank holds whole in host memory to upcycle from
     stages: list[Stage] = field(default_factory=list)  # every pipeline rank's layers (the real split if built)
 
 
@@ -165,7 +165,7 @@ def build(cfg: TrainConfig, plan: DryRunPlan) -> Built:
             model = _pipeline_stage(model, topo, cfg, built)
         placement = RunPlacement.for_run(cfg, topo, model)  # as the trainer: flag, file or contiguous
         built.replicas = placement.replicas
-        built.whole = whole_model_reason(cfg, fresh=True)
+        built.dense_params = dense_params(cfg)
         parallelize(model, topo, hierarchical=plan.hierarchical, sequence_parallel=L.sequence_parallel,
                     expert_placement=placement.placements)
     except (LayoutError, ValueError, NotImplementedError) as exc:
@@ -208,8 +208,7 @@ def run(cfg: TrainConfig, opts: Options) -> int:
                  for st in built.stages]
     a2a = memory.all_to_all(cfg.model, layout, wl, built.stages[0], plan.ranks_per_node, plan.hierarchical)
     print("\n".join(report(cfg, opts, plan, built, estimates, a2a)), flush=True)
-    whole = 4 * built.model_params if built.whole else 0
-    return 0 if fits(estimates, opts) and whole <= opts.gpu_gb * GIB else DOES_NOT_FIT
+    return 0 if fits(estimates, opts) else DOES_NOT_FIT
 
 
 def gib(n: float) -> str:
@@ -277,16 +276,26 @@ def report(cfg: TrainConfig, opts: Options, plan: DryRunPlan, built: Built, esti
         if fits(estimates, opts) else ("does NOT fit: raise ep / fsdp / tp / pp, lower the micro-batch or checkpoint "
                                        f"activations (exit status {DOES_NOT_FIT})")
     where = f" (pipeline rank {worst.stage})" if L.pp > 1 else ""
-    if built.whole:  # the trainer's first step on every rank, before any split: the whole model in fp32
-        whole = 4 * built.model_params
-        lines.append(f"  init: every rank first builds the whole model in fp32, {gib(whole)}: {built.whole}"
-                     + ("" if whole <= opts.gpu_gb * GIB else f"; that alone does NOT fit (exit status {DOES_NOT_FIT})"))
-        if whole > opts.gpu_gb * GIB:
-            verdict = (f"does NOT fit: the whole-model build above ({gib(whole)}) exceeds the GPU; "
-                       f"drop what needs it (exit status {DOES_NOT_FIT})")
+    if built.dense_params:  # host memory, not the device's: the upcycle fills each rank's shards from it
+        lines.append(f"  init: every rank upcycles from the dense model held whole in host memory (fp32), "
+                     f"{gib(4 * built.dense_params)}, and fills only its shards of the MoE model")
     lines.append(f"memory: peak {gib(worst.peak)}{where} of {opts.gpu_gb:g} GiB per GPU ({share:.0%}): {verdict}")
     lines.append(_a2a_line(a2a, wl))
     return lines
+
+
+def dense_params(cfg) -> int:
+    """Parameters of the dense model --init-from-dense upcycles from (0 without it): the MoE model's config with
+    dense FFNs of moe_ffn_hidden_size x granularity units (what models.upcycle.dense_mismatches requires)."""
+    if not cfg.train.init_from_dense:
+        return 0
+    from moekit.models.transformer import Transformer, meta_device
+
+    m = cfg.model
+    dense = replace(m, num_experts=0, shared_ffn_hidden_size=0,
+                                ffn_hidden_size=m.moe_ffn_hidden_size * cfg.train.upcycle_granularity)
+    with meta_device():
+        return sum(p.numel() for p in Transformer(dense.validate()).parameters())
 
 
 def fits(estimates: list[MemoryEstimate], opts: Options) -> bool:
