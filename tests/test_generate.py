@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -49,8 +50,8 @@ def runs(tmp_path_factory) -> dict[str, Path]:
         run = root / name
         flags = [*TINY_MODEL, "--preset", name, "--steps", str(STEPS), "--checkpoint.every", "1",
                  "--checkpoint.keep", "2", "--run-dir", str(run)]
-        if name == "deepseek-tiny":  # with a multi-token-prediction depth: speculative decoding drafts with it
-            flags += ["--model.mtp_layers", "1"]
+        if name == "deepseek-tiny":  # with multi-token-prediction depths: speculative decoding drafts with them
+            flags += ["--model.mtp_layers", "2"]
         assert train_main(flags) == 0
         out[name] = run
     return out
@@ -340,10 +341,11 @@ def test_eval_reproduces_the_trainers_val_loss(runs, tmp_path, family, capacity,
         assert layer["dead_experts"] == layer["tokens_per_expert"].count(0) and layer["imbalance"] >= 1
         assert (layer["dropped_slots"] == 0) == (capacity == "dropless")
     assert capsys.readouterr().out.startswith(f"loss {r['loss']:.4f}")
-    assert len(r["mtp"]) == cfg.mtp_layers  # deepseek-tiny trained with one depth
-    if cfg.mtp_layers:  # the trainer's val_mtp_loss on the same windows: the same number, computed another way
+    assert len(r["mtp"]) == cfg.mtp_layers  # deepseek-tiny trained with two depths
+    if cfg.mtp_layers:  # the trainer's val_mtp_loss (the depths' mean) on the same windows, computed another way
         rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-        assert r["mtp"][0]["loss"] == pytest.approx(rows[-1]["val_mtp_loss"], rel=1e-5)
+        mean = sum(d["loss"] for d in r["mtp"]) / len(r["mtp"])
+        assert mean == pytest.approx(rows[-1]["val_mtp_loss"], rel=1e-5)
 
 
 def test_eval_all_windows_within_a_token_budget(runs, tmp_path):
@@ -390,13 +392,20 @@ GENERATE_BAD = [
     (["{run}", "--seed", str(2**64)], f"--seed {2**64} is invalid; it must be in [0, 2**64)"),
     (["{run}", "--speculative"], "has none (model.mtp_layers 0): train with --model.mtp_layers 1, or drop"),
     (["{run}", "--speculative", "--no-cache"], "--speculative checks its drafts against the KV cache; drop --no-cache"),
+    (["{mtp}", "--draft-depths", "2"], "--draft-depths 2 sets how many MTP depths draft for --speculative; add "
+                                       "--speculative, or drop --draft-depths"),
+    (["{mtp}", "--speculative", "--draft-depths", "0"], "--draft-depths 0 is invalid; use 1 or more"),
+    (["{mtp}", "--speculative", "--draft-depths", "3"], "--draft-depths 3 exceeds the 2 multi-token-prediction "
+                                                        "depth(s) of {mtp} (model.mtp_layers 2); use 1 to 2, or drop"),
+    (["{mtp}", "--speculative", "--draft-depths", "two"], "argument --draft-depths: invalid int value: 'two'"),
 ]
 
 
 @pytest.mark.parametrize("argv,expected", GENERATE_BAD)
 def test_generate_bad_input_is_one_line(runs, tmp_path, capsys, argv, expected):
-    paths = {**bad_runs(runs, tmp_path), "missing": tmp_path / "missing", "run": runs["mixtral-tiny"]}
-    argv = [a.format(**paths) for a in argv]
+    paths = {**bad_runs(runs, tmp_path), "missing": tmp_path / "missing", "run": runs["mixtral-tiny"],
+             "mtp": runs["deepseek-tiny"]}
+    argv, expected = [a.format(**paths) for a in argv], expected.format(**paths)
     if "--prompt" not in argv:
         argv += ["--prompt", "x"]
     line = one_line(capsys, generate_main(argv), "generate.py")
@@ -438,15 +447,21 @@ def test_generate_benchmark_smoke(runs, tmp_path, capsys):
     (row,) = json.loads(out.read_text())["results"]
     assert row["same"] and row["generated"] == 20 and row["speedup"] > 0  # 24 positions > 16: the window moves
     assert "speedup" in capsys.readouterr().out and "spec_tok_s" not in row
-    # a trained run with an MTP depth (and a preset given one): speculative decoding joins the round-robin
-    assert bench_main(["--presets", "mixtral-tiny", "--mtp-layers", "1", "--runs", str(runs["deepseek-tiny"]),
-                       "--max-seq-len", "16", "--prompt-len", "4", "--new-tokens", "12", "--repeats", "1",
-                       "--device", "cpu", "--out", str(out)]) == 0
+    # a trained run with two MTP depths (and a preset given them): speculative decoding joins the round-robin, with
+    # chains of one and two drafts (one row each, the same cached decode as their peer); three: more than they have
+    assert bench_main(["--presets", "mixtral-tiny", "--mtp-layers", "2", "--runs", str(runs["deepseek-tiny"]),
+                       "--draft-depths", "1", "2", "3", "--max-seq-len", "16", "--prompt-len", "4", "--new-tokens",
+                       "12", "--repeats", "1", "--device", "cpu", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["results"]
-    assert [r["preset"] for r in rows] == ["mixtral-tiny", "deepseek-tiny"]
+    assert [(r["preset"], r["draft_depths"]) for r in rows] == [("mixtral-tiny", 1), ("mixtral-tiny", 2),
+                                                                ("deepseek-tiny", 1), ("deepseek-tiny", 2)]
     for r in rows:
-        assert r["same"] and r["spec_tok_s"] > 0 and 0 <= r["acceptance"] <= 1 and 1 <= r["tokens_per_forward"] <= 2
-    assert "spec tok/s" in capsys.readouterr().out
+        assert r["same"] and r["spec_tok_s"] > 0 and 0 <= r["acceptance"] <= 1
+        assert len(r["acceptance_by_depth"]) == r["draft_depths"]
+        assert 1 <= r["tokens_per_forward"] <= r["draft_depths"] + 1
+        assert r["spec_speedup"] == pytest.approx(r["spec_tok_s"] / r["cache_tok_s"])
+    out, err = capsys.readouterr()
+    assert "spec tok/s" in out and "accepted by depth" in out and "no chains of [3] drafts" in err
 
 
 def test_generate_script_exit_status_and_no_traceback(tmp_path):
@@ -461,57 +476,93 @@ def test_generate_script_exit_status_and_no_traceback(tmp_path):
 # ---------------------------------------------------------------------------------------------------
 
 
-def spec_model(seed: int, **over):
+def spec_model(seed: int, narrow_head: bool = False, **over):
     """A tiny DeepSeek-style model with one MTP depth, a 12-token vocabulary (random drafts are accepted now and
-    then, so both branches run) and a 20-position window (the window moves during a 50-token decode)."""
+    then, so both branches run) and a 20-position window (the window moves during a 50-token decode).
+    ``narrow_head``: the head reads only the first hidden unit, so every depth predicts one of two tokens and
+    drafts are often right at every depth of a chain (random depths beyond the first almost never are)."""
     base = dict(name="spec", vocab_size=12, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=4, max_seq_len=20,
                 ffn_hidden_size=48, num_experts=4, moe_ffn_hidden_size=16, shared_ffn_hidden_size=16, top_k=2,
                 first_dense_layers=1, mtp_layers=1)
     base.update(over)
-    return build_model(ModelConfig(**base), seed=seed).eval()
+    model = build_model(ModelConfig(**base), seed=seed).eval()
+    if narrow_head:
+        with torch.no_grad():
+            model.lm_head.weight[:, 1:] = 0
+    return model
 
 
-@pytest.mark.parametrize("over", [{}, {"tie_embeddings": True, "mtp_layers": 2}], ids=["untied", "tied-2-depths"])
-def test_speculative_greedy_gives_the_plain_greedy_tokens(over):
-    """Greedy speculative decoding against generate() with the cache, over several models and prompts: the same
-    tokens through accepted and rejected drafts and moving windows; an accepted draft saves a forward."""
-    accepted = 0
-    for seed in range(4):
-        model = spec_model(seed, **over)
-        prompt = torch.randint(0, 12, (3 + seed,), generator=torch.Generator().manual_seed(seed)).tolist()
-        want = generate(model, prompt, 50)
-        got = generate_speculative(model, prompt, 50)
-        assert got.new_ids == want.new_ids, seed
-        assert got.shifts > 0 and want.shifts - got.shifts in (0, 1)  # (generate counts a move after its last token)
-        assert 0 < got.drafted and got.accepted <= got.drafted
-        # each draft checked is one forward; prefills (one per window) and full-window steps are the others
-        assert got.forwards < len(got.new_ids) + got.shifts + 1
-        assert got.forwards + got.accepted >= len(got.new_ids)  # an accepted draft: two tokens for one forward
-        accepted += got.accepted
-    if not over:  # both branches ran (the tied models' random drafts happen to miss every time)
-        assert accepted > 0
+MLA = dict(attention="mla", kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, q_lora_rank=16)
+SPEC_CONFIGS = {"moe": {}, "dense": dict(num_experts=0, shared_ffn_hidden_size=0), "mla": MLA,
+                "tied": dict(tie_embeddings=True)}
 
 
-def test_the_drafts_are_the_trained_depths_predictions():
-    """draft_logits with the depth's cache, fed 1-3 positions at a time, against depth 1 of the training objective run
-    on the whole sequence (models.mtp.mtp_loss's inputs, written out here): the drafter is the depth training taught."""
-    from moekit.models.attention import LayerKV
+@pytest.mark.parametrize("depths", [1, 2, 3])
+@pytest.mark.parametrize("config", list(SPEC_CONFIGS))
+def test_speculative_greedy_gives_the_plain_greedy_tokens(config, depths):
+    """Greedy speculative decoding with chains of 1-3 drafts against generate() with the cache, over several models
+    and prompts: the same tokens through accepted, partly accepted and rejected chains and moving windows; a kept
+    draft saves a forward."""
+    kept, drafted = [0] * depths, [0] * depths
+    narrow = (False,) if config == "tied" else (False, True)  # (a narrow tied head would blind the embedding)
+    for seed in range(3):
+        for narrow_head in narrow:
+            model = spec_model(seed, narrow_head, mtp_layers=3, **SPEC_CONFIGS[config])
+            prompt = torch.randint(0, 12, (3 + seed,), generator=torch.Generator().manual_seed(seed)).tolist()
+            want = generate(model, prompt, 50)
+            got = generate_speculative(model, prompt, 50, draft_depths=depths)
+            assert got.new_ids == want.new_ids, (seed, narrow_head)
+            assert got.shifts > 0 and want.shifts - got.shifts in (0, 1)  # (generate counts a move after its end)
+            assert len(got.drafted_by_depth) == depths and 0 < got.drafted
+            # each chain checked is one forward; prefills (one per window) and draftless steps are the others
+            assert got.forwards < len(got.new_ids) + got.shifts + 1
+            assert got.forwards + got.accepted >= len(got.new_ids)  # each kept draft: a token without a forward
+            kept = [a + b for a, b in zip(kept, got.accepted_by_depth)]
+            drafted = [a + b for a, b in zip(drafted, got.drafted_by_depth)]
+    assert drafted[0] >= drafted[-1] and all(a <= b for a, b in zip(kept, drafted))
+    if config != "tied":  # every depth's drafts were kept and rejected (the narrow heads), so every branch ran
+        assert all(0 < a < b for a, b in zip(kept, drafted)), (kept, drafted)
+
+
+@pytest.mark.parametrize("config", ["moe", "mla"])
+def test_the_drafts_are_the_trained_depths_predictions(config):
+    """The DraftChain that generate_speculative drives, with random partial acceptance of its 3-draft chains (so the
+    depths are fed 1-4 new positions at a time and roll back by different amounts), against the training objective's
+    depth chain (models.mtp.depth_states, as mtp_loss runs it) on the whole settled sequence: after every rollback,
+    each depth's draft logits at every position it keeps equal training's."""
+    import random
+
+    from moekit.models.mtp import depth_states
     from moekit.models.rope import rope_tables
-    from moekit.train.decoding import draft_logits
+    from moekit.train.decoding import DraftChain, _pick, draft_logits
 
-    model = spec_model(3)
-    tokens = torch.randint(0, 12, (2, 15), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        _, h = model(tokens, return_hidden=True)  # [2, 15, H]
-        cos, sin = rope_tables(model.config, 14, "cpu")
-        depth = model.mtp[0]
-        y = depth(h[:, :14], model.embed(tokens[:, 1:]), cos, sin, tokens[:, 1:])  # positions 0..13, no cache
-        want = torch.nn.functional.linear(depth.norm(y), model.lm_head.weight)  # [2, 14, V]
-        kv, got, pos = LayerKV(20), [], 0
-        for n in (3, 1, 2, 1, 3, 2, 2):
-            got.append(draft_logits(model, kv, h[:, pos:pos + n], tokens[:, pos + 1:pos + n + 1]))
-            pos += n
-    torch.testing.assert_close(torch.cat(got, 1), want, rtol=1e-5, atol=1e-5)
+    D, W = 3, 40
+    # init_std 0.3: attention peaked enough that a position off by one moves the logits by far more than rounding
+    model = spec_model(3, mtp_layers=D, max_seq_len=W, init_std=0.3, **SPEC_CONFIGS[config])
+    rng, gen = random.Random(0), torch.Generator().manual_seed(0)
+    seq = [rng.randrange(12) for _ in range(5)]
+    checked = [0] * (D + 1)
+    with torch.inference_mode():
+        chain = DraftChain(model, D)
+        chain.forward(seq[:-1])  # the prefill: seq[-1] is the next token, not yet read
+        while len(seq) < W - D:
+            m = len(seq) - 1
+            chain.rollback(m)
+            tokens = torch.tensor([seq])
+            _, x = model(tokens, return_hidden=True)  # the whole sequence, no cache
+            cos, sin = rope_tables(model.config, len(seq), "cpu")
+            for k, h in depth_states(model, x, model.embed(tokens), tokens, cos, sin):
+                n = chain.caches[k].length
+                if not n:  # (before its first draft)
+                    continue
+                want = torch.nn.functional.linear(h[:, :n], model.lm_head.weight)  # as head_loss computes it
+                torch.testing.assert_close(draft_logits(model, k, chain.states[k][:, :n]), want, rtol=1e-5, atol=1e-5)
+                checked[k] = max(checked[k], n)
+            drafts = chain.draft(seq, D, lambda logits: _pick(logits, Sampling(), gen))
+            chain.forward([seq[-1], *(d for d, _, _ in drafts)])
+            a = rng.randint(0, D)  # keep the first a drafts, then a token of our own
+            seq += [d for d, _, _ in drafts[:a]] + [rng.randrange(12)]
+    assert min(checked[1:]) > W // 2  # every depth was checked far into the sequence
 
 
 def test_accept_draft_keeps_the_target_distribution():
@@ -532,28 +583,81 @@ def test_accept_draft_keeps_the_target_distribution():
     assert abs(kept / n - 0.35) < 0.02  # sum_x min(p, q) = 0.25 + 0.1 + 0 = 0.35
 
 
+def test_a_chain_of_drafts_keeps_the_target_distribution():
+    """check_drafts on 2-draft chains, decoding 3 tokens 10000 times over a 3-token vocabulary with made-up target
+    and draft models (each a distribution per context length and last token, far apart): the chains are drafted,
+    checked and extended as generate_speculative does, so the tokens come from kept drafts at both depths,
+    residual draws after a kept draft and bonus tokens. The 27 frequencies of the first three tokens match the
+    target's exact joint probabilities within 4 standard errors of the sample count (and the rule that keeps every
+    draft fails this by far)."""
+    from moekit.train.decoding import _pick, check_drafts
+
+    V, n = 3, 10000
+    table = torch.Generator().manual_seed(4)
+    p = torch.rand(6, V + 1, V, generator=table, dtype=torch.float64) ** 3  # [context length, last token (V: none), V]
+    q = torch.rand(6, V + 1, V, generator=table, dtype=torch.float64) ** 3
+    p, q = p / p.sum(-1, keepdim=True), q / q.sum(-1, keepdim=True)
+
+    def dist(table: torch.Tensor, context: list[int]) -> torch.Tensor:
+        return table[len(context), context[-1] if context else V]
+
+    sampling, gen = Sampling(temperature=1.0), torch.Generator().manual_seed(0)
+    counts, kept_by_depth = torch.zeros(V, V, V), [0, 0]
+    for _ in range(n):
+        seq = []
+        while len(seq) < 3:
+            drafts, ahead = [], list(seq)
+            for _ in range(2):  # depth k drafts after depth k-1's draft
+                drafts.append(_pick(dist(q, ahead).log(), sampling, gen))
+                ahead.append(drafts[-1][0])
+            logits = torch.stack([dist(p, seq + ahead[len(seq):len(seq) + j]).log() for j in range(3)])  # [3, V]
+            tokens, kept = check_drafts(logits, drafts, sampling, gen)
+            seq += tokens
+            for j in range(kept):
+                kept_by_depth[j] += 1
+        counts[tuple(seq[:3])] += 1
+    want = torch.zeros(V, V, V, dtype=torch.float64)
+    for a, b, c in np.ndindex(V, V, V):
+        want[a, b, c] = dist(p, [])[a] * dist(p, [a])[b] * dist(p, [a, b])[c]
+    err = (want * (1 - want) / n).sqrt()
+    assert ((counts / n - want).abs() <= 4 * err + 1e-9).all(), (counts / n - want).abs().max()
+    assert kept_by_depth[0] > kept_by_depth[1] > 0  # both depths' drafts were kept, and rejected
+    always = torch.zeros(V, V, V, dtype=torch.float64)  # the rule's opposite: tokens drawn as q chains them
+    for a, b, c in np.ndindex(V, V, V):
+        always[a, b, c] = dist(q, [])[a] * dist(q, [a])[b] * dist(q, [a, b])[c]
+    assert ((always - want).abs() > 8 * err).any()
+
+
 def test_speculative_sampling_follows_the_seed_and_stops_at_eos():
-    model = spec_model(0)
+    model = spec_model(0, mtp_layers=2)
     sampling = Sampling(temperature=0.9, top_k=8)
     a = generate_speculative(model, [1, 2, 3], 30, sampling, seed=5)
     b = generate_speculative(model, [1, 2, 3], 30, sampling, seed=5)
     assert a.new_ids == b.new_ids and len(a.new_ids) == 30 and all(0 <= t < 12 for t in a.new_ids)
+    assert len(a.drafted_by_depth) == 2 and a.drafted_by_depth[1] > 0
     eos = a.new_ids[7]
     c = generate_speculative(model, [1, 2, 3], 30, sampling, seed=5, eos_ids=(eos,))
     assert c.stopped == "eos" and c.new_ids == a.new_ids[: a.new_ids.index(eos)]
     with pytest.raises(ValueError, match="has none"):
         generate_speculative(spec_model(0, mtp_layers=0), [1], 4)
+    for bad in (0, 3):
+        with pytest.raises(ValueError, match=f"draft_depths={bad} is invalid; the model has 2 MTP depths"):
+            generate_speculative(model, [1], 4, draft_depths=bad)
 
 
-def test_generate_speculative_from_a_run_with_an_mtp_depth(runs, capsys):
-    """moekit-generate --speculative on a run trained with --model.mtp_layers 1: the greedy text of the plain
-    decode, and the acceptance in the stats line."""
+def test_generate_speculative_from_a_run_with_mtp_depths(runs, capsys):
+    """moekit-generate --speculative on a run trained with --model.mtp_layers 2: the greedy text of the plain
+    decode with chains of one and two drafts, and each depth's acceptance in the stats line."""
     argv = [str(runs["deepseek-tiny"]), "--prompt", "def main(", "--max-new-tokens", "16", "--device", "cpu"]
     assert generate_main(argv) == 0
     plain = capsys.readouterr().out
-    assert generate_main([*argv, "--speculative"]) == 0
+    assert generate_main([*argv, "--speculative"]) == 0  # every depth drafts
     out, err = capsys.readouterr()
-    assert out == plain and "MTP drafts accepted " in err and "tokens per forward" in err
+    assert out == plain and re.search(r"MTP drafts accepted \d+% / \d+% by depth \(\d+/\d+\), [\d.]+ tokens per "
+                                      r"forward", err), err
+    assert generate_main([*argv, "--speculative", "--draft-depths", "1"]) == 0  # one draft per forward
+    out, err = capsys.readouterr()
+    assert out == plain and re.search(r"MTP drafts accepted \d+% \(\d+/\d+\), [\d.]+ tokens per forward", err), err
 
 
 def test_eval_reports_each_mtp_depth_as_training_computes_it(tmp_path):

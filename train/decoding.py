@@ -5,7 +5,7 @@ sampling rules and the context window are described in moekit.train.generate's d
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -59,18 +59,37 @@ class Generation:
     stopped: str  # "eos" or "length"
     prompt_dropped: int = 0  # prompt tokens beyond the window (module docstring)
     shifts: int = 0  # times the window moved on
-    drafted: int = 0  # speculative decoding: draft tokens the main model checked
-    accepted: int = 0  # ... and kept
     forwards: int = 0  # main-model forwards (prefills included)
+    # speculative decoding, per drafting depth k = 1..D: depth k's drafts the main model checked, and those it kept
+    # (a depth-k draft is kept only after depths 1..k-1's drafts of the same chain were)
+    drafted_by_depth: list[int] = field(default_factory=list)
+    accepted_by_depth: list[int] = field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
         return len(self.new_ids) / self.seconds if self.seconds > 0 else float("inf")
 
     @property
+    def drafted(self) -> int:
+        return sum(self.drafted_by_depth)
+
+    @property
+    def accepted(self) -> int:
+        return sum(self.accepted_by_depth)
+
+    @property
     def acceptance(self) -> float:
-        """Share of the drafted tokens the main model accepted (nan without drafts)."""
+        """Share of the drafted tokens the main model accepted, all depths together (nan without drafts)."""
         return self.accepted / self.drafted if self.drafted else float("nan")
+
+    @property
+    def acceptance_by_depth(self) -> list[float]:
+        """Per drafting depth, the share of its drafts the main model accepted (nan where it drafted none)."""
+        return [a / d if d else float("nan") for a, d in zip(self.accepted_by_depth, self.drafted_by_depth)]
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return len(self.new_ids) / self.forwards if self.forwards else float("nan")
 
 
 @torch.inference_mode()
@@ -112,7 +131,7 @@ def generate(model: Transformer, prompt_ids: list[int], max_new_tokens: int, sam
 
 
 # ---------------------------------------------------------------------------------------------------
-# Speculative decoding with the model's multi-token-prediction depth (models.mtp)
+# Speculative decoding with the model's multi-token-prediction depths (models.mtp)
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -136,118 +155,171 @@ def accept_draft(p_ids: torch.Tensor, p: torch.Tensor, q_ids: torch.Tensor, q: t
     return False, ids[int(torch.multinomial(residual / residual.sum(), 1, generator=generator))]
 
 
-def draft_logits(model: Transformer, kv, h: torch.Tensor, ahead: torch.Tensor) -> torch.Tensor:
-    """The first MTP depth (models.mtp) at the next n positions of its cache ``kv`` (a LayerKV; positions follow the
-    main model's): main final hidden states h [B, n, H] and the tokens one ahead of them [B, n] -> logits [B, n, V]
-    float32 of the token two ahead, as training computes depth 1's."""
+def check_drafts(logits: torch.Tensor, drafts: list, sampling: Sampling,
+                 generator: torch.Generator) -> tuple[list[int], int]:
+    """The main model's verdict on a chain of drafts d_1..d_n, from its logits [n + 1, V] at [last token, d_1..d_n]
+    (row j: the distribution of the token after d_j, d_0 being the last token). ``drafts[j]``: (d_{j+1}, its
+    candidate ids, probabilities) as ``_pick`` drew it from depth j + 1's logits (ids and probabilities None when
+    greedy). Draft by draft: greedy keeps d_j while it is the argmax of row j - 1; sampling applies ``accept_draft``.
+    The first rejected draft is replaced by the main model's token (the argmax, or the residual draw) and ends the
+    chain; when all are kept, row n adds a bonus token. -> (the tokens to append, the number of drafts kept)."""
+    if sampling.temperature == 0:
+        top = logits.argmax(-1).tolist()  # [n + 1]: one D2H sync for the chain
+        kept = next((j for j, (draft, _, _) in enumerate(drafts) if top[j] != draft), len(drafts))
+        return top[: kept + 1], kept
+    tokens = []
+    for j, (draft, q_ids, q) in enumerate(drafts):
+        p_ids, p = candidates(logits[j], sampling)
+        ok, token = accept_draft(p_ids, p, q_ids, q, draft, generator)
+        tokens.append(token)
+        if not ok:
+            return tokens, j
+    return tokens + [_pick(logits[len(drafts)], sampling, generator)[0]], len(drafts)
+
+
+def mtp_states(model: Transformer, k: int, kv, h: torch.Tensor, ahead: torch.Tensor) -> torch.Tensor:
+    """MTP depth ``k`` (1-based, models.mtp) at the next n positions of its cache ``kv`` (a LayerKV): the previous
+    depth's states there, h [B, n, H] (the main model's final normed hidden states for depth 1), and the tokens k
+    ahead of those positions [B, n] -> depth k's states [B, n, H] (before its norm: depth k + 1's input). Position i
+    of every depth is the main model's position i (RoPE included), as ``models.mtp.depth_states`` chains them."""
     from moekit.models.rope import rope_tables
 
-    depth = model.mtp[0]
     cos, sin = rope_tables(model.config, ahead.shape[1], ahead.device, kv.length)
-    y = depth(h, model.embed(ahead), cos, sin, ahead, kv=kv)  # [B, n, H]
+    return model.mtp[k - 1](h, model.embed(ahead), cos, sin, ahead, kv=kv)
+
+
+def draft_logits(model: Transformer, k: int, states: torch.Tensor) -> torch.Tensor:
+    """Depth k's prediction from its states [..., H] (``mtp_states``): its norm, then the shared head -> logits
+    [..., V] float32 of the token k + 1 after each position, as training computes depth k's."""
     weight = model.embed.weight if model.lm_head is None else model.lm_head.weight
-    return torch.nn.functional.linear(depth.norm(y), weight).float()
+    return torch.nn.functional.linear(model.mtp[k - 1].norm(states), weight).float()
+
+
+class DraftChain:
+    """The caches of ``generate_speculative`` in one context window: depth 0 is the main model, depth k (1 <= k <=
+    ``depths``) its k-th MTP depth. ``caches[k]`` is depth k's attention cache (the main model's KVCache; a LayerKV
+    per depth) and ``states[k]`` [1, W, H] its hidden states at the cached positions, which depth k + 1 reads. Depth k
+    at position i reads depth k - 1 at i and the token at i + k (training's chain, models.mtp.depth_states), so the
+    depths' caches can lag the main model's, each by its own amount, and catch up in ``draft``."""
+
+    def __init__(self, model: Transformer, depths: int):
+        from moekit.models.attention import LayerKV
+
+        W = model.config.max_seq_len
+        self.model = model
+        self.caches = [KVCache(model.config, W), *(LayerKV(W) for _ in range(depths))]
+        self.states: list[torch.Tensor | None] = [None] * (depths + 1)  # allocated at the first write
+
+    def _ids(self, tokens: list[int]) -> torch.Tensor:
+        return torch.tensor([tokens], device=self.model.embed.weight.device)
+
+    def _keep(self, k: int, start: int, states: torch.Tensor) -> None:
+        if self.states[k] is None:
+            self.states[k] = states.new_empty(1, self.model.config.max_seq_len, states.shape[-1])
+        self.states[k][:, start : start + states.shape[1]] = states
+
+    def forward(self, tokens: list[int]) -> torch.Tensor:
+        """The main model on the tokens at its next positions -> their logits [n, V]."""
+        start = self.caches[0].length
+        logits, h = self.model(self._ids(tokens), cache=self.caches[0], return_hidden=True)  # [1, n, V], [1, n, H]
+        self._keep(0, start, h)
+        return logits[0]
+
+    def rollback(self, length: int) -> None:
+        """The tokens at positions < ``length`` are settled (what the main model read); the token at ``length`` may
+        differ from the draft the states read there. Forget every state that read a later token: depth k keeps its
+        first length - k positions."""
+        for k, cache in enumerate(self.caches):
+            cache.truncate(min(cache.length, max(0, length - k)))
+
+    def draft(self, window: list[int], n: int, pick) -> list:
+        """Depths 1..n catch up with the main model and draft a chain: ``window`` holds the tokens at positions
+        0 .. m (m = the main cache's length: the next token it reads), depth k's last position m - 1 reads the
+        token at m - 1 + k, which for k >= 2 is depth k - 1's draft. -> [(d_k, ids, probs)] for k = 1..n, ``pick``'s
+        result for depth k's logits at m - 1 (d_k: the token for position m + k)."""
+        tokens, end, drafts = list(window), self.caches[0].length, []
+        for k in range(1, n + 1):
+            start = self.caches[k].length
+            y = mtp_states(self.model, k, self.caches[k], self.states[k - 1][:, start:end],
+                           self._ids(tokens[start + k : end + k]))  # [1, end - start, H]
+            self._keep(k, start, y)
+            drafts.append(pick(draft_logits(self.model, k, y[0, -1])))
+            tokens.append(drafts[-1][0])
+        return drafts
 
 
 @torch.inference_mode()
 def generate_speculative(model: Transformer, prompt_ids: list[int], max_new_tokens: int,
-                         sampling: Sampling = Sampling(), *, seed: int = 0, eos_ids: tuple[int, ...] = ()) -> Generation:
-    """``generate`` with the KV cache, each main-model forward checking one token drafted by the model's first
-    multi-token-prediction depth (DeepSeek-V3 section 5.4.3: its MTP module as the draft model).
+                         sampling: Sampling = Sampling(), *, seed: int = 0, eos_ids: tuple[int, ...] = (),
+                         draft_depths: int | None = None) -> Generation:
+    """``generate`` with the KV cache, each main-model forward checking a chain of tokens drafted by the model's
+    first ``draft_depths`` multi-token-prediction depths (default: all; DeepSeek-V3 section 5.4.3 drafts with its
+    MTP module). With the last committed token t at position m, not yet in the main cache:
 
-    With the last committed token t at position m - 1 not yet in the cache and a draft d for position m:
+        depth 1 on (h_i, embed(token at i + 1)) for its new positions i (its own cache) -> draft d_1 for m + 1
+        depth k on (depth k-1's state at i, embed(token at i + k)) -> d_k for m + k, reading d_{k-1} at i = m - 1
+        main forward on [t, d_1..d_n] (positions m .. m + n) -> the logits for m + 1 .. m + n + 1
+        ``check_drafts``: the longest kept prefix d_1..d_a, then the main model's own token for m + a + 1
+        every cache forgets what read a token after m + a (``DraftChain.rollback``)
 
-        main forward on [t, d] (positions m-1, m)  -> hidden h_{m-1}, h_m and the logits for m and m+1
-        token for m from the logits at m - 1: equal to d (greedy; speculative sampling's acceptance test when
-            sampling) -> keep it and take m + 1 from the logits at m as well: two tokens for one forward;
-            else the cache forgets position m and one token was made
-        depth 1 on (h_i, embed(token at i + 1)) for the new positions i (its own cache) -> the next draft
-
-    Greedy decoding gives exactly ``generate``'s tokens, and sampling the same distribution (not the same draws
-    for a seed). The context window moves as in ``generate`` (a new prefill of both caches)."""
+    so one forward makes 1 to n + 1 tokens. n is smaller where the window or ``max_new_tokens`` leaves less room.
+    Greedy decoding gives exactly ``generate``'s tokens, and sampling the same distribution (not the same draws for
+    a seed). The context window moves as in ``generate`` (a new prefill, every depth restarting)."""
     if not prompt_ids:
         raise ValueError("generate() needs at least one prompt token")
     if not len(model.mtp):
         raise ValueError("speculative decoding drafts with the model's multi-token-prediction depths, and this model "
                          "has none (model.mtp_layers 0)")
-    from moekit.models.attention import LayerKV
-
-    cfg = model.config
-    W = cfg.max_seq_len
-    if W < 3:
-        raise ValueError(f"speculative decoding needs model.max_seq_len >= 3, got {W}")
+    depths = len(model.mtp) if draft_depths is None else draft_depths
+    if not 1 <= depths <= len(model.mtp):
+        raise ValueError(f"draft_depths={draft_depths} is invalid; the model has {len(model.mtp)} MTP depths")
+    W = model.config.max_seq_len
     keep = max(1, W // 2)
-    device = model.embed.weight.device
     generator = torch.Generator().manual_seed(seed)
     seq = list(prompt_ids)
     start = max(0, len(seq) - W)
-    out = Generation(list(prompt_ids), [], 0.0, 0.0, "length", max(0, len(prompt_ids) - W))
+    out = Generation(list(prompt_ids), [], 0.0, 0.0, "length", max(0, len(prompt_ids) - W),
+                     drafted_by_depth=[0] * depths, accepted_by_depth=[0] * depths)
     t0 = time.perf_counter()
 
-    def ids(tokens: list[int]) -> torch.Tensor:
-        return torch.tensor([tokens], device=device)
+    def pick(logits: torch.Tensor):
+        return _pick(logits, sampling, generator)
 
-    def run_depth(mtp_kv: LayerKV, h: torch.Tensor, ahead: list[int]) -> torch.Tensor:
-        return draft_logits(model, mtp_kv, h, ids(ahead))[0, -1]  # [V]
+    def commit(tokens: list[int]) -> bool:
+        """Append the tokens; True when decoding ends (EOS or the length)."""
+        for token in tokens:
+            if token in eos_ids:
+                out.stopped = "eos"
+                return True
+            seq.append(token)
+            if len(seq) - len(prompt_ids) >= max_new_tokens:
+                return True
+        return False
 
-    def commit(token: int) -> bool:
-        """Append ``token``; True when decoding ends (EOS or the length)."""
-        if token in eos_ids:
-            out.stopped = "eos"
-            return True
-        seq.append(token)
-        return len(seq) - len(prompt_ids) >= max_new_tokens
-
-    def prefill():
-        """Both caches from the window seq[start:]; -> (caches, the draft token and its distribution), or None
-        when the token it commits ends decoding."""
-        window = seq[start:]
-        cache, mtp_kv = KVCache(cfg, W), LayerKV(W)
-        logits, h = model(ids(window), cache=cache, return_hidden=True)  # [1, S, V], [1, S, H]
+    def prefill() -> tuple[DraftChain, list[int]]:
+        chain = DraftChain(model, depths)
+        logits = chain.forward(seq[start:])
         out.forwards += 1
-        token, _, _ = _pick(logits[0, -1], sampling, generator)
-        if not out.first_token_s:
-            out.first_token_s = time.perf_counter() - t0
-        if commit(token):
-            return None
-        draft_logits = run_depth(mtp_kv, h, window[1:] + [token])
-        return (cache, mtp_kv, *_pick(draft_logits, sampling, generator))
+        token = pick(logits[-1])[0]
+        out.first_token_s = out.first_token_s or time.perf_counter() - t0
+        return chain, [token]
 
-    state = prefill()
-    while state is not None:  # the cache holds positions 0 .. cache.length - 1; seq[-1] is the next
-        cache, mtp_kv, draft, q_ids, q = state
-        if cache.length + 1 == W:  # seq[-1] takes the window's last position: no room for a draft
-            logits = model(ids(seq[-1:]), cache=cache)  # [1, 1, V]
-            out.forwards += 1
-            if commit(_pick(logits[0, -1], sampling, generator)[0]):
-                break
-        if cache.length + 1 >= W:  # the window is full: move on to the newest `keep` tokens, as generate does
+    chain, tokens = prefill()
+    while not commit(tokens):
+        m = len(seq) - 1 - start  # the position of seq[-1]: the main cache holds (at least) 0 .. m - 1
+        if m >= W:  # it is past the window: move on to the newest `keep` tokens, as generate does
             start, out.shifts = len(seq) - keep, out.shifts + 1
-            state = prefill()
+            chain, tokens = prefill()
             continue
-        m = cache.length + 1  # position of the draft
-        logits, h = model(ids([seq[-1], draft]), cache=cache, return_hidden=True)  # [1, 2, V], [1, 2, H]
+        chain.rollback(m)
+        n = min(depths, W - 1 - m, max_new_tokens - (len(seq) - len(prompt_ids)) - 1)  # positions m + 1 .. m + n
+        drafts = chain.draft(seq[start:], n, pick)
+        logits = chain.forward([seq[-1], *(d for d, _, _ in drafts)])  # [n + 1, V]
         out.forwards += 1
-        out.drafted += 1
-        if sampling.temperature == 0:
-            token = int(logits[0, 0].argmax())
-            kept = token == draft
-        else:
-            p_ids, p = candidates(logits[0, 0], sampling)
-            kept, token = accept_draft(p_ids, p, q_ids, q, draft, generator)
-        if not kept:
-            cache.truncate(m)  # the draft's position is forgotten: the next forward writes it again
-            if commit(token):
-                break
-            state = (cache, mtp_kv, *_pick(run_depth(mtp_kv, h[:, :1], [token]), sampling, generator))
-            continue
-        out.accepted += 1
-        if commit(token):
-            break
-        bonus, _, _ = _pick(logits[0, 1], sampling, generator)
-        if commit(bonus):
-            break
-        state = (cache, mtp_kv, *_pick(run_depth(mtp_kv, h, [token, bonus]), sampling, generator))
+        tokens, kept = check_drafts(logits, drafts, sampling, generator)
+        for j in range(n):
+            out.drafted_by_depth[j] += 1
+            out.accepted_by_depth[j] += j < kept
     out.new_ids = seq[len(prompt_ids):]
     out.seconds = time.perf_counter() - t0
     out.first_token_s = out.first_token_s or out.seconds

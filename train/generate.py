@@ -1,7 +1,8 @@
 """Generate text from a trained model: ``moekit-generate`` (or ``python tools/generate.py`` in a checkout).
 
     moekit-generate RUN_DIR|CHECKPOINT|HF_DIR --prompt TEXT [--max-new-tokens N] [--temperature T]
-                    [--top-k K] [--top-p P] [--seed S] [--no-cache] [--speculative] [--device D] [--dtype T]
+                    [--top-k K] [--top-p P] [--seed S] [--no-cache] [--speculative [--draft-depths N]]
+                    [--device D] [--dtype T]
 
 stdout: the prompt and its continuation; stderr: what was loaded, and one stats line (tokens/s).
 Decoding stops after --max-new-tokens tokens or at the tokenizer's EOS (not printed).
@@ -20,11 +21,14 @@ the model on the whole window at every step and uses the same windows, so greedy
 tokens with and without the cache (the logits agree up to float rounding).
 
 Speculative decoding (--speculative, for models with multi-token-prediction depths: --model.mtp_layers, or a
-DeepSeek-V3 / GLM-4.5 checkpoint's MTP layer): the first depth drafts the token after the next, and one forward
-of the main model checks it while computing the next, so an accepted draft gives two tokens for one forward.
-Greedy decoding gives the same tokens as without it; sampling keeps the same distribution (speculative
-sampling), not the same draws for a seed. The stats line reports the share of drafts accepted: a direct
-measure of how well the MTP depth predicts (DeepSeek-V3 reports 85-90% for its second token).
+DeepSeek-V3 / GLM-4.5 checkpoint's MTP layer): the model's D depths draft a chain of D tokens after the next
+(depth k the token k after it, from depth k-1's state and depth k-1's draft), and one forward of the main model
+checks the whole chain while computing the next token, so one forward gives 1 to D + 1 tokens (the longest
+accepted prefix, then the main model's own token). --draft-depths N drafts with the first N depths only (default:
+all; 1 = a single draft per forward). Greedy decoding gives the same tokens as without it; sampling keeps the
+same distribution (speculative sampling), not the same draws for a seed. The stats line reports the share of
+each depth's drafts accepted: a direct measure of how well the MTP depths predict (DeepSeek-V3 reports 85-90%
+for its second token).
 """
 from __future__ import annotations
 
@@ -74,8 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the sampler (default 0)")
     p.add_argument("--no-cache", action="store_true", help="recompute the whole window every step (no KV cache)")
     p.add_argument("--speculative", action="store_true",
-                   help="draft each token after the next with the model's multi-token-prediction depth and check it "
-                        "in the same forward (up to 2 tokens per forward; greedy output unchanged; needs MTP depths)")
+                   help="draft the tokens after the next with the model's D multi-token-prediction depths and check "
+                        "them in the same forward (up to D + 1 tokens per forward; greedy output unchanged)")
+    p.add_argument("--draft-depths", type=int, default=None, metavar="N",
+                   help="with --speculative: draft with the first N MTP depths (default: all the model's)")
     return p
 
 
@@ -88,6 +94,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.sampling = Sampling(args.temperature, args.top_k, args.top_p).check()
     if args.speculative and args.no_cache:
         raise UserError("--speculative checks its drafts against the KV cache; drop --no-cache (or --speculative)")
+    if args.draft_depths is not None:
+        if not args.speculative:
+            raise UserError(f"--draft-depths {args.draft_depths} sets how many MTP depths draft for --speculative; "
+                            f"add --speculative, or drop --draft-depths")
+        if args.draft_depths < 1:
+            raise UserError(f"--draft-depths {args.draft_depths} is invalid; use 1 or more (at most the model's MTP "
+                            f"depths), or drop it to draft with all of them")
     return args
 
 
@@ -99,6 +112,10 @@ def run(args: argparse.Namespace) -> int:
     if args.speculative and not len(model.mtp):
         raise UserError(f"--speculative drafts with the model's multi-token-prediction depths, and {args.path} has "
                         f"none (model.mtp_layers 0): train with --model.mtp_layers 1, or drop --speculative")
+    if args.speculative and (args.draft_depths or 0) > len(model.mtp):
+        raise UserError(f"--draft-depths {args.draft_depths} exceeds the {len(model.mtp)} multi-token-prediction "
+                        f"depth(s) of {args.path} (model.mtp_layers {len(model.mtp)}); use 1 to {len(model.mtp)}, or "
+                        f"drop --draft-depths to draft with all of them")
     prompt_ids = tokenizer.encode(args.prompt)
     if not prompt_ids:
         raise UserError("--prompt encodes to no tokens; give some text to continue")
@@ -117,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
     speculative = args.speculative and use_cache
     if speculative:
         out = generate_speculative(model, prompt_ids, args.max_new_tokens, args.sampling, seed=args.seed,
-                                   eos_ids=tokenizer.eos_ids)
+                                   eos_ids=tokenizer.eos_ids, draft_depths=args.draft_depths)
     else:
         out = generate(model, prompt_ids, args.max_new_tokens, args.sampling, seed=args.seed,
                        eos_ids=tokenizer.eos_ids, use_cache=use_cache)
@@ -127,15 +144,20 @@ def run(args: argparse.Namespace) -> int:
     print(args.prompt + continuation(tokenizer, prompt_ids, out.new_ids), flush=True)
     why = "EOS" if out.stopped == "eos" else f"--max-new-tokens {args.max_new_tokens}"
     moved = f", window moved {out.shifts}x" if out.shifts else ""
-    spec = ""
-    if speculative:
-        rate = f"{out.acceptance:.0%}" if out.drafted else "n/a"
-        spec = (f", MTP drafts accepted {out.accepted}/{out.drafted} ({rate}), "
-                f"{len(out.new_ids) / max(1, out.forwards):.2f} tokens per forward")
+    spec = f", {draft_stats(out)}" if speculative else ""
     _note(f"{len(prompt_ids)} prompt + {len(out.new_ids)} new tokens in {out.seconds:.3f} s: {out.tokens_per_s:.1f} "
           f"tokens/s ({'KV cache' if use_cache else 'no cache'}, first token {1e3 * out.first_token_s:.1f} ms"
           f"{moved}{spec}); stopped at {why}")
     return 0
+
+
+def draft_stats(out) -> str:
+    """The stats line's account of speculative decoding (a Generation): each depth's share of its drafts accepted
+    (depth k's draft counts as accepted only when depths 1..k-1's of the same chain were too)."""
+    rates = " / ".join("n/a" if math.isnan(r) else f"{r:.0%}" for r in out.acceptance_by_depth)
+    by = " by depth" if len(out.acceptance_by_depth) > 1 else ""
+    return (f"MTP drafts accepted {rates}{by} ({out.accepted}/{out.drafted}), "
+            f"{out.tokens_per_forward:.2f} tokens per forward")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,6 +4,7 @@
     python tools/bench/generate.py --device cuda --dtype bfloat16 --presets mixtral-1b --max-seq-len 2048 \\
         --prompt-len 512 --new-tokens 256 1024 --out bench-results/generate.json
     python tools/bench/generate.py --presets --runs runs/ds-mtp    # a trained run: + speculative decoding
+    python tools/bench/generate.py --presets --runs runs/ds-mtp2 --draft-depths 1 2   # chains of 1 and 2 drafts
 
 Each case builds the preset (random weights from --seed: speed does not depend on training), routes
 dropless in eval mode as moekit-generate does (moekit.train.inference), and decodes --new-tokens greedy
@@ -15,10 +16,12 @@ decode, the prompt's forward included. "same" checks the greedy tokens agree (th
 logits equal the full forward's up to rounding).
 
 Models with multi-token-prediction depths (a trained run with --model.mtp_layers, --runs; or a preset with
---mtp-layers N, random weights) also decode with ``generate_speculative`` (moekit-generate --speculative), timed
-in the same round-robin: "spec tok/s", "spec x" = speculative / cache tokens/s, the share of drafts accepted and
-the tokens per main-model forward; "same" then also checks its greedy tokens. Acceptance decides the speed-up,
-so random weights only show the drafting overhead: measure trained runs.
+--mtp-layers N, random weights) also decode with ``generate_speculative`` (moekit-generate --speculative), once
+per --draft-depths count N (chains of N drafts; default: all the model's depths; counts above a model's depths
+are skipped for it), all timed in the same round-robin as the plain cached decode: one row per count, with
+"spec tok/s", "spec x" = speculative / cache tokens/s of the same round-robin, the share of each depth's drafts
+accepted and the tokens per main-model forward; "same" then also checks their greedy tokens. Acceptance decides
+the speed-up, so random weights only show the drafting overhead: measure trained runs.
 
 --threads (default 1): intra-op threads on CPU. Tiny models gain nothing from more, and on a shared
 machine a second thread that waits for a busy core makes every small op slower and the timings noisy.
@@ -50,6 +53,8 @@ def parse_args(argv):
                         "them; their max_seq_len is kept)")
     p.add_argument("--mtp-layers", type=int, default=0, metavar="N",
                    help="build the presets with N multi-token-prediction depths (speculative decoding; default 0)")
+    p.add_argument("--draft-depths", type=int, nargs="+", default=None, metavar="N",
+                   help="speculative decoding with chains of N drafts, one row per N (default: all the model's depths)")
     p.add_argument("--max-seq-len", type=int, default=256, help="the model's context window (default 256)")
     p.add_argument("--prompt-len", type=int, default=16, help="prompt tokens (default 16)")
     p.add_argument("--new-tokens", type=int, nargs="+", default=[32, 96], help="tokens to decode (default 32 96)")
@@ -63,7 +68,7 @@ def parse_args(argv):
     p.add_argument("--out", default="bench-results/generate.json")
     args = p.parse_args(argv)
     check_names(p, "--presets", args.presets, PRESETS)
-    check_at_least(p, args, 1, "new_tokens", "prompt_len", "threads", "repeats")
+    check_at_least(p, args, 1, "new_tokens", "prompt_len", "threads", "repeats", "draft_depths")
     check_at_least(p, args, 2, "max_seq_len")
     check_at_least(p, args, 0, "warmup", "mtp_layers")
     if not args.presets and not args.runs:
@@ -83,25 +88,38 @@ def build(name: str, args, device: torch.device) -> torch.nn.Module:
     return model
 
 
-def bench_case(model, name: str, prompt: list[int], new: int, args, device) -> dict:
+def draft_depth_counts(model, args) -> list[int]:
+    """The --draft-depths counts this model can run (all its depths by default; none without MTP depths)."""
+    depths = len(model.mtp)
+    if args.draft_depths is None:
+        return [depths] if depths else []
+    return [n for n in args.draft_depths if n <= depths]
+
+
+def bench_case(model, name: str, prompt: list[int], new: int, args, device) -> list[dict]:
+    """One row per draft-depth count (one row without MTP depths), all from one round-robin."""
     runs = {mode: (lambda cache=cache: generate(model, prompt, new, use_cache=cache))
             for mode, cache in (("cache", True), ("no_cache", False))}
-    if len(model.mtp):
-        runs["spec"] = lambda: generate_speculative(model, prompt, new)
+    counts = draft_depth_counts(model, args)
+    for n in counts:
+        runs[f"spec{n}"] = lambda n=n: generate_speculative(model, prompt, new, draft_depths=n)
     first = {mode: run() for mode, run in runs.items()}  # also the first warm-up round
     cached = first["cache"]
     times = time_interleaved(runs, device, args.warmup, args.repeats)
+    tok_s = {mode: len(cached.new_ids) / (t["median_ms"] / 1e3) for mode, t in times.items()}
     row = {"preset": name, "prompt": len(prompt), "new_tokens": new, "generated": len(cached.new_ids),
            "same": all(out.new_ids == cached.new_ids for out in first.values())}
-    for mode, t in times.items():
-        row[f"{mode}_ms"] = t["median_ms"]
-        row[f"{mode}_tok_s"] = len(cached.new_ids) / (t["median_ms"] / 1e3)
+    for mode in ("cache", "no_cache"):
+        row.update({f"{mode}_ms": times[mode]["median_ms"], f"{mode}_tok_s": tok_s[mode]})
     row["speedup"] = row["cache_tok_s"] / row["no_cache_tok_s"]
-    if "spec" in first:
-        spec = first["spec"]
-        row.update(spec_speedup=row["spec_tok_s"] / row["cache_tok_s"], acceptance=spec.acceptance,
-                   tokens_per_forward=len(spec.new_ids) / spec.forwards)
-    return row
+    rows = []
+    for n in counts:
+        spec = first[f"spec{n}"]
+        rows.append({**row, "draft_depths": n, "spec_ms": times[f"spec{n}"]["median_ms"],
+                     "spec_tok_s": tok_s[f"spec{n}"], "spec_speedup": tok_s[f"spec{n}"] / row["cache_tok_s"],
+                     "acceptance": spec.acceptance, "acceptance_by_depth": spec.acceptance_by_depth,
+                     "tokens_per_forward": spec.tokens_per_forward})
+    return rows or [row]
 
 
 def load_run(path: str, args) -> torch.nn.Module:
@@ -125,16 +143,23 @@ def main(argv=None) -> int:
         model = make()
         vocab = model.config.vocab_size
         prompt = torch.randint(0, vocab, (args.prompt_len,), generator=torch.Generator().manual_seed(args.seed))
+        skipped = sorted(set(args.draft_depths or []) - set(draft_depth_counts(model, args)))
+        if skipped:
+            print(f"note: {name} has {len(model.mtp)} MTP depths: no chains of {skipped} drafts", file=sys.stderr)
         for new in args.new_tokens:
-            rows.append(bench_case(model, name, prompt.tolist(), new, args, device))
+            rows.extend(bench_case(model, name, prompt.tolist(), new, args, device))
             write_json(args.out, {**payload, "partial": True}, quiet=True)
     columns = [("preset", "model", "s"), ("prompt", "prompt", "d"), ("new_tokens", "new", "d"),
                ("cache_tok_s", "cache tok/s", ".1f"), ("no_cache_tok_s", "no-cache tok/s", ".1f"),
                ("speedup", "speedup", ".2f")]
+    shown = rows
     if any("spec_tok_s" in r for r in rows):
-        columns += [("spec_tok_s", "spec tok/s", ".1f"), ("spec_speedup", "spec x", ".2f"),
-                    ("acceptance", "accepted", ".0%"), ("tokens_per_forward", "tok/fwd", ".2f")]
-    print_table(rows, columns + [("same", "same tokens", "")])
+        columns += [("draft_depths", "drafts", "d"), ("spec_tok_s", "spec tok/s", ".1f"),
+                    ("spec_speedup", "spec x", ".2f"), ("accepted", "accepted by depth", "s"),
+                    ("tokens_per_forward", "tok/fwd", ".2f")]
+        shown = [{**r, "accepted": " / ".join(f"{a:.0%}" for a in r["acceptance_by_depth"])} if "spec_tok_s" in r
+                 else r for r in rows]
+    print_table(shown, columns + [("same", "same tokens", "")])
     write_json(args.out, payload)
     if not all(r["same"] for r in rows):
         print("error: cached, uncached (and speculative) greedy decoding disagree", file=sys.stderr)
