@@ -204,7 +204,8 @@ def check_placed_load(ckpt: Path, topo: Topology, where: str, slots, mtp_layers:
     assert counting.whole == [] and counting.read == reported, where
     # a loaded MTP layer's copies of the embedding and the head: read (to check them) as the main rows held
     L, state = config.num_layers, model.state_dict()
-    copies = {k: v for k, v in counting.read.items() if re.match(rf"model\.layers\.{L}\.(embed_tokens|shared_head\.head)\.", k)}
+    copy_key = rf"model\.layers\.{L}\.(embed_tokens|shared_head\.head)\."
+    copies = {k: v for k, v in counting.read.items() if re.match(copy_key, k)}
     assert copies == {k: sharded._local(state[main]).numel() * 4 for k, main in
                       ((f"model.layers.{L}.embed_tokens.weight", "embed.weight"),
                        (f"model.layers.{L}.shared_head.head.weight", "lm_head.weight"))

@@ -246,8 +246,9 @@ def _upcycle_rank(rank, world, folder):
 
 def test_upcycling_a_parallelised_model_fills_each_ranks_share(tmp_path):
     """Built on the meta device, parallelised (FSDP over EP with a placement: replicas, slots out of order; TP x
-    FSDP x EP; a pipeline's stages), moved with to_empty (filled with NaN) and upcycled rank by rank: every local tensor is
-    its part of the one-process upcycled model, bit for bit (granularity 2, a shared expert, a dense layer)."""
+    FSDP x EP; a pipeline's stages), moved with to_empty (filled with NaN) and upcycled rank by rank: every local
+    tensor is its part of the one-process upcycled model, bit for bit (granularity 2, a shared expert, a dense
+    layer)."""
     dense = dense_model(num_layers=4)
     config = upcycled_config(dense.config, 8, 4, 2, first_dense_layers=1, shared_ffn_hidden_size=16)
     torch.save(dense, tmp_path / "dense.pt")

@@ -28,7 +28,8 @@ from moekit.models.stats import model_stats
 from moekit.models.transformer import Transformer, meta_device
 from moekit.moe import collect_load, update_router_biases
 from moekit.moe.layer import set_aux_loss_scale
-from moekit.train import UserError, checkpoint, faults, host_memory, program_name, records, resume, runlock
+from moekit.train import (UserError, checkpoint, faults, hfrun, host_memory, program_name, records, resume,
+                          rundir, runlock)
 from moekit.train.cli import Options
 from moekit.train.plan import lr_lambda, make_optimizer, plan_run
 from moekit.train.rebalance import RunPlacement
@@ -48,20 +49,6 @@ def _warn(msg: str) -> None:
     print(f"{PROG}: {msg}", file=sys.stderr, flush=True)
 
 
-def earlier_run(run_dir: str | Path) -> str:
-    """What a fresh run in ``run_dir`` would delete that a user may want: its checkpoints and its metrics ('' when
-    neither is there: an empty folder, or the config / lock of a run that stopped during setup)."""
-    found = []
-    saved = checkpoint.list_checkpoints(run_dir)
-    if saved:
-        found.append(f"{len(saved)} checkpoint{'s' if len(saved) > 1 else ''}, the newest at step "
-                     f"{checkpoint.step_of(saved[-1])}")
-    metrics = Path(run_dir) / records.METRICS
-    if metrics.is_file() and metrics.stat().st_size > 0:
-        found.append(f"metrics in {records.METRICS}")
-    return "; ".join(found)
-
-
 class Trainer:
     def __init__(self, cfg: TrainConfig, opts: Options):
         self.cfg, self.opts = cfg, opts
@@ -79,7 +66,8 @@ class Trainer:
             error = exc
         # every rank: the same settings, software and data, or one line naming what differs (collective)
         check_ranks_agree(cfg.to_dict(), [s.tokens for s in self.data.sources] if self.data else None, error)
-        self.run_lock = self.dist.from_main(self.claim_run_dir)  # before anything in the run dir is touched
+        # rank 0 locks the run dir, refuses an earlier run's, probes what it writes; before anything is touched
+        self.run_lock = self.dist.from_main(lambda: rundir.claim(cfg, opts.resume is not None or opts.overwrite, _warn))
         self.split: Split = self.data.split(cfg.train.seq_len, cfg.data.val_fraction)
         self.sampler = self.split.sampler(cfg.train.seed)  # data.Sampler, or data.BlendSampler for a blend
         self.run_dir = Path(cfg.run_dir)
@@ -113,8 +101,8 @@ class Trainer:
             from moekit.train.upcycle import read_dense
 
             dense = read_dense(cfg.model, cfg.train.init_from_dense, cfg.train.upcycle_granularity)
-        if cfg.train.export_hf:  # refuse before training, not after
-            self.check_exportable()
+        if cfg.train.export_hf:  # refuse before training, not after: a family for the model, a tokenizer
+            self.export_tokenizer = hfrun.check_export(self.model, cfg, self.data)
         # each rank keeps its share: its pipeline stages first, then the recipe (TP, EP, AC, compile, FSDP) on them
         fsdp_dtype = plan.autocast_dtype if plan.device.type == "cuda" else None  # bf16 params, fp32 reduction
         self.pipe = None
@@ -138,7 +126,7 @@ class Trainer:
 
             tag_primaries(self.model)
         if cfg.train.init_from_hf and fresh:
-            self.load_hf(cfg.train.init_from_hf)
+            hfrun.load_init(self.model, cfg.train.init_from_hf, cfg.train.seed)
         elif dense is not None:  # dense-to-MoE upcycling
             from moekit.train.upcycle import init_from_dense
 
@@ -169,71 +157,6 @@ class Trainer:
         self.checkpointer = checkpoint.Checkpointer(self.run_dir, cfg.checkpoint.keep, cfg.model.to_dict(),
                                                     cfg.checkpoint.async_save, last=self.resume_from,
                                                     timeout_s=cfg.layout.timeout_s, warn=_warn)
-
-    def claim_run_dir(self) -> runlock.RunLock:
-        """Rank 0: lock the run dir (a second trainer is refused, naming the first), probe it and the
-        export dir for writing, and warn when a checkpoint will not fit in the free space."""
-        cfg = self.cfg
-        runlock.refuse_foreign_folder(cfg.run_dir)  # before the lock: a refused trainer leaves no .lock there
-        lock = runlock.RunLock.acquire(cfg.run_dir, warn=_warn)
-        try:
-            earlier = earlier_run(cfg.run_dir) if self.opts.resume is None and not self.opts.overwrite else None
-            if earlier:
-                raise UserError(f"--run-dir {cfg.run_dir} holds an earlier run ({earlier}): --resume continues it, "
-                                f"--overwrite deletes it and starts over, or choose another --run-dir")
-            if cfg.train.export_hf:
-                runlock.probe_writable(cfg.train.export_hf, "--export-hf")
-        except UserError:
-            lock.release()
-            raise
-        need = 12 * model_stats(cfg.model, cfg.train.seq_len).params  # fp32 weights + AdamW's two moments
-        free = shutil.disk_usage(cfg.run_dir).free
-        if free < need:
-            _warn(f"warning: --run-dir {cfg.run_dir} has {free / 1e9:.3g} GB free and a checkpoint takes about "
-                  f"{need / 1e9:.3g} GB: saves will fail unless space is freed")
-        return lock
-
-    def load_hf(self, path: str) -> None:
-        """Fill the parallelised model from a HuggingFace folder, each rank reading only its slices (all ranks
-        fail alike); what the folder lacks (MTP depths) starts from the run's seed."""
-        from moekit.models.hf import load_hf_sharded  # safetensors: imported only when asked for
-
-        try:
-            load_hf_sharded(self.model, path, init_seed=self.cfg.train.seed)
-        except (ValueError, OSError) as exc:  # config mismatch, missing or misshapen tensors: the message names them
-            hint = ("; or leave out --preset (and the preset in --config) to take the checkpoint's architecture"
-                    if "different math" in str(exc) else "")
-            raise UserError(f"--init-from-hf {path}: {exc}{hint}") from None
-
-    def check_exportable(self) -> None:
-        """Before training: a family reproduces the model, and there is a tokenizer to export with it."""
-        from moekit.models.hf import check_hf_exportable
-
-        try:
-            check_hf_exportable(self.model)
-        except ValueError as exc:
-            raise UserError(f"--export-hf: {exc}") from None
-        self.export_tokenizer = self.tokenizer_to_export()
-
-    def tokenizer_to_export(self) -> Path:
-        """The run directory when the data recorded their tokenizer (moekit-prepare, bytes); else the
-        --init-from-hf folder's tokenizer, which raw token ids of that model were made with."""
-        from moekit.models.hf.export import check_tokenizer_source
-
-        if self.data.tokenizer.kind in ("hf", "bytes"):
-            return self.run_dir
-        source = self.cfg.train.init_from_hf
-        if source:
-            try:
-                check_tokenizer_source(source)
-                return Path(source)
-            except ValueError:
-                pass
-        raise UserError(f"--export-hf {self.cfg.train.export_hf}: the data ({self.data_desc}) carry no tokenizer "
-                        f"metadata{' and the --init-from-hf folder has no tokenizer' if source else ''}, so the export "
-                        f"would have none; make the data with moekit-prepare (it records the tokenizer), or drop "
-                        f"--export-hf and export afterwards with "
-                        f"moekit-convert moekit-to-hf RUN_DIR OUT --tokenizer DIR")
 
     def open_records(self) -> None:
         # every MoE layer's name for the load record's header: under pp, rank 0 holds only its stages
@@ -452,31 +375,12 @@ class Trainer:
             if cfg.train.steps not in (self.checkpointer.saved_step, self.start_step):  # the export's fallback
                 self.save(cfg.train.steps)
                 self.last_checkpoint = self.checkpointer.finalize()
-            self.export_hf(cfg.train.export_hf)
+            folder = hfrun.export(self.model, cfg, self.export_tokenizer, self.last_checkpoint, PROG)
+            if self.dist.is_main:
+                self.monitor.print(hfrun.exported(folder, cfg.train.export_hf_fp8))
         if self.dist.is_main:
             self.finish()
         return 0
-
-    def export_hf(self, path: str) -> None:
-        """Write the trained model as a HuggingFace folder (models.hf.save_hf_sharded: every rank writes the
-        tensors it owns, nothing is gathered on one rank; placed experts from their slots, each expert once), with
-        the run's tokenizer (tokenizer_info.json)."""
-        from moekit.models.hf import save_hf_sharded
-
-        try:
-            folder = save_hf_sharded(self.model, path, tokenizer_from=self.export_tokenizer,
-                                     fp8=self.cfg.train.export_hf_fp8)
-        except (OSError, ValueError) as exc:  # the trained weights are safe in the final checkpoint: say where
-            ckpt = self.last_checkpoint
-            why = runlock.describe_os_error(exc) if isinstance(exc, OSError) else str(exc)
-            fp8 = " --train.export_hf_fp8 true" if self.cfg.train.export_hf_fp8 else ""
-            raise RunFailed(f"--export-hf {path}: {why}; training finished and its final checkpoint is {ckpt}: "
-                            f"fix that, then export it with {PROG} --resume {ckpt} --steps {self.cfg.train.steps} "
-                            f"--export-hf {path}{fp8}") from None
-        if self.dist.is_main:
-            fp8 = ", fp8 linear weights" if self.cfg.train.export_hf_fp8 else ""
-            family = json.loads((folder / "config.json").read_text())["model_type"]  # what was written
-            self.monitor.print(f"exported {folder} (HuggingFace {family}{fp8})")
 
     def step_metrics(self, step, loss, grad_norm, lr, load, dt, tokens_seen, elapsed) -> dict:
         tps = self.plan.tokens_per_step / dt
