@@ -529,7 +529,8 @@ def test_the_drafts_are_the_trained_depths_predictions(config):
     """The DraftChain that generate_speculative drives, with random partial acceptance of its 3-draft chains (so the
     depths are fed 1-4 new positions at a time and roll back by different amounts), against the training objective's
     depth chain (models.mtp.depth_states, as mtp_loss runs it) on the whole settled sequence: after every rollback,
-    each depth's draft logits at every position it keeps equal training's."""
+    each depth's draft logits at every position it keeps equal training's. (A RoPE position off by one for some of a
+    depth's chunks fails this; shifting all of a depth's positions alike would not: RoPE scores are relative.)"""
     import random
 
     from moekit.models.mtp import depth_states
