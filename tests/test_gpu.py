@@ -359,8 +359,9 @@ def test_training_on_device_fp32_matches_cpu_and_bf16_learns(tmp_path, preset):
 
 def test_mtp_training_and_speculative_decoding_on_device(tmp_path):
     """A multi-token-prediction depth on the device: the trainer's mtp_loss at step 0 equals the CPU run's (fp32),
-    and greedy speculative decoding (the depth drafting, one forward checking two positions) gives plain decoding's
-    tokens, with matmuls in true fp32 (TF32 off: a 2-position and a 1-position forward must round alike)."""
+    and greedy speculative decoding (chains of 1 and 2 drafts from the two depths, one forward checking them) gives
+    plain decoding's tokens, with matmuls in true fp32 (TF32 off: a 3-position and a 1-position forward must round
+    alike)."""
     from moekit.models.config import ModelConfig
     from moekit.models.transformer import build_model
     from moekit.train.decoding import generate, generate_speculative
@@ -372,7 +373,7 @@ def test_mtp_training_and_speculative_decoding_on_device(tmp_path):
     assert dev[0]["mtp_loss"] == pytest.approx(cpu[0]["mtp_loss"], rel=1e-4)
     cfg = ModelConfig(name="spec", vocab_size=12, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=4,
                       max_seq_len=20, ffn_hidden_size=48, num_experts=4, moe_ffn_hidden_size=16, top_k=2,
-                      first_dense_layers=1, mtp_layers=1)
+                      first_dense_layers=1, mtp_layers=2)
     tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
@@ -381,9 +382,11 @@ def test_mtp_training_and_speculative_decoding_on_device(tmp_path):
             model = build_model(cfg, DEVICE, seed=seed)
             inference_routing(model)
             prompt = torch.randint(0, 12, (4,), generator=torch.Generator().manual_seed(seed)).tolist()
-            got = generate_speculative(model, prompt, 40)
-            assert got.new_ids == generate(model, prompt, 40).new_ids, seed
-            accepted += got.accepted
+            plain = generate(model, prompt, 40).new_ids
+            for depths in (1, 2):
+                got = generate_speculative(model, prompt, 40, draft_depths=depths)
+                assert got.new_ids == plain, (seed, depths)
+                accepted += got.accepted
         assert accepted > 0  # seeds 0-2 of this model draft some accepted tokens on the CPU
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
