@@ -251,7 +251,8 @@ def test_dry_run_counts_redundant_expert_slots(capsys, tmp_path):
     rc, out, err = dry(capsys, *base, "--init-from-dense", str(dense_dir))
     want = 4 * sum(p.numel() for p in dense.parameters()) / 2**30
     assert rc == 0 and parts["0"] in out and (f"init: every rank upcycles from the dense model held whole in host "
-                                             f"memory (fp32), {want:.2f} GiB") in out, err + out
+                                             f"memory (fp32), {want:.2f} GiB ({8 * want:.2f} GiB for the 8 ranks of "
+                                             f"a node)") in out, err + out
 
 
 def test_dry_run_512_ranks_deepseek_v3(capsys):

@@ -259,6 +259,26 @@ def test_upcycling_a_parallelised_model_fills_each_ranks_share(tmp_path):
     run_ranks(_upcycle_rank, 4, str(tmp_path))
 
 
+@pytest.mark.parametrize("fields", [{}, dict(tie_embeddings=True, activation="gelu")])
+def test_dense_model_too_big_for_the_node_is_refused_before_reading(tmp_path, monkeypatch, fields):
+    """Each rank holds the dense model whole in host memory while it upcycles: the ranks of a node needing more
+    than the machine has is one line naming the sizes and the fix, before the path is read. The size counts the
+    dense model the MoE config implies (the dry run's init: line uses the same count)."""
+    from moekit.train import UserError, plan
+    from moekit.train.upcycle import dense_param_count, read_dense
+
+    dense = dense_model(**fields)
+    cfg = upcycled_config(dense.config, 4, 2, 2, shared_ffn_hidden_size=16)
+    each = 4 * dense_param_count(cfg, 2)
+    assert each == 4 * sum(p.numel() for p in dense.parameters())
+    monkeypatch.setattr(plan, "device_memory", lambda device: 3 * each)
+    with pytest.raises(UserError, match=r"the 4 ranks of a node need 0\.0 GiB of this machine's 0\.0 GiB; start "
+                                        r"fewer ranks per node \(torchrun --nproc-per-node\)"):
+        read_dense(cfg, str(tmp_path / "missing"), 2, ranks_per_node=4)
+    with pytest.raises(UserError, match="missing: no such file or directory"):  # 3 fit: the path is read next
+        read_dense(cfg, str(tmp_path / "missing"), 2, ranks_per_node=3)
+
+
 def test_load_dense_reads_runs_checkpoints_and_files(tmp_path):
     from moekit.train import checkpoint
     from moekit.train.modelfiles import load_moekit, save_moekit

@@ -100,7 +100,8 @@ class Trainer:
         if cfg.train.init_from_dense and fresh:  # read and checked before anything is built
             from moekit.train.upcycle import read_dense
 
-            dense = read_dense(cfg.model, cfg.train.init_from_dense, cfg.train.upcycle_granularity)
+            dense = read_dense(cfg.model, cfg.train.init_from_dense, cfg.train.upcycle_granularity,
+                               self.dist.topology.ranks_per_node)
         if cfg.train.export_hf:  # refuse before training, not after: a family for the model, a tokenizer
             self.export_tokenizer = hfrun.check_export(self.model, cfg, self.data)
         # each rank keeps its share: its pipeline stages first, then the recipe (TP, EP, AC, compile, FSDP) on them

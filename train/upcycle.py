@@ -1,7 +1,8 @@
 """Reading the dense model to upcycle (moekit-train --init-from-dense; the math is moekit.models.upcycle).
 
     load_dense(path)                                a dense Transformer from any source below (float32, CPU)
-    read_dense(config, path, granularity)           load_dense, checked against the MoE config; UserError on bad input
+    read_dense(config, path, granularity, n)        load_dense, checked against the MoE config and this machine's
+                                                    memory (n ranks per node); UserError on bad input
     init_from_dense(model, dense, path, g, seed)    upcycle into the trainer's (parallelised) model
 
 Sources, told apart by what the path holds:
@@ -16,6 +17,8 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
+
+import torch
 
 from moekit.models.transformer import Transformer
 from moekit.train import UserError
@@ -65,15 +68,41 @@ def _not_dense(path: Path, num_experts: int) -> str:
             f"= 0). To continue training an MoE checkpoint use --init-from-hf (HuggingFace) or --resume")
 
 
-def read_dense(config, path: str, granularity: int) -> Transformer:
+def dense_param_count(config, granularity: int) -> int:
+    """Parameters of the dense model an MoE model of ``config`` upcycles from: the same model with dense FFNs of
+    moe_ffn_hidden_size x granularity units (what models.upcycle.dense_mismatches requires of it)."""
+    import dataclasses
+
+    from moekit.models.transformer import meta_device
+
+    dense = dataclasses.replace(config, num_experts=0, shared_ffn_hidden_size=0,
+                                ffn_hidden_size=config.moe_ffn_hidden_size * granularity)
+    with meta_device():
+        return sum(p.numel() for p in Transformer(dense.validate()).parameters())
+
+
+def read_dense(config, path: str, granularity: int, ranks_per_node: int = 1) -> Transformer:
     """The dense model at ``path`` to upcycle into an MoE model of ``config`` (whole, float32, on the CPU), checked
     against it before anything is built; bad sources and config mismatches are UserErrors naming the flags that
-    fix them."""
+    fix them. ``ranks_per_node``: the processes on this machine that each hold a copy; more than its memory is
+    refused before reading."""
     from moekit.models.upcycle import check_upcycle_config, dense_mismatches
+    from moekit.train.plan import device_memory
 
     where = f"--init-from-dense {path}"
     try:
         check_upcycle_config(config, granularity)  # its warnings come with the upcycle itself
+        each = 4 * dense_param_count(config, granularity)
+    except ValueError as exc:
+        raise UserError(f"{where}: {exc}") from None
+    have = device_memory(torch.device("cpu"))
+    if each * ranks_per_node > have:
+        gib = 2**30
+        raise UserError(f"{where}: every rank holds the dense model whole in host memory (fp32) while it upcycles, "
+                        f"{each / gib:,.1f} GiB, and the {ranks_per_node} ranks of a node need "
+                        f"{each * ranks_per_node / gib:,.1f} GiB of this machine's {have / gib:,.1f} GiB; start fewer "
+                        f"ranks per node (torchrun --nproc-per-node), or upcycle a smaller dense model")
+    try:
         dense = load_dense(path)
         diffs = dense_mismatches(dense.config, config, granularity)
     except (ValueError, OSError) as exc:

@@ -33,6 +33,7 @@ from moekit.train import UserError
 from moekit.train.cli import Options, parse_args
 from moekit.train.config import TrainConfig
 from moekit.train.plan import ResolvedLayout, resolve_config
+from moekit.train.upcycle import dense_param_count
 
 GIB = 2**30
 TIGHT = 0.9  # above this share of device memory the CUDA context, NCCL buffers and fragmentation may not fit
@@ -165,7 +166,8 @@ def build(cfg: TrainConfig, plan: DryRunPlan) -> Built:
             model = _pipeline_stage(model, topo, cfg, built)
         placement = RunPlacement.for_run(cfg, topo, model)  # as the trainer: flag, file or contiguous
         built.replicas = placement.replicas
-        built.dense_params = dense_params(cfg)
+        built.dense_params = (dense_param_count(cfg.model, cfg.train.upcycle_granularity)
+                              if cfg.train.init_from_dense else 0)
         parallelize(model, topo, hierarchical=plan.hierarchical, sequence_parallel=L.sequence_parallel,
                     expert_placement=placement.placements)
     except (LayoutError, ValueError, NotImplementedError) as exc:
@@ -278,24 +280,11 @@ def report(cfg: TrainConfig, opts: Options, plan: DryRunPlan, built: Built, esti
     where = f" (pipeline rank {worst.stage})" if L.pp > 1 else ""
     if built.dense_params:  # host memory, not the device's: the upcycle fills each rank's shards from it
         lines.append(f"  init: every rank upcycles from the dense model held whole in host memory (fp32), "
-                     f"{gib(4 * built.dense_params)}, and fills only its shards of the MoE model")
+                     f"{gib(4 * built.dense_params)} ({gib(4 * built.dense_params * plan.ranks_per_node)} for the "
+                     f"{plan.ranks_per_node} ranks of a node), and fills only its shards of the MoE model")
     lines.append(f"memory: peak {gib(worst.peak)}{where} of {opts.gpu_gb:g} GiB per GPU ({share:.0%}): {verdict}")
     lines.append(_a2a_line(a2a, wl))
     return lines
-
-
-def dense_params(cfg) -> int:
-    """Parameters of the dense model --init-from-dense upcycles from (0 without it): the MoE model's config with
-    dense FFNs of moe_ffn_hidden_size x granularity units (what models.upcycle.dense_mismatches requires)."""
-    if not cfg.train.init_from_dense:
-        return 0
-    from moekit.models.transformer import Transformer, meta_device
-
-    m = cfg.model
-    dense = replace(m, num_experts=0, shared_ffn_hidden_size=0,
-                                ffn_hidden_size=m.moe_ffn_hidden_size * cfg.train.upcycle_granularity)
-    with meta_device():
-        return sum(p.numel() for p in Transformer(dense.validate()).parameters())
 
 
 def fits(estimates: list[MemoryEstimate], opts: Options) -> bool:
