@@ -464,7 +464,9 @@ def test_trainer_placement_file_and_rebalance_resume_bitwise(tmp_path, single):
 def test_trainer_rebalances_under_fsdp_hierarchical_and_pipeline(tmp_path, single):
     """4 ranks, rebalancing every 2 steps with 4 copies: dp2 x fsdp2 with ep4 over 2 simulated nodes
     (hierarchical dispatch) follows the one-process curve; so does pp2 x dp2 with ep2 inside each stage
-    (aux loss off and 2-sequence micro-batches, as tests/test_train_distributed.py compares pipelines)."""
+    (aux loss off and 2-sequence micro-batches, as tests/test_train_distributed.py compares pipelines), its
+    --export-hf equals one process's export of its final checkpoint, and --init-from-hf of that folder into the
+    same layout starts at one process's loss."""
     r = train(["--run-dir", str(tmp_path / "fsdp"), "--checkpoint.every", "0", "--dp", "2", "--fsdp", "2", "--ep", "4",
                "--ranks-per-node", "2", "--layout.hierarchical", "on", "--layout.expert_replicas", "4",
                "--layout.rebalance_every", "2"], nproc=4)
@@ -475,11 +477,29 @@ def test_trainer_rebalances_under_fsdp_hierarchical_and_pipeline(tmp_path, singl
     r = train(["--run-dir", str(tmp_path / "micro"), *micro], nproc=1)
     assert r.returncode == 0, r.stderr[-3000:]
     r = train(["--run-dir", str(tmp_path / "pp"), *micro, "--pp", "2", "--ep", "2", "--layout.expert_replicas", "2",
-               "--layout.rebalance_every", "2"], nproc=4)
+               "--layout.rebalance_every", "2", "--export-hf", str(tmp_path / "hf-pp")], nproc=4)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count("rebalanced the experts") == 2
     want = [m["loss"] for m in metrics(tmp_path / "micro")]
     assert [m["loss"] for m in metrics(tmp_path / "pp")] == pytest.approx(want, rel=1e-5, abs=1e-6)
+    # each pipeline rank exported its stages' placed slots: one process's export of the final checkpoint
+    from safetensors.torch import load_file
+
+    r = train(["--run-dir", str(tmp_path / "one"), *micro, "--resume", str(tmp_path / "pp" / "checkpoints" /
+               "step_000004"), "--export-hf", str(tmp_path / "hf-one")], nproc=1)
+    assert r.returncode == 0, r.stderr[-3000:]
+    piped, one = ({k: v for p in (tmp_path / f).glob("*.safetensors") for k, v in load_file(p).items()}
+                  for f in ("hf-pp", "hf-one"))
+    assert sorted(piped) == sorted(one) and all(torch.equal(piped[k], one[k]) for k in one)
+    # and that folder imports into the same pipeline and placement by slices: one process's first loss
+    first = []
+    for name, layout, n in (("import-pp", ["--pp", "2", "--ep", "2", "--layout.expert_replicas", "2"], 4),
+                            ("import-one", [], 1)):
+        r = train(["--run-dir", str(tmp_path / name), *micro, *layout, "--init-from-hf", str(tmp_path / "hf-one"),
+                   "--steps", "1"], nproc=n)
+        assert r.returncode == 0, r.stderr[-3000:]
+        first.append(metrics(tmp_path / name)[0]["loss"])
+    assert first[0] == pytest.approx(first[1], rel=1e-5)
 
 
 def test_placement_cli_refuses_bad_flags_and_files_before_planning(tmp_path, capsys):
