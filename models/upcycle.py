@@ -338,7 +338,8 @@ def _upcycle_ffn(shape: MoELayer, layer: MoELayer | None, mlp: DenseMLP, g: int,
         up = mlp.w_up.weight[units].t()  # [H, f]
         w_in.append(torch.cat([mlp.w_gate.weight[units].t(), up], dim=1) if gated else up)  # [H, 2f | f]: [gate | up]
         w_out.append(mlp.w_out.weight[:, units].t())  # [f, H]
-    shards_in, shards_out = torch.stack(w_in), torch.stack(w_out) * scale  # [g, H, F_in], [g, f, H]
+    # float32 before the scale (a bf16 dense model: the same values as from its float32 copy)
+    shards_in, shards_out = torch.stack(w_in).float(), torch.stack(w_out).float() * scale  # [g, H, F_in], [g, f, H]
     dispatcher = getattr(layer, "dispatcher", None)
     placed = ([int(e) for e in dispatcher.local_expert_ids]
               if getattr(dispatcher, "placement", None) is not None else None)

@@ -249,9 +249,9 @@ def test_dry_run_counts_redundant_expert_slots(capsys, tmp_path):
         dense = Transformer(dataclasses.replace(preset("mixtral-8x7b"), num_experts=0, ffn_hidden_size=14336))
     (dense_dir / "config.json").write_text(json.dumps(hf_config(dense, "llama", "bfloat16")))
     rc, out, err = dry(capsys, *base, "--init-from-dense", str(dense_dir))
-    want = 4 * sum(p.numel() for p in dense.parameters()) / 2**30
+    want = 2 * sum(p.numel() for p in dense.parameters()) / 2**30  # held in the folder's bf16
     assert rc == 0 and parts["0"] in out and (f"init: every rank upcycles from the dense model held whole in host "
-                                             f"memory (fp32), {want:.2f} GiB ({8 * want:.2f} GiB for the 8 ranks of "
+                                             f"memory (bf16), {want:.2f} GiB ({8 * want:.2f} GiB for the 8 ranks of "
                                              f"a node)") in out, err + out
 
 

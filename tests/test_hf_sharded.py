@@ -401,6 +401,31 @@ def test_rule_layouts_agree_with_split(family, layout):
         assert torch.equal(cover, torch.ones(shape)), r.target
 
 
+@pytest.mark.parametrize("buffers_fp32", [False, True])
+def test_load_hf_allocates_the_target_dtype(checkpoints, monkeypatch, buffers_fp32):
+    """load_hf(dtype=bf16) fills bf16 parameters directly (no float32 model first): the same values as a float32
+    load cast afterwards; buffers (DeepSeek-V3's expert_bias) take the dtype, or stay float32 (inference)."""
+    import moekit.models.hf as hf
+
+    seen = []
+
+    def spy(model, path, **kwargs):  # the model as the load receives it
+        seen.append({p.dtype for p in model.parameters()})
+        return real(model, path, **kwargs)
+
+    real = hf.load_hf_into
+    monkeypatch.setattr(hf, "load_hf_into", spy)
+    ckpt = checkpoints / "deepseek_v3"
+    got = load_hf(ckpt, dtype=torch.bfloat16, buffers_fp32=buffers_fp32)
+    assert seen == [{torch.bfloat16}]
+    ref = load_hf(ckpt)
+    buffers = {k for k, _ in ref.named_buffers() if k in ref.state_dict()}
+    assert "layers.1.ffn.router.expert_bias" in buffers
+    for k, v in ref.state_dict().items():
+        want = v if (buffers_fp32 and k in buffers) else v.to(torch.bfloat16)
+        assert got.state_dict()[k].dtype == want.dtype and torch.equal(got.state_dict()[k], want), k
+
+
 def test_one_process_without_distributed(checkpoints, tmp_path):
     """No process group: the same calls load and export a whole model, reading each byte once."""
     ref = load_hf(checkpoints / "qwen2_moe")

@@ -272,8 +272,9 @@ def test_dense_model_too_big_for_the_node_is_refused_before_reading(tmp_path, mo
     each = 4 * dense_param_count(cfg, 2)
     assert each == 4 * sum(p.numel() for p in dense.parameters())
     monkeypatch.setattr(plan, "device_memory", lambda device: 3 * each)
-    with pytest.raises(UserError, match=r"the 4 ranks of a node need 0\.0 GiB of this machine's 0\.0 GiB; start "
-                                        r"fewer ranks per node \(torchrun --nproc-per-node\)"):
+    with pytest.raises(UserError, match=r"host memory \(fp32\) while it upcycles, 0\.0 GiB, and the 4 ranks of a node "
+                                        r"need 0\.0 GiB of this machine's 0\.0 GiB; start fewer ranks per node "
+                                        r"\(torchrun --nproc-per-node\)"):
         read_dense(cfg, str(tmp_path / "missing"), 2, ranks_per_node=4)
     with pytest.raises(UserError, match="missing: no such file or directory"):  # 3 fit: the path is read next
         read_dense(cfg, str(tmp_path / "missing"), 2, ranks_per_node=3)
@@ -383,3 +384,20 @@ def test_hf_dense_folder_upcycles_to_transformers_logits(tmp_path, family):
     with torch.no_grad():
         want = ref(x).logits.float()
         torch.testing.assert_close(moe(x), want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_bf16_folder_is_held_in_bf16_and_upcycles_to_the_same_weights(tmp_path):
+    """read_dense keeps an HF folder's bf16 (half the host memory of each rank's copy); the upcycled model is bit
+    for bit the one from the folder's float32 copy, with a router scaling whose g / scaling rounds in bf16."""
+    from moekit.models.hf import load_hf, save_hf
+    from moekit.train.upcycle import held_dtype, read_dense
+
+    save_hf(dense_model(), tmp_path / "dense", family="llama", dtype=torch.bfloat16)
+    assert held_dtype(tmp_path / "dense") == torch.bfloat16 and held_dtype(tmp_path / "missing") == torch.float32
+    fp32 = load_hf(tmp_path / "dense")
+    cfg = upcycled_config(fp32.config, 8, 4, 2, router_options={"scaling": 1.5}, shared_ffn_hidden_size=16)
+    dense = read_dense(cfg, str(tmp_path / "dense"), 2)
+    assert {p.dtype for p in dense.parameters()} == {torch.bfloat16}
+    got, want = upcycle(dense, cfg, 2, seed=6).state_dict(), upcycle(fp32, cfg, 2, seed=6).state_dict()
+    assert all(got[k].dtype == torch.float32 and torch.equal(got[k], want[k]) for k in want)
+

@@ -232,11 +232,11 @@ def _load_weights(model: Transformer, ckpt: Path) -> None:
                 buf.zero_()
 
 
-def _load_hf(path: Path) -> Transformer:
+def _load_hf(path: Path, dtype: torch.dtype) -> Transformer:
     from moekit.models.hf import load_hf  # needs safetensors: imported only for an HF folder
 
-    try:
-        return load_hf(path, dtype=torch.float32)
+    try:  # the parameters allocated in ``dtype`` (no fp32 copy of a bf16 model), buffers float32
+        return load_hf(path, dtype=dtype, buffers_fp32=True)
     except ValueError as exc:  # unsupported features, missing or misshapen tensors: the message names them
         raise UserError(f"{path}: {' '.join(str(exc).split())}") from None
     except OSError as exc:
@@ -259,7 +259,7 @@ def load_for_inference(path: str | Path, device: str | torch.device = "cpu", dty
     kind = detect_kind(path)
     ckpt = step = run_dir = run_config = no_tokenizer = None
     if kind == "hf":
-        model = _load_hf(path)
+        model = _load_hf(path, dtype)
         tokenizer = load_tokenizer(path, model.config.vocab_size, hf=True)
     else:
         if kind == "run":

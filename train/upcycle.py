@@ -27,9 +27,27 @@ SOURCES = ("a HuggingFace dense folder (config.json + safetensors), a moekit mod
            "moekit-train checkpoint directory (checkpoints/step_N) or run directory")
 
 
-def load_dense(path: str | Path) -> Transformer:
-    """The dense model at ``path`` (module docstring), float32 on the CPU, eval mode. ValueError when the path
-    is none of the sources, or holds an MoE model (num_experts > 0)."""
+def held_dtype(path: str | Path) -> torch.dtype:
+    """The dtype ``load_dense(path, keep_dtype=True)`` holds the dense model in: an HF folder's own half precision
+    (config.json's dtype, bf16 or fp16), else float32."""
+    from moekit.models.hf.io import read_config
+
+    path = Path(path)
+    if path.is_dir() and (path / "config.json").is_file():
+        try:
+            hf = read_config(path)
+        except ValueError:
+            return torch.float32  # load_dense says what is wrong with it
+        named = hf.get("dtype", hf.get("torch_dtype"))
+        return {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(named, torch.float32)
+    return torch.float32
+
+
+def load_dense(path: str | Path, keep_dtype: bool = False) -> Transformer:
+    """The dense model at ``path`` (module docstring), float32 on the CPU, eval mode; ``keep_dtype``: an HF folder
+    in its own half precision (``held_dtype``: half the memory; upcycling's values are the same, models.upcycle
+    upcasts before it computes). ValueError when the path is none of the sources, or holds an MoE model
+    (num_experts > 0)."""
     from moekit.train import checkpoint
     from moekit.train.modelfiles import load_moekit
 
@@ -51,7 +69,7 @@ def load_dense(path: str | Path) -> Transformer:
         config = config_from_hf(path)  # config.json alone: refuse an MoE folder before reading its weights
         if config.num_experts:
             raise ValueError(_not_dense(path, config.num_experts))
-        model = load_hf(path)
+        model = load_hf(path, dtype=held_dtype(path) if keep_dtype else torch.float32)
     elif path.is_dir():
         raise ValueError(f"{path}: a directory with no config.json, meta.json or checkpoints/; expected {SOURCES}")
     elif path.suffix in (".safetensors", ".pt"):
@@ -68,6 +86,9 @@ def _not_dense(path: Path, num_experts: int) -> str:
             f"= 0). To continue training an MoE checkpoint use --init-from-hf (HuggingFace) or --resume")
 
 
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
 def dense_param_count(config, granularity: int) -> int:
     """Parameters of the dense model an MoE model of ``config`` upcycles from: the same model with dense FFNs of
     moe_ffn_hidden_size x granularity units (what models.upcycle.dense_mismatches requires of it)."""
@@ -82,28 +103,29 @@ def dense_param_count(config, granularity: int) -> int:
 
 
 def read_dense(config, path: str, granularity: int, ranks_per_node: int = 1) -> Transformer:
-    """The dense model at ``path`` to upcycle into an MoE model of ``config`` (whole, float32, on the CPU), checked
-    against it before anything is built; bad sources and config mismatches are UserErrors naming the flags that
-    fix them. ``ranks_per_node``: the processes on this machine that each hold a copy; more than its memory is
-    refused before reading."""
+    """The dense model at ``path`` to upcycle into an MoE model of ``config`` (whole, on the CPU, in
+    ``held_dtype``), checked against it before anything is built; bad sources and config mismatches are
+    UserErrors naming the flags that fix them. ``ranks_per_node``: the processes on this machine that each hold
+    a copy; more than its memory is refused before reading."""
     from moekit.models.upcycle import check_upcycle_config, dense_mismatches
     from moekit.train.plan import device_memory
 
     where = f"--init-from-dense {path}"
     try:
         check_upcycle_config(config, granularity)  # its warnings come with the upcycle itself
-        each = 4 * dense_param_count(config, granularity)
+        held = held_dtype(path)
+        each = held.itemsize * dense_param_count(config, granularity)
     except ValueError as exc:
         raise UserError(f"{where}: {exc}") from None
     have = device_memory(torch.device("cpu"))
     if each * ranks_per_node > have:
         gib = 2**30
-        raise UserError(f"{where}: every rank holds the dense model whole in host memory (fp32) while it upcycles, "
-                        f"{each / gib:,.1f} GiB, and the {ranks_per_node} ranks of a node need "
+        raise UserError(f"{where}: every rank holds the dense model whole in host memory ({DTYPE_NAMES[held]}) while "
+                        f"it upcycles, {each / gib:,.1f} GiB, and the {ranks_per_node} ranks of a node need "
                         f"{each * ranks_per_node / gib:,.1f} GiB of this machine's {have / gib:,.1f} GiB; start fewer "
                         f"ranks per node (torchrun --nproc-per-node), or upcycle a smaller dense model")
     try:
-        dense = load_dense(path)
+        dense = load_dense(path, keep_dtype=True)
         diffs = dense_mismatches(dense.config, config, granularity)
     except (ValueError, OSError) as exc:
         raise UserError(f"{where}: {exc}") from None

@@ -68,19 +68,25 @@ def config_from_hf(path: str | Path) -> ModelConfig:
 
 
 def load_hf(path: str | Path, *, dtype: torch.dtype | str = torch.float32,
-            device: str | torch.device = "cpu") -> Transformer:
+            device: str | torch.device = "cpu", buffers_fp32: bool = False) -> Transformer:
     """Build a moekit Transformer from a HuggingFace folder, dispatching on config.json's model_type.
 
     dtype: parameter dtype of the returned model; "auto": config.json's ``dtype`` (``torch_dtype``), as
-    ``from_pretrained(dtype="auto")`` reads it, else the checkpoint's (it must then be uniform).
+    ``from_pretrained(dtype="auto")`` reads it, else the checkpoint's (it must then be uniform). The parameters
+    are allocated in that dtype and filled there (a bf16 model never exists in fp32 first: half the peak
+    memory), with the rounding a load in fp32 and a cast would give. Buffers (a router's expert_bias) take the
+    dtype too, or stay float32 with ``buffers_fp32`` (routing computes in float32: moekit.train.inference).
     Returns the model in eval mode, as ``from_pretrained`` does.
     """
     config = config_from_hf(path)
+    target = _resolve_dtype(dtype, CheckpointReader(path, fp8.scheme(read_config(path))), read_config(path))
     with meta_device():
         model = Transformer(config)
+    for p in model.parameters():  # on the meta device: no memory yet
+        p.data = p.data.to(target)
     model.to_empty(device=device)
-    reader = load_hf_into(model, path, check_config=False)
-    return model.to(_resolve_dtype(dtype, reader, read_config(path))).eval()
+    load_hf_into(model, path, check_config=False)
+    return (model if buffers_fp32 else model.to(target)).eval()
 
 
 def load_hf_into(model: Transformer, path: str | Path, *, check_config: bool = True) -> CheckpointReader:

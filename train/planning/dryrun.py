@@ -33,7 +33,7 @@ from moekit.train import UserError
 from moekit.train.cli import Options, parse_args
 from moekit.train.config import TrainConfig
 from moekit.train.plan import ResolvedLayout, resolve_config
-from moekit.train.upcycle import dense_param_count
+from moekit.train.upcycle import DTYPE_NAMES, dense_param_count, held_dtype
 
 GIB = 2**30
 TIGHT = 0.9  # above this share of device memory the CUDA context, NCCL buffers and fragmentation may not fit
@@ -113,7 +113,8 @@ class Built:
     tensors: int = 0  # rank 0's parameter tensors
     refused: str = ""  # the recipe's message when it does not support the layout yet
     replicas: int = 0  # redundant expert slots over the EP group (--layout.expert_replicas / a placement file)
-    dense_params: int = 0  # --init-from-dense: the dense model every rank holds whole in host memory to upcycle from
+    dense_bytes: int = 0  # --init-from-dense: the dense model every rank holds whole in host memory to upcycle from
+    dense_dtype: str = ""  # ... in this dtype (fp32, bf16, fp16)
     stages: list[Stage] = field(default_factory=list)  # every pipeline rank's layers (the real split if built)
 
 
@@ -166,8 +167,10 @@ def build(cfg: TrainConfig, plan: DryRunPlan) -> Built:
             model = _pipeline_stage(model, topo, cfg, built)
         placement = RunPlacement.for_run(cfg, topo, model)  # as the trainer: flag, file or contiguous
         built.replicas = placement.replicas
-        built.dense_params = (dense_param_count(cfg.model, cfg.train.upcycle_granularity)
-                              if cfg.train.init_from_dense else 0)
+        if cfg.train.init_from_dense:  # in the dtype it is held in (train.upcycle.held_dtype: config.json's)
+            held = held_dtype(cfg.train.init_from_dense)
+            built.dense_bytes = held.itemsize * dense_param_count(cfg.model, cfg.train.upcycle_granularity)
+            built.dense_dtype = DTYPE_NAMES[held]
         parallelize(model, topo, hierarchical=plan.hierarchical, sequence_parallel=L.sequence_parallel,
                     expert_placement=placement.placements)
     except (LayoutError, ValueError, NotImplementedError) as exc:
@@ -278,10 +281,11 @@ def report(cfg: TrainConfig, opts: Options, plan: DryRunPlan, built: Built, esti
         if fits(estimates, opts) else ("does NOT fit: raise ep / fsdp / tp / pp, lower the micro-batch or checkpoint "
                                        f"activations (exit status {DOES_NOT_FIT})")
     where = f" (pipeline rank {worst.stage})" if L.pp > 1 else ""
-    if built.dense_params:  # host memory, not the device's: the upcycle fills each rank's shards from it
-        lines.append(f"  init: every rank upcycles from the dense model held whole in host memory (fp32), "
-                     f"{gib(4 * built.dense_params)} ({gib(4 * built.dense_params * plan.ranks_per_node)} for the "
-                     f"{plan.ranks_per_node} ranks of a node), and fills only its shards of the MoE model")
+    if built.dense_bytes:  # host memory, not the device's: the upcycle fills each rank's shards from it
+        node = gib(built.dense_bytes * plan.ranks_per_node)
+        lines.append(f"  init: every rank upcycles from the dense model held whole in host memory "
+                     f"({built.dense_dtype}), {gib(built.dense_bytes)} ({node} for the {plan.ranks_per_node} ranks of "
+                     f"a node), and fills only its shards of the MoE model")
     lines.append(f"memory: peak {gib(worst.peak)}{where} of {opts.gpu_gb:g} GiB per GPU ({share:.0%}): {verdict}")
     lines.append(_a2a_line(a2a, wl))
     return lines
