@@ -99,6 +99,7 @@ class _Filler:
     """``normal_(t, std)`` for the model's parameters: each rank fills the part it holds (module docstring)."""
 
     def __init__(self, model: nn.Module, seed: int, only: set[str] | None = None):
+        from moekit.models.hf.sharded import slot_experts
         from moekit.moe.load import moe_layers
 
         self.seed, self.only = seed, only
@@ -108,9 +109,8 @@ class _Filler:
         self.experts: dict[int, int] = {}  # every expert tensor: the number of (logical) experts
         for _, layer in moe_layers(model):
             self.experts.update({id(layer.experts.w_in): layer.num_experts, id(layer.experts.w_out): layer.num_experts})
-            dispatcher = getattr(layer, "dispatcher", None)
-            if getattr(dispatcher, "placement", None) is not None:
-                rows = [int(e) for e in dispatcher.local_expert_ids]
+            rows = slot_experts(layer)
+            if rows is not None:
                 for w in (layer.experts.w_in, layer.experts.w_out):
                     self.logical[id(w)] = (rows, layer.num_experts)
 

@@ -267,8 +267,9 @@ def _is_ffn(name: str) -> bool:
 @torch.no_grad()
 def _put(t: Tensor, whole, rows: list[int] | None = None) -> None:
     """Write into ``t`` (a tensor, or a DTensor: its local shard) its part of ``whole``: the whole tensor's values,
-    or a function of dim-0 indices giving those rows of it (whole along the other dims). ``rows``: the dim-0
-    indices the local rows stand for, when not the shard's own (an expert placement's logical experts)."""
+    or a function of dim-0 indices giving those rows of it (whole along the other dims). ``rows`` (with a
+    function): the dim-0 indices the local rows stand for, when not the shard's own (an expert placement's
+    logical experts)."""
     from moekit.models.hf.sharded import shard_box
 
     box = shard_box(t)
@@ -276,12 +277,10 @@ def _put(t: Tensor, whole, rows: list[int] | None = None) -> None:
     if local.numel() == 0:
         return
     index = [slice(r.start, r.stop) for r in box]
-    if rows is not None or callable(whole):
-        wanted = list(box[0]) if rows is None else rows
-        part = whole(wanted) if callable(whole) else whole[wanted]
+    part = whole
+    if callable(whole):
+        part = whole(list(box[0]) if rows is None else rows)
         index[0] = slice(None)
-    else:
-        part = whole
     local.copy_(part[tuple(index)])
 
 
@@ -329,6 +328,8 @@ def _upcycle_ffn(shape: MoELayer, layer: MoELayer | None, mlp: DenseMLP, g: int,
                 drawn[name] = _normal(getattr(shared, name).weight.shape, std, gen)
     if layer is None:
         return
+    from moekit.models.hf.sharded import slot_experts
+
     experts, router = layer.experts, layer.router
     gated = get_activation(experts.activation).gated
     scale = g / router.scaling  # step 2: undo the 1/g of each shard's weight and the router's scaling
@@ -340,9 +341,7 @@ def _upcycle_ffn(shape: MoELayer, layer: MoELayer | None, mlp: DenseMLP, g: int,
         w_out.append(mlp.w_out.weight[:, units].t())  # [f, H]
     # float32 before the scale (a bf16 dense model: the same values as from its float32 copy)
     shards_in, shards_out = torch.stack(w_in).float(), torch.stack(w_out).float() * scale  # [g, H, F_in], [g, f, H]
-    dispatcher = getattr(layer, "dispatcher", None)
-    placed = ([int(e) for e in dispatcher.local_expert_ids]
-              if getattr(dispatcher, "placement", None) is not None else None)
+    placed = slot_experts(layer)  # a placement's logical expert per local row, else None
     _put(experts.w_in, lambda ids: shards_in[[e % g for e in ids]], placed)  # expert e = shard e % g
     _put(experts.w_out, lambda ids: shards_out[[e % g for e in ids]], placed)
     _put(router.weight, rows.repeat_interleave(g, dim=0))  # step 3: row e = u_{e // g}

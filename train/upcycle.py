@@ -30,7 +30,7 @@ SOURCES = ("a HuggingFace dense folder (config.json + safetensors), a moekit mod
 def held_dtype(path: str | Path) -> torch.dtype:
     """The dtype ``load_dense(path, keep_dtype=True)`` holds the dense model in: an HF folder's own half precision
     (config.json's dtype, bf16 or fp16), else float32."""
-    from moekit.models.hf.io import read_config
+    from moekit.models.hf.io import DTYPE_NAMES as HF_DTYPES, read_config
 
     path = Path(path)
     if path.is_dir() and (path / "config.json").is_file():
@@ -38,8 +38,7 @@ def held_dtype(path: str | Path) -> torch.dtype:
             hf = read_config(path)
         except ValueError:
             return torch.float32  # load_dense says what is wrong with it
-        named = hf.get("dtype", hf.get("torch_dtype"))
-        return {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(named, torch.float32)
+        return HF_DTYPES.get(hf.get("dtype", hf.get("torch_dtype")), torch.float32)
     return torch.float32
 
 

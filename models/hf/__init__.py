@@ -79,7 +79,7 @@ def load_hf(path: str | Path, *, dtype: torch.dtype | str = torch.float32,
     Returns the model in eval mode, as ``from_pretrained`` does.
     """
     config = config_from_hf(path)
-    target = _resolve_dtype(dtype, CheckpointReader(path, fp8.scheme(read_config(path))), read_config(path))
+    target = _resolve_dtype(dtype, path)
     with meta_device():
         model = Transformer(config)
     for p in model.parameters():  # on the meta device: no memory yet
@@ -361,16 +361,18 @@ def _zero_non_persistent_buffers(model: Transformer) -> None:
                 buf.zero_()
 
 
-def _resolve_dtype(dtype: torch.dtype | str, reader: CheckpointReader, hf: dict) -> torch.dtype:
+def _resolve_dtype(dtype: torch.dtype | str, path: str | Path) -> torch.dtype:
+    """load_hf's ``dtype``: as given, or for "auto" config.json's, else the checkpoint's (its headers read)."""
     if dtype != "auto":
         if dtype not in DTYPE_NAMES.values():
             raise ValueError(f"dtype={dtype!r} is not supported; use torch.float32, torch.bfloat16, torch.float16 "
                              f"or 'auto'")
         return dtype
+    hf = read_config(path)
     named = hf.get("dtype", hf.get("torch_dtype"))  # transformers 5 writes "dtype", 4 "torch_dtype"
     if named in DTYPE_NAMES:
         return DTYPE_NAMES[named]
-    found = reader.dtypes()
+    found = CheckpointReader(path, fp8.scheme(hf)).dtypes()
     if len(found) != 1 or next(iter(found)) not in SAFETENSORS_DTYPES:
         raise ValueError(f"dtype='auto' needs one floating dtype in the checkpoint, found {sorted(found)}; "
                          f"pass dtype=torch.float32 or torch.bfloat16")

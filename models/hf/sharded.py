@@ -219,18 +219,27 @@ class SliceReader:
         return fp8.dequantize(part, blocks, block, start)
 
 
+def slot_experts(layer: torch.nn.Module) -> list[int] | None:
+    """The logical expert of each local expert row of MoE ``layer`` under an expert placement
+    (``dispatcher.local_expert_ids``: the rows are physical slots), else None (the rows are the shard's own)."""
+    dispatcher = getattr(layer, "dispatcher", None)
+    if getattr(dispatcher, "placement", None) is None:
+        return None
+    return [int(e) for e in dispatcher.local_expert_ids]
+
+
 def placed_rows(model: torch.nn.Module) -> dict[str, list[int]]:
     """The expert tensors under an expert placement, by state-dict name: the logical expert of each local row
-    (``dispatcher.local_expert_ids``; the tensor's global dim 0 counts physical slots)."""
+    (``slot_experts``; the tensor's global dim 0 counts physical slots)."""
     from moekit.moe.load import moe_layers
 
     names = {id(p): n for n, p in model.named_parameters()}
     out = {}
     for _, layer in moe_layers(model):
-        dispatcher = getattr(layer, "dispatcher", None)
-        if getattr(dispatcher, "placement", None) is not None:
+        rows = slot_experts(layer)
+        if rows is not None:
             for w in (layer.experts.w_in, layer.experts.w_out):
-                out[names[id(w)]] = [int(e) for e in dispatcher.local_expert_ids]
+                out[names[id(w)]] = rows
     return out
 
 

@@ -105,11 +105,11 @@ def _export_spec(model, family: str | None, dtype: torch.dtype | None, layout: s
     return _ExportSpec(name, rules, zeros, dtype, {v: k for k, v in DTYPE_NAMES.items()}[out_dtype], block)
 
 
-def _pieces(model) -> dict[str, list[tuple[Box, Tensor]]]:
+def _pieces(model, rows: dict[str, list[int]]) -> dict[str, list[tuple[Box, Tensor]]]:
     """What this rank holds of each tensor: (box in the tensor's logical indices, the local values). One piece, the
-    shard box, for most tensors; under an expert placement one per slot (its logical expert's row), a rank's
-    second copy of an expert left out."""
-    state, rows = model.state_dict(), placed_rows(model)
+    shard box, for most tensors; under an expert placement (``rows``: placed_rows) one per slot (its logical
+    expert's row), a rank's second copy of an expert left out."""
+    state = model.state_dict()
     out = {}
     for name, t in state.items():
         box, local = shard_box(t, name), _local(t)
@@ -127,9 +127,9 @@ def _export_boxes(model, spec: _ExportSpec, max_shard_size) -> tuple[dict, dict]
     """This rank's boxes (``_pieces``), and the logical shape and the dtype, of every rule's tensor it holds (a
     pipeline rank: its stages' only)."""
     parse_size(max_shard_size)
-    state, pieces = model.state_dict(), _pieces(model)
-    experts = getattr(model.config, "num_experts", 0)
     placed = placed_rows(model)
+    state, pieces = model.state_dict(), _pieces(model, placed)
+    experts = getattr(model.config, "num_experts", 0)
     boxes, meta = {}, {}
     for r in spec.rules:
         if r.target not in state and hasattr(model, "stages"):  # another pipeline rank's
@@ -257,7 +257,7 @@ def _stream(model, units: list[_Unit], files: list[tuple[int, list[_Unit]]], fol
             rank: int) -> Exception | None:
     """Assemble and write this rank's HF tensors, sending its parts of the others'. A failed write is kept
     (returned) while this rank goes on sending and receiving, so no peer waits on it forever."""
-    pieces = _pieces(model)
+    pieces = _pieces(model, placed_rows(model))
     writers: dict[str, _StreamWriter] = {}  # HF key -> the open writer of its file
     error: Exception | None = None
     try:
