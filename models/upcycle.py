@@ -8,12 +8,15 @@ function at step 0 (up to rounding), whatever g:
 
     upcycled_config(dense_cfg, num_experts, top_k, granularity)  the MoE ModelConfig for a dense one
     upcycle(dense, config, granularity, seed)                   a new MoE Transformer from a dense Transformer
-    upcycle_into(moe, dense, granularity, seed)                 the same into an already built MoE model
+    upcycle_into(moe, dense, granularity, seed)                 the same into an already built (parallelised) MoE
+                                                                model, reading from a source box by box
+    ModuleSource(dense)                                         a dense model in memory as such a source
     check_upcycle_config(config, granularity)                   refuse an MoE config that cannot reproduce it
     dense_mismatches(dense_cfg, config, granularity)            fields the MoE config must take from the dense
 
-(Reading a dense checkpoint from a path, HF folder or moekit file, is ``moekit.train.upcycle.load_dense``:
-the moekit file formats live in the application layer.)
+(Opening a dense checkpoint from a path, HF folder or moekit file, is ``moekit.train.upcycle.open_dense``: the
+moekit file formats live in the application layer. Its sources read slices: a rank reads just the parts its
+shards are made from, never the whole dense model.)
 
 What is copied: every tensor outside the FFNs (embedding, attention with its biases / q-k norms, the
 norms, lm_head) unchanged; the FFN of a layer the MoE config keeps dense (first_dense_layers, moe_every)
@@ -70,7 +73,7 @@ from torch import Tensor
 
 from moekit.models.config import ModelConfig
 from moekit.models.transformer import Transformer, meta_device
-from moekit.moe import DenseMLP, MoELayer
+from moekit.moe import MoELayer
 from moekit.moe.activations import get_activation
 from moekit.moe.router import TopKRouter, build_router, router_class
 
@@ -207,17 +210,42 @@ def upcycled_config(dense: ModelConfig, num_experts: int, top_k: int, granularit
     return config
 
 
-def upcycle(dense: Transformer, config: ModelConfig, granularity: int = 1, seed: int = 0) -> Transformer:
-    """A new MoE Transformer (float32, on ``dense``'s device, train mode) built from ``config`` and filled from
-    ``dense`` by ``upcycle_into``: at step 0 it computes ``dense``'s logits (module docstring)."""
+class ModuleSource:
+    """A dense Transformer in memory as an upcycling source (``upcycle_into``'s ``dense``): ``config``, ``shapes``
+    (every state-dict tensor's shape) and ``read(name, box)`` (its values at ``box``, one range per dim). Other
+    sources read the same from files without holding the model (models.hf.sharded.FolderSlices,
+    train.modelfiles.ModelSlices)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.config = model.config
+        self._state = model.state_dict()
+        self.shapes = {k: tuple(v.shape) for k, v in self._state.items()}
+
+    def read(self, name: str, box) -> Tensor:
+        return self._state[name][_index(box)]
+
+
+def _index(box) -> tuple[slice, ...]:
+    return tuple(slice(r.start, r.stop) for r in box)
+
+
+def _source(dense):
+    return ModuleSource(dense) if isinstance(dense, torch.nn.Module) else dense
+
+
+def upcycle(dense, config: ModelConfig, granularity: int = 1, seed: int = 0) -> Transformer:
+    """A new MoE Transformer (float32, train mode; on ``dense``'s device for a model, else the CPU) built from
+    ``config`` and filled from ``dense`` (a dense Transformer or a source, ``upcycle_into``): at step 0 it computes
+    the dense model's logits (module docstring)."""
     with meta_device():
         model = Transformer(config)
-    model.to_empty(device=dense.embed.weight.device)
+    device = dense.embed.weight.device if isinstance(dense, torch.nn.Module) else torch.device("cpu")
+    model.to_empty(device=device)
     return upcycle_into(model, dense, granularity, seed)
 
 
 @torch.no_grad()
-def upcycle_into(moe, dense: Transformer, granularity: int = 1, seed: int = 0):
+def upcycle_into(moe, dense, granularity: int = 1, seed: int = 0):
     """Fill every parameter and buffer of the built MoE model ``moe`` from ``dense`` (in place; returned).
 
     Copies the tensors outside the FFNs and the dense-FFN layers; builds the experts from the dense MLP
@@ -225,37 +253,40 @@ def upcycle_into(moe, dense: Transformer, granularity: int = 1, seed: int = 0):
     experts with a zero output projection. ValueError when the configs do not allow an exact upcycle
     (``check_upcycle_config``, ``dense_mismatches``); capacity is allowed with a warning.
 
+    ``dense``: a dense Transformer, or a source that reads one box by box without holding it (``ModuleSource``'s
+    interface; models.hf.sharded.FolderSlices for an HF folder, train.modelfiles.ModelSlices for moekit files).
+    Whatever its dtype, the values are computed in float32 (a bf16 dense model gives the weights of its float32
+    copy).
+
     ``moe`` may be a whole Transformer or a parallelised one (models.parallelize: TP / EP / FSDP DTensors, expert
     placements, a pipeline rank's PipelineModel, built on the meta device and moved with ``to_empty``): each
-    rank writes only what it holds, the values the whole upcycled model has there (the router rows are drawn
-    for every layer, held or not, so each layer's draws are the same on every rank).
+    rank reads and writes only what it holds, the values the whole upcycled model has there (the router rows
+    are drawn for every layer, held or not, so each layer's draws are the same on every rank).
     """
     from moekit.models.pipeline import whole_structure
 
-    config = moe.config
+    config, src = moe.config, _source(dense)
     for note in check_upcycle_config(config, granularity):
         warnings.warn(note, stacklevel=2)
-    diffs = dense_mismatches(dense.config, config, granularity)
+    diffs = dense_mismatches(src.config, config, granularity)
     if diffs:
         listed = ", ".join(f"model.{k}={have!r} (dense{' F / granularity' if k == 'moe_ffn_hidden_size' else ''}: "
                            f"{want!r})" for k, want, have in diffs)
         raise ValueError(f"the MoE config differs from the dense model where upcycling copies it: {listed}; set "
                          f"those fields to the dense model's values")
     whole = whole_structure(moe)  # every layer's structure (a pipeline rank holds only its stages)
-    _copy_state(moe, dense, "", skip=_is_ffn, names=whole.state_dict())
+    _copy_state(moe, src, "", skip=_is_ffn, names=whole.state_dict())
     held = dict(moe.layers.items()) if isinstance(moe.layers, torch.nn.ModuleDict) else {
         str(i): b for i, b in enumerate(moe.layers)}
     gen = torch.Generator().manual_seed(seed)
-    for i, (shape, dense_block) in enumerate(zip(whole.layers, dense.layers)):
-        mlp = dense_block.ffn
-        if not isinstance(mlp, DenseMLP):
-            raise ValueError(f"dense model layer {i}: its FFN is {type(mlp).__name__}, not a DenseMLP")
-        block = held.get(str(i))
+    for i, shape in enumerate(whole.layers):
+        block, prefix = held.get(str(i)), f"layers.{i}.ffn."
+        _check_dense_mlp(src, prefix, get_activation(config.activation).gated)
         if isinstance(shape.ffn, MoELayer):  # drawn on every rank, written where held
-            _upcycle_ffn(shape.ffn, block.ffn if block is not None else None, mlp, granularity, gen,
-                         config.init_std, f"layers.{i}.ffn")
+            _upcycle_ffn(shape.ffn, block.ffn if block is not None else None, src, prefix, granularity, gen,
+                         config.init_std)
         elif block is not None:
-            _copy_state(block.ffn, mlp, f"layers.{i}.ffn")
+            _copy_state(block.ffn, src, prefix)
     return moe
 
 
@@ -264,45 +295,46 @@ def _is_ffn(name: str) -> bool:
     return len(parts) > 2 and parts[0] == "layers" and parts[2] == "ffn"
 
 
-@torch.no_grad()
-def _put(t: Tensor, whole, rows: list[int] | None = None) -> None:
-    """Write into ``t`` (a tensor, or a DTensor: its local shard) its part of ``whole``: the whole tensor's values,
-    or a function of dim-0 indices giving those rows of it (whole along the other dims). ``rows`` (with a
-    function): the dim-0 indices the local rows stand for, when not the shard's own (an expert placement's
-    logical experts)."""
+def _check_dense_mlp(src, prefix: str, gated: bool) -> None:
+    """The dense layer's FFN is a DenseMLP: w_up / w_gate [F, H] (w_gate when gated), w_out [H, F]."""
+    H, F = src.config.hidden_size, src.config.ffn_hidden_size
+    want = {"w_up.weight": (F, H), "w_out.weight": (H, F), **({"w_gate.weight": (F, H)} if gated else {})}
+    have = {k[len(prefix):]: v for k, v in src.shapes.items() if k.startswith(prefix)}
+    if have != want:
+        raise ValueError(f"dense model {prefix[:-1]}: its tensors are {have}, not a DenseMLP's {want}")
+
+
+def _put(t: Tensor, part_of) -> None:
+    """Write into ``t`` (a tensor, or a DTensor: its local shard) its part of the whole tensor: ``part_of(box)``
+    gives the whole tensor's values at ``box`` (one index range per dim); a tensor: the whole tensor."""
     from moekit.models.hf.sharded import shard_box
 
-    box = shard_box(t)
     local = t.to_local() if hasattr(t, "to_local") else t
     if local.numel() == 0:
         return
-    index = [slice(r.start, r.stop) for r in box]
-    part = whole
-    if callable(whole):
-        part = whole(list(box[0]) if rows is None else rows)
-        index[0] = slice(None)
-    local.copy_(part[tuple(index)])
+    box = shard_box(t)
+    local.copy_(part_of[_index(box)] if isinstance(part_of, Tensor) else part_of(box))
 
 
-def _copy_state(dst: torch.nn.Module, src: torch.nn.Module, where: str, skip=lambda name: False,
-                names=None) -> None:
-    """Copy every state_dict tensor of ``dst`` (but the skipped) from ``src``'s tensor of the same name and shape
-    (each rank its part), and require that every such tensor of ``src`` is one of ``names`` (the whole model's
-    state, by default ``dst``'s)."""
-    have = src.state_dict()
+def _copy_state(dst: torch.nn.Module, src, prefix: str, skip=lambda name: False, names=None) -> None:
+    """Copy every state_dict tensor of ``dst`` (but the skipped) from ``src``'s tensor named ``prefix`` + its name,
+    of the same shape (each rank its part), and require that every such tensor of ``src`` is one of ``names``
+    (the whole model's state, by default ``dst``'s)."""
+    have = {k[len(prefix):]: v for k, v in src.shapes.items() if k.startswith(prefix)}
     want = {k: v for k, v in dst.state_dict().items() if not skip(k)}
     names = want if names is None else {k: v for k, v in names.items() if not skip(k)}
     for name, t in names.items():
         s = have.get(name)
-        if s is None or s.shape != t.shape:
-            got = "missing" if s is None else f"shape {list(s.shape)}"
-            raise ValueError(f"{where}{name}: the MoE model has shape {list(t.shape)}, the dense model {got}; the "
+        if s is None or tuple(s) != tuple(t.shape):
+            got = "missing" if s is None else f"shape {list(s)}"
+            raise ValueError(f"{prefix}{name}: the MoE model has shape {list(t.shape)}, the dense model {got}; the "
                              f"models differ outside the FFNs (dense_mismatches should have named the field)")
     for name, t in want.items():
-        _put(t, have[name])
+        _put(t, lambda box, key=prefix + name: src.read(key, box))
     extra = sorted(k for k in have if not skip(k) and k not in names)
     if extra:
-        raise ValueError(f"{where}: the dense model has tensors the MoE model lacks: {extra[:5]}")
+        raise ValueError(f"the dense model{' ' + prefix[:-1] if prefix else ''} has tensors the MoE model lacks: "
+                         f"{[prefix + k for k in extra[:5]]}")
 
 
 def _normal(shape, std: float, gen: torch.Generator) -> Tensor:
@@ -310,14 +342,15 @@ def _normal(shape, std: float, gen: torch.Generator) -> Tensor:
     return torch.empty(tuple(shape), dtype=torch.float32).normal_(0.0, std, generator=gen)
 
 
-def _upcycle_ffn(shape: MoELayer, layer: MoELayer | None, mlp: DenseMLP, g: int, gen: torch.Generator, std: float,
-                 where: str) -> None:
+def _upcycle_ffn(shape: MoELayer, layer: MoELayer | None, src, prefix: str, g: int, gen: torch.Generator,
+                 std: float) -> None:
     """One MoE layer from its dense MLP (module docstring, steps 2-3): the draws from ``shape`` (the whole model's
-    layer, possibly on the meta device), the writes into ``layer`` (this rank's, None when another rank holds it)."""
+    layer, possibly on the meta device), the writes into ``layer`` (this rank's, None when another rank holds it),
+    reading from ``src`` just the parts of the MLP's shards (F/g hidden units each) its expert rows hold."""
     known = {"router.weight", "router.expert_bias", "experts.w_in", "experts.w_out"}
     unknown = [k for k in shape.state_dict() if k not in known and not k.startswith("shared_expert.")]
     if unknown:  # a tensor this function would leave uninitialised
-        raise ValueError(f"{where}: upcycling does not know how to initialise {unknown}")
+        raise ValueError(f"{prefix[:-1]}: upcycling does not know how to initialise {unknown}")
     E, f = shape.num_experts, shape.experts.ffn_hidden_size
     rows = torch.empty(E // g, shape.hidden_size, dtype=torch.float32).normal_(0.0, std, generator=gen)  # [c, H]
     shared = shape.shared_expert
@@ -328,22 +361,36 @@ def _upcycle_ffn(shape: MoELayer, layer: MoELayer | None, mlp: DenseMLP, g: int,
                 drawn[name] = _normal(getattr(shared, name).weight.shape, std, gen)
     if layer is None:
         return
-    from moekit.models.hf.sharded import slot_experts
+    from moekit.models.hf.sharded import shard_box, slot_experts
 
     experts, router = layer.experts, layer.router
-    gated = get_activation(experts.activation).gated
+    projections = ("w_gate", "w_up") if get_activation(experts.activation).gated else ("w_up",)
     scale = g / router.scaling  # step 2: undo the 1/g of each shard's weight and the router's scaling
-    w_in, w_out = [], []
-    for s in range(g):
-        units = slice(s * f, (s + 1) * f)
-        up = mlp.w_up.weight[units].t()  # [H, f]
-        w_in.append(torch.cat([mlp.w_gate.weight[units].t(), up], dim=1) if gated else up)  # [H, 2f | f]: [gate | up]
-        w_out.append(mlp.w_out.weight[:, units].t())  # [f, H]
-    # float32 before the scale (a bf16 dense model: the same values as from its float32 copy)
-    shards_in, shards_out = torch.stack(w_in).float(), torch.stack(w_out).float() * scale  # [g, H, F_in], [g, f, H]
+
+    def w_in(s: int, hidden: range, cols: range) -> Tensor:  # shard s's [H, gate | up] at (hidden, cols)
+        parts = []
+        for j, name in enumerate(projections):  # column block j of w_in: projection j's units, transposed
+            lo, hi = max(cols.start, j * f), min(cols.stop, (j + 1) * f)
+            if lo < hi:
+                parts.append(src.read(f"{prefix}{name}.weight", (range(s * f + lo - j * f, s * f + hi - j * f),
+                                                                  hidden)).t())
+        return torch.cat(parts, dim=1).float()  # float32 before any arithmetic: a bf16 source as its fp32 copy
+
+    def w_out(s: int, units: range, hidden: range) -> Tensor:  # shard s's [f, H] at (units, hidden), scaled
+        part = src.read(f"{prefix}w_out.weight", (hidden, range(s * f + units.start, s * f + units.stop)))
+        return part.t().float() * scale
+
     placed = slot_experts(layer)  # a placement's logical expert per local row, else None
-    _put(experts.w_in, lambda ids: shards_in[[e % g for e in ids]], placed)  # expert e = shard e % g
-    _put(experts.w_out, lambda ids: shards_out[[e % g for e in ids]], placed)
+    for t, read in ((experts.w_in, w_in), (experts.w_out, w_out)):
+        local = t.to_local() if hasattr(t, "to_local") else t
+        if local.numel() == 0:
+            continue
+        box = shard_box(t)
+        shards = {}  # expert e = shard e % g: each shard's part read once, rows written one by one
+        for j, e in enumerate(box[0] if placed is None else placed):
+            if e % g not in shards:
+                shards[e % g] = read(e % g, *box[1:])
+            local[j].copy_(shards[e % g])
     _put(router.weight, rows.repeat_interleave(g, dim=0))  # step 3: row e = u_{e // g}
     for _, buf in router.named_buffers():  # aux-loss-free expert_bias, its pending load: zero at step 0
         buf.zero_()

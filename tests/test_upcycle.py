@@ -206,6 +206,60 @@ UPCYCLE_LAYOUTS = {  # 4 gloo ranks: (layout degrees, an expert placement over t
     "tp2-fsdp2-ep2": (dict(tp=2, fsdp=2, ep=2), None),
     "pp2-fsdp2-ep2": (dict(pp=2, fsdp=2, ep=2), None),
 }
+DENSE_SOURCES = ("module", "hf", "safetensors", "pt", "checkpoint")
+
+
+def _write_sources(dense, folder) -> None:
+    """The dense model as each source upcycling reads: the module (pickled), an HF folder, moekit files, a DCP
+    checkpoint directory (meta.json + DCP files, as moekit-train writes)."""
+    import torch.distributed.checkpoint as dcp
+
+    from moekit.models.hf import save_hf
+    from moekit.train.modelfiles import save_moekit
+
+    torch.save(dense, folder / "module.pt")
+    save_hf(dense, folder / "hf", family="llama")
+    save_moekit(dense, folder / "dense.safetensors")
+    save_moekit(dense, folder / "dense.pt")
+    dcp.save({"model": dense.state_dict()}, checkpoint_id=str(folder / "step_1"), no_dist=True)
+    (folder / "step_1" / "meta.json").write_text(json.dumps({"model": dense.config.to_dict()}))
+
+
+def _open_source(kind: str, folder):
+    from moekit.train.upcycle import open_dense
+
+    if kind == "module":
+        return torch.load(f"{folder}/module.pt", weights_only=False)
+    return open_dense(f"{folder}/" + {"hf": "hf", "safetensors": "dense.safetensors", "pt": "dense.pt",
+                                      "checkpoint": "step_1"}[kind])
+
+
+def _bytes_needed(model, g: int) -> dict[str, int]:
+    """The bytes of each dense tensor (fp32) a rank must read to fill what it holds, counted from its boxes: every
+    local tensor copied from the dense model its own box; each expert tensor, for each distinct shard e % g of its
+    rows, the matching block of the dense MLP's units (w_in's gate / up columns, w_out's rows) at its hidden box."""
+    from moekit.models.hf.sharded import placed_rows, shard_box
+    from moekit.models.upcycle import _is_ffn
+
+    need: dict[str, int] = {}
+    rows = placed_rows(model)
+    for name, t in model.state_dict().items():
+        box = shard_box(t, name)
+        if 0 in [len(r) for r in box]:
+            continue
+        parts = name.split(".")
+        if not _is_ffn(name) or parts[3] in ("w_gate", "w_up", "w_out"):  # copied as it is
+            need[name] = t.to_local().numel() if hasattr(t, "to_local") else t.numel()
+        elif parts[3] == "experts":
+            ffn, f = ".".join(parts[:3]), t.shape[-1] // 2 if parts[4] == "w_in" else t.shape[1]
+            shards = len({e % g for e in rows.get(name, box[0])})
+            if parts[4] == "w_in":  # [E, H, gate | up]
+                for j, proj in enumerate(("w_gate", "w_up")):
+                    cols = len(range(max(box[2].start, j * f), min(box[2].stop, (j + 1) * f)))
+                    need[f"{ffn}.{proj}.weight"] = need.get(f"{ffn}.{proj}.weight", 0) + shards * cols * len(box[1])
+            else:  # [E, f, H]
+                need[f"{ffn}.w_out.weight"] = need.get(f"{ffn}.w_out.weight", 0) + shards * len(box[1]) * len(box[2])
+    return {k: 4 * n for k, n in need.items() if n}
 
 
 def _upcycle_rank(rank, world, folder):
@@ -218,9 +272,9 @@ def _upcycle_rank(rank, world, folder):
     from moekit.models.upcycle import upcycle_into
     from moekit.moe.load import moe_layers
 
-    dense = torch.load(f"{folder}/dense.pt", weights_only=False)
     config = torch.load(f"{folder}/config.pt", weights_only=False)
     want = torch.load(f"{folder}/want.pt")
+    whole_folder = sum(f.stat().st_size for f in (folder / "hf").glob("*.safetensors"))
     for case, (degrees, slots) in UPCYCLE_LAYOUTS.items():
         topo = Topology(Layout(**degrees), rank, world).build()
         with meta_device():
@@ -230,79 +284,123 @@ def _upcycle_rank(rank, world, folder):
         placements = slots and {name: Placement(slots, config.num_experts) for name, _ in moe_layers(model)}
         parallelize(model, topo, expert_placement=placements)
         model.to_empty(device="cpu")
-        with torch.no_grad():  # what to_empty left must not survive: every tensor is written
-            for t in model.state_dict().values():
-                (t.to_local() if hasattr(t, "to_local") else t).fill_(float("nan"))
-        upcycle_into(model, dense, 2, seed=4)
         rows = placed_rows(model)
         assert bool(rows) == bool(slots), case
-        for name, t in model.state_dict().items():
-            index = tuple(slice(r.start, r.stop) for r in shard_box(t, name))
-            if name in rows:
-                index = (rows[name],) + index[1:]
-            local = t.to_local() if hasattr(t, "to_local") else t
-            assert torch.equal(local, want[name][index]), (case, rank, name)
+        for kind in DENSE_SOURCES:
+            with torch.no_grad():  # what to_empty or the last source left must not survive: every tensor is written
+                for t in model.state_dict().values():
+                    (t.to_local() if hasattr(t, "to_local") else t).fill_(float("nan"))
+            source = _open_source(kind, folder)
+            upcycle_into(model, source, 2, seed=4)
+            for name, t in model.state_dict().items():
+                index = tuple(slice(r.start, r.stop) for r in shard_box(t, name))
+                if name in rows:
+                    index = (rows[name],) + index[1:]
+                local = t.to_local() if hasattr(t, "to_local") else t
+                assert torch.equal(local, want[name][index]), (case, kind, rank, name)
+            if kind == "hf":  # only the bytes its shards are made of: HF key by HF key
+                hf_key = {name: rule.sources[0] for name, rule in source._rules.items()}
+                assert source.bytes_read == {hf_key[k]: n for k, n in _bytes_needed(model, 2).items()}, (case, rank)
+                assert sum(source.bytes_read.values()) < whole_folder / (2 if case.startswith("fsdp4") else 1), case
 
 
 def test_upcycling_a_parallelised_model_fills_each_ranks_share(tmp_path):
     """Built on the meta device, parallelised (FSDP over EP with a placement: replicas, slots out of order; TP x
-    FSDP x EP; a pipeline's stages), moved with to_empty (filled with NaN) and upcycled rank by rank: every local
-    tensor is its part of the one-process upcycled model, bit for bit (granularity 2, a shared expert, a dense
-    layer)."""
+    FSDP x EP; a pipeline's stages), moved with to_empty (filled with NaN) and upcycled rank by rank from each
+    source (the module; an HF folder, moekit .safetensors / .pt files and a checkpoint, all read by slices):
+    every local tensor is its part of the one-process upcycled model, bit for bit (granularity 2, a shared
+    expert, a dense layer). From the HF folder each rank reads exactly the bytes its shards are made of."""
     dense = dense_model(num_layers=4)
     config = upcycled_config(dense.config, 8, 4, 2, first_dense_layers=1, shared_ffn_hidden_size=16)
-    torch.save(dense, tmp_path / "dense.pt")
+    _write_sources(dense, tmp_path)
     torch.save(config, tmp_path / "config.pt")
     torch.save(upcycle(dense, config, 2, seed=4).state_dict(), tmp_path / "want.pt")
     from tests.dist_utils import run_ranks
 
-    run_ranks(_upcycle_rank, 4, str(tmp_path))
+    run_ranks(_upcycle_rank, 4, tmp_path)
 
 
-@pytest.mark.parametrize("fields", [{}, dict(tie_embeddings=True, activation="gelu")])
-def test_dense_model_too_big_for_the_node_is_refused_before_reading(tmp_path, monkeypatch, fields):
-    """Each rank holds the dense model whole in host memory while it upcycles: the ranks of a node needing more
-    than the machine has is one line naming the sizes and the fix, before the path is read. The size counts the
-    dense model the MoE config implies (the dry run's init: line uses the same count)."""
-    from moekit.train import UserError, plan
-    from moekit.train.upcycle import dense_param_count, read_dense
+def _failing_rank(rank, world, folder):
+    from moekit.comm.topology import Layout, Topology
+    from moekit.models.parallelize import parallelize
+    from moekit.models.transformer import Transformer, meta_device
+    from moekit.train import UserError
+    from moekit.train.upcycle import init_from_dense, open_dense
 
-    dense = dense_model(**fields)
-    cfg = upcycled_config(dense.config, 4, 2, 2, shared_ffn_hidden_size=16)
-    each = 4 * dense_param_count(cfg, 2)
-    assert each == 4 * sum(p.numel() for p in dense.parameters())
-    monkeypatch.setattr(plan, "device_memory", lambda device: 3 * each)
-    with pytest.raises(UserError, match=r"host memory \(fp32\) while it upcycles, 0\.0 GiB, and the 4 ranks of a node "
-                                        r"need 0\.0 GiB of this machine's 0\.0 GiB; start fewer ranks per node "
-                                        r"\(torchrun --nproc-per-node\)"):
-        read_dense(cfg, str(tmp_path / "missing"), 2, ranks_per_node=4)
-    with pytest.raises(UserError, match="missing: no such file or directory"):  # 3 fit: the path is read next
-        read_dense(cfg, str(tmp_path / "missing"), 2, ranks_per_node=3)
+    config = torch.load(f"{folder}/config.pt", weights_only=False)
+    topo = Topology(Layout(fsdp=2, ep=2), rank, world).build()
+    with meta_device():
+        model = Transformer(config)
+    parallelize(model, topo)
+    model.to_empty(device="cpu")
+    source = open_dense(f"{folder}/dense.safetensors")
+    if rank == 1:  # a damaged tensor only this rank reads
+        read = source.read
+        source.read = lambda name, box: (_ for _ in ()).throw(ValueError(f"{name} damaged")) \
+            if name.endswith("ffn.w_out.weight") else read(name, box)
+    with pytest.raises(UserError) as info:
+        init_from_dense(model, source, "dense.safetensors", 2, seed=0)
+    assert "--init-from-dense dense.safetensors: layers.0.ffn.w_out.weight damaged (on rank 1 of 2)" in str(info.value), str(info.value)
 
 
-def test_load_dense_reads_runs_checkpoints_and_files(tmp_path):
+def test_a_read_failing_on_one_rank_fails_every_rank(tmp_path):
+    """Ranks read different slices, so a damaged part may fail one rank only: every rank raises the same UserError
+    naming it (none goes on to wait in a collective)."""
+    from moekit.train.modelfiles import save_moekit
+
+    dense = dense_model()
+    save_moekit(dense, tmp_path / "dense.safetensors")
+    torch.save(upcycled_config(dense.config, 4, 2, 2), tmp_path / "config.pt")
+    from tests.dist_utils import run_ranks
+
+    run_ranks(_failing_rank, 2, tmp_path)
+
+
+def test_open_dense_reads_runs_checkpoints_and_files(tmp_path):
+    """open_dense of a run directory (its newest checkpoint), a checkpoint, .safetensors and .pt files: every
+    tensor reads as load_moekit's, any box of it; bad paths and MoE models are one clear ValueError."""
     from moekit.train import checkpoint
     from moekit.train.modelfiles import load_moekit, save_moekit
     from moekit.train.loop import main
-    from moekit.train.upcycle import load_dense
+    from moekit.train.upcycle import open_dense
 
     run = tmp_path / "dense_run"  # a dense moekit-train run
     assert main([*TINY_MODEL, "--model.num_experts", "0", "--run-dir", str(run), "--steps", "1"]) == 0
     step = checkpoint.list_checkpoints(run)[-1]
-    a, b = load_dense(run), load_dense(step)
-    for k, v in load_moekit(step).state_dict().items():
-        assert torch.equal(a.state_dict()[k], v) and torch.equal(b.state_dict()[k], v)
+    model = load_moekit(step)
+    sources = [open_dense(run), open_dense(step), open_dense(save_moekit(model, tmp_path / "m.safetensors")),
+               open_dense(save_moekit(model, tmp_path / "m.pt"))]
+    for k, v in model.state_dict().items():
+        box = tuple(range(n // 3, n) for n in v.shape)  # a box off the origin
+        for source in sources:
+            assert source.shapes[k] == tuple(v.shape) and source.config == model.config
+            assert torch.equal(source.read(k, box), v[tuple(slice(r.start, r.stop) for r in box)]), k
     moe = build_model(ModelConfig(**{**DENSE, "num_experts": 4, "moe_ffn_hidden_size": 64}))
     save_moekit(moe, tmp_path / "moe.pt")
     with pytest.raises(ValueError, match="not a dense model \\(num_experts=4\\)"):
-        load_dense(tmp_path / "moe.pt")
+        open_dense(tmp_path / "moe.pt")
     (tmp_path / "empty").mkdir()
     for bad, expected in ((tmp_path / "nope", "no such file or directory"), (tmp_path / "empty", "no config.json"),
                           (tmp_path / "x.txt", "unknown file type"),
                           (tmp_path / "empty.pt", r"empty.pt: unreadable \(truncated, or not a file torch.save wrote")):
         bad.touch() if bad.suffix else None
         with pytest.raises(ValueError, match=expected):
-            load_dense(bad)
+            open_dense(bad)
+
+
+def test_a_file_whose_tensors_do_not_match_its_config_is_refused_when_opened(tmp_path):
+    from safetensors.torch import save_file
+
+    from moekit.train.modelfiles import CONFIG_KEY
+    from moekit.train.upcycle import open_dense
+
+    dense = dense_model()
+    state = {k: v.contiguous() for k, v in dense.state_dict().items()}
+    state["layers.1.ffn.w_up.weight"] = state["layers.1.ffn.w_up.weight"][:32].contiguous()
+    save_file(state, tmp_path / "bad.safetensors", {"format": "pt", CONFIG_KEY: json.dumps(dense.config.to_dict())})
+    with pytest.raises(ValueError, match=r"bad.safetensors: tensor shapes do not match its config: "
+                                         r"layers.1.ffn.w_up.weight \[32, 32\] \(config: \[64, 32\]\)"):
+        open_dense(tmp_path / "bad.safetensors")
 
 
 BAD_FLAGS = [
@@ -361,7 +459,7 @@ def test_hf_dense_folder_upcycles_to_transformers_logits(tmp_path, family):
     sigmoid routing, gives transformers' dense logits."""
     transformers = pytest.importorskip("transformers")
     from moekit.models.hf import config_from_hf
-    from moekit.train.upcycle import load_dense
+    from moekit.train.upcycle import open_dense
 
     config_cls, model_cls, extra = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {"tie_word_embeddings": True}),
@@ -378,7 +476,7 @@ def test_hf_dense_folder_upcycles_to_transformers_logits(tmp_path, family):
                 p.add_(torch.randn_like(p) * 0.2)
     ref.save_pretrained(tmp_path / family)
     assert config_from_hf(tmp_path / family).num_experts == 0
-    dense = load_dense(tmp_path / family)
+    dense = open_dense(tmp_path / family)  # read by slices (the tied Llama: lm_head's copy checked on the way)
     moe = upcycle(dense, upcycled_config(dense.config, 8, 4, 2, router_options={"score": "sigmoid"}), 2, seed=3).eval()
     x = torch.randint(0, 128, (2, 16))
     with torch.no_grad():
@@ -386,18 +484,17 @@ def test_hf_dense_folder_upcycles_to_transformers_logits(tmp_path, family):
         torch.testing.assert_close(moe(x), want, rtol=1e-5, atol=1e-5)
 
 
-def test_a_bf16_folder_is_held_in_bf16_and_upcycles_to_the_same_weights(tmp_path):
-    """read_dense keeps an HF folder's bf16 (half the host memory of each rank's copy); the upcycled model is bit
-    for bit the one from the folder's float32 copy, with a router scaling whose g / scaling rounds in bf16."""
+def test_a_bf16_folder_is_read_in_bf16_and_upcycles_to_the_same_weights(tmp_path):
+    """read_dense reads an HF folder's bf16 slices as they are stored; the upcycled model is bit for bit the one
+    from the folder's float32 copy, with a router scaling whose g / scaling rounds in bf16 (the upcycle computes
+    in float32)."""
     from moekit.models.hf import load_hf, save_hf
-    from moekit.train.upcycle import held_dtype, read_dense
+    from moekit.train.upcycle import read_dense
 
     save_hf(dense_model(), tmp_path / "dense", family="llama", dtype=torch.bfloat16)
-    assert held_dtype(tmp_path / "dense") == torch.bfloat16 and held_dtype(tmp_path / "missing") == torch.float32
     fp32 = load_hf(tmp_path / "dense")
     cfg = upcycled_config(fp32.config, 8, 4, 2, router_options={"scaling": 1.5}, shared_ffn_hidden_size=16)
     dense = read_dense(cfg, str(tmp_path / "dense"), 2)
-    assert {p.dtype for p in dense.parameters()} == {torch.bfloat16}
+    assert {dense.read(k, tuple(range(1) for _ in v)).dtype for k, v in dense.shapes.items()} == {torch.bfloat16}
     got, want = upcycle(dense, cfg, 2, seed=6).state_dict(), upcycle(fp32, cfg, 2, seed=6).state_dict()
     assert all(got[k].dtype == torch.float32 and torch.equal(got[k], want[k]) for k in want)
-

@@ -54,13 +54,13 @@ def save_moekit(model: Transformer, path: str | Path) -> Path:
 
 def read_moekit_config(path: str | Path) -> ModelConfig:
     """The ModelConfig of a moekit model file or checkpoint directory (``load_moekit``'s sources), without
-    building the model (a .pt file is read whole: its config is inside the pickle)."""
+    building the model or reading its tensors (a .pt file is memory-mapped)."""
     return _source(Path(path))[0]
 
 
 def load_moekit(path: str | Path, device: str = "cpu") -> Transformer:
     """A moekit model from MODEL.safetensors, MODEL.pt or a train.py checkpoint directory (eval mode)."""
-    config, load = _source(Path(path))
+    config, load, _ = _source(Path(path))
     with meta_device():
         model = Transformer(config)
     model.to_empty(device=device)
@@ -72,11 +72,44 @@ def load_moekit(path: str | Path, device: str = "cpu") -> Transformer:
     return model.eval()
 
 
+class ModelSlices:
+    """A moekit model file's or checkpoint's tensors by state-dict name, read box by box without loading the model
+    (the dense source of sliced upcycling, models.upcycle.upcycle_into): ``config``, ``shapes``, ``read(name,
+    box)`` (the values at ``box``, one range per dim, in the stored dtype). A .safetensors file is read by slices,
+    a .pt file through a memory map (the pages of the slice), a checkpoint one tensor at a time (the last few
+    kept). Opening checks the names and shapes against the stored config: a ValueError as load_moekit's."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.config, _, tensors = _source(self.path)
+        self.shapes, self._fetch = tensors()
+        with meta_device():
+            want = {k: tuple(v.shape) for k, v in Transformer(self.config).state_dict().items()}
+        missing = [k for k in want if k not in self.shapes]
+        unexpected = [k for k in self.shapes if k not in want]
+        if missing or unexpected:
+            raise ValueError(f"{path}: state_dict does not match its config: missing {missing[:5]}, unexpected "
+                             f"{unexpected[:5]}; the file was written for a different model")
+        wrong = [f"{k} {list(v)} (config: {list(want[k])})" for k, v in self.shapes.items() if tuple(v) != want[k]]
+        if wrong:
+            raise ValueError(f"{path}: tensor shapes do not match its config: {', '.join(wrong[:3])}; the file was "
+                             f"written for a different model")
+
+    def read(self, name: str, box) -> torch.Tensor:
+        index = tuple(slice(r.start, r.stop) for r in box)
+        try:
+            return self._fetch(name)[index]
+        except (SafetensorError, RuntimeError, OSError) as exc:
+            raise ValueError(f"{self.path}: could not read {name} ({_first_line(exc)}); the file is damaged, "
+                             f"restore or write it again") from None
+
+
 SOURCES = "a moekit model file (*.safetensors, *.pt) or a checkpoint directory (<run_dir>/checkpoints/step_N)"
 
 
 def _source(path: Path):
-    """(ModelConfig, load(model)) of a moekit model file or checkpoint directory; ValueError naming the fix."""
+    """(ModelConfig, load(model), tensors()) of a moekit model file or checkpoint directory; ``tensors()``: (shape
+    by name, fetch(name) -> something sliceable as that tensor). ValueError naming the fix."""
     if not path.exists():
         raise ValueError(f"{path}: no such file or directory; pass {SOURCES}")
     if path.is_dir():
@@ -135,12 +168,21 @@ def _safetensors_source(path: Path):
         from safetensors.torch import load_file
         _load_strict(model, load_file(str(path)), str(path))
 
-    return _config(meta[CONFIG_KEY], str(path)), load
+    def tensors():
+        handle = safe_open(str(path), framework="pt")
+        return {k: tuple(handle.get_slice(k).get_shape()) for k in handle.keys()}, handle.get_slice
+
+    return _config(meta[CONFIG_KEY], str(path)), load, tensors
 
 
 def _pt_source(path: Path):
-    try:
-        blob = torch.load(path, map_location="cpu", weights_only=True)
+    try:  # memory-mapped: the config without reading the tensors, and slices that read only their pages
+        try:
+            blob = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as exc:
+            if "mmap" not in str(exc):
+                raise
+            blob = torch.load(path, map_location="cpu", weights_only=True)  # the legacy (non-zip) format
     except OSError:
         raise  # permissions, I/O errors: the program reports them with the path
     except Exception as exc:  # torch.load fails on a bad file with whatever its reader met: any means unusable
@@ -149,7 +191,9 @@ def _pt_source(path: Path):
     if not isinstance(blob, dict) or blob.get("format") != PT_FORMAT:
         raise ValueError(f"{path}: not a moekit model file (format {PT_FORMAT!r}); write one with "
                          f"'moekit-convert hf-to-moekit ... OUT.pt'")
-    return _config(blob["config"], str(path)), lambda model: _load_strict(model, blob["model"], str(path))
+    state = blob["model"]
+    return (_config(blob["config"], str(path)), lambda model: _load_strict(model, state, str(path)),
+            lambda: ({k: tuple(v.shape) for k, v in state.items()}, state.__getitem__))
 
 
 def _dcp_source(path: Path):
@@ -162,17 +206,39 @@ def _dcp_source(path: Path):
         raise ValueError(f"{path}: no readable {DCP_META} ({type(exc).__name__}); pass a "
                          f"<run_dir>/checkpoints/step_N directory written by moekit-train") from None
 
-    def load(model):
-        state = {"model": model.state_dict()}
+    def load(model, state=None):  # state: some tensors only, read by this process alone (no collective)
+        alone = state is not None
+        state = {"model": model.state_dict() if state is None else state}
         try:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                dcp.load(state, checkpoint_id=str(path))
+                dcp.load(state, checkpoint_id=str(path), no_dist=alone)
         except Exception as exc:  # DCP wraps every reader failure; any of them means an unusable checkpoint
             raise ValueError(f"{path}: DCP could not read the model ({type(exc).__name__}); the checkpoint is "
                              f"incomplete or for a different model") from None
 
-    return _config(meta.get("model"), str(path / DCP_META)), load
+    def tensors():  # shapes and dtypes from DCP's metadata; each tensor read whole when first sliced, 3 kept
+        try:
+            stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        except Exception as exc:  # noqa: BLE001  as load: any reader failure means an unusable checkpoint
+            raise ValueError(f"{path}: DCP could not read its metadata ({type(exc).__name__}); the checkpoint is "
+                             f"incomplete") from None
+        model = {k.removeprefix("model."): v for k, v in stored.items() if k.startswith("model.")}
+        shapes = {k: tuple(v.size) for k, v in model.items() if hasattr(v, "size")}
+        kept: dict[str, torch.Tensor] = {}
+
+        def fetch(name):
+            if name not in kept:
+                t = torch.empty(shapes[name], dtype=model[name].properties.dtype)
+                load(None, {name: t})
+                kept[name] = t
+                while len(kept) > 3:  # a layer's MLP: gate, up, out
+                    kept.pop(next(iter(kept)))
+            return kept[name]
+
+        return shapes, fetch
+
+    return _config(meta.get("model"), str(path / DCP_META)), load, tensors
 
 
 # ---------------------------------------------------------------------------------------------------

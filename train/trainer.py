@@ -94,14 +94,14 @@ class Trainer:
         # it: from the seed (models.init: every value depends on the seed, the name and the position only, so this
         # is the one-process model's share whatever the layout), with --init-from-hf reading only its slices
         # (models.hf.load_hf_sharded: placed experts from their logical rows, MTP depths the folder lacks from the
-        # seed), or upcycled from a dense model (models.upcycle.upcycle_into: its shards of the upcycled model).
+        # seed), or upcycled from a dense model (models.upcycle.upcycle_into: its shards of the upcycled model, from
+        # the slices of the dense model they are made of).
         fresh = self.resume_from is None
         dense = None
-        if cfg.train.init_from_dense and fresh:  # read and checked before anything is built
+        if cfg.train.init_from_dense and fresh:  # opened (headers) and checked before anything is built
             from moekit.train.upcycle import read_dense
 
-            dense = read_dense(cfg.model, cfg.train.init_from_dense, cfg.train.upcycle_granularity,
-                               self.dist.topology.ranks_per_node)
+            dense = read_dense(cfg.model, cfg.train.init_from_dense, cfg.train.upcycle_granularity)
         if cfg.train.export_hf:  # refuse before training, not after: a family for the model, a tokenizer
             self.export_tokenizer = hfrun.check_export(self.model, cfg, self.data)
         # each rank keeps its share: its pipeline stages first, then the recipe (TP, EP, AC, compile, FSDP) on them

@@ -1,83 +1,70 @@
-"""Reading the dense model to upcycle (moekit-train --init-from-dense; the math is moekit.models.upcycle).
+"""Opening the dense model to upcycle (moekit-train --init-from-dense; the math is moekit.models.upcycle).
 
-    load_dense(path)                                a dense Transformer from any source below (float32, CPU)
-    read_dense(config, path, granularity, n)        load_dense, checked against the MoE config and this machine's
-                                                    memory (n ranks per node); UserError on bad input
-    init_from_dense(model, dense, path, g, seed)    upcycle into the trainer's (parallelised) model
+    open_dense(path)                                the dense model at ``path`` as a source read box by box
+    read_dense(config, path, granularity)           open_dense, checked against the MoE config; UserError on bad
+                                                    input
+    init_from_dense(model, dense, path, g, seed)    upcycle into the trainer's (parallelised) model: each rank
+                                                    reads only the parts of the dense model its shards are made of
+    dense_read_peak(config, granularity)            the host memory a rank holds at most while it upcycles
 
 Sources, told apart by what the path holds:
     DIR/meta.json                 a moekit-train checkpoint (run/checkpoints/step_N)
     DIR/checkpoints/              a moekit-train run directory: its newest checkpoint that verifies
-    DIR/config.json               a HuggingFace folder (models.hf.load_hf: Llama, Qwen2, Qwen3 dense, ...)
+    DIR/config.json               a HuggingFace folder (Llama, Qwen2, Qwen3 dense, ...; models.hf.sharded.FolderSlices)
     MODEL.safetensors, MODEL.pt   a moekit model file (moekit-convert, train.modelfiles.save_moekit)
 
-This lives in the application layer because the moekit file formats do (train/modelfiles.py).
+No rank reads or holds the dense model whole: a safetensors file (HF or moekit) is read by slices, a .pt file
+through a memory map, a checkpoint one tensor at a time (train.modelfiles.ModelSlices). This lives in the
+application layer because the moekit file formats do (train/modelfiles.py).
 """
 from __future__ import annotations
 
 import warnings
 from pathlib import Path
 
-import torch
-
-from moekit.models.transformer import Transformer
 from moekit.train import UserError
 
 SOURCES = ("a HuggingFace dense folder (config.json + safetensors), a moekit model file (*.safetensors / *.pt), a "
            "moekit-train checkpoint directory (checkpoints/step_N) or run directory")
 
 
-def held_dtype(path: str | Path) -> torch.dtype:
-    """The dtype ``load_dense(path, keep_dtype=True)`` holds the dense model in: an HF folder's own half precision
-    (config.json's dtype, bf16 or fp16), else float32."""
-    from moekit.models.hf.io import DTYPE_NAMES as HF_DTYPES, read_config
-
-    path = Path(path)
-    if path.is_dir() and (path / "config.json").is_file():
-        try:
-            hf = read_config(path)
-        except ValueError:
-            return torch.float32  # load_dense says what is wrong with it
-        return HF_DTYPES.get(hf.get("dtype", hf.get("torch_dtype")), torch.float32)
-    return torch.float32
-
-
-def load_dense(path: str | Path, keep_dtype: bool = False) -> Transformer:
-    """The dense model at ``path`` (module docstring), float32 on the CPU, eval mode; ``keep_dtype``: an HF folder
-    in its own half precision (``held_dtype``: half the memory; upcycling's values are the same, models.upcycle
-    upcasts before it computes). ValueError when the path is none of the sources, or holds an MoE model
+def open_dense(path: str | Path):
+    """The dense model at ``path`` (module docstring) as an upcycling source (``config``, ``shapes``,
+    ``read(name, box)``; models.upcycle.ModuleSource's interface): config and file headers are read and checked,
+    no tensor data. ValueError when the path is none of the sources, is unreadable, or holds an MoE model
     (num_experts > 0)."""
     from moekit.train import checkpoint
-    from moekit.train.modelfiles import load_moekit
+    from moekit.train.modelfiles import ModelSlices
 
     path = Path(path)
     if not path.exists():
         raise ValueError(f"{path}: no such file or directory; expected {SOURCES}")
     if path.is_dir() and (path / "meta.json").is_file():
-        model = load_moekit(path)
+        source = ModelSlices(path)
     elif path.is_dir() and (path / "checkpoints").is_dir():
         newest, _, skipped = checkpoint.newest_verified(path)
         if newest is None:
             why = f" ({'; '.join(skipped)})" if skipped else ""
             raise ValueError(f"{path}: a run directory without a checkpoint that verifies{why}; pass a checkpoint or "
                              f"model file instead")
-        model = load_moekit(newest)
+        source = ModelSlices(newest)
     elif path.is_dir() and (path / "config.json").is_file():
-        from moekit.models.hf import config_from_hf, load_hf  # needs safetensors: imported only when asked for
+        from moekit.models.hf import config_from_hf  # needs safetensors: imported only when asked for
+        from moekit.models.hf.sharded import FolderSlices
 
-        config = config_from_hf(path)  # config.json alone: refuse an MoE folder before reading its weights
+        config = config_from_hf(path)  # config.json alone: refuse an MoE folder before opening its weights
         if config.num_experts:
             raise ValueError(_not_dense(path, config.num_experts))
-        model = load_hf(path, dtype=held_dtype(path) if keep_dtype else torch.float32)
+        source = FolderSlices(path)
     elif path.is_dir():
         raise ValueError(f"{path}: a directory with no config.json, meta.json or checkpoints/; expected {SOURCES}")
     elif path.suffix in (".safetensors", ".pt"):
-        model = load_moekit(path)
+        source = ModelSlices(path)
     else:
         raise ValueError(f"{path}: unknown file type {path.suffix!r}; expected {SOURCES}")
-    if model.config.num_experts:
-        raise ValueError(_not_dense(path, model.config.num_experts))
-    return model
+    if source.config.num_experts:
+        raise ValueError(_not_dense(path, source.config.num_experts))
+    return source
 
 
 def _not_dense(path: Path, num_experts: int) -> str:
@@ -85,46 +72,27 @@ def _not_dense(path: Path, num_experts: int) -> str:
             f"= 0). To continue training an MoE checkpoint use --init-from-hf (HuggingFace) or --resume")
 
 
-DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+def dense_read_peak(config, granularity: int) -> int:
+    """Bytes of host memory a rank holds at most at once while it upcycles (``init_from_dense``), an upper bound:
+    one dense MLP's tensors in float32 (the shards its experts copy, or a checkpoint's tensors, read one at a
+    time and the last three kept), or the embedding / output layer in float32 (a checkpoint's, read whole)."""
+    from moekit.moe.activations import get_activation
+
+    H, F = config.hidden_size, config.moe_ffn_hidden_size * granularity
+    mlp = (3 if get_activation(config.activation).gated else 2) * F * H
+    return 4 * max(mlp, config.vocab_size * H)
 
 
-def dense_param_count(config, granularity: int) -> int:
-    """Parameters of the dense model an MoE model of ``config`` upcycles from: the same model with dense FFNs of
-    moe_ffn_hidden_size x granularity units (what models.upcycle.dense_mismatches requires of it)."""
-    import dataclasses
-
-    from moekit.models.transformer import meta_device
-
-    dense = dataclasses.replace(config, num_experts=0, shared_ffn_hidden_size=0,
-                                ffn_hidden_size=config.moe_ffn_hidden_size * granularity)
-    with meta_device():
-        return sum(p.numel() for p in Transformer(dense.validate()).parameters())
-
-
-def read_dense(config, path: str, granularity: int, ranks_per_node: int = 1) -> Transformer:
-    """The dense model at ``path`` to upcycle into an MoE model of ``config`` (whole, on the CPU, in
-    ``held_dtype``), checked against it before anything is built; bad sources and config mismatches are
-    UserErrors naming the flags that fix them. ``ranks_per_node``: the processes on this machine that each hold
-    a copy; more than its memory is refused before reading."""
+def read_dense(config, path: str, granularity: int):
+    """The dense model at ``path`` to upcycle into an MoE model of ``config`` (``open_dense``: a source, nothing read
+    but config and headers), checked against it before anything is built; bad sources and config mismatches are
+    UserErrors naming the flags that fix them."""
     from moekit.models.upcycle import check_upcycle_config, dense_mismatches
-    from moekit.train.plan import device_memory
 
     where = f"--init-from-dense {path}"
     try:
         check_upcycle_config(config, granularity)  # its warnings come with the upcycle itself
-        held = held_dtype(path)
-        each = held.itemsize * dense_param_count(config, granularity)
-    except ValueError as exc:
-        raise UserError(f"{where}: {exc}") from None
-    have = device_memory(torch.device("cpu"))
-    if each * ranks_per_node > have:
-        gib = 2**30
-        raise UserError(f"{where}: every rank holds the dense model whole in host memory ({DTYPE_NAMES[held]}) while "
-                        f"it upcycles, {each / gib:,.1f} GiB, and the {ranks_per_node} ranks of a node need "
-                        f"{each * ranks_per_node / gib:,.1f} GiB of this machine's {have / gib:,.1f} GiB; start fewer "
-                        f"ranks per node (torchrun --nproc-per-node), or upcycle a smaller dense model")
-    try:
-        dense = load_dense(path, keep_dtype=True)
+        dense = open_dense(path)
         diffs = dense_mismatches(dense.config, config, granularity)
     except (ValueError, OSError) as exc:
         raise UserError(f"{where}: {exc}") from None
@@ -140,17 +108,20 @@ def read_dense(config, path: str, granularity: int, ranks_per_node: int = 1) -> 
     return dense
 
 
-def init_from_dense(model, dense: Transformer, path: str, granularity: int, seed: int) -> list[str]:
+def init_from_dense(model, dense, path: str, granularity: int, seed: int) -> list[str]:
     """Upcycle ``dense`` (``read_dense``; from ``path``) into the trainer's ``model``, a whole or parallelised one
-    (moekit.models.upcycle.upcycle_into: each rank fills what it holds); return the warnings to print."""
+    (moekit.models.upcycle.upcycle_into: each rank reads the slices its shards need and fills what it holds);
+    return the warnings to print. Call on every rank: a failure on any (a damaged file read by some ranks only)
+    is the same UserError on all, none left waiting in a collective."""
+    from moekit.models.hf.sharded import _agree
     from moekit.models.upcycle import upcycle_into
 
     where = f"--init-from-dense {path}"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            upcycle_into(model, dense, granularity, seed)
-        except ValueError as exc:
+            _agree(upcycle_into, model, dense, granularity, seed)
+        except (ValueError, OSError) as exc:
             raise UserError(f"{where}: {exc}") from None
     return [f"{where}: warning: {w.message}" for w in caught]
 

@@ -2,6 +2,7 @@
 
     load_hf_sharded(model, path)   each rank reads only the slices of the checkpoint it holds
     save_hf_sharded(model, path)   each rank writes the HF tensors it owns into its own safetensors file
+    FolderSlices(path)             a folder's tensors by moekit name, read box by box (sliced upcycling)
 
 Every moekit tensor is a plain tensor (replicated: every rank has all of it) or a DTensor whose local part
 is one box of the global tensor: TP (Shard over "tp"), FSDP (Shard / _StridedShard over "fsdp", experts
@@ -52,7 +53,7 @@ from moekit.models.hf import fp8
 from moekit.models.hf.io import CheckpointReader
 from moekit.models.hf.weights import Rule, check_keys
 
-__all__ = ["load_hf_sharded", "save_hf_sharded", "shard_box"]
+__all__ = ["FolderSlices", "load_hf_sharded", "save_hf_sharded", "shard_box"]
 
 Box = tuple[range, ...]
 
@@ -301,6 +302,19 @@ def _plan_load(model, path, check_config: bool, init_seed: int | None) -> _LoadP
                      spec.family.model_type, copies)
 
 
+def _parts(rule: Rule, pieces, want: Box, slices: SliceReader):
+    """(index into a tensor of box ``want``, its values in the target's dim order) for each HF tensor of ``rule``
+    (laid out as ``pieces``) that meets the box; an HF tensor that does not is not even opened."""
+    for source, (where, dims) in zip(rule.sources, pieces):
+        meet = _meet(want, where)
+        if meet is None:
+            continue
+        # the same box in the HF tensor's own indices and dim order
+        part = slices.read(source, tuple(slice(meet[d].start - where[d].start, meet[d].stop - where[d].start)
+                                         for d in dims))
+        yield _rel(meet, want), _to_target(part, dims, len(want))
+
+
 @torch.no_grad()
 def _read_slices(model, plan: _LoadPlan, slices: SliceReader, init_seed: int | None) -> None:
     if plan.fresh:  # first, so the loaded tensors overwrite init_weights' norms and biases
@@ -315,14 +329,8 @@ def _read_slices(model, plan: _LoadPlan, slices: SliceReader, init_seed: int | N
         runs = [(local, box)] if rows is None else [(local[here], (indices,) + box[1:])
                                                     for here, indices in _row_runs(rows)]
         for dest, want in runs:  # a placement: each run of slots from its logical experts' rows
-            for source, (where, dims) in zip(r.sources, pieces):
-                meet = _meet(want, where)
-                if meet is None:  # none of this HF tensor is here: not even opened
-                    continue
-                # the same box in the HF tensor's own indices and dim order
-                part = slices.read(source, tuple(slice(meet[d].start - where[d].start,
-                                                       meet[d].stop - where[d].start) for d in dims))
-                dest[_rel(meet, want)].copy_(_to_target(part, dims, target.dim()))
+            for here, part in _parts(r, pieces, want, slices):
+                dest[here].copy_(part)
     if plan.tied_copy:
         _check_tied_slice(model, plan, slices)
     for key, main in plan.mtp_copies:  # this rank's rows of each copy must equal the main tensor's
@@ -347,8 +355,12 @@ def _check_tied_slice(model, plan: _LoadPlan, slices: SliceReader) -> None:
         return
     head = slices.read("lm_head.weight", tuple(slice(r.start, r.stop) for r in box)).to(local.dtype)
     if not torch.equal(head, local.cpu()):
-        raise ValueError(f"{plan.reader.folder}/config.json has tie_word_embeddings=true but lm_head.weight "
-                         f"differs from model.embed_tokens.weight; set tie_word_embeddings to false")
+        raise ValueError(_tied_differs(plan.reader.folder))
+
+
+def _tied_differs(folder) -> str:
+    return (f"{folder}/config.json has tie_word_embeddings=true but lm_head.weight differs from "
+            f"model.embed_tokens.weight; set tie_word_embeddings to false")
 
 
 def load_hf_sharded(model, path: str | Path, *, check_config: bool = True,
@@ -373,6 +385,68 @@ def load_hf_sharded(model, path: str | Path, *, check_config: bool = True,
     _agree(_read_slices, model, plan, slices, init_seed)
     model.hf_family, model.hf_source = plan.family, Path(path)  # as load_hf_into: save_hf's default family
     return dict(slices.bytes_read)
+
+
+class FolderSlices:
+    """A HuggingFace folder's tensors by moekit state-dict name, read box by box; no model is built or held.
+
+    The source of sliced upcycling (models.upcycle.upcycle_into): each rank reads just the parts of the dense
+    model its shards are made from. Opening reads config.json and the safetensors headers and checks them as
+    a load does (keys, shapes, counts); ``read`` reads data.
+
+        config                the folder's ModelConfig (models.hf.config_from_hf)
+        shapes                every moekit tensor's shape, by state-dict name
+        read(name, box)       the tensor's values at ``box`` (one range per dim), in the folder's dtype (block
+                              float8 dequantized to float32); a tied lm_head copy or an MTP layer's embedding /
+                              head copy is read alongside and must be equal (else a ValueError)
+        bytes_read            bytes read per checkpoint key
+    """
+
+    def __init__(self, path: str | Path):
+        from moekit.models.hf import config_from_hf, plan_load
+        from moekit.models.transformer import Transformer, meta_device
+
+        self.folder = Path(path)
+        self.config = config_from_hf(path)
+        with meta_device():
+            model = Transformer(self.config)
+        spec = plan_load(model, path, check_config=False)  # the model is the folder's config
+        state = model.state_dict()
+        check_keys(spec.reader, spec.rules, state, spec.allowed_extra)
+        self.shapes = {k: tuple(v.shape) for k, v in state.items()}
+        self._rules = {r.target: r for r in spec.rules}
+        for name, rule in self._rules.items():
+            if rule.layout(self.shapes[name]) is None:
+                raise ValueError(f"{name}: its HuggingFace rule has no slice layout (weights.Rule.pieces), so it "
+                                 f"cannot be read slice by slice")
+        self._copies: dict[str, list[str]] = {}  # model tensor -> checkpoint keys that must equal it
+        if spec.tied_copy:
+            self._copies["embed.weight"] = ["lm_head.weight"]
+        for key, main in spec.mtp_copies:
+            self._copies.setdefault(main, []).append(key)
+        self._slices = SliceReader(spec.reader)
+
+    @property
+    def bytes_read(self) -> dict[str, int]:
+        return self._slices.bytes_read
+
+    def read(self, name: str, box: Box) -> Tensor:
+        rule, shape = self._rules[name], self.shapes[name]
+        out = None
+        for here, part in _parts(rule, rule.layout(shape), tuple(box), self._slices):
+            if out is None:
+                out = torch.empty([len(r) for r in box], dtype=part.dtype)
+            out[here].copy_(part)
+        if out is None:  # an empty box
+            return torch.empty([len(r) for r in box])
+        for key in self._copies.get(name, ()):
+            if not torch.equal(self._slices.read(key, tuple(slice(r.start, r.stop) for r in box)).to(out.dtype), out):
+                if key == "lm_head.weight":
+                    raise ValueError(_tied_differs(self.folder))
+                from moekit.models.hf import mtp_copy_differs
+
+                raise ValueError(mtp_copy_differs(self.folder, key, name))
+        return out
 
 
 from moekit.models.hf.sharded_export import save_hf_sharded  # noqa: E402  (uses the helpers above)

@@ -33,7 +33,7 @@ from moekit.train import UserError
 from moekit.train.cli import Options, parse_args
 from moekit.train.config import TrainConfig
 from moekit.train.plan import ResolvedLayout, resolve_config
-from moekit.train.upcycle import DTYPE_NAMES, dense_param_count, held_dtype
+from moekit.train.upcycle import dense_read_peak
 
 GIB = 2**30
 TIGHT = 0.9  # above this share of device memory the CUDA context, NCCL buffers and fragmentation may not fit
@@ -113,8 +113,7 @@ class Built:
     tensors: int = 0  # rank 0's parameter tensors
     refused: str = ""  # the recipe's message when it does not support the layout yet
     replicas: int = 0  # redundant expert slots over the EP group (--layout.expert_replicas / a placement file)
-    dense_bytes: int = 0  # --init-from-dense: the dense model every rank holds whole in host memory to upcycle from
-    dense_dtype: str = ""  # ... in this dtype (fp32, bf16, fp16)
+    dense_peak: int = 0  # --init-from-dense: host memory a rank holds at most while it upcycles (by slices)
     stages: list[Stage] = field(default_factory=list)  # every pipeline rank's layers (the real split if built)
 
 
@@ -167,10 +166,8 @@ def build(cfg: TrainConfig, plan: DryRunPlan) -> Built:
             model = _pipeline_stage(model, topo, cfg, built)
         placement = RunPlacement.for_run(cfg, topo, model)  # as the trainer: flag, file or contiguous
         built.replicas = placement.replicas
-        if cfg.train.init_from_dense:  # in the dtype it is held in (train.upcycle.held_dtype: config.json's)
-            held = held_dtype(cfg.train.init_from_dense)
-            built.dense_bytes = held.itemsize * dense_param_count(cfg.model, cfg.train.upcycle_granularity)
-            built.dense_dtype = DTYPE_NAMES[held]
+        if cfg.train.init_from_dense:
+            built.dense_peak = dense_read_peak(cfg.model, cfg.train.upcycle_granularity)
         parallelize(model, topo, hierarchical=plan.hierarchical, sequence_parallel=L.sequence_parallel,
                     expert_placement=placement.placements)
     except (LayoutError, ValueError, NotImplementedError) as exc:
@@ -281,11 +278,10 @@ def report(cfg: TrainConfig, opts: Options, plan: DryRunPlan, built: Built, esti
         if fits(estimates, opts) else ("does NOT fit: raise ep / fsdp / tp / pp, lower the micro-batch or checkpoint "
                                        f"activations (exit status {DOES_NOT_FIT})")
     where = f" (pipeline rank {worst.stage})" if L.pp > 1 else ""
-    if built.dense_bytes:  # host memory, not the device's: the upcycle fills each rank's shards from it
-        node = gib(built.dense_bytes * plan.ranks_per_node)
-        lines.append(f"  init: every rank upcycles from the dense model held whole in host memory "
-                     f"({built.dense_dtype}), {gib(built.dense_bytes)} ({node} for the {plan.ranks_per_node} ranks of "
-                     f"a node), and fills only its shards of the MoE model")
+    if built.dense_peak:  # host memory, not the device's
+        lines.append(f"  init: every rank upcycles its shards from the slices of the dense model they are made of "
+                     f"(no rank reads it whole; host memory at most {gib(built.dense_peak)} at once: one dense MLP or "
+                     f"embedding in fp32)")
     lines.append(f"memory: peak {gib(worst.peak)}{where} of {opts.gpu_gb:g} GiB per GPU ({share:.0%}): {verdict}")
     lines.append(_a2a_line(a2a, wl))
     return lines
