@@ -498,3 +498,15 @@ def test_a_bf16_folder_is_read_in_bf16_and_upcycles_to_the_same_weights(tmp_path
     assert {dense.read(k, tuple(range(1) for _ in v)).dtype for k, v in dense.shapes.items()} == {torch.bfloat16}
     got, want = upcycle(dense, cfg, 2, seed=6).state_dict(), upcycle(fp32, cfg, 2, seed=6).state_dict()
     assert all(got[k].dtype == torch.float32 and torch.equal(got[k], want[k]) for k in want)
+
+
+def test_upcycle_memory_bench_runs_both_peers(tmp_path, capsys):
+    """tools/bench/upcycle_memory.py on 2 tiny ranks: a row per rank, both peers filled the same weights."""
+    from moekit.bench import upcycle_memory
+
+    out = tmp_path / "u.json"
+    assert upcycle_memory.main(["--hidden", "64", "--ffn", "128", "--layers", "2", "--vocab", "300", "--heads", "4",
+                                "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["rank"] for r in rows] == [0, 1] and all(r["same"] for r in rows), rows
+    assert "sliced anon MiB" in capsys.readouterr().out
