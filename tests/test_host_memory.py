@@ -76,3 +76,33 @@ def test_bad_flag_is_refused_by_the_trainer(tmp_path, capsys):
     assert main(["--train.host_memory", "lots", "--run-dir", str(tmp_path / "r"), "--steps", "1"]) == 2
     err = capsys.readouterr().err
     assert "--train.host_memory='lots' is invalid; choose one of ['system', 'retain']" in err
+
+
+OPENMP_PROBE = "import sys; [__import__(m) for m in sys.argv[1:]]"
+
+
+def openmp_spincount(*modules: str, **env) -> str:
+    """libgomp's spin count as it starts in a fresh process importing ``modules`` in order (OMP_DISPLAY_ENV makes
+    it print its settings when torch loads it): 0 = passive waiting, 300000 = its default spinning."""
+    clean = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    out = subprocess.run([sys.executable, "-c", OPENMP_PROBE, *modules], capture_output=True, text=True, timeout=120,
+                         env={**clean, "OMP_DISPLAY_ENV": "VERBOSE", **env})
+    assert out.returncode == 0, out.stderr
+    found = [line.split("=")[1].strip().strip("'") for line in out.stderr.splitlines() if "GOMP_SPINCOUNT" in line]
+    if not found:
+        pytest.skip("torch's OpenMP runtime is not GNU libgomp (no GOMP_SPINCOUNT in OMP_DISPLAY_ENV)")
+    return found[0]
+
+
+def test_moekit_programs_make_openmp_wait_passively():
+    """Every moekit program imports moekit.train before torch: OpenMP then waits passively (a waiting thread sleeps
+    instead of spinning through the time slice of a thread another process holds the core from), unless the
+    environment names a policy; imported after torch it changes nothing, and sets nothing."""
+    assert openmp_spincount("torch") == "300000"  # the default it replaces: spin
+    assert openmp_spincount("moekit.train", "torch") == "0"
+    assert openmp_spincount("moekit.train.loop", "torch") == "0"  # moekit-train's console script, then torch
+    assert openmp_spincount("moekit.train", "torch", OMP_WAIT_POLICY="ACTIVE") != "0"  # the user's choice stands
+    out = subprocess.run([sys.executable, "-c", "import os, torch, moekit.train; print(os.environ.get("
+                          "'OMP_WAIT_POLICY'))"], capture_output=True, text=True, timeout=120,
+                         env={k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"})
+    assert out.stdout.strip() == "None", out

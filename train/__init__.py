@@ -2,8 +2,19 @@
 command-line programs built on them (``moekit-train``, ``moekit-heatmap``, ``moekit-convert``).
 
 The top layer: it imports ``moekit.models``, ``moekit.comm`` and ``moekit.moe``; none of them imports it.
+
+Importing it before torch (every moekit program does) sets ``OMP_WAIT_POLICY=PASSIVE`` unless the environment
+names a policy: OpenMP's default lets a thread that waits for the others spin, and when another process holds
+a core, each of torch's thousands of parallel regions per step then waits out a scheduler time slice. On the
+2-core CI box with one busy core the README main job fell from ~11,000 to ~430 tokens/s; passive waiting keeps
+~7,000 there and costs nothing measurable on an idle box (docs/training.md, "Host threads on CPU runs").
 """
 import argparse
+import os
+import sys
+
+if "torch" not in sys.modules:  # OpenMP reads it once, when torch loads it: later it would change nothing
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 class UserError(Exception):
@@ -21,8 +32,6 @@ class OneLineParser(argparse.ArgumentParser):
 def run_program(prog: str, body, interrupted: str = "interrupted") -> int:
     """``body() -> exit status`` as a command-line program: a UserError becomes one line ``prog: error: ...``
     and its ``exit_code`` (2 unless it sets one), an OSError one line and 2, Ctrl-C a note and 130."""
-    import sys
-
     try:
         return body()
     except UserError as exc:
@@ -42,9 +51,6 @@ def program_name(script: str) -> str:
     """The name for usage and error lines: the console script (``moekit-train``) when started as one, ``python -m
     PACKAGE`` when started so, else ``script`` (``train.py``, as from ``python tools/train.py`` or a call of
     ``main()`` from Python)."""
-    import os
-    import sys
-
     name = os.path.basename(sys.argv[0]) if sys.argv else ""
     if name.startswith("moekit-"):
         return name
