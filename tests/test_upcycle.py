@@ -510,3 +510,26 @@ def test_upcycle_memory_bench_runs_both_peers(tmp_path, capsys):
     rows = json.loads(out.read_text())["rows"]
     assert [r["rank"] for r in rows] == [0, 1] and all(r["same"] for r in rows), rows
     assert "sliced anon MiB" in capsys.readouterr().out
+
+
+def test_a_tied_folder_whose_lm_head_copy_differs_is_refused_when_read(tmp_path):
+    """A tied HF folder that also stores lm_head.weight: each slice of the embedding read for upcycling is compared
+    with the same slice of the copy (as load_hf_sharded does); equal reads fine, a different copy is a ValueError."""
+    from safetensors.torch import load_file, save_file
+
+    from moekit.models.hf import save_hf
+    from moekit.train.upcycle import open_dense
+
+    save_hf(dense_model(tie_embeddings=True), tmp_path / "tied", family="llama")
+    file = tmp_path / "tied" / "model.safetensors"
+    state = load_file(file)
+    box = (range(10, 20), range(0, 32))
+    for copy, ok in ((state["model.embed_tokens.weight"].clone(), True), (state["model.embed_tokens.weight"] + 1, False)):
+        save_file({**state, "lm_head.weight": copy}, file, {"format": "pt"})
+        source = open_dense(tmp_path / "tied")
+        if ok:
+            torch.testing.assert_close(source.read("embed.weight", box), state["model.embed_tokens.weight"][10:20])
+            assert source.bytes_read == {"model.embed_tokens.weight": 10 * 32 * 4, "lm_head.weight": 10 * 32 * 4}
+        else:
+            with pytest.raises(ValueError, match="tie_word_embeddings=true but lm_head.weight differs"):
+                source.read("embed.weight", box)
