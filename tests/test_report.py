@@ -429,3 +429,30 @@ def test_wandb_missing_package_is_a_one_line_error(tmp_path, monkeypatch):
     m = Monitor(str(tmp_path), torch.device("cpu"), 1, 0, 1, False, "off")
     assert "wandb off" in m.describe()
     m.close()
+
+
+def test_console_throughput_covers_the_steps_since_the_last_line(tmp_path, capsys):
+    """The console line's tokens_per_s and mfu are the steps' tokens over their summed time since the previous
+    line (random step times, one slow step); metrics keep each step's own values."""
+    import torch
+
+    from moekit.train.monitor import Monitor
+
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    seconds = (torch.rand(9, generator=gen) + 0.1).tolist()
+    seconds[4] = 7.5  # one slow step in the second window
+    m = Monitor(str(tmp_path), torch.device("cpu"), 9, 0, 3, False, "off")
+    per_step = 4096
+    written = []
+    for step, s in enumerate(seconds, 1):
+        tps = per_step / s
+        written.append(m.step({"step": step, "loss": 1.0, "aux_loss": 0.0, "lr": 1e-3, "grad_norm": 1.0,
+                               "tokens_per_s": tps, "step_s": s, "mem_gb": 0.1, "mfu": tps * 1e-6}))
+    m.close()
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("step=")]
+    assert [ln.split()[0] for ln in lines] == ["step=3", "step=6", "step=9"]
+    for i, line in enumerate(lines):
+        want = 3 * per_step / sum(seconds[3 * i : 3 * i + 3])
+        fields = dict(f.split("=") for f in line.split())
+        assert fields["tokens_per_s"] == f"{want:.0f}" and fields["mfu"] == f"{100 * want * 1e-6:.1f}%", (line, want)
+    assert [w["tokens_per_s"] for w in written] == [per_step / s for s in seconds]  # metrics: per step

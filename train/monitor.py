@@ -288,6 +288,7 @@ class Monitor:
         self.wandb = WandB(run_dir, wandb, wandb_project, wandb_name, config, start)
         self.progress = Progress(total, start, progress)
         self.total = total
+        self._window = [0.0, 0.0]  # since the last console line: tokens, seconds
 
     def describe(self) -> str:
         def state(active, asked=True, installed=True):
@@ -315,10 +316,26 @@ class Monitor:
             if self.wandb.run is not None:
                 values.update(self.wandb.load_values(load))
         self.wandb.log(step, values)
+        tps, seconds = m.get("tokens_per_s") or 0.0, m.get("step_s") or 0.0
+        if tps > 0 and seconds > 0:
+            self._window[0] += tps * seconds
+            self._window[1] += seconds
         if step % self.log_every == 0 or step == self.total or "val_loss" in m:
-            self.print(format_line(m))
+            self.print(format_line(self._over_window(m)))
         self.progress.update(step, m["loss"])
         return m
+
+    def _over_window(self, m: dict) -> dict:
+        """The console line's values: tokens_per_s and mfu over every step since the last line (the steps' tokens
+        over their summed time; metrics.jsonl keeps each step's own), the rest this step's."""
+        tokens, seconds = self._window
+        self._window = [0.0, 0.0]
+        if seconds <= 0 or not m.get("tokens_per_s"):
+            return m
+        shown = {**m, "tokens_per_s": tokens / seconds}
+        if m.get("mfu") is not None:  # proportional to tokens/s (the same FLOPs per token and peak every step)
+            shown["mfu"] = m["mfu"] * shown["tokens_per_s"] / m["tokens_per_s"]
+        return shown
 
     def print(self, line: str) -> None:
         self.progress.clear()

@@ -387,7 +387,8 @@ class Trainer:
         tps = self.plan.tokens_per_step / dt
         peak = peak_flops(self.plan.device, self.plan.autocast_dtype)
         m = {"step": step, "loss": loss, "aux_loss": sum(s.aux_loss / max(s.forwards, 1) for s in load.values()),
-             "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tps, "tokens": tokens_seen, "elapsed_s": elapsed,
+             "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tps, "step_s": dt, "tokens": tokens_seen,
+             "elapsed_s": elapsed,
              "mem_gb": peak_memory_gb(self.plan.device),
              # tokens_per_s is the whole job's; every rank's device contributes its peak
              "mfu": tps * self.plan.flops_per_token / (peak * self.dist.world) if peak else None}
