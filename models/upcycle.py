@@ -7,8 +7,8 @@ experts' output projections are chosen so that the upcycled model computes exact
 function at step 0 (up to rounding), whatever g:
 
     upcycled_config(dense_cfg, num_experts, top_k, granularity)  the MoE ModelConfig for a dense one
-    upcycle(dense, config, granularity, seed)                   a new MoE Transformer from a dense Transformer
-    upcycle_into(moe, dense, granularity, seed)                 the same into an already built (parallelised) MoE
+    upcycle(dense, config, granularity, seed, drop)             a new MoE Transformer from a dense Transformer
+    upcycle_into(moe, dense, granularity, seed, drop)           the same into an already built (parallelised) MoE
                                                                 model, reading from a source box by box
     ModuleSource(dense)                                         a dense model in memory as such a source
     check_upcycle_config(config, granularity)                   refuse an MoE config that cannot reproduce it
@@ -60,6 +60,15 @@ between the shared and the routed experts would tie the shared width to F/g and 
 copies hold; a zero-output start keeps every width and the simple expert = shard e mod g rule.
 
 g = 1 is plain sparse upcycling: every expert is the whole dense MLP, any top_k, rows all random.
+
+Drop-upcycling (``drop`` = r > 0; Nakamura et al., ICLR 2025, arXiv:2502.19261): the copies of a dense MLP start
+identical and specialise slowly, so each expert re-initialises floor(r f) of its f hidden units, drawn at random
+per expert: their gate / up rows and their output-projection column are drawn N(mean, std) of the dense
+tensor they come from (its whole-tensor statistics, in float64), the output values then scaled by g / lambda as
+the kept ones are. The rest of the expert is the upcycled shard. The upcycled model then no longer computes the
+dense model's function at step 0 (it is a trade of that start for diversity: the paper finds r = 0.5 best over
+long training). The draws are a function of (seed, layer, logical expert) alone, so every layout, placement and
+replica gets the same values.
 """
 from __future__ import annotations
 
@@ -233,7 +242,7 @@ def _source(dense):
     return ModuleSource(dense) if isinstance(dense, torch.nn.Module) else dense
 
 
-def upcycle(dense, config: ModelConfig, granularity: int = 1, seed: int = 0) -> Transformer:
+def upcycle(dense, config: ModelConfig, granularity: int = 1, seed: int = 0, drop: float = 0.0) -> Transformer:
     """A new MoE Transformer (float32, train mode; on ``dense``'s device for a model, else the CPU) built from
     ``config`` and filled from ``dense`` (a dense Transformer or a source, ``upcycle_into``): at step 0 it computes
     the dense model's logits (module docstring)."""
@@ -241,17 +250,24 @@ def upcycle(dense, config: ModelConfig, granularity: int = 1, seed: int = 0) -> 
         model = Transformer(config)
     device = dense.embed.weight.device if isinstance(dense, torch.nn.Module) else torch.device("cpu")
     model.to_empty(device=device)
-    return upcycle_into(model, dense, granularity, seed)
+    return upcycle_into(model, dense, granularity, seed, drop)
+
+
+def check_drop(drop) -> None:
+    if isinstance(drop, bool) or not isinstance(drop, (int, float)) or not 0.0 <= drop <= 1.0:
+        raise ValueError(f"drop={drop!r} is invalid; it must be a fraction in [0, 1] (the share of each expert's "
+                         f"hidden units re-initialised; 0 = plain upcycling, 0.5 = the drop-upcycling paper's)")
 
 
 @torch.no_grad()
-def upcycle_into(moe, dense, granularity: int = 1, seed: int = 0):
+def upcycle_into(moe, dense, granularity: int = 1, seed: int = 0, drop: float = 0.0):
     """Fill every parameter and buffer of the built MoE model ``moe`` from ``dense`` (in place; returned).
 
     Copies the tensors outside the FFNs and the dense-FFN layers; builds the experts from the dense MLP
     shards, the routers from ``seed`` (rows drawn N(0, init_std), identical within a copy), the shared
     experts with a zero output projection. ValueError when the configs do not allow an exact upcycle
-    (``check_upcycle_config``, ``dense_mismatches``); capacity is allowed with a warning.
+    (``check_upcycle_config``, ``dense_mismatches``); capacity is allowed with a warning. ``drop`` > 0:
+    drop-upcycling (module docstring), each expert re-initialising that fraction of its hidden units.
 
     ``dense``: a dense Transformer, or a source that reads one box by box without holding it (``ModuleSource``'s
     interface; models.hf.sharded.FolderSlices for an HF folder, train.modelfiles.ModelSlices for moekit files).
@@ -266,6 +282,7 @@ def upcycle_into(moe, dense, granularity: int = 1, seed: int = 0):
     from moekit.models.pipeline import whole_structure
 
     config, src = moe.config, _source(dense)
+    check_drop(drop)
     for note in check_upcycle_config(config, granularity):
         warnings.warn(note, stacklevel=2)
     diffs = dense_mismatches(src.config, config, granularity)
@@ -284,7 +301,7 @@ def upcycle_into(moe, dense, granularity: int = 1, seed: int = 0):
         _check_dense_mlp(src, prefix, get_activation(config.activation).gated)
         if isinstance(shape.ffn, MoELayer):  # drawn on every rank, written where held
             _upcycle_ffn(shape.ffn, block.ffn if block is not None else None, src, prefix, granularity, gen,
-                         config.init_std)
+                         config.init_std, _Drop(drop, seed, i) if drop > 0 else None)
         elif block is not None:
             _copy_state(block.ffn, src, prefix)
     return moe
@@ -342,8 +359,45 @@ def _normal(shape, std: float, gen: torch.Generator) -> Tensor:
     return torch.empty(tuple(shape), dtype=torch.float32).normal_(0.0, std, generator=gen)
 
 
+class _Drop:
+    """Drop-upcycling's re-initialised units of one layer (module docstring): per logical expert, which of its f
+    hidden units and their values, drawn from (seed, layer, expert) alone."""
+
+    def __init__(self, fraction: float, seed: int, layer: int):
+        self.fraction, self.seed, self.layer = fraction, seed, layer
+        self.stats: dict[str, tuple[float, float]] = {}  # dense tensor -> (mean, std)
+
+    def read_stats(self, src, prefix: str, names: tuple[str, ...]) -> None:
+        """Mean and std of each whole dense tensor (float64, read in blocks of rows: the same on every rank)."""
+        for name in names:
+            key = f"{prefix}{name}.weight"
+            rows, cols = src.shapes[key]
+            total = square = 0.0
+            step = max(1, (1 << 22) // max(cols, 1))
+            for a in range(0, rows, step):
+                block = src.read(key, (range(a, min(a + step, rows)), range(cols))).double()
+                total += block.sum().item()
+                square += block.square().sum().item()
+            n = rows * cols
+            mean = total / n
+            self.stats[name] = (mean, math.sqrt(max(square / n - mean * mean, 0.0)))
+
+    def draw(self, expert: int, f: int, hidden: int, names: tuple[str, ...]) -> tuple[Tensor, dict[str, Tensor]]:
+        """(the re-initialised units, sorted; per dense tensor their [units, H] float32 values)."""
+        from moekit.models.init import _seed
+
+        gen = torch.Generator().manual_seed(_seed(self.seed, f"upcycle-drop:layers.{self.layer}", (expert,)))
+        units = torch.randperm(f, generator=gen)[: int(self.fraction * f)].sort().values
+        values = {}
+        for name in names:  # fixed order: gate, up, out
+            mean, std = self.stats[name]
+            values[name] = torch.empty(len(units), hidden, dtype=torch.float64).normal_(
+                generator=gen).mul_(std).add_(mean).float()
+        return units, values
+
+
 def _upcycle_ffn(shape: MoELayer, layer: MoELayer | None, src, prefix: str, g: int, gen: torch.Generator,
-                 std: float) -> None:
+                 std: float, drop: _Drop | None = None) -> None:
     """One MoE layer from its dense MLP (module docstring, steps 2-3): the draws from ``shape`` (the whole model's
     layer, possibly on the meta device), the writes into ``layer`` (this rank's, None when another rank holds it),
     reading from ``src`` just the parts of the MLP's shards (F/g hidden units each) its expert rows hold."""
@@ -381,6 +435,7 @@ def _upcycle_ffn(shape: MoELayer, layer: MoELayer | None, src, prefix: str, g: i
         return part.t().float() * scale
 
     placed = slot_experts(layer)  # a placement's logical expert per local row, else None
+    names = (*projections, "w_out")
     for t, read in ((experts.w_in, w_in), (experts.w_out, w_out)):
         local = t.to_local() if hasattr(t, "to_local") else t
         if local.numel() == 0:
@@ -391,6 +446,10 @@ def _upcycle_ffn(shape: MoELayer, layer: MoELayer | None, src, prefix: str, g: i
             if e % g not in shards:
                 shards[e % g] = read(e % g, *box[1:])
             local[j].copy_(shards[e % g])
+            if drop is not None:
+                if not drop.stats:
+                    drop.read_stats(src, prefix, names)
+                _drop_units(local[j], t is experts.w_in, drop, e, f, shape.hidden_size, names, box, scale)
     _put(router.weight, rows.repeat_interleave(g, dim=0))  # step 3: row e = u_{e // g}
     for _, buf in router.named_buffers():  # aux-loss-free expert_bias, its pending load: zero at step 0
         buf.zero_()
@@ -398,3 +457,23 @@ def _upcycle_ffn(shape: MoELayer, layer: MoELayer | None, src, prefix: str, g: i
         for name, value in drawn.items():
             _put(getattr(layer.shared_expert, name).weight, value)
         layer.shared_expert.w_out.weight.zero_()
+
+
+def _drop_units(row: Tensor, is_w_in: bool, drop: _Drop, expert: int, f: int, hidden: int, names, box,
+                scale: float) -> None:
+    """Overwrite expert ``expert``'s re-initialised units in ``row``, its local part (``box[1:]``) of w_in [H, gate |
+    up] (column u of projection j at j * f + u) or of w_out [f, H] (row u, values scaled as the kept ones)."""
+    units, values = drop.draw(expert, f, hidden, names)
+    if is_w_in:
+        rows, cols = box[1], box[2]
+        for j, name in enumerate(names[:-1]):
+            at = [(int(u) + j * f, k) for k, u in enumerate(units) if int(u) + j * f in cols]
+            if at:
+                col = torch.tensor([c - cols.start for c, _ in at])
+                row[:, col] = values[name][[k for _, k in at]][:, rows.start:rows.stop].t().to(row.dtype)
+    else:
+        rows, cols = box[1], box[2]
+        at = [(int(u), k) for k, u in enumerate(units) if int(u) in rows]
+        if at:
+            here = torch.tensor([u - rows.start for u, _ in at])
+            row[here] = (values[names[-1]][[k for _, k in at]][:, cols.start:cols.stop] * scale).to(row.dtype)

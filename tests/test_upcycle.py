@@ -110,6 +110,53 @@ def test_router_seed_and_experts_are_the_dense_mlp():
                                                                            dense.layers[2].attn.wq.weight)
 
 
+@pytest.mark.parametrize("activation,g,drop", [("swiglu", 2, 0.5), ("gelu", 1, 0.25), ("swiglu", 1, 1.0)])
+def test_drop_upcycling_reinitialises_a_share_of_each_experts_units(activation, g, drop):
+    """Drop-upcycling: each expert re-initialises floor(drop * f) of its f hidden units, a random set per expert:
+    those units' gate / up columns of w_in and row of w_out (scaled by g, as the kept rows), drawn with the dense
+    tensor's mean and std; everything else is the plain upcycle's, bit for bit."""
+    dense = dense_model(activation=activation, num_layers=2)
+    cfg = upcycled_config(dense.config, 8, 2 * g, g)
+    plain, dropped = upcycle(dense, cfg, g, seed=5), upcycle(dense, cfg, g, seed=5, drop=drop)
+    a, b = plain.state_dict(), dropped.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a if ".experts." not in k)
+    f, gated = cfg.moe_ffn_hidden_size, activation == "swiglu"
+    for i in range(2):
+        mlp = dense.layers[i].ffn
+        w_in, w_out = (b[f"layers.{i}.ffn.experts.{n}"] for n in ("w_in", "w_out"))
+        changed = a[f"layers.{i}.ffn.experts.w_in"] != w_in  # [E, H, gate | up]
+        sets = []
+        for e in range(8):
+            units = changed[e].any(dim=0).nonzero().flatten()
+            if gated:  # the same units of the gate and of the up projection
+                assert torch.equal(units[units < f], units[units >= f] - f)
+                units = units[units < f]
+            out_units = (a[f"layers.{i}.ffn.experts.w_out"][e] != w_out[e]).any(dim=1).nonzero().flatten()
+            assert torch.equal(units, out_units) and len(units) == int(drop * f), (e, units, out_units)
+            sets.append(tuple(units.tolist()))
+        assert len(set(sets)) > 1 or drop == 1.0  # drawn per expert
+        # the re-initialised values, pooled over the experts, follow the dense tensors' statistics
+        pools = {"w_up": [], "w_out": [], "w_gate": []}
+        for e, units in enumerate(sets):
+            idx = list(units)
+            pools["w_out"].append(w_out[e][idx] / g)
+            pools["w_up"].append(w_in[e][:, [u + (f if gated else 0) for u in idx]])
+            if gated:
+                pools["w_gate"].append(w_in[e][:, idx])
+        for name, parts in pools.items():
+            if not parts:
+                continue
+            got, ref = torch.cat([p.flatten() for p in parts]).double(), getattr(mlp, name).weight.double()
+            n = got.numel()
+            assert abs(got.mean() - ref.mean()) < 5 * ref.std() / n**0.5, (name, got.mean(), ref.mean())
+            assert abs(got.std() / ref.std() - 1) < 0.1, (name, got.std(), ref.std())
+    x = tokens(dense.config)
+    with torch.no_grad():  # no longer the dense function: that is the trade
+        assert (dropped.eval()(x) - dense(x)).abs().max() > 1e-2
+    with pytest.raises(ValueError, match=r"drop=1.5 is invalid; it must be a fraction in \[0, 1\]"):
+        upcycle(dense, cfg, g, drop=1.5)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Bad input
 # ---------------------------------------------------------------------------------------------------
@@ -201,6 +248,25 @@ def test_train_init_from_dense_starts_from_the_dense_loss(tmp_path, capsys):
     assert first["loss"] == pytest.approx(_first_batch_loss(dense), rel=1e-5)
 
 
+def test_train_upcycle_drop_starts_from_the_drop_upcycled_model(tmp_path, capsys):
+    """--upcycle-drop 0.5: the run starts from upcycle(..., drop=0.5) of the dense model (its first loss), not from
+    the dense model's loss, and says so."""
+    from moekit.train.loop import main
+    from moekit.train.modelfiles import save_moekit
+
+    dense = build_model(ModelConfig(num_experts=0, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
+                                    ffn_hidden_size=64, max_seq_len=32, init_std=0.1), seed=5).eval()
+    path = save_moekit(dense, tmp_path / "dense.safetensors")
+    run = tmp_path / "run"
+    assert main([*TINY_MODEL, "--run-dir", str(run), "--steps", "1", "--checkpoint.every", "0", "--init-from-dense",
+                 str(path), "--upcycle-granularity", "2", "--model.top_k", "4", "--upcycle-drop", "0.5"]) == 0
+    assert "(granularity 2; drop-upcycling: 0.5 of each expert's units re-initialised)" in capsys.readouterr().out
+    first = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])["loss"]
+    config = ModelConfig.from_dict(json.loads((run / "config.json").read_text())["model"])
+    want = _first_batch_loss(upcycle(dense, config, 2, seed=0, drop=0.5).eval())
+    assert first == pytest.approx(want, rel=1e-6) and abs(first - _first_batch_loss(dense)) > 1e-3
+
+
 UPCYCLE_LAYOUTS = {  # 4 gloo ranks: (layout degrees, an expert placement over the EP ranks or None)
     "fsdp4-ep2-placed": (dict(fsdp=4, ep=2), ((5, 0, 1, 7, 2), (3, 4, 5, 6, 0))),  # 2 replicas, slots out of order
     "tp2-fsdp2-ep2": (dict(tp=2, fsdp=2, ep=2), None),
@@ -273,7 +339,7 @@ def _upcycle_rank(rank, world, folder):
     from moekit.moe.load import moe_layers
 
     config = torch.load(f"{folder}/config.pt", weights_only=False)
-    want = torch.load(f"{folder}/want.pt")
+    want, want_drop = torch.load(f"{folder}/want.pt"), torch.load(f"{folder}/want_drop.pt")
     whole_folder = sum(f.stat().st_size for f in (folder / "hf").glob("*.safetensors"))
     for case, (degrees, slots) in UPCYCLE_LAYOUTS.items():
         topo = Topology(Layout(**degrees), rank, world).build()
@@ -302,6 +368,14 @@ def _upcycle_rank(rank, world, folder):
                 hf_key = {name: rule.sources[0] for name, rule in source._rules.items()}
                 assert source.bytes_read == {hf_key[k]: n for k, n in _bytes_needed(model, 2).items()}, (case, rank)
                 assert sum(source.bytes_read.values()) < whole_folder / (2 if case.startswith("fsdp4") else 1), case
+        # drop-upcycling: the re-initialised units are drawn per logical expert, so every layout gets the same
+        upcycle_into(model, _open_source("safetensors", folder), 2, seed=4, drop=0.5)
+        for name, t in model.state_dict().items():
+            index = tuple(slice(r.start, r.stop) for r in shard_box(t, name))
+            if name in rows:
+                index = (rows[name],) + index[1:]
+            local = t.to_local() if hasattr(t, "to_local") else t
+            assert torch.equal(local, want_drop[name][index]), (case, "drop", rank, name)
 
 
 def test_upcycling_a_parallelised_model_fills_each_ranks_share(tmp_path):
@@ -309,12 +383,14 @@ def test_upcycling_a_parallelised_model_fills_each_ranks_share(tmp_path):
     FSDP x EP; a pipeline's stages), moved with to_empty (filled with NaN) and upcycled rank by rank from each
     source (the module; an HF folder, moekit .safetensors / .pt files and a checkpoint, all read by slices):
     every local tensor is its part of the one-process upcycled model, bit for bit (granularity 2, a shared
-    expert, a dense layer). From the HF folder each rank reads exactly the bytes its shards are made of."""
+    expert, a dense layer). From the HF folder each rank reads exactly the bytes its shards are made of. With
+    drop-upcycling too (each expert's re-initialised units drawn from its logical id: replicas alike)."""
     dense = dense_model(num_layers=4)
     config = upcycled_config(dense.config, 8, 4, 2, first_dense_layers=1, shared_ffn_hidden_size=16)
     _write_sources(dense, tmp_path)
     torch.save(config, tmp_path / "config.pt")
     torch.save(upcycle(dense, config, 2, seed=4).state_dict(), tmp_path / "want.pt")
+    torch.save(upcycle(dense, config, 2, seed=4, drop=0.5).state_dict(), tmp_path / "want_drop.pt")
     from tests.dist_utils import run_ranks
 
     run_ranks(_upcycle_rank, 4, tmp_path)
@@ -405,6 +481,9 @@ def test_a_file_whose_tensors_do_not_match_its_config_is_refused_when_opened(tmp
 
 BAD_FLAGS = [
     (["--upcycle-granularity", "2"], "--upcycle-granularity 2 needs --init-from-dense"),
+    (["--upcycle-drop", "0.5"], "--upcycle-drop 0.5 needs --init-from-dense"),
+    (["--init-from-dense", "{dense}", "--upcycle-drop", "1.5"], "--upcycle-drop=1.5 is invalid; it must be a fraction"),
+    (["--init-from-dense", "{dense}", "--upcycle-drop", "nan"], "--upcycle-drop=nan is invalid"),
     (["--init-from-dense", "{dense}", "--init-from-hf", "{tmp}"], "choose one"),
     (["--init-from-dense", "{tmp}/missing"], "no such file or directory"),
     (["--init-from-dense", "{dense}", "--upcycle-granularity", "0"], "--upcycle-granularity=0 is invalid"),
@@ -442,9 +521,9 @@ def test_bad_init_from_dense_flags(tmp_path, capsys, argv, expected):
 def test_resume_keeps_the_checkpoint_weights_not_the_dense_ones():
     from moekit.train import resume
 
-    old = {"train": {"init_from_dense": "a", "upcycle_granularity": 2, "lr": 1e-3}}
-    new = {"train": {"init_from_dense": "b", "upcycle_granularity": 4, "lr": 1e-3}}
-    assert sorted(k for k, *_ in resume.compare(old, new).kept) == ["train.init_from_dense",
+    old = {"train": {"init_from_dense": "a", "upcycle_granularity": 2, "upcycle_drop": 0.0, "lr": 1e-3}}
+    new = {"train": {"init_from_dense": "b", "upcycle_granularity": 4, "upcycle_drop": 0.5, "lr": 1e-3}}
+    assert sorted(k for k, *_ in resume.compare(old, new).kept) == ["train.init_from_dense", "train.upcycle_drop",
                                                                      "train.upcycle_granularity"]
 
 

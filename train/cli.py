@@ -13,7 +13,7 @@ from moekit.train.validation import validate
 FLAG_SETTINGS = {
     "steps": "train.steps", "seed": "train.seed", "batch_size": "train.batch_size", "run_dir": "log.run_dir",
     "router": "model.router", "capacity_factor": "model.capacity_factor", "init_from_hf": "train.init_from_hf",
-    "init_from_dense": "train.init_from_dense", "upcycle_granularity": "train.upcycle_granularity", "export_hf": "train.export_hf", "ranks_per_node": "layout.ranks_per_node", "deterministic": "train.deterministic",
+    "init_from_dense": "train.init_from_dense", "upcycle_granularity": "train.upcycle_granularity", "upcycle_drop": "train.upcycle_drop", "export_hf": "train.export_hf", "ranks_per_node": "layout.ranks_per_node", "deterministic": "train.deterministic",
     "dp": "layout.dp", "ep": "layout.ep", "tp": "layout.tp", "pp": "layout.pp", "fsdp": "layout.fsdp",
 }
 
@@ -57,6 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --init-from-dense: split each dense MLP of width F into G experts of F/G (granular "
                         "upcycling); num_experts and top_k must be multiples of G (default 1: every expert a copy "
                         "of the whole MLP)")
+    p.add_argument("--upcycle-drop", metavar="R",
+                   help="with --init-from-dense: drop-upcycling (Nakamura et al. 2025): each expert re-initialises a "
+                        "random share R of its hidden units from the dense weights' mean and std, so the copies "
+                        "start different and specialise sooner; the model then no longer starts at the dense "
+                        "model's loss (default 0; the paper's choice: 0.5)")
     p.add_argument("--export-hf", metavar="DIR", help="after the last step, write the model as a HuggingFace folder (its own family, or the nearest that reproduces it: mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v3, ...) with the run's tokenizer; each rank writes its own shards")
     p.add_argument("--ranks-per-node", help="ranks sharing a node (default torchrun's LOCAL_WORLD_SIZE); "
                                             "lower it to simulate several nodes (hierarchical dispatch)")

@@ -63,6 +63,7 @@ class TrainSection:
     init_from_hf: str = ""  # a HuggingFace folder to start from (models.hf); the model config must match it
     init_from_dense: str = ""  # upcycle a dense model (HF folder, moekit file, checkpoint or run dir) into this MoE
     upcycle_granularity: int = 1  # with init_from_dense: each dense MLP split into g experts of F/g (1 = copies)
+    upcycle_drop: float = 0.0  # with init_from_dense: each expert re-initialises this share of its units (drop-upcycling)
     export_hf: str = ""  # after the last step, write the model here as a HuggingFace folder (models.hf.save_hf_sharded)
     export_hf_fp8: bool = False  # with export_hf: linear weights in block-wise fp8 e4m3 (DeepSeek-V3's release format)
     on_nonfinite: str = "stop"  # non-finite loss / grad norm on any rank: stop, or skip the step (no update)

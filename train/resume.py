@@ -8,7 +8,7 @@ current settings are compared with those:
   streams depend on -- the seed, the sequence length, the data and its validation split. The model's
   shape is checked by moekit.train.checkpoint.check_model.
 * ignored, and the checkpoint's value kept in config.json: ``train.init_from_hf``, ``train.init_from_dense``
-  and ``train.upcycle_granularity`` (the weights come from the checkpoint).
+  ``train.upcycle_granularity`` and ``train.upcycle_drop`` (the weights come from the checkpoint).
 * applied, everything else: the optimizer's lr, betas, eps and weight decay and the LR schedule (steps,
   warmup, minimum) take the new values (``apply_optimizer_settings``: the restored AdamW moments stay; so
   does AdamW's implementation, fused on a GPU and foreach on CPU, whatever device wrote the checkpoint),
@@ -41,7 +41,8 @@ REFUSED = {
 }
 KEPT = {"train.init_from_hf": "the resumed weights come from the checkpoint",
         "train.init_from_dense": "the resumed weights come from the checkpoint",
-        "train.upcycle_granularity": "the resumed weights come from the checkpoint"}
+        "train.upcycle_granularity": "the resumed weights come from the checkpoint",
+        "train.upcycle_drop": "the resumed weights come from the checkpoint"}
 # compared by checkpoint.check_model (shape-changing fields refused there, with their own message)
 MODEL_PREFIX = "model."
 NOT_COMPARED = {"log.run_dir"}  # a run directory may be moved or copied between attempts

@@ -132,7 +132,7 @@ class Trainer:
             from moekit.train.upcycle import init_from_dense
 
             for note in init_from_dense(self.model, dense, cfg.train.init_from_dense, cfg.train.upcycle_granularity,
-                                        cfg.train.seed):
+                                        cfg.train.seed, cfg.train.upcycle_drop):
                 if self.dist.is_main:
                     _warn(note)
             del dense
@@ -207,7 +207,10 @@ class Trainer:
         if getattr(cfg, "source_note", None) and not self.resume_from:
             say(cfg.source_note)
         if cfg.train.init_from_dense and not self.resume_from:
-            say(f"upcycled from the dense model {cfg.train.init_from_dense} (granularity {cfg.train.upcycle_granularity})")
+            drop = (f"; drop-upcycling: {cfg.train.upcycle_drop:g} of each expert's units re-initialised"
+                    if cfg.train.upcycle_drop else "")
+            say(f"upcycled from the dense model {cfg.train.init_from_dense} (granularity {cfg.train.upcycle_granularity}"
+                f"{drop})")
         t = cfg.train
         if t.warmup_steps >= t.steps and t.lr_schedule != "cosine":  # the default's short test runs stay quiet
             say(f"note: --train.warmup_steps {t.warmup_steps} >= --steps {t.steps}: the whole run warms up, so "

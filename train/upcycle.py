@@ -108,9 +108,10 @@ def read_dense(config, path: str, granularity: int):
     return dense
 
 
-def init_from_dense(model, dense, path: str, granularity: int, seed: int) -> list[str]:
+def init_from_dense(model, dense, path: str, granularity: int, seed: int, drop: float = 0.0) -> list[str]:
     """Upcycle ``dense`` (``read_dense``; from ``path``) into the trainer's ``model``, a whole or parallelised one
-    (moekit.models.upcycle.upcycle_into: each rank reads the slices its shards need and fills what it holds);
+    (moekit.models.upcycle.upcycle_into: each rank reads the slices its shards need and fills what it holds;
+    ``drop``: drop-upcycling's share of each expert's units re-initialised);
     return the warnings to print. Call on every rank: a failure on any (a damaged file read by some ranks only)
     is the same UserError on all, none left waiting in a collective."""
     from moekit.models.hf.sharded import _agree
@@ -120,7 +121,7 @@ def init_from_dense(model, dense, path: str, granularity: int, seed: int) -> lis
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            _agree(upcycle_into, model, dense, granularity, seed)
+            _agree(upcycle_into, model, dense, granularity, seed, drop)
         except (ValueError, OSError) as exc:
             raise UserError(f"{where}: {exc}") from None
     return [f"{where}: warning: {w.message}" for w in caught]

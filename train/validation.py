@@ -111,8 +111,13 @@ def validate_upcycling_flags(t: TrainSection) -> None:
     g = t.upcycle_granularity
     _require(g >= 1, f"--upcycle-granularity={g} is invalid; it must be an integer >= 1 (1 = every expert a copy of "
                      f"the dense MLP)")
+    r = t.upcycle_drop
+    _require(math.isfinite(r) and 0.0 <= r <= 1.0,
+             f"--upcycle-drop={r} is invalid; it must be a fraction in [0, 1] (the share of each expert's hidden "
+             f"units re-initialised; 0 = plain upcycling, 0.5 = the drop-upcycling paper's choice)")
     if not t.init_from_dense:
         _require(g == 1, f"--upcycle-granularity {g} needs --init-from-dense (the dense model to split)")
+        _require(r == 0, f"--upcycle-drop {r} needs --init-from-dense (the dense model to upcycle)")
         return
     _require(not t.init_from_hf, f"--init-from-hf {t.init_from_hf} and --init-from-dense {t.init_from_dense} are both "
                                  f"set; choose one: --init-from-hf continues an MoE checkpoint, --init-from-dense "
