@@ -438,12 +438,17 @@ def test_open_dense_reads_runs_checkpoints_and_files(tmp_path):
     from moekit.train import checkpoint
     from moekit.train.modelfiles import load_moekit, save_moekit
     from moekit.train.loop import main
-    from moekit.train.upcycle import open_dense
+    from moekit.train.upcycle import dense_config, open_dense
 
     run = tmp_path / "dense_run"  # a dense moekit-train run
     assert main([*TINY_MODEL, "--model.num_experts", "0", "--run-dir", str(run), "--steps", "1"]) == 0
     step = checkpoint.list_checkpoints(run)[-1]
     model = load_moekit(step)
+    # its run directory holds a config.json too (the run's, not HuggingFace's): the trainer takes the architecture
+    # from its newest checkpoint and upcycles it
+    assert dense_config(run) == model.config
+    assert main([*TINY_MODEL, "--run-dir", str(tmp_path / "up"), "--steps", "1", "--init-from-dense", str(run),
+                 "--upcycle-granularity", "2"]) == 0
     sources = [open_dense(run), open_dense(step), open_dense(save_moekit(model, tmp_path / "m.safetensors")),
                open_dense(save_moekit(model, tmp_path / "m.pt"))]
     for k, v in model.state_dict().items():

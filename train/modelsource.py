@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from pathlib import Path
 
 from moekit.models.config import ModelConfig
 from moekit.train import UserError
@@ -49,32 +48,13 @@ def adopt_source_model(cfg) -> str | None:
     return f"model architecture from {where} ({base.name})"
 
 
-def dense_config(path: str | Path) -> ModelConfig:
-    """The ModelConfig of a dense source (train.upcycle.SOURCES) without reading its weights."""
-    from moekit.train.modelfiles import read_moekit_config
-
-    path = Path(path)
-    if path.is_dir() and (path / "config.json").is_file() and not (path / "meta.json").is_file():
-        from moekit.models.hf import config_from_hf
-
-        return config_from_hf(path)
-    if path.is_dir() and (path / "checkpoints").is_dir():
-        from moekit.train import checkpoint
-
-        newest, _, skipped = checkpoint.newest_verified(path)
-        if newest is None:
-            raise ValueError(f"{path}: a run directory without a checkpoint that verifies"
-                             + (f" ({'; '.join(skipped)})" if skipped else ""))
-        path = newest
-    return read_moekit_config(path)
-
-
 def _upcycled_base(cfg, where: str) -> ModelConfig:
     from moekit.models.upcycle import upcycled_config
+    from moekit.train.upcycle import dense_config
 
     t, m, given = cfg.train, cfg.model, cfg.given
     try:
-        dense = dense_config(t.init_from_dense)
+        dense = dense_config(t.init_from_dense)  # train.upcycle: the same sources, told apart alike
     except (ValueError, OSError, json.JSONDecodeError) as exc:
         raise UserError(f"{where}: {exc}") from None
     if dense.num_experts:

@@ -1,6 +1,7 @@
 """Opening the dense model to upcycle (moekit-train --init-from-dense; the math is moekit.models.upcycle).
 
     open_dense(path)                                the dense model at ``path`` as a source read box by box
+    dense_config(path)                              its ModelConfig alone (resolve_dense: which source it is)
     read_dense(config, path, granularity)           open_dense, checked against the MoE config; UserError on bad
                                                     input
     init_from_dense(model, dense, path, g, seed)    upcycle into the trainer's (parallelised) model: each rank
@@ -28,42 +29,64 @@ SOURCES = ("a HuggingFace dense folder (config.json + safetensors), a moekit mod
            "moekit-train checkpoint directory (checkpoints/step_N) or run directory")
 
 
-def open_dense(path: str | Path):
-    """The dense model at ``path`` (module docstring) as an upcycling source (``config``, ``shapes``,
-    ``read(name, box)``; models.upcycle.ModuleSource's interface): config and file headers are read and checked,
-    no tensor data. ValueError when the path is none of the sources, is unreadable, or holds an MoE model
-    (num_experts > 0)."""
+def resolve_dense(path: str | Path) -> tuple[str, Path]:
+    """("hf" or "moekit", the path to read) of a dense source (module docstring): a run directory resolves to its
+    newest checkpoint that verifies, whose meta.json tells it from an HF folder although both hold a config.json.
+    ValueError naming the sources when the path is none of them."""
     from moekit.train import checkpoint
-    from moekit.train.modelfiles import ModelSlices
 
     path = Path(path)
     if not path.exists():
         raise ValueError(f"{path}: no such file or directory; expected {SOURCES}")
     if path.is_dir() and (path / "meta.json").is_file():
-        source = ModelSlices(path)
-    elif path.is_dir() and (path / "checkpoints").is_dir():
+        return "moekit", path
+    if path.is_dir() and (path / "checkpoints").is_dir():
         newest, _, skipped = checkpoint.newest_verified(path)
         if newest is None:
             why = f" ({'; '.join(skipped)})" if skipped else ""
             raise ValueError(f"{path}: a run directory without a checkpoint that verifies{why}; pass a checkpoint or "
                              f"model file instead")
-        source = ModelSlices(newest)
-    elif path.is_dir() and (path / "config.json").is_file():
+        return "moekit", newest
+    if path.is_dir() and (path / "config.json").is_file():
+        return "hf", path
+    if path.is_dir():
+        raise ValueError(f"{path}: a directory with no config.json, meta.json or checkpoints/; expected {SOURCES}")
+    if path.suffix in (".safetensors", ".pt"):
+        return "moekit", path
+    raise ValueError(f"{path}: unknown file type {path.suffix!r}; expected {SOURCES}")
+
+
+def dense_config(path: str | Path):
+    """The ModelConfig of a dense source (``resolve_dense``), from its config alone (no tensor is read)."""
+    kind, where = resolve_dense(path)
+    if kind == "hf":
         from moekit.models.hf import config_from_hf  # needs safetensors: imported only when asked for
+
+        return config_from_hf(where)
+    from moekit.train.modelfiles import read_moekit_config
+
+    return read_moekit_config(where)
+
+
+def open_dense(path: str | Path):
+    """The dense model at ``path`` (module docstring) as an upcycling source (``config``, ``shapes``,
+    ``read(name, box)``; models.upcycle.ModuleSource's interface): config and file headers are read and checked,
+    no tensor data. ValueError when the path is none of the sources, is unreadable, or holds an MoE model
+    (num_experts > 0)."""
+    kind, where = resolve_dense(path)
+    if kind == "hf":
         from moekit.models.hf.sharded import FolderSlices
 
-        config = config_from_hf(path)  # config.json alone: refuse an MoE folder before opening its weights
+        config = dense_config(where)  # config.json alone: refuse an MoE folder before opening its weights
         if config.num_experts:
-            raise ValueError(_not_dense(path, config.num_experts))
-        source = FolderSlices(path)
-    elif path.is_dir():
-        raise ValueError(f"{path}: a directory with no config.json, meta.json or checkpoints/; expected {SOURCES}")
-    elif path.suffix in (".safetensors", ".pt"):
-        source = ModelSlices(path)
+            raise ValueError(_not_dense(Path(path), config.num_experts))
+        source = FolderSlices(where)
     else:
-        raise ValueError(f"{path}: unknown file type {path.suffix!r}; expected {SOURCES}")
+        from moekit.train.modelfiles import ModelSlices
+
+        source = ModelSlices(where)
     if source.config.num_experts:
-        raise ValueError(_not_dense(path, source.config.num_experts))
+        raise ValueError(_not_dense(Path(path), source.config.num_experts))
     return source
 
 
