@@ -148,6 +148,15 @@ def test_a_model_folder_is_never_taken_for_a_run_directory(tmp_path, capsys):
     assert {p.name: p.read_bytes() for p in hf.iterdir()} == files  # not even a .lock left behind
     assert main([*TINY, "--run-dir", str(hf), "--init-from-hf", str(hf)]) == 2
     one_stderr_line(capsys, f"--run-dir {hf} is the --init-from-hf folder")
+    # and the other way round: a moekit run directory or checkpoint (its config.json is the run's) given as
+    # --init-from-hf is named as what it is, with the flags that use it
+    run = tmp_path / "run"
+    assert main([*TINY, "--run-dir", str(run), "--steps", "1"]) == 0
+    capsys.readouterr()
+    for source in (run, next((run / "checkpoints").iterdir())):
+        assert main([*TINY, "--run-dir", str(tmp_path / "new"), "--init-from-hf", str(source)]) == 2
+        one_stderr_line(capsys, f"--init-from-hf {source}: a moekit-train run directory or checkpoint, not a "
+                                f"HuggingFace folder; continue it with --resume", f"moekit-to-hf {source} OUT")
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -58,6 +58,13 @@ def validate(cfg: TrainConfig) -> TrainConfig:
              f"--train.on_nonfinite={t.on_nonfinite!r} is invalid; choose one of {list(ON_NONFINITE)}")
     _require(not t.init_from_hf or os.path.isdir(t.init_from_hf),
              f"--init-from-hf {t.init_from_hf}: not a directory (expected a HuggingFace model folder)")
+    moekit_run = t.init_from_hf and any(os.path.exists(os.path.join(t.init_from_hf, name))
+                                        for name in ("checkpoints", "meta.json"))
+    _require(not moekit_run,  # its config.json is the run's own, not HuggingFace's
+             f"--init-from-hf {t.init_from_hf}: a moekit-train run directory or checkpoint, not a HuggingFace folder; "
+             f"continue it with --resume (its newest checkpoint, or --resume CHECKPOINT), upcycle a dense one with "
+             f"--init-from-dense {t.init_from_hf}, or write a HuggingFace folder first with 'moekit-convert "
+             f"moekit-to-hf {t.init_from_hf} OUT'")
     validate_upcycling_flags(t)
     for flag, source in (("--init-from-hf", t.init_from_hf), ("--init-from-dense", t.init_from_dense)):
         _require(not source or os.path.realpath(source) != os.path.realpath(cfg.run_dir),
