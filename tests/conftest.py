@@ -2,8 +2,9 @@ import os
 
 # Two-core CI box: keep intra-op threads modest so spawned ranks do not oversubscribe.
 os.environ.setdefault("OMP_NUM_THREADS", "2")
-# Two pytest-xdist workers of 2 threads share 2 cores: threads that spin while they wait for a descheduled one
-# waste its time slice (as moekit's programs, moekit.train sets the same; here torch loads before moekit.train)
+# Two pytest-xdist workers of 2 threads share 2 cores, always contended: threads that spin while they wait for a
+# descheduled one waste its time slice, so they wait passively (moekit's programs only shorten the spin, which
+# keeps an idle machine's speed: docs/training.md, "Host threads on CPU runs")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # Triton reads its mode once, at import: tests run the kernels in the CPU interpreter whenever there
 # is no GPU, whichever test module happens to import triton first.

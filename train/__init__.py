@@ -3,18 +3,19 @@ command-line programs built on them (``moekit-train``, ``moekit-heatmap``, ``moe
 
 The top layer: it imports ``moekit.models``, ``moekit.comm`` and ``moekit.moe``; none of them imports it.
 
-Importing it before torch (every moekit program does) sets ``OMP_WAIT_POLICY=PASSIVE`` unless the environment
-names a policy: OpenMP's default lets a thread that waits for the others spin, and when another process holds
-a core, each of torch's thousands of parallel regions per step then waits out a scheduler time slice. On the
-2-core CI box with one busy core the README main job fell from ~11,000 to ~430 tokens/s; passive waiting keeps
-~7,000 there and costs nothing measurable on an idle box (docs/training.md, "Host threads on CPU runs").
+Importing it before torch (every moekit program does) shortens how long OpenMP's waiting threads spin
+(``GOMP_SPINCOUNT=3000``, GNU libgomp's, in torch's Linux wheels) unless the environment names a wait policy or a
+spin count: by default a thread that waits for the others spins for 300,000 rounds, and when another process
+holds a core, each of torch's thousands of parallel regions per step then waits out a scheduler time slice. On the
+2-core CI box with one busy core the README main job ran ~30x slower than idle; with the short spin ~2.5x, at a
+~5% cost on an idle box (docs/training.md, "Host threads on CPU runs").
 """
 import argparse
 import os
 import sys
 
-if "torch" not in sys.modules:  # OpenMP reads it once, when torch loads it: later it would change nothing
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+if "torch" not in sys.modules and "OMP_WAIT_POLICY" not in os.environ:  # read once, when torch loads OpenMP
+    os.environ.setdefault("GOMP_SPINCOUNT", "3000")
 
 
 class UserError(Exception):
