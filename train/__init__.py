@@ -7,8 +7,8 @@ Importing it before torch (every moekit program does) shortens how long OpenMP's
 (``GOMP_SPINCOUNT=3000``, GNU libgomp's, in torch's Linux wheels) unless the environment names a wait policy or a
 spin count: by default a thread that waits for the others spins for 300,000 rounds, and when another process
 holds a core, each of torch's thousands of parallel regions per step then waits out a scheduler time slice. On the
-2-core CI box with one busy core the README main job ran ~30x slower than idle; with the short spin ~2.5x, at a
-~5% cost on an idle box (docs/training.md, "Host threads on CPU runs").
+2-core CI box with one busy core the README main job ran ~30x slower than idle; with the short spin ~2.7x, at a
+~2% cost on an idle box (docs/training.md, "Host threads on CPU runs").
 """
 import argparse
 import os
