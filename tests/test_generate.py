@@ -339,6 +339,7 @@ def test_eval_reproduces_the_trainers_val_loss(runs, tmp_path, family, capacity,
         assert sum(layer["assigned_per_expert"]) == tokens * cfg.top_k
         assert sum(layer["tokens_per_expert"]) + layer["dropped_slots"] == tokens * cfg.top_k
         assert layer["dead_experts"] == layer["tokens_per_expert"].count(0) and layer["imbalance"] >= 1
+        assert -1 <= layer["similarity"] < 0.5  # trained from random experts: far from copies
         assert (layer["dropped_slots"] == 0) == (capacity == "dropless")
     assert capsys.readouterr().out.startswith(f"loss {r['loss']:.4f}")
     assert len(r["mtp"]) == cfg.mtp_layers  # deepseek-tiny trained with two depths

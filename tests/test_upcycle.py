@@ -157,6 +157,25 @@ def test_drop_upcycling_reinitialises_a_share_of_each_experts_units(activation, 
         upcycle(dense, cfg, g, drop=1.5)
 
 
+def test_expert_similarity_tells_copies_from_drop_upcycled_and_random_experts():
+    """moekit-eval's expert similarity: 1 for plain upcycling's copies (g = 1), lower with drop-upcycling, ~0 for
+    randomly initialised experts; the sampled estimate is within a few 1 / sqrt(samples) of the exact value."""
+    from moekit.train.evaluation import expert_similarity
+
+    dense = dense_model(num_layers=1)
+    cfg = upcycled_config(dense.config, 8, 2, 1)
+    plain, dropped = upcycle(dense, cfg, 1, seed=2), upcycle(dense, cfg, 1, seed=2, drop=0.5)
+    fresh = build_model(cfg, seed=int(torch.randint(0, 2**31, ())))
+    sims = {k: expert_similarity(m.layers[0].ffn) for k, m in (("plain", plain), ("drop", dropped), ("fresh", fresh))}
+    assert sims["plain"] == pytest.approx(1.0, abs=1e-6)
+    assert 0.2 < sims["drop"] < 0.9 and abs(sims["fresh"]) < 0.05, sims
+    exact = expert_similarity(dropped.layers[0].ffn)
+    sampled = expert_similarity(dropped.layers[0].ffn, max_features=1024)  # of 4096 weights per expert
+    assert abs(sampled - exact) < 4 / 1024**0.5, (sampled, exact)
+    one = upcycle(dense, upcycled_config(dense.config, 1, 1, 1), 1)
+    assert expert_similarity(one.layers[0].ffn) is None
+
+
 # ---------------------------------------------------------------------------------------------------
 # Bad input
 # ---------------------------------------------------------------------------------------------------

@@ -16,7 +16,9 @@ Reported (stdout; ``--out`` writes JSON): mean cross-entropy per predicted token
 exp(loss), bits per byte = total nats / ln 2 / the UTF-8 bytes the predicted tokens decode to (byte tokens:
 one byte each, so loss / ln 2), tokens evaluated, and per MoE layer the expert load of that data
 (moekit.moe.load): imbalance max/mean, coefficient of variation std/mean of the tokens per expert, dead
-experts (no token), dropped slots. Progress goes to stderr every few seconds. A model with multi-token-prediction
+experts (no token), dropped slots, and how alike the experts' weights are (mean pairwise cosine similarity: 1 =
+copies, as plain upcycling starts; ~0 = independent; train.evaluation.expert_similarity). Progress goes to stderr
+every few seconds. A model with multi-token-prediction
 depths (models.mtp) also gets, per depth k, its loss on the token k + 1 ahead, its top-1 accuracy there, and how
 often its top-1 agrees with the main model's top-1 for that same token: depth 1's agreement is the acceptance
 rate greedy ``moekit-generate --speculative`` would see on this text.
@@ -175,11 +177,13 @@ def report(r: dict) -> str:
         lines.append(f"expert load ({r['capacity']}): imbalance mean {load['imbalance_mean']:.2f} max "
                      f"{load['imbalance_max']:.2f}, cv {load['cv_mean']:.2f}, dead experts {load['dead_experts']}, "
                      f"dropped {100 * load['dropped_fraction']:.2f}%")
-        lines.append(f"  {'layer':<16} {'imbalance':>9} {'cv':>6} {'dead':>5} {'dropped':>8}")
+        lines.append(f"  {'layer':<16} {'imbalance':>9} {'cv':>6} {'dead':>5} {'dropped':>8} {'similarity':>10}")
         for layer in load["layers"]:
             E = len(layer["tokens_per_expert"])
+            sim = layer.get("similarity")
             lines.append(f"  {layer['name']:<16} {layer['imbalance']:>9.2f} {layer['cv']:>6.2f} "
-                         f"{layer['dead_experts']:>2}/{E:<2} {100 * layer['dropped_fraction']:>7.2f}%")
+                         f"{layer['dead_experts']:>2}/{E:<2} {100 * layer['dropped_fraction']:>7.2f}% "
+                         f"{'-' if sim is None else f'{sim:.3f}':>10}")
     return "\n".join(lines)
 
 

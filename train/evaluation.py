@@ -103,10 +103,30 @@ def record_eval_load(model: torch.nn.Module) -> list:
     return handles
 
 
+@torch.no_grad()
+def expert_similarity(layer: torch.nn.Module, max_features: int = 1 << 16) -> float | None:
+    """How alike the routed experts of MoE ``layer`` are: the mean cosine similarity over pairs of experts of their
+    weights (w_in and w_out flattened; 1 = copies, as plain upcycling starts, ~0 = independent random ones). Over
+    more than ``max_features`` weights per expert, the same fixed random ``max_features`` of them for every
+    expert (an estimate, within ~1 / sqrt(max_features) of the whole). None for a single expert."""
+    experts = layer.experts
+    w = torch.cat([experts.w_in.detach().flatten(1), experts.w_out.detach().flatten(1)], dim=1)
+    E, n = w.shape
+    if E < 2:
+        return None
+    if n > max_features:
+        pick = torch.randperm(n, generator=torch.Generator().manual_seed(0))[:max_features].sort().values
+        w = w[:, pick.to(w.device)]
+    w = F.normalize(w.float(), dim=1)
+    gram = w @ w.t()
+    return float((gram.sum() - gram.diagonal().sum()) / (E * (E - 1)))
+
+
 def load_summary(model: torch.nn.Module) -> dict:
-    """Per MoE layer and overall: imbalance (max/mean), cv (std/mean), dead experts, dropped slots. Layers that
-    routed nothing are left out: the multi-token-prediction depths', which run only in training (models.mtp)."""
-    layers = []
+    """Per MoE layer and overall: imbalance (max/mean), cv (std/mean), dead experts, dropped slots, and how alike
+    its experts' weights are (``expert_similarity``). Layers that routed nothing are left out: the
+    multi-token-prediction depths', which run only in training (models.mtp)."""
+    layers, modules = [], dict(moe_layers(model))
     for name, s in collect_load(model).items():
         if not s.forwards:
             continue
@@ -115,7 +135,8 @@ def load_summary(model: torch.nn.Module) -> dict:
         layers.append({"name": name, "imbalance": s.imbalance, "cv": float(counts.std() / mean) if mean > 0 else 0.0,
                        "dead_experts": int((counts == 0).sum()), "dropped_slots": s.dropped_slots,
                        "dropped_fraction": s.dropped_fraction, "tokens_per_expert": s.tokens_per_expert,
-                       "assigned_per_expert": s.assigned_per_expert})
+                       "assigned_per_expert": s.assigned_per_expert,
+                       "similarity": expert_similarity(modules[name]) if name in modules else None})
     if not layers:
         return {"layers": []}
     assigned = sum(sum(layer["assigned_per_expert"]) for layer in layers)
