@@ -383,16 +383,19 @@ class _Drop:
             self.stats[name] = (mean, math.sqrt(max(square / n - mean * mean, 0.0)))
 
     def draw(self, expert: int, f: int, hidden: int, names: tuple[str, ...]) -> tuple[Tensor, dict[str, Tensor]]:
-        """(the re-initialised units, sorted; per dense tensor their [units, H] float32 values)."""
+        """(the re-initialised units, sorted; for each dense tensor in ``names`` their [units, H] float32 values).
+        Each tensor's values have a stream of their own, so w_in's pass and w_out's draw only their own."""
         from moekit.models.init import _seed
 
-        gen = torch.Generator().manual_seed(_seed(self.seed, f"upcycle-drop:layers.{self.layer}", (expert,)))
-        units = torch.randperm(f, generator=gen)[: int(self.fraction * f)].sort().values
+        def stream(what: str) -> torch.Generator:
+            return torch.Generator().manual_seed(_seed(self.seed, f"upcycle-drop:layers.{self.layer}{what}", (expert,)))
+
+        units = torch.randperm(f, generator=stream(""))[: int(self.fraction * f)].sort().values
         values = {}
-        for name in names:  # fixed order: gate, up, out
+        for name in names:
             mean, std = self.stats[name]
             values[name] = torch.empty(len(units), hidden, dtype=torch.float64).normal_(
-                generator=gen).mul_(std).add_(mean).float()
+                generator=stream(f".{name}")).mul_(std).add_(mean).float()
         return units, values
 
 
@@ -463,16 +466,16 @@ def _drop_units(row: Tensor, is_w_in: bool, drop: _Drop, expert: int, f: int, hi
                 scale: float) -> None:
     """Overwrite expert ``expert``'s re-initialised units in ``row``, its local part (``box[1:]``) of w_in [H, gate |
     up] (column u of projection j at j * f + u) or of w_out [f, H] (row u, values scaled as the kept ones)."""
-    units, values = drop.draw(expert, f, hidden, names)
+    mine = names[:-1] if is_w_in else names[-1:]
+    units, values = drop.draw(expert, f, hidden, mine)
+    rows, cols = box[1], box[2]
     if is_w_in:
-        rows, cols = box[1], box[2]
-        for j, name in enumerate(names[:-1]):
+        for j, name in enumerate(mine):
             at = [(int(u) + j * f, k) for k, u in enumerate(units) if int(u) + j * f in cols]
             if at:
                 col = torch.tensor([c - cols.start for c, _ in at])
                 row[:, col] = values[name][[k for _, k in at]][:, rows.start:rows.stop].t().to(row.dtype)
     else:
-        rows, cols = box[1], box[2]
         at = [(int(u), k) for k, u in enumerate(units) if int(u) in rows]
         if at:
             here = torch.tensor([u - rows.start for u, _ in at])

@@ -75,9 +75,10 @@ def open_dense(path: str | Path):
     (num_experts > 0)."""
     kind, where = resolve_dense(path)
     if kind == "hf":
+        from moekit.models.hf import config_from_hf
         from moekit.models.hf.sharded import FolderSlices
 
-        config = dense_config(where)  # config.json alone: refuse an MoE folder before opening its weights
+        config = config_from_hf(where)  # config.json alone: refuse an MoE folder before opening its weights
         if config.num_experts:
             raise ValueError(_not_dense(Path(path), config.num_experts))
         source = FolderSlices(where)
