@@ -1,7 +1,9 @@
 """Tensor parallelism over the TP group: DTensor sharding of attention and dense MLPs, MoE token split.
 
     Attention   wq wk wv  column-wise (biases too): each rank computes N/tp query and K/tp key/value heads
-                wo        row-wise: partial [B, S, H] outputs all-reduced into a replicated one
+                wo        row-wise: partial [B, S, H] outputs all-reduced into a replicated one (its bias, if
+                          any, replicated and added once)
+                sinks     (gpt-oss) sharded with the query heads: each rank holds its N/tp heads' logits
                 q_norm, k_norm (qk_norm "head") replicated: each rank normalises its own heads, so their
                           gradients are partial over TP (returned for the "moe" gradient role, below);
                           qk_norm "full" normalises over all heads at once: refused under TP
@@ -39,7 +41,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, parallelize_module
 
 from moekit.comm.topology import LayoutError
@@ -112,6 +114,8 @@ def _shard_block(block: nn.Module, mesh, group, sequence_parallel: bool) -> list
     are partial over TP."""
     parallelize_module(block, mesh, _block_plan(block, sequence_parallel))
     attn = block.attn
+    if getattr(attn, "sinks", None) is not None:  # gpt-oss: one logit per query head, sharded like the heads
+        attn.sinks = nn.Parameter(distribute_tensor(attn.sinks.data, mesh, [Shard(0)]))
     if hasattr(attn, "wkv_a"):  # MLA: the shared rope key's gradient is partial over the heads' ranks
         attn.wkv_a.register_forward_hook(
             lambda m, args, out, start=attn.kv_lora_rank: _ReduceGradTail.apply(out, start, group))

@@ -6,6 +6,7 @@ Shape legend: B batch, S sequence, H hidden, N query heads, K key/value heads, D
                          qk_norm "full": RMSNorm over q [N*D] and k [K*D] (OLMoE), then split into heads
                          qk_norm "head": RMSNorm(D) on every q and k head (Qwen3)
                          qkv_clip: clamp q, k, v to [-clip, clip] (OLMoE); RoPE on q, k; causal SDPA (GQA)
+                         sliding window (per layer: config.attention_window), sinks and a wo bias (gpt-oss)
     mla (MLAttention)    DeepSeek-V2/V3 multi-head latent attention, per head n:
                          q_n = [q_nope_n, q_rope_n] = wq(x) or wq_b(norm(wq_a(x)))        (nope + rope dims)
                          [c, k_rope] = wkv_a(x); [k_nope_n, v_n] = wkv_b(norm(c))        (c: kv_lora_rank)
@@ -74,11 +75,14 @@ def _explicit_attention(q: Tensor) -> bool:
             and not (EXPLICIT_ATTENTION == "auto" and torch.compiler.is_compiling()))
 
 
-def explicit_causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None) -> Tensor:
+def explicit_causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None, window: int = 0,
+                              sinks: Tensor | None = None) -> Tensor:
     """Causal attention of q [B, N, S, Dqk] over k [B, K, S, Dqk], v [B, K, S, Dv] (N % K == 0) as
     softmax(q k^T * scale + causal mask) v in batched matmuls: each key head's G = N / K query heads are
     stacked into one [G * S, Dqk] block, so the keys and values are read as they are (no GQA expansion).
-    The same function as ``F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)``."""
+    The same function as ``F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)``;
+    ``window`` > 0 also hides keys more than window - 1 positions back, ``sinks`` [N] joins each head's softmax
+    as a column of its own that is then dropped (as ``sink_attention``)."""
     B, N, S, Dqk = q.shape
     K, Dv = k.shape[1], v.shape[-1]
     if N % K or k.shape[2] != S:
@@ -86,32 +90,77 @@ def explicit_causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | No
                          f"for {S} queries; need N % K == 0 and keys as long as the queries")
     G = N // K
     scale = Dqk ** -0.5 if scale is None else scale
-    mask = torch.full((S, S), -math.inf, device=q.device, dtype=q.dtype).triu_(1).repeat(G, 1)  # [G*S, S]
-    scores = torch.baddbmm(mask, q.reshape(B * K, G * S, Dqk), k.reshape(B * K, S, Dqk).transpose(1, 2),
+    if window:  # [S, S] additive: 0 where visible
+        mask = torch.zeros(S, S, device=q.device, dtype=q.dtype).masked_fill_(~window_mask(0, S, window, q.device),
+                                                                              -math.inf)
+    else:
+        mask = torch.full((S, S), -math.inf, device=q.device, dtype=q.dtype).triu_(1)
+    scores = torch.baddbmm(mask.repeat(G, 1), q.reshape(B * K, G * S, Dqk), k.reshape(B * K, S, Dqk).transpose(1, 2),
                            alpha=scale)  # [B*K, G*S, S]
-    return torch.bmm(scores.softmax(-1), v.reshape(B * K, S, Dv)).view(B, N, S, Dv)
+    if sinks is None:
+        return torch.bmm(scores.softmax(-1), v.reshape(B * K, S, Dv)).view(B, N, S, Dv)
+    sink = sinks.to(scores.dtype).view(1, K, G, 1).expand(B, K, G, S).reshape(B * K, G * S, 1)  # head n = k*G + g
+    probs = torch.cat((scores, sink), dim=-1).softmax(-1)[..., :S]  # the sink's share taken, then dropped
+    return torch.bmm(probs, v.reshape(B * K, S, Dv)).view(B, N, S, Dv)
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, kv: LayerKV | None, gqa: bool, scale: float | None = None) -> Tensor:
+def sink_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, sinks: Tensor, scale: float | None,
+                   gqa: bool) -> Tensor:
+    """Attention whose softmax also counts a learned logit per query head (gpt-oss's sinks): for query i of
+    head n, softmax over [q_i.k_j * scale (j visible), sinks_n], the sink's share dropped, so the weights sum to
+    less than 1 and a head can attend to nothing. q [B, N, S, D], k [B, K, P, D], v [B, K, P, Dv], ``mask``
+    [S, P] bool (True: visible), sinks [N].
+
+    Run as SDPA over one more key that every query sees, with a zero value, and one more channel: q gets
+    sinks_n / scale there and the extra key 1, the real keys 0, so that key's logit is sinks_n for every query
+    of head n whatever its q. Torch's fused kernels then do the rest (and the sinks' gradient is that
+    channel's). The channel is padded to 8 so head dims stay multiples of 8 for the GPU kernels.
+
+        q' [.., S, D+8] = [q | sinks_n/scale | 0...]     k' [.., 1+P, D+8] = [0 | 1 | 0...] ; [k | 0 | 0...]
+        v' [.., 1+P, Dv] = [0] ; [v]                      mask' [S, 1+P] = [True | mask]
+    """
+    B, N, S, D = q.shape
+    K = k.shape[1]
+    scale = D**-0.5 if scale is None else scale
+    pad = 8
+    sink_q = (sinks.to(q.dtype) / scale).view(1, N, 1, 1).expand(B, N, S, 1)
+    q2 = torch.cat((q, sink_q, q.new_zeros(B, N, S, pad - 1)), dim=-1)  # [B, N, S, D+8]
+    sink_k = k.new_zeros(B, K, 1, D + pad)
+    sink_k[..., D] = 1
+    k2 = torch.cat((sink_k, F.pad(k, (0, pad))), dim=2)  # [B, K, 1+P, D+8]
+    v2 = torch.cat((v.new_zeros(B, K, 1, v.shape[-1]), v), dim=2)  # [B, K, 1+P, Dv]
+    mask2 = torch.cat((mask.new_ones(S, 1), mask), dim=1)  # [S, 1+P]
+    return F.scaled_dot_product_attention(q2, k2, v2, attn_mask=mask2, enable_gqa=gqa, scale=scale)
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, kv: LayerKV | None, gqa: bool, scale: float | None = None,
+           window: int = 0, sinks: Tensor | None = None) -> Tensor:
     """Causal SDPA of q [B, N, S, Dqk] over k [B, K, S, Dqk], v [B, K, S, Dv] (-> [B, N, S, Dv]); with ``kv``
     the new keys / values are appended to the cache and q attends to every cached position too. Where it
-    is faster (CPU bf16, small S: EXPLICIT_ATTENTION) the same function runs as bmm + softmax + bmm."""
-    if kv is None:
-        if _explicit_attention(q):
-            return explicit_causal_attention(q, k, v, scale)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)
-    start, S = kv.length, q.shape[2]
-    k, v = kv.append(k, v)  # [B, K, start+S, D*]: every position so far
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(start, S, q.device),
-                                          is_causal=start == 0 and S > 1, enable_gqa=gqa, scale=scale)
+    is faster (CPU bf16, small S: EXPLICIT_ATTENTION) the same function runs as bmm + softmax + bmm.
+    ``window`` > 0: each query sees only the last ``window`` positions, itself included; ``sinks`` [N]: a
+    learned logit per query head in every softmax (``sink_attention``)."""
+    if kv is None and _explicit_attention(q):
+        return explicit_causal_attention(q, k, v, scale, window, sinks)
+    start, S = 0 if kv is None else kv.length, q.shape[2]
+    if kv is not None:
+        k, v = kv.append(k, v)  # [B, K, start+S, D*]: every position so far
+    if not window and sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(start, S, q.device),
+                                              is_causal=start == 0 and S > 1, enable_gqa=gqa, scale=scale)
+    mask = window_mask(start, S, window, q.device)  # [S, start+S]
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa, scale=scale)
+    return sink_attention(q, k, v, mask, sinks, scale, gqa)
 
 
 class Attention(nn.Module):
     """Causal grouped-query attention: K key/value heads serve N query heads (N % K == 0); optional q/k/v
     biases, q/k RMSNorm ("head" or "full") and q/k/v clipping (module docstring)."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, layer_id: int = 0):
         super().__init__()
+        self.window = config.attention_window(layer_id)
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim, self.rope_dim = config.attn_head_dim, config.rope_dim
         self.qk_norm, self.qkv_clip = config.qk_norm, float(config.qkv_clip)
@@ -119,7 +168,10 @@ class Attention(nn.Module):
         self.wq = nn.Linear(H, self.num_heads * D, bias=bias)
         self.wk = nn.Linear(H, self.num_kv_heads * D, bias=bias)
         self.wv = nn.Linear(H, self.num_kv_heads * D, bias=bias)
-        self.wo = nn.Linear(self.num_heads * D, H, bias=False)
+        self.wo = nn.Linear(self.num_heads * D, H, bias=config.attention_out_bias)
+        # gpt-oss: one learned logit per query head in the softmax (sink_attention); a DTensor sharded by heads
+        # under tensor parallelism (comm.tensor_parallel), like wq's output
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if config.attention_sinks else None
         if config.qk_norm != "none":
             full = config.qk_norm == "full"
             self.q_norm = nn.RMSNorm(self.num_heads * D if full else D, eps=config.norm_eps)
@@ -141,7 +193,8 @@ class Attention(nn.Module):
         # RoPE before the transpose: x [B, S, heads, D] is laid out as the projection wrote it
         q, k = self._rope(q, cos[:, None], sin[:, None]), self._rope(k, cos[:, None], sin[:, None])
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, S, D]
-        y = attend(q, k, v, kv, self.num_kv_heads != self.num_heads)  # [B, N, S, D]
+        sinks = self.sinks.to_local() if hasattr(self.sinks, "to_local") else self.sinks  # this rank's heads
+        y = attend(q, k, v, kv, self.num_kv_heads != self.num_heads, window=self.window, sinks=sinks)  # [B, N, S, D]
         return self.wo(y.transpose(1, 2).reshape(B, S, -1))  # [B, S, H]
 
     def _rope(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -158,6 +211,10 @@ class Attention(nn.Module):
             if w.bias is not None:
                 w.bias.zero_()
         normal_(self.wo.weight, std_out)
+        if self.wo.bias is not None:
+            self.wo.bias.zero_()
+        if self.sinks is not None:  # 0: the sink starts as one more key of logit 0 (gpt-oss trained from there)
+            self.sinks.zero_()
         if self.qk_norm != "none":
             self.q_norm.weight.fill_(1.0)
             self.k_norm.weight.fill_(1.0)
@@ -217,8 +274,9 @@ class MLAttention(nn.Module):
                 norm.weight.fill_(1.0)
 
 
-def build_attention(config: ModelConfig) -> nn.Module:
-    return MLAttention(config) if config.attention == "mla" else Attention(config)
+def build_attention(config: ModelConfig, layer_id: int = 0) -> nn.Module:
+    """Layer ``layer_id``'s attention (its sliding window comes from config.attention_window)."""
+    return MLAttention(config) if config.attention == "mla" else Attention(config, layer_id)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -233,6 +291,15 @@ def causal_mask(start: int, new: int, device) -> Tensor | None:
         return None
     keys = torch.arange(start + new, device=device)  # [P+S]
     return keys[None, :] <= torch.arange(start, start + new, device=device)[:, None]  # [S, P+S]
+
+
+def window_mask(start: int, new: int, window: int, device) -> Tensor:
+    """[new, start+new] bool: query start+i sees keys j with start+i - window < j <= start+i (window 0: every
+    key up to itself)."""
+    keys = torch.arange(start + new, device=device)[None, :]  # [1, P+S]
+    queries = torch.arange(start, start + new, device=device)[:, None]  # [S, 1]
+    visible = keys <= queries
+    return visible & (keys > queries - window) if window else visible
 
 
 class LayerKV:

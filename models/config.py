@@ -63,6 +63,13 @@ class ModelConfig:
     qk_norm: str = "none"  # gqa: none | head (RMSNorm(D) on each q/k head, Qwen3) | full (RMSNorm over the
     #                        whole q [N*D] and k [K*D] projections, OLMoE); before RoPE
     qkv_clip: float = 0.0  # gqa, > 0: clamp q, k, v to [-clip, clip] after projection and norm (OLMoE clip_qkv)
+    attention_out_bias: bool = False  # gqa: a bias on wo as well (gpt-oss's o_proj)
+    attention_sinks: bool = False  # gqa: a learned logit per query head joins each softmax's denominator and
+    #   takes no value (gpt-oss): softmax over [q.k_0, ..., q.k_j, sink_n], the sink's share dropped
+    sliding_window: int = 0  # > 0: a query sees only the last sliding_window positions, itself included
+    #   (transformers' kv > q - window), on the layers full_attention_every leaves sliding
+    full_attention_every: int = 0  # with a window, layer i attends fully iff (i + 1) % n == 0 (gpt-oss 2: layers
+    #   1, 3, ... full, 0, 2, ... sliding; Gemma-3 6); 0 = every layer slides (Mistral-7B v0.1)
     rope_scaling: dict[str, Any] = field(default_factory=dict)  # {} = plain RoPE; else transformers'
     #   rope_parameters without rope_theta: {"rope_type": "linear" | "yarn" | "llama3", "factor": ..., ...}
     partial_rotary_factor: float = 1.0  # gqa: the fraction of each q/k head RoPE rotates, first channels (GLM-4.5 0.5)
@@ -101,6 +108,12 @@ class ModelConfig:
         if self.attention == "mla":
             return self.qk_rope_head_dim
         return int(self.attn_head_dim * self.partial_rotary_factor)
+
+    def attention_window(self, i: int) -> int:
+        """Layer i's sliding window (positions a query sees, itself included), 0 = full causal attention."""
+        if not self.sliding_window or (self.full_attention_every and (i + 1) % self.full_attention_every == 0):
+            return 0
+        return self.sliding_window
 
     def is_moe_layer(self, i: int) -> bool:
         if self.num_experts == 0 or i < self.first_dense_layers:
@@ -151,6 +164,15 @@ class ModelConfig:
         for name in ("attention", "qk_norm"):
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"model.{name}={getattr(self, name)!r} is invalid; it must be a string")
+        for name in ("attention_out_bias", "attention_sinks"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"model.{name}={getattr(self, name)!r} is invalid; it must be true or false")
+        _check_int("model.sliding_window", self.sliding_window, 0)
+        _check_int("model.full_attention_every", self.full_attention_every, 0)
+        if self.full_attention_every and not self.sliding_window:
+            raise ValueError(f"model.full_attention_every={self.full_attention_every} picks the layers that attend "
+                             f"fully among sliding-window ones, but model.sliding_window is 0 (no window); set a "
+                             f"window (gpt-oss: 128) or full_attention_every 0")
         if self.attention not in ATTENTIONS:
             raise ValueError(f"model.attention={self.attention!r} is invalid; choose one of {list(ATTENTIONS)}")
         if self.qk_norm not in QK_NORMS:
@@ -174,7 +196,8 @@ class ModelConfig:
             if self.qk_rope_head_dim % 2:
                 raise ValueError(f"model.qk_rope_head_dim={self.qk_rope_head_dim} must be even for RoPE")
             for name, off in (("attention_bias", False), ("qk_norm", "none"), ("qkv_clip", 0.0),
-                              ("partial_rotary_factor", 1.0)):
+                              ("partial_rotary_factor", 1.0), ("attention_out_bias", False),
+                              ("attention_sinks", False), ("sliding_window", 0)):
                 if getattr(self, name) != off:
                     raise ValueError(f"model.{name}={getattr(self, name)!r} applies to attention='gqa' only; MLA has "
                                      f"its own latent norms: set model.{name}={off!r} with attention='mla'")

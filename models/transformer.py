@@ -81,7 +81,7 @@ class Block(nn.Module):
         super().__init__()
         H = config.hidden_size
         self.attn_norm = nn.RMSNorm(H, eps=config.norm_eps)
-        self.attn = build_attention(config)
+        self.attn = build_attention(config, layer_id)
         self.ffn_norm = nn.RMSNorm(H, eps=config.norm_eps)
         self.is_moe = config.is_moe_layer(layer_id)
         if self.is_moe:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from moekit.comm.topology import Layout, LayoutError, Topology
-from moekit.models.attention import MLAttention
+from moekit.models.attention import MLAttention, window_mask
 from moekit.models.rope import rope_frequencies, rope_tables
 from moekit.models.config import ModelConfig
 from moekit.models.transformer import Attention, KVCache, build_model
@@ -56,7 +56,7 @@ def copy_from_hf(ours: torch.nn.Module, theirs: torch.nn.Module) -> None:
     state = {}
     for name, t in theirs.state_dict().items():
         module, _, kind = name.rpartition(".")
-        state[f"{HF_NAMES[module]}.{kind}"] = t
+        state[f"{HF_NAMES[module]}.{kind}" if module else name] = t  # "sinks": a parameter of the module itself
     ours.load_state_dict(state, strict=True)  # same names, shapes (and so row order) for every tensor
 
 
@@ -85,6 +85,14 @@ def hf_attention(family: str, cfg: ModelConfig, rope: dict):
 
             c = transformers.Qwen3MoeConfig(**kv, **common)
             pair = m.Qwen3MoeAttention, m.Qwen3MoeRotaryEmbedding
+        elif family == "gpt_oss":
+            from transformers.models.gpt_oss import modeling_gpt_oss as m
+
+            c = transformers.GptOssConfig(attention_bias=True, sliding_window=cfg.sliding_window, num_hidden_layers=2,
+                                          **kv, **common)
+            c._attn_implementation = "eager"  # gpt-oss has no SDPA path (the sinks)
+            pair = m.GptOssAttention, m.GptOssRotaryEmbedding
+            return pair[0](c, 0), pair[1](c)  # layer 0: a sliding one in gpt-oss's pattern
         elif family == "glm4_moe":
             from transformers.models.glm4_moe import modeling_glm4_moe as m
 
@@ -111,6 +119,9 @@ CASES = {  # family -> moekit config overrides, rope scaling
     # RoPE on part of each head (the rest passes), with the head-width frequencies of that part
     "glm4_moe": (dict(attention_bias=True, partial_rotary_factor=0.5), {}),
     "glm4_moe-qknorm-yarn": (dict(qk_norm="head", head_dim=16, partial_rotary_factor=0.25), YARN),
+    # sinks, a 4-position window (layer 0 slides), biases on q/k/v and o, yarn without truncation
+    "gpt_oss": (dict(attention_bias=True, attention_out_bias=True, attention_sinks=True, sliding_window=4,
+                     full_attention_every=2), {**YARN, "truncate": False, "beta_fast": 32.0, "beta_slow": 1.0}),
 }
 
 
@@ -125,9 +136,14 @@ def test_attention_matches_transformers(case):
     x = torch.randn(2, 11, H, generator=torch.Generator().manual_seed(1))
     hf_cos, hf_sin = rotary(x, torch.arange(11)[None])  # [1, S, R] with the attention factor folded in
     cos, sin = rope_tables(cfg, 11, "cpu")  # [S, R/2]
-    torch.testing.assert_close(torch.cat((cos, cos), -1), hf_cos[0], rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(torch.cat((sin, sin), -1), hf_sin[0], rtol=1e-6, atol=1e-6)
-    want, _ = theirs(x, (hf_cos, hf_sin), None)
+    halves = 1 if hf_cos.shape[-1] == cos.shape[-1] else 2  # gpt-oss's tables hold each frequency once
+    torch.testing.assert_close(torch.cat((cos,) * halves, -1), hf_cos[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(torch.cat((sin,) * halves, -1), hf_sin[0], rtol=1e-6, atol=1e-6)
+    mask = None
+    if cfg.attention_sinks:  # transformers' eager attention (gpt-oss) needs its additive mask; ours: layer 0's
+        mask = torch.zeros(11, 11).masked_fill(~window_mask(0, 11, cfg.attention_window(0), "cpu"), -math.inf)
+        assert ours.window == 4
+    want, _ = theirs(x, (hf_cos, hf_sin), mask)
     got = ours(x, cos, sin)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     if cfg.qkv_clip:  # the clip is active on these inputs, so the comparison covers it
@@ -327,6 +343,8 @@ PARALLEL = {
     "mla": dict(**MLA, q_lora_rank=12, rope_scaling=YARN_DS, first_dense_layers=1),
     "mla-full-rank-q": dict(**MLA, rope_interleave=False),
     "gqa": dict(attention_bias=True, qk_norm="head", qkv_clip=0.5, rope_scaling=LLAMA3),
+    "gpt-oss": dict(attention_bias=True, attention_out_bias=True, attention_sinks=True, sliding_window=5,
+                    full_attention_every=2, rope_scaling=YARN),
 }
 
 
@@ -370,9 +388,9 @@ def _parallel_rank(rank, world, cases):
 
 def test_tp_and_fsdp_give_the_single_process_gradients():
     """tp=2: MLA (low-rank q, yarn, interleaved rope key) and MLA with full-rank q, both with sequence
-    parallelism once; GQA with biases, per-head q/k norm and clipping. fsdp=2: the MLA and GQA models;
-    dp=2 x ep=2: MLA."""
+    parallelism once; GQA with biases, per-head q/k norm and clipping; gpt-oss's sinks (sharded by heads), window
+    and wo bias with sequence parallelism. fsdp=2: the MLA, GQA and gpt-oss models; dp=2 x ep=2: MLA."""
     run_ranks(_parallel_rank, 2, [
         (dict(tp=2), "mla", False), (dict(tp=2), "mla-full-rank-q", True), (dict(tp=2), "gqa", False),
         (dict(tp=2), "gqa", True), (dict(fsdp=2), "mla", False), (dict(fsdp=2), "gqa", False),
-        (dict(dp=2, ep=2), "mla", False)])
+        (dict(dp=2, ep=2), "mla", False), (dict(tp=2), "gpt-oss", True), (dict(fsdp=2), "gpt-oss", False)])
