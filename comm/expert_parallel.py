@@ -278,7 +278,7 @@ def shard_experts(layer: nn.Module, ep_mesh, placement: Placement | None = None)
     rows = list(range(ep_rank * E // ep_size, (ep_rank + 1) * E // ep_size))
     if placement is not None:
         rows = list(placement.slots[ep_rank])
-    for name in ("w_in", "w_out"):
+    for name in experts.param_names():  # weights and, with ffn_bias, the biases: each [E, ...] over experts
         full = getattr(experts, name)
         shard = DTensor.from_local(full.detach()[rows].clone(), ep_mesh, [Shard(0)], run_check=False)
         setattr(experts, name, nn.Parameter(shard, requires_grad=full.requires_grad))

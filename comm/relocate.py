@@ -14,6 +14,7 @@ further). Everything outside the running model sees logical order:
                 with equal moments, take the same optimizer step); tag_primaries marks the rows the global
                 gradient norm counts (one copy each)
 
+Every expert parameter moves: the weights and, with ffn_bias, the biases (GroupedExperts.param_names()).
 All three rest on move_rows: one all_to_all_single over the EP group that gives every slot of the target
 placement its row from the source placement (from this rank's own slots when it holds that expert).
 """
@@ -26,8 +27,6 @@ from torch.distributed.tensor import DTensor
 
 from moekit.comm.placement import Placement
 from moekit.moe.load import moe_layers
-
-EXPERT_PARAMS = ("w_in", "w_out")
 
 
 def _moves(src: Placement, dst: Placement) -> list[list[list[tuple[int, int]]]]:
@@ -96,9 +95,9 @@ def _expert_entries(model_sd: dict, optim_sd: dict | None, fqn: str) -> list[tup
 def logical_state(model: nn.Module, model_sd: dict, optim_sd: dict | None = None) -> None:
     """In place: every placed expert tensor of the state dicts (get_model_state_dict /
     get_optimizer_state_dict keys) becomes its logical [E, ...] DTensor, contiguous blocks, one copy each."""
-    for name, _, placement, group, pos in placed_layers(model):
+    for name, layer, placement, group, pos in placed_layers(model):
         logical = Placement.contiguous(placement.num_experts, placement.ep)
-        for param in EXPERT_PARAMS:
+        for param in layer.experts.param_names():
             for d, k in _expert_entries(model_sd, optim_sd, f"{name}.experts.{param}"):
                 t = d[k]
                 d[k] = _relabel(t, move_rows(t.to_local(), placement, logical, pos, group), placement.num_experts)
@@ -108,9 +107,9 @@ def physical_state(model: nn.Module, model_sd: dict, optim_sd: dict | None = Non
     """The inverse of logical_state (state dicts made by it, e.g. loaded from a checkpoint): back to this
     model's placements, replica slots filled with their expert's row."""
     params = dict(model.named_parameters())
-    for name, _, placement, group, pos in placed_layers(model):
+    for name, layer, placement, group, pos in placed_layers(model):
         logical = Placement.contiguous(placement.num_experts, placement.ep)
-        for param in EXPERT_PARAMS:
+        for param in layer.experts.param_names():
             fqn = f"{name}.experts.{param}"
             like = params[fqn]
             for d, k in _expert_entries(model_sd, optim_sd, fqn):
@@ -132,7 +131,7 @@ def sum_replica_grads(model: nn.Module) -> None:
         if not replicated:
             continue
         row_of = {e: i for i, e in enumerate(replicated)}
-        for param in EXPERT_PARAMS:
+        for param in layer.experts.param_names():
             p = getattr(layer.experts, param)
             if p.grad is None:
                 continue
@@ -160,7 +159,7 @@ def tag_primaries(model: nn.Module) -> None:
     placed = {id(layer): (placement, pos) for _, layer, placement, _, pos in placed_layers(model)}
     for _, layer in moe_layers(model):
         placement, pos = placed.get(id(layer), (None, 0))
-        for param in EXPERT_PARAMS:
+        for param in layer.experts.param_names():
             p = getattr(layer.experts, param)
             mask = None
             if placement is not None and placement.replicas:
@@ -188,7 +187,7 @@ def rebalance(model: nn.Module, optimizer, placements: dict[str, Placement]) -> 
         if new.slots_per_rank != old.slots_per_rank or new.ep != old.ep:
             raise ValueError(f"{name}: a rebalance keeps {old.slots_per_rank} slots on each of {old.ep} ranks; the "
                              f"new placement has {new.slots_per_rank} on {new.ep}")
-        for param in EXPERT_PARAMS:
+        for param in layer.experts.param_names():
             p = getattr(layer.experts, param)
             state = optimizer.state.get(p, {}) if optimizer is not None else {}
             for t in [p, *(v for v in state.values() if isinstance(v, Tensor) and v.shape == p.shape)]:

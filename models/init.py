@@ -108,10 +108,11 @@ class _Filler:
         self.logical: dict[int, tuple[list[int], int]] = {}
         self.experts: dict[int, int] = {}  # every expert tensor: the number of (logical) experts
         for _, layer in moe_layers(model):
-            self.experts.update({id(layer.experts.w_in): layer.num_experts, id(layer.experts.w_out): layer.num_experts})
+            params = [getattr(layer.experts, n) for n in layer.experts.param_names()]  # weights (+ biases)
+            self.experts.update({id(w): layer.num_experts for w in params})
             rows = slot_experts(layer)
             if rows is not None:
-                for w in (layer.experts.w_in, layer.experts.w_out):
+                for w in params:
                     self.logical[id(w)] = (rows, layer.num_experts)
 
     @torch.no_grad()
@@ -133,6 +134,20 @@ class _Filler:
         local.copy_(normal_values(self.seed, name, shape, box, std, rows))
 
 
+def _zero_biases(ffn: nn.Module) -> None:
+    """An MoE layer's biases start at 0: the experts' ffn_bias (b_in, b_out) and the router's gate bias. A
+    constant is the same in every layout, placement and shard, so each rank zeroes what it holds."""
+    from moekit.moe.layer import MoELayer
+
+    if not isinstance(ffn, MoELayer):
+        return
+    biases = [getattr(ffn.experts, n) for n in ffn.experts.param_names() if n.startswith("b_")]
+    if getattr(ffn.router, "gate_bias", False):
+        biases.append(ffn.router.bias)
+    for b in biases:
+        (b.to_local() if hasattr(b, "to_local") else b).zero_()
+
+
 @torch.no_grad()
 def init_weights(model: nn.Module, seed: int = 0, only: set[str] | None = None) -> None:
     """Fill every parameter and buffer of ``model`` (a Transformer, or a pipeline rank's PipelineModel: the same
@@ -140,7 +155,8 @@ def init_weights(model: nn.Module, seed: int = 0, only: set[str] | None = None) 
 
     Residual-stream inputs (embedding, q/k/v and MLA's projections, FFN in, router) get N(0, init_std);
     projections back into the residual stream (attention out, FFN out) get init_std / sqrt(2 L) (GPT-2), so
-    the residual's variance does not grow with depth; biases 0, norm scales 1, router state 0.
+    the residual's variance does not grow with depth; biases 0 (the MoE experts' ffn_bias and the router's gate
+    bias included), norm scales 1, router state 0.
 
     ``only``: draw just these parameters (single-process names), for a load that fills the rest next
     (models.hf.load_hf_sharded); the constant fills still run everywhere, they cost nothing."""
@@ -156,6 +172,7 @@ def init_weights(model: nn.Module, seed: int = 0, only: set[str] | None = None) 
             norm.weight.fill_(1.0)
         layer.attn.init_weights(normal_, std, std_out)
         init_ffn(layer.ffn, normal_, std, std_out)
+        _zero_biases(layer.ffn)
     if getattr(model, "norm", None) is not None:
         model.norm.weight.fill_(1.0)
     if getattr(model, "lm_head", None) is not None:
@@ -166,3 +183,4 @@ def init_weights(model: nn.Module, seed: int = 0, only: set[str] | None = None) 
         normal_(module.eh_proj.weight, std)
         module.block.attn.init_weights(normal_, std, std_out)
         init_ffn(module.block.ffn, normal_, std, std_out)
+        _zero_biases(module.block.ffn)

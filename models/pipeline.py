@@ -81,7 +81,7 @@ def layer_costs(config: ModelConfig, seq_len: int | None = None) -> LayerCosts:
         cost = 2.0 * attn + S * config.num_heads * (config.attn_qk_head_dim + config.attn_v_head_dim)
         if block.is_moe:
             moe = block.ffn
-            experts = moe.experts.w_in.numel() + moe.experts.w_out.numel()
+            experts = sum(p.numel() for p in moe.experts.parameters())  # weights (+ the ffn_bias biases)
             routed = experts * min(config.top_k, moe.num_experts) / moe.num_experts
             other = sum(p.numel() for n, p in moe.named_parameters() if not n.startswith("experts."))
             return cost + 2.0 * (routed + other)

@@ -47,12 +47,14 @@ def model_stats(config: ModelConfig, seq_len: int | None = None) -> ModelStats:
     active = params - sum(_inactive(block, config) for block in blocks)
     embedding = model.embed.weight.numel()
     vectors = sum(p.numel() for p in model.parameters() if p.dim() < 2)  # norm scales, biases: not matmuls
+    vectors += sum(_expert_bias_vectors(block, config) for block in model.layers)  # 2-d, but biases too
     matmul = active - vectors - embedding + (embedding if config.tie_embeddings else 0)
     per_key = config.num_heads * (config.attn_qk_head_dim + config.attn_v_head_dim)
     forward = 2.0 * matmul + config.num_layers * seq_len * per_key
     head = embedding if config.tie_embeddings else model.lm_head.weight.numel()
     for k, module in enumerate(model.mtp, start=1):  # models.mtp: depth k runs on S - k of every S positions
-        mtp_matmul = sum(p.numel() for p in module.parameters() if p.dim() >= 2) - _inactive(module.block, config)
+        mtp_matmul = (sum(p.numel() for p in module.parameters() if p.dim() >= 2) - _inactive(module.block, config)
+                      - _expert_bias_vectors(module.block, config))
         n = max(seq_len - k, 0)
         forward += -2.0 * mtp_matmul + n / seq_len * (2.0 * (mtp_matmul + head) + n * per_key)
     return ModelStats(params, active, embedding, 3.0 * forward, seq_len)
@@ -63,5 +65,14 @@ def _inactive(layer, config: ModelConfig) -> int:
     if not layer.is_moe:
         return 0
     experts = layer.ffn.experts
-    per_expert = (experts.w_in.numel() + experts.w_out.numel()) // experts.num_experts
+    per_expert = sum(p.numel() for p in experts.parameters()) // experts.num_experts  # weights (+ biases)
     return per_expert * (experts.num_experts - min(config.top_k, experts.num_experts))
+
+
+def _expert_bias_vectors(layer, config: ModelConfig) -> int:
+    """Active routed-expert bias parameters in ``layer`` (a Block): [E, .] tensors, yet added, not multiplied."""
+    if not layer.is_moe or not layer.ffn.experts.bias:
+        return 0
+    experts = layer.ffn.experts
+    per_expert = (experts.b_in.numel() + experts.b_out.numel()) // experts.num_experts
+    return per_expert * min(config.top_k, experts.num_experts)

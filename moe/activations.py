@@ -3,8 +3,13 @@ the kernels' reference and fused epilogues) reads its activation here, so they c
 
 An ``Activation`` maps the first projection's output to the second projection's input:
 
-    gated (SwiGLU):  h [..., 2F] = [gate | up]  ->  unit(gate) * up  [..., F]
-    plain (GELU):    h [..., F]                 ->  unit(h)          [..., F]
+    gated (SwiGLU):  h [..., 2F] = [gate | up]  ->  unit(gate) * up_fn(up)  [..., F]   (up_fn = identity for swiglu)
+    plain (GELU):    h [..., F]                 ->  unit(h)                 [..., F]
+
+``swiglu_oai`` is gpt-oss's clamped SwiGLU (OpenAI's reference code, vLLM's "swigluoai"): with g = min(gate, limit)
+and u = clamp(up, -limit, limit), ``(u + 1) * g * sigmoid(alpha * g)``; alpha = 1.702, limit = 7.0. Its
+derivative is the composite's under autograd, clamp's included: zero outside the range, passed at the bounds
+(torch's clamp backward keeps ``min <= x <= max``).
 
 ``kernel_code`` is the ``ACT`` constexpr of moe.kernels.expert_mlp's fused kernels, whose epilogues
 hard-code each activation's forward and derivative (gelu is the exact erf form there and here).
@@ -54,6 +59,56 @@ def swiglu(h: Tensor) -> Tensor:
     return _SwiGLU.apply(h)
 
 
+# gpt-oss (transformers' GptOssExperts, OpenAI's reference): the sigmoid's slope and the clamp of gate and up
+OAI_ALPHA = 1.702
+OAI_LIMIT = 7.0
+
+
+def oai_unit(gate: Tensor) -> Tensor:
+    """The gate half of swiglu_oai: g * sigmoid(alpha * g) with g = min(gate, limit)."""
+    g = gate.clamp(max=OAI_LIMIT)
+    return g * torch.sigmoid(OAI_ALPHA * g)
+
+
+def oai_up(up: Tensor) -> Tensor:
+    """The up half of swiglu_oai: clamp(up, -limit, limit) + 1."""
+    return up.clamp(-OAI_LIMIT, OAI_LIMIT) + 1
+
+
+class _SwiGLUOAI(torch.autograd.Function):
+    """oai_unit(gate) * oai_up(up) over h = [gate | up], saving h alone (not the clamped copies) and writing
+    the derivative by hand: d gate = grad * (u + 1) * (s + alpha * g * s * (1 - s)) where gate <= limit, else 0;
+    d up = grad * g * s where -limit <= up <= limit, else 0 (s = sigmoid(alpha * g)): autograd's values for the
+    composite expression. Its backward is differentiable ops, so a double backward works as for _SwiGLU."""
+
+    @staticmethod
+    def forward(ctx, h: Tensor) -> Tensor:
+        ctx.save_for_backward(h)
+        gate, up = h.chunk(2, dim=-1)
+        return oai_unit(gate) * oai_up(up)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        (h,) = ctx.saved_tensors
+        gate, up = h.chunk(2, dim=-1)
+        g, u = gate.clamp(max=OAI_LIMIT), up.clamp(-OAI_LIMIT, OAI_LIMIT)
+        s = torch.sigmoid(OAI_ALPHA * g)
+        d_gate = grad * (u + 1) * (s + OAI_ALPHA * g * s * (1 - s))
+        d_up = grad * g * s
+        d_gate = torch.where(gate <= OAI_LIMIT, d_gate, 0.0)
+        d_up = torch.where((up >= -OAI_LIMIT) & (up <= OAI_LIMIT), d_up, 0.0)
+        return torch.cat([d_gate, d_up], dim=-1)
+
+
+def swiglu_oai(h: Tensor) -> Tensor:
+    """[..., 2F] laid out [gate | up] -> gpt-oss's clamped SwiGLU [..., F] (module docstring)."""
+    return _SwiGLUOAI.apply(h)
+
+
+def _identity(t: Tensor) -> Tensor:
+    return t
+
+
 @dataclass(frozen=True)
 class Activation:
     name: str
@@ -61,9 +116,15 @@ class Activation:
     unit: Callable[[Tensor], Tensor]  # the elementwise nonlinearity (applied to the gate when gated)
     gated: bool  # F_in = 2F laid out [gate | up]
     kernel_code: int  # ACT in moe.kernels.expert_mlp's fused kernels
+    up_fn: Callable[[Tensor], Tensor] = _identity  # gated: what multiplies unit(gate) is up_fn(up)
 
     def __call__(self, h: Tensor) -> Tensor:
         return self.fn(h)
+
+    def combine(self, gate: Tensor, up: Tensor) -> Tensor:
+        """A gated activation from separate gate and up tensors (the dense MLP's two Linears): the composite
+        ``unit(gate) * up_fn(up)``, the same function as ``fn`` on [gate | up]."""
+        return self.unit(gate) * self.up_fn(up)
 
     def in_features(self, ffn_hidden_size: int) -> int:
         """Width of the first projection: a gated activation needs a gate and an up projection."""
@@ -76,6 +137,7 @@ ACTIVATIONS: dict[str, Activation] = {
         Activation("swiglu", swiglu, F.silu, gated=True, kernel_code=0),
         Activation("gelu", F.gelu, F.gelu, gated=False, kernel_code=1),  # exact erf form (approximate="none")
         Activation("relu", F.relu, F.relu, gated=False, kernel_code=2),
+        Activation("swiglu_oai", swiglu_oai, oai_unit, gated=True, kernel_code=3, up_fn=oai_up),  # gpt-oss
     )
 }
 

@@ -5,13 +5,16 @@ Shape legend: N routed rows (expert-major, contiguous per expert), E experts, H 
     rows [N, H]   expert 0's rows | expert 1's rows | ... | expert E-1's rows   (counts [E] long)
     w_in  [E, H, F_in]   F_in = 2F for SwiGLU, laid out [gate | up] along the last dim; F otherwise
     w_out [E, F, H]
+    b_in  [E, F_in], b_out [E, H]   optional per-expert biases (``GroupedExperts(bias=True)``, gpt-oss):
+                                     h = rows_e @ w_in[e] + b_in[e], y = act(h) @ w_out[e] + b_out[e]
 
 Rows past sum(counts) belong to no expert: their output is 0 and they get zero gradient. Every backend
 treats out-of-range counts alike (:func:`counts_to_offs`): a negative count is 0, and the blocks stop
 at row N, so counts summing past N truncate the last blocks.
 
 A backend is a function ``fn(rows, counts, w_in, w_out, activation) -> [N, H]`` registered under a
-name with a predicate saying whether it can run for given tensors. ``"loop"`` is the obvious per-expert
+name with a predicate saying whether it can run for given tensors; one registered with ``bias=True`` also
+takes ``b_in=``, ``b_out=`` keywords (each None or the bias), and only such backends run experts with biases. ``"loop"`` is the obvious per-expert
 loop and stays the reference; ``"torch"`` uses ``torch.nn.functional.grouped_mm`` where it runs;
 ``"triton"`` calls ``moe.kernels`` (GPU, or CPU under ``TRITON_INTERPRET=1``). ``"auto"`` takes the
 first usable of triton, torch, loop on GPU (torch first for large experts: :func:`auto_order`), and the
@@ -51,6 +54,10 @@ def counts_to_offs(counts: Tensor, num_rows: int) -> Tensor:
 
 BackendFn = Callable[[Tensor, Tensor, Tensor, Tensor, str], Tensor]
 
+# Every parameter GroupedExperts can hold, each [E, ...] with the expert on dim 0: what expert parallelism
+# shards, placement moves, the guard checks and the init fills (GroupedExperts.param_names(): those present).
+EXPERT_PARAM_NAMES = ("w_in", "w_out", "b_in", "b_out")
+
 
 @dataclass(frozen=True)
 class ExpertBackend:
@@ -58,17 +65,19 @@ class ExpertBackend:
     fn: BackendFn
     usable: Callable[[Tensor, Tensor, Tensor], bool]  # (rows, w_in, w_out) -> can this backend run them?
     why_not: Callable[[Tensor, Tensor, Tensor], str]  # human-readable reason when not usable
+    bias: bool = False  # fn takes b_in= / b_out= (per-expert biases)
 
 
 _BACKENDS: dict[str, ExpertBackend] = {}
 
 
-def register_backend(name: str, usable=None, why_not=None):
-    """Decorator: ``@register_backend("mine", usable=lambda rows, w_in, w_out: True)``."""
+def register_backend(name: str, usable=None, why_not=None, bias: bool = False):
+    """Decorator: ``@register_backend("mine", usable=lambda rows, w_in, w_out: True)``; ``bias=True`` when
+    the function takes the keyword arguments ``b_in`` and ``b_out`` (per-expert biases, or None)."""
 
     def deco(fn: BackendFn) -> BackendFn:
         _BACKENDS[name] = ExpertBackend(
-            name, fn, usable or (lambda *a: True), why_not or (lambda *a: "not usable here")
+            name, fn, usable or (lambda *a: True), why_not or (lambda *a: "not usable here"), bias
         )
         return fn
 
@@ -104,17 +113,22 @@ def auto_order(device: torch.device, w_out: Tensor | None = None) -> tuple[str, 
     return ("triton", "torch", "loop")
 
 
-def resolve_backend(name: str, rows: Tensor, w_in: Tensor, w_out: Tensor) -> ExpertBackend:
-    """Return the backend that will run, raising a clear error when the named one cannot."""
+def resolve_backend(name: str, rows: Tensor, w_in: Tensor, w_out: Tensor, bias: bool = False) -> ExpertBackend:
+    """Return the backend that will run, raising a clear error when the named one cannot. ``bias``: the
+    experts have biases, which only backends registered with bias=True compute (never dropped silently)."""
     if name == "auto":
         for cand in auto_order(rows.device, w_out):
             b = _BACKENDS.get(cand)
-            if b is not None and b.usable(rows, w_in, w_out):
+            if b is not None and (b.bias or not bias) and b.usable(rows, w_in, w_out):
                 return b
         return _BACKENDS["loop"]
     if name not in _BACKENDS:
         raise ValueError(f"expert backend {name!r} is unknown; use one of {available_backends()}")
     b = _BACKENDS[name]
+    if bias and not b.bias:
+        raise ValueError(f"expert backend {name!r} does not compute expert biases (GroupedExperts(bias=True), "
+                         f"MoELayer(ffn_bias=True)); use one of {sorted(n for n, c in _BACKENDS.items() if c.bias)} "
+                         f"or 'auto', or build the experts without bias")
     if not b.usable(rows, w_in, w_out):
         raise ValueError(
             f"expert backend {name!r} cannot run on {rows.device.type} with dtype {rows.dtype}: "
@@ -128,17 +142,21 @@ def resolve_backend(name: str, rows: Tensor, w_in: Tensor, w_out: Tensor) -> Exp
 # ---------------------------------------------------------------------------------------------------
 
 
-@register_backend("loop")
-def loop_mlp(rows: Tensor, counts: Tensor, w_in: Tensor, w_out: Tensor, activation: str) -> Tensor:
+@register_backend("loop", bias=True)
+def loop_mlp(rows: Tensor, counts: Tensor, w_in: Tensor, w_out: Tensor, activation: str,
+             b_in: Tensor | None = None, b_out: Tensor | None = None) -> Tensor:
     """One matmul pair per expert over its contiguous row block: obvious, and the reference.
 
-    SwiGLU runs as one autograd function (:class:`_LoopSwiGLU`) whose forward and backward write
-    every expert's block into preallocated outputs and gradients; other activations compose autograd
-    ops (:func:`_loop_composite`). Both compute the same per-expert matmuls. On CPU the SwiGLU path runs
-    independent experts concurrently, one thread each, where the shape gains (moe/expert_threads.py).
+    SwiGLU without biases runs as one autograd function (:class:`_LoopSwiGLU`) whose forward and backward
+    write every expert's block into preallocated outputs and gradients; other activations, and experts with
+    biases, compose autograd ops (:func:`_loop_composite`). Both compute the same per-expert matmuls. On CPU
+    the SwiGLU path runs independent experts concurrently, one thread each, where the shape gains
+    (moe/expert_threads.py); the composite runs them one after another.
     """
     ends = counts_to_offs(counts, rows.shape[0]).tolist()  # D2H sync: the row blocks drive the loop
     sizes = [end - start for start, end in zip([0] + ends[:-1], ends)]
+    if b_in is not None or b_out is not None:
+        return _loop_composite(rows, sizes, w_in, w_out, activation, b_in, b_out)
     if activation == "swiglu" and rows.dtype == w_in.dtype == w_out.dtype:
         if torch.is_grad_enabled() and (rows.requires_grad or w_in.requires_grad or w_out.requires_grad):
             return _LoopSwiGLU.apply(rows, w_in, w_out, sizes)
@@ -198,13 +216,23 @@ def _loop_swiglu_forward(rows: Tensor, w_in: Tensor, w_out: Tensor, sizes: list[
     return out, h, a
 
 
-def _loop_composite(rows: Tensor, sizes: list[int], w_in: Tensor, w_out: Tensor, activation: str) -> Tensor:
-    """The per-expert loop in autograd ops. ``split`` / ``unbind`` make one autograd node each, so
-    backward concatenates the per-expert gradients once instead of a full-size zero gradient per slice."""
+def _loop_composite(rows: Tensor, sizes: list[int], w_in: Tensor, w_out: Tensor, activation: str,
+                    b_in: Tensor | None = None, b_out: Tensor | None = None) -> Tensor:
+    """The per-expert loop in autograd ops (with the optional biases [E, F_in] / [E, H]). ``split`` /
+    ``unbind`` make one autograd node each, so backward concatenates the per-expert gradients once instead of
+    a full-size zero gradient per slice."""
     act = get_activation(activation)
     owned = sum(sizes)
     blocks = rows[:owned].split(sizes)
-    outs = [act(x @ wi) @ wo for x, wi, wo in zip(blocks, w_in.unbind(0), w_out.unbind(0))]
+    E = w_in.shape[0]
+    bis = b_in.unbind(0) if b_in is not None else (None,) * E
+    bos = b_out.unbind(0) if b_out is not None else (None,) * E
+
+    def mlp(x: Tensor, wi: Tensor, wo: Tensor, bi: Tensor | None, bo: Tensor | None) -> Tensor:
+        h = x @ wi if bi is None else torch.addmm(bi, x, wi)  # [n, F_in]
+        return act(h) @ wo if bo is None else torch.addmm(bo, act(h), wo)  # [n, H]
+
+    outs = [mlp(*a) for a in zip(blocks, w_in.unbind(0), w_out.unbind(0), bis, bos)]
     if owned < rows.shape[0]:  # rows nobody owns come out as zeros
         outs.append(rows.new_zeros(rows.shape[0] - owned, w_out.shape[-1]))
     return torch.cat(outs)
@@ -313,20 +341,50 @@ def _grouped_mm_why_not(rows: Tensor, w_in: Tensor, w_out: Tensor) -> str:
     return ""
 
 
+class _ExpertBiasRows(torch.autograd.Function):
+    """bias [E, N] -> [M, N], row r = bias[expert of r] (0 for rows no expert owns), for backends whose GEMM
+    has no bias epilogue. Backward: db[e] = the column sums of grad over e's rows as one [E, M] x [M, N]
+    product with the rows' one-hot expert matrix, instead of index_select's backward (index_add_: atomics
+    on CUDA, run-to-run different sums). Device ops only: no host sync."""
+
+    @staticmethod
+    def forward(ctx, bias: Tensor, offs: Tensor, num_rows: int) -> Tensor:
+        rows = torch.arange(num_rows, device=bias.device)
+        expert = torch.searchsorted(offs.to(torch.int64), rows, right=True)  # [M] in [0, E]; E: no expert
+        ctx.save_for_backward(expert)
+        ctx.num_experts = bias.shape[0]
+        return torch.cat([bias, bias.new_zeros(1, bias.shape[1])]).index_select(0, expert)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (expert,) = ctx.saved_tensors
+        onehot = expert[None, :] == torch.arange(ctx.num_experts, device=grad.device)[:, None]  # [E, M]
+        return onehot.to(grad.dtype) @ grad, None, None
+
+
+def add_expert_bias(y: Tensor, bias: Tensor | None, offs: Tensor) -> Tensor:
+    """y [M, N] + bias [E, N] of each row's expert (offs: int32 cumulative row ends, counts_to_offs); rows
+    past offs[-1] unchanged. None: y itself."""
+    return y if bias is None else y + _ExpertBiasRows.apply(bias.to(y.dtype), offs, y.shape[0])
+
+
 @register_backend(
     "torch",
     usable=lambda r, wi, wo: _grouped_mm_why_not(r, wi, wo) == "",
     why_not=_grouped_mm_why_not,
+    bias=True,
 )
-def torch_grouped_mlp(rows: Tensor, counts: Tensor, w_in: Tensor, w_out: Tensor, activation: str) -> Tensor:
-    """torch's grouped matmul: one call per projection over all experts, no host sync."""
+def torch_grouped_mlp(rows: Tensor, counts: Tensor, w_in: Tensor, w_out: Tensor, activation: str,
+                      b_in: Tensor | None = None, b_out: Tensor | None = None) -> Tensor:
+    """torch's grouped matmul: one call per projection over all experts, no host sync; the biases are added
+    per row (add_expert_bias: grouped_mm has no bias epilogue)."""
     offs = counts_to_offs(counts, rows.shape[0])  # monotone within [0, N]: grouped_mm checks no values
     owned = None
     if rows.shape[0] > 0:  # rows past offs[-1] are undefined in grouped_mm, forward and backward: mask them
         owned = (torch.arange(rows.shape[0], device=rows.device) < offs[-1])[:, None]
         rows = torch.where(owned, rows, 0)  # their gradient is then exactly 0, not grouped_mm's garbage
-    h = get_activation(activation)(F.grouped_mm(rows, w_in, offs=offs))
-    out = F.grouped_mm(h, w_out, offs=offs)
+    h = get_activation(activation)(add_expert_bias(F.grouped_mm(rows, w_in, offs=offs), b_in, offs))
+    out = add_expert_bias(F.grouped_mm(h, w_out, offs=offs), b_out, offs)
     return out if owned is None else torch.where(owned, out, 0)
 
 
@@ -342,11 +400,13 @@ def _triton_why_not(rows: Tensor, w_in: Tensor, w_out: Tensor) -> str:
     "triton",
     usable=lambda r, wi, wo: _triton_why_not(r, wi, wo) == "",
     why_not=_triton_why_not,
+    bias=True,
 )
-def triton_mlp(rows: Tensor, counts: Tensor, w_in: Tensor, w_out: Tensor, activation: str) -> Tensor:
+def triton_mlp(rows: Tensor, counts: Tensor, w_in: Tensor, w_out: Tensor, activation: str,
+               b_in: Tensor | None = None, b_out: Tensor | None = None) -> Tensor:
     from moekit.moe import kernels
 
-    return kernels.expert_mlp(rows, counts, w_in, w_out, activation)
+    return kernels.expert_mlp(rows, counts, w_in, w_out, activation, b_in=b_in, b_out=b_out)
 
 
 def _float8_why_not(rows: Tensor, w_in: Tensor, w_out: Tensor) -> str:
@@ -376,8 +436,10 @@ class GroupedExperts(nn.Module):
     """E expert MLPs stored as [E, ...] tensors so one grouped GEMM serves all of them.
 
     ``forward(rows [N, H], counts [E]) -> [N, H]`` where rows are expert-major (see module docstring).
-    Expert parallelism shards dim 0 of ``w_in``/``w_out``; initialisation always fills the full
-    [E, ...] tensor from the generator first, so a shard equals the same slice of an unsharded init.
+    Expert parallelism shards dim 0 of every parameter (``param_names()``); initialisation always fills the
+    full [E, ...] tensor from the generator first, so a shard equals the same slice of an unsharded init.
+    ``bias``: per-expert biases ``b_in`` [E, F_in] and ``b_out`` [E, H] (gpt-oss), zero-initialised; off (the
+    default) registers them as None: no parameters, no state-dict keys, the same numerics as before.
     """
 
     def __init__(
@@ -389,6 +451,7 @@ class GroupedExperts(nn.Module):
         backend: str = "auto",
         device=None,
         dtype=None,
+        bias: bool = False,
     ):
         super().__init__()
         check_activation(activation)
@@ -397,13 +460,21 @@ class GroupedExperts(nn.Module):
                 raise ValueError(f"{name}={v!r} must be a positive integer")
         if backend not in _BACKENDS and backend != "auto":
             raise ValueError(f"expert backend {backend!r} is unknown; use one of {available_backends()}")
+        if not isinstance(bias, bool):
+            raise ValueError(f"bias={bias!r} is invalid; it must be True (per-expert biases b_in, b_out) or False")
         self.num_experts, self.hidden_size, self.ffn_hidden_size = num_experts, hidden_size, ffn_hidden_size
-        self.activation, self.backend = activation, backend
+        self.activation, self.backend, self.bias = activation, backend, bias
         f_in = ffn_in_features(activation, ffn_hidden_size)
         kw = dict(device=device, dtype=dtype)
         self.w_in = nn.Parameter(torch.empty(num_experts, hidden_size, f_in, **kw))
         self.w_out = nn.Parameter(torch.empty(num_experts, ffn_hidden_size, hidden_size, **kw))
+        for name, shape in (("b_in", (num_experts, f_in)), ("b_out", (num_experts, hidden_size))):
+            self.register_parameter(name, nn.Parameter(torch.empty(shape, **kw)) if bias else None)
         self.reset_parameters()
+
+    def param_names(self) -> tuple[str, ...]:
+        """The expert parameters this module holds, in EXPERT_PARAM_NAMES order: w_in, w_out (+ b_in, b_out)."""
+        return tuple(n for n in EXPERT_PARAM_NAMES if getattr(self, n, None) is not None)
 
     def reset_parameters(self, std_in: float | None = None, std_out: float | None = None,
                          generator: torch.Generator | None = None) -> None:
@@ -416,27 +487,36 @@ class GroupedExperts(nn.Module):
             gen_device = generator.device if generator is not None else self.w_in.device
             for w, std in ((self.w_in, std_in), (self.w_out, std_out)):
                 w.copy_(torch.empty(w.shape, device=gen_device, dtype=w.dtype).normal_(0.0, std, generator=generator))
+            for b in (self.b_in, self.b_out):  # biases start at 0 (nn.Linear's uniform would depend on F / H)
+                if b is not None:
+                    b.zero_()
 
     def forward(self, rows: Tensor, counts: Tensor) -> Tensor:
         if rows.dim() != 2 or rows.shape[-1] != self.hidden_size:
             raise ValueError(f"rows must be [N, {self.hidden_size}], got {tuple(rows.shape)}")
         # Under expert parallelism the weights may be DTensors sharded over experts (comm.expert_parallel):
         # this rank computes with its local [E_local, ...] block. Duck-typed: moe/ never imports distributed.
-        w_in, w_out = (w.to_local() if hasattr(w, "to_local") else w for w in (self.w_in, self.w_out))
+        params = [getattr(self, n) for n in self.param_names()]
+        params = [p.to_local() if hasattr(p, "to_local") else p for p in params]
+        w_in = params[0]
         if counts.shape != (w_in.shape[0],):
             raise ValueError(f"counts must be [{w_in.shape[0]}] (one per local expert), got {tuple(counts.shape)}")
         rows = rows.to(compute_dtype(rows))  # autocast: every backend computes in the autocast dtype
         if rows.dtype != w_in.dtype:  # e.g. fp32 master weights under bf16 autocast
-            w_in, w_out = w_in.to(rows.dtype), w_out.to(rows.dtype)
-        backend = resolve_backend(self.backend, rows, w_in, w_out)
-        out = backend.fn(rows, counts, w_in, w_out, self.activation)
+            params = [p.to(rows.dtype) for p in params]
+        w_in, w_out, *biases = params
+        backend = resolve_backend(self.backend, rows, w_in, w_out, bias=self.bias)
+        if self.bias:
+            out = backend.fn(rows, counts, w_in, w_out, self.activation, b_in=biases[0], b_out=biases[1])
+        else:  # the original call: backends registered without bias support keep working
+            out = backend.fn(rows, counts, w_in, w_out, self.activation)
         if torch.is_grad_enabled() and not out.requires_grad and (w_in.requires_grad or rows.requires_grad):
             # No rows reached these experts, so the backend built no graph. Tie the (empty or zero) output
             # to the weights anyway: under expert parallelism the collectives in backward must run on
             # every rank, including one whose experts received nothing (else its peers hang).
-            out = out + (w_in.flatten()[:1].sum() + w_out.flatten()[:1].sum()).to(out.dtype) * 0
+            out = out + sum(p.flatten()[:1].sum() for p in params).to(out.dtype) * 0
         return out
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden={self.hidden_size}, ffn={self.ffn_hidden_size}, "
-                f"activation={self.activation}, backend={self.backend}")
+                f"activation={self.activation}, backend={self.backend}" + (", bias=True" if self.bias else ""))

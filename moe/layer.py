@@ -106,7 +106,7 @@ class DenseMLP(nn.Module):
     def _mlp(self, x: Tensor, apply) -> Tensor:
         """The MLP with ``apply(linear, t)`` as each projection."""
         up = apply(self.w_up, x)  # [..., F]
-        h = self.act.unit(apply(self.w_gate, x)) * up if self.act.gated else self.act.unit(up)  # [..., F]
+        h = self.act.combine(apply(self.w_gate, x), up) if self.act.gated else self.act.unit(up)  # [..., F]
         y = apply(self.w_out, h)  # [..., H]
         return y if self.gate is None else torch.sigmoid(apply(self.gate, x)) * y
 
@@ -115,7 +115,10 @@ class MoELayer(nn.Module):
     """Mixture-of-Experts FFN.
 
     router: a ``Router``, or a registered name (built with its defaults).
-    activation: "swiglu" | "gelu" | "relu" for the routed and the shared experts.
+    activation: "swiglu" | "gelu" | "relu" | "swiglu_oai" (gpt-oss) for the routed and the shared experts.
+    ffn_bias: per-expert biases on both projections of the routed experts (``experts.b_in`` [E, F_in],
+    ``experts.b_out`` [E, H], zero-initialised; gpt-oss). Not named ``expert_bias``: that is the top-k
+    router's aux-loss-free selection bias. The router's own gate bias is the router's option ``gate_bias``.
     shared_ffn_hidden_size: > 0 adds an always-on shared expert (DeepSeek / Qwen2-MoE);
     shared_expert_gate: gate it with sigmoid(x @ w_g) as Qwen2-MoE does.
     backend: expert compute, "auto" | "triton" | "torch" | "loop" (see moe.experts).
@@ -126,7 +129,7 @@ class MoELayer(nn.Module):
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, router: Router | str,
                  activation: str = "swiglu", shared_ffn_hidden_size: int = 0, *,
                  shared_expert_gate: bool = False, backend: str = "auto", dispatcher: Dispatcher | None = None,
-                 token_split: TokenSplit | None = None):
+                 token_split: TokenSplit | None = None, ffn_bias: bool = False):
         super().__init__()
         check_int("hidden_size", hidden_size, 1)
         check_int("ffn_hidden_size", ffn_hidden_size, 1)
@@ -143,7 +146,9 @@ class MoELayer(nn.Module):
             )
         self.hidden_size, self.num_experts = hidden_size, num_experts
         self.router = router
-        self.experts = GroupedExperts(num_experts, hidden_size, ffn_hidden_size, activation, backend)
+        if not isinstance(ffn_bias, bool):
+            raise ValueError(f"ffn_bias={ffn_bias!r} is invalid; it must be True (per-expert biases) or False")
+        self.experts = GroupedExperts(num_experts, hidden_size, ffn_hidden_size, activation, backend, bias=ffn_bias)
         self.shared_expert = (
             DenseMLP(hidden_size, shared_ffn_hidden_size, activation, shared_expert_gate)
             if shared_ffn_hidden_size > 0 else None

@@ -189,6 +189,11 @@ def apply_capacity(indices: Tensor, weights: Tensor, capacity: int, num_experts:
 class Router(nn.Module):
     """Owns the gate ``weight`` [E, H]; subclasses implement ``route(logits, token_ids=None)``.
 
+    ``gate_bias``: the gate also has a ``bias`` [E] (gpt-oss's router: logits = x W^T + b), zero-initialised,
+    in the same float32 logits math; off, nothing named ``bias`` is registered (the state dict has ``weight``
+    only, and a router subclass keeps the name for itself). It is a learned parameter of the logits, unlike
+    the top-k router's ``expert_bias`` buffer (selection only).
+
     ``count_reducer`` (None = micro-batch balancing) sums per-expert counts over the ranks that form
     the balancing batch; comm/ sets it for expert/data parallelism so the aux loss and the bias
     updates see the global batch. Routers never import torch.distributed themselves.
@@ -198,9 +203,15 @@ class Router(nn.Module):
 
     def __init__(self, hidden_size: int, num_experts: int, *, top_k: int = 1,
                  capacity_factor: float | None = None, drop_policy: str = "probs",
-                 aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0, gate: bool = True):
+                 aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0, gate: bool = True,
+                 gate_bias: bool = False):
         super().__init__()
         check_int("hidden_size", hidden_size, 1)
+        if not isinstance(gate_bias, bool):
+            raise ValueError(f"gate_bias={gate_bias!r} is invalid; it must be true (logits = x W^T + b) or false")
+        if gate_bias and not gate:
+            raise ValueError(f"gate_bias=True needs a gate, but the {type(self).__name__} has none (its routing does "
+                             f"not use logits); drop gate_bias")
         check_int("num_experts", num_experts, 1)
         check_int("top_k", top_k, 1, num_experts)
         if capacity_factor is not None:
@@ -212,6 +223,9 @@ class Router(nn.Module):
         self.capacity_factor, self.drop_policy = capacity_factor, drop_policy
         self.aux_loss_coeff, self.z_loss_coeff = float(aux_loss_coeff), float(z_loss_coeff)
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size)) if gate else None
+        self.gate_bias = gate_bias
+        if gate_bias:
+            self.bias = nn.Parameter(torch.zeros(num_experts))
         self.count_reducer: CountReducer = None
         self.reset_parameters()
 
@@ -219,6 +233,9 @@ class Router(nn.Module):
         if self.weight is not None and not self.weight.is_meta:
             with torch.no_grad():
                 self.weight.normal_(0.0, std, generator=generator)
+        if self.gate_bias and not self.bias.is_meta:
+            with torch.no_grad():
+                self.bias.zero_()
 
     def logits(self, x: Tensor) -> Tensor:
         """[T, H] -> [T, E] float32 (float64 for float64 input), outside autocast: routing stays fp32."""
@@ -227,8 +244,10 @@ class Router(nn.Module):
             return x.new_zeros(x.shape[0], self.num_experts, dtype=dtype)
         with torch.autocast(device_type=x.device.type, enabled=False):
             if x.dtype == dtype:
-                return F.linear(x, self.weight.to(dtype))
-            return upcast_linear(x, self.weight, dtype)
+                logits = F.linear(x, self.weight.to(dtype))
+            else:
+                logits = upcast_linear(x, self.weight, dtype)
+            return logits + self.bias.to(dtype) if self.gate_bias else logits
 
 
     def capacity(self, num_tokens: int) -> int | None:
@@ -452,9 +471,11 @@ class TopKRouter(Router):
                  group_score_top: int | None = None, scaling: float = 1.0, expert_bias: bool | Tensor = False,
                  bias_update_rate: float = 0.0,
                  capacity_factor: float | None = None, drop_policy: str = "probs",
-                 aux_loss_coeff: float = 0.01, z_loss_coeff: float = 0.0, force_expert: int | None = None):
+                 aux_loss_coeff: float = 0.01, z_loss_coeff: float = 0.0, force_expert: int | None = None,
+                 gate_bias: bool = False):
         super().__init__(hidden_size, num_experts, top_k=top_k, capacity_factor=capacity_factor,
-                         drop_policy=drop_policy, aux_loss_coeff=aux_loss_coeff, z_loss_coeff=z_loss_coeff)
+                         drop_policy=drop_policy, aux_loss_coeff=aux_loss_coeff, z_loss_coeff=z_loss_coeff,
+                         gate_bias=gate_bias)
         check_choice("score", score, SCORES)
         if force_expert is not None:
             check_int("force_expert", force_expert, 0, num_experts - 1)
@@ -591,10 +612,10 @@ class SwitchRouter(TopKRouter):
 
     def __init__(self, hidden_size: int, num_experts: int, *, jitter: float = 0.01,
                  capacity_factor: float | None = 1.25, drop_policy: str = "probs",
-                 aux_loss_coeff: float = 0.01, z_loss_coeff: float = 0.0):
+                 aux_loss_coeff: float = 0.01, z_loss_coeff: float = 0.0, gate_bias: bool = False):
         super().__init__(hidden_size, num_experts, top_k=1, score="softmax", normalize=False,
                          capacity_factor=capacity_factor, drop_policy=drop_policy,
-                         aux_loss_coeff=aux_loss_coeff, z_loss_coeff=z_loss_coeff)
+                         aux_loss_coeff=aux_loss_coeff, z_loss_coeff=z_loss_coeff, gate_bias=gate_bias)
         check_float("jitter", jitter)
         if jitter >= 1:
             raise ValueError(f"jitter={jitter!r} is invalid; it must be in [0, 1)")

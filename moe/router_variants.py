@@ -29,12 +29,12 @@ class ExpertChoiceRouter(Router):
     """
 
     def __init__(self, hidden_size: int, num_experts: int, *, top_k: int = 1, capacity_factor: float | None = 1.0,
-                 score: str = "softmax", z_loss_coeff: float = 0.0):
+                 score: str = "softmax", z_loss_coeff: float = 0.0, gate_bias: bool = False):
         if capacity_factor is None:
             raise ValueError("capacity_factor=None is invalid for expert_choice: experts always take C tokens; "
                              "use a positive number (1.0 = each token gets k experts on average)")
         super().__init__(hidden_size, num_experts, top_k=top_k, capacity_factor=capacity_factor,
-                         z_loss_coeff=z_loss_coeff)
+                         z_loss_coeff=z_loss_coeff, gate_bias=gate_bias)
         check_choice("score", score, ("softmax", "sigmoid"))
         self.score = score
 
@@ -85,9 +85,11 @@ class SinkhornRouter(Router):
 
     def __init__(self, hidden_size: int, num_experts: int, *, top_k: int = 1, num_iters: int = 8,
                  normalize: bool | None = None, capacity_factor: float | None = None,
-                 drop_policy: str = "probs", aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0):
+                 drop_policy: str = "probs", aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0,
+                 gate_bias: bool = False):
         super().__init__(hidden_size, num_experts, top_k=top_k, capacity_factor=capacity_factor,
-                         drop_policy=drop_policy, aux_loss_coeff=aux_loss_coeff, z_loss_coeff=z_loss_coeff)
+                         drop_policy=drop_policy, aux_loss_coeff=aux_loss_coeff, z_loss_coeff=z_loss_coeff,
+                         gate_bias=gate_bias)
         check_int("num_iters", num_iters, 1)
         self.num_iters = num_iters
         self.normalize = top_k > 1 if normalize is None else bool(normalize)

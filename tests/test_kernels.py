@@ -184,7 +184,7 @@ def test_expert_mlp_fused_matches_plain_and_float64(activation):
 def test_activation_table_drives_every_backend(name):
     """One table entry, every consumer: the fused epilogues (ACT = kernel_code, hard-coded in Triton), the
     kernels' plain variant and reference, and GroupedExperts' loop and torch backends all compute the
-    oracle built from the entry's ``unit`` and ``gated`` (an entry whose kernel_code names another
+    oracle built from the entry's ``unit``, ``up_fn`` and ``gated`` (an entry whose kernel_code names another
     epilogue, or whose fn disagrees with unit/gated, fails here)."""
     from moekit.moe import experts
 
@@ -198,7 +198,7 @@ def test_activation_table_drives_every_backend(name):
             h = rows[start:start + n] @ w_in[e]
             if act.gated:
                 gate, up = h.chunk(2, dim=-1)
-                h = act.unit(gate) * up
+                h = act.unit(gate) * act.up_fn(up)  # up_fn: identity but for swiglu_oai's clamp + 1
             else:
                 h = act.unit(h)
             out.append(h @ w_out[e])

@@ -199,8 +199,8 @@ class Guard:
         """
         grads = torch.zeros(len(self.names), 2, dtype=torch.bool, device=self.flags.device)
         for i, layer in self.layers.items():
-            grads[i, 0] = _nonfinite_grad([layer.router.weight])
-            grads[i, 1] = _nonfinite_grad([layer.experts.w_in, layer.experts.w_out])
+            grads[i, 0] = _nonfinite_grad(list(layer.router.parameters()))  # the gate (+ its bias)
+            grads[i, 1] = _nonfinite_grad([getattr(layer.experts, n) for n in layer.experts.param_names()])
         flags = torch.cat([self.flags, grads], dim=1).flatten()  # [L * 5]: the same shape on every rank
         agreed = self.dist.any_flags(torch.cat([flags, self._param_flags()])).tolist()  # D2H sync: diagnosis only
         rows = [agreed[5 * i : 5 * i + 5] for i in range(len(self.names))]

@@ -22,20 +22,23 @@ import torch
 import triton
 import triton.language as tl
 
-from moekit.moe.activations import get_activation
+from moekit.moe.activations import OAI_ALPHA, OAI_LIMIT, get_activation
 from moekit.moe.experts import counts_to_offs
 
 from ._common import (LAUNCHES, Kernel, cfg, check_offs, check_triton_tensors, dot_flags, expert_tile, prune_by_smem,
                       row_tile_grid, tile_mm, to_out, why_not_triton_tensors)
 from ._tma import (check_tma_mode, set_tma_allocator, tile_mm_tma, tma_default, tma_wanted, try_tma_launch,
                    why_not_tma_gemm, why_not_variant)
-from .grouped_mm import grouped_mm, grouped_mm_fwd
-from .grouped_mm_wgrad import grouped_mm_wgrad
+from .grouped_mm import check_bias, grouped_mm, grouped_mm_fwd
+from .grouped_mm_wgrad import grouped_colsum, grouped_mm_wgrad
 
 VARIANTS = ("fused", "plain")
 # The kernels' ACT constexpr is moe.activations' Activation.kernel_code; the epilogues below hard-code
-# each one's forward and derivative (0 swiglu, gated; 1 gelu, erf form; 2 relu). tests/test_kernels.py
-# checks every entry of that table against its torch function.
+# each one's forward and derivative (0 swiglu, gated; 1 gelu, erf form; 2 relu; 3 swiglu_oai, gated, gpt-oss's
+# clamped SwiGLU). tests/test_kernels.py checks every entry of that table against its torch function.
+# swiglu_oai's constants are literals in the kernels (a global tl.constexpr does not multiply a tensor in the
+# interpreter); they must stay moe.activations' values:
+assert (OAI_ALPHA, OAI_LIMIT) == (1.702, 7.0), "update the swiglu_oai literals in the epilogues below"
 
 # ---------------------------------------------------------------------------------------------------
 # Reference
@@ -63,16 +66,19 @@ def expert_mlp_ref(rows: torch.Tensor, counts: torch.Tensor, w_in: torch.Tensor,
 
 @triton.jit
 def _expert_up_act_kernel(
-    X, W, HOUT, PRE, OFFS,
+    X, W, HOUT, PRE, OFFS, BIAS,
     M, F, K, E,
     stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_hm, stride_hn, stride_pm, stride_pn,
-    E_POW2: tl.constexpr, ACT: tl.constexpr, SAVE_PRE: tl.constexpr, PRECISION: tl.constexpr,
-    INTERP_BF16: tl.constexpr, TMA: tl.constexpr,
+    stride_be, stride_bn,
+    E_POW2: tl.constexpr, ACT: tl.constexpr, SAVE_PRE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    PRECISION: tl.constexpr, INTERP_BF16: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    """h[:, n-tile] = act(x @ w[e][:, n-tile] (, x @ w[e][:, F + n-tile])); optionally pre as well.
-    TMA: the operands through descriptors (_tma.tile_mm_tma; unit inner strides, no gather)."""
-    GATED: tl.constexpr = ACT == 0
+    """h[:, n-tile] = act(x @ w[e][:, n-tile] (, x @ w[e][:, F + n-tile]) (+ bias[e] columns)); optionally
+    pre (the activation's input, bias included) as well. HAS_BIAS: the tile's expert e is known here, so its
+    bias row is one [BLOCK_N] load per half. TMA: the operands through descriptors (_tma.tile_mm_tma; unit
+    inner strides, no gather)."""
+    GATED: tl.constexpr = (ACT == 0) | (ACT == 3)
     e, offs_m, m_mask, offs_n, n_mask, owned, start, end = expert_tile(OFFS, M, F, E, E_POW2, BLOCK_M, BLOCK_N,
                                                                        GROUP_M)
     if owned:
@@ -85,12 +91,23 @@ def _expert_up_act_kernel(
         else:
             acc_g, acc_u = tile_mm(X, offs_m, m_mask, stride_xm, stride_xk, w_e, offs_n, n_mask, stride_wk, stride_wn,
                                    K, F, GATED, PRECISION, INTERP_BF16, BLOCK_M, BLOCK_N, BLOCK_K)
+        if HAS_BIAS:  # bias[e, n-tile] (and bias[e, F + n-tile]: the up half), in fp32 on the accumulators
+            b_ptrs = BIAS + e.to(tl.int64) * stride_be + offs_n * stride_bn
+            acc_g += tl.load(b_ptrs, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            if GATED:
+                acc_u += tl.load(b_ptrs + F * stride_bn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         if ACT == 0:
             h = acc_g * tl.sigmoid(acc_g) * acc_u
         elif ACT == 1:
             h = 0.5 * acc_g * (1.0 + tl.erf(acc_g * 0.7071067811865476))
-        else:
+        elif ACT == 2:
             h = tl.maximum(acc_g, 0.0)
+        else:  # swiglu_oai: (clamp(u) + 1) * g * sigmoid(alpha g), g = min(gate, limit)
+            _ALPHA: tl.constexpr = 1.702
+            _LIMIT: tl.constexpr = 7.0
+            g_c = tl.minimum(acc_g, _LIMIT)
+            u_c = tl.minimum(tl.maximum(acc_u, -_LIMIT), _LIMIT)
+            h = (u_c + 1.0) * g_c * tl.sigmoid(_ALPHA * g_c)
         h = to_out(h, HOUT.dtype.element_ty, INTERP_BF16)
         pre_g = to_out(acc_g, HOUT.dtype.element_ty, INTERP_BF16)
         pre_u = to_out(acc_u, HOUT.dtype.element_ty, INTERP_BF16)
@@ -112,8 +129,9 @@ def _expert_up_act_kernel(
 def _dact_columns(acc, PRE, DPRE, HOUT, rows64, m_mask, col0, F,
                   stride_pm, stride_pn, stride_dpm, stride_dpn, stride_hm, stride_hn,
                   ACT: tl.constexpr, STORE_H: tl.constexpr, INTERP_BF16: tl.constexpr, WIDTH: tl.constexpr):
-    """The down_dact epilogue for WIDTH columns from col0: dpre = dh * act'(pre) (and h = act(pre))."""
-    GATED: tl.constexpr = ACT == 0
+    """The down_dact epilogue for WIDTH columns from col0: dpre = dh * act'(pre) (and h = act(pre)); pre holds
+    the first projection's bias already, so the backward needs nothing else of it."""
+    GATED: tl.constexpr = (ACT == 0) | (ACT == 3)
     offs_n = col0 + tl.arange(0, WIDTH)
     mask = m_mask[:, None] & (offs_n < F)[None, :]
     p_ptrs = PRE + rows64 * stride_pm + offs_n[None, :] * stride_pn
@@ -131,10 +149,20 @@ def _dact_columns(acc, PRE, DPRE, HOUT, rows64, m_mask, col0, F,
         d_g = acc * (cdf + g * pdf)
         d_u = d_g
         h = g * cdf
-    else:
+    elif ACT == 2:
         d_g = tl.where(g > 0.0, acc, 0.0)
         d_u = d_g
         h = tl.maximum(g, 0.0)
+    else:  # swiglu_oai; clamp passes the gradient inside [lo, hi] bounds included, as torch's clamp backward
+        _ALPHA: tl.constexpr = 1.702
+        _LIMIT: tl.constexpr = 7.0
+        u = tl.load(p_ptrs + F * stride_pn, mask=mask, other=0.0).to(tl.float32)
+        g_c = tl.minimum(g, _LIMIT)
+        u_c = tl.minimum(tl.maximum(u, -_LIMIT), _LIMIT)
+        sig = tl.sigmoid(_ALPHA * g_c)
+        d_g = tl.where(g <= _LIMIT, acc * (u_c + 1.0) * sig * (1.0 + _ALPHA * g_c * (1.0 - sig)), 0.0)
+        d_u = tl.where((u >= -_LIMIT) & (u <= _LIMIT), acc * g_c * sig, 0.0)
+        h = (u_c + 1.0) * g_c * sig
     dp_ptrs = DPRE + rows64 * stride_dpm + offs_n[None, :] * stride_dpn
     tl.store(dp_ptrs, to_out(d_g, DPRE.dtype.element_ty, INTERP_BF16), mask=mask)
     if GATED:
@@ -170,7 +198,7 @@ def _expert_down_dact_kernel(
 
     TMA: dy and w_out[e] through descriptors (_tma.tile_mm_tma; stride_wn is w_out's stored row stride,
     the view's column stride)."""
-    GATED: tl.constexpr = ACT == 0
+    GATED: tl.constexpr = (ACT == 0) | (ACT == 3)
     e, offs_m, m_mask, offs_n, n_mask, owned, start, end = expert_tile(OFFS, M, F, E, E_POW2, BLOCK_M, BLOCK_N,
                                                                        GROUP_M)
     if owned:
@@ -284,14 +312,17 @@ def _launch(kernel: Kernel, grid, args: tuple, x: torch.Tensor, w: torch.Tensor,
 
 
 def expert_up_act(x: torch.Tensor, w_in: torch.Tensor, offs: torch.Tensor, activation: str, *,
-                  save_pre: bool, allow_tf32: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(h [M, F], pre [M, F_in] or None) with h = act(x @ w_in[e]) per expert row block."""
+                  save_pre: bool, allow_tf32: bool = False,
+                  bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(h [M, F], pre [M, F_in] or None) with h = act(x @ w_in[e] (+ bias[e])) per expert row block;
+    bias [E, F_in] or None."""
     what = "expert_up_act (Triton)"
     act = get_activation(activation)
     if x.dim() != 2 or w_in.dim() != 3 or w_in.shape[1] != x.shape[1] or (act.gated and w_in.shape[2] % 2):
         raise ValueError(f"{what}: need x [M, K] and w_in [E, K, F_in] (F_in even for {activation}), got "
                          f"{tuple(x.shape)} and {tuple(w_in.shape)}")
-    check_triton_tensors(what, x, w_in)
+    check_bias(what, bias, w_in.shape[0], w_in.shape[2])
+    check_triton_tensors(what, x, w_in, *([] if bias is None else [bias]))
     m, k = x.shape
     e, f_in = w_in.shape[0], w_in.shape[2]
     offs = check_offs(offs, e, x.device, m, what)
@@ -303,11 +334,12 @@ def expert_up_act(x: torch.Tensor, w_in: torch.Tensor, offs: torch.Tensor, activ
     if e == 0:  # no expert owns a row
         return h.zero_(), pre if pre is None else pre.zero_()
     p = pre if pre is not None else h  # placeholder pointer, never written when SAVE_PRE is False
+    b = bias if bias is not None else h  # placeholder pointer, never read when HAS_BIAS is False
     _launch(EXPERT_UP_ACT, row_tile_grid(m, f, e), (
-        x, w_in, h, p, offs, m, f, k, e,
+        x, w_in, h, p, offs, b, m, f, k, e,
         x.stride(0), x.stride(1), w_in.stride(0), w_in.stride(1), w_in.stride(2),
-        h.stride(0), h.stride(1), p.stride(0), p.stride(1),
-    ), x, w_in, E_POW2=triton.next_power_of_2(e), ACT=act.kernel_code, SAVE_PRE=save_pre,
+        h.stride(0), h.stride(1), p.stride(0), p.stride(1), b.stride(0), b.stride(1),
+    ), x, w_in, E_POW2=triton.next_power_of_2(e), ACT=act.kernel_code, SAVE_PRE=save_pre, HAS_BIAS=bias is not None,
         **dot_flags(x.dtype, allow_tf32))
     return h, pre
 
@@ -348,12 +380,16 @@ def expert_down_dact(dy: torch.Tensor, w_out: torch.Tensor, pre: torch.Tensor, o
 
 
 class FusedExpertMLPFunction(torch.autograd.Function):
+    """Optional biases b_in [E, F_in] / b_out [E, H] (None: no bias): added in the epilogues of the first
+    kernel and of the second GEMM, which know their tile's expert; their gradients are the per-expert column
+    sums of dpre and dy (grouped_colsum: a fixed reduction order, no atomics), rows past sum(counts) none."""
+
     @staticmethod
-    def forward(ctx, rows, offs, w_in, w_out, activation, allow_tf32, need_grad):
+    def forward(ctx, rows, offs, w_in, w_out, activation, allow_tf32, need_grad, b_in=None, b_out=None):
         # need_grad comes from the caller: inside forward grad mode is off and ctx.needs_input_grad
         # stays True under torch.no_grad(), which would make inference write pre for nothing.
-        h, pre = expert_up_act(rows, w_in, offs, activation, save_pre=need_grad, allow_tf32=allow_tf32)
-        y = grouped_mm_fwd(h, w_out, offs, allow_tf32=allow_tf32)
+        h, pre = expert_up_act(rows, w_in, offs, activation, save_pre=need_grad, allow_tf32=allow_tf32, bias=b_in)
+        y = grouped_mm_fwd(h, w_out, offs, allow_tf32=allow_tf32, bias=b_out)
         ctx.save_for_backward(rows, offs, w_in, w_out, pre)
         ctx.activation, ctx.allow_tf32 = activation, allow_tf32
         return y
@@ -362,19 +398,24 @@ class FusedExpertMLPFunction(torch.autograd.Function):
     def backward(ctx, dy):
         rows, offs, w_in, w_out, pre = ctx.saved_tensors
         need_x, _, need_win, need_wout = ctx.needs_input_grad[:4]
+        need_bin, need_bout = ctx.needs_input_grad[7:9]
         tf32 = ctx.allow_tf32
-        drows = dw_in = dw_out = None
-        if need_x or need_win:
+        drows = dw_in = dw_out = db_in = db_out = None
+        if need_x or need_win or need_bin:
             dpre, h = expert_down_dact(dy, w_out, pre, offs, ctx.activation, store_h=need_wout, allow_tf32=tf32)
             if need_x:
                 drows = grouped_mm_fwd(dpre, w_in, offs, transpose_w=True, allow_tf32=tf32)
             if need_win:
                 dw_in = grouped_mm_wgrad(rows, dpre, offs, allow_tf32=tf32)
+            if need_bin:
+                db_in = grouped_colsum(dpre, offs)
         elif need_wout:  # only w_out trains: h from pre elementwise, no GEMM needed
             h = get_activation(ctx.activation)(pre)
         if need_wout:
             dw_out = grouped_mm_wgrad(h, dy, offs, allow_tf32=tf32)
-        return drows, None, dw_in, dw_out, None, None, None
+        if need_bout:
+            db_out = grouped_colsum(dy, offs)
+        return drows, None, dw_in, dw_out, None, None, None, db_in, db_out
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -382,14 +423,16 @@ class FusedExpertMLPFunction(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------------
 
 
-def why_not_triton(rows: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor) -> str:
+def why_not_triton(rows: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, *biases: torch.Tensor) -> str:
     """"" when the Triton expert path can run on these tensors, else a short reason naming the fix."""
-    return why_not_triton_tensors(rows, w_in, w_out)
+    return why_not_triton_tensors(rows, w_in, w_out, *biases)
 
 
 def expert_mlp(rows: torch.Tensor, counts: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor,
-               activation: str, *, variant: str = "fused", allow_tf32: bool = False) -> torch.Tensor:
-    """act(rows_e @ w_in[e]) @ w_out[e] per expert's contiguous row block; differentiable in rows, w_in, w_out.
+               activation: str, *, variant: str = "fused", allow_tf32: bool = False,
+               b_in: torch.Tensor | None = None, b_out: torch.Tensor | None = None) -> torch.Tensor:
+    """act(rows_e @ w_in[e] (+ b_in[e])) @ w_out[e] (+ b_out[e]) per expert's contiguous row block;
+    differentiable in rows, w_in, w_out and the optional biases b_in [E, F_in], b_out [E, H].
 
     rows [N, H], counts [E] (int64, expert e owns rows sum(counts[:e]):sum(counts[:e+1])),
     w_in [E, H, F_in] (F_in = 2F, [gate | up], for "swiglu"; F for "gelu"/"relu"), w_out [E, F, H]
@@ -416,12 +459,17 @@ def expert_mlp(rows: torch.Tensor, counts: torch.Tensor, w_in: torch.Tensor, w_o
             or counts.dtype == torch.bool or counts.device != rows.device):
         raise ValueError(f"{what}: counts must be an integer [E={e}] tensor on {rows.device}, got "
                          f"{tuple(counts.shape)} {counts.dtype} on {counts.device}")
-    reason = why_not_triton(rows, w_in, w_out)
+    check_bias(what, b_in, e, f_in, "b_in")
+    check_bias(what, b_out, e, hdim, "b_out")
+    biases = [b for b in (b_in, b_out) if b is not None]
+    reason = why_not_triton(rows, w_in, w_out, *biases)
     if reason:
         raise ValueError(f"{what}: {reason}")
     offs = counts_to_offs(counts, rows.shape[0])  # on device: no host sync
     if variant == "plain":
-        h = act(grouped_mm(rows, w_in, offs, backend="triton", allow_tf32=allow_tf32))
-        return grouped_mm(h, w_out, offs, backend="triton", allow_tf32=allow_tf32)
-    need_grad = torch.is_grad_enabled() and (rows.requires_grad or w_in.requires_grad or w_out.requires_grad)
-    return FusedExpertMLPFunction.apply(rows, offs, w_in, w_out, activation, allow_tf32, need_grad)
+        from moekit.moe.experts import add_expert_bias
+
+        h = add_expert_bias(grouped_mm(rows, w_in, offs, backend="triton", allow_tf32=allow_tf32), b_in, offs)
+        return add_expert_bias(grouped_mm(act(h), w_out, offs, backend="triton", allow_tf32=allow_tf32), b_out, offs)
+    need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (rows, w_in, w_out, *biases))
+    return FusedExpertMLPFunction.apply(rows, offs, w_in, w_out, activation, allow_tf32, need_grad, b_in, b_out)

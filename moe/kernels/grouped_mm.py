@@ -54,11 +54,22 @@ def grouped_mm_ref(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,
 
 
 @triton.jit
+def add_bias(acc, BIAS, e, offs_n, n_mask, stride_be, stride_bn, HAS_BIAS: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] + bias[e, offs_n] (fp32) when HAS_BIAS: an owned tile knows its expert, so an
+    expert's bias costs one row load per tile in the epilogue."""
+    if HAS_BIAS:
+        b = tl.load(BIAS + e.to(tl.int64) * stride_be + offs_n * stride_bn, mask=n_mask, other=0.0)
+        acc = acc + b.to(tl.float32)[None, :]
+    return acc
+
+
+@triton.jit
 def _grouped_mm_kernel(
-    X, W, Y, OFFS, GIDX,
+    X, W, Y, OFFS, GIDX, BIAS,
     M, N, K, E, X_ROWS,
-    stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_ym, stride_yn,
-    E_POW2: tl.constexpr, HAS_GATHER: tl.constexpr, PRECISION: tl.constexpr, INTERP_BF16: tl.constexpr,
+    stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_ym, stride_yn, stride_be, stride_bn,
+    E_POW2: tl.constexpr, HAS_GATHER: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+    INTERP_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # tile scheduling as in the module docstring (_common.expert_tile), then one K loop per owned tile
@@ -68,6 +79,7 @@ def _grouped_mm_kernel(
         src, a_mask = gather_rows(GIDX, offs_m, m_mask, X_ROWS, HAS_GATHER)
         acc, _ = tile_mm(X, src, a_mask, stride_xm, stride_xk, W + e.to(tl.int64) * stride_we, offs_n, n_mask,
                          stride_wk, stride_wn, K, 0, False, PRECISION, INTERP_BF16, BLOCK_M, BLOCK_N, BLOCK_K)
+        acc = add_bias(acc, BIAS, e, offs_n, n_mask, stride_be, stride_bn, HAS_BIAS)
         y = to_out(acc, Y.dtype.element_ty, INTERP_BF16)
     else:
         # Surplus program: zero the rows past the last owned one (rows no expert owns).
@@ -100,11 +112,11 @@ GROUPED_MM = Kernel(
 
 @triton.jit
 def _grouped_mm_tma_kernel(
-    X, W, Y, OFFS,
+    X, W, Y, OFFS, BIAS,
     M, N, K, E,
-    stride_xm, stride_we, stride_wr, stride_ym, stride_yn,
-    E_POW2: tl.constexpr, W_TRANS: tl.constexpr, FLATTEN: tl.constexpr, PRECISION: tl.constexpr,
-    INTERP_BF16: tl.constexpr,
+    stride_xm, stride_we, stride_wr, stride_ym, stride_yn, stride_be, stride_bn,
+    E_POW2: tl.constexpr, W_TRANS: tl.constexpr, FLATTEN: tl.constexpr, HAS_BIAS: tl.constexpr,
+    PRECISION: tl.constexpr, INTERP_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """_grouped_mm_kernel's tiles, persistent and through tensor-memory (TMA) descriptors.
@@ -145,6 +157,7 @@ def _grouped_mm_tma_kernel(
             acc = dot_acc(a, b, acc, PRECISION, INTERP_BF16)
         offs_m = first_row + tl.arange(0, BLOCK_M)
         offs_n = n0 + tl.arange(0, BLOCK_N)
+        acc = add_bias(acc, BIAS, e, offs_n, offs_n < N, stride_be, stride_bn, HAS_BIAS)
         y_ptrs = Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :] * stride_yn
         tl.store(y_ptrs, to_out(acc, Y.dtype.element_ty, INTERP_BF16),
                  mask=(offs_m < end)[:, None] & (offs_n < N)[None, :])
@@ -191,7 +204,7 @@ def _persistent_programs(device: torch.device) -> int:
     return _SMS[device] * PROGRAMS_PER_SM
 
 
-def _launch_tma(x, w, y, offs, m, n, k, e, transpose_w: bool, flags: dict) -> bool:
+def _launch_tma(x, w, y, offs, m, n, k, e, transpose_w: bool, flags: dict, bias=None) -> bool:
     """Run the persistent TMA kernel into y; False when it cannot run here (then the pointer kernel does)."""
     check_tma_mode(GEMM_TMA, "grouped_mm.GEMM_TMA")
     if not tma_wanted(GEMM_TMA, x.device) or why_not_tma(x, w):
@@ -199,10 +212,11 @@ def _launch_tma(x, w, y, offs, m, n, k, e, transpose_w: bool, flags: dict) -> bo
     set_tma_allocator(x.device)
     programs = _persistent_programs(x.device)
     grid = lambda meta: (min(programs, (triton.cdiv(m, meta["BLOCK_M"]) + e) * triton.cdiv(n, meta["BLOCK_N"])),)  # noqa: E731
+    b = bias if bias is not None else y  # placeholder pointer, never read when HAS_BIAS is False
     return try_tma_launch(lambda: GROUPED_MM_TMA[grid](
-        x, w, y, offs, m, n, k, e,
-        x.stride(0), w.stride(0), w.stride(1), y.stride(0), y.stride(1),
-        E_POW2=triton.next_power_of_2(e), W_TRANS=transpose_w, FLATTEN=FLATTEN, **flags,
+        x, w, y, offs, b, m, n, k, e,
+        x.stride(0), w.stride(0), w.stride(1), y.stride(0), y.stride(1), b.stride(0), b.stride(1),
+        E_POW2=triton.next_power_of_2(e), W_TRANS=transpose_w, FLATTEN=FLATTEN, HAS_BIAS=bias is not None, **flags,
     ), _TMA_FAILURE, "grouped_mm")
 
 
@@ -216,6 +230,14 @@ def check_grouped_mm_shapes(x: torch.Tensor, w: torch.Tensor, what: str) -> None
         raise ValueError(f"{what}: x must be [M, K] and w [E, K, N], got {tuple(x.shape)} and {tuple(w.shape)}")
     if x.shape[1] != w.shape[1]:
         raise ValueError(f"{what}: x is [M, K={x.shape[1]}] but w is [E, K={w.shape[1]}, N]; K must match")
+
+
+def check_bias(what: str, bias: torch.Tensor | None, num_experts: int, n: int, name: str = "bias") -> None:
+    """A per-expert bias is None or an [E, N] tensor (any strides); dtype and device are checked with the
+    other operands (check_triton_tensors)."""
+    if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (num_experts, n)):
+        got = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
+        raise ValueError(f"{what}: {name} must be [E={num_experts}, N={n}] (one bias row per expert), got {got}")
 
 
 def check_grouped_mm_operands(x: torch.Tensor, w: torch.Tensor, what: str) -> None:
@@ -234,12 +256,15 @@ def check_grouped_mm_operands(x: torch.Tensor, w: torch.Tensor, what: str) -> No
 
 
 def grouped_mm_fwd(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, gather_index: torch.Tensor | None = None,
-                   *, transpose_w: bool = False, allow_tf32: bool = False) -> torch.Tensor:
-    """Triton launch: y [M, N] = x[rows] @ w[e] (``transpose_w``: @ w[e]^T via strides, no copy)."""
+                   *, transpose_w: bool = False, allow_tf32: bool = False,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton launch: y [M, N] = x[rows] @ w[e] (+ bias[e], bias [E, N]) (``transpose_w``: @ w[e]^T via
+    strides, no copy). Rows no expert owns stay 0, bias or not."""
     what = "grouped_mm (Triton)"
     wt = w.transpose(1, 2) if transpose_w else w  # a view: the kernel only sees strides
     check_grouped_mm_shapes(x, wt, what)
-    check_triton_tensors(what, x, w)
+    check_bias(what, bias, wt.shape[0], wt.shape[2])
+    check_triton_tensors(what, x, w, *([] if bias is None else [bias]))
     check_gather_index(gather_index, x.device, what)
     m = x.shape[0] if gather_index is None else gather_index.shape[0]
     offs = check_offs(offs, w.shape[0], x.device, m, what)
@@ -247,16 +272,20 @@ def grouped_mm_fwd(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, gather_
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     if m == 0 or n == 0:
         return y
-    if k == 0 or e == 0:  # no products, or no expert owns a row
+    if e == 0:  # no expert owns a row
+        return y.zero_()
+    if k == 0 and bias is None:  # no products
         return y.zero_()
     flags = dot_flags(x.dtype, allow_tf32)
-    if gather_index is None and _launch_tma(x, w, y, offs, m, n, k, e, transpose_w, flags):
+    if gather_index is None and k > 0 and _launch_tma(x, w, y, offs, m, n, k, e, transpose_w, flags, bias):
         return y
+    b = bias if bias is not None else y  # placeholder pointer, never read when HAS_BIAS is False
     GROUPED_MM[row_tile_grid(m, n, e)](
-        x, wt, y, offs, gather_index if gather_index is not None else offs,
+        x, wt, y, offs, gather_index if gather_index is not None else offs, b,
         m, n, k, e, x.shape[0],
         x.stride(0), x.stride(1), wt.stride(0), wt.stride(1), wt.stride(2), y.stride(0), y.stride(1),
-        E_POW2=triton.next_power_of_2(e), HAS_GATHER=gather_index is not None, **flags,
+        b.stride(0), b.stride(1),
+        E_POW2=triton.next_power_of_2(e), HAS_GATHER=gather_index is not None, HAS_BIAS=bias is not None, **flags,
     )
     return y
 

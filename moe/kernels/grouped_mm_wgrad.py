@@ -200,3 +200,78 @@ def grouped_mm_wgrad(x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor,
         E_POW2=triton.next_power_of_2(e), HAS_GATHER=gather_index is not None, **dot_flags(x.dtype, allow_tf32),
     )
     return dw
+
+
+# ---------------------------------------------------------------------------------------------------
+# Per-expert column sums: the gradient of a per-expert bias (db[e] = sum of dy over expert e's rows)
+# ---------------------------------------------------------------------------------------------------
+
+
+def grouped_colsum_ref(dy: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Per-expert loop: out[e] = dy[rows of e].sum(0) (fp32 sums, dy's dtype out), rows past the last end none."""
+    out = dy.new_zeros(offs.shape[0], dy.shape[1])
+    start, m = 0, dy.shape[0]
+    for e, end in enumerate(offs.tolist()):  # D2H sync: the loop bounds are the offsets
+        end = min(max(end, start), m)  # clamped to [previous end, M]
+        if end > start:
+            out[e] = dy[start:end].float().sum(0).to(dy.dtype)
+        start = end
+    return out
+
+
+@triton.jit
+def _grouped_colsum_kernel(
+    DY, OUT, OFFS,
+    M, N, E,
+    stride_dym, stride_dyn, stride_oe, stride_on,
+    E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """One program per (expert, BLOCK_N columns): walks the expert's rows BLOCK_M at a time in a fixed order
+    (bitwise deterministic: no atomics, no split over rows); an empty expert stores zeros. BLOCK_K and GROUP_M
+    are unused (the shared cfg())."""
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    e = pid // num_pid_n
+    offs_n = (pid % num_pid_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    eids, starts, ends = expert_row_bounds(OFFS, M, E, E_POW2)
+    start = tl.sum(tl.where(eids == e, starts, 0), 0)
+    end = tl.sum(tl.where(eids == e, ends, 0), 0)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for m0 in range(start, end, BLOCK_M):
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        g = tl.load(DY + offs_m.to(tl.int64)[:, None] * stride_dym + offs_n[None, :] * stride_dyn,
+                    mask=(offs_m < end)[:, None] & n_mask[None, :], other=0.0)
+        acc += tl.sum(g.to(tl.float32), 0)
+    tl.store(OUT + e.to(tl.int64) * stride_oe + offs_n * stride_on, acc.to(OUT.dtype.element_ty), mask=n_mask)
+
+
+# A memory-bound reduction: wide column strips, rows in steps of 64 (the whole dy is read once).
+GROUPED_COLSUM = Kernel(
+    _grouped_colsum_kernel,
+    configs=[cfg(64, 128, 16, 4, 1), cfg(32, 256, 16, 4, 1), cfg(128, 64, 16, 4, 1)],
+    interpret_config=cfg(16, 32, 16, 4, 1),
+    key=["N"],
+)
+
+
+def grouped_colsum(dy: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """out [E, N] = per expert e: dy[rows of e].sum(0), fp32 accumulation, in dy's dtype; E = len(offs).
+    The gradient of a per-expert bias added to rows dy's rows (moe.kernels.expert_mlp)."""
+    what = "grouped_colsum (Triton)"
+    if dy.dim() != 2:
+        raise ValueError(f"{what}: dy must be [M, N], got {tuple(dy.shape)}")
+    check_triton_tensors(what, dy)
+    e = offs.shape[0] if isinstance(offs, torch.Tensor) and offs.dim() == 1 else -1
+    m, n = dy.shape
+    offs = check_offs(offs, e, dy.device, m, what)
+    out = torch.empty(e, n, device=dy.device, dtype=dy.dtype)
+    if out.numel() == 0:
+        return out
+    if m == 0:
+        return out.zero_()
+    grid = lambda meta: (e * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+    GROUPED_COLSUM[grid](dy, out, offs, m, n, e, dy.stride(0), dy.stride(1), out.stride(0), out.stride(1),
+                         E_POW2=triton.next_power_of_2(e))
+    return out
