@@ -359,6 +359,8 @@ class _ExpertBiasRows(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         (expert,) = ctx.saved_tensors
         onehot = expert[None, :] == torch.arange(ctx.num_experts, device=grad.device)[:, None]  # [E, M]
+        # rows no expert owns may carry grouped_mm's undefined (even NaN) gradients: 0 * NaN would spread them
+        grad = torch.where((expert < ctx.num_experts)[:, None], grad, 0)
         return onehot.to(grad.dtype) @ grad, None, None
 
 
