@@ -18,7 +18,6 @@ import triton  # noqa: E402,F401  (first import decides the mode)
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import moekit.moe.kernels as K
 from moekit.moe import experts as X

@@ -191,14 +191,14 @@ def _slot_box(p) -> slice:
 def check_expert_rows(layer, ref_layer, placement, values, where, **tol):
     """Every slot of this rank holds ``values(ref tensor)[its expert]`` (the dim-1 part it holds)."""
     pos = layer.dispatcher.ep_position
-    for name in ("w_in", "w_out"):
+    for name in layer.experts.param_names():  # the weights, and the biases of an ffn_bias layer
         p, want = getattr(layer.experts, name), values(getattr(ref_layer.experts, name))
         got, box = values(p).to_local(), _slot_box(p)
         for s, e in enumerate(placement.slots[pos]):
             torch.testing.assert_close(got[s], want[e][box], msg=lambda m: f"{where} {name} slot {s} (e{e}): {m}", **tol)
 
 
-def _layer_case(rank, dp, ep, per_node, hier, R, seed):
+def _layer_case(rank, dp, ep, per_node, hier, R, seed, bias=False):
     from moekit.comm.expert_parallel import apply_expert_parallel
     from moekit.comm.grad_sync import global_grad_norm, gradient_roles, sync_gradients
     from moekit.comm.relocate import tag_primaries
@@ -208,8 +208,12 @@ def _layer_case(rank, dp, ep, per_node, hier, R, seed):
     topo = Topology(Layout(dp=dp, ep=ep), rank, per_node).build()
     E, k, T = 8, 3, 6
     torch.manual_seed(seed)
-    ref = MoELayer(H, FF, E, build_router("topk", H, E, top_k=k, aux_loss_coeff=0.1, z_loss_coeff=0.01),
-                   backend="loop").double()
+    ref = MoELayer(H, FF, E, build_router("topk", H, E, top_k=k, aux_loss_coeff=0.1, z_loss_coeff=0.01,
+                                          gate_bias=bias), backend="loop", ffn_bias=bias).double()
+    if bias:  # gpt-oss's biases, non-zero: they must travel with their experts
+        with torch.no_grad():
+            for b in (ref.router.bias, ref.experts.b_in, ref.experts.b_out):
+                b.copy_(torch.randn(b.shape, dtype=torch.float64))
     layer = copy.deepcopy(ref)
     placement = random_placement(E, ep, R, seed)
     apply_expert_parallel(layer, topo, hierarchical=hier, placements={"": placement})
@@ -230,6 +234,12 @@ def _layer_case(rank, dp, ep, per_node, hier, R, seed):
     want = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])
     got = global_grad_norm(list(layer.parameters()), torch.device("cpu"))
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=0, msg=lambda m: f"{where} norm: {m}")
+    if bias:  # a rebalance moves every expert parameter, biases included, to the new slots
+        from moekit.comm.relocate import rebalance
+
+        other = random_placement(E, ep, R, seed + 100)
+        rebalance(layer, None, {"": other})
+        check_expert_rows(layer, ref, other, lambda t: t.detach(), f"{where} rebalanced")
 
 
 def tiny_config(**over):
@@ -362,6 +372,7 @@ def _pipeline_case(rank, world):
 
 LAYER_CASES = [  # (dp, ep, ranks per node, hierarchical, replicas, seed)
     (4, 4, 4, False, 0, 1), (4, 4, 4, False, 4, 2), (4, 4, 2, True, 0, 3), (4, 4, 2, True, 8, 4), (4, 2, 4, False, 2, 5),
+    (4, 2, 4, False, 2, 6, True),  # + expert and router biases (ffn_bias, gate_bias), then a rebalance
 ]
 
 
