@@ -47,6 +47,7 @@ class ModelConfig:
     moe_ffn_hidden_size: int = 256  # width of one routed expert
     shared_ffn_hidden_size: int = 0  # > 0: an always-on shared expert of this width (DeepSeek)
     shared_expert_gate: bool = False  # Qwen2-MoE: sigmoid(x @ w_g) gates the shared expert per token
+    moe_ffn_bias: bool = False  # routed experts' projections carry biases b_in [E, F_in], b_out [E, H] (gpt-oss)
     moe_every: int = 1  # an MoE FFN every n-th layer (Switch: 2)
     first_dense_layers: int = 0  # leading layers that keep a dense FFN (DeepSeek: 1-3)
     router: str = "topk"  # registered router name or "package.module:Class"
@@ -141,7 +142,7 @@ class ModelConfig:
         for name in ("name", "activation", "router", "expert_backend"):
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"model.{name}={getattr(self, name)!r} is invalid; it must be a string")
-        for name in ("tie_embeddings", "shared_expert_gate", "attention_bias", "rope_interleave"):
+        for name in ("tie_embeddings", "shared_expert_gate", "attention_bias", "rope_interleave", "moe_ffn_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"model.{name}={getattr(self, name)!r} is invalid; it must be true or false")
         from moekit.moe.activations import ACTIVATIONS  # the one table (imports torch: only when validating)

@@ -88,7 +88,7 @@ class Block(nn.Module):
             router = build_router(config.router, H, config.num_experts, **config.router_kwargs())
             self.ffn = MoELayer(H, config.moe_ffn_hidden_size, config.num_experts, router, config.activation,
                                 config.shared_ffn_hidden_size, shared_expert_gate=config.shared_expert_gate,
-                                backend=config.expert_backend)
+                                backend=config.expert_backend, ffn_bias=config.moe_ffn_bias)
         else:
             self.ffn = DenseMLP(H, config.ffn_hidden_size, config.activation)
 
@@ -192,6 +192,10 @@ def init_ffn(ffn: nn.Module, normal_, std: float, std_out: float) -> None:
         normal_(ffn.router.weight, std)
     normal_(ffn.experts.w_in, std)
     normal_(ffn.experts.w_out, std_out)
+    for bias in (getattr(ffn.router, "bias", None), getattr(ffn.experts, "b_in", None),
+                 getattr(ffn.experts, "b_out", None)):  # gpt-oss's gate and expert biases start at 0
+        if bias is not None:
+            bias.zero_()
     if ffn.shared_expert is not None:
         init_ffn(ffn.shared_expert, normal_, std, std_out)
     for _, buf in ffn.router.named_buffers():  # e.g. the aux-loss-free expert_bias and its pending load

@@ -193,7 +193,7 @@ def test_bad_tensors(base, tmp_path, breakage, match):
     (dict(hidden_act="gelu"), r"hidden_act='gelu'"),
     (dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0}), r"rope_type='dynamic'"),
     (dict(model_type="gpt2"),
-     r"model_type='gpt2' is not supported; moekit imports \['deepseek_v3', 'glm4_moe', 'llama'"),
+     r"model_type='gpt2' is not supported; moekit imports \['deepseek_v3', 'glm4_moe', 'gpt_oss', 'llama'"),
 ])
 def test_config_weight_mismatch(base, tmp_path, changes, match):
     folder = broken_copy(base, tmp_path)

@@ -30,7 +30,7 @@ from moekit.models.config import ModelConfig
 from moekit.models.hf import config_from_hf, load_hf, load_hf_into, save_hf
 from moekit.models.hf import sharded, sharded_export
 from moekit.models.hf.families import FAMILIES
-from moekit.models.hf.weights import model_rules
+from moekit.models.hf.weights import model_rules, weave
 from moekit.models.init import init_weights
 from moekit.models.parallelize import parallelize
 from moekit.models.transformer import Transformer, build_model
@@ -57,6 +57,10 @@ MODELS = {
                      aux_loss_coeff=0.0),
     "olmoe": dict(qk_norm="full", qkv_clip=0.4, router_options={"normalize": False}),
     "qwen2": dict(num_experts=0, attention_bias=True),
+    # sinks, q/k/v/o biases, a window on every other layer, gate and expert biases, interleaved gate / up columns
+    "gpt_oss": dict(attention_bias=True, attention_out_bias=True, attention_sinks=True, sliding_window=5,
+                    full_attention_every=2, activation="swiglu_oai", moe_ffn_bias=True, moe_ffn_hidden_size=32,
+                    ffn_hidden_size=32, router_options={"normalize": True, "gate_bias": True}),
 }
 
 
@@ -66,11 +70,15 @@ def tiny(family: str, **over) -> ModelConfig:
 
 def make_checkpoint(folder: Path, family: str, seed: int = 1, layout: str = "per_expert", **over) -> Path:
     model = build_model(tiny(family, **over), seed=seed)
-    with torch.no_grad():  # a nonzero selection bias, so loading it is checked
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # nonzero selection / gate / expert / attention biases and sinks, so loading them is checked
         for layer in model.layers:
-            bias = getattr(layer.ffn, "router", None) and layer.ffn.router.expert_bias
-            if bias is not None:
-                bias.copy_(torch.randn(bias.shape, generator=torch.Generator().manual_seed(seed)))
+            router, experts = getattr(layer.ffn, "router", None), getattr(layer.ffn, "experts", None)
+            parts = ((router, "expert_bias"), (router, "bias"), (experts, "b_in"), (experts, "b_out"),
+                     (layer.attn, "sinks"), (layer.attn.wo, "bias"))
+            for bias in (getattr(m, name, None) for m, name in parts):
+                if bias is not None:
+                    bias.copy_(torch.randn(bias.shape, generator=gen))
     return save_hf(model, folder, family=family, layout=layout)
 
 
@@ -317,6 +325,7 @@ def checkpoints(tmp_path_factory) -> Path:
     make_checkpoint(tmp / "qwen2_moe", "qwen2_moe")
     make_checkpoint(tmp / "deepseek_v3", "deepseek_v3")
     make_checkpoint(tmp / "glm4_moe", "glm4_moe")
+    make_checkpoint(tmp / "gpt_oss", "gpt_oss")
     make_checkpoint(tmp / "deepseek_v3-mtp", "deepseek_v3", mtp_layers=1)
     bad = Path(shutil.copytree(tmp / "mixtral", tmp / "bad-shape"))
     tensors = load_file(bad / "model.safetensors")
@@ -342,6 +351,8 @@ def test_two_ranks_ep_tp_fsdp(checkpoints, tmp_path):
         (dict(tp=2), c / "qwen2_moe", [(tmp_path / "tp2", {})]),
         (dict(tp=2), c / "glm4_moe", [(tmp_path / "tp2-glm", {})]),  # heads with partial RoPE split over TP
         (dict(fsdp=2), c / "mixtral-fused", [(tmp_path / "fsdp2", {})]),
+        (dict(fsdp=2, ep=2), c / "gpt_oss", [(tmp_path / "gpt-oss-ep2", {})]),  # interleaved gate / up, biases
+        (dict(tp=2), c / "gpt_oss", [(tmp_path / "gpt-oss-tp2", {})]),  # sinks sharded with the heads
     ]
     # an expert placement: replicas (experts 0 and 3 twice), slots out of order, runs of consecutive experts
     slots = ((2, 3, 0), (3, 0, 1))
@@ -361,6 +372,8 @@ def test_two_ranks_ep_tp_fsdp(checkpoints, tmp_path):
     check_export(tmp_path / "tp2", load_hf(c / "qwen2_moe"), tmp_path)
     check_export(tmp_path / "tp2-glm", load_hf(c / "glm4_moe"), tmp_path)
     check_export(tmp_path / "fsdp2", load_hf(c / "mixtral-fused"), tmp_path)
+    check_export(tmp_path / "gpt-oss-ep2", load_hf(c / "gpt_oss"), tmp_path)
+    check_export(tmp_path / "gpt-oss-tp2", load_hf(c / "gpt_oss"), tmp_path)
 
 
 def test_four_ranks_combined(checkpoints, tmp_path):
@@ -378,7 +391,7 @@ def test_four_ranks_combined(checkpoints, tmp_path):
 
 @pytest.mark.parametrize("family,layout", [("mixtral", "per_expert"), ("mixtral", "fused"), ("qwen2_moe", "per_expert"),
                                            ("deepseek_v3", "fused"), ("qwen3_moe", "per_expert"), ("olmoe", "fused"),
-                                           ("glm4_moe", "per_expert"),
+                                           ("glm4_moe", "per_expert"), ("gpt_oss", "fused"),
                                            ("qwen2", "per_expert")])
 def test_rule_layouts_agree_with_split(family, layout):
     """Every rule's slice layout (Rule.layout: identity or per-expert pieces) picks out exactly what its
@@ -392,8 +405,9 @@ def test_rule_layouts_agree_with_split(family, layout):
         t = torch.randn(shape, generator=gen)
         spots = r.layout(shape)
         assert spots is not None, r.target
-        for got, (box, dims) in zip(r.split(t), spots):
-            assert torch.equal(sharded._to_source(t[tuple(slice(b.start, b.stop) for b in box)], dims), got), r.target
+        for got, (box, dims), woven in zip(r.split(t), spots, r.weaves()):
+            source = sharded._to_source(t[tuple(slice(b.start, b.stop) for b in box)], dims)
+            assert torch.equal(source if woven is None else weave(source, *woven), got), r.target
         # and back: every element of the target comes from exactly one source
         cover = torch.zeros(shape)
         for box, dims in spots:

@@ -35,14 +35,16 @@ from moekit.models.hf.families import FAMILIES, recorded_family
 from moekit.models.hf.fp8 import quantization_config
 from moekit.moe.router import TopKRouter
 
-NEAREST = {True: ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "deepseek_v3", "glm4_moe"),
+NEAREST = {True: ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "deepseek_v3", "glm4_moe", "gpt_oss"),
            False: ("llama", "qwen2", "qwen3")}
 PRETTY = {"mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE", "olmoe": "OLMoE",
-          "deepseek_v3": "DeepSeek-V3", "glm4_moe": "GLM-4-MoE", "llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+          "deepseek_v3": "DeepSeek-V3", "glm4_moe": "GLM-4-MoE", "gpt_oss": "gpt-oss", "llama": "Llama", "qwen2": "Qwen2",
+          "qwen3": "Qwen3"}
 # (attention kind, q/k/v bias allowed, the qk_norms it can compute, qkv_clip allowed) of each family's attention
 ATTENTION = {"mixtral": ("gqa", False, ("none",), False), "qwen2_moe": ("gqa", True, ("none",), False),
              "qwen3_moe": ("gqa", False, ("head",), False), "olmoe": ("gqa", False, ("full",), True),
              "deepseek_v3": ("mla", False, ("none",), False), "glm4_moe": ("gqa", True, ("none", "head"), False),
+             "gpt_oss": ("gqa", True, ("none",), False),
              "llama": ("gqa", False, ("none",), False), "qwen2": ("gqa", True, ("none",), False),
              "qwen3": ("gqa", False, ("head",), False)}
 # the families whose MoE is DeepSeek-V3's: sigmoid scores, selection bias, groups, scaling, ungated shared experts
@@ -61,8 +63,10 @@ def export_problems(model, family: str) -> list[str]:
                          f"{list(FAMILIES)}")
     cfg, name = model.config, PRETTY[family]
     problems: list[str] = []
-    if cfg.activation != "swiglu":
-        problems.append(f"{name}'s FFNs are SwiGLU; this model has activation={cfg.activation!r}")
+    act = "swiglu_oai" if family == "gpt_oss" else "swiglu"
+    if cfg.activation != act:
+        problems.append(f"{name}'s FFNs are {'a clamped SwiGLU (swiglu_oai)' if family == 'gpt_oss' else 'SwiGLU'}; "
+                        f"this model has activation={cfg.activation!r}")
     problems += _attention_problems(cfg, family, name)
     moe_layers = [i for i, layer in enumerate(model.layers) if layer.is_moe]
     if not FAMILIES[family].moe:
@@ -103,6 +107,17 @@ def _attention_problems(cfg: ModelConfig, family: str, name: str) -> list[str]:
                         f"{cfg.partial_rotary_factor} (GLM-4-MoE rotates part of it)")
     if cfg.qkv_clip and not clip_ok:
         problems.append(f"{name} does not clip q/k/v; this model has qkv_clip={cfg.qkv_clip} (OLMoE does)")
+    if family == "gpt_oss":
+        if not cfg.attention_sinks:
+            problems.append("gpt-oss's attention has a sink logit per head; this model has attention_sinks=false")
+        if cfg.attention_bias != cfg.attention_out_bias:
+            problems.append(f"gpt-oss has biases on q/k/v and o alike (attention_bias); this model has "
+                            f"attention_bias={cfg.attention_bias}, attention_out_bias={cfg.attention_out_bias}")
+        return problems
+    for field, what in (("attention_sinks", "attention sinks"), ("attention_out_bias", "a bias on o_proj"),
+                        ("sliding_window", "a sliding window")):
+        if getattr(cfg, field):
+            problems.append(f"{name} has no {what}; this model has {field}={getattr(cfg, field)!r} (gpt-oss has it)")
     if family == "llama" and cfg.hidden_size % cfg.num_heads:
         problems.append(f"transformers' LlamaConfig needs hidden_size divisible by num_heads; this model has "
                         f"{cfg.hidden_size} and {cfg.num_heads} (Qwen2 / Qwen3 take any head_dim)")
@@ -114,7 +129,7 @@ def _attention_problems(cfg: ModelConfig, family: str, name: str) -> list[str]:
 
 def _layer_problems(cfg: ModelConfig, family: str, name: str) -> list[str]:
     L, n = cfg.num_layers, cfg.num_moe_layers
-    if family in ("mixtral", "olmoe") and n != L:
+    if family in ("mixtral", "olmoe", "gpt_oss") and n != L:
         return [f"{name} has an MoE FFN in every layer; this model has {n} of {L} (moe_every={cfg.moe_every}, "
                 f"first_dense_layers={cfg.first_dense_layers})"]
     if family in DEEPSEEK_MOE and cfg.moe_every != 1:
@@ -152,10 +167,18 @@ def _router_problems(r, family: str, name: str) -> list[str]:
     if r.expert_bias is not None:
         problems.append("router has an expert_bias (aux-loss-free balancing changes which experts are chosen; "
                         "DeepSeek-V3 and GLM-4-MoE have it)")
+    if family == "gpt_oss" and not r.normalize:
+        problems.append("router does not renormalise the top-k weights (normalize=False); gpt-oss takes the softmax "
+                        "of the top-k logits, which is renormalised")
+    if family != "gpt_oss" and getattr(r, "bias", None) is not None:
+        problems.append(f"router's gate has a bias (gate_bias); {name}'s has none (gpt-oss's has)")
     return problems
 
 
 def _shared_problems(ffn, cfg: ModelConfig, family: str, name: str) -> list[str]:
+    """The shared expert, and the routed experts' biases (here, as the other per-layer expert check)."""
+    if family != "gpt_oss" and getattr(ffn.experts, "b_in", None) is not None:
+        return [f"{name}'s experts have no biases; this model has moe_ffn_bias=true (gpt-oss's have)"]
     shared = ffn.shared_expert
     if shared is None:
         return []
@@ -281,6 +304,13 @@ def hf_config(model, family: str, dtype_name: str, token_ids: dict[str, Any] | N
                    num_nextn_predict_layers=cfg.mtp_layers, partial_rotary_factor=cfg.partial_rotary_factor)
         out["rope_parameters"]["partial_rotary_factor"] = cfg.partial_rotary_factor  # where transformers 5 reads it
         out.pop("router_aux_loss_coef")
+    elif family == "gpt_oss":
+        from moekit.moe.activations import OAI_ALPHA, OAI_LIMIT
+
+        types = ["full_attention" if not cfg.attention_window(i) else "sliding_attention" for i in range(L)]
+        out.update(moe, intermediate_size=cfg.moe_ffn_hidden_size, num_local_experts=E, attention_bias=cfg.attention_bias,
+                   sliding_window=cfg.sliding_window or None, layer_types=types, swiglu_alpha=OAI_ALPHA,
+                   swiglu_limit=OAI_LIMIT)
     elif family == "llama":
         out.update(intermediate_size=cfg.ffn_hidden_size, attention_bias=False, mlp_bias=False, pretraining_tp=1)
     else:  # qwen2, qwen3
@@ -302,9 +332,16 @@ def zero_fill(model, family: str, dtype: torch.dtype) -> dict[str, Tensor]:
     cfg, out = model.config, {}
     H, F = cfg.hidden_size, cfg.moe_ffn_hidden_size
     for i, layer in enumerate(model.layers):
-        if not layer.is_moe or family not in ("qwen2_moe", *DEEPSEEK_MOE):
+        if not layer.is_moe or family not in ("qwen2_moe", *DEEPSEEK_MOE, "gpt_oss"):
             continue
         block = f"model.layers.{i}.mlp"
+        if family == "gpt_oss":  # gpt-oss's gate and experts always have biases
+            if getattr(layer.ffn.router, "bias", None) is None:
+                out[f"{block}.router.bias"] = torch.zeros(cfg.num_experts, dtype=dtype)
+            if getattr(layer.ffn.experts, "b_in", None) is None:
+                out[f"{block}.experts.gate_up_proj_bias"] = torch.zeros(cfg.num_experts, 2 * F, dtype=dtype)
+                out[f"{block}.experts.down_proj_bias"] = torch.zeros(cfg.num_experts, H, dtype=dtype)
+            continue
         if family in DEEPSEEK_MOE and layer.ffn.router.expert_bias is None:
             out[f"{block}.gate.e_score_correction_bias"] = torch.zeros(cfg.num_experts, dtype=dtype)
         if layer.ffn.shared_expert is None:

@@ -15,6 +15,9 @@ bias or a norm and hopes for the best.
     deepseek_v3  MLA (q_lora_rank, kv_lora_rank, ...)   sigmoid + e_score_correction_bias, groups scored by their
                                                         top-2 (group_score_top=2), normalize, routed scaling;
                                                         shared experts, first_k_dense_replace dense layers
+    gpt_oss      GQA with q/k/v/o biases, a sink logit     softmax over the top-k logits (= softmax, top-k,
+                 per head, sliding window on every other   renormalised) of a biased gate; experts with biases
+                 layer (layer_types), yarn                 and a clamped SwiGLU (swiglu_oai); MXFP4 weights read
     llama, qwen2 (qkv bias), qwen3 (q/k norm per head): dense (num_experts=0)
 
 Every family reads RoPE from ``rope_parameters`` (transformers 5) or ``rope_theta`` / ``rope_scaling`` (4):
@@ -46,6 +49,8 @@ OLMOE = Naming(moe_blocks=("mlp",), expert_proj=GATED, experts_field="num_expert
 DEEPSEEK_V3 = Naming(moe_blocks=("mlp",), expert_proj=GATED, experts_field="n_routed_experts", shared="shared_experts",
                      router_bias="e_score_correction_bias")
 DENSE = Naming(moe_blocks=("mlp",), expert_proj=GATED, experts_field="(dense model: no experts)")
+GPT_OSS = Naming(moe_blocks=("mlp",), expert_proj=GATED, experts_field="num_local_experts", router="router",
+                 woven=True)
 
 # What moekit's model would need to lift each refusal (also listed in docs/hf.md).
 NEEDS = {
@@ -56,6 +61,8 @@ NEEDS = {
     "partial_rotary": "partial rotary embeddings (RoPE on a fraction of each head)",
     "rope_type": "this RoPE scaling type (moekit has linear, yarn and llama3)",
     "layer_pattern": "an explicit per-layer MoE/dense list in ModelConfig besides first_dense_layers / moe_every",
+    "window_pattern": "a per-layer sliding-window list besides sliding_window / full_attention_every",
+    "swiglu_oai": "gpt-oss's clamped SwiGLU with other constants (moekit's swiglu_oai: alpha 1.702, limit 7)",
 }
 
 
@@ -304,6 +311,49 @@ def glm4_moe_config(hf: dict) -> ModelConfig:
     return _model_config(hf, fields, problems)
 
 
+def window_pattern(types: list[str]) -> int | None:
+    """full_attention_every reproducing transformers' layer_types (layer i full iff (i + 1) % n == 0; 0: every
+    layer slides), or None if none does."""
+    full = [t == "full_attention" for t in types]
+    for n in range(len(types) + 1):
+        if [bool(n) and (i + 1) % n == 0 for i in range(len(types))] == full:
+            return n
+    return None
+
+
+def gpt_oss_config(hf: dict) -> ModelConfig:
+    """OpenAI's gpt-oss (transformers' GptOss): GQA with biases on q/k/v/o and a learned sink per head, a
+    sliding window on the layers layer_types marks (every other one), yarn RoPE; every layer MoE with a biased
+    gate (softmax over the top-k logits), experts with biases and a clamped SwiGLU."""
+    from moekit.moe.activations import OAI_ALPHA, OAI_LIMIT
+
+    problems: list[str] = []
+    fields = base_fields(hf, problems, default_theta=150000.0)
+    L = fields["num_layers"]
+    types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(L)]
+    bad = sorted({t for t in types if t not in ("sliding_attention", "full_attention")})
+    if len(types) != L or bad:
+        problems.append(f"layer_types={types} (needs {L} entries of sliding_attention / full_attention)")
+    window, every = _get(hf, "sliding_window", 128), window_pattern(types)
+    if "sliding_attention" not in types or not window:
+        window, every = 0, 0
+    elif every is None:
+        problems.append(f"sliding layers {[i for i, t in enumerate(types) if t != 'full_attention']} of {L} "
+                        f"(layer_types) (needs {NEEDS['window_pattern']})")
+        every = 0
+    alpha, limit = float(_get(hf, "swiglu_alpha", OAI_ALPHA)), float(_get(hf, "swiglu_limit", OAI_LIMIT))
+    if (alpha, limit) != (OAI_ALPHA, OAI_LIMIT):
+        problems.append(f"swiglu_alpha={alpha}, swiglu_limit={limit} (needs {NEEDS['swiglu_oai']})")
+    bias = bool(_get(hf, "attention_bias", True))
+    F = _get(hf, "intermediate_size")
+    fields.update(attention_bias=bias, attention_out_bias=bias, attention_sinks=True, sliding_window=window,
+                  full_attention_every=every, num_experts=_get(hf, ("num_local_experts", "num_experts")),
+                  top_k=_get(hf, ("num_experts_per_tok", "experts_per_token")), moe_ffn_hidden_size=F,
+                  ffn_hidden_size=F, activation="swiglu_oai", moe_ffn_bias=True,
+                  router_options={"normalize": True, "gate_bias": True})
+    return _model_config(hf, fields, problems)
+
+
 def dense_config(hf: dict) -> ModelConfig:
     """Llama, Qwen2, Qwen3: a moekit model without experts (num_experts=0)."""
     problems: list[str] = []
@@ -340,6 +390,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("olmoe", "OlmoeForCausalLM", olmoe_config, OLMOE),
     Family("deepseek_v3", "DeepseekV3ForCausalLM", deepseek_v3_config, DEEPSEEK_V3),
     Family("glm4_moe", "Glm4MoeForCausalLM", glm4_moe_config, DEEPSEEK_V3),  # DeepSeek-V3's MoE names
+    Family("gpt_oss", "GptOssForCausalLM", gpt_oss_config, GPT_OSS),
     Family("llama", "LlamaForCausalLM", dense_config, DENSE, moe=False),
     Family("qwen2", "Qwen2ForCausalLM", dense_config, DENSE, moe=False),
     Family("qwen3", "Qwen3ForCausalLM", dense_config, DENSE, moe=False),

@@ -12,7 +12,8 @@ A safetensors file is an 8-byte little-endian header length n, n bytes of JSON
 that each file is as long as its header says (a truncated download fails here, naming the file), and
 reads a tensor only when asked, so loading a large checkpoint holds one tensor at a time beyond the model.
 Block-wise float8 weights (DeepSeek-V3's release) are returned dequantized, their scales hidden from ``infos``
-(models/hf/fp8.py).
+(models/hf/fp8.py); so are MXFP4 expert weights (gpt-oss's release: ``X_blocks`` + ``X_scales``, both uint8), which
+appear in ``infos`` as the bf16 tensor ``X`` they decode to (models/hf/mxfp4.py).
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from moekit.models.hf.fp8 import SCALE_SUFFIX, BlockFp8, check_scales, dequantize, pair_scales
+from moekit.models.hf.mxfp4 import dequantize_mxfp4, mxfp4_pairs
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -106,7 +108,30 @@ class CheckpointReader:
         self._check_index(files)
         self.fp8 = fp8
         self.scales: dict[str, TensorInfo] = pair_scales(self.infos, fp8, self.folder)
+        self.mxfp4: dict[str, tuple[str, str]] = self._pair_mxfp4()
         self._handles: dict[Path, object] = {}
+
+    def _pair_mxfp4(self) -> dict[str, tuple[str, str]]:
+        """Replace each uint8 ``X_blocks`` [E, out, G, 16] + ``X_scales`` [E, out, G] pair in ``infos`` by ``X``
+        [E, G * 32, out] in bf16, the tensor it decodes to; returns {X: (blocks key, scales key)}."""
+        candidates = [k for k, i in self.infos.items() if i.dtype == "U8" and k.endswith(("_blocks", "_scales"))]
+        if not candidates:
+            return {}
+        try:
+            pairs = mxfp4_pairs(candidates)
+        except ValueError as exc:
+            raise ValueError(f"checkpoint {self.folder}: {exc}") from None
+        for name, (bkey, skey) in pairs.items():
+            b, sc = self.infos[bkey], self.infos[skey]
+            if len(b.shape) != 4 or b.shape[-1] != 16 or sc.shape != b.shape[:-1]:
+                raise ValueError(f"checkpoint {self.folder}: {bkey} {list(b.shape)} / {skey} {list(sc.shape)} are not "
+                                 f"MXFP4 blocks [E, out, G, 16] and scales [E, out, G]; re-download the checkpoint")
+            if name in self.infos:
+                raise ValueError(f"checkpoint {self.folder} holds both {name} and its MXFP4 form {bkey}; keep one")
+            del self.infos[bkey], self.infos[skey]
+            E, out, G, _ = b.shape
+            self.infos[name] = TensorInfo(b.file, (E, G * 32, out), "BF16")
+        return pairs
 
     def _files(self) -> list[Path]:
         index = self.folder / INDEX_FILE
@@ -158,12 +183,22 @@ class CheckpointReader:
         return self._handles[file].get_tensor(key)
 
     def get(self, key: str) -> Tensor:
-        """The tensor stored under ``key``; a block-wise float8 weight comes dequantized, in float32."""
+        """The tensor stored under ``key``; a block-wise float8 weight comes dequantized, in float32, an MXFP4 one
+        in bf16."""
+        if key in self.mxfp4:
+            bkey, skey = self.mxfp4[key]
+            return dequantize_mxfp4(self._read(self._file(bkey), bkey), self._read(self._file(skey), skey), name=key)
         value = self._read(self.infos[key].file, key)
         if key in self.scales:
             scale = check_scales(key, self._read(self.scales[key].file, key + SCALE_SUFFIX))
             value = dequantize(value, scale, self.fp8.block)
         return value
+
+    def _file(self, key: str) -> Path:
+        """The file holding a stored key (also one hidden from ``infos``: an MXFP4 pair's)."""
+        if self.weight_map is not None:
+            return self.folder / self.weight_map[key]
+        return self.folder / SINGLE_FILE
 
     def dtypes(self) -> set[str]:
         """The dtypes ``get`` returns (float8 weights come back as float32)."""

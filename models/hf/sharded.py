@@ -51,7 +51,8 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from moekit.models.hf import fp8
 from moekit.models.hf.io import CheckpointReader
-from moekit.models.hf.weights import Rule, check_keys
+from moekit.models.hf.mxfp4 import dequantize_mxfp4
+from moekit.models.hf.weights import Rule, check_keys, woven_index
 
 __all__ = ["FolderSlices", "load_hf_sharded", "save_hf_sharded", "shard_box"]
 
@@ -208,6 +209,12 @@ class SliceReader:
         return part
 
     def read(self, key: str, index: tuple[slice, ...]) -> Tensor:
+        if key in self.reader.mxfp4:  # [E, in, out]: the experts' and outputs' blocks over every input, decoded
+            bkey, skey = self.reader.mxfp4[key]
+            e, i, o = index
+            blocks = self._slice(self.reader._file(bkey), bkey, (e, o))
+            scales = self._slice(self.reader._file(skey), skey, (e, o))
+            return dequantize_mxfp4(blocks, scales, name=key)[:, i]
         info = self.reader.infos[key]
         part = self._slice(info.file, key, index)
         scale = self.reader.scales.get(key)
@@ -305,13 +312,20 @@ def _plan_load(model, path, check_config: bool, init_seed: int | None) -> _LoadP
 def _parts(rule: Rule, pieces, want: Box, slices: SliceReader):
     """(index into a tensor of box ``want``, its values in the target's dim order) for each HF tensor of ``rule``
     (laid out as ``pieces``) that meets the box; an HF tensor that does not is not even opened."""
-    for source, (where, dims) in zip(rule.sources, pieces):
+    for source, (where, dims), woven in zip(rule.sources, pieces, rule.weaves()):
         meet = _meet(want, where)
         if meet is None:
             continue
         # the same box in the HF tensor's own indices and dim order
-        part = slices.read(source, tuple(slice(meet[d].start - where[d].start, meet[d].stop - where[d].start)
-                                         for d in dims))
+        index = [slice(meet[d].start - where[d].start, meet[d].stop - where[d].start) for d in dims]
+        if woven is None:
+            part = slices.read(source, tuple(index))
+        else:  # interleaved along source dim k (Piece.interleave): the run that covers them, then those columns
+            k, ways = woven
+            src = woven_index(range(index[k].start, index[k].stop), len(where[dims[k]]), ways)
+            lo = min(src)
+            index[k] = slice(lo, max(src) + 1)
+            part = slices.read(source, tuple(index)).index_select(k, torch.tensor([i - lo for i in src]))
         yield _rel(meet, want), _to_target(part, dims, len(want))
 
 

@@ -32,7 +32,7 @@ from moekit.models.hf import fp8
 from moekit.models.hf.io import CONFIG_FILE, DTYPE_NAMES, INDEX_FILE, parse_size
 from moekit.models.hf.sharded import (Box, _agree, _distributed, _local, _meet, _rel,
                                       _reshard, _to_source, placed_rows, shard_box)
-from moekit.models.hf.weights import Rule
+from moekit.models.hf.weights import Rule, weave
 from moekit.models.pipeline import whole_structure
 
 __all__ = ["save_hf_sharded"]
@@ -55,6 +55,7 @@ class _Unit:
     owner: int
     parts: list[tuple[int, Box]]  # (rank sending it, sub-box of region) for every part the owner lacks
     fp8_block: tuple[int, int] | None = None  # written as float8 + its weight_scale_inv (models/hf/fp8.py)
+    woven: tuple[int, int] | None = None  # (HF dim, ways): written interleaved (weights.Piece.interleave)
 
     @property
     def shape(self) -> list[int]:
@@ -164,7 +165,7 @@ def _plan_export(spec: _ExportSpec, meta: dict, all_boxes: list[dict]) -> list[_
         for rank, boxes in enumerate(all_boxes):
             for box in boxes.get(r.target, ()):  # (under pipeline parallelism, only its stages' ranks)
                 held.setdefault(tuple(range(a, b) for a, b in box), []).append(rank)
-        for key, (region, dims) in zip(r.sources, r.layout(shape)):
+        for key, (region, dims), woven in zip(r.sources, r.layout(shape), r.weaves()):
             meets = {box: m for box in held if (m := _meet(box, region)) is not None}
             if sum(map(volume, meets.values())) != volume(region):
                 raise RuntimeError(f"the ranks' shards of {r.target} do not tile {key} exactly (shards "
@@ -180,7 +181,8 @@ def _plan_export(spec: _ExportSpec, meta: dict, all_boxes: list[dict]) -> list[_
                     sender = min(held[box], key=lambda k: (sent[k], k))
                     sent[sender] += volume(m)
                     parts.append((sender, m))
-            units.append(_Unit(key, r.target, region, dims, out_dtype, owner, parts, _block(spec, key, region, dims)))
+            units.append(_Unit(key, r.target, region, dims, out_dtype, owner, parts, _block(spec, key, region, dims),
+                               woven))
     for key, (shape, dtype) in spec.zeros.items():
         owner = min(range(world), key=lambda k: (owned[k], k))
         owned[owner] += math.prod(shape) * dtype.itemsize
@@ -294,7 +296,8 @@ def _stream(model, units: list[_Unit], files: list[tuple[int, list[_Unit]]], fol
                 buf = torch.empty([len(r) for r in part], dtype=like.dtype, device=like.device)
                 dist.recv(buf, src=sender)
                 region[_rel(part, u.region)] = buf
-            write(u, lambda: u.encode(_to_source(region, u.dims)))
+            source = _to_source(region, u.dims)
+            write(u, lambda: u.encode(source if u.woven is None else weave(source, *u.woven)))
             del region
         else:
             for sender, part in u.parts:

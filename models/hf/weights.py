@@ -42,6 +42,8 @@ class Naming:
     shared: str | None = None  # shared expert(s) inside the block
     shared_gate: str | None = None  # Qwen2-MoE's sigmoid gate on the shared expert
     router_bias: str | None = None  # DeepSeek-V3's selection bias, under the block's ``gate``
+    router: str = "gate"  # the router's module inside the block (gpt-oss: "router", whose ``bias`` is the gate's)
+    woven: bool = False  # gpt-oss: fused experts, gate / up interleaved, with biases (_woven_expert_rules)
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,9 @@ class Piece:
 
     parts: tuple[tuple[int, int], ...]
     dims: tuple[int, ...]
+    # (source dim k, ways): along k the source interleaves the target's ``ways`` equal chunks: source index s holds
+    # target index (s % ways) * (n // ways) + s // ways (gpt-oss's gate_up_proj [.., 2F] = g0 u0 g1 u1 ...)
+    interleave: tuple[int, int] | None = None
 
     def box(self, shape: tuple[int, ...]) -> tuple[range, ...]:
         """The target indices this source covers, one range per target dim."""
@@ -72,6 +77,10 @@ class Rule:
     identity: bool = False  # one source with the target's shape and layout: a box of one is that box of the other
     pieces: tuple[Piece, ...] = ()  # one per source: where it sits in the target (identity rules need none)
 
+    def weaves(self) -> list[tuple[int, int] | None]:
+        """Per source: its ``Piece.interleave`` (None: the source runs along the target as it is)."""
+        return [p.interleave for p in self.pieces] if self.pieces else [None] * len(self.sources)
+
     def layout(self, shape: tuple[int, ...]) -> list[tuple[tuple[range, ...], tuple[int, ...]]] | None:
         """Per source: (its box in a target of ``shape``, the target dim of each source dim); None when
         only join / split know (no slice-wise load or export for such a rule)."""
@@ -82,13 +91,48 @@ class Rule:
         return [(p.box(shape), p.dims) for p in self.pieces]
 
 
+def woven_index(targets: range, n: int, ways: int) -> list[int]:
+    """The source indices (``Piece.interleave``) of target indices ``targets`` along a dim of n."""
+    chunk = n // ways
+    return [(t % chunk) * ways + t // chunk for t in targets]
+
+
+def weave(x: Tensor, dim: int, ways: int) -> Tensor:
+    """Target order -> source order along ``dim``: [a0 a1 .. | b0 b1 ..] -> [a0 b0 a1 b1 ..]."""
+    n = x.shape[dim]
+    return x.unflatten(dim, (ways, n // ways)).transpose(dim, dim + 1).flatten(dim, dim + 1)
+
+
+def unweave(x: Tensor, dim: int, ways: int) -> Tensor:
+    """Source order -> target order along ``dim`` (``weave``'s inverse)."""
+    n = x.shape[dim]
+    return x.unflatten(dim, (n // ways, ways)).transpose(dim, dim + 1).flatten(dim, dim + 1)
+
+
 def _one(target: str, source: str, fields: str) -> Rule:
     return Rule(target, (source,), lambda ts: ts[0], lambda t: [t], fields, identity=True)
 
 
-def _expert_rules(t: str, block: str, naming: Naming, num_experts: int, fused: bool) -> list[Rule]:
+def _woven_expert_rules(t: str, block: str, experts, fields: str) -> list[Rule]:
+    """gpt-oss: gate_up_proj [E, H, 2F] (and its bias [E, 2F]) with gate and up columns interleaved, down_proj
+    [E, F, H] and its bias [E, H] in moekit's own layout."""
+    whole = lambda nd, weave_dim=None: (Piece(((0, 1),) * nd, tuple(range(nd)),  # noqa: E731
+                                              None if weave_dim is None else (weave_dim, 2)),)
+    rules = [Rule(f"{t}.experts.w_in", (f"{block}.experts.gate_up_proj",), lambda ts: unweave(ts[0], 2, 2),
+                  lambda w: [weave(w, 2, 2)], fields, pieces=whole(3, 2)),
+             _one(f"{t}.experts.w_out", f"{block}.experts.down_proj", fields)]
+    if getattr(experts, "b_in", None) is not None:
+        rules += [Rule(f"{t}.experts.b_in", (f"{block}.experts.gate_up_proj_bias",), lambda ts: unweave(ts[0], 1, 2),
+                       lambda b: [weave(b, 1, 2)], fields, pieces=whole(2, 1)),
+                  _one(f"{t}.experts.b_out", f"{block}.experts.down_proj_bias", fields)]
+    return rules
+
+
+def _expert_rules(t: str, block: str, naming: Naming, num_experts: int, fused: bool, experts=None) -> list[Rule]:
     """Rules for experts.w_in / w_out of one MoE layer (t: moekit prefix, block: HF block prefix)."""
     fields = f"hidden_size, {naming.experts_field}, expert intermediate size"
+    if naming.woven:
+        return _woven_expert_rules(t, block, experts, fields)
     if fused:
         transpose = lambda ts: ts[0].transpose(1, 2)  # noqa: E731  [E, a, b] <-> [E, b, a], both ways
         whole = (Piece(((0, 1),) * 3, (0, 2, 1)),)  # the whole target, its last two dims swapped
@@ -119,14 +163,23 @@ def _expert_rules(t: str, block: str, naming: Naming, num_experts: int, fused: b
 
 def moe_rules(t: str, block: str, ffn, naming: Naming, fused: bool) -> list[Rule]:
     """Rules for one moekit MoELayer ``ffn`` at moekit prefix ``t`` from HF block prefix ``block``."""
-    rules = [_one(f"{t}.router.weight", f"{block}.gate.weight", f"hidden_size, {naming.experts_field}")]
+    router = f"{block}.{naming.router}"
+    rules = [_one(f"{t}.router.weight", f"{router}.weight", f"hidden_size, {naming.experts_field}")]
+    if getattr(ffn.router, "bias", None) is not None:  # a gate bias (gpt-oss): logits = x W^T + b
+        if naming.router == "gate":
+            raise ValueError(f"{t}.router has a gate bias (router option gate_bias) but this HuggingFace family's "
+                             f"router has none; build the model without gate_bias")
+        rules.append(_one(f"{t}.router.bias", f"{router}.bias", naming.experts_field))
     if getattr(ffn.router, "expert_bias", None) is not None:
         if naming.router_bias is None:
             raise ValueError(f"{t}.router has an expert_bias (aux-loss-free balancing) but this HuggingFace "
                              f"family has no selection bias to hold it; build the model without expert_bias or "
                              f"bias_update_rate")
-        rules.append(_one(f"{t}.router.expert_bias", f"{block}.gate.{naming.router_bias}", naming.experts_field))
-    rules += _expert_rules(t, block, naming, ffn.num_experts, fused)
+        rules.append(_one(f"{t}.router.expert_bias", f"{router}.{naming.router_bias}", naming.experts_field))
+    if getattr(ffn.experts, "b_in", None) is not None and not naming.woven:
+        raise ValueError(f"{t}.experts have biases (moe_ffn_bias) but this HuggingFace family's experts have none; "
+                         f"build the model with moe_ffn_bias=false")
+    rules += _expert_rules(t, block, naming, ffn.num_experts, fused, ffn.experts)
     if ffn.shared_expert is not None:
         if naming.shared is None:
             raise ValueError(f"{t} has a shared expert but this HuggingFace family has none; export a model "
@@ -175,6 +228,8 @@ def attention_rules(t: str, s: str, attn) -> list[Rule]:
         for p in ("weight", "bias"):
             if getattr(module, p, None) is not None:
                 rules.append(_one(f"{t}.{ours}.{p}", f"{s}.{theirs}.{p}", fields))
+    if getattr(attn, "sinks", None) is not None:  # gpt-oss: one logit per query head
+        rules.append(_one(f"{t}.sinks", f"{s}.sinks", "num_attention_heads"))
     return rules
 
 
