@@ -29,7 +29,7 @@ from . import _common
 from .combine import combine_rows, combine_rows_backward
 from .expert_mlp import expert_down_dact, expert_up_act
 from .grouped_mm import grouped_mm_fwd
-from .grouped_mm_wgrad import grouped_mm_wgrad
+from .grouped_mm_wgrad import grouped_colsum, grouped_mm_wgrad
 
 wgrad_mod = sys.modules[grouped_mm_wgrad.__module__]  # the module (the package binds the name to the function)
 gmm_mod = sys.modules[grouped_mm_fwd.__module__]
@@ -64,9 +64,16 @@ def capture_launches(dtype: torch.dtype) -> list:
                 expert_up_act(x, w, offs, "swiglu", save_pre=True)
                 expert_down_dact(x, torch.randn(e, f, h, dtype=dtype), torch.randn(m, 2 * f, dtype=dtype), offs,
                                  "swiglu", store_h=True)
+                # per-expert biases (gpt-oss) in the epilogues: swiglu_oai's up projection, the second GEMM
+                expert_up_act(x, w, offs, "swiglu_oai", save_pre=True, bias=torch.randn(e, 2 * f, dtype=dtype))
+                grouped_mm_fwd(torch.randn(m, 2 * f, dtype=dtype), w, offs, transpose_w=True,
+                               bias=torch.randn(e, h, dtype=dtype))
         finally:
             wgrad_mod.WGRAD_TMA, gmm_mod.GEMM_TMA, mlp_mod.MLP_TMA = saved
         scatter_add_rows(x, gidx, m)
+        grouped_colsum(x, offs)  # the biases' gradient
+        grouped_mm_fwd(torch.randn(m, 2 * f, dtype=dtype), w, offs, transpose_w=True, bias=torch.randn(e, h, dtype=dtype))
+        expert_up_act(x, w, offs, "swiglu_oai", save_pre=True, bias=torch.randn(e, 2 * f, dtype=dtype))
         t, k = 16, 2  # the combine: fp32 router weights on rows of this dtype, weighted and plain, backward
         slot_row = torch.randint(-1, m + 2, (t * k,))
         weights = torch.rand(t, k)
