@@ -359,6 +359,14 @@ PRESETS: dict[str, ModelConfig] = {
         router_options={"score": "sigmoid", "num_groups": 4, "group_top_k": 2, "bias_update_rate": 0.001,
                         "scaling": 1.0},
     ),
+    # gpt-oss's architecture at test size: attention sinks, q/k/v/o biases, a 64-position window on every other
+    # layer, a biased gate (softmax over the top-k logits), experts with biases and gpt-oss's clamped SwiGLU.
+    "gpt-oss-tiny": ModelConfig(
+        name="gpt-oss-tiny", hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32,
+        max_seq_len=256, ffn_hidden_size=256, num_experts=8, moe_ffn_hidden_size=256, top_k=2, aux_loss_coeff=0.01,
+        attention_bias=True, attention_out_bias=True, attention_sinks=True, sliding_window=64, full_attention_every=2,
+        activation="swiglu_oai", moe_ffn_bias=True, router_options={"normalize": True, "gate_bias": True},
+    ),
     # Mixtral 8x7B (Jiang et al. 2024): 46.7B parameters, 12.9B active.
     "mixtral-8x7b": ModelConfig(
         name="mixtral-8x7b", vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
@@ -405,6 +413,19 @@ PRESETS: dict[str, ModelConfig] = {
         router_options={"score": "sigmoid", "expert_bias": True, "normalize": True, "num_groups": 8,
                         "group_top_k": 4, "group_score_top": 2, "scaling": 2.5, "bias_update_rate": 0.001},
     ),
+    # OpenAI's gpt-oss-20b (2025; 20.9B total, 3.6B active): 24 layers alternating a 128-position window and full
+    # attention, 64 query / 8 key-value heads of 64 with sinks and biases, 32 experts of width 2880, top-4 of a
+    # biased gate, clamped SwiGLU, YaRN x32 from 4k. gpt-oss-120b: 36 layers, 128 experts. Their checkpoints
+    # (MXFP4 experts) import as gpt_oss (models/hf).
+    "gpt-oss-20b": ModelConfig(
+        name="gpt-oss-20b", vocab_size=201088, hidden_size=2880, num_layers=24, num_heads=64, num_kv_heads=8,
+        head_dim=64, max_seq_len=131072, rope_theta=150000.0, norm_eps=1e-5,
+        rope_scaling={"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
+                      "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False},
+        ffn_hidden_size=2880, num_experts=32, moe_ffn_hidden_size=2880, top_k=4, aux_loss_coeff=0.001,
+        attention_bias=True, attention_out_bias=True, attention_sinks=True, sliding_window=128, full_attention_every=2,
+        activation="swiglu_oai", moe_ffn_bias=True, router_options={"normalize": True, "gate_bias": True},
+    ),
     # Kimi K2 (Moonshot AI; 1T total, 32B active): DeepSeek-V3's architecture with 64 heads, 384 experts in
     # one group, routed scaling 2.827, one dense first layer, YaRN x32 from 4k. Its checkpoint (model_type
     # kimi_k2) imports as deepseek_v3.
@@ -430,6 +451,8 @@ PRESETS: dict[str, ModelConfig] = {
         moe_ffn_hidden_size=3072, top_k=2, router_options={"normalize": True},
     ),
 }
+PRESETS["gpt-oss-120b"] = dataclasses.replace(PRESETS["gpt-oss-20b"], name="gpt-oss-120b", num_layers=36,
+                                              num_experts=128)  # 116.8B total, 5.1B active
 
 
 def preset(name: str) -> ModelConfig:

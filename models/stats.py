@@ -7,8 +7,9 @@ visit, i.e. each MoE layer counts top_k of its num_experts routed experts.
 FLOPs per token (the convention of Kaplan et al. 2020 / PaLM appendix B, with the causal mask):
     forward  = 2 * active matmul parameters (active parameters except the embedding lookup and the
                RMSNorm scales and biases; a tied output projection counts as a matmul)
-             + L * S * N * (Dqk + Dv)   (q.k and attn.v: 2 FLOPs per key and channel, half the keys on
-                                        average; Dqk = Dv = D for GQA, nope + rope and v for MLA)
+             + sum over layers 2 * K * N * (Dqk + Dv)   (q.k and attn.v: 2 FLOPs per key and channel; K the
+                                        keys a query sees on average: S / 2 causal, W - W^2 / (2 S) with a
+                                        sliding window W < S; Dqk = Dv = D for GQA, nope + rope and v for MLA)
     training = 3 * forward         (backward costs twice the forward)
 With multi-token prediction (models.mtp), depth k runs its projection, block and the shared head on S - k of
 every S positions: (S - k) / S * (2 * its active matmul parameters + 2 * head + (S - k) * N * (Dqk + Dv)).
@@ -50,7 +51,8 @@ def model_stats(config: ModelConfig, seq_len: int | None = None) -> ModelStats:
     vectors += sum(_expert_bias_vectors(block, config) for block in model.layers)  # 2-d, but biases too
     matmul = active - vectors - embedding + (embedding if config.tie_embeddings else 0)
     per_key = config.num_heads * (config.attn_qk_head_dim + config.attn_v_head_dim)
-    forward = 2.0 * matmul + config.num_layers * seq_len * per_key
+    forward = 2.0 * matmul + sum(2 * mean_keys(seq_len, config.attention_window(i)) * per_key
+                                 for i in range(config.num_layers))
     head = embedding if config.tie_embeddings else model.lm_head.weight.numel()
     for k, module in enumerate(model.mtp, start=1):  # models.mtp: depth k runs on S - k of every S positions
         mtp_matmul = (sum(p.numel() for p in module.parameters() if p.dim() >= 2) - _inactive(module.block, config)
@@ -58,6 +60,14 @@ def model_stats(config: ModelConfig, seq_len: int | None = None) -> ModelStats:
         n = max(seq_len - k, 0)
         forward += -2.0 * mtp_matmul + n / seq_len * (2.0 * (mtp_matmul + head) + n * per_key)
     return ModelStats(params, active, embedding, 3.0 * forward, seq_len)
+
+
+def mean_keys(seq_len: int, window: int = 0) -> float:
+    """Keys a query attends to on average over a causal sequence of seq_len (PaLM's S / 2), with a sliding
+    window of ``window`` positions (0: none): W - W^2 / (2 S) when W < S, the same convention's integral."""
+    if not window or window >= seq_len:
+        return seq_len / 2
+    return window - window * window / (2 * seq_len)
 
 
 def _inactive(layer, config: ModelConfig) -> int:

@@ -9,12 +9,12 @@ import torch
 import torch.nn.functional as F
 
 from moekit.models.config import PRESETS, ModelConfig, preset
-from moekit.models.stats import model_stats
+from moekit.models.stats import mean_keys, model_stats
 from moekit.models.transformer import Attention, Transformer, apply_rope, build_model, rope_angles
 from moekit.moe import MoELayer
 from moekit.moe.router import TopKRouter
 
-TINY_PRESETS = ["mixtral-tiny", "switch-tiny", "deepseek-tiny"]
+TINY_PRESETS = ["mixtral-tiny", "switch-tiny", "deepseek-tiny", "gpt-oss-tiny"]
 REAL_PRESETS = [n for n in PRESETS if n not in TINY_PRESETS]
 
 
@@ -42,7 +42,9 @@ def test_tiny_presets_build_and_run(name):
 
 
 def test_preset_families():
-    mix, sw, ds = (preset(n) for n in TINY_PRESETS)
+    mix, sw, ds, oss = (preset(n) for n in TINY_PRESETS)
+    assert [oss.attention_window(i) for i in range(4)] == [64, 0, 64, 0] and oss.attention_sinks
+    assert (oss.activation, oss.moe_ffn_bias, oss.router_options["gate_bias"]) == ("swiglu_oai", True, True)
     assert [mix.is_moe_layer(i) for i in range(4)] == [True] * 4
     assert [sw.is_moe_layer(i) for i in range(4)] == [False, True, False, True]  # every other layer
     assert [ds.is_moe_layer(i) for i in range(4)] == [False, True, True, True]  # first layer dense
@@ -85,6 +87,11 @@ def test_published_parameter_counts():
     ds, kimi = model_stats(preset("deepseek-v3")), model_stats(preset("kimi-k2"))
     assert ds.params / 1e9 == pytest.approx(671.0, abs=0.5) and ds.active_params / 1e9 == pytest.approx(37.0, abs=0.6)
     assert 1000 <= kimi.params / 1e9 < 1050 and kimi.active_params / 1e9 == pytest.approx(32.0, abs=0.9)
+    # gpt-oss (OpenAI 2025 model card): 20.91B total, 3.61B active; 116.83B, 5.13B (active without the embedding)
+    for name, total, active in (("gpt-oss-20b", 20.91, 3.61), ("gpt-oss-120b", 116.83, 5.13)):
+        s = model_stats(preset(name))
+        assert s.params / 1e9 == pytest.approx(total, abs=0.01), name
+        assert (s.active_params - s.embedding_params) / 1e9 == pytest.approx(active, abs=0.01), name
 
 
 # config.json of the releases (the fields that shape the model), as published on the Hub
@@ -112,7 +119,26 @@ KIMI_K2_RELEASE = {
                  "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"}}
 
 
-@pytest.mark.parametrize("name,release", [("deepseek-v3", DEEPSEEK_V3_RELEASE), ("kimi-k2", KIMI_K2_RELEASE)])
+GPT_OSS_20B_RELEASE = {
+    "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "attention_bias": True, "attention_dropout": 0.0,
+    "eos_token_id": 200002, "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880,
+    "initial_context_length": 4096, "initializer_range": 0.02, "intermediate_size": 2880,
+    "layer_types": ["sliding_attention", "full_attention"] * 12, "max_position_embeddings": 131072,
+    "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 24, "num_key_value_heads": 8,
+    "num_local_experts": 32, "output_router_logits": False, "pad_token_id": 199999,
+    "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                       "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"},
+    "rms_norm_eps": 1e-05, "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                                            "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                                            "truncate": False},
+    "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
+    "tie_word_embeddings": False, "use_cache": True, "vocab_size": 201088}
+GPT_OSS_120B_RELEASE = {**GPT_OSS_20B_RELEASE, "num_hidden_layers": 36, "num_local_experts": 128,
+                        "layer_types": ["sliding_attention", "full_attention"] * 18}
+
+
+@pytest.mark.parametrize("name,release", [("deepseek-v3", DEEPSEEK_V3_RELEASE), ("kimi-k2", KIMI_K2_RELEASE),
+                                          ("gpt-oss-20b", GPT_OSS_20B_RELEASE), ("gpt-oss-120b", GPT_OSS_120B_RELEASE)])
 def test_real_presets_are_what_the_release_config_imports_as(tmp_path, name, release):
     """The deepseek-v3 and kimi-k2 presets are the models their checkpoints load into (the forward's fields,
     routing included; the bias update rate is a training setting), so a dry run of the preset plans the run
@@ -126,7 +152,7 @@ def test_real_presets_are_what_the_release_config_imports_as(tmp_path, name, rel
     for field in (*MATH_FIELDS, "first_dense_layers", "max_seq_len"):
         assert getattr(imported, field) == getattr(mine, field), field
     assert imported.router_options == {k: v for k, v in mine.router_options.items() if k != "bias_update_rate"}
-    assert imported.name == "hf:deepseek_v3"
+    assert imported.name == f"hf:{'gpt_oss' if name.startswith('gpt-oss') else 'deepseek_v3'}"
 
 
 def test_flops_per_token_formula():
@@ -153,6 +179,8 @@ FLOP_CASES = {
     # two multi-token-prediction depths (models.mtp): MoE blocks on S - 1 and S - 2 positions, the head reused
     "deepseek-mtp2": ("deepseek-tiny", {"mtp_layers": 2}),
     "switch-tied-mtp1": ("switch-tiny", {"capacity_factor": None, "mtp_layers": 1}),
+    # gpt-oss: a 12-position window on layer 0 (layer 1 full), sinks, biases everywhere (not matmuls)
+    "gpt-oss-window": ("gpt-oss-tiny", {"sliding_window": 12}),
 }
 
 
@@ -180,8 +208,10 @@ def test_flops_per_token_equal_torchs_flop_counter(monkeypatch, case):
         model(tokens, targets=tokens.roll(-1, 1)).backward()
     counted = counter.get_total_flops() / (B * S)
     stats = model_stats(cfg, seq_len=S)
-    # the whole score matrix of every block: S keys for the main layers, S - k for MTP depth k on (S - k) / S
-    keys = cfg.num_layers * S + sum((S - k) ** 2 / S for k in range(1, cfg.mtp_layers + 1))
+    # the whole score matrix of every block: 2 S keys where the formula counts 2 mean_keys (S for a causal layer),
+    # S - k for MTP depth k on (S - k) / S
+    keys = sum(2 * S - 2 * mean_keys(S, cfg.attention_window(i)) for i in range(cfg.num_layers))
+    keys += sum((S - k) ** 2 / S for k in range(1, cfg.mtp_layers + 1))
     attention_term = keys * cfg.num_heads * (cfg.attn_qk_head_dim + cfg.attn_v_head_dim)
     assert counted == pytest.approx(stats.train_flops_per_token + 3 * attention_term, rel=1e-12), \
         (counted, stats.train_flops_per_token)
