@@ -350,3 +350,30 @@ def _ep_rank(rank, world):
 
 def test_ep2_with_biases_matches_one_process():
     run_ranks(_ep_rank, 2)
+
+
+def test_init_weights_zeroes_the_biases_and_leaves_the_weights_as_without_them():
+    """models.init: an ffn_bias / gate_bias layer's biases start at 0 whatever they held, and its weights get the
+    values the same layer without biases gets (each value a function of seed, name and position)."""
+    from moekit.models.config import ModelConfig
+    from moekit.models.init import init_weights
+    from moekit.models.stats import _expert_bias_vectors, _inactive
+    from moekit.models.transformer import build_model
+
+    cfg = ModelConfig(name="bias-init", hidden_size=H, num_layers=1, num_heads=2, num_kv_heads=1, max_seq_len=8,
+                      ffn_hidden_size=32, num_experts=E, moe_ffn_hidden_size=FF, top_k=2, vocab_size=32)
+    plain, biased = build_model(cfg, seed=1), build_model(cfg, seed=1)
+    router = build_router("topk", H, E, top_k=2, gate_bias=True)
+    biased.layers[0].ffn = MoELayer(H, FF, E, router, activation=cfg.activation, ffn_bias=True)
+    with torch.no_grad():
+        for p in biased.parameters():
+            p.fill_(float("nan"))
+    init_weights(biased, seed=1)
+    got, want = biased.state_dict(), plain.state_dict()
+    for k in ("layers.0.ffn.router.bias", "layers.0.ffn.experts.b_in", "layers.0.ffn.experts.b_out"):
+        assert torch.equal(got[k], torch.zeros_like(got[k])), k
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k
+    block = biased.layers[0]  # parameter accounting: the biases of the k active experts are vectors, not matmuls
+    assert _inactive(block, cfg) == (E - 2) * (H * 2 * FF + FF * H + 2 * FF + H)  # weights and biases per expert
+    assert _expert_bias_vectors(block, cfg) == 2 * (2 * FF + H) and _expert_bias_vectors(plain.layers[0], cfg) == 0
