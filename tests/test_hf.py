@@ -251,6 +251,8 @@ LLAMA3 = dict(rope_type="llama3", rope_theta=1e4, factor=8.0, low_freq_factor=1.
               original_max_position_embeddings=16)
 FAMILY_CASES = {  # case -> (model_type, config overrides)
     "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16)),
+    # Mistral's sliding window on every layer, shorter than the test's sequence
+    "mixtral-window": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=5)),
     "qwen2_moe": ("qwen2_moe", dict(QWEN_MOE, shared_expert_intermediate_size=40, qkv_bias=True, norm_topk_prob=True)),
     "qwen3_moe": ("qwen3_moe", dict(QWEN_MOE, head_dim=12, num_hidden_layers=3, mlp_only_layers=[0],
                                     tie_word_embeddings=True)),
@@ -272,6 +274,8 @@ FAMILY_CASES = {  # case -> (model_type, config overrides)
                                          use_qk_norm=True, head_dim=16, first_k_dense_replace=0,
                                          rope_parameters=dict(rope_type="default", rope_theta=1e4,
                                                               partial_rotary_factor=0.25), norm_topk_prob=False)),
+    # gpt-oss: sinks, q/k/v/o biases, a 4-position window on layer 0, a biased gate, biased clamped-SwiGLU experts
+    "gpt_oss": ("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=4, head_dim=8)),
     "llama": ("llama", dict(rope_parameters=LLAMA3)),
     "qwen2": ("qwen2", dict(use_sliding_window=True, sliding_window=32, max_window_layers=0)),
     "qwen3": ("qwen3", dict(head_dim=16, rope_parameters=dict(rope_type="linear", rope_theta=1e4, factor=2.0))),

@@ -114,9 +114,12 @@ def _attention_problems(cfg: ModelConfig, family: str, name: str) -> list[str]:
             problems.append(f"gpt-oss has biases on q/k/v and o alike (attention_bias); this model has "
                             f"attention_bias={cfg.attention_bias}, attention_out_bias={cfg.attention_out_bias}")
         return problems
+    if family == "mixtral" and cfg.sliding_window and cfg.full_attention_every:
+        problems.append(f"Mixtral's sliding window covers every layer; this model has full_attention_every="
+                        f"{cfg.full_attention_every} (gpt-oss alternates)")
     for field, what in (("attention_sinks", "attention sinks"), ("attention_out_bias", "a bias on o_proj"),
                         ("sliding_window", "a sliding window")):
-        if getattr(cfg, field):
+        if getattr(cfg, field) and not (family == "mixtral" and field == "sliding_window"):
             problems.append(f"{name} has no {what}; this model has {field}={getattr(cfg, field)!r} (gpt-oss has it)")
     if family == "llama" and cfg.hidden_size % cfg.num_heads:
         problems.append(f"transformers' LlamaConfig needs hidden_size divisible by num_heads; this model has "
@@ -268,8 +271,8 @@ def hf_config(model, family: str, dtype_name: str, token_ids: dict[str, Any] | N
     no_window = dict(use_sliding_window=False, sliding_window=None, max_window_layers=L,
                      layer_types=["full_attention"] * L)
     if family == "mixtral":
-        out.update(moe, intermediate_size=cfg.moe_ffn_hidden_size, num_local_experts=E, sliding_window=None,
-                   router_jitter_noise=0.0)
+        out.update(moe, intermediate_size=cfg.moe_ffn_hidden_size, num_local_experts=E,
+                   sliding_window=cfg.sliding_window or None, router_jitter_noise=0.0)
     elif family in ("qwen2_moe", "qwen3_moe"):
         out.update({**moe, **no_window}, intermediate_size=cfg.ffn_hidden_size,
                    moe_intermediate_size=cfg.moe_ffn_hidden_size, num_experts=E, norm_topk_prob=r.normalize,

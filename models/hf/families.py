@@ -196,8 +196,13 @@ def _model_config(hf: dict, fields: dict[str, Any], problems: list[str]) -> Mode
 
 
 def mixtral_config(hf: dict) -> ModelConfig:
+    """Mixtral: every layer MoE, softmax top-k renormalised; a sliding_window applies to every layer (Mistral's),
+    and moekit's attention has one (model.sliding_window), so the window does not cap max_seq_len."""
     problems: list[str] = []
-    fields = base_fields(hf, problems, default_theta=1e6, window=hf.get("sliding_window"))
+    fields = base_fields(hf, problems, default_theta=1e6)
+    window = hf.get("sliding_window")
+    if window and window < fields["max_seq_len"]:  # a window at least as long as the sequence changes nothing
+        fields["sliding_window"] = window
     F = _get(hf, "intermediate_size")
     # Every Mixtral layer is sparse; the dense FFN width is unused and kept equal to the expert width.
     fields.update(num_experts=_get(hf, ("num_local_experts", "num_experts")), top_k=_get(hf, "num_experts_per_tok"),
