@@ -130,7 +130,18 @@ def sink_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, sinks: Tensor,
     k2 = torch.cat((sink_k, F.pad(k, (0, pad))), dim=2)  # [B, K, 1+P, D+8]
     v2 = torch.cat((v.new_zeros(B, K, 1, v.shape[-1]), v), dim=2)  # [B, K, 1+P, Dv]
     mask2 = torch.cat((mask.new_ones(S, 1), mask), dim=1)  # [S, 1+P]
-    return F.scaled_dot_product_attention(q2, k2, v2, attn_mask=mask2, enable_gqa=gqa, scale=scale)
+    return masked_sdpa(q2, k2, v2, mask2, gqa, scale)
+
+
+def masked_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, gqa: bool, scale: float | None) -> Tensor:
+    """SDPA with a boolean mask. On a GPU, torch's GQA (enable_gqa) runs on the flash kernel only, which takes no
+    mask, so a masked GQA call would fall back to the math kernel and materialise [B, N, S, S] scores; the keys and
+    values are expanded to the query heads instead (K/N of what the scores would cost), which the
+    memory-efficient kernel takes. On the CPU, torch's flash kernel takes both."""
+    if gqa and q.is_cuda:
+        groups = q.shape[1] // k.shape[1]
+        k, v, gqa = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), False
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa, scale=scale)
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, kv: LayerKV | None, gqa: bool, scale: float | None = None,
@@ -150,7 +161,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, kv: LayerKV | None, gqa: bool, scale
                                               is_causal=start == 0 and S > 1, enable_gqa=gqa, scale=scale)
     mask = window_mask(start, S, window, q.device)  # [S, start+S]
     if sinks is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa, scale=scale)
+        return masked_sdpa(q, k, v, mask, gqa, scale)
     return sink_attention(q, k, v, mask, sinks, scale, gqa)
 
 

@@ -343,7 +343,45 @@ def train(run_dir: Path, *flags: str) -> list[dict]:
             if '"loss"' in line and '"step"' in line]
 
 
-@pytest.mark.parametrize("preset", ["mixtral-tiny", "deepseek-tiny"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window,sinks", [(0, True), (48, False), (48, True)])
+def test_sink_and_window_attention_on_device_match_float64(dtype, window, sinks):
+    """gpt-oss's attention on the device's SDPA kernels (masked, GQA expanded: models.attention.masked_sdpa) against
+    the float64 explicit path on the CPU, forward and the gradients of q, k, v and the sinks; bounded by 4x the
+    error of torch's own plain causal SDPA on the same inputs in the same dtype, plus a floor."""
+    from moekit.models import attention as A
+
+    B, N, K, S, D = 2, 8, 2, (64 if SMALL else 512), 64
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(B, n, S, D, generator=gen, dtype=torch.float64) for n in (N, K, K))
+    s = torch.randn(N, generator=gen, dtype=torch.float64) * 2 if sinks else None
+    inputs = [q, k, v] + ([s] if sinks else [])
+
+    def ours(q, k, v, s=None):
+        return A.attend(q, k, v, None, True, window=window, sinks=s)
+
+    def plain(q, k, v, s=None):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    before = A.EXPLICIT_ATTENTION
+    A.EXPLICIT_ATTENTION = "always"
+    try:
+        ref = fwd_bwd(lambda *t: ours(*t), inputs)
+    finally:
+        A.EXPLICIT_ATTENTION = before
+    A.EXPLICIT_ATTENTION = "never"
+    try:
+        got = fwd_bwd(ours, [t.to(DEVICE, dtype) for t in inputs])
+    finally:
+        A.EXPLICIT_ATTENTION = before
+    base_ref = fwd_bwd(plain, [q, k, v])
+    base = fwd_bwd(plain, [t.to(DEVICE, dtype) for t in (q, k, v)])
+    bound = 4 * max(rel_err(b, r) for b, r in zip(base, base_ref)) + (1e-6 if dtype == torch.float32 else 1e-3)
+    for name, g, r in zip(["out", "dq", "dk", "dv", "dsinks"], got, ref):
+        assert rel_err(g, r) <= bound, (name, rel_err(g, r), bound)
+
+
+@pytest.mark.parametrize("preset", ["mixtral-tiny", "deepseek-tiny", "gpt-oss-tiny"])
 def test_training_on_device_fp32_matches_cpu_and_bf16_learns(tmp_path, preset):
     steps = ["--steps", "6", "--preset", preset]
     cpu = train(tmp_path / "cpu", *steps, "--train.device", "cpu", "--train.dtype", "float32")
