@@ -28,14 +28,15 @@ def test_kernels_compile_for_sm90():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for name in ("_grouped_mm_kernel", "_grouped_mm_wgrad_kernel", "_segment_sum_rows_kernel",
                  "_expert_up_act_kernel", "_expert_down_dact_kernel", "_combine_fwd_kernel", "_combine_bwd_kernel",
-                 "_rope_kernel", "_topk_route_fwd_kernel", "_topk_route_bwd_kernel"):
+                 "_rope_kernel", "_topk_route_fwd_kernel", "_topk_route_bwd_kernel", "_grouped_colsum_kernel"):
         assert f"ok {name}" in proc.stdout, proc.stdout
     # The GEMM main loops must be software-pipelined (async copies into multi-buffered smem);
     # losing that (e.g. to a pointer/stride pattern Triton cannot prove aligned) costs ~2x on GPU.
-    # (The row-copy kernels, segment sum, combine, RoPE and the router have no K loop to pipeline.)
+    # (The row-copy kernels, segment sum, combine, RoPE, the router and the bias gradient's column sum have no K
+    # loop to pipeline.)
     gemm_lines = [ln for ln in proc.stdout.splitlines()
                   if ln.startswith("ok ")
-                  and not any(n in ln for n in ("_segment_sum", "_combine_", "_rope_", "_topk_route_"))]
+                  and not any(n in ln for n in ("_segment_sum", "_combine_", "_rope_", "_topk_route_", "_grouped_colsum"))]
     assert gemm_lines and all("pipelined=True" in ln for ln in gemm_lines), proc.stdout
 
 
