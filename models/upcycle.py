@@ -87,7 +87,7 @@ from moekit.moe.activations import get_activation
 from moekit.moe.router import TopKRouter, build_router, router_class
 
 # ModelConfig fields that only describe the MoE part: an upcycled config sets them freely.
-MOE_FIELDS = ("num_experts", "moe_ffn_hidden_size", "shared_ffn_hidden_size", "shared_expert_gate", "moe_every",
+MOE_FIELDS = ("num_experts", "moe_ffn_hidden_size", "shared_ffn_hidden_size", "shared_expert_gate", "moe_ffn_bias", "moe_every",
               "first_dense_layers", "router", "top_k", "capacity_factor", "aux_loss_coeff", "z_loss_coeff",
               "router_options", "expert_backend")
 # Fields that change none of the copied tensors' math (max_seq_len: RoPE is computed per position).
@@ -404,7 +404,9 @@ def _upcycle_ffn(shape: MoELayer, layer: MoELayer | None, src, prefix: str, g: i
     """One MoE layer from its dense MLP (module docstring, steps 2-3): the draws from ``shape`` (the whole model's
     layer, possibly on the meta device), the writes into ``layer`` (this rank's, None when another rank holds it),
     reading from ``src`` just the parts of the MLP's shards (F/g hidden units each) its expert rows hold."""
-    known = {"router.weight", "router.expert_bias", "experts.w_in", "experts.w_out"}
+    # gpt-oss-style biases (gate, experts) start at zero: a copy of a bias-free dense MLP, ties between copies kept
+    known = {"router.weight", "router.expert_bias", "experts.w_in", "experts.w_out", "router.bias", "experts.b_in",
+             "experts.b_out"}
     unknown = [k for k in shape.state_dict() if k not in known and not k.startswith("shared_expert.")]
     if unknown:  # a tensor this function would leave uninitialised
         raise ValueError(f"{prefix[:-1]}: upcycling does not know how to initialise {unknown}")
@@ -456,6 +458,9 @@ def _upcycle_ffn(shape: MoELayer, layer: MoELayer | None, src, prefix: str, g: i
     _put(router.weight, rows.repeat_interleave(g, dim=0))  # step 3: row e = u_{e // g}
     for _, buf in router.named_buffers():  # aux-loss-free expert_bias, its pending load: zero at step 0
         buf.zero_()
+    for bias in (getattr(router, "bias", None), getattr(experts, "b_in", None), getattr(experts, "b_out", None)):
+        if bias is not None:  # the dense MLP has none: zero keeps the upcycled model the dense one
+            bias.zero_()
     if layer.shared_expert is not None:
         for name, value in drawn.items():
             _put(getattr(layer.shared_expert, name).weight, value)

@@ -14,7 +14,7 @@ import torch
 
 from moekit.models.config import ModelConfig
 from moekit.models.transformer import build_model
-from moekit.models.upcycle import check_upcycle_config, dense_mismatches, upcycle, upcycled_config
+from moekit.models.upcycle import check_upcycle_config, dense_mismatches, upcycle, upcycle_into, upcycled_config
 from moekit.moe import MoELayer
 from tests.tiny import TINY_MODEL
 
@@ -79,6 +79,23 @@ def test_layer_patterns_shared_experts_groups_and_scaling_keep_the_logits(fields
         if isinstance(b.ffn, MoELayer):
             assert b.ffn.shared_expert.w_out.weight.abs().sum() == 0  # zero output: starts silent
             assert b.ffn.shared_expert.w_up.weight.std() > 0  # but its input projections are drawn
+
+
+def test_gpt_oss_style_biases_start_at_zero_and_keep_the_logits():
+    """An MoE with a gate bias and expert biases (gpt-oss's, moe_ffn_bias / gate_bias) upcycles from a bias-free
+    dense MLP with those biases zero, whatever init left in them, and the dense logits."""
+    dense = dense_model()
+    cfg = upcycled_config(dense.config, 8, 4, 2, moe_ffn_bias=True,
+                          router_options={"normalize": True, "gate_bias": True})
+    target = build_model(cfg, seed=3)
+    with torch.no_grad():
+        for b in target.layers:
+            for t in (b.ffn.router.bias, b.ffn.experts.b_in, b.ffn.experts.b_out):
+                t.normal_()  # a stale value the upcycle must overwrite
+    moe = upcycle_into(target, dense, 2, seed=1)
+    assert_same_logits(dense, moe)
+    for b in moe.layers:
+        assert all(t.abs().sum() == 0 for t in (b.ffn.router.bias, b.ffn.experts.b_in, b.ffn.experts.b_out))
 
 
 def test_random_router_rows_would_change_the_output():
