@@ -88,8 +88,11 @@ def assert_same_run(compiled, eager, atol=1e-6, rtol=1e-5):
             assert load_c[name][2] == pytest.approx(load_e[name][2], rel=rtol, abs=atol)
 
 
-def test_compiled_blocks_match_eager_and_stop_compiling():
-    eager = build_model(tiny("mixtral-tiny"), seed=3)
+@pytest.mark.parametrize("preset", ["mixtral-tiny", "gpt-oss-tiny"])
+def test_compiled_blocks_match_eager_and_stop_compiling(preset):
+    """gpt-oss-tiny: its sinks, window (4 positions of 16 on layer 0), biases and clamped SwiGLU traced too."""
+    extra = dict(sliding_window=4, num_heads=4, num_kv_heads=2, head_dim=8) if preset == "gpt-oss-tiny" else {}
+    eager = build_model(dataclasses.replace(tiny(preset), **extra), seed=3)
     compiled = copy.deepcopy(eager)
     apply_compile(compiled, backend="aot_eager")
     assert list(compiled.state_dict()) == list(eager.state_dict())
