@@ -277,6 +277,10 @@ FAMILY_CASES = {  # case -> (model_type, config overrides)
     # gpt-oss: sinks, q/k/v/o biases, a 4-position window on layer 0, a biased gate, biased clamped-SwiGLU experts
     "gpt_oss": ("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=4, head_dim=8)),
     "llama": ("llama", dict(rope_parameters=LLAMA3)),
+    # attention_bias: biases on q/k/v and o_proj (attention_bias + attention_out_bias in moekit)
+    "llama-bias": ("llama", dict(attention_bias=True)),
+    "qwen3_moe-bias": ("qwen3_moe", dict(QWEN_MOE, attention_bias=True)),
+    "olmoe-bias": ("olmoe", dict(num_experts=4, num_experts_per_tok=2, attention_bias=True)),
     "qwen2": ("qwen2", dict(use_sliding_window=True, sliding_window=32, max_window_layers=0)),
     "qwen3": ("qwen3", dict(head_dim=16, rope_parameters=dict(rope_type="linear", rope_theta=1e4, factor=2.0))),
 }
@@ -292,6 +296,8 @@ def hf_family_model(folder: Path, model_type: str, overrides: dict, seed: int = 
         for name, p in model.named_parameters():
             if "norm" in name:  # transformers starts every norm at 1: a swapped or dropped norm would not show
                 p.normal_(1.0, 0.2)
+            elif name.endswith(("bias", "sinks")):  # and biases at 0: a dropped bias would not show either
+                p.normal_(0.0, 0.3)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # the bias must change which experts win
                 b.normal_(0.0, 0.3)
@@ -465,10 +471,10 @@ def write_hf_config(folder: Path, model_type: str, **changes) -> Path:
 
 @pytest.mark.parametrize("model_type,changes,patterns", [
     ("llama", dict(attention_bias=True, mlp_bias=True, partial_rotary_factor=0.5),
-     [r"attention_bias=true \(biases on q/k/v and o_proj\)", r"mlp_bias=true", r"partial_rotary_factor=0\.5"]),
+     [r"mlp_bias=true", r"partial_rotary_factor=0\.5"]),
     ("qwen2_moe", dict(QWEN_MOE, num_hidden_layers=4, mlp_only_layers=[2]),
      [r"MoE layers \[0, 1, 3\] of 4 .* per-layer MoE/dense list"]),
-    ("qwen3_moe", dict(QWEN_MOE, attention_bias=True, hidden_act="gelu"), [r"o_proj", r"hidden_act='gelu'"]),
+    ("qwen3_moe", dict(QWEN_MOE, attention_bias=True, hidden_act="gelu"), [r"hidden_act='gelu'"]),
     ("deepseek_v3", dict(MLA, moe_layer_freq=2, attention_bias=True, scoring_func="softmax",
                          rope_parameters={"rope_type": "longrope", "rope_theta": 1e4},
                          quantization_config={"quant_method": "awq", "bits": 4}),
@@ -558,6 +564,10 @@ def test_native_model_exports_as_nearest_family(tmp_path, case):
                                        r"model has qk_norm='head'"]),
     (dict(shared_ffn_hidden_size=16), "qwen2_moe", [r"shared expert is sigmoid-gated; this model's has no gate"]),
     (dict(num_experts=0), "mixtral", [r"Mixtral is an MoE family; this model has no experts"]),
+    (dict(attention_bias=True), "qwen3_moe", [r"Qwen3-MoE's attention_bias puts biases on q/k/v and o alike; this "
+                                              r"model has attention_bias=True, attention_out_bias=False"]),
+    (dict(attention_bias=True, attention_out_bias=True), "qwen2_moe", [r"Qwen2-MoE has no o_proj bias"]),
+    (dict(attention_out_bias=True), "mixtral", [r"Mixtral has no attention biases"]),
     (dict(router="switch", top_k=1, router_options={}, qk_norm="head"), "qwen3_moe", [r"jitter=0\.01 noise"]),
     (dict(name="hf:olmoe"), None, [r"imported from olmoe but no longer matches it: OLMoE has qk_norm='full'"]),
     (dict(attention="mla", kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,

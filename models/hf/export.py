@@ -40,13 +40,14 @@ NEAREST = {True: ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "deepseek_v3", "
 PRETTY = {"mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE", "olmoe": "OLMoE",
           "deepseek_v3": "DeepSeek-V3", "glm4_moe": "GLM-4-MoE", "gpt_oss": "gpt-oss", "llama": "Llama", "qwen2": "Qwen2",
           "qwen3": "Qwen3"}
-# (attention kind, q/k/v bias allowed, the qk_norms it can compute, qkv_clip allowed) of each family's attention
-ATTENTION = {"mixtral": ("gqa", False, ("none",), False), "qwen2_moe": ("gqa", True, ("none",), False),
-             "qwen3_moe": ("gqa", False, ("head",), False), "olmoe": ("gqa", False, ("full",), True),
-             "deepseek_v3": ("mla", False, ("none",), False), "glm4_moe": ("gqa", True, ("none", "head"), False),
-             "gpt_oss": ("gqa", True, ("none",), False),
-             "llama": ("gqa", False, ("none",), False), "qwen2": ("gqa", True, ("none",), False),
-             "qwen3": ("gqa", False, ("head",), False)}
+# (attention kind, its biases, the qk_norms it can compute, qkv_clip allowed) of each family's attention; biases:
+# "none", "qkv" (q/k/v, never o: Qwen2's qkv_bias, GLM's attention_bias) or "all" (one attention_bias for q/k/v and o)
+ATTENTION = {"mixtral": ("gqa", "none", ("none",), False), "qwen2_moe": ("gqa", "qkv", ("none",), False),
+             "qwen3_moe": ("gqa", "all", ("head",), False), "olmoe": ("gqa", "all", ("full",), True),
+             "deepseek_v3": ("mla", "none", ("none",), False), "glm4_moe": ("gqa", "qkv", ("none", "head"), False),
+             "gpt_oss": ("gqa", "all", ("none",), False),
+             "llama": ("gqa", "all", ("none",), False), "qwen2": ("gqa", "qkv", ("none",), False),
+             "qwen3": ("gqa", "all", ("head",), False)}
 # the families whose MoE is DeepSeek-V3's: sigmoid scores, selection bias, groups, scaling, ungated shared experts
 DEEPSEEK_MOE = ("deepseek_v3", "glm4_moe")
 
@@ -89,14 +90,21 @@ def export_problems(model, family: str) -> list[str]:
 
 
 def _attention_problems(cfg: ModelConfig, family: str, name: str) -> list[str]:
-    kind, bias_ok, qk_norms, clip_ok = ATTENTION[family]
+    kind, biases, qk_norms, clip_ok = ATTENTION[family]
     if cfg.attention != kind:
         what = "multi-head latent attention (MLA)" if kind == "mla" else "grouped-query attention"
         return [f"{name} has {what}; this model has attention={cfg.attention!r}"]
     problems = []
-    if cfg.attention_bias and not bias_ok:
-        problems.append(f"{name} has no q/k/v biases; this model has attention_bias=true (Qwen2 and Qwen2-MoE "
-                        f"have them)")
+    if biases == "none" and (cfg.attention_bias or cfg.attention_out_bias):
+        problems.append(f"{name} has no attention biases; this model has attention_bias={cfg.attention_bias}, "
+                        f"attention_out_bias={cfg.attention_out_bias} (Qwen2 and Qwen2-MoE have q/k/v biases; Llama, "
+                        f"Qwen3 and gpt-oss biases on q/k/v and o)")
+    elif biases == "qkv" and cfg.attention_out_bias:
+        problems.append(f"{name} has no o_proj bias; this model has attention_out_bias=true (Llama, Qwen3 and gpt-oss "
+                        f"have one with their q/k/v biases)")
+    elif biases == "all" and cfg.attention_bias != cfg.attention_out_bias:
+        problems.append(f"{name}'s attention_bias puts biases on q/k/v and o alike; this model has attention_bias="
+                        f"{cfg.attention_bias}, attention_out_bias={cfg.attention_out_bias} (Qwen2 has q/k/v only)")
     if family == "qwen2" and not cfg.attention_bias:
         problems.append("Qwen2 always has q/k/v biases; this model has attention_bias=false (Llama has none)")
     if cfg.qk_norm not in qk_norms:
@@ -110,15 +118,11 @@ def _attention_problems(cfg: ModelConfig, family: str, name: str) -> list[str]:
     if family == "gpt_oss":
         if not cfg.attention_sinks:
             problems.append("gpt-oss's attention has a sink logit per head; this model has attention_sinks=false")
-        if cfg.attention_bias != cfg.attention_out_bias:
-            problems.append(f"gpt-oss has biases on q/k/v and o alike (attention_bias); this model has "
-                            f"attention_bias={cfg.attention_bias}, attention_out_bias={cfg.attention_out_bias}")
         return problems
     if family == "mixtral" and cfg.sliding_window and cfg.full_attention_every:
         problems.append(f"Mixtral's sliding window covers every layer; this model has full_attention_every="
                         f"{cfg.full_attention_every} (gpt-oss alternates)")
-    for field, what in (("attention_sinks", "attention sinks"), ("attention_out_bias", "a bias on o_proj"),
-                        ("sliding_window", "a sliding window")):
+    for field, what in (("attention_sinks", "attention sinks"), ("sliding_window", "a sliding window")):
         if getattr(cfg, field) and not (family == "mixtral" and field == "sliding_window"):
             problems.append(f"{name} has no {what}; this model has {field}={getattr(cfg, field)!r} (gpt-oss has it)")
     if family == "llama" and cfg.hidden_size % cfg.num_heads:
@@ -281,10 +285,10 @@ def hf_config(model, family: str, dtype_name: str, token_ids: dict[str, Any] | N
             out.update(qkv_bias=cfg.attention_bias,
                        shared_expert_intermediate_size=cfg.shared_ffn_hidden_size or cfg.moe_ffn_hidden_size)
         else:
-            out.update(attention_bias=False)
+            out.update(attention_bias=cfg.attention_bias)
     elif family == "olmoe":
         out.update(moe, intermediate_size=cfg.moe_ffn_hidden_size, num_experts=E, norm_topk_prob=r.normalize,
-                   clip_qkv=cfg.qkv_clip or None, attention_bias=False)
+                   clip_qkv=cfg.qkv_clip or None, attention_bias=cfg.attention_bias)
     elif family == "deepseek_v3":
         groups = (r.num_groups, r.group_top_k) if r.num_groups is not None else (1, 1)
         out.update(moe, intermediate_size=cfg.ffn_hidden_size, moe_intermediate_size=cfg.moe_ffn_hidden_size,
@@ -315,11 +319,12 @@ def hf_config(model, family: str, dtype_name: str, token_ids: dict[str, Any] | N
                    sliding_window=cfg.sliding_window or None, layer_types=types, swiglu_alpha=OAI_ALPHA,
                    swiglu_limit=OAI_LIMIT)
     elif family == "llama":
-        out.update(intermediate_size=cfg.ffn_hidden_size, attention_bias=False, mlp_bias=False, pretraining_tp=1)
+        out.update(intermediate_size=cfg.ffn_hidden_size, attention_bias=cfg.attention_bias, mlp_bias=False,
+                   pretraining_tp=1)
     else:  # qwen2, qwen3
         out.update(no_window, intermediate_size=cfg.ffn_hidden_size)
         if family == "qwen3":
-            out["attention_bias"] = False
+            out["attention_bias"] = cfg.attention_bias
     if fp8_block is not None:
         out["quantization_config"] = quantization_config(fp8_block)
     return out

@@ -54,7 +54,6 @@ GPT_OSS = Naming(moe_blocks=("mlp",), expert_proj=GATED, experts_field="num_loca
 
 # What moekit's model would need to lift each refusal (also listed in docs/hf.md).
 NEEDS = {
-    "o_bias": "a bias on the attention output projection (moekit's attention_bias covers q/k/v only)",
     "mla_bias": "biases on MLA's q_a / kv_a / o projections",
     "mlp_bias": "biases on the FFN projections",
     "activation": "an FFN gated by another activation (moekit's gated FFN is SwiGLU = silu(gate) * up)",
@@ -163,10 +162,10 @@ def qwen_window(hf: dict) -> int | None:
     return window if types is None or "sliding_attention" in types else None
 
 
-def refuse_output_bias(hf: dict, problems: list[str]) -> None:
-    """Llama, Qwen3, Qwen3-MoE, OLMoE: attention_bias puts a bias on o_proj too."""
+def all_attention_biases(hf: dict, fields: dict[str, Any]) -> None:
+    """Llama, Qwen3, Qwen3-MoE, OLMoE: attention_bias puts a bias on q/k/v and on o_proj."""
     if hf.get("attention_bias"):
-        problems.append(f"attention_bias=true (biases on q/k/v and o_proj) (needs {NEEDS['o_bias']})")
+        fields.update(attention_bias=True, attention_out_bias=True)
 
 
 def layer_pattern(moe: list[bool]) -> tuple[int, int] | None:
@@ -218,7 +217,7 @@ def qwen_moe_config(hf: dict) -> ModelConfig:
     if qwen2:
         fields["attention_bias"] = bool(hf.get("qkv_bias", True))  # Qwen2MoeConfig: qkv_bias, default true
     else:
-        refuse_output_bias(hf, problems)
+        all_attention_biases(hf, fields)
         fields["qk_norm"] = "head"
     E, L = _get(hf, ("num_experts", "num_local_experts")), fields["num_layers"]
     step, dense = _get(hf, "decoder_sparse_step", 1), set(_get(hf, "mlp_only_layers", []))
@@ -247,7 +246,7 @@ qwen_router_options = softmax_router_options  # the earlier name
 def olmoe_config(hf: dict) -> ModelConfig:
     problems: list[str] = []
     fields = base_fields(hf, problems)
-    refuse_output_bias(hf, problems)
+    all_attention_biases(hf, fields)
     E = _get(hf, ("num_experts", "num_local_experts"))
     F = _get(hf, "intermediate_size")  # OLMoE's experts have intermediate_size; every layer is sparse
     fields.update(qk_norm="full", qkv_clip=float(_get(hf, "clip_qkv", 0.0)), num_experts=E,
@@ -368,7 +367,7 @@ def dense_config(hf: dict) -> ModelConfig:
     if kind == "qwen2":
         fields["attention_bias"] = True  # Qwen2Attention: q/k/v biases always, none on o_proj
     else:
-        refuse_output_bias(hf, problems)
+        all_attention_biases(hf, fields)
     if kind == "qwen3":
         fields["qk_norm"] = "head"
     if hf.get("mlp_bias"):
