@@ -100,6 +100,14 @@ B, S = 2, 64  # one micro-batch
     ("deepseek-tiny", "none", {}), ("switch-tiny", "none", {}),
     ("mixtral-tiny", "none", {"activation": "gelu", "shared_ffn_hidden_size": 64, "shared_expert_gate": True}),
     ("deepseek-tiny", "none", {"mtp_layers": 2}), ("deepseek-tiny", "full", {"mtp_layers": 1}),
+    # gpt-oss: sinks (CPU SDPA's math backend over widened q / k / v), a 64-wide window on layer 0 (= S: the mask
+    # still exists), wo / router / expert biases, swiglu_oai through the loop's composite path
+    ("gpt-oss-tiny", "none", {}), ("gpt-oss-tiny", "full", {}), ("gpt-oss-tiny", "selective", {}),
+    ("gpt-oss-tiny", "ffn", {"sliding_window": 16}),
+    ("mixtral-tiny", "none", {"sliding_window": 16, "full_attention_every": 2}),  # a window without sinks: its mask
+    ("mixtral-tiny", "selective", {"sliding_window": 16}),
+    # swiglu_oai's composite dense MLP and shared expert keep 7 F per token (ffn_widths), the routed experts 3 F
+    ("deepseek-tiny", "none", {"activation": "swiglu_oai", "moe_ffn_bias": True}),
 ])
 def test_estimate_matches_one_process(name, mode, over):
     cfg = dataclasses.replace(preset(name), num_layers=2, **over)
@@ -118,22 +126,30 @@ def test_estimate_matches_one_process(name, mode, over):
     assert est.activations == pytest.approx(measured["activations"], rel=tol), est.breakdown
 
 
-@pytest.mark.parametrize("attention", ["auto", "never"])
-def test_estimate_matches_one_process_under_cpu_bf16_autocast(attention):
+@pytest.mark.parametrize("name,attention,mode", [
+    ("mixtral-tiny", "auto", "none"), ("mixtral-tiny", "never", "none"),
+    ("gpt-oss-tiny", "auto", "none"), ("gpt-oss-tiny", "never", "none"),  # explicit with a sink column; math SDPA
+    # checkpointed blocks recompute their weights' bf16 casts too: only the head's (and, under ffn, attention's)
+    # stay; counting every block's was 4.5x the measured bytes here
+    ("mixtral-tiny", "never", "full"), ("gpt-oss-tiny", "never", "selective"), ("gpt-oss-tiny", "auto", "ffn"),
+])
+def test_estimate_matches_one_process_under_cpu_bf16_autocast(name, attention, mode):
     """CPU bf16 autocast (``--train.dtype bfloat16``): each projection's bf16 input copy, and the attention's
     kept tensors whichever path runs: the explicit bmm + softmax (auto at this length: it keeps the [B, N, S, S]
     probabilities) or SDPA (its output and logsumexp)."""
     from moekit.models import attention as A
 
-    cfg = dataclasses.replace(preset("mixtral-tiny"), num_layers=2)
+    cfg = dataclasses.replace(preset(name), num_layers=2)
     before, A.EXPLICIT_ATTENTION = A.EXPLICIT_ATTENTION, attention
     try:
         assert A.explicit_attention_applies("cpu", torch.bfloat16, B, cfg.num_heads, S) == (attention == "auto")
-        model = build_model(cfg, seed=0).train()
+        model = build_model(cfg, seed=0)
+        apply_activation_checkpointing(model, mode)
+        model.train()
         gen = torch.Generator().manual_seed(0)
         tokens, targets = (torch.randint(0, cfg.vocab_size, (B, S), generator=gen) for _ in range(2))
         measured = measure(model, tokens, targets, autocast=torch.bfloat16)
-        est = estimate_memory(cfg, Layout(), Workload(B, S, "bfloat16", "none", "cpu"))
+        est = estimate_memory(cfg, Layout(), Workload(B, S, "bfloat16", mode, "cpu"))
     finally:
         A.EXPLICIT_ATTENTION = before
     assert est.activations == pytest.approx(measured["activations"], rel=0.005), (est.breakdown, measured)

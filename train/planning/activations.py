@@ -7,11 +7,15 @@ rows, a / r bytes of the compute dtype / of the residual stream.
     residual   block input and the post-attention sum h                           2 Ts H r
     norms      rsqrt [Ts], and x * rsqrt [Ts, H] (CPU's composite RMSNorm; CUDA's fused kernel keeps x only)
     attention  the norm output the projections read (autocast: one bf16 copy per projection), q and k
-               after RoPE, v, SDPA output and fp32 logsumexp; on CPU a copy of the output for wo
+               after RoPE, v, SDPA output and fp32 logsumexp; on CPU a copy of the output for wo. A
+               sliding window or sinks (gpt-oss) give SDPA a mask, which it keeps (``_gqa_kept``); sinks
+               widen q / k / v (models.attention.sink_attention) and on CPU fall to the math backend
     router     fp32 logits (the z-loss logsumexp keeps them) and scores [Tm, E]; ids, weights [Tm, k]
     dispatch   int64 slot <-> row maps; under EP the reorder permutation and its inverse
-    experts    input rows [R, H], [gate | up] [R, 2F] and SwiGLU output [R, F], outputs [R, H] (combine)
+    experts    input rows [R, H], [gate | up] [R, 2F] and SwiGLU output [R, F], outputs [R, H] (combine);
+               the Triton backend keeps only [gate | up] (its second GEMM's input is recomputed)
     dense FFN  / shared expert (DenseMLP): gate, up, silu(gate), product: 4 T F (GELU 2 T F, ReLU T F)
+               (what an activation keeps is measured once from moe.activations' table: ``ffn_widths``)
     head       final norm and the loss: its gradients dh [T, H] and dW [V, H] (models.loss, no logits),
                or under pipeline parallelism the lm_head input and the fp32 log-softmax [T, V]; token ids
 Activation checkpointing: "full" keeps each block's input only; "ffn" keeps the FFN / MoE input and drops
@@ -29,6 +33,7 @@ final norm / the next stage read all T).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -38,19 +43,42 @@ import torch
 from moekit.comm.topology import Layout
 from moekit.models.attention import explicit_attention_applies
 from moekit.models.config import ModelConfig
+from moekit.moe.activations import get_activation
 
 if TYPE_CHECKING:  # moekit.train.planning.memory imports this module
     from moekit.train.planning.memory import Stage, Workload
 
 FP32, INT64 = 4, 8
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
-# Saved hidden state per row, in units of the FFN width. GroupedExperts' fused SwiGLU keeps [gate | up]
-# and its output (3); DenseMLP keeps gate, up, silu(gate) and the product (4); GELU its input and output;
-# ReLU only its output.
-EXPERT_HIDDEN = {"swiglu": 3, "gelu": 2, "relu": 1}
-DENSE_HIDDEN = {"swiglu": 4, "gelu": 2, "relu": 1}
+SINK_PAD = 8  # models.attention.sink_attention widens q / k by this many channels (the sink's, padded to 8)
+MEM_EFF_ALIGN = 16  # torch's efficient attention pads a mask whose last dim is not a multiple of 16
 
 
+@functools.lru_cache(maxsize=None)
+def ffn_widths(activation: str, dense: bool) -> int:
+    """Tensors of the FFN width F that autograd keeps per row between an FFN's two projections, in units of
+    [rows, F]: measured once by running the activation of moe.activations' table on a small fp32 example under
+    saved_tensors_hooks, plus its output (the second projection keeps it), each storage counted once. So any
+    table entry is right without a case here. ``dense``: DenseMLP's form (separate gate and up Linears,
+    ``Activation.combine``), else the routed experts' (``Activation.fn`` over [gate | up]).
+
+    SwiGLU: experts 3 (the fused function keeps [gate | up], the GEMM its output), dense 4 (gate, up, silu(gate),
+    product); swiglu_oai: experts 3, dense 7 (its clamps and sigmoid are composite ops); GELU 2; ReLU 1."""
+    act, rows, F = get_activation(activation), 2, 8
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        if dense:
+            up = torch.randn(rows, F, requires_grad=True)
+            out = act.combine(torch.randn(rows, F, requires_grad=True), up) if act.gated else act.unit(up)
+        else:
+            out = act(torch.randn(rows, act.in_features(F), requires_grad=True))
+    pack(out)
+    return sum(seen.values()) // (rows * F * 4)
 @dataclass(frozen=True)
 class Shapes:
     T: int  # tokens of the micro-batch (attention, projections, dense MLP: gathered under SP)
@@ -80,7 +108,7 @@ def shapes(cfg: ModelConfig, layout: Layout, wl: Workload) -> Shapes:
                   wl.seq_len, explicit)
 
 
-def _attention(cfg: ModelConfig, layout: Layout, s: Shapes) -> int:
+def _attention(cfg: ModelConfig, layout: Layout, s: Shapes, i: int) -> int:
     H, N = cfg.hidden_size, cfg.num_heads // layout.tp
     if cfg.attention == "mla":  # keys are expanded per head (models.attention.MLAttention); plus the latents
         Dqk, Dv = cfg.attn_qk_head_dim, cfg.v_head_dim
@@ -90,12 +118,56 @@ def _attention(cfg: ModelConfig, layout: Layout, s: Shapes) -> int:
         return inputs + kept + (s.T * N * Dv * s.a if s.cpu else 0) + _explicit_probs(cfg, layout, s)
     D, K = cfg.attn_head_dim, cfg.num_kv_heads // layout.tp
     inputs = 3 * s.T * H * s.a if s.casts else s.T * H * s.r
-    kept = s.T * (2 * N + 2 * K) * D * s.a + s.T * N * FP32  # q, k (after RoPE), v, output; logsumexp
+    kept = _gqa_kept(s, N, K, D, cfg.attention_window(i), cfg.attention_sinks)
     if cfg.qk_norm != "none":  # the norms keep their inputs (q, k before the norm)
         kept += s.T * (N + K) * D * s.a
-    # no copy for wo: RoPE runs before the head transpose, so q reaches SDPA as a [B, S, N, D] view and CPU
-    # SDPA returns its output in q's layout, whose reshape back to [B, S, N*D] is a view
-    return inputs + kept + _explicit_probs(cfg, layout, s)
+    return inputs + kept
+
+
+def _gqa_kept(s: Shapes, N: int, K: int, D: int, window: int, sinks: bool) -> int:
+    """What one GQA attention keeps from q, k, v on (models.attention.attend) to wo's input, whichever path runs:
+
+    SDPA (no mask): q, k (after RoPE), v, the output and its fp32 logsumexp; no copy for wo: RoPE runs before
+        the head transpose, so q reaches SDPA as a [B, S, N, D] view and SDPA returns its output in that
+        layout, whose reshape back to [B, S, N*D] is a view.
+    window (a bool mask, no sinks): the same, plus the mask SDPA converts to an additive [S, S] one in the
+        compute dtype and keeps (CPU flash: measured; CUDA efficient attention: [S, S] stays a broadcast view
+        when S % 16 == 0, else torch pads the expanded [B, N, S, S] mask and keeps that, attention.cpp's
+        preprocess_mask).
+    sinks (models.attention.sink_attention): SDPA over copies q' [B, N, S, D+8], k' [B, K, S+1, D+8],
+        v' [B, K, S+1, D] and the [S, S+1] mask; q, k, v themselves are then freed.
+        CPU: the fused kernel needs q, k and v of one head dim, so the math backend runs (measured, fp32 even
+            under bf16 autocast): q' * scale [B, N, S, D+8], k'^T * scale and v' expanded over the N query
+            heads [B, N, D+8, S+1], [B, N, S+1, D], the probabilities [B, N, S, S+1]; and its contiguous
+            [B, N, S, D] output, which wo's reshape copies.
+        CUDA (assumed, not measured here: flash attention refuses masks, so the efficient kernel runs): q', k',
+            v', its output ([B, S, N, D] strides: a view for wo) and fp32 logsumexp, and the mask: S + 1 keys
+            are not a multiple of 16, so torch keeps a padded copy of the mask expanded to [B, N, S, S+16]
+            (preprocess_mask) in the compute dtype: as large as the scores.
+    explicit (CPU bf16, short sequences: bmm + softmax + bmm): copies of q, k, v and of the output in place of
+        SDPA's views (the same bytes) and the softmax probabilities [B, N, S, S] (S + 1 wide with sinks) in
+        place of the logsumexp; its additive mask is not kept (baddbmm's input needs no saving).
+    """
+    T, S, a = s.T, s.S, s.a
+    B = T // S
+    qkvo = T * (2 * N + 2 * K) * D * a  # q, k, v, output
+    if s.explicit_attention:
+        return qkvo + T * N * (S + sinks) * a
+    if sinks and s.cpu:  # math backend, fp32
+        return T * N * (D + SINK_PAD) * FP32 + B * N * (S + 1) * (D + SINK_PAD + D) * FP32 \
+            + T * N * (S + 1) * FP32 + T * N * D * a
+    if sinks:
+        return (T * N * (D + SINK_PAD) + B * K * (S + 1) * (2 * D + SINK_PAD) + T * N * D) * a + T * N * FP32 \
+            + _mask_bytes(s, N, S + 1)
+    return qkvo + T * N * FP32 + (_mask_bytes(s, N, S) if window else 0)
+
+
+def _mask_bytes(s: Shapes, N: int, keys: int) -> int:
+    """The additive [S, keys] mask SDPA keeps for backward (``_gqa_kept``): on CPU as it is; on CUDA a
+    broadcast view when ``keys`` is a multiple of 16, else padded and materialised per batch row and head."""
+    if s.cpu or keys % MEM_EFF_ALIGN == 0:
+        return s.S * keys * s.a
+    return s.T * N * math.ceil(keys / MEM_EFF_ALIGN) * MEM_EFF_ALIGN * s.a
 
 
 def _explicit_probs(cfg: ModelConfig, layout: Layout, s: Shapes) -> int:
@@ -142,10 +214,17 @@ def _moe(cfg: ModelConfig, layout: Layout, s: Shapes, node_rows: float) -> dict[
     H, k, F = cfg.hidden_size, cfg.top_k, cfg.moe_ffn_hidden_size
     dispatch = s.Tm * k * INT64 + s.R * INT64 + (2 * s.R * INT64 if layout.ep > 1 else 0)
     dispatch += int(node_rows * s.Tm) * (H * s.a + INT64)  # two-level: one partial sum back per (token, node)
-    experts = s.R * H * (s.a if s.casts else s.r) + s.R * F * EXPERT_HIDDEN[cfg.activation] * s.a + s.R * H * s.a
+    backend = _backend(cfg, s.cpu)
+    # the Triton kernel keeps [gate | up] alone (moe.kernels.expert_mlp.FusedExpertMLPFunction saves pre, and its
+    # backward recomputes the activation); the other backends keep what the activation and the second GEMM keep
+    act = get_activation(cfg.activation)
+    hidden = act.in_features(F) if backend == "triton" else F * ffn_widths(cfg.activation, False)
+    experts = s.R * H * (s.a if s.casts else s.r) + s.R * hidden * s.a + s.R * H * s.a
+    if cfg.moe_ffn_bias and backend == "torch":  # add_expert_bias keeps each row's int64 expert id, per bias
+        experts += 2 * s.R * INT64
     out = {"router": _router(cfg, s), "dispatch": dispatch, "experts": experts}
     if cfg.shared_ffn_hidden_size:
-        shared = s.Tm * cfg.shared_ffn_hidden_size * DENSE_HIDDEN[cfg.activation] * s.a
+        shared = s.Tm * cfg.shared_ffn_hidden_size * ffn_widths(cfg.activation, True) * s.a
         shared += s.Tm * H * s.a * (s.casts + cfg.shared_expert_gate) + 2 * s.Tm * FP32 * cfg.shared_expert_gate
         out["shared_expert"] = shared
     return out
@@ -155,14 +234,14 @@ def _block(cfg: ModelConfig, layout: Layout, s: Shapes, i: int, node_rows: float
     """Block i's activations: (kept outside the FFN, the FFN's internals)."""
     H = cfg.hidden_size
     norms = 2 * s.Ts * FP32 + (2 * s.Ts * H * s.r if s.cpu else 0)  # rsqrt; x * rsqrt on CPU
-    outer = {"residual": 2 * s.Ts * H * s.r, "norms": norms, "attention": _attention(cfg, layout, s)}
+    outer = {"residual": 2 * s.Ts * H * s.r, "norms": norms, "attention": _attention(cfg, layout, s, i)}
     if cfg.is_moe_layer(i):  # the router keeps the norm output (its own input cast is in _router): without
         # SP a view of the replicated [T, H] the MoE layer slices, with SP the rank's [Ts, H] slice
         outer["ffn_input"] = s.Ts * H * s.r
         return outer, _moe(cfg, layout, s, node_rows)
     outer["ffn_input"] = s.T * H * (s.a if s.casts else s.r)  # whole T: under SP the gathered sequence
     F = cfg.ffn_hidden_size // layout.tp
-    return outer, {"dense_ffn": s.T * F * DENSE_HIDDEN[cfg.activation] * s.a}
+    return outer, {"dense_ffn": s.T * F * ffn_widths(cfg.activation, True) * s.a}
 
 
 def _selective(cfg: ModelConfig, layout: Layout, s: Shapes, i: int) -> dict[str, int]:
@@ -176,10 +255,11 @@ def _selective(cfg: ModelConfig, layout: Layout, s: Shapes, i: int) -> dict[str,
     else:
         Dv, K = cfg.attn_head_dim, cfg.num_kv_heads // layout.tp
         proj, fused = (N + 2 * K) * Dv, True
-    fused = fused and not s.explicit_attention  # bmm + softmax + bmm: nothing a selective checkpoint caches
+    # bmm + softmax + bmm (explicit, or CPU SDPA's math backend under sinks): nothing a selective checkpoint caches
+    fused = fused and not s.explicit_attention and not (s.cpu and cfg.attention_sinks)
     # q / k / v (or MLA's latents) and the output projection; SDPA's output and fp32 logsumexp
     out = {"attention": s.T * (proj + H) * a + (s.T * N * (Dv * a + FP32) if fused else 0)}
-    gated = cfg.activation == "swiglu"
+    gated = get_activation(cfg.activation).gated
     if not cfg.is_moe_layer(i):  # gate and up [T, F], out [T, H]
         out["dense_ffn"] = s.T * ((1 + gated) * cfg.ffn_hidden_size // layout.tp + H) * a
         return out
@@ -191,9 +271,11 @@ def _selective(cfg: ModelConfig, layout: Layout, s: Shapes, i: int) -> dict[str,
     if cfg.capacity_factor is not None:  # the [T, E] priority sort that drops slots past capacity
         router += 12 * T * E
     out["router"] = router
-    backend = cfg.expert_backend if cfg.expert_backend != "auto" else _auto_backend(cfg, s.cpu)
-    # Triton launches are invisible to the dispatcher and the loop's SwiGLU writes out=: both recomputed
-    if not (backend == "triton" or (backend == "loop" and gated)):
+    backend = _backend(cfg, s.cpu)
+    # Triton launches are invisible to the dispatcher and the loop's SwiGLU function writes out=: both recomputed.
+    # The loop runs that function for plain "swiglu" only; other activations and biases compose autograd ops
+    # (moe.experts.loop_mlp), whose matmuls the checkpoint caches.
+    if not (backend == "triton" or (backend == "loop" and cfg.activation == "swiglu" and not cfg.moe_ffn_bias)):
         out["experts"] = s.R * (cfg.moe_ffn_hidden_size * (1 + gated) + H) * a  # both GEMMs' outputs
     if cfg.shared_ffn_hidden_size:
         out["shared_expert"] = T * ((1 + gated) * cfg.shared_ffn_hidden_size + H + cfg.shared_expert_gate) * a
@@ -205,6 +287,11 @@ def _loss_chunks() -> bool:
     from moekit.models import transformer
 
     return transformer.LOSS_CHUNKS == "auto"
+
+
+def _backend(cfg: ModelConfig, cpu: bool) -> str:
+    """The expert backend the layer runs: its configured one, or what "auto" resolves to."""
+    return cfg.expert_backend if cfg.expert_backend != "auto" else _auto_backend(cfg, cpu)
 
 
 def _auto_backend(cfg: ModelConfig, cpu: bool) -> str:

@@ -14,7 +14,8 @@ Every term counts what moekit's code keeps, read off the modules and checked aga
                  moekit.train.planning.activations (residual, norms, attention, router, dispatch, experts, dense
                  FFN, head, mtp: the multi-token-prediction depths; activation checkpointing, sequence
                  parallelism)
-      weight casts  autocast without FSDP: a bf16 copy of every matmul weight lives until backward
+      weight casts  autocast without FSDP: a bf16 copy of every matmul weight lives until backward, except
+                    in checkpointed blocks, whose backward casts again
     Transient (at the peak only): what backward recomputes (one block / one FFN), FSDP's unsharded copies,
     and one chunk of the logits [T, V] with its gradient on the last stage (the loss from hidden states,
     models.loss; the whole logits with models.transformer.LOSS_CHUNKS = "never").
@@ -38,6 +39,7 @@ from dataclasses import dataclass, field
 from moekit.train.planning import cost_model
 from moekit.comm.topology import Layout, Topology
 from moekit.models.config import ModelConfig
+from moekit.moe.activations import get_activation
 from moekit.train.planning.activations import DTYPE_BYTES, FP32, _loss_chunks, in_flight, shapes, stage_activations
 
 AC_MODES = ("none", "full", "ffn", "selective")
@@ -119,7 +121,7 @@ def _dense_mlp(cfg: ModelConfig, part: str, width: int, tp: bool) -> list:
     H = cfg.hidden_size
     dims = (0, 1) if tp else (None, None)
     out = [(part, (width, H), dims[0]), (part, (H, width), dims[1])]  # w_up, w_out
-    if cfg.activation == "swiglu":
+    if get_activation(cfg.activation).gated:
         out.append((part, (width, H), dims[0]))  # w_gate
     return out
 
@@ -138,6 +140,10 @@ def attention_tensors(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], int 
            ("attention", (H, N * D), 1)]
     if cfg.attention_bias:
         out += [("attention", (N * D,), 0), ("attention", (K * D,), 0), ("attention", (K * D,), 0)]
+    if cfg.attention_out_bias:  # wo is row-parallel under TP: its bias is whole on every rank
+        out.append(("attention", (H,), None))
+    if cfg.attention_sinks:  # one logit per query head, sharded with the heads
+        out.append(("attention", (N,), 0))
     if cfg.qk_norm == "head":  # the norms inside attention count as norms, as dryrun.part_of files them
         out += [("norms", (D,), None), ("norms", (D,), None)]
     elif cfg.qk_norm == "full":
@@ -154,7 +160,12 @@ def layer_tensors(cfg: ModelConfig, i: int) -> list[tuple[str, tuple[int, ...], 
     E, F, Fs = cfg.num_experts, cfg.moe_ffn_hidden_size, cfg.shared_ffn_hidden_size
     if cfg.router != "hash":  # hash routing has no gate
         out.append(("router", (E, H), None))
-    out += [("experts", (E, H, 2 * F if cfg.activation == "swiglu" else F), None), ("experts", (E, F, H), None)]
+        if cfg.router_options.get("gate_bias"):  # logits = x W^T + b (gpt-oss)
+            out.append(("router", (E,), None))
+    F_in = get_activation(cfg.activation).in_features(F)
+    out += [("experts", (E, H, F_in), None), ("experts", (E, F, H), None)]
+    if cfg.moe_ffn_bias:  # b_in, b_out: EP shards dim 0 as the weights', FSDP dim 1
+        out += [("experts", (E, F_in), None), ("experts", (E, H), None)]
     if Fs:
         out += _dense_mlp(cfg, "shared_expert", Fs, tp=False)
         if cfg.shared_expert_gate:
@@ -213,11 +224,30 @@ def _weight_copies(cfg: ModelConfig, layout: Layout, wl: Workload, stage: Stage)
         largest = max((sum(_local_numel(*t, layout, fsdp=False, replicas=wl.expert_replicas) for t in layer_tensors(cfg, i))
                        for i in stage.layers), default=0)
         return 0, 2 * largest * a
-    matmul = ("attention", "dense_ffn", "experts", "shared_expert", "head")
-    kept = sum(n for part, n in param_tensors(cfg, layout, stage, wl.expert_replicas) if part in matmul)
+    # matmul weights only: a bias's cast copy is not saved (addmm's backward never reads its input bias), and
+    # neither are the sinks' (sink_attention's first op on them is a division by the scale)
+    def cast(tensors) -> int:
+        return sum(_local_numel(part, shape, tp_dim, layout, replicas=wl.expert_replicas)
+                   for part, shape, tp_dim in tensors if _matmul_weight(part, shape))
+
+    kept = cast(_stage_tensors(cfg, stage))
+    # inside a checkpoint the casts are recomputed too (measured on CPU: "full" keeps the head's alone); the
+    # head, the MTP depths and, under "ffn", attention run outside one
+    mode = wl.activation_checkpointing
+    if mode != "none":
+        inside = ("dense_ffn", "experts", "shared_expert") if mode == "ffn" else ("attention", "dense_ffn",
+                                                                               "experts", "shared_expert")
+        kept -= cast(t for i in stage.layers for t in layer_tensors(cfg, i) if t[0] in inside)
     if cfg.tie_embeddings and stage.last:  # the tied output projection casts the embedding table
         kept += cfg.vocab_size * cfg.hidden_size
     return kept * a, 0
+
+
+def _matmul_weight(part: str, shape: tuple[int, ...]) -> bool:
+    """Whether a parameter is a matmul weight autocast keeps a copy of: [out, in] Linears, [E, in, out] experts
+    (the biases beside them have one dim fewer); the embedding and the fp32 router are never cast."""
+    matmul = ("attention", "dense_ffn", "experts", "shared_expert", "head")
+    return part in matmul and len(shape) == (3 if part == "experts" else 2)
 
 
 def estimate_memory(cfg: ModelConfig, layout: Layout, wl: Workload, stage: Stage | None = None,
