@@ -245,6 +245,28 @@ def test_cpu_layer_benchmark_smoke(tmp_path):
     assert len(floor) == 2 and all(r["min_ms"] > 0 and r["gflops"] > 0 for r in floor)
 
 
+@pytest.mark.parametrize("impl", ["eager", "grouped_mm"])
+def test_gpt_oss_peer_computes_moekits_layer(impl):
+    """The gpt-oss peer of tools/bench/cpu_layer.py and moe_layer.py (transformers' GptOssMLP, weights copied
+    with gate / up interleaved, random router and expert biases) is moekit's function: output and the input's
+    gradient, with both of transformers' experts implementations, else the ratios compare different work."""
+    pytest.importorskip("transformers.models.gpt_oss")
+    from moekit.bench import cpu_layer, moe_layer
+
+    torch.manual_seed(0)
+    H, F, E, k, T = 32, 16, 8, 4, 40
+    layer = cpu_layer.moekit_layer(H, F, E, k, 0, gpt_oss=True)
+    moe_layer.randomize_biases(layer, torch.Generator().manual_seed(1))
+    assert layer.router.bias.abs().min() > 0 and layer.experts.b_in.abs().min() > 0  # a dropped bias would show
+    block = cpu_layer.hf_block(H, F, E, k, 0, impl, gpt_oss=True)
+    moe_layer.copy_into_hf(layer, block)
+    x = 3 * torch.randn(2, T // 2, H)  # h past swiglu_oai's clamp for some rows
+    g = torch.randn(2, T // 2, H)
+    ours, theirs = [grads_of(m, m, x.clone().requires_grad_(), g)[:2] for m in (layer, block)]
+    for name, a, b in zip(("output", "dx"), ours, theirs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m: f"{impl} {name}: {m}")
+
+
 def test_cpu_fusion_peers_compute_moekits_functions():
     """tools/bench/cpu_fusion.py times plain-torch versions of the combine and the SwiGLU epilogues against
     moekit's eager ones: they must be the same functions (fresh random routing with empty and ragged experts,

@@ -3,12 +3,15 @@
     python tools/bench/cpu_layer.py                      # 3 shapes x {fp32, bf16} x {fwd, fwd+bwd}, ~4 min
     python tools/bench/cpu_layer.py --dtypes float32 --shapes fine --repeats 9 --profile
     python tools/bench/cpu_layer.py --baseline HEAD       # also moekit as committed: before/after, same run
+    python tools/bench/cpu_layer.py --shapes gpt-oss      # gpt-oss's block (not in the default set), ~2 min
 
 Shapes (T from --tokens, H 256):
     mixtral    E 8,  F 512, top-2                           vs transformers' MixtralSparseMoeBlock
     fine       E 64, F 128, top-8                           vs MixtralSparseMoeBlock
     deepseek   E 64, F 128, top-6, shared expert (F 256,    vs Qwen2MoeSparseMoeBlock (the same function:
                sigmoid-gated)                                  softmax top-k renormalised + gated shared MLP)
+    gpt-oss    E 32, F 256, top-4, router bias, expert      vs GptOssMLP (gpt-oss-20b's E / k, H = F as
+               biases, swiglu_oai                              there; weights copied with gate / up interleaved)
 
 Every implementation gets the same weights and its output is checked against moekit's before timing. Each
 timed call takes the next of a sequence of fresh inputs (the same sequence for every peer; ``--same-input``:
@@ -19,7 +22,8 @@ transformers runs both of its experts implementations, "eager" (its per-expert l
 "grouped_mm"; "ratio vs best" divides by the faster of the two. "GEMMs alone (floor)" runs only the layer's
 matrix multiplies, the same shapes for the same routing, on preallocated operands (tools/bench/layer_probes.py
 gemm_floor_step): on a GEMM-bound shape no implementation of these torch GEMMs gets much below it, so
-"ceiling" = transformers' best / floor is the most any such layer can be faster than transformers'. Per-phase times of moekit's layer (router,
+"ceiling" = transformers' best / floor is the most any such layer can be faster than transformers' (gpt-oss:
+the floor leaves out the biases, which a GEMM's epilogue can take). Per-phase times of moekit's layer (router,
 permute, experts, combine, each forward+backward alone; tools/bench/layer_probes.py) and, with
 ``--profile``, the torch.profiler top operators of one moekit forward+backward are printed and saved.
 
@@ -37,6 +41,7 @@ import subprocess
 import sys
 import types
 from pathlib import Path
+from typing import NamedTuple
 
 # Peers share the process, and oneDNN's primitive cache (CPU bf16 GEMMs, one entry per shape; 1024 by default):
 # transformers' ever-new expert shapes would evict the few shapes moekit's loop reuses (moe/onednn_gemm.py), which
@@ -49,22 +54,35 @@ from moekit.bench.benchlib import (BenchParser, check_at_least, check_git_ref, c
                                    guarded, hf_experts_implementations, minor_faults, print_table, time_interleaved,
                                    write_json)
 from moekit.bench.layer_probes import PHASES, gemm_floor_step, phase_steps
-from moekit.bench.moe_layer import copy_into_hf
+from moekit.bench.moe_layer import GPT_OSS_EXPERTS, GPT_OSS_ROUTER, copy_into_hf, gpt_oss_block, randomize_biases
 from moekit.moe import MoELayer, build_router
 from moekit.moe.experts import available_backends, resolve_backend
 from moekit.train import host_memory
 
 FLOOR = "GEMMs alone (floor)"
-SHAPES = {  # name -> (F, E, k, shared F)
-    "mixtral": (512, 8, 2, 0),
-    "fine": (128, 64, 8, 0),
-    "deepseek": (128, 64, 6, 256),
+
+
+class Shape(NamedTuple):
+    F: int
+    E: int
+    k: int
+    shared: int = 0  # shared expert's F (0: none)
+    gpt_oss: bool = False  # gate bias, expert biases, swiglu_oai (transformers' GptOssMLP)
+
+
+SHAPES = {
+    "mixtral": Shape(512, 8, 2),
+    "fine": Shape(128, 64, 8),
+    "deepseek": Shape(128, 64, 6, shared=256),
+    "gpt-oss": Shape(256, 32, 4, gpt_oss=True),  # gpt-oss-20b: E 32 top-4, F = H (2880 there)
 }
+DEFAULT_SHAPES = ["mixtral", "fine", "deepseek"]  # the rounds in docs/benchmarks.md ran these
 
 
-def moekit_layer(H, F, E, k, shared, backend="auto") -> MoELayer:
-    router = build_router("topk", H, E, top_k=k, aux_loss_coeff=0.0)
-    return MoELayer(H, F, E, router, shared_ffn_hidden_size=shared, shared_expert_gate=shared > 0, backend=backend)
+def moekit_layer(H, F, E, k, shared, backend="auto", gpt_oss=False) -> MoELayer:
+    router = build_router("topk", H, E, top_k=k, aux_loss_coeff=0.0, **(GPT_OSS_ROUTER if gpt_oss else {}))
+    return MoELayer(H, F, E, router, shared_ffn_hidden_size=shared, shared_expert_gate=shared > 0, backend=backend,
+                    **(GPT_OSS_EXPERTS if gpt_oss else {}))
 
 
 def baseline_layer(ref: str, layer: MoELayer) -> MoELayer:
@@ -85,15 +103,18 @@ def baseline_layer(ref: str, layer: MoELayer) -> MoELayer:
         mods[path] = sys.modules[name]
     backend = f"loop@{ref}"
     experts._BACKENDS.setdefault(backend, experts.ExpertBackend(backend, mods["moe/experts.py"].loop_mlp,
-                                                                lambda *a: True, lambda *a: ""))
+                                                                lambda *a: True, lambda *a: "",
+                                                                bias=layer.experts.bias))  # gpt-oss's biases
     old = copy.deepcopy(layer)
     old.experts.backend = backend
     old.dispatcher = mods["moe/dispatch.py"].LocalDispatcher(layer.num_experts)
     return old
 
 
-def hf_block(H, F, E, k, shared, impl):
+def hf_block(H, F, E, k, shared, impl, gpt_oss=False):
     """transformers' block computing the same function as ``moekit_layer`` (None without transformers)."""
+    if gpt_oss:
+        return gpt_oss_block(H, F, E, k, impl)
     try:
         if shared:
             from transformers import Qwen2MoeConfig
@@ -168,20 +189,22 @@ def profile_ops(step, top: int = 12) -> list[dict]:
 
 
 def bench_shape(args, name, dtype) -> tuple[list[dict], dict]:
-    F, E, k, shared = SHAPES[name]
+    F, E, k, shared, oai = SHAPES[name]
     H, T = args.hidden, args.tokens
     torch.manual_seed(args.seed)
-    layer = moekit_layer(H, F, E, k, shared).to(dtype).train()
+    layer = moekit_layer(H, F, E, k, shared, gpt_oss=oai).to(dtype).train()
+    if oai:  # biases start at 0, where a peer that dropped one would still match
+        randomize_biases(layer, torch.Generator().manual_seed(args.seed))
     chosen = resolve_backend("auto", torch.zeros(1, H, dtype=dtype), layer.experts.w_in, layer.experts.w_out).name
     modules, skipped = {f"moekit[auto->{chosen}]": layer}, {}
     if args.baseline:
         modules[f"moekit@{args.baseline}"] = baseline_layer(args.baseline, layer)
     for b in args.backends:
-        m = moekit_layer(H, F, E, k, shared, b).to(dtype).train()
+        m = moekit_layer(H, F, E, k, shared, b, gpt_oss=oai).to(dtype).train()
         m.load_state_dict(layer.state_dict())
         modules[f"moekit[{b}]"] = m
     for impl in args.hf_impl:
-        block, err = guarded(lambda: hf_block(H, F, E, k, shared, impl))
+        block, err = guarded(lambda: hf_block(H, F, E, k, shared, impl, gpt_oss=oai))
         if block is None:
             skipped[f"transformers[{impl}]"] = err or "transformers is not installed"
             continue
@@ -227,7 +250,7 @@ def bench_shape(args, name, dtype) -> tuple[list[dict], dict]:
         rows.append({**common, "impl": "=> ceiling: transformers best / GEMMs alone",
                      "ratio": min(hf.values()) / t[FLOOR][st] if hf else None})
     case = {"shape": name, "dtype": str(dtype).removeprefix("torch."), "T": T, "H": H, "F": F, "E": E, "k": k,
-            "shared": shared, "skipped": skipped}
+            "shared": shared, "gpt_oss": oai, "skipped": skipped}
     whole = make_step(layer, x, grad, True)
     steps = {"layer": whole, **phase_steps(layer, x.detach().view(T, H))}
     if args.baseline:
@@ -247,7 +270,8 @@ def main(argv=None) -> int:
     p = BenchParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES, choices=list(SHAPES),
+                   help=f"default: {' '.join(DEFAULT_SHAPES)}")
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     p.add_argument("--backends", nargs="*", default=[],
                    help=f"also time moekit with these expert backends ({', '.join(available_backends())})")

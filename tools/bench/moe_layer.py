@@ -3,14 +3,17 @@
     python tools/bench/moe_layer.py                       # CPU: T=4096 H=256, (F=512,E=8,k=2) and (F=128,E=64,k=8)
     python tools/bench/moe_layer.py --device cuda --dtype bfloat16 --tokens 8192 32768 \\
         --shapes 4096x14336x8x2 2048x768x128x8 1536x256x128x8 --out bench-results/moe_layer.json
+    python tools/bench/moe_layer.py --device cuda --dtype bfloat16 --tokens 8192 --shapes gpt-oss-20b
 
 Shapes are FxExk (hidden from --hidden) or HxFxExk. Every implementation runs the same function on the
 same weights: top-k softmax routing with renormalised weights (Mixtral), SwiGLU experts, no capacity
-dropping, no aux loss. Implementations, timed round-robin in one run:
+dropping, no aux loss. A shape prefixed "gpt-oss:" (e.g. gpt-oss:2880x2880x32x4, which "gpt-oss-20b" names)
+is gpt-oss's block instead: a router bias, per-expert biases (random, not the zeros they start at) and
+swiglu_oai, against transformers' GptOssMLP. Implementations, timed round-robin in one run:
   moekit[auto->...], moekit[torch], moekit[loop]   MoELayer with each expert backend
   titan-style   router + torch argsort/index permute + torch grouped_mm + scatter_add unpermute
-                (tools/bench/titan_ref.py; shares the MoELayer's parameters)
-  transformers[eager|grouped_mm]   MixtralSparseMoeBlock with the weights copied in
+                (tools/bench/titan_ref.py; shares the MoELayer's parameters; plain SwiGLU shapes only)
+  transformers[eager|grouped_mm]   MixtralSparseMoeBlock (GptOssMLP for gpt-oss) with the weights copied in
 "time / moekit" is each peer's median over moekit[auto]'s, so > 1 means moekit is faster. Each case also
 records: max |err| against the first peer and the relative error of the output and of dx against an
 fp32 moekit[loop] run; moekit's per-phase times (router, permute, experts, combine; layer_probes.py);
@@ -35,24 +38,78 @@ from moekit.moe.experts import available_backends, resolve_backend
 from moekit.bench.titan_ref import TitanStyleMoE
 
 DEFAULT_SHAPES = ["512x8x2", "128x64x8"]  # F x E x k
+GPT_OSS = "gpt-oss:"  # a shape entry's prefix: gpt-oss's block (biases, swiglu_oai)
+NAMED_SHAPES = {"gpt-oss-20b": "gpt-oss:2880x2880x32x4"}  # gpt-oss-20b's MoE layer (H = F = 2880, E 32, top-4)
+# gpt-oss's block in moekit's terms (tests/test_expert_bias.py checks it against GptOssMLP)
+GPT_OSS_ROUTER = dict(score="softmax", normalize=True, gate_bias=True)
+GPT_OSS_EXPERTS = dict(activation="swiglu_oai", ffn_bias=True)
 
 
-def parse_shape(text: str, hidden: int = 256) -> tuple[int, int, int, int]:
-    """'FxExk' (hidden from --hidden) or 'HxFxExk' -> (H, F, E, k); ValueError naming the entry otherwise."""
+def parse_shape(text: str, hidden: int = 256, entry: str | None = None) -> tuple[int, int, int, int]:
+    """'FxExk' (hidden from --hidden) or 'HxFxExk' -> (H, F, E, k); ValueError naming the entry (``entry``, the
+    whole --shapes entry ``text`` came from, when that differs) otherwise."""
+    entry = text if entry is None else entry
     try:
         vals = [int(v) for v in text.lower().split("x")]
     except ValueError:
         vals = []
     if len(vals) not in (3, 4):
-        raise ValueError(f"--shapes entry {text!r} is not FxExk or HxFxExk (e.g. 512x8x2 or 4096x14336x8x2)")
+        raise ValueError(f"--shapes entry {entry!r} is not FxExk or HxFxExk (e.g. 512x8x2 or 4096x14336x8x2), "
+                         f"optionally prefixed {GPT_OSS!r}, nor one of {sorted(NAMED_SHAPES)}")
     h, f, e, k = vals if len(vals) == 4 else [hidden, *vals]
     if not (0 < k <= e and f > 0 and h > 0):
-        raise ValueError(f"--shapes entry {text!r} needs H, F > 0 and 0 < k <= E")
+        raise ValueError(f"--shapes entry {entry!r} needs H, F > 0 and 0 < k <= E")
     return h, f, e, k
 
 
-def hf_block(hidden: int, ffn: int, experts: int, top_k: int, implementation: str):
-    """transformers' MixtralSparseMoeBlock, or None when transformers is not installed."""
+def parse_entry(text: str, hidden: int = 256) -> tuple[int, int, int, int, bool]:
+    """A --shapes entry -> (H, F, E, k, gpt_oss): a NAMED_SHAPES name, or parse_shape's forms, optionally
+    prefixed "gpt-oss:"; ValueError naming the entry otherwise."""
+    spec = NAMED_SHAPES.get(text.lower(), text)
+    oai = spec.lower().startswith(GPT_OSS)
+    return (*parse_shape(spec[len(GPT_OSS):] if oai else spec, hidden, entry=text), oai)
+
+
+class GptOssPeer(torch.nn.Module):
+    """transformers' GptOssMLP returning its hidden states alone (it returns them with the router scores), as
+    the other blocks do: the benchmarks call ``block(x)`` and backpropagate from it."""
+
+    def __init__(self, mlp):
+        super().__init__()
+        self.mlp = mlp
+
+    def forward(self, x):
+        return self.mlp(x)[0]
+
+
+def gpt_oss_block(hidden: int, ffn: int, experts: int, top_k: int, implementation: str):
+    """transformers' GptOssMLP (in a GptOssPeer), or None when transformers (or gpt-oss in it) is missing. Its
+    experts take both implementations: transformers registers them has_bias=True, is_transposed=True."""
+    try:
+        from transformers import GptOssConfig
+        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+    except ImportError:
+        return None
+    cfg = GptOssConfig(hidden_size=hidden, intermediate_size=ffn, num_local_experts=experts,
+                       num_experts_per_tok=top_k, num_hidden_layers=1, num_attention_heads=2,
+                       num_key_value_heads=1, head_dim=8, vocab_size=32)  # attention fields unused here
+    cfg._experts_implementation = implementation
+    return GptOssPeer(GptOssMLP(cfg))
+
+
+def randomize_biases(layer: MoELayer, gen: torch.Generator) -> None:
+    """Random router and expert biases: they start at 0, where a peer that dropped one would still agree.
+    Magnitudes of the layer's own terms (logits, h ~ 1; the output's expert bias smaller), so routing and
+    the clamp of swiglu_oai see realistic values."""
+    with torch.no_grad():
+        for p, std in ((layer.router.bias, 0.5), (layer.experts.b_in, 0.5), (layer.experts.b_out, 0.1)):
+            p.copy_(torch.randn(p.shape, generator=gen) * std)
+
+
+def hf_block(hidden: int, ffn: int, experts: int, top_k: int, implementation: str, gpt_oss: bool = False):
+    """transformers' MixtralSparseMoeBlock (gpt_oss: GptOssMLP), or None when transformers is not installed."""
+    if gpt_oss:
+        return gpt_oss_block(hidden, ffn, experts, top_k, implementation)
     try:
         from transformers import MixtralConfig
         from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
@@ -66,7 +123,11 @@ def hf_block(hidden: int, ffn: int, experts: int, top_k: int, implementation: st
 
 def copy_into_hf(layer: MoELayer, block) -> None:
     """moekit stores x @ w (w_in [E, H, 2F], w_out [E, F, H]); transformers stores linear weights (transposed).
-    A shared expert (and its gate) goes to the block's ``shared_expert`` (Qwen2-MoE's block)."""
+    A shared expert (and its gate) goes to the block's ``shared_expert`` (Qwen2-MoE's block). GptOssMLP stores
+    x @ w as moekit does, with gate and up columns interleaved (gate 2j, up 2j + 1) and biases."""
+    if isinstance(block, GptOssPeer):
+        _copy_into_gpt_oss(layer, block.mlp)
+        return
     with torch.no_grad():
         block.gate.weight.copy_(layer.router.weight)
         block.experts.gate_up_proj.copy_(layer.experts.w_in.transpose(1, 2))
@@ -80,6 +141,19 @@ def copy_into_hf(layer: MoELayer, block) -> None:
                 block.shared_expert_gate.weight.copy_(s.gate.weight)
 
 
+def _copy_into_gpt_oss(layer: MoELayer, mlp) -> None:
+    ex, hx = layer.experts, mlp.experts
+    F = ex.ffn_hidden_size
+    with torch.no_grad():
+        mlp.router.weight.copy_(layer.router.weight)
+        mlp.router.bias.copy_(layer.router.bias)
+        for w, b in ((hx.gate_up_proj, ex.w_in), (hx.gate_up_proj_bias, ex.b_in)):  # [gate | up] -> interleaved
+            w[..., 0::2].copy_(b[..., :F])
+            w[..., 1::2].copy_(b[..., F:])
+        hx.down_proj.copy_(ex.w_out)
+        hx.down_proj_bias.copy_(ex.b_out)
+
+
 def fwd_bwd(module, x: torch.Tensor, grad: torch.Tensor):
     def step():
         x.grad = None
@@ -89,14 +163,18 @@ def fwd_bwd(module, x: torch.Tensor, grad: torch.Tensor):
     return step
 
 
-def moekit_layer(H, F, E, k, backend="auto"):
-    return MoELayer(H, F, E, build_router("topk", H, E, top_k=k, aux_loss_coeff=0.0), backend=backend)
+def moekit_layer(H, F, E, k, backend="auto", gpt_oss=False):
+    router = build_router("topk", H, E, top_k=k, aux_loss_coeff=0.0, **(GPT_OSS_ROUTER if gpt_oss else {}))
+    return MoELayer(H, F, E, router, backend=backend, **(GPT_OSS_EXPERTS if gpt_oss else {}))
 
 
-def build_impls(args, H, F, E, k, device, dtype) -> tuple[MoELayer, dict, dict]:
+def build_impls(args, H, F, E, k, device, dtype, gpt_oss=False) -> tuple[MoELayer, dict, dict]:
     """(the moekit[auto] layer, name -> module, name -> why it was skipped)."""
     torch.manual_seed(args.seed)
-    layer = moekit_layer(H, F, E, k).to(device, dtype)
+    layer = moekit_layer(H, F, E, k, gpt_oss=gpt_oss)
+    if gpt_oss:
+        randomize_biases(layer, torch.Generator().manual_seed(args.seed))
+    layer = layer.to(device, dtype)
     modules, skipped = {}, {}
     x0 = torch.zeros(1, H, device=device, dtype=dtype)
     for backend in args.backends:
@@ -108,17 +186,17 @@ def build_impls(args, H, F, E, k, device, dtype) -> tuple[MoELayer, dict, dict]:
         if backend == "auto":
             modules[name] = layer
         else:
-            modules[name] = moekit_layer(H, F, E, k, backend).to(device, dtype)
+            modules[name] = moekit_layer(H, F, E, k, backend, gpt_oss).to(device, dtype)
             modules[name].load_state_dict(layer.state_dict())
     if "titan" in args.peers:
-        ref = moekit_layer(H, F, E, k).to(device, dtype)
+        ref = moekit_layer(H, F, E, k, gpt_oss=gpt_oss).to(device, dtype)
         ref.load_state_dict(layer.state_dict())
         modules["titan-style"], err = guarded(lambda: TitanStyleMoE(ref))
         if err:
             del modules["titan-style"]
             skipped["titan-style"] = err
     for impl in args.hf_impl:
-        block, err = guarded(lambda: hf_block(H, F, E, k, impl))
+        block, err = guarded(lambda: hf_block(H, F, E, k, impl, gpt_oss))
         if block is None:
             skipped[f"transformers[{impl}]"] = err or "transformers is not installed"
             continue
@@ -159,8 +237,8 @@ def numerics(layer, modules, x, grad) -> tuple[dict, dict]:
     return checks, failed
 
 
-def bench_case(args, tokens, H, F, E, k, device, dtype) -> tuple[list[dict], dict]:
-    layer, modules, skipped = build_impls(args, H, F, E, k, device, dtype)
+def bench_case(args, tokens, H, F, E, k, device, dtype, gpt_oss=False) -> tuple[list[dict], dict]:
+    layer, modules, skipped = build_impls(args, H, F, E, k, device, dtype, gpt_oss)
     gen = torch.Generator(device="cpu").manual_seed(args.seed)
     x = torch.randn(1, tokens, H, generator=gen).to(device, dtype).requires_grad_()
     grad = torch.randn(1, tokens, H, generator=gen).to(device, dtype)
@@ -169,16 +247,18 @@ def bench_case(args, tokens, H, F, E, k, device, dtype) -> tuple[list[dict], dic
     modules = {n: m for n, m in modules.items() if n in checks}
     for m in modules.values():
         m.train()
-    shape = f"T{tokens} H{H} F{F} E{E} k{k}"
+    shape = case_name(tokens, H, F, E, k, gpt_oss)
     auto = next((n for n in modules if n.startswith("moekit[auto")), None)
     steps = {n: fwd_bwd(m, x, grad) for n, m in modules.items()}
     phases = phase_steps(layer, x.detach().view(tokens, H)) if auto else {}
     timings = time_interleaved({**steps, **{f"phase:{p}": s for p, s in phases.items()}}, device,
                                warmup=args.warmup, repeats=args.repeats)
     base = timings[auto]["median_ms"] if auto else None
-    rows = [{"shape": shape, "tokens": tokens, "H": H, "F": F, "E": E, "k": k, "impl": n, **checks[n], **timings[n],
+    rows = [{"shape": shape, "tokens": tokens, "H": H, "F": F, "E": E, "k": k, "gpt_oss": gpt_oss, "impl": n,
+             **checks[n], **timings[n],
              "moekit_speedup": timings[n]["median_ms"] / base if base else None} for n in modules]
-    case = {"shape": shape, "tokens": tokens, "H": H, "F": F, "E": E, "k": k, "skipped": skipped,
+    case = {"shape": shape, "tokens": tokens, "H": H, "F": F, "E": E, "k": k, "gpt_oss": gpt_oss,
+            "skipped": skipped,
             "minimum_activation_bytes": minimum_activation_bytes(tokens, H, F, E, k, x.element_size())}
     if auto:
         layer_ms = timings[auto]["median_ms"]
@@ -201,6 +281,10 @@ def bench_case(args, tokens, H, F, E, k, device, dtype) -> tuple[list[dict], dic
             mem["ratio_to_minimum"] = mem["saved_tensors_bytes"] / case["minimum_activation_bytes"]["total"]
         case["activation_bytes"][n] = mem
     return rows, case
+
+
+def case_name(tokens, H, F, E, k, gpt_oss=False) -> str:
+    return f"T{tokens} H{H} F{F} E{E} k{k}" + (" gpt-oss" if gpt_oss else "")
 
 
 def print_case_details(cases: list[dict]) -> None:
@@ -233,7 +317,9 @@ def main(argv=None) -> int:
     p = BenchParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, nargs="+", default=[4096])
     p.add_argument("--hidden", type=int, default=256, help="H for FxExk shape entries")
-    p.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES, help="FxExk or HxFxExk entries")
+    p.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES,
+                   help=f"FxExk or HxFxExk entries, prefixed {GPT_OSS!r} for gpt-oss's block; or one of "
+                        f"{sorted(NAMED_SHAPES)}")
     p.add_argument("--backends", nargs="+", default=["auto", "torch", "loop"],
                    help=f"moekit expert backends to time, of {', '.join(available_backends())} ('auto' is always "
                         "included: ratios are against it)")
@@ -250,7 +336,7 @@ def main(argv=None) -> int:
     shapes = []
     for shape in args.shapes:  # all of them now: a bad entry must not wait for the cases before it
         try:
-            shapes.append(parse_shape(shape, args.hidden))
+            shapes.append(parse_entry(shape, args.hidden))
         except ValueError as exc:
             p.error(str(exc))
     hf_impls = hf_experts_implementations() if args.hf_impl else None
@@ -260,8 +346,8 @@ def main(argv=None) -> int:
     payload = {"benchmark": "moe_layer_fwd_bwd", "dtype": args.dtype, "environment": environment(device)}
     for tokens in args.tokens:
         for dims in shapes:
-            res, err = guarded(lambda: bench_case(args, tokens, *dims, device, dtype))
-            r, c = res or ([], {"shape": f"T{tokens} H{dims[0]} F{dims[1]} E{dims[2]} k{dims[3]}", "error": err})
+            res, err = guarded(lambda: bench_case(args, tokens, *dims[:4], device, dtype, dims[4]))
+            r, c = res or ([], {"shape": case_name(tokens, *dims), "error": err})
             rows, cases = rows + r, cases + [c]
             write_json(args.out, {**payload, "partial": True, "results": rows, "cases": cases}, quiet=True)
             print(f"done {c['shape']}", file=sys.stderr, flush=True)
