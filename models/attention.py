@@ -108,29 +108,35 @@ def sink_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, sinks: Tensor,
                    gqa: bool) -> Tensor:
     """Attention whose softmax also counts a learned logit per query head (gpt-oss's sinks): for query i of
     head n, softmax over [q_i.k_j * scale (j visible), sinks_n], the sink's share dropped, so the weights sum to
-    less than 1 and a head can attend to nothing. q [B, N, S, D], k [B, K, P, D], v [B, K, P, Dv], ``mask``
-    [S, P] bool (True: visible), sinks [N].
+    less than 1 and a head can attend to nothing. q [B, N, S, D], k [B, K, P, D], v [B, K, P, Dv] (Dv <= D + 8),
+    ``mask`` [S, P] bool (True: visible), sinks [N].
 
     Run as SDPA over one more key that every query sees, with a zero value, and one more channel: q gets
     sinks_n / scale there and the extra key 1, the real keys 0, so that key's logit is sinks_n for every query
     of head n whatever its q. Torch's fused kernels then do the rest (and the sinks' gradient is that
-    channel's). The channel is padded to 8 so head dims stay multiples of 8 for the GPU kernels.
+    channel's). Shapes are kept to what those kernels take:
+      - the channel is padded to 8 (head dims stay multiples of 8 for the GPU kernels), and v to the same width
+        (CPU flash attention needs one head dim for q, k and v; without it torch runs its reference path, which
+        keeps the [B, N, S, 1+P] probabilities: 2.2x the saved bytes measured at tiny size, 5x slower at S 1024);
+      - the keys are padded with hidden zero keys to a multiple of 16 (CUDA's memory-efficient kernel otherwise
+        copies the mask into a padded [B, N, S, keys] tensor that backward keeps: 2 GiB per layer at S 4096).
 
-        q' [.., S, D+8] = [q | sinks_n/scale | 0...]     k' [.., 1+P, D+8] = [0 | 1 | 0...] ; [k | 0 | 0...]
-        v' [.., 1+P, Dv] = [0] ; [v]                      mask' [S, 1+P] = [True | mask]
+        q' [.., S, D+8] = [q | sinks_n/scale | 0...]      k' [.., 16m, D+8] = [0 | 1 | 0...] ; [k | 0 ...] ; 0...
+        v' [.., 16m, D+8] = 0 ; [v | 0 ...] ; 0...         mask' [S, 16m] = [True | mask | False...]
     """
     B, N, S, D = q.shape
-    K = k.shape[1]
+    K, P, Dv = k.shape[1], k.shape[2], v.shape[-1]
     scale = D**-0.5 if scale is None else scale
-    pad = 8
+    width = D + 8
+    hidden = -(1 + P) % 16  # zero keys no query sees, to a multiple of 16
     sink_q = (sinks.to(q.dtype) / scale).view(1, N, 1, 1).expand(B, N, S, 1)
-    q2 = torch.cat((q, sink_q, q.new_zeros(B, N, S, pad - 1)), dim=-1)  # [B, N, S, D+8]
-    sink_k = k.new_zeros(B, K, 1, D + pad)
+    q2 = torch.cat((q, sink_q, q.new_zeros(B, N, S, width - D - 1)), dim=-1)  # [B, N, S, D+8]
+    sink_k = k.new_zeros(B, K, 1, width)
     sink_k[..., D] = 1
-    k2 = torch.cat((sink_k, F.pad(k, (0, pad))), dim=2)  # [B, K, 1+P, D+8]
-    v2 = torch.cat((v.new_zeros(B, K, 1, v.shape[-1]), v), dim=2)  # [B, K, 1+P, Dv]
-    mask2 = torch.cat((mask.new_ones(S, 1), mask), dim=1)  # [S, 1+P]
-    return masked_sdpa(q2, k2, v2, mask2, gqa, scale)
+    k2 = torch.cat((sink_k, F.pad(k, (0, width - D)), k.new_zeros(B, K, hidden, width)), dim=2)  # [B, K, 16m, D+8]
+    v2 = F.pad(v, (0, width - Dv, 1, hidden))  # [B, K, 16m, D+8]: the sink's and the hidden keys' values 0
+    mask2 = torch.cat((mask.new_ones(S, 1), mask, mask.new_zeros(S, hidden)), dim=1)  # [S, 16m]
+    return masked_sdpa(q2, k2, v2, mask2, gqa, scale)[..., :Dv]
 
 
 def masked_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, gqa: bool, scale: float | None) -> Tensor:

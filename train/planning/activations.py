@@ -9,7 +9,7 @@ rows, a / r bytes of the compute dtype / of the residual stream.
     attention  the norm output the projections read (autocast: one bf16 copy per projection), q and k
                after RoPE, v, SDPA output and fp32 logsumexp; on CPU a copy of the output for wo. A
                sliding window or sinks (gpt-oss) give SDPA a mask, which it keeps (``_gqa_kept``); sinks
-               widen q / k / v (models.attention.sink_attention) and on CPU fall to the math backend
+               widen q / k / v and pad the keys (models.attention.sink_attention)
     router     fp32 logits (the z-loss logsumexp keeps them) and scores [Tm, E]; ids, weights [Tm, k]
     dispatch   int64 slot <-> row maps; under EP the reorder permutation and its inverse
     experts    input rows [R, H], [gate | up] [R, 2F] and SwiGLU output [R, F], outputs [R, H] (combine);
@@ -134,16 +134,11 @@ def _gqa_kept(s: Shapes, N: int, K: int, D: int, window: int, sinks: bool) -> in
         compute dtype and keeps (CPU flash: measured; CUDA efficient attention: [S, S] stays a broadcast view
         when S % 16 == 0, else torch pads the expanded [B, N, S, S] mask and keeps that, attention.cpp's
         preprocess_mask).
-    sinks (models.attention.sink_attention): SDPA over copies q' [B, N, S, D+8], k' [B, K, S+1, D+8],
-        v' [B, K, S+1, D] and the [S, S+1] mask; q, k, v themselves are then freed.
-        CPU: the fused kernel needs q, k and v of one head dim, so the math backend runs (measured, fp32 even
-            under bf16 autocast): q' * scale [B, N, S, D+8], k'^T * scale and v' expanded over the N query
-            heads [B, N, D+8, S+1], [B, N, S+1, D], the probabilities [B, N, S, S+1]; and its contiguous
-            [B, N, S, D] output, which wo's reshape copies.
-        CUDA (assumed, not measured here: flash attention refuses masks, so the efficient kernel runs): q', k',
-            v', its output ([B, S, N, D] strides: a view for wo) and fp32 logsumexp, and the mask: S + 1 keys
-            are not a multiple of 16, so torch keeps a padded copy of the mask expanded to [B, N, S, S+16]
-            (preprocess_mask) in the compute dtype: as large as the scores.
+    sinks (models.attention.sink_attention): SDPA over copies q' [B, N, S, D+8], k' and v' [B, K, P', D+8]
+        (P' = S + 1 rounded up to a multiple of 16) and the [S, P'] mask; q, k, v themselves are then freed.
+        The fused kernel keeps q', k', v', its [B, N, S, D+8] output and fp32 logsumexp, and the mask (CPU
+        flash attention: measured; CUDA's memory-efficient kernel, assumed: with P' % 16 == 0 the mask stays
+        a broadcast view); wo's input is a copy of the output's first D channels [T, N*D].
     explicit (CPU bf16, short sequences: bmm + softmax + bmm): copies of q, k, v and of the output in place of
         SDPA's views (the same bytes) and the softmax probabilities [B, N, S, S] (S + 1 wide with sinks) in
         place of the logsumexp; its additive mask is not kept (baddbmm's input needs no saving).
@@ -153,13 +148,15 @@ def _gqa_kept(s: Shapes, N: int, K: int, D: int, window: int, sinks: bool) -> in
     qkvo = T * (2 * N + 2 * K) * D * a  # q, k, v, output
     if s.explicit_attention:
         return qkvo + T * N * (S + sinks) * a
-    if sinks and s.cpu:  # math backend, fp32
-        return T * N * (D + SINK_PAD) * FP32 + B * N * (S + 1) * (D + SINK_PAD + D) * FP32 \
-            + T * N * (S + 1) * FP32 + T * N * D * a
     if sinks:
-        return (T * N * (D + SINK_PAD) + B * K * (S + 1) * (2 * D + SINK_PAD) + T * N * D) * a + T * N * FP32 \
-            + _mask_bytes(s, N, S + 1)
+        W, keys = D + SINK_PAD, sink_keys(S)
+        return (2 * T * N * W + 2 * B * K * keys * W + T * N * D) * a + T * N * FP32 + _mask_bytes(s, N, keys)
     return qkvo + T * N * FP32 + (_mask_bytes(s, N, S) if window else 0)
+
+
+def sink_keys(S: int) -> int:
+    """Keys of models.attention.sink_attention's SDPA over S positions: the sink's and S, padded to 16."""
+    return -(-(S + 1) // MEM_EFF_ALIGN) * MEM_EFF_ALIGN
 
 
 def _mask_bytes(s: Shapes, N: int, keys: int) -> int:
@@ -255,10 +252,11 @@ def _selective(cfg: ModelConfig, layout: Layout, s: Shapes, i: int) -> dict[str,
     else:
         Dv, K = cfg.attn_head_dim, cfg.num_kv_heads // layout.tp
         proj, fused = (N + 2 * K) * Dv, True
-    # bmm + softmax + bmm (explicit, or CPU SDPA's math backend under sinks): nothing a selective checkpoint caches
-    fused = fused and not s.explicit_attention and not (s.cpu and cfg.attention_sinks)
+    # bmm + softmax + bmm (explicit): nothing a selective checkpoint caches
+    fused = fused and not s.explicit_attention
+    width = Dv + SINK_PAD if cfg.attention_sinks else Dv  # sink attention's SDPA output is 8 channels wider
     # q / k / v (or MLA's latents) and the output projection; SDPA's output and fp32 logsumexp
-    out = {"attention": s.T * (proj + H) * a + (s.T * N * (Dv * a + FP32) if fused else 0)}
+    out = {"attention": s.T * (proj + H) * a + (s.T * N * (width * a + FP32) if fused else 0)}
     gated = get_activation(cfg.activation).gated
     if not cfg.is_moe_layer(i):  # gate and up [T, F], out [T, H]
         out["dense_ffn"] = s.T * ((1 + gated) * cfg.ffn_hidden_size // layout.tp + H) * a
