@@ -27,6 +27,19 @@ def folders(tmp_path_factory):
     transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64)).save_pretrained(root / "dense")
+    # gpt-oss: sinks, an 8-position window on layer 0 (under 32-token windows), biases everywhere, yarn
+    oss = transformers.GptOssForCausalLM(transformers.GptOssConfig(
+        vocab_size=300, hidden_size=32, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=8,
+        max_position_embeddings=64, initializer_range=0.1))
+    with torch.no_grad():
+        for name, p in oss.named_parameters():
+            if name.endswith(("bias", "sinks")):
+                p.normal_(0.0, 0.5)
+    oss.save_pretrained(root / "gpt-oss")
+    from tests.test_hf_gpt_oss import mxfp4_folder
+
+    mxfp4_folder(root / "gpt-oss", root / "gpt-oss-mxfp4")  # the release's format: MXFP4 experts
     return root
 
 
@@ -66,19 +79,29 @@ def test_a_chosen_preset_still_has_to_match(folders, tmp_path, capsys):
     assert code == 2 and "hidden_size=128 (model) vs 32 (checkpoint)" in err and "leave out --preset" in err
 
 
-def test_training_from_an_hf_folder_starts_from_its_loss(folders, tmp_path, capsys):
+@pytest.mark.parametrize("source", ["moe", "gpt-oss", "gpt-oss-mxfp4"])
+def test_training_from_an_hf_folder_starts_from_its_loss(folders, tmp_path, capsys, source):
     """Step 1's loss is the HF model's own loss on the trainer's first batch: the architecture and weights both
-    came from the folder."""
+    came from the folder (an MXFP4 one: transformers given the decoded weights of the bf16 folder it was made
+    from, so the reference is the bf16 folder's model with the MXFP4 round trip applied)."""
     from moekit.train.data import Sampler, gather, split_windows
     from moekit.train.loop import main
     from moekit.train.tokens import embedded_corpus
 
     run = tmp_path / "run"
-    assert main(["--init-from-hf", str(folders / "moe"), "--run-dir", str(run), "--steps", "1", *RUN]) == 0, \
+    assert main(["--init-from-hf", str(folders / source), "--run-dir", str(run), "--steps", "1", *RUN]) == 0, \
         capsys.readouterr().err
     split = split_windows(embedded_corpus()[0], 32, 0.05)
     x, y = gather(split.tokens, Sampler(split.train_starts, 0).next(4), 32)
-    ref = transformers.AutoModelForCausalLM.from_pretrained(folders / "moe").eval()
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folders / source.removesuffix("-mxfp4")).eval()
+    if source.endswith("mxfp4"):
+        from moekit.models.hf.io import CheckpointReader
+
+        reader = CheckpointReader(folders / source)
+        with torch.no_grad():
+            for key in reader.mxfp4:
+                module, name = key.rsplit(".", 1)
+                getattr(ref.get_submodule(module), name).copy_(reader.get(key))
     with torch.no_grad():
         want = torch.nn.functional.cross_entropy(ref(x).logits.flatten(0, 1).float(), y.flatten()).item()
     first = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
@@ -86,18 +109,19 @@ def test_training_from_an_hf_folder_starts_from_its_loss(folders, tmp_path, caps
     assert "model architecture from --init-from-hf" in capsys.readouterr().out
 
 
-def test_expert_parallel_run_loads_its_shards_and_exports_without_gathering(folders, tmp_path):
+@pytest.mark.parametrize("source", ["moe", "gpt-oss"])
+def test_expert_parallel_run_loads_its_shards_and_exports_without_gathering(folders, tmp_path, source):
     """torchrun --ep 2 --init-from-hf: each rank reads only its experts (models.hf.load_hf_sharded) and the first
     loss is still the HF model's; --export-hf writes per-rank files that transformers loads with moekit's logits."""
     from moekit.models.hf import load_hf
     from tests.test_train_distributed import run
 
     run_dir, out = tmp_path / "run", tmp_path / "hf"
-    r = run(["--init-from-hf", str(folders / "moe"), "--ep", "2", "--run-dir", str(run_dir), "--steps", "2",
+    r = run(["--init-from-hf", str(folders / source), "--ep", "2", "--run-dir", str(run_dir), "--steps", "2",
              "--export-hf", str(out), *RUN], nproc=2)
     assert r.returncode == 0, r.stderr[-3000:]
     single = tmp_path / "single"
-    r = run(["--init-from-hf", str(folders / "moe"), "--run-dir", str(single), "--steps", "2", *RUN])
+    r = run(["--init-from-hf", str(folders / source), "--run-dir", str(single), "--steps", "2", *RUN])
     assert r.returncode == 0, r.stderr[-3000:]
     losses = [[json.loads(line)["loss"] for line in (d / "metrics.jsonl").read_text().splitlines()]
               for d in (run_dir, single)]
