@@ -168,7 +168,29 @@ def attend(q: Tensor, k: Tensor, v: Tensor, kv: LayerKV | None, gqa: bool, scale
     mask = window_mask(start, S, window, q.device)  # [S, start+S]
     if sinks is None:
         return masked_sdpa(q, k, v, mask, gqa, scale)
+    if kv is not None and S <= CACHED_SINKS_MAX_NEW:  # decoding: no copies of the whole cache per token
+        return masked_sink_attention(q, k, v, mask, sinks, scale)
     return sink_attention(q, k, v, mask, sinks, scale, gqa)
+
+
+# With sinks, a decoding step (at most this many new positions over a KV cache) runs ``masked_sink_attention``:
+# sink_attention's widened copies of every cached key and value would cost ~3x the reads of the attention itself.
+CACHED_SINKS_MAX_NEW = 16
+
+
+def masked_sink_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, sinks: Tensor,
+                          scale: float | None = None) -> Tensor:
+    """``sink_attention``'s function as batched matmuls over the keys as they are (GQA by stacking each key head's
+    query heads, as explicit_causal_attention): q [B, N, S, D], k [B, K, P, D], v [B, K, P, Dv], mask [S, P]."""
+    B, N, S, D = q.shape
+    K, P, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    G = N // K
+    scale = D**-0.5 if scale is None else scale
+    scores = torch.matmul(q.reshape(B, K, G * S, D), k.transpose(-1, -2)) * scale  # [B, K, G*S, P]
+    scores = scores.masked_fill(~mask.repeat(G, 1), -math.inf)
+    sink = sinks.to(scores.dtype).view(1, K, G, 1, 1).expand(B, K, G, S, 1).reshape(B, K, G * S, 1)
+    probs = torch.cat((scores, sink), dim=-1).softmax(-1)[..., :P]
+    return torch.matmul(probs, v).view(B, N, S, Dv)
 
 
 class Attention(nn.Module):

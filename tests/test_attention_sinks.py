@@ -130,3 +130,19 @@ def test_training_learns_the_sinks():
     loss.backward()
     for layer in model.layers:
         assert layer.attn.sinks.grad.abs().sum() > 0 and layer.attn.wo.bias.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("start,S,window", [(0, 5, 0), (9, 1, 4), (9, 3, 0), (20, 2, 6)])
+def test_decoding_path_matches_the_definition(start, S, window):
+    """The KV-cache step's sink attention (matmuls over the cached keys as they are) against the definition, with
+    the queries at positions start .. start+S-1 over start+S keys; forward and every gradient, float64."""
+    B, N, K, D = 2, 6, 2, 8
+    q = torch.randn(B, N, S, D, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(B, K, start + S, D, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    sinks = (torch.randn(N, dtype=torch.float64) * 2).requires_grad_()
+    got = A.masked_sink_attention(q, k, v, A.window_mask(start, S, window, "cpu"), sinks)
+    want = reference(q, k, v, window, sinks, start=start)
+    torch.testing.assert_close(got, want)
+    g = torch.randn_like(want)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v, sinks), g), torch.autograd.grad(want, (q, k, v, sinks), g)):
+        torch.testing.assert_close(a, b)
