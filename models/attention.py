@@ -104,12 +104,12 @@ def explicit_causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | No
     return torch.bmm(probs, v.reshape(B * K, S, Dv)).view(B, N, S, Dv)
 
 
-def sink_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, sinks: Tensor, scale: float | None,
+def sink_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, sinks: Tensor, scale: float | None,
                    gqa: bool) -> Tensor:
     """Attention whose softmax also counts a learned logit per query head (gpt-oss's sinks): for query i of
     head n, softmax over [q_i.k_j * scale (j visible), sinks_n], the sink's share dropped, so the weights sum to
     less than 1 and a head can attend to nothing. q [B, N, S, D], k [B, K, P, D], v [B, K, P, Dv] (Dv <= D + 8),
-    ``mask`` [S, P] bool (True: visible), sinks [N].
+    ``mask`` [S, P] bool (True: visible), or None: causal, P == S; sinks [N].
 
     Run as SDPA over one more key that every query sees, with a zero value, and one more channel: q gets
     sinks_n / scale there and the extra key 1, the real keys 0, so that key's logit is sinks_n for every query
@@ -123,6 +123,10 @@ def sink_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, sinks: Tensor,
 
         q' [.., S, D+8] = [q | sinks_n/scale | 0...]      k' [.., 16m, D+8] = [0 | 1 | 0...] ; [k | 0 ...] ; 0...
         v' [.., 16m, D+8] = 0 ; [v | 0 ...] ; 0...         mask' [S, 16m] = [True | mask | False...]
+
+    Causal (no mask): the queries get the same row layout as the keys, a zero query first and zero queries at
+    the end, so plain causal SDPA (is_causal: flash attention on CPU and GPU, GQA native, causal blocks skipped,
+    no mask) lets row 1 + i, query i, see the sink and keys 0 .. i; the pad rows' outputs are dropped.
     """
     B, N, S, D = q.shape
     K, P, Dv = k.shape[1], k.shape[2], v.shape[-1]
@@ -135,6 +139,13 @@ def sink_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, sinks: Tensor,
     sink_k[..., D] = 1
     k2 = torch.cat((sink_k, F.pad(k, (0, width - D)), k.new_zeros(B, K, hidden, width)), dim=2)  # [B, K, 16m, D+8]
     v2 = F.pad(v, (0, width - Dv, 1, hidden))  # [B, K, 16m, D+8]: the sink's and the hidden keys' values 0
+    if mask is None:
+        if P != S:
+            raise ValueError(f"sink_attention without a mask is causal over its own positions: {S} queries need "
+                             f"{S} keys, got {P}; pass the [S, P] mask")
+        q2 = F.pad(q2, (0, 0, 1, hidden))  # [B, N, 16m, D+8]: row 1 + i is query i
+        y = F.scaled_dot_product_attention(q2, k2, v2, is_causal=True, enable_gqa=gqa, scale=scale)
+        return y[:, :, 1 : S + 1, :Dv]
     mask2 = torch.cat((mask.new_ones(S, 1), mask, mask.new_zeros(S, hidden)), dim=1)  # [S, 16m]
     return masked_sdpa(q2, k2, v2, mask2, gqa, scale)[..., :Dv]
 
@@ -170,7 +181,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, kv: LayerKV | None, gqa: bool, scale
         return masked_sdpa(q, k, v, mask, gqa, scale)
     if kv is not None and S <= CACHED_SINKS_MAX_NEW:  # decoding: no copies of the whole cache per token
         return masked_sink_attention(q, k, v, mask, sinks, scale)
-    return sink_attention(q, k, v, mask, sinks, scale, gqa)
+    causal = not window and start == 0  # plain causal over its own positions: no mask (sink_attention)
+    return sink_attention(q, k, v, None if causal else mask, sinks, scale, gqa)
 
 
 # With sinks, a decoding step (at most this many new positions over a KV cache) runs ``masked_sink_attention``:

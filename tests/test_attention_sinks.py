@@ -3,6 +3,7 @@ picks, a bias on wo. Each path (SDPA with the sink as an extra key, the explicit
 a reference written as the definition: masked scores, the sink column appended, softmax, the sink dropped."""
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -146,3 +147,22 @@ def test_decoding_path_matches_the_definition(start, S, window):
     g = torch.randn_like(want)
     for a, b in zip(torch.autograd.grad(got, (q, k, v, sinks), g), torch.autograd.grad(want, (q, k, v, sinks), g)):
         torch.testing.assert_close(a, b)
+
+
+def test_the_attention_bench_peers_agree_and_it_writes_its_table(tmp_path, capsys):
+    """tools/bench/attention_sinks.py: transformers' eager gpt-oss attention computes moekit's function (max err in
+    the table, checked here), the saved bytes are counted, the JSON written; bad flags are one-line errors."""
+    pytest.importorskip("transformers")
+    from moekit.bench import attention_sinks
+
+    out = tmp_path / "a.json"
+    assert attention_sinks.main(["--seqs", "40", "--batch", "1", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
+                                 "--window", "8", "--warmup", "0", "--repeats", "1", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    by = {r["peer"]: r for r in rows}
+    assert set(by) == {"sdpa causal", "moekit sinks", "moekit sinks+window", "hf eager sinks+window"}
+    assert by["hf eager sinks+window"]["max_err"] < 1e-5 and by["moekit sinks+window"]["ratio"] == 1.0
+    assert all(r["saved_mib"] > 0 for r in rows)
+    with pytest.raises(SystemExit):
+        attention_sinks.main(["--heads", "6", "--kv-heads", "4", "--out", str(out)])
+    assert "--kv-heads 4 must divide --heads 6" in capsys.readouterr().err

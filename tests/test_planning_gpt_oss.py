@@ -57,7 +57,8 @@ def test_cuda_sink_and_window_attention_terms():
     """On CUDA (assumed efficient attention, see activations._gqa_kept): a sink layer keeps q' [B, N, S, D+8],
     k' and v' [B, K, P', D+8] with P' = S + 1 padded to a multiple of 16 (so the [S, P'] mask stays a broadcast
     view: never materialised per head), its [B, N, S, D+8] output, logsumexp and wo's copy of the first D
-    channels; a window layer keeps q, k, v, output, logsumexp and the [S, S] mask."""
+    channels; without a window it is causal with no mask, q' and the output P' rows long; a window layer keeps
+    q, k, v, output, logsumexp and the [S, S] mask."""
     B, S = 2, 4096
     base = dataclasses.replace(preset("gpt-oss-20b"), attention_bias=False, attention_out_bias=False)
     N, K, D, H, a = base.num_heads, base.num_kv_heads, base.attn_head_dim, base.hidden_size, 2
@@ -69,8 +70,12 @@ def test_cuda_sink_and_window_attention_terms():
     assert _cuda_attention(window, B, S) - _cuda_attention(plain, B, S) == S * S * a
     sinks = dataclasses.replace(plain, attention_sinks=True)
     keys = S + 16  # 4097 keys padded to 4112
+    # no window: causal SDPA, no mask, the queries padded to the keys' rows
+    copies = (2 * B * N * keys * (D + 8) + 2 * B * K * keys * (D + 8) + T * N * D) * a + B * N * keys * 4
+    assert _cuda_attention(sinks, B, S) == inputs + copies
+    both = dataclasses.replace(sinks, sliding_window=128)  # window and sinks: the [S, keys] mask, S query rows
     copies = (2 * T * N * (D + 8) + 2 * B * K * keys * (D + 8) + T * N * D) * a + T * N * 4
-    assert _cuda_attention(sinks, B, S) == inputs + copies + S * keys * a
+    assert _cuda_attention(both, B, S) == inputs + copies + S * keys * a
 
 
 def test_dry_run_gpt_oss_20b(capsys):

@@ -138,7 +138,9 @@ def _gqa_kept(s: Shapes, N: int, K: int, D: int, window: int, sinks: bool) -> in
         (P' = S + 1 rounded up to a multiple of 16) and the [S, P'] mask; q, k, v themselves are then freed.
         The fused kernel keeps q', k', v', its [B, N, S, D+8] output and fp32 logsumexp, and the mask (CPU
         flash attention: measured; CUDA's memory-efficient kernel, assumed: with P' % 16 == 0 the mask stays
-        a broadcast view); wo's input is a copy of the output's first D channels [T, N*D].
+        a broadcast view); wo's input is a copy of the output's first D channels [T, N*D]. A layer without a
+        window runs causal SDPA with no mask, its queries padded to the keys' P' rows: q', the output and the
+        logsumexp are P' rows long.
     explicit (CPU bf16, short sequences: bmm + softmax + bmm): copies of q, k, v and of the output in place of
         SDPA's views (the same bytes) and the softmax probabilities [B, N, S, S] (S + 1 wide with sinks) in
         place of the logsumexp; its additive mask is not kept (baddbmm's input needs no saving).
@@ -150,6 +152,8 @@ def _gqa_kept(s: Shapes, N: int, K: int, D: int, window: int, sinks: bool) -> in
         return qkvo + T * N * (S + sinks) * a
     if sinks:
         W, keys = D + SINK_PAD, sink_keys(S)
+        if not window:  # causal, no mask: the queries padded to the keys' rows
+            return (2 * B * N * keys * W + 2 * B * K * keys * W + T * N * D) * a + B * N * keys * FP32
         return (2 * T * N * W + 2 * B * K * keys * W + T * N * D) * a + T * N * FP32 + _mask_bytes(s, N, keys)
     return qkvo + T * N * FP32 + (_mask_bytes(s, N, S) if window else 0)
 
@@ -254,9 +258,11 @@ def _selective(cfg: ModelConfig, layout: Layout, s: Shapes, i: int) -> dict[str,
         proj, fused = (N + 2 * K) * Dv, True
     # bmm + softmax + bmm (explicit): nothing a selective checkpoint caches
     fused = fused and not s.explicit_attention
-    width = Dv + SINK_PAD if cfg.attention_sinks else Dv  # sink attention's SDPA output is 8 channels wider
+    # sink attention's SDPA output is 8 channels wider, and P' rows long per sequence without a window
+    width = Dv + SINK_PAD if cfg.attention_sinks else Dv
+    rows = s.T // s.S * sink_keys(s.S) if cfg.attention_sinks and not cfg.attention_window(i) else s.T
     # q / k / v (or MLA's latents) and the output projection; SDPA's output and fp32 logsumexp
-    out = {"attention": s.T * (proj + H) * a + (s.T * N * (width * a + FP32) if fused else 0)}
+    out = {"attention": s.T * (proj + H) * a + (rows * N * (width * a + FP32) if fused else 0)}
     gated = get_activation(cfg.activation).gated
     if not cfg.is_moe_layer(i):  # gate and up [T, F], out [T, H]
         out["dense_ffn"] = s.T * ((1 + gated) * cfg.ffn_hidden_size // layout.tp + H) * a
@@ -270,10 +276,12 @@ def _selective(cfg: ModelConfig, layout: Layout, s: Shapes, i: int) -> dict[str,
         router += 12 * T * E
     out["router"] = router
     backend = _backend(cfg, s.cpu)
-    # Triton launches are invisible to the dispatcher and the loop's SwiGLU function writes out=: both recomputed.
-    # The loop runs that function for plain "swiglu" only; other activations and biases compose autograd ops
-    # (moe.experts.loop_mlp), whose matmuls the checkpoint caches.
-    if not (backend == "triton" or (backend == "loop" and cfg.activation == "swiglu" and not cfg.moe_ffn_bias)):
+    # Triton launches are invisible to the dispatcher and the loop's gated function writes out=: both recomputed.
+    # The loop runs that function for moe.experts.LOOP_FUSED_ACTIVATIONS (biases or not); other activations
+    # compose autograd ops (moe.experts.loop_mlp), whose matmuls the checkpoint caches.
+    from moekit.moe.experts import LOOP_FUSED_ACTIVATIONS
+
+    if not (backend == "triton" or (backend == "loop" and cfg.activation in LOOP_FUSED_ACTIVATIONS)):
         out["experts"] = s.R * (cfg.moe_ffn_hidden_size * (1 + gated) + H) * a  # both GEMMs' outputs
     if cfg.shared_ffn_hidden_size:
         out["shared_expert"] = T * ((1 + gated) * cfg.shared_ffn_hidden_size + H + cfg.shared_expert_gate) * a
