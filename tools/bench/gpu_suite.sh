@@ -4,6 +4,7 @@
 #   bash tools/bench/gpu_suite.sh                       # every default step, most important first (~9 min, H100)
 #   bash tools/bench/gpu_suite.sh moe_layer dispatch    # a subset, in the order given
 #   bash tools/bench/gpu_suite.sh train_mfu_full        # MFU with compile off and on at full size (~5-6 min)
+#   bash tools/bench/gpu_suite.sh attention             # gpt-oss sink / window attention vs SDPA and transformers
 #   bash tools/bench/gpu_suite.sh --smoke               # CPU (or GPU) script check at tiny sizes (CI)
 #   bash tools/bench/gpu_suite.sh --list
 #
@@ -23,7 +24,7 @@ REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 PY=${PYTHON:-python3}
 DEFAULT_STEPS=(env tests moe_layer grouped_gemm dispatch profile train_mfu)
 ALL_STEPS=(env tests moe_layer grouped_gemm dispatch profile train_mfu train_mfu_full tune grouped_gemm_tuned
-           grouped_gemm_quick train_mfu_tma)
+           grouped_gemm_quick train_mfu_tma attention)
 SMOKE=0
 BUDGET=560
 RESULTS=${OUT:-bench-results}
@@ -209,6 +210,12 @@ for step in "${STEPS[@]}"; do
       else size=(--device cuda --dtype bfloat16 --tokens 16384 --configs mixtral qwen3-30b-a3b deepseek-v3
                  --repeats 20); fi
       run_step dispatch 70 "$PY" tools/bench/dispatch_bandwidth.py "${size[@]}" --out "$RAW/dispatch_bandwidth.json" ;;
+    attention)  # gpt-oss's sink / window attention against plain SDPA and transformers' eager (time, peak memory)
+      if [ "$SMOKE" = 1 ]; then size=(--device cpu --seqs 32 --batch 1 --heads 4 --kv-heads 2 --head-dim 16 --window 8
+                                      --warmup 0 --repeats 1)
+      else size=(--device cuda --dtype bfloat16 --seqs 1024 4096 --batch 1 --heads 64 --kv-heads 8 --head-dim 64
+                 --window 128 --warmup 1 --repeats 5); fi
+      run_step attention 90 "$PY" tools/bench/attention_sinks.py "${size[@]}" --out "$RAW/attention_sinks.json" ;;
     profile)
       if [ "$SMOKE" = 1 ]; then size=(--preset mixtral-tiny --batch-size 2 --seq-len 32 --warmup 1 --steps 1)
       else size=(--preset auto --batch-size 16 --seq-len 2048 --warmup 2 --steps 3); fi  # train_mfu's micro-batch
