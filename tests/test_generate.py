@@ -684,3 +684,196 @@ def test_eval_reports_each_mtp_depth_as_training_computes_it(tmp_path):
     assert counts[3] == 3 * 23
     assert counts[0] / counts[3] == pytest.approx(float(want), rel=1e-5)
     assert counts[1] == (top == y[:, 1:]).sum() and counts[2] == (top == logits.argmax(-1)[:, 1:]).sum()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Chat models: --chat renders the folder's chat template, decoding stops at the folder's end tokens
+# ---------------------------------------------------------------------------------------------------
+
+# ChatML-like, as Qwen's: BOS, a system turn, a refusal of unknown roles, and the assistant header on request
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+                 "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}"
+                 "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHAT_SPECIAL = ["<unk>", "<s>", "<|im_start|>", "<|im_end|>", "<|endoftext|>"]
+SYSTEM, QUESTION = "You are terse.", "What is two plus two?"
+
+
+@pytest.fixture(scope="module")
+def chat_base(tmp_path_factory) -> Path:
+    """A tiny Mixtral as an HF folder (moekit's save_hf) with a BPE tokenizer.json whose vocabulary is the model's,
+    no chat template and no end token anywhere: each test copies it and adds what it checks."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    from moekit.models.hf import save_hf
+
+    folder = tmp_path_factory.mktemp("chat") / "hf"
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=CHAT_SPECIAL,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([f"{SYSTEM} {QUESTION}\nsystem user assistant four\n"] * 20, trainer)
+    # BOS added to plain text, as Llama's: the template writes its own, so the chat encoding must not add one
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    cfg = ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, ffn_hidden_size=64,
+                      moe_ffn_hidden_size=32, max_seq_len=64, vocab_size=tok.get_vocab_size())
+    torch.manual_seed(0)
+    save_hf(build_model(cfg), folder, family="mixtral")
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>"}))
+    return folder
+
+
+def chat_folder(chat_base: Path, tmp_path: Path, where: str | None = "tokenizer_config", template=CHAT_TEMPLATE,
+                **tokenizer_config) -> Path:
+    folder = tmp_path / "hf"
+    shutil.copytree(chat_base, folder)
+    config = {"bos_token": "<s>", **tokenizer_config}
+    if where == "tokenizer_config":
+        config["chat_template"] = template
+    elif where == "jinja":  # transformers reads the .jinja file first: a decoy in tokenizer_config.json
+        (folder / "chat_template.jinja").write_text(template)
+        config["chat_template"] = "DECOY {{ messages[0]['content'] }}"
+    elif where == "json":
+        (folder / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture
+def spy_generate(monkeypatch):
+    """Every decode moekit-generate runs, as (prompt ids it was given, its Generation)."""
+    import moekit.train.decoding as decoding
+
+    calls, real = [], decoding.generate
+
+    def spy(model, prompt_ids, *args, **kwargs):
+        out = real(model, prompt_ids, *args, **kwargs)
+        calls.append((list(prompt_ids), out))
+        return out
+
+    monkeypatch.setattr(decoding, "generate", spy)
+    return calls
+
+
+CHAT_ARGV = ["--chat", "--system", SYSTEM, "--prompt", QUESTION, "--device", "cpu"]
+
+
+@pytest.mark.parametrize("where", ["tokenizer_config", "jinja", "json"])
+def test_chat_prompt_is_transformers_apply_chat_template(chat_base, tmp_path, capsys, spy_generate, where):
+    """The ids fed to the model are those transformers' apply_chat_template makes from the same folder (for
+    chat_template.json, which AutoTokenizer does not read, from the same template), and stdout is the answer only."""
+    from transformers import AutoTokenizer
+
+    folder = chat_folder(chat_base, tmp_path, where)
+    assert generate_main([str(folder), *CHAT_ARGV, "--max-new-tokens", "6"]) == 0
+    out, err = capsys.readouterr()
+    ((fed, gen),) = spy_generate
+    ref = AutoTokenizer.from_pretrained(str(folder))
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]
+    extra = {"chat_template": CHAT_TEMPLATE} if where == "json" else {}
+    want = ref.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True, **extra)
+    assert fed == want["input_ids"]
+    bos, start = ref.convert_tokens_to_ids(["<s>", "<|im_start|>"])
+    assert fed[:2] == [bos, start] and fed.count(bos) == 1  # the template's BOS, none added by the encoding
+    assert fed.count(start) == 3  # system, user, the assistant header
+    tok = load_tokenizer(folder, 10**6, hf=True)
+    answer = continuation(tok, fed, gen.new_ids)
+    assert len(gen.new_ids) == 6 and out == answer + "\n"  # no template text, no question echoed
+    source = {"jinja": "chat_template.jinja", "json": "chat_template.json"}.get(where, "tokenizer_config.json")
+    assert f"chat template {folder / source} ({len(fed)} tokens)" in err
+
+
+def test_chat_stops_at_an_end_token_of_generation_configs_list(chat_base, tmp_path, capsys, spy_generate):
+    """A sampled chat (--temperature / --top-k / --seed honoured) stops at the first token that is in
+    generation_config.json's eos_token_id list, which the end tokens of config.json and tokenizer_config.json join."""
+    folder = chat_folder(chat_base, tmp_path)
+    argv = [str(folder), *CHAT_ARGV, "--max-new-tokens", "24", "--temperature", "1.5", "--top-k", "50", "--seed", "3"]
+    assert generate_main(argv) == 0  # no end token anywhere: all 24
+    free = spy_generate[-1][1]
+    assert free.stopped == "length" and len(free.new_ids) == 24
+    k = next(i for i in range(3, 24) if free.new_ids[i] not in free.new_ids[:i])  # the stop: a token new at step k
+    unused = [i for i in range(5, 250) if i not in free.new_ids[: k + 1]]
+    end_turn = CHAT_SPECIAL.index("<|im_end|>")  # its id (the trainer numbers special tokens first), named below
+    assert end_turn not in free.new_ids[:k], "the steered stop must be the first end token met"
+    gen_list = [unused[0], free.new_ids[k]]  # the stop is the second of the list, as gpt-oss's several ids
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": gen_list}))
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "eos_token_id": unused[1]}))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "<|im_end|>",
+                                                              "chat_template": CHAT_TEMPLATE}))
+    capsys.readouterr()
+    assert generate_main(argv) == 0
+    out, err = capsys.readouterr()
+    fed, stopped = spy_generate[-1]
+    assert stopped.stopped == "eos" and stopped.new_ids == free.new_ids[:k]
+    tok = load_tokenizer(folder, 10**6, hf=True)
+    assert out == continuation(tok, fed, free.new_ids[:k]) + "\n"
+    assert f"EOS {gen_list[0]},{gen_list[1]},{unused[1]},{end_turn})" in err and err.rstrip().endswith("stopped at EOS")
+
+
+def test_chat_template_renders_as_transformers_does(chat_base, tmp_path):
+    """What real templates use beyond the ChatML basics, against transformers' own renderer: tojson without HTML
+    escapes, {% generation %}, loop controls, namespace, strftime_now, and named templates (the "default" one)."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    from moekit.train.inference import ChatTemplate, chat_messages
+
+    text = ("{% set ns = namespace(n=0) %}{% for m in messages %}{% if loop.index > 5 %}{% break %}{% endif %}"
+            "{% set ns.n = ns.n + 1 %}{{ m | tojson }}{% generation %}[{{ m['role'] }}]{% endgeneration %}"
+            "{% endfor %}{{ ns.n }} {{ strftime_now('%Y') }} {{ eos_token }}{% if add_generation_prompt %}>{% endif %}")
+    folder = chat_folder(chat_base, tmp_path, template=[{"name": "tool_use", "template": "TOOLS"},
+                                                        {"name": "default", "template": text}], eos_token="</x>")
+    messages = chat_messages('a <b> & "c"', "é")
+    ours = ChatTemplate.load(folder).render(messages)
+    (want,), _ = render_jinja_template([messages], chat_template=text, add_generation_prompt=True, bos_token="<s>",
+                                      eos_token="</x>")
+    assert ours == want and '"a <b> & \\"c\\""' in ours and "[user]" in ours and ours.endswith("</x>>")
+
+
+def test_chat_errors_are_one_line(chat_base, tmp_path, capsys, monkeypatch):
+    plain = chat_folder(chat_base, tmp_path / "plain", where=None)
+    line = one_line(capsys, generate_main([str(plain), *CHAT_ARGV]), "generate.py")
+    assert f"{plain}: no chat template" in line and "drop --chat and give the text to continue with --prompt" in line
+    line = one_line(capsys, generate_main([str(plain), "--system", SYSTEM, "--prompt", QUESTION]), "generate.py")
+    assert "--system sets the system message of a chat; add --chat" in line and "or drop --system" in line
+    folder = chat_folder(chat_base, tmp_path / "ok")
+    # the template's own refusal (raise_exception), a template that does not parse, named ones without a default
+    refusing = chat_folder(chat_base, tmp_path / "refusing", template="{{ raise_exception('no system role') }}")
+    line = one_line(capsys, generate_main([str(refusing), *CHAT_ARGV]), "generate.py")
+    assert "the chat template refused the conversation (no system role)" in line, line
+    broken = chat_folder(chat_base, tmp_path / "broken", where="jinja", template="{% for m in messages %}")
+    line = one_line(capsys, generate_main([str(broken), *CHAT_ARGV]), "generate.py")
+    assert f"{broken / 'chat_template.jinja'}: the chat template does not parse (line 1" in line, line
+    named = chat_folder(chat_base, tmp_path / "named", template={"tool_use": "T", "rag": "R"})
+    line = one_line(capsys, generate_main([str(named), *CHAT_ARGV]), "generate.py")
+    assert "the chat templates are named ['rag', 'tool_use'] with no \"default\"" in line, line
+    import jinja2
+
+    monkeypatch.setattr(jinja2, "__version__", "3.1.5")
+    line = one_line(capsys, generate_main([str(folder), *CHAT_ARGV]), "generate.py")
+    assert "needs jinja2 >= 3.1.6" in line and "3.1.5 is installed" in line, line
+    monkeypatch.setitem(sys.modules, "jinja2", None)  # not installed: the import fails
+    line = one_line(capsys, generate_main([str(folder), *CHAT_ARGV]), "generate.py")
+    assert "jinja2, which is not installed; pip install 'jinja2>=3.1.6' (or moekit's extra: pip install " \
+           "'moekit[chat]')" in line, line
+    # plain --prompt never needs jinja2, even on a folder with a template
+    assert generate_main([str(folder), "--prompt", QUESTION, "--max-new-tokens", "2", "--device", "cpu"]) == 0
+
+
+def test_chat_with_speculative_decoding_on_a_run_directory(runs, tmp_path, capsys, spy_generate):
+    """A run directory's template is read too (its tokenizer is bytes here), and --speculative decodes the rendered
+    prompt: greedy, the same answer as plain decoding."""
+    run = tmp_path / "run"
+    shutil.copytree(runs["deepseek-tiny"], run)  # two MTP depths
+    (run / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    argv = [str(run), *CHAT_ARGV, "--max-new-tokens", "12"]
+    assert generate_main(argv) == 0
+    plain = capsys.readouterr().out
+    ((fed, _),) = spy_generate
+    text = f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n"
+    assert fed == list(text.encode())  # no bos_token in a run's folder: the template's undefined renders as ""
+    assert generate_main([*argv, "--speculative"]) == 0
+    out, err = capsys.readouterr()
+    assert out == plain and "MTP drafts accepted" in err and QUESTION not in out

@@ -1,11 +1,17 @@
 """Generate text from a trained model: ``moekit-generate`` (or ``python tools/generate.py`` in a checkout).
 
-    moekit-generate RUN_DIR|CHECKPOINT|HF_DIR --prompt TEXT [--max-new-tokens N] [--temperature T]
-                    [--top-k K] [--top-p P] [--seed S] [--no-cache] [--speculative [--draft-depths N]]
-                    [--device D] [--dtype T]
+    moekit-generate RUN_DIR|CHECKPOINT|HF_DIR --prompt TEXT [--chat [--system TEXT]] [--max-new-tokens N]
+                    [--temperature T] [--top-k K] [--top-p P] [--seed S] [--no-cache]
+                    [--speculative [--draft-depths N]] [--device D] [--dtype T]
 
 stdout: the prompt and its continuation; stderr: what was loaded, and one stats line (tokens/s).
-Decoding stops after --max-new-tokens tokens or at the tokenizer's EOS (not printed).
+Decoding stops after --max-new-tokens tokens or at an end token (not printed): the tokenizer's EOS, and for an HF
+folder every eos_token_id of generation_config.json and config.json and tokenizer_config.json's eos_token.
+
+Chat models (--chat): the prompt is one user message (after a system message with --system), laid out by the
+folder's chat template (chat_template.jinja, else tokenizer_config.json's chat_template, else chat_template.json)
+with the generation prompt added, rendered with jinja2 as transformers' apply_chat_template renders it, and
+encoded without added special tokens (the template writes them). stdout then gets the answer only.
 
 Sampling (``next_token``): temperature 0 is greedy (argmax, the lowest id on a tie); otherwise the logits
 are divided by the temperature, cut to the top-k most likely tokens (ties: the lower id first), then to
@@ -69,7 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                       allow_abbrev=False)
     add_model_args(p)
-    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--prompt", required=True, help="the text to continue (with --chat: the user's message)")
+    p.add_argument("--chat", action="store_true",
+                   help="lay out the prompt as one user turn with the model folder's chat template and print only the "
+                        "answer (instruct models; needs jinja2)")
+    p.add_argument("--system", default=None, metavar="TEXT", help="with --chat: a system message before the prompt")
     p.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="tokens to add (default 128)")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default); > 0 samples")
     p.add_argument("--top-k", type=int, default=0, metavar="K", help="sample among the K most likely (0 = all)")
@@ -92,6 +102,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if not 0 <= args.seed < 2**64:
         raise UserError(f"--seed {args.seed} is invalid; it must be in [0, 2**64) (the sampler's seed is 64-bit)")
     args.sampling = Sampling(args.temperature, args.top_k, args.top_p).check()
+    if args.system is not None and not args.chat:
+        raise UserError("--system sets the system message of a chat; add --chat (the model folder needs a chat "
+                        "template), or drop --system")
     if args.speculative and args.no_cache:
         raise UserError("--speculative checks its drafts against the KV cache; drop --no-cache (or --speculative)")
     if args.draft_depths is not None:
@@ -106,8 +119,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def run(args: argparse.Namespace) -> int:
     from moekit.train.decoding import continuation, generate, generate_speculative  # torch, the model: after flags
-    from moekit.train.inference import load_for_inference
+    from moekit.train.inference import (ChatTemplate, chat_messages, encode_rendered, load_for_inference,
+                                        template_folder)
 
+    # the template (and jinja2) before the model: a missing one should not cost a large model's load
+    template = ChatTemplate.load(template_folder(args.path)) if args.chat else None
     model, tokenizer, info = load_for_inference(args.path, args.device, args.dtype, warn=_note)
     if args.speculative and not len(model.mtp):
         raise UserError(f"--speculative drafts with the model's multi-token-prediction depths, and {args.path} has "
@@ -116,10 +132,14 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--draft-depths {args.draft_depths} exceeds the {len(model.mtp)} multi-token-prediction "
                         f"depth(s) of {args.path} (model.mtp_layers {len(model.mtp)}); use 1 to {len(model.mtp)}, or "
                         f"drop --draft-depths to draft with all of them")
-    prompt_ids = tokenizer.encode(args.prompt)
+    if template is not None:
+        prompt_ids = encode_rendered(tokenizer, template.render(chat_messages(args.prompt, args.system)))
+    else:
+        prompt_ids = tokenizer.encode(args.prompt)
     if not prompt_ids:
         raise UserError("--prompt encodes to no tokens; give some text to continue")
-    _note(f"{info.describe()}; tokenizer {tokenizer.describe()}")
+    _note(f"{info.describe()}; tokenizer {tokenizer.describe()}"
+          + (f"; chat template {template.source} ({len(prompt_ids)} tokens)" if template is not None else ""))
     for line in info.routing:
         _note(f"note: {line}")
     cuts = [f for f, on in (("--top-k", args.top_k), ("--top-p", args.top_p < 1)) if on]
@@ -141,7 +161,8 @@ def run(args: argparse.Namespace) -> int:
     if out.prompt_dropped:
         _note(f"note: the prompt has {len(prompt_ids)} tokens, more than model.max_seq_len="
               f"{model.config.max_seq_len}; the model saw its last {len(prompt_ids) - out.prompt_dropped}")
-    print(args.prompt + continuation(tokenizer, prompt_ids, out.new_ids), flush=True)
+    # a chat prints the answer alone: the template's layout is not the user's text
+    print(("" if template is not None else args.prompt) + continuation(tokenizer, prompt_ids, out.new_ids), flush=True)
     why = "EOS" if out.stopped == "eos" else f"--max-new-tokens {args.max_new_tokens}"
     moved = f", window moved {out.shifts}x" if out.shifts else ""
     spec = f", {draft_stats(out)}" if speculative else ""

@@ -18,7 +18,10 @@ which other tokens share its forward (the batch, the prompt, cached or not). Inf
 dropless wherever the router allows it (every built-in router but expert_choice, whose capacity is its
 selection rule); ``dropless=False`` keeps the trained capacity (moekit-eval --capacity trained).
 
-The tokenizer comes from the run directory (or the HF folder) as moekit.train.tokenizer describes.
+The tokenizer comes from the run directory (or the HF folder) as moekit.train.tokenizer describes; an HF
+folder's ``eos_ids`` are every end token it names (``hf_stop_ids``). ``ChatTemplate.load(folder)`` reads a
+folder's chat template and renders a conversation as transformers' ``apply_chat_template`` does (moekit-generate
+--chat).
 
 Every problem is a UserError naming the path and the fix (the programs print it as one line, exit status 2).
 """
@@ -38,7 +41,8 @@ from moekit.moe.router_variants import ExpertChoiceRouter
 from moekit.train import UserError, checkpoint
 from moekit.train.model_args import DTYPE_NAMES
 from moekit.train.runlock import describe_os_error
-from moekit.train.tokenizer import NoTokenizer, Tokenizer, load_tokenizer, read_json
+from moekit.train.tokenizer import ByteTokenizer, HFTokenizer, NoTokenizer, Tokenizer, load_tokenizer, read_json
+from moekit.train.tokenizer import _eos as eos_ids  # the same id checks and messages as the tokenizer's EOS
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 KINDS = ("run", "checkpoint", "hf")
@@ -261,6 +265,7 @@ def load_for_inference(path: str | Path, device: str | torch.device = "cpu", dty
     if kind == "hf":
         model = _load_hf(path, dtype)
         tokenizer = load_tokenizer(path, model.config.vocab_size, hf=True)
+        tokenizer.eos_ids = hf_stop_ids(path, tokenizer, model.config.vocab_size)  # decoding stops at any of them
     else:
         if kind == "run":
             run_dir = path
@@ -285,3 +290,188 @@ def load_for_inference(path: str | Path, device: str | torch.device = "cpu", dty
     info = InferenceInfo(kind, path, model.config, device, dtype, ckpt, step, run_dir, run_config, routing,
                          cache_inexact(model), no_tokenizer)
     return model, tokenizer, info
+
+
+# ---------------------------------------------------------------------------------------------------
+# Chat templates (moekit-generate --chat) and an HF folder's end tokens
+# ---------------------------------------------------------------------------------------------------
+
+# Where a folder keeps its chat template, in the order read: transformers (4.43+) writes chat_template.jinja and
+# lets it override tokenizer_config.json's "chat_template"; chat_template.json is the processors' older file
+TEMPLATE_FILES = ("chat_template.jinja", "tokenizer_config.json", "chat_template.json")
+# the named special tokens transformers passes to a template (PreTrainedTokenizerBase.SPECIAL_TOKENS_ATTRIBUTES)
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+JINJA_MIN = (3, 1, 6)  # older jinja2 has known sandbox escapes, and a template is foreign code (as transformers)
+JINJA_INSTALL = "pip install 'jinja2>=3.1.6' (or moekit's extra: pip install 'moekit[chat]')"
+
+
+def template_folder(path: str | Path) -> Path:
+    """The folder whose chat template and tokenizer files go with ``path``: an HF folder itself, or the run
+    directory of a run or checkpoint (where the tokenizer is read too)."""
+    path = Path(path)
+    return path.parent.parent if detect_kind(path) == "checkpoint" else path
+
+
+def _token_text(value) -> str | None:
+    """A tokenizer_config.json special token: a string, or an AddedToken written as {"content": ...}."""
+    value = value.get("content") if isinstance(value, dict) else value
+    return value if isinstance(value, str) else None
+
+
+def _pick_template(value, where: Path) -> str | None:
+    """A "chat_template" entry: one template, or named ones ({name: template} or [{"name", "template"}]),
+    of which transformers renders "default" when no tools are given."""
+    if isinstance(value, list):
+        value = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+    if isinstance(value, dict):
+        if "default" not in value:
+            raise UserError(f"{where}: the chat templates are named {sorted(map(str, value))} with no \"default\", "
+                            f"the one --chat renders; name one of them \"default\"")
+        value = value["default"]
+    if value is not None and not isinstance(value, str):
+        raise UserError(f"{where}: chat_template is a {type(value).__name__}, not a template's text; restore it")
+    return value
+
+
+@dataclass
+class ChatTemplate:
+    """A folder's chat template, compiled; ``render`` lays out a conversation the way transformers'
+    ``apply_chat_template`` does (the same jinja2 sandbox, globals and special-token variables)."""
+
+    source: Path
+    text: str
+    special_tokens: dict[str, str]
+    compiled: object = None
+
+    @classmethod
+    def load(cls, folder: Path) -> "ChatTemplate":
+        """The template of ``folder`` (TEMPLATE_FILES), compiled; UserError when there is none, when jinja2
+        is missing or too old, or when the template does not parse."""
+        config_path = folder / "tokenizer_config.json"
+        config = read_json(config_path, "tokenizer_config.json") if config_path.is_file() else {}
+        config = config if isinstance(config, dict) else {}
+        source = text = None
+        for name in TEMPLATE_FILES:
+            path = folder / name
+            if not path.is_file():
+                continue
+            if name.endswith(".jinja"):
+                try:
+                    text = path.read_text(encoding="utf-8")
+                except (OSError, UnicodeDecodeError) as exc:
+                    why = describe_os_error(exc) if isinstance(exc, OSError) else str(exc)
+                    raise UserError(f"{path}: unreadable ({why}); restore it") from None
+            else:
+                data = config if name == "tokenizer_config.json" else read_json(path, name)
+                text = _pick_template(data.get("chat_template") if isinstance(data, dict) else None, path)
+            if text is not None:
+                source = path
+                break
+        if source is None:
+            raise UserError(f"{folder}: no chat template (no chat_template in tokenizer_config.json, no "
+                            f"chat_template.jinja or chat_template.json), so --chat cannot lay out the prompt; it may "
+                            f"be a base model: drop --chat and give the text to continue with --prompt")
+        special = {k: t for k in SPECIAL_TOKEN_NAMES if (t := _token_text(config.get(k))) is not None}
+        return cls(source, text, special, _compile(text, source))
+
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        import jinja2
+
+        try:
+            return self.compiled.render(messages=messages, tools=None, documents=None,
+                                        add_generation_prompt=add_generation_prompt, **self.special_tokens)
+        except jinja2.TemplateError as exc:  # raise_exception() in the template, or an undefined it needs
+            raise UserError(f"{self.source}: the chat template refused the conversation ({exc}); check --system / "
+                            f"--prompt against what the template accepts") from None
+        except Exception as exc:  # the template is foreign code: whatever it fails with is its own error
+            raise UserError(f"{self.source}: the chat template failed ({type(exc).__name__}: {exc}); fix the "
+                            f"template, or drop --chat") from None
+
+
+def _import_jinja2():
+    try:
+        import jinja2
+        import jinja2.ext
+        import jinja2.sandbox
+    except ImportError:
+        raise UserError(f"--chat renders the model's chat template with jinja2, which is not installed; "
+                        f"{JINJA_INSTALL}") from None
+    version = tuple(int(p) for p in jinja2.__version__.split(".")[:3] if p.isdigit())
+    if version < JINJA_MIN:
+        raise UserError(f"--chat needs jinja2 >= 3.1.6 to render a chat template safely (older versions have "
+                        f"sandbox escapes), and {jinja2.__version__} is installed; {JINJA_INSTALL}")
+    return jinja2
+
+
+def _compile(text: str, source: Path):
+    """The template compiled in an environment like transformers' (utils/chat_template_utils.py), so that
+    templates written for it render the same here."""
+    import json
+    from datetime import datetime
+
+    jinja2 = _import_jinja2()
+
+    class Generation(jinja2.ext.Extension):
+        # {% generation %}...{% endgeneration %} marks the assistant's text for training masks: render it as is
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        # jinja's own tojson escapes HTML characters, which would change the prompt's text
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                       extensions=[Generation, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(text)
+    except jinja2.TemplateSyntaxError as exc:
+        raise UserError(f"{source}: the chat template does not parse (line {exc.lineno}: {exc.message}); fix it, "
+                        f"or drop --chat") from None
+
+
+def chat_messages(prompt: str, system: str | None) -> list[dict[str, str]]:
+    """The conversation --chat renders: an optional system message, then the prompt as the user's."""
+    return ([{"role": "system", "content": system}] if system is not None else []) + [
+        {"role": "user", "content": prompt}]
+
+
+def encode_rendered(tokenizer: Tokenizer, text: str) -> list[int]:
+    """Token ids of a rendered template. The template writes BOS and the turn markers itself, so nothing is
+    added (transformers' apply_chat_template encodes with add_special_tokens=False); the markers in the text
+    become their added tokens."""
+    if isinstance(tokenizer, HFTokenizer):
+        return tokenizer.tok.encode(text, add_special_tokens=False).ids
+    return tokenizer.encode(text)
+
+
+def hf_stop_ids(folder: Path, tokenizer: HFTokenizer | ByteTokenizer, vocab: int) -> tuple[int, ...]:
+    """Every end token an HF folder names: ``eos_token_id`` of generation_config.json and of config.json (an int
+    or a list: gpt-oss lists <|return|>, <|endoftext|> and <|call|>), and tokenizer_config.json's eos_token. An
+    instruct model may end its turn with any of them (Qwen3: <|im_end|> or <|endoftext|>). The tokenizer's own
+    choice (the first source found) stays first, so ``eos_id`` keeps its meaning."""
+    ids = list(tokenizer.eos_ids)
+    for name in ("generation_config.json", "config.json"):
+        path = folder / name
+        data = read_json(path, name) if path.is_file() else None
+        if isinstance(data, dict):
+            ids += eos_ids(data.get("eos_token_id"), vocab, path)
+    path = folder / "tokenizer_config.json"
+    data = read_json(path, "tokenizer_config.json") if path.is_file() else None
+    text = _token_text(data.get("eos_token")) if isinstance(data, dict) else None
+    if text is not None and isinstance(tokenizer, HFTokenizer):
+        found = tokenizer.tok.token_to_id(text)
+        ids += eos_ids(found, vocab, path) if found is not None else []
+    return tuple(dict.fromkeys(ids))
