@@ -159,7 +159,7 @@ def test_other_families_refuse_gpt_oss_features(tmp_path):
     ours = load_hf(tmp_path / "hf")
     with pytest.raises(ValueError) as info:
         save_hf(ours, tmp_path / "as-mixtral", family="mixtral")
-    for reason in ("attention_sinks", "attention_out_bias", "sliding_window", "swiglu_oai", "gate_bias",
+    for reason in ("attention_sinks", "attention_out_bias", "full_attention_every", "swiglu_oai", "gate_bias",
                    "moe_ffn_bias"):
         assert reason in str(info.value), (reason, str(info.value))
 
