@@ -105,6 +105,37 @@ def swiglu_oai(h: Tensor) -> Tensor:
     return _SwiGLUOAI.apply(h)
 
 
+# The loop backend's per-expert epilogues (moe.experts): written into preallocated blocks with one scratch tensor,
+# no autograd, so an expert's block stays in cache between its GEMMs and nothing is allocated per expert.
+
+
+def swiglu_oai_into(gate: Tensor, up: Tensor, out: Tensor, tmp: Tensor) -> Tensor:
+    """out = oai_unit(gate) * oai_up(up), every operand [n, F]; ``tmp`` is scratch of that shape. (u + 1) * glu
+    is one addcmul, glu + glu * u: the same value to a rounding."""
+    torch.clamp(gate, max=OAI_LIMIT, out=out)  # g
+    torch.mul(out, OAI_ALPHA, out=tmp).sigmoid_()  # s
+    out.mul_(tmp)  # glu = g * s
+    torch.clamp(up, -OAI_LIMIT, OAI_LIMIT, out=tmp)  # u
+    return torch.addcmul(out, out, tmp, out=out)
+
+
+def swiglu_oai_backward_into(da: Tensor, gate: Tensor, up: Tensor, d_gate: Tensor, d_up: Tensor,
+                             tmp: Tensor) -> None:
+    """_SwiGLUOAI's derivative for one block: d_gate, d_up [n, F] from the gradient ``da`` and h's halves, with
+    one scratch ``tmp`` [n, F]; ``da`` is read only. Past a clamp's bound the gradient is 0, at a bound it passes,
+    as torch's clamp backward does (a NaN gate's d_gate stays NaN: its forward value is NaN anyway)."""
+    torch.clamp(gate, max=OAI_LIMIT, out=d_up)  # g
+    torch.mul(d_up, OAI_ALPHA, out=tmp).sigmoid_()  # s
+    # d gate / (grad * (u + 1)) = s + alpha * g * s * (1 - s) = s * (1 + alpha * (g - g * s))
+    torch.addcmul(d_up, d_up, tmp, value=-1, out=d_gate).mul_(OAI_ALPHA).add_(1).mul_(tmp)
+    d_up.mul_(tmp)  # glu = g * s
+    d_gate.masked_fill_(gate > OAI_LIMIT, 0)  # torch's test: gate <= limit passes
+    torch.clamp(up, -OAI_LIMIT, OAI_LIMIT, out=tmp)  # u
+    d_gate.mul_(da)
+    torch.addcmul(d_gate, d_gate, tmp, out=d_gate)  # * (u + 1)
+    d_up.mul_(da).masked_fill_(tmp != up, 0)  # clamped (or NaN) up: no gradient
+
+
 def _identity(t: Tensor) -> Tensor:
     return t
 

@@ -74,13 +74,21 @@ def pieces(n: int) -> list[tuple[int, int]]:
     return out
 
 
-def mm(a: Tensor, b: Tensor, out: Tensor) -> None:
-    """out = a @ b, in row pieces where oneDNN runs it (above): the same result row for row."""
+def mm(a: Tensor, b: Tensor, out: Tensor, bias: Tensor | None = None) -> None:
+    """out = a @ b (+ bias [cols], broadcast over the rows: addmm, the bias in the GEMM's accumulator instead of
+    a pass of its own), in row pieces where oneDNN runs it (above): the same result row for row."""
     if runs_whole(a, b, a.shape[0]):
-        torch.mm(a, b, out=out)
+        _mm(a, b, out, bias)
         return
     for start, n in pieces(a.shape[0]):
-        torch.mm(a[start:start + n], b, out=out[start:start + n])
+        _mm(a[start:start + n], b, out[start:start + n], bias)
+
+
+def _mm(a: Tensor, b: Tensor, out: Tensor, bias: Tensor | None) -> None:
+    if bias is None:
+        torch.mm(a, b, out=out)
+    else:
+        torch.addmm(bias, a, b, out=out)
 
 
 def padded_rows(n: int) -> int:

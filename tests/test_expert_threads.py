@@ -1,6 +1,6 @@
 """Experts in parallel on CPU (moe/expert_threads.py, issue 19): bitwise the sequential loop, forward and
-backward, fp32 and bf16, ragged and empty experts; the pool leaves torch's thread settings as they were;
-the by-shape choice."""
+backward, fp32 and bf16, ragged and empty experts, SwiGLU and gpt-oss's swiglu_oai with expert biases; the pool
+leaves torch's thread settings as they were; the by-shape choice."""
 import threading
 
 import pytest
@@ -10,23 +10,33 @@ from moekit.moe import experts, expert_threads as et
 from moekit.moe.expert_threads import choose_workers, expert_threads, for_each_expert
 
 
-def _case(dtype, counts, N=301, H=32, F=24, seed=0):
+ACTS = ["swiglu", "swiglu_oai"]  # swiglu_oai: with gpt-oss's expert biases b_in, b_out
+
+
+def _case(dtype, counts, N=301, H=32, F=24, seed=0, activation="swiglu", scale=None):
     g = torch.Generator().manual_seed(seed)
     E = len(counts)
-    rows = torch.randn(N, H, generator=g).to(dtype).requires_grad_()
+    if scale is None:
+        scale = 4 if activation == "swiglu_oai" else 1  # h past swiglu_oai's clamp (+-7) for some entries
+    rows = (scale * torch.randn(N, H, generator=g)).to(dtype).requires_grad_()
     w_in = (torch.randn(E, H, 2 * F, generator=g) / H ** 0.5).to(dtype).requires_grad_()
     w_out = (torch.randn(E, F, H, generator=g) / F ** 0.5).to(dtype).requires_grad_()
-    return rows, torch.tensor(counts), w_in, w_out, torch.randn(N, H, generator=g).to(dtype)
+    biases = {}
+    if activation == "swiglu_oai":
+        biases = {"b_in": torch.randn(E, 2 * F, generator=g).to(dtype).requires_grad_(),
+                  "b_out": torch.randn(E, H, generator=g).to(dtype).requires_grad_()}
+    return rows, torch.tensor(counts), w_in, w_out, torch.randn(N, H, generator=g).to(dtype), activation, biases
 
 
-def _fwd_bwd(workers, rows, counts, w_in, w_out, dy):
+def _fwd_bwd(workers, rows, counts, w_in, w_out, dy, activation="swiglu", biases=None):
+    biases = biases or {}
     with expert_threads(workers):
-        y = experts.loop_mlp(rows, counts, w_in, w_out, "swiglu")
-        grads = torch.autograd.grad(y, (rows, w_in, w_out), dy)
+        y = experts.loop_mlp(rows, counts, w_in, w_out, activation, **biases)
+        grads = torch.autograd.grad(y, (rows, w_in, w_out, *biases.values()), dy)
         with torch.no_grad():
-            y_ng = experts.loop_mlp(rows, counts, w_in, w_out, "swiglu")
+            y_ng = experts.loop_mlp(rows, counts, w_in, w_out, activation, **biases)
         with torch.inference_mode():
-            y_inf = experts.loop_mlp(rows, counts, w_in, w_out, "swiglu")
+            y_inf = experts.loop_mlp(rows, counts, w_in, w_out, activation, **biases)
     return (y, *grads, y_ng, y_inf)
 
 
@@ -45,26 +55,32 @@ def _one_thread_loop(case):
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("activation", ACTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("counts", COUNTS)
-def test_parallel_experts_equal_the_sequential_loop_bitwise(dtype, counts):
-    case = _case(dtype, counts)
+def test_parallel_experts_equal_the_sequential_loop_bitwise(dtype, counts, activation):
+    case = _case(dtype, counts, activation=activation)
     want = _one_thread_loop(case)
     for workers in (2, 3):
         for a, b in zip(_fwd_bwd(workers, *case), want):
             assert torch.equal(a, b)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    if activation == "swiglu_oai" and dtype == torch.float32:  # 4x the inputs: 4x the rounding
+        tol = dict(atol=4e-5, rtol=4e-5)
     for a, b in zip(_fwd_bwd(1, *case), want):  # the loop on torch's threads: to rounding
         torch.testing.assert_close(a, b, **tol)
 
 
-def test_parallel_experts_match_the_autograd_composite_in_float64():
-    rows, counts, w_in, w_out, dy = _case(torch.float64, COUNTS[0])
-    want = experts._loop_composite(rows, counts.tolist(), w_in, w_out, "swiglu")  # the autograd reference
+@pytest.mark.parametrize("activation", ACTS)
+def test_parallel_experts_match_the_autograd_composite_in_float64(activation):
+    rows, counts, w_in, w_out, dy, _, biases = _case(torch.float64, COUNTS[0], activation=activation)
+    leaves = (rows, w_in, w_out, *biases.values())
+    # the autograd reference
+    want = experts._loop_composite(rows, counts.tolist(), w_in, w_out, activation, *biases.values())
     with expert_threads(2):
-        got = experts.loop_mlp(rows, counts, w_in, w_out, "swiglu")
+        got = experts.loop_mlp(rows, counts, w_in, w_out, activation, **biases)
     torch.testing.assert_close(got, want)
-    for a, b in zip(torch.autograd.grad(got, (rows, w_in, w_out), dy), torch.autograd.grad(want, (rows, w_in, w_out), dy)):
+    for a, b in zip(torch.autograd.grad(got, leaves, dy), torch.autograd.grad(want, leaves, dy)):
         torch.testing.assert_close(a, b)
 
 
@@ -115,3 +131,19 @@ def test_choice_by_shape(monkeypatch):
     with pytest.raises(ValueError, match="positive integer"):
         with expert_threads(0):
             pass
+
+
+def test_bf16_gpt_oss_experts_match_float64():
+    """bf16's path (oneDNN row pieces, weight gradients over zero-padded rows, 120 and 301 rows here) with
+    swiglu_oai and biases: every gradient, the biases' column sums included, is float64's to bf16 rounding. Inputs
+    of std 1, so bf16's rounding moves no h across the clamp (the float64 tests cover the clamp)."""
+    for counts in (COUNTS[0], COUNTS[1]):
+        case = _case(torch.float64, counts, activation="swiglu_oai", scale=1)
+        rows, counts_t, w_in, w_out, dy, act, biases = case
+        leaves = (rows, w_in, w_out, *biases.values())
+        low = [t.detach().bfloat16().requires_grad_() for t in leaves]
+        want = _fwd_bwd(2, *case[:5], act, biases)
+        got = _fwd_bwd(2, low[0], counts_t, low[1], low[2], dy.bfloat16(), act, dict(zip(biases, low[3:])))
+        for a, b in zip(got, want):
+            scale = float(b.detach().abs().max())
+            torch.testing.assert_close(a.double(), b, rtol=0.03, atol=0.03 * scale)
