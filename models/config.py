@@ -426,6 +426,15 @@ PRESETS: dict[str, ModelConfig] = {
         attention_bias=True, attention_out_bias=True, attention_sinks=True, sliding_window=128, full_attention_every=2,
         activation="swiglu_oai", moe_ffn_bias=True, router_options={"normalize": True, "gate_bias": True},
     ),
+    # MiniMax-M2 (MiniMax 2025; 229B total, 10B active without the embedding and the head): 62 layers of GQA 48/8
+    # heads of 128 with q/k RMSNorm over the whole projection and RoPE on half of each head, 256 experts of width
+    # 1536, top-8 sigmoid with a selection bias, renormalised. Its checkpoint (fp8) imports as minimax_m2.
+    "minimax-m2": ModelConfig(
+        name="minimax-m2", vocab_size=200064, hidden_size=3072, num_layers=62, num_heads=48, num_kv_heads=8,
+        head_dim=128, max_seq_len=196608, rope_theta=5e6, norm_eps=1e-6, partial_rotary_factor=0.5, qk_norm="full",
+        ffn_hidden_size=1536, num_experts=256, moe_ffn_hidden_size=1536, top_k=8, aux_loss_coeff=0.0,
+        router_options={"score": "sigmoid", "expert_bias": True, "normalize": True, "bias_update_rate": 0.001},
+    ),
     # Kimi K2 (Moonshot AI; 1T total, 32B active): DeepSeek-V3's architecture with 64 heads, 384 experts in
     # one group, routed scaling 2.827, one dense first layer, YaRN x32 from 4k. Its checkpoint (model_type
     # kimi_k2) imports as deepseek_v3.

@@ -276,6 +276,11 @@ FAMILY_CASES = {  # case -> (model_type, config overrides)
                                                               partial_rotary_factor=0.25), norm_topk_prob=False)),
     # gpt-oss: sinks, q/k/v/o biases, a 4-position window on layer 0, a biased gate, biased clamped-SwiGLU experts
     "gpt_oss": ("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=4, head_dim=8)),
+    # MiniMax-M2: q/k RMSNorm over the projection, RoPE on rotary_dim 8 of 16 channels (legacy field), sigmoid +
+    # e_score_correction_bias in the block (not its gate), Mixtral's per-expert names
+    "minimax_m2": ("minimax_m2", dict(num_local_experts=8, num_experts_per_tok=3, head_dim=16, rotary_dim=8)),
+    "minimax_m2-full-rope-yarn": ("minimax_m2", dict(num_local_experts=4, num_experts_per_tok=2, head_dim=8,
+                                                     rope_parameters={**YARN, "rope_theta": 5e6})),
     "llama": ("llama", dict(rope_parameters=LLAMA3)),
     # attention_bias: biases on q/k/v and o_proj (attention_bias + attention_out_bias in moekit)
     "llama-bias": ("llama", dict(attention_bias=True)),

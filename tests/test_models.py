@@ -87,6 +87,9 @@ def test_published_parameter_counts():
     ds, kimi = model_stats(preset("deepseek-v3")), model_stats(preset("kimi-k2"))
     assert ds.params / 1e9 == pytest.approx(671.0, abs=0.5) and ds.active_params / 1e9 == pytest.approx(37.0, abs=0.6)
     assert 1000 <= kimi.params / 1e9 < 1050 and kimi.active_params / 1e9 == pytest.approx(32.0, abs=0.9)
+    # MiniMax-M2: "230B total parameters with 10B active" (MiniMax 2025), active without the embedding and the head
+    m2 = model_stats(preset("minimax-m2"))
+    assert 228 < m2.params / 1e9 < 231 and (m2.active_params - 2 * m2.embedding_params) / 1e9 == pytest.approx(10, abs=0.25)
     # gpt-oss (OpenAI 2025 model card): 20.91B total, 3.61B active; 116.83B, 5.13B (active without the embedding)
     for name, total, active in (("gpt-oss-20b", 20.91, 3.61), ("gpt-oss-120b", 116.83, 5.13)):
         s = model_stats(preset(name))
@@ -133,12 +136,23 @@ GPT_OSS_20B_RELEASE = {
                                             "truncate": False},
     "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
     "tie_word_embeddings": False, "use_cache": True, "vocab_size": 201088}
+MINIMAX_M2_RELEASE = {
+    "architectures": ["MiniMaxM2ForCausalLM"], "model_type": "minimax_m2", "head_dim": 128, "hidden_act": "silu",
+    "hidden_size": 3072, "intermediate_size": 1536, "max_position_embeddings": 196608, "mtp_transformer_layers": 1,
+    "num_attention_heads": 48, "num_experts_per_tok": 8, "num_hidden_layers": 62, "num_key_value_heads": 8,
+    "num_local_experts": 256, "num_mtp_modules": 3, "qk_norm_type": "per_layer", "rms_norm_eps": 1e-06,
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "float8_e4m3fn", "quant_method": "fp8",
+                            "weight_block_size": [128, 128]},
+    "rope_theta": 5000000, "rotary_dim": 64, "scoring_func": "sigmoid", "shared_intermediate_size": 0,
+    "tie_word_embeddings": False, "use_mtp": True, "use_qk_norm": True, "use_routing_bias": True,
+    "vocab_size": 200064}
 GPT_OSS_120B_RELEASE = {**GPT_OSS_20B_RELEASE, "num_hidden_layers": 36, "num_local_experts": 128,
                         "layer_types": ["sliding_attention", "full_attention"] * 18}
 
 
 @pytest.mark.parametrize("name,release", [("deepseek-v3", DEEPSEEK_V3_RELEASE), ("kimi-k2", KIMI_K2_RELEASE),
-                                          ("gpt-oss-20b", GPT_OSS_20B_RELEASE), ("gpt-oss-120b", GPT_OSS_120B_RELEASE)])
+                                          ("gpt-oss-20b", GPT_OSS_20B_RELEASE), ("gpt-oss-120b", GPT_OSS_120B_RELEASE),
+                                          ("minimax-m2", MINIMAX_M2_RELEASE)])
 def test_real_presets_are_what_the_release_config_imports_as(tmp_path, name, release):
     """The deepseek-v3 and kimi-k2 presets are the models their checkpoints load into (the forward's fields,
     routing included; the bias update rate is a training setting), so a dry run of the preset plans the run
@@ -152,7 +166,7 @@ def test_real_presets_are_what_the_release_config_imports_as(tmp_path, name, rel
     for field in (*MATH_FIELDS, "first_dense_layers", "max_seq_len"):
         assert getattr(imported, field) == getattr(mine, field), field
     assert imported.router_options == {k: v for k, v in mine.router_options.items() if k != "bias_update_rate"}
-    assert imported.name == f"hf:{'gpt_oss' if name.startswith('gpt-oss') else 'deepseek_v3'}"
+    assert imported.name == "hf:" + {"gpt": "gpt_oss", "min": "minimax_m2"}.get(name[:3], "deepseek_v3")
 
 
 def test_flops_per_token_formula():

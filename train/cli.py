@@ -39,8 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--router", help="router name (topk, switch, expert_choice, sinkhorn, hash) or module:Class")
     p.add_argument("--capacity-factor", help="expert capacity factor; none = dropless")
     p.add_argument("--init-from-hf", metavar="DIR",
-                   help="start from a HuggingFace folder (mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v3, glm4_moe, gpt_oss, "
-                        "...; "
+                   help="start from a HuggingFace folder (mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v3, glm4_moe, "
+                        "gpt_oss, minimax_m2, ...; "
                         "docs/hf.md). Without --preset the model is the folder's config.json plus the --model.* "
                         "flags given; each rank reads only its shards. When resuming, the weights come from the "
                         "checkpoint (the folder still sets the model, which must be the checkpoint's: the same "

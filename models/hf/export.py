@@ -35,21 +35,24 @@ from moekit.models.hf.families import FAMILIES, recorded_family
 from moekit.models.hf.fp8 import quantization_config
 from moekit.moe.router import TopKRouter
 
-NEAREST = {True: ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "deepseek_v3", "glm4_moe", "gpt_oss"),
+NEAREST = {True: ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "deepseek_v3", "glm4_moe", "minimax_m2", "gpt_oss"),
            False: ("llama", "qwen2", "qwen3")}
 PRETTY = {"mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE", "olmoe": "OLMoE",
-          "deepseek_v3": "DeepSeek-V3", "glm4_moe": "GLM-4-MoE", "gpt_oss": "gpt-oss", "llama": "Llama", "qwen2": "Qwen2",
+          "deepseek_v3": "DeepSeek-V3", "glm4_moe": "GLM-4-MoE", "gpt_oss": "gpt-oss", "minimax_m2": "MiniMax-M2",
+          "llama": "Llama", "qwen2": "Qwen2",
           "qwen3": "Qwen3"}
 # (attention kind, its biases, the qk_norms it can compute, qkv_clip allowed) of each family's attention; biases:
 # "none", "qkv" (q/k/v, never o: Qwen2's qkv_bias, GLM's attention_bias) or "all" (one attention_bias for q/k/v and o)
 ATTENTION = {"mixtral": ("gqa", "none", ("none",), False), "qwen2_moe": ("gqa", "qkv", ("none",), False),
              "qwen3_moe": ("gqa", "all", ("head",), False), "olmoe": ("gqa", "all", ("full",), True),
              "deepseek_v3": ("mla", "none", ("none",), False), "glm4_moe": ("gqa", "qkv", ("none", "head"), False),
-             "gpt_oss": ("gqa", "all", ("none",), False),
+             "gpt_oss": ("gqa", "all", ("none",), False), "minimax_m2": ("gqa", "none", ("full",), False),
              "llama": ("gqa", "all", ("none",), False), "qwen2": ("gqa", "qkv", ("none",), False),
              "qwen3": ("gqa", "all", ("head",), False)}
 # the families whose MoE is DeepSeek-V3's: sigmoid scores, selection bias, groups, scaling, ungated shared experts
 DEEPSEEK_MOE = ("deepseek_v3", "glm4_moe")
+SIGMOID_MOE = (*DEEPSEEK_MOE, "minimax_m2")  # sigmoid scores and (optionally) a selection bias
+PARTIAL_ROPE = ("glm4_moe", "minimax_m2")  # the families that rotate a fraction of each head
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -110,9 +113,9 @@ def _attention_problems(cfg: ModelConfig, family: str, name: str) -> list[str]:
     if cfg.qk_norm not in qk_norms:
         problems.append(f"{name} has qk_norm={' or '.join(map(repr, qk_norms))}; this model has qk_norm="
                         f"{cfg.qk_norm!r} (head: Qwen3, Qwen3-MoE, GLM-4-MoE; full: OLMoE)")
-    if cfg.partial_rotary_factor != 1.0 and family != "glm4_moe":
+    if cfg.partial_rotary_factor != 1.0 and family not in PARTIAL_ROPE:
         problems.append(f"{name} rotates every channel of a head; this model has partial_rotary_factor="
-                        f"{cfg.partial_rotary_factor} (GLM-4-MoE rotates part of it)")
+                        f"{cfg.partial_rotary_factor} (GLM-4-MoE and MiniMax-M2 rotate part of it)")
     if cfg.qkv_clip and not clip_ok:
         problems.append(f"{name} does not clip q/k/v; this model has qkv_clip={cfg.qkv_clip} (OLMoE does)")
     if family == "gpt_oss":
@@ -136,7 +139,7 @@ def _attention_problems(cfg: ModelConfig, family: str, name: str) -> list[str]:
 
 def _layer_problems(cfg: ModelConfig, family: str, name: str) -> list[str]:
     L, n = cfg.num_layers, cfg.num_moe_layers
-    if family in ("mixtral", "olmoe", "gpt_oss") and n != L:
+    if family in ("mixtral", "olmoe", "gpt_oss", "minimax_m2") and n != L:
         return [f"{name} has an MoE FFN in every layer; this model has {n} of {L} (moe_every={cfg.moe_every}, "
                 f"first_dense_layers={cfg.first_dense_layers})"]
     if family in DEEPSEEK_MOE and cfg.moe_every != 1:
@@ -156,11 +159,11 @@ def _router_problems(r, family: str, name: str) -> list[str]:
                         f"rebuild the model with capacity_factor=None and load the state_dict into it")
     if r.force_expert is not None:
         problems.append(f"router forces expert {r.force_expert} (a debug option)")
-    deepseek = family in DEEPSEEK_MOE
-    if r.score != ("sigmoid" if deepseek else "softmax"):
-        problems.append(f"router scores with {r.score}; {name} scores with {'sigmoid' if deepseek else 'softmax'} "
-                        f"(is not a {'sigmoid' if deepseek else 'softmax'} top-k router)")
-    if family == "mixtral" and not r.normalize:
+    deepseek, sigmoid = family in DEEPSEEK_MOE, family in SIGMOID_MOE
+    if r.score != ("sigmoid" if sigmoid else "softmax"):
+        problems.append(f"router scores with {r.score}; {name} scores with {'sigmoid' if sigmoid else 'softmax'} "
+                        f"(is not a {'sigmoid' if sigmoid else 'softmax'} top-k router)")
+    if family in ("mixtral", "minimax_m2") and not r.normalize:
         problems.append("router does not renormalise the top-k weights (normalize=False); Mixtral always does "
                         "(Qwen2-MoE, Qwen3-MoE, OLMoE: norm_topk_prob=false)")
     if deepseek:
@@ -171,7 +174,7 @@ def _router_problems(r, family: str, name: str) -> list[str]:
     if r.scaling != 1.0 or r.num_groups is not None:
         problems.append(f"router uses scaling={r.scaling} / num_groups={r.num_groups} (DeepSeek-V3 and GLM-4-MoE "
                         f"have them)")
-    if r.expert_bias is not None:
+    if r.expert_bias is not None and not sigmoid:
         problems.append("router has an expert_bias (aux-loss-free balancing changes which experts are chosen; "
                         "DeepSeek-V3 and GLM-4-MoE have it)")
     if family == "gpt_oss" and not r.normalize:
@@ -311,6 +314,11 @@ def hf_config(model, family: str, dtype_name: str, token_ids: dict[str, Any] | N
                    num_nextn_predict_layers=cfg.mtp_layers, partial_rotary_factor=cfg.partial_rotary_factor)
         out["rope_parameters"]["partial_rotary_factor"] = cfg.partial_rotary_factor  # where transformers 5 reads it
         out.pop("router_aux_loss_coef")
+    elif family == "minimax_m2":
+        out.update(moe, intermediate_size=cfg.moe_ffn_hidden_size, num_local_experts=E, rotary_dim=cfg.rope_dim,
+                   use_qk_norm=True, qk_norm_type="per_layer", scoring_func="sigmoid", use_routing_bias=True,
+                   router_jitter_noise=0.0, partial_rotary_factor=cfg.partial_rotary_factor)
+        out["rope_parameters"]["partial_rotary_factor"] = cfg.partial_rotary_factor  # where transformers 5 reads it
     elif family == "gpt_oss":
         from moekit.moe.activations import OAI_ALPHA, OAI_LIMIT
 
@@ -340,9 +348,14 @@ def zero_fill(model, family: str, dtype: torch.dtype) -> dict[str, Tensor]:
     cfg, out = model.config, {}
     H, F = cfg.hidden_size, cfg.moe_ffn_hidden_size
     for i, layer in enumerate(model.layers):
-        if not layer.is_moe or family not in ("qwen2_moe", *DEEPSEEK_MOE, "gpt_oss"):
+        if not layer.is_moe or family not in ("qwen2_moe", *SIGMOID_MOE, "gpt_oss"):
             continue
         block = f"model.layers.{i}.mlp"
+        if family == "minimax_m2":  # its selection bias sits in the block (block_sparse_moe), not under the gate
+            if layer.ffn.router.expert_bias is None:
+                out[f"model.layers.{i}.block_sparse_moe.e_score_correction_bias"] = torch.zeros(cfg.num_experts,
+                                                                                                dtype=dtype)
+            continue
         if family == "gpt_oss":  # gpt-oss's gate and experts always have biases
             if getattr(layer.ffn.router, "bias", None) is None:
                 out[f"{block}.router.bias"] = torch.zeros(cfg.num_experts, dtype=dtype)

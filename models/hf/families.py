@@ -15,6 +15,8 @@ bias or a norm and hopes for the best.
     deepseek_v3  MLA (q_lora_rank, kv_lora_rank, ...)   sigmoid + e_score_correction_bias, groups scored by their
                                                         top-2 (group_score_top=2), normalize, routed scaling;
                                                         shared experts, first_k_dense_replace dense layers
+    minimax_m2   GQA, q/k RMSNorm over the projection,  sigmoid + e_score_correction_bias, top-k renormalised
+                 RoPE on rotary_dim of each head
     gpt_oss      GQA with q/k/v/o biases, a sink logit     softmax over the top-k logits (= softmax, top-k,
                  per head, sliding window on every other   renormalised) of a biased gate; experts with biases
                  layer (layer_types), yarn                 and a clamped SwiGLU (swiglu_oai); MXFP4 weights read
@@ -49,6 +51,8 @@ OLMOE = Naming(moe_blocks=("mlp",), expert_proj=GATED, experts_field="num_expert
 DEEPSEEK_V3 = Naming(moe_blocks=("mlp",), expert_proj=GATED, experts_field="n_routed_experts", shared="shared_experts",
                      router_bias="e_score_correction_bias")
 DENSE = Naming(moe_blocks=("mlp",), expert_proj=GATED, experts_field="(dense model: no experts)")
+MINIMAX_M2 = Naming(moe_blocks=("block_sparse_moe", "mlp"), expert_proj=("w1", "w3", "w2"),
+                    experts_field="num_local_experts", router_bias="e_score_correction_bias", router_bias_in_block=True)
 GPT_OSS = Naming(moe_blocks=("mlp",), expert_proj=GATED, experts_field="num_local_experts", router="router",
                  woven=True)
 
@@ -315,6 +319,26 @@ def glm4_moe_config(hf: dict) -> ModelConfig:
     return _model_config(hf, fields, problems)
 
 
+def minimax_m2_config(hf: dict) -> ModelConfig:
+    """MiniMax-M2 / M2.1 (transformers' MiniMaxM2): grouped-query attention whose q and k are RMSNormed over the whole
+    projection before RoPE (qk_norm "full", OLMoE's), RoPE on rotary_dim of each head (legacy field; transformers 5
+    writes partial_rotary_factor); every layer MoE, its router sigmoid scores plus e_score_correction_bias for the
+    choice (aux-loss-free balancing), the top-k renormalised, no shared expert, no routed scaling. transformers' class
+    always builds the q/k norms and always scores with sigmoid, whatever use_qk_norm / scoring_func say."""
+    problems: list[str] = []
+    H, N = _get(hf, "hidden_size"), _get(hf, "num_attention_heads")
+    head_dim, rotary = _get(hf, "head_dim", 0) or H // N, hf.get("rotary_dim")
+    fields = base_fields(hf, problems, default_theta=5e6, partial_rotary=rotary / head_dim if rotary else 1.0)
+    if _get(hf, "scoring_func", "sigmoid") != "sigmoid":
+        problems.append(f"scoring_func={hf['scoring_func']!r} (transformers' MiniMaxM2 always scores with sigmoid, "
+                        f"so the checkpoint was not trained for it)")
+    F = _get(hf, "intermediate_size")
+    fields.update(qk_norm="full", num_experts=_get(hf, ("num_local_experts", "num_experts")),
+                  top_k=_get(hf, "num_experts_per_tok"), moe_ffn_hidden_size=F, ffn_hidden_size=F,
+                  router_options={"score": "sigmoid", "normalize": True, "expert_bias": True})
+    return _model_config(hf, fields, problems)
+
+
 def window_pattern(types: list[str]) -> int | None:
     """full_attention_every reproducing transformers' layer_types (layer i full iff (i + 1) % n == 0; 0: every
     layer slides), or None if none does."""
@@ -395,6 +419,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("deepseek_v3", "DeepseekV3ForCausalLM", deepseek_v3_config, DEEPSEEK_V3),
     Family("glm4_moe", "Glm4MoeForCausalLM", glm4_moe_config, DEEPSEEK_V3),  # DeepSeek-V3's MoE names
     Family("gpt_oss", "GptOssForCausalLM", gpt_oss_config, GPT_OSS),
+    Family("minimax_m2", "MiniMaxM2ForCausalLM", minimax_m2_config, MINIMAX_M2),
     Family("llama", "LlamaForCausalLM", dense_config, DENSE, moe=False),
     Family("qwen2", "Qwen2ForCausalLM", dense_config, DENSE, moe=False),
     Family("qwen3", "Qwen3ForCausalLM", dense_config, DENSE, moe=False),

@@ -34,7 +34,9 @@ if TYPE_CHECKING:
 SCALE_SUFFIX = "_scale_inv"
 FP8_NAMES = ("F8_E4M3", "F8_E5M2")  # safetensors dtype names of float8 weights
 SCALE_NAMES = ("F32", "BF16", "F16", "F8_E8M0")  # of their scales (F8_E8M0: DeepSeek-V3.1's ue8m0 scales)
-FORMATS = (None, "e4m3", "e5m2")
+# fmt names the float8 encoding only (the tensors' own dtype decides the decode): DeepSeek writes "e4m3", MiniMax-M2
+# torch's dtype name "float8_e4m3fn"
+FORMATS = (None, "e4m3", "e5m2", "float8_e4m3fn", "float8_e5m2")
 SCALE_FORMATS = (None, "float", "ue8m0")
 DEFAULT_BLOCK = (128, 128)  # transformers' FineGrainedFP8Config default
 NEEDS = ("moekit reads block-wise float8 checkpoints (quant_method 'fp8' with weight_block_size, dynamic "

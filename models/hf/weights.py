@@ -42,6 +42,7 @@ class Naming:
     shared: str | None = None  # shared expert(s) inside the block
     shared_gate: str | None = None  # Qwen2-MoE's sigmoid gate on the shared expert
     router_bias: str | None = None  # DeepSeek-V3's selection bias, under the block's ``gate``
+    router_bias_in_block: bool = False  # MiniMax-M2: the selection bias sits in the block itself, not its gate
     router: str = "gate"  # the router's module inside the block (gpt-oss: "router", whose ``bias`` is the gate's)
     woven: bool = False  # gpt-oss: fused experts, gate / up interleaved, with biases (_woven_expert_rules)
 
@@ -175,7 +176,8 @@ def moe_rules(t: str, block: str, ffn, naming: Naming, fused: bool) -> list[Rule
             raise ValueError(f"{t}.router has an expert_bias (aux-loss-free balancing) but this HuggingFace "
                              f"family has no selection bias to hold it; build the model without expert_bias or "
                              f"bias_update_rate")
-        rules.append(_one(f"{t}.router.expert_bias", f"{router}.{naming.router_bias}", naming.experts_field))
+        where = block if naming.router_bias_in_block else router
+        rules.append(_one(f"{t}.router.expert_bias", f"{where}.{naming.router_bias}", naming.experts_field))
     if getattr(ffn.experts, "b_in", None) is not None and not naming.woven:
         raise ValueError(f"{t}.experts have biases (moe_ffn_bias) but this HuggingFace family's experts have none; "
                          f"build the model with moe_ffn_bias=false")
