@@ -426,6 +426,18 @@ PRESETS: dict[str, ModelConfig] = {
         attention_bias=True, attention_out_bias=True, attention_sinks=True, sliding_window=128, full_attention_every=2,
         activation="swiglu_oai", moe_ffn_bias=True, router_options={"normalize": True, "gate_bias": True},
     ),
+    # DeepSeek-V2-Lite (DeepSeek-AI 2024; 15.7B total, 2.4B active without the embedding): MLA with a full-rank
+    # query, 64 experts of width 1408 top-6 by softmax, never renormalised, 2 shared experts, one dense first layer,
+    # YaRN x40 from 4k. Its checkpoint imports as deepseek_v2 (models/hf).
+    "deepseek-v2-lite": ModelConfig(
+        name="deepseek-v2-lite", vocab_size=102400, hidden_size=2048, num_layers=27, num_heads=16, num_kv_heads=16,
+        head_dim=0, attention="mla", q_lora_rank=0, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, max_seq_len=163840, norm_eps=1e-6,
+        rope_scaling={"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+                      "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707},
+        ffn_hidden_size=10944, num_experts=64, moe_ffn_hidden_size=1408, shared_ffn_hidden_size=2816,
+        first_dense_layers=1, top_k=6, aux_loss_coeff=0.001, router_options={"normalize": False, "scaling": 1.0},
+    ),
     # MiniMax-M2 (MiniMax 2025; 229B total, 10B active without the embedding and the head): 62 layers of GQA 48/8
     # heads of 128 with q/k RMSNorm over the whole projection and RoPE on half of each head, 256 experts of width
     # 1536, top-8 sigmoid with a selection bias, renormalised. Its checkpoint (fp8) imports as minimax_m2.

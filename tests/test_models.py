@@ -87,6 +87,10 @@ def test_published_parameter_counts():
     ds, kimi = model_stats(preset("deepseek-v3")), model_stats(preset("kimi-k2"))
     assert ds.params / 1e9 == pytest.approx(671.0, abs=0.5) and ds.active_params / 1e9 == pytest.approx(37.0, abs=0.6)
     assert 1000 <= kimi.params / 1e9 < 1050 and kimi.active_params / 1e9 == pytest.approx(32.0, abs=0.9)
+    # DeepSeek-V2-Lite: "15.7B total parameters, 2.4B activated" (DeepSeek-AI 2024), active without the embedding
+    lite = model_stats(preset("deepseek-v2-lite"))
+    assert lite.params / 1e9 == pytest.approx(15.7, abs=0.02)
+    assert (lite.active_params - lite.embedding_params) / 1e9 == pytest.approx(2.4, abs=0.06)
     # MiniMax-M2: "230B total parameters with 10B active" (MiniMax 2025), active without the embedding and the head
     m2 = model_stats(preset("minimax-m2"))
     assert 228 < m2.params / 1e9 < 231 and (m2.active_params - 2 * m2.embedding_params) / 1e9 == pytest.approx(10, abs=0.25)
@@ -136,6 +140,17 @@ GPT_OSS_20B_RELEASE = {
                                             "truncate": False},
     "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
     "tie_word_embeddings": False, "use_cache": True, "vocab_size": 201088}
+DEEPSEEK_V2_LITE_RELEASE = {
+    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "attention_bias": False,
+    "aux_loss_alpha": 0.001, "first_k_dense_replace": 1, "hidden_act": "silu", "hidden_size": 2048,
+    "intermediate_size": 10944, "kv_lora_rank": 512, "max_position_embeddings": 163840, "moe_intermediate_size": 1408,
+    "moe_layer_freq": 1, "n_group": 1, "n_routed_experts": 64, "n_shared_experts": 2, "norm_topk_prob": False,
+    "num_attention_heads": 16, "num_experts_per_tok": 6, "num_hidden_layers": 27, "num_key_value_heads": 16,
+    "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 1.0, "scoring_func": "softmax", "seq_aux": True,
+    "tie_word_embeddings": False, "topk_group": 1, "topk_method": "greedy", "v_head_dim": 128, "vocab_size": 102400}
 MINIMAX_M2_RELEASE = {
     "architectures": ["MiniMaxM2ForCausalLM"], "model_type": "minimax_m2", "head_dim": 128, "hidden_act": "silu",
     "hidden_size": 3072, "intermediate_size": 1536, "max_position_embeddings": 196608, "mtp_transformer_layers": 1,
@@ -152,7 +167,8 @@ GPT_OSS_120B_RELEASE = {**GPT_OSS_20B_RELEASE, "num_hidden_layers": 36, "num_loc
 
 @pytest.mark.parametrize("name,release", [("deepseek-v3", DEEPSEEK_V3_RELEASE), ("kimi-k2", KIMI_K2_RELEASE),
                                           ("gpt-oss-20b", GPT_OSS_20B_RELEASE), ("gpt-oss-120b", GPT_OSS_120B_RELEASE),
-                                          ("minimax-m2", MINIMAX_M2_RELEASE)])
+                                          ("minimax-m2", MINIMAX_M2_RELEASE),
+                                          ("deepseek-v2-lite", DEEPSEEK_V2_LITE_RELEASE)])
 def test_real_presets_are_what_the_release_config_imports_as(tmp_path, name, release):
     """The deepseek-v3 and kimi-k2 presets are the models their checkpoints load into (the forward's fields,
     routing included; the bias update rate is a training setting), so a dry run of the preset plans the run
@@ -166,7 +182,7 @@ def test_real_presets_are_what_the_release_config_imports_as(tmp_path, name, rel
     for field in (*MATH_FIELDS, "first_dense_layers", "max_seq_len"):
         assert getattr(imported, field) == getattr(mine, field), field
     assert imported.router_options == {k: v for k, v in mine.router_options.items() if k != "bias_update_rate"}
-    assert imported.name == "hf:" + {"gpt": "gpt_oss", "min": "minimax_m2"}.get(name[:3], "deepseek_v3")
+    assert imported.name == "hf:" + json.loads(json.dumps(release))["model_type"].replace("kimi_k2", "deepseek_v3")
 
 
 def test_flops_per_token_formula():

@@ -35,23 +35,25 @@ from moekit.models.hf.families import FAMILIES, recorded_family
 from moekit.models.hf.fp8 import quantization_config
 from moekit.moe.router import TopKRouter
 
-NEAREST = {True: ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "deepseek_v3", "glm4_moe", "minimax_m2", "gpt_oss"),
+NEAREST = {True: ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "deepseek_v3", "deepseek_v2", "glm4_moe", "minimax_m2",
+                  "gpt_oss"),
            False: ("llama", "qwen2", "qwen3")}
 PRETTY = {"mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE", "olmoe": "OLMoE",
-          "deepseek_v3": "DeepSeek-V3", "glm4_moe": "GLM-4-MoE", "gpt_oss": "gpt-oss", "minimax_m2": "MiniMax-M2",
+          "deepseek_v3": "DeepSeek-V3", "deepseek_v2": "DeepSeek-V2", "glm4_moe": "GLM-4-MoE", "gpt_oss": "gpt-oss", "minimax_m2": "MiniMax-M2",
           "llama": "Llama", "qwen2": "Qwen2",
           "qwen3": "Qwen3"}
 # (attention kind, its biases, the qk_norms it can compute, qkv_clip allowed) of each family's attention; biases:
 # "none", "qkv" (q/k/v, never o: Qwen2's qkv_bias, GLM's attention_bias) or "all" (one attention_bias for q/k/v and o)
 ATTENTION = {"mixtral": ("gqa", "none", ("none",), False), "qwen2_moe": ("gqa", "qkv", ("none",), False),
              "qwen3_moe": ("gqa", "all", ("head",), False), "olmoe": ("gqa", "all", ("full",), True),
-             "deepseek_v3": ("mla", "none", ("none",), False), "glm4_moe": ("gqa", "qkv", ("none", "head"), False),
+             "deepseek_v3": ("mla", "none", ("none",), False), "deepseek_v2": ("mla", "none", ("none",), False), "glm4_moe": ("gqa", "qkv", ("none", "head"), False),
              "gpt_oss": ("gqa", "all", ("none",), False), "minimax_m2": ("gqa", "none", ("full",), False),
              "llama": ("gqa", "all", ("none",), False), "qwen2": ("gqa", "qkv", ("none",), False),
              "qwen3": ("gqa", "all", ("head",), False)}
 # the families whose MoE is DeepSeek-V3's: sigmoid scores, selection bias, groups, scaling, ungated shared experts
 DEEPSEEK_MOE = ("deepseek_v3", "glm4_moe")
 SIGMOID_MOE = (*DEEPSEEK_MOE, "minimax_m2")  # sigmoid scores and (optionally) a selection bias
+DEEPSEEK_SHARED = (*DEEPSEEK_MOE, "deepseek_v2")  # ungated shared experts (n_shared_experts), dense first layers
 PARTIAL_ROPE = ("glm4_moe", "minimax_m2")  # the families that rotate a fraction of each head
 
 
@@ -116,6 +118,9 @@ def _attention_problems(cfg: ModelConfig, family: str, name: str) -> list[str]:
     if cfg.partial_rotary_factor != 1.0 and family not in PARTIAL_ROPE:
         problems.append(f"{name} rotates every channel of a head; this model has partial_rotary_factor="
                         f"{cfg.partial_rotary_factor} (GLM-4-MoE and MiniMax-M2 rotate part of it)")
+    if family == "deepseek_v2" and not cfg.rope_interleave:
+        problems.append("DeepSeek-V2 rotates interleaved pairs of the rope dims; this model has rope_interleave=false "
+                        "(DeepSeek-V3's rope_interleave flag takes either)")
     if cfg.qkv_clip and not clip_ok:
         problems.append(f"{name} does not clip q/k/v; this model has qkv_clip={cfg.qkv_clip} (OLMoE does)")
     if family == "gpt_oss":
@@ -142,7 +147,7 @@ def _layer_problems(cfg: ModelConfig, family: str, name: str) -> list[str]:
     if family in ("mixtral", "olmoe", "gpt_oss", "minimax_m2") and n != L:
         return [f"{name} has an MoE FFN in every layer; this model has {n} of {L} (moe_every={cfg.moe_every}, "
                 f"first_dense_layers={cfg.first_dense_layers})"]
-    if family in DEEPSEEK_MOE and cfg.moe_every != 1:
+    if family in DEEPSEEK_SHARED and cfg.moe_every != 1:
         return [f"{name} has an MoE FFN in every layer from first_k_dense_replace on; this model has "
                 f"moe_every={cfg.moe_every}"]
     return []
@@ -166,6 +171,16 @@ def _router_problems(r, family: str, name: str) -> list[str]:
     if family in ("mixtral", "minimax_m2") and not r.normalize:
         problems.append("router does not renormalise the top-k weights (normalize=False); Mixtral always does "
                         "(Qwen2-MoE, Qwen3-MoE, OLMoE: norm_topk_prob=false)")
+    if family == "deepseek_v2":
+        if r.normalize:
+            problems.append("router renormalises the top-k weights; DeepSeek-V2 never does (transformers' DeepseekV2 "
+                            "ignores norm_topk_prob)")
+        if r.num_groups is not None and r.group_score_top != 1:
+            problems.append(f"router scores a group by its top {r.group_score_top} experts; DeepSeek-V2 by its best "
+                            f"one (router option group_score_top=1)")
+        if r.expert_bias is not None:
+            problems.append("router has an expert_bias; DeepSeek-V2 has no selection bias (DeepSeek-V3 has)")
+        return problems
     if deepseek:
         if r.num_groups is not None and r.group_score_top != 2:
             problems.append(f"router scores a group by its top {r.group_score_top} experts; {name} by its top "
@@ -195,14 +210,14 @@ def _shared_problems(ffn, cfg: ModelConfig, family: str, name: str) -> list[str]
     gated = shared.gate is not None
     if family == "qwen2_moe" and not gated:
         return ["Qwen2-MoE's shared expert is sigmoid-gated; this model's has no gate (shared_expert_gate=false)"]
-    if family in DEEPSEEK_MOE:
+    if family in DEEPSEEK_SHARED:
         if gated:
             return [f"{name}'s shared experts have no gate; this model has shared_expert_gate=true"]
         if cfg.shared_ffn_hidden_size % cfg.moe_ffn_hidden_size:
             return [f"{name}'s shared experts are n_shared_experts * moe_intermediate_size wide; this model's "
                     f"shared_ffn_hidden_size={cfg.shared_ffn_hidden_size} is not a multiple of "
                     f"moe_ffn_hidden_size={cfg.moe_ffn_hidden_size}"]
-    if family not in ("qwen2_moe", *DEEPSEEK_MOE):
+    if family not in ("qwen2_moe", *DEEPSEEK_SHARED):
         return [f"{name} has no shared expert; this model has shared_ffn_hidden_size={cfg.shared_ffn_hidden_size}"]
     return []
 
@@ -304,6 +319,18 @@ def hf_config(model, family: str, dtype_name: str, token_ids: dict[str, Any] | N
                    rope_interleave=cfg.rope_interleave, attention_bias=False, num_nextn_predict_layers=cfg.mtp_layers,
                    num_key_value_heads=cfg.num_heads, pretraining_tp=1)
         out.pop("router_aux_loss_coef")
+    elif family == "deepseek_v2":
+        groups = (r.num_groups, r.group_top_k) if r.num_groups is not None else (1, 1)
+        out.update(moe, intermediate_size=cfg.ffn_hidden_size, moe_intermediate_size=cfg.moe_ffn_hidden_size,
+                   n_routed_experts=E, n_shared_experts=max(cfg.shared_ffn_hidden_size // cfg.moe_ffn_hidden_size, 1),
+                   n_group=groups[0], topk_group=groups[1], norm_topk_prob=False, routed_scaling_factor=r.scaling,
+                   topk_method="group_limited_greedy" if r.num_groups is not None else "greedy",
+                   first_k_dense_replace=cfg.first_dense_layers, q_lora_rank=cfg.q_lora_rank or None,
+                   kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
+                   qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim, head_dim=cfg.qk_rope_head_dim,
+                   attention_bias=False, mlp_bias=False, num_key_value_heads=cfg.num_heads, pretraining_tp=1,
+                   aux_loss_alpha=cfg.aux_loss_coeff)
+        out.pop("router_aux_loss_coef")
     elif family == "glm4_moe":
         groups = (r.num_groups, r.group_top_k) if r.num_groups is not None else (1, 1)
         out.update(moe, intermediate_size=cfg.ffn_hidden_size, moe_intermediate_size=cfg.moe_ffn_hidden_size,
@@ -348,7 +375,7 @@ def zero_fill(model, family: str, dtype: torch.dtype) -> dict[str, Tensor]:
     cfg, out = model.config, {}
     H, F = cfg.hidden_size, cfg.moe_ffn_hidden_size
     for i, layer in enumerate(model.layers):
-        if not layer.is_moe or family not in ("qwen2_moe", *SIGMOID_MOE, "gpt_oss"):
+        if not layer.is_moe or family not in ("qwen2_moe", *SIGMOID_MOE, "deepseek_v2", "gpt_oss"):
             continue
         block = f"model.layers.{i}.mlp"
         if family == "minimax_m2":  # its selection bias sits in the block (block_sparse_moe), not under the gate

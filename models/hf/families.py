@@ -20,6 +20,8 @@ bias or a norm and hopes for the best.
     gpt_oss      GQA with q/k/v/o biases, a sink logit     softmax over the top-k logits (= softmax, top-k,
                  per head, sliding window on every other   renormalised) of a biased gate; experts with biases
                  layer (layer_types), yarn                 and a clamped SwiGLU (swiglu_oai); MXFP4 weights read
+    deepseek_v2  MLA (as V3)                              softmax over all, top-k times routed scaling, no renorm;
+                                                        group_limited_greedy: groups by their best score
     llama, qwen2 (qkv bias), qwen3 (q/k norm per head): dense (num_experts=0)
 
 Every family reads RoPE from ``rope_parameters`` (transformers 5) or ``rope_theta`` / ``rope_scaling`` (4):
@@ -261,15 +263,42 @@ def olmoe_config(hf: dict) -> ModelConfig:
 
 def deepseek_v3_config(hf: dict) -> ModelConfig:
     problems: list[str] = []
+    fields = _deepseek_fields(hf, problems)
+    if _get(hf, "scoring_func", "sigmoid") != "sigmoid":
+        problems.append(f"scoring_func={hf['scoring_func']!r} (transformers' DeepseekV3 always scores with sigmoid, "
+                        f"so the checkpoint was not trained for it)")
+    fields.update(router_options=deepseek_router_options(hf, problems), mtp_layers=mtp_layers_of(hf))
+    return _model_config(hf, fields, problems)
+
+
+def deepseek_v2_config(hf: dict) -> ModelConfig:
+    """DeepSeek-V2 / V2-Lite / V2.5 (transformers' DeepseekV2): DeepSeek-V3's MLA, shared experts and dense first
+    layers, with V2's router: softmax over every expert, the top-k weights times routed_scaling_factor and never
+    renormalised (transformers' DeepseekV2 ignores norm_topk_prob), no selection bias; topk_method
+    "group_limited_greedy" keeps the topk_group groups of the highest single score (group_score_top=1)."""
+    problems: list[str] = []
+    fields = _deepseek_fields(hf, problems)
+    options: dict[str, Any] = {"normalize": False, "scaling": float(_get(hf, "routed_scaling_factor", 1.0))}
+    method, groups, topk_group = _get(hf, "topk_method", "greedy"), hf.get("n_group") or 1, hf.get("topk_group") or 1
+    if method not in ("greedy", "group_limited_greedy"):
+        problems.append(f"topk_method={method!r} (transformers' DeepseekV2 runs greedy and group_limited_greedy)")
+    elif method == "group_limited_greedy" and 1 < groups and topk_group < groups:
+        options.update(num_groups=groups, group_top_k=topk_group, group_score_top=1)
+    # transformers' DeepseekV2 always rotates interleaved pairs (complex multiplication), whatever a config says
+    fields.update(router_options=options, aux_loss_coeff=float(_get(hf, "aux_loss_alpha", 0.0)), rope_interleave=True)
+    return _model_config(hf, fields, problems)
+
+
+def _deepseek_fields(hf: dict, problems: list[str]) -> dict[str, Any]:
+    """The fields DeepSeek-V2 and V3 share: MLA, routed and shared experts, dense first layers."""
     fields = base_fields(hf, problems)
     if hf.get("attention_bias"):
         problems.append(f"attention_bias=true (needs {NEEDS['mla_bias']})")
     if _get(hf, "moe_layer_freq", 1) != 1:
-        problems.append(f"moe_layer_freq={hf['moe_layer_freq']} (transformers' DeepseekV3 ignores it and puts an MoE "
-                        f"FFN in every layer from first_k_dense_replace on; needs {NEEDS['layer_pattern']})")
-    if _get(hf, "scoring_func", "sigmoid") != "sigmoid":
-        problems.append(f"scoring_func={hf['scoring_func']!r} (transformers' DeepseekV3 always scores with sigmoid, "
-                        f"so the checkpoint was not trained for it)")
+        problems.append(f"moe_layer_freq={hf['moe_layer_freq']} (transformers' DeepSeek classes ignore it and put an "
+                        f"MoE FFN in every layer from first_k_dense_replace on; needs {NEEDS['layer_pattern']})")
+    if hf.get("mlp_bias"):
+        problems.append(f"mlp_bias=true (needs {NEEDS['mlp_bias']})")
     scaling = fields.get("rope_scaling") or {}
     raw = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if scaling.get("rope_type") not in (None, "yarn") and raw.get("mscale_all_dim"):
@@ -284,9 +313,8 @@ def deepseek_v3_config(hf: dict) -> ModelConfig:
         num_experts=_get(hf, ("n_routed_experts", "num_local_experts")), top_k=_get(hf, "num_experts_per_tok"),
         moe_ffn_hidden_size=_get(hf, "moe_intermediate_size"), ffn_hidden_size=_get(hf, "intermediate_size"),
         shared_ffn_hidden_size=_get(hf, "moe_intermediate_size") * _get(hf, "n_shared_experts", 1),
-        first_dense_layers=_get(hf, "first_k_dense_replace", 0), aux_loss_coeff=0.0,
-        router_options=deepseek_router_options(hf, problems), mtp_layers=mtp_layers_of(hf))
-    return _model_config(hf, fields, problems)
+        first_dense_layers=_get(hf, "first_k_dense_replace", 0), aux_loss_coeff=0.0)
+    return fields
 
 
 def deepseek_router_options(hf: dict, problems: list[str] | None = None) -> dict[str, Any]:
@@ -417,6 +445,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("qwen3_moe", "Qwen3MoeForCausalLM", qwen_moe_config, QWEN3_MOE),
     Family("olmoe", "OlmoeForCausalLM", olmoe_config, OLMOE),
     Family("deepseek_v3", "DeepseekV3ForCausalLM", deepseek_v3_config, DEEPSEEK_V3),
+    Family("deepseek_v2", "DeepseekV2ForCausalLM", deepseek_v2_config, DEEPSEEK_V3),  # V3's names, no bias
     Family("glm4_moe", "Glm4MoeForCausalLM", glm4_moe_config, DEEPSEEK_V3),  # DeepSeek-V3's MoE names
     Family("gpt_oss", "GptOssForCausalLM", gpt_oss_config, GPT_OSS),
     Family("minimax_m2", "MiniMaxM2ForCausalLM", minimax_m2_config, MINIMAX_M2),
