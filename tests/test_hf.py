@@ -193,7 +193,7 @@ def test_bad_tensors(base, tmp_path, breakage, match):
     (dict(hidden_act="gelu"), r"hidden_act='gelu'"),
     (dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0}), r"rope_type='dynamic'"),
     (dict(model_type="gpt2"),
-     r"model_type='gpt2' is not supported; moekit imports \['deepseek_v2', 'deepseek_v3', 'glm4_moe', 'gpt_oss'"),
+     r"model_type='gpt2' is not supported; moekit imports \['deepseek_v2', 'deepseek_v3', 'dots1', 'glm4_moe'"),
 ])
 def test_config_weight_mismatch(base, tmp_path, changes, match):
     folder = broken_copy(base, tmp_path)
@@ -264,6 +264,14 @@ FAMILY_CASES = {  # case -> (model_type, config overrides)
     "deepseek_v3-fullq": ("deepseek_v3", dict(MLA, q_lora_rank=None, first_k_dense_replace=0, n_group=2, topk_group=1,
                                               num_experts_per_tok=2, n_shared_experts=2, norm_topk_prob=False,
                                               rope_interleave=False, routed_scaling_factor=1.5)),
+    # dots.llm1: Qwen3's attention with biases on q/k/v and o, DeepSeek-V3's MoE (4 groups keep 2, scaling 2.5,
+    # renormalised, a shared expert, a dense first layer)
+    "dots1": ("dots1", dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1,
+                            first_k_dense_replace=1, num_hidden_layers=3, n_group=4, topk_group=2, head_dim=16,
+                            routed_scaling_factor=2.5, norm_topk_prob=True, attention_bias=True)),
+    # every layer sliding (max_window_layers 0) with a 5-position window under 12-token inputs; no renorm
+    "dots1-window": ("dots1", dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                   n_shared_experts=2, sliding_window=5, max_window_layers=0)),
     # DeepSeek-V2-Lite: full-rank q, softmax over every expert, no renorm, 2 shared experts, a dense first layer
     "deepseek_v2-lite": ("deepseek_v2", dict(MLA, q_lora_rank=None, first_k_dense_replace=1, num_hidden_layers=3,
                                              num_experts_per_tok=3, n_shared_experts=2, routed_scaling_factor=1.0)),

@@ -45,7 +45,8 @@ def tokens(n: int = 13) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("over", [{}, {"layer_types": ["sliding_attention"] * 4}, {"sliding_window": 64},
-                                  {"num_experts_per_tok": 1}], ids=["alternating", "all-sliding", "wide-window", "top1"])
+                                  {"num_experts_per_tok": 1}],
+                         ids=["alternating", "all-sliding", "wide-window", "top1"])
 def test_import_and_export_match_transformers(tmp_path, over):
     """The imported model's logits are transformers' (13 tokens over a 4-position window: the window matters);
     the export loads back into transformers with the same logits and the same layer pattern."""

@@ -35,26 +35,31 @@ from moekit.models.hf.families import FAMILIES, recorded_family
 from moekit.models.hf.fp8 import quantization_config
 from moekit.moe.router import TopKRouter
 
-NEAREST = {True: ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "deepseek_v3", "deepseek_v2", "glm4_moe", "minimax_m2",
-                  "gpt_oss"),
+NEAREST = {True: ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "deepseek_v3", "deepseek_v2", "glm4_moe", "dots1",
+                  "minimax_m2", "gpt_oss"),
            False: ("llama", "qwen2", "qwen3")}
 PRETTY = {"mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE", "olmoe": "OLMoE",
-          "deepseek_v3": "DeepSeek-V3", "deepseek_v2": "DeepSeek-V2", "glm4_moe": "GLM-4-MoE", "gpt_oss": "gpt-oss", "minimax_m2": "MiniMax-M2",
+          "deepseek_v3": "DeepSeek-V3", "deepseek_v2": "DeepSeek-V2", "dots1": "dots.llm1", "glm4_moe": "GLM-4-MoE",
+          "gpt_oss": "gpt-oss", "minimax_m2": "MiniMax-M2",
           "llama": "Llama", "qwen2": "Qwen2",
           "qwen3": "Qwen3"}
 # (attention kind, its biases, the qk_norms it can compute, qkv_clip allowed) of each family's attention; biases:
 # "none", "qkv" (q/k/v, never o: Qwen2's qkv_bias, GLM's attention_bias) or "all" (one attention_bias for q/k/v and o)
 ATTENTION = {"mixtral": ("gqa", "none", ("none",), False), "qwen2_moe": ("gqa", "qkv", ("none",), False),
              "qwen3_moe": ("gqa", "all", ("head",), False), "olmoe": ("gqa", "all", ("full",), True),
-             "deepseek_v3": ("mla", "none", ("none",), False), "deepseek_v2": ("mla", "none", ("none",), False), "glm4_moe": ("gqa", "qkv", ("none", "head"), False),
+             "deepseek_v3": ("mla", "none", ("none",), False), "deepseek_v2": ("mla", "none", ("none",), False),
+             "dots1": ("gqa", "all", ("head",), False), "glm4_moe": ("gqa", "qkv", ("none", "head"), False),
              "gpt_oss": ("gqa", "all", ("none",), False), "minimax_m2": ("gqa", "none", ("full",), False),
              "llama": ("gqa", "all", ("none",), False), "qwen2": ("gqa", "qkv", ("none",), False),
              "qwen3": ("gqa", "all", ("head",), False)}
 # the families whose MoE is DeepSeek-V3's: sigmoid scores, selection bias, groups, scaling, ungated shared experts
-DEEPSEEK_MOE = ("deepseek_v3", "glm4_moe")
+DEEPSEEK_MOE = ("deepseek_v3", "glm4_moe", "dots1")
 SIGMOID_MOE = (*DEEPSEEK_MOE, "minimax_m2")  # sigmoid scores and (optionally) a selection bias
 DEEPSEEK_SHARED = (*DEEPSEEK_MOE, "deepseek_v2")  # ungated shared experts (n_shared_experts), dense first layers
 PARTIAL_ROPE = ("glm4_moe", "minimax_m2")  # the families that rotate a fraction of each head
+# families whose config.json carries moekit's sliding windows (gpt-oss's are checked with its other features):
+# Mixtral's covers every layer; dots.llm1 takes layer_types
+WINDOWED = ("mixtral", "dots1")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -130,8 +135,8 @@ def _attention_problems(cfg: ModelConfig, family: str, name: str) -> list[str]:
     if family == "mixtral" and cfg.sliding_window and cfg.full_attention_every:
         problems.append(f"Mixtral's sliding window covers every layer; this model has full_attention_every="
                         f"{cfg.full_attention_every} (gpt-oss alternates)")
-    for field, what in (("attention_sinks", "attention sinks"), ("sliding_window", "a sliding window")):
-        if getattr(cfg, field) and not (family == "mixtral" and field == "sliding_window"):
+    for field, what in (("attention_sinks", "attention sinks"), ("sliding_window", "sliding window")):
+        if getattr(cfg, field) and not (family in WINDOWED and field == "sliding_window"):
             problems.append(f"{name} has no {what}; this model has {field}={getattr(cfg, field)!r} (gpt-oss has it)")
     if family == "llama" and cfg.hidden_size % cfg.num_heads:
         problems.append(f"transformers' LlamaConfig needs hidden_size divisible by num_heads; this model has "
@@ -331,6 +336,17 @@ def hf_config(model, family: str, dtype_name: str, token_ids: dict[str, Any] | N
                    attention_bias=False, mlp_bias=False, num_key_value_heads=cfg.num_heads, pretraining_tp=1,
                    aux_loss_alpha=cfg.aux_loss_coeff)
         out.pop("router_aux_loss_coef")
+    elif family == "dots1":
+        groups = (r.num_groups, r.group_top_k) if r.num_groups is not None else (1, 1)
+        out.update({**moe, **no_window}, intermediate_size=cfg.ffn_hidden_size,
+                   moe_intermediate_size=cfg.moe_ffn_hidden_size, n_routed_experts=E,
+                   n_shared_experts=max(cfg.shared_ffn_hidden_size // cfg.moe_ffn_hidden_size, 1), n_group=groups[0],
+                   topk_group=groups[1], norm_topk_prob=r.normalize, routed_scaling_factor=r.scaling,
+                   first_k_dense_replace=cfg.first_dense_layers, attention_bias=cfg.attention_bias)
+        if cfg.sliding_window:
+            out.update(sliding_window=cfg.sliding_window, layer_types=[
+                "sliding_attention" if cfg.attention_window(i) else "full_attention" for i in range(L)])
+        out.pop("router_aux_loss_coef")
     elif family == "glm4_moe":
         groups = (r.num_groups, r.group_top_k) if r.num_groups is not None else (1, 1)
         out.update(moe, intermediate_size=cfg.ffn_hidden_size, moe_intermediate_size=cfg.moe_ffn_hidden_size,
@@ -350,7 +366,8 @@ def hf_config(model, family: str, dtype_name: str, token_ids: dict[str, Any] | N
         from moekit.moe.activations import OAI_ALPHA, OAI_LIMIT
 
         types = ["full_attention" if not cfg.attention_window(i) else "sliding_attention" for i in range(L)]
-        out.update(moe, intermediate_size=cfg.moe_ffn_hidden_size, num_local_experts=E, attention_bias=cfg.attention_bias,
+        out.update(moe, intermediate_size=cfg.moe_ffn_hidden_size, num_local_experts=E,
+                   attention_bias=cfg.attention_bias,
                    sliding_window=cfg.sliding_window or None, layer_types=types, swiglu_alpha=OAI_ALPHA,
                    swiglu_limit=OAI_LIMIT)
     elif family == "llama":

@@ -20,6 +20,8 @@ bias or a norm and hopes for the best.
     gpt_oss      GQA with q/k/v/o biases, a sink logit     softmax over the top-k logits (= softmax, top-k,
                  per head, sliding window on every other   renormalised) of a biased gate; experts with biases
                  layer (layer_types), yarn                 and a clamped SwiGLU (swiglu_oai); MXFP4 weights read
+    dots1        GQA, q/k RMSNorm per head, attention_bias  DeepSeek-V3's (sigmoid, bias, groups, scaling, shared
+                 on q/k/v and o                             experts, dense first layers)
     deepseek_v2  MLA (as V3)                              softmax over all, top-k times routed scaling, no renorm;
                                                         group_limited_greedy: groups by their best score
     llama, qwen2 (qkv bias), qwen3 (q/k norm per head): dense (num_experts=0)
@@ -367,6 +369,41 @@ def minimax_m2_config(hf: dict) -> ModelConfig:
     return _model_config(hf, fields, problems)
 
 
+def dots1_config(hf: dict) -> ModelConfig:
+    """dots.llm1 (rednote; transformers' Dots1): Qwen3's attention (q/k RMSNorm per head, attention_bias on q/k/v and
+    o) with DeepSeek-V3's MoE (sigmoid scores, selection bias, groups scored by their top 2, routed scaling, ungated
+    shared experts, dense first layers). Sliding layers (layer_types; by default none: max_window_layers = all)
+    follow layer_windows."""
+    problems: list[str] = []
+    fields = base_fields(hf, problems)
+    all_attention_biases(hf, fields)
+    L, width = fields["num_layers"], _get(hf, "moe_intermediate_size")
+    max_window = hf.get("max_window_layers", L)
+    window = hf.get("sliding_window")
+    types = hf.get("layer_types") or ["sliding_attention" if window is not None and i >= max_window
+                                      else "full_attention" for i in range(L)]
+    fields.update(layer_windows(types, window, fields["max_seq_len"], problems))
+    fields.update(
+        qk_norm="head", num_experts=_get(hf, ("n_routed_experts", "num_local_experts")),
+        top_k=_get(hf, "num_experts_per_tok"), moe_ffn_hidden_size=width, ffn_hidden_size=_get(hf, "intermediate_size"),
+        shared_ffn_hidden_size=width * _get(hf, "n_shared_experts", 1),
+        first_dense_layers=_get(hf, "first_k_dense_replace", 0), aux_loss_coeff=0.0,
+        router_options={**deepseek_router_options(hf, problems), "normalize": bool(_get(hf, "norm_topk_prob", False))})
+    return _model_config(hf, fields, problems)
+
+
+def layer_windows(types: list[str], window: int | None, max_seq_len: int, problems: list[str]) -> dict[str, Any]:
+    """ModelConfig fields for transformers' per-layer layer_types with ``window``: none when no layer slides; a
+    sliding_window with the full_attention_every pattern that reproduces them; else (a pattern moekit has no field
+    for, e.g. only the last layers sliding) max_seq_len capped at the window, where full attention equals it."""
+    if "sliding_attention" not in types or not window:
+        return {}
+    every = window_pattern(types)
+    if every is not None:
+        return dict(sliding_window=window, full_attention_every=every)
+    return dict(max_seq_len=min(max_seq_len, window))
+
+
 def window_pattern(types: list[str]) -> int | None:
     """full_attention_every reproducing transformers' layer_types (layer i full iff (i + 1) % n == 0; 0: every
     layer slides), or None if none does."""
@@ -449,6 +486,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("glm4_moe", "Glm4MoeForCausalLM", glm4_moe_config, DEEPSEEK_V3),  # DeepSeek-V3's MoE names
     Family("gpt_oss", "GptOssForCausalLM", gpt_oss_config, GPT_OSS),
     Family("minimax_m2", "MiniMaxM2ForCausalLM", minimax_m2_config, MINIMAX_M2),
+    Family("dots1", "Dots1ForCausalLM", dots1_config, DEEPSEEK_V3),  # DeepSeek-V3's MoE names
     Family("llama", "LlamaForCausalLM", dense_config, DENSE, moe=False),
     Family("qwen2", "Qwen2ForCausalLM", dense_config, DENSE, moe=False),
     Family("qwen3", "Qwen3ForCausalLM", dense_config, DENSE, moe=False),

@@ -147,8 +147,9 @@ def main(argv=None) -> int:
         A.EXPLICIT_ATTENTION = before
     print(f"attention fwd+bwd, {args.dtype} on {device}: B {args.batch}, heads {args.heads}/{args.kv_heads}, "
           f"D {args.head_dim}, window {args.window}")
-    print_table(rows, [("seq", "S", "d"), ("peer", "peer", "s"), ("ms", "ms", ".2f"), ("ratio", "time / moekit", ".2f"),
-                       ("saved_mib", "saved MiB", ".1f"), ("peak_mib", "peak MiB", ".1f"), ("max_err", "max err", ".1e")])
+    print_table(rows, [("seq", "S", "d"), ("peer", "peer", "s"), ("ms", "ms", ".2f"),
+                       ("ratio", "time / moekit", ".2f"), ("saved_mib", "saved MiB", ".1f"),
+                       ("peak_mib", "peak MiB", ".1f"), ("max_err", "max err", ".1e")])
     write_json(args.out, {"environment": environment(device), "args": vars(args), "rows": rows})
     return 0
 
