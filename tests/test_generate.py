@@ -877,3 +877,78 @@ def test_chat_with_speculative_decoding_on_a_run_directory(runs, tmp_path, capsy
     assert generate_main([*argv, "--speculative"]) == 0
     out, err = capsys.readouterr()
     assert out == plain and "MTP drafts accepted" in err and QUESTION not in out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Harmony (gpt-oss): --chat prints the final channel; --show-reasoning the others on stderr
+# ---------------------------------------------------------------------------------------------------
+
+HARMONY_SPECIAL = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>"]
+HARMONY_OUT = ("<|channel|>analysis<|message|>Two and two make four.<|end|>"
+               "<|start|>assistant<|channel|>final<|message|>Four.<|return|>")
+
+
+@pytest.fixture(scope="module")
+def harmony_base(tmp_path_factory) -> Path:
+    """chat_base's model with a tokenizer that knows harmony's markers (special tokens, as o200k_harmony's)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from moekit.models.hf import save_hf
+
+    folder = tmp_path_factory.mktemp("harmony") / "hf"
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", *HARMONY_SPECIAL],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["user assistant analysis final Two and two make four. Four.\n"] * 20, trainer)
+    cfg = ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, ffn_hidden_size=64,
+                      moe_ffn_hidden_size=32, max_seq_len=96, vocab_size=tok.get_vocab_size())
+    torch.manual_seed(0)
+    save_hf(build_model(cfg), folder, family="mixtral")
+    tok.save(str(folder / "tokenizer.json"))
+    template = ("{% for m in messages %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}<|end|>{% endfor %}"
+                "{% if add_generation_prompt %}<|start|>assistant{% endif %}")
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    return folder
+
+
+def test_harmony_messages_split_by_channel(harmony_base):
+    from moekit.train import harmony
+
+    tok = load_tokenizer(harmony_base, 10**6, hf=True)
+    markers = harmony.marker_ids(tok)
+    ids = tok.tok.encode(HARMONY_OUT, add_special_tokens=False).ids
+    found = harmony.messages(tok, ids, markers)
+    assert [(m.channel, m.text.strip(), m.complete) for m in found] == [
+        ("analysis", "Two and two make four.", True), ("final", "Four.", True)]
+    assert harmony.answer(found) == "Four."
+    cut = harmony.messages(tok, ids[: ids.index(markers["<|end|>"]) - 1], markers)  # stopped inside the reasoning
+    assert [(m.channel, m.complete) for m in cut] == [("analysis", False)] and harmony.answer(cut) is None
+    assert harmony.marker_ids(load_tokenizer(harmony_base.parent, 10**6, hf=False)) is None  # bytes: no markers
+
+
+@pytest.mark.parametrize("show", [False, True])
+def test_chat_on_a_harmony_model_prints_the_final_channel(harmony_base, capsys, monkeypatch, show):
+    """The model's raw output runs reasoning and answer together (the markers are special tokens, dropped when
+    decoded); stdout is the final channel alone; --show-reasoning puts the analysis on stderr."""
+    import dataclasses as dc
+
+    import moekit.train.decoding as decoding
+
+    tok = load_tokenizer(harmony_base, 10**6, hf=True)
+    steered = tok.tok.encode(HARMONY_OUT, add_special_tokens=False).ids
+    real = decoding.generate
+    monkeypatch.setattr(decoding, "generate", lambda *a, **k: dc.replace(real(*a, **k), new_ids=steered))
+    argv = [str(harmony_base), "--chat", "--prompt", "two plus two", "--device", "cpu", "--max-new-tokens", "2"]
+    assert generate_main(argv + (["--show-reasoning"] if show else [])) == 0
+    out, err = capsys.readouterr()
+    assert out == "Four.\n"
+    assert ("[analysis] Two and two make four." in err) == show
+    cut = steered[: steered.index(tok.tok.token_to_id("<|end|>"))]  # no final answer yet
+    monkeypatch.setattr(decoding, "generate", lambda *a, **k: dc.replace(real(*a, **k), new_ids=cut))
+    assert generate_main(argv) == 0
+    out, err = capsys.readouterr()
+    assert out == "\n" and "wrote no final answer within --max-new-tokens 2 (only analysis)" in err
+    assert generate_main([str(harmony_base), "--prompt", "x", "--show-reasoning"]) == 2
+    assert "--show-reasoning prints a chat model's reasoning channels; add --chat" in capsys.readouterr().err

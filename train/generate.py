@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="lay out the prompt as one user turn with the model folder's chat template and print only the "
                         "answer (instruct models; needs jinja2)")
     p.add_argument("--system", default=None, metavar="TEXT", help="with --chat: a system message before the prompt")
+    p.add_argument("--show-reasoning", action="store_true",
+                   help="with --chat on a harmony model (gpt-oss): also print the reasoning channels, on stderr (stdout "
+                        "holds the final answer)")
     p.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="tokens to add (default 128)")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default); > 0 samples")
     p.add_argument("--top-k", type=int, default=0, metavar="K", help="sample among the K most likely (0 = all)")
@@ -102,6 +105,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if not 0 <= args.seed < 2**64:
         raise UserError(f"--seed {args.seed} is invalid; it must be in [0, 2**64) (the sampler's seed is 64-bit)")
     args.sampling = Sampling(args.temperature, args.top_k, args.top_p).check()
+    if args.show_reasoning and not args.chat:
+        raise UserError("--show-reasoning prints a chat model's reasoning channels; add --chat, or drop it")
     if args.system is not None and not args.chat:
         raise UserError("--system sets the system message of a chat; add --chat (the model folder needs a chat "
                         "template), or drop --system")
@@ -162,7 +167,10 @@ def run(args: argparse.Namespace) -> int:
         _note(f"note: the prompt has {len(prompt_ids)} tokens, more than model.max_seq_len="
               f"{model.config.max_seq_len}; the model saw its last {len(prompt_ids) - out.prompt_dropped}")
     # a chat prints the answer alone: the template's layout is not the user's text
-    print(("" if template is not None else args.prompt) + continuation(tokenizer, prompt_ids, out.new_ids), flush=True)
+    text = continuation(tokenizer, prompt_ids, out.new_ids)
+    if template is not None:
+        text = harmony_answer(tokenizer, out.new_ids, args, text)
+    print(("" if template is not None else args.prompt) + text, flush=True)
     why = "EOS" if out.stopped == "eos" else f"--max-new-tokens {args.max_new_tokens}"
     moved = f", window moved {out.shifts}x" if out.shifts else ""
     spec = f", {draft_stats(out)}" if speculative else ""
@@ -170,6 +178,28 @@ def run(args: argparse.Namespace) -> int:
           f"tokens/s ({'KV cache' if use_cache else 'no cache'}, first token {1e3 * out.first_token_s:.1f} ms"
           f"{moved}{spec}); stopped at {why}")
     return 0
+
+
+def harmony_answer(tokenizer, new_ids: list[int], args, raw: str) -> str:
+    """A harmony model's (gpt-oss: moekit.train.harmony) final-channel answer, with the reasoning channels on stderr
+    under --show-reasoning; ``raw`` (the plain continuation) for any other model."""
+    from moekit.train import harmony
+
+    markers = harmony.marker_ids(tokenizer)
+    if markers is None:
+        return raw
+    found = harmony.messages(tokenizer, new_ids, markers)
+    if args.show_reasoning:
+        for m in found:
+            if m.channel != "final":
+                _note(f"[{m.channel or m.header or 'message'}] {m.text.strip()}" + ("" if m.complete else " ..."))
+    final = harmony.answer(found)
+    if final is None:
+        _note(f"note: the model wrote no final answer within --max-new-tokens {args.max_new_tokens} (only "
+              f"{', '.join(sorted({m.channel or '?' for m in found})) or 'nothing'}); raise --max-new-tokens"
+              + ("" if args.show_reasoning else ", or add --show-reasoning to see its reasoning"))
+        return ""
+    return final
 
 
 def draft_stats(out) -> str:
