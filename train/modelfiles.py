@@ -351,7 +351,10 @@ def moekit_to_hf(args) -> None:
                   layout=args.layout, tokenizer_from=tokenizer, fp8=args.fp8)
     family = json.loads((out / "config.json").read_text())["model_type"]
     told = f", tokenizer from {tokenizer}" if tokenizer else ", no tokenizer (pass --tokenizer DIR to add one)"
-    print(f"wrote {out} ({family}, {args.layout} experts{', fp8 linear weights' if args.fp8 else ''}{told})")
+    from moekit.models.hf.families import FAMILIES
+
+    layout = "fused (the family's only layout)" if FAMILIES[family].naming.woven else args.layout
+    print(f"wrote {out} ({family}, {layout} experts{', fp8 linear weights' if args.fp8 else ''}{told})")
     if args.verify and args.fp8:  # the file must hold exactly the fp8 rounding of the model; report its cost
         from moekit.models.hf import fp8_reference
 
