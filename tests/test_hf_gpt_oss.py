@@ -191,3 +191,44 @@ def test_mxfp4_folder_loads_by_slices(tmp_path):
     hf_model(seed=9).save_pretrained(tmp_path / "hf")
     mxfp4_folder(tmp_path / "hf", tmp_path / "mxfp4")
     run_ranks(_sharded_mxfp4_rank, 2, str(tmp_path / "mxfp4"))
+
+
+def test_mxfp4_export_is_the_release_format_and_reloads_as_its_rounding(tmp_path, capsys):
+    """save_hf(mxfp4=True): the experts as X_blocks / X_scales with quantization_config mxfp4, everything else bf16;
+    reloading gives mxfp4_reference's weights exactly (the expert weights through MXFP4 and back) and its logits.
+    moekit-convert moekit-to-hf --mxfp4 --verify does the same from a moekit file and reports the cost."""
+    from moekit.models.hf import mxfp4_reference
+    from moekit.train.convert import main as convert_main
+
+    hf_model(seed=4).save_pretrained(tmp_path / "hf")
+    ours = load_hf(tmp_path / "hf", dtype=torch.float32).eval()
+    out = save_hf(ours, tmp_path / "mx", mxfp4=True)
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "mxfp4"
+    stored = load_file(out / "model.safetensors")
+    key = "model.layers.1.mlp.experts.gate_up_proj"
+    assert key not in stored and stored[key + "_blocks"].dtype == torch.uint8
+    assert stored[key + "_scales"].shape == (4, 64, 1)  # [E, 2F, H / 32]
+    assert stored["model.layers.1.mlp.experts.gate_up_proj_bias"].dtype == torch.bfloat16
+    back, ref = load_hf(out, dtype=torch.float32).eval(), mxfp4_reference(ours)
+    for name, t in ref.state_dict().items():
+        assert torch.equal(back.state_dict()[name], t), name
+    assert not torch.equal(ref.layers[1].ffn.experts.w_in, ours.layers[1].ffn.experts.w_in)  # it did round
+    with torch.no_grad():
+        torch.testing.assert_close(back(tokens()), ref(tokens()))
+    with pytest.raises(ValueError, match="choose one"):
+        save_hf(ours, tmp_path / "both", mxfp4=True, fp8=True)
+    assert convert_main(["hf-to-moekit", str(tmp_path / "hf"), str(tmp_path / "m.safetensors")]) == 0
+    assert convert_main(["moekit-to-hf", str(tmp_path / "m.safetensors"), str(tmp_path / "cli"), "--mxfp4",
+                         "--verify"]) == 0
+    printed = capsys.readouterr().out
+    assert "MXFP4 expert weights" in printed and "MXFP4 rounding changed the logits by" in printed
+
+
+def test_mxfp4_export_of_another_family_is_refused(tmp_path):
+    from moekit.models.config import ModelConfig
+    from moekit.models.transformer import build_model
+
+    model = build_model(ModelConfig(hidden_size=32, num_heads=4, num_kv_heads=2, router_options={"normalize": True}))
+    with pytest.raises(ValueError, match="mxfp4=True writes gpt-oss's MXFP4 experts; this model exports as mixtral"):
+        save_hf(model, tmp_path / "x", mxfp4=True)

@@ -70,6 +70,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "block (DeepSeek-V3's release format; transformers, vLLM and SGLang read it); the other "
                         "tensors in --dtype (default bfloat16 with --fp8). --verify then checks the logits of that "
                         "rounding and reports what it changed")
+    b.add_argument("--mxfp4", action="store_true",
+                   help="gpt-oss: write the experts' weights in MXFP4 (4-bit values, one power-of-two scale per 32), "
+                        "OpenAI's release format; the other tensors in --dtype (default bfloat16). --verify then "
+                        "checks the logits of that rounding and reports what it changed")
     for q in (a, b):
         q.add_argument("--verify", action="store_true", help="reload the output and compare logits")
     return p.parse_args(argv)

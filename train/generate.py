@@ -81,8 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "answer (instruct models; needs jinja2)")
     p.add_argument("--system", default=None, metavar="TEXT", help="with --chat: a system message before the prompt")
     p.add_argument("--show-reasoning", action="store_true",
-                   help="with --chat on a harmony model (gpt-oss): also print the reasoning channels, on stderr (stdout "
-                        "holds the final answer)")
+                   help="with --chat on a harmony model (gpt-oss): also print the reasoning channels, on stderr "
+                        "(stdout holds the final answer)")
     p.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="tokens to add (default 128)")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default); > 0 samples")
     p.add_argument("--top-k", type=int, default=0, metavar="K", help="sample among the K most likely (0 = all)")

@@ -15,7 +15,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from moekit.models.config import ModelConfig
-from moekit.models.hf import load_hf, save_hf
+from moekit.models.hf import load_hf, mxfp4_reference, save_hf
 from moekit.models.hf.io import save_safetensors
 from moekit.models.transformer import Transformer, meta_device
 from moekit.train.convert import DTYPE_NAMES
@@ -328,6 +328,7 @@ def run_checkpoint(src: Path) -> Path:
 
 def moekit_to_hf(args) -> None:
     from moekit.models.hf.export import check_tokenizer_source
+    from moekit.models.hf.families import FAMILIES
     from moekit.models.hf.io import parse_size
 
     try:  # the flags first, then OUT, then SRC: each refused before any model is read or anything written
@@ -335,6 +336,8 @@ def moekit_to_hf(args) -> None:
     except ValueError:
         raise ValueError(f"--max-shard-size {args.max_shard_size}: not a size; use a positive number of bytes or a "
                          f"size such as 5GB or 200MB") from None
+    if args.fp8 and args.mxfp4:
+        raise ValueError("--fp8 and --mxfp4 each quantize the expert weights; choose one")
     if args.fp8 and args.layout != "per_expert":
         raise ValueError(f"--fp8 writes per-expert tensors, as the released fp8 checkpoints do; drop --layout "
                          f"{args.layout}")
@@ -348,14 +351,17 @@ def moekit_to_hf(args) -> None:
     model = load_moekit(src)
     dtype = None if args.dtype == "auto" else DTYPES[args.dtype]
     out = save_hf(model, args.out, family=args.family, dtype=dtype, max_shard_size=args.max_shard_size,
-                  layout=args.layout, tokenizer_from=tokenizer, fp8=args.fp8)
+                  layout=args.layout, tokenizer_from=tokenizer, fp8=args.fp8, mxfp4=args.mxfp4)
     family = json.loads((out / "config.json").read_text())["model_type"]
     told = f", tokenizer from {tokenizer}" if tokenizer else ", no tokenizer (pass --tokenizer DIR to add one)"
-    from moekit.models.hf.families import FAMILIES
-
     layout = "fused (the family's only layout)" if FAMILIES[family].naming.woven else args.layout
-    print(f"wrote {out} ({family}, {layout} experts{', fp8 linear weights' if args.fp8 else ''}{told})")
-    if args.verify and args.fp8:  # the file must hold exactly the fp8 rounding of the model; report its cost
+    quant = ", fp8 linear weights" if args.fp8 else ", MXFP4 expert weights" if args.mxfp4 else ""
+    print(f"wrote {out} ({family}, {layout} experts{quant}{told})")
+    if args.verify and args.mxfp4:  # the file must hold exactly the MXFP4 rounding of the experts
+        rounded = mxfp4_reference(model, dtype or torch.bfloat16)
+        verify(load_hf(out), rounded, f"{args.src} -> {out} (mxfp4)")
+        print(f"MXFP4 rounding changed the logits by {logit_error(rounded, model):.2e} (relative) against {args.src}")
+    elif args.verify and args.fp8:  # the file must hold exactly the fp8 rounding of the model; report its cost
         from moekit.models.hf import fp8_reference
 
         rounded = fp8_reference(model, family=family, dtype=dtype)

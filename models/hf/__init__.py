@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 from moekit.models.config import ModelConfig
 from moekit.models.hf import fp8
@@ -216,7 +217,7 @@ def fp8_export_args(fp8_on: bool, fp8_block, dtype: torch.dtype | None,
 def save_hf(model: Transformer, path: str | Path, *, family: str | None = None, dtype: torch.dtype | None = None,
             max_shard_size: int | str = "5GB", layout: str = "per_expert",
             tokenizer_from: str | Path | None = None, fp8: bool = False,
-            fp8_block: tuple[int, int] = fp8.DEFAULT_BLOCK) -> Path:
+            fp8_block: tuple[int, int] = fp8.DEFAULT_BLOCK, mxfp4: bool = False) -> Path:
     """Write ``model`` as a HuggingFace folder that ``AutoModelForCausalLM.from_pretrained`` loads with the
     same logits; returns the folder.
 
@@ -229,11 +230,24 @@ def save_hf(model: Transformer, path: str | Path, *, family: str | None = None, 
     whose tokenizer is written beside the model (default: the folder the model was imported from, if it
     has tokenizer files). fp8: the linear layers' weights in block-wise float8 e4m3 with one float32 scale per
     ``fp8_block`` (DeepSeek-V3's release format, which transformers, vLLM and SGLang read), the other tensors in
-    ``dtype`` (default bf16); per-expert layout only.
+    ``dtype`` (default bf16); per-expert layout only. mxfp4 (gpt-oss only): the experts' gate_up_proj / down_proj
+    in MXFP4 blocks and scales, as OpenAI released gpt-oss (models/hf/mxfp4.py), the other tensors in ``dtype``
+    (default bf16).
     """
+    if mxfp4 and fp8:
+        raise ValueError("fp8=True and mxfp4=True each quantize the expert weights; choose one")
+    if mxfp4:
+        dtype = dtype or torch.bfloat16
     block, dtype = fp8_export_args(fp8, fp8_block, dtype, layout)
     name, rules, out_dtype = export_rules(model, family, dtype, layout)
-    if block is None:
+    if mxfp4 and name != "gpt_oss":
+        raise ValueError(f"mxfp4=True writes gpt-oss's MXFP4 experts; this model exports as {name}: drop mxfp4 (or "
+                         f"use fp8=True for block-wise float8)")
+    if mxfp4:  # the experts from the model's own precision, quantized once
+        tensors = export_tensors(model, rules, None)
+        tensors = {k: t if k.endswith(MXFP4_EXPERTS) else t.to(out_dtype) if t.is_floating_point() else t
+                   for k, t in tensors.items()}
+    elif block is None:
         tensors = export_tensors(model, rules, dtype)
     else:  # the weights to quantize keep the model's precision; the rest are cast
         tensors = {k: t if not t.is_floating_point() or quantizable(k, tuple(t.shape)) else t.to(out_dtype)
@@ -241,15 +255,58 @@ def save_hf(model: Transformer, path: str | Path, *, family: str | None = None, 
     tensors.update(zero_fill(model, name, out_dtype))
     if block is not None:
         tensors = quantize_tensors(tensors, block)
+    if mxfp4:
+        tensors = mxfp4_tensors(tensors)
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     source = tokenizer_from if tokenizer_from is not None else _imported_tokenizer(model)
     token_ids = copy_tokenizer(source, folder, model.config.vocab_size, model.config.max_seq_len) if source else {}
     dtype_name = {v: k for k, v in DTYPE_NAMES.items()}[out_dtype]
     config = hf_config(model, name, dtype_name, token_ids, block)
+    if mxfp4:
+        config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
     (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     write_safetensors(tensors, folder, max_shard_size)
     return folder
+
+
+MXFP4_EXPERTS = ("experts.gate_up_proj", "experts.down_proj")  # gpt-oss's MXFP4 tensors (their biases stay bf16)
+
+
+def mxfp4_tensors(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Each gpt-oss expert weight X [E, in, out] as X_blocks and X_scales (models/hf/mxfp4.py), in key order."""
+    from moekit.models.hf.mxfp4 import quantize_mxfp4
+
+    out: dict[str, Tensor] = {}
+    for key, t in tensors.items():
+        if key.endswith(MXFP4_EXPERTS):
+            out[key + "_blocks"], out[key + "_scales"] = quantize_mxfp4(t.float())
+        else:
+            out[key] = t
+    return out
+
+
+@torch.no_grad()
+def mxfp4_reference(model: Transformer, dtype: torch.dtype = torch.bfloat16, family: str | None = None) -> Transformer:
+    """A copy of ``model`` holding what ``save_hf(model, mxfp4=True, dtype=dtype)`` stores: the expert weights
+    through MXFP4 and back, the other tensors rounded to ``dtype`` (moekit-convert --mxfp4 --verify checks a reload
+    against it; against ``model`` it measures what MXFP4 costs)."""
+    import copy
+
+    from moekit.models.hf.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+
+    _, rules, _ = export_rules(model, family, dtype, "per_expert")
+    ref = copy.deepcopy(model)
+    state = ref.state_dict()
+    for r in rules:
+        target = state[r.target]
+        if target.is_floating_point():
+            parts = [dequantize_mxfp4(*quantize_mxfp4(part.float()), torch.float32, name=key)
+                     if key.endswith(MXFP4_EXPERTS) else part.to(dtype)
+                     for key, part in zip(r.sources, r.split(target))]
+            target.copy_(r.join(parts))
+    return ref
 
 
 @torch.no_grad()
