@@ -355,7 +355,8 @@ def test_two_ranks_ep_tp_fsdp(checkpoints, tmp_path):
         (dict(tp=2), c / "qwen2_moe", [(tmp_path / "tp2", {})]),
         (dict(tp=2), c / "glm4_moe", [(tmp_path / "tp2-glm", {})]),  # heads with partial RoPE split over TP
         (dict(fsdp=2), c / "mixtral-fused", [(tmp_path / "fsdp2", {})]),
-        (dict(fsdp=2, ep=2), c / "gpt_oss", [(tmp_path / "gpt-oss-ep2", {})]),  # interleaved gate / up, biases
+        (dict(fsdp=2, ep=2), c / "gpt_oss", [(tmp_path / "gpt-oss-ep2", {}),  # interleaved gate / up, biases
+                                             (tmp_path / "gpt-oss-ep2-mxfp4", {"mxfp4": True})]),
         (dict(tp=2), c / "gpt_oss", [(tmp_path / "gpt-oss-tp2", {})]),  # sinks sharded with the heads
         (dict(fsdp=2, ep=2), c / "minimax_m2", [(tmp_path / "minimax-ep2", {})]),  # selection bias in the block
     ]
@@ -378,6 +379,7 @@ def test_two_ranks_ep_tp_fsdp(checkpoints, tmp_path):
     check_export(tmp_path / "tp2-glm", load_hf(c / "glm4_moe"), tmp_path)
     check_export(tmp_path / "fsdp2", load_hf(c / "mixtral-fused"), tmp_path)
     check_export(tmp_path / "gpt-oss-ep2", load_hf(c / "gpt_oss"), tmp_path)
+    check_export(tmp_path / "gpt-oss-ep2-mxfp4", load_hf(c / "gpt_oss"), tmp_path, mxfp4=True)  # the release format
     check_export(tmp_path / "gpt-oss-tp2", load_hf(c / "gpt_oss"), tmp_path)
     check_export(tmp_path / "minimax-ep2", load_hf(c / "minimax_m2"), tmp_path)
 

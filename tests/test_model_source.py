@@ -134,3 +134,20 @@ def test_expert_parallel_run_loads_its_shards_and_exports_without_gathering(fold
     with torch.no_grad():
         torch.testing.assert_close(ours(x), theirs(x).logits.float(), rtol=1e-5, atol=1e-5)
     assert transformers.AutoTokenizer.from_pretrained(out).decode([104, 105]) == "hi"  # the run's byte tokenizer
+
+
+def test_a_gpt_oss_run_exports_mxfp4(folders, tmp_path, capsys):
+    """--train.export_hf_mxfp4 true: the run's --export-hf folder holds the experts in MXFP4 (the release format)
+    and loads back; without --export-hf the flag is refused in one line."""
+    from moekit.models.hf import load_hf
+    from moekit.train.loop import main
+
+    out = tmp_path / "hf"
+    assert main(["--init-from-hf", str(folders / "gpt-oss"), "--run-dir", str(tmp_path / "run"), "--steps", "1",
+                 "--export-hf", str(out), "--train.export_hf_mxfp4", "true", *RUN]) == 0, capsys.readouterr().err
+    assert "MXFP4 expert weights" in capsys.readouterr().out
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"] == "mxfp4"
+    assert load_hf(out).config.name == "hf:gpt_oss"
+    assert main(["--init-from-hf", str(folders / "gpt-oss"), "--run-dir", str(tmp_path / "r2"), "--steps", "1",
+                 "--train.export_hf_mxfp4", "true", *RUN]) == 2
+    assert "--train.export_hf_mxfp4 true writes the --export-hf folder's experts in MXFP4" in capsys.readouterr().err

@@ -66,6 +66,7 @@ class TrainSection:
     upcycle_drop: float = 0.0  # with init_from_dense: each expert re-initialises this share of its units (drop-upcycling)
     export_hf: str = ""  # after the last step, write the model here as a HuggingFace folder (models.hf.save_hf_sharded)
     export_hf_fp8: bool = False  # with export_hf: linear weights in block-wise fp8 e4m3 (DeepSeek-V3's release format)
+    export_hf_mxfp4: bool = False  # with export_hf: gpt-oss's expert weights in MXFP4 (OpenAI's release format)
     on_nonfinite: str = "stop"  # non-finite loss / grad norm on any rank: stop, or skip the step (no update)
     compile: bool = False  # torch.compile each transformer block (models.parallelize step 4)
     deterministic: bool = False  # deterministic kernels (torch.use_deterministic_algorithms); see docs/training.md

@@ -72,17 +72,18 @@ def export(model, cfg: TrainConfig, tokenizer: Path, last_checkpoint, prog: str)
     once), with ``tokenizer`` (check_export's). Collective; returns the folder."""
     from moekit.models.hf import save_hf_sharded
 
-    path, fp8 = cfg.train.export_hf, cfg.train.export_hf_fp8
+    path, fp8, mxfp4 = cfg.train.export_hf, cfg.train.export_hf_fp8, cfg.train.export_hf_mxfp4
     try:
-        return save_hf_sharded(model, path, tokenizer_from=tokenizer, fp8=fp8)
+        return save_hf_sharded(model, path, tokenizer_from=tokenizer, fp8=fp8, mxfp4=mxfp4)
     except (OSError, ValueError) as exc:  # the trained weights are safe in the final checkpoint: say where
         why = runlock.describe_os_error(exc) if isinstance(exc, OSError) else str(exc)
-        flag = " --train.export_hf_fp8 true" if fp8 else ""
+        flag = " --train.export_hf_fp8 true" if fp8 else " --train.export_hf_mxfp4 true" if mxfp4 else ""
         raise RunFailed(f"--export-hf {path}: {why}; training finished and its final checkpoint is {last_checkpoint}: "
                         f"fix that, then export it with {prog} --resume {last_checkpoint} --steps {cfg.train.steps} "
                         f"--export-hf {path}{flag}") from None
 
 
-def exported(folder: Path, fp8: bool) -> str:
+def exported(folder: Path, fp8: bool, mxfp4: bool = False) -> str:
     family = json.loads((folder / "config.json").read_text())["model_type"]  # what was written
-    return f"exported {folder} (HuggingFace {family}{', fp8 linear weights' if fp8 else ''})"
+    quant = ", fp8 linear weights" if fp8 else ", MXFP4 expert weights" if mxfp4 else ""
+    return f"exported {folder} (HuggingFace {family}{quant})"

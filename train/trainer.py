@@ -381,7 +381,7 @@ class Trainer:
                 self.last_checkpoint = self.checkpointer.finalize()
             folder = hfrun.export(self.model, cfg, self.export_tokenizer, self.last_checkpoint, PROG)
             if self.dist.is_main:
-                self.monitor.print(hfrun.exported(folder, cfg.train.export_hf_fp8))
+                self.monitor.print(hfrun.exported(folder, cfg.train.export_hf_fp8, cfg.train.export_hf_mxfp4))
         if self.dist.is_main:
             self.finish()
         return 0

@@ -72,6 +72,10 @@ def validate(cfg: TrainConfig) -> TrainConfig:
                  f"tokenizer: choose another --run-dir")
     _require(t.export_hf or not t.export_hf_fp8, "--train.export_hf_fp8 true writes the --export-hf folder in fp8; "
                                                  "give --export-hf DIR too")
+    _require(t.export_hf or not t.export_hf_mxfp4, "--train.export_hf_mxfp4 true writes the --export-hf folder's "
+                                                   "experts in MXFP4; give --export-hf DIR too")
+    _require(not (t.export_hf_fp8 and t.export_hf_mxfp4), "--train.export_hf_fp8 and --train.export_hf_mxfp4 each "
+                                                          "quantize the expert weights; choose one")
     if t.export_hf:
         validate_export_dir(t.export_hf, cfg.run_dir)
     from moekit.train.modelsource import adopt_source_model

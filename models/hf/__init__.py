@@ -38,6 +38,7 @@ from torch import Tensor
 from moekit.models.config import ModelConfig
 from moekit.models.hf import fp8
 from moekit.models.hf.fp8 import quantizable, quantize_tensors
+from moekit.models.hf.mxfp4 import MXFP4_CONFIG, MXFP4_EXPERTS
 from moekit.models.hf.export import choose_family, copy_tokenizer, export_problems, hf_config, zero_fill
 from moekit.models.hf.families import (FAMILIES, MTP_COPIES, MTP_FAMILIES, Family, UnsupportedCheckpoint, family,
                                       mtp_layers_present, skipped_keys)
@@ -264,14 +265,10 @@ def save_hf(model: Transformer, path: str | Path, *, family: str | None = None, 
     dtype_name = {v: k for k, v in DTYPE_NAMES.items()}[out_dtype]
     config = hf_config(model, name, dtype_name, token_ids, block)
     if mxfp4:
-        config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
-            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+        config["quantization_config"] = MXFP4_CONFIG
     (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     write_safetensors(tensors, folder, max_shard_size)
     return folder
-
-
-MXFP4_EXPERTS = ("experts.gate_up_proj", "experts.down_proj")  # gpt-oss's MXFP4 tensors (their biases stay bf16)
 
 
 def mxfp4_tensors(tensors: dict[str, Tensor]) -> dict[str, Tensor]:

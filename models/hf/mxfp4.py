@@ -43,6 +43,9 @@ import torch
 from torch import Tensor
 
 MXFP4_SUFFIXES = ("_blocks", "_scales")
+MXFP4_EXPERTS = ("experts.gate_up_proj", "experts.down_proj")  # gpt-oss's MXFP4 tensors (their biases stay bf16)
+MXFP4_CONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": [  # as the gpt-oss release's config.json
+    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
 BLOCK = 32  # values per shared exponent (OCP MX block size)
 SCALE_BIAS = 127  # E8M0: value = 2^(byte - 127)
 SCALE_NAN = 255  # E8M0's only special value

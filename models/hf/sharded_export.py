@@ -30,6 +30,7 @@ from torch import Tensor
 
 from moekit.models.hf import fp8
 from moekit.models.hf.io import CONFIG_FILE, DTYPE_NAMES, INDEX_FILE, parse_size
+from moekit.models.hf.mxfp4 import MXFP4_CONFIG, MXFP4_EXPERTS, quantize_mxfp4
 from moekit.models.hf.sharded import (Box, _agree, _distributed, _local, _meet, _rel,
                                       _reshard, _to_source, placed_rows, shard_box)
 from moekit.models.hf.weights import Rule, weave
@@ -56,6 +57,7 @@ class _Unit:
     parts: list[tuple[int, Box]]  # (rank sending it, sub-box of region) for every part the owner lacks
     fp8_block: tuple[int, int] | None = None  # written as float8 + its weight_scale_inv (models/hf/fp8.py)
     woven: tuple[int, int] | None = None  # (HF dim, ways): written interleaved (weights.Piece.interleave)
+    mxfp4: bool = False  # written as MXFP4 blocks and scales (gpt-oss's expert weights, models/hf/mxfp4.py)
 
     @property
     def shape(self) -> list[int]:
@@ -64,6 +66,10 @@ class _Unit:
     @property
     def entries(self) -> list[tuple[str, torch.dtype, list[int]]]:
         """(key, dtype, shape) of each tensor this unit writes: itself, or a float8 weight and its scales."""
+        if self.mxfp4:  # [E, in, out] -> blocks [E, out, in / 32, 16] and scales [E, out, in / 32]
+            E, n_in, n_out = self.shape
+            return [(self.key + "_blocks", torch.uint8, [E, n_out, n_in // 32, 16]),
+                    (self.key + "_scales", torch.uint8, [E, n_out, n_in // 32])]
         if self.fp8_block is None:
             return [(self.key, self.dtype, self.shape)]
         return [(self.key, torch.float8_e4m3fn, self.shape),
@@ -75,6 +81,8 @@ class _Unit:
 
     def encode(self, value: Tensor) -> list[Tensor]:
         """The tensors of ``entries`` for this unit's assembled ``value`` (in the model's precision)."""
+        if self.mxfp4:
+            return list(quantize_mxfp4(value.float().cpu()))
         if self.fp8_block is None:
             return [value.to("cpu", self.dtype)]
         return [t.cpu() for t in fp8.quantize(value, self.fp8_block)]
@@ -88,22 +96,28 @@ class _ExportSpec:
     dtype: torch.dtype | None  # on disk for floating tensors (None: the model's)
     dtype_name: str  # config.json's "dtype"
     fp8_block: tuple[int, int] | None = None  # save_hf's fp8: the linear weights as block-wise float8
+    mxfp4: bool = False  # save_hf's mxfp4: gpt-oss's expert weights as MXFP4 blocks and scales
 
 
 def _export_spec(model, family: str | None, dtype: torch.dtype | None, layout: str,
-                 fp8_on: bool = False, fp8_block=fp8.DEFAULT_BLOCK) -> _ExportSpec:
+                 fp8_on: bool = False, fp8_block=fp8.DEFAULT_BLOCK, mxfp4: bool = False) -> _ExportSpec:
     """What save_hf writes for ``model`` (family, rules, zero-filled parts), without touching any tensor."""
     from moekit.models.hf import export_rules, fp8_export_args
     from moekit.models.hf.export import zero_fill
 
-    block, dtype = fp8_export_args(fp8_on, fp8_block, dtype, layout)
+    if mxfp4 and fp8_on:
+        raise ValueError("fp8=True and mxfp4=True each quantize the expert weights; choose one")
+    block, dtype = fp8_export_args(fp8_on, fp8_block, dtype or (torch.bfloat16 if mxfp4 else None), layout)
     whole = whole_structure(model)
     name, rules, out_dtype = export_rules(whole, family, dtype, layout)
+    if mxfp4 and name != "gpt_oss":
+        raise ValueError(f"mxfp4=True writes gpt-oss's MXFP4 experts; this model exports as {name}: drop mxfp4 (or "
+                         f"use fp8=True for block-wise float8)")
     if dtype is None:  # the model's own (a meta stand-in has the default dtype)
         out_dtype = next(model.parameters()).dtype
     with torch.device("meta"):  # shapes only
         zeros = {k: (tuple(t.shape), t.dtype) for k, t in zero_fill(whole, name, out_dtype).items()}
-    return _ExportSpec(name, rules, zeros, dtype, {v: k for k, v in DTYPE_NAMES.items()}[out_dtype], block)
+    return _ExportSpec(name, rules, zeros, dtype, {v: k for k, v in DTYPE_NAMES.items()}[out_dtype], block, mxfp4)
 
 
 def _pieces(model, rows: dict[str, list[int]]) -> dict[str, list[tuple[Box, Tensor]]]:
@@ -182,7 +196,7 @@ def _plan_export(spec: _ExportSpec, meta: dict, all_boxes: list[dict]) -> list[_
                     sent[sender] += volume(m)
                     parts.append((sender, m))
             units.append(_Unit(key, r.target, region, dims, out_dtype, owner, parts, _block(spec, key, region, dims),
-                               woven))
+                               woven, spec.mxfp4 and key.endswith(MXFP4_EXPERTS)))
     for key, (shape, dtype) in spec.zeros.items():
         owner = min(range(world), key=lambda k: (owned[k], k))
         owned[owner] += math.prod(shape) * dtype.itemsize
@@ -327,7 +341,7 @@ def _write_index(folder: Path, config: dict, units: list[_Unit], files: list[tup
 def save_hf_sharded(model, path: str | Path, *, family: str | None = None, dtype: torch.dtype | None = None,
                     max_shard_size: int | str = "5GB", layout: str = "per_expert",
                     tokenizer_from: str | Path | None = None, fp8: bool = False,
-                    fp8_block: tuple[int, int] = fp8.DEFAULT_BLOCK) -> Path:
+                    fp8_block: tuple[int, int] = fp8.DEFAULT_BLOCK, mxfp4: bool = False) -> Path:
     """``save_hf`` for a parallelised ``model`` (models.parallelize), without gathering it on any rank.
 
     Call on every rank, collectively; ``path`` must be on a file system they all see. Each rank assembles
@@ -340,7 +354,7 @@ def save_hf_sharded(model, path: str | Path, *, family: str | None = None, dtype
     from moekit.models.hf.export import copy_tokenizer, hf_config
 
     _reshard(model)
-    spec = _agree(_export_spec, model, family, dtype, layout, fp8, fp8_block)
+    spec = _agree(_export_spec, model, family, dtype, layout, fp8, fp8_block, mxfp4)
     boxes, meta = _agree(_export_boxes, model, spec, max_shard_size)
     world = dist.get_world_size() if _distributed() else 1
     rank = dist.get_rank() if _distributed() else 0
@@ -372,5 +386,7 @@ def save_hf_sharded(model, path: str | Path, *, family: str | None = None, dtype
 
     _agree(finish)
     config = hf_config(whole_structure(model), spec.family, spec.dtype_name, token_ids, spec.fp8_block)
+    if spec.mxfp4:
+        config["quantization_config"] = MXFP4_CONFIG
     _agree(lambda: _write_index(folder, config, units, files, names) if rank == 0 else None)
     return folder
