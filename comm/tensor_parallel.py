@@ -6,7 +6,8 @@
                 sinks     (gpt-oss) sharded with the query heads: each rank holds its N/tp heads' logits
                 q_norm, k_norm (qk_norm "head") replicated: each rank normalises its own heads, so their
                           gradients are partial over TP (returned for the "moe" gradient role, below);
-                          qk_norm "full" normalises over all heads at once: refused under TP
+                          qk_norm "full" (OLMoE, MiniMax-M2) normalises over all heads at once: its scale is sharded with
+                          the heads (Shard(0)) and the sum of squares all-reduced over TP (TPFullRMSNorm)
     MLA         wq | wq_b, wkv_b column-wise (N/tp heads), wo row-wise; wq_a, q_a_norm, wkv_a, kv_a_norm
                 replicated. Their outputs reach the heads through a column-wise input, whose backward
                 all-reduces the gradient, except the shared RoPE key (wkv_a's last rope columns), which each
@@ -52,10 +53,6 @@ def check_tensor_parallel(config, tp: int) -> None:
     """Head and width divisibility, before anything is sharded (``config``: a models.config.ModelConfig)."""
     if tp == 1:
         return
-    if getattr(config, "qk_norm", "none") == "full":
-        raise LayoutError(f"--tp {tp} cannot shard model.qk_norm='full': it normalises q and k over all heads at "
-                          f"once while tensor parallelism gives each rank a share of the heads; use --tp 1 (and "
-                          f"fsdp / ep / pp for scale)")
     heads = ("num_heads",) if getattr(config, "attention", "gqa") == "mla" else ("num_heads", "num_kv_heads")
     bad = {name: getattr(config, name) for name in heads if getattr(config, name) % tp}
     dense = [i for i in range(config.num_layers + getattr(config, "mtp_layers", 0)) if not config.is_moe_layer(i)]
@@ -119,9 +116,33 @@ def _shard_block(block: nn.Module, mesh, group, sequence_parallel: bool) -> list
     if hasattr(attn, "wkv_a"):  # MLA: the shared rope key's gradient is partial over the heads' ranks
         attn.wkv_a.register_forward_hook(
             lambda m, args, out, start=attn.kv_lora_rank: _ReduceGradTail.apply(out, start, group))
+    if getattr(attn, "qk_norm", "none") == "full":  # over the whole (sharded) projection: all-reduced
+        for name in ("q_norm", "k_norm"):
+            setattr(attn, name, TPFullRMSNorm(getattr(attn, name), mesh, group))
+        return []
     if hasattr(attn, "q_norm"):
-        return [attn.q_norm, attn.k_norm]  # qk_norm "head" (check_tensor_parallel refused "full")
+        return [attn.q_norm, attn.k_norm]  # qk_norm "head": replicated, each rank's heads
     return []
+
+
+class TPFullRMSNorm(nn.Module):
+    """RMSNorm over a projection whose columns are sharded over the TP group (qk_norm "full" under TP): each rank
+    holds its heads' columns of x [..., n/tp] and of the scale (a DTensor, Shard(0)); the mean square is over all n
+    columns, so the local sums of squares are all-reduced (differentiably: backward all-reduces their gradient,
+    since every rank's output depends on every rank's columns)."""
+
+    def __init__(self, norm: nn.RMSNorm, mesh, group):
+        super().__init__()
+        self.eps, self.group, self.full = norm.eps, group, norm.normalized_shape[0]
+        self.weight = nn.Parameter(distribute_tensor(norm.weight.data, mesh, [Shard(0)]))
+
+    def forward(self, x: Tensor) -> Tensor:
+        from torch.distributed.nn.functional import all_reduce
+
+        eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps  # nn.RMSNorm's default
+        squares = all_reduce(x.float().pow(2).sum(-1, keepdim=True), group=self.group)  # [..., 1] over all columns
+        y = x.float() * torch.rsqrt(squares / self.full + eps)
+        return y.to(x.dtype) * self.weight.to_local()
 
 
 def _block_plan(block: nn.Module, sequence_parallel: bool) -> dict:

@@ -330,6 +330,7 @@ def checkpoints(tmp_path_factory) -> Path:
     make_checkpoint(tmp / "glm4_moe", "glm4_moe")
     make_checkpoint(tmp / "gpt_oss", "gpt_oss")
     make_checkpoint(tmp / "minimax_m2", "minimax_m2")
+    make_checkpoint(tmp / "olmoe", "olmoe")
     make_checkpoint(tmp / "deepseek_v3-mtp", "deepseek_v3", mtp_layers=1)
     bad = Path(shutil.copytree(tmp / "mixtral", tmp / "bad-shape"))
     tensors = load_file(bad / "model.safetensors")
@@ -359,6 +360,7 @@ def test_two_ranks_ep_tp_fsdp(checkpoints, tmp_path):
                                              (tmp_path / "gpt-oss-ep2-mxfp4", {"mxfp4": True})]),
         (dict(tp=2), c / "gpt_oss", [(tmp_path / "gpt-oss-tp2", {})]),  # sinks sharded with the heads
         (dict(fsdp=2, ep=2), c / "minimax_m2", [(tmp_path / "minimax-ep2", {})]),  # selection bias in the block
+        (dict(tp=2), c / "olmoe", [(tmp_path / "olmoe-tp2", {})]),  # q/k norm over the projection, sharded
     ]
     # an expert placement: replicas (experts 0 and 3 twice), slots out of order, runs of consecutive experts
     slots = ((2, 3, 0), (3, 0, 1))
@@ -382,6 +384,7 @@ def test_two_ranks_ep_tp_fsdp(checkpoints, tmp_path):
     check_export(tmp_path / "gpt-oss-ep2-mxfp4", load_hf(c / "gpt_oss"), tmp_path, mxfp4=True)  # the release format
     check_export(tmp_path / "gpt-oss-tp2", load_hf(c / "gpt_oss"), tmp_path)
     check_export(tmp_path / "minimax-ep2", load_hf(c / "minimax_m2"), tmp_path)
+    check_export(tmp_path / "olmoe-tp2", load_hf(c / "olmoe"), tmp_path)
 
 
 def test_four_ranks_combined(checkpoints, tmp_path):

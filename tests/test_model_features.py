@@ -322,12 +322,10 @@ def test_bad_attention_configs_are_refused(over, message):
         config(**over)
 
 
-def test_qk_norm_full_is_refused_under_tensor_parallelism():
+def test_tensor_parallel_head_checks():
     from moekit.comm.tensor_parallel import check_tensor_parallel
 
-    with pytest.raises(LayoutError, match="--tp 2 cannot shard model.qk_norm='full': it normalises q and k over all "
-                                          "heads"):
-        check_tensor_parallel(config(qk_norm="full"), 2)
+    check_tensor_parallel(config(qk_norm="full"), 2)  # sharded, its mean square all-reduced (TPFullRMSNorm)
     check_tensor_parallel(config(qk_norm="head"), 2)
     check_tensor_parallel(config(**MLA, num_kv_heads=3, num_heads=4), 2)  # MLA: only the query heads split
     with pytest.raises(LayoutError, match="--tp 3 must divide num_heads=4"):
@@ -345,6 +343,8 @@ PARALLEL = {
     "gqa": dict(attention_bias=True, qk_norm="head", qkv_clip=0.5, rope_scaling=LLAMA3),
     "gpt-oss": dict(attention_bias=True, attention_out_bias=True, attention_sinks=True, sliding_window=5,
                     full_attention_every=2, rope_scaling=YARN),
+    # OLMoE / MiniMax-M2: q/k RMSNorm over the whole projection, sharded over TP with its mean square all-reduced
+    "qk-norm-full": dict(qk_norm="full", qkv_clip=0.5, partial_rotary_factor=0.5, attention_bias=True),
 }
 
 
@@ -393,4 +393,5 @@ def test_tp_and_fsdp_give_the_single_process_gradients():
     run_ranks(_parallel_rank, 2, [
         (dict(tp=2), "mla", False), (dict(tp=2), "mla-full-rank-q", True), (dict(tp=2), "gqa", False),
         (dict(tp=2), "gqa", True), (dict(fsdp=2), "mla", False), (dict(fsdp=2), "gqa", False),
-        (dict(dp=2, ep=2), "mla", False), (dict(tp=2), "gpt-oss", True), (dict(fsdp=2), "gpt-oss", False)])
+        (dict(dp=2, ep=2), "mla", False), (dict(tp=2), "gpt-oss", True), (dict(fsdp=2), "gpt-oss", False),
+        (dict(tp=2), "qk-norm-full", True), (dict(tp=2), "qk-norm-full", False)])

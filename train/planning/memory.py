@@ -146,8 +146,8 @@ def attention_tensors(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], int 
         out.append(("attention", (N,), 0))
     if cfg.qk_norm == "head":  # the norms inside attention count as norms, as dryrun.part_of files them
         out += [("norms", (D,), None), ("norms", (D,), None)]
-    elif cfg.qk_norm == "full":
-        out += [("norms", (N * D,), None), ("norms", (K * D,), None)]
+    elif cfg.qk_norm == "full":  # over the whole projection: sharded with its columns under TP (TPFullRMSNorm)
+        out += [("norms", (N * D,), 0), ("norms", (K * D,), 0)]
     return out
 
 
