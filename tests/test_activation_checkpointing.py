@@ -11,7 +11,10 @@ from moekit.comm.topology import Layout
 from moekit.models.config import PRESETS
 from moekit.models.parallelize import apply_activation_checkpointing
 from moekit.models.transformer import build_model
+from moekit.moe.activations import get_activation
+from moekit.moe.experts import LOOP_FUSED_ACTIVATIONS
 from moekit.moe.load import moe_layers
+from moekit.train.planning.activations import sink_keys
 from moekit.train.planning.memory import Workload, estimate_memory
 from tests.dist_utils import run_ranks
 from tests.test_dryrun import LiveStorages
@@ -27,6 +30,8 @@ CASES = {  # 2-layer variants of the presets, each routing differently
     "mixtral-capacity-torch": ("mixtral-tiny", {"capacity_factor": 1.0, "expert_backend": "torch"}),  # grouped_mm kept
     "deepseek-mla": ("deepseek-tiny", MLA),  # dense first layer, shared expert, group-limited sigmoid + bias update
     "switch-jitter": ("switch-tiny", {"moe_every": 1}),  # top-1, jitter (RNG replay), capacity, ReLU
+    # sinks (a full layer: causal SDPA over padded rows), an 8-position window, biases, swiglu_oai through the loop
+    "gpt-oss": ("gpt-oss-tiny", {"sliding_window": 8}),
 }
 
 
@@ -66,10 +71,13 @@ def selective_cache_bytes(cfg, run: dict) -> int:
             dqk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
             total += T * f * (cfg.q_lora_rank + N * dqk + cfg.kv_lora_rank + cfg.qk_rope_head_dim
                               + N * (cfg.qk_nope_head_dim + cfg.v_head_dim) + H)
-        else:  # q, k, v, o; SDPA output and its fp32 logsumexp
-            D = H // N
-            total += T * f * ((N + 2 * cfg.num_kv_heads) * D + H) + T * N * (D + 1) * f
-        gated = 1 + (cfg.activation == "swiglu")
+        else:  # q, k, v, o; SDPA output and its fp32 logsumexp (sinks: 8 channels wider, and without a window the
+            # queries padded to the keys' rows: models.attention.sink_attention)
+            D = cfg.attn_head_dim
+            total += T * f * ((N + 2 * cfg.num_kv_heads) * D + H)
+            sdpa_rows = B * sink_keys(S) if cfg.attention_sinks and not cfg.attention_window(i) else T
+            total += sdpa_rows * N * (D + 8 * cfg.attention_sinks + 1) * f
+        gated = 1 + get_activation(cfg.activation).gated
         if not cfg.is_moe_layer(i):
             total += T * f * (gated * cfg.ffn_hidden_size + H)
             continue
@@ -80,7 +88,8 @@ def selective_cache_bytes(cfg, run: dict) -> int:
         if cfg.capacity_factor is not None:  # priority sort over [T, E]
             total += T * E * (f + 8)
         R = next(rows)
-        if cfg.expert_backend == "torch" or cfg.activation != "swiglu":  # both GEMM outputs
+        # both GEMM outputs, unless the loop's hand-written function (out= matmuls: recomputed) runs them
+        if cfg.expert_backend == "torch" or cfg.activation not in LOOP_FUSED_ACTIVATIONS:
             total += R * f * (gated * cfg.moe_ffn_hidden_size + H)
         total += T * f * (gated * cfg.shared_ffn_hidden_size + H) if cfg.shared_ffn_hidden_size else 0
     return total
