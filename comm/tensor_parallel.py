@@ -6,8 +6,8 @@
                 sinks     (gpt-oss) sharded with the query heads: each rank holds its N/tp heads' logits
                 q_norm, k_norm (qk_norm "head") replicated: each rank normalises its own heads, so their
                           gradients are partial over TP (returned for the "moe" gradient role, below);
-                          qk_norm "full" (OLMoE, MiniMax-M2) normalises over all heads at once: its scale is sharded with
-                          the heads (Shard(0)) and the sum of squares all-reduced over TP (TPFullRMSNorm)
+                          qk_norm "full" (OLMoE, MiniMax-M2) normalises over all heads at once: its scale is sharded
+                          with the heads (Shard(0)), the sum of squares all-reduced over TP (TPFullRMSNorm)
     MLA         wq | wq_b, wkv_b column-wise (N/tp heads), wo row-wise; wq_a, q_a_norm, wkv_a, kv_a_norm
                 replicated. Their outputs reach the heads through a column-wise input, whose backward
                 all-reduces the gradient, except the shared RoPE key (wkv_a's last rope columns), which each
@@ -42,6 +42,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.nn.functional import all_reduce
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, parallelize_module
 
@@ -137,8 +138,6 @@ class TPFullRMSNorm(nn.Module):
         self.weight = nn.Parameter(distribute_tensor(norm.weight.data, mesh, [Shard(0)]))
 
     def forward(self, x: Tensor) -> Tensor:
-        from torch.distributed.nn.functional import all_reduce
-
         eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps  # nn.RMSNorm's default
         squares = all_reduce(x.float().pow(2).sum(-1, keepdim=True), group=self.group)  # [..., 1] over all columns
         y = x.float() * torch.rsqrt(squares / self.full + eps)

@@ -38,7 +38,7 @@ from torch import Tensor
 from moekit.models.config import ModelConfig
 from moekit.models.hf import fp8
 from moekit.models.hf.fp8 import quantizable, quantize_tensors
-from moekit.models.hf.mxfp4 import MXFP4_CONFIG, MXFP4_EXPERTS
+from moekit.models.hf.mxfp4 import MXFP4_CONFIG, MXFP4_EXPERTS, dequantize_mxfp4, quantize_mxfp4
 from moekit.models.hf.export import choose_family, copy_tokenizer, export_problems, hf_config, zero_fill
 from moekit.models.hf.families import (FAMILIES, MTP_COPIES, MTP_FAMILIES, Family, UnsupportedCheckpoint, family,
                                       mtp_layers_present, skipped_keys)
@@ -235,15 +235,9 @@ def save_hf(model: Transformer, path: str | Path, *, family: str | None = None, 
     in MXFP4 blocks and scales, as OpenAI released gpt-oss (models/hf/mxfp4.py), the other tensors in ``dtype``
     (default bf16).
     """
-    if mxfp4 and fp8:
-        raise ValueError("fp8=True and mxfp4=True each quantize the expert weights; choose one")
-    if mxfp4:
-        dtype = dtype or torch.bfloat16
-    block, dtype = fp8_export_args(fp8, fp8_block, dtype, layout)
+    block, dtype = fp8_export_args(fp8, fp8_block, mxfp4_export_dtype(mxfp4, fp8, dtype), layout)
     name, rules, out_dtype = export_rules(model, family, dtype, layout)
-    if mxfp4 and name != "gpt_oss":
-        raise ValueError(f"mxfp4=True writes gpt-oss's MXFP4 experts; this model exports as {name}: drop mxfp4 (or "
-                         f"use fp8=True for block-wise float8)")
+    check_mxfp4_family(mxfp4, name)
     if mxfp4:  # the experts from the model's own precision, quantized once
         tensors = export_tensors(model, rules, None)
         tensors = {k: t if k.endswith(MXFP4_EXPERTS) else t.to(out_dtype) if t.is_floating_point() else t
@@ -271,10 +265,22 @@ def save_hf(model: Transformer, path: str | Path, *, family: str | None = None, 
     return folder
 
 
+def mxfp4_export_dtype(mxfp4: bool, fp8_on: bool, dtype: torch.dtype | None) -> torch.dtype | None:
+    """The dtype of an export's other tensors (bf16 by default beside MXFP4 experts); fp8 with it is refused.
+    save_hf and save_hf_sharded share it, and check_mxfp4_family once the family is known."""
+    if mxfp4 and fp8_on:
+        raise ValueError("fp8=True and mxfp4=True each quantize the expert weights; choose one")
+    return (dtype or torch.bfloat16) if mxfp4 else dtype
+
+
+def check_mxfp4_family(mxfp4: bool, name: str) -> None:
+    if mxfp4 and name != "gpt_oss":
+        raise ValueError(f"mxfp4=True writes gpt-oss's MXFP4 experts; this model exports as {name}: drop mxfp4 (or "
+                         f"use fp8=True for block-wise float8)")
+
+
 def mxfp4_tensors(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
     """Each gpt-oss expert weight X [E, in, out] as X_blocks and X_scales (models/hf/mxfp4.py), in key order."""
-    from moekit.models.hf.mxfp4 import quantize_mxfp4
-
     out: dict[str, Tensor] = {}
     for key, t in tensors.items():
         if key.endswith(MXFP4_EXPERTS):
@@ -290,8 +296,6 @@ def mxfp4_reference(model: Transformer, dtype: torch.dtype = torch.bfloat16, fam
     through MXFP4 and back, the other tensors rounded to ``dtype`` (moekit-convert --mxfp4 --verify checks a reload
     against it; against ``model`` it measures what MXFP4 costs)."""
     import copy
-
-    from moekit.models.hf.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 
     _, rules, _ = export_rules(model, family, dtype, "per_expert")
     ref = copy.deepcopy(model)

@@ -313,50 +313,20 @@ def hf_config(model, family: str, dtype_name: str, token_ids: dict[str, Any] | N
         out.update(moe, intermediate_size=cfg.moe_ffn_hidden_size, num_experts=E, norm_topk_prob=r.normalize,
                    clip_qkv=cfg.qkv_clip or None, attention_bias=cfg.attention_bias)
     elif family == "deepseek_v3":
-        groups = (r.num_groups, r.group_top_k) if r.num_groups is not None else (1, 1)
-        out.update(moe, intermediate_size=cfg.ffn_hidden_size, moe_intermediate_size=cfg.moe_ffn_hidden_size,
-                   n_routed_experts=E, n_shared_experts=max(cfg.shared_ffn_hidden_size // cfg.moe_ffn_hidden_size, 1),
-                   n_group=groups[0], topk_group=groups[1], norm_topk_prob=r.normalize,
-                   routed_scaling_factor=r.scaling, first_k_dense_replace=cfg.first_dense_layers, moe_layer_freq=1,
-                   scoring_func="sigmoid", topk_method="noaux_tc", q_lora_rank=cfg.q_lora_rank or None,
-                   kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
-                   qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim, head_dim=cfg.qk_rope_head_dim,
-                   rope_interleave=cfg.rope_interleave, attention_bias=False, num_nextn_predict_layers=cfg.mtp_layers,
-                   num_key_value_heads=cfg.num_heads, pretraining_tp=1)
-        out.pop("router_aux_loss_coef")
+        out.update(_deepseek_moe(cfg, r), **_mla(cfg), moe_layer_freq=1, scoring_func="sigmoid", topk_method="noaux_tc",
+                   rope_interleave=cfg.rope_interleave, num_nextn_predict_layers=cfg.mtp_layers)
     elif family == "deepseek_v2":
-        groups = (r.num_groups, r.group_top_k) if r.num_groups is not None else (1, 1)
-        out.update(moe, intermediate_size=cfg.ffn_hidden_size, moe_intermediate_size=cfg.moe_ffn_hidden_size,
-                   n_routed_experts=E, n_shared_experts=max(cfg.shared_ffn_hidden_size // cfg.moe_ffn_hidden_size, 1),
-                   n_group=groups[0], topk_group=groups[1], norm_topk_prob=False, routed_scaling_factor=r.scaling,
+        out.update(_deepseek_moe(cfg, r), **_mla(cfg), norm_topk_prob=False, mlp_bias=False,
                    topk_method="group_limited_greedy" if r.num_groups is not None else "greedy",
-                   first_k_dense_replace=cfg.first_dense_layers, q_lora_rank=cfg.q_lora_rank or None,
-                   kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
-                   qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim, head_dim=cfg.qk_rope_head_dim,
-                   attention_bias=False, mlp_bias=False, num_key_value_heads=cfg.num_heads, pretraining_tp=1,
                    aux_loss_alpha=cfg.aux_loss_coeff)
-        out.pop("router_aux_loss_coef")
     elif family == "dots1":
-        groups = (r.num_groups, r.group_top_k) if r.num_groups is not None else (1, 1)
-        out.update({**moe, **no_window}, intermediate_size=cfg.ffn_hidden_size,
-                   moe_intermediate_size=cfg.moe_ffn_hidden_size, n_routed_experts=E,
-                   n_shared_experts=max(cfg.shared_ffn_hidden_size // cfg.moe_ffn_hidden_size, 1), n_group=groups[0],
-                   topk_group=groups[1], norm_topk_prob=r.normalize, routed_scaling_factor=r.scaling,
-                   first_k_dense_replace=cfg.first_dense_layers, attention_bias=cfg.attention_bias)
+        out.update(_deepseek_moe(cfg, r), **no_window, attention_bias=cfg.attention_bias)
         if cfg.sliding_window:
-            out.update(sliding_window=cfg.sliding_window, layer_types=[
-                "sliding_attention" if cfg.attention_window(i) else "full_attention" for i in range(L)])
-        out.pop("router_aux_loss_coef")
+            out.update(sliding_window=cfg.sliding_window, layer_types=_layer_types(cfg))
     elif family == "glm4_moe":
-        groups = (r.num_groups, r.group_top_k) if r.num_groups is not None else (1, 1)
-        out.update(moe, intermediate_size=cfg.ffn_hidden_size, moe_intermediate_size=cfg.moe_ffn_hidden_size,
-                   n_routed_experts=E, n_shared_experts=max(cfg.shared_ffn_hidden_size // cfg.moe_ffn_hidden_size, 1),
-                   n_group=groups[0], topk_group=groups[1], norm_topk_prob=r.normalize,
-                   routed_scaling_factor=r.scaling, first_k_dense_replace=cfg.first_dense_layers,
-                   attention_bias=cfg.attention_bias, use_qk_norm=cfg.qk_norm == "head",
+        out.update(_deepseek_moe(cfg, r), attention_bias=cfg.attention_bias, use_qk_norm=cfg.qk_norm == "head",
                    num_nextn_predict_layers=cfg.mtp_layers, partial_rotary_factor=cfg.partial_rotary_factor)
         out["rope_parameters"]["partial_rotary_factor"] = cfg.partial_rotary_factor  # where transformers 5 reads it
-        out.pop("router_aux_loss_coef")
     elif family == "minimax_m2":
         out.update(moe, intermediate_size=cfg.moe_ffn_hidden_size, num_local_experts=E, rotary_dim=cfg.rope_dim,
                    use_qk_norm=True, qk_norm_type="per_layer", scoring_func="sigmoid", use_routing_bias=True,
@@ -365,11 +335,9 @@ def hf_config(model, family: str, dtype_name: str, token_ids: dict[str, Any] | N
     elif family == "gpt_oss":
         from moekit.moe.activations import OAI_ALPHA, OAI_LIMIT
 
-        types = ["full_attention" if not cfg.attention_window(i) else "sliding_attention" for i in range(L)]
         out.update(moe, intermediate_size=cfg.moe_ffn_hidden_size, num_local_experts=E,
-                   attention_bias=cfg.attention_bias,
-                   sliding_window=cfg.sliding_window or None, layer_types=types, swiglu_alpha=OAI_ALPHA,
-                   swiglu_limit=OAI_LIMIT)
+                   attention_bias=cfg.attention_bias, sliding_window=cfg.sliding_window or None,
+                   layer_types=_layer_types(cfg), swiglu_alpha=OAI_ALPHA, swiglu_limit=OAI_LIMIT)
     elif family == "llama":
         out.update(intermediate_size=cfg.ffn_hidden_size, attention_bias=cfg.attention_bias, mlp_bias=False,
                    pretraining_tp=1)
@@ -380,6 +348,30 @@ def hf_config(model, family: str, dtype_name: str, token_ids: dict[str, Any] | N
     if fp8_block is not None:
         out["quantization_config"] = quantization_config(fp8_block)
     return out
+
+
+def _deepseek_moe(cfg: ModelConfig, r: TopKRouter) -> dict[str, Any]:
+    """config.json's MoE fields of the DeepSeek lineage (deepseek_v3 / v2, glm4_moe, dots1): routed and shared
+    experts, groups, renormalisation, routed scaling, dense first layers (no router_aux_loss_coef: they read none)."""
+    groups = (r.num_groups, r.group_top_k) if r.num_groups is not None else (1, 1)
+    return dict(num_experts_per_tok=cfg.top_k, output_router_logits=False, intermediate_size=cfg.ffn_hidden_size,
+                moe_intermediate_size=cfg.moe_ffn_hidden_size, n_routed_experts=cfg.num_experts,
+                n_shared_experts=max(cfg.shared_ffn_hidden_size // cfg.moe_ffn_hidden_size, 1), n_group=groups[0],
+                topk_group=groups[1], norm_topk_prob=r.normalize, routed_scaling_factor=r.scaling,
+                first_k_dense_replace=cfg.first_dense_layers)
+
+
+def _mla(cfg: ModelConfig) -> dict[str, Any]:
+    """config.json's multi-head latent attention fields (DeepSeek-V2 / V3)."""
+    return dict(q_lora_rank=cfg.q_lora_rank or None, kv_lora_rank=cfg.kv_lora_rank,
+                qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
+                v_head_dim=cfg.v_head_dim, head_dim=cfg.qk_rope_head_dim, attention_bias=False,
+                num_key_value_heads=cfg.num_heads, pretraining_tp=1)
+
+
+def _layer_types(cfg: ModelConfig) -> list[str]:
+    """transformers' per-layer layer_types of the model's windows (config.attention_window)."""
+    return ["sliding_attention" if cfg.attention_window(i) else "full_attention" for i in range(cfg.num_layers)]
 
 
 # ---------------------------------------------------------------------------------------------------

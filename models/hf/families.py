@@ -311,12 +311,19 @@ def _deepseek_fields(hf: dict, problems: list[str]) -> dict[str, Any]:
         attention="mla", num_kv_heads=N, head_dim=0, q_lora_rank=_get(hf, "q_lora_rank", 0),
         kv_lora_rank=_get(hf, "kv_lora_rank"), qk_nope_head_dim=_get(hf, "qk_nope_head_dim"),
         qk_rope_head_dim=_get(hf, "qk_rope_head_dim"), v_head_dim=_get(hf, "v_head_dim"),
-        rope_interleave=bool(_get(hf, "rope_interleave", True)),
-        num_experts=_get(hf, ("n_routed_experts", "num_local_experts")), top_k=_get(hf, "num_experts_per_tok"),
-        moe_ffn_hidden_size=_get(hf, "moe_intermediate_size"), ffn_hidden_size=_get(hf, "intermediate_size"),
-        shared_ffn_hidden_size=_get(hf, "moe_intermediate_size") * _get(hf, "n_shared_experts", 1),
-        first_dense_layers=_get(hf, "first_k_dense_replace", 0), aux_loss_coeff=0.0)
+        rope_interleave=bool(_get(hf, "rope_interleave", True)), **deepseek_moe_fields(hf, first_dense=0))
     return fields
+
+
+def deepseek_moe_fields(hf: dict, first_dense: int) -> dict[str, Any]:
+    """DeepSeek's MoE layout, as DeepSeek-V2 / V3, GLM-4.5 and dots.llm1 write it: routed experts of
+    moe_intermediate_size, n_shared_experts ungated shared ones, first_k_dense_replace dense layers (``first_dense``:
+    the family's default), no aux loss (they balance by bias or not at all)."""
+    width = _get(hf, "moe_intermediate_size")
+    return dict(num_experts=_get(hf, ("n_routed_experts", "num_local_experts")), top_k=_get(hf, "num_experts_per_tok"),
+                moe_ffn_hidden_size=width, ffn_hidden_size=_get(hf, "intermediate_size"),
+                shared_ffn_hidden_size=width * _get(hf, "n_shared_experts", 1),
+                first_dense_layers=_get(hf, "first_k_dense_replace", first_dense), aux_loss_coeff=0.0)
 
 
 def deepseek_router_options(hf: dict, problems: list[str] | None = None) -> dict[str, Any]:
@@ -338,14 +345,10 @@ def glm4_moe_config(hf: dict) -> ModelConfig:
     scores, selection bias, group-limited top-k, routed scaling, ungated shared experts, dense first layers)."""
     problems: list[str] = []
     fields = base_fields(hf, problems, partial_rotary=0.5)  # Glm4MoeConfig's default when config.json has none
-    moe_width = _get(hf, "moe_intermediate_size")
     fields.update(
         attention_bias=bool(_get(hf, "attention_bias", False)), qk_norm="head" if hf.get("use_qk_norm") else "none",
-        num_experts=_get(hf, ("n_routed_experts", "num_local_experts")), top_k=_get(hf, "num_experts_per_tok"),
-        moe_ffn_hidden_size=moe_width, ffn_hidden_size=_get(hf, "intermediate_size"),
-        shared_ffn_hidden_size=moe_width * _get(hf, "n_shared_experts", 1),
-        first_dense_layers=_get(hf, "first_k_dense_replace", 1), aux_loss_coeff=0.0,
-        router_options=deepseek_router_options(hf, problems), mtp_layers=mtp_layers_of(hf))
+        **deepseek_moe_fields(hf, first_dense=1), router_options=deepseek_router_options(hf, problems),
+        mtp_layers=mtp_layers_of(hf))
     return _model_config(hf, fields, problems)
 
 
@@ -377,22 +380,19 @@ def dots1_config(hf: dict) -> ModelConfig:
     problems: list[str] = []
     fields = base_fields(hf, problems)
     all_attention_biases(hf, fields)
-    L, width = fields["num_layers"], _get(hf, "moe_intermediate_size")
+    L = fields["num_layers"]
     max_window = hf.get("max_window_layers", L)
     window = hf.get("sliding_window")
     types = hf.get("layer_types") or ["sliding_attention" if window is not None and i >= max_window
                                       else "full_attention" for i in range(L)]
-    fields.update(layer_windows(types, window, fields["max_seq_len"], problems))
+    fields.update(layer_windows(types, window, fields["max_seq_len"]))
     fields.update(
-        qk_norm="head", num_experts=_get(hf, ("n_routed_experts", "num_local_experts")),
-        top_k=_get(hf, "num_experts_per_tok"), moe_ffn_hidden_size=width, ffn_hidden_size=_get(hf, "intermediate_size"),
-        shared_ffn_hidden_size=width * _get(hf, "n_shared_experts", 1),
-        first_dense_layers=_get(hf, "first_k_dense_replace", 0), aux_loss_coeff=0.0,
+        qk_norm="head", **deepseek_moe_fields(hf, first_dense=0),
         router_options={**deepseek_router_options(hf, problems), "normalize": bool(_get(hf, "norm_topk_prob", False))})
     return _model_config(hf, fields, problems)
 
 
-def layer_windows(types: list[str], window: int | None, max_seq_len: int, problems: list[str]) -> dict[str, Any]:
+def layer_windows(types: list[str], window: int | None, max_seq_len: int) -> dict[str, Any]:
     """ModelConfig fields for transformers' per-layer layer_types with ``window``: none when no layer slides; a
     sliding_window with the full_attention_every pattern that reproduces them; else (a pattern moekit has no field
     for, e.g. only the last layers sliding) max_seq_len capped at the window, where full attention equals it."""

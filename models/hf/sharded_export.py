@@ -102,17 +102,13 @@ class _ExportSpec:
 def _export_spec(model, family: str | None, dtype: torch.dtype | None, layout: str,
                  fp8_on: bool = False, fp8_block=fp8.DEFAULT_BLOCK, mxfp4: bool = False) -> _ExportSpec:
     """What save_hf writes for ``model`` (family, rules, zero-filled parts), without touching any tensor."""
-    from moekit.models.hf import export_rules, fp8_export_args
+    from moekit.models.hf import check_mxfp4_family, export_rules, fp8_export_args, mxfp4_export_dtype
     from moekit.models.hf.export import zero_fill
 
-    if mxfp4 and fp8_on:
-        raise ValueError("fp8=True and mxfp4=True each quantize the expert weights; choose one")
-    block, dtype = fp8_export_args(fp8_on, fp8_block, dtype or (torch.bfloat16 if mxfp4 else None), layout)
+    block, dtype = fp8_export_args(fp8_on, fp8_block, mxfp4_export_dtype(mxfp4, fp8_on, dtype), layout)
     whole = whole_structure(model)
     name, rules, out_dtype = export_rules(whole, family, dtype, layout)
-    if mxfp4 and name != "gpt_oss":
-        raise ValueError(f"mxfp4=True writes gpt-oss's MXFP4 experts; this model exports as {name}: drop mxfp4 (or "
-                         f"use fp8=True for block-wise float8)")
+    check_mxfp4_family(mxfp4, name)
     if dtype is None:  # the model's own (a meta stand-in has the default dtype)
         out_dtype = next(model.parameters()).dtype
     with torch.device("meta"):  # shapes only
