@@ -1,8 +1,9 @@
 """Gradient reduction and the global gradient norm for every layout (dp, fsdp, tp, ep; per pipeline stage).
 
-Each data-parallel rank's loss is the mean over its own share of the global batch, so the global-batch
-gradient is (sum over the D = dp * fsdp data ranks) / D. Which ranks hold a partial sum of a parameter's
-gradient depends on what the parameter saw:
+Each data-parallel rank's loss is the mean over its own share of the global batch (a context-parallel rank's:
+over its equal part of each sequence), so the global-batch gradient is (sum over the D = dp * fsdp * cp
+ranks holding different tokens) / D. Which ranks hold a partial sum of a parameter's gradient depends on
+what the parameter saw:
 
     parameter                          partial over              reduced by
     dense (attention, norms, embed)    the D data ranks          FSDP (fsdp > 1), else all-reduce over "dp"
@@ -69,7 +70,7 @@ def sync_gradients(model: nn.Module, topology, roles: dict[str, str], fsdp: bool
     dense, D / ep for experts: comm.fsdp); the experts' 1 / ep and the TP sums are left.
     """
     L = topology.layout
-    D, tp = L.data_parallel, L.tp
+    D, tp = L.dp_cp, L.tp  # the ranks holding different tokens (context-parallel ones too)
     buckets: dict[tuple[str, torch.dtype], list[Tensor]] = {}
     for name, p in model.named_parameters():
         if p.grad is None:
@@ -78,7 +79,7 @@ def sync_gradients(model: nn.Module, topology, roles: dict[str, str], fsdp: bool
             raise KeyError(f"no gradient role for parameter {name!r}: pass this model's roles (Parallelized.grad_roles)")
         role = roles[name]
         if not fsdp:
-            kind = {"dense": "dp", "moe": "stage", "expert": "edp"}[role]  # "stage" = dp x tp
+            kind = {"dense": "dp", "moe": "stage", "expert": "edp"}[role]  # "stage" = dp x cp x tp
             buckets.setdefault((kind, p.grad.dtype), []).append(local(p.grad))
         if role == "expert" and tp > 1:
             buckets.setdefault(("tp", p.grad.dtype), []).append(local(p.grad))

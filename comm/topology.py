@@ -2,17 +2,23 @@
 
 The only place in moekit that reads RANK / WORLD_SIZE / LOCAL_WORLD_SIZE.
 
-Rank order (tensor parallel innermost, so TP peers share a node; pipeline outermost):
+Rank order (tensor parallel innermost, so TP peers share a node; context parallel next, so a sequence's
+ranks do too; pipeline outermost):
 
-    rank = ((pp_i * dp + dp_i) * fsdp + fsdp_i) * tp + tp_i
+    rank = (((pp_i * dp + dp_i) * fsdp + fsdp_i) * cp + cp_i) * tp + tp_i
 
 Data-parallel ranks (D = dp * fsdp of them, index d = dp_i * fsdp + fsdp_i) each read their own share of
-the global batch. Expert parallelism folds into them (Megatron's "MoE parallel folding", torchtitan's
-ep-inside-dp_shard): consecutive blocks of ``ep`` data-parallel ranks form an EP group that together holds
-all E experts (E/ep each) and exchanges tokens; ranks at the same position of different EP groups hold
-the same experts and reduce those experts' gradients (the expert-data-parallel group, size D/ep).
+the global batch; the ``cp`` context-parallel ranks of a data rank split each of its sequences
+(comm.context_parallel). For everything but the batch split and attention, the D * cp ranks that hold
+different tokens are alike (``Layout.dp_cp``, index t = d * cp + cp_i, Megatron's "dp x cp" group): dense
+gradients are averaged over them, load-balance counts summed, and FSDP shards over fsdp x cp (torchtitan's
+dp_shard_cp). Expert parallelism folds into them (Megatron's "MoE parallel folding", torchtitan's
+ep-inside-dp_shard): consecutive blocks of ``ep`` such ranks form an EP group that together holds all E
+experts (E/ep each) and exchanges tokens; ranks at the same position of different EP groups hold the same
+experts and reduce those experts' gradients (the expert-data-parallel group, size dp_cp/ep).
 
-    D = 4, ep = 2:   EP groups {d0, d1} {d2, d3}     expert-DP groups {d0, d2} {d1, d3}
+    D = 4, cp = 1, ep = 2:   EP groups {d0, d1} {d2, d3}     expert-DP groups {d0, d2} {d1, d3}
+    D = 2, cp = 2, ep = 2:   EP groups {t0, t1} {t2, t3}     (t = d * cp + cp_i: a sequence's two halves)
 
 Nodes: ``ranks_per_node`` consecutive ranks share a node (torchrun's LOCAL_WORLD_SIZE, or overridden to
 simulate several nodes on one machine). Hierarchical dispatch uses, inside an EP group, the ranks of one
@@ -26,8 +32,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-DEGREES = ("pp", "dp", "fsdp", "tp", "ep")
-GROUP_KINDS = ("dp", "ep", "edp", "ep_node", "ep_rail", "tp", "pp", "stage")
+DEGREES = ("pp", "dp", "fsdp", "tp", "ep", "cp")
+GROUP_KINDS = ("dp", "ep", "edp", "ep_node", "ep_rail", "tp", "pp", "stage", "cp")
 
 
 class LayoutError(ValueError):
@@ -48,35 +54,44 @@ class Layout:
     dp: int = 1  # replicated data parallel
     fsdp: int = 1  # sharded data parallel
     tp: int = 1
-    ep: int = 1  # folded inside the dp * fsdp data-parallel ranks
+    ep: int = 1  # folded inside the dp * fsdp * cp ranks that hold different tokens
+    cp: int = 1  # context parallel: ranks that split each sequence (comm.context_parallel)
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.fsdp * self.tp
+        return self.pp * self.dp * self.fsdp * self.cp * self.tp
 
     @property
     def data_parallel(self) -> int:
+        """D: the ranks that each read their own share of the global batch."""
         return self.dp * self.fsdp
 
     @property
+    def dp_cp(self) -> int:
+        """The ranks of a pipeline stage (and TP coordinate) that hold different tokens: D x cp."""
+        return self.dp * self.fsdp * self.cp
+
+    @property
     def flags(self) -> str:
-        """The degrees as the trainer's flags: '--dp 2 --ep 2 --tp 1 --pp 1 --fsdp 1'."""
-        return " ".join(f"--{k} {getattr(self, k)}" for k in ("dp", "ep", "tp", "pp", "fsdp"))
+        """The degrees as the trainer's flags: '--dp 2 --ep 2 --tp 1 --pp 1 --fsdp 1' (and --cp when used)."""
+        names = ("dp", "ep", "tp", "pp", "fsdp") + (("cp",) if self.cp > 1 else ())
+        return " ".join(f"--{k} {getattr(self, k)}" for k in names)
 
     @classmethod
     def infer(cls, world_size: int, pp: int = 1, dp: int | None = None, fsdp: int = 1, tp: int = 1,
-              ep: int = 1, num_experts: int | None = None) -> "Layout":
+              ep: int = 1, num_experts: int | None = None, cp: int = 1) -> "Layout":
         """Fill ``dp`` from the world size when omitted (the rest default to 1), then validate."""
-        for name, v in (("--pp", pp), ("--fsdp", fsdp), ("--tp", tp), ("--ep", ep), ("world size", world_size)):
+        for name, v in (("--pp", pp), ("--fsdp", fsdp), ("--tp", tp), ("--ep", ep), ("--cp", cp),
+                        ("world size", world_size)):
             _positive(name, v)
         if dp is None:
-            rest = pp * fsdp * tp
+            rest = pp * fsdp * cp * tp
             if world_size % rest:
-                raise LayoutError(f"world size {world_size} is not divisible by pp*fsdp*tp = {pp}*{fsdp}*{tp} = "
-                                  f"{rest}, so dp cannot be inferred; launch a multiple of {rest} processes or "
+                raise LayoutError(f"world size {world_size} is not divisible by pp*fsdp*cp*tp = {pp}*{fsdp}*{cp}*{tp}"
+                                  f" = {rest}, so dp cannot be inferred; launch a multiple of {rest} processes or "
                                   f"change the degrees")
             dp = world_size // rest
-        layout = cls(pp, dp, fsdp, tp, ep)
+        layout = cls(pp, dp, fsdp, tp, ep, cp)
         layout.validate(world_size, num_experts)
         return layout
 
@@ -85,18 +100,19 @@ class Layout:
             _positive(f"--{name}", getattr(self, name))
         if self.world_size != world_size:
             raise LayoutError(
-                f"layout {self.flags} needs dp*fsdp*tp*pp = {self.world_size} processes but the world size is "
+                f"layout {self.flags} needs dp*fsdp*cp*tp*pp = {self.world_size} processes but the world size is "
                 f"{world_size}; launch {self.world_size} processes (torchrun --nproc-per-node) or use degrees "
                 f"whose product is {world_size}"
             )
-        if self.data_parallel % self.ep:
+        if self.dp_cp % self.ep:
             fix = "choose an ep that divides it"
-            if self.data_parallel < self.ep:  # typically one process launched for an --ep run
+            if self.dp_cp < self.ep:  # typically one process launched for an --ep run
                 need = self.ep * self.tp * self.pp
                 fix = (f"launch at least {need} processes (torchrun --nproc-per-node {need} -m moekit.train ...; "
                        f"--dry-run --world-size {need} plans it in one) or {fix}")
-            raise LayoutError(f"layout {self.flags}: ep={self.ep} must divide the data-parallel size dp*fsdp = "
-                              f"{self.data_parallel} (expert parallelism folds inside the data-parallel ranks); "
+            what = "dp*fsdp" if self.cp == 1 else "dp*fsdp*cp"
+            raise LayoutError(f"layout {self.flags}: ep={self.ep} must divide the data-parallel size {what} = "
+                              f"{self.dp_cp} (expert parallelism folds inside the data-parallel ranks); "
                               f"{fix}")
         if num_experts is not None and num_experts % self.ep:
             raise LayoutError(f"num_experts={num_experts} is not divisible by ep={self.ep}; choose --ep among "
@@ -123,6 +139,7 @@ class Coords:
     dp: int
     fsdp: int
     tp: int
+    cp: int = 0
 
 
 @dataclass
@@ -157,13 +174,14 @@ class Topology:
         r = self.rank if rank is None else rank
         L = self.layout
         tp_i, r = r % L.tp, r // L.tp
+        cp_i, r = r % L.cp, r // L.cp
         fsdp_i, r = r % L.fsdp, r // L.fsdp
         dp_i, pp_i = r % L.dp, r // L.dp
-        return Coords(pp_i, dp_i, fsdp_i, tp_i)
+        return Coords(pp_i, dp_i, fsdp_i, tp_i, cp_i)
 
-    def rank_of(self, pp: int, dp: int, fsdp: int, tp: int) -> int:
+    def rank_of(self, pp: int, dp: int, fsdp: int, tp: int, cp: int = 0) -> int:
         L = self.layout
-        return ((pp * L.dp + dp) * L.fsdp + fsdp) * L.tp + tp
+        return (((pp * L.dp + dp) * L.fsdp + fsdp) * L.cp + cp) * L.tp + tp
 
     def data_rank(self, rank: int | None = None) -> int:
         """Index among the data-parallel ranks: which share of the global batch this rank reads."""
@@ -178,16 +196,20 @@ class Topology:
         return self.layout.world_size // self.ranks_per_node
 
     # --- group membership (pure functions of the layout: testable without processes) ------------------
+    def token_rank(self, rank: int | None = None) -> int:
+        """Index among the dp x fsdp x cp ranks that hold different tokens: t = data_rank * cp + cp_i."""
+        return self.data_rank(rank) * self.layout.cp + self.coords(rank).cp
+
     def _data_ranks(self, rank: int) -> list[int]:
-        """All data-parallel ranks with the same pp and tp coordinates as ``rank``, by data index."""
+        """All dp x fsdp x cp ranks with the same pp and tp coordinates as ``rank``, by token index."""
         c, L = self.coords(rank), self.layout
-        return [self.rank_of(c.pp, d // L.fsdp, d % L.fsdp, c.tp) for d in range(L.data_parallel)]
+        return [self.rank_of(c.pp, t // (L.fsdp * L.cp), t // L.cp % L.fsdp, c.tp, t % L.cp) for t in range(L.dp_cp)]
 
     def members(self, kind: str, rank: int | None = None) -> list[int]:
         r = self.rank if rank is None else rank
         ep = self.layout.ep
-        data, d = self._data_ranks(r), self.data_rank(r)
-        if kind == "dp":  # every data-parallel peer: dense gradients, global load-balance counts
+        data, d = self._data_ranks(r), self.token_rank(r)
+        if kind == "dp":  # every data-parallel (and context-parallel) peer: dense gradients, load-balance counts
             return data
         if kind == "ep":  # exchange tokens, together hold all experts
             start = d - d % ep
@@ -196,11 +218,13 @@ class Topology:
             return data[d % ep :: ep]
         c, L = self.coords(r), self.layout
         if kind == "tp":  # shard attention heads / dense MLP; split the MoE layer's tokens between them
-            return [self.rank_of(c.pp, c.dp, c.fsdp, t) for t in range(L.tp)]
+            return [self.rank_of(c.pp, c.dp, c.fsdp, t, c.cp) for t in range(L.tp)]
+        if kind == "cp":  # split each sequence of this data rank; attention gathers keys / values over them
+            return [self.rank_of(c.pp, c.dp, c.fsdp, c.tp, i) for i in range(L.cp)]
         if kind == "pp":  # the pipeline this rank is a stage of, stage order
-            return [self.rank_of(p, c.dp, c.fsdp, c.tp) for p in range(L.pp)]
-        if kind == "stage":  # every rank of this pipeline stage: dp x fsdp x tp (MoE token statistics)
-            return [self.rank_of(c.pp, d // L.fsdp, d % L.fsdp, t) for d in range(L.data_parallel) for t in range(L.tp)]
+            return [self.rank_of(p, c.dp, c.fsdp, c.tp, c.cp) for p in range(L.pp)]
+        if kind == "stage":  # every rank of this pipeline stage: dp x fsdp x cp x tp (MoE token statistics)
+            return [g + t - c.tp for g in data for t in range(L.tp)]
         if kind in ("ep_node", "ep_rail"):
             group = self.members("ep", r)
             node = self.node_of(r)
@@ -259,15 +283,19 @@ class Topology:
     def _device_meshes(self, device_type: str) -> dict:
         """DeviceMeshes for DTensor / fully_shard / pipelining, in rank order (see the module docstring).
 
-            "world":   (pp, dp, fsdp, tp)          dense parameters: TP shards, FSDP (HSDP) shards
-            "experts": (pp, edp, ep, tp)           the data ranks regrouped: ep consecutive ones hold all
-                                                   experts, edp of them hold the same ones
+            "world":   (pp, dp, fsdp x cp, tp)     dense parameters: TP shards, FSDP (HSDP) shards; the "fsdp"
+                                                   dimension spans a data rank's cp ranks too (they hold the
+                                                   same parameters: FSDP shards over them, as torchtitan's
+                                                   dp_shard_cp), which their consecutive rank order allows
+            "experts": (pp, edp, ep, tp)           the dp x fsdp x cp ranks regrouped: ep consecutive ones hold
+                                                   all experts, edp of them hold the same ones
         """
         from torch.distributed.device_mesh import init_device_mesh
 
         L = self.layout
-        world = init_device_mesh(device_type, (L.pp, L.dp, L.fsdp, L.tp), mesh_dim_names=("pp", "dp", "fsdp", "tp"))
-        experts = init_device_mesh(device_type, (L.pp, L.data_parallel // L.ep, L.ep, L.tp),
+        world = init_device_mesh(device_type, (L.pp, L.dp, L.fsdp * L.cp, L.tp),
+                                 mesh_dim_names=("pp", "dp", "fsdp", "tp"))
+        experts = init_device_mesh(device_type, (L.pp, L.dp_cp // L.ep, L.ep, L.tp),
                                    mesh_dim_names=("pp", "edp", "ep", "tp"))
         return {"world": world, "experts": experts}
 

@@ -185,6 +185,37 @@ def attend(q: Tensor, k: Tensor, v: Tensor, kv: LayerKV | None, gqa: bool, scale
     return sink_attention(q, k, v, None if causal else mask, sinks, scale, gqa)
 
 
+def span_mask(q_start: int, S: int, k_start: int, P: int, window: int, device) -> Tensor:
+    """[S, P] bool: queries at positions q_start .. q_start+S-1 over keys at k_start .. k_start+P-1; key j is
+    visible to query i iff j <= i (and i - window < j when ``window`` > 0)."""
+    keys = torch.arange(k_start, k_start + P, device=device)[None, :]  # [1, P]
+    queries = torch.arange(q_start, q_start + S, device=device)[:, None]  # [S, 1]
+    visible = keys <= queries
+    return visible & (keys > queries - window) if window else visible
+
+
+def context_attend(q: Tensor, k: Tensor, v: Tensor, context, gqa: bool, scale: float | None = None,
+                   window: int = 0, sinks: Tensor | None = None) -> Tensor:
+    """Causal attention of a context-parallel rank's queries q [B, N, S_local, Dqk] (its chunks of the sequence:
+    ``context.chunks``, comm.context_parallel) over the whole sequence's keys k [B, K, S, Dqk] and values
+    v [B, K, S, Dv], gathered in position order. Each chunk attends to the keys up to its own end only (and from
+    its window's start): the zigzag chunks then cost every rank the same. -> [B, N, S_local, Dv]."""
+    out = []
+    for local, start, n in context.chunks(q.shape[2]):
+        lo = max(0, start - window + 1) if window else 0  # the first key any of the chunk's queries sees
+        qc, kc, vc = q[:, :, local : local + n], k[:, :, lo : start + n], v[:, :, lo : start + n]
+        if start == lo and not window:  # a first chunk: plain causal attention over its own positions
+            if sinks is None:
+                out.append(F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, enable_gqa=gqa, scale=scale))
+            else:
+                out.append(sink_attention(qc, kc, vc, None, sinks, scale, gqa))
+            continue
+        mask = span_mask(start, n, lo, start + n - lo, window, q.device)  # [n, keys]
+        out.append(masked_sdpa(qc, kc, vc, mask, gqa, scale) if sinks is None
+                   else sink_attention(qc, kc, vc, mask, sinks, scale, gqa))
+    return torch.cat(out, dim=2)
+
+
 # With sinks, a decoding step (at most this many new positions over a KV cache) runs ``masked_sink_attention``:
 # sink_attention's widened copies of every cached key and value would cost ~3x the reads of the attention itself.
 CACHED_SINKS_MAX_NEW = 16
@@ -223,6 +254,7 @@ class Attention(nn.Module):
         # gpt-oss: one learned logit per query head in the softmax (sink_attention); a DTensor sharded by heads
         # under tensor parallelism (comm.tensor_parallel), like wq's output
         self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if config.attention_sinks else None
+        self.context_parallel = None  # comm.context_parallel: gather the sequence's keys and values
         if config.qk_norm != "none":
             full = config.qk_norm == "full"
             self.q_norm = nn.RMSNorm(self.num_heads * D if full else D, eps=config.norm_eps)
@@ -245,7 +277,13 @@ class Attention(nn.Module):
         q, k = self._rope(q, cos[:, None], sin[:, None]), self._rope(k, cos[:, None], sin[:, None])
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, S, D]
         sinks = self.sinks.to_local() if hasattr(self.sinks, "to_local") else self.sinks  # this rank's heads
-        y = attend(q, k, v, kv, self.num_kv_heads != self.num_heads, window=self.window, sinks=sinks)  # [B, N, S, D]
+        gqa = self.num_kv_heads != self.num_heads
+        if self.context_parallel is not None and kv is None:  # this rank's queries over every position's keys
+            kv_all = self.context_parallel.gather(torch.cat((k, v), dim=-1), dim=2)  # [B, K, S_global, 2D]
+            k, v = kv_all.split(self.head_dim, dim=-1)
+            y = context_attend(q, k, v, self.context_parallel, gqa, window=self.window, sinks=sinks)
+        else:
+            y = attend(q, k, v, kv, gqa, window=self.window, sinks=sinks)  # [B, N, S, D]
         return self.wo(y.transpose(1, 2).reshape(B, S, -1))  # [B, S, H]
 
     def _rope(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -294,6 +332,7 @@ class MLAttention(nn.Module):
         self.wkv_b = nn.Linear(self.kv_lora_rank, N * (self.nope + self.v_dim), bias=False)
         self.wo = nn.Linear(N * self.v_dim, H, bias=False)
         self.scale = qk**-0.5
+        self.context_parallel = None  # comm.context_parallel: gather the sequence's key latents
         rs = config.rope_scaling
         if rs.get("rope_type") == "yarn" and rs.get("mscale_all_dim"):
             self.scale *= yarn_mscale(float(rs["factor"]), rs["mscale_all_dim"]) ** 2
@@ -305,13 +344,23 @@ class MLAttention(nn.Module):
         q = q.view(B, S, -1, self.nope + self.rope).transpose(1, 2)  # [B, n, S, nope+rope] (n: this rank's heads)
         q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
         latent, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.rope], dim=-1)  # [B, S, kv_lora], [B, S, rope]
-        kv_heads = self.wkv_b(self.kv_a_norm(latent)).view(B, S, -1, self.nope + self.v_dim).transpose(1, 2)
-        k_nope, v = kv_heads.split([self.nope, self.v_dim], dim=-1)  # [B, n, S, nope], [B, n, S, v]
+        latent = self.kv_a_norm(latent)
         rotate = apply_rope_interleaved if self.interleave else apply_rope
         q_rope, k_rope = rotate(q_rope, cos, sin), rotate(k_rope[:, None], cos, sin)  # k_rope [B, 1, S, rope]
+        context = self.context_parallel if kv is None else None
+        if context is not None:  # every position's latent and rope key (kv_lora + rope per position), expanded here
+            whole = context.gather(torch.cat((latent, k_rope[:, 0]), dim=-1), dim=1)  # [B, S_global, kv_lora+rope]
+            latent, k_rope = whole.split([self.kv_lora_rank, self.rope], dim=-1)
+            k_rope = k_rope[:, None]  # [B, 1, S_global, rope]
+        P = latent.shape[1]  # key positions
+        kv_heads = self.wkv_b(latent).view(B, P, -1, self.nope + self.v_dim).transpose(1, 2)
+        k_nope, v = kv_heads.split([self.nope, self.v_dim], dim=-1)  # [B, n, P, nope], [B, n, P, v]
         q = torch.cat((q_nope, q_rope), dim=-1)  # [B, n, S, nope+rope]
-        k = torch.cat((k_nope, k_rope.expand(-1, k_nope.shape[1], -1, -1)), dim=-1)  # [B, n, S, nope+rope]
-        y = attend(q, k, v.contiguous(), kv, False, self.scale)  # [B, n, S, v]
+        k = torch.cat((k_nope, k_rope.expand(-1, k_nope.shape[1], -1, -1)), dim=-1)  # [B, n, P, nope+rope]
+        if context is not None:
+            y = context_attend(q, k, v.contiguous(), context, False, self.scale)  # [B, n, S, v]
+        else:
+            y = attend(q, k, v.contiguous(), kv, False, self.scale)  # [B, n, S, v]
         return self.wo(y.transpose(1, 2).reshape(B, S, -1))  # [B, S, H]
 
     @torch.no_grad()

@@ -2,6 +2,8 @@
 
     1. tensor parallel        DTensor parallelize_module: attention heads and dense MLPs column/row-wise;
                               MoE layers split their tokens over the TP ranks (comm.tensor_parallel)
+       context parallel       each rank holds its zigzag share of every sequence; attention gathers the
+                              keys and values (comm.context_parallel)
     2. expert parallel        experts -> DTensor shards over the EP group, EP dispatchers, global-batch
                               balancing over the stage's ranks (comm.expert_parallel)
     3. torch.compile          each block (models.compile); the MoE layer's data-dependent middle stays eager
@@ -36,6 +38,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from moekit.comm.all_to_all import Traffic
+from moekit.comm.context_parallel import apply_context_parallel, check_context_parallel
 from moekit.comm.expert_parallel import apply_expert_parallel
 from moekit.comm.grad_sync import gradient_roles
 from moekit.comm.topology import Topology
@@ -76,6 +79,9 @@ def parallelize(model: nn.Module, topology: Topology | None, *, hierarchical: bo
         # each TP rank's aux loss covers its token slice: 1/tp each (callers with several micro-batches set
         # the scale again with their count, moe.layer.set_aux_loss_scale)
         set_aux_loss_scale(model, token_slices=topology.layout.tp)
+        # context parallel: RoPE positions and the attention's key/value gather (a strategy, as EP's dispatchers)
+        check_context_parallel(model.config, topology.layout.cp)
+        apply_context_parallel(model, topology)
         # 2. expert parallel (also installs the global-batch count reducer when ep == 1 and dp > 1)
         if hierarchical is None:
             hierarchical = len({topology.node_of(r) for r in topology.members("ep")}) > 1

@@ -46,7 +46,7 @@ from moekit.comm.grad_sync import local
 from moekit.comm.pipeline import PipelineRunner, broadcast_from, check_schedule, gather_load, stage_ids_of
 from moekit.models.config import ModelConfig
 from moekit.models.mtp import MTPRecord
-from moekit.models.transformer import Transformer, meta_device, rope_tables, training_loss
+from moekit.models.transformer import Transformer, meta_device, position_tables, training_loss
 from moekit.moe import moe_layers
 
 
@@ -190,16 +190,17 @@ class StageModule(nn.Module):
         self.mtp_record = MTPRecord()
         self.mtp_in_eval = False  # as Transformer.mtp_in_eval
         self.activation_dtype: torch.dtype | None = None  # of the hidden state sent on; None = parameter dtype
+        self.context_parallel = None  # as Transformer.context_parallel
         if last and self.embed is None and (self.lm_head is None or len(self.mtp)):
             raise ValueError("the last pipeline stage needs the embedding (a tied head, or multi-token prediction): "
                              "build it with embedding_replica=True (build_pipeline does)")
 
     def forward(self, x: Tensor, tokens: Tensor, targets: Tensor | None = None) -> Tensor:
         cfg = self.config
-        S = tokens.shape[1]
-        if S > cfg.max_seq_len:
+        S, context = tokens.shape[1], self.context_parallel
+        if S * (context.degree if context is not None else 1) > cfg.max_seq_len:
             raise ValueError(f"sequence length {S} exceeds model.max_seq_len={cfg.max_seq_len}")
-        cos, sin = rope_tables(cfg, S, tokens.device)  # [S, R/2]
+        cos, sin = position_tables(cfg, S, tokens.device, context=context)  # [S, R/2]
         emb = None
         if self.is_first:
             x = emb = self.embed(tokens)  # [b, S, H]

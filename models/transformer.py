@@ -58,6 +58,16 @@ def head_loss(x: Tensor, weight: Tensor, targets: Tensor) -> Tensor:
     return chunked_lm_loss(x, weight, targets)
 
 
+def position_tables(config: ModelConfig, S: int, device, start: int = 0, context=None) -> tuple[Tensor, Tensor]:
+    """RoPE's cos, sin [S, R/2] for the S positions a forward runs: start .. start+S-1, or under context
+    parallelism (``context``: comm.context_parallel's strategy) this rank's zigzag share of S * cp positions."""
+    if context is None:
+        return rope_tables(config, S, device, start)
+    cos, sin = rope_tables(config, S * context.degree, device)  # [S_global, R/2]
+    positions = context.positions(S, device)
+    return cos[positions], sin[positions]
+
+
 def training_loss(owner: nn.Module, x: Tensor, weight: Tensor, emb: Tensor, tokens: Tensor, targets: Tensor,
                   cos: Tensor, sin: Tensor) -> Tensor:
     """The loss a forward with targets returns: the next-token loss of the final normed hidden states ``x``
@@ -113,6 +123,8 @@ class Transformer(nn.Module):
         self.mtp = nn.ModuleList(MTPModule(config, config.num_layers + k) for k in range(config.mtp_layers))
         self.mtp_record = MTPRecord()  # MTP losses of the training forwards since pop_mtp_loss
         self.mtp_in_eval = False  # the depths also run (recording only) in eval forwards with targets
+        # comm.context_parallel: tokens are this rank's share of each sequence (RoPE at their positions)
+        self.context_parallel = None
 
     def forward(self, tokens: Tensor, cache: KVCache | None = None, targets: Tensor | None = None,
                 return_hidden: bool = False) -> Tensor | tuple[Tensor, Tensor]:
@@ -139,9 +151,14 @@ class Transformer(nn.Module):
             raise ValueError(f"KV cache has {len(cache.layers)} layers, the model {len(self.layers)}; build it with "
                              f"KVCache(model.config)")
         start = 0 if cache is None else cache.length  # position of tokens[:, 0]
-        if start + S > self.config.max_seq_len:
-            raise ValueError(f"sequence length {start + S} exceeds model.max_seq_len={self.config.max_seq_len}")
-        cos, sin = rope_tables(self.config, S, tokens.device, start)  # [S, R/2] (R: the rotated dims per head)
+        context = self.context_parallel
+        if context is not None and cache is not None:
+            raise ValueError("a context-parallel model runs whole sequences (training, evaluation); decode with a "
+                             "KV cache in a model without context parallelism")
+        length = start + S * (context.degree if context is not None else 1)
+        if length > self.config.max_seq_len:
+            raise ValueError(f"sequence length {length} exceeds model.max_seq_len={self.config.max_seq_len}")
+        cos, sin = position_tables(self.config, S, tokens.device, start, context)  # [S, R/2] (R: rotated dims)
         x = emb = self.embed(tokens)  # [B, S, H]
         for i, layer in enumerate(self.layers):
             if cache is None:
