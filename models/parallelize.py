@@ -53,6 +53,8 @@ class Parallelized:
     # parameter name -> "dense" | "moe" | "expert": which ranks hold partial sums of its gradient
     # (comm.grad_sync.sync_gradients(model, topology, grad_roles, fsdp))
     grad_roles: dict[str, str]
+    # comm.context_parallel's strategy when cp > 1: ``context.shard(tokens)`` is this rank's share of a batch
+    context: object = None
 
 
 def parallelize(model: nn.Module, topology: Topology | None, *, hierarchical: bool | None = None,
@@ -71,7 +73,7 @@ def parallelize(model: nn.Module, topology: Topology | None, *, hierarchical: bo
     """
     from moekit.comm.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
 
-    traffic, fsdp, token_sliced = Traffic(), False, []
+    traffic, fsdp, token_sliced, context = Traffic(), False, [], None
     if topology is not None:
         # 1. tensor parallel (validated first: nothing is sharded when a degree does not fit)
         check_tensor_parallel(model.config, topology.layout.tp)
@@ -81,7 +83,7 @@ def parallelize(model: nn.Module, topology: Topology | None, *, hierarchical: bo
         set_aux_loss_scale(model, token_slices=topology.layout.tp)
         # context parallel: RoPE positions and the attention's key/value gather (a strategy, as EP's dispatchers)
         check_context_parallel(model.config, topology.layout.cp)
-        apply_context_parallel(model, topology)
+        context = apply_context_parallel(model, topology)
         # 2. expert parallel (also installs the global-batch count reducer when ep == 1 and dp > 1)
         if hierarchical is None:
             hierarchical = len({topology.node_of(r) for r in topology.members("ep")}) > 1
@@ -106,7 +108,7 @@ def parallelize(model: nn.Module, topology: Topology | None, *, hierarchical: bo
         from moekit.comm.relocate import tag_primaries
 
         tag_primaries(model)
-    return Parallelized(topology, traffic, fsdp, grad_roles)
+    return Parallelized(topology, traffic, fsdp, grad_roles, context)
 
 
 AC_MODES = ("none", "full", "ffn", "selective")

@@ -15,6 +15,7 @@ FLAG_SETTINGS = {
     "router": "model.router", "capacity_factor": "model.capacity_factor", "init_from_hf": "train.init_from_hf",
     "init_from_dense": "train.init_from_dense", "upcycle_granularity": "train.upcycle_granularity", "upcycle_drop": "train.upcycle_drop", "export_hf": "train.export_hf", "ranks_per_node": "layout.ranks_per_node", "deterministic": "train.deterministic",
     "dp": "layout.dp", "ep": "layout.ep", "tp": "layout.tp", "pp": "layout.pp", "fsdp": "layout.fsdp",
+    "cp": "layout.cp",
 }
 
 EPILOG = """\
@@ -69,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="deterministic kernels: bitwise-identical runs (CPU; CUDA where kernels allow)")
     for name in ("dp", "ep", "tp", "pp", "fsdp"):
         p.add_argument(f"--{name}", help=f"{name} degree (default 1{'; inferred from the world size' if name == 'dp' else ''})")
+    p.add_argument("--cp", help="context-parallel degree (default 1): each sequence is split over this many ranks "
+                                "and attention gathers the keys; for sequences too long for one device's activations")
     p.add_argument("--resume", nargs="?", const="latest", metavar="CHECKPOINT",
                    help="continue from the newest checkpoint of the run dir that verifies (damaged ones are "
                         "skipped, with a warning), or from CHECKPOINT; 'auto': the same, but start fresh when the "

@@ -113,7 +113,7 @@ class LayoutSection:
 
     Settings only, no checks: moekit.train.plan.resolve_layout turns them, with the world size, the model
     and the batch, into comm.topology's ``Layout`` (the one degrees type, which validates itself) plus the
-    per-rank batch split. World size = dp * fsdp * tp * pp; ep borrows from the data-parallel ranks. 0 for
+    per-rank batch split. World size = dp * fsdp * cp * tp * pp; ep borrows from the dp * fsdp * cp ranks. 0 for
     dp means "infer from the world size"; once resolved, the trainer writes the inferred dp back here, so
     --print-config and config.json show the degrees the run used.
     """
@@ -123,6 +123,7 @@ class LayoutSection:
     tp: int = 1  # tensor-parallel ranks: attention heads and dense MLP widths split, MoE tokens split
     pp: int = 1  # pipeline stages: contiguous groups of layers
     fsdp: int = 1  # fully-sharded data-parallel ranks (FSDP2: parameters, gradients, optimizer state)
+    cp: int = 1  # context-parallel ranks: each sequence split over them (long context); attention gathers keys
     ranks_per_node: int = 0  # 0 = torchrun's LOCAL_WORLD_SIZE; set lower to simulate several nodes
     hierarchical: str = "auto"  # EP dispatch across nodes: auto (when the EP group spans nodes) | on | off
     timeout_s: float = 600.0  # a collective that waits longer fails with an error instead of hanging

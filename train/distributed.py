@@ -86,6 +86,7 @@ class Dist:
         self.data_rank = topology.data_rank()
         self.fsdp = False  # set by parallelize(): fully_shard reduces the gradients
         self.grad_roles: dict[str, str] = {}  # set by parallelize(): parameter name -> gradient role
+        self.context = None  # set by parallelize() when cp > 1: comm.context_parallel's strategy
         # this rank's stop request (a signal number, 0 = none): set by the trainer, agreed on by agree_stop()
         self.stop_signal = lambda: 0
         self._agreed_stop: int | None = None  # the stop request that rode on this step's non-finite check
@@ -129,23 +130,31 @@ class Dist:
             done = parallelize(model, self.topology if self.active else None, hierarchical=hierarchical, **recipe)
         except LayoutError as exc:
             raise UserError(str(exc)) from None
-        self.fsdp, self.grad_roles = done.fsdp, done.grad_roles
+        self.fsdp, self.grad_roles, self.context = done.fsdp, done.grad_roles, done.context
 
     def share(self, batch, per_rank: int):
         """This rank's contiguous share of the global batch (DESIGN.md)."""
         return batch[self.data_rank * per_rank : (self.data_rank + 1) * per_rank]
+
+    def positions(self, *batches):
+        """This rank's positions of each [b, S] tensor: all of them, or its context-parallel share."""
+        if self.context is None:
+            return batches
+        return tuple(self.context.shard(t) for t in batches)
 
     def sync_grads(self, model) -> None:
         if self.active:
             sync_gradients(model, self.topology, self.grad_roles, fsdp=self.fsdp)
 
     def mean(self, value: torch.Tensor) -> torch.Tensor:
-        """Mean over the data-parallel ranks (each rank's value is a mean over its equal share)."""
+        """Mean over the data-parallel ranks (each rank's value is a mean over its equal share; a
+        context-parallel rank's share is its part of each sequence)."""
         if not self.active:
             return value
         out = value.detach().clone()
-        dist.all_reduce(out, group=self.topology.group("dp"))
-        return out / self.data_parallel
+        group = self.topology.group("dp")
+        dist.all_reduce(out, group=group)
+        return out / dist.get_world_size(group)
 
     def clip_grad_norm(self, params, max_norm: float) -> torch.Tensor:
         """Global gradient norm over every shard (TP, EP, FSDP), clipped like torch's."""

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moekit.comm.context_parallel import check_context_parallel
 from moekit.comm.pipeline import check_schedule
 from moekit.comm.tensor_parallel import check_sequence_parallel, check_tensor_parallel
 from moekit.comm.topology import Layout, LayoutError, world_size_from_env
@@ -68,15 +69,16 @@ def resolve_layout(settings: LayoutSection, world_size: int, model: ModelConfig,
     if S.dp < 0:
         raise LayoutError(f"--dp={S.dp} is invalid; it must be a positive integer, or 0 to infer it from the world size")
     layout = Layout.infer(world_size, pp=S.pp, dp=S.dp or None, fsdp=S.fsdp, tp=S.tp, ep=S.ep,
-                          num_experts=model.num_experts or None)
+                          num_experts=model.num_experts or None, cp=S.cp)
     if S.ranks_per_node < 0:
         raise LayoutError(f"--ranks-per-node={S.ranks_per_node} is invalid; it must be >= 0 (0 = torchrun's "
                           f"LOCAL_WORLD_SIZE)")
     if S.ranks_per_node and world_size % S.ranks_per_node:
         raise LayoutError(f"--ranks-per-node {S.ranks_per_node} must divide the world size {world_size}")
     check_tensor_parallel(model, layout.tp)  # heads and widths
+    check_context_parallel(model, layout.cp, train.seq_len)  # the sequence's zigzag chunks, multi-token prediction
     if S.sequence_parallel:
-        check_sequence_parallel(train.seq_len, layout.tp)
+        check_sequence_parallel(train.seq_len // layout.cp, layout.tp)
     per_rank, micro, accum = _batch_split(layout, S, train)
     try:
         check_schedule(S.pp_schedule, layout.pp, S.pp_stages_per_rank, accum if layout.pp > 1 else None)

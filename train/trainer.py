@@ -227,7 +227,7 @@ class Trainer:
             say(self.host_memory)
         if self.dist.active:
             L = cfg.layout
-            degrees = " ".join(f"{k}={getattr(L, k)}" for k in ("pp", "dp", "fsdp", "tp", "ep") if getattr(L, k) > 1)
+            degrees = " ".join(f"{k}={getattr(L, k)}" for k in ("pp", "dp", "fsdp", "cp", "tp", "ep") if getattr(L, k) > 1)
             say(f"layout: {self.dist.world} ranks, {degrees} (experts {cfg.model.num_experts // L.ep} per rank), "
                 f"{self.dist.topology.num_nodes} node(s) of {self.dist.topology.ranks_per_node} ranks")
         if self.pipe is not None:
@@ -251,8 +251,8 @@ class Trainer:
         return torch.autocast(self.plan.device.type, dtype=dt) if dt is not None else contextlib.nullcontext()
 
     def forward_loss(self, starts: np.ndarray) -> torch.Tensor:
-        x, y = gather(self.split.tokens, starts, self.cfg.train.seq_len)
-        x, y = x.to(self.plan.device), y.to(self.plan.device)  # [b, S] each
+        x, y = self.dist.positions(*gather(self.split.tokens, starts, self.cfg.train.seq_len))
+        x, y = x.to(self.plan.device), y.to(self.plan.device)  # [b, S] each (S / cp under context parallelism)
         with self.autocast():
             if self.pipe is not None:  # forward only (evaluation); the loss arrives on every pipeline rank
                 return self.pipe.evaluate(x, y, 1)
@@ -262,7 +262,7 @@ class Trainer:
         """This rank's share of one step: the summed loss of its micro-batches; gradients accumulated."""
         plan = self.plan
         if self.pipe is not None:  # the schedule runs every micro-batch's forward and backward
-            x, y = gather(self.split.tokens, batch, self.cfg.train.seq_len)
+            x, y = self.dist.positions(*gather(self.split.tokens, batch, self.cfg.train.seq_len))
             with self.autocast():
                 loss = self.pipe.step(x.to(plan.device), y.to(plan.device), plan.accum)
             return loss.detach() * plan.accum
