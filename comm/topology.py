@@ -87,9 +87,10 @@ class Layout:
         if dp is None:
             rest = pp * fsdp * cp * tp
             if world_size % rest:
-                raise LayoutError(f"world size {world_size} is not divisible by pp*fsdp*cp*tp = {pp}*{fsdp}*{cp}*{tp}"
-                                  f" = {rest}, so dp cannot be inferred; launch a multiple of {rest} processes or "
-                                  f"change the degrees")
+                names, values = ("pp*fsdp*tp", f"{pp}*{fsdp}*{tp}") if cp == 1 else \
+                    ("pp*fsdp*cp*tp", f"{pp}*{fsdp}*{cp}*{tp}")
+                raise LayoutError(f"world size {world_size} is not divisible by {names} = {values} = {rest}, so dp "
+                                  f"cannot be inferred; launch a multiple of {rest} processes or change the degrees")
             dp = world_size // rest
         layout = cls(pp, dp, fsdp, tp, ep, cp)
         layout.validate(world_size, num_experts)
@@ -99,8 +100,9 @@ class Layout:
         for name in DEGREES:
             _positive(f"--{name}", getattr(self, name))
         if self.world_size != world_size:
+            product = "dp*fsdp*tp*pp" if self.cp == 1 else "dp*fsdp*cp*tp*pp"
             raise LayoutError(
-                f"layout {self.flags} needs dp*fsdp*cp*tp*pp = {self.world_size} processes but the world size is "
+                f"layout {self.flags} needs {product} = {self.world_size} processes but the world size is "
                 f"{world_size}; launch {self.world_size} processes (torchrun --nproc-per-node) or use degrees "
                 f"whose product is {world_size}"
             )
