@@ -111,6 +111,9 @@ def test_ranks_never_finalize_the_interpreter_with_gloo_workers_alive(tmp_path):
     (["--model.num_experts", "6", "--ep", "4"], "num_experts=6 is not divisible"),
     (["--ranks-per-node", "3"], "must divide the world size 4"),
     (["--tp", "4"], "--tp 4 must divide num_kv_heads=2"),
+    (["--cp", "2", "--train.seq_len", "30"], "--seq-len 30 is not a multiple of 4"),
+    (["--cp", "3"], "not divisible by pp*fsdp*cp*tp = 1*1*3*1"),
+    (["--cp", "2", "--model.mtp_layers", "1"], "multi-token prediction reads tokens past each position"),
 ])
 def test_bad_layouts_fail_before_any_collective(args, match, monkeypatch, capsys):
     from moekit.train.loop import main
@@ -137,6 +140,28 @@ def test_tp_fsdp_ep_run_matches_and_resumes_at_another_layout(tmp_path, single):
     assert losses(resumed) == pytest.approx(single[2:], rel=1e-5, abs=1e-6)
 
 
+def test_context_parallel_run_matches_and_resumes_in_one_process(tmp_path, single):
+    """dp2 x cp2 x ep2 (4 ranks: each sequence's 32 positions split 8 | 8 + 8 | 8 over two ranks, experts over
+    the same two) follows the one-process curve, validation included; its checkpoint resumes without cp."""
+    r = run(["--steps", "4", "--run-dir", str(tmp_path), "--cp", "2", "--ep", "2", "--checkpoint.every", "2",
+             *TINY, "--eval.every", "2"], nproc=4)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "dp=2 cp=2 ep=2 (experts 4 per rank)" in r.stdout
+    assert losses(tmp_path) == pytest.approx(single, rel=1e-5, abs=1e-6)
+    one = tmp_path / "one"  # the validation losses of the same run in one process
+    assert run(["--steps", "4", "--run-dir", str(one), "--checkpoint.every", "0", *TINY, "--eval.every", "2"]
+               ).returncode == 0
+    val = [json.loads(line).get("val_loss") for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [v for v in val if v] == pytest.approx(
+        [v for v in (json.loads(line).get("val_loss") for line in (one / "metrics.jsonl").read_text().splitlines())
+         if v], rel=1e-5)
+    resumed = tmp_path / "resumed"
+    r2 = run(["--resume", str(tmp_path / "checkpoints" / "step_000002"), "--steps", "4", "--run-dir", str(resumed),
+              "--checkpoint.every", "0", *TINY], nproc=1)
+    assert r2.returncode == 0, r2.stderr[-3000:]
+    assert losses(resumed) == pytest.approx(single[2:], rel=1e-5, abs=1e-6)
+
+
 MICRO = ["--train.micro_batch_size", "2"]  # 4 micro-batches in one process = 2 per data rank at D = 2
 
 
@@ -156,7 +181,8 @@ def single_micro(tmp_path_factory):
 @pytest.mark.parametrize("nproc,extra,aux", [
     (2, ["--pp", "2", "--layout.pp_schedule", "gpipe"], "0.01"),
     (8, ["--pp", "2", "--tp", "2", "--ep", "2", "--layout.sequence_parallel", "true"], "0"),
-], ids=["pp2-gpipe", "pp2-tp2-ep2-sp-8ranks"])
+    (4, ["--pp", "2", "--cp", "2"], "0.01"),
+], ids=["pp2-gpipe", "pp2-tp2-ep2-sp-8ranks", "pp2-cp2"])
 def test_pipeline_runs_match_one_process(tmp_path, single_micro, nproc, extra, aux):
     """pp2: the same 4 micro-batches through 2 stages, aux loss included. 8 ranks pp2 x dp2 x tp2, ep2 and
     sequence parallel: each data rank's micro-batch m is half of the one-process micro-batch pair (2m, 2m+1),

@@ -1,0 +1,214 @@
+"""Context parallelism (comm.context_parallel): zigzag shards, the key/value gather, chunked attention, and every
+layout with --cp reproducing the single-process gradients (gloo, real ranks).
+
+The cheapest tier first: the shard/gather bookkeeping and ``context_attend`` are checked in one process against
+attention over the whole sequence (the gather simulated by concatenating every rank's shard); then real ranks
+check whole models against the unparallelised one: losses and every gradient, aux loss and z-loss on.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moekit.comm import context_parallel as cpmod
+from moekit.comm.context_parallel import ContextParallel, check_context_parallel, check_sequence
+from moekit.comm.grad_sync import sync_gradients
+from moekit.comm.topology import Layout, LayoutError, Topology
+from moekit.models.attention import context_attend
+from moekit.models.parallelize import parallelize
+from moekit.models.transformer import KVCache, build_model
+from tests.dist_utils import run_ranks
+from tests.test_parallelize import tiny_config
+
+MLA = dict(attention="mla", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, q_lora_rank=12)
+OSS = dict(attention_sinks=True, sliding_window=3, full_attention_every=2, attention_bias=True,
+           attention_out_bias=True, moe_ffn_bias=True, activation="swiglu_oai")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Shards and the gather, one process
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 4])
+def test_zigzag_shards_cover_the_sequence_once_and_balance_causal_work(cp):
+    S = 2 * cp * 3
+    seen = torch.cat([ContextParallel(cp, r).positions(S // cp) for r in range(cp)])
+    assert sorted(seen.tolist()) == list(range(S))
+    # causal attention's work of a query at position p is p + 1 keys: every rank gets the same total
+    work = [int((ContextParallel(cp, r).positions(S // cp) + 1).sum()) for r in range(cp)]
+    assert len(set(work)) == 1, work
+    t = torch.arange(2 * S).view(2, S)
+    for r in range(cp):
+        ctx = ContextParallel(cp, r)
+        torch.testing.assert_close(ctx.shard(t), t[:, ctx.positions(S // cp)])
+        assert [(lo, g) for lo, g, _ in ctx.chunks(S // cp)] == [(0, r * 3), (3, (2 * cp - 1 - r) * 3)]
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_gather_puts_every_rank_shard_back_in_position_order(cp, monkeypatch):
+    """The all-gather returns the ranks' shards in rank order; ``gather`` reorders them (and its backward is
+    the gather's, so the reorder is the part to check): simulated with the shards themselves."""
+    S, g = 4 * cp, torch.Generator().manual_seed(cp)
+    whole = torch.randn(2, 3, S, 5, generator=g)
+    shards = [ContextParallel(cp, r).shard(whole, dim=2) for r in range(cp)]
+    monkeypatch.setattr(cpmod, "_all_gather", lambda x, dim, group: torch.cat(
+        [s.movedim(2, 0).contiguous() for s in group]))
+    for r in range(cp):
+        torch.testing.assert_close(ContextParallel(cp, r, group=shards).gather(shards[r], dim=2), whole)
+
+
+def _reference(q, k, v, window, sinks):
+    """softmax(q k^T / sqrt(D) + causal (and window) mask [, sink column]) v in float64: the definition."""
+    B, N, S, D = q.shape
+    G = N // k.shape[1]
+    k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(D)
+    i, j = torch.arange(S)[:, None], torch.arange(S)[None, :]
+    visible = (j <= i) & ((j > i - window) if window else True)
+    scores = scores.masked_fill(~visible, -math.inf)
+    if sinks is not None:
+        scores = torch.cat((scores, sinks.view(1, N, 1, 1).expand(B, N, S, 1)), dim=-1)
+    return scores.softmax(-1)[..., :S] @ v
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+@pytest.mark.parametrize("window,sinks", [(0, False), (0, True), (3, False), (5, True), (100, False)],
+                         ids=["causal", "sinks", "window3", "window5-sinks", "window-wider-than-sequence"])
+def test_context_attention_is_the_whole_sequence_attention(cp, window, sinks):
+    """Each rank's chunks over the gathered keys give its rows of attention over the whole sequence, and the
+    gradients summed over the ranks (what the gather's reduce-scatter does) are the whole attention's."""
+    B, N, K, D, S = 2, 4, 2, 8, 4 * cp
+    g = torch.Generator().manual_seed(7 * cp + window)
+    q, k, v = (torch.randn(B, n, S, D, generator=g, dtype=torch.float64, requires_grad=True) for n in (N, K, K))
+    sink = torch.randn(N, generator=g, dtype=torch.float64, requires_grad=True) if sinks else None
+    probe = torch.randn(B, N, S, D, generator=g, dtype=torch.float64)
+    want = _reference(q, k, v, window, sink)
+    grads_want = torch.autograd.grad((want * probe).sum(), [t for t in (q, k, v, sink) if t is not None])
+    total = 0
+    for r in range(cp):
+        ctx = ContextParallel(cp, r)
+        got = context_attend(ctx.shard(q, 2), k, v, ctx, gqa=True, window=window, sinks=sink)
+        torch.testing.assert_close(got, ctx.shard(want, 2), msg=lambda m: f"rank {r}: {m}")
+        total = total + (got * ctx.shard(probe, 2)).sum()
+    grads = torch.autograd.grad(total, [t for t in (q, k, v, sink) if t is not None])
+    for name, a, b in zip("qkvs", grads, grads_want):
+        torch.testing.assert_close(a, b, msg=lambda m: f"grad {name}: {m}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Refusals
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_layout_with_cp_counts_its_ranks_and_folds_ep_over_them():
+    layout = Layout.infer(8, cp=2, tp=2, ep=2, num_experts=4)
+    assert (layout.dp, layout.data_parallel, layout.dp_cp, layout.world_size) == (2, 2, 4, 8)
+    assert "--cp 2" in layout.flags and "--cp" not in Layout().flags
+    with pytest.raises(LayoutError, match=r"ep=8 must divide the data-parallel size dp\*fsdp\*cp = 4"):
+        Layout.infer(8, cp=2, tp=2, ep=8, num_experts=8)
+    with pytest.raises(LayoutError, match=r"not divisible by pp\*fsdp\*cp\*tp = 1\*1\*3\*1 = 3"):
+        Layout.infer(4, cp=3)
+    with pytest.raises(LayoutError, match="--cp=0 is invalid"):
+        Layout.infer(4, cp=0)
+
+
+def test_topology_groups_with_cp():
+    """8 ranks dp2 x cp2 x tp2, ep2: rank = ((dp * cp) + cp_i) * tp + tp_i. A sequence's cp ranks are
+    neighbours in the EP group; gradients and counts run over dp x cp; the batch splits over dp only."""
+    topo = Topology(Layout(dp=2, cp=2, tp=2, ep=2), rank=5, ranks_per_node=8)
+    c = topo.coords()
+    assert (c.dp, c.cp, c.tp) == (1, 0, 1)
+    assert topo.rank_of(0, 1, 0, 1, cp=0) == 5 and topo.rank_of(0, 1, 0, 1, cp=1) == 7
+    assert topo.members("cp") == [5, 7]
+    assert topo.members("tp") == [4, 5]
+    assert topo.members("dp") == [1, 3, 5, 7]
+    assert topo.members("ep") == [5, 7]
+    assert topo.members("edp") == [1, 5]
+    assert topo.members("stage") == list(range(8))
+    assert topo.data_rank() == 1 and topo.data_rank(7) == 1 and topo.data_rank(2) == 0
+    assert topo.token_rank() == 2
+
+
+def test_sequences_must_split_into_zigzag_chunks():
+    check_sequence(32, 4)
+    with pytest.raises(LayoutError, match=r"--cp 4 splits each sequence into 2\*cp = 8 equal chunks.*"
+                                          r"--seq-len 30 is not a multiple of 8; use e.g. --seq-len 24"):
+        check_sequence(30, 4)
+    with pytest.raises(LayoutError, match="multi-token prediction"):
+        check_context_parallel(tiny_config(mtp_layers=1), 2, 32)
+    check_context_parallel(tiny_config(mtp_layers=1), 1, 31)  # cp 1: nothing to refuse
+
+
+def test_context_parallel_model_refuses_a_kv_cache_and_checks_the_whole_length():
+    model = build_model(tiny_config(max_seq_len=16), seed=0)
+    model.context_parallel = ContextParallel(2, 0)
+    with pytest.raises(ValueError, match="decode with a KV cache in a model without context parallelism"):
+        model(torch.zeros(1, 4, dtype=torch.long), cache=KVCache(model.config))
+    with pytest.raises(ValueError, match="sequence length 24 exceeds model.max_seq_len=16"):
+        model(torch.zeros(1, 12, dtype=torch.long))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Real ranks: whole models against one process
+# ---------------------------------------------------------------------------------------------------
+
+B, S = 4, 16
+
+
+def _check(rank, world, degrees, over, recipe):
+    layout = Layout(**degrees)
+    topo = Topology(layout, rank, world).build()
+    cfg = tiny_config(**over)
+    tokens = torch.randint(0, cfg.vocab_size, (B, S + 1), generator=torch.Generator().manual_seed(5))
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    ref = build_model(cfg, seed=3)
+    want_loss = ref(x, targets=y)
+    want_loss.backward()
+    model = build_model(cfg, seed=3)
+    done = parallelize(model, topo, **recipe)
+    assert done.context is not None and done.context.degree == layout.cp
+    D = layout.data_parallel
+    xs, ys = (t.reshape(D, B // D, S)[topo.data_rank()] for t in (x, y))
+    loss = model(done.context.shard(xs), targets=done.context.shard(ys))
+    loss.backward()
+    sync_gradients(model, topo, done.grad_roles, fsdp=done.fsdp)
+    where = f"{degrees} {over} {recipe}"
+    mean = loss.detach().clone()  # each rank's mean over its equal share: their mean is the whole batch's
+    torch.distributed.all_reduce(mean, group=topo.group("dp"))
+    torch.testing.assert_close(mean / layout.dp_cp, want_loss.detach(), msg=lambda m: f"{where}: loss: {m}")
+    ref_grads = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        got = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        torch.testing.assert_close(got, ref_grads[name].grad, rtol=1e-4, atol=1e-6,
+                                   msg=lambda m: f"{where}: {name}: {m}")
+
+
+def _ranks(rank, world, cases):
+    for case in cases:  # one spawn checks several layouts (process start-up dominates on 2 cores)
+        _check(rank, world, *case)
+
+
+TWO_RANKS = [
+    (dict(cp=2), {}, {}),
+    (dict(cp=2, ep=2), {"router": "hash", "router_options": {}, "first_dense_layers": 1}, {}),
+    (dict(cp=2), MLA, {"activation_checkpointing": "full"}),
+    (dict(cp=2), OSS, {"activation_checkpointing": "selective"}),
+]
+FOUR_RANKS = [
+    (dict(dp=2, cp=2, ep=2), {"shared_ffn_hidden_size": 16}, {}),
+    (dict(cp=4), dict(OSS, sliding_window=5, full_attention_every=0), {}),
+    (dict(cp=2, fsdp=2, ep=4), MLA, {}),
+    (dict(cp=2, tp=2), OSS, {"sequence_parallel": True}),
+]
+
+
+@pytest.mark.parametrize("world,cases", [(2, TWO_RANKS), (4, FOUR_RANKS)], ids=["2-ranks", "4-ranks"])
+def test_context_parallel_layouts_equal_single_process(world, cases):
+    """2 ranks: cp2; cp2 x ep2 (hash router, a dense layer); MLA + full AC; gpt-oss's sinks, windows and biases
+    with selective AC. 4 ranks: dp2 x cp2 x ep2 (shared expert); cp4 with a window wider than a chunk; MLA with
+    FSDP over fsdp x cp and ep4; cp2 x tp2 with sequence parallelism."""
+    run_ranks(_ranks, world, cases)
