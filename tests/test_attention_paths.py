@@ -98,3 +98,79 @@ def test_training_under_bf16_autocast_follows_the_sdpa_curve(mode):
         curves[m] = torch.tensor(losses)
     assert curves["auto"][-1] < curves["auto"][0]  # it trains
     torch.testing.assert_close(curves["auto"], curves["never"], rtol=2e-2, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Sliding-window layers in query blocks (models.attention.local_attention, WINDOW_BLOCK)
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def window_block():
+    """Set models.attention.WINDOW_BLOCK for one test, restored after."""
+    before = A.WINDOW_BLOCK
+    yield lambda b: setattr(A, "WINDOW_BLOCK", b)
+    A.WINDOW_BLOCK = before
+
+
+def test_window_blocks_are_at_least_the_window_and_only_where_two_fit(window_block):
+    window_block(256)
+    assert A.window_block(4096, 128) == 256 and A.window_block(4096, 1000) == 1000
+    assert A.window_block(511, 128) == 511 and A.window_block(512, 128) == 256  # one call below two blocks
+    assert A.window_block(4096, 0) == 4096  # no window: never blocked
+    window_block(0)
+    assert A.window_block(4096, 128) == 4096
+
+
+@pytest.mark.parametrize("block", [4, 8])
+@pytest.mark.parametrize("S,window,start", [(32, 3, 0), (33, 6, 0), (32, 11, 0), (9, 4, 0), (20, 5, 13), (7, 3, 30)],
+                         ids=["window3", "ragged-last-block", "window-over-blocks", "one-call", "cached-13",
+                              "cached-30"])
+@pytest.mark.parametrize("sinks", [False, True], ids=["plain", "sinks"])
+def test_blocked_window_attention_is_the_definition(window_block, block, S, window, start, sinks):
+    """Queries at start .. start+S-1 in blocks over keys 0 .. start+S-1: forward and every gradient equal the
+    masked softmax over all keys (float64), whether a block is shorter than the window or the last one ragged."""
+    from tests.test_context_parallel import _reference
+
+    window_block(block)
+    g = torch.Generator().manual_seed(S * 31 + window + start + sinks)
+    P = start + S
+    q = torch.randn(2, 4, P, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 2, P, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    sink = torch.randn(4, generator=g, dtype=torch.float64, requires_grad=True) if sinks else None
+    want = _reference(q, k, v, window, sink)[:, :, start:]
+    got = A.local_attention(q[:, :, start:], k, v, start, True, window=window, sinks=sink)
+    torch.testing.assert_close(got, want)
+    probe = torch.randn(want.shape, generator=g, dtype=torch.float64)
+    inputs = [t for t in (q, k, v, sink) if t is not None]
+    for a, b in zip(torch.autograd.grad((got * probe).sum(), inputs), torch.autograd.grad((want * probe).sum(), inputs)):
+        torch.testing.assert_close(a, b)
+
+
+def test_model_with_window_blocks_equals_one_masked_call(window_block):
+    """gpt-oss-tiny's layers (sinks, a window of 8, alternating full layers): logits and gradients with 16-query
+    blocks equal those of one masked call per layer; a KV cache's decoding equals the full forward."""
+    from moekit.models.config import preset
+    from moekit.models.transformer import KVCache
+
+    cfg = preset("gpt-oss-tiny")
+    cfg.sliding_window, cfg.num_layers = 8, 2
+    tokens = torch.randint(0, cfg.vocab_size, (2, 64), generator=torch.Generator().manual_seed(3))
+    results = {}
+    for block in (0, 16):
+        window_block(block)
+        model = build_model(cfg, seed=1)
+        loss = model(tokens[:, :-1], targets=tokens[:, 1:])
+        loss.backward()
+        with torch.no_grad():
+            cache = KVCache(cfg)
+            steps = [model(tokens[:, :40], cache=cache)] + [model(tokens[:, i : i + 1], cache=cache)
+                                                            for i in range(40, 64)]
+            results[block] = (loss.detach(), [p.grad for p in model.parameters()], torch.cat(steps, dim=1),
+                              model(tokens))
+    (loss0, grads0, cached0, full0), (loss1, grads1, cached1, full1) = results[0], results[16]
+    torch.testing.assert_close(loss1, loss0)
+    for a, b in zip(grads1, grads0):
+        torch.testing.assert_close(a, b)
+    torch.testing.assert_close(full1, full0, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(cached1, full1, rtol=1e-4, atol=1e-4)

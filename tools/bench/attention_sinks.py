@@ -11,7 +11,10 @@ key/value heads of width D, per sequence length S. Peers, timed round-robin in o
                         costs on this device (the floor; not the same function)
     moekit sinks        models.attention.attend with sinks: SDPA over one more key and channel
                         (sink_attention), a full layer of gpt-oss
-    moekit sinks+window the same with a --window sliding window: gpt-oss's other layer
+    moekit sinks+window the same with a --window sliding window: gpt-oss's other layer (queries in blocks of
+                        models.attention.WINDOW_BLOCK over the keys their window reaches: local_attention)
+    moekit one masked call  the windowed layer as one masked call over every key (WINDOW_BLOCK = 0: what
+                        moekit did before the blocks; the same function)
     hf eager sinks+window  transformers' gpt-oss eager attention (modeling_gpt_oss.eager_attention_forward:
                         scores, mask, the sink column, softmax, values), its only non-kernel path
 
@@ -48,6 +51,7 @@ def peers(q, k, v, sinks, window: int) -> dict:
         "sdpa causal": lambda q, k, v, s: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=N != K),
         "moekit sinks": lambda q, k, v, s: A.attend(q, k, v, None, N != K, sinks=s),
         "moekit sinks+window": lambda q, k, v, s: A.attend(q, k, v, None, N != K, window=window, sinks=s),
+        "moekit one masked call": lambda q, k, v, s: unblocked(A.attend, q, k, v, None, N != K, window=window, sinks=s),
     }
     eager = hf_eager()
     if eager is not None:
@@ -61,6 +65,15 @@ def peers(q, k, v, sinks, window: int) -> dict:
 
         out["hf eager sinks+window"] = hf
     return out
+
+
+def unblocked(fn, *args, **kwargs):
+    """``fn`` with sliding-window blocks off (models.attention.WINDOW_BLOCK = 0), restored after."""
+    before, A.WINDOW_BLOCK = A.WINDOW_BLOCK, 0
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        A.WINDOW_BLOCK = before
 
 
 def saved_bytes(fn, inputs) -> int:
@@ -114,7 +127,7 @@ def bench_case(args, device, dtype, S: int) -> list[dict]:
         peak = peak_bytes(fn, inputs, grad, device)
         rows.append({"seq": S, "peer": name, "ms": times[name]["median_ms"], "ratio": times[name]["median_ms"] / base,
                      "saved_mib": saved_bytes(fn, inputs) / 2**20, "peak_mib": None if peak is None else peak / 2**20,
-                     "max_err": errs[name] if name.endswith("window") else None})
+                     "max_err": errs[name] if name.endswith(("window", "call")) else None})
     return rows
 
 
