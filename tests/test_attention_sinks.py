@@ -160,8 +160,10 @@ def test_the_attention_bench_peers_agree_and_it_writes_its_table(tmp_path, capsy
                                  "--window", "8", "--warmup", "0", "--repeats", "1", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     by = {r["peer"]: r for r in rows}
-    assert set(by) == {"sdpa causal", "moekit sinks", "moekit sinks+window", "hf eager sinks+window"}
+    assert set(by) == {"sdpa causal", "moekit sinks", "moekit sinks+window", "moekit one masked call",
+                       "hf eager sinks+window"}
     assert by["hf eager sinks+window"]["max_err"] < 1e-5 and by["moekit sinks+window"]["ratio"] == 1.0
+    assert by["moekit one masked call"]["max_err"] < 1e-5
     assert all(r["saved_mib"] > 0 for r in rows)
     with pytest.raises(SystemExit):
         attention_sinks.main(["--heads", "6", "--kv-heads", "4", "--out", str(out)])
