@@ -171,17 +171,17 @@ def attend(q: Tensor, k: Tensor, v: Tensor, kv: LayerKV | None, gqa: bool, scale
     (``sink_attention``)."""
     if kv is None and _explicit_attention(q):
         return explicit_causal_attention(q, k, v, scale, window, sinks)
-    start, S = 0 if kv is None else kv.length, q.shape[2]
-    if kv is not None:
-        k, v = kv.append(k, v)  # [B, K, start+S, D*]: every position so far
+    start, S, first = 0 if kv is None else kv.length, q.shape[2], 0
+    if kv is not None:  # [B, K, start+S - first, D*]: every position a new query can see, in order
+        k, v, first = kv.extend(k, v)
     if not window and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(start, S, q.device),
                                               is_causal=start == 0 and S > 1, enable_gqa=gqa, scale=scale)
     if kv is not None and sinks is not None and S <= CACHED_SINKS_MAX_NEW:  # decoding: no widened cache copies
-        lo = max(0, start - window + 1) if window else 0
+        lo = max(first, start - window + 1) if window else first
         mask = span_mask(start, S, lo, start + S - lo, window, q.device)
-        return masked_sink_attention(q, k[:, :, lo:], v[:, :, lo:], mask, sinks, scale)
-    return local_attention(q, k, v, start, gqa, scale, window, sinks)
+        return masked_sink_attention(q, k[:, :, lo - first :], v[:, :, lo - first :], mask, sinks, scale)
+    return local_attention(q, k, v, start, gqa, scale, window, sinks, first)
 
 
 # Sliding-window layers run their queries in blocks of WINDOW_BLOCK positions (at least the window), each over
@@ -200,18 +200,20 @@ def window_block(S: int, window: int) -> int:
 
 
 def local_attention(q: Tensor, k: Tensor, v: Tensor, q_start: int, gqa: bool, scale: float | None = None,
-                    window: int = 0, sinks: Tensor | None = None) -> Tensor:
+                    window: int = 0, sinks: Tensor | None = None, k_start: int = 0) -> Tensor:
     """Causal (``window``: sliding-window) attention of queries at positions q_start .. q_start+S-1, q [B, N, S, Dqk],
-    over keys k [B, K, P, Dqk] and values v [B, K, P, Dv] at positions 0 .. P-1 (P >= q_start + S; keys past the
-    last query are never read). Each block of ``window_block`` queries reads the keys from its window's start to
-    its own end: a KV cache's decoding step, a context-parallel chunk and a long windowed sequence alike."""
+    over keys k [B, K, P, Dqk] and values v [B, K, P, Dv] at positions k_start .. k_start+P-1 (at least every
+    position the queries see; keys past the last query are never read). Each block of ``window_block`` queries
+    reads the keys from its window's start to its own end: a KV cache's decoding step, a context-parallel chunk
+    and a long windowed sequence alike."""
     S = q.shape[2]
     block = window_block(S, window)
     out = []
     for i in range(0, S, block):
         n, first = min(block, S - i), q_start + i
-        lo = max(0, first - window + 1) if window else 0  # the first key any of these queries sees
-        out.append(positioned_attention(q[:, :, i : i + n], k[:, :, lo : first + n], v[:, :, lo : first + n],
+        lo = max(k_start, first - window + 1) if window else k_start  # the first key any of these queries sees
+        keys = slice(lo - k_start, first + n - k_start)
+        out.append(positioned_attention(q[:, :, i : i + n], k[:, :, keys], v[:, :, keys],
                                         first, lo, gqa, scale, window, sinks))
     return out[0] if len(out) == 1 else torch.cat(out, dim=2)
 
@@ -437,40 +439,75 @@ def window_mask(start: int, new: int, window: int, device) -> Tensor:
     return visible & (keys > queries - window) if window else visible
 
 
+# A sliding-window layer's cache keeps its last window - 1 positions (all its next query can see) plus this many,
+# so speculative decoding can take back that many rejected positions (models.attention.LayerKV.truncate).
+KV_WINDOW_SLACK = 64
+
+
 class LayerKV:
-    """One attention layer's cached keys [B, K, capacity, Dk] and values [B, K, capacity, Dv], ``length`` filled.
+    """One attention layer's cached keys [B, K, slots, Dk] and values [B, K, slots, Dv] of ``length`` positions.
 
-    Allocated at the first ``append`` with the keys' and values' batch, heads, widths, dtype and device (the
-    model's compute dtype: autocast's when it is on), so one cache serves any model (GQA, MLA, whose key and
-    value widths differ) without being told its layout."""
+    ``window`` > 0 (a sliding-window layer) with a capacity larger than window - 1 + KV_WINDOW_SLACK: a ring of
+    that many slots, position p in slot p % slots, so the layer's memory stays bounded however long the
+    generation (gpt-oss-120b at 128k positions: 18 of 36 layers keep 191 positions instead of 131072). Otherwise
+    slots = capacity, position p in slot p.
 
-    def __init__(self, capacity: int):
-        self.capacity, self.length = capacity, 0
+    Allocated at the first write with the keys' and values' batch, heads, widths, dtype and device (the model's
+    compute dtype: autocast's when it is on), so one cache serves any model (GQA, MLA, whose key and value widths
+    differ) without being told its layout."""
+
+    def __init__(self, capacity: int, window: int = 0):
+        self.capacity, self.length, self.window = capacity, 0, window
+        self.ring = bool(window) and window - 1 + KV_WINDOW_SLACK < capacity
+        self.slots = window - 1 + KV_WINDOW_SLACK if self.ring else capacity
         self.keys: Tensor | None = None
         self.values: Tensor | None = None
 
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Write k [B, K, S, Dk], v [B, K, S, Dv] at positions length .. length+S-1; return every position's."""
+        """Write k [B, K, S, Dk], v [B, K, S, Dv] at positions length .. length+S-1; return every position's (a
+        ring returns the positions ``extend`` does: ask it where they start)."""
+        keys, values, _ = self.extend(k, v)
+        return keys, values
+
+    def extend(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, int]:
+        """Write k, v at positions length .. length+S-1 and return (keys, values, first): the cached positions
+        first .. length+S-1 in position order, every one the new positions' queries can see (first 0 unless this is
+        a ring: then the window's)."""
         B, K, S, _ = k.shape
-        end = self.length + S
+        start, end = self.length, self.length + S
         if end > self.capacity:
             raise ValueError(f"KV cache holds {self.capacity} positions; appending {S} at position {self.length} "
                              f"overflows it: make a larger cache (at most model.max_seq_len) or start a new one")
         if self.keys is None:
-            self.keys = k.new_empty(B, K, self.capacity, k.shape[-1])
-            self.values = v.new_empty(B, v.shape[1], self.capacity, v.shape[-1])
+            self.keys = k.new_empty(B, K, self.slots, k.shape[-1])
+            self.values = v.new_empty(B, v.shape[1], self.slots, v.shape[-1])
         elif self.keys.shape[0] != B or self.keys.dtype != k.dtype:
             raise ValueError(f"KV cache was filled with batch {self.keys.shape[0]} in {self.keys.dtype}, got batch "
                              f"{B} in {k.dtype}; use one cache per batch of sequences")
-        self.keys[:, :, self.length : end] = k
-        self.values[:, :, self.length : end] = v
         self.length = end
-        return self.keys[:, :, :end], self.values[:, :, :end]
+        if not self.ring:
+            self.keys[:, :, start:end] = k
+            self.values[:, :, start:end] = v
+            return self.keys[:, :, :end], self.values[:, :, :end], 0
+        first = max(0, start - self.window + 1)  # the oldest position the first new query sees
+        held = torch.arange(first, start, device=k.device) % self.slots  # read before the new writes reuse them
+        keys = torch.cat((self.keys.index_select(2, held), k), dim=2)  # [B, K, start - first + S, Dk]
+        values = torch.cat((self.values.index_select(2, held), v), dim=2)
+        kept = min(S, self.slots)  # a prefill longer than the ring leaves its last positions
+        slots = torch.arange(end - kept, end, device=k.device) % self.slots
+        self.keys.index_copy_(2, slots, k[:, :, S - kept :])
+        self.values.index_copy_(2, slots, v[:, :, S - kept :])
+        return keys, values, first
 
     def truncate(self, length: int) -> None:
-        """Forget the positions from ``length`` on (a rejected draft token's, speculative decoding)."""
+        """Forget the positions from ``length`` on (a rejected draft token's, speculative decoding). A ring can take
+        back KV_WINDOW_SLACK positions: older ones it has overwritten."""
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate a KV cache of {self.length} positions to {length}")
+        if self.ring and self.length - length > KV_WINDOW_SLACK:
+            raise ValueError(f"a sliding-window layer's KV cache keeps window - 1 + {KV_WINDOW_SLACK} positions; "
+                             f"taking back {self.length - length} of them needs positions it overwrote: start a new "
+                             f"cache from the prompt, or raise models.attention.KV_WINDOW_SLACK")
         self.length = length
 
 
@@ -478,8 +515,9 @@ class KVCache:
     """Per-layer keys and values of the positions decoded so far (``Transformer.forward(tokens, cache=...)``).
 
     ``capacity``: the most positions it will hold (default and limit: model.max_seq_len). Memory is
-    L * B * capacity * (K * D keys + K * D values) elements for GQA, L * B * capacity * N * (nope + rope + v)
-    for MLA (expanded keys and values), allocated as the layers first write. A cache belongs to one batch
+    B * capacity * (K * D keys + K * D values) elements per GQA layer, B * capacity * N * (nope + rope + v) per MLA
+    layer (expanded keys and values), B * (window - 1 + KV_WINDOW_SLACK) * 2 * K * D per sliding-window layer (a
+    ring: LayerKV), allocated as the layers first write. A cache belongs to one batch
     of sequences that all share positions: start a new one for another prompt.
     """
 
@@ -489,7 +527,7 @@ class KVCache:
             raise ValueError(f"KV cache capacity {capacity} is invalid; it must be in [1, model.max_seq_len="
                              f"{config.max_seq_len}]")
         self.capacity = capacity
-        self.layers = [LayerKV(capacity) for _ in range(config.num_layers)]
+        self.layers = [LayerKV(capacity, config.attention_window(i)) for i in range(config.num_layers)]
 
     @property
     def length(self) -> int:

@@ -174,3 +174,36 @@ def test_model_with_window_blocks_equals_one_masked_call(window_block):
         torch.testing.assert_close(a, b)
     torch.testing.assert_close(full1, full0, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(cached1, full1, rtol=1e-4, atol=1e-4)
+
+
+def test_windowed_layers_cache_a_ring_and_decode_as_the_full_forward():
+    """gpt-oss-tiny, window 8: its sliding layers keep 8 - 1 + KV_WINDOW_SLACK slots; decoding 150 positions (a
+    100-position prefill longer than the ring, then one token at a time, wrapping it twice) gives the full
+    forward's logits; speculative decoding's take-back works within the slack and is refused past it."""
+    from moekit.models.config import preset
+    from moekit.models.transformer import KVCache
+
+    cfg = preset("gpt-oss-tiny")
+    cfg.sliding_window, cfg.num_layers = 8, 2
+    model = build_model(cfg, seed=2).eval()
+    tokens = torch.randint(0, cfg.vocab_size, (2, 150), generator=torch.Generator().manual_seed(4))
+    cache = KVCache(cfg)
+    slots = 8 - 1 + A.KV_WINDOW_SLACK
+    with torch.no_grad():
+        full = model(tokens)
+        steps = [model(tokens[:, :100], cache=cache)] + [model(tokens[:, i : i + 1], cache=cache)
+                                                         for i in range(100, 150)]
+        torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-4, atol=1e-4)
+        assert [layer.keys.shape[2] for layer in cache.layers] == [slots, cfg.max_seq_len]  # sliding, full
+        cache.truncate(147)  # a rejected draft of 3: decode them again
+        torch.testing.assert_close(model(tokens[:, 147:150], cache=cache), full[:, 147:150], rtol=1e-4, atol=1e-4)
+        with pytest.raises(ValueError, match="needs positions it overwrote"):
+            cache.truncate(150 - A.KV_WINDOW_SLACK - 1)
+        again = KVCache(cfg)  # the whole slack taken back right after a long prefill: its oldest kept positions
+        model(tokens[:, :100], cache=again)
+        back = 100 - A.KV_WINDOW_SLACK
+        again.truncate(back)
+        torch.testing.assert_close(model(tokens[:, back : back + 4], cache=again), full[:, back : back + 4],
+                                   rtol=1e-4, atol=1e-4)
+    small = KVCache(cfg, capacity=8 - 1 + A.KV_WINDOW_SLACK)  # no room to save: every position kept, no ring
+    assert not small.layers[0].ring and small.layers[0].slots == small.capacity
