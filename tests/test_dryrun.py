@@ -155,6 +155,29 @@ def test_estimate_matches_one_process_under_cpu_bf16_autocast(name, attention, m
     assert est.activations == pytest.approx(measured["activations"], rel=0.005), (est.breakdown, measured)
 
 
+@pytest.mark.parametrize("name,mode", [("mixtral-tiny", "none"), ("gpt-oss-tiny", "none"),
+                                       ("gpt-oss-tiny", "selective")])
+def test_estimate_matches_one_process_with_window_blocks(monkeypatch, name, mode):
+    """A sliding window runs its queries in blocks, each over the keys its window reaches (models.attention.
+    local_attention; 16-query blocks here, WINDOW_BLOCK 256 by default): a mask per block, each block's SDPA output
+    (sinks: its widened copies), and wo's input a copy of the concatenated outputs."""
+    from moekit.models import attention
+    from moekit.train.planning import activations as A
+
+    monkeypatch.setattr(attention, "WINDOW_BLOCK", 16)
+    cfg = dataclasses.replace(preset(name), num_layers=2, sliding_window=6)
+    wl = Workload(B, S, "float32", mode, "cpu")
+    assert len(A._calls(A.shapes(cfg, Layout(), wl), 0, 6)) == S // 16  # the planner sees the blocks too
+    model = build_model(cfg, seed=0)
+    apply_activation_checkpointing(model, mode)
+    model.train()
+    gen = torch.Generator().manual_seed(0)
+    tokens, targets = (torch.randint(0, cfg.vocab_size, (B, S), generator=gen) for _ in range(2))
+    measured = measure(model, tokens, targets)
+    est = estimate_memory(cfg, Layout(), wl)
+    assert est.activations == pytest.approx(measured["activations"], rel=0.005), est.breakdown
+
+
 TWO_RANK_LAYOUTS = [  # (preset, layout, activation checkpointing, sequence parallel)
     ("mixtral-tiny", Layout(dp=2, ep=2), "none", False),  # 4 of 8 experts per rank, tokens exchanged by all-to-all
     ("mixtral-tiny", Layout(dp=2, ep=2), "full", False),

@@ -23,6 +23,10 @@ its internals; "selective" keeps each block's input and the outputs models.paral
 caches (``_selective``: projections, fused attention, router logits and routing decisions, the experts'
 GEMMs where the dispatcher sees them); the transient is what backward recomputes (one block / one FFN).
 
+Context parallelism (comm.context_parallel, cp > 1): T, Ts, Tm are this rank's S / cp positions of each sequence,
+so every term per token shrinks cp times; attention keeps the whole sequence's keys and values (``_gqa_kept``:
+the gathered [B, K, S, 2D]; ``_mla``: the gathered latent expanded to [B, N, S, Dqk + Dv]) and a mask per chunk.
+
 Sequence parallelism (comm.tensor_parallel, tp > 1) keeps only the regions between the TP matmuls on 1/tp
 of the sequence: residual, norms and the whole MoE layer (its input already is the rank's slice, so Tm = Ts).
 Attention and the dense MLP all-gather their input over the sequence, and that gathered [T, H] is what
@@ -89,73 +93,123 @@ class Shapes:
     r: int  # bytes of the residual stream: fp32, or bf16 when FSDP computes in bf16 parameters
     casts: bool  # autocast over fp32 weights: each projection keeps its own bf16 copy of its input
     cpu: bool
-    S: int  # sequence length
+    S: int  # sequence length (the whole sequence's: the keys a query may see)
     explicit_attention: bool  # attention as bmm + softmax + bmm (models.attention.explicit_attention_applies)
+    cp: int = 1  # context-parallel ranks splitting each sequence: T holds S / cp positions of each
+    cp_rank: int | None = None  # whose zigzag chunks; None: the rank whose attention keeps the most
+
+    @property
+    def B(self) -> int:
+        """Sequences of the micro-batch."""
+        return self.T * self.cp // self.S
 
 
 def shapes(cfg: ModelConfig, layout: Layout, wl: Workload) -> Shapes:
-    Tm = math.ceil(wl.tokens / layout.tp)  # with SP the same: S % tp == 0 (comm.tensor_parallel checks)
-    Ts = Tm if wl.sequence_parallel and layout.tp > 1 else wl.tokens
+    T = wl.tokens // layout.cp  # context parallel: this rank's S / cp positions of each sequence
+    Tm = math.ceil(T / layout.tp)  # with SP the same: S / cp % tp == 0 (comm.tensor_parallel checks)
+    Ts = Tm if wl.sequence_parallel and layout.tp > 1 else T
     k = min(cfg.top_k, cfg.num_experts)
     R = Tm * k
     if cfg.capacity_factor is not None and cfg.num_experts:  # capacity bounds the rows (moe.dispatch)
         R = min(R, cfg.num_experts * min(Tm, math.ceil(Tm * k / cfg.num_experts * cfg.capacity_factor)))
     a = DTYPE_BYTES[wl.dtype]
     bf16_params = a == 2 and layout.fsdp > 1 and wl.device == "cuda"  # the trainer's FSDP param_dtype
-    explicit = explicit_attention_applies(wl.device, torch.bfloat16 if a == 2 else torch.float32, wl.micro_batch,
-                                          cfg.num_heads // layout.tp, wl.seq_len)
-    return Shapes(wl.tokens, Ts, Tm, R, a, a if bf16_params else FP32, a == 2 and not bf16_params, wl.device == "cpu",
-                  wl.seq_len, explicit)
+    # under context parallelism attention always runs SDPA, chunk by chunk (models.attention.context_attend)
+    explicit = layout.cp == 1 and explicit_attention_applies(
+        wl.device, torch.bfloat16 if a == 2 else torch.float32, wl.micro_batch, cfg.num_heads // layout.tp, wl.seq_len)
+    return Shapes(T, Ts, Tm, R, a, a if bf16_params else FP32, a == 2 and not bf16_params, wl.device == "cpu",
+                  wl.seq_len, explicit, layout.cp, wl.cp_rank)
 
 
 def _attention(cfg: ModelConfig, layout: Layout, s: Shapes, i: int) -> int:
     H, N = cfg.hidden_size, cfg.num_heads // layout.tp
-    if cfg.attention == "mla":  # keys are expanded per head (models.attention.MLAttention); plus the latents
-        Dqk, Dv = cfg.attn_qk_head_dim, cfg.v_head_dim
-        kept = s.T * N * (2 * Dqk + 2 * Dv) * s.a + s.T * (cfg.q_lora_rank + cfg.kv_lora_rank) * 2 * s.a
-        kept += s.T * N * FP32  # logsumexp
-        inputs = 3 * s.T * H * s.a if s.casts else s.T * H * s.r
-        return inputs + kept + (s.T * N * Dv * s.a if s.cpu else 0) + _explicit_probs(cfg, layout, s)
+    if cfg.attention == "mla":
+        return _mla(cfg, layout, s)
     D, K = cfg.attn_head_dim, cfg.num_kv_heads // layout.tp
     inputs = 3 * s.T * H * s.a if s.casts else s.T * H * s.r
-    kept = _gqa_kept(s, N, K, D, cfg.attention_window(i), cfg.attention_sinks)
+    kept = _gqa_kept(s, N, K, D, cfg.attention_window(i), cfg.attention_sinks, cfg.num_kv_heads != cfg.num_heads)
     if cfg.qk_norm != "none":  # the norms keep their inputs (q, k before the norm)
         kept += s.T * (N + K) * D * s.a
     return inputs + kept
 
 
-def _gqa_kept(s: Shapes, N: int, K: int, D: int, window: int, sinks: bool) -> int:
-    """What one GQA attention keeps from q, k, v on (models.attention.attend) to wo's input, whichever path runs:
+def _mla(cfg: ModelConfig, layout: Layout, s: Shapes) -> int:
+    """models.attention.MLAttention: the latents and their norms, q, the keys expanded per head from the latent,
+    v, the output and its logsumexp. Under context parallelism the latent of the whole sequence is gathered and
+    expanded on every rank: k and v are [B, N, S, *] of all S positions, and the normed latent wkv_b reads is the
+    gathered one (a [B, S, c] copy out of the gathered [B, S, c + rope]), not this rank's."""
+    H, N, T, a = cfg.hidden_size, cfg.num_heads // layout.tp, s.T, s.a
+    Dqk, Dv, c, q_lora = cfg.attn_qk_head_dim, cfg.v_head_dim, cfg.kv_lora_rank, cfg.q_lora_rank
+    keys = s.B * s.S if s.cp > 1 else T  # key positions expanded on this rank
+    inputs = 2 * T * H * a if s.casts else T * H * s.r  # autocast: wq (or wq_a) and wkv_a cast their own copies
+    # wq_a's output and its norm's, wkv_a's [T, c + rope], the normed latent wkv_b reads; each latent norm's rsqrt
+    # (and x * rsqrt on CPU: the composite RMSNorm)
+    latents = T * 2 * q_lora * a + T * (c + cfg.qk_rope_head_dim) * a + keys * c * a
+    for width in (q_lora, c) if q_lora else (c,):
+        latents += T * FP32 + (T * width * a if s.cpu else 0)
+    kept = T * N * Dqk * a + keys * N * (Dqk + Dv) * a + T * N * (Dv * a + FP32)  # q; k, v; output, logsumexp
+    if s.cp > 1:  # wo reads a copy of the chunks' outputs; a mask per chunk (MLA: no key heads to expand)
+        kept += T * N * Dv * a + max(sum(_mask_bytes(s, N, n, P) for n, P, masked in _calls(s, r, 0) if masked)
+                                     for r in _cp_ranks(s))
+    elif s.cpu:  # wo reads a copy of the output
+        kept += T * N * Dv * a
+    return inputs + latents + kept + _explicit_probs(cfg, layout, s)
 
-    SDPA (no mask): q, k (after RoPE), v, the output and its fp32 logsumexp; no copy for wo: RoPE runs before
-        the head transpose, so q reaches SDPA as a [B, S, N, D] view and SDPA returns its output in that
-        layout, whose reshape back to [B, S, N*D] is a view.
-    window (a bool mask, no sinks): the same, plus the mask SDPA converts to an additive [S, S] one in the
-        compute dtype and keeps (CPU flash: measured; CUDA efficient attention: [S, S] stays a broadcast view
-        when S % 16 == 0, else torch pads the expanded [B, N, S, S] mask and keeps that, attention.cpp's
-        preprocess_mask).
-    sinks (models.attention.sink_attention): SDPA over copies q' [B, N, S, D+8], k' and v' [B, K, P', D+8]
-        (P' = S + 1 rounded up to a multiple of 16) and the [S, P'] mask; q, k, v themselves are then freed.
-        The fused kernel keeps q', k', v', its [B, N, S, D+8] output and fp32 logsumexp, and the mask (CPU
-        flash attention: measured; CUDA's memory-efficient kernel, assumed: with P' % 16 == 0 the mask stays
-        a broadcast view); wo's input is a copy of the output's first D channels [T, N*D]. A layer without a
-        window runs causal SDPA with no mask, its queries padded to the keys' P' rows: q', the output and the
-        logsumexp are P' rows long.
+
+def _gqa_kept(s: Shapes, N: int, K: int, D: int, window: int, sinks: bool, gqa: bool) -> int:
+    """What one GQA attention keeps from q, k, v on (models.attention.attend, or context_attend under context
+    parallelism) to wo's input, on the rank whose calls keep the most (or ``s.cp_rank``'s). The attention runs
+    as SDPA calls (``_calls``: one, or local_attention's blocks and context-parallel chunks), each over a span of
+    keys of q, k, v:
+
+    plain / window: q (the calls keep views of it), k (after RoPE) and v, or under context parallelism the
+        gathered [B, K, S, 2D] of whole sequences (views of it too); each call's output and fp32 logsumexp; each
+        masked call's additive [queries, keys] mask in the compute dtype (``_mask_bytes``: CPU flash measured;
+        CUDA efficient attention keeps a broadcast view when keys % 16 == 0, else torch pads the expanded mask
+        per batch row and head, attention.cpp's preprocess_mask). One call needs no copy for wo: RoPE runs before
+        the head transpose, so q reaches SDPA as a [B, S, N, D] view and SDPA returns its output in that layout,
+        whose reshape back to [B, S, N*D] is a view; several calls' outputs are concatenated, and wo's input is
+        a copy. On CUDA a masked GQA call expands its keys and values to the N query heads (masked_sdpa): those
+        [B, N, keys, D] copies are kept instead of views, and k and v only while an unmasked call reads them.
+    sinks (models.attention.sink_attention), per call over P keys: SDPA over copies q' [B, N, n, D+8], k' and v'
+        [B, K, P', D+8] (P' = P + 1 rounded up to a multiple of 16; CUDA, masked, GQA: N heads) and the
+        [n, P'] mask; q, k, v themselves are then freed. The fused kernel keeps q', k', v', its [B, N, n, D+8]
+        output and fp32 logsumexp, and the mask (CPU flash attention: measured; CUDA's memory-efficient kernel,
+        assumed: with P' % 16 == 0 the mask stays a broadcast view); wo's input is a copy of the outputs' first
+        D channels [T, N*D]. An unmasked call (causal over its own positions) runs SDPA with no mask, its queries
+        padded to the keys' P' rows: q', the output and the logsumexp are P' rows long.
     explicit (CPU bf16, short sequences: bmm + softmax + bmm): copies of q, k, v and of the output in place of
         SDPA's views (the same bytes) and the softmax probabilities [B, N, S, S] (S + 1 wide with sinks) in
         place of the logsumexp; its additive mask is not kept (baddbmm's input needs no saving).
     """
-    T, S, a = s.T, s.S, s.a
-    B = T // S
-    qkvo = T * (2 * N + 2 * K) * D * a  # q, k, v, output
+    T, B, a = s.T, s.B, s.a
     if s.explicit_attention:
-        return qkvo + T * N * (S + sinks) * a
-    if sinks:
-        W, keys = D + SINK_PAD, sink_keys(S)
-        if not window:  # causal, no mask: the queries padded to the keys' rows
-            return (2 * B * N * keys * W + 2 * B * K * keys * W + T * N * D) * a + B * N * keys * FP32
-        return (2 * T * N * W + 2 * B * K * keys * W + T * N * D) * a + T * N * FP32 + _mask_bytes(s, N, keys)
-    return qkvo + T * N * FP32 + (_mask_bytes(s, N, S) if window else 0)
+        return T * (2 * N + 2 * K) * D * a + T * N * (s.S + sinks) * a
+    expand = gqa and not s.cpu  # masked_sdpa repeats the key heads on CUDA
+    keys_kv = B * s.S * K * 2 * D * a if s.cp > 1 else 2 * T * K * D * a  # k and v: gathered, or this rank's
+    worst = 0
+    for rank in _cp_ranks(s):
+        calls = _calls(s, rank, window)
+        kept = T * N * D * a if sinks or len(calls) > 1 else 0  # wo's input
+        if sinks:
+            W = D + SINK_PAD
+            for n, P, masked in calls:
+                P2 = sink_keys(P)
+                rows, heads = (n, N if expand else K) if masked else (P2, K)
+                kept += (2 * B * N * rows * W + 2 * B * heads * P2 * W) * a + B * N * rows * FP32
+                kept += _mask_bytes(s, N, n, P2) if masked else 0
+        else:
+            kept += T * N * D * a + T * N * (D * a + FP32)  # q; the outputs and their logsumexp
+            views = False
+            for n, P, masked in calls:
+                kept += _mask_bytes(s, N, n, P) if masked else 0
+                if masked and expand:
+                    kept += 2 * B * N * P * D * a
+                else:
+                    views = True
+            kept += keys_kv if views else 0
+        worst = max(worst, kept)
+    return worst
 
 
 def sink_keys(S: int) -> int:
@@ -163,12 +217,37 @@ def sink_keys(S: int) -> int:
     return -(-(S + 1) // MEM_EFF_ALIGN) * MEM_EFF_ALIGN
 
 
-def _mask_bytes(s: Shapes, N: int, keys: int) -> int:
-    """The additive [S, keys] mask SDPA keeps for backward (``_gqa_kept``): on CPU as it is; on CUDA a
+def _mask_bytes(s: Shapes, N: int, rows: int, keys: int) -> int:
+    """The additive [rows, keys] mask SDPA keeps for backward (``_gqa_kept``): on CPU as it is; on CUDA a
     broadcast view when ``keys`` is a multiple of 16, else padded and materialised per batch row and head."""
     if s.cpu or keys % MEM_EFF_ALIGN == 0:
-        return s.S * keys * s.a
-    return s.T * N * math.ceil(keys / MEM_EFF_ALIGN) * MEM_EFF_ALIGN * s.a
+        return rows * keys * s.a
+    return s.B * N * rows * math.ceil(keys / MEM_EFF_ALIGN) * MEM_EFF_ALIGN * s.a
+
+
+def _cp_ranks(s: Shapes) -> list[int]:
+    """The context-parallel ranks an estimate describes: the one asked for, else all (the largest is taken)."""
+    return list(range(s.cp)) if s.cp_rank is None else [s.cp_rank]
+
+
+def _calls(s: Shapes, rank: int, window: int) -> list[tuple[int, int, bool]]:
+    """(queries, keys, masked) per sequence of each SDPA call one attention layer makes on context-parallel rank
+    ``rank``, as models.attention makes them: local_attention over the whole sequence (cp 1; one call unless a
+    window splits the queries into blocks) or over each zigzag chunk (context_attend); each block of queries reads
+    the keys from its window's start (else 0) to its own end, with a mask unless they are its own positions and
+    the window hides none of them (positioned_attention)."""
+    from moekit.comm.context_parallel import ContextParallel
+    from moekit.models.attention import window_block
+
+    spans = [(g, n) for _, g, n in ContextParallel(s.cp, rank).chunks(s.S // s.cp)] if s.cp > 1 else [(0, s.S)]
+    out = []
+    for q_start, S in spans:
+        block = window_block(S, window)
+        for i in range(0, S, block):
+            n, first = min(block, S - i), q_start + i
+            lo = max(0, first - window + 1) if window else 0
+            out.append((n, first + n - lo, not (first == lo and (not window or window >= n))))
+    return out
 
 
 def _explicit_probs(cfg: ModelConfig, layout: Layout, s: Shapes) -> int:
@@ -249,20 +328,27 @@ def _selective(cfg: ModelConfig, layout: Layout, s: Shapes, i: int) -> dict[str,
     """What an op-level selective checkpoint caches of block i besides its input (models.parallelize's
     SAVED_OPS): matmul outputs, fused attention outputs and the routing decisions; nothing elementwise."""
     H, a, N = cfg.hidden_size, s.a, cfg.num_heads // layout.tp
+    keys = s.B * s.S if s.cp > 1 else s.T  # context parallel: the gathered keys / latents of whole sequences
     if cfg.attention == "mla":
-        Dqk, Dv, c = cfg.attn_qk_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
-        proj = (cfg.q_lora_rank + N * Dqk) + (c + cfg.qk_rope_head_dim) + N * (cfg.qk_nope_head_dim + Dv)
+        Dqk, Dv, c = cfg.attn_qk_head_dim, cfg.v_head_dim, cfg.kv_lora_rank + cfg.qk_rope_head_dim
+        # q (its latent and projection), kv_a, then kv_b over every key position
+        proj = s.T * (cfg.q_lora_rank + N * Dqk + c) + keys * N * (cfg.qk_nope_head_dim + Dv)
         fused = not (s.cpu and Dqk != Dv)  # CPU SDPA falls back to math (bmm, not kept) when Dqk != Dv
     else:
         Dv, K = cfg.attn_head_dim, cfg.num_kv_heads // layout.tp
-        proj, fused = (N + 2 * K) * Dv, True
+        proj, fused, c = s.T * (N + 2 * K) * Dv, True, 2 * K * Dv
     # bmm + softmax + bmm (explicit): nothing a selective checkpoint caches
     fused = fused and not s.explicit_attention
-    # sink attention's SDPA output is 8 channels wider, and P' rows long per sequence without a window
+    # sink attention's SDPA output is 8 channels wider, and an unmasked call's P' rows long (``_calls``)
     width = Dv + SINK_PAD if cfg.attention_sinks else Dv
-    rows = s.T // s.S * sink_keys(s.S) if cfg.attention_sinks and not cfg.attention_window(i) else s.T
+    rows = s.T
+    if cfg.attention_sinks:
+        rows = max(s.B * sum(n if masked else sink_keys(n) for n, _, masked in _calls(s, r, cfg.attention_window(i)))
+                   for r in _cp_ranks(s))
     # q / k / v (or MLA's latents) and the output projection; SDPA's output and fp32 logsumexp
-    out = {"attention": s.T * (proj + H) * a + (rows * N * (width * a + FP32) if fused else 0)}
+    out = {"attention": (proj + s.T * H) * a + (rows * N * (width * a + FP32) if fused else 0)}
+    if s.cp > 1:  # the key / value all-gather's output (a functional collective: cached) [B, S, 2KD or c + rope]
+        out["attention"] += keys * c * a
     gated = get_activation(cfg.activation).gated
     if not cfg.is_moe_layer(i):  # gate and up [T, F], out [T, H]
         out["dense_ffn"] = s.T * ((1 + gated) * cfg.ffn_hidden_size // layout.tp + H) * a
@@ -317,7 +403,7 @@ def stage_activations(cfg: ModelConfig, layout: Layout, wl: Workload, stage: Sta
                       node_rows: float = 0.0) -> tuple[dict[str, int], int]:
     """One micro-batch's activations on a rank of ``stage`` by part, and the recompute transient."""
     s, H, mode = shapes(cfg, layout, wl), cfg.hidden_size, wl.activation_checkpointing
-    out, recompute = {"rope": wl.seq_len * cfg.rope_dim * FP32}, 0  # cos, sin [S, D/2], shared
+    out, recompute = {"rope": s.T // s.B * cfg.rope_dim * FP32}, 0  # cos, sin [S / cp, D/2], shared
     for i in stage.layers:
         outer, ffn = _block(cfg, layout, s, i, node_rows)
         inner = sum(ffn.values())
@@ -356,9 +442,10 @@ def _head(cfg: ModelConfig, layout: Layout, s: Shapes) -> int:
     """The final norm and the loss over s.T tokens: the main model's head, and each MTP depth's."""
     H, low = cfg.hidden_size, s.a if s.casts else s.r
     if _loss_chunks():  # models.loss: its gradients dh [T, H] and dW [V, H], no logits
-        # measured on CPU: under autocast the final norm's kept product and dh are in the autocast dtype
-        norm = s.T * FP32 + (s.T * H * low if s.cpu else 0)
-        return s.T * H * s.r + norm + s.T * H * low + cfg.vocab_size * H * s.r
+        # measured on CPU: dh is in the dtype of the normed hidden states, the residual stream's (fp32 under
+        # autocast over fp32 weights), as is the final norm's kept product
+        norm = s.T * FP32 + (s.T * H * s.r if s.cpu else 0)
+        return s.T * H * s.r + norm + s.T * H * s.r + cfg.vocab_size * H * s.r
     # LOSS_CHUNKS "never": lm_head input, fp32 log-softmax [T, V]
     norm = s.T * FP32 + (s.T * H * s.r if s.cpu else 0)
     return s.T * H * s.r + norm + s.T * H * low + s.T * cfg.vocab_size * FP32

@@ -239,6 +239,16 @@ def _sequence_parallel(layout: Layout, wl: Workload) -> str:
     return ", sequence parallel: no effect at tp 1" if wl.sequence_parallel else ""
 
 
+def context_line(layout: Layout, wl: Workload) -> str:
+    """How context parallelism splits each sequence (comm.context_parallel's zigzag chunks)."""
+    cp, S = layout.cp, wl.seq_len
+    c = S // (2 * cp)
+    return (f"  cp {cp}: each sequence's {S} positions split into {2 * cp} chunks of {c}, {S // cp} per rank (zigzag: "
+            f"rank r keeps chunks r and {2 * cp - 1} - r); attention all-gathers every layer's keys and values of "
+            f"the whole sequence, the rest runs on the rank's own positions; activations are those of the cp rank "
+            f"that keeps the most")
+
+
 def describe_stage(st: Stage, cfg=None) -> str:
     """"layers 2-3 + final norm + lm_head"; with the model ``cfg``, a last stage's embedding replica, tied head and
     MTP depths are named too (models.pipeline)."""
@@ -257,13 +267,17 @@ def describe_stage(st: Stage, cfg=None) -> str:
 def report(cfg: TrainConfig, opts: Options, plan: DryRunPlan, built: Built, estimates: list[MemoryEstimate],
            a2a: memory.A2A) -> list[str]:
     L, wl, topo = built.topology.layout, plan.workload, built.topology
+    cp, folded = (f" x cp {L.cp}", "data- and context-parallel") if L.cp > 1 else ("", "data-parallel")
+    tokens = f"{wl.seq_len // L.cp} tokens (its share of each sequence)" if L.cp > 1 else f"{wl.seq_len} tokens"
     lines = [f"dry run: {cfg.preset} ({_elements(built.model_params)} parameters) on {plan.world} ranks: "
-             f"pp {L.pp} x dp {L.dp} x fsdp {L.fsdp} x tp {L.tp}, ep {L.ep} folded in the {L.data_parallel} "
-             f"data-parallel ranks; {topo.num_nodes} node(s) x {plan.ranks_per_node} ranks",
+             f"pp {L.pp} x dp {L.dp} x fsdp {L.fsdp}{cp} x tp {L.tp}, ep {L.ep} folded in the {L.dp_cp} "
+             f"{folded} ranks; {topo.num_nodes} node(s) x {plan.ranks_per_node} ranks",
              "  fake process group; " + ", ".join(f"{k} {v:.2f} s" for k, v in built.seconds.items()),
-             f"  per rank: micro-batch {wl.micro_batch} x {wl.seq_len} tokens, {wl.microbatches} micro-batch(es) per "
+             f"  per rank: micro-batch {wl.micro_batch} x {tokens}, {wl.microbatches} micro-batch(es) per "
              f"step, {wl.dtype}{' autocast' if wl.dtype != 'float32' else ''} on {wl.device}, activation "
              f"checkpointing {wl.activation_checkpointing}{_sequence_parallel(L, wl)}"]
+    if L.cp > 1:
+        lines.append(context_line(L, wl))
     if built.refused:
         lines.append(f"  the recipe does not run this layout yet, so this is the estimate alone: {built.refused}")
     lines += _memory_table(built, estimates[0])
@@ -275,8 +289,8 @@ def report(cfg: TrainConfig, opts: Options, plan: DryRunPlan, built: Built, esti
     worst = max(estimates, key=lambda e: e.peak)
     share = worst.peak / (opts.gpu_gb * GIB)
     verdict = "fits" if share <= TIGHT else "tight (CUDA context, NCCL buffers and fragmentation need room too)" \
-        if fits(estimates, opts) else ("does NOT fit: raise ep / fsdp / tp / pp, lower the micro-batch or checkpoint "
-                                       f"activations (exit status {DOES_NOT_FIT})")
+        if fits(estimates, opts) else ("does NOT fit: raise ep / fsdp / tp / pp (cp for long sequences), lower the "
+                                       f"micro-batch or checkpoint activations (exit status {DOES_NOT_FIT})")
     where = f" (pipeline rank {worst.stage})" if L.pp > 1 else ""
     if built.dense_peak:  # host memory, not the device's
         lines.append(f"  init: every rank upcycles its shards from the slices of the dense model they are made of "

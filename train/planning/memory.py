@@ -1,6 +1,6 @@
 """Per-rank memory and all-to-all traffic of a training layout, from the config alone (no tensors).
 
-Shape legend: T tokens per micro-batch on a rank (micro_batch * seq_len), H hidden, V vocab, N / K query /
+Shape legend: T tokens per micro-batch on a rank (micro_batch * seq_len / cp), H hidden, V vocab, N / K query /
 key-value heads, D head dim, F FFN width, E experts, k slots per token, R expert rows a rank computes
 (T * k when dropless and balanced), a bytes of the compute dtype (2 bf16, 4 fp32).
 
@@ -25,9 +25,13 @@ The parallel recipe (models/parallelize.py, comm/tensor_parallel.py, comm/fsdp.p
     are replicated, and the MoE layer routes a 1/tp slice of the tokens on each TP rank. Sequence
     parallelism (``Workload.sequence_parallel``) also keeps the residual stream and norms on 1/tp of the
     sequence; parameters are unchanged.
-    EP shards the experts' dim 0. FSDP shards dense tensors' dim 0 over fsdp, and experts' dim 1 over the
-    D / ep ranks holding the same experts; it computes in bf16 parameters (so the residual stream is bf16
-    too) and keeps two blocks unsharded at a time (transient).
+    EP shards the experts' dim 0. FSDP shards dense tensors' dim 0 over fsdp x cp (the "world" mesh's "fsdp"
+    dim spans a data rank's context-parallel ranks), and experts' dim 1 over the dp x fsdp x cp / ep ranks
+    holding the same experts; it computes in bf16 parameters (so the residual stream is bf16 too) and keeps
+    two blocks unsharded at a time (transient). Without FSDP, cp ranks hold whole replicas, as dp ranks do.
+    CP: each rank holds S / cp positions of every sequence (zigzag chunks, comm.context_parallel): every term
+    per token (residual, norms, MoE, loss, all-to-all) is on micro_batch * S / cp tokens; attention keeps the
+    keys and values of whole sequences (moekit.train.planning.activations._gqa_kept, _mla).
     PP: a rank holds its stage's layers (``Stage``); activations are multiplied by the micro-batches the
     stage holds at once: GPipe all M, 1F1B pp - stage, interleaved Megatron's warm-up count.
 """
@@ -40,7 +44,8 @@ from moekit.train.planning import cost_model
 from moekit.comm.topology import Layout, Topology
 from moekit.models.config import ModelConfig
 from moekit.moe.activations import get_activation
-from moekit.train.planning.activations import DTYPE_BYTES, FP32, _loss_chunks, in_flight, shapes, stage_activations
+from moekit.train.planning.activations import (DTYPE_BYTES, FP32, _backend, _loss_chunks, in_flight, shapes,
+                                               stage_activations)
 
 AC_MODES = ("none", "full", "ffn", "selective")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -58,6 +63,7 @@ class Workload:
     pp_stages_per_rank: int = 1
     sequence_parallel: bool = False  # with tp > 1: residual, norms and MoE layers on 1/tp of the sequence
     expert_replicas: int = 0  # redundant expert slots over the EP group (--layout.expert_replicas, a placement file)
+    cp_rank: int | None = None  # with cp > 1: whose zigzag chunks attention runs (None: the rank keeping the most)
 
     def __post_init__(self):
         for name, value, allowed in (("dtype", self.dtype, tuple(DTYPE_BYTES)), ("pp_schedule", self.pp_schedule, SCHEDULES),
@@ -67,6 +73,7 @@ class Workload:
 
     @property
     def tokens(self) -> int:
+        """Tokens of the micro-batch's whole sequences (a context-parallel rank holds 1 / cp of them)."""
         return self.micro_batch * self.seq_len
 
 
@@ -181,12 +188,12 @@ def _local_numel(part: str, shape: tuple[int, ...], tp_dim: int | None, layout: 
     if part == "experts":
         dims[0] = (dims[0] + replicas) // layout.ep
         if fsdp and layout.fsdp > 1:  # FSDP over the ranks holding the same experts, on dim 1 (dim 0 is EP's)
-            dims[1] = math.ceil(dims[1] / (layout.data_parallel // layout.ep))
+            dims[1] = math.ceil(dims[1] / (layout.dp_cp // layout.ep))
         return math.prod(dims)
     if tp_dim is not None:
         dims[tp_dim] = math.ceil(dims[tp_dim] / layout.tp)
-    if fsdp:
-        dims[0] = math.ceil(dims[0] / layout.fsdp)
+    if fsdp and layout.fsdp > 1:  # over the fsdp x cp ranks of the "world" mesh (cp ranks hold the same tensors)
+        dims[0] = math.ceil(dims[0] / (layout.fsdp * layout.cp))
     return math.prod(dims)
 
 
@@ -225,20 +232,29 @@ def _weight_copies(cfg: ModelConfig, layout: Layout, wl: Workload, stage: Stage)
                        for i in stage.layers), default=0)
         return 0, 2 * largest * a
     # matmul weights only: a bias's cast copy is not saved (addmm's backward never reads its input bias), and
-    # neither are the sinks' (sink_attention's first op on them is a division by the scale)
+    # neither are the sinks' (sink_attention's first op on them is a division by the scale); but the loop
+    # backend's fused function (moe.experts._LoopGLU) saves the expert biases it was given: their casts
+    from moekit.moe.experts import LOOP_FUSED_ACTIVATIONS
+
+    saved_biases = _backend(cfg, wl.device == "cpu") == "loop" and cfg.activation in LOOP_FUSED_ACTIVATIONS
+
     def cast(tensors) -> int:
         return sum(_local_numel(part, shape, tp_dim, layout, replicas=wl.expert_replicas)
-                   for part, shape, tp_dim in tensors if _matmul_weight(part, shape))
+                   for part, shape, tp_dim in tensors
+                   if _matmul_weight(part, shape) or (saved_biases and part == "experts" and len(shape) == 2))
 
-    kept = cast(_stage_tensors(cfg, stage))
-    # inside a checkpoint the casts are recomputed too (measured on CPU: "full" keeps the head's alone); the
-    # head, the MTP depths and, under "ffn", attention run outside one
+    # the chunked loss (models.loss) casts the head inside its function and keeps no copy (the logits transient
+    # counts it); the plain loss's F.linear keeps its cast until backward
+    chunks = _loss_chunks()
+    kept = cast(t for t in _stage_tensors(cfg, stage) if not (chunks and t[0] == "head"))
+    # inside a checkpoint the casts are recomputed too; the head, the MTP depths and, under "ffn", attention
+    # run outside one
     mode = wl.activation_checkpointing
     if mode != "none":
         inside = ("dense_ffn", "experts", "shared_expert") if mode == "ffn" else ("attention", "dense_ffn",
                                                                                "experts", "shared_expert")
         kept -= cast(t for i in stage.layers for t in layer_tensors(cfg, i) if t[0] in inside)
-    if cfg.tie_embeddings and stage.last:  # the tied output projection casts the embedding table
+    if cfg.tie_embeddings and stage.last and not chunks:  # the tied output projection casts the embedding table
         kept += cfg.vocab_size * cfg.hidden_size
     return kept * a, 0
 
@@ -266,16 +282,16 @@ def estimate_memory(cfg: ModelConfig, layout: Layout, wl: Workload, stage: Stage
     acts = sum(breakdown.values())
     # the loss: logits (and their fp32 copy under autocast) next to the kept log-softmax, then its gradient;
     # from hidden states in chunks (models.loss; a pipeline's last stage too) only one chunk's logits, plus the head in a
-    a = DTYPE_BYTES[wl.dtype]
+    a, tokens = DTYPE_BYTES[wl.dtype], wl.tokens // layout.cp  # a context-parallel rank's loss: its own positions
     low = a if a != FP32 else 0
     if not stage.last:
         logits = 0
     elif _loss_chunks():
         from moekit.models.loss import DEFAULT_CHUNK
 
-        logits = min(wl.tokens, DEFAULT_CHUNK) * cfg.vocab_size * (FP32 + low) + cfg.vocab_size * cfg.hidden_size * low
+        logits = min(tokens, DEFAULT_CHUNK) * cfg.vocab_size * (FP32 + low) + cfg.vocab_size * cfg.hidden_size * low
     else:
-        logits = wl.tokens * cfg.vocab_size * (FP32 + low)
+        logits = tokens * cfg.vocab_size * (FP32 + low)
     transient = {"recompute": recompute, "fsdp_unsharded": gathered, "logits": logits}
     breakdown.update({f"transient_{k}": v for k, v in transient.items() if v})
     by_part: dict[str, int] = {}
