@@ -73,11 +73,18 @@ class ContextParallel:
     def gather(self, t: Tensor, dim: int) -> Tensor:
         """Every rank's ``t`` along ``dim`` (this rank's positions) -> the whole sequence in position order;
         differentiable (the backward sums each position's gradient from every rank back to its owner)."""
+        return self._gather(t, dim, _all_gather)
+
+    def gather_ids(self, t: Tensor, dim: int = 1) -> Tensor:
+        """``gather`` for tensors without gradients (token ids: the whole sequence's documents)."""
+        return self._gather(t, dim, funcol.all_gather_tensor)
+
+    def _gather(self, t: Tensor, dim: int, all_gather) -> Tensor:
         if self.degree == 1:
             return t
         x = t.movedim(dim, 0).contiguous()  # [S_local, ...]
         c = x.shape[0] // 2
-        parts = _all_gather(x, 0, self.group).view(self.degree, 2, c, *x.shape[1:])  # [rank, slot, c, ...]
+        parts = all_gather(x, 0, self.group).view(self.degree, 2, c, *x.shape[1:])  # [rank, slot, c, ...]
         # slot 0 of rank r is chunk r, slot 1 chunk 2cp - 1 - r: slots 0 in rank order, then slots 1 reversed
         whole = torch.cat((parts[:, 0], parts[:, 1].flip(0)), dim=0).flatten(0, 1)  # [S, ...]
         return whole.movedim(0, dim)
@@ -110,7 +117,14 @@ def apply_context_parallel(model: nn.Module, topology: Topology) -> ContextParal
     if cp == 1:
         return None
     strategy = ContextParallel(cp, topology.members("cp").index(topology.rank), topology.group("cp"))
-    for module in model.modules():
-        if hasattr(module, "context_parallel"):
-            module.context_parallel = strategy
+    set_attribute(model, "context_parallel", strategy)
     return strategy
+
+
+def set_attribute(model: nn.Module, name: str, value) -> None:
+    """``module.name = value`` on every module of ``model`` that has the attribute, a pipeline rank's stage modules
+    included (models.pipeline.PipelineModel keeps them in ``stages``, outside its registered children)."""
+    for root in (model, *getattr(model, "stages", ())):
+        for module in root.modules():
+            if hasattr(module, name):
+                setattr(module, name, value)

@@ -146,7 +146,8 @@ def sink_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, sinks: 
         q2 = F.pad(q2, (0, 0, 1, hidden))  # [B, N, 16m, D+8]: row 1 + i is query i
         y = F.scaled_dot_product_attention(q2, k2, v2, is_causal=True, enable_gqa=gqa, scale=scale)
         return y[:, :, 1 : S + 1, :Dv]
-    mask2 = torch.cat((mask.new_ones(S, 1), mask, mask.new_zeros(S, hidden)), dim=1)  # [S, 16m]
+    lead = mask.shape[:-1]  # [S], or [B, 1, S] with documents (segment_mask)
+    mask2 = torch.cat((mask.new_ones(*lead, 1), mask, mask.new_zeros(*lead, hidden)), dim=-1)  # [.., S, 16m]
     return masked_sdpa(q2, k2, v2, mask2, gqa, scale)[..., :Dv]
 
 
@@ -162,13 +163,18 @@ def masked_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, gqa: bool, scale:
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, kv: LayerKV | None, gqa: bool, scale: float | None = None,
-           window: int = 0, sinks: Tensor | None = None) -> Tensor:
+           window: int = 0, sinks: Tensor | None = None, segments: Tensor | None = None) -> Tensor:
     """Causal SDPA of q [B, N, S, Dqk] over k [B, K, S, Dqk], v [B, K, S, Dv] (-> [B, N, S, Dv]); with ``kv``
     the new keys / values are appended to the cache and q attends to every cached position too. Where it
     is faster (CPU bf16, small S: EXPLICIT_ATTENTION) the same function runs as bmm + softmax + bmm.
     ``window`` > 0: each query sees only the last ``window`` positions, itself included (``local_attention``:
     only the keys a window reaches are read); ``sinks`` [N]: a learned logit per query head in every softmax
-    (``sink_attention``)."""
+    (``sink_attention``); ``segments`` [B, S]: each position's document (``document_segments``), attention stays
+    within it (training only: no KV cache)."""
+    if segments is not None:
+        if kv is not None:
+            raise ValueError("document masking (segments) is for training forwards; decode without it")
+        return local_attention(q, k, v, 0, gqa, scale, window, sinks, segments=segments)
     if kv is None and _explicit_attention(q):
         return explicit_causal_attention(q, k, v, scale, window, sinks)
     start, S, first = 0 if kv is None else kv.length, q.shape[2], 0
@@ -200,12 +206,14 @@ def window_block(S: int, window: int) -> int:
 
 
 def local_attention(q: Tensor, k: Tensor, v: Tensor, q_start: int, gqa: bool, scale: float | None = None,
-                    window: int = 0, sinks: Tensor | None = None, k_start: int = 0) -> Tensor:
+                    window: int = 0, sinks: Tensor | None = None, k_start: int = 0,
+                    segments: Tensor | None = None) -> Tensor:
     """Causal (``window``: sliding-window) attention of queries at positions q_start .. q_start+S-1, q [B, N, S, Dqk],
     over keys k [B, K, P, Dqk] and values v [B, K, P, Dv] at positions k_start .. k_start+P-1 (at least every
     position the queries see; keys past the last query are never read). Each block of ``window_block`` queries
     reads the keys from its window's start to its own end: a KV cache's decoding step, a context-parallel chunk
-    and a long windowed sequence alike."""
+    and a long windowed sequence alike. ``segments`` [B, k_start+P]: the document of every position (keys and
+    queries), or None."""
     S = q.shape[2]
     block = window_block(S, window)
     out = []
@@ -214,23 +222,35 @@ def local_attention(q: Tensor, k: Tensor, v: Tensor, q_start: int, gqa: bool, sc
         lo = max(k_start, first - window + 1) if window else k_start  # the first key any of these queries sees
         keys = slice(lo - k_start, first + n - k_start)
         out.append(positioned_attention(q[:, :, i : i + n], k[:, :, keys], v[:, :, keys],
-                                        first, lo, gqa, scale, window, sinks))
+                                        first, lo, gqa, scale, window, sinks, segments))
     return out[0] if len(out) == 1 else torch.cat(out, dim=2)
 
 
 def positioned_attention(q: Tensor, k: Tensor, v: Tensor, q_start: int, k_start: int, gqa: bool,
-                         scale: float | None, window: int, sinks: Tensor | None) -> Tensor:
+                         scale: float | None, window: int, sinks: Tensor | None,
+                         segments: Tensor | None = None) -> Tensor:
     """One attention call: queries at q_start .., keys at k_start .. up to the last query's position. Plain causal
-    SDPA (no mask) where the keys are the queries' own positions and the window hides none of them."""
+    SDPA (no mask) where the keys are the queries' own positions and neither the window nor a document boundary
+    hides any of them."""
     S, P = q.shape[2], k.shape[2]
-    if q_start == k_start and P == S and (not window or window >= S):
+    if q_start == k_start and P == S and (not window or window >= S) and segments is None:
         if sinks is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=S > 1, enable_gqa=gqa, scale=scale)
         return sink_attention(q, k, v, None, sinks, scale, gqa)
     mask = span_mask(q_start, S, k_start, P, window, q.device)  # [S, P]
+    if segments is not None:  # [B, 1, S, P]: and the same document
+        same = segments[:, q_start : q_start + S, None] == segments[:, None, k_start : k_start + P]
+        mask = (mask & same)[:, None]
     if sinks is None:
         return masked_sdpa(q, k, v, mask, gqa, scale)
     return sink_attention(q, k, v, mask, sinks, scale, gqa)
+
+
+def document_segments(tokens: Tensor, eos: int) -> Tensor:
+    """[B, S] int32: each position's document in a packed sequence, the number of end-of-document tokens ``eos``
+    before it (an EOS ends its own document; the next position starts the next one). No host sync."""
+    ends = tokens == eos
+    return (ends.cumsum(dim=1, dtype=torch.int32) - ends.int())
 
 
 def span_mask(q_start: int, S: int, k_start: int, P: int, window: int, device) -> Tensor:
@@ -243,12 +263,13 @@ def span_mask(q_start: int, S: int, k_start: int, P: int, window: int, device) -
 
 
 def context_attend(q: Tensor, k: Tensor, v: Tensor, context, gqa: bool, scale: float | None = None,
-                   window: int = 0, sinks: Tensor | None = None) -> Tensor:
+                   window: int = 0, sinks: Tensor | None = None, segments: Tensor | None = None) -> Tensor:
     """Causal attention of a context-parallel rank's queries q [B, N, S_local, Dqk] (its chunks of the sequence:
     ``context.chunks``, comm.context_parallel) over the whole sequence's keys k [B, K, S, Dqk] and values
     v [B, K, S, Dv], gathered in position order. Each chunk attends to the keys up to its own end only (and from
-    its window's start): the zigzag chunks then cost every rank the same. -> [B, N, S_local, Dv]."""
-    out = [local_attention(q[:, :, local : local + n], k, v, start, gqa, scale, window, sinks)
+    its window's start): the zigzag chunks then cost every rank the same. ``segments`` [B, S]: the whole
+    sequence's documents, or None. -> [B, N, S_local, Dv]."""
+    out = [local_attention(q[:, :, local : local + n], k, v, start, gqa, scale, window, sinks, segments=segments)
            for local, start, n in context.chunks(q.shape[2])]
     return torch.cat(out, dim=2)
 
@@ -297,9 +318,11 @@ class Attention(nn.Module):
             self.q_norm = nn.RMSNorm(self.num_heads * D if full else D, eps=config.norm_eps)
             self.k_norm = nn.RMSNorm(self.num_kv_heads * D if full else D, eps=config.norm_eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: LayerKV | None = None) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: LayerKV | None = None,
+                segments: Tensor | None = None) -> Tensor:
         """x [B, S, H] at the positions cos/sin describe. ``kv``: this layer's cache (incremental decoding);
-        the new keys/values are appended and the queries attend to every cached position as well."""
+        the new keys/values are appended and the queries attend to every cached position as well. ``segments``:
+        the documents of the sequence's positions (the whole sequence's under context parallelism), or None."""
         B, S, _ = x.shape
         q, k, v = self.wq(x), self.wk(x), self.wv(x)  # [B, S, N*D], [B, S, K*D] x 2
         if self.qk_norm == "full":  # over the whole projection (never under TP: comm.tensor_parallel)
@@ -318,9 +341,10 @@ class Attention(nn.Module):
         if self.context_parallel is not None and kv is None:  # this rank's queries over every position's keys
             kv_all = self.context_parallel.gather(torch.cat((k, v), dim=-1), dim=2)  # [B, K, S_global, 2D]
             k, v = kv_all.split(self.head_dim, dim=-1)
-            y = context_attend(q, k, v, self.context_parallel, gqa, window=self.window, sinks=sinks)
+            y = context_attend(q, k, v, self.context_parallel, gqa, window=self.window, sinks=sinks,
+                               segments=segments)
         else:
-            y = attend(q, k, v, kv, gqa, window=self.window, sinks=sinks)  # [B, N, S, D]
+            y = attend(q, k, v, kv, gqa, window=self.window, sinks=sinks, segments=segments)  # [B, N, S, D]
         return self.wo(y.transpose(1, 2).reshape(B, S, -1))  # [B, S, H]
 
     def _rope(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -374,7 +398,8 @@ class MLAttention(nn.Module):
         if rs.get("rope_type") == "yarn" and rs.get("mscale_all_dim"):
             self.scale *= yarn_mscale(float(rs["factor"]), rs["mscale_all_dim"]) ** 2
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: LayerKV | None = None) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: LayerKV | None = None,
+                segments: Tensor | None = None) -> Tensor:
         """As Attention.forward; the cache holds the expanded keys [B, N, S, nope+rope] and values [B, N, S, v]."""
         B, S, _ = x.shape
         q = self.wq(x) if hasattr(self, "wq") else self.wq_b(self.q_a_norm(self.wq_a(x)))  # [B, S, N*(nope+rope)]
@@ -395,9 +420,9 @@ class MLAttention(nn.Module):
         q = torch.cat((q_nope, q_rope), dim=-1)  # [B, n, S, nope+rope]
         k = torch.cat((k_nope, k_rope.expand(-1, k_nope.shape[1], -1, -1)), dim=-1)  # [B, n, P, nope+rope]
         if context is not None:
-            y = context_attend(q, k, v.contiguous(), context, False, self.scale)  # [B, n, S, v]
+            y = context_attend(q, k, v.contiguous(), context, False, self.scale, segments=segments)  # [B, n, S, v]
         else:
-            y = attend(q, k, v.contiguous(), kv, False, self.scale)  # [B, n, S, v]
+            y = attend(q, k, v.contiguous(), kv, False, self.scale, segments=segments)  # [B, n, S, v]
         return self.wo(y.transpose(1, 2).reshape(B, S, -1))  # [B, S, H]
 
     @torch.no_grad()

@@ -39,11 +39,13 @@ class MTPModule(nn.Module):
         self.block = Block(config, layer_id)
         self.norm = nn.RMSNorm(H, eps=config.norm_eps)
 
-    def forward(self, h: Tensor, emb: Tensor, cos: Tensor, sin: Tensor, tokens: Tensor, kv=None) -> Tensor:
+    def forward(self, h: Tensor, emb: Tensor, cos: Tensor, sin: Tensor, tokens: Tensor, kv=None,
+                segments: Tensor | None = None) -> Tensor:
         """h [B, n, H] (the previous depth), emb [B, n, H] (embeddings of the tokens k ahead) -> [B, n, H].
-        ``kv``: the depth's attention cache when drafting tokens (a models.attention.LayerKV)."""
+        ``kv``: the depth's attention cache when drafting tokens (a models.attention.LayerKV); ``segments``
+        [B, n]: the documents of positions 0 .. n-1 (document masking), or None."""
         x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1))
-        return self.block(x, cos, sin, tokens, kv)
+        return self.block(x, cos, sin, tokens, kv, segments=segments)
 
 
 class MTPRecord:
@@ -81,25 +83,28 @@ class LossInjector(torch.autograd.Function):
         return grad, grad * ctx.coeff, None
 
 
-def depth_states(model, x: Tensor, emb: Tensor, tokens: Tensor, cos: Tensor, sin: Tensor):
+def depth_states(model, x: Tensor, emb: Tensor, tokens: Tensor, cos: Tensor, sin: Tensor,
+                 segments: Tensor | None = None):
     """Yield (k, depth k's final normed states [B, S - k, H]) for the depths the sequence is long enough for (module
     docstring); position i of depth k predicts the token k + 1 after position i. ``x``: the main model's final
-    (normed) hidden states [B, S, H]; ``emb``: embed(tokens) [B, S, H]."""
+    (normed) hidden states [B, S, H]; ``emb``: embed(tokens) [B, S, H]; ``segments`` [B, S]: the documents of the
+    main positions (position i of every depth attends within position i's document), or None."""
     S, h = tokens.shape[1], x
     for k, module in enumerate(model.mtp, start=1):
         n = S - k
         if n <= 0:
             return
-        h = module(h[:, :n], emb[:, k:], cos[:n], sin[:n], tokens[:, k:])
+        h = module(h[:, :n], emb[:, k:], cos[:n], sin[:n], tokens[:, k:],
+                   segments=None if segments is None else segments[:, :n])
         yield k, module.norm(h)
 
 
 def mtp_loss(model, x: Tensor, emb: Tensor, tokens: Tensor, targets: Tensor, cos: Tensor, sin: Tensor,
-             head_loss) -> Tensor | None:
+             head_loss, segments: Tensor | None = None) -> Tensor | None:
     """Mean over the depths of their losses (module docstring), or None when the sequence is too short for any
     depth. ``head_loss(hidden, targets)``: the main model's loss from hidden states (its head, chunking, ignore
     index); the other arguments are ``depth_states``'."""
-    losses = [head_loss(h, targets[:, k:]) for k, h in depth_states(model, x, emb, tokens, cos, sin)]
+    losses = [head_loss(h, targets[:, k:]) for k, h in depth_states(model, x, emb, tokens, cos, sin, segments)]
     if not losses:
         return None
     return torch.stack(losses).mean()

@@ -46,7 +46,8 @@ from moekit.comm.grad_sync import local
 from moekit.comm.pipeline import PipelineRunner, broadcast_from, check_schedule, gather_load, stage_ids_of
 from moekit.models.config import ModelConfig
 from moekit.models.mtp import MTPRecord
-from moekit.models.transformer import Transformer, meta_device, position_tables, training_loss
+from moekit.models.transformer import (Transformer, meta_device, position_tables, sequence_segments,
+                                       training_loss)
 from moekit.moe import moe_layers
 
 
@@ -191,6 +192,7 @@ class StageModule(nn.Module):
         self.mtp_in_eval = False  # as Transformer.mtp_in_eval
         self.activation_dtype: torch.dtype | None = None  # of the hidden state sent on; None = parameter dtype
         self.context_parallel = None  # as Transformer.context_parallel
+        self.document_eos: int | None = None  # as Transformer.document_eos
         if last and self.embed is None and (self.lm_head is None or len(self.mtp)):
             raise ValueError("the last pipeline stage needs the embedding (a tied head, or multi-token prediction): "
                              "build it with embedding_replica=True (build_pipeline does)")
@@ -201,11 +203,12 @@ class StageModule(nn.Module):
         if S * (context.degree if context is not None else 1) > cfg.max_seq_len:
             raise ValueError(f"sequence length {S} exceeds model.max_seq_len={cfg.max_seq_len}")
         cos, sin = position_tables(cfg, S, tokens.device, context=context)  # [S, R/2]
+        segments = sequence_segments(self, tokens)  # [b, S] or None (document masking)
         emb = None
         if self.is_first:
             x = emb = self.embed(tokens)  # [b, S, H]
         for layer in self.layers:
-            x = layer(x, cos, sin, tokens)  # [b, S, H]
+            x = layer(x, cos, sin, tokens, segments=segments)  # [b, S, H]
         if not self.is_last:
             if x.dtype != self.hidden_dtype():  # the next stage receives into a buffer of the declared dtype
                 raise RuntimeError(f"pipeline stage output is {x.dtype} but the stages declared "
@@ -217,7 +220,7 @@ class StageModule(nn.Module):
             return F.linear(x, weight).float()  # [b, S, V]
         if emb is None and len(self.mtp) and ((self.training and torch.is_grad_enabled()) or self.mtp_in_eval):
             emb = self.embed(tokens)  # the depths read it
-        return training_loss(self, x, weight, emb, tokens, targets, cos, sin).float()  # []
+        return training_loss(self, x, weight, emb, tokens, targets, cos, sin, segments).float()  # []
 
     def hidden_dtype(self) -> torch.dtype:
         """The residual stream's dtype: the parameters' (autocast too: the residual adds promote back),

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from moekit.models.attention import (  # noqa: F401  (re-exported: the attention API lived here)
-    Attention, KVCache, LayerKV, MLAttention, build_attention, causal_mask)
+    Attention, KVCache, LayerKV, MLAttention, build_attention, causal_mask, document_segments)
 from moekit.models.config import ModelConfig
 from moekit.models.loss import chunked_lm_loss
 from moekit.models.mtp import LossInjector, MTPModule, MTPRecord, mtp_loss
@@ -68,8 +68,20 @@ def position_tables(config: ModelConfig, S: int, device, start: int = 0, context
     return cos[positions], sin[positions]
 
 
+def sequence_segments(owner: nn.Module, tokens: Tensor) -> Tensor | None:
+    """The documents of the forward's positions when ``owner.document_eos`` is set (document masking: attention
+    stays within each document of a packed sequence; models.attention.document_segments), else None. Under
+    context parallelism the whole sequence's: every rank's tokens are gathered first (ids only)."""
+    eos = owner.document_eos
+    if eos is None:
+        return None
+    context = owner.context_parallel
+    whole = tokens if context is None else context.gather_ids(tokens, dim=1)
+    return document_segments(whole, eos)
+
+
 def training_loss(owner: nn.Module, x: Tensor, weight: Tensor, emb: Tensor, tokens: Tensor, targets: Tensor,
-                  cos: Tensor, sin: Tensor) -> Tensor:
+                  cos: Tensor, sin: Tensor, segments: Tensor | None = None) -> Tensor:
     """The loss a forward with targets returns: the next-token loss of the final normed hidden states ``x``
     [B, S, H] through the head ``weight``, carrying the multi-token-prediction objective into backward when
     ``owner`` (a Transformer, or a pipeline's last stage: ``.mtp``, ``.mtp_record``, ``.config``) has depths and
@@ -78,7 +90,7 @@ def training_loss(owner: nn.Module, x: Tensor, weight: Tensor, emb: Tensor, toke
     loss = head_loss(x, weight, targets)
     training = owner.training and torch.is_grad_enabled()
     if len(owner.mtp) and (training or getattr(owner, "mtp_in_eval", False)):  # models.mtp
-        extra = mtp_loss(owner, x, emb, tokens, targets, cos, sin, lambda h, t: head_loss(h, weight, t))
+        extra = mtp_loss(owner, x, emb, tokens, targets, cos, sin, lambda h, t: head_loss(h, weight, t), segments)
         if extra is not None:
             owner.mtp_record.add(extra)
             if training:
@@ -102,8 +114,10 @@ class Block(nn.Module):
         else:
             self.ffn = DenseMLP(H, config.ffn_hidden_size, config.activation)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, tokens: Tensor, kv: LayerKV | None = None) -> Tensor:
-        h = x + self.attn(self.attn_norm(x), cos, sin, kv=kv)  # [B, S, H]
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, tokens: Tensor, kv: LayerKV | None = None,
+                segments: Tensor | None = None) -> Tensor:
+        """``segments``: the documents of the positions (document masking), or None: models.attention."""
+        h = x + self.attn(self.attn_norm(x), cos, sin, kv=kv, segments=segments)  # [B, S, H]
         f = self.ffn_norm(h)
         return h + (self.ffn(f, token_ids=tokens) if self.is_moe else self.ffn(f))  # [B, S, H]
 
@@ -125,6 +139,9 @@ class Transformer(nn.Module):
         self.mtp_in_eval = False  # the depths also run (recording only) in eval forwards with targets
         # comm.context_parallel: tokens are this rank's share of each sequence (RoPE at their positions)
         self.context_parallel = None
+        # document masking (the trainer's train.document_mask): attention stays within the documents that this
+        # end-of-document id separates in a packed sequence; None: every position sees all earlier ones
+        self.document_eos: int | None = None
 
     def forward(self, tokens: Tensor, cache: KVCache | None = None, targets: Tensor | None = None,
                 return_hidden: bool = False) -> Tensor | tuple[Tensor, Tensor]:
@@ -159,16 +176,20 @@ class Transformer(nn.Module):
         if length > self.config.max_seq_len:
             raise ValueError(f"sequence length {length} exceeds model.max_seq_len={self.config.max_seq_len}")
         cos, sin = position_tables(self.config, S, tokens.device, start, context)  # [S, R/2] (R: rotated dims)
+        if cache is not None and self.document_eos is not None:
+            raise ValueError("document masking (model.document_eos) is for training forwards; set it to None to "
+                             "decode with a KV cache")
+        segments = sequence_segments(self, tokens)  # [B, S] or None
         x = emb = self.embed(tokens)  # [B, S, H]
         for i, layer in enumerate(self.layers):
             if cache is None:
-                x = layer(x, cos, sin, tokens)  # [B, S, H]
+                x = layer(x, cos, sin, tokens, segments=segments)  # [B, S, H]
             else:
                 x = layer(x, cos, sin, tokens, cache.layers[i])  # [B, S, H]
         x = self.norm(x)
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight  # [V, H]
         if targets is not None:
-            return training_loss(self, x, weight, emb, tokens, targets, cos, sin)
+            return training_loss(self, x, weight, emb, tokens, targets, cos, sin, segments)
         logits = F.linear(x, weight).float()  # [B, S, V]
         return (logits, x) if return_hidden else logits
 

@@ -163,12 +163,18 @@ def _check(rank, world, degrees, over, recipe):
     layout = Layout(**degrees)
     topo = Topology(layout, rank, world).build()
     cfg = tiny_config(**over)
-    tokens = torch.randint(0, cfg.vocab_size, (B, S + 1), generator=torch.Generator().manual_seed(5))
+    recipe = dict(recipe)
+    eos = recipe.pop("document_eos", None)  # document masking: documents end at positions 2, 6, 13
+    tokens = torch.randint(1, cfg.vocab_size, (B, S + 1), generator=torch.Generator().manual_seed(5))
+    if eos is not None:
+        tokens[:, [2, 6, 13]] = eos
     x, y = tokens[:, :-1], tokens[:, 1:]
     ref = build_model(cfg, seed=3)
+    ref.document_eos = eos
     want_loss = ref(x, targets=y)
     want_loss.backward()
     model = build_model(cfg, seed=3)
+    model.document_eos = eos
     done = parallelize(model, topo, **recipe)
     assert done.context is not None and done.context.degree == layout.cp
     D = layout.data_parallel
@@ -197,18 +203,21 @@ TWO_RANKS = [
     (dict(cp=2, ep=2), {"router": "hash", "router_options": {}, "first_dense_layers": 1}, {}),
     (dict(cp=2), MLA, {"activation_checkpointing": "full"}),
     (dict(cp=2), OSS, {"activation_checkpointing": "selective"}),
+    (dict(cp=2), OSS, {"document_eos": 0}),
 ]
 FOUR_RANKS = [
     (dict(dp=2, cp=2, ep=2), {"shared_ffn_hidden_size": 16}, {}),
     (dict(cp=4), dict(OSS, sliding_window=5, full_attention_every=0), {}),
     (dict(cp=2, fsdp=2, ep=4), MLA, {}),
     (dict(cp=2, tp=2), OSS, {"sequence_parallel": True}),
+    (dict(cp=4), MLA, {"document_eos": 0}),
 ]
 
 
 @pytest.mark.parametrize("world,cases", [(2, TWO_RANKS), (4, FOUR_RANKS)], ids=["2-ranks", "4-ranks"])
 def test_context_parallel_layouts_equal_single_process(world, cases):
     """2 ranks: cp2; cp2 x ep2 (hash router, a dense layer); MLA + full AC; gpt-oss's sinks, windows and biases
-    with selective AC. 4 ranks: dp2 x cp2 x ep2 (shared expert); cp4 with a window wider than a chunk; MLA with
-    FSDP over fsdp x cp and ep4; cp2 x tp2 with sequence parallelism."""
+    with selective AC, and with document masking (documents crossing the ranks' chunks). 4 ranks: dp2 x cp2 x ep2
+    (shared expert); cp4 with a window wider than a chunk; MLA with FSDP over fsdp x cp and ep4; cp2 x tp2 with
+    sequence parallelism; MLA at cp4 with document masking."""
     run_ranks(_ranks, world, cases)

@@ -225,8 +225,9 @@ def test_export_hf_from_expert_parallel_run(tmp_path):
 
 def test_gpt_oss_trains_alike_under_every_parallelism(tmp_path):
     """gpt-oss-tiny (sinks sharded with the heads, an 8-position window on layer 0, q/k/v/o, gate and expert biases,
-    swiglu_oai) at tp2 x fsdp2 x ep2 with sequence parallelism (4 ranks) and at pp2 (2 ranks) follows the
-    one-process curve. The aux loss is off: under TP each rank balances its own token slice (by design)."""
+    swiglu_oai) at tp2 x fsdp2 x ep2 with sequence parallelism (4 ranks), at pp2 (2 ranks) and at cp2 x ep2 (each
+    sequence's 4 chunks of 8 over 2 ranks, the window reaching into the other rank's chunk) follows the one-process
+    curve. The aux loss is off: under TP each rank balances its own token slice (by design)."""
     oss = ["--preset", "gpt-oss-tiny", "--model.sliding_window", "8", "--model.aux_loss_coeff", "0",
            "--checkpoint.every", "0", *MICRO, *TINY]
     r = run(["--steps", "4", "--run-dir", str(tmp_path / "single"), *oss])
@@ -234,7 +235,8 @@ def test_gpt_oss_trains_alike_under_every_parallelism(tmp_path):
     ref = losses(tmp_path / "single")
     for name, nproc, extra in [("tp-fsdp-ep-sp", 4, ["--tp", "2", "--fsdp", "2", "--ep", "2",
                                                      "--layout.sequence_parallel", "true"]),
-                               ("pp2", 2, ["--pp", "2", "--layout.pp_schedule", "gpipe"])]:
+                               ("pp2", 2, ["--pp", "2", "--layout.pp_schedule", "gpipe"]),
+                               ("cp2-ep2", 2, ["--cp", "2", "--ep", "2"])]:
         r = run(["--steps", "4", "--run-dir", str(tmp_path / name), *oss, *extra], nproc=nproc)
         assert r.returncode == 0, r.stderr[-3000:]
         assert losses(tmp_path / name) == pytest.approx(ref, rel=1e-5, abs=1e-6), name

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from moekit.comm.context_parallel import set_attribute
 from moekit.models.init import init_weights
 from moekit.models.stats import model_stats
 from moekit.models.transformer import Transformer, meta_device
@@ -62,6 +63,7 @@ class Trainer:
         try:  # moekit.train.data: a token file (its metadata: vocab, tokenizer), a blend, text, the embedded corpus
             self.data = load_data(cfg.data, cfg.model.vocab_size)
             self.data_desc = self.data.desc
+            self.document_eos = document_eos(cfg, self.data)
         except UserError as exc:  # raised below, on every rank alike
             error = exc
         # every rank: the same settings, software and data, or one line naming what differs (collective)
@@ -120,6 +122,8 @@ class Trainer:
                               sequence_parallel=cfg.layout.sequence_parallel,
                               expert_placement=self.placement.placements,
                               ep_overlap_chunks=cfg.layout.ep_overlap_chunks)
+        if self.document_eos is not None:  # attention within documents: every forward splits its sequences at EOS
+            set_attribute(self.model, "document_eos", self.document_eos)  # the model, or this rank's stages
         # on the meta device until now: each rank allocates and fills only what it holds
         self.model.to_empty(device=plan.device)
         if self.dist.active:  # to_empty made new Parameters: mark the replicated experts' rows again
@@ -478,3 +482,16 @@ class Trainer:
                            f"{final.get('val_loss', float('nan')):.4f} (unigram entropy of the data "
                            f"{entropy:.4f}), {final['elapsed_s']:.0f}s. Expert load: moekit-heatmap "
                            f"{self.run_dir}")
+
+
+def document_eos(cfg: TrainConfig, data) -> int | None:
+    """The end-of-document id that --data.document_mask splits sequences at (None when it is off), or a UserError
+    when the data marks no document ends."""
+    if not cfg.data.document_mask:
+        return None
+    eos = data.tokenizer.eos_id
+    if eos is None:
+        raise UserError(f"--data.document_mask true needs the data's end-of-document id, and {data.desc} has none "
+                        f"(text tokenised as bytes, or prepared with --no-eos); prepare it with an EOS "
+                        f"(moekit-prepare's default) or turn document masking off")
+    return eos
