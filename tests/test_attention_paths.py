@@ -174,6 +174,7 @@ def test_model_with_window_blocks_equals_one_masked_call(window_block):
         torch.testing.assert_close(a, b)
     torch.testing.assert_close(full1, full0, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(cached1, full1, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(cached0, full0, rtol=1e-4, atol=1e-4)
 
 
 def test_windowed_layers_cache_a_ring_and_decode_as_the_full_forward():

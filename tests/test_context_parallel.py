@@ -11,7 +11,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from moekit.comm import context_parallel as cpmod
 from moekit.comm.context_parallel import ContextParallel, check_context_parallel, check_sequence
