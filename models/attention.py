@@ -220,6 +220,10 @@ def local_attention(q: Tensor, k: Tensor, v: Tensor, q_start: int, gqa: bool, sc
     for i in range(0, S, block):
         n, first = min(block, S - i), q_start + i
         lo = max(k_start, first - window + 1) if window else k_start  # the first key any of these queries sees
+        # a few more keys, hidden by the mask, so there are a multiple of 16: CUDA's memory-efficient kernel keeps a
+        # per-head copy of a mask whose key count is not (sink_attention pads for the same reason)
+        if window:
+            lo = max(k_start, first + n - -(-(first + n - lo) // 16) * 16)
         keys = slice(lo - k_start, first + n - k_start)
         out.append(positioned_attention(q[:, :, i : i + n], k[:, :, keys], v[:, :, keys],
                                         first, lo, gqa, scale, window, sinks, segments))
