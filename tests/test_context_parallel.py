@@ -220,3 +220,21 @@ def test_context_parallel_layouts_equal_single_process(world, cases):
     (shared expert); cp4 with a window wider than a chunk; MLA with FSDP over fsdp x cp and ep4; cp2 x tp2 with
     sequence parallelism; MLA at cp4 with document masking."""
     run_ranks(_ranks, world, cases)
+
+
+def _pipeline_rank(rank, world):
+    from moekit.models.pipeline import build_pipeline
+
+    topo = Topology(Layout(pp=2, cp=2), rank, world).build()
+    pipe = build_pipeline(build_model(tiny_config(), seed=0), topo, "gpipe", 1, S)
+    done = parallelize(pipe.model, topo)
+    stages = pipe.model.stages  # kept outside the PipelineModel's registered children
+    assert stages and all(stage.context_parallel is done.context for stage in stages), rank
+    assert all(block.attn.context_parallel is done.context for stage in stages for block in stage.layers.values())
+
+
+def test_pipeline_stages_get_the_strategy():
+    """pp2 x cp2: every stage module computes RoPE at its rank's positions (the strategy reaches the stages, which
+    PipelineModel does not register as children; at initialisation a wrong position moves the loss by ~1e-6 only,
+    so the trainer-level curve comparison cannot see it)."""
+    run_ranks(_pipeline_rank, 4)
