@@ -344,11 +344,14 @@ def train(run_dir: Path, *flags: str) -> list[dict]:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("window,sinks", [(0, True), (48, False), (48, True)])
-def test_sink_and_window_attention_on_device_match_float64(dtype, window, sinks):
-    """gpt-oss's attention on the device's SDPA kernels (masked, GQA expanded: models.attention.masked_sdpa) against
-    the float64 explicit path on the CPU, forward and the gradients of q, k, v and the sinks; bounded by 4x the
-    error of torch's own plain causal SDPA on the same inputs in the same dtype, plus a floor."""
+@pytest.mark.parametrize("window,sinks,documents", [(0, True, False), (48, False, False), (48, True, False),
+                                                    (0, False, True), (48, True, True)])
+def test_sink_and_window_attention_on_device_match_float64(dtype, window, sinks, documents):
+    """gpt-oss's attention on the device's SDPA kernels (masked, GQA expanded: models.attention.masked_sdpa; at S 512
+    the window runs in two blocks of 256 queries, models.attention.local_attention) against the float64 path on the
+    CPU, forward and the gradients of q, k, v and the sinks; with ``documents`` every call takes a per-sequence
+    document mask ([B, 1, S, keys]: documents of 100 positions, shifted by 37 in the second sequence). Bounded by
+    4x the error of torch's own plain causal SDPA on the same inputs in the same dtype, plus a floor."""
     from moekit.models import attention as A
 
     B, N, K, S, D = 2, 8, 2, (64 if SMALL else 512), 64
@@ -356,9 +359,12 @@ def test_sink_and_window_attention_on_device_match_float64(dtype, window, sinks)
     q, k, v = (torch.randn(B, n, S, D, generator=gen, dtype=torch.float64) for n in (N, K, K))
     s = torch.randn(N, generator=gen, dtype=torch.float64) * 2 if sinks else None
     inputs = [q, k, v] + ([s] if sinks else [])
+    positions = torch.arange(S)
+    segments = torch.stack([positions // 100, (positions + 37) // 100]).int() if documents else None
 
     def ours(q, k, v, s=None):
-        return A.attend(q, k, v, None, True, window=window, sinks=s)
+        seg = None if segments is None else segments.to(q.device)
+        return A.attend(q, k, v, None, True, window=window, sinks=s, segments=seg)
 
     def plain(q, k, v, s=None):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
