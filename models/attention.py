@@ -241,6 +241,8 @@ def positioned_attention(q: Tensor, k: Tensor, v: Tensor, q_start: int, k_start:
         if sinks is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=S > 1, enable_gqa=gqa, scale=scale)
         return sink_attention(q, k, v, None, sinks, scale, gqa)
+    if _prefix_applies(q, v, q_start - k_start, P, window, segments):
+        return PrefixCausalAttention.apply(q, k, v, q_start - k_start, scale, sinks)
     mask = span_mask(q_start, S, k_start, P, window, q.device)  # [S, P]
     if segments is not None:  # [B, 1, S, P]: and the same document
         same = segments[:, q_start : q_start + S, None] == segments[:, None, k_start : k_start + P]
@@ -255,6 +257,64 @@ def document_segments(tokens: Tensor, eos: int) -> Tensor:
     before it (an EOS ends its own document; the next position starts the next one). No host sync."""
     ends = tokens == eos
     return (ends.cumsum(dim=1, dtype=torch.int32) - ends.int())
+
+
+def _prefix_applies(q: Tensor, v: Tensor, prefix: int, P: int, window: int, segments) -> bool:
+    """Whether a call of queries after ``prefix`` fully visible keys runs as PrefixCausalAttention: causal attention
+    (sinks or not; no window or documents) over keys that end with the queries' own positions, on the CPU (its flash
+    kernel returns the logsumexp the merge needs), with one head width for q, k and v, outside torch.compile."""
+    return (prefix > 0 and P == prefix + q.shape[2] and not window and segments is None
+            and q.device.type == "cpu" and q.shape[-1] == v.shape[-1] and not torch.compiler.is_compiling())
+
+
+_CPU_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_CPU_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+class PrefixCausalAttention(torch.autograd.Function):
+    """Queries at positions p .. p+S-1 over keys 0 .. p+S-1 (a context-parallel chunk: every earlier key visible,
+    then causal over its own positions) without a mask. SDPA's causal flag aligns the diagonal top-left, so this
+    call needs a [S, p+S] mask, which CPU SDPA converts to float and keeps for backward: S^2 / (2 cp) elements per
+    layer and rank, more than context parallelism saves at long sequences. Instead two flash calls, merged by
+    their logsumexps (as ring attention merges its blocks):
+
+        o1, l1 = attention(q, keys 0 .. p-1)             (no mask: all visible)
+        o2, l2 = attention(q, keys p .. p+S-1, causal)   (square: the causal flag is right)
+        l = logaddexp(l1, l2 [, sink_n]);   out = exp(l1 - l) o1 + exp(l2 - l) o2
+
+    gpt-oss's sinks join the merge as a third part with logsumexp sink_n and value 0. Backward runs each part's
+    flash backward with the merged ``out`` and ``l``: they recompute each part's probabilities as exp(scores - l),
+    the merged softmax's restricted to that part, and its row term rowsum(dout * out) is the merged one, so the
+    parts' gradients add up to the whole call's; a sink's is -sum over its rows of exp(sink_n - l) rowsum(dout * out).
+    Keeps q, the keys and values (views of the gathered tensor), out and l [B, N, S] (float32): no mask."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, prefix: int, scale: float | None,
+                sinks: Tensor | None = None) -> Tensor:
+        with torch.autocast("cpu", enabled=False):
+            k, v = k.to(q.dtype), v.to(q.dtype)
+            o1, l1 = _CPU_FLASH(q, k[:, :, :prefix], v[:, :, :prefix], 0.0, False, scale=scale)
+            o2, l2 = _CPU_FLASH(q, k[:, :, prefix:], v[:, :, prefix:], 0.0, True, scale=scale)
+            lse = torch.logaddexp(l1, l2)  # [B, N, S]
+            if sinks is not None:
+                lse = torch.logaddexp(lse, sinks.float().view(1, -1, 1))
+            out = (torch.exp(l1 - lse)[..., None] * o1 + torch.exp(l2 - lse)[..., None] * o2).to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.prefix, ctx.scale = prefix, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        p, grad = ctx.prefix, grad.contiguous().to(q.dtype)
+        with torch.autocast("cpu", enabled=False):
+            dq1, dk1, dv1 = _CPU_FLASH_BACKWARD(grad, q, k[:, :, :p], v[:, :, :p], out, lse, 0.0, False, scale=ctx.scale)
+            dq2, dk2, dv2 = _CPU_FLASH_BACKWARD(grad, q, k[:, :, p:], v[:, :, p:], out, lse, 0.0, True, scale=ctx.scale)
+            dsinks = None
+            if sinks is not None and ctx.needs_input_grad[5]:
+                rows = (grad.float() * out.float()).sum(-1)  # [B, N, S]
+                dsinks = -(torch.exp(sinks.float().view(1, -1, 1) - lse) * rows).sum((0, 2)).to(sinks.dtype)
+        return dq1 + dq2, torch.cat((dk1, dk2), dim=2), torch.cat((dv1, dv2), dim=2), None, None, dsinks
 
 
 def span_mask(q_start: int, S: int, k_start: int, P: int, window: int, device) -> Tensor:

@@ -238,3 +238,36 @@ def test_pipeline_stages_get_the_strategy():
     PipelineModel does not register as children; at initialisation a wrong position moves the loss by ~1e-6 only,
     so the trainer-level curve comparison cannot see it)."""
     run_ranks(_pipeline_rank, 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sinks", [False, True])
+def test_prefix_chunks_merge_two_flash_calls_and_keep_no_mask(dtype, sinks):
+    """A later chunk (queries at 24 .. 31 over keys 0 .. 31) runs as two flash calls merged by their logsumexps
+    (models.attention.PrefixCausalAttention): forward and gradients equal one masked SDPA call within the dtype's
+    rounding, and autograd keeps no [S, keys] mask (CPU SDPA keeps a float copy of the one it is given)."""
+    from moekit.models import attention as A
+
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(2, 4, 8, 16, generator=g).to(dtype).requires_grad_()
+    k, v = (torch.randn(2, 2, 32, 16, generator=g).to(dtype).requires_grad_() for _ in range(2))
+    sink = torch.randn(4, generator=g).requires_grad_() if sinks else None
+    kept = []
+
+    def keep(t):
+        kept.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        got = A.positioned_attention(q, k, v, 24, 0, True, None, 0, sink)
+    assert (8, 32) not in kept and all(len(s) != 2 for s in kept), kept
+    mask = A.span_mask(24, 8, 0, 32, 0, "cpu")
+    want = (A.masked_sdpa(q, k, v, mask, True, None) if sink is None
+            else A.sink_attention(q, k, v, mask, sink, None, True))
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+    probe = torch.randn(want.shape, generator=g).to(dtype)
+    inputs = [t for t in (q, k, v, sink) if t is not None]
+    for name, a, b in zip("qkvs", torch.autograd.grad((got * probe).sum(), inputs),
+                          torch.autograd.grad((want * probe).sum(), inputs)):
+        torch.testing.assert_close(a.float(), b.float(), **tol, msg=lambda m: f"grad {name}: {m}")
