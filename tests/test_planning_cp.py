@@ -1,7 +1,8 @@
 """The planner (moekit.train.planning) under context parallelism: each rank holds S / cp positions of every sequence,
 attention keeps the whole sequence's keys and values, FSDP shards dense tensors over fsdp x cp and experts over
 dp x fsdp x cp / ep. Estimates against memory measured on real gloo ranks (tests/test_dryrun.py's way: the storages
-still alive after a forward), parameter shards against the recipe's, and the dry run's report."""
+still alive after a forward), with document masking too, parameter shards against the recipe's, and the dry run's
+report."""
 import dataclasses
 
 import pytest
@@ -16,7 +17,7 @@ from moekit.train.planning import activations as A
 from moekit.train.planning import dryrun
 from moekit.train.planning.memory import Workload, all_to_all, estimate_memory
 from tests.dist_utils import run_ranks
-from tests.test_dryrun import compare, measure
+from tests.test_dryrun import EOS, compare, measure, packed_tokens
 
 B, S = 2, 64  # one micro-batch of whole sequences; each cp rank holds S / cp positions of both
 # MLA with equal q / v head dims: CPU SDPA then runs its flash kernel (with Dqk != Dv it falls back to the math path)
@@ -37,10 +38,20 @@ CASES = {  # name: (preset, overrides, activation checkpointing, dtype)
     "gqa-full": ("mixtral-tiny", {}, "full", "float32"),
     # a dense first layer, a shared expert; with tp 2 and sequence parallelism: residual and MoE on S / cp / tp
     "deepseek": ("deepseek-tiny", {}, "none", "float32"),
-    # the window's blocks inside each chunk (models.attention.local_attention; WINDOW_BLOCK 8 here: 2 per chunk)
+    # the window's blocks inside each chunk (models.attention.local_attention; WINDOW_BLOCK 8 here: 2 per chunk),
+    # each over 16 keys, not the 8 + 5 its window reaches (a multiple of 16; the block at position 0: 8)
     "gpt-oss-blocks": ("gpt-oss-tiny", {"sliding_window": 6}, "none", "float32"),
+    # document masking (DOCUMENTS): every chunk's call masked, rank 0's first too, by a [B, 1, c, keys] mask
+    "gqa-documents": ("mixtral-tiny", {}, "none", "float32"),
+    # sinks and window blocks of 16 keys, the full layer's chunks masked (c query rows, not sink_attention's P')
+    "gpt-oss-blocks-documents": ("gpt-oss-tiny", {"sliding_window": 6}, "none", "float32"),
+    "mla-documents": ("deepseek-tiny", MLA, "none", "float32"),
+    # checkpointed blocks keep the whole sequences' documents [B, S] int32 (from the gathered token ids)
+    "gpt-oss-selective-documents": ("gpt-oss-tiny", {"sliding_window": 6}, "selective", "float32"),
+    "gqa-full-documents": ("mixtral-tiny", {}, "full", "float32"),
 }
-BLOCKS = {"gpt-oss-blocks": 8}  # models.attention.WINDOW_BLOCK for a case (else the default)
+BLOCKS = {"gpt-oss-blocks": 8, "gpt-oss-blocks-documents": 8}  # models.attention.WINDOW_BLOCK (else the default)
+DOCUMENTS = {name for name in CASES if name.endswith("-documents")}  # Transformer.document_eos = EOS
 
 
 def _config(name: str, over: dict):
@@ -52,9 +63,13 @@ def _measure_rank(rank: int, layout: Layout, case: str, ranks_per_node: int,
     name, over, mode, dtype = CASES[case]
     cfg = _config(name, over)
     topo = Topology(layout, rank, ranks_per_node=ranks_per_node).build()
-    gen = torch.Generator().manual_seed(topo.data_rank())  # the cp ranks of a data rank split the same sequences
-    tokens, targets = (torch.randint(0, cfg.vocab_size, (B, S), generator=gen) for _ in range(2))
+    if case in DOCUMENTS:  # documents ending at 5, 20, 40 and 30: across chunks (16 positions at cp 2, 8 at cp 4)
+        tokens, targets = packed_tokens(cfg, seed=topo.data_rank())
+    else:
+        gen = torch.Generator().manual_seed(topo.data_rank())  # the cp ranks of a data rank split the same sequences
+        tokens, targets = (torch.randint(0, cfg.vocab_size, (B, S), generator=gen) for _ in range(2))
     model = build_model(cfg, seed=0)
+    model.document_eos = EOS if case in DOCUMENTS else None
     done = parallelize(model, topo, activation_checkpointing=mode, sequence_parallel=sp)
     tokens, targets = done.context.shard(tokens), done.context.shard(targets)  # this rank's zigzag chunks
     model.train()
@@ -64,21 +79,24 @@ def _measure_rank(rank: int, layout: Layout, case: str, ranks_per_node: int,
 
 def _exact_ranks(rank: int, world: int, layout: Layout, cases: list[str], sp: bool = False):
     """ep == 1: no routing imbalance, so each rank's activations are its estimate's up to a few small tensors (the
-    estimate is above by 0.2-2.7 KiB here, less than the masks of the two layers, 4-10 KiB: each term is seen);
-    parameters, gradients and AdamW state exactly."""
+    estimate is above by 0.2-2.7 KiB here, less than the masks of the two layers, 4-10 KiB, and than the documents
+    checkpoints keep, 512 bytes, where the estimate is 220 bytes above: each term is seen); parameters, gradients
+    and AdamW state exactly."""
     default = attention.WINDOW_BLOCK
     for case in cases:
         attention.WINDOW_BLOCK = BLOCKS.get(case, default)  # the model's calls and the estimate's alike
         measured, topo, _ = _measure_rank(rank, layout, case, world, sp)
         name, over, mode, dtype = CASES[case]
         cfg, index = _config(name, over), topo.coords().cp
-        est = estimate_memory(cfg, layout, Workload(B, S, dtype, mode, "cpu", sequence_parallel=sp, cp_rank=index))
+        documents = case in DOCUMENTS
+        est = estimate_memory(cfg, layout, Workload(B, S, dtype, mode, "cpu", sequence_parallel=sp, cp_rank=index,
+                                                    document_mask=documents))
         ratios = compare(measured, est)
         print(f"rank {rank} {case} {layout}: measured {measured['activations']} estimate {est.activations} {ratios}")
         assert (est.params, est.grads, est.optimizer) == (measured["params"], measured["grads"], measured["optimizer"])
         assert 0 <= est.activations - measured["activations"] <= 4096, (case, measured, est.breakdown)
         # the planner's figure (no cp_rank) is the cp rank that keeps the most
-        wl = Workload(B, S, dtype, mode, "cpu", sequence_parallel=sp)
+        wl = Workload(B, S, dtype, mode, "cpu", sequence_parallel=sp, document_mask=documents)
         assert estimate_memory(cfg, layout, wl).activations == max(
             estimate_memory(cfg, layout, dataclasses.replace(wl, cp_rank=r)).activations for r in range(layout.cp))
     attention.WINDOW_BLOCK = default
@@ -89,7 +107,7 @@ def test_estimate_matches_cp2_ranks():
 
 
 def _cp4_and_fsdp(rank: int, world: int):
-    _exact_ranks(rank, world, Layout(cp=4), ["gqa", "gpt-oss"])
+    _exact_ranks(rank, world, Layout(cp=4), ["gqa", "gpt-oss", "mla-documents"])
     _exact_ranks(rank, world, Layout(cp=2, tp=2), ["deepseek"], sp=True)
     # FSDP over fsdp x cp = 4 ranks (dense dim 0), experts over ep 2 and then their dim 1 over dp x fsdp x cp / ep;
     # routing imbalance between ranks leaves the activations within compare's 20%, the all-to-all bytes 25%
@@ -107,6 +125,48 @@ def _cp4_and_fsdp(rank: int, world: int):
 
 def test_estimate_matches_cp4_and_fsdp_over_cp_ranks():
     run_ranks(_cp4_and_fsdp, 4)
+
+
+@pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
+@pytest.mark.parametrize("cp,S,window,block", [
+    (1, 64, 0, 256), (1, 64, 6, 16), (1, 64, 6, 256), (1, 70, 5, 8), (1, 64, 3, 32),
+    (2, 64, 0, 256), (2, 64, 6, 8), (2, 96, 6, 8), (4, 64, 6, 256), (4, 128, 3, 4),
+])
+def test_calls_are_the_calls_attention_makes(monkeypatch, documents, cp, S, window, block):
+    """The planner's ``_calls`` (queries, keys, masked) of every cp rank are the calls models.attention makes,
+    recorded from positioned_attention (masked: it builds a span mask): window blocks reading a multiple of 16 keys
+    (fewer only from position 0), context-parallel chunks, every call masked with documents."""
+    from moekit.comm.context_parallel import ContextParallel
+
+    monkeypatch.setattr(attention, "WINDOW_BLOCK", block)
+    calls, masks = [], []
+    positioned, span = attention.positioned_attention, attention.span_mask
+
+    def record(q, k, *args, **kwargs):
+        masks.append(False)
+        calls.append((q.shape[2], k.shape[2]))
+        return positioned(q, k, *args, **kwargs)
+
+    def record_mask(*args, **kwargs):
+        masks[-1] = True
+        return span(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "positioned_attention", record)
+    monkeypatch.setattr(attention, "span_mask", record_mask)
+    cfg = dataclasses.replace(preset("mixtral-tiny"), sliding_window=window)
+    for rank in range(cp):
+        calls.clear(), masks.clear()
+        x = torch.randn(1, 1, S, 8)
+        segments = torch.zeros(1, S, dtype=torch.int32) if documents else None
+        if cp == 1:
+            attention.attend(x, x, x, None, False, window=window, segments=segments)
+            if not calls:  # no window, no documents: attend's own causal SDPA, one unmasked call
+                calls.append((S, S)), masks.append(False)
+        else:
+            context = ContextParallel(cp, rank)
+            attention.context_attend(context.shard(x, dim=2), x, x, context, False, window=window, segments=segments)
+        s = A.shapes(cfg, Layout(cp=cp), Workload(1, S, "float32", "none", "cpu", document_mask=documents))
+        assert A._calls(s, rank, window) == [(n, P, m) for (n, P), m in zip(calls, masks)], (rank, calls, masks)
 
 
 # ---------------------------------------------------------------------------------------------------

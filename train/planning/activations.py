@@ -27,6 +27,11 @@ Context parallelism (comm.context_parallel, cp > 1): T, Ts, Tm are this rank's S
 so every term per token shrinks cp times; attention keeps the whole sequence's keys and values (``_gqa_kept``:
 the gathered [B, K, S, 2D]; ``_mla``: the gathered latent expanded to [B, N, S, Dqk + Dv]) and a mask per chunk.
 
+Document masking (``Workload.document_mask``, --data.document_mask): every attention call is masked, with a mask per
+sequence [B, 1, queries, keys] (``_calls``, ``_mask_bytes``), and none runs the explicit CPU path; the documents
+[B, S] int32 (models.attention.document_segments, of whole sequences under context parallelism) are an activation
+where checkpointed blocks keep them as their input, else a transient of the forward (memory.estimate_memory).
+
 Sequence parallelism (comm.tensor_parallel, tp > 1) keeps only the regions between the TP matmuls on 1/tp
 of the sequence: residual, norms and the whole MoE layer (its input already is the rank's slice, so Tm = Ts).
 Attention and the dense MLP all-gather their input over the sequence, and that gathered [T, H] is what
@@ -97,6 +102,7 @@ class Shapes:
     explicit_attention: bool  # attention as bmm + softmax + bmm (models.attention.explicit_attention_applies)
     cp: int = 1  # context-parallel ranks splitting each sequence: T holds S / cp positions of each
     cp_rank: int | None = None  # whose zigzag chunks; None: the rank whose attention keeps the most
+    documents: bool = False  # document masking: every call masked, by a [B, 1, queries, keys] mask
 
     @property
     def B(self) -> int:
@@ -114,11 +120,12 @@ def shapes(cfg: ModelConfig, layout: Layout, wl: Workload) -> Shapes:
         R = min(R, cfg.num_experts * min(Tm, math.ceil(Tm * k / cfg.num_experts * cfg.capacity_factor)))
     a = DTYPE_BYTES[wl.dtype]
     bf16_params = a == 2 and layout.fsdp > 1 and wl.device == "cuda"  # the trainer's FSDP param_dtype
-    # under context parallelism attention always runs SDPA, chunk by chunk (models.attention.context_attend)
-    explicit = layout.cp == 1 and explicit_attention_applies(
+    # under context parallelism attention always runs SDPA, chunk by chunk (models.attention.context_attend), and
+    # with documents straight through local_attention (models.attention.attend)
+    explicit = layout.cp == 1 and not wl.document_mask and explicit_attention_applies(
         wl.device, torch.bfloat16 if a == 2 else torch.float32, wl.micro_batch, cfg.num_heads // layout.tp, wl.seq_len)
     return Shapes(T, Ts, Tm, R, a, a if bf16_params else FP32, a == 2 and not bf16_params, wl.device == "cpu",
-                  wl.seq_len, explicit, layout.cp, wl.cp_rank)
+                  wl.seq_len, explicit, layout.cp, wl.cp_rank, wl.document_mask)
 
 
 def _attention(cfg: ModelConfig, layout: Layout, s: Shapes, i: int) -> int:
@@ -148,11 +155,10 @@ def _mla(cfg: ModelConfig, layout: Layout, s: Shapes) -> int:
     for width in (q_lora, c) if q_lora else (c,):
         latents += T * FP32 + (T * width * a if s.cpu else 0)
     kept = T * N * Dqk * a + keys * N * (Dqk + Dv) * a + T * N * (Dv * a + FP32)  # q; k, v; output, logsumexp
-    if s.cp > 1:  # wo reads a copy of the chunks' outputs; a mask per chunk (MLA: no key heads to expand)
-        kept += T * N * Dv * a + max(sum(_mask_bytes(s, N, n, P) for n, P, masked in _calls(s, r, 0) if masked)
-                                     for r in _cp_ranks(s))
-    elif s.cpu:  # wo reads a copy of the output
+    if s.cp > 1 or s.cpu:  # wo reads a copy of the chunks' outputs (on CPU: of the one call's too)
         kept += T * N * Dv * a
+    # a mask per masked call: each chunk but rank 0's first, every call with documents (MLA: no key heads to expand)
+    kept += max(sum(_mask_bytes(s, N, n, P) for n, P, masked in _calls(s, r, 0) if masked) for r in _cp_ranks(s))
     return inputs + latents + kept + _explicit_probs(cfg, layout, s)
 
 
@@ -164,20 +170,20 @@ def _gqa_kept(s: Shapes, N: int, K: int, D: int, window: int, sinks: bool, gqa: 
 
     plain / window: q (the calls keep views of it), k (after RoPE) and v, or under context parallelism the
         gathered [B, K, S, 2D] of whole sequences (views of it too); each call's output and fp32 logsumexp; each
-        masked call's additive [queries, keys] mask in the compute dtype (``_mask_bytes``: CPU flash measured;
-        CUDA efficient attention keeps a broadcast view when keys % 16 == 0, else torch pads the expanded mask
-        per batch row and head, attention.cpp's preprocess_mask). One call needs no copy for wo: RoPE runs before
-        the head transpose, so q reaches SDPA as a [B, S, N, D] view and SDPA returns its output in that layout,
-        whose reshape back to [B, S, N*D] is a view; several calls' outputs are concatenated, and wo's input is
-        a copy. On CUDA a masked GQA call expands its keys and values to the N query heads (masked_sdpa): those
+        masked call's additive [queries, keys] mask in the compute dtype, [B, 1, queries, keys] with documents
+        (``_mask_bytes``: CPU flash measured; CUDA efficient attention keeps a broadcast view when keys % 16 == 0,
+        which window blocks always read, else torch pads the expanded mask per batch row and head, attention.cpp's
+        preprocess_mask). One call needs no copy for wo: RoPE runs before the head transpose, so q reaches SDPA as
+        a [B, S, N, D] view and SDPA returns its output in that layout, whose reshape back to [B, S, N*D] is a
+        view; several calls' outputs are concatenated, and wo's input is a copy. On CUDA a masked GQA call expands its keys and values to the N query heads (masked_sdpa): those
         [B, N, keys, D] copies are kept instead of views, and k and v only while an unmasked call reads them.
     sinks (models.attention.sink_attention), per call over P keys: SDPA over copies q' [B, N, n, D+8], k' and v'
         [B, K, P', D+8] (P' = P + 1 rounded up to a multiple of 16; CUDA, masked, GQA: N heads) and the
-        [n, P'] mask; q, k, v themselves are then freed. The fused kernel keeps q', k', v', its [B, N, n, D+8]
-        output and fp32 logsumexp, and the mask (CPU flash attention: measured; CUDA's memory-efficient kernel,
-        assumed: with P' % 16 == 0 the mask stays a broadcast view); wo's input is a copy of the outputs' first
-        D channels [T, N*D]. An unmasked call (causal over its own positions) runs SDPA with no mask, its queries
-        padded to the keys' P' rows: q', the output and the logsumexp are P' rows long.
+        [n, P'] mask ([B, 1, n, P'] with documents); q, k, v themselves are then freed. The fused kernel keeps q',
+        k', v', its [B, N, n, D+8] output and fp32 logsumexp, and the mask (CPU flash attention: measured; CUDA's
+        memory-efficient kernel, assumed: with P' % 16 == 0 the mask stays a broadcast view); wo's input is a copy
+        of the outputs' first D channels [T, N*D]. An unmasked call (causal over its own positions) runs SDPA with
+        no mask, its queries padded to the keys' P' rows: q', the output and the logsumexp are P' rows long.
     explicit (CPU bf16, short sequences: bmm + softmax + bmm): copies of q, k, v and of the output in place of
         SDPA's views (the same bytes) and the softmax probabilities [B, N, S, S] (S + 1 wide with sinks) in
         place of the logsumexp; its additive mask is not kept (baddbmm's input needs no saving).
@@ -218,10 +224,11 @@ def sink_keys(S: int) -> int:
 
 
 def _mask_bytes(s: Shapes, N: int, rows: int, keys: int) -> int:
-    """The additive [rows, keys] mask SDPA keeps for backward (``_gqa_kept``): on CPU as it is; on CUDA a
-    broadcast view when ``keys`` is a multiple of 16, else padded and materialised per batch row and head."""
+    """The additive [rows, keys] mask SDPA keeps for backward (``_gqa_kept``), one per sequence with documents
+    ([B, 1, rows, keys]: models.attention.positioned_attention): on CPU as it is; on CUDA a broadcast view when
+    ``keys`` is a multiple of 16, else padded and materialised per batch row and head."""
     if s.cpu or keys % MEM_EFF_ALIGN == 0:
-        return rows * keys * s.a
+        return (s.B if s.documents else 1) * rows * keys * s.a
     return s.B * N * rows * math.ceil(keys / MEM_EFF_ALIGN) * MEM_EFF_ALIGN * s.a
 
 
@@ -234,8 +241,9 @@ def _calls(s: Shapes, rank: int, window: int) -> list[tuple[int, int, bool]]:
     """(queries, keys, masked) per sequence of each SDPA call one attention layer makes on context-parallel rank
     ``rank``, as models.attention makes them: local_attention over the whole sequence (cp 1; one call unless a
     window splits the queries into blocks) or over each zigzag chunk (context_attend); each block of queries reads
-    the keys from its window's start (else 0) to its own end, with a mask unless they are its own positions and
-    the window hides none of them (positioned_attention)."""
+    the keys from its window's start (else 0) to its own end, a windowed block a few more (hidden by its mask) so
+    that it reads a multiple of 16 keys (but none before position 0), with a mask unless they are its own
+    positions, the window hides none of them and there are no documents (positioned_attention)."""
     from moekit.comm.context_parallel import ContextParallel
     from moekit.models.attention import window_block
 
@@ -246,7 +254,10 @@ def _calls(s: Shapes, rank: int, window: int) -> list[tuple[int, int, bool]]:
         for i in range(0, S, block):
             n, first = min(block, S - i), q_start + i
             lo = max(0, first - window + 1) if window else 0
-            out.append((n, first + n - lo, not (first == lo and (not window or window >= n))))
+            if window:  # local_attention's keys, a multiple of 16 of them where there are enough
+                lo = max(0, first + n - math.ceil((first + n - lo) / MEM_EFF_ALIGN) * MEM_EFF_ALIGN)
+            plain = first == lo and (not window or window >= n) and not s.documents
+            out.append((n, first + n - lo, not plain))
     return out
 
 
@@ -423,6 +434,10 @@ def stage_activations(cfg: ModelConfig, layout: Layout, wl: Workload, stage: Sta
         else:
             _add(out, ffn)
         _add(out, outer)
+    if wl.document_mask and mode in ("full", "selective") and stage.layers:  # models.attention.document_segments:
+        # [B, S] int32 of the whole sequences (under context parallelism from their gathered ids), which every
+        # checkpointed block keeps as its input
+        out["documents"] = s.B * s.S * 4
     if stage.first:
         out["embedding"] = s.T * INT64  # token ids
     if stage.last:  # last block's output (all-gathered under SP), final norm, then the loss's own

@@ -80,7 +80,7 @@ def plan_dry_run(cfg: TrainConfig, world_size: int | None = None) -> DryRunPlan:
     device = "cpu" if t.device == "cpu" else "cuda"  # the dry run plans for the GPUs a real run gets
     dtype = {"float32": "float32", "bfloat16": "bfloat16", "auto": "bfloat16" if device == "cuda" else "float32"}
     wl = Workload(resolved.micro_batch, t.seq_len, dtype[t.dtype], t.activation_checkpointing, device, resolved.accum,
-                  L.pp_schedule, L.pp_stages_per_rank, L.sequence_parallel)
+                  L.pp_schedule, L.pp_stages_per_rank, L.sequence_parallel, document_mask=cfg.data.document_mask)
     per_node = resolved.ranks_per_node or math.gcd(resolved.world_size, 8)  # default: 8 GPUs per node
     return DryRunPlan(resolved, per_node, wl)
 
@@ -275,7 +275,8 @@ def report(cfg: TrainConfig, opts: Options, plan: DryRunPlan, built: Built, esti
              "  fake process group; " + ", ".join(f"{k} {v:.2f} s" for k, v in built.seconds.items()),
              f"  per rank: micro-batch {wl.micro_batch} x {tokens}, {wl.microbatches} micro-batch(es) per "
              f"step, {wl.dtype}{' autocast' if wl.dtype != 'float32' else ''} on {wl.device}, activation "
-             f"checkpointing {wl.activation_checkpointing}{_sequence_parallel(L, wl)}"]
+             f"checkpointing {wl.activation_checkpointing}{_sequence_parallel(L, wl)}"
+             + (", attention within documents (every call masked)" if wl.document_mask else "")]
     if L.cp > 1:
         lines.append(context_line(L, wl))
     if built.refused:

@@ -32,13 +32,15 @@ The parallel recipe (models/parallelize.py, comm/tensor_parallel.py, comm/fsdp.p
     CP: each rank holds S / cp positions of every sequence (zigzag chunks, comm.context_parallel): every term
     per token (residual, norms, MoE, loss, all-to-all) is on micro_batch * S / cp tokens; attention keeps the
     keys and values of whole sequences (moekit.train.planning.activations._gqa_kept, _mla).
+    Document masking (``Workload.document_mask``): every attention call masked, a mask per sequence
+    (moekit.train.planning.activations); the documents [B, S] int32 kept by checkpointed blocks, else a transient.
     PP: a rank holds its stage's layers (``Stage``); activations are multiplied by the micro-batches the
     stage holds at once: GPipe all M, 1F1B pp - stage, interleaved Megatron's warm-up count.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from moekit.train.planning import cost_model
 from moekit.comm.topology import Layout, Topology
@@ -64,6 +66,7 @@ class Workload:
     sequence_parallel: bool = False  # with tp > 1: residual, norms and MoE layers on 1/tp of the sequence
     expert_replicas: int = 0  # redundant expert slots over the EP group (--layout.expert_replicas, a placement file)
     cp_rank: int | None = None  # with cp > 1: whose zigzag chunks attention runs (None: the rank keeping the most)
+    document_mask: bool = False  # attention within each document of a packed sequence (--data.document_mask)
 
     def __post_init__(self):
         for name, value, allowed in (("dtype", self.dtype, tuple(DTYPE_BYTES)), ("pp_schedule", self.pp_schedule, SCHEDULES),
@@ -268,8 +271,13 @@ def _matmul_weight(part: str, shape: tuple[int, ...]) -> bool:
 
 def estimate_memory(cfg: ModelConfig, layout: Layout, wl: Workload, stage: Stage | None = None,
                     ranks_per_node: int | None = None, hierarchical: bool | None = None) -> MemoryEstimate:
-    """Per-rank bytes of a rank of ``stage`` (default: pipeline rank 0, even split) training with AdamW."""
+    """Per-rank bytes of a rank of ``stage`` (default: pipeline rank 0, even split) training with AdamW; under
+    context parallelism of the cp rank ``wl.cp_rank``, else of the one whose activations are the most (whole: one
+    rank's windowed layers may keep more and its full ones less than another's)."""
     stage = stage or even_stages(cfg, layout, wl.pp_stages_per_rank)[0]
+    if layout.cp > 1 and wl.cp_rank is None:
+        return max((estimate_memory(cfg, layout, replace(wl, cp_rank=r), stage, ranks_per_node, hierarchical)
+                    for r in range(layout.cp)), key=lambda e: (e.activations, e.peak))
     tensors = param_tensors(cfg, layout, stage, wl.expert_replicas)
     numel = sum(n for _, n in tensors)
     traffic = all_to_all(cfg, layout, wl, stage, ranks_per_node, hierarchical)
@@ -292,7 +300,11 @@ def estimate_memory(cfg: ModelConfig, layout: Layout, wl: Workload, stage: Stage
         logits = min(tokens, DEFAULT_CHUNK) * cfg.vocab_size * (FP32 + low) + cfg.vocab_size * cfg.hidden_size * low
     else:
         logits = tokens * cfg.vocab_size * (FP32 + low)
-    transient = {"recompute": recompute, "fsdp_unsharded": gathered, "logits": logits}
+    # document masking: each position's document [B, S] int32 (models.attention.document_segments) lives through the
+    # forward, its loss included; checkpointed blocks keep it as their input (then an activation, "documents")
+    kept_documents = "documents" in per_mb
+    documents = wl.micro_batch * wl.seq_len * 4 if wl.document_mask and stage.last and not kept_documents else 0
+    transient = {"recompute": recompute, "fsdp_unsharded": gathered, "logits": logits, "documents": documents}
     breakdown.update({f"transient_{k}": v for k, v in transient.items() if v})
     by_part: dict[str, int] = {}
     for part, n in tensors:
