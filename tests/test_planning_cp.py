@@ -79,9 +79,9 @@ def _measure_rank(rank: int, layout: Layout, case: str, ranks_per_node: int,
 
 def _exact_ranks(rank: int, world: int, layout: Layout, cases: list[str], sp: bool = False):
     """ep == 1: no routing imbalance, so each rank's activations are its estimate's up to a few small tensors (the
-    estimate is above by 0.2-2.7 KiB here, less than the masks of the two layers, 4-10 KiB, and than the documents
-    checkpoints keep, 512 bytes, where the estimate is 220 bytes above: each term is seen); parameters, gradients
-    and AdamW state exactly."""
+    estimate is above by 0.2-2.7 KiB here, less than the masks of the two layers, 4-10 KiB, which the CPU's prefix
+    chunks (PrefixCausalAttention) do not keep, and than the documents checkpoints keep, 512 bytes, where the
+    estimate is 220 bytes above: each term is seen); parameters, gradients and AdamW state exactly."""
     default = attention.WINDOW_BLOCK
     for case in cases:
         attention.WINDOW_BLOCK = BLOCKS.get(case, default)  # the model's calls and the estimate's alike
@@ -133,9 +133,10 @@ def test_estimate_matches_cp4_and_fsdp_over_cp_ranks():
     (2, 64, 0, 256), (2, 64, 6, 8), (2, 96, 6, 8), (4, 64, 6, 256), (4, 128, 3, 4),
 ])
 def test_calls_are_the_calls_attention_makes(monkeypatch, documents, cp, S, window, block):
-    """The planner's ``_calls`` (queries, keys, masked) of every cp rank are the calls models.attention makes,
+    """The planner's ``_calls`` (queries, keys, masked) of every cp rank are the calls models.attention makes on CPU,
     recorded from positioned_attention (masked: it builds a span mask): window blocks reading a multiple of 16 keys
-    (fewer only from position 0), context-parallel chunks, every call masked with documents."""
+    (fewer only from position 0), context-parallel chunks (after the first, without a window: PrefixCausalAttention,
+    no mask, unless q and v differ in width as MLA's may), every call masked with documents."""
     from moekit.comm.context_parallel import ContextParallel
 
     monkeypatch.setattr(attention, "WINDOW_BLOCK", block)
@@ -154,19 +155,21 @@ def test_calls_are_the_calls_attention_makes(monkeypatch, documents, cp, S, wind
     monkeypatch.setattr(attention, "positioned_attention", record)
     monkeypatch.setattr(attention, "span_mask", record_mask)
     cfg = dataclasses.replace(preset("mixtral-tiny"), sliding_window=window)
-    for rank in range(cp):
+    for rank, width in [(r, w) for r in range(cp) for w in (8, 6)]:  # v as wide as q, k, or narrower
         calls.clear(), masks.clear()
         x = torch.randn(1, 1, S, 8)
+        v = x[..., :width].contiguous()
         segments = torch.zeros(1, S, dtype=torch.int32) if documents else None
         if cp == 1:
-            attention.attend(x, x, x, None, False, window=window, segments=segments)
+            attention.attend(x, x, v, None, False, window=window, segments=segments)
             if not calls:  # no window, no documents: attend's own causal SDPA, one unmasked call
                 calls.append((S, S)), masks.append(False)
         else:
             context = ContextParallel(cp, rank)
-            attention.context_attend(context.shard(x, dim=2), x, x, context, False, window=window, segments=segments)
+            attention.context_attend(context.shard(x, dim=2), x, v, context, False, window=window, segments=segments)
         s = A.shapes(cfg, Layout(cp=cp), Workload(1, S, "float32", "none", "cpu", document_mask=documents))
-        assert A._calls(s, rank, window) == [(n, P, m) for (n, P), m in zip(calls, masks)], (rank, calls, masks)
+        planned = A._calls(s, rank, window, same_widths=width == 8)
+        assert planned == [(n, P, m) for (n, P), m in zip(calls, masks)], (rank, width, calls, masks)
 
 
 # ---------------------------------------------------------------------------------------------------

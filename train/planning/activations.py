@@ -25,7 +25,8 @@ GEMMs where the dispatcher sees them); the transient is what backward recomputes
 
 Context parallelism (comm.context_parallel, cp > 1): T, Ts, Tm are this rank's S / cp positions of each sequence,
 so every term per token shrinks cp times; attention keeps the whole sequence's keys and values (``_gqa_kept``:
-the gathered [B, K, S, 2D]; ``_mla``: the gathered latent expanded to [B, N, S, Dqk + Dv]) and a mask per chunk.
+the gathered [B, K, S, 2D]; ``_mla``: the gathered latent expanded to [B, N, S, Dqk + Dv]) and a mask per chunk
+(on CUDA; the CPU's later chunks without a window or documents keep none: models.attention.PrefixCausalAttention).
 
 Document masking (``Workload.document_mask``, --data.document_mask): every attention call is masked, with a mask per
 sequence [B, 1, queries, keys] (``_calls``, ``_mask_bytes``), and none runs the explicit CPU path; the documents
@@ -158,7 +159,8 @@ def _mla(cfg: ModelConfig, layout: Layout, s: Shapes) -> int:
     if s.cp > 1 or s.cpu:  # wo reads a copy of the chunks' outputs (on CPU: of the one call's too)
         kept += T * N * Dv * a
     # a mask per masked call: each chunk but rank 0's first, every call with documents (MLA: no key heads to expand)
-    kept += max(sum(_mask_bytes(s, N, n, P) for n, P, masked in _calls(s, r, 0) if masked) for r in _cp_ranks(s))
+    kept += max(sum(_mask_bytes(s, N, n, P) for n, P, masked in _calls(s, r, 0, Dqk == Dv) if masked)
+                for r in _cp_ranks(s))
     return inputs + latents + kept + _explicit_probs(cfg, layout, s)
 
 
@@ -175,15 +177,20 @@ def _gqa_kept(s: Shapes, N: int, K: int, D: int, window: int, sinks: bool, gqa: 
         which window blocks always read, else torch pads the expanded mask per batch row and head, attention.cpp's
         preprocess_mask). One call needs no copy for wo: RoPE runs before the head transpose, so q reaches SDPA as
         a [B, S, N, D] view and SDPA returns its output in that layout, whose reshape back to [B, S, N*D] is a
-        view; several calls' outputs are concatenated, and wo's input is a copy. On CUDA a masked GQA call expands its keys and values to the N query heads (masked_sdpa): those
-        [B, N, keys, D] copies are kept instead of views, and k and v only while an unmasked call reads them.
+        view; several calls' outputs are concatenated, and wo's input is a copy. On CUDA a masked GQA call expands
+        its keys and values to the N query heads (masked_sdpa): those [B, N, keys, D] copies are kept instead of
+        views, and k and v only while an unmasked call reads them. On CPU a context-parallel chunk after the first
+        (every earlier key visible, then causal) runs as models.attention.PrefixCausalAttention: two flash calls
+        merged, no mask; it keeps views of q, k, v, its output and its fp32 logsumexp, as an unmasked call does.
     sinks (models.attention.sink_attention), per call over P keys: SDPA over copies q' [B, N, n, D+8], k' and v'
         [B, K, P', D+8] (P' = P + 1 rounded up to a multiple of 16; CUDA, masked, GQA: N heads) and the
         [n, P'] mask ([B, 1, n, P'] with documents); q, k, v themselves are then freed. The fused kernel keeps q',
         k', v', its [B, N, n, D+8] output and fp32 logsumexp, and the mask (CPU flash attention: measured; CUDA's
         memory-efficient kernel, assumed: with P' % 16 == 0 the mask stays a broadcast view); wo's input is a copy
         of the outputs' first D channels [T, N*D]. An unmasked call (causal over its own positions) runs SDPA with
-        no mask, its queries padded to the keys' P' rows: q', the output and the logsumexp are P' rows long.
+        no mask, its queries padded to the keys' P' rows: q', the output and the logsumexp are P' rows long. A CPU
+        PrefixCausalAttention call (sinks are a part of its merge) keeps no widened copies: its [B, N, n, D] output
+        and fp32 logsumexp, and views of q and of the gathered keys and values (so those are kept).
     explicit (CPU bf16, short sequences: bmm + softmax + bmm): copies of q, k, v and of the output in place of
         SDPA's views (the same bytes) and the softmax probabilities [B, N, S, S] (S + 1 wide with sinks) in
         place of the logsumexp; its additive mask is not kept (baddbmm's input needs no saving).
@@ -198,12 +205,17 @@ def _gqa_kept(s: Shapes, N: int, K: int, D: int, window: int, sinks: bool, gqa: 
         calls = _calls(s, rank, window)
         kept = T * N * D * a if sinks or len(calls) > 1 else 0  # wo's input
         if sinks:
-            W = D + SINK_PAD
+            W, prefix = D + SINK_PAD, False
             for n, P, masked in calls:
+                if not masked and P > n:  # PrefixCausalAttention
+                    kept += B * N * n * (D * a + FP32)
+                    prefix = True
+                    continue
                 P2 = sink_keys(P)
                 rows, heads = (n, N if expand else K) if masked else (P2, K)
                 kept += (2 * B * N * rows * W + 2 * B * heads * P2 * W) * a + B * N * rows * FP32
                 kept += _mask_bytes(s, N, n, P2) if masked else 0
+            kept += T * N * D * a + keys_kv if prefix else 0  # q and the gathered k, v: PrefixCausalAttention's views
         else:
             kept += T * N * D * a + T * N * (D * a + FP32)  # q; the outputs and their logsumexp
             views = False
@@ -237,13 +249,16 @@ def _cp_ranks(s: Shapes) -> list[int]:
     return list(range(s.cp)) if s.cp_rank is None else [s.cp_rank]
 
 
-def _calls(s: Shapes, rank: int, window: int) -> list[tuple[int, int, bool]]:
+def _calls(s: Shapes, rank: int, window: int, same_widths: bool = True) -> list[tuple[int, int, bool]]:
     """(queries, keys, masked) per sequence of each SDPA call one attention layer makes on context-parallel rank
     ``rank``, as models.attention makes them: local_attention over the whole sequence (cp 1; one call unless a
     window splits the queries into blocks) or over each zigzag chunk (context_attend); each block of queries reads
     the keys from its window's start (else 0) to its own end, a windowed block a few more (hidden by its mask) so
     that it reads a multiple of 16 keys (but none before position 0), with a mask unless they are its own
-    positions, the window hides none of them and there are no documents (positioned_attention)."""
+    positions, the window hides none of them and there are no documents (positioned_attention). Unmasked over more
+    keys than queries: on CPU a context-parallel chunk after the first, without window or documents, whose q and v
+    have the same head width (``same_widths``) runs as PrefixCausalAttention (every earlier key visible, then
+    causal: two flash calls merged by their logsumexps, no mask; models.attention._prefix_applies)."""
     from moekit.comm.context_parallel import ContextParallel
     from moekit.models.attention import window_block
 
@@ -257,7 +272,8 @@ def _calls(s: Shapes, rank: int, window: int) -> list[tuple[int, int, bool]]:
             if window:  # local_attention's keys, a multiple of 16 of them where there are enough
                 lo = max(0, first + n - math.ceil((first + n - lo) / MEM_EFF_ALIGN) * MEM_EFF_ALIGN)
             plain = first == lo and (not window or window >= n) and not s.documents
-            out.append((n, first + n - lo, not plain))
+            prefix = s.cpu and same_widths and lo < first and not window and not s.documents
+            out.append((n, first + n - lo, not (plain or prefix)))
     return out
 
 
@@ -350,14 +366,20 @@ def _selective(cfg: ModelConfig, layout: Layout, s: Shapes, i: int) -> dict[str,
         proj, fused, c = s.T * (N + 2 * K) * Dv, True, 2 * K * Dv
     # bmm + softmax + bmm (explicit): nothing a selective checkpoint caches
     fused = fused and not s.explicit_attention
-    # sink attention's SDPA output is 8 channels wider, and an unmasked call's P' rows long (``_calls``)
+    # each SDPA call's output and fp32 logsumexp (``_calls``): sink attention's 8 channels wider, an unmasked one's
+    # P' rows long; both flash calls of a CPU PrefixCausalAttention (a later context-parallel chunk)
     width = Dv + SINK_PAD if cfg.attention_sinks else Dv
-    rows = s.T
-    if cfg.attention_sinks:
-        rows = max(s.B * sum(n if masked else sink_keys(n) for n, _, masked in _calls(s, r, cfg.attention_window(i)))
-                   for r in _cp_ranks(s))
-    # q / k / v (or MLA's latents) and the output projection; SDPA's output and fp32 logsumexp
-    out = {"attention": (proj + s.T * H) * a + (rows * N * (width * a + FP32) if fused else 0)}
+
+    def sdpa(n: int, P: int, masked: bool) -> int:
+        if not masked and P > n:
+            return 2 * n * (Dv * a + FP32)
+        return (n if masked or not cfg.attention_sinks else sink_keys(n)) * (width * a + FP32)
+
+    same_widths = cfg.attention != "mla" or cfg.attn_qk_head_dim == Dv
+    calls = [_calls(s, r, cfg.attention_window(i), same_widths) for r in _cp_ranks(s)]
+    kept = max(s.B * N * sum(sdpa(*call) for call in rank) for rank in calls) if fused else 0
+    # q / k / v (or MLA's latents) and the output projection
+    out = {"attention": (proj + s.T * H) * a + kept}
     if s.cp > 1:  # the key / value all-gather's output (a functional collective: cached) [B, S, 2KD or c + rope]
         out["attention"] += keys * c * a
     gated = get_activation(cfg.activation).gated
