@@ -127,9 +127,22 @@ def test_trainer_masks_documents_of_prepared_data_and_refuses_data_without_ends(
     runs = {}
     for mask in ("false", "true"):
         run_dir = tmp_path / f"run-{mask}"
-        assert train([*tiny, "--run-dir", str(run_dir), "--data.document_mask", mask]) == 0
+        keep = ["--checkpoint.every", "2"] if mask == "true" else []  # a checkpoint for moekit-eval
+        assert train([*tiny, *keep, "--run-dir", str(run_dir), "--data.document_mask", mask]) == 0
         runs[mask] = [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert runs["true"][0] != pytest.approx(runs["false"][0], rel=1e-6)
+    # moekit-eval evaluates as the run trained (auto), or as told
+    from moekit.train.evaluate import main as evaluate
+
+    losses = {}
+    for choice in ("auto", "on", "off"):
+        out = tmp_path / f"eval-{choice}.json"
+        assert evaluate([str(tmp_path / "run-true"), "--batches", "2", "--quiet", "--document-mask", choice,
+                         "--out", str(out)]) == 0
+        result = json.loads(out.read_text())
+        losses[choice] = result["loss"]
+        assert result["document_mask"] == (choice != "off")
+    assert losses["auto"] == losses["on"] != pytest.approx(losses["off"], rel=1e-6)
     # two pipeline stages (each splits its micro-batches at EOS itself) follow the one-process masked curve
     from tests.test_train_distributed import run
 

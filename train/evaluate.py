@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--capacity", choices=("dropless", "trained"), default="dropless",
                    help="dropless (default, as generation runs) or the trained capacity factor (as the trainer "
                         "evaluates)")
+    p.add_argument("--document-mask", choices=("auto", "on", "off"), default="auto",
+                   help="attention within each document of a window (split at the data's EOS id); auto: as the run "
+                        "trained (its data.document_mask), so the loss is the one its validation reported")
     p.add_argument("--out", metavar="JSON", help="also write the results as JSON here")
     p.add_argument("--specialisation", action="store_true",
                    help="also report which tokens and positions each expert receives (module docstring)")
@@ -117,6 +120,12 @@ def run(args: argparse.Namespace) -> dict:
     split, desc, data_tok = load_split(section, tokenizer, cfg.vocab_size, seq_len)
     where = f"data {section.path or section.blend or section.text or '(embedded corpus)'}" if section else "data"
     check_tokenizers(data_tok, tokenizer, where)
+    masked = document_mask_of(args.document_mask, info.run_config)
+    if masked:
+        if data_tok.eos_id is None:
+            raise UserError(f"--document-mask {args.document_mask}: the {where} marks no document ends (no EOS id); "
+                            f"evaluate with --document-mask off, or data prepared with an EOS")
+        model.document_eos = data_tok.eos_id
     limits = []  # windows: all of the split unless --batches / --max-tokens ask for fewer
     if args.batches:
         limits.append(args.batches * batch_size)
@@ -130,7 +139,8 @@ def run(args: argparse.Namespace) -> dict:
     note(f"{info.describe()}; tokenizer {tokenizer.describe() if tokenizer else 'none: no bits per byte'}")
     for line in info.routing:
         note(f"note: {line}")
-    note(f"data: {desc}; {args.split} split: {starts.size:,} windows of {seq_len} in batches of {batch_size}")
+    note(f"data: {desc}; {args.split} split: {starts.size:,} windows of {seq_len} in batches of {batch_size}"
+         f"{'; attention within documents' if masked else ''}")
     observer = None
     if args.specialisation:
         from moekit.train.specialisation import Specialisation
@@ -146,7 +156,8 @@ def run(args: argparse.Namespace) -> dict:
         result["specialisation"] = observer.result(tokenizer)
     result = {"path": str(info.path), "checkpoint": str(info.checkpoint) if info.checkpoint else None,
               "step": info.step, "model": cfg.name, "data": desc, "split": args.split, "seq_len": seq_len,
-              "batch_size": batch_size, "capacity": args.capacity, "device": str(info.device),
+              "batch_size": batch_size, "capacity": args.capacity, "document_mask": masked,
+              "device": str(info.device),
               "dtype": str(info.dtype).removeprefix("torch."), **result}
     if not args.quiet:
         print(report(result))
@@ -161,6 +172,13 @@ def run(args: argparse.Namespace) -> dict:
             raise UserError(f"--out {out}: cannot write it: {describe_os_error(exc)}") from None
         _note(f"wrote {out}")
     return result
+
+
+def document_mask_of(choice: str, run_config: dict | None) -> bool:
+    """--document-mask: on / off, or auto: the run's data.document_mask (off for a folder without a run config)."""
+    if choice != "auto":
+        return choice == "on"
+    return bool(((run_config or {}).get("data") or {}).get("document_mask", False))
 
 
 def report(r: dict) -> str:
