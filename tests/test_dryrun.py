@@ -95,6 +95,17 @@ def compare(measured: dict, est, tol: float = 0.2) -> dict[str, float]:
 B, S = 2, 64  # one micro-batch
 
 
+
+def measure_one_process(cfg, mode: str, autocast=None) -> dict:
+    """The memory one training forward + backward of ``cfg`` keeps (``measure``), built in one process with
+    activation checkpointing ``mode``, on B x S random tokens and targets (seeded)."""
+    model = build_model(cfg, seed=0)
+    apply_activation_checkpointing(model, mode)
+    model.train()
+    gen = torch.Generator().manual_seed(0)
+    tokens, targets = (torch.randint(0, cfg.vocab_size, (B, S), generator=gen) for _ in range(2))
+    return measure(model, tokens, targets, autocast=autocast)
+
 @pytest.mark.parametrize("name,mode,over", [
     ("mixtral-tiny", "none", {}), ("mixtral-tiny", "ffn", {}), ("mixtral-tiny", "full", {}),
     ("deepseek-tiny", "none", {}), ("switch-tiny", "none", {}),
@@ -111,12 +122,7 @@ B, S = 2, 64  # one micro-batch
 ])
 def test_estimate_matches_one_process(name, mode, over):
     cfg = dataclasses.replace(preset(name), num_layers=2, **over)
-    model = build_model(cfg, seed=0)
-    apply_activation_checkpointing(model, mode)
-    model.train()
-    gen = torch.Generator().manual_seed(0)
-    tokens, targets = (torch.randint(0, cfg.vocab_size, (B, S), generator=gen) for _ in range(2))
-    measured = measure(model, tokens, targets)
+    measured = measure_one_process(cfg, mode)
     est = estimate_memory(cfg, Layout(), Workload(B, S, "float32", mode, "cpu"))
     compare(measured, est)
     # parameters, gradients and AdamW state are counted exactly; activations up to small int / scalar
@@ -143,12 +149,7 @@ def test_estimate_matches_one_process_under_cpu_bf16_autocast(name, attention, m
     before, A.EXPLICIT_ATTENTION = A.EXPLICIT_ATTENTION, attention
     try:
         assert A.explicit_attention_applies("cpu", torch.bfloat16, B, cfg.num_heads, S) == (attention == "auto")
-        model = build_model(cfg, seed=0)
-        apply_activation_checkpointing(model, mode)
-        model.train()
-        gen = torch.Generator().manual_seed(0)
-        tokens, targets = (torch.randint(0, cfg.vocab_size, (B, S), generator=gen) for _ in range(2))
-        measured = measure(model, tokens, targets, autocast=torch.bfloat16)
+        measured = measure_one_process(cfg, mode, autocast=torch.bfloat16)
         est = estimate_memory(cfg, Layout(), Workload(B, S, "bfloat16", mode, "cpu"))
     finally:
         A.EXPLICIT_ATTENTION = before
@@ -171,12 +172,7 @@ def test_estimate_matches_one_process_with_window_blocks(monkeypatch, name, mode
     wl = Workload(B, S, "float32", mode, "cpu")
     calls = A._calls(A.shapes(cfg, Layout(), wl), 0, 6)  # the planner sees the blocks too, and their keys
     assert [(n, keys, masked) for n, keys, masked in calls] == [(16, 16, True)] + [(16, 32, True)] * 3
-    model = build_model(cfg, seed=0)
-    apply_activation_checkpointing(model, mode)
-    model.train()
-    gen = torch.Generator().manual_seed(0)
-    tokens, targets = (torch.randint(0, cfg.vocab_size, (B, S), generator=gen) for _ in range(2))
-    measured = measure(model, tokens, targets)
+    measured = measure_one_process(cfg, mode)
     est = estimate_memory(cfg, Layout(), wl)
     assert est.activations == pytest.approx(measured["activations"], rel=0.005), est.breakdown
 
