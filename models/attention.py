@@ -26,6 +26,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moekit.models.config import ModelConfig
+from moekit.models.kvcache import KV_WINDOW_SLACK, KVCache, LayerKV  # noqa: F401  (re-exported: they lived here)
+from moekit.models.sdpa import (  # noqa: F401  (re-exported: they lived here)
+    PrefixCausalAttention, causal_mask, explicit_causal_attention, masked_sdpa, masked_sink_attention, sink_attention,
+    window_mask)
 from moekit.models.rope import (  # noqa: F401  (re-exported: RoPE lived here)
     apply_rope, apply_rope_interleaved, rope_angles, rope_frequencies, rope_tables, yarn_mscale)
 
@@ -73,93 +77,6 @@ def _explicit_attention(q: Tensor) -> bool:
     B, N, S, _ = q.shape
     return (explicit_attention_applies(q.device.type, dtype, B, N, S)
             and not (EXPLICIT_ATTENTION == "auto" and torch.compiler.is_compiling()))
-
-
-def explicit_causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None, window: int = 0,
-                              sinks: Tensor | None = None) -> Tensor:
-    """Causal attention of q [B, N, S, Dqk] over k [B, K, S, Dqk], v [B, K, S, Dv] (N % K == 0) as
-    softmax(q k^T * scale + causal mask) v in batched matmuls: each key head's G = N / K query heads are
-    stacked into one [G * S, Dqk] block, so the keys and values are read as they are (no GQA expansion).
-    The same function as ``F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)``;
-    ``window`` > 0 also hides keys more than window - 1 positions back, ``sinks`` [N] joins each head's softmax
-    as a column of its own that is then dropped (as ``sink_attention``)."""
-    B, N, S, Dqk = q.shape
-    K, Dv = k.shape[1], v.shape[-1]
-    if N % K or k.shape[2] != S:
-        raise ValueError(f"explicit_causal_attention: {N} query heads over {K} key heads of length {k.shape[2]} "
-                         f"for {S} queries; need N % K == 0 and keys as long as the queries")
-    G = N // K
-    scale = Dqk ** -0.5 if scale is None else scale
-    if window:  # [S, S] additive: 0 where visible
-        mask = torch.zeros(S, S, device=q.device, dtype=q.dtype).masked_fill_(~window_mask(0, S, window, q.device),
-                                                                              -math.inf)
-    else:
-        mask = torch.full((S, S), -math.inf, device=q.device, dtype=q.dtype).triu_(1)
-    scores = torch.baddbmm(mask.repeat(G, 1), q.reshape(B * K, G * S, Dqk), k.reshape(B * K, S, Dqk).transpose(1, 2),
-                           alpha=scale)  # [B*K, G*S, S]
-    if sinks is None:
-        return torch.bmm(scores.softmax(-1), v.reshape(B * K, S, Dv)).view(B, N, S, Dv)
-    sink = sinks.to(scores.dtype).view(1, K, G, 1).expand(B, K, G, S).reshape(B * K, G * S, 1)  # head n = k*G + g
-    probs = torch.cat((scores, sink), dim=-1).softmax(-1)[..., :S]  # the sink's share taken, then dropped
-    return torch.bmm(probs, v.reshape(B * K, S, Dv)).view(B, N, S, Dv)
-
-
-def sink_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, sinks: Tensor, scale: float | None,
-                   gqa: bool) -> Tensor:
-    """Attention whose softmax also counts a learned logit per query head (gpt-oss's sinks): for query i of
-    head n, softmax over [q_i.k_j * scale (j visible), sinks_n], the sink's share dropped, so the weights sum to
-    less than 1 and a head can attend to nothing. q [B, N, S, D], k [B, K, P, D], v [B, K, P, Dv] (Dv <= D + 8),
-    ``mask`` [S, P] bool (True: visible), or None: causal, P == S; sinks [N].
-
-    Run as SDPA over one more key that every query sees, with a zero value, and one more channel: q gets
-    sinks_n / scale there and the extra key 1, the real keys 0, so that key's logit is sinks_n for every query
-    of head n whatever its q. Torch's fused kernels then do the rest (and the sinks' gradient is that
-    channel's). Shapes are kept to what those kernels take:
-      - the channel is padded to 8 (head dims stay multiples of 8 for the GPU kernels), and v to the same width
-        (CPU flash attention needs one head dim for q, k and v; without it torch runs its reference path, which
-        keeps the [B, N, S, 1+P] probabilities: 2.2x the saved bytes measured at tiny size, 5x slower at S 1024);
-      - the keys are padded with hidden zero keys to a multiple of 16 (CUDA's memory-efficient kernel otherwise
-        copies the mask into a padded [B, N, S, keys] tensor that backward keeps: 2 GiB per layer at S 4096).
-
-        q' [.., S, D+8] = [q | sinks_n/scale | 0...]      k' [.., 16m, D+8] = [0 | 1 | 0...] ; [k | 0 ...] ; 0...
-        v' [.., 16m, D+8] = 0 ; [v | 0 ...] ; 0...         mask' [S, 16m] = [True | mask | False...]
-
-    Causal (no mask): the queries get the same row layout as the keys, a zero query first and zero queries at
-    the end, so plain causal SDPA (is_causal: flash attention on CPU and GPU, GQA native, causal blocks skipped,
-    no mask) lets row 1 + i, query i, see the sink and keys 0 .. i; the pad rows' outputs are dropped.
-    """
-    B, N, S, D = q.shape
-    K, P, Dv = k.shape[1], k.shape[2], v.shape[-1]
-    scale = D**-0.5 if scale is None else scale
-    width = D + 8
-    hidden = -(1 + P) % 16  # zero keys no query sees, to a multiple of 16
-    sink_q = (sinks.to(q.dtype) / scale).view(1, N, 1, 1).expand(B, N, S, 1)
-    q2 = torch.cat((q, sink_q, q.new_zeros(B, N, S, width - D - 1)), dim=-1)  # [B, N, S, D+8]
-    sink_k = k.new_zeros(B, K, 1, width)
-    sink_k[..., D] = 1
-    k2 = torch.cat((sink_k, F.pad(k, (0, width - D)), k.new_zeros(B, K, hidden, width)), dim=2)  # [B, K, 16m, D+8]
-    v2 = F.pad(v, (0, width - Dv, 1, hidden))  # [B, K, 16m, D+8]: the sink's and the hidden keys' values 0
-    if mask is None:
-        if P != S:
-            raise ValueError(f"sink_attention without a mask is causal over its own positions: {S} queries need "
-                             f"{S} keys, got {P}; pass the [S, P] mask")
-        q2 = F.pad(q2, (0, 0, 1, hidden))  # [B, N, 16m, D+8]: row 1 + i is query i
-        y = F.scaled_dot_product_attention(q2, k2, v2, is_causal=True, enable_gqa=gqa, scale=scale)
-        return y[:, :, 1 : S + 1, :Dv]
-    lead = mask.shape[:-1]  # [S], or [B, 1, S] with documents (segment_mask)
-    mask2 = torch.cat((mask.new_ones(*lead, 1), mask, mask.new_zeros(*lead, hidden)), dim=-1)  # [.., S, 16m]
-    return masked_sdpa(q2, k2, v2, mask2, gqa, scale)[..., :Dv]
-
-
-def masked_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, gqa: bool, scale: float | None) -> Tensor:
-    """SDPA with a boolean mask. On a GPU, torch's GQA (enable_gqa) runs on the flash kernel only, which takes no
-    mask, so a masked GQA call would fall back to the math kernel and materialise [B, N, S, S] scores; the keys and
-    values are expanded to the query heads instead (K/N of what the scores would cost), which the
-    memory-efficient kernel takes. On the CPU, torch's flash kernel takes both."""
-    if gqa and q.is_cuda:
-        groups = q.shape[1] // k.shape[1]
-        k, v, gqa = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), False
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa, scale=scale)
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, kv: LayerKV | None, gqa: bool, scale: float | None = None,
@@ -267,56 +184,6 @@ def _prefix_applies(q: Tensor, v: Tensor, prefix: int, P: int, window: int, segm
             and q.device.type == "cpu" and q.shape[-1] == v.shape[-1] and not torch.compiler.is_compiling())
 
 
-_CPU_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_CPU_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-
-
-class PrefixCausalAttention(torch.autograd.Function):
-    """Queries at positions p .. p+S-1 over keys 0 .. p+S-1 (a context-parallel chunk: every earlier key visible,
-    then causal over its own positions) without a mask. SDPA's causal flag aligns the diagonal top-left, so this
-    call needs a [S, p+S] mask, which CPU SDPA converts to float and keeps for backward: S^2 / (2 cp) elements per
-    layer and rank, more than context parallelism saves at long sequences. Instead two flash calls, merged by
-    their logsumexps (as ring attention merges its blocks):
-
-        o1, l1 = attention(q, keys 0 .. p-1)             (no mask: all visible)
-        o2, l2 = attention(q, keys p .. p+S-1, causal)   (square: the causal flag is right)
-        l = logaddexp(l1, l2 [, sink_n]);   out = exp(l1 - l) o1 + exp(l2 - l) o2
-
-    gpt-oss's sinks join the merge as a third part with logsumexp sink_n and value 0. Backward runs each part's
-    flash backward with the merged ``out`` and ``l``: they recompute each part's probabilities as exp(scores - l),
-    the merged softmax's restricted to that part, and its row term rowsum(dout * out) is the merged one, so the
-    parts' gradients add up to the whole call's; a sink's is -sum over its rows of exp(sink_n - l) rowsum(dout * out).
-    Keeps q, the keys and values (views of the gathered tensor), out and l [B, N, S] (float32): no mask."""
-
-    @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, prefix: int, scale: float | None,
-                sinks: Tensor | None = None) -> Tensor:
-        with torch.autocast("cpu", enabled=False):
-            k, v = k.to(q.dtype), v.to(q.dtype)
-            o1, l1 = _CPU_FLASH(q, k[:, :, :prefix], v[:, :, :prefix], 0.0, False, scale=scale)
-            o2, l2 = _CPU_FLASH(q, k[:, :, prefix:], v[:, :, prefix:], 0.0, True, scale=scale)
-            lse = torch.logaddexp(l1, l2)  # [B, N, S]
-            if sinks is not None:
-                lse = torch.logaddexp(lse, sinks.float().view(1, -1, 1))
-            out = (torch.exp(l1 - lse)[..., None] * o1 + torch.exp(l2 - lse)[..., None] * o2).to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse, sinks)
-        ctx.prefix, ctx.scale = prefix, scale
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        q, k, v, out, lse, sinks = ctx.saved_tensors
-        p, grad = ctx.prefix, grad.contiguous().to(q.dtype)
-        with torch.autocast("cpu", enabled=False):
-            dq1, dk1, dv1 = _CPU_FLASH_BACKWARD(grad, q, k[:, :, :p], v[:, :, :p], out, lse, 0.0, False, scale=ctx.scale)
-            dq2, dk2, dv2 = _CPU_FLASH_BACKWARD(grad, q, k[:, :, p:], v[:, :, p:], out, lse, 0.0, True, scale=ctx.scale)
-            dsinks = None
-            if sinks is not None and ctx.needs_input_grad[5]:
-                rows = (grad.float() * out.float()).sum(-1)  # [B, N, S]
-                dsinks = -(torch.exp(sinks.float().view(1, -1, 1) - lse) * rows).sum((0, 2)).to(sinks.dtype)
-        return dq1 + dq2, torch.cat((dk1, dk2), dim=2), torch.cat((dv1, dv2), dim=2), None, None, dsinks
-
-
 def span_mask(q_start: int, S: int, k_start: int, P: int, window: int, device) -> Tensor:
     """[S, P] bool: queries at positions q_start .. q_start+S-1 over keys at k_start .. k_start+P-1; key j is
     visible to query i iff j <= i (and i - window < j when ``window`` > 0)."""
@@ -341,21 +208,6 @@ def context_attend(q: Tensor, k: Tensor, v: Tensor, context, gqa: bool, scale: f
 # With sinks, a decoding step (at most this many new positions over a KV cache) runs ``masked_sink_attention``:
 # sink_attention's widened copies of every cached key and value would cost ~3x the reads of the attention itself.
 CACHED_SINKS_MAX_NEW = 16
-
-
-def masked_sink_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, sinks: Tensor,
-                          scale: float | None = None) -> Tensor:
-    """``sink_attention``'s function as batched matmuls over the keys as they are (GQA by stacking each key head's
-    query heads, as explicit_causal_attention): q [B, N, S, D], k [B, K, P, D], v [B, K, P, Dv], mask [S, P]."""
-    B, N, S, D = q.shape
-    K, P, Dv = k.shape[1], k.shape[2], v.shape[-1]
-    G = N // K
-    scale = D**-0.5 if scale is None else scale
-    scores = torch.matmul(q.reshape(B, K, G * S, D), k.transpose(-1, -2)) * scale  # [B, K, G*S, P]
-    scores = scores.masked_fill(~mask.repeat(G, 1), -math.inf)
-    sink = sinks.to(scores.dtype).view(1, K, G, 1, 1).expand(B, K, G, S, 1).reshape(B, K, G * S, 1)
-    probs = torch.cat((scores, sink), dim=-1).softmax(-1)[..., :P]
-    return torch.matmul(probs, v).view(B, N, S, Dv)
 
 
 class Attention(nn.Module):
@@ -503,127 +355,3 @@ class MLAttention(nn.Module):
 def build_attention(config: ModelConfig, layer_id: int = 0) -> nn.Module:
     """Layer ``layer_id``'s attention (its sliding window comes from config.attention_window)."""
     return MLAttention(config) if config.attention == "mla" else Attention(config, layer_id)
-
-
-# ---------------------------------------------------------------------------------------------------
-# KV cache (incremental decoding)
-# ---------------------------------------------------------------------------------------------------
-
-
-def causal_mask(start: int, new: int, device) -> Tensor | None:
-    """[new, start+new] bool: query start+i sees keys 0 .. start+i. None where no mask is needed: one new
-    query sees every key; a first chunk (start 0) is plain causal attention (is_causal)."""
-    if new == 1 or start == 0:
-        return None
-    keys = torch.arange(start + new, device=device)  # [P+S]
-    return keys[None, :] <= torch.arange(start, start + new, device=device)[:, None]  # [S, P+S]
-
-
-def window_mask(start: int, new: int, window: int, device) -> Tensor:
-    """[new, start+new] bool: query start+i sees keys j with start+i - window < j <= start+i (window 0: every
-    key up to itself)."""
-    keys = torch.arange(start + new, device=device)[None, :]  # [1, P+S]
-    queries = torch.arange(start, start + new, device=device)[:, None]  # [S, 1]
-    visible = keys <= queries
-    return visible & (keys > queries - window) if window else visible
-
-
-# A sliding-window layer's cache keeps its last window - 1 positions (all its next query can see) plus this many,
-# so speculative decoding can take back that many rejected positions (models.attention.LayerKV.truncate).
-KV_WINDOW_SLACK = 64
-
-
-class LayerKV:
-    """One attention layer's cached keys [B, K, slots, Dk] and values [B, K, slots, Dv] of ``length`` positions.
-
-    ``window`` > 0 (a sliding-window layer) with a capacity larger than window - 1 + KV_WINDOW_SLACK: a ring of
-    that many slots, position p in slot p % slots, so the layer's memory stays bounded however long the
-    generation (gpt-oss-120b at 128k positions: 18 of 36 layers keep 191 positions instead of 131072). Otherwise
-    slots = capacity, position p in slot p.
-
-    Allocated at the first write with the keys' and values' batch, heads, widths, dtype and device (the model's
-    compute dtype: autocast's when it is on), so one cache serves any model (GQA, MLA, whose key and value widths
-    differ) without being told its layout."""
-
-    def __init__(self, capacity: int, window: int = 0):
-        self.capacity, self.length, self.window = capacity, 0, window
-        self.ring = bool(window) and window - 1 + KV_WINDOW_SLACK < capacity
-        self.slots = window - 1 + KV_WINDOW_SLACK if self.ring else capacity
-        self.keys: Tensor | None = None
-        self.values: Tensor | None = None
-
-    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Write k [B, K, S, Dk], v [B, K, S, Dv] at positions length .. length+S-1; return every position's (a
-        ring returns the positions ``extend`` does: ask it where they start)."""
-        keys, values, _ = self.extend(k, v)
-        return keys, values
-
-    def extend(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, int]:
-        """Write k, v at positions length .. length+S-1 and return (keys, values, first): the cached positions
-        first .. length+S-1 in position order, every one the new positions' queries can see (first 0 unless this is
-        a ring: then the window's)."""
-        B, K, S, _ = k.shape
-        start, end = self.length, self.length + S
-        if end > self.capacity:
-            raise ValueError(f"KV cache holds {self.capacity} positions; appending {S} at position {self.length} "
-                             f"overflows it: make a larger cache (at most model.max_seq_len) or start a new one")
-        if self.keys is None:
-            self.keys = k.new_empty(B, K, self.slots, k.shape[-1])
-            self.values = v.new_empty(B, v.shape[1], self.slots, v.shape[-1])
-        elif self.keys.shape[0] != B or self.keys.dtype != k.dtype:
-            raise ValueError(f"KV cache was filled with batch {self.keys.shape[0]} in {self.keys.dtype}, got batch "
-                             f"{B} in {k.dtype}; use one cache per batch of sequences")
-        self.length = end
-        if not self.ring:
-            self.keys[:, :, start:end] = k
-            self.values[:, :, start:end] = v
-            return self.keys[:, :, :end], self.values[:, :, :end], 0
-        first = max(0, start - self.window + 1)  # the oldest position the first new query sees
-        held = torch.arange(first, start, device=k.device) % self.slots  # read before the new writes reuse them
-        keys = torch.cat((self.keys.index_select(2, held), k), dim=2)  # [B, K, start - first + S, Dk]
-        values = torch.cat((self.values.index_select(2, held), v), dim=2)
-        kept = min(S, self.slots)  # a prefill longer than the ring leaves its last positions
-        slots = torch.arange(end - kept, end, device=k.device) % self.slots
-        self.keys.index_copy_(2, slots, k[:, :, S - kept :])
-        self.values.index_copy_(2, slots, v[:, :, S - kept :])
-        return keys, values, first
-
-    def truncate(self, length: int) -> None:
-        """Forget the positions from ``length`` on (a rejected draft token's, speculative decoding). A ring can take
-        back KV_WINDOW_SLACK positions: older ones it has overwritten."""
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot truncate a KV cache of {self.length} positions to {length}")
-        if self.ring and self.length - length > KV_WINDOW_SLACK:
-            raise ValueError(f"a sliding-window layer's KV cache keeps window - 1 + {KV_WINDOW_SLACK} positions; "
-                             f"taking back {self.length - length} of them needs positions it overwrote: start a new "
-                             f"cache from the prompt, or raise models.attention.KV_WINDOW_SLACK")
-        self.length = length
-
-
-class KVCache:
-    """Per-layer keys and values of the positions decoded so far (``Transformer.forward(tokens, cache=...)``).
-
-    ``capacity``: the most positions it will hold (default and limit: model.max_seq_len). Memory is
-    B * capacity * (K * D keys + K * D values) elements per GQA layer, B * capacity * N * (nope + rope + v) per MLA
-    layer (expanded keys and values), B * (window - 1 + KV_WINDOW_SLACK) * 2 * K * D per sliding-window layer (a
-    ring: LayerKV), allocated as the layers first write. A cache belongs to one batch
-    of sequences that all share positions: start a new one for another prompt.
-    """
-
-    def __init__(self, config: ModelConfig, capacity: int | None = None):
-        capacity = config.max_seq_len if capacity is None else capacity
-        if not 1 <= capacity <= config.max_seq_len:
-            raise ValueError(f"KV cache capacity {capacity} is invalid; it must be in [1, model.max_seq_len="
-                             f"{config.max_seq_len}]")
-        self.capacity = capacity
-        self.layers = [LayerKV(capacity, config.attention_window(i)) for i in range(config.num_layers)]
-
-    @property
-    def length(self) -> int:
-        """Positions cached: the next token's position."""
-        return self.layers[0].length if self.layers else 0
-
-    def truncate(self, length: int) -> None:
-        """Forget the positions from ``length`` on, in every layer."""
-        for layer in self.layers:
-            layer.truncate(length)

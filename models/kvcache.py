@@ -1,0 +1,111 @@
+"""The KV cache of incremental decoding: each attention layer's keys and values of the positions decoded so far
+(``Transformer.forward(tokens, cache=KVCache(config))``; models.attention reads it through ``LayerKV.extend``).
+
+Shape legend: B batch, K key/value heads (MLA: its query heads, expanded), D head dims, P positions.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from moekit.models.config import ModelConfig
+
+# A sliding-window layer's cache keeps its last window - 1 positions (all its next query can see) plus this many,
+# so speculative decoding can take back that many rejected positions (models.attention.LayerKV.truncate).
+KV_WINDOW_SLACK = 64
+
+
+class LayerKV:
+    """One attention layer's cached keys [B, K, slots, Dk] and values [B, K, slots, Dv] of ``length`` positions.
+
+    ``window`` > 0 (a sliding-window layer) with a capacity larger than window - 1 + KV_WINDOW_SLACK: a ring of
+    that many slots, position p in slot p % slots, so the layer's memory stays bounded however long the
+    generation (gpt-oss-120b at 128k positions: 18 of 36 layers keep 191 positions instead of 131072). Otherwise
+    slots = capacity, position p in slot p.
+
+    Allocated at the first write with the keys' and values' batch, heads, widths, dtype and device (the model's
+    compute dtype: autocast's when it is on), so one cache serves any model (GQA, MLA, whose key and value widths
+    differ) without being told its layout."""
+
+    def __init__(self, capacity: int, window: int = 0):
+        self.capacity, self.length, self.window = capacity, 0, window
+        self.ring = bool(window) and window - 1 + KV_WINDOW_SLACK < capacity
+        self.slots = window - 1 + KV_WINDOW_SLACK if self.ring else capacity
+        self.keys: Tensor | None = None
+        self.values: Tensor | None = None
+
+    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write k [B, K, S, Dk], v [B, K, S, Dv] at positions length .. length+S-1; return every position's (a
+        ring returns the positions ``extend`` does: ask it where they start)."""
+        keys, values, _ = self.extend(k, v)
+        return keys, values
+
+    def extend(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, int]:
+        """Write k, v at positions length .. length+S-1 and return (keys, values, first): the cached positions
+        first .. length+S-1 in position order, every one the new positions' queries can see (first 0 unless this is
+        a ring: then the window's)."""
+        B, K, S, _ = k.shape
+        start, end = self.length, self.length + S
+        if end > self.capacity:
+            raise ValueError(f"KV cache holds {self.capacity} positions; appending {S} at position {self.length} "
+                             f"overflows it: make a larger cache (at most model.max_seq_len) or start a new one")
+        if self.keys is None:
+            self.keys = k.new_empty(B, K, self.slots, k.shape[-1])
+            self.values = v.new_empty(B, v.shape[1], self.slots, v.shape[-1])
+        elif self.keys.shape[0] != B or self.keys.dtype != k.dtype:
+            raise ValueError(f"KV cache was filled with batch {self.keys.shape[0]} in {self.keys.dtype}, got batch "
+                             f"{B} in {k.dtype}; use one cache per batch of sequences")
+        self.length = end
+        if not self.ring:
+            self.keys[:, :, start:end] = k
+            self.values[:, :, start:end] = v
+            return self.keys[:, :, :end], self.values[:, :, :end], 0
+        first = max(0, start - self.window + 1)  # the oldest position the first new query sees
+        held = torch.arange(first, start, device=k.device) % self.slots  # read before the new writes reuse them
+        keys = torch.cat((self.keys.index_select(2, held), k), dim=2)  # [B, K, start - first + S, Dk]
+        values = torch.cat((self.values.index_select(2, held), v), dim=2)
+        kept = min(S, self.slots)  # a prefill longer than the ring leaves its last positions
+        slots = torch.arange(end - kept, end, device=k.device) % self.slots
+        self.keys.index_copy_(2, slots, k[:, :, S - kept :])
+        self.values.index_copy_(2, slots, v[:, :, S - kept :])
+        return keys, values, first
+
+    def truncate(self, length: int) -> None:
+        """Forget the positions from ``length`` on (a rejected draft token's, speculative decoding). A ring can take
+        back KV_WINDOW_SLACK positions: older ones it has overwritten."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a KV cache of {self.length} positions to {length}")
+        if self.ring and self.length - length > KV_WINDOW_SLACK:
+            raise ValueError(f"a sliding-window layer's KV cache keeps window - 1 + {KV_WINDOW_SLACK} positions; "
+                             f"taking back {self.length - length} of them needs positions it overwrote: start a new "
+                             f"cache from the prompt, or raise models.kvcache.KV_WINDOW_SLACK")
+        self.length = length
+
+
+class KVCache:
+    """Per-layer keys and values of the positions decoded so far (``Transformer.forward(tokens, cache=...)``).
+
+    ``capacity``: the most positions it will hold (default and limit: model.max_seq_len). Memory is
+    B * capacity * (K * D keys + K * D values) elements per GQA layer, B * capacity * N * (nope + rope + v) per MLA
+    layer (expanded keys and values), B * (window - 1 + KV_WINDOW_SLACK) * 2 * K * D per sliding-window layer (a
+    ring: LayerKV), allocated as the layers first write. A cache belongs to one batch
+    of sequences that all share positions: start a new one for another prompt.
+    """
+
+    def __init__(self, config: ModelConfig, capacity: int | None = None):
+        capacity = config.max_seq_len if capacity is None else capacity
+        if not 1 <= capacity <= config.max_seq_len:
+            raise ValueError(f"KV cache capacity {capacity} is invalid; it must be in [1, model.max_seq_len="
+                             f"{config.max_seq_len}]")
+        self.capacity = capacity
+        self.layers = [LayerKV(capacity, config.attention_window(i)) for i in range(config.num_layers)]
+
+    @property
+    def length(self) -> int:
+        """Positions cached: the next token's position."""
+        return self.layers[0].length if self.layers else 0
+
+    def truncate(self, length: int) -> None:
+        """Forget the positions from ``length`` on, in every layer."""
+        for layer in self.layers:
+            layer.truncate(length)
