@@ -11,7 +11,7 @@ from torch import Tensor
 from moekit.models.config import ModelConfig
 
 # A sliding-window layer's cache keeps its last window - 1 positions (all its next query can see) plus this many,
-# so speculative decoding can take back that many rejected positions (models.attention.LayerKV.truncate).
+# so speculative decoding can take back that many rejected positions (models.kvcache.LayerKV.truncate).
 KV_WINDOW_SLACK = 64
 
 

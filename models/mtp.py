@@ -42,7 +42,7 @@ class MTPModule(nn.Module):
     def forward(self, h: Tensor, emb: Tensor, cos: Tensor, sin: Tensor, tokens: Tensor, kv=None,
                 segments: Tensor | None = None) -> Tensor:
         """h [B, n, H] (the previous depth), emb [B, n, H] (embeddings of the tokens k ahead) -> [B, n, H].
-        ``kv``: the depth's attention cache when drafting tokens (a models.attention.LayerKV); ``segments``
+        ``kv``: the depth's attention cache when drafting tokens (a models.kvcache.LayerKV); ``segments``
         [B, n]: the documents of positions 0 .. n-1 (document masking), or None."""
         x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1))
         return self.block(x, cos, sin, tokens, kv, segments=segments)
