@@ -273,10 +273,15 @@ def test_prefix_chunks_merge_two_flash_calls_and_keep_no_mask(dtype, sinks):
         torch.testing.assert_close(a.float(), b.float(), **tol, msg=lambda m: f"grad {name}: {m}")
 
 
-def test_prefix_chunks_stay_mask_free_inside_torch_compile():
-    """A compiled block calls the merge eagerly (a graph break): the same values and gradients as eager."""
+def test_prefix_chunks_stay_mask_free_inside_torch_compile(monkeypatch):
+    """A compiled block calls the merge eagerly (a graph break: its two flash calls run) with the same values and
+    gradients as eager."""
     from moekit.models import attention as A
+    from moekit.models import sdpa
 
+    calls = []
+    flash = sdpa._CPU_FLASH
+    monkeypatch.setattr(sdpa, "_CPU_FLASH", lambda *a, **kw: calls.append(1) or flash(*a, **kw))
     g = torch.Generator().manual_seed(12)
     q = torch.randn(2, 4, 8, 16, generator=g, requires_grad=True)
     k, v = (torch.randn(2, 2, 32, 16, generator=g, requires_grad=True) for _ in range(2))
@@ -284,7 +289,10 @@ def test_prefix_chunks_stay_mask_free_inside_torch_compile():
     def f(q, k, v):
         return A.positioned_attention(q, k, v, 24, 0, True, None, 0, None) * 2
 
-    eager, compiled = f(q, k, v), torch.compile(f, backend="aot_eager")(q, k, v)
+    eager = f(q, k, v)
+    assert len(calls) == 2
+    compiled = torch.compile(f, backend="aot_eager")(q, k, v)
+    assert len(calls) == 4  # the merge's two flash calls, not one masked SDPA call
     torch.testing.assert_close(compiled, eager)
     for a, b in zip(torch.autograd.grad(compiled.sum(), (q, k, v)), torch.autograd.grad(eager.sum(), (q, k, v))):
         torch.testing.assert_close(a, b)
