@@ -202,6 +202,8 @@ def packed_tokens(cfg, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     # window blocks of 16 over 32 keys (21 aligned to 16), a [B, 1, 16, keys] mask per block
     ("gpt-oss-tiny", {"sliding_window": 6}, "none", "float32", 16),
     ("mixtral-tiny", {"sliding_window": 6}, "none", "float32", 16),
+    # no window: on CPU the document masks take the blocks too, each over the keys up to its end (window_block)
+    ("mixtral-tiny", {}, "none", "float32", 16), ("gpt-oss-tiny", {}, "none", "float32", 16),
     # the checkpoints keep the documents [B, S] int32 as the blocks' input; selective: the sink calls' SDPA output
     # S rows long (masked) where the unmasked call's was P'
     ("mixtral-tiny", {}, "full", "float32", 256), ("gpt-oss-tiny", {}, "selective", "float32", 256),

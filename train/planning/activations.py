@@ -265,7 +265,7 @@ def _calls(s: Shapes, rank: int, window: int, same_widths: bool = True) -> list[
     spans = [(g, n) for _, g, n in ContextParallel(s.cp, rank).chunks(s.S // s.cp)] if s.cp > 1 else [(0, s.S)]
     out = []
     for q_start, S in spans:
-        block = window_block(S, window)
+        block = window_block(S, window, s.documents, s.cpu)
         for i in range(0, S, block):
             n, first = min(block, S - i), q_start + i
             lo = max(0, first - window + 1) if window else 0
