@@ -164,7 +164,7 @@ def positioned_attention(q: Tensor, k: Tensor, v: Tensor, q_start: int, k_start:
             return F.scaled_dot_product_attention(q, k, v, is_causal=S > 1, enable_gqa=gqa, scale=scale)
         return sink_attention(q, k, v, None, sinks, scale, gqa)
     if _prefix_applies(q, v, q_start - k_start, P, window, segments):
-        return prefix_causal_attention(q, k, v, q_start - k_start, scale, sinks)
+        return PrefixCausalAttention.apply(q, k, v, q_start - k_start, scale, sinks)
     mask = span_mask(q_start, S, k_start, P, window, q.device)  # [S, P]
     if segments is not None:  # [B, 1, S, P]: and the same document
         same = segments[:, q_start : q_start + S, None] == segments[:, None, k_start : k_start + P]
@@ -184,16 +184,10 @@ def document_segments(tokens: Tensor, eos: int) -> Tensor:
 def _prefix_applies(q: Tensor, v: Tensor, prefix: int, P: int, window: int, segments) -> bool:
     """Whether a call of queries after ``prefix`` fully visible keys runs as PrefixCausalAttention: causal attention
     (sinks or not; no window or documents) over keys that end with the queries' own positions, on the CPU (its flash
-    kernel returns the logsumexp the merge needs), with one head width for q, k and v."""
+    kernel returns the logsumexp the merge needs), with one head width for q, k and v. torch.compile traces it (an
+    autograd.Function of aten ops: one graph, inductor included)."""
     return (prefix > 0 and P == prefix + q.shape[2] and not window and segments is None
             and q.device.type == "cpu" and q.shape[-1] == v.shape[-1])
-
-
-@torch.compiler.disable(reason="PrefixCausalAttention calls the CPU flash kernels' aten ops directly")
-def prefix_causal_attention(q: Tensor, k: Tensor, v: Tensor, prefix: int, scale: float | None,
-                            sinks: Tensor | None) -> Tensor:
-    """PrefixCausalAttention, eager inside a compiled block (a graph break, as the MoE layer's middle)."""
-    return PrefixCausalAttention.apply(q, k, v, prefix, scale, sinks)
 
 
 def span_mask(q_start: int, S: int, k_start: int, P: int, window: int, device) -> Tensor:

@@ -125,8 +125,7 @@ class PrefixCausalAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, prefix: int, scale: float | None,
                 sinks: Tensor | None = None) -> Tensor:
-        with torch.autocast("cpu", enabled=False):
-            k, v = k.to(q.dtype), v.to(q.dtype)
+        with torch.autocast("cpu", enabled=False):  # q, k, v of one dtype (the projections'), as SDPA needs
             o1, l1 = _CPU_FLASH(q, k[:, :, :prefix], v[:, :, :prefix], 0.0, False, scale=scale)
             o2, l2 = _CPU_FLASH(q, k[:, :, prefix:], v[:, :, prefix:], 0.0, True, scale=scale)
             lse = torch.logaddexp(l1, l2)  # [B, N, S]
