@@ -28,8 +28,8 @@ from torch import Tensor, nn
 from moekit.models.config import ModelConfig
 from moekit.models.kvcache import KV_WINDOW_SLACK, KVCache, LayerKV  # noqa: F401  (re-exported: they lived here)
 from moekit.models.sdpa import (  # noqa: F401  (re-exported: they lived here)
-    PrefixCausalAttention, causal_mask, explicit_causal_attention, masked_sdpa, masked_sink_attention, sink_attention,
-    window_mask)
+    KEY_MULTIPLE, PrefixCausalAttention, causal_mask, explicit_causal_attention, masked_sdpa, masked_sink_attention,
+    sink_attention, window_mask)
 from moekit.models.rope import (  # noqa: F401  (re-exported: RoPE lived here)
     apply_rope, apply_rope_interleaved, rope_angles, rope_frequencies, rope_tables, yarn_mscale)
 
@@ -145,7 +145,7 @@ def local_attention(q: Tensor, k: Tensor, v: Tensor, q_start: int, gqa: bool, sc
         # a few more keys, hidden by the mask, so there are a multiple of 16: CUDA's memory-efficient kernel keeps a
         # per-head copy of a mask whose key count is not (sink_attention pads for the same reason)
         if window:
-            lo = max(k_start, first + n - -(-(first + n - lo) // 16) * 16)
+            lo = max(k_start, first + n - -(-(first + n - lo) // KEY_MULTIPLE) * KEY_MULTIPLE)
         keys = slice(lo - k_start, first + n - k_start)
         out.append(positioned_attention(q[:, :, i : i + n], k[:, :, keys], v[:, :, keys],
                                         first, lo, gqa, scale, window, sinks, segments))

@@ -13,6 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+# CUDA's memory-efficient attention keeps a per-head padded copy of a mask whose key count is not a multiple of this
+# (torch pads the bias's last dimension to it); sink_attention and window blocks read keys in multiples of it
+KEY_MULTIPLE = 16
+
 
 def explicit_causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None, window: int = 0,
                               sinks: Tensor | None = None) -> Tensor:
@@ -71,7 +75,7 @@ def sink_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, sinks: 
     K, P, Dv = k.shape[1], k.shape[2], v.shape[-1]
     scale = D**-0.5 if scale is None else scale
     width = D + 8
-    hidden = -(1 + P) % 16  # zero keys no query sees, to a multiple of 16
+    hidden = -(1 + P) % KEY_MULTIPLE  # zero keys no query sees, to a multiple of 16
     sink_q = (sinks.to(q.dtype) / scale).view(1, N, 1, 1).expand(B, N, S, 1)
     q2 = torch.cat((q, sink_q, q.new_zeros(B, N, S, width - D - 1)), dim=-1)  # [B, N, S, D+8]
     sink_k = k.new_zeros(B, K, 1, width)

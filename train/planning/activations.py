@@ -53,6 +53,7 @@ import torch
 from moekit.comm.topology import Layout
 from moekit.models.attention import explicit_attention_applies
 from moekit.models.config import ModelConfig
+from moekit.models.sdpa import KEY_MULTIPLE
 from moekit.moe.activations import get_activation
 
 if TYPE_CHECKING:  # moekit.train.planning.memory imports this module
@@ -61,7 +62,7 @@ if TYPE_CHECKING:  # moekit.train.planning.memory imports this module
 FP32, INT64 = 4, 8
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 SINK_PAD = 8  # models.attention.sink_attention widens q / k by this many channels (the sink's, padded to 8)
-MEM_EFF_ALIGN = 16  # torch's efficient attention pads a mask whose last dim is not a multiple of 16
+MEM_EFF_ALIGN = KEY_MULTIPLE  # torch's efficient attention pads a mask whose last dim is not a multiple of 16
 
 
 @functools.lru_cache(maxsize=None)
