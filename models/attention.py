@@ -28,8 +28,8 @@ from torch import Tensor, nn
 from moekit.models.config import ModelConfig
 from moekit.models.kvcache import KV_WINDOW_SLACK, KVCache, LayerKV  # noqa: F401  (re-exported: they lived here)
 from moekit.models.sdpa import (  # noqa: F401  (re-exported: they lived here)
-    KEY_MULTIPLE, PrefixCausalAttention, causal_mask, explicit_causal_attention, masked_sdpa, masked_sink_attention,
-    sink_attention, window_mask)
+    KEY_MULTIPLE, PrefixCausalAttention, causal_mask, explicit_causal_attention, lower_right_causal_attention,
+    masked_sdpa, masked_sink_attention, sink_attention, window_mask)
 from moekit.models.rope import (  # noqa: F401  (re-exported: RoPE lived here)
     apply_rope, apply_rope_interleaved, rope_angles, rope_frequencies, rope_tables, yarn_mscale)
 
@@ -163,6 +163,8 @@ def positioned_attention(q: Tensor, k: Tensor, v: Tensor, q_start: int, k_start:
         if sinks is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=S > 1, enable_gqa=gqa, scale=scale)
         return sink_attention(q, k, v, None, sinks, scale, gqa)
+    if _lower_right_applies(q, v, q_start - k_start, P, window, sinks, segments):
+        return lower_right_causal_attention(q, k, v, scale)
     if _prefix_applies(q, v, q_start - k_start, P, window, segments):
         return PrefixCausalAttention.apply(q, k, v, q_start - k_start, scale, sinks)
     mask = span_mask(q_start, S, k_start, P, window, q.device)  # [S, P]
@@ -179,6 +181,18 @@ def document_segments(tokens: Tensor, eos: int) -> Tensor:
     before it (an EOS ends its own document; the next position starts the next one). No host sync."""
     ends = tokens == eos
     return (ends.cumsum(dim=1, dtype=torch.int32) - ends.int())
+
+
+# CUDA: a context-parallel chunk after fully visible keys as one flash call whose causal flag aligns bottom-right
+# (lower_right_causal_attention: no mask, no GQA expansion) instead of a masked call. Off until a GPU run checks it:
+# tests/test_gpu.py::test_lower_right_chunks_on_device_match_float64 (the planner counts the masked call).
+CUDA_LOWER_RIGHT = False
+
+
+def _lower_right_applies(q: Tensor, v: Tensor, prefix: int, P: int, window: int, sinks, segments) -> bool:
+    return (CUDA_LOWER_RIGHT and q.is_cuda and prefix > 0 and P == prefix + q.shape[2] and not window
+            and sinks is None and segments is None and q.dtype in (torch.bfloat16, torch.float16)
+            and q.shape[-1] == v.shape[-1] <= 256)
 
 
 def _prefix_applies(q: Tensor, v: Tensor, prefix: int, P: int, window: int, segments) -> bool:

@@ -154,6 +154,20 @@ class PrefixCausalAttention(torch.autograd.Function):
         return dq1 + dq2, torch.cat((dk1, dk2), dim=2), torch.cat((dv1, dv2), dim=2), None, None, dsinks
 
 
+def lower_right_causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None) -> Tensor:
+    """Queries at the last S of P key positions, q [B, N, S, D] over k, v [B, K, P, D]: query i sees keys
+    0 .. P - S + i, with no mask. CUDA's flash kernel aligns its causal flag to the bottom right when S < P (what
+    torch.nn.attention.bias.causal_lower_right dispatches to), takes GQA as it is, and keeps only its output and
+    logsumexp. bf16 / fp16, head dims up to 256 (padded to a multiple of 8 here, with the scale of the real width)."""
+    D = q.shape[-1]
+    scale = D**-0.5 if scale is None else scale
+    pad = -D % 8
+    if pad:
+        q, k, v = (F.pad(t, (0, pad)) for t in (q, k, v))
+    out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)[0]
+    return out[..., :D] if pad else out
+
+
 def masked_sink_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, sinks: Tensor,
                           scale: float | None = None) -> Tensor:
     """``sink_attention``'s function as batched matmuls over the keys as they are (GQA by stacking each key head's

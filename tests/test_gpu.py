@@ -387,6 +387,44 @@ def test_sink_and_window_attention_on_device_match_float64(dtype, window, sinks,
         assert rel_err(g, r) <= bound, (name, rel_err(g, r), bound)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("cp,D", [(2, 64), (4, 64), (2, 72)], ids=["cp2", "cp4", "cp2-D72-padded"])
+def test_lower_right_chunks_on_device_match_float64(monkeypatch, dtype, cp, D):
+    """Context-parallel chunks as one bottom-right-aligned flash call each (models.attention.CUDA_LOWER_RIGHT: off
+    until this passes on a GPU) against the float64 whole-sequence attention on the CPU (each rank's chunks over the
+    gathered keys, tests/test_context_parallel.py's simulation), forward and the q / k / v gradients summed over the
+    ranks; GQA 8 / 2 heads; no masked call runs. Bounded by 4x the error of torch's own causal SDPA in the dtype."""
+    from moekit.comm.context_parallel import ContextParallel
+    from moekit.models import attention as A
+    from tests.test_context_parallel import _reference
+
+    monkeypatch.setattr(A, "CUDA_LOWER_RIGHT", True)
+    masked = []
+    monkeypatch.setattr(A, "masked_sdpa", lambda *a, **kw: masked.append(1))  # any masked call fails the test
+    B, N, K, S = 2, 8, 2, (64 if SMALL else 1024)
+    gen = torch.Generator().manual_seed(cp + D)
+    q, k, v = (torch.randn(B, n, S, D, generator=gen, dtype=torch.float64) for n in (N, K, K))
+
+    def ours(q, k, v):
+        outs = [A.context_attend(ContextParallel(cp, r).shard(q, 2), k, v, ContextParallel(cp, r), True)
+                for r in range(cp)]  # every rank's rows, back in position order
+        whole = torch.empty_like(q[..., :D])
+        for r, out in enumerate(outs):
+            whole[:, :, ContextParallel(cp, r).positions(S // cp, q.device)] = out
+        return whole
+
+    def plain(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    ref = fwd_bwd(lambda q, k, v: _reference(q, k, v, 0, None), [q, k, v])
+    got = fwd_bwd(ours, [t.to(DEVICE, dtype) for t in (q, k, v)])
+    assert not masked
+    base = fwd_bwd(plain, [t.to(DEVICE, dtype) for t in (q, k, v)])
+    bound = 4 * max(rel_err(b, r) for b, r in zip(base, ref)) + 1e-3
+    for name, g, r in zip(["out", "dq", "dk", "dv"], got, ref):
+        assert rel_err(g, r) <= bound, (name, rel_err(g, r), bound)
+
+
 @pytest.mark.parametrize("preset", ["mixtral-tiny", "deepseek-tiny", "gpt-oss-tiny"])
 def test_training_on_device_fp32_matches_cpu_and_bf16_learns(tmp_path, preset):
     steps = ["--steps", "6", "--preset", preset]
