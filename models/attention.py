@@ -29,7 +29,7 @@ from moekit.models.config import ModelConfig
 from moekit.models.kvcache import KV_WINDOW_SLACK, KVCache, LayerKV  # noqa: F401  (re-exported: they lived here)
 from moekit.models.sdpa import (  # noqa: F401  (re-exported: they lived here)
     KEY_MULTIPLE, PrefixCausalAttention, causal_mask, explicit_causal_attention, lower_right_causal_attention,
-    masked_sdpa, masked_sink_attention, sink_attention, window_mask)
+    masked_sdpa, masked_sink_attention, sink_attention, span_mask, window_mask)
 from moekit.models.rope import (  # noqa: F401  (re-exported: RoPE lived here)
     apply_rope, apply_rope_interleaved, rope_angles, rope_frequencies, rope_tables, yarn_mscale)
 
@@ -202,15 +202,6 @@ def _prefix_applies(q: Tensor, v: Tensor, prefix: int, P: int, window: int, segm
     autograd.Function of aten ops: one graph, inductor included)."""
     return (prefix > 0 and P == prefix + q.shape[2] and not window and segments is None
             and q.device.type == "cpu" and q.shape[-1] == v.shape[-1])
-
-
-def span_mask(q_start: int, S: int, k_start: int, P: int, window: int, device) -> Tensor:
-    """[S, P] bool: queries at positions q_start .. q_start+S-1 over keys at k_start .. k_start+P-1; key j is
-    visible to query i iff j <= i (and i - window < j when ``window`` > 0)."""
-    keys = torch.arange(k_start, k_start + P, device=device)[None, :]  # [1, P]
-    queries = torch.arange(q_start, q_start + S, device=device)[:, None]  # [S, 1]
-    visible = keys <= queries
-    return visible & (keys > queries - window) if window else visible
 
 
 def context_attend(q: Tensor, k: Tensor, v: Tensor, context, gqa: bool, scale: float | None = None,

@@ -46,8 +46,7 @@ from moekit.comm.grad_sync import local
 from moekit.comm.pipeline import PipelineRunner, broadcast_from, check_schedule, gather_load, stage_ids_of
 from moekit.models.config import ModelConfig
 from moekit.models.mtp import MTPRecord
-from moekit.models.transformer import (Transformer, meta_device, position_tables, sequence_segments,
-                                       training_loss)
+from moekit.models.transformer import Transformer, forward_positions, meta_device, training_loss
 from moekit.moe import moe_layers
 
 
@@ -198,12 +197,7 @@ class StageModule(nn.Module):
                              "build it with embedding_replica=True (build_pipeline does)")
 
     def forward(self, x: Tensor, tokens: Tensor, targets: Tensor | None = None) -> Tensor:
-        cfg = self.config
-        S, context = tokens.shape[1], self.context_parallel
-        if S * (context.degree if context is not None else 1) > cfg.max_seq_len:
-            raise ValueError(f"sequence length {S} exceeds model.max_seq_len={cfg.max_seq_len}")
-        cos, sin = position_tables(cfg, S, tokens.device, context=context)  # [S, R/2]
-        segments = sequence_segments(self, tokens)  # [b, S] or None (document masking)
+        cos, sin, segments = forward_positions(self, tokens)  # [S, R/2] x 2, [b, S] or None (document masking)
         emb = None
         if self.is_first:
             x = emb = self.embed(tokens)  # [b, S, H]

@@ -195,7 +195,13 @@ def causal_mask(start: int, new: int, device) -> Tensor | None:
 def window_mask(start: int, new: int, window: int, device) -> Tensor:
     """[new, start+new] bool: query start+i sees keys j with start+i - window < j <= start+i (window 0: every
     key up to itself)."""
-    keys = torch.arange(start + new, device=device)[None, :]  # [1, P+S]
-    queries = torch.arange(start, start + new, device=device)[:, None]  # [S, 1]
+    return span_mask(start, new, 0, start + new, window, device)
+
+
+def span_mask(q_start: int, S: int, k_start: int, P: int, window: int, device) -> Tensor:
+    """[S, P] bool: queries at positions q_start .. q_start+S-1 over keys at k_start .. k_start+P-1; key j is
+    visible to query i iff j <= i (and i - window < j when ``window`` > 0)."""
+    keys = torch.arange(k_start, k_start + P, device=device)[None, :]  # [1, P]
+    queries = torch.arange(q_start, q_start + S, device=device)[:, None]  # [S, 1]
     visible = keys <= queries
     return visible & (keys > queries - window) if window else visible

@@ -58,6 +58,27 @@ def head_loss(x: Tensor, weight: Tensor, targets: Tensor) -> Tensor:
     return chunked_lm_loss(x, weight, targets)
 
 
+def forward_positions(owner: nn.Module, tokens: Tensor, cache: KVCache | None = None) -> tuple[Tensor, Tensor,
+                                                                                               Tensor | None]:
+    """(cos, sin, segments) of a forward of ``owner`` (a Transformer or a pipeline stage: ``.config``,
+    ``.context_parallel``, ``.document_eos``) over tokens [B, S] after ``cache``'s positions: RoPE's tables at the
+    forward's positions and the documents of document masking (``sequence_segments``), after the checks that the
+    whole sequence fits max_seq_len and that a KV cache meets neither context parallelism nor documents."""
+    config, context, S = owner.config, owner.context_parallel, tokens.shape[1]
+    start = 0 if cache is None else cache.length  # position of tokens[:, 0]
+    if cache is not None and context is not None:
+        raise ValueError("a context-parallel model runs whole sequences (training, evaluation); decode with a "
+                         "KV cache in a model without context parallelism")
+    if cache is not None and owner.document_eos is not None:
+        raise ValueError("document masking (model.document_eos) is for training forwards; set it to None to "
+                         "decode with a KV cache")
+    length = start + S * (context.degree if context is not None else 1)
+    if length > config.max_seq_len:
+        raise ValueError(f"sequence length {length} exceeds model.max_seq_len={config.max_seq_len}")
+    cos, sin = position_tables(config, S, tokens.device, start, context)  # [S, R/2] (R: rotated dims)
+    return cos, sin, sequence_segments(owner, tokens)
+
+
 def position_tables(config: ModelConfig, S: int, device, start: int = 0, context=None) -> tuple[Tensor, Tensor]:
     """RoPE's cos, sin [S, R/2] for the S positions a forward runs: start .. start+S-1, or under context
     parallelism (``context``: comm.context_parallel's strategy) this rank's zigzag share of S * cp positions."""
@@ -167,19 +188,7 @@ class Transformer(nn.Module):
         if cache is not None and len(cache.layers) != len(self.layers):
             raise ValueError(f"KV cache has {len(cache.layers)} layers, the model {len(self.layers)}; build it with "
                              f"KVCache(model.config)")
-        start = 0 if cache is None else cache.length  # position of tokens[:, 0]
-        context = self.context_parallel
-        if context is not None and cache is not None:
-            raise ValueError("a context-parallel model runs whole sequences (training, evaluation); decode with a "
-                             "KV cache in a model without context parallelism")
-        length = start + S * (context.degree if context is not None else 1)
-        if length > self.config.max_seq_len:
-            raise ValueError(f"sequence length {length} exceeds model.max_seq_len={self.config.max_seq_len}")
-        cos, sin = position_tables(self.config, S, tokens.device, start, context)  # [S, R/2] (R: rotated dims)
-        if cache is not None and self.document_eos is not None:
-            raise ValueError("document masking (model.document_eos) is for training forwards; set it to None to "
-                             "decode with a KV cache")
-        segments = sequence_segments(self, tokens)  # [B, S] or None
+        cos, sin, segments = forward_positions(self, tokens, cache)  # [S, R/2] x 2, [B, S] or None
         x = emb = self.embed(tokens)  # [B, S, H]
         for i, layer in enumerate(self.layers):
             if cache is None:
