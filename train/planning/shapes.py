@@ -1,0 +1,59 @@
+"""The shapes the activation estimate reads (moekit.train.planning.activations and .attention_memory): tokens per
+rank under every layout, dtype bytes, the attention path, as ``Shapes`` of a configuration, layout and workload."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from moekit.comm.topology import Layout
+from moekit.models.attention import explicit_attention_applies
+from moekit.models.config import ModelConfig
+
+if TYPE_CHECKING:  # moekit.train.planning.memory imports the activations, which import this module
+    from moekit.train.planning.memory import Workload
+
+FP32, INT64 = 4, 8
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+@dataclass(frozen=True)
+class Shapes:
+    T: int  # tokens of the micro-batch (attention, projections, dense MLP: gathered under SP)
+    Ts: int  # tokens of the residual stream and norms on this rank: T, or T / tp with sequence parallelism
+    Tm: int  # tokens the MoE layer routes on this rank (the TP ranks split them)
+    R: int  # expert rows this rank computes and combines
+    a: int  # bytes of the compute dtype
+    r: int  # bytes of the residual stream: fp32, or bf16 when FSDP computes in bf16 parameters
+    casts: bool  # autocast over fp32 weights: each projection keeps its own bf16 copy of its input
+    cpu: bool
+    S: int  # sequence length (the whole sequence's: the keys a query may see)
+    explicit_attention: bool  # attention as bmm + softmax + bmm (models.attention.explicit_attention_applies)
+    cp: int = 1  # context-parallel ranks splitting each sequence: T holds S / cp positions of each
+    cp_rank: int | None = None  # whose zigzag chunks; None: the rank whose attention keeps the most
+    documents: bool = False  # document masking: every call masked, by a [B, 1, queries, keys] mask
+
+    @property
+    def B(self) -> int:
+        """Sequences of the micro-batch."""
+        return self.T * self.cp // self.S
+
+
+def shapes(cfg: ModelConfig, layout: Layout, wl: Workload) -> Shapes:
+    T = wl.tokens // layout.cp  # context parallel: this rank's S / cp positions of each sequence
+    Tm = math.ceil(T / layout.tp)  # with SP the same: S / cp % tp == 0 (comm.tensor_parallel checks)
+    Ts = Tm if wl.sequence_parallel and layout.tp > 1 else T
+    k = min(cfg.top_k, cfg.num_experts)
+    R = Tm * k
+    if cfg.capacity_factor is not None and cfg.num_experts:  # capacity bounds the rows (moe.dispatch)
+        R = min(R, cfg.num_experts * min(Tm, math.ceil(Tm * k / cfg.num_experts * cfg.capacity_factor)))
+    a = DTYPE_BYTES[wl.dtype]
+    bf16_params = a == 2 and layout.fsdp > 1 and wl.device == "cuda"  # the trainer's FSDP param_dtype
+    # under context parallelism attention always runs SDPA, chunk by chunk (models.attention.context_attend), and
+    # with documents straight through local_attention (models.attention.attend)
+    explicit = layout.cp == 1 and not wl.document_mask and explicit_attention_applies(
+        wl.device, torch.bfloat16 if a == 2 else torch.float32, wl.micro_batch, cfg.num_heads // layout.tp, wl.seq_len)
+    return Shapes(T, Ts, Tm, R, a, a if bf16_params else FP32, a == 2 and not bf16_params, wl.device == "cpu",
+                  wl.seq_len, explicit, layout.cp, wl.cp_rank, wl.document_mask)
