@@ -22,7 +22,8 @@ kv_lora_rank + rope dims per position, and expands it locally), against S / cp o
 
 Nothing here knows about models: ``ContextParallel`` is a strategy object that the attention modules
 and the model call (``positions``, ``chunks``, ``gather``); ``apply_context_parallel`` plugs it into every
-module that has a ``context_parallel`` attribute (models.parallelize's recipe).
+module that has a ``context_parallel`` attribute (models.parallelize's recipe). Multi-token prediction reads
+the tokens past each position: its depths look them up in the gathered ids (models.mtp.context_depth_losses).
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ from moekit.comm.topology import LayoutError, Topology
 
 # torch renamed the autograd all-gather (2.12); the older name stays for the GPU machines' torch 2.11
 _all_gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+_all_gather_ids = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor  # no autograd
 
 
 class ContextParallel:
@@ -77,7 +79,7 @@ class ContextParallel:
 
     def gather_ids(self, t: Tensor, dim: int = 1) -> Tensor:
         """``gather`` for tensors without gradients (token ids: the whole sequence's documents)."""
-        return self._gather(t, dim, funcol.all_gather_tensor)
+        return self._gather(t, dim, _all_gather_ids)
 
     def _gather(self, t: Tensor, dim: int, all_gather) -> Tensor:
         if self.degree == 1:
@@ -104,10 +106,6 @@ def check_context_parallel(config, cp: int, seq_len: int | None = None) -> None:
         return
     if seq_len is not None:
         check_sequence(seq_len, cp)
-    if getattr(config, "mtp_layers", 0):
-        raise LayoutError(f"--cp {cp} with model.mtp_layers={config.mtp_layers}: multi-token prediction reads "
-                          f"tokens past each position, which context parallelism leaves on other ranks; train "
-                          f"with --model.mtp_layers 0 or --cp 1")
 
 
 def apply_context_parallel(model: nn.Module, topology: Topology) -> ContextParallel | None:

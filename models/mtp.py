@@ -18,6 +18,15 @@ gives the MTP loss its gradient. Depths run only when a gradient is wanted (trai
 and generation never compute them. ``Transformer.pop_mtp_loss()`` gives the mean MTP loss of the forwards since
 its last call (detached), for the trainer's records (``Pipeline.pop_mtp_loss()`` under pipeline parallelism,
 where the depths run on the last stage with a replica of the embedding: models.pipeline).
+
+Under context parallelism (comm.context_parallel) a rank holds two zigzag chunks of each sequence, so the token
+k ahead of its last positions sits on another rank: ``context_mtp_loss`` looks the ids k ahead up in the
+gathered sequence (ids only, the main model's documents gather them too) and runs each depth on every local
+position, as the attention gather needs equal shares. The positions with no token k ahead (the sequence's last
+k) change nothing the others compute: attention is causal, so they only feed later ones of their kind; their
+FFN / MoE rows are not computed (``Block(ffn_spans=)``: routing, capacity, load counts and the aux loss see the
+positions one process sees); their loss is not taken. Each rank's depth loss and aux loss are weighted by its
+share of the depth's positions, so the ranks' mean (the data-parallel gradient average) is one process's.
 """
 from __future__ import annotations
 
@@ -40,12 +49,13 @@ class MTPModule(nn.Module):
         self.norm = nn.RMSNorm(H, eps=config.norm_eps)
 
     def forward(self, h: Tensor, emb: Tensor, cos: Tensor, sin: Tensor, tokens: Tensor, kv=None,
-                segments: Tensor | None = None) -> Tensor:
+                segments: Tensor | None = None, **spans) -> Tensor:
         """h [B, n, H] (the previous depth), emb [B, n, H] (embeddings of the tokens k ahead) -> [B, n, H].
         ``kv``: the depth's attention cache when drafting tokens (a models.kvcache.LayerKV); ``segments``
-        [B, n]: the documents of positions 0 .. n-1 (document masking), or None."""
+        [B, n]: the documents of positions 0 .. n-1 (document masking), or None. ``spans``: the block's
+        ``ffn_spans`` / ``aux_weight`` (context parallelism: module docstring)."""
         x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1))
-        return self.block(x, cos, sin, tokens, kv, segments=segments)
+        return self.block(x, cos, sin, tokens, kv, segments=segments, **spans)
 
 
 class MTPRecord:
@@ -104,7 +114,65 @@ def mtp_loss(model, x: Tensor, emb: Tensor, tokens: Tensor, targets: Tensor, cos
     """Mean over the depths of their losses (module docstring), or None when the sequence is too short for any
     depth. ``head_loss(hidden, targets)``: the main model's loss from hidden states (its head, chunking, ignore
     index); the other arguments are ``depth_states``'."""
-    losses = [head_loss(h, targets[:, k:]) for k, h in depth_states(model, x, emb, tokens, cos, sin, segments)]
+    context = getattr(model, "context_parallel", None)
+    if context is not None and context.degree > 1:
+        losses = list(context_depth_losses(model, context, x, tokens, targets, cos, sin, head_loss, segments))
+    else:
+        losses = [head_loss(h, targets[:, k:]) for k, h in depth_states(model, x, emb, tokens, cos, sin, segments)]
     if not losses:
         return None
     return torch.stack(losses).mean()
+
+
+def ahead_spans(context, local_len: int, seq_len: int, k: int) -> list[tuple[int, int]]:
+    """The local position ranges [start, end) of this context-parallel rank whose token ``k`` ahead exists
+    (global position + k < ``seq_len``): a prefix of each of its two zigzag chunks, possibly empty (dropped);
+    adjacent ranges merged (both chunks whole: [(0, local_len)])."""
+    spans = []
+    for start, first, n in context.chunks(local_len):
+        m = min(n, max(0, seq_len - k - first))
+        if m and spans and spans[-1][1] == start:
+            spans[-1] = (spans[-1][0], start + m)
+        elif m:
+            spans.append((start, start + m))
+    return spans
+
+
+def take_spans(t: Tensor, spans: list[tuple[int, int]], dim: int = 1) -> Tensor:
+    """``t``'s positions in ``spans`` along ``dim``, concatenated."""
+    if len(spans) == 1:
+        a, b = spans[0]
+        return t.narrow(dim, a, b - a)
+    return torch.cat([t.narrow(dim, a, b - a) for a, b in spans], dim=dim)
+
+
+def context_depth_losses(model, context, x: Tensor, tokens: Tensor, targets: Tensor, cos: Tensor, sin: Tensor,
+                         head_loss, segments: Tensor | None = None):
+    """Yield each depth's loss on this context-parallel rank (module docstring): its mean over the rank's
+    positions with a token k + 1 ahead, weighted so that the mean over the CP ranks is the whole sequences'.
+    ``x``: the main model's final normed states of the local positions [B, n, H]; ``tokens`` / ``targets``
+    [B, n]: the local ids; ``cos`` / ``sin``: RoPE at the local positions; ``segments``: the whole sequences'
+    documents or None; ``model.embed`` looks up the ids ahead."""
+    from moekit.models.loss import IGNORE_INDEX
+
+    B, n = tokens.shape
+    whole = context.gather_ids(torch.stack((tokens, targets)), dim=2)  # [2, B, S]: one gather for both
+    S = whole.shape[2]
+    positions = context.positions(n, tokens.device)  # [n] global position of each local one
+    h = x
+    for k, module in enumerate(model.mtp, start=1):
+        if S - k <= 0:
+            return
+        spans = ahead_spans(context, n, S, k)
+        kept = sum(b - a for a, b in spans)
+        ahead = (positions + k).clamp(max=S - 1)  # the last k positions read a stand-in: nothing uses them
+        ids, depth_targets = whole[0][:, ahead], whole[1][:, ahead]  # [B, n] each
+        h = module(h, model.embed(ids), cos, sin, ids, segments=segments, ffn_spans=spans,
+                   aux_weight=kept * context.degree / (S - k))
+        if not kept:  # no position of this rank predicts at depth k: a zero that keeps the graph
+            yield module.norm(h).sum() * 0.0
+            continue
+        wanted = take_spans(depth_targets, spans)  # [B, kept]
+        counted = (wanted != IGNORE_INDEX).sum()
+        total = (whole[1][:, k:] != IGNORE_INDEX).sum().clamp_min(1)  # the depth's targets on every rank
+        yield head_loss(module.norm(take_spans(h, spans)), wanted) * (counted * context.degree / total)

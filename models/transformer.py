@@ -136,11 +136,39 @@ class Block(nn.Module):
             self.ffn = DenseMLP(H, config.ffn_hidden_size, config.activation)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, tokens: Tensor, kv: LayerKV | None = None,
-                segments: Tensor | None = None) -> Tensor:
-        """``segments``: the documents of the positions (document masking), or None: models.attention."""
+                segments: Tensor | None = None, ffn_spans: list[tuple[int, int]] | None = None,
+                aux_weight: float = 1.0) -> Tensor:
+        """``segments``: the documents of the positions (document masking), or None: models.attention.
+        ``ffn_spans``: the position ranges [start, end) whose FFN / MoE rows are computed (the others add none:
+        a multi-token-prediction depth's positions with no token ahead under context parallelism, models.mtp);
+        None: all. ``aux_weight`` multiplies the MoE layer's aux-loss gradient for this call."""
         h = x + self.attn(self.attn_norm(x), cos, sin, kv=kv, segments=segments)  # [B, S, H]
         f = self.ffn_norm(h)
-        return h + (self.ffn(f, token_ids=tokens) if self.is_moe else self.ffn(f))  # [B, S, H]
+        if ffn_spans is not None and ffn_spans != [(0, h.shape[1])]:
+            return h + self._ffn_on_spans(f, tokens, ffn_spans, aux_weight)
+        return h + self._ffn(f, tokens, aux_weight)  # [B, S, H]
+
+    def _ffn(self, f: Tensor, tokens: Tensor, aux_weight: float = 1.0) -> Tensor:
+        if not self.is_moe:
+            return self.ffn(f)
+        if aux_weight == 1.0:
+            return self.ffn(f, token_ids=tokens)
+        return self.ffn(f, token_ids=tokens, aux_weight=aux_weight)
+
+    def _ffn_on_spans(self, f: Tensor, tokens: Tensor, spans: list[tuple[int, int]], aux_weight: float) -> Tensor:
+        """The FFN of the positions in ``spans`` (every rank of an expert-parallel group still calls the MoE
+        layer, with no rows if need be: its all-to-alls are collective), zeros elsewhere. [B, S, H]."""
+        from moekit.models.mtp import take_spans
+
+        rows = take_spans(f, spans) if spans else f[:, :0]
+        ids = take_spans(tokens, spans) if spans else tokens[:, :0]
+        y = self._ffn(rows, ids, aux_weight)  # [B, kept, H]
+        parts, at, used = [y[:, :0]], 0, 0  # y joins the graph even with no rows (every parameter gets a gradient)
+        for a, b in spans:
+            parts += [y.new_zeros(y.shape[0], a - at, y.shape[2]), y[:, used : used + b - a]]
+            at, used = b, used + b - a
+        parts.append(y.new_zeros(y.shape[0], f.shape[1] - at, y.shape[2]))
+        return torch.cat(parts, dim=1)
 
 
 class Transformer(nn.Module):

@@ -158,7 +158,10 @@ class MoELayer(nn.Module):
         self.load = ExpertLoad(num_experts)
         self.aux_loss_scale = 1.0
 
-    def forward(self, x: Tensor, token_ids: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, token_ids: Tensor | None = None, aux_weight: float = 1.0) -> Tensor:
+        """x [..., H] -> [..., H]; ``token_ids`` [...]: for routers that read them (hash); ``aux_weight``
+        multiplies this call's aux-loss gradient on top of ``aux_loss_scale`` (a caller whose tokens are a
+        weighted share of the balancing batch: models.mtp under context parallelism)."""
         check_hidden_states("MoELayer", x, self.hidden_size)  # type, 0-d, dtype, meta: no host sync
         if x.shape[-1] != self.hidden_size:
             raise ValueError(f"MoELayer got hidden size {x.shape[-1]}, expected {self.hidden_size}")
@@ -178,7 +181,7 @@ class MoELayer(nn.Module):
         if self.shared_expert is not None:
             y = y + self.shared_expert(x)
         if routing.aux_loss.requires_grad and torch.is_grad_enabled():
-            y = AuxLossInjector.apply(y, routing.aux_loss, self.aux_loss_scale)
+            y = AuxLossInjector.apply(y, routing.aux_loss, self.aux_loss_scale * aux_weight)
         return self.token_split.gather(y, split).view(shape)  # every token's output [..., H]
 
     def set_backend(self, name: str) -> None:

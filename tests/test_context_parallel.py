@@ -17,6 +17,7 @@ from moekit.comm.context_parallel import ContextParallel, check_context_parallel
 from moekit.comm.grad_sync import sync_gradients
 from moekit.comm.topology import Layout, LayoutError, Topology
 from moekit.models.attention import context_attend
+from moekit.models.mtp import ahead_spans
 from moekit.models.parallelize import parallelize
 from moekit.models.transformer import KVCache, build_model
 from tests.dist_utils import run_ranks
@@ -137,9 +138,29 @@ def test_sequences_must_split_into_zigzag_chunks():
     with pytest.raises(LayoutError, match=r"--cp 4 splits each sequence into 2\*cp = 8 equal chunks.*"
                                           r"--seq-len 30 is not a multiple of 8; use e.g. --seq-len 24"):
         check_sequence(30, 4)
-    with pytest.raises(LayoutError, match="multi-token prediction"):
-        check_context_parallel(tiny_config(mtp_layers=1), 2, 32)
+    with pytest.raises(LayoutError, match="--seq-len 30 is not a multiple of 4"):
+        check_context_parallel(tiny_config(mtp_layers=1), 2, 30)
+    check_context_parallel(tiny_config(mtp_layers=1), 2, 32)  # multi-token prediction runs under cp
     check_context_parallel(tiny_config(mtp_layers=1), 1, 31)  # cp 1: nothing to refuse
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_depth_spans_cover_the_positions_with_a_token_ahead_once(cp):
+    """models.mtp.ahead_spans: over the CP ranks, depth k's spans are the global positions 0 .. S-k-1, each once,
+    a prefix of each rank's chunks; a rank whose chunks all lie in the last k positions has none."""
+    S = 4 * cp
+    n = S // cp
+    for k in range(1, S):
+        held = []
+        for r in range(cp):
+            context = ContextParallel(cp, r)
+            where = context.positions(n).tolist()
+            spans = ahead_spans(context, n, S, k)
+            assert all(0 <= a < b <= n for a, b in spans)
+            held += [where[i] for a, b in spans for i in range(a, b)]
+            assert all(where[i] + k >= S for i in set(range(n)) - {i for a, b in spans for i in range(a, b)})
+        assert sorted(held) == list(range(S - k)), (cp, k)
+    assert ahead_spans(ContextParallel(2, 1), 4, 8, 6) == []  # positions 2-5: none has a token 6 ahead
 
 
 def test_context_parallel_model_refuses_a_kv_cache_and_checks_the_whole_length():
@@ -155,7 +176,7 @@ def test_context_parallel_model_refuses_a_kv_cache_and_checks_the_whole_length()
 # Real ranks: whole models against one process
 # ---------------------------------------------------------------------------------------------------
 
-B, S = 4, 16
+B, SEQ = 4, 16
 
 
 def _check(rank, world, degrees, over, recipe):
@@ -164,6 +185,7 @@ def _check(rank, world, degrees, over, recipe):
     cfg = tiny_config(**over)
     recipe = dict(recipe)
     eos = recipe.pop("document_eos", None)  # document masking: documents end at positions 2, 6, 13
+    S = recipe.pop("seq", SEQ)
     tokens = torch.randint(1, cfg.vocab_size, (B, S + 1), generator=torch.Generator().manual_seed(5))
     if eos is not None:
         tokens[:, [2, 6, 13]] = eos
@@ -185,6 +207,10 @@ def _check(rank, world, degrees, over, recipe):
     mean = loss.detach().clone()  # each rank's mean over its equal share: their mean is the whole batch's
     torch.distributed.all_reduce(mean, group=topo.group("dp"))
     torch.testing.assert_close(mean / layout.dp_cp, want_loss.detach(), msg=lambda m: f"{where}: loss: {m}")
+    if cfg.mtp_layers:  # the depths' recorded loss: each rank's weighted share, whose mean is one process's
+        depths = model.pop_mtp_loss()
+        torch.distributed.all_reduce(depths, group=topo.group("dp"))
+        torch.testing.assert_close(depths / layout.dp_cp, ref.pop_mtp_loss(), msg=lambda m: f"{where}: mtp: {m}")
     ref_grads = dict(ref.named_parameters())
     for name, p in model.named_parameters():
         got = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
@@ -203,6 +229,7 @@ TWO_RANKS = [
     (dict(cp=2), MLA, {"activation_checkpointing": "full"}),
     (dict(cp=2), OSS, {"activation_checkpointing": "selective"}),
     (dict(cp=2), OSS, {"document_eos": 0}),
+    (dict(cp=2, ep=2), {"mtp_layers": 2}, {}),
 ]
 FOUR_RANKS = [
     (dict(dp=2, cp=2, ep=2), {"shared_ffn_hidden_size": 16}, {}),
@@ -210,15 +237,20 @@ FOUR_RANKS = [
     (dict(cp=2, fsdp=2, ep=4), MLA, {}),
     (dict(cp=2, tp=2), OSS, {"sequence_parallel": True}),
     (dict(cp=4), MLA, {"document_eos": 0}),
+    (dict(cp=4), dict(MLA, mtp_layers=5), {"seq": 8}),
+    (dict(cp=2, tp=2), {"mtp_layers": 2}, {"document_eos": 0}),
 ]
 
 
 @pytest.mark.parametrize("world,cases", [(2, TWO_RANKS), (4, FOUR_RANKS)], ids=["2-ranks", "4-ranks"])
 def test_context_parallel_layouts_equal_single_process(world, cases):
     """2 ranks: cp2; cp2 x ep2 (hash router, a dense layer); MLA + full AC; gpt-oss's sinks, windows and biases
-    with selective AC, and with document masking (documents crossing the ranks' chunks). 4 ranks: dp2 x cp2 x ep2
-    (shared expert); cp4 with a window wider than a chunk; MLA with FSDP over fsdp x cp and ep4; cp2 x tp2 with
-    sequence parallelism; MLA at cp4 with document masking."""
+    with selective AC, and with document masking (documents crossing the ranks' chunks); two MTP depths (MoE blocks)
+    at cp2 x ep2. 4 ranks: dp2 x cp2 x ep2 (shared expert); cp4 with a window wider than a chunk; MLA with FSDP over
+    fsdp x cp and ep4; cp2 x tp2 with sequence parallelism; MLA at cp4 with document masking; five MTP depths at
+    cp4 over 8 positions (from depth 5 rank 3 holds no position with a token ahead: its MoE layer routes no row
+    and its loss is a weighted zero); MTP at cp2 x tp2 (the depths' TP token split over the kept rows) with
+    documents. Losses, every gradient and the recorded MTP loss."""
     run_ranks(_ranks, world, cases)
 
 
@@ -226,7 +258,7 @@ def _pipeline_rank(rank, world):
     from moekit.models.pipeline import build_pipeline
 
     topo = Topology(Layout(pp=2, cp=2), rank, world).build()
-    pipe = build_pipeline(build_model(tiny_config(), seed=0), topo, "gpipe", 1, S)
+    pipe = build_pipeline(build_model(tiny_config(), seed=0), topo, "gpipe", 1, SEQ)
     done = parallelize(pipe.model, topo)
     stages = pipe.model.stages  # kept outside the PipelineModel's registered children
     assert stages and all(stage.context_parallel is done.context for stage in stages), rank

@@ -124,7 +124,8 @@ def test_trainer_refuses_what_mtp_cannot_run(tmp_path, capsys, args, match):
 def test_a_pipeline_trains_mtp_and_a_tied_head_on_its_last_stage(tmp_path):
     """pp2 (1f1b): the depths and the tied head run on the last stage with its replica of the embedding; loss,
     mtp_loss and the gradient norm (which counts the replica once) follow one process over the same 4
-    micro-batches, and the pipeline's checkpoint (both stages hold embed.weight) resumes in one process.
+    micro-batches, at pp2 x cp2 too, and the pipeline's checkpoint (both stages hold embed.weight) resumes in one
+    process.
     (Gradients parameter by parameter, FSDP and interleaving: tests/test_pipeline.py.)"""
     args = ["--preset", "deepseek-tiny", "--model.mtp_layers", "2", "--model.tie_embeddings", "true", "--steps", "4",
             "--train.micro_batch_size", "2", *TINY]
@@ -140,6 +141,13 @@ def test_a_pipeline_trains_mtp_and_a_tied_head_on_its_last_stage(tmp_path):
         assert [g[key] for g in got] == pytest.approx([w[key] for w in want], rel=1e-5, abs=1e-6), key
     for key in ("val_loss", "val_mtp_loss"):  # the last stage's validation, the depths' included
         assert got[-1][key] == pytest.approx(want[-1][key], rel=1e-5), key
+    # pp2 x cp2: the last stage's depths read the ids ahead from the gathered sequence through its replica
+    r = run([*args, "--run-dir", str(tmp_path / "pp2-cp2"), "--checkpoint.every", "0", "--pp", "2", "--cp", "2"],
+            nproc=4)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = [json.loads(line) for line in (tmp_path / "pp2-cp2" / "metrics.jsonl").read_text().splitlines()]
+    for key in ("loss", "mtp_loss", "grad_norm"):
+        assert [g[key] for g in got] == pytest.approx([w[key] for w in want], rel=1e-5, abs=1e-6), key
     r = run([*args, "--run-dir", str(resumed), "--checkpoint.every", "0", "--resume",
              str(piped / "checkpoints" / "step_000002")])
     assert r.returncode == 0, r.stderr[-3000:]
@@ -196,6 +204,25 @@ def test_tensor_expert_and_fsdp_run_matches_one_process(tmp_path, single_mtp):
     for key in ("loss", "mtp_loss"):
         assert [g[key] for g in got] == pytest.approx([w[key] for w in want], rel=1e-5, abs=1e-6), key
     assert got[-1]["val_mtp_loss"] == pytest.approx(want[-1]["val_mtp_loss"], rel=1e-5)
+
+
+def test_context_parallel_runs_match_one_process(tmp_path, single_mtp):
+    """cp2 x ep2 (2 ranks; each sequence's 4 chunks of 8 over 2 ranks): the depths read the ids ahead from the
+    gathered sequence, route only the positions with a token ahead and weigh each rank's share, so the loss, the
+    MTP loss and the validation MTP loss follow the one-process run; the dry run plans the same layout.
+    (Gradients parameter by parameter, pipelines and TP: tests/test_context_parallel.py.)"""
+    args = ["--preset", "deepseek-tiny", "--model.mtp_layers", "2", "--steps", "4", "--checkpoint.every", "0", *TINY,
+            "--cp", "2", "--ep", "2"]
+    r = run([*args, "--run-dir", str(tmp_path)], nproc=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "cp=2" in r.stdout
+    want = [json.loads(line) for line in (single_mtp / "metrics.jsonl").read_text().splitlines()]
+    got = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    for key in ("loss", "mtp_loss"):
+        assert [g[key] for g in got] == pytest.approx([w[key] for w in want], rel=1e-5, abs=1e-6), key
+    assert got[-1]["val_mtp_loss"] == pytest.approx(want[-1]["val_mtp_loss"], rel=1e-5)
+    r = run([*args, "--run-dir", str(tmp_path / "dry"), "--dry-run", "--world-size", "2"])
+    assert r.returncode == 0 and "x cp 2 x" in r.stdout and " mtp 4096" in r.stdout, r.stdout[-3000:] + r.stderr
 
 
 MLA = ["--model.attention", "mla", "--model.kv_lora_rank", "16", "--model.q_lora_rank", "32",

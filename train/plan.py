@@ -76,7 +76,7 @@ def resolve_layout(settings: LayoutSection, world_size: int, model: ModelConfig,
     if S.ranks_per_node and world_size % S.ranks_per_node:
         raise LayoutError(f"--ranks-per-node {S.ranks_per_node} must divide the world size {world_size}")
     check_tensor_parallel(model, layout.tp)  # heads and widths
-    check_context_parallel(model, layout.cp, train.seq_len)  # the sequence's zigzag chunks, multi-token prediction
+    check_context_parallel(model, layout.cp, train.seq_len)  # the sequence's zigzag chunks
     if S.sequence_parallel:
         check_sequence_parallel(train.seq_len // layout.cp, layout.tp)
     per_rank, micro, accum = _batch_split(layout, S, train)

@@ -48,8 +48,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from moekit.comm.context_parallel import ContextParallel
 from moekit.comm.topology import Layout
 from moekit.models.config import ModelConfig
+from moekit.models.mtp import ahead_spans
 from moekit.moe.activations import get_activation
 # the shapes and the attention term live in their own modules; their names stay importable from here
 from moekit.train.planning.attention_memory import (  # noqa: F401
@@ -293,14 +295,37 @@ def _mtp_depth(cfg: ModelConfig, layout: Layout, wl: Workload, k: int, node_rows
     n = wl.seq_len - k
     if n <= 0:
         return {}
+    spans = None
+    if layout.cp > 1:  # every local position runs (the attention gather needs equal shares), the FFN and the loss
+        # only those with a token k + 1 ahead (models.mtp.context_depth_losses)
+        n, spans = wl.seq_len, _ahead_spans(layout.cp, wl.cp_rank, wl.seq_len, k)
     s = shapes(cfg, layout, dataclasses.replace(wl, seq_len=n, sequence_parallel=False))  # whole sequences
     H, low = cfg.hidden_size, s.a if s.casts else s.r
-    outer, ffn = _block(cfg, layout, s, cfg.num_layers + k - 1, node_rows)
+    i = cfg.num_layers + k - 1
+    outer, ffn = _block(cfg, layout, s, i, node_rows)
     norm = s.T * FP32 + (s.T * H * s.r if s.cpu else 0)  # rsqrt; x * rsqrt on CPU
     out = {"mtp": 2 * norm + 2 * s.T * H * low, **outer}
+    kept = s
+    if spans is not None:
+        out["mtp"] += s.T * H * s.r  # the embedding of the ids k ahead, looked up per depth (enorm keeps it)
+        rows = sum(b - a for a, b in spans)
+        if rows * layout.cp != wl.seq_len:  # the FFN and the head see the kept rows only
+            kept = shapes(cfg, layout, dataclasses.replace(wl, seq_len=rows * layout.cp, sequence_parallel=False))
+            ffn = _block(cfg, layout, kept, i, node_rows)[1]
+            if len(spans) > 1:  # the kept rows are a copy (one span: a view of the whole norm output)
+                out["ffn_input"] = kept.T * H * s.r
     _add(out, ffn)
-    out["head"] = _head(cfg, layout, s)
+    out["head"] = _head(cfg, layout, kept)
     return out
+
+
+def _ahead_spans(cp: int, cp_rank: int | None, seq_len: int, k: int) -> list[tuple[int, int]]:
+    """The local position ranges of CP rank ``cp_rank`` whose token k ahead exists (models.mtp.ahead_spans);
+    every local position for ``cp_rank`` None (the most a rank keeps)."""
+    local = seq_len // cp
+    if cp_rank is None:
+        return [(0, local)]
+    return ahead_spans(ContextParallel(cp, cp_rank), local, seq_len, k)
 
 
 def in_flight(layout: Layout, wl: Workload, stage: int) -> float:
