@@ -230,6 +230,7 @@ class Attention(nn.Module):
         self.window = config.attention_window(layer_id)
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim, self.rope_dim = config.attn_head_dim, config.rope_dim
+        self.rope_pairs = config.rope_pairs  # which channels RoPE rotates together (models.config)
         self.qk_norm, self.qkv_clip = config.qk_norm, float(config.qkv_clip)
         H, D, bias = config.hidden_size, self.head_dim, config.attention_bias
         self.wq = nn.Linear(H, self.num_heads * D, bias=bias)
@@ -275,11 +276,14 @@ class Attention(nn.Module):
         return self.wo(y.transpose(1, 2).reshape(B, S, -1))  # [B, S, H]
 
     def _rope(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """RoPE on the first rope_dim channels of each head (all of them unless partial_rotary_factor < 1)."""
+        """RoPE on the first rope_dim channels of each head (all of them unless partial_rotary_factor < 1), pairing
+        them as config.rope_pairs says (adjacent pairs come out in the half layout, q and k alike: q . k is the
+        checkpoint's)."""
+        rotate = apply_rope_interleaved if self.rope_pairs == "adjacent" else apply_rope
         if self.rope_dim == self.head_dim:
-            return apply_rope(x, cos, sin)
+            return rotate(x, cos, sin)
         rot, rest = x.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
-        return torch.cat((apply_rope(rot, cos, sin), rest), dim=-1)
+        return torch.cat((rotate(rot, cos, sin), rest), dim=-1)
 
     @torch.no_grad()
     def init_weights(self, normal_, std: float, std_out: float) -> None:

@@ -74,6 +74,8 @@ class ModelConfig:
     rope_scaling: dict[str, Any] = field(default_factory=dict)  # {} = plain RoPE; else transformers'
     #   rope_parameters without rope_theta: {"rope_type": "linear" | "yarn" | "llama3", "factor": ..., ...}
     partial_rotary_factor: float = 1.0  # gqa: the fraction of each q/k head RoPE rotates, first channels (GLM-4.5 0.5)
+    rope_pairs: str = "half"  # gqa: the channels RoPE rotates together: half (i with i + R/2: Llama, Qwen, Mixtral)
+      # or adjacent (2i with 2i + 1: ERNIE 4.5, GPT-J); MLA's is rope_interleave
     # MLA only (attention = "mla"); 0 where unused. num_kv_heads and head_dim are unused by MLA.
     q_lora_rank: int = 0  # 0 = full-rank query projection wq (DeepSeek-V2-Lite); else wq_a -> norm -> wq_b
     kv_lora_rank: int = 0  # compressed key/value width (wkv_a -> norm -> wkv_b)
@@ -162,7 +164,7 @@ class ModelConfig:
         return self
 
     def _validate_attention(self) -> None:
-        for name in ("attention", "qk_norm"):
+        for name in ("attention", "qk_norm", "rope_pairs"):
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"model.{name}={getattr(self, name)!r} is invalid; it must be a string")
         for name in ("attention_out_bias", "attention_sinks"):
@@ -176,6 +178,9 @@ class ModelConfig:
                              f"window (gpt-oss: 128) or full_attention_every 0")
         if self.attention not in ATTENTIONS:
             raise ValueError(f"model.attention={self.attention!r} is invalid; choose one of {list(ATTENTIONS)}")
+        if self.rope_pairs not in ROPE_PAIRS:
+            raise ValueError(f"model.rope_pairs={self.rope_pairs!r} is invalid; choose one of {list(ROPE_PAIRS)} "
+                             f"(half: Llama, Qwen, Mixtral; adjacent: ERNIE 4.5)")
         if self.qk_norm not in QK_NORMS:
             raise ValueError(f"model.qk_norm={self.qk_norm!r} is invalid; choose one of {list(QK_NORMS)} (head: "
                              f"Qwen3's per-head norm, full: OLMoE's norm over the whole projection)")
@@ -198,7 +203,7 @@ class ModelConfig:
                 raise ValueError(f"model.qk_rope_head_dim={self.qk_rope_head_dim} must be even for RoPE")
             for name, off in (("attention_bias", False), ("qk_norm", "none"), ("qkv_clip", 0.0),
                               ("partial_rotary_factor", 1.0), ("attention_out_bias", False),
-                              ("attention_sinks", False), ("sliding_window", 0)):
+                              ("attention_sinks", False), ("sliding_window", 0), ("rope_pairs", "half")):
                 if getattr(self, name) != off:
                     raise ValueError(f"model.{name}={getattr(self, name)!r} applies to attention='gqa' only; MLA has "
                                      f"its own latent norms: set model.{name}={off!r} with attention='mla'")
@@ -272,6 +277,7 @@ def _split_common_router_fields(config: ModelConfig) -> tuple[dict[str, Any], li
 
 ATTENTIONS = ("gqa", "mla")
 QK_NORMS = ("none", "head", "full")
+ROPE_PAIRS = ("half", "adjacent")  # ModelConfig.rope_pairs
 # rope_scaling: rope_type -> (required keys, optional keys) besides rope_type; the meaning of each is
 # transformers' (modeling_rope_utils); models.rope.rope_frequencies computes them.
 ROPE_SCALINGS = {
@@ -446,6 +452,16 @@ PRESETS: dict[str, ModelConfig] = {
         head_dim=128, max_seq_len=196608, rope_theta=5e6, norm_eps=1e-6, partial_rotary_factor=0.5, qk_norm="full",
         ffn_hidden_size=1536, num_experts=256, moe_ffn_hidden_size=1536, top_k=8, aux_loss_coeff=0.0,
         router_options={"score": "sigmoid", "expert_bias": True, "normalize": True, "bias_update_rate": 0.001},
+    ),
+    # ERNIE-4.5-21B-A3B (Baidu 2025; 21B total, 3B active): 28 layers of GQA 20/4 heads of 128 whose RoPE rotates
+    # adjacent channel pairs, a tied head, a dense first layer, 64 experts of width 1536 (top-6 softmax chosen with a
+    # selection bias, renormalised) plus 2 shared ones. Its checkpoint imports as ernie4_5_moe.
+    "ernie-4.5-21b-a3b": ModelConfig(
+        name="ernie-4.5-21b-a3b", vocab_size=103424, hidden_size=2560, num_layers=28, num_heads=20, num_kv_heads=4,
+        max_seq_len=131072, rope_theta=500000.0, norm_eps=1e-5, rope_pairs="adjacent", tie_embeddings=True,
+        ffn_hidden_size=12288, num_experts=64, moe_ffn_hidden_size=1536, shared_ffn_hidden_size=3072,
+        first_dense_layers=1, top_k=6, aux_loss_coeff=0.001,
+        router_options={"normalize": True, "expert_bias": True, "bias_update_rate": 0.001},
     ),
     # Kimi K2 (Moonshot AI; 1T total, 32B active): DeepSeek-V3's architecture with 64 heads, 384 experts in
     # one group, routed scaling 2.827, one dense first layer, YaRN x32 from 4k. Its checkpoint (model_type

@@ -193,7 +193,8 @@ def test_bad_tensors(base, tmp_path, breakage, match):
     (dict(hidden_act="gelu"), r"hidden_act='gelu'"),
     (dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0}), r"rope_type='dynamic'"),
     (dict(model_type="gpt2"),
-     r"model_type='gpt2' is not supported; moekit imports \['deepseek_v2', 'deepseek_v3', 'dots1', 'glm4_moe'"),
+     r"model_type='gpt2' is not supported; moekit imports \['deepseek_v2', 'deepseek_v3', 'dots1', "
+     r"'ernie4_5_moe', 'glm4_moe'"),
 ])
 def test_config_weight_mismatch(base, tmp_path, changes, match):
     folder = broken_copy(base, tmp_path)
@@ -296,6 +297,16 @@ FAMILY_CASES = {  # case -> (model_type, config overrides)
     "minimax_m2": ("minimax_m2", dict(num_local_experts=8, num_experts_per_tok=3, head_dim=16, rotary_dim=8)),
     "minimax_m2-full-rope-yarn": ("minimax_m2", dict(num_local_experts=4, num_experts_per_tok=2, head_dim=8,
                                                      rope_parameters={**YARN, "rope_theta": 5e6})),
+    # ERNIE 4.5: RoPE on adjacent channel pairs, a tied head, a dense first layer, softmax + a [1, E] selection bias
+    # (moe_statics), 2 ungated shared experts
+    "ernie4_5_moe": ("ernie4_5_moe", dict(moe_num_experts=8, moe_k=3, moe_intermediate_size=16, num_hidden_layers=3,
+                                          moe_num_shared_experts=2)),
+    # every other layer MoE (interval 2: layers 1 and 3), the last one dense (end index 3 of 5), no shared expert,
+    # an untied head, head_dim 16
+    "ernie4_5_moe-interval": ("ernie4_5_moe", dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=16,
+                                                   num_hidden_layers=5, moe_layer_start_index=0, moe_layer_end_index=3,
+                                                   moe_layer_interval=2, moe_num_shared_experts=0, head_dim=16,
+                                                   tie_word_embeddings=False)),
     "llama": ("llama", dict(rope_parameters=LLAMA3)),
     # attention_bias: biases on q/k/v and o_proj (attention_bias + attention_out_bias in moekit)
     "llama-bias": ("llama", dict(attention_bias=True)),
@@ -542,6 +553,11 @@ NATIVE = {  # case -> (family asked for or None, moekit config overrides); the f
                                     first_dense_layers=1, ffn_hidden_size=40, shared_ffn_hidden_size=48,
                                     router_options={"score": "sigmoid", "expert_bias": True, "num_groups": 2,
                                                     "group_top_k": 1, "group_score_top": 2})),
+    # adjacent RoPE pairs: only ERNIE 4.5 has them (its selection bias, [1, E], written as zeros; no shared expert)
+    "ernie4_5_moe": (None, dict(rope_pairs="adjacent")),
+    "ernie4_5_moe-bias-shared": (None, dict(rope_pairs="adjacent", num_layers=3, first_dense_layers=1,
+                                            ffn_hidden_size=40, shared_ffn_hidden_size=48, tie_embeddings=True,
+                                            router_options={"normalize": True, "expert_bias": True})),
     "llama": (None, dict(num_experts=0, rope_scaling={k: v for k, v in LLAMA3.items() if k != "rope_theta"})),
     "qwen2": (None, dict(num_experts=0, attention_bias=True)),
     "qwen3": (None, dict(num_experts=0, qk_norm="head", tie_embeddings=True)),
@@ -588,6 +604,14 @@ def test_native_model_exports_as_nearest_family(tmp_path, case):
                                               r"model has attention_bias=True, attention_out_bias=False"]),
     (dict(attention_bias=True, attention_out_bias=True), "qwen2_moe", [r"Qwen2-MoE has no o_proj bias"]),
     (dict(attention_out_bias=True), "mixtral", [r"Mixtral has no attention biases"]),
+    (dict(rope_pairs="adjacent"), "mixtral", [r"Mixtral's RoPE rotates channel i with channel i \+ R/2; this model "
+                                              r"has rope_pairs='adjacent'"]),
+    (dict(), "ernie4_5_moe", [r"ERNIE-4\.5-MoE's RoPE rotates adjacent channel pairs; this model has "
+                              r"rope_pairs='half'"]),
+    (dict(rope_pairs="adjacent", num_layers=3, first_dense_layers=1, moe_every=2,
+          router_options={"normalize": False}), "ernie4_5_moe",
+     [r"first_dense_layers=1, which is not a multiple of moe_every=2",
+      r"does not renormalise the top-k weights \(normalize=False\); ERNIE 4\.5 always does"]),
     (dict(router="switch", top_k=1, router_options={}, qk_norm="head"), "qwen3_moe", [r"jitter=0\.01 noise"]),
     (dict(name="hf:olmoe"), None, [r"imported from olmoe but no longer matches it: OLMoE has qk_norm='full'"]),
     (dict(attention="mla", kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,

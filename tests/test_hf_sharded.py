@@ -60,6 +60,9 @@ MODELS = {
     # q/k norm over the projection, half of each head rotated, sigmoid with the selection bias in the block
     "minimax_m2": dict(qk_norm="full", partial_rotary_factor=0.5, aux_loss_coeff=0.0,
                        router_options={"score": "sigmoid", "normalize": True, "expert_bias": True}),
+    # RoPE on adjacent pairs, a dense first layer, 2 shared experts, the selection bias stored as [1, E]
+    "ernie4_5_moe": dict(num_layers=3, first_dense_layers=1, shared_ffn_hidden_size=48, rope_pairs="adjacent",
+                         tie_embeddings=True, router_options={"normalize": True, "expert_bias": True}),
     # sinks, q/k/v/o biases, a window on every other layer, gate and expert biases, interleaved gate / up columns
     "gpt_oss": dict(attention_bias=True, attention_out_bias=True, attention_sinks=True, sliding_window=5,
                     full_attention_every=2, activation="swiglu_oai", moe_ffn_bias=True, moe_ffn_hidden_size=32,
@@ -331,6 +334,7 @@ def checkpoints(tmp_path_factory) -> Path:
     make_checkpoint(tmp / "gpt_oss", "gpt_oss")
     make_checkpoint(tmp / "minimax_m2", "minimax_m2")
     make_checkpoint(tmp / "olmoe", "olmoe")
+    make_checkpoint(tmp / "ernie4_5_moe", "ernie4_5_moe")
     make_checkpoint(tmp / "deepseek_v3-mtp", "deepseek_v3", mtp_layers=1)
     bad = Path(shutil.copytree(tmp / "mixtral", tmp / "bad-shape"))
     tensors = load_file(bad / "model.safetensors")
@@ -361,6 +365,7 @@ def test_two_ranks_ep_tp_fsdp(checkpoints, tmp_path):
         (dict(tp=2), c / "gpt_oss", [(tmp_path / "gpt-oss-tp2", {})]),  # sinks sharded with the heads
         (dict(fsdp=2, ep=2), c / "minimax_m2", [(tmp_path / "minimax-ep2", {})]),  # selection bias in the block
         (dict(tp=2), c / "olmoe", [(tmp_path / "olmoe-tp2", {})]),  # q/k norm over the projection, sharded
+        (dict(fsdp=2, ep=2), c / "ernie4_5_moe", [(tmp_path / "ernie-ep2", {})]),  # the [1, E] bias read by slices
     ]
     # an expert placement: replicas (experts 0 and 3 twice), slots out of order, runs of consecutive experts
     slots = ((2, 3, 0), (3, 0, 1))
@@ -385,6 +390,7 @@ def test_two_ranks_ep_tp_fsdp(checkpoints, tmp_path):
     check_export(tmp_path / "gpt-oss-tp2", load_hf(c / "gpt_oss"), tmp_path)
     check_export(tmp_path / "minimax-ep2", load_hf(c / "minimax_m2"), tmp_path)
     check_export(tmp_path / "olmoe-tp2", load_hf(c / "olmoe"), tmp_path)
+    check_export(tmp_path / "ernie-ep2", load_hf(c / "ernie4_5_moe"), tmp_path)
 
 
 def test_four_ranks_combined(checkpoints, tmp_path):
@@ -403,7 +409,7 @@ def test_four_ranks_combined(checkpoints, tmp_path):
 @pytest.mark.parametrize("family,layout", [("mixtral", "per_expert"), ("mixtral", "fused"), ("qwen2_moe", "per_expert"),
                                            ("deepseek_v3", "fused"), ("qwen3_moe", "per_expert"), ("olmoe", "fused"),
                                            ("glm4_moe", "per_expert"), ("gpt_oss", "fused"), ("minimax_m2", "per_expert"),
-                                           ("qwen2", "per_expert")])
+                                           ("ernie4_5_moe", "per_expert"), ("qwen2", "per_expert")])
 def test_rule_layouts_agree_with_split(family, layout):
     """Every rule's slice layout (Rule.layout: identity or per-expert pieces) picks out exactly what its
     split() writes, for a random tensor: the sharded paths and the whole-tensor paths cannot disagree."""

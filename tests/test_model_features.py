@@ -176,8 +176,9 @@ def test_rope_frequencies_match_transformers(rope, attention):
     dict(**MLA, rope_interleave=False),
     dict(qk_norm="full", qkv_clip=0.5, attention_bias=True, rope_scaling=LLAMA3),
     dict(qk_norm="head", rope_scaling=LINEAR),
-    dict(attention_bias=True, partial_rotary_factor=0.5)],
-    ids=["mla-yarn", "mla-full-rank-q", "olmoe-like", "qwen3-like", "glm-partial-rope"])
+    dict(attention_bias=True, partial_rotary_factor=0.5),
+    dict(rope_pairs="adjacent", partial_rotary_factor=0.5)],
+    ids=["mla-yarn", "mla-full-rank-q", "olmoe-like", "qwen3-like", "glm-partial-rope", "ernie-adjacent-pairs"])
 def test_cached_decoding_equals_full_forward(over):
     cfg = config(**over)
     model = build_model(cfg, seed=2).eval()
@@ -191,6 +192,28 @@ def test_cached_decoding_equals_full_forward(over):
     if cfg.attention == "mla":  # keys and values of different widths in one cache
         layer = cache.layers[0]
         assert layer.keys.shape[-1] == cfg.attn_qk_head_dim and layer.values.shape[-1] == cfg.v_head_dim
+
+
+@pytest.mark.parametrize("partial", [1.0, 0.5])
+def test_adjacent_rope_pairs_are_half_pairs_over_reordered_projections(partial):
+    """rope_pairs "adjacent" (ERNIE 4.5) rotates channels (2i, 2i + 1) together: the logits of "half" RoPE (i with
+    i + R/2) over q/k projections whose rows are reordered per head (the rotated evens, the rotated odds, the rest),
+    HF's old Llama weight permutation written the other way; and different from "half" over the same weights."""
+    cfg = config(partial_rotary_factor=partial, rope_theta=100.0)
+    adjacent = build_model(ModelConfig(**{**cfg.__dict__, "rope_pairs": "adjacent"}).validate(), seed=5)
+    randomise_(adjacent, 5)  # sharp attention: the pairing shows in the logits
+    half = build_model(cfg, seed=5)
+    half.load_state_dict(adjacent.state_dict())
+    D, R = cfg.attn_head_dim, cfg.rope_dim
+    order = torch.cat([torch.arange(0, R, 2), torch.arange(1, R, 2), torch.arange(R, D)])
+    tokens = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        assert (adjacent(tokens) - half(tokens)).abs().max() > 1e-2  # the same weights: other pairs
+        for a, h in zip(adjacent.layers, half.layers):
+            for name in ("wq", "wk"):
+                w = getattr(a.attn, name).weight  # [heads * D, H]
+                getattr(h.attn, name).weight.copy_(w.view(-1, D, w.shape[-1])[:, order].reshape_as(w))
+        torch.testing.assert_close(adjacent(tokens), half(tokens), rtol=1e-5, atol=1e-5)
 
 
 def test_init_and_parameter_counts():
@@ -302,6 +325,8 @@ def test_group_score_top_refusals(options, message):
     (dict(kv_lora_rank=8), "model.kv_lora_rank only apply to attention='mla'"),
     (dict(attention="flash"), "model.attention='flash' is invalid; choose one of"),
     (dict(qk_norm="rms"), "model.qk_norm='rms' is invalid"),
+    (dict(rope_pairs="interleaved"), r"model.rope_pairs='interleaved' is invalid; choose one of \['half', 'adjacent'\]"),
+    (dict(MLA, rope_pairs="adjacent"), "rope_pairs='adjacent' applies to attention='gqa' only"),
     (dict(qkv_clip=-1.0), "model.qkv_clip=-1.0 is invalid"),
     (dict(partial_rotary_factor=0.0), "model.partial_rotary_factor=0.0 is invalid; it must be a finite number > 0"),
     (dict(partial_rotary_factor=1.5), "partial_rotary_factor=1.5 is above 1"),

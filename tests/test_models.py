@@ -95,6 +95,10 @@ def test_published_parameter_counts():
     m2 = model_stats(preset("minimax-m2"))
     assert 228 < m2.params / 1e9 < 231
     assert (m2.active_params - 2 * m2.embedding_params) / 1e9 == pytest.approx(10, abs=0.25)
+    # ERNIE-4.5-21B-A3B: "21B total parameters, 3B activated" (Baidu 2025), active without the (tied) embedding
+    ernie = model_stats(preset("ernie-4.5-21b-a3b"))
+    assert 21 < ernie.params / 1e9 < 22 and ernie.embedding_params == 103424 * 2560
+    assert (ernie.active_params - ernie.embedding_params) / 1e9 == pytest.approx(3.0, abs=0.1)
     # gpt-oss (OpenAI 2025 model card): 20.91B total, 3.61B active; 116.83B, 5.13B (active without the embedding)
     for name, total, active in (("gpt-oss-20b", 20.91, 3.61), ("gpt-oss-120b", 116.83, 5.13)):
         s = model_stats(preset(name))
@@ -162,13 +166,20 @@ MINIMAX_M2_RELEASE = {
     "rope_theta": 5000000, "rotary_dim": 64, "scoring_func": "sigmoid", "shared_intermediate_size": 0,
     "tie_word_embeddings": False, "use_mtp": True, "use_qk_norm": True, "use_routing_bias": True,
     "vocab_size": 200064}
+ERNIE_21B_RELEASE = {  # ERNIE-4.5-21B-A3B-PT's sizes (the model card's), as transformers' Ernie4_5_Moe reads them
+    "architectures": ["Ernie4_5_MoeForCausalLM"], "model_type": "ernie4_5_moe", "hidden_act": "silu",
+    "hidden_size": 2560, "intermediate_size": 12288, "max_position_embeddings": 131072, "moe_intermediate_size": 1536,
+    "moe_k": 6, "moe_layer_interval": 1, "moe_layer_start_index": 1, "moe_layer_end_index": 27, "moe_num_experts": 64,
+    "moe_num_shared_experts": 2, "num_attention_heads": 20, "num_hidden_layers": 28, "num_key_value_heads": 4,
+    "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "tie_word_embeddings": True, "use_bias": False,
+    "vocab_size": 103424}
 GPT_OSS_120B_RELEASE = {**GPT_OSS_20B_RELEASE, "num_hidden_layers": 36, "num_local_experts": 128,
                         "layer_types": ["sliding_attention", "full_attention"] * 18}
 
 
 @pytest.mark.parametrize("name,release", [("deepseek-v3", DEEPSEEK_V3_RELEASE), ("kimi-k2", KIMI_K2_RELEASE),
                                           ("gpt-oss-20b", GPT_OSS_20B_RELEASE), ("gpt-oss-120b", GPT_OSS_120B_RELEASE),
-                                          ("minimax-m2", MINIMAX_M2_RELEASE),
+                                          ("minimax-m2", MINIMAX_M2_RELEASE), ("ernie-4.5-21b-a3b", ERNIE_21B_RELEASE),
                                           ("deepseek-v2-lite", DEEPSEEK_V2_LITE_RELEASE)])
 def test_real_presets_are_what_the_release_config_imports_as(tmp_path, name, release):
     """The deepseek-v3 and kimi-k2 presets are the models their checkpoints load into (the forward's fields,

@@ -360,7 +360,7 @@ MATH_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_h
                "qkv_clip", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                "rope_interleave", "partial_rotary_factor", "num_experts", "moe_ffn_hidden_size", "ffn_hidden_size",
                "shared_ffn_hidden_size", "shared_expert_gate", "top_k", "router", "attention_out_bias",
-               "attention_sinks", "sliding_window", "full_attention_every", "moe_ffn_bias")
+               "attention_sinks", "sliding_window", "full_attention_every", "moe_ffn_bias", "rope_pairs")
 
 
 MLA_ONLY = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_interleave")

@@ -36,11 +36,11 @@ from moekit.models.hf.fp8 import quantization_config
 from moekit.moe.router import TopKRouter
 
 NEAREST = {True: ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "deepseek_v3", "deepseek_v2", "glm4_moe", "dots1",
-                  "minimax_m2", "gpt_oss"),
+                  "minimax_m2", "ernie4_5_moe", "gpt_oss"),
            False: ("llama", "qwen2", "qwen3")}
 PRETTY = {"mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE", "olmoe": "OLMoE",
           "deepseek_v3": "DeepSeek-V3", "deepseek_v2": "DeepSeek-V2", "dots1": "dots.llm1", "glm4_moe": "GLM-4-MoE",
-          "gpt_oss": "gpt-oss", "minimax_m2": "MiniMax-M2",
+          "gpt_oss": "gpt-oss", "minimax_m2": "MiniMax-M2", "ernie4_5_moe": "ERNIE-4.5-MoE",
           "llama": "Llama", "qwen2": "Qwen2",
           "qwen3": "Qwen3"}
 # (attention kind, its biases, the qk_norms it can compute, qkv_clip allowed) of each family's attention; biases:
@@ -50,6 +50,7 @@ ATTENTION = {"mixtral": ("gqa", "none", ("none",), False), "qwen2_moe": ("gqa", 
              "deepseek_v3": ("mla", "none", ("none",), False), "deepseek_v2": ("mla", "none", ("none",), False),
              "dots1": ("gqa", "all", ("head",), False), "glm4_moe": ("gqa", "qkv", ("none", "head"), False),
              "gpt_oss": ("gqa", "all", ("none",), False), "minimax_m2": ("gqa", "none", ("full",), False),
+             "ernie4_5_moe": ("gqa", "none", ("none",), False),
              "llama": ("gqa", "all", ("none",), False), "qwen2": ("gqa", "qkv", ("none",), False),
              "qwen3": ("gqa", "all", ("head",), False)}
 # the families whose MoE is DeepSeek-V3's: sigmoid scores, selection bias, groups, scaling, ungated shared experts
@@ -123,6 +124,11 @@ def _attention_problems(cfg: ModelConfig, family: str, name: str) -> list[str]:
     if cfg.partial_rotary_factor != 1.0 and family not in PARTIAL_ROPE:
         problems.append(f"{name} rotates every channel of a head; this model has partial_rotary_factor="
                         f"{cfg.partial_rotary_factor} (GLM-4-MoE and MiniMax-M2 rotate part of it)")
+    pairs = "adjacent" if family == "ernie4_5_moe" else "half"
+    if kind == "gqa" and cfg.rope_pairs != pairs:
+        how = "adjacent channel pairs" if pairs == "adjacent" else "channel i with channel i + R/2"
+        problems.append(f"{name}'s RoPE rotates {how}; this model has rope_pairs={cfg.rope_pairs!r} (ERNIE 4.5 pairs "
+                        f"adjacent channels, the other families i with i + R/2)")
     if family == "deepseek_v2" and not cfg.rope_interleave:
         problems.append("DeepSeek-V2 rotates interleaved pairs of the rope dims; this model has rope_interleave=false "
                         "(DeepSeek-V3's rope_interleave flag takes either)")
@@ -154,6 +160,10 @@ def _layer_problems(cfg: ModelConfig, family: str, name: str) -> list[str]:
                 f"first_dense_layers={cfg.first_dense_layers})"]
     if family in DEEPSEEK_SHARED and cfg.moe_every != 1:
         return [f"{name} has an MoE FFN in every layer from first_k_dense_replace on; this model has "
+                f"moe_every={cfg.moe_every}"]
+    if family == "ernie4_5_moe" and cfg.first_dense_layers % cfg.moe_every:
+        return [f"{name} puts MoE FFNs on the layers i >= moe_layer_start_index with (i + 1) % moe_layer_interval "
+                f"== 0; this model has first_dense_layers={cfg.first_dense_layers}, which is not a multiple of "
                 f"moe_every={cfg.moe_every}"]
     return []
 
@@ -194,7 +204,9 @@ def _router_problems(r, family: str, name: str) -> list[str]:
     if r.scaling != 1.0 or r.num_groups is not None:
         problems.append(f"router uses scaling={r.scaling} / num_groups={r.num_groups} (DeepSeek-V3 and GLM-4-MoE "
                         f"have them)")
-    if r.expert_bias is not None and not sigmoid:
+    if family == "ernie4_5_moe" and not r.normalize:
+        problems.append("router does not renormalise the top-k weights (normalize=False); ERNIE 4.5 always does")
+    if r.expert_bias is not None and not sigmoid and family != "ernie4_5_moe":
         problems.append("router has an expert_bias (aux-loss-free balancing changes which experts are chosen; "
                         "DeepSeek-V3 and GLM-4-MoE have it)")
     if family == "gpt_oss" and not r.normalize:
@@ -215,14 +227,14 @@ def _shared_problems(ffn, cfg: ModelConfig, family: str, name: str) -> list[str]
     gated = shared.gate is not None
     if family == "qwen2_moe" and not gated:
         return ["Qwen2-MoE's shared expert is sigmoid-gated; this model's has no gate (shared_expert_gate=false)"]
-    if family in DEEPSEEK_SHARED:
+    if family in (*DEEPSEEK_SHARED, "ernie4_5_moe"):
         if gated:
             return [f"{name}'s shared experts have no gate; this model has shared_expert_gate=true"]
         if cfg.shared_ffn_hidden_size % cfg.moe_ffn_hidden_size:
             return [f"{name}'s shared experts are n_shared_experts * moe_intermediate_size wide; this model's "
                     f"shared_ffn_hidden_size={cfg.shared_ffn_hidden_size} is not a multiple of "
                     f"moe_ffn_hidden_size={cfg.moe_ffn_hidden_size}"]
-    if family not in ("qwen2_moe", *DEEPSEEK_SHARED):
+    if family not in ("qwen2_moe", *DEEPSEEK_SHARED, "ernie4_5_moe"):
         return [f"{name} has no shared expert; this model has shared_ffn_hidden_size={cfg.shared_ffn_hidden_size}"]
     return []
 
@@ -332,6 +344,13 @@ def hf_config(model, family: str, dtype_name: str, token_ids: dict[str, Any] | N
                    use_qk_norm=True, qk_norm_type="per_layer", scoring_func="sigmoid", use_routing_bias=True,
                    router_jitter_noise=0.0, partial_rotary_factor=cfg.partial_rotary_factor)
         out["rope_parameters"]["partial_rotary_factor"] = cfg.partial_rotary_factor  # where transformers 5 reads it
+    elif family == "ernie4_5_moe":
+        out.update(intermediate_size=cfg.ffn_hidden_size, moe_intermediate_size=cfg.moe_ffn_hidden_size,
+                   moe_num_experts=E, moe_k=cfg.top_k, router_aux_loss_coef=cfg.aux_loss_coeff,
+                   output_router_logits=False,
+                   moe_num_shared_experts=cfg.shared_ffn_hidden_size // cfg.moe_ffn_hidden_size,
+                   moe_layer_start_index=cfg.first_dense_layers, moe_layer_end_index=L - 1,
+                   moe_layer_interval=cfg.moe_every, moe_norm_min=1e-12, use_bias=False)
     elif family == "gpt_oss":
         from moekit.moe.activations import OAI_ALPHA, OAI_LIMIT
 
@@ -384,9 +403,13 @@ def zero_fill(model, family: str, dtype: torch.dtype) -> dict[str, Tensor]:
     cfg, out = model.config, {}
     H, F = cfg.hidden_size, cfg.moe_ffn_hidden_size
     for i, layer in enumerate(model.layers):
-        if not layer.is_moe or family not in ("qwen2_moe", *SIGMOID_MOE, "deepseek_v2", "gpt_oss"):
+        if not layer.is_moe or family not in ("qwen2_moe", *SIGMOID_MOE, "deepseek_v2", "gpt_oss", "ernie4_5_moe"):
             continue
         block = f"model.layers.{i}.mlp"
+        if family == "ernie4_5_moe":  # its selection bias always exists ([1, E]); no shared experts: a count of 0
+            if layer.ffn.router.expert_bias is None:
+                out[f"{block}.moe_statics.e_score_correction_bias"] = torch.zeros(1, cfg.num_experts, dtype=dtype)
+            continue
         if family == "minimax_m2":  # its selection bias sits in the block (block_sparse_moe), not under the gate
             if layer.ffn.router.expert_bias is None:
                 out[f"model.layers.{i}.block_sparse_moe.e_score_correction_bias"] = torch.zeros(cfg.num_experts,

@@ -24,6 +24,9 @@ bias or a norm and hopes for the best.
                  on q/k/v and o                             experts, dense first layers)
     deepseek_v2  MLA (as V3)                              softmax over all, top-k times routed scaling, no renorm;
                                                         group_limited_greedy: groups by their best score
+    ernie4_5_moe GQA, RoPE on adjacent channel pairs        softmax + e_score_correction_bias ([1, E], moe_statics),
+                 (rope_pairs "adjacent"), tied head         top-k renormalised; ungated shared experts; MoE layers
+                                                        from moe_layer_start_index every moe_layer_interval-th
     llama, qwen2 (qkv bias), qwen3 (q/k norm per head): dense (num_experts=0)
 
 Every family reads RoPE from ``rope_parameters`` (transformers 5) or ``rope_theta`` / ``rope_scaling`` (4):
@@ -57,6 +60,9 @@ DEEPSEEK_V3 = Naming(moe_blocks=("mlp",), expert_proj=GATED, experts_field="n_ro
 DENSE = Naming(moe_blocks=("mlp",), expert_proj=GATED, experts_field="(dense model: no experts)")
 MINIMAX_M2 = Naming(moe_blocks=("block_sparse_moe", "mlp"), expert_proj=("w1", "w3", "w2"),
                     experts_field="num_local_experts", router_bias="e_score_correction_bias", router_bias_in_block=True)
+ERNIE4_5_MOE = Naming(moe_blocks=("mlp",), expert_proj=GATED, experts_field="moe_num_experts", shared="shared_experts",
+                      router_bias="moe_statics.e_score_correction_bias", router_bias_in_block=True,
+                      router_bias_row=True)
 GPT_OSS = Naming(moe_blocks=("mlp",), expert_proj=GATED, experts_field="num_local_experts", router="router",
                  woven=True)
 
@@ -447,6 +453,45 @@ def gpt_oss_config(hf: dict) -> ModelConfig:
     return _model_config(hf, fields, problems)
 
 
+def ernie4_5_moe_config(hf: dict) -> ModelConfig:
+    """ERNIE 4.5 MoE (Baidu's ERNIE-4.5-21B-A3B / 300B-A47B; transformers' Ernie4_5_Moe): grouped-query attention
+    whose RoPE rotates adjacent channel pairs (2i, 2i + 1: rope_pairs "adjacent"), a head tied to the embedding by
+    default; MoE FFNs on layers moe_layer_start_index .. moe_layer_end_index with (i + 1) % moe_layer_interval == 0,
+    dense ones elsewhere; the router's softmax over every expert chooses by the scores plus e_score_correction_bias
+    (aux-loss-free balancing, stored as [1, E] under the block's moe_statics) and renormalises the chosen weights;
+    moe_num_shared_experts ungated shared experts of moe_intermediate_size, summed into one."""
+    problems: list[str] = []
+    fields = base_fields(hf, problems, default_theta=500000.0)
+    fields["tie_embeddings"] = bool(_get(hf, "tie_word_embeddings", True))  # Ernie4_5_MoeConfig's default
+    if hf.get("use_bias"):
+        problems.append(f"use_bias=true (biases on every projection, the FFNs' too: needs {NEEDS['mlp_bias']})")
+    E, L = _get(hf, ("moe_num_experts", "num_experts")), fields["num_layers"]
+    k = _get(hf, ("moe_k", "num_experts_per_tok"))
+    start, end = _get(hf, "moe_layer_start_index", 1), _get(hf, "moe_layer_end_index", -1)
+    interval = _get(hf, "moe_layer_interval", 1)
+    if not all(isinstance(v, int) for v in (start, end, interval)):  # ERNIE-VL's per-modality lists
+        problems.append(f"moe_layer_start_index={start!r}, moe_layer_end_index={end!r}, moe_layer_interval="
+                        f"{interval!r} (transformers' Ernie4_5_Moe reads integers)")
+        start, end, interval = 0, -1, 1
+    end = L - 1 if end == -1 else end
+    moe = [E > 0 and (i + 1) % interval == 0 and start <= i <= end for i in range(L)]
+    pattern = layer_pattern(moe)
+    if pattern is None:
+        problems.append(f"MoE layers {[i for i in range(L) if moe[i]]} of {L} (moe_layer_start_index={start}, "
+                        f"moe_layer_end_index={end}, moe_layer_interval={interval}) (needs {NEEDS['layer_pattern']})")
+    first, every = pattern or (0, 1)
+    norm_min = float(_get(hf, "moe_norm_min", 1e-12))
+    if E and norm_min > k / E:  # the chosen softmax weights sum to at least k / E: a smaller floor never applies
+        problems.append(f"moe_norm_min={norm_min} above top-k / experts = {k / E:.3g} (the renormalisation would be "
+                        f"floored; moekit's divides by the weights' sum)")
+    width = _get(hf, "moe_intermediate_size")
+    fields.update(rope_pairs="adjacent", num_experts=E, top_k=k, first_dense_layers=first, moe_every=every,
+                  moe_ffn_hidden_size=width, ffn_hidden_size=_get(hf, "intermediate_size"),
+                  shared_ffn_hidden_size=width * _get(hf, "moe_num_shared_experts", 2),
+                  router_options={"normalize": True, "expert_bias": True})
+    return _model_config(hf, fields, problems)
+
+
 def dense_config(hf: dict) -> ModelConfig:
     """Llama, Qwen2, Qwen3: a moekit model without experts (num_experts=0)."""
     problems: list[str] = []
@@ -487,6 +532,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("gpt_oss", "GptOssForCausalLM", gpt_oss_config, GPT_OSS),
     Family("minimax_m2", "MiniMaxM2ForCausalLM", minimax_m2_config, MINIMAX_M2),
     Family("dots1", "Dots1ForCausalLM", dots1_config, DEEPSEEK_V3),  # DeepSeek-V3's MoE names
+    Family("ernie4_5_moe", "Ernie4_5_MoeForCausalLM", ernie4_5_moe_config, ERNIE4_5_MOE),
     Family("llama", "LlamaForCausalLM", dense_config, DENSE, moe=False),
     Family("qwen2", "Qwen2ForCausalLM", dense_config, DENSE, moe=False),
     Family("qwen3", "Qwen3ForCausalLM", dense_config, DENSE, moe=False),

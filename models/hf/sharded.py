@@ -119,8 +119,12 @@ def _rel(box: Box, origin: Box) -> tuple[slice, ...]:
     return tuple(slice(r.start - o.start, r.stop - o.start) for r, o in zip(box, origin))
 
 
-def _to_target(part: Tensor, dims: tuple[int, ...], ndim: int) -> Tensor:
-    """A source-ordered slice -> the target's dim order (dropped target dims back as size 1)."""
+def _to_target(part: Tensor, dims: tuple[int | None, ...], ndim: int) -> Tensor:
+    """A source-ordered slice -> the target's dim order (dropped target dims back as size 1; source dims of
+    size 1 the target lacks, ``None`` in ``dims``, dropped)."""
+    if None in dims:
+        part = part.squeeze([k for k, d in enumerate(dims) if d is None])
+        dims = tuple(d for d in dims if d is not None)
     kept = sorted(dims)
     out = part.permute([dims.index(d) for d in kept])
     for d in range(ndim):
@@ -129,11 +133,16 @@ def _to_target(part: Tensor, dims: tuple[int, ...], ndim: int) -> Tensor:
     return out
 
 
-def _to_source(region: Tensor, dims: tuple[int, ...]) -> Tensor:
-    """A target-ordered region (dropped dims of size 1) -> the HF tensor's dim order."""
-    kept = sorted(dims)
-    out = region.reshape([region.shape[d] for d in kept])
-    return out.permute([kept.index(d) for d in dims])
+def _to_source(region: Tensor, dims: tuple[int | None, ...]) -> Tensor:
+    """A target-ordered region (dropped dims of size 1) -> the HF tensor's dim order (``None``: a source dim of
+    size 1 the target lacks)."""
+    real = tuple(d for d in dims if d is not None)
+    kept = sorted(real)
+    out = region.reshape([region.shape[d] for d in kept]).permute([kept.index(d) for d in real])
+    for k, d in enumerate(dims):
+        if d is None:
+            out = out.unsqueeze(k)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -317,7 +326,8 @@ def _parts(rule: Rule, pieces, want: Box, slices: SliceReader):
         if meet is None:
             continue
         # the same box in the HF tensor's own indices and dim order
-        index = [slice(meet[d].start - where[d].start, meet[d].stop - where[d].start) for d in dims]
+        index = [slice(0, 1) if d is None else slice(meet[d].start - where[d].start, meet[d].stop - where[d].start)
+                 for d in dims]
         if woven is None:
             part = slices.read(source, tuple(index))
         else:  # interleaved along source dim k (Piece.interleave): the run that covers them, then those columns

@@ -51,7 +51,7 @@ class _Unit:
     key: str
     target: str | None  # None: a part the family always has and the model lacks, written as zeros
     region: Box  # in the moekit tensor's indices
-    dims: tuple[int, ...]  # target dim of each HF dim
+    dims: tuple[int | None, ...]  # target dim of each HF dim (None: a dim of size 1 the target lacks)
     dtype: torch.dtype  # on disk
     owner: int
     parts: list[tuple[int, Box]]  # (rank sending it, sub-box of region) for every part the owner lacks
@@ -61,7 +61,7 @@ class _Unit:
 
     @property
     def shape(self) -> list[int]:
-        return [len(self.region[d]) for d in self.dims]
+        return [1 if d is None else len(self.region[d]) for d in self.dims]
 
     @property
     def entries(self) -> list[tuple[str, torch.dtype, list[int]]]:
@@ -203,7 +203,7 @@ def _plan_export(spec: _ExportSpec, meta: dict, all_boxes: list[dict]) -> list[_
 
 def _block(spec: _ExportSpec, key: str, region: Box, dims: tuple[int, ...]) -> tuple[int, int] | None:
     """The fp8 block of HF tensor ``key`` when the export quantizes it (save_hf's choice, by key and shape)."""
-    shape = tuple(len(region[d]) for d in dims)
+    shape = tuple(1 if d is None else len(region[d]) for d in dims)
     return spec.fp8_block if spec.fp8_block is not None and fp8.quantizable(key, shape) else None
 
 

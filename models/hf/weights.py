@@ -43,6 +43,7 @@ class Naming:
     shared_gate: str | None = None  # Qwen2-MoE's sigmoid gate on the shared expert
     router_bias: str | None = None  # DeepSeek-V3's selection bias, under the block's ``gate``
     router_bias_in_block: bool = False  # MiniMax-M2: the selection bias sits in the block itself, not its gate
+    router_bias_row: bool = False  # ERNIE 4.5: the selection bias is stored as one row [1, E]
     router: str = "gate"  # the router's module inside the block (gpt-oss: "router", whose ``bias`` is the gate's)
     woven: bool = False  # gpt-oss: fused experts, gate / up interleaved, with biases (_woven_expert_rules)
 
@@ -58,7 +59,7 @@ class Piece:
     """
 
     parts: tuple[tuple[int, int], ...]
-    dims: tuple[int, ...]
+    dims: tuple[int | None, ...]  # None: a source dim of size 1 the target lacks (ERNIE's [1, E] selection bias)
     # (source dim k, ways): along k the source interleaves the target's ``ways`` equal chunks: source index s holds
     # target index (s % ways) * (n // ways) + s // ways (gpt-oss's gate_up_proj [.., 2F] = g0 u0 g1 u1 ...)
     interleave: tuple[int, int] | None = None
@@ -177,7 +178,12 @@ def moe_rules(t: str, block: str, ffn, naming: Naming, fused: bool) -> list[Rule
                              f"family has no selection bias to hold it; build the model without expert_bias or "
                              f"bias_update_rate")
         where = block if naming.router_bias_in_block else router
-        rules.append(_one(f"{t}.router.expert_bias", f"{where}.{naming.router_bias}", naming.experts_field))
+        source, target = f"{where}.{naming.router_bias}", f"{t}.router.expert_bias"
+        if naming.router_bias_row:  # [1, E] on disk, [E] in moekit
+            rules.append(Rule(target, (source,), lambda ts: ts[0].reshape(-1), lambda b: [b.reshape(1, -1)],
+                              naming.experts_field, pieces=(Piece(((0, 1),), (None, 0)),)))
+        else:
+            rules.append(_one(target, source, naming.experts_field))
     if getattr(ffn.experts, "b_in", None) is not None and not naming.woven:
         raise ValueError(f"{t}.experts have biases (moe_ffn_bias) but this HuggingFace family's experts have none; "
                          f"build the model with moe_ffn_bias=false")
