@@ -285,15 +285,27 @@ def shard_experts(layer: nn.Module, ep_mesh, placement: Placement | None = None)
     return ep_rank * len(rows), (ep_rank + 1) * len(rows)
 
 
-def all_reduce_counts(group):
-    """A moe CountReducer: per-expert counts summed over the data-parallel group (global-batch balancing)."""
+def all_reduce_counts(*groups):
+    """A moe CountReducer: per-expert counts summed over ``groups`` in turn (the data-parallel group:
+    global-batch balancing; the TP then the CP group: the ranks sharing each sequence's tokens)."""
 
     def reduce(counts: Tensor) -> Tensor:
         out = counts.detach().clone()
-        dist.all_reduce(out, group=group)
+        for group in groups:
+            dist.all_reduce(out, group=group)
         return out
 
     return reduce
+
+
+def install_sequence_balance(router, topology) -> None:
+    """Sequence-wise balancing (moe.router.Router, balance="sequence"): the ranks that hold parts of the same
+    sequences are the TP ranks (their token split, sequence parallel or not) times the CP ranks; the per-sequence
+    counts are summed over both, and each rank's loss counts tp * cp times."""
+    L = topology.layout
+    groups = [topology.group(kind) for kind, n in (("tp", L.tp), ("cp", L.cp)) if n > 1]
+    router.sequence_reducer = all_reduce_counts(*groups) if groups else None
+    router.sequence_parts = L.tp * L.cp
 
 
 def apply_expert_parallel(model: nn.Module, topology, hierarchical: bool = False,
@@ -322,6 +334,7 @@ def apply_expert_parallel(model: nn.Module, topology, hierarchical: bool = False
     for name, layer in moe_layers(model):
         # global-batch balancing: the counts of every rank of the stage (data ranks x TP token slices)
         layer.router.count_reducer = all_reduce_counts(topology.group("stage"))
+        install_sequence_balance(layer.router, topology)
         if topology.layout.ep == 1:
             continue
         placement = placements.get(name)

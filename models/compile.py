@@ -111,7 +111,7 @@ def compiled(module: nn.Module, options: dict) -> nn.Module:
         if issubclass(cls, Router):
             why = "reads in_backward() and updates router state per real forward"
             own.update(observe_load=torch._dynamo.disable(cls.observe_load, reason=why),
-                       reduce_counts=_eager_reduce_counts())
+                       reduce_counts=_eager_reduce_counts(), reduce_sequence_counts=_eager_reduce_counts("sequence"))
         return own
 
     _swap(module, Compiled, attrs, key=repr(sorted(options.items())))
@@ -130,12 +130,15 @@ def _swap(module: nn.Module, mixin: type, attrs, key=()) -> None:
     module.__class__ = subclass(wrap, subclass(mixin, cls.__bases__[1], attrs, key))  # Checkpointed<<mixin>X>
 
 
-def _eager_reduce_counts():
-    # Router.reduce_counts with the reducer call run eagerly: an all-reduce over the data-parallel group.
-    # Without a reducer nothing breaks the router's graph.
+def _eager_reduce_counts(kind: str = "count"):
+    # Router.reduce_counts (reduce_sequence_counts for kind "sequence") with the reducer call run eagerly: an
+    # all-reduce over the data-parallel group (the ranks sharing the sequences). Without a reducer nothing breaks
+    # the router's graph.
     run = torch._dynamo.disable(lambda reducer, counts: reducer(counts), reason="a collective over the data ranks")
+    name = f"{kind}_reducer"
 
     def reduce_counts(self, counts):
-        return counts if self.count_reducer is None else run(self.count_reducer, counts)
+        reducer = getattr(self, name)
+        return counts if reducer is None else run(reducer, counts)
 
     return reduce_counts

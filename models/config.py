@@ -357,13 +357,13 @@ PRESETS: dict[str, ModelConfig] = {
         tie_embeddings=True,
     ),
     # DeepSeek-V3: many fine-grained experts + a shared expert, sigmoid scores, group-limited top-k,
-    # aux-loss-free bias balancing (with a tiny sequence-wise aux loss), first layer dense.
+    # aux-loss-free bias balancing (with a tiny sequence-wise aux loss: balance "sequence"), first layer dense.
     "deepseek-tiny": ModelConfig(
         name="deepseek-tiny", hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=4, max_seq_len=256,
         ffn_hidden_size=512, num_experts=16, moe_ffn_hidden_size=64, shared_ffn_hidden_size=128,
         first_dense_layers=1, router="topk", top_k=4, aux_loss_coeff=0.0001,
         router_options={"score": "sigmoid", "num_groups": 4, "group_top_k": 2, "bias_update_rate": 0.001,
-                        "scaling": 1.0},
+                        "scaling": 1.0, "balance": "sequence"},
     ),
     # gpt-oss's architecture at test size: attention sinks, q/k/v/o biases, a 64-position window on every other
     # layer, a biased gate (softmax over the top-k logits), experts with biases and gpt-oss's clamped SwiGLU.
@@ -442,7 +442,8 @@ PRESETS: dict[str, ModelConfig] = {
         rope_scaling={"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
                       "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707},
         ffn_hidden_size=10944, num_experts=64, moe_ffn_hidden_size=1408, shared_ffn_hidden_size=2816,
-        first_dense_layers=1, top_k=6, aux_loss_coeff=0.001, router_options={"normalize": False, "scaling": 1.0},
+        first_dense_layers=1, top_k=6, aux_loss_coeff=0.001,
+        router_options={"normalize": False, "scaling": 1.0, "balance": "sequence"},
     ),
     # MiniMax-M2 (MiniMax 2025; 229B total, 10B active without the embedding and the head): 62 layers of GQA 48/8
     # heads of 128 with q/k RMSNorm over the whole projection and RoPE on half of each head, 256 experts of width

@@ -37,6 +37,7 @@ class TokenSplit(Protocol):
     and their ids; ``gather(y [T, H], meta) -> [N, H]`` with N * H = x.numel(): the layer's output rows
     (the layer restores x's shape). ``meta`` is whatever gather needs; nothing is kept between the calls.
     ``parts``: how many ranks share the input's tokens (each one's aux loss is that slice's).
+    ``sequences(x) -> (ids [T], B)``: the sequence of each of this rank's tokens (sequence-wise balancing).
     """
 
     parts: int
@@ -44,6 +45,15 @@ class TokenSplit(Protocol):
     def split(self, x: Tensor, token_ids: Tensor | None) -> tuple[Tensor, Tensor | None, Any]: ...
 
     def gather(self, y: Tensor, meta: Any) -> Tensor: ...
+
+    def sequences(self, x: Tensor) -> tuple[Tensor, int]: ...
+
+
+def sequence_ids(x: Tensor) -> tuple[Tensor, int]:
+    """(the sequence of each row of x [B, S, ..., H] flattened, B); a [T, H] input is one sequence."""
+    B = x.shape[0] if x.dim() > 2 else 1
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return torch.arange(B, device=x.device).repeat_interleave(rows // B if B else 0), B
 
 
 class LocalTokens:
@@ -57,6 +67,9 @@ class LocalTokens:
 
     def gather(self, y: Tensor, meta: None) -> Tensor:
         return y
+
+    def sequences(self, x: Tensor) -> tuple[Tensor, int]:
+        return sequence_ids(x)
 
 
 class AuxLossInjector(torch.autograd.Function):
@@ -166,8 +179,16 @@ class MoELayer(nn.Module):
         if x.shape[-1] != self.hidden_size:
             raise ValueError(f"MoELayer got hidden size {x.shape[-1]}, expected {self.hidden_size}")
         shape = x.shape
+        sequences = None
+        if getattr(self.router, "balance", "batch") == "sequence":  # the sequence of each of this rank's tokens;
+            # the sequence loss is a share of whole sequences already: it undoes aux_weight (the z-loss keeps it)
+            if not hasattr(self.token_split, "sequences"):
+                raise ValueError(f"router balance='sequence' needs each token's sequence, but the token split "
+                                 f"{type(self.token_split).__name__} has no sequences(x) method (moe.layer.TokenSplit)")
+            sequences = (*self.token_split.sequences(x), aux_weight)
         x, token_ids, split = self.token_split.split(x, token_ids)  # this rank's tokens [T, H], ids [T]
-        routing = self.router(x, token_ids)  # indices/weights [T, k]
+        routing = (self.router(x, token_ids) if sequences is None
+                   else self.router(x, token_ids, sequences=sequences))  # indices/weights [T, k]
         if self.training:
             self.load.record(routing)
         # Under autocast the experts compute in the autocast dtype anyway: cast before dispatch, so the

@@ -42,6 +42,37 @@ def load_balance_loss(scores: Tensor, assigned: Tensor) -> Tensor:
     return num_experts * torch.dot(f, p)
 
 
+def sequence_counts(indices: Tensor, sequences: Tensor, num_sequences: int, num_experts: int) -> Tensor:
+    """[B, E] top-k choices per sequence and expert: indices [T, k] (ids outside [0, E) count nowhere), sequences
+    [T] the sequence of each token in [0, B)."""
+    valid = (indices >= 0) & (indices < num_experts)  # [T, k]; an invalid id adds 0 (no data-dependent shape)
+    flat = sequences[:, None] * num_experts + indices.clamp(0, num_experts - 1)  # [T, k]
+    counts = torch.zeros(num_sequences * num_experts, dtype=torch.float32, device=indices.device)
+    counts.index_add_(0, flat.flatten(), valid.flatten().float())
+    return counts.view(num_sequences, num_experts)
+
+
+def sequence_balance_loss(scores: Tensor, counts: Tensor, sequences: Tensor, top_k: int) -> Tensor:
+    """DeepSeek-V3's sequence-wise balance loss (eqs. 17-20), mean over the B sequences of
+    E * sum_i f_{b,i} P_{b,i}: f the share of sequence b's top_k choices per token that went to expert i, P its
+    tokens' mean score for i. scores [T, E] (rows sum to 1, this rank's tokens), counts [B, E] (every rank's
+    choices of each sequence: Router.reduce_sequence_counts), sequences [T]. P sums this rank's tokens only,
+    over the whole sequence's length: the ranks holding parts of a sequence add up to its loss. 1.0 when every
+    sequence is balanced, E when each sends every choice to one expert.
+    """
+    B, E = counts.shape
+    if scores.shape[0] == 0:
+        return scores.sum() * 0.0  # keeps the graph (and a zero gradient) for empty batches
+    chosen = counts.sum(1, keepdim=True)  # [B, 1]: top_k x the sequence's tokens (on every rank)
+    f = (counts / chosen.clamp_min(1)).to(scores.dtype)  # [B, E]
+    length = (chosen / top_k).clamp_min(1).to(scores.dtype)  # [B, 1] tokens of each sequence
+    # [B, E] this rank's tokens' score sums, as a one-hot [B, T] matmul: autograd keeps the one-hot (B floats per
+    # token), where index_add would keep the [T, E] scores
+    member = (sequences[None, :] == torch.arange(B, device=sequences.device)[:, None]).to(scores.dtype)
+    partial = member @ scores
+    return E * (f * partial / length).sum() / B
+
+
 def z_loss(logits: Tensor) -> Tensor:
     """ST-MoE router z-loss: keeps gate logits small so the softmax stays in a well-conditioned range."""
     if logits.shape[0] == 0:

@@ -36,9 +36,11 @@ from moekit.moe.options import check_options, error_text
 from moekit.moe.precision import upcast_linear
 
 from moekit.moe.load import in_backward
-from moekit.moe.losses import CountReducer, bias_update_step, load_balance_loss, z_loss
+from moekit.moe.losses import (CountReducer, bias_update_step, load_balance_loss, sequence_balance_loss,
+                               sequence_counts, z_loss)
 
 DROP_POLICIES = ("probs", "position")
+BALANCES = ("batch", "sequence")  # Router(balance=): what the load-balance loss averages over
 SCORES = ("softmax", "sigmoid")
 # Where top-k routing (TopKRouter and Switch, without expert groups or force_expert) runs as one Triton
 # kernel each way (moe.kernels.topk_route) instead of ~35 torch ops: "auto" on CUDA outside torch.compile,
@@ -197,6 +199,15 @@ class Router(nn.Module):
     ``count_reducer`` (None = micro-batch balancing) sums per-expert counts over the ranks that form
     the balancing batch; comm/ sets it for expert/data parallelism so the aux loss and the bias
     updates see the global batch. Routers never import torch.distributed themselves.
+
+    ``balance``: "batch" (the default) balances the load over the balancing batch; "sequence" is DeepSeek-V3's
+    complementary sequence-wise balance loss (DeepSeek-AI 2024, eqs. 17-20): the same E * sum_i f_i P_i within
+    each sequence, averaged over the sequences, so that no single sequence piles onto a few experts. It needs
+    each token's sequence (``forward(x, sequences=(ids [T], B))``, which MoELayer passes for [B, S, H] input).
+    When a sequence's tokens are split over ranks (tensor / sequence / context parallelism) comm/ sets
+    ``sequence_reducer`` (sums [B, E] counts over those ranks) and ``sequence_parts`` (their number): each rank's
+    loss is then its tokens' share of every sequence's loss, times ``sequence_parts``, so that the layouts'
+    gradient averaging gives one process's gradient.
     """
 
     requires_token_ids = False  # hash routing needs the token ids, not the hidden states
@@ -204,7 +215,7 @@ class Router(nn.Module):
     def __init__(self, hidden_size: int, num_experts: int, *, top_k: int = 1,
                  capacity_factor: float | None = None, drop_policy: str = "probs",
                  aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0, gate: bool = True,
-                 gate_bias: bool = False):
+                 gate_bias: bool = False, balance: str = "batch"):
         super().__init__()
         check_int("hidden_size", hidden_size, 1)
         if not isinstance(gate_bias, bool):
@@ -219,6 +230,8 @@ class Router(nn.Module):
         check_choice("drop_policy", drop_policy, DROP_POLICIES)
         check_float("aux_loss_coeff", aux_loss_coeff)
         check_float("z_loss_coeff", z_loss_coeff)
+        check_choice("balance", balance, BALANCES)
+        self.balance = balance
         self.hidden_size, self.num_experts, self.top_k = hidden_size, num_experts, top_k
         self.capacity_factor, self.drop_policy = capacity_factor, drop_policy
         self.aux_loss_coeff, self.z_loss_coeff = float(aux_loss_coeff), float(z_loss_coeff)
@@ -227,6 +240,9 @@ class Router(nn.Module):
         if gate_bias:
             self.bias = nn.Parameter(torch.zeros(num_experts))
         self.count_reducer: CountReducer = None
+        self.sequence_reducer: CountReducer = None  # balance "sequence": sums [B, E] over a sequence's ranks
+        self.sequence_parts = 1  # how many ranks share each sequence's tokens (comm/ sets both)
+        self._sequences: tuple | None = None  # this forward's (sequence of each token, B[, caller's weight])
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
@@ -255,9 +271,13 @@ class Router(nn.Module):
             return None
         return min(num_tokens, math.ceil(num_tokens * self.top_k / self.num_experts * self.capacity_factor))
 
-    def forward(self, x: Tensor, token_ids: Tensor | None = None) -> Routing:
+    def forward(self, x: Tensor, token_ids: Tensor | None = None,
+                sequences: tuple[Tensor, int] | None = None) -> Routing:
         """x [..., H] -> Routing of its T tokens; a router outside moekit gets its routing made safe (module
-        docstring, "Contract"): override ``route``, not this."""
+        docstring, "Contract"): override ``route``, not this. ``sequences``: (ids [T] int64 in [0, B), B), the
+        sequence of each token, which balance="sequence" needs (class docstring); a third entry is the caller's
+        aux-loss weight (MoELayer's ``aux_weight``), which the sequence loss divides out: it is each rank's share
+        of whole sequences already, unlike the z-loss, a per-token mean."""
         check_hidden_states(f"router {type(self).__qualname__}", x, self.hidden_size)
         if x.shape[-1] != self.hidden_size:
             raise ValueError(f"router got hidden size {x.shape[-1]} but was built for hidden_size={self.hidden_size}")
@@ -268,7 +288,17 @@ class Router(nn.Module):
                 raise ValueError(f"token_ids has {token_ids.numel()} entries for {x.shape[0]} tokens")
         elif self.requires_token_ids:
             raise ValueError(f"the {type(self).__name__} needs token ids: call forward(x, token_ids=...)")
-        routing = self.route(self.logits(x), token_ids)
+        if self.balance == "sequence":
+            if sequences is None:
+                raise ValueError(f"the {type(self).__name__} balances per sequence (balance='sequence') and needs "
+                                 f"each token's sequence: call forward(x, sequences=(ids, B)), as MoELayer does")
+            if sequences[0].numel() != x.shape[0]:
+                raise ValueError(f"sequences has {sequences[0].numel()} ids for {x.shape[0]} tokens")
+        self._sequences = sequences if self.balance == "sequence" else None  # read by finish, this forward only
+        try:
+            routing = self.route(self.logits(x), token_ids)
+        finally:
+            self._sequences = None
         if type(self) not in _BUILTIN:  # module docstring, "Contract": made safe on the device, no host sync
             routing = self._safe_routing(routing, x.shape[0])
         return routing
@@ -329,6 +359,10 @@ class Router(nn.Module):
         """Counts over the balancing batch (this micro-batch unless comm/ installed a reducer)."""
         return counts if self.count_reducer is None else self.count_reducer(counts)
 
+    def reduce_sequence_counts(self, counts: Tensor) -> Tensor:
+        """Per-sequence counts [B, E] over the ranks holding parts of the sequences (balance="sequence")."""
+        return counts if self.sequence_reducer is None else self.sequence_reducer(counts)
+
     def finish(self, logits: Tensor, balance_scores: Tensor, indices: Tensor, weights: Tensor,
                capacity: int | None = None, assigned: Tensor | None = None, lse: Tensor | None = None) -> Routing:
         """Shared tail of top-k-style routers: capacity dropping, counts, aux losses, stats.
@@ -340,6 +374,12 @@ class Router(nn.Module):
         E = self.num_experts
         if assigned is None:
             assigned = count_experts(indices, E)  # [E] before dropping
+        per_sequence = None
+        if self._sequences is not None:  # balance "sequence": [B, E] choices before any dropping
+            ids, B = self._sequences[:2]
+            per_sequence = sequence_counts(indices, ids, B, E)
+            if self.aux_loss_coeff > 0:  # a collective only where the loss is trained (as reduce_counts below)
+                per_sequence = self.reduce_sequence_counts(per_sequence)
         kept = assigned  # dropless: every assignment is kept
         if capacity is not None:
             indices, weights = apply_capacity(indices, weights, capacity, E, self.drop_policy)
@@ -348,9 +388,20 @@ class Router(nn.Module):
         self.observe_load(balance_counts if self.aux_loss_coeff > 0 else None, assigned)
         # A term whose coefficient is 0 is only logged (stats): computed outside autograd, so backward skips
         # it, and with both at 0 the aux loss is a constant the layer does not inject. Same values either way.
-        with torch.set_grad_enabled(torch.is_grad_enabled() and self.aux_loss_coeff > 0):
-            lb = load_balance_loss(balance_scores, balance_counts)
-        with torch.set_grad_enabled(torch.is_grad_enabled() and self.z_loss_coeff > 0):
+        # (`True if c > 0 else False`: under torch.compile a coefficient may be a symbolic float, after a graph
+        # break (observe_load, a reducer) once another model's differed; the branch makes the flag a constant.)
+        lb_grad = True if torch.is_grad_enabled() and self.aux_loss_coeff > 0 else False
+        z_grad = True if torch.is_grad_enabled() and self.z_loss_coeff > 0 else False
+        with torch.set_grad_enabled(lb_grad):
+            if per_sequence is None:
+                lb = load_balance_loss(balance_scores, balance_counts)
+            else:  # DeepSeek-V3's sequence-wise loss (class docstring): this rank's share, times the sharing ranks
+                lb = sequence_balance_loss(balance_scores, per_sequence, self._sequences[0], indices.shape[1])
+                lb = lb * self.sequence_parts
+        logged = lb.detach()
+        if per_sequence is not None and len(self._sequences) > 2:
+            lb = lb / self._sequences[2]
+        with torch.set_grad_enabled(z_grad):
             zl = z_loss(logits) if lse is None or lse.shape[0] == 0 else lse.square().mean()
         # only the terms with a coefficient (each op is a launch on a GPU, where the router is launch-bound)
         terms = [c * t for c, t in ((self.aux_loss_coeff, lb), (self.z_loss_coeff, zl)) if c != 0]
@@ -359,7 +410,7 @@ class Router(nn.Module):
         dropped = ((assigned.sum() - kept.sum()).float() / total if capacity is not None
                    else assigned.new_zeros((), dtype=torch.float32))  # dropless: nothing dropped
         stats = {
-            "load_balance": lb.detach(),
+            "load_balance": logged,
             "z_loss": zl.detach(),
             "dropped_fraction": dropped,
             "assigned_per_expert": assigned,
@@ -472,10 +523,10 @@ class TopKRouter(Router):
                  bias_update_rate: float = 0.0,
                  capacity_factor: float | None = None, drop_policy: str = "probs",
                  aux_loss_coeff: float = 0.01, z_loss_coeff: float = 0.0, force_expert: int | None = None,
-                 gate_bias: bool = False):
+                 gate_bias: bool = False, balance: str = "batch"):
         super().__init__(hidden_size, num_experts, top_k=top_k, capacity_factor=capacity_factor,
                          drop_policy=drop_policy, aux_loss_coeff=aux_loss_coeff, z_loss_coeff=z_loss_coeff,
-                         gate_bias=gate_bias)
+                         gate_bias=gate_bias, balance=balance)
         check_choice("score", score, SCORES)
         if force_expert is not None:
             check_int("force_expert", force_expert, 0, num_experts - 1)
@@ -612,10 +663,12 @@ class SwitchRouter(TopKRouter):
 
     def __init__(self, hidden_size: int, num_experts: int, *, jitter: float = 0.01,
                  capacity_factor: float | None = 1.25, drop_policy: str = "probs",
-                 aux_loss_coeff: float = 0.01, z_loss_coeff: float = 0.0, gate_bias: bool = False):
+                 aux_loss_coeff: float = 0.01, z_loss_coeff: float = 0.0, gate_bias: bool = False,
+                 balance: str = "batch"):
         super().__init__(hidden_size, num_experts, top_k=1, score="softmax", normalize=False,
                          capacity_factor=capacity_factor, drop_policy=drop_policy,
-                         aux_loss_coeff=aux_loss_coeff, z_loss_coeff=z_loss_coeff, gate_bias=gate_bias)
+                         aux_loss_coeff=aux_loss_coeff, z_loss_coeff=z_loss_coeff, gate_bias=gate_bias,
+                         balance=balance)
         check_float("jitter", jitter)
         if jitter >= 1:
             raise ValueError(f"jitter={jitter!r} is invalid; it must be in [0, 1)")

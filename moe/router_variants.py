@@ -86,10 +86,10 @@ class SinkhornRouter(Router):
     def __init__(self, hidden_size: int, num_experts: int, *, top_k: int = 1, num_iters: int = 8,
                  normalize: bool | None = None, capacity_factor: float | None = None,
                  drop_policy: str = "probs", aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0,
-                 gate_bias: bool = False):
+                 gate_bias: bool = False, balance: str = "batch"):
         super().__init__(hidden_size, num_experts, top_k=top_k, capacity_factor=capacity_factor,
                          drop_policy=drop_policy, aux_loss_coeff=aux_loss_coeff, z_loss_coeff=z_loss_coeff,
-                         gate_bias=gate_bias)
+                         gate_bias=gate_bias, balance=balance)
         check_int("num_iters", num_iters, 1)
         self.num_iters = num_iters
         self.normalize = top_k > 1 if normalize is None else bool(normalize)

@@ -88,9 +88,10 @@ def assert_same_run(compiled, eager, atol=1e-6, rtol=1e-5):
             assert load_c[name][2] == pytest.approx(load_e[name][2], rel=rtol, abs=atol)
 
 
-@pytest.mark.parametrize("preset", ["mixtral-tiny", "gpt-oss-tiny"])
+@pytest.mark.parametrize("preset", ["mixtral-tiny", "gpt-oss-tiny", "deepseek-tiny"])
 def test_compiled_blocks_match_eager_and_stop_compiling(preset):
-    """gpt-oss-tiny: its sinks, window (4 positions of 16 on layer 0), biases and clamped SwiGLU traced too."""
+    """gpt-oss-tiny: its sinks, window (4 positions of 16 on layer 0), biases and clamped SwiGLU traced too;
+    deepseek-tiny: sigmoid group routing with its selection bias and the sequence-wise balance loss."""
     extra = dict(sliding_window=4, num_heads=4, num_kv_heads=2, head_dim=8) if preset == "gpt-oss-tiny" else {}
     eager = build_model(dataclasses.replace(tiny(preset), **extra), seed=3)
     compiled = copy.deepcopy(eager)

@@ -177,6 +177,7 @@ def test_context_parallel_model_refuses_a_kv_cache_and_checks_the_whole_length()
 # ---------------------------------------------------------------------------------------------------
 
 B, SEQ = 4, 16
+SEQUENCE_BALANCE = {"normalize": True, "balance": "sequence"}  # DeepSeek-V3's sequence-wise aux loss
 
 
 def _check(rank, world, degrees, over, recipe):
@@ -230,6 +231,7 @@ TWO_RANKS = [
     (dict(cp=2), OSS, {"activation_checkpointing": "selective"}),
     (dict(cp=2), OSS, {"document_eos": 0}),
     (dict(cp=2, ep=2), {"mtp_layers": 2}, {}),
+    (dict(cp=2), {"router_options": SEQUENCE_BALANCE}, {}),
 ]
 FOUR_RANKS = [
     (dict(dp=2, cp=2, ep=2), {"shared_ffn_hidden_size": 16}, {}),
@@ -239,6 +241,7 @@ FOUR_RANKS = [
     (dict(cp=4), MLA, {"document_eos": 0}),
     (dict(cp=4), dict(MLA, mtp_layers=5), {"seq": 8}),
     (dict(cp=2, tp=2), {"mtp_layers": 2}, {"document_eos": 0}),
+    (dict(cp=2, tp=2), {"router_options": SEQUENCE_BALANCE, "mtp_layers": 1}, {"sequence_parallel": True}),
 ]
 
 
@@ -250,7 +253,9 @@ def test_context_parallel_layouts_equal_single_process(world, cases):
     fsdp x cp and ep4; cp2 x tp2 with sequence parallelism; MLA at cp4 with document masking; five MTP depths at
     cp4 over 8 positions (from depth 5 rank 3 holds no position with a token ahead: its MoE layer routes no row
     and its loss is a weighted zero); MTP at cp2 x tp2 (the depths' TP token split over the kept rows) with
-    documents. Losses, every gradient and the recorded MTP loss."""
+    documents. Sequence-wise balancing at cp2 (each sequence's loss from both ranks' tokens) and at cp2 x tp2 with
+    sequence parallelism and an MTP depth (every sequence over 4 ranks). Losses, every gradient and the recorded
+    MTP loss."""
     run_ranks(_ranks, world, cases)
 
 

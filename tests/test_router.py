@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moekit.moe import update_router_biases
-from moekit.moe.losses import bias_update_step, load_balance_loss, z_loss
+from moekit.moe.losses import bias_update_step, load_balance_loss, sequence_balance_loss, sequence_counts, z_loss
 from moekit.moe.router import Router, apply_capacity, build_router, registered_routers
 from moekit.moe.router_variants import sinkhorn
 from tests.oracles import ref_capacity, ref_topk
@@ -266,6 +266,7 @@ def test_unknown_router_lists_known_names():
     (dict(top_k=3, num_groups=4, group_top_k=2), "group_top_k=2 must divide top_k=3"),
     (dict(num_groups=4), "set both or neither"), (dict(aux_loss_coeff=-0.1), "aux_loss_coeff=-0.1"),
     (dict(expert_bias=torch.zeros(3)), "expert_bias has shape"), (dict(wrong=1), "no option"),
+    (dict(balance="token"), r"balance='token'.*\['batch', 'sequence'\]"),
 ])
 def test_bad_options_name_the_parameter(opts, match):
     with pytest.raises(ValueError, match=match):
@@ -294,6 +295,64 @@ def test_losses_hand_worked():
     logits = torch.tensor([[0.0, 0.0], [1.0, 2.0]])
     expect = (math.log(2) ** 2 + math.log(math.e + math.e ** 2) ** 2) / 2
     assert z_loss(logits).item() == pytest.approx(expect)
+
+
+def per_sequence_reference(scores: torch.Tensor, indices: torch.Tensor, B: int) -> torch.Tensor:
+    """DeepSeek-V3 eqs. 17-20 written out per sequence: f_i = E / (k S) * #choices of i, P_i = mean score."""
+    T, E = scores.shape
+    S, k = T // B, indices.shape[1]
+    losses = []
+    for b in range(B):
+        rows = slice(b * S, (b + 1) * S)
+        f = torch.stack([(indices[rows] == i).sum() for i in range(E)]).float() * E / (k * S)
+        losses.append((f * scores[rows].mean(0)).sum())
+    return torch.stack(losses).mean()
+
+
+def test_sequence_balance_is_deepseek_per_sequence_loss_and_not_the_batch_one():
+    """balance="sequence": the per-sequence loss written out (eqs. 17-20), through the router's autograd; a batch
+    whose sequences each use one expert is balanced as a batch (loss 1) but not per sequence (loss E)."""
+    torch.manual_seed(1)
+    B, S, E, k = 3, 7, 6, 2
+    r = build_router("topk", H, E, top_k=k, aux_loss_coeff=1.0, balance="sequence")
+    x = torch.randn(B * S, H)
+    routing = r(x, sequences=(torch.arange(B).repeat_interleave(S), B))
+    scores = r.logits(x).softmax(-1)
+    want = per_sequence_reference(scores, routing.indices, B)
+    torch.testing.assert_close(routing.aux_loss, want)
+    routing.aux_loss.backward()
+    got = r.weight.grad.clone()
+    r.weight.grad = None
+    per_sequence_reference(r.logits(x).softmax(-1), routing.indices, B).backward()
+    torch.testing.assert_close(got, r.weight.grad)
+    # 2 sequences of 4 tokens, sequence b sending all its choices to expert b (scores one-hot): batch-balanced
+    one_hot = torch.eye(2).repeat_interleave(4, 0)  # [8, 2]
+    indices, ids = one_hot.argmax(1, keepdim=True), torch.arange(2).repeat_interleave(4)
+    assert load_balance_loss(one_hot, torch.tensor([4, 4])).item() == pytest.approx(1.0)
+    assert sequence_balance_loss(one_hot, sequence_counts(indices, ids, 2, 2), ids, 1).item() == pytest.approx(2.0)
+    with pytest.raises(ValueError, match=r"balances per sequence \(balance='sequence'\) and needs each token's "
+                                         r"sequence"):
+        r(x)
+
+
+def test_sequence_balance_split_over_ranks_adds_up():
+    """A sequence cut between two simulated ranks (a TP token slice, a CP shard): with the per-sequence counts
+    summed over both and sequence_parts = 2, the ranks' mean loss and gradient are one process's."""
+    torch.manual_seed(2)
+    B, S, E = 3, 5, 4
+    r = build_router("topk", H, E, top_k=2, aux_loss_coeff=1.0, balance="sequence")
+    x, ids = torch.randn(B * S, H), torch.arange(B).repeat_interleave(S)
+    ref = r(x, sequences=(ids, B)).aux_loss
+    ref.backward()
+    ref_grad, r.weight.grad = r.weight.grad.clone(), None
+    cut = [slice(0, 8), slice(8, 15)]  # sequence 1 is split 3 | 2
+    with torch.no_grad():
+        counts = [sequence_counts(r.route(r.logits(x[c])).indices, ids[c], B, E) for c in cut]
+    r.sequence_reducer, r.sequence_parts = (lambda c: counts[0] + counts[1]), 2
+    mean = sum(r(x[c], sequences=(ids[c], B)).aux_loss for c in cut) / 2
+    mean.backward()
+    torch.testing.assert_close(mean, ref)
+    torch.testing.assert_close(r.weight.grad, ref_grad)
 
 
 def test_global_batch_reducer_reproduces_whole_batch_loss_and_grad():

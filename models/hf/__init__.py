@@ -363,6 +363,7 @@ MATH_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_h
                "attention_sinks", "sliding_window", "full_attention_every", "moe_ffn_bias", "rope_pairs")
 
 
+TRAINING_ONLY = ("balance",)  # router options that shape the training loss only, never the logits
 MLA_ONLY = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_interleave")
 MOE_ONLY = ("moe_ffn_hidden_size", "shared_ffn_hidden_size", "shared_expert_gate", "top_k", "router", "moe_ffn_bias")
 
@@ -381,7 +382,7 @@ def _check_same_math(have: ModelConfig, want: ModelConfig, path) -> None:
         diffs.append(f"MoE layers first_dense_layers={have.first_dense_layers}, moe_every={have.moe_every} (model) vs "
                      f"{want.first_dense_layers}, {want.moe_every} (checkpoint)")
     diffs += [f"router_options[{k!r}]={have.router_options.get(k)!r} (model) vs {v!r} (checkpoint)"
-              for k, v in want.router_options.items() if have.router_options.get(k) != v]
+              for k, v in want.router_options.items() if have.router_options.get(k) != v and k not in TRAINING_ONLY]
     if diffs:
         raise ValueError(f"{path}: the model was built for different math than this checkpoint: " + "; ".join(diffs)
                          + ". Build the model from models.hf.config_from_hf(path), overriding only training fields")

@@ -330,7 +330,7 @@ def hf_config(model, family: str, dtype_name: str, token_ids: dict[str, Any] | N
     elif family == "deepseek_v2":
         out.update(_deepseek_moe(cfg, r), **_mla(cfg), norm_topk_prob=False, mlp_bias=False,
                    topk_method="group_limited_greedy" if r.num_groups is not None else "greedy",
-                   aux_loss_alpha=cfg.aux_loss_coeff)
+                   aux_loss_alpha=cfg.aux_loss_coeff, seq_aux=getattr(r, "balance", "batch") == "sequence")
     elif family == "dots1":
         out.update(_deepseek_moe(cfg, r), **no_window, attention_bias=cfg.attention_bias)
         if cfg.sliding_window:

@@ -292,6 +292,8 @@ def deepseek_v2_config(hf: dict) -> ModelConfig:
         problems.append(f"topk_method={method!r} (transformers' DeepseekV2 runs greedy and group_limited_greedy)")
     elif method == "group_limited_greedy" and 1 < groups and topk_group < groups:
         options.update(num_groups=groups, group_top_k=topk_group, group_score_top=1)
+    if hf.get("seq_aux"):  # DeepSeek-V2's training balanced per sequence (its aux_loss_alpha is that loss's)
+        options["balance"] = "sequence"
     # transformers' DeepseekV2 always rotates interleaved pairs (complex multiplication), whatever a config says
     fields.update(router_options=options, aux_loss_coeff=float(_get(hf, "aux_loss_alpha", 0.0)), rope_interleave=True)
     return _model_config(hf, fields, problems)
