@@ -194,7 +194,7 @@ def test_bad_tensors(base, tmp_path, breakage, match):
     (dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0}), r"rope_type='dynamic'"),
     (dict(model_type="gpt2"),
      r"model_type='gpt2' is not supported; moekit imports \['deepseek_v2', 'deepseek_v3', 'dots1', "
-     r"'ernie4_5_moe', 'glm4_moe'"),
+     r"'ernie4_5_moe', 'glm4_moe', 'glm4_moe_lite'"),
 ])
 def test_config_weight_mismatch(base, tmp_path, changes, match):
     folder = broken_copy(base, tmp_path)
@@ -280,6 +280,11 @@ FAMILY_CASES = {  # case -> (model_type, config overrides)
     "deepseek_v2-groups-yarn": ("deepseek_v2", dict(MLA, q_lora_rank=16, topk_method="group_limited_greedy", n_group=4,
                                                     topk_group=2, num_experts_per_tok=3, routed_scaling_factor=16.0,
                                                     rope_parameters=YARN)),
+    # GLM-4.7-Flash: DeepSeek-V3's MLA and MoE (4 groups keep 2, scaling 1.8, a shared expert), two dense layers
+    # first (mlp_layer_types), an MTP layer
+    "glm4_moe_lite": ("glm4_moe_lite", dict(MLA, q_lora_rank=16, num_hidden_layers=4, n_group=4, topk_group=2,
+                                            num_experts_per_tok=3, routed_scaling_factor=1.8, n_shared_experts=1,
+                                            mlp_layer_types=["dense", "dense", "sparse", "sparse"])),
     # GLM-4.5: GQA with q/k/v biases, RoPE on half of each head, DeepSeek's MoE (4 groups keep 2, scaling 2.5,
     # 2 shared experts, a dense first layer)
     "glm4_moe": ("glm4_moe", dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
@@ -418,7 +423,7 @@ def test_family_round_trip(tmp_path, tokenizer_files, case):
     for f in tokenizer_files.iterdir():  # a checkpoint folder carries its tokenizer
         shutil.copy(f, src)
     L = hf.config.num_hidden_layers
-    mtp_family = model_type in ("deepseek_v3", "glm4_moe")  # their releases carry multi-token-prediction layers
+    mtp_family = model_type in ("deepseek_v3", "glm4_moe", "glm4_moe_lite")  # their releases carry multi-token-prediction layers
     if mtp_family:
         edit_config(src, num_nextn_predict_layers=1)
         added = add_mtp_layer(src, L)
@@ -553,6 +558,11 @@ NATIVE = {  # case -> (family asked for or None, moekit config overrides); the f
                                     first_dense_layers=1, ffn_hidden_size=40, shared_ffn_hidden_size=48,
                                     router_options={"score": "sigmoid", "expert_bias": True, "num_groups": 2,
                                                     "group_top_k": 1, "group_score_top": 2})),
+    # MLA with MoE on every other layer: DeepSeek-V3 cannot say it (first_k_dense_replace), GLM-4.7-Flash can
+    "glm4_moe_lite": (None, dict(MLA_MOEKIT, num_layers=4, moe_every=2, top_k=3, shared_ffn_hidden_size=24,
+                                 ffn_hidden_size=40, router_options={"score": "sigmoid", "expert_bias": True,
+                                                                     "num_groups": 4, "group_top_k": 2,
+                                                                     "group_score_top": 2, "scaling": 1.8})),
     # adjacent RoPE pairs: only ERNIE 4.5 has them (its selection bias, [1, E], written as zeros; no shared expert)
     "ernie4_5_moe": (None, dict(rope_pairs="adjacent")),
     "ernie4_5_moe-bias-shared": (None, dict(rope_pairs="adjacent", num_layers=3, first_dense_layers=1,

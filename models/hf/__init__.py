@@ -1,7 +1,8 @@
 """HuggingFace safetensors import and export.
 
     load_hf(path)              a folder of any supported model_type -> Transformer (families.FAMILIES):
-                               mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v3, glm4_moe; dense llama, qwen2, qwen3
+                               mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v3 / v2, glm4_moe(_lite), dots1,
+                               minimax_m2, ernie4_5_moe, gpt_oss; dense llama, qwen2, qwen3
     save_hf(model, path)       a folder transformers loads with the same logits, as the family the model came
                                from or the nearest one that reproduces it (export.choose_family), with the
                                tokenizer files when there is a tokenizer to carry
@@ -190,7 +191,7 @@ def export_rules(model: Transformer, family: str | None, dtype: torch.dtype | No
     depths = len(mtp) if name in MTP_FAMILIES else 0  # models.mtp: only DeepSeek-V3's format stores them
     if len(mtp) and not depths:
         warnings.warn(f"the model's {len(mtp)} multi-token-prediction depth(s) are not written: {name} has no "
-                      f"place for them (deepseek_v3 and glm4_moe do); the main model is exported whole and its "
+                      f"place for them (deepseek_v3, glm4_moe and glm4_moe_lite do); the main model is exported whole and its "
                       f"logits are unaffected", stacklevel=3)
     naming, L = FAMILIES[name].naming, model.config.num_layers + depths
     block = naming.moe_blocks[-1 if layout == "fused" else 0]  # fused tensors live under "mlp", as in transformers

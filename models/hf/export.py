@@ -11,8 +11,10 @@ asked for, else the one the model was imported from (``model.hf_family`` or a co
            qwen2_moe    softmax top-k, q/k/v biases, a sigmoid-gated shared expert (or none), any layer pattern
            deepseek_v3  MLA, sigmoid + expert_bias, group-limited (groups scored by their top 2), routed
                         scaling, an ungated shared expert (or none), dense first layers
+           glm4_moe_lite  DeepSeek-V3's MLA and MoE, any dense / MoE layer pattern (mlp_layer_types)
            glm4_moe     DeepSeek-V3's MoE with GQA: q/k/v biases or not, qk_norm none or "head", RoPE on
                         partial_rotary_factor of each head (the only family with partial RoPE)
+           (and deepseek_v2, dots1, minimax_m2, ernie4_5_moe, gpt_oss: the families table, docs/hf.md)
     dense  llama, qwen2 (q/k/v biases), qwen3 (qk_norm="head")
 
 Where a family always has a part the model lacks, the export writes it so that it adds nothing
@@ -35,11 +37,13 @@ from moekit.models.hf.families import FAMILIES, recorded_family
 from moekit.models.hf.fp8 import quantization_config
 from moekit.moe.router import TopKRouter
 
-NEAREST = {True: ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "deepseek_v3", "deepseek_v2", "glm4_moe", "dots1",
+NEAREST = {True: ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "deepseek_v3", "glm4_moe_lite", "deepseek_v2",
+                  "glm4_moe", "dots1",
                   "minimax_m2", "ernie4_5_moe", "gpt_oss"),
            False: ("llama", "qwen2", "qwen3")}
 PRETTY = {"mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE", "olmoe": "OLMoE",
           "deepseek_v3": "DeepSeek-V3", "deepseek_v2": "DeepSeek-V2", "dots1": "dots.llm1", "glm4_moe": "GLM-4-MoE",
+          "glm4_moe_lite": "GLM-4-MoE-Lite",
           "gpt_oss": "gpt-oss", "minimax_m2": "MiniMax-M2", "ernie4_5_moe": "ERNIE-4.5-MoE",
           "llama": "Llama", "qwen2": "Qwen2",
           "qwen3": "Qwen3"}
@@ -48,13 +52,14 @@ PRETTY = {"mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-Mo
 ATTENTION = {"mixtral": ("gqa", "none", ("none",), False), "qwen2_moe": ("gqa", "qkv", ("none",), False),
              "qwen3_moe": ("gqa", "all", ("head",), False), "olmoe": ("gqa", "all", ("full",), True),
              "deepseek_v3": ("mla", "none", ("none",), False), "deepseek_v2": ("mla", "none", ("none",), False),
+             "glm4_moe_lite": ("mla", "none", ("none",), False),
              "dots1": ("gqa", "all", ("head",), False), "glm4_moe": ("gqa", "qkv", ("none", "head"), False),
              "gpt_oss": ("gqa", "all", ("none",), False), "minimax_m2": ("gqa", "none", ("full",), False),
              "ernie4_5_moe": ("gqa", "none", ("none",), False),
              "llama": ("gqa", "all", ("none",), False), "qwen2": ("gqa", "qkv", ("none",), False),
              "qwen3": ("gqa", "all", ("head",), False)}
 # the families whose MoE is DeepSeek-V3's: sigmoid scores, selection bias, groups, scaling, ungated shared experts
-DEEPSEEK_MOE = ("deepseek_v3", "glm4_moe", "dots1")
+DEEPSEEK_MOE = ("deepseek_v3", "glm4_moe", "dots1", "glm4_moe_lite")
 SIGMOID_MOE = (*DEEPSEEK_MOE, "minimax_m2")  # sigmoid scores and (optionally) a selection bias
 DEEPSEEK_SHARED = (*DEEPSEEK_MOE, "deepseek_v2")  # ungated shared experts (n_shared_experts), dense first layers
 PARTIAL_ROPE = ("glm4_moe", "minimax_m2")  # the families that rotate a fraction of each head
@@ -158,7 +163,7 @@ def _layer_problems(cfg: ModelConfig, family: str, name: str) -> list[str]:
     if family in ("mixtral", "olmoe", "gpt_oss", "minimax_m2") and n != L:
         return [f"{name} has an MoE FFN in every layer; this model has {n} of {L} (moe_every={cfg.moe_every}, "
                 f"first_dense_layers={cfg.first_dense_layers})"]
-    if family in DEEPSEEK_SHARED and cfg.moe_every != 1:
+    if family in DEEPSEEK_SHARED and family != "glm4_moe_lite" and cfg.moe_every != 1:  # lite: mlp_layer_types
         return [f"{name} has an MoE FFN in every layer from first_k_dense_replace on; this model has "
                 f"moe_every={cfg.moe_every}"]
     if family == "ernie4_5_moe" and cfg.first_dense_layers % cfg.moe_every:
@@ -327,6 +332,10 @@ def hf_config(model, family: str, dtype_name: str, token_ids: dict[str, Any] | N
     elif family == "deepseek_v3":
         out.update(_deepseek_moe(cfg, r), **_mla(cfg), moe_layer_freq=1, scoring_func="sigmoid", topk_method="noaux_tc",
                    rope_interleave=cfg.rope_interleave, num_nextn_predict_layers=cfg.mtp_layers)
+    elif family == "glm4_moe_lite":
+        out.update(_deepseek_moe(cfg, r), **_mla(cfg), rope_interleave=cfg.rope_interleave,
+                   num_nextn_predict_layers=cfg.mtp_layers,
+                   mlp_layer_types=["sparse" if cfg.is_moe_layer(i) else "dense" for i in range(L)])
     elif family == "deepseek_v2":
         out.update(_deepseek_moe(cfg, r), **_mla(cfg), norm_topk_prob=False, mlp_bias=False,
                    topk_method="group_limited_greedy" if r.num_groups is not None else "greedy",

@@ -24,6 +24,8 @@ bias or a norm and hopes for the best.
                  on q/k/v and o                             experts, dense first layers)
     deepseek_v2  MLA (as V3)                              softmax over all, top-k times routed scaling, no renorm;
                                                         group_limited_greedy: groups by their best score
+    glm4_moe_lite MLA (as deepseek_v3)                   GLM-4.5's (DeepSeek-V3's); dense / MoE per layer from
+                 (GLM-4.7-Flash)                        mlp_layer_types
     ernie4_5_moe GQA, RoPE on adjacent channel pairs        softmax + e_score_correction_bias ([1, E], moe_statics),
                  (rope_pairs "adjacent"), tied head         top-k renormalised; ungated shared experts; MoE layers
                                                         from moe_layer_start_index every moe_layer_interval-th
@@ -360,6 +362,28 @@ def glm4_moe_config(hf: dict) -> ModelConfig:
     return _model_config(hf, fields, problems)
 
 
+def glm4_moe_lite_config(hf: dict) -> ModelConfig:
+    """GLM-4.7-Flash (transformers' Glm4MoeLite): DeepSeek-V3's multi-head latent attention (interleaved rope pairs
+    by default) with GLM-4.5's MoE, which is DeepSeek-V3's (sigmoid scores, selection bias, groups, routed scaling,
+    ungated shared experts); each layer dense or sparse as mlp_layer_types says (default: the first dense)."""
+    problems: list[str] = []
+    fields = _deepseek_fields(hf, problems)
+    L = fields["num_layers"]
+    types = hf.get("mlp_layer_types") or ["dense"] + ["sparse"] * (L - 1)
+    bad = sorted({t for t in types if t not in ("dense", "sparse")})
+    if len(types) != L or bad:
+        problems.append(f"mlp_layer_types={types} (needs {L} entries of dense / sparse)")
+        types = ["sparse"] * L
+    pattern = layer_pattern([t == "sparse" for t in types])
+    if pattern is None:
+        problems.append(f"MoE layers {[i for i, t in enumerate(types) if t == 'sparse']} of {L} (mlp_layer_types) "
+                        f"(needs {NEEDS['layer_pattern']})")
+    first, every = pattern or (0, 1)
+    fields.update(first_dense_layers=first, moe_every=every, router_options=deepseek_router_options(hf, problems),
+                  mtp_layers=mtp_layers_of(hf))
+    return _model_config(hf, fields, problems)
+
+
 def minimax_m2_config(hf: dict) -> ModelConfig:
     """MiniMax-M2 / M2.1 (transformers' MiniMaxM2): grouped-query attention whose q and k are RMSNormed over the whole
     projection before RoPE (qk_norm "full", OLMoE's), RoPE on rotary_dim of each head (legacy field; transformers 5
@@ -531,6 +555,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("deepseek_v3", "DeepseekV3ForCausalLM", deepseek_v3_config, DEEPSEEK_V3),
     Family("deepseek_v2", "DeepseekV2ForCausalLM", deepseek_v2_config, DEEPSEEK_V3),  # V3's names, no bias
     Family("glm4_moe", "Glm4MoeForCausalLM", glm4_moe_config, DEEPSEEK_V3),  # DeepSeek-V3's MoE names
+    Family("glm4_moe_lite", "Glm4MoeLiteForCausalLM", glm4_moe_lite_config, DEEPSEEK_V3),
     Family("gpt_oss", "GptOssForCausalLM", gpt_oss_config, GPT_OSS),
     Family("minimax_m2", "MiniMaxM2ForCausalLM", minimax_m2_config, MINIMAX_M2),
     Family("dots1", "Dots1ForCausalLM", dots1_config, DEEPSEEK_V3),  # DeepSeek-V3's MoE names
@@ -558,7 +583,7 @@ def recorded_family(config: ModelConfig) -> str | None:
     return None
 
 
-MTP_FAMILIES = ("deepseek_v3", "glm4_moe")  # their releases carry multi-token-prediction layers
+MTP_FAMILIES = ("deepseek_v3", "glm4_moe", "glm4_moe_lite")  # their releases carry multi-token-prediction layers
 MTP_COPIES = ("embed_tokens.weight", "shared_head.head.weight")  # an MTP layer's copies of the shared tensors
 
 
