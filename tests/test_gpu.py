@@ -253,6 +253,8 @@ def layer_and_input(num_experts=8, k=2, router="topk", seed=0):
     torch.manual_seed(seed)
     h, f, t = (32, 48, 96) if SMALL else (512, 1024, 4096)
     kwargs = {"top_k": k} if router == "topk" else {}
+    if router == "topk-sequence":  # sequence-wise balancing (the input is then one sequence of t tokens)
+        router, kwargs = "topk", {"top_k": k, "balance": "sequence"}
     layer = MoELayer(h, f, num_experts, build_router(router, h, num_experts, **kwargs), activation="swiglu")
     x = torch.randn(t, h, generator=torch.Generator().manual_seed(seed + 1))
     return layer, x
@@ -308,7 +310,7 @@ def test_bf16_autocast_layer_close_to_fp32():
 
 
 @pytest.mark.skipif(ON != "cuda", reason="CUDA's sync debug mode")
-@pytest.mark.parametrize("router", ["topk", "switch", "sinkhorn", "expert_choice"])
+@pytest.mark.parametrize("router", ["topk", "switch", "sinkhorn", "expert_choice", "topk-sequence"])
 def test_router_and_dispatch_never_sync_on_cuda(router):
     """torch.cuda.set_sync_debug_mode("error"): any host wait in routing / permute / combine raises."""
     layer, x = layer_and_input(router=router, k=2)
