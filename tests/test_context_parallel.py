@@ -240,6 +240,7 @@ FOUR_RANKS = [
     (dict(cp=2, tp=2), OSS, {"sequence_parallel": True}),
     (dict(cp=4), MLA, {"document_eos": 0}),
     (dict(cp=4), dict(MLA, mtp_layers=5), {"seq": 8}),
+    (dict(cp=2, fsdp=2, ep=2), dict(MLA, mtp_layers=1), {}),
     (dict(cp=2, tp=2), {"mtp_layers": 2}, {"document_eos": 0}),
     (dict(cp=2, tp=2), {"router_options": SEQUENCE_BALANCE, "mtp_layers": 1}, {"sequence_parallel": True}),
 ]
@@ -252,7 +253,8 @@ def test_context_parallel_layouts_equal_single_process(world, cases):
     at cp2 x ep2. 4 ranks: dp2 x cp2 x ep2 (shared expert); cp4 with a window wider than a chunk; MLA with FSDP over
     fsdp x cp and ep4; cp2 x tp2 with sequence parallelism; MLA at cp4 with document masking; five MTP depths at
     cp4 over 8 positions (from depth 5 rank 3 holds no position with a token ahead: its MoE layer routes no row
-    and its loss is a weighted zero); MTP at cp2 x tp2 (the depths' TP token split over the kept rows) with
+    and its loss is a weighted zero); an MTP depth under FSDP over fsdp x cp (the depth embeds the ids ahead
+    with the root unit's embedding); MTP at cp2 x tp2 (the depths' TP token split over the kept rows) with
     documents. Sequence-wise balancing at cp2 (each sequence's loss from both ranks' tokens) and at cp2 x tp2 with
     sequence parallelism and an MTP depth (every sequence over 4 ranks). Losses, every gradient and the recorded
     MTP loss."""
