@@ -47,7 +47,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, parallelize_module
 
 from moekit.comm.topology import LayoutError
-from moekit.moe.layer import sequence_ids
+from moekit.moe.layer import sequence_grid
 from moekit.moe.load import moe_layers
 
 
@@ -261,12 +261,11 @@ class TPTokenSplit:
     def gather(self, y: Tensor, sizes: list[int]) -> Tensor:
         return _GatherTokens.apply(y, self.rank, sizes, self.group)  # [T, H] on every TP rank
 
-    def sequences(self, x: Tensor) -> tuple[Tensor, int]:
-        """The sequences of this rank's slice of the flattened tokens (a slice may cut a sequence)."""
-        ids, B = sequence_ids(x)
-        sizes = split_sizes(ids.shape[0], self.parts)
-        start = sum(sizes[: self.rank])
-        return ids[start : start + sizes[self.rank]], B
+    def sequences(self, x: Tensor):
+        """This rank's slice of the flattened tokens among the sequences (a slice may cut a sequence)."""
+        whole = sequence_grid(x)
+        sizes = split_sizes(whole.length * whole.count, self.parts)
+        return sequence_grid(x, offset=sum(sizes[: self.rank]))
 
 
 class SequenceParallelTokens:
@@ -283,5 +282,5 @@ class SequenceParallelTokens:
     def gather(self, y: Tensor, meta: None) -> Tensor:
         return y
 
-    def sequences(self, x: Tensor) -> tuple[Tensor, int]:
-        return sequence_ids(x)  # x is this rank's [B, S/tp, H]: its slice of every sequence
+    def sequences(self, x: Tensor):
+        return sequence_grid(x)  # x is this rank's [B, S/tp, H]: its slice of every sequence

@@ -16,6 +16,8 @@ torch.distributed):
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Any, Protocol
 
 import torch
@@ -27,6 +29,7 @@ from moekit.moe.activations import get_activation
 from moekit.moe.experts import GroupedExperts, available_backends
 from moekit.moe.precision import compute_dtype
 from moekit.moe.load import ExpertLoad
+from moekit.moe.losses import Sequences
 from moekit.moe.router import Router, build_router, check_hidden_states, check_int
 
 
@@ -37,7 +40,8 @@ class TokenSplit(Protocol):
     and their ids; ``gather(y [T, H], meta) -> [N, H]`` with N * H = x.numel(): the layer's output rows
     (the layer restores x's shape). ``meta`` is whatever gather needs; nothing is kept between the calls.
     ``parts``: how many ranks share the input's tokens (each one's aux loss is that slice's).
-    ``sequences(x) -> (ids [T], B)``: the sequence of each of this rank's tokens (sequence-wise balancing).
+    ``sequences(x) -> moe.losses.Sequences``: where this rank's tokens sit among the sequences of the input
+    (sequence-wise balancing).
     """
 
     parts: int
@@ -46,14 +50,14 @@ class TokenSplit(Protocol):
 
     def gather(self, y: Tensor, meta: Any) -> Tensor: ...
 
-    def sequences(self, x: Tensor) -> tuple[Tensor, int]: ...
+    def sequences(self, x: Tensor) -> Sequences: ...
 
 
-def sequence_ids(x: Tensor) -> tuple[Tensor, int]:
-    """(the sequence of each row of x [B, S, ..., H] flattened, B); a [T, H] input is one sequence."""
+def sequence_grid(x: Tensor, offset: int = 0) -> Sequences:
+    """x [B, S, ..., H] as B sequences of its rows; a [T, H] input is one sequence."""
     B = x.shape[0] if x.dim() > 2 else 1
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    return torch.arange(B, device=x.device).repeat_interleave(rows // B if B else 0), B
+    rows = math.prod(x.shape[:-1])
+    return Sequences(offset, max(rows // max(B, 1), 1), max(B, 1))
 
 
 class LocalTokens:
@@ -68,8 +72,8 @@ class LocalTokens:
     def gather(self, y: Tensor, meta: None) -> Tensor:
         return y
 
-    def sequences(self, x: Tensor) -> tuple[Tensor, int]:
-        return sequence_ids(x)
+    def sequences(self, x: Tensor) -> Sequences:
+        return sequence_grid(x)
 
 
 class AuxLossInjector(torch.autograd.Function):
@@ -185,7 +189,7 @@ class MoELayer(nn.Module):
             if not hasattr(self.token_split, "sequences"):
                 raise ValueError(f"router balance='sequence' needs each token's sequence, but the token split "
                                  f"{type(self.token_split).__name__} has no sequences(x) method (moe.layer.TokenSplit)")
-            sequences = (*self.token_split.sequences(x), aux_weight)
+            sequences = dataclasses.replace(self.token_split.sequences(x), weight=aux_weight)
         x, token_ids, split = self.token_split.split(x, token_ids)  # this rank's tokens [T, H], ids [T]
         routing = (self.router(x, token_ids) if sequences is None
                    else self.router(x, token_ids, sequences=sequences))  # indices/weights [T, k]

@@ -13,12 +13,18 @@ Global-batch balancing: f_e can be computed from counts summed over a group of r
 ``CountReducer`` that ``comm`` plugs into a router). P_e stays local and carries the gradient; since
 data-parallel gradients are averaged, mean_r(E * sum_e f_e * P_e^(r)) equals the single-process loss
 over the union of the ranks' tokens, value and gradient alike.
+
+Sequence-wise balance (DeepSeek-V3's complementary loss, router option balance="sequence"): the same loss within
+each sequence, averaged over the sequences (``sequence_balance_loss``, with ``Sequences`` saying where a rank's
+tokens sit among them).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 # Sums a per-rank [E] tensor over the ranks whose tokens form the balancing batch. ``None`` means
@@ -42,34 +48,59 @@ def load_balance_loss(scores: Tensor, assigned: Tensor) -> Tensor:
     return num_experts * torch.dot(f, p)
 
 
-def sequence_counts(indices: Tensor, sequences: Tensor, num_sequences: int, num_experts: int) -> Tensor:
-    """[B, E] top-k choices per sequence and expert: indices [T, k] (ids outside [0, E) count nowhere), sequences
-    [T] the sequence of each token in [0, B)."""
+@dataclass(frozen=True)
+class Sequences:
+    """Where a rank's T tokens sit among the micro-batch's sequences (sequence-wise balancing): token j is
+    position ``offset + j`` of the flattened [count, length] grid of ``count`` sequences of ``length`` tokens.
+    One process: offset 0, the [B, S] input itself; a TP token slice: its start in the flattened batch (a slice
+    may cut a sequence); a sequence-parallel or context-parallel rank: its own [B, S / parts] share.
+    ``weight``: the caller's aux-loss weight, which the sequence loss divides out (moe.layer.MoELayer)."""
+
+    offset: int
+    length: int
+    count: int
+    weight: float = 1.0
+
+    def check(self, tokens: int) -> None:
+        if self.length < 1 or self.count < 1 or self.offset < 0 or self.offset + tokens > self.length * self.count:
+            raise ValueError(f"{tokens} tokens from position {self.offset} do not fit {self.count} sequence(s) of "
+                             f"{self.length} (Sequences{(self.offset, self.length, self.count)})")
+
+    def ids(self, tokens: int, device=None) -> Tensor:
+        """[T] the sequence of each token."""
+        return torch.div(torch.arange(self.offset, self.offset + tokens, device=device), self.length,
+                         rounding_mode="floor")
+
+
+def sequence_counts(indices: Tensor, sequences: Sequences, num_experts: int) -> Tensor:
+    """[B, E] top-k choices per sequence and expert of indices [T, k] (ids outside [0, E) count nowhere)."""
     valid = (indices >= 0) & (indices < num_experts)  # [T, k]; an invalid id adds 0 (no data-dependent shape)
-    flat = sequences[:, None] * num_experts + indices.clamp(0, num_experts - 1)  # [T, k]
-    counts = torch.zeros(num_sequences * num_experts, dtype=torch.float32, device=indices.device)
+    ids = sequences.ids(indices.shape[0], indices.device)
+    flat = ids[:, None] * num_experts + indices.clamp(0, num_experts - 1)  # [T, k]
+    counts = torch.zeros(sequences.count * num_experts, dtype=torch.float32, device=indices.device)
     counts.index_add_(0, flat.flatten(), valid.flatten().float())
-    return counts.view(num_sequences, num_experts)
+    return counts.view(sequences.count, num_experts)
 
 
-def sequence_balance_loss(scores: Tensor, counts: Tensor, sequences: Tensor, top_k: int) -> Tensor:
+def sequence_balance_loss(scores: Tensor, counts: Tensor, sequences: Sequences, top_k: int) -> Tensor:
     """DeepSeek-V3's sequence-wise balance loss (eqs. 17-20), mean over the B sequences of
     E * sum_i f_{b,i} P_{b,i}: f the share of sequence b's top_k choices per token that went to expert i, P its
-    tokens' mean score for i. scores [T, E] (rows sum to 1, this rank's tokens), counts [B, E] (every rank's
-    choices of each sequence: Router.reduce_sequence_counts), sequences [T]. P sums this rank's tokens only,
+    tokens' mean score for i. scores [T, E] (rows sum to 1, this rank's tokens, placed by ``sequences``), counts
+    [B, E] (every rank's choices of each sequence: Router.reduce_sequence_counts). P sums this rank's tokens only,
     over the whole sequence's length: the ranks holding parts of a sequence add up to its loss. 1.0 when every
     sequence is balanced, E when each sends every choice to one expert.
     """
     B, E = counts.shape
-    if scores.shape[0] == 0:
+    T = scores.shape[0]
+    if T == 0:
         return scores.sum() * 0.0  # keeps the graph (and a zero gradient) for empty batches
     chosen = counts.sum(1, keepdim=True)  # [B, 1]: top_k x the sequence's tokens (on every rank)
     f = (counts / chosen.clamp_min(1)).to(scores.dtype)  # [B, E]
     length = (chosen / top_k).clamp_min(1).to(scores.dtype)  # [B, 1] tokens of each sequence
-    # [B, E] this rank's tokens' score sums, as a one-hot [B, T] matmul: autograd keeps the one-hot (B floats per
-    # token), where index_add would keep the [T, E] scores
-    member = (sequences[None, :] == torch.arange(B, device=sequences.device)[:, None]).to(scores.dtype)
-    partial = member @ scores
+    # [B, E] this rank's tokens' score sums: the tokens padded into the [B, S] grid, summed along S (pad and sum
+    # keep nothing for backward, and no matmul)
+    grid = F.pad(scores, (0, 0, sequences.offset, B * sequences.length - sequences.offset - T))
+    partial = grid.view(B, sequences.length, E).sum(1)
     return E * (f * partial / length).sum() / B
 
 

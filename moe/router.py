@@ -36,7 +36,7 @@ from moekit.moe.options import check_options, error_text
 from moekit.moe.precision import upcast_linear
 
 from moekit.moe.load import in_backward
-from moekit.moe.losses import (CountReducer, bias_update_step, load_balance_loss, sequence_balance_loss,
+from moekit.moe.losses import (CountReducer, Sequences, bias_update_step, load_balance_loss, sequence_balance_loss,
                                sequence_counts, z_loss)
 
 DROP_POLICIES = ("probs", "position")
@@ -203,7 +203,8 @@ class Router(nn.Module):
     ``balance``: "batch" (the default) balances the load over the balancing batch; "sequence" is DeepSeek-V3's
     complementary sequence-wise balance loss (DeepSeek-AI 2024, eqs. 17-20): the same E * sum_i f_i P_i within
     each sequence, averaged over the sequences, so that no single sequence piles onto a few experts. It needs
-    each token's sequence (``forward(x, sequences=(ids [T], B))``, which MoELayer passes for [B, S, H] input).
+    to know where the tokens sit among the sequences (``forward(x, sequences=moe.losses.Sequences(offset, S, B))``,
+    which MoELayer passes for [B, S, H] input).
     When a sequence's tokens are split over ranks (tensor / sequence / context parallelism) comm/ sets
     ``sequence_reducer`` (sums [B, E] counts over those ranks) and ``sequence_parts`` (their number): each rank's
     loss is then its tokens' share of every sequence's loss, times ``sequence_parts``, so that the layouts'
@@ -242,7 +243,7 @@ class Router(nn.Module):
         self.count_reducer: CountReducer = None
         self.sequence_reducer: CountReducer = None  # balance "sequence": sums [B, E] over a sequence's ranks
         self.sequence_parts = 1  # how many ranks share each sequence's tokens (comm/ sets both)
-        self._sequences: tuple | None = None  # this forward's (sequence of each token, B[, caller's weight])
+        self._sequences: Sequences | None = None  # this forward's tokens among the sequences
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
@@ -272,12 +273,12 @@ class Router(nn.Module):
         return min(num_tokens, math.ceil(num_tokens * self.top_k / self.num_experts * self.capacity_factor))
 
     def forward(self, x: Tensor, token_ids: Tensor | None = None,
-                sequences: tuple[Tensor, int] | None = None) -> Routing:
+                sequences: Sequences | None = None) -> Routing:
         """x [..., H] -> Routing of its T tokens; a router outside moekit gets its routing made safe (module
-        docstring, "Contract"): override ``route``, not this. ``sequences``: (ids [T] int64 in [0, B), B), the
-        sequence of each token, which balance="sequence" needs (class docstring); a third entry is the caller's
-        aux-loss weight (MoELayer's ``aux_weight``), which the sequence loss divides out: it is each rank's share
-        of whole sequences already, unlike the z-loss, a per-token mean."""
+        docstring, "Contract"): override ``route``, not this. ``sequences`` (moe.losses.Sequences): where the
+        tokens sit among the micro-batch's sequences, which balance="sequence" needs (class docstring); its
+        ``weight`` is the caller's aux-loss weight (MoELayer's ``aux_weight``), which the sequence loss divides
+        out: it is each rank's share of whole sequences already, unlike the z-loss, a per-token mean."""
         check_hidden_states(f"router {type(self).__qualname__}", x, self.hidden_size)
         if x.shape[-1] != self.hidden_size:
             raise ValueError(f"router got hidden size {x.shape[-1]} but was built for hidden_size={self.hidden_size}")
@@ -291,9 +292,11 @@ class Router(nn.Module):
         if self.balance == "sequence":
             if sequences is None:
                 raise ValueError(f"the {type(self).__name__} balances per sequence (balance='sequence') and needs "
-                                 f"each token's sequence: call forward(x, sequences=(ids, B)), as MoELayer does")
-            if sequences[0].numel() != x.shape[0]:
-                raise ValueError(f"sequences has {sequences[0].numel()} ids for {x.shape[0]} tokens")
+                                 f"each token's sequence: call forward(x, sequences=Sequences(offset, S, B)), as "
+                                 f"MoELayer does")
+            if not isinstance(sequences, Sequences):
+                raise ValueError(f"sequences={sequences!r} must be a moe.losses.Sequences(offset, length, count)")
+            sequences.check(x.shape[0])
         self._sequences = sequences if self.balance == "sequence" else None  # read by finish, this forward only
         try:
             routing = self.route(self.logits(x), token_ids)
@@ -376,8 +379,7 @@ class Router(nn.Module):
             assigned = count_experts(indices, E)  # [E] before dropping
         per_sequence = None
         if self._sequences is not None:  # balance "sequence": [B, E] choices before any dropping
-            ids, B = self._sequences[:2]
-            per_sequence = sequence_counts(indices, ids, B, E)
+            per_sequence = sequence_counts(indices, self._sequences, E)
             if self.aux_loss_coeff > 0:  # a collective only where the loss is trained (as reduce_counts below)
                 per_sequence = self.reduce_sequence_counts(per_sequence)
         kept = assigned  # dropless: every assignment is kept
@@ -396,11 +398,11 @@ class Router(nn.Module):
             if per_sequence is None:
                 lb = load_balance_loss(balance_scores, balance_counts)
             else:  # DeepSeek-V3's sequence-wise loss (class docstring): this rank's share, times the sharing ranks
-                lb = sequence_balance_loss(balance_scores, per_sequence, self._sequences[0], indices.shape[1])
+                lb = sequence_balance_loss(balance_scores, per_sequence, self._sequences, indices.shape[1])
                 lb = lb * self.sequence_parts
         logged = lb.detach()
-        if per_sequence is not None and len(self._sequences) > 2:
-            lb = lb / self._sequences[2]
+        if per_sequence is not None and self._sequences.weight != 1.0:
+            lb = lb / self._sequences.weight
         with torch.set_grad_enabled(z_grad):
             zl = z_loss(logits) if lse is None or lse.shape[0] == 0 else lse.square().mean()
         # only the terms with a coefficient (each op is a launch on a GPU, where the router is launch-bound)

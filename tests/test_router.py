@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from moekit.moe import update_router_biases
-from moekit.moe.losses import bias_update_step, load_balance_loss, sequence_balance_loss, sequence_counts, z_loss
+from moekit.moe.losses import (Sequences, bias_update_step, load_balance_loss, sequence_balance_loss, sequence_counts,
+                               z_loss)
 from moekit.moe.router import Router, apply_capacity, build_router, registered_routers
 from moekit.moe.router_variants import sinkhorn
 from tests.oracles import ref_capacity, ref_topk
@@ -316,7 +317,7 @@ def test_sequence_balance_is_deepseek_per_sequence_loss_and_not_the_batch_one():
     B, S, E, k = 3, 7, 6, 2
     r = build_router("topk", H, E, top_k=k, aux_loss_coeff=1.0, balance="sequence")
     x = torch.randn(B * S, H)
-    routing = r(x, sequences=(torch.arange(B).repeat_interleave(S), B))
+    routing = r(x, sequences=Sequences(0, S, B))
     scores = r.logits(x).softmax(-1)
     want = per_sequence_reference(scores, routing.indices, B)
     torch.testing.assert_close(routing.aux_loss, want)
@@ -327,12 +328,14 @@ def test_sequence_balance_is_deepseek_per_sequence_loss_and_not_the_batch_one():
     torch.testing.assert_close(got, r.weight.grad)
     # 2 sequences of 4 tokens, sequence b sending all its choices to expert b (scores one-hot): batch-balanced
     one_hot = torch.eye(2).repeat_interleave(4, 0)  # [8, 2]
-    indices, ids = one_hot.argmax(1, keepdim=True), torch.arange(2).repeat_interleave(4)
+    indices, grid = one_hot.argmax(1, keepdim=True), Sequences(0, 4, 2)
     assert load_balance_loss(one_hot, torch.tensor([4, 4])).item() == pytest.approx(1.0)
-    assert sequence_balance_loss(one_hot, sequence_counts(indices, ids, 2, 2), ids, 1).item() == pytest.approx(2.0)
+    assert sequence_balance_loss(one_hot, sequence_counts(indices, grid, 2), grid, 1).item() == pytest.approx(2.0)
     with pytest.raises(ValueError, match=r"balances per sequence \(balance='sequence'\) and needs each token's "
                                          r"sequence"):
         r(x)
+    with pytest.raises(ValueError, match=r"21 tokens from position 1 do not fit 3 sequence\(s\) of 7"):
+        r(x, sequences=Sequences(1, S, B))
 
 
 def test_sequence_balance_split_over_ranks_adds_up():
@@ -341,15 +344,16 @@ def test_sequence_balance_split_over_ranks_adds_up():
     torch.manual_seed(2)
     B, S, E = 3, 5, 4
     r = build_router("topk", H, E, top_k=2, aux_loss_coeff=1.0, balance="sequence")
-    x, ids = torch.randn(B * S, H), torch.arange(B).repeat_interleave(S)
-    ref = r(x, sequences=(ids, B)).aux_loss
+    x = torch.randn(B * S, H)
+    ref = r(x, sequences=Sequences(0, S, B)).aux_loss
     ref.backward()
     ref_grad, r.weight.grad = r.weight.grad.clone(), None
     cut = [slice(0, 8), slice(8, 15)]  # sequence 1 is split 3 | 2
+    grids = [Sequences(c.start, S, B) for c in cut]
     with torch.no_grad():
-        counts = [sequence_counts(r.route(r.logits(x[c])).indices, ids[c], B, E) for c in cut]
+        counts = [sequence_counts(r.route(r.logits(x[c])).indices, g, E) for c, g in zip(cut, grids)]
     r.sequence_reducer, r.sequence_parts = (lambda c: counts[0] + counts[1]), 2
-    mean = sum(r(x[c], sequences=(ids[c], B)).aux_loss for c in cut) / 2
+    mean = sum(r(x[c], sequences=g).aux_loss for c, g in zip(cut, grids)) / 2
     mean.backward()
     torch.testing.assert_close(mean, ref)
     torch.testing.assert_close(r.weight.grad, ref_grad)

@@ -36,8 +36,9 @@ def _tp_rank(rank: int, world: int):
     install_sequence_balance(layer.router, topo)
     set_aux_loss_scale(layer, token_slices=2)
     assert layer.router.sequence_parts == 2
-    ids, _ = layer.token_split.sequences(x)
-    assert ids.tolist() == ([0] * 5 + [1] * 3 if rank == 0 else [1] * 2 + [2] * 5)
+    grid = layer.token_split.sequences(x)
+    assert (grid.offset, grid.length, grid.count) == (0 if rank == 0 else 8, S, B)
+    assert grid.ids(8 if rank == 0 else 7).tolist() == ([0] * 5 + [1] * 3 if rank == 0 else [1] * 2 + [2] * 5)
     got = layer(x)
     (got * probe).sum().backward()
     torch.testing.assert_close(got, want)
@@ -53,9 +54,9 @@ def test_tp_token_split_cutting_a_sequence_reproduces_one_process():
 def test_sequence_ids_of_each_split():
     """LocalTokens: every row of a [B, S, H] input; a [T, H] input is one sequence."""
     layer = _layer()
-    ids, n = layer.token_split.sequences(torch.zeros(2, 3, H))
-    assert ids.tolist() == [0, 0, 0, 1, 1, 1] and n == 2
-    ids, n = layer.token_split.sequences(torch.zeros(4, H))
-    assert ids.tolist() == [0, 0, 0, 0] and n == 1
+    grid = layer.token_split.sequences(torch.zeros(2, 3, H))
+    assert grid.ids(6).tolist() == [0, 0, 0, 1, 1, 1] and grid.count == 2
+    grid = layer.token_split.sequences(torch.zeros(4, H))
+    assert grid.ids(4).tolist() == [0, 0, 0, 0] and grid.count == 1
     with pytest.raises(ValueError, match="balance='sequence'"):
         build_router("topk", H, E, balance="sequence")(torch.zeros(4, H))

@@ -102,9 +102,9 @@ def _router(cfg: ModelConfig, s: Shapes) -> int:
     sigmoid = opts.get("score", "softmax") == "sigmoid"
     jitter = 2 * T * H * FP32 if cfg.router == "switch" and opts.get("jitter", 0.01) > 0 else 0
     # Switch's jitter: the noise and the jittered input; sequence-wise balancing (moe.losses.sequence_balance_loss):
-    # the one-hot [B, T] of the rank's tokens' sequences, the shares f [B, E] and the lengths [B, 1]
+    # the shares f [B, E] and the lengths [B, 1]
     if opts.get("balance") == "sequence" and cfg.aux_loss_coeff > 0:
-        jitter += s.B * (T + E + 1) * FP32
+        jitter += s.B * (E + 1) * FP32
     if fused_router_applies(cfg, s.cpu):  # the kernel keeps the logits and the ids; torch ops on its outputs
         b = T * E * FP32 + T * k * INT64 + E * FP32  # + the balance loss's [E] operand of its dot product
         b += T * E * FP32 + 2 * T * FP32 if sigmoid else 0  # the balance distribution: scores / clamped sum
