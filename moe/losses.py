@@ -104,6 +104,13 @@ def sequence_balance_loss(scores: Tensor, counts: Tensor, sequences: Sequences, 
     return E * (f * partial / length).sum() / B
 
 
+def sequence_imbalance(counts: Tensor) -> Tensor:
+    """Mean over the sequences of max / mean of their choices per expert, counts [B, E]: 1.0 when every sequence
+    loads its experts evenly, E when each sends every choice to one expert (sequences with no token count 0)."""
+    mean = counts.mean(1)  # [B]
+    return (counts.amax(1) / mean.clamp_min(1e-9)).where(mean > 0, 0.0).mean()
+
+
 def z_loss(logits: Tensor) -> Tensor:
     """ST-MoE router z-loss: keeps gate logits small so the softmax stays in a well-conditioned range."""
     if logits.shape[0] == 0:

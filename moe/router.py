@@ -37,7 +37,7 @@ from moekit.moe.precision import upcast_linear
 
 from moekit.moe.load import in_backward
 from moekit.moe.losses import (CountReducer, Sequences, bias_update_step, load_balance_loss, sequence_balance_loss,
-                               sequence_counts, z_loss)
+                               sequence_counts, sequence_imbalance, z_loss)
 
 DROP_POLICIES = ("probs", "position")
 BALANCES = ("batch", "sequence")  # Router(balance=): what the load-balance loss averages over
@@ -417,6 +417,8 @@ class Router(nn.Module):
             "dropped_fraction": dropped,
             "assigned_per_expert": assigned,
         }
+        if per_sequence is not None:  # how unevenly each sequence loads the experts (logging; 1 = even)
+            stats["sequence_imbalance"] = sequence_imbalance(per_sequence)
         return Routing(indices, weights, kept, aux, stats, capacity)
 
     def observe_load(self, global_counts: Tensor | None, local_counts: Tensor) -> None:

@@ -321,6 +321,9 @@ def test_sequence_balance_is_deepseek_per_sequence_loss_and_not_the_batch_one():
     scores = r.logits(x).softmax(-1)
     want = per_sequence_reference(scores, routing.indices, B)
     torch.testing.assert_close(routing.aux_loss, want)
+    loads = [torch.bincount(routing.indices[b * S:(b + 1) * S].flatten(), minlength=E).float() for b in range(B)]
+    torch.testing.assert_close(routing.stats["sequence_imbalance"],  # logged: mean per-sequence max / mean load
+                               torch.stack([c.max() / c.mean() for c in loads]).mean())
     routing.aux_loss.backward()
     got = r.weight.grad.clone()
     r.weight.grad = None

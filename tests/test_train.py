@@ -195,6 +195,12 @@ def test_resume_is_bitwise(tmp_path, preset, extra):
     assert [r["loss"] for r in a] == [r["loss"] for r in b]  # bitwise: float equality
     assert [r["grad_norm"] for r in a] == [r["grad_norm"] for r in b]
     assert load_lines(straight) == load_lines(resumed)  # routing (biases, jitter) identical too
+    # deepseek-tiny balances per sequence: its records carry the per-sequence imbalance (1 = even, E = one expert)
+    seq = [r.get("sequence_imbalance") for r in a]
+    if preset == "deepseek-tiny":
+        assert all(v is not None and 1.0 <= v <= 8.0 for v in seq), seq
+    else:
+        assert seq == [None] * len(a)
 
 
 def test_grad_accumulation_matches_full_batch(tmp_path):

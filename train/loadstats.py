@@ -217,20 +217,23 @@ def layer_load_stats(load: dict) -> dict[str, dict]:
             row["balance_loss"] = float(s.stats["load_balance"])
         if "z_loss" in s.stats:
             row["z_loss"] = float(s.stats["z_loss"])
+        if "sequence_imbalance" in s.stats:  # routers balancing per sequence (moe.losses.sequence_imbalance)
+            row["sequence_imbalance"] = float(s.stats["sequence_imbalance"])
         out[name] = row
     return out
 
 
 def load_metrics(load: dict) -> dict:
     """metrics.jsonl keys from one step's load summaries: balance_loss and z_loss (the routers' terms before
-    their coefficients, mean over the MoE layers that report them; absent when none does), cv (mean over
-    layers), dead_experts (experts with no kept token this step, summed over layers)."""
+    their coefficients, mean over the MoE layers that report them; absent when none does), sequence_imbalance
+    (routers balancing per sequence: the mean per-sequence max / mean load, mean over those layers), cv (mean
+    over layers), dead_experts (experts with no kept token this step, summed over layers)."""
     per = layer_load_stats(load)
     if not per:
         return {}
     out = {"cv": float(np.mean([r["cv"] for r in per.values()])),
            "dead_experts": int(sum(r["dead"] for r in per.values()))}
-    for key in ("balance_loss", "z_loss"):
+    for key in ("balance_loss", "z_loss", "sequence_imbalance"):
         vals = [r[key] for r in per.values() if key in r]
         if vals:
             out[key] = float(np.mean(vals))

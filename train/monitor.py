@@ -13,7 +13,8 @@ Per step the loop calls ``Monitor.step(metrics, load)`` with the per-layer summa
 
     every step                  the metrics' numbers (loss, aux_loss, balance_loss, z_loss, imbalance, ...)
     every ``load_every`` steps  per MoE layer: <stat>/<layer> for stat in imbalance, cv, dropped, dead_experts,
-                                saturated_experts, balance_loss, z_loss (the unweighted router terms)
+                                saturated_experts, balance_loss, z_loss (the unweighted router terms),
+                                sequence_imbalance (routers with balance="sequence")
     every ``image_every`` steps and the last: expert_load/share, the [layers x experts] share of each
                                 layer's tokens as an image, and expert_load/<layer>, a histogram of the
                                 experts' load relative to the mean (1 = fair share)
@@ -88,7 +89,8 @@ class GpuTelemetry:
 
 
 LAYER_STATS = {"imbalance": "imbalance", "cv": "cv", "dropped": "dropped", "dead": "dead_experts",
-               "saturated": "saturated_experts", "balance_loss": "balance_loss", "z_loss": "z_loss"}
+               "saturated": "saturated_experts", "balance_loss": "balance_loss", "z_loss": "z_loss",
+               "sequence_imbalance": "sequence_imbalance"}
 
 
 def layer_scalars(load: dict) -> dict[str, float]:

@@ -18,7 +18,8 @@ peak is unknown), imbalance (mean over MoE layers of max/mean tokens per expert)
 worst layer), dropped_fraction (dropped slots / routed slots, all layers); val_loss on evaluation
 steps; with multi-token prediction (models.mtp) mtp_loss (the depths' mean loss) and val_mtp_loss (the same on the
 validation windows, evaluation steps); gpu_* telemetry when nvidia-ml-py is present. With moekit.train.monitor.load_metrics: balance_loss
-and z_loss (the routers' unweighted terms, mean over MoE layers), cv, dead_experts.
+and z_loss (the routers' unweighted terms, mean over MoE layers), sequence_imbalance (routers with
+balance="sequence"), cv, dead_experts.
 
 The expert-load record, one entry per written optimizer step (every step, or every ``stride``-th):
 
