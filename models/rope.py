@@ -153,14 +153,14 @@ def _rope_kernel_or_none(x: Tensor, cos: Tensor, sin: Tensor):
     return _rope_or_fallback
 
 
-def _rope_or_fallback(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool = False) -> Tensor:
+def _rope_or_fallback(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool = False, pairs: str = "half") -> Tensor:
     """The Triton RoPE; if this machine's Triton cannot build it (a compile error, a GPU that cannot hold
     it), one warning and the torch rotation from then on (TRITON_ROPE='always' raises instead)."""
     from moekit.moe.kernels._common import BUILD_ERRORS, build_failure
     from moekit.moe.kernels.rope import rope
 
     try:
-        return rope(x, cos, sin, inverse=inverse)
+        return rope(x, cos, sin, inverse=inverse, pairs=pairs)
     except BUILD_ERRORS as exc:
         if TRITON_ROPE == "always":
             raise
@@ -168,6 +168,8 @@ def _rope_or_fallback(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool = False
         warnings.warn(f"models.rope: the Triton RoPE kernel failed to build here ({_ROPE_BUILD_FAILURE[-1]}); "
                       f"the torch rotation runs instead. Set models.rope.TRITON_ROPE = 'never' to choose that "
                       f"without this warning.", stacklevel=2)
+        if pairs != "half":
+            return _rotate_adjacent(x, cos, sin, inverse, pairs)
         return _rotate(x, cos, sin, inverse=inverse)
 
 
@@ -193,8 +195,39 @@ class _Rope(torch.autograd.Function):
 
 
 def apply_rope_interleaved(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate channel pairs (2i, 2i + 1) of x [B, heads, S, D] (DeepSeek's layout); the result is in the
-    half layout (rotated evens, then rotated odds), as transformers returns it: q and k get the same
-    permutation, so q . k is unchanged."""
-    x1, x2 = x.float()[..., 0::2], x.float()[..., 1::2]  # [B, n, S, D/2] each
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).type_as(x)
+    """Rotate channel pairs (2i, 2i + 1) of x [B, heads, S, D] (DeepSeek's layout; ERNIE 4.5's); the result is
+    in the half layout (rotated evens, then rotated odds), as transformers returns it: q and k get the same
+    permutation, so q . k is unchanged. Like ``apply_rope``, an autograd Function keeping only the tables, one
+    Triton pass on CUDA (TRITON_ROPE) each way."""
+    return _RopeAdjacent.apply(x, cos, sin)
+
+
+def _rotate_adjacent(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool, pairs: str) -> Tensor:
+    """The torch rotation for adjacent pairs: "from_adjacent" reads (2i, 2i + 1) and writes halves (the forward),
+    "to_adjacent" reads halves and writes (2i, 2i + 1) (with ``inverse``: the forward's backward). float32 math."""
+    xf = x.float()
+    x1, x2 = (xf[..., 0::2], xf[..., 1::2]) if pairs == "from_adjacent" else xf.chunk(2, dim=-1)
+    s = -sin if inverse else sin
+    o1, o2 = x1 * cos - x2 * s, x2 * cos + x1 * s
+    out = torch.stack((o1, o2), dim=-1).flatten(-2) if pairs == "to_adjacent" else torch.cat((o1, o2), dim=-1)
+    return out.type_as(x)
+
+
+class _RopeAdjacent(torch.autograd.Function):
+    """apply_rope_interleaved: y = R(angle) P x, P the permutation of the pairs (2i, 2i + 1) into halves, so
+    dL/dx = P^T R(-angle) dL/dy: the inverse rotation read from halves and written back as pairs."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        ctx.save_for_backward(cos, sin)
+        kernel = _rope_kernel_or_none(x, cos, sin)
+        return kernel(x, cos, sin, pairs="from_adjacent") if kernel is not None else \
+            _rotate_adjacent(x, cos, sin, False, "from_adjacent")
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        cos, sin = ctx.saved_tensors
+        kernel = None if torch.is_grad_enabled() else _rope_kernel_or_none(grad, cos, sin)  # create_graph: torch
+        if kernel is not None:
+            return kernel(grad, cos, sin, inverse=True, pairs="to_adjacent"), None, None
+        return _rotate_adjacent(grad, cos, sin, True, "to_adjacent"), None, None

@@ -653,9 +653,10 @@ def test_rope_kernel_on_device_matches_float64(dtype):
     x = torch.randn(B, S, heads, D, generator=torch.Generator().manual_seed(5)).to(DEVICE, dtype)
     for xs, c, s in ((x, cos[:, None], sin[:, None]), (x.transpose(1, 2), cos, sin)):
         for inverse in (False, True):
-            got = rope(xs, c, s, inverse=inverse)
-            ref = rope_ref(xs.double(), c.double(), s.double(), inverse=inverse)
-            assert rel_err(got, ref) <= FLOOR[dtype], (inverse, rel_err(got, ref))
+            for pairs in ("half", "from_adjacent", "to_adjacent"):  # adjacent: DeepSeek's MLA rope, ERNIE 4.5
+                got = rope(xs, c, s, inverse=inverse, pairs=pairs)
+                ref = rope_ref(xs.double(), c.double(), s.double(), inverse=inverse, pairs=pairs)
+                assert rel_err(got, ref) <= FLOOR[dtype], (inverse, pairs, rel_err(got, ref))
     if ON == "cuda":
         before = LAUNCHES["_rope_kernel"]
         xr = x.clone().requires_grad_()
@@ -670,6 +671,15 @@ def test_rope_kernel_on_device_matches_float64(dtype):
         finally:
             attention_rope.TRITON_ROPE = old
         assert rel_err(y, yt) <= FLOOR[dtype] and rel_err(xr.grad, xt.grad) <= FLOOR[dtype]
+        from moekit.models.rope import apply_rope_interleaved  # the adjacent pairs: on the kernel unasked too
+
+        before = LAUNCHES["_rope_kernel"]
+        xr = x.transpose(1, 2).clone().requires_grad_()
+        y = apply_rope_interleaved(xr, cos, sin)
+        y.backward(torch.ones_like(y))
+        assert LAUNCHES["_rope_kernel"] == before + 2
+        ref = rope_ref(x.transpose(1, 2).double(), cos.double(), sin.double(), pairs="from_adjacent")
+        assert rel_err(y, ref) <= FLOOR[dtype]
 
 
 @pytest.mark.parametrize("case", first_on_cpu(range(7), "tests/test_topk_route.py runs each in the interpreter"))

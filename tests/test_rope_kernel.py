@@ -2,8 +2,9 @@
 
 Both layouts attention uses ([B, S, heads, R] with [S, 1, R/2] tables, and the transposed [B, heads, S, R]
 view with [S, R/2]), a half width that is not a power of two, positions that start past 0 (a KV cache),
-fp32 and bf16, the inverse rotation, and models.rope's _Rope forced onto the kernel (forward and
-backward) against its torch path. References: float64 torch (a different computation: cat of halves).
+fp32 and bf16, the inverse rotation, adjacent pairs (2i, 2i + 1) in and out, and models.rope's _Rope and
+_RopeAdjacent forced onto the kernel (forward and backward) against their torch paths. References: float64
+torch (a different computation: cat of halves, strided pairs).
 """
 from __future__ import annotations
 
@@ -64,6 +65,64 @@ def test_rope_kernel_matches_float64(dtype, layout, dim, inverse):
     if dtype == torch.float32:
         back = rope(got, c, s, inverse=not inverse)
         torch.testing.assert_close(back, x, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+@pytest.mark.parametrize("dim", [16, 12])
+def test_adjacent_pairs_match_float64_and_invert(dtype, layout, dim):
+    """pairs="from_adjacent" rotates (2i, 2i + 1) into halves (DeepSeek's MLA rope dims, ERNIE 4.5);
+    "to_adjacent" with inverse takes halves back to pairs: the forward's backward, so the two compose to x."""
+    gen = torch.Generator().manual_seed(int(os.environ.get("MOEKIT_TEST_SEED", "0")) + 1)
+    B, S, heads = 2, 7, 3
+    cos, sin = tables(S, dim, 3)
+    x = torch.randn(B, S, heads, dim, generator=gen).to(DEV, dtype)
+    c, s = cos[:, None], sin[:, None]
+    if layout == "bhsd":
+        x, c, s = x.transpose(1, 2), cos, sin
+    got = rope(x, c, s, pairs="from_adjacent")
+    x64, c64, s64 = x.double(), c.double(), s.double()
+    ev, od = x64[..., 0::2], x64[..., 1::2]  # written out: pair i is channels 2i, 2i + 1
+    check_close(got, torch.cat((ev * c64 - od * s64, od * c64 + ev * s64), dim=-1), dtype)
+    back = rope(got, c, s, inverse=True, pairs="to_adjacent")
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2 ** -6, atol=2 ** -6)
+    torch.testing.assert_close(back, x, **tol)
+    with pytest.raises(ValueError, match="pairs='diagonal'"):
+        rope(x, c, s, pairs="diagonal")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_interleaved_rope_forced_onto_the_kernel_matches_its_torch_path(monkeypatch, dtype):
+    """models.rope.apply_rope_interleaved (_RopeAdjacent): the kernel forward and backward against the torch
+    rotation, and both against autograd through the rotation written out in float64."""
+    from moekit.models.rope import apply_rope_interleaved
+
+    gen = torch.Generator().manual_seed(int(os.environ.get("MOEKIT_TEST_SEED", "0")) + 2)
+    B, heads, S, dim = 2, 3, 9, 8
+    cos, sin = tables(S, dim, 0)
+    x0 = torch.randn(B, heads, S, dim, generator=gen).to(DEV, dtype)
+    g = torch.randn(B, heads, S, dim, generator=gen).to(DEV, dtype)
+
+    def run(mode):
+        monkeypatch.setattr(attention_rope, "TRITON_ROPE", mode)
+        x = x0.clone().requires_grad_()
+        y = apply_rope_interleaved(x, cos, sin)
+        (dx,) = torch.autograd.grad(y, x, g)
+        return y, dx
+
+    before = LAUNCHES["_rope_kernel"]
+    y_k, dx_k = run("always")
+    assert LAUNCHES["_rope_kernel"] == before + 2  # forward and backward
+    y_t, dx_t = run("never")
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=2 ** -7)
+    torch.testing.assert_close(y_k, y_t, **tol)
+    torch.testing.assert_close(dx_k, dx_t, **tol)
+    x64 = x0.double().requires_grad_()
+    ev, od = x64[..., 0::2], x64[..., 1::2]
+    y64 = torch.cat((ev * cos.double() - od * sin.double(), od * cos.double() + ev * sin.double()), dim=-1)
+    (dx64,) = torch.autograd.grad(y64, x64, g.double())
+    check_close(y_k, y64.detach(), dtype)
+    check_close(dx_k, dx64, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
