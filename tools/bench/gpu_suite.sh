@@ -24,7 +24,7 @@ REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 PY=${PYTHON:-python3}
 DEFAULT_STEPS=(env tests moe_layer grouped_gemm dispatch profile train_mfu)
 ALL_STEPS=(env tests moe_layer grouped_gemm dispatch profile train_mfu train_mfu_full tune grouped_gemm_tuned
-           grouped_gemm_quick train_mfu_tma attention)
+           grouped_gemm_quick train_mfu_tma attention router_balance)
 SMOKE=0
 BUDGET=560
 RESULTS=${OUT:-bench-results}
@@ -57,6 +57,9 @@ grouped_gemm_quick
                 (use it instead of grouped_gemm)                                            (cap 120 s)
 train_mfu_tma   tools/bench/train_mfu.py, compile off, 12 steps, the Triton experts with MOEKIT_TMA=never and
                 always: TMA's end-to-end effect; writes train_mfu.json                     (what is left)
+router_balance  tools/bench/router_balance.py: a DeepSeek-V3-sized router (H 7168, top-8 sigmoid) fwd+bwd with no
+                balance loss, the batch-wise one and the sequence-wise one (balance="sequence"), 8192 / 32768
+                tokens, 64 / 256 experts, bf16; not in the default set                    (cap 60 s)
 EOF
 }
 
@@ -216,6 +219,12 @@ for step in "${STEPS[@]}"; do
       else size=(--device cuda --dtype bfloat16 --seqs 1024 4096 --batch 1 --heads 64 --kv-heads 8 --head-dim 64
                  --window 128 --warmup 1 --repeats 5); fi
       run_step attention 90 "$PY" tools/bench/attention_sinks.py "${size[@]}" --out "$RAW/attention_sinks.json" ;;
+    router_balance)  # what the sequence-wise balance loss costs against the batch-wise one
+      if [ "$SMOKE" = 1 ]; then size=(--device cpu --tokens 256 --experts 8 --seq-len 64 --hidden 32 --top-k 2
+                                      --warmup 0 --repeats 1)
+      else size=(--device cuda --dtype bfloat16 --tokens 8192 32768 --experts 64 256 --seq-len 4096 --hidden 7168
+                 --repeats 20); fi
+      run_step router_balance 60 "$PY" tools/bench/router_balance.py "${size[@]}" --out "$RAW/router_balance.json" ;;
     profile)
       if [ "$SMOKE" = 1 ]; then size=(--preset mixtral-tiny --batch-size 2 --seq-len 32 --warmup 1 --steps 1)
       else size=(--preset auto --batch-size 16 --seq-len 2048 --warmup 2 --steps 3); fi  # train_mfu's micro-batch
