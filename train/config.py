@@ -52,6 +52,8 @@ class TrainSection:
     lr_schedule: str = "cosine"  # after warmup: cosine | linear | constant | wsd (constant, then decay at the end)
     decay_fraction: float = 0.2  # wsd: the final share of the post-warmup steps spent decaying to min_lr_ratio
     wsd_decay: str = "linear"  # wsd: the decay's shape, linear | sqrt (1 - sqrt) | cosine
+    optimizer: str = "adamw"  # adamw | muon (Muon on the weight matrices, AdamW on the rest: train/muon.py)
+    muon_momentum: float = 0.95  # muon: the momentum of the matrices' (Nesterov) gradient buffer
     weight_decay: float = 0.1  # on matrices and embeddings, not on norms
     beta1: float = 0.9  # AdamW first-moment decay
     beta2: float = 0.95  # AdamW second-moment decay

@@ -173,7 +173,7 @@ def check_memory(cfg: TrainConfig, resolved: ResolvedLayout, device: torch.devic
     t, L = cfg.train, resolved.layout
     wl = Workload(resolved.micro_batch, t.seq_len, "bfloat16" if dtype == torch.bfloat16 else "float32",
                   t.activation_checkpointing, device.type, resolved.accum, cfg.layout.pp_schedule,
-                  cfg.layout.pp_stages_per_rank, cfg.layout.sequence_parallel)
+                  cfg.layout.pp_stages_per_rank, cfg.layout.sequence_parallel, optimizer=t.optimizer)
     est = estimate_memory(cfg.model, L, wl, ranks_per_node=resolved.ranks_per_node or None,
                           hierarchical=resolved.hierarchical)
     have = device_memory(device)
@@ -226,8 +226,13 @@ def lr_lambda(cfg: TrainConfig):
     return f
 
 
-def make_optimizer(model: Transformer, cfg: TrainConfig) -> torch.optim.AdamW:
+def make_optimizer(model: Transformer, cfg: TrainConfig) -> torch.optim.Optimizer:
     t = cfg.train
+    if t.optimizer == "muon":  # Muon on the weight matrices, AdamW on the rest (train/muon.py)
+        from moekit.train.muon import Muon, muon_param_groups
+
+        return Muon(muon_param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
+                    momentum=t.muon_momentum)
     decay = [p for p in model.parameters() if p.dim() >= 2]  # matrices, expert stacks, embeddings
     rest = [p for p in model.parameters() if p.dim() < 2]  # norm scales
     groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": rest, "weight_decay": 0.0}]

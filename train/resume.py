@@ -38,6 +38,7 @@ REFUSED = {
     "data.val_fraction": "the train / validation split of the checkpoint's data position would move",
     "data.blend": "the checkpoint's data position counts windows drawn from each set of its blend",
     "data.dtype": "the checkpoint's data position indexes its token data",
+    "train.optimizer": "the checkpoint's optimizer state is that optimizer's (AdamW's moments, or Muon's momentum)",
 }
 KEPT = {"train.init_from_hf": "the resumed weights come from the checkpoint",
         "train.init_from_dense": "the resumed weights come from the checkpoint",

@@ -25,6 +25,9 @@ def _require(ok: bool, msg: str) -> None:
         raise UserError(msg)
 
 
+OPTIMIZERS = ("adamw", "muon")
+
+
 def validate(cfg: TrainConfig) -> TrainConfig:
     """Every section but [layout], whose degrees need the world size: moekit.train.plan.resolve_layout."""
     t = cfg.train
@@ -38,8 +41,15 @@ def validate(cfg: TrainConfig) -> TrainConfig:
              f"must be in (0, {MAX_LR:g}] (typical: 1e-4 to 1e-2)")
     _require(0 <= t.min_lr_ratio <= 1, f"--train.min_lr_ratio={t.min_lr_ratio} is invalid; it must be in [0, 1]")
     validate_schedule(t)
-    for name in ("beta1", "beta2"):
+    for name in ("beta1", "beta2", "muon_momentum"):
         _require(0 <= getattr(t, name) < 1, f"--train.{name}={getattr(t, name)} is invalid; it must be in [0, 1)")
+    _require(t.optimizer in OPTIMIZERS, f"--train.optimizer={t.optimizer!r} is invalid; choose one of "
+                                        f"{list(OPTIMIZERS)} (muon: Muon on the weight matrices, AdamW on the rest)")
+    L = cfg.layout
+    _require(t.optimizer != "muon" or (L.fsdp == 1 and L.tp == 1),
+             f"--train.optimizer muon with --fsdp {L.fsdp} --tp {L.tp}: Muon orthogonalises whole weight matrices, "
+             f"which FSDP and tensor parallelism cut across ranks; use --train.optimizer adamw with them, or scale "
+             f"Muon with --dp / --ep / --pp / --cp")
     for name in ("weight_decay", "grad_clip", "eps"):
         v = getattr(t, name)
         _require(math.isfinite(v) and v >= 0, f"--train.{name}={v} is invalid; it must be a finite number >= 0")

@@ -80,7 +80,8 @@ def plan_dry_run(cfg: TrainConfig, world_size: int | None = None) -> DryRunPlan:
     device = "cpu" if t.device == "cpu" else "cuda"  # the dry run plans for the GPUs a real run gets
     dtype = {"float32": "float32", "bfloat16": "bfloat16", "auto": "bfloat16" if device == "cuda" else "float32"}
     wl = Workload(resolved.micro_batch, t.seq_len, dtype[t.dtype], t.activation_checkpointing, device, resolved.accum,
-                  L.pp_schedule, L.pp_stages_per_rank, L.sequence_parallel, document_mask=cfg.data.document_mask)
+                  L.pp_schedule, L.pp_stages_per_rank, L.sequence_parallel, document_mask=cfg.data.document_mask,
+                  optimizer=t.optimizer)
     per_node = resolved.ranks_per_node or math.gcd(resolved.world_size, 8)  # default: 8 GPUs per node
     return DryRunPlan(resolved, per_node, wl)
 
@@ -115,6 +116,7 @@ class Built:
     replicas: int = 0  # redundant expert slots over the EP group (--layout.expert_replicas / a placement file)
     dense_peak: int = 0  # --init-from-dense: host memory a rank holds at most while it upcycles (by slices)
     stages: list[Stage] = field(default_factory=list)  # every pipeline rank's layers (the real split if built)
+    optimizer: tuple[str, int] = ("AdamW", 0)  # the run's optimizer and its state bytes on rank 0's shards
 
 
 def part_of(name: str) -> str:
@@ -175,7 +177,24 @@ def build(cfg: TrainConfig, plan: DryRunPlan) -> Built:
         return built
     seconds["recipe"] = time.perf_counter() - t0
     built.measured, built.tensors = local_numel(model)
+    built.optimizer = optimizer_state_bytes(model, cfg.train.optimizer)
     return built
+
+
+def optimizer_state_bytes(model, optimizer: str) -> tuple[str, int]:
+    """(name, fp32 bytes) of the optimizer state for this rank's parameter shards: AdamW's two moments and step
+    scalar per tensor; Muon's momentum buffer per weight matrix and AdamW's for the rest (train.muon)."""
+    local = lambda p: p.to_local().numel() if hasattr(p, "to_local") else p.numel()  # noqa: E731
+    if optimizer != "muon":
+        params = list(model.parameters())
+        return "AdamW", sum(2 * local(p) * 4 + 4 for p in params)
+    from moekit.train.muon import muon_param_groups
+
+    total = 0
+    for group in muon_param_groups(model, 0.0):
+        per = 4 if group["kind"] == "muon" else None
+        total += sum(local(p) * 4 if per else 2 * local(p) * 4 + 4 for p in group["params"])
+    return "Muon", total
 
 
 def _pipeline_stage(model, topo: Topology, cfg: TrainConfig, built: Built):
@@ -318,7 +337,7 @@ def _memory_table(built: Built, est: MemoryEstimate) -> list[str]:
     lines = [f"rank 0 (pipeline rank 0: {describe_stage(st)})  {'shards':>14}{'estimate':>14}",
              row("parameters (fp32)", shards and shards * 4, est.params),
              row("gradients (fp32)", shards and shards * 4, est.grads),
-             row("optimizer (AdamW)", shards and shards * 8 + built.tensors * 4, est.optimizer),
+             row(f"optimizer ({built.optimizer[0]})", shards and built.optimizer[1], est.optimizer),
              row("activations", None, est.activations),
              row("total", None, est.total),
              row("peak (+ transient)", None, est.peak)]

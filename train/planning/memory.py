@@ -9,7 +9,8 @@ Every term counts what moekit's code keeps, read off the modules and checked aga
 
     parameters   fp32 master weights: the rank's shard of every tensor (TP, EP, FSDP below)
     gradients    fp32, same shards
-    optimizer    AdamW: exp_avg + exp_avg_sq (fp32, same shards) + one fp32 step scalar per tensor
+    optimizer    AdamW: exp_avg + exp_avg_sq (fp32, same shards) + one fp32 step scalar per tensor; Muon
+                 (--train.optimizer muon): one fp32 momentum buffer per weight matrix, AdamW's for the rest
     activations  what autograd holds from forward to backward, per micro-batch and block, term by term in
                  moekit.train.planning.activations (residual, norms, attention, router, dispatch, experts, dense
                  FFN, head, mtp: the multi-token-prediction depths; activation checkpointing, sequence
@@ -67,9 +68,11 @@ class Workload:
     expert_replicas: int = 0  # redundant expert slots over the EP group (--layout.expert_replicas, a placement file)
     cp_rank: int | None = None  # with cp > 1: whose zigzag chunks attention runs (None: the rank keeping the most)
     document_mask: bool = False  # attention within each document of a packed sequence (--data.document_mask)
+    optimizer: str = "adamw"  # adamw | muon (train.muon: one momentum buffer per weight matrix, AdamW's rest)
 
     def __post_init__(self):
         for name, value, allowed in (("dtype", self.dtype, tuple(DTYPE_BYTES)), ("pp_schedule", self.pp_schedule, SCHEDULES),
+                                     ("optimizer", self.optimizer, ("adamw", "muon")),
                                      ("activation_checkpointing", self.activation_checkpointing, AC_MODES)):
             if value not in allowed:
                 raise ValueError(f"{name}={value!r} is invalid; use one of {list(allowed)}")
@@ -309,8 +312,18 @@ def estimate_memory(cfg: ModelConfig, layout: Layout, wl: Workload, stage: Stage
     by_part: dict[str, int] = {}
     for part, n in tensors:
         by_part[part] = by_part.get(part, 0) + n
-    return MemoryEstimate(stage.index, numel * FP32, numel * FP32, 2 * numel * FP32 + len(tensors) * FP32, acts,
-                          sum(transient.values()), by_part, breakdown)
+    optimizer = 2 * numel * FP32 + len(tensors) * FP32  # AdamW: two moments and a step scalar per tensor
+    if wl.optimizer == "muon":  # a momentum buffer per weight matrix (train.muon), AdamW's state for the rest
+        matrix = [_muon_matrix(part, shape) for part, shape, _ in _stage_tensors(cfg, stage)]
+        optimizer = sum(n * FP32 if m else 2 * n * FP32 + FP32 for (_, n), m in zip(tensors, matrix))
+    return MemoryEstimate(stage.index, numel * FP32, numel * FP32, optimizer, acts, sum(transient.values()), by_part,
+                          breakdown)
+
+
+def _muon_matrix(part: str, shape: tuple[int, ...]) -> bool:
+    """Whether train.muon orthogonalises this parameter: a weight matrix (or expert stack), not the embedding, the
+    head, a norm or a bias (expert biases: the experts' 2-D tensors)."""
+    return len(shape) >= 2 and part not in ("embedding", "head") and not (part == "experts" and len(shape) == 2)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,0 +1,154 @@
+"""train.muon (--train.optimizer muon): the Newton-Schulz orthogonalisation against the SVD, one step against the
+update written out matrix by matrix (gated expert stacks as gate and up, per expert) and AdamW's for the rest, the
+parameter split, its state bytes against the planner, and runs: it learns, resumes bitwise, ep2 follows one
+process, and what it cannot run is refused."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from moekit.models.config import preset
+from moekit.models.transformer import build_model
+from moekit.train.muon import Muon, muon_param_groups, orthogonalize
+from tests.test_train_distributed import TINY, losses, run
+
+
+def tiny(name: str, **over):
+    return dataclasses.replace(preset(name), num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8,
+                               ffn_hidden_size=48, moe_ffn_hidden_size=16, **over)
+
+
+@pytest.mark.parametrize("shape", [(24, 16), (16, 24), (3, 20, 12)])
+def test_orthogonalize_is_near_the_svds_orthogonal_factor(shape):
+    g = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    o = orthogonalize(g)
+    assert o.shape == g.shape and o.dtype == torch.float32
+    u, s, vh = torch.linalg.svd(g.double(), full_matrices=False)
+    sv = torch.linalg.svdvals(o.double())
+    assert sv.min() > 0.5 and sv.max() < 1.3, sv  # the quintic's band around 1, not exactly 1
+    # the same singular vectors: O = U diag(f(s)) V^T with f(s) in the band, so O V = U diag(f(s))
+    proj = (u.mT @ o.double() @ vh.mT)  # diag(f(s)), up to the iteration's off-diagonal residue
+    diag = torch.diagonal(proj, dim1=-2, dim2=-1)
+    assert (proj - torch.diag_embed(diag)).abs().max() < 0.05 and diag.min() > 0.5
+
+
+def test_parameter_split():
+    """Matrices (attention, router, experts, shared expert) to Muon, a gated stack as 2 chunks; the embedding,
+    head, norms and biases (gpt-oss's expert, gate and attention biases, its sinks) to AdamW."""
+    model = build_model(tiny("gpt-oss-tiny"), seed=0)
+    groups = muon_param_groups(model, 0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    muon = {names[id(p)]: c for p, c in zip(groups[0]["params"], groups[0]["chunks"])}
+    adamw = {names[id(p)] for g in groups[1:] for p in g["params"]}
+    assert muon["layers.0.ffn.experts.w_in"] == 2 and muon["layers.0.ffn.experts.w_out"] == 1
+    assert {"layers.0.attn.wq.weight", "layers.0.ffn.router.weight"} <= set(muon)
+    assert {"embed.weight", "lm_head.weight", "layers.0.ffn.experts.b_in", "layers.0.attn.sinks",
+            "layers.0.attn.wq.bias", "layers.0.ffn.router.bias", "norm.weight"} <= adamw
+    assert not set(muon) & adamw and len(muon) + len(adamw) == len(list(model.parameters()))
+    assert [g["weight_decay"] for g in groups] == [0.1, 0.1, 0.0]
+
+
+def test_one_step_is_the_update_written_out():
+    torch.manual_seed(1)
+    model = build_model(tiny("deepseek-tiny"), seed=1)
+    tokens = torch.randint(0, model.config.vocab_size, (2, 12))
+    model(tokens, targets=tokens).backward()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    lr, wd, mu = 0.01, 0.1, 0.95
+    opt = Muon(muon_param_groups(model, wd), lr=lr, momentum=mu)
+    opt.step()
+    after = dict(model.named_parameters())
+
+    def muon_ref(w, g, chunks):  # first step: buffer = g, Nesterov u = g + mu * g; each matrix on its own
+        u = g * (1 + mu)
+        mats = [x for x in u.chunk(chunks, -1)]
+        upd = []
+        for m in mats:
+            per = m if m.dim() == 2 else None
+            upd.append(orthogonalize(per) if per is not None else torch.stack([orthogonalize(e) for e in m]))
+        o = torch.cat(upd, -1)
+        rows, cols = mats[0].shape[-2:]
+        return w * (1 - lr * wd) - lr * 0.2 * math.sqrt(max(rows, cols)) * o
+
+    w_in = "layers.1.ffn.experts.w_in"  # a gated stack [E, H, 2F]: gate and up per expert
+    torch.testing.assert_close(after[w_in], muon_ref(before[w_in], grads[w_in], 2), rtol=1e-5, atol=1e-6)
+    wq = "layers.0.attn.wq.weight"
+    torch.testing.assert_close(after[wq], muon_ref(before[wq], grads[wq], 1), rtol=1e-5, atol=1e-6)
+    # AdamW's first step: the update is lr * g / (|g| + eps) after the decay (norms: no decay)
+    for name, decay in (("embed.weight", wd), ("norm.weight", 0.0)):
+        g = grads[name]
+        want = before[name] * (1 - lr * decay) - lr * g / (g.abs() + 1e-8)
+        torch.testing.assert_close(after[name], want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["deepseek-tiny", "gpt-oss-tiny"])
+def test_state_bytes_are_what_the_planner_counts(name):
+    from moekit.comm.topology import Layout
+    from moekit.train.planning.dryrun import optimizer_state_bytes
+    from moekit.train.planning.memory import Workload, estimate_memory
+
+    cfg = tiny(name)
+    model = build_model(cfg, seed=0)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 8))
+    model(tokens, targets=tokens).backward()
+    opt = Muon(muon_param_groups(model, 0.1), lr=1e-3)
+    opt.step()
+    measured = sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values())
+    assert optimizer_state_bytes(model, "muon") == ("Muon", measured)
+    est = estimate_memory(cfg, Layout(), Workload(2, 8, "float32", device="cpu", optimizer="muon"))
+    assert est.optimizer == measured
+    adamw = estimate_memory(cfg, Layout(), Workload(2, 8, "float32", device="cpu"))
+    matrices = opt.param_groups[0]["params"]  # what Muon saves: their second moment and step scalar
+    assert adamw.optimizer - measured == sum(4 * p.numel() + 4 for p in matrices)
+
+
+MUON = ["--train.optimizer", "muon", "--checkpoint.every", "2", *TINY]
+
+
+@pytest.fixture(scope="module")
+def single_muon(tmp_path_factory):
+    d = tmp_path_factory.mktemp("single_muon")
+    r = run(["--preset", "deepseek-tiny", "--steps", "4", "--run-dir", str(d), *MUON])
+    assert r.returncode == 0, r.stderr[-3000:]
+    return d
+
+
+def test_muon_learns_and_resumes_bitwise(tmp_path, single_muon):
+    curve = losses(single_muon)
+    assert curve[-1] < curve[0]
+    resumed = tmp_path / "resumed"
+    r = run(["--preset", "deepseek-tiny", "--steps", "4", "--run-dir", str(resumed), *MUON, "--resume",
+             str(single_muon / "checkpoints" / "step_000002")])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert losses(resumed) == curve[2:]
+    r = run(["--preset", "deepseek-tiny", "--steps", "4", "--run-dir", str(tmp_path / "adamw"), *TINY, "--resume",
+             str(single_muon / "checkpoints" / "step_000002")])  # the checkpoint's state is Muon's
+    assert r.returncode == 2 and "train.optimizer" in r.stderr and "Muon's momentum" in r.stderr, r.stderr[-2000:]
+
+
+def test_expert_parallel_muon_follows_one_process(tmp_path, single_muon):
+    """ep2 (and dp2 folded): each rank orthogonalises its own experts' matrices, the replicated matrices alike."""
+    r = run(["--preset", "deepseek-tiny", "--steps", "4", "--run-dir", str(tmp_path), *MUON, "--ep", "2"], nproc=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert losses(tmp_path) == pytest.approx(losses(single_muon), rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--fsdp", "2"], "Muon orthogonalises whole weight matrices, which FSDP and tensor parallelism cut"),
+    (["--tp", "2"], "--train.optimizer muon with --fsdp 1 --tp 2"),
+    (["--train.muon_momentum", "1.0"], "--train.muon_momentum=1.0 is invalid; it must be in [0, 1)"),
+])
+def test_what_muon_cannot_run_is_refused(tmp_path, capsys, args, match):
+    from tests.test_bad_inputs import refused
+
+    refused(capsys, tmp_path / "r", ["--train.optimizer", "muon", *args], match)
+
+
+def test_unknown_optimizer_is_named(tmp_path, capsys):
+    from tests.test_bad_inputs import refused
+
+    refused(capsys, tmp_path / "r", ["--train.optimizer", "sgd"], "--train.optimizer='sgd' is invalid; choose one of")
