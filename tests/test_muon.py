@@ -137,6 +137,16 @@ def test_expert_parallel_muon_follows_one_process(tmp_path, single_muon):
     assert losses(tmp_path) == pytest.approx(losses(single_muon), rel=1e-5, abs=1e-6)
 
 
+def test_pipeline_muon_follows_one_process(tmp_path):
+    """pp2: each stage's optimizer holds its own layers (the gated expert stacks still split into gate and up)."""
+    args = ["--preset", "deepseek-tiny", "--steps", "3", *MUON, "--train.micro_batch_size", "2"]
+    r = run([*args, "--run-dir", str(tmp_path / "one")])
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = run([*args, "--run-dir", str(tmp_path / "pp2"), "--pp", "2"], nproc=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert losses(tmp_path / "pp2") == pytest.approx(losses(tmp_path / "one"), rel=1e-5, abs=1e-6)
+
+
 @pytest.mark.parametrize("args,match", [
     (["--fsdp", "2"], "Muon orthogonalises whole weight matrices, which FSDP and tensor parallelism cut"),
     (["--tp", "2"], "--train.optimizer muon with --fsdp 1 --tp 2"),
