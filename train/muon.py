@@ -19,9 +19,11 @@ biases included), sinks and the embedding and head take AdamW (decoupled weight 
 as the AdamW optimizer does).
 
 Layouts: every expert keeps its whole matrices on one expert-parallel rank, and data / context / pipeline ranks
-hold whole tensors, so each rank orthogonalises its own local matrices and every layout computes one process's
-update. FSDP and tensor parallelism cut matrices across ranks: they are refused (train.validation), where the
-orthogonalisation would need each matrix gathered.
+hold whole tensors, so there each rank orthogonalises its own local matrices. FSDP and tensor parallelism cut
+matrices across ranks: their momentum is all-gathered along the cut dims (an expert stack keeps its expert-parallel
+dim 0 local), orthogonalised whole and each rank keeps its own shard of the update. Every rank of such a group
+then orthogonalises the same matrices (redundant compute, one matrix's gather at a time); spreading the matrices
+over the ranks and broadcasting the results would share that work. Every layout computes one process's update.
 """
 from __future__ import annotations
 
@@ -50,6 +52,28 @@ def orthogonalize(g: Tensor, steps: int = 5, eps: float = 1e-7) -> Tensor:
 
 def _local(t: Tensor) -> Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _whole_matrices(u: Tensor):
+    """(u's local matrices made whole, a function taking such an update back to this rank's shard). A DTensor
+    sharded along a matrix dim (FSDP, TP) is all-gathered along it; an expert stack's dim 0 (expert parallelism)
+    stays sharded: its local experts are whole matrices already."""
+    if not hasattr(u, "to_local"):
+        return u, lambda x: x
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    keep = [p if isinstance(p, Shard) and p.dim == 0 and u.dim() == 3 else
+            (Replicate() if isinstance(p, Shard) else p) for p in u.placements]
+    if list(keep) == list(u.placements):
+        return u.to_local(), lambda x: x
+    mesh, placements, shape, stride = u.device_mesh, u.placements, u.shape, u.stride()
+    whole = u.redistribute(mesh, keep).to_local()
+
+    def back(x: Tensor) -> Tensor:  # Replicate -> Shard: each rank takes its chunk, no communication
+        full = DTensor.from_local(x, mesh, keep, run_check=False, shape=shape, stride=stride)
+        return full.redistribute(mesh, placements).to_local()
+
+    return whole, back
 
 
 class Muon(torch.optim.Optimizer):
@@ -88,9 +112,14 @@ class Muon(torch.optim.Optimizer):
             w, g, buf = _local(p), _local(p.grad), _local(state["momentum_buffer"])
             buf.mul_(mu).add_(g)
             u = g.add(buf, alpha=mu) if group["nesterov"] else buf
+            if hasattr(p, "to_local"):  # FSDP / TP shards: the whole matrices (EP's experts stay local)
+                u = type(p).from_local(u, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                       stride=p.stride())
+            u, back = _whole_matrices(u)
             parts = u.chunk(n, dim=-1) if n > 1 else (u,)  # a gated stack: gate and up, each its own matrix
             update = torch.cat([orthogonalize(x, group["ns_steps"]) for x in parts], dim=-1) if n > 1 else \
                 orthogonalize(u, group["ns_steps"])
+            update = back(update)
             rows, cols = parts[0].shape[-2], parts[0].shape[-1]
             if wd:
                 w.mul_(1 - lr * wd)

@@ -45,11 +45,6 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         _require(0 <= getattr(t, name) < 1, f"--train.{name}={getattr(t, name)} is invalid; it must be in [0, 1)")
     _require(t.optimizer in OPTIMIZERS, f"--train.optimizer={t.optimizer!r} is invalid; choose one of "
                                         f"{list(OPTIMIZERS)} (muon: Muon on the weight matrices, AdamW on the rest)")
-    L = cfg.layout
-    _require(t.optimizer != "muon" or (L.fsdp == 1 and L.tp == 1),
-             f"--train.optimizer muon with --fsdp {L.fsdp} --tp {L.tp}: Muon orthogonalises whole weight matrices, "
-             f"which FSDP and tensor parallelism cut across ranks; use --train.optimizer adamw with them, or scale "
-             f"Muon with --dp / --ep / --pp / --cp")
     for name in ("weight_decay", "grad_clip", "eps"):
         v = getattr(t, name)
         _require(math.isfinite(v) and v >= 0, f"--train.{name}={v} is invalid; it must be a finite number >= 0")
