@@ -35,6 +35,15 @@ def test_orthogonalize_is_near_the_svds_orthogonal_factor(shape):
     assert (proj - torch.diag_embed(diag)).abs().max() < 0.05 and diag.min() > 0.5
 
 
+def test_large_batches_run_in_slices_with_the_same_result(monkeypatch):
+    from moekit.train import muon
+
+    g = torch.randn(5, 12, 8, generator=torch.Generator().manual_seed(3))
+    whole = orthogonalize(g)
+    monkeypatch.setattr(muon, "BATCH_ELEMENTS", 2 * 12 * 8)  # slices of 2 matrices: 2, 2, 1
+    torch.testing.assert_close(orthogonalize(g), whole, rtol=1e-6, atol=1e-7)
+
+
 def test_parameter_split():
     """Matrices (attention, router, experts, shared expert) to Muon, a gated stack as 2 chunks; the embedding,
     head, norms and biases (gpt-oss's expert, gate and attention biases, its sinks) to AdamW."""

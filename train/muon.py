@@ -35,9 +35,23 @@ from torch import Tensor, nn
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
 
+BATCH_ELEMENTS = 1 << 26  # matrices of a batch (an expert stack) orthogonalised together, at most this many values
+
+
 def orthogonalize(g: Tensor, steps: int = 5, eps: float = 1e-7) -> Tensor:
     """NS5(g) for g [..., m, n] (a batch of matrices), float32: approximately U V^T of g = U S V^T, its singular
-    values pushed into roughly [0.7, 1.2] (the iteration's tuned fixed point, not exactly 1)."""
+    values pushed into roughly [0.7, 1.2] (the iteration's tuned fixed point, not exactly 1). A batch larger than
+    BATCH_ELEMENTS runs in slices of whole matrices, so the iteration's temporaries (about 4x its input) stay
+    bounded for a large expert stack."""
+    if g.dim() > 2 and g.numel() > BATCH_ELEMENTS:
+        flat = g.reshape(-1, *g.shape[-2:])
+        step = max(1, BATCH_ELEMENTS // (g.shape[-2] * g.shape[-1]))
+        return torch.cat([_orthogonalize(flat[i : i + step], steps, eps) for i in range(0, flat.shape[0], step)])\
+            .view(g.shape)
+    return _orthogonalize(g, steps, eps)
+
+
+def _orthogonalize(g: Tensor, steps: int, eps: float) -> Tensor:
     a, b, c = NS_COEFFICIENTS
     x = g.float()
     wide = x.shape[-2] > x.shape[-1]
