@@ -119,6 +119,10 @@ def measure_one_process(cfg, mode: str, autocast=None) -> dict:
     ("mixtral-tiny", "selective", {"sliding_window": 16}),
     # swiglu_oai's composite dense MLP and shared expert keep 7 F per token (ffn_widths), the routed experts 3 F
     ("deepseek-tiny", "none", {"activation": "swiglu_oai", "moe_ffn_bias": True}),
+    # MLA with q wider than v (12 vs 6): CPU SDPA's math path keeps each call's softmax probabilities, no output
+    # (the planner was ~6% low here before it counted them)
+    ("deepseek-tiny", "none", {"attention": "mla", "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4,
+                               "v_head_dim": 6, "q_lora_rank": 12}),
 ])
 def test_estimate_matches_one_process(name, mode, over):
     cfg = dataclasses.replace(preset(name), num_layers=2, **over)

@@ -45,6 +45,11 @@ def _mla(cfg: ModelConfig, layout: Layout, s: Shapes) -> int:
     kept = T * N * Dqk * a + keys * N * (Dqk + Dv) * a + T * N * (Dv * a + FP32)  # q; k, v; output, logsumexp
     if s.cp > 1 or s.cpu:  # wo reads a copy of the chunks' outputs (on CPU: of the one call's too)
         kept += T * N * Dv * a
+    if s.cpu and Dqk != Dv and not s.explicit_attention:  # CPU SDPA's math path (no flash kernel for unequal
+        # q / v widths): each call keeps its softmax probabilities [B, N, queries, keys] in fp32 for backward, and
+        # neither its output nor a logsumexp (the bmm's backward reads the probabilities and v)
+        kept += max(sum(s.B * N * n * P * FP32 for n, P, _ in _calls(s, r, 0, False)) for r in _cp_ranks(s))
+        kept -= T * N * (Dv * a + FP32)
     # a mask per masked call: each chunk but rank 0's first, every call with documents (MLA: no key heads to expand)
     kept += max(sum(_mask_bytes(s, N, n, P) for n, P, masked in _calls(s, r, 0, Dqk == Dv) if masked)
                 for r in _cp_ranks(s))
