@@ -139,15 +139,19 @@ def test_muon_learns_and_resumes_bitwise(tmp_path, single_muon):
     assert r.returncode == 2 and "train.optimizer" in r.stderr and "Muon's momentum" in r.stderr, r.stderr[-2000:]
 
 
-@pytest.mark.parametrize("layout", [["--ep", "2"], ["--fsdp", "2", "--ep", "2"], ["--tp", "2"]],
-                         ids=["ep2", "fsdp2-ep2", "tp2"])
+@pytest.mark.parametrize("layout", [["--ep", "2"], ["--fsdp", "2", "--ep", "2"], ["--tp", "2"],
+                                    ["--ep", "2", "--layout.expert_replicas", "2", "--layout.rebalance_every", "2"]],
+                         ids=["ep2", "fsdp2-ep2", "tp2", "ep2-replicas-rebalanced"])
 def test_parallel_muon_follows_one_process(tmp_path, single_muon, layout):
     """ep2 (dp2 folded): each rank orthogonalises its own experts' matrices. fsdp2 x ep2 and tp2 cut matrices:
     their momentum is gathered along the cut dims, orthogonalised whole, and each rank keeps its shard (an
-    orthogonalised shard would not be the whole matrix's rows: the curve would leave one process's)."""
+    orthogonalised shard would not be the whole matrix's rows: the curve would leave one process's). With 2
+    redundant expert copies moved every 2 steps, the momentum buffers move with their experts."""
     r = run(["--preset", "deepseek-tiny", "--steps", "4", "--run-dir", str(tmp_path), *MUON, *layout], nproc=2)
     assert r.returncode == 0, r.stderr[-3000:]
     assert losses(tmp_path) == pytest.approx(losses(single_muon), rel=1e-5, abs=1e-6)
+    if "--layout.rebalance_every" in layout:
+        assert r.stdout.count("rebalanced the experts") == 2, r.stdout[-2000:]
 
 
 def test_pipeline_muon_follows_one_process(tmp_path):
