@@ -639,6 +639,29 @@ def test_trainer_optimizer_is_fused_on_gpu_and_steps_like_foreach():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
 
 
+def test_muon_step_on_device_matches_the_cpu_step():
+    """--train.optimizer muon (train.muon) on the device: one step from the same weights and gradients as on the
+    CPU in float64 (Newton-Schulz in fp32 matmuls there: TF32 where torch allows it, hence the tolerance)."""
+    import copy
+
+    from moekit.models.transformer import build_model
+    from moekit.train.config import new_config
+    from moekit.train.muon import Muon, muon_param_groups
+
+    cfg = new_config("deepseek-tiny")
+    cpu = build_model(cfg.model, torch.device("cpu"), seed=4)
+    dev = copy.deepcopy(cpu).to(DEVICE)
+    gen = torch.Generator().manual_seed(1)
+    for a, b in zip(cpu.parameters(), dev.parameters()):
+        a.grad = torch.randn(a.shape, generator=gen) * 1e-2
+        b.grad = a.grad.to(DEVICE)
+    opts = [Muon(muon_param_groups(m, 0.1), lr=1e-2) for m in (cpu, dev)]
+    for opt in opts:
+        opt.step()
+    for (name, a), b in zip(cpu.named_parameters(), dev.parameters()):
+        assert rel_err(b.detach().cpu(), a.detach()) <= 2e-3, name
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d).split(".")[-1])
 def test_rope_kernel_on_device_matches_float64(dtype):
     """moe.kernels.rope at a training size (both layouts, forward and inverse) against float64, and
