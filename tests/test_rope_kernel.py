@@ -29,6 +29,27 @@ def tables(seq: int, dim: int, start: int):
     return cos, sin
 
 
+def kernel_matches_torch_path(monkeypatch, rotate, x0, g, dtype):
+    """``rotate`` forced onto the kernel (one launch forward, one backward) against TRITON_ROPE='never': outputs and
+    input gradients (cotangent ``g``) equal to the dtype's rounding. Returns the kernel's (y, dx)."""
+
+    def run(mode):
+        monkeypatch.setattr(attention_rope, "TRITON_ROPE", mode)
+        x = x0.clone().requires_grad_()
+        y = rotate(x)
+        (dx,) = torch.autograd.grad(y, x, g)
+        return y, dx
+
+    before = LAUNCHES["_rope_kernel"]
+    y_k, dx_k = run("always")
+    assert LAUNCHES["_rope_kernel"] == before + 2  # forward and backward
+    y_t, dx_t = run("never")
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=2 ** -7)
+    torch.testing.assert_close(y_k, y_t, **tol)
+    torch.testing.assert_close(dx_k, dx_t, **tol)
+    return y_k, dx_k
+
+
 def check_close(got, ref64, dtype):
     err = (got.double() - ref64).abs()
     bound = ULP[dtype] * ref64.abs() + 1e-6
@@ -102,21 +123,7 @@ def test_interleaved_rope_forced_onto_the_kernel_matches_its_torch_path(monkeypa
     cos, sin = tables(S, dim, 0)
     x0 = torch.randn(B, heads, S, dim, generator=gen).to(DEV, dtype)
     g = torch.randn(B, heads, S, dim, generator=gen).to(DEV, dtype)
-
-    def run(mode):
-        monkeypatch.setattr(attention_rope, "TRITON_ROPE", mode)
-        x = x0.clone().requires_grad_()
-        y = apply_rope_interleaved(x, cos, sin)
-        (dx,) = torch.autograd.grad(y, x, g)
-        return y, dx
-
-    before = LAUNCHES["_rope_kernel"]
-    y_k, dx_k = run("always")
-    assert LAUNCHES["_rope_kernel"] == before + 2  # forward and backward
-    y_t, dx_t = run("never")
-    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=2 ** -7)
-    torch.testing.assert_close(y_k, y_t, **tol)
-    torch.testing.assert_close(dx_k, dx_t, **tol)
+    y_k, dx_k = kernel_matches_torch_path(monkeypatch, lambda x: apply_rope_interleaved(x, cos, sin), x0, g, dtype)
     x64 = x0.double().requires_grad_()
     ev, od = x64[..., 0::2], x64[..., 1::2]
     y64 = torch.cat((ev * cos.double() - od * sin.double(), od * cos.double() + ev * sin.double()), dim=-1)
@@ -132,21 +139,7 @@ def test_attention_rope_forced_onto_the_kernel_matches_its_torch_path(monkeypatc
     cos, sin = tables(S, dim, 0)
     x0 = torch.randn(B, S, heads, dim, generator=gen).to(DEV, dtype)
     g = torch.randn(B, S, heads, dim, generator=gen).to(DEV, dtype)
-
-    def run(mode):
-        monkeypatch.setattr(attention_rope, "TRITON_ROPE", mode)
-        x = x0.clone().requires_grad_()
-        y = apply_rope(x, cos[:, None], sin[:, None])
-        (dx,) = torch.autograd.grad(y, x, g)
-        return y, dx
-
-    before = LAUNCHES["_rope_kernel"]
-    y_k, dx_k = run("always")
-    assert LAUNCHES["_rope_kernel"] == before + 2  # forward and backward
-    y_t, dx_t = run("never")
-    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=2 ** -7)
-    torch.testing.assert_close(y_k, y_t, **tol)
-    torch.testing.assert_close(dx_k, dx_t, **tol)
+    y_k, _ = kernel_matches_torch_path(monkeypatch, lambda x: apply_rope(x, cos[:, None], sin[:, None]), x0, g, dtype)
     # the torch path's fp32 rotation against float64: the kernel's numbers are the rotation's, not a rounding
     # artefact of one path
     check_close(y_k, rope_ref(x0.double(), cos.double()[:, None], sin.double()[:, None]), dtype)

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from moekit.bench.benchlib import (BenchParser, add_timing_args, check_at_least, check_timing_args, environment,
-                                   print_table, time_interleaved, write_json)
+                                   print_table, saved_bytes, time_interleaved, write_json)
 from moekit.models import attention as A
 
 
@@ -76,19 +76,6 @@ def unblocked(fn, *args, **kwargs):
         A.WINDOW_BLOCK = before
 
 
-def saved_bytes(fn, inputs) -> int:
-    total = 0
-
-    def pack(t):
-        nonlocal total
-        total += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn(*inputs)
-    return total
-
-
 def peak_bytes(fn, inputs, grad, device) -> int | None:
     if device.type != "cuda":
         return None
@@ -126,7 +113,7 @@ def bench_case(args, device, dtype, S: int) -> list[dict]:
     for name, fn in fns.items():
         peak = peak_bytes(fn, inputs, grad, device)
         rows.append({"seq": S, "peer": name, "ms": times[name]["median_ms"], "ratio": times[name]["median_ms"] / base,
-                     "saved_mib": saved_bytes(fn, inputs) / 2**20, "peak_mib": None if peak is None else peak / 2**20,
+                     "saved_mib": saved_bytes(fn, *inputs) / 2**20, "peak_mib": None if peak is None else peak / 2**20,
                      "max_err": errs[name] if name.endswith(("window", "call")) else None})
     return rows
 

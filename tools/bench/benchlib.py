@@ -48,6 +48,21 @@ def time_interleaved(fns: dict[str, Callable[[], object]], device: torch.device,
             for name, t in times.items()}
 
 
+def saved_bytes(fn: Callable[..., object], *args, **kwargs) -> int:
+    """Bytes of every tensor autograd saves for backward while ``fn(*args, **kwargs)`` runs (saved-tensor hooks:
+    the same count on CPU and GPU; a tensor saved twice counts twice)."""
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*args, **kwargs)
+    return total
+
+
 def environment(device: torch.device) -> dict:
     env = {
         "torch": torch.__version__,

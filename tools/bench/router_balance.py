@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from moekit.bench.benchlib import (BenchParser, add_timing_args, check_at_least, check_timing_args, environment,
-                                   print_table, time_interleaved, write_json)
+                                   print_table, saved_bytes, time_interleaved, write_json)
 from moekit.moe.losses import Sequences
 from moekit.moe.router import build_router
 
@@ -52,19 +52,6 @@ def reference_loss(scores: torch.Tensor, indices: torch.Tensor, B: int) -> torch
                                                                   torch.ones(S * k, device=scores.device))
         total = total + E * (counts / (S * k) * scores[rows].mean(0)).sum()
     return total / B
-
-
-def saved_bytes(fn) -> int:
-    total = 0
-
-    def pack(t):
-        nonlocal total
-        total += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn(backward=False)
-    return total
 
 
 def bench_case(args, device, dtype, T: int, E: int) -> list[dict]:
@@ -99,7 +86,7 @@ def bench_case(args, device, dtype, T: int, E: int) -> list[dict]:
                                args.repeats, rotate=True)
     base = timings["batch"]["median_ms"]
     return [{"tokens": T, "experts": E, "sequences": B, "peer": name, "ms": t["median_ms"],
-             "ratio": t["median_ms"] / base, "saved_kib": saved_bytes(lambda backward, n=name: run(n, backward)) / 1024,
+             "ratio": t["median_ms"] / base, "saved_kib": saved_bytes(run, name, backward=False) / 1024,
              "timing": t, "check_err": err if name == "sequence" else None} for name, t in timings.items()]
 
 
