@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from moekit.models.config import ModelConfig
 from moekit.models.kvcache import KV_WINDOW_SLACK, KVCache, LayerKV  # noqa: F401  (re-exported: they lived here)
+from moekit.models.linear_attention import GatedDeltaNet, make_norm, norm_identity
 from moekit.models.sdpa import (  # noqa: F401  (re-exported: they lived here)
     KEY_MULTIPLE, PrefixCausalAttention, causal_mask, explicit_causal_attention, lower_right_causal_attention,
     masked_sdpa, masked_sink_attention, sink_attention, span_mask, window_mask)
@@ -233,7 +234,9 @@ class Attention(nn.Module):
         self.rope_pairs = config.rope_pairs  # which channels RoPE rotates together (models.config)
         self.qk_norm, self.qkv_clip = config.qk_norm, float(config.qkv_clip)
         H, D, bias = config.hidden_size, self.head_dim, config.attention_bias
-        self.wq = nn.Linear(H, self.num_heads * D, bias=bias)
+        # attention_output_gate: wq emits [q_n | gate_n] per head n (transformers' Qwen3-Next / Qwen3.5 layout)
+        self.output_gate = config.attention_output_gate
+        self.wq = nn.Linear(H, self.num_heads * D * (2 if self.output_gate else 1), bias=bias)
         self.wk = nn.Linear(H, self.num_kv_heads * D, bias=bias)
         self.wv = nn.Linear(H, self.num_kv_heads * D, bias=bias)
         self.wo = nn.Linear(self.num_heads * D, H, bias=config.attention_out_bias)
@@ -243,8 +246,8 @@ class Attention(nn.Module):
         self.context_parallel = None  # comm.context_parallel: gather the sequence's keys and values
         if config.qk_norm != "none":
             full = config.qk_norm == "full"
-            self.q_norm = nn.RMSNorm(self.num_heads * D if full else D, eps=config.norm_eps)
-            self.k_norm = nn.RMSNorm(self.num_kv_heads * D if full else D, eps=config.norm_eps)
+            self.q_norm = make_norm(config, self.num_heads * D if full else D)
+            self.k_norm = make_norm(config, self.num_kv_heads * D if full else D)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: LayerKV | None = None,
                 segments: Tensor | None = None) -> Tensor:
@@ -253,6 +256,10 @@ class Attention(nn.Module):
         the documents of the sequence's positions (the whole sequence's under context parallelism), or None."""
         B, S, _ = x.shape
         q, k, v = self.wq(x), self.wk(x), self.wv(x)  # [B, S, N*D], [B, S, K*D] x 2
+        gate = None
+        if self.output_gate:  # [B, S, N*2D] -> q [B, S, N*D], the gate [B, S, N*D] (both per head)
+            q, gate = q.view(B, S, -1, 2 * self.head_dim).chunk(2, dim=-1)
+            q, gate = q.reshape(B, S, -1), gate.reshape(B, S, -1)
         if self.qk_norm == "full":  # over the whole projection (never under TP: comm.tensor_parallel)
             q, k = self.q_norm(q), self.k_norm(k)
         # -1 heads: under tensor parallelism this rank's q/k/v projections produce N/tp and K/tp heads
@@ -273,7 +280,10 @@ class Attention(nn.Module):
                                segments=segments)
         else:
             y = attend(q, k, v, kv, gqa, window=self.window, sinks=sinks, segments=segments)  # [B, N, S, D]
-        return self.wo(y.transpose(1, 2).reshape(B, S, -1))  # [B, S, H]
+        y = y.transpose(1, 2).reshape(B, S, -1)  # [B, S, N*D]
+        if gate is not None:
+            y = y * torch.sigmoid(gate)
+        return self.wo(y)  # [B, S, H]
 
     def _rope(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """RoPE on the first rope_dim channels of each head (all of them unless partial_rotary_factor < 1), pairing
@@ -297,8 +307,8 @@ class Attention(nn.Module):
         if self.sinks is not None:  # 0: the sink starts as one more key of logit 0 (gpt-oss trained from there)
             self.sinks.zero_()
         if self.qk_norm != "none":
-            self.q_norm.weight.fill_(1.0)
-            self.k_norm.weight.fill_(1.0)
+            self.q_norm.weight.fill_(norm_identity(self.q_norm))
+            self.k_norm.weight.fill_(norm_identity(self.k_norm))
 
 
 class MLAttention(nn.Module):
@@ -368,5 +378,8 @@ class MLAttention(nn.Module):
 
 
 def build_attention(config: ModelConfig, layer_id: int = 0) -> nn.Module:
-    """Layer ``layer_id``'s attention (its sliding window comes from config.attention_window)."""
+    """Layer ``layer_id``'s token mixer: Gated DeltaNet where config.is_linear_layer (models.linear_attention),
+    else attention (its sliding window comes from config.attention_window)."""
+    if config.is_linear_layer(layer_id):
+        return GatedDeltaNet(config, layer_id)
     return MLAttention(config) if config.attention == "mla" else Attention(config, layer_id)

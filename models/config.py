@@ -70,12 +70,26 @@ class ModelConfig:
     sliding_window: int = 0  # > 0: a query sees only the last sliding_window positions, itself included
     #   (transformers' kv > q - window), on the layers full_attention_every leaves sliding
     full_attention_every: int = 0  # with a window, layer i attends fully iff (i + 1) % n == 0 (gpt-oss 2: layers
-    #   1, 3, ... full, 0, 2, ... sliding; Gemma-3 6); 0 = every layer slides (Mistral-7B v0.1)
+    #   1, 3, ... full, 0, 2, ... sliding; Gemma-3 6); 0 = every layer slides (Mistral-7B v0.1). With
+    #   linear_attention the same rule picks the softmax-attention layers among linear ones (Qwen3.5: 4)
     rope_scaling: dict[str, Any] = field(default_factory=dict)  # {} = plain RoPE; else transformers'
     #   rope_parameters without rope_theta: {"rope_type": "linear" | "yarn" | "llama3", "factor": ..., ...}
     partial_rotary_factor: float = 1.0  # gqa: the fraction of each q/k head RoPE rotates, first channels (GLM-4.5 0.5)
     rope_pairs: str = "half"  # gqa: the channels RoPE rotates together: half (i with i + R/2: Llama, Qwen, Mixtral)
       # or adjacent (2i with 2i + 1: ERNIE 4.5, GPT-J); MLA's is rope_interleave
+    attention_output_gate: bool = False  # gqa: each head's output is multiplied by sigmoid of a gate that wq also
+    #   emits, stored per head after its query rows ([q_n | gate_n], Qwen3-Next / Qwen3.5 gated attention)
+    norm_zero_centered: bool = False  # every RMSNorm of the residual stream and q/k stores w - 1 and scales by 1 + w
+    #   (Qwen3-Next / Qwen3.5): initialised at 0, so weight decay pulls toward the identity
+    # Linear attention (models.linear_attention): Gated DeltaNet layers (Qwen3-Next, Qwen3.5), every layer that
+    # full_attention_every leaves linear (0: every layer); the others keep softmax attention (gqa)
+    linear_attention: str = "none"  # none | gated_deltanet
+    linear_num_key_heads: int = 0  # query / key heads of a linear layer (Qwen3.5-35B-A3B: 16)
+    linear_num_value_heads: int = 0  # value heads, a multiple of the key heads (32); each owns a state [dk, dv]
+    linear_key_head_dim: int = 0  # dk (128)
+    linear_value_head_dim: int = 0  # dv (128)
+    linear_conv_kernel: int = 4  # width of the causal depthwise convolution over q, k, v
+    linear_chunk: int = 64  # positions per chunk of the chunked delta rule (speed only: any value gives the same math)
     # MLA only (attention = "mla"); 0 where unused. num_kv_heads and head_dim are unused by MLA.
     q_lora_rank: int = 0  # 0 = full-rank query projection wq (DeepSeek-V2-Lite); else wq_a -> norm -> wq_b
     kv_lora_rank: int = 0  # compressed key/value width (wkv_a -> norm -> wkv_b)
@@ -111,6 +125,16 @@ class ModelConfig:
         if self.attention == "mla":
             return self.qk_rope_head_dim
         return int(self.attn_head_dim * self.partial_rotary_factor)
+
+    def is_linear_layer(self, i: int) -> bool:
+        """Whether layer i is a linear-attention layer (linear_attention; MTP depths, i >= num_layers, never are)."""
+        if self.linear_attention == "none" or i >= self.num_layers:
+            return False
+        return not (self.full_attention_every and (i + 1) % self.full_attention_every == 0)
+
+    @property
+    def num_linear_layers(self) -> int:
+        return sum(self.is_linear_layer(i) for i in range(self.num_layers))
 
     def attention_window(self, i: int) -> int:
         """Layer i's sliding window (positions a query sees, itself included), 0 = full causal attention."""
@@ -167,12 +191,13 @@ class ModelConfig:
         for name in ("attention", "qk_norm", "rope_pairs"):
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"model.{name}={getattr(self, name)!r} is invalid; it must be a string")
-        for name in ("attention_out_bias", "attention_sinks"):
+        for name in ("attention_out_bias", "attention_sinks", "attention_output_gate", "norm_zero_centered"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"model.{name}={getattr(self, name)!r} is invalid; it must be true or false")
         _check_int("model.sliding_window", self.sliding_window, 0)
         _check_int("model.full_attention_every", self.full_attention_every, 0)
-        if self.full_attention_every and not self.sliding_window:
+        self._validate_linear_attention()
+        if self.full_attention_every and not self.sliding_window and self.linear_attention == "none":
             raise ValueError(f"model.full_attention_every={self.full_attention_every} picks the layers that attend "
                              f"fully among sliding-window ones, but model.sliding_window is 0 (no window); set a "
                              f"window (gpt-oss: 128) or full_attention_every 0")
@@ -202,6 +227,7 @@ class ModelConfig:
             if self.qk_rope_head_dim % 2:
                 raise ValueError(f"model.qk_rope_head_dim={self.qk_rope_head_dim} must be even for RoPE")
             for name, off in (("attention_bias", False), ("qk_norm", "none"), ("qkv_clip", 0.0),
+                              ("attention_output_gate", False), ("linear_attention", "none"),
                               ("partial_rotary_factor", 1.0), ("attention_out_bias", False),
                               ("attention_sinks", False), ("sliding_window", 0), ("rope_pairs", "half")):
                 if getattr(self, name) != off:
@@ -224,6 +250,35 @@ class ModelConfig:
                                  f"{self.rope_dim} of the head's {self.attn_head_dim} channels; RoPE needs an even "
                                  f"number >= 2: choose a factor such as 0.5 or 1")
         _check_rope_scaling(self.rope_scaling)
+
+    def _validate_linear_attention(self) -> None:
+        fields = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
+        for name in fields:
+            _check_int(f"model.{name}", getattr(self, name), 0)
+        _check_int("model.linear_conv_kernel", self.linear_conv_kernel, 1)
+        _check_int("model.linear_chunk", self.linear_chunk, 1)
+        if not isinstance(self.linear_attention, str) or self.linear_attention not in LINEAR_ATTENTIONS:
+            raise ValueError(f"model.linear_attention={self.linear_attention!r} is invalid; choose one of "
+                             f"{list(LINEAR_ATTENTIONS)} (gated_deltanet: Qwen3-Next / Qwen3.5)")
+        if self.linear_attention == "none":
+            set_ = [n for n in fields if getattr(self, n)]
+            if set_:
+                raise ValueError(f"{', '.join(f'model.{n}' for n in set_)} only apply to linear attention; set "
+                                 f"model.linear_attention='gated_deltanet' or leave them 0")
+            return
+        missing = [n for n in fields if not getattr(self, n)]
+        if missing:
+            raise ValueError(f"model.linear_attention={self.linear_attention!r} needs "
+                             f"{', '.join(f'model.{n}' for n in missing)} > 0 (Qwen3.5-35B-A3B: 16 key heads, 32 "
+                             f"value heads, both of 128)")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError(f"model.linear_num_key_heads={self.linear_num_key_heads} must divide "
+                             f"model.linear_num_value_heads={self.linear_num_value_heads} (each key head serves "
+                             f"value heads / key heads value heads)")
+        if self.sliding_window:
+            raise ValueError(f"model.sliding_window={self.sliding_window} with linear_attention: "
+                             f"full_attention_every picks softmax layers among linear ones, so no layer would slide; "
+                             f"set sliding_window 0")
 
     # Router configuration: the one place that decides what build_router gets and what a router change resets.
 
@@ -276,6 +331,7 @@ def _split_common_router_fields(config: ModelConfig) -> tuple[dict[str, Any], li
 
 
 ATTENTIONS = ("gqa", "mla")
+LINEAR_ATTENTIONS = ("none", "gated_deltanet")
 QK_NORMS = ("none", "head", "full")
 ROPE_PAIRS = ("half", "adjacent")  # ModelConfig.rope_pairs
 # rope_scaling: rope_type -> (required keys, optional keys) besides rope_type; the meaning of each is

@@ -160,6 +160,7 @@ def init_weights(model: nn.Module, seed: int = 0, only: set[str] | None = None) 
 
     ``only``: draw just these parameters (single-process names), for a load that fills the rest next
     (models.hf.load_hf_sharded); the constant fills still run everywhere, they cost nothing."""
+    from moekit.models.linear_attention import norm_identity
     from moekit.models.transformer import init_ffn
 
     cfg = model.config
@@ -169,17 +170,17 @@ def init_weights(model: nn.Module, seed: int = 0, only: set[str] | None = None) 
         normal_(model.embed.weight, std)
     for layer in model.layers:
         for norm in (layer.attn_norm, layer.ffn_norm):
-            norm.weight.fill_(1.0)
+            norm.weight.fill_(norm_identity(norm))
         layer.attn.init_weights(normal_, std, std_out)
         init_ffn(layer.ffn, normal_, std, std_out)
         _zero_biases(layer.ffn)
     if getattr(model, "norm", None) is not None:
-        model.norm.weight.fill_(1.0)
+        model.norm.weight.fill_(norm_identity(model.norm))
     if getattr(model, "lm_head", None) is not None:
         normal_(model.lm_head.weight, std)
     for module in getattr(model, "mtp", None) or ():
         for norm in (module.enorm, module.hnorm, module.norm, module.block.attn_norm, module.block.ffn_norm):
-            norm.weight.fill_(1.0)
+            norm.weight.fill_(norm_identity(norm))
         normal_(module.eh_proj.weight, std)
         module.block.attn.init_weights(normal_, std, std_out)
         init_ffn(module.block.ffn, normal_, std, std_out)

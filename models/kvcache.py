@@ -82,13 +82,40 @@ class LayerKV:
         self.length = length
 
 
+class LayerState:
+    """A linear-attention layer's cache (models.linear_attention): the last k - 1 inputs of its convolution
+    ``conv`` [B, C, k - 1] and its states ``state`` [B, Nv, dk, dv] (float32) after ``length`` positions. Its size
+    does not grow with the length; it cannot take positions back (the states before them are gone)."""
+
+    def __init__(self, capacity: int):
+        self.capacity, self.length = capacity, 0
+        self.conv: Tensor | None = None
+        self.state: Tensor | None = None
+
+    def advance(self, S: int) -> None:
+        """Count S more positions (the layer writes ``conv`` and ``state`` itself)."""
+        if self.length + S > self.capacity:
+            raise ValueError(f"KV cache holds {self.capacity} positions; appending {S} at position {self.length} "
+                             f"overflows it: make a larger cache (at most model.max_seq_len) or start a new one")
+        self.length += S
+
+    def truncate(self, length: int) -> None:
+        if length == self.length:
+            return
+        raise ValueError(f"a linear-attention layer's cache keeps only its state after the last position, so it "
+                         f"cannot go back from {self.length} to {length} positions (speculative decoding takes "
+                         f"back rejected draft tokens): generate without --speculative for models with "
+                         f"model.linear_attention")
+
+
 class KVCache:
     """Per-layer keys and values of the positions decoded so far (``Transformer.forward(tokens, cache=...)``).
 
     ``capacity``: the most positions it will hold (default and limit: model.max_seq_len). Memory is
     B * capacity * (K * D keys + K * D values) elements per GQA layer, B * capacity * N * (nope + rope + v) per MLA
     layer (expanded keys and values), B * (window - 1 + KV_WINDOW_SLACK) * 2 * K * D per sliding-window layer (a
-    ring: LayerKV), allocated as the layers first write. A cache belongs to one batch
+    ring: LayerKV), B * (C * (k - 1) + Nv * dk * dv) per linear-attention layer (LayerState), allocated as the
+    layers first write. A cache belongs to one batch
     of sequences that all share positions: start a new one for another prompt.
     """
 
@@ -98,7 +125,8 @@ class KVCache:
             raise ValueError(f"KV cache capacity {capacity} is invalid; it must be in [1, model.max_seq_len="
                              f"{config.max_seq_len}]")
         self.capacity = capacity
-        self.layers = [LayerKV(capacity, config.attention_window(i)) for i in range(config.num_layers)]
+        self.layers = [LayerState(capacity) if config.is_linear_layer(i) else LayerKV(capacity, config.attention_window(i))
+                       for i in range(config.num_layers)]
 
     @property
     def length(self) -> int:

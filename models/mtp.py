@@ -33,6 +33,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from moekit.models.linear_attention import make_norm
+
 
 class MTPModule(nn.Module):
     """One prediction depth: the two input norms, the projection back to H, a transformer block, a final norm."""
@@ -42,11 +44,11 @@ class MTPModule(nn.Module):
         from moekit.models.transformer import Block  # the main model's block (models.transformer imports this)
 
         H = config.hidden_size
-        self.enorm = nn.RMSNorm(H, eps=config.norm_eps)
-        self.hnorm = nn.RMSNorm(H, eps=config.norm_eps)
+        self.enorm = make_norm(config, H)
+        self.hnorm = make_norm(config, H)
         self.eh_proj = nn.Linear(2 * H, H, bias=False)
         self.block = Block(config, layer_id)
-        self.norm = nn.RMSNorm(H, eps=config.norm_eps)
+        self.norm = make_norm(config, H)
 
     def forward(self, h: Tensor, emb: Tensor, cos: Tensor, sin: Tensor, tokens: Tensor, kv=None,
                 segments: Tensor | None = None, **spans) -> Tensor:

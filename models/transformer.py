@@ -32,6 +32,7 @@ from torch.overrides import TorchFunctionMode
 from moekit.models.attention import (  # noqa: F401  (re-exported: the attention API lived here)
     Attention, KVCache, LayerKV, MLAttention, build_attention, causal_mask, document_segments)
 from moekit.models.config import ModelConfig
+from moekit.models.linear_attention import make_norm
 from moekit.models.loss import chunked_lm_loss
 from moekit.models.mtp import LossInjector, MTPModule, MTPRecord, mtp_loss
 from moekit.models.rope import (  # noqa: F401  (re-exported: the RoPE API lived here)
@@ -123,9 +124,9 @@ class Block(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int):
         super().__init__()
         H = config.hidden_size
-        self.attn_norm = nn.RMSNorm(H, eps=config.norm_eps)
+        self.attn_norm = make_norm(config, H)
         self.attn = build_attention(config, layer_id)
-        self.ffn_norm = nn.RMSNorm(H, eps=config.norm_eps)
+        self.ffn_norm = make_norm(config, H)
         self.is_moe = config.is_moe_layer(layer_id)
         if self.is_moe:
             router = build_router(config.router, H, config.num_experts, **config.router_kwargs())
@@ -178,7 +179,7 @@ class Transformer(nn.Module):
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
-        self.norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.norm = make_norm(config, config.hidden_size)
         # Tied: the output projection reads embed.weight directly, so there is one Parameter and no
         # tie to restore after to_empty() or a checkpoint load.
         self.lm_head = None if config.tie_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)

@@ -1,0 +1,237 @@
+"""Gated DeltaNet linear attention (Yang et al. 2025, "Gated Delta Networks"), the token mixer of Qwen3-Next's and
+Qwen3.5's linear layers, and the zero-centered RMSNorm those models use.
+
+Shape legend: B batch, S positions, H hidden, Nk key heads, Nv value heads (a multiple of Nk), dk / dv their
+widths, C = 2 Nk dk + Nv dv the convolved channels, L the chunk length.
+
+    [q | k | v] = silu(causal depthwise conv_k(wqkv(x)))       per channel, over the last k positions
+    q, k        = l2norm per head (q also times dk^-0.5), each key head shared by Nv / Nk value heads
+    beta_t      = sigmoid(wb(x))            [Nv]   how much of the error the state corrects
+    g_t         = -exp(A_log) * softplus(wa(x) + dt_bias)   [Nv]   log decay, <= 0
+    state S [dk, dv] per value head, for each position t:
+                  S <- exp(g_t) S;   S <- S + k_t (beta_t (v_t - S^T k_t))^T;   o_t = S^T q_t
+    y           = wo(RMSNorm(o) * weight * silu(wz(x)))                 (the gated norm, per value head)
+
+Training runs the chunked form (``gated_delta_rule``): within a chunk of L positions the L corrections u solve a
+unit lower-triangular system (the WY / UT form of the delta rule), so a chunk is a handful of [L, L] and [L, d]
+matmuls, and the state crosses chunks once per chunk. Every exponent in it is a log decay difference that is <= 0
+(masked before exp), so nothing overflows. Decoding a few positions runs the recurrence itself
+(``gated_delta_steps``), which is also the reference the tests compare the chunked form to.
+
+The KV cache of a linear layer (models.kvcache.LayerState) is the last k - 1 convolution inputs and the states S:
+a fixed size whatever the length.
+
+Not supported (refused where they are set up, naming the fix): tensor parallelism of these layers (their
+projections are fused across q / k / v), context parallelism (the state would cross ranks in sequence), document
+masking (the state would need a reset at each document start), taking back decoded positions (MTP speculation).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from moekit.models.config import ModelConfig
+
+
+class ZeroCenteredRMSNorm(nn.RMSNorm):
+    """RMSNorm whose weight w stores the scale minus one: y = x / rms(x) * (1 + w) (Qwen3-Next, Qwen3.5). It starts
+    at 0 (``identity``), so weight decay pulls it toward the identity, not toward zero output."""
+
+    identity = 0.0
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = F.rms_norm(x.float(), self.normalized_shape, None, self.eps)  # fp32, as transformers' Qwen3-Next
+        return (y * (1.0 + self.weight.float())).type_as(x)
+
+
+def make_norm(config: ModelConfig, dim: int, eps: float | None = None) -> nn.RMSNorm:
+    """The RMSNorm of the residual stream and of q / k: zero-centered when config.norm_zero_centered."""
+    cls = ZeroCenteredRMSNorm if config.norm_zero_centered else nn.RMSNorm
+    return cls(dim, eps=config.norm_eps if eps is None else eps)
+
+
+def norm_identity(norm: nn.Module) -> float:
+    """The weight value at which ``norm`` scales by one (what initialisation fills)."""
+    return getattr(norm, "identity", 1.0)
+
+
+def l2_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:
+    """x / sqrt(sum x^2 + eps) over the last dim (the eps inside the root, as the FLA kernels and transformers)."""
+    return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + eps)
+
+
+def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor | None = None,
+                     chunk: int = 64) -> tuple[Tensor, Tensor]:
+    """The gated delta rule over S positions, chunked (module docstring), in float32.
+
+    q, k [B, S, N, dk] (already normalised and scaled, one per value head), v [B, S, N, dv], g and beta [B, S, N],
+    ``state`` [B, N, dk, dv] before the first position (None: zeros). Returns (o [B, S, N, dv], the state after
+    the last position), in float32 (float64 for float64 inputs).
+
+    Within a chunk, with G_i the cumulative log decay up to position i and S0 the state at the chunk's start, the
+    corrections u_j = beta_j (v_j - (decayed state before j)^T k_j) satisfy (I + A) U = beta V - beta e^G K S0 with
+    A_jm = beta_j e^(G_j - G_m) k_j . k_m for m < j; then o_i = e^(G_i) S0^T q_i + sum_{j <= i} e^(G_i - G_j)
+    (q_i . k_j) u_j and the next chunk's state is e^(G_L) S0 + sum_j e^(G_L - G_j) k_j u_j^T.
+    """
+    B, S, N, dk = q.shape
+    dv, acc = v.shape[-1], _accumulator(q)
+    L = max(1, min(chunk, S))
+    pad = (-S) % L
+    # [B, N, S, d] in float32; padded positions have k = q = v = 0, beta = 0 and g = 0: they change nothing
+    q, k, v = (F.pad(t.to(acc).transpose(1, 2), (0, 0, 0, pad)) for t in (q, k, v))
+    g, beta = (F.pad(t.to(acc).transpose(1, 2), (0, pad)) for t in (g, beta))
+    n = (S + pad) // L
+    q, k, v = (t.reshape(B, N, n, L, -1) for t in (q, k, v))  # [B, N, n, L, d]
+    g, beta = (t.reshape(B, N, n, L) for t in (g, beta))
+    G = g.cumsum(-1)  # [B, N, n, L]
+    gap = G[..., :, None] - G[..., None, :]  # [.., L, L]: G_i - G_j, <= 0 where j <= i
+    ones = torch.ones(L, L, dtype=torch.bool, device=q.device)
+    causal = ones.tril()
+    decay = gap.masked_fill(~causal, float("-inf")).exp()  # e^(G_i - G_j) for j <= i, else 0
+    kb = k * beta[..., None]
+    A = (kb @ k.transpose(-1, -2)) * decay  # the strictly lower part is used (unitriangular solve)
+    system = A.masked_fill(~ones.tril(-1), 0.0)
+    U0 = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
+    W = torch.linalg.solve_triangular(system, kb * G.exp()[..., None], upper=False, unitriangular=True)
+    scores = (q @ k.transpose(-1, -2)) * decay  # [.., L, L]
+    q_start = q * G.exp()[..., None]  # reads the chunk's starting state
+    k_end = k * (G[..., -1:] - G).exp()[..., None]  # writes into the chunk's final state
+    carry = G[..., -1].exp()[..., None, None]  # [B, N, n, 1, 1]
+    s = q.new_zeros(B, N, dk, dv) if state is None else state.to(acc)
+    outs = []
+    for c in range(n):
+        u = U0[:, :, c] - W[:, :, c] @ s  # [B, N, L, dv]
+        outs.append(q_start[:, :, c] @ s + scores[:, :, c] @ u)
+        s = s * carry[:, :, c] + k_end[:, :, c].transpose(-1, -2) @ u
+    o = torch.stack(outs, dim=2).reshape(B, N, n * L, dv)[:, :, :S]
+    return o.transpose(1, 2), s
+
+
+def _accumulator(x: Tensor) -> torch.dtype:
+    """float32, or float64 for float64 inputs (the tests' references)."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def gated_delta_steps(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                      state: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The same rule position by position (the recurrence in the module docstring): decoding, and the tests'
+    reference. Arguments and results as ``gated_delta_rule``."""
+    B, S, N, dk = q.shape
+    acc = _accumulator(q)
+    s = q.new_zeros(B, N, dk, v.shape[-1], dtype=acc) if state is None else state.to(acc)
+    q, k, v, g, beta = (t.to(acc) for t in (q, k, v, g, beta))
+    outs = []
+    for t in range(S):
+        s = s * g[:, t, :, None, None].exp()
+        err = v[:, t] - torch.einsum("bnkv,bnk->bnv", s, k[:, t])  # [B, N, dv]
+        s = s + k[:, t, :, :, None] * (beta[:, t, :, None] * err)[:, :, None, :]
+        outs.append(torch.einsum("bnkv,bnk->bnv", s, q[:, t]))
+    return torch.stack(outs, dim=1), s
+
+
+# Positions at or below which a cached forward runs the recurrence instead of the chunks (decoding steps).
+STEPS_MAX = 4
+
+
+class GatedDeltaNet(nn.Module):
+    """A Gated DeltaNet token mixer (module docstring) with the forward signature of models.attention's modules.
+    Parameters, in transformers' Qwen3.5 layout: wqkv [C, H] (q rows, then k, then v), wz [Nv dv, H], wb and wa
+    [Nv, H], conv_weight [C, 1, k], dt_bias and A_log [Nv], norm (RMSNorm over dv, the gated one), wo [H, Nv dv]."""
+
+    def __init__(self, config: ModelConfig, layer_id: int = 0):
+        super().__init__()
+        H = config.hidden_size
+        self.nk, self.nv = config.linear_num_key_heads, config.linear_num_value_heads
+        self.dk, self.dv = config.linear_key_head_dim, config.linear_value_head_dim
+        self.kernel, self.chunk = config.linear_conv_kernel, config.linear_chunk
+        self.channels = 2 * self.nk * self.dk + self.nv * self.dv
+        self.wqkv = nn.Linear(H, self.channels, bias=False)
+        self.wz = nn.Linear(H, self.nv * self.dv, bias=False)
+        self.wb = nn.Linear(H, self.nv, bias=False)
+        self.wa = nn.Linear(H, self.nv, bias=False)
+        self.conv_weight = nn.Parameter(torch.empty(self.channels, 1, self.kernel))
+        self.dt_bias = nn.Parameter(torch.empty(self.nv))
+        self.A_log = nn.Parameter(torch.empty(self.nv))
+        self.norm = nn.RMSNorm(self.dv, eps=config.norm_eps)  # never zero-centered (transformers' RMSNormGated)
+        self.wo = nn.Linear(self.nv * self.dv, H, bias=False)
+        self.context_parallel = None  # comm.context_parallel refuses these layers; kept for the common interface
+
+    def forward(self, x: Tensor, cos: Tensor | None = None, sin: Tensor | None = None, kv=None,
+                segments: Tensor | None = None) -> Tensor:
+        """x [B, S, H] -> [B, S, H]; cos / sin are unused (no RoPE). ``kv``: this layer's models.kvcache.LayerState
+        (incremental decoding): the convolution reads its last inputs and the rule starts from its state, both
+        then updated."""
+        if segments is not None:
+            raise ValueError("document masking (train.document_mask) is not supported with Gated DeltaNet layers "
+                             "(model.linear_attention): their state would need a reset at every document start; "
+                             "train without --train.document_mask")
+        B, S, _ = x.shape
+        if kv is not None:
+            if kv.state is not None and kv.state.shape[0] != B:
+                raise ValueError(f"KV cache was filled with batch {kv.state.shape[0]}, got batch {B}; use one cache "
+                                 f"per batch of sequences")
+            kv.advance(S)
+        mixed = self.wqkv(x)  # [B, S, C]
+        mixed = F.silu(self._conv(mixed, kv))
+        q, k, v = mixed.split([self.nk * self.dk, self.nk * self.dk, self.nv * self.dv], dim=-1)
+        q = l2_normalize(q.float().view(B, S, self.nk, self.dk)) * self.dk**-0.5
+        k = l2_normalize(k.float().view(B, S, self.nk, self.dk))
+        if self.nv != self.nk:  # key head h serves value heads h * r .. h * r + r - 1
+            q, k = (t.repeat_interleave(self.nv // self.nk, dim=2) for t in (q, k))
+        v = v.view(B, S, self.nv, self.dv)
+        beta = torch.sigmoid(self.wb(x).float())  # [B, S, Nv]
+        g = -self.A_log.float().exp() * F.softplus(self.wa(x).float() + self.dt_bias.float())
+        start = None if kv is None else kv.state
+        if kv is not None and S <= STEPS_MAX:
+            o, state = gated_delta_steps(q, k, v, g, beta, start)
+        else:
+            o, state = gated_delta_rule(q, k, v, g, beta, start, self.chunk)  # [B, S, Nv, dv] float32
+        if kv is not None:
+            kv.state = state.detach()
+        z = self.wz(x).view(B, S, self.nv, self.dv)
+        y = (self.norm(o.to(x.dtype)) * F.silu(z.float())).to(x.dtype)
+        return self.wo(y.reshape(B, S, -1))
+
+    def _conv(self, mixed: Tensor, kv) -> Tensor:
+        """The causal depthwise convolution of mixed [B, S, C] (position t reads t - k + 1 .. t; before the first
+        position: the cache's last inputs, or zeros)."""
+        B, S, C = mixed.shape
+        x = mixed.transpose(1, 2)  # [B, C, S]
+        if kv is None:
+            x = F.pad(x, (self.kernel - 1, 0))
+        else:
+            before = kv.conv if kv.conv is not None else x.new_zeros(B, C, self.kernel - 1)
+            x = torch.cat((before.to(x.dtype), x), dim=-1)
+            kv.conv = x[:, :, x.shape[-1] - (self.kernel - 1):].detach()
+        return F.conv1d(x, self.conv_weight.to(x.dtype), groups=C).transpose(1, 2)  # [B, S, C]
+
+    @torch.no_grad()
+    def init_weights(self, normal_, std: float, std_out: float) -> None:
+        """Projections N(0, std), wo N(0, std_out); the convolution N(0, 1 / (3 k)) (the variance of torch's
+        default Conv1d init); dt_bias 1 and A 1 .. 16 spread evenly over the value heads (transformers draws A
+        uniformly from [0.01, 16]; an even spread is a function of the head alone, so every layout agrees);
+        the gated norm 1."""
+        for w in (self.wqkv, self.wz, self.wb, self.wa):
+            normal_(w.weight, std)
+        normal_(self.wo.weight, std_out)
+        normal_(self.conv_weight, 1.0 / math.sqrt(3 * self.kernel))
+        fill_by_index(self.dt_bias, lambda h: torch.ones_like(h, dtype=torch.float32))
+        fill_by_index(self.A_log, lambda h: torch.log(1.0 + 15.0 * (h.float() + 0.5) / self.nv))
+        local(self.norm.weight).fill_(1.0)
+
+
+def local(t: Tensor) -> Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def fill_by_index(t: Tensor, values) -> None:
+    """Fill a 1-d parameter from ``values(indices)`` at the indices this rank holds (all of them unless it is a
+    sharded DTensor): a function of the index alone, so every layout agrees."""
+    from moekit.models.hf.sharded import shard_box
+
+    box = shard_box(t, "")
+    idx = torch.tensor(list(box[0]), dtype=torch.long)
+    local(t).copy_(values(idx).to(local(t).dtype))
