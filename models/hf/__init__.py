@@ -135,7 +135,7 @@ def plan_load(model: Transformer, path: str | Path, check_config: bool = True) -
     fam = family(hf, path)
     if check_config:
         _check_same_math(model.config, fam.to_config(hf), path)
-    reader = CheckpointReader(path, fp8.scheme(hf))
+    reader = CheckpointReader(path, fp8.scheme(hf), fam.reader_rename())
     keys = set(reader.infos)
     skipped = skipped_keys(hf, keys, model.config.num_layers, path, model.config.mtp_layers)
     # models.mtp: the checkpoint's MTP layers follow the main ones and fill the model's first depths; depths it
@@ -361,7 +361,9 @@ MATH_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_h
                "qkv_clip", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                "rope_interleave", "partial_rotary_factor", "num_experts", "moe_ffn_hidden_size", "ffn_hidden_size",
                "shared_ffn_hidden_size", "shared_expert_gate", "top_k", "router", "attention_out_bias",
-               "attention_sinks", "sliding_window", "full_attention_every", "moe_ffn_bias", "rope_pairs")
+               "attention_sinks", "sliding_window", "full_attention_every", "moe_ffn_bias", "rope_pairs",
+               "attention_output_gate", "norm_zero_centered", "linear_attention", "linear_num_key_heads",
+               "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel")
 
 
 TRAINING_ONLY = ("balance",)  # router options that shape the training loss only, never the logits

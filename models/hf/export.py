@@ -39,12 +39,13 @@ from moekit.moe.router import TopKRouter
 
 NEAREST = {True: ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "deepseek_v3", "glm4_moe_lite", "deepseek_v2",
                   "glm4_moe", "dots1",
-                  "minimax_m2", "ernie4_5_moe", "gpt_oss"),
+                  "minimax_m2", "ernie4_5_moe", "gpt_oss", "qwen3_5_moe_text"),
            False: ("llama", "qwen2", "qwen3")}
 PRETTY = {"mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE", "olmoe": "OLMoE",
           "deepseek_v3": "DeepSeek-V3", "deepseek_v2": "DeepSeek-V2", "dots1": "dots.llm1", "glm4_moe": "GLM-4-MoE",
           "glm4_moe_lite": "GLM-4-MoE-Lite",
           "gpt_oss": "gpt-oss", "minimax_m2": "MiniMax-M2", "ernie4_5_moe": "ERNIE-4.5-MoE",
+          "qwen3_5_moe_text": "Qwen3.5-MoE", "qwen3_5_moe": "Qwen3.5-MoE",
           "llama": "Llama", "qwen2": "Qwen2",
           "qwen3": "Qwen3"}
 # (attention kind, its biases, the qk_norms it can compute, qkv_clip allowed) of each family's attention; biases:
@@ -56,13 +57,17 @@ ATTENTION = {"mixtral": ("gqa", "none", ("none",), False), "qwen2_moe": ("gqa", 
              "dots1": ("gqa", "all", ("head",), False), "glm4_moe": ("gqa", "qkv", ("none", "head"), False),
              "gpt_oss": ("gqa", "all", ("none",), False), "minimax_m2": ("gqa", "none", ("full",), False),
              "ernie4_5_moe": ("gqa", "none", ("none",), False),
+             "qwen3_5_moe_text": ("gqa", "all", ("head",), False), "qwen3_5_moe": ("gqa", "all", ("head",), False),
              "llama": ("gqa", "all", ("none",), False), "qwen2": ("gqa", "qkv", ("none",), False),
              "qwen3": ("gqa", "all", ("head",), False)}
 # the families whose MoE is DeepSeek-V3's: sigmoid scores, selection bias, groups, scaling, ungated shared experts
 DEEPSEEK_MOE = ("deepseek_v3", "glm4_moe", "dots1", "glm4_moe_lite")
 SIGMOID_MOE = (*DEEPSEEK_MOE, "minimax_m2")  # sigmoid scores and (optionally) a selection bias
 DEEPSEEK_SHARED = (*DEEPSEEK_MOE, "deepseek_v2")  # ungated shared experts (n_shared_experts), dense first layers
-PARTIAL_ROPE = ("glm4_moe", "minimax_m2")  # the families that rotate a fraction of each head
+QWEN3_5 = ("qwen3_5_moe_text", "qwen3_5_moe")  # gated attention, zero-centered norms, Gated DeltaNet layers
+# the one a model imported from the multimodal release exports as (its language model: Qwen3_5MoeForCausalLM)
+EXPORT_AS = {"qwen3_5_moe": "qwen3_5_moe_text"}
+PARTIAL_ROPE = ("glm4_moe", "minimax_m2", *QWEN3_5)  # the families that rotate a fraction of each head
 # families whose config.json carries moekit's sliding windows (gpt-oss's are checked with its other features):
 # Mixtral's covers every layer; dots.llm1 takes layer_types
 WINDOWED = ("mixtral", "dots1")
@@ -137,6 +142,16 @@ def _attention_problems(cfg: ModelConfig, family: str, name: str) -> list[str]:
     if family == "deepseek_v2" and not cfg.rope_interleave:
         problems.append("DeepSeek-V2 rotates interleaved pairs of the rope dims; this model has rope_interleave=false "
                         "(DeepSeek-V3's rope_interleave flag takes either)")
+    qwen3_5 = family in QWEN3_5
+    if cfg.attention_output_gate != qwen3_5:
+        problems.append(f"{name} {'gates' if qwen3_5 else 'does not gate'} each attention head's output; this model has "
+                        f"attention_output_gate={str(cfg.attention_output_gate).lower()} (Qwen3.5 gates it)")
+    if cfg.norm_zero_centered != qwen3_5:
+        problems.append(f"{name}'s RMSNorms {'are' if qwen3_5 else 'are not'} zero-centered (scale 1 + w); this model "
+                        f"has norm_zero_centered={str(cfg.norm_zero_centered).lower()} (Qwen3.5's are)")
+    if cfg.linear_attention != "none" and not qwen3_5:
+        problems.append(f"{name} has no linear-attention layers; this model has linear_attention="
+                        f"{cfg.linear_attention!r} (Qwen3.5 has Gated DeltaNet layers)")
     if cfg.qkv_clip and not clip_ok:
         problems.append(f"{name} does not clip q/k/v; this model has qkv_clip={cfg.qkv_clip} (OLMoE does)")
     if family == "gpt_oss":
@@ -160,7 +175,7 @@ def _attention_problems(cfg: ModelConfig, family: str, name: str) -> list[str]:
 
 def _layer_problems(cfg: ModelConfig, family: str, name: str) -> list[str]:
     L, n = cfg.num_layers, cfg.num_moe_layers
-    if family in ("mixtral", "olmoe", "gpt_oss", "minimax_m2") and n != L:
+    if family in ("mixtral", "olmoe", "gpt_oss", "minimax_m2", *QWEN3_5) and n != L:
         return [f"{name} has an MoE FFN in every layer; this model has {n} of {L} (moe_every={cfg.moe_every}, "
                 f"first_dense_layers={cfg.first_dense_layers})"]
     if family in DEEPSEEK_SHARED and family != "glm4_moe_lite" and cfg.moe_every != 1:  # lite: mlp_layer_types
@@ -188,7 +203,7 @@ def _router_problems(r, family: str, name: str) -> list[str]:
     if r.score != ("sigmoid" if sigmoid else "softmax"):
         problems.append(f"router scores with {r.score}; {name} scores with {'sigmoid' if sigmoid else 'softmax'} "
                         f"(is not a {'sigmoid' if sigmoid else 'softmax'} top-k router)")
-    if family in ("mixtral", "minimax_m2") and not r.normalize:
+    if family in ("mixtral", "minimax_m2", *QWEN3_5) and not r.normalize:
         problems.append("router does not renormalise the top-k weights (normalize=False); Mixtral always does "
                         "(Qwen2-MoE, Qwen3-MoE, OLMoE: norm_topk_prob=false)")
     if family == "deepseek_v2":
@@ -230,8 +245,8 @@ def _shared_problems(ffn, cfg: ModelConfig, family: str, name: str) -> list[str]
     if shared is None:
         return []
     gated = shared.gate is not None
-    if family == "qwen2_moe" and not gated:
-        return ["Qwen2-MoE's shared expert is sigmoid-gated; this model's has no gate (shared_expert_gate=false)"]
+    if family in ("qwen2_moe", *QWEN3_5) and not gated:
+        return [f"{name}'s shared expert is sigmoid-gated; this model's has no gate (shared_expert_gate=false)"]
     if family in (*DEEPSEEK_SHARED, "ernie4_5_moe"):
         if gated:
             return [f"{name}'s shared experts have no gate; this model has shared_expert_gate=true"]
@@ -239,7 +254,7 @@ def _shared_problems(ffn, cfg: ModelConfig, family: str, name: str) -> list[str]
             return [f"{name}'s shared experts are n_shared_experts * moe_intermediate_size wide; this model's "
                     f"shared_ffn_hidden_size={cfg.shared_ffn_hidden_size} is not a multiple of "
                     f"moe_ffn_hidden_size={cfg.moe_ffn_hidden_size}"]
-    if family not in ("qwen2_moe", *DEEPSEEK_SHARED, "ernie4_5_moe"):
+    if family not in ("qwen2_moe", *DEEPSEEK_SHARED, "ernie4_5_moe", *QWEN3_5):
         return [f"{name} has no shared expert; this model has shared_ffn_hidden_size={cfg.shared_ffn_hidden_size}"]
     return []
 
@@ -252,6 +267,7 @@ def choose_family(model, family: str | None = None) -> str:
     else:
         came = False
     if family is not None:
+        family = EXPORT_AS.get(family, family)
         problems = export_problems(model, family)
         if problems:
             how = (f"the model was imported from {family} but no longer matches it" if came
@@ -366,6 +382,16 @@ def hf_config(model, family: str, dtype_name: str, token_ids: dict[str, Any] | N
         out.update(moe, intermediate_size=cfg.moe_ffn_hidden_size, num_local_experts=E,
                    attention_bias=cfg.attention_bias, sliding_window=cfg.sliding_window or None,
                    layer_types=_layer_types(cfg), swiglu_alpha=OAI_ALPHA, swiglu_limit=OAI_LIMIT)
+    elif family in QWEN3_5:
+        out.update(moe, moe_intermediate_size=cfg.moe_ffn_hidden_size, num_experts=E,
+                   shared_expert_intermediate_size=cfg.shared_ffn_hidden_size or cfg.moe_ffn_hidden_size,
+                   attention_bias=cfg.attention_bias, partial_rotary_factor=cfg.partial_rotary_factor,
+                   layer_types=["linear_attention" if cfg.is_linear_layer(i) else "full_attention" for i in range(L)],
+                   linear_conv_kernel_dim=cfg.linear_conv_kernel,
+                   linear_key_head_dim=cfg.linear_key_head_dim or 128, linear_value_head_dim=cfg.linear_value_head_dim or 128,
+                   linear_num_key_heads=cfg.linear_num_key_heads or 16,
+                   linear_num_value_heads=cfg.linear_num_value_heads or 32)
+        out["rope_parameters"]["partial_rotary_factor"] = cfg.partial_rotary_factor  # where transformers 5 reads it
     elif family == "llama":
         out.update(intermediate_size=cfg.ffn_hidden_size, attention_bias=cfg.attention_bias, mlp_bias=False,
                    pretraining_tp=1)
@@ -412,7 +438,8 @@ def zero_fill(model, family: str, dtype: torch.dtype) -> dict[str, Tensor]:
     cfg, out = model.config, {}
     H, F = cfg.hidden_size, cfg.moe_ffn_hidden_size
     for i, layer in enumerate(model.layers):
-        if not layer.is_moe or family not in ("qwen2_moe", *SIGMOID_MOE, "deepseek_v2", "gpt_oss", "ernie4_5_moe"):
+        if not layer.is_moe or family not in ("qwen2_moe", *SIGMOID_MOE, "deepseek_v2", "gpt_oss", "ernie4_5_moe",
+                                              *QWEN3_5):
             continue
         block = f"model.layers.{i}.mlp"
         if family == "ernie4_5_moe":  # its selection bias always exists ([1, E]); no shared experts: a count of 0
@@ -434,10 +461,11 @@ def zero_fill(model, family: str, dtype: torch.dtype) -> dict[str, Tensor]:
         if family in DEEPSEEK_MOE and layer.ffn.router.expert_bias is None:
             out[f"{block}.gate.e_score_correction_bias"] = torch.zeros(cfg.num_experts, dtype=dtype)
         if layer.ffn.shared_expert is None:
-            shared = "shared_expert" if family == "qwen2_moe" else "shared_experts"
+            gated = family in ("qwen2_moe", *QWEN3_5)
+            shared = "shared_expert" if gated else "shared_experts"
             for proj, shape in (("gate_proj", (F, H)), ("up_proj", (F, H)), ("down_proj", (H, F))):
                 out[f"{block}.{shared}.{proj}.weight"] = torch.zeros(shape, dtype=dtype)
-            if family == "qwen2_moe":
+            if gated:
                 out[f"{block}.shared_expert_gate.weight"] = torch.zeros(1, H, dtype=dtype)
     return out
 

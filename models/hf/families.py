@@ -65,6 +65,8 @@ MINIMAX_M2 = Naming(moe_blocks=("block_sparse_moe", "mlp"), expert_proj=("w1", "
 ERNIE4_5_MOE = Naming(moe_blocks=("mlp",), expert_proj=GATED, experts_field="moe_num_experts", shared="shared_experts",
                       router_bias="moe_statics.e_score_correction_bias", router_bias_in_block=True,
                       router_bias_row=True)
+QWEN3_5_MOE = Naming(moe_blocks=("mlp",), expert_proj=GATED, experts_field="num_experts", shared="shared_expert",
+                     shared_gate="shared_expert_gate")
 GPT_OSS = Naming(moe_blocks=("mlp",), expert_proj=GATED, experts_field="num_local_experts", router="router",
                  woven=True)
 
@@ -518,6 +520,67 @@ def ernie4_5_moe_config(hf: dict) -> ModelConfig:
     return _model_config(hf, fields, problems)
 
 
+# Qwen3.5's release (Qwen3_5MoeForConditionalGeneration) nests the language model's config under text_config and
+# its weights under model.language_model.; the vision tower (model.visual.*) and the MTP layer (mtp.*) are left out
+QWEN3_5_NESTED = ("model.language_model.", "model.")
+QWEN3_5_LEFT_OUT = ("model.visual.", "mtp.")
+
+
+def text_config(hf: dict) -> dict:
+    """The language model's config: a multimodal release's text_config (its model_type the text one), else hf."""
+    if hf.get("model_type") == "qwen3_5_moe":
+        text = hf.get("text_config")
+        if not isinstance(text, dict):
+            raise ValueError("config.json (qwen3_5_moe) lacks its text_config table, which holds the language "
+                             "model's sizes; re-save it with save_pretrained")
+        return {**text, "model_type": "qwen3_5_moe_text",
+                "tie_word_embeddings": text.get("tie_word_embeddings", hf.get("tie_word_embeddings", False))}
+    return hf
+
+
+def qwen3_5_moe_config(hf: dict) -> ModelConfig:
+    """Qwen3.5 MoE (Qwen3.5-35B-A3B, -122B-A10B, -397B-A17B; transformers' Qwen3_5Moe, text part): Gated DeltaNet
+    linear attention on the layers layer_types marks linear_attention (three of every four), gated grouped-query
+    attention on the others (wq also emits a sigmoid output gate per head, q/k RMSNorm per head, RoPE on
+    partial_rotary_factor of each head, 0.25); zero-centered RMSNorms (scale 1 + w); every layer MoE: softmax
+    top-k renormalised, plus a sigmoid-gated shared expert. The release's multimodal RoPE equals plain RoPE on
+    text (its three position ids coincide)."""
+    hf = text_config(hf)
+    problems: list[str] = []
+    fields = base_fields(hf, problems, default_theta=10000000.0, head_dim_default=256, partial_rotary=0.25)
+    L = fields["num_layers"]
+    every = _get(hf, "full_attention_interval", 4)
+    types = hf.get("layer_types") or ["full_attention" if (i + 1) % every == 0 else "linear_attention"
+                                      for i in range(L)]
+    bad = sorted({t for t in types if t not in ("linear_attention", "full_attention")})
+    if len(types) != L or bad:
+        problems.append(f"layer_types={types} (needs {L} entries of linear_attention / full_attention)")
+        every = 4
+    else:
+        every = window_pattern(types)  # the full layers (i + 1) % n == 0; 0 = none
+        if every is None:
+            problems.append(f"full-attention layers {[i for i, t in enumerate(types) if t == 'full_attention']} of "
+                            f"{L} (layer_types) (needs a per-layer linear / full attention list in ModelConfig "
+                            f"besides full_attention_every)")
+            every = 4
+    all_attention_biases(hf, fields)
+    E = _get(hf, "num_experts")
+    shared = _get(hf, "shared_expert_intermediate_size", 0)
+    fields.update(
+        qk_norm="head", attention_output_gate=True, norm_zero_centered=True, full_attention_every=every,
+        linear_attention="gated_deltanet" if "linear_attention" in types else "none",
+        num_experts=E, top_k=_get(hf, "num_experts_per_tok"), moe_ffn_hidden_size=_get(hf, "moe_intermediate_size"),
+        ffn_hidden_size=_get(hf, "moe_intermediate_size"), shared_ffn_hidden_size=shared,
+        shared_expert_gate=bool(shared), router_options={"normalize": True})
+    if "linear_attention" in types:
+        fields.update(linear_num_key_heads=_get(hf, "linear_num_key_heads"),
+                      linear_num_value_heads=_get(hf, "linear_num_value_heads"),
+                      linear_key_head_dim=_get(hf, "linear_key_head_dim"),
+                      linear_value_head_dim=_get(hf, "linear_value_head_dim"),
+                      linear_conv_kernel=_get(hf, "linear_conv_kernel_dim", 4))
+    return _model_config(hf, fields, problems)
+
+
 def dense_config(hf: dict) -> ModelConfig:
     """Llama, Qwen2, Qwen3: a moekit model without experts (num_experts=0)."""
     problems: list[str] = []
@@ -545,6 +608,12 @@ class Family:
     naming: Naming
     moe: bool = True
     layers_field: str = "num_hidden_layers"
+    # the prefix the language model's weights are stored under instead of "model." (a multimodal release)
+    stored_prefix: str | None = None
+
+    def reader_rename(self) -> tuple[str, str] | None:
+        """CheckpointReader's ``rename`` for this family's files."""
+        return None if self.stored_prefix is None else (self.stored_prefix, "model.")
 
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
@@ -557,6 +626,9 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("glm4_moe", "Glm4MoeForCausalLM", glm4_moe_config, DEEPSEEK_V3),  # DeepSeek-V3's MoE names
     Family("glm4_moe_lite", "Glm4MoeLiteForCausalLM", glm4_moe_lite_config, DEEPSEEK_V3),
     Family("gpt_oss", "GptOssForCausalLM", gpt_oss_config, GPT_OSS),
+    Family("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", qwen3_5_moe_config, QWEN3_5_MOE),
+    Family("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration", qwen3_5_moe_config, QWEN3_5_MOE,
+           stored_prefix=QWEN3_5_NESTED[0]),
     Family("minimax_m2", "MiniMaxM2ForCausalLM", minimax_m2_config, MINIMAX_M2),
     Family("dots1", "Dots1ForCausalLM", dots1_config, DEEPSEEK_V3),  # DeepSeek-V3's MoE names
     Family("ernie4_5_moe", "Ernie4_5_MoeForCausalLM", ernie4_5_moe_config, ERNIE4_5_MOE),
@@ -605,7 +677,14 @@ def skipped_keys(hf: dict, keys, num_layers: int, path, mtp_layers: int | None =
     """Checkpoint keys an import leaves out on purpose. DeepSeek-V3's and GLM-4.5's multi-token-prediction layers
     (``model.layers.{num_hidden_layers + j}.*``, j < num_nextn_predict_layers) load into the model's MTP depths
     (models.mtp) but for their copies of the embedding and the head (``MTP_COPIES``: the depths share the main
-    model's); the layers beyond the model's ``mtp_layers`` (default: all of them) are left out with a warning."""
+    model's); the layers beyond the model's ``mtp_layers`` (default: all of them) are left out with a warning.
+    Qwen3.5's release: its vision tower and MTP layer (``QWEN3_5_LEFT_OUT``), with a warning."""
+    if hf.get("model_type") == "qwen3_5_moe":
+        left = {k for k in keys if k.startswith(QWEN3_5_LEFT_OUT)}
+        if left:
+            warnings.warn(f"{path}: importing the language model only; skipping {len(left)} tensors of the vision "
+                          f"tower and the multi-token-prediction layer (model.visual.*, mtp.*)", stacklevel=3)
+        return left
     extra = mtp_layers_of(hf)
     if not extra:
         return set()

@@ -97,15 +97,29 @@ class CheckpointReader:
 
     ``fp8``: the checkpoint's float8 scheme (``fp8.scheme(config)``); its weights' scales are then left out of
     ``infos`` (``scales`` holds them by weight key) and ``get`` returns those weights dequantized, in float32.
+    ``rename``: (stored prefix, prefix): keys that start with the first are known by the second instead (Qwen3.5's
+    release keeps its language model under ``model.language_model.``, read as ``model.``); ``stored(key)`` gives
+    the key on disk.
     """
 
-    def __init__(self, folder: str | Path, fp8: BlockFp8 | None = None):
+    def __init__(self, folder: str | Path, fp8: BlockFp8 | None = None, rename: tuple[str, str] | None = None):
         self.folder = Path(folder)
         self.infos: dict[str, TensorInfo] = {}
         files = self._files()
         for path in files:
             self.infos.update(read_header(path))
         self._check_index(files)
+        self._stored: dict[str, str] = {}
+        if rename is not None:
+            old, new = rename
+            renamed = {new + k[len(old):]: k for k in self.infos if k.startswith(old)}
+            clash = sorted(set(renamed) & set(self.infos))
+            if clash:
+                raise ValueError(f"checkpoint {self.folder} holds both {clash[0]} and {renamed[clash[0]]}; a "
+                                 f"{old!r} checkpoint keeps its weights under one of them only")
+            self.infos = {**{k: i for k, i in self.infos.items() if not k.startswith(old)},
+                          **{k: self.infos[s] for k, s in renamed.items()}}
+            self._stored = renamed
         self.fp8 = fp8
         self.scales: dict[str, TensorInfo] = pair_scales(self.infos, fp8, self.folder)
         self.mxfp4: dict[str, tuple[str, str]] = self._pair_mxfp4()
@@ -177,10 +191,14 @@ class CheckpointReader:
             raise ValueError(f"{self.folder / INDEX_FILE} does not list {extra[:3]} ({len(extra)} tensor(s)) found in "
                              f"{self.infos[extra[0]].file.name}; the index and the shards come from different saves")
 
+    def stored(self, key: str) -> str:
+        """The name ``key`` has in the files (``rename``)."""
+        return self._stored.get(key, key)
+
     def _read(self, file: Path, key: str) -> Tensor:
         if file not in self._handles:
             self._handles[file] = safe_open(str(file), framework="pt")
-        return self._handles[file].get_tensor(key)
+        return self._handles[file].get_tensor(self.stored(key))
 
     def get(self, key: str) -> Tensor:
         """The tensor stored under ``key``; a block-wise float8 weight comes dequantized, in float32, an MXFP4 one
@@ -197,7 +215,7 @@ class CheckpointReader:
     def _file(self, key: str) -> Path:
         """The file holding a stored key (also one hidden from ``infos``: an MXFP4 pair's)."""
         if self.weight_map is not None:
-            return self.folder / self.weight_map[key]
+            return self.folder / self.weight_map[self.stored(key)]
         return self.folder / SINGLE_FILE
 
     def dtypes(self) -> set[str]:

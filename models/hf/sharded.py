@@ -213,7 +213,7 @@ class SliceReader:
     def _slice(self, file: Path, key: str, index: tuple[slice, ...]) -> Tensor:
         if file not in self._handles:
             self._handles[file] = safe_open(str(file), framework="pt")
-        part = self._handles[file].get_slice(key)[index]
+        part = self._handles[file].get_slice(self.reader.stored(key))[index]
         self.bytes_read[key] = self.bytes_read.get(key, 0) + part.numel() * part.element_size()
         return part
 

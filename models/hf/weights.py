@@ -226,8 +226,26 @@ ATTENTION_NAMES = {
 }
 
 
+# moekit GatedDeltaNet parameter -> HF linear_attn tensor (Qwen3.5), and the config.json fields of its shape.
+LINEAR_ATTENTION_NAMES = {
+    "wqkv.weight": ("in_proj_qkv.weight", "hidden_size, linear_num_key_heads, linear_key_head_dim, "
+                                          "linear_num_value_heads, linear_value_head_dim"),
+    "wz.weight": ("in_proj_z.weight", "hidden_size, linear_num_value_heads, linear_value_head_dim"),
+    "wb.weight": ("in_proj_b.weight", "hidden_size, linear_num_value_heads"),
+    "wa.weight": ("in_proj_a.weight", "hidden_size, linear_num_value_heads"),
+    "conv_weight": ("conv1d.weight", "linear_conv_kernel_dim and the q / k / v widths"),
+    "dt_bias": ("dt_bias", "linear_num_value_heads"),
+    "A_log": ("A_log", "linear_num_value_heads"),
+    "norm.weight": ("norm.weight", "linear_value_head_dim"),
+    "wo.weight": ("out_proj.weight", "hidden_size, linear_num_value_heads, linear_value_head_dim"),
+}
+
+
 def attention_rules(t: str, s: str, attn) -> list[Rule]:
-    """Identity rules for every parameter of a moekit attention module (t: its prefix, s: HF self_attn's)."""
+    """Identity rules for every parameter of a moekit attention module (t: its prefix, s: HF self_attn's, or
+    linear_attn's for a Gated DeltaNet layer)."""
+    if hasattr(attn, "wqkv"):  # models.linear_attention.GatedDeltaNet
+        return [_one(f"{t}.{ours}", f"{s}.{theirs}", fields) for ours, (theirs, fields) in LINEAR_ATTENTION_NAMES.items()]
     rules = []
     for ours, (theirs, fields) in ATTENTION_NAMES.items():
         module = getattr(attn, ours, None)
@@ -244,8 +262,9 @@ def attention_rules(t: str, s: str, attn) -> list[Rule]:
 def layer_rules(i: int, layer, naming: Naming, block: str, fused: bool, target: str | None = None) -> list[Rule]:
     """Rules of the block at HF index i; ``target``: its moekit prefix (default ``layers.{i}``)."""
     t, s = target or f"layers.{i}", f"model.layers.{i}"
+    mixer = "linear_attn" if hasattr(layer.attn, "wqkv") else "self_attn"
     rules = [_one(f"{t}.attn_norm.weight", f"{s}.input_layernorm.weight", "hidden_size"),
-             *attention_rules(f"{t}.attn", f"{s}.self_attn", layer.attn),
+             *attention_rules(f"{t}.attn", f"{s}.{mixer}", layer.attn),
              _one(f"{t}.ffn_norm.weight", f"{s}.post_attention_layernorm.weight", "hidden_size")]
     if layer.is_moe:
         return rules + moe_rules(f"{t}.ffn", f"{s}.{block}", layer.ffn, naming, fused)
