@@ -55,6 +55,10 @@ def check_tensor_parallel(config, tp: int) -> None:
     """Head and width divisibility, before anything is sharded (``config``: a models.config.ModelConfig)."""
     if tp == 1:
         return
+    if getattr(config, "linear_attention", "none") != "none" and config.num_linear_layers:
+        raise LayoutError(f"--tp {tp} with model.linear_attention={config.linear_attention!r}: the Gated DeltaNet "
+                          f"layers' projections are fused across q / k / v, so tensor parallelism cannot shard them "
+                          f"by heads yet; use expert parallelism and FSDP (--ep, --fsdp) with --tp 1")
     heads = ("num_heads",) if getattr(config, "attention", "gqa") == "mla" else ("num_heads", "num_kv_heads")
     bad = {name: getattr(config, name) for name in heads if getattr(config, name) % tp}
     dense = [i for i in range(config.num_layers + getattr(config, "mtp_layers", 0)) if not config.is_moe_layer(i)]

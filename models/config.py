@@ -429,6 +429,17 @@ PRESETS: dict[str, ModelConfig] = {
         attention_bias=True, attention_out_bias=True, attention_sinks=True, sliding_window=64, full_attention_every=2,
         activation="swiglu_oai", moe_ffn_bias=True, router_options={"normalize": True, "gate_bias": True},
     ),
+    # Qwen3.5-MoE's architecture at test size: Gated DeltaNet linear attention on three of every four layers, gated
+    # GQA (q/k norms, RoPE on a quarter of each head) on the fourth, zero-centered norms, softmax top-k experts
+    # plus a sigmoid-gated shared expert.
+    "qwen3.5-tiny": ModelConfig(
+        name="qwen3.5-tiny", hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64, max_seq_len=256,
+        norm_eps=1e-6, partial_rotary_factor=0.25, qk_norm="head", attention_output_gate=True,
+        norm_zero_centered=True, linear_attention="gated_deltanet", full_attention_every=4, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32, ffn_hidden_size=128,
+        num_experts=8, moe_ffn_hidden_size=128, shared_ffn_hidden_size=128, shared_expert_gate=True, top_k=2,
+        aux_loss_coeff=0.001, router_options={"normalize": True},
+    ),
     # Mixtral 8x7B (Jiang et al. 2024): 46.7B parameters, 12.9B active.
     "mixtral-8x7b": ModelConfig(
         name="mixtral-8x7b", vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
@@ -533,6 +544,18 @@ PRESETS: dict[str, ModelConfig] = {
         first_dense_layers=1, top_k=8, aux_loss_coeff=0.0,
         router_options={"score": "sigmoid", "expert_bias": True, "normalize": True, "scaling": 2.827,
                         "bias_update_rate": 0.001},
+    ),
+    # Qwen3.5-35B-A3B (Qwen 2026): 40 layers, 30 of them Gated DeltaNet (16 key heads and 32 value heads of 128)
+    # and every fourth gated GQA 16/2 heads of 256 with RoPE on 64 of them; 256 experts of width 512, top-8
+    # renormalised, plus a gated shared expert of 512. Its checkpoint imports as qwen3_5_moe (the language model).
+    "qwen3.5-35b-a3b": ModelConfig(
+        name="qwen3.5-35b-a3b", vocab_size=248320, hidden_size=2048, num_layers=40, num_heads=16, num_kv_heads=2,
+        head_dim=256, max_seq_len=262144, rope_theta=1e7, norm_eps=1e-6, partial_rotary_factor=0.25, qk_norm="head",
+        attention_output_gate=True, norm_zero_centered=True, linear_attention="gated_deltanet",
+        full_attention_every=4, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+        linear_value_head_dim=128, ffn_hidden_size=512, num_experts=256, moe_ffn_hidden_size=512,
+        shared_ffn_hidden_size=512, shared_expert_gate=True, top_k=8, aux_loss_coeff=0.001,
+        router_options={"normalize": True},
     ),
     # 1.02B total / 0.34B active, Mixtral-style (8 experts top-2, F = 3H), sized to train on one 80 GB GPU
     # (tools/bench/train_mfu.py). Shapes favour GPU efficiency: every width a multiple of 128, head dim

@@ -10,6 +10,10 @@ FLOPs per token (the convention of Kaplan et al. 2020 / PaLM appendix B, with th
              + sum over layers 2 * K * N * (Dqk + Dv)   (q.k and attn.v: 2 FLOPs per key and channel; K the
                                         keys a query sees on average: S / 2 causal, W - W^2 / (2 S) with a
                                         sliding window W < S; Dqk = Dv = D for GQA, nope + rope and v for MLA)
+             + per Gated DeltaNet layer (models.linear_attention) in place of the attention term, the chunked delta
+               rule's products: P / S * Nv * (4 L dk + 2 L dv + 6 dk dv), L = min(chunk, S) the chunk, P = S rounded
+               up to whole chunks (its triangular solves, L^2 (dk + dv) / 2 per chunk and head, are not counted, as
+               FlopCounterMode counts none)
     training = 3 * forward         (backward costs twice the forward)
 With multi-token prediction (models.mtp), depth k runs its projection, block and the shared head on S - k of
 every S positions: (S - k) / S * (2 * its active matmul parameters + 2 * head + (S - k) * N * (Dqk + Dv)).
@@ -51,7 +55,8 @@ def model_stats(config: ModelConfig, seq_len: int | None = None) -> ModelStats:
     vectors += sum(_expert_bias_vectors(block, config) for block in model.layers)  # 2-d, but biases too
     matmul = active - vectors - embedding + (embedding if config.tie_embeddings else 0)
     per_key = config.num_heads * (config.attn_qk_head_dim + config.attn_v_head_dim)
-    forward = 2.0 * matmul + sum(2 * mean_keys(seq_len, config.attention_window(i)) * per_key
+    forward = 2.0 * matmul + sum(linear_attention_flops(config, seq_len) if config.is_linear_layer(i)
+                                 else 2 * mean_keys(seq_len, config.attention_window(i)) * per_key
                                  for i in range(config.num_layers))
     head = embedding if config.tie_embeddings else model.lm_head.weight.numel()
     for k, module in enumerate(model.mtp, start=1):  # models.mtp: depth k runs on S - k of every S positions
@@ -60,6 +65,15 @@ def model_stats(config: ModelConfig, seq_len: int | None = None) -> ModelStats:
         n = max(seq_len - k, 0)
         forward += -2.0 * mtp_matmul + n / seq_len * (2.0 * (mtp_matmul + head) + n * per_key)
     return ModelStats(params, active, embedding, 3.0 * forward, seq_len)
+
+
+def linear_attention_flops(config: ModelConfig, seq_len: int) -> float:
+    """Forward FLOPs per token of one Gated DeltaNet layer's chunked rule (module docstring), besides its
+    projections and convolution (counted with the matmul parameters)."""
+    L = max(1, min(config.linear_chunk, seq_len))
+    padded = -(-seq_len // L) * L
+    dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
+    return padded / seq_len * config.linear_num_value_heads * (4 * L * dk + 2 * L * dv + 6 * dk * dv)
 
 
 def mean_keys(seq_len: int, window: int = 0) -> float:

@@ -139,9 +139,16 @@ def _dense_mlp(cfg: ModelConfig, part: str, width: int, tp: bool) -> list:
     return out
 
 
-def attention_tensors(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], int | None]]:
-    """(part, full shape, TP-sharded dim or None) of one attention module's parameters (models.attention)."""
+def attention_tensors(cfg: ModelConfig, i: int | None = None) -> list[tuple[str, tuple[int, ...], int | None]]:
+    """(part, full shape, TP-sharded dim or None) of one attention module's parameters (models.attention): layer
+    ``i``'s, a Gated DeltaNet's where it is a linear layer (models.linear_attention; never under TP)."""
     H, N = cfg.hidden_size, cfg.num_heads
+    if i is not None and cfg.is_linear_layer(i):
+        Nv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+        C = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + Nv * dv
+        shapes = [(C, H), (Nv * dv, H), (Nv, H), (Nv, H), (C, 1, cfg.linear_conv_kernel), (Nv,), (Nv,), (dv,),
+                  (H, Nv * dv)]  # wqkv, wz, wb, wa, conv_weight, dt_bias, A_log, the gated norm, wo
+        return [("attention", shape, None) for shape in shapes]
     if cfg.attention == "mla":
         qk, v, rope, c = cfg.attn_qk_head_dim, cfg.v_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
         q = ([("attention", (cfg.q_lora_rank, H), None), ("norms", (cfg.q_lora_rank,), None),
@@ -149,7 +156,8 @@ def attention_tensors(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], int 
         return q + [("attention", (c + rope, H), None), ("norms", (c,), None),
                     ("attention", (N * (cfg.qk_nope_head_dim + v), c), 0), ("attention", (H, N * v), 1)]
     K, D = cfg.num_kv_heads, cfg.attn_head_dim
-    out = [("attention", (N * D, H), 0), ("attention", (K * D, H), 0), ("attention", (K * D, H), 0),
+    gate = 2 if cfg.attention_output_gate else 1  # wq also emits the output gate, per head
+    out = [("attention", (gate * N * D, H), 0), ("attention", (K * D, H), 0), ("attention", (K * D, H), 0),
            ("attention", (H, N * D), 1)]
     if cfg.attention_bias:
         out += [("attention", (N * D,), 0), ("attention", (K * D,), 0), ("attention", (K * D,), 0)]
@@ -167,7 +175,7 @@ def attention_tensors(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], int 
 def layer_tensors(cfg: ModelConfig, i: int) -> list[tuple[str, tuple[int, ...], int | None]]:
     """(part, full shape, TP-sharded dim or None) of every parameter of block ``i``."""
     H = cfg.hidden_size
-    out = [("norms", (H,), None), ("norms", (H,), None), *attention_tensors(cfg)]
+    out = [("norms", (H,), None), ("norms", (H,), None), *attention_tensors(cfg, i)]
     if not cfg.is_moe_layer(i):
         return out + _dense_mlp(cfg, "dense_ffn", cfg.ffn_hidden_size, tp=True)
     E, F, Fs = cfg.num_experts, cfg.moe_ffn_hidden_size, cfg.shared_ffn_hidden_size
