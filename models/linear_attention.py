@@ -64,12 +64,13 @@ def l2_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:
 
 
 def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor | None = None,
-                     chunk: int = 64) -> tuple[Tensor, Tensor]:
+                     chunk: int = 64, final_state: bool = True) -> tuple[Tensor, Tensor | None]:
     """The gated delta rule over S positions, chunked (module docstring), in float32.
 
     q, k [B, S, N, dk] (already normalised and scaled, one per value head), v [B, S, N, dv], g and beta [B, S, N],
     ``state`` [B, N, dk, dv] before the first position (None: zeros). Returns (o [B, S, N, dv], the state after
-    the last position), in float32 (float64 for float64 inputs).
+    the last position, or None without ``final_state``: training skips that last update), in float32 (float64 for
+    float64 inputs).
 
     Within a chunk, with G_i the cumulative log decay up to position i and S0 the state at the chunk's start, the
     corrections u_j = beta_j (v_j - (decayed state before j)^T k_j) satisfy (I + A) U = beta V - beta e^G K S0 with
@@ -81,8 +82,8 @@ def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, s
     L = max(1, min(chunk, S))
     pad = (-S) % L
     # [B, N, S, d] in float32; padded positions have k = q = v = 0, beta = 0 and g = 0: they change nothing
-    q, k, v = (F.pad(t.to(acc).transpose(1, 2), (0, 0, 0, pad)) for t in (q, k, v))
-    g, beta = (F.pad(t.to(acc).transpose(1, 2), (0, pad)) for t in (g, beta))
+    q, k, v = (_pad(t.to(acc).transpose(1, 2), (0, 0, 0, pad)) for t in (q, k, v))
+    g, beta = (_pad(t.to(acc).transpose(1, 2), (0, pad)) for t in (g, beta))
     n = (S + pad) // L
     q, k, v = (t.reshape(B, N, n, L, -1) for t in (q, k, v))  # [B, N, n, L, d]
     g, beta = (t.reshape(B, N, n, L) for t in (g, beta))
@@ -105,9 +106,15 @@ def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, s
     for c in range(n):
         u = U0[:, :, c] - W[:, :, c] @ s  # [B, N, L, dv]
         outs.append(q_start[:, :, c] @ s + scores[:, :, c] @ u)
-        s = s * carry[:, :, c] + k_end[:, :, c].transpose(-1, -2) @ u
+        if c + 1 < n or final_state:
+            s = s * carry[:, :, c] + k_end[:, :, c].transpose(-1, -2) @ u
     o = torch.stack(outs, dim=2).reshape(B, N, n * L, dv)[:, :, :S]
-    return o.transpose(1, 2), s
+    return o.transpose(1, 2), (s if final_state else None)
+
+
+def _pad(x: Tensor, pad: tuple[int, ...]) -> Tensor:
+    """F.pad, skipped when nothing is padded (so eager and the planner's fake run keep the same tensors)."""
+    return F.pad(x, pad) if any(pad) else x
 
 
 def _accumulator(x: Tensor) -> torch.dtype:
@@ -188,7 +195,7 @@ class GatedDeltaNet(nn.Module):
         if kv is not None and S <= STEPS_MAX:
             o, state = gated_delta_steps(q, k, v, g, beta, start)
         else:
-            o, state = gated_delta_rule(q, k, v, g, beta, start, self.chunk)  # [B, S, Nv, dv] float32
+            o, state = gated_delta_rule(q, k, v, g, beta, start, self.chunk, final_state=kv is not None)
         if kv is not None:
             kv.state = state.detach()
         z = self.wz(x).view(B, S, self.nv, self.dv)

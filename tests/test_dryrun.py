@@ -123,6 +123,11 @@ def measure_one_process(cfg, mode: str, autocast=None) -> dict:
     # (the planner was ~6% low here before it counted them)
     ("deepseek-tiny", "none", {"attention": "mla", "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4,
                                "v_head_dim": 6, "q_lora_rank": 12}),
+    # Qwen3.5: a Gated DeltaNet layer (its chunked rule counted by a fake run of the layer: 64 positions = 3 chunks of
+    # 24, the last padded) and a gated GQA layer (sigmoid(gate) and the gated output)
+    ("qwen3.5-tiny", "none", {"full_attention_every": 2, "linear_chunk": 24}),
+    ("qwen3.5-tiny", "full", {"full_attention_every": 2}), ("qwen3.5-tiny", "selective", {"full_attention_every": 2}),
+    ("qwen3.5-tiny", "ffn", {"full_attention_every": 2}),
 ])
 def test_estimate_matches_one_process(name, mode, over):
     cfg = dataclasses.replace(preset(name), num_layers=2, **over)
@@ -142,6 +147,7 @@ def test_estimate_matches_one_process(name, mode, over):
     # checkpointed blocks recompute their weights' bf16 casts too: only the head's (and, under ffn, attention's)
     # stay; counting every block's was 4.5x the measured bytes here
     ("mixtral-tiny", "never", "full"), ("gpt-oss-tiny", "never", "selective"), ("gpt-oss-tiny", "auto", "ffn"),
+    ("qwen3.5-tiny", "auto", "none"), ("qwen3.5-tiny", "never", "selective"),
 ])
 def test_estimate_matches_one_process_under_cpu_bf16_autocast(name, attention, mode):
     """CPU bf16 autocast (``--train.dtype bfloat16``): each projection's bf16 input copy, and the attention's
@@ -150,6 +156,8 @@ def test_estimate_matches_one_process_under_cpu_bf16_autocast(name, attention, m
     from moekit.models import attention as A
 
     cfg = dataclasses.replace(preset(name), num_layers=2)
+    if cfg.linear_attention != "none":  # one Gated DeltaNet layer, one gated GQA layer
+        cfg.full_attention_every = 2
     before, A.EXPLICIT_ATTENTION = A.EXPLICIT_ATTENTION, attention
     try:
         assert A.explicit_attention_applies("cpu", torch.bfloat16, B, cfg.num_heads, S) == (attention == "auto")

@@ -144,6 +144,8 @@ def _block(cfg: ModelConfig, layout: Layout, s: Shapes, i: int, node_rows: float
     """Block i's activations: (kept outside the FFN, the FFN's internals)."""
     H = cfg.hidden_size
     norms = 2 * s.Ts * FP32 + (2 * s.Ts * H * s.r if s.cpu else 0)  # rsqrt; x * rsqrt on CPU
+    if cfg.norm_zero_centered and not s.cpu:  # the fp32 normalised rows (1 + w) multiplies, kept on CUDA as well
+        norms += 2 * s.Ts * H * FP32
     outer = {"residual": 2 * s.Ts * H * s.r, "norms": norms, "attention": _attention(cfg, layout, s, i)}
     if cfg.is_moe_layer(i):  # the router keeps the norm output (its own input cast is in _router): without
         # SP a view of the replicated [T, H] the MoE layer slices, with SP the rank's [Ts, H] slice
@@ -159,6 +161,11 @@ def _selective(cfg: ModelConfig, layout: Layout, s: Shapes, i: int) -> dict[str,
     SAVED_OPS): matmul outputs, fused attention outputs and the routing decisions; nothing elementwise."""
     H, a, N = cfg.hidden_size, s.a, cfg.num_heads // layout.tp
     keys = s.B * s.S if s.cp > 1 else s.T  # context parallel: the gathered keys / latents of whole sequences
+    if cfg.is_linear_layer(i):  # a Gated DeltaNet layer: its projections' outputs
+        from moekit.train.planning.linear_memory import linear_attention_selective
+
+        out = {"attention": linear_attention_selective(cfg, s)}
+        return out | _selective_ffn(cfg, layout, s, i)
     if cfg.attention == "mla":
         Dqk, Dv, c = cfg.attn_qk_head_dim, cfg.v_head_dim, cfg.kv_lora_rank + cfg.qk_rope_head_dim
         # q (its latent and projection), kv_a, then kv_b over every key position
@@ -166,7 +173,8 @@ def _selective(cfg: ModelConfig, layout: Layout, s: Shapes, i: int) -> dict[str,
         fused = not (s.cpu and Dqk != Dv)  # CPU SDPA falls back to math (bmm, not kept) when Dqk != Dv
     else:
         Dv, K = cfg.attn_head_dim, cfg.num_kv_heads // layout.tp
-        proj, fused, c = s.T * (N + 2 * K) * Dv, True, 2 * K * Dv
+        gate = 2 if cfg.attention_output_gate else 1  # wq's output holds the gate as well
+        proj, fused, c = s.T * (gate * N + 2 * K) * Dv, True, 2 * K * Dv
     # bmm + softmax + bmm (explicit): nothing a selective checkpoint caches
     fused = fused and not s.explicit_attention
     # each SDPA call's output and fp32 logsumexp (``_calls``): sink attention's 8 channels wider, an unmasked one's
@@ -185,6 +193,12 @@ def _selective(cfg: ModelConfig, layout: Layout, s: Shapes, i: int) -> dict[str,
     out = {"attention": (proj + s.T * H) * a + kept}
     if s.cp > 1:  # the key / value all-gather's output (a functional collective: cached) [B, S, 2KD or c + rope]
         out["attention"] += keys * c * a
+    return out | _selective_ffn(cfg, layout, s, i)
+
+
+def _selective_ffn(cfg: ModelConfig, layout: Layout, s: Shapes, i: int) -> dict[str, int]:
+    """The FFN / MoE part of ``_selective``."""
+    H, a, out = cfg.hidden_size, s.a, {}
     gated = get_activation(cfg.activation).gated
     if not cfg.is_moe_layer(i):  # gate and up [T, F], out [T, H]
         out["dense_ffn"] = s.T * ((1 + gated) * cfg.ffn_hidden_size // layout.tp + H) * a
@@ -284,7 +298,7 @@ def _head(cfg: ModelConfig, layout: Layout, s: Shapes) -> int:
     if _loss_chunks():  # models.loss: its gradients dh [T, H] and dW [V, H], no logits
         # measured on CPU: dh is in the dtype of the normed hidden states, the residual stream's (fp32 under
         # autocast over fp32 weights), as is the final norm's kept product
-        norm = s.T * FP32 + (s.T * H * s.r if s.cpu else 0)
+        norm = s.T * FP32 + (s.T * H * s.r if s.cpu or cfg.norm_zero_centered else 0)
         return s.T * H * s.r + norm + s.T * H * s.r + cfg.vocab_size * H * s.r
     # LOSS_CHUNKS "never": lm_head input, fp32 log-softmax [T, V]
     norm = s.T * FP32 + (s.T * H * s.r if s.cpu else 0)

@@ -18,13 +18,26 @@ MEM_EFF_ALIGN = KEY_MULTIPLE  # torch's efficient attention pads a mask whose la
 
 def _attention(cfg: ModelConfig, layout: Layout, s: Shapes, i: int) -> int:
     H, N = cfg.hidden_size, cfg.num_heads // layout.tp
+    if cfg.is_linear_layer(i):  # a Gated DeltaNet layer (never under TP or CP: comm refuses them)
+        from moekit.train.planning.linear_memory import linear_attention_kept
+
+        return linear_attention_kept(cfg, s)
     if cfg.attention == "mla":
         return _mla(cfg, layout, s)
     D, K = cfg.attn_head_dim, cfg.num_kv_heads // layout.tp
     inputs = 3 * s.T * H * s.a if s.casts else s.T * H * s.r
     kept = _gqa_kept(s, N, K, D, cfg.attention_window(i), cfg.attention_sinks, cfg.num_kv_heads != cfg.num_heads)
-    if cfg.qk_norm != "none":  # the norms keep their inputs (q, k before the norm)
-        kept += s.T * (N + K) * D * s.a
+    if cfg.qk_norm != "none":  # the norms keep their inputs (q, k before the norm) and rsqrt per row (per head, or
+        # per token for "full"); the CPU's composite RMSNorm also its x * rsqrt product
+        rows = s.T * (N + K) if cfg.qk_norm == "head" else 2 * s.T
+        if cfg.norm_zero_centered:  # models.linear_attention.ZeroCenteredRMSNorm normalises an fp32 copy and keeps
+            # it and the fp32 normalised rows its (1 + w) multiplies, on every device
+            kept += s.T * (N + K) * D * 2 * FP32 + rows * FP32
+        else:
+            kept += s.T * (N + K) * D * s.a * (2 if s.cpu else 1) + rows * FP32
+    if cfg.attention_output_gate:  # sigmoid(gate) and the gated output wo reads [T, N D]; CPU autocast runs the
+        # sigmoid in fp32 (its product too, then cast for wo), elsewhere both are in the compute dtype
+        kept += s.T * N * D * (FP32 + s.a if s.casts and s.cpu else 2 * s.a)
     return inputs + kept
 
 

@@ -1,0 +1,89 @@
+"""What one Gated DeltaNet layer keeps for backward (models.linear_attention; the planner's attention term of a
+linear layer), counted by running the layer itself on fake tensors.
+
+The chunked delta rule keeps a few dozen tensors whose sizes depend on the chunk count, the padding and the dtype
+each step runs in, so instead of a formula the planner runs one forward of a GatedDeltaNet of the model's sizes
+under torch's FakeTensorMode (shapes and dtypes only: no memory, no arithmetic) with the workload's batch, sequence
+length and precision (autocast over fp32 weights, or bf16 weights), and adds up the storages autograd saves
+(saved_tensors_hooks), each once, the layer's parameters excluded. The layer's input, the attention norm's output,
+is among them (the projections save it, or under autocast each its own bf16 copy), as the GQA term counts it.
+
+The fake run dispatches as the CPU does. On CUDA the gated RMSNorm's fused kernel keeps its input and the rsqrt,
+not the CPU composite's x * rsqrt product [T, Nv dv]: that product is subtracted there.
+"""
+from __future__ import annotations
+
+import functools
+import gc
+
+import torch
+
+from moekit.models.config import ModelConfig
+from moekit.train.planning.shapes import Shapes
+
+# the ModelConfig fields a GatedDeltaNet is built from
+FIELDS = ("hidden_size", "norm_eps", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+          "linear_value_head_dim", "linear_conv_kernel", "linear_chunk")
+
+
+def linear_attention_kept(cfg: ModelConfig, s: Shapes) -> int:
+    """Bytes one Gated DeltaNet layer keeps for backward on a micro-batch of ``s`` (module docstring)."""
+    key = tuple((name, getattr(cfg, name)) for name in FIELDS)
+    params_bf16 = s.a == 2 and s.r == 2  # FSDP's bf16 parameters (no autocast casts)
+    kept = _saved_bytes(key, s.B, s.S, params_bf16, s.casts)
+    if not s.cpu:  # the CUDA fused RMSNorm keeps no x * rsqrt product
+        kept -= s.T * cfg.linear_num_value_heads * cfg.linear_value_head_dim * s.r
+    return kept
+
+
+@functools.lru_cache(maxsize=128)
+def _saved_bytes(key: tuple, B: int, S: int, params_bf16: bool, autocast: bool) -> int:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from moekit.models.linear_attention import GatedDeltaNet
+
+    cfg = ModelConfig(**dict(key))
+    dtype = torch.bfloat16 if params_bf16 else torch.float32
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # the parameters' dtype (no .to: a dry run's conversions swap parameters)
+    try:
+        with FakeTensorMode(), torch.device("cpu"):
+            layer = GatedDeltaNet(cfg)
+            x = torch.empty(B, S, cfg.hidden_size, dtype=dtype, requires_grad=True)
+            return _run(layer, x, autocast)
+    finally:
+        torch.set_default_dtype(default)
+
+
+def _run(layer, x: torch.Tensor, autocast: bool) -> int:
+    """Bytes of the distinct storages autograd saves in layer(x) and still holds once the output is gone (a node
+    the output does not reach is freed with its saved tensors), the parameters' excluded."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    params = {p.untyped_storage()._cdata for p in layer.parameters()}
+    seen: dict[int, tuple[StorageWeakRef, int]] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage._cdata not in params:
+            seen[storage._cdata] = (StorageWeakRef(storage), storage.nbytes())
+        return t
+
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out = layer(x)
+    held = out.grad_fn  # the graph stays; the output tensor itself is the next layer's, not this one's
+    del out
+    gc.collect()
+    total = sum(n for ref, n in seen.values() if not ref.expired())
+    del held
+    return total
+
+
+def linear_attention_selective(cfg: ModelConfig, s: Shapes) -> int:
+    """What an op-level selective checkpoint caches of a Gated DeltaNet layer (models.parallelize.SAVED_OPS): its
+    projections' outputs (wqkv, wz, wb, wa, wo); the convolution, the delta rule's batched products and every
+    elementwise step are recomputed."""
+    Nv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+    C = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + Nv * dv
+    return s.T * (C + Nv * dv + 2 * Nv + cfg.hidden_size) * s.a
