@@ -94,8 +94,15 @@ def _layouts_rank(rank, world, cases):
         _check_layout(rank, world, *case)
 
 
+# Qwen3.5's layer types at test size: a Gated DeltaNet layer (two chunks of S = 16) and a gated GQA layer, zero-centered
+# norms, a gated shared expert
+QWEN3_5 = {"linear_attention": "gated_deltanet", "full_attention_every": 2, "linear_num_key_heads": 2,
+           "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 4, "linear_chunk": 8,
+           "attention_output_gate": True, "norm_zero_centered": True, "qk_norm": "head", "partial_rotary_factor": 0.5,
+           "shared_ffn_hidden_size": 16, "shared_expert_gate": True}
 # (degrees, model config overrides, activation checkpointing, sequence parallel)
 TWO_RANKS = [
+    (dict(fsdp=2, ep=2), QWEN3_5, "selective", False),
     (dict(tp=2), {}, "none", False),
     (dict(fsdp=2), {}, "full", False),
     (dict(tp=2), {"first_dense_layers": 1, "router": "hash", "router_options": {}}, "full", True),
@@ -110,7 +117,8 @@ FOUR_RANKS = [
 
 @pytest.mark.parametrize("world,cases", [(2, TWO_RANKS), (4, FOUR_RANKS)], ids=["2-ranks", "4-ranks"])
 def test_layout_gradients_equal_single_process(world, cases):
-    """2 ranks: tp2, fsdp2 + AC, tp2 + sequence parallel (dense layer, hash router). 4 ranks: dp2 x tp2 x ep2
+    """2 ranks: fsdp2 x ep2 with Qwen3.5's layers (Gated DeltaNet, gated attention; selective AC), tp2, fsdp2 + AC,
+    tp2 + sequence parallel (dense layer, hash router). 4 ranks: dp2 x tp2 x ep2
     (shared expert, selective AC), fsdp2 x tp2 x ep2 (dense layer), HSDP dp2 x fsdp2 x ep4, and
     fsdp2 x tp2 x ep2 with sequence parallelism."""
     run_ranks(_layouts_rank, world, cases)

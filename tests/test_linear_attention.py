@@ -1,0 +1,317 @@
+"""Gated DeltaNet linear attention, the attention output gate and zero-centered norms (models.linear_attention):
+the chunked rule against the recurrence written position by position and against transformers' own chunked
+function, gradients against float64 autograd through the recurrence, cached decoding against the full forward,
+Qwen3.5-MoE checkpoints both ways against transformers (flat and as the multimodal release stores them), layouts,
+refusals."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from moekit.comm.topology import LayoutError
+from moekit.models.config import ModelConfig, preset
+from moekit.models.kvcache import KVCache
+from moekit.models.linear_attention import (
+    GatedDeltaNet, ZeroCenteredRMSNorm, gated_delta_rule, gated_delta_steps, l2_normalize)
+from moekit.models.transformer import build_model
+
+
+def _inputs(B, S, N, dk, dv, seed, dtype=torch.float64, state=True):
+    g = torch.Generator().manual_seed(seed)
+    q = l2_normalize(torch.randn(B, S, N, dk, generator=g, dtype=dtype)) * dk**-0.5
+    k = l2_normalize(torch.randn(B, S, N, dk, generator=g, dtype=dtype))
+    v = torch.randn(B, S, N, dv, generator=g, dtype=dtype)
+    decay = -torch.rand(B, S, N, generator=g, dtype=dtype) * 3  # strong and weak decays
+    beta = torch.rand(B, S, N, generator=g, dtype=dtype)
+    s0 = torch.randn(B, N, dk, dv, generator=g, dtype=dtype) if state else None
+    return q, k, v, decay, beta, s0
+
+
+@pytest.mark.parametrize("S,chunk", [(1, 64), (7, 3), (37, 16), (64, 64), (65, 64), (40, 1), (30, 100)])
+def test_chunked_rule_equals_the_recurrence(S, chunk):
+    """Every chunk length, sequences that are and are not whole chunks, a chunk longer than the sequence."""
+    q, k, v, decay, beta, s0 = _inputs(2, S, 3, 8, 5, seed=S + chunk)
+    want_o, want_s = gated_delta_steps(q, k, v, decay, beta, s0)
+    o, s = gated_delta_rule(q, k, v, decay, beta, s0, chunk=chunk)
+    assert o.dtype == torch.float64
+    torch.testing.assert_close(o, want_o, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(s, want_s, rtol=1e-10, atol=1e-10)
+    o2, none = gated_delta_rule(q, k, v, decay, beta, s0, chunk=chunk, final_state=False)
+    assert none is None and torch.equal(o2, o)
+
+
+def test_recurrence_written_out_by_hand():
+    """Two positions of one head, the state update spelled out: the reference itself is right."""
+    q, k, v, decay, beta, s0 = _inputs(1, 2, 1, 3, 2, seed=1)
+    s = s0[0, 0].clone()
+    outs = []
+    for t in range(2):
+        s = s * decay[0, t, 0].exp()
+        s = s + torch.outer(k[0, t, 0], beta[0, t, 0] * (v[0, t, 0] - s.T @ k[0, t, 0]))
+        outs.append(s.T @ q[0, t, 0])
+    o, last = gated_delta_steps(q, k, v, decay, beta, s0)
+    torch.testing.assert_close(o[0, :, 0], torch.stack(outs))
+    torch.testing.assert_close(last[0, 0], s)
+
+
+def test_chunked_rule_equals_transformers():
+    """A third implementation: transformers' torch_chunk_gated_delta_rule (it scales q itself)."""
+    mod = pytest.importorskip("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe")
+    q, k, v, decay, beta, s0 = _inputs(2, 45, 2, 8, 6, seed=3, dtype=torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want, want_s = mod.torch_chunk_gated_delta_rule(q * 8**0.5, k, v, decay, beta, chunk_size=16,
+                                                        initial_state=s0, output_final_state=True)
+    o, s = gated_delta_rule(q, k, v, decay, beta, s0, chunk=16)
+    torch.testing.assert_close(o, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(s, want_s, rtol=1e-5, atol=1e-5)
+
+
+def test_chunked_rule_gradients_equal_the_recurrences():
+    """Backward through the chunks (triangular solves, decays, the state carried across chunks) against autograd
+    through the recurrence, float64, for every input and the initial state."""
+    leaves = [t.requires_grad_() for t in _inputs(2, 23, 2, 4, 3, seed=5)]
+    weights = torch.randn(2, 23, 2, 3, dtype=torch.float64)
+    o, s = gated_delta_rule(*leaves, chunk=8)
+    got = torch.autograd.grad((o * weights).sum() + s.square().sum(), leaves)
+    o, s = gated_delta_steps(*leaves)
+    want = torch.autograd.grad((o * weights).sum() + s.square().sum(), leaves)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
+
+
+def test_zero_centered_norm_is_rmsnorm_with_one_plus_w():
+    x = torch.randn(3, 5, 16)
+    zc, plain = ZeroCenteredRMSNorm(16, eps=1e-6), torch.nn.RMSNorm(16, eps=1e-6)
+    with torch.no_grad():
+        zc.weight.normal_()
+        plain.weight.copy_(zc.weight + 1)
+    torch.testing.assert_close(zc(x), plain(x))
+    assert zc(x.bfloat16()).dtype == torch.bfloat16
+
+
+def qwen_tiny(**over) -> ModelConfig:
+    cfg = preset("qwen3.5-tiny")
+    for k, v in over.items():
+        setattr(cfg, k, v)
+    return cfg.validate()
+
+
+def test_model_init_is_the_identity_where_qwen_starts():
+    model = build_model(qwen_tiny(), seed=2)
+    assert [type(layer.attn).__name__ for layer in model.layers] == ["GatedDeltaNet"] * 3 + ["Attention"]
+    assert torch.count_nonzero(model.norm.weight) == 0 and torch.count_nonzero(model.layers[3].attn.q_norm.weight) == 0
+    attn = model.layers[0].attn
+    assert torch.equal(attn.norm.weight, torch.ones(32)) and torch.equal(attn.dt_bias, torch.ones(4))
+    A = attn.A_log.exp()
+    assert 1 < A[0] < A[-1] < 16  # spread over the value heads
+    assert attn.conv_weight.std() > 0.1
+
+
+@pytest.mark.parametrize("splits", [[13, 1, 16], [1] * 6, [5, 25], [30]])
+def test_cached_decoding_equals_the_full_forward(splits):
+    """Prefill then steps (the recurrence for <= STEPS_MAX positions, chunks beyond): the convolution's cached
+    inputs and the states carry every position; the gated attention layer's keys likewise."""
+    cfg = qwen_tiny(linear_chunk=8, full_attention_every=2)
+    model = build_model(cfg, seed=4).eval()
+    t = torch.randint(0, cfg.vocab_size, (2, sum(splits)), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(t)
+        cache, parts, at = KVCache(cfg), [], 0
+        for n in splits:
+            parts.append(model(t[:, at:at + n], cache=cache))
+            at += n
+    torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-5, atol=1e-5)
+    assert cache.length == sum(splits)
+    with pytest.raises(ValueError, match="cannot go back"):
+        cache.truncate(cache.length - 1)
+    cache.truncate(cache.length)  # nothing to take back: fine
+
+
+def test_cache_refuses_overflow_and_a_different_batch():
+    cfg = qwen_tiny(max_seq_len=16)
+    model = build_model(cfg, seed=1).eval()
+    cache = KVCache(cfg, capacity=8)
+    with torch.no_grad():
+        model(torch.zeros(2, 6, dtype=torch.long), cache=cache)
+        with pytest.raises(ValueError, match="overflows"):
+            model(torch.zeros(2, 3, dtype=torch.long), cache=cache)
+    cache = KVCache(cfg)
+    layer = model.layers[0].attn
+    with torch.no_grad():
+        layer(torch.randn(2, 3, cfg.hidden_size), kv=cache.layers[0])
+        with pytest.raises(ValueError, match="batch 2, got batch 1"):
+            layer(torch.randn(1, 1, cfg.hidden_size), kv=cache.layers[0])
+
+
+def test_training_learns_and_reaches_every_parameter():
+    cfg = qwen_tiny(linear_chunk=16)
+    model = build_model(cfg, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    data = torch.arange(48).repeat(4, 1) % 23  # a pattern to learn
+    losses = []
+    for _ in range(15):
+        loss = model(data, targets=data.roll(-1, 1))
+        opt.zero_grad()
+        loss.backward()
+        assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.6 * losses[0], losses
+
+
+@pytest.mark.parametrize("over,match", [
+    ({"linear_attention": "mamba"}, "linear_attention='mamba' is invalid"),
+    ({"linear_num_key_heads": 0}, "needs model.linear_num_key_heads > 0"),
+    ({"linear_num_value_heads": 3}, "must divide model.linear_num_value_heads=3"),
+    ({"linear_conv_kernel": 0}, "linear_conv_kernel=0 is invalid"),
+    ({"sliding_window": 8}, "sliding_window=8 with linear_attention"),
+    ({"attention_output_gate": 1}, "attention_output_gate=1 is invalid"),
+    ({"linear_attention": "none"}, "only apply to linear attention"),
+])
+def test_config_refusals_name_the_field_and_the_fix(over, match):
+    cfg = preset("qwen3.5-tiny")
+    for k, v in over.items():
+        setattr(cfg, k, v)
+    with pytest.raises(ValueError, match=match):
+        cfg.validate()
+
+
+def test_layouts_it_cannot_run_are_refused_up_front():
+    from moekit.comm.context_parallel import check_context_parallel
+    from moekit.comm.tensor_parallel import check_tensor_parallel
+
+    cfg = qwen_tiny()
+    with pytest.raises(LayoutError, match="--tp 2 with model.linear_attention"):
+        check_tensor_parallel(cfg, 2)
+    with pytest.raises(LayoutError, match="--cp 2 with model.linear_attention"):
+        check_context_parallel(cfg, 2, 64)
+    check_tensor_parallel(qwen_tiny(linear_attention="none", linear_num_key_heads=0, linear_num_value_heads=0,
+                                    linear_key_head_dim=0, linear_value_head_dim=0, full_attention_every=0),
+                          2)  # gated GQA alone shards fine
+    with pytest.raises(ValueError, match="document masking"):
+        GatedDeltaNet(cfg)(torch.randn(1, 4, cfg.hidden_size), segments=torch.zeros(1, 4, dtype=torch.long))
+
+
+def test_flops_count_the_chunked_rule_as_torch_does():
+    """model_stats' linear term against FlopCounterMode over one layer's chunked rule (its bmm's), a sequence that
+    is not whole chunks."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from moekit.models.stats import linear_attention_flops
+
+    cfg = qwen_tiny(linear_chunk=16)
+    B, S = 2, 40
+    q, k, v, decay, beta, _ = _inputs(B, S, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                                      cfg.linear_value_head_dim, seed=2, dtype=torch.float32, state=False)
+    with FlopCounterMode(display=False) as counter:
+        gated_delta_rule(q, k, v, decay, beta, chunk=16, final_state=True)
+    assert counter.get_total_flops() == pytest.approx(linear_attention_flops(cfg, S) * B * S, rel=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Qwen3.5-MoE checkpoints against transformers
+# ---------------------------------------------------------------------------------------------------
+
+transformers = pytest.importorskip("transformers")
+
+QWEN35 = dict(vocab_size=300, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+              linear_value_head_dim=8, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=6,
+              num_experts_per_tok=2, max_position_embeddings=128, initializer_range=0.1)
+
+
+def hf_qwen35(folder: Path, seed: int = 0, **over):
+    """A random Qwen3_5MoeForCausalLM with every parameter moved off its init (norms, A_log, dt_bias included),
+    saved with save_pretrained."""
+    from transformers import Qwen3_5MoeTextConfig
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**{**QWEN35, **over})).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(folder)
+    return model
+
+
+@torch.no_grad()
+def _logits(model, toks):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return model(toks).logits.float()
+
+
+@pytest.mark.parametrize("over", [
+    {"layer_types": ["linear_attention"] * 3 + ["full_attention"]},
+    {"layer_types": ["linear_attention", "full_attention"] * 2, "linear_num_value_heads": 2, "attention_bias": True},
+])
+def test_qwen3_5_moe_imports_and_exports_with_transformers_logits(tmp_path, over):
+    from moekit.models.hf import load_hf, save_hf
+
+    ref = hf_qwen35(tmp_path / "hf", **over)
+    model = load_hf(tmp_path / "hf")
+    assert model.config.linear_attention == "gated_deltanet" and model.config.norm_zero_centered
+    toks = torch.randint(0, 300, (2, 70), generator=torch.Generator().manual_seed(0))  # > one 64-position chunk
+    want = _logits(ref, toks)
+    with torch.no_grad():
+        torch.testing.assert_close(model(toks), want, rtol=1e-4, atol=1e-4)
+    save_hf(model, tmp_path / "out")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    torch.testing.assert_close(_logits(back, toks), want, rtol=1e-5, atol=1e-5)
+    hf = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert hf["model_type"] == "qwen3_5_moe_text" and hf["layer_types"] == ref.config.layer_types
+
+
+def test_the_multimodal_release_imports_its_language_model(tmp_path):
+    """Qwen3.5's release: model_type qwen3_5_moe, the text config nested, the language model under
+    model.language_model., a vision tower and an MTP layer beside it (left out with a warning)."""
+    from moekit.models.hf import config_from_hf, load_hf, save_hf
+
+    ref = hf_qwen35(tmp_path / "flat")
+    hf = json.loads((tmp_path / "flat" / "config.json").read_text())
+    release = tmp_path / "release"
+    release.mkdir()
+    tensors = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
+               for k, v in load_file(tmp_path / "flat" / "model.safetensors").items()}
+    tensors["model.visual.patch_embed.proj.weight"] = torch.zeros(4, 3)
+    tensors["mtp.fc.weight"] = torch.zeros(64, 128)
+    save_file(tensors, release / "model.safetensors")
+    text = {k: v for k, v in hf.items() if k not in ("architectures", "model_type")}
+    (release / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+        "text_config": {**text, "model_type": "qwen3_5_moe_text"}, "vision_config": {"depth": 2},
+        "tie_word_embeddings": False}))
+    assert config_from_hf(release).name == "hf:qwen3_5_moe_text"
+    with pytest.warns(UserWarning, match="vision tower and the multi-token-prediction layer"):
+        model = load_hf(release)
+    toks = torch.randint(0, 300, (1, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model(toks), _logits(ref, toks), rtol=1e-4, atol=1e-4)
+    save_hf(model, tmp_path / "out")  # as the language model transformers' CausalLM loads
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "qwen3_5_moe_text"
+    del tensors["model.language_model.norm.weight"]
+    save_file(tensors, release / "model.safetensors")
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match="missing 1 tensor"):
+        load_hf(release)
+
+
+def test_native_models_export_only_where_a_family_reproduces_them():
+    from moekit.models.hf import check_hf_exportable
+
+    assert check_hf_exportable(build_model(qwen_tiny(), seed=0)) == "qwen3_5_moe_text"
+    with pytest.raises(ValueError, match="zero-centered"):
+        check_hf_exportable(build_model(qwen_tiny(norm_zero_centered=False), seed=0))
+    with pytest.raises(ValueError, match="no linear-attention layers"):
+        check_hf_exportable(build_model(qwen_tiny(), seed=0), "qwen2_moe")
+    plain = dataclasses.replace(preset("mixtral-tiny"))
+    with pytest.raises(ValueError, match="gates each attention head"):
+        check_hf_exportable(build_model(plain, seed=0), "qwen3_5_moe_text")
