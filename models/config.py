@@ -83,7 +83,8 @@ class ModelConfig:
     #   (Qwen3-Next / Qwen3.5): initialised at 0, so weight decay pulls toward the identity
     # Linear attention (models.linear_attention): Gated DeltaNet layers (Qwen3-Next, Qwen3.5), every layer that
     # full_attention_every leaves linear (0: every layer); the others keep softmax attention (gqa)
-    linear_attention: str = "none"  # none | gated_deltanet
+    linear_attention: str = "none"  # none | gated_deltanet (Qwen3-Next / Qwen3.5) on the layers full_attention_every
+    #   leaves linear: with full_attention_every 4, layers 3, 7, ... keep softmax attention (0: every layer linear)
     linear_num_key_heads: int = 0  # query / key heads of a linear layer (Qwen3.5-35B-A3B: 16)
     linear_num_value_heads: int = 0  # value heads, a multiple of the key heads (32); each owns a state [dk, dv]
     linear_key_head_dim: int = 0  # dk (128)

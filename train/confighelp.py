@@ -18,7 +18,8 @@ from moekit.train import UserError
 
 def field_comments(cls: type) -> dict[str, str]:
     """{field name: its trailing comment} for a dataclass whose fields are written one per line. A comment line
-    right below a field (indented, starting with '#') continues its text."""
+    right below a field (indented past the fields, or at their indent as ``#   text``: a hash and at least two
+    spaces, where a section heading has one) continues its text."""
     source = textwrap.dedent(inspect.getsource(cls))
     names = {f.name for f in dataclasses.fields(cls)}
     comments: dict[str, str] = {}
@@ -36,7 +37,7 @@ def field_comments(cls: type) -> dict[str, str]:
                 comments[line_field[row]] = text
                 last, last_line = line_field[row], row
             elif last is not None and tok.line.strip().startswith("#") and row == last_line + 1 \
-                    and tok.start[1] > 4:
+                    and (tok.start[1] > 4 or tok.string.startswith("#  ")):
                 comments[last] += " " + text
                 last_line = row
     return comments
