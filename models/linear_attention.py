@@ -21,9 +21,12 @@ matmuls, and the state crosses chunks once per chunk. Every exponent in it is a 
 The KV cache of a linear layer (models.kvcache.LayerState) is the last k - 1 convolution inputs and the states S:
 a fixed size whatever the length.
 
+Document masking (training on packed documents) starts the state from zero at every document and keeps the
+convolution inside it (``gated_delta_rule(segments=)``, ``GatedDeltaNet._conv_documents``).
+
 Not supported (refused where they are set up, naming the fix): tensor parallelism of these layers (their
-projections are fused across q / k / v), context parallelism (the state would cross ranks in sequence), document
-masking (the state would need a reset at each document start), taking back decoded positions (MTP speculation).
+projections are fused across q / k / v), context parallelism (the state would cross ranks in sequence), taking
+back decoded positions (MTP speculation).
 """
 from __future__ import annotations
 
@@ -64,7 +67,8 @@ def l2_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:
 
 
 def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor | None = None,
-                     chunk: int = 64, final_state: bool = True) -> tuple[Tensor, Tensor | None]:
+                     chunk: int = 64, final_state: bool = True,
+                     segments: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """The gated delta rule over S positions, chunked (module docstring), in float32.
 
     q, k [B, S, N, dk] (already normalised and scaled, one per value head), v [B, S, N, dv], g and beta [B, S, N],
@@ -76,6 +80,11 @@ def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, s
     corrections u_j = beta_j (v_j - (decayed state before j)^T k_j) satisfy (I + A) U = beta V - beta e^G K S0 with
     A_jm = beta_j e^(G_j - G_m) k_j . k_m for m < j; then o_i = e^(G_i) S0^T q_i + sum_{j <= i} e^(G_i - G_j)
     (q_i . k_j) u_j and the next chunk's state is e^(G_L) S0 + sum_j e^(G_L - G_j) k_j u_j^T.
+
+    ``segments`` [B, S] (document masking: each position's document in a packed sequence, contiguous runs): the
+    state starts from zero at every document's first position. Within a chunk the pairs (i, j) of different
+    documents drop out of A and of the scores, and S0 reaches only the positions of the document that was running
+    when the chunk began (``state`` belongs to the first position's).
     """
     B, S, N, dk = q.shape
     dv, acc = v.shape[-1], _accumulator(q)
@@ -90,17 +99,28 @@ def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, s
     G = g.cumsum(-1)  # [B, N, n, L]
     gap = G[..., :, None] - G[..., None, :]  # [.., L, L]: G_i - G_j, <= 0 where j <= i
     ones = torch.ones(L, L, dtype=torch.bool, device=q.device)
-    causal = ones.tril()
-    decay = gap.masked_fill(~causal, float("-inf")).exp()  # e^(G_i - G_j) for j <= i, else 0
+    visible = ones.tril()  # [L, L], or per chunk [B, 1, n, L, L] with documents
+    start = end = None  # with documents: which positions the starting state reaches / which the final keeps
+    if segments is not None:
+        seg = segments.to(torch.int64)
+        seg = torch.cat((seg, seg[:, -1:].expand(-1, pad)), dim=1).view(B, 1, n, L)  # padding joins the last
+        before = torch.cat((seg[:, :, :1, 0], seg[:, :, :-1, -1]), dim=2)  # [B, 1, n]: running at each chunk start
+        visible = visible & (seg[..., :, None] == seg[..., None, :])
+        start = (seg == before[..., None]).to(acc)  # [B, 1, n, L]
+        end = (seg == seg[..., -1:]).to(acc)
+    decay = gap.masked_fill(~visible, float("-inf")).exp()  # e^(G_i - G_j) for visible j <= i, else 0
     kb = k * beta[..., None]
     A = (kb @ k.transpose(-1, -2)) * decay  # the strictly lower part is used (unitriangular solve)
     system = A.masked_fill(~ones.tril(-1), 0.0)
+    from_start = G.exp() if start is None else G.exp() * start  # [B, N, n, L]
     U0 = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
-    W = torch.linalg.solve_triangular(system, kb * G.exp()[..., None], upper=False, unitriangular=True)
+    W = torch.linalg.solve_triangular(system, kb * from_start[..., None], upper=False, unitriangular=True)
     scores = (q @ k.transpose(-1, -2)) * decay  # [.., L, L]
-    q_start = q * G.exp()[..., None]  # reads the chunk's starting state
-    k_end = k * (G[..., -1:] - G).exp()[..., None]  # writes into the chunk's final state
-    carry = G[..., -1].exp()[..., None, None]  # [B, N, n, 1, 1]
+    q_start = q * from_start[..., None]  # reads the chunk's starting state
+    to_end = (G[..., -1:] - G).exp() if end is None else (G[..., -1:] - G).exp() * end
+    k_end = k * to_end[..., None]  # writes into the chunk's final state
+    carry = G[..., -1].exp() if start is None else G[..., -1].exp() * start[..., -1]
+    carry = carry[..., None, None]  # [B, N, n, 1, 1]
     s = q.new_zeros(B, N, dk, dv) if state is None else state.to(acc)
     outs = []
     for c in range(n):
@@ -123,15 +143,18 @@ def _accumulator(x: Tensor) -> torch.dtype:
 
 
 def gated_delta_steps(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
-                      state: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                      state: Tensor | None = None, segments: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """The same rule position by position (the recurrence in the module docstring): decoding, and the tests'
-    reference. Arguments and results as ``gated_delta_rule``."""
+    reference. Arguments and results as ``gated_delta_rule``; with ``segments`` the state is zeroed where a new
+    document begins."""
     B, S, N, dk = q.shape
     acc = _accumulator(q)
     s = q.new_zeros(B, N, dk, v.shape[-1], dtype=acc) if state is None else state.to(acc)
     q, k, v, g, beta = (t.to(acc) for t in (q, k, v, g, beta))
     outs = []
     for t in range(S):
+        if segments is not None and t > 0:  # a document's first position starts from an empty state
+            s = s * (segments[:, t] == segments[:, t - 1]).to(acc)[:, None, None, None]
         s = s * g[:, t, :, None, None].exp()
         err = v[:, t] - torch.einsum("bnkv,bnk->bnv", s, k[:, t])  # [B, N, dv]
         s = s + k[:, t, :, :, None] * (beta[:, t, :, None] * err)[:, :, None, :]
@@ -171,10 +194,8 @@ class GatedDeltaNet(nn.Module):
         """x [B, S, H] -> [B, S, H]; cos / sin are unused (no RoPE). ``kv``: this layer's models.kvcache.LayerState
         (incremental decoding): the convolution reads its last inputs and the rule starts from its state, both
         then updated."""
-        if segments is not None:
-            raise ValueError("document masking (train.document_mask) is not supported with Gated DeltaNet layers "
-                             "(model.linear_attention): their state would need a reset at every document start; "
-                             "train without --train.document_mask")
+        if segments is not None and kv is not None:
+            raise ValueError("document masking (segments) is for training forwards; decode without it")
         B, S, _ = x.shape
         if kv is not None:
             if kv.state is not None and kv.state.shape[0] != B:
@@ -182,7 +203,7 @@ class GatedDeltaNet(nn.Module):
                                  f"per batch of sequences")
             kv.advance(S)
         mixed = self.wqkv(x)  # [B, S, C]
-        mixed = F.silu(self._conv(mixed, kv))
+        mixed = F.silu(self._conv(mixed, kv) if segments is None else self._conv_documents(mixed, segments))
         q, k, v = mixed.split([self.nk * self.dk, self.nk * self.dk, self.nv * self.dv], dim=-1)
         q = l2_normalize(q.float().view(B, S, self.nk, self.dk)) * self.dk**-0.5
         k = l2_normalize(k.float().view(B, S, self.nk, self.dk))
@@ -195,7 +216,8 @@ class GatedDeltaNet(nn.Module):
         if kv is not None and S <= STEPS_MAX:
             o, state = gated_delta_steps(q, k, v, g, beta, start)
         else:
-            o, state = gated_delta_rule(q, k, v, g, beta, start, self.chunk, final_state=kv is not None)
+            o, state = gated_delta_rule(q, k, v, g, beta, start, self.chunk, final_state=kv is not None,
+                                        segments=segments)
         if kv is not None:
             kv.state = state.detach()
         z = self.wz(x).view(B, S, self.nv, self.dv)
@@ -214,6 +236,20 @@ class GatedDeltaNet(nn.Module):
             x = torch.cat((before.to(x.dtype), x), dim=-1)
             kv.conv = x[:, :, x.shape[-1] - (self.kernel - 1):].detach()
         return F.conv1d(x, self.conv_weight.to(x.dtype), groups=C).transpose(1, 2)  # [B, S, C]
+
+    def _conv_documents(self, mixed: Tensor, segments: Tensor) -> Tensor:
+        """The causal convolution with every tap that reaches into an earlier document dropped (document masking):
+        out_t = sum_s w[k - 1 - s] x_(t - s) over the taps s with t - s in t's document. k products of [B, S, C]."""
+        S, k = mixed.shape[1], self.kernel
+        x = F.pad(mixed, (0, 0, k - 1, 0))  # [B, k - 1 + S, C]
+        seg = F.pad(segments, (k - 1, 0), value=-1)  # no document before the first position
+        w = self.conv_weight[:, 0].to(mixed.dtype)  # [C, k]
+        out = None
+        for tap in range(k):  # tap k - 1 is the position itself
+            same = (seg[:, tap : tap + S] == segments).to(mixed.dtype)[..., None]  # [B, S, 1]
+            term = x[:, tap : tap + S] * same * w[:, tap]
+            out = term if out is None else out + term
+        return out
 
     @torch.no_grad()
     def init_weights(self, normal_, std: float, std_out: float) -> None:

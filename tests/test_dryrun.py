@@ -143,11 +143,15 @@ def test_estimate_matches_one_process(name, mode, over):
 
 @pytest.mark.parametrize("name,attention,mode", [
     ("mixtral-tiny", "auto", "none"), ("mixtral-tiny", "never", "none"),
+    ("mixtral-tiny+qk", "never", "none"),  # Qwen3's q/k norms on bf16 q / k keep fp32 copies (composite RMSNorm)
     ("gpt-oss-tiny", "auto", "none"), ("gpt-oss-tiny", "never", "none"),  # explicit with a sink column; math SDPA
     # checkpointed blocks recompute their weights' bf16 casts too: only the head's (and, under ffn, attention's)
     # stay; counting every block's was 4.5x the measured bytes here
     ("mixtral-tiny", "never", "full"), ("gpt-oss-tiny", "never", "selective"), ("gpt-oss-tiny", "auto", "ffn"),
     ("qwen3.5-tiny", "auto", "none"), ("qwen3.5-tiny", "never", "selective"),
+    # every projection reading an input keeps its own bf16 cast: the dense first layer's w_gate and w_up, the shared
+    # expert's (and Qwen's gate: qwen3.5-tiny above)
+    ("deepseek-tiny", "never", "none"),
 ])
 def test_estimate_matches_one_process_under_cpu_bf16_autocast(name, attention, mode):
     """CPU bf16 autocast (``--train.dtype bfloat16``): each projection's bf16 input copy, and the attention's
@@ -155,7 +159,9 @@ def test_estimate_matches_one_process_under_cpu_bf16_autocast(name, attention, m
     probabilities) or SDPA (its output and logsumexp)."""
     from moekit.models import attention as A
 
-    cfg = dataclasses.replace(preset(name), num_layers=2)
+    cfg = dataclasses.replace(preset(name.removesuffix("+qk")), num_layers=2)
+    if name.endswith("+qk"):
+        cfg.qk_norm = "head"
     if cfg.linear_attention != "none":  # one Gated DeltaNet layer, one gated GQA layer
         cfg.full_attention_every = 2
     before, A.EXPLICIT_ATTENTION = A.EXPLICIT_ATTENTION, attention
@@ -221,6 +227,9 @@ def packed_tokens(cfg, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     ("mixtral-tiny", {}, "full", "float32", 256), ("gpt-oss-tiny", {}, "selective", "float32", 256),
     # CPU bf16: the explicit bmm + softmax path runs without documents, SDPA with them
     ("mixtral-tiny", {}, "none", "bfloat16", 256), ("gpt-oss-tiny", {}, "none", "bfloat16", 256),
+    # Gated DeltaNet: per-chunk document masks, the starting state's reach, the convolution's masked taps
+    ("qwen3.5-tiny", {"full_attention_every": 2, "linear_chunk": 16}, "none", "float32", 256),
+    ("qwen3.5-tiny", {"full_attention_every": 2}, "none", "bfloat16", 256),
 ])
 def test_estimate_matches_one_process_with_documents(monkeypatch, name, over, mode, dtype, block):
     """Document masking (--data.document_mask; models.attention.positioned_attention): every attention call is

@@ -489,10 +489,6 @@ def document_eos(cfg: TrainConfig, data) -> int | None:
     when the data marks no document ends."""
     if not cfg.data.document_mask:
         return None
-    if cfg.model.linear_attention != "none" and cfg.model.num_linear_layers:
-        raise UserError(f"--data.document_mask true with model.linear_attention={cfg.model.linear_attention!r}: a "
-                        f"Gated DeltaNet layer's state would need a reset at every document start, which moekit does "
-                        f"not do yet; turn document masking off")
     eos = data.tokenizer.eos_id
     if eos is None:
         raise UserError(f"--data.document_mask true needs the data's end-of-document id, and {data.desc} has none "

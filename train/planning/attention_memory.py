@@ -30,14 +30,14 @@ def _attention(cfg: ModelConfig, layout: Layout, s: Shapes, i: int) -> int:
     if cfg.qk_norm != "none":  # the norms keep their inputs (q, k before the norm) and rsqrt per row (per head, or
         # per token for "full"); the CPU's composite RMSNorm also its x * rsqrt product
         rows = s.T * (N + K) if cfg.qk_norm == "head" else 2 * s.T
-        if cfg.norm_zero_centered:  # models.linear_attention.ZeroCenteredRMSNorm normalises an fp32 copy and keeps
-            # it and the fp32 normalised rows its (1 + w) multiplies, on every device
+        if cfg.norm_zero_centered or s.casts:  # models.linear_attention.ZeroCenteredRMSNorm normalises an fp32 copy
+            # and keeps it and the fp32 normalised rows its (1 + w) multiplies; so does RMSNorm on a bf16 input
+            # under autocast (its fp32 weight: the composite path upcasts)
             kept += s.T * (N + K) * D * 2 * FP32 + rows * FP32
         else:
             kept += s.T * (N + K) * D * s.a * (2 if s.cpu else 1) + rows * FP32
-    if cfg.attention_output_gate:  # sigmoid(gate) and the gated output wo reads [T, N D]; CPU autocast runs the
-        # sigmoid in fp32 (its product too, then cast for wo), elsewhere both are in the compute dtype
-        kept += s.T * N * D * (FP32 + s.a if s.casts and s.cpu else 2 * s.a)
+    if cfg.attention_output_gate:  # sigmoid(gate) and the gated output wo reads [T, N D]
+        kept += s.T * N * D * 2 * s.a
     return inputs + kept
 
 

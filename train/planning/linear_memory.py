@@ -4,7 +4,7 @@ linear layer), counted by running the layer itself on fake tensors.
 The chunked delta rule keeps a few dozen tensors whose sizes depend on the chunk count, the padding and the dtype
 each step runs in, so instead of a formula the planner runs one forward of a GatedDeltaNet of the model's sizes
 under torch's FakeTensorMode (shapes and dtypes only: no memory, no arithmetic) with the workload's batch, sequence
-length and precision (autocast over fp32 weights, or bf16 weights), and adds up the storages autograd saves
+length, document masking and precision (autocast over fp32 weights, or bf16 weights), and adds up the storages autograd saves
 (saved_tensors_hooks), each once, the layer's parameters excluded. The layer's input, the attention norm's output,
 is among them (the projections save it, or under autocast each its own bf16 copy), as the GQA term counts it.
 
@@ -30,14 +30,17 @@ def linear_attention_kept(cfg: ModelConfig, s: Shapes) -> int:
     """Bytes one Gated DeltaNet layer keeps for backward on a micro-batch of ``s`` (module docstring)."""
     key = tuple((name, getattr(cfg, name)) for name in FIELDS)
     params_bf16 = s.a == 2 and s.r == 2  # FSDP's bf16 parameters (no autocast casts)
-    kept = _saved_bytes(key, s.B, s.S, params_bf16, s.casts)
+    kept = _saved_bytes(key, s.B, s.S, params_bf16, s.casts, s.documents)
+    if s.casts:  # the convolution's weight cast (3-d: not among the matmul weights memory.weight_casts counts)
+        kept += (2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads
+                 * cfg.linear_value_head_dim) * cfg.linear_conv_kernel * s.a
     if not s.cpu:  # the CUDA fused RMSNorm keeps no x * rsqrt product
         kept -= s.T * cfg.linear_num_value_heads * cfg.linear_value_head_dim * s.r
     return kept
 
 
 @functools.lru_cache(maxsize=128)
-def _saved_bytes(key: tuple, B: int, S: int, params_bf16: bool, autocast: bool) -> int:
+def _saved_bytes(key: tuple, B: int, S: int, params_bf16: bool, autocast: bool, documents: bool = False) -> int:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from moekit.models.linear_attention import GatedDeltaNet
@@ -45,17 +48,23 @@ def _saved_bytes(key: tuple, B: int, S: int, params_bf16: bool, autocast: bool) 
     cfg = ModelConfig(**dict(key))
     dtype = torch.bfloat16 if params_bf16 else torch.float32
     default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # the parameters' dtype (no .to: a dry run's conversions swap parameters)
+    # the parameters' dtype (set as the default: a dry run's conversions would swap parameters). Under autocast
+    # they are built in bf16 too: autocast then casts no weight, whose bf16 copies the planner counts apart
+    # (weight_casts); the convolution's, which that count leaves out, is added by the caller
+    torch.set_default_dtype(torch.bfloat16 if autocast else dtype)
     try:
         with FakeTensorMode(), torch.device("cpu"):
             layer = GatedDeltaNet(cfg)
-            x = torch.empty(B, S, cfg.hidden_size, dtype=dtype, requires_grad=True)
-            return _run(layer, x, autocast)
+            # not a leaf, as the attention norm's output is: autocast caches the casts of leaves only, so each
+            # projection keeps its own bf16 copy of it
+            x = torch.empty(B, S, cfg.hidden_size, dtype=dtype, requires_grad=True) * 1.0
+            segments = torch.zeros(B, S, dtype=torch.int32) if documents else None  # models.attention's dtype
+            return _run(layer, x, autocast, segments)
     finally:
         torch.set_default_dtype(default)
 
 
-def _run(layer, x: torch.Tensor, autocast: bool) -> int:
+def _run(layer, x: torch.Tensor, autocast: bool, segments: torch.Tensor | None = None) -> int:
     """Bytes of the distinct storages autograd saves in layer(x) and still holds once the output is gone (a node
     the output does not reach is freed with its saved tensors), the parameters' excluded."""
     from torch.multiprocessing.reductions import StorageWeakRef
@@ -71,7 +80,7 @@ def _run(layer, x: torch.Tensor, autocast: bool) -> int:
 
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
             torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        out = layer(x)
+        out = layer(x, segments=segments)
     held = out.grad_fn  # the graph stays; the output tensor itself is the next layer's, not this one's
     del out
     gc.collect()
