@@ -113,8 +113,10 @@ def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, s
     A = (kb @ k.transpose(-1, -2)) * decay  # the strictly lower part is used (unitriangular solve)
     system = A.masked_fill(~ones.tril(-1), 0.0)
     from_start = G.exp() if start is None else G.exp() * start  # [B, N, n, L]
-    U0 = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
-    W = torch.linalg.solve_triangular(system, kb * from_start[..., None], upper=False, unitriangular=True)
+    # one triangular solve for both right-hand sides: the corrections without the starting state (U0) and what the
+    # starting state takes from them (W)
+    rhs = torch.cat((v * beta[..., None], kb * from_start[..., None]), dim=-1)
+    U0, W = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True).split([dv, dk], dim=-1)
     scores = (q @ k.transpose(-1, -2)) * decay  # [.., L, L]
     q_start = q * from_start[..., None]  # reads the chunk's starting state
     to_end = (G[..., -1:] - G).exp() if end is None else (G[..., -1:] - G).exp() * end
@@ -210,8 +212,8 @@ class GatedDeltaNet(nn.Module):
         if self.nv != self.nk:  # key head h serves value heads h * r .. h * r + r - 1
             q, k = (t.repeat_interleave(self.nv // self.nk, dim=2) for t in (q, k))
         v = v.view(B, S, self.nv, self.dv)
-        beta = torch.sigmoid(self.wb(x).float())  # [B, S, Nv]
-        g = -self.A_log.float().exp() * F.softplus(self.wa(x).float() + self.dt_bias.float())
+        beta = _ContiguousGrad.apply(torch.sigmoid(self.wb(x).float()))  # [B, S, Nv]
+        g = -self.A_log.float().exp() * _ContiguousGrad.apply(F.softplus(self.wa(x).float() + self.dt_bias.float()))
         start = None if kv is None else kv.state
         if kv is not None and S <= STEPS_MAX:
             o, state = gated_delta_steps(q, k, v, g, beta, start)
@@ -264,6 +266,20 @@ class GatedDeltaNet(nn.Module):
         fill_by_index(self.dt_bias, lambda h: torch.ones_like(h, dtype=torch.float32))
         fill_by_index(self.A_log, lambda h: torch.log(1.0 + 15.0 * (h.float() + 0.5) / self.nv))
         local(self.norm.weight).fill_(1.0)
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous. The rule's gradient for g and beta arrives transposed
+    ([B, N, S] strides); under torch.compile (aot_autograd) the sigmoid / softplus backward kept those strides and
+    the projection's backward then failed to view them as [B S, N]."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        return grad.contiguous()
 
 
 def local(t: Tensor) -> Tensor:

@@ -88,11 +88,15 @@ def assert_same_run(compiled, eager, atol=1e-6, rtol=1e-5):
             assert load_c[name][2] == pytest.approx(load_e[name][2], rel=rtol, abs=atol)
 
 
-@pytest.mark.parametrize("preset", ["mixtral-tiny", "gpt-oss-tiny", "deepseek-tiny"])
+@pytest.mark.parametrize("preset", ["mixtral-tiny", "gpt-oss-tiny", "deepseek-tiny", "qwen3.5-tiny"])
 def test_compiled_blocks_match_eager_and_stop_compiling(preset):
     """gpt-oss-tiny: its sinks, window (4 positions of 16 on layer 0), biases and clamped SwiGLU traced too;
-    deepseek-tiny: sigmoid group routing with its selection bias and the sequence-wise balance loss."""
+    deepseek-tiny: sigmoid group routing with its selection bias and the sequence-wise balance loss; qwen3.5-tiny:
+    a Gated DeltaNet layer (two chunks of 8: the chunk loop unrolled) and a gated attention layer."""
     extra = dict(sliding_window=4, num_heads=4, num_kv_heads=2, head_dim=8) if preset == "gpt-oss-tiny" else {}
+    if preset == "qwen3.5-tiny":
+        extra = dict(head_dim=16, full_attention_every=2, linear_num_key_heads=1, linear_num_value_heads=2,
+                     linear_key_head_dim=8, linear_value_head_dim=8, linear_chunk=8, shared_ffn_hidden_size=16)
     eager = build_model(dataclasses.replace(tiny(preset), **extra), seed=3)
     compiled = copy.deepcopy(eager)
     apply_compile(compiled, backend="aot_eager")

@@ -36,8 +36,15 @@ def _packed(lengths, vocab, seed):
     return docs
 
 
-@pytest.mark.parametrize("over", [{}, OSS, MLA, dict(OSS, sliding_window=5, full_attention_every=0)],
-                         ids=["gqa", "gpt-oss", "mla", "all-windowed"])
+# Qwen3.5's layers: Gated DeltaNet (its state restarts per document, chunks of 8 over documents of 1 .. 17) and gated
+# attention
+QWEN3_5 = dict(linear_attention="gated_deltanet", full_attention_every=2, linear_num_key_heads=2,
+               linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=4, linear_chunk=8,
+               attention_output_gate=True, norm_zero_centered=True, qk_norm="head")
+
+
+@pytest.mark.parametrize("over", [{}, OSS, MLA, dict(OSS, sliding_window=5, full_attention_every=0), QWEN3_5],
+                         ids=["gqa", "gpt-oss", "mla", "all-windowed", "qwen3.5"])
 @pytest.mark.parametrize("block", [0, 4], ids=["one-call", "window-blocks"])
 def test_each_document_is_the_document_alone(over, block, monkeypatch):
     """Two packed sequences (documents of 5, 9, 10 and of 1, 17, 6 positions): logits of every document equal the

@@ -87,6 +87,35 @@ def test_chunked_rule_gradients_equal_the_recurrences():
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
 
 
+@pytest.mark.parametrize("S,chunk", [(37, 8), (64, 16), (12, 64), (20, 1)])
+def test_documents_restart_the_state_in_the_chunked_rule(S, chunk):
+    """Segments: the chunked rule equals the recurrence that zeroes the state at each document start (documents
+    that start mid-chunk, at a chunk boundary, one position long)."""
+    q, k, v, decay, beta, s0 = _inputs(2, S, 3, 8, 5, seed=S)
+    seg = torch.tensor([0] * 5 + [1] * 3 + [2] + [3] * S)[:S].repeat(2, 1)
+    seg[1] = torch.randint(0, 4, (S,), generator=torch.Generator().manual_seed(S)).sort().values
+    want_o, want_s = gated_delta_steps(q, k, v, decay, beta, s0, segments=seg)
+    o, s = gated_delta_rule(q, k, v, decay, beta, s0, chunk=chunk, segments=seg)
+    torch.testing.assert_close(o, want_o, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(s, want_s, rtol=1e-10, atol=1e-10)
+
+
+def test_a_packed_sequence_equals_its_documents_run_alone():
+    """The layer under document masking (state and convolution) against each document through the layer by itself:
+    another way to the same numbers, which also checks the recurrence's reset."""
+    cfg = qwen_tiny(linear_chunk=8)
+    layer = build_model(cfg, seed=3).layers[0].attn
+    lengths = [5, 1, 11, 9]
+    x = torch.randn(2, sum(lengths), cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    seg = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).repeat(2, 1)
+    with torch.no_grad():
+        packed = layer(x, segments=seg)
+        alone = torch.cat([layer(part) for part in x.split(lengths, dim=1)], dim=1)
+        plain = layer(x)
+    torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(plain[:, 5:], alone[:, 5:], atol=1e-3)  # without documents the state leaks across
+
+
 def test_zero_centered_norm_is_rmsnorm_with_one_plus_w():
     x = torch.randn(3, 5, 16)
     zc, plain = ZeroCenteredRMSNorm(16, eps=1e-6), torch.nn.RMSNorm(16, eps=1e-6)
@@ -197,7 +226,8 @@ def test_layouts_it_cannot_run_are_refused_up_front():
                                     linear_key_head_dim=0, linear_value_head_dim=0, full_attention_every=0),
                           2)  # gated GQA alone shards fine
     with pytest.raises(ValueError, match="document masking"):
-        GatedDeltaNet(cfg)(torch.randn(1, 4, cfg.hidden_size), segments=torch.zeros(1, 4, dtype=torch.long))
+        GatedDeltaNet(cfg)(torch.randn(1, 4, cfg.hidden_size), kv=KVCache(cfg).layers[0],
+                           segments=torch.zeros(1, 4, dtype=torch.long))
 
 
 def test_flops_count_the_chunked_rule_as_torch_does():
