@@ -125,11 +125,14 @@ def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, s
     carry = carry[..., None, None]  # [B, N, n, 1, 1]
     s = q.new_zeros(B, N, dk, dv) if state is None else state.to(acc)
     outs = []
+    # per chunk views by unbind: its backward stacks the chunks' gradients once, where indexing [:, :, c] would
+    # scatter each into a zero tensor of the whole (n^2 memory traffic: most of the layer's time on a CPU)
+    U0, W, q_start, scores, k_end, carry = (t.unbind(2) for t in (U0, W, q_start, scores, k_end, carry))
     for c in range(n):
-        u = U0[:, :, c] - W[:, :, c] @ s  # [B, N, L, dv]
-        outs.append(q_start[:, :, c] @ s + scores[:, :, c] @ u)
+        u = U0[c] - W[c] @ s  # [B, N, L, dv]
+        outs.append(q_start[c] @ s + scores[c] @ u)
         if c + 1 < n or final_state:
-            s = s * carry[:, :, c] + k_end[:, :, c].transpose(-1, -2) @ u
+            s = s * carry[c] + k_end[c].transpose(-1, -2) @ u
     o = torch.stack(outs, dim=2).reshape(B, N, n * L, dv)[:, :, :S]
     return o.transpose(1, 2), (s if final_state else None)
 
