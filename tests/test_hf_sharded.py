@@ -63,6 +63,12 @@ MODELS = {
     # RoPE on adjacent pairs, a dense first layer, 2 shared experts, the selection bias stored as [1, E]
     "ernie4_5_moe": dict(num_layers=3, first_dense_layers=1, shared_ffn_hidden_size=48, rope_pairs="adjacent",
                          tie_embeddings=True, router_options={"normalize": True, "expert_bias": True}),
+    # Gated DeltaNet (its conv [C, 1, k] and 1-d dt_bias / A_log sharded by FSDP) and a gated attention layer,
+    # zero-centered norms, a gated shared expert
+    "qwen3_5_moe_text": dict(linear_attention="gated_deltanet", full_attention_every=2, linear_num_key_heads=2,
+                             linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=4,
+                             attention_output_gate=True, norm_zero_centered=True, qk_norm="head",
+                             partial_rotary_factor=0.5, shared_ffn_hidden_size=16, shared_expert_gate=True),
     # sinks, q/k/v/o biases, a window on every other layer, gate and expert biases, interleaved gate / up columns
     "gpt_oss": dict(attention_bias=True, attention_out_bias=True, attention_sinks=True, sliding_window=5,
                     full_attention_every=2, activation="swiglu_oai", moe_ffn_bias=True, moe_ffn_hidden_size=32,
@@ -335,6 +341,7 @@ def checkpoints(tmp_path_factory) -> Path:
     make_checkpoint(tmp / "minimax_m2", "minimax_m2")
     make_checkpoint(tmp / "olmoe", "olmoe")
     make_checkpoint(tmp / "ernie4_5_moe", "ernie4_5_moe")
+    make_checkpoint(tmp / "qwen3_5_moe_text", "qwen3_5_moe_text")
     make_checkpoint(tmp / "deepseek_v3-mtp", "deepseek_v3", mtp_layers=1)
     bad = Path(shutil.copytree(tmp / "mixtral", tmp / "bad-shape"))
     tensors = load_file(bad / "model.safetensors")
@@ -366,6 +373,7 @@ def test_two_ranks_ep_tp_fsdp(checkpoints, tmp_path):
         (dict(fsdp=2, ep=2), c / "minimax_m2", [(tmp_path / "minimax-ep2", {})]),  # selection bias in the block
         (dict(tp=2), c / "olmoe", [(tmp_path / "olmoe-tp2", {})]),  # q/k norm over the projection, sharded
         (dict(fsdp=2, ep=2), c / "ernie4_5_moe", [(tmp_path / "ernie-ep2", {})]),  # the [1, E] bias read by slices
+        (dict(fsdp=2, ep=2), c / "qwen3_5_moe_text", [(tmp_path / "qwen3.5-ep2", {})]),  # linear layers by slices
     ]
     # an expert placement: replicas (experts 0 and 3 twice), slots out of order, runs of consecutive experts
     slots = ((2, 3, 0), (3, 0, 1))
@@ -391,6 +399,7 @@ def test_two_ranks_ep_tp_fsdp(checkpoints, tmp_path):
     check_export(tmp_path / "minimax-ep2", load_hf(c / "minimax_m2"), tmp_path)
     check_export(tmp_path / "olmoe-tp2", load_hf(c / "olmoe"), tmp_path)
     check_export(tmp_path / "ernie-ep2", load_hf(c / "ernie4_5_moe"), tmp_path)
+    check_export(tmp_path / "qwen3.5-ep2", load_hf(c / "qwen3_5_moe_text"), tmp_path)
 
 
 def test_four_ranks_combined(checkpoints, tmp_path):

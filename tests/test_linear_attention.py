@@ -345,3 +345,84 @@ def test_native_models_export_only_where_a_family_reproduces_them():
     plain = dataclasses.replace(preset("mixtral-tiny"))
     with pytest.raises(ValueError, match="gates each attention head"):
         check_hf_exportable(build_model(plain, seed=0), "qwen3_5_moe_text")
+
+
+NEXT = dict(QWEN35, intermediate_size=40, mlp_only_layers=[0], norm_topk_prob=False)
+
+
+def hf_qwen3_next(folder: Path, seed: int = 0, **over):
+    """A random Qwen3NextForCausalLM (a dense first layer, no renormalisation), every parameter off its init."""
+    from transformers import Qwen3NextConfig
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen3NextForCausalLM(Qwen3NextConfig(**{**NEXT, **over})).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(folder)
+    return model
+
+
+def test_qwen3_next_reads_its_fused_projections_and_writes_them_back(tmp_path):
+    """Qwen3-Next stores q, k, v, z per key-head group in one in_proj_qkvz (and b, a in in_proj_ba): read as the split
+    tensors (the reader's derived keys), written back fused; transformers' logits both ways."""
+    from moekit.models.hf import load_hf, save_hf
+
+    ref = hf_qwen3_next(tmp_path / "hf")
+    model = load_hf(tmp_path / "hf")
+    cfg = model.config
+    assert (cfg.first_dense_layers, cfg.moe_every, cfg.router_options) == (1, 1, {"normalize": False})
+    toks = torch.randint(0, 300, (2, 70), generator=torch.Generator().manual_seed(0))
+    want = _logits(ref, toks)
+    with torch.no_grad():
+        torch.testing.assert_close(model(toks), want, rtol=1e-4, atol=1e-4)
+    save_hf(model, tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "qwen3_next"
+    theirs, ours = load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
+    for key in ("model.layers.0.linear_attn.in_proj_qkvz.weight", "model.layers.1.linear_attn.in_proj_ba.weight"):
+        assert torch.equal(ours[key], theirs[key]), key  # the fused layout itself, bit for bit
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    torch.testing.assert_close(_logits(back, toks), want, rtol=1e-5, atol=1e-5)
+    # the same math written as Qwen3.5's unfused layout (no dense layer there: this model has one)
+    with pytest.raises(ValueError, match="MoE FFN in every layer"):
+        save_hf(model, tmp_path / "as35", family="qwen3_5_moe_text")
+
+
+def test_qwen3_next_fused_shapes_must_match_the_config(tmp_path):
+    from moekit.models.hf import load_hf
+
+    hf_qwen3_next(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "linear_value_head_dim": 4}))
+    with pytest.raises(ValueError, match=r"in_proj_qkvz.weight is \[128, 64\], but config.json .* implies \[96, 64\]"):
+        load_hf(tmp_path / "hf")
+
+
+def _qwen3_next_ranks(rank, world, folder):
+    from moekit.comm.topology import Layout, Topology
+    from moekit.models.hf import config_from_hf, load_hf
+    from moekit.models.hf.sharded import load_hf_sharded, save_hf_sharded
+    from moekit.models.parallelize import parallelize
+    from moekit.models.transformer import Transformer
+
+    topo = Topology(Layout(fsdp=2, ep=2), rank, world).build()
+    with torch.device("meta"):
+        model = Transformer(config_from_hf(folder))
+    parallelize(model, topo)
+    model.to_empty(device="cpu")
+    load_hf_sharded(model, folder)
+    ref = load_hf(folder)
+    full = {k: (t.full_tensor() if hasattr(t, "full_tensor") else t) for k, t in model.state_dict().items()}
+    for key, value in ref.state_dict().items():
+        assert torch.equal(full[key], value), key
+    with pytest.raises(ValueError, match="sharded export does not assemble"):
+        save_hf_sharded(model, Path(folder) / "out")
+
+
+def test_qwen3_next_loads_by_slices_under_fsdp_and_ep(tmp_path):
+    """fsdp2 x ep2: each rank reads the rows of the fused tensors its shards of the split ones cover."""
+    from tests.dist_utils import run_ranks
+
+    hf_qwen3_next(tmp_path / "hf")
+    run_ranks(_qwen3_next_ranks, 2, str(tmp_path / "hf"))

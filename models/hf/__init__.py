@@ -136,6 +136,8 @@ def plan_load(model: Transformer, path: str | Path, check_config: bool = True) -
     if check_config:
         _check_same_math(model.config, fam.to_config(hf), path)
     reader = CheckpointReader(path, fp8.scheme(hf), fam.reader_rename())
+    if fam.split is not None:  # fused tensors read as the ones the rules map (Qwen3-Next)
+        fam.split(hf, reader)
     keys = set(reader.infos)
     skipped = skipped_keys(hf, keys, model.config.num_layers, path, model.config.mtp_layers)
     # models.mtp: the checkpoint's MTP layers follow the main ones and fill the model's first depths; depths it
@@ -249,6 +251,8 @@ def save_hf(model: Transformer, path: str | Path, *, family: str | None = None, 
         tensors = {k: t if not t.is_floating_point() or quantizable(k, tuple(t.shape)) else t.to(out_dtype)
                    for k, t in export_tensors(model, rules, None).items()}
     tensors.update(zero_fill(model, name, out_dtype))
+    if FAMILIES[name].fuse is not None:  # the family's fused tensors (Qwen3-Next's in_proj_qkvz / in_proj_ba)
+        tensors = FAMILIES[name].fuse(hf_config(model, name, "float32"), tensors)
     if block is not None:
         tensors = quantize_tensors(tensors, block)
     if mxfp4:

@@ -39,13 +39,13 @@ from moekit.moe.router import TopKRouter
 
 NEAREST = {True: ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "deepseek_v3", "glm4_moe_lite", "deepseek_v2",
                   "glm4_moe", "dots1",
-                  "minimax_m2", "ernie4_5_moe", "gpt_oss", "qwen3_5_moe_text"),
+                  "minimax_m2", "ernie4_5_moe", "gpt_oss", "qwen3_5_moe_text", "qwen3_next"),
            False: ("llama", "qwen2", "qwen3")}
 PRETTY = {"mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE", "olmoe": "OLMoE",
           "deepseek_v3": "DeepSeek-V3", "deepseek_v2": "DeepSeek-V2", "dots1": "dots.llm1", "glm4_moe": "GLM-4-MoE",
           "glm4_moe_lite": "GLM-4-MoE-Lite",
           "gpt_oss": "gpt-oss", "minimax_m2": "MiniMax-M2", "ernie4_5_moe": "ERNIE-4.5-MoE",
-          "qwen3_5_moe_text": "Qwen3.5-MoE", "qwen3_5_moe": "Qwen3.5-MoE",
+          "qwen3_5_moe_text": "Qwen3.5-MoE", "qwen3_5_moe": "Qwen3.5-MoE", "qwen3_next": "Qwen3-Next",
           "llama": "Llama", "qwen2": "Qwen2",
           "qwen3": "Qwen3"}
 # (attention kind, its biases, the qk_norms it can compute, qkv_clip allowed) of each family's attention; biases:
@@ -58,13 +58,14 @@ ATTENTION = {"mixtral": ("gqa", "none", ("none",), False), "qwen2_moe": ("gqa", 
              "gpt_oss": ("gqa", "all", ("none",), False), "minimax_m2": ("gqa", "none", ("full",), False),
              "ernie4_5_moe": ("gqa", "none", ("none",), False),
              "qwen3_5_moe_text": ("gqa", "all", ("head",), False), "qwen3_5_moe": ("gqa", "all", ("head",), False),
+             "qwen3_next": ("gqa", "all", ("head",), False),
              "llama": ("gqa", "all", ("none",), False), "qwen2": ("gqa", "qkv", ("none",), False),
              "qwen3": ("gqa", "all", ("head",), False)}
 # the families whose MoE is DeepSeek-V3's: sigmoid scores, selection bias, groups, scaling, ungated shared experts
 DEEPSEEK_MOE = ("deepseek_v3", "glm4_moe", "dots1", "glm4_moe_lite")
 SIGMOID_MOE = (*DEEPSEEK_MOE, "minimax_m2")  # sigmoid scores and (optionally) a selection bias
 DEEPSEEK_SHARED = (*DEEPSEEK_MOE, "deepseek_v2")  # ungated shared experts (n_shared_experts), dense first layers
-QWEN3_5 = ("qwen3_5_moe_text", "qwen3_5_moe")  # gated attention, zero-centered norms, Gated DeltaNet layers
+QWEN3_5 = ("qwen3_5_moe_text", "qwen3_5_moe", "qwen3_next")  # gated attention, zero-centered norms, Gated DeltaNet
 # the one a model imported from the multimodal release exports as (its language model: Qwen3_5MoeForCausalLM)
 EXPORT_AS = {"qwen3_5_moe": "qwen3_5_moe_text"}
 PARTIAL_ROPE = ("glm4_moe", "minimax_m2", *QWEN3_5)  # the families that rotate a fraction of each head
@@ -175,7 +176,7 @@ def _attention_problems(cfg: ModelConfig, family: str, name: str) -> list[str]:
 
 def _layer_problems(cfg: ModelConfig, family: str, name: str) -> list[str]:
     L, n = cfg.num_layers, cfg.num_moe_layers
-    if family in ("mixtral", "olmoe", "gpt_oss", "minimax_m2", *QWEN3_5) and n != L:
+    if family in ("mixtral", "olmoe", "gpt_oss", "minimax_m2", "qwen3_5_moe_text", "qwen3_5_moe") and n != L:
         return [f"{name} has an MoE FFN in every layer; this model has {n} of {L} (moe_every={cfg.moe_every}, "
                 f"first_dense_layers={cfg.first_dense_layers})"]
     if family in DEEPSEEK_SHARED and family != "glm4_moe_lite" and cfg.moe_every != 1:  # lite: mlp_layer_types
@@ -203,7 +204,7 @@ def _router_problems(r, family: str, name: str) -> list[str]:
     if r.score != ("sigmoid" if sigmoid else "softmax"):
         problems.append(f"router scores with {r.score}; {name} scores with {'sigmoid' if sigmoid else 'softmax'} "
                         f"(is not a {'sigmoid' if sigmoid else 'softmax'} top-k router)")
-    if family in ("mixtral", "minimax_m2", *QWEN3_5) and not r.normalize:
+    if family in ("mixtral", "minimax_m2", "qwen3_5_moe_text", "qwen3_5_moe") and not r.normalize:
         problems.append("router does not renormalise the top-k weights (normalize=False); Mixtral always does "
                         "(Qwen2-MoE, Qwen3-MoE, OLMoE: norm_topk_prob=false)")
     if family == "deepseek_v2":
@@ -392,6 +393,9 @@ def hf_config(model, family: str, dtype_name: str, token_ids: dict[str, Any] | N
                    linear_num_key_heads=cfg.linear_num_key_heads or 16,
                    linear_num_value_heads=cfg.linear_num_value_heads or 32)
         out["rope_parameters"]["partial_rotary_factor"] = cfg.partial_rotary_factor  # where transformers 5 reads it
+        if family == "qwen3_next":  # Qwen3-MoE's layer pattern and renormalisation flag
+            out.update(intermediate_size=cfg.ffn_hidden_size, norm_topk_prob=r.normalize, decoder_sparse_step=1,
+                       mlp_only_layers=[i for i in range(L) if not cfg.is_moe_layer(i)])
     elif family == "llama":
         out.update(intermediate_size=cfg.ffn_hidden_size, attention_bias=cfg.attention_bias, mlp_bias=False,
                    pretraining_tp=1)

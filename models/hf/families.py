@@ -44,6 +44,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from moekit.models.config import ROPE_SCALINGS, ModelConfig
 from moekit.models.hf import fp8
 from moekit.models.hf.io import MODEL_TYPE_ALIASES
@@ -581,6 +583,81 @@ def qwen3_5_moe_config(hf: dict) -> ModelConfig:
     return _model_config(hf, fields, problems)
 
 
+def qwen3_next_config(hf: dict) -> ModelConfig:
+    """Qwen3-Next (Qwen3-Next-80B-A3B; transformers' Qwen3Next): Qwen3.5's architecture (qwen3_5_moe_config) with
+    Qwen3-MoE's layer pattern (decoder_sparse_step, mlp_only_layers: dense MLPs of intermediate_size elsewhere) and
+    norm_topk_prob; its linear layers store q, k, v and z fused per key-head group (in_proj_qkvz) and b, a likewise
+    (in_proj_ba), which the reader splits (``qwen3_next_split``) and the export fuses back (``qwen3_next_fuse``)."""
+    config = qwen3_5_moe_config({**hf, "model_type": "qwen3_next"})
+    problems: list[str] = []
+    E, L = config.num_experts, config.num_layers
+    step, dense = _get(hf, "decoder_sparse_step", 1), set(_get(hf, "mlp_only_layers", []))
+    moe = [i not in dense and E > 0 and (i + 1) % step == 0 for i in range(L)]
+    pattern = layer_pattern(moe)
+    if pattern is None:
+        problems.append(f"MoE layers {[i for i in range(L) if moe[i]]} of {L} (mlp_only_layers, decoder_sparse_step) "
+                        f"(needs {NEEDS['layer_pattern']})")
+    first, every = pattern or (0, 1)
+    fields = dict(config.to_dict(), first_dense_layers=first, moe_every=every,
+                  ffn_hidden_size=_get(hf, "intermediate_size", config.ffn_hidden_size),
+                  router_options={"normalize": bool(_get(hf, "norm_topk_prob", True))})
+    return _model_config(hf, fields, problems)
+
+
+def _qwen3_next_sizes(hf: dict) -> tuple[int, int, int, int]:
+    return (_get(hf, "linear_num_key_heads"), _get(hf, "linear_num_value_heads"), _get(hf, "linear_key_head_dim"),
+            _get(hf, "linear_value_head_dim"))
+
+
+def qwen3_next_split(hf: dict, reader) -> None:
+    """Read each linear layer's fused in_proj_qkvz [Nk (2 dk + 2 r dv), H] (per key head h: q_h, k_h, then the r
+    value heads' v and z) and in_proj_ba [Nk 2 r, H] (per key head: r b rows, r a rows) as the in_proj_qkv (all q,
+    all k, all v), in_proj_z, in_proj_b and in_proj_a moekit's rules map (Qwen3.5's layout)."""
+    Nk, Nv, dk, dv = _qwen3_next_sizes(hf)
+    r = Nv // Nk if Nk and Nv % Nk == 0 else 0
+    for key in [k for k in reader.infos if k.endswith(".linear_attn.in_proj_qkvz.weight")]:
+        prefix = key[: -len("in_proj_qkvz.weight")]
+        ba = prefix + "in_proj_ba.weight"
+        H = reader.infos[key].shape[-1]
+        want = {key: (Nk * (2 * dk + 2 * r * dv), H), ba: (Nk * 2 * r, H)}
+        for k, shape in want.items():
+            if not r or k not in reader.infos or tuple(reader.infos[k].shape) != shape:
+                found = list(reader.infos[k].shape) if k in reader.infos else "missing"
+                raise ValueError(f"checkpoint {reader.folder}: {k} is {found}, but config.json (linear_num_key_heads "
+                                 f"{Nk}, linear_num_value_heads {Nv}, linear_key_head_dim {dk}, linear_value_head_dim "
+                                 f"{dv}, hidden_size {H}) implies {list(shape)}; the config does not match the weights")
+
+        group = 2 * dk + 2 * r * dv  # rows per key head in in_proj_qkvz
+        heads = torch.arange(Nk)[:, None]
+
+        def rows(offset: int, width: int, per: int) -> torch.Tensor:  # a part's rows, key head by key head
+            return (heads * per + offset + torch.arange(width)).reshape(-1)
+
+        reader.derive(prefix + "in_proj_qkv.weight", key, torch.cat([rows(0, dk, group), rows(dk, dk, group),
+                                                                     rows(2 * dk, r * dv, group)]))
+        reader.derive(prefix + "in_proj_z.weight", key, rows(2 * dk + r * dv, r * dv, group))
+        reader.derive(prefix + "in_proj_b.weight", ba, rows(0, r, 2 * r))
+        reader.derive(prefix + "in_proj_a.weight", ba, rows(r, r, 2 * r))
+
+
+def qwen3_next_fuse(hf: dict, tensors: dict) -> dict:
+    """``qwen3_next_split``'s inverse on an export's tensors: each linear layer's in_proj_qkv / z / b / a fused into
+    in_proj_qkvz and in_proj_ba, as Qwen3-Next stores them."""
+    Nk, Nv, dk, dv = _qwen3_next_sizes(hf)
+    r = Nv // Nk
+    out = dict(tensors)
+    for key in [k for k in tensors if k.endswith(".linear_attn.in_proj_qkv.weight")]:
+        prefix = key[: -len("in_proj_qkv.weight")]
+        qkv, z = out.pop(key), out.pop(prefix + "in_proj_z.weight")
+        b, a = out.pop(prefix + "in_proj_b.weight"), out.pop(prefix + "in_proj_a.weight")
+        H = qkv.shape[-1]
+        q, k, v = qkv.split([Nk * dk, Nk * dk, Nv * dv])
+        out[prefix + "in_proj_qkvz.weight"] = torch.cat([q.view(Nk, dk, H), k.view(Nk, dk, H),
+                                                        v.view(Nk, r * dv, H), z.view(Nk, r * dv, H)], 1).reshape(-1, H)
+        out[prefix + "in_proj_ba.weight"] = torch.cat([b.view(Nk, r, H), a.view(Nk, r, H)], 1).reshape(-1, H)
+    return out
+
+
 def dense_config(hf: dict) -> ModelConfig:
     """Llama, Qwen2, Qwen3: a moekit model without experts (num_experts=0)."""
     problems: list[str] = []
@@ -610,6 +687,10 @@ class Family:
     layers_field: str = "num_hidden_layers"
     # the prefix the language model's weights are stored under instead of "model." (a multimodal release)
     stored_prefix: str | None = None
+    # split(hf, reader): read fused tensors as the ones moekit's rules map (CheckpointReader.derive); fuse(hf,
+    # tensors): the export's inverse (Qwen3-Next's in_proj_qkvz / in_proj_ba)
+    split: Callable[[dict, Any], None] | None = None
+    fuse: Callable[[dict, dict], dict] | None = None
 
     def reader_rename(self) -> tuple[str, str] | None:
         """CheckpointReader's ``rename`` for this family's files."""
@@ -629,6 +710,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", qwen3_5_moe_config, QWEN3_5_MOE),
     Family("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration", qwen3_5_moe_config, QWEN3_5_MOE,
            stored_prefix=QWEN3_5_NESTED[0]),
+    Family("qwen3_next", "Qwen3NextForCausalLM", qwen3_next_config, QWEN3_5_MOE, split=qwen3_next_split,
+           fuse=qwen3_next_fuse),
     Family("minimax_m2", "MiniMaxM2ForCausalLM", minimax_m2_config, MINIMAX_M2),
     Family("dots1", "Dots1ForCausalLM", dots1_config, DEEPSEEK_V3),  # DeepSeek-V3's MoE names
     Family("ernie4_5_moe", "Ernie4_5_MoeForCausalLM", ernie4_5_moe_config, ERNIE4_5_MOE),

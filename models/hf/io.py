@@ -124,6 +124,20 @@ class CheckpointReader:
         self.scales: dict[str, TensorInfo] = pair_scales(self.infos, fp8, self.folder)
         self.mxfp4: dict[str, tuple[str, str]] = self._pair_mxfp4()
         self._handles: dict[Path, object] = {}
+        # keys that are rows of stored ones (``derive``): key -> (its source, the source rows it holds)
+        self.derived: dict[str, tuple[str, Tensor]] = {}
+        self._source_info: dict[str, TensorInfo] = {}  # the sources derived keys replaced in ``infos``
+        self._last: tuple[str, Tensor] | None = None  # the last source read for a derived key (several share one)
+
+    def derive(self, key: str, source: str, rows: Tensor) -> None:
+        """Make ``key`` appear in ``infos`` as the rows ``rows`` (int64, along dim 0) of the stored ``source``, which
+        leaves ``infos``: a family whose release fuses tensors moekit keeps apart (Qwen3-Next's in_proj_qkvz, its
+        q / k / v / z rows interleaved per key-head group) is read as the split tensors, slice by slice too
+        (``sharded.SliceReader`` reads the rows a slice covers). Call for every key of a source before reading."""
+        info = self.infos.pop(source, None) or self._source_info[source]
+        self._source_info[source] = info
+        self.infos[key] = TensorInfo(info.file, (len(rows), *info.shape[1:]), info.dtype)
+        self.derived[key] = (source, rows)
 
     def _pair_mxfp4(self) -> dict[str, tuple[str, str]]:
         """Replace each uint8 ``X_blocks`` [E, out, G, 16] + ``X_scales`` [E, out, G] pair in ``infos`` by ``X``
@@ -202,7 +216,10 @@ class CheckpointReader:
 
     def get(self, key: str) -> Tensor:
         """The tensor stored under ``key``; a block-wise float8 weight comes dequantized, in float32, an MXFP4 one
-        in bf16."""
+        in bf16; a derived key (``derive``) computed from its sources."""
+        if key in self.derived:
+            source, rows = self.derived[key]
+            return self._source(source)[rows]
         if key in self.mxfp4:
             bkey, skey = self.mxfp4[key]
             return dequantize_mxfp4(self._read(self._file(bkey), bkey), self._read(self._file(skey), skey), name=key)
@@ -212,6 +229,22 @@ class CheckpointReader:
             value = dequantize(value, scale, self.fp8.block)
         return value
 
+    def source_info(self, key: str) -> TensorInfo:
+        """The stored tensor ``key`` whose rows derived keys hold (it left ``infos``)."""
+        return self._source_info[key]
+
+    def _source(self, key: str) -> Tensor:
+        """A derived key's source tensor (dequantized if float8), the last one kept: the keys split from one fused
+        tensor read it once."""
+        if self._last is None or self._last[0] != key:
+            info = self._source_info[key]
+            value = self._read(info.file, key)
+            if key in self.scales:
+                value = dequantize(value, check_scales(key, self._read(self.scales[key].file, key + SCALE_SUFFIX)),
+                                   self.fp8.block)
+            self._last = (key, value)
+        return self._last[1]
+
     def _file(self, key: str) -> Path:
         """The file holding a stored key (also one hidden from ``infos``: an MXFP4 pair's)."""
         if self.weight_map is not None:
@@ -220,7 +253,8 @@ class CheckpointReader:
 
     def dtypes(self) -> set[str]:
         """The dtypes ``get`` returns (float8 weights come back as float32)."""
-        return {"F32" if k in self.scales else i.dtype for k, i in self.infos.items()}
+        return {"F32" if k in self.scales or (k in self.derived and self.derived[k][0] in self.scales) else i.dtype
+                for k, i in self.infos.items()}
 
 
 def parse_size(size: int | str) -> int:

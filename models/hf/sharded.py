@@ -218,13 +218,20 @@ class SliceReader:
         return part
 
     def read(self, key: str, index: tuple[slice, ...]) -> Tensor:
+        """The slice ``index`` of ``key`` (a stored key, or a derived one: CheckpointReader.derive)."""
+        if key in self.reader.derived:  # rows of a fused tensor (Qwen3-Next): the source rows the slice covers
+            source, rows = self.reader.derived[key]
+            want = rows[index[0]]
+            lo, hi = (int(want.min()), int(want.max()) + 1) if len(want) else (0, 0)
+            part = self.read(source, (slice(lo, hi), *index[1:]))
+            return part[want - lo]
         if key in self.reader.mxfp4:  # [E, in, out]: the experts' and outputs' blocks over every input, decoded
             bkey, skey = self.reader.mxfp4[key]
             e, i, o = index
             blocks = self._slice(self.reader._file(bkey), bkey, (e, o))
             scales = self._slice(self.reader._file(skey), skey, (e, o))
             return dequantize_mxfp4(blocks, scales, name=key)[:, i]
-        info = self.reader.infos[key]
+        info = self.reader.infos.get(key) or self.reader.source_info(key)
         part = self._slice(info.file, key, index)
         scale = self.reader.scales.get(key)
         if scale is None:

@@ -109,6 +109,12 @@ def _export_spec(model, family: str | None, dtype: torch.dtype | None, layout: s
     whole = whole_structure(model)
     name, rules, out_dtype = export_rules(whole, family, dtype, layout)
     check_mxfp4_family(mxfp4, name)
+    from moekit.models.hf.families import FAMILIES
+
+    if FAMILIES[name].fuse is not None:
+        raise ValueError(f"{name} stores tensors fused across what moekit keeps apart (Qwen3-Next's in_proj_qkvz), "
+                         f"which the sharded export does not assemble yet; save with models.hf.save_hf from one "
+                         f"process, or export family='qwen3_5_moe_text' (the same math, Qwen3.5's unfused layout)")
     if dtype is None:  # the model's own (a meta stand-in has the default dtype)
         out_dtype = next(model.parameters()).dtype
     with torch.device("meta"):  # shapes only
