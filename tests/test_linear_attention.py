@@ -393,6 +393,10 @@ def test_qwen3_next_fused_shapes_must_match_the_config(tmp_path):
     from moekit.models.hf import load_hf
 
     hf_qwen3_next(tmp_path / "hf")
+    tensors = load_file(tmp_path / "hf" / "model.safetensors")
+    save_file({**tensors, "mtp.fc.weight": torch.zeros(64, 128)}, tmp_path / "hf" / "model.safetensors")
+    with pytest.warns(UserWarning, match=r"skipping the multi-token-prediction layer \(mtp.\*, 1 tensors\)"):
+        load_hf(tmp_path / "hf")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "linear_value_head_dim": 4}))
     with pytest.raises(ValueError, match=r"in_proj_qkvz.weight is \[128, 64\], but config.json .* implies \[96, 64\]"):
@@ -425,4 +429,6 @@ def test_qwen3_next_loads_by_slices_under_fsdp_and_ep(tmp_path):
     from tests.dist_utils import run_ranks
 
     hf_qwen3_next(tmp_path / "hf")
+    tensors = load_file(tmp_path / "hf" / "model.safetensors")  # the release's MTP layer beside the model: skipped
+    save_file({**tensors, "mtp.fc.weight": torch.zeros(64, 128)}, tmp_path / "hf" / "model.safetensors")
     run_ranks(_qwen3_next_ranks, 2, str(tmp_path / "hf"))

@@ -768,6 +768,13 @@ def skipped_keys(hf: dict, keys, num_layers: int, path, mtp_layers: int | None =
             warnings.warn(f"{path}: importing the language model only; skipping {len(left)} tensors of the vision "
                           f"tower and the multi-token-prediction layer (model.visual.*, mtp.*)", stacklevel=3)
         return left
+    if hf.get("model_type") in ("qwen3_next", "qwen3_5_moe_text"):  # their MTP layer, which transformers skips too
+        left = {k for k in keys if k.startswith("mtp.")}
+        if left:
+            warnings.warn(f"{path}: skipping the multi-token-prediction layer (mtp.*, {len(left)} tensors), which "
+                          f"moekit does not read for this family; the main model's logits are unaffected",
+                          stacklevel=3)
+        return left
     extra = mtp_layers_of(hf)
     if not extra:
         return set()
