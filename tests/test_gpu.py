@@ -427,7 +427,32 @@ def test_lower_right_chunks_on_device_match_float64(monkeypatch, dtype, cp, D):
         assert rel_err(g, r) <= bound, (name, rel_err(g, r), bound)
 
 
-@pytest.mark.parametrize("preset", ["mixtral-tiny", "deepseek-tiny", "gpt-oss-tiny"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_gated_delta_rule_on_device_matches_float64(dtype):
+    """Qwen3.5's Gated DeltaNet on the device: the chunked rule (triangular solves, the state across chunks) in
+    fp32 / bf16 inputs against the float64 recurrence on the CPU, output and every input's gradient; the bound
+    is calibrated on the recurrence run in the same dtype (the rule accumulates in fp32 either way)."""
+    from moekit.models.linear_attention import gated_delta_rule, gated_delta_steps, l2_normalize
+
+    B, S, N, dk, dv = (1, 40, 2, 8, 8) if SMALL else (2, 1000, 8, 128, 128)
+    g = torch.Generator().manual_seed(3)
+    q = l2_normalize(torch.randn(B, S, N, dk, generator=g, dtype=torch.float64)) * dk**-0.5
+    k = l2_normalize(torch.randn(B, S, N, dk, generator=g, dtype=torch.float64))
+    v = torch.randn(B, S, N, dv, generator=g, dtype=torch.float64)
+    decay = -torch.rand(B, S, N, generator=g, dtype=torch.float64)
+    beta = torch.rand(B, S, N, generator=g, dtype=torch.float64)
+    inputs = [q, k, v, decay, beta]
+    ref = fwd_bwd(lambda *t: gated_delta_steps(*t)[0], inputs)
+    low = [t.to(DEVICE, dtype) for t in inputs]
+    got = fwd_bwd(lambda *t: gated_delta_rule(*t, chunk=64 if not SMALL else 16, final_state=False)[0], low)
+    # the same rounding of the inputs through the float64 recurrence: what the dtype itself costs
+    same = fwd_bwd(lambda *t: gated_delta_steps(*t)[0], [t.to(dtype).double() for t in inputs])
+    for name, a, r, base in zip(["out", "dq", "dk", "dv", "dg", "dbeta"], got, ref, same):
+        bound = 2 * rel_err(base, r) + (1e-5 if dtype == torch.float32 else 2e-2)
+        assert rel_err(a, r) <= bound, (name, rel_err(a, r), bound)
+
+
+@pytest.mark.parametrize("preset", ["mixtral-tiny", "deepseek-tiny", "gpt-oss-tiny", "qwen3.5-tiny"])
 def test_training_on_device_fp32_matches_cpu_and_bf16_learns(tmp_path, preset):
     steps = ["--steps", "6", "--preset", preset]
     cpu = train(tmp_path / "cpu", *steps, "--train.device", "cpu", "--train.dtype", "float32")

@@ -24,7 +24,7 @@ REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 PY=${PYTHON:-python3}
 DEFAULT_STEPS=(env tests moe_layer grouped_gemm dispatch profile train_mfu)
 ALL_STEPS=(env tests moe_layer grouped_gemm dispatch profile train_mfu train_mfu_full tune grouped_gemm_tuned
-           grouped_gemm_quick train_mfu_tma attention router_balance)
+           grouped_gemm_quick train_mfu_tma attention router_balance linear_attention)
 SMOKE=0
 BUDGET=560
 RESULTS=${OUT:-bench-results}
@@ -60,6 +60,9 @@ train_mfu_tma   tools/bench/train_mfu.py, compile off, 12 steps, the Triton expe
 router_balance  tools/bench/router_balance.py: a DeepSeek-V3-sized router (H 7168, top-8 sigmoid) fwd+bwd with no
                 balance loss, the batch-wise one and the sequence-wise one (balance="sequence"), 8192 / 32768
                 tokens, 64 / 256 experts, bf16; not in the default set                    (cap 60 s)
+linear_attention  tools/bench/linear_attention.py: Qwen3.5-35B-A3B's Gated DeltaNet layer (H 2048, 16 / 32 heads
+                of 128) fwd+bwd against transformers' layer (its torch path), S 4096 / 16384, bf16; not in the
+                default set                                                                (cap 90 s)
 EOF
 }
 
@@ -225,6 +228,12 @@ for step in "${STEPS[@]}"; do
       else size=(--device cuda --dtype bfloat16 --tokens 8192 32768 --experts 64 256 --seq-len 4096 --hidden 7168
                  --repeats 20); fi
       run_step router_balance 60 "$PY" tools/bench/router_balance.py "${size[@]}" --out "$RAW/router_balance.json" ;;
+    linear_attention)  # Qwen3.5's Gated DeltaNet against transformers' layer
+      if [ "$SMOKE" = 1 ]; then size=(--device cpu --seq-len 40 --batch 1 --hidden 32 --key-heads 1 --value-heads 2
+                                      --head-dim 8 --chunk 16 --warmup 0 --repeats 1)
+      else size=(--device cuda --dtype bfloat16 --seq-len 4096 16384 --batch 1 --hidden 2048 --key-heads 16
+                 --value-heads 32 --head-dim 128 --repeats 5); fi
+      run_step linear_attention 90 "$PY" tools/bench/linear_attention.py "${size[@]}" --out "$RAW/linear_attention.json" ;;
     profile)
       if [ "$SMOKE" = 1 ]; then size=(--preset mixtral-tiny --batch-size 2 --seq-len 32 --warmup 1 --steps 1)
       else size=(--preset auto --batch-size 16 --seq-len 2048 --warmup 2 --steps 3); fi  # train_mfu's micro-batch
