@@ -104,11 +104,6 @@ def check_context_parallel(config, cp: int, seq_len: int | None = None) -> None:
     """What context parallelism cannot run, refused before anything is built (LayoutError: value and fix)."""
     if cp == 1:
         return
-    if getattr(config, "linear_attention", "none") != "none" and config.num_linear_layers:
-        raise LayoutError(f"--cp {cp} with model.linear_attention={config.linear_attention!r}: a Gated DeltaNet "
-                          f"layer's state runs through the sequence in order, so a rank's share cannot start before "
-                          f"the previous share's state is known; train with --cp 1 (shorter --seq-len, or more "
-                          f"--fsdp / --ep ranks)")
     if seq_len is not None:
         check_sequence(seq_len, cp)
 

@@ -24,9 +24,15 @@ a fixed size whatever the length.
 Document masking (training on packed documents) starts the state from zero at every document and keeps the
 convolution inside it (``gated_delta_rule(segments=)``, ``GatedDeltaNet._conv_documents``).
 
+Context parallelism (comm.context_parallel: each rank holds two zigzag chunks of every sequence): a chunk's outputs
+and end state are affine in its starting state (``gated_delta_rule_affine``), so every rank computes its chunks'
+maps with no state, the maps of all 2 cp chunks are all-gathered and composed in sequence order, and each chunk
+adds its starting state's part (``GatedDeltaNet._rule_context``); the convolution reads the inputs before its
+chunk from the other ranks' chunk tails (``_conv_context``). Per layer that is one all-gather of
+2 x [B, Nv, dk, dk + dv] floats and one of the last k - 1 projected inputs of each chunk.
+
 Not supported (refused where they are set up, naming the fix): tensor parallelism of these layers (their
-projections are fused across q / k / v), context parallelism (the state would cross ranks in sequence), taking
-back decoded positions (MTP speculation).
+projections are fused across q / k / v), taking back decoded positions (MTP speculation).
 """
 from __future__ import annotations
 
@@ -87,6 +93,49 @@ def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, s
     when the chunk began (``state`` belongs to the first position's).
     """
     B, S, N, dk = q.shape
+    dv = v.shape[-1]
+    U0, W, q_start, scores, k_end, carry, n, L = _chunk_terms(q, k, v, g, beta, chunk, segments)
+    s = q_start[0].new_zeros(B, N, dk, dv) if state is None else state.to(q_start[0].dtype)
+    outs = []
+    for c in range(n):
+        u = U0[c] - W[c] @ s  # [B, N, L, dv]
+        outs.append(q_start[c] @ s + scores[c] @ u)
+        if c + 1 < n or final_state:
+            s = s * carry[c] + k_end[c].transpose(-1, -2) @ u
+    o = torch.stack(outs, dim=2).reshape(B, N, n * L, dv)[:, :, :S]
+    return o.transpose(1, 2), (s if final_state else None)
+
+
+def gated_delta_rule_affine(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, chunk: int = 64,
+                            segments: Tensor | None = None,
+                            before_first: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The rule over a segment whose starting state S_in is not known yet (context parallelism: it is the previous
+    ranks' segments' result). Everything is affine in S_in, so this returns (o0 [B, S, N, dv], o_in [B, S, N, dk],
+    M [B, N, dk, dk], b [B, N, dk, dv]) with o = o0 + o_in S_in and the end state M S_in + b; ``gated_delta_rule``'s
+    recurrence over the chunks, run on the zero state (o0, b) and on the identity map (o_in, M). With ``segments``,
+    ``before_first`` [B] is the document S_in belongs to (that of the position before the segment)."""
+    B, S, N, dk = q.shape
+    dv = v.shape[-1]
+    U0, W, q_start, scores, k_end, carry, n, L = _chunk_terms(q, k, v, g, beta, chunk, segments, before_first)
+    s = q_start[0].new_zeros(B, N, dk, dv)
+    M = torch.eye(dk, dtype=s.dtype, device=s.device).expand(B, N, dk, dk)
+    outs, outs_in = [], []
+    for c in range(n):
+        u, u_in = U0[c] - W[c] @ s, -W[c] @ M  # [B, N, L, dv], [B, N, L, dk]
+        outs.append(q_start[c] @ s + scores[c] @ u)
+        outs_in.append(q_start[c] @ M + scores[c] @ u_in)
+        s = s * carry[c] + k_end[c].transpose(-1, -2) @ u
+        M = M * carry[c] + k_end[c].transpose(-1, -2) @ u_in
+    o, o_in = (torch.stack(t, dim=2).reshape(B, N, n * L, -1)[:, :, :S].transpose(1, 2) for t in (outs, outs_in))
+    return o, o_in, M, s
+
+
+def _chunk_terms(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, chunk: int, segments: Tensor | None,
+                 before_first: Tensor | None = None):
+    """The per-chunk tensors of the chunked rule (``gated_delta_rule``'s docstring), each unbound into its n chunks:
+    U0, W, q_start, scores, k_end, carry; then n and the chunk length L. ``before_first`` [B]: the document of the
+    position before the first (context parallelism: the starting state's; None: the first position's own)."""
+    B, S, N, dk = q.shape
     dv, acc = v.shape[-1], _accumulator(q)
     L = max(1, min(chunk, S))
     pad = (-S) % L
@@ -104,7 +153,8 @@ def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, s
     if segments is not None:
         seg = segments.to(torch.int64)
         seg = torch.cat((seg, seg[:, -1:].expand(-1, pad)), dim=1).view(B, 1, n, L)  # padding joins the last
-        before = torch.cat((seg[:, :, :1, 0], seg[:, :, :-1, -1]), dim=2)  # [B, 1, n]: running at each chunk start
+        first = seg[:, :, :1, 0] if before_first is None else before_first.to(torch.int64).view(B, 1, 1)
+        before = torch.cat((first, seg[:, :, :-1, -1]), dim=2)  # [B, 1, n]: running at each chunk start
         visible = visible & (seg[..., :, None] == seg[..., None, :])
         start = (seg == before[..., None]).to(acc)  # [B, 1, n, L]
         end = (seg == seg[..., -1:]).to(acc)
@@ -123,18 +173,9 @@ def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, s
     k_end = k * to_end[..., None]  # writes into the chunk's final state
     carry = G[..., -1].exp() if start is None else G[..., -1].exp() * start[..., -1]
     carry = carry[..., None, None]  # [B, N, n, 1, 1]
-    s = q.new_zeros(B, N, dk, dv) if state is None else state.to(acc)
-    outs = []
     # per chunk views by unbind: its backward stacks the chunks' gradients once, where indexing [:, :, c] would
     # scatter each into a zero tensor of the whole (n^2 memory traffic: most of the layer's time on a CPU)
-    U0, W, q_start, scores, k_end, carry = (t.unbind(2) for t in (U0, W, q_start, scores, k_end, carry))
-    for c in range(n):
-        u = U0[c] - W[c] @ s  # [B, N, L, dv]
-        outs.append(q_start[c] @ s + scores[c] @ u)
-        if c + 1 < n or final_state:
-            s = s * carry[c] + k_end[c].transpose(-1, -2) @ u
-    o = torch.stack(outs, dim=2).reshape(B, N, n * L, dv)[:, :, :S]
-    return o.transpose(1, 2), (s if final_state else None)
+    return (*(t.unbind(2) for t in (U0, W, q_start, scores, k_end, carry)), n, L)
 
 
 def _pad(x: Tensor, pad: tuple[int, ...]) -> Tensor:
@@ -192,7 +233,7 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.empty(self.nv))
         self.norm = nn.RMSNorm(self.dv, eps=config.norm_eps)  # never zero-centered (transformers' RMSNormGated)
         self.wo = nn.Linear(self.nv * self.dv, H, bias=False)
-        self.context_parallel = None  # comm.context_parallel refuses these layers; kept for the common interface
+        self.context_parallel = None  # comm.context_parallel: this rank's zigzag chunks of every sequence
 
     def forward(self, x: Tensor, cos: Tensor | None = None, sin: Tensor | None = None, kv=None,
                 segments: Tensor | None = None) -> Tensor:
@@ -208,7 +249,15 @@ class GatedDeltaNet(nn.Module):
                                  f"per batch of sequences")
             kv.advance(S)
         mixed = self.wqkv(x)  # [B, S, C]
-        mixed = F.silu(self._conv(mixed, kv) if segments is None else self._conv_documents(mixed, segments))
+        context = self.context_parallel if kv is None else None
+        local_segments = None
+        if context is not None:  # this rank's two zigzag chunks of every sequence (comm.context_parallel)
+            mixed, local_segments = self._conv_context(mixed, segments, context)
+        elif segments is None:
+            mixed = self._conv(mixed, kv)
+        else:
+            mixed = self._conv_documents(mixed, segments)
+        mixed = F.silu(mixed)
         q, k, v = mixed.split([self.nk * self.dk, self.nk * self.dk, self.nv * self.dv], dim=-1)
         q = l2_normalize(q.float().view(B, S, self.nk, self.dk)) * self.dk**-0.5
         k = l2_normalize(k.float().view(B, S, self.nk, self.dk))
@@ -218,7 +267,9 @@ class GatedDeltaNet(nn.Module):
         beta = _ContiguousGrad.apply(torch.sigmoid(self.wb(x).float()))  # [B, S, Nv]
         g = -self.A_log.float().exp() * _ContiguousGrad.apply(F.softplus(self.wa(x).float() + self.dt_bias.float()))
         start = None if kv is None else kv.state
-        if kv is not None and S <= STEPS_MAX:
+        if context is not None:
+            o, state = self._rule_context(q, k, v, g, beta, local_segments, segments, context), None
+        elif kv is not None and S <= STEPS_MAX:
             o, state = gated_delta_steps(q, k, v, g, beta, start)
         else:
             o, state = gated_delta_rule(q, k, v, g, beta, start, self.chunk, final_state=kv is not None,
@@ -229,25 +280,34 @@ class GatedDeltaNet(nn.Module):
         y = (self.norm(o.to(x.dtype)) * F.silu(z.float())).to(x.dtype)
         return self.wo(y.reshape(B, S, -1))
 
-    def _conv(self, mixed: Tensor, kv) -> Tensor:
+    def _conv(self, mixed: Tensor, kv, before: Tensor | None = None) -> Tensor:
         """The causal depthwise convolution of mixed [B, S, C] (position t reads t - k + 1 .. t; before the first
-        position: the cache's last inputs, or zeros)."""
+        position: the cache's last inputs, ``before`` [B, k - 1, C], or zeros)."""
         B, S, C = mixed.shape
         x = mixed.transpose(1, 2)  # [B, C, S]
-        if kv is None:
+        if before is not None:
+            x = torch.cat((before.transpose(1, 2).to(x.dtype), x), dim=-1)
+        elif kv is None:
             x = F.pad(x, (self.kernel - 1, 0))
         else:
-            before = kv.conv if kv.conv is not None else x.new_zeros(B, C, self.kernel - 1)
-            x = torch.cat((before.to(x.dtype), x), dim=-1)
+            held = kv.conv if kv.conv is not None else x.new_zeros(B, C, self.kernel - 1)
+            x = torch.cat((held.to(x.dtype), x), dim=-1)
             kv.conv = x[:, :, x.shape[-1] - (self.kernel - 1):].detach()
         return F.conv1d(x, self.conv_weight.to(x.dtype), groups=C).transpose(1, 2)  # [B, S, C]
 
-    def _conv_documents(self, mixed: Tensor, segments: Tensor) -> Tensor:
+    def _conv_documents(self, mixed: Tensor, segments: Tensor, before: Tensor | None = None,
+                        before_segments: Tensor | None = None) -> Tensor:
         """The causal convolution with every tap that reaches into an earlier document dropped (document masking):
-        out_t = sum_s w[k - 1 - s] x_(t - s) over the taps s with t - s in t's document. k products of [B, S, C]."""
+        out_t = sum_s w[k - 1 - s] x_(t - s) over the taps s with t - s in t's document. k products of [B, S, C].
+        ``before`` [B, k - 1, C] / ``before_segments`` [B, k - 1]: the positions before the first (context
+        parallelism), else none (zeros, in no document)."""
         S, k = mixed.shape[1], self.kernel
-        x = F.pad(mixed, (0, 0, k - 1, 0))  # [B, k - 1 + S, C]
-        seg = F.pad(segments, (k - 1, 0), value=-1)  # no document before the first position
+        if before is None:
+            x = F.pad(mixed, (0, 0, k - 1, 0))  # [B, k - 1 + S, C]
+            seg = F.pad(segments, (k - 1, 0), value=-1)  # no document before the first position
+        else:
+            x = torch.cat((before.to(mixed.dtype), mixed), dim=1)
+            seg = torch.cat((before_segments.to(segments.dtype), segments), dim=1)
         w = self.conv_weight[:, 0].to(mixed.dtype)  # [C, k]
         out = None
         for tap in range(k):  # tap k - 1 is the position itself
@@ -255,6 +315,56 @@ class GatedDeltaNet(nn.Module):
             term = x[:, tap : tap + S] * same * w[:, tap]
             out = term if out is None else out + term
         return out
+
+    def _conv_context(self, mixed: Tensor, segments: Tensor | None, context) -> tuple[Tensor, Tensor | None]:
+        """The convolution of this rank's two chunks, each reading the k - 1 positions before it from the chunks
+        of other ranks (their last min(c, k - 1) inputs, all-gathered: differentiable); and this rank's positions'
+        documents out of the whole sequence's ``segments`` (or None)."""
+        B, S, C = mixed.shape
+        k, c = self.kernel, S // 2
+        positions = context.positions(S, mixed.device)
+        local = None if segments is None else segments[:, positions]
+        t = min(c, k - 1)
+        every = context.gather(torch.stack((mixed[:, c - t:c], mixed[:, S - t:]), 0), 0) if t else None
+        parts = []
+        for lo, first, n in context.chunks(S):
+            j = first // c  # the chunk's index in the whole sequence
+            before = None
+            if k > 1:  # the k - 1 inputs before the chunk: earlier chunks' tails, zeros before the sequence
+                before = torch.cat([mixed.new_zeros(B, k - 1, C), *every[:j].unbind(0)], dim=1)[:, -(k - 1):]
+            part = mixed[:, lo:lo + n]
+            if segments is None:
+                parts.append(self._conv(part, None, before))
+                continue
+            idx = torch.arange(first - (k - 1), first, device=mixed.device)
+            before_seg = torch.where(idx >= 0, segments[:, idx.clamp(min=0)], -1)
+            parts.append(self._conv_documents(part, local[:, lo:lo + n], before, before_seg))
+        return torch.cat(parts, dim=1), local
+
+    def _rule_context(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, local: Tensor | None,
+                      segments: Tensor | None, context) -> Tensor:
+        """The rule on this rank's two chunks under context parallelism: each chunk's outputs and end state are
+        affine in its starting state (``gated_delta_rule_affine``); the maps of all 2 cp chunks are all-gathered
+        (differentiable) and composed in sequence order, which gives each chunk its starting state."""
+        S = q.shape[1]
+        c = S // 2
+        pieces = []
+        for lo, first, n in context.chunks(S):
+            span = slice(lo, lo + n)
+            before = None
+            if segments is not None:  # the document of the position before the chunk (-1: none)
+                before = segments[:, first - 1] if first else torch.full_like(segments[:, 0], -1)
+            pieces.append(gated_delta_rule_affine(q[:, span], k[:, span], v[:, span], g[:, span], beta[:, span],
+                                                  self.chunk, None if local is None else local[:, span], before))
+        maps = context.gather(torch.stack([p[2] for p in pieces]), 0)  # [2 cp, B, N, dk, dk] in sequence order
+        ends = context.gather(torch.stack([p[3] for p in pieces]), 0)  # [2 cp, B, N, dk, dv]
+        state, starts = torch.zeros_like(ends[0]), []
+        for j in range(maps.shape[0]):
+            starts.append(state)
+            state = maps[j] @ state + ends[j]
+        out = [o + torch.einsum("bsnk,bnkv->bsnv", o_in, starts[first // c])
+               for (o, o_in, _, _), (_, first, _) in zip(pieces, context.chunks(S))]
+        return torch.cat(out, dim=1)
 
     @torch.no_grad()
     def init_weights(self, normal_, std: float, std_out: float) -> None:

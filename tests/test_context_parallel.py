@@ -21,7 +21,7 @@ from moekit.models.mtp import ahead_spans
 from moekit.models.parallelize import parallelize
 from moekit.models.transformer import KVCache, build_model
 from tests.dist_utils import run_ranks
-from tests.test_parallelize import tiny_config
+from tests.test_parallelize import QWEN3_5, tiny_config
 
 MLA = dict(attention="mla", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, q_lora_rank=12)
 OSS = dict(attention_sinks=True, sliding_window=3, full_attention_every=2, attention_bias=True,
@@ -224,7 +224,13 @@ def _ranks(rank, world, cases):
         _check(rank, world, *case)
 
 
+# Qwen3.5's layers (tests/test_parallelize.py): a Gated DeltaNet layer whose chunks' starting states come from the
+# other ranks' chunks (affine maps, all-gathered), its convolution reading across the ranks' chunks; chunks of 2
+# positions inside the rule so that each rank's chunk is several of them
+QWEN = dict(QWEN3_5, linear_chunk=2)
 TWO_RANKS = [
+    (dict(cp=2), QWEN, {}),
+    (dict(cp=2), QWEN, {"document_eos": 0}),
     (dict(cp=2), {}, {}),
     (dict(cp=2, ep=2), {"router": "hash", "router_options": {}, "first_dense_layers": 1}, {}),
     (dict(cp=2), MLA, {"activation_checkpointing": "full"}),
@@ -234,6 +240,9 @@ TWO_RANKS = [
     (dict(cp=2), {"router_options": SEQUENCE_BALANCE}, {}),
 ]
 FOUR_RANKS = [
+    # chunks of 2 positions: the convolution's 3 inputs before a chunk span two earlier chunks (other ranks')
+    (dict(cp=4), dict(QWEN, linear_chunk=64), {"document_eos": 0}),
+    (dict(cp=2, fsdp=2, ep=2), QWEN, {"activation_checkpointing": "selective"}),
     (dict(dp=2, cp=2, ep=2), {"shared_ffn_hidden_size": 16}, {}),
     (dict(cp=4), dict(OSS, sliding_window=5, full_attention_every=0), {}),
     (dict(cp=2, fsdp=2, ep=4), MLA, {}),

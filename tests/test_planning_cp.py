@@ -51,6 +51,9 @@ CASES = {  # name: (preset, overrides, activation checkpointing, dtype)
     "gqa-full-documents": ("mixtral-tiny", {}, "full", "float32"),
     # two multi-token-prediction depths on every local position, each with its own embedding of the ids ahead
     "deepseek-mtp": ("deepseek-tiny", {"mtp_layers": 2}, "none", "float32"),
+    # a Gated DeltaNet layer (its chunks' affine maps, the gathered maps and convolution tails) and a gated GQA one
+    "qwen3.5": ("qwen3.5-tiny", {"full_attention_every": 2, "linear_chunk": 8}, "none", "float32"),
+    "qwen3.5-documents": ("qwen3.5-tiny", {"full_attention_every": 2, "linear_chunk": 8}, "none", "float32"),
 }
 BLOCKS = {"gpt-oss-blocks": 8, "gpt-oss-blocks-documents": 8}  # models.attention.WINDOW_BLOCK (else the default)
 DOCUMENTS = {name for name in CASES if name.endswith("-documents")}  # Transformer.document_eos = EOS

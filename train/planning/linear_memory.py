@@ -8,6 +8,9 @@ length, document masking and precision (autocast over fp32 weights, or bf16 weig
 (saved_tensors_hooks), each once, the layer's parameters excluded. The layer's input, the attention norm's output,
 is among them (the projections save it, or under autocast each its own bf16 copy), as the GQA term counts it.
 
+Under context parallelism the run is one rank's: its S / cp positions as two zigzag chunks, each chunk's affine
+map, the all-gathers stood in by copies of the rank's own part (``_LocalContext``).
+
 The fake run dispatches as the CPU does. On CUDA the gated RMSNorm's fused kernel keeps its input and the rsqrt,
 not the CPU composite's x * rsqrt product [T, Nv dv]: that product is subtracted there.
 """
@@ -30,7 +33,7 @@ def linear_attention_kept(cfg: ModelConfig, s: Shapes) -> int:
     """Bytes one Gated DeltaNet layer keeps for backward on a micro-batch of ``s`` (module docstring)."""
     key = tuple((name, getattr(cfg, name)) for name in FIELDS)
     params_bf16 = s.a == 2 and s.r == 2  # FSDP's bf16 parameters (no autocast casts)
-    kept = _saved_bytes(key, s.B, s.S, params_bf16, s.casts, s.documents)
+    kept = _saved_bytes(key, s.B, s.S, params_bf16, s.casts, s.documents, s.cp, s.cp_rank or 0)
     if s.casts:  # the convolution's weight cast (3-d: not among the matmul weights memory.weight_casts counts)
         kept += (2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads
                  * cfg.linear_value_head_dim) * cfg.linear_conv_kernel * s.a
@@ -40,7 +43,29 @@ def linear_attention_kept(cfg: ModelConfig, s: Shapes) -> int:
 
 
 @functools.lru_cache(maxsize=128)
-def _saved_bytes(key: tuple, B: int, S: int, params_bf16: bool, autocast: bool, documents: bool = False) -> int:
+class _LocalContext:
+    """Stands in for comm.context_parallel.ContextParallel in the fake run: rank ``index`` of ``degree``, its
+    all-gathers ``degree`` copies of its own part (the shapes a real gather returns; its autograd saves nothing
+    either). The rank matters: the state scan past a rank's last chunk feeds nothing there and is freed."""
+
+    def __init__(self, degree: int, index: int):
+        from moekit.comm.context_parallel import ContextParallel
+
+        self._cp = ContextParallel(degree, index)
+        self.degree = degree
+
+    def chunks(self, local_len: int):
+        return self._cp.chunks(local_len)
+
+    def positions(self, local_len: int, device=None):
+        return self._cp.positions(local_len, device)
+
+    def gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        return self._cp._gather(t, dim, lambda x, d, group: torch.cat([x] * self.degree, d))
+
+
+def _saved_bytes(key: tuple, B: int, S: int, params_bf16: bool, autocast: bool, documents: bool = False,
+                 cp: int = 1, cp_rank: int = 0) -> int:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from moekit.models.linear_attention import GatedDeltaNet
@@ -55,9 +80,11 @@ def _saved_bytes(key: tuple, B: int, S: int, params_bf16: bool, autocast: bool, 
     try:
         with FakeTensorMode(), torch.device("cpu"):
             layer = GatedDeltaNet(cfg)
+            if cp > 1:  # this rank's S / cp positions; the documents are the whole sequence's
+                layer.context_parallel = _LocalContext(cp, cp_rank)
             # not a leaf, as the attention norm's output is: autocast caches the casts of leaves only, so each
             # projection keeps its own bf16 copy of it
-            x = torch.empty(B, S, cfg.hidden_size, dtype=dtype, requires_grad=True) * 1.0
+            x = torch.empty(B, S // cp, cfg.hidden_size, dtype=dtype, requires_grad=True) * 1.0
             segments = torch.zeros(B, S, dtype=torch.int32) if documents else None  # models.attention's dtype
             return _run(layer, x, autocast, segments)
     finally:
