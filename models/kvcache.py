@@ -85,12 +85,16 @@ class LayerKV:
 class LayerState:
     """A linear-attention layer's cache (models.linear_attention): the last k - 1 inputs of its convolution
     ``conv`` [B, C, k - 1] and its states ``state`` [B, Nv, dk, dv] (float32) after ``length`` positions. Its size
-    does not grow with the length; it cannot take positions back (the states before them are gone)."""
+    does not grow with the length. Positions can be taken back only within the last forward of at most
+    ``linear_attention.STEPS_MAX`` positions (speculative decoding's check of a draft chain), whose
+    per-position (state, conv) the layer records in ``snapshots``: the states before them are gone otherwise."""
 
     def __init__(self, capacity: int):
         self.capacity, self.length = capacity, 0
         self.conv: Tensor | None = None
         self.state: Tensor | None = None
+        self.snapshots: dict[int, tuple[Tensor | None, Tensor | None]] = {}  # length -> (state, conv) there
+        self.inputs: Tensor | None = None  # the last forward's convolution inputs [B, C, k - 1 + S]
 
     def advance(self, S: int) -> None:
         """Count S more positions (the layer writes ``conv`` and ``state`` itself)."""
@@ -102,10 +106,13 @@ class LayerState:
     def truncate(self, length: int) -> None:
         if length == self.length:
             return
-        raise ValueError(f"a linear-attention layer's cache keeps only its state after the last position, so it "
-                         f"cannot go back from {self.length} to {length} positions (speculative decoding takes "
-                         f"back rejected draft tokens): generate without --speculative for models with "
-                         f"model.linear_attention")
+        if length not in self.snapshots:
+            raise ValueError(f"a linear-attention layer's cache keeps its state after the last position and, after a "
+                             f"forward of a few positions, after each of those; it cannot go back from {self.length} "
+                             f"to {length} positions: start a new cache from the prompt")
+        self.state, self.conv = self.snapshots[length]
+        self.length = length
+        self.snapshots = {n: snap for n, snap in self.snapshots.items() if n <= length}
 
 
 class KVCache:

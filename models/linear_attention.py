@@ -31,8 +31,11 @@ adds its starting state's part (``GatedDeltaNet._rule_context``); the convolutio
 chunk from the other ranks' chunk tails (``_conv_context``). Per layer that is one all-gather of
 2 x [B, Nv, dk, dk + dv] floats and one of the last k - 1 projected inputs of each chunk.
 
-Not supported (refused where they are set up, naming the fix): tensor parallelism of these layers (their
-projections are fused across q / k / v), taking back decoded positions (MTP speculation).
+Speculative decoding (MTP drafts checked by one forward of a few positions) takes rejected positions back: such a
+forward keeps the state and the convolution's inputs after each of its positions (``LayerState.snapshots``).
+
+Not supported (refused where it is set up, naming the fix): tensor parallelism of these layers (their projections
+are fused across q / k / v).
 """
 from __future__ import annotations
 
@@ -189,10 +192,11 @@ def _accumulator(x: Tensor) -> torch.dtype:
 
 
 def gated_delta_steps(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
-                      state: Tensor | None = None, segments: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                      state: Tensor | None = None, segments: Tensor | None = None,
+                      trace: list | None = None) -> tuple[Tensor, Tensor]:
     """The same rule position by position (the recurrence in the module docstring): decoding, and the tests'
     reference. Arguments and results as ``gated_delta_rule``; with ``segments`` the state is zeroed where a new
-    document begins."""
+    document begins; ``trace``: a list the state after each position is appended to."""
     B, S, N, dk = q.shape
     acc = _accumulator(q)
     s = q.new_zeros(B, N, dk, v.shape[-1], dtype=acc) if state is None else state.to(acc)
@@ -205,6 +209,8 @@ def gated_delta_steps(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
         err = v[:, t] - torch.einsum("bnkv,bnk->bnv", s, k[:, t])  # [B, N, dv]
         s = s + k[:, t, :, :, None] * (beta[:, t, :, None] * err)[:, :, None, :]
         outs.append(torch.einsum("bnkv,bnk->bnv", s, q[:, t]))
+        if trace is not None:
+            trace.append(s)
     return torch.stack(outs, dim=1), s
 
 
@@ -249,12 +255,14 @@ class GatedDeltaNet(nn.Module):
                                  f"per batch of sequences")
             kv.advance(S)
         mixed = self.wqkv(x)  # [B, S, C]
+        conv_before = None if kv is None else kv.conv
         context = self.context_parallel if kv is None else None
-        local_segments = None
+        local_segments = inputs = None
         if context is not None:  # this rank's two zigzag chunks of every sequence (comm.context_parallel)
             mixed, local_segments = self._conv_context(mixed, segments, context)
         elif segments is None:
             mixed = self._conv(mixed, kv)
+            inputs = None if kv is None else kv.inputs  # [B, C, k - 1 + S]: the cached inputs, then the new
         else:
             mixed = self._conv_documents(mixed, segments)
         mixed = F.silu(mixed)
@@ -267,14 +275,21 @@ class GatedDeltaNet(nn.Module):
         beta = _ContiguousGrad.apply(torch.sigmoid(self.wb(x).float()))  # [B, S, Nv]
         g = -self.A_log.float().exp() * _ContiguousGrad.apply(F.softplus(self.wa(x).float() + self.dt_bias.float()))
         start = None if kv is None else kv.state
+        trace = None
         if context is not None:
             o, state = self._rule_context(q, k, v, g, beta, local_segments, segments, context), None
-        elif kv is not None and S <= STEPS_MAX:
-            o, state = gated_delta_steps(q, k, v, g, beta, start)
+        elif kv is not None and S <= STEPS_MAX:  # decoding steps: the state after each is kept (speculation)
+            trace = []
+            o, state = gated_delta_steps(q, k, v, g, beta, start, trace=trace)
         else:
             o, state = gated_delta_rule(q, k, v, g, beta, start, self.chunk, final_state=kv is not None,
                                         segments=segments)
         if kv is not None:
+            first = kv.length - S  # the cache's length before this forward
+            kv.snapshots = {first: (start, conv_before)}
+            if trace is not None:  # the state and the convolution's inputs after each new position
+                kv.snapshots.update({first + t + 1: (trace[t].detach(), inputs[:, :, t + 1 : t + self.kernel])
+                                     for t in range(S)})
             kv.state = state.detach()
         z = self.wz(x).view(B, S, self.nv, self.dv)
         y = (self.norm(o.to(x.dtype)) * F.silu(z.float())).to(x.dtype)
@@ -293,6 +308,7 @@ class GatedDeltaNet(nn.Module):
             held = kv.conv if kv.conv is not None else x.new_zeros(B, C, self.kernel - 1)
             x = torch.cat((held.to(x.dtype), x), dim=-1)
             kv.conv = x[:, :, x.shape[-1] - (self.kernel - 1):].detach()
+            kv.inputs = x.detach()
         return F.conv1d(x, self.conv_weight.to(x.dtype), groups=C).transpose(1, 2)  # [B, S, C]
 
     def _conv_documents(self, mixed: Tensor, segments: Tensor, before: Tensor | None = None,

@@ -494,8 +494,12 @@ def spec_model(seed: int, narrow_head: bool = False, **over):
 
 
 MLA = dict(attention="mla", kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, q_lora_rank=16)
+# Qwen3.5's layers: a Gated DeltaNet layer, whose cache takes rejected drafts back through its per-position states
+QWEN = dict(linear_attention="gated_deltanet", full_attention_every=2, linear_num_key_heads=2,
+            linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, attention_output_gate=True,
+            norm_zero_centered=True, qk_norm="head", first_dense_layers=0, shared_expert_gate=True)
 SPEC_CONFIGS = {"moe": {}, "dense": dict(num_experts=0, shared_ffn_hidden_size=0), "mla": MLA,
-                "tied": dict(tie_embeddings=True)}
+                "tied": dict(tie_embeddings=True), "qwen3.5": QWEN}
 
 
 @pytest.mark.parametrize("depths", [1, 2, 3])

@@ -159,9 +159,29 @@ def test_cached_decoding_equals_the_full_forward(splits):
             at += n
     torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-5, atol=1e-5)
     assert cache.length == sum(splits)
-    with pytest.raises(ValueError, match="cannot go back"):
-        cache.truncate(cache.length - 1)
     cache.truncate(cache.length)  # nothing to take back: fine
+    with pytest.raises(ValueError, match="cannot go back"):  # before the last forward's first position
+        cache.truncate(cache.length - splits[-1] - 1)
+
+
+def test_cache_takes_back_positions_of_a_short_forward():
+    """Speculative decoding's pattern: a forward of 3 positions (a draft chain checked), 2 of them taken back, other
+    tokens decoded from there: the logits are those of the full forward of the sequence that was kept; the
+    convolution's inputs and the states come back to the accepted position."""
+    cfg = qwen_tiny(linear_chunk=8, full_attention_every=2)
+    model = build_model(cfg, seed=5).eval()
+    t = torch.randint(0, cfg.vocab_size, (1, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        cache = KVCache(cfg)
+        model(t[:, :10], cache=cache)
+        model(t[:, 10:13], cache=cache)  # 3 positions, 2 of them rejected
+        cache.truncate(11)
+        other = torch.tensor([[7, 9, 11]])
+        got = model(other, cache=cache)
+        want = model(torch.cat((t[:, :11], other), 1))[:, 11:]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="cannot go back from 14 to 10"):
+        cache.truncate(10)
 
 
 def test_cache_refuses_overflow_and_a_different_batch():
@@ -321,7 +341,7 @@ def test_the_multimodal_release_imports_its_language_model(tmp_path):
         "text_config": {**text, "model_type": "qwen3_5_moe_text"}, "vision_config": {"depth": 2},
         "tie_word_embeddings": False}))
     assert config_from_hf(release).name == "hf:qwen3_5_moe_text"
-    with pytest.warns(UserWarning, match="vision tower and the multi-token-prediction layer"):
+    with pytest.warns(UserWarning, match=r"vision tower \(model.visual.\*, 1 tensors\)"):
         model = load_hf(release)
     toks = torch.randint(0, 300, (1, 20), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -395,7 +415,7 @@ def test_qwen3_next_fused_shapes_must_match_the_config(tmp_path):
     hf_qwen3_next(tmp_path / "hf")
     tensors = load_file(tmp_path / "hf" / "model.safetensors")
     save_file({**tensors, "mtp.fc.weight": torch.zeros(64, 128)}, tmp_path / "hf" / "model.safetensors")
-    with pytest.warns(UserWarning, match=r"skipping the multi-token-prediction layer \(mtp.\*, 1 tensors\)"):
+    with pytest.warns(UserWarning, match=r"skipping 1 tensors of the multi-token-prediction layer\(s\) \(mtp.\*\)"):
         load_hf(tmp_path / "hf")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "linear_value_head_dim": 4}))
@@ -432,3 +452,60 @@ def test_qwen3_next_loads_by_slices_under_fsdp_and_ep(tmp_path):
     tensors = load_file(tmp_path / "hf" / "model.safetensors")  # the release's MTP layer beside the model: skipped
     save_file({**tensors, "mtp.fc.weight": torch.zeros(64, 128)}, tmp_path / "hf" / "model.safetensors")
     run_ranks(_qwen3_next_ranks, 2, str(tmp_path / "hf"))
+
+
+def test_qwen3_5_mtp_layer_loads_into_the_depth_and_computes_vllms_mtp(tmp_path):
+    """The release's MTP layer (mtp.fc, mtp.pre_fc_norm_embedding / _hidden, mtp.layers.0 (a full-attention
+    layer), mtp.norm; mtp_num_hidden_layers 1) loads into the model's depth. Its loss equals vLLM's Qwen3-Next MTP
+    math written out here with transformers' own decoder layer and zero-centered norms:
+    head(norm(layer(fc([norm_e(embed(t_(i+1))) ; norm_h(h_i)])))) against t_(i+2), h the main model's final normed
+    hidden states. Exported back, the mtp.* tensors are the release's bit for bit."""
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
+        Qwen3_5MoeDecoderLayer, Qwen3_5MoeRMSNorm, Qwen3_5MoeTextRotaryEmbedding)
+
+    from moekit.models.hf import load_hf, save_hf
+
+    ref = hf_qwen35(tmp_path / "hf")
+    cfg = ref.config
+    cfg._attn_implementation = "sdpa"
+    g = torch.Generator().manual_seed(5)
+    layer = Qwen3_5MoeDecoderLayer(cfg, 3).eval()  # layer 3 is a full-attention one
+    norms = {n: Qwen3_5MoeRMSNorm(64, eps=cfg.rms_norm_eps) for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden",
+                                                                      "norm")}
+    fc = torch.nn.Linear(128, 64, bias=False)
+    mtp = {f"mtp.layers.0.{k}": torch.randn(v.shape, generator=g) * 0.1 for k, v in layer.state_dict().items()}
+    mtp.update({f"mtp.{n}.weight": torch.randn(64, generator=g) * 0.1 for n in norms})
+    mtp["mtp.fc.weight"] = torch.randn(64, 128, generator=g) * 0.1
+    with torch.no_grad():
+        layer.load_state_dict({k[len("mtp.layers.0."):]: v for k, v in mtp.items() if k.startswith("mtp.layers.0.")})
+        for n, norm in norms.items():
+            norm.weight.copy_(mtp[f"mtp.{n}.weight"])
+        fc.weight.copy_(mtp["mtp.fc.weight"])
+    tensors = load_file(tmp_path / "hf" / "model.safetensors")
+    save_file({**tensors, **mtp}, tmp_path / "hf" / "model.safetensors")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "mtp_num_hidden_layers": 1}))
+
+    model = load_hf(tmp_path / "hf")
+    assert model.config.mtp_layers == 1
+    toks = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(2))
+    targets = toks.roll(-1, 1)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        h = ref.model(toks).last_hidden_state  # [B, S, H], after the final norm
+        x = fc(torch.cat((norms["pre_fc_norm_embedding"](ref.model.embed_tokens(toks[:, 1:])),
+                          norms["pre_fc_norm_hidden"](h[:, :-1])), dim=-1))
+        positions = torch.arange(toks.shape[1] - 1)[None]
+        rope = Qwen3_5MoeTextRotaryEmbedding(cfg)(x, positions)
+        x = layer(x, position_embeddings=rope, position_ids=positions)
+        x = x[0] if isinstance(x, tuple) else x
+        logits = ref.lm_head(norms["norm"](x))
+        want = F.cross_entropy(logits.flatten(0, 1), targets[:, 1:].flatten())
+        model.mtp_in_eval = True  # record the depths' loss in an eval forward
+        model(toks, targets=targets)
+    torch.testing.assert_close(model.pop_mtp_loss(), want, rtol=1e-4, atol=1e-5)
+    save_hf(model, tmp_path / "out", layout="fused")  # the experts as the MTP layer was written here
+    out = load_file(tmp_path / "out" / "model.safetensors")
+    assert all(torch.equal(out[k], v) for k, v in mtp.items())
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["mtp_num_hidden_layers"] == 1
+    transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")  # transformers skips mtp.* as it should

@@ -44,8 +44,8 @@ from moekit.models.hf.export import choose_family, copy_tokenizer, export_proble
 from moekit.models.hf.families import (FAMILIES, MTP_COPIES, MTP_FAMILIES, Family, UnsupportedCheckpoint, family,
                                       mtp_layers_present, skipped_keys)
 from moekit.models.hf.io import DTYPE_NAMES, CONFIG_FILE, CheckpointReader, read_config, write_safetensors
-from moekit.models.hf.weights import (Rule, _one, check_counts, detect_layout, export_tensors, load_into,
-                                      model_rules)
+from moekit.models.hf.weights import (Rule, _one, check_counts, detect_layout, export_tensors, layer_prefix,
+                                      load_into, model_rules)
 from moekit.models.transformer import Transformer, meta_device
 
 SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
@@ -144,7 +144,8 @@ def plan_load(model: Transformer, path: str | Path, check_config: bool = True) -
     # lacks keep their initialisation (families.skipped_keys leaves out the layers the model has no depth for)
     mtp = getattr(model, "mtp", None) or ()  # (a pipeline rank without the last stage has none)
     depths = min(len(mtp), mtp_layers_present(hf, keys, model.config.num_layers))
-    layouts = [detect_layout(keys, i, fam.naming) for i in range(model.config.num_layers + depths)]
+    L = model.config.num_layers
+    layouts = [detect_layout(keys, i, fam.naming, layer_prefix(fam.naming, L, i)) for i in range(L + depths)]
     blocks, fused = [b for b, _ in layouts], [f for _, f in layouts]
     check_counts(reader, model, fam.naming, blocks, fused, fam.layers_field, skipped, depths)
     _check_lm_head(reader, model.config)
@@ -153,8 +154,8 @@ def plan_load(model: Transformer, path: str | Path, check_config: bool = True) -
     # tensors without elements hold nothing to load: transformers saves n_shared_experts=0 as [0, H] shared experts
     empty = {k for k, info in reader.infos.items() if 0 in info.shape}
     head = "embed.weight" if model.config.tie_embeddings else "lm_head.weight"
-    L = model.config.num_layers
-    copies = tuple((f"model.layers.{L + j}.{copy}", main) for j in range(depths)
+    stored_copies = depths if fam.naming.mtp == "deepseek" else 0  # Qwen's MTP layer shares the main ones
+    copies = tuple((f"model.layers.{L + j}.{copy}", main) for j in range(stored_copies)
                    for copy, main in zip(MTP_COPIES, ("embed.weight", head)) if f"model.layers.{L + j}.{copy}" in keys)
     return LoadSpec(fam, reader, rules, ({"lm_head.weight"} if tied else set()) | skipped | empty, tied, copies)
 
@@ -190,16 +191,21 @@ def export_rules(model: Transformer, family: str | None, dtype: torch.dtype | No
         raise ValueError(f"dtype={dtype} is not supported; use one of {list(DTYPE_NAMES)}")
     name = choose_family(model, family)
     mtp = getattr(model, "mtp", ())  # a pipeline's stage container has none (MTP runs without pp)
-    depths = len(mtp) if name in MTP_FAMILIES else 0  # models.mtp: only DeepSeek-V3's format stores them
-    if len(mtp) and not depths:
-        warnings.warn(f"the model's {len(mtp)} multi-token-prediction depth(s) are not written: {name} has no "
-                      f"place for them (deepseek_v3, glm4_moe and glm4_moe_lite do); the main model is exported whole and its "
-                      f"logits are unaffected", stacklevel=3)
-    naming, L = FAMILIES[name].naming, model.config.num_layers + depths
+    naming = FAMILIES[name].naming
+    depths = len(mtp) if name in MTP_FAMILIES else 0  # models.mtp: DeepSeek-V3's and Qwen's formats store them
+    if naming.mtp == "qwen":
+        depths = min(depths, 1)  # Qwen's releases hold one MTP layer (vLLM shares its fc among more)
+    if len(mtp) > depths:
+        warnings.warn(f"{len(mtp) - depths} of the model's {len(mtp)} multi-token-prediction depth(s) are not "
+                      f"written: {name} has no place for them (deepseek_v3, glm4_moe and glm4_moe_lite store any "
+                      f"number, the Qwen families one); the main model is exported whole and its logits are "
+                      f"unaffected", stacklevel=3)
+    L = model.config.num_layers + depths
     block = naming.moe_blocks[-1 if layout == "fused" else 0]  # fused tensors live under "mlp", as in transformers
     rules = model_rules(model, naming, [block] * L, [layout == "fused"] * L, depths)
     head = "embed.weight" if getattr(model, "lm_head", None) is None else "lm_head.weight"
-    for i in range(model.config.num_layers, L):  # each MTP layer's copies of the shared tensors, as released
+    for i in range(model.config.num_layers, L if naming.mtp == "deepseek" else 0):  # each MTP layer's copies of
+        # the shared tensors, as DeepSeek-V3 released them
         rules += [_one("embed.weight", f"model.layers.{i}.embed_tokens.weight", "vocab_size, hidden_size"),
                   _one(head, f"model.layers.{i}.shared_head.head.weight", "vocab_size, hidden_size")]
     return name, rules, dtype or next(model.parameters()).dtype

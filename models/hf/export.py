@@ -393,6 +393,7 @@ def hf_config(model, family: str, dtype_name: str, token_ids: dict[str, Any] | N
                    linear_num_key_heads=cfg.linear_num_key_heads or 16,
                    linear_num_value_heads=cfg.linear_num_value_heads or 32)
         out["rope_parameters"]["partial_rotary_factor"] = cfg.partial_rotary_factor  # where transformers 5 reads it
+        out["mtp_num_hidden_layers"] = min(cfg.mtp_layers, 1)  # the mtp.* layer written (vLLM's MTP drafting)
         if family == "qwen3_next":  # Qwen3-MoE's layer pattern and renormalisation flag
             out.update(intermediate_size=cfg.ffn_hidden_size, norm_topk_prob=r.normalize, decoder_sparse_step=1,
                        mlp_only_layers=[i for i in range(L) if not cfg.is_moe_layer(i)])

@@ -68,7 +68,7 @@ ERNIE4_5_MOE = Naming(moe_blocks=("mlp",), expert_proj=GATED, experts_field="moe
                       router_bias="moe_statics.e_score_correction_bias", router_bias_in_block=True,
                       router_bias_row=True)
 QWEN3_5_MOE = Naming(moe_blocks=("mlp",), expert_proj=GATED, experts_field="num_experts", shared="shared_expert",
-                     shared_gate="shared_expert_gate")
+                     shared_gate="shared_expert_gate", mtp="qwen")
 GPT_OSS = Naming(moe_blocks=("mlp",), expert_proj=GATED, experts_field="num_local_experts", router="router",
                  woven=True)
 
@@ -523,9 +523,9 @@ def ernie4_5_moe_config(hf: dict) -> ModelConfig:
 
 
 # Qwen3.5's release (Qwen3_5MoeForConditionalGeneration) nests the language model's config under text_config and
-# its weights under model.language_model.; the vision tower (model.visual.*) and the MTP layer (mtp.*) are left out
+# its weights under model.language_model.; the vision tower (model.visual.*) is left out, the MTP layer (mtp.*) loads
+# into the model's depth (models.mtp)
 QWEN3_5_NESTED = ("model.language_model.", "model.")
-QWEN3_5_LEFT_OUT = ("model.visual.", "mtp.")
 
 
 def text_config(hf: dict) -> dict:
@@ -569,6 +569,7 @@ def qwen3_5_moe_config(hf: dict) -> ModelConfig:
     E = _get(hf, "num_experts")
     shared = _get(hf, "shared_expert_intermediate_size", 0)
     fields.update(
+        mtp_layers=mtp_layers_of(hf),
         qk_norm="head", attention_output_gate=True, norm_zero_centered=True, full_attention_every=every,
         linear_attention="gated_deltanet" if "linear_attention" in types else "none",
         num_experts=E, top_k=_get(hf, "num_experts_per_tok"), moe_ffn_hidden_size=_get(hf, "moe_intermediate_size"),
@@ -738,19 +739,29 @@ def recorded_family(config: ModelConfig) -> str | None:
     return None
 
 
-MTP_FAMILIES = ("deepseek_v3", "glm4_moe", "glm4_moe_lite")  # their releases carry multi-token-prediction layers
+# their releases carry multi-token-prediction layers (Qwen's: one, under mtp., weights.Naming.mtp)
+QWEN_MTP = ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
+MTP_FAMILIES = ("deepseek_v3", "glm4_moe", "glm4_moe_lite", *QWEN_MTP)
 MTP_COPIES = ("embed_tokens.weight", "shared_head.head.weight")  # an MTP layer's copies of the shared tensors
 
 
 def mtp_layers_of(hf: dict) -> int:
-    """num_nextn_predict_layers of a family that stores multi-token-prediction layers, else 0."""
-    return _get(hf, ("num_nextn_predict_layers", "num_mtp_layers"), 0) if hf.get("model_type") in MTP_FAMILIES else 0
+    """num_nextn_predict_layers of a family that stores multi-token-prediction layers, else 0. Qwen's
+    (mtp_num_hidden_layers): at most 1, the layer its releases hold (vLLM shares one fc and its norms among more
+    layers, which moekit's depths do not)."""
+    kind = hf.get("model_type")
+    if kind in QWEN_MTP:
+        text = text_config(hf)
+        return min(1, _get(text, ("mtp_num_hidden_layers", "num_nextn_predict_layers"), 0))
+    return _get(hf, ("num_nextn_predict_layers", "num_mtp_layers"), 0) if kind in MTP_FAMILIES else 0
 
 
 def mtp_layers_present(hf: dict, keys, num_layers: int) -> int:
     """How many of num_nextn_predict_layers the checkpoint holds (the leading ones with an ``eh_proj``):
     transformers saves the field (DeepseekV3Config's default is 1) without writing the layers it does not run."""
     n, stored = 0, mtp_layers_of(hf)
+    if hf.get("model_type") in QWEN_MTP:
+        return int(stored > 0 and "mtp.fc.weight" in keys)
     while n < stored and f"model.layers.{num_layers + n}.eh_proj.weight" in keys:
         n += 1
     return n
@@ -761,20 +772,21 @@ def skipped_keys(hf: dict, keys, num_layers: int, path, mtp_layers: int | None =
     (``model.layers.{num_hidden_layers + j}.*``, j < num_nextn_predict_layers) load into the model's MTP depths
     (models.mtp) but for their copies of the embedding and the head (``MTP_COPIES``: the depths share the main
     model's); the layers beyond the model's ``mtp_layers`` (default: all of them) are left out with a warning.
-    Qwen3.5's release: its vision tower and MTP layer (``QWEN3_5_LEFT_OUT``), with a warning."""
-    if hf.get("model_type") == "qwen3_5_moe":
-        left = {k for k in keys if k.startswith(QWEN3_5_LEFT_OUT)}
-        if left:
-            warnings.warn(f"{path}: importing the language model only; skipping {len(left)} tensors of the vision "
-                          f"tower and the multi-token-prediction layer (model.visual.*, mtp.*)", stacklevel=3)
-        return left
-    if hf.get("model_type") in ("qwen3_next", "qwen3_5_moe_text"):  # their MTP layer, which transformers skips too
-        left = {k for k in keys if k.startswith("mtp.")}
-        if left:
-            warnings.warn(f"{path}: skipping the multi-token-prediction layer (mtp.*, {len(left)} tensors), which "
-                          f"moekit does not read for this family; the main model's logits are unaffected",
-                          stacklevel=3)
-        return left
+    Qwen3.5 / Qwen3-Next: the vision tower of a multimodal release, and the MTP layer (mtp.*) when the model has no
+    depth for it, with a warning."""
+    if hf.get("model_type") in QWEN_MTP:  # the vision tower; the MTP layer when the model has no depth for it
+        vision = {k for k in keys if k.startswith("model.visual.")}
+        if vision:
+            warnings.warn(f"{path}: importing the language model only; skipping the vision tower (model.visual.*, "
+                          f"{len(vision)} tensors)", stacklevel=3)
+        taken = mtp_layers_of(hf) if mtp_layers is None else min(mtp_layers, mtp_layers_of(hf))
+        mtp = {k for k in keys if k.startswith("mtp.") and (not taken or k.startswith("mtp.layers.")
+                                                                and not k.startswith("mtp.layers.0."))}
+        if mtp:
+            warnings.warn(f"{path}: skipping {len(mtp)} tensors of the multi-token-prediction layer(s) (mtp.*): the "
+                          f"model reads {taken} (model.mtp_layers; the release holds one); the main model's logits "
+                          f"are unaffected", stacklevel=3)
+        return vision | mtp
     extra = mtp_layers_of(hf)
     if not extra:
         return set()

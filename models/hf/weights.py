@@ -46,6 +46,29 @@ class Naming:
     router_bias_row: bool = False  # ERNIE 4.5: the selection bias is stored as one row [1, E]
     router: str = "gate"  # the router's module inside the block (gpt-oss: "router", whose ``bias`` is the gate's)
     woven: bool = False  # gpt-oss: fused experts, gate / up interleaved, with biases (_woven_expert_rules)
+    # how the release stores multi-token-prediction layers (models.mtp): "deepseek" as model.layers.{L + k} (enorm,
+    # hnorm, eh_proj, shared_head.norm); "qwen" under mtp. (Qwen3-Next / Qwen3.5: pre_fc_norm_embedding,
+    # pre_fc_norm_hidden, fc, norm, and the block as mtp.layers.{k})
+    mtp: str = "deepseek"
+
+
+# a depth's own tensors (models.mtp.MTPModule) -> their names in each MTP layout
+MTP_NAMES = {"deepseek": {"enorm": "enorm.weight", "hnorm": "hnorm.weight", "eh_proj": "eh_proj.weight",
+                          "norm": "shared_head.norm.weight"},
+             "qwen": {"enorm": "pre_fc_norm_embedding.weight", "hnorm": "pre_fc_norm_hidden.weight",
+                      "eh_proj": "fc.weight", "norm": "norm.weight"}}
+
+
+def mtp_prefixes(naming: Naming, num_layers: int, k: int) -> tuple[str, str]:
+    """(the prefix of MTP depth k's own tensors, that of its block) in the release (``Naming.mtp``)."""
+    if naming.mtp == "qwen":
+        return "mtp", f"mtp.layers.{k}"
+    return f"model.layers.{num_layers + k}", f"model.layers.{num_layers + k}"
+
+
+def layer_prefix(naming: Naming, num_layers: int, i: int) -> str:
+    """The checkpoint prefix of block i: a main layer's, or for i >= num_layers MTP depth i - num_layers's."""
+    return f"model.layers.{i}" if i < num_layers else mtp_prefixes(naming, num_layers, i - num_layers)[1]
 
 
 @dataclass(frozen=True)
@@ -259,9 +282,11 @@ def attention_rules(t: str, s: str, attn) -> list[Rule]:
     return rules
 
 
-def layer_rules(i: int, layer, naming: Naming, block: str, fused: bool, target: str | None = None) -> list[Rule]:
-    """Rules of the block at HF index i; ``target``: its moekit prefix (default ``layers.{i}``)."""
-    t, s = target or f"layers.{i}", f"model.layers.{i}"
+def layer_rules(i: int, layer, naming: Naming, block: str, fused: bool, target: str | None = None,
+                source: str | None = None) -> list[Rule]:
+    """Rules of the block at HF index i; ``target``: its moekit prefix (default ``layers.{i}``), ``source`` its
+    checkpoint prefix (default ``model.layers.{i}``)."""
+    t, s = target or f"layers.{i}", source or f"model.layers.{i}"
     mixer = "linear_attn" if hasattr(layer.attn, "wqkv") else "self_attn"
     rules = [_one(f"{t}.attn_norm.weight", f"{s}.input_layernorm.weight", "hidden_size"),
              *attention_rules(f"{t}.attn", f"{s}.{mixer}", layer.attn),
@@ -283,13 +308,14 @@ def model_rules(model, naming: Naming, blocks: list[str], fused: list[bool], dep
         rules.append(_one("lm_head.weight", "lm_head.weight", "vocab_size, hidden_size"))
     L, mtp = len(model.layers), list(getattr(model, "mtp", ()))
     depths = len(mtp) if depths is None else depths
-    for k, depth in enumerate(mtp[:depths]):  # models.mtp, as DeepSeek-V3 stores them: layer L + k
-        t, s = f"mtp.{k}", f"model.layers.{L + k}"
-        rules += [_one(f"{t}.enorm.weight", f"{s}.enorm.weight", "hidden_size"),
-                  _one(f"{t}.hnorm.weight", f"{s}.hnorm.weight", "hidden_size"),
-                  _one(f"{t}.eh_proj.weight", f"{s}.eh_proj.weight", "hidden_size"),
-                  *layer_rules(L + k, depth.block, naming, blocks[L + k], fused[L + k], target=f"{t}.block"),
-                  _one(f"{t}.norm.weight", f"{s}.shared_head.norm.weight", "hidden_size")]
+    for k, depth in enumerate(mtp[:depths]):  # models.mtp, as the release stores them (Naming.mtp)
+        t, (s, block) = f"mtp.{k}", mtp_prefixes(naming, L, k)
+        names = MTP_NAMES[naming.mtp]
+        rules += [_one(f"{t}.{ours}.weight", f"{s}.{names[ours]}", "hidden_size")
+                  for ours in ("enorm", "hnorm", "eh_proj")]
+        rules += [*layer_rules(L + k, depth.block, naming, blocks[L + k], fused[L + k], target=f"{t}.block",
+                               source=block),
+                  _one(f"{t}.norm.weight", f"{s}.{names['norm']}", "hidden_size")]
     targets = [r.target for r in rules]
     unmapped = tuple(f"mtp.{k}." for k in range(depths, len(mtp)))  # depths the checkpoint has no layer for
     expected = [k for k in model.state_dict() if not k.endswith("pending_load") and not k.startswith(unmapped)]
@@ -302,10 +328,11 @@ def model_rules(model, naming: Naming, blocks: list[str], fused: list[bool], dep
 # ---------------------------------------------------------------------------------------------------
 
 
-def detect_layout(keys: set[str], i: int, naming: Naming) -> tuple[str, bool]:
-    """(block name, fused?) of layer i's experts in the checkpoint; the family's default if absent."""
+def detect_layout(keys: set[str], i: int, naming: Naming, layer: str | None = None) -> tuple[str, bool]:
+    """(block name, fused?) of layer i's experts in the checkpoint (``layer``: its prefix, default
+    ``model.layers.{i}``); the family's default if absent."""
     for block in naming.moe_blocks:
-        prefix = f"model.layers.{i}.{block}.experts."
+        prefix = f"{layer or f'model.layers.{i}'}.{block}.experts."
         if prefix + "gate_up_proj" in keys or prefix + "down_proj" in keys:
             return block, True
         if any(k.startswith(prefix) for k in keys):
@@ -320,8 +347,9 @@ def check_counts(reader: CheckpointReader, model, naming: Naming, blocks: list[s
     layer_ids = {int(m.group(1)) for k in reader.infos
                  if k not in skipped and (m := re.match(r"model\.layers\.(\d+)\.", k))}
     L, D = len(model.layers), min(len(getattr(model, "mtp", ())), depths)
-    if layer_ids and max(layer_ids) + 1 != L + D:
-        mtp = f" and {D} multi-token-prediction layer(s) (num_nextn_predict_layers)" if D else ""
+    in_layers = D if naming.mtp == "deepseek" else 0  # Qwen's MTP layers sit under mtp., not model.layers
+    if layer_ids and max(layer_ids) + 1 != L + in_layers:
+        mtp = f" and {D} multi-token-prediction layer(s) (num_nextn_predict_layers)" if in_layers else ""
         raise ValueError(f"config.json {num_layers_field}={L}{mtp} but the checkpoint has layers "
                          f"0..{max(layer_ids)} (e.g. model.layers.{max(layer_ids)}.*); the config does not match "
                          f"the weights")
@@ -329,7 +357,7 @@ def check_counts(reader: CheckpointReader, model, naming: Naming, blocks: list[s
     for i, layer in enumerate(blocks_of):
         if not layer.is_moe:
             continue
-        prefix = f"model.layers.{i}.{blocks[i]}.experts."
+        prefix = f"{layer_prefix(naming, L, i)}.{blocks[i]}.experts."
         if fused[i]:
             key = prefix + ("gate_up_proj" if prefix + "gate_up_proj" in reader.infos else "down_proj")
             found, where = reader.infos[key].shape[0], f"{key} has shape {list(reader.infos[key].shape)}"
