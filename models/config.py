@@ -91,6 +91,8 @@ class ModelConfig:
     linear_value_head_dim: int = 0  # dv (128)
     linear_conv_kernel: int = 4  # width of the causal depthwise convolution over q, k, v
     linear_chunk: int = 64  # positions per chunk of the chunked delta rule (speed only: any value gives the same math)
+    linear_recompute: bool = True  # training keeps only the rule's inputs and runs its chunks again in backward
+    #   (the chunks' tensors are ~5x those bytes; the rule is a few % of the layer's FLOPs); false keeps them all
     # MLA only (attention = "mla"); 0 where unused. num_kv_heads and head_dim are unused by MLA.
     q_lora_rank: int = 0  # 0 = full-rank query projection wq (DeepSeek-V2-Lite); else wq_a -> norm -> wq_b
     kv_lora_rank: int = 0  # compressed key/value width (wkv_a -> norm -> wkv_b)
@@ -192,7 +194,8 @@ class ModelConfig:
         for name in ("attention", "qk_norm", "rope_pairs"):
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"model.{name}={getattr(self, name)!r} is invalid; it must be a string")
-        for name in ("attention_out_bias", "attention_sinks", "attention_output_gate", "norm_zero_centered"):
+        for name in ("attention_out_bias", "attention_sinks", "attention_output_gate", "norm_zero_centered",
+                     "linear_recompute"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"model.{name}={getattr(self, name)!r} is invalid; it must be true or false")
         _check_int("model.sliding_window", self.sliding_window, 0)

@@ -109,6 +109,29 @@ def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, s
     return o.transpose(1, 2), (s if final_state else None)
 
 
+class _RecomputedRule(torch.autograd.Function):
+    """``gated_delta_rule`` (no final state) that keeps only its inputs for backward and runs the chunks again
+    there: the chunk tensors (decays, the triangular systems' solutions, the per-chunk states) are ~5x the inputs'
+    bytes, and the rule is a small share of the layer's FLOPs (module docstring of GatedDeltaNet)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, chunk, segments):
+        ctx.chunk = chunk
+        ctx.save_for_backward(q, k, v, g, beta, segments)
+        with torch.no_grad():
+            return gated_delta_rule(q, k, v, g, beta, chunk=chunk, final_state=False, segments=segments)[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, g, beta, segments = ctx.saved_tensors
+        inputs = [t.detach().requires_grad_(need) for t, need in zip((q, k, v, g, beta), ctx.needs_input_grad)]
+        with torch.enable_grad():
+            o = gated_delta_rule(*inputs, chunk=ctx.chunk, final_state=False, segments=segments)[0]
+        wanted = [t for t in inputs if t.requires_grad]
+        grads = iter(torch.autograd.grad(o, wanted, grad) if wanted else ())
+        return (*(next(grads) if t.requires_grad else None for t in inputs), None, None)
+
+
 def gated_delta_rule_affine(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, chunk: int = 64,
                             segments: Tensor | None = None,
                             before_first: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -229,6 +252,7 @@ class GatedDeltaNet(nn.Module):
         self.nk, self.nv = config.linear_num_key_heads, config.linear_num_value_heads
         self.dk, self.dv = config.linear_key_head_dim, config.linear_value_head_dim
         self.kernel, self.chunk = config.linear_conv_kernel, config.linear_chunk
+        self.recompute = config.linear_recompute  # backward runs the chunks again (_RecomputedRule)
         self.channels = 2 * self.nk * self.dk + self.nv * self.dv
         self.wqkv = nn.Linear(H, self.channels, bias=False)
         self.wz = nn.Linear(H, self.nv * self.dv, bias=False)
@@ -281,6 +305,8 @@ class GatedDeltaNet(nn.Module):
         elif kv is not None and S <= STEPS_MAX:  # decoding steps: the state after each is kept (speculation)
             trace = []
             o, state = gated_delta_steps(q, k, v, g, beta, start, trace=trace)
+        elif kv is None and self.recompute and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            o, state = _RecomputedRule.apply(q, k, v, g, beta, self.chunk, segments), None
         else:
             o, state = gated_delta_rule(q, k, v, g, beta, start, self.chunk, final_state=kv is not None,
                                         segments=segments)

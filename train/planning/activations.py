@@ -263,21 +263,27 @@ def stage_activations(cfg: ModelConfig, layout: Layout, wl: Workload, stage: Sta
     for i in stage.layers:
         outer, ffn = _block(cfg, layout, s, i, node_rows)
         inner = sum(ffn.values())
+        rule = 0  # a Gated DeltaNet layer's chunks run again in its backward (model.linear_recompute)
+        if cfg.is_linear_layer(i):
+            from moekit.train.planning.linear_memory import linear_rule_transient
+
+            rule = linear_rule_transient(cfg, s)
         if mode == "full":  # only the block input stays; backward recomputes the whole block
             _add(out, {"residual": s.Ts * H * s.r})
-            recompute = max(recompute, sum(outer.values()) - s.Ts * H * s.r + inner)
+            recompute = max(recompute, sum(outer.values()) - s.Ts * H * s.r + inner + rule)
             continue
         if mode == "selective":  # the block input and the cached op outputs; backward rebuilds the rest
             kept = _selective(cfg, layout, s, i)
             _add(out, {"residual": s.Ts * H * s.r, **kept})
-            recompute = max(recompute, sum(outer.values()) + inner - s.Ts * H * s.r - sum(kept.values()))
+            recompute = max(recompute, sum(outer.values()) + inner - s.Ts * H * s.r - sum(kept.values()) + rule)
             continue
         if mode == "ffn":  # the checkpoint keeps the FFN's input and recomputes the rest: the norm output,
             # which under SP is the MoE's own slice, but for a dense MLP the sequence gathered before it
             outer["ffn_input"] = (s.Ts if cfg.is_moe_layer(i) else s.T) * H * s.r
-            recompute = max(recompute, inner)
+            recompute = max(recompute, inner, rule)
         else:
             _add(out, ffn)
+            recompute = max(recompute, rule)
         _add(out, outer)
     if wl.document_mask and mode in ("full", "selective") and stage.layers:  # models.attention.document_segments:
         # [B, S] int32 of the whole sequences (under context parallelism from their gathered ids), which every

@@ -26,7 +26,7 @@ from moekit.train.planning.shapes import Shapes
 
 # the ModelConfig fields a GatedDeltaNet is built from
 FIELDS = ("hidden_size", "norm_eps", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-          "linear_value_head_dim", "linear_conv_kernel", "linear_chunk")
+          "linear_value_head_dim", "linear_conv_kernel", "linear_chunk", "linear_recompute")
 
 
 def linear_attention_kept(cfg: ModelConfig, s: Shapes) -> int:
@@ -62,6 +62,19 @@ class _LocalContext:
 
     def gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         return self._cp._gather(t, dim, lambda x, d, group: torch.cat([x] * self.degree, d))
+
+
+def linear_rule_transient(cfg: ModelConfig, s: Shapes) -> int:
+    """What backward allocates again when it runs a Gated DeltaNet layer's chunks anew (model.linear_recompute): the
+    chunk tensors the forward did not keep, alive while that layer's backward runs (0 without recompute, and under
+    context parallelism, whose affine chunks keep theirs)."""
+    if not cfg.linear_recompute or s.cp > 1:
+        return 0
+    whole = dict(((name, getattr(cfg, name)) for name in FIELDS), linear_recompute=False)
+    kept = dict((name, getattr(cfg, name)) for name in FIELDS)
+    params_bf16 = s.a == 2 and s.r == 2
+    return (_saved_bytes(tuple(whole.items()), s.B, s.S, params_bf16, s.casts, s.documents)
+            - _saved_bytes(tuple(kept.items()), s.B, s.S, params_bf16, s.casts, s.documents))
 
 
 def _saved_bytes(key: tuple, B: int, S: int, params_bf16: bool, autocast: bool, documents: bool = False,
