@@ -250,6 +250,22 @@ def test_layouts_it_cannot_run_are_refused_up_front():
                            segments=torch.zeros(1, 4, dtype=torch.long))
 
 
+@pytest.mark.parametrize("recompute", [True, False])
+def test_planner_fits_long_sequences_from_two_short_fake_runs(recompute):
+    """train.planning.linear_memory: the kept bytes are linear in the length at a fixed remainder, so long sequences
+    come from two short fake runs; equal to the fake run at the full length, with documents, autocast and context
+    parallelism (each rank's chunks)."""
+    from moekit.train.planning import linear_memory as lm
+
+    cfg = qwen_tiny(linear_chunk=4, linear_recompute=recompute)
+    key = tuple((name, getattr(cfg, name)) for name in lm.FIELDS)
+    for S, cp, documents, autocast in [(60, 1, False, False), (77, 1, True, True), (96, 2, True, False),
+                                       (176, 4, False, True)]:
+        assert S > S % (8 * cp) + 3 * 8 * cp  # long enough to be fitted
+        fitted = lm._saved_bytes(key, 2, S, False, autocast, documents, cp, cp - 1)
+        assert fitted == lm._fake_run(S, key, 2, False, autocast, documents, cp, cp - 1), (S, cp)
+
+
 def test_flops_count_the_chunked_rule_as_torch_does():
     """model_stats' linear term against FlopCounterMode over one layer's chunked rule (its bmm's), a sequence that
     is not whole chunks."""
