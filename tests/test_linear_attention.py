@@ -250,17 +250,16 @@ def test_layouts_it_cannot_run_are_refused_up_front():
                            segments=torch.zeros(1, 4, dtype=torch.long))
 
 
-@pytest.mark.parametrize("recompute", [True, False])
-def test_planner_fits_long_sequences_from_two_short_fake_runs(recompute):
+def test_planner_fits_long_sequences_from_two_short_fake_runs():
     """train.planning.linear_memory: the kept bytes are linear in the length at a fixed remainder, so long sequences
     come from two short fake runs; equal to the fake run at the full length, with documents, autocast and context
     parallelism (each rank's chunks)."""
     from moekit.train.planning import linear_memory as lm
 
-    cfg = qwen_tiny(linear_chunk=4, linear_recompute=recompute)
-    key = tuple((name, getattr(cfg, name)) for name in lm.FIELDS)
-    for S, cp, documents, autocast in [(60, 1, False, False), (77, 1, True, True), (96, 2, True, False),
-                                       (176, 4, False, True)]:
+    for S, cp, documents, autocast, recompute in [(77, 1, True, True, True), (60, 1, False, False, False),
+                                                  (176, 4, False, True, True)]:
+        cfg = qwen_tiny(linear_chunk=4, linear_recompute=recompute)
+        key = tuple((name, getattr(cfg, name)) for name in lm.FIELDS)
         assert S > S % (8 * cp) + 3 * 8 * cp  # long enough to be fitted
         fitted = lm._saved_bytes(key, 2, S, False, autocast, documents, cp, cp - 1)
         assert fitted == lm._fake_run(S, key, 2, False, autocast, documents, cp, cp - 1), (S, cp)
