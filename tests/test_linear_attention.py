@@ -524,3 +524,39 @@ def test_qwen3_5_mtp_layer_loads_into_the_depth_and_computes_vllms_mtp(tmp_path)
     assert all(torch.equal(out[k], v) for k, v in mtp.items())
     assert json.loads((tmp_path / "out" / "config.json").read_text())["mtp_num_hidden_layers"] == 1
     transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")  # transformers skips mtp.* as it should
+
+
+def test_dense_qwen3_5_imports_exports_and_upcycles_into_qwen3_5_moe(tmp_path):
+    """Dense Qwen3.5 (qwen3_5_text: the same layers with an MLP) both ways with transformers' logits; upcycled to
+    8 experts of half the MLP (granularity 2) it computes the dense logits, and exports as Qwen3.5-MoE (a zero
+    shared expert), which transformers runs with those logits."""
+    from transformers import Qwen3_5TextConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM
+
+    from moekit.models.hf import load_hf, save_hf
+    from moekit.models.upcycle import upcycle, upcycled_config
+
+    torch.manual_seed(0)
+    dense_cfg = {k: v for k, v in QWEN35.items() if k not in ("moe_intermediate_size", "shared_expert_intermediate_size",
+                                                               "num_experts", "num_experts_per_tok")}
+    ref = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**dense_cfg, intermediate_size=96)).eval()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    ref.save_pretrained(tmp_path / "hf")
+    model = load_hf(tmp_path / "hf")
+    assert model.config.num_experts == 0 and model.config.linear_attention == "gated_deltanet"
+    toks = torch.randint(0, 300, (2, 70), generator=torch.Generator().manual_seed(0))
+    want = _logits(ref, toks)
+    with torch.no_grad():
+        torch.testing.assert_close(model(toks), want, rtol=1e-4, atol=1e-4)
+    save_hf(model, tmp_path / "out")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    torch.testing.assert_close(_logits(back, toks), want, rtol=1e-5, atol=1e-5)
+    moe = upcycle(model, upcycled_config(model.config, 8, 2, 2), 2, seed=1).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(moe(toks), want, rtol=1e-4, atol=1e-4)
+    save_hf(moe, tmp_path / "moe")
+    assert json.loads((tmp_path / "moe" / "config.json").read_text())["model_type"] == "qwen3_5_moe_text"
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "moe").eval()
+    torch.testing.assert_close(_logits(back, toks), want, rtol=1e-4, atol=1e-4)

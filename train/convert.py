@@ -15,7 +15,7 @@ moekit formats (SRC may be any of them; OUT is chosen by its suffix):
 HF_DIR is config.json + safetensors (shards with an index when larger than --max-shard-size), as
 ``save_pretrained`` writes it. hf-to-moekit reads every model type of models.hf.load_hf (mixtral, qwen2_moe,
 qwen3_moe, olmoe, deepseek_v3, deepseek_v2, glm4_moe, glm4_moe_lite, dots1, gpt_oss, minimax_m2, ernie4_5_moe,
-qwen3_5_moe(_text), qwen3_next, llama, qwen2, qwen3); the moekit file remembers the family (config name
+qwen3_5_moe(_text), qwen3_next, qwen3_5(_text), llama, qwen2, qwen3); the moekit file remembers the family (config name
 ``hf:<model_type>``). moekit-to-hf writes
 that family, or with --family another one, else the nearest family that reproduces the model (models.hf.save_hf;
 a model no family reproduces is refused with the reasons).
@@ -39,7 +39,7 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")  # the keys of moekit.train.mod
 # here so that --help and a flag error need no torch.
 HF_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "deepseek_v2", "glm4_moe", "glm4_moe_lite",
                "dots1", "gpt_oss", "minimax_m2", "ernie4_5_moe", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next",
-               "llama", "qwen2", "qwen3")
+               "qwen3_5", "qwen3_5_text", "llama", "qwen2", "qwen3")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

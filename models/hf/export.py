@@ -40,12 +40,13 @@ from moekit.moe.router import TopKRouter
 NEAREST = {True: ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "deepseek_v3", "glm4_moe_lite", "deepseek_v2",
                   "glm4_moe", "dots1",
                   "minimax_m2", "ernie4_5_moe", "gpt_oss", "qwen3_5_moe_text", "qwen3_next"),
-           False: ("llama", "qwen2", "qwen3")}
+           False: ("llama", "qwen2", "qwen3", "qwen3_5_text")}
 PRETTY = {"mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE", "olmoe": "OLMoE",
           "deepseek_v3": "DeepSeek-V3", "deepseek_v2": "DeepSeek-V2", "dots1": "dots.llm1", "glm4_moe": "GLM-4-MoE",
           "glm4_moe_lite": "GLM-4-MoE-Lite",
           "gpt_oss": "gpt-oss", "minimax_m2": "MiniMax-M2", "ernie4_5_moe": "ERNIE-4.5-MoE",
           "qwen3_5_moe_text": "Qwen3.5-MoE", "qwen3_5_moe": "Qwen3.5-MoE", "qwen3_next": "Qwen3-Next",
+          "qwen3_5_text": "Qwen3.5", "qwen3_5": "Qwen3.5",
           "llama": "Llama", "qwen2": "Qwen2",
           "qwen3": "Qwen3"}
 # (attention kind, its biases, the qk_norms it can compute, qkv_clip allowed) of each family's attention; biases:
@@ -58,16 +59,18 @@ ATTENTION = {"mixtral": ("gqa", "none", ("none",), False), "qwen2_moe": ("gqa", 
              "gpt_oss": ("gqa", "all", ("none",), False), "minimax_m2": ("gqa", "none", ("full",), False),
              "ernie4_5_moe": ("gqa", "none", ("none",), False),
              "qwen3_5_moe_text": ("gqa", "all", ("head",), False), "qwen3_5_moe": ("gqa", "all", ("head",), False),
-             "qwen3_next": ("gqa", "all", ("head",), False),
+             "qwen3_next": ("gqa", "all", ("head",), False), "qwen3_5_text": ("gqa", "all", ("head",), False),
+             "qwen3_5": ("gqa", "all", ("head",), False),
              "llama": ("gqa", "all", ("none",), False), "qwen2": ("gqa", "qkv", ("none",), False),
              "qwen3": ("gqa", "all", ("head",), False)}
 # the families whose MoE is DeepSeek-V3's: sigmoid scores, selection bias, groups, scaling, ungated shared experts
 DEEPSEEK_MOE = ("deepseek_v3", "glm4_moe", "dots1", "glm4_moe_lite")
 SIGMOID_MOE = (*DEEPSEEK_MOE, "minimax_m2")  # sigmoid scores and (optionally) a selection bias
 DEEPSEEK_SHARED = (*DEEPSEEK_MOE, "deepseek_v2")  # ungated shared experts (n_shared_experts), dense first layers
-QWEN3_5 = ("qwen3_5_moe_text", "qwen3_5_moe", "qwen3_next")  # gated attention, zero-centered norms, Gated DeltaNet
+# gated attention, zero-centered norms, Gated DeltaNet layers
+QWEN3_5 = ("qwen3_5_moe_text", "qwen3_5_moe", "qwen3_next", "qwen3_5_text", "qwen3_5")
 # the one a model imported from the multimodal release exports as (its language model: Qwen3_5MoeForCausalLM)
-EXPORT_AS = {"qwen3_5_moe": "qwen3_5_moe_text"}
+EXPORT_AS = {"qwen3_5_moe": "qwen3_5_moe_text", "qwen3_5": "qwen3_5_text"}
 PARTIAL_ROPE = ("glm4_moe", "minimax_m2", *QWEN3_5)  # the families that rotate a fraction of each head
 # families whose config.json carries moekit's sliding windows (gpt-oss's are checked with its other features):
 # Mixtral's covers every layer; dots.llm1 takes layer_types
@@ -384,9 +387,12 @@ def hf_config(model, family: str, dtype_name: str, token_ids: dict[str, Any] | N
                    attention_bias=cfg.attention_bias, sliding_window=cfg.sliding_window or None,
                    layer_types=_layer_types(cfg), swiglu_alpha=OAI_ALPHA, swiglu_limit=OAI_LIMIT)
     elif family in QWEN3_5:
-        out.update(moe, moe_intermediate_size=cfg.moe_ffn_hidden_size, num_experts=E,
-                   shared_expert_intermediate_size=cfg.shared_ffn_hidden_size or cfg.moe_ffn_hidden_size,
-                   attention_bias=cfg.attention_bias, partial_rotary_factor=cfg.partial_rotary_factor,
+        if FAMILIES[family].moe:
+            out.update(moe, moe_intermediate_size=cfg.moe_ffn_hidden_size, num_experts=E,
+                       shared_expert_intermediate_size=cfg.shared_ffn_hidden_size or cfg.moe_ffn_hidden_size)
+        else:  # dense Qwen3.5
+            out.update(intermediate_size=cfg.ffn_hidden_size)
+        out.update(attention_bias=cfg.attention_bias, partial_rotary_factor=cfg.partial_rotary_factor,
                    layer_types=["linear_attention" if cfg.is_linear_layer(i) else "full_attention" for i in range(L)],
                    linear_conv_kernel_dim=cfg.linear_conv_kernel,
                    linear_key_head_dim=cfg.linear_key_head_dim or 128, linear_value_head_dim=cfg.linear_value_head_dim or 128,

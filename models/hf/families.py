@@ -69,6 +69,7 @@ ERNIE4_5_MOE = Naming(moe_blocks=("mlp",), expert_proj=GATED, experts_field="moe
                       router_bias_row=True)
 QWEN3_5_MOE = Naming(moe_blocks=("mlp",), expert_proj=GATED, experts_field="num_experts", shared="shared_expert",
                      shared_gate="shared_expert_gate", mtp="qwen")
+QWEN3_5_DENSE = Naming(moe_blocks=("mlp",), expert_proj=GATED, experts_field="(dense model: no experts)", mtp="qwen")
 GPT_OSS = Naming(moe_blocks=("mlp",), expert_proj=GATED, experts_field="num_local_experts", router="router",
                  woven=True)
 
@@ -528,14 +529,18 @@ def ernie4_5_moe_config(hf: dict) -> ModelConfig:
 QWEN3_5_NESTED = ("model.language_model.", "model.")
 
 
+MULTIMODAL = {"qwen3_5_moe": "qwen3_5_moe_text", "qwen3_5": "qwen3_5_text"}  # release -> its language model's type
+
+
 def text_config(hf: dict) -> dict:
     """The language model's config: a multimodal release's text_config (its model_type the text one), else hf."""
-    if hf.get("model_type") == "qwen3_5_moe":
+    kind = hf.get("model_type")
+    if kind in MULTIMODAL:
         text = hf.get("text_config")
         if not isinstance(text, dict):
-            raise ValueError("config.json (qwen3_5_moe) lacks its text_config table, which holds the language "
-                             "model's sizes; re-save it with save_pretrained")
-        return {**text, "model_type": "qwen3_5_moe_text",
+            raise ValueError(f"config.json ({kind}) lacks its text_config table, which holds the language "
+                             f"model's sizes; re-save it with save_pretrained")
+        return {**text, "model_type": MULTIMODAL[kind],
                 "tie_word_embeddings": text.get("tie_word_embeddings", hf.get("tie_word_embeddings", False))}
     return hf
 
@@ -566,15 +571,17 @@ def qwen3_5_moe_config(hf: dict) -> ModelConfig:
                             f"besides full_attention_every)")
             every = 4
     all_attention_biases(hf, fields)
-    E = _get(hf, "num_experts")
-    shared = _get(hf, "shared_expert_intermediate_size", 0)
-    fields.update(
-        mtp_layers=mtp_layers_of(hf),
-        qk_norm="head", attention_output_gate=True, norm_zero_centered=True, full_attention_every=every,
-        linear_attention="gated_deltanet" if "linear_attention" in types else "none",
-        num_experts=E, top_k=_get(hf, "num_experts_per_tok"), moe_ffn_hidden_size=_get(hf, "moe_intermediate_size"),
-        ffn_hidden_size=_get(hf, "moe_intermediate_size"), shared_ffn_hidden_size=shared,
-        shared_expert_gate=bool(shared), router_options={"normalize": True})
+    fields.update(mtp_layers=mtp_layers_of(hf), qk_norm="head", attention_output_gate=True, norm_zero_centered=True,
+                  full_attention_every=every,
+                  linear_attention="gated_deltanet" if "linear_attention" in types else "none")
+    if hf["model_type"] == "qwen3_5_text":  # dense Qwen3.5 (Qwen3.5-27B, ...): an MLP of intermediate_size
+        fields.update(num_experts=0, ffn_hidden_size=_get(hf, "intermediate_size"), aux_loss_coeff=0.0)
+    else:
+        shared = _get(hf, "shared_expert_intermediate_size", 0)
+        fields.update(num_experts=_get(hf, "num_experts"), top_k=_get(hf, "num_experts_per_tok"),
+                      moe_ffn_hidden_size=_get(hf, "moe_intermediate_size"),
+                      ffn_hidden_size=_get(hf, "moe_intermediate_size"), shared_ffn_hidden_size=shared,
+                      shared_expert_gate=bool(shared), router_options={"normalize": True})
     if "linear_attention" in types:
         fields.update(linear_num_key_heads=_get(hf, "linear_num_key_heads"),
                       linear_num_value_heads=_get(hf, "linear_num_value_heads"),
@@ -713,6 +720,9 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            stored_prefix=QWEN3_5_NESTED[0]),
     Family("qwen3_next", "Qwen3NextForCausalLM", qwen3_next_config, QWEN3_5_MOE, split=qwen3_next_split,
            fuse=qwen3_next_fuse),
+    Family("qwen3_5_text", "Qwen3_5ForCausalLM", qwen3_5_moe_config, QWEN3_5_DENSE, moe=False),
+    Family("qwen3_5", "Qwen3_5ForConditionalGeneration", qwen3_5_moe_config, QWEN3_5_DENSE, moe=False,
+           stored_prefix=QWEN3_5_NESTED[0]),
     Family("minimax_m2", "MiniMaxM2ForCausalLM", minimax_m2_config, MINIMAX_M2),
     Family("dots1", "Dots1ForCausalLM", dots1_config, DEEPSEEK_V3),  # DeepSeek-V3's MoE names
     Family("ernie4_5_moe", "Ernie4_5_MoeForCausalLM", ernie4_5_moe_config, ERNIE4_5_MOE),
@@ -740,7 +750,7 @@ def recorded_family(config: ModelConfig) -> str | None:
 
 
 # their releases carry multi-token-prediction layers (Qwen's: one, under mtp., weights.Naming.mtp)
-QWEN_MTP = ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
+QWEN_MTP = ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next", "qwen3_5", "qwen3_5_text")
 MTP_FAMILIES = ("deepseek_v3", "glm4_moe", "glm4_moe_lite", *QWEN_MTP)
 MTP_COPIES = ("embed_tokens.weight", "shared_head.head.weight")  # an MTP layer's copies of the shared tensors
 
