@@ -27,7 +27,8 @@ from torch import Tensor, nn
 
 from moekit.models.config import ModelConfig
 from moekit.models.kvcache import KV_WINDOW_SLACK, KVCache, LayerKV  # noqa: F401  (re-exported: they lived here)
-from moekit.models.linear_attention import GatedDeltaNet, make_norm, norm_identity
+from moekit.models.linear_attention import GatedDeltaNet
+from moekit.models.norms import make_norm, norm_identity
 from moekit.models.sdpa import (  # noqa: F401  (re-exported: they lived here)
     KEY_MULTIPLE, PrefixCausalAttention, causal_mask, explicit_causal_attention, lower_right_causal_attention,
     masked_sdpa, masked_sink_attention, sink_attention, span_mask, window_mask)

@@ -160,7 +160,7 @@ def init_weights(model: nn.Module, seed: int = 0, only: set[str] | None = None) 
 
     ``only``: draw just these parameters (single-process names), for a load that fills the rest next
     (models.hf.load_hf_sharded); the constant fills still run everywhere, they cost nothing."""
-    from moekit.models.linear_attention import norm_identity
+    from moekit.models.norms import norm_identity
     from moekit.models.transformer import init_ffn
 
     cfg = model.config

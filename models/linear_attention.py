@@ -1,5 +1,5 @@
 """Gated DeltaNet linear attention (Yang et al. 2025, "Gated Delta Networks"), the token mixer of Qwen3-Next's and
-Qwen3.5's linear layers, and the zero-centered RMSNorm those models use.
+Qwen3.5's linear layers (the rule itself: models.delta_rule).
 
 Shape legend: B batch, S positions, H hidden, Nk key heads, Nv value heads (a multiple of Nk), dk / dv their
 widths, C = 2 Nk dk + Nv dv the convolved channels, L the chunk length.
@@ -16,7 +16,7 @@ Training runs the chunked form (``gated_delta_rule``): within a chunk of L posit
 unit lower-triangular system (the WY / UT form of the delta rule), so a chunk is a handful of [L, L] and [L, d]
 matmuls, and the state crosses chunks once per chunk. Every exponent in it is a log decay difference that is <= 0
 (masked before exp), so nothing overflows. Decoding a few positions runs the recurrence itself
-(``gated_delta_steps``), which is also the reference the tests compare the chunked form to.
+(``gated_delta_steps``), which is also the reference the tests compare the chunked form to (models.delta_rule).
 
 The KV cache of a linear layer (models.kvcache.LayerState) is the last k - 1 convolution inputs and the states S:
 a fixed size whatever the length.
@@ -46,195 +46,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moekit.models.config import ModelConfig
-
-
-class ZeroCenteredRMSNorm(nn.RMSNorm):
-    """RMSNorm whose weight w stores the scale minus one: y = x / rms(x) * (1 + w) (Qwen3-Next, Qwen3.5). It starts
-    at 0 (``identity``), so weight decay pulls it toward the identity, not toward zero output."""
-
-    identity = 0.0
-
-    def forward(self, x: Tensor) -> Tensor:
-        y = F.rms_norm(x.float(), self.normalized_shape, None, self.eps)  # fp32, as transformers' Qwen3-Next
-        return (y * (1.0 + self.weight.float())).type_as(x)
-
-
-def make_norm(config: ModelConfig, dim: int, eps: float | None = None) -> nn.RMSNorm:
-    """The RMSNorm of the residual stream and of q / k: zero-centered when config.norm_zero_centered."""
-    cls = ZeroCenteredRMSNorm if config.norm_zero_centered else nn.RMSNorm
-    return cls(dim, eps=config.norm_eps if eps is None else eps)
-
-
-def norm_identity(norm: nn.Module) -> float:
-    """The weight value at which ``norm`` scales by one (what initialisation fills)."""
-    return getattr(norm, "identity", 1.0)
-
-
-def l2_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:
-    """x / sqrt(sum x^2 + eps) over the last dim (the eps inside the root, as the FLA kernels and transformers)."""
-    return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + eps)
-
-
-def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor | None = None,
-                     chunk: int = 64, final_state: bool = True,
-                     segments: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-    """The gated delta rule over S positions, chunked (module docstring), in float32.
-
-    q, k [B, S, N, dk] (already normalised and scaled, one per value head), v [B, S, N, dv], g and beta [B, S, N],
-    ``state`` [B, N, dk, dv] before the first position (None: zeros). Returns (o [B, S, N, dv], the state after
-    the last position, or None without ``final_state``: training skips that last update), in float32 (float64 for
-    float64 inputs).
-
-    Within a chunk, with G_i the cumulative log decay up to position i and S0 the state at the chunk's start, the
-    corrections u_j = beta_j (v_j - (decayed state before j)^T k_j) satisfy (I + A) U = beta V - beta e^G K S0 with
-    A_jm = beta_j e^(G_j - G_m) k_j . k_m for m < j; then o_i = e^(G_i) S0^T q_i + sum_{j <= i} e^(G_i - G_j)
-    (q_i . k_j) u_j and the next chunk's state is e^(G_L) S0 + sum_j e^(G_L - G_j) k_j u_j^T.
-
-    ``segments`` [B, S] (document masking: each position's document in a packed sequence, contiguous runs): the
-    state starts from zero at every document's first position. Within a chunk the pairs (i, j) of different
-    documents drop out of A and of the scores, and S0 reaches only the positions of the document that was running
-    when the chunk began (``state`` belongs to the first position's).
-    """
-    B, S, N, dk = q.shape
-    dv = v.shape[-1]
-    U0, W, q_start, scores, k_end, carry, n, L = _chunk_terms(q, k, v, g, beta, chunk, segments)
-    s = q_start[0].new_zeros(B, N, dk, dv) if state is None else state.to(q_start[0].dtype)
-    outs = []
-    for c in range(n):
-        u = U0[c] - W[c] @ s  # [B, N, L, dv]
-        outs.append(q_start[c] @ s + scores[c] @ u)
-        if c + 1 < n or final_state:
-            s = s * carry[c] + k_end[c].transpose(-1, -2) @ u
-    o = torch.stack(outs, dim=2).reshape(B, N, n * L, dv)[:, :, :S]
-    return o.transpose(1, 2), (s if final_state else None)
-
-
-class _RecomputedRule(torch.autograd.Function):
-    """``gated_delta_rule`` (no final state) that keeps only its inputs for backward and runs the chunks again
-    there: the chunk tensors (decays, the triangular systems' solutions, the per-chunk states) are ~5x the inputs'
-    bytes, and the rule is a small share of the layer's FLOPs (module docstring of GatedDeltaNet)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, g, beta, chunk, segments):
-        ctx.chunk = chunk
-        ctx.save_for_backward(q, k, v, g, beta, segments)
-        with torch.no_grad():
-            return gated_delta_rule(q, k, v, g, beta, chunk=chunk, final_state=False, segments=segments)[0]
-
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v, g, beta, segments = ctx.saved_tensors
-        inputs = [t.detach().requires_grad_(need) for t, need in zip((q, k, v, g, beta), ctx.needs_input_grad)]
-        with torch.enable_grad():
-            o = gated_delta_rule(*inputs, chunk=ctx.chunk, final_state=False, segments=segments)[0]
-        wanted = [t for t in inputs if t.requires_grad]
-        grads = iter(torch.autograd.grad(o, wanted, grad) if wanted else ())
-        return (*(next(grads) if t.requires_grad else None for t in inputs), None, None)
-
-
-def gated_delta_rule_affine(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, chunk: int = 64,
-                            segments: Tensor | None = None,
-                            before_first: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The rule over a segment whose starting state S_in is not known yet (context parallelism: it is the previous
-    ranks' segments' result). Everything is affine in S_in, so this returns (o0 [B, S, N, dv], o_in [B, S, N, dk],
-    M [B, N, dk, dk], b [B, N, dk, dv]) with o = o0 + o_in S_in and the end state M S_in + b; ``gated_delta_rule``'s
-    recurrence over the chunks, run on the zero state (o0, b) and on the identity map (o_in, M). With ``segments``,
-    ``before_first`` [B] is the document S_in belongs to (that of the position before the segment)."""
-    B, S, N, dk = q.shape
-    dv = v.shape[-1]
-    U0, W, q_start, scores, k_end, carry, n, L = _chunk_terms(q, k, v, g, beta, chunk, segments, before_first)
-    s = q_start[0].new_zeros(B, N, dk, dv)
-    M = torch.eye(dk, dtype=s.dtype, device=s.device).expand(B, N, dk, dk)
-    outs, outs_in = [], []
-    for c in range(n):
-        u, u_in = U0[c] - W[c] @ s, -W[c] @ M  # [B, N, L, dv], [B, N, L, dk]
-        outs.append(q_start[c] @ s + scores[c] @ u)
-        outs_in.append(q_start[c] @ M + scores[c] @ u_in)
-        s = s * carry[c] + k_end[c].transpose(-1, -2) @ u
-        M = M * carry[c] + k_end[c].transpose(-1, -2) @ u_in
-    o, o_in = (torch.stack(t, dim=2).reshape(B, N, n * L, -1)[:, :, :S].transpose(1, 2) for t in (outs, outs_in))
-    return o, o_in, M, s
-
-
-def _chunk_terms(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, chunk: int, segments: Tensor | None,
-                 before_first: Tensor | None = None):
-    """The per-chunk tensors of the chunked rule (``gated_delta_rule``'s docstring), each unbound into its n chunks:
-    U0, W, q_start, scores, k_end, carry; then n and the chunk length L. ``before_first`` [B]: the document of the
-    position before the first (context parallelism: the starting state's; None: the first position's own)."""
-    B, S, N, dk = q.shape
-    dv, acc = v.shape[-1], _accumulator(q)
-    L = max(1, min(chunk, S))
-    pad = (-S) % L
-    # [B, N, S, d] in float32; padded positions have k = q = v = 0, beta = 0 and g = 0: they change nothing
-    q, k, v = (_pad(t.to(acc).transpose(1, 2), (0, 0, 0, pad)) for t in (q, k, v))
-    g, beta = (_pad(t.to(acc).transpose(1, 2), (0, pad)) for t in (g, beta))
-    n = (S + pad) // L
-    q, k, v = (t.reshape(B, N, n, L, -1) for t in (q, k, v))  # [B, N, n, L, d]
-    g, beta = (t.reshape(B, N, n, L) for t in (g, beta))
-    G = g.cumsum(-1)  # [B, N, n, L]
-    gap = G[..., :, None] - G[..., None, :]  # [.., L, L]: G_i - G_j, <= 0 where j <= i
-    ones = torch.ones(L, L, dtype=torch.bool, device=q.device)
-    visible = ones.tril()  # [L, L], or per chunk [B, 1, n, L, L] with documents
-    start = end = None  # with documents: which positions the starting state reaches / which the final keeps
-    if segments is not None:
-        seg = segments.to(torch.int64)
-        seg = torch.cat((seg, seg[:, -1:].expand(-1, pad)), dim=1).view(B, 1, n, L)  # padding joins the last
-        first = seg[:, :, :1, 0] if before_first is None else before_first.to(torch.int64).view(B, 1, 1)
-        before = torch.cat((first, seg[:, :, :-1, -1]), dim=2)  # [B, 1, n]: running at each chunk start
-        visible = visible & (seg[..., :, None] == seg[..., None, :])
-        start = (seg == before[..., None]).to(acc)  # [B, 1, n, L]
-        end = (seg == seg[..., -1:]).to(acc)
-    decay = gap.masked_fill(~visible, float("-inf")).exp()  # e^(G_i - G_j) for visible j <= i, else 0
-    kb = k * beta[..., None]
-    A = (kb @ k.transpose(-1, -2)) * decay  # the strictly lower part is used (unitriangular solve)
-    system = A.masked_fill(~ones.tril(-1), 0.0)
-    from_start = G.exp() if start is None else G.exp() * start  # [B, N, n, L]
-    # one triangular solve for both right-hand sides: the corrections without the starting state (U0) and what the
-    # starting state takes from them (W)
-    rhs = torch.cat((v * beta[..., None], kb * from_start[..., None]), dim=-1)
-    U0, W = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True).split([dv, dk], dim=-1)
-    scores = (q @ k.transpose(-1, -2)) * decay  # [.., L, L]
-    q_start = q * from_start[..., None]  # reads the chunk's starting state
-    to_end = (G[..., -1:] - G).exp() if end is None else (G[..., -1:] - G).exp() * end
-    k_end = k * to_end[..., None]  # writes into the chunk's final state
-    carry = G[..., -1].exp() if start is None else G[..., -1].exp() * start[..., -1]
-    carry = carry[..., None, None]  # [B, N, n, 1, 1]
-    # per chunk views by unbind: its backward stacks the chunks' gradients once, where indexing [:, :, c] would
-    # scatter each into a zero tensor of the whole (n^2 memory traffic: most of the layer's time on a CPU)
-    return (*(t.unbind(2) for t in (U0, W, q_start, scores, k_end, carry)), n, L)
-
-
-def _pad(x: Tensor, pad: tuple[int, ...]) -> Tensor:
-    """F.pad, skipped when nothing is padded (so eager and the planner's fake run keep the same tensors)."""
-    return F.pad(x, pad) if any(pad) else x
-
-
-def _accumulator(x: Tensor) -> torch.dtype:
-    """float32, or float64 for float64 inputs (the tests' references)."""
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
-def gated_delta_steps(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
-                      state: Tensor | None = None, segments: Tensor | None = None,
-                      trace: list | None = None) -> tuple[Tensor, Tensor]:
-    """The same rule position by position (the recurrence in the module docstring): decoding, and the tests'
-    reference. Arguments and results as ``gated_delta_rule``; with ``segments`` the state is zeroed where a new
-    document begins; ``trace``: a list the state after each position is appended to."""
-    B, S, N, dk = q.shape
-    acc = _accumulator(q)
-    s = q.new_zeros(B, N, dk, v.shape[-1], dtype=acc) if state is None else state.to(acc)
-    q, k, v, g, beta = (t.to(acc) for t in (q, k, v, g, beta))
-    outs = []
-    for t in range(S):
-        if segments is not None and t > 0:  # a document's first position starts from an empty state
-            s = s * (segments[:, t] == segments[:, t - 1]).to(acc)[:, None, None, None]
-        s = s * g[:, t, :, None, None].exp()
-        err = v[:, t] - torch.einsum("bnkv,bnk->bnv", s, k[:, t])  # [B, N, dv]
-        s = s + k[:, t, :, :, None] * (beta[:, t, :, None] * err)[:, :, None, :]
-        outs.append(torch.einsum("bnkv,bnk->bnv", s, q[:, t]))
-        if trace is not None:
-            trace.append(s)
-    return torch.stack(outs, dim=1), s
+from moekit.models.delta_rule import (  # noqa: F401  (re-exported: the rule's API)
+    RecomputedRule, gated_delta_rule, gated_delta_rule_affine, gated_delta_steps, l2_normalize)
 
 
 # Positions at or below which a cached forward runs the recurrence instead of the chunks (decoding steps).
@@ -252,7 +65,7 @@ class GatedDeltaNet(nn.Module):
         self.nk, self.nv = config.linear_num_key_heads, config.linear_num_value_heads
         self.dk, self.dv = config.linear_key_head_dim, config.linear_value_head_dim
         self.kernel, self.chunk = config.linear_conv_kernel, config.linear_chunk
-        self.recompute = config.linear_recompute  # backward runs the chunks again (_RecomputedRule)
+        self.recompute = config.linear_recompute  # backward runs the chunks again (models.delta_rule.RecomputedRule)
         self.channels = 2 * self.nk * self.dk + self.nv * self.dv
         self.wqkv = nn.Linear(H, self.channels, bias=False)
         self.wz = nn.Linear(H, self.nv * self.dv, bias=False)
@@ -306,7 +119,7 @@ class GatedDeltaNet(nn.Module):
             trace = []
             o, state = gated_delta_steps(q, k, v, g, beta, start, trace=trace)
         elif kv is None and self.recompute and torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            o, state = _RecomputedRule.apply(q, k, v, g, beta, self.chunk, segments), None
+            o, state = RecomputedRule.apply(q, k, v, g, beta, self.chunk, segments), None
         else:
             o, state = gated_delta_rule(q, k, v, g, beta, start, self.chunk, final_state=kv is not None,
                                         segments=segments)

@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from moekit.models.linear_attention import make_norm
+from moekit.models.norms import make_norm
 
 
 class MTPModule(nn.Module):

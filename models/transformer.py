@@ -32,7 +32,7 @@ from torch.overrides import TorchFunctionMode
 from moekit.models.attention import (  # noqa: F401  (re-exported: the attention API lived here)
     Attention, KVCache, LayerKV, MLAttention, build_attention, causal_mask, document_segments)
 from moekit.models.config import ModelConfig
-from moekit.models.linear_attention import make_norm
+from moekit.models.norms import make_norm
 from moekit.models.loss import chunked_lm_loss
 from moekit.models.mtp import LossInjector, MTPModule, MTPRecord, mtp_loss
 from moekit.models.rope import (  # noqa: F401  (re-exported: the RoPE API lived here)

@@ -18,8 +18,9 @@ from safetensors.torch import load_file, save_file
 from moekit.comm.topology import LayoutError
 from moekit.models.config import ModelConfig, preset
 from moekit.models.kvcache import KVCache
-from moekit.models.linear_attention import (
-    GatedDeltaNet, ZeroCenteredRMSNorm, gated_delta_rule, gated_delta_steps, l2_normalize)
+from moekit.models.delta_rule import gated_delta_rule, gated_delta_steps, l2_normalize
+from moekit.models.linear_attention import GatedDeltaNet
+from moekit.models.norms import ZeroCenteredRMSNorm
 from moekit.models.transformer import build_model
 
 
