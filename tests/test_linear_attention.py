@@ -301,11 +301,15 @@ def hf_qwen35(folder: Path, seed: int = 0, **over):
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeForCausalLM
 
     torch.manual_seed(seed)
-    model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**{**QWEN35, **over})).eval()
+    return _perturbed_and_saved(Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**{**QWEN35, **over})), folder)
+
+
+def _perturbed_and_saved(model, folder: Path):
+    """``model`` (eval) with noise on every parameter (norms, A_log, dt_bias off their init), saved to ``folder``."""
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    model.save_pretrained(folder)
+    model.eval().save_pretrained(folder)
     return model
 
 
@@ -392,12 +396,7 @@ def hf_qwen3_next(folder: Path, seed: int = 0, **over):
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextForCausalLM
 
     torch.manual_seed(seed)
-    model = Qwen3NextForCausalLM(Qwen3NextConfig(**{**NEXT, **over})).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    model.save_pretrained(folder)
-    return model
+    return _perturbed_and_saved(Qwen3NextForCausalLM(Qwen3NextConfig(**{**NEXT, **over})), folder)
 
 
 def test_qwen3_next_reads_its_fused_projections_and_writes_them_back(tmp_path):
@@ -540,11 +539,8 @@ def test_dense_qwen3_5_imports_exports_and_upcycles_into_qwen3_5_moe(tmp_path):
     torch.manual_seed(0)
     dense_cfg = {k: v for k, v in QWEN35.items() if k not in ("moe_intermediate_size", "shared_expert_intermediate_size",
                                                                "num_experts", "num_experts_per_tok")}
-    ref = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**dense_cfg, intermediate_size=96)).eval()
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    ref.save_pretrained(tmp_path / "hf")
+    ref = _perturbed_and_saved(Qwen3_5ForCausalLM(Qwen3_5TextConfig(**dense_cfg, intermediate_size=96)),
+                               tmp_path / "hf")
     model = load_hf(tmp_path / "hf")
     assert model.config.num_experts == 0 and model.config.linear_attention == "gated_deltanet"
     toks = torch.randint(0, 300, (2, 70), generator=torch.Generator().manual_seed(0))

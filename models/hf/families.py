@@ -241,19 +241,25 @@ def qwen_moe_config(hf: dict) -> ModelConfig:
         all_attention_biases(hf, fields)
         fields["qk_norm"] = "head"
     E, L = _get(hf, ("num_experts", "num_local_experts")), fields["num_layers"]
-    step, dense = _get(hf, "decoder_sparse_step", 1), set(_get(hf, "mlp_only_layers", []))
-    moe = [i not in dense and E > 0 and (i + 1) % step == 0 for i in range(L)]
-    pattern = layer_pattern(moe)
-    if pattern is None:
-        problems.append(f"MoE layers {[i for i in range(L) if moe[i]]} of {L} (mlp_only_layers, decoder_sparse_step) "
-                        f"(needs {NEEDS['layer_pattern']})")
-    first, every = pattern or (0, 1)
+    first, every = qwen_layer_pattern(hf, E, L, problems)
     fields.update(num_experts=E, top_k=_get(hf, "num_experts_per_tok"), first_dense_layers=first, moe_every=every,
                   moe_ffn_hidden_size=_get(hf, "moe_intermediate_size"), ffn_hidden_size=_get(hf, "intermediate_size"),
                   router_options=softmax_router_options(hf))
     if qwen2:
         fields.update(shared_ffn_hidden_size=_get(hf, "shared_expert_intermediate_size"), shared_expert_gate=True)
     return _model_config(hf, fields, problems)
+
+
+def qwen_layer_pattern(hf: dict, E: int, L: int, problems: list[str]) -> tuple[int, int]:
+    """(first_dense_layers, moe_every) of the Qwen MoE families' layer pattern: layer i is MoE iff it is not in
+    mlp_only_layers and (i + 1) % decoder_sparse_step == 0; a pattern no pair reproduces is a problem."""
+    step, dense = _get(hf, "decoder_sparse_step", 1), set(_get(hf, "mlp_only_layers", []))
+    moe = [i not in dense and E > 0 and (i + 1) % step == 0 for i in range(L)]
+    pattern = layer_pattern(moe)
+    if pattern is None:
+        problems.append(f"MoE layers {[i for i in range(L) if moe[i]]} of {L} (mlp_only_layers, decoder_sparse_step) "
+                        f"(needs {NEEDS['layer_pattern']})")
+    return pattern or (0, 1)
 
 
 def softmax_router_options(hf: dict) -> dict[str, Any]:
@@ -598,14 +604,7 @@ def qwen3_next_config(hf: dict) -> ModelConfig:
     (in_proj_ba), which the reader splits (``qwen3_next_split``) and the export fuses back (``qwen3_next_fuse``)."""
     config = qwen3_5_moe_config({**hf, "model_type": "qwen3_next"})
     problems: list[str] = []
-    E, L = config.num_experts, config.num_layers
-    step, dense = _get(hf, "decoder_sparse_step", 1), set(_get(hf, "mlp_only_layers", []))
-    moe = [i not in dense and E > 0 and (i + 1) % step == 0 for i in range(L)]
-    pattern = layer_pattern(moe)
-    if pattern is None:
-        problems.append(f"MoE layers {[i for i in range(L) if moe[i]]} of {L} (mlp_only_layers, decoder_sparse_step) "
-                        f"(needs {NEEDS['layer_pattern']})")
-    first, every = pattern or (0, 1)
+    first, every = qwen_layer_pattern(hf, config.num_experts, config.num_layers, problems)
     fields = dict(config.to_dict(), first_dense_layers=first, moe_every=every,
                   ffn_hidden_size=_get(hf, "intermediate_size", config.ffn_hidden_size),
                   router_options={"normalize": bool(_get(hf, "norm_topk_prob", True))})
