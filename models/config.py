@@ -571,6 +571,18 @@ PRESETS: dict[str, ModelConfig] = {
         head_dim=128, max_seq_len=4096, rope_theta=1e6, ffn_hidden_size=3072, num_experts=8,
         moe_ffn_hidden_size=3072, top_k=2, router_options={"normalize": True},
     ),
+    # Qwen3.5's architecture at 0.95B total / 0.26B active (with the embedding), for one GPU (tools/bench/train_mfu.py
+    # --preset qwen3.5-1b): 16 layers, 12 of them Gated DeltaNet with 4 key / 8 value heads of 128 (Qwen3.5's head
+    # width), every fourth gated GQA 8/2 heads of 128; 32 experts of 512, top-4, a gated shared expert of 512.
+    "qwen3.5-1b": ModelConfig(
+        name="qwen3.5-1b", vocab_size=32000, hidden_size=1024, num_layers=16, num_heads=8, num_kv_heads=2,
+        head_dim=128, max_seq_len=4096, rope_theta=1e7, norm_eps=1e-6, partial_rotary_factor=0.25, qk_norm="head",
+        attention_output_gate=True, norm_zero_centered=True, linear_attention="gated_deltanet",
+        full_attention_every=4, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=128,
+        linear_value_head_dim=128, ffn_hidden_size=512, num_experts=32, moe_ffn_hidden_size=512,
+        shared_ffn_hidden_size=512, shared_expert_gate=True, top_k=4, aux_loss_coeff=0.001,
+        router_options={"normalize": True},
+    ),
 }
 PRESETS["gpt-oss-120b"] = dataclasses.replace(PRESETS["gpt-oss-20b"], name="gpt-oss-120b", num_layers=36,
                                               num_experts=128)  # 116.8B total, 5.1B active
