@@ -32,11 +32,16 @@ def test_linear_attention_bench_refuses_bad_flags(args, match, capsys):
     assert exit_info.value.code == 2 and match in capsys.readouterr().err
 
 
-def test_gpu_suite_runs_the_linear_attention_step(tmp_path):
-    """gpu_suite.sh's opt-in linear_attention step, at its smoke size on the CPU."""
+def test_gpu_suite_runs_the_opt_in_router_balance_and_linear_attention_steps(tmp_path):
+    """gpu_suite.sh's opt-in router_balance and linear_attention steps, at their smoke sizes on the CPU (one suite
+    call for both: the suite's start-up is most of the time)."""
+    from moekit.bench import router_balance
     from tests.test_bench_gpu_suite import run_suite
 
-    proc = run_suite(tmp_path, "--smoke", "linear_attention", timeout=180)
-    assert proc.returncode == 0 and "linear_attention: ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_suite(tmp_path, "--smoke", "router_balance", "linear_attention", timeout=240)
+    out = proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0 and "router_balance: ok" in proc.stdout and "linear_attention: ok" in proc.stdout, out
+    data = json.loads((tmp_path / "raw" / "router_balance.json").read_text())
+    assert {r["peer"] for r in data["rows"]} == set(router_balance.PEERS)
     data = json.loads((tmp_path / "raw" / "linear_attention.json").read_text())
     assert {r["peer"] for r in data["rows"]} >= {"moekit", "transformers"}

@@ -33,12 +33,3 @@ def test_router_balance_bench_refuses_bad_flags(args, match, capsys):
         router_balance.main(args)
     assert exit_info.value.code == 2 and match in capsys.readouterr().err
 
-
-def test_gpu_suite_runs_the_router_balance_step(tmp_path):
-    """gpu_suite.sh's opt-in router_balance step, at its smoke size on the CPU."""
-    from tests.test_bench_gpu_suite import run_suite
-
-    proc = run_suite(tmp_path, "--smoke", "router_balance", timeout=180)
-    assert proc.returncode == 0 and "router_balance: ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
-    data = json.loads((tmp_path / "raw" / "router_balance.json").read_text())
-    assert {r["peer"] for r in data["rows"]} == set(router_balance.PEERS)
