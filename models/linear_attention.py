@@ -147,7 +147,8 @@ class GatedDeltaNet(nn.Module):
             held = kv.conv if kv.conv is not None else x.new_zeros(B, C, self.kernel - 1)
             x = torch.cat((held.to(x.dtype), x), dim=-1)
             kv.conv = x[:, :, x.shape[-1] - (self.kernel - 1):].detach()
-            kv.inputs = x.detach()
+            # a short forward's inputs make its per-position snapshots (speculation); a prompt's are not kept
+            kv.inputs = x.detach() if S <= STEPS_MAX else None
         return F.conv1d(x, self.conv_weight.to(x.dtype), groups=C).transpose(1, 2)  # [B, S, C]
 
     def _conv_documents(self, mixed: Tensor, segments: Tensor, before: Tensor | None = None,
@@ -178,7 +179,7 @@ class GatedDeltaNet(nn.Module):
         B, S, C = mixed.shape
         k, c = self.kernel, S // 2
         positions = context.positions(S, mixed.device)
-        local = None if segments is None else segments[:, positions]
+        local_seg = None if segments is None else segments[:, positions]
         t = min(c, k - 1)
         every = context.gather(torch.stack((mixed[:, c - t:c], mixed[:, S - t:]), 0), 0) if t else None
         parts = []
@@ -193,8 +194,8 @@ class GatedDeltaNet(nn.Module):
                 continue
             idx = torch.arange(first - (k - 1), first, device=mixed.device)
             before_seg = torch.where(idx >= 0, segments[:, idx.clamp(min=0)], -1)
-            parts.append(self._conv_documents(part, local[:, lo:lo + n], before, before_seg))
-        return torch.cat(parts, dim=1), local
+            parts.append(self._conv_documents(part, local_seg[:, lo:lo + n], before, before_seg))
+        return torch.cat(parts, dim=1), local_seg
 
     def _rule_context(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, local: Tensor | None,
                       segments: Tensor | None, context) -> Tensor:

@@ -175,7 +175,9 @@ def test_cache_takes_back_positions_of_a_short_forward():
     with torch.no_grad():
         cache = KVCache(cfg)
         model(t[:, :10], cache=cache)
+        assert cache.layers[0].inputs is None  # a prompt's convolution inputs are not kept (only its last 3)
         model(t[:, 10:13], cache=cache)  # 3 positions, 2 of them rejected
+        assert cache.layers[0].inputs.shape[-1] == 3 + 3
         cache.truncate(11)
         other = torch.tensor([[7, 9, 11]])
         got = model(other, cache=cache)
