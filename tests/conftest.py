@@ -43,28 +43,11 @@ def one_torch_thread():
     torch.set_num_threads(threads)
 
 
-# Modules whose tests take 10-60 s each (multi-rank trainer runs, the GPU suite's smoke runs), measured with
-# ``--durations``. They run first: with ``-n 2`` pytest-xdist hands tests out in collection order, and several of
-# these sort late alphabetically (test_train_distributed, test_placement, ...), which left one worker running
-# them alone for the suite's last minutes.
-LONG_FIRST = ("test_placement.py", "test_train_distributed.py", "test_mtp.py", "test_bench_gpu_suite.py",
-              "test_preemption.py", "test_sweep.py", "test_restart.py", "test_model_source.py",
-              "test_planning_cp.py", "test_readme_real_data.py", "test_kernels_tools.py", "test_muon.py",
-              "test_context_parallel.py", "test_packaging.py", "test_reliability.py", "test_pipeline.py")
-
-
-def _long_first(items) -> None:
-    """Stable sort: the LONG_FIRST modules' tests first, in that order, then the rest as collected."""
-    rank = {name: i for i, name in enumerate(LONG_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FIRST)))
-
-
 def pytest_collection_modifyitems(config, items):
-    """Long modules first (``LONG_FIRST``). The GPU tier run on the CPU (``MOEKIT_GPU_TESTS_ON=cpu``, Triton in the interpreter) checks the tier's
+    """The GPU tier run on the CPU (``MOEKIT_GPU_TESTS_ON=cpu``, Triton in the interpreter) checks the tier's
     own code: references, tolerances, shapes. There every parameter value of a tier test runs at least once
     (a greedy set cover: few cases that between them hold every value), not every combination, which keeps
     CI's run of the tier to a third of its cases. ``MOEKIT_GPU_TIER_CASES=all`` runs every combination; on CUDA all run."""
-    _long_first(items)
     if os.environ.get("MOEKIT_GPU_TESTS_ON", "cuda") == "cuda":
         return
     mode = os.environ.get("MOEKIT_GPU_TIER_CASES", "cover")
