@@ -321,23 +321,32 @@ def _logits(model, toks):
         return model(toks).logits.float()
 
 
+def _both_ways(ref, model, out: Path, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``model``'s logits equal transformers' ``ref``'s over 70 positions (past one 64-position chunk), and so do
+    those of transformers' load of ``save_hf(model, out)``; -> (the tokens, ref's logits)."""
+    from moekit.models.hf import save_hf
+
+    toks = torch.randint(0, 300, (2, 70), generator=torch.Generator().manual_seed(seed))
+    want = _logits(ref, toks)
+    with torch.no_grad():
+        torch.testing.assert_close(model(toks), want, rtol=1e-4, atol=1e-4)
+    save_hf(model, out)
+    back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    torch.testing.assert_close(_logits(back, toks), want, rtol=1e-5, atol=1e-5)
+    return toks, want
+
+
 @pytest.mark.parametrize("over", [
     {"layer_types": ["linear_attention"] * 3 + ["full_attention"]},
     {"layer_types": ["linear_attention", "full_attention"] * 2, "linear_num_value_heads": 2, "attention_bias": True},
 ])
 def test_qwen3_5_moe_imports_and_exports_with_transformers_logits(tmp_path, over):
-    from moekit.models.hf import load_hf, save_hf
+    from moekit.models.hf import load_hf
 
     ref = hf_qwen35(tmp_path / "hf", **over)
     model = load_hf(tmp_path / "hf")
     assert model.config.linear_attention == "gated_deltanet" and model.config.norm_zero_centered
-    toks = torch.randint(0, 300, (2, 70), generator=torch.Generator().manual_seed(0))  # > one 64-position chunk
-    want = _logits(ref, toks)
-    with torch.no_grad():
-        torch.testing.assert_close(model(toks), want, rtol=1e-4, atol=1e-4)
-    save_hf(model, tmp_path / "out")
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-    torch.testing.assert_close(_logits(back, toks), want, rtol=1e-5, atol=1e-5)
+    _both_ways(ref, model, tmp_path / "out")
     hf = json.loads((tmp_path / "out" / "config.json").read_text())
     assert hf["model_type"] == "qwen3_5_moe_text" and hf["layer_types"] == ref.config.layer_types
 
@@ -409,17 +418,11 @@ def test_qwen3_next_reads_its_fused_projections_and_writes_them_back(tmp_path):
     model = load_hf(tmp_path / "hf")
     cfg = model.config
     assert (cfg.first_dense_layers, cfg.moe_every, cfg.router_options) == (1, 1, {"normalize": False})
-    toks = torch.randint(0, 300, (2, 70), generator=torch.Generator().manual_seed(0))
-    want = _logits(ref, toks)
-    with torch.no_grad():
-        torch.testing.assert_close(model(toks), want, rtol=1e-4, atol=1e-4)
-    save_hf(model, tmp_path / "out")
+    _both_ways(ref, model, tmp_path / "out")
     assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "qwen3_next"
     theirs, ours = load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
     for key in ("model.layers.0.linear_attn.in_proj_qkvz.weight", "model.layers.1.linear_attn.in_proj_ba.weight"):
         assert torch.equal(ours[key], theirs[key]), key  # the fused layout itself, bit for bit
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-    torch.testing.assert_close(_logits(back, toks), want, rtol=1e-5, atol=1e-5)
     # the same math written as Qwen3.5's unfused layout (no dense layer there: this model has one)
     with pytest.raises(ValueError, match="MoE FFN in every layer"):
         save_hf(model, tmp_path / "as35", family="qwen3_5_moe_text")
@@ -544,13 +547,7 @@ def test_dense_qwen3_5_imports_exports_and_upcycles_into_qwen3_5_moe(tmp_path):
                                tmp_path / "hf")
     model = load_hf(tmp_path / "hf")
     assert model.config.num_experts == 0 and model.config.linear_attention == "gated_deltanet"
-    toks = torch.randint(0, 300, (2, 70), generator=torch.Generator().manual_seed(0))
-    want = _logits(ref, toks)
-    with torch.no_grad():
-        torch.testing.assert_close(model(toks), want, rtol=1e-4, atol=1e-4)
-    save_hf(model, tmp_path / "out")
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-    torch.testing.assert_close(_logits(back, toks), want, rtol=1e-5, atol=1e-5)
+    toks, want = _both_ways(ref, model, tmp_path / "out")
     moe = upcycle(model, upcycled_config(model.config, 8, 2, 2), 2, seed=1).eval()
     with torch.no_grad():
         torch.testing.assert_close(moe(toks), want, rtol=1e-4, atol=1e-4)
