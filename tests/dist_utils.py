@@ -3,8 +3,14 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import socket
+import subprocess
+import sys
 import tempfile
+import time
+import traceback
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -38,7 +44,7 @@ START = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() 
 if START == "forkserver":
     multiprocessing.get_context("forkserver").set_forkserver_preload([
         "torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.fsdp", "moekit.moe",
-        "moekit.comm", "moekit.models", "moekit.train.trainer", "tests.dist_utils"])
+        "moekit.comm", "moekit.models", "moekit.train.trainer", "moekit.train.loop", "tests.dist_utils"])
 
 
 def run_ranks(fn, world_size: int, *args, env: dict | None = None) -> None:
@@ -47,3 +53,101 @@ def run_ranks(fn, world_size: int, *args, env: dict | None = None) -> None:
         init_file = os.path.join(tmp, "store")
         mp.start_processes(_entry, args=(fn, world_size, init_file, env or {}, args), nprocs=world_size,
                            join=True, start_method=START)
+
+
+TRAIN_SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "train.py"
+TERM_GRACE_S = 30.0  # torchrun's default grace between SIGTERM and SIGKILL when it stops the ranks
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _trainer_entry(argv: list[str], env: dict, out_path: str, err_path: str) -> None:
+    """One rank of run_trainer: the environment and output streams a rank under torchrun has, then
+    moekit-train's main; the process ends with main's status."""
+    for fd, path in ((1, out_path), (2, err_path)):
+        sys.stdout.flush(), sys.stderr.flush()
+        target = os.open(path, os.O_WRONLY | os.O_APPEND)
+        os.dup2(target, fd)
+        os.close(target)
+    sys.stdout.reconfigure(line_buffering=True)
+    os.environ.clear()
+    os.environ.update(env)
+    sys.argv = [str(TRAIN_SCRIPT), *argv]
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+    code = 1
+    try:
+        from moekit.train.loop import main
+
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:  # noqa: BLE001 - reported as the interpreter would, then the status
+        traceback.print_exc()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def run_trainer(argv: list[str], nproc: int = 1, env: dict | None = None,
+                timeout: float = 600) -> subprocess.CompletedProcess:
+    """``tools/train.py *argv`` on ``nproc`` ranks (one process when 1) started from the fork server, each with
+    the environment ``torchrun --standalone --nproc-per-node=nproc`` gives its ranks (RANK, LOCAL_RANK,
+    WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT, ...) over ``env`` (default: this process's), all ranks
+    writing to one stdout and one stderr as under torchrun. A rank then costs a fork, not an interpreter that
+    imports torch (with torchrun's agent, ~3 s of CPU each on the 2-core box). The status is 0 when every rank
+    returned 0, else the first failing rank's (torchrun would say 1); as torchrun's agent, a failing rank
+    stops the others. Tests of the launcher itself (restarts,
+    signals, the agent) start the real torchrun; so does one layout test (tests/test_train_distributed.py).
+    Past ``timeout`` every rank is killed and subprocess.TimeoutExpired raised, as subprocess.run does."""
+    base = dict(os.environ if env is None else env)
+    base.setdefault("OMP_NUM_THREADS", "1")
+    if START != "forkserver":  # no fork server: fresh interpreters, as the user would start them
+        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+        cmd = (launch if nproc > 1 else [sys.executable]) + [str(TRAIN_SCRIPT), *argv]
+        return subprocess.run(cmd, env=base, capture_output=True, text=True, timeout=timeout)
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        base.pop(name, None)
+    if nproc > 1:
+        base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(nproc),
+                    LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", GROUP_WORLD_SIZE="1", ROLE_WORLD_SIZE=str(nproc),
+                    TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0",
+                    TORCHELASTIC_RUN_ID=f"fork-{os.getpid()}-{time.monotonic_ns()}")
+    ctx = multiprocessing.get_context(START)
+    cmd = ["moekit-train (forked ranks)", f"--nproc={nproc}", *argv]
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path, err_path = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+        for path in (out_path, err_path):
+            open(path, "w").close()
+        procs = []
+        for rank in range(nproc):
+            rank_env = dict(base, **({"RANK": str(rank), "LOCAL_RANK": str(rank), "ROLE_RANK": str(rank)}
+                                     if nproc > 1 else {}))
+            proc = ctx.Process(target=_trainer_entry, args=(list(argv), rank_env, out_path, err_path))
+            proc.start()
+            procs.append(proc)
+        # as torchrun's agent: the first rank that fails stops the others (SIGTERM, then SIGKILL past a grace)
+        deadline, stop_by = time.monotonic() + timeout, None
+        while any(proc.is_alive() for proc in procs) and time.monotonic() < deadline:
+            if stop_by is None and any(proc.exitcode not in (None, 0) for proc in procs):
+                stop_by = time.monotonic() + TERM_GRACE_S
+                for proc in procs:
+                    if proc.is_alive():
+                        proc.terminate()
+            if stop_by is not None and time.monotonic() > stop_by:
+                break
+            time.sleep(0.05)
+        timed_out = stop_by is None and any(proc.is_alive() for proc in procs)
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join()
+        out, err = (Path(p).read_text(errors="replace") for p in (out_path, err_path))
+    if timed_out:
+        raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err)
+    codes = [proc.exitcode for proc in procs]
+    code = next((c if c > 0 else 128 - c for c in codes if c != 0), 0)  # -N (killed by signal N): 128 + N
+    return subprocess.CompletedProcess(cmd, code, out, err)

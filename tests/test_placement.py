@@ -13,7 +13,6 @@ import json
 import os
 import random
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +23,7 @@ import torch.nn.functional as F
 from moekit.comm.placement import (Placement, default_placement, imbalance, load_placements, plan_placement,
                                    save_placements)
 from moekit.train.planning import cost_model
-from tests.dist_utils import run_ranks
+from tests.dist_utils import run_ranks, run_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 H, FF = 8, 16
@@ -415,11 +414,10 @@ TINY = ["--model.hidden_size", "32", "--model.num_layers", "2", "--train.seq_len
 
 
 def train(args, nproc: int) -> subprocess.CompletedProcess:
+    """tools/train.py with TINY on ``nproc`` ranks forked as torchrun starts them (tests.dist_utils.run_trainer)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     env.pop("WORLD_SIZE", None)
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    cmd = (launch if nproc > 1 else [sys.executable]) + [str(ROOT / "tools" / "train.py"), *TINY, *args]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    return run_trainer([*TINY, *args], nproc, env=env, timeout=300)
 
 
 def metrics(run_dir: Path) -> list[dict]:

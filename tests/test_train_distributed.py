@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from moekit.train.records import load_rows
+from tests.dist_utils import TRAIN_SCRIPT, run_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--model.hidden_size", "32", "--model.num_layers", "2", "--train.seq_len", "32", "--batch-size", "8",
@@ -18,10 +19,15 @@ def losses(run_dir: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def run(args, nproc: int = 1, env_extra=None, script=ROOT / "tools" / "train.py") -> subprocess.CompletedProcess:
+def run(args, nproc: int = 1, env_extra=None, script=TRAIN_SCRIPT, torchrun: bool = False) -> subprocess.CompletedProcess:
+    """tools/train.py (or ``script``) on ``nproc`` ranks. The trainer's ranks start from the test session's fork
+    server (tests.dist_utils.run_trainer: the environment torchrun gives them, a fork instead of an interpreter
+    each); ``torchrun=True``, or another script, starts the real ``python -m torch.distributed.run``."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     env.pop("WORLD_SIZE", None)
     env.update(env_extra or {})
+    if script == TRAIN_SCRIPT and not torchrun:
+        return run_trainer(args, nproc, env=env, timeout=600)
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     cmd = (launch if nproc > 1 else [sys.executable]) + [str(script), *args]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
@@ -39,8 +45,9 @@ def single(tmp_path_factory):
                                    ["--ep", "4", "--ranks-per-node", "2", "--checkpoint.every", "2"]],
                          ids=["flat-ep4", "flat-dp4-ep2", "hierarchical-ep4"])
 def test_torchrun_ep_matches_one_process(tmp_path, single, extra):
-    """ep4: every rank holds 2 of 8 experts; dp4 x ep2: two EP groups, expert grads reduced across them."""
-    r = run(["--steps", "4", "--run-dir", str(tmp_path), *TINY, *extra], nproc=4)
+    """ep4: every rank holds 2 of 8 experts; dp4 x ep2: two EP groups, expert grads reduced across them.
+    flat-ep4 starts its ranks with the real torchrun, as README does (the other layout tests fork them)."""
+    r = run(["--steps", "4", "--run-dir", str(tmp_path), *TINY, *extra], nproc=4, torchrun=extra == ["--ep", "4"])
     assert r.returncode == 0, r.stderr[-3000:]
     got = losses(tmp_path)
     assert got == pytest.approx(single, rel=1e-5, abs=1e-6)
