@@ -92,20 +92,23 @@ def _trainer_entry(argv: list[str], env: dict, out_path: str, err_path: str) -> 
     os._exit(code)
 
 
-def run_trainer(argv: list[str], nproc: int = 1, env: dict | None = None,
-                timeout: float = 600) -> subprocess.CompletedProcess:
+def run_trainer(argv: list[str], nproc: int = 1, env: dict | None = None, timeout: float = 600,
+                per_rank: bool = False) -> subprocess.CompletedProcess | list[subprocess.CompletedProcess]:
     """``tools/train.py *argv`` on ``nproc`` ranks (one process when 1) started from the fork server, each with
     the environment ``torchrun --standalone --nproc-per-node=nproc`` gives its ranks (RANK, LOCAL_RANK,
-    WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT, ...) over ``env`` (default: this process's), all ranks
-    writing to one stdout and one stderr as under torchrun. A rank then costs a fork, not an interpreter that
-    imports torch (with torchrun's agent, ~3 s of CPU each on the 2-core box). The status is 0 when every rank
-    returned 0, else the first failing rank's (torchrun would say 1); as torchrun's agent, a failing rank
-    stops the others. Tests of the launcher itself (restarts,
-    signals, the agent) start the real torchrun; so does one layout test (tests/test_train_distributed.py).
-    Past ``timeout`` every rank is killed and subprocess.TimeoutExpired raised, as subprocess.run does."""
+    WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT, ...) over ``env`` (default: this process's). A rank then
+    costs a fork, not an interpreter that imports torch (with torchrun's agent, ~3 s of CPU each on the 2-core
+    box). Tests of the launcher itself (restarts, signals, the agent) start the real torchrun; so does one layout
+    test (tests/test_train_distributed.py).
+
+    Default: as under torchrun, all ranks write to one stdout and one stderr, the first rank that fails stops
+    the others (SIGTERM, SIGKILL past a grace), and the status is 0 when every rank returned 0, else the first
+    failing rank's (torchrun would say 1). ``per_rank``: each rank its own streams and status, none stopped
+    early, a list in rank order. Past ``timeout`` every rank is killed and subprocess.TimeoutExpired raised,
+    as subprocess.run does."""
     base = dict(os.environ if env is None else env)
     base.setdefault("OMP_NUM_THREADS", "1")
-    if START != "forkserver":  # no fork server: fresh interpreters, as the user would start them
+    if START != "forkserver" and not per_rank:  # no fork server: fresh interpreters, as the user starts them
         launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
         cmd = (launch if nproc > 1 else [sys.executable]) + [str(TRAIN_SCRIPT), *argv]
         return subprocess.run(cmd, env=base, capture_output=True, text=True, timeout=timeout)
@@ -119,21 +122,22 @@ def run_trainer(argv: list[str], nproc: int = 1, env: dict | None = None,
     ctx = multiprocessing.get_context(START)
     cmd = ["moekit-train (forked ranks)", f"--nproc={nproc}", *argv]
     with tempfile.TemporaryDirectory() as tmp:
-        out_path, err_path = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
-        for path in (out_path, err_path):
+        streams = [(os.path.join(tmp, f"stdout{r}"), os.path.join(tmp, f"stderr{r}"))
+                   for r in range(nproc if per_rank else 1)]
+        for path in (p for pair in streams for p in pair):
             open(path, "w").close()
         procs = []
         for rank in range(nproc):
             rank_env = dict(base, **({"RANK": str(rank), "LOCAL_RANK": str(rank), "ROLE_RANK": str(rank)}
                                      if nproc > 1 else {}))
+            out_path, err_path = streams[rank if per_rank else 0]
             proc = ctx.Process(target=_trainer_entry, args=(list(argv), rank_env, out_path, err_path))
             proc.start()
             procs.append(proc)
-        # as torchrun's agent: the first rank that fails stops the others (SIGTERM, then SIGKILL past a grace)
         deadline, stop_by = time.monotonic() + timeout, None
         while any(proc.is_alive() for proc in procs) and time.monotonic() < deadline:
-            if stop_by is None and any(proc.exitcode not in (None, 0) for proc in procs):
-                stop_by = time.monotonic() + TERM_GRACE_S
+            if not per_rank and stop_by is None and any(proc.exitcode not in (None, 0) for proc in procs):
+                stop_by = time.monotonic() + TERM_GRACE_S  # as torchrun's agent: a failed rank stops the others
                 for proc in procs:
                     if proc.is_alive():
                         proc.terminate()
@@ -145,9 +149,10 @@ def run_trainer(argv: list[str], nproc: int = 1, env: dict | None = None,
             if proc.is_alive():
                 proc.kill()
             proc.join()
-        out, err = (Path(p).read_text(errors="replace") for p in (out_path, err_path))
+        texts = [tuple(Path(p).read_text(errors="replace") for p in pair) for pair in streams]
     if timed_out:
-        raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err)
-    codes = [proc.exitcode for proc in procs]
-    code = next((c if c > 0 else 128 - c for c in codes if c != 0), 0)  # -N (killed by signal N): 128 + N
-    return subprocess.CompletedProcess(cmd, code, out, err)
+        raise subprocess.TimeoutExpired(cmd, timeout, output=texts[0][0], stderr=texts[0][1])
+    codes = [c if c >= 0 else 128 - c for c in (proc.exitcode for proc in procs)]  # -N (signal N): 128 + N
+    if per_rank:
+        return [subprocess.CompletedProcess(cmd, c, *texts[r]) for r, c in enumerate(codes)]
+    return subprocess.CompletedProcess(cmd, next((c for c in codes if c), 0), *texts[0])

@@ -1,7 +1,8 @@
 """The non-finite guard under pipeline parallelism, and parameters an optimizer step blew up (issue 14).
 
-Two real ranks (gloo, pp 2) run tools/train.py as separate processes, so each rank's exit code and stderr
-are its own. The models give the stages different MoE layers: ``D M | M M`` (first_dense_layers 1: one MoE
+Two real ranks (gloo, pp 2) run tools/train.py as separate processes (forked as torchrun starts them:
+tests.dist_utils.run_trainer), so each rank's exit code and stderr are its own. The models give the stages
+different MoE layers: ``D M | M M`` (first_dense_layers 1: one MoE
 layer on stage 0, two on stage 1) and interleaved ``M | M | M | M`` (rank 0 holds layers 0 and 2). Every
 rank must name the poisoned layer by its single-process name, take the same branch (no gloo size mismatch,
 no hang) and, with ``skip``, train on in lockstep: the losses equal those of one process poisoned alike.
@@ -12,9 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +22,7 @@ import torch
 from moekit.train import guard
 from moekit.train.loop import main
 
+from tests.dist_utils import run_trainer
 from tests.tiny import TINY_MODEL
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,32 +37,12 @@ def rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def pp2(run: Path, args: list[str], poison: str) -> list[subprocess.CompletedProcess]:
-    """Both ranks of a pp 2 run, each its own process; [rank 0, rank 1]."""
-    port, procs = str(free_port()), []
-    for rank in range(2):
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "RANK": str(rank),
-               "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": port, guard.POISON_ENV: poison}
-        cmd = [sys.executable, str(ROOT / "tools" / "train.py"), *BASE, "--pp", "2", "--layout.timeout_s", "60",
-               "--run-dir", str(run), *args]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    out = []
-    try:
-        for p in procs:
-            stdout, stderr = p.communicate(timeout=240)
-            out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
-    finally:
-        for p in procs:  # a rank left waiting (the failure under test) must not outlive the test
-            if p.poll() is None:
-                p.kill()
-    return out
+    """Both ranks of a pp 2 run, each its own process with its own streams and status; [rank 0, rank 1]
+    (forked as torchrun starts them, tests.dist_utils.run_trainer)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), guard.POISON_ENV: poison}
+    return run_trainer([*BASE, "--pp", "2", "--layout.timeout_s", "60", "--run-dir", str(run), *args], 2, env=env,
+                       timeout=240, per_rank=True)
 
 
 @pytest.mark.parametrize("model,poison,where", [

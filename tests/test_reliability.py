@@ -10,7 +10,6 @@ import gc
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +21,7 @@ from moekit.train import guard
 from moekit.train.loop import main
 from moekit.train.records import load_rows
 
+from tests.dist_utils import run_trainer
 from tests.tiny import TINY_MODEL
 
 from moekit.moe import build_router
@@ -98,11 +98,10 @@ def test_bad_poison_variable_is_one_line(tmp_path, monkeypatch, capsys, value):
 
 
 def _torchrun(args, env_extra=None) -> subprocess.CompletedProcess:
+    """tools/train.py at ep 2 on two ranks forked as torchrun starts them (tests.dist_utils.run_trainer)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **(env_extra or {})}
     env.pop("WORLD_SIZE", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(ROOT / "tools" / "train.py"), *TINY, "--ep", "2", *args]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    return run_trainer([*TINY, "--ep", "2", *args], 2, env=env, timeout=300)
 
 
 def test_torchrun_ranks_skip_together_with_all_tokens_on_one_expert(tmp_path):
