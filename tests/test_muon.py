@@ -13,6 +13,7 @@ import torch
 from moekit.models.config import preset
 from moekit.models.transformer import build_model
 from moekit.train.muon import Muon, muon_param_groups, orthogonalize
+from tests.dist_utils import run_ranks
 from tests.test_train_distributed import TINY, losses, run
 
 
@@ -92,6 +93,78 @@ def test_one_step_is_the_update_written_out():
         g = grads[name]
         want = before[name] * (1 - lr * decay) - lr * g / (g.abs() + 1e-8)
         torch.testing.assert_close(after[name], want, rtol=1e-5, atol=1e-6)
+
+
+# (mesh, placements, shape, chunks, dtype, owners: the ranks that orthogonalise it when spread) on 4 ranks:
+# a 1-D "fsdp" mesh of 4, or a 2-D ("ep", "edp") mesh of 2 x 2
+SPREAD_CASES = [
+    ("flat", ("S0",), (10, 6), 1, torch.float32, 1),  # rows 3 3 3 1
+    ("flat", ("S1",), (6, 10), 1, torch.float32, 1),  # TP row-wise: columns cut
+    ("flat", ("S0",), (5, 7), 1, torch.float32, 1),  # rows 2 2 1 0: one rank holds nothing
+    ("flat", ("S1",), (3, 6, 8), 2, torch.float32, 1),  # a gated expert stack, H cut (FSDP on dim 1)
+    ("flat", ("S0",), (8, 4), 1, torch.bfloat16, 1),  # sent as float32 over gloo
+    ("flat", ("R",), (4, 4), 1, torch.float32, 4),  # whole on every rank: orthogonalised where it is
+    ("grid", ("S0", "S1"), (4, 6, 4), 1, torch.float32, 2),  # experts kept on their ep rank, H cut over edp
+    ("grid", ("S0", "S1"), (6, 8), 1, torch.float32, 4),  # cut twice (FSDP x TP): the all-gather path
+    ("grid", ("R", "S0"), (7, 5), 1, torch.float32, 2),  # HSDP: replicated over "ep", cut over "edp"
+]
+
+
+def _spread_ranks(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    import moekit.train.muon as muon_mod
+
+    meshes = {"flat": init_device_mesh("cpu", (4,), mesh_dim_names=("fsdp",)),
+              "grid": init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "edp"))}
+    place = {"S0": Shard(0), "S1": Shard(1), "R": Replicate()}
+    gen = torch.Generator().manual_seed(7)  # the same values on every rank
+    full = [(torch.randn(shape, generator=gen).to(dtype), [torch.randn(shape, generator=gen).to(dtype)
+             for _ in range(2)]) for _, _, shape, _, dtype, _ in SPREAD_CASES]
+    counted = []
+    real = muon_mod.orthogonalize
+    muon_mod.orthogonalize = lambda g, *a, **k: counted.append(g.shape) or real(g, *a, **k)
+    results = {}
+    for spread in (True, False):
+        params = [torch.nn.Parameter(distribute_tensor(w.clone(), meshes[m], [place[x] for x in pl]))
+                  for (m, pl, *_), (w, _) in zip(SPREAD_CASES, full)]
+        opt = Muon([{"params": params, "kind": "muon", "chunks": [c[3] for c in SPREAD_CASES],
+                     "weight_decay": 0.1}], lr=0.02, spread=spread)
+        counted.clear()
+        for step in range(2):
+            for p, (_, grads) in zip(params, full):
+                p.grad = distribute_tensor(grads[step].clone(), p.device_mesh, p.placements)
+            opt.step()
+        results[spread] = ([p.full_tensor() for p in params], list(counted))
+    muon_mod.orthogonalize = real
+    (spread_w, spread_calls), (gather_w, gather_calls) = results[True], results[False]
+    for i, (a, b) in enumerate(zip(spread_w, gather_w)):
+        assert torch.equal(a, b), f"case {i} {SPREAD_CASES[i][:3]}: spread differs from all-gather"
+    # one process, whole tensors
+    ref = [torch.nn.Parameter(w.clone()) for w, _ in full]
+    opt = Muon([{"params": ref, "kind": "muon", "chunks": [c[3] for c in SPREAD_CASES], "weight_decay": 0.1}],
+               lr=0.02)
+    for step in range(2):
+        for p, (_, grads) in zip(ref, full):
+            p.grad = grads[step].clone()
+        opt.step()
+    for i, (a, b) in enumerate(zip(spread_w, ref)):
+        torch.testing.assert_close(a, b.detach(), rtol=1e-6, atol=1e-6, msg=lambda m: f"case {i}: {m}")
+    # the work: each cut matrix orthogonalised by one rank of its group, not by all of them
+    counts = torch.tensor([len(spread_calls), len(gather_calls)], dtype=torch.float64)
+    torch.distributed.all_reduce(counts)
+    spread_calls = sum(chunks * owners for *_, chunks, _, owners in SPREAD_CASES)  # per step, all ranks
+    gather_calls = sum(4 * chunks for *_, chunks, _, _ in SPREAD_CASES)
+    assert counts.tolist() == [2 * spread_calls, 2 * gather_calls], counts
+
+
+def test_spread_orthogonalisation_equals_the_all_gather_and_one_process():
+    """Muon over a 4-rank mesh (gloo): matrices cut over FSDP / TP ranks (uneven and empty shards, a gated stack,
+    bf16, experts kept on their ep rank) are orthogonalised once per group, by the rank that gathered them
+    (all-to-all there and back), and the weights after two steps equal the all-gather path's bit for bit and one
+    process's on whole tensors; whole and twice-cut matrices keep the all-gather path."""
+    run_ranks(_spread_ranks, 4)
 
 
 @pytest.mark.parametrize("name", ["deepseek-tiny", "gpt-oss-tiny"])
