@@ -82,23 +82,28 @@ def _explicit_attention(q: Tensor) -> bool:
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, kv: LayerKV | None, gqa: bool, scale: float | None = None,
-           window: int = 0, sinks: Tensor | None = None, segments: Tensor | None = None) -> Tensor:
+           window: int = 0, sinks: Tensor | None = None, segments: Tensor | None = None, chunk: int = 0) -> Tensor:
     """Causal SDPA of q [B, N, S, Dqk] over k [B, K, S, Dqk], v [B, K, S, Dv] (-> [B, N, S, Dv]); with ``kv``
     the new keys / values are appended to the cache and q attends to every cached position too. Where it
     is faster (CPU bf16, small S: EXPLICIT_ATTENTION) the same function runs as bmm + softmax + bmm.
     ``window`` > 0: each query sees only the last ``window`` positions, itself included (``local_attention``:
     only the keys a window reaches are read); ``sinks`` [N]: a learned logit per query head in every softmax
     (``sink_attention``); ``segments`` [B, S]: each position's document (``document_segments``), attention stays
-    within it (training only: no KV cache)."""
+    within it (training only: no KV cache); ``chunk`` > 0: chunked attention (Llama 4), each query sees only the
+    keys of its own chunk of ``chunk`` positions (``local_attention``, a call per chunk)."""
     if segments is not None:
         if kv is not None:
             raise ValueError("document masking (segments) is for training forwards; decode without it")
-        return local_attention(q, k, v, 0, gqa, scale, window, sinks, segments=segments)
-    if kv is None and _explicit_attention(q):
-        return explicit_causal_attention(q, k, v, scale, window, sinks)
+        return local_attention(q, k, v, 0, gqa, scale, window, sinks, segments=segments, chunk=chunk)
     start, S, first = 0 if kv is None else kv.length, q.shape[2], 0
+    if chunk and start + S <= chunk:  # every query in the first chunk: plain causal attention
+        chunk = 0
+    if kv is None and not chunk and _explicit_attention(q):
+        return explicit_causal_attention(q, k, v, scale, window, sinks)
     if kv is not None:  # [B, K, start+S - first, D*]: every position a new query can see, in order
         k, v, first = kv.extend(k, v)
+    if chunk:
+        return local_attention(q, k, v, start, gqa, scale, window, sinks, first, chunk=chunk)
     if not window and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(start, S, q.device),
                                               is_causal=start == 0 and S > 1, enable_gqa=gqa, scale=scale)
@@ -131,14 +136,30 @@ def window_block(S: int, window: int, documents: bool = False, cpu: bool = True)
 
 def local_attention(q: Tensor, k: Tensor, v: Tensor, q_start: int, gqa: bool, scale: float | None = None,
                     window: int = 0, sinks: Tensor | None = None, k_start: int = 0,
-                    segments: Tensor | None = None) -> Tensor:
+                    segments: Tensor | None = None, chunk: int = 0) -> Tensor:
     """Causal (``window``: sliding-window) attention of queries at positions q_start .. q_start+S-1, q [B, N, S, Dqk],
     over keys k [B, K, P, Dqk] and values v [B, K, P, Dv] at positions k_start .. k_start+P-1 (at least every
     position the queries see; keys past the last query are never read). Each block of ``window_block`` queries
     reads the keys from its window's start to its own end: a KV cache's decoding step, a context-parallel chunk
     and a long windowed sequence alike. ``segments`` [B, k_start+P]: the document of every position (keys and
-    queries), or None."""
+    queries), or None. ``chunk`` > 0 (chunked attention): one call per chunk the queries meet, over that chunk's
+    keys up to the last query (plain causal attention where the queries start the chunk)."""
     S = q.shape[2]
+    if chunk:
+        out = []
+        first = q_start
+        while first < q_start + S:
+            end = min(q_start + S, (first // chunk + 1) * chunk)  # this chunk's last query + 1
+            lo = (first // chunk) * chunk  # the chunk's first key
+            if lo < k_start:
+                raise ValueError(f"chunked attention: the queries at {first}.. need the keys from {lo} on (their chunk "
+                                 f"of {chunk}) but the keys start at {k_start}")
+            i = first - q_start
+            keys = slice(lo - k_start, end - k_start)
+            out.append(local_attention(q[:, :, i : i + end - first], k[:, :, keys], v[:, :, keys], first, gqa, scale,
+                                       window, sinks, lo, segments))
+            first = end
+        return out[0] if len(out) == 1 else torch.cat(out, dim=2)
     block = window_block(S, window, segments is not None, q.device.type == "cpu")
     out = []
     for i in range(0, S, block):
@@ -207,14 +228,15 @@ def _prefix_applies(q: Tensor, v: Tensor, prefix: int, P: int, window: int, segm
 
 
 def context_attend(q: Tensor, k: Tensor, v: Tensor, context, gqa: bool, scale: float | None = None,
-                   window: int = 0, sinks: Tensor | None = None, segments: Tensor | None = None) -> Tensor:
+                   window: int = 0, sinks: Tensor | None = None, segments: Tensor | None = None,
+                   chunk: int = 0) -> Tensor:
     """Causal attention of a context-parallel rank's queries q [B, N, S_local, Dqk] (its chunks of the sequence:
     ``context.chunks``, comm.context_parallel) over the whole sequence's keys k [B, K, S, Dqk] and values
     v [B, K, S, Dv], gathered in position order. Each chunk attends to the keys up to its own end only (and from
     its window's start): the zigzag chunks then cost every rank the same. ``segments`` [B, S]: the whole
     sequence's documents, or None. -> [B, N, S_local, Dv]."""
-    out = [local_attention(q[:, :, local : local + n], k, v, start, gqa, scale, window, sinks, segments=segments)
-           for local, start, n in context.chunks(q.shape[2])]
+    out = [local_attention(q[:, :, local : local + n], k, v, start, gqa, scale, window, sinks, segments=segments,
+                           chunk=chunk) for local, start, n in context.chunks(q.shape[2])]
     return torch.cat(out, dim=2)
 
 
@@ -230,6 +252,12 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int = 0):
         super().__init__()
         self.window = config.attention_window(layer_id)
+        # Llama 4: NoPE layers (no RoPE, full attention, the query temperature), chunked attention on the others
+        self.rope = config.uses_rope(layer_id)
+        self.chunk = config.attention_chunk_of(layer_id)
+        self.temperature = (config.attn_temperature_floor, float(config.attn_temperature_scale)) \
+            if config.attn_temperature_floor and not self.rope else None
+        self.unit_norm_eps = config.norm_eps if config.qk_norm == "unit" and self.rope else 0.0
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim, self.rope_dim = config.attn_head_dim, config.rope_dim
         self.rope_pairs = config.rope_pairs  # which channels RoPE rotates together (models.config)
@@ -245,7 +273,7 @@ class Attention(nn.Module):
         # under tensor parallelism (comm.tensor_parallel), like wq's output
         self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if config.attention_sinks else None
         self.context_parallel = None  # comm.context_parallel: gather the sequence's keys and values
-        if config.qk_norm != "none":
+        if config.qk_norm in ("head", "full"):
             full = config.qk_norm == "full"
             self.q_norm = make_norm(config, self.num_heads * D if full else D)
             self.k_norm = make_norm(config, self.num_kv_heads * D if full else D)
@@ -267,10 +295,16 @@ class Attention(nn.Module):
         q, k, v = (t.view(B, S, -1, self.head_dim) for t in (q, k, v))  # [B, S, heads, D]
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
+        elif self.unit_norm_eps:  # Llama 4's L2Norm: RMS over each head, no weight, in fp32 (RoPE keeps the RMS)
+            q, k = (F.rms_norm(t.float(), (self.head_dim,), eps=self.unit_norm_eps).to(t.dtype) for t in (q, k))
         if self.qkv_clip > 0:
             q, k, v = (t.clamp(-self.qkv_clip, self.qkv_clip) for t in (q, k, v))
-        # RoPE before the transpose: x [B, S, heads, D] is laid out as the projection wrote it
-        q, k = self._rope(q, cos[:, None], sin[:, None]), self._rope(k, cos[:, None], sin[:, None])
+        if self.rope:  # RoPE before the transpose: x [B, S, heads, D] is laid out as the projection wrote it
+            q, k = self._rope(q, cos[:, None], sin[:, None]), self._rope(k, cos[:, None], sin[:, None])
+        if self.temperature is not None:  # Llama 4's NoPE layers: q at position p times 1 + s log(1 + (p+1) // f)
+            floor, strength = self.temperature
+            p = self._query_positions(S, kv, q.device).float()
+            q = (q * (torch.log1p(torch.floor((p + 1.0) / floor)) * strength + 1.0)[:, None, None]).to(q.dtype)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, S, D]
         sinks = self.sinks.to_local() if hasattr(self.sinks, "to_local") else self.sinks  # this rank's heads
         gqa = self.num_kv_heads != self.num_heads
@@ -278,13 +312,23 @@ class Attention(nn.Module):
             kv_all = self.context_parallel.gather(torch.cat((k, v), dim=-1), dim=2)  # [B, K, S_global, 2D]
             k, v = kv_all.split(self.head_dim, dim=-1)
             y = context_attend(q, k, v, self.context_parallel, gqa, window=self.window, sinks=sinks,
-                               segments=segments)
+                               segments=segments, chunk=self.chunk)
         else:
-            y = attend(q, k, v, kv, gqa, window=self.window, sinks=sinks, segments=segments)  # [B, N, S, D]
+            y = attend(q, k, v, kv, gqa, window=self.window, sinks=sinks, segments=segments,
+                       chunk=self.chunk)  # [B, N, S, D]
         y = y.transpose(1, 2).reshape(B, S, -1)  # [B, S, N*D]
         if gate is not None:
             y = y * torch.sigmoid(gate)
         return self.wo(y)  # [B, S, H]
+
+    def _query_positions(self, S: int, kv: LayerKV | None, device) -> Tensor:
+        """[S] the sequence positions of this forward's queries: after a KV cache's, this context-parallel rank's
+        share of the sequence, or 0 .. S-1."""
+        if kv is not None:
+            return torch.arange(kv.length, kv.length + S, device=device)
+        if self.context_parallel is not None:
+            return self.context_parallel.positions(S, device)
+        return torch.arange(S, device=device)
 
     def _rope(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """RoPE on the first rope_dim channels of each head (all of them unless partial_rotary_factor < 1), pairing
@@ -307,7 +351,7 @@ class Attention(nn.Module):
             self.wo.bias.zero_()
         if self.sinks is not None:  # 0: the sink starts as one more key of logit 0 (gpt-oss trained from there)
             self.sinks.zero_()
-        if self.qk_norm != "none":
+        if self.qk_norm in ("head", "full"):
             self.q_norm.weight.fill_(norm_identity(self.q_norm))
             self.k_norm.weight.fill_(norm_identity(self.k_norm))
 

@@ -61,7 +61,8 @@ class ModelConfig:
     # Attention variants (models.attention)
     attention: str = "gqa"  # gqa (grouped-query) | mla (DeepSeek-V2/V3 multi-head latent attention)
     attention_bias: bool = False  # gqa: a bias on wq, wk, wv (Qwen2 qkv_bias); never on wo
-    qk_norm: str = "none"  # gqa: none | head (RMSNorm(D) on each q/k head, Qwen3) | full (RMSNorm over the
+    qk_norm: str = "none"  # gqa: none | head (RMSNorm(D) on each q/k head, Qwen3) | unit (the same without a weight,
+    #                        on the RoPE layers only: Llama 4's L2Norm) | full (RMSNorm over the
     #                        whole q [N*D] and k [K*D] projections, OLMoE); before RoPE
     qkv_clip: float = 0.0  # gqa, > 0: clamp q, k, v to [-clip, clip] after projection and norm (OLMoE clip_qkv)
     attention_out_bias: bool = False  # gqa: a bias on wo as well (gpt-oss's o_proj)
@@ -79,6 +80,16 @@ class ModelConfig:
       # or adjacent (2i with 2i + 1: ERNIE 4.5, GPT-J); MLA's is rope_interleave
     attention_output_gate: bool = False  # gqa: each head's output is multiplied by sigmoid of a gate that wq also
     #   emits, stored per head after its query rows ([q_n | gate_n], Qwen3-Next / Qwen3.5 gated attention)
+    # Llama 4: interleaved RoPE / NoPE layers, chunked attention, a query temperature, input-weighted top-1 experts
+    nope_every: int = 0  # > 0: layer i has no RoPE (NoPE) iff (i + 1) % nope_every == 0 (Llama 4: 4); 0: RoPE on
+    #   every layer
+    attention_chunk: int = 0  # > 0: the RoPE layers attend within chunks of this many positions, causally (query i
+    #   sees key j iff j <= i and j // chunk == i // chunk; Llama 4: 8192); the NoPE layers attend to everything
+    attn_temperature_floor: int = 0  # > 0: the NoPE layers scale each query at position p by
+    #   1 + attn_temperature_scale * log(1 + floor((p + 1) / floor)) (Llama 4: 8192, 0.1: 1 below position 8191)
+    attn_temperature_scale: float = 0.1  # the strength of that temperature (Llama 4: attn_scale 0.1)
+    router_weight_on_input: bool = False  # MoE, top-1: the router's weight scales the token before its expert, not
+    #   the expert's output (Llama 4; Megatron's moe_apply_probs_on_input)
     norm_zero_centered: bool = False  # every RMSNorm of the residual stream and q/k stores w - 1 and scales by 1 + w
     #   (Qwen3-Next / Qwen3.5): initialised at 0, so weight decay pulls toward the identity
     # Linear attention (models.linear_attention): Gated DeltaNet layers (Qwen3-Next, Qwen3.5), every layer that
@@ -138,6 +149,14 @@ class ModelConfig:
     @property
     def num_linear_layers(self) -> int:
         return sum(self.is_linear_layer(i) for i in range(self.num_layers))
+
+    def uses_rope(self, i: int) -> bool:
+        """Whether layer i rotates its queries and keys (nope_every leaves every n-th layer without RoPE)."""
+        return not (self.nope_every and (i + 1) % self.nope_every == 0)
+
+    def attention_chunk_of(self, i: int) -> int:
+        """Layer i's attention chunk (attention_chunk on the RoPE layers), 0 = no chunking."""
+        return self.attention_chunk if self.uses_rope(i) else 0
 
     def attention_window(self, i: int) -> int:
         """Layer i's sliding window (positions a query sees, itself included), 0 = full causal attention."""
@@ -201,6 +220,7 @@ class ModelConfig:
         _check_int("model.sliding_window", self.sliding_window, 0)
         _check_int("model.full_attention_every", self.full_attention_every, 0)
         self._validate_linear_attention()
+        self._validate_llama4()
         if self.full_attention_every and not self.sliding_window and self.linear_attention == "none":
             raise ValueError(f"model.full_attention_every={self.full_attention_every} picks the layers that attend "
                              f"fully among sliding-window ones, but model.sliding_window is 0 (no window); set a "
@@ -212,7 +232,8 @@ class ModelConfig:
                              f"(half: Llama, Qwen, Mixtral; adjacent: ERNIE 4.5)")
         if self.qk_norm not in QK_NORMS:
             raise ValueError(f"model.qk_norm={self.qk_norm!r} is invalid; choose one of {list(QK_NORMS)} (head: "
-                             f"Qwen3's per-head norm, full: OLMoE's norm over the whole projection)")
+                             f"Qwen3's per-head norm, full: OLMoE's norm over the whole projection, unit: Llama 4's "
+                             f"per-head norm without a weight, on the RoPE layers)")
         _check_float("model.qkv_clip", self.qkv_clip, strict=False, hint="; 0 turns clipping off")
         _check_float("model.partial_rotary_factor", self.partial_rotary_factor, strict=True,
                      hint="; 1 rotates the whole head, 0.5 its first half (GLM-4.5)")
@@ -254,6 +275,36 @@ class ModelConfig:
                                  f"{self.rope_dim} of the head's {self.attn_head_dim} channels; RoPE needs an even "
                                  f"number >= 2: choose a factor such as 0.5 or 1")
         _check_rope_scaling(self.rope_scaling)
+
+    def _validate_llama4(self) -> None:
+        """nope_every, attention_chunk, the NoPE layers' temperature, qk_norm 'unit', router_weight_on_input."""
+        _check_int("model.nope_every", self.nope_every, 0)
+        _check_int("model.attention_chunk", self.attention_chunk, 0)
+        _check_int("model.attn_temperature_floor", self.attn_temperature_floor, 0)
+        _check_float("model.attn_temperature_scale", self.attn_temperature_scale, strict=False,
+                     hint="; Llama 4 uses 0.1")
+        if not isinstance(self.router_weight_on_input, bool):
+            raise ValueError(f"model.router_weight_on_input={self.router_weight_on_input!r} is invalid; it must be "
+                             f"true or false")
+        used = [n for n in ("nope_every", "attention_chunk", "attn_temperature_floor") if getattr(self, n)]
+        if used and self.attention != "gqa":
+            raise ValueError(f"{', '.join(f'model.{n}' for n in used)} apply to attention='gqa' (Llama 4); "
+                             f"leave them 0 with attention={self.attention!r}")
+        if self.attention_chunk and self.sliding_window:
+            raise ValueError(f"model.attention_chunk={self.attention_chunk} and model.sliding_window="
+                             f"{self.sliding_window}: a layer attends within chunks or within a window, not both; "
+                             f"set one of them 0")
+        if self.attn_temperature_floor and not self.nope_every:
+            raise ValueError(f"model.attn_temperature_floor={self.attn_temperature_floor} scales the queries of the "
+                             f"NoPE layers, but model.nope_every is 0 (every layer has RoPE); set nope_every (Llama 4: "
+                             f"4) or attn_temperature_floor 0")
+        if self.nope_every == 1 and self.qk_norm == "unit":
+            raise ValueError("model.qk_norm='unit' normalises the RoPE layers' queries and keys, but model.nope_every=1 "
+                             "leaves no layer with RoPE; use qk_norm 'none' or a larger nope_every")
+        if self.router_weight_on_input and self.num_experts and self.top_k != 1:
+            raise ValueError(f"model.router_weight_on_input scales each token by its one expert's weight before the "
+                             f"expert, which needs top-1 routing, but model.top_k={self.top_k}; set top_k 1 (Llama 4) "
+                             f"or router_weight_on_input false")
 
     def _validate_linear_attention(self) -> None:
         fields = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
@@ -336,7 +387,7 @@ def _split_common_router_fields(config: ModelConfig) -> tuple[dict[str, Any], li
 
 ATTENTIONS = ("gqa", "mla")
 LINEAR_ATTENTIONS = ("none", "gated_deltanet")
-QK_NORMS = ("none", "head", "full")
+QK_NORMS = ("none", "head", "full", "unit")
 ROPE_PAIRS = ("half", "adjacent")  # ModelConfig.rope_pairs
 # rope_scaling: rope_type -> (required keys, optional keys) besides rope_type; the meaning of each is
 # transformers' (modeling_rope_utils); models.rope.rope_frequencies computes them.

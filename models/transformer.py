@@ -132,7 +132,8 @@ class Block(nn.Module):
             router = build_router(config.router, H, config.num_experts, **config.router_kwargs())
             self.ffn = MoELayer(H, config.moe_ffn_hidden_size, config.num_experts, router, config.activation,
                                 config.shared_ffn_hidden_size, shared_expert_gate=config.shared_expert_gate,
-                                backend=config.expert_backend, ffn_bias=config.moe_ffn_bias)
+                                backend=config.expert_backend, ffn_bias=config.moe_ffn_bias,
+                                weight_on_input=config.router_weight_on_input)
         else:
             self.ffn = DenseMLP(H, config.ffn_hidden_size, config.activation)
 

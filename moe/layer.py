@@ -138,6 +138,8 @@ class MoELayer(nn.Module):
     router's aux-loss-free selection bias. The router's own gate bias is the router's option ``gate_bias``.
     shared_ffn_hidden_size: > 0 adds an always-on shared expert (DeepSeek / Qwen2-MoE);
     shared_expert_gate: gate it with sigmoid(x @ w_g) as Qwen2-MoE does.
+    weight_on_input: top-1 routing only: each token enters its expert scaled by the router's weight and the
+    expert's output is added unweighted (Llama 4), instead of the weight scaling the output.
     backend: expert compute, "auto" | "triton" | "torch" | "loop" (see moe.experts).
     dispatcher, token_split: the strategies (module docstring); None = local.
     aux_loss_scale: multiplies the aux-loss gradient; ``set_aux_loss_scale`` sets it for a training layout.
@@ -146,7 +148,7 @@ class MoELayer(nn.Module):
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, router: Router | str,
                  activation: str = "swiglu", shared_ffn_hidden_size: int = 0, *,
                  shared_expert_gate: bool = False, backend: str = "auto", dispatcher: Dispatcher | None = None,
-                 token_split: TokenSplit | None = None, ffn_bias: bool = False):
+                 token_split: TokenSplit | None = None, ffn_bias: bool = False, weight_on_input: bool = False):
         super().__init__()
         check_int("hidden_size", hidden_size, 1)
         check_int("ffn_hidden_size", ffn_hidden_size, 1)
@@ -174,6 +176,8 @@ class MoELayer(nn.Module):
         self.token_split: TokenSplit = token_split or LocalTokens()
         self.load = ExpertLoad(num_experts)
         self.aux_loss_scale = 1.0
+        # Llama 4 (top-1): the router's weight scales the token before its expert; the output is combined with 1
+        self.weight_on_input = bool(weight_on_input)
 
     def forward(self, x: Tensor, token_ids: Tensor | None = None, aux_weight: float = 1.0) -> Tensor:
         """x [..., H] -> [..., H]; ``token_ids`` [...]: for routers that read them (hash); ``aux_weight``
@@ -198,6 +202,12 @@ class MoELayer(nn.Module):
         # Under autocast the experts compute in the autocast dtype anyway: cast before dispatch, so the
         # gathered rows (and an EP all-to-all) carry half the bytes. The router keeps the fp32 input.
         rows_in = x.to(compute_dtype(x))
+        if self.weight_on_input:  # expert(w x) instead of w expert(x): needs the one slot of top-1 routing
+            if routing.weights.shape[-1] != 1:
+                raise ValueError(f"MoELayer(weight_on_input=True) scales each token by the weight of its one expert, "
+                                 f"but the router gave {routing.weights.shape[-1]} per token; route top-1")
+            rows_in = (x * routing.weights.to(x.dtype)).to(compute_dtype(x))
+            routing = dataclasses.replace(routing, weights=torch.ones_like(routing.weights))
         if getattr(self.dispatcher, "overlap_chunks", 1) > 1:  # EP: chunks whose all-to-alls overlap experts
             y = self.dispatcher.pipelined(rows_in, routing, self.experts)  # [T, H] (comm.overlap)
         else:

@@ -39,7 +39,7 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")  # the keys of moekit.train.mod
 # here so that --help and a flag error need no torch.
 HF_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "deepseek_v2", "glm4_moe", "glm4_moe_lite",
                "dots1", "gpt_oss", "minimax_m2", "ernie4_5_moe", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next",
-               "qwen3_5", "qwen3_5_text", "llama", "qwen2", "qwen3")
+               "qwen3_5", "qwen3_5_text", "llama4", "llama4_text", "llama", "qwen2", "qwen3")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -201,8 +201,9 @@ def export_rules(model: Transformer, family: str | None, dtype: torch.dtype | No
                       f"number, the Qwen families one); the main model is exported whole and its logits are "
                       f"unaffected", stacklevel=3)
     L = model.config.num_layers + depths
-    block = naming.moe_blocks[-1 if layout == "fused" else 0]  # fused tensors live under "mlp", as in transformers
-    rules = model_rules(model, naming, [block] * L, [layout == "fused"] * L, depths)
+    fused = layout == "fused" or naming.experts_in_out  # Llama 4 stores only its fused [E, in, out] experts
+    block = naming.moe_blocks[-1 if fused else 0]  # fused tensors live under "mlp", as in transformers
+    rules = model_rules(model, naming, [block] * L, [fused] * L, depths)
     head = "embed.weight" if getattr(model, "lm_head", None) is None else "lm_head.weight"
     for i in range(model.config.num_layers, L if naming.mtp == "deepseek" else 0):  # each MTP layer's copies of
         # the shared tensors, as DeepSeek-V3 released them

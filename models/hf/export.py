@@ -39,14 +39,14 @@ from moekit.moe.router import TopKRouter
 
 NEAREST = {True: ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "deepseek_v3", "glm4_moe_lite", "deepseek_v2",
                   "glm4_moe", "dots1",
-                  "minimax_m2", "ernie4_5_moe", "gpt_oss", "qwen3_5_moe_text", "qwen3_next"),
+                  "minimax_m2", "ernie4_5_moe", "gpt_oss", "qwen3_5_moe_text", "qwen3_next", "llama4_text"),
            False: ("llama", "qwen2", "qwen3", "qwen3_5_text")}
 PRETTY = {"mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE", "olmoe": "OLMoE",
           "deepseek_v3": "DeepSeek-V3", "deepseek_v2": "DeepSeek-V2", "dots1": "dots.llm1", "glm4_moe": "GLM-4-MoE",
           "glm4_moe_lite": "GLM-4-MoE-Lite",
           "gpt_oss": "gpt-oss", "minimax_m2": "MiniMax-M2", "ernie4_5_moe": "ERNIE-4.5-MoE",
           "qwen3_5_moe_text": "Qwen3.5-MoE", "qwen3_5_moe": "Qwen3.5-MoE", "qwen3_next": "Qwen3-Next",
-          "qwen3_5_text": "Qwen3.5", "qwen3_5": "Qwen3.5",
+          "qwen3_5_text": "Qwen3.5", "qwen3_5": "Qwen3.5", "llama4_text": "Llama 4", "llama4": "Llama 4",
           "llama": "Llama", "qwen2": "Qwen2",
           "qwen3": "Qwen3"}
 # (attention kind, its biases, the qk_norms it can compute, qkv_clip allowed) of each family's attention; biases:
@@ -61,6 +61,7 @@ ATTENTION = {"mixtral": ("gqa", "none", ("none",), False), "qwen2_moe": ("gqa", 
              "qwen3_5_moe_text": ("gqa", "all", ("head",), False), "qwen3_5_moe": ("gqa", "all", ("head",), False),
              "qwen3_next": ("gqa", "all", ("head",), False), "qwen3_5_text": ("gqa", "all", ("head",), False),
              "qwen3_5": ("gqa", "all", ("head",), False),
+             "llama4_text": ("gqa", "all", ("unit", "none"), False), "llama4": ("gqa", "all", ("unit", "none"), False),
              "llama": ("gqa", "all", ("none",), False), "qwen2": ("gqa", "qkv", ("none",), False),
              "qwen3": ("gqa", "all", ("head",), False)}
 # the families whose MoE is DeepSeek-V3's: sigmoid scores, selection bias, groups, scaling, ungated shared experts
@@ -70,7 +71,8 @@ DEEPSEEK_SHARED = (*DEEPSEEK_MOE, "deepseek_v2")  # ungated shared experts (n_sh
 # gated attention, zero-centered norms, Gated DeltaNet layers
 QWEN3_5 = ("qwen3_5_moe_text", "qwen3_5_moe", "qwen3_next", "qwen3_5_text", "qwen3_5")
 # the one a model imported from the multimodal release exports as (its language model: Qwen3_5MoeForCausalLM)
-EXPORT_AS = {"qwen3_5_moe": "qwen3_5_moe_text", "qwen3_5": "qwen3_5_text"}
+EXPORT_AS = {"qwen3_5_moe": "qwen3_5_moe_text", "qwen3_5": "qwen3_5_text", "llama4": "llama4_text"}
+LLAMA4 = ("llama4_text", "llama4")  # NoPE layers, chunked attention, the query temperature, top-1 input weighting
 PARTIAL_ROPE = ("glm4_moe", "minimax_m2", *QWEN3_5)  # the families that rotate a fraction of each head
 # families whose config.json carries moekit's sliding windows (gpt-oss's are checked with its other features):
 # Mixtral's covers every layer; dots.llm1 takes layer_types
@@ -105,6 +107,10 @@ def export_problems(model, family: str) -> list[str]:
                         f"family: {', '.join(NEAREST[False])}")
         return problems
     problems += _layer_problems(cfg, family, name)
+    if cfg.router_weight_on_input != (family in LLAMA4):
+        problems.append(f"{name}'s router weight scales the expert's {'input' if family in LLAMA4 else 'output'}; this "
+                        f"model has router_weight_on_input={str(cfg.router_weight_on_input).lower()} (Llama 4 scales "
+                        f"the input)")
     for i in moe_layers:  # every MoE layer is built alike: report the first that differs
         why = _router_problems(model.layers[i].ffn.router, family, name) + _shared_problems(model.layers[i].ffn,
                                                                                              cfg, family, name)
@@ -138,7 +144,7 @@ def _attention_problems(cfg: ModelConfig, family: str, name: str) -> list[str]:
     if cfg.partial_rotary_factor != 1.0 and family not in PARTIAL_ROPE:
         problems.append(f"{name} rotates every channel of a head; this model has partial_rotary_factor="
                         f"{cfg.partial_rotary_factor} (GLM-4-MoE and MiniMax-M2 rotate part of it)")
-    pairs = "adjacent" if family == "ernie4_5_moe" else "half"
+    pairs = "adjacent" if family in ("ernie4_5_moe", *LLAMA4) else "half"
     if kind == "gqa" and cfg.rope_pairs != pairs:
         how = "adjacent channel pairs" if pairs == "adjacent" else "channel i with channel i + R/2"
         problems.append(f"{name}'s RoPE rotates {how}; this model has rope_pairs={cfg.rope_pairs!r} (ERNIE 4.5 pairs "
@@ -156,6 +162,15 @@ def _attention_problems(cfg: ModelConfig, family: str, name: str) -> list[str]:
     if cfg.linear_attention != "none" and not qwen3_5:
         problems.append(f"{name} has no linear-attention layers; this model has linear_attention="
                         f"{cfg.linear_attention!r} (Qwen3.5 has Gated DeltaNet layers)")
+    if family not in LLAMA4:
+        for field, what in (("nope_every", "layers without RoPE"), ("attention_chunk", "chunked attention"),
+                            ("attn_temperature_floor", "a query temperature on NoPE layers")):
+            if getattr(cfg, field):
+                problems.append(f"{name} has no {what}; this model has {field}={getattr(cfg, field)} (Llama 4 has it)")
+    elif cfg.qk_norm == "unit" and not cfg.nope_every:
+        problems.append("Llama 4's use_qk_norm normalises the RoPE layers of a model with NoPE layers; this model has "
+                        "qk_norm='unit' and nope_every=0 (transformers would read every layer as RoPE'd anyway: set "
+                        "nope_every past num_layers or qk_norm 'none')")
     if cfg.qkv_clip and not clip_ok:
         problems.append(f"{name} does not clip q/k/v; this model has qkv_clip={cfg.qkv_clip} (OLMoE does)")
     if family == "gpt_oss":
@@ -185,6 +200,9 @@ def _layer_problems(cfg: ModelConfig, family: str, name: str) -> list[str]:
     if family in DEEPSEEK_SHARED and family != "glm4_moe_lite" and cfg.moe_every != 1:  # lite: mlp_layer_types
         return [f"{name} has an MoE FFN in every layer from first_k_dense_replace on; this model has "
                 f"moe_every={cfg.moe_every}"]
+    if family in LLAMA4 and cfg.first_dense_layers:
+        return [f"{name} puts MoE FFNs on every interleave_moe_layer_step-th layer from the first; this model has "
+                f"first_dense_layers={cfg.first_dense_layers}"]
     if family == "ernie4_5_moe" and cfg.first_dense_layers % cfg.moe_every:
         return [f"{name} puts MoE FFNs on the layers i >= moe_layer_start_index with (i + 1) % moe_layer_interval "
                 f"== 0; this model has first_dense_layers={cfg.first_dense_layers}, which is not a multiple of "
@@ -203,7 +221,10 @@ def _router_problems(r, family: str, name: str) -> list[str]:
                         f"rebuild the model with capacity_factor=None and load the state_dict into it")
     if r.force_expert is not None:
         problems.append(f"router forces expert {r.force_expert} (a debug option)")
-    deepseek, sigmoid = family in DEEPSEEK_MOE, family in SIGMOID_MOE
+    deepseek, sigmoid = family in DEEPSEEK_MOE, family in (*SIGMOID_MOE, *LLAMA4)
+    if family in LLAMA4 and (r.top_k != 1 or r.normalize):
+        problems.append(f"{name} routes each token to its one top expert, weighted by the sigmoid of its logit; this "
+                        f"router has top_k={r.top_k}, normalize={r.normalize}")
     if r.score != ("sigmoid" if sigmoid else "softmax"):
         problems.append(f"router scores with {r.score}; {name} scores with {'sigmoid' if sigmoid else 'softmax'} "
                         f"(is not a {'sigmoid' if sigmoid else 'softmax'} top-k router)")
@@ -230,7 +251,7 @@ def _router_problems(r, family: str, name: str) -> list[str]:
                         f"have them)")
     if family == "ernie4_5_moe" and not r.normalize:
         problems.append("router does not renormalise the top-k weights (normalize=False); ERNIE 4.5 always does")
-    if r.expert_bias is not None and not sigmoid and family != "ernie4_5_moe":
+    if r.expert_bias is not None and (not sigmoid or family in LLAMA4) and family != "ernie4_5_moe":
         problems.append("router has an expert_bias (aux-loss-free balancing changes which experts are chosen; "
                         "DeepSeek-V3 and GLM-4-MoE have it)")
     if family == "gpt_oss" and not r.normalize:
@@ -258,7 +279,11 @@ def _shared_problems(ffn, cfg: ModelConfig, family: str, name: str) -> list[str]
             return [f"{name}'s shared experts are n_shared_experts * moe_intermediate_size wide; this model's "
                     f"shared_ffn_hidden_size={cfg.shared_ffn_hidden_size} is not a multiple of "
                     f"moe_ffn_hidden_size={cfg.moe_ffn_hidden_size}"]
-    if family not in ("qwen2_moe", *DEEPSEEK_SHARED, "ernie4_5_moe", *QWEN3_5):
+    if family in LLAMA4 and (gated or cfg.shared_ffn_hidden_size != cfg.moe_ffn_hidden_size):
+        return [f"{name}'s shared expert is ungated and as wide as a routed one (intermediate_size); this model's has "
+                f"shared_ffn_hidden_size={cfg.shared_ffn_hidden_size} (experts: {cfg.moe_ffn_hidden_size}), "
+                f"shared_expert_gate={str(gated).lower()}"]
+    if family not in ("qwen2_moe", *DEEPSEEK_SHARED, "ernie4_5_moe", *QWEN3_5, *LLAMA4):
         return [f"{name} has no shared expert; this model has shared_ffn_hidden_size={cfg.shared_ffn_hidden_size}"]
     return []
 
@@ -403,6 +428,17 @@ def hf_config(model, family: str, dtype_name: str, token_ids: dict[str, Any] | N
         if family == "qwen3_next":  # Qwen3-MoE's layer pattern and renormalisation flag
             out.update(intermediate_size=cfg.ffn_hidden_size, norm_topk_prob=r.normalize, decoder_sparse_step=1,
                        mlp_only_layers=[i for i in range(L) if not cfg.is_moe_layer(i)])
+    elif family in LLAMA4:
+        rope = [int(cfg.uses_rope(i)) for i in range(L)]
+        out.update(moe, num_experts_per_tok=1, num_local_experts=E, intermediate_size=cfg.moe_ffn_hidden_size,
+                   intermediate_size_mlp=cfg.ffn_hidden_size, attention_bias=cfg.attention_bias,
+                   moe_layers=[i for i in range(L) if cfg.is_moe_layer(i)], interleave_moe_layer_step=cfg.moe_every,
+                   no_rope_layers=rope, no_rope_layer_interval=cfg.nope_every or L + 1,
+                   use_qk_norm=cfg.qk_norm == "unit", attention_chunk_size=cfg.attention_chunk or None,
+                   layer_types=["chunked_attention" if r_ and cfg.attention_chunk else "full_attention" for r_ in rope],
+                   attn_temperature_tuning=bool(cfg.attn_temperature_floor),
+                   floor_scale=cfg.attn_temperature_floor or 8192, attn_scale=cfg.attn_temperature_scale,
+                   router_jitter_noise=0.0)
     elif family == "llama":
         out.update(intermediate_size=cfg.ffn_hidden_size, attention_bias=cfg.attention_bias, mlp_bias=False,
                    pretraining_tp=1)
@@ -450,9 +486,14 @@ def zero_fill(model, family: str, dtype: torch.dtype) -> dict[str, Tensor]:
     H, F = cfg.hidden_size, cfg.moe_ffn_hidden_size
     for i, layer in enumerate(model.layers):
         if not layer.is_moe or family not in ("qwen2_moe", *SIGMOID_MOE, "deepseek_v2", "gpt_oss", "ernie4_5_moe",
-                                              *QWEN3_5):
+                                              *QWEN3_5, *LLAMA4):
             continue
         block = f"model.layers.{i}.mlp"
+        if family in LLAMA4:  # its shared expert always exists
+            if layer.ffn.shared_expert is None:
+                for proj, shape in (("gate_proj", (F, H)), ("up_proj", (F, H)), ("down_proj", (H, F))):
+                    out[f"model.layers.{i}.feed_forward.shared_expert.{proj}.weight"] = torch.zeros(shape, dtype=dtype)
+            continue
         if family == "ernie4_5_moe":  # its selection bias always exists ([1, E]); no shared experts: a count of 0
             if layer.ffn.router.expert_bias is None:
                 out[f"{block}.moe_statics.e_score_correction_bias"] = torch.zeros(1, cfg.num_experts, dtype=dtype)

@@ -70,6 +70,8 @@ ERNIE4_5_MOE = Naming(moe_blocks=("mlp",), expert_proj=GATED, experts_field="moe
 QWEN3_5_MOE = Naming(moe_blocks=("mlp",), expert_proj=GATED, experts_field="num_experts", shared="shared_expert",
                      shared_gate="shared_expert_gate", mtp="qwen")
 QWEN3_5_DENSE = Naming(moe_blocks=("mlp",), expert_proj=GATED, experts_field="(dense model: no experts)", mtp="qwen")
+LLAMA4 = Naming(moe_blocks=("feed_forward",), expert_proj=GATED, experts_field="num_local_experts",
+                shared="shared_expert", router="router", dense_block="feed_forward", experts_in_out=True)
 GPT_OSS = Naming(moe_blocks=("mlp",), expert_proj=GATED, experts_field="num_local_experts", router="router",
                  woven=True)
 
@@ -535,7 +537,8 @@ def ernie4_5_moe_config(hf: dict) -> ModelConfig:
 QWEN3_5_NESTED = ("model.language_model.", "model.")
 
 
-MULTIMODAL = {"qwen3_5_moe": "qwen3_5_moe_text", "qwen3_5": "qwen3_5_text"}  # release -> its language model's type
+# release -> its language model's type
+MULTIMODAL = {"qwen3_5_moe": "qwen3_5_moe_text", "qwen3_5": "qwen3_5_text", "llama4": "llama4_text"}
 
 
 def text_config(hf: dict) -> dict:
@@ -665,6 +668,56 @@ def qwen3_next_fuse(hf: dict, tensors: dict) -> dict:
     return out
 
 
+def llama4_config(hf: dict) -> ModelConfig:
+    """Llama 4 (Scout 17B-16E, Maverick 17B-128E; transformers' Llama4, text part): GQA whose RoPE (adjacent channel
+    pairs) skips every no_rope_layer_interval-th layer (no_rope_layers); the RoPE layers attend within chunks of
+    attention_chunk_size (layer_types chunked_attention) and RMS-normalise q / k per head without a weight
+    (use_qk_norm), the NoPE layers attend to everything, their queries scaled by the temperature of
+    attn_temperature_tuning (floor_scale, attn_scale). MoE layers every interleave_moe_layer_step (or moe_layers),
+    the others dense MLPs of intermediate_size_mlp: top-1 (num_experts_per_tok) of sigmoid(router logits), the
+    weight scaling the token before its expert, plus an ungated shared expert of intermediate_size."""
+    hf = text_config(hf)
+    problems: list[str] = []
+    fields = base_fields(hf, problems, default_theta=500000.0)
+    L, E = fields["num_layers"], _get(hf, ("num_local_experts", "num_experts"))
+    k = _get(hf, "num_experts_per_tok", 1)
+    step = _get(hf, "interleave_moe_layer_step", 1)
+    moe_ids = hf.get("moe_layers")
+    moe_ids = list(range(step - 1, L, step)) if moe_ids is None else list(moe_ids)
+    pattern = layer_pattern([i in moe_ids for i in range(L)])
+    if pattern is None:
+        problems.append(f"MoE layers {moe_ids} of {L} (moe_layers) (needs {NEEDS['layer_pattern']})")
+    first, every = pattern or (0, 1)
+    interval = _get(hf, "no_rope_layer_interval", 4)
+    rope = hf.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(L)]
+    nope = next((n for n in range(1, L + 2) if [int((i + 1) % n != 0) for i in range(L)] == list(rope)), None)
+    if nope is None:
+        problems.append(f"no_rope_layers={list(rope)} (needs a per-layer RoPE / NoPE list in ModelConfig besides "
+                        f"nope_every)")
+        nope = interval
+    nope = 0 if nope > L else nope  # every layer has RoPE
+    chunk = hf.get("attention_chunk_size") or 0
+    types = hf.get("layer_types") or ["chunked_attention" if r and chunk else "full_attention" for r in rope]
+    want = ["chunked_attention" if r and chunk else "full_attention" for r in rope]
+    if list(types) != want:
+        problems.append(f"layer_types={list(types)} (moekit chunks exactly the RoPE layers when attention_chunk_size "
+                        f"is set: {want})")
+    all_attention_biases(hf, fields)
+    tuning = bool(_get(hf, "attn_temperature_tuning", True)) and nope > 0
+    if k != 1:
+        problems.append(f"num_experts_per_tok={k} (transformers' Llama4 scales each token's input by its weight, "
+                        f"which moekit's router_weight_on_input does for top-1 only)")
+    F = _get(hf, "intermediate_size")
+    fields.update(rope_pairs="adjacent", nope_every=nope, attention_chunk=chunk,
+                  qk_norm="unit" if _get(hf, "use_qk_norm", True) and nope != 1 else "none",
+                  attn_temperature_floor=int(_get(hf, "floor_scale", 8192)) if tuning else 0,
+                  attn_temperature_scale=float(_get(hf, "attn_scale", 0.1)), num_experts=E, top_k=1,
+                  first_dense_layers=first, moe_every=every, moe_ffn_hidden_size=F, shared_ffn_hidden_size=F,
+                  ffn_hidden_size=_get(hf, "intermediate_size_mlp", F), router_weight_on_input=True,
+                  router_options={"score": "sigmoid", "normalize": False})
+    return _model_config(hf, fields, problems)
+
+
 def dense_config(hf: dict) -> ModelConfig:
     """Llama, Qwen2, Qwen3: a moekit model without experts (num_experts=0)."""
     problems: list[str] = []
@@ -692,8 +745,9 @@ class Family:
     naming: Naming
     moe: bool = True
     layers_field: str = "num_hidden_layers"
-    # the prefix the language model's weights are stored under instead of "model." (a multimodal release)
+    # the prefix the language model's weights are stored under instead of ``renamed`` (a multimodal release)
     stored_prefix: str | None = None
+    renamed: str = "model."  # Qwen3.5's model.language_model.* are model.*; Llama 4's language_model.* are *
     # split(hf, reader): read fused tensors as the ones moekit's rules map (CheckpointReader.derive); fuse(hf,
     # tensors): the export's inverse (Qwen3-Next's in_proj_qkvz / in_proj_ba)
     split: Callable[[dict, Any], None] | None = None
@@ -701,7 +755,7 @@ class Family:
 
     def reader_rename(self) -> tuple[str, str] | None:
         """CheckpointReader's ``rename`` for this family's files."""
-        return None if self.stored_prefix is None else (self.stored_prefix, "model.")
+        return None if self.stored_prefix is None else (self.stored_prefix, self.renamed)
 
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
@@ -725,6 +779,9 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("minimax_m2", "MiniMaxM2ForCausalLM", minimax_m2_config, MINIMAX_M2),
     Family("dots1", "Dots1ForCausalLM", dots1_config, DEEPSEEK_V3),  # DeepSeek-V3's MoE names
     Family("ernie4_5_moe", "Ernie4_5_MoeForCausalLM", ernie4_5_moe_config, ERNIE4_5_MOE),
+    Family("llama4_text", "Llama4ForCausalLM", llama4_config, LLAMA4),
+    Family("llama4", "Llama4ForConditionalGeneration", llama4_config, LLAMA4, stored_prefix="language_model.",
+           renamed=""),
     Family("llama", "LlamaForCausalLM", dense_config, DENSE, moe=False),
     Family("qwen2", "Qwen2ForCausalLM", dense_config, DENSE, moe=False),
     Family("qwen3", "Qwen3ForCausalLM", dense_config, DENSE, moe=False),
@@ -783,6 +840,12 @@ def skipped_keys(hf: dict, keys, num_layers: int, path, mtp_layers: int | None =
     model's); the layers beyond the model's ``mtp_layers`` (default: all of them) are left out with a warning.
     Qwen3.5 / Qwen3-Next: the vision tower of a multimodal release, and the MTP layer (mtp.*) when the model has no
     depth for it, with a warning."""
+    if hf.get("model_type") == "llama4":  # the multimodal release: its vision tower and projector
+        vision = {k for k in keys if k.startswith(("vision_model.", "multi_modal_projector."))}
+        if vision:
+            warnings.warn(f"{path}: importing the language model only; skipping the vision tower (vision_model.*, "
+                          f"multi_modal_projector.*: {len(vision)} tensors)", stacklevel=3)
+        return vision
     if hf.get("model_type") in QWEN_MTP:  # the vision tower; the MTP layer when the model has no depth for it
         vision = {k for k in keys if k.startswith("model.visual.")}
         if vision:

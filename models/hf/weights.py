@@ -46,6 +46,8 @@ class Naming:
     router_bias_row: bool = False  # ERNIE 4.5: the selection bias is stored as one row [1, E]
     router: str = "gate"  # the router's module inside the block (gpt-oss: "router", whose ``bias`` is the gate's)
     woven: bool = False  # gpt-oss: fused experts, gate / up interleaved, with biases (_woven_expert_rules)
+    dense_block: str = "mlp"  # a dense layer's FFN (Llama 4: feed_forward, as its MoE block)
+    experts_in_out: bool = False  # fused experts stored [E, in, out] (Llama 4), moekit's layout, not [E, out, in]
     # how the release stores multi-token-prediction layers (models.mtp): "deepseek" as model.layers.{L + k} (enorm,
     # hnorm, eh_proj, shared_head.norm); "qwen" under mtp. (Qwen3-Next / Qwen3.5: pre_fc_norm_embedding,
     # pre_fc_norm_hidden, fc, norm, and the block as mtp.layers.{k})
@@ -158,6 +160,9 @@ def _expert_rules(t: str, block: str, naming: Naming, num_experts: int, fused: b
     fields = f"hidden_size, {naming.experts_field}, expert intermediate size"
     if naming.woven:
         return _woven_expert_rules(t, block, experts, fields)
+    if fused and naming.experts_in_out:  # [E, H, 2F] (gate | up) and [E, F, H]: moekit's w_in and w_out as they are
+        return [_one(f"{t}.experts.w_in", f"{block}.experts.gate_up_proj", fields),
+                _one(f"{t}.experts.w_out", f"{block}.experts.down_proj", fields)]
     if fused:
         transpose = lambda ts: ts[0].transpose(1, 2)  # noqa: E731  [E, a, b] <-> [E, b, a], both ways
         whole = (Piece(((0, 1),) * 3, (0, 2, 1)),)  # the whole target, its last two dims swapped
@@ -293,7 +298,7 @@ def layer_rules(i: int, layer, naming: Naming, block: str, fused: bool, target: 
              _one(f"{t}.ffn_norm.weight", f"{s}.post_attention_layernorm.weight", "hidden_size")]
     if layer.is_moe:
         return rules + moe_rules(f"{t}.ffn", f"{s}.{block}", layer.ffn, naming, fused)
-    return rules + mlp_rules(f"{t}.ffn", f"{s}.mlp", "intermediate_size")
+    return rules + mlp_rules(f"{t}.ffn", f"{s}.{naming.dense_block}", "intermediate_size")
 
 
 def model_rules(model, naming: Naming, blocks: list[str], fused: list[bool], depths: int | None = None) -> list[Rule]:
