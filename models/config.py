@@ -432,8 +432,8 @@ def _check_rope_scaling(rs) -> None:
             continue
         else:
             _check_float(name, value, strict=key not in ("mscale", "mscale_all_dim"))
-    if kind == "llama3" and not rs["high_freq_factor"] > rs["low_freq_factor"]:
-        raise ValueError(f"{where}.high_freq_factor={rs['high_freq_factor']!r} must exceed low_freq_factor="
+    if kind == "llama3" and not rs["high_freq_factor"] >= rs["low_freq_factor"]:  # equal: no blended band (Llama 4)
+        raise ValueError(f"{where}.high_freq_factor={rs['high_freq_factor']!r} must be at least low_freq_factor="
                          f"{rs['low_freq_factor']!r}")
 
 
@@ -603,6 +603,27 @@ PRESETS: dict[str, ModelConfig] = {
     # Qwen3.5-35B-A3B (Qwen 2026): 40 layers, 30 of them Gated DeltaNet (16 key heads and 32 value heads of 128)
     # and every fourth gated GQA 16/2 heads of 256 with RoPE on 64 of them; 256 experts of width 512, top-8
     # renormalised, plus a gated shared expert of 512. Its checkpoint imports as qwen3_5_moe (the language model).
+    # Llama 4's architecture at a CPU's size: NoPE on every other layer (queries with the temperature from position
+    # 63), 64-position chunks on the others, MoE on every other layer (top-1 sigmoid, weight on the input, a
+    # shared expert), wider dense MLPs between them (Maverick's interleaving)
+    "llama4-tiny": ModelConfig(
+        name="llama4-tiny", hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32, max_seq_len=256,
+        rope_theta=500000.0, norm_eps=1e-5, rope_pairs="adjacent", qk_norm="unit", nope_every=2, attention_chunk=64,
+        attn_temperature_floor=64, attn_temperature_scale=0.1, ffn_hidden_size=256, num_experts=8, moe_every=2,
+        moe_ffn_hidden_size=128, shared_ffn_hidden_size=128, top_k=1, router_weight_on_input=True,
+        aux_loss_coeff=0.001, router_options={"score": "sigmoid", "normalize": False},
+    ),
+    # meta-llama/Llama-4-Scout-17B-16E (config.json's text_config): 109B parameters, 17B active
+    "llama-4-scout": ModelConfig(
+        name="llama-4-scout", vocab_size=202048, hidden_size=5120, num_layers=48, num_heads=40, num_kv_heads=8,
+        head_dim=128, max_seq_len=262144, rope_theta=500000.0, norm_eps=1e-5,
+        rope_scaling={"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0,
+                      "original_max_position_embeddings": 8192},
+        rope_pairs="adjacent", qk_norm="unit", nope_every=4, attention_chunk=8192, attn_temperature_floor=8192,
+        attn_temperature_scale=0.1, ffn_hidden_size=16384, num_experts=16, moe_ffn_hidden_size=8192,
+        shared_ffn_hidden_size=8192, top_k=1, router_weight_on_input=True, aux_loss_coeff=0.001,
+        router_options={"score": "sigmoid", "normalize": False},
+    ),
     "qwen3.5-35b-a3b": ModelConfig(
         name="qwen3.5-35b-a3b", vocab_size=248320, hidden_size=2048, num_layers=40, num_heads=16, num_kv_heads=2,
         head_dim=256, max_seq_len=262144, rope_theta=1e7, norm_eps=1e-6, partial_rotary_factor=0.25, qk_norm="head",
@@ -635,6 +656,9 @@ PRESETS: dict[str, ModelConfig] = {
         router_options={"normalize": True},
     ),
 }
+# meta-llama/Llama-4-Maverick-17B-128E: 128 experts on every other layer, no q/k norm, no RoPE scaling: 400B, 17B active
+PRESETS["llama-4-maverick"] = dataclasses.replace(PRESETS["llama-4-scout"], name="llama-4-maverick", num_experts=128,
+                                                  moe_every=2, qk_norm="none", rope_scaling={})
 PRESETS["gpt-oss-120b"] = dataclasses.replace(PRESETS["gpt-oss-20b"], name="gpt-oss-120b", num_layers=36,
                                               num_experts=128)  # 116.8B total, 5.1B active
 

@@ -56,6 +56,8 @@ def rope_frequencies(config: ModelConfig, device=None) -> tuple[Tensor, float]:
         low, high = float(rs["low_freq_factor"]), float(rs["high_freq_factor"])
         wavelen = 2 * math.pi / inv_freq
         scaled = torch.where(wavelen > old / low, inv_freq / factor, inv_freq)  # long wavelengths: / factor
+        if high == low:  # no band between them to blend over (Llama 4 Scout: both 1)
+            return scaled, 1.0
         smooth = (old / wavelen - low) / (high - low)
         blended = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old / high) & (wavelen <= old / low)

@@ -128,6 +128,9 @@ def measure_one_process(cfg, mode: str, autocast=None) -> dict:
     ("qwen3.5-tiny", "none", {"full_attention_every": 2, "linear_chunk": 24}),
     ("qwen3.5-tiny", "full", {"full_attention_every": 2}), ("qwen3.5-tiny", "selective", {"full_attention_every": 2}),
     ("qwen3.5-tiny", "ffn", {"full_attention_every": 2}),
+    # Llama 4: a RoPE layer in 16-position chunks (4 SDPA calls per sequence) with the weightless q / k norm, a NoPE
+    # layer (its query temperature) whose MoE weights the experts' input
+    ("llama4-tiny", "none", {"attention_chunk": 16}), ("llama4-tiny", "selective", {"attention_chunk": 16}),
 ])
 def test_estimate_matches_one_process(name, mode, over):
     cfg = dataclasses.replace(preset(name), num_layers=2, **over)
@@ -149,6 +152,7 @@ def test_estimate_matches_one_process(name, mode, over):
     # stay; counting every block's was 4.5x the measured bytes here
     ("mixtral-tiny", "never", "full"), ("gpt-oss-tiny", "never", "selective"), ("gpt-oss-tiny", "auto", "ffn"),
     ("qwen3.5-tiny", "auto", "none"), ("qwen3.5-tiny", "never", "selective"),
+    ("llama4-tiny", "auto", "none"),  # the chunked layer runs SDPA per chunk, the NoPE one the explicit path
     # every projection reading an input keeps its own bf16 cast: the dense first layer's w_gate and w_up, the shared
     # expert's (and Qwen's gate: qwen3.5-tiny above)
     ("deepseek-tiny", "never", "none"),
@@ -164,6 +168,8 @@ def test_estimate_matches_one_process_under_cpu_bf16_autocast(name, attention, m
         cfg.qk_norm = "head"
     if cfg.linear_attention != "none":  # one Gated DeltaNet layer, one gated GQA layer
         cfg.full_attention_every = 2
+    if cfg.nope_every:  # Llama 4: chunks shorter than the sequence
+        cfg.attention_chunk = 16
     before, A.EXPLICIT_ATTENTION = A.EXPLICIT_ATTENTION, attention
     try:
         assert A.explicit_attention_applies("cpu", torch.bfloat16, B, cfg.num_heads, S) == (attention == "auto")
@@ -230,6 +236,9 @@ def packed_tokens(cfg, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     # Gated DeltaNet: per-chunk document masks, the starting state's reach, the convolution's masked taps
     ("qwen3.5-tiny", {"full_attention_every": 2, "linear_chunk": 16}, "none", "float32", 256),
     ("qwen3.5-tiny", {"full_attention_every": 2}, "none", "bfloat16", 256),
+    # chunks of 16 cut the document-masked calls (blocks of 16 inside them: one call each)
+    ("llama4-tiny", {"attention_chunk": 16}, "none", "float32", 256),
+    ("llama4-tiny", {"attention_chunk": 32}, "none", "float32", 16),
 ])
 def test_estimate_matches_one_process_with_documents(monkeypatch, name, over, mode, dtype, block):
     """Document masking (--data.document_mask; models.attention.positioned_attention): every attention call is

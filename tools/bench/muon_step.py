@@ -37,10 +37,11 @@ from moekit.bench.benchlib import (BenchParser, check_at_least, check_out, envir
 def matrices(name: str, seed: int):
     """The preset's Muon matrices (whole, fp32) and their chunk counts (2: a gated expert stack)."""
     from moekit.models.config import preset
-    from moekit.models.transformer import build_model
+    from moekit.models.transformer import Transformer, meta_device
     from moekit.train.muon import muon_param_groups
 
-    model = build_model(preset(name), device="meta")
+    with meta_device():  # shapes only: the values are drawn below
+        model = Transformer(preset(name))
     group = muon_param_groups(model, 0.0)[0]
     gen = torch.Generator().manual_seed(seed)
     return [torch.randn(p.shape, generator=gen) * 0.02 for p in group["params"]], group["chunks"]

@@ -181,8 +181,10 @@ def _selective(cfg: ModelConfig, layout: Layout, s: Shapes, i: int) -> dict[str,
         Dv, K = cfg.attn_head_dim, cfg.num_kv_heads // layout.tp
         gate = 2 if cfg.attention_output_gate else 1  # wq's output holds the gate as well
         proj, fused, c = s.T * (gate * N + 2 * K) * Dv, True, 2 * K * Dv
-    # bmm + softmax + bmm (explicit): nothing a selective checkpoint caches
-    fused = fused and not s.explicit_attention
+    # bmm + softmax + bmm (explicit; never for chunked attention over more than a chunk): nothing a selective
+    # checkpoint caches
+    chunk = cfg.attention_chunk_of(i)
+    fused = fused and not (s.explicit_attention and not (chunk and s.S > chunk))
     # each SDPA call's output and fp32 logsumexp (``_calls``): sink attention's 8 channels wider, an unmasked one's
     # P' rows long; both flash calls of a CPU PrefixCausalAttention (a later context-parallel chunk)
     width = Dv + SINK_PAD if cfg.attention_sinks else Dv
@@ -193,7 +195,7 @@ def _selective(cfg: ModelConfig, layout: Layout, s: Shapes, i: int) -> dict[str,
         return (n if masked or not cfg.attention_sinks else sink_keys(n)) * (width * a + FP32)
 
     same_widths = cfg.attention != "mla" or cfg.attn_qk_head_dim == Dv
-    calls = [_calls(s, r, cfg.attention_window(i), same_widths) for r in _cp_ranks(s)]
+    calls = [_calls(s, r, cfg.attention_window(i), same_widths, chunk=chunk) for r in _cp_ranks(s)]
     kept = max(s.B * N * sum(sdpa(*call) for call in rank) for rank in calls) if fused else 0
     # q / k / v (or MLA's latents) and the output projection
     out = {"attention": (proj + s.T * H) * a + kept}

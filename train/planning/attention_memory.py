@@ -5,6 +5,7 @@ widened copies, CUDA's GQA expansion of masked calls, MLA's latents, the explici
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from moekit.comm.topology import Layout
@@ -26,9 +27,16 @@ def _attention(cfg: ModelConfig, layout: Layout, s: Shapes, i: int) -> int:
         return _mla(cfg, layout, s)
     D, K = cfg.attn_head_dim, cfg.num_kv_heads // layout.tp
     inputs = 3 * s.T * H * s.a if s.casts else s.T * H * s.r
-    kept = _gqa_kept(s, N, K, D, cfg.attention_window(i), cfg.attention_sinks, cfg.num_kv_heads != cfg.num_heads)
-    if cfg.qk_norm != "none":  # the norms keep their inputs (q, k before the norm) and rsqrt per row (per head, or
-        # per token for "full"); the CPU's composite RMSNorm also its x * rsqrt product
+    chunk = cfg.attention_chunk_of(i)
+    if chunk and s.explicit_attention and s.S > chunk:  # chunked attention runs SDPA per chunk, never explicit
+        s = dataclasses.replace(s, explicit_attention=False)
+    kept = _gqa_kept(s, N, K, D, cfg.attention_window(i), cfg.attention_sinks, cfg.num_kv_heads != cfg.num_heads,
+                     chunk)
+    if cfg.qk_norm == "unit" and cfg.uses_rope(i):  # Llama 4's weightless norm of q / k in fp32 keeps its input (q
+        # and k themselves in fp32, else their fp32 copies) and an rsqrt per head row; nothing multiplies its output
+        kept += s.T * (N + K) * D * FP32 + s.T * (N + K) * FP32
+    elif cfg.qk_norm in ("head", "full"):  # the norms keep their inputs (q, k before the norm) and rsqrt per row
+        # (per head, or per token for "full"); the CPU's composite RMSNorm also its x * rsqrt product
         rows = s.T * (N + K) if cfg.qk_norm == "head" else 2 * s.T
         if cfg.norm_zero_centered or s.casts:  # models.linear_attention.ZeroCenteredRMSNorm normalises an fp32 copy
             # and keeps it and the fp32 normalised rows its (1 + w) multiplies; so does RMSNorm on a bf16 input
@@ -69,7 +77,7 @@ def _mla(cfg: ModelConfig, layout: Layout, s: Shapes) -> int:
     return inputs + latents + kept + _explicit_probs(cfg, layout, s)
 
 
-def _gqa_kept(s: Shapes, N: int, K: int, D: int, window: int, sinks: bool, gqa: bool) -> int:
+def _gqa_kept(s: Shapes, N: int, K: int, D: int, window: int, sinks: bool, gqa: bool, chunk: int = 0) -> int:
     """What one GQA attention keeps from q, k, v on (models.attention.attend, or context_attend under context
     parallelism) to wo's input, on the rank whose calls keep the most (or ``s.cp_rank``'s). The attention runs
     as SDPA calls (``_calls``: one, or local_attention's blocks and context-parallel chunks), each over a span of
@@ -107,7 +115,7 @@ def _gqa_kept(s: Shapes, N: int, K: int, D: int, window: int, sinks: bool, gqa: 
     keys_kv = B * s.S * K * 2 * D * a if s.cp > 1 else 2 * T * K * D * a  # k and v: gathered, or this rank's
     worst = 0
     for rank in _cp_ranks(s):
-        calls = _calls(s, rank, window)
+        calls = _calls(s, rank, window, chunk=chunk)
         kept = T * N * D * a if sinks or len(calls) > 1 else 0  # wo's input
         if sinks:
             W, prefix = D + SINK_PAD, False
@@ -154,7 +162,7 @@ def _cp_ranks(s: Shapes) -> list[int]:
     return list(range(s.cp)) if s.cp_rank is None else [s.cp_rank]
 
 
-def _calls(s: Shapes, rank: int, window: int, same_widths: bool = True) -> list[tuple[int, int, bool]]:
+def _calls(s: Shapes, rank: int, window: int, same_widths: bool = True, chunk: int = 0) -> list[tuple[int, int, bool]]:
     """(queries, keys, masked) per sequence of each SDPA call one attention layer makes on context-parallel rank
     ``rank``, as models.attention makes them: local_attention over the whole sequence (cp 1; one call unless a
     window splits the queries into blocks) or over each zigzag chunk (context_attend); each block of queries reads
@@ -163,17 +171,29 @@ def _calls(s: Shapes, rank: int, window: int, same_widths: bool = True) -> list[
     positions, the window hides none of them and there are no documents (positioned_attention). Unmasked over more
     keys than queries: on CPU a context-parallel chunk after the first, without window or documents, whose q and v
     have the same head width (``same_widths``) runs as PrefixCausalAttention (every earlier key visible, then
-    causal: two flash calls merged by their logsumexps, no mask; models.attention._prefix_applies)."""
+    causal: two flash calls merged by their logsumexps, no mask; models.attention._prefix_applies). ``chunk``
+    (chunked attention, where the sequence is longer): the spans are cut at the chunks' starts, and each piece's
+    keys start at its chunk's (models.attention.local_attention)."""
     from moekit.comm.context_parallel import ContextParallel
     from moekit.models.attention import window_block
 
     spans = [(g, n) for _, g, n in ContextParallel(s.cp, rank).chunks(s.S // s.cp)] if s.cp > 1 else [(0, s.S)]
-    out = []
+    pieces = []  # (first query, queries, the first key they may see)
     for q_start, S in spans:
+        if not chunk or s.S <= chunk:
+            pieces.append((q_start, S, 0))
+            continue
+        first = q_start
+        while first < q_start + S:
+            end = min(q_start + S, (first // chunk + 1) * chunk)
+            pieces.append((first, end - first, first // chunk * chunk))
+            first = end
+    out = []
+    for q_start, S, k_start in pieces:
         block = window_block(S, window, s.documents, s.cpu)
         for i in range(0, S, block):
             n, first = min(block, S - i), q_start + i
-            lo = max(0, first - window + 1) if window else 0
+            lo = max(k_start, first - window + 1) if window else k_start
             if window:  # local_attention's keys, a multiple of 16 of them where there are enough
                 lo = max(0, first + n - math.ceil((first + n - lo) / MEM_EFF_ALIGN) * MEM_EFF_ALIGN)
             plain = first == lo and (not window or window >= n) and not s.documents
