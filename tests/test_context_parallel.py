@@ -228,8 +228,14 @@ def _ranks(rank, world, cases):
 # other ranks' chunks (affine maps, all-gathered), its convolution reading across the ranks' chunks; chunks of 2
 # positions inside the rule so that each rank's chunk is several of them
 QWEN = dict(QWEN3_5, linear_chunk=2)
+# Llama 4's layers: layer 0 RoPE'd in chunks of 5 (the zigzag chunks of 4 straddle them), layer 1 NoPE with the
+# query temperature from position 2 (each rank scales its own positions), top-1 experts weighting their input
+LLAMA4 = dict(nope_every=2, attention_chunk=5, attn_temperature_floor=3, qk_norm="unit", rope_pairs="adjacent",
+              router_weight_on_input=True, top_k=1, router_options={"score": "sigmoid", "normalize": False},
+              shared_ffn_hidden_size=24)
 TWO_RANKS = [
     (dict(cp=2), QWEN, {}),
+    (dict(cp=2, ep=2), LLAMA4, {"document_eos": 0}),
     (dict(cp=2), QWEN, {"document_eos": 0}),
     (dict(cp=2), {}, {}),
     (dict(cp=2, ep=2), {"router": "hash", "router_options": {}, "first_dense_layers": 1}, {}),
@@ -245,6 +251,7 @@ FOUR_RANKS = [
     (dict(cp=2, fsdp=2, ep=2), QWEN, {"activation_checkpointing": "selective"}),
     (dict(dp=2, cp=2, ep=2), {"shared_ffn_hidden_size": 16}, {}),
     (dict(cp=4), dict(OSS, sliding_window=5, full_attention_every=0), {}),
+    (dict(cp=2, tp=2), LLAMA4, {"sequence_parallel": True}),
     (dict(cp=2, fsdp=2, ep=4), MLA, {}),
     (dict(cp=2, tp=2), OSS, {"sequence_parallel": True}),
     (dict(cp=4), MLA, {"document_eos": 0}),

@@ -312,6 +312,17 @@ FAMILY_CASES = {  # case -> (model_type, config overrides)
                                                    num_hidden_layers=5, moe_layer_start_index=0, moe_layer_end_index=3,
                                                    moe_layer_interval=2, moe_num_shared_experts=0, head_dim=16,
                                                    tie_word_embeddings=False)),
+    # Llama 4 (Scout-like): MoE on layers 1 and 3 (interleave 2) between wider dense MLPs, NoPE on layers 1 and 3
+    # (queries scaled by the temperature from position 1: floor_scale 2), 4-position chunks on layers 0 and 2 under
+    # 12-token inputs with the weightless q/k norm, llama3 RoPE on adjacent pairs, top-1 sigmoid weighting the input
+    "llama4_text": ("llama4_text", dict(num_local_experts=4, intermediate_size=16, intermediate_size_mlp=48,
+                                        num_hidden_layers=4, interleave_moe_layer_step=2, no_rope_layer_interval=2,
+                                        attention_chunk_size=4, floor_scale=2, attn_scale=0.5, head_dim=8,
+                                        rope_parameters=LLAMA3)),
+    # Maverick-like: no q/k norm, no temperature, every layer MoE, the 4th layer NoPE, no chunks, attention biases
+    "llama4_text-maverick": ("llama4_text", dict(num_local_experts=4, intermediate_size=16, num_hidden_layers=4,
+                                                 use_qk_norm=False, attn_temperature_tuning=False,
+                                                 attention_chunk_size=None, attention_bias=True, head_dim=8)),
     "llama": ("llama", dict(rope_parameters=LLAMA3)),
     # attention_bias: biases on q/k/v and o_proj (attention_bias + attention_out_bias in moekit)
     "llama-bias": ("llama", dict(attention_bias=True)),
