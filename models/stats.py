@@ -56,7 +56,8 @@ def model_stats(config: ModelConfig, seq_len: int | None = None) -> ModelStats:
     matmul = active - vectors - embedding + (embedding if config.tie_embeddings else 0)
     per_key = config.num_heads * (config.attn_qk_head_dim + config.attn_v_head_dim)
     forward = 2.0 * matmul + sum(linear_attention_flops(config, seq_len) if config.is_linear_layer(i)
-                                 else 2 * mean_keys(seq_len, config.attention_window(i)) * per_key
+                                 else 2 * mean_keys(seq_len, config.attention_window(i),
+                                                    config.attention_chunk_of(i)) * per_key
                                  for i in range(config.num_layers))
     head = embedding if config.tie_embeddings else model.lm_head.weight.numel()
     for k, module in enumerate(model.mtp, start=1):  # models.mtp: depth k runs on S - k of every S positions
@@ -76,9 +77,13 @@ def linear_attention_flops(config: ModelConfig, seq_len: int) -> float:
     return padded / seq_len * config.linear_num_value_heads * (4 * L * dk + 2 * L * dv + 6 * dk * dv)
 
 
-def mean_keys(seq_len: int, window: int = 0) -> float:
+def mean_keys(seq_len: int, window: int = 0, chunk: int = 0) -> float:
     """Keys a query attends to on average over a causal sequence of seq_len (PaLM's S / 2), with a sliding
-    window of ``window`` positions (0: none): W - W^2 / (2 S) when W < S, the same convention's integral."""
+    window of ``window`` positions (0: none): W - W^2 / (2 S) when W < S, the same convention's integral; in
+    chunks of ``chunk`` (Llama 4): each chunk of C its C / 2, the last one of r its r / 2."""
+    if chunk and chunk < seq_len:
+        full, rest = divmod(seq_len, chunk)
+        return (full * chunk * chunk + rest * rest) / (2 * seq_len)
     if not window or window >= seq_len:
         return seq_len / 2
     return window - window * window / (2 * seq_len)

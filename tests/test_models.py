@@ -223,7 +223,16 @@ FLOP_CASES = {
     "switch-tied-mtp1": ("switch-tiny", {"capacity_factor": None, "mtp_layers": 1}),
     # gpt-oss: a 12-position window on layer 0 (layer 1 full), sinks, biases everywhere (not matmuls)
     "gpt-oss-window": ("gpt-oss-tiny", {"sliding_window": 12}),
+    # Llama 4: a dense layer, an MoE layer weighting its experts' input, a shared expert, NoPE (no chunks under 48)
+    "llama4": ("llama4-tiny", {}),
 }
+
+
+@pytest.mark.parametrize("S,chunk", [(48, 16), (40, 16), (7, 3), (16, 16), (10, 64)])
+def test_mean_keys_of_chunked_attention(S, chunk):
+    """Chunked attention's keys per query under the formula's convention (a causal sequence of S: S / 2, the mean
+    of i + 1 over its queries less 1/2): the same mean with i counted from its chunk's start."""
+    assert mean_keys(S, 0, chunk) == pytest.approx(sum(i % chunk + 1 for i in range(S)) / S - 0.5)
 
 
 @pytest.mark.parametrize("case", FLOP_CASES)
