@@ -69,6 +69,11 @@ MODELS = {
                              linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=4,
                              attention_output_gate=True, norm_zero_centered=True, qk_norm="head",
                              partial_rotary_factor=0.5, shared_ffn_hidden_size=16, shared_expert_gate=True),
+    # Llama 4: fused experts stored [E, in, out] (no transpose), MoE on every other layer between dense MLPs, a shared
+    # expert, NoPE / chunked layers, the weightless q / k norm, top-1 weighting the experts' input
+    "llama4_text": dict(num_layers=4, moe_every=2, shared_ffn_hidden_size=24, rope_pairs="adjacent", qk_norm="unit",
+                        nope_every=2, attention_chunk=4, attn_temperature_floor=3, top_k=1,
+                        router_weight_on_input=True, router_options={"score": "sigmoid", "normalize": False}),
     # sinks, q/k/v/o biases, a window on every other layer, gate and expert biases, interleaved gate / up columns
     "gpt_oss": dict(attention_bias=True, attention_out_bias=True, attention_sinks=True, sliding_window=5,
                     full_attention_every=2, activation="swiglu_oai", moe_ffn_bias=True, moe_ffn_hidden_size=32,
@@ -342,6 +347,7 @@ def checkpoints(tmp_path_factory) -> Path:
     make_checkpoint(tmp / "olmoe", "olmoe")
     make_checkpoint(tmp / "ernie4_5_moe", "ernie4_5_moe")
     make_checkpoint(tmp / "qwen3_5_moe_text", "qwen3_5_moe_text")
+    make_checkpoint(tmp / "llama4_text", "llama4_text")
     make_checkpoint(tmp / "deepseek_v3-mtp", "deepseek_v3", mtp_layers=1)
     bad = Path(shutil.copytree(tmp / "mixtral", tmp / "bad-shape"))
     tensors = load_file(bad / "model.safetensors")
@@ -374,6 +380,7 @@ def test_two_ranks_ep_tp_fsdp(checkpoints, tmp_path):
         (dict(tp=2), c / "olmoe", [(tmp_path / "olmoe-tp2", {})]),  # q/k norm over the projection, sharded
         (dict(fsdp=2, ep=2), c / "ernie4_5_moe", [(tmp_path / "ernie-ep2", {})]),  # the [1, E] bias read by slices
         (dict(fsdp=2, ep=2), c / "qwen3_5_moe_text", [(tmp_path / "qwen3.5-ep2", {})]),  # linear layers by slices
+        (dict(fsdp=2, ep=2), c / "llama4_text", [(tmp_path / "llama4-ep2", {})]),  # [E, in, out] experts by slices
     ]
     # an expert placement: replicas (experts 0 and 3 twice), slots out of order, runs of consecutive experts
     slots = ((2, 3, 0), (3, 0, 1))
@@ -400,6 +407,7 @@ def test_two_ranks_ep_tp_fsdp(checkpoints, tmp_path):
     check_export(tmp_path / "olmoe-tp2", load_hf(c / "olmoe"), tmp_path)
     check_export(tmp_path / "ernie-ep2", load_hf(c / "ernie4_5_moe"), tmp_path)
     check_export(tmp_path / "qwen3.5-ep2", load_hf(c / "qwen3_5_moe_text"), tmp_path)
+    check_export(tmp_path / "llama4-ep2", load_hf(c / "llama4_text"), tmp_path)
 
 
 def test_four_ranks_combined(checkpoints, tmp_path):
