@@ -194,3 +194,24 @@ def test_the_tiny_preset_trains(tmp_path):
                  "--checkpoint.every", "0", "--log.tensorboard", "false", "--run-dir", str(run)]) == 0
     losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 6 and losses[-1] < losses[0] - 0.2, losses
+
+
+@pytest.mark.parametrize("change", [dict(attention_chunk=0), dict(attn_temperature_floor=0), dict(qk_norm="none"),
+                                    dict(nope_every=0, attn_temperature_floor=0), dict(router_weight_on_input=False),
+                                    dict(rope_pairs="half")])
+def test_each_llama4_feature_shows_in_transformers_logits(tmp_path, change):
+    """The round trip of tests/test_hf.py (FAMILY_CASES llama4_text) can fail for each part: the imported model
+    without it no longer gives transformers' logits."""
+    from moekit.models.hf import load_hf
+    from tests.test_hf import FAMILY_CASES, hf_family_model, hf_logits, rel_err, tokens
+
+    model_type, overrides = FAMILY_CASES["llama4_text"]
+    ref = hf_family_model(tmp_path / "hf", model_type, overrides)
+    model = load_hf(tmp_path / "hf")
+    altered = build_model(dataclasses.replace(model.config, **change))
+    altered.load_state_dict(model.state_dict())
+    toks = tokens()
+    want = hf_logits(ref, toks)
+    with torch.no_grad():
+        assert rel_err(model(toks), want) < 1e-5
+        assert rel_err(altered(toks), want) > 1e-3, change
