@@ -121,7 +121,8 @@ class KVCache:
     ``capacity``: the most positions it will hold (default and limit: model.max_seq_len). Memory is
     B * capacity * (K * D keys + K * D values) elements per GQA layer, B * capacity * N * (nope + rope + v) per MLA
     layer (expanded keys and values), B * (window - 1 + KV_WINDOW_SLACK) * 2 * K * D per sliding-window layer (a
-    ring: LayerKV), B * (C * (k - 1) + Nv * dk * dv) per linear-attention layer (LayerState), allocated as the
+    ring: LayerKV; a chunked layer's the same with its chunk for the window), B * (C * (k - 1) + Nv * dk * dv) per
+    linear-attention layer (LayerState), allocated as the
     layers first write. A cache belongs to one batch
     of sequences that all share positions: start a new one for another prompt.
     """
@@ -132,7 +133,10 @@ class KVCache:
             raise ValueError(f"KV cache capacity {capacity} is invalid; it must be in [1, model.max_seq_len="
                              f"{config.max_seq_len}]")
         self.capacity = capacity
-        self.layers = [LayerState(capacity) if config.is_linear_layer(i) else LayerKV(capacity, config.attention_window(i))
+        # a chunked layer's queries see at most the chunk - 1 positions before them (those of their chunk): the ring
+        # of a window that long serves it (Llama 4 Scout at 1M positions: 3 of 4 layers keep 8255, not 1M)
+        self.layers = [LayerState(capacity) if config.is_linear_layer(i)
+                       else LayerKV(capacity, config.attention_window(i) or config.attention_chunk_of(i))
                        for i in range(config.num_layers)]
 
     @property

@@ -78,16 +78,22 @@ def llama4_config(**over) -> ModelConfig:
 
 
 def test_cached_decoding_crosses_chunks_and_scales_nope_queries_at_their_positions():
-    """The KV cache's logits equal the full forward's over 40 positions (5 chunks of 8; the NoPE layers' query
-    temperature grows from position 5): prefill, single steps and a 9-position block."""
-    model = build_model(llama4_config(), seed=2).eval()
-    tokens = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(3))
+    """The KV cache's logits equal the full forward's over 96 positions (12 chunks of 8; the NoPE layers' query
+    temperature grows from position 5): prefill, single steps, a 9-position block and a 20-position one. The
+    chunked layers keep a ring of chunk - 1 + KV_WINDOW_SLACK = 71 positions (their queries see no older ones), the
+    NoPE layers every position."""
+    from moekit.models.kvcache import KV_WINDOW_SLACK
+
+    model = build_model(llama4_config(max_seq_len=96), seed=2).eval()
+    tokens = torch.randint(0, 64, (2, 96), generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():
         full = model(tokens)
         cache = KVCache(model.config)
-        spans = [(0, 6), (6, 7), (7, 16), *[(i, i + 1) for i in range(16, 40)]]
+        spans = [(0, 6), (6, 7), (7, 16), *[(i, i + 1) for i in range(16, 70)], (70, 90), (90, 96)]
         inc = torch.cat([model(tokens[:, a:b], cache=cache) for a, b in spans], dim=1)
     torch.testing.assert_close(inc, full, rtol=1e-5, atol=1e-5)
+    slots = [layer.keys.shape[2] for layer in cache.layers]
+    assert slots == [8 - 1 + KV_WINDOW_SLACK, 96, 8 - 1 + KV_WINDOW_SLACK, 96], slots
 
 
 def test_input_weighted_top1_moe_is_its_definition():
