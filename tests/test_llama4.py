@@ -221,3 +221,14 @@ def test_each_llama4_feature_shows_in_transformers_logits(tmp_path, change):
     with torch.no_grad():
         assert rel_err(model(toks), want) < 1e-5
         assert rel_err(altered(toks), want) > 1e-3, change
+
+
+@pytest.mark.parametrize("name,params,active", [("llama-4-scout", 107.77e9, 17.17e9),
+                                                ("llama-4-maverick", 400.71e9, 17.17e9)])
+def test_release_presets_have_the_release_sizes(name, params, active):
+    """Scout's text model (its release's 109B counts the vision tower too) and Maverick, counted on the meta
+    device: total and active parameters (one routed expert and the shared one per MoE layer)."""
+    from moekit.models.stats import model_stats
+
+    stats = model_stats(preset(name))
+    assert stats.params == pytest.approx(params, rel=1e-3) and stats.active_params == pytest.approx(active, rel=2e-3)

@@ -153,7 +153,9 @@ def test_attention_matches_transformers(case):
 @pytest.mark.parametrize("rope", [
     LINEAR, YARN, YARN_DS, {**YARN, "truncate": False}, {**YARN, "attention_factor": 0.8, "beta_fast": 16.0},
     {**YARN, "mscale": 0.5, "mscale_all_dim": 0.0}, {**YARN, "factor": 1.0}, LLAMA3,
-    {**LLAMA3, "low_freq_factor": 2.0, "high_freq_factor": 3.0}], ids=lambda r: "-".join(map(str, r.values())))
+    {**LLAMA3, "low_freq_factor": 2.0, "high_freq_factor": 3.0},
+    {**LLAMA3, "low_freq_factor": 1.0, "high_freq_factor": 1.0}],  # Llama 4 Scout's: no band between them
+    ids=lambda r: "-".join(map(str, r.values())))
 @pytest.mark.parametrize("attention", ["gqa", "mla"])
 def test_rope_frequencies_match_transformers(rope, attention):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -339,7 +341,7 @@ def test_group_score_top_refusals(options, message):
     (dict(rope_scaling={**LINEAR, "rope_theta": 1e4}), r"unknown key\(s\) \['rope_theta'\]"),
     (dict(rope_scaling={**LINEAR, "factor": 0}), "rope_scaling.factor=0 is invalid"),
     (dict(rope_scaling={**YARN, "truncate": 1}), "truncate=1 is invalid"),
-    (dict(rope_scaling={**LLAMA3, "high_freq_factor": 1.0}), "high_freq_factor=1.0 must exceed"),
+    (dict(rope_scaling={**LLAMA3, "high_freq_factor": 0.5}), "high_freq_factor=0.5 must be at least low_freq_factor"),
     (dict(rope_scaling="yarn"), "rope_scaling='yarn' is invalid"),
 ])
 def test_bad_attention_configs_are_refused(over, message):
