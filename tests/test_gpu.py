@@ -389,6 +389,39 @@ def test_sink_and_window_attention_on_device_match_float64(dtype, window, sinks,
         assert rel_err(g, r) <= bound, (name, rel_err(g, r), bound)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("documents", [False, True], ids=["plain", "documents"])
+def test_chunked_attention_on_device_matches_float64(dtype, documents):
+    """Llama 4's chunked attention (models.attention.local_attention's call per chunk: unmasked causal SDPA where
+    the queries start their chunk, masked calls with documents) on the device against its float64 definition
+    (tests/test_llama4.py), forward and gradients; GQA 8 / 2 heads, chunks of 256 over 1000 positions (the last
+    one short). Bounded by 4x the error of torch's own causal SDPA in the dtype."""
+    from moekit.models import attention as A
+    from tests.test_llama4 import chunked_reference
+
+    B, N, K, D = 2, 8, 2, 64
+    S, chunk = (40, 16) if SMALL else (1000, 256)
+    gen = torch.Generator().manual_seed(5 + documents)
+    q, k, v = (torch.randn(B, n, S, D, generator=gen, dtype=torch.float64) for n in (N, K, K))
+    positions = torch.arange(S)
+    segments = torch.stack([positions // (S // 3), (positions + 7) // (S // 2)]).int() if documents else None
+
+    def ours(q, k, v):
+        return A.attend(q, k, v, None, True, segments=None if segments is None else segments.to(q.device),
+                        chunk=chunk)
+
+    def plain(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    ref = fwd_bwd(lambda q, k, v: chunked_reference(q, k, v, chunk, segments), [q, k, v])
+    got = fwd_bwd(ours, [t.to(DEVICE, dtype) for t in (q, k, v)])
+    base_ref = fwd_bwd(plain, [q, k, v])
+    base = fwd_bwd(plain, [t.to(DEVICE, dtype) for t in (q, k, v)])
+    bound = 4 * max(rel_err(b, r) for b, r in zip(base, base_ref)) + (1e-6 if dtype == torch.float32 else 1e-3)
+    for name, g, r in zip(["out", "dq", "dk", "dv"], got, ref):
+        assert rel_err(g, r) <= bound, (name, rel_err(g, r), bound)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("cp,D", [(2, 64), (4, 64), (2, 72)], ids=["cp2", "cp4", "cp2-D72-padded"])
 def test_lower_right_chunks_on_device_match_float64(monkeypatch, dtype, cp, D):
