@@ -232,3 +232,19 @@ def test_release_presets_have_the_release_sizes(name, params, active):
 
     stats = model_stats(preset(name))
     assert stats.params == pytest.approx(params, rel=1e-3) and stats.active_params == pytest.approx(active, rel=2e-3)
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(num_experts_per_tok=2), r"num_experts_per_tok=2 \(transformers' Llama4 scales each token's input"),
+    (dict(no_rope_layers=[1, 0, 0, 1]), r"no_rope_layers=\[1, 0, 0, 1\] \(needs a per-layer RoPE / NoPE list"),
+    (dict(moe_layers=[0, 3]), r"MoE layers \[0, 3\] of 4 \(moe_layers\)"),
+])
+def test_llama4_checkpoints_moekit_cannot_compute_are_refused(tmp_path, change, match):
+    """config.json fields whose math moekit's model lacks are named before any weight is read."""
+    from moekit.models.hf import UnsupportedCheckpoint, load_hf, save_hf
+
+    save_hf(build_model(llama4_config(num_layers=4)), tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, **change}))
+    with pytest.raises(UnsupportedCheckpoint, match=match):
+        load_hf(tmp_path)
