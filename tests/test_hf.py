@@ -323,6 +323,9 @@ FAMILY_CASES = {  # case -> (model_type, config overrides)
     "llama4_text-maverick": ("llama4_text", dict(num_local_experts=4, intermediate_size=16, num_hidden_layers=4,
                                                  use_qk_norm=False, attn_temperature_tuning=False,
                                                  attention_chunk_size=None, attention_bias=True, head_dim=8)),
+    # every layer RoPE'd (the NoPE interval past the layers) and chunked, the q/k norm on all of them
+    "llama4_text-all-rope": ("llama4_text", dict(num_local_experts=4, intermediate_size=16, num_hidden_layers=3,
+                                                 no_rope_layer_interval=8, attention_chunk_size=5, head_dim=8)),
     "llama": ("llama", dict(rope_parameters=LLAMA3)),
     # attention_bias: biases on q/k/v and o_proj (attention_bias + attention_out_bias in moekit)
     "llama-bias": ("llama", dict(attention_bias=True)),

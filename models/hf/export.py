@@ -167,10 +167,6 @@ def _attention_problems(cfg: ModelConfig, family: str, name: str) -> list[str]:
                             ("attn_temperature_floor", "a query temperature on NoPE layers")):
             if getattr(cfg, field):
                 problems.append(f"{name} has no {what}; this model has {field}={getattr(cfg, field)} (Llama 4 has it)")
-    elif cfg.qk_norm == "unit" and not cfg.nope_every:
-        problems.append("Llama 4's use_qk_norm normalises the RoPE layers of a model with NoPE layers; this model has "
-                        "qk_norm='unit' and nope_every=0 (transformers would read every layer as RoPE'd anyway: set "
-                        "nope_every past num_layers or qk_norm 'none')")
     if cfg.qkv_clip and not clip_ok:
         problems.append(f"{name} does not clip q/k/v; this model has qkv_clip={cfg.qkv_clip} (OLMoE does)")
     if family == "gpt_oss":
