@@ -208,3 +208,15 @@ def test_tune_kernels_refuses_bad_flags_and_a_box_without_gpu():
     if not __import__("torch").cuda.is_available():
         nogpu = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
         assert nogpu.returncode == 2 and "needs a CUDA GPU" in nogpu.stderr
+
+
+def test_profile_auto_preset_is_train_mfus_model():
+    """profile_step --preset auto profiles the ~1B model train_mfu measures on a GPU (a name match once picked
+    ernie-4.5-21b-a3b, which ran out of an H100's memory), mixtral-tiny on the CPU."""
+    import torch
+
+    from moekit.bench import profile_step, train_mfu
+
+    assert profile_step.pick_preset("auto", torch.device("cuda")) == train_mfu.GPU["preset"] == "mixtral-1b"
+    assert profile_step.pick_preset("auto", torch.device("cpu")) == "mixtral-tiny"
+    assert profile_step.pick_preset("deepseek-tiny", torch.device("cuda")) == "deepseek-tiny"

@@ -5,8 +5,8 @@
 
 One step = forward under bf16 autocast (GPU; fp32 on CPU), cross-entropy, backward, AdamW step (built
 as the trainer builds it unless --optimizer says otherwise). The model comes from
-models.transformer.build_model. --preset auto takes a ~1B-parameter preset (a name containing "1b")
-when one exists, else mixtral-tiny. Warm-up steps (Triton autotuning, allocator growth) run before the
+models.transformer.build_model. --preset auto takes mixtral-1b on a GPU (train_mfu.py's model), mixtral-tiny
+on the CPU. Warm-up steps (Triton autotuning, allocator growth) run before the
 profiler starts.
 
 Time by category: GPU kernel time (CPU op self time on CPU), attributed by where the work was issued.
@@ -100,11 +100,15 @@ def install_labels(model: nn.Module, labels: Labels, dispatch_labels: tuple[str,
     model.norm.register_forward_hook(lambda m, a, o: labels.push("head_loss"))
 
 
+# --preset auto on a GPU: train_mfu.py's model (matching "1b" in names picked ernie-4.5-21b-a3b once presets grew,
+# which ran out of memory on an H100; 2026-11-27)
+GPU_PRESET = "mixtral-1b"
+
+
 def pick_preset(name: str, device: torch.device) -> str:
     if name != "auto":
         return name
-    big = [n for n in PRESETS if "1b" in n.lower()]
-    return big[0] if big and device.type == "cuda" else "mixtral-tiny"
+    return GPU_PRESET if device.type == "cuda" and GPU_PRESET in PRESETS else "mixtral-tiny"
 
 
 def train_step(model, opt, tokens, labels: Labels, autocast_dtype) -> torch.Tensor:
