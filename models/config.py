@@ -613,7 +613,8 @@ PRESETS: dict[str, ModelConfig] = {
         moe_ffn_hidden_size=128, shared_ffn_hidden_size=128, top_k=1, router_weight_on_input=True,
         aux_loss_coeff=0.001, router_options={"score": "sigmoid", "normalize": False},
     ),
-    # meta-llama/Llama-4-Scout-17B-16E (config.json's text_config): 109B parameters, 17B active
+    # meta-llama/Llama-4-Scout-17B-16E (config.json's text_config): 107.8B parameters (the release's 109B with its
+    # vision tower), 17.2B active
     "llama-4-scout": ModelConfig(
         name="llama-4-scout", vocab_size=202048, hidden_size=5120, num_layers=48, num_heads=40, num_kv_heads=8,
         head_dim=128, max_seq_len=262144, rope_theta=500000.0, norm_eps=1e-5,

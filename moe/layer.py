@@ -201,13 +201,14 @@ class MoELayer(nn.Module):
             self.load.record(routing)
         # Under autocast the experts compute in the autocast dtype anyway: cast before dispatch, so the
         # gathered rows (and an EP all-to-all) carry half the bytes. The router keeps the fp32 input.
-        rows_in = x.to(compute_dtype(x))
+        x_in = x
         if self.weight_on_input:  # expert(w x) instead of w expert(x): needs the one slot of top-1 routing
             if routing.weights.shape[-1] != 1:
                 raise ValueError(f"MoELayer(weight_on_input=True) scales each token by the weight of its one expert, "
                                  f"but the router gave {routing.weights.shape[-1]} per token; route top-1")
-            rows_in = (x * routing.weights.to(x.dtype)).to(compute_dtype(x))
+            x_in = x * routing.weights.to(x.dtype)
             routing = dataclasses.replace(routing, weights=torch.ones_like(routing.weights))
+        rows_in = x_in.to(compute_dtype(x))
         if getattr(self.dispatcher, "overlap_chunks", 1) > 1:  # EP: chunks whose all-to-alls overlap experts
             y = self.dispatcher.pipelined(rows_in, routing, self.experts)  # [T, H] (comm.overlap)
         else:

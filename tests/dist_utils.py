@@ -59,7 +59,8 @@ TRAIN_SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "train.py"
 TERM_GRACE_S = 30.0  # torchrun's default grace between SIGTERM and SIGKILL when it stops the ranks
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for MASTER_PORT / tcp:// rendezvous)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -115,7 +116,7 @@ def run_trainer(argv: list[str], nproc: int = 1, env: dict | None = None, timeou
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         base.pop(name, None)
     if nproc > 1:
-        base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(nproc),
+        base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(nproc),
                     LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", GROUP_WORLD_SIZE="1", ROLE_WORLD_SIZE=str(nproc),
                     TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0",
                     TORCHELASTIC_RUN_ID=f"fork-{os.getpid()}-{time.monotonic_ns()}")

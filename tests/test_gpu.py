@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -536,12 +535,6 @@ def test_mtp_training_and_speculative_decoding_on_device(tmp_path):
         torch.backends.cuda.matmul.allow_tf32 = tf32
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.skipif(ON != "cuda", reason="FSDP's mixed precision over NCCL")
 def test_fsdp_bf16_mixed_precision_one_gpu():
     """fully_shard with param_dtype bf16 / reduce fp32 on a 1-rank NCCL group: parameters and gradients
@@ -554,6 +547,7 @@ def test_fsdp_bf16_mixed_precision_one_gpu():
     from moekit.comm.topology import Layout, Topology
     from moekit.models.config import PRESETS
     from moekit.models.transformer import build_model
+    from tests.dist_utils import free_port
 
     cfg = dataclasses.replace(PRESETS["mixtral-tiny"], hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
                               ffn_hidden_size=256, moe_ffn_hidden_size=128, max_seq_len=64, capacity_factor=None)

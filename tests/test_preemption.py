@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 from moekit.train import checkpoint, faults, records, runlock
 from moekit.train.loop import main
 
+from tests.dist_utils import free_port
 from tests.tiny import TINY_MODEL
 
 TRAIN = str(ROOT / "tools" / "train.py")
@@ -264,12 +265,6 @@ FileSystemWriter.write_data = write_data
 from moekit.train.loop import main
 sys.exit(main(sys.argv[1:]))
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow

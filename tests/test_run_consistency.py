@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ from moekit.train.consistency import data_fingerprint, describe_rank, disagreeme
 from moekit.train.tokens import write_token_file
 from moekit.train.loop import main
 from moekit.train.plan import lr_lambda
+from tests.dist_utils import free_port
 from moekit.train.resume import compare
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,12 +67,6 @@ def test_data_fingerprint_sees_a_change_anywhere():
     changed = small.copy()
     changed[int(rng.integers(0, small.size))] ^= 1
     assert data_fingerprint(small) != data_fingerprint(changed)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch_two_ranks(run: Path, flags: list[list[str]], cwds: list[Path]) -> list[subprocess.CompletedProcess]:
