@@ -453,6 +453,12 @@ def _check_float(name: str, value, strict: bool, hint: str = "") -> None:
 # sizes are for parameter / FLOP accounting on the meta device (see models.transformer.model_stats).
 # ---------------------------------------------------------------------------------------------------
 
+# The chunk of the chunked delta rule in the GPU-sized Gated DeltaNet presets. The rule's chunks run one after
+# another as torch ops, so on a GPU fewer, larger chunks win: at Qwen3.5-35B-A3B's layer sizes (H200, bf16, fwd + bwd)
+# 128 ran 1.8x faster than 64 at 4096 and 16384 positions (docs/benchmarks.md, fifth GPU round). On a CPU the
+# smaller chunk is faster (64: 0.92x the time of 128 at 2048 positions, fp32), so the tiny presets and the default keep 64.
+GPU_LINEAR_CHUNK = 128
+
 PRESETS: dict[str, ModelConfig] = {
     # Mixtral: SwiGLU experts, top-2 softmax renormalised over the two, dropless, GQA, RoPE, RMSNorm.
     "mixtral-tiny": ModelConfig(
@@ -632,7 +638,7 @@ PRESETS: dict[str, ModelConfig] = {
         full_attention_every=4, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
         linear_value_head_dim=128, ffn_hidden_size=512, num_experts=256, moe_ffn_hidden_size=512,
         shared_ffn_hidden_size=512, shared_expert_gate=True, top_k=8, aux_loss_coeff=0.001,
-        router_options={"normalize": True},
+        router_options={"normalize": True}, linear_chunk=GPU_LINEAR_CHUNK,
     ),
     # 1.02B total / 0.34B active, Mixtral-style (8 experts top-2, F = 3H), sized to train on one 80 GB GPU
     # (tools/bench/train_mfu.py). Shapes favour GPU efficiency: every width a multiple of 128, head dim
@@ -654,7 +660,7 @@ PRESETS: dict[str, ModelConfig] = {
         full_attention_every=4, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=128,
         linear_value_head_dim=128, ffn_hidden_size=512, num_experts=32, moe_ffn_hidden_size=512,
         shared_ffn_hidden_size=512, shared_expert_gate=True, top_k=4, aux_loss_coeff=0.001,
-        router_options={"normalize": True},
+        router_options={"normalize": True}, linear_chunk=GPU_LINEAR_CHUNK,
     ),
 }
 # meta-llama/Llama-4-Maverick-17B-128E: 128 experts on every other layer, no q/k norm, no RoPE scaling: 400B, 17B active
