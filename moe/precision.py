@@ -13,9 +13,89 @@ def compute_dtype(t: Tensor) -> torch.dtype:
     return t.dtype
 
 
+# How the router's fp32 logits of a bf16 input are computed (upcast_linear):
+#   "auto"    on CUDA by bf16 tensor-core GEMMs on split operands (_SplitLinear), elsewhere by an fp32 GEMM;
+#   "never"   always the fp32 GEMM (F.linear on upcast copies: on a GPU the slow non-tensor-core path);
+#   "always"  the split form everywhere (tests: off CUDA its bf16 products are summed by an fp32 matmul).
+SPLIT_ROUTER = "auto"
+SPLIT_ROUTER_MODES = ("auto", "never", "always")
+
+
 def upcast_linear(x: Tensor, w: Tensor, dtype: torch.dtype) -> Tensor:
-    """F.linear(x.to(dtype), w.to(dtype)), keeping x in its own (e.g. bf16) dtype for backward."""
+    """F.linear(x.to(dtype), w.to(dtype)) [T, E], keeping x in its own (e.g. bf16) dtype for backward. For a
+    bf16 x and an fp32 result, on CUDA (SPLIT_ROUTER), by bf16 GEMMs with fp32 accumulation (_SplitLinear)."""
+    if split_applies(x, w, dtype):
+        return _SplitLinear.apply(x, w)
     return _UpcastLinear.apply(x, w, dtype)
+
+
+def split_applies(x: Tensor, w: Tensor, dtype: torch.dtype) -> bool:
+    """Whether upcast_linear(x, w, dtype) takes the split bf16 form: a plain (not distributed) bf16 x [T, H]
+    and a bf16 or fp32 w, an fp32 result, and SPLIT_ROUTER "always", or "auto" with x on CUDA."""
+    if SPLIT_ROUTER not in SPLIT_ROUTER_MODES:
+        raise ValueError(f"moe.precision.SPLIT_ROUTER={SPLIT_ROUTER!r}; use one of {list(SPLIT_ROUTER_MODES)}")
+    if SPLIT_ROUTER == "never" or (SPLIT_ROUTER == "auto" and x.device.type != "cuda"):
+        return False
+    return (dtype == torch.float32 and x.dtype == torch.bfloat16 and w.dtype in (torch.bfloat16, torch.float32)
+            and x.dim() == 2 and w.dim() == 2 and type(x) in (Tensor, torch.nn.Parameter)
+            and type(w) in (Tensor, torch.nn.Parameter))
+
+
+def _split(t: Tensor) -> tuple[Tensor, Tensor | None]:
+    """(hi, lo) bf16 with hi + lo = t to about 16 significant bits (fp32 t); a bf16 t is (t, None), exactly."""
+    if t.dtype == torch.bfloat16:
+        return t, None
+    hi = t.to(torch.bfloat16)
+    return hi, (t - hi.float()).to(torch.bfloat16)
+
+
+def _mm32(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b of two bf16 matrices in fp32: every product exact, summed in fp32 (tensor cores on CUDA)."""
+    if a.device.type == "cuda":
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()  # elsewhere torch has no mm(out_dtype): the same products, summed by fp32 GEMM
+
+
+class _SplitLinear(torch.autograd.Function):
+    """x [T, H] (bf16) @ w [E, H]^T in fp32 from bf16 GEMMs: the router's logits on tensor cores.
+
+    A bf16 x times a bf16 w is exact in fp32, so one GEMM with fp32 accumulation gives what the fp32 GEMM of
+    the upcast copies gives, up to the order of the sum (FSDP's bf16 parameters). An fp32 w is split into
+    bf16 hi + lo (``_split``: 16 of its 24 significant bits): x @ hi^T + x @ lo^T, relative error ~2^-17 per
+    term where fp32 has 2^-24, two GEMMs instead of one fp32 GEMM 10-20x slower on a GPU's SIMT units (the
+    H200 profile: the fp32 router GEMMs were 1.5-2 ms of a 17 ms MoE layer at E 128). Backward splits the
+    fp32 gradient g [T, E] the same way: dx = g_hi w_hi + g_lo w_hi + g_hi w_lo (g_lo w_lo, ~2^-16 of the
+    rest, dropped), dw = g_hi^T x + g_lo^T x. Routing decisions can differ from the fp32 GEMM's only
+    where two logits agree to ~1e-5, as they can between any two fp32 GEMMs summing in different orders."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w: Tensor) -> Tensor:
+        ctx.save_for_backward(x, w)
+        w_hi, w_lo = _split(w)
+        out = _mm32(x, w_hi.t())
+        if w_lo is not None:
+            out = out + _mm32(x, w_lo.t())
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, w = ctx.saved_tensors
+        g_hi, g_lo = _split(grad.float())
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            w_hi, w_lo = _split(w)
+            dx = _mm32(g_hi, w_hi)
+            if g_lo is not None:
+                dx = dx + _mm32(g_lo, w_hi)
+            if w_lo is not None:
+                dx = dx + _mm32(g_hi, w_lo)
+            dx = dx.to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            dw = _mm32(g_hi.t(), x)
+            if g_lo is not None:
+                dw = dw + _mm32(g_lo.t(), x)
+            dw = dw.to(w.dtype)
+        return dx, dw
 
 
 class _UpcastLinear(torch.autograd.Function):

@@ -308,6 +308,28 @@ def test_bf16_autocast_layer_close_to_fp32():
         assert g.dtype == torch.float32 and rel_err(g, ref[2][name]) < 8e-2, name
 
 
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16], ids=["w_fp32", "w_bf16"])
+def test_router_logits_split_gemm_match_float64(w_dtype, monkeypatch):
+    """The router's fp32 logits of a bf16 input from bf16 tensor-core GEMMs (moe.precision._SplitLinear, the
+    default on CUDA): logits and both gradients against float64, to fp32-like bounds (2^-17 per split term)."""
+    from moekit.moe import precision as P
+
+    if ON != "cuda":
+        monkeypatch.setattr(P, "SPLIT_ROUTER", "always")
+    T, H, E = (48, 64, 8) if SMALL else (8192, 2048, 128)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(T, H, generator=gen).to(torch.bfloat16)
+    w = (torch.randn(E, H, generator=gen) * 0.02).to(w_dtype)
+    assert P.split_applies(x.to(DEVICE), w.to(DEVICE), torch.float32)
+    out, dx, dw = fwd_bwd(lambda a, b: P.upcast_linear(a, b, torch.float32), [x.to(DEVICE), w.to(DEVICE)])
+    g = torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(11))
+    xd, wd = x.double(), w.double()
+    assert out.dtype == torch.float32
+    assert rel_err(out, xd @ wd.t()) < (1e-6 if w_dtype == torch.bfloat16 else 3e-5)
+    assert rel_err(dx, g @ wd) < 4e-3  # dx is bf16, x's dtype
+    assert rel_err(dw, g.t() @ xd) < (4e-3 if w_dtype == torch.bfloat16 else 3e-5)
+
+
 @pytest.mark.skipif(ON != "cuda", reason="CUDA's sync debug mode")
 @pytest.mark.parametrize("router", ["topk", "switch", "sinkhorn", "expert_choice", "topk-sequence"])
 def test_router_and_dispatch_never_sync_on_cuda(router):
