@@ -207,15 +207,24 @@ def document_segments(tokens: Tensor, eos: int) -> Tensor:
 
 
 # CUDA: a context-parallel chunk after fully visible keys as one flash call whose causal flag aligns bottom-right
-# (lower_right_causal_attention: no mask, no GQA expansion) instead of a masked call. Off until a GPU run checks it:
-# tests/test_gpu.py::test_lower_right_chunks_on_device_match_float64 (the planner counts the masked call).
-CUDA_LOWER_RIGHT = False
+# (lower_right_causal_attention: no mask, no GQA expansion) instead of a masked call. Checked on the device by
+# tests/test_gpu.py::test_lower_right_chunks_on_device_match_float64 (H100, 2026-11-27: cp 2 / 4, bf16 / fp16);
+# the planner counts these calls as unmasked (train.planning.attention_memory.lower_right_planned). False: the
+# masked call, as before.
+CUDA_LOWER_RIGHT = True
+LOWER_RIGHT_MAX_DIM = 256  # the flash kernel's largest head width
+
+
+def lower_right_fits(dtype_bytes: int, q_dim: int, v_dim: int) -> bool:
+    """Whether a call of these widths may run as lower_right_causal_attention on CUDA (with CUDA_LOWER_RIGHT): bf16 /
+    fp16 (2 bytes), one head width for q, k and v, a multiple of 8 (the flash kernel's) up to 256."""
+    return CUDA_LOWER_RIGHT and dtype_bytes == 2 and q_dim == v_dim and q_dim % 8 == 0 and q_dim <= LOWER_RIGHT_MAX_DIM
 
 
 def _lower_right_applies(q: Tensor, v: Tensor, prefix: int, P: int, window: int, sinks, segments) -> bool:
-    return (CUDA_LOWER_RIGHT and q.is_cuda and prefix > 0 and P == prefix + q.shape[2] and not window
-            and sinks is None and segments is None and q.dtype in (torch.bfloat16, torch.float16)
-            and q.shape[-1] == v.shape[-1] <= 256)
+    return (q.is_cuda and prefix > 0 and P == prefix + q.shape[2] and not window and sinks is None
+            and segments is None and q.dtype in (torch.bfloat16, torch.float16)
+            and lower_right_fits(q.element_size(), q.shape[-1], v.shape[-1]))
 
 
 def _prefix_applies(q: Tensor, v: Tensor, prefix: int, P: int, window: int, segments) -> bool:

@@ -158,14 +158,13 @@ def lower_right_causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float |
     """Queries at the last S of P key positions, q [B, N, S, D] over k, v [B, K, P, D]: query i sees keys
     0 .. P - S + i, with no mask. CUDA's flash kernel aligns its causal flag to the bottom right when S < P (what
     torch.nn.attention.bias.causal_lower_right dispatches to), takes GQA as it is, and keeps only its output and
-    logsumexp. bf16 / fp16, head dims up to 256 (padded to a multiple of 8 here, with the scale of the real width)."""
+    logsumexp. bf16 / fp16, head widths a multiple of 8 up to 256 (models.attention.lower_right_fits)."""
     D = q.shape[-1]
+    if D % 8 or D > 256 or v.shape[-1] != D:
+        raise ValueError(f"lower_right_causal_attention: head widths q {D}, v {v.shape[-1]}; the flash kernel needs "
+                         f"one width, a multiple of 8, at most 256")
     scale = D**-0.5 if scale is None else scale
-    pad = -D % 8
-    if pad:
-        q, k, v = (F.pad(t, (0, pad)) for t in (q, k, v))
-    out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)[0]
-    return out[..., :D] if pad else out
+    return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)[0]
 
 
 def masked_sink_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, sinks: Tensor,

@@ -445,7 +445,7 @@ def test_chunked_attention_on_device_matches_float64(dtype, documents):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("cp,D", [(2, 64), (4, 64), (2, 72)], ids=["cp2", "cp4", "cp2-D72-padded"])
+@pytest.mark.parametrize("cp,D", [(2, 64), (4, 64), (2, 72)], ids=["cp2", "cp4", "cp2-D72"])
 def test_lower_right_chunks_on_device_match_float64(monkeypatch, dtype, cp, D):
     """Context-parallel chunks as one bottom-right-aligned flash call each (models.attention.CUDA_LOWER_RIGHT: off
     until this passes on a GPU) against the float64 whole-sequence attention on the CPU (each rank's chunks over the

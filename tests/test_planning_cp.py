@@ -239,18 +239,27 @@ def test_per_token_terms_shrink_cp_times_and_attention_keeps_whole_sequences():
     assert steps[1] * 4 == pytest.approx(steps[0])
 
 
-def test_cuda_context_attention_terms():
-    """On CUDA a masked GQA chunk expands its keys and values to the query heads (models.attention.masked_sdpa):
-    those copies are kept, and the gathered [B, K, S, 2D] only while an unmasked chunk (rank 0's first) reads it.
-    cp 2, S 4096, c 1024: rank 0 runs chunk 0 unmasked and chunk 3 over 4096 keys; rank 1 chunks 1 and 2 over 2048
-    and 3072 keys, both masked (the masks [c, keys]: keys % 16 == 0, so broadcast views)."""
+@pytest.mark.parametrize("lower_right", [True, False], ids=["bottom-right", "masked"])
+def test_cuda_context_attention_terms(monkeypatch, lower_right):
+    """On CUDA a later chunk (every key before its queries visible) runs as one unmasked flash call aligned
+    bottom-right (models.attention.CUDA_LOWER_RIGHT, the default): every chunk then keeps only views of the
+    gathered [B, K, S, 2D]. With it off, a masked GQA chunk expands its keys and values to the query heads
+    (models.attention.masked_sdpa): those copies are kept, and the gathered keys only while an unmasked chunk
+    (rank 0's first) reads them. cp 2, S 4096, c 1024: rank 0 runs chunk 0 unmasked and chunk 3 over 4096 keys;
+    rank 1 chunks 1 and 2 over 2048 and 3072 keys (masked: the masks [c, keys], keys % 16 == 0, broadcast views)."""
+    from moekit.models import attention as MA
+
+    monkeypatch.setattr(MA, "CUDA_LOWER_RIGHT", lower_right)
     cfg = dataclasses.replace(preset("mixtral-8x7b"), sliding_window=0)
     Sg, c, a = 4096, 1024, 2
     N, K, D, H = cfg.num_heads, cfg.num_kv_heads, cfg.attn_head_dim, cfg.hidden_size
     T = Sg // 2  # one sequence's half on each rank
     common = 3 * T * H * a + 3 * T * N * D * a + T * N * 4  # cast inputs; q, outputs, wo's copy; logsumexp
-    rank0 = common + Sg * K * 2 * D * a + 2 * N * Sg * D * a + c * Sg * a
-    rank1 = common + 2 * N * (2 * c + 3 * c) * D * a + c * (2 * c + 3 * c) * a
+    if lower_right:
+        rank0 = rank1 = common + Sg * K * 2 * D * a
+    else:
+        rank0 = common + Sg * K * 2 * D * a + 2 * N * Sg * D * a + c * Sg * a
+        rank1 = common + 2 * N * (2 * c + 3 * c) * D * a + c * (2 * c + 3 * c) * a
     got = {}
     for r in (0, 1, None):
         s = A.shapes(cfg, Layout(cp=2), Workload(1, Sg, "bfloat16", "none", "cuda", cp_rank=r))

@@ -190,12 +190,13 @@ def _selective(cfg: ModelConfig, layout: Layout, s: Shapes, i: int) -> dict[str,
     width = Dv + SINK_PAD if cfg.attention_sinks else Dv
 
     def sdpa(n: int, P: int, masked: bool) -> int:
-        if not masked and P > n:
+        if not masked and P > n and s.cpu:  # PrefixCausalAttention (CUDA's bottom-right call: one output)
             return 2 * n * (Dv * a + FP32)
         return (n if masked or not cfg.attention_sinks else sink_keys(n)) * (width * a + FP32)
 
     same_widths = cfg.attention != "mla" or cfg.attn_qk_head_dim == Dv
-    calls = [_calls(s, r, cfg.attention_window(i), same_widths, chunk=chunk) for r in _cp_ranks(s)]
+    calls = [_calls(s, r, cfg.attention_window(i), same_widths, chunk=chunk, width=Dv, sinks=cfg.attention_sinks)
+             for r in _cp_ranks(s)]
     kept = max(s.B * N * sum(sdpa(*call) for call in rank) for rank in calls) if fused else 0
     # q / k / v (or MLA's latents) and the output projection
     out = {"attention": (proj + s.T * H) * a + kept}

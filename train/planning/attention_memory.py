@@ -72,7 +72,7 @@ def _mla(cfg: ModelConfig, layout: Layout, s: Shapes) -> int:
         kept += max(sum(s.B * N * n * P * FP32 for n, P, _ in _calls(s, r, 0, False)) for r in _cp_ranks(s))
         kept -= T * N * (Dv * a + FP32)
     # a mask per masked call: each chunk but rank 0's first, every call with documents (MLA: no key heads to expand)
-    kept += max(sum(_mask_bytes(s, N, n, P) for n, P, masked in _calls(s, r, 0, Dqk == Dv) if masked)
+    kept += max(sum(_mask_bytes(s, N, n, P) for n, P, masked in _calls(s, r, 0, Dqk == Dv, width=Dqk) if masked)
                 for r in _cp_ranks(s))
     return inputs + latents + kept + _explicit_probs(cfg, layout, s)
 
@@ -115,7 +115,7 @@ def _gqa_kept(s: Shapes, N: int, K: int, D: int, window: int, sinks: bool, gqa: 
     keys_kv = B * s.S * K * 2 * D * a if s.cp > 1 else 2 * T * K * D * a  # k and v: gathered, or this rank's
     worst = 0
     for rank in _cp_ranks(s):
-        calls = _calls(s, rank, window, chunk=chunk)
+        calls = _calls(s, rank, window, chunk=chunk, width=D, sinks=sinks)
         kept = T * N * D * a if sinks or len(calls) > 1 else 0  # wo's input
         if sinks:
             W, prefix = D + SINK_PAD, False
@@ -162,7 +162,18 @@ def _cp_ranks(s: Shapes) -> list[int]:
     return list(range(s.cp)) if s.cp_rank is None else [s.cp_rank]
 
 
-def _calls(s: Shapes, rank: int, window: int, same_widths: bool = True, chunk: int = 0) -> list[tuple[int, int, bool]]:
+def lower_right_planned(s: Shapes, same_widths: bool, width: int, sinks: bool) -> bool:
+    """Whether a later context-parallel chunk (keys before its queries all visible, no window, no documents) runs
+    as one unmasked flash call aligned bottom-right on CUDA (models.attention._lower_right_applies): no mask and
+    no GQA expansion kept, its output and logsumexp as a causal call's. ``width``: the q (= v) head width."""
+    from moekit.models.attention import lower_right_fits
+
+    return (not s.cpu and not sinks and not s.documents and same_widths and width > 0
+            and lower_right_fits(s.a, width, width))
+
+
+def _calls(s: Shapes, rank: int, window: int, same_widths: bool = True, chunk: int = 0, width: int = 0,
+           sinks: bool = False) -> list[tuple[int, int, bool]]:
     """(queries, keys, masked) per sequence of each SDPA call one attention layer makes on context-parallel rank
     ``rank``, as models.attention makes them: local_attention over the whole sequence (cp 1; one call unless a
     window splits the queries into blocks) or over each zigzag chunk (context_attend); each block of queries reads
@@ -171,7 +182,9 @@ def _calls(s: Shapes, rank: int, window: int, same_widths: bool = True, chunk: i
     positions, the window hides none of them and there are no documents (positioned_attention). Unmasked over more
     keys than queries: on CPU a context-parallel chunk after the first, without window or documents, whose q and v
     have the same head width (``same_widths``) runs as PrefixCausalAttention (every earlier key visible, then
-    causal: two flash calls merged by their logsumexps, no mask; models.attention._prefix_applies). ``chunk``
+    causal: two flash calls merged by their logsumexps, no mask; models.attention._prefix_applies); on CUDA, in
+    bf16 / fp16 with one q / v head ``width`` the flash kernel takes and no ``sinks``, as one flash call aligned
+    bottom-right (``lower_right_planned``): unmasked too. ``chunk``
     (chunked attention, where the sequence is longer): the spans are cut at the chunks' starts, and each piece's
     keys start at its chunk's (models.attention.local_attention)."""
     from moekit.comm.context_parallel import ContextParallel
@@ -189,6 +202,7 @@ def _calls(s: Shapes, rank: int, window: int, same_widths: bool = True, chunk: i
             pieces.append((first, end - first, first // chunk * chunk))
             first = end
     out = []
+    lower_right = lower_right_planned(s, same_widths, width, sinks)
     for q_start, S, k_start in pieces:
         block = window_block(S, window, s.documents, s.cpu)
         for i in range(0, S, block):
@@ -198,7 +212,8 @@ def _calls(s: Shapes, rank: int, window: int, same_widths: bool = True, chunk: i
                 lo = max(0, first + n - math.ceil((first + n - lo) / MEM_EFF_ALIGN) * MEM_EFF_ALIGN)
             plain = first == lo and (not window or window >= n) and not s.documents
             prefix = s.cpu and same_widths and lo < first and not window and not s.documents
-            out.append((n, first + n - lo, not (plain or prefix)))
+            later = lower_right and lo < first and not window  # CUDA's bottom-right flash call
+            out.append((n, first + n - lo, not (plain or prefix or later)))
     return out
 
 
