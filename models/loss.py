@@ -15,8 +15,25 @@ chunk), with no recomputation.
 
 The matmuls run in the autocast dtype when autocast is on (as F.linear would), the softmax and the sums in
 float32, the weight gradient accumulated in float32 and returned in the weight's dtype.
+
+Between the chunk's forward GEMM and its two gradient GEMMs sit the elementwise steps: logsumexp, the target's
+logit, softmax minus the one-hot, the per-token scale and the cast back. In torch that is ~7 passes over the
+[chunk, V] logits in fp32 (an fp32 copy, logsumexp's kernels, sub, exp, the one-hot index, mul, the downcast):
+on an H200 ~18 ms of a 192 ms mixtral-1b step (32768 tokens, V 32000). On CUDA one Triton kernel
+(moe.kernels.cross_entropy) does them instead, straight on the compute-dtype logits: it reads each row twice
+(an online max and sum of exponentials in fp32, then the gradient) and writes the gradient once, in place, in
+the compute dtype, which the two GEMMs then read; no fp32 copy of the chunk exists. Same arithmetic in float32
+up to the summation order of the logsumexp. ``fused`` chooses per call (None: TRITON_LM_LOSS below; True: the
+kernel, also on CPU under TRITON_INTERPRET=1, or a ValueError saying why it cannot run; False: torch). The torch
+passes stay the reference and the path everywhere else (CPU, no triton, torch.compile tracing, float64).
+
+Targets outside [0, V) that are not IGNORE_INDEX are not checked (that would be a host sync): the torch path's
+gather raises on CPU and stops the process with a device-side assert on CUDA; the kernel never forms an address
+from them and makes their loss NaN instead (so the mean loss is NaN).
 """
 from __future__ import annotations
+
+import warnings
 
 import torch
 from torch import Tensor
@@ -25,6 +42,15 @@ from torch.autograd.function import once_differentiable
 DEFAULT_CHUNK = 8192  # tokens per chunk: 8192 x 32000 fp32 logits = 1 GB at a time
 IGNORE_INDEX = -100  # a target that does not count (F.cross_entropy's default ignore_index; HF's label masking)
 
+# Where the fused Triton kernel (moe.kernels.cross_entropy) replaces the torch passes over each chunk's logits:
+# "auto" on CUDA tensors it takes (float32/bfloat16/float16; not while torch.compile traces); "always" on CPU
+# tensors too, in the Triton interpreter (TRITON_INTERPRET=1: tests), raising instead of falling back; "never":
+# the torch passes everywhere (the benchmark's reference). chunked_lm_loss(fused=True / False) overrides it.
+TRITON_LM_LOSS = "auto"
+_TRITON_LM_LOSS_MODES = ("auto", "always", "never")
+_FUSED_OK: dict = {}  # (device, compute dtype) -> why_not_cross_entropy's answer, CUDA only
+_BUILD_FAILURE: list[str] = []  # why the kernel could not be built here, once it failed (then: torch)
+
 
 def _compute_dtype(t: Tensor) -> torch.dtype:
     if torch.is_autocast_enabled(t.device.type):
@@ -32,9 +58,59 @@ def _compute_dtype(t: Tensor) -> torch.dtype:
     return t.dtype
 
 
+def _fused_path(device: torch.device, dtype: torch.dtype, fused: bool | None) -> bool:
+    """Whether the chunks' elementwise steps run as the Triton kernel (``fused`` / TRITON_LM_LOSS above)."""
+    if fused is None:
+        mode = TRITON_LM_LOSS
+        if mode not in _TRITON_LM_LOSS_MODES:
+            raise ValueError(f"models.loss.TRITON_LM_LOSS={mode!r}; use one of {', '.join(_TRITON_LM_LOSS_MODES)}")
+    else:
+        mode = "always" if fused else "never"
+    if mode == "never" or (mode == "auto" and (device.type != "cuda" or torch.compiler.is_compiling()
+                                               or _BUILD_FAILURE)):
+        return False
+    key = (device, dtype)
+    reason = _FUSED_OK.get(key)  # cached: this runs every step, and on CUDA the answer is fixed per key
+    if reason is None:
+        try:
+            from moekit.moe.kernels.cross_entropy import why_not_cross_entropy
+        except ImportError as exc:  # no triton on this platform
+            reason = f"the Triton kernels cannot be imported ({exc}); install triton"
+        else:
+            reason = why_not_cross_entropy(device, dtype)
+        if device.type == "cuda":  # on CPU the answer follows TRITON_INTERPRET, which may change
+            _FUSED_OK[key] = reason
+    if reason and mode == "always":
+        how = "fused=True" if fused else "models.loss.TRITON_LM_LOSS='always'"
+        raise ValueError(f"chunked_lm_loss {how}: the fused cross-entropy kernel cannot run: {reason} "
+                         f"(pass fused=None or False)")
+    return not reason
+
+
+def _fused_chunk(logits: Tensor, targets: Tensor, scale: Tensor, need_grad: bool, out: Tensor, strict: bool) -> bool:
+    """The kernel on one chunk (loss rows into ``out``, the gradient over ``logits``); False, with one warning,
+    when this machine's Triton cannot build it (then the torch passes run, now and from then on; ``strict``:
+    the error is raised instead)."""
+    from moekit.moe.kernels._common import BUILD_ERRORS, build_failure
+    from moekit.moe.kernels.cross_entropy import cross_entropy_rows
+
+    try:
+        cross_entropy_rows(logits, targets, scale, need_grad=need_grad, out=out, ignore_index=IGNORE_INDEX)
+        return True
+    except BUILD_ERRORS as exc:
+        if strict:
+            raise
+        _BUILD_FAILURE.append(build_failure(exc))
+        warnings.warn(f"models.loss: the fused cross-entropy kernel failed to build here ({_BUILD_FAILURE[-1]}); "
+                      f"the torch passes run instead. Set models.loss.TRITON_LM_LOSS = 'never' to choose that "
+                      f"without this warning.", stacklevel=3)
+        return False
+
+
 class _ChunkedLMLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int, dtype: torch.dtype) -> Tensor:
+    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int, dtype: torch.dtype,
+                fused: bool, strict: bool) -> Tensor:
         n = hidden.shape[0]
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         w = weight.to(dtype)
@@ -43,23 +119,35 @@ class _ChunkedLMLoss(torch.autograd.Function):
         dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         kept = targets != IGNORE_INDEX  # [n] the positions that count
         count = kept.sum().clamp_min(1).float()  # a tensor: no host sync (all ignored: loss 0, no gradient)
+        rows = scale = None
+        if fused:
+            rows = torch.zeros(n, dtype=torch.float32, device=hidden.device)  # each token's loss (0: ignored)
+            scale = kept / count  # [n] d mean / d token loss: 1 / count where kept, else 0
         for s in range(0, n, chunk):
             h = hidden[s:s + chunk].to(dtype)
-            keep = kept[s:s + chunk]
-            y = targets[s:s + chunk].masked_fill(~keep, 0)[:, None]  # [c, 1] an ignored position reads id 0
-            logits = (h @ w.t()).float()  # [c, V]
-            lse = torch.logsumexp(logits, dim=-1)
-            total += ((lse - logits.gather(1, y).squeeze(1)) * keep).sum()
-            if need_h or need_w:
-                g = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
-                g[torch.arange(g.shape[0], device=g.device), y.squeeze(1)] -= 1.0  # minus the one-hot
-                del logits  # g holds that buffer; once cast, the fp32 one is freed before the two GEMMs
-                # d loss / d logits for the mean over the kept tokens; ignored rows get 0 (one pass, as /n was)
-                g = g.mul_((keep / count)[:, None]).to(dtype)
-                if need_h:
-                    dh[s:s + chunk] = (g @ w).to(hidden.dtype)
-                if need_w:
-                    _accumulate_mm(dw, g.t(), h)
+            logits = h @ w.t()  # [c, V] in the compute dtype
+            if fused and _fused_chunk(logits, targets[s:s + chunk], scale[s:s + chunk], need_h or need_w,
+                                      rows[s:s + chunk], strict):
+                g = logits  # the kernel wrote the gradient (already scaled, in dtype) over the logits
+            else:
+                fused = False  # a kernel that failed to build: the torch passes for this chunk and the rest
+                keep = kept[s:s + chunk]
+                y = targets[s:s + chunk].masked_fill(~keep, 0)[:, None]  # [c, 1] an ignored position reads id 0
+                logits = logits.float()  # [c, V]
+                lse = torch.logsumexp(logits, dim=-1)
+                total += ((lse - logits.gather(1, y).squeeze(1)) * keep).sum()
+                if need_h or need_w:
+                    g = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+                    g[torch.arange(g.shape[0], device=g.device), y.squeeze(1)] -= 1.0  # minus the one-hot
+                    del logits  # g holds that buffer; once cast, the fp32 one is freed before the two GEMMs
+                    # d loss / d logits for the mean over the kept tokens; ignored rows get 0 (one pass, as /n was)
+                    g = g.mul_((keep / count)[:, None]).to(dtype)
+            if need_h:
+                dh[s:s + chunk] = (g @ w).to(hidden.dtype)
+            if need_w:
+                _accumulate_mm(dw, g.t(), h)
+        if rows is not None:
+            total += rows.sum()
         ctx.save_for_backward(dh if need_h else None, dw.to(weight.dtype) if need_w else None)
         return total / count
 
@@ -68,7 +156,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         dh, dw = ctx.saved_tensors
         return (None if dh is None else dh * grad.to(dh.dtype),
-                None if dw is None else dw * grad.to(dw.dtype), None, None, None)
+                None if dw is None else dw * grad.to(dw.dtype), None, None, None, None, None)
 
 
 _FP32_OUT: dict = {}  # device type -> whether torch.mm(..., out_dtype=float32) runs there
@@ -91,10 +179,14 @@ def _accumulate_mm(acc: Tensor, a: Tensor, b: Tensor) -> None:
     acc.add_(a @ b)
 
 
-def chunked_lm_loss(hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int = DEFAULT_CHUNK) -> Tensor:
+def chunked_lm_loss(hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int = DEFAULT_CHUNK,
+                    fused: bool | None = None) -> Tensor:
     """Mean cross-entropy of ``hidden`` [..., H] through the LM head ``weight`` [V, H] against ``targets``
     [...] (token ids in [0, V), or IGNORE_INDEX for a position that does not count: the mean is over the
-    others, as F.cross_entropy's; all ignored gives 0), without keeping the logits (module docstring)."""
+    others, as F.cross_entropy's; all ignored gives 0), without keeping the logits (module docstring).
+
+    ``fused``: None follows TRITON_LM_LOSS ("auto": the Triton kernel on CUDA, torch elsewhere); True runs the
+    kernel (CUDA, or CPU under TRITON_INTERPRET=1) or raises a ValueError saying why it cannot; False: torch."""
     if hidden.shape[:-1] != targets.shape:
         raise ValueError(f"hidden {tuple(hidden.shape)} and targets {tuple(targets.shape)}: targets must have "
                          f"hidden's shape without its last dimension")
@@ -102,5 +194,10 @@ def chunked_lm_loss(hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int 
         raise ValueError(f"weight {tuple(weight.shape)} must be [V, H={hidden.shape[-1]}]")
     if chunk < 1:
         raise ValueError(f"chunk={chunk} must be >= 1")
+    if fused is not None and not isinstance(fused, bool):
+        raise ValueError(f"fused={fused!r} must be None (auto), True or False")
     h = hidden.reshape(-1, hidden.shape[-1])
-    return _ChunkedLMLoss.apply(h, weight, targets.reshape(-1), int(chunk), _compute_dtype(h))
+    dtype = _compute_dtype(h)
+    use = _fused_path(h.device, dtype, fused)
+    strict = bool(fused) or (fused is None and TRITON_LM_LOSS == "always")
+    return _ChunkedLMLoss.apply(h, weight, targets.reshape(-1), int(chunk), dtype, use, strict)

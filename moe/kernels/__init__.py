@@ -6,12 +6,16 @@ Public API:
     why_not_triton(rows, w_in, w_out) -> "" or the reason the Triton path cannot run
     combine_rows(rows, slot_row, weights, num_tokens, top_k) -> out       (moe.dispatch's combine, CUDA)
     combine_rows_backward(grad_out, rows, weights, slot_row) -> (grad_rows, grad_weights)
+    cross_entropy_rows(logits, targets, scale, *, need_grad) -> loss rows   (models.loss's fused step, CUDA;
+        with need_grad the gradient (softmax - onehot) * scale is written over the logits in place)
+    why_not_cross_entropy(device, dtype) -> "" or the reason cross_entropy_rows cannot run there
     environment_problem() -> "" or what is wrong with MOEKIT_AUTOTUNE / MOEKIT_TMA / MOEKIT_KERNEL_CONFIGS
 See docs/kernels.md for the design (tile scheduling, gather, fused epilogues, determinism).
 """
 from ._common import KERNELS, LAUNCHES, SUPPORTED_DTYPES, autotune_mode, interpret_mode, tuned_configs
 from ._tma import TMA_ENV, TMA_MODES, tma_default
 from .combine import combine_rows, combine_rows_backward, combine_rows_backward_ref, combine_rows_ref
+from .cross_entropy import cross_entropy_rows, cross_entropy_rows_ref, why_not_cross_entropy
 from .expert_mlp import expert_mlp, expert_mlp_ref, why_not_triton
 from .grouped_mm import grouped_mm, grouped_mm_ref
 from .grouped_mm_wgrad import grouped_mm_wgrad, grouped_mm_wgrad_ref
@@ -20,6 +24,7 @@ from .scatter_add import scatter_add_rows, scatter_add_rows_ref
 __all__ = [
     "LAUNCHES", "SUPPORTED_DTYPES", "environment_problem", "interpret_mode",
     "combine_rows", "combine_rows_ref", "combine_rows_backward", "combine_rows_backward_ref",
+    "cross_entropy_rows", "cross_entropy_rows_ref", "why_not_cross_entropy",
     "expert_mlp", "expert_mlp_ref", "why_not_triton",
     "grouped_mm", "grouped_mm_ref",
     "grouped_mm_wgrad", "grouped_mm_wgrad_ref",
