@@ -1,6 +1,8 @@
 """Dtype rules shared by the router, the experts and the layer (single-device, no distributed)."""
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -17,8 +19,18 @@ def compute_dtype(t: Tensor) -> torch.dtype:
 #   "auto"    on CUDA by bf16 tensor-core GEMMs on split operands (_SplitLinear), elsewhere by an fp32 GEMM;
 #   "never"   always the fp32 GEMM (F.linear on upcast copies: on a GPU the slow non-tensor-core path);
 #   "always"  the split form everywhere (tests: off CUDA its bf16 products are summed by an fp32 matmul).
-SPLIT_ROUTER = "auto"
+# It starts as the environment variable MOEKIT_SPLIT_ROUTER says (a benchmark's A / B in separate processes).
+SPLIT_ROUTER_ENV = "MOEKIT_SPLIT_ROUTER"
 SPLIT_ROUTER_MODES = ("auto", "never", "always")
+SPLIT_ROUTER = os.environ.get(SPLIT_ROUTER_ENV, "").strip().lower() or "auto"
+
+
+def split_router_problem() -> str:
+    """"" or what is wrong with SPLIT_ROUTER (set from MOEKIT_SPLIT_ROUTER): the trainer checks it at start-up."""
+    if SPLIT_ROUTER in SPLIT_ROUTER_MODES:
+        return ""
+    return (f"moe.precision.SPLIT_ROUTER={SPLIT_ROUTER!r} (environment variable {SPLIT_ROUTER_ENV}="
+            f"{os.environ.get(SPLIT_ROUTER_ENV)!r}) is invalid; use one of {list(SPLIT_ROUTER_MODES)} or unset it")
 
 
 def upcast_linear(x: Tensor, w: Tensor, dtype: torch.dtype) -> Tensor:
@@ -32,8 +44,8 @@ def upcast_linear(x: Tensor, w: Tensor, dtype: torch.dtype) -> Tensor:
 def split_applies(x: Tensor, w: Tensor, dtype: torch.dtype) -> bool:
     """Whether upcast_linear(x, w, dtype) takes the split bf16 form: a plain (not distributed) bf16 x [T, H]
     and a bf16 or fp32 w, an fp32 result, and SPLIT_ROUTER "always", or "auto" with x on CUDA."""
-    if SPLIT_ROUTER not in SPLIT_ROUTER_MODES:
-        raise ValueError(f"moe.precision.SPLIT_ROUTER={SPLIT_ROUTER!r}; use one of {list(SPLIT_ROUTER_MODES)}")
+    if split_router_problem():
+        raise ValueError(split_router_problem())
     if SPLIT_ROUTER == "never" or (SPLIT_ROUTER == "auto" and x.device.type != "cuda"):
         return False
     return (dtype == torch.float32 and x.dtype == torch.bfloat16 and w.dtype in (torch.bfloat16, torch.float32)

@@ -269,7 +269,11 @@ def validate_model(cfg: TrainConfig) -> None:
 
 def check_kernel_environment() -> None:
     """The Triton kernels' environment variables, checked before the run instead of at its first expert GEMM
-    (nothing to check where triton is not installed: the kernels never run)."""
+    (nothing to check where triton is not installed: the kernels never run), and the router's MOEKIT_SPLIT_ROUTER."""
+    from moekit.moe.precision import split_router_problem
+
+    if split_router_problem():
+        raise UserError(split_router_problem())
     try:
         from moekit.moe.kernels import environment_problem
     except ImportError:
