@@ -90,6 +90,16 @@ def test_gpu_suite_budget_skips_what_does_not_fit(tmp_path):
     assert "moe_layer: skipped (budget" in (tmp_path / "out" / "summary.txt").read_text()
 
 
+def test_gpu_suite_lm_loss_step(tmp_path):
+    """The fused cross-entropy's step: its bench at smoke sizes, its JSON packed with the others."""
+    proc = run_suite(tmp_path, "--smoke", "lm_loss", timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "  lm_loss: ok" in (tmp_path / "out" / "summary.txt").read_text()
+    with tarfile.open(tmp_path / "out" / "results.tar.gz") as tar:
+        bench = json.load(tar.extractfile("./lm_loss.json"))
+    assert bench["benchmark"] == "lm_loss" and bench["rows"], bench
+
+
 def test_gpu_suite_rejects_bad_arguments(tmp_path):
     proc = run_suite(tmp_path, "--smoke", "no_such_step", timeout=60)
     assert proc.returncode == 2 and "unknown step 'no_such_step'" in proc.stderr

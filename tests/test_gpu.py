@@ -308,6 +308,41 @@ def test_bf16_autocast_layer_close_to_fp32():
         assert g.dtype == torch.float32 and rel_err(g, ref[2][name]) < 8e-2, name
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16-autocast", "fp32"])
+def test_fused_lm_loss_on_device_matches_float64(dtype, monkeypatch):
+    """The LM-head loss with its fused cross-entropy kernel (models.loss, moe.kernels.cross_entropy; the default
+    on CUDA) against float64 on the CPU: loss, dh and dW, a vocabulary that is no multiple of the column tile,
+    ignored targets and a ragged last chunk; bounded by 2x the torch passes' own error in the same run."""
+    from moekit.models import loss as L
+    from moekit.moe.kernels import LAUNCHES
+
+    fused = None if ON == "cuda" else True  # the interpreter: forced (auto is torch off CUDA)
+    N, H, V, chunk = (40, 16, 70, 16) if SMALL else (6000, 1024, 32003, 2048)
+    gen = torch.Generator().manual_seed(13)
+    h = torch.randn(N, H, generator=gen, dtype=torch.float64)
+    w = torch.randn(V, H, generator=gen, dtype=torch.float64) * H**-0.5
+    y = torch.randint(0, V, (N,), generator=gen)
+    y[::7] = L.IGNORE_INDEX
+
+    def run(fused_arg):
+        hh, ww = (t.to(DEVICE, torch.float32).requires_grad_() for t in (h, w))
+        with torch.autocast(DEVICE.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            loss = L.chunked_lm_loss(hh, ww, y.to(DEVICE), chunk=chunk, fused=fused_arg)
+        loss.backward()
+        return [loss.detach(), hh.grad, ww.grad]
+
+    hd, wd = h.clone().requires_grad_(), w.clone().requires_grad_()
+    ref_loss = F.cross_entropy(hd @ wd.t(), y, ignore_index=L.IGNORE_INDEX)
+    ref_loss.backward()
+    ref = [ref_loss.detach(), hd.grad, wd.grad]
+    before = LAUNCHES["_cross_entropy_kernel"]
+    got = run(fused)
+    assert LAUNCHES["_cross_entropy_kernel"] == before + -(-N // chunk)  # the kernel ran, once per chunk
+    base = run(False)
+    for name, g, b, r in zip(("loss", "dh", "dw"), got, base, ref):
+        assert rel_err(g, r) <= 2 * rel_err(b, r) + 1e-6, (name, rel_err(g, r), rel_err(b, r))
+
+
 @pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16], ids=["w_fp32", "w_bf16"])
 @pytest.mark.parametrize("E", [128, 61])  # 61: rows of the gradient [T, E] not 16-byte aligned
 def test_router_logits_split_gemm_match_float64(w_dtype, E, monkeypatch):

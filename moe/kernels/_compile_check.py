@@ -27,6 +27,7 @@ from moekit.moe.activations import ACTIVATIONS
 
 from . import _common
 from .combine import combine_rows, combine_rows_backward
+from .cross_entropy import cross_entropy_rows
 from .expert_mlp import expert_down_dact, expert_up_act
 from .grouped_mm import grouped_mm_fwd
 from .grouped_mm_wgrad import grouped_colsum, grouped_mm_wgrad
@@ -80,6 +81,12 @@ def capture_launches(dtype: torch.dtype) -> list:
         combine_rows(x, slot_row, weights, t, k)
         combine_rows(x, slot_row, None, t, k)
         combine_rows_backward(torch.randn(t, h, dtype=dtype), x, weights, slot_row)
+        # the LM-head cross-entropy: several rows per program (V <= 1024) and one (the vocabulary in column tiles),
+        # with the gradient and its scale, and the loss alone
+        cross_entropy_rows(torch.randn(t, 1000, dtype=dtype), torch.randint(0, 1000, (t,)), torch.rand(t), need_grad=True)
+        cross_entropy_rows(torch.randn(t, 5000, dtype=dtype), torch.randint(0, 5000, (t,)), torch.rand(t),
+                           need_grad=True)
+        cross_entropy_rows(torch.randn(t, 5000, dtype=dtype), torch.randint(0, 5000, (t,)))
         cos, sin = torch.rand(8, 16), torch.rand(8, 16)  # RoPE: both layouts, forward and inverse
         rope(torch.randn(2, 8, 3, 32, dtype=dtype), cos[:, None], sin[:, None])
         rope(torch.randn(2, 8, 3, 32, dtype=dtype).transpose(1, 2), cos, sin, inverse=True)

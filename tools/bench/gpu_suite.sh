@@ -24,7 +24,7 @@ REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 PY=${PYTHON:-python3}
 DEFAULT_STEPS=(env tests moe_layer grouped_gemm dispatch profile train_mfu)
 ALL_STEPS=(env tests moe_layer grouped_gemm dispatch profile train_mfu train_mfu_full tune grouped_gemm_tuned
-           grouped_gemm_quick train_mfu_tma attention router_balance linear_attention)
+           grouped_gemm_quick train_mfu_tma attention router_balance linear_attention lm_loss)
 SMOKE=0
 BUDGET=560
 RESULTS=${OUT:-bench-results}
@@ -63,6 +63,9 @@ router_balance  tools/bench/router_balance.py: a DeepSeek-V3-sized router (H 716
 linear_attention  tools/bench/linear_attention.py: Qwen3.5-35B-A3B's Gated DeltaNet layer (H 2048, 16 / 32 heads
                 of 128) fwd+bwd against transformers' layer (its torch path), S 4096 / 16384, bf16; not in the
                 default set                                                                (cap 90 s)
+lm_loss         tools/bench/lm_loss.py: the LM-head loss fwd+bwd, N 32768, H 1024 / 4096, V 32000 / 151936, bf16:
+                the fused cross-entropy kernel against torch's chunked passes and the plain logits path; not in
+                the default set                                                            (cap 90 s)
 EOF
 }
 
@@ -234,6 +237,10 @@ for step in "${STEPS[@]}"; do
       else size=(--device cuda --dtype bfloat16 --seq-len 4096 16384 --batch 1 --hidden 2048 --key-heads 16
                  --value-heads 32 --head-dim 128 --repeats 5); fi
       run_step linear_attention 90 "$PY" tools/bench/linear_attention.py "${size[@]}" --out "$RAW/linear_attention.json" ;;
+    lm_loss)  # the fused cross-entropy kernel against torch's passes and the plain logits
+      if [ "$SMOKE" = 1 ]; then size=(--smoke)
+      else size=(--device cuda --dtype bfloat16 --tokens 32768 --hidden 1024 4096 --vocab 32000 151936 --repeats 5); fi
+      run_step lm_loss 90 "$PY" tools/bench/lm_loss.py "${size[@]}" --out "$RAW/lm_loss.json" ;;
     profile)
       if [ "$SMOKE" = 1 ]; then size=(--preset mixtral-tiny --batch-size 2 --seq-len 32 --warmup 1 --steps 1)
       else size=(--preset auto --batch-size 16 --seq-len 2048 --warmup 2 --steps 3); fi  # train_mfu's micro-batch
