@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-DEFAULT_CHUNK = 8192  # tokens per chunk: 8192 x 32000 logits = 0.5 GB in bf16 (the fused path), 1 GB more in fp32 (torch)
+DEFAULT_CHUNK = 8192  # tokens per chunk: 8192 x 32000 logits, 0.5 GB in bf16 (fused), 1 GB more in fp32 (torch)
 IGNORE_INDEX = -100  # a target that does not count (F.cross_entropy's default ignore_index; HF's label masking)
 
 # Where the fused Triton kernel (moe.kernels.cross_entropy) replaces the torch passes over each chunk's logits:
