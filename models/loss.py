@@ -33,6 +33,7 @@ from them and makes their loss NaN instead (so the mean loss is NaN).
 """
 from __future__ import annotations
 
+import os
 import warnings
 
 import torch
@@ -46,8 +47,10 @@ IGNORE_INDEX = -100  # a target that does not count (F.cross_entropy's default i
 # "auto" on CUDA tensors it takes (float32/bfloat16/float16; not while torch.compile traces); "always" on CPU
 # tensors too, in the Triton interpreter (TRITON_INTERPRET=1: tests), raising instead of falling back; "never":
 # the torch passes everywhere (the benchmark's reference). chunked_lm_loss(fused=True / False) overrides it.
-TRITON_LM_LOSS = "auto"
+# It starts as the environment variable MOEKIT_LM_LOSS says (a benchmark's A / B in separate processes).
+LM_LOSS_ENV = "MOEKIT_LM_LOSS"
 _TRITON_LM_LOSS_MODES = ("auto", "always", "never")
+TRITON_LM_LOSS = os.environ.get(LM_LOSS_ENV, "").strip().lower() or "auto"
 _FUSED_OK: dict = {}  # (device, compute dtype) -> why_not_cross_entropy's answer, CUDA only
 _BUILD_FAILURE: list[str] = []  # why the kernel could not be built here, once it failed (then: torch)
 
@@ -58,12 +61,20 @@ def _compute_dtype(t: Tensor) -> torch.dtype:
     return t.dtype
 
 
+def lm_loss_problem() -> str:
+    """"" or what is wrong with TRITON_LM_LOSS (set from MOEKIT_LM_LOSS): the trainer checks it at start-up."""
+    if TRITON_LM_LOSS in _TRITON_LM_LOSS_MODES:
+        return ""
+    return (f"models.loss.TRITON_LM_LOSS={TRITON_LM_LOSS!r} (environment variable {LM_LOSS_ENV}="
+            f"{os.environ.get(LM_LOSS_ENV)!r}) is invalid; use one of {', '.join(_TRITON_LM_LOSS_MODES)} or unset it")
+
+
 def _fused_path(device: torch.device, dtype: torch.dtype, fused: bool | None) -> bool:
     """Whether the chunks' elementwise steps run as the Triton kernel (``fused`` / TRITON_LM_LOSS above)."""
     if fused is None:
         mode = TRITON_LM_LOSS
-        if mode not in _TRITON_LM_LOSS_MODES:
-            raise ValueError(f"models.loss.TRITON_LM_LOSS={mode!r}; use one of {', '.join(_TRITON_LM_LOSS_MODES)}")
+        if lm_loss_problem():
+            raise ValueError(lm_loss_problem())
     else:
         mode = "always" if fused else "never"
     if mode == "never" or (mode == "auto" and (device.type != "cuda" or torch.compiler.is_compiling()

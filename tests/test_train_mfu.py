@@ -1,5 +1,6 @@
 """The training-MFU benchmark: a CPU smoke run through the real trainer, its arithmetic, and the 1B preset."""
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -81,6 +82,37 @@ def test_tma_configurations_set_the_variable_explicitly(monkeypatch, tmp_path):
                     ("auto-compile-on-tma", "always"), ("auto-compile-on", "auto")]
     assert [r["tma"] for r in rows] == ["off", "on", "auto"] * 2 and {r["status"] for r in rows} == {"failed"}
     assert train_mfu.parse_args(["--smoke"])[0].tma == ["auto"]
+
+
+def test_variants_run_with_their_environment(monkeypatch, tmp_path, capsys):
+    """--variants: each label a configuration of its own with its variables set in the trainer's environment (and
+    only there); one variant keeps the plain names. Bad specs are one line, exit 2."""
+    seen = []
+
+    def fake_trainer(argv, run_dir, timeout, env):
+        seen.append((run_dir.name, env.get("MOEKIT_LM_LOSS"), env.get("MOEKIT_SPLIT_ROUTER")))
+        return 1, 0.0, "stopped by the test"
+
+    monkeypatch.setattr(train_mfu, "run_trainer", fake_trainer)
+    monkeypatch.delenv("MOEKIT_LM_LOSS", raising=False)
+    monkeypatch.delenv("MOEKIT_SPLIT_ROUTER", raising=False)
+    args, extra = train_mfu.parse_args(["--smoke", "--variants", "base", "legacy:MOEKIT_LM_LOSS=never,"
+                                        "MOEKIT_SPLIT_ROUTER=never", "loss:MOEKIT_LM_LOSS=never"])
+    rows = [train_mfu.run_config(args, extra, False, "auto", tmp_path, variant=v) for v in args.variants]
+    assert seen == [("auto-compile-off-base", None, None), ("auto-compile-off-legacy", "never", "never"),
+                    ("auto-compile-off-loss", "never", None)]
+    assert [r["variant"] for r in rows] == ["base", "legacy", "loss"] and "MOEKIT_LM_LOSS" not in os.environ
+    assert rows[1]["variant_env"] == {"MOEKIT_LM_LOSS": "never", "MOEKIT_SPLIT_ROUTER": "never"}
+    one, extra = train_mfu.parse_args(["--smoke"])
+    assert one.variants == [("base", {})]
+    train_mfu.run_config(one, extra, False, "auto", tmp_path)
+    assert seen[-1][0] == "auto-compile-off"
+    capsys.readouterr()  # the fake runs' failure lines
+    for bad, said in ((["a:B=1", "a"], "the label 'a' is used twice"), (["x:NOEQUALS"], "'NOEQUALS' is not VAR=VALUE"),
+                      (["x y:A=1"], "the label must be"), (["x:1A=2"], "'1A=2' is not VAR=VALUE")):
+        with pytest.raises(SystemExit) as exc:
+            train_mfu.parse_args(["--smoke", "--variants", *bad])
+        assert exc.value.code == 2 and said in _one_line(capsys)
 
 
 def test_a_configuration_cut_by_its_timeout_keeps_the_steps_it_finished(monkeypatch, tmp_path, capsys):

@@ -269,11 +269,13 @@ def validate_model(cfg: TrainConfig) -> None:
 
 def check_kernel_environment() -> None:
     """The Triton kernels' environment variables, checked before the run instead of at its first expert GEMM
-    (nothing to check where triton is not installed: the kernels never run), and the router's MOEKIT_SPLIT_ROUTER."""
+    (nothing to check where triton is not installed: the kernels never run), MOEKIT_SPLIT_ROUTER and MOEKIT_LM_LOSS."""
+    from moekit.models.loss import lm_loss_problem
     from moekit.moe.precision import split_router_problem
 
-    if split_router_problem():
-        raise UserError(split_router_problem())
+    for problem in (split_router_problem(), lm_loss_problem()):
+        if problem:
+            raise UserError(problem)
     try:
         from moekit.moe.kernels import environment_problem
     except ImportError:

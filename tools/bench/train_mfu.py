@@ -5,6 +5,7 @@
     python tools/bench/train_mfu.py --compile off --tma off on  # the Triton experts with and without TMA
     python tools/bench/train_mfu.py --compile on -- --model.num_experts 16 --model.top_k 4 \
         --model.moe_ffn_hidden_size 1536                   # any trainer flag after `--` goes to train.py
+    python tools/bench/train_mfu.py --compile on --variants base legacy:MOEKIT_LM_LOSS=never  # A / B, one run
     python tools/bench/train_mfu.py --smoke                # CPU, mixtral-tiny, a few steps (CI)
 
 Each configuration (expert backend x compile off/on x TMA off/on) runs ``tools/train.py`` as its own process with
@@ -74,6 +75,11 @@ def parse_args(argv):
                    help="the Triton experts' TMA kernel variants for each configuration (MOEKIT_TMA=auto, never "
                         "for 'off', always for 'on'; they run in bf16 on sm90+ only, where auto turns them on): "
                         "'off on' times both in one run (default auto, what a training run gets)")
+    p.add_argument("--variants", nargs="+", default=["base"], metavar="LABEL[:VAR=VALUE,...]",
+                   help="environment variants, each timed as configurations of its own: 'LABEL:VAR=VALUE,VAR=VALUE' "
+                        "runs the trainer with those variables set (the configuration's name ends in -LABEL), a bare "
+                        "LABEL with the environment as it is. A / B of one change in one run, e.g. --variants base "
+                        "'legacy:MOEKIT_LM_LOSS=never,MOEKIT_SPLIT_ROUTER=never' (default: base)")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                    help="auto = bf16 autocast on CUDA, fp32 on CPU (the trainer's default)")
@@ -97,6 +103,7 @@ def parse_args(argv):
         p.error(f"--warmup {args.warmup} / --steps {args.steps}: need warmup >= 1 and at least 2 timed steps")
     if min(args.seq_len, args.micro_batch, args.batch_size) < 1 or args.batch_size % args.micro_batch:
         p.error(f"--batch-size {args.batch_size} must be a positive multiple of --micro-batch {args.micro_batch}")
+    args.variants = parse_variants(p, args.variants)
     check_positive(p, args, "lr", "peak_tflops", "timeout")
     check_names(p, "--backends", args.backends, available_backends())
     if args.device == "cuda":  # auto: the trainer's choice; cpu needs no check
@@ -105,6 +112,27 @@ def parse_args(argv):
     if args.run_root:
         check_out(p, args.run_root, "--run-root", folder=True)
     return args, extra
+
+
+def parse_variants(p, specs: list[str]) -> list[tuple[str, dict[str, str]]]:
+    """--variants -> [(label, {VAR: VALUE})]; labels unique, names of environment variables, one '=' each."""
+    out, seen = [], set()
+    for spec in specs:
+        label, _, rest = spec.partition(":")
+        if not label or not label.replace("-", "").replace("_", "").isalnum():
+            p.error(f"--variants {spec!r}: the label must be letters, digits, '-' or '_' "
+                    f"(e.g. legacy:MOEKIT_LM_LOSS=never)")
+        if label in seen:
+            p.error(f"--variants: the label {label!r} is used twice")
+        seen.add(label)
+        env = {}
+        for pair in filter(None, rest.split(",")):
+            name, eq, value = pair.partition("=")
+            if not eq or not name or not (name.replace("_", "").isalnum() and not name[0].isdigit()):
+                p.error(f"--variants {spec!r}: {pair!r} is not VAR=VALUE with VAR an environment variable's name")
+            env[name] = value
+        out.append((label, env))
+    return out
 
 
 def trainer_args(args, extra: list[str], compile_on: bool, backend: str, run_dir: str) -> list[str]:
@@ -234,19 +262,25 @@ def finished_steps(run_dir: Path) -> list[dict]:
     return out
 
 
-def run_config(args, extra, compile_on: bool, backend: str, root: Path, tma: str = "auto") -> dict:
+def run_config(args, extra, compile_on: bool, backend: str, root: Path, tma: str = "auto",
+               variant: tuple[str, dict[str, str]] = ("base", {})) -> dict:
     from moekit.train import UserError
     from moekit.train.records import read_metrics
 
+    label, variant_env = variant
     name = f"{backend}-compile-{'on' if compile_on else 'off'}{TMA_SUFFIX[tma]}"
+    if len(args.variants) > 1:
+        name += f"-{label}"
     run_dir = root / name
     print(f"[train_mfu] {name}: {args.steps} steps of {args.batch_size} x {args.seq_len} tokens ...", flush=True)
     env = dict(os.environ, MOEKIT_TMA=TMA_ENV_VALUE[tma])  # explicit: not inherited from the caller
+    env.update(variant_env)
     if compile_on:  # a recompile per block in the timed steps would show in tokens/s: count them
         env["TORCH_LOGS"] = ",".join(filter(None, [env.get("TORCH_LOGS"), "recompiles"]))
     rc, wall, log = run_trainer(trainer_args(args, extra, compile_on, backend, str(run_dir)), run_dir, args.timeout,
                                 env)
-    row = {"config": name, "compile": compile_on, "tma": tma, "expert_backend_requested": backend, "exit_status": rc,
+    row = {"config": name, "compile": compile_on, "tma": tma, "variant": label, "variant_env": variant_env,
+           "expert_backend_requested": backend, "exit_status": rc,
            "wall_s": wall, "run_dir": str(run_dir) if args.run_root else None}  # a temporary one is removed
     try:
         if rc == 124:  # cut by --timeout: the steps it finished still measure, if enough ran past the warm-up
@@ -347,8 +381,8 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="train_mfu-") as tmp:
         root = Path(args.run_root or tmp)
         for backend in args.backends:
-            for c, t in itertools.product(args.compile, args.tma):
-                rows.append(run_config(args, extra, c == "on", backend, root, tma=t))
+            for c, t, v in itertools.product(args.compile, args.tma, args.variants):
+                rows.append(run_config(args, extra, c == "on", backend, root, tma=t, variant=v))
                 print(progress_line(rows[-1]), flush=True)
                 # partial results on disk after every configuration: a run killed later keeps them
                 write_json(args.out, {**payload, "partial": True, "results": rows})
