@@ -29,6 +29,7 @@ from moekit.models.config import ModelConfig
 from moekit.models.kvcache import KV_WINDOW_SLACK, KVCache, LayerKV  # noqa: F401  (re-exported: they lived here)
 from moekit.models.linear_attention import GatedDeltaNet
 from moekit.models.norms import make_norm, norm_identity
+from moekit.moe.precision import compute_dtype
 from moekit.models.sdpa import (  # noqa: F401  (re-exported: they lived here)
     KEY_MULTIPLE, PrefixCausalAttention, causal_mask, explicit_causal_attention, lower_right_causal_attention,
     masked_sdpa, masked_sink_attention, sink_attention, span_mask, window_mask)
@@ -293,6 +294,7 @@ class Attention(nn.Module):
         the new keys/values are appended and the queries attend to every cached position as well. ``segments``:
         the documents of the sequence's positions (the whole sequence's under context parallelism), or None."""
         B, S, _ = x.shape
+        x = x.to(compute_dtype(x))  # autocast: one bf16 copy for the three projections (autocast casts per call)
         q, k, v = self.wq(x), self.wk(x), self.wv(x)  # [B, S, N*D], [B, S, K*D] x 2
         gate = None
         if self.output_gate:  # [B, S, N*2D] -> q [B, S, N*D], the gate [B, S, N*D] (both per head)
@@ -397,6 +399,7 @@ class MLAttention(nn.Module):
                 segments: Tensor | None = None) -> Tensor:
         """As Attention.forward; the cache holds the expanded keys [B, N, S, nope+rope] and values [B, N, S, v]."""
         B, S, _ = x.shape
+        x = x.to(compute_dtype(x))  # autocast: one bf16 copy for wq (or wq_a) and wkv_a
         q = self.wq(x) if hasattr(self, "wq") else self.wq_b(self.q_a_norm(self.wq_a(x)))  # [B, S, N*(nope+rope)]
         q = q.view(B, S, -1, self.nope + self.rope).transpose(1, 2)  # [B, n, S, nope+rope] (n: this rank's heads)
         q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)

@@ -158,7 +158,7 @@ def test_estimate_matches_one_process(name, mode, over):
     ("deepseek-tiny", "never", "none"),
 ])
 def test_estimate_matches_one_process_under_cpu_bf16_autocast(name, attention, mode):
-    """CPU bf16 autocast (``--train.dtype bfloat16``): each projection's bf16 input copy, and the attention's
+    """CPU bf16 autocast (``--train.dtype bfloat16``): the attention input's one bf16 copy, and the attention's
     kept tensors whichever path runs: the explicit bmm + softmax (auto at this length: it keeps the [B, N, S, S]
     probabilities) or SDPA (its output and logsumexp)."""
     from moekit.models import attention as A

@@ -254,7 +254,7 @@ def test_cuda_context_attention_terms(monkeypatch, lower_right):
     Sg, c, a = 4096, 1024, 2
     N, K, D, H = cfg.num_heads, cfg.num_kv_heads, cfg.attn_head_dim, cfg.hidden_size
     T = Sg // 2  # one sequence's half on each rank
-    common = 3 * T * H * a + 3 * T * N * D * a + T * N * 4  # cast inputs; q, outputs, wo's copy; logsumexp
+    common = T * H * a + 3 * T * N * D * a + T * N * 4  # the cast input; q, outputs, wo's copy; logsumexp
     if lower_right:
         rank0 = rank1 = common + Sg * K * 2 * D * a
     else:

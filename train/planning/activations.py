@@ -6,7 +6,7 @@ rows, a / r bytes of the compute dtype / of the residual stream.
 
     residual   block input and the post-attention sum h                           2 Ts H r
     norms      rsqrt [Ts], and x * rsqrt [Ts, H] (CPU's composite RMSNorm; CUDA's fused kernel keeps x only)
-    attention  the norm output the projections read (autocast: one bf16 copy per projection), q and k
+    attention  the norm output the projections read (autocast: its one bf16 copy, models.attention), q and k
                after RoPE, v, SDPA output and fp32 logsumexp; on CPU a copy of the output for wo. A
                sliding window or sinks (gpt-oss) give SDPA a mask, which it keeps (``_gqa_kept``); sinks
                widen q / k / v and pad the keys (models.attention.sink_attention)

@@ -26,7 +26,7 @@ def _attention(cfg: ModelConfig, layout: Layout, s: Shapes, i: int) -> int:
     if cfg.attention == "mla":
         return _mla(cfg, layout, s)
     D, K = cfg.attn_head_dim, cfg.num_kv_heads // layout.tp
-    inputs = 3 * s.T * H * s.a if s.casts else s.T * H * s.r
+    inputs = s.T * H * (s.a if s.casts else s.r)  # autocast: the one bf16 copy wq, wk and wv read
     chunk = cfg.attention_chunk_of(i)
     if chunk and s.explicit_attention and s.S > chunk:  # chunked attention runs SDPA per chunk, never explicit
         s = dataclasses.replace(s, explicit_attention=False)
@@ -57,7 +57,7 @@ def _mla(cfg: ModelConfig, layout: Layout, s: Shapes) -> int:
     H, N, T, a = cfg.hidden_size, cfg.num_heads // layout.tp, s.T, s.a
     Dqk, Dv, c, q_lora = cfg.attn_qk_head_dim, cfg.v_head_dim, cfg.kv_lora_rank, cfg.q_lora_rank
     keys = s.B * s.S if s.cp > 1 else T  # key positions expanded on this rank
-    inputs = 2 * T * H * a if s.casts else T * H * s.r  # autocast: wq (or wq_a) and wkv_a cast their own copies
+    inputs = T * H * (a if s.casts else s.r)  # autocast: the one bf16 copy wq (or wq_a) and wkv_a read
     # wq_a's output and its norm's, wkv_a's [T, c + rope], the normed latent wkv_b reads; each latent norm's rsqrt
     # (and x * rsqrt on CPU: the composite RMSNorm)
     latents = T * 2 * q_lora * a + T * (c + cfg.qk_rope_head_dim) * a + keys * c * a
