@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moekit.models.config import ModelConfig
+from moekit.moe.precision import compute_dtype
 from moekit.models.delta_rule import (  # noqa: F401  (re-exported: the rule's API)
     RecomputedRule, gated_delta_rule, gated_delta_rule_affine, gated_delta_steps, l2_normalize)
 
@@ -91,6 +92,7 @@ class GatedDeltaNet(nn.Module):
                 raise ValueError(f"KV cache was filled with batch {kv.state.shape[0]}, got batch {B}; use one cache "
                                  f"per batch of sequences")
             kv.advance(S)
+        x = x.to(compute_dtype(x))  # autocast: one bf16 copy for wqkv, wb, wa and wz (autocast casts per call)
         mixed = self.wqkv(x)  # [B, S, C]
         conv_before = None if kv is None else kv.conv
         context = self.context_parallel if kv is None else None

@@ -6,7 +6,7 @@ each step runs in, so instead of a formula the planner runs one forward of a Gat
 under torch's FakeTensorMode (shapes and dtypes only: no memory, no arithmetic) with the workload's batch, sequence
 length, document masking and precision (autocast over fp32 weights, or bf16 weights), and adds up the storages autograd saves
 (saved_tensors_hooks), each once, the layer's parameters excluded. The layer's input, the attention norm's output,
-is among them (the projections save it, or under autocast each its own bf16 copy), as the GQA term counts it.
+is among them (the projections save it, or under autocast its one bf16 copy), as the GQA term counts it.
 
 Under context parallelism the run is one rank's: its S / cp positions as two zigzag chunks, each chunk's affine
 map, the all-gathers stood in by copies of the rank's own part (``_LocalContext``).
@@ -111,8 +111,8 @@ def _fake_run(S: int, key: tuple, B: int, params_bf16: bool, autocast: bool, doc
             layer = GatedDeltaNet(cfg)
             if cp > 1:  # this rank's S / cp positions; the documents are the whole sequence's
                 layer.context_parallel = _LocalContext(cp, cp_rank)
-            # not a leaf, as the attention norm's output is: autocast caches the casts of leaves only, so each
-            # projection keeps its own bf16 copy of it
+            # not a leaf, as the attention norm's output is (autocast caches the casts of leaves only: were it one,
+            # the run would miss the bf16 copy GatedDeltaNet makes of it for its four projections)
             x = torch.empty(B, S // cp, cfg.hidden_size, dtype=dtype, requires_grad=True) * 1.0
             segments = torch.zeros(B, S, dtype=torch.int32) if documents else None  # models.attention's dtype
             return _run(layer, x, autocast, segments)
