@@ -113,7 +113,9 @@ class DenseMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         dtype = compute_dtype(x)
-        if dtype != x.dtype or dtype == self.w_up.weight.dtype:  # autocast casts, or nothing to cast
+        if dtype != x.dtype:  # autocast: one bf16 copy of x for w_up, w_gate and the gate (autocast casts per call)
+            return self._mlp(x.to(dtype), lambda linear, t: linear(t))
+        if dtype == self.w_up.weight.dtype:  # nothing to cast
             return self._mlp(x, lambda linear, t: linear(t))
         # x's dtype differs from the weights' and no autocast reconciles them (float64 input, or bf16 input on
         # fp32 weights): compute in x's dtype with the weights cast, the routed experts' rule (GroupedExperts)

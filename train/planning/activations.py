@@ -136,9 +136,9 @@ def _moe(cfg: ModelConfig, layout: Layout, s: Shapes, node_rows: float) -> dict[
     if cfg.shared_ffn_hidden_size:
         gate = cfg.shared_expert_gate
         shared = s.Tm * cfg.shared_ffn_hidden_size * ffn_widths(cfg.activation, True) * s.a
-        if s.casts:  # every projection reading the input keeps its own bf16 cast (w_up, w_gate, the gate), the
+        if s.casts:  # the one bf16 copy of the input w_up, w_gate and the gate read (moe.layer.DenseMLP), the
             # gated product keeps the output y and the sigmoid (in the compute dtype)
-            shared += s.Tm * H * s.a * (1 + act.gated + 2 * gate) + s.Tm * s.a * gate
+            shared += s.Tm * H * s.a * (1 + gate) + s.Tm * s.a * gate
         else:  # the gated product keeps y and the fp32 sigmoid (and its input)
             shared += s.Tm * H * s.a * gate + 2 * s.Tm * FP32 * gate
         out["shared_expert"] = shared
@@ -156,8 +156,8 @@ def _block(cfg: ModelConfig, layout: Layout, s: Shapes, i: int, node_rows: float
         # SP a view of the replicated [T, H] the MoE layer slices, with SP the rank's [Ts, H] slice
         outer["ffn_input"] = s.Ts * H * s.r
         return outer, _moe(cfg, layout, s, node_rows)
-    # whole T: under SP the gathered sequence; under autocast w_up's and w_gate's own bf16 casts
-    outer["ffn_input"] = s.T * H * (s.a * (1 + get_activation(cfg.activation).gated) if s.casts else s.r)
+    # whole T: under SP the gathered sequence; under autocast the one bf16 copy w_up and w_gate read
+    outer["ffn_input"] = s.T * H * (s.a if s.casts else s.r)
     F = cfg.ffn_hidden_size // layout.tp
     return outer, {"dense_ffn": s.T * F * ffn_widths(cfg.activation, True) * s.a}
 
