@@ -94,7 +94,8 @@ def test_gpu_suite_lm_loss_step(tmp_path):
     """The fused cross-entropy's step: its bench at smoke sizes, its JSON packed with the others."""
     proc = run_suite(tmp_path, "--smoke", "lm_loss", timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert "  lm_loss: ok" in (tmp_path / "out" / "summary.txt").read_text()
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    assert "  lm_loss: ok" in summary and "N 48 H 16 V 100: fused " in summary, summary
     with tarfile.open(tmp_path / "out" / "results.tar.gz") as tar:
         bench = json.load(tar.extractfile("./lm_loss.json"))
     assert bench["benchmark"] == "lm_loss" and bench["rows"], bench

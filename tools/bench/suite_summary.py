@@ -3,7 +3,7 @@
     python tools/bench/suite_summary.py bench-results/raw            # the folder gpu_suite.sh wrote
 
 Reads, from FOLDER (each optional): grouped_gemm.json, moe_layer.json, dispatch_bandwidth.json,
-train_mfu.json, profile/profile_step.json (or profile_step.json), tune_kernels.json and gpu_tests.xml
+train_mfu.json, profile/profile_step.json (or profile_step.json), tune_kernels.json, lm_loss.json and gpu_tests.xml
 (the GPU test tier's JUnit report). Prints one line per target: the worst case over the measured cases
 (and the median) and "met" / "missed" / "no data"; then the profile's top categories, the tile-config
 sweep's winners and the test tier's counts where those files exist. It reports; it asserts nothing
@@ -144,6 +144,22 @@ def mfu_lines(data: dict | None) -> list[dict]:
     return out or [line("training MFU (mixtral-1b, bf16)", ">= 45%", [], True, 0.45, "train_mfu.json")]
 
 
+def lm_loss_lines(data: dict | None) -> list[str]:
+    """One line per lm_loss.py case: the fused cross-entropy's time and its speed-up over the other two peers."""
+    cases: dict[tuple, dict] = {}
+    for r in (data or {}).get("rows", []):
+        cases.setdefault((r["tokens"], r["hidden"], r["vocab"]), {})[r["peer"]] = r
+    out = []
+    for (n, h, v), peers in cases.items():
+        fused = (peers.get("fused") or {}).get("ms")
+        cells = [f"N {n} H {h} V {v}: fused " + (f"{fused:.2f} ms" if fused else "-")]
+        for name in ("chunked torch", "plain"):
+            ms = (peers.get(name) or {}).get("ms")
+            cells.append(f"{name} {ms / fused:.2f}x" if ms and fused else f"{name} -")
+        out.append(", ".join(cells))
+    return out
+
+
 def test_tier(folder: Path) -> dict | None:
     """Counts and failing test names from the GPU tier's JUnit XML (gpu_suite.sh's tests step)."""
     import xml.etree.ElementTree as ET
@@ -203,6 +219,11 @@ def main(argv=None) -> int:
         top = sorted(profile["categories"], key=lambda c: c["share"], reverse=True)[:5]
         print(f"profile ({profile['preset']}, {profile['step_ms']:.0f} ms/step, {profile['time_basis']}): "
               + ", ".join(f"{c['category']} {c['share']:.0%}" for c in top))
+    loss_lines = lm_loss_lines(load(folder, "lm_loss.json"))
+    if loss_lines:
+        print("LM-head loss fwd+bwd (lm_loss.py): chunked torch passes' time / the fused kernel's, plain logits' / fused")
+        for text in loss_lines:
+            print("  " + text)
     tune = load(folder, "tune_kernels.json")
     if tune and tune.get("results"):
         print("tile-config sweep (tune_kernels.py): today's autotuned time / the best candidate's, per call")
