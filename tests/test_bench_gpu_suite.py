@@ -30,7 +30,7 @@ def test_gpu_suite_smoke_runs_every_benchmark(tmp_path):
     assert set(DEFAULT_STEPS) | {"train_mfu_tma", "grouped_gemm_quick"} <= listed, listing
     # the default steps with train_mfu_tma for train_mfu (the same script, with MOEKIT_TMA=never and always;
     # one train_mfu run less keeps CI's time)
-    proc = run_suite(tmp_path, "--smoke", *DEFAULT_STEPS[:-1], "train_mfu_tma")
+    proc = run_suite(tmp_path, "--smoke", *DEFAULT_STEPS[:-1], "train_mfu_tma", "lm_loss")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     out, raw = tmp_path / "out", tmp_path / "raw"
     # the device tool brings back at most 8 files, 2 folders deep: the suite leaves 4 at the top
@@ -38,13 +38,14 @@ def test_gpu_suite_smoke_runs_every_benchmark(tmp_path):
     with tarfile.open(out / "results.tar.gz") as tar:
         packed = set(tar.getnames())
     assert {"./moe_layer.json", "./grouped_gemm.json", "./dispatch_bandwidth.json", "./profile/profile_step.json",
-            "./profile/trace.json.gz", "./env.txt"} <= packed
+            "./profile/trace.json.gz", "./env.txt", "./lm_loss.json"} <= packed
     summary = (out / "summary.txt").read_text()
     steps = ["env", "moe_layer", "grouped_gemm", "dispatch", "profile"]
     has_mfu = (REPO / "tools" / "bench" / "train_mfu.py").exists()
     for step in steps + (["train_mfu_tma"] if has_mfu else []):
         assert f"  {step}: ok" in summary, summary
     assert "issue 9 target" in summary and "titan-style" in summary
+    assert "  lm_loss: ok" in summary and "N 48 H 16 V 100: fused " in summary, summary  # the fused loss's step
     if has_mfu:
         assert "MFU, auto-compile-off-notma " in summary and "MFU, auto-compile-off-tma " in summary, summary
     assert "issue 9 target" in (out / "suite.log").read_text()
@@ -88,17 +89,6 @@ def test_gpu_suite_budget_skips_what_does_not_fit(tmp_path):
     proc = run_suite(tmp_path, "--smoke", "--budget", "10", "moe_layer", timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "moe_layer: skipped (budget" in (tmp_path / "out" / "summary.txt").read_text()
-
-
-def test_gpu_suite_lm_loss_step(tmp_path):
-    """The fused cross-entropy's step: its bench at smoke sizes, its JSON packed with the others."""
-    proc = run_suite(tmp_path, "--smoke", "lm_loss", timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    summary = (tmp_path / "out" / "summary.txt").read_text()
-    assert "  lm_loss: ok" in summary and "N 48 H 16 V 100: fused " in summary, summary
-    with tarfile.open(tmp_path / "out" / "results.tar.gz") as tar:
-        bench = json.load(tar.extractfile("./lm_loss.json"))
-    assert bench["benchmark"] == "lm_loss" and bench["rows"], bench
 
 
 def test_gpu_suite_rejects_bad_arguments(tmp_path):
