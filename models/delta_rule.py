@@ -12,12 +12,85 @@ of the delta rule), so a chunk is a handful of [L, L] and [L, d] matmuls and the
 chunk. Every exponent in it is a log decay difference <= 0 (masked before exp), so nothing overflows.
 ``gated_delta_rule_affine`` keeps the starting state symbolic (context parallelism), ``RecomputedRule`` keeps only
 the inputs for backward. Document masking (``segments``) starts the state from zero at every document.
+
+The per-chunk terms are batched torch ops over all chunks at once (``_chunk_terms``); the scan that carries the
+state from chunk to chunk is sequential. On CUDA (``TRITON_SCAN``, below) it runs as two Triton kernels,
+moe.kernels.delta_scan: one launch forward, one backward, each program holding a head's state columns in registers
+across the chunks (docs/kernels.md, "Delta-rule scan"); elsewhere, and for float64, as a torch loop over the chunks
+(a few small kernels per chunk: launch-bound on a GPU).
 """
 from __future__ import annotations
+
+import os
+import warnings
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+# Where gated_delta_rule's scan over the chunks runs as the Triton kernels (moe.kernels.delta_scan: one launch
+# forward, one backward, instead of a handful of small launches per chunk): "auto" on CUDA float32 terms (not while
+# torch.compile traces); "always" on CPU tensors too, in the Triton interpreter (TRITON_INTERPRET=1: tests), raising
+# instead of falling back; "never": the torch loop everywhere (the benchmark's reference). float64 inputs always run
+# the loop (the tests' references), and so does gated_delta_rule_affine (context parallelism). It starts as the
+# environment variable MOEKIT_DELTA_SCAN says (a benchmark's A / B in separate processes).
+DELTA_SCAN_ENV = "MOEKIT_DELTA_SCAN"
+_TRITON_SCAN_MODES = ("auto", "always", "never")
+TRITON_SCAN = os.environ.get(DELTA_SCAN_ENV, "").strip().lower() or "auto"
+_SCAN_OK: dict = {}  # CUDA device -> why_not_delta_scan's answer
+_BUILD_FAILURE: list[str] = []  # why the kernels could not be built here, once they failed (then: the loop)
+
+
+def delta_scan_problem() -> str:
+    """"" or what is wrong with TRITON_SCAN (set from MOEKIT_DELTA_SCAN)."""
+    if TRITON_SCAN in _TRITON_SCAN_MODES:
+        return ""
+    return (f"models.delta_rule.TRITON_SCAN={TRITON_SCAN!r} (environment variable {DELTA_SCAN_ENV}="
+            f"{os.environ.get(DELTA_SCAN_ENV)!r}) is invalid; use one of {', '.join(_TRITON_SCAN_MODES)} or unset it")
+
+
+def _scan_path(x: Tensor) -> bool:
+    """Whether gated_delta_rule's scan on inputs like ``x`` runs as the Triton kernels (TRITON_SCAN above)."""
+    if delta_scan_problem():
+        raise ValueError(delta_scan_problem())
+    mode, device = TRITON_SCAN, x.device
+    if mode == "never" or x.dtype == torch.float64:
+        return False
+    if mode == "auto" and (device.type != "cuda" or torch.compiler.is_compiling() or _BUILD_FAILURE):
+        return False
+    reason = _SCAN_OK.get(device)  # cached on CUDA: this runs every layer, and the answer is fixed per device
+    if reason is None:
+        try:
+            from moekit.moe.kernels.delta_scan import why_not_delta_scan
+        except ImportError as exc:  # no triton on this platform
+            reason = f"the Triton kernels cannot be imported ({exc}); install triton"
+        else:
+            reason = why_not_delta_scan(device)
+        if device.type == "cuda":  # on CPU the answer follows TRITON_INTERPRET, which may change
+            _SCAN_OK[device] = reason
+    if reason and mode == "always":
+        raise ValueError(f"gated_delta_rule with models.delta_rule.TRITON_SCAN='always': the Triton scan cannot run: "
+                         f"{reason} (set it to 'auto' or 'never')")
+    return not reason
+
+
+def _kernel_scan(U0, W, q_start, scores, k_end, carry, state, final_state):
+    """(o [B, N, n, L, dv], final state or None) from the Triton scan; None, with one warning, when this machine's
+    Triton cannot build it ("always": the error is raised instead)."""
+    from moekit.moe.kernels._common import BUILD_ERRORS, build_failure
+    from moekit.moe.kernels.delta_scan import delta_scan
+
+    try:
+        return delta_scan(U0, W, q_start, scores, k_end, carry,
+                          None if state is None else state.to(torch.float32), final_state)
+    except BUILD_ERRORS as exc:
+        if TRITON_SCAN == "always":
+            raise
+        _BUILD_FAILURE.append(build_failure(exc))
+        warnings.warn(f"models.delta_rule: the Triton delta-rule scan failed to build here ({_BUILD_FAILURE[-1]}); "
+                      f"the torch loop runs instead. Set models.delta_rule.TRITON_SCAN = 'never' to choose that "
+                      f"without this warning.", stacklevel=3)
+        return None
 
 
 def l2_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:
@@ -47,7 +120,17 @@ def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, s
     """
     B, S, N, dk = q.shape
     dv = v.shape[-1]
-    U0, W, q_start, scores, k_end, carry, n, L = _chunk_terms(q, k, v, g, beta, chunk, segments)
+    if _scan_path(q):
+        U0, W, q_start, scores, k_end, carry, n, L = _chunk_terms(q, k, v, g, beta, chunk, segments, stacked=True)
+        o = _kernel_scan(U0, W, q_start, scores, k_end, carry, state, final_state)
+        if o is not None:
+            o, s = o
+            return o.reshape(B, N, n * L, dv)[:, :, :S].transpose(1, 2), s
+        # the kernel could not be built here: the loop below, on the same (stacked) terms, unbound per chunk
+        U0, W, q_start, scores, k_end = (t.unbind(2) for t in (U0, W, q_start, scores, k_end))
+        carry = carry[..., None, None].unbind(2)
+    else:
+        U0, W, q_start, scores, k_end, carry, n, L = _chunk_terms(q, k, v, g, beta, chunk, segments)
     s = q_start[0].new_zeros(B, N, dk, dv) if state is None else state.to(q_start[0].dtype)
     outs = []
     for c in range(n):
@@ -107,10 +190,11 @@ def gated_delta_rule_affine(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Te
 
 
 def _chunk_terms(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, chunk: int, segments: Tensor | None,
-                 before_first: Tensor | None = None):
+                 before_first: Tensor | None = None, stacked: bool = False):
     """The per-chunk tensors of the chunked rule (``gated_delta_rule``'s docstring), each unbound into its n chunks:
     U0, W, q_start, scores, k_end, carry; then n and the chunk length L. ``before_first`` [B]: the document of the
-    position before the first (context parallelism: the starting state's; None: the first position's own)."""
+    position before the first (context parallelism: the starting state's; None: the first position's own).
+    ``stacked``: the tensors whole instead, [B, N, n, L, *] and carry [B, N, n] (the Triton scan's inputs)."""
     B, S, N, dk = q.shape
     dv, acc = v.shape[-1], _accumulator(q)
     L = max(1, min(chunk, S))
@@ -148,6 +232,8 @@ def _chunk_terms(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, chunk
     to_end = (G[..., -1:] - G).exp() if end is None else (G[..., -1:] - G).exp() * end
     k_end = k * to_end[..., None]  # writes into the chunk's final state
     carry = G[..., -1].exp() if start is None else G[..., -1].exp() * start[..., -1]
+    if stacked:
+        return U0, W, q_start, scores, k_end, carry, n, L
     carry = carry[..., None, None]  # [B, N, n, 1, 1]
     # per chunk views by unbind: its backward stacks the chunks' gradients once, where indexing [:, :, c] would
     # scatter each into a zero tensor of the whole (n^2 memory traffic: most of the layer's time on a CPU)

@@ -9,6 +9,9 @@ Public API:
     cross_entropy_rows(logits, targets, scale, *, need_grad) -> loss rows   (models.loss's fused step, CUDA;
         with need_grad the gradient (softmax - onehot) * scale is written over the logits in place)
     why_not_cross_entropy(device, dtype) -> "" or the reason cross_entropy_rows cannot run there
+    delta_scan(U0, W, q_start, scores, k_end, carry, state, final_state) -> (o, final state)
+        (models.delta_rule's scan over the chunks of the gated delta rule, CUDA; differentiable, float32)
+    why_not_delta_scan(device) -> "" or the reason delta_scan cannot run there
     environment_problem() -> "" or what is wrong with MOEKIT_AUTOTUNE / MOEKIT_TMA / MOEKIT_KERNEL_CONFIGS
 See docs/kernels.md for the design (tile scheduling, gather, fused epilogues, determinism).
 """
@@ -16,6 +19,7 @@ from ._common import KERNELS, LAUNCHES, SUPPORTED_DTYPES, autotune_mode, interpr
 from ._tma import TMA_ENV, TMA_MODES, tma_default
 from .combine import combine_rows, combine_rows_backward, combine_rows_backward_ref, combine_rows_ref
 from .cross_entropy import cross_entropy_rows, cross_entropy_rows_ref, why_not_cross_entropy
+from .delta_scan import delta_scan, delta_scan_ref, why_not_delta_scan
 from .expert_mlp import expert_mlp, expert_mlp_ref, why_not_triton
 from .grouped_mm import grouped_mm, grouped_mm_ref
 from .grouped_mm_wgrad import grouped_mm_wgrad, grouped_mm_wgrad_ref
@@ -25,6 +29,7 @@ __all__ = [
     "LAUNCHES", "SUPPORTED_DTYPES", "environment_problem", "interpret_mode",
     "combine_rows", "combine_rows_ref", "combine_rows_backward", "combine_rows_backward_ref",
     "cross_entropy_rows", "cross_entropy_rows_ref", "why_not_cross_entropy",
+    "delta_scan", "delta_scan_ref", "why_not_delta_scan",
     "expert_mlp", "expert_mlp_ref", "why_not_triton",
     "grouped_mm", "grouped_mm_ref",
     "grouped_mm_wgrad", "grouped_mm_wgrad_ref",

@@ -28,6 +28,7 @@ from moekit.moe.activations import ACTIVATIONS
 from . import _common
 from .combine import combine_rows, combine_rows_backward
 from .cross_entropy import cross_entropy_rows
+from .delta_scan import delta_scan_bwd, delta_scan_fwd
 from .expert_mlp import expert_down_dact, expert_up_act
 from .grouped_mm import grouped_mm_fwd
 from .grouped_mm_wgrad import grouped_colsum, grouped_mm_wgrad
@@ -98,6 +99,14 @@ def capture_launches(dtype: torch.dtype) -> list:
             cfg = (3, "softmax", True, 1.0)  # backward: every input present, and the weights' alone
             topk_route_mod._backward_kernel(lg, idx, torch.randn(t, 3), torch.randn(t, 12), torch.randn(t), cfg)
             topk_route_mod._backward_kernel(lg, idx, torch.randn(t, 3), None, None, (3, "sigmoid", False, 2.0))
+        if dtype == torch.float32:  # the delta-rule scan is float32 whatever the model's dtype
+            # Qwen3.5's linear attention (dk = dv = 128, chunks of 64), all options on: initial state, saved states,
+            # final state and its gradient, the initial state's gradient
+            bn, n_chunks, L, dk, dv = 2, 3, 64, 128, 128
+            terms = [torch.randn(1, bn, n_chunks, L, d) for d in (dv, dk, dk, L, dk)] + [torch.rand(1, bn, n_chunks)]
+            delta_scan_fwd(*terms, torch.randn(1, bn, dk, dv), final_state=True, save_states=True)
+            delta_scan_bwd(*terms, torch.randn(1, bn, n_chunks, dk, dv), torch.randn(1, bn, n_chunks, L, dv),
+                           torch.randn(1, bn, dk, dv), need_state_grad=True)
         for act in ACTIVATIONS.values():  # every kernel_code the epilogues branch on
             f_in = act.in_features(f)
             expert_up_act(x, w[..., :f_in], offs, act.name, save_pre=True)
