@@ -517,12 +517,20 @@ def test_lower_right_chunks_on_device_match_float64(monkeypatch, dtype, cp, D):
         assert rel_err(g, r) <= bound, (name, rel_err(g, r), bound)
 
 
+@pytest.mark.parametrize("scan", ["loop", "scan"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_gated_delta_rule_on_device_matches_float64(dtype):
+def test_gated_delta_rule_on_device_matches_float64(dtype, scan, monkeypatch):
     """Qwen3.5's Gated DeltaNet on the device: the chunked rule (triangular solves, the state across chunks) in
     fp32 / bf16 inputs against the float64 recurrence on the CPU, output and every input's gradient; the bound
-    is calibrated on the recurrence run in the same dtype (the rule accumulates in fp32 either way)."""
+    is calibrated on the recurrence run in the same dtype (the rule accumulates in fp32 either way). ``scan``: the
+    chunks' recurrence as the torch loop, or as moe.kernels.delta_scan's two Triton kernels (models.delta_rule
+    .TRITON_SCAN; the interpreter on CPU), whose launches are counted."""
+    from moekit.models import delta_rule as DR
     from moekit.models.linear_attention import gated_delta_rule, gated_delta_steps, l2_normalize
+    from moekit.moe.kernels import LAUNCHES
+
+    monkeypatch.setattr(DR, "TRITON_SCAN", "never" if scan == "loop" else "auto" if ON == "cuda" else "always")
+    before = LAUNCHES["_delta_scan_fwd_kernel"] + LAUNCHES["_delta_scan_bwd_kernel"]
 
     B, S, N, dk, dv = (1, 40, 2, 8, 8) if SMALL else (2, 1000, 8, 128, 128)
     g = torch.Generator().manual_seed(3)
@@ -535,6 +543,8 @@ def test_gated_delta_rule_on_device_matches_float64(dtype):
     ref = fwd_bwd(lambda *t: gated_delta_steps(*t)[0], inputs)
     low = [t.to(DEVICE, dtype) for t in inputs]
     got = fwd_bwd(lambda *t: gated_delta_rule(*t, chunk=64 if not SMALL else 16, final_state=False)[0], low)
+    ran = LAUNCHES["_delta_scan_fwd_kernel"] + LAUNCHES["_delta_scan_bwd_kernel"] - before
+    assert ran == (2 if scan == "scan" else 0), ran
     # the same rounding of the inputs through the float64 recurrence: what the dtype itself costs
     same = fwd_bwd(lambda *t: gated_delta_steps(*t)[0], [t.to(dtype).double() for t in inputs])
     for name, a, r, base in zip(["out", "dq", "dk", "dv", "dg", "dbeta"], got, ref, same):
