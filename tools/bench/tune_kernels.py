@@ -48,15 +48,14 @@ import time
 import torch
 
 from moekit.bench.benchlib import BenchParser, check_out, environment, print_table, write_json
-from moekit.bench.grouped_gemm import SHAPES as GEMM_SHAPES
+from moekit.bench.grouped_gemm import SHAPES
 from moekit.moe.kernels._common import cfg, interpret_mode, pow2
 from moekit.moe.kernels.expert_mlp import EXPERT_DOWN_DACT, EXPERT_UP_ACT, expert_down_dact, expert_up_act
 from moekit.moe.kernels.grouped_mm import GROUPED_MM, grouped_mm_fwd
 from moekit.moe.kernels.grouped_mm_wgrad import GROUPED_MM_WGRAD, grouped_mm_wgrad
 
-# name: (hidden H, expert ffn F, local experts E, top-k): grouped_gemm.py's shapes, plus the preset
-# train_mfu.py trains
-SHAPES = {**GEMM_SHAPES, "mixtral-1b": (1024, 3072, 8, 2)}
+# name: (hidden H, expert ffn F, local experts E, top-k): grouped_gemm.py's shapes (mixtral-1b among them: the preset
+# train_mfu.py trains)
 SMOKE_SHAPE = {"smoke": (32, 16, 4, 2)}
 CALLS = ("wgrad_in", "wgrad_out", "down_dact", "dx", "up_act", "down")  # backward first: it is the gap
 KERNEL_OF = {"up_act": EXPERT_UP_ACT, "down": GROUPED_MM, "down_dact": EXPERT_DOWN_DACT, "dx": GROUPED_MM,
