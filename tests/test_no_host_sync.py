@@ -110,3 +110,25 @@ def test_local_dispatch_and_combine_never_sync(capacity):
         y = layer.dispatcher.combine(rows, d.meta)
         y.square().sum().backward()
     assert found == [], found
+
+
+@pytest.mark.parametrize("name", ["mixtral-tiny", "deepseek-tiny", "qwen3.5-tiny", "gpt-oss-tiny"])
+def test_a_whole_training_micro_batch_never_syncs(name):
+    """The model's forward with targets (the chunked loss) and its backward, with the torch grouped-GEMM experts (the
+    GPU's data flow: the per-expert loop syncs by design, .tolist of its counts): no host sync, so on a GPU the host
+    can queue a whole micro-batch ahead (the trainer syncs once a step, for the loss and the gradient norm)."""
+    import dataclasses
+
+    from moekit.models.config import preset
+    from moekit.models.transformer import build_model
+
+    cfg = dataclasses.replace(preset(name), expert_backend="torch", num_layers=2)
+    if cfg.linear_attention != "none":
+        cfg.full_attention_every = 2  # one Gated DeltaNet layer, one attention layer
+    model = build_model(cfg)
+    gen = torch.Generator().manual_seed(0)
+    x, y = (torch.randint(0, cfg.vocab_size, (2, 32), generator=gen) for _ in range(2))
+    model(x, targets=y).backward()  # first calls may build caches
+    with host_syncs() as found:
+        model(x, targets=y).backward()
+    assert found == [], found
