@@ -21,12 +21,13 @@ across the chunks (docs/kernels.md, "Delta-rule scan"); elsewhere, and for float
 """
 from __future__ import annotations
 
-import os
 import warnings
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from moekit.moe.kernel_choice import mode_from_env, mode_problem, why_not_cached
 
 # Where gated_delta_rule's scan over the chunks runs as the Triton kernels (moe.kernels.delta_scan: one launch
 # forward, one backward, instead of a handful of small launches per chunk): "auto" on CUDA float32 terms (not while
@@ -38,18 +39,14 @@ from torch import Tensor
 # registers a thread there), so MOEKIT_DELTA_SCAN=auto opts in until the GPU tier's
 # test_gated_delta_rule_on_device_matches_float64[scan] passes and tools/bench/linear_attention.py shows them faster.
 DELTA_SCAN_ENV = "MOEKIT_DELTA_SCAN"
-_TRITON_SCAN_MODES = ("auto", "always", "never")
-TRITON_SCAN = os.environ.get(DELTA_SCAN_ENV, "").strip().lower() or "never"
+TRITON_SCAN = mode_from_env(DELTA_SCAN_ENV, "never")
 _SCAN_OK: dict = {}  # CUDA device -> why_not_delta_scan's answer
 _BUILD_FAILURE: list[str] = []  # why the kernels could not be built here, once they failed (then: the loop)
 
 
 def delta_scan_problem() -> str:
     """"" or what is wrong with TRITON_SCAN (set from MOEKIT_DELTA_SCAN)."""
-    if TRITON_SCAN in _TRITON_SCAN_MODES:
-        return ""
-    return (f"models.delta_rule.TRITON_SCAN={TRITON_SCAN!r} (environment variable {DELTA_SCAN_ENV}="
-            f"{os.environ.get(DELTA_SCAN_ENV)!r}) is invalid; use one of {', '.join(_TRITON_SCAN_MODES)} or unset it")
+    return mode_problem("models.delta_rule.TRITON_SCAN", TRITON_SCAN, DELTA_SCAN_ENV)
 
 
 def _scan_path(x: Tensor) -> bool:
@@ -61,16 +58,7 @@ def _scan_path(x: Tensor) -> bool:
         return False
     if mode == "auto" and (device.type != "cuda" or torch.compiler.is_compiling() or _BUILD_FAILURE):
         return False
-    reason = _SCAN_OK.get(device)  # cached on CUDA: this runs every layer, and the answer is fixed per device
-    if reason is None:
-        try:
-            from moekit.moe.kernels.delta_scan import why_not_delta_scan
-        except ImportError as exc:  # no triton on this platform
-            reason = f"the Triton kernels cannot be imported ({exc}); install triton"
-        else:
-            reason = why_not_delta_scan(device)
-        if device.type == "cuda":  # on CPU the answer follows TRITON_INTERPRET, which may change
-            _SCAN_OK[device] = reason
+    reason = why_not_cached(_SCAN_OK, device, device, "delta_scan", "why_not_delta_scan", device)
     if reason and mode == "always":
         raise ValueError(f"gated_delta_rule with models.delta_rule.TRITON_SCAN='always': the Triton scan cannot run: "
                          f"{reason} (set it to 'auto' or 'never')")

@@ -33,11 +33,12 @@ from them and makes their loss NaN instead (so the mean loss is NaN).
 """
 from __future__ import annotations
 
-import os
 import warnings
 
 import torch
 from torch import Tensor
+
+from moekit.moe.kernel_choice import mode_from_env, mode_problem, why_not_cached
 from torch.autograd.function import once_differentiable
 
 DEFAULT_CHUNK = 8192  # tokens per chunk: 8192 x 32000 logits, 0.5 GB in bf16 (fused), 1 GB more in fp32 (torch)
@@ -49,8 +50,7 @@ IGNORE_INDEX = -100  # a target that does not count (F.cross_entropy's default i
 # the torch passes everywhere (the benchmark's reference). chunked_lm_loss(fused=True / False) overrides it.
 # It starts as the environment variable MOEKIT_LM_LOSS says (a benchmark's A / B in separate processes).
 LM_LOSS_ENV = "MOEKIT_LM_LOSS"
-_TRITON_LM_LOSS_MODES = ("auto", "always", "never")
-TRITON_LM_LOSS = os.environ.get(LM_LOSS_ENV, "").strip().lower() or "auto"
+TRITON_LM_LOSS = mode_from_env(LM_LOSS_ENV, "auto")
 _FUSED_OK: dict = {}  # (device, compute dtype) -> why_not_cross_entropy's answer, CUDA only
 _BUILD_FAILURE: list[str] = []  # why the kernel could not be built here, once it failed (then: torch)
 
@@ -63,10 +63,7 @@ def _compute_dtype(t: Tensor) -> torch.dtype:
 
 def lm_loss_problem() -> str:
     """"" or what is wrong with TRITON_LM_LOSS (set from MOEKIT_LM_LOSS): the trainer checks it at start-up."""
-    if TRITON_LM_LOSS in _TRITON_LM_LOSS_MODES:
-        return ""
-    return (f"models.loss.TRITON_LM_LOSS={TRITON_LM_LOSS!r} (environment variable {LM_LOSS_ENV}="
-            f"{os.environ.get(LM_LOSS_ENV)!r}) is invalid; use one of {', '.join(_TRITON_LM_LOSS_MODES)} or unset it")
+    return mode_problem("models.loss.TRITON_LM_LOSS", TRITON_LM_LOSS, LM_LOSS_ENV)
 
 
 def _fused_path(device: torch.device, dtype: torch.dtype, fused: bool | None) -> bool:
@@ -80,17 +77,7 @@ def _fused_path(device: torch.device, dtype: torch.dtype, fused: bool | None) ->
     if mode == "never" or (mode == "auto" and (device.type != "cuda" or torch.compiler.is_compiling()
                                                or _BUILD_FAILURE)):
         return False
-    key = (device, dtype)
-    reason = _FUSED_OK.get(key)  # cached: this runs every step, and on CUDA the answer is fixed per key
-    if reason is None:
-        try:
-            from moekit.moe.kernels.cross_entropy import why_not_cross_entropy
-        except ImportError as exc:  # no triton on this platform
-            reason = f"the Triton kernels cannot be imported ({exc}); install triton"
-        else:
-            reason = why_not_cross_entropy(device, dtype)
-        if device.type == "cuda":  # on CPU the answer follows TRITON_INTERPRET, which may change
-            _FUSED_OK[key] = reason
+    reason = why_not_cached(_FUSED_OK, (device, dtype), device, "cross_entropy", "why_not_cross_entropy", device, dtype)
     if reason and mode == "always":
         how = "fused=True" if fused else "models.loss.TRITON_LM_LOSS='always'"
         raise ValueError(f"chunked_lm_loss {how}: the fused cross-entropy kernel cannot run: {reason} "

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from moekit.moe.kernel_choice import why_not_cached
 from moekit.moe.router import Routing, check_int
 
 
@@ -140,17 +141,8 @@ def _triton_combine(rows: Tensor, weights: Tensor | None = None) -> bool:
         raise ValueError(f"moe.dispatch.TRITON_COMBINE={mode!r}; use one of {', '.join(_TRITON_COMBINE_MODES)}")
     if mode == "never" or (mode == "auto" and (rows.device.type != "cuda" or torch.compiler.is_compiling())):
         return False
-    key = _combine_key(rows, weights)
-    reason = _COMBINE_OK.get(key)  # cached: this runs on every step, and the answer is fixed per key on CUDA
-    if reason is None:
-        try:
-            from moekit.moe.kernels.combine import why_not_combine
-        except ImportError as exc:  # no triton on this platform
-            reason = f"the kernels cannot be imported ({exc}); install triton"
-        else:
-            reason = why_not_combine(rows, weights)
-        if rows.device.type == "cuda":  # on CPU the answer follows TRITON_INTERPRET, which may change
-            _COMBINE_OK[key] = reason
+    reason = why_not_cached(_COMBINE_OK, _combine_key(rows, weights), rows.device, "combine", "why_not_combine", rows,
+                            weights)
     if reason and mode == "always":
         raise ValueError(f"moe.dispatch.TRITON_COMBINE='always': {reason} (or set it to 'auto')")
     return not reason

@@ -1,11 +1,11 @@
 """Dtype rules shared by the router, the experts and the layer (single-device, no distributed)."""
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from moekit.moe.kernel_choice import mode_from_env, mode_problem
 
 
 def compute_dtype(t: Tensor) -> torch.dtype:
@@ -21,16 +21,12 @@ def compute_dtype(t: Tensor) -> torch.dtype:
 #   "always"  the split form everywhere (tests: off CUDA its bf16 products are summed by an fp32 matmul).
 # It starts as the environment variable MOEKIT_SPLIT_ROUTER says (a benchmark's A / B in separate processes).
 SPLIT_ROUTER_ENV = "MOEKIT_SPLIT_ROUTER"
-SPLIT_ROUTER_MODES = ("auto", "never", "always")
-SPLIT_ROUTER = os.environ.get(SPLIT_ROUTER_ENV, "").strip().lower() or "auto"
+SPLIT_ROUTER = mode_from_env(SPLIT_ROUTER_ENV, "auto")
 
 
 def split_router_problem() -> str:
     """"" or what is wrong with SPLIT_ROUTER (set from MOEKIT_SPLIT_ROUTER): the trainer checks it at start-up."""
-    if SPLIT_ROUTER in SPLIT_ROUTER_MODES:
-        return ""
-    return (f"moe.precision.SPLIT_ROUTER={SPLIT_ROUTER!r} (environment variable {SPLIT_ROUTER_ENV}="
-            f"{os.environ.get(SPLIT_ROUTER_ENV)!r}) is invalid; use one of {list(SPLIT_ROUTER_MODES)} or unset it")
+    return mode_problem("moe.precision.SPLIT_ROUTER", SPLIT_ROUTER, SPLIT_ROUTER_ENV)
 
 
 def upcast_linear(x: Tensor, w: Tensor, dtype: torch.dtype) -> Tensor:
