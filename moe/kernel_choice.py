@@ -21,7 +21,7 @@ def mode_from_env(env: str, default: str) -> str:
 
 
 def mode_problem(name: str, mode: str, env: str) -> str:
-    """"" or what is wrong with switch ``name`` (e.g. "models.loss.TRITON_LM_LOSS") holding ``mode``, set from ``env``."""
+    """"" or what is wrong with switch ``name`` (e.g. "models.loss.TRITON_LM_LOSS") at ``mode``, set from ``env``."""
     if mode in MODES:
         return ""
     return (f"{name}={mode!r} (environment variable {env}={os.environ.get(env)!r}) is invalid; use one of "
