@@ -69,6 +69,13 @@ MODELS = {
                              linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=4,
                              attention_output_gate=True, norm_zero_centered=True, qk_norm="head",
                              partial_rotary_factor=0.5, shared_ffn_hidden_size=16, shared_expert_gate=True),
+    # Qwen3-Next: Qwen3.5's layers stored with q, k, v, z fused per key-head group (in_proj_qkvz; 2 value heads per
+    # key head, so the interleave matters) and b, a likewise (in_proj_ba); a dense first (linear) layer
+    "qwen3_next": dict(linear_attention="gated_deltanet", full_attention_every=2, linear_num_key_heads=2,
+                       linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=4,
+                       attention_output_gate=True, norm_zero_centered=True, qk_norm="head", partial_rotary_factor=0.5,
+                       shared_ffn_hidden_size=16, shared_expert_gate=True, num_layers=3, first_dense_layers=1,
+                       router_options={"normalize": False}),
     # Llama 4: fused experts stored [E, in, out] (no transpose), MoE on every other layer between dense MLPs, a shared
     # expert, NoPE / chunked layers, the weightless q / k norm, top-1 weighting the experts' input
     "llama4_text": dict(num_layers=4, moe_every=2, shared_ffn_hidden_size=24, rope_pairs="adjacent", qk_norm="unit",
@@ -347,6 +354,7 @@ def checkpoints(tmp_path_factory) -> Path:
     make_checkpoint(tmp / "olmoe", "olmoe")
     make_checkpoint(tmp / "ernie4_5_moe", "ernie4_5_moe")
     make_checkpoint(tmp / "qwen3_5_moe_text", "qwen3_5_moe_text")
+    make_checkpoint(tmp / "qwen3_next", "qwen3_next")
     make_checkpoint(tmp / "llama4_text", "llama4_text")
     make_checkpoint(tmp / "deepseek_v3-mtp", "deepseek_v3", mtp_layers=1)
     bad = Path(shutil.copytree(tmp / "mixtral", tmp / "bad-shape"))
@@ -421,6 +429,36 @@ def test_four_ranks_combined(checkpoints, tmp_path):
     run_ranks(_layouts, 4, [(d, str(p), [(str(o), k) for o, k in e]) for d, p, e in cases], str(c), placed)
     check_export(tmp_path / "placed-mtp", whole_then_loaded(c / "deepseek_v3-mtp", 2, 5), tmp_path)
     check_export(tmp_path / "fsdp2-tp2-ep2", load_hf(c / "deepseek_v3"), tmp_path, layout="fused")
+
+
+def _export_layouts(rank, world, cases):
+    for degrees, ckpt, out, kwargs in cases:
+        topo = Topology(Layout(**degrees), rank, world).build()
+        model = parallel_model(Path(ckpt), topo)  # (the fused rows' load: tests/test_linear_attention.py)
+        sharded.load_hf_sharded(model, ckpt)
+        sharded.save_hf_sharded(model, out, max_shard_size=6000, **kwargs)
+
+
+def test_qwen3_next_fused_tensors(checkpoints, tmp_path):
+    """Qwen3-Next's in_proj_qkvz / in_proj_ba, each fused from several moekit tensors split over the ranks: under
+    fsdp2 x ep2, fsdp2 and dp2 x fsdp2 x ep2 the owner of each linear layer's group receives the parts of in_proj_qkv / z / b / a, fuses
+    them and writes what save_hf writes, byte for byte; the export loads back as the same model."""
+    ckpt = checkpoints / "qwen3_next"
+    fp8 = {"dtype": torch.bfloat16, "fp8": True, "fp8_block": (8, 8)}  # the fused tensors quantized, as save_hf's
+    cases = [(dict(fsdp=2, ep=2), str(ckpt), str(tmp_path / "next-fsdp2-ep2"), {}),
+             (dict(fsdp=2, ep=2), str(ckpt), str(tmp_path / "next-fsdp2-ep2-fp8"), fp8),
+             (dict(fsdp=2), str(ckpt), str(tmp_path / "next-fsdp2"), {})]
+    run_ranks(_export_layouts, 2, cases)
+    four = [(dict(dp=2, fsdp=2, ep=2), str(ckpt), str(tmp_path / "next-dp2-fsdp2-ep2"), {})]  # replicas: one sends
+    run_ranks(_export_layouts, 4, four)
+    ref = load_hf(ckpt)
+    for _, _, out, kwargs in cases + four:
+        check_export(Path(out), ref, tmp_path, **kwargs)
+        index = json.loads((Path(out) / "model.safetensors.index.json").read_text())["weight_map"]
+        fused = {k for k in index if k.endswith(("in_proj_qkvz.weight", "in_proj_ba.weight"))}
+        assert len(fused) == 4 and not any(k.endswith("in_proj_qkv.weight") for k in index), sorted(fused)
+        if not kwargs:  # the export loads back as the model itself
+            assert all(torch.equal(a, ref.state_dict()[k]) for k, a in load_hf(out).state_dict().items())
 
 
 @pytest.mark.parametrize("family,layout", [("mixtral", "per_expert"), ("mixtral", "fused"), ("qwen2_moe", "per_expert"),

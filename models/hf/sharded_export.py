@@ -15,6 +15,11 @@ parts (send / recv from one rank per distinct shard), transposes and writes it. 
 tensor. Files: model-0000i-of-0000N.safetensors, each written by one rank (streamed: header first, then each
 tensor as it is assembled); rank 0 writes config.json and model.safetensors.index.json last, so a folder with
 an index is complete.
+
+Fused tensors (Family.fuse: Qwen3-Next's in_proj_qkvz / in_proj_ba, each built from several of the tensors the
+rules write): the units one module's fused tensors are made of (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a of
+one linear layer) form a group with one owner, who assembles them one by one as above, applies the family's fuse
+to them and writes the fused tensors (``_Fused``). Peak extra memory: one layer's group.
 """
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from moekit.models.hf import fp8
+from moekit.models.hf.families import FAMILIES
 from moekit.models.hf.io import CONFIG_FILE, DTYPE_NAMES, INDEX_FILE, parse_size
 from moekit.models.hf.mxfp4 import MXFP4_CONFIG, MXFP4_EXPERTS, quantize_mxfp4
 from moekit.models.hf.sharded import (Box, _agree, _distributed, _local, _meet, _rel,
@@ -89,6 +95,46 @@ class _Unit:
 
 
 @dataclass
+class _Fused:
+    """HF tensors a family fuses from several units (Family.fuse; Qwen3-Next's in_proj_qkvz and in_proj_ba of one
+    linear layer): the owner assembles the members, fuses them and writes ``outputs``; written as one unit."""
+
+    members: list[_Unit]  # every one owned by ``owner``, in plan order
+    outputs: list[tuple[str, torch.dtype, list[int]]]  # (HF key, dtype, shape) of each fused tensor, before fp8
+    fp8_block: tuple[int, int] | None  # save_hf's fp8 block (each output quantized when fp8.quantizable)
+    owner: int
+
+    @property
+    def key(self) -> str:
+        return self.outputs[0][0]
+
+    def _block(self, key: str, shape: list[int]) -> tuple[int, int] | None:
+        return self.fp8_block if self.fp8_block is not None and fp8.quantizable(key, tuple(shape)) else None
+
+    @property
+    def entries(self) -> list[tuple[str, torch.dtype, list[int]]]:
+        out = []
+        for key, dtype, shape in self.outputs:
+            block = self._block(key, shape)
+            scales = None if block is None else list(fp8.grid(tuple(shape), block))
+            out += [(key, dtype, shape)] if block is None else [(key, torch.float8_e4m3fn, shape),
+                                                                (key + fp8.SCALE_SUFFIX, torch.float32, scales)]
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return sum(math.prod(shape) * dtype.itemsize for _, dtype, shape in self.entries)
+
+    def encode(self, fused: dict[str, Tensor]) -> list[Tensor]:
+        """The tensors of ``entries`` from the family's fuse output (save_hf's quantize_tensors on it)."""
+        out = []
+        for key, _, shape in self.outputs:
+            block = self._block(key, shape)
+            out += [fused[key].cpu()] if block is None else [t.cpu() for t in fp8.quantize(fused[key], block)]
+        return out
+
+
+@dataclass
 class _ExportSpec:
     family: str
     rules: list[Rule]
@@ -97,29 +143,26 @@ class _ExportSpec:
     dtype_name: str  # config.json's "dtype"
     fp8_block: tuple[int, int] | None = None  # save_hf's fp8: the linear weights as block-wise float8
     mxfp4: bool = False  # save_hf's mxfp4: gpt-oss's expert weights as MXFP4 blocks and scales
+    hf: dict | None = None  # the family's config.json as fuse reads it (families whose Family.fuse is set)
 
 
 def _export_spec(model, family: str | None, dtype: torch.dtype | None, layout: str,
                  fp8_on: bool = False, fp8_block=fp8.DEFAULT_BLOCK, mxfp4: bool = False) -> _ExportSpec:
     """What save_hf writes for ``model`` (family, rules, zero-filled parts), without touching any tensor."""
     from moekit.models.hf import check_mxfp4_family, export_rules, fp8_export_args, mxfp4_export_dtype
-    from moekit.models.hf.export import zero_fill
+    from moekit.models.hf.export import hf_config, zero_fill
 
     block, dtype = fp8_export_args(fp8_on, fp8_block, mxfp4_export_dtype(mxfp4, fp8_on, dtype), layout)
     whole = whole_structure(model)
     name, rules, out_dtype = export_rules(whole, family, dtype, layout)
     check_mxfp4_family(mxfp4, name)
-    from moekit.models.hf.families import FAMILIES
-
-    if FAMILIES[name].fuse is not None:
-        raise ValueError(f"{name} stores tensors fused across what moekit keeps apart (Qwen3-Next's in_proj_qkvz), "
-                         f"which the sharded export does not assemble yet; save with models.hf.save_hf from one "
-                         f"process, or export family='qwen3_5_moe_text' (the same math, Qwen3.5's unfused layout)")
+    hf = hf_config(whole, name, "float32") if FAMILIES[name].fuse is not None else None  # as save_hf's fuse reads it
     if dtype is None:  # the model's own (a meta stand-in has the default dtype)
         out_dtype = next(model.parameters()).dtype
     with torch.device("meta"):  # shapes only
         zeros = {k: (tuple(t.shape), t.dtype) for k, t in zero_fill(whole, name, out_dtype).items()}
-    return _ExportSpec(name, rules, zeros, dtype, {v: k for k, v in DTYPE_NAMES.items()}[out_dtype], block, mxfp4)
+    return _ExportSpec(name, rules, zeros, dtype, {v: k for k, v in DTYPE_NAMES.items()}[out_dtype], block, mxfp4,
+                       hf)
 
 
 def _pieces(model, rows: dict[str, list[int]]) -> dict[str, list[tuple[Box, Tensor]]]:
@@ -163,11 +206,54 @@ def _export_boxes(model, spec: _ExportSpec, max_shard_size) -> tuple[dict, dict]
     return boxes, meta
 
 
-def _plan_export(spec: _ExportSpec, meta: dict, all_boxes: list[dict]) -> list[_Unit]:
-    """Every HF tensor, its owner and its senders; the same on every rank (a function of gathered facts)."""
+def _fuse_groups(spec: _ExportSpec, meta: dict) -> list[tuple[list[str], list[tuple[str, torch.dtype, list]]]]:
+    """The family's fused tensors (Family.fuse), per module: (the unit keys it consumes, (key, dtype, shape) of each
+    tensor it writes instead), found by running the fuse on meta tensors of the units' shapes and of the dtypes
+    save_hf fuses them in (the model's for an fp8 export's quantizable weights, else the export's); [] without a fuse."""
+    fuse = FAMILIES[spec.family].fuse
+    if fuse is None:
+        return []
+    units: dict[str, Tensor] = {}
+    for r in spec.rules:
+        if r.target not in meta:
+            continue  # _plan_export says which
+        shape, dtype = meta[r.target]
+        out_dtype = spec.dtype if spec.dtype is not None and dtype.is_floating_point else dtype
+        for key, (region, dims) in zip(r.sources, r.layout(shape)):
+            hf_shape = [1 if d is None else len(region[d]) for d in dims]
+            keep = spec.fp8_block is not None and dtype.is_floating_point and fp8.quantizable(key, tuple(hf_shape))
+            units[key] = torch.empty(hf_shape, dtype=dtype if keep else out_dtype, device="meta")
+    for key, (shape, dtype) in spec.zeros.items():
+        units[key] = torch.empty(shape, dtype=dtype, device="meta")
+    fused = fuse(spec.hf, units)
+    consumed = [k for k in units if k not in fused]
+    produced = [k for k in fused if k not in units]
+    changed = [k for k in units if k in fused and fused[k] is not units[k]]
+    if changed:
+        raise ValueError(f"{spec.family}'s fuse rewrites {changed[:3]} in place, which the sharded export does not "
+                         f"assemble; save with models.hf.save_hf from one process")
+    groups = []
+    for module in dict.fromkeys(k.rsplit(".", 2)[0] for k in consumed + produced):
+        members = [k for k in consumed if k.rsplit(".", 2)[0] == module]
+        outputs = [k for k in produced if k.rsplit(".", 2)[0] == module]
+        alone = fuse(spec.hf, {k: units[k] for k in members})
+        if not members or not outputs or set(alone) != set(outputs):
+            raise ValueError(f"{spec.family}'s fused tensors ({module}: {members} -> {outputs}) are not each made "
+                             f"of one module's tensors, which the sharded export assembles; save with "
+                             f"models.hf.save_hf from one process")
+        groups.append((members, [(k, alone[k].dtype, list(alone[k].shape)) for k in outputs]))
+    return groups
+
+
+def _plan_export(spec: _ExportSpec, meta: dict, all_boxes: list[dict]) -> list[_Unit | _Fused]:
+    """Every HF tensor, its owner and its senders; the same on every rank (a function of gathered facts). The units
+    of one fused group (``_fuse_groups``) share the owner of the first, and are written as one ``_Fused``."""
     world = len(all_boxes)
     owned, sent = [0] * world, [0] * world  # bytes each rank writes / sends so far: work is balanced
     units = []
+    groups = _fuse_groups(spec, meta)
+    group_of = {k: g for g, (members, _) in enumerate(groups) for k in members}
+    group_owner: dict[int, int] = {}
 
     def volume(box: Box) -> int:
         return math.prod(map(len, box))
@@ -190,6 +276,8 @@ def _plan_export(spec: _ExportSpec, meta: dict, all_boxes: list[dict]) -> list[_
             most = max(map(volume, meets.values()))
             best = [k for b, m in meets.items() if volume(m) == most for k in held[b]]
             owner = min(best, key=lambda k: (owned[k], k))
+            if key in group_of:  # a fused tensor's part: its group's owner (the first part's)
+                owner = group_owner.setdefault(group_of[key], owner)
             owned[owner] += volume(region) * out_dtype.itemsize
             parts = []
             for box, m in meets.items():
@@ -201,10 +289,22 @@ def _plan_export(spec: _ExportSpec, meta: dict, all_boxes: list[dict]) -> list[_
                                woven, spec.mxfp4 and key.endswith(MXFP4_EXPERTS)))
     for key, (shape, dtype) in spec.zeros.items():
         owner = min(range(world), key=lambda k: (owned[k], k))
+        if key in group_of:
+            owner = group_owner.setdefault(group_of[key], owner)
         owned[owner] += math.prod(shape) * dtype.itemsize
         region, dims = tuple(range(n) for n in shape), tuple(range(len(shape)))
         units.append(_Unit(key, None, region, dims, dtype, owner, [], _block(spec, key, region, dims)))
-    return units
+    if not groups:
+        return units
+    out: list[_Unit | _Fused] = []  # each group where its first member was
+    by_key = {u.key: u for u in units}
+    for u in units:
+        if u.key not in group_of:
+            out.append(u)
+        elif (g := group_of[u.key]) in group_owner:
+            members, outputs = groups[g]
+            out.append(_Fused([by_key[k] for k in members], outputs, spec.fp8_block, group_owner.pop(g)))
+    return out
 
 
 def _block(spec: _ExportSpec, key: str, region: Box, dims: tuple[int, ...]) -> tuple[int, int] | None:
@@ -213,11 +313,11 @@ def _block(spec: _ExportSpec, key: str, region: Box, dims: tuple[int, ...]) -> t
     return spec.fp8_block if spec.fp8_block is not None and fp8.quantizable(key, shape) else None
 
 
-def _files(units: list[_Unit], world: int, limit: int) -> list[tuple[int, list[_Unit]]]:
+def _files(units: list[_Unit | _Fused], world: int, limit: int) -> list[tuple[int, list[_Unit | _Fused]]]:
     """(writing rank, its units) per output file: each rank's units in plan order, cut at ``limit`` bytes."""
     files = []
     for rank in range(world):
-        current: list[_Unit] = []
+        current: list[_Unit | _Fused] = []
         size = 0
         for u in (u for u in units if u.owner == rank):
             if current and size + u.nbytes > limit:
@@ -234,7 +334,7 @@ class _StreamWriter:
     """A safetensors file written tensor by tensor: the header (known up front) first, then each tensor's bytes
     in header order as it arrives, so a rank holds one tensor at a time however large its file."""
 
-    def __init__(self, path: Path, units: list[_Unit]):
+    def __init__(self, path: Path, units: list[_Unit | _Fused]):
         header, offset = {}, 0
         for u in units:
             for key, dtype, shape in u.entries:
@@ -270,10 +370,38 @@ def _check_folder(folder: Path) -> None:
                          f"path on a file system every rank shares")
 
 
+def _assemble(u: _Unit, pieces: dict, rank: int) -> Tensor | None:
+    """Unit ``u`` in the model's precision (woven, HF dim order) on its owner, None elsewhere; this rank's parts of
+    it sent to the owner meanwhile."""
+    if u.target is None:  # all zeros: nothing to gather
+        return torch.zeros(u.shape, dtype=u.dtype) if u.owner == rank else None
+    if u.target not in pieces:  # another pipeline stage's tensor: its owner and senders hold it, this rank neither
+        return None
+    held = pieces[u.target]
+    like = held[0][1]
+    if u.owner != rank:
+        for sender, part in u.parts:
+            if sender == rank:  # the part is one of this rank's boxes, or inside one
+                box, local = next((b, t) for b, t in held if _meet(b, part) == part)
+                dist.send(local[_rel(part, box)].contiguous(), dst=u.owner)
+        return None
+    region = torch.empty([len(r) for r in u.region], dtype=like.dtype, device=like.device)
+    for box, local in held:
+        if (mine := _meet(box, u.region)) is not None:
+            region[_rel(mine, u.region)] = local[_rel(mine, box)]
+    for sender, part in u.parts:
+        buf = torch.empty([len(r) for r in part], dtype=like.dtype, device=like.device)
+        dist.recv(buf, src=sender)
+        region[_rel(part, u.region)] = buf
+    source = _to_source(region, u.dims)
+    return source if u.woven is None else weave(source, *u.woven)
+
+
 @torch.no_grad()
-def _stream(model, units: list[_Unit], files: list[tuple[int, list[_Unit]]], folder: Path, names: list[str],
-            rank: int) -> Exception | None:
-    """Assemble and write this rank's HF tensors, sending its parts of the others'. A failed write is kept
+def _stream(model, units: list[_Unit | _Fused], files: list[tuple[int, list[_Unit | _Fused]]], folder: Path,
+            names: list[str], rank: int, fuse: Callable[[dict], dict] | None = None) -> Exception | None:
+    """Assemble and write this rank's HF tensors, sending its parts of the others' (``fuse``: the family's, on a
+    ``_Fused`` group's members). A failed write is kept
     (returned) while this rank goes on sending and receiving, so no peer waits on it forever."""
     pieces = _pieces(model, placed_rows(model))
     writers: dict[str, _StreamWriter] = {}  # HF key -> the open writer of its file
@@ -295,39 +423,28 @@ def _stream(model, units: list[_Unit], files: list[tuple[int, list[_Unit]]], fol
                 error = exc
 
     for u in units:
-        if u.target is None:  # all zeros: nothing to gather
+        if isinstance(u, _Fused):  # one module's fused tensors: its members assembled, then fused, on the owner
+            values = {}
+            for m in u.members:
+                value = _assemble(m, pieces, rank)
+                if value is not None:  # as save_hf fuses them: an fp8 export's quantizable weights in the model's
+                    values[m.key] = value if m.fp8_block is not None else value.to(m.dtype)  # precision
             if u.owner == rank:
-                write(u, lambda: u.encode(torch.zeros(u.shape, dtype=u.dtype)))
+                write(u, lambda: u.encode(fuse(values)))
+            values = value = None  # held one group at a time
             continue
-        if u.target not in pieces:  # another pipeline stage's tensor: its owner and senders hold it, this rank neither
-            continue
-        held = pieces[u.target]
-        like = held[0][1]
-        if u.owner == rank:
-            region = torch.empty([len(r) for r in u.region], dtype=like.dtype, device=like.device)
-            for box, local in held:
-                if (mine := _meet(box, u.region)) is not None:
-                    region[_rel(mine, u.region)] = local[_rel(mine, box)]
-            for sender, part in u.parts:
-                buf = torch.empty([len(r) for r in part], dtype=like.dtype, device=like.device)
-                dist.recv(buf, src=sender)
-                region[_rel(part, u.region)] = buf
-            source = _to_source(region, u.dims)
-            write(u, lambda: u.encode(source if u.woven is None else weave(source, *u.woven)))
-            del region
-        else:
-            for sender, part in u.parts:
-                if sender == rank:  # the part is one of this rank's boxes, or inside one
-                    box, local = next((b, t) for b, t in held if _meet(b, part) == part)
-                    dist.send(local[_rel(part, box)].contiguous(), dst=u.owner)
+        value = _assemble(u, pieces, rank)
+        if value is not None:
+            write(u, lambda: u.encode(value))
+        value = None  # held one tensor at a time
     for w in set(writers.values()):
         if not w.file.closed:
             w.file.close()
     return error
 
 
-def _write_index(folder: Path, config: dict, units: list[_Unit], files: list[tuple[int, list[_Unit]]],
-                 names: list[str]) -> None:
+def _write_index(folder: Path, config: dict, units: list[_Unit | _Fused],
+                 files: list[tuple[int, list[_Unit | _Fused]]], names: list[str]) -> None:
     weight_map = {}
     for (_, its), name in zip(files, names):
         path = folder / name
@@ -380,7 +497,8 @@ def save_hf_sharded(model, path: str | Path, *, family: str | None = None, dtype
 
     _agree(prepare)
     _agree(_check_folder, folder)
-    error = _stream(model, units, files, folder, names, rank)
+    fuse = FAMILIES[spec.family].fuse
+    error = _stream(model, units, files, folder, names, rank, fuse and (lambda tensors: fuse(spec.hf, tensors)))
 
     def finish() -> None:  # after this exchange every rank has closed its files
         if error is not None:
