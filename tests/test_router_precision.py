@@ -121,3 +121,14 @@ def test_environment_variable_sets_the_mode():
     env = {"MOEKIT_SPLIT_ROUTER": " Never ", "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.stdout.strip() == "never", out.stderr
+
+
+def test_split_survives_torch_compile():
+    """Compiled (the router is compiled on its own in training), the split must still carry the low half: inductor
+    keeps a bf16 round trip t.to(bf16).float() in fp32 unless told otherwise, so a low half computed from it is
+    zero. The bit-masked split does not depend on that."""
+    t = torch.randn(64, 96, generator=torch.Generator().manual_seed(2)) * 0.02
+    for fn in (P._split, torch.compile(P._split)):
+        hi, lo = fn(t)
+        assert hi.dtype == lo.dtype == torch.bfloat16 and bool((lo != 0).any())
+        assert _rel(hi.double() + lo.double(), t.double()) < 2e-5
