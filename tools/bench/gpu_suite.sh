@@ -24,7 +24,8 @@ REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 PY=${PYTHON:-python3}
 DEFAULT_STEPS=(env tests moe_layer grouped_gemm dispatch profile train_mfu)
 ALL_STEPS=(env tests moe_layer grouped_gemm dispatch profile train_mfu train_mfu_full tune grouped_gemm_tuned
-           grouped_gemm_quick train_mfu_tma attention router_balance linear_attention lm_loss)
+           grouped_gemm_quick train_mfu_tma attention router_balance linear_attention lm_loss linear_attention_scan
+           train_mfu_ab grouped_gemm_mixtral1b)
 SMOKE=0
 BUDGET=560
 RESULTS=${OUT:-bench-results}
@@ -66,6 +67,17 @@ linear_attention  tools/bench/linear_attention.py: Qwen3.5-35B-A3B's Gated Delta
 lm_loss         tools/bench/lm_loss.py: the LM-head loss fwd+bwd, N 32768, H 1024 / 4096, V 32000 / 151936, bf16:
                 the fused cross-entropy kernel against torch's chunked passes and the plain logits path; not in
                 the default set                                                            (cap 90 s)
+linear_attention_scan
+                linear_attention's run with the delta-rule scan kernels (MOEKIT_DELTA_SCAN=auto, opt-in): against
+                the linear_attention step's (the loop); writes linear_attention_scan.json; not in the default
+                set                                                                        (cap 90 s)
+train_mfu_ab    tools/bench/train_mfu.py, compile on, 12 steps, --variants base and legacy (MOEKIT_LM_LOSS=never,
+                MOEKIT_SPLIT_ROUTER=never): the fused loss's and the router GEMM's end-to-end effect in one run;
+                writes train_mfu.json; not in the default set                              (what is left)
+grouped_gemm_mixtral1b
+                grouped_gemm at train_mfu's model (H 1024, F 3072, E 8, k 2), 32768 tokens, uniform: the fused
+                expert MLP against the plain one and torch; writes grouped_gemm_mixtral1b.json; not in the
+                default set                                                                (cap 120 s)
 EOF
 }
 
@@ -237,6 +249,18 @@ for step in "${STEPS[@]}"; do
       else size=(--device cuda --dtype bfloat16 --seq-len 4096 16384 --batch 1 --hidden 2048 --key-heads 16
                  --value-heads 32 --head-dim 128 --repeats 5); fi
       run_step linear_attention 90 "$PY" tools/bench/linear_attention.py "${size[@]}" --out "$RAW/linear_attention.json" ;;
+    linear_attention_scan)  # the delta-rule scan kernels (opt-in) on linear_attention's cases
+      if [ "$SMOKE" = 1 ]; then size=(--device cpu --seq-len 40 --batch 1 --hidden 32 --key-heads 1 --value-heads 2
+                                      --head-dim 8 --chunk 16 --warmup 0 --repeats 1)
+      else size=(--device cuda --dtype bfloat16 --seq-len 4096 16384 --batch 1 --hidden 2048 --key-heads 16
+                 --value-heads 32 --head-dim 128 --repeats 5); fi
+      run_step linear_attention_scan 90 env MOEKIT_DELTA_SCAN=auto "$PY" tools/bench/linear_attention.py "${size[@]}" \
+        --out "$RAW/linear_attention_scan.json" ;;
+    grouped_gemm_mixtral1b)
+      if [ "$SMOKE" = 1 ]; then size=(--smoke)
+      else size=(--shapes mixtral-1b --tokens 32768 --routings uniform --rounds 1); fi
+      run_step grouped_gemm_mixtral1b 120 "$PY" tools/bench/grouped_gemm.py "${size[@]}" \
+        --out "$RAW/grouped_gemm_mixtral1b.json" ;;
     lm_loss)  # the fused cross-entropy kernel against torch's passes and the plain logits
       if [ "$SMOKE" = 1 ]; then size=(--smoke)
       else size=(--device cuda --dtype bfloat16 --tokens 32768 --hidden 1024 4096 --vocab 32000 151936 --repeats 5); fi
@@ -269,12 +293,16 @@ for step in "${STEPS[@]}"; do
                  --rounds 1); fi
       run_step grouped_gemm_tuned 160 env MOEKIT_KERNEL_CONFIGS="$RAW/tune_kernels.json" \
         "$PY" tools/bench/grouped_gemm.py "${size[@]}" --out "$RAW/grouped_gemm_tuned.json" ;;
-    train_mfu|train_mfu_full|train_mfu_tma)
+    train_mfu|train_mfu_full|train_mfu_tma|train_mfu_ab)
       if [ ! -f tools/bench/train_mfu.py ]; then STATUS+=("$step: skipped (tools/bench/train_mfu.py not present)"); continue; fi
       # its own per-configuration timeout ends inside the suite's, so it still writes its JSON
       mfu_limit=$((DEADLINE - $(date +%s) - 30))
       if [ "$SMOKE" = 1 ]; then flags=$(mfu_flags --smoke=); [ "$step" = train_mfu_tma ] && flags+=" $(mfu_flags "--tma=off on")"
+        [ "$step" = train_mfu_ab ] && flags+=" $(mfu_flags "--variants=base legacy:MOEKIT_LM_LOSS=never")"
       elif [ "$step" = train_mfu ]; then flags=$(mfu_flags --compile=off --steps=15 --warmup=3 --timeout=$mfu_limit)
+      elif [ "$step" = train_mfu_ab ]; then
+        flags=$(mfu_flags --compile=on --steps=12 --warmup=2 --timeout=$((mfu_limit / 2)) \
+                "--variants=base legacy:MOEKIT_LM_LOSS=never,MOEKIT_SPLIT_ROUTER=never")
       elif [ "$step" = train_mfu_tma ]; then
         flags=$(mfu_flags --compile=off "--tma=off on" --steps=12 --warmup=3 --timeout=$((mfu_limit / 2)))
       else flags=$(mfu_flags --timeout=$((mfu_limit / 2))); fi
