@@ -21,7 +21,6 @@ across the chunks (docs/kernels.md, "Delta-rule scan"); elsewhere, and for float
 """
 from __future__ import annotations
 
-import warnings
 
 import torch
 import torch.nn.functional as F
@@ -68,7 +67,7 @@ def _scan_path(x: Tensor) -> bool:
 def _kernel_scan(U0, W, q_start, scores, k_end, carry, state, final_state):
     """(o [B, N, n, L, dv], final state or None) from the Triton scan; None, with one warning, when this machine's
     Triton cannot build it ("always": the error is raised instead)."""
-    from moekit.moe.kernels._common import BUILD_ERRORS, build_failure
+    from moekit.moe.kernels._common import BUILD_ERRORS, record_build_failure
     from moekit.moe.kernels.delta_scan import delta_scan
 
     try:
@@ -77,10 +76,8 @@ def _kernel_scan(U0, W, q_start, scores, k_end, carry, state, final_state):
     except BUILD_ERRORS as exc:
         if TRITON_SCAN == "always":
             raise
-        _BUILD_FAILURE.append(build_failure(exc))
-        warnings.warn(f"models.delta_rule: the Triton delta-rule scan failed to build here ({_BUILD_FAILURE[-1]}); "
-                      f"the torch loop runs instead. Set models.delta_rule.TRITON_SCAN = 'never' to choose that "
-                      f"without this warning.", stacklevel=3)
+        record_build_failure(exc, _BUILD_FAILURE, "models.delta_rule", "Triton delta-rule scan", "the torch loop runs",
+                             "models.delta_rule.TRITON_SCAN")
         return None
 
 

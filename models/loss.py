@@ -33,7 +33,6 @@ from them and makes their loss NaN instead (so the mean loss is NaN).
 """
 from __future__ import annotations
 
-import warnings
 
 import torch
 from torch import Tensor
@@ -89,7 +88,7 @@ def _fused_chunk(logits: Tensor, targets: Tensor, scale: Tensor, need_grad: bool
     """The kernel on one chunk (loss rows into ``out``, the gradient over ``logits``); False, with one warning,
     when this machine's Triton cannot build it (then the torch passes run, now and from then on; ``strict``:
     the error is raised instead)."""
-    from moekit.moe.kernels._common import BUILD_ERRORS, build_failure
+    from moekit.moe.kernels._common import BUILD_ERRORS, record_build_failure
     from moekit.moe.kernels.cross_entropy import cross_entropy_rows
 
     try:
@@ -98,10 +97,8 @@ def _fused_chunk(logits: Tensor, targets: Tensor, scale: Tensor, need_grad: bool
     except BUILD_ERRORS as exc:
         if strict:
             raise
-        _BUILD_FAILURE.append(build_failure(exc))
-        warnings.warn(f"models.loss: the fused cross-entropy kernel failed to build here ({_BUILD_FAILURE[-1]}); "
-                      f"the torch passes run instead. Set models.loss.TRITON_LM_LOSS = 'never' to choose that "
-                      f"without this warning.", stacklevel=3)
+        record_build_failure(exc, _BUILD_FAILURE, "models.loss", "fused cross-entropy kernel", "the torch passes run",
+                             "models.loss.TRITON_LM_LOSS")
         return False
 
 

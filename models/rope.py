@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import math
-import warnings
 
 import torch
 from torch import Tensor
@@ -158,7 +157,7 @@ def _rope_kernel_or_none(x: Tensor, cos: Tensor, sin: Tensor):
 def _rope_or_fallback(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool = False, pairs: str = "half") -> Tensor:
     """The Triton RoPE; if this machine's Triton cannot build it (a compile error, a GPU that cannot hold
     it), one warning and the torch rotation from then on (TRITON_ROPE='always' raises instead)."""
-    from moekit.moe.kernels._common import BUILD_ERRORS, build_failure
+    from moekit.moe.kernels._common import BUILD_ERRORS, record_build_failure
     from moekit.moe.kernels.rope import rope
 
     try:
@@ -166,10 +165,8 @@ def _rope_or_fallback(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool = False
     except BUILD_ERRORS as exc:
         if TRITON_ROPE == "always":
             raise
-        _ROPE_BUILD_FAILURE.append(build_failure(exc))
-        warnings.warn(f"models.rope: the Triton RoPE kernel failed to build here ({_ROPE_BUILD_FAILURE[-1]}); "
-                      f"the torch rotation runs instead. Set models.rope.TRITON_ROPE = 'never' to choose that "
-                      f"without this warning.", stacklevel=2)
+        record_build_failure(exc, _ROPE_BUILD_FAILURE, "models.rope", "Triton RoPE kernel", "the torch rotation runs",
+                             "models.rope.TRITON_ROPE", stacklevel=2)
         if pairs != "half":
             return _rotate_adjacent(x, cos, sin, inverse, pairs)
         return _rotate(x, cos, sin, inverse=inverse)

@@ -53,9 +53,7 @@ _FUSED_BUILD_FAILURE: list[str] = []  # why the kernel could not be built here, 
 
 def _fused_topk_route(logits: Tensor, top_k: int, score: str, normalize: bool, scaling: float, bias: Tensor | None):
     """moe.kernels.topk_route's outputs, or None (one warning) if this machine's Triton cannot build it."""
-    import warnings
-
-    from moekit.moe.kernels._common import BUILD_ERRORS, build_failure
+    from moekit.moe.kernels._common import BUILD_ERRORS, record_build_failure
     from moekit.moe.kernels.topk_route import topk_route
 
     try:
@@ -63,10 +61,8 @@ def _fused_topk_route(logits: Tensor, top_k: int, score: str, normalize: bool, s
     except BUILD_ERRORS as exc:
         if FUSED_ROUTER == "always":
             raise
-        _FUSED_BUILD_FAILURE.append(build_failure(exc))
-        warnings.warn(f"moe.router: the fused top-k kernel failed to build here ({_FUSED_BUILD_FAILURE[-1]}); the "
-                      f"torch router runs instead. Set moe.router.FUSED_ROUTER = 'never' to choose that without "
-                      f"this warning.", stacklevel=3)
+        record_build_failure(exc, _FUSED_BUILD_FAILURE, "moe.router", "fused top-k kernel", "the torch router runs",
+                             "moe.router.FUSED_ROUTER")
         return None
 
 

@@ -22,6 +22,7 @@ references with host loops: they agree for any values.
 from __future__ import annotations
 
 import collections
+import warnings
 import contextlib
 import json
 import os
@@ -53,6 +54,16 @@ def build_failure(exc: BaseException) -> str:
     """One line naming a BUILD_ERRORS exception: its type and the first line of its message."""
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text.splitlines()[0][:200] if text else ''}"
+
+
+def record_build_failure(exc: BaseException, failures: list, where: str, kernel: str, fallback: str, switch: str,
+                         stacklevel: int = 3) -> None:
+    """After a BUILD_ERRORS exception on a Triton path with a torch twin: remember why in ``failures`` (the caller's
+    list: later calls skip the kernel) and warn once that ``fallback`` (e.g. "the torch router runs") does the work
+    instead, naming the ``switch`` that chooses it without the warning. ``stacklevel``: as the caller's warn would."""
+    failures.append(build_failure(exc))
+    warnings.warn(f"{where}: the {kernel} failed to build here ({failures[-1]}); {fallback} instead. Set {switch} = "
+                  f"'never' to choose that without this warning.", stacklevel=stacklevel + 1)
 
 # Incremented by every launcher right before it launches: tests use it to prove the Triton path (not
 # the torch fallback) ran. Keys are kernel names.
