@@ -44,6 +44,23 @@ PRECISION = "ieee"
 
 
 @triton.jit
+def _tile_offsets(tile, L, DK, DV, BLOCK_L: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Offsets and masks of a program's tiles, column tile ``tile`` of dv: the state [dk, BLOCK_V], the chunk terms
+    [L, dk] (W, q_start, k_end), [L, BLOCK_V] (U0, o) and [L, L] (scores), within one head's chunk."""
+    rl = tl.arange(0, BLOCK_L)
+    rk = tl.arange(0, BLOCK_K)
+    rv = tile * BLOCK_V + tl.arange(0, BLOCK_V)
+    lm, km, vm = rl < L, rk < DK, rv < DV
+    s_off = rk[:, None] * DV + rv[None, :]
+    s_mask = km[:, None] & vm[None, :]
+    lk = rl[:, None] * DK + rk[None, :]
+    lv = rl[:, None] * DV + rv[None, :]
+    ll = rl[:, None] * L + rl[None, :]
+    return (s_off, s_mask, lk, lm[:, None] & km[None, :], lv, lm[:, None] & vm[None, :], ll,
+            lm[:, None] & lm[None, :])
+
+
+@triton.jit
 def _delta_scan_fwd_kernel(
     U0, W, QS, P, KE, CARRY, S0, O, STATES, SFIN,
     n, L, DK, DV,
@@ -51,18 +68,8 @@ def _delta_scan_fwd_kernel(
     BLOCK_L: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr,
 ):
     bn = tl.program_id(0).to(tl.int64)
-    rl = tl.arange(0, BLOCK_L)
-    rk = tl.arange(0, BLOCK_K)
-    rv = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-    lm, km, vm = rl < L, rk < DK, rv < DV
-    s_off = rk[:, None] * DV + rv[None, :]
-    s_mask = km[:, None] & vm[None, :]
-    lk_mask = lm[:, None] & km[None, :]
-    lv_mask = lm[:, None] & vm[None, :]
-    ll_mask = lm[:, None] & lm[None, :]
-    lk = rl[:, None] * DK + rk[None, :]
-    lv = rl[:, None] * DV + rv[None, :]
-    ll = rl[:, None] * L + rl[None, :]
+    s_off, s_mask, lk, lk_mask, lv, lv_mask, ll, ll_mask = _tile_offsets(tl.program_id(1), L, DK, DV, BLOCK_L,
+                                                                         BLOCK_K, BLOCK_V)
     if HAS_S0:
         s = tl.load(S0 + bn * DK * DV + s_off, mask=s_mask, other=0.0)
     else:
@@ -95,18 +102,7 @@ def _delta_scan_bwd_kernel(
     bn = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
     part = tile.to(tl.int64) * NBN * n  # this column tile's slice of the partial-sum buffers, in chunks
-    rl = tl.arange(0, BLOCK_L)
-    rk = tl.arange(0, BLOCK_K)
-    rv = tile * BLOCK_V + tl.arange(0, BLOCK_V)
-    lm, km, vm = rl < L, rk < DK, rv < DV
-    s_off = rk[:, None] * DV + rv[None, :]
-    s_mask = km[:, None] & vm[None, :]
-    lk_mask = lm[:, None] & km[None, :]
-    lv_mask = lm[:, None] & vm[None, :]
-    ll_mask = lm[:, None] & lm[None, :]
-    lk = rl[:, None] * DK + rk[None, :]
-    lv = rl[:, None] * DV + rv[None, :]
-    ll = rl[:, None] * L + rl[None, :]
+    s_off, s_mask, lk, lk_mask, lv, lv_mask, ll, ll_mask = _tile_offsets(tile, L, DK, DV, BLOCK_L, BLOCK_K, BLOCK_V)
     if HAS_DSFIN:
         ds = tl.load(DSFIN + bn * DK * DV + s_off, mask=s_mask, other=0.0)
     else:
