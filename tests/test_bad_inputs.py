@@ -522,6 +522,39 @@ def test_bad_kernel_environment_is_refused_before_the_run(tmp_path, capsys, monk
     refused(capsys, tmp_path / "run", [*TINY, "--steps", "1"], expected)
 
 
+# The Triton-path switches read from the environment at import (moe.kernel_choice): module, attribute, variable
+SWITCHES = [("moekit.models.loss", "TRITON_LM_LOSS", "MOEKIT_LM_LOSS"),
+            ("moekit.moe.precision", "SPLIT_ROUTER", "MOEKIT_SPLIT_ROUTER"),
+            ("moekit.models.delta_rule", "TRITON_SCAN", "MOEKIT_DELTA_SCAN")]
+
+
+@pytest.mark.parametrize("module,attr,var", SWITCHES, ids=[v for _, _, v in SWITCHES])
+def test_bad_switch_environment_is_refused_at_start_up(monkeypatch, module, attr, var):
+    """A bad value stops the trainer before the run, naming the variable and the accepted values; a good one
+    passes the same check."""
+    import importlib
+
+    from moekit.train.validation import UserError, check_kernel_environment
+
+    mod = importlib.import_module(module)
+    monkeypatch.setenv(var, "fast")
+    monkeypatch.setattr(mod, attr, "fast")  # as the import in a fresh process would have set it
+    with pytest.raises(UserError, match=rf"{var}='fast'\) is invalid; use one of auto, always, never"):
+        check_kernel_environment()
+    monkeypatch.setattr(mod, attr, "never")
+    check_kernel_environment()
+
+
+def test_switches_start_from_the_environment():
+    """Case and spaces ignored; unset: the loss kernel and the router GEMM on ("auto"), the delta-rule scan off
+    ("never": opt-in until its kernels have run on a GPU)."""
+    code = ("from moekit.models import delta_rule, loss; from moekit.moe import precision; "
+            "print(loss.TRITON_LM_LOSS, precision.SPLIT_ROUTER, delta_rule.TRITON_SCAN)")
+    env = {"MOEKIT_SPLIT_ROUTER": " Never ", "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.stdout.split() == ["auto", "never", "never"], out.stderr
+
+
 # ---------------------------------------------------------------------------------------------------
 # The real program: exit code and no traceback
 # ---------------------------------------------------------------------------------------------------

@@ -142,17 +142,3 @@ def test_bad_arguments_are_named():
         chunked_lm_loss(h, w[:, :7], y)
     with pytest.raises(ValueError, match="chunk=0"):
         chunked_lm_loss(h, w, y, chunk=0)
-
-
-def test_bad_lm_loss_environment_is_refused_at_start_up(monkeypatch):
-    """MOEKIT_LM_LOSS sets models.loss.TRITON_LM_LOSS at import; a bad value stops the trainer before the run,
-    naming the variable and the accepted values."""
-    from moekit.models import loss as L
-    from moekit.train.validation import UserError, check_kernel_environment
-
-    monkeypatch.setenv("MOEKIT_LM_LOSS", "fast")
-    monkeypatch.setattr(L, "TRITON_LM_LOSS", "fast")  # as the import in a fresh process would have set it
-    with pytest.raises(UserError, match=r"MOEKIT_LM_LOSS='fast'\) is invalid; use one of auto, always, never"):
-        check_kernel_environment()
-    monkeypatch.setattr(L, "TRITON_LM_LOSS", "never")
-    check_kernel_environment()

@@ -101,28 +101,6 @@ def test_bad_mode_is_named(monkeypatch):
         P.upcast_linear(x, w, torch.float32)
 
 
-def test_bad_environment_value_is_refused_at_start_up(monkeypatch):
-    """MOEKIT_SPLIT_ROUTER sets SPLIT_ROUTER when moekit is imported; the trainer's start-up check names both."""
-    from moekit.train.validation import UserError, check_kernel_environment
-
-    monkeypatch.setenv("MOEKIT_SPLIT_ROUTER", "yes")
-    monkeypatch.setattr(P, "SPLIT_ROUTER", "yes")  # as the import in a fresh process would have set it
-    with pytest.raises(UserError, match=r"MOEKIT_SPLIT_ROUTER='yes'\) is invalid; use one of auto, always, never"):
-        check_kernel_environment()
-    monkeypatch.setattr(P, "SPLIT_ROUTER", "never")
-    check_kernel_environment()
-
-
-def test_environment_variable_sets_the_mode():
-    import subprocess
-    import sys
-
-    code = "from moekit.moe import precision as P; print(P.SPLIT_ROUTER)"
-    env = {"MOEKIT_SPLIT_ROUTER": " Never ", "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
-    assert out.stdout.strip() == "never", out.stderr
-
-
 def test_split_survives_torch_compile():
     """Compiled (the router is compiled on its own in training), the split must still carry the low half: inductor
     keeps a bf16 round trip t.to(bf16).float() in fp32 unless told otherwise, so a low half computed from it is
