@@ -243,19 +243,15 @@ for step in "${STEPS[@]}"; do
       else size=(--device cuda --dtype bfloat16 --tokens 8192 32768 --experts 64 256 --seq-len 4096 --hidden 7168
                  --repeats 20); fi
       run_step router_balance 60 "$PY" tools/bench/router_balance.py "${size[@]}" --out "$RAW/router_balance.json" ;;
-    linear_attention)  # Qwen3.5's Gated DeltaNet against transformers' layer
+    linear_attention|linear_attention_scan)  # Qwen3.5's Gated DeltaNet against transformers' layer; _scan: with
+      # the delta-rule scan kernels (opt-in), the same cases
       if [ "$SMOKE" = 1 ]; then size=(--device cpu --seq-len 40 --batch 1 --hidden 32 --key-heads 1 --value-heads 2
                                       --head-dim 8 --chunk 16 --warmup 0 --repeats 1)
       else size=(--device cuda --dtype bfloat16 --seq-len 4096 16384 --batch 1 --hidden 2048 --key-heads 16
                  --value-heads 32 --head-dim 128 --repeats 5); fi
-      run_step linear_attention 90 "$PY" tools/bench/linear_attention.py "${size[@]}" --out "$RAW/linear_attention.json" ;;
-    linear_attention_scan)  # the delta-rule scan kernels (opt-in) on linear_attention's cases
-      if [ "$SMOKE" = 1 ]; then size=(--device cpu --seq-len 40 --batch 1 --hidden 32 --key-heads 1 --value-heads 2
-                                      --head-dim 8 --chunk 16 --warmup 0 --repeats 1)
-      else size=(--device cuda --dtype bfloat16 --seq-len 4096 16384 --batch 1 --hidden 2048 --key-heads 16
-                 --value-heads 32 --head-dim 128 --repeats 5); fi
-      run_step linear_attention_scan 90 env MOEKIT_DELTA_SCAN=auto "$PY" tools/bench/linear_attention.py "${size[@]}" \
-        --out "$RAW/linear_attention_scan.json" ;;
+      scan=never; [ "$step" = linear_attention_scan ] && scan=auto
+      run_step "$step" 90 env MOEKIT_DELTA_SCAN=$scan "$PY" tools/bench/linear_attention.py "${size[@]}" \
+        --out "$RAW/$step.json" ;;
     grouped_gemm_mixtral1b)
       if [ "$SMOKE" = 1 ]; then size=(--smoke)
       else size=(--shapes mixtral-1b --tokens 32768 --routings uniform --rounds 1); fi
