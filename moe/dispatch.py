@@ -32,10 +32,22 @@ from moekit.moe.router import Routing, check_int
 
 
 @dataclass(frozen=True)
+class RowGather:
+    """Expert-major rows left unmade: logical row r is source[index[r]] (ScatterMoE-style fused gather).
+
+    ``slots`` [T*k] or None: the inverse map (source row t's rows are slots[t*k:(t+1)*k], N for none), with
+    which the backward sums a token's k row gradients in slot order without a sort."""
+
+    index: Tensor  # [N] int64 source row of each logical row
+    slots: Tensor | None  # [T*k] int64 logical row of each slot, or None
+
+
+@dataclass(frozen=True)
 class Dispatched:
-    rows: Tensor  # [N, H] expert-major routed rows
+    rows: Tensor  # [N, H] expert-major routed rows; with ``gather``: the unpermuted source [T, H]
     counts: Tensor  # [E_local] int64 rows per (local) expert; rows past counts.sum() belong to no expert
     meta: Any  # whatever the dispatcher's combine needs, immutable
+    gather: RowGather | None = None  # set only when the caller asked for it (LocalDispatcher.dispatch fuse_gather)
 
 
 class Dispatcher(Protocol):
@@ -134,6 +146,12 @@ def _combine_key(rows: Tensor, weights: Tensor | None) -> tuple:
     return rows.device, rows.dtype, None if weights is None else (weights.device, weights.dtype)
 
 
+def _why_not_combine(rows: Tensor, weights: Tensor | None) -> str:
+    """"" when the combine kernels can run on these tensors (whatever TRITON_COMBINE says), else why."""
+    return why_not_cached(_COMBINE_OK, _combine_key(rows, weights), rows.device, "combine", "why_not_combine", rows,
+                          weights)
+
+
 def _triton_combine(rows: Tensor, weights: Tensor | None = None) -> bool:
     """Whether the combine kernels run on these tensors (TRITON_COMBINE above)."""
     mode = TRITON_COMBINE
@@ -141,8 +159,7 @@ def _triton_combine(rows: Tensor, weights: Tensor | None = None) -> bool:
         raise ValueError(f"moe.dispatch.TRITON_COMBINE={mode!r}; use one of {', '.join(_TRITON_COMBINE_MODES)}")
     if mode == "never" or (mode == "auto" and (rows.device.type != "cuda" or torch.compiler.is_compiling())):
         return False
-    reason = why_not_cached(_COMBINE_OK, _combine_key(rows, weights), rows.device, "combine", "why_not_combine", rows,
-                            weights)
+    reason = _why_not_combine(rows, weights)
     if reason and mode == "always":
         raise ValueError(f"moe.dispatch.TRITON_COMBINE='always': {reason} (or set it to 'auto')")
     return not reason
@@ -298,12 +315,18 @@ class LocalDispatcher:
     return zeros for them.
     """
 
+    # dispatch(fuse_gather=True) can leave the rows to the experts' first GEMM (MoELayer asks when they take it)
+    fuses_gather = True
+
     def __init__(self, num_experts: int):
         check_int("LocalDispatcher num_experts", num_experts, 1)
         self.num_experts = num_experts
         self.expert_range = (0, num_experts)
 
-    def dispatch(self, x: Tensor, routing: Routing) -> Dispatched:
+    def dispatch(self, x: Tensor, routing: Routing, *, fuse_gather: bool = False) -> Dispatched:
+        """``fuse_gather``: return x itself as ``rows`` with ``gather`` saying which token each expert-major
+        row reads, for experts that gather in their first GEMM (moe.experts.GroupedExperts.takes_gather):
+        no [N, H] copy is made, nor kept for backward."""
         T, k = routing.indices.shape
         if x.shape[0] != T:
             raise ValueError(f"dispatch got {x.shape[0]} tokens but routing for {T}")
@@ -317,6 +340,9 @@ class LocalDispatcher:
             num_rows = min(num_rows, self.num_experts * routing.capacity)
         row_slot, slot_row = sort_slots(routing.indices, num_rows)
         meta = PermuteMeta(T, k, row_slot, slot_row, routing.weights, may_drop=routing.capacity is not None)
+        if fuse_gather:  # the slots give the backward's token sums without a sort, where their kernel builds
+            slots = None if _why_not_combine(x, None) else slot_row
+            return Dispatched(x, routing.tokens_per_expert, meta, RowGather(row_slot // k, slots))
         return Dispatched(permute(x, meta), routing.tokens_per_expert, meta)
 
     def combine(self, rows: Tensor, meta: PermuteMeta) -> Tensor:

@@ -35,6 +35,7 @@ from moekit.moe.activations import ACTIVATIONS, check_activation, ffn_in_feature
 from moekit.moe.activations import swiglu_oai_backward_into, swiglu_oai_into
 from moekit.moe import onednn_gemm as onednn
 from moekit.moe.expert_threads import choose_workers, for_each_expert
+from moekit.moe.kernel_choice import mode_from_env, mode_problem
 from moekit.moe.precision import compute_dtype
 
 
@@ -67,18 +68,21 @@ class ExpertBackend:
     usable: Callable[[Tensor, Tensor, Tensor], bool]  # (rows, w_in, w_out) -> can this backend run them?
     why_not: Callable[[Tensor, Tensor, Tensor], str]  # human-readable reason when not usable
     bias: bool = False  # fn takes b_in= / b_out= (per-expert biases)
+    gather: bool = False  # fn takes gather_index= / gather_slots= (rows read in place: moe.dispatch.RowGather)
 
 
 _BACKENDS: dict[str, ExpertBackend] = {}
 
 
-def register_backend(name: str, usable=None, why_not=None, bias: bool = False):
+def register_backend(name: str, usable=None, why_not=None, bias: bool = False, gather: bool = False):
     """Decorator: ``@register_backend("mine", usable=lambda rows, w_in, w_out: True)``; ``bias=True`` when
-    the function takes the keyword arguments ``b_in`` and ``b_out`` (per-expert biases, or None)."""
+    the function takes the keyword arguments ``b_in`` and ``b_out`` (per-expert biases, or None);
+    ``gather=True`` when it takes ``gather_index`` and ``gather_slots`` (moe.kernels.expert_mlp's meaning:
+    rows is the unpermuted source and logical row r is rows[gather_index[r]])."""
 
     def deco(fn: BackendFn) -> BackendFn:
         _BACKENDS[name] = ExpertBackend(
-            name, fn, usable or (lambda *a: True), why_not or (lambda *a: "not usable here"), bias
+            name, fn, usable or (lambda *a: True), why_not or (lambda *a: "not usable here"), bias, gather
         )
         return fn
 
@@ -438,12 +442,15 @@ def _triton_why_not(rows: Tensor, w_in: Tensor, w_out: Tensor) -> str:
     usable=lambda r, wi, wo: _triton_why_not(r, wi, wo) == "",
     why_not=_triton_why_not,
     bias=True,
+    gather=True,
 )
 def triton_mlp(rows: Tensor, counts: Tensor, w_in: Tensor, w_out: Tensor, activation: str,
-               b_in: Tensor | None = None, b_out: Tensor | None = None) -> Tensor:
+               b_in: Tensor | None = None, b_out: Tensor | None = None, gather_index: Tensor | None = None,
+               gather_slots: Tensor | None = None) -> Tensor:
     from moekit.moe import kernels
 
-    return kernels.expert_mlp(rows, counts, w_in, w_out, activation, b_in=b_in, b_out=b_out)
+    return kernels.expert_mlp(rows, counts, w_in, w_out, activation, b_in=b_in, b_out=b_out,
+                              gather_index=gather_index, gather_slots=gather_slots)
 
 
 def _float8_why_not(rows: Tensor, w_in: Tensor, w_out: Tensor) -> str:
@@ -462,6 +469,23 @@ def float8_mlp(rows: Tensor, counts: Tensor, w_in: Tensor, w_out: Tensor, activa
     from moekit.moe import float8
 
     return float8.float8_mlp(rows, counts, w_in, w_out, activation)
+
+
+# Where MoELayer leaves the permute's gather to the experts' first GEMM (ScatterMoE-style; moe.dispatch.RowGather):
+# the Triton kernels then read each routed row from the layer input in place, so the [N, H] = [T k, H] permuted
+# copy is neither written nor kept for backward (k times the layer input). "auto": CUDA tensors; "always": CPU
+# tensors too (the Triton interpreter: tests); "never": the permuted copy. Only where the dispatcher is local
+# (moe.dispatch.LocalDispatcher; an all-to-all makes the rows anyway) and the resolved backend gathers (triton).
+# The gathered rows cannot go through TMA descriptors, so the up kernel takes pointer loads there. Unset,
+# "never" for now: it has not been timed on a GPU (docs/benchmarks.md, "After the fifth round"); it starts as
+# MOEKIT_FUSED_GATHER says.
+FUSED_GATHER_ENV = "MOEKIT_FUSED_GATHER"
+FUSED_GATHER = mode_from_env(FUSED_GATHER_ENV, "never")
+
+
+def fused_gather_problem() -> str:
+    """"" or what is wrong with FUSED_GATHER (set from MOEKIT_FUSED_GATHER): the trainer checks it at start-up."""
+    return mode_problem("moe.experts.FUSED_GATHER", FUSED_GATHER, FUSED_GATHER_ENV)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -528,13 +552,30 @@ class GroupedExperts(nn.Module):
                 if b is not None:
                     b.zero_()
 
-    def forward(self, rows: Tensor, counts: Tensor) -> Tensor:
+    def _local_params(self) -> list[Tensor]:
+        """The parameters this rank computes with. Under expert parallelism the weights may be DTensors sharded
+        over experts (comm.expert_parallel): the local [E_local, ...] block. Duck-typed: moe/ never imports
+        distributed."""
+        return [p.to_local() if hasattr(p, "to_local") else p for p in (getattr(self, n) for n in self.param_names())]
+
+    def takes_gather(self, rows: Tensor) -> bool:
+        """Whether forward(..., gather=) will read these rows in place: FUSED_GATHER allows it on rows' device
+        and the backend that would run on them gathers (moe.dispatch.LocalDispatcher.dispatch fuse_gather)."""
+        if FUSED_GATHER == "never" or (FUSED_GATHER == "auto" and rows.device.type != "cuda"):
+            return False
+        if FUSED_GATHER not in ("auto", "always"):
+            raise ValueError(fused_gather_problem())
+        dtype = compute_dtype(rows)  # what forward computes in; only shape, dtype and device matter to the choice
+        rows, w_in, w_out = (torch.empty((), dtype=dtype, device=t.device).expand(t.shape)
+                             for t in (rows, *self._local_params()[:2]))
+        return resolve_backend(self.backend, rows, w_in, w_out, bias=self.bias).gather
+
+    def forward(self, rows: Tensor, counts: Tensor, gather=None) -> Tensor:
+        """rows [N, H] expert-major -> [N, H]. ``gather`` (moe.dispatch.RowGather, when takes_gather said so):
+        rows is instead the unpermuted source [T, H], logical row r = rows[gather.index[r]], output [N, H]."""
         if rows.dim() != 2 or rows.shape[-1] != self.hidden_size:
             raise ValueError(f"rows must be [N, {self.hidden_size}], got {tuple(rows.shape)}")
-        # Under expert parallelism the weights may be DTensors sharded over experts (comm.expert_parallel):
-        # this rank computes with its local [E_local, ...] block. Duck-typed: moe/ never imports distributed.
-        params = [getattr(self, n) for n in self.param_names()]
-        params = [p.to_local() if hasattr(p, "to_local") else p for p in params]
+        params = self._local_params()
         w_in = params[0]
         if counts.shape != (w_in.shape[0],):
             raise ValueError(f"counts must be [{w_in.shape[0]}] (one per local expert), got {tuple(counts.shape)}")
@@ -543,10 +584,13 @@ class GroupedExperts(nn.Module):
             params = [p.to(rows.dtype) for p in params]
         w_in, w_out, *biases = params
         backend = resolve_backend(self.backend, rows, w_in, w_out, bias=self.bias)
-        if self.bias:
-            out = backend.fn(rows, counts, w_in, w_out, self.activation, b_in=biases[0], b_out=biases[1])
-        else:  # the original call: backends registered without bias support keep working
-            out = backend.fn(rows, counts, w_in, w_out, self.activation)
+        kw = dict(b_in=biases[0], b_out=biases[1]) if self.bias else {}  # backends without bias: the original call
+        if gather is not None:
+            if not backend.gather:
+                raise ValueError(f"expert backend {backend.name!r} cannot read rows in place (a RowGather); ask "
+                                 f"takes_gather(rows) first, or dispatch without fuse_gather")
+            kw.update(gather_index=gather.index, gather_slots=gather.slots)
+        out = backend.fn(rows, counts, w_in, w_out, self.activation, **kw)
         if torch.is_grad_enabled() and not out.requires_grad and (w_in.requires_grad or rows.requires_grad):
             # No rows reached these experts, so the backend built no graph. Tie the (empty or zero) output
             # to the weights anyway: under expert parallelism the collectives in backward must run on

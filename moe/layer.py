@@ -214,8 +214,15 @@ class MoELayer(nn.Module):
         if getattr(self.dispatcher, "overlap_chunks", 1) > 1:  # EP: chunks whose all-to-alls overlap experts
             y = self.dispatcher.pipelined(rows_in, routing, self.experts)  # [T, H] (comm.overlap)
         else:
-            d = self.dispatcher.dispatch(rows_in, routing)  # rows [N, H], counts [E_local]
-            y = self.dispatcher.combine(self.experts(d.rows, d.counts), d.meta)  # [T, H]
+            if getattr(self.dispatcher, "fuses_gather", False) and getattr(self.experts, "takes_gather", None) \
+                    and self.experts.takes_gather(rows_in):
+                # rows stay [T, H]: the experts' first GEMM reads each routed row in place (moe.experts.FUSED_GATHER)
+                d = self.dispatcher.dispatch(rows_in, routing, fuse_gather=True)
+                expert_out = self.experts(d.rows, d.counts, gather=d.gather)  # [N, H]
+            else:
+                d = self.dispatcher.dispatch(rows_in, routing)  # rows [N, H], counts [E_local]
+                expert_out = self.experts(d.rows, d.counts)  # [N, H]
+            y = self.dispatcher.combine(expert_out, d.meta)  # [T, H]
         if self.shared_expert is not None:
             y = y + self.shared_expert(x)
         if routing.aux_loss.requires_grad and torch.is_grad_enabled():

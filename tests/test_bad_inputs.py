@@ -525,7 +525,8 @@ def test_bad_kernel_environment_is_refused_before_the_run(tmp_path, capsys, monk
 # The Triton-path switches read from the environment at import (moe.kernel_choice): module, attribute, variable
 SWITCHES = [("moekit.models.loss", "TRITON_LM_LOSS", "MOEKIT_LM_LOSS"),
             ("moekit.moe.precision", "SPLIT_ROUTER", "MOEKIT_SPLIT_ROUTER"),
-            ("moekit.models.delta_rule", "TRITON_SCAN", "MOEKIT_DELTA_SCAN")]
+            ("moekit.models.delta_rule", "TRITON_SCAN", "MOEKIT_DELTA_SCAN"),
+            ("moekit.moe.experts", "FUSED_GATHER", "MOEKIT_FUSED_GATHER")]
 
 
 @pytest.mark.parametrize("module,attr,var", SWITCHES, ids=[v for _, _, v in SWITCHES])
@@ -546,13 +547,17 @@ def test_bad_switch_environment_is_refused_at_start_up(monkeypatch, module, attr
 
 
 def test_switches_start_from_the_environment():
-    """Case and spaces ignored; unset: the loss kernel and the router GEMM on ("auto"), the delta-rule scan off
-    ("never": opt-in until its kernels have run on a GPU)."""
-    code = ("from moekit.models import delta_rule, loss; from moekit.moe import precision; "
-            "print(loss.TRITON_LM_LOSS, precision.SPLIT_ROUTER, delta_rule.TRITON_SCAN)")
-    env = {"MOEKIT_SPLIT_ROUTER": " Never ", "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+    """Case and spaces ignored; unset: the loss kernel and the router GEMM on ("auto"), the delta-rule scan and the
+    fused gather off ("never": opt-in until their kernels have been timed on a GPU)."""
+    code = ("from moekit.models import delta_rule, loss; from moekit.moe import experts, precision; "
+            "print(loss.TRITON_LM_LOSS, precision.SPLIT_ROUTER, delta_rule.TRITON_SCAN, experts.FUSED_GATHER)")
+    env = {"MOEKIT_SPLIT_ROUTER": " Never ", "MOEKIT_FUSED_GATHER": "ALWAYS", "PATH": "/usr/bin:/bin",
+           "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
-    assert out.stdout.split() == ["auto", "never", "never"], out.stderr
+    assert out.stdout.split() == ["auto", "never", "never", "always"], out.stderr
+    del env["MOEKIT_FUSED_GATHER"]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.stdout.split()[-1] == "never", out.stderr
 
 
 # ---------------------------------------------------------------------------------------------------

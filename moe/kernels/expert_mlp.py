@@ -25,12 +25,14 @@ import triton.language as tl
 from moekit.moe.activations import OAI_ALPHA, OAI_LIMIT, get_activation
 from moekit.moe.experts import counts_to_offs
 
-from ._common import (LAUNCHES, Kernel, cfg, check_offs, check_triton_tensors, dot_flags, expert_tile, prune_by_smem,
-                      row_tile_grid, tile_mm, to_out, why_not_triton_tensors)
+from ._common import (LAUNCHES, Kernel, cfg, check_gather_index, check_offs, check_triton_tensors, dot_flags,
+                      expert_tile, gather_rows, prune_by_smem, row_tile_grid, tile_mm, to_out, why_not_triton_tensors)
 from ._tma import (check_tma_mode, set_tma_allocator, tile_mm_tma, tma_default, tma_wanted, try_tma_launch,
                    why_not_tma_gemm, why_not_variant)
 from .grouped_mm import check_bias, grouped_mm, grouped_mm_fwd
 from .grouped_mm_wgrad import grouped_colsum, grouped_mm_wgrad
+from .combine import combine_rows
+from .scatter_add import scatter_add_rows
 
 VARIANTS = ("fused", "plain")
 # The kernels' ACT constexpr is moe.activations' Activation.kernel_code; the epilogues below hard-code
@@ -66,18 +68,19 @@ def expert_mlp_ref(rows: torch.Tensor, counts: torch.Tensor, w_in: torch.Tensor,
 
 @triton.jit
 def _expert_up_act_kernel(
-    X, W, HOUT, PRE, OFFS, BIAS,
-    M, F, K, E,
+    X, W, HOUT, PRE, OFFS, BIAS, GIDX,
+    M, F, K, E, X_ROWS,
     stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_hm, stride_hn, stride_pm, stride_pn,
     stride_be, stride_bn,
     E_POW2: tl.constexpr, ACT: tl.constexpr, SAVE_PRE: tl.constexpr, HAS_BIAS: tl.constexpr,
-    PRECISION: tl.constexpr, INTERP_BF16: tl.constexpr, TMA: tl.constexpr,
+    HAS_GATHER: tl.constexpr, PRECISION: tl.constexpr, INTERP_BF16: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """h[:, n-tile] = act(x @ w[e][:, n-tile] (, x @ w[e][:, F + n-tile]) (+ bias[e] columns)); optionally
     pre (the activation's input, bias included) as well. HAS_BIAS: the tile's expert e is known here, so its
-    bias row is one [BLOCK_N] load per half. TMA: the operands through descriptors (_tma.tile_mm_tma; unit
-    inner strides, no gather)."""
+    bias row is one [BLOCK_N] load per half. HAS_GATHER: logical row r reads x[GIDX[r]] (X_ROWS rows; an index
+    outside them reads zeros), the permute's gather done in the K loop's loads (_common.gather_rows). TMA: the
+    operands through descriptors (_tma.tile_mm_tma; unit inner strides, no gather)."""
     GATED: tl.constexpr = (ACT == 0) | (ACT == 3)
     e, offs_m, m_mask, offs_n, n_mask, owned, start, end = expert_tile(OFFS, M, F, E, E_POW2, BLOCK_M, BLOCK_N,
                                                                        GROUP_M)
@@ -89,7 +92,8 @@ def _expert_up_act_kernel(
                                        tl.min(offs_n, 0), (1 + GATED) * F, K, F, False, GATED, PRECISION, INTERP_BF16,
                                        BLOCK_M, BLOCK_N, BLOCK_K)
         else:
-            acc_g, acc_u = tile_mm(X, offs_m, m_mask, stride_xm, stride_xk, w_e, offs_n, n_mask, stride_wk, stride_wn,
+            src, a_mask = gather_rows(GIDX, offs_m, m_mask, X_ROWS, HAS_GATHER)
+            acc_g, acc_u = tile_mm(X, src, a_mask, stride_xm, stride_xk, w_e, offs_n, n_mask, stride_wk, stride_wn,
                                    K, F, GATED, PRECISION, INTERP_BF16, BLOCK_M, BLOCK_N, BLOCK_K)
         if HAS_BIAS:  # bias[e, n-tile] (and bias[e, F + n-tile]: the up half), in fp32 on the accumulators
             b_ptrs = BIAS + e.to(tl.int64) * stride_be + offs_n * stride_bn
@@ -259,7 +263,7 @@ EXPERT_UP_ACT = Kernel(
         cfg(32, 64, 32, 4, 3),
     ],
     interpret_config=cfg(32, 32, 16, 4, 1, group=2),
-    key=["F", "K", "ACT", "TMA"],
+    key=["F", "K", "ACT", "TMA", "HAS_GATHER"],
     prune=prune_by_smem(_SMEM, b_tiles=2, fp32_acc_per_thread=32),
 )
 EXPERT_DOWN_DACT = Kernel(
@@ -289,16 +293,17 @@ MLP_TMA = tma_default()
 _TMA_FAILURE: list[str] = []
 
 
-def why_not_tma(x: torch.Tensor, w: torch.Tensor) -> str:
+def why_not_tma(x: torch.Tensor, w: torch.Tensor, gather_index: torch.Tensor | None = None) -> str:
     """"" when the fused kernels can read x [M, K] and the weights w (as stored) through descriptors."""
-    return why_not_variant(why_not_tma_gemm(x=x, w=w), _TMA_FAILURE)
+    return why_not_variant(why_not_tma_gemm(x=x, w=w), _TMA_FAILURE, gather_index)
 
 
-def _launch(kernel: Kernel, grid, args: tuple, x: torch.Tensor, w: torch.Tensor, **constexprs) -> None:
-    """kernel[grid](*args, TMA=..., **constexprs): the descriptor loads where MLP_TMA asks and they can run,
-    else (or after they fail to build, once, with a warning) the pointer loads."""
+def _launch(kernel: Kernel, grid, args: tuple, x: torch.Tensor, w: torch.Tensor, gather_index=None,
+            **constexprs) -> None:
+    """kernel[grid](*args, TMA=..., **constexprs): the descriptor loads where MLP_TMA asks and they can run
+    (never for a gathered x), else (or after they fail to build, once, with a warning) the pointer loads."""
     check_tma_mode(MLP_TMA, "expert_mlp.MLP_TMA")
-    if tma_wanted(MLP_TMA, x.device) and not why_not_tma(x, w):
+    if tma_wanted(MLP_TMA, x.device) and not why_not_tma(x, w, gather_index):
         set_tma_allocator(x.device)
         if try_tma_launch(lambda: kernel[grid](*args, TMA=True, **constexprs), _TMA_FAILURE, "expert_mlp"):
             LAUNCHES[f"{kernel.name}:tma"] += 1  # of the launches counted under its name: those with descriptors
@@ -312,10 +317,10 @@ def _launch(kernel: Kernel, grid, args: tuple, x: torch.Tensor, w: torch.Tensor,
 
 
 def expert_up_act(x: torch.Tensor, w_in: torch.Tensor, offs: torch.Tensor, activation: str, *,
-                  save_pre: bool, allow_tf32: bool = False,
-                  bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  save_pre: bool, allow_tf32: bool = False, bias: torch.Tensor | None = None,
+                  gather_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(h [M, F], pre [M, F_in] or None) with h = act(x @ w_in[e] (+ bias[e])) per expert row block;
-    bias [E, F_in] or None."""
+    bias [E, F_in] or None. gather_index [M] int64 or None: logical row r is x[gather_index[r]] (x [X_ROWS, K])."""
     what = "expert_up_act (Triton)"
     act = get_activation(activation)
     if x.dim() != 2 or w_in.dim() != 3 or w_in.shape[1] != x.shape[1] or (act.gated and w_in.shape[2] % 2):
@@ -323,7 +328,8 @@ def expert_up_act(x: torch.Tensor, w_in: torch.Tensor, offs: torch.Tensor, activ
                          f"{tuple(x.shape)} and {tuple(w_in.shape)}")
     check_bias(what, bias, w_in.shape[0], w_in.shape[2])
     check_triton_tensors(what, x, w_in, *([] if bias is None else [bias]))
-    m, k = x.shape
+    check_gather_index(gather_index, x.device, what)
+    m, k = x.shape if gather_index is None else (gather_index.shape[0], x.shape[1])
     e, f_in = w_in.shape[0], w_in.shape[2]
     offs = check_offs(offs, e, x.device, m, what)
     f = f_in // 2 if act.gated else f_in
@@ -335,12 +341,13 @@ def expert_up_act(x: torch.Tensor, w_in: torch.Tensor, offs: torch.Tensor, activ
         return h.zero_(), pre if pre is None else pre.zero_()
     p = pre if pre is not None else h  # placeholder pointer, never written when SAVE_PRE is False
     b = bias if bias is not None else h  # placeholder pointer, never read when HAS_BIAS is False
+    g = gather_index if gather_index is not None else offs  # placeholder pointer, never read without a gather
     _launch(EXPERT_UP_ACT, row_tile_grid(m, f, e), (
-        x, w_in, h, p, offs, b, m, f, k, e,
+        x, w_in, h, p, offs, b, g, m, f, k, e, x.shape[0],
         x.stride(0), x.stride(1), w_in.stride(0), w_in.stride(1), w_in.stride(2),
         h.stride(0), h.stride(1), p.stride(0), p.stride(1), b.stride(0), b.stride(1),
-    ), x, w_in, E_POW2=triton.next_power_of_2(e), ACT=act.kernel_code, SAVE_PRE=save_pre, HAS_BIAS=bias is not None,
-        **dot_flags(x.dtype, allow_tf32))
+    ), x, w_in, gather_index, E_POW2=triton.next_power_of_2(e), ACT=act.kernel_code, SAVE_PRE=save_pre,
+        HAS_BIAS=bias is not None, HAS_GATHER=gather_index is not None, **dot_flags(x.dtype, allow_tf32))
     return h, pre
 
 
@@ -382,31 +389,40 @@ def expert_down_dact(dy: torch.Tensor, w_out: torch.Tensor, pre: torch.Tensor, o
 class FusedExpertMLPFunction(torch.autograd.Function):
     """Optional biases b_in [E, F_in] / b_out [E, H] (None: no bias): added in the epilogues of the first
     kernel and of the second GEMM, which know their tile's expert; their gradients are the per-expert column
-    sums of dpre and dy (grouped_colsum: a fixed reduction order, no atomics), rows past sum(counts) none."""
+    sums of dpre and dy (grouped_colsum: a fixed reduction order, no atomics), rows past sum(counts) none.
+
+    gather_index [N] (None: x is the rows): the first kernel reads row r from x[gather_index[r]], so the
+    permuted [N, H] copy is never made nor saved (x is). Backward sums each x row's logical-row gradients in
+    a fixed order: by ``gather_slots`` (x row t's rows are gather_slots[t*k:(t+1)*k], N for none: the
+    combine kernel without weights, no sort) or else by a sort of gather_index (scatter_add_rows)."""
 
     @staticmethod
-    def forward(ctx, rows, offs, w_in, w_out, activation, allow_tf32, need_grad, b_in=None, b_out=None):
+    def forward(ctx, x, offs, w_in, w_out, activation, allow_tf32, need_grad, b_in=None, b_out=None,
+                gather_index=None, gather_slots=None):
         # need_grad comes from the caller: inside forward grad mode is off and ctx.needs_input_grad
         # stays True under torch.no_grad(), which would make inference write pre for nothing.
-        h, pre = expert_up_act(rows, w_in, offs, activation, save_pre=need_grad, allow_tf32=allow_tf32, bias=b_in)
+        h, pre = expert_up_act(x, w_in, offs, activation, save_pre=need_grad, allow_tf32=allow_tf32, bias=b_in,
+                               gather_index=gather_index)
         y = grouped_mm_fwd(h, w_out, offs, allow_tf32=allow_tf32, bias=b_out)
-        ctx.save_for_backward(rows, offs, w_in, w_out, pre)
+        ctx.save_for_backward(x, offs, w_in, w_out, pre, gather_index, gather_slots)
         ctx.activation, ctx.allow_tf32 = activation, allow_tf32
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        rows, offs, w_in, w_out, pre = ctx.saved_tensors
+        x, offs, w_in, w_out, pre, gather_index, gather_slots = ctx.saved_tensors
         need_x, _, need_win, need_wout = ctx.needs_input_grad[:4]
         need_bin, need_bout = ctx.needs_input_grad[7:9]
         tf32 = ctx.allow_tf32
-        drows = dw_in = dw_out = db_in = db_out = None
+        dx = dw_in = dw_out = db_in = db_out = None
         if need_x or need_win or need_bin:
             dpre, h = expert_down_dact(dy, w_out, pre, offs, ctx.activation, store_h=need_wout, allow_tf32=tf32)
             if need_x:
-                drows = grouped_mm_fwd(dpre, w_in, offs, transpose_w=True, allow_tf32=tf32)
+                dx = grouped_mm_fwd(dpre, w_in, offs, transpose_w=True, allow_tf32=tf32)  # [N, H] row gradients
+                if gather_index is not None:
+                    dx = _sum_into_sources(dx, gather_index, gather_slots, x.shape[0])
             if need_win:
-                dw_in = grouped_mm_wgrad(rows, dpre, offs, allow_tf32=tf32)
+                dw_in = grouped_mm_wgrad(x, dpre, offs, gather_index, allow_tf32=tf32)
             if need_bin:
                 db_in = grouped_colsum(dpre, offs)
         elif need_wout:  # only w_out trains: h from pre elementwise, no GEMM needed
@@ -415,7 +431,15 @@ class FusedExpertMLPFunction(torch.autograd.Function):
             dw_out = grouped_mm_wgrad(h, dy, offs, allow_tf32=tf32)
         if need_bout:
             db_out = grouped_colsum(dy, offs)
-        return drows, None, dw_in, dw_out, None, None, None, db_in, db_out
+        return dx, None, dw_in, dw_out, None, None, None, db_in, db_out, None, None
+
+
+def _sum_into_sources(d_rows: torch.Tensor, gather_index: torch.Tensor, gather_slots: torch.Tensor | None,
+                      num_sources: int) -> torch.Tensor:
+    """[num_sources, H]: each gathered-from row's gradient, the sum of its logical rows' in a fixed order."""
+    if gather_slots is None:
+        return scatter_add_rows(d_rows, gather_index, num_sources)
+    return combine_rows(d_rows, gather_slots, None, num_sources, gather_slots.shape[0] // max(num_sources, 1))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -430,7 +454,8 @@ def why_not_triton(rows: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, 
 
 def expert_mlp(rows: torch.Tensor, counts: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor,
                activation: str, *, variant: str = "fused", allow_tf32: bool = False,
-               b_in: torch.Tensor | None = None, b_out: torch.Tensor | None = None) -> torch.Tensor:
+               b_in: torch.Tensor | None = None, b_out: torch.Tensor | None = None,
+               gather_index: torch.Tensor | None = None, gather_slots: torch.Tensor | None = None) -> torch.Tensor:
     """act(rows_e @ w_in[e] (+ b_in[e])) @ w_out[e] (+ b_out[e]) per expert's contiguous row block;
     differentiable in rows, w_in, w_out and the optional biases b_in [E, F_in], b_out [E, H].
 
@@ -440,6 +465,14 @@ def expert_mlp(rows: torch.Tensor, counts: torch.Tensor, w_in: torch.Tensor, w_o
     counts summing past N stop at N (moe.experts.counts_to_offs). variant "fused" (activation in
     the GEMM epilogues) or "plain" (two grouped GEMMs, activation in torch). Triton only: see
     why_not_triton.
+
+    gather_index [N] int64: the rows are read in place, logical row r = rows[gather_index[r]] with rows
+    [T, H] the unpermuted source (ScatterMoE-style: the permute's gather happens in the first GEMM's loads,
+    and no [N, H] copy is made or kept for backward; an index outside [0, T) reads a zero row). The output
+    is [N, H] in the logical order; rows' gradient [T, H] sums each source row's logical rows in a fixed
+    order. gather_slots [T*k] int64, optional: the inverse map (source row t's logical rows are
+    gather_slots[t*k:(t+1)*k], N or any index outside [0, N) for none, as moe.dispatch's slot_row), which
+    lets that sum skip a sort.
     """
     what = "expert_mlp"
     act = get_activation(activation)  # ValueError naming the known activations
@@ -461,15 +494,35 @@ def expert_mlp(rows: torch.Tensor, counts: torch.Tensor, w_in: torch.Tensor, w_o
                          f"{tuple(counts.shape)} {counts.dtype} on {counts.device}")
     check_bias(what, b_in, e, f_in, "b_in")
     check_bias(what, b_out, e, hdim, "b_out")
+    _check_gather(what, rows, gather_index, gather_slots)
     biases = [b for b in (b_in, b_out) if b is not None]
     reason = why_not_triton(rows, w_in, w_out, *biases)
     if reason:
         raise ValueError(f"{what}: {reason}")
-    offs = counts_to_offs(counts, rows.shape[0])  # on device: no host sync
+    num_rows = rows.shape[0] if gather_index is None else gather_index.shape[0]
+    offs = counts_to_offs(counts, num_rows)  # on device: no host sync
     if variant == "plain":
         from moekit.moe.experts import add_expert_bias
 
-        h = add_expert_bias(grouped_mm(rows, w_in, offs, backend="triton", allow_tf32=allow_tf32), b_in, offs)
+        h = grouped_mm(rows, w_in, offs, gather_index, backend="triton", allow_tf32=allow_tf32)
+        h = add_expert_bias(h, b_in, offs)
         return add_expert_bias(grouped_mm(act(h), w_out, offs, backend="triton", allow_tf32=allow_tf32), b_out, offs)
     need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (rows, w_in, w_out, *biases))
-    return FusedExpertMLPFunction.apply(rows, offs, w_in, w_out, activation, allow_tf32, need_grad, b_in, b_out)
+    return FusedExpertMLPFunction.apply(rows, offs, w_in, w_out, activation, allow_tf32, need_grad, b_in, b_out,
+                                        gather_index, gather_slots)
+
+
+def _check_gather(what: str, rows: torch.Tensor, gather_index: torch.Tensor | None,
+                  gather_slots: torch.Tensor | None) -> None:
+    check_gather_index(gather_index, rows.device, what)
+    if gather_slots is None:
+        return
+    if gather_index is None:
+        raise ValueError(f"{what}: gather_slots is the inverse of gather_index; pass gather_index too, or neither")
+    if (not isinstance(gather_slots, torch.Tensor) or gather_slots.dim() != 1 or gather_slots.dtype != torch.int64
+            or gather_slots.device != rows.device):
+        raise ValueError(f"{what}: gather_slots must be a 1-D int64 tensor on {rows.device}")
+    t = rows.shape[0]
+    if (t == 0 and gather_slots.numel()) or (t and gather_slots.numel() % t):
+        raise ValueError(f"{what}: gather_slots has {gather_slots.numel()} entries, not k per source row for the "
+                         f"{t} rows; it must be [T*k] (moe.dispatch's slot_row)")

@@ -1,0 +1,239 @@
+"""The permute's gather fused into the first expert GEMM (ScatterMoE-style; moe.experts.FUSED_GATHER), on CPU in the
+Triton interpreter.
+
+Kernel level: ``expert_mlp(x, counts, ..., gather_index=, gather_slots=)`` against float64 autograd of the
+gather-then-per-expert-loop written another way (``x[index]`` and ``expert_mlp_ref``), with ragged counts, empty
+experts, rows past sum(counts), out-of-range indices and source rows nobody reads. Layer level: MoELayer with the
+switch on and off gives the same output and gradients (bitwise at k = 2, where both sum a token's two row gradients
+exactly alike), the permuted copy is never made (moe.dispatch.permute is not called) and the memory kept for
+backward shrinks by exactly the [T k, H] rows.
+
+The module-level TRITON_INTERPRET handling is test_kernels.py's (see its docstring).
+"""
+from __future__ import annotations
+
+import math
+import os
+
+_PREV_INTERPRET = os.environ.get("TRITON_INTERPRET")
+os.environ["TRITON_INTERPRET"] = "1"
+import triton  # noqa: E402,F401  (first import decides the mode: see test_kernels.py)
+
+import pytest
+import torch
+
+import moekit.moe.kernels as K
+from moekit.moe import dispatch, experts
+from moekit.moe.activations import ffn_in_features
+from moekit.moe.dispatch import LocalDispatcher
+from moekit.moe.kernels import LAUNCHES, expert_mlp, expert_mlp_ref
+from moekit.moe.layer import MoELayer
+from moekit.moe.router import build_router
+from tests.helpers import gen
+
+if _PREV_INTERPRET is None:
+    del os.environ["TRITON_INTERPRET"]
+else:
+    os.environ["TRITON_INTERPRET"] = _PREV_INTERPRET
+
+
+@pytest.fixture(autouse=True)
+def _interpret(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if not K.interpret_mode():
+        pytest.fail("triton was imported in compiled mode before this module set TRITON_INTERPRET=1; "
+                    "run `TRITON_INTERPRET=1 pytest tests/test_fused_gather.py`")
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+def _routing(g, T, E, k, capacity_factor=None, empty=(0, 3)):
+    """Ragged top-k routing with experts ``empty`` never chosen (and slots dropped under a capacity)."""
+    router = build_router("topk", 8, E, top_k=k, capacity_factor=capacity_factor)
+    logits = torch.randn(T, E, generator=g)
+    logits[:, list(empty)] = -30.0
+    return router.route(logits)
+
+
+def _leaves(*ts):
+    return [t.detach().clone().requires_grad_() for t in ts]
+
+
+def _fwd_bwd(fn, inputs, g):
+    leaves = _leaves(*inputs)
+    y = fn(*leaves)
+    dy = torch.randn(y.shape, generator=g, dtype=torch.float64).to(y.dtype)
+    y.backward(dy)
+    return [y.detach()] + [t.grad for t in leaves]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Kernel level
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu", "swiglu_oai"])
+@pytest.mark.parametrize("slots", [True, False], ids=["slots", "sorted"])
+@pytest.mark.parametrize("variant", ["fused", "plain"])
+def test_gathered_expert_mlp_matches_float64(activation, slots, variant):
+    """Logical rows read from x in place, 4 experts of them empty or ragged, the backward's token sums by the slot
+    map (combine kernel) or by a sort (scatter_add_rows): every output and gradient within fp32 rounding of float64
+    autograd over x[index] -> per-expert loop."""
+    g = gen("gathered", activation, slots, variant)
+    T, E, k, H, F = 29, 6, 3, 24, 20
+    r = _routing(g, T, E, k)
+    d = LocalDispatcher(E).dispatch(torch.zeros(T, H), r, fuse_gather=True)
+    index, counts = d.gather.index, r.tokens_per_expert
+    x = torch.randn(T + 3, H, generator=g, dtype=torch.float64)  # 3 source rows no slot reads
+    w_in = torch.randn(E, H, ffn_in_features(activation, F), generator=g, dtype=torch.float64) / H ** 0.5
+    w_out = torch.randn(E, F, H, generator=g, dtype=torch.float64) / F ** 0.5
+    slot_map = None
+    if slots:  # the dispatch's slot map covers the T routed tokens; the 3 extra rows have no slots
+        slot_map = torch.cat([d.gather.slots, torch.full((3 * k,), index.shape[0], dtype=torch.int64)])
+    ref = _fwd_bwd(lambda a, b, c: expert_mlp_ref(a.index_select(0, index), counts, b, c, activation),
+                   (x, w_in, w_out), gen("dy", 1))
+    got = _fwd_bwd(lambda a, b, c: expert_mlp(a, counts, b, c, activation, variant=variant, gather_index=index,
+                                              gather_slots=slot_map if variant == "fused" else None),
+                   [t.float() for t in (x, w_in, w_out)], gen("dy", 1))
+    for name, a, b in zip(("y", "dx", "dw_in", "dw_out"), got, ref):
+        assert a.shape == b.shape, name
+        torch.testing.assert_close(a.double(), b, rtol=2e-5, atol=2e-5, msg=lambda m: f"{name}: {m}")
+    assert got[1][T:].abs().max() == 0  # rows nobody reads get no gradient
+    assert ref[1][:T].abs().sum(1).gt(0).all()  # ...while every routed token does (the check above can fail)
+
+
+def test_gather_reads_zeros_for_indices_outside_the_source_and_zero_rows_past_the_counts():
+    """Out-of-range gather indices read a zero row and pass nothing back; rows past sum(counts) come out 0."""
+    g = gen("oob")
+    T, E, H, F = 11, 3, 16, 12
+    x, w_in, w_out = torch.randn(T, H, generator=g), torch.randn(E, H, 2 * F, generator=g), torch.randn(E, F, H, generator=g)
+    index = torch.randint(0, T, (20,), generator=g)
+    index[[2, 7, 15]] = torch.tensor([-1, T, 10 ** 9])
+    counts = torch.tensor([6, 0, 11])  # 17 owned rows, 3 past them
+    got = _fwd_bwd(lambda a, b, c: expert_mlp(a, counts, b, c, "swiglu", gather_index=index), (x, w_in, w_out),
+                   gen("oob-dy"))
+    safe = torch.where((index >= 0) & (index < T), index, T)
+    x_pad = torch.cat([x.double(), torch.zeros(1, H, dtype=torch.float64)])
+    ref = _fwd_bwd(lambda a, b, c: expert_mlp_ref(a.index_select(0, safe), counts, b, c, "swiglu"),
+                   (x_pad, w_in.double(), w_out.double()), gen("oob-dy"))
+    torch.testing.assert_close(got[0].double(), ref[0], rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(got[1].double(), ref[1][:T], rtol=2e-5, atol=2e-5)
+    assert got[0][[2, 7, 15]].abs().max() == 0 and got[0][17:].abs().max() == 0
+
+
+def test_gathered_bf16_within_what_torch_gets_in_bf16():
+    """bf16: the kernel's error against float64 at most twice torch's own bf16 computation of the same thing plus
+    one bf16 ulp of the result's scale (the calibrated bound of tests/test_kernels.py)."""
+    g = gen("bf16")
+    T, E, k, H, F = 33, 5, 2, 32, 24
+    r = _routing(g, T, E, k, empty=(1,))
+    index = LocalDispatcher(E).dispatch(torch.zeros(T, H), r, fuse_gather=True).gather.index
+    counts = r.tokens_per_expert
+    x, w_in, w_out = (torch.randn(T, H, generator=g), torch.randn(E, H, 2 * F, generator=g) / H ** 0.5,
+                      torch.randn(E, F, H, generator=g) / F ** 0.5)
+    bf = [t.bfloat16() for t in (x, w_in, w_out)]
+    ref = _fwd_bwd(lambda a, b, c: expert_mlp_ref(a.index_select(0, index), counts, b, c, "swiglu"),
+                   [t.double() for t in bf], gen("bf16-dy"))
+    low = _fwd_bwd(lambda a, b, c: expert_mlp_ref(a.index_select(0, index), counts, b, c, "swiglu"), bf, gen("bf16-dy"))
+    got = _fwd_bwd(lambda a, b, c: expert_mlp(a, counts, b, c, "swiglu", gather_index=index), bf, gen("bf16-dy"))
+    for name, a, lo, want in zip(("y", "dx", "dw_in", "dw_out"), got, low, ref):
+        err, err_torch = (a.double() - want).abs().max(), (lo.double() - want).abs().max()
+        assert err <= 2 * err_torch + 2 ** -8 * want.abs().max(), (name, err.item(), err_torch.item())
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(gather_index=torch.zeros(4)), "int64"),
+    (dict(gather_slots=torch.zeros(8, dtype=torch.int64)), "pass gather_index too"),
+    (dict(gather_index=torch.zeros(6, dtype=torch.int64), gather_slots=torch.zeros(7, dtype=torch.int64)),
+     "not k per source row"),
+    (dict(gather_index=torch.zeros(6, dtype=torch.int64), gather_slots=torch.zeros(8, dtype=torch.int32)),
+     "1-D int64"),
+])
+def test_bad_gather_arguments_are_refused(bad, match):
+    x, w_in, w_out = torch.randn(4, 8), torch.randn(2, 8, 6), torch.randn(2, 3, 8)
+    with pytest.raises(ValueError, match=match):
+        expert_mlp(x, torch.tensor([3, 3]), w_in, w_out, "swiglu", **bad)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Layer level
+# ---------------------------------------------------------------------------------------------------
+
+
+def _layer_run(mode, monkeypatch, dtype=torch.float32, k=2, capacity_factor=None, **layer_kw):
+    """(output, dx, parameter grads, bytes kept for backward) of one MoELayer forward+backward under FUSED_GATHER=mode."""
+    monkeypatch.setattr(experts, "FUSED_GATHER", mode)
+    torch.manual_seed(0)
+    router = build_router("topk", 24, 6, top_k=k, capacity_factor=capacity_factor)
+    layer = MoELayer(24, 20, 6, router, backend="triton", **layer_kw).to(dtype)
+    with torch.no_grad():  # biases start at 0: make them matter to the output
+        for name, p in layer.experts.named_parameters():
+            if name.startswith("b_"):
+                p.normal_(generator=gen("bias", name))
+    x = torch.randn(2, 15, 24, generator=gen("layer", dtype, k, capacity_factor), dtype=torch.float64).to(dtype)
+    x.requires_grad_()
+    kept = {}
+
+    def pack(t):
+        kept[(t.untyped_storage().data_ptr(), t.dtype)] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = layer(x)
+    y.float().pow(2).sum().backward()
+    return y.detach(), x.grad, [p.grad for p in layer.parameters()], sum(kept.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", ["dropless", "capacity", "bias", "weight_on_input", "shared"])
+def test_layer_with_fused_gather_equals_the_permuted_rows_bitwise(monkeypatch, dtype, case):
+    """Top-2, so a token's two row gradients add the same way in both backward paths: output, input gradient and
+    every parameter gradient bit for bit; the permute's gather never runs, and the bytes kept for backward drop by
+    the [N, H] permuted rows (less the experts' input, where nothing else kept it)."""
+    kw = {"dropless": {}, "capacity": dict(capacity_factor=0.6), "bias": dict(ffn_bias=True, activation="swiglu_oai"),
+          "weight_on_input": dict(k=1, weight_on_input=True), "shared": dict(shared_ffn_hidden_size=16)}[case]
+    plain = _layer_run("never", monkeypatch, dtype, **kw)
+    calls = []
+    monkeypatch.setattr(dispatch, "permute", lambda *a: calls.append(1) or pytest.fail("the rows were permuted"))
+    before = LAUNCHES["_expert_up_act_kernel"]
+    fused = _layer_run("always", monkeypatch, dtype, **kw)
+    assert LAUNCHES["_expert_up_act_kernel"] == before + 1 and not calls
+    for name, a, b in (("y", fused[0], plain[0]), ("dx", fused[1], plain[1])):
+        assert torch.equal(a, b), (name, (a - b).abs().max())
+    for i, (a, b) in enumerate(zip(fused[2], plain[2])):
+        assert torch.equal(a, b), (i, (a - b).abs().max())
+    T, k = 30, kw.get("k", 2)
+    n_rows = T * k if case != "capacity" else min(T * k, 6 * min(T, math.ceil(T * k / 6 * 0.6)))  # E x capacity
+    # the experts keep their [T, H] input instead, new only where it is not the layer's input (weight_on_input's
+    # scaled copy, which nothing else keeps: top-1, so nothing is saved there)
+    new_input = T if case == "weight_on_input" else 0
+    assert plain[3] - fused[3] == (n_rows - new_input) * 24 * dtype.itemsize, (plain[3], fused[3])
+
+
+def test_layer_top4_matches_within_rounding(monkeypatch):
+    """k = 4: the two paths add a token's row gradients in different orders (fp32 rounding apart)."""
+    plain = _layer_run("never", monkeypatch, k=4)
+    fused = _layer_run("always", monkeypatch, k=4)
+    torch.testing.assert_close(fused[0], plain[0], rtol=0, atol=0)  # the forward is the same arithmetic
+    torch.testing.assert_close(fused[1], plain[1], rtol=1e-6, atol=1e-6)
+    for a, b in zip(fused[2], plain[2]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_switch_decides_where_the_gather_fuses(monkeypatch):
+    """auto: CUDA tensors only; always: the interpreter's CPU tensors too, but only for a backend that gathers
+    (the loop backend dispatches as before, and asking it to gather is refused)."""
+    layer = MoELayer(16, 8, 4, "topk", backend="triton")
+    rows = torch.randn(5, 16)
+    for mode, want in (("never", False), ("auto", False), ("always", True)):
+        monkeypatch.setattr(experts, "FUSED_GATHER", mode)
+        assert layer.experts.takes_gather(rows) is want, mode
+    layer.set_backend("loop")
+    assert layer.experts.takes_gather(rows) is False
+    layer(rows)  # dispatches the permuted rows
+    d = LocalDispatcher(4).dispatch(rows, layer.router(rows), fuse_gather=True)
+    with pytest.raises(ValueError, match="cannot read rows in place"):
+        layer.experts(d.rows, d.counts, gather=d.gather)
+    monkeypatch.setattr(experts, "FUSED_GATHER", "fast")
+    layer.set_backend("triton")
+    with pytest.raises(ValueError, match=r"MOEKIT_FUSED_GATHER.*use one of auto, always, never"):
+        layer.experts.takes_gather(rows)
