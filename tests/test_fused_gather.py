@@ -237,3 +237,32 @@ def test_switch_decides_where_the_gather_fuses(monkeypatch):
     layer.set_backend("triton")
     with pytest.raises(ValueError, match=r"MOEKIT_FUSED_GATHER.*use one of auto, always, never"):
         layer.experts.takes_gather(rows)
+
+
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16], ids=["fp32", "bf16-autocast"])
+def test_planner_counts_what_the_fused_gather_keeps(monkeypatch, autocast):
+    """The memory planner's activations for a Triton-expert model (one small layer, one process) against the
+    measured bytes with the switch either way: within 1% each (small ints and scalars, relatively large at this
+    size), and the difference of the two exact. Under autocast the experts keep the one bf16 copy of their input
+    in place of the [T k, H] rows; in fp32 the block's input itself, which was kept already."""
+    import dataclasses
+
+    from moekit.comm.topology import Layout
+    from moekit.models.config import preset
+    from moekit.train.planning.memory import Workload, estimate_memory
+    from tests.test_dryrun import B, S, measure_one_process
+
+    # one small layer: the interpreter runs every expert kernel program in numpy
+    cfg = dataclasses.replace(preset("mixtral-tiny"), num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1,
+                              moe_ffn_hidden_size=32, expert_backend="triton")
+    wl = Workload(B, S, "float32" if autocast is None else "bfloat16", "none", "cpu")
+    measured, estimated = {}, {}
+    for mode in ("never", "always"):
+        monkeypatch.setattr(experts, "FUSED_GATHER", mode)
+        measured[mode] = measure_one_process(cfg, "none", autocast=autocast)["activations"]
+        estimated[mode] = estimate_memory(cfg, Layout(), wl).activations
+        assert estimated[mode] == pytest.approx(measured[mode], rel=0.01), (mode, estimated, measured)
+    saved = measured["never"] - measured["always"]
+    assert estimated["never"] - estimated["always"] == saved, (estimated, measured)
+    T, H, k = B * S, cfg.hidden_size, cfg.top_k
+    assert saved == (T * k * H - (T * H if autocast else 0)) * (2 if autocast else 4)  # the rows, less the copy

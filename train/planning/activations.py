@@ -96,6 +96,15 @@ def fused_router_applies(cfg: ModelConfig, cpu: bool) -> bool:
         cfg.router in ("topk", "switch") and opts.get("num_groups") is None and opts.get("force_expert") is None
 
 
+def fused_gather_applies(cfg: ModelConfig, layout: Layout, cpu: bool) -> bool:
+    """Whether the experts read their rows in place (moe.experts.FUSED_GATHER): the local dispatcher (no expert
+    parallelism), the Triton backend, and the switch on for the device."""
+    from moekit.moe import experts
+
+    mode = experts.FUSED_GATHER
+    return layout.ep == 1 and _backend(cfg, cpu) == "triton" and (mode == "always" or (mode == "auto" and not cpu))
+
+
 def _router(cfg: ModelConfig, s: Shapes) -> int:
     E, k, T, H = cfg.num_experts, cfg.top_k, s.Tm, cfg.hidden_size
     opts = cfg.router_options
@@ -129,7 +138,12 @@ def _moe(cfg: ModelConfig, layout: Layout, s: Shapes, node_rows: float) -> dict[
     # backward recomputes the activation); the other backends keep what the activation and the second GEMM keep
     act = get_activation(cfg.activation)
     hidden = act.in_features(F) if backend == "triton" else F * ffn_widths(cfg.activation, False)
-    experts = s.R * H * (s.a if s.casts else s.r) + s.R * hidden * s.a + s.R * H * s.a
+    if fused_gather_applies(cfg, layout, s.cpu):  # the experts keep their [T, H] input, not the [R, H] rows: the
+        # block's input itself, or under autocast the one bf16 copy the layer casts
+        rows = s.Tm * H * s.a if s.casts else 0
+    else:
+        rows = s.R * H * (s.a if s.casts else s.r)
+    experts = rows + s.R * hidden * s.a + s.R * H * s.a
     if cfg.moe_ffn_bias and backend == "torch":  # add_expert_bias keeps each row's int64 expert id, per bias
         experts += 2 * s.R * INT64
     out = {"router": _router(cfg, s), "dispatch": dispatch, "experts": experts}
