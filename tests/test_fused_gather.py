@@ -266,3 +266,32 @@ def test_planner_counts_what_the_fused_gather_keeps(monkeypatch, autocast):
     assert estimated["never"] - estimated["always"] == saved, (estimated, measured)
     T, H, k = B * S, cfg.hidden_size, cfg.top_k
     assert saved == (T * k * H - (T * H if autocast else 0)) * (2 if autocast else 4)  # the rows, less the copy
+
+
+def test_layer_benchmark_times_the_fused_gather(tmp_path, capsys):
+    """tools/bench/moe_layer.py: the moekit[triton+gather] peer (same output as moekit[triton], less kept for
+    backward) and, where the layer's experts gather, the experts_gathered phase beside permute + experts."""
+    import json
+
+    from moekit.bench import moe_layer
+    from moekit.bench.layer_probes import phase_steps
+
+    out = tmp_path / "layer.json"
+    assert moe_layer.main(["--tokens", "48", "--hidden", "16", "--shapes", "16x4x2", "--backends", "triton",
+                           "--hf-impl", "--peers", "gather", "--repeats", "1", "--warmup", "0", "--out",
+                           str(out)]) == 0
+    res = json.loads(out.read_text())
+    rows = {r["impl"]: r for r in res["results"]}
+    # against the first peer (moekit[auto], the loop on CPU): the same output as moekit[triton], bit for bit
+    assert rows["moekit[triton+gather]"]["max_abs_err"] == rows["moekit[triton]"]["max_abs_err"] < 1e-5
+    assert rows["moekit[triton+gather]"]["rel_err_vs_fp32"] == rows["moekit[triton]"]["rel_err_vs_fp32"]
+    mem = res["cases"][0]["activation_bytes"]
+    assert mem["moekit[triton+gather]"]["saved_tensors_bytes"] < mem["moekit[triton]"]["saved_tensors_bytes"]
+    assert "moekit[triton+gather]" in capsys.readouterr().out
+    layer = MoELayer(16, 16, 4, "topk", backend="triton")
+    steps = phase_steps(layer, torch.randn(12, 16, generator=gen("phase")))
+    assert "experts_gathered" in steps
+    steps["experts_gathered"]()
+    assert layer.experts.w_in.grad is not None and layer.experts.w_in.grad.abs().sum() > 0
+    layer.set_backend("loop")
+    assert "experts_gathered" not in phase_steps(layer, torch.randn(12, 16))

@@ -9,12 +9,16 @@ layer in the same run, so "phase / layer" is a share of the same clock:
     permute  sort the slots + gather x -> rows [N, H]; backward sums each token's k row gradients
     experts  rows [N, H] -> grouped SwiGLU MLP -> [N, H]; backward: dX, dW_in, dW_out
     combine  [N, H] -> weighted sum of each token's k rows -> [T, H]; backward into rows and weights
+    experts_gathered   (where the experts can gather: the Triton backend) the experts reading their rows from
+             x [T, H] in place (moe.experts.FUSED_GATHER), the permute's gather in their first GEMM; backward
+             also sums each token's k row gradients. Set it beside permute + experts.
 
 Those wall-clock shares include each phase's host launch time, which the whole layer overlaps with GPU
 work; on a GPU the phases' kernel time alone (``device_times``, torch.profiler) is recorded too.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 from typing import Callable
@@ -23,6 +27,18 @@ import torch
 from torch import Tensor, nn
 
 PHASES = ("router", "permute", "experts", "combine")
+
+
+@contextlib.contextmanager
+def gather_allowed():
+    """moe.experts.FUSED_GATHER = "always" inside (MoELayer reads it in forward only)."""
+    from moekit.moe import experts
+
+    before, experts.FUSED_GATHER = experts.FUSED_GATHER, "always"
+    try:
+        yield
+    finally:
+        experts.FUSED_GATHER = before
 
 
 def kernel_ms(events, runs: int) -> float:
@@ -120,12 +136,18 @@ def phase_steps(layer: nn.Module, x: Tensor) -> dict[str, Callable[[], None]]:
     def permute():
         return layer.dispatcher.dispatch(leaf, routing).rows
 
-    return {
+    steps = {
         "router": _fwd_bwd(router, lambda: (g_w, torch.ones((), device=x.device))),
         "permute": _fwd_bwd(permute, lambda: (g_rows,)),
         "experts": _fwd_bwd(lambda: layer.experts(rows, d.counts), lambda: (g_rows,)),
         "combine": _fwd_bwd(lambda: layer.dispatcher.combine(out_rows, meta), lambda: (g_out.to(out_rows.dtype),)),
     }
+    with gather_allowed():
+        gathers = getattr(layer.dispatcher, "fuses_gather", False) and layer.experts.takes_gather(leaf)
+    if gathers:
+        g = layer.dispatcher.dispatch(leaf, routing, fuse_gather=True)
+        steps["experts_gathered"] = _fwd_bwd(lambda: layer.experts(leaf, g.counts, gather=g.gather), lambda: (g_rows,))
+    return steps
 
 
 def gemm_floor_step(layer: nn.Module, x: Tensor, backward: bool) -> tuple[Callable[[], None], float]:
