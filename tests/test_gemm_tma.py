@@ -215,17 +215,22 @@ MLP_CASES = {"swiglu-24-ragged": ("swiglu", 24, [5, 0, 70, 17, 0, 33]), "swiglu-
              "relu-24-past": ("relu", 24, [40, 100])}
 
 
+@pytest.mark.parametrize("gather", [False, True], ids=["rows", "gather"])
 @pytest.mark.parametrize("activation,F,counts", MLP_CASES.values(), ids=MLP_CASES.keys())
-def test_fused_mlp_with_tma_loads_equals_pointer_loads_bit_for_bit(monkeypatch, activation, F, counts):
+def test_fused_mlp_with_tma_loads_equals_pointer_loads_bit_for_bit(monkeypatch, activation, F, counts, gather):
     """Forward and every gradient, TMA loads in all five GEMM kernels against all pointer loads. F = 24 with
     the interpreter's 32-column tiles: the gate tile's last strip reads into the up half, which the stores
-    mask; past: counts beyond the rows."""
+    mask; past: counts beyond the rows. gather: the rows read from a 50-row x in place (gather_index, repeats
+    and out-of-range entries), so the up kernel takes the weights alone through descriptors (tile_mm_tma_b)."""
     monkeypatch.setattr(X, "_TMA_FAILURE", [])
     monkeypatch.setattr(G, "_TMA_FAILURE", [])
-    g = gen("mlp", activation, F, counts)
+    g = gen("mlp", activation, F, counts, gather)
     M, H = 125, 48
     f_in = 2 * F if activation == "swiglu" else F
-    x = torch.randn(M, H, generator=g).to(DEV, torch.bfloat16).requires_grad_()
+    index = None
+    if gather:
+        index = torch.randint(-2, 52, (M,), generator=g).to(DEV)
+    x = torch.randn(50 if gather else M, H, generator=g).to(DEV, torch.bfloat16).requires_grad_()
     w_in = (torch.randn(len(counts), H, f_in, generator=g) * 0.2).to(DEV, torch.bfloat16).requires_grad_()
     w_out = (torch.randn(len(counts), F, H, generator=g) * 0.2).to(DEV, torch.bfloat16).requires_grad_()
     c = torch.tensor(counts, device=DEV)
@@ -235,14 +240,15 @@ def test_fused_mlp_with_tma_loads_equals_pointer_loads_bit_for_bit(monkeypatch, 
         for module, switch in ((X, "MLP_TMA"), (G, "GEMM_TMA"), (W, "WGRAD_TMA")):
             monkeypatch.setattr(module, switch, mode)
         before = mlp_tma_launches()
-        y = X.expert_mlp(x, c, w_in, w_out, activation, variant="fused")
+        y = X.expert_mlp(x, c, w_in, w_out, activation, variant="fused", gather_index=index)
         results[mode] = (y, *torch.autograd.grad(y, (x, w_in, w_out), dy))
         used = tuple(b - a for a, b in zip(before, mlp_tma_launches()))
         assert used == ((0, 0) if mode == "never" else (1, 1)), used  # no owned rows: it launches to zero them
     for name, a, b in zip(("y", "dx", "dw_in", "dw_out"), results["never"], results["always"]):
         assert torch.equal(a, b), f"{name}: max diff {(a.float() - b.float()).abs().max().item()}"
+    rows = x if index is None else torch.cat([x, x.new_zeros(1, H)])[torch.where((index >= 0) & (index < 50), index, 50)]
     with torch.no_grad():
-        ref = X.expert_mlp_ref(x.double(), c, w_in.double(), w_out.double(), activation)
+        ref = X.expert_mlp_ref(rows.double(), c, w_in.double(), w_out.double(), activation)
     assert (results["always"][0].detach().double() - ref).abs().max() <= 2e-2 * max(1.0, float(ref.abs().max()))
 
 

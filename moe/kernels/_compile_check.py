@@ -64,6 +64,7 @@ def capture_launches(dtype: torch.dtype) -> list:
                 # swiglu only: the descriptor loads are the same for every activation, and its epilogue (two
                 # pre tiles) is the one closest to spilling
                 expert_up_act(x, w, offs, "swiglu", save_pre=True)
+                expert_up_act(x, w, offs, "swiglu", save_pre=True, gather_index=gidx)  # weights alone by TMA
                 expert_down_dact(x, torch.randn(e, f, h, dtype=dtype), torch.randn(m, 2 * f, dtype=dtype), offs,
                                  "swiglu", store_h=True)
                 # per-expert biases (gpt-oss) in the epilogues: swiglu_oai's up projection, the second GEMM
@@ -76,6 +77,7 @@ def capture_launches(dtype: torch.dtype) -> list:
         grouped_colsum(x, offs)  # the biases' gradient
         grouped_mm_fwd(torch.randn(m, 2 * f, dtype=dtype), w, offs, transpose_w=True, bias=torch.randn(e, h, dtype=dtype))
         expert_up_act(x, w, offs, "swiglu_oai", save_pre=True, bias=torch.randn(e, 2 * f, dtype=dtype))
+        expert_up_act(x, w, offs, "swiglu", save_pre=True, gather_index=gidx)  # the fused gather, pointer loads
         t, k = 16, 2  # the combine: fp32 router weights on rows of this dtype, weighted and plain, backward
         slot_row = torch.randint(-1, m + 2, (t * k,))
         weights = torch.rand(t, k)

@@ -160,3 +160,25 @@ def tile_mm_tma(A, start, rows, stride_am, m0, B, stride_br, n0, N_B, K, B2_COL,
                 b2 = b_desc.load([k0, B2_COL + n0])
             acc2 = dot_acc(a, b2, acc2, PRECISION, INTERP_BF16)
     return acc, acc2
+
+
+@triton.jit
+def tile_mm_tma_b(A, a_rows, a_mask, stride_am, stride_ak, B, stride_br, n0, N_B, K, B2_COL,
+                  TWO_B: tl.constexpr, PRECISION: tl.constexpr, INTERP_BF16: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """tile_mm_tma with A through pointers instead: rows ``a_rows`` of A (gathered, any order; ``a_mask`` off reads
+    zeros), B = one expert's [K, N_B] matrix as stored through a descriptor. For an A the descriptors cannot read (a
+    gather), the weights still come through TMA. The same K loop and reduction order as tile_mm and tile_mm_tma, so
+    the same bits; columns past n0's strip inside N_B are computed, and the caller's store masks them."""
+    b_desc = tl.make_tensor_descriptor(B, shape=[K, N_B], strides=[stride_br, 1], block_shape=[BLOCK_K, BLOCK_N])
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = A + a_rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ak
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = tl.load(a_ptrs, mask=a_mask[:, None] & (offs_k < K - k0)[None, :], other=0.0)
+        acc = dot_acc(a, b_desc.load([k0, n0]), acc, PRECISION, INTERP_BF16)
+        if TWO_B:
+            acc2 = dot_acc(a, b_desc.load([k0, B2_COL + n0]), acc2, PRECISION, INTERP_BF16)
+        a_ptrs += BLOCK_K * stride_ak
+    return acc, acc2

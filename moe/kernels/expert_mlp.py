@@ -27,8 +27,8 @@ from moekit.moe.experts import counts_to_offs
 
 from ._common import (LAUNCHES, Kernel, cfg, check_gather_index, check_offs, check_triton_tensors, dot_flags,
                       expert_tile, gather_rows, prune_by_smem, row_tile_grid, tile_mm, to_out, why_not_triton_tensors)
-from ._tma import (check_tma_mode, set_tma_allocator, tile_mm_tma, tma_default, tma_wanted, try_tma_launch,
-                   why_not_tma_gemm, why_not_variant)
+from ._tma import (check_tma_mode, set_tma_allocator, tile_mm_tma, tile_mm_tma_b, tma_default, tma_wanted,
+                   try_tma_launch, why_not_tma_gemm, why_not_variant)
 from .grouped_mm import check_bias, grouped_mm, grouped_mm_fwd
 from .grouped_mm_wgrad import grouped_colsum, grouped_mm_wgrad
 from .combine import combine_rows
@@ -80,14 +80,20 @@ def _expert_up_act_kernel(
     pre (the activation's input, bias included) as well. HAS_BIAS: the tile's expert e is known here, so its
     bias row is one [BLOCK_N] load per half. HAS_GATHER: logical row r reads x[GIDX[r]] (X_ROWS rows; an index
     outside them reads zeros), the permute's gather done in the K loop's loads (_common.gather_rows). TMA: the
-    operands through descriptors (_tma.tile_mm_tma; unit inner strides, no gather)."""
+    operands through descriptors (_tma.tile_mm_tma; unit inner strides), or with HAS_GATHER the weights alone
+    (_tma.tile_mm_tma_b: the gathered rows through pointers)."""
     GATED: tl.constexpr = (ACT == 0) | (ACT == 3)
     e, offs_m, m_mask, offs_n, n_mask, owned, start, end = expert_tile(OFFS, M, F, E, E_POW2, BLOCK_M, BLOCK_N,
                                                                        GROUP_M)
     if owned:
         # the up half starts F columns later; the same x tile feeds it: x is read once for both halves
         w_e = W + e.to(tl.int64) * stride_we
-        if TMA:
+        if TMA and HAS_GATHER:  # the weights through a descriptor, the gathered rows through pointers
+            src, a_mask = gather_rows(GIDX, offs_m, m_mask, X_ROWS, HAS_GATHER)
+            acc_g, acc_u = tile_mm_tma_b(X, src, a_mask, stride_xm, stride_xk, w_e, stride_wk, tl.min(offs_n, 0),
+                                         (1 + GATED) * F, K, F, GATED, PRECISION, INTERP_BF16, BLOCK_M, BLOCK_N,
+                                         BLOCK_K)
+        elif TMA:
             acc_g, acc_u = tile_mm_tma(X, start, end - start, stride_xm, tl.min(offs_m, 0) - start, w_e, stride_wk,
                                        tl.min(offs_n, 0), (1 + GATED) * F, K, F, False, GATED, PRECISION, INTERP_BF16,
                                        BLOCK_M, BLOCK_N, BLOCK_K)
@@ -294,14 +300,17 @@ _TMA_FAILURE: list[str] = []
 
 
 def why_not_tma(x: torch.Tensor, w: torch.Tensor, gather_index: torch.Tensor | None = None) -> str:
-    """"" when the fused kernels can read x [M, K] and the weights w (as stored) through descriptors."""
-    return why_not_variant(why_not_tma_gemm(x=x, w=w), _TMA_FAILURE, gather_index)
+    """"" when the fused kernels can read x [M, K] and the weights w (as stored) through descriptors; with a
+    gather_index, the weights alone (the gathered rows of x come through pointers)."""
+    operands = dict(x=x, w=w) if gather_index is None else dict(w=w)
+    return why_not_variant(why_not_tma_gemm(**operands), _TMA_FAILURE)
 
 
 def _launch(kernel: Kernel, grid, args: tuple, x: torch.Tensor, w: torch.Tensor, gather_index=None,
             **constexprs) -> None:
     """kernel[grid](*args, TMA=..., **constexprs): the descriptor loads where MLP_TMA asks and they can run
-    (never for a gathered x), else (or after they fail to build, once, with a warning) the pointer loads."""
+    (for a gathered x, the weights' loads only), else (or after they fail to build, once, with a warning) the
+    pointer loads."""
     check_tma_mode(MLP_TMA, "expert_mlp.MLP_TMA")
     if tma_wanted(MLP_TMA, x.device) and not why_not_tma(x, w, gather_index):
         set_tma_allocator(x.device)
