@@ -296,8 +296,8 @@ def test_moe_layer_on_device_matches_float64(backend):
 @pytest.mark.parametrize("k", [2, 8])
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
 def test_fused_gather_layer_on_device_equals_the_permuted_rows(monkeypatch, k, autocast):
-    """moe.experts.FUSED_GATHER: the up kernel gathers the routed rows through its pointer loads (no TMA). Against
-    the permuted rows (with TMA where it runs): the forward's products are the same in either load path, so the
+    """moe.experts.FUSED_GATHER: the up kernel gathers the routed rows through pointer loads (its weights by TMA where
+    that runs). Against the permuted rows: the forward's products are the same in either load path, so the
     output is equal bit for bit; at k 2 the input gradient too (two-term sums in either order), at k 8 within the
     rounding of different summation orders; the weight gradients within that rounding (the gathered wgrad's tiles
     may differ). The permuted copy never exists on the fused path."""
