@@ -72,7 +72,8 @@ def _kernel_scan(U0, W, q_start, scores, k_end, carry, state, final_state):
 
     try:
         return delta_scan(U0, W, q_start, scores, k_end, carry,
-                          None if state is None else state.to(torch.float32), final_state)
+                          None if state is None else state.to(torch.float32), final_state,
+                          strict=TRITON_SCAN == "always", failures=_BUILD_FAILURE)
     except BUILD_ERRORS as exc:
         if TRITON_SCAN == "always":
             raise

@@ -200,3 +200,35 @@ def test_modes(monkeypatch):
     assert "MOEKIT_DELTA_SCAN" in dr.delta_scan_problem()
     with pytest.raises(ValueError, match="invalid"):
         gated_delta_rule(*f32, s0.float(), chunk=16)
+
+
+@pytest.mark.parametrize("which", ["forward", "backward"])
+def test_a_kernel_that_fails_to_build_falls_back_to_the_loop(monkeypatch, which):
+    """"auto": the forward kernel failing to build runs the loop; the backward one failing (the forward built)
+    differentiates the loop over the saved chunk starts. Either way one warning, the same outputs and gradients as
+    the loop, and the loop from the next call on; "always" raises the build error instead."""
+    from tests.helpers import BrokenLauncher
+
+    DS = importlib.import_module("moekit.moe.kernels.delta_scan")  # the module (the package exports the function)
+
+    key = ("broken", which)
+    inputs, s0, _ = _inputs(1, 40, 2, 16, 16, key)
+    f32, s32 = [t.float() for t in inputs], s0.float()
+    monkeypatch.setattr(dr, "TRITON_SCAN", "never")
+    want = _grads(_rule(16, True), f32, s32, None, True, key)
+    monkeypatch.setattr(DS, "DELTA_SCAN_FWD" if which == "forward" else "DELTA_SCAN_BWD", BrokenLauncher())
+    monkeypatch.setattr(dr, "TRITON_SCAN", "always")
+    with pytest.raises(Exception, match="simulated"):
+        _grads(_rule(16, True), f32, s32, None, True, key)
+    monkeypatch.setattr(dr, "TRITON_SCAN", "auto")
+    # "auto" as on a GPU (on CPU it never takes the kernels): until a build failure is remembered
+    monkeypatch.setattr(dr, "_scan_path", lambda x: not dr._BUILD_FAILURE)
+    what = "Triton delta-rule scan" if which == "forward" else "backward delta-rule scan kernel"
+    with pytest.warns(UserWarning, match=f"the {what} failed to build here.*simulated"):
+        got = _grads(_rule(16, True), f32, s32, None, True, key)
+    for a, b in zip((got[0], got[1], *got[2]), (want[0], want[1], *want[2])):
+        _close(a, b, 2e-5)
+    assert dr._BUILD_FAILURE  # remembered: the next call takes the loop, no launch and no warning
+    before = (K.LAUNCHES[FWD], K.LAUNCHES[BWD])
+    _grads(_rule(16, True), f32, s32, None, True, key)
+    assert (K.LAUNCHES[FWD], K.LAUNCHES[BWD]) == before

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import Kernel, cdiv, check_triton_tensors, interpret_mode, pow2
+from ._common import BUILD_ERRORS, Kernel, cdiv, check_triton_tensors, interpret_mode, pow2, record_build_failure
 
 # Column tiles: fp32 FMA dots keep their operands in registers, so the tiles stay small (sm90 offline compile, dk =
 # 128, L = 64: docs/kernels.md "Delta-rule scan"). The interpreter takes 16 so dv = 32 gets two tiles (the
@@ -250,15 +250,19 @@ def delta_scan_ref(U0, W, q_start, scores, k_end, carry, state=None, final_state
 
 
 class DeltaScan(torch.autograd.Function):
-    """The scan as one forward and one backward kernel: (o [B, N, n, L, dv], final state or None)."""
+    """The scan as one forward and one backward kernel: (o [B, N, n, L, dv], final state or None).
+
+    A backward kernel this machine's Triton cannot build (the forward one built) differentiates the torch loop
+    over the saved chunk starts instead, after one warning, and is named in ``failures`` (the caller's list, so
+    its later calls take the loop from the start); with ``strict`` the build error is raised."""
 
     @staticmethod
-    def forward(ctx, U0, W, q_start, scores, k_end, carry, state, final_state, need_grad):
+    def forward(ctx, U0, W, q_start, scores, k_end, carry, state, final_state, need_grad, strict, failures):
         o, sfin, states = delta_scan_fwd(U0, W, q_start, scores, k_end, carry, state, final_state=final_state,
                                          save_states=need_grad)
         if need_grad:
             ctx.save_for_backward(U0, W, q_start, scores, k_end, carry, states)
-        ctx.has_state = state is not None
+        ctx.has_state, ctx.strict, ctx.failures = state is not None, strict, failures
         if sfin is None:
             return o, None
         return o, sfin
@@ -269,17 +273,49 @@ class DeltaScan(torch.autograd.Function):
         if grad_o is None:
             grad_o = torch.zeros_like(U0)
         need_state = ctx.has_state and ctx.needs_input_grad[6]
-        grads = delta_scan_bwd(U0, W, q_start, scores, k_end, carry, states, grad_o, grad_final,
-                               need_state_grad=need_state)
-        return (*grads, None, None)
+        try:
+            grads = delta_scan_bwd(U0, W, q_start, scores, k_end, carry, states, grad_o, grad_final,
+                                   need_state_grad=need_state)
+        except BUILD_ERRORS as exc:
+            if ctx.strict:
+                raise
+            record_build_failure(exc, ctx.failures, "moe.kernels.delta_scan", "backward delta-rule scan kernel",
+                                 "the torch loop is differentiated (and runs from the next call on)",
+                                 "models.delta_rule.TRITON_SCAN")
+            grads = _loop_backward(U0, W, q_start, scores, k_end, carry, states, grad_o, grad_final, need_state)
+        return (*grads, None, None, None, None, None)
 
 
-def delta_scan(U0, W, q_start, scores, k_end, carry, state=None, final_state=True):
+def _loop_backward(U0, W, q_start, scores, k_end, carry, states, grad_o, grad_final, need_state):
+    """delta_scan_bwd's gradients by autograd through delta_scan_ref, from the first chunk's saved start state."""
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_() for t in (U0, W, q_start, scores, k_end, carry)]
+        s0 = states[:, :, 0].detach().requires_grad_(need_state) if states.shape[2] else None
+        o, sfin = delta_scan_ref(*leaves, s0, final_state=grad_final is not None)
+        outs, cotangents = [o], [grad_o]
+        if grad_final is not None:
+            outs.append(sfin)
+            cotangents.append(grad_final)
+        wrt = leaves + ([s0] if need_state and s0 is not None else [])
+        grads = list(torch.autograd.grad(outs, wrt, cotangents, allow_unused=True))
+    grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, wrt)]
+    if need_state and s0 is None:  # no chunks: the final state is the initial one
+        grads.append(grad_final.clone() if grad_final is not None else None)
+    return (*grads[:6], grads[6] if need_state else None)
+
+
+_BACKWARD_FAILURES: list[str] = []  # delta_scan's default list for DeltaScan's failures
+
+
+def delta_scan(U0, W, q_start, scores, k_end, carry, state=None, final_state=True, *, strict: bool = False,
+               failures: list | None = None):
     """Differentiable :func:`delta_scan_fwd` (module docstring): (o [B, N, n, L, dv], final state [B, N, dk, dv] or
-    None). Float32 chunk terms on CUDA, or CPU under TRITON_INTERPRET=1."""
+    None). Float32 chunk terms on CUDA, or CPU under TRITON_INTERPRET=1. ``strict``, ``failures``: what a backward
+    kernel that fails to build does (DeltaScan)."""
     inputs = (U0, W, q_start, scores, k_end, carry) + ((state,) if state is not None else ())
     need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
     if not need_grad:
         o, sfin, _ = delta_scan_fwd(U0, W, q_start, scores, k_end, carry, state, final_state=final_state)
         return o, sfin
-    return DeltaScan.apply(U0, W, q_start, scores, k_end, carry, state, final_state, True)
+    return DeltaScan.apply(U0, W, q_start, scores, k_end, carry, state, final_state, True, strict,
+                           _BACKWARD_FAILURES if failures is None else failures)
