@@ -219,12 +219,13 @@ class SliceReader:
 
     def read(self, key: str, index: tuple[slice, ...]) -> Tensor:
         """The slice ``index`` of ``key`` (a stored key, or a derived one: CheckpointReader.derive)."""
-        if key in self.reader.derived:  # rows of a fused tensor (Qwen3-Next): the source rows the slice covers
-            source, rows = self.reader.derived[key]
-            want = rows[index[0]]
-            lo, hi = (int(want.min()), int(want.max()) + 1) if len(want) else (0, 0)
-            part = self.read(source, (slice(lo, hi), *index[1:]))
-            return part[want - lo]
+        if key in self.reader.derived:  # rows of a fused tensor (Qwen3-Next): each run of consecutive source rows
+            source, rows = self.reader.derived[key]  # (the fused tensor interleaves its parts by key-head group,
+            want = rows[index[0]].tolist()  # so one span from the first row to the last would read the others')
+            runs = [self.read(source, (slice(r.start, r.stop), *index[1:])) for _, r in _row_runs(want)]
+            if not runs:
+                return self.read(source, (slice(0, 0), *index[1:]))
+            return runs[0] if len(runs) == 1 else torch.cat(runs)
         if key in self.reader.mxfp4:  # [E, in, out]: the experts' and outputs' blocks over every input, decoded
             bkey, skey = self.reader.mxfp4[key]
             e, i, o = index
@@ -268,7 +269,8 @@ def placed_rows(model: torch.nn.Module) -> dict[str, list[int]]:
 
 
 def _row_runs(rows: list[int]) -> list[tuple[slice, range]]:
-    """A placed tensor's local rows in runs of consecutive logical experts: (local rows, their experts)."""
+    """``rows`` (e.g. a placed tensor's local rows' logical experts) in runs of consecutive values: (positions in
+    ``rows``, their values)."""
     runs, j = [], 0
     while j < len(rows):
         k = j
