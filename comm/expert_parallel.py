@@ -11,6 +11,8 @@ Flat dispatch, one EP group of P ranks:
                       src0: e0 e1 | src1: e0 e1 | ...
     4. reorder      -> local-expert-major for the grouped GEMM                             [R, H]
                       e0: src0 src1 | e1: src0 src1
+                    (with dispatch(fuse_gather=True): left to the experts' first GEMM, which reads
+                     the received rows in place: moe.dispatch.RowGather)
     combine: 4^-1, all_to_all back, weighted unpermute (moe.dispatch) -> [T, H]
 
 With a placement (comm.placement) the expert ids above are physical: step 0 maps each slot's logical
@@ -29,7 +31,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from moekit.comm.all_to_all import Traffic, agree_on_signature, all_to_all, exchange_counts
 from moekit.comm.placement import Placement
-from moekit.moe.dispatch import Dispatched, PermuteMeta, permute, sort_slots, unpermute
+from moekit.moe.dispatch import Dispatched, PermuteMeta, RowGather, permute, sort_slots, unpermute
 from moekit.moe.router import Routing, check_int, count_experts
 
 
@@ -213,17 +215,24 @@ class FlatEPDispatcher(EPDispatcherBase):
             self.signature += self.placement.signature() << 32
         agree_on_signature(self.group, self.signature)  # before any count exchange: payload widths must match
 
-    def dispatch(self, x: Tensor, routing: Routing) -> Dispatched:
+    # dispatch(fuse_gather=True) leaves step 4, the reorder, to the experts' first GEMM (moe.dispatch.RowGather)
+    fuses_gather = True
+
+    def dispatch(self, x: Tensor, routing: Routing, *, fuse_gather: bool = False) -> Dispatched:
+        """``fuse_gather``: return the received rows [R, H] source-major as they came, with a RowGather saying
+        which of them each expert-major row is, for experts that gather in their first GEMM: one copy pass fewer
+        (MoELayer asks where moe.experts.FUSED_GATHER allows)."""
         check_tokens("FlatEPDispatcher", x, routing)
         check_expert_counts("FlatEPDispatcher", routing, self.num_experts)
         indices, counts = routing.indices, routing.tokens_per_expert
         if self.routes is not None:  # 0. logical -> physical expert ids (the copies this source uses)
             indices = self.routes(indices)
             counts = count_experts(indices, self.num_physical)
-        return self.dispatch_slots(x, indices, routing.weights, counts, may_drop=routing.capacity is not None)
+        return self.dispatch_slots(x, indices, routing.weights, counts, may_drop=routing.capacity is not None,
+                                   fuse_gather=fuse_gather)
 
     def dispatch_slots(self, x: Tensor, indices: Tensor, weights: Tensor, counts: Tensor,
-                       may_drop: bool) -> Dispatched:
+                       may_drop: bool, fuse_gather: bool = False) -> Dispatched:
         """dispatch() on raw slots: indices [T, k] physical ids (-1 = no expert), weights [T, k], counts [P*S]."""
         T, k = indices.shape
         P, El = self.ep, self.local_experts
@@ -240,6 +249,8 @@ class FlatEPDispatcher(EPDispatcherBase):
         order = source_to_expert_order(recv_counts)
         inverse = _inverse(order)
         meta = EPMeta(local, send_splits, recv_splits, order, inverse)
+        if fuse_gather:  # a permutation: received row t is expert-major row inverse[t] (one "slot" each)
+            return Dispatched(recv, recv_counts.sum(0), meta, RowGather.over(recv, order, inverse))
         return Dispatched(_Reorder.apply(recv, order, inverse), recv_counts.sum(0), meta)
 
     def combine(self, rows: Tensor, meta: EPMeta) -> Tensor:

@@ -41,6 +41,12 @@ class RowGather:
     index: Tensor  # [N] int64 source row of each logical row
     slots: Tensor | None  # [T*k] int64 logical row of each slot, or None
 
+    @classmethod
+    def over(cls, source: Tensor, index: Tensor, slots: Tensor) -> "RowGather":
+        """The gather of ``source``'s rows, keeping ``slots`` where the combine kernels (which sum by them) run on
+        ``source``'s device and dtype; else the backward sums by a sort."""
+        return cls(index, None if _why_not_combine(source, None) else slots)
+
 
 @dataclass(frozen=True)
 class Dispatched:
@@ -340,9 +346,8 @@ class LocalDispatcher:
             num_rows = min(num_rows, self.num_experts * routing.capacity)
         row_slot, slot_row = sort_slots(routing.indices, num_rows)
         meta = PermuteMeta(T, k, row_slot, slot_row, routing.weights, may_drop=routing.capacity is not None)
-        if fuse_gather:  # the slots give the backward's token sums without a sort, where their kernel builds
-            slots = None if _why_not_combine(x, None) else slot_row
-            return Dispatched(x, routing.tokens_per_expert, meta, RowGather(row_slot // k, slots))
+        if fuse_gather:
+            return Dispatched(x, routing.tokens_per_expert, meta, RowGather.over(x, row_slot // k, slot_row))
         return Dispatched(permute(x, meta), routing.tokens_per_expert, meta)
 
     def combine(self, rows: Tensor, meta: PermuteMeta) -> Tensor:

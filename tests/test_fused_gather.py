@@ -295,3 +295,43 @@ def test_layer_benchmark_times_the_fused_gather(tmp_path, capsys):
     assert layer.experts.w_in.grad is not None and layer.experts.w_in.grad.abs().sum() > 0
     layer.set_backend("loop")
     assert "experts_gathered" not in phase_steps(layer, torch.randn(12, 16))
+
+
+def _ep_rank(rank, world, E, k, tokens):
+    """One rank of a flat EP layer on the Triton experts, switch off then on: the same output and gradients bit for
+    bit (each received row has one place: the reorder is a permutation either way), and the reorder never copies."""
+    import copy
+
+    from moekit.comm import expert_parallel as EP
+    from moekit.comm.expert_parallel import apply_expert_parallel
+    from moekit.comm.topology import Layout, Topology
+
+    topo = Topology(Layout(dp=world, ep=world), rank, world).build()
+    torch.manual_seed(3)
+    ref = MoELayer(24, 20, E, build_router("topk", 24, E, top_k=k), backend="triton")
+    runs = {}
+    for mode in ("never", "always"):
+        experts.FUSED_GATHER = mode
+        layer = copy.deepcopy(ref)
+        apply_expert_parallel(layer, topo)
+        calls, real = [], EP._Reorder.apply
+        EP._Reorder.apply = lambda *a: calls.append(1) or real(*a)
+        try:
+            x = torch.randn(tokens, 24, generator=gen("ep", rank)).requires_grad_()
+            y = layer(x)
+            y.backward(torch.randn(y.shape, generator=gen("ep-dy", rank)))
+        finally:
+            EP._Reorder.apply = real
+        assert len(calls) == (2 if mode == "never" else 1), (mode, calls)  # dispatch's and combine's; combine's
+        runs[mode] = (y.detach(), x.grad, layer.experts.w_in.grad.to_local(), layer.experts.w_out.grad.to_local(),
+                      layer.router.weight.grad)
+    for a, b in zip(runs["always"], runs["never"]):
+        assert torch.equal(a, b), (a - b).abs().max()
+
+
+def test_expert_parallel_reorder_fused_into_the_experts():
+    """Flat expert parallelism over 2 gloo ranks (interpreted Triton experts): step 4's reorder of the received rows
+    happens in the up kernel's loads."""
+    from tests.dist_utils import run_ranks
+
+    run_ranks(_ep_rank, 2, 4, 2, 9, env={"TRITON_INTERPRET": "1"})

@@ -97,8 +97,9 @@ def fused_router_applies(cfg: ModelConfig, cpu: bool) -> bool:
 
 
 def fused_gather_applies(cfg: ModelConfig, layout: Layout, cpu: bool) -> bool:
-    """Whether the experts read their rows in place (moe.experts.FUSED_GATHER): the local dispatcher (no expert
-    parallelism), the Triton backend, and the switch on for the device."""
+    """Whether the experts read their rows in place (moe.experts.FUSED_GATHER) and so keep fewer bytes: the local
+    dispatcher (no expert parallelism), the Triton backend, and the switch on for the device. (Flat expert
+    parallelism's fused reorder keeps the received rows instead of their reordered copy: the same bytes.)"""
     from moekit.moe import experts
 
     mode = experts.FUSED_GATHER
