@@ -199,7 +199,7 @@ def selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 
     An op that writes into a tensor it was given (``out=``, in place) is always recomputed: its cached
     result would not be written into the buffer the recompute allocates (and SAC refuses a cached tensor
-    mutated later). So the loop backend's SwiGLU experts (``moe.experts._LoopGLU``: ``torch.mm(..., out=)``
+    mutated later). So the loop backend's SwiGLU experts (``moe.loop_experts._LoopGLU``: ``torch.mm(..., out=)``
     into preallocated h, a) and Triton kernels (raw launches, invisible to the dispatcher) are recomputed
     whole, like "ffn" does, while the torch backend's ``_grouped_mm`` outputs, [N, 2F] and [N, H], are kept.
     moekit's EP all-to-all (``dist.all_to_all_single`` into a preallocated output, an autograd Function)

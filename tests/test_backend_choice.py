@@ -4,7 +4,7 @@ gather + bmm path GPUs keep. float64, so "agree" is to rounding."""
 import pytest
 import torch
 
-from moekit.moe import dispatch, experts, onednn_gemm
+from moekit.moe import dispatch, experts, loop_experts, onednn_gemm
 from moekit.moe.dispatch import LocalDispatcher
 from moekit.moe.router import build_router
 
@@ -24,7 +24,7 @@ def test_loop_swiglu_function_matches_the_composite(counts):
     ends = experts.counts_to_offs(counts, rows.shape[0]).tolist()
     sizes = [b - a for a, b in zip([0] + ends[:-1], ends)]
     got = experts.loop_mlp(rows, counts, w_in, w_out, "swiglu")
-    want = experts._loop_composite(rows, sizes, w_in, w_out, "swiglu")
+    want = loop_experts._loop_composite(rows, sizes, w_in, w_out, "swiglu")
     torch.testing.assert_close(got, want)
     if want.requires_grad:
         for a, b in zip(torch.autograd.grad(got, (rows, w_in, w_out), dy, allow_unused=True),
@@ -103,7 +103,7 @@ def test_bf16_loop_in_row_pieces_matches_the_plain_loop(monkeypatch, counts):
     monkeypatch.setattr(onednn_gemm, "split_rows", lambda t: False)
     plain = run()
     r64 = [t.detach().double().requires_grad_() for t in (rows, w_in, w_out)]
-    y64 = experts._loop_composite(r64[0], c.tolist(), r64[1], r64[2], "swiglu")
+    y64 = loop_experts._loop_composite(r64[0], c.tolist(), r64[1], r64[2], "swiglu")
     ref = (y64, *torch.autograd.grad(y64, r64, dy.double()))
     for s, p, r in zip(split, plain, ref):
         err_split = ((s.double() - r).norm() / r.norm().clamp_min(1e-30)).item()

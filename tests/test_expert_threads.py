@@ -6,7 +6,7 @@ import threading
 import pytest
 import torch
 
-from moekit.moe import experts, expert_threads as et
+from moekit.moe import experts, expert_threads as et, loop_experts
 from moekit.moe.expert_threads import choose_workers, expert_threads, for_each_expert
 
 
@@ -76,7 +76,7 @@ def test_parallel_experts_match_the_autograd_composite_in_float64(activation):
     rows, counts, w_in, w_out, dy, _, biases = _case(torch.float64, COUNTS[0], activation=activation)
     leaves = (rows, w_in, w_out, *biases.values())
     # the autograd reference
-    want = experts._loop_composite(rows, counts.tolist(), w_in, w_out, activation, *biases.values())
+    want = loop_experts._loop_composite(rows, counts.tolist(), w_in, w_out, activation, *biases.values())
     with expert_threads(2):
         got = experts.loop_mlp(rows, counts, w_in, w_out, activation, **biases)
     torch.testing.assert_close(got, want)

@@ -247,7 +247,7 @@ def _weight_copies(cfg: ModelConfig, layout: Layout, wl: Workload, stage: Stage)
         return 0, 2 * largest * a
     # matmul weights only: a bias's cast copy is not saved (addmm's backward never reads its input bias), and
     # neither are the sinks' (sink_attention's first op on them is a division by the scale); but the loop
-    # backend's fused function (moe.experts._LoopGLU) saves the expert biases it was given: their casts
+    # backend's fused function (moe.loop_experts._LoopGLU) saves the expert biases it was given: their casts
     from moekit.moe.experts import LOOP_FUSED_ACTIVATIONS
 
     saved_biases = _backend(cfg, wl.device == "cpu") == "loop" and cfg.activation in LOOP_FUSED_ACTIVATIONS
