@@ -221,7 +221,7 @@ class FlatEPDispatcher(EPDispatcherBase):
     def dispatch(self, x: Tensor, routing: Routing, *, fuse_gather: bool = False) -> Dispatched:
         """``fuse_gather``: return the received rows [R, H] source-major as they came, with a RowGather saying
         which of them each expert-major row is, for experts that gather in their first GEMM: one copy pass fewer
-        (MoELayer asks where moe.experts.FUSED_GATHER allows)."""
+        (MoELayer asks where moe.experts.FUSED_PERMUTE allows)."""
         check_tokens("FlatEPDispatcher", x, routing)
         check_expert_counts("FlatEPDispatcher", routing, self.num_experts)
         indices, counts = routing.indices, routing.tokens_per_expert

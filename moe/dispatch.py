@@ -289,6 +289,37 @@ class _Unpermute(torch.autograd.Function):
         return grad_rows, grad_weights, None, None, None
 
 
+class _SumSlots(torch.autograd.Function):
+    """out[t] = sum_j rows[slot_row[t*k + j]]: the combine when the experts applied the weights already
+    (moe.experts.FUSED_PERMUTE's row_scale). Backward: each row's gradient is its token's, one gather; nothing of
+    rows is kept (the weighted combine keeps them for the weights' gradient)."""
+
+    @staticmethod
+    def forward(ctx, rows: Tensor, slot_row: Tensor, row_slot: Tensor, num_tokens: int, top_k: int,
+                padded: bool) -> Tensor:
+        ctx.save_for_backward(row_slot)
+        ctx.top_k = top_k
+        if _triton_combine(rows):
+            out = _run_combine_kernel("combine_rows", rows, None, rows, slot_row, None, num_tokens, top_k)
+            if out is not None:
+                return out
+        if _cpu_fast_path(rows, padded):
+            acc = torch.promote_types(rows.dtype, torch.float32)
+            slot_rows = slot_row.view(num_tokens, top_k)
+            out = rows.index_select(0, slot_rows[:, 0]).to(acc)
+            for j in range(1, top_k):
+                out += rows.index_select(0, slot_rows[:, j])
+            return out.to(rows.dtype)
+        with torch.autocast(rows.device.type, enabled=False):
+            return _gather_slots(rows, slot_row, num_tokens, top_k, padded).sum(1, dtype=torch.promote_types(
+                rows.dtype, torch.float32)).to(rows.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        (row_slot,) = ctx.saved_tensors
+        return grad_out.index_select(0, row_slot // ctx.top_k), None, None, None, None, None
+
+
 def _cpu_fast_path(rows: Tensor, padded: bool) -> bool:
     """CPU, and a row for every slot (no pad row): the combine / permute-backward variants without a
     [T, k, H] temporary. Where neither these nor the combine kernels (TRITON_COMBINE) run: the single
@@ -321,8 +352,10 @@ class LocalDispatcher:
     return zeros for them.
     """
 
-    # dispatch(fuse_gather=True) can leave the rows to the experts' first GEMM (MoELayer asks when they take it)
+    # dispatch(fuse_gather=True) can leave the rows to the experts' first GEMM, and combine(weighted=False) the
+    # routing weights to their last (row_weights): MoELayer asks when the experts take it (moe.experts.FUSED_PERMUTE)
     fuses_gather = True
+    fuses_weights = True
 
     def __init__(self, num_experts: int):
         check_int("LocalDispatcher num_experts", num_experts, 1)
@@ -350,10 +383,19 @@ class LocalDispatcher:
             return Dispatched(x, routing.tokens_per_expert, meta, RowGather.over(x, row_slot // k, slot_row))
         return Dispatched(permute(x, meta), routing.tokens_per_expert, meta)
 
-    def combine(self, rows: Tensor, meta: PermuteMeta) -> Tensor:
+    def row_weights(self, meta: PermuteMeta) -> Tensor:
+        """[N] float32: each row's routing weight (its slot's), differentiable into the routing weights: what
+        experts that scale their own output rows take (then ``combine(weighted=False)``)."""
+        return meta.weights.reshape(-1).index_select(0, meta.row_slot).to(torch.float32)
+
+    def combine(self, rows: Tensor, meta: PermuteMeta, *, weighted: bool = True) -> Tensor:
+        """[N, H] -> [T, H]: each token's rows times their weights, summed; ``weighted=False``: the rows summed as
+        they are (they carry row_weights already)."""
         num_rows = meta.row_slot.shape[0]  # N, the rows dispatch produced
         if rows.dim() != 2 or rows.shape[0] != num_rows:
             raise ValueError(f"combine: rows has shape {tuple(rows.shape)} but this dispatch produced "
                              f"[N={num_rows}, H] rows; pass the experts' output for Dispatched.rows (one row each, "
                              f"same order)")
+        if not weighted:
+            return _SumSlots.apply(rows, meta.slot_row, meta.row_slot, meta.num_tokens, meta.top_k, meta.may_drop)
         return unpermute(rows, meta)

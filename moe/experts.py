@@ -67,21 +67,22 @@ class ExpertBackend:
     usable: Callable[[Tensor, Tensor, Tensor], bool]  # (rows, w_in, w_out) -> can this backend run them?
     why_not: Callable[[Tensor, Tensor, Tensor], str]  # human-readable reason when not usable
     bias: bool = False  # fn takes b_in= / b_out= (per-expert biases)
-    gather: bool = False  # fn takes gather_index= / gather_slots= (rows read in place: moe.dispatch.RowGather)
+    fused: bool = False  # fn takes gather_index= / gather_slots= / row_scale= (moe.experts.FUSED_PERMUTE)
 
 
 _BACKENDS: dict[str, ExpertBackend] = {}
 
 
-def register_backend(name: str, usable=None, why_not=None, bias: bool = False, gather: bool = False):
+def register_backend(name: str, usable=None, why_not=None, bias: bool = False, fused: bool = False):
     """Decorator: ``@register_backend("mine", usable=lambda rows, w_in, w_out: True)``; ``bias=True`` when
     the function takes the keyword arguments ``b_in`` and ``b_out`` (per-expert biases, or None);
-    ``gather=True`` when it takes ``gather_index`` and ``gather_slots`` (moe.kernels.expert_mlp's meaning:
-    rows is the unpermuted source and logical row r is rows[gather_index[r]])."""
+    ``fused=True`` when it takes ``gather_index``, ``gather_slots`` and ``row_scale`` (moe.kernels.expert_mlp's
+    meaning: rows is the unpermuted source and logical row r is rows[gather_index[r]]; each output row times its
+    row_scale entry, not with b_out)."""
 
     def deco(fn: BackendFn) -> BackendFn:
         _BACKENDS[name] = ExpertBackend(
-            name, fn, usable or (lambda *a: True), why_not or (lambda *a: "not usable here"), bias, gather
+            name, fn, usable or (lambda *a: True), why_not or (lambda *a: "not usable here"), bias, fused
         )
         return fn
 
@@ -238,15 +239,15 @@ def _triton_why_not(rows: Tensor, w_in: Tensor, w_out: Tensor) -> str:
     usable=lambda r, wi, wo: _triton_why_not(r, wi, wo) == "",
     why_not=_triton_why_not,
     bias=True,
-    gather=True,
+    fused=True,
 )
 def triton_mlp(rows: Tensor, counts: Tensor, w_in: Tensor, w_out: Tensor, activation: str,
                b_in: Tensor | None = None, b_out: Tensor | None = None, gather_index: Tensor | None = None,
-               gather_slots: Tensor | None = None) -> Tensor:
+               gather_slots: Tensor | None = None, row_scale: Tensor | None = None) -> Tensor:
     from moekit.moe import kernels
 
     return kernels.expert_mlp(rows, counts, w_in, w_out, activation, b_in=b_in, b_out=b_out,
-                              gather_index=gather_index, gather_slots=gather_slots)
+                              gather_index=gather_index, gather_slots=gather_slots, row_scale=row_scale)
 
 
 def _float8_why_not(rows: Tensor, w_in: Tensor, w_out: Tensor) -> str:
@@ -267,21 +268,25 @@ def float8_mlp(rows: Tensor, counts: Tensor, w_in: Tensor, w_out: Tensor, activa
     return float8.float8_mlp(rows, counts, w_in, w_out, activation)
 
 
-# Where MoELayer leaves the permute's gather to the experts' first GEMM (ScatterMoE-style; moe.dispatch.RowGather):
-# the Triton kernels then read each routed row from the layer input in place, so the [N, H] = [T k, H] permuted
-# copy is neither written nor kept for backward (k times the layer input). "auto": CUDA tensors; "always": CPU
-# tensors too (the Triton interpreter: tests); "never": the permuted copy. Only where the dispatcher is local
-# (moe.dispatch.LocalDispatcher; an all-to-all makes the rows anyway) and the resolved backend gathers (triton).
-# The gathered rows cannot go through TMA descriptors, so the up kernel takes pointer loads there. Unset,
-# "never" for now: it has not been timed on a GPU (docs/benchmarks.md, "After the fifth round"); it starts as
-# MOEKIT_FUSED_GATHER says.
-FUSED_GATHER_ENV = "MOEKIT_FUSED_GATHER"
-FUSED_GATHER = mode_from_env(FUSED_GATHER_ENV, "never")
+# Where MoELayer leaves the permute to the expert GEMMs (ScatterMoE-style), for a backend that takes it (triton):
+#  - the gather into the first (moe.dispatch.RowGather): the kernels read each routed row from the layer input in
+#    place, so the [N, H] = [T k, H] permuted copy is neither written nor kept for backward (k times the layer
+#    input). The local dispatcher's permute, and flat expert parallelism's reorder of the received rows;
+#  - the combine's routing weights into the last (row_scale): its epilogue scales each row, the combine becomes a
+#    plain sum that keeps no [N, H] expert outputs for the weights' gradient, which the backward kernel's epilogue
+#    gives instead. The local dispatcher only (the weights stay on the source rank under expert parallelism), and
+#    not with expert output biases (the bias would be scaled too).
+# "auto": CUDA tensors; "always": CPU tensors too (the Triton interpreter: tests); "never": the permuted copy and
+# the weighted combine. The gathered rows cannot go through TMA descriptors (the weights still do). Unset, "never"
+# for now: it has not been timed on a GPU (docs/benchmarks.md, "After the fifth round"); it starts as
+# MOEKIT_FUSED_PERMUTE says.
+FUSED_PERMUTE_ENV = "MOEKIT_FUSED_PERMUTE"
+FUSED_PERMUTE = mode_from_env(FUSED_PERMUTE_ENV, "never")
 
 
-def fused_gather_problem() -> str:
-    """"" or what is wrong with FUSED_GATHER (set from MOEKIT_FUSED_GATHER): the trainer checks it at start-up."""
-    return mode_problem("moe.experts.FUSED_GATHER", FUSED_GATHER, FUSED_GATHER_ENV)
+def fused_permute_problem() -> str:
+    """"" or what is wrong with FUSED_PERMUTE (set from MOEKIT_FUSED_PERMUTE): the trainer checks it at start-up."""
+    return mode_problem("moe.experts.FUSED_PERMUTE", FUSED_PERMUTE, FUSED_PERMUTE_ENV)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -355,20 +360,27 @@ class GroupedExperts(nn.Module):
         return [p.to_local() if hasattr(p, "to_local") else p for p in (getattr(self, n) for n in self.param_names())]
 
     def takes_gather(self, rows: Tensor) -> bool:
-        """Whether forward(..., gather=) will read these rows in place: FUSED_GATHER allows it on rows' device
-        and the backend that would run on them gathers (moe.dispatch.LocalDispatcher.dispatch fuse_gather)."""
-        if FUSED_GATHER == "never" or (FUSED_GATHER == "auto" and rows.device.type != "cuda"):
+        """Whether forward(..., gather=) will read these rows in place (and, with no expert biases, forward(...,
+        row_scale=) scale them: takes_row_scale): FUSED_PERMUTE allows it on rows' device and the backend that
+        would run on them takes it (moe.dispatch.LocalDispatcher.dispatch fuse_gather)."""
+        if FUSED_PERMUTE == "never" or (FUSED_PERMUTE == "auto" and rows.device.type != "cuda"):
             return False
-        if FUSED_GATHER not in ("auto", "always"):
-            raise ValueError(fused_gather_problem())
+        if FUSED_PERMUTE not in ("auto", "always"):
+            raise ValueError(fused_permute_problem())
         dtype = compute_dtype(rows)  # what forward computes in; only shape, dtype and device matter to the choice
         rows, w_in, w_out = (torch.empty((), dtype=dtype, device=t.device).expand(t.shape)
                              for t in (rows, *self._local_params()[:2]))
-        return resolve_backend(self.backend, rows, w_in, w_out, bias=self.bias).gather
+        return resolve_backend(self.backend, rows, w_in, w_out, bias=self.bias).fused
 
-    def forward(self, rows: Tensor, counts: Tensor, gather=None) -> Tensor:
+    def takes_row_scale(self, rows: Tensor) -> bool:
+        """Whether forward(..., row_scale=) scales the output rows in the backend's last GEMM: takes_gather, and no
+        output bias (it would be scaled too)."""
+        return not self.bias and self.takes_gather(rows)
+
+    def forward(self, rows: Tensor, counts: Tensor, gather=None, row_scale: Tensor | None = None) -> Tensor:
         """rows [N, H] expert-major -> [N, H]. ``gather`` (moe.dispatch.RowGather, when takes_gather said so):
-        rows is instead the unpermuted source [T, H], logical row r = rows[gather.index[r]], output [N, H]."""
+        rows is instead the unpermuted source [T, H], logical row r = rows[gather.index[r]], output [N, H].
+        ``row_scale`` [N] (when takes_row_scale said so): output row r times row_scale[r], differentiable in it."""
         if rows.dim() != 2 or rows.shape[-1] != self.hidden_size:
             raise ValueError(f"rows must be [N, {self.hidden_size}], got {tuple(rows.shape)}")
         params = self._local_params()
@@ -381,11 +393,15 @@ class GroupedExperts(nn.Module):
         w_in, w_out, *biases = params
         backend = resolve_backend(self.backend, rows, w_in, w_out, bias=self.bias)
         kw = dict(b_in=biases[0], b_out=biases[1]) if self.bias else {}  # backends without bias: the original call
-        if gather is not None:
-            if not backend.gather:
-                raise ValueError(f"expert backend {backend.name!r} cannot read rows in place (a RowGather); ask "
-                                 f"takes_gather(rows) first, or dispatch without fuse_gather")
-            kw.update(gather_index=gather.index, gather_slots=gather.slots)
+        if gather is not None or row_scale is not None:
+            if not backend.fused or (row_scale is not None and self.bias):
+                raise ValueError(f"expert backend {backend.name!r}{' with biases' if self.bias else ''} cannot "
+                                 f"{'read rows in place (a RowGather)' if gather is not None else 'scale its rows'}; "
+                                 f"ask takes_gather / takes_row_scale first")
+            if gather is not None:
+                kw.update(gather_index=gather.index, gather_slots=gather.slots)
+            if row_scale is not None:
+                kw.update(row_scale=row_scale.to(torch.float32).contiguous())
         out = backend.fn(rows, counts, w_in, w_out, self.activation, **kw)
         if torch.is_grad_enabled() and not out.requires_grad and (w_in.requires_grad or rows.requires_grad):
             # No rows reached these experts, so the backend built no graph. Tie the (empty or zero) output

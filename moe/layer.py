@@ -214,20 +214,27 @@ class MoELayer(nn.Module):
         if getattr(self.dispatcher, "overlap_chunks", 1) > 1:  # EP: chunks whose all-to-alls overlap experts
             y = self.dispatcher.pipelined(rows_in, routing, self.experts)  # [T, H] (comm.overlap)
         else:
-            if getattr(self.dispatcher, "fuses_gather", False) and getattr(self.experts, "takes_gather", None) \
-                    and self.experts.takes_gather(rows_in):
-                # rows stay [T, H]: the experts' first GEMM reads each routed row in place (moe.experts.FUSED_GATHER)
-                d = self.dispatcher.dispatch(rows_in, routing, fuse_gather=True)
-                expert_out = self.experts(d.rows, d.counts, gather=d.gather)  # [N, H]
-            else:
-                d = self.dispatcher.dispatch(rows_in, routing)  # rows [N, H], counts [E_local]
-                expert_out = self.experts(d.rows, d.counts)  # [N, H]
-            y = self.dispatcher.combine(expert_out, d.meta)  # [T, H]
+            y = self._dispatch_experts_combine(rows_in, routing)  # [T, H]
         if self.shared_expert is not None:
             y = y + self.shared_expert(x)
         if routing.aux_loss.requires_grad and torch.is_grad_enabled():
             y = AuxLossInjector.apply(y, routing.aux_loss, self.aux_loss_scale * aux_weight)
         return self.token_split.gather(y, split).view(shape)  # every token's output [..., H]
+
+    def _dispatch_experts_combine(self, rows_in: Tensor, routing) -> Tensor:
+        """[T, H] -> [T, H]: dispatch, experts, combine; ScatterMoE-style where the experts take it
+        (moe.experts.FUSED_PERMUTE): the rows stay [T, H] and the first expert GEMM reads each routed row in
+        place, and the last applies the routing weights so that the combine is a plain sum."""
+        takes = getattr(self.experts, "takes_gather", None)
+        if not (getattr(self.dispatcher, "fuses_gather", False) and takes is not None and takes(rows_in)):
+            d = self.dispatcher.dispatch(rows_in, routing)  # rows [N, H], counts [E_local]
+            return self.dispatcher.combine(self.experts(d.rows, d.counts), d.meta)
+        d = self.dispatcher.dispatch(rows_in, routing, fuse_gather=True)  # rows: rows_in itself, gather [N]
+        if getattr(self.dispatcher, "fuses_weights", False) and self.experts.takes_row_scale(rows_in):
+            scale = self.dispatcher.row_weights(d.meta)  # [N] fp32
+            out = self.experts(d.rows, d.counts, gather=d.gather, row_scale=scale)  # [N, H], weighted
+            return self.dispatcher.combine(out, d.meta, weighted=False)
+        return self.dispatcher.combine(self.experts(d.rows, d.counts, gather=d.gather), d.meta)
 
     def set_backend(self, name: str) -> None:
         """Switch the expert compute backend ("auto", "triton", "torch", "loop")."""

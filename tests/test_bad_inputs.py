@@ -526,7 +526,7 @@ def test_bad_kernel_environment_is_refused_before_the_run(tmp_path, capsys, monk
 SWITCHES = [("moekit.models.loss", "TRITON_LM_LOSS", "MOEKIT_LM_LOSS"),
             ("moekit.moe.precision", "SPLIT_ROUTER", "MOEKIT_SPLIT_ROUTER"),
             ("moekit.models.delta_rule", "TRITON_SCAN", "MOEKIT_DELTA_SCAN"),
-            ("moekit.moe.experts", "FUSED_GATHER", "MOEKIT_FUSED_GATHER")]
+            ("moekit.moe.experts", "FUSED_PERMUTE", "MOEKIT_FUSED_PERMUTE")]
 
 
 @pytest.mark.parametrize("module,attr,var", SWITCHES, ids=[v for _, _, v in SWITCHES])
@@ -550,12 +550,12 @@ def test_switches_start_from_the_environment():
     """Case and spaces ignored; unset: the loss kernel and the router GEMM on ("auto"), the delta-rule scan and the
     fused gather off ("never": opt-in until their kernels have been timed on a GPU)."""
     code = ("from moekit.models import delta_rule, loss; from moekit.moe import experts, precision; "
-            "print(loss.TRITON_LM_LOSS, precision.SPLIT_ROUTER, delta_rule.TRITON_SCAN, experts.FUSED_GATHER)")
-    env = {"MOEKIT_SPLIT_ROUTER": " Never ", "MOEKIT_FUSED_GATHER": "ALWAYS", "PATH": "/usr/bin:/bin",
+            "print(loss.TRITON_LM_LOSS, precision.SPLIT_ROUTER, delta_rule.TRITON_SCAN, experts.FUSED_PERMUTE)")
+    env = {"MOEKIT_SPLIT_ROUTER": " Never ", "MOEKIT_FUSED_PERMUTE": "ALWAYS", "PATH": "/usr/bin:/bin",
            "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.stdout.split() == ["auto", "never", "never", "always"], out.stderr
-    del env["MOEKIT_FUSED_GATHER"]
+    del env["MOEKIT_FUSED_PERMUTE"]
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.stdout.split()[-1] == "never", out.stderr
 

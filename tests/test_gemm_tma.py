@@ -221,15 +221,17 @@ def test_fused_mlp_with_tma_loads_equals_pointer_loads_bit_for_bit(monkeypatch, 
     """Forward and every gradient, TMA loads in all five GEMM kernels against all pointer loads. F = 24 with
     the interpreter's 32-column tiles: the gate tile's last strip reads into the up half, which the stores
     mask; past: counts beyond the rows. gather: the rows read from a 50-row x in place (gather_index, repeats
-    and out-of-range entries), so the up kernel takes the weights alone through descriptors (tile_mm_tma_b)."""
+    and out-of-range entries), so the up kernel takes the weights alone through descriptors (tile_mm_tma_b), and
+    each output row scaled (row_scale: the second GEMM's epilogue, the scale's gradient from the dact kernel's)."""
     monkeypatch.setattr(X, "_TMA_FAILURE", [])
     monkeypatch.setattr(G, "_TMA_FAILURE", [])
     g = gen("mlp", activation, F, counts, gather)
     M, H = 125, 48
     f_in = 2 * F if activation == "swiglu" else F
-    index = None
+    index = scale = None
     if gather:
         index = torch.randint(-2, 52, (M,), generator=g).to(DEV)
+        scale = torch.rand(M, generator=g).to(DEV).requires_grad_()
     x = torch.randn(50 if gather else M, H, generator=g).to(DEV, torch.bfloat16).requires_grad_()
     w_in = (torch.randn(len(counts), H, f_in, generator=g) * 0.2).to(DEV, torch.bfloat16).requires_grad_()
     w_out = (torch.randn(len(counts), F, H, generator=g) * 0.2).to(DEV, torch.bfloat16).requires_grad_()
@@ -240,15 +242,17 @@ def test_fused_mlp_with_tma_loads_equals_pointer_loads_bit_for_bit(monkeypatch, 
         for module, switch in ((X, "MLP_TMA"), (G, "GEMM_TMA"), (W, "WGRAD_TMA")):
             monkeypatch.setattr(module, switch, mode)
         before = mlp_tma_launches()
-        y = X.expert_mlp(x, c, w_in, w_out, activation, variant="fused", gather_index=index)
-        results[mode] = (y, *torch.autograd.grad(y, (x, w_in, w_out), dy))
+        y = X.expert_mlp(x, c, w_in, w_out, activation, variant="fused", gather_index=index, row_scale=scale)
+        results[mode] = (y, *torch.autograd.grad(y, (x, w_in, w_out) + ((scale,) if gather else ()), dy))
         used = tuple(b - a for a, b in zip(before, mlp_tma_launches()))
         assert used == ((0, 0) if mode == "never" else (1, 1)), used  # no owned rows: it launches to zero them
-    for name, a, b in zip(("y", "dx", "dw_in", "dw_out"), results["never"], results["always"]):
+    for name, a, b in zip(("y", "dx", "dw_in", "dw_out", "d_scale"), results["never"], results["always"]):
         assert torch.equal(a, b), f"{name}: max diff {(a.float() - b.float()).abs().max().item()}"
     rows = x if index is None else torch.cat([x, x.new_zeros(1, H)])[torch.where((index >= 0) & (index < 50), index, 50)]
     with torch.no_grad():
         ref = X.expert_mlp_ref(rows.double(), c, w_in.double(), w_out.double(), activation)
+        if scale is not None:
+            ref = ref * scale.double()[:, None]
     assert (results["always"][0].detach().double() - ref).abs().max() <= 2e-2 * max(1.0, float(ref.abs().max()))
 
 

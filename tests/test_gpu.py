@@ -295,13 +295,15 @@ def test_moe_layer_on_device_matches_float64(backend):
 
 @pytest.mark.parametrize("k", [2, 8])
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
-def test_fused_gather_layer_on_device_equals_the_permuted_rows(monkeypatch, k, autocast):
-    """moe.experts.FUSED_GATHER: the up kernel gathers the routed rows through pointer loads (its weights by TMA where
-    that runs). Against the permuted rows: the forward's products are the same in either load path, so the
-    output is equal bit for bit; at k 2 the input gradient too (two-term sums in either order), at k 8 within the
-    rounding of different summation orders; the weight gradients within that rounding (the gathered wgrad's tiles
-    may differ). The permuted copy never exists on the fused path."""
+def test_fused_permute_layer_on_device_against_the_permuted_rows(monkeypatch, k, autocast):
+    """moe.experts.FUSED_PERMUTE. The gather alone (the up kernel reads the routed rows through pointer loads, its
+    weights by TMA where that runs): the forward's products are the same in either load path, so the output is
+    equal bit for bit, at k 2 the input gradient too (two-term sums in either order), at k 8 within the rounding
+    of different summation orders. With the routing weights in the last GEMM as well: everything within the
+    rounding of the output's dtype of the permuted path. The permuted copy never exists on the fused paths, nor
+    the weighted combine on the second."""
     from moekit.moe import dispatch, experts
+    from moekit.moe.dispatch import LocalDispatcher
     from moekit.moe.kernels import LAUNCHES
 
     layer, x = layer_and_input(num_experts=16, k=k)
@@ -310,23 +312,27 @@ def test_fused_gather_layer_on_device_equals_the_permuted_rows(monkeypatch, k, a
     ctx = (lambda: torch.autocast(DEVICE.type, dtype=torch.bfloat16)) if autocast else (lambda: torch.autocast(
         DEVICE.type, enabled=False))
     runs = {}
-    for mode in ("never", "always"):
-        monkeypatch.setattr(experts, "FUSED_GATHER", mode)
+    for name, mode, weights in (("plain", "never", True), ("gather", "always", False), ("fused", "always", True)):
+        monkeypatch.setattr(experts, "FUSED_PERMUTE", mode)
+        monkeypatch.setattr(LocalDispatcher, "fuses_weights", weights)
         if mode == "always":
             monkeypatch.setattr(dispatch, "permute", lambda *a: pytest.fail("the rows were permuted"))
+        if name == "fused":
+            monkeypatch.setattr(dispatch, "unpermute", lambda *a: pytest.fail("the weighted combine ran"))
         layer.zero_grad()
         before = LAUNCHES["_expert_up_act_kernel"]
         with ctx():
-            runs[mode] = run_layer(layer, x.to(DEVICE))
-        assert LAUNCHES["_expert_up_act_kernel"] == before + 1, mode
-    got, ref = runs["always"], runs["never"]
-    assert torch.equal(got[0], ref[0])
+            runs[name] = run_layer(layer, x.to(DEVICE))
+        assert LAUNCHES["_expert_up_act_kernel"] == before + 1, name
+    ref, gathered, fused = runs["plain"], runs["gather"], runs["fused"]
+    assert torch.equal(gathered[0], ref[0])
     if k == 2:
-        assert torch.equal(got[1], ref[1])
+        assert torch.equal(gathered[1], ref[1])
     bound = 1e-2 if autocast else 1e-5
-    assert rel_err(got[1], ref[1]) < bound
-    for name in ref[2]:
-        assert rel_err(got[2][name], ref[2][name]) < bound, name
+    for got in (gathered, fused):
+        assert rel_err(got[0], ref[0]) < bound and rel_err(got[1], ref[1]) < bound
+        for name in ref[2]:
+            assert rel_err(got[2][name], ref[2][name]) < bound, name
 
 
 def test_bf16_autocast_layer_close_to_fp32():

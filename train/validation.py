@@ -270,13 +270,13 @@ def validate_model(cfg: TrainConfig) -> None:
 def check_kernel_environment() -> None:
     """The Triton kernels' environment variables, checked before the run instead of at its first expert GEMM
     (nothing to check where triton is not installed: the kernels never run), MOEKIT_SPLIT_ROUTER, MOEKIT_LM_LOSS,
-    MOEKIT_DELTA_SCAN and MOEKIT_FUSED_GATHER."""
+    MOEKIT_DELTA_SCAN and MOEKIT_FUSED_PERMUTE."""
     from moekit.models.delta_rule import delta_scan_problem
     from moekit.models.loss import lm_loss_problem
-    from moekit.moe.experts import fused_gather_problem
+    from moekit.moe.experts import fused_permute_problem
     from moekit.moe.precision import split_router_problem
 
-    for problem in (split_router_problem(), lm_loss_problem(), delta_scan_problem(), fused_gather_problem()):
+    for problem in (split_router_problem(), lm_loss_problem(), delta_scan_problem(), fused_permute_problem()):
         if problem:
             raise UserError(problem)
     try:

@@ -67,6 +67,11 @@ def capture_launches(dtype: torch.dtype) -> list:
                 expert_up_act(x, w, offs, "swiglu", save_pre=True, gather_index=gidx)  # weights alone by TMA
                 expert_down_dact(x, torch.randn(e, f, h, dtype=dtype), torch.randn(m, 2 * f, dtype=dtype), offs,
                                  "swiglu", store_h=True)
+                # the routing weights in the last GEMM and the weights' gradient in the dact epilogue (FUSED_PERMUTE)
+                grouped_mm_fwd(torch.randn(m, f, dtype=dtype), torch.randn(e, f, h, dtype=dtype), offs,
+                               row_scale=torch.rand(m))
+                expert_down_dact(x, torch.randn(e, f, h, dtype=dtype), torch.randn(m, 2 * f, dtype=dtype), offs,
+                                 "swiglu", store_h=True, row_scale=torch.rand(m))
                 # per-expert biases (gpt-oss) in the epilogues: swiglu_oai's up projection, the second GEMM
                 expert_up_act(x, w, offs, "swiglu_oai", save_pre=True, bias=torch.randn(e, 2 * f, dtype=dtype))
                 grouped_mm_fwd(torch.randn(m, 2 * f, dtype=dtype), w, offs, transpose_w=True,
@@ -78,6 +83,9 @@ def capture_launches(dtype: torch.dtype) -> list:
         grouped_mm_fwd(torch.randn(m, 2 * f, dtype=dtype), w, offs, transpose_w=True, bias=torch.randn(e, h, dtype=dtype))
         expert_up_act(x, w, offs, "swiglu_oai", save_pre=True, bias=torch.randn(e, 2 * f, dtype=dtype))
         expert_up_act(x, w, offs, "swiglu", save_pre=True, gather_index=gidx)  # the fused gather, pointer loads
+        grouped_mm_fwd(torch.randn(m, f, dtype=dtype), torch.randn(e, f, h, dtype=dtype), offs, row_scale=torch.rand(m))
+        expert_down_dact(x, torch.randn(e, f, h, dtype=dtype), torch.randn(m, 2 * f, dtype=dtype), offs, "swiglu",
+                         store_h=True, row_scale=torch.rand(m))
         t, k = 16, 2  # the combine: fp32 router weights on rows of this dtype, weighted and plain, backward
         slot_row = torch.randint(-1, m + 2, (t * k,))
         weights = torch.rand(t, k)

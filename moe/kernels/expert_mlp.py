@@ -29,7 +29,7 @@ from ._common import (LAUNCHES, Kernel, cfg, check_gather_index, check_offs, che
                       expert_tile, gather_rows, prune_by_smem, row_tile_grid, tile_mm, to_out, why_not_triton_tensors)
 from ._tma import (check_tma_mode, set_tma_allocator, tile_mm_tma, tile_mm_tma_b, tma_default, tma_wanted,
                    try_tma_launch, why_not_tma_gemm, why_not_variant)
-from .grouped_mm import check_bias, grouped_mm, grouped_mm_fwd
+from .grouped_mm import check_bias, check_row_scale, grouped_mm, grouped_mm_fwd
 from .grouped_mm_wgrad import grouped_colsum, grouped_mm_wgrad
 from .combine import combine_rows
 from .scatter_add import scatter_add_rows
@@ -136,32 +136,40 @@ def _expert_up_act_kernel(
 
 
 @triton.jit
-def _dact_columns(acc, PRE, DPRE, HOUT, rows64, m_mask, col0, F,
-                  stride_pm, stride_pn, stride_dpm, stride_dpn, stride_hm, stride_hn,
-                  ACT: tl.constexpr, STORE_H: tl.constexpr, INTERP_BF16: tl.constexpr, WIDTH: tl.constexpr):
+def _dact_columns(acc, SCALE, GS, PRE, DPRE, HOUT, rows64, m_mask, col0, F,
+                  stride_pm, stride_pn, stride_dpm, stride_dpn, stride_hm, stride_hn, stride_gm,
+                  ACT: tl.constexpr, STORE_H: tl.constexpr, HAS_SCALE: tl.constexpr, INTERP_BF16: tl.constexpr,
+                  WIDTH: tl.constexpr):
     """The down_dact epilogue for WIDTH columns from col0: dpre = dh * act'(pre) (and h = act(pre)); pre holds
-    the first projection's bias already, so the backward needs nothing else of it."""
+    the first projection's bias already, so the backward needs nothing else of it.
+
+    HAS_SCALE: the forward scaled each row of y = h @ w_out by SCALE[row] (the combine's weight), so acc is
+    dy @ w_out^T before the scale: dh = scale * acc, the stored h is scale * h (what dw_out's wgrad wants), and
+    the rows' sums of h * acc over these columns, the weight's gradient <y_row, dy_row> over them, go to their
+    slot of GS (the kernel's docstring)."""
     GATED: tl.constexpr = (ACT == 0) | (ACT == 3)
     offs_n = col0 + tl.arange(0, WIDTH)
     mask = m_mask[:, None] & (offs_n < F)[None, :]
     p_ptrs = PRE + rows64 * stride_pm + offs_n[None, :] * stride_pn
     g = tl.load(p_ptrs, mask=mask, other=0.0).to(tl.float32)
+    # h and the derivative factors first (d_g = dh * fg, d_u = dh * fu), then the scale's partial sums from the
+    # unscaled acc, then acc scaled in place: no second accumulator-sized tile is live at once
     if ACT == 0:
         u = tl.load(p_ptrs + F * stride_pn, mask=mask, other=0.0).to(tl.float32)
         sig = tl.sigmoid(g)
         silu = g * sig
-        d_g = acc * u * sig * (1.0 + g * (1.0 - sig))
-        d_u = acc * silu
+        fg = u * sig * (1.0 + g * (1.0 - sig))
+        fu = silu
         h = silu * u
     elif ACT == 1:
         cdf = 0.5 * (1.0 + tl.erf(g * 0.7071067811865476))
         pdf = tl.exp(-0.5 * g * g) * 0.3989422804014327  # 1/sqrt(2*pi)
-        d_g = acc * (cdf + g * pdf)
-        d_u = d_g
+        fg = cdf + g * pdf
+        fu = fg
         h = g * cdf
     elif ACT == 2:
-        d_g = tl.where(g > 0.0, acc, 0.0)
-        d_u = d_g
+        fg = tl.where(g > 0.0, 1.0, 0.0)
+        fu = fg
         h = tl.maximum(g, 0.0)
     else:  # swiglu_oai; clamp passes the gradient inside [lo, hi] bounds included, as torch's clamp backward
         _ALPHA: tl.constexpr = 1.702
@@ -170,9 +178,22 @@ def _dact_columns(acc, PRE, DPRE, HOUT, rows64, m_mask, col0, F,
         g_c = tl.minimum(g, _LIMIT)
         u_c = tl.minimum(tl.maximum(u, -_LIMIT), _LIMIT)
         sig = tl.sigmoid(_ALPHA * g_c)
-        d_g = tl.where(g <= _LIMIT, acc * (u_c + 1.0) * sig * (1.0 + _ALPHA * g_c * (1.0 - sig)), 0.0)
-        d_u = tl.where((u >= -_LIMIT) & (u <= _LIMIT), acc * g_c * sig, 0.0)
+        fg = tl.where(g <= _LIMIT, (u_c + 1.0) * sig * (1.0 + _ALPHA * g_c * (1.0 - sig)), 0.0)
+        fu = tl.where((u >= -_LIMIT) & (u <= _LIMIT), g_c * sig, 0.0)
         h = (u_c + 1.0) * g_c * sig
+    if HAS_SCALE:
+        # masked columns: pre reads 0 and acc's tails are 0, so they add nothing
+        # (a column block wholly past F has no slot: its sums are 0, and the slot would be the next row's)
+        in_f = (tl.zeros((1,), dtype=tl.int32) + col0) < F
+        tl.store(GS + rows64 * stride_gm + col0 // 8, tl.sum(h * acc, 1)[:, None], mask=m_mask[:, None] & in_f[None, :])
+        scale = tl.load(SCALE + rows64, mask=m_mask[:, None], other=0.0).to(tl.float32)  # [BLOCK_M, 1]
+        acc = acc * scale  # dh
+        h = h * scale
+    if ACT == 2:  # a zero factor must not turn an inf / nan dh into nan
+        d_g = tl.where(g > 0.0, acc, 0.0)
+    else:
+        d_g = acc * fg
+    d_u = acc * fu
     dp_ptrs = DPRE + rows64 * stride_dpm + offs_n[None, :] * stride_dpn
     tl.store(dp_ptrs, to_out(d_g, DPRE.dtype.element_ty, INTERP_BF16), mask=mask)
     if GATED:
@@ -190,12 +211,12 @@ def _column_halves(t, ROWS: tl.constexpr, HALF: tl.constexpr):
 
 @triton.jit
 def _expert_down_dact_kernel(
-    DY, W, PRE, DPRE, HOUT, OFFS,
+    DY, W, PRE, DPRE, HOUT, OFFS, SCALE, GS,
     M, F, K, E,
     stride_dym, stride_dyk, stride_we, stride_wk, stride_wn, stride_pm, stride_pn, stride_dpm, stride_dpn,
-    stride_hm, stride_hn,
-    E_POW2: tl.constexpr, ACT: tl.constexpr, STORE_H: tl.constexpr, PRECISION: tl.constexpr,
-    INTERP_BF16: tl.constexpr, TMA: tl.constexpr,
+    stride_hm, stride_hn, stride_gm,
+    E_POW2: tl.constexpr, ACT: tl.constexpr, STORE_H: tl.constexpr, HAS_SCALE: tl.constexpr,
+    PRECISION: tl.constexpr, INTERP_BF16: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """dh = dy @ w_out[e]^T (W passed as a transposed view), epilogue: dpre = dh * act'(pre), h = act(pre).
@@ -207,7 +228,11 @@ def _expert_down_dact_kernel(
     round). In quarters the tuned configs spill nothing (64 x 128: 107 registers instead of 246).
 
     TMA: dy and w_out[e] through descriptors (_tma.tile_mm_tma; stride_wn is w_out's stored row stride,
-    the view's column stride)."""
+    the view's column stride).
+
+    HAS_SCALE: the forward's rows were scaled by SCALE (fp32 [M], the combine's weights: _dact_columns); each
+    column quarter's row sums of h * (dy @ w_out^T) go to GS[row, col0 // 8] (fp32, zeroed by the launcher:
+    GS_COLUMNS), whose row sums are the scales' gradient: a fixed order, no atomics."""
     GATED: tl.constexpr = (ACT == 0) | (ACT == 3)
     e, offs_m, m_mask, offs_n, n_mask, owned, start, end = expert_tile(OFFS, M, F, E, E_POW2, BLOCK_M, BLOCK_N,
                                                                        GROUP_M)
@@ -229,15 +254,15 @@ def _expert_down_dact_kernel(
         rows64 = rows.to(tl.int64)[:, None]
         left, right = _column_halves(acc, BLOCK_M, 2 * Q)
         a, b = _column_halves(left, BLOCK_M, Q)
-        _dact_columns(a, PRE, DPRE, HOUT, rows64, m_mask, col0, F, stride_pm, stride_pn, stride_dpm, stride_dpn,
-                      stride_hm, stride_hn, ACT, STORE_H, INTERP_BF16, Q)
-        _dact_columns(b, PRE, DPRE, HOUT, rows64, m_mask, col0 + Q, F, stride_pm, stride_pn, stride_dpm,
-                      stride_dpn, stride_hm, stride_hn, ACT, STORE_H, INTERP_BF16, Q)
         c, d = _column_halves(right, BLOCK_M, Q)
-        _dact_columns(c, PRE, DPRE, HOUT, rows64, m_mask, col0 + 2 * Q, F, stride_pm, stride_pn, stride_dpm,
-                      stride_dpn, stride_hm, stride_hn, ACT, STORE_H, INTERP_BF16, Q)
-        _dact_columns(d, PRE, DPRE, HOUT, rows64, m_mask, col0 + 3 * Q, F, stride_pm, stride_pn, stride_dpm,
-                      stride_dpn, stride_hm, stride_hn, ACT, STORE_H, INTERP_BF16, Q)
+        _dact_columns(a, SCALE, GS, PRE, DPRE, HOUT, rows64, m_mask, col0, F, stride_pm, stride_pn, stride_dpm,
+                      stride_dpn, stride_hm, stride_hn, stride_gm, ACT, STORE_H, HAS_SCALE, INTERP_BF16, Q)
+        _dact_columns(b, SCALE, GS, PRE, DPRE, HOUT, rows64, m_mask, col0 + Q, F, stride_pm, stride_pn, stride_dpm,
+                      stride_dpn, stride_hm, stride_hn, stride_gm, ACT, STORE_H, HAS_SCALE, INTERP_BF16, Q)
+        _dact_columns(c, SCALE, GS, PRE, DPRE, HOUT, rows64, m_mask, col0 + 2 * Q, F, stride_pm, stride_pn,
+                      stride_dpm, stride_dpn, stride_hm, stride_hn, stride_gm, ACT, STORE_H, HAS_SCALE, INTERP_BF16, Q)
+        _dact_columns(d, SCALE, GS, PRE, DPRE, HOUT, rows64, m_mask, col0 + 3 * Q, F, stride_pm, stride_pn,
+                      stride_dpm, stride_dpn, stride_hm, stride_hn, stride_gm, ACT, STORE_H, HAS_SCALE, INTERP_BF16, Q)
     else:  # surplus program: rows no expert owns get zero gradient (their output was forced to 0)
         rows64 = offs_m.to(tl.int64)[:, None]
         mn_mask = m_mask[:, None] & n_mask[None, :]
@@ -250,6 +275,11 @@ def _expert_down_dact_kernel(
             tl.store(HOUT + rows64 * stride_hm + offs_n[None, :] * stride_hn, zero, mask=mn_mask)
 
 
+# The scale-gradient partials' column granularity: one slot per 8 columns of F, so that every column quarter of a
+# tile (BLOCK_N >= 32: the configs' and the interpreter's) has its own slot. The kernel writes the literal. Each
+# quarter stores its sums at once rather than adding them up across the tile: held across the four, they and the
+# scale made ptxas (sm90) spill 148-212 bytes a thread at 128 x 128.
+GS_COLUMNS = 8
 _SMEM = 200 * 1024
 # Two B tiles (gate and up) per stage and two accumulators: smaller N tiles than grouped_mm.
 # Both lists ordered by the H100 sweep (tools/bench/tune_kernels.py), best overall first; 8 warps won every
@@ -272,6 +302,19 @@ EXPERT_UP_ACT = Kernel(
     key=["F", "K", "ACT", "TMA", "HAS_GATHER"],
     prune=prune_by_smem(_SMEM, b_tiles=2, fp32_acc_per_thread=32),
 )
+_DOWN_DACT_FITS = prune_by_smem(_SMEM, elem_arg="DY", fp32_acc_per_thread=32)
+
+
+def _prune_down_dact(configs, named_args, **kwargs):
+    """prune_by_smem, and with HAS_SCALE (the row weights' epilogue: a scale tile and the partial sums) only tiles
+    of at most 32 accumulator values a thread where any fit: at 64 ptxas (sm90) spilled 40-124 bytes a thread in
+    that epilogue, at 32 none (moe.kernels._compile_check)."""
+    kept = _DOWN_DACT_FITS(configs, named_args, **kwargs)
+    if kwargs.get("HAS_SCALE", named_args.get("HAS_SCALE")):
+        kept = [c for c in kept if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 32 * 32 * c.num_warps] or kept
+    return kept
+
+
 EXPERT_DOWN_DACT = Kernel(
     _expert_down_dact_kernel,
     configs=[
@@ -286,8 +329,8 @@ EXPERT_DOWN_DACT = Kernel(
         cfg(32, 64, 32, 4, 3),
     ],
     interpret_config=cfg(32, 32, 16, 4, 1, group=2),
-    key=["F", "K", "ACT", "TMA"],
-    prune=prune_by_smem(_SMEM, elem_arg="DY", fp32_acc_per_thread=32),
+    key=["F", "K", "ACT", "TMA", "HAS_SCALE"],
+    prune=_prune_down_dact,
 )
 
 # Where the fused kernels read their GEMM operands through TMA descriptors (bf16 / fp16; unit inner strides and
@@ -361,8 +404,12 @@ def expert_up_act(x: torch.Tensor, w_in: torch.Tensor, offs: torch.Tensor, activ
 
 
 def expert_down_dact(dy: torch.Tensor, w_out: torch.Tensor, pre: torch.Tensor, offs: torch.Tensor,
-                     activation: str, *, store_h: bool, allow_tf32: bool = False):
-    """(dpre [M, F_in], h [M, F] or None): dpre = (dy @ w_out[e]^T) * act'(pre), h = act(pre)."""
+                     activation: str, *, store_h: bool, allow_tf32: bool = False,
+                     row_scale: torch.Tensor | None = None):
+    """(dpre [M, F_in], h [M, F] or None, d_scale [M] or None): dpre = (dy @ w_out[e]^T) * act'(pre), h = act(pre).
+
+    row_scale (float32 [M]): the forward computed y = row_scale * (h @ w_out[e]); then dh carries the scale,
+    h comes back scaled (dw_out = wgrad(h, dy)), and d_scale[r] = <h[r] @ w_out[e], dy[r]> in fp32."""
     what = "expert_down_dact (Triton)"
     act = get_activation(activation)
     if (dy.dim() != 2 or w_out.dim() != 3 or pre.dim() != 2 or w_out.shape[2] != dy.shape[1]
@@ -373,21 +420,23 @@ def expert_down_dact(dy: torch.Tensor, w_out: torch.Tensor, pre: torch.Tensor, o
     m, hdim = dy.shape
     e, f = w_out.shape[0], w_out.shape[1]
     offs = check_offs(offs, e, dy.device, m, what)
+    check_row_scale(what, row_scale, m, dy.device)
     wt = w_out.transpose(1, 2)  # [E, H, F] view: the kernel reads w_out[e]^T through strides
     dpre = torch.empty(m, pre.shape[1], device=dy.device, dtype=dy.dtype)
     h = torch.empty(m, f, device=dy.device, dtype=dy.dtype) if store_h else None
-    if m == 0 or f == 0:
-        return dpre, h
-    if e == 0:  # no expert owns a row: zero gradient, and act(pre) of rows that are not an expert's is 0
-        return dpre.zero_(), h if h is None else h.zero_()
+    # one fp32 partial sum per column quarter of a tile (GS_COLUMNS), zero where none writes
+    parts = dy.new_zeros(m, triton.cdiv(f, GS_COLUMNS), dtype=torch.float32) if row_scale is not None else None
+    if m == 0 or f == 0 or e == 0:  # no products (no expert owns a row: zero gradient, act(pre) of those rows 0)
+        return dpre.zero_(), h if h is None else h.zero_(), parts if parts is None else parts.sum(1)
     hp = h if h is not None else dpre  # placeholder pointer, never written when STORE_H is False
+    sc, gs = (row_scale, parts) if row_scale is not None else (offs, dpre)  # placeholders without a scale
     _launch(EXPERT_DOWN_DACT, row_tile_grid(m, f, e), (
-        dy, wt, pre, dpre, hp, offs, m, f, hdim, e,
+        dy, wt, pre, dpre, hp, offs, sc, gs, m, f, hdim, e,
         dy.stride(0), dy.stride(1), wt.stride(0), wt.stride(1), wt.stride(2),
-        pre.stride(0), pre.stride(1), dpre.stride(0), dpre.stride(1), hp.stride(0), hp.stride(1),
+        pre.stride(0), pre.stride(1), dpre.stride(0), dpre.stride(1), hp.stride(0), hp.stride(1), gs.stride(0),
     ), dy, w_out, E_POW2=triton.next_power_of_2(e), ACT=act.kernel_code, STORE_H=store_h,
-        **dot_flags(dy.dtype, allow_tf32))
-    return dpre, h
+        HAS_SCALE=row_scale is not None, **dot_flags(dy.dtype, allow_tf32))
+    return dpre, h, parts if parts is None else parts.sum(1)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -403,29 +452,35 @@ class FusedExpertMLPFunction(torch.autograd.Function):
     gather_index [N] (None: x is the rows): the first kernel reads row r from x[gather_index[r]], so the
     permuted [N, H] copy is never made nor saved (x is). Backward sums each x row's logical-row gradients in
     a fixed order: by ``gather_slots`` (x row t's rows are gather_slots[t*k:(t+1)*k], N for none: the
-    combine kernel without weights, no sort) or else by a sort of gather_index (scatter_add_rows)."""
+    combine kernel without weights, no sort) or else by a sort of gather_index (scatter_add_rows).
+
+    row_scale [N] float32 (None: 1): the second GEMM's epilogue multiplies row r by it (the combine's routing
+    weight, applied here so the combine is a plain sum and keeps no rows for its weights' gradient). Its gradient
+    <h[r] @ w_out[e], dy[r]> comes from the backward kernel's epilogue, which has h and dy @ w_out^T in hand."""
 
     @staticmethod
     def forward(ctx, x, offs, w_in, w_out, activation, allow_tf32, need_grad, b_in=None, b_out=None,
-                gather_index=None, gather_slots=None):
+                gather_index=None, gather_slots=None, row_scale=None):
         # need_grad comes from the caller: inside forward grad mode is off and ctx.needs_input_grad
         # stays True under torch.no_grad(), which would make inference write pre for nothing.
         h, pre = expert_up_act(x, w_in, offs, activation, save_pre=need_grad, allow_tf32=allow_tf32, bias=b_in,
                                gather_index=gather_index)
-        y = grouped_mm_fwd(h, w_out, offs, allow_tf32=allow_tf32, bias=b_out)
-        ctx.save_for_backward(x, offs, w_in, w_out, pre, gather_index, gather_slots)
+        y = grouped_mm_fwd(h, w_out, offs, allow_tf32=allow_tf32, bias=b_out, row_scale=row_scale)
+        ctx.save_for_backward(x, offs, w_in, w_out, pre, gather_index, gather_slots, row_scale)
         ctx.activation, ctx.allow_tf32 = activation, allow_tf32
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, offs, w_in, w_out, pre, gather_index, gather_slots = ctx.saved_tensors
+        x, offs, w_in, w_out, pre, gather_index, gather_slots, row_scale = ctx.saved_tensors
         need_x, _, need_win, need_wout = ctx.needs_input_grad[:4]
         need_bin, need_bout = ctx.needs_input_grad[7:9]
+        need_scale = ctx.needs_input_grad[11]
         tf32 = ctx.allow_tf32
-        dx = dw_in = dw_out = db_in = db_out = None
-        if need_x or need_win or need_bin:
-            dpre, h = expert_down_dact(dy, w_out, pre, offs, ctx.activation, store_h=need_wout, allow_tf32=tf32)
+        dx = dw_in = dw_out = db_in = db_out = d_scale = None
+        if need_x or need_win or need_bin or need_scale:
+            dpre, h, d_scale = expert_down_dact(dy, w_out, pre, offs, ctx.activation, store_h=need_wout,
+                                                allow_tf32=tf32, row_scale=row_scale)
             if need_x:
                 dx = grouped_mm_fwd(dpre, w_in, offs, transpose_w=True, allow_tf32=tf32)  # [N, H] row gradients
                 if gather_index is not None:
@@ -436,11 +491,13 @@ class FusedExpertMLPFunction(torch.autograd.Function):
                 db_in = grouped_colsum(dpre, offs)
         elif need_wout:  # only w_out trains: h from pre elementwise, no GEMM needed
             h = get_activation(ctx.activation)(pre)
+            if row_scale is not None:
+                h = h * row_scale[:, None].to(h.dtype)
         if need_wout:
             dw_out = grouped_mm_wgrad(h, dy, offs, allow_tf32=tf32)
-        if need_bout:
+        if need_bout:  # the bias enters before the scale: each row's share scaled (row_scale with b_out: refused)
             db_out = grouped_colsum(dy, offs)
-        return dx, None, dw_in, dw_out, None, None, None, db_in, db_out, None, None
+        return dx, None, dw_in, dw_out, None, None, None, db_in, db_out, None, None, d_scale
 
 
 def _sum_into_sources(d_rows: torch.Tensor, gather_index: torch.Tensor, gather_slots: torch.Tensor | None,
@@ -464,7 +521,8 @@ def why_not_triton(rows: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, 
 def expert_mlp(rows: torch.Tensor, counts: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor,
                activation: str, *, variant: str = "fused", allow_tf32: bool = False,
                b_in: torch.Tensor | None = None, b_out: torch.Tensor | None = None,
-               gather_index: torch.Tensor | None = None, gather_slots: torch.Tensor | None = None) -> torch.Tensor:
+               gather_index: torch.Tensor | None = None, gather_slots: torch.Tensor | None = None,
+               row_scale: torch.Tensor | None = None) -> torch.Tensor:
     """act(rows_e @ w_in[e] (+ b_in[e])) @ w_out[e] (+ b_out[e]) per expert's contiguous row block;
     differentiable in rows, w_in, w_out and the optional biases b_in [E, F_in], b_out [E, H].
 
@@ -482,6 +540,9 @@ def expert_mlp(rows: torch.Tensor, counts: torch.Tensor, w_in: torch.Tensor, w_o
     order. gather_slots [T*k] int64, optional: the inverse map (source row t's logical rows are
     gather_slots[t*k:(t+1)*k], N or any index outside [0, N) for none, as moe.dispatch's slot_row), which
     lets that sum skip a sort.
+
+    row_scale [N] float32: each output row times its entry, differentiable (the combine's routing weights, so
+    that the combine is a plain sum: moe.experts.FUSED_PERMUTE); not with b_out.
     """
     what = "expert_mlp"
     act = get_activation(activation)  # ValueError naming the known activations
@@ -504,21 +565,27 @@ def expert_mlp(rows: torch.Tensor, counts: torch.Tensor, w_in: torch.Tensor, w_o
     check_bias(what, b_in, e, f_in, "b_in")
     check_bias(what, b_out, e, hdim, "b_out")
     _check_gather(what, rows, gather_index, gather_slots)
+    num_rows = rows.shape[0] if gather_index is None else gather_index.shape[0]
+    if row_scale is not None and b_out is not None:
+        raise ValueError(f"{what}: row_scale with b_out is not supported (the bias would be scaled too); apply the "
+                         f"weights after the experts instead")
+    check_row_scale(what, row_scale, num_rows, rows.device)
     biases = [b for b in (b_in, b_out) if b is not None]
     reason = why_not_triton(rows, w_in, w_out, *biases)
     if reason:
         raise ValueError(f"{what}: {reason}")
-    num_rows = rows.shape[0] if gather_index is None else gather_index.shape[0]
     offs = counts_to_offs(counts, num_rows)  # on device: no host sync
     if variant == "plain":
         from moekit.moe.experts import add_expert_bias
 
         h = grouped_mm(rows, w_in, offs, gather_index, backend="triton", allow_tf32=allow_tf32)
         h = add_expert_bias(h, b_in, offs)
-        return add_expert_bias(grouped_mm(act(h), w_out, offs, backend="triton", allow_tf32=allow_tf32), b_out, offs)
-    need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (rows, w_in, w_out, *biases))
+        y = add_expert_bias(grouped_mm(act(h), w_out, offs, backend="triton", allow_tf32=allow_tf32), b_out, offs)
+        return y if row_scale is None else (y * row_scale[:, None]).to(y.dtype)
+    scaled = () if row_scale is None else (row_scale,)
+    need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (rows, w_in, w_out, *biases, *scaled))
     return FusedExpertMLPFunction.apply(rows, offs, w_in, w_out, activation, allow_tf32, need_grad, b_in, b_out,
-                                        gather_index, gather_slots)
+                                        gather_index, gather_slots, row_scale)
 
 
 def _check_gather(what: str, rows: torch.Tensor, gather_index: torch.Tensor | None,

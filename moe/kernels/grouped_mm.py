@@ -64,12 +64,21 @@ def add_bias(acc, BIAS, e, offs_n, n_mask, stride_be, stride_bn, HAS_BIAS: tl.co
 
 
 @triton.jit
+def scale_rows(acc, SCALE, rows, m_mask, HAS_SCALE: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] * scale[rows] (fp32 [M]) when HAS_SCALE: the combine's routing weights applied in the
+    epilogue (moe.experts.FUSED_PERMUTE), so the combine is a plain sum."""
+    if HAS_SCALE:
+        acc = acc * tl.load(SCALE + rows, mask=m_mask, other=0.0).to(tl.float32)[:, None]
+    return acc
+
+
+@triton.jit
 def _grouped_mm_kernel(
-    X, W, Y, OFFS, GIDX, BIAS,
+    X, W, Y, OFFS, GIDX, BIAS, SCALE,
     M, N, K, E, X_ROWS,
     stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_ym, stride_yn, stride_be, stride_bn,
-    E_POW2: tl.constexpr, HAS_GATHER: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
-    INTERP_BF16: tl.constexpr,
+    E_POW2: tl.constexpr, HAS_GATHER: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
+    PRECISION: tl.constexpr, INTERP_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # tile scheduling as in the module docstring (_common.expert_tile), then one K loop per owned tile
@@ -80,6 +89,7 @@ def _grouped_mm_kernel(
         acc, _ = tile_mm(X, src, a_mask, stride_xm, stride_xk, W + e.to(tl.int64) * stride_we, offs_n, n_mask,
                          stride_wk, stride_wn, K, 0, False, PRECISION, INTERP_BF16, BLOCK_M, BLOCK_N, BLOCK_K)
         acc = add_bias(acc, BIAS, e, offs_n, n_mask, stride_be, stride_bn, HAS_BIAS)
+        acc = scale_rows(acc, SCALE, offs_m, m_mask, HAS_SCALE)
         y = to_out(acc, Y.dtype.element_ty, INTERP_BF16)
     else:
         # Surplus program: zero the rows past the last owned one (rows no expert owns).
@@ -112,11 +122,11 @@ GROUPED_MM = Kernel(
 
 @triton.jit
 def _grouped_mm_tma_kernel(
-    X, W, Y, OFFS, BIAS,
+    X, W, Y, OFFS, BIAS, SCALE,
     M, N, K, E,
     stride_xm, stride_we, stride_wr, stride_ym, stride_yn, stride_be, stride_bn,
     E_POW2: tl.constexpr, W_TRANS: tl.constexpr, FLATTEN: tl.constexpr, HAS_BIAS: tl.constexpr,
-    PRECISION: tl.constexpr, INTERP_BF16: tl.constexpr,
+    HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr, INTERP_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """_grouped_mm_kernel's tiles, persistent and through tensor-memory (TMA) descriptors.
@@ -158,6 +168,7 @@ def _grouped_mm_tma_kernel(
         offs_m = first_row + tl.arange(0, BLOCK_M)
         offs_n = n0 + tl.arange(0, BLOCK_N)
         acc = add_bias(acc, BIAS, e, offs_n, offs_n < N, stride_be, stride_bn, HAS_BIAS)
+        acc = scale_rows(acc, SCALE, offs_m, offs_m < end, HAS_SCALE)
         y_ptrs = Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :] * stride_yn
         tl.store(y_ptrs, to_out(acc, Y.dtype.element_ty, INTERP_BF16),
                  mask=(offs_m < end)[:, None] & (offs_n < N)[None, :])
@@ -204,7 +215,7 @@ def _persistent_programs(device: torch.device) -> int:
     return _SMS[device] * PROGRAMS_PER_SM
 
 
-def _launch_tma(x, w, y, offs, m, n, k, e, transpose_w: bool, flags: dict, bias=None) -> bool:
+def _launch_tma(x, w, y, offs, m, n, k, e, transpose_w: bool, flags: dict, bias=None, row_scale=None) -> bool:
     """Run the persistent TMA kernel into y; False when it cannot run here (then the pointer kernel does)."""
     check_tma_mode(GEMM_TMA, "grouped_mm.GEMM_TMA")
     if not tma_wanted(GEMM_TMA, x.device) or why_not_tma(x, w):
@@ -213,10 +224,12 @@ def _launch_tma(x, w, y, offs, m, n, k, e, transpose_w: bool, flags: dict, bias=
     programs = _persistent_programs(x.device)
     grid = lambda meta: (min(programs, (triton.cdiv(m, meta["BLOCK_M"]) + e) * triton.cdiv(n, meta["BLOCK_N"])),)  # noqa: E731
     b = bias if bias is not None else y  # placeholder pointer, never read when HAS_BIAS is False
+    sc = row_scale if row_scale is not None else offs  # placeholder pointer, never read when HAS_SCALE is False
     return try_tma_launch(lambda: GROUPED_MM_TMA[grid](
-        x, w, y, offs, b, m, n, k, e,
+        x, w, y, offs, b, sc, m, n, k, e,
         x.stride(0), w.stride(0), w.stride(1), y.stride(0), y.stride(1), b.stride(0), b.stride(1),
-        E_POW2=triton.next_power_of_2(e), W_TRANS=transpose_w, FLATTEN=FLATTEN, HAS_BIAS=bias is not None, **flags,
+        E_POW2=triton.next_power_of_2(e), W_TRANS=transpose_w, FLATTEN=FLATTEN, HAS_BIAS=bias is not None,
+        HAS_SCALE=row_scale is not None, **flags,
     ), _TMA_FAILURE, "grouped_mm")
 
 
@@ -240,6 +253,17 @@ def check_bias(what: str, bias: torch.Tensor | None, num_experts: int, n: int, n
         raise ValueError(f"{what}: {name} must be [E={num_experts}, N={n}] (one bias row per expert), got {got}")
 
 
+def check_row_scale(what: str, row_scale: torch.Tensor | None, m: int, device: torch.device) -> None:
+    """A row scale is None or a contiguous float32 [M] tensor on the operands' device."""
+    if row_scale is None:
+        return
+    if (not isinstance(row_scale, torch.Tensor) or tuple(row_scale.shape) != (m,) or row_scale.dtype != torch.float32
+            or row_scale.device != device or not row_scale.is_contiguous()):
+        got = (f"{tuple(row_scale.shape)} {row_scale.dtype} on {row_scale.device}" if isinstance(row_scale, torch.Tensor)
+               else type(row_scale).__name__)
+        raise ValueError(f"{what}: row_scale must be a contiguous float32 [M={m}] tensor on {device}, got {got}")
+
+
 def check_grouped_mm_operands(x: torch.Tensor, w: torch.Tensor, what: str) -> None:
     """What every backend needs of x and w (the Triton kernels and the torch loop alike), checked once where
     the backend is chosen so that each reports the same ValueError: tensors of shapes [M, K] and [E, K, N],
@@ -256,10 +280,11 @@ def check_grouped_mm_operands(x: torch.Tensor, w: torch.Tensor, what: str) -> No
 
 
 def grouped_mm_fwd(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, gather_index: torch.Tensor | None = None,
-                   *, transpose_w: bool = False, allow_tf32: bool = False,
-                   bias: torch.Tensor | None = None) -> torch.Tensor:
+                   *, transpose_w: bool = False, allow_tf32: bool = False, bias: torch.Tensor | None = None,
+                   row_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Triton launch: y [M, N] = x[rows] @ w[e] (+ bias[e], bias [E, N]) (``transpose_w``: @ w[e]^T via
-    strides, no copy). Rows no expert owns stay 0, bias or not."""
+    strides, no copy), each row times row_scale[row] (float32 [M]) when given. Rows no expert owns stay 0, bias
+    or not."""
     what = "grouped_mm (Triton)"
     wt = w.transpose(1, 2) if transpose_w else w  # a view: the kernel only sees strides
     check_grouped_mm_shapes(x, wt, what)
@@ -268,6 +293,7 @@ def grouped_mm_fwd(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, gather_
     check_gather_index(gather_index, x.device, what)
     m = x.shape[0] if gather_index is None else gather_index.shape[0]
     offs = check_offs(offs, w.shape[0], x.device, m, what)
+    check_row_scale(what, row_scale, m, x.device)
     e, k, n = wt.shape
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     if m == 0 or n == 0:
@@ -277,15 +303,18 @@ def grouped_mm_fwd(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, gather_
     if k == 0 and bias is None:  # no products
         return y.zero_()
     flags = dot_flags(x.dtype, allow_tf32)
-    if gather_index is None and k > 0 and _launch_tma(x, w, y, offs, m, n, k, e, transpose_w, flags, bias):
+    if gather_index is None and k > 0 and _launch_tma(x, w, y, offs, m, n, k, e, transpose_w, flags, bias,
+                                                      row_scale):
         return y
     b = bias if bias is not None else y  # placeholder pointer, never read when HAS_BIAS is False
+    sc = row_scale if row_scale is not None else offs  # placeholder pointer, never read when HAS_SCALE is False
     GROUPED_MM[row_tile_grid(m, n, e)](
-        x, wt, y, offs, gather_index if gather_index is not None else offs, b,
+        x, wt, y, offs, gather_index if gather_index is not None else offs, b, sc,
         m, n, k, e, x.shape[0],
         x.stride(0), x.stride(1), wt.stride(0), wt.stride(1), wt.stride(2), y.stride(0), y.stride(1),
         b.stride(0), b.stride(1),
-        E_POW2=triton.next_power_of_2(e), HAS_GATHER=gather_index is not None, HAS_BIAS=bias is not None, **flags,
+        E_POW2=triton.next_power_of_2(e), HAS_GATHER=gather_index is not None, HAS_BIAS=bias is not None,
+        HAS_SCALE=row_scale is not None, **flags,
     )
     return y
 

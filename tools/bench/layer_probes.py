@@ -9,9 +9,11 @@ layer in the same run, so "phase / layer" is a share of the same clock:
     permute  sort the slots + gather x -> rows [N, H]; backward sums each token's k row gradients
     experts  rows [N, H] -> grouped SwiGLU MLP -> [N, H]; backward: dX, dW_in, dW_out
     combine  [N, H] -> weighted sum of each token's k rows -> [T, H]; backward into rows and weights
-    experts_gathered   (where the experts can gather: the Triton backend) the experts reading their rows from
-             x [T, H] in place (moe.experts.FUSED_GATHER), the permute's gather in their first GEMM; backward
-             also sums each token's k row gradients. Set it beside permute + experts.
+    experts_fused, combine_sum   (where the experts take moe.experts.FUSED_PERMUTE: the Triton backend) the
+             experts reading their rows from x [T, H] in place (the permute's gather in their first GEMM; backward
+             also sums each token's k row gradients) and scaling them by the routing weights in their last
+             (backward: the weights' gradient); then the combine as a plain sum. Set them beside permute +
+             experts + combine, which they replace.
 
 Those wall-clock shares include each phase's host launch time, which the whole layer overlaps with GPU
 work; on a GPU the phases' kernel time alone (``device_times``, torch.profiler) is recorded too.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import weakref
 
 from typing import Callable
 
@@ -27,18 +30,19 @@ import torch
 from torch import Tensor, nn
 
 PHASES = ("router", "permute", "experts", "combine")
+FUSED_PHASES = ("experts_fused", "combine_sum")  # where the experts take FUSED_PERMUTE (phase_steps)
 
 
 @contextlib.contextmanager
-def gather_allowed():
-    """moe.experts.FUSED_GATHER = "always" inside (MoELayer reads it in forward only)."""
+def fused_permute_on():
+    """moe.experts.FUSED_PERMUTE = "always" inside (MoELayer reads it in forward only)."""
     from moekit.moe import experts
 
-    before, experts.FUSED_GATHER = experts.FUSED_GATHER, "always"
+    before, experts.FUSED_PERMUTE = experts.FUSED_PERMUTE, "always"
     try:
         yield
     finally:
-        experts.FUSED_GATHER = before
+        experts.FUSED_PERMUTE = before
 
 
 def kernel_ms(events, runs: int) -> float:
@@ -142,11 +146,21 @@ def phase_steps(layer: nn.Module, x: Tensor) -> dict[str, Callable[[], None]]:
         "experts": _fwd_bwd(lambda: layer.experts(rows, d.counts), lambda: (g_rows,)),
         "combine": _fwd_bwd(lambda: layer.dispatcher.combine(out_rows, meta), lambda: (g_out.to(out_rows.dtype),)),
     }
-    with gather_allowed():
+    with fused_permute_on():
         gathers = getattr(layer.dispatcher, "fuses_gather", False) and layer.experts.takes_gather(leaf)
+        scales = gathers and getattr(layer.dispatcher, "fuses_weights", False) and layer.experts.takes_row_scale(leaf)
     if gathers:
         g = layer.dispatcher.dispatch(leaf, routing, fuse_gather=True)
-        steps["experts_gathered"] = _fwd_bwd(lambda: layer.experts(leaf, g.counts, gather=g.gather), lambda: (g_rows,))
+        g_meta = dataclasses.replace(g.meta, weights=w)  # the weights' gradient comes from the experts' backward
+
+        def fused():
+            scale = layer.dispatcher.row_weights(g_meta) if scales else None
+            return layer.experts(leaf, g.counts, gather=g.gather, row_scale=scale)
+
+        steps["experts_fused"] = _fwd_bwd(fused, lambda: (g_rows,))
+        if scales:
+            steps["combine_sum"] = _fwd_bwd(lambda: layer.dispatcher.combine(out_rows, g_meta, weighted=False),
+                                            lambda: (g_out.to(out_rows.dtype),))
     return steps
 
 
@@ -237,12 +251,11 @@ def saved_activation_bytes(module: nn.Module, x: Tensor) -> dict:
     the allocator's growth across the forward while the graph is alive, minus the output.
     """
     params = {p.untyped_storage().data_ptr() for p in module.parameters()}
-    seen: dict[int, int] = {}
+    saved: list = []  # weak references: what a graph branch freed during forward saved (an intermediate nothing
+    # uses) is gone by the end, and its storage's address, which a later tensor may take, is not counted twice
 
     def pack(t: Tensor) -> Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params and storage.nbytes():
-            seen[storage.data_ptr()] = storage.nbytes()
+        saved.append(weakref.ref(t))
         return t
 
     leaf = x.detach().requires_grad_()
@@ -252,7 +265,8 @@ def saved_activation_bytes(module: nn.Module, x: Tensor) -> dict:
         before = torch.cuda.memory_allocated(x.device)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = module(leaf)
-    result = {"saved_tensors_bytes": sum(seen.values())}
+    seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in (r() for r in saved) if t is not None}
+    result = {"saved_tensors_bytes": sum(n for ptr, n in seen.items() if ptr not in params and n)}
     if cuda:
         torch.cuda.synchronize(x.device)
         result["cuda_allocated_bytes"] = torch.cuda.memory_allocated(x.device) - before - out.numel() * out.element_size()

@@ -11,9 +11,10 @@ dropping, no aux loss. A shape prefixed "gpt-oss:" (e.g. gpt-oss:2880x2880x32x4,
 is gpt-oss's block instead: a router bias, per-expert biases (random, not the zeros they start at) and
 swiglu_oai, against transformers' GptOssMLP. Implementations, timed round-robin in one run:
   moekit[auto->...], moekit[torch], moekit[loop]   MoELayer with each expert backend
-  moekit[triton+gather]   the Triton backend with the permute's gather fused into the first expert GEMM
-                (moe.experts.FUSED_GATHER "always" for this module; its phase "experts_gathered" is that
-                GEMM pair fwd+bwd reading the layer input in place, to set beside permute + experts)
+  moekit[triton+fused]   the Triton backend with the permute fused into the expert GEMMs, ScatterMoE-style
+                (moe.experts.FUSED_PERMUTE "always" for this module): the gather into the first, the routing
+                weights into the last; its phases "experts_fused" + "combine_sum" replace permute + experts +
+                combine (layer_probes.py)
   titan-style   router + torch argsort/index permute + torch grouped_mm + scatter_add unpermute
                 (tools/bench/titan_ref.py; shares the MoELayer's parameters; plain SwiGLU shapes only)
   transformers[eager|grouped_mm]   MixtralSparseMoeBlock (GptOssMLP for gpt-oss) with the weights copied in
@@ -34,7 +35,7 @@ import torch
 from moekit.bench.benchlib import (BenchParser, add_timing_args, check_at_least, check_names, check_timing_args,
                                    environment, guarded, hf_experts_implementations, print_table, time_interleaved,
                                    write_json)
-from moekit.bench.layer_probes import (PHASES, device_times, gather_allowed, host_sync_check, minimum_activation_bytes,
+from moekit.bench.layer_probes import (FUSED_PHASES, PHASES, device_times, fused_permute_on, host_sync_check, minimum_activation_bytes,
                                        phase_steps, saved_activation_bytes)
 from moekit.moe import MoELayer, build_router
 from moekit.moe.experts import available_backends, resolve_backend
@@ -172,14 +173,14 @@ def moekit_layer(H, F, E, k, backend="auto", gpt_oss=False):
 
 
 class FusedGather(torch.nn.Module):
-    """A MoELayer run with moe.experts.FUSED_GATHER = "always" (only its forward reads the switch)."""
+    """A MoELayer run with moe.experts.FUSED_PERMUTE = "always" (only its forward reads the switch)."""
 
     def __init__(self, layer: MoELayer):
         super().__init__()
         self.layer = layer
 
     def forward(self, x):
-        with gather_allowed():
+        with fused_permute_on():
             return self.layer(x)
 
 
@@ -203,11 +204,11 @@ def build_impls(args, H, F, E, k, device, dtype, gpt_oss=False) -> tuple[MoELaye
         else:
             modules[name] = moekit_layer(H, F, E, k, backend, gpt_oss).to(device, dtype)
             modules[name].load_state_dict(layer.state_dict())
-    if "gather" in args.peers:
+    if "fused" in args.peers:
         fused = moekit_layer(H, F, E, k, "triton", gpt_oss).to(device, dtype)
         fused.load_state_dict(layer.state_dict())
-        name = "moekit[triton+gather]"
-        with gather_allowed():
+        name = "moekit[triton+fused]"
+        with fused_permute_on():
             why = "" if fused.experts.takes_gather(x0) else "the triton backend cannot run here"
         if why:
             skipped[name] = why
@@ -290,13 +291,15 @@ def bench_case(args, tokens, H, F, E, k, device, dtype, gpt_oss=False) -> tuple[
         case["phases_ms"] = {p: timings[f"phase:{p}"]["median_ms"] for p in PHASES}
         case["phases_share_of_layer"] = {p: t / layer_ms for p, t in case["phases_ms"].items()}
         case["router_permute_combine_share"] = sum(case["phases_share_of_layer"][p] for p in ("router", "permute", "combine"))
-        if "experts_gathered" in phases:  # the fused gather's experts against the permute + experts they replace
-            ms = timings["phase:experts_gathered"]["median_ms"]
-            case["experts_gathered_ms"] = ms
-            case["experts_gathered_vs_permute_experts"] = ms / (case["phases_ms"]["permute"] + case["phases_ms"]["experts"])
+        if "experts_fused" in phases:  # the fused phases against the permute + experts + combine they replace
+            fused = [p for p in FUSED_PHASES if p in phases]
+            case["fused_phases_ms"] = {p: timings[f"phase:{p}"]["median_ms"] for p in fused}
+            replaced = ("permute", "experts") + (("combine",) if "combine_sum" in fused else ())
+            case["fused_vs_replaced"] = sum(case["fused_phases_ms"].values()) / sum(
+                case["phases_ms"][p] for p in replaced)
         kernels = device_times({"layer": steps[auto], **phases}, device)  # GPU kernel time, no launch overhead
         if kernels:
-            case["phases_kernel_ms"] = {p: kernels[p] for p in (*PHASES, "experts_gathered") if p in kernels} | {
+            case["phases_kernel_ms"] = {p: kernels[p] for p in (*PHASES, *FUSED_PHASES) if p in kernels} | {
                 "layer": kernels["layer"]}
             case["router_permute_combine_kernel_share"] = sum(kernels[p] for p in ("router", "permute", "combine")) / (
                 kernels["layer"] or float("nan"))
@@ -332,12 +335,14 @@ def print_case_details(cases: list[dict]) -> None:
                 print("  GPU kernel time (profiler, no launch overhead): " + ", ".join(
                     f"{p} {km[p]:.2f} ms" for p in PHASES) + f", layer {km['layer']:.2f} ms; router+permute+combine "
                     f"{100 * c['router_permute_combine_kernel_share']:.1f}% of the layer's kernel time")
-            if "experts_gathered_ms" in c:
+            if "fused_phases_ms" in c:
+                fused = c["fused_phases_ms"]
+                replaced = ("permute", "experts") + (("combine",) if "combine_sum" in fused else ())
                 km = c.get("phases_kernel_ms", {})
-                kern = (f"; GPU kernel time {km['experts_gathered']:.2f} against {km['permute'] + km['experts']:.2f} ms"
-                        if "experts_gathered" in km else "")
-                print(f"  experts with the gather fused: {c['experts_gathered_ms']:.2f} ms = "
-                      f"{c['experts_gathered_vs_permute_experts']:.2f}x permute + experts{kern}")
+                kern = (f"; GPU kernel time {sum(km[p] for p in fused):.2f} against "
+                        f"{sum(km[p] for p in replaced):.2f} ms" if all(p in km for p in fused) else "")
+                print(f"  fused permute ({' + '.join(fused)}): {sum(fused.values()):.2f} ms = "
+                      f"{c['fused_vs_replaced']:.2f}x {' + '.join(replaced)}{kern}")
             print("  host syncs: " + ", ".join(f"{n}: {v}" for n, v in c["host_syncs"].items()))
         minimum = c["minimum_activation_bytes"]["total"]
         for n, m in c["activation_bytes"].items():
@@ -359,9 +364,9 @@ def main(argv=None) -> int:
     p.add_argument("--backends", nargs="+", default=["auto", "torch", "loop"],
                    help=f"moekit expert backends to time, of {', '.join(available_backends())} ('auto' is always "
                         "included: ratios are against it)")
-    p.add_argument("--peers", nargs="*", default=["titan", "gather"], choices=["titan", "gather"],
-                   help="'titan' adds the torchtitan-style reference; 'gather' moekit's Triton experts with the "
-                        "permute's gather fused into the first GEMM (MOEKIT_FUSED_GATHER)")
+    p.add_argument("--peers", nargs="*", default=["titan", "fused"], choices=["titan", "fused"],
+                   help="'titan' adds the torchtitan-style reference; 'fused' moekit's Triton experts with the "
+                        "permute fused into the expert GEMMs, ScatterMoE-style (MOEKIT_FUSED_PERMUTE)")
     p.add_argument("--hf-impl", nargs="*", default=["eager", "grouped_mm"],
                    help="transformers experts implementations to time (eager = its per-expert loop)")
     add_timing_args(p, out="bench-results/moe_layer.json")

@@ -108,7 +108,7 @@ def build_calls(shape, tokens: int, dtype, device, gen) -> dict:
     x, dy = rnd(m, H), rnd(m, H)
     w_in, w_out = rnd(E, H, 2 * F, scale=H ** -0.5), rnd(E, F, H, scale=F ** -0.5)
     h, pre = expert_up_act(x, w_in, offs, "swiglu", save_pre=True)
-    dpre, _ = expert_down_dact(dy, w_out, pre, offs, "swiglu", store_h=False)
+    dpre, _, _ = expert_down_dact(dy, w_out, pre, offs, "swiglu", store_h=False)
     two = 2.0 * m
     return {
         "up_act": (EXPERT_UP_ACT, lambda: expert_up_act(x, w_in, offs, "swiglu", save_pre=True), two * H * 2 * F),
