@@ -72,8 +72,8 @@ linear_attention_scan
                 the linear_attention step's (the loop); writes linear_attention_scan.json; not in the default
                 set                                                                        (cap 90 s)
 train_mfu_ab    tools/bench/train_mfu.py, compile on, 12 steps, --variants base, legacy (MOEKIT_LM_LOSS=never,
-                MOEKIT_SPLIT_ROUTER=never) and gather (MOEKIT_FUSED_PERMUTE=always): the fused loss's, the router
-                GEMM's and the fused gather's end-to-end effect in one run; writes train_mfu.json; not in the
+                MOEKIT_SPLIT_ROUTER=never) and fused (MOEKIT_FUSED_PERMUTE=always): the fused loss's, the router
+                GEMM's and the fused permute's end-to-end effect in one run; writes train_mfu.json; not in the
                 default set                                                                (what is left)
 grouped_gemm_mixtral1b
                 grouped_gemm at train_mfu's model (H 1024, F 3072, E 8, k 2), 32768 tokens, uniform: the fused
@@ -295,11 +295,11 @@ for step in "${STEPS[@]}"; do
       # its own per-configuration timeout ends inside the suite's, so it still writes its JSON
       mfu_limit=$((DEADLINE - $(date +%s) - 30))
       if [ "$SMOKE" = 1 ]; then flags=$(mfu_flags --smoke=); [ "$step" = train_mfu_tma ] && flags+=" $(mfu_flags "--tma=off on")"
-        [ "$step" = train_mfu_ab ] && flags+=" $(mfu_flags "--variants=base legacy:MOEKIT_LM_LOSS=never gather:MOEKIT_FUSED_PERMUTE=always")"
+        [ "$step" = train_mfu_ab ] && flags+=" $(mfu_flags "--variants=base legacy:MOEKIT_LM_LOSS=never fused:MOEKIT_FUSED_PERMUTE=always")"
       elif [ "$step" = train_mfu ]; then flags=$(mfu_flags --compile=off --steps=15 --warmup=3 --timeout=$mfu_limit)
       elif [ "$step" = train_mfu_ab ]; then
         flags=$(mfu_flags --compile=on --steps=12 --warmup=2 --timeout=$((mfu_limit / 3)) \
-                "--variants=base legacy:MOEKIT_LM_LOSS=never,MOEKIT_SPLIT_ROUTER=never gather:MOEKIT_FUSED_PERMUTE=always")
+                "--variants=base legacy:MOEKIT_LM_LOSS=never,MOEKIT_SPLIT_ROUTER=never fused:MOEKIT_FUSED_PERMUTE=always")
       elif [ "$step" = train_mfu_tma ]; then
         flags=$(mfu_flags --compile=off "--tma=off on" --steps=12 --warmup=3 --timeout=$((mfu_limit / 2)))
       else flags=$(mfu_flags --timeout=$((mfu_limit / 2))); fi
