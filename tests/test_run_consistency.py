@@ -217,3 +217,19 @@ def test_compare_sorts_changes():
     c = compare(old, new)
     assert [k for k, *_ in c.applied] == ["layout.ep", "train.lr"]
     assert [k for k, *_ in c.kept] == ["train.init_from_hf"] and [k for k, *_ in c.refused] == ["train.seed"]
+
+
+def test_kernel_switches_are_part_of_each_rank_and_a_difference_is_named(monkeypatch):
+    """A node whose environment set another kernel path (MOEKIT_FUSED_PERMUTE here) is named with the variable and
+    the ranks on each side; the switches are the resolved values, so spelling ("ALWAYS", " never ") does not count."""
+    from moekit.moe import experts
+
+    base = describe_rank(TrainConfig().to_dict())
+    assert base["switch.MOEKIT_FUSED_PERMUTE"] == experts.FUSED_PERMUTE
+    assert {"switch.MOEKIT_LM_LOSS", "switch.MOEKIT_SPLIT_ROUTER", "switch.MOEKIT_DELTA_SCAN"} <= base.keys()
+    other = "always" if experts.FUSED_PERMUTE != "always" else "never"
+    monkeypatch.setattr(experts, "FUSED_PERMUTE", other)
+    odd = describe_rank(TrainConfig().to_dict())
+    diffs = disagreements([base, base, odd])
+    assert [k for k, _ in diffs] == ["switch.MOEKIT_FUSED_PERMUTE"]
+    assert f"rank 2: {other!r}" in message(diffs, 3)

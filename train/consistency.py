@@ -3,8 +3,8 @@
 Ranks started with different flags (a typo in one node's launch script, a config file that differs between
 nodes, another moekit or torch version, a data file that differs in content) would otherwise train
 silently with diverged replicas, or hang in a collective whose shapes disagree. ``check_ranks_agree``
-gathers a flat description of each rank (every resolved config value, the software versions, a
-fingerprint of the token data) and refuses the run with one line naming the settings that differ and
+gathers a flat description of each rank (every resolved config value, the kernel switches its environment
+set, the software versions, a fingerprint of the token data) and refuses the run with one line naming the settings that differ and
 which ranks hold which value.
 
 Settings that legitimately differ per rank are left out (none today: the run directory is a shared path
@@ -62,13 +62,38 @@ def data_fingerprint(tokens: np.ndarray) -> str:
     return f"{n} tokens, crc32 {crc:08x}"
 
 
+def kernel_switches() -> dict[str, str]:
+    """The compute paths chosen by environment variables, as each rank resolved them (``switch.<variable>``): the
+    Triton-path switches (moe.kernel_choice) and the kernels' TMA / autotune modes. One node launched with another
+    value computes its replica differently (numerics, memory; with expert parallelism, what its peers receive)."""
+    from moekit.models import delta_rule, loss
+    from moekit.moe import experts, precision
+
+    out = {f"switch.{env}": value for env, value in (
+        (experts.FUSED_PERMUTE_ENV, experts.FUSED_PERMUTE), (loss.LM_LOSS_ENV, loss.TRITON_LM_LOSS),
+        (precision.SPLIT_ROUTER_ENV, precision.SPLIT_ROUTER), (delta_rule.DELTA_SCAN_ENV, delta_rule.TRITON_SCAN))}
+    try:
+        from moekit.moe.kernels._common import AUTOTUNE_ENV, autotune_mode
+        from moekit.moe.kernels._tma import TMA_ENV, tma_default
+    except ImportError:  # no triton here: the kernels never run
+        return out
+    out[f"switch.{TMA_ENV}"] = tma_default()
+    try:
+        out[f"switch.{AUTOTUNE_ENV}"] = autotune_mode()
+    except ValueError as exc:  # a bad value is the start-up check's to report; here it must still compare
+        out[f"switch.{AUTOTUNE_ENV}"] = f"invalid ({exc})"
+    return out
+
+
 def describe_rank(config: dict[str, Any], data: list[np.ndarray] | None = None) -> dict[str, Any]:
-    """What must be equal on every rank: the resolved config, the software, the data (its token sets)."""
+    """What must be equal on every rank: the resolved config, the kernel switches of the environment
+    (kernel_switches), the software, the data (its token sets)."""
     try:
         version = importlib.metadata.version("moekit")
     except importlib.metadata.PackageNotFoundError:  # a checkout used without installing
         version = "not installed"
     desc = {k: v for k, v in flatten(config).items() if k not in PER_RANK_KEYS}
+    desc.update(kernel_switches())
     desc["software.moekit"] = version
     desc["software.torch"] = torch.__version__
     if data is not None:
