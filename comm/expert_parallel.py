@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from moekit.comm.all_to_all import Traffic, agree_on_signature, all_to_all, exchange_counts
 from moekit.comm.placement import Placement
-from moekit.moe.dispatch import Dispatched, PermuteMeta, RowGather, permute, sort_slots, unpermute
+from moekit.moe.dispatch import Dispatched, PermuteMeta, RowGather, permute, row_weights, sort_slots, unpermute
 from moekit.moe.router import Routing, check_int, count_experts
 
 
@@ -215,8 +215,10 @@ class FlatEPDispatcher(EPDispatcherBase):
             self.signature += self.placement.signature() << 32
         agree_on_signature(self.group, self.signature)  # before any count exchange: payload widths must match
 
-    # dispatch(fuse_gather=True) leaves step 4, the reorder, to the experts' first GEMM (moe.dispatch.RowGather)
+    # dispatch(fuse_gather=True) leaves step 4, the reorder, to the experts' first GEMM (moe.dispatch.RowGather), and
+    # combine(weighted=False) the routing weights to their last (row_weights: the weights travel with the rows)
     fuses_gather = True
+    fuses_weights = True
 
     def dispatch(self, x: Tensor, routing: Routing, *, fuse_gather: bool = False) -> Dispatched:
         """``fuse_gather``: return the received rows [R, H] source-major as they came, with a RowGather saying
@@ -253,12 +255,22 @@ class FlatEPDispatcher(EPDispatcherBase):
             return Dispatched(recv, recv_counts.sum(0), meta, RowGather.over(recv, order, inverse))
         return Dispatched(_Reorder.apply(recv, order, inverse), recv_counts.sum(0), meta)
 
-    def combine(self, rows: Tensor, meta: EPMeta) -> Tensor:
+    def row_weights(self, meta: EPMeta) -> Tensor:
+        """[R] float32: the routing weight of each row this rank's experts compute, in their (expert-major) order:
+        each source's row weights (moe.dispatch.row_weights) sent with its rows, one fp32 each, by an all-to-all
+        (a collective: every rank of the group calls it, as MoELayer does when the experts take the weights)."""
+        mine = row_weights(meta.local)[:, None]  # [N, 1] in my sort order, as the rows went
+        self._count("dispatch", meta.send_splits, mine)
+        recv = all_to_all(mine, meta.recv_splits, meta.send_splits, self.group)  # [R, 1] source-major
+        return recv[:, 0].index_select(0, meta.order)
+
+    def combine(self, rows: Tensor, meta: EPMeta, *, weighted: bool = True) -> Tensor:
+        """``weighted=False``: the rows carry their weights already (row_weights): each token's rows summed."""
         check_combine_rows(rows, meta.order.shape[0])  # else IndexError here or rows lost, peers in the all-to-all
         back = _Reorder.apply(rows, meta.inverse, meta.order)  # [R, H] source-major again
         self._count("combine", meta.recv_splits, back)
         mine = all_to_all(back, meta.send_splits, meta.recv_splits, self.group)  # [N, H] in my sort order
-        return unpermute(mine, meta.local)
+        return unpermute(mine, meta.local, weighted)
 
     def _count(self, phase: str, splits: list[int], rows: Tensor) -> None:
         row_bytes = rows.shape[-1] * rows.element_size()

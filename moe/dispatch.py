@@ -339,9 +339,18 @@ def permute(x: Tensor, meta: PermuteMeta) -> Tensor:
     return _Permute.apply(x, meta.row_slot // meta.top_k, meta.slot_row, meta.top_k, meta.may_drop)
 
 
-def unpermute(rows: Tensor, meta: PermuteMeta) -> Tensor:
-    """[N, H] expert outputs -> [T, H] weighted sum over each token's kept slots."""
+def unpermute(rows: Tensor, meta: PermuteMeta, weighted: bool = True) -> Tensor:
+    """[N, H] expert outputs -> [T, H] weighted sum over each token's kept slots; ``weighted=False``: the plain sum
+    (the rows carry their weights already: row_weights)."""
+    if not weighted:
+        return _SumSlots.apply(rows, meta.slot_row, meta.row_slot, meta.num_tokens, meta.top_k, meta.may_drop)
     return _Unpermute.apply(rows, meta.weights, meta.slot_row, meta.row_slot, meta.may_drop)
+
+
+def row_weights(meta: PermuteMeta) -> Tensor:
+    """[N] float32: each row's routing weight (its slot's), differentiable into the routing weights: what experts
+    that scale their own output rows take (then ``unpermute(weighted=False)``)."""
+    return meta.weights.reshape(-1).index_select(0, meta.row_slot).to(torch.float32)
 
 
 class LocalDispatcher:
@@ -384,9 +393,8 @@ class LocalDispatcher:
         return Dispatched(permute(x, meta), routing.tokens_per_expert, meta)
 
     def row_weights(self, meta: PermuteMeta) -> Tensor:
-        """[N] float32: each row's routing weight (its slot's), differentiable into the routing weights: what
-        experts that scale their own output rows take (then ``combine(weighted=False)``)."""
-        return meta.weights.reshape(-1).index_select(0, meta.row_slot).to(torch.float32)
+        """[N] float32: each row's routing weight (moe.dispatch.row_weights), for ``combine(weighted=False)``."""
+        return row_weights(meta)
 
     def combine(self, rows: Tensor, meta: PermuteMeta, *, weighted: bool = True) -> Tensor:
         """[N, H] -> [T, H]: each token's rows times their weights, summed; ``weighted=False``: the rows summed as
@@ -396,6 +404,4 @@ class LocalDispatcher:
             raise ValueError(f"combine: rows has shape {tuple(rows.shape)} but this dispatch produced "
                              f"[N={num_rows}, H] rows; pass the experts' output for Dispatched.rows (one row each, "
                              f"same order)")
-        if not weighted:
-            return _SumSlots.apply(rows, meta.slot_row, meta.row_slot, meta.num_tokens, meta.top_k, meta.may_drop)
-        return unpermute(rows, meta)
+        return unpermute(rows, meta, weighted)

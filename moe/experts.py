@@ -274,8 +274,8 @@ def float8_mlp(rows: Tensor, counts: Tensor, w_in: Tensor, w_out: Tensor, activa
 #    input). The local dispatcher's permute, and flat expert parallelism's reorder of the received rows;
 #  - the combine's routing weights into the last (row_scale): its epilogue scales each row, the combine becomes a
 #    plain sum that keeps no [N, H] expert outputs for the weights' gradient, which the backward kernel's epilogue
-#    gives instead. The local dispatcher only (the weights stay on the source rank under expert parallelism), and
-#    not with expert output biases (the bias would be scaled too).
+#    gives instead. The local dispatcher, and flat expert parallelism (the weights travel with the rows, one fp32
+#    each); not with expert output biases (the bias would be scaled too).
 # "auto": CUDA tensors; "always": CPU tensors too (the Triton interpreter: tests); "never": the permuted copy and
 # the weighted combine. The gathered rows cannot go through TMA descriptors (the weights still do). Unset, "never"
 # for now: it has not been timed on a GPU (docs/benchmarks.md, "After the fifth round"); it starts as

@@ -124,6 +124,22 @@ def test_gather_reads_zeros_for_indices_outside_the_source_and_zero_rows_past_th
     assert got[0][[2, 7, 15]].abs().max() == 0 and got[0][17:].abs().max() == 0
 
 
+@pytest.mark.parametrize("slots", [True, False], ids=["slots", "sorted"])
+def test_gather_from_no_rows(slots):
+    """A source with no rows (an expert-parallel rank that received none): empty output, an empty gradient of the
+    source, zero weight gradients; the backward's slot sum must not divide by the zero rows."""
+    g = gen("empty-source", slots)
+    x = torch.randn(0, 16, requires_grad=True)
+    w_in, w_out = (torch.randn(3, 16, 24, generator=g).requires_grad_(), torch.randn(3, 12, 16, generator=g)
+                   .requires_grad_())
+    empty = torch.zeros(0, dtype=torch.int64)
+    y = expert_mlp(x, torch.zeros(3, dtype=torch.int64), w_in, w_out, "swiglu", gather_index=empty,
+                   gather_slots=empty if slots else None, row_scale=torch.ones(0, requires_grad=True))
+    assert y.shape == (0, 16)
+    (y.sum() + 0 * (w_in.sum() + w_out.sum())).backward()
+    assert x.grad.shape == (0, 16) and w_in.grad.abs().max() == 0
+
+
 def test_gathered_bf16_within_what_torch_gets_in_bf16():
     """bf16: the kernel's error against float64 at most twice torch's own bf16 computation of the same thing plus
     one bf16 ulp of the result's scale (the calibrated bound of tests/test_kernels.py)."""
@@ -376,40 +392,87 @@ def test_layer_benchmark_times_the_fused_permute(tmp_path, capsys):
 
 
 def _ep_rank(rank, world, E, k, tokens):
-    """One rank of a flat EP layer on the Triton experts, switch off then on: the same output and gradients bit for
-    bit (each received row has one place: the reorder is a permutation either way), and the reorder never copies."""
+    """One rank of a flat EP layer on the Triton experts: switch off, the gather alone (the received rows' reorder
+    in the up kernel: a permutation either way, so the same output and gradients bit for bit), and the weights too
+    (sent with the rows, applied in the last GEMM: within fp32 rounding, the weighted combine never runs); counted
+    reorders show which copies were made."""
     import copy
 
     from moekit.comm import expert_parallel as EP
-    from moekit.comm.expert_parallel import apply_expert_parallel
+    from moekit.comm.expert_parallel import FlatEPDispatcher, apply_expert_parallel
     from moekit.comm.topology import Layout, Topology
 
     topo = Topology(Layout(dp=world, ep=world), rank, world).build()
     torch.manual_seed(3)
     ref = MoELayer(24, 20, E, build_router("topk", 24, E, top_k=k), backend="triton")
     runs = {}
-    for mode in ("never", "always"):
+    for name, mode, weights in (("off", "never", True), ("gather", "always", False), ("fused", "always", True)):
         experts.FUSED_PERMUTE = mode
+        FlatEPDispatcher.fuses_weights = weights
         layer = copy.deepcopy(ref)
         apply_expert_parallel(layer, topo)
-        calls, real = [], EP._Reorder.apply
+        calls, real, real_unpermute = [], EP._Reorder.apply, EP.unpermute
         EP._Reorder.apply = lambda *a: calls.append(1) or real(*a)
+        EP.unpermute = lambda rows, meta, weighted=True: (weighted and name == "fused" and pytest.fail(
+            "weighted combine")) or real_unpermute(rows, meta, weighted)
         try:
             x = torch.randn(tokens, 24, generator=gen("ep", rank)).requires_grad_()
             y = layer(x)
             y.backward(torch.randn(y.shape, generator=gen("ep-dy", rank)))
         finally:
-            EP._Reorder.apply = real
-        assert len(calls) == (2 if mode == "never" else 1), (mode, calls)  # dispatch's and combine's; combine's
-        runs[mode] = (y.detach(), x.grad, layer.experts.w_in.grad.to_local(), layer.experts.w_out.grad.to_local(),
+            EP._Reorder.apply, EP.unpermute = real, real_unpermute
+        assert len(calls) == (2 if mode == "never" else 1), (name, calls)  # dispatch's and combine's; combine's
+        runs[name] = (y.detach(), x.grad, layer.experts.w_in.grad.to_local(), layer.experts.w_out.grad.to_local(),
                       layer.router.weight.grad)
-    for a, b in zip(runs["always"], runs["never"]):
+    FlatEPDispatcher.fuses_weights = True
+    for a, b in zip(runs["gather"], runs["off"]):
         assert torch.equal(a, b), (a - b).abs().max()
+    for a, b in zip(runs["fused"], runs["off"]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_expert_parallel_reorder_fused_into_the_experts():
+def test_expert_parallel_permute_fused_into_the_experts():
     """Flat expert parallelism over 2 gloo ranks (interpreted Triton experts): step 4's reorder of the received rows
-    happens in the up kernel's loads."""
+    happens in the up kernel's loads, and the routing weights, sent with the rows, in the last GEMM's epilogue."""
     from tests.dist_utils import run_ranks
 
     run_ranks(_ep_rank, 2, 4, 2, 9, env={"TRITON_INTERPRET": "1"})
+
+
+def _planner_ep_rank(rank, world):
+    """Expert parallelism over 2 ranks, one small Triton-expert layer: the kept bytes with the switch off minus on,
+    measured, against the planner's difference. They differ only by the [R] fp32 row weights, whose count the
+    planner takes as balanced (R = T k) while each rank computes the rows routed to it."""
+    import dataclasses
+
+    from moekit.comm.topology import Layout, Topology
+    from moekit.models.config import preset
+    from moekit.models.parallelize import parallelize
+    from moekit.models.transformer import build_model
+    from moekit.train.planning.memory import Workload, estimate_memory
+    from tests.test_dryrun import B, S, measure
+
+    cfg = dataclasses.replace(preset("mixtral-tiny"), num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1,
+                              moe_ffn_hidden_size=32, expert_backend="triton")
+    layout = Layout(ep=2, dp=2)
+    topo = Topology(layout, rank, ranks_per_node=2).build()
+    g = torch.Generator().manual_seed(topo.data_rank())
+    tokens, targets = (torch.randint(0, cfg.vocab_size, (B, S), generator=g) for _ in range(2))
+    kept, est = {}, {}
+    for mode in ("never", "always"):
+        experts.FUSED_PERMUTE = mode
+        model = build_model(cfg, seed=0)
+        parallelize(model, topo)
+        model.train()
+        kept[mode] = measure(model, tokens, targets)["activations"]
+        est[mode] = estimate_memory(cfg, layout, Workload(B, S, "float32", "none", "cpu"), ranks_per_node=2).activations
+    T, k, H = B * S, cfg.top_k, cfg.hidden_size
+    measured, estimated = kept["never"] - kept["always"], est["never"] - est["always"]
+    assert estimated == T * k * H * 4, estimated  # the combine's [T k, H] rows; the row weights for the weights
+    assert abs(measured - estimated) <= T * k * 4, (measured, estimated)  # the imbalance of the row weights' count
+
+
+def test_planner_counts_the_weights_fused_under_expert_parallelism():
+    from tests.dist_utils import run_ranks
+
+    run_ranks(_planner_ep_rank, 2, env={"TRITON_INTERPRET": "1"})

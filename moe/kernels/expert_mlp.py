@@ -505,7 +505,9 @@ def _sum_into_sources(d_rows: torch.Tensor, gather_index: torch.Tensor, gather_s
     """[num_sources, H]: each gathered-from row's gradient, the sum of its logical rows' in a fixed order."""
     if gather_slots is None:
         return scatter_add_rows(d_rows, gather_index, num_sources)
-    return combine_rows(d_rows, gather_slots, None, num_sources, gather_slots.shape[0] // max(num_sources, 1))
+    if num_sources == 0:  # nothing to gather from (an expert-parallel rank that received no rows)
+        return d_rows.new_zeros(0, d_rows.shape[1])
+    return combine_rows(d_rows, gather_slots, None, num_sources, gather_slots.shape[0] // num_sources)
 
 
 # ---------------------------------------------------------------------------------------------------

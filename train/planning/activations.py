@@ -96,15 +96,16 @@ def fused_router_applies(cfg: ModelConfig, cpu: bool) -> bool:
         cfg.router in ("topk", "switch") and opts.get("num_groups") is None and opts.get("force_expert") is None
 
 
-def fused_permute_applies(cfg: ModelConfig, layout: Layout, cpu: bool) -> bool:
-    """Whether the experts read their rows in place and, without output biases, apply the routing weights
-    (moe.experts.FUSED_PERMUTE), and so keep fewer bytes: the local dispatcher (no expert parallelism), the Triton
-    backend, and the switch on for the device. (Flat expert parallelism's fused reorder keeps the received rows
-    instead of their reordered copy: the same bytes.)"""
+def fused_permute_applies(cfg: ModelConfig, cpu: bool) -> bool:
+    """Whether the MoE layers take moe.experts.FUSED_PERMUTE: the Triton backend and the switch on for the device.
+    What that saves depends on the dispatch (_moe): the local one keeps the experts' [T, H] input instead of the
+    [R, H] rows (flat expert parallelism's fused reorder keeps the received rows instead of their reordered copy:
+    the same bytes); local and flat expert-parallel dispatch, without output biases, also apply the routing weights
+    in the last GEMM, so the combine keeps no [R, H] expert outputs."""
     from moekit.moe import experts
 
     mode = experts.FUSED_PERMUTE
-    return layout.ep == 1 and _backend(cfg, cpu) == "triton" and (mode == "always" or (mode == "auto" and not cpu))
+    return _backend(cfg, cpu) == "triton" and (mode == "always" or (mode == "auto" and not cpu))
 
 
 def _router(cfg: ModelConfig, s: Shapes) -> int:
@@ -140,13 +141,14 @@ def _moe(cfg: ModelConfig, layout: Layout, s: Shapes, node_rows: float) -> dict[
     # backward recomputes the activation); the other backends keep what the activation and the second GEMM keep
     act = get_activation(cfg.activation)
     hidden = act.in_features(F) if backend == "triton" else F * ffn_widths(cfg.activation, False)
+    fused = fused_permute_applies(cfg, s.cpu)
     outputs = s.R * H * s.a  # the experts' output rows, which the weighted combine keeps for the weights' gradient
-    if fused_permute_applies(cfg, layout, s.cpu):  # the experts keep their [T, H] input, not the [R, H] rows: the
-        # block's input itself, or under autocast the one bf16 copy the layer casts
+    if fused and not cfg.moe_ffn_bias and (layout.ep == 1 or not node_rows):  # local or flat EP: the weights in the
+        # last GEMM, the [R] fp32 row weights kept instead of the outputs and the combine's [T, k] fp32 weights
+        outputs = s.R * FP32 - s.Tm * k * FP32
+    if fused and layout.ep == 1:  # the experts keep their [T, H] input, not the [R, H] rows: the block's input
+        # itself, or under autocast the one bf16 copy the layer casts
         rows = s.Tm * H * s.a if s.casts else 0
-        if not cfg.moe_ffn_bias:  # the weights in the last GEMM: the [R] fp32 row weights kept instead of the
-            # outputs and of the combine's [T, k] fp32 routing weights
-            outputs = s.R * FP32 - s.Tm * k * FP32
     else:
         rows = s.R * H * (s.a if s.casts else s.r)
     experts = rows + s.R * hidden * s.a + outputs
