@@ -87,8 +87,10 @@ def _check_rows(x, y, scale, block_v=None):
     assert ((got.double() - want_grad).abs() <= bound).all(), (got.double() - want_grad).abs().max()
     ref_loss, ref_grad = cross_entropy_rows_ref(x, y, scale, need_grad=True)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
-    if x.dtype == torch.bfloat16:  # the same fp32 value up to the lse's sum order, rounded once: one ulp at most
-        torch.testing.assert_close(got, ref_grad, rtol=BF16_EPS, atol=1e-7)
+    if x.dtype == torch.bfloat16:  # the same fp32 value up to the lse's sum order, rounded once: one ulp at most,
+        # which is up to 2^-7 of the value at the bottom of its binade (2 BF16_EPS; the CI run at 4e523ea drew a
+        # 2^-18 step on a value in [2^-11, 2^-10), past 2^-8 relative)
+        torch.testing.assert_close(got, ref_grad, rtol=2 * BF16_EPS, atol=1e-7)
     else:
         torch.testing.assert_close(got, ref_grad, rtol=1e-5, atol=1e-7)
     assert (got[y == IGNORE_INDEX] == 0).all() and (loss[y == IGNORE_INDEX] == 0).all()
