@@ -17,7 +17,6 @@ from __future__ import annotations
 import copy
 import math
 import os
-import weakref
 
 _PREV_INTERPRET = os.environ.get("TRITON_INTERPRET")
 os.environ["TRITON_INTERPRET"] = "1"
@@ -27,6 +26,7 @@ import pytest
 import torch
 
 import moekit.moe.kernels as K
+from moekit.bench.layer_probes import KeptForBackward
 from moekit.moe import dispatch, experts
 from moekit.moe.activations import ffn_in_features
 from moekit.moe.dispatch import LocalDispatcher
@@ -221,19 +221,11 @@ def _layer_run(layer, mode, monkeypatch, x):
     monkeypatch.setattr(experts, "FUSED_PERMUTE", mode)
     layer.zero_grad()
     x = x.detach().clone().requires_grad_()
-    saved = []  # weak: a graph branch freed during forward (an intermediate nothing uses) drops out
-
-    def pack(t):
-        saved.append(weakref.ref(t))
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with KeptForBackward() as kept:
         y = layer(x)
-    alive = [t for t in (r() for r in saved) if t is not None]
-    kept = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in alive}.values())
-    del alive
+    kept_bytes = kept.bytes()
     y.backward(torch.randn(y.shape, generator=gen("layer-dy"), dtype=torch.float64).to(y.dtype))
-    return y.detach(), x.grad, [p.grad for p in layer.parameters()], kept
+    return y.detach(), x.grad, [p.grad for p in layer.parameters()], kept_bytes
 
 
 LAYER_CASES = {"dropless": {}, "capacity": dict(capacity_factor=0.6), "top4": dict(k=4),

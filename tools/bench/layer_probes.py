@@ -243,30 +243,47 @@ def host_sync_check(steps: dict[str, Callable[[], None]], device: torch.device) 
     return result
 
 
+class KeptForBackward:
+    """``with KeptForBackward() as kept: out = module(x)``, then ``kept.bytes()``: the bytes of the unique storages
+    autograd saved inside the block and still holds (the whole storage when a view is saved, since that is what
+    stays allocated). Held weakly: what a graph branch freed during forward saved (an intermediate nothing uses) is
+    gone by the end, and its storage's address, which a later tensor may take, is not counted twice."""
+
+    def __enter__(self) -> "KeptForBackward":
+        self._saved: list = []
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+    def _pack(self, t: Tensor) -> Tensor:
+        self._saved.append(weakref.ref(t))
+        return t
+
+    def bytes(self, exclude: set[int] = frozenset()) -> int:
+        """Bytes still kept, storages whose data_ptr is in ``exclude`` (e.g. the parameters') left out."""
+        seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in (r() for r in self._saved) if t is not None}
+        return sum(n for ptr, n in seen.items() if ptr not in exclude)
+
+
 def saved_activation_bytes(module: nn.Module, x: Tensor) -> dict:
     """Bytes kept for backward by one forward of ``module`` (parameters excluded), measured two ways.
 
-    ``saved_tensors_bytes``: unique storages packed by autograd (``saved_tensors_hooks``), the whole
-    storage when a view is saved, since that is what stays allocated. ``cuda_allocated_bytes`` (GPU):
-    the allocator's growth across the forward while the graph is alive, minus the output.
+    ``saved_tensors_bytes``: KeptForBackward's count. ``cuda_allocated_bytes`` (GPU): the allocator's growth
+    across the forward while the graph is alive, minus the output.
     """
     params = {p.untyped_storage().data_ptr() for p in module.parameters()}
-    saved: list = []  # weak references: what a graph branch freed during forward saved (an intermediate nothing
-    # uses) is gone by the end, and its storage's address, which a later tensor may take, is not counted twice
-
-    def pack(t: Tensor) -> Tensor:
-        saved.append(weakref.ref(t))
-        return t
-
     leaf = x.detach().requires_grad_()
     cuda = x.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(x.device)
         before = torch.cuda.memory_allocated(x.device)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with KeptForBackward() as kept:
         out = module(leaf)
-    seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in (r() for r in saved) if t is not None}
-    result = {"saved_tensors_bytes": sum(n for ptr, n in seen.items() if ptr not in params and n)}
+    result = {"saved_tensors_bytes": kept.bytes(exclude=params)}
     if cuda:
         torch.cuda.synchronize(x.device)
         result["cuda_allocated_bytes"] = torch.cuda.memory_allocated(x.device) - before - out.numel() * out.element_size()

@@ -172,7 +172,7 @@ def moekit_layer(H, F, E, k, backend="auto", gpt_oss=False):
     return MoELayer(H, F, E, router, backend=backend, **(GPT_OSS_EXPERTS if gpt_oss else {}))
 
 
-class FusedGather(torch.nn.Module):
+class FusedPermute(torch.nn.Module):
     """A MoELayer run with moe.experts.FUSED_PERMUTE = "always" (only its forward reads the switch)."""
 
     def __init__(self, layer: MoELayer):
@@ -213,7 +213,7 @@ def build_impls(args, H, F, E, k, device, dtype, gpt_oss=False) -> tuple[MoELaye
         if why:
             skipped[name] = why
         else:
-            modules[name] = FusedGather(fused)
+            modules[name] = FusedPermute(fused)
     if "titan" in args.peers:
         ref = moekit_layer(H, F, E, k, gpt_oss=gpt_oss).to(device, dtype)
         ref.load_state_dict(layer.state_dict())
