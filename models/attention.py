@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from moekit.models.config import ModelConfig
 from moekit.models.kvcache import KV_WINDOW_SLACK, KVCache, LayerKV  # noqa: F401  (re-exported: they lived here)
 from moekit.models.linear_attention import GatedDeltaNet
-from moekit.models.norms import make_norm, norm_identity
+from moekit.models.norms import RMSNorm, make_norm, norm_identity
 from moekit.moe.precision import compute_dtype
 from moekit.models.sdpa import (  # noqa: F401  (re-exported: they lived here)
     KEY_MULTIPLE, PrefixCausalAttention, causal_mask, explicit_causal_attention, lower_right_causal_attention,
@@ -381,12 +381,12 @@ class MLAttention(nn.Module):
         qk = self.nope + self.rope
         if config.q_lora_rank:
             self.wq_a = nn.Linear(H, config.q_lora_rank, bias=False)
-            self.q_a_norm = nn.RMSNorm(config.q_lora_rank, eps=LATENT_NORM_EPS)
+            self.q_a_norm = RMSNorm(config.q_lora_rank, eps=LATENT_NORM_EPS)
             self.wq_b = nn.Linear(config.q_lora_rank, N * qk, bias=False)
         else:
             self.wq = nn.Linear(H, N * qk, bias=False)
         self.wkv_a = nn.Linear(H, self.kv_lora_rank + self.rope, bias=False)
-        self.kv_a_norm = nn.RMSNorm(self.kv_lora_rank, eps=LATENT_NORM_EPS)
+        self.kv_a_norm = RMSNorm(self.kv_lora_rank, eps=LATENT_NORM_EPS)
         self.wkv_b = nn.Linear(self.kv_lora_rank, N * (self.nope + self.v_dim), bias=False)
         self.wo = nn.Linear(N * self.v_dim, H, bias=False)
         self.scale = qk**-0.5

@@ -156,6 +156,7 @@ def context_depth_losses(model, context, x: Tensor, tokens: Tensor, targets: Ten
     [B, n]: the local ids; ``cos`` / ``sin``: RoPE at the local positions; ``segments``: the whole sequences'
     documents or None; ``model.embed`` looks up the ids ahead."""
     from moekit.models.loss import IGNORE_INDEX
+    from moekit.models.transformer import embed_tokens  # (models.transformer imports this module)
 
     B, n = tokens.shape
     whole = context.gather_ids(torch.stack((tokens, targets)), dim=2)  # [2, B, S]: one gather for both
@@ -169,7 +170,7 @@ def context_depth_losses(model, context, x: Tensor, tokens: Tensor, targets: Ten
         kept = sum(b - a for a, b in spans)
         ahead = (positions + k).clamp(max=S - 1)  # the last k positions read a stand-in: nothing uses them
         ids, depth_targets = whole[0][:, ahead], whole[1][:, ahead]  # [B, n] each
-        h = module(h, model.embed(ids), cos, sin, ids, segments=segments, ffn_spans=spans,
+        h = module(h, embed_tokens(model, ids), cos, sin, ids, segments=segments, ffn_spans=spans,
                    aux_weight=kept * context.degree / (S - k))
         if not kept:  # no position of this rank predicts at depth k: a zero that keeps the graph
             yield module.norm(h).sum() * 0.0

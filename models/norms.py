@@ -8,6 +8,19 @@ from torch import Tensor, nn
 from moekit.models.config import ModelConfig
 
 
+class RMSNorm(nn.RMSNorm):
+    """nn.RMSNorm whose weight is cast to the input's dtype where they differ: a bf16 input (a bf16 residual stream,
+    or q / k under autocast over fp32 weights) with an fp32 weight would leave torch's fused kernel for its
+    mixed-dtype fallback, several passes over the input. With the weight cast it computes as FSDP's bf16
+    parameters do (the normalisation in fp32, the output in the input's dtype); fp32 inputs are unchanged."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        w = self.weight
+        if w is not None and w.dtype != x.dtype:
+            w = w.to(x.dtype)
+        return F.rms_norm(x, self.normalized_shape, w, self.eps)
+
+
 class ZeroCenteredRMSNorm(nn.RMSNorm):
     """RMSNorm whose weight w stores the scale minus one: y = x / rms(x) * (1 + w) (Qwen3-Next, Qwen3.5). It starts
     at 0 (``identity``), so weight decay pulls it toward the identity, not toward zero output."""
@@ -21,7 +34,7 @@ class ZeroCenteredRMSNorm(nn.RMSNorm):
 
 def make_norm(config: ModelConfig, dim: int, eps: float | None = None) -> nn.RMSNorm:
     """The RMSNorm of the residual stream and of q / k: zero-centered when config.norm_zero_centered."""
-    cls = ZeroCenteredRMSNorm if config.norm_zero_centered else nn.RMSNorm
+    cls = ZeroCenteredRMSNorm if config.norm_zero_centered else RMSNorm
     return cls(dim, eps=config.norm_eps if eps is None else eps)
 
 

@@ -46,7 +46,7 @@ from moekit.comm.grad_sync import local
 from moekit.comm.pipeline import PipelineRunner, broadcast_from, check_schedule, gather_load, stage_ids_of
 from moekit.models.config import ModelConfig
 from moekit.models.mtp import MTPRecord
-from moekit.models.transformer import Transformer, forward_positions, meta_device, training_loss
+from moekit.models.transformer import Transformer, embed_tokens, forward_positions, meta_device, training_loss
 from moekit.moe import moe_layers
 
 
@@ -192,6 +192,7 @@ class StageModule(nn.Module):
         self.activation_dtype: torch.dtype | None = None  # of the hidden state sent on; None = parameter dtype
         self.context_parallel = None  # as Transformer.context_parallel
         self.document_eos: int | None = None  # as Transformer.document_eos
+        self.residual_dtype: torch.dtype | None = None  # as Transformer.residual_dtype
         if last and self.embed is None and (self.lm_head is None or len(self.mtp)):
             raise ValueError("the last pipeline stage needs the embedding (a tied head, or multi-token prediction): "
                              "build it with embedding_replica=True (build_pipeline does)")
@@ -200,7 +201,7 @@ class StageModule(nn.Module):
         cos, sin, segments = forward_positions(self, tokens)  # [S, R/2] x 2, [b, S] or None (document masking)
         emb = None
         if self.is_first:
-            x = emb = self.embed(tokens)  # [b, S, H]
+            x = emb = embed_tokens(self, tokens)  # [b, S, H]
         for layer in self.layers:
             x = layer(x, cos, sin, tokens, segments=segments)  # [b, S, H]
         if not self.is_last:
@@ -213,13 +214,14 @@ class StageModule(nn.Module):
         if targets is None:
             return F.linear(x, weight).float()  # [b, S, V]
         if emb is None and len(self.mtp) and ((self.training and torch.is_grad_enabled()) or self.mtp_in_eval):
-            emb = self.embed(tokens)  # the depths read it
+            emb = embed_tokens(self, tokens)  # the depths read it
         return training_loss(self, x, weight, emb, tokens, targets, cos, sin, segments).float()  # []
 
     def hidden_dtype(self) -> torch.dtype:
         """The residual stream's dtype: the parameters' (autocast too: the residual adds promote back),
-        unless set, e.g. bf16 when FSDP computes with bf16 parameters."""
-        return self.activation_dtype or next(self.parameters()).dtype
+        unless set: ``activation_dtype`` (e.g. bf16 when FSDP computes with bf16 parameters), else
+        ``residual_dtype`` (models.transformer.embed_tokens)."""
+        return self.activation_dtype or self.residual_dtype or next(self.parameters()).dtype
 
     def io_meta(self, tokens: Tensor) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
         """Meta tensors this stage receives and returns for a micro-batch of ``tokens`` [b, S] (run with targets):

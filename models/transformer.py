@@ -102,6 +102,16 @@ def sequence_segments(owner: nn.Module, tokens: Tensor) -> Tensor | None:
     return document_segments(whole, eos)
 
 
+def embed_tokens(owner: nn.Module, ids: Tensor) -> Tensor:
+    """``owner.embed(ids)`` [..., H] in the residual stream's dtype: ``owner.residual_dtype`` when set (a Transformer,
+    a pipeline stage: the trainer's ``train.residual_dtype``, e.g. bf16 under bf16 autocast over fp32 weights, so the
+    blocks' residual adds, norms and the hidden states kept for backward are bf16 as under FSDP's bf16
+    parameters), else the embedding's own dtype."""
+    e = owner.embed(ids)
+    dtype = getattr(owner, "residual_dtype", None)
+    return e if dtype is None or e.dtype == dtype else e.to(dtype)
+
+
 def training_loss(owner: nn.Module, x: Tensor, weight: Tensor, emb: Tensor, tokens: Tensor, targets: Tensor,
                   cos: Tensor, sin: Tensor, segments: Tensor | None = None) -> Tensor:
     """The loss a forward with targets returns: the next-token loss of the final normed hidden states ``x``
@@ -193,6 +203,9 @@ class Transformer(nn.Module):
         # document masking (the trainer's train.document_mask): attention stays within the documents that this
         # end-of-document id separates in a packed sequence; None: every position sees all earlier ones
         self.document_eos: int | None = None
+        # the residual stream's dtype (embed_tokens): None keeps the embedding's (fp32 parameters: fp32 even under
+        # autocast, whose bf16 outputs the residual adds promote back); the trainer sets train.residual_dtype's
+        self.residual_dtype: torch.dtype | None = None
 
     def forward(self, tokens: Tensor, cache: KVCache | None = None, targets: Tensor | None = None,
                 return_hidden: bool = False) -> Tensor | tuple[Tensor, Tensor]:
@@ -219,7 +232,7 @@ class Transformer(nn.Module):
             raise ValueError(f"KV cache has {len(cache.layers)} layers, the model {len(self.layers)}; build it with "
                              f"KVCache(model.config)")
         cos, sin, segments = forward_positions(self, tokens, cache)  # [S, R/2] x 2, [B, S] or None
-        x = emb = self.embed(tokens)  # [B, S, H]
+        x = emb = embed_tokens(self, tokens)  # [B, S, H]
         for i, layer in enumerate(self.layers):
             if cache is None:
                 x = layer(x, cos, sin, tokens, segments=segments)  # [B, S, H]

@@ -90,21 +90,25 @@ def test_variants_run_with_their_environment(monkeypatch, tmp_path, capsys):
     seen = []
 
     def fake_trainer(argv, run_dir, timeout, env):
-        seen.append((run_dir.name, env.get("MOEKIT_LM_LOSS"), env.get("MOEKIT_SPLIT_ROUTER")))
+        flag = argv[argv.index("--train.residual_dtype") + 1] if "--train.residual_dtype" in argv else None
+        seen.append((run_dir.name, env.get("MOEKIT_LM_LOSS"), env.get("MOEKIT_SPLIT_ROUTER"), flag))
         return 1, 0.0, "stopped by the test"
 
     monkeypatch.setattr(train_mfu, "run_trainer", fake_trainer)
     monkeypatch.delenv("MOEKIT_LM_LOSS", raising=False)
     monkeypatch.delenv("MOEKIT_SPLIT_ROUTER", raising=False)
     args, extra = train_mfu.parse_args(["--smoke", "--variants", "base", "legacy:MOEKIT_LM_LOSS=never,"
-                                        "MOEKIT_SPLIT_ROUTER=never", "loss:MOEKIT_LM_LOSS=never"])
+                                        "MOEKIT_SPLIT_ROUTER=never,--train.residual_dtype=float32",
+                                        "loss:MOEKIT_LM_LOSS=never"])
     rows = [train_mfu.run_config(args, extra, False, "auto", tmp_path, variant=v) for v in args.variants]
-    assert seen == [("auto-compile-off-base", None, None), ("auto-compile-off-legacy", "never", "never"),
-                    ("auto-compile-off-loss", "never", None)]
+    assert seen == [("auto-compile-off-base", None, None, None),
+                    ("auto-compile-off-legacy", "never", "never", "float32"),
+                    ("auto-compile-off-loss", "never", None, None)]
     assert [r["variant"] for r in rows] == ["base", "legacy", "loss"] and "MOEKIT_LM_LOSS" not in os.environ
     assert rows[1]["variant_env"] == {"MOEKIT_LM_LOSS": "never", "MOEKIT_SPLIT_ROUTER": "never"}
+    assert rows[1]["variant_flags"] == ["--train.residual_dtype", "float32"] and rows[2]["variant_flags"] == []
     one, extra = train_mfu.parse_args(["--smoke"])
-    assert one.variants == [("base", {})]
+    assert one.variants == [("base", {}, [])]
     train_mfu.run_config(one, extra, False, "auto", tmp_path)
     assert seen[-1][0] == "auto-compile-off"
     capsys.readouterr()  # the fake runs' failure lines

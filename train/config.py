@@ -32,6 +32,7 @@ from moekit.train import UserError
 
 DEFAULT_PRESET = "mixtral-tiny"
 DTYPES = ("auto", "float32", "bfloat16")
+RESIDUAL_DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 PROGRESS = ("auto", "on", "off")
 ON_NONFINITE = ("stop", "skip")  # moekit.train.guard acts on these
@@ -61,6 +62,9 @@ class TrainSection:
     grad_clip: float = 1.0  # max global grad norm; 0 = no clipping (the norm is still logged)
     seed: int = 0  # weight init, data order, router noise
     dtype: str = "auto"  # auto = bf16 autocast on CUDA, fp32 on CPU
+    residual_dtype: str = "auto"  # the residual stream (embedding out, residual adds, norms): auto = bf16 under bf16
+    #   autocast on CUDA (as FSDP's bf16 parameters compute, Megatron's and torchtitan's default), fp32 otherwise;
+    #   float32 keeps it fp32 (Megatron's fp32_residual_connection); bfloat16 needs bf16 autocast (CPUs too)
     device: str = "auto"  # auto = cuda when available
     init_from_hf: str = ""  # a HuggingFace folder to start from (models.hf); the model config must match it
     init_from_dense: str = ""  # upcycle a dense model (HF folder, moekit file, checkpoint or run dir) into this MoE

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moekit.models.transformer import KVCache, Transformer
+from moekit.models.transformer import KVCache, Transformer, embed_tokens
 from moekit.train.generate import Sampling
 
 # ---------------------------------------------------------------------------------------------------
@@ -185,7 +185,7 @@ def mtp_states(model: Transformer, k: int, kv, h: torch.Tensor, ahead: torch.Ten
     from moekit.models.rope import rope_tables
 
     cos, sin = rope_tables(model.config, ahead.shape[1], ahead.device, kv.length)
-    return model.mtp[k - 1](h, model.embed(ahead), cos, sin, ahead, kv=kv)
+    return model.mtp[k - 1](h, embed_tokens(model, ahead), cos, sin, ahead, kv=kv)
 
 
 def draft_logits(model: Transformer, k: int, states: torch.Tensor) -> torch.Tensor:

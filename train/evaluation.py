@@ -192,13 +192,14 @@ def mtp_counts(model, x: torch.Tensor, y: torch.Tensor, logits: torch.Tensor, hi
     top-1 for the same position (the acceptance greedy speculative decoding would see on this text), predictions].
     x, y [b, S]; logits [b, S, V] and hidden [b, S, H], the main model's."""
     from moekit.models.mtp import depth_states
+    from moekit.models.transformer import embed_tokens
     from moekit.models.rope import rope_tables
 
     weight = model.embed.weight if model.lm_head is None else model.lm_head.weight
     cos, sin = rope_tables(model.config, x.shape[1], x.device)
     main_top = logits.argmax(-1)  # [b, S]: the main model's prediction of y[:, i]
     rows = [[0.0] * 4 for _ in model.mtp]  # depths the sequence is too short for stay empty
-    for k, h in depth_states(model, hidden, model.embed(x), x, cos, sin):
+    for k, h in depth_states(model, hidden, embed_tokens(model, x), x, cos, sin):
         out = F.linear(h, weight).float()  # [b, S - k, V]: position i predicts y[:, i + k]
         top = out.argmax(-1)
         rows[k - 1] = [float(F.cross_entropy(out.flatten(0, 1), y[:, k:].flatten(), reduction="sum")),

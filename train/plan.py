@@ -32,7 +32,7 @@ from moekit.models.stats import model_stats
 from moekit.models.transformer import Transformer
 from moekit.train import UserError
 from moekit.train.config import LayoutSection, TrainConfig, TrainSection
-from moekit.train.validation import run_device
+from moekit.train.validation import residual_dtype, run_device
 
 HIERARCHICAL = {"auto": None, "on": True, "off": False}
 
@@ -137,6 +137,7 @@ class RunPlan:
     resolved: ResolvedLayout
     tokens_per_step: int
     flops_per_token: float
+    residual_dtype: torch.dtype | None = None  # the residual stream's (train.residual_dtype); None = the parameters'
 
     @property
     def micro_batch(self) -> int:
@@ -160,7 +161,8 @@ def plan_run(cfg: TrainConfig, world_size: int | None = None) -> RunPlan:
     resolved = resolve_config(cfg, world_size)
     stats = model_stats(cfg.model, t.seq_len)
     check_memory(cfg, resolved, device, dtype, stats.params)
-    return RunPlan(device, dtype, resolved, t.batch_size * t.seq_len, stats.train_flops_per_token)
+    return RunPlan(device, dtype, resolved, t.batch_size * t.seq_len, stats.train_flops_per_token,
+                   residual_dtype(t, want, dtype))
 
 
 def check_memory(cfg: TrainConfig, resolved: ResolvedLayout, device: torch.device, dtype: torch.dtype | None,
@@ -173,7 +175,8 @@ def check_memory(cfg: TrainConfig, resolved: ResolvedLayout, device: torch.devic
     t, L = cfg.train, resolved.layout
     wl = Workload(resolved.micro_batch, t.seq_len, "bfloat16" if dtype == torch.bfloat16 else "float32",
                   t.activation_checkpointing, device.type, resolved.accum, cfg.layout.pp_schedule,
-                  cfg.layout.pp_stages_per_rank, cfg.layout.sequence_parallel, optimizer=t.optimizer)
+                  cfg.layout.pp_stages_per_rank, cfg.layout.sequence_parallel, optimizer=t.optimizer,
+                  residual=t.residual_dtype)
     est = estimate_memory(cfg.model, L, wl, ranks_per_node=resolved.ranks_per_node or None,
                           hierarchical=resolved.hierarchical)
     have = device_memory(device)

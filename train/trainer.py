@@ -113,8 +113,8 @@ class Trainer:
             from moekit.models.pipeline import build_pipeline
 
             self.pipe = build_pipeline(self.model, self.dist.topology, cfg.layout.pp_schedule,
-                                       cfg.layout.pp_stages_per_rank, cfg.train.seq_len, activation_dtype=fsdp_dtype,
-                                       device=plan.device)
+                                       cfg.layout.pp_stages_per_rank, cfg.train.seq_len,
+                                       activation_dtype=plan.residual_dtype or fsdp_dtype, device=plan.device)
             self.model = self.pipe.model  # this rank's stages, single-process parameter names
         self.dist.parallelize(self.model, plan.resolved.hierarchical,
                               activation_checkpointing=cfg.train.activation_checkpointing,
@@ -124,6 +124,8 @@ class Trainer:
                               ep_overlap_chunks=cfg.layout.ep_overlap_chunks)
         if self.document_eos is not None:  # attention within documents: every forward splits its sequences at EOS
             set_attribute(self.model, "document_eos", self.document_eos)  # the model, or this rank's stages
+        if plan.residual_dtype is not None:  # train.residual_dtype: the embedding's output cast (models.transformer)
+            set_attribute(self.model, "residual_dtype", plan.residual_dtype)
         # on the meta device until now: each rank allocates and fills only what it holds
         self.model.to_empty(device=plan.device)
         if self.dist.active:  # to_empty made new Parameters: mark the replicated experts' rows again
@@ -224,7 +226,8 @@ class Trainer:
             say(f"note: router {cfg.model.router!r} takes no {name}; model.{name}={getattr(cfg.model, name)!r} is unused")
         say(f"data: {self.data_desc}; {self.split.train_starts.size:,} train / {self.split.val_starts.size:,} "
             f"validation sequences of {cfg.train.seq_len}")
-        say(f"device {plan.device}, {plan.autocast_dtype or torch.float32}; batch {cfg.train.batch_size} x "
+        resid = "" if plan.residual_dtype is None else f" ({str(plan.residual_dtype).removeprefix('torch.')} residual stream)"
+        say(f"device {plan.device}, {plan.autocast_dtype or torch.float32}{resid}; batch {cfg.train.batch_size} x "
             f"{cfg.train.seq_len} tokens ({plan.accum} micro-batch(es) of {plan.micro_batch}); run dir {self.run_dir}; "
             f"{self.monitor.describe()}")
         if cfg.train.host_memory != "system":

@@ -13,7 +13,7 @@ import os
 from typing import TYPE_CHECKING
 
 from moekit.train import UserError, host_memory, runlock
-from moekit.train.config import (DEVICES, DTYPES, LR_SCHEDULES, MAX_LR, ON_NONFINITE, PROGRESS, WSD_DECAYS, TrainConfig,
+from moekit.train.config import (DEVICES, DTYPES, LR_SCHEDULES, RESIDUAL_DTYPES, MAX_LR, ON_NONFINITE, PROGRESS, WSD_DECAYS, TrainConfig,
                                  TrainSection)
 
 if TYPE_CHECKING:
@@ -53,6 +53,15 @@ def validate(cfg: TrainConfig) -> TrainConfig:
              f"1 - lr * weight_decay each step, so lr * weight_decay must be < 1 (typical weight_decay: 0 to 0.1)")
     _require(t.dtype in DTYPES, f"--train.dtype={t.dtype!r} is invalid; choose one of {list(DTYPES)}")
     _require(t.device in DEVICES, f"--train.device={t.device!r} is invalid; choose one of {list(DEVICES)}")
+    _require(t.residual_dtype in RESIDUAL_DTYPES, f"--train.residual_dtype={t.residual_dtype!r} is invalid; choose one "
+                                                  f"of {list(RESIDUAL_DTYPES)}")
+    if t.residual_dtype == "bfloat16":
+        import torch
+
+        kind, autocast = run_device(t)
+        _require(autocast == torch.bfloat16,
+                 f"--train.residual_dtype=bfloat16 needs bf16 autocast, but this run computes in fp32 (--train.dtype="
+                 f"{t.dtype} on {kind}); add --train.dtype bfloat16, or leave --train.residual_dtype auto")
     _require(t.activation_checkpointing in ("none", "full", "ffn", "selective"),
              f"--train.activation_checkpointing={t.activation_checkpointing!r} is invalid; choose none, full, ffn or "
              f"selective")
@@ -296,6 +305,20 @@ def run_device(t: TrainSection) -> tuple[str, torch.dtype | None]:
     kind = t.device if t.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"float32": None, "bfloat16": torch.bfloat16, "auto": torch.bfloat16 if kind == "cuda" else None}[t.dtype]
     return kind, dtype
+
+
+def residual_dtype(t: TrainSection, kind: str, autocast: torch.dtype | None) -> torch.dtype | None:
+    """The residual stream's dtype that ``train.residual_dtype`` asks for on a ``kind`` device computing under
+    ``autocast`` (run_device), for models.transformer.embed_tokens; None = the parameters' own (fp32, or FSDP's
+    bf16 compute copies). auto: bf16 autocast's dtype on CUDA (what FSDP's bf16 parameters give every multi-GPU
+    layout, so one GPU computes as they do), the parameters' on CPU."""
+    import torch
+
+    if t.residual_dtype == "float32":
+        return torch.float32
+    if t.residual_dtype == "bfloat16" or (t.residual_dtype == "auto" and kind == "cuda"):
+        return autocast
+    return None
 
 
 def check_expert_backend(cfg: TrainConfig) -> None:

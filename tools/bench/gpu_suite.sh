@@ -72,9 +72,9 @@ linear_attention_scan
                 the linear_attention step's (the loop); writes linear_attention_scan.json; not in the default
                 set                                                                        (cap 90 s)
 train_mfu_ab    tools/bench/train_mfu.py, compile on, 12 steps, --variants base, legacy (MOEKIT_LM_LOSS=never,
-                MOEKIT_SPLIT_ROUTER=never) and fused (MOEKIT_FUSED_PERMUTE=always): the fused loss's, the router
-                GEMM's and the fused permute's end-to-end effect in one run; writes train_mfu.json; not in the
-                default set                                                                (what is left)
+                MOEKIT_SPLIT_ROUTER=never, --train.residual_dtype=float32) and fused (MOEKIT_FUSED_PERMUTE=always):
+                the fused loss's, the router GEMM's and the bf16 residual stream's end-to-end effect, and the fused
+                permute's, in one run; writes train_mfu.json; not in the default set       (what is left)
 grouped_gemm_mixtral1b
                 grouped_gemm at train_mfu's model (H 1024, F 3072, E 8, k 2), 32768 tokens, uniform: the fused
                 expert MLP against the plain one and torch; writes grouped_gemm_mixtral1b.json; not in the
@@ -299,7 +299,7 @@ for step in "${STEPS[@]}"; do
       elif [ "$step" = train_mfu ]; then flags=$(mfu_flags --compile=off --steps=15 --warmup=3 --timeout=$mfu_limit)
       elif [ "$step" = train_mfu_ab ]; then
         flags=$(mfu_flags --compile=on --steps=12 --warmup=2 --timeout=$((mfu_limit / 3)) \
-                "--variants=base legacy:MOEKIT_LM_LOSS=never,MOEKIT_SPLIT_ROUTER=never fused:MOEKIT_FUSED_PERMUTE=always")
+                "--variants=base legacy:MOEKIT_LM_LOSS=never,MOEKIT_SPLIT_ROUTER=never,--train.residual_dtype=float32 fused:MOEKIT_FUSED_PERMUTE=always")
       elif [ "$step" = train_mfu_tma ]; then
         flags=$(mfu_flags --compile=off "--tma=off on" --steps=12 --warmup=3 --timeout=$((mfu_limit / 2)))
       else flags=$(mfu_flags --timeout=$((mfu_limit / 2))); fi

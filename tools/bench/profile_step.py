@@ -197,6 +197,9 @@ def parse(argv):
     p.add_argument("--optimizer", default="trainer", choices=["trainer", "foreach", "fused"],
                    help="AdamW implementation: the trainer's (train.plan.make_optimizer: fused on a GPU, foreach on "
                         "CPU), foreach, or fused")
+    p.add_argument("--residual-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="the residual stream's dtype, as the trainer's --train.residual_dtype: auto = bf16 on CUDA "
+                        "(bf16 autocast there), fp32 on CPU (no autocast); bfloat16 needs CUDA")
     p.add_argument("--out-dir", default="bench-results/profile")
     args = p.parse_args(argv)
     check_names(p, "--preset", [args.preset], ["auto", *PRESETS])
@@ -205,6 +208,8 @@ def parse(argv):
     check_at_least(p, args, 1, "batch_size", "seq_len", "steps")
     check_at_least(p, args, 0, "warmup")
     device = check_device(p, args.device)
+    if args.residual_dtype == "bfloat16" and device.type != "cuda":
+        p.error("--residual-dtype bfloat16 needs bf16 autocast, which this tool runs on CUDA only; use --device cuda")
     if args.expert_backend is not None:
         check_backend(p, args.expert_backend, preset(pick_preset(args.preset, device)), device,
                       torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -262,6 +267,8 @@ def main(argv=None) -> int:
     labels = Labels()
     install_labels(model, labels)
     autocast_dtype = torch.bfloat16 if device.type == "cuda" else None
+    model.residual_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                            "auto": autocast_dtype}[args.residual_dtype]  # the trainer's train.residual_dtype
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, cfg.vocab_size, (args.batch_size, seq + 1), generator=gen).to(device)
     step_ms, loss, prof = profile_steps(args, model, opt, tokens, labels, autocast_dtype)

@@ -75,11 +75,12 @@ def parse_args(argv):
                    help="the Triton experts' TMA kernel variants for each configuration (MOEKIT_TMA=auto, never "
                         "for 'off', always for 'on'; they run in bf16 on sm90+ only, where auto turns them on): "
                         "'off on' times both in one run (default auto, what a training run gets)")
-    p.add_argument("--variants", nargs="+", default=["base"], metavar="LABEL[:VAR=VALUE,...]",
-                   help="environment variants, each timed as configurations of its own: 'LABEL:VAR=VALUE,VAR=VALUE' "
-                        "runs the trainer with those variables set (the configuration's name ends in -LABEL), a bare "
-                        "LABEL with the environment as it is. A / B of one change in one run, e.g. --variants base "
-                        "'legacy:MOEKIT_LM_LOSS=never,MOEKIT_SPLIT_ROUTER=never' (default: base)")
+    p.add_argument("--variants", nargs="+", default=["base"], metavar="LABEL[:VAR=VALUE,--flag=VALUE,...]",
+                   help="variants, each timed as configurations of its own: 'LABEL:VAR=VALUE,--train.key=VALUE' runs "
+                        "the trainer with those environment variables set and those trainer flags added (the "
+                        "configuration's name ends in -LABEL), a bare LABEL as it is. A / B of one change in one run, "
+                        "e.g. --variants base 'legacy:MOEKIT_LM_LOSS=never,--train.residual_dtype=float32' "
+                        "(default: base)")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                    help="auto = bf16 autocast on CUDA, fp32 on CPU (the trainer's default)")
@@ -114,8 +115,9 @@ def parse_args(argv):
     return args, extra
 
 
-def parse_variants(p, specs: list[str]) -> list[tuple[str, dict[str, str]]]:
-    """--variants -> [(label, {VAR: VALUE})]; labels unique, names of environment variables, one '=' each."""
+def parse_variants(p, specs: list[str]) -> list[tuple[str, dict[str, str], list[str]]]:
+    """--variants -> [(label, {VAR: VALUE}, [trainer flag, value, ...])]; labels unique, names of environment
+    variables or of trainer flags (--section.key), one '=' each."""
     out, seen = [], set()
     for spec in specs:
         label, _, rest = spec.partition(":")
@@ -125,13 +127,17 @@ def parse_variants(p, specs: list[str]) -> list[tuple[str, dict[str, str]]]:
         if label in seen:
             p.error(f"--variants: the label {label!r} is used twice")
         seen.add(label)
-        env = {}
+        env, flags = {}, []
         for pair in filter(None, rest.split(",")):
             name, eq, value = pair.partition("=")
+            if eq and name.startswith("--") and name[2:].replace("_", "").replace(".", "").replace("-", "").isalnum():
+                flags += [name, value]  # the trainer checks the flag and its value, at its start
+                continue
             if not eq or not name or not (name.replace("_", "").isalnum() and not name[0].isdigit()):
-                p.error(f"--variants {spec!r}: {pair!r} is not VAR=VALUE with VAR an environment variable's name")
+                p.error(f"--variants {spec!r}: {pair!r} is not VAR=VALUE with VAR an environment variable's name, "
+                        f"nor --flag=VALUE with a trainer flag (--train.residual_dtype=float32)")
             env[name] = value
-        out.append((label, env))
+        out.append((label, env, flags))
     return out
 
 
@@ -181,7 +187,7 @@ def memory_estimate_gib(cfg, device: torch.device, dtype: str) -> float:
     from moekit.train.planning.memory import Workload, estimate_memory
 
     wl = Workload(cfg.train.micro_batch_size, cfg.train.seq_len, dtype, cfg.train.activation_checkpointing,
-                  device.type)
+                  device.type, residual=cfg.train.residual_dtype)
     return estimate_memory(cfg.model, Layout(1, 1, 1, 1, 1), wl).peak / 2**30
 
 
@@ -263,11 +269,11 @@ def finished_steps(run_dir: Path) -> list[dict]:
 
 
 def run_config(args, extra, compile_on: bool, backend: str, root: Path, tma: str = "auto",
-               variant: tuple[str, dict[str, str]] = ("base", {})) -> dict:
+               variant: tuple[str, dict[str, str], list[str]] = ("base", {}, [])) -> dict:
     from moekit.train import UserError
     from moekit.train.records import read_metrics
 
-    label, variant_env = variant
+    label, variant_env, variant_flags = variant
     name = f"{backend}-compile-{'on' if compile_on else 'off'}{TMA_SUFFIX[tma]}"
     if len(args.variants) > 1:
         name += f"-{label}"
@@ -277,9 +283,10 @@ def run_config(args, extra, compile_on: bool, backend: str, root: Path, tma: str
     env.update(variant_env)
     if compile_on:  # a recompile per block in the timed steps would show in tokens/s: count them
         env["TORCH_LOGS"] = ",".join(filter(None, [env.get("TORCH_LOGS"), "recompiles"]))
-    rc, wall, log = run_trainer(trainer_args(args, extra, compile_on, backend, str(run_dir)), run_dir, args.timeout,
-                                env)
+    rc, wall, log = run_trainer(trainer_args(args, extra, compile_on, backend, str(run_dir)) + variant_flags, run_dir,
+                                args.timeout, env)
     row = {"config": name, "compile": compile_on, "tma": tma, "variant": label, "variant_env": variant_env,
+           "variant_flags": variant_flags,
            "expert_backend_requested": backend, "exit_status": rc,
            "wall_s": wall, "run_dir": str(run_dir) if args.run_root else None}  # a temporary one is removed
     try:

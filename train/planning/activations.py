@@ -170,10 +170,11 @@ def _moe(cfg: ModelConfig, layout: Layout, s: Shapes, node_rows: float) -> dict[
 def _block(cfg: ModelConfig, layout: Layout, s: Shapes, i: int, node_rows: float) -> tuple[dict, dict]:
     """Block i's activations: (kept outside the FFN, the FFN's internals)."""
     H = cfg.hidden_size
-    norms = 2 * s.Ts * FP32 + (2 * s.Ts * H * s.r if s.cpu else 0)  # rsqrt; x * rsqrt on CPU
+    norms = 2 * s.Ts * FP32 + (2 * s.Ts * H * FP32 if s.cpu else 0)  # rsqrt; x * rsqrt on CPU (in fp32)
     if cfg.norm_zero_centered and not s.cpu:  # the fp32 normalised rows (1 + w) multiplies, kept on CUDA as well
         norms += 2 * s.Ts * H * FP32
-    outer = {"residual": 2 * s.Ts * H * s.r, "norms": norms, "attention": _attention(cfg, layout, s, i)}
+    # the two norms' inputs, the residual stream (on CPU their fp32 copies: Shapes.norm_in)
+    outer = {"residual": 2 * s.Ts * H * s.norm_in, "norms": norms, "attention": _attention(cfg, layout, s, i)}
     if cfg.is_moe_layer(i):  # the router keeps the norm output (its own input cast is in _router): without
         # SP a view of the replicated [T, H] the MoE layer slices, with SP the rank's [Ts, H] slice
         outer["ffn_input"] = s.Ts * H * s.r
@@ -319,7 +320,7 @@ def stage_activations(cfg: ModelConfig, layout: Layout, wl: Workload, stage: Sta
     if stage.last:  # last block's output (all-gathered under SP), final norm, then the loss's own
         out["head"] = _head(cfg, layout, s)
         if cfg.mtp_layers and wl.seq_len > 1:  # the final norm's output, which depth 1's hnorm keeps
-            _add(out, {"mtp": s.T * H * s.r})
+            _add(out, {"mtp": s.T * H * s.norm_in})
             if not stage.first:  # a pipeline's last stage looks the tokens up again (its embedding replica)
                 _add(out, {"mtp": s.T * H * s.r})
         for k in range(1, cfg.mtp_layers + 1):
@@ -335,11 +336,12 @@ def _head(cfg: ModelConfig, layout: Layout, s: Shapes) -> int:
     if _loss_chunks():  # models.loss: its gradients dh [T, H] and dW [V, H], no logits
         # measured on CPU: dh is in the dtype of the normed hidden states, the residual stream's (fp32 under
         # autocast over fp32 weights), as is the final norm's kept product
-        norm = s.T * FP32 + (s.T * H * s.r if s.cpu or cfg.norm_zero_centered else 0)
-        return s.T * H * s.r + norm + s.T * H * s.r + cfg.vocab_size * H * s.r
+        # (dW in the head weight's dtype: fp32 but for FSDP's bf16 parameters)
+        norm = s.T * FP32 + (s.T * H * FP32 if s.cpu else s.T * H * s.r if cfg.norm_zero_centered else 0)
+        return s.T * H * s.norm_in + norm + s.T * H * s.r + cfg.vocab_size * H * s.w
     # LOSS_CHUNKS "never": lm_head input, fp32 log-softmax [T, V]
-    norm = s.T * FP32 + (s.T * H * s.r if s.cpu else 0)
-    return s.T * H * s.r + norm + s.T * H * low + s.T * cfg.vocab_size * FP32
+    norm = s.T * FP32 + (s.T * H * FP32 if s.cpu else 0)
+    return s.T * H * s.norm_in + norm + s.T * H * low + s.T * cfg.vocab_size * FP32
 
 
 def _mtp_depth(cfg: ModelConfig, layout: Layout, wl: Workload, k: int, node_rows: float) -> dict[str, int]:
@@ -354,18 +356,27 @@ def _mtp_depth(cfg: ModelConfig, layout: Layout, wl: Workload, k: int, node_rows
     if layout.cp > 1:  # every local position runs (the attention gather needs equal shares), the FFN and the loss
         # only those with a token k + 1 ahead (models.mtp.context_depth_losses)
         n, spans = wl.seq_len, _ahead_spans(layout.cp, wl.cp_rank, wl.seq_len, k)
-    s = shapes(cfg, layout, dataclasses.replace(wl, seq_len=n, sequence_parallel=False))  # whole sequences
-    H, low = cfg.hidden_size, s.a if s.casts else s.r
+    whole = dataclasses.replace(wl, seq_len=n, sequence_parallel=False)  # whole sequences
+    # the depth's input norms read the main model's stream (m); its block and head run on eh_proj's output, whose
+    # residual stream is in the compute dtype under autocast whatever the main one's (s)
+    m = shapes(cfg, layout, whole)
+    if wl.dtype == "bfloat16":
+        whole = dataclasses.replace(whole, residual="bfloat16")
+    s = shapes(cfg, layout, whole)
+    H, low = cfg.hidden_size, m.a if m.casts else m.r
     i = cfg.num_layers + k - 1
     outer, ffn = _block(cfg, layout, s, i, node_rows)
-    norm = s.T * FP32 + (s.T * H * s.r if s.cpu else 0)  # rsqrt; x * rsqrt on CPU
+    norm = s.T * FP32 + (s.T * H * FP32 if s.cpu else 0)  # rsqrt; x * rsqrt on CPU (in fp32)
     out = {"mtp": 2 * norm + 2 * s.T * H * low, **outer}
     kept = s
+    if spans is None and m.norm_in != m.r:  # enorm's input, a view of the embedding's output, is that of the first
+        # block's attention norm, but on CPU each keeps its own fp32 copy of a bf16 residual stream
+        out["mtp"] += s.T * H * FP32
     if spans is not None:
-        out["mtp"] += s.T * H * s.r  # the embedding of the ids k ahead, looked up per depth (enorm keeps it)
+        out["mtp"] += s.T * H * m.norm_in  # the embedding of the ids k ahead, looked up per depth (enorm keeps it)
         rows = sum(b - a for a, b in spans)
         if rows * layout.cp != wl.seq_len:  # the FFN and the head see the kept rows only
-            kept = shapes(cfg, layout, dataclasses.replace(wl, seq_len=rows * layout.cp, sequence_parallel=False))
+            kept = shapes(cfg, layout, dataclasses.replace(whole, seq_len=rows * layout.cp))
             ffn = _block(cfg, layout, kept, i, node_rows)[1]
             if len(spans) > 1:  # the kept rows are a copy (one span: a view of the whole norm output)
                 out["ffn_input"] = kept.T * H * s.r

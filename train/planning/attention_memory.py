@@ -38,9 +38,10 @@ def _attention(cfg: ModelConfig, layout: Layout, s: Shapes, i: int) -> int:
     elif cfg.qk_norm in ("head", "full"):  # the norms keep their inputs (q, k before the norm) and rsqrt per row
         # (per head, or per token for "full"); the CPU's composite RMSNorm also its x * rsqrt product
         rows = s.T * (N + K) if cfg.qk_norm == "head" else 2 * s.T
-        if cfg.norm_zero_centered or s.casts:  # models.linear_attention.ZeroCenteredRMSNorm normalises an fp32 copy
-            # and keeps it and the fp32 normalised rows its (1 + w) multiplies; so does RMSNorm on a bf16 input
-            # under autocast (its fp32 weight: the composite path upcasts)
+        if cfg.norm_zero_centered or (s.autocast and s.cpu):  # models.norms.ZeroCenteredRMSNorm normalises an
+            # fp32 copy and keeps it and the fp32 normalised rows its (1 + w) multiplies; so does the CPU's RMSNorm on
+            # a bf16 input under autocast (measured; CUDA's fused kernel, which models.norms.RMSNorm reaches by casting
+            # its fp32 weight to the input's dtype, keeps the input and the rsqrt as under FSDP's bf16 parameters)
             kept += s.T * (N + K) * D * 2 * FP32 + rows * FP32
         else:
             kept += s.T * (N + K) * D * s.a * (2 if s.cpu else 1) + rows * FP32

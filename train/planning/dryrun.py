@@ -81,7 +81,7 @@ def plan_dry_run(cfg: TrainConfig, world_size: int | None = None) -> DryRunPlan:
     dtype = {"float32": "float32", "bfloat16": "bfloat16", "auto": "bfloat16" if device == "cuda" else "float32"}
     wl = Workload(resolved.micro_batch, t.seq_len, dtype[t.dtype], t.activation_checkpointing, device, resolved.accum,
                   L.pp_schedule, L.pp_stages_per_rank, L.sequence_parallel, document_mask=cfg.data.document_mask,
-                  optimizer=t.optimizer)
+                  optimizer=t.optimizer, residual=t.residual_dtype)
     per_node = resolved.ranks_per_node or math.gcd(resolved.world_size, 8)  # default: 8 GPUs per node
     return DryRunPlan(resolved, per_node, wl)
 

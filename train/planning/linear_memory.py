@@ -33,9 +33,9 @@ FIELDS = ("hidden_size", "norm_eps", "linear_num_key_heads", "linear_num_value_h
 def linear_attention_kept(cfg: ModelConfig, s: Shapes) -> int:
     """Bytes one Gated DeltaNet layer keeps for backward on a micro-batch of ``s`` (module docstring)."""
     key = tuple((name, getattr(cfg, name)) for name in FIELDS)
-    params_bf16 = s.a == 2 and s.r == 2  # FSDP's bf16 parameters (no autocast casts)
-    kept = _saved_bytes(key, s.B, s.S, params_bf16, s.casts, s.documents, s.cp, s.cp_rank or 0)
-    if s.casts:  # the convolution's weight cast (3-d: not among the matmul weights memory.weight_casts counts)
+    # a bf16 residual stream (FSDP's bf16 parameters, or train.residual_dtype under autocast) feeds a bf16 input
+    kept = _saved_bytes(key, s.B, s.S, s.r == 2, s.autocast, s.documents, s.cp, s.cp_rank or 0)
+    if s.autocast:  # the convolution's weight cast (3-d: not among the matmul weights memory.weight_casts counts)
         kept += (2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads
                  * cfg.linear_value_head_dim) * cfg.linear_conv_kernel * s.a
     if not s.cpu:  # the CUDA fused RMSNorm keeps no x * rsqrt product
@@ -72,12 +72,11 @@ def linear_rule_transient(cfg: ModelConfig, s: Shapes) -> int:
         return 0
     whole = dict(((name, getattr(cfg, name)) for name in FIELDS), linear_recompute=False)
     kept = dict((name, getattr(cfg, name)) for name in FIELDS)
-    params_bf16 = s.a == 2 and s.r == 2
-    return (_saved_bytes(tuple(whole.items()), s.B, s.S, params_bf16, s.casts, s.documents)
-            - _saved_bytes(tuple(kept.items()), s.B, s.S, params_bf16, s.casts, s.documents))
+    return (_saved_bytes(tuple(whole.items()), s.B, s.S, s.r == 2, s.autocast, s.documents)
+            - _saved_bytes(tuple(kept.items()), s.B, s.S, s.r == 2, s.autocast, s.documents))
 
 
-def _saved_bytes(key: tuple, B: int, S: int, params_bf16: bool, autocast: bool, documents: bool = False,
+def _saved_bytes(key: tuple, B: int, S: int, bf16_input: bool, autocast: bool, documents: bool = False,
                  cp: int = 1, cp_rank: int = 0) -> int:
     """The bytes of one fake forward at sequence length S (module docstring). Every kept tensor is per position,
     per rule chunk or of a fixed size, so for lengths S' = S - m U (U = 2 cp L: each rank chunk shorter by whole
@@ -85,7 +84,7 @@ def _saved_bytes(key: tuple, B: int, S: int, params_bf16: bool, autocast: bool, 
     instead of running thousands of fake chunks (exact: tests/test_linear_attention.py)."""
     unit = 2 * cp * dict(key)["linear_chunk"]
     small = S % unit + 2 * unit
-    args = (key, B, params_bf16, autocast, documents, cp, cp_rank)
+    args = (key, B, bf16_input, autocast, documents, cp, cp_rank)
     if S <= small + unit:
         return _fake_run(S, *args)
     a, b = _fake_run(small, *args), _fake_run(small + unit, *args)
@@ -93,16 +92,17 @@ def _saved_bytes(key: tuple, B: int, S: int, params_bf16: bool, autocast: bool, 
 
 
 @functools.lru_cache(maxsize=128)
-def _fake_run(S: int, key: tuple, B: int, params_bf16: bool, autocast: bool, documents: bool, cp: int,
+def _fake_run(S: int, key: tuple, B: int, bf16_input: bool, autocast: bool, documents: bool, cp: int,
               cp_rank: int) -> int:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from moekit.models.linear_attention import GatedDeltaNet
 
     cfg = ModelConfig(**dict(key))
-    dtype = torch.bfloat16 if params_bf16 else torch.float32
+    dtype = torch.bfloat16 if bf16_input else torch.float32  # the residual stream's: the layer's input
     default = torch.get_default_dtype()
-    # the parameters' dtype (set as the default: a dry run's conversions would swap parameters). Under autocast
+    # the parameters' dtype (set as the default: a dry run's conversions would swap parameters): the input's without
+    # autocast (bf16: FSDP's bf16 parameters). Under autocast
     # they are built in bf16 too: autocast then casts no weight, whose bf16 copies the planner counts apart
     # (weight_casts); the convolution's, which that count leaves out, is added by the caller
     torch.set_default_dtype(torch.bfloat16 if autocast else dtype)

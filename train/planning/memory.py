@@ -69,6 +69,8 @@ class Workload:
     cp_rank: int | None = None  # with cp > 1: whose zigzag chunks attention runs (None: the rank keeping the most)
     document_mask: bool = False  # attention within each document of a packed sequence (--data.document_mask)
     optimizer: str = "adamw"  # adamw | muon (train.muon: one momentum buffer per weight matrix, AdamW's rest)
+    residual: str = "auto"  # the residual stream's dtype, as train.residual_dtype: auto (bf16 under bf16 autocast on
+    #                         CUDA, else fp32), float32, bfloat16 (needs dtype bfloat16)
 
     def __post_init__(self):
         for name, value, allowed in (("dtype", self.dtype, tuple(DTYPE_BYTES)), ("pp_schedule", self.pp_schedule, SCHEDULES),
@@ -76,6 +78,10 @@ class Workload:
                                      ("activation_checkpointing", self.activation_checkpointing, AC_MODES)):
             if value not in allowed:
                 raise ValueError(f"{name}={value!r} is invalid; use one of {list(allowed)}")
+        if self.residual not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"residual={self.residual!r} is invalid; use one of ['auto', 'float32', 'bfloat16']")
+        if self.residual == "bfloat16" and self.dtype != "bfloat16":
+            raise ValueError("residual='bfloat16' needs dtype='bfloat16' (a bf16 residual stream under bf16 autocast)")
 
     @property
     def tokens(self) -> int:
@@ -276,7 +282,7 @@ def _weight_copies(cfg: ModelConfig, layout: Layout, wl: Workload, stage: Stage)
 def _matmul_weight(part: str, shape: tuple[int, ...]) -> bool:
     """Whether a parameter is a matmul weight autocast keeps a copy of: [out, in] Linears, [E, in, out] experts
     (the biases beside them have one dim fewer); the embedding and the fp32 router are never cast."""
-    matmul = ("attention", "dense_ffn", "experts", "shared_expert", "head")
+    matmul = ("attention", "dense_ffn", "experts", "shared_expert", "head", "mtp")  # mtp: each depth's eh_proj
     return part in matmul and len(shape) == (3 if part == "experts" else 2)
 
 

@@ -26,14 +26,27 @@ class Shapes:
     Tm: int  # tokens the MoE layer routes on this rank (the TP ranks split them)
     R: int  # expert rows this rank computes and combines
     a: int  # bytes of the compute dtype
-    r: int  # bytes of the residual stream: fp32, or bf16 when FSDP computes in bf16 parameters
-    casts: bool  # autocast over fp32 weights: each projection keeps its own bf16 copy of its input
+    r: int  # bytes of the residual stream: fp32, or bf16 (FSDP's bf16 parameters, or Workload.residual)
+    casts: bool  # autocast over fp32 weights and an fp32 residual stream: each projection keeps its own bf16 copy of
+    #              its input
+    autocast: bool  # autocast over fp32 weights (no FSDP bf16 parameters): the weights' bf16 casts (memory.weight_casts)
     cpu: bool
     S: int  # sequence length (the whole sequence's: the keys a query may see)
     explicit_attention: bool  # attention as bmm + softmax + bmm (models.attention.explicit_attention_applies)
     cp: int = 1  # context-parallel ranks splitting each sequence: T holds S / cp positions of each
     cp_rank: int | None = None  # whose zigzag chunks; None: the rank whose attention keeps the most
     documents: bool = False  # document masking: every call masked, by a [B, 1, queries, keys] mask
+
+    @property
+    def norm_in(self) -> int:
+        """Bytes per element of the input a residual-stream RMSNorm keeps: the input itself on CUDA (the fused kernel),
+        an fp32 copy on CPU (the composite kernel upcasts a bf16 residual stream; an fp32 one is its own copy)."""
+        return FP32 if self.cpu else self.r
+
+    @property
+    def w(self) -> int:
+        """Bytes of the parameters as the head's weight gradient holds them: fp32, or FSDP's bf16 compute copies."""
+        return self.a if self.a == 2 and not self.autocast else FP32
 
     @property
     def B(self) -> int:
@@ -51,9 +64,21 @@ def shapes(cfg: ModelConfig, layout: Layout, wl: Workload) -> Shapes:
         R = min(R, cfg.num_experts * min(Tm, math.ceil(Tm * k / cfg.num_experts * cfg.capacity_factor)))
     a = DTYPE_BYTES[wl.dtype]
     bf16_params = a == 2 and layout.fsdp > 1 and wl.device == "cuda"  # the trainer's FSDP param_dtype
+    r = residual_bytes(wl, bf16_params)
     # under context parallelism attention always runs SDPA, chunk by chunk (models.attention.context_attend), and
     # with documents straight through local_attention (models.attention.attend)
     explicit = layout.cp == 1 and not wl.document_mask and explicit_attention_applies(
         wl.device, torch.bfloat16 if a == 2 else torch.float32, wl.micro_batch, cfg.num_heads // layout.tp, wl.seq_len)
-    return Shapes(T, Ts, Tm, R, a, a if bf16_params else FP32, a == 2 and not bf16_params, wl.device == "cpu",
+    return Shapes(T, Ts, Tm, R, a, r, a == 2 and r == FP32, a == 2 and not bf16_params, wl.device == "cpu",
                   wl.seq_len, explicit, layout.cp, wl.cp_rank, wl.document_mask)
+
+
+def residual_bytes(wl: Workload, bf16_params: bool) -> int:
+    """Bytes of the residual stream's dtype (the trainer's train.residual_dtype: moekit.train.validation.residual_dtype):
+    float32 / bfloat16 as asked; auto the compute dtype on CUDA (FSDP's bf16 parameters, or the embedding's output
+    cast under autocast), fp32 on CPU."""
+    if wl.residual == "float32":
+        return FP32
+    if wl.residual == "bfloat16" or bf16_params or wl.device == "cuda":
+        return DTYPE_BYTES[wl.dtype]
+    return FP32
