@@ -78,7 +78,7 @@ def register_backend(name: str, usable=None, why_not=None, bias: bool = False, f
     the function takes the keyword arguments ``b_in`` and ``b_out`` (per-expert biases, or None);
     ``fused=True`` when it takes ``gather_index``, ``gather_slots`` and ``row_scale`` (moe.kernels.expert_mlp's
     meaning: rows is the unpermuted source and logical row r is rows[gather_index[r]]; each output row times its
-    row_scale entry, not with b_out)."""
+    row_scale entry, after b_out)."""
 
     def deco(fn: BackendFn) -> BackendFn:
         _BACKENDS[name] = ExpertBackend(
@@ -360,8 +360,8 @@ class GroupedExperts(nn.Module):
         return [p.to_local() if hasattr(p, "to_local") else p for p in (getattr(self, n) for n in self.param_names())]
 
     def takes_gather(self, rows: Tensor) -> bool:
-        """Whether forward(..., gather=) will read these rows in place (and, with no expert biases, forward(...,
-        row_scale=) scale them: takes_row_scale): FUSED_PERMUTE allows it on rows' device and the backend that
+        """Whether forward(..., gather=) will read these rows in place (and forward(..., row_scale=) scale them:
+        takes_row_scale): FUSED_PERMUTE allows it on rows' device and the backend that
         would run on them takes it (moe.dispatch.LocalDispatcher.dispatch fuse_gather)."""
         if FUSED_PERMUTE == "never" or (FUSED_PERMUTE == "auto" and rows.device.type != "cuda"):
             return False
@@ -373,9 +373,9 @@ class GroupedExperts(nn.Module):
         return resolve_backend(self.backend, rows, w_in, w_out, bias=self.bias).fused
 
     def takes_row_scale(self, rows: Tensor) -> bool:
-        """Whether forward(..., row_scale=) scales the output rows in the backend's last GEMM: takes_gather, and no
-        output bias (it would be scaled too)."""
-        return not self.bias and self.takes_gather(rows)
+        """Whether forward(..., row_scale=) scales the output rows in the backend's last GEMM (after the output bias,
+        as the weighted combine scales the biased rows): the same as takes_gather."""
+        return self.takes_gather(rows)
 
     def forward(self, rows: Tensor, counts: Tensor, gather=None, row_scale: Tensor | None = None) -> Tensor:
         """rows [N, H] expert-major -> [N, H]. ``gather`` (moe.dispatch.RowGather, when takes_gather said so):
@@ -394,8 +394,8 @@ class GroupedExperts(nn.Module):
         backend = resolve_backend(self.backend, rows, w_in, w_out, bias=self.bias)
         kw = dict(b_in=biases[0], b_out=biases[1]) if self.bias else {}  # backends without bias: the original call
         if gather is not None or row_scale is not None:
-            if not backend.fused or (row_scale is not None and self.bias):
-                raise ValueError(f"expert backend {backend.name!r}{' with biases' if self.bias else ''} cannot "
+            if not backend.fused:
+                raise ValueError(f"expert backend {backend.name!r} cannot "
                                  f"{'read rows in place (a RowGather)' if gather is not None else 'scale its rows'}; "
                                  f"ask takes_gather / takes_row_scale first")
             if gather is not None:

@@ -198,6 +198,38 @@ def test_grouped_colsum_is_the_per_expert_row_sum(offs):
         torch.testing.assert_close(got[e], dy[s:t].sum(0) if t > s else torch.zeros(37), rtol=1e-6, atol=1e-5)
 
 
+@pytest.mark.parametrize("offs", [[0, 5, 5, 17, 30], [3, 1, 40, 40, 2], [0, 0, 0, 0, 0]])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_colsum_weights_rows_and_dots_them_with_a_per_expert_vector(offs, dtype):
+    """row_scale: out[e] = sum of s[r] dy[r] over e's rows; dot_with: dots[r] = <dy[r], w[expert of r]> from the same
+    read (the fused permute's bias gradients), 0 for rows no expert owns; N 37 spans several column blocks, whose
+    partial dots the launcher sums. Against float64 on the blocks read independently."""
+    g = torch.Generator().manual_seed(len(offs) + sum(offs))
+    dy = torch.randn(33, 37, generator=g).to(dtype)
+    scale = torch.rand(33, generator=g)
+    w = torch.randn(5, 37, generator=g).to(dtype)
+    o = torch.tensor(offs, dtype=torch.int32)
+    out, dots = grouped_colsum(dy, o, row_scale=scale, dot_with=w)
+    assert out.dtype == dtype and dots.dtype == torch.float32 and dots.shape == (33,)
+    ends = torch.tensor(offs).cummax(0).values.clamp(0, 33).tolist()
+    starts = [0] + ends[:-1]
+    want_dots = torch.zeros(33, dtype=torch.float64)
+    tol = dict(rtol=1e-6, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-7, atol=2e-2)
+    for e, (s, t) in enumerate(zip(starts, ends)):
+        block = dy[s:t].double()
+        want = (block * scale[s:t, None].double()).sum(0) if t > s else torch.zeros(37, dtype=torch.float64)
+        torch.testing.assert_close(out[e].double(), want, **tol)
+        want_dots[s:t] = block @ w[e].double()
+    torch.testing.assert_close(dots.double(), want_dots, rtol=1e-5, atol=1e-4)
+    assert torch.equal(grouped_colsum(dy, o, dot_with=w)[0], grouped_colsum(dy, o))  # no scale: the plain sums
+    empty = grouped_colsum(dy[:0], o, row_scale=scale[:0], dot_with=w)
+    assert empty[0].abs().max() == 0 and empty[1].shape == (0,)
+    with pytest.raises(ValueError, match="row_scale must be float32"):
+        grouped_colsum(dy, o, row_scale=scale.double())
+    with pytest.raises(ValueError, match=r"dot_with must be \[5, 37\]"):
+        grouped_colsum(dy, o, dot_with=w[:4])
+
+
 def test_bias_off_adds_no_parameters_and_backends_without_bias_refuse_it():
     """Off (the default): exactly the old parameters and state-dict keys, for the layer and the router. On: a
     backend that cannot compute biases (float8, a user's backend registered without bias=True) is a ValueError

@@ -28,7 +28,7 @@ import torch
 import moekit.moe.kernels as K
 from moekit.bench.layer_probes import KeptForBackward
 from moekit.moe import dispatch, experts
-from moekit.moe.activations import ffn_in_features
+from moekit.moe.activations import ffn_in_features, get_activation
 from moekit.moe.dispatch import LocalDispatcher
 from moekit.moe.kernels import LAUNCHES, expert_mlp, expert_mlp_ref
 from moekit.moe.layer import MoELayer
@@ -183,6 +183,46 @@ def test_row_scale_and_its_gradient_match_float64(activation, variant):
     assert got[4][-5:].abs().max() == 0 and ref[4][:-5].abs().min() > 0  # owned rows' gradients are real
 
 
+def _biased_loop(rows, counts, w_in, w_out, b_in, b_out, activation):
+    """act(rows_e @ w_in[e] + b_in[e]) @ w_out[e] + b_out[e] per expert's row block in autograd ops, rows past
+    sum(counts) 0: the reference computed another way than the kernels' epilogues."""
+    act = get_activation(activation)
+    out, start = [], 0
+    for e, c in enumerate(counts.tolist()):
+        block = rows[start:start + c]
+        out.append(act(block @ w_in[e] + b_in[e]) @ w_out[e] + b_out[e])
+        start += c
+    out.append(rows[start:] * 0)
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("activation", ["swiglu_oai", "gelu"])
+@pytest.mark.parametrize("variant", ["fused", "plain"])
+def test_row_scale_after_the_output_bias_matches_float64(activation, variant):
+    """gpt-oss's experts (b_in, b_out) with the routing weights in the last GEMM: y[r] = s[r] (h[r] @ w_out + b_out);
+    db_out = the rows' s-weighted column sums and the weights' gradient gains <b_out[e], dy[r]>, both from one read
+    of dy (grouped_colsum's row_scale / dot_with); against float64 autograd of a per-expert loop, empty experts and
+    unowned rows included."""
+    g = gen("scale-bias", activation, variant)
+    E, H, F, counts = 5, 24, 40, [0, 37, 0, 50, 3]
+    N = sum(counts) + 5
+    rows = torch.randn(N, H, generator=g, dtype=torch.float64)
+    w_in = torch.randn(E, H, ffn_in_features(activation, F), generator=g, dtype=torch.float64) / H ** 0.5
+    w_out = torch.randn(E, F, H, generator=g, dtype=torch.float64) / F ** 0.5
+    b_in = torch.randn(E, ffn_in_features(activation, F), generator=g, dtype=torch.float64)
+    b_out = torch.randn(E, H, generator=g, dtype=torch.float64)
+    scale = torch.rand(N, generator=g, dtype=torch.float64)
+    c = torch.tensor(counts)
+    ref = _fwd_bwd(lambda a, b, d, bi, bo, s: _biased_loop(a, c, b, d, bi, bo, activation) * s[:, None],
+                   (rows, w_in, w_out, b_in, b_out, scale), gen("scale-bias-dy"))
+    got = _fwd_bwd(lambda a, b, d, bi, bo, s: expert_mlp(a, c, b, d, activation, variant=variant, b_in=bi, b_out=bo,
+                                                         row_scale=s),
+                   [t.float() for t in (rows, w_in, w_out, b_in, b_out, scale)], gen("scale-bias-dy"))
+    for name, a, b in zip(("y", "drows", "dw_in", "dw_out", "db_in", "db_out", "d_scale"), got, ref):
+        torch.testing.assert_close(a.double(), b, rtol=2e-5, atol=2e-5, msg=lambda m: f"{name}: {m}")
+    assert got[6][-5:].abs().max() == 0 and ref[6][:-5].abs().min() > 0
+
+
 @pytest.mark.parametrize("bad,match", [
     (dict(gather_index=torch.zeros(4)), "int64"),
     (dict(gather_slots=torch.zeros(8, dtype=torch.int64)), "pass gather_index too"),
@@ -192,7 +232,6 @@ def test_row_scale_and_its_gradient_match_float64(activation, variant):
      "1-D int64"),
     (dict(row_scale=torch.ones(4, dtype=torch.float64)), "row_scale must be a contiguous float32 \\[M=4\\]"),
     (dict(row_scale=torch.ones(5)), "row_scale must be"),
-    (dict(row_scale=torch.ones(4), b_out=torch.zeros(2, 8)), "row_scale with b_out is not supported"),
 ])
 def test_bad_gather_arguments_are_refused(bad, match):
     x, w_in, w_out = torch.randn(4, 8), torch.randn(2, 8, 6), torch.randn(2, 3, 8)
@@ -229,7 +268,7 @@ def _layer_run(layer, mode, monkeypatch, x):
 
 
 LAYER_CASES = {"dropless": {}, "capacity": dict(capacity_factor=0.6), "top4": dict(k=4),
-               "bias": dict(ffn_bias=True, activation="swiglu_oai"),  # output biases: the gather alone
+               "bias": dict(ffn_bias=True, activation="swiglu_oai"),  # output biases scaled with their rows
                "weight_on_input": dict(k=1, weight_on_input=True), "shared": dict(shared_ffn_hidden_size=16)}
 
 
@@ -269,9 +308,10 @@ def test_layer_fused_permute_as_accurate_as_the_permuted_rows(monkeypatch, dtype
     """The gather and the routing weights in the expert GEMMs: output, input gradient and every parameter gradient
     (the router's through the weights' gradient from the backward kernel's epilogue) against the same layer in
     float64, at most 2x the error of the permuted path plus a rounding of the result's dtype; neither the permute
-    nor the weighted combine runs (the bias case: output biases keep the weighted combine), and the bytes kept
-    drop by the permuted rows and the combine's [N, H] rows, less the [N] fp32 row weights the experts keep instead
-    of the [T, k] routing weights."""
+    nor the weighted combine runs (output biases too: the weights scale each biased row in the epilogue, and the
+    scale's gradient gains <b_out, dy> from the bias gradient's read of dy), and the bytes kept drop by the permuted
+    rows and the combine's [N, H] rows, less the [N] fp32 row weights the experts keep instead of the [T, k]
+    routing weights."""
     layer = _layer(dtype, **LAYER_CASES[case])
     x = torch.randn(2, 15, 24, generator=gen("layer", dtype, case), dtype=torch.float64).to(dtype)
     ref_layer = copy.deepcopy(layer).double()
@@ -279,8 +319,7 @@ def test_layer_fused_permute_as_accurate_as_the_permuted_rows(monkeypatch, dtype
     ref = _layer_run(ref_layer, "never", monkeypatch, x.double())
     plain = _layer_run(layer, "never", monkeypatch, x)
     monkeypatch.setattr(dispatch, "permute", lambda *a: pytest.fail("the rows were permuted"))
-    if case != "bias":  # the weighted combine's autograd function
-        monkeypatch.setattr(dispatch._Unpermute, "apply", lambda *a: pytest.fail("the weighted combine ran"))
+    monkeypatch.setattr(dispatch._Unpermute, "apply", lambda *a: pytest.fail("the weighted combine ran"))
     fused = _layer_run(layer, "always", monkeypatch, x)
     eps = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -22
     for i, (f, p, r) in enumerate(zip([fused[0], fused[1], *fused[2]], [plain[0], plain[1], *plain[2]],
@@ -290,26 +329,25 @@ def test_layer_fused_permute_as_accurate_as_the_permuted_rows(monkeypatch, dtype
     T, k, n_rows = _rows(case)
     a = dtype.itemsize
     new_input = T * 24 * a if case == "weight_on_input" else 0
-    saved = n_rows * 24 * a - new_input
-    if case != "bias":  # the combine's rows, its [T, k] fp32 weights for the [N] fp32 row weights
-        saved += n_rows * 24 * a + T * k * 4 - n_rows * 4
+    # the permuted rows; the combine's rows, its [T, k] fp32 weights for the [N] fp32 row weights
+    saved = n_rows * 24 * a - new_input + n_rows * 24 * a + T * k * 4 - n_rows * 4
+    if case == "bias":  # b_out [6, 24], which the weights' gradient reads (<b_out[e], dy[r]>)
+        saved -= 6 * 24 * a
     assert plain[3] - fused[3] == saved, (plain[3], fused[3], saved)
 
 
 def test_switch_decides_where_the_permute_fuses(monkeypatch):
     """auto: CUDA tensors only; always: the interpreter's CPU tensors too, but only for a backend that takes it
     (the loop backend dispatches as before, and asking it to gather or scale is refused); experts with output
-    biases gather but do not scale."""
+    biases gather and scale."""
     layer = MoELayer(16, 8, 4, "topk", backend="triton")
     rows = torch.randn(5, 16)
     for mode, want in (("never", False), ("auto", False), ("always", True)):
         monkeypatch.setattr(experts, "FUSED_PERMUTE", mode)
         assert layer.experts.takes_gather(rows) is want and layer.experts.takes_row_scale(rows) is want, mode
     biased = MoELayer(16, 8, 4, "topk", backend="triton", ffn_bias=True)
-    assert biased.experts.takes_gather(rows) and not biased.experts.takes_row_scale(rows)
+    assert biased.experts.takes_gather(rows) and biased.experts.takes_row_scale(rows)
     d = LocalDispatcher(4).dispatch(rows, layer.router(rows), fuse_gather=True)
-    with pytest.raises(ValueError, match="with biases cannot scale its rows"):
-        biased.experts(rows, d.counts, row_scale=torch.ones(10))
     layer.set_backend("loop")
     assert layer.experts.takes_gather(rows) is False
     layer(rows)  # dispatches the permuted rows
@@ -322,12 +360,14 @@ def test_switch_decides_where_the_permute_fuses(monkeypatch):
 
 
 @pytest.mark.parametrize("autocast", [None, torch.bfloat16], ids=["fp32", "bf16-autocast"])
-def test_planner_counts_what_the_fused_permute_keeps(monkeypatch, autocast):
+@pytest.mark.parametrize("biases", [False, True], ids=["", "gpt-oss-experts"])
+def test_planner_counts_what_the_fused_permute_keeps(monkeypatch, autocast, biases):
     """The memory planner's activations for a Triton-expert model (one small layer, one process) against the
     measured bytes with the switch either way: within 1.5% each (the same 3.4 KB over with the switch off or on:
     small ints and scalars, relatively large at this size), and the difference of the two exact. The [T k, H] rows go (under autocast the experts keep the one bf16
     copy of their input instead; in fp32 the block's input itself, which was kept already), and so do the
-    combine's [T k, H] expert outputs (the [T k] fp32 row weights replace its [T, k] routing weights)."""
+    combine's [T k, H] expert outputs (the [T k] fp32 row weights replace its [T, k] routing weights). With output
+    biases the experts also keep b_out (under autocast its bf16 cast)."""
     import dataclasses
 
     from moekit.comm.topology import Layout
@@ -338,6 +378,8 @@ def test_planner_counts_what_the_fused_permute_keeps(monkeypatch, autocast):
     # one small layer: the interpreter runs every expert kernel program in numpy
     cfg = dataclasses.replace(preset("mixtral-tiny"), num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1,
                               moe_ffn_hidden_size=32, expert_backend="triton")
+    if biases:
+        cfg = dataclasses.replace(cfg, moe_ffn_bias=True, activation="swiglu_oai")
     wl = Workload(B, S, "float32" if autocast is None else "bfloat16", "none", "cpu")
     measured, estimated = {}, {}
     for mode in ("never", "always"):
@@ -350,7 +392,8 @@ def test_planner_counts_what_the_fused_permute_keeps(monkeypatch, autocast):
     T, H, k = B * S, cfg.hidden_size, cfg.top_k
     a = 2 if autocast else 4
     # the rows and the combine's expert outputs, less the input copy; the [T k] row weights for the routing weights
-    assert saved == 2 * T * k * H * a - (T * H * a if autocast else 0), saved
+    bias = cfg.num_experts * H * a if biases and autocast else 0
+    assert saved == 2 * T * k * H * a - (T * H * a if autocast else 0) - bias, saved
 
 
 def test_layer_benchmark_times_the_fused_permute(tmp_path, capsys):

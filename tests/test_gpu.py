@@ -246,7 +246,8 @@ def test_dispatch_runs_the_combine_kernels_on_the_device(monkeypatch):
 # The MoE layer on the device
 # ---------------------------------------------------------------------------------------------------
 
-def layer_and_input(num_experts=8, k=2, router="topk", seed=0):
+def layer_and_input(num_experts=8, k=2, router="topk", seed=0, bias=False):
+    """``bias``: gpt-oss's experts (swiglu_oai, per-expert biases, random: they start at 0)."""
     from moekit.moe import MoELayer, build_router
 
     torch.manual_seed(seed)
@@ -254,7 +255,12 @@ def layer_and_input(num_experts=8, k=2, router="topk", seed=0):
     kwargs = {"top_k": k} if router == "topk" else {}
     if router == "topk-sequence":  # sequence-wise balancing (the input is then one sequence of t tokens)
         router, kwargs = "topk", {"top_k": k, "balance": "sequence"}
-    layer = MoELayer(h, f, num_experts, build_router(router, h, num_experts, **kwargs), activation="swiglu")
+    layer = MoELayer(h, f, num_experts, build_router(router, h, num_experts, **kwargs),
+                     activation="swiglu_oai" if bias else "swiglu", ffn_bias=bias)
+    if bias:
+        with torch.no_grad():
+            for p in (layer.experts.b_in, layer.experts.b_out):
+                p.normal_(std=0.5, generator=torch.Generator().manual_seed(seed + 2))
     x = torch.randn(t, h, generator=torch.Generator().manual_seed(seed + 1))
     return layer, x
 
@@ -293,20 +299,22 @@ def test_moe_layer_on_device_matches_float64(backend):
         assert rel_err(got[2][name], ref[2][name]) < 1e-5, name
 
 
-@pytest.mark.parametrize("k", first_on_cpu([2, 8], "tests/test_fused_permute.py runs the layer in the interpreter"))
+@pytest.mark.parametrize("case", first_on_cpu(["k2", "k8", "k4-bias"],
+                                              "tests/test_fused_permute.py runs the layer in the interpreter"))
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
-def test_fused_permute_layer_on_device_against_the_permuted_rows(monkeypatch, k, autocast):
+def test_fused_permute_layer_on_device_against_the_permuted_rows(monkeypatch, case, autocast):
     """moe.experts.FUSED_PERMUTE. The gather alone (the up kernel reads the routed rows through pointer loads, its
     weights by TMA where that runs): the forward's products are the same in either load path, so the output is
     equal bit for bit, at k 2 the input gradient too (two-term sums in either order), at k 8 within the rounding
     of different summation orders. With the routing weights in the last GEMM as well: everything within the
     rounding of the output's dtype of the permuted path. The permuted copy never exists on the fused paths, nor
-    the weighted combine on the second."""
+    the weighted combine on the second. ``bias``: gpt-oss's experts, each output bias scaled with its row."""
     from moekit.moe import dispatch, experts
     from moekit.moe.dispatch import LocalDispatcher
     from moekit.moe.kernels import LAUNCHES
 
-    layer, x = layer_and_input(num_experts=8 if SMALL else 16, k=k)
+    k, bias = int(case[1]), case.endswith("bias")
+    layer, x = layer_and_input(num_experts=8 if SMALL else 16, k=k, bias=bias)
     layer = layer.to(DEVICE)
     layer.experts.backend = "triton"
     ctx = (lambda: torch.autocast(DEVICE.type, dtype=torch.bfloat16)) if autocast else (lambda: torch.autocast(
@@ -326,7 +334,7 @@ def test_fused_permute_layer_on_device_against_the_permuted_rows(monkeypatch, k,
         assert LAUNCHES["_expert_up_act_kernel"] == before + 1, name
     ref, gathered, fused = runs["plain"], runs["gather"], runs["fused"]
     assert torch.equal(gathered[0], ref[0])
-    if k == 2:
+    if k <= 2:
         assert torch.equal(gathered[1], ref[1])
     bound = 1e-2 if autocast else 1e-5
     for got in (gathered, fused):

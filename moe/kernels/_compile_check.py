@@ -80,6 +80,8 @@ def capture_launches(dtype: torch.dtype) -> list:
             wgrad_mod.WGRAD_TMA, gmm_mod.GEMM_TMA, mlp_mod.MLP_TMA = saved
         scatter_add_rows(x, gidx, m)
         grouped_colsum(x, offs)  # the biases' gradient
+        # with the routing weights in the last GEMM: the output bias's weighted sums and each row's <b_out, dy>
+        grouped_colsum(x, offs, row_scale=torch.rand(m), dot_with=torch.randn(e, h, dtype=dtype))
         grouped_mm_fwd(torch.randn(m, 2 * f, dtype=dtype), w, offs, transpose_w=True, bias=torch.randn(e, h, dtype=dtype))
         expert_up_act(x, w, offs, "swiglu_oai", save_pre=True, bias=torch.randn(e, 2 * f, dtype=dtype))
         expert_up_act(x, w, offs, "swiglu", save_pre=True, gather_index=gidx)  # the fused gather, pointer loads

@@ -455,8 +455,10 @@ class FusedExpertMLPFunction(torch.autograd.Function):
     combine kernel without weights, no sort) or else by a sort of gather_index (scatter_add_rows).
 
     row_scale [N] float32 (None: 1): the second GEMM's epilogue multiplies row r by it (the combine's routing
-    weight, applied here so the combine is a plain sum and keeps no rows for its weights' gradient). Its gradient
-    <h[r] @ w_out[e], dy[r]> comes from the backward kernel's epilogue, which has h and dy @ w_out^T in hand."""
+    weight, applied here so the combine is a plain sum and keeps no rows for its weights' gradient), after b_out:
+    y[r] = row_scale[r] (h[r] @ w_out[e] + b_out[e]). Its gradient <h[r] @ w_out[e], dy[r]> comes from the backward
+    kernel's epilogue, which has h and dy @ w_out^T in hand; with b_out, <b_out[e], dy[r]> from the bias gradient's
+    read of dy (grouped_colsum's dot_with), whose column sums then weight each row by its scale."""
 
     @staticmethod
     def forward(ctx, x, offs, w_in, w_out, activation, allow_tf32, need_grad, b_in=None, b_out=None,
@@ -466,13 +468,14 @@ class FusedExpertMLPFunction(torch.autograd.Function):
         h, pre = expert_up_act(x, w_in, offs, activation, save_pre=need_grad, allow_tf32=allow_tf32, bias=b_in,
                                gather_index=gather_index)
         y = grouped_mm_fwd(h, w_out, offs, allow_tf32=allow_tf32, bias=b_out, row_scale=row_scale)
-        ctx.save_for_backward(x, offs, w_in, w_out, pre, gather_index, gather_slots, row_scale)
+        ctx.save_for_backward(x, offs, w_in, w_out, pre, gather_index, gather_slots, row_scale,
+                              b_out if row_scale is not None else None)  # the scale's gradient reads b_out
         ctx.activation, ctx.allow_tf32 = activation, allow_tf32
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, offs, w_in, w_out, pre, gather_index, gather_slots, row_scale = ctx.saved_tensors
+        x, offs, w_in, w_out, pre, gather_index, gather_slots, row_scale, b_out = ctx.saved_tensors
         need_x, _, need_win, need_wout = ctx.needs_input_grad[:4]
         need_bin, need_bout = ctx.needs_input_grad[7:9]
         need_scale = ctx.needs_input_grad[11]
@@ -495,7 +498,14 @@ class FusedExpertMLPFunction(torch.autograd.Function):
                 h = h * row_scale[:, None].to(h.dtype)
         if need_wout:
             dw_out = grouped_mm_wgrad(h, dy, offs, allow_tf32=tf32)
-        if need_bout:  # the bias enters before the scale: each row's share scaled (row_scale with b_out: refused)
+        if row_scale is not None and b_out is not None and (need_bout or need_scale):
+            # y = row_scale * (h @ w_out + b_out): db_out sums each row's dy times its scale, and the scale's
+            # gradient gains <dy, b_out[e]>, both from one read of dy
+            db_out, dots = grouped_colsum(dy, offs, row_scale=row_scale, dot_with=b_out.to(dy.dtype))
+            db_out = db_out if need_bout else None
+            if need_scale:
+                d_scale = d_scale + dots
+        elif need_bout:
             db_out = grouped_colsum(dy, offs)
         return dx, None, dw_in, dw_out, None, None, None, db_in, db_out, None, None, d_scale
 
@@ -544,7 +554,8 @@ def expert_mlp(rows: torch.Tensor, counts: torch.Tensor, w_in: torch.Tensor, w_o
     lets that sum skip a sort.
 
     row_scale [N] float32: each output row times its entry, differentiable (the combine's routing weights, so
-    that the combine is a plain sum: moe.experts.FUSED_PERMUTE); not with b_out.
+    that the combine is a plain sum: moe.experts.FUSED_PERMUTE); with b_out the bias is scaled with its row, as the
+    weighted combine would.
     """
     what = "expert_mlp"
     act = get_activation(activation)  # ValueError naming the known activations
@@ -568,9 +579,6 @@ def expert_mlp(rows: torch.Tensor, counts: torch.Tensor, w_in: torch.Tensor, w_o
     check_bias(what, b_out, e, hdim, "b_out")
     _check_gather(what, rows, gather_index, gather_slots)
     num_rows = rows.shape[0] if gather_index is None else gather_index.shape[0]
-    if row_scale is not None and b_out is not None:
-        raise ValueError(f"{what}: row_scale with b_out is not supported (the bias would be scaled too); apply the "
-                         f"weights after the experts instead")
     check_row_scale(what, row_scale, num_rows, rows.device)
     biases = [b for b in (b_in, b_out) if b is not None]
     reason = why_not_triton(rows, w_in, w_out, *biases)

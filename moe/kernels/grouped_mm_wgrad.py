@@ -221,29 +221,41 @@ def grouped_colsum_ref(dy: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _grouped_colsum_kernel(
-    DY, OUT, OFFS,
+    DY, OUT, OFFS, SCALE, DOTW, PART,
     M, N, E,
-    stride_dym, stride_dyn, stride_oe, stride_on,
-    E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
+    stride_dym, stride_dyn, stride_oe, stride_on, stride_we, stride_wn, stride_pm,
+    E_POW2: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """One program per (expert, BLOCK_N columns): walks the expert's rows BLOCK_M at a time in a fixed order
     (bitwise deterministic: no atomics, no split over rows); an empty expert stores zeros. BLOCK_K and GROUP_M
-    are unused (the shared cfg())."""
+    are unused (the shared cfg()).
+
+    HAS_SCALE: each row weighted by SCALE[row] (fp32 [M]) in the sum. HAS_DOT: also each row's dot product with
+    DOTW[e] over the program's columns, stored at PART[row, column block] (fp32; the caller sums a row's blocks):
+    the same read of dy gives the output bias's gradient and its share of the routing weights' gradient."""
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     e = pid // num_pid_n
-    offs_n = (pid % num_pid_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid_n = pid % num_pid_n
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     eids, starts, ends = expert_row_bounds(OFFS, M, E, E_POW2)
     start = tl.sum(tl.where(eids == e, starts, 0), 0)
     end = tl.sum(tl.where(eids == e, ends, 0), 0)
+    if HAS_DOT:
+        w = tl.load(DOTW + e.to(tl.int64) * stride_we + offs_n * stride_wn, mask=n_mask, other=0.0).to(tl.float32)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for m0 in range(start, end, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < end
         g = tl.load(DY + offs_m.to(tl.int64)[:, None] * stride_dym + offs_n[None, :] * stride_dyn,
-                    mask=(offs_m < end)[:, None] & n_mask[None, :], other=0.0)
-        acc += tl.sum(g.to(tl.float32), 0)
+                    mask=m_mask[:, None] & n_mask[None, :], other=0.0).to(tl.float32)
+        if HAS_DOT:
+            tl.store(PART + offs_m.to(tl.int64) * stride_pm + pid_n, tl.sum(g * w[None, :], 1), mask=m_mask)
+        if HAS_SCALE:
+            g = g * tl.load(SCALE + offs_m, mask=m_mask, other=0.0).to(tl.float32)[:, None]
+        acc += tl.sum(g, 0)
     tl.store(OUT + e.to(tl.int64) * stride_oe + offs_n * stride_on, acc.to(OUT.dtype.element_ty), mask=n_mask)
 
 
@@ -256,9 +268,14 @@ GROUPED_COLSUM = Kernel(
 )
 
 
-def grouped_colsum(dy: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+def grouped_colsum(dy: torch.Tensor, offs: torch.Tensor, row_scale: torch.Tensor | None = None,
+                   dot_with: torch.Tensor | None = None):
     """out [E, N] = per expert e: dy[rows of e].sum(0), fp32 accumulation, in dy's dtype; E = len(offs).
-    The gradient of a per-expert bias added to rows dy's rows (moe.kernels.expert_mlp)."""
+    The gradient of a per-expert bias added to rows dy's rows (moe.kernels.expert_mlp).
+
+    row_scale (fp32 [M]): the rows weighted, out[e] = sum of row_scale[r] dy[r] (a bias the forward scaled with its
+    row). dot_with ([E, N]): also return dots (fp32 [M]), dots[r] = <dy[r], dot_with[expert of r]> (0 for rows no
+    expert owns), from the same read of dy: (out, dots)."""
     what = "grouped_colsum (Triton)"
     if dy.dim() != 2:
         raise ValueError(f"{what}: dy must be [M, N], got {tuple(dy.shape)}")
@@ -266,12 +283,25 @@ def grouped_colsum(dy: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     e = offs.shape[0] if isinstance(offs, torch.Tensor) and offs.dim() == 1 else -1
     m, n = dy.shape
     offs = check_offs(offs, e, dy.device, m, what)
+    if row_scale is not None and (row_scale.shape != (m,) or row_scale.dtype != torch.float32
+                                  or row_scale.device != dy.device):
+        raise ValueError(f"{what}: row_scale must be float32 [{m}] on {dy.device}, got {row_scale.dtype} "
+                         f"{tuple(row_scale.shape)} on {row_scale.device}")
+    if dot_with is not None and (dot_with.shape != (e, n) or dot_with.device != dy.device):
+        raise ValueError(f"{what}: dot_with must be [{e}, {n}] on {dy.device}, got {tuple(dot_with.shape)} on "
+                         f"{dot_with.device}")
     out = torch.empty(e, n, device=dy.device, dtype=dy.dtype)
-    if out.numel() == 0:
-        return out
-    if m == 0:
-        return out.zero_()
+    if out.numel() == 0 or m == 0:
+        out.zero_()
+        return out if dot_with is None else (out, dy.new_zeros(m, dtype=torch.float32))
+    # the dot products' partial sums, one column per column block: as many blocks as the narrowest BLOCK_N makes
+    k = GROUPED_COLSUM
+    narrowest = min(c.kwargs["BLOCK_N"] for c in [*k.candidate_configs(), k.interpret_config, k._pinned] if c)
+    part = dy.new_zeros(m, triton.cdiv(n, narrowest), dtype=torch.float32) if dot_with is not None else out
+    sc = row_scale.contiguous() if row_scale is not None else offs  # placeholders, never read when off
+    dw = dot_with if dot_with is not None else out
     grid = lambda meta: (e * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-    GROUPED_COLSUM[grid](dy, out, offs, m, n, e, dy.stride(0), dy.stride(1), out.stride(0), out.stride(1),
-                         E_POW2=triton.next_power_of_2(e))
-    return out
+    GROUPED_COLSUM[grid](dy, out, offs, sc, dw, part, m, n, e, dy.stride(0), dy.stride(1), out.stride(0),
+                         out.stride(1), dw.stride(0), dw.stride(1), part.stride(0), E_POW2=triton.next_power_of_2(e),
+                         HAS_SCALE=row_scale is not None, HAS_DOT=dot_with is not None)
+    return out if dot_with is None else (out, part.sum(1))
