@@ -103,7 +103,14 @@ class HierarchicalEPDispatcher(EPDispatcherBase):
             self.signature += self.placement.signature() << 32
             agree_on_signature(self.ep_group, self.signature)
 
-    def dispatch(self, x: Tensor, routing: Routing) -> Dispatched:
+    # The fused permute (moe.experts.FUSED_PERMUTE) as flat EP offers it, from the intra-node exchange: dispatch(
+    # fuse_gather=True) leaves its reorder to the experts' first GEMM, combine(weighted=False) the routing weights to
+    # their last (row_weights: each (token, node) row's weights on that node travel with it, then with its rows)
+    fuses_gather = True
+    fuses_weights = True
+
+    def dispatch(self, x: Tensor, routing: Routing, *, fuse_gather: bool = False) -> Dispatched:
+        """``fuse_gather``: the received rows as they came inside the node, with a RowGather (FlatEPDispatcher)."""
         # routing.tokens_per_expert is not read below, but its shape is the routing's number of experts
         check_tokens("HierarchicalEPDispatcher", x, routing)
         check_expert_counts("HierarchicalEPDispatcher", routing, self.num_experts)
@@ -120,7 +127,7 @@ class HierarchicalEPDispatcher(EPDispatcherBase):
         recv = all_to_all(rows, recv_splits, send_splits, self.rail_group)  # [R1, H]
         recv_ids = all_to_all(ids_rows, recv_splits, send_splits, self.rail_group)  # [R1, k]
         recv_w = all_to_all(w_rows, recv_splits, send_splits, self.rail_group)  # [R1, k]
-        return self.inside_node(recv, recv_ids, recv_w, nodes, send_splits, recv_splits)
+        return self.inside_node(recv, recv_ids, recv_w, nodes, send_splits, recv_splits, fuse_gather)
 
     def physical(self, routing: Routing) -> Tensor:
         """[T, k] the slots' physical expert ids (logical ones without a placement)."""
@@ -152,19 +159,25 @@ class HierarchicalEPDispatcher(EPDispatcherBase):
         return rows, ids_rows, w_rows, nodes
 
     def inside_node(self, recv: Tensor, recv_ids: Tensor, recv_w: Tensor, nodes: PermuteMeta,
-                    send_splits: list[int], recv_splits: list[int]) -> Dispatched:
+                    send_splits: list[int], recv_splits: list[int], fuse_gather: bool = False) -> Dispatched:
         """2b. the rows that arrived on the rail, dispatched by a flat EP exchange inside this node."""
         inner = self.inner.dispatch_slots(recv, recv_ids, recv_w, count_experts(recv_ids, self.experts_per_node),
-                                          may_drop=True)
-        return Dispatched(inner.rows, inner.counts, HierMeta(nodes, send_splits, recv_splits, inner.meta))
+                                          may_drop=True, fuse_gather=fuse_gather)
+        return Dispatched(inner.rows, inner.counts, HierMeta(nodes, send_splits, recv_splits, inner.meta), inner.gather)
+
+    def row_weights(self, meta: HierMeta) -> Tensor:
+        """[R] float32: each expert row's routing weight, in the experts' order (collective over the node's EP
+        ranks: FlatEPDispatcher.row_weights of the intra-node exchange)."""
+        return self.inner.row_weights(meta.inner)
 
     def count_rail(self, phase: str, splits: list[int], rows: Tensor) -> None:
         self.traffic.add(phase, splits, self.rail_ranks, rows.shape[-1] * rows.element_size(), self.node_of, self.rank)
 
-    def combine(self, rows: Tensor, meta: HierMeta) -> Tensor:
+    def combine(self, rows: Tensor, meta: HierMeta, *, weighted: bool = True) -> Tensor:
+        """``weighted=False``: the rows carry their weights already (row_weights): the sums are plain."""
         # 3. weighted sum over the token's experts on this node, then one row back across nodes; the inner
         # combine checks rows (expert_parallel.check_combine_rows) before its all-to-all, the first collective here
-        partial = self.inner.combine(rows, meta.inner)  # [R1, H]
+        partial = self.inner.combine(rows, meta.inner, weighted=weighted)  # [R1, H]
         self.count_rail("combine", meta.recv_splits, partial)
         back = all_to_all(partial, meta.send_splits, meta.recv_splits, self.rail_group)  # [N1, H]
         # 4. sum over the nodes each token visited (weights are 1 there: expert weights were applied)

@@ -426,26 +426,30 @@ def test_layer_benchmark_times_the_fused_permute(tmp_path, capsys):
     assert "experts_fused" not in phase_steps(layer, torch.randn(12, 16))
 
 
-def _ep_rank(rank, world, E, k, tokens):
-    """One rank of a flat EP layer on the Triton experts: switch off, the gather alone (the received rows' reorder
-    in the up kernel: a permutation either way, so the same output and gradients bit for bit), and the weights too
-    (sent with the rows, applied in the last GEMM: within fp32 rounding, the weighted combine never runs); counted
-    reorders show which copies were made."""
+def _ep_rank(rank, world, E, k, tokens, per_node=None):
+    """One rank of a flat EP layer on the Triton experts (``per_node``: hierarchical, nodes of that many ranks, the
+    fused permute in its intra-node exchange): switch off, the gather alone (the received rows' reorder in the up
+    kernel: a permutation either way, so the same output and gradients bit for bit), and the weights too (sent with
+    the rows, applied in the last GEMM: within fp32 rounding, the weighted combine never runs); counted reorders
+    show which copies were made."""
     import copy
 
     from moekit.comm import expert_parallel as EP
     from moekit.comm.expert_parallel import FlatEPDispatcher, apply_expert_parallel
     from moekit.comm.topology import Layout, Topology
 
-    topo = Topology(Layout(dp=world, ep=world), rank, world).build()
+    from moekit.comm.hierarchical import HierarchicalEPDispatcher
+
+    topo = Topology(Layout(dp=world, ep=world), rank, per_node or world).build()
     torch.manual_seed(3)
     ref = MoELayer(24, 20, E, build_router("topk", 24, E, top_k=k), backend="triton")
     runs = {}
     for name, mode, weights in (("off", "never", True), ("gather", "always", False), ("fused", "always", True)):
         experts.FUSED_PERMUTE = mode
-        FlatEPDispatcher.fuses_weights = weights
+        FlatEPDispatcher.fuses_weights = HierarchicalEPDispatcher.fuses_weights = weights
         layer = copy.deepcopy(ref)
-        apply_expert_parallel(layer, topo)
+        apply_expert_parallel(layer, topo, hierarchical=per_node is not None)
+        assert isinstance(layer.dispatcher, HierarchicalEPDispatcher) == (per_node is not None)
         calls, real, real_unpermute = [], EP._Reorder.apply, EP.unpermute
         EP._Reorder.apply = lambda *a: calls.append(1) or real(*a)
         EP.unpermute = lambda rows, meta, weighted=True: (weighted and name == "fused" and pytest.fail(
@@ -459,25 +463,28 @@ def _ep_rank(rank, world, E, k, tokens):
         assert len(calls) == (2 if mode == "never" else 1), (name, calls)  # dispatch's and combine's; combine's
         runs[name] = (y.detach(), x.grad, layer.experts.w_in.grad.to_local(), layer.experts.w_out.grad.to_local(),
                       layer.router.weight.grad)
-    FlatEPDispatcher.fuses_weights = True
+    FlatEPDispatcher.fuses_weights = HierarchicalEPDispatcher.fuses_weights = True
     for a, b in zip(runs["gather"], runs["off"]):
         assert torch.equal(a, b), (a - b).abs().max()
     for a, b in zip(runs["fused"], runs["off"]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_expert_parallel_permute_fused_into_the_experts():
-    """Flat expert parallelism over 2 gloo ranks (interpreted Triton experts): step 4's reorder of the received rows
-    happens in the up kernel's loads, and the routing weights, sent with the rows, in the last GEMM's epilogue."""
+@pytest.mark.parametrize("world,per_node", [(2, None), (4, 2)], ids=["flat-2", "hierarchical-2x2"])
+def test_expert_parallel_permute_fused_into_the_experts(world, per_node):
+    """Expert parallelism over gloo ranks (interpreted Triton experts), flat over 2 and hierarchical over 2 nodes of
+    2: the intra-node step 4's reorder of the received rows happens in the up kernel's loads, and the routing
+    weights, sent with the rows (across the rail, then inside the node), in the last GEMM's epilogue."""
     from tests.dist_utils import run_ranks
 
-    run_ranks(_ep_rank, 2, 4, 2, 9, env={"TRITON_INTERPRET": "1"})
+    run_ranks(_ep_rank, world, 4, 2, 9, per_node, env={"TRITON_INTERPRET": "1"})
 
 
-def _planner_ep_rank(rank, world):
-    """Expert parallelism over 2 ranks, one small Triton-expert layer: the kept bytes with the switch off minus on,
-    measured, against the planner's difference. They differ only by the [R] fp32 row weights, whose count the
-    planner takes as balanced (R = T k) while each rank computes the rows routed to it."""
+def _planner_ep_rank(rank, world, per_node):
+    """Expert parallelism over ``world`` ranks in nodes of ``per_node`` (2 x 2: hierarchical), one small
+    Triton-expert layer: the kept bytes with the switch off minus on, measured, against the planner's difference.
+    They differ only by the [R] fp32 row weights, whose count the planner takes as balanced (R = T k) while each
+    rank computes the rows routed to it."""
     import dataclasses
 
     from moekit.comm.topology import Layout, Topology
@@ -489,25 +496,44 @@ def _planner_ep_rank(rank, world):
 
     cfg = dataclasses.replace(preset("mixtral-tiny"), num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1,
                               moe_ffn_hidden_size=32, expert_backend="triton")
-    layout = Layout(ep=2, dp=2)
-    topo = Topology(layout, rank, ranks_per_node=2).build()
+    layout = Layout(ep=world, dp=world)
+    topo = Topology(layout, rank, ranks_per_node=per_node).build()
     g = torch.Generator().manual_seed(topo.data_rank())
     tokens, targets = (torch.randint(0, cfg.vocab_size, (B, S), generator=g) for _ in range(2))
-    kept, est = {}, {}
+    kept, est, rows = {}, {}, []
     for mode in ("never", "always"):
         experts.FUSED_PERMUTE = mode
         model = build_model(cfg, seed=0)
-        parallelize(model, topo)
+        parallelize(model, topo, hierarchical=per_node < world)
         model.train()
+        hook = model.layers[0].ffn.experts.register_forward_pre_hook(lambda m, a: rows.append(int(a[1].sum())))
         kept[mode] = measure(model, tokens, targets)["activations"]
-        est[mode] = estimate_memory(cfg, layout, Workload(B, S, "float32", "none", "cpu"), ranks_per_node=2).activations
+        hook.remove()
+        est[mode] = estimate_memory(cfg, layout, Workload(B, S, "float32", "none", "cpu"), ranks_per_node=per_node,
+                                    hierarchical=per_node < world).activations
     T, k, H = B * S, cfg.top_k, cfg.hidden_size
     measured, estimated = kept["never"] - kept["always"], est["never"] - est["always"]
     assert estimated == T * k * H * 4, estimated  # the combine's [T k, H] rows; the row weights for the weights
-    assert abs(measured - estimated) <= T * k * 4, (measured, estimated)  # the imbalance of the row weights' count
+    # the combine kept its [T k, H] rows back from the experts (this rank's tokens'); the fused experts keep an fp32
+    # weight for each of the R rows they computed (the planner's T k on average over the ranks) instead of the
+    # [T, k] routing weights
+    R = rows[0]
+    assert rows == [R, R]
+    if per_node == world:
+        assert measured == T * k * H * 4 - R * 4 + T * k * 4, (measured, R, T * k)
+        return
+    # hierarchical: the inner combine keeps the rows back to its sources, the (token, node) rows this rank received
+    # on the rail, and their [R1, k] weights; summed over the ranks those rows are every token's k slots (dropless),
+    # so the planner's per-rank T k H is exact on average, up to the weights' bytes (R1 <= T m)
+    import torch.distributed as dist
+
+    total = torch.tensor([float(measured)])
+    dist.all_reduce(total)
+    assert abs(total.item() - world * estimated) <= world * T * k * 4 * 2, (total.item(), world * estimated)
 
 
-def test_planner_counts_the_weights_fused_under_expert_parallelism():
+@pytest.mark.parametrize("world,per_node", [(2, 2), (4, 2)], ids=["flat-2", "hierarchical-2x2"])
+def test_planner_counts_the_weights_fused_under_expert_parallelism(world, per_node):
     from tests.dist_utils import run_ranks
 
-    run_ranks(_planner_ep_rank, 2, env={"TRITON_INTERPRET": "1"})
+    run_ranks(_planner_ep_rank, world, per_node, env={"TRITON_INTERPRET": "1"})

@@ -143,8 +143,8 @@ def _moe(cfg: ModelConfig, layout: Layout, s: Shapes, node_rows: float) -> dict[
     hidden = act.in_features(F) if backend == "triton" else F * ffn_widths(cfg.activation, False)
     fused = fused_permute_applies(cfg, s.cpu)
     outputs = s.R * H * s.a  # the experts' output rows, which the weighted combine keeps for the weights' gradient
-    if fused and (layout.ep == 1 or not node_rows):  # local or flat EP: the weights in the
-        # last GEMM, the [R] fp32 row weights kept instead of the outputs and the combine's [T, k] fp32 weights
+    if fused:  # the weights in the last GEMM (local, flat or hierarchical EP: comm.hierarchical's inner exchange),
+        # the [R] fp32 row weights kept instead of the outputs and the combine's [T, k] fp32 weights
         outputs = s.R * FP32 - s.Tm * k * FP32
         if cfg.moe_ffn_bias and s.autocast:  # and b_out, which the weights' gradient reads: under autocast the
             # local experts' bf16 cast of it (else the parameter itself, or FSDP's unsharded copy, freed after use)
