@@ -9,7 +9,9 @@ what the parameter saw:
     dense (attention, norms, embed)    the D data ranks          FSDP (fsdp > 1), else all-reduce over "dp"
     MoE router / shared expert,        D data ranks x tp slices  the above, then a sum over "tp"
     sequence-parallel norms, per-head  (of tokens, or of heads)
-    q/k norms under TP
+    q/k norms under TP, Gated
+    DeltaNet's replicated parameters
+    under TP
     experts (EP shard)                 edp ranks x tp slices     FSDP over edp (fsdp > 1) or all-reduce over
                                        (the EP all-to-all        "edp"; then a sum over "tp"
                                        already brought every
@@ -55,6 +57,9 @@ def gradient_roles(model: nn.Module, token_sliced: Iterable[nn.Module] = ()) -> 
             roles.update({name: "moe" for name, _ in module.named_parameters(prefix)})
         if isinstance(module, MoELayer):
             roles.update({name: "expert" for name, _ in module.experts.named_parameters(_join(prefix, "experts"))})
+        if getattr(module, "tp", None) is not None:  # a module split over TP that reads replicated parameters in
+            # part (models.linear_attention.GatedDeltaNet): those gradients are partial over TP
+            roles.update({_join(prefix, name): "moe" for name in getattr(module, "tp_partial", ())})
     return roles
 
 

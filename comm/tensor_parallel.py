@@ -24,6 +24,10 @@
                 backward: the gathered output's gradient is replicated, so each rank keeps its slice's rows;
                 the slice's input gradient is all-gathered (every rank's x contributed only its slice).
     Replicated: embedding, norms, lm_head, the router, experts and shared expert (token split instead).
+    Gated DeltaNet (models.linear_attention: Qwen3.5 / Qwen3-Next's linear layers) Nk/tp key and Nv/tp value heads
+                a rank: wz wb wa column-wise, wo row-wise; wqkv and the convolution replicated, each rank reading
+                its heads' q, k and v row blocks, as dt_bias, A_log and the gated norm its heads' entries: their
+                gradients are partial over TP (the layer's ``tp_partial``, "moe" role below)
     MTP depths  (models.mtp) each depth's block as any block; its input norms and projection replicated. The
                 depths run on the whole sequence after the main model, sequence parallel or not (their inputs
                 are shifted along it), so their blocks take the plain TP plan and TP token split
@@ -55,11 +59,9 @@ def check_tensor_parallel(config, tp: int) -> None:
     """Head and width divisibility, before anything is sharded (``config``: a models.config.ModelConfig)."""
     if tp == 1:
         return
-    if getattr(config, "linear_attention", "none") != "none" and config.num_linear_layers:
-        raise LayoutError(f"--tp {tp} with model.linear_attention={config.linear_attention!r}: the Gated DeltaNet "
-                          f"layers' projections are fused across q / k / v, so tensor parallelism cannot shard them "
-                          f"by heads yet; use expert parallelism and FSDP (--ep, --fsdp) with --tp 1")
     heads = ("num_heads",) if getattr(config, "attention", "gqa") == "mla" else ("num_heads", "num_kv_heads")
+    if getattr(config, "linear_attention", "none") != "none" and config.num_linear_layers:  # Gated DeltaNet's heads
+        heads += ("linear_num_key_heads", "linear_num_value_heads")
     bad = {name: getattr(config, name) for name in heads if getattr(config, name) % tp}
     dense = [i for i in range(config.num_layers + getattr(config, "mtp_layers", 0)) if not config.is_moe_layer(i)]
     if dense and config.ffn_hidden_size % tp:  # the dense blocks' MLP width (MTP depths included)
@@ -117,6 +119,9 @@ def _shard_block(block: nn.Module, mesh, group, sequence_parallel: bool) -> list
     are partial over TP."""
     parallelize_module(block, mesh, _block_plan(block, sequence_parallel))
     attn = block.attn
+    if hasattr(attn, "tp_partial"):  # Gated DeltaNet: its heads' rows of the replicated fused projection (module doc)
+        attn.tp = (dist.get_rank(group), dist.get_world_size(group), group)
+        return []
     if getattr(attn, "sinks", None) is not None:  # gpt-oss: one logit per query head, sharded like the heads
         attn.sinks = nn.Parameter(distribute_tensor(attn.sinks.data, mesh, [Shard(0)]))
     if hasattr(attn, "wkv_a"):  # MLA: the shared rope key's gradient is partial over the heads' ranks
@@ -152,15 +157,17 @@ class TPFullRMSNorm(nn.Module):
 def _block_plan(block: nn.Module, sequence_parallel: bool) -> dict:
     seq = Shard(1)  # [B, S, H] activations sharded over S
     out = dict(output_layouts=seq) if sequence_parallel else {}
-    heads = ("wq", "wk", "wv", "wq_b", "wkv_b")  # GQA's q/k/v, MLA's query and key/value up-projections
+    heads = ("wq", "wk", "wv", "wq_b", "wkv_b", "wz", "wb", "wa")  # GQA's q/k/v, MLA's query and key/value
+    # up-projections, Gated DeltaNet's gate and per-head projections
     plan = {f"attn.{w}": ColwiseParallel() for w in heads if hasattr(block.attn, w)}
     plan["attn.wo"] = RowwiseParallel(**out)
     if sequence_parallel:  # attention needs every position: gather the sequence (backward: reduce-scatter)
-        # MLA's replicated projections (wkv_a, wq_a) are plain modules: they get the gathered local tensor, whose
-        # gradient is complete on every rank (see the module docstring), as without sequence parallelism
-        mla = hasattr(block.attn, "wkv_a")
+        # MLA's replicated projections (wkv_a, wq_a) and Gated DeltaNet's wqkv are plain modules: they get the
+        # gathered local tensor, whose gradient is complete on every rank (see the module docstring), as without
+        # sequence parallelism
+        local = hasattr(block.attn, "wkv_a") or hasattr(block.attn, "tp_partial")
         plan["attn"] = PrepareModuleInput(input_layouts=(seq, None, None),
-                                          desired_input_layouts=(Replicate(), None, None), use_local_output=mla)
+                                          desired_input_layouts=(Replicate(), None, None), use_local_output=local)
     if not block.is_moe:
         plan.update({"ffn.w_up": ColwiseParallel(), "ffn.w_out": RowwiseParallel(**out)})
         if block.ffn.w_gate is not None:

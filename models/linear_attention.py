@@ -34,8 +34,12 @@ chunk from the other ranks' chunk tails (``_conv_context``). Per layer that is o
 Speculative decoding (MTP drafts checked by one forward of a few positions) takes rejected positions back: such a
 forward keeps the state and the convolution's inputs after each of its positions (``LayerState.snapshots``).
 
-Not supported (refused where it is set up, naming the fix): tensor parallelism of these layers (their projections
-are fused across q / k / v).
+Tensor parallelism (comm.tensor_parallel) splits the heads: each TP rank computes Nk / tp key heads and the Nv / tp
+value heads they serve. wz, wb, wa are sharded column-wise and wo row-wise as attention's projections are; wqkv and
+the convolution hold q, k and v rows one after the other, so a contiguous shard would mix them: they stay
+replicated and each rank reads its heads' three row blocks (``tp_rows``), as dt_bias, A_log and the gated norm
+read its heads'. Their gradients are then partial sums over the TP ranks (comm.grad_sync adds them: ``tp_partial``),
+and the input's gradient through wqkv is all-reduced (``_CopyToGroup``), as the sharded projections' is.
 """
 from __future__ import annotations
 
@@ -78,6 +82,44 @@ class GatedDeltaNet(nn.Module):
         self.norm = nn.RMSNorm(self.dv, eps=config.norm_eps)  # never zero-centered (transformers' RMSNormGated)
         self.wo = nn.Linear(self.nv * self.dv, H, bias=False)
         self.context_parallel = None  # comm.context_parallel: this rank's zigzag chunks of every sequence
+        self.tp = None  # comm.tensor_parallel: (rank, ranks, group) when the heads are split over TP ranks
+
+    # the parameters whose gradients are partial sums over the TP ranks when ``tp`` is set (comm.grad_sync)
+    tp_partial = ("wqkv.weight", "conv_weight", "dt_bias", "A_log", "norm.weight")
+
+    def heads(self) -> tuple[int, int]:
+        """(key heads, value heads) this rank computes: all of them, or its 1 / tp share under tensor parallelism."""
+        if self.tp is None:
+            return self.nk, self.nv
+        return self.nk // self.tp[1], self.nv // self.tp[1]
+
+    def tp_rows(self) -> list[slice]:
+        """The row blocks of wqkv / conv_weight (q, k, v) this rank's heads read: the whole of each without TP."""
+        nk, nv = self.heads()
+        r = 0 if self.tp is None else self.tp[0]
+        q, kd, vd = nk * self.dk, self.nk * self.dk, nv * self.dv
+        return [slice(r * q, (r + 1) * q), slice(kd + r * q, kd + (r + 1) * q),
+                slice(2 * kd + r * vd, 2 * kd + (r + 1) * vd)]
+
+    def _local_heads(self, t: Tensor) -> Tensor:
+        """This rank's value heads of a per-value-head parameter [Nv, ...] (dt_bias, A_log): a view."""
+        if self.tp is None:
+            return t
+        nv = self.heads()[1]
+        return t[self.tp[0] * nv : (self.tp[0] + 1) * nv]
+
+    def _project(self, x: Tensor) -> Tensor:
+        """wqkv(x) [B, S, C] of this rank's heads (their q, k, v row blocks under TP: one product each, on views)."""
+        if self.tp is None:
+            return self.wqkv(x)
+        x = _CopyToGroup.apply(x, self.tp[2])  # the other ranks' heads read x too: its gradient is summed
+        return torch.cat([F.linear(x, self.wqkv.weight[rows]) for rows in self.tp_rows()], dim=-1)
+
+    def _conv_weights(self) -> Tensor:
+        """conv_weight [C, 1, k] of this rank's channels."""
+        if self.tp is None:
+            return self.conv_weight
+        return torch.cat([self.conv_weight[rows] for rows in self.tp_rows()])
 
     def forward(self, x: Tensor, cos: Tensor | None = None, sin: Tensor | None = None, kv=None,
                 segments: Tensor | None = None) -> Tensor:
@@ -86,6 +128,8 @@ class GatedDeltaNet(nn.Module):
         then updated."""
         if segments is not None and kv is not None:
             raise ValueError("document masking (segments) is for training forwards; decode without it")
+        if kv is not None and self.tp is not None:
+            raise ValueError("incremental decoding runs in one process: load the model without tensor parallelism")
         B, S, _ = x.shape
         if kv is not None:
             if kv.state is not None and kv.state.shape[0] != B:
@@ -93,7 +137,8 @@ class GatedDeltaNet(nn.Module):
                                  f"per batch of sequences")
             kv.advance(S)
         x = x.to(compute_dtype(x))  # autocast: one bf16 copy for wqkv, wb, wa and wz (autocast casts per call)
-        mixed = self.wqkv(x)  # [B, S, C]
+        nk, nv = self.heads()  # this rank's (all, without tensor parallelism)
+        mixed = self._project(x)  # [B, S, C]
         conv_before = None if kv is None else kv.conv
         context = self.context_parallel if kv is None else None
         local_segments = inputs = None
@@ -105,14 +150,15 @@ class GatedDeltaNet(nn.Module):
         else:
             mixed = self._conv_documents(mixed, segments)
         mixed = F.silu(mixed)
-        q, k, v = mixed.split([self.nk * self.dk, self.nk * self.dk, self.nv * self.dv], dim=-1)
-        q = l2_normalize(q.float().view(B, S, self.nk, self.dk)) * self.dk**-0.5
-        k = l2_normalize(k.float().view(B, S, self.nk, self.dk))
-        if self.nv != self.nk:  # key head h serves value heads h * r .. h * r + r - 1
-            q, k = (t.repeat_interleave(self.nv // self.nk, dim=2) for t in (q, k))
-        v = v.view(B, S, self.nv, self.dv)
+        q, k, v = mixed.split([nk * self.dk, nk * self.dk, nv * self.dv], dim=-1)
+        q = l2_normalize(q.float().view(B, S, nk, self.dk)) * self.dk**-0.5
+        k = l2_normalize(k.float().view(B, S, nk, self.dk))
+        if nv != nk:  # key head h serves value heads h * r .. h * r + r - 1
+            q, k = (t.repeat_interleave(nv // nk, dim=2) for t in (q, k))
+        v = v.view(B, S, nv, self.dv)
         beta = _ContiguousGrad.apply(torch.sigmoid(self.wb(x).float()))  # [B, S, Nv]
-        g = -self.A_log.float().exp() * _ContiguousGrad.apply(F.softplus(self.wa(x).float() + self.dt_bias.float()))
+        a_log, dt_bias = self._local_heads(self.A_log), self._local_heads(self.dt_bias)
+        g = -a_log.float().exp() * _ContiguousGrad.apply(F.softplus(self.wa(x).float() + dt_bias.float()))
         start = None if kv is None else kv.state
         trace = None
         if context is not None:
@@ -132,7 +178,7 @@ class GatedDeltaNet(nn.Module):
                 kv.snapshots.update({first + t + 1: (trace[t].detach(), inputs[:, :, t + 1 : t + self.kernel])
                                      for t in range(S)})
             kv.state = state.detach()
-        z = self.wz(x).view(B, S, self.nv, self.dv)
+        z = self.wz(x).view(B, S, nv, self.dv)
         y = (self.norm(o.to(x.dtype)) * F.silu(z.float())).to(x.dtype)
         return self.wo(y.reshape(B, S, -1))
 
@@ -151,7 +197,7 @@ class GatedDeltaNet(nn.Module):
             kv.conv = x[:, :, x.shape[-1] - (self.kernel - 1):].detach()
             # a short forward's inputs make its per-position snapshots (speculation); a prompt's are not kept
             kv.inputs = x.detach() if S <= STEPS_MAX else None
-        return F.conv1d(x, self.conv_weight.to(x.dtype), groups=C).transpose(1, 2)  # [B, S, C]
+        return F.conv1d(x, self._conv_weights().to(x.dtype), groups=C).transpose(1, 2)  # [B, S, C]
 
     def _conv_documents(self, mixed: Tensor, segments: Tensor, before: Tensor | None = None,
                         before_segments: Tensor | None = None) -> Tensor:
@@ -166,7 +212,7 @@ class GatedDeltaNet(nn.Module):
         else:
             x = torch.cat((before.to(mixed.dtype), mixed), dim=1)
             seg = torch.cat((before_segments.to(segments.dtype), segments), dim=1)
-        w = self.conv_weight[:, 0].to(mixed.dtype)  # [C, k]
+        w = self._conv_weights()[:, 0].to(mixed.dtype)  # [C, k]
         out = None
         for tap in range(k):  # tap k - 1 is the position itself
             same = (seg[:, tap : tap + S] == segments).to(mixed.dtype)[..., None]  # [B, S, 1]
@@ -237,6 +283,24 @@ class GatedDeltaNet(nn.Module):
         fill_by_index(self.dt_bias, lambda h: torch.ones_like(h, dtype=torch.float32))
         fill_by_index(self.A_log, lambda h: torch.log(1.0 + 15.0 * (h.float() + 0.5) / self.nv))
         local(self.norm.weight).fill_(1.0)
+
+
+class _CopyToGroup(torch.autograd.Function):
+    """Identity forward; backward all-reduces the gradient over ``group`` (the input of a computation split over the
+    group's ranks, each of which adds its share of the input's gradient)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group) -> Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        import torch.distributed as dist
+
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
 
 
 class _ContiguousGrad(torch.autograd.Function):

@@ -277,6 +277,10 @@ TWO_RANK_LAYOUTS = [  # (preset, layout, activation checkpointing, sequence para
     ("deepseek-tiny", Layout(tp=2), "full", True),  # the checkpoint keeps the first block's whole input
     ("deepseek-tiny", Layout(tp=2), "ffn", True),  # checkpoints keep the MoE's half, the dense MLP's gathered whole
     ("mixtral-tiny", Layout(fsdp=2, ep=2), "none", False),  # FSDP2: dense dim 0 over fsdp; experts EP-sharded
+    # Gated DeltaNet layers over TP: each rank's heads (a layer of half the heads, run by the planner on fake tensors),
+    # wz / wb / wa / wo sharded, wqkv and the convolution replicated
+    ("qwen3.5-tiny", Layout(tp=2), "none", False),
+    ("qwen3.5-tiny", Layout(tp=2), "none", True),
 ]
 
 

@@ -388,6 +388,7 @@ def test_two_ranks_ep_tp_fsdp(checkpoints, tmp_path):
         (dict(tp=2), c / "olmoe", [(tmp_path / "olmoe-tp2", {})]),  # q/k norm over the projection, sharded
         (dict(fsdp=2, ep=2), c / "ernie4_5_moe", [(tmp_path / "ernie-ep2", {})]),  # the [1, E] bias read by slices
         (dict(fsdp=2, ep=2), c / "qwen3_5_moe_text", [(tmp_path / "qwen3.5-ep2", {})]),  # linear layers by slices
+        (dict(tp=2), c / "qwen3_5_moe_text", [(tmp_path / "qwen3.5-tp2", {})]),  # Gated DeltaNet heads over TP
         (dict(fsdp=2, ep=2), c / "llama4_text", [(tmp_path / "llama4-ep2", {})]),  # [E, in, out] experts by slices
     ]
     # an expert placement: replicas (experts 0 and 3 twice), slots out of order, runs of consecutive experts
@@ -415,6 +416,7 @@ def test_two_ranks_ep_tp_fsdp(checkpoints, tmp_path):
     check_export(tmp_path / "olmoe-tp2", load_hf(c / "olmoe"), tmp_path)
     check_export(tmp_path / "ernie-ep2", load_hf(c / "ernie4_5_moe"), tmp_path)
     check_export(tmp_path / "qwen3.5-ep2", load_hf(c / "qwen3_5_moe_text"), tmp_path)
+    check_export(tmp_path / "qwen3.5-tp2", load_hf(c / "qwen3_5_moe_text"), tmp_path)
     check_export(tmp_path / "llama4-ep2", load_hf(c / "llama4_text"), tmp_path)
 
 
@@ -442,13 +444,14 @@ def _export_layouts(rank, world, cases):
 
 def test_qwen3_next_fused_tensors(checkpoints, tmp_path):
     """Qwen3-Next's in_proj_qkvz / in_proj_ba, each fused from several moekit tensors split over the ranks: under
-    fsdp2 x ep2, fsdp2 and dp2 x fsdp2 x ep2 the owner of each linear layer's group receives the parts of in_proj_qkv / z / b / a, fuses
+    fsdp2 x ep2, fsdp2, tp2 and dp2 x fsdp2 x ep2 the owner of each linear layer's group receives the parts of in_proj_qkv / z / b / a, fuses
     them and writes what save_hf writes, byte for byte; the export loads back as the same model."""
     ckpt = checkpoints / "qwen3_next"
     fp8 = {"dtype": torch.bfloat16, "fp8": True, "fp8_block": (8, 8)}  # the fused tensors quantized, as save_hf's
     cases = [(dict(fsdp=2, ep=2), str(ckpt), str(tmp_path / "next-fsdp2-ep2"), {}),
              (dict(fsdp=2, ep=2), str(ckpt), str(tmp_path / "next-fsdp2-ep2-fp8"), fp8),
-             (dict(fsdp=2), str(ckpt), str(tmp_path / "next-fsdp2"), {})]
+             (dict(fsdp=2), str(ckpt), str(tmp_path / "next-fsdp2"), {}),
+             (dict(tp=2), str(ckpt), str(tmp_path / "next-tp2"), {})]  # z, b, a sharded over TP, qkv replicated
     run_ranks(_export_layouts, 2, cases)
     four = [(dict(dp=2, fsdp=2, ep=2), str(ckpt), str(tmp_path / "next-dp2-fsdp2-ep2"), {})]  # replicas: one sends
     run_ranks(_export_layouts, 4, four)

@@ -237,13 +237,16 @@ def test_config_refusals_name_the_field_and_the_fix(over, match):
 
 
 def test_layouts_it_cannot_run_are_refused_up_front():
-    """Tensor parallelism of the fused projections; a KV cache under document masking."""
+    """Tensor parallelism that does not divide the key / value heads; a KV cache under document masking."""
     from moekit.comm.context_parallel import check_context_parallel
     from moekit.comm.tensor_parallel import check_tensor_parallel
 
     cfg = qwen_tiny()
-    with pytest.raises(LayoutError, match="--tp 2 with model.linear_attention"):
-        check_tensor_parallel(cfg, 2)
+    heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    check_tensor_parallel(cfg, 2)  # the heads split (tests/test_parallelize.py runs it)
+    with pytest.raises(LayoutError, match=f"--tp 3 must divide .*linear_num_key_heads={heads[0]}, "
+                                          f"linear_num_value_heads={heads[1]}"):
+        check_tensor_parallel(cfg, 3)
     check_context_parallel(cfg, 2, 64)  # context parallelism runs them (tests/test_context_parallel.py)
     check_tensor_parallel(qwen_tiny(linear_attention="none", linear_num_key_heads=0, linear_num_value_heads=0,
                                     linear_key_head_dim=0, linear_value_head_dim=0, full_attention_every=0),
@@ -561,3 +564,31 @@ def test_dense_qwen3_5_imports_exports_and_upcycles_into_qwen3_5_moe(tmp_path):
     assert json.loads((tmp_path / "moe" / "config.json").read_text())["model_type"] == "qwen3_5_moe_text"
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "moe").eval()
     torch.testing.assert_close(_logits(back, toks), want, rtol=1e-4, atol=1e-4)
+
+
+def test_trainer_splits_the_gated_deltanet_heads_over_tensor_parallel_ranks(tmp_path):
+    """qwen3.5-tiny under --tp 2 (each rank 1 of the 2 key heads and 2 of the 4 value heads of every linear layer,
+    the gated GQA layer's heads split too), with sequence parallelism, and with context parallelism (4 ranks) follows
+    the one-process loss curve; the dry run plans it (its parameter shards are the recipe's)."""
+    from tests.dist_utils import run_trainer
+
+    common = ["--preset", "qwen3.5-tiny", "--model.num_layers", "4", "--train.seq_len", "32", "--batch-size", "4",
+              "--steps", "3", "--eval.every", "0", "--log.every", "1", "--log.progress", "off", "--checkpoint.every",
+              "0", "--model.aux_loss_coeff", "0"]  # under TP each rank balances its token slice: the aux loss differs
+
+    def losses(run_dir):
+        return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+    curves = {}
+    for name, extra, nproc in (("one", [], 1), ("tp2", ["--tp", "2"], 2),
+                               ("tp2-sp", ["--tp", "2", "--layout.sequence_parallel", "true"], 2),
+                               ("tp2-cp2", ["--tp", "2", "--cp", "2"], 4)):  # each rank: its heads of its chunks
+        r = run_trainer([*common, "--run-dir", str(tmp_path / name), *extra], nproc=nproc)
+        assert r.returncode == 0, r.stderr[-3000:]
+        curves[name] = losses(tmp_path / name)
+    assert len(curves["one"]) == 3
+    assert curves["tp2"] == pytest.approx(curves["one"], rel=1e-5)
+    assert curves["tp2-sp"] == pytest.approx(curves["one"], rel=1e-5)
+    assert curves["tp2-cp2"] == pytest.approx(curves["one"], rel=1e-5)
+    r = run_trainer([*common, "--run-dir", str(tmp_path / "dry"), "--dry-run", "--world-size", "2", "--tp", "2"])
+    assert r.returncode == 0 and "the estimate agrees" in r.stdout, (r.stdout[-2000:], r.stderr[-2000:])

@@ -55,7 +55,13 @@ def _check_layout(rank, world, degrees, config_over, ac, sp):
     share = tokens.view(D, B // D, S + 1)[topo.data_rank()]
     _loss(model, share).backward()
     where = f"{degrees} {config_over} ac={ac} sp={sp}"
-    _check_roles(done.grad_roles, model, sp and layout.tp > 1, where)
+    for block in model.layers:  # a Gated DeltaNet under TP computes its share of the heads (not all of them)
+        attn = block.attn
+        if hasattr(attn, "tp_partial") and layout.tp > 1:
+            assert attn.tp[1] == layout.tp and attn.heads() == (attn.nk // layout.tp, attn.nv // layout.tp), where
+            mesh = getattr(attn.wz.weight, "device_mesh", None)  # wz sharded over the TP mesh dim (and FSDP's)
+            assert mesh is not None and "tp" in (mesh.mesh_dim_names or ()), where
+    _check_roles(done.grad_roles, model, sp and layout.tp > 1, where, tp=layout.tp > 1)
     sync_gradients(model, topo, done.grad_roles, fsdp=done.fsdp)
     for name, p in model.named_parameters():
         torch.testing.assert_close(_full(p.grad), want[name], rtol=1e-4, atol=1e-6,
@@ -65,9 +71,15 @@ def _check_layout(rank, world, degrees, config_over, ac, sp):
                                rtol=1e-5, atol=1e-7, msg=lambda m: f"{where}: grad norm: {m}")
 
 
-def _check_roles(roles, model, sequence_parallel, where):
+# under TP, the replicated parameters each rank reads its heads' part of: per-head q / k norms, and the Gated
+# DeltaNet's fused projection, convolution, decay terms and gated norm
+TP_PARTIAL = (".attn.q_norm.", ".attn.k_norm.", ".attn.wqkv.", ".attn.conv_weight", ".attn.dt_bias", ".attn.A_log",
+              ".attn.norm.")
+
+
+def _check_roles(roles, model, sequence_parallel, where, tp=False):
     """Every parameter has the role of what it saw: experts, the rest of an MoE layer, sequence-parallel
-    norms (a slice of the tokens), or dense."""
+    norms (a slice of the tokens), a TP rank's heads of a replicated parameter, or dense."""
     assert list(roles) == [name for name, _ in model.named_parameters()], where
     for name, role in roles.items():
         if ".experts." in name:
@@ -75,6 +87,8 @@ def _check_roles(roles, model, sequence_parallel, where):
         elif ".ffn." in name and ("router" in name or "shared_expert" in name):
             want = "moe"
         elif sequence_parallel and ("attn_norm" in name or "ffn_norm" in name):
+            want = "moe"
+        elif tp and any(part in name for part in TP_PARTIAL):
             want = "moe"
         else:
             want = "dense"
@@ -106,21 +120,23 @@ TWO_RANKS = [
     (dict(tp=2), {}, "none", False),
     (dict(fsdp=2), {}, "full", False),
     (dict(tp=2), {"first_dense_layers": 1, "router": "hash", "router_options": {}}, "full", True),
+    (dict(tp=2), QWEN3_5, "none", False),  # Gated DeltaNet's heads over TP (comm.tensor_parallel)
 ]
 FOUR_RANKS = [
     (dict(dp=2, tp=2, ep=2), {"shared_ffn_hidden_size": 16}, "ffn", False),
     (dict(fsdp=2, tp=2, ep=2), {"first_dense_layers": 1}, "none", False),
     (dict(dp=2, fsdp=2, ep=4), {}, "none", False),
     (dict(fsdp=2, tp=2, ep=2), {"shared_ffn_hidden_size": 16}, "full", True),
+    (dict(fsdp=2, tp=2, ep=2), QWEN3_5, "selective", True),  # and with sequence parallelism and FSDP
 ]
 
 
 @pytest.mark.parametrize("world,cases", [(2, TWO_RANKS), (4, FOUR_RANKS)], ids=["2-ranks", "4-ranks"])
 def test_layout_gradients_equal_single_process(world, cases):
     """2 ranks: fsdp2 x ep2 with Qwen3.5's layers (Gated DeltaNet, gated attention; selective AC), tp2, fsdp2 + AC,
-    tp2 + sequence parallel (dense layer, hash router). 4 ranks: dp2 x tp2 x ep2
-    (shared expert, selective AC), fsdp2 x tp2 x ep2 (dense layer), HSDP dp2 x fsdp2 x ep4, and
-    fsdp2 x tp2 x ep2 with sequence parallelism."""
+    tp2 + sequence parallel (dense layer, hash router), tp2 with Qwen3.5's layers (the Gated DeltaNet's heads split).
+    4 ranks: dp2 x tp2 x ep2 (shared expert, selective AC), fsdp2 x tp2 x ep2 (dense layer), HSDP dp2 x fsdp2 x ep4,
+    fsdp2 x tp2 x ep2 with sequence parallelism, and so with Qwen3.5's layers and selective AC."""
     run_ranks(_layouts_rank, world, cases)
 
 

@@ -25,7 +25,7 @@ PY=${PYTHON:-python3}
 DEFAULT_STEPS=(env tests moe_layer grouped_gemm dispatch profile train_mfu)
 ALL_STEPS=(env tests moe_layer grouped_gemm dispatch profile train_mfu train_mfu_full tune grouped_gemm_tuned
            grouped_gemm_quick train_mfu_tma attention router_balance linear_attention lm_loss linear_attention_scan
-           train_mfu_ab grouped_gemm_mixtral1b)
+           train_mfu_ab train_mfu_fused grouped_gemm_mixtral1b)
 SMOKE=0
 BUDGET=560
 RESULTS=${OUT:-bench-results}
@@ -71,10 +71,13 @@ linear_attention_scan
                 linear_attention's run with the delta-rule scan kernels (MOEKIT_DELTA_SCAN=auto, opt-in): against
                 the linear_attention step's (the loop); writes linear_attention_scan.json; not in the default
                 set                                                                        (cap 90 s)
-train_mfu_ab    tools/bench/train_mfu.py, compile on, 12 steps, --variants base, legacy (MOEKIT_LM_LOSS=never,
-                MOEKIT_SPLIT_ROUTER=never, --train.residual_dtype=float32) and fused (MOEKIT_FUSED_PERMUTE=always):
-                the fused loss's, the router GEMM's and the bf16 residual stream's end-to-end effect, and the fused
-                permute's, in one run; writes train_mfu.json; not in the default set       (what is left)
+train_mfu_ab    tools/bench/train_mfu.py, compile on, 12 steps, --variants base and legacy (MOEKIT_LM_LOSS=never,
+                MOEKIT_SPLIT_ROUTER=never, --train.residual_dtype=float32): the fused loss's, the router GEMM's and
+                the bf16 residual stream's end-to-end effect in one run; writes train_mfu.json; not in the default
+                set                                                                        (what is left)
+train_mfu_fused tools/bench/train_mfu.py as train_mfu_ab's base with MOEKIT_FUSED_PERMUTE=always (after
+                train_mfu_ab on the same machine: the fused permute's end-to-end effect); writes
+                train_mfu_fused.json; not in the default set                               (what is left)
 grouped_gemm_mixtral1b
                 grouped_gemm at train_mfu's model (H 1024, F 3072, E 8, k 2), 32768 tokens, uniform: the fused
                 expert MLP against the plain one and torch; writes grouped_gemm_mixtral1b.json; not in the
@@ -290,21 +293,25 @@ for step in "${STEPS[@]}"; do
                  --rounds 1); fi
       run_step grouped_gemm_tuned 160 env MOEKIT_KERNEL_CONFIGS="$RAW/tune_kernels.json" \
         "$PY" tools/bench/grouped_gemm.py "${size[@]}" --out "$RAW/grouped_gemm_tuned.json" ;;
-    train_mfu|train_mfu_full|train_mfu_tma|train_mfu_ab)
+    train_mfu|train_mfu_full|train_mfu_tma|train_mfu_ab|train_mfu_fused)
       if [ ! -f tools/bench/train_mfu.py ]; then STATUS+=("$step: skipped (tools/bench/train_mfu.py not present)"); continue; fi
       # its own per-configuration timeout ends inside the suite's, so it still writes its JSON
       mfu_limit=$((DEADLINE - $(date +%s) - 30))
       if [ "$SMOKE" = 1 ]; then flags=$(mfu_flags --smoke=); [ "$step" = train_mfu_tma ] && flags+=" $(mfu_flags "--tma=off on")"
-        [ "$step" = train_mfu_ab ] && flags+=" $(mfu_flags "--variants=base legacy:MOEKIT_LM_LOSS=never fused:MOEKIT_FUSED_PERMUTE=always")"
+        [ "$step" = train_mfu_ab ] && flags+=" $(mfu_flags "--variants=base legacy:MOEKIT_LM_LOSS=never,--train.residual_dtype=float32")"
+        [ "$step" = train_mfu_fused ] && flags+=" $(mfu_flags "--variants=fused:MOEKIT_FUSED_PERMUTE=always")"
       elif [ "$step" = train_mfu ]; then flags=$(mfu_flags --compile=off --steps=15 --warmup=3 --timeout=$mfu_limit)
       elif [ "$step" = train_mfu_ab ]; then
-        flags=$(mfu_flags --compile=on --steps=12 --warmup=2 --timeout=$((mfu_limit / 3)) \
-                "--variants=base legacy:MOEKIT_LM_LOSS=never,MOEKIT_SPLIT_ROUTER=never,--train.residual_dtype=float32 fused:MOEKIT_FUSED_PERMUTE=always")
+        flags=$(mfu_flags --compile=on --steps=12 --warmup=2 --timeout=$((mfu_limit / 2)) \
+                "--variants=base legacy:MOEKIT_LM_LOSS=never,MOEKIT_SPLIT_ROUTER=never,--train.residual_dtype=float32")
+      elif [ "$step" = train_mfu_fused ]; then
+        flags=$(mfu_flags --compile=on --steps=12 --warmup=2 --timeout=$mfu_limit "--variants=fused:MOEKIT_FUSED_PERMUTE=always")
       elif [ "$step" = train_mfu_tma ]; then
         flags=$(mfu_flags --compile=off "--tma=off on" --steps=12 --warmup=3 --timeout=$((mfu_limit / 2)))
       else flags=$(mfu_flags --timeout=$((mfu_limit / 2))); fi
       # shellcheck disable=SC2086  # flags are words built by mfu_flags
-      run_step "$step" 560 "$PY" tools/bench/train_mfu.py $flags --out "$RAW/train_mfu.json" ;;
+      out=train_mfu.json; [ "$step" = train_mfu_fused ] && out=train_mfu_fused.json
+      run_step "$step" 560 "$PY" tools/bench/train_mfu.py $flags --out "$RAW/$out" ;;
   esac
 done
 

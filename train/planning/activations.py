@@ -296,7 +296,7 @@ def stage_activations(cfg: ModelConfig, layout: Layout, wl: Workload, stage: Sta
         if cfg.is_linear_layer(i):
             from moekit.train.planning.linear_memory import linear_rule_transient
 
-            rule = linear_rule_transient(cfg, s)
+            rule = linear_rule_transient(cfg, s, layout.tp)
         if mode == "full":  # only the block input stays; backward recomputes the whole block
             _add(out, {"residual": s.Ts * H * s.r})
             recompute = max(recompute, sum(outer.values()) - s.Ts * H * s.r + inner + rule)

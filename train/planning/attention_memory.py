@@ -19,10 +19,10 @@ MEM_EFF_ALIGN = KEY_MULTIPLE  # torch's efficient attention pads a mask whose la
 
 def _attention(cfg: ModelConfig, layout: Layout, s: Shapes, i: int) -> int:
     H, N = cfg.hidden_size, cfg.num_heads // layout.tp
-    if cfg.is_linear_layer(i):  # a Gated DeltaNet layer (never under TP or CP: comm refuses them)
+    if cfg.is_linear_layer(i):  # a Gated DeltaNet layer (this TP rank's heads)
         from moekit.train.planning.linear_memory import linear_attention_kept
 
-        return linear_attention_kept(cfg, s)
+        return linear_attention_kept(cfg, s, layout.tp)
     if cfg.attention == "mla":
         return _mla(cfg, layout, s)
     D, K = cfg.attn_head_dim, cfg.num_kv_heads // layout.tp

@@ -16,6 +16,7 @@ not the CPU composite's x * rsqrt product [T, Nv dv]: that product is subtracted
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import warnings
@@ -30,8 +31,19 @@ FIELDS = ("hidden_size", "norm_eps", "linear_num_key_heads", "linear_num_value_h
           "linear_value_head_dim", "linear_conv_kernel", "linear_chunk", "linear_recompute")
 
 
-def linear_attention_kept(cfg: ModelConfig, s: Shapes) -> int:
-    """Bytes one Gated DeltaNet layer keeps for backward on a micro-batch of ``s`` (module docstring)."""
+def _local(cfg: ModelConfig, tp: int) -> ModelConfig:
+    """The layer one of ``tp`` tensor-parallel ranks computes: its 1 / tp of the key and value heads (the fused
+    projection's rows it reads, comm.tensor_parallel), as a layer of its own."""
+    if tp == 1:
+        return cfg
+    return dataclasses.replace(cfg, linear_num_key_heads=cfg.linear_num_key_heads // tp,
+                               linear_num_value_heads=cfg.linear_num_value_heads // tp)
+
+
+def linear_attention_kept(cfg: ModelConfig, s: Shapes, tp: int = 1) -> int:
+    """Bytes one Gated DeltaNet layer keeps for backward on a micro-batch of ``s`` (module docstring), on one of
+    ``tp`` tensor-parallel ranks."""
+    cfg = _local(cfg, tp)
     key = tuple((name, getattr(cfg, name)) for name in FIELDS)
     # a bf16 residual stream (FSDP's bf16 parameters, or train.residual_dtype under autocast) feeds a bf16 input
     kept = _saved_bytes(key, s.B, s.S, s.r == 2, s.autocast, s.documents, s.cp, s.cp_rank or 0)
@@ -40,6 +52,10 @@ def linear_attention_kept(cfg: ModelConfig, s: Shapes) -> int:
                  * cfg.linear_value_head_dim) * cfg.linear_conv_kernel * s.a
     if not s.cpu:  # the CUDA fused RMSNorm keeps no x * rsqrt product
         kept -= s.T * cfg.linear_num_value_heads * cfg.linear_value_head_dim * s.r
+    if tp > 1 and not s.autocast:  # the convolution's weight is this rank's rows, gathered: a copy it keeps (under
+        # autocast its cast, counted above, is that copy)
+        kept += (2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads
+                 * cfg.linear_value_head_dim) * cfg.linear_conv_kernel * s.w
     return kept
 
 
@@ -64,12 +80,13 @@ class _LocalContext:
         return self._cp._gather(t, dim, lambda x, d, group: torch.cat([x] * self.degree, d))
 
 
-def linear_rule_transient(cfg: ModelConfig, s: Shapes) -> int:
+def linear_rule_transient(cfg: ModelConfig, s: Shapes, tp: int = 1) -> int:
     """What backward allocates again when it runs a Gated DeltaNet layer's chunks anew (model.linear_recompute): the
     chunk tensors the forward did not keep, alive while that layer's backward runs (0 without recompute, and under
     context parallelism, whose affine chunks keep theirs)."""
     if not cfg.linear_recompute or s.cp > 1:
         return 0
+    cfg = _local(cfg, tp)
     whole = dict(((name, getattr(cfg, name)) for name in FIELDS), linear_recompute=False)
     kept = dict((name, getattr(cfg, name)) for name in FIELDS)
     return (_saved_bytes(tuple(whole.items()), s.B, s.S, s.r == 2, s.autocast, s.documents)

@@ -147,14 +147,16 @@ def _dense_mlp(cfg: ModelConfig, part: str, width: int, tp: bool) -> list:
 
 def attention_tensors(cfg: ModelConfig, i: int | None = None) -> list[tuple[str, tuple[int, ...], int | None]]:
     """(part, full shape, TP-sharded dim or None) of one attention module's parameters (models.attention): layer
-    ``i``'s, a Gated DeltaNet's where it is a linear layer (models.linear_attention; never under TP)."""
+    ``i``'s, a Gated DeltaNet's where it is a linear layer (models.linear_attention: under TP wz, wb, wa sharded by
+    rows and wo by columns, the rest replicated)."""
     H, N = cfg.hidden_size, cfg.num_heads
     if i is not None and cfg.is_linear_layer(i):
         Nv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
         C = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + Nv * dv
         shapes = [(C, H), (Nv * dv, H), (Nv, H), (Nv, H), (C, 1, cfg.linear_conv_kernel), (Nv,), (Nv,), (dv,),
                   (H, Nv * dv)]  # wqkv, wz, wb, wa, conv_weight, dt_bias, A_log, the gated norm, wo
-        return [("attention", shape, None) for shape in shapes]
+        dims = (None, 0, 0, 0, None, None, None, None, 1)
+        return [("attention", shape, dim) for shape, dim in zip(shapes, dims)]
     if cfg.attention == "mla":
         qk, v, rope, c = cfg.attn_qk_head_dim, cfg.v_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
         q = ([("attention", (cfg.q_lora_rank, H), None), ("norms", (cfg.q_lora_rank,), None),
