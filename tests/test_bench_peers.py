@@ -166,6 +166,21 @@ def test_summary_dispatch_by_wall_clock_and_by_kernel_time(tmp_path):
     assert combine["status"] == "no data"
 
 
+def test_summary_lists_the_fused_permute_run_beside_the_ab_runs(tmp_path):
+    """gpu_suite's train_mfu_fused step writes its own JSON: its run is a target line of its own, marked fused, after
+    train_mfu.json's base / legacy lines; without it only those."""
+    runs = {"results": [{"config": "auto-compile-on-base", "mfu": 0.36}, {"config": "auto-compile-on-legacy", "mfu": 0.31}]}
+    (tmp_path / "train_mfu.json").write_text(json.dumps(runs))
+    assert suite_summary.main([str(tmp_path)]) == 0
+    names = [t["target"] for t in json.loads((tmp_path / "summary.json").read_text())["targets"]]
+    assert [n for n in names if "MFU" in n] == ["training MFU, auto-compile-on-base", "training MFU, auto-compile-on-legacy"]
+    (tmp_path / "train_mfu_fused.json").write_text(json.dumps({"results": [{"config": "auto-compile-on", "mfu": 0.38}]}))
+    assert suite_summary.main([str(tmp_path)]) == 0
+    targets = json.loads((tmp_path / "summary.json").read_text())["targets"]
+    fused = [t for t in targets if t["target"] == "training MFU, auto-compile-on-fused"]
+    assert len(fused) == 1 and fused[0]["worst"] == pytest.approx(0.38) and fused[0]["status"] == "missed"
+
+
 def test_summary_help_and_bad_folders(tmp_path, capsys):
     """--help says what it reads and prints (it used to be taken for a folder); a missing folder or a file is one
     line and exit status 2, with nothing written; a corrupt input is named in a note, not passed over."""

@@ -22,7 +22,7 @@ from pathlib import Path
 from moekit.bench.benchlib import BenchParser, check_out
 
 FINE_GRAINED = ("deepseek-v3-ep8", "qwen3-30b-a3b", "fine-grained")
-INPUTS = ("grouped_gemm.json", "moe_layer.json", "dispatch_bandwidth.json", "train_mfu.json",
+INPUTS = ("grouped_gemm.json", "moe_layer.json", "dispatch_bandwidth.json", "train_mfu.json", "train_mfu_fused.json",
           "profile/profile_step.json", "profile_step.json", "tune_kernels.json", "gpu_tests.xml")
 
 
@@ -135,12 +135,15 @@ def dispatch_lines(data: dict | None) -> list[dict]:
     return out
 
 
-def mfu_lines(data: dict | None) -> list[dict]:
-    rows = (data or {}).get("results", [])
+def mfu_lines(data: dict | None, fused: dict | None = None) -> list[dict]:
+    """The MFU rows of train_mfu.json, then those of train_mfu_fused.json (gpu_suite's train_mfu_fused step:
+    the fused permute's run, beside the base one on the same machine) where it is there."""
     out = []
-    for r in rows:
-        vals = [r["mfu"]] if r.get("mfu") is not None else []
-        out.append(line(f"training MFU, {r.get('config', '?')}", ">= 45%", vals, True, 0.45, "train_mfu.json"))
+    for source, name in ((data, "train_mfu.json"), (fused, "train_mfu_fused.json")):
+        for r in (source or {}).get("results", []):
+            vals = [r["mfu"]] if r.get("mfu") is not None else []
+            label = r.get("config", "?") + ("-fused" if name == "train_mfu_fused.json" else "")
+            out.append(line(f"training MFU, {label}", ">= 45%", vals, True, 0.45, name))
     return out or [line("training MFU (mixtral-1b, bf16)", ">= 45%", [], True, 0.45, "train_mfu.json")]
 
 
@@ -208,7 +211,8 @@ def main(argv=None) -> int:
     if not any((folder / name).exists() for name in INPUTS):
         print(f"note: {folder} holds none of {', '.join(INPUTS)}; every target reads 'no data'", file=sys.stderr)
     lines = (grouped_gemm_lines(load(folder, "grouped_gemm.json")) + moe_layer_lines(load(folder, "moe_layer.json"))
-             + dispatch_lines(load(folder, "dispatch_bandwidth.json")) + mfu_lines(load(folder, "train_mfu.json")))
+             + dispatch_lines(load(folder, "dispatch_bandwidth.json"))
+             + mfu_lines(load(folder, "train_mfu.json"), load(folder, "train_mfu_fused.json")))
     profile = load(folder, "profile/profile_step.json") or load(folder, "profile_step.json")
     width = max(len(ln["target"]) for ln in lines)
     print(f"\n{'issue 9 target':<{width}}  {'goal':>7}  {'worst':>7}  {'median':>7}  status")
