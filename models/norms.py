@@ -2,6 +2,7 @@
 and the helpers the model code builds and initialises norms with."""
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -12,13 +13,23 @@ class RMSNorm(nn.RMSNorm):
     """nn.RMSNorm whose weight is cast to the input's dtype where they differ: a bf16 input (a bf16 residual stream,
     or q / k under autocast over fp32 weights) with an fp32 weight would leave torch's fused kernel for its
     mixed-dtype fallback, several passes over the input. With the weight cast it computes as FSDP's bf16
-    parameters do (the normalisation in fp32, the output in the input's dtype); fp32 inputs are unchanged."""
+    parameters do (the normalisation in fp32, the output in the input's dtype); fp32 inputs are unchanged.
+
+    It runs outside autocast: torch 2.12 put rms_norm on CUDA autocast's fp32 list, which would make a full fp32
+    copy of a bf16 input and return fp32 (then cast back by every projection), although the kernel accumulates in
+    fp32 anyway (pytorch/pytorch#188955). The dtypes match here, so nothing is lost, on any torch version."""
 
     def forward(self, x: Tensor) -> Tensor:
         w = self.weight
         if w is not None and w.dtype != x.dtype:
             w = w.to(x.dtype)
+        if x.device.type in AUTOCAST_DEVICES and torch.is_autocast_enabled(x.device.type):
+            with torch.autocast(x.device.type, enabled=False):
+                return F.rms_norm(x, self.normalized_shape, w, self.eps)
         return F.rms_norm(x, self.normalized_shape, w, self.eps)
+
+
+AUTOCAST_DEVICES = ("cuda", "cpu")  # where RMSNorm checks for autocast (fake / meta tensors run as the CPU's)
 
 
 class ZeroCenteredRMSNorm(nn.RMSNorm):

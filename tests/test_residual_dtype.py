@@ -53,6 +53,20 @@ def test_norm_of_a_bf16_input_casts_its_fp32_weight_and_stays_on_torchs_kernel(r
     assert half(x).dtype == torch.float32
 
 
+def test_norm_runs_outside_autocast(monkeypatch):
+    """Under autocast the norm's kernel runs with autocast off (torch 2.12's CUDA fp32 policy for rms_norm would
+    otherwise upcast a bf16 input into a full fp32 copy and return fp32); without autocast it is left alone."""
+    from moekit.models import norms
+
+    seen, real = [], F.rms_norm
+    monkeypatch.setattr(norms.F, "rms_norm", lambda *a, **k: seen.append(torch.is_autocast_enabled("cpu")) or real(*a, **k))
+    norm, x = RMSNorm(8), torch.randn(3, 8).to(torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert norm(x).dtype == torch.bfloat16 and torch.is_autocast_enabled("cpu")  # restored after
+    norm(x)
+    assert seen == [False, False]
+
+
 def test_every_norm_of_the_models_casts_its_weight():
     """make_norm builds the casting norm (the residual stream's, q / k's, MTP's); the zero-centered one computes in
     fp32 and returns the input's dtype already."""
