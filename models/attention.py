@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from moekit.models.config import ModelConfig
 from moekit.models.kvcache import KV_WINDOW_SLACK, KVCache, LayerKV  # noqa: F401  (re-exported: they lived here)
 from moekit.models.linear_attention import GatedDeltaNet
+from moekit.models import qk_clip
 from moekit.models.norms import RMSNorm, make_norm, norm_identity
 from moekit.moe.precision import compute_dtype
 from moekit.models.sdpa import (  # noqa: F401  (re-exported: they lived here)
@@ -322,9 +323,13 @@ class Attention(nn.Module):
         if self.context_parallel is not None and kv is None:  # this rank's queries over every position's keys
             kv_all = self.context_parallel.gather(torch.cat((k, v), dim=-1), dim=2)  # [B, K, S_global, 2D]
             k, v = kv_all.split(self.head_dim, dim=-1)
+            if qk_clip.recording(self):  # models.qk_clip: this step's largest logit per head
+                qk_clip.record(self, q, k, self.head_dim**-0.5, self._query_positions(S, None, q.device))
             y = context_attend(q, k, v, self.context_parallel, gqa, window=self.window, sinks=sinks,
                                segments=segments, chunk=self.chunk)
         else:
+            if qk_clip.recording(self):
+                qk_clip.record(self, q, k, self.head_dim**-0.5, torch.arange(S, device=q.device))
             y = attend(q, k, v, kv, gqa, window=self.window, sinks=sinks, segments=segments,
                        chunk=self.chunk)  # [B, N, S, D]
         y = y.transpose(1, 2).reshape(B, S, -1)  # [B, S, N*D]
@@ -417,6 +422,9 @@ class MLAttention(nn.Module):
         k_nope, v = kv_heads.split([self.nope, self.v_dim], dim=-1)  # [B, n, P, nope], [B, n, P, v]
         q = torch.cat((q_nope, q_rope), dim=-1)  # [B, n, S, nope+rope]
         k = torch.cat((k_nope, k_rope.expand(-1, k_nope.shape[1], -1, -1)), dim=-1)  # [B, n, P, nope+rope]
+        if qk_clip.recording(self):  # models.qk_clip: this step's largest logit per head
+            positions = context.positions(S, q.device) if context is not None else torch.arange(S, device=q.device)
+            qk_clip.record(self, q, k, self.scale, positions)
         if context is not None:
             y = context_attend(q, k, v.contiguous(), context, False, self.scale, segments=segments)  # [B, n, S, v]
         else:

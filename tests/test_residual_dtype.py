@@ -248,3 +248,22 @@ def test_the_planner_reads_the_stream_per_device_and_layout():
     one = estimate_memory(big, Layout(), Workload(4, 2048, "bfloat16", "none", "cuda"))
     old = estimate_memory(big, Layout(), Workload(4, 2048, "bfloat16", "none", "cuda", residual="float32"))
     assert one.activations < old.activations
+
+
+def test_dry_run_says_which_stream_it_plans(capsys):
+    """--dry-run plans a GPU run: bf16 stream by default, fp32 with --train.residual_dtype float32 (more activation
+    memory: the stream's bytes double, each projection keeps its bf16 input copy)."""
+    from moekit.train.planning import dryrun
+
+    def plan(*extra):
+        rc = dryrun.main(["--dry-run", "--preset", "mixtral-1b", "--world-size", "1", "--batch-size", "4", *extra])
+        out = capsys.readouterr().out
+        assert rc == 0, out
+        line = next(ln for ln in out.splitlines() if ln.strip().startswith("activations"))
+        return out, float(line.split()[-2])
+
+    out16, act16 = plan()
+    out32, act32 = plan("--train.residual_dtype", "float32")
+    assert "bfloat16 autocast on cuda, bf16 residual stream" in out16
+    assert "bfloat16 autocast on cuda, fp32 residual stream" in out32
+    assert act32 > act16

@@ -77,6 +77,8 @@ class TrainSection:
     compile: bool = False  # torch.compile each transformer block (models.parallelize step 4)
     deterministic: bool = False  # deterministic kernels (torch.use_deterministic_algorithms); see docs/training.md
     activation_checkpointing: str = "none"  # recompute: none | full (blocks) | ffn (FFN/MoE) | selective (elementwise ops)
+    qk_clip: float = 0.0  # QK-clip (Kimi K2's MuonClip, models/qk_clip.py): after each step, heads whose largest
+    #   attention logit passed this (e.g. 100) get their q / k weights scaled back to it; 0 = off
     host_memory: str = "system"  # system (the C library's) | retain: keep freed CPU memory (moekit.train.host_memory)
 
 

@@ -265,6 +265,8 @@ def format_line(m: dict) -> str:
     if m.get("imbalance") is not None:
         parts.append(f"imbalance={m['imbalance']:.2f}/{m['imbalance_max']:.2f}")
         parts.append(f"dropped={100 * m['dropped_fraction']:.1f}%")
+    if m.get("max_logit") is not None:  # QK-clip (--train.qk_clip): the largest attention logit, heads rescaled
+        parts.append(f"max_logit={m['max_logit']:.2f} qk_clipped={m.get('qk_clipped_heads', 0)}")
     if "val_loss" in m:
         parts.append(f"val_loss={m['val_loss']:.4f}")
     if m.get("val_mtp_loss") is not None:

@@ -145,6 +145,10 @@ class Trainer:
         else:
             init_weights(self.model, cfg.train.seed)
         self.model.train()
+        if cfg.train.qk_clip:  # models.qk_clip: record each head's largest logit, on the model as it trains
+            from moekit.models import qk_clip
+
+            qk_clip.track(self.model)
         # the aux loss is averaged like the LM loss: over the micro-batches and over TP's token slices
         pipelined = self.pipe is not None
         set_aux_loss_scale(self.model, accumulation=1 if pipelined else plan.accum,
@@ -361,6 +365,7 @@ class Trainer:
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
             update_router_biases(self.model)
+            clipped = self.qk_clip()  # models.qk_clip (--train.qk_clip), after the update: collective over the stage
             load = self.gathered_load(reset=True)  # D2H sync: per MoE layer
             if self.placement.observe(step, load, self.model, self.optimizer) and self.dist.is_main:
                 self.monitor.print(self.placement.last_note)  # --layout.rebalance_every: experts moved
@@ -370,6 +375,8 @@ class Trainer:
                                   time.perf_counter() - t_start)
             if mtp_value is not None:
                 m["mtp_loss"] = mtp_value
+            if clipped is not None:  # this rank's stage's largest attention logit, and the heads rescaled
+                m["max_logit"], m["qk_clipped_heads"] = clipped["max_logit"], clipped["clipped_heads"]
             if self.data.weights is not None:  # a blend: tokens drawn from each set so far
                 m["tokens_by_source"] = self.sampler.tokens_by_source(cfg.train.seq_len)
             if step == cfg.train.steps or (cfg.eval.every and step % cfg.eval.every == 0):
@@ -392,6 +399,16 @@ class Trainer:
         if self.dist.is_main:
             self.finish()
         return 0
+
+    def qk_clip(self) -> dict | None:
+        """QK-clip after an optimizer step (--train.qk_clip; models.qk_clip): each head's largest logit reduced over
+        this pipeline stage's ranks, the heads over the bound rescaled; None when off."""
+        if not self.cfg.train.qk_clip:
+            return None
+        from moekit.models import qk_clip
+
+        group = self.dist.topology.group("stage") if self.dist.active else None
+        return qk_clip.clip(self.model, self.cfg.train.qk_clip, group)
 
     def step_metrics(self, step, loss, grad_norm, lr, load, dt, tokens_seen, elapsed) -> dict:
         tps = self.plan.tokens_per_step / dt
@@ -437,6 +454,10 @@ class Trainer:
 
     def skip_step(self, event: NonFinite, step: int) -> None:
         self.guard.discard_step(self.model, self.optimizer)
+        if self.cfg.train.qk_clip:  # the skipped step's logits do not count (no update took place)
+            from moekit.models import qk_clip
+
+            qk_clip.reset(self.model)
         if self.dist.is_main:
             self.metrics.write(event.record(step, self.optimizer.param_groups[0]["lr"]))
             self.monitor.print(f"step={step} skipped: non-finite {event.what} ({event.value}); {event.where}")

@@ -53,6 +53,17 @@ def validate(cfg: TrainConfig) -> TrainConfig:
              f"1 - lr * weight_decay each step, so lr * weight_decay must be < 1 (typical weight_decay: 0 to 0.1)")
     _require(t.dtype in DTYPES, f"--train.dtype={t.dtype!r} is invalid; choose one of {list(DTYPES)}")
     _require(t.device in DEVICES, f"--train.device={t.device!r} is invalid; choose one of {list(DEVICES)}")
+    _require(math.isfinite(t.qk_clip) and t.qk_clip >= 0,
+             f"--train.qk_clip={t.qk_clip} is invalid; it must be a finite logit bound >= 0 (0 = off; Kimi K2 used 100)")
+    if t.qk_clip > 0:
+        from moekit.models.qk_clip import check_model
+
+        problem = check_model(cfg.model)
+        _require(not problem, f"--train.qk_clip={t.qk_clip}: {problem}")
+        _require(t.activation_checkpointing != "selective",
+                 f"--train.qk_clip={t.qk_clip} with --train.activation_checkpointing selective: selective "
+                 f"checkpointing replays kept matmuls by call order, and the logit record runs in the forward only; "
+                 f"use none, full or ffn")
     _require(t.residual_dtype in RESIDUAL_DTYPES, f"--train.residual_dtype={t.residual_dtype!r} is invalid; choose one "
                                                   f"of {list(RESIDUAL_DTYPES)}")
     if t.residual_dtype == "bfloat16":

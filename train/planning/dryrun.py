@@ -73,6 +73,17 @@ class DryRunPlan:
         return self.resolved.hierarchical
 
 
+def _stream(layout: Layout, wl: Workload) -> str:
+    """", bf16 residual stream" where the run's residual stream is bf16 (train.residual_dtype: the planner's Shapes.r),
+    ", fp32 residual stream" where it is fp32 under bf16 autocast; nothing for plain fp32."""
+    if wl.dtype == "float32":
+        return ""
+    from moekit.train.planning.shapes import FP32, residual_bytes
+
+    bf16_params = layout.fsdp > 1 and wl.device == "cuda"
+    return ", fp32 residual stream" if residual_bytes(wl, bf16_params) == FP32 else ", bf16 residual stream"
+
+
 def plan_dry_run(cfg: TrainConfig, world_size: int | None = None) -> DryRunPlan:
     """``world_size`` None = WORLD_SIZE, or 1 (parse_args resolved --world-size into the degrees already)."""
     L, t = cfg.layout, cfg.train
@@ -293,7 +304,7 @@ def report(cfg: TrainConfig, opts: Options, plan: DryRunPlan, built: Built, esti
              f"{folded} ranks; {topo.num_nodes} node(s) x {plan.ranks_per_node} ranks",
              "  fake process group; " + ", ".join(f"{k} {v:.2f} s" for k, v in built.seconds.items()),
              f"  per rank: micro-batch {wl.micro_batch} x {tokens}, {wl.microbatches} micro-batch(es) per "
-             f"step, {wl.dtype}{' autocast' if wl.dtype != 'float32' else ''} on {wl.device}, activation "
+             f"step, {wl.dtype}{' autocast' if wl.dtype != 'float32' else ''} on {wl.device}{_stream(L, wl)}, activation "
              f"checkpointing {wl.activation_checkpointing}{_sequence_parallel(L, wl)}"
              + (", attention within documents (every call masked)" if wl.document_mask else "")]
     if L.cp > 1:
