@@ -205,3 +205,22 @@ def test_trainer_flag_clips_and_records(tmp_path, capsys):
                        (["--train.qk_clip", "100", "--train.activation_checkpointing", "selective"], "selective")):
         with pytest.raises(UserError, match=said):
             parse_args(argv)
+
+
+def test_trainer_clips_alike_under_pipeline_and_context_parallelism(tmp_path):
+    """The same clipped run (a bound the logits pass from the first step, so every step rescales heads) in one
+    process, over 2 pipeline stages (each clips its own layers) and over 2 context-parallel ranks (each records its
+    zigzag chunks' queries over every key at their global positions): one loss curve."""
+    from tests.dist_utils import run_trainer
+
+    common = ["--steps", "4", "--batch-size", "4", "--train.micro_batch_size", "2", "--train.seq_len", "32",
+              "--model.num_layers", "2", "--model.aux_loss_coeff", "0", "--eval.every", "0", "--log.every", "1",
+              "--log.progress", "off", "--checkpoint.every", "0", "--train.qk_clip", "0.1"]
+    curves = {}
+    for name, extra in (("one", []), ("pp2", ["--pp", "2", "--layout.pp_schedule", "gpipe"]), ("cp2", ["--cp", "2"])):
+        r = run_trainer([*common, "--run-dir", str(tmp_path / name), *extra], nproc=1 if name == "one" else 2)
+        assert r.returncode == 0, r.stderr[-3000:]
+        curves[name] = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    assert all(row["qk_clipped_heads"] > 0 for row in curves["one"])
+    for name in ("pp2", "cp2"):
+        assert [r["loss"] for r in curves[name]] == pytest.approx([r["loss"] for r in curves["one"]], rel=1e-5), name
