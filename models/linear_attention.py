@@ -296,11 +296,10 @@ class _CopyToGroup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        import torch.distributed as dist
+        # the functional collective (a new tensor, no in-place op on a temporary): what torch.compile traces
+        from torch.distributed._functional_collectives import all_reduce, wait_tensor
 
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+        return wait_tensor(all_reduce(grad.contiguous(), "sum", ctx.group)), None
 
 
 class _ContiguousGrad(torch.autograd.Function):
