@@ -151,8 +151,12 @@ class GatedDeltaNet(nn.Module):
             mixed = self._conv_documents(mixed, segments)
         mixed = F.silu(mixed)
         q, k, v = mixed.split([nk * self.dk, nk * self.dk, nv * self.dv], dim=-1)
-        q = l2_normalize(q.float().view(B, S, nk, self.dk)) * self.dk**-0.5
-        k = l2_normalize(k.float().view(B, S, nk, self.dk))
+        # fp32 copies in the contiguous layout (a bf16 input's cast copied already; an fp32 one was a strided view of
+        # the transposed convolution's output, through which Inductor (torch 2.13, CPU) miscomputed the query rows'
+        # gradient with one key head: tests/test_compile.py)
+        q, k = (t.to(torch.float32, memory_format=torch.contiguous_format, copy=True) for t in (q, k))
+        q = l2_normalize(q.view(B, S, nk, self.dk)) * self.dk**-0.5
+        k = l2_normalize(k.view(B, S, nk, self.dk))
         if nv != nk:  # key head h serves value heads h * r .. h * r + r - 1
             q, k = (t.repeat_interleave(nv // nk, dim=2) for t in (q, k))
         v = v.view(B, S, nv, self.dv)

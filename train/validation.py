@@ -55,14 +55,6 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _require(t.device in DEVICES, f"--train.device={t.device!r} is invalid; choose one of {list(DEVICES)}")
     _require(math.isfinite(t.qk_clip) and t.qk_clip >= 0,
              f"--train.qk_clip={t.qk_clip} is invalid; it must be a finite logit bound >= 0 (0 = off; Kimi K2 used 100)")
-    m, tp = cfg.model, cfg.layout.tp if isinstance(cfg.layout.tp, int) and cfg.layout.tp > 0 else 1
-    if t.compile and m.linear_attention != "none" and m.num_linear_layers and m.linear_num_key_heads // tp == 1 \
-            and m.linear_num_value_heads // tp > 1:
-        raise UserError(f"--train.compile with one Gated DeltaNet key head per rank (linear_num_key_heads="
-                        f"{m.linear_num_key_heads} over --tp {tp}) serving several value heads: torch.compile "
-                        f"(Inductor, seen with torch 2.13 on CPU) computes the query rows' gradient of that shape "
-                        f"wrongly, where eager is exact; train without --train.compile, or with a --tp that leaves 2 or "
-                        f"more key heads per rank")
     if t.qk_clip > 0:
         from moekit.models.qk_clip import check_model
 

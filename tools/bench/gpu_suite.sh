@@ -219,7 +219,7 @@ for step in "${STEPS[@]}"; do
       "$PY" -c "import xdist" 2>/dev/null && xdist=(-n 4)
       run_step tests 300 env MOEKIT_AUTOTUNE=first "$PY" -m pytest -m gpu -q -p no:cacheprovider -rfEs \
         ${xdist[@]+"${xdist[@]}"} --durations=12 tests/test_gpu.py tests/test_compile.py::test_inductor_matches_eager \
-        --junitxml="$RAW/gpu_tests.xml" ;;
+        tests/test_compile.py::test_inductor_gated_deltanet_gradients_match_eager --junitxml="$RAW/gpu_tests.xml" ;;
     moe_layer)
       if [ "$SMOKE" = 1 ]; then size=(--tokens 64 --hidden 32 --shapes 32x4x2 --warmup 0 --repeats 1 --hf-impl eager)
       else size=(--device cuda --dtype bfloat16 --tokens 8192 32768 --shapes 4096x14336x8x2 2048x768x128x8
