@@ -154,7 +154,7 @@ class GatedDeltaNet(nn.Module):
         # fp32 copies in the contiguous layout (a bf16 input's cast copied already; an fp32 one was a strided view of
         # the transposed convolution's output, through which Inductor (torch 2.13, CPU) miscomputed the query rows'
         # gradient with one key head: tests/test_compile.py)
-        q, k = (t.to(torch.float32, memory_format=torch.contiguous_format, copy=True) for t in (q, k))
+        q, k = q.float().contiguous(), k.float().contiguous()
         q = l2_normalize(q.view(B, S, nk, self.dk)) * self.dk**-0.5
         k = l2_normalize(k.view(B, S, nk, self.dk))
         if nv != nk:  # key head h serves value heads h * r .. h * r + r - 1

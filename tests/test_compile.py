@@ -103,7 +103,9 @@ def test_compiled_blocks_match_eager_and_stop_compiling(preset):
     assert list(compiled.state_dict()) == list(eager.state_dict())
     steps = 6
     ref, got = train(eager, steps), train(compiled, steps)
-    assert_same_run(got, ref)
+    # qwen3.5: the Gated DeltaNet normalises contiguous copies of q / k, whose reductions aot's decompositions order
+    # a little differently from eager's (steps 0-4 within 1e-6; a few gradient entries 2e-6 apart by step 5)
+    assert_same_run(got, ref, **(dict(atol=1e-5, rtol=1e-4) if preset == "qwen3.5-tiny" else {}))
     seen = [got[s][3] for s in range(steps)]
     assert seen[1] == seen[-1], f"compiled frames per step {seen}: something recompiles as routing changes"
     kept = [str({name: rec[0] for name, rec in got[s][2].items()}) for s in range(steps)]
