@@ -271,11 +271,13 @@ def float8_mlp(rows: Tensor, counts: Tensor, w_in: Tensor, w_out: Tensor, activa
 # Where MoELayer leaves the permute to the expert GEMMs (ScatterMoE-style), for a backend that takes it (triton):
 #  - the gather into the first (moe.dispatch.RowGather): the kernels read each routed row from the layer input in
 #    place, so the [N, H] = [T k, H] permuted copy is neither written nor kept for backward (k times the layer
-#    input). The local dispatcher's permute, and flat expert parallelism's reorder of the received rows;
+#    input). The local dispatcher's permute, and expert parallelism's reorder of the received rows (flat, or
+#    hierarchical: its intra-node exchange's);
 #  - the combine's routing weights into the last (row_scale): its epilogue scales each row, the combine becomes a
 #    plain sum that keeps no [N, H] expert outputs for the weights' gradient, which the backward kernel's epilogue
-#    gives instead. The local dispatcher, and flat expert parallelism (the weights travel with the rows, one fp32
-#    each); not with expert output biases (the bias would be scaled too).
+#    gives instead. The local dispatcher, and expert parallelism flat or hierarchical (the weights travel with the
+#    rows, one fp32 each); an output bias (gpt-oss) is added first and scaled with its row, as the weighted combine
+#    would scale it.
 # "auto": CUDA tensors; "always": CPU tensors too (the Triton interpreter: tests); "never": the permuted copy and
 # the weighted combine. The gathered rows cannot go through TMA descriptors (the weights still do). Unset, "never"
 # for now: it has not been timed on a GPU (docs/benchmarks.md, "After the fifth round"); it starts as

@@ -230,7 +230,8 @@ class Trainer:
             say(f"note: router {cfg.model.router!r} takes no {name}; model.{name}={getattr(cfg.model, name)!r} is unused")
         say(f"data: {self.data_desc}; {self.split.train_starts.size:,} train / {self.split.val_starts.size:,} "
             f"validation sequences of {cfg.train.seq_len}")
-        resid = "" if plan.residual_dtype is None else f" ({str(plan.residual_dtype).removeprefix('torch.')} residual stream)"
+        resid = ("" if plan.residual_dtype is None
+                 else f" ({str(plan.residual_dtype).removeprefix('torch.')} residual stream)")
         say(f"device {plan.device}, {plan.autocast_dtype or torch.float32}{resid}; batch {cfg.train.batch_size} x "
             f"{cfg.train.seq_len} tokens ({plan.accum} micro-batch(es) of {plan.micro_batch}); run dir {self.run_dir}; "
             f"{self.monitor.describe()}")

@@ -13,8 +13,8 @@ import os
 from typing import TYPE_CHECKING
 
 from moekit.train import UserError, host_memory, runlock
-from moekit.train.config import (DEVICES, DTYPES, LR_SCHEDULES, RESIDUAL_DTYPES, MAX_LR, ON_NONFINITE, PROGRESS, WSD_DECAYS, TrainConfig,
-                                 TrainSection)
+from moekit.train.config import (DEVICES, DTYPES, LR_SCHEDULES, MAX_LR, ON_NONFINITE, PROGRESS, RESIDUAL_DTYPES,
+                                 WSD_DECAYS, TrainConfig, TrainSection)
 
 if TYPE_CHECKING:
     import torch
@@ -54,7 +54,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _require(t.dtype in DTYPES, f"--train.dtype={t.dtype!r} is invalid; choose one of {list(DTYPES)}")
     _require(t.device in DEVICES, f"--train.device={t.device!r} is invalid; choose one of {list(DEVICES)}")
     _require(math.isfinite(t.qk_clip) and t.qk_clip >= 0,
-             f"--train.qk_clip={t.qk_clip} is invalid; it must be a finite logit bound >= 0 (0 = off; Kimi K2 used 100)")
+             f"--train.qk_clip={t.qk_clip} is invalid; it must be a finite logit bound >= 0 (0 = off; Kimi K2 "
+             f"used 100)")
     if t.qk_clip > 0:
         from moekit.models.qk_clip import check_model
 

@@ -80,8 +80,7 @@ def _stream(layout: Layout, wl: Workload) -> str:
         return ""
     from moekit.train.planning.shapes import FP32, residual_bytes
 
-    bf16_params = layout.fsdp > 1 and wl.device == "cuda"
-    return ", fp32 residual stream" if residual_bytes(wl, bf16_params) == FP32 else ", bf16 residual stream"
+    return ", fp32 residual stream" if residual_bytes(wl, layout) == FP32 else ", bf16 residual stream"
 
 
 def plan_dry_run(cfg: TrainConfig, world_size: int | None = None) -> DryRunPlan:
@@ -304,8 +303,8 @@ def report(cfg: TrainConfig, opts: Options, plan: DryRunPlan, built: Built, esti
              f"{folded} ranks; {topo.num_nodes} node(s) x {plan.ranks_per_node} ranks",
              "  fake process group; " + ", ".join(f"{k} {v:.2f} s" for k, v in built.seconds.items()),
              f"  per rank: micro-batch {wl.micro_batch} x {tokens}, {wl.microbatches} micro-batch(es) per "
-             f"step, {wl.dtype}{' autocast' if wl.dtype != 'float32' else ''} on {wl.device}{_stream(L, wl)}, activation "
-             f"checkpointing {wl.activation_checkpointing}{_sequence_parallel(L, wl)}"
+             f"step, {wl.dtype}{' autocast' if wl.dtype != 'float32' else ''} on {wl.device}{_stream(L, wl)}, "
+             f"activation checkpointing {wl.activation_checkpointing}{_sequence_parallel(L, wl)}"
              + (", attention within documents (every call masked)" if wl.document_mask else "")]
     if L.cp > 1:
         lines.append(context_line(L, wl))

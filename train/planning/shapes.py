@@ -29,7 +29,8 @@ class Shapes:
     r: int  # bytes of the residual stream: fp32, or bf16 (FSDP's bf16 parameters, or Workload.residual)
     casts: bool  # autocast over fp32 weights and an fp32 residual stream: each projection keeps its own bf16 copy of
     #              its input
-    autocast: bool  # autocast over fp32 weights (no FSDP bf16 parameters): the weights' bf16 casts (memory.weight_casts)
+    autocast: bool  # autocast over fp32 weights (no FSDP bf16 parameters): the weights' bf16 casts
+    #                 (memory.weight_casts)
     cpu: bool
     S: int  # sequence length (the whole sequence's: the keys a query may see)
     explicit_attention: bool  # attention as bmm + softmax + bmm (models.attention.explicit_attention_applies)
@@ -63,8 +64,8 @@ def shapes(cfg: ModelConfig, layout: Layout, wl: Workload) -> Shapes:
     if cfg.capacity_factor is not None and cfg.num_experts:  # capacity bounds the rows (moe.dispatch)
         R = min(R, cfg.num_experts * min(Tm, math.ceil(Tm * k / cfg.num_experts * cfg.capacity_factor)))
     a = DTYPE_BYTES[wl.dtype]
-    bf16_params = a == 2 and layout.fsdp > 1 and wl.device == "cuda"  # the trainer's FSDP param_dtype
-    r = residual_bytes(wl, bf16_params)
+    bf16_params = fsdp_bf16_params(layout, wl)
+    r = residual_bytes(wl, layout)
     # under context parallelism attention always runs SDPA, chunk by chunk (models.attention.context_attend), and
     # with documents straight through local_attention (models.attention.attend)
     explicit = layout.cp == 1 and not wl.document_mask and explicit_attention_applies(
@@ -73,12 +74,17 @@ def shapes(cfg: ModelConfig, layout: Layout, wl: Workload) -> Shapes:
                   wl.seq_len, explicit, layout.cp, wl.cp_rank, wl.document_mask)
 
 
-def residual_bytes(wl: Workload, bf16_params: bool) -> int:
-    """Bytes of the residual stream's dtype (the trainer's train.residual_dtype: moekit.train.validation.residual_dtype):
+def fsdp_bf16_params(layout: Layout, wl: Workload) -> bool:
+    """Whether FSDP computes in bf16 parameters (the trainer's param_dtype: bf16 training on CUDA with fsdp > 1)."""
+    return DTYPE_BYTES[wl.dtype] == 2 and layout.fsdp > 1 and wl.device == "cuda"
+
+
+def residual_bytes(wl: Workload, layout: Layout) -> int:
+    """Bytes of the residual stream's dtype (the trainer's train.residual_dtype: train.validation.residual_dtype):
     float32 / bfloat16 as asked; auto the compute dtype on CUDA (FSDP's bf16 parameters, or the embedding's output
     cast under autocast), fp32 on CPU."""
     if wl.residual == "float32":
         return FP32
-    if wl.residual == "bfloat16" or bf16_params or wl.device == "cuda":
+    if wl.residual == "bfloat16" or fsdp_bf16_params(layout, wl) or wl.device == "cuda":
         return DTYPE_BYTES[wl.dtype]
     return FP32
