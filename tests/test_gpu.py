@@ -618,6 +618,28 @@ def test_training_on_device_fp32_matches_cpu_and_bf16_learns(tmp_path, preset):
     assert bf16[-1]["loss"] < bf16[0]["loss"] - 0.1, [m["loss"] for m in bf16]
 
 
+def test_profiled_run_on_device_attributes_kernel_time_and_snapshots_memory(tmp_path):
+    """--profile.every on the device: the window's categories are GPU kernel time (the experts' and attention's
+    kernels attributed through their modules, backward included), and on CUDA --profile.memory leaves the
+    allocator's history beside the trace (a pickle torch's memory_viz reads: it holds the recorded segments)."""
+    import pickle
+
+    memory = ["--profile.memory", "true"] if DEVICE.type == "cuda" else []
+    train(tmp_path / "run", "--steps", "3", "--train.device", DEVICE.type, "--train.dtype",
+          "bfloat16" if DEVICE.type == "cuda" else "float32", "--profile.every", "3", "--profile.steps", "2", *memory)
+    folder = tmp_path / "run" / "profile" / "step_000003"
+    summary = json.loads((folder / "rank0.summary.json").read_text())
+    assert summary["steps"] == [2, 3]
+    assert summary["time_basis"] == ("GPU kernel time" if DEVICE.type == "cuda" else "CPU op self time")
+    cats = summary["categories_ms_per_step"]
+    assert cats["expert_gemm"] > 0 and cats["attention"] > 0 and cats["head_loss"] > 0, cats
+    assert cats["other"] < 0.5 * summary["ms_per_step"], cats  # the labels attribute most of the step
+    if memory:
+        with open(folder / "rank0.memory.pickle", "rb") as f:
+            snap = pickle.load(f)
+        assert snap["segments"] and summary["memory_snapshot"] == "rank0.memory.pickle"
+
+
 def test_mtp_training_and_speculative_decoding_on_device(tmp_path):
     """A multi-token-prediction depth on the device: the trainer's mtp_loss at step 0 equals the CPU run's (fp32),
     and greedy speculative decoding (chains of 1 and 2 drafts from the two depths, one forward checking them) gives

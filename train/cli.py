@@ -20,7 +20,7 @@ FLAG_SETTINGS = {
 
 EPILOG = """\
 any setting: --<section>.<key> VALUE (or =VALUE), sections model, train, data, eval, log, checkpoint,
-layout; e.g. --model.hidden_size 64 --train.lr 1e-3 --model.router_options.aux_loss_coeff 0.02 --eval.every 25.
+layout, profile; e.g. --model.hidden_size 64 --train.lr 1e-3 --model.router_options.aux_loss_coeff 0.02 --eval.every 25.
 --print-config shows every setting and its value, --help-config what each one means.
 Precedence: preset < --config FILE < flags.
 """
@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--print-config", action="store_true", help="print the resolved config as TOML and exit")
     p.add_argument("--help-config", nargs="?", const="all", metavar="SECTION",
                    help="explain every setting (--section.key, type, default, meaning), or one section's "
-                        "(model, train, data, eval, log, checkpoint, layout), and exit")
+                        "(model, train, data, eval, log, checkpoint, layout, profile), and exit")
     p.add_argument("--write-data", metavar="FILE", help="write the configured data as a token file and exit")
     p.add_argument("--dry-run", action="store_true",
                    help="build the layout's process groups (fake), meshes and sharded meta-device model in this one "

@@ -11,6 +11,7 @@ FILE is TOML, or JSON in the same layout: a run directory's config.json reproduc
     [log]    run_dir, every, tensorboard, progress     --run-dir runs/x
     [checkpoint] every, keep, async_save               --checkpoint.every 100
     [layout] dp, ep, tp, pp, fsdp, ...                 --ep 2   (resolved by moekit.train.plan.resolve_layout)
+    [profile] every, steps, warmup, memory             --profile.every 100   (moekit.train.profiling)
 
 Every value is converted to its field's type (``int``, ``float``, ``bool``, ``float | None`` with
 "none", tables as JSON) and checked before any work starts (moekit.train.validation); errors are
@@ -148,6 +149,16 @@ class LayoutSection:
 
 
 @dataclass
+class ProfileSection:
+    """Traces of chosen steps (moekit.train.profiling): <run_dir>/profile/step_<s>/, one set of files per rank."""
+
+    every: int = 0  # trace the steps ending at each multiple of n (torch.profiler, every rank); 0 = off
+    steps: int = 1  # steps recorded in each trace (the last ones up to the multiple of every)
+    warmup: int = 1  # steps the profiler runs unrecorded before them (its start-up cost stays out of the trace)
+    memory: bool = False  # CUDA: record the allocator's history; a snapshot with each trace and on out-of-memory
+
+
+@dataclass
 class TrainConfig:
     preset: str = DEFAULT_PRESET
     model: ModelConfig = field(default_factory=lambda: preset(DEFAULT_PRESET))
@@ -157,6 +168,7 @@ class TrainConfig:
     log: LogSection = field(default_factory=LogSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     layout: LayoutSection = field(default_factory=LayoutSection)
+    profile: ProfileSection = field(default_factory=ProfileSection)
 
     def __post_init__(self):
         # settings a config file or a flag gave (set_value), as opposed to preset and section defaults; not a

@@ -60,6 +60,7 @@ class Trainer:
         self.dist = Dist.setup(self.plan.resolved.layout, cfg.model.num_experts, self.plan.device,
                                L.ranks_per_node or None, L.timeout_s)
         self.data, error = None, None
+        self.profiler = None  # [profile] (moekit.train.profiling), set up once the model is built
         try:  # moekit.train.data: a token file (its metadata: vocab, tokenizer), a blend, text, the embedded corpus
             self.data = load_data(cfg.data, cfg.model.vocab_size)
             self.data_desc = self.data.desc
@@ -255,6 +256,16 @@ class Trainer:
                 f"{cfg.train.steps}; raise --steps to train further")
         if self.changes.summary():
             say(self.changes.summary())
+        p = cfg.profile
+        if p.every:
+            from moekit.train.profiling import windows
+
+            planned = windows(p.every, p.steps, p.warmup, self.start_step, cfg.train.steps)
+            where = self.run_dir / "profile"
+            say(f"profile: {len(planned)} trace(s) of {p.steps} step(s) each, ending at steps "
+                f"{', '.join(str(w.end) for w in planned[:5])}{' ...' if len(planned) > 5 else ''}, into {where}"
+                if planned else f"note: --profile.every {p.every} traces no step of this run (steps "
+                                f"{self.start_step + 1}-{cfg.train.steps}); lower it to profile")
 
     # -- the loop -----------------------------------------------------------------------------------
 
@@ -296,6 +307,7 @@ class Trainer:
         self.build()
         self.open_records()
         self.describe()
+        self.profiler = self.make_profiler()
         self.step = self.start_step
         ended = False  # loop() returned on this rank: every rank did (its ends are collective decisions)
         try:
@@ -309,12 +321,15 @@ class Trainer:
             raise RunFailed(f"{runlock.describe_os_error(exc)} at step {self.step}; {self.kept()}; free space or fix "
                             f"permissions") from None
         except RuntimeError as exc:  # torch.OutOfMemoryError too
+            self.snapshot_oom(exc)  # --profile.memory: the allocations that led to it
             self.guard.explain_oom(exc)  # an OOM inside an expert becomes one line naming it
             failure = self.dist.failure(exc, self.step)  # a collective that timed out or lost its peer
             if failure is not None:
                 raise RunFailed(f"{failure}; {self.kept()}") from None
             raise
         finally:
+            if self.profiler is not None:  # a window the run left early writes nothing
+                self.profiler.close()
             self.checkpointer.close()  # an async save in flight ends before the process group goes
             self.restore_determinism()
             for rec in (self.metrics, self.load_log, self.monitor):
@@ -344,6 +359,7 @@ class Trainer:
                 return self.preempt(step - 1, stop)
             self.step = step
             faults.inject_fault(self.run_dir, step, self.dist.rank)  # testing hook, off unless its env is set
+            self.profiler.begin(step)  # --profile.every: a window's first step starts the profiler
             t0 = time.perf_counter()
             self.guard.begin_step(step)
             batch = self.sampler.next(cfg.train.batch_size)  # [batch_size] window starts of the global batch
@@ -360,6 +376,8 @@ class Trainer:
                 return self.stop_nonfinite(event, step)
             if event is not None:  # skip: no optimizer, schedule or router-bias update; the batch is consumed
                 self.skip_step(event, step)
+                self.profiler.end(step)
+                self.profiler.report()
                 continue
             lr = self.optimizer.param_groups[0]["lr"]
             self.optimizer.step()
@@ -380,6 +398,7 @@ class Trainer:
                 m["max_logit"], m["qk_clipped_heads"] = clipped["max_logit"], clipped["clipped_heads"]
             if self.data.weights is not None:  # a blend: tokens drawn from each set so far
                 m["tokens_by_source"] = self.sampler.tokens_by_source(cfg.train.seq_len)
+            self.profiler.end(step)  # a window's step ends before evaluation and checkpoints
             if step == cfg.train.steps or (cfg.eval.every and step % cfg.eval.every == 0):
                 m["val_loss"] = self.evaluate()
                 if cfg.model.mtp_layers:  # the depths' loss on the same windows (models.mtp)
@@ -387,6 +406,7 @@ class Trainer:
             if self.dist.is_main:
                 self.metrics.write(self.monitor.step(m, load))  # + balance_loss, z_loss, cv, dead_experts
                 self.load_log.write(step, load, force=step == cfg.train.steps)
+            self.profiler.report()  # a window that ended at this step: its line after the step's
             if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == cfg.train.steps):
                 self.last_checkpoint = self.save(step)
         self.last_checkpoint = self.checkpointer.finalize()  # an async save is sealed before the run ends
@@ -400,6 +420,26 @@ class Trainer:
         if self.dist.is_main:
             self.finish()
         return 0
+
+    def make_profiler(self):
+        """[profile]'s StepProfiler (moekit.train.profiling); inert with --profile.every 0 unless --profile.memory."""
+        from moekit.train.profiling import StepProfiler
+
+        cfg = self.cfg
+        say = self.monitor.print if self.dist.is_main else print
+        # a compiled block is one graph: module hooks inside it would recompile it (the trace keeps every kernel)
+        return StepProfiler(cfg.profile, self.run_dir, self.dist.rank, self.dist.is_main, self.plan.device,
+                            self.model, self.start_step, cfg.train.steps, module_labels=not cfg.train.compile,
+                            print_fn=say)
+
+    def snapshot_oom(self, exc: BaseException) -> None:
+        oom = isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc)
+        if not oom or self.profiler is None:
+            return
+        path = self.profiler.on_oom(self.step)
+        if path is not None:
+            _warn(f"rank {self.dist.rank}: out of memory at step {self.step}; the allocator's history up to it: {path} "
+                  f"(open it in https://pytorch.org/memory_viz)")
 
     def qk_clip(self) -> dict | None:
         """QK-clip after an optimizer step (--train.qk_clip; models.qk_clip): each head's largest logit reduced over

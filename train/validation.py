@@ -123,11 +123,30 @@ def validate(cfg: TrainConfig) -> TrainConfig:
              f"--checkpoint.every={cfg.checkpoint.every} is invalid; it must be >= 0 (0 = never)")
     _require(cfg.checkpoint.keep >= 1, f"--checkpoint.keep={cfg.checkpoint.keep} is invalid; it must keep at least 1 "
                                        f"checkpoint (the newest)")
+    validate_profile(cfg)
     resolve_vocab(cfg)
     validate_model(cfg)
     validate_mtp(cfg)
     validate_upcycling(cfg)
     return cfg
+
+
+def validate_profile(cfg: TrainConfig) -> None:
+    """[profile]: windows that fit between their multiples of every, and memory snapshots only where there is CUDA."""
+    p = cfg.profile
+    _require(p.every >= 0, f"--profile.every={p.every} is invalid; it must be >= 0 (trace the steps ending at each "
+                           f"multiple of it; 0 = off)")
+    _require(p.steps >= 1, f"--profile.steps={p.steps} is invalid; a trace records at least 1 step")
+    _require(p.warmup >= 0, f"--profile.warmup={p.warmup} is invalid; it must be >= 0 (steps the profiler runs "
+                            f"unrecorded first)")
+    _require(not p.every or p.steps + p.warmup <= p.every,
+             f"--profile.steps={p.steps} + --profile.warmup={p.warmup} is more than --profile.every={p.every}: each "
+             f"trace would begin before the last one ended; raise --profile.every to at least {p.steps + p.warmup} or "
+             f"record fewer steps")
+    if p.memory:
+        kind, _ = run_device(cfg.train)
+        _require(kind == "cuda", f"--profile.memory true records CUDA's caching allocator, and this run is on {kind}; "
+                                 f"leave it off there (--profile.every traces the CPU's operators all the same)")
 
 
 def validate_mtp(cfg: TrainConfig) -> None:

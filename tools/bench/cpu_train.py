@@ -64,12 +64,12 @@ class Probe:
 
     def __init__(self, trainer, loop):
         from moekit.bench.benchlib import minor_faults
-        from moekit.bench.profile_step import LABEL, Labels, install_labels
+        from moekit.train.profiling import LABEL, Labels, install_labels
 
         self.t, self.loop, self.label = trainer, loop, LABEL
         self.faults = minor_faults
         self.labels = Labels()
-        install_labels(trainer.model, self.labels, ("permute", "combine"))
+        install_labels(trainer.model, self.labels, ("permute", "combine"), head_loss_ends_with_forward=False)
         self.records: list[dict] = []
         self.current: dict | None = None
         self.prof, self.profile_steps = None, None
@@ -165,7 +165,7 @@ class Probe:
 def split_forward_backward(events, label: str) -> dict[str, float]:
     """Phase -> share of the self time of the ops inside the trainer's forward_backward (its Python included:
     a labelled region's own self time is the interpreter's work between its ops)."""
-    from moekit.bench.profile_step import attribute
+    from moekit.train.profiling import attribute
 
     spans = sorted((e.time_range.start, e.time_range.end) for e in events if e.name == label + FWD_BWD)
     totals = dict.fromkeys(MODEL_PHASES, 0.0)

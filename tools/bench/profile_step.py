@@ -9,96 +9,31 @@ models.transformer.build_model. --preset auto takes mixtral-1b on a GPU (train_m
 on the CPU. Warm-up steps (Triton autotuning, allocator growth) run before the
 profiler starts.
 
-Time by category: GPU kernel time (CPU op self time on CPU), attributed by where the work was issued.
-Forward: the innermost labelled region, from record_function ranges this script opens around modules
-(attention, router, experts, norms, ...), around moekit's dispatch and combine, around the head + loss
-and around the optimizer. Backward: the forward op whose autograd node ran it (the profiler's sequence
-number links the two), so a GEMM in backward counts where its forward ran. Communication kernels and
-ops (nccl, c10d) are taken by name first. Everything else is "other".
+Time by category: GPU kernel time (CPU op self time on CPU), attributed as a training run's ``--profile.every``
+attributes it (moekit.train.profiling: module labels, the head + loss, the optimizer; backward ops by their
+forward op). To profile steps of a real run instead, with its data, layout and ranks: ``moekit-train
+--profile.every N`` (docs/training.md, "Profiling a run").
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
-import gzip
-import shutil
 import sys
 import time
 from pathlib import Path
 
 import torch
-from torch import nn
 from torch.autograd.profiler import record_function
 
 from moekit.bench.benchlib import (BenchParser, check_at_least, check_backend, check_device, check_names, check_out,
                                    environment, print_table, sync, write_json)
 from moekit.models.config import PRESETS, preset
-from moekit.models.transformer import Attention, build_model
-from moekit.moe import DenseMLP, MoELayer, Router
-from moekit.moe.experts import GroupedExperts, available_backends
+from moekit.models.transformer import build_model
+from moekit.moe.experts import available_backends
 from moekit.train.config import TrainConfig
 from moekit.train.plan import make_optimizer
-
-LABEL = "moekit/"
-MODULE_CATEGORIES = (  # first match wins, innermost labelled region wins at attribution
-    (Attention, "attention"), (GroupedExperts, "expert_gemm"), (Router, "router"), (nn.RMSNorm, "norm"),
-    (DenseMLP, "dense_ffn"), (nn.Embedding, "embedding"), (MoELayer, "moe_other"),
-)
-CATEGORIES = ("attention", "expert_gemm", "router", "permute_unpermute", "norm", "dense_ffn", "moe_other",
-              "embedding", "head_loss", "optimizer", "communication", "other")
-OPTIMIZER_REGIONS = ("Optimizer.step#", "Optimizer.zero_grad#")
-COMM_WORDS = ("nccl", "c10d::", "all_to_all", "allreduce", "all_reduce", "reduce_scatter", "allgather", "all_gather")
-
-
-class Labels:
-    """record_function ranges opened in one hook and closed in another (forward pre / post hooks)."""
-
-    def __init__(self):
-        self.stack = []
-
-    def push(self, category: str) -> None:
-        rf = record_function(LABEL + category)
-        rf.__enter__()
-        self.stack.append(rf)
-
-    def pop(self) -> None:
-        self.stack.pop().__exit__(None, None, None)
-
-
-class LabelledDispatcher:
-    """Wraps a model's dispatcher so its permute and unpermute show up as labelled categories (one category
-    for both by default; tools/bench/cpu_train.py splits them)."""
-
-    def __init__(self, inner, dispatch_label: str = "permute_unpermute", combine_label: str = "permute_unpermute"):
-        self.inner, self.dispatch_label, self.combine_label = inner, dispatch_label, combine_label
-
-    def dispatch(self, x, routing):
-        with record_function(LABEL + self.dispatch_label):
-            return self.inner.dispatch(x, routing)
-
-    def combine(self, rows, meta):
-        with record_function(LABEL + self.combine_label):
-            return self.inner.combine(rows, meta)
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-
-def install_labels(model: nn.Module, labels: Labels, dispatch_labels: tuple[str, str] | None = None) -> None:
-    """Label ``model``'s modules (MODULE_CATEGORIES), its MoE dispatchers (``dispatch_labels``: the permute's
-    and the combine's category, default one "permute_unpermute") and its output head."""
-    for module in model.modules():
-        category = next((c for cls, c in MODULE_CATEGORIES if isinstance(module, cls)), None)
-        if category is None:
-            continue
-        module.register_forward_pre_hook(lambda m, a, c=category: labels.push(c))
-        module.register_forward_hook(lambda m, a, o: labels.pop())
-        if isinstance(module, MoELayer):
-            module.dispatcher = LabelledDispatcher(module.dispatcher, *(dispatch_labels or ()))
-    # the output projection runs inside Transformer.forward after the final norm: open "head_loss" there,
-    # close it once the loss is computed (train_step)
-    model.norm.register_forward_hook(lambda m, a, o: labels.push("head_loss"))
-
+# the labels and the attribution are the trainer's (--profile.every)
+from moekit.train.profiling import LABEL, Labels, categorize, export_trace, install_labels, top_ops
 
 # --preset auto on a GPU: train_mfu.py's model (matching "1b" in names picked ernie-4.5-21b-a3b once presets grew,
 # which ran out of memory on an H100; 2026-11-27)
@@ -122,65 +57,6 @@ def train_step(model, opt, tokens, labels: Labels, autocast_dtype) -> torch.Tens
         opt.step()
         opt.zero_grad(set_to_none=True)
     return loss
-
-
-def _label_of(event) -> str | None:
-    while event is not None:
-        if event.name.startswith(LABEL):
-            return event.name[len(LABEL):]
-        if event.name.startswith(OPTIMIZER_REGIONS):  # torch.optim's own ranges: whoever calls step()
-            return "optimizer"
-        if event.name.startswith("autograd::engine::evaluate_function"):
-            return None  # backward: attributed through the sequence number instead
-        event = event.cpu_parent
-    return None
-
-
-def _backward_seq(event) -> int | None:
-    while event is not None:
-        if event.name.startswith("autograd::engine::evaluate_function"):
-            return event.sequence_nr
-        event = event.cpu_parent
-    return None
-
-
-def attribute(events, on_gpu: bool):
-    """Yield (event, category, microseconds of self time) for every op with time (on GPU: the device time
-    of the kernels it launched). The category is the raw label (module docstring), "communication" or
-    "other"; callers that keep a fixed set of categories map unknown labels themselves."""
-    seq_category: dict[int, str] = {}
-    for e in sorted(events, key=lambda e: e.time_range.start):  # forward ops: the last op that carries a
-        label = _label_of(e)                                    # sequence number created that autograd node
-        if label is not None and e.sequence_nr >= 0 and _backward_seq(e) is None:
-            seq_category[e.sequence_nr] = label
-    for e in events:
-        if not str(getattr(e, "device_type", "CPU")).endswith("CPU"):
-            continue  # GPU-side copies of record_function ranges: their kernels are already counted on the op
-        us = e.self_device_time_total if on_gpu else e.self_cpu_time_total
-        if us <= 0:
-            continue
-        names = [e.name.lower()] + [k.name.lower() for k in getattr(e, "kernels", [])]
-        if any(w in n for n in names for w in COMM_WORDS):
-            yield e, "communication", us
-            continue
-        label = _label_of(e)
-        seq = _backward_seq(e)
-        yield e, label if label is not None else seq_category.get(seq, "other") if seq is not None else "other", us
-
-
-def categorize(events, on_gpu: bool) -> dict[str, float]:
-    """Category (CATEGORIES) -> microseconds of self time (device time of the kernels an op launched, on GPU)."""
-    totals = dict.fromkeys(CATEGORIES, 0.0)
-    for _, cat, us in attribute(events, on_gpu):
-        totals[cat if cat in totals else "other"] += us
-    return totals
-
-
-def top_ops(prof, on_gpu: bool, n: int = 15) -> list[dict]:
-    key = "self_device_time_total" if on_gpu else "self_cpu_time_total"
-    ops = [a for a in prof.key_averages() if not a.key.startswith(LABEL)]  # labels would count their contents
-    avgs = sorted(ops, key=lambda a: getattr(a, key), reverse=True)[:n]
-    return [{"name": a.key[:80], "calls": a.count, "self_ms": getattr(a, key) / 1e3} for a in avgs]
 
 
 def parse(argv):
@@ -239,15 +115,6 @@ def profile_steps(args, model, opt, tokens, labels, autocast_dtype):
     return step_ms, loss.item(), prof  # D2H sync: once, after timing
 
 
-def export_trace(prof, out: Path) -> None:
-    trace = out / "trace.json"
-    prof.export_chrome_trace(str(trace))
-    with open(trace, "rb") as src, gzip.open(str(trace) + ".gz", "wb") as dst:  # ~10x smaller
-        shutil.copyfileobj(src, dst)
-    trace.unlink()
-    print(f"wrote {trace}.gz (open in https://ui.perfetto.dev or chrome://tracing)")
-
-
 def main(argv=None) -> int:
     args = parse(argv)
     device = torch.device(args.device)
@@ -265,7 +132,7 @@ def main(argv=None) -> int:
         impl = {"foreach": dict(foreach=True), "fused": dict(fused=True)}[args.optimizer]
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **impl)
     labels = Labels()
-    install_labels(model, labels)
+    install_labels(model, labels, head_loss_ends_with_forward=False)  # train_step closes "head_loss"
     autocast_dtype = torch.bfloat16 if device.type == "cuda" else None
     model.residual_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                             "auto": autocast_dtype}[args.residual_dtype]  # the trainer's train.residual_dtype
@@ -283,7 +150,8 @@ def main(argv=None) -> int:
     print(f"({basis} per step; the categories sum to {total / 1e3 / args.steps:.1f} ms of the {step_ms:.1f} ms step)")
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    export_trace(prof, out)
+    trace = export_trace(prof, out / "trace.json")
+    print(f"wrote {trace} (open in https://ui.perfetto.dev or chrome://tracing)")
     write_json(out / "profile_step.json", {
         "benchmark": "profile_step", "preset": name, "config": cfg.to_dict(), "batch_size": args.batch_size,
         "seq_len": seq, "tokens_per_step": args.batch_size * seq, "step_ms": step_ms, "time_basis": basis,
