@@ -90,6 +90,7 @@ class DataSection:
     blend: str = ""  # a weighted mixture of token files, "a.bin:0.7,b.bin:0.3" (config file: also a table / array)
     dtype: str = "uint16"  # the ids of a raw (headerless) .bin file: uint16 (nanoGPT), uint32 or uint8
     val_fraction: float = 0.05  # share of the data held out for validation, in (0, 0.5): every 1/val_fraction-th block
+    val_path: str = ""  # a validation token file of its own (nanoGPT's val.bin): the training data then trains whole
     document_mask: bool = False  # attention stays within each document of a packed sequence (split at the data's EOS id)
 
 

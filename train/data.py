@@ -10,12 +10,17 @@ Blends (``--data.blend "a.bin:0.7,b.bin:0.3"``): every set is split on its own; 
 each window's set so that the counts follow the weights as closely as integers can (the set whose count
 lags its share most goes next), and within a set follows that set's own seeded permutation; validation
 takes ``eval.sequences`` windows shared among the sets by weight.
+
+A validation file of its own (``--data.val_path val.bin``, nanoGPT's train.bin / val.bin, Megatron's
+--valid-data-path): nothing is held out of the training data (one set or a blend), and validation takes
+``eval.sequences`` windows spread evenly over the file's non-overlapping windows. It must be prepared with the
+training data's tokenizer.
 """
 from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -109,17 +114,24 @@ def prepared_vocab(section) -> tuple[int, str] | None:
 
 @dataclass
 class Data:
-    """What the run trains on: one source, or a blend (``weights`` set) of token files sharing a tokenizer."""
+    """What the run trains on: one source, or a blend (``weights`` set) of token files sharing a tokenizer;
+    ``val``: a validation file of its own (--data.val_path), else None (validation is held out of the sources)."""
 
     sources: list[Source]
     weights: list[float] | None
     desc: str
     tokenizer: TokenizerInfo
+    val: Source | None = None
 
     def split(self, seq_len: int, val_fraction: float) -> "Split":
+        held_out = 0.0 if self.val is not None else val_fraction  # a validation file: the sources train whole
         if self.weights is None:
-            return split_windows(self.sources[0].tokens, seq_len, val_fraction)
-        return blend_split(self.sources, self.weights, seq_len, val_fraction)
+            split = split_windows(self.sources[0].tokens, seq_len, held_out)
+        else:
+            split = blend_split(self.sources, self.weights, seq_len, held_out)
+        if self.val is None:
+            return split
+        return replace(split, val_tokens=self.val.tokens, val_starts=file_windows(self.val, seq_len))
 
 
 def load_data(section, model_vocab: int) -> Data:
@@ -134,12 +146,25 @@ def load_data(section, model_vocab: int) -> Data:
                           for s, (_, w) in zip(sources, entries))
         info = sources[0].tokenizer
         tok = "" if info.kind == "unknown" else f"; {info.describe()}"
-        return Data(sources, [w for _, w in entries], f"blend of {len(sources)} sets: {parts}{tok}", info)
-    if section.path:
+        data = Data(sources, [w for _, w in entries], f"blend of {len(sources)} sets: {parts}{tok}", info)
+    elif section.path:
         source = open_token_data(section.path, section.dtype, model_vocab)
-        return Data([source], None, source.desc, source.tokenizer)
-    tokens, desc = load_tokens("", section.text, model_vocab)
-    return Data([Source(section.text, tokens, desc, BYTES)], None, desc, BYTES)
+        data = Data([source], None, source.desc, source.tokenizer)
+    else:
+        tokens, desc = load_tokens("", section.text, model_vocab)
+        data = Data([Source(section.text, tokens, desc, BYTES)], None, desc, BYTES)
+    return with_validation_file(data, section, model_vocab)
+
+
+def with_validation_file(data: Data, section, model_vocab: int) -> Data:
+    """``data`` with --data.val_path's file as its validation set (checked: the training data's tokenizer)."""
+    if not getattr(section, "val_path", ""):
+        return data
+    val = open_token_data(section.val_path, section.dtype, model_vocab)
+    train = data.sources[0].path or "the embedded corpus"
+    check_same_tokenizer([(train, data.tokenizer), (val.path, val.tokenizer)], where="--data.val_path",
+                         fix="validate on a file prepared with the training data's tokenizer")
+    return replace(data, val=val, desc=f"{data.desc}; validation: {val.desc}")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -151,7 +176,13 @@ def load_data(section, model_vocab: int) -> Data:
 class Split:
     tokens: np.ndarray
     train_starts: np.ndarray  # [n_train] int64 first position of each training sequence window
-    val_starts: np.ndarray  # [n_val] likewise, held-out blocks only
+    val_starts: np.ndarray  # [n_val] likewise, held-out blocks only (in ``val_tokens`` when that is set)
+    val_tokens: np.ndarray | None = None  # a validation file of its own (--data.val_path); None: ``tokens``
+
+    @property
+    def held_out(self) -> np.ndarray:
+        """The tokens ``val_starts`` index: the validation file's, else the training data's own."""
+        return self.tokens if self.val_tokens is None else self.val_tokens
 
     def sampler(self, seed: int) -> "Sampler":
         return Sampler(self.train_starts, seed)
@@ -163,9 +194,18 @@ class Split:
 
 
 def split_windows(tokens: np.ndarray, seq_len: int, val_fraction: float) -> Split:
-    """Non-overlapping windows of seq_len + 1 tokens inside blocks; every k-th block is validation."""
-    k = max(2, round(1 / val_fraction))
+    """Non-overlapping windows of seq_len + 1 tokens inside blocks; every k-th block is validation (none with
+    ``val_fraction`` 0: a run that validates on a file of its own)."""
     n = tokens.size
+    if val_fraction == 0:
+        block = min(BLOCK, n)
+        if block < seq_len + 1:
+            raise UserError(f"the data has {n:,} tokens: too few for one sequence of {seq_len} (need at least "
+                            f"{seq_len + 1:,}); use more data, or a smaller --train.seq_len")
+        per_block = (block - 1) // seq_len
+        starts = np.arange(n // block, dtype=np.int64)[:, None] * block + np.arange(per_block)[None, :] * seq_len
+        return Split(tokens, starts.reshape(-1), np.empty(0, np.int64))
+    k = max(2, round(1 / val_fraction))
     block = min(BLOCK, n // k)  # small data still gets k blocks, hence one validation block
     if block < seq_len + 1:
         raise UserError(f"the data has {n:,} tokens: too few for sequences of {seq_len} with a 1/{k} validation "
@@ -176,6 +216,16 @@ def split_windows(tokens: np.ndarray, seq_len: int, val_fraction: float) -> Spli
     starts = blocks[:, None] * block + np.arange(per_block, dtype=np.int64)[None, :] * seq_len  # [blocks, w]
     is_val = (blocks % k) == k - 1
     return Split(tokens, starts[~is_val].reshape(-1), starts[is_val].reshape(-1))
+
+
+def file_windows(source: Source, seq_len: int) -> np.ndarray:
+    """The non-overlapping windows of seq_len + 1 tokens of a validation file, from its first token."""
+    count = (source.tokens.size - 1) // seq_len
+    if count < 1:
+        raise UserError(f"--data.val_path {source.path}: {source.tokens.size:,} tokens, too few for one validation "
+                        f"sequence of {seq_len} (need at least {seq_len + 1:,}); use a larger file, or a smaller "
+                        f"--train.seq_len")
+    return np.arange(count, dtype=np.int64) * seq_len
 
 
 class Sampler:
@@ -269,7 +319,10 @@ class BlendSplit(Split):
 
     def validation(self, n: int) -> np.ndarray:
         """``n`` windows shared among the sets by weight (largest remainder; every set gets one when n allows),
-        each set's share spread evenly over its held-out blocks: a fixed weighted mix."""
+        each set's share spread evenly over its held-out blocks: a fixed weighted mix. With a validation file of its
+        own: ``n`` windows of that file, as for one set."""
+        if self.val_tokens is not None:
+            return super().validation(n)
         shares = weighted_shares(n, self.weights)
         return np.concatenate([p.validation(k) + off for p, k, off in
                                zip(self.parts, shares, self.tokens.offsets.tolist())])
@@ -299,8 +352,8 @@ def blend_split(sources: list[Source], weights: list[float], seq_len: int, val_f
             raise UserError(f"--data.blend set {s.path}: {exc}") from None
     tokens = BlendTokens([s.tokens for s in sources])
     total = math.fsum(weights)
-    split = BlendSplit(tokens, np.empty(0, np.int64), np.empty(0, np.int64), tuple(parts),
-                       tuple(w / total for w in weights), tuple(s.path for s in sources))
+    split = BlendSplit(tokens, np.empty(0, np.int64), np.empty(0, np.int64), parts=tuple(parts),
+                       weights=tuple(w / total for w in weights), names=tuple(s.path for s in sources))
     object.__setattr__(split, "train_starts", np.concatenate(split._starts("train_starts")))
     object.__setattr__(split, "val_starts", np.concatenate(split._starts("val_starts")))
     return split

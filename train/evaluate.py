@@ -5,9 +5,10 @@
                 [--specialisation]
 
 Data: ``--data FILE`` (a token file, or any token data moekit-train's --data.path reads), else the data the
-run trained on (its config: path, blend or text), else (an HF folder) the embedded corpus, encoded with
-the folder's tokenizer. The windows are the trainer's (moekit.train.data): sequences of --seq-len + 1
-tokens inside blocks, ``val`` = the held-out blocks (default), ``all`` = every window of the data. Fewer
+run trained on (its config: path, blend or text, and its --data.val_path file), else (an HF folder) the
+embedded corpus, encoded with the folder's tokenizer. The windows are the trainer's (moekit.train.data):
+sequences of --seq-len + 1 tokens inside blocks, ``val`` = the held-out blocks (default; a run's validation
+file when it had one), ``all`` = every window of the data (of its training data, beside a validation file). Fewer
 windows (--batches, --max-tokens; with both, the fewer windows) are spread evenly over the split as the
 trainer's evaluation picks them, so ``--batches E/B --batch-size B`` with E = the run's eval.sequences
 evaluates the trainer's own windows.
@@ -131,7 +132,7 @@ def run(args: argparse.Namespace) -> dict:
         limits.append(args.batches * batch_size)
     if args.max_tokens:
         limits.append(args.max_tokens // seq_len)
-    starts = choose_windows(split, args.split, min(limits) if limits else None)
+    tokens, starts = choose_windows(split, args.split, min(limits) if limits else None)
     if starts.size == 0:
         why = f"--max-tokens {args.max_tokens} is less than one window of {seq_len}" if limits else "the split is empty"
         raise UserError(f"no windows to evaluate: {why}")
@@ -147,7 +148,7 @@ def run(args: argparse.Namespace) -> dict:
 
         observer = Specialisation(cfg.vocab_size, seq_len).attach(model)
     try:
-        result = evaluate(model, split.tokens, starts, seq_len, batch_size, tokenizer,
+        result = evaluate(model, tokens, starts, seq_len, batch_size, tokenizer,
                           progress=None if args.quiet else _note, observer=observer)
     finally:
         if observer is not None:

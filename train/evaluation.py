@@ -31,7 +31,7 @@ def data_section(run_config: dict | None, path: str | None) -> DataSection | Non
     saved = (run_config or {}).get("data")
     names = {f.name for f in dataclasses.fields(DataSection)}
     section = DataSection(**{k: v for k, v in saved.items() if k in names}) if isinstance(saved, dict) else None
-    if path is not None:
+    if path is not None:  # that file alone, its validation blocks held out of it
         return DataSection(path=path, dtype=section.dtype if section else DataSection.dtype,
                            val_fraction=section.val_fraction if section else DataSection.val_fraction)
     return section
@@ -76,15 +76,18 @@ def check_tokenizers(data_tok: TokenizerInfo, tokenizer, where: str) -> None:
                         f"{tokenizer.describe()}; evaluate on data prepared with the model's tokenizer")
 
 
-def choose_windows(split: Split, which: str, count: int | None) -> np.ndarray:
-    """Window starts of ``which`` split; ``count`` of them (None: all) spread evenly, as the trainer does."""
+def choose_windows(split: Split, which: str, count: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """(the tokens, the window starts) of ``which`` split; ``count`` windows (None: all) spread evenly, as the trainer
+    does. "val": the held-out windows, a run's --data.val_path file when it had one; "all": every window of the
+    data (the training data alone when validation was a file of its own)."""
     if which == "val":
         starts = split.val_starts
-        return starts if count is None or count >= starts.size else split.validation(count)
-    starts = np.sort(np.concatenate([split.train_starts, split.val_starts]))
+        return split.held_out, starts if count is None or count >= starts.size else split.validation(count)
+    own = split.val_tokens is None  # the held-out windows are in the training data
+    starts = np.sort(np.concatenate([split.train_starts, split.val_starts])) if own else split.train_starts
     if count is None or count >= starts.size:
-        return starts
-    return starts[np.linspace(0, starts.size - 1, count).round().astype(np.int64)]
+        return split.tokens, starts
+    return split.tokens, starts[np.linspace(0, starts.size - 1, count).round().astype(np.int64)]
 
 
 # ---------------------------------------------------------------------------------------------------

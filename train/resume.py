@@ -5,7 +5,8 @@ tokens trained so far; older checkpoints fall back to the run directory's config
 current settings are compared with those:
 
 * refused (UserError before anything is built or written): what the checkpoint's data position or RNG
-  streams depend on -- the seed, the sequence length, the data and its validation split. The model's
+  streams depend on -- the seed, the sequence length, the data and its validation split (a --data.val_path added
+  or dropped; one validation file for another is applied). The model's
   shape is checked by moekit.train.checkpoint.check_model.
 * ignored, and the checkpoint's value kept in config.json: ``train.init_from_hf``, ``train.init_from_dense``
   ``train.upcycle_granularity`` and ``train.upcycle_drop`` (the weights come from the checkpoint).
@@ -39,7 +40,11 @@ REFUSED = {
     "data.blend": "the checkpoint's data position counts windows drawn from each set of its blend",
     "data.dtype": "the checkpoint's data position indexes its token data",
     "train.optimizer": "the checkpoint's optimizer state is that optimizer's (AdamW's moments, or Muon's momentum)",
+    # from one validation file to another is applied (compare); adding or dropping one is refused
+    "data.val_path": "with a validation file the training data trains whole, without one its held-out blocks do not: "
+                     "the checkpoint's data position counts the other set of windows",
 }
+VAL_PATH = "data.val_path"
 KEPT = {"train.init_from_hf": "the resumed weights come from the checkpoint",
         "train.init_from_dense": "the resumed weights come from the checkpoint",
         "train.upcycle_granularity": "the resumed weights come from the checkpoint",
@@ -97,6 +102,9 @@ def compare(saved: dict[str, Any], current: dict[str, Any]) -> Changes:
         if key in NOT_COMPARED or key not in old or key not in new or old[key] == new[key]:
             continue  # a key only one side has: a setting added or retired between moekit versions
         if key.startswith(MODEL_PREFIX) and key != "model.expert_backend":
+            continue
+        if key == VAL_PATH and bool(old[key]) == bool(new[key]):
+            changes.applied.append((key, old[key], new[key]))  # another validation file: the training windows stay
             continue
         bucket = changes.refused if key in REFUSED else changes.kept if key in KEPT else changes.applied
         bucket.append((key, old[key], new[key]))

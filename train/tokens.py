@@ -304,16 +304,18 @@ def tokenizer_of(path: str, meta: dict | None) -> TokenizerInfo:
     return TokenizerInfo("hf", tok.get("source") or file, digest, vocab, eos, file)
 
 
-def check_same_tokenizer(sets: list[tuple[str, TokenizerInfo]]) -> None:
-    """A blend's sets must share one tokenizer (kind, tokenizer.json digest, vocab, EOS): one line otherwise."""
+def check_same_tokenizer(sets: list[tuple[str, TokenizerInfo]], where: str = "--data.blend",
+                         fix: str = "blend sets prepared with one tokenizer") -> None:
+    """A blend's sets (or the training data and its --data.val_path file) must share one tokenizer (kind,
+    tokenizer.json digest, vocab, EOS): one line otherwise."""
     first_path, first = sets[0]
     for path, info in sets[1:]:
         if first.kind == info.kind == "unknown" and first.vocab_size == info.vocab_size:
             continue  # no metadata on either: nothing to compare
         if not first.same_as(info):
-            raise UserError(f"--data.blend: {first_path} ({first.describe()}) and {path} ({info.describe()}) were "
-                            f"not prepared with the same tokenizer; blend sets prepared with one tokenizer "
-                            f"(moekit-prepare --tokenizer, the same for every set)")
+            raise UserError(f"{where}: {first_path} ({first.describe()}) and {path} ({info.describe()}) were "
+                            f"not prepared with the same tokenizer; {fix} (moekit-prepare --tokenizer, the same for "
+                            f"every set)")
 
 
 # ---------------------------------------------------------------------------------------------------

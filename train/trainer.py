@@ -68,7 +68,9 @@ class Trainer:
         except UserError as exc:  # raised below, on every rank alike
             error = exc
         # every rank: the same settings, software and data, or one line naming what differs (collective)
-        check_ranks_agree(cfg.to_dict(), [s.tokens for s in self.data.sources] if self.data else None, error)
+        files = None if self.data is None else [s.tokens for s in self.data.sources] + (
+            [self.data.val.tokens] if self.data.val is not None else [])  # --data.val_path's file too
+        check_ranks_agree(cfg.to_dict(), files, error)
         # rank 0 locks the run dir, refuses an earlier run's, probes what it writes; before anything is touched
         self.run_lock = self.dist.from_main(lambda: rundir.claim(cfg, opts.resume is not None or opts.overwrite, _warn))
         self.split: Split = self.data.split(cfg.train.seq_len, cfg.data.val_fraction)
@@ -273,8 +275,10 @@ class Trainer:
         dt = self.plan.autocast_dtype
         return torch.autocast(self.plan.device.type, dtype=dt) if dt is not None else contextlib.nullcontext()
 
-    def forward_loss(self, starts: np.ndarray) -> torch.Tensor:
-        x, y = self.dist.positions(*gather(self.split.tokens, starts, self.cfg.train.seq_len))
+    def forward_loss(self, starts: np.ndarray, tokens=None) -> torch.Tensor:
+        """The mean loss of the windows at ``starts`` of ``tokens`` (default: the training data)."""
+        tokens = self.split.tokens if tokens is None else tokens
+        x, y = self.dist.positions(*gather(tokens, starts, self.cfg.train.seq_len))
         x, y = x.to(self.plan.device), y.to(self.plan.device)  # [b, S] each (S / cp under context parallelism)
         with self.autocast():
             if self.pipe is not None:  # forward only (evaluation); the loss arrives on every pipeline rank
@@ -483,7 +487,7 @@ class Trainer:
         try:
             for i in range(0, mine.size, self.plan.micro_batch):
                 part = mine[i : i + self.plan.micro_batch]
-                total += self.forward_loss(part) * part.size
+                total += self.forward_loss(part, self.split.held_out) * part.size
         finally:
             for m in mtp:
                 m.mtp_in_eval = False

@@ -219,6 +219,7 @@ def validate_placement(cfg: TrainConfig) -> None:
 
 
 def validate_data(cfg: TrainConfig) -> None:
+    from moekit.train.data import data_files
     from moekit.train.tokens import RAW_DTYPES
 
     d = cfg.data
@@ -227,6 +228,12 @@ def validate_data(cfg: TrainConfig) -> None:
     _require(not (d.blend and (d.path or d.text)),
              f"--data.blend and --data.{'path' if d.path else 'text'} are both set; choose one data source (a blend "
              f"of one set is --data.blend FILE:1)")
+    _require(not d.val_path or os.path.isfile(d.val_path),
+             f"--data.val_path {d.val_path}: no such file (a token file to validate on: moekit-prepare's, a raw .bin "
+             f"or a .npy, prepared with the training data's tokenizer)")
+    _require(not d.val_path or all(os.path.realpath(d.val_path) != os.path.realpath(p) for p in data_files(d)),
+             f"--data.val_path {d.val_path} is also training data; validate on held-out text (a file of its own, or "
+             f"leave --data.val_path empty to hold out --data.val_fraction of the training data)")
     _require(d.dtype in RAW_DTYPES, f"--data.dtype={d.dtype!r} is invalid; choose one of {list(RAW_DTYPES)} (the ids "
                                     f"of a raw .bin file; token files and .npy files carry their own)")
 
