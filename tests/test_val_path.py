@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from moekit.train.data import BLOCK, load_data
 from moekit.train.loop import main
 from moekit.train.prepare import main as prepare
-from tests.tiny import TINY_MODEL
+from tests.tiny import TINY_MODEL, byte_sets
 
 S = 32  # TINY_MODEL's train.seq_len
 
@@ -30,15 +30,8 @@ def sets(tmp_path_factory) -> Path:
     """Byte-token sets of fresh random text: train (t), two validation files of other letters (v, w), one more
     training set (u), and one prepared without EOS (x: another tokenizer record)."""
     folder = tmp_path_factory.mktemp("valpath")
-    rng = np.random.default_rng()
-    for name, size, letters, extra in (("t", 40_000, "abcdefgh ij\n", []), ("u", 20_000, "abcdefgh ij\n", []),
-                                       ("v", 6_000, "klmnop qrs\n", []), ("w", 6_000, "tuvwxyz\n", []),
-                                       ("x", 6_000, "abc\n", ["--no-eos"])):
-        chars = np.array(list(letters))
-        text = folder / f"{name}.txt"
-        text.write_text("\n".join("".join(rng.choice(chars, size=60)) for _ in range(size // 60)))
-        assert prepare([str(text), "--docs-per-line", "--tokenizer", "bytes", "-o", str(folder / f"{name}.bin"),
-                        "--quiet", *extra]) == 0
+    byte_sets(folder, [("t", 40_000, "abcdefgh ij\n", []), ("u", 20_000, "abcdefgh ij\n", []),
+                       ("v", 6_000, "klmnop qrs\n", []), ("w", 6_000, "tuvwxyz\n", []), ("x", 6_000, "abc\n", ["--no-eos"])])
     return folder
 
 

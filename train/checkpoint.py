@@ -192,14 +192,18 @@ def read_placement(path: Path) -> dict | None:
     return found if isinstance(found, dict) else None
 
 
-def load(path: Path, model, optimizer, scheduler, sampler, model_config: dict, verify: bool = True) -> int:
+def load(path: Path, model, optimizer, scheduler, sampler, model_config: dict, verify: bool = True,
+         load_data: bool = True) -> int:
     """Restore everything in place; return the step the checkpoint was taken after.
 
     ``verify=False`` when ``choose_resume`` has just verified this checkpoint (hashing is a full read).
+    ``load_data=False``: leave ``sampler`` as it is (a resume into new data: --checkpoint.exclude_from_loading data).
     """
     meta = read_meta(path, verify)
     check_model(path, meta["model"], model_config)
     state = _state(model, optimizer, scheduler, sampler, 0)
+    if not load_data:  # the new data's position has another shape than the checkpoint's (a blend, one set)
+        del state["train"]["data"]
     try:
         dcp.load(state, checkpoint_id=str(path))
     except Exception as exc:  # DCP wraps per-rank failures; any of them means this checkpoint is unusable
@@ -211,7 +215,8 @@ def load(path: Path, model, optimizer, scheduler, sampler, model_config: dict, v
     set_optimizer_state_dict(model, optimizer, state["optim"])
     train = state["train"]
     scheduler.load_state_dict(train["scheduler"])
-    sampler.load_state_dict(train["data"])
+    if load_data:
+        sampler.load_state_dict(train["data"])
     torch.set_rng_state(train["rng_cpu"])
     if "rng_cuda" in train:
         torch.cuda.set_rng_state(train["rng_cuda"])

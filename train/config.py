@@ -39,6 +39,7 @@ PROGRESS = ("auto", "on", "off")
 ON_NONFINITE = ("stop", "skip")  # moekit.train.guard acts on these
 LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")  # train.lr_schedule (moekit.train.plan.lr_lambda)
 WSD_DECAYS = ("linear", "sqrt", "cosine")  # train.wsd_decay
+EXCLUDABLE = ("data",)  # checkpoint.exclude_from_loading: parts of a checkpoint a resume may leave unloaded
 MAX_LR = 1.0  # AdamW's step is ~lr per weight: beyond this a run can only diverge (and 10 * lr can overflow fp32)
 
 
@@ -116,6 +117,7 @@ class CheckpointSection:
     every: int = 100  # save every n steps and after the last; 0 = never
     keep: int = 2  # newest checkpoints kept
     async_save: bool = False  # write in the background (dcp.async_save) after a synchronous copy to CPU memory
+    exclude_from_loading: str = ""  # "data": on --resume the data and seq_len may change; the new data drawn afresh
 
 
 @dataclass

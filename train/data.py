@@ -30,6 +30,7 @@ from moekit.train.tokens import (
 )
 
 BLOCK = 16384  # ~16 KB of text: validation samples many modules, < 2% lost at block ends
+PHASE_KEY = 0x5048  # marks a later data phase's permutation keys (Sampler.phase)
 
 
 def parse_blend(spec: str, where: str = "--data.blend") -> list[tuple[str, float]]:
@@ -184,8 +185,8 @@ class Split:
         """The tokens ``val_starts`` index: the validation file's, else the training data's own."""
         return self.tokens if self.val_tokens is None else self.val_tokens
 
-    def sampler(self, seed: int) -> "Sampler":
-        return Sampler(self.train_starts, seed)
+    def sampler(self, seed: int, phase: int = 0) -> "Sampler":
+        return Sampler(self.train_starts, seed, phase=phase)
 
     def validation(self, n: int) -> np.ndarray:
         """The fixed validation windows: ``n`` (at most all) spread evenly over the held-out blocks."""
@@ -234,15 +235,19 @@ class Sampler:
     ``next(n)`` returns the start positions of the next n windows of the global batch; data-parallel
     ranks take contiguous shares of it. ``state_dict()`` / ``load_state_dict()`` resume exactly.
     ``stream``: a blend's set number, so that sets of equal size are not visited in the same order.
+    ``phase``: the step a data phase began at (a resume that changed the data: --checkpoint.exclude_from_loading
+    data), so that a phase does not replay an earlier one's order; 0 for a run's first phase.
     """
 
-    def __init__(self, starts: np.ndarray, seed: int, stream: int | None = None):
-        self.starts, self.seed, self.stream = starts, seed, stream
+    def __init__(self, starts: np.ndarray, seed: int, stream: int | None = None, phase: int = 0):
+        self.starts, self.seed, self.stream, self.phase = starts, seed, stream, phase
         self.epoch, self.position = 0, 0
         self._order = self._permutation()
 
     def _permutation(self) -> np.ndarray:
         key = [self.seed, self.epoch] if self.stream is None else [self.seed, self.epoch, 1 + self.stream]
+        if self.phase:
+            key += [PHASE_KEY, self.phase]
         return np.random.default_rng(key).permutation(self.starts.size)
 
     def next(self, n: int) -> np.ndarray:
@@ -314,8 +319,8 @@ class BlendSplit(Split):
     def _starts(self, which: str) -> list[np.ndarray]:
         return [getattr(p, which) + off for p, off in zip(self.parts, self.tokens.offsets.tolist())]
 
-    def sampler(self, seed: int) -> "BlendSampler":
-        return BlendSampler(self._starts("train_starts"), list(self.weights), seed, list(self.names))
+    def sampler(self, seed: int, phase: int = 0) -> "BlendSampler":
+        return BlendSampler(self._starts("train_starts"), list(self.weights), seed, list(self.names), phase)
 
     def validation(self, n: int) -> np.ndarray:
         """``n`` windows shared among the sets by weight (largest remainder; every set gets one when n allows),
@@ -367,11 +372,11 @@ class BlendSampler:
     windows every set's count is within one of ``weight * k``. The state (windows drawn per set, each set's
     epoch and position) resumes exactly, mid-epoch included."""
 
-    def __init__(self, starts: list[np.ndarray], weights: list[float], seed: int, names: list[str]):
+    def __init__(self, starts: list[np.ndarray], weights: list[float], seed: int, names: list[str], phase: int = 0):
         total = math.fsum(weights)
         self.weights = [w / total for w in weights]
         self.seed, self.names = seed, names
-        self.samplers = [Sampler(s, seed, stream=i) for i, s in enumerate(starts)]
+        self.samplers = [Sampler(s, seed, stream=i, phase=phase) for i, s in enumerate(starts)]
         self.counts = [0] * len(starts)
 
     def choose(self, n: int) -> np.ndarray:

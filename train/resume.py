@@ -6,7 +6,11 @@ current settings are compared with those:
 
 * refused (UserError before anything is built or written): what the checkpoint's data position or RNG
   streams depend on -- the seed, the sequence length, the data and its validation split (a --data.val_path added
-  or dropped; one validation file for another is applied). The model's
+  or dropped; one validation file for another is applied). With ``--checkpoint.exclude_from_loading data`` the
+  data settings and the sequence length are applied instead (a new data phase: an annealing mix, longer
+  context): the checkpoint's data position is then not loaded, and the new data is drawn in a fresh order
+  keyed on the seed and the step the phase began at (meta.json "run" records that step as "data_phase", so a
+  restart inside the phase continues it exactly: its data settings equal its checkpoint's). The model's
   shape is checked by moekit.train.checkpoint.check_model.
 * ignored, and the checkpoint's value kept in config.json: ``train.init_from_hf``, ``train.init_from_dense``
   ``train.upcycle_granularity`` and ``train.upcycle_drop`` (the weights come from the checkpoint).
@@ -45,6 +49,9 @@ REFUSED = {
                      "the checkpoint's data position counts the other set of windows",
 }
 VAL_PATH = "data.val_path"
+# what the data position depends on besides the seed: --checkpoint.exclude_from_loading data lets them change
+DATA_KEYS = ("train.seq_len", "data.path", "data.text", "data.blend", "data.dtype", "data.val_fraction", VAL_PATH)
+EXCLUDE_DATA = "data"
 KEPT = {"train.init_from_hf": "the resumed weights come from the checkpoint",
         "train.init_from_dense": "the resumed weights come from the checkpoint",
         "train.upcycle_granularity": "the resumed weights come from the checkpoint",
@@ -63,6 +70,7 @@ class Changes:
     applied: list[tuple[str, Any, Any]] = field(default_factory=list)
     kept: list[tuple[str, Any, Any]] = field(default_factory=list)  # (key, checkpoint's value, asked for)
     refused: list[tuple[str, Any, Any]] = field(default_factory=list)
+    new_data: bool = False  # the data settings changed under --checkpoint.exclude_from_loading data
 
     def summary(self) -> str:
         """One line for the run's log ("" when nothing changed)."""
@@ -71,6 +79,9 @@ class Changes:
             parts.append("applied " + ", ".join(f"{k} {_show(a)} -> {_show(b)}" for k, a, b in self.applied))
         if self.kept:
             parts.append("ignored " + ", ".join(f"{k}={_show(b)} ({KEPT[k]})" for k, _, b in self.kept))
+        if self.new_data:
+            parts.append("the checkpoint's data position is not loaded (--checkpoint.exclude_from_loading data): "
+                         "the new data is drawn afresh from this step")
         return f"resuming with changed settings: {'; '.join(parts)}" if parts else ""
 
 
@@ -94,8 +105,9 @@ def saved_run(checkpoint: Path) -> dict | None:
         return None
 
 
-def compare(saved: dict[str, Any], current: dict[str, Any]) -> Changes:
-    """Sort every setting that differs between the checkpoint's config and this run's (nested dicts)."""
+def compare(saved: dict[str, Any], current: dict[str, Any], exclude: tuple[str, ...] = ()) -> Changes:
+    """Sort every setting that differs between the checkpoint's config and this run's (nested dicts). ``exclude``:
+    the parts of the checkpoint this resume does not load (--checkpoint.exclude_from_loading)."""
     old, new = flatten(saved), flatten(current)
     changes = Changes()
     for key in sorted(set(old) | set(new)):
@@ -106,22 +118,43 @@ def compare(saved: dict[str, Any], current: dict[str, Any]) -> Changes:
         if key == VAL_PATH and bool(old[key]) == bool(new[key]):
             changes.applied.append((key, old[key], new[key]))  # another validation file: the training windows stay
             continue
+        if key in DATA_KEYS and EXCLUDE_DATA in exclude:  # a new data phase
+            changes.applied.append((key, old[key], new[key]))
+            changes.new_data = True
+            continue
         bucket = changes.refused if key in REFUSED else changes.kept if key in KEPT else changes.applied
         bucket.append((key, old[key], new[key]))
     return changes
 
 
-def check(saved_config: dict[str, Any] | None, current: dict[str, Any], checkpoint: Path) -> Changes:
+def check(saved_config: dict[str, Any] | None, current: dict[str, Any], checkpoint: Path,
+          exclude: tuple[str, ...] = ()) -> Changes:
     """Compare, and raise one UserError naming every refused change with its reason and the fix."""
     if saved_config is None:
         return Changes()
-    changes = compare(saved_config, current)
+    changes = compare(saved_config, current, exclude)
     if changes.refused:
         why = "; ".join(f"{k} {_show(a)} -> {_show(b)}: {REFUSED[k]}" for k, a, b in changes.refused)
         keep = " ".join(f"--{k} {a}" for k, a, _ in changes.refused)
+        new_data = ("; or go on with the new data from this step, its position afresh, with "
+                    "--checkpoint.exclude_from_loading data" if all(k in DATA_KEYS for k, _, _ in changes.refused)
+                    else "")
         raise UserError(f"cannot resume {checkpoint} with changed settings ({why}); resume with {keep}, or "
-                        f"start a fresh run (a new --run-dir, or --overwrite instead of --resume)")
+                        f"start a fresh run (a new --run-dir, or --overwrite instead of --resume){new_data}")
     return changes
+
+
+def excluded(setting: str) -> tuple[str, ...]:
+    """--checkpoint.exclude_from_loading's parts ("data,..." -> ("data", ...))."""
+    return tuple(p.strip() for p in setting.split(",") if p.strip())
+
+
+def data_phase(run: dict | None, changes: Changes, step: int) -> int:
+    """The step this run's data phase began at: ``step`` (the checkpoint's) when this resume changes the data,
+    else the phase the checkpoint recorded (0: the run's first)."""
+    if changes.new_data:
+        return step
+    return int((run or {}).get("data_phase", 0))
 
 
 def keep_checkpoint_values(current: dict[str, Any], changes: Changes) -> dict[str, Any]:

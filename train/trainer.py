@@ -74,18 +74,22 @@ class Trainer:
         # rank 0 locks the run dir, refuses an earlier run's, probes what it writes; before anything is touched
         self.run_lock = self.dist.from_main(lambda: rundir.claim(cfg, opts.resume is not None or opts.overwrite, _warn))
         self.split: Split = self.data.split(cfg.train.seq_len, cfg.data.val_fraction)
-        self.sampler = self.split.sampler(cfg.train.seed)  # data.Sampler, or data.BlendSampler for a blend
         self.run_dir = Path(cfg.run_dir)
         # verified (sizes, sha256, model config) before building anything; --resume / auto skip damaged ones
         self.resume_from = checkpoint.choose_resume(cfg.run_dir, opts.resume, cfg.model.to_dict(),
                                                     warn=lambda msg: print(f"{PROG}: {msg}", file=sys.stderr))
         # changed settings: applied (reported by describe) or refused here, before anything is written
         self.resumed_run = resume.saved_run(self.resume_from) if self.resume_from is not None else None
-        self.changes = resume.check((self.resumed_run or {}).get("config"), cfg.to_dict(), self.resume_from)
+        self.changes = resume.check((self.resumed_run or {}).get("config"), cfg.to_dict(), self.resume_from,
+                                    resume.excluded(cfg.checkpoint.exclude_from_loading))
         for key, saved, _ in self.changes.kept:  # config.json records what runs: the checkpoint's value
             section, name = key.split(".", 1)
             setattr(getattr(cfg, section), name, saved)
-
+        # the step this data phase began at: the checkpoint's when this resume changes the data (its position is
+        # then not loaded), else the checkpoint's own record; keys the sampler's order (moekit.train.data.Sampler)
+        self.data_phase = (resume.data_phase(self.resumed_run, self.changes, checkpoint.step_of(self.resume_from))
+                           if self.resume_from is not None else 0)
+        self.sampler = self.split.sampler(cfg.train.seed, self.data_phase)  # data.Sampler, or data.BlendSampler
     # -- setup ------------------------------------------------------------------------------------
 
     def build(self) -> None:
@@ -164,7 +168,8 @@ class Trainer:
         if self.resume_from is not None:
             fresh = resume.optimizer_settings(self.optimizer)  # this run's lr, betas, eps, weight decay
             self.start_step = checkpoint.load(self.resume_from, self.model, self.optimizer, self.scheduler,
-                                              self.sampler, cfg.model.to_dict(), verify=False)
+                                              self.sampler, cfg.model.to_dict(), verify=False,
+                                              load_data=not self.changes.new_data)
             resume.apply_optimizer_settings(self.optimizer, self.scheduler, fresh)
         self.tokens_seen = resume.tokens_at(self.resumed_run, self.start_step, plan.tokens_per_step)
         self.last_checkpoint = self.resume_from
@@ -345,7 +350,7 @@ class Trainer:
 
     def save(self, step: int) -> Path | None:
         """Checkpoint after ``step``; its meta.json records this run's settings and tokens (moekit.train.resume)."""
-        run = {"config": self.cfg.to_dict(), "tokens": self.tokens_seen}
+        run = {"config": self.cfg.to_dict(), "tokens": self.tokens_seen, "data_phase": self.data_phase}
         return self.checkpointer.save(step, self.model, self.optimizer, self.scheduler, self.sampler, run=run,
                                       placement=self.placement.record())
 
