@@ -181,3 +181,61 @@ def test_bad_blends(blend_sets, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "data.blend" in err[0] and "counts windows drawn from each set" in err[0], err
     assert f"resume with --data.blend {a}:1.0,{b}:1.0" in err[0], err
+
+
+def test_validation_loss_per_set_under_one_process_and_two_data_ranks(blend_sets, tmp_path):
+    """A 3:1 blend's 8 validation windows are 6 of a and 2 of b: val_loss_by_source holds each set's loss on its
+    share (b's equal to a loss computed here from the checkpoint on b's windows), val_loss is their window-weighted
+    mean, and two data-parallel ranks get the same numbers."""
+    import torch
+    import torch.nn.functional as F
+
+    from moekit.train.config import DataSection
+    from moekit.train.data import load_data
+    from moekit.train.inference import load_for_inference
+    from moekit.train.tokens import read_token_file
+    from tests.dist_utils import run_trainer
+
+    a, b = str(blend_sets / "a.bin"), str(blend_sets / "b.bin")
+    flags = ["--data.blend", f"{a}:3,{b}:1", "--steps", "3", "--checkpoint.every", "3", "--log.progress", "off"]
+    assert run(tmp_path / "one", *flags) == 0
+    last = metrics(tmp_path / "one")[-1]
+    by = last["val_loss_by_source"]
+    assert sorted(by) == sorted([a, b])
+    assert last["val_loss"] == pytest.approx((6 * by[a] + 2 * by[b]) / 8, rel=1e-6)
+    split = load_data(DataSection(blend=f"{a}:3,{b}:1"), 257).split(32, 0.05)
+    windows = split.parts[1].validation(2)  # b's 2 windows, at positions in b.bin
+    model, _, _ = load_for_inference(tmp_path / "one", require_tokenizer=False, warn=lambda _m: None)
+    ids = np.asarray(read_token_file(b)[0], dtype=np.int64)
+    x = torch.from_numpy(ids[windows[:, None] + np.arange(33)])
+    with torch.no_grad():
+        direct = F.cross_entropy(model(x[:, :-1]).flatten(0, 1).float(), x[:, 1:].flatten()).item()
+    assert by[b] == pytest.approx(direct, rel=1e-5)
+    r = run_trainer([*TINY_MODEL, "--run-dir", str(tmp_path / "dp2"), *flags], nproc=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    two = metrics(tmp_path / "dp2")[-1]
+    assert two["val_loss_by_source"] == pytest.approx(by, rel=1e-5)
+    assert two["val_loss"] == pytest.approx(last["val_loss"], rel=1e-5)
+
+
+def test_per_set_values_become_one_scalar_each(tmp_path):
+    """metrics.jsonl's per-set dicts reach TensorBoard (and W&B) as one scalar per set, named by file name (the
+    whole path where two sets share a name)."""
+    pytest.importorskip("tensorboard")
+    import torch
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from moekit.train.monitor import Monitor, source_scalars
+
+    assert source_scalars({"tokens_by_source": {"x/a.bin": 5, "y/a.bin": 7}}) == {
+        "tokens_by_source/x/a.bin": 5, "tokens_by_source/y/a.bin": 7}
+    m = Monitor(str(tmp_path), torch.device("cpu"), 2, 0, 100, True, "off")
+    for step in (1, 2):
+        m.step({"step": step, "loss": 1.0, "aux_loss": 0.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 1.0,
+                "mem_gb": 0.1, "tokens_by_source": {"d/a.bin": 10 * step, "d/b.bin": 3 * step},
+                **({"val_loss_by_source": {"d/a.bin": 2.5, "d/b.bin": 4.0}} if step == 2 else {})})
+    m.close()
+    ea = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"scalars": 0})
+    ea.Reload()
+    assert [e.value for e in ea.Scalars("tokens_by_source/a.bin")] == [10, 20]
+    assert [(e.step, e.value) for e in ea.Scalars("val_loss_by_source/b.bin")] == [(2, 4.0)]

@@ -193,6 +193,10 @@ class Split:
         n = min(n, self.val_starts.size)
         return self.val_starts[np.linspace(0, self.val_starts.size - 1, n).round().astype(np.int64)]
 
+    def validation_groups(self, n: int) -> list[tuple[str | None, np.ndarray]]:
+        """``validation(n)`` as (source, windows) groups: one, unnamed, for a single set or a validation file."""
+        return [(None, Split.validation(self, n))]  # a blend's validation file too (BlendSplit.validation)
+
 
 def split_windows(tokens: np.ndarray, seq_len: int, val_fraction: float) -> Split:
     """Non-overlapping windows of seq_len + 1 tokens inside blocks; every k-th block is validation (none with
@@ -326,11 +330,16 @@ class BlendSplit(Split):
         """``n`` windows shared among the sets by weight (largest remainder; every set gets one when n allows),
         each set's share spread evenly over its held-out blocks: a fixed weighted mix. With a validation file of its
         own: ``n`` windows of that file, as for one set."""
+        return np.concatenate([starts for _, starts in self.validation_groups(n)])
+
+    def validation_groups(self, n: int) -> list[tuple[str | None, np.ndarray]]:
+        """``validation(n)`` by set: (the set's path, its share of the windows), the sets with a share, in order."""
         if self.val_tokens is not None:
-            return super().validation(n)
+            return super().validation_groups(n)
         shares = weighted_shares(n, self.weights)
-        return np.concatenate([p.validation(k) + off for p, k, off in
-                               zip(self.parts, shares, self.tokens.offsets.tolist())])
+        groups = [(name, p.validation(k) + off) for name, p, k, off in
+                  zip(self.names, self.parts, shares, self.tokens.offsets.tolist())]
+        return [(name, starts) for name, starts in groups if starts.size]
 
 
 def weighted_shares(n: int, weights) -> list[int]:

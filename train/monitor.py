@@ -274,6 +274,22 @@ def format_line(m: dict) -> str:
     return " ".join(parts)
 
 
+BY_SOURCE = ("val_loss_by_source", "tokens_by_source")  # metrics.jsonl's per-set dicts (a blend)
+
+
+def source_scalars(m: dict) -> dict[str, float]:
+    """{"<key>/<set file name>": value} for the per-set dicts of a metrics row (TensorBoard / W&B scalars); the
+    full path where two sets share a file name."""
+    out = {}
+    for key in BY_SOURCE:
+        values = m.get(key) or {}
+        names = [os.path.basename(p) for p in values]
+        unique = len(set(names)) == len(names)
+        for (path, v), name in zip(values.items(), names):
+            out[f"{key}/{name if unique else path}"] = v
+    return out
+
+
 class Monitor:
     """Everything per-step output goes through: console, progress bar, TensorBoard, W&B, telemetry.
 
@@ -311,6 +327,10 @@ class Monitor:
             m.update(load_metrics(load))
         self.tb.write(m)
         values = {k: v for k, v in m.items() if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        by_source = source_scalars(m)  # a blend's per-set values, one scalar each
+        if by_source:
+            self.tb.write_layers(step, by_source)
+            values.update(by_source)
         if load and (step % self.load_every == 0 or step == self.total):
             scalars = layer_scalars(load)
             self.tb.write_layers(step, scalars)

@@ -165,6 +165,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.start_step = 0
         self.val_mtp: float | None = None  # the MTP depths' loss at the last evaluation (models.mtp)
+        self.val_by_source: dict[str, float] | None = None  # a blend's loss per set at the last evaluation
         if self.resume_from is not None:
             fresh = resume.optimizer_settings(self.optimizer)  # this run's lr, betas, eps, weight decay
             self.start_step = checkpoint.load(self.resume_from, self.model, self.optimizer, self.scheduler,
@@ -410,6 +411,8 @@ class Trainer:
             self.profiler.end(step)  # a window's step ends before evaluation and checkpoints
             if step == cfg.train.steps or (cfg.eval.every and step % cfg.eval.every == 0):
                 m["val_loss"] = self.evaluate()
+                if self.val_by_source is not None:  # a blend: each set's share of the validation windows
+                    m["val_loss_by_source"] = self.val_by_source
                 if cfg.model.mtp_layers:  # the depths' loss on the same windows (models.mtp)
                     m["val_mtp_loss"] = self.val_mtp
             if self.dist.is_main:
@@ -478,21 +481,25 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean loss over fixed validation windows spread evenly over the held-out blocks."""
-        starts = self.split.validation(self.cfg.eval.sequences)  # a blend: a fixed mix by weight
-        n = starts.size
+        """Mean loss over fixed validation windows spread evenly over the held-out blocks; a blend's sets are
+        evaluated one after the other, and each one's mean is kept in ``val_by_source`` (None for one set)."""
+        groups = self.split.validation_groups(self.cfg.eval.sequences)  # a blend: a fixed mix by weight, per set
         D = self.dist.data_parallel  # each rank takes an equal share (same forward count: EP collectives)
-        starts = starts[: n - n % D] if n >= D else starts[np.arange(D) % n]
-        mine = starts.reshape(D, -1)[self.dist.data_rank]
+        shares = []
+        for _, starts in groups:
+            n = starts.size
+            starts = starts[: n - n % D] if n >= D else starts[np.arange(D) % n]
+            shares.append(starts.reshape(D, -1)[self.dist.data_rank])
         self.model.eval()
         mtp = [m for m in (self.model, *getattr(self.model, "stages", ())) if hasattr(m, "mtp_in_eval")]
         for m in mtp:  # the MTP depths record their loss on these windows too (val_mtp_loss)
             m.mtp_in_eval = True
-        total = torch.zeros((), device=self.plan.device)
+        totals = torch.zeros(len(groups), device=self.plan.device)
         try:
-            for i in range(0, mine.size, self.plan.micro_batch):
-                part = mine[i : i + self.plan.micro_batch]
-                total += self.forward_loss(part, self.split.held_out) * part.size
+            for g, mine in enumerate(shares):
+                for i in range(0, mine.size, self.plan.micro_batch):
+                    part = mine[i : i + self.plan.micro_batch]
+                    totals[g] += self.forward_loss(part, self.split.held_out) * part.size
         finally:
             for m in mtp:
                 m.mtp_in_eval = False
@@ -500,7 +507,11 @@ class Trainer:
         if self.cfg.model.mtp_layers:  # a mean over micro-batches of equal size: the windows' mean
             depth = (self.pipe or self.model).pop_mtp_loss()
             self.val_mtp = self.dist.mean(depth).item() if depth is not None else None
-        return self.dist.mean(total / mine.size).item()  # D2H sync: once per evaluation
+        counts = [mine.size for mine in shares]  # alike on every rank
+        means = self.dist.mean(totals / torch.tensor(counts, device=totals.device)).tolist()  # D2H sync: once
+        names = [name for name, _ in groups]
+        self.val_by_source = dict(zip(names, means)) if len(groups) > 1 else None
+        return sum(m * c for m, c in zip(means, counts)) / sum(counts)
 
     def skip_step(self, event: NonFinite, step: int) -> None:
         self.guard.discard_step(self.model, self.optimizer)
