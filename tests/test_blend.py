@@ -239,3 +239,16 @@ def test_per_set_values_become_one_scalar_each(tmp_path):
     ea.Reload()
     assert [e.value for e in ea.Scalars("tokens_by_source/a.bin")] == [10, 20]
     assert [(e.step, e.value) for e in ea.Scalars("val_loss_by_source/b.bin")] == [(2, 4.0)]
+
+
+def test_the_loss_figure_draws_each_sets_validation_curve():
+    pytest.importorskip("matplotlib")
+    from moekit.train import loadplots
+
+    metrics = [{"step": s, "loss": 3.0 / s, "val_loss": 2.0 / s,
+                "val_loss_by_source": {"data/web.bin": 2.2 / s, "data/code.bin": 1.5 / s}} for s in (2, 4)]
+    fig = loadplots.fig_loss([loadplots.Series("run", None, metrics)])
+    lines = {ln.get_label(): ln for ln in fig.axes[1].get_lines()}
+    assert set(lines) == {"run", "run: web.bin", "run: code.bin"}
+    assert list(lines["run: code.bin"].get_ydata()) == pytest.approx([0.75, 0.375])
+    assert lines["run: web.bin"].get_linestyle() != lines["run"].get_linestyle()

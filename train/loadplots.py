@@ -286,6 +286,21 @@ def _style(*axes, xlabel: str | None = "step", ylabel: str | None = None, zero: 
         _legend(ax)
 
 
+SET_STYLES = ("--", ":", "-.")  # a blend's per-set curves beside the run's own
+
+
+def _by_source(metrics: list[dict], key: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """{set file name: (steps, values)} of a per-set metric (``val_loss_by_source``), in the sets' order."""
+    series: dict[str, list[tuple[int, float]]] = {}
+    for m in metrics:
+        for path, v in (m.get(key) or {}).items():
+            series.setdefault(path, []).append((m["step"], v))
+    names = [os.path.basename(p) for p in series]
+    unique = len(set(names)) == len(names)
+    return {(name if unique else path): (np.array([s for s, _ in rows], dtype=np.float64), np.array([v for _, v in rows]))
+            for (path, rows), name in zip(series.items(), names)}
+
+
 def fig_loss(runs: list[Series]):
     fig, axes = _panels(2)
     tr, va = axes[0]
@@ -295,8 +310,10 @@ def fig_loss(runs: list[Series]):
         tr.plot(bx, by, color=colour(i), label=r.label, lw=1.2)
         x, y = _metric(r.metrics, "val_loss")
         va.plot(x, y, color=colour(i), marker="o", ms=3, label=r.label, lw=1.2)
+        for j, (name, (x, y)) in enumerate(_by_source(r.metrics, "val_loss_by_source").items()):  # a blend's sets
+            va.plot(x, y, color=colour(i), ls=SET_STYLES[j % len(SET_STYLES)], lw=0.9, label=f"{r.label}: {name}")
     tr.set_title("train loss (LM cross-entropy, binned mean)", fontsize=9)
-    va.set_title("validation loss", fontsize=9)
+    va.set_title("validation loss (a blend: each set dashed)", fontsize=9)
     _style(tr, va, ylabel="nats / token")
     return fig
 
