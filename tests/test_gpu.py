@@ -640,6 +640,30 @@ def test_profiled_run_on_device_attributes_kernel_time_and_snapshots_memory(tmp_
         assert snap["segments"] and summary["memory_snapshot"] == "rank0.memory.pickle"
 
 
+@pytest.mark.skipif(ON != "cuda", reason="--profile.memory records CUDA's caching allocator")
+def test_an_out_of_memory_error_leaves_the_allocators_history(tmp_path):
+    """StepProfiler.on_error (the trainer's failure path) with --profile.memory: an out-of-memory error at step 7
+    writes profile/oom_step_000007/rank0.memory.pickle, and names it; another error writes nothing."""
+    import pickle
+    from types import SimpleNamespace
+
+    from moekit.train.profiling import StepProfiler
+
+    section = SimpleNamespace(every=0, steps=1, warmup=1, memory=True)
+    prof = StepProfiler(section, tmp_path, 0, True, DEVICE, torch.nn.Linear(2, 2), 0, 10, True, print)
+    try:
+        keep = torch.empty(1 << 20, device=DEVICE)  # an allocation for the history to show
+        said = []
+        assert prof.on_error(RuntimeError("a shape mismatch"), 7, said.append) is None and not said
+        path = prof.on_error(torch.OutOfMemoryError("CUDA out of memory"), 7, said.append)
+        assert path == tmp_path / "profile" / "oom_step_000007" / "rank0.memory.pickle" and str(path) in said[0]
+        with open(path, "rb") as f:
+            assert pickle.load(f)["segments"]
+        del keep
+    finally:
+        prof.close()
+
+
 def test_mtp_training_and_speculative_decoding_on_device(tmp_path):
     """A multi-token-prediction depth on the device: the trainer's mtp_loss at step 0 equals the CPU run's (fp32),
     and greedy speculative decoding (chains of 1 and 2 drafts from the two depths, one forward checking them) gives

@@ -263,7 +263,7 @@ def windows(every: int, steps: int, warmup: int, start_step: int, last_step: int
 class StepProfiler:
     """The trainer's side of ``[profile]``: ``begin(step)`` before a step's work, ``end(step)`` after it (before
     evaluation and checkpoints), ``report()`` once the step's records are written (rank 0 prints a finished
-    window's line), ``close()`` when the run ends however it ends, ``on_oom(step)`` from the out-of-memory path."""
+    window's line), ``close()`` when the run ends however it ends, ``on_error(...)`` from the failure path."""
 
     def __init__(self, section, run_dir: Path, rank: int, is_main: bool, device: torch.device, model: nn.Module,
                  start_step: int, last_step: int, module_labels: bool, print_fn: Callable[[str], None]):
@@ -342,14 +342,17 @@ class StepProfiler:
             torch.cuda.memory._record_memory_history(enabled=None)
             self.memory = False
 
-    def on_oom(self, step: int) -> Path | None:
-        """With --profile.memory: the allocator's history that led to an out-of-memory error at ``step``."""
-        if not self.memory:
+    def on_error(self, exc: BaseException, step: int, warn: Callable[[str], None]) -> Path | None:
+        """With --profile.memory and an out-of-memory error at ``step``: the allocator's history that led to it,
+        named in one line (``warn``); its path, or None."""
+        if not self.memory or not (isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc)):
             return None
         folder = self.out / f"oom_step_{step:06d}"
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"rank{self.rank}.memory.pickle"
         torch.cuda.memory._dump_snapshot(str(path))
+        warn(f"rank {self.rank}: out of memory at step {step}; the allocator's history up to it: {path} (open it in "
+             f"https://pytorch.org/memory_viz)")
         return path
 
     def _save(self, prof, w: Window) -> None:
@@ -381,6 +384,17 @@ class StepProfiler:
         for note in self.notes:
             self.print(note)
         self.notes.clear()
+
+
+def plan_note(section, start_step: int, last_step: int, run_dir: Path) -> str:
+    """The run's opening line for [profile]: which windows it will trace, or that it traces none."""
+    planned = windows(section.every, section.steps, section.warmup, start_step, last_step)
+    if not planned:
+        return (f"note: --profile.every {section.every} traces no step of this run (steps {start_step + 1}-"
+                f"{last_step}); lower it to profile")
+    ends = ", ".join(str(w.end) for w in planned[:5]) + (" ..." if len(planned) > 5 else "")
+    return (f"profile: {len(planned)} trace(s) of {section.steps} step(s) each, ending at steps {ends}, into "
+            f"{Path(run_dir) / 'profile'}")
 
 
 def describe(summary: dict, trace: Path) -> str:

@@ -264,16 +264,10 @@ class Trainer:
                 f"{cfg.train.steps}; raise --steps to train further")
         if self.changes.summary():
             say(self.changes.summary())
-        p = cfg.profile
-        if p.every:
-            from moekit.train.profiling import windows
+        if cfg.profile.every:
+            from moekit.train.profiling import plan_note
 
-            planned = windows(p.every, p.steps, p.warmup, self.start_step, cfg.train.steps)
-            where = self.run_dir / "profile"
-            say(f"profile: {len(planned)} trace(s) of {p.steps} step(s) each, ending at steps "
-                f"{', '.join(str(w.end) for w in planned[:5])}{' ...' if len(planned) > 5 else ''}, into {where}"
-                if planned else f"note: --profile.every {p.every} traces no step of this run (steps "
-                                f"{self.start_step + 1}-{cfg.train.steps}); lower it to profile")
+            say(plan_note(cfg.profile, self.start_step, cfg.train.steps, self.run_dir))
 
     # -- the loop -----------------------------------------------------------------------------------
 
@@ -331,7 +325,8 @@ class Trainer:
             raise RunFailed(f"{runlock.describe_os_error(exc)} at step {self.step}; {self.kept()}; free space or fix "
                             f"permissions") from None
         except RuntimeError as exc:  # torch.OutOfMemoryError too
-            self.snapshot_oom(exc)  # --profile.memory: the allocations that led to it
+            if self.profiler is not None:  # --profile.memory: the allocations that led to an out-of-memory error
+                self.profiler.on_error(exc, self.step, _warn)
             self.guard.explain_oom(exc)  # an OOM inside an expert becomes one line naming it
             failure = self.dist.failure(exc, self.step)  # a collective that timed out or lost its peer
             if failure is not None:
@@ -443,15 +438,6 @@ class Trainer:
         return StepProfiler(cfg.profile, self.run_dir, self.dist.rank, self.dist.is_main, self.plan.device,
                             self.model, self.start_step, cfg.train.steps, module_labels=not cfg.train.compile,
                             print_fn=say)
-
-    def snapshot_oom(self, exc: BaseException) -> None:
-        oom = isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc)
-        if not oom or self.profiler is None:
-            return
-        path = self.profiler.on_oom(self.step)
-        if path is not None:
-            _warn(f"rank {self.dist.rank}: out of memory at step {self.step}; the allocator's history up to it: {path} "
-                  f"(open it in https://pytorch.org/memory_viz)")
 
     def qk_clip(self) -> dict | None:
         """QK-clip after an optimizer step (--train.qk_clip; models.qk_clip): each head's largest logit reduced over
