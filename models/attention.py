@@ -324,12 +324,12 @@ class Attention(nn.Module):
             kv_all = self.context_parallel.gather(torch.cat((k, v), dim=-1), dim=2)  # [B, K, S_global, 2D]
             k, v = kv_all.split(self.head_dim, dim=-1)
             if qk_clip.recording(self):  # models.qk_clip: this step's largest logit per head
-                qk_clip.record(self, q, k, self.head_dim**-0.5, self._query_positions(S, None, q.device))
+                qk_clip.record(self, q, k, self.head_dim**-0.5, self._query_positions(S, None, q.device), segments)
             y = context_attend(q, k, v, self.context_parallel, gqa, window=self.window, sinks=sinks,
                                segments=segments, chunk=self.chunk)
         else:
             if qk_clip.recording(self):
-                qk_clip.record(self, q, k, self.head_dim**-0.5, torch.arange(S, device=q.device))
+                qk_clip.record(self, q, k, self.head_dim**-0.5, torch.arange(S, device=q.device), segments)
             y = attend(q, k, v, kv, gqa, window=self.window, sinks=sinks, segments=segments,
                        chunk=self.chunk)  # [B, N, S, D]
         y = y.transpose(1, 2).reshape(B, S, -1)  # [B, S, N*D]
@@ -424,7 +424,7 @@ class MLAttention(nn.Module):
         k = torch.cat((k_nope, k_rope.expand(-1, k_nope.shape[1], -1, -1)), dim=-1)  # [B, n, P, nope+rope]
         if qk_clip.recording(self):  # models.qk_clip: this step's largest logit per head
             positions = context.positions(S, q.device) if context is not None else torch.arange(S, device=q.device)
-            qk_clip.record(self, q, k, self.scale, positions)
+            qk_clip.record(self, q, k, self.scale, positions, segments)
         if context is not None:
             y = context_attend(q, k, v.contiguous(), context, False, self.scale, segments=segments)  # [B, n, S, v]
         else:

@@ -15,8 +15,8 @@ by gamma_h = tau / S_h. The head's next logits are then about tau; heads under t
                                                 (shared by every head) untouched
 
 RoPE, an attention temperature and the head's gated output commute with the scaling, so the logit of every pair
-scales by exactly gamma_h. Document masking is not applied to the maximum: a pair across documents counts too, so
-S_h is an upper bound (the clip may act a little earlier there).
+scales by exactly gamma_h. Under document masking (--data.document_mask) only the pairs within a document count, as
+only they reach the softmax.
 
 Cost: one extra q k^T per attention layer and training forward (no_grad, blocks of queries: at most
 ``BLOCK_ELEMENTS`` logits at once), about a quarter of the attention's forward + backward FLOPs, and one all-reduce
@@ -102,10 +102,11 @@ def _weight(m: nn.Module) -> Tensor:
 
 
 @torch.no_grad()
-def record(m: nn.Module, q: Tensor, k: Tensor, scale: float, q_pos: Tensor) -> None:
+def record(m: nn.Module, q: Tensor, k: Tensor, scale: float, q_pos: Tensor, segments: Tensor | None = None) -> None:
     """Raise ``m.logit_max`` [heads] to this forward's per-head maximum of scale q . k over the pairs the layer lets
-    attend (causal; within ``m.window`` / ``m.chunk`` where set). q [B, N, S, D] at the global positions ``q_pos``
-    [S], k [B, K, P, D] at positions 0 .. P - 1 (K divides N: each key head serves N / K query heads)."""
+    attend (causal; within ``m.window`` / ``m.chunk`` where set; within a document where ``segments`` [B, >= P], the
+    document of every position, is given). q [B, N, S, D] at the global positions ``q_pos`` [S], k [B, K, P, D] at
+    positions 0 .. P - 1 (K divides N: each key head serves N / K query heads)."""
     B, N, S, _ = q.shape
     K, P = k.shape[1], k.shape[2]
     if K != N:
@@ -122,6 +123,9 @@ def record(m: nn.Module, q: Tensor, k: Tensor, scale: float, q_pos: Tensor) -> N
             allowed &= qp - k_pos[None, :] < window
         if chunk:
             allowed &= qp // chunk == k_pos[None, :] // chunk
+        if segments is not None:  # [B, 1, b, P]: the pairs within one document
+            same = segments[:, q_pos[s0 : s0 + block], None] == segments[:, None, :P]
+            allowed = (allowed & same)[:, None]
         logits = torch.matmul(q[:, :, s0 : s0 + block], kt).float() * scale  # [B, N, b, P]
         logits = logits.masked_fill(~allowed, -math.inf)
         best = torch.maximum(best, logits.amax(dim=(0, 2, 3)))

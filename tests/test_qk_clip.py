@@ -17,20 +17,22 @@ from moekit.models.transformer import build_model
 from tests.dist_utils import run_ranks
 
 
-def _reference_max(q, k, scale, q_pos, window=0, chunk=0):
-    """Per-head max of scale q . k over the allowed pairs, in float64 with every pair's mask spelled out."""
+def _reference_max(q, k, scale, q_pos, window=0, chunk=0, segments=None):
+    """Per-head max of scale q . k over the allowed pairs, in float64 with every pair's mask spelled out
+    (``segments`` [B, P]: each position's document; a pair across documents is not allowed)."""
     B, N, S, _ = q.shape
     K, P = k.shape[1], k.shape[2]
     best = torch.full((N,), -math.inf, dtype=torch.float64)
     for h in range(N):
         kh = k[:, h // (N // K)].double()
         logits = torch.einsum("bsd,bpd->bsp", q[:, h].double(), kh) * scale
-        for i in range(S):
-            for j in range(P):
-                p = int(q_pos[i])
-                ok = j <= p and (not window or p - j < window) and (not chunk or p // chunk == j // chunk)
-                if ok:
-                    best[h] = max(best[h], logits[:, i, j].max())
+        for b in range(B):
+            for i in range(S):
+                for j in range(P):
+                    p = int(q_pos[i])
+                    ok = j <= p and (not window or p - j < window) and (not chunk or p // chunk == j // chunk)
+                    if ok and (segments is None or segments[b, p] == segments[b, j]):
+                        best[h] = max(best[h], logits[b, i, j])
     return best
 
 
@@ -41,23 +43,34 @@ class _Holder(torch.nn.Module):
         self.register_buffer("logit_max", torch.full((heads,), -math.inf))
 
 
-@pytest.mark.parametrize("kv_heads,window,chunk,positions", [
-    (4, 0, 0, "plain"), (2, 0, 0, "plain"), (1, 5, 0, "plain"), (2, 0, 4, "plain"), (2, 0, 0, "zigzag"),
+@pytest.mark.parametrize("kv_heads,window,chunk,positions,documents", [
+    (4, 0, 0, "plain", False), (2, 0, 0, "plain", False), (1, 5, 0, "plain", False), (2, 0, 4, "plain", False),
+    (2, 0, 0, "zigzag", False), (2, 0, 0, "plain", True), (1, 5, 0, "zigzag", True),
 ])
-def test_record_is_the_largest_allowed_logit(monkeypatch, kv_heads, window, chunk, positions):
-    """Causal pairs (within a window, or a chunk, when the layer has one), GQA key heads shared by several query
-    heads, queries at zigzag positions over all the keys (context parallelism); blocks of 3 queries (a small
-    BLOCK_ELEMENTS), the running maximum across two forwards."""
+def test_record_is_the_largest_allowed_logit(monkeypatch, kv_heads, window, chunk, positions, documents):
+    """Causal pairs (within a window, or a chunk, when the layer has one; within a document under document masking),
+    GQA key heads shared by several query heads, queries at zigzag positions over all the keys (context
+    parallelism); blocks of 3 queries (a small BLOCK_ELEMENTS), the running maximum across two forwards."""
     monkeypatch.setattr(qk_clip, "BLOCK_ELEMENTS", 2 * 4 * 12 * 3)
-    g = torch.Generator().manual_seed(kv_heads * 7 + window + chunk)
+    g = torch.Generator()
     B, N, S, D = 2, 4, 12, 8
     q_pos = torch.arange(S) if positions == "plain" else torch.tensor([0, 1, 2, 9, 10, 11, 3, 4, 5, 6, 7, 8])
     holder = _Holder(N, window, chunk)
     want = torch.full((N,), -math.inf, dtype=torch.float64)
     for _ in range(2):
         q, k = torch.randn(B, N, S, D, generator=g), torch.randn(B, kv_heads, S, D, generator=g)
-        qk_clip.record(holder, q, k, D**-0.5, q_pos)
-        want = torch.maximum(want, _reference_max(q, k, D**-0.5, q_pos, window, chunk))
+        # documents of fresh random lengths per sequence (each position's count of document ends before it)
+        segments = torch.randint(0, 4, (B, S), generator=g).eq(0).int().cumsum(1) if documents else None
+        if documents:  # the largest logit of all sits across two documents, one position apart: unseen by the record
+            p = int(q_pos[7])  # query 7's position; a document begins there
+            q[0, :, 7], k[0, :, p - 1] = 0, 0
+            q[0, :, 7, 0] = k[0, :, p - 1, 0] = 10  # logit 100 / sqrt(D) = 35; the other pairs stay below ~12
+            segments[0, p:] += 1
+        qk_clip.record(holder, q, k, D**-0.5, q_pos, segments)
+        this = _reference_max(q, k, D**-0.5, q_pos, window, chunk, segments)
+        if documents:  # the planted pair would be every head's maximum without the documents
+            assert (this < _reference_max(q, k, D**-0.5, q_pos, window, chunk) - 10).all()
+        want = torch.maximum(want, this)
     torch.testing.assert_close(holder.logit_max.double(), want, rtol=1e-5, atol=1e-5)
 
 
