@@ -105,7 +105,7 @@ def _fused_chunk(logits: Tensor, targets: Tensor, scale: Tensor, need_grad: bool
 class _ChunkedLMLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int, dtype: torch.dtype,
-                fused: bool, strict: bool) -> Tensor:
+                fused: bool, strict: bool, normalizer: float | None) -> Tensor:
         n = hidden.shape[0]
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         w = weight.to(dtype)
@@ -113,7 +113,10 @@ class _ChunkedLMLoss(torch.autograd.Function):
         dh = torch.empty_like(hidden) if need_h else None
         dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         kept = targets != IGNORE_INDEX  # [n] the positions that count
-        count = kept.sum().clamp_min(1).float()  # a tensor: no host sync (all ignored: loss 0, no gradient)
+        if normalizer is None:  # the mean over the kept tokens; a tensor: no host sync (all ignored: loss 0)
+            count = kept.sum().clamp_min(1).float()
+        else:  # their sum over a given count (a step's token-weighted mean: chunked_lm_loss)
+            count = torch.tensor(float(normalizer), dtype=torch.float32, device=hidden.device)
         rows = scale = None
         if fused:
             rows = torch.zeros(n, dtype=torch.float32, device=hidden.device)  # each token's loss (0: ignored)
@@ -151,7 +154,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         dh, dw = ctx.saved_tensors
         return (None if dh is None else dh * grad.to(dh.dtype),
-                None if dw is None else dw * grad.to(dw.dtype), None, None, None, None, None)
+                None if dw is None else dw * grad.to(dw.dtype), None, None, None, None, None, None)
 
 
 _FP32_OUT: dict = {}  # device type -> whether torch.mm(..., out_dtype=float32) runs there
@@ -175,10 +178,12 @@ def _accumulate_mm(acc: Tensor, a: Tensor, b: Tensor) -> None:
 
 
 def chunked_lm_loss(hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int = DEFAULT_CHUNK,
-                    fused: bool | None = None) -> Tensor:
+                    fused: bool | None = None, normalizer: float | None = None) -> Tensor:
     """Mean cross-entropy of ``hidden`` [..., H] through the LM head ``weight`` [V, H] against ``targets``
     [...] (token ids in [0, V), or IGNORE_INDEX for a position that does not count: the mean is over the
     others, as F.cross_entropy's; all ignored gives 0), without keeping the logits (module docstring).
+    ``normalizer`` > 0: the sum over the counted tokens divided by it instead (a training step with loss masks
+    divides every micro-batch by one count, so that the step's loss is the mean over all its counted tokens).
 
     ``fused``: None follows TRITON_LM_LOSS ("auto": the Triton kernel on CUDA, torch elsewhere); True runs the
     kernel (CUDA, or CPU under TRITON_INTERPRET=1) or raises a ValueError saying why it cannot; False: torch."""
@@ -191,8 +196,10 @@ def chunked_lm_loss(hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int 
         raise ValueError(f"chunk={chunk} must be >= 1")
     if fused is not None and not isinstance(fused, bool):
         raise ValueError(f"fused={fused!r} must be None (auto), True or False")
+    if normalizer is not None and not normalizer > 0:
+        raise ValueError(f"normalizer={normalizer!r} must be a positive token count (or None: the mean)")
     h = hidden.reshape(-1, hidden.shape[-1])
     dtype = _compute_dtype(h)
     use = _fused_path(h.device, dtype, fused)
     strict = bool(fused) or (fused is None and TRITON_LM_LOSS == "always")
-    return _ChunkedLMLoss.apply(h, weight, targets.reshape(-1), int(chunk), dtype, use, strict)
+    return _ChunkedLMLoss.apply(h, weight, targets.reshape(-1), int(chunk), dtype, use, strict, normalizer)

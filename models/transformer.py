@@ -51,12 +51,16 @@ def chunked_loss_applies(weight: Tensor) -> bool:
     return LOSS_CHUNKS == "auto" and type(weight) in (torch.Tensor, nn.Parameter) and not torch.compiler.is_compiling()
 
 
-def head_loss(x: Tensor, weight: Tensor, targets: Tensor) -> Tensor:
+def head_loss(x: Tensor, weight: Tensor, targets: Tensor, normalizer: float | None = None) -> Tensor:
     """Mean next-token cross-entropy of hidden states x [B, S, H] through the head ``weight`` [V, H]: in token
-    chunks without keeping the logits (models.loss) where that applies, else from the whole fp32 logits."""
+    chunks without keeping the logits (models.loss) where that applies, else from the whole fp32 logits.
+    ``normalizer``: the sum over the counted targets divided by it instead of their mean (loss masks)."""
     if not chunked_loss_applies(weight):
-        return F.cross_entropy(F.linear(x, weight).float().flatten(0, 1), targets.flatten())
-    return chunked_lm_loss(x, weight, targets)
+        logits = F.linear(x, weight).float().flatten(0, 1)
+        if normalizer is None:
+            return F.cross_entropy(logits, targets.flatten())
+        return F.cross_entropy(logits, targets.flatten(), reduction="sum") / normalizer
+    return chunked_lm_loss(x, weight, targets, normalizer=normalizer)
 
 
 def forward_positions(owner: nn.Module, tokens: Tensor, cache: KVCache | None = None) -> tuple[Tensor, Tensor,
@@ -119,8 +123,9 @@ def training_loss(owner: nn.Module, x: Tensor, weight: Tensor, emb: Tensor, toke
     ``owner`` (a Transformer, or a pipeline's last stage: ``.mtp``, ``.mtp_record``, ``.config``) has depths and
     trains (models.mtp); ``owner.mtp_in_eval`` (the trainer's validation) runs them outside training as well, to
     record their loss only. ``emb``: embed(tokens) [B, S, H], which the depths read."""
-    loss = head_loss(x, weight, targets)
     training = owner.training and torch.is_grad_enabled()
+    # a step with loss masks: every micro-batch's counted targets over one count (the trainer's loss_normalizer)
+    loss = head_loss(x, weight, targets, getattr(owner, "loss_normalizer", None) if training else None)
     if len(owner.mtp) and (training or getattr(owner, "mtp_in_eval", False)):  # models.mtp
         extra = mtp_loss(owner, x, emb, tokens, targets, cos, sin, lambda h, t: head_loss(h, weight, t), segments)
         if extra is not None:
@@ -206,6 +211,9 @@ class Transformer(nn.Module):
         # the residual stream's dtype (embed_tokens): None keeps the embedding's (fp32 parameters: fp32 even under
         # autocast, whose bf16 outputs the residual adds promote back); the trainer sets train.residual_dtype's
         self.residual_dtype: torch.dtype | None = None
+        # the trainer's count of a step's counted targets per micro-batch and rank, when the data has loss masks:
+        # training forwards divide their summed loss by it (training_loss); None: each forward's own mean
+        self.loss_normalizer: float | None = None
 
     def forward(self, tokens: Tensor, cache: KVCache | None = None, targets: Tensor | None = None,
                 return_hidden: bool = False) -> Tensor | tuple[Tensor, Tensor]:

@@ -130,9 +130,14 @@ class Data:
             split = split_windows(self.sources[0].tokens, seq_len, held_out)
         else:
             split = blend_split(self.sources, self.weights, seq_len, held_out)
+        if any(s.mask is not None for s in self.sources):  # loss masks (a blend: sets without one count whole)
+            masks = [s.mask if s.mask is not None else np.broadcast_to(np.uint8(1), s.tokens.shape)
+                     for s in self.sources]
+            split = replace(split, mask=masks[0] if self.weights is None else BlendTokens(masks))
         if self.val is None:
             return split
-        return replace(split, val_tokens=self.val.tokens, val_starts=file_windows(self.val, seq_len))
+        return replace(split, val_tokens=self.val.tokens, val_starts=file_windows(self.val, seq_len),
+                       val_mask=self.val.mask)
 
 
 def load_data(section, model_vocab: int) -> Data:
@@ -179,11 +184,18 @@ class Split:
     train_starts: np.ndarray  # [n_train] int64 first position of each training sequence window
     val_starts: np.ndarray  # [n_val] likewise, held-out blocks only (in ``val_tokens`` when that is set)
     val_tokens: np.ndarray | None = None  # a validation file of its own (--data.val_path); None: ``tokens``
+    mask: np.ndarray | None = None  # ``tokens``' loss mask (1: a target the loss counts), None: every token counts
+    val_mask: np.ndarray | None = None  # ``val_tokens``' loss mask
 
     @property
     def held_out(self) -> np.ndarray:
         """The tokens ``val_starts`` index: the validation file's, else the training data's own."""
         return self.tokens if self.val_tokens is None else self.val_tokens
+
+    @property
+    def held_out_mask(self) -> np.ndarray | None:
+        """``held_out``'s loss mask (None: every target counts)."""
+        return self.mask if self.val_tokens is None else self.val_mask
 
     def sampler(self, seed: int, phase: int = 0) -> "Sampler":
         return Sampler(self.train_starts, seed, phase=phase)
@@ -433,13 +445,26 @@ class BlendSampler:
                                      "windows": int(sampler.starts.size)})
 
 
-def gather(tokens: np.ndarray, starts: np.ndarray, seq_len: int):
-    """inputs, targets [n, seq_len] int64 torch tensors from window starts."""
+def gather(tokens: np.ndarray, starts: np.ndarray, seq_len: int, mask: np.ndarray | None = None):
+    """inputs, targets [n, seq_len] int64 torch tensors from window starts; with a loss ``mask``, the targets it
+    leaves out are models.loss.IGNORE_INDEX."""
     import torch
 
     idx = starts[:, None] + np.arange(seq_len + 1)[None, :]  # [n, S+1]
     windows = torch.from_numpy(np.asarray(tokens[idx], dtype=np.int64))
-    return windows[:, :-1], windows[:, 1:]
+    x, y = windows[:, :-1], windows[:, 1:]
+    if mask is not None:
+        from moekit.models.loss import IGNORE_INDEX
+
+        y = y.masked_fill(torch.from_numpy(np.asarray(mask[idx[:, 1:]]) == 0), IGNORE_INDEX)
+    return x, y
+
+
+def counted_targets(mask: np.ndarray | None, starts: np.ndarray, seq_len: int) -> int:
+    """How many targets of the windows at ``starts`` a loss ``mask`` counts (all of them without one)."""
+    if mask is None:
+        return int(starts.size) * seq_len
+    return int(np.asarray(mask[starts[:, None] + 1 + np.arange(seq_len)[None, :]]).sum(dtype=np.int64))
 
 
 def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:

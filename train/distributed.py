@@ -146,6 +146,11 @@ class Dist:
         if self.active:
             sync_gradients(model, self.topology, self.grad_roles, fsdp=self.fsdp)
 
+    @property
+    def loss_ranks(self) -> int:
+        """The ranks whose losses ``mean`` averages (data and context parallel: the "dp" group), 1 in one process."""
+        return dist.get_world_size(self.topology.group("dp")) if self.active else 1
+
     def mean(self, value: torch.Tensor) -> torch.Tensor:
         """Mean over the data-parallel ranks (each rank's value is a mean over its equal share; a
         context-parallel rank's share is its part of each sequence)."""

@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> dict:
         limits.append(args.batches * batch_size)
     if args.max_tokens:
         limits.append(args.max_tokens // seq_len)
-    tokens, starts = choose_windows(split, args.split, min(limits) if limits else None)
+    tokens, mask, starts = choose_windows(split, args.split, min(limits) if limits else None)
     if starts.size == 0:
         why = f"--max-tokens {args.max_tokens} is less than one window of {seq_len}" if limits else "the split is empty"
         raise UserError(f"no windows to evaluate: {why}")
@@ -149,7 +149,7 @@ def run(args: argparse.Namespace) -> dict:
         observer = Specialisation(cfg.vocab_size, seq_len).attach(model)
     try:
         result = evaluate(model, tokens, starts, seq_len, batch_size, tokenizer,
-                          progress=None if args.quiet else _note, observer=observer)
+                          progress=None if args.quiet else _note, observer=observer, mask=mask)
     finally:
         if observer is not None:
             observer.detach()

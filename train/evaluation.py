@@ -12,6 +12,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from moekit.models.loss import IGNORE_INDEX
 from moekit.moe.load import collect_load, moe_layers
 from moekit.train import UserError
 from moekit.train.config import DataSection
@@ -76,18 +77,19 @@ def check_tokenizers(data_tok: TokenizerInfo, tokenizer, where: str) -> None:
                         f"{tokenizer.describe()}; evaluate on data prepared with the model's tokenizer")
 
 
-def choose_windows(split: Split, which: str, count: int | None) -> tuple[np.ndarray, np.ndarray]:
-    """(the tokens, the window starts) of ``which`` split; ``count`` windows (None: all) spread evenly, as the trainer
-    does. "val": the held-out windows, a run's --data.val_path file when it had one; "all": every window of the
-    data (the training data alone when validation was a file of its own)."""
+def choose_windows(split: Split, which: str, count: int | None) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+    """(the tokens, their loss mask or None, the window starts) of ``which`` split; ``count`` windows (None: all)
+    spread evenly, as the trainer does. "val": the held-out windows, a run's --data.val_path file when it had one;
+    "all": every window of the data (the training data alone when validation was a file of its own)."""
     if which == "val":
         starts = split.val_starts
-        return split.held_out, starts if count is None or count >= starts.size else split.validation(count)
+        return (split.held_out, split.held_out_mask,
+                starts if count is None or count >= starts.size else split.validation(count))
     own = split.val_tokens is None  # the held-out windows are in the training data
     starts = np.sort(np.concatenate([split.train_starts, split.val_starts])) if own else split.train_starts
     if count is None or count >= starts.size:
-        return split.tokens, starts
-    return split.tokens, starts[np.linspace(0, starts.size - 1, count).round().astype(np.int64)]
+        return split.tokens, split.mask, starts
+    return split.tokens, split.mask, starts[np.linspace(0, starts.size - 1, count).round().astype(np.int64)]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -152,17 +154,18 @@ def load_summary(model: torch.nn.Module) -> dict:
 
 @torch.inference_mode()
 def evaluate(model, tokens, starts: np.ndarray, seq_len: int, batch_size: int, tokenizer=None,
-             progress=None, observer=None) -> dict:
-    """Loss over the windows at ``starts`` (each predicts seq_len tokens), bytes for bits per byte, expert load.
-    ``observer``: a specialisation.Specialisation attached to the model, told each batch's input ids."""
+             progress=None, observer=None, mask: np.ndarray | None = None) -> dict:
+    """Loss over the windows at ``starts`` (each predicts seq_len tokens; with a loss ``mask``, the targets it
+    counts), bytes for bits per byte, expert load. ``observer``: a specialisation.Specialisation attached to the
+    model, told each batch's input ids."""
     device = model.embed.weight.device
     handles = record_eval_load(model)
-    nats, byte_count, last = 0.0, 0, time.perf_counter()
+    nats, byte_count, count, last = 0.0, 0, 0, time.perf_counter()
     depths = len(getattr(model, "mtp", ()))
     mtp = torch.zeros(depths, 4, dtype=torch.float64)  # per depth: nats, correct, agreeing, predictions
     try:
         for i in range(0, starts.size, batch_size):
-            x, y = gather(tokens, starts[i : i + batch_size], seq_len)  # [b, S] each
+            x, y = gather(tokens, starts[i : i + batch_size], seq_len, mask)  # [b, S] each
             if observer is not None:
                 observer.begin_batch(x)
             logits, hidden = model(x.to(device), return_hidden=True)  # [b, S, V], [b, S, H]
@@ -170,17 +173,18 @@ def evaluate(model, tokens, starts: np.ndarray, seq_len: int, batch_size: int, t
                 mtp += mtp_counts(model, x.to(device), y.to(device), logits, hidden)
             loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten().to(device), reduction="sum")
             nats += float(loss)  # D2H sync: once per batch
+            counted = [[t for t in row if t != IGNORE_INDEX] for row in y.tolist()]  # a loss mask's targets
+            count += sum(len(row) for row in counted)
             if tokenizer is not None:
-                byte_count += sum(tokenizer.byte_count(row) for row in y.tolist())
+                byte_count += sum(tokenizer.byte_count(row) for row in counted)
             done = min(i + batch_size, starts.size)
             if progress is not None and time.perf_counter() - last > PROGRESS_EVERY_S and done < starts.size:
-                progress(f"{done:,}/{starts.size:,} windows, loss so far {nats / (done * seq_len):.4f}")
+                progress(f"{done:,}/{starts.size:,} windows, loss so far {nats / max(count, 1):.4f}")
                 last = time.perf_counter()
     finally:
         for h in handles:
             h.remove()
-    count = starts.size * seq_len
-    loss = nats / count
+    loss = nats / max(count, 1)
     return {"loss": loss, "perplexity": math.exp(loss) if loss < 700 else math.inf,
             "bits_per_byte": nats / math.log(2) / byte_count if byte_count else None, "tokens": count,
             "bytes": byte_count if tokenizer is not None else None, "windows": int(starts.size),
@@ -204,7 +208,9 @@ def mtp_counts(model, x: torch.Tensor, y: torch.Tensor, logits: torch.Tensor, hi
     rows = [[0.0] * 4 for _ in model.mtp]  # depths the sequence is too short for stay empty
     for k, h in depth_states(model, hidden, embed_tokens(model, x), x, cos, sin):
         out = F.linear(h, weight).float()  # [b, S - k, V]: position i predicts y[:, i + k]
-        top = out.argmax(-1)
-        rows[k - 1] = [float(F.cross_entropy(out.flatten(0, 1), y[:, k:].flatten(), reduction="sum")),
-                       float((top == y[:, k:]).sum()), float((top == main_top[:, k:]).sum()), float(top.numel())]
+        top, want = out.argmax(-1), y[:, k:]
+        kept = want != IGNORE_INDEX  # a loss mask's targets only
+        rows[k - 1] = [float(F.cross_entropy(out.flatten(0, 1), want.flatten(), reduction="sum")),
+                       float(((top == want) & kept).sum()), float(((top == main_top[:, k:]) & kept).sum()),
+                       float(kept.sum())]
     return torch.tensor(rows, dtype=torch.float64)

@@ -329,12 +329,48 @@ class Source:
     tokens: np.ndarray
     desc: str
     tokenizer: TokenizerInfo
+    mask: np.ndarray | None = None  # [tokens] uint8 loss mask (1: trained on as a target), or None: every token
+
+
+LOSS_MASK_KEY = "loss_mask"  # the metadata entry naming a set's loss-mask file (beside the data file)
+
+
+def read_loss_mask(path: str, meta: dict | None, size: int, chunk: int = 1 << 24) -> tuple[np.ndarray | None, str]:
+    """(the loss mask ``meta`` names for the data file ``path`` of ``size`` tokens, memory-mapped; a description),
+    or (None, "") without one. The mask is a headerless file of one byte per token, 1 where the token is a target
+    the loss counts (an assistant's reply), 0 where it is context only (a prompt); checked whole, once."""
+    name = (meta or {}).get(LOSS_MASK_KEY)
+    if name is None:
+        return None, ""
+    where = f"data file {path}: metadata {metadata_path(path)}"
+    if not isinstance(name, str) or not name:
+        raise UserError(f"{where}: {LOSS_MASK_KEY} must be the mask file's name, got {name!r}")
+    mask_path = os.path.join(os.path.dirname(path), name)
+    try:
+        got = os.path.getsize(mask_path)
+    except OSError as exc:
+        raise UserError(f"{where} names the loss mask {mask_path}, which cannot be read ({exc.strerror}); restore it, "
+                        f"or remove {LOSS_MASK_KEY} to train on every token") from None
+    if got != size:
+        raise UserError(f"loss mask {mask_path}: {got:,} bytes for {size:,} tokens of {path}; it must hold one byte per "
+                        f"token: prepare the set again")
+    mask = np.memmap(mask_path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
+    counted = 0
+    for start in range(0, size, chunk):
+        part = mask[start : start + chunk]
+        if int(part.max()) > 1:
+            pos = start + int(np.argmax(part > 1))
+            raise UserError(f"loss mask {mask_path}: byte {int(part[pos - start])} at position {pos:,}; a loss mask "
+                            f"holds 0 (context) or 1 (a target the loss counts)")
+        counted += int(part.sum(dtype=np.int64))
+    return mask, f", loss mask {name}: {counted / max(size, 1):.1%} of the tokens trained"
 
 
 def open_token_data(path: str, raw_dtype: str, model_vocab: int) -> Source:
     """One data file: a MOEKTOK token file, a ``.npy`` array, else headerless ids of ``raw_dtype``; its
     metadata when present (vocab, EOS, tokenizer); every id checked against the vocabulary."""
-    info = tokenizer_of(path, read_metadata(path))
+    meta = read_metadata(path)
+    info = tokenizer_of(path, meta)
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
@@ -369,7 +405,8 @@ def open_token_data(path: str, raw_dtype: str, model_vocab: int) -> Source:
                         f"set --model.vocab_size {vocab}")
     tok = "" if info.kind == "unknown" else f", {info.describe()}"
     vocab_text = f", vocab {vocab}" if vocab is not None and info.kind == "unknown" else ""
-    return Source(path, tokens, f"{kind} {path}, {tokens.size:,} tokens{vocab_text}{tok}", info)
+    mask, mask_text = read_loss_mask(path, meta, tokens.size)
+    return Source(path, tokens, f"{kind} {path}, {tokens.size:,} tokens{vocab_text}{tok}{mask_text}", info, mask)
 
 
 def _read_npy(path: str) -> np.ndarray:

@@ -39,7 +39,8 @@ from moekit.train.consistency import check_ranks_agree
 from moekit.train.distributed import Dist
 from moekit.train.faults import RunFailed
 from moekit.train.guard import Guard, NonFinite, set_deterministic
-from moekit.train.data import Split, gather, load_data, unigram_entropy
+from moekit.models.loss import IGNORE_INDEX
+from moekit.train.data import Split, counted_targets, gather, load_data, unigram_entropy
 from moekit.train.tokens import record_tokenizer
 from moekit.train.monitor import Monitor, peak_flops, peak_memory_gb
 
@@ -275,10 +276,17 @@ class Trainer:
         dt = self.plan.autocast_dtype
         return torch.autocast(self.plan.device.type, dtype=dt) if dt is not None else contextlib.nullcontext()
 
-    def forward_loss(self, starts: np.ndarray, tokens=None) -> torch.Tensor:
-        """The mean loss of the windows at ``starts`` of ``tokens`` (default: the training data)."""
-        tokens = self.split.tokens if tokens is None else tokens
-        x, y = self.dist.positions(*gather(tokens, starts, self.cfg.train.seq_len))
+    def windows(self, starts: np.ndarray, held_out: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's inputs and targets (CPU) of the windows at ``starts`` of the training data (``held_out``: of
+        the validation data); targets a loss mask leaves out are IGNORE_INDEX."""
+        split = self.split
+        tokens, mask = (split.held_out, split.held_out_mask) if held_out else (split.tokens, split.mask)
+        return self.dist.positions(*gather(tokens, starts, self.cfg.train.seq_len, mask))
+
+    def forward_loss(self, starts: np.ndarray, held_out: bool = False, batch=None) -> torch.Tensor:
+        """The loss of the windows at ``starts`` (or of ``batch``, their ``windows``): the mean over the counted
+        targets, or in a training step with loss masks their sum over the step's count (set_loss_normalizer)."""
+        x, y = self.windows(starts, held_out) if batch is None else batch
         x, y = x.to(self.plan.device), y.to(self.plan.device)  # [b, S] each (S / cp under context parallelism)
         with self.autocast():
             if self.pipe is not None:  # forward only (evaluation); the loss arrives on every pipeline rank
@@ -289,7 +297,7 @@ class Trainer:
         """This rank's share of one step: the summed loss of its micro-batches; gradients accumulated."""
         plan = self.plan
         if self.pipe is not None:  # the schedule runs every micro-batch's forward and backward
-            x, y = self.dist.positions(*gather(self.split.tokens, batch, self.cfg.train.seq_len))
+            x, y = self.windows(batch)
             with self.autocast():
                 loss = self.pipe.step(x.to(plan.device), y.to(plan.device), plan.accum)
             return loss.detach() * plan.accum
@@ -299,6 +307,20 @@ class Trainer:
             (loss / plan.accum).backward()
             loss_sum += loss.detach()
         return loss_sum
+
+    def set_loss_normalizer(self, batch: np.ndarray) -> int | None:
+        """With loss masks: the global ``batch``'s counted targets N, and every micro-batch's loss made its summed
+        token losses over N / (R M) (R the ranks whose losses and gradients are averaged, data and context
+        parallel; M the micro-batches per rank), so that the step's loss and gradient are the mean over all N
+        targets however they fall on micro-batches and ranks. Returns N; None (and nothing set) without masks."""
+        if self.split.mask is None:
+            return None
+        counted = counted_targets(self.split.mask, batch, self.cfg.train.seq_len)
+        normalizer = max(counted, 1) / (self.dist.loss_ranks * self.plan.accum)  # none counted: loss 0
+        for root in (self.model, *getattr(self.model, "stages", ())):
+            if hasattr(root, "loss_normalizer"):
+                root.loss_normalizer = normalizer
+        return counted
 
     def gathered_load(self, reset: bool) -> dict:
         """Expert load of every MoE layer (all pipeline stages), summed over the stage's ranks (collective)."""
@@ -368,6 +390,7 @@ class Trainer:
             t0 = time.perf_counter()
             self.guard.begin_step(step)
             batch = self.sampler.next(cfg.train.batch_size)  # [batch_size] window starts of the global batch
+            counted = self.set_loss_normalizer(batch)  # loss masks: the step's targets that count
             batch = self.dist.share(batch, plan.per_rank)  # this rank's contiguous share
             loss_sum = self.forward_backward(batch)
             self.dist.sync_grads(self.model)  # the global-batch gradient on every rank
@@ -399,6 +422,8 @@ class Trainer:
                                   time.perf_counter() - t_start)
             if mtp_value is not None:
                 m["mtp_loss"] = mtp_value
+            if counted is not None:  # loss masks: the targets the step's loss is the mean over
+                m["loss_tokens"] = counted
             if clipped is not None:  # this rank's stage's largest attention logit, and the heads rescaled
                 m["max_logit"], m["qk_clipped_heads"] = clipped["max_logit"], clipped["clipped_heads"]
             if self.data.weights is not None:  # a blend: tokens drawn from each set so far
@@ -481,11 +506,15 @@ class Trainer:
         for m in mtp:  # the MTP depths record their loss on these windows too (val_mtp_loss)
             m.mtp_in_eval = True
         totals = torch.zeros(len(groups), device=self.plan.device)
+        counts = torch.zeros(len(groups))  # each group's targets that count (a loss mask leaves some out)
         try:
             for g, mine in enumerate(shares):
                 for i in range(0, mine.size, self.plan.micro_batch):
                     part = mine[i : i + self.plan.micro_batch]
-                    totals[g] += self.forward_loss(part, self.split.held_out) * part.size
+                    x, y = self.windows(part, held_out=True)
+                    counted = int((y != IGNORE_INDEX).sum())  # this rank's targets that count: the loss's mean
+                    totals[g] += self.forward_loss(part, batch=(x, y)) * counted
+                    counts[g] += counted
         finally:
             for m in mtp:
                 m.mtp_in_eval = False
@@ -493,11 +522,11 @@ class Trainer:
         if self.cfg.model.mtp_layers:  # a mean over micro-batches of equal size: the windows' mean
             depth = (self.pipe or self.model).pop_mtp_loss()
             self.val_mtp = self.dist.mean(depth).item() if depth is not None else None
-        counts = [mine.size for mine in shares]  # alike on every rank
-        means = self.dist.mean(totals / torch.tensor(counts, device=totals.device)).tolist()  # D2H sync: once
-        names = [name for name, _ in groups]
-        self.val_by_source = dict(zip(names, means)) if len(groups) > 1 else None
-        return sum(m * c for m, c in zip(means, counts)) / sum(counts)
+        # every rank's sums over every rank's counts (a loss mask counts unequal shares); D2H sync: once
+        sums = self.dist.mean(torch.stack([totals, counts.to(totals.device)])).tolist()
+        means = [t / max(c, 1.0) for t, c in zip(*sums)]
+        self.val_by_source = dict(zip([name for name, _ in groups], means)) if len(groups) > 1 else None
+        return sum(sums[0]) / max(sum(sums[1]), 1.0)
 
     def skip_step(self, event: NonFinite, step: int) -> None:
         self.guard.discard_step(self.model, self.optimizer)

@@ -1,0 +1,147 @@
+"""Loss masks (supervised fine-tuning: the loss counts the replies, not the prompts): a set's metadata names a file of
+one byte per token. The targets it leaves out are ignored, and a step's loss is the mean over all its counted
+targets however they fall on micro-batches and ranks: accumulation, data, context and pipeline parallelism give the
+one-process losses. Validation and moekit-eval count the same targets, and a bad mask file gets one line."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moekit.models.loss import IGNORE_INDEX, chunked_lm_loss
+from moekit.train.data import counted_targets, gather
+from moekit.train.loop import main
+from tests.tiny import TINY_MODEL, byte_sets
+
+S = 32  # TINY_MODEL's train.seq_len
+
+
+@pytest.fixture(autouse=True)
+def _single_process(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+
+
+def add_mask(path: Path, mask: np.ndarray) -> None:
+    """Give the prepared set ``path`` the loss mask ``mask`` (its metadata names the file)."""
+    mask.astype(np.uint8).tofile(path.with_name(path.name + ".mask"))
+    meta_path = path.with_name(path.name + ".json")
+    meta = json.loads(meta_path.read_text())
+    meta["loss_mask"] = path.name + ".mask"
+    meta_path.write_text(json.dumps(meta))
+
+
+def conversation_mask(size: int, rng) -> np.ndarray:
+    """Spans of prompt (0) and reply (1) of random lengths, as a chat set's; some windows count few targets."""
+    out, at, reply = np.zeros(size, np.uint8), 0, False
+    while at < size:
+        n = int(rng.integers(5, 120))
+        out[at : at + n] = reply
+        at, reply = at + n, not reply
+    return out
+
+
+@pytest.fixture(scope="module")
+def sets(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("mask")
+    byte_sets(folder, [("t", 30_000, "abcdefgh ij\n", []), ("v", 6_000, "abcdefgh ij\n", [])])
+    rng = np.random.default_rng()
+    for name in "tv":
+        size = (folder / f"{name}.bin").stat().st_size  # bytes prepared as uint16 ids after a 32-byte header
+        add_mask(folder / f"{name}.bin", conversation_mask((size - 32) // 2, rng))
+    return folder
+
+
+def rows(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_gather_ignores_the_targets_the_mask_leaves_out_and_the_loss_can_sum_over_a_given_count():
+    rng = np.random.default_rng()
+    tokens, mask = rng.integers(0, 50, 400), rng.integers(0, 2, 400).astype(np.uint8)
+    starts = np.array([0, 33, 200])
+    x, y = gather(tokens, starts, 16, mask)
+    for r, s in enumerate(starts):
+        assert x[r].tolist() == tokens[s : s + 16].tolist()
+        assert y[r].tolist() == [int(t) if m else IGNORE_INDEX for t, m in zip(tokens[s + 1 : s + 17],
+                                                                              mask[s + 1 : s + 17])]
+    assert counted_targets(mask, starts, 16) == int((y != IGNORE_INDEX).sum())
+    assert counted_targets(None, starts, 16) == 48
+    h, w = torch.randn(3, 16, 8, dtype=torch.float64), torch.randn(50, 8, dtype=torch.float64)
+    mean = chunked_lm_loss(h, w, y, chunk=7)
+    summed = F.cross_entropy((h @ w.t()).flatten(0, 1), y.flatten(), reduction="sum")
+    torch.testing.assert_close(mean.double(), summed / (y != IGNORE_INDEX).sum(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(chunked_lm_loss(h, w, y, chunk=7, normalizer=17.5).double(), summed / 17.5,
+                               rtol=1e-6, atol=0)
+
+
+def test_every_layout_and_accumulation_give_the_one_process_losses(sets, tmp_path):
+    """Micro-batches and ranks count different numbers of targets: a per-micro-batch mean would weight them
+    wrongly. One process with one micro-batch, with 4 (accumulation), two data ranks, context parallelism over two
+    ranks and a two-stage pipeline train alike, step by step."""
+    from tests.dist_utils import run_trainer
+
+    common = [*TINY_MODEL, "--data.path", str(sets / "t.bin"), "--steps", "3", "--checkpoint.every", "0",
+              "--log.progress", "off", "--model.aux_loss_coeff", "0"]  # the aux loss of a token slice differs
+    assert main([*common, "--run-dir", str(tmp_path / "one")]) == 0
+    want = rows(tmp_path / "one")
+    assert all(0 < r["loss_tokens"] < 4 * S for r in want)  # a mask that counts some of each step's targets
+    assert main([*common, "--train.micro_batch_size", "1", "--run-dir", str(tmp_path / "accum")]) == 0
+    assert [r["loss"] for r in rows(tmp_path / "accum")] == pytest.approx([r["loss"] for r in want], rel=1e-5)
+    for name, extra in (("dp2", []), ("cp2", ["--cp", "2"]), ("pp2", ["--pp", "2"])):
+        r = run_trainer([*common, "--run-dir", str(tmp_path / name), *extra], nproc=2)
+        assert r.returncode == 0, r.stderr[-3000:]
+        got = rows(tmp_path / name)
+        assert [g["loss"] for g in got] == pytest.approx([w["loss"] for w in want], rel=1e-5), name
+        assert [g["loss_tokens"] for g in got] == [w["loss_tokens"] for w in want]
+
+
+def test_validation_and_moekit_eval_count_the_masked_targets(sets, tmp_path):
+    """The run's val_loss (a validation file with its own mask) and moekit-eval's loss equal the cross-entropy over
+    the counted targets, computed here from the checkpoint."""
+    from moekit.train.evaluate import main as evaluate
+    from moekit.train.inference import load_for_inference
+    from moekit.train.tokens import read_token_file
+
+    run = tmp_path / "run"
+    assert main([*TINY_MODEL, "--data.path", str(sets / "t.bin"), "--data.val_path", str(sets / "v.bin"), "--steps",
+                 "2", "--checkpoint.every", "2", "--log.progress", "off", "--run-dir", str(run)]) == 0
+    val = rows(run)[-1]["val_loss"]
+    model, _, _ = load_for_inference(run, require_tokenizer=False, warn=lambda _m: None)
+    ids = np.asarray(read_token_file(str(sets / "v.bin"))[0], dtype=np.int64)
+    mask = np.fromfile(sets / "v.bin.mask", dtype=np.uint8)
+    n = (ids.size - 1) // S
+    starts = (np.arange(n) * S)[np.linspace(0, n - 1, 8).round().astype(int)]
+    idx = starts[:, None] + np.arange(S + 1)
+    windows, keep = torch.from_numpy(ids[idx]), torch.from_numpy(mask[idx[:, 1:]] == 1)
+    with torch.no_grad():
+        logits = model(windows[:, :-1]).float()
+    token_nats = F.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten(), reduction="none")
+    direct = (token_nats * keep.flatten()).sum().item() / keep.sum().item()
+    assert val == pytest.approx(direct, rel=1e-5)
+    out = tmp_path / "eval.json"
+    assert evaluate([str(run), "--batches", "2", "--batch-size", "4", "--out", str(out), "--quiet"]) == 0
+    got = json.loads(out.read_text())
+    assert got["loss"] == pytest.approx(direct, rel=1e-5) and got["tokens"] == int(keep.sum())
+
+
+def test_bad_mask_files_get_one_line(tmp_path, capsys):
+    folder = tmp_path / "sets"
+    folder.mkdir()
+    byte_sets(folder, [("a", 3_000, "abc\n", [])])
+    data = folder / "a.bin"
+    size = (data.stat().st_size - 32) // 2
+    cases = [(np.ones(size - 1), "bytes for"), (np.full(size, 2), "byte 2 at position 0")]
+    for mask, message in cases:
+        add_mask(data, mask)
+        assert main([*TINY_MODEL, "--steps", "1", "--data.path", str(data), "--run-dir", str(tmp_path / "r")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0] and "loss mask" in err[0], err
+    data.with_name("a.bin.mask").unlink()
+    assert main([*TINY_MODEL, "--steps", "1", "--data.path", str(data), "--run-dir", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "names the loss mask" in err[0] and "cannot be read" in err[0], err
+    assert not (tmp_path / "r").exists()
