@@ -23,6 +23,10 @@ Output, each written under a ``.partial`` name and renamed when complete:
 
 Documents are tokenized by ``--workers`` processes in chunks; the output is in input order whatever the
 number of workers. Bad input is one line on stderr and exit status 2.
+
+``--chat``: the records are conversations instead (moekit.train.chat_data), rendered with the tokenizer folder's
+chat template; ``OUT.mask`` (one byte per token, 1 on the assistants' replies) is written beside OUT and named in
+the metadata (``loss_mask``), and the trainer's loss counts those targets only (supervised fine-tuning).
 """
 from __future__ import annotations
 
@@ -43,6 +47,7 @@ from typing import Iterator
 import numpy as np
 
 from moekit.train import OneLineParser, UserError, program_name, run_program
+from moekit.train.chat_data import CHAT_FIELD, ChatEncoder, check_messages, read_conversations
 from moekit.train.documents import EMBEDDED, Counts, chunks, documents, expand_inputs, input_kind
 from moekit.train.tokens import TokenFileWriter, metadata_path, sha256_file, tokenizer_copy_path
 from moekit.train.tokenizer import EOS_NAMES
@@ -73,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     eos.add_argument("--eos-token", metavar="TOKEN", help="end-of-document token (default: the tokenizer's own)")
     eos.add_argument("--eos-id", type=int, metavar="ID", help="end-of-document id")
     eos.add_argument("--no-eos", action="store_true", help="no end-of-document id between documents")
+    p.add_argument("--chat", action="store_true",
+                   help="the records are conversations (--field, default 'messages': a list of {role, content}): "
+                        "rendered with the tokenizer folder's chat template, with a loss mask (OUT.mask) over the "
+                        "assistants' replies for supervised fine-tuning (one process)")
     p.add_argument("--add-special-tokens", action="store_true",
                    help="let the tokenizer add its template tokens to each document (e.g. a BOS)")
     p.add_argument("--workers", type=int, metavar="N", default=None,
@@ -388,7 +397,10 @@ def prepare(args: argparse.Namespace) -> int:
                   file=sys.stderr)
         workers = cpus
     files = expand_inputs(args.inputs)
-    if args.field != "text" and all(input_kind(f) not in ("jsonl", "parquet") for f in files):
+    if args.chat:
+        check_chat_args(args)
+        args = argparse.Namespace(**{**vars(args), "field": CHAT_FIELD if args.field == "text" else args.field})
+    elif args.field != "text" and all(input_kind(f) not in ("jsonl", "parquet") for f in files):
         raise UserError(f"--field {args.field!r} names a JSONL key or Parquet column, but the inputs are plain text "
                         f"({', '.join(files[:3])}{' ...' if len(files) > 3 else ''}); leave --field out")
     folder = os.path.dirname(os.path.abspath(out))
@@ -412,19 +424,36 @@ def prepare(args: argparse.Namespace) -> int:
     partials = [f"{out}.partial"] + ([trained] if trained else [])
     done = False
     counts, progress = Counts(), Progress(args.quiet)
+    mask_file, replies = None, 0
     try:
-        for ids, nbytes in encoded(spec, chunks(documents(files, args.field, args.docs_per_line, counts)), workers):
+        if args.chat:  # conversations: ids and the replies' loss mask, in this process
+            partials.append(f"{out}.mask.partial")
+            mask_file = open(f"{out}.mask.partial", "wb")
+            stream = chat_encoded(spec, files, args.field, counts)
+        else:
+            stream = ((ids, n, None) for ids, n in
+                      encoded(spec, chunks(documents(files, args.field, args.docs_per_line, counts)), workers))
+        for ids, nbytes, mask in stream:
             writer.write(ids)
+            if mask is not None:
+                mask_file.write(mask.tobytes())
+                replies += int(mask.sum(dtype=np.int64))
             counts.tokens += ids.size
             counts.text_bytes += nbytes
             progress.update(counts)
         writer.close()
+        if mask_file is not None:
+            mask_file.close()
         progress.clear()
         if counts.documents == 0:
             raise UserError(f"no documents to tokenize: {', '.join(files[:5])}{' ...' if len(files) > 5 else ''} "
                             f"held {counts.empty} empty document(s) and no text (--field {args.field!r}"
                             f"{', --docs-per-line' if args.docs_per_line else ''})")
         meta = metadata(spec, out, counts, files, args, writer.dtype)
+        if args.chat:  # the trainer reads the mask file this names (moekit.train.tokens.read_loss_mask)
+            meta.update(loss_mask=f"{os.path.basename(out)}.mask", trained_tokens=replies,
+                        chat_template=str(ChatEncoder.template_of(spec.file).source))
+            os.replace(f"{out}.mask.partial", f"{out}.mask")
         meta_file, tok_copy = metadata_path(out), tokenizer_copy_path(out)
         partials += [f"{meta_file}.partial", f"{tok_copy}.partial"]
         with open(f"{meta_file}.partial", "w", encoding="utf-8") as f:
@@ -443,6 +472,8 @@ def prepare(args: argparse.Namespace) -> int:
                         f"fix permissions and run again") from None
     finally:
         writer.close()
+        if mask_file is not None:
+            mask_file.close()
         progress.clear()
         for p in partials:
             with contextlib.suppress(OSError):
@@ -453,10 +484,42 @@ def prepare(args: argparse.Namespace) -> int:
     if not args.quiet:
         per_byte = counts.tokens / max(counts.text_bytes, 1)
         eos = "no EOS" if spec.eos_id is None else f"EOS {spec.eos_id}"
-        print(f"wrote {out}: {counts.documents:,} documents ({counts.empty:,} empty skipped), {counts.tokens:,} tokens "
+        if args.chat:
+            print(f"wrote {out}.mask: {replies:,} of the {counts.tokens:,} tokens ({replies / max(counts.tokens, 1):.1%}) "
+                  f"are the assistants' replies the loss counts")
+        what = "conversations" if args.chat else "documents"
+        skipped = "without a reply" if args.chat else "empty"
+        print(f"wrote {out}: {counts.documents:,} {what} ({counts.empty:,} {skipped} skipped), {counts.tokens:,} tokens "
               f"({writer.dtype.name}, {per_byte:.3f} per byte of {counts.text_bytes:,} bytes of text); "
               f"{spec.kind} tokenizer {spec.source}, vocab {spec.vocab_size}, {eos}; metadata {metadata_path(out)}")
     return 0
+
+
+def check_chat_args(args: argparse.Namespace) -> None:
+    """--chat needs a tokenizer whose folder has a chat template, and no flag that means plain documents."""
+    if args.tokenizer == "bytes" or args.tokenizer.startswith(BPE_PREFIX):
+        raise UserError(f"--chat renders conversations with the tokenizer folder's chat template; --tokenizer "
+                        f"{args.tokenizer} has none: give a HuggingFace tokenizer folder (a chat model's)")
+    for flag, on in (("--docs-per-line", args.docs_per_line), ("--add-special-tokens", args.add_special_tokens)):
+        if on:
+            raise UserError(f"{flag} is for plain documents; with --chat the template writes every special token")
+
+
+def chat_encoded(spec: TokenizerSpec, files: list[str], field: str, counts: Counts):
+    """(ids, UTF-8 bytes, loss mask) of each conversation with a reply, in input order; EOS (mask 0) after each."""
+    encoder = ChatEncoder(spec.file)
+    eos = None if spec.eos_id is None else np.array([spec.eos_id], dtype=np.uint32)
+    for path in files:
+        for where, value in read_conversations(path, field):
+            got = encoder.encode(check_messages(value, where), where)
+            if got is None:  # nothing for the loss to count
+                counts.empty += 1
+                continue
+            counts.documents += 1
+            ids, mask, nbytes = got
+            if eos is not None:
+                ids, mask = np.concatenate([ids, eos]), np.concatenate([mask, np.zeros(1, np.uint8)])
+            yield ids, nbytes, mask
 
 
 def main(argv: list[str] | None = None) -> int:

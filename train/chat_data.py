@@ -1,0 +1,140 @@
+"""``moekit-prepare --chat``: conversations into token ids and a loss mask over the assistants' replies.
+
+Each record's ``--field`` (default ``messages``) is a conversation, as OpenAI's and HuggingFace's chat datasets
+hold them: a list of ``{"role": ..., "content": ...}``. It is rendered with the tokenizer folder's chat template
+(moekit.train.inference.ChatTemplate: the same jinja2 environment as transformers' ``apply_chat_template``) and
+encoded as transformers encodes a rendered template (no tokens added; the turn markers in the text become their
+special tokens). The mask is 1 on the tokens of each assistant message as the template writes it (its text and
+its end-of-turn marker) and 0 elsewhere (system and user turns, the generation prompt before each reply):
+
+    rendered   <|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\nHello!<|im_end|>\\n
+    mask       0 ...................................................... 1 .............. 0
+
+A reply's characters are found by rendering the conversation up to it twice: with the generation prompt and
+before it (``before``), and with the reply (``upto``). The reply is what ``upto`` adds to ``before``, and each of
+the two must be a prefix of the whole rendering. A template that rewrites earlier turns once later ones come (a
+reasoning model that drops earlier thinking, say) is refused with the conversation it failed on, since no single
+token sequence then holds every reply as trained. A token counts when its first character lies inside a reply.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from moekit.train import UserError
+
+CHAT_FIELD = "messages"
+
+
+def read_conversations(path: str, field: str) -> Iterator[tuple[str, object]]:
+    """(where, the record's ``field``) of every record of a JSONL or Parquet file."""
+    from moekit.train.documents import input_kind
+
+    kind = input_kind(path)
+    if kind == "jsonl":
+        try:
+            with open(path, "rb") as f:
+                for number, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    where = f"input {path} line {number}"
+                    try:
+                        record = json.loads(line.decode("utf-8").removeprefix("\ufeff"))
+                    except ValueError as exc:  # UnicodeDecodeError included
+                        raise UserError(f"{where}: not a JSON object on one UTF-8 line ({exc})") from None
+                    if not isinstance(record, dict) or field not in record:
+                        have = ", ".join(map(repr, list(record)[:20])) if isinstance(record, dict) else "none"
+                        raise UserError(f"{where}: no field {field!r} (its fields: {have}); name the conversation "
+                                        f"field with --field")
+                    yield where, record[field]
+        except OSError as exc:
+            raise UserError(f"input {path}: cannot read it ({exc.strerror})") from None
+    elif kind == "parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise UserError(f"input {path}: reading Parquet needs pyarrow: pip install 'moekit[data]'") from None
+        try:
+            pf = pq.ParquetFile(path)
+            if field not in pf.schema_arrow.names:
+                raise UserError(f"input {path}: no column {field!r}; its columns: "
+                                f"{', '.join(map(repr, pf.schema_arrow.names[:20]))}; name it with --field")
+            row = 0
+            for batch in pf.iter_batches(batch_size=256, columns=[field]):
+                for value in batch.column(0).to_pylist():
+                    row += 1
+                    yield f"input {path} row {row}", value
+        except UserError:
+            raise
+        except Exception as exc:  # pyarrow's errors: an unreadable or foreign file
+            raise UserError(f"input {path}: cannot read it as Parquet ({str(exc).splitlines()[0]})") from None
+    else:
+        raise UserError(f"input {path}: --chat reads conversations from .jsonl / .parquet records (a list of "
+                        f"{{\"role\", \"content\"}} messages in --field {field!r}), not text files")
+
+
+def check_messages(value, where: str) -> list[dict[str, str]]:
+    """The conversation ``value`` as a list of {"role", "content"} strings, or a one-line UserError naming it."""
+    if not isinstance(value, list) or not all(isinstance(m, dict) for m in value):
+        raise UserError(f"{where}: the conversation must be a list of {{\"role\", \"content\"}} messages, got "
+                        f"{type(value).__name__}")
+    for i, m in enumerate(value):
+        role, content = m.get("role"), m.get("content")
+        if not isinstance(role, str) or not isinstance(content, str):
+            raise UserError(f"{where}: message {i} needs a string role and a string content, got role {role!r} and "
+                            f"content of type {type(content).__name__}")
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+class ChatEncoder:
+    """Renders and encodes conversations with one tokenizer.json and the chat template of its folder."""
+
+    def __init__(self, tokenizer_file: str):
+        from moekit.train.prepare import load_hf
+
+        self.template = self.template_of(tokenizer_file)
+        self.tok = load_hf(tokenizer_file)
+        self.tok.encode_special_tokens = False  # the template's turn markers are its special tokens
+
+    @staticmethod
+    def template_of(tokenizer_file: str):
+        """The chat template of the tokenizer.json's folder (moekit.train.inference.ChatTemplate), compiled."""
+        from moekit.train.inference import ChatTemplate
+
+        folder = Path(os.path.dirname(os.path.abspath(tokenizer_file)))
+        try:
+            return ChatTemplate.load(folder)
+        except UserError as exc:
+            if "no chat template" not in str(exc):
+                raise
+            raise UserError(f"--chat: {folder} has no chat template (tokenizer_config.json's chat_template, "
+                            f"chat_template.jinja or chat_template.json) to render the conversations with; use a chat "
+                            f"model's tokenizer folder, or prepare plain text without --chat") from None
+
+    def encode(self, messages: list[dict[str, str]], where: str) -> tuple[np.ndarray, np.ndarray, int] | None:
+        """(ids, mask, UTF-8 bytes of the rendering) of one conversation; None when it has no assistant reply."""
+        replies = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        if not replies:
+            return None
+        render = self.template.render
+        whole = render(messages, add_generation_prompt=False)
+        spans = []
+        for i in replies:
+            before = render(messages[:i], add_generation_prompt=True)
+            upto = render(messages[: i + 1], add_generation_prompt=False)
+            if not (upto.startswith(before) and whole.startswith(upto)):
+                raise UserError(f"{where}: the chat template {self.template.source} renders the conversation's earlier "
+                                f"turns differently once message {i} (assistant) follows, so its replies have no "
+                                f"single token sequence to train on; use a template that renders each turn the same "
+                                f"whatever follows it, or prepare the text without --chat")
+            spans.append((len(before), len(upto)))
+        enc = self.tok.encode(whole, add_special_tokens=False)
+        starts = np.fromiter((a for a, _ in enc.offsets), dtype=np.int64, count=len(enc.offsets))
+        mask = np.zeros(len(enc.ids), dtype=np.uint8)
+        for a, b in spans:
+            mask[(starts >= a) & (starts < b)] = 1
+        return np.asarray(enc.ids, dtype=np.uint32), mask, len(whole.encode("utf-8"))
