@@ -145,3 +145,28 @@ def test_bad_mask_files_get_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "names the loss mask" in err[0] and "cannot be read" in err[0], err
     assert not (tmp_path / "r").exists()
+
+
+def test_a_blend_counts_every_target_of_its_unmasked_sets(sets, tmp_path):
+    """A masked set beside an unmasked one (a chat set mixed into pretraining text): the windows of the unmasked set
+    count all their targets, the masked set's what its mask says."""
+    import shutil
+
+    from moekit.train.config import DataSection
+    from moekit.train.data import load_data
+
+    plain = tmp_path / "plain.bin"
+    shutil.copyfile(sets / "t.bin", plain)
+    meta = json.loads((sets / "t.bin.json").read_text())
+    del meta["loss_mask"]
+    (tmp_path / "plain.bin.json").write_text(json.dumps(meta))
+    if (sets / "t.bin.tokenizer.json").exists():
+        shutil.copyfile(sets / "t.bin.tokenizer.json", tmp_path / "plain.bin.tokenizer.json")
+    split = load_data(DataSection(blend=f"{sets / 't.bin'}:1,{plain}:1"), 257).split(S, 0.05)
+    offset = int(split.tokens.offsets[1])
+    own, other = split.train_starts[split.train_starts < offset], split.train_starts[split.train_starts >= offset]
+    mask = np.fromfile(sets / "t.bin.mask", dtype=np.uint8)
+    assert counted_targets(split.mask, other, S) == other.size * S
+    assert counted_targets(split.mask, own, S) == int(mask[own[:, None] + 1 + np.arange(S)].sum())
+    _, y = gather(split.tokens, own[:3], S, split.mask)
+    assert (y == IGNORE_INDEX).sum() == 3 * S - counted_targets(split.mask, own[:3], S)

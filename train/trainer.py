@@ -69,8 +69,9 @@ class Trainer:
         except UserError as exc:  # raised below, on every rank alike
             error = exc
         # every rank: the same settings, software and data, or one line naming what differs (collective)
-        files = None if self.data is None else [s.tokens for s in self.data.sources] + (
-            [self.data.val.tokens] if self.data.val is not None else [])  # --data.val_path's file too
+        sources = [] if self.data is None else [*self.data.sources, *([self.data.val] if self.data.val else [])]
+        # the tokens of every set (--data.val_path's too) and their loss masks
+        files = None if self.data is None else [a for s in sources for a in (s.tokens, s.mask) if a is not None]
         check_ranks_agree(cfg.to_dict(), files, error)
         # rank 0 locks the run dir, refuses an earlier run's, probes what it writes; before anything is touched
         self.run_lock = self.dist.from_main(lambda: rundir.claim(cfg, opts.resume is not None or opts.overwrite, _warn))
