@@ -77,11 +77,24 @@ def read_conversations(path: str, field: str) -> Iterator[tuple[str, object]]:
                         f"{{\"role\", \"content\"}} messages in --field {field!r}), not text files")
 
 
+# ShareGPT's layout ({"from": "human" | "gpt" | "system", "value": ...}, its "conversations" field), as many chat
+# datasets keep it: read as the roles apply_chat_template knows
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
+                  "bing": "assistant", "bard": "assistant", "system": "system", "tool": "tool", "function": "tool"}
+
+
 def check_messages(value, where: str) -> list[dict[str, str]]:
-    """The conversation ``value`` as a list of {"role", "content"} strings, or a one-line UserError naming it."""
+    """The conversation ``value`` as a list of {"role", "content"} strings, or a one-line UserError naming it.
+    ShareGPT's messages ({"from", "value"}) are read with its roles mapped (SHAREGPT_ROLES)."""
     if not isinstance(value, list) or not all(isinstance(m, dict) for m in value):
         raise UserError(f"{where}: the conversation must be a list of {{\"role\", \"content\"}} messages, got "
                         f"{type(value).__name__}")
+    if value and all("from" in m and "value" in m and "role" not in m for m in value):
+        unknown = sorted({str(m["from"]) for m in value} - set(SHAREGPT_ROLES))
+        if unknown:
+            raise UserError(f"{where}: ShareGPT messages from {unknown} have no chat role; known: "
+                            f"{sorted(SHAREGPT_ROLES)}")
+        value = [{"role": SHAREGPT_ROLES[str(m["from"])], "content": m["value"]} for m in value]
     for i, m in enumerate(value):
         role, content = m.get("role"), m.get("content")
         if not isinstance(role, str) or not isinstance(content, str):

@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true",
                    help="the records are conversations (--field, default 'messages': a list of {role, content}): "
                         "rendered with the tokenizer folder's chat template, with a loss mask (OUT.mask) over the "
-                        "assistants' replies for supervised fine-tuning (one process)")
+                        "assistants' replies for supervised fine-tuning; ShareGPT's {from, value} messages too")
     p.add_argument("--add-special-tokens", action="store_true",
                    help="let the tokenizer add its template tokens to each document (e.g. a BOS)")
     p.add_argument("--workers", type=int, metavar="N", default=None,
@@ -292,20 +292,26 @@ def encode_chunk(docs: list[str]) -> tuple[np.ndarray, int]:
 
 
 def encoded(spec: TokenizerSpec, work: Iterator[list[str]], workers: int) -> Iterator[tuple[np.ndarray, int]]:
-    """Each chunk's (ids, bytes), in chunk order: in this process, or ``workers`` processes with a bounded
-    number of chunks in flight (reading never runs far ahead of writing)."""
+    """Each chunk's (ids, bytes), in chunk order."""
+    return in_order(work, workers, init_encoder, spec, encode_chunk)
+
+
+def in_order(work: Iterator, workers: int, init, spec: TokenizerSpec, fn) -> Iterator:
+    """``fn(chunk)`` of each chunk of ``work``, in chunk order: in this process (after ``init(spec, False)``), or in
+    ``workers`` processes (each ``init(spec, True)``) with a bounded number of chunks in flight (reading never
+    runs far ahead of writing)."""
     if workers == 1:
-        init_encoder(spec, single_threaded=False)
+        init(spec, False)
         for chunk in work:
-            yield encode_chunk(chunk)
+            yield fn(chunk)
         return
     import multiprocessing
 
     # spawn: a fresh interpreter per worker (no fork of a threaded parent: torch, tokenizers' thread pool)
-    with multiprocessing.get_context("spawn").Pool(workers, initializer=init_encoder, initargs=(spec, True)) as pool:
+    with multiprocessing.get_context("spawn").Pool(workers, initializer=init, initargs=(spec, True)) as pool:
         pending: collections.deque = collections.deque()
         for chunk in work:
-            pending.append(pool.apply_async(encode_chunk, (chunk,)))
+            pending.append(pool.apply_async(fn, (chunk,)))
             if len(pending) >= 2 * workers:
                 yield pending.popleft().get()
         while pending:
@@ -429,7 +435,7 @@ def prepare(args: argparse.Namespace) -> int:
         if args.chat:  # conversations: ids and the replies' loss mask, in this process
             partials.append(f"{out}.mask.partial")
             mask_file = open(f"{out}.mask.partial", "wb")
-            stream = chat_encoded(spec, files, args.field, counts)
+            stream = chat_encoded(spec, files, args.field, counts, workers)
         else:
             stream = ((ids, n, None) for ids, n in
                       encoded(spec, chunks(documents(files, args.field, args.docs_per_line, counts)), workers))
@@ -505,21 +511,60 @@ def check_chat_args(args: argparse.Namespace) -> None:
             raise UserError(f"{flag} is for plain documents; with --chat the template writes every special token")
 
 
-def chat_encoded(spec: TokenizerSpec, files: list[str], field: str, counts: Counts):
-    """(ids, UTF-8 bytes, loss mask) of each conversation with a reply, in input order; EOS (mask 0) after each."""
-    encoder = ChatEncoder(spec.file)
+CHAT_CHUNK = 256  # conversations per chunk a worker encodes
+_CHAT: tuple[TokenizerSpec, ChatEncoder] | None = None  # (spec, its chat encoder), per process
+
+
+def init_chat(spec: TokenizerSpec, single_threaded: bool) -> None:
+    global _CHAT
+    if single_threaded:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        _CHAT = (spec, ChatEncoder(spec.file))
+    except Exception as exc:  # raised with the first chunk: a pool respawns a worker whose initializer raised, forever
+        _CHAT = (spec, exc)
+
+
+def encode_chat_chunk(records: list[tuple[str, object]]) -> list[tuple[np.ndarray, int, np.ndarray] | None]:
+    """(ids, UTF-8 bytes, loss mask) of each conversation, EOS (mask 0) after it; None for one without a reply."""
+    spec, encoder = _CHAT
+    if isinstance(encoder, Exception):
+        raise encoder
     eos = None if spec.eos_id is None else np.array([spec.eos_id], dtype=np.uint32)
-    for path in files:
-        for where, value in read_conversations(path, field):
-            got = encoder.encode(check_messages(value, where), where)
+    out = []
+    for where, value in records:
+        got = encoder.encode(check_messages(value, where), where)
+        if got is None:
+            out.append(None)
+            continue
+        ids, mask, nbytes = got
+        if eos is not None:
+            ids, mask = np.concatenate([ids, eos]), np.concatenate([mask, np.zeros(1, np.uint8)])
+        out.append((ids, nbytes, mask))
+    return out
+
+
+def chat_encoded(spec: TokenizerSpec, files: list[str], field: str, counts: Counts, workers: int):
+    """(ids, UTF-8 bytes, loss mask) of each conversation with a reply, in input order (``workers`` processes)."""
+    def chunked():
+        chunk = []
+        for path in files:
+            for record in read_conversations(path, field):
+                chunk.append(record)
+                if len(chunk) == CHAT_CHUNK:
+                    yield chunk
+                    chunk = []
+        if chunk:
+            yield chunk
+
+    ChatEncoder.template_of(spec.file)  # a folder without a usable template: one line, before any worker starts
+    for results in in_order(chunked(), workers, init_chat, spec, encode_chat_chunk):
+        for got in results:
             if got is None:  # nothing for the loss to count
                 counts.empty += 1
                 continue
             counts.documents += 1
-            ids, mask, nbytes = got
-            if eos is not None:
-                ids, mask = np.concatenate([ids, eos]), np.concatenate([mask, np.zeros(1, np.uint8)])
-            yield ids, nbytes, mask
+            yield got
 
 
 def main(argv: list[str] | None = None) -> int:
