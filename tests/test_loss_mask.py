@@ -59,6 +59,37 @@ def rows(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+def reference_keep(ids: np.ndarray, mask: np.ndarray, s: int, eos: int) -> list[bool]:
+    """The targets of the window at ``s`` the loss counts, one by one: the mask's, except those of a document that
+    began before the window (up to its first end-of-document)."""
+    window = ids[s : s + S + 1].tolist()
+    cut = s > 0 and ids[s - 1] != eos
+    first = window.index(eos) if eos in window else S + 1
+    return [bool(mask[s + 1 + j]) and not (cut and j < first) for j in range(S)]
+
+
+def test_a_window_does_not_train_the_rest_of_a_conversation_it_cut():
+    """The picture in moekit.train.data.counted: a window that begins inside a document counts none of that
+    document's targets (up to its EOS), then what the mask says."""
+    from moekit.train.data import counted
+
+    E = 9
+    #                 0  1  2  3  4  5  6  7  8  9 10 11 12 13
+    ids = np.array([5, 1, 1, E, 2, 2, 3, 3, E, 2, 3, 3, 3, E])
+    mask = np.array([0, 1, 1, 0, 0, 0, 1, 1, 0, 0, 1, 1, 1, 0], np.uint8)  # replies: 1
+    starts = np.array([1, 3, 0])  # inside the first document, at an EOS (the next one starts after it), the start
+    got = counted(ids, mask, starts, ids[starts[:, None] + np.arange(6)], E)  # windows of S = 5
+    assert got.tolist() == [[False, False, False, False, True],  # 1 1 E | 2 2 3: the cut document's targets go
+                            [False, False, True, True, False],  # E 2 2 3 3 E: starts after the EOS, all counted
+                            [True, True, False, False, False]]  # 5 1 1 E 2 2: from the data's start
+    assert counted_targets(mask, starts, 5, ids, E) == 5
+    for s in range(ids.size - 5):  # the one-by-one reference, every start
+        assert counted(ids, mask, np.array([s]), ids[None, s : s + 6], E)[0].tolist() == [
+            bool(mask[s + 1 + j]) and not (s > 0 and ids[s - 1] != E and j < list(ids[s : s + 6]).index(E)
+                                           if E in ids[s : s + 6] else s > 0 and ids[s - 1] != E)
+            for j in range(5)]
+
+
 def test_gather_ignores_the_targets_the_mask_leaves_out_and_the_loss_can_sum_over_a_given_count():
     rng = np.random.default_rng()
     tokens, mask = rng.integers(0, 50, 400), rng.integers(0, 2, 400).astype(np.uint8)
@@ -116,7 +147,9 @@ def test_validation_and_moekit_eval_count_the_masked_targets(sets, tmp_path):
     n = (ids.size - 1) // S
     starts = (np.arange(n) * S)[np.linspace(0, n - 1, 8).round().astype(int)]
     idx = starts[:, None] + np.arange(S + 1)
-    windows, keep = torch.from_numpy(ids[idx]), torch.from_numpy(mask[idx[:, 1:]] == 1)
+    eos = json.loads((sets / "v.bin.json").read_text())["eos_id"]
+    windows = torch.from_numpy(ids[idx])
+    keep = torch.tensor([reference_keep(ids, mask, int(s), eos) for s in starts])
     with torch.no_grad():
         logits = model(windows[:, :-1]).float()
     token_nats = F.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten(), reduction="none")

@@ -445,26 +445,49 @@ class BlendSampler:
                                      "windows": int(sampler.starts.size)})
 
 
-def gather(tokens: np.ndarray, starts: np.ndarray, seq_len: int, mask: np.ndarray | None = None):
-    """inputs, targets [n, seq_len] int64 torch tensors from window starts; with a loss ``mask``, the targets it
-    leaves out are models.loss.IGNORE_INDEX."""
+def gather(tokens: np.ndarray, starts: np.ndarray, seq_len: int, mask: np.ndarray | None = None,
+           eos: int | None = None):
+    """inputs, targets [n, seq_len] int64 torch tensors from window starts; with a loss ``mask``, the targets
+    ``counted`` leaves out are models.loss.IGNORE_INDEX."""
     import torch
 
     idx = starts[:, None] + np.arange(seq_len + 1)[None, :]  # [n, S+1]
-    windows = torch.from_numpy(np.asarray(tokens[idx], dtype=np.int64))
+    ids = np.asarray(tokens[idx], dtype=np.int64)
+    windows = torch.from_numpy(ids)
     x, y = windows[:, :-1], windows[:, 1:]
     if mask is not None:
         from moekit.models.loss import IGNORE_INDEX
 
-        y = y.masked_fill(torch.from_numpy(np.asarray(mask[idx[:, 1:]]) == 0), IGNORE_INDEX)
+        y = y.masked_fill(torch.from_numpy(~counted(tokens, mask, starts, ids, eos)), IGNORE_INDEX)
     return x, y
 
 
-def counted_targets(mask: np.ndarray | None, starts: np.ndarray, seq_len: int) -> int:
-    """How many targets of the windows at ``starts`` a loss ``mask`` counts (all of them without one)."""
+def counted(tokens: np.ndarray, mask: np.ndarray, starts: np.ndarray, ids: np.ndarray, eos: int | None) -> np.ndarray:
+    """[n, S] bool: the targets of the windows at ``starts`` (their ids [n, S+1]) that the loss counts. Those the
+    ``mask`` marks, except, where documents end with ``eos``, the targets of a document that began before its
+    window: its replies would be trained without their prompts (a packed chat set's windows cut conversations).
+
+        window   ...reply tail<eos> <prompt> <reply> <eos> <prompt> <rep|    (| the window's end)
+        counted   0 0 0 0 0 0 0 0    0 0 0   1 1 1    0     0 0 0    1 1      (the mask's, from the first eos on)
+    """
+    keep = np.asarray(mask[starts[:, None] + 1 + np.arange(ids.shape[1] - 1)[None, :]]) != 0  # [n, S]
+    if eos is None or not starts.size:
+        return keep
+    before = np.asarray(tokens[np.maximum(starts - 1, 0)])
+    cut = (starts > 0) & (before != eos)  # the window begins inside a document
+    ends = ids == eos  # [n, S+1]
+    first = np.where(ends.any(axis=1), ends.argmax(axis=1), ids.shape[1])  # the leading document's end (or none)
+    return keep & ~(cut[:, None] & (np.arange(keep.shape[1])[None, :] < first[:, None]))
+
+
+def counted_targets(mask: np.ndarray | None, starts: np.ndarray, seq_len: int, tokens: np.ndarray | None = None,
+                    eos: int | None = None) -> int:
+    """How many targets of the windows at ``starts`` a loss ``mask`` counts (``counted``; all without a mask)."""
     if mask is None:
         return int(starts.size) * seq_len
-    return int(np.asarray(mask[starts[:, None] + 1 + np.arange(seq_len)[None, :]]).sum(dtype=np.int64))
+    ids = np.asarray(tokens[starts[:, None] + np.arange(seq_len + 1)[None, :]]) if eos is not None else \
+        np.empty((starts.size, seq_len + 1), np.int64)
+    return int(counted(tokens, mask, starts, ids, eos).sum(dtype=np.int64))
 
 
 def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:

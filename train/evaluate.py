@@ -149,7 +149,8 @@ def run(args: argparse.Namespace) -> dict:
         observer = Specialisation(cfg.vocab_size, seq_len).attach(model)
     try:
         result = evaluate(model, tokens, starts, seq_len, batch_size, tokenizer,
-                          progress=None if args.quiet else _note, observer=observer, mask=mask)
+                          progress=None if args.quiet else _note, observer=observer, mask=mask,
+                          eos=data_tok.eos_id)
     finally:
         if observer is not None:
             observer.detach()

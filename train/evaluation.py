@@ -154,9 +154,10 @@ def load_summary(model: torch.nn.Module) -> dict:
 
 @torch.inference_mode()
 def evaluate(model, tokens, starts: np.ndarray, seq_len: int, batch_size: int, tokenizer=None,
-             progress=None, observer=None, mask: np.ndarray | None = None) -> dict:
+             progress=None, observer=None, mask: np.ndarray | None = None, eos: int | None = None) -> dict:
     """Loss over the windows at ``starts`` (each predicts seq_len tokens; with a loss ``mask``, the targets it
-    counts), bytes for bits per byte, expert load. ``observer``: a specialisation.Specialisation attached to the
+    counts, as the trainer counts them: data.counted, with the data's end-of-document id ``eos``), bytes for bits
+    per byte, expert load. ``observer``: a specialisation.Specialisation attached to the
     model, told each batch's input ids."""
     device = model.embed.weight.device
     handles = record_eval_load(model)
@@ -165,7 +166,7 @@ def evaluate(model, tokens, starts: np.ndarray, seq_len: int, batch_size: int, t
     mtp = torch.zeros(depths, 4, dtype=torch.float64)  # per depth: nats, correct, agreeing, predictions
     try:
         for i in range(0, starts.size, batch_size):
-            x, y = gather(tokens, starts[i : i + batch_size], seq_len, mask)  # [b, S] each
+            x, y = gather(tokens, starts[i : i + batch_size], seq_len, mask, eos)  # [b, S] each
             if observer is not None:
                 observer.begin_batch(x)
             logits, hidden = model(x.to(device), return_hidden=True)  # [b, S, V], [b, S, H]

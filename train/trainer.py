@@ -282,7 +282,7 @@ class Trainer:
         the validation data); targets a loss mask leaves out are IGNORE_INDEX."""
         split = self.split
         tokens, mask = (split.held_out, split.held_out_mask) if held_out else (split.tokens, split.mask)
-        return self.dist.positions(*gather(tokens, starts, self.cfg.train.seq_len, mask))
+        return self.dist.positions(*gather(tokens, starts, self.cfg.train.seq_len, mask, self.data.tokenizer.eos_id))
 
     def forward_loss(self, starts: np.ndarray, held_out: bool = False, batch=None) -> torch.Tensor:
         """The loss of the windows at ``starts`` (or of ``batch``, their ``windows``): the mean over the counted
@@ -316,7 +316,8 @@ class Trainer:
         targets however they fall on micro-batches and ranks. Returns N; None (and nothing set) without masks."""
         if self.split.mask is None:
             return None
-        counted = counted_targets(self.split.mask, batch, self.cfg.train.seq_len)
+        counted = counted_targets(self.split.mask, batch, self.cfg.train.seq_len, self.split.tokens,
+                                  self.data.tokenizer.eos_id)
         normalizer = max(counted, 1) / (self.dist.loss_ranks * self.plan.accum)  # none counted: loss 0
         for root in (self.model, *getattr(self.model, "stages", ())):
             if hasattr(root, "loss_normalizer"):
