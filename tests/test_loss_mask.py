@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from moekit.models.loss import IGNORE_INDEX, chunked_lm_loss
 from moekit.train.data import counted_targets, gather
 from moekit.train.loop import main
+from moekit.train.tokens import read_token_file
 from tests.tiny import TINY_MODEL, byte_sets
 
 S = 32  # TINY_MODEL's train.seq_len
@@ -34,13 +35,14 @@ def add_mask(path: Path, mask: np.ndarray) -> None:
     meta_path.write_text(json.dumps(meta))
 
 
-def conversation_mask(size: int, rng) -> np.ndarray:
-    """Spans of prompt (0) and reply (1) of random lengths, as a chat set's; some windows count few targets."""
-    out, at, reply = np.zeros(size, np.uint8), 0, False
-    while at < size:
-        n = int(rng.integers(5, 120))
-        out[at : at + n] = reply
-        at, reply = at + n, not reply
+def conversation_mask(ids: np.ndarray, eos: int, rng) -> np.ndarray:
+    """Each document (up to its EOS) a prompt (0) then a reply (1) of random lengths, as a chat set's: windows and
+    micro-batches count unequal numbers of targets."""
+    out, start = np.zeros(ids.size, np.uint8), 0
+    for end in np.flatnonzero(ids == eos):
+        split = start + int(rng.integers(0, max(end - start, 1)))
+        out[split:end] = 1  # the reply; the EOS stays 0
+        start = end + 1
     return out
 
 
@@ -50,8 +52,8 @@ def sets(tmp_path_factory) -> Path:
     byte_sets(folder, [("t", 30_000, "abcdefgh ij\n", []), ("v", 6_000, "abcdefgh ij\n", [])])
     rng = np.random.default_rng()
     for name in "tv":
-        size = (folder / f"{name}.bin").stat().st_size  # bytes prepared as uint16 ids after a 32-byte header
-        add_mask(folder / f"{name}.bin", conversation_mask((size - 32) // 2, rng))
+        ids = np.asarray(read_token_file(str(folder / f"{name}.bin"))[0])
+        add_mask(folder / f"{name}.bin", conversation_mask(ids, 256, rng))  # bytes: EOS 256
     return folder
 
 
@@ -119,7 +121,7 @@ def test_every_layout_and_accumulation_give_the_one_process_losses(sets, tmp_pat
               "--log.progress", "off", "--model.aux_loss_coeff", "0"]  # the aux loss of a token slice differs
     assert main([*common, "--run-dir", str(tmp_path / "one")]) == 0
     want = rows(tmp_path / "one")
-    assert all(0 < r["loss_tokens"] < 4 * S for r in want)  # a mask that counts some of each step's targets
+    assert all(r["loss_tokens"] < 4 * S for r in want) and any(r["loss_tokens"] for r in want)
     assert main([*common, "--train.micro_batch_size", "1", "--run-dir", str(tmp_path / "accum")]) == 0
     assert [r["loss"] for r in rows(tmp_path / "accum")] == pytest.approx([r["loss"] for r in want], rel=1e-5)
     for name, extra in (("dp2", []), ("cp2", ["--cp", "2"]), ("pp2", ["--pp", "2"])):
@@ -135,7 +137,6 @@ def test_validation_and_moekit_eval_count_the_masked_targets(sets, tmp_path):
     the counted targets, computed here from the checkpoint."""
     from moekit.train.evaluate import main as evaluate
     from moekit.train.inference import load_for_inference
-    from moekit.train.tokens import read_token_file
 
     run = tmp_path / "run"
     assert main([*TINY_MODEL, "--data.path", str(sets / "t.bin"), "--data.val_path", str(sets / "v.bin"), "--steps",
