@@ -92,6 +92,7 @@ class Trainer:
         self.data_phase = (resume.data_phase(self.resumed_run, self.changes, checkpoint.step_of(self.resume_from))
                            if self.resume_from is not None else 0)
         self.sampler = self.split.sampler(cfg.train.seed, self.data_phase)  # data.Sampler, or data.BlendSampler
+
     # -- setup ------------------------------------------------------------------------------------
 
     def build(self) -> None:
