@@ -252,3 +252,19 @@ def test_the_loss_figure_draws_each_sets_validation_curve():
     assert set(lines) == {"run", "run: web.bin", "run: code.bin"}
     assert list(lines["run: code.bin"].get_ydata()) == pytest.approx([0.75, 0.375])
     assert lines["run: web.bin"].get_linestyle() != lines["run"].get_linestyle()
+
+
+def test_moekit_eval_reports_each_sets_loss_as_the_trainer_does(blend_sets, tmp_path):
+    """moekit-eval on a blend run, with the trainer's windows (--batches E/B --batch-size B): the loss per set equals
+    the run's val_loss_by_source at the checkpoint's step, and the sets' tokens add up to the whole."""
+    from moekit.train.evaluate import main as evaluate
+
+    a, b = str(blend_sets / "a.bin"), str(blend_sets / "b.bin")
+    assert run(tmp_path / "run", "--data.blend", f"{a}:3,{b}:1", "--steps", "2", "--checkpoint.every", "2",
+               "--log.progress", "off") == 0
+    want = metrics(tmp_path / "run")[-1]["val_loss_by_source"]
+    out = tmp_path / "eval.json"
+    assert evaluate([str(tmp_path / "run"), "--batches", "2", "--batch-size", "4", "--out", str(out), "--quiet"]) == 0
+    got = json.loads(out.read_text())
+    assert {k: v["loss"] for k, v in got["by_source"].items()} == pytest.approx(want, rel=1e-5)
+    assert sum(v["tokens"] for v in got["by_source"].values()) == got["tokens"] == 8 * 32

@@ -15,7 +15,9 @@ evaluates the trainer's own windows.
 
 Reported (stdout; ``--out`` writes JSON): mean cross-entropy per predicted token (nats), perplexity
 exp(loss), bits per byte = total nats / ln 2 / the UTF-8 bytes the predicted tokens decode to (byte tokens:
-one byte each, so loss / ln 2), tokens evaluated, and per MoE layer the expert load of that data
+one byte each, so loss / ln 2), tokens evaluated (with a loss mask, the targets it counts), the loss of each set
+of a blend run (``by_source``: the trainer's val_loss_by_source on its windows), and per MoE layer the expert
+load of that data
 (moekit.moe.load): imbalance max/mean, coefficient of variation std/mean of the tokens per expert, dead
 experts (no token), dropped slots, and how alike the experts' weights are (mean pairwise cosine similarity: 1 =
 copies, as plain upcycling starts; ~0 = independent; train.evaluation.expert_similarity). Progress goes to stderr
@@ -99,7 +101,8 @@ def _run_defaults(run_config: dict | None) -> tuple[int | None, int | None]:
 def run(args: argparse.Namespace) -> dict:
     """The program's work for parsed flags (also a library call: moekit.train.specialisation): the result dict."""
     # torch, the model and the data: after the flags
-    from moekit.train.evaluation import check_tokenizers, choose_windows, data_section, evaluate, load_split
+    from moekit.train.evaluation import (check_tokenizers, choose_windows, data_section, evaluate, load_split,
+                                         window_sources)
     from moekit.train.inference import load_for_inference
 
     for name in ("--seq-len", "--batch-size", "--batches", "--max-tokens"):
@@ -150,7 +153,7 @@ def run(args: argparse.Namespace) -> dict:
     try:
         result = evaluate(model, tokens, starts, seq_len, batch_size, tokenizer,
                           progress=None if args.quiet else _note, observer=observer, mask=mask,
-                          eos=data_tok.eos_id)
+                          eos=data_tok.eos_id, sources=window_sources(split, tokens, starts))
     finally:
         if observer is not None:
             observer.detach()
@@ -188,6 +191,8 @@ def report(r: dict) -> str:
     nbytes = f", {r['bytes']:,} bytes" if r["bytes"] else ""
     lines = [f"loss {r['loss']:.4f}  perplexity {r['perplexity']:.3f}  bits/byte {bpb}  ({r['tokens']:,} tokens"
              f"{nbytes}, {r['windows']:,} windows of {r['seq_len']})"]
+    for name, s in (r.get("by_source") or {}).items():  # a blend: each set's windows
+        lines.append(f"  {name}: loss {s['loss']:.4f} ({s['tokens']:,} tokens)")
     for d in r.get("mtp", ()):
         lines.append(f"MTP depth {d['depth']}: loss {d['loss']:.4f}, top-1 accuracy {100 * d['accuracy']:.1f}% on the token "
                      f"{d['depth'] + 1} ahead, agrees with the main model's next-token top-1 at that position "

@@ -154,14 +154,16 @@ def load_summary(model: torch.nn.Module) -> dict:
 
 @torch.inference_mode()
 def evaluate(model, tokens, starts: np.ndarray, seq_len: int, batch_size: int, tokenizer=None,
-             progress=None, observer=None, mask: np.ndarray | None = None, eos: int | None = None) -> dict:
+             progress=None, observer=None, mask: np.ndarray | None = None, eos: int | None = None,
+             sources: list[str] | None = None) -> dict:
     """Loss over the windows at ``starts`` (each predicts seq_len tokens; with a loss ``mask``, the targets it
     counts, as the trainer counts them: data.counted, with the data's end-of-document id ``eos``), bytes for bits
-    per byte, expert load. ``observer``: a specialisation.Specialisation attached to the
-    model, told each batch's input ids."""
+    per byte, expert load. ``observer``: a specialisation.Specialisation attached to the model, told each batch's
+    input ids. ``sources``: each window's set (a blend's path), for the loss per set ("by_source")."""
     device = model.embed.weight.device
     handles = record_eval_load(model)
     nats, byte_count, count, last = 0.0, 0, 0, time.perf_counter()
+    by_source: dict[str, list[float]] = {}  # set -> [nats, counted targets]
     depths = len(getattr(model, "mtp", ()))
     mtp = torch.zeros(depths, 4, dtype=torch.float64)  # per depth: nats, correct, agreeing, predictions
     try:
@@ -172,8 +174,15 @@ def evaluate(model, tokens, starts: np.ndarray, seq_len: int, batch_size: int, t
             logits, hidden = model(x.to(device), return_hidden=True)  # [b, S, V], [b, S, H]
             if depths:
                 mtp += mtp_counts(model, x.to(device), y.to(device), logits, hidden)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten().to(device), reduction="sum")
-            nats += float(loss)  # D2H sync: once per batch
+            per_row = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten().to(device),
+                                      reduction="none").view(y.shape).sum(1)  # [b] nats (ignored targets: 0)
+            rows = per_row.tolist()  # D2H sync: once per batch
+            nats += sum(rows)
+            if sources is not None:
+                for name, row_nats, row_y in zip(sources[i : i + batch_size], rows, y):
+                    acc = by_source.setdefault(name, [0.0, 0])
+                    acc[0] += row_nats
+                    acc[1] += int((row_y != IGNORE_INDEX).sum())
             counted = [[t for t in row if t != IGNORE_INDEX] for row in y.tolist()]  # a loss mask's targets
             count += sum(len(row) for row in counted)
             if tokenizer is not None:
@@ -190,8 +199,18 @@ def evaluate(model, tokens, starts: np.ndarray, seq_len: int, batch_size: int, t
             "bits_per_byte": nats / math.log(2) / byte_count if byte_count else None, "tokens": count,
             "bytes": byte_count if tokenizer is not None else None, "windows": int(starts.size),
             "expert_load": load_summary(model),
+            "by_source": {name: {"loss": n / max(c, 1), "tokens": c} for name, (n, c) in by_source.items()} or None,
             "mtp": [{"depth": k + 1, "loss": row[0] / row[3], "accuracy": row[1] / row[3], "agreement": row[2] / row[3],
                      "predictions": int(row[3])} for k, row in enumerate(mtp.tolist()) if row[3]]}
+
+
+def window_sources(split: Split, tokens, starts: np.ndarray) -> list[str] | None:
+    """Each window's set when ``tokens`` are a blend's (moekit.train.data.BlendTokens), else None."""
+    offsets = getattr(tokens, "offsets", None)
+    names = getattr(split, "names", ())
+    if offsets is None or not names:
+        return None
+    return [names[i] for i in (np.searchsorted(offsets, starts, side="right") - 1).tolist()]
 
 
 def mtp_counts(model, x: torch.Tensor, y: torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
