@@ -80,13 +80,13 @@ def test_a_window_does_not_train_the_rest_of_a_conversation_it_cut():
     ids = np.array([5, 1, 1, E, 2, 2, 3, 3, E, 2, 3, 3, 3, E])
     mask = np.array([0, 1, 1, 0, 0, 0, 1, 1, 0, 0, 1, 1, 1, 0], np.uint8)  # replies: 1
     starts = np.array([1, 3, 0])  # inside the first document, at an EOS (the next one starts after it), the start
-    got = counted(ids, mask, starts, ids[starts[:, None] + np.arange(6)], E)  # windows of S = 5
+    got = counted(ids, mask, starts, 5, E)  # windows of S = 5
     assert got.tolist() == [[False, False, False, False, True],  # 1 1 E | 2 2 3: the cut document's targets go
                             [False, False, True, True, False],  # E 2 2 3 3 E: starts after the EOS, all counted
                             [True, True, False, False, False]]  # 5 1 1 E 2 2: from the data's start
     assert counted_targets(mask, starts, 5, ids, E) == 5
     for s in range(ids.size - 5):  # the one-by-one reference, every start
-        assert counted(ids, mask, np.array([s]), ids[None, s : s + 6], E)[0].tolist() == [
+        assert counted(ids, mask, np.array([s]), 5, E)[0].tolist() == [
             bool(mask[s + 1 + j]) and not (s > 0 and ids[s - 1] != E and j < list(ids[s : s + 6]).index(E)
                                            if E in ids[s : s + 6] else s > 0 and ids[s - 1] != E)
             for j in range(5)]

@@ -18,7 +18,6 @@ token sequence then holds every reply as trained. A token counts when its first 
 """
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Iterator
@@ -31,47 +30,14 @@ CHAT_FIELD = "messages"
 
 
 def read_conversations(path: str, field: str) -> Iterator[tuple[str, object]]:
-    """(where, the record's ``field``) of every record of a JSONL or Parquet file."""
-    from moekit.train.documents import input_kind
+    """(where, the record's ``field``) of every record of a JSONL or Parquet file (moekit.train.documents' readers)."""
+    from moekit.train.documents import input_kind, jsonl_values, parquet_values
 
     kind = input_kind(path)
     if kind == "jsonl":
-        try:
-            with open(path, "rb") as f:
-                for number, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    where = f"input {path} line {number}"
-                    try:
-                        record = json.loads(line.decode("utf-8").removeprefix("\ufeff"))
-                    except ValueError as exc:  # UnicodeDecodeError included
-                        raise UserError(f"{where}: not a JSON object on one UTF-8 line ({exc})") from None
-                    if not isinstance(record, dict) or field not in record:
-                        have = ", ".join(map(repr, list(record)[:20])) if isinstance(record, dict) else "none"
-                        raise UserError(f"{where}: no field {field!r} (its fields: {have}); name the conversation "
-                                        f"field with --field")
-                    yield where, record[field]
-        except OSError as exc:
-            raise UserError(f"input {path}: cannot read it ({exc.strerror})") from None
+        yield from jsonl_values(path, field, "conversation")
     elif kind == "parquet":
-        try:
-            import pyarrow.parquet as pq
-        except ImportError:
-            raise UserError(f"input {path}: reading Parquet needs pyarrow: pip install 'moekit[data]'") from None
-        try:
-            pf = pq.ParquetFile(path)
-            if field not in pf.schema_arrow.names:
-                raise UserError(f"input {path}: no column {field!r}; its columns: "
-                                f"{', '.join(map(repr, pf.schema_arrow.names[:20]))}; name it with --field")
-            row = 0
-            for batch in pf.iter_batches(batch_size=256, columns=[field]):
-                for value in batch.column(0).to_pylist():
-                    row += 1
-                    yield f"input {path} row {row}", value
-        except UserError:
-            raise
-        except Exception as exc:  # pyarrow's errors: an unreadable or foreign file
-            raise UserError(f"input {path}: cannot read it as Parquet ({str(exc).splitlines()[0]})") from None
+        yield from parquet_values(path, field, "conversation")
     else:
         raise UserError(f"input {path}: --chat reads conversations from .jsonl / .parquet records (a list of "
                         f"{{\"role\", \"content\"}} messages in --field {field!r}), not text files")

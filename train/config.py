@@ -43,6 +43,11 @@ EXCLUDABLE = ("data",)  # checkpoint.exclude_from_loading: parts of a checkpoint
 MAX_LR = 1.0  # AdamW's step is ~lr per weight: beyond this a run can only diverge (and 10 * lr can overflow fp32)
 
 
+def excluded(setting: str) -> tuple[str, ...]:
+    """checkpoint.exclude_from_loading's parts ("data,..." -> ("data", ...)); EXCLUDABLE names the valid ones."""
+    return tuple(p.strip() for p in setting.split(",") if p.strip())
+
+
 @dataclass
 class TrainSection:
     steps: int = 400  # optimizer steps (the default run: ~3 minutes on a 2-core CPU)

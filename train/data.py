@@ -92,6 +92,13 @@ def _weight(w, path: str, where: str) -> float:
     return float(w)
 
 
+def set_names(paths) -> list[str]:
+    """Short names for a blend's sets in records and figures: their file names, or the paths where two share one."""
+    paths = list(paths)
+    names = [os.path.basename(p) for p in paths]
+    return names if len(set(names)) == len(names) else paths
+
+
 def data_files(section) -> list[str]:
     """The token files a [data] section names: its path, or its blend's paths."""
     if section.blend:
@@ -458,26 +465,30 @@ def gather(tokens: np.ndarray, starts: np.ndarray, seq_len: int, mask: np.ndarra
     if mask is not None:
         from moekit.models.loss import IGNORE_INDEX
 
-        y = y.masked_fill(torch.from_numpy(~counted(tokens, mask, starts, ids, eos)), IGNORE_INDEX)
+        y = y.masked_fill(torch.from_numpy(~counted(tokens, mask, starts, seq_len, eos, ids)), IGNORE_INDEX)
     return x, y
 
 
-def counted(tokens: np.ndarray, mask: np.ndarray, starts: np.ndarray, ids: np.ndarray, eos: int | None) -> np.ndarray:
-    """[n, S] bool: the targets of the windows at ``starts`` (their ids [n, S+1]) that the loss counts. Those the
+def counted(tokens: np.ndarray, mask: np.ndarray, starts: np.ndarray, seq_len: int, eos: int | None,
+            ids: np.ndarray | None = None) -> np.ndarray:
+    """[n, S] bool: the targets of the windows at ``starts`` (their ids [n, S+1], read here unless given) that the
+    loss counts. Those the
     ``mask`` marks, except, where documents end with ``eos``, the targets of a document that began before its
     window: its replies would be trained without their prompts (a packed chat set's windows cut conversations).
 
         window   ...reply tail<eos> <prompt> <reply> <eos> <prompt> <rep|    (| the window's end)
         counted   0 0 0 0 0 0 0 0    0 0 0   1 1 1    0     0 0 0    1 1      (the mask's, from the first eos on)
     """
-    keep = np.asarray(mask[starts[:, None] + 1 + np.arange(ids.shape[1] - 1)[None, :]]) != 0  # [n, S]
+    idx = starts[:, None] + np.arange(seq_len + 1)[None, :]  # [n, S+1]
+    keep = np.asarray(mask[idx[:, 1:]]) != 0  # [n, S]
     if eos is None or not starts.size:
         return keep
+    ids = np.asarray(tokens[idx]) if ids is None else ids
     before = np.asarray(tokens[np.maximum(starts - 1, 0)])
     cut = (starts > 0) & (before != eos)  # the window begins inside a document
     ends = ids == eos  # [n, S+1]
-    first = np.where(ends.any(axis=1), ends.argmax(axis=1), ids.shape[1])  # the leading document's end (or none)
-    return keep & ~(cut[:, None] & (np.arange(keep.shape[1])[None, :] < first[:, None]))
+    first = np.where(ends.any(axis=1), ends.argmax(axis=1), seq_len + 1)  # the leading document's end (or none)
+    return keep & ~(cut[:, None] & (np.arange(seq_len)[None, :] < first[:, None]))
 
 
 def counted_targets(mask: np.ndarray | None, starts: np.ndarray, seq_len: int, tokens: np.ndarray | None = None,
@@ -485,9 +496,7 @@ def counted_targets(mask: np.ndarray | None, starts: np.ndarray, seq_len: int, t
     """How many targets of the windows at ``starts`` a loss ``mask`` counts (``counted``; all without a mask)."""
     if mask is None:
         return int(starts.size) * seq_len
-    ids = np.asarray(tokens[starts[:, None] + np.arange(seq_len + 1)[None, :]]) if eos is not None else \
-        np.empty((starts.size, seq_len + 1), np.int64)
-    return int(counted(tokens, mask, starts, ids, eos).sum(dtype=np.int64))
+    return int(counted(tokens, mask, starts, seq_len, eos).sum(dtype=np.int64))
 
 
 def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:

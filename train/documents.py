@@ -93,6 +93,15 @@ def _kind_of(value) -> str:
 
 
 def read_jsonl(path: str, field: str) -> Iterator[str | None]:
+    for where, value in jsonl_values(path, field):
+        if value is not None and not isinstance(value, str):
+            raise UserError(f"{where}: field {field!r} is {_kind_of(value)}, not a string")
+        yield value
+
+
+def jsonl_values(path: str, field: str, what: str = "text") -> Iterator[tuple[str, object]]:
+    """(where, the record's ``field``) of every record of a JSONL file, as JSON gives it; ``what`` the field holds
+    (for the message naming --field)."""
     first = True
     try:
         with open(path, "rb") as f:
@@ -110,18 +119,35 @@ def read_jsonl(path: str, field: str) -> Iterator[str | None]:
                 if field not in record:
                     fields = ", ".join(repr(k) for k in list(record)[:20]) or "none"
                     which = "the first record" if first else "this record"
-                    raise UserError(f"{where}: {which} has no field {field!r}; its fields: {fields}; choose the text "
+                    raise UserError(f"{where}: {which} has no field {field!r}; its fields: {fields}; choose the {what} "
                                     f"field with --field")
                 first = False
-                value = record[field]
-                if value is not None and not isinstance(value, str):
-                    raise UserError(f"{where}: field {field!r} is {_kind_of(value)}, not a string")
-                yield value
+                yield where, record[field]
     except OSError as exc:
         raise _vanished(path, exc) from None
 
 
 def read_parquet(path: str, field: str) -> Iterator[str | None]:
+    for _, value in parquet_values(path, field):
+        yield value
+
+
+def _is_text(kind) -> bool:
+    import pyarrow as pa
+
+    return (pa.types.is_string(kind) or pa.types.is_large_string(kind)
+            or getattr(pa.types, "is_string_view", lambda t: False)(kind))
+
+
+def _is_list(kind) -> bool:
+    import pyarrow as pa
+
+    return pa.types.is_list(kind) or pa.types.is_large_list(kind)
+
+
+def parquet_values(path: str, field: str, what: str = "text") -> Iterator[tuple[str, object]]:
+    """(where, the row's ``field``) of every row of a Parquet file; the column must hold ``what``: "text" (strings)
+    or "conversation" (lists)."""
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -139,16 +165,20 @@ def read_parquet(path: str, field: str) -> Iterator[str | None]:
     schema = pf.schema_arrow
     if field not in schema.names:
         raise UserError(f"input {path}: no column {field!r}; its columns: {', '.join(map(repr, schema.names[:20]))}; "
-                        f"choose the text column with --field")
+                        f"choose the {what} column with --field")
     kind = schema.field(field).type
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)
-            or getattr(pa.types, "is_string_view", lambda t: False)(kind)):
+    if what == "text" and not _is_text(kind):
         raise UserError(f"input {path}: column {field!r} holds {kind}, not text (string)")
+    if what != "text" and not _is_list(kind):
+        raise UserError(f"input {path}: column {field!r} holds {kind}, not a {what} (a list)")
+    row = 0
     try:
         for batch in pf.iter_batches(batch_size=1024, columns=[field]):
             column = batch.column(0)
             try:
-                yield from column.to_pylist()
+                for value in column.to_pylist():
+                    row += 1
+                    yield f"input {path} row {row}", value
             except UnicodeDecodeError as exc:
                 raise UserError(f"input {path}: column {field!r} holds a value that is not UTF-8 "
                                 f"({exc.reason})") from None

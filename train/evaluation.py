@@ -177,16 +177,17 @@ def evaluate(model, tokens, starts: np.ndarray, seq_len: int, batch_size: int, t
             per_row = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten().to(device),
                                       reduction="none").view(y.shape).sum(1)  # [b] nats (ignored targets: 0)
             rows = per_row.tolist()  # D2H sync: once per batch
+            kept = y != IGNORE_INDEX  # [b, S] (CPU) the targets a loss mask counts
+            row_counts = kept.sum(1).tolist()
             nats += sum(rows)
+            count += sum(row_counts)
             if sources is not None:
-                for name, row_nats, row_y in zip(sources[i : i + batch_size], rows, y):
+                for name, row_nats, row_count in zip(sources[i : i + batch_size], rows, row_counts):
                     acc = by_source.setdefault(name, [0.0, 0])
                     acc[0] += row_nats
-                    acc[1] += int((row_y != IGNORE_INDEX).sum())
-            counted = [[t for t in row if t != IGNORE_INDEX] for row in y.tolist()]  # a loss mask's targets
-            count += sum(len(row) for row in counted)
+                    acc[1] += row_count
             if tokenizer is not None:
-                byte_count += sum(tokenizer.byte_count(row) for row in counted)
+                byte_count += sum(tokenizer.byte_count(row[keep].tolist()) for row, keep in zip(y, kept))
             done = min(i + batch_size, starts.size)
             if progress is not None and time.perf_counter() - last > PROGRESS_EVERY_S and done < starts.size:
                 progress(f"{done:,}/{starts.size:,} windows, loss so far {nats / max(count, 1):.4f}")

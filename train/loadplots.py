@@ -291,14 +291,14 @@ SET_STYLES = ("--", ":", "-.")  # a blend's per-set curves beside the run's own
 
 def _by_source(metrics: list[dict], key: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """{set file name: (steps, values)} of a per-set metric (``val_loss_by_source``), in the sets' order."""
+    from moekit.train.data import set_names
+
     series: dict[str, list[tuple[int, float]]] = {}
     for m in metrics:
         for path, v in (m.get(key) or {}).items():
             series.setdefault(path, []).append((m["step"], v))
-    names = [os.path.basename(p) for p in series]
-    unique = len(set(names)) == len(names)
-    return {(name if unique else path): (np.array([s for s, _ in rows], dtype=np.float64), np.array([v for _, v in rows]))
-            for (path, rows), name in zip(series.items(), names)}
+    return {name: (np.array([s for s, _ in rows], dtype=np.float64), np.array([v for _, v in rows]))
+            for name, rows in zip(set_names(series), series.values())}
 
 
 def fig_loss(runs: list[Series]):

@@ -280,13 +280,12 @@ BY_SOURCE = ("val_loss_by_source", "tokens_by_source")  # metrics.jsonl's per-se
 def source_scalars(m: dict) -> dict[str, float]:
     """{"<key>/<set file name>": value} for the per-set dicts of a metrics row (TensorBoard / W&B scalars); the
     full path where two sets share a file name."""
+    from moekit.train.data import set_names
+
     out = {}
     for key in BY_SOURCE:
         values = m.get(key) or {}
-        names = [os.path.basename(p) for p in values]
-        unique = len(set(names)) == len(names)
-        for (path, v), name in zip(values.items(), names):
-            out[f"{key}/{name if unique else path}"] = v
+        out.update((f"{key}/{name}", v) for name, v in zip(set_names(values), values.values()))
     return out
 
 

@@ -426,6 +426,9 @@ def prepare(args: argparse.Namespace) -> int:
         spec = dataclasses.replace(spec, source=f"bpe:{spec.vocab_size} trained on the inputs by moekit-prepare")
     if os.path.abspath(out) in {os.path.abspath(f) for f in files}:
         raise UserError(f"--output {out}: is also an input; write the tokens elsewhere")
+    # --chat: the folder's template, compiled here first: none, or one that does not parse, is one line before any
+    # output or worker (each worker compiles its own)
+    template = ChatEncoder.template_of(spec.file) if args.chat else None
     writer = open_output(out, spec.vocab_size)
     partials = [f"{out}.partial"] + ([trained] if trained else [])
     done = False
@@ -458,7 +461,7 @@ def prepare(args: argparse.Namespace) -> int:
         meta = metadata(spec, out, counts, files, args, writer.dtype)
         if args.chat:  # the trainer reads the mask file this names (moekit.train.tokens.read_loss_mask)
             meta.update(loss_mask=f"{os.path.basename(out)}.mask", trained_tokens=replies,
-                        chat_template=str(ChatEncoder.template_of(spec.file).source))
+                        chat_template=str(template.source))
             os.replace(f"{out}.mask.partial", f"{out}.mask")
         meta_file, tok_copy = metadata_path(out), tokenizer_copy_path(out)
         partials += [f"{meta_file}.partial", f"{tok_copy}.partial"]
@@ -545,7 +548,8 @@ def encode_chat_chunk(records: list[tuple[str, object]]) -> list[tuple[np.ndarra
 
 
 def chat_encoded(spec: TokenizerSpec, files: list[str], field: str, counts: Counts, workers: int):
-    """(ids, UTF-8 bytes, loss mask) of each conversation with a reply, in input order (``workers`` processes)."""
+    """(ids, UTF-8 bytes, loss mask) of each conversation with a reply, in input order (``workers`` processes; the
+    template already checked in this one: prepare)."""
     def chunked():
         chunk = []
         for path in files:
@@ -557,7 +561,6 @@ def chat_encoded(spec: TokenizerSpec, files: list[str], field: str, counts: Coun
         if chunk:
             yield chunk
 
-    ChatEncoder.template_of(spec.file)  # a folder without a usable template: one line, before any worker starts
     for results in in_order(chunked(), workers, init_chat, spec, encode_chat_chunk):
         for got in results:
             if got is None:  # nothing for the loss to count

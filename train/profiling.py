@@ -201,9 +201,11 @@ def categorize(events, on_gpu: bool) -> dict[str, float]:
     return totals
 
 
-def top_ops(prof, on_gpu: bool, n: int = 15) -> list[dict]:
+def top_ops(prof, on_gpu: bool, n: int = 15, averages=None) -> list[dict]:
+    """The ``n`` operators with the most self time (``averages``: prof.key_averages(), when already made)."""
     key = "self_device_time_total" if on_gpu else "self_cpu_time_total"
-    ops = [a for a in prof.key_averages() if not a.key.startswith(LABEL)]  # labels would count their contents
+    averages = prof.key_averages() if averages is None else averages
+    ops = [a for a in averages if not a.key.startswith(LABEL)]  # labels would count their contents
     avgs = sorted(ops, key=lambda a: getattr(a, key), reverse=True)[:n]
     return [{"name": a.key[:80], "calls": a.count, "self_ms": getattr(a, key) / 1e3} for a in avgs]
 
@@ -363,7 +365,8 @@ class StepProfiler:
         per_step = {c: us / 1e3 / w.steps for c, us in totals.items()}
         whole = sum(per_step.values())
         basis = "GPU kernel time" if self.on_gpu else "CPU op self time"
-        ops = top_ops(prof, self.on_gpu, 20)
+        averages = prof.key_averages()  # one aggregation of the trace for both tables
+        ops = top_ops(prof, self.on_gpu, 20, averages)
         summary = {"steps": list(w.recorded), "warmup_steps": w.warmup, "rank": self.rank, "time_basis": basis,
                    "ms_per_step": whole, "categories_ms_per_step": per_step, "module_labels": self.module_labels,
                    "top_ops": ops, "trace": trace.name}
@@ -375,7 +378,7 @@ class StepProfiler:
         sort = "self_cuda_time_total" if self.on_gpu else "self_cpu_time_total"
         lines = [f"steps {w.recorded.start}-{w.end} of rank {self.rank}: {basis}, ms per step", ""]
         lines += [f"  {c:<18} {ms:10.3f}  {ms / whole if whole else 0:6.1%}" for c, ms in per_step.items()]
-        lines += ["", prof.key_averages().table(sort_by=sort, row_limit=30)]
+        lines += ["", averages.table(sort_by=sort, row_limit=30)]
         (folder / f"rank{self.rank}.summary.txt").write_text("\n".join(lines) + "\n")
         if self.is_main:
             self.notes.append(describe(summary, trace))

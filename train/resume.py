@@ -144,11 +144,6 @@ def check(saved_config: dict[str, Any] | None, current: dict[str, Any], checkpoi
     return changes
 
 
-def excluded(setting: str) -> tuple[str, ...]:
-    """--checkpoint.exclude_from_loading's parts ("data,..." -> ("data", ...))."""
-    return tuple(p.strip() for p in setting.split(",") if p.strip())
-
-
 def data_phase(run: dict | None, changes: Changes, step: int) -> int:
     """The step this run's data phase began at: ``step`` (the checkpoint's) when this resume changes the data,
     else the phase the checkpoint recorded (0: the run's first)."""

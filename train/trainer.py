@@ -34,7 +34,7 @@ from moekit.train import (UserError, checkpoint, faults, hfrun, host_memory, pro
 from moekit.train.cli import Options
 from moekit.train.plan import lr_lambda, make_optimizer, plan_run
 from moekit.train.rebalance import RunPlacement
-from moekit.train.config import TrainConfig
+from moekit.train.config import TrainConfig, excluded
 from moekit.train.consistency import check_ranks_agree
 from moekit.train.distributed import Dist
 from moekit.train.faults import RunFailed
@@ -83,7 +83,7 @@ class Trainer:
         # changed settings: applied (reported by describe) or refused here, before anything is written
         self.resumed_run = resume.saved_run(self.resume_from) if self.resume_from is not None else None
         self.changes = resume.check((self.resumed_run or {}).get("config"), cfg.to_dict(), self.resume_from,
-                                    resume.excluded(cfg.checkpoint.exclude_from_loading))
+                                    excluded(cfg.checkpoint.exclude_from_loading))
         for key, saved, _ in self.changes.kept:  # config.json records what runs: the checkpoint's value
             section, name = key.split(".", 1)
             setattr(getattr(cfg, section), name, saved)

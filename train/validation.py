@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from moekit.train import UserError, host_memory, runlock
 from moekit.train.config import (DEVICES, DTYPES, EXCLUDABLE, LR_SCHEDULES, MAX_LR, ON_NONFINITE, PROGRESS,
-                                 RESIDUAL_DTYPES, WSD_DECAYS, TrainConfig, TrainSection)
+                                 RESIDUAL_DTYPES, WSD_DECAYS, TrainConfig, TrainSection, excluded)
 
 if TYPE_CHECKING:
     import torch
@@ -121,8 +121,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _require(cfg.log.progress in PROGRESS, f"--log.progress={cfg.log.progress!r} is invalid; choose one of {list(PROGRESS)}")
     _require(cfg.checkpoint.every >= 0,
              f"--checkpoint.every={cfg.checkpoint.every} is invalid; it must be >= 0 (0 = never)")
-    excluded = [p.strip() for p in cfg.checkpoint.exclude_from_loading.split(",") if p.strip()]
-    _require(all(p in EXCLUDABLE for p in excluded),
+    _require(all(p in EXCLUDABLE for p in excluded(cfg.checkpoint.exclude_from_loading)),
              f"--checkpoint.exclude_from_loading={cfg.checkpoint.exclude_from_loading!r} is invalid; it takes "
              f"{', '.join(repr(p) for p in EXCLUDABLE)} (resume into new data: its position starts afresh) or nothing")
     _require(cfg.checkpoint.keep >= 1, f"--checkpoint.keep={cfg.checkpoint.keep} is invalid; it must keep at least 1 "
