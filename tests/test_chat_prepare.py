@@ -133,7 +133,7 @@ def test_bad_chat_input_gets_one_line(chat_tokenizer, tmp_path, capsys, case, me
 def test_workers_and_sharegpts_layout_give_the_same_files(chat_tokenizer, tmp_path):
     """Two worker processes write the same token and mask files as one (chunks of conversations, in order), and
     ShareGPT's {from, value} messages in its "conversations" field read as the same conversations."""
-    from moekit.train import prepare as prep
+    from moekit.train import chat_data as chat
 
     many = CONVERSATIONS * 5  # over two chunks with CHAT_CHUNK 4
     share = [[{"from": {"user": "human", "assistant": "gpt"}.get(m["role"], m["role"]), "value": m["content"]}
@@ -144,12 +144,12 @@ def test_workers_and_sharegpts_layout_give_the_same_files(chat_tokenizer, tmp_pa
     for name, src, extra in (("one", "a.jsonl", ["--workers", "1"]), ("two", "a.jsonl", ["--workers", "2"]),
                              ("share", "b.jsonl", ["--workers", "1", "--field", "conversations"])):
         out = tmp_path / f"{name}.bin"
-        prep.CHAT_CHUNK = 4
+        chat.CHAT_CHUNK = 4
         try:
             assert prepare([str(tmp_path / src), "--chat", "--tokenizer", str(chat_tokenizer), "-o", str(out),
                             "--quiet", *extra]) == 0
         finally:
-            prep.CHAT_CHUNK = 256
+            chat.CHAT_CHUNK = 256
         outs[name] = (out.read_bytes(), (tmp_path / f"{name}.bin.mask").read_bytes())
     assert outs["one"] == outs["two"] == outs["share"]
     assert np.frombuffer(outs["one"][1], dtype=np.uint8).sum() > 0

@@ -20,11 +20,15 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 
 from moekit.train import UserError
+from moekit.train.documents import Counts
+
+if TYPE_CHECKING:
+    from moekit.train.prepare import TokenizerSpec
 
 CHAT_FIELD = "messages"
 
@@ -117,3 +121,65 @@ class ChatEncoder:
         for a, b in spans:
             mask[(starts >= a) & (starts < b)] = 1
         return np.asarray(enc.ids, dtype=np.uint32), mask, len(whole.encode("utf-8"))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Encoding in moekit-prepare's worker processes, in chunks of conversations
+# ---------------------------------------------------------------------------------------------------
+
+CHAT_CHUNK = 256  # conversations per chunk a worker encodes
+_CHAT: tuple[TokenizerSpec, ChatEncoder] | None = None  # (spec, its chat encoder), per process
+
+
+def init_chat(spec: TokenizerSpec, single_threaded: bool) -> None:
+    global _CHAT
+    if single_threaded:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        _CHAT = (spec, ChatEncoder(spec.file))
+    except Exception as exc:  # raised with the first chunk: a pool respawns a worker whose initializer raised, forever
+        _CHAT = (spec, exc)
+
+
+def encode_chat_chunk(records: list[tuple[str, object]]) -> list[tuple[np.ndarray, int, np.ndarray] | None]:
+    """(ids, UTF-8 bytes, loss mask) of each conversation, EOS (mask 0) after it; None for one without a reply."""
+    spec, encoder = _CHAT
+    if isinstance(encoder, Exception):
+        raise encoder
+    eos = None if spec.eos_id is None else np.array([spec.eos_id], dtype=np.uint32)
+    out = []
+    for where, value in records:
+        got = encoder.encode(check_messages(value, where), where)
+        if got is None:
+            out.append(None)
+            continue
+        ids, mask, nbytes = got
+        if eos is not None:
+            ids, mask = np.concatenate([ids, eos]), np.concatenate([mask, np.zeros(1, np.uint8)])
+        out.append((ids, nbytes, mask))
+    return out
+
+
+def chat_encoded(spec: TokenizerSpec, files: list[str], field: str, counts: Counts, workers: int) -> Iterator:
+    """(ids, UTF-8 bytes, loss mask) of each conversation with a reply, in input order (``workers`` processes; the
+    template already checked in this one: prepare)."""
+    def chunked():
+        chunk = []
+        for path in files:
+            for record in read_conversations(path, field):
+                chunk.append(record)
+                if len(chunk) == CHAT_CHUNK:
+                    yield chunk
+                    chunk = []
+        if chunk:
+            yield chunk
+
+    from moekit.train.prepare import in_order  # the worker pool plain documents use too
+
+    for results in in_order(chunked(), workers, init_chat, spec, encode_chat_chunk):
+        for got in results:
+            if got is None:  # nothing for the loss to count
+                counts.empty += 1
+                continue
+            counts.documents += 1
+            yield got

@@ -47,7 +47,7 @@ from typing import Iterator
 import numpy as np
 
 from moekit.train import OneLineParser, UserError, program_name, run_program
-from moekit.train.chat_data import CHAT_FIELD, ChatEncoder, check_messages, read_conversations
+from moekit.train.chat_data import CHAT_FIELD, ChatEncoder, chat_encoded
 from moekit.train.documents import EMBEDDED, Counts, chunks, documents, expand_inputs, input_kind
 from moekit.train.tokens import TokenFileWriter, metadata_path, sha256_file, tokenizer_copy_path
 from moekit.train.tokenizer import EOS_NAMES
@@ -512,62 +512,6 @@ def check_chat_args(args: argparse.Namespace) -> None:
     for flag, on in (("--docs-per-line", args.docs_per_line), ("--add-special-tokens", args.add_special_tokens)):
         if on:
             raise UserError(f"{flag} is for plain documents; with --chat the template writes every special token")
-
-
-CHAT_CHUNK = 256  # conversations per chunk a worker encodes
-_CHAT: tuple[TokenizerSpec, ChatEncoder] | None = None  # (spec, its chat encoder), per process
-
-
-def init_chat(spec: TokenizerSpec, single_threaded: bool) -> None:
-    global _CHAT
-    if single_threaded:
-        os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    try:
-        _CHAT = (spec, ChatEncoder(spec.file))
-    except Exception as exc:  # raised with the first chunk: a pool respawns a worker whose initializer raised, forever
-        _CHAT = (spec, exc)
-
-
-def encode_chat_chunk(records: list[tuple[str, object]]) -> list[tuple[np.ndarray, int, np.ndarray] | None]:
-    """(ids, UTF-8 bytes, loss mask) of each conversation, EOS (mask 0) after it; None for one without a reply."""
-    spec, encoder = _CHAT
-    if isinstance(encoder, Exception):
-        raise encoder
-    eos = None if spec.eos_id is None else np.array([spec.eos_id], dtype=np.uint32)
-    out = []
-    for where, value in records:
-        got = encoder.encode(check_messages(value, where), where)
-        if got is None:
-            out.append(None)
-            continue
-        ids, mask, nbytes = got
-        if eos is not None:
-            ids, mask = np.concatenate([ids, eos]), np.concatenate([mask, np.zeros(1, np.uint8)])
-        out.append((ids, nbytes, mask))
-    return out
-
-
-def chat_encoded(spec: TokenizerSpec, files: list[str], field: str, counts: Counts, workers: int):
-    """(ids, UTF-8 bytes, loss mask) of each conversation with a reply, in input order (``workers`` processes; the
-    template already checked in this one: prepare)."""
-    def chunked():
-        chunk = []
-        for path in files:
-            for record in read_conversations(path, field):
-                chunk.append(record)
-                if len(chunk) == CHAT_CHUNK:
-                    yield chunk
-                    chunk = []
-        if chunk:
-            yield chunk
-
-    for results in in_order(chunked(), workers, init_chat, spec, encode_chat_chunk):
-        for got in results:
-            if got is None:  # nothing for the loss to count
-                counts.empty += 1
-                continue
-            counts.documents += 1
-            yield got
 
 
 def main(argv: list[str] | None = None) -> int:
