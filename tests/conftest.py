@@ -16,6 +16,10 @@ except ImportError:  # pragma: no cover
     _has_gpu = False
 if not _has_gpu:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# the interpreter without its repeated language patching inside a launch (tests/interpreter_speed.py)
+from tests import interpreter_speed  # noqa: E402
+
+interpreter_speed.install()
 
 import torch
 

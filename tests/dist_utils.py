@@ -17,6 +17,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from moekit.train.distributed import end_process
+from tests import interpreter_speed
+
+interpreter_speed.install()  # ranks fork from a server that imported this module: they inherit it
 
 
 def _entry(rank: int, fn, world_size: int, init_file: str, env: dict, args: tuple):
