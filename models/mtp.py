@@ -112,15 +112,23 @@ def depth_states(model, x: Tensor, emb: Tensor, tokens: Tensor, cos: Tensor, sin
 
 
 def mtp_loss(model, x: Tensor, emb: Tensor, tokens: Tensor, targets: Tensor, cos: Tensor, sin: Tensor,
-             head_loss, segments: Tensor | None = None) -> Tensor | None:
+             head_loss, segments: Tensor | None = None, normalizers=None) -> Tensor | None:
     """Mean over the depths of their losses (module docstring), or None when the sequence is too short for any
-    depth. ``head_loss(hidden, targets)``: the main model's loss from hidden states (its head, chunking, ignore
-    index); the other arguments are ``depth_states``'."""
+    depth. ``head_loss(hidden, targets, normalizer=None)``: the main model's loss from hidden states (its head,
+    chunking, ignore index; the mean over the counted targets, or their sum over ``normalizer``); ``normalizers``:
+    with loss masks, depth k's count of a step's counted targets (k ahead) per micro-batch and rank at
+    ``normalizers[k - 1]`` (the trainer's, as the main loss's ``loss_normalizer``: the step's loss is then the
+    mean over all its counted targets however they fall on micro-batches and ranks), or None: each forward's own
+    mean. The other arguments are ``depth_states``'."""
     context = getattr(model, "context_parallel", None)
+    if normalizers is not None and len(normalizers) < len(model.mtp):
+        raise ValueError(f"{len(normalizers)} loss normalizers for {len(model.mtp)} multi-token-prediction depths")
     if context is not None and context.degree > 1:
-        losses = list(context_depth_losses(model, context, x, tokens, targets, cos, sin, head_loss, segments))
+        losses = list(context_depth_losses(model, context, x, tokens, targets, cos, sin, head_loss, segments,
+                                           normalizers))
     else:
-        losses = [head_loss(h, targets[:, k:]) for k, h in depth_states(model, x, emb, tokens, cos, sin, segments)]
+        losses = [head_loss(h, targets[:, k:], None if normalizers is None else normalizers[k - 1])
+                  for k, h in depth_states(model, x, emb, tokens, cos, sin, segments)]
     if not losses:
         return None
     return torch.stack(losses).mean()
@@ -149,9 +157,11 @@ def take_spans(t: Tensor, spans: list[tuple[int, int]], dim: int = 1) -> Tensor:
 
 
 def context_depth_losses(model, context, x: Tensor, tokens: Tensor, targets: Tensor, cos: Tensor, sin: Tensor,
-                         head_loss, segments: Tensor | None = None):
+                         head_loss, segments: Tensor | None = None, normalizers=None):
     """Yield each depth's loss on this context-parallel rank (module docstring): its mean over the rank's
-    positions with a token k + 1 ahead, weighted so that the mean over the CP ranks is the whole sequences'.
+    positions with a token k + 1 ahead, weighted so that the mean over the CP ranks is the whole sequences'
+    (``normalizers``, as mtp_loss's: the rank's summed token losses over the depth's count instead, which counts
+    the CP ranks).
     ``x``: the main model's final normed states of the local positions [B, n, H]; ``tokens`` / ``targets``
     [B, n]: the local ids; ``cos`` / ``sin``: RoPE at the local positions; ``segments``: the whole sequences'
     documents or None; ``model.embed`` looks up the ids ahead."""
@@ -176,6 +186,9 @@ def context_depth_losses(model, context, x: Tensor, tokens: Tensor, targets: Ten
             yield module.norm(h).sum() * 0.0
             continue
         wanted = take_spans(depth_targets, spans)  # [B, kept]
+        if normalizers is not None:
+            yield head_loss(module.norm(take_spans(h, spans)), wanted, normalizers[k - 1])
+            continue
         counted = (wanted != IGNORE_INDEX).sum()
         total = (whole[1][:, k:] != IGNORE_INDEX).sum().clamp_min(1)  # the depth's targets on every rank
         yield head_loss(module.norm(take_spans(h, spans)), wanted) * (counted * context.degree / total)

@@ -194,6 +194,7 @@ class StageModule(nn.Module):
         self.document_eos: int | None = None  # as Transformer.document_eos
         self.residual_dtype: torch.dtype | None = None  # as Transformer.residual_dtype
         self.loss_normalizer: float | None = None  # as Transformer.loss_normalizer (the last stage's loss)
+        self.mtp_normalizers: tuple[float, ...] | None = None  # as Transformer.mtp_normalizers
         if last and self.embed is None and (self.lm_head is None or len(self.mtp)):
             raise ValueError("the last pipeline stage needs the embedding (a tied head, or multi-token prediction): "
                              "build it with embedding_replica=True (build_pipeline does)")

@@ -124,10 +124,12 @@ def training_loss(owner: nn.Module, x: Tensor, weight: Tensor, emb: Tensor, toke
     trains (models.mtp); ``owner.mtp_in_eval`` (the trainer's validation) runs them outside training as well, to
     record their loss only. ``emb``: embed(tokens) [B, S, H], which the depths read."""
     training = owner.training and torch.is_grad_enabled()
-    # a step with loss masks: every micro-batch's counted targets over one count (the trainer's loss_normalizer)
+    # a step with loss masks: every micro-batch's counted targets over one count (the trainer's loss_normalizer),
+    # each multi-token-prediction depth's over its own (mtp_normalizers)
     loss = head_loss(x, weight, targets, getattr(owner, "loss_normalizer", None) if training else None)
     if len(owner.mtp) and (training or getattr(owner, "mtp_in_eval", False)):  # models.mtp
-        extra = mtp_loss(owner, x, emb, tokens, targets, cos, sin, lambda h, t: head_loss(h, weight, t), segments)
+        extra = mtp_loss(owner, x, emb, tokens, targets, cos, sin, lambda h, t, n=None: head_loss(h, weight, t, n),
+                         segments, getattr(owner, "mtp_normalizers", None) if training else None)
         if extra is not None:
             owner.mtp_record.add(extra)
             if training:
@@ -214,6 +216,8 @@ class Transformer(nn.Module):
         # the trainer's count of a step's counted targets per micro-batch and rank, when the data has loss masks:
         # training forwards divide their summed loss by it (training_loss); None: each forward's own mean
         self.loss_normalizer: float | None = None
+        # the same for each multi-token-prediction depth's targets (k ahead: fewer of them), depth 1 first
+        self.mtp_normalizers: tuple[float, ...] | None = None
 
     def forward(self, tokens: Tensor, cache: KVCache | None = None, targets: Tensor | None = None,
                 return_hidden: bool = False) -> Tensor | tuple[Tensor, Tensor]:

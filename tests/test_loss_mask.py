@@ -5,6 +5,7 @@ one-process losses. Validation and moekit-eval count the same targets, and a bad
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -114,22 +115,30 @@ def test_gather_ignores_the_targets_the_mask_leaves_out_and_the_loss_can_sum_ove
 def test_every_layout_and_accumulation_give_the_one_process_losses(sets, tmp_path):
     """Micro-batches and ranks count different numbers of targets: a per-micro-batch mean would weight them
     wrongly. One process with one micro-batch, with 4 (accumulation), two data ranks, context parallelism over two
-    ranks and a two-stage pipeline train alike, step by step."""
+    ranks and a two-stage pipeline train alike, step by step: the next-token loss and the two multi-token-prediction
+    depths' (each the mean over its own counted targets, fewer the further ahead), whose gradients the later steps'
+    losses also follow."""
     from tests.dist_utils import run_trainer
 
     common = [*TINY_MODEL, "--data.path", str(sets / "t.bin"), "--steps", "3", "--checkpoint.every", "0",
-              "--log.progress", "off", "--model.aux_loss_coeff", "0"]  # the aux loss of a token slice differs
+              "--log.progress", "off", "--model.aux_loss_coeff", "0",  # the aux loss of a token slice differs
+              "--model.mtp_layers", "2", "--model.mtp_loss_coeff", "1.0"]
     assert main([*common, "--run-dir", str(tmp_path / "one")]) == 0
     want = rows(tmp_path / "one")
     assert all(r["loss_tokens"] < 4 * S for r in want) and any(r["loss_tokens"] for r in want)
+    assert all(math.isfinite(r["mtp_loss"]) and r["mtp_loss"] > 0 for r in want)
+
+    def same(got: list[dict], name: str) -> None:
+        for key in ("mtp_loss", "loss"):
+            assert [g[key] for g in got] == pytest.approx([w[key] for w in want], rel=1e-5), (name, key)
+        assert [g["loss_tokens"] for g in got] == [w["loss_tokens"] for w in want]
+
     assert main([*common, "--train.micro_batch_size", "1", "--run-dir", str(tmp_path / "accum")]) == 0
-    assert [r["loss"] for r in rows(tmp_path / "accum")] == pytest.approx([r["loss"] for r in want], rel=1e-5)
+    same(rows(tmp_path / "accum"), "accum")
     for name, extra in (("dp2", []), ("cp2", ["--cp", "2"]), ("pp2", ["--pp", "2"])):
         r = run_trainer([*common, "--run-dir", str(tmp_path / name), *extra], nproc=2)
         assert r.returncode == 0, r.stderr[-3000:]
-        got = rows(tmp_path / name)
-        assert [g["loss"] for g in got] == pytest.approx([w["loss"] for w in want], rel=1e-5), name
-        assert [g["loss_tokens"] for g in got] == [w["loss_tokens"] for w in want]
+        same(rows(tmp_path / name), name)
 
 
 def test_validation_and_moekit_eval_count_the_masked_targets(sets, tmp_path):

@@ -40,7 +40,8 @@ from moekit.train.distributed import Dist
 from moekit.train.faults import RunFailed
 from moekit.train.guard import Guard, NonFinite, set_deterministic
 from moekit.models.loss import IGNORE_INDEX
-from moekit.train.data import Split, counted_targets, gather, load_data, unigram_entropy
+from moekit.train.data import Split, gather, load_data, unigram_entropy
+from moekit.train.data import counted as counted_targets_of
 from moekit.train.tokens import record_tokenizer
 from moekit.train.monitor import Monitor, peak_flops, peak_memory_gb
 
@@ -314,16 +315,22 @@ class Trainer:
         """With loss masks: the global ``batch``'s counted targets N, and every micro-batch's loss made its summed
         token losses over N / (R M) (R the ranks whose losses and gradients are averaged, data and context
         parallel; M the micro-batches per rank), so that the step's loss and gradient are the mean over all N
-        targets however they fall on micro-batches and ranks. Returns N; None (and nothing set) without masks."""
+        targets however they fall on micro-batches and ranks; each multi-token-prediction depth k alike, over its
+        N_k counted targets k ahead (models.mtp). Returns N; None (and nothing set) without masks."""
         if self.split.mask is None:
             return None
-        counted = counted_targets(self.split.mask, batch, self.cfg.train.seq_len, self.split.tokens,
-                                  self.data.tokenizer.eos_id)
-        normalizer = max(counted, 1) / (self.dist.loss_ranks * self.plan.accum)  # none counted: loss 0
+        keep = counted_targets_of(self.split.tokens, self.split.mask, batch, self.cfg.train.seq_len,
+                                  self.data.tokenizer.eos_id)  # [n, S] bool
+        share = self.dist.loss_ranks * self.plan.accum
+        depths = self.cfg.model.mtp_layers
+        n = [int(keep[:, k:].sum(dtype=np.int64)) for k in range(depths + 1)]  # depth k predicts targets k on
+        normalizer = max(n[0], 1) / share  # none counted: loss 0
+        mtp = tuple(max(c, 1) / share for c in n[1:]) if depths else None
         for root in (self.model, *getattr(self.model, "stages", ())):
             if hasattr(root, "loss_normalizer"):
                 root.loss_normalizer = normalizer
-        return counted
+                root.mtp_normalizers = mtp
+        return n[0]
 
     def gathered_load(self, reset: bool) -> dict:
         """Expert load of every MoE layer (all pipeline stages), summed over the stage's ranks (collective)."""
