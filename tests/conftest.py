@@ -31,6 +31,9 @@ import pytest  # noqa: E402
 # new random inputs every run, and the header line tells how to replay a failing one.
 os.environ.setdefault("MOEKIT_TEST_SEED", str(int.from_bytes(os.urandom(4), "little") >> 1))
 
+# the rank fork server's environment is this one, complete and before any test changes it (tests/dist_utils.py)
+from tests import dist_utils  # noqa: E402,F401
+
 
 def pytest_report_header(config):
     seed = os.environ["MOEKIT_TEST_SEED"]

@@ -40,18 +40,43 @@ def _entry(rank: int, fn, world_size: int, init_file: str, env: dict, args: tupl
 
 # Ranks start from a fork server that has imported torch and moekit once for the whole test session: each rank
 # then costs a fork instead of a fresh interpreter importing torch (~2 s of CPU per rank, on a 2-core box). The
-# server is started by the first run_ranks and keeps the environment of that moment; what a rank needs from
-# its caller travels in ``env`` (applied in _entry), never through this process's os.environ. Where there is no
-# fork server (Windows), ranks are spawned as fresh interpreters.
+# preload is everything a tiny training run imports (torch._dynamo, which the optimizer's constructor imports, the
+# kernels and Triton, checkpoint I/O, ...): a forked rank's run of moekit-train then imports 0.15 s instead of 0.8 s.
+# The server starts with the environment this module saw at import (conftest imports it at the session's start),
+# whatever a test has changed when it starts ranks first: Triton's interpreter mode and moekit's switches read at
+# import are the session's in every rank. What a rank needs from its caller travels in ``env`` (applied in _entry),
+# never through this process's os.environ. Where there is no fork server (Windows), ranks are spawned as fresh
+# interpreters.
 START = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
 if START == "forkserver":
     multiprocessing.get_context("forkserver").set_forkserver_preload([
-        "torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.fsdp", "moekit.moe",
-        "moekit.comm", "moekit.models", "moekit.train.trainer", "moekit.train.loop", "tests.dist_utils"])
+        "torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.fsdp", "torch._dynamo",
+        "numpy.random", "safetensors.torch", "moekit.moe", "moekit.moe.kernels", "moekit.comm",
+        "moekit.comm.expert_parallel", "moekit.models", "moekit.models.hf", "moekit.models.parallelize",
+        "moekit.train.trainer", "moekit.train.loop", "moekit.train.modelsource", "moekit.train.planning",
+        "moekit.train.profiling", "tests.dist_utils"])
+_SERVER_ENV = dict(os.environ)
+
+
+def _ensure_server() -> None:
+    """Start the fork server (once; again if it died) under the session's environment (``_SERVER_ENV``)."""
+    if START != "forkserver":
+        return
+    from multiprocessing import forkserver
+
+    now = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(_SERVER_ENV)
+    try:
+        forkserver.ensure_running()
+    finally:
+        os.environ.clear()
+        os.environ.update(now)
 
 
 def run_ranks(fn, world_size: int, *args, env: dict | None = None) -> None:
     """Spawn ``world_size`` processes running ``fn(rank, world_size, *args)``; re-raise any rank's error."""
+    _ensure_server()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "store")
         mp.start_processes(_entry, args=(fn, world_size, init_file, env or {}, args), nprocs=world_size,
@@ -124,6 +149,7 @@ def run_trainer(argv: list[str], nproc: int = 1, env: dict | None = None, timeou
                     TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0",
                     TORCHELASTIC_RUN_ID=f"fork-{os.getpid()}-{time.monotonic_ns()}")
     ctx = multiprocessing.get_context(START)
+    _ensure_server()
     cmd = ["moekit-train (forked ranks)", f"--nproc={nproc}", *argv]
     with tempfile.TemporaryDirectory() as tmp:
         streams = [(os.path.join(tmp, f"stdout{r}"), os.path.join(tmp, f"stderr{r}"))
