@@ -179,6 +179,9 @@ def poisoned_empty():
 
 def _run_triton_cases(out_path: str) -> None:
     """Every Triton run of the cases above (forward, backward, wgrad alone, inference), saved for the tests."""
+    from tests import interpreter_speed
+
+    interpreter_speed.install()  # as conftest does in the test processes
     results = {}
     with poisoned_empty():
         for case, gather in MM_KEYS:
