@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 
-from moekit.train import UserError
+from moekit.train import UserError, tokens
 from moekit.train.documents import Counts
 
 if TYPE_CHECKING:
@@ -183,3 +183,69 @@ def chat_encoded(spec: TokenizerSpec, files: list[str], field: str, counts: Coun
                 continue
             counts.documents += 1
             yield got
+
+
+# ---------------------------------------------------------------------------------------------------
+# --pack N: whole conversations in sequences of N tokens (best fit), so that no training window cuts one
+# ---------------------------------------------------------------------------------------------------
+
+PACK_OPEN = 1024  # sequences being filled at once: more fill them better and hold more conversations in memory
+PACKED_KEY = tokens.PACKED_KEY  # the metadata entry: the sequence length a set was packed for (moekit.train.data)
+
+
+class Packer:
+    """Conversations (ids and mask, each ending with EOS) into sequences of exactly ``length`` tokens, each holding
+    whole conversations then EOS padding (mask 0): a training window of ``length`` tokens that starts at a sequence
+    then holds every conversation whole, and every window starts after an EOS (so moekit.train.data.counted, which
+    drops the targets of a conversation a window began inside, drops none).
+
+    Best fit over the open sequences (at most ``open_limit``; past it the fullest is written out): a conversation
+    goes where it leaves the least room, else opens a sequence. One longer than ``length`` keeps its first
+    ``length - 1`` tokens and an EOS of mask 0 (its replies past that do not train; counted in ``cut``)."""
+
+    def __init__(self, length: int, eos: int, open_limit: int = PACK_OPEN):
+        if length < 2:
+            raise ValueError(f"pack length {length}: must be at least 2")
+        self.length, self.eos, self.open_limit = length, eos, open_limit
+        self.room: list[int] = []  # free tokens of each open sequence, ascending
+        self.bins: list[list[tuple[np.ndarray, np.ndarray]]] = []  # the parts of each, in self.room's order
+        self.sequences = self.pad = self.cut = 0
+
+    def add(self, ids: np.ndarray, mask: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Place one conversation; yield the sequences (ids, mask) that are complete or pushed out by it."""
+        import bisect
+
+        n = ids.size
+        if n > self.length:
+            self.cut += 1
+            ids = np.concatenate([ids[: self.length - 1], np.array([self.eos], ids.dtype)])
+            mask = np.concatenate([mask[: self.length - 1], np.zeros(1, mask.dtype)])
+            n = self.length
+        i = bisect.bisect_left(self.room, n)  # the open sequence with the least room that still fits
+        if i < len(self.room):
+            room, parts = self.room.pop(i), self.bins.pop(i)
+        else:
+            room, parts = self.length, []
+        parts.append((ids, mask))
+        room -= n
+        if room == 0:
+            yield self._close(parts, 0)
+        else:
+            j = bisect.bisect_left(self.room, room)
+            self.room.insert(j, room)
+            self.bins.insert(j, parts)
+        if len(self.room) > self.open_limit:  # the fullest leaves
+            yield self._close(self.bins.pop(0), self.room.pop(0))
+
+    def finish(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """The open sequences, fullest first."""
+        while self.room:
+            yield self._close(self.bins.pop(0), self.room.pop(0))
+
+    def _close(self, parts: list[tuple[np.ndarray, np.ndarray]], room: int) -> tuple[np.ndarray, np.ndarray]:
+        dtype = parts[0][0].dtype
+        ids = np.concatenate([p[0] for p in parts] + [np.full(room, self.eos, dtype)])
+        mask = np.concatenate([p[1] for p in parts] + [np.zeros(room, np.uint8)])
+        self.sequences += 1
+        self.pad += room
+        return ids, mask

@@ -133,8 +133,10 @@ class Data:
 
     def split(self, seq_len: int, val_fraction: float) -> "Split":
         held_out = 0.0 if self.val is not None else val_fraction  # a validation file: the sources train whole
+        for s in self.sources + ([self.val] if self.val is not None else []):
+            check_packed(s, seq_len)
         if self.weights is None:
-            split = split_windows(self.sources[0].tokens, seq_len, held_out)
+            split = source_windows(self.sources[0], seq_len, held_out)
         else:
             split = blend_split(self.sources, self.weights, seq_len, held_out)
         if any(s.mask is not None for s in self.sources):  # loss masks (a blend: sets without one count whole)
@@ -240,6 +242,43 @@ def split_windows(tokens: np.ndarray, seq_len: int, val_fraction: float) -> Spli
     starts = blocks[:, None] * block + np.arange(per_block, dtype=np.int64)[None, :] * seq_len  # [blocks, w]
     is_val = (blocks % k) == k - 1
     return Split(tokens, starts[~is_val].reshape(-1), starts[is_val].reshape(-1))
+
+
+def check_packed(source: Source, seq_len: int) -> None:
+    """A set packed for sequences of N tokens (moekit-prepare --pack N) trains at --train.seq_len N or a multiple,
+    whose windows hold whole sequences; any other length would cut its conversations."""
+    n = source.packed
+    if n and seq_len % n:
+        raise UserError(f"data file {source.path} was packed for sequences of {n} tokens (moekit-prepare --pack {n}): "
+                        f"--train.seq_len {seq_len} would cut its conversations; use --train.seq_len {n} (or a "
+                        f"multiple), or prepare it again with --pack {seq_len}")
+
+
+def source_windows(source: Source, seq_len: int, val_fraction: float) -> Split:
+    """``split_windows`` of a set's tokens, or for a packed set (``source.packed``) its ``packed_windows``."""
+    if source.packed:
+        return packed_windows(source.tokens, seq_len, val_fraction)
+    return split_windows(source.tokens, seq_len, val_fraction)
+
+
+def packed_windows(tokens: np.ndarray, seq_len: int, val_fraction: float) -> Split:
+    """The windows of a packed set (moekit-prepare --pack N, ``seq_len`` a multiple of N): at every multiple of
+    ``seq_len`` from the first token, each seq_len + 1 tokens (the last reads the next sequence's first token, or the
+    file's closing EOS: context, never a target), so every window holds whole conversations. Validation: every k-th
+    group of consecutive windows (about BLOCK tokens each, fewer for small data), as split_windows' blocks."""
+    count = (tokens.size - 1) // seq_len
+    starts = np.arange(count, dtype=np.int64) * seq_len
+    if val_fraction == 0:
+        if count < 1:
+            raise UserError(f"the packed data has {tokens.size:,} tokens: too few for one sequence of {seq_len}")
+        return Split(tokens, starts, np.empty(0, np.int64))
+    k = max(2, round(1 / val_fraction))
+    if count < k:
+        raise UserError(f"the packed data holds {count} sequence(s) of {seq_len}: too few for a 1/{k} validation split "
+                        f"(need at least {k}); use more data, or validate on a file of its own (--data.val_path)")
+    group = max(1, min(BLOCK // seq_len, count // k))
+    is_val = (np.arange(count) // group) % k == k - 1
+    return Split(tokens, starts[~is_val], starts[is_val])
 
 
 def file_windows(source: Source, seq_len: int) -> np.ndarray:
@@ -380,7 +419,7 @@ def blend_split(sources: list[Source], weights: list[float], seq_len: int, val_f
     parts = []
     for s in sources:
         try:
-            parts.append(split_windows(s.tokens, seq_len, val_fraction))
+            parts.append(source_windows(s, seq_len, val_fraction))
         except UserError as exc:
             raise UserError(f"--data.blend set {s.path}: {exc}") from None
     tokens = BlendTokens([s.tokens for s in sources])

@@ -47,7 +47,7 @@ from typing import Iterator
 import numpy as np
 
 from moekit.train import OneLineParser, UserError, program_name, run_program
-from moekit.train.chat_data import CHAT_FIELD, ChatEncoder, chat_encoded
+from moekit.train.chat_data import CHAT_FIELD, PACKED_KEY, ChatEncoder, Packer, chat_encoded
 from moekit.train.documents import EMBEDDED, Counts, chunks, documents, expand_inputs, input_kind
 from moekit.train.tokens import TokenFileWriter, metadata_path, sha256_file, tokenizer_copy_path
 from moekit.train.tokenizer import EOS_NAMES
@@ -82,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the records are conversations (--field, default 'messages': a list of {role, content}): "
                         "rendered with the tokenizer folder's chat template, with a loss mask (OUT.mask) over the "
                         "assistants' replies for supervised fine-tuning; ShareGPT's {from, value} messages too")
+    p.add_argument("--pack", type=int, metavar="N", default=None,
+                   help="with --chat: whole conversations in sequences of N tokens (best fit, EOS padding the loss "
+                        "ignores), so that training at --train.seq_len N (or a multiple) never cuts one; longer "
+                        "conversations keep their first N - 1 tokens (counted in the summary)")
     p.add_argument("--add-special-tokens", action="store_true",
                    help="let the tokenizer add its template tokens to each document (e.g. a BOS)")
     p.add_argument("--workers", type=int, metavar="N", default=None,
@@ -403,6 +407,7 @@ def prepare(args: argparse.Namespace) -> int:
                   file=sys.stderr)
         workers = cpus
     files = expand_inputs(args.inputs)
+    check_pack_args(args)
     if args.chat:
         check_chat_args(args)
         args = argparse.Namespace(**{**vars(args), "field": CHAT_FIELD if args.field == "text" else args.field})
@@ -424,6 +429,9 @@ def prepare(args: argparse.Namespace) -> int:
         raise
     if trained:
         spec = dataclasses.replace(spec, source=f"bpe:{spec.vocab_size} trained on the inputs by moekit-prepare")
+    if args.pack is not None and spec.eos_id is None:
+        raise UserError(f"--pack {args.pack} pads with the end-of-document id and ends every sequence with it: the "
+                        f"tokenizer has none; give --eos-token TOKEN")
     if os.path.abspath(out) in {os.path.abspath(f) for f in files}:
         raise UserError(f"--output {out}: is also an input; write the tokens elsewhere")
     # --chat: the folder's template, compiled here first: none, or one that does not parse, is one line before any
@@ -434,6 +442,16 @@ def prepare(args: argparse.Namespace) -> int:
     done = False
     counts, progress = Counts(), Progress(args.quiet)
     mask_file, replies = None, 0
+    packer = None if args.pack is None else Packer(args.pack, spec.eos_id)
+
+    def emit(ids: np.ndarray, mask: np.ndarray | None) -> None:
+        nonlocal replies
+        writer.write(ids)
+        if mask is not None:
+            mask_file.write(mask.tobytes())
+            replies += int(mask.sum(dtype=np.int64))
+        counts.tokens += ids.size
+
     try:
         if args.chat:  # conversations: ids and the replies' loss mask, in this process
             partials.append(f"{out}.mask.partial")
@@ -443,13 +461,18 @@ def prepare(args: argparse.Namespace) -> int:
             stream = ((ids, n, None) for ids, n in
                       encoded(spec, chunks(documents(files, args.field, args.docs_per_line, counts)), workers))
         for ids, nbytes, mask in stream:
-            writer.write(ids)
-            if mask is not None:
-                mask_file.write(mask.tobytes())
-                replies += int(mask.sum(dtype=np.int64))
-            counts.tokens += ids.size
+            if packer is None:
+                emit(ids, mask)
+            else:
+                for packed in packer.add(ids, mask):
+                    emit(*packed)
             counts.text_bytes += nbytes
             progress.update(counts)
+        if packer is not None:
+            for packed in packer.finish():
+                emit(*packed)
+            if packer.sequences:  # the last sequence's window reads one token past it: an EOS the loss ignores
+                emit(np.array([spec.eos_id], np.uint32), np.zeros(1, np.uint8))
         writer.close()
         if mask_file is not None:
             mask_file.close()
@@ -463,6 +486,8 @@ def prepare(args: argparse.Namespace) -> int:
             meta.update(loss_mask=f"{os.path.basename(out)}.mask", trained_tokens=replies,
                         chat_template=str(template.source))
             os.replace(f"{out}.mask.partial", f"{out}.mask")
+        if packer is not None:  # moekit.train.data reads the sequences at multiples of this length
+            meta.update({PACKED_KEY: args.pack, "pad_tokens": packer.pad, "cut_conversations": packer.cut})
         meta_file, tok_copy = metadata_path(out), tokenizer_copy_path(out)
         partials += [f"{meta_file}.partial", f"{tok_copy}.partial"]
         with open(f"{meta_file}.partial", "w", encoding="utf-8") as f:
@@ -496,12 +521,29 @@ def prepare(args: argparse.Namespace) -> int:
         if args.chat:
             print(f"wrote {out}.mask: {replies:,} of the {counts.tokens:,} tokens ({replies / max(counts.tokens, 1):.1%}) "
                   f"are the assistants' replies the loss counts")
+        if packer is not None:
+            cut = (f"; {packer.cut:,} conversation(s) longer than {args.pack} kept their first {args.pack - 1} tokens "
+                   f"(train at a longer --pack to keep them whole)" if packer.cut else "")
+            print(f"packed {counts.documents:,} conversations into {packer.sequences:,} sequences of {args.pack} tokens "
+                  f"({packer.pad / max(packer.sequences * args.pack, 1):.1%} EOS padding){cut}; train with "
+                  f"--train.seq_len {args.pack}")
         what = "conversations" if args.chat else "documents"
         skipped = "without a reply" if args.chat else "empty"
         print(f"wrote {out}: {counts.documents:,} {what} ({counts.empty:,} {skipped} skipped), {counts.tokens:,} tokens "
               f"({writer.dtype.name}, {per_byte:.3f} per byte of {counts.text_bytes:,} bytes of text); "
               f"{spec.kind} tokenizer {spec.source}, vocab {spec.vocab_size}, {eos}; metadata {metadata_path(out)}")
     return 0
+
+
+def check_pack_args(args: argparse.Namespace) -> None:
+    """--pack N packs conversations (--chat), in sequences of N >= 2 tokens."""
+    if args.pack is None:
+        return
+    if not args.chat:
+        raise UserError(f"--pack {args.pack} packs conversations so that no window cuts one: it needs --chat (plain "
+                        f"documents are cut at window ends by design; --data.document_mask keeps attention within each)")
+    if args.pack < 2:
+        raise UserError(f"--pack {args.pack}: a sequence length of at least 2 tokens (the --train.seq_len to train at)")
 
 
 def check_chat_args(args: argparse.Namespace) -> None:

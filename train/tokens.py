@@ -330,6 +330,7 @@ class Source:
     desc: str
     tokenizer: TokenizerInfo
     mask: np.ndarray | None = None  # [tokens] uint8 loss mask (1: trained on as a target), or None: every token
+    packed: int | None = None  # moekit-prepare --pack N: whole conversations in sequences of N tokens from 0
 
 
 LOSS_MASK_KEY = "loss_mask"  # the metadata entry naming a set's loss-mask file (beside the data file)
@@ -406,7 +407,24 @@ def open_token_data(path: str, raw_dtype: str, model_vocab: int) -> Source:
     tok = "" if info.kind == "unknown" else f", {info.describe()}"
     vocab_text = f", vocab {vocab}" if vocab is not None and info.kind == "unknown" else ""
     mask, mask_text = read_loss_mask(path, meta, tokens.size)
-    return Source(path, tokens, f"{kind} {path}, {tokens.size:,} tokens{vocab_text}{tok}{mask_text}", info, mask)
+    packed = read_packed(path, meta, tokens.size)
+    pack_text = f", packed in sequences of {packed}" if packed else ""
+    return Source(path, tokens, f"{kind} {path}, {tokens.size:,} tokens{vocab_text}{tok}{mask_text}{pack_text}", info,
+                  mask, packed)
+
+
+PACKED_KEY = "packed"  # moekit.train.chat_data.PACKED_KEY: the sequence length moekit-prepare --pack packed for
+
+
+def read_packed(path: str, meta: dict | None, size: int) -> int | None:
+    """The sequence length N a set was packed for (its sequences at multiples of N, then one EOS), or None."""
+    n = (meta or {}).get(PACKED_KEY)
+    if n is None:
+        return None
+    if not isinstance(n, int) or isinstance(n, bool) or n < 2 or size % n != 1:
+        raise UserError(f"data file {path}: metadata {metadata_path(path)} says {PACKED_KEY} {n!r}, but the file's "
+                        f"{size:,} tokens are not whole sequences of it and one EOS; prepare the set again")
+    return n
 
 
 def _read_npy(path: str) -> np.ndarray:
