@@ -16,11 +16,11 @@ from tests.test_chat_prepare import chat_tokenizer, write_jsonl  # noqa: F401 - 
 EOS = 9
 
 
-def conversations(rng, n: int, longest: int) -> list[tuple[np.ndarray, np.ndarray]]:
+def conversations(rng, n: int, longest: int, shortest: int = 1) -> list[tuple[np.ndarray, np.ndarray]]:
     """Random conversations as the chat encoder gives them: ids without EOS inside, then EOS (mask 0)."""
     out = []
     for _ in range(n):
-        size = int(rng.integers(1, longest))
+        size = int(rng.integers(shortest, longest))
         ids = np.concatenate([rng.integers(10, 50, size), [EOS]]).astype(np.uint32)
         mask = np.concatenate([rng.integers(0, 2, size), [0]]).astype(np.uint8)
         out.append((ids, mask))
@@ -45,7 +45,7 @@ def test_packer_keeps_every_conversation_whole(open_limit):
     open sequences too, which write out their fullest early)."""
     rng = np.random.default_rng()
     N = 64
-    convs = conversations(rng, 400, 40) + conversations(rng, 5, 3 * N)  # a few longer than N
+    convs = conversations(rng, 400, 40) + conversations(rng, 5, 3 * N, shortest=N)  # a few longer than N
     packer = Packer(N, EOS, open_limit=open_limit)
     seqs = [s for ids, mask in convs for s in packer.add(ids, mask)] + list(packer.finish())
     assert all(ids.size == mask.size == N for ids, mask in seqs)
@@ -115,11 +115,15 @@ def test_a_packed_chat_set_trains_every_reply_whole(chat_tokenizer, tmp_path, ca
 
     common = [*TINY_MODEL, "--data.path", str(tmp_path / "packed.bin"), "--data.val_fraction", "0.25", "--steps", "2",
               "--checkpoint.every", "0", "--log.progress", "off"]
-    for seq in ("32", "64"):
+    capsys.readouterr()
+    for seq, masked in (("32", "false"), ("64", "true")):
         run = tmp_path / f"run{seq}"
-        assert main([*common, "--model.max_seq_len", seq, "--train.seq_len", seq, "--run-dir", str(run)]) == 0
+        assert main([*common, "--model.max_seq_len", seq, "--train.seq_len", seq, "--data.document_mask", masked,
+                     "--run-dir", str(run)]) == 0
         rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         assert all(0 < r["loss_tokens"] < 4 * int(seq) for r in rows)
+        # without document masking, the run says that conversations see each other
+        assert ("--data.document_mask true keeps every conversation" in capsys.readouterr().out) == (masked == "false")
     capsys.readouterr()
     assert main([*common, "--train.seq_len", "24", "--run-dir", str(tmp_path / "run24")]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -243,6 +243,9 @@ class Trainer:
             say(f"note: router {cfg.model.router!r} takes no {name}; model.{name}={getattr(cfg.model, name)!r} is unused")
         say(f"data: {self.data_desc}; {self.split.train_starts.size:,} train / {self.split.val_starts.size:,} "
             f"validation sequences of {cfg.train.seq_len}")
+        if self.split.mask is not None and not cfg.data.document_mask and self.data.tokenizer.eos_id is not None:
+            say("note: the data has loss masks (conversations) and --data.document_mask is off: each conversation in a "
+                "window attends to the ones before it; --data.document_mask true keeps every conversation to itself")
         resid = ("" if plan.residual_dtype is None
                  else f" ({str(plan.residual_dtype).removeprefix('torch.')} residual stream)")
         say(f"device {plan.device}, {plan.autocast_dtype or torch.float32}{resid}; batch {cfg.train.batch_size} x "
