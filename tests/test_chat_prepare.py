@@ -80,7 +80,12 @@ def test_ids_and_mask_are_transformers_apply_chat_template_and_its_assistant_mas
     assert replies == "four<|im_end|>\nblue, the sky's<|im_end|>\ngreen\nlike grass<|im_end|>\n"
 
 
-def test_a_chat_set_trains_with_its_mask(chat_tokenizer, tmp_path, monkeypatch):
+def test_a_chat_set_trains_with_its_mask(chat_tokenizer, tmp_path, monkeypatch, capsys):
+    """The set trains on its replies; the tokenizer folder's special tokens and chat template travel with the set into
+    the run directory, so that moekit-generate --chat answers from the run and the HF export chats as the source."""
+    from transformers import AutoTokenizer
+
+    from moekit.train.generate import main as generate
     from moekit.train.loop import main
     from tests.tiny import TINY_MODEL
 
@@ -88,11 +93,26 @@ def test_a_chat_set_trains_with_its_mask(chat_tokenizer, tmp_path, monkeypatch):
     src = write_jsonl(tmp_path / "chat.jsonl", CONVERSATIONS * 60)
     assert prepare([str(src), "--chat", "--tokenizer", str(chat_tokenizer), "-o", str(tmp_path / "c.bin"),
                     "--quiet"]) == 0
-    run = tmp_path / "run"
+    meta = json.loads((tmp_path / "c.bin.json").read_text())
+    assert meta["tokenizer"]["extras"] == ["tokenizer_config.json"]
+    run, hf = tmp_path / "run", tmp_path / "hf"
     assert main([*TINY_MODEL, "--data.path", str(tmp_path / "c.bin"), "--data.val_fraction", "0.2", "--steps", "2",
-                 "--checkpoint.every", "0", "--log.progress", "off", "--run-dir", str(run)]) == 0
+                 "--checkpoint.every", "0", "--log.progress", "off", "--run-dir", str(run), "--export-hf",
+                 str(hf)]) == 0
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert all(0 < r["loss_tokens"] < 4 * 32 for r in rows)  # the replies only
+    assert json.loads((run / "tokenizer_config.json").read_text())["chat_template"] == TEMPLATE
+    capsys.readouterr()
+    assert generate([str(run), "--chat", "--prompt", "Name a colour.", "--max-new-tokens", "3", "--seed", "1"]) == 0
+    assert "chat template" in capsys.readouterr().err
+    source, exported = (AutoTokenizer.from_pretrained(str(p)) for p in (chat_tokenizer, hf))
+    conv = CONVERSATIONS[1]
+    assert exported.apply_chat_template(conv, tokenize=False) == source.apply_chat_template(conv, tokenize=False)
+    assert exported.eos_token == "<|endoftext|>" and exported.bos_token == "<s>"
+    (tmp_path / "c.bin.tokenizer_config.json").unlink()  # a listed copy gone: one line, before the run
+    assert main([*TINY_MODEL, "--data.path", str(tmp_path / "c.bin"), "--run-dir", str(tmp_path / "run2")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "tokenizer_config.json, but its copy" in err[0] and "prepare the set again" in err[0], err
 
 
 @pytest.mark.parametrize("case,message", [

@@ -49,7 +49,8 @@ import numpy as np
 from moekit.train import OneLineParser, UserError, program_name, run_program
 from moekit.train.chat_data import CHAT_FIELD, PACKED_KEY, ChatEncoder, Packer, chat_encoded
 from moekit.train.documents import EMBEDDED, Counts, chunks, documents, expand_inputs, input_kind
-from moekit.train.tokens import TokenFileWriter, metadata_path, sha256_file, tokenizer_copy_path
+from moekit.train.tokens import (TOKENIZER_EXTRAS, TokenFileWriter, metadata_path, sha256_file, tokenizer_copy_path,
+                                 tokenizer_extra_path)
 from moekit.train.tokenizer import EOS_NAMES
 
 PROG = program_name("prepare.py")
@@ -361,6 +362,15 @@ def moekit_version() -> str:
         return "not installed"
 
 
+def tokenizer_extras(spec: TokenizerSpec) -> list[tuple[str, str]]:
+    """(name, path) of the TOKENIZER_EXTRAS beside an hf tokenizer's tokenizer.json (its folder's), in that order; none
+    for a tokenizer trained here (bpe:N) or bytes."""
+    if spec.kind != "hf" or not spec.file or spec.source.startswith("bpe:"):
+        return []
+    folder = os.path.dirname(os.path.abspath(spec.file))
+    return [(name, os.path.join(folder, name)) for name in TOKENIZER_EXTRAS if os.path.isfile(os.path.join(folder, name))]
+
+
 def metadata(spec: TokenizerSpec, out: str, counts: Counts, files: list[str], args, dtype: np.dtype) -> dict:
     kinds = {input_kind(f) for f in files}
     return {
@@ -368,7 +378,8 @@ def metadata(spec: TokenizerSpec, out: str, counts: Counts, files: list[str], ar
         "token_file": os.path.basename(out), "dtype": dtype.name,
         "vocab_size": spec.vocab_size, "eos_id": spec.eos_id,
         "tokenizer": {"kind": spec.kind, "source": spec.source, "sha256": spec.sha256,
-                      "file": os.path.basename(tokenizer_copy_path(out)) if spec.kind == "hf" else None},
+                      "file": os.path.basename(tokenizer_copy_path(out)) if spec.kind == "hf" else None,
+                      **({"extras": extras} if (extras := [name for name, _ in tokenizer_extras(spec)]) else {})},
         "add_special_tokens": spec.add_special_tokens,
         "documents": counts.documents, "empty_documents": counts.empty, "tokens": counts.tokens,
         "text_bytes": counts.text_bytes,
@@ -498,6 +509,15 @@ def prepare(args: argparse.Namespace) -> int:
             os.replace(f"{tok_copy}.partial", tok_copy)
         elif os.path.lexists(tok_copy):
             os.unlink(tok_copy)  # a stale copy from an earlier hf preparation of the same OUT
+        extras = dict(tokenizer_extras(spec))
+        for name in TOKENIZER_EXTRAS:  # the folder's special tokens and chat template, for the run directory
+            copy = tokenizer_extra_path(out, name)
+            if name in extras:
+                partials.append(f"{copy}.partial")
+                shutil.copyfile(extras[name], f"{copy}.partial")
+                os.replace(f"{copy}.partial", copy)
+            elif os.path.lexists(copy):
+                os.unlink(copy)
         os.replace(f"{out}.partial", out)
         os.replace(f"{meta_file}.partial", meta_file)  # last: the metadata describes a complete token file
         done = True

@@ -206,6 +206,18 @@ def tokenizer_copy_path(path: str) -> str:
     return f"{path}.tokenizer.json"
 
 
+# The tokenizer folder's other files that chat and export need (special tokens, chat template): moekit-prepare copies
+# those present beside the token file (``tokenizer_extra_path``), the metadata lists them ("tokenizer": "extras"), and
+# the trainer copies them into the run directory under these names (record_tokenizer), where moekit-generate --chat
+# and the HF export find them.
+TOKENIZER_EXTRAS = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "chat_template.json")
+
+
+def tokenizer_extra_path(path: str, name: str) -> str:
+    """Where moekit-prepare copies the tokenizer folder's file ``name`` (TOKENIZER_EXTRAS): the token file's name + it."""
+    return f"{path}.{name}"
+
+
 def sha256_file(path: str) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -227,6 +239,7 @@ class TokenizerInfo:
     vocab_size: int | None = None
     eos_id: int | None = None
     file: str | None = None  # hf: the tokenizer.json beside the data (copied into the run directory)
+    extras: tuple[tuple[str, str], ...] = ()  # hf: (name in TOKENIZER_EXTRAS, its copy beside the data)
 
     def record(self) -> dict:
         return {"kind": self.kind, "source": self.source, "sha256": self.sha256, "vocab_size": self.vocab_size,
@@ -301,7 +314,15 @@ def tokenizer_of(path: str, meta: dict | None) -> TokenizerInfo:
     if want is not None and want != digest:
         raise UserError(f"{where}: {file} has sha256 {digest[:12]}..., the set was prepared with {str(want)[:12]}...: "
                         f"the tokenizer was replaced; restore it or prepare the set again")
-    return TokenizerInfo("hf", tok.get("source") or file, digest, vocab, eos, file)
+    names = tok.get("extras") or []
+    if not isinstance(names, list) or any(n not in TOKENIZER_EXTRAS for n in names):
+        raise UserError(f"{where}: tokenizer extras {names!r} must list files among {list(TOKENIZER_EXTRAS)}")
+    extras = tuple((n, tokenizer_extra_path(os.path.abspath(path), n)) for n in names)
+    for name, copy in extras:
+        if not os.path.isfile(copy):
+            raise UserError(f"{where}: lists the tokenizer's {name}, but its copy {copy} is missing; restore it or "
+                            f"prepare the set again")
+    return TokenizerInfo("hf", tok.get("source") or file, digest, vocab, eos, file, extras)
 
 
 def check_same_tokenizer(sets: list[tuple[str, TokenizerInfo]], where: str = "--data.blend",
@@ -460,6 +481,14 @@ def record_tokenizer(run_dir, info: TokenizerInfo) -> None:
         os.replace(target + ".partial", target)
     elif os.path.lexists(target):
         os.unlink(target)
+    extras = dict(info.extras) if info.kind == "hf" else {}
+    for name in TOKENIZER_EXTRAS:  # the special tokens and chat template of the set's tokenizer folder
+        target = os.path.join(run_dir, name)
+        if name in extras:
+            shutil.copyfile(extras[name], target + ".partial")
+            os.replace(target + ".partial", target)
+        elif os.path.lexists(target):
+            os.unlink(target)  # a stale one from an earlier tokenizer never lays out a chat
     record = os.path.join(run_dir, "tokenizer_info.json")
     with open(record + ".partial", "w") as f:
         json.dump(info.record(), f, indent=1)

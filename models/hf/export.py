@@ -618,6 +618,16 @@ def _run_tokenizer(run: Path, out: Path, model_vocab: int, max_len: int) -> dict
         tok.save(str(out / "tokenizer.json"))
     settings: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_len,
                                 "clean_up_tokenization_spaces": False}
+    if info["kind"] == "hf" and (run / "tokenizer_config.json").is_file():
+        # the set's tokenizer folder's own (moekit-prepare copied it; the trainer, into the run): its special tokens
+        # and chat template, which a fine-tuned chat model needs; a class that needs other files becomes the fast one
+        source = _read_json(run / "tokenizer_config.json")
+        if isinstance(source, dict):
+            settings = {**source, "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_len}
+            settings.pop("auto_map", None)  # remote tokenizer code is not in a run directory
+        for name in ("special_tokens_map.json", "chat_template.jinja", "chat_template.json"):
+            if (run / name).is_file():
+                shutil.copyfile(run / name, out / name)
     if eos is not None:
         settings["eos_token"] = tok.id_to_token(eos)
         (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}, indent=2) + "\n")
