@@ -4,6 +4,7 @@ kernels that pass in the interpreter but do not lower to real code (layouts, typ
     python -m moekit.moe.kernels._compile_check            # all configs, bf16 + fp16 + fp32, sm90
     python -m moekit.moe.kernels._compile_check --quick    # smallest config of each kernel, bf16 and fp32
     python -m moekit.moe.kernels._compile_check --first --dtypes bfloat16 --kernels _expert_down_dact_kernel
+    python -m moekit.moe.kernels._compile_check --quick --first-for _grouped_mm_kernel   # the tests' one run
 
 Each line names the kernel, config, dtype, shared memory, whether the K loop is software-pipelined, and
 the registers and spill bytes per thread that Triton's ptxas reports (``-v``) for the cubin: spills in a
@@ -187,9 +188,10 @@ def register_use(ptx: str, arch: int) -> str:
 
 
 def compile_captured(captured, arch: int = 90, all_configs: bool = True, verbose: bool = True,
-                     first: bool = False, kernels: set[str] | None = None) -> int:
+                     first: bool = False, kernels: set[str] | None = None, first_for: set[str] = frozenset()) -> int:
     """Compile the captured launches: every config (all_configs), the list's first (first: the tuned
-    best, what MOEKIT_AUTOTUNE=first runs) or its last (the smallest tiles); ``kernels`` limits by name."""
+    best, what MOEKIT_AUTOTUNE=first runs) or its last (the smallest tiles); ``kernels`` limits by name;
+    ``first_for``: these kernels at their first config, the others as the rest says."""
     target = GPUTarget("cuda", arch, 32)
     n = 0
     seen = set()
@@ -204,7 +206,8 @@ def compile_captured(captured, arch: int = 90, all_configs: bool = True, verbose
         configs = kernel.configs
         if kernel.prune is not None:
             configs = kernel.prune(configs, named)
-        for config in configs if all_configs else configs[:1] if first else configs[-1:]:  # smallest tiles last
+        take_first = first or kernel.name in first_for
+        for config in configs if all_configs else configs[:1] if take_first else configs[-1:]:  # smallest tiles last
             jit, sig, constexprs, attrs = _signature(kernel, args, kwargs, config)
             t0 = time.time()
             src = triton.compiler.ASTSource(fn=jit, signature=sig, constexprs=constexprs, attrs=attrs)
@@ -237,6 +240,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dtypes", nargs="+", choices=["bfloat16", "float16", "float32"], default=None,
                     help="operand dtypes (default: bf16 + fp32 with --quick / --first, else all three)")
     ap.add_argument("--kernels", nargs="+", default=None, help="only these kernels (names as printed)")
+    ap.add_argument("--first-for", nargs="+", default=[], metavar="KERNEL",
+                    help="with --quick: these kernels at their first (tuned best) config instead of the smallest, e.g. "
+                         "the GEMMs whose register use the tests check (one compile run for both checks)")
     ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability as an int (90 = H100/H200)")
     a = ap.parse_args(argv)
     if _common.interpret_mode():
@@ -247,8 +253,12 @@ def main(argv=None) -> int:
     else:
         dtypes = (torch.bfloat16, torch.float32) if a.quick or a.first else (torch.bfloat16, torch.float16, torch.float32)
     one = a.quick or a.first
+    if a.first_for and not a.quick:
+        print("--first-for picks configs within --quick; add --quick", file=sys.stderr)
+        return 2
     n = sum(compile_captured(capture_launches(dt), a.arch, all_configs=not one, first=a.first,
-                             kernels=set(a.kernels) if a.kernels else None) for dt in dtypes)
+                             kernels=set(a.kernels) if a.kernels else None, first_for=set(a.first_for))
+            for dt in dtypes)
     if n == 0:
         print(f"no kernel compiled: --kernels {a.kernels} names none of the captured launches", file=sys.stderr)
         return 2
