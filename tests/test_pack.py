@@ -104,7 +104,8 @@ def test_a_packed_chat_set_trains_every_reply_whole(chat_tokenizer, tmp_path, ca
     assert meta["trained_tokens"] == int(mask.sum())
     plain = np.asarray(read_token_file(str(tmp_path / "plain.bin"))[0], dtype=np.int64)
     plain_mask = np.fromfile(tmp_path / "plain.bin.mask", dtype=np.uint8)
-    assert int(plain_mask.sum()) == int(mask.sum()) + sum_cut(meta)  # the same replies, less those cut at 31 tokens
+    assert meta["cut_conversations"] == 0, "the test's conversations are meant to fit"
+    assert int(plain_mask.sum()) == int(mask.sum())  # the same replies
     assert (ids == eos).sum() - meta["pad_tokens"] - 1 == (plain == eos).sum()  # one EOS per conversation
     starts = np.arange((ids.size - 1) // 32) * 32
     windows = mask[starts[:, None] + 1 + np.arange(32)[None, :]] != 0
@@ -128,12 +129,6 @@ def test_a_packed_chat_set_trains_every_reply_whole(chat_tokenizer, tmp_path, ca
     assert main([*common, "--train.seq_len", "24", "--run-dir", str(tmp_path / "run24")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "packed for sequences of 32 tokens" in err[0] and "--train.seq_len 24" in err[0], err
-
-
-def sum_cut(meta: dict) -> int:
-    """Reply tokens the packed set lost to conversations longer than 32 (none in this test's data)."""
-    assert meta["cut_conversations"] == 0, "the test's conversations are meant to fit"
-    return 0
 
 
 def test_bad_pack_flags_and_metadata_get_one_line(chat_tokenizer, tmp_path, capsys, monkeypatch):  # noqa: F811

@@ -18,13 +18,14 @@ token sequence then holds every reply as trained. A token counts when its first 
 """
 from __future__ import annotations
 
+import bisect
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 
-from moekit.train import UserError, tokens
+from moekit.train import UserError
 from moekit.train.documents import Counts
 
 if TYPE_CHECKING:
@@ -190,7 +191,6 @@ def chat_encoded(spec: TokenizerSpec, files: list[str], field: str, counts: Coun
 # ---------------------------------------------------------------------------------------------------
 
 PACK_OPEN = 1024  # sequences being filled at once: more fill them better and hold more conversations in memory
-PACKED_KEY = tokens.PACKED_KEY  # the metadata entry: the sequence length a set was packed for (moekit.train.data)
 
 
 class Packer:
@@ -213,8 +213,6 @@ class Packer:
 
     def add(self, ids: np.ndarray, mask: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """Place one conversation; yield the sequences (ids, mask) that are complete or pushed out by it."""
-        import bisect
-
         n = ids.size
         if n > self.length:
             self.cut += 1

@@ -47,9 +47,9 @@ from typing import Iterator
 import numpy as np
 
 from moekit.train import OneLineParser, UserError, program_name, run_program
-from moekit.train.chat_data import CHAT_FIELD, PACKED_KEY, ChatEncoder, Packer, chat_encoded
+from moekit.train.chat_data import CHAT_FIELD, ChatEncoder, Packer, chat_encoded
 from moekit.train.documents import EMBEDDED, Counts, chunks, documents, expand_inputs, input_kind
-from moekit.train.tokens import (TOKENIZER_EXTRAS, TokenFileWriter, metadata_path, sha256_file, tokenizer_copy_path,
+from moekit.train.tokens import (PACKED_KEY, TOKENIZER_EXTRAS, TokenFileWriter, metadata_path, sha256_file, tokenizer_copy_path,
                                  tokenizer_extra_path)
 from moekit.train.tokenizer import EOS_NAMES
 

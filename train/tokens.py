@@ -434,7 +434,7 @@ def open_token_data(path: str, raw_dtype: str, model_vocab: int) -> Source:
                   mask, packed)
 
 
-PACKED_KEY = "packed"  # moekit.train.chat_data.PACKED_KEY: the sequence length moekit-prepare --pack packed for
+PACKED_KEY = "packed"  # the metadata entry: the sequence length moekit-prepare --pack packed for
 
 
 def read_packed(path: str, meta: dict | None, size: int) -> int | None:

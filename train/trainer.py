@@ -326,7 +326,8 @@ class Trainer:
                                   self.data.tokenizer.eos_id)  # [n, S] bool
         share = self.dist.loss_ranks * self.plan.accum
         depths = self.cfg.model.mtp_layers
-        n = [int(keep[:, k:].sum(dtype=np.int64)) for k in range(depths + 1)]  # depth k predicts targets k on
+        per_position = keep.sum(axis=0, dtype=np.int64)  # [S]: one pass over the batch
+        n = [int(per_position[k:].sum()) for k in range(depths + 1)]  # depth k predicts the targets k on
         normalizer = max(n[0], 1) / share  # none counted: loss 0
         mtp = tuple(max(c, 1) / share for c in n[1:]) if depths else None
         for root in (self.model, *getattr(self.model, "stages", ())):
