@@ -465,7 +465,7 @@ def test_console_script_help():
 def test_interruptible_work_hands_back_its_result_and_its_error():
     """BPE training runs in a helper thread (so Ctrl-C reaches the main thread at once): its effects and its
     exceptions come back to the caller."""
-    from moekit.train.prepare import interruptible
+    from moekit.train.prepare_tokenizer import interruptible
 
     done = []
     interruptible(lambda: done.append(threading.current_thread().name))

@@ -29,7 +29,7 @@ from moekit.train import UserError
 from moekit.train.documents import Counts
 
 if TYPE_CHECKING:
-    from moekit.train.prepare import TokenizerSpec
+    from moekit.train.prepare_tokenizer import TokenizerSpec
 
 CHAT_FIELD = "messages"
 
@@ -78,7 +78,7 @@ class ChatEncoder:
     """Renders and encodes conversations with one tokenizer.json and the chat template of its folder."""
 
     def __init__(self, tokenizer_file: str):
-        from moekit.train.prepare import load_hf
+        from moekit.train.prepare_tokenizer import load_hf
 
         self.template = self.template_of(tokenizer_file)
         self.tok = load_hf(tokenizer_file)
