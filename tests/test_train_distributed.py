@@ -19,6 +19,33 @@ def losses(run_dir: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def task_scores(run_dir: Path) -> list[dict]:
+    """The --eval.tasks scores of every evaluation (train.task_loop)."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [row["tasks"]["mc"] for row in rows if "tasks" in row]
+
+
+def same_task_scores(got: list[dict], want: list[dict]) -> None:
+    assert len(got) == len(want) >= 1
+    for g, w in zip(got, want):
+        assert g["correct_nll"] == pytest.approx(w["correct_nll"], rel=1e-4)
+        assert (g["acc"], g["acc_norm"], g["items"]) == (w["acc"], w["acc_norm"], w["items"])
+
+
+@pytest.fixture(scope="module")
+def tasks(tmp_path_factory) -> list[str]:
+    """--eval.tasks flags: a multiple-choice file of ragged random items (scored under every layout it is given)."""
+    import random
+
+    rng = random.Random()
+    words = "in on the of cat dog runs".split()
+    text = lambda lo, hi: " ".join(rng.choices(words, k=rng.randint(lo, hi)))  # noqa: E731
+    path = tmp_path_factory.mktemp("tasks") / "mc.jsonl"
+    path.write_text("".join(json.dumps({"context": text(0, 6), "choices": [" " + text(1, 3) for _ in range(3)],
+                                        "label": rng.randrange(3)}) + "\n" for _ in range(5)))
+    return ["--eval.tasks", str(path)]
+
+
 def run(args, nproc: int = 1, env_extra=None, script=TRAIN_SCRIPT, torchrun: bool = False) -> subprocess.CompletedProcess:
     """tools/train.py (or ``script``) on ``nproc`` ranks. The trainer's ranks start from the test session's fork
     server (tests.dist_utils.run_trainer: the environment torchrun gives them, a fork instead of an interpreter
@@ -146,17 +173,19 @@ def test_tp_fsdp_ep_run_matches_and_resumes_at_another_layout(tmp_path, single):
     assert losses(resumed) == pytest.approx(single[2:], rel=1e-5, abs=1e-6)
 
 
-def test_context_parallel_run_matches_and_resumes_in_one_process(tmp_path, single):
+def test_context_parallel_run_matches_and_resumes_in_one_process(tmp_path, single, tasks):
     """dp2 x cp2 x ep2 (4 ranks: each sequence's 32 positions split 8 | 8 + 8 | 8 over two ranks, experts over
-    the same two) follows the one-process curve, validation included; its checkpoint resumes without cp."""
+    the same two) follows the one-process curve, validation and task scores included; its checkpoint resumes
+    without cp."""
     r = run(["--steps", "4", "--run-dir", str(tmp_path), "--cp", "2", "--ep", "2", "--checkpoint.every", "2",
-             *TINY, "--eval.every", "2"], nproc=4)
+             *TINY, "--eval.every", "2", *tasks], nproc=4)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "dp=2 cp=2 ep=2 (experts 4 per rank)" in r.stdout
     assert losses(tmp_path) == pytest.approx(single, rel=1e-5, abs=1e-6)
     one = tmp_path / "one"  # the validation losses of the same run in one process
-    assert run(["--steps", "4", "--run-dir", str(one), "--checkpoint.every", "0", *TINY, "--eval.every", "2"]
+    assert run(["--steps", "4", "--run-dir", str(one), "--checkpoint.every", "0", *TINY, "--eval.every", "2", *tasks]
                ).returncode == 0
+    same_task_scores(task_scores(tmp_path), task_scores(one))
     val = [json.loads(line).get("val_loss") for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [v for v in val if v] == pytest.approx(
         [v for v in (json.loads(line).get("val_loss") for line in (one / "metrics.jsonl").read_text().splitlines())
@@ -172,15 +201,17 @@ MICRO = ["--train.micro_batch_size", "2"]  # 4 micro-batches in one process = 2 
 
 
 @pytest.fixture(scope="module")
-def single_micro(tmp_path_factory):
-    """One process, 4 micro-batches of 2, aux loss on / off (the reference for pipelines)."""
+def single_micro(tmp_path_factory, tasks):
+    """One process, 4 micro-batches of 2, aux loss on / off (the reference for pipelines): the losses, and the
+    task scores after the last step."""
     out = {}
     for aux in ("0.01", "0"):
         d = tmp_path_factory.mktemp(f"single-micro-{aux}")
         r = run(["--steps", "4", "--run-dir", str(d), "--checkpoint.every", "0", "--model.aux_loss_coeff", aux,
-                 *MICRO, *TINY])
+                 *MICRO, *TINY, *tasks])
         assert r.returncode == 0, r.stderr
         out[aux] = losses(d)
+        out[aux + "-tasks"] = task_scores(d)
     return out
 
 
@@ -189,16 +220,18 @@ def single_micro(tmp_path_factory):
     (8, ["--pp", "2", "--tp", "2", "--ep", "2", "--layout.sequence_parallel", "true"], "0"),
     (4, ["--pp", "2", "--cp", "2"], "0.01"),
 ], ids=["pp2-gpipe", "pp2-tp2-ep2-sp-8ranks", "pp2-cp2"])
-def test_pipeline_runs_match_one_process(tmp_path, single_micro, nproc, extra, aux):
+def test_pipeline_runs_match_one_process(tmp_path, single_micro, tasks, nproc, extra, aux):
     """pp2: the same 4 micro-batches through 2 stages, aux loss included. 8 ranks pp2 x dp2 x tp2, ep2 and
     sequence parallel: each data rank's micro-batch m is half of the one-process micro-batch pair (2m, 2m+1),
     so the load-balance statistics differ by construction (global-batch balancing is per micro-batch);
-    the aux loss is off there and the curve must match exactly."""
+    the aux loss is off there and the curve must match exactly. The task scores after the last step match
+    too (each choice through the pipeline's forward)."""
     r = run(["--steps", "4", "--run-dir", str(tmp_path), "--checkpoint.every", "2", "--model.aux_loss_coeff", aux,
-             *MICRO, *TINY, *extra], nproc=nproc)
+             *MICRO, *TINY, *extra, *tasks], nproc=nproc)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "pipeline: " in r.stdout and "2 stages (layers 0-0 | 1-1)" in r.stdout
     assert losses(tmp_path) == pytest.approx(single_micro[aux], rel=1e-5, abs=1e-6)
+    same_task_scores(task_scores(tmp_path), single_micro[aux + "-tasks"])
     load = load_rows(tmp_path)
     assert len(load[0]["layers"]) == 2  # both stages' MoE layers in rank 0's record
     assert all(sum(map(sum, rec["tokens"])) == 8 * 32 * 2 * 2 for rec in load[1:])  # B*S*k per layer, summed

@@ -2,7 +2,7 @@
 
     moekit-eval RUN_DIR|CHECKPOINT|HF_DIR [--data FILE] [--split val|all] [--seq-len N] [--batch-size B]
                 [--batches N] [--max-tokens N] [--capacity dropless|trained] [--out JSON] [--device D] [--dtype T]
-                [--specialisation]
+                [--specialisation] [--tasks FILE|@next-line[,...]] [--limit N]
 
 Data: ``--data FILE`` (a token file, or any token data moekit-train's --data.path reads), else the data the
 run trained on (its config: path, blend or text, and its --data.val_path file), else (an HF folder) the
@@ -32,6 +32,13 @@ the run's tokenizer), the share of each position bucket's slots per expert and h
 token id's routing is. A table on stdout, and "specialisation" in the --out JSON (what moekit-heatmap
 --specialisation shows in its report).
 
+Downstream tasks (--tasks, moekit.train.tasks and task_eval): instead of the held-out loss, multiple-choice tasks
+scored by the log-likelihood of each choice, as lm-evaluation-harness scores them: accuracy (acc), accuracy per
+character of the choice (acc_norm), each with its standard error, and chance. Task files: HellaSwag, ARC,
+OpenBookQA, PIQA, SciQ, MMLU and Winogrande records as the HuggingFace Hub serves them (.jsonl, .json, .parquet),
+or {"context", "choices", "label"}; ``@next-line`` is built from the held-out windows of the evaluation data (which
+line comes next, of 4). --limit N scores the first N items of each (@next-line: 500 by default).
+
 Routing (--capacity): ``dropless`` (default) evaluates the model as moekit-generate runs it (every slot
 kept; moekit.train.inference); ``trained`` keeps the router's capacity factor, as the trainer's
 evaluation does, where drops depend on which --batch-size windows share a forward. Both equal the
@@ -51,6 +58,7 @@ from moekit.train.runlock import describe_os_error, probe_writable
 
 PROG = program_name("evaluate.py")
 HF_SEQ_LEN = 1024  # default window of an HF model (its max_seq_len when shorter)
+NEXT_LINE, NEXT_LINE_ITEMS = "@next-line", 500  # moekit.train.tasks.NEXT_LINE; items by default
 
 
 def _note(msg: str) -> None:
@@ -79,6 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", metavar="JSON", help="also write the results as JSON here")
     p.add_argument("--specialisation", action="store_true",
                    help="also report which tokens and positions each expert receives (module docstring)")
+    p.add_argument("--tasks", action="append", metavar="TASK[,TASK]",
+                   help="score multiple-choice tasks instead of the loss: task files (.jsonl / .json / .parquet: "
+                        "hellaswag, arc, openbookqa, piqa, sciq, mmlu, winogrande or {context, choices, label}) "
+                        "and/or @next-line (built from the held-out data); comma-separated or repeated")
+    p.add_argument("--limit", type=int, metavar="N",
+                   help=f"--tasks: score the first N items of each task (default: all; {NEXT_LINE}: "
+                        f"{NEXT_LINE_ITEMS})")
     p.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)  # no stdout report (library use)
     return p
 
@@ -105,8 +120,20 @@ def run(args: argparse.Namespace) -> dict:
                                          window_sources)
     from moekit.train.inference import load_for_inference
 
-    for name in ("--seq-len", "--batch-size", "--batches", "--max-tokens"):
+    for name in ("--seq-len", "--batch-size", "--batches", "--max-tokens", "--limit"):
         _positive(name, getattr(args, name[2:].replace("-", "_")))
+    if args.limit is not None and not args.tasks:
+        raise UserError("--limit counts task items; it needs --tasks (for fewer loss windows: --batches or "
+                        "--max-tokens)")
+    specs = None
+    if args.tasks:
+        from moekit.train.tasks import parse_specs
+
+        specs = parse_specs(args.tasks)  # before the model is loaded
+        for flag in ("batches", "max_tokens", "specialisation"):
+            if getattr(args, flag):
+                raise UserError(f"--{flag.replace('_', '-')} is for the loss evaluation, and --tasks replaces it; "
+                                f"run them separately")
     out = Path(args.out) if args.out else None
     if out is not None:  # before the evaluation, not after it
         if out.is_dir():
@@ -121,9 +148,14 @@ def run(args: argparse.Namespace) -> dict:
         raise UserError(f"--seq-len {seq_len} exceeds the model's max_seq_len {cfg.max_seq_len}; use at most that")
     batch_size = args.batch_size or run_micro or 8
     section = data_section(info.run_config, args.data)
-    split, desc, data_tok = load_split(section, tokenizer, cfg.vocab_size, seq_len)
-    where = f"data {section.path or section.blend or section.text or '(embedded corpus)'}" if section else "data"
-    check_tokenizers(data_tok, tokenizer, where)
+    if specs is not None and NEXT_LINE not in specs:
+        split = desc = None  # task files alone: no evaluation data to read
+    else:
+        split, desc, data_tok = load_split(section, tokenizer, cfg.vocab_size, seq_len)
+        where = f"data {section.path or section.blend or section.text or '(embedded corpus)'}" if section else "data"
+        check_tokenizers(data_tok, tokenizer, where)
+    if specs is not None:
+        return finish(args, run_tasks(args, specs, model, tokenizer, info, split, seq_len, batch_size), out)
     masked = document_mask_of(args.document_mask, info.run_config)
     if masked:
         if data_tok.eos_id is None:
@@ -170,6 +202,55 @@ def run(args: argparse.Namespace) -> dict:
             from moekit.train.specialisation import report as specialisation_report
 
             print(specialisation_report(result["specialisation"]))
+    return finish(args, result, out)
+
+
+def run_tasks(args, specs: list[str], model, tokenizer, info, split, seq_len: int, batch_size: int) -> dict:
+    """--tasks: every task's accuracies (module docstring)."""
+    import numpy as np
+
+    from moekit.train.evaluation import choose_windows
+    from moekit.train.task_eval import encode_task, report as task_report, score_requests, task_result
+    from moekit.train.tasks import Task, next_line_items, read_task
+
+    if tokenizer is None:
+        raise UserError(f"--tasks needs the model's tokenizer to encode the tasks' text: {info.no_tokenizer}")
+    note = (lambda _msg: None) if args.quiet else _note
+    tasks = []
+    for spec in specs:
+        if spec == NEXT_LINE:
+            count = args.limit or NEXT_LINE_ITEMS
+            # windows spread over the split, enough for the items: a short window may hold no whole line
+            tokens, _, starts = choose_windows(split, args.split, 4 * count)  # --split: val (default) or all
+            span = np.arange(seq_len + 1)
+            texts = [tokenizer.decode(np.asarray(tokens[s + span]).tolist()) for s in starts.tolist()]
+            tasks.append(Task(NEXT_LINE, NEXT_LINE, "next-line", next_line_items(texts, count)))
+        else:
+            tasks.append(read_task(spec, args.limit))
+    # a moekit run's documents each follow an EOS; an HF folder's tokenizer adds its own BOS
+    prefix = [tokenizer.eos_id] if info.kind != "hf" and tokenizer.eos_id is not None else []
+    note(f"{info.describe()}; tokenizer {tokenizer.describe()}")
+    for line in info.routing:
+        note(f"note: {line}")
+    results = []
+    device = info.device
+    for task in tasks:
+        requests, cut = encode_task(task, tokenizer, seq_len, prefix)
+        note(f"{task.name}: {len(task.items):,} items ({task.format}), {len(requests):,} choices, windows up to "
+             f"{seq_len} tokens")
+        loglik = score_requests(lambda x: model(x), requests, batch_size * seq_len, device,
+                                progress=None if args.quiet else note)
+        results.append(task_result(task, requests, loglik, cut))
+    result = {"path": str(info.path), "checkpoint": str(info.checkpoint) if info.checkpoint else None,
+              "step": info.step, "model": info.config.name, "seq_len": seq_len, "device": str(info.device),
+              "dtype": str(info.dtype).removeprefix("torch."), "capacity": args.capacity, "tasks": results}
+    if not args.quiet:
+        print(task_report(results))
+    return result
+
+
+def finish(args, result: dict, out: Path | None) -> dict:
+    """--out: the result as JSON."""
     if out is not None:
         try:
             out.write_text(json.dumps(result, indent=1) + "\n")

@@ -271,6 +271,8 @@ def format_line(m: dict) -> str:
         parts.append(f"val_loss={m['val_loss']:.4f}")
     if m.get("val_mtp_loss") is not None:
         parts.append(f"val_mtp_loss={m['val_mtp_loss']:.4f}")
+    for name, r in (m.get("tasks") or {}).items():  # --eval.tasks: accuracy per character of the choice
+        parts.append(f"acc_norm[{name}]={r['acc_norm']:.3f}")
     return " ".join(parts)
 
 
@@ -279,13 +281,15 @@ BY_SOURCE = ("val_loss_by_source", "tokens_by_source")  # metrics.jsonl's per-se
 
 def source_scalars(m: dict) -> dict[str, float]:
     """{"<key>/<set file name>": value} for the per-set dicts of a metrics row (TensorBoard / W&B scalars); the
-    full path where two sets share a file name."""
+    full path where two sets share a file name. Also each --eval.tasks task's "tasks/<name>/acc", "acc_norm" and "correct_nll"."""
     from moekit.train.data import set_names
 
     out = {}
     for key in BY_SOURCE:
         values = m.get(key) or {}
         out.update((f"{key}/{name}", v) for name, v in zip(set_names(values), values.values()))
+    for name, r in (m.get("tasks") or {}).items():  # --eval.tasks (train.task_loop)
+        out.update({f"tasks/{name}/{key}": r[key] for key in ("acc", "acc_norm", "correct_nll")})
     return out
 
 

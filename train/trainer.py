@@ -93,6 +93,11 @@ class Trainer:
         self.data_phase = (resume.data_phase(self.resumed_run, self.changes, checkpoint.step_of(self.resume_from))
                            if self.resume_from is not None else 0)
         self.sampler = self.split.sampler(cfg.train.seed, self.data_phase)  # data.Sampler, or data.BlendSampler
+        self.tasks = None  # --eval.tasks: read and encoded now, scored at every evaluation (train.task_loop)
+        if cfg.eval.tasks:
+            from moekit.train.task_loop import InLoopTasks
+
+            self.tasks = InLoopTasks.prepare(cfg, self.data, self.split)
 
     # -- setup ------------------------------------------------------------------------------------
 
@@ -243,6 +248,8 @@ class Trainer:
             say(f"note: router {cfg.model.router!r} takes no {name}; model.{name}={getattr(cfg.model, name)!r} is unused")
         say(f"data: {self.data_desc}; {self.split.train_starts.size:,} train / {self.split.val_starts.size:,} "
             f"validation sequences of {cfg.train.seq_len}")
+        if self.tasks is not None:
+            say(f"tasks at each evaluation: {self.tasks.describe()}")
         if self.split.mask is not None and not cfg.data.document_mask and self.data.tokenizer.eos_id is not None:
             say("note: the data has loss masks (conversations) and --data.document_mask is off: each conversation in a "
                 "window attends to the ones before it; --data.document_mask true keeps every conversation to itself")
@@ -449,6 +456,8 @@ class Trainer:
                     m["val_loss_by_source"] = self.val_by_source
                 if cfg.model.mtp_layers:  # the depths' loss on the same windows (models.mtp)
                     m["val_mtp_loss"] = self.val_mtp
+                if self.tasks is not None:  # --eval.tasks: each task's accuracies
+                    m["tasks"] = self.tasks.evaluate(self)
             if self.dist.is_main:
                 self.metrics.write(self.monitor.step(m, load))  # + balance_loss, z_loss, cv, dead_experts
                 self.load_log.write(step, load, force=step == cfg.train.steps)

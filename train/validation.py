@@ -116,6 +116,12 @@ def validate(cfg: TrainConfig) -> TrainConfig:
              f"--eval.every={cfg.eval.every} is invalid; it must be >= 0 (0 = only after the last step)")
     _require(cfg.eval.sequences >= 1, f"--eval.sequences={cfg.eval.sequences} is invalid; it must be a positive number "
                                       f"of validation sequences")
+    _require(cfg.eval.task_items >= 1, f"--eval.task_items={cfg.eval.task_items} is invalid; it must be a positive "
+                                       f"number of items per task")
+    if cfg.eval.tasks:
+        from moekit.train.tasks import check_specs
+
+        check_specs(cfg.eval.tasks, "--eval.tasks")  # names and files, before anything runs
     _require(cfg.log.every >= 1, f"--log.every={cfg.log.every} is invalid; it must be a positive integer")
     _require(cfg.log.load_every >= 0, f"--log.load_every={cfg.log.load_every} is invalid; it must be >= 0 (0 = auto)")
     _require(cfg.log.progress in PROGRESS, f"--log.progress={cfg.log.progress!r} is invalid; choose one of {list(PROGRESS)}")

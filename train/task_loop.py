@@ -1,0 +1,111 @@
+"""Downstream tasks during training (``--eval.tasks``): the multiple-choice tasks of moekit.train.tasks scored at
+every evaluation, under any parallel layout, into metrics.jsonl's ``tasks`` ({name: {acc, acc_norm, correct_nll,
+items}}: task_eval's meanings), TensorBoard / W&B (``tasks/<name>/acc``, ``acc_norm``, ``correct_nll``) and the
+console line (acc_norm).
+
+The items are read and encoded once, when the run starts (task_eval.encode_task, with the data's tokenizer and the
+run's seq_len; every rank alike). At an evaluation each choice is one sequence of the training window's length:
+its context and continuation, padded after them (a causal model's scores do not see the padding), with targets on
+the continuation alone, so the trainer's own forward with a loss (any layout: TP, CP, EP, FSDP, the pipeline)
+returns the continuation's mean token loss. The data-parallel ranks take every D-th choice (the same number of
+forwards each, as the expert-parallel collectives need), and one all-reduce over the data-parallel group brings
+every choice's summed loss and its target count to every rank: the log-likelihood is their ratio times the
+continuation's length. A capacity router (switch) routes the padding too, as it routes every position of a
+window: its scores are those of the trained capacity, as its val_loss is.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from moekit.models.loss import IGNORE_INDEX
+from moekit.train import UserError
+from moekit.train.task_eval import Request, encode_task, task_result
+from moekit.train.tasks import NEXT_LINE, Task, check_specs, next_line_items, read_task
+from moekit.train.tokenizer import ByteTokenizer, HFTokenizer
+
+NEXT_LINE_WINDOWS = 4  # held-out windows read per @next-line item wanted (a short window may hold no whole line)
+
+
+def tokenizer_of(info, vocab_size: int, desc: str):
+    """The encoder of the data's tokenizer (moekit.train.tokens.TokenizerInfo)."""
+    if info.kind == "bytes":
+        eos = info.eos_id
+        return ByteTokenizer(eos, max(info.vocab_size or 256, 256 if eos is None else eos + 1))
+    if info.kind == "hf" and info.file:
+        return HFTokenizer(Path(info.file), add_special_tokens=False, eos_ids=() if info.eos_id is None else
+                           (info.eos_id,))
+    raise UserError(f"--eval.tasks needs the text of the data's tokens, but {desc} has no tokenizer record (token ids "
+                    f"without metadata); train on data made by moekit-prepare, or leave --eval.tasks empty")
+
+
+class InLoopTasks:
+    def __init__(self, tasks: list[Task], requests: list[list[Request]], seq_len: int):
+        self.tasks, self.requests, self.seq_len = tasks, requests, seq_len
+
+    @classmethod
+    def prepare(cls, cfg, data, split) -> "InLoopTasks":
+        """Read and encode ``cfg.eval.tasks`` (every rank alike)."""
+        tokenizer = tokenizer_of(data.tokenizer, cfg.model.vocab_size, data.desc)
+        seq_len, limit = cfg.train.seq_len, cfg.eval.task_items
+        tasks = []
+        for spec in check_specs(cfg.eval.tasks, "--eval.tasks"):
+            if spec == NEXT_LINE:
+                starts = split.validation(NEXT_LINE_WINDOWS * limit)
+                ids = np.asarray(split.held_out[starts[:, None] + np.arange(seq_len + 1)[None, :]])
+                texts = [tokenizer.decode(row.tolist()) for row in ids]
+                tasks.append(Task(NEXT_LINE, NEXT_LINE, "next-line", next_line_items(texts, limit)))
+            else:
+                tasks.append(read_task(spec, limit))
+        prefix = [] if tokenizer.eos_id is None else [tokenizer.eos_id]  # each training document follows an EOS
+        requests = []
+        for task in tasks:
+            try:
+                reqs, _ = encode_task(task, tokenizer, seq_len, prefix)
+            except UserError as exc:  # moekit-eval's flag named in the message: the trainer's instead
+                raise UserError(str(exc).replace("--seq-len", "--train.seq_len")) from None
+            requests.append(reqs)
+        return cls(tasks, requests, seq_len)
+
+    def describe(self) -> str:
+        return ", ".join(f"{t.name} ({len(t.items)} items, {len(r)} choices)" for t, r in zip(self.tasks, self.requests))
+
+    def row(self, req: Request) -> tuple[torch.Tensor, torch.Tensor]:
+        """One choice as the trainer's [1, seq_len] inputs and targets (padding after it; targets on the
+        continuation only)."""
+        x = torch.zeros(1, self.seq_len, dtype=torch.long)
+        y = torch.full((1, self.seq_len), IGNORE_INDEX, dtype=torch.long)
+        n = len(req.ids) - 1
+        x[0, :n] = torch.tensor(req.ids[:-1])
+        y[0, n - req.cont : n] = torch.tensor(req.ids[-req.cont:])
+        return x, y
+
+    @torch.no_grad()
+    def evaluate(self, trainer) -> dict:
+        """Every task's accuracies with the trainer's model (module docstring); every rank gets them."""
+        flat = [req for reqs in self.requests for req in reqs]
+        D, rank, device = trainer.dist.data_parallel, trainer.dist.data_rank, trainer.plan.device
+        sums = torch.zeros(2, len(flat), device=device)  # [summed token loss, counted targets] per choice
+        trainer.model.eval()
+        try:
+            for k in range(-(-len(flat) // D)):  # every data-parallel rank runs as many forwards
+                i = k * D + rank
+                x, y = trainer.dist.positions(*self.row(flat[min(i, len(flat) - 1)]))  # context parallel: a share
+                counted = int((y != IGNORE_INDEX).sum())
+                loss = trainer.forward_loss(None, batch=(x, y))  # the mean over this rank's counted targets
+                if i < len(flat) and counted:
+                    sums[0, i] += loss.float() * counted
+                    sums[1, i] += counted
+        finally:
+            trainer.model.train()
+        total, count = trainer.dist.mean(sums).double().cpu().numpy()  # D2H sync: once; ratios are kept
+        conts = np.array([req.cont for req in flat], dtype=np.float64)
+        loglik = -total / np.maximum(count, 1e-30) * conts
+        out, at = {}, 0
+        for task, reqs in zip(self.tasks, self.requests):
+            r = task_result(task, reqs, loglik[at : at + len(reqs)])
+            at += len(reqs)
+            out[task.name] = {key: r[key] for key in ("acc", "acc_norm", "correct_nll", "items")}
+        return out
