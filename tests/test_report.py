@@ -315,6 +315,35 @@ def test_report_to_an_unwritable_path_is_one_line_before_drawing(tmp_path, monke
 # ---------------------------------------------------------------------------------------------------
 
 
+def test_report_draws_the_downstream_tasks_only_when_a_run_scored_them(tmp_path):
+    """--eval.tasks rows in metrics.jsonl: a "Downstream tasks" section whose figure holds each task's acc_norm
+    points (read back from the plotted lines), none without them."""
+    run = synthetic_run(tmp_path / "s", layers=2, experts=4, steps=20, tokens_per_step=16, top_k=1)
+    plain = tmp_path / "plain.html"
+    assert heatmap.main([str(run), "--html", str(plain)]) == 0
+    assert '<section id="tasks">' not in plain.read_text()
+    rng = np.random.default_rng()
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    scored = {}
+    for row in rows[4::5]:  # an evaluation every 5 steps
+        scored[row["step"]] = rng.random(2)
+        row["tasks"] = {name: {"acc": float(v), "acc_norm": float(v), "correct_nll": 2.0 - float(v), "chance": 0.25,
+                               "items": 50} for name, v in zip(("@next-line", "arc"), scored[row["step"]])}
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "tasks.html"
+    assert heatmap.main([str(run), "--html", str(out)]) == 0
+    assert '<section id="tasks">' in out.read_text()
+    series = [loadplots.Series("s", None, rows, "")]
+    assert loadplots.task_names(series) == ["@next-line", "arc"]
+    fig = loadplots.fig_tasks(series)
+    lines = {line.get_label(): line for line in fig.axes[0].get_lines()}
+    steps = sorted(scored)
+    for j, name in enumerate(("@next-line", "arc")):
+        assert list(lines[name].get_xdata()) == steps
+        assert list(lines[name].get_ydata()) == pytest.approx([100 * scored[s][j] for s in steps])
+    assert list(lines["chance (arc)"].get_ydata()) == [25.0, 25.0]
+
+
 def run_monitor(run_dir: Path, steps: int = 4, **kw):
     import torch
 
@@ -325,9 +354,13 @@ def run_monitor(run_dir: Path, steps: int = 4, **kw):
     for step in range(1, steps + 1):
         load = fake_load([[10 * step, 0, 5, 5], [5, 5, 5, 5 + step]], [[12 * step, 0, 5, 5], [5, 5, 5, 5 + step]],
                          {"load_balance": 1.0 + step / 10, "z_loss": 2.0 + step})
-        out.append(m.step({"step": step, "loss": 3.0 / step, "aux_loss": 0.01, "lr": 1e-3, "grad_norm": 1.0,
-                           "tokens_per_s": 100.0, "mem_gb": 0.1, "mfu": None, "imbalance": 1.5, "imbalance_max": 2.0,
-                           "dropped_fraction": 0.0}, load))
+        row = {"step": step, "loss": 3.0 / step, "aux_loss": 0.01, "lr": 1e-3, "grad_norm": 1.0,
+               "tokens_per_s": 100.0, "mem_gb": 0.1, "mfu": None, "imbalance": 1.5, "imbalance_max": 2.0,
+               "dropped_fraction": 0.0}
+        if step % 2 == 0:  # --eval.tasks scores at an evaluation
+            row["tasks"] = {"mc": {"acc": step / 10, "acc_norm": step / 8, "correct_nll": 4.0 / step, "chance": 0.5,
+                                   "items": 10}}
+        out.append(m.step(row, load))
     m.close()
     return out
 
@@ -357,6 +390,8 @@ def test_tensorboard_per_layer_scalars_image_and_histograms_read_back(tmp_path, 
     hist = ea.Histograms("expert_load/layers.1.ffn")
     assert [h.step for h in hist] == [2, 4] and hist[0].histogram_value.num == 4
     assert hist[0].histogram_value.sum == pytest.approx(4.0)  # relative loads sum to E
+    assert [(e.step, e.value) for e in ea.Scalars("tasks/mc/acc_norm")] == [(2, 0.25), (4, 0.5)]
+    assert [e.value for e in ea.Scalars("tasks/mc/correct_nll")] == pytest.approx([2.0, 1.0])
 
 
 def wandb_records(run_dir: Path) -> list:

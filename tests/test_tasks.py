@@ -302,3 +302,11 @@ def test_eval_tasks_bad_input_is_one_line(run, capsys, argv, expected):
     rc = eval_main([str(run), *argv])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and expected in err[0], err
+
+
+def test_the_console_line_shows_each_tasks_acc_norm():
+    from moekit.train.monitor import format_line
+
+    row = {"step": 5, "loss": 2.0, "aux_loss": 0.01, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 10.0,
+           "mem_gb": 0.1, "val_loss": 2.1, "tasks": {"arc": {"acc": 0.5, "acc_norm": 0.625, "correct_nll": 1.0}}}
+    assert format_line(row).endswith("val_loss=2.1000 acc_norm[arc]=0.625")

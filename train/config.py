@@ -105,7 +105,7 @@ class EvalSection:
     every: int = 50  # validation every n steps (and after the last); 0 = only after the last
     sequences: int = 64  # validation sequences (fixed, spread over the held-out split)
     tasks: str = ""  # multiple-choice tasks scored at each evaluation: task files and/or @next-line, comma-separated
-    #   (moekit-eval --tasks' formats); metrics.jsonl "tasks": {name: {acc, acc_norm, correct_nll, items}}
+    #   (moekit-eval --tasks' formats); metrics.jsonl "tasks": {name: {acc, acc_norm, correct_nll, chance, items}}
     task_items: int = 200  # items of each task scored at each evaluation (the first ones of a file)
 
 

@@ -318,6 +318,43 @@ def fig_loss(runs: list[Series]):
     return fig
 
 
+def task_names(runs: list[Series]) -> list[str]:
+    """The --eval.tasks tasks any run scored, in the order first met."""
+    names: dict[str, None] = {}
+    for r in runs:
+        for m in r.metrics:
+            names.update(dict.fromkeys(m.get("tasks") or {}))
+    return list(names)
+
+
+def fig_tasks(runs: list[Series]):
+    """Each --eval.tasks task's acc_norm over steps (one colour per run, a line style per task; one run: a colour
+    per task) with its chance level in grey, and the right choices' negative log-likelihood per token."""
+    fig, axes = _panels(2)
+    acc, nll = axes[0]
+    names = task_names(runs)
+    for i, r in enumerate(runs):
+        for j, name in enumerate(names):
+            rows = [(m["step"], m["tasks"][name]) for m in r.metrics if name in (m.get("tasks") or {})]
+            if not rows:
+                continue
+            x = np.array([s for s, _ in rows], dtype=np.float64)
+            style = SET_STYLES[j % len(SET_STYLES)] if len(names) > 1 else "-"
+            label = f"{r.label}: {name}" if len(runs) > 1 else name
+            acc.plot(x, [100 * t["acc_norm"] for _, t in rows], color=colour(i if len(runs) > 1 else j), ls=style,
+                     marker="o", ms=3, lw=1.2, label=label)
+            nll.plot(x, [t["correct_nll"] for _, t in rows], color=colour(i if len(runs) > 1 else j), ls=style,
+                     marker="o", ms=3, lw=1.2, label=label)
+            if i == 0 and rows[-1][1].get("chance") is not None:
+                acc.axhline(100 * rows[-1][1]["chance"], color="grey", ls=style, lw=0.8,
+                            label=f"chance ({name})" if len(names) > 1 else "chance")
+    acc.set_title("downstream tasks: acc_norm (accuracy per character of the choice)", fontsize=9)
+    nll.set_title("right choice's negative log-likelihood per token", fontsize=9)
+    _style(acc, ylabel="%")
+    _style(nll, ylabel="nats / token")
+    return fig
+
+
 def fig_imbalance_time(runs: list[Series]):
     fig, axes = _panels(2)
     imb, cv = axes[0]

@@ -124,6 +124,9 @@ not the imbalance of counts summed over the window, which hides per-step spikes 
 with at least {HOT:g}x the layer's mean load in a step.</li>
 <li><b>heatmaps</b>: colour = the expert's share of its layer's kept tokens (1/E is uniform), one colour scale
 shared by every run, so runs with different expert counts compare.</li>
+<li><b>downstream tasks</b> (--eval.tasks): acc_norm, the share of items whose right choice has the highest
+log-likelihood per character; the right choice's negative log-likelihood per token falls long before a small
+model's accuracy rises.</li>
 <li><b>tokens/s</b>: median over steps of tokens of the global batch / the step's wall time.</li>
 </ul>
 """
@@ -155,6 +158,9 @@ def write_report(runs, out: str, title: str = "moekit routing comparison", notes
         sec.append(f'<p class="failed">failed: {html.escape(name)}: {html.escape(why)}</p>')
     parts.append(_section("summary", "Summary", "".join(sec)))
     parts.append(_section("loss", "Loss", figure(loadplots.fig_loss(series), "train and validation loss")))
+    if loadplots.task_names(series):  # --eval.tasks
+        parts.append(_section("tasks", "Downstream tasks", figure(loadplots.fig_tasks(series),
+                                                                   "downstream task accuracy over steps")))
     parts.append(_section("imbalance", "Per-step imbalance",
                           figure(loadplots.fig_imbalance_time(series), "per-step imbalance and cv over steps")
                           + figure(loadplots.fig_imbalance_dist(series), "distribution of per-step imbalance")))

@@ -1,6 +1,6 @@
 """Downstream tasks during training (``--eval.tasks``): the multiple-choice tasks of moekit.train.tasks scored at
 every evaluation, under any parallel layout, into metrics.jsonl's ``tasks`` ({name: {acc, acc_norm, correct_nll,
-items}}: task_eval's meanings), TensorBoard / W&B (``tasks/<name>/acc``, ``acc_norm``, ``correct_nll``) and the
+chance, items}}: task_eval's meanings), TensorBoard / W&B (``tasks/<name>/acc``, ``acc_norm``, ``correct_nll``) and the
 console line (acc_norm).
 
 The items are read and encoded once, when the run starts (task_eval.encode_task, with the data's tokenizer and the
@@ -107,5 +107,5 @@ class InLoopTasks:
         for task, reqs in zip(self.tasks, self.requests):
             r = task_result(task, reqs, loglik[at : at + len(reqs)])
             at += len(reqs)
-            out[task.name] = {key: r[key] for key in ("acc", "acc_norm", "correct_nll", "items")}
+            out[task.name] = {key: r[key] for key in ("acc", "acc_norm", "correct_nll", "chance", "items")}
         return out
