@@ -2,7 +2,7 @@
 
 The commands are read from the README block after the ``<!-- real-data-example -->`` marker and run as
 the installed console scripts in a fresh directory: prepare the embedded corpus with a BPE tokenizer trained
-locally, train, generate, evaluate. Only moekit-train gets the tiny-model flags appended (and fewer steps);
+locally, train, generate, evaluate (the held-out loss, then a multiple-choice task). Only moekit-train gets the tiny-model flags appended (and fewer steps);
 the other commands run unchanged.
 """
 from __future__ import annotations
@@ -34,7 +34,8 @@ def readme_commands() -> list[list[str]]:
 def test_readme_real_data_example_runs(tmp_path):
     bindir = Path(sys.executable).parent
     commands = readme_commands()
-    assert [c[0] for c in commands] == ["moekit-prepare", "moekit-train", "moekit-generate", "moekit-eval"]
+    assert [c[0] for c in commands] == ["moekit-prepare", "moekit-train", "moekit-generate", "moekit-eval",
+                                        "moekit-eval"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = {}
     for cmd in commands:
@@ -47,7 +48,7 @@ def test_readme_real_data_example_runs(tmp_path):
         proc = subprocess.run([str(exe), *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, f"{shlex.join(cmd)}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
         assert "Traceback" not in proc.stderr
-        out[cmd[0]] = proc
+        out[cmd[0] if cmd[0] not in out else f"{cmd[0]} {cmd[-1]}"] = proc
 
     meta = json.loads((tmp_path / "data" / "stdlib-bpe.bin.json").read_text())
     tok = Tokenizer.from_file(str(tmp_path / "data" / "stdlib-bpe.bin.tokenizer.json"))
@@ -69,3 +70,10 @@ def test_readme_real_data_example_runs(tmp_path):
     loss, ppl, bpb = float(words[1]), float(words[3]), float(words[5])
     assert math.isfinite(loss) and ppl == pytest.approx(math.exp(loss), rel=1e-3)
     assert 0 < bpb < loss / math.log(2)  # BPE tokens hold more than one byte each
+
+    # eval --tasks: the task's row, accuracies within [0, 1] around chance 25%
+    table = out["moekit-eval @next-line"].stdout.splitlines()
+    row = next(ln for ln in table if ln.startswith("@next-line"))
+    words = row.split()
+    assert words[1] == "next-line" and int(words[2]) > 0 and words[-2] == "25.0%"
+    assert 0 <= float(words[3]) <= 100 and 0 <= float(words[6]) <= 100
