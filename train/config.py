@@ -81,6 +81,9 @@ class TrainSection:
     export_hf_fp8: bool = False  # with export_hf: linear weights in block-wise fp8 e4m3 (DeepSeek-V3's release format)
     export_hf_mxfp4: bool = False  # with export_hf: gpt-oss's expert weights in MXFP4 (OpenAI's release format)
     on_nonfinite: str = "stop"  # non-finite loss / grad norm on any rank: stop, or skip the step (no update)
+    spike_skip: float = 0.0  # skip the step (no update) when its loss or grad norm is this many standard deviations
+    #   above the mean of the last spike_window good steps (0 = off; e.g. 6); moekit.train.spikes
+    spike_window: int = 128  # good steps the spike statistics cover (none is skipped before the window is full)
     compile: bool = False  # torch.compile each transformer block (models.parallelize step 4)
     deterministic: bool = False  # deterministic kernels (torch.use_deterministic_algorithms); see docs/training.md
     activation_checkpointing: str = "none"  # recompute: none | full (blocks) | ffn (FFN/MoE) | selective (elementwise ops)

@@ -90,6 +90,7 @@ class Dist:
         # this rank's stop request (a signal number, 0 = none): set by the trainer, agreed on by agree_stop()
         self.stop_signal = lambda: 0
         self._agreed_stop: int | None = None  # the stop request that rode on this step's non-finite check
+        self.spike_any = False  # a loss spike on any rank at this step's non-finite check (moekit.train.spikes)
 
     @classmethod
     def setup(cls, layout: Layout, num_experts: int, device: torch.device, ranks_per_node: int | None,
@@ -198,19 +199,22 @@ class Dist:
             i += 2 * E + 1
         return load
 
-    def any_nonfinite(self, *values: float) -> bool:
+    def any_nonfinite(self, *values: float, spike: bool = False) -> bool:
         """Every rank agrees: if any rank sees a non-finite value, all of them stop.
 
         The same all-reduce carries this rank's stop request (``stop_signal``), so agreeing on a
-        preemption costs no collective of its own: ``agree_stop`` reads the result."""
+        preemption costs no collective of its own: ``agree_stop`` reads the result; and this rank's loss-spike
+        verdict (moekit.train.spikes), agreed in ``spike_any``."""
         bad = any(not math.isfinite(v) for v in values)
         if not self.active:
             self._agreed_stop = self.stop_signal()
+            self.spike_any = spike
             return bad
-        flags = torch.tensor([float(bad), float(self.stop_signal())], device=self.device)
+        flags = torch.tensor([float(bad), float(self.stop_signal()), float(spike)], device=self.device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        bad_any, stop = flags.tolist()  # D2H sync: the decision must be on the host
+        bad_any, stop, spiked = flags.tolist()  # D2H sync: the decision must be on the host
         self._agreed_stop = int(stop)
+        self.spike_any = spiked > 0
         return bad_any > 0
 
     def agree_stop(self) -> int:

@@ -25,7 +25,8 @@ rank flagged the same layer's input, so the OR over ranks blames the input, not 
 Debug hook (tests, drills): MOEKIT_DEBUG_NAN="STEP:LAYER:WHERE[:RANK]" poisons MoE layer LAYER (global,
 0-based, module order of the whole model; under pipeline parallelism too) at optimizer step STEP on global
 rank RANK (default: the lowest rank holding that layer): WHERE "router" makes that router's combine
-weights NaN in the forward, "grad" makes its weight gradient NaN in the backward.
+weights NaN in the forward, "grad" makes its weight gradient NaN in the backward, "spike" multiplies that
+gradient by SPIKE_SCALE (a finite gradient-norm spike, for --train.spike_skip: moekit.train.spikes).
 """
 from __future__ import annotations
 
@@ -43,7 +44,8 @@ from moekit.train import UserError
 # A run that skips this many steps in a row is not training any more: stop and say so.
 MAX_CONSECUTIVE_SKIPS = 10
 POISON_ENV = "MOEKIT_DEBUG_NAN"
-POISON_WHERE = ("router", "grad")
+POISON_WHERE = ("router", "grad", "spike")
+SPIKE_SCALE = 1000.0  # the "spike" drill: that router's weight gradient times this (finite: a gradient-norm spike)
 INPUT, ROUTER, EXPERTS = 0, 1, 2
 _FORWARD = ("input (non-finite before this layer)", "router output (forward)", "expert output (forward)")
 _BACKWARD = ("router weight gradient (backward)", "expert weight gradient (backward)")
@@ -59,15 +61,21 @@ class NonFinite:
 
     what: str  # "loss" or "gradient norm"
     value: float
-    where: str  # e.g. "MoE layer layers.1.ffn: router output (forward)", or why none was found
+    where: str  # e.g. "MoE layer layers.1.ffn: router output (forward)", or why none was found; a spike: how far
     action: str  # "stop" or "skip"
+    kind: str = "nonfinite"  # or "spike" (--train.spike_skip: finite, far above the recent steps)
 
     def record(self, step: int, lr: float) -> dict:
         """The metrics.jsonl line of a skipped step (JSON has no NaN: non-finite values are null). It keeps
         the keys every step line has (DESIGN.md: step, loss, aux_loss, tokens_per_s, lr)."""
         loss = _json_float(self.value) if self.what == "loss" else None
         return {"step": step, "loss": loss, "aux_loss": None, "tokens_per_s": 0.0, "lr": lr, "skipped": True,
-                "nonfinite": self.what, "value": _json_float(self.value), "where": self.where}
+                self.kind: self.what, "value": _json_float(self.value), "where": self.where}
+
+    def describe(self) -> str:
+        """"non-finite loss (nan)", "loss spike (12.3)"."""
+        return (f"{self.what} spike ({self.value:.4g})" if self.kind == "spike"
+                else f"non-finite {self.what} ({self.value})")
 
 
 def _json_float(v: float) -> float | None:
@@ -166,17 +174,27 @@ class Guard:
         router = self.layers[p.layer].router  # resolved: this rank holds the layer
         if p.where == "grad":
             self._poison_handles.append(router.weight.register_hook(lambda g: torch.full_like(g, math.nan)))
+        elif p.where == "spike":
+            self._poison_handles.append(router.weight.register_hook(lambda g: g * SPIKE_SCALE))
         else:  # prepend: the probe hook must see the poisoned output, as it would see a real bad router
             nan_weights = lambda m, args, out: dataclasses.replace(out, weights=out.weights * math.nan)  # noqa: E731
             self._poison_handles.append(router.register_forward_hook(nan_weights, prepend=True))
 
-    def check(self, step: int, loss: float, grad_norm: float) -> NonFinite | None:
-        """None if the step is good on every rank; else the event, the same on all (collective)."""
+    def check(self, step: int, loss: float, grad_norm: float,
+              spike: tuple[str, float, str] | None = None) -> NonFinite | None:
+        """None if the step is good on every rank; else the event, the same on all (collective). ``spike``: this
+        rank's loss-spike verdict (moekit.train.spikes: what, value, how far), skipped on every rank when any
+        rank has one."""
         for h in self._poison_handles:
             h.remove()
         self._poison_handles.clear()
         what = [name for name, v in (("loss", loss), ("gradient norm", grad_norm)) if not math.isfinite(v)]
-        if not self.dist.any_nonfinite(loss, grad_norm):
+        if not self.dist.any_nonfinite(loss, grad_norm, spike=spike is not None):
+            if self.dist.spike_any:
+                self.consecutive_skips += 1
+                action = "skip" if self.consecutive_skips < MAX_CONSECUTIVE_SKIPS else "stop"
+                name, value, how = spike or ("loss", loss, "on another rank")  # all-reduced values agree: rare
+                return NonFinite(name, value, how, action, kind="spike")
             self.consecutive_skips = 0
             self.updated = True  # the loop steps the optimizer next
             return None

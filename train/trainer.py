@@ -30,7 +30,7 @@ from moekit.models.transformer import Transformer, meta_device
 from moekit.moe import collect_load, update_router_biases
 from moekit.moe.layer import set_aux_loss_scale
 from moekit.train import (UserError, checkpoint, faults, hfrun, host_memory, program_name, records, resume,
-                          rundir, runlock)
+                          rundir, runlock, spikes)
 from moekit.train.cli import Options
 from moekit.train.plan import lr_lambda, make_optimizer, plan_run
 from moekit.train.rebalance import RunPlacement
@@ -170,6 +170,10 @@ class Trainer:
         set_aux_loss_scale(self.model, accumulation=1 if pipelined else plan.accum,
                            microbatches=plan.accum if pipelined else 1, token_slices=self.dist.topology.layout.tp)
         self.guard = Guard(self.model, self.dist, cfg.train.on_nonfinite)
+        self.spikes = None  # --train.spike_skip: the recent good steps' loss and grad norm (train.spikes)
+        if cfg.train.spike_skip > 0:
+            saved = None if self.changes.new_data else (self.resumed_run or {}).get(spikes.STATE_KEY)
+            self.spikes = spikes.SpikeGuard(cfg.train.spike_skip, cfg.train.spike_window, saved)
         self.optimizer = make_optimizer(self.model, cfg)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.start_step = 0
@@ -390,6 +394,8 @@ class Trainer:
     def save(self, step: int) -> Path | None:
         """Checkpoint after ``step``; its meta.json records this run's settings and tokens (moekit.train.resume)."""
         run = {"config": self.cfg.to_dict(), "tokens": self.tokens_seen, "data_phase": self.data_phase}
+        if self.spikes is not None:  # a resumed run skips the steps an uninterrupted one would
+            run[spikes.STATE_KEY] = self.spikes.state()
         return self.checkpointer.save(step, self.model, self.optimizer, self.scheduler, self.sampler, run=run,
                                       placement=self.placement.record())
 
@@ -419,7 +425,8 @@ class Trainer:
             mtp = (self.pipe or self.model).pop_mtp_loss() if cfg.model.mtp_layers else None  # models.mtp: depths' mean
             mtp_value = self.dist.mean(mtp).item() if mtp is not None else None  # D2H sync (only with MTP)
             grad_norm = self.dist.clip_grad_norm(params, cfg.train.grad_clip).item()  # D2H sync: before the update
-            event = self.guard.check(step, loss_value, grad_norm)  # collective: every rank decides alike
+            spike = self.spikes.check(loss_value, grad_norm) if self.spikes is not None else None
+            event = self.guard.check(step, loss_value, grad_norm, spike)  # collective: every rank decides alike
             stop = self.dist.agree_stop()  # rode on that collective: a signal on any rank stops all of them
             if event is not None and event.action == "stop":
                 return self.stop_nonfinite(event, step)
@@ -429,6 +436,8 @@ class Trainer:
                 self.profiler.report()
                 continue
             lr = self.optimizer.param_groups[0]["lr"]
+            if self.spikes is not None:
+                self.spikes.accept(loss_value, grad_norm)
             self.optimizer.step()
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
@@ -559,7 +568,7 @@ class Trainer:
             qk_clip.reset(self.model)
         if self.dist.is_main:
             self.metrics.write(event.record(step, self.optimizer.param_groups[0]["lr"]))
-            self.monitor.print(f"step={step} skipped: non-finite {event.what} ({event.value}); {event.where}")
+            self.monitor.print(f"step={step} skipped: {event.describe()}; {event.where}")
 
     def stop_nonfinite(self, event: NonFinite, step: int) -> int:
         self.optimizer.zero_grad(set_to_none=True)
@@ -568,6 +577,12 @@ class Trainer:
             return 1
         self.monitor.progress.clear()
         skips = self.guard.consecutive_skips
+        if event.kind == "spike":  # --train.spike_skip: skipped MAX_CONSECUTIVE_SKIPS times in a row
+            print(f"{PROG}: error: {event.describe()} at step {step} after {skips} skipped steps in a row: {event.where}; "
+                  f"a loss that stays this high has moved, not spiked. Stopped before its optimizer step. Last good "
+                  f"checkpoint: {good}. Resume from it with a lower --train.lr, or a larger --train.spike_skip",
+                  file=sys.stderr)
+            return 1
         gave_up = f" after {skips} skipped steps in a row" if event.action != self.cfg.train.on_nonfinite else ""
         print(f"{PROG}: error: non-finite {event.what} ({event.value}) at step {step}{gave_up}; stopped before its "
               f"optimizer step; first seen in {event.where}. Last good checkpoint: {good}. Lower --train.lr or raise "

@@ -80,6 +80,11 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _require(t.host_memory in host_memory.MODES,
              f"--train.host_memory={t.host_memory!r} is invalid; choose one of {list(host_memory.MODES)} (system: "
              f"the C library's defaults; retain: keep freed CPU memory for reuse, see docs/training.md)")
+    _require(math.isfinite(t.spike_skip) and t.spike_skip >= 0,
+             f"--train.spike_skip={t.spike_skip} is invalid; it must be a number of standard deviations >= 0 (0 = off; "
+             f"e.g. 6)")
+    _require(t.spike_window >= 2, f"--train.spike_window={t.spike_window} is invalid; the statistics need at least 2 "
+                                  f"steps (e.g. 128)")
     _require(t.on_nonfinite in ON_NONFINITE,
              f"--train.on_nonfinite={t.on_nonfinite!r} is invalid; choose one of {list(ON_NONFINITE)}")
     _require(not t.init_from_hf or os.path.isdir(t.init_from_hf),
