@@ -53,6 +53,9 @@ class TrainSection:
     steps: int = 400  # optimizer steps (the default run: ~3 minutes on a 2-core CPU)
     batch_size: int = 16  # global batch: sequences per optimizer step, whatever the layout
     micro_batch_size: int = 0  # sequences per forward on one rank; 0 = the whole per-rank batch (no accumulation)
+    batch_size_start: int = 0  # global batch at step 1, ramped linearly to batch_size over batch_ramp_steps (0 = no
+    #   ramp; DeepSeek-V3 went 3072 -> 15360 sequences); each step's batch is whole micro-batches on every rank
+    batch_ramp_steps: int = 0  # steps the batch-size ramp takes (with batch_size_start)
     seq_len: int = 256  # tokens per sequence (<= model.max_seq_len)
     lr: float = 3e-3  # peak learning rate (AdamW)
     min_lr_ratio: float = 0.1  # the schedule decays to lr * min_lr_ratio at the last step

@@ -13,6 +13,12 @@ and each rank's share into ``accum`` micro-batches of ``micro_batch`` sequences:
     pp = 1: micro_batch = train.micro_batch_size (0 = per_rank), accum = gradient accumulation steps
     pp > 1: accum = M, the pipeline's micro-batches per step: layout.pp_microbatches, else the count that
             train.micro_batch_size implies, else 2 * pp (fewer bubbles than pp)
+
+A batch-size ramp (train.batch_size_start, train.batch_ramp_steps; ``RunPlan.step_batch``) gives step s the
+batch start + (B - start)(s - 1) / ramp_steps rounded down to a multiple of start, and B from step ramp_steps + 1
+on: the same batches under every layout (start must split over the D ranks). Each rank's share runs in equal
+micro-batches of the largest size that divides it and is at most micro_batch, so the memory check of the final
+batch covers the ramp; the pipeline's schedule has a fixed micro-batch count, so a ramp needs pp = 1.
 """
 from __future__ import annotations
 
@@ -80,6 +86,7 @@ def resolve_layout(settings: LayoutSection, world_size: int, model: ModelConfig,
     if S.sequence_parallel:
         check_sequence_parallel(train.seq_len // layout.cp, layout.tp)
     per_rank, micro, accum = _batch_split(layout, S, train)
+    check_batch_ramp(train, layout)
     try:
         check_schedule(S.pp_schedule, layout.pp, S.pp_stages_per_rank, accum if layout.pp > 1 else None)
         if layout.pp > 1:
@@ -117,6 +124,43 @@ def _batch_split(layout: Layout, S: LayoutSection, train: TrainSection) -> tuple
     return per_rank, micro, per_rank // micro
 
 
+def check_batch_ramp(train: TrainSection, layout: Layout) -> None:
+    """A ramp's batches (multiples of its first) must split over the data-parallel ranks (module docstring)."""
+    start, D = train.batch_size_start, layout.data_parallel
+    if not start:
+        return
+    if layout.pp > 1:
+        raise LayoutError(f"--train.batch_size_start {start}: a batch-size ramp changes the micro-batches per step, "
+                          f"and the pipeline's schedule (--pp {layout.pp}) runs a fixed number; ramp with --pp 1")
+    if start % D:
+        raise LayoutError(f"--train.batch_size_start {start} must split into {D} data-parallel shares (dp*fsdp), as "
+                          f"every batch of the ramp (a multiple of it) does; use a multiple of {D}, e.g. "
+                          f"{D * max(1, start // D)}")
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """One step's global batch and its split (a batch-size ramp's step, or the run's own)."""
+
+    size: int  # sequences of the global batch
+    per_rank: int
+    micro_batch: int
+    accum: int
+
+
+def ramped_batch(train: TrainSection, step: int) -> int:
+    """The global batch of ``step`` (from 1) under train's ramp (module docstring); batch_size without one."""
+    start, final, steps = train.batch_size_start, train.batch_size, train.batch_ramp_steps
+    if not start or step > steps:
+        return final
+    return (start + (final - start) * (step - 1) // steps) // start * start
+
+
+def micro_split(per_rank: int, micro: int) -> int:
+    """The largest micro-batch that divides ``per_rank`` sequences and is at most ``micro``."""
+    return next(m for m in range(min(micro, per_rank), 0, -1) if per_rank % m == 0)
+
+
 def resolve_config(cfg: TrainConfig, world_size: int | None = None) -> ResolvedLayout:
     """resolve_layout for a whole config; ``world_size`` None = this launch's (torchrun's WORLD_SIZE).
 
@@ -150,6 +194,16 @@ class RunPlan:
     @property
     def per_rank(self) -> int:
         return self.resolved.per_rank
+
+    def step_batch(self, train: TrainSection, step: int) -> StepBatch:
+        """Step ``step``'s batch and split: the ramp's (train.batch_size_start), else the run's own."""
+        r = self.resolved
+        size = ramped_batch(train, step)
+        if size == train.batch_size:
+            return StepBatch(size, r.per_rank, r.micro_batch, r.accum)
+        per_rank = size // r.data_parallel
+        micro = micro_split(per_rank, r.micro_batch)
+        return StepBatch(size, per_rank, micro, per_rank // micro)
 
 
 def plan_run(cfg: TrainConfig, world_size: int | None = None) -> RunPlan:

@@ -32,7 +32,7 @@ from moekit.moe.layer import set_aux_loss_scale
 from moekit.train import (UserError, checkpoint, faults, hfrun, host_memory, program_name, records, resume,
                           rundir, runlock, spikes)
 from moekit.train.cli import Options
-from moekit.train.plan import lr_lambda, make_optimizer, plan_run
+from moekit.train.plan import StepBatch, lr_lambda, make_optimizer, plan_run
 from moekit.train.rebalance import RunPlacement
 from moekit.train.config import TrainConfig, excluded
 from moekit.train.consistency import check_ranks_agree
@@ -169,6 +169,7 @@ class Trainer:
         pipelined = self.pipe is not None
         set_aux_loss_scale(self.model, accumulation=1 if pipelined else plan.accum,
                            microbatches=plan.accum if pipelined else 1, token_slices=self.dist.topology.layout.tp)
+        self.aux_accum = 1 if pipelined else plan.accum  # the accumulation the aux-loss scale is set for
         self.guard = Guard(self.model, self.dist, cfg.train.on_nonfinite)
         self.spikes = None  # --train.spike_skip: the recent good steps' loss and grad norm (train.spikes)
         if cfg.train.spike_skip > 0:
@@ -262,6 +263,11 @@ class Trainer:
         say(f"device {plan.device}, {plan.autocast_dtype or torch.float32}{resid}; batch {cfg.train.batch_size} x "
             f"{cfg.train.seq_len} tokens ({plan.accum} micro-batch(es) of {plan.micro_batch}); run dir {self.run_dir}; "
             f"{self.monitor.describe()}")
+        if cfg.train.batch_size_start:
+            t = cfg.train
+            first = plan.step_batch(t, 1)
+            say(f"batch-size ramp: {first.size} sequences at step 1 ({first.accum} micro-batch(es) of "
+                f"{first.micro_batch} per rank), {t.batch_size} from step {t.batch_ramp_steps + 1}")
         if cfg.train.host_memory != "system":
             say(self.host_memory)
         if self.dist.active:
@@ -310,22 +316,27 @@ class Trainer:
                 return self.pipe.evaluate(x, y, 1)
             return self.model(x, targets=y)  # mean cross-entropy, no [b, S, V] logits kept (models.loss)
 
-    def forward_backward(self, batch: np.ndarray) -> torch.Tensor:
-        """This rank's share of one step: the summed loss of its micro-batches; gradients accumulated."""
+    def forward_backward(self, batch: np.ndarray, split: StepBatch | None = None) -> torch.Tensor:
+        """This rank's share of one step: the summed loss of its micro-batches; gradients accumulated. ``split``:
+        the step's micro-batches (a batch-size ramp's; default the run's)."""
         plan = self.plan
-        if self.pipe is not None:  # the schedule runs every micro-batch's forward and backward
+        micro, accum = (split.micro_batch, split.accum) if split is not None else (plan.micro_batch, plan.accum)
+        if self.pipe is not None:  # the schedule runs every micro-batch's forward and backward (no ramp: plan)
             x, y = self.windows(batch)
             with self.autocast():
                 loss = self.pipe.step(x.to(plan.device), y.to(plan.device), plan.accum)
             return loss.detach() * plan.accum
+        if self.aux_accum != accum:  # a ramp step with another micro-batch count: each aux loss counts 1/accum
+            set_aux_loss_scale(self.model, accumulation=accum, token_slices=self.dist.topology.layout.tp)
+            self.aux_accum = accum
         loss_sum = torch.zeros((), device=plan.device)
-        for m in range(plan.accum):
-            loss = self.forward_loss(batch[m * plan.micro_batch : (m + 1) * plan.micro_batch])
-            (loss / plan.accum).backward()
+        for m in range(accum):
+            loss = self.forward_loss(batch[m * micro : (m + 1) * micro])
+            (loss / accum).backward()
             loss_sum += loss.detach()
         return loss_sum
 
-    def set_loss_normalizer(self, batch: np.ndarray) -> int | None:
+    def set_loss_normalizer(self, batch: np.ndarray, accum: int | None = None) -> int | None:
         """With loss masks: the global ``batch``'s counted targets N, and every micro-batch's loss made its summed
         token losses over N / (R M) (R the ranks whose losses and gradients are averaged, data and context
         parallel; M the micro-batches per rank), so that the step's loss and gradient are the mean over all N
@@ -335,7 +346,7 @@ class Trainer:
             return None
         keep = counted_targets_of(self.split.tokens, self.split.mask, batch, self.cfg.train.seq_len,
                                   self.data.tokenizer.eos_id)  # [n, S] bool
-        share = self.dist.loss_ranks * self.plan.accum
+        share = self.dist.loss_ranks * (accum or self.plan.accum)
         depths = self.cfg.model.mtp_layers
         per_position = keep.sum(axis=0, dtype=np.int64)  # [S]: one pass over the batch
         n = [int(per_position[k:].sum()) for k in range(depths + 1)]  # depth k predicts the targets k on
@@ -416,12 +427,13 @@ class Trainer:
             self.profiler.begin(step)  # --profile.every: a window's first step starts the profiler
             t0 = time.perf_counter()
             self.guard.begin_step(step)
-            batch = self.sampler.next(cfg.train.batch_size)  # [batch_size] window starts of the global batch
-            counted = self.set_loss_normalizer(batch)  # loss masks: the step's targets that count
-            batch = self.dist.share(batch, plan.per_rank)  # this rank's contiguous share
-            loss_sum = self.forward_backward(batch)
+            split = plan.step_batch(cfg.train, step)  # the run's batch, or a batch-size ramp's for this step
+            batch = self.sampler.next(split.size)  # [batch size] window starts of the global batch
+            counted = self.set_loss_normalizer(batch, split.accum)  # loss masks: the step's targets that count
+            batch = self.dist.share(batch, split.per_rank)  # this rank's contiguous share
+            loss_sum = self.forward_backward(batch, split)
             self.dist.sync_grads(self.model)  # the global-batch gradient on every rank
-            loss_value = self.dist.mean(loss_sum / plan.accum).item()  # D2H sync: finiteness check, records
+            loss_value = self.dist.mean(loss_sum / split.accum).item()  # D2H sync: finiteness check, records
             mtp = (self.pipe or self.model).pop_mtp_loss() if cfg.model.mtp_layers else None  # models.mtp: depths' mean
             mtp_value = self.dist.mean(mtp).item() if mtp is not None else None  # D2H sync (only with MTP)
             grad_norm = self.dist.clip_grad_norm(params, cfg.train.grad_clip).item()  # D2H sync: before the update
@@ -447,9 +459,12 @@ class Trainer:
             if self.placement.observe(step, load, self.model, self.optimizer) and self.dist.is_main:
                 self.monitor.print(self.placement.last_note)  # --layout.rebalance_every: experts moved
             dt = time.perf_counter() - t0
-            self.tokens_seen += plan.tokens_per_step
+            step_tokens = split.size * cfg.train.seq_len
+            self.tokens_seen += step_tokens
             m = self.step_metrics(step, loss_value, grad_norm, lr, load, dt, self.tokens_seen,
-                                  time.perf_counter() - t_start)
+                                  time.perf_counter() - t_start, step_tokens)
+            if cfg.train.batch_size_start:  # a batch-size ramp: this step's global batch
+                m["batch_size"] = split.size
             if mtp_value is not None:
                 m["mtp_loss"] = mtp_value
             if counted is not None:  # loss masks: the targets the step's loss is the mean over
@@ -506,8 +521,8 @@ class Trainer:
         group = self.dist.topology.group("stage") if self.dist.active else None
         return qk_clip.clip(self.model, self.cfg.train.qk_clip, group)
 
-    def step_metrics(self, step, loss, grad_norm, lr, load, dt, tokens_seen, elapsed) -> dict:
-        tps = self.plan.tokens_per_step / dt
+    def step_metrics(self, step, loss, grad_norm, lr, load, dt, tokens_seen, elapsed, step_tokens=None) -> dict:
+        tps = (step_tokens or self.plan.tokens_per_step) / dt
         peak = peak_flops(self.plan.device, self.plan.autocast_dtype)
         m = {"step": step, "loss": loss, "aux_loss": sum(s.aux_loss / max(s.forwards, 1) for s in load.values()),
              "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tps, "step_s": dt, "tokens": tokens_seen,

@@ -33,8 +33,14 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     t = cfg.train
     for name in ("steps", "batch_size", "seq_len"):
         _require(getattr(t, name) >= 1, f"--train.{name}={getattr(t, name)} is invalid; it must be a positive integer")
-    for name in ("micro_batch_size", "warmup_steps", "seed"):
+    for name in ("micro_batch_size", "warmup_steps", "seed", "batch_size_start", "batch_ramp_steps"):
         _require(getattr(t, name) >= 0, f"--train.{name}={getattr(t, name)} is invalid; it must be >= 0")
+    _require(bool(t.batch_size_start) == bool(t.batch_ramp_steps),
+             f"--train.batch_size_start={t.batch_size_start} with --train.batch_ramp_steps={t.batch_ramp_steps}: a "
+             f"batch-size ramp needs both (the batch at step 1, and the steps to reach --batch-size), or neither")
+    _require(t.batch_size_start < t.batch_size or not t.batch_size_start,
+             f"--train.batch_size_start={t.batch_size_start} is invalid; the ramp starts below --batch-size "
+             f"{t.batch_size} and grows to it")
     _require(t.seed < 2**63, f"--train.seed={t.seed} is invalid; it must be < 2**63 (torch seeds are 64-bit)")
     _require(math.isfinite(t.lr) and 0 < t.lr <= MAX_LR,
              f"--train.lr={t.lr} is invalid; AdamW moves every weight by about lr per step, so the learning rate "
