@@ -34,14 +34,15 @@ def same_task_scores(got: list[dict], want: list[dict]) -> None:
 
 @pytest.fixture(scope="module")
 def tasks(tmp_path_factory) -> list[str]:
-    """--eval.tasks flags: a multiple-choice file of ragged random items (scored under every layout it is given)."""
+    """--eval.tasks flags: a multiple-choice file of ragged random items (scored under every layout it is given).
+    Every context has a word: the embedded byte data has no end-of-text token to start an empty one from."""
     import random
 
     rng = random.Random()
     words = "in on the of cat dog runs".split()
     text = lambda lo, hi: " ".join(rng.choices(words, k=rng.randint(lo, hi)))  # noqa: E731
     path = tmp_path_factory.mktemp("tasks") / "mc.jsonl"
-    path.write_text("".join(json.dumps({"context": text(0, 6), "choices": [" " + text(1, 3) for _ in range(3)],
+    path.write_text("".join(json.dumps({"context": text(1, 6), "choices": [" " + text(1, 3) for _ in range(3)],
                                         "label": rng.randrange(3)}) + "\n" for _ in range(5)))
     return ["--eval.tasks", str(path)]
 
