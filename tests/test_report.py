@@ -332,7 +332,13 @@ def test_report_draws_the_downstream_tasks_only_when_a_run_scored_them(tmp_path)
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "tasks.html"
     assert heatmap.main([str(run), "--html", str(out)]) == 0
-    assert '<section id="tasks">' in out.read_text()
+    page = out.read_text()
+    assert '<section id="tasks">' in page
+    last = max(scored)
+    assert f"{100 * scored[last][1]:.1f}% / {100 * scored[last][1]:.1f}%" in page  # arc's last acc_norm / acc
+    data = report.read_report_data(str(out))
+    assert data["runs"][0]["final_tasks"]["arc"]["step"] == last
+    assert data["runs"][0]["final_tasks"]["@next-line"]["acc_norm"] == pytest.approx(scored[last][0])
     series = [loadplots.Series("s", None, rows, "")]
     assert loadplots.task_names(series) == ["@next-line", "arc"]
     fig = loadplots.fig_tasks(series)

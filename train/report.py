@@ -77,6 +77,29 @@ def summary_rows(runs) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
+def final_tasks(run) -> dict:
+    """{task: its last --eval.tasks scores} of a run (train.task_loop), {} when it scored none."""
+    for m in reversed(run.metrics):
+        if m.get("tasks"):
+            return {name: dict(r, step=m["step"]) for name, r in m["tasks"].items()}
+    return {}
+
+
+def tasks_table(runs, names: list[str]) -> str:
+    """Each run's last acc_norm (and acc) per task, beside chance."""
+    header = ["run", "step"] + [f"{name} acc_norm / acc" for name in names]
+    rows = []
+    for r in runs:
+        last = final_tasks(r)
+        step = max((t["step"] for t in last.values()), default=None)
+        cells = [f"{100 * last[n]['acc_norm']:.1f}% / {100 * last[n]['acc']:.1f}%" if n in last else "-"
+                 for n in names]
+        rows.append([html.escape(r.name), "-" if step is None else str(step), *cells])
+    chance = {n: t.get("chance") for r in runs for n, t in final_tasks(r).items()}
+    rows.append(["chance", "", *(f"{100 * chance[n]:.1f}%" if chance.get(n) is not None else "-" for n in names)])
+    return _table(header, rows, left=1)
+
+
 def per_layer_table(run) -> str:
     header = ["layer", "imb mean", "imb p50", "imb p95", "imb max", "cv mean", "window imb", "dropped", "dead",
               "saturated"]
@@ -158,9 +181,10 @@ def write_report(runs, out: str, title: str = "moekit routing comparison", notes
         sec.append(f'<p class="failed">failed: {html.escape(name)}: {html.escape(why)}</p>')
     parts.append(_section("summary", "Summary", "".join(sec)))
     parts.append(_section("loss", "Loss", figure(loadplots.fig_loss(series), "train and validation loss")))
-    if loadplots.task_names(series):  # --eval.tasks
-        parts.append(_section("tasks", "Downstream tasks", figure(loadplots.fig_tasks(series),
-                                                                   "downstream task accuracy over steps")))
+    names = loadplots.task_names(series)
+    if names:  # --eval.tasks
+        parts.append(_section("tasks", "Downstream tasks", tasks_table(runs, names) + figure(
+            loadplots.fig_tasks(series), "downstream task accuracy over steps")))
     parts.append(_section("imbalance", "Per-step imbalance",
                           figure(loadplots.fig_imbalance_time(series), "per-step imbalance and cv over steps")
                           + figure(loadplots.fig_imbalance_dist(series), "distribution of per-step imbalance")))
@@ -190,6 +214,7 @@ def write_report(runs, out: str, title: str = "moekit routing comparison", notes
     data = {"format": "moekit-report", "version": 1, "title": title,
             "runs": [{"name": r.name, "path": r.path, "summary": r.summary, "per_layer": r.analysis.per_layer(),
                       "final_loss": r.final("loss"), "final_val_loss": r.final("val_loss"),
+                      "final_tasks": final_tasks(r),
                       "tokens_per_s": r.tokens_per_s()} for r in runs],
             "failed": [{"name": n, "error": e} for n, e in failed or []], "notes": notes or [], "images": images}
     blob = json.dumps(_clean(data), indent=None).replace("</", "<\\/")
