@@ -249,7 +249,9 @@ def run(tmp_path_factory) -> Path:
     rng = random.Random()
     words = "the a cat runs over slowly and then jumps into water".split()
     text = lambda lo, hi: " ".join(rng.choices(words, k=rng.randint(lo, hi)))  # noqa: E731
-    write_jsonl(root / "hs.jsonl", [{"ctx": text(2, 20), "endings": [text(1, 6) for _ in range(4)],
+    # at most ~80 bytes a choice: the trainer scores them in windows of 80 or fewer (train.task_loop's width), not
+    # the run's 128
+    write_jsonl(root / "hs.jsonl", [{"ctx": text(2, 6), "endings": [text(1, 3) for _ in range(4)],
                                      "label": rng.randrange(4)} for _ in range(8)])
     run = root / "run"
     flags = [*TINY_MODEL, "--model.max_seq_len", "128", "--train.seq_len", "128", "--steps", "2",
@@ -260,8 +262,9 @@ def run(tmp_path_factory) -> Path:
 
 
 def test_the_trainers_task_scores_are_moekit_evals(run, tmp_path, capsys):
-    """In the loop (each choice one padded window through the trainer's loss) and in moekit-eval (batched logits)
-    the same items get the same scores."""
+    """In the loop (each choice one padded window through the trainer's loss: the short HellaSwag-style task in a
+    narrower one, @next-line in the run's) and in moekit-eval (batched logits) the same items get the same
+    scores."""
     in_loop = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["tasks"]
     out = tmp_path / "eval.json"
     hs = str(run.parent / "hs.jsonl")

@@ -4,14 +4,15 @@ chance, items}}: task_eval's meanings), TensorBoard / W&B (``tasks/<name>/acc``,
 console line (acc_norm).
 
 The items are read and encoded once, when the run starts (task_eval.encode_task, with the data's tokenizer and the
-run's seq_len; every rank alike). At an evaluation each choice is one sequence of the training window's length:
-its context and continuation, padded after them (a causal model's scores do not see the padding), with targets on
-the continuation alone, so the trainer's own forward with a loss (any layout: TP, CP, EP, FSDP, the pipeline)
-returns the continuation's mean token loss. The data-parallel ranks take every D-th choice (the same number of
-forwards each, as the expert-parallel collectives need), and one all-reduce over the data-parallel group brings
-every choice's summed loss and its target count to every rank: the log-likelihood is their ratio times the
-continuation's length. A capacity router (switch) routes the padding too, as it routes every position of a
-window: its scores are those of the trained capacity, as its val_loss is.
+run's seq_len; every rank alike). At an evaluation each choice is one sequence: its context and continuation,
+padded after them to the task's longest choice (rounded up; under the pipeline, to the training window: a causal
+model's scores do not see the padding), with targets on the continuation alone. The trainer's own forward with a
+loss (any layout: TP, CP, EP, FSDP, the pipeline) then returns the continuation's mean token loss. The
+data-parallel ranks take every D-th choice (the same number of forwards each, as the expert-parallel collectives
+need), and one all-reduce over the data-parallel group brings every choice's summed loss and its target count to
+every rank: the log-likelihood is their ratio times the continuation's length. A capacity router (switch) routes
+the padding too, as it routes every position of a window: its scores are those of the trained capacity, as its
+val_loss is.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from moekit.train.tasks import NEXT_LINE, Task, check_specs, next_line_items, re
 from moekit.train.tokenizer import ByteTokenizer, HFTokenizer
 
 NEXT_LINE_WINDOWS = 4  # held-out windows read per @next-line item wanted (a short window may hold no whole line)
+WIDTH_GRAIN = 16  # a task's windows are a multiple of this many positions (times cp x tp), not all of seq_len
 
 
 def tokenizer_of(info, vocab_size: int, desc: str):
@@ -72,11 +74,22 @@ class InLoopTasks:
     def describe(self) -> str:
         return ", ".join(f"{t.name} ({len(t.items)} items, {len(r)} choices)" for t, r in zip(self.tasks, self.requests))
 
-    def row(self, req: Request) -> tuple[torch.Tensor, torch.Tensor]:
-        """One choice as the trainer's [1, seq_len] inputs and targets (padding after it; targets on the
+    def width(self, reqs: list[Request], trainer) -> int:
+        """A task's window: its longest choice rounded up to WIDTH_GRAIN x cp x tp positions (context and sequence
+        parallelism split a window into equal parts), at most seq_len; the pipeline's schedule runs windows of
+        seq_len only."""
+        if trainer.pipe is not None:
+            return self.seq_len
+        layout = trainer.dist.topology.layout
+        grain = WIDTH_GRAIN * layout.cp * layout.tp
+        longest = max(len(req.ids) - 1 for req in reqs)
+        return min(self.seq_len, -(-longest // grain) * grain)
+
+    def row(self, req: Request, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One choice as the trainer's [1, width] inputs and targets (padding after it; targets on the
         continuation only)."""
-        x = torch.zeros(1, self.seq_len, dtype=torch.long)
-        y = torch.full((1, self.seq_len), IGNORE_INDEX, dtype=torch.long)
+        x = torch.zeros(1, width, dtype=torch.long)
+        y = torch.full((1, width), IGNORE_INDEX, dtype=torch.long)
         n = len(req.ids) - 1
         x[0, :n] = torch.tensor(req.ids[:-1])
         y[0, n - req.cont : n] = torch.tensor(req.ids[-req.cont:])
@@ -90,14 +103,18 @@ class InLoopTasks:
         sums = torch.zeros(2, len(flat), device=device)  # [summed token loss, counted targets] per choice
         trainer.model.eval()
         try:
-            for k in range(-(-len(flat) // D)):  # every data-parallel rank runs as many forwards
-                i = k * D + rank
-                x, y = trainer.dist.positions(*self.row(flat[min(i, len(flat) - 1)]))  # context parallel: a share
-                counted = int((y != IGNORE_INDEX).sum())
-                loss = trainer.forward_loss(None, batch=(x, y))  # the mean over this rank's counted targets
-                if i < len(flat) and counted:
-                    sums[0, i] += loss.float() * counted
-                    sums[1, i] += counted
+            at = 0
+            for reqs in self.requests:
+                width = self.width(reqs, trainer)
+                for k in range(-(-len(reqs) // D)):  # every data-parallel rank runs as many forwards
+                    i = k * D + rank
+                    x, y = trainer.dist.positions(*self.row(reqs[min(i, len(reqs) - 1)], width))  # cp: a share
+                    counted = int((y != IGNORE_INDEX).sum())
+                    loss = trainer.forward_loss(None, batch=(x, y))  # the mean over this rank's counted targets
+                    if i < len(reqs) and counted:
+                        sums[0, at + i] += loss.float() * counted
+                        sums[1, at + i] += counted
+                at += len(reqs)
         finally:
             trainer.model.train()
         total, count = trainer.dist.mean(sums).double().cpu().numpy()  # D2H sync: once; ratios are kept
