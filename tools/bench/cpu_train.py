@@ -108,9 +108,9 @@ class Probe:
         return wrap
 
     def _check(self, fn):
-        def check(step, loss, grad_norm):
+        def check(step, loss, grad_norm, *rest):  # rest: what newer trainers pass too (a spike verdict)
             self.current["loss"] = loss
-            return fn(step, loss, grad_norm)
+            return fn(step, loss, grad_norm, *rest)
         return check
 
     def _begin(self, fn):
