@@ -127,6 +127,31 @@ def test_task_file_errors(tmp_path):
     assert parse_specs(["x.jsonl,@next-line", "y.json"]) == ["x.jsonl", NEXT_LINE, "y.json"]
 
 
+def test_fewshot_items_start_with_other_items_solved(tmp_path):
+    rng = random.Random()
+    records = [{"context": f"q{i}:", "choices": [f" a{i}", f" b{i}", f" c{i}"], "label": rng.randrange(3)}
+               for i in range(9)]
+    path = write_jsonl(tmp_path / "g.jsonl", records)
+    k = rng.randint(1, 4)
+    task = read_task(path, fewshot=k)
+    assert task.fewshot == k and len(task.items) == 9
+    for i, item in enumerate(task.items):
+        shots = item.choices[0][0].removesuffix(f"q{i}:").split("\n\n")
+        assert shots[-1] == "" and len(shots) == k + 1  # K examples, each followed by a blank line
+        used = []
+        for shot in shots[:-1]:
+            j = int(shot.split(":")[0][1:])
+            assert j != i and shot == f"q{j}:" + records[j]["choices"][records[j]["label"]]
+            used.append(j)
+        assert len(set(used)) == k
+        assert all(c == item.choices[0][0] for c, _ in item.choices)  # one context for every choice
+        assert [cont for _, cont in item.choices] == records[i]["choices"]
+    assert [it.choices for it in read_task(path, limit=3, fewshot=k).items] == [it.choices for it in task.items[:3]]
+    assert [it.choices for it in read_task(path, fewshot=k).items] == [it.choices for it in task.items]  # seeded
+    with pytest.raises(UserError, match=r"--fewshot 9 needs at least 10 items"):
+        read_task(path, fewshot=9)
+
+
 # ---------------------------------------------------------------------------------------------------
 # @next-line
 # ---------------------------------------------------------------------------------------------------
@@ -239,24 +264,25 @@ def test_accuracies_count_the_most_likely_choice():
 
 
 IN_LOOP_ITEMS = 5
+FEWSHOT = 1  # the file's items start with one solved item (not @next-line's)
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> Path:
-    """A tiny run that scored a HellaSwag-style file (ragged contexts and endings) and @next-line after its last
-    step (--eval.tasks)."""
+    """A tiny run that scored a HellaSwag-style file (ragged contexts and endings; one-shot) and @next-line after its
+    last step (--eval.tasks)."""
     root = tmp_path_factory.mktemp("tasks")
     rng = random.Random()
     words = "the a cat runs over slowly and then jumps into water".split()
     text = lambda lo, hi: " ".join(rng.choices(words, k=rng.randint(lo, hi)))  # noqa: E731
-    # at most ~80 bytes a choice: the trainer scores them in windows of 80 or fewer (train.task_loop's width), not
-    # the run's 128
+    # at most ~160 bytes a choice with its example: the trainer scores them in windows of 160 or fewer
+    # (train.task_loop's width), not the run's 256
     write_jsonl(root / "hs.jsonl", [{"ctx": text(2, 6), "endings": [text(1, 3) for _ in range(4)],
                                      "label": rng.randrange(4)} for _ in range(8)])
     run = root / "run"
-    flags = [*TINY_MODEL, "--model.max_seq_len", "128", "--train.seq_len", "128", "--steps", "2",
+    flags = [*TINY_MODEL, "--model.max_seq_len", "256", "--train.seq_len", "256", "--steps", "2",
              "--run-dir", str(run), "--eval.tasks", f"{root / 'hs.jsonl'},{NEXT_LINE}",
-             "--eval.task_items", str(IN_LOOP_ITEMS)]
+             "--eval.task_items", str(IN_LOOP_ITEMS), "--eval.task_fewshot", str(FEWSHOT)]
     assert train_main(flags) == 0
     return run
 
@@ -268,7 +294,8 @@ def test_the_trainers_task_scores_are_moekit_evals(run, tmp_path, capsys):
     in_loop = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["tasks"]
     out = tmp_path / "eval.json"
     hs = str(run.parent / "hs.jsonl")
-    assert eval_main([str(run), "--tasks", f"{hs},{NEXT_LINE}", "--limit", str(IN_LOOP_ITEMS), "--out", str(out)]) == 0
+    assert eval_main([str(run), "--tasks", f"{hs},{NEXT_LINE}", "--limit", str(IN_LOOP_ITEMS), "--fewshot",
+                      str(FEWSHOT), "--out", str(out)]) == 0
     evals = {t["name"]: t for t in json.loads(out.read_text())["tasks"]}
     assert set(in_loop) == set(evals) == {"hs", NEXT_LINE}
     for name, got in in_loop.items():
@@ -300,6 +327,8 @@ def test_eval_tasks_scores_files_and_next_line(run, tmp_path, capsys):
     (["--tasks", "@nope"], "no built-in task by that name"),
     (["--tasks", "missing.jsonl"], "no such file"),
     (["--tasks", NEXT_LINE, "--batches", "2"], "--batches is for the loss evaluation"),
+    (["--fewshot", "2"], "--fewshot adds solved examples to task items; it needs --tasks"),
+    (["--tasks", NEXT_LINE, "--fewshot", "-1"], "--fewshot -1 is invalid"),
 ])
 def test_eval_tasks_bad_input_is_one_line(run, capsys, argv, expected):
     rc = eval_main([str(run), *argv])

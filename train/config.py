@@ -113,6 +113,7 @@ class EvalSection:
     tasks: str = ""  # multiple-choice tasks scored at each evaluation: task files and/or @next-line, comma-separated
     #   (moekit-eval --tasks' formats); metrics.jsonl "tasks": {name: {acc, acc_norm, correct_nll, chance, items}}
     task_items: int = 200  # items of each task scored at each evaluation (the first ones of a file)
+    task_fewshot: int = 0  # solved examples of the same file before each task item (moekit-eval --fewshot)
 
 
 @dataclass

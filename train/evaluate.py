@@ -37,7 +37,8 @@ scored by the log-likelihood of each choice, as lm-evaluation-harness scores the
 character of the choice (acc_norm), each with its standard error, and chance. Task files: HellaSwag, ARC,
 OpenBookQA, PIQA, SciQ, MMLU and Winogrande records as the HuggingFace Hub serves them (.jsonl, .json, .parquet),
 or {"context", "choices", "label"}; ``@next-line`` is built from the held-out windows of the evaluation data (which
-line comes next, of 4). --limit N scores the first N items of each (@next-line: 500 by default).
+line comes next, of 4). --limit N scores the first N items of each (@next-line: 500 by default). --fewshot K starts
+each item of a file with K solved items of the same file (not @next-line, whose context is the text itself).
 
 Routing (--capacity): ``dropless`` (default) evaluates the model as moekit-generate runs it (every slot
 kept; moekit.train.inference); ``trained`` keeps the router's capacity factor, as the trainer's
@@ -94,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, metavar="N",
                    help=f"--tasks: score the first N items of each task (default: all; {NEXT_LINE}: "
                         f"{NEXT_LINE_ITEMS})")
+    p.add_argument("--fewshot", type=int, default=0, metavar="K",
+                   help="--tasks files: start each item with K solved items of the same file (model cards' 5-shot "
+                        "MMLU, 25-shot ARC); default 0")
     p.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)  # no stdout report (library use)
     return p
 
@@ -122,6 +126,10 @@ def run(args: argparse.Namespace) -> dict:
 
     for name in ("--seq-len", "--batch-size", "--batches", "--max-tokens", "--limit"):
         _positive(name, getattr(args, name[2:].replace("-", "_")))
+    if args.fewshot < 0:
+        raise UserError(f"--fewshot {args.fewshot} is invalid; it must be a number of examples >= 0")
+    if args.fewshot and not args.tasks:
+        raise UserError("--fewshot adds solved examples to task items; it needs --tasks")
     if args.limit is not None and not args.tasks:
         raise UserError("--limit counts task items; it needs --tasks (for fewer loss windows: --batches or "
                         "--max-tokens)")
@@ -226,7 +234,7 @@ def run_tasks(args, specs: list[str], model, tokenizer, info, split, seq_len: in
             texts = [tokenizer.decode(np.asarray(tokens[s + span]).tolist()) for s in starts.tolist()]
             tasks.append(Task(NEXT_LINE, NEXT_LINE, "next-line", next_line_items(texts, count)))
         else:
-            tasks.append(read_task(spec, args.limit))
+            tasks.append(read_task(spec, args.limit, args.fewshot))
     # a moekit run's documents each follow an EOS; an HF folder's tokenizer adds its own BOS
     prefix = [tokenizer.eos_id] if info.kind != "hf" and tokenizer.eos_id is not None else []
     note(f"{info.describe()}; tokenizer {tokenizer.describe()}")

@@ -130,7 +130,8 @@ def task_result(task: Task, requests: list[Request], loglik: np.ndarray, cut: in
         right_norm += max(range(len(s)), key=lambda c: s[c][1]) == item.label
         nll -= s[item.label][0] / t[item.label]
     acc, acc_norm = right / n, right_norm / n
-    return {"name": task.name, "source": task.source, "format": task.format, "items": n, "acc": acc,
+    return {"name": task.name, "source": task.source, "format": task.format, "fewshot": task.fewshot, "items": n,
+            "acc": acc,
             "acc_stderr": stderr(acc, n), "acc_norm": acc_norm, "acc_norm_stderr": stderr(acc_norm, n),
             "chance": chance(task.items), "correct_nll": nll / n, "truncated": cut}
 
@@ -139,7 +140,8 @@ def report(results: list[dict]) -> str:
     """The tasks' table."""
     lines = [f"{'task':<20} {'format':<11} {'items':>6} {'acc':>15} {'acc_norm':>15} {'chance':>7} {'correct_nll':>11}"]
     for r in results:
-        lines.append(f"{r['name'][:20]:<20} {r['format']:<11} {r['items']:>6} "
+        shots = f" {r['fewshot']}-shot" if r.get("fewshot") else ""
+        lines.append(f"{(r['name'] + shots)[:20]:<20} {r['format']:<11} {r['items']:>6} "
                      f"{100 * r['acc']:>6.1f} ± {100 * r['acc_stderr']:>4.1f}% "
                      f"{100 * r['acc_norm']:>6.1f} ± {100 * r['acc_norm_stderr']:>4.1f}% {100 * r['chance']:>6.1f}% "
                      f"{r['correct_nll']:>11.4f}")

@@ -60,7 +60,11 @@ class InLoopTasks:
                 texts = [tokenizer.decode(row.tolist()) for row in ids]
                 tasks.append(Task(NEXT_LINE, NEXT_LINE, "next-line", next_line_items(texts, limit)))
             else:
-                tasks.append(read_task(spec, limit))
+                try:
+                    tasks.append(read_task(spec, limit, cfg.eval.task_fewshot))
+                except UserError as exc:  # moekit-eval's flags named in the message: the trainer's instead
+                    raise UserError(str(exc).replace("--fewshot", "--eval.task_fewshot")
+                                    .replace("--tasks", "--eval.tasks")) from None
         prefix = [] if tokenizer.eos_id is None else [tokenizer.eos_id]  # each training document follows an EOS
         requests = []
         for task in tasks:

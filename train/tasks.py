@@ -26,6 +26,10 @@ record's fields, and every record must have it:
     winogrande  {"sentence" with one "_", "option1", "option2", "answer": "1" | "2"}: the option in place of the
                 blank is the context, the rest of the sentence the continuation (the same for both choices)
 
+Few-shot (``fewshot`` K: moekit-eval --fewshot, the trainer's --eval.task_fewshot): each item's contexts start with
+K other items of the same file, solved (context and right continuation, then a blank line), as model cards' 5-shot
+MMLU or 25-shot ARC are scored; the examples are drawn per item from a fixed seed.
+
 ``@next-line`` needs no file: items made from the evaluation data's held-out windows (the text the model did not
 train on), each the lines before a line as context and, as choices, that line and three other lines of the
 same text, shuffled. Chance is 25%; a model that has learnt the data's structure does much better.
@@ -64,6 +68,7 @@ class Task:
     source: str  # the file, or NEXT_LINE
     format: str
     items: list[Item]
+    fewshot: int = 0  # solved examples before each item (with_fewshot)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -289,11 +294,12 @@ def detect_format(record: dict, where: str) -> str:
                     f"formats and the fields that identify them: {known}")
 
 
-def read_task(path: str, limit: int | None = None) -> Task:
-    """The items of a task file (the first ``limit``, or all)."""
+def read_task(path: str, limit: int | None = None, fewshot: int = 0, seed: int = 0) -> Task:
+    """The items of a task file (the first ``limit``, or all); with ``fewshot`` K, each item's contexts start with
+    K solved items of the same file (``with_fewshot``), drawn from all of its items."""
     items, fmt = [], None
     for where, record in _records(path):
-        if limit is not None and len(items) >= limit:
+        if limit is not None and len(items) >= limit and not fewshot:
             break
         if not isinstance(record, dict):
             raise UserError(f"{where}: expected a JSON object, got {type(record).__name__}")
@@ -302,7 +308,28 @@ def read_task(path: str, limit: int | None = None) -> Task:
         items.append(FORMATS[fmt][1](record, where))
     if not items:
         raise UserError(f"--tasks {path}: holds no record; give a task file with items")
-    return Task(Path(path).stem, path, fmt, items)
+    if fewshot:
+        items = with_fewshot(items, fewshot, seed, path)
+    return Task(Path(path).stem, path, fmt, items[:limit] if limit is not None else items, fewshot)
+
+
+FEWSHOT_DELIMITER = "\n\n"  # between solved examples, and before the item itself
+
+
+def with_fewshot(items: list[Item], k: int, seed: int, path: str) -> list[Item]:
+    """Each item with K other items of ``items``, solved (the context and the right continuation), before each of
+    its contexts, FEWSHOT_DELIMITER after each. The examples of item i are drawn with random.Random((seed, i)),
+    so they do not depend on which other items are scored (--limit) nor on the process."""
+    if len(items) <= k:
+        raise UserError(f"--fewshot {k} needs at least {k + 1} items in {path} (K examples besides each item); it "
+                        f"has {len(items)}: use a smaller --fewshot")
+    out = []
+    for i, item in enumerate(items):
+        rng = random.Random(f"{seed}:{i}")
+        others = [j if j < i else j + 1 for j in rng.sample(range(len(items) - 1), k)]
+        shots = "".join("".join(items[j].choices[items[j].label]) + FEWSHOT_DELIMITER for j in others)
+        out.append(Item([(shots + c, cont) for c, cont in item.choices], item.label, item.where))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -129,6 +129,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
                                       f"of validation sequences")
     _require(cfg.eval.task_items >= 1, f"--eval.task_items={cfg.eval.task_items} is invalid; it must be a positive "
                                        f"number of items per task")
+    _require(cfg.eval.task_fewshot >= 0, f"--eval.task_fewshot={cfg.eval.task_fewshot} is invalid; it must be a "
+                                         f"number of examples >= 0")
     if cfg.eval.tasks:
         from moekit.train.tasks import check_specs
 
