@@ -80,6 +80,7 @@ def test_a_spike_is_skipped_and_leaves_no_trace(tmp_path, monkeypatch, capsys):
     assert got[8]["lr"] == ref[7]["lr"] and not got[8].get("skipped")
     out = capsys.readouterr().out
     assert "step=8 skipped: gradient norm spike (" in out
+    assert "Skipped 1 step(s) (1 spike(s), 0 non-finite)" in out.splitlines()[-1]
 
 
 def test_the_window_is_carried_through_a_checkpoint(tmp_path, monkeypatch):

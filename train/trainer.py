@@ -627,13 +627,18 @@ class Trainer:
                                f"{self.cfg.train.steps})")
             return
         if not rows:
-            self.monitor.print(f"done: every step was skipped (non-finite); see {self.run_dir / records.METRICS}")
+            self.monitor.print(f"done: every step was skipped (non-finite or spikes); see "
+                               f"{self.run_dir / records.METRICS}")
             return
         final = rows[-1]
         entropy = unigram_entropy(self.split.tokens[: 1 << 22], self.cfg.model.vocab_size)
+        skipped = [r for r in every if r.get("skipped")]
+        spiked = sum(1 for r in skipped if r.get("spike"))
+        note = (f" Skipped {len(skipped)} step(s) ({spiked} spike(s), {len(skipped) - spiked} non-finite): "
+                f"\"skipped\" lines of {records.METRICS}." if skipped else "")
         self.monitor.print(f"done: step {final['step']}, loss {final['loss']:.4f}, val_loss "
                            f"{final.get('val_loss', float('nan')):.4f} (unigram entropy of the data "
-                           f"{entropy:.4f}), {final['elapsed_s']:.0f}s. Expert load: moekit-heatmap "
+                           f"{entropy:.4f}), {final['elapsed_s']:.0f}s.{note} Expert load: moekit-heatmap "
                            f"{self.run_dir}")
 
 
