@@ -3,6 +3,11 @@
     moekit-convert hf-to-moekit HF_DIR OUT.safetensors|OUT.pt [--dtype float32|bfloat16|auto] [--verify]
     moekit-convert moekit-to-hf SRC HF_DIR [--family F] [--tokenizer DIR] [--dtype ...] [--max-shard-size 5GB]
                                            [--layout per_expert|fused] [--fp8] [--verify]
+    moekit-convert average SRC SRC [...] | RUN_DIR --last K  -o OUT [--weights W,W,...] [--family F]
+                                           [--tokenizer DIR] [--dtype ...] [--verify]
+
+average writes the weighted mean of several checkpoints of one model (the last K of a run: checkpoint averaging)
+to OUT: a moekit model file (*.safetensors, *.pt) or an HF folder (moekit.train.averaging).
 
 moekit formats (SRC may be any of them; OUT is chosen by its suffix):
 
@@ -76,7 +81,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="gpt-oss: write the experts' weights in MXFP4 (4-bit values, one power-of-two scale per 32), "
                         "OpenAI's release format; the other tensors in --dtype (default bfloat16). --verify then "
                         "checks the logits of that rounding and reports what it changed")
-    for q in (a, b):
+    c = sub.add_parser("average", help="the mean of several checkpoints of one model -> a moekit file or HF folder")
+    c.add_argument("paths", nargs="+", metavar="SRC",
+                   help="checkpoints or moekit model files; or one run directory with --last K")
+    c.add_argument("-o", "--out", required=True, metavar="OUT",
+                   help="*.safetensors / *.pt (a moekit model file), else an HF folder")
+    c.add_argument("--last", type=int, metavar="K", help="average the K newest checkpoints of the run directory SRC")
+    c.add_argument("--weights", metavar="W,W,...", help="one weight per source, oldest first (default: equal)")
+    c.add_argument("--family", choices=HF_FAMILIES, default=None, help="an HF OUT's model_type (as moekit-to-hf)")
+    c.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="an HF OUT's tokenizer (default: the run directory of the newest checkpoint, when recorded)")
+    c.add_argument("--dtype", choices=[*DTYPE_NAMES, "auto"], default="auto",
+                   help="an HF OUT's tensor dtype (default: the model's)")
+    for q in (a, b, c):
         q.add_argument("--verify", action="store_true", help="reload the output and compare logits")
     return p.parse_args(argv)
 
@@ -86,10 +103,11 @@ def main(argv: list[str] | None = None) -> int:
 
     def body() -> int:
         args = parse_args(sys.argv[1:] if argv is None else argv)
-        from moekit.train.modelfiles import hf_to_moekit, moekit_to_hf  # torch and the models: after the flags
+        from moekit.train.averaging import average  # torch and the models: after the flags
+        from moekit.train.modelfiles import hf_to_moekit, moekit_to_hf
 
         try:
-            (hf_to_moekit if args.command == "hf-to-moekit" else moekit_to_hf)(args)
+            {"hf-to-moekit": hf_to_moekit, "moekit-to-hf": moekit_to_hf, "average": average}[args.command](args)
         except ValueError as exc:  # the readers' and writers' checks: the message names the file and the fix
             raise UserError(str(exc)) from None
         return 0
