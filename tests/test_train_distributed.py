@@ -62,11 +62,17 @@ def run(args, nproc: int = 1, env_extra=None, script=TRAIN_SCRIPT, torchrun: boo
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory):
+def single_run(tmp_path_factory, tasks) -> Path:
+    """One process, 4 steps, the task scores after the last (the reference for every layout below)."""
     d = tmp_path_factory.mktemp("single")
-    r = run(["--steps", "4", "--run-dir", str(d), "--checkpoint.every", "0", *TINY])
+    r = run(["--steps", "4", "--run-dir", str(d), "--checkpoint.every", "0", *TINY, *tasks])
     assert r.returncode == 0, r.stderr
-    return losses(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def single(single_run):
+    return losses(single_run)
 
 
 @pytest.mark.parametrize("extra", [["--ep", "4"], ["--ep", "2"],
@@ -159,14 +165,16 @@ def test_bad_layouts_fail_before_any_collective(args, match, monkeypatch, capsys
     assert len(err.splitlines()) == 1 and match in err, err
 
 
-def test_tp_fsdp_ep_run_matches_and_resumes_at_another_layout(tmp_path, single):
-    """tp2 x fsdp2 x ep2 (4 ranks, activation checkpointing on) follows the one-process curve; its step-2
-    checkpoint (DTensor shards over three meshes) resumes as dp2 x ep2 and continues the same curve."""
+def test_tp_fsdp_ep_run_matches_and_resumes_at_another_layout(tmp_path, single, single_run, tasks):
+    """tp2 x fsdp2 x ep2 (4 ranks, activation checkpointing on) follows the one-process curve, task scores
+    included (several choices a forward, through the sharded model's logits); its step-2 checkpoint (DTensor
+    shards over three meshes) resumes as dp2 x ep2 and continues the same curve."""
     r = run(["--steps", "4", "--run-dir", str(tmp_path), "--tp", "2", "--fsdp", "2", "--ep", "2",
-             "--train.activation_checkpointing", "full", "--checkpoint.every", "2", *TINY], nproc=4)
+             "--train.activation_checkpointing", "full", "--checkpoint.every", "2", *TINY, *tasks], nproc=4)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "pp" not in r.stdout.split("layout:")[1].split("\n")[0] and "fsdp=2 tp=2 ep=2" in r.stdout
     assert losses(tmp_path) == pytest.approx(single, rel=1e-5, abs=1e-6)
+    same_task_scores(task_scores(tmp_path), task_scores(single_run))
     resumed = tmp_path / "resumed"
     r2 = run(["--resume", str(tmp_path / "checkpoints" / "step_000002"), "--steps", "4", "--run-dir", str(resumed),
               "--ep", "2", "--checkpoint.every", "0", *TINY], nproc=2)

@@ -89,29 +89,34 @@ def score_requests(forward: Callable[[torch.Tensor], torch.Tensor], requests: li
     last, done = time.perf_counter(), 0
     for rows in batches(requests, token_budget):
         width = max(len(requests[r].ids) for r in rows) - 1
-        x = torch.zeros(len(rows), width, dtype=torch.long)
-        where_row, where_pos, targets, owner = [], [], [], []
-        for b, r in enumerate(rows):
-            req = requests[r]
-            n = len(req.ids) - 1
-            x[b, :n] = torch.tensor(req.ids[:-1])
-            first = n - req.cont  # position first predicts the continuation's first token
-            where_row += [b] * req.cont
-            where_pos += range(first, n)
-            targets += req.ids[-req.cont:]
-            owner += [r] * req.cont
-        logits = forward(x.to(device))  # [b, L, V]
-        picked = logits[torch.tensor(where_row, device=device), torch.tensor(where_pos, device=device)].float()
-        target = torch.tensor(targets, device=device)
-        logp = picked.gather(1, target[:, None]).squeeze(1) - picked.logsumexp(-1)  # [tokens]
+        owner, logp = token_logprobs(forward, [requests[r] for r in rows], width, device)
         sums = torch.zeros(len(requests), dtype=torch.float64, device=device)
-        sums.index_add_(0, torch.tensor(owner, device=device), logp.double())
+        sums.index_add_(0, torch.tensor(rows, device=device)[owner], logp.double())
         out += sums.cpu().numpy()  # one D2H copy per batch
         done += len(rows)
         if progress is not None and time.perf_counter() - last > PROGRESS_EVERY_S and done < len(requests):
             progress(f"{done:,}/{len(requests):,} choices scored")
             last = time.perf_counter()
     return out
+
+
+def token_logprobs(forward: Callable[[torch.Tensor], torch.Tensor], requests: list[Request], width: int,
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward of ``requests`` as rows of ``width`` positions (right-padded): (each continuation token's row
+    index in ``requests``, its log-probability), both [tokens] on ``device``."""
+    x = torch.zeros(len(requests), width, dtype=torch.long)
+    where_row, where_pos, targets = [], [], []
+    for b, req in enumerate(requests):
+        n = len(req.ids) - 1
+        x[b, :n] = torch.tensor(req.ids[:-1])
+        where_row += [b] * req.cont
+        where_pos += range(n - req.cont, n)  # position n - cont predicts the continuation's first token
+        targets += req.ids[-req.cont:]
+    logits = forward(x.to(device))  # [b, width, V]
+    owner = torch.tensor(where_row, device=device)
+    picked = logits[owner, torch.tensor(where_pos, device=device)].float()
+    target = torch.tensor(targets, device=device)
+    return owner, picked.gather(1, target[:, None]).squeeze(1) - picked.logsumexp(-1)
 
 
 def task_result(task: Task, requests: list[Request], loglik: np.ndarray, cut: int = 0) -> dict:

@@ -5,14 +5,21 @@ console line (acc_norm).
 
 The items are read and encoded once, when the run starts (task_eval.encode_task, with the data's tokenizer and the
 run's seq_len; every rank alike). At an evaluation each choice is one sequence: its context and continuation,
-padded after them to the task's longest choice (rounded up; under the pipeline, to the training window: a causal
-model's scores do not see the padding), with targets on the continuation alone. The trainer's own forward with a
-loss (any layout: TP, CP, EP, FSDP, the pipeline) then returns the continuation's mean token loss. The
-data-parallel ranks take every D-th choice (the same number of forwards each, as the expert-parallel collectives
-need), and one all-reduce over the data-parallel group brings every choice's summed loss and its target count to
-every rank: the log-likelihood is their ratio times the continuation's length. A capacity router (switch) routes
-the padding too, as it routes every position of a window: its scores are those of the trained capacity, as its
-val_loss is.
+padded after them to the task's longest choice (rounded up; a causal model's scores do not see the padding). Two
+ways to score them, the same numbers (tests/test_train_distributed.py compares layouts that take either):
+
+    batched      without a pipeline or context parallelism the model returns the logits of whole sequences:
+                 several choices a forward (their logits at most LOGIT_BUDGET floats), read at the
+                 continuations (dp, fsdp, ep, tp with or without sequence parallelism)
+    one by one   any layout: each choice a forward through the trainer's own loss, with targets on the
+                 continuation alone, which returns the continuation's mean token loss (its share of it on a
+                 context-parallel rank); the pipeline's windows are seq_len long, as its schedule is built
+
+The data-parallel ranks take every D-th choice (the same number of forwards each, as the expert-parallel
+collectives need), and one all-reduce over the data-parallel group brings every choice's summed loss and its
+target count to every rank: the log-likelihood is their ratio times the continuation's length. A capacity router
+(switch) routes the padding too, as it routes every position of a window: its scores are those of the trained
+capacity, as its val_loss is.
 """
 from __future__ import annotations
 
@@ -23,12 +30,13 @@ import torch
 
 from moekit.models.loss import IGNORE_INDEX
 from moekit.train import UserError
-from moekit.train.task_eval import Request, encode_task, task_result
+from moekit.train.task_eval import Request, encode_task, task_result, token_logprobs
 from moekit.train.tasks import NEXT_LINE, Task, check_specs, next_line_items, read_task
 from moekit.train.tokenizer import ByteTokenizer, HFTokenizer
 
 NEXT_LINE_WINDOWS = 4  # held-out windows read per @next-line item wanted (a short window may hold no whole line)
 WIDTH_GRAIN = 16  # a task's windows are a multiple of this many positions (times cp x tp), not all of seq_len
+LOGIT_BUDGET = 1 << 26  # floats of logits one forward of several choices may make (256 MiB in float32)
 
 
 def tokenizer_of(info, vocab_size: int, desc: str):
@@ -78,6 +86,35 @@ class InLoopTasks:
     def describe(self) -> str:
         return ", ".join(f"{t.name} ({len(t.items)} items, {len(r)} choices)" for t, r in zip(self.tasks, self.requests))
 
+    def _one_by_one(self, trainer, reqs: list[Request], width: int, sums: torch.Tensor) -> None:
+        """Any layout: each choice one window through the trainer's loss (its mean over this rank's counted
+        targets: a share of them under context parallelism) into ``sums`` [2, choices]."""
+        D, rank = trainer.dist.data_parallel, trainer.dist.data_rank
+        for k in range(-(-len(reqs) // D)):  # every data-parallel rank runs as many forwards
+            i = k * D + rank
+            x, y = trainer.dist.positions(*self.row(reqs[min(i, len(reqs) - 1)], width))
+            counted = int((y != IGNORE_INDEX).sum())
+            loss = trainer.forward_loss(None, batch=(x, y))
+            if i < len(reqs) and counted:
+                sums[0, i] += loss.float() * counted
+                sums[1, i] += counted
+
+    def _batched(self, trainer, reqs: list[Request], width: int, sums: torch.Tensor) -> None:
+        """Without a pipeline or context parallelism the model returns whole sequences' logits: several choices a
+        forward (their [rows, width, vocab] logits at most LOGIT_BUDGET floats), read at the continuations."""
+        D, rank, device = trainer.dist.data_parallel, trainer.dist.data_rank, trainer.plan.device
+        rows = max(1, LOGIT_BUDGET // (width * trainer.cfg.model.vocab_size))
+        mine = list(range(rank, len(reqs), D))  # this rank's choices: every D-th
+        for start in range(0, -(-len(reqs) // D), rows):  # every data-parallel rank runs as many forwards
+            part = mine[start : start + rows]
+            batch = [reqs[i] for i in part] or [reqs[0]]  # a rank out of choices runs one, and drops it
+            with trainer.autocast():
+                owner, logp = token_logprobs(trainer.model, batch, width, device)
+            if part:
+                index = torch.tensor(part, device=device)[owner]
+                sums[0].index_add_(0, index, -logp.float())
+                sums[1].index_add_(0, index, torch.ones_like(logp, dtype=sums.dtype))
+
     def width(self, reqs: list[Request], trainer) -> int:
         """A task's window: its longest choice rounded up to WIDTH_GRAIN x cp x tp positions (context and sequence
         parallelism split a window into equal parts), at most seq_len; the pipeline's schedule runs windows of
@@ -103,21 +140,16 @@ class InLoopTasks:
     def evaluate(self, trainer) -> dict:
         """Every task's accuracies with the trainer's model (module docstring); every rank gets them."""
         flat = [req for reqs in self.requests for req in reqs]
-        D, rank, device = trainer.dist.data_parallel, trainer.dist.data_rank, trainer.plan.device
+        device = trainer.plan.device
         sums = torch.zeros(2, len(flat), device=device)  # [summed token loss, counted targets] per choice
+        batched = trainer.pipe is None and trainer.dist.context is None  # the model's logits are whole sequences'
         trainer.model.eval()
         try:
             at = 0
             for reqs in self.requests:
                 width = self.width(reqs, trainer)
-                for k in range(-(-len(reqs) // D)):  # every data-parallel rank runs as many forwards
-                    i = k * D + rank
-                    x, y = trainer.dist.positions(*self.row(reqs[min(i, len(reqs) - 1)], width))  # cp: a share
-                    counted = int((y != IGNORE_INDEX).sum())
-                    loss = trainer.forward_loss(None, batch=(x, y))  # the mean over this rank's counted targets
-                    if i < len(reqs) and counted:
-                        sums[0, at + i] += loss.float() * counted
-                        sums[1, at + i] += counted
+                view = sums[:, at : at + len(reqs)]
+                (self._batched if batched else self._one_by_one)(trainer, reqs, width, view)
                 at += len(reqs)
         finally:
             trainer.model.train()
