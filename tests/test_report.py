@@ -315,7 +315,7 @@ def test_report_to_an_unwritable_path_is_one_line_before_drawing(tmp_path, monke
 # ---------------------------------------------------------------------------------------------------
 
 
-def test_report_draws_the_downstream_tasks_only_when_a_run_scored_them(tmp_path):
+def test_report_draws_the_downstream_tasks_only_when_a_run_scored_them(tmp_path, capsys):
     """--eval.tasks rows in metrics.jsonl: a "Downstream tasks" section whose figure holds each task's acc_norm
     points (read back from the plotted lines), none without them."""
     run = synthetic_run(tmp_path / "s", layers=2, experts=4, steps=20, tokens_per_step=16, top_k=1)
@@ -336,6 +336,14 @@ def test_report_draws_the_downstream_tasks_only_when_a_run_scored_them(tmp_path)
     assert '<section id="tasks">' in page
     last = max(scored)
     assert f"{100 * scored[last][1]:.1f}% / {100 * scored[last][1]:.1f}%" in page  # arc's last acc_norm / acc
+    other = synthetic_run(tmp_path / "t", layers=2, experts=4, steps=20, tokens_per_step=16, top_k=1)
+    capsys.readouterr()
+    assert heatmap.main(["--compare", str(run), str(other)]) == 0  # the table: each task's last acc_norm
+    table = [line.split() for line in capsys.readouterr().out.splitlines()]
+    head = next(t for t in table if t[:2] == ["run", "router"])
+    assert head[-4:] == ["@next-line", "acc_norm", "arc", "acc_norm"]
+    assert next(t for t in table if t[:1] == ["s"])[-2:] == [f"{100 * v:.1f}%" for v in scored[last]]
+    assert next(t for t in table if t[:1] == ["t"])[-2:] == ["-", "-"]
     data = report.read_report_data(str(out))
     assert data["runs"][0]["final_tasks"]["arc"]["step"] == last
     assert data["runs"][0]["final_tasks"]["@next-line"]["acc_norm"] == pytest.approx(scored[last][0])

@@ -121,17 +121,26 @@ def last_value(metrics: list[dict], key: str) -> float:
     return vals[-1] if vals else float("nan")
 
 
+def last_tasks(metrics: list[dict]) -> dict:
+    """The last --eval.tasks scores of a run's metrics ({task: {acc, acc_norm, ...}}), {} without any."""
+    return next((m["tasks"] for m in reversed(metrics) if m.get("tasks")), {})
+
+
 def compare_rows(runs: list[RunRecords]) -> list[list[str]]:
+    """The comparison table; runs that scored --eval.tasks get each task's last acc_norm too."""
+    names = list(dict.fromkeys(name for r in runs for name in last_tasks(r.metrics)))
     header = ["run", "router", "steps", "loss", "val_loss", "imb_mean", "imb_p50", "imb_p95", "imb_max", "cv",
-              "dropped", "dead", "tokens/s"]
+              "dropped", "dead", "tokens/s", *(f"{name} acc_norm" for name in names)]
     rows = [header]
     for r in runs:
         s = r.summary
         si = s["step_imbalance"]
+        tasks = last_tasks(r.metrics)
         rows.append([r.name, r.load.router, str(int(r.load.steps.max())), f"{r.final('loss'):.4f}",
                      f"{r.final('val_loss'):.4f}", f"{si['mean']:.2f}", f"{si['p50']:.2f}", f"{si['p95']:.2f}",
                      f"{si['max']:.2f}", f"{s['step_cv']['mean']:.2f}", f"{100 * s['dropped_fraction']:.2f}%",
-                     f"{100 * s['dead_fraction']:.1f}%", f"{r.tokens_per_s():.0f}"])
+                     f"{100 * s['dead_fraction']:.1f}%", f"{r.tokens_per_s():.0f}",
+                     *(f"{100 * tasks[n]['acc_norm']:.1f}%" if n in tasks else "-" for n in names)])
     return rows
 
 
