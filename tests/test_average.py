@@ -1,5 +1,6 @@
 """moekit-convert average (moekit.train.averaging): the weighted mean of a run's checkpoints against the mean
-computed here in float64 from each checkpoint loaded on its own, the HF folder it writes, and bad input."""
+computed here in float64 from each checkpoint loaded on its own, the HF folder it writes, and bad input; the
+milestone checkpoints (--checkpoint.keep_every) a run keeps for it."""
 from __future__ import annotations
 
 import random
@@ -82,3 +83,19 @@ def test_checkpoints_of_another_model_are_refused(run, tmp_path, capsys):
     line = one_line(capsys, convert_main(["average", str(run / "checkpoints" / "step_000004"),
                                           str(other / "checkpoints" / "step_000001"), "-o", str(tmp_path / "a.pt")]))
     assert "is another model than" in line and "hidden_size 32 vs 48" in line
+
+
+def test_milestone_checkpoints_outlive_the_rotation(tmp_path, capsys):
+    """--checkpoint.keep 1 --checkpoint.keep_every 2, a save every step: steps 2 and 4 stay beside the newest, 5;
+    resumed to step 8, the milestones 6 and 8 join them and 5 goes."""
+    run = tmp_path / "run"
+    flags = [*TINY_MODEL, "--checkpoint.every", "1", "--checkpoint.keep", "1", "--checkpoint.keep_every", "2",
+             "--run-dir", str(run)]
+    assert train_main([*flags, "--steps", "5"]) == 0
+    names = lambda: sorted(p.name for p in (run / "checkpoints").iterdir())  # noqa: E731
+    assert names() == ["step_000002", "step_000004", "step_000005"]
+    assert train_main([*flags, "--steps", "8", "--resume"]) == 0
+    assert names() == ["step_000002", "step_000004", "step_000006", "step_000008"]
+    capsys.readouterr()
+    assert train_main([*flags, "--checkpoint.keep_every", "3", "--checkpoint.every", "2", "--steps", "1"]) == 2
+    assert "--checkpoint.keep_every=3 is invalid" in capsys.readouterr().err

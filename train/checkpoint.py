@@ -21,7 +21,8 @@ Life of a save (``Checkpointer``):
     2. rank 0, once DCP reports every rank's files written: hash them, fsync, write meta.json
     3. rename ``step_N.partial`` -> ``step_N`` (the commit: only a sealed directory has a final name)
     4. rotate: retire checkpoints beyond ``keep`` (renamed to ``.stale`` first, so a crash mid-delete
-       never leaves a half-deleted directory under a final name)
+       never leaves a half-deleted directory under a final name), except milestones: steps that are a multiple
+       of ``keep_every`` (--checkpoint.keep_every)
 Leftover ``.partial`` / ``.stale`` directories of a crashed run are removed when the next run starts
 (safe: the run directory's lock, moekit.train.runlock, keeps a second trainer out). A save that fails
 (full disk, permissions, a rank that stalls past --layout.timeout_s) ends the run with one line naming
@@ -245,13 +246,14 @@ def clean_stale(run_dir: str | Path) -> None:
                 shutil.rmtree(p, ignore_errors=True)
 
 
-def _rotate(run_dir: Path, step: int, keep: int) -> None:
+def _rotate(run_dir: Path, step: int, keep: int, keep_every: int = 0) -> None:
     found = list_checkpoints(run_dir)
     # newer than the one just saved: left by the timeline this run abandoned when it resumed from an
     # older checkpoint (e.g. after skipping a damaged one); keeping them would crowd out good ones
     abandoned = [p for p in found if step_of(p) > step]
     current = [p for p in found if step_of(p) <= step]
-    for p in abandoned + current[:-keep]:
+    milestone = (lambda p: step_of(p) % keep_every == 0) if keep_every else (lambda p: False)
+    for p in abandoned + [p for p in current[:-keep] if not milestone(p)]:
         _retire(p)
 
 
@@ -270,8 +272,9 @@ class Checkpointer:
     """
 
     def __init__(self, run_dir: str | Path, keep: int, model_config: dict, async_save: bool = False,
-                 last: Path | None = None, timeout_s: float = 600.0, warn=None):
+                 last: Path | None = None, timeout_s: float = 600.0, warn=None, keep_every: int = 0):
         self.run_dir, self.keep, self.model_config, self.async_save = Path(run_dir), keep, model_config, async_save
+        self.keep_every = keep_every  # milestones: checkpoints at multiples of this step are never rotated out
         self.last = last  # newest sealed checkpoint
         self.timeout_s = timeout_s
         self.warn = warn or (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -351,7 +354,7 @@ class Checkpointer:
         os.replace(tmp, final)
         _fsync(final.parent)
         try:
-            _rotate(self.run_dir, step, self.keep)
+            _rotate(self.run_dir, step, self.keep, self.keep_every)
         except OSError as exc:  # the new checkpoint is sealed; only the old ones stay for now
             self.warn(f"warning: could not remove old checkpoints beyond checkpoint.keep={self.keep}: "
                       f"{describe_os_error(exc)}; {final} is saved")

@@ -131,6 +131,8 @@ class LogSection:
 class CheckpointSection:
     every: int = 100  # save every n steps and after the last; 0 = never
     keep: int = 2  # newest checkpoints kept
+    keep_every: int = 0  # also keep the checkpoints at multiples of this step, whatever keep says (0 = none):
+    #   milestones for averaging and analysis
     async_save: bool = False  # write in the background (dcp.async_save) after a synchronous copy to CPU memory
     exclude_from_loading: str = ""  # "data": on --resume the data and seq_len may change; the new data drawn afresh
 

@@ -190,7 +190,8 @@ class Trainer:
         self.last_checkpoint = self.resume_from
         self.checkpointer = checkpoint.Checkpointer(self.run_dir, cfg.checkpoint.keep, cfg.model.to_dict(),
                                                     cfg.checkpoint.async_save, last=self.resume_from,
-                                                    timeout_s=cfg.layout.timeout_s, warn=_warn)
+                                                    timeout_s=cfg.layout.timeout_s, warn=_warn,
+                                                    keep_every=cfg.checkpoint.keep_every)
 
     def open_records(self) -> None:
         # every MoE layer's name for the load record's header: under pp, rank 0 holds only its stages

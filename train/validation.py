@@ -143,6 +143,10 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _require(all(p in EXCLUDABLE for p in excluded(cfg.checkpoint.exclude_from_loading)),
              f"--checkpoint.exclude_from_loading={cfg.checkpoint.exclude_from_loading!r} is invalid; it takes "
              f"{', '.join(repr(p) for p in EXCLUDABLE)} (resume into new data: its position starts afresh) or nothing")
+    _require(cfg.checkpoint.keep_every >= 0 and (not cfg.checkpoint.keep_every or not cfg.checkpoint.every
+                                                 or cfg.checkpoint.keep_every % cfg.checkpoint.every == 0),
+             f"--checkpoint.keep_every={cfg.checkpoint.keep_every} is invalid; it must be >= 0 (0 = none) and a "
+             f"multiple of --checkpoint.every {cfg.checkpoint.every}, whose saves it keeps")
     _require(cfg.checkpoint.keep >= 1, f"--checkpoint.keep={cfg.checkpoint.keep} is invalid; it must keep at least 1 "
                                        f"checkpoint (the newest)")
     validate_profile(cfg)
