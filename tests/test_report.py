@@ -338,7 +338,7 @@ def test_report_draws_the_downstream_tasks_only_when_a_run_scored_them(tmp_path,
     assert f"{100 * scored[last][1]:.1f}% / {100 * scored[last][1]:.1f}%" in page  # arc's last acc_norm / acc
     other = synthetic_run(tmp_path / "t", layers=2, experts=4, steps=20, tokens_per_step=16, top_k=1)
     capsys.readouterr()
-    assert heatmap.main(["--compare", str(run), str(other)]) == 0  # the table: each task's last acc_norm
+    assert heatmap.main(["--compare", str(run), str(other), "--html", str(tmp_path / "c.html")]) == 0  # the table
     table = [line.split() for line in capsys.readouterr().out.splitlines()]
     head = next(t for t in table if t[:2] == ["run", "router"])
     assert head[-4:] == ["@next-line", "acc_norm", "arc", "acc_norm"]
