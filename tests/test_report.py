@@ -505,3 +505,15 @@ def test_console_throughput_covers_the_steps_since_the_last_line(tmp_path, capsy
         fields = dict(f.split("=") for f in line.split())
         assert fields["tokens_per_s"] == f"{want:.0f}" and fields["mfu"] == f"{100 * want * 1e-6:.1f}%", (line, want)
     assert [w["tokens_per_s"] for w in written] == [per_step / s for s in seconds]  # metrics: per step
+
+
+def test_a_setting_missing_from_an_older_runs_config_counts_as_its_default():
+    """A run of a moekit that predates a setting has no such key: it ran as the default does, so only a run that
+    set another value differs."""
+    from types import SimpleNamespace
+
+    old = SimpleNamespace(config={"eval": {"every": 50}, "train": {"lr": 1e-3}})
+    new = SimpleNamespace(config={"eval": {"every": 50, "task_fewshot": 0}, "train": {"lr": 1e-3}})
+    assert heatmap.config_differences([old, new]) == []
+    shot = SimpleNamespace(config={"eval": {"every": 50, "task_fewshot": 5}, "train": {"lr": 2e-3}})
+    assert heatmap.config_differences([old, new, shot]) == ["eval.task_fewshot", "train.lr"]

@@ -150,13 +150,21 @@ def format_table(rows: list[list[str]]) -> str:
                      for r in rows)
 
 
+def _flat(config: dict) -> dict:
+    return {f"{s}.{k}": v for s, sec in config.items() if isinstance(sec, dict) for k, v in sec.items()}
+
+
 def config_differences(runs: list[RunRecords]) -> list[str]:
-    """Settings (other than the router's) that differ between runs: a fair comparison keeps them equal."""
+    """Settings (other than the router's) that differ between runs: a fair comparison keeps them equal. A setting
+    missing from a run's config.json (a run of a moekit that predates it) counts as its default, which is how that
+    run behaved."""
+    from moekit.train.config import TrainConfig
+
     ignore = {"model.router", "model.router_options", "model.capacity_factor", "log.run_dir", "model.name"}
-    flat = [{f"{s}.{k}": v for s, sec in r.config.items() if isinstance(sec, dict) for k, v in sec.items()}
-            for r in runs]
+    defaults = _flat(TrainConfig().to_dict())
+    flat = [_flat(r.config) for r in runs]
     keys = sorted(set().union(*flat) - ignore)
-    return [k for k in keys if len({repr(f.get(k)) for f in flat}) > 1]
+    return [k for k in keys if len({repr(f.get(k, defaults.get(k))) for f in flat}) > 1]
 
 
 def difference_note(runs: list[RunRecords]) -> str | None:
