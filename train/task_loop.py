@@ -39,7 +39,7 @@ WIDTH_GRAIN = 16  # a task's windows are a multiple of this many positions (time
 LOGIT_BUDGET = 1 << 26  # floats of logits one forward of several choices may make (256 MiB in float32)
 
 
-def tokenizer_of(info, vocab_size: int, desc: str):
+def tokenizer_of(info, desc: str):
     """The encoder of the data's tokenizer (moekit.train.tokens.TokenizerInfo)."""
     if info.kind == "bytes":
         eos = info.eos_id
@@ -58,7 +58,7 @@ class InLoopTasks:
     @classmethod
     def prepare(cls, cfg, data, split) -> "InLoopTasks":
         """Read and encode ``cfg.eval.tasks`` (every rank alike)."""
-        tokenizer = tokenizer_of(data.tokenizer, cfg.model.vocab_size, data.desc)
+        tokenizer = tokenizer_of(data.tokenizer, data.desc)
         seq_len, limit = cfg.train.seq_len, cfg.eval.task_items
         tasks = []
         for spec in check_specs(cfg.eval.tasks, "--eval.tasks"):
@@ -66,7 +66,10 @@ class InLoopTasks:
                 starts = split.validation(NEXT_LINE_WINDOWS * limit)
                 ids = np.asarray(split.held_out[starts[:, None] + np.arange(seq_len + 1)[None, :]])
                 texts = [tokenizer.decode(row.tolist()) for row in ids]
-                tasks.append(Task(NEXT_LINE, NEXT_LINE, "next-line", next_line_items(texts, limit)))
+                try:
+                    tasks.append(Task(NEXT_LINE, NEXT_LINE, "next-line", next_line_items(texts, limit)))
+                except UserError as exc:
+                    raise UserError(str(exc).replace("--seq-len", "--train.seq_len")) from None
             else:
                 try:
                     tasks.append(read_task(spec, limit, cfg.eval.task_fewshot))
