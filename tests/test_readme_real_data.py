@@ -72,8 +72,8 @@ def test_readme_real_data_example_runs(tmp_path):
     assert 0 < bpb < loss / math.log(2)  # BPE tokens hold more than one byte each
 
     # eval --tasks: the task's row, accuracies within [0, 1] around chance 25%
-    table = out["moekit-eval @next-line"].stdout.splitlines()
-    row = next(ln for ln in table if ln.startswith("@next-line"))
-    words = row.split()
-    assert words[1] == "next-line" and int(words[2]) > 0 and words[-2] == "25.0%"
-    assert 0 <= float(words[3]) <= 100 and 0 <= float(words[6]) <= 100
+    table = out["moekit-eval @continuation,@next-line"].stdout.splitlines()
+    for task in ("continuation", "next-line"):
+        words = next(ln for ln in table if ln.startswith("@" + task)).split()
+        assert words[1] == task and int(words[2]) > 0 and words[-2] == "25.0%"
+        assert 0 <= float(words[3]) <= 100 and 0 <= float(words[6]) <= 100

@@ -20,7 +20,8 @@ from moekit.train.evaluate import main as eval_main
 from moekit.train.inference import inference_routing
 from moekit.train.loop import main as train_main
 from moekit.train.task_eval import batches, encode_task, score_requests, task_result
-from moekit.train.tasks import NEXT_LINE, Item, Task, next_line_items, parse_specs, read_task
+from moekit.train.tasks import (CONTINUATION, CONTINUATION_CHARS, NEXT_LINE, Item, Task, continuation_items,
+                                next_line_items, parse_specs, read_task, spread)
 from moekit.train.tokenizer import ByteTokenizer
 
 from tests.tiny import TINY_MODEL
@@ -177,6 +178,32 @@ def test_next_line_items_are_the_texts_next_lines_among_other_lines():
         next_line_items(["short\nx\ny\n"], 10)
 
 
+def test_items_are_spread_over_all_the_candidates():
+    rng = random.Random()
+    for _ in range(100):
+        n, count = rng.randint(1, 300), rng.randint(1, 300)
+        picks = spread(n, count)
+        assert len(picks) == min(n, count) and picks == sorted(set(picks)) and 0 <= picks[0] and picks[-1] < n
+        assert picks[-1] == n - 1 or min(n, count) == 1  # to the last candidate, even with fewer candidates than asked
+
+
+def test_continuation_items_are_each_windows_ending_among_other_endings():
+    rng = random.Random()
+    texts = ["".join(rng.choices("abcdef \n", k=rng.randint(2 * CONTINUATION_CHARS + 1, 200))) for _ in range(30)]
+    texts.append("x" * CONTINUATION_CHARS)  # too short to leave a context: not used
+    items = continuation_items(texts, 12, seed=rng.randrange(1 << 30))
+    assert len(items) == 12
+    endings = {t[-CONTINUATION_CHARS:] for t in texts[:-1]}
+    for item in items:
+        context, answer = item.choices[item.label]
+        assert context + answer in texts and len(answer) == CONTINUATION_CHARS
+        assert len({c for _, c in item.choices}) == 4 and {c for _, c in item.choices} <= endings
+        assert all(c == context for c, _ in item.choices)
+    assert len({item.label for item in items}) > 1
+    with pytest.raises(UserError, match=r"it needs 4"):
+        continuation_items(texts[:3], 5)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Encoding and scoring
 # ---------------------------------------------------------------------------------------------------
@@ -269,8 +296,8 @@ FEWSHOT = 1  # the file's items start with one solved item (not @next-line's)
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> Path:
-    """A tiny run that scored a HellaSwag-style file (ragged contexts and endings; one-shot) and @next-line after its
-    last step (--eval.tasks)."""
+    """A tiny run that scored a HellaSwag-style file (ragged contexts and endings; one-shot), @next-line and
+    @continuation after its last step (--eval.tasks)."""
     root = tmp_path_factory.mktemp("tasks")
     rng = random.Random()
     words = "the a cat runs over slowly and then jumps into water".split()
@@ -281,7 +308,7 @@ def run(tmp_path_factory) -> Path:
                                      "label": rng.randrange(4)} for _ in range(8)])
     run = root / "run"
     flags = [*TINY_MODEL, "--model.max_seq_len", "256", "--train.seq_len", "256", "--steps", "2",
-             "--run-dir", str(run), "--eval.tasks", f"{root / 'hs.jsonl'},{NEXT_LINE}",
+             "--run-dir", str(run), "--eval.tasks", f"{root / 'hs.jsonl'},{NEXT_LINE},{CONTINUATION}",
              "--eval.task_items", str(IN_LOOP_ITEMS), "--eval.task_fewshot", str(FEWSHOT)]
     assert train_main(flags) == 0
     return run
@@ -294,10 +321,10 @@ def test_the_trainers_task_scores_are_moekit_evals(run, tmp_path, capsys):
     in_loop = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["tasks"]
     out = tmp_path / "eval.json"
     hs = str(run.parent / "hs.jsonl")
-    assert eval_main([str(run), "--tasks", f"{hs},{NEXT_LINE}", "--limit", str(IN_LOOP_ITEMS), "--fewshot",
-                      str(FEWSHOT), "--out", str(out)]) == 0
+    assert eval_main([str(run), "--tasks", f"{hs},{NEXT_LINE},{CONTINUATION}", "--limit", str(IN_LOOP_ITEMS),
+                      "--fewshot", str(FEWSHOT), "--out", str(out)]) == 0
     evals = {t["name"]: t for t in json.loads(out.read_text())["tasks"]}
-    assert set(in_loop) == set(evals) == {"hs", NEXT_LINE}
+    assert set(in_loop) == set(evals) == {"hs", NEXT_LINE, CONTINUATION}
     for name, got in in_loop.items():
         want = evals[name]
         assert got["items"] == want["items"] == IN_LOOP_ITEMS
@@ -324,7 +351,7 @@ def test_eval_tasks_scores_files_and_next_line(run, tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, expected", [
     (["--limit", "3"], "--limit counts task items; it needs --tasks"),
-    (["--tasks", "@nope"], "no built-in task by that name"),
+    (["--tasks", "@nope"], "no built-in task by that name; the built-in ones are @next-line, @continuation"),
     (["--tasks", "missing.jsonl"], "no such file"),
     (["--tasks", NEXT_LINE, "--batches", "2"], "--batches is for the loss evaluation"),
     (["--fewshot", "2"], "--fewshot adds solved examples to task items; it needs --tasks"),

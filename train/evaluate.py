@@ -2,7 +2,7 @@
 
     moekit-eval RUN_DIR|CHECKPOINT|HF_DIR [--data FILE] [--split val|all] [--seq-len N] [--batch-size B]
                 [--batches N] [--max-tokens N] [--capacity dropless|trained] [--out JSON] [--device D] [--dtype T]
-                [--specialisation] [--tasks FILE|@next-line[,...]] [--limit N]
+                [--specialisation] [--tasks FILE|@next-line|@continuation[,...]] [--limit N] [--fewshot K]
 
 Data: ``--data FILE`` (a token file, or any token data moekit-train's --data.path reads), else the data the
 run trained on (its config: path, blend or text, and its --data.val_path file), else (an HF folder) the
@@ -36,9 +36,10 @@ Downstream tasks (--tasks, moekit.train.tasks and task_eval): instead of the hel
 scored by the log-likelihood of each choice, as lm-evaluation-harness scores them: accuracy (acc), accuracy per
 character of the choice (acc_norm), each with its standard error, and chance. Task files: HellaSwag, ARC,
 OpenBookQA, PIQA, SciQ, MMLU and Winogrande records as the HuggingFace Hub serves them (.jsonl, .json, .parquet),
-or {"context", "choices", "label"}; ``@next-line`` is built from the held-out windows of the evaluation data (which
-line comes next, of 4). --limit N scores the first N items of each (@next-line: 500 by default). --fewshot K starts
-each item of a file with K solved items of the same file (not @next-line, whose context is the text itself).
+or {"context", "choices", "label"}; ``@next-line`` and ``@continuation`` are built from the held-out windows of the
+evaluation data (which line comes next, which ending a window has; of 4). --limit N scores the first N items of each
+(a built-in task: 500 by default). --fewshot K starts each item of a file with K solved items of the same file (not
+the built-in tasks, whose context is the text itself).
 
 Routing (--capacity): ``dropless`` (default) evaluates the model as moekit-generate runs it (every slot
 kept; moekit.train.inference); ``trained`` keeps the router's capacity factor, as the trainer's
@@ -59,7 +60,7 @@ from moekit.train.runlock import describe_os_error, probe_writable
 
 PROG = program_name("evaluate.py")
 HF_SEQ_LEN = 1024  # default window of an HF model (its max_seq_len when shorter)
-NEXT_LINE, NEXT_LINE_ITEMS = "@next-line", 500  # moekit.train.tasks.NEXT_LINE; items by default
+BUILTINS, BUILTIN_ITEMS = ("@next-line", "@continuation"), 500  # moekit.train.tasks's, named here without torch
 
 
 def _note(msg: str) -> None:
@@ -91,10 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tasks", action="append", metavar="TASK[,TASK]",
                    help="score multiple-choice tasks instead of the loss: task files (.jsonl / .json / .parquet: "
                         "hellaswag, arc, openbookqa, piqa, sciq, mmlu, winogrande or {context, choices, label}) "
-                        "and/or @next-line (built from the held-out data); comma-separated or repeated")
+                        "and/or @next-line, @continuation (built from the held-out data); comma-separated or repeated")
     p.add_argument("--limit", type=int, metavar="N",
-                   help=f"--tasks: score the first N items of each task (default: all; {NEXT_LINE}: "
-                        f"{NEXT_LINE_ITEMS})")
+                   help=f"--tasks: score the first N items of each task (default: all; a built-in task: "
+                        f"{BUILTIN_ITEMS})")
     p.add_argument("--fewshot", type=int, default=0, metavar="K",
                    help="--tasks files: start each item with K solved items of the same file (model cards' 5-shot "
                         "MMLU, 25-shot ARC); default 0")
@@ -156,7 +157,7 @@ def run(args: argparse.Namespace) -> dict:
         raise UserError(f"--seq-len {seq_len} exceeds the model's max_seq_len {cfg.max_seq_len}; use at most that")
     batch_size = args.batch_size or run_micro or 8
     section = data_section(info.run_config, args.data)
-    if specs is not None and NEXT_LINE not in specs:
+    if specs is not None and not set(BUILTINS) & set(specs):
         split = desc = None  # task files alone: no evaluation data to read
     else:
         split, desc, data_tok = load_split(section, tokenizer, cfg.vocab_size, seq_len)
@@ -219,20 +220,20 @@ def run_tasks(args, specs: list[str], model, tokenizer, info, split, seq_len: in
 
     from moekit.train.evaluation import choose_windows
     from moekit.train.task_eval import encode_task, report as task_report, score_requests, task_result
-    from moekit.train.tasks import Task, next_line_items, read_task
+    from moekit.train.tasks import WINDOWS_PER_ITEM, builtin_task, read_task
 
     if tokenizer is None:
         raise UserError(f"--tasks needs the model's tokenizer to encode the tasks' text: {info.no_tokenizer}")
     note = (lambda _msg: None) if args.quiet else _note
     tasks = []
     for spec in specs:
-        if spec == NEXT_LINE:
-            count = args.limit or NEXT_LINE_ITEMS
+        if spec in BUILTINS:
+            count = args.limit or BUILTIN_ITEMS
             # windows spread over the split, enough for the items: a short window may hold no whole line
-            tokens, _, starts = choose_windows(split, args.split, 4 * count)  # --split: val (default) or all
+            tokens, _, starts = choose_windows(split, args.split, WINDOWS_PER_ITEM * count)  # --split: val or all
             span = np.arange(seq_len + 1)
             texts = [tokenizer.decode(np.asarray(tokens[s + span]).tolist()) for s in starts.tolist()]
-            tasks.append(Task(NEXT_LINE, NEXT_LINE, "next-line", next_line_items(texts, count)))
+            tasks.append(builtin_task(spec, texts, count))
         else:
             tasks.append(read_task(spec, args.limit, args.fewshot))
     # a moekit run's documents each follow an EOS; an HF folder's tokenizer adds its own BOS

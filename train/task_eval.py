@@ -143,10 +143,10 @@ def task_result(task: Task, requests: list[Request], loglik: np.ndarray, cut: in
 
 def report(results: list[dict]) -> str:
     """The tasks' table."""
-    lines = [f"{'task':<20} {'format':<11} {'items':>6} {'acc':>15} {'acc_norm':>15} {'chance':>7} {'correct_nll':>11}"]
+    lines = [f"{'task':<20} {'format':<12} {'items':>6} {'acc':>15} {'acc_norm':>15} {'chance':>7} {'correct_nll':>11}"]
     for r in results:
         shots = f" {r['fewshot']}-shot" if r.get("fewshot") else ""
-        lines.append(f"{(r['name'] + shots)[:20]:<20} {r['format']:<11} {r['items']:>6} "
+        lines.append(f"{(r['name'] + shots)[:20]:<20} {r['format']:<12} {r['items']:>6} "
                      f"{100 * r['acc']:>6.1f} ± {100 * r['acc_stderr']:>4.1f}% "
                      f"{100 * r['acc_norm']:>6.1f} ± {100 * r['acc_norm_stderr']:>4.1f}% {100 * r['chance']:>6.1f}% "
                      f"{r['correct_nll']:>11.4f}")

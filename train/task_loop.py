@@ -31,10 +31,9 @@ import torch
 from moekit.models.loss import IGNORE_INDEX
 from moekit.train import UserError
 from moekit.train.task_eval import Request, encode_task, task_result, token_logprobs
-from moekit.train.tasks import NEXT_LINE, Task, check_specs, next_line_items, read_task
+from moekit.train.tasks import BUILTINS, WINDOWS_PER_ITEM, Task, builtin_task, check_specs, read_task
 from moekit.train.tokenizer import ByteTokenizer, HFTokenizer
 
-NEXT_LINE_WINDOWS = 4  # held-out windows read per @next-line item wanted (a short window may hold no whole line)
 WIDTH_GRAIN = 16  # a task's windows are a multiple of this many positions (times cp x tp), not all of seq_len
 LOGIT_BUDGET = 1 << 26  # floats of logits one forward of several choices may make (256 MiB in float32)
 
@@ -62,12 +61,12 @@ class InLoopTasks:
         seq_len, limit = cfg.train.seq_len, cfg.eval.task_items
         tasks = []
         for spec in check_specs(cfg.eval.tasks, "--eval.tasks"):
-            if spec == NEXT_LINE:
-                starts = split.validation(NEXT_LINE_WINDOWS * limit)
+            if spec in BUILTINS:
+                starts = split.validation(WINDOWS_PER_ITEM * limit)
                 ids = np.asarray(split.held_out[starts[:, None] + np.arange(seq_len + 1)[None, :]])
                 texts = [tokenizer.decode(row.tolist()) for row in ids]
                 try:
-                    tasks.append(Task(NEXT_LINE, NEXT_LINE, "next-line", next_line_items(texts, limit)))
+                    tasks.append(builtin_task(spec, texts, limit))
                 except UserError as exc:
                     raise UserError(str(exc).replace("--seq-len", "--train.seq_len")) from None
             else:
