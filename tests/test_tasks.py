@@ -335,8 +335,16 @@ def test_the_trainers_task_scores_are_moekit_evals(run, tmp_path, capsys):
 def test_eval_tasks_scores_files_and_next_line(run, tmp_path, capsys):
     records = [dict(FORMAT_CASES["arc"][0], answerKey=random.choice("ABC")) for _ in range(6)]
     arc = write_jsonl(tmp_path / "arc.jsonl", records)
-    out = tmp_path / "tasks.json"
-    assert eval_main([str(run), "--tasks", f"{arc},{NEXT_LINE}", "--limit", "5", "--out", str(out)]) == 0
+    out, samples = tmp_path / "tasks.json", tmp_path / "samples.jsonl"
+    assert eval_main([str(run), "--tasks", f"{arc},{NEXT_LINE}", "--limit", "5", "--out", str(out),
+                      "--samples", str(samples)]) == 0
+    items = [json.loads(line) for line in samples.read_text().splitlines()]
+    assert [(r["task"], r["item"]) for r in items] == [("arc", i) for i in range(5)] + [(NEXT_LINE, i) for i in range(5)]
+    for r in items[:5]:  # the records agree with the accuracies and with themselves
+        key = records[r["item"]]["answerKey"]
+        assert r["choices"] == [" rain", " smoke", " heat"] and r["label"] == "ABC".index(key)
+        assert r["pred"] == max(range(3), key=r["loglik"].__getitem__) and r["correct"] == (r["pred"] == r["label"])
+        assert r["context"] == "Question: What falls?\nAnswer:" and all(t >= 1 for t in r["tokens"])
     stdout = capsys.readouterr().out
     assert "arc" in stdout and NEXT_LINE in stdout and "acc_norm" in stdout
     result = json.loads(out.read_text())
@@ -347,6 +355,8 @@ def test_eval_tasks_scores_files_and_next_line(run, tmp_path, capsys):
     picked = by_name["arc"]["acc"] * 5
     labels = [r["answerKey"] for r in records[:5]]
     assert round(picked) in {labels.count(c) for c in "ABC"}
+    assert sum(r["correct"] for r in items[:5]) == round(picked)
+    assert sum(r["correct_norm"] for r in items[5:]) == round(by_name[NEXT_LINE]["acc_norm"] * 5)
 
 
 @pytest.mark.parametrize("argv, expected", [
@@ -355,6 +365,7 @@ def test_eval_tasks_scores_files_and_next_line(run, tmp_path, capsys):
     (["--tasks", "missing.jsonl"], "no such file"),
     (["--tasks", NEXT_LINE, "--batches", "2"], "--batches is for the loss evaluation"),
     (["--fewshot", "2"], "--fewshot adds solved examples to task items; it needs --tasks"),
+    (["--samples", "s.jsonl"], "--samples writes the scored items of --tasks; it needs --tasks"),
     (["--tasks", NEXT_LINE, "--fewshot", "-1"], "--fewshot -1 is invalid"),
 ])
 def test_eval_tasks_bad_input_is_one_line(run, capsys, argv, expected):

@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fewshot", type=int, default=0, metavar="K",
                    help="--tasks files: start each item with K solved items of the same file (model cards' 5-shot "
                         "MMLU, 25-shot ARC); default 0")
+    p.add_argument("--samples", metavar="JSONL",
+                   help="--tasks: also write one record per item here (its context, choices, label, each choice's "
+                        "log-likelihood and tokens, the picks), to see what the model got wrong")
     p.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)  # no stdout report (library use)
     return p
 
@@ -129,6 +132,8 @@ def run(args: argparse.Namespace) -> dict:
         _positive(name, getattr(args, name[2:].replace("-", "_")))
     if args.fewshot < 0:
         raise UserError(f"--fewshot {args.fewshot} is invalid; it must be a number of examples >= 0")
+    if args.samples and not args.tasks:
+        raise UserError("--samples writes the scored items of --tasks; it needs --tasks")
     if args.fewshot and not args.tasks:
         raise UserError("--fewshot adds solved examples to task items; it needs --tasks")
     if args.limit is not None and not args.tasks:
@@ -144,6 +149,11 @@ def run(args: argparse.Namespace) -> dict:
                 raise UserError(f"--{flag.replace('_', '-')} is for the loss evaluation, and --tasks replaces it; "
                                 f"run them separately")
     out = Path(args.out) if args.out else None
+    if args.samples is not None:  # before the evaluation, not after it
+        if Path(args.samples).is_dir():
+            raise UserError(f"--samples {args.samples}: a directory; name the file to write, e.g. "
+                            f"{Path(args.samples) / 'samples.jsonl'}")
+        probe_writable(Path(args.samples).parent, "--samples", keep=True)
     if out is not None:  # before the evaluation, not after it
         if out.is_dir():
             raise UserError(f"--out {out}: a directory; name the JSON file to write, e.g. {out / 'eval.json'}")
@@ -219,7 +229,7 @@ def run_tasks(args, specs: list[str], model, tokenizer, info, split, seq_len: in
     import numpy as np
 
     from moekit.train.evaluation import choose_windows
-    from moekit.train.task_eval import encode_task, report as task_report, score_requests, task_result
+    from moekit.train.task_eval import encode_task, report as task_report, score_requests, task_result, task_samples
     from moekit.train.tasks import WINDOWS_PER_ITEM, builtin_task, read_task
 
     if tokenizer is None:
@@ -241,7 +251,7 @@ def run_tasks(args, specs: list[str], model, tokenizer, info, split, seq_len: in
     note(f"{info.describe()}; tokenizer {tokenizer.describe()}")
     for line in info.routing:
         note(f"note: {line}")
-    results = []
+    results, samples = [], []
     device = info.device
     for task in tasks:
         requests, cut = encode_task(task, tokenizer, seq_len, prefix)
@@ -250,11 +260,18 @@ def run_tasks(args, specs: list[str], model, tokenizer, info, split, seq_len: in
         loglik = score_requests(lambda x: model(x), requests, batch_size * seq_len, device,
                                 progress=None if args.quiet else note)
         results.append(task_result(task, requests, loglik, cut))
+        samples += task_samples(task, requests, loglik) if args.samples else []
     result = {"path": str(info.path), "checkpoint": str(info.checkpoint) if info.checkpoint else None,
               "step": info.step, "model": info.config.name, "seq_len": seq_len, "device": str(info.device),
               "dtype": str(info.dtype).removeprefix("torch."), "capacity": args.capacity, "tasks": results}
     if not args.quiet:
         print(task_report(results))
+    if args.samples:
+        try:
+            Path(args.samples).write_text("".join(json.dumps(r) + "\n" for r in samples))
+        except OSError as exc:
+            raise UserError(f"--samples {args.samples}: cannot write it: {describe_os_error(exc)}") from None
+        _note(f"wrote {args.samples} ({len(samples):,} items)")
     return result
 
 

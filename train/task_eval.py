@@ -119,21 +119,38 @@ def token_logprobs(forward: Callable[[torch.Tensor], torch.Tensor], requests: li
     return owner, picked.gather(1, target[:, None]).squeeze(1) - picked.logsumexp(-1)
 
 
+def item_scores(task: Task, requests: list[Request], loglik: np.ndarray) -> list[dict]:
+    """Per item: each choice's log-likelihood and continuation tokens, and the choice picked by raw log-likelihood
+    (``pred``) and by log-likelihood per character (``pred_norm``)."""
+    out = [{"loglik": [0.0] * len(item.choices), "tokens": [0] * len(item.choices), "chars": [1] * len(item.choices)}
+           for item in task.items]
+    for req, ll in zip(requests, loglik.tolist()):
+        row = out[req.item]
+        row["loglik"][req.choice], row["tokens"][req.choice], row["chars"][req.choice] = ll, req.cont, max(req.chars, 1)
+    for row in out:
+        ll, chars = row["loglik"], row.pop("chars")
+        row["pred"] = max(range(len(ll)), key=ll.__getitem__)
+        row["pred_norm"] = max(range(len(ll)), key=lambda c: ll[c] / chars[c])
+    return out
+
+
+def task_samples(task: Task, requests: list[Request], loglik: np.ndarray) -> list[dict]:
+    """moekit-eval --samples: one record per item (its text, the label, the picks and every choice's score)."""
+    return [{"task": task.name, "item": i, "where": item.where, "context": item.choices[0][0],
+             "choices": [cont for _, cont in item.choices], "label": item.label, **scores,
+             "correct": scores["pred"] == item.label, "correct_norm": scores["pred_norm"] == item.label}
+            for i, (item, scores) in enumerate(zip(task.items, item_scores(task, requests, loglik)))]
+
+
 def task_result(task: Task, requests: list[Request], loglik: np.ndarray, cut: int = 0) -> dict:
     """Accuracies of ``task`` from its requests' log-likelihoods (``encode_task``'s order)."""
     n = len(task.items)
-    scores: list[list[tuple[float, float]]] = [[] for _ in range(n)]  # per item, per choice: (ll, ll per char)
-    for req, ll in zip(requests, loglik.tolist()):
-        scores[req.item].append((ll, ll / max(req.chars, 1)))
-    tokens = [[0] * len(item.choices) for item in task.items]
-    for req in requests:
-        tokens[req.item][req.choice] = req.cont
     right = right_norm = 0
     nll = 0.0  # the right continuations' negative log-likelihood per token, averaged over the items
-    for item, s, t in zip(task.items, scores, tokens):
-        right += max(range(len(s)), key=lambda c: s[c][0]) == item.label
-        right_norm += max(range(len(s)), key=lambda c: s[c][1]) == item.label
-        nll -= s[item.label][0] / t[item.label]
+    for item, s in zip(task.items, item_scores(task, requests, loglik)):
+        right += s["pred"] == item.label
+        right_norm += s["pred_norm"] == item.label
+        nll -= s["loglik"][item.label] / s["tokens"][item.label]
     acc, acc_norm = right / n, right_norm / n
     return {"name": task.name, "source": task.source, "format": task.format, "fewshot": task.fewshot, "items": n,
             "acc": acc,
