@@ -110,8 +110,9 @@ class DataSection:
 class EvalSection:
     every: int = 50  # validation every n steps (and after the last); 0 = only after the last
     sequences: int = 64  # validation sequences (fixed, spread over the held-out split)
-    tasks: str = ""  # multiple-choice tasks scored at each evaluation: task files and/or @next-line, comma-separated
-    #   (moekit-eval --tasks' formats); metrics.jsonl "tasks": {name: {acc, acc_norm, correct_nll, chance, items}}
+    tasks: str = ""  # multiple-choice tasks scored at each evaluation, comma-separated: task files (moekit-eval
+    #   --tasks' formats) and/or the built-in @continuation, @next-line; metrics.jsonl "tasks": {name: {acc, acc_norm,
+    #   correct_nll, chance, items}}
     task_items: int = 200  # items of each task scored at each evaluation (the first ones of a file)
     task_fewshot: int = 0  # solved examples of the same file before each task item (moekit-eval --fewshot)
 
