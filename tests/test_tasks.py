@@ -20,8 +20,8 @@ from moekit.train.evaluate import main as eval_main
 from moekit.train.inference import inference_routing
 from moekit.train.loop import main as train_main
 from moekit.train.task_eval import batches, encode_task, score_requests, task_result
-from moekit.train.tasks import (CONTINUATION, CONTINUATION_CHARS, NEXT_LINE, Item, Task, continuation_items,
-                                next_line_items, parse_specs, read_task, spread)
+from moekit.train.builtin_tasks import CONTINUATION_CHARS, continuation_items, next_line_items, spread
+from moekit.train.tasks import CONTINUATION, NEXT_LINE, Item, Task, parse_specs, read_task
 from moekit.train.tokenizer import ByteTokenizer
 
 from tests.tiny import TINY_MODEL

@@ -32,16 +32,10 @@ def sources(paths: list[str], last: int | None) -> list[Path]:
                         f"{' '.join(paths)}")
     if last < 2:
         raise UserError(f"--last {last} is invalid; average at least 2 checkpoints")
-    good = []
-    for path in checkpoint.list_checkpoints(paths[0])[::-1]:
-        try:
-            checkpoint.read_meta(path)
-        except UserError as exc:
-            print(f"warning: skipped {exc}")
-            continue
-        good.append(path)
-        if len(good) == last:
-            break
+    found, skipped = checkpoint.newest_verified_many(paths[0], last)
+    for reason in skipped:
+        print(f"warning: skipped {reason}")
+    good = [path for path, _ in found]
     if len(good) < last:
         raise UserError(f"--last {last}: {paths[0]} holds {len(good)} checkpoint(s) that verify; average fewer, or "
                         f"keep more while training (--checkpoint.keep)")

@@ -174,13 +174,22 @@ def newest_verified(run_dir: str | Path) -> tuple[Path | None, dict | None, list
     """(path, meta.json) of the newest checkpoint of ``run_dir`` whose files verify, and why each newer one
     was skipped (an interrupted or damaged save: an older one may still be good). (None, None, reasons)
     when none verifies."""
-    skipped = []
+    found, skipped = newest_verified_many(run_dir, 1)
+    return (found[0][0], found[0][1], skipped) if found else (None, None, skipped)
+
+
+def newest_verified_many(run_dir: str | Path, count: int) -> tuple[list[tuple[Path, dict]], list[str]]:
+    """The ``count`` newest checkpoints of ``run_dir`` whose files verify, newest first, as (path, meta.json), and
+    why each damaged one among the newer was skipped (fewer when fewer verify)."""
+    found, skipped = [], []
     for path in list_checkpoints(run_dir)[::-1]:
+        if len(found) == count:
+            break
         try:
-            return path, read_meta(path), skipped
+            found.append((path, read_meta(path)))
         except UserError as exc:
             skipped.append(str(exc))
-    return None, None, skipped
+    return found, skipped
 
 
 def read_placement(path: Path) -> dict | None:

@@ -57,10 +57,10 @@ from pathlib import Path
 from moekit.train import OneLineParser, UserError, program_name, run_program
 from moekit.train.model_args import add_model_args
 from moekit.train.runlock import describe_os_error, probe_writable
+from moekit.train.tasks import BUILTIN_ITEMS, BUILTINS  # no torch: the task names and formats only
 
 PROG = program_name("evaluate.py")
 HF_SEQ_LEN = 1024  # default window of an HF model (its max_seq_len when shorter)
-BUILTINS, BUILTIN_ITEMS = ("@next-line", "@continuation"), 500  # moekit.train.tasks's, named here without torch
 
 
 def _note(msg: str) -> None:
@@ -226,11 +226,10 @@ def run(args: argparse.Namespace) -> dict:
 
 def run_tasks(args, specs: list[str], model, tokenizer, info, split, seq_len: int, batch_size: int) -> dict:
     """--tasks: every task's accuracies (module docstring)."""
-    import numpy as np
-
+    from moekit.train.builtin_tasks import WINDOWS_PER_ITEM, builtin_task, window_texts
     from moekit.train.evaluation import choose_windows
     from moekit.train.task_eval import encode_task, report as task_report, score_requests, task_result, task_samples
-    from moekit.train.tasks import WINDOWS_PER_ITEM, builtin_task, read_task
+    from moekit.train.tasks import read_task
 
     if tokenizer is None:
         raise UserError(f"--tasks needs the model's tokenizer to encode the tasks' text: {info.no_tokenizer}")
@@ -241,9 +240,7 @@ def run_tasks(args, specs: list[str], model, tokenizer, info, split, seq_len: in
             count = args.limit or BUILTIN_ITEMS
             # windows spread over the split, enough for the items: a short window may hold no whole line
             tokens, _, starts = choose_windows(split, args.split, WINDOWS_PER_ITEM * count)  # --split: val or all
-            span = np.arange(seq_len + 1)
-            texts = [tokenizer.decode(np.asarray(tokens[s + span]).tolist()) for s in starts.tolist()]
-            tasks.append(builtin_task(spec, texts, count))
+            tasks.append(builtin_task(spec, window_texts(tokens, starts, seq_len, tokenizer), count))
         else:
             tasks.append(read_task(spec, args.limit, args.fewshot))
     # a moekit run's documents each follow an EOS; an HF folder's tokenizer adds its own BOS
@@ -257,7 +254,7 @@ def run_tasks(args, specs: list[str], model, tokenizer, info, split, seq_len: in
         requests, cut = encode_task(task, tokenizer, seq_len, prefix)
         note(f"{task.name}: {len(task.items):,} items ({task.format}), {len(requests):,} choices, windows up to "
              f"{seq_len} tokens")
-        loglik = score_requests(lambda x: model(x), requests, batch_size * seq_len, device,
+        loglik = score_requests(model, requests, batch_size * seq_len, device,
                                 progress=None if args.quiet else note)
         results.append(task_result(task, requests, loglik, cut))
         samples += task_samples(task, requests, loglik) if args.samples else []

@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from moekit.train import OneLineParser, UserError, program_name, run_program
-from moekit.train.loadplots import (Series, check_figure_suffix, check_output, fig_layers, fig_steps, pyplot,
-                                    save_figure)
+from moekit.train.loadplots import (Series, check_figure_suffix, check_output, fig_layers, fig_steps, last_tasks,
+                                    pyplot, save_figure)
 from moekit.train.loadstats import LayerStats, LoadAnalysis, analyse
 from moekit.train.record_readers import (ExpertLoadRecord, expert_load_path, parse_window, read_config,
                                          read_expert_load, read_metrics)
@@ -119,11 +119,6 @@ def summary_text(run: RunRecords) -> str:
 def last_value(metrics: list[dict], key: str) -> float:
     vals = [m[key] for m in metrics if m.get(key) is not None and not m.get("skipped")]
     return vals[-1] if vals else float("nan")
-
-
-def last_tasks(metrics: list[dict]) -> dict:
-    """The last --eval.tasks scores of a run's metrics ({task: {acc, acc_norm, ...}}), {} without any."""
-    return next((m["tasks"] for m in reversed(metrics) if m.get("tasks")), {})
 
 
 def compare_rows(runs: list[RunRecords]) -> list[list[str]]:

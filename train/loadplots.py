@@ -318,6 +318,14 @@ def fig_loss(runs: list[Series]):
     return fig
 
 
+def last_tasks(metrics: list[dict]) -> dict:
+    """{task: its last --eval.tasks scores, with the step} of a run's metrics (train.task_loop), {} without any."""
+    for m in reversed(metrics):
+        if m.get("tasks"):
+            return {name: dict(r, step=m["step"]) for name, r in m["tasks"].items()}
+    return {}
+
+
 def task_names(runs: list[Series]) -> list[str]:
     """The --eval.tasks tasks any run scored, in the order first met."""
     names: dict[str, None] = {}

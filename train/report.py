@@ -78,11 +78,8 @@ def summary_rows(runs) -> tuple[list[str], list[list[str]]]:
 
 
 def final_tasks(run) -> dict:
-    """{task: its last --eval.tasks scores} of a run (train.task_loop), {} when it scored none."""
-    for m in reversed(run.metrics):
-        if m.get("tasks"):
-            return {name: dict(r, step=m["step"]) for name, r in m["tasks"].items()}
-    return {}
+    """{task: its last --eval.tasks scores, with the step} of a run (train.task_loop), {} when it scored none."""
+    return loadplots.last_tasks(run.metrics)
 
 
 def tasks_table(runs, names: list[str]) -> str:

@@ -31,7 +31,8 @@ import torch
 from moekit.models.loss import IGNORE_INDEX
 from moekit.train import UserError
 from moekit.train.task_eval import Request, encode_task, task_result, token_logprobs
-from moekit.train.tasks import BUILTINS, WINDOWS_PER_ITEM, Task, builtin_task, check_specs, read_task
+from moekit.train.builtin_tasks import WINDOWS_PER_ITEM, builtin_task, window_texts
+from moekit.train.tasks import BUILTINS, Task, check_specs, read_task
 from moekit.train.tokenizer import ByteTokenizer, HFTokenizer
 
 WIDTH_GRAIN = 16  # a task's windows are a multiple of this many positions (times cp x tp), not all of seq_len
@@ -62,9 +63,7 @@ class InLoopTasks:
         tasks = []
         for spec in check_specs(cfg.eval.tasks, "--eval.tasks"):
             if spec in BUILTINS:
-                starts = split.validation(WINDOWS_PER_ITEM * limit)
-                ids = np.asarray(split.held_out[starts[:, None] + np.arange(seq_len + 1)[None, :]])
-                texts = [tokenizer.decode(row.tolist()) for row in ids]
+                texts = window_texts(split.held_out, split.validation(WINDOWS_PER_ITEM * limit), seq_len, tokenizer)
                 try:
                     tasks.append(builtin_task(spec, texts, limit))
                 except UserError as exc:
