@@ -424,25 +424,34 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+EMA = ["--train.ema_decay", "0.5"]  # a parameter average (moekit.train.ema): it must move with its expert
+
+
 @pytest.fixture(scope="module")
-def single(tmp_path_factory) -> list[float]:
-    """The one-process losses of the TINY run (the reference of the flat and FSDP trainer runs)."""
+def single(tmp_path_factory) -> list[dict]:
+    """The one-process metrics of the TINY run with a parameter average (the reference of the flat and FSDP
+    trainer runs): the losses, and val_loss_ema after the last step."""
     run_dir = tmp_path_factory.mktemp("single")
-    r = train(["--run-dir", str(run_dir), "--checkpoint.every", "0"], nproc=1)
+    r = train(["--run-dir", str(run_dir), "--checkpoint.every", "0", *EMA], nproc=1)
     assert r.returncode == 0, r.stderr[-3000:]
-    return [m["loss"] for m in metrics(run_dir)]
+    return metrics(run_dir)
+
+
+def losses(rows: list[dict]) -> list[float]:
+    return [m["loss"] for m in rows]
 
 
 def test_trainer_placement_file_and_rebalance_resume_bitwise(tmp_path, single):
     """ep2 from a moekit-placement file (2 copies), re-planned and moved every 2 steps: the one-process
-    losses; the step-2 checkpoint (saved right after a rebalance) resumes bitwise."""
+    losses, and the parameter average's loss (its rows moved with the experts'); the step-2 checkpoint (saved
+    right after a rebalance) resumes bitwise, the average included."""
     from moekit.train.placement import main as plan_main
 
     synthetic_run(tmp_path / "recorded", skewed_load(steps=4, layers=2, E=8), top_k=2)
     placement = tmp_path / "placement.json"
     assert plan_main([str(tmp_path / "recorded"), "--ep", "2", "--replicas", "2", "-o", str(placement)]) == 0
     run_a, run_b = tmp_path / "a", tmp_path / "b"
-    flags = ["--ep", "2", "--layout.expert_placement", str(placement), "--layout.rebalance_every", "2"]
+    flags = ["--ep", "2", "--layout.expert_placement", str(placement), "--layout.rebalance_every", "2", *EMA]
     r = train(["--run-dir", str(run_a), "--checkpoint.every", "2", *flags], nproc=2)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "expert placement: 5 expert slots per rank (2 redundant), rebalanced every 2 steps" in r.stdout
@@ -450,12 +459,14 @@ def test_trainer_placement_file_and_rebalance_resume_bitwise(tmp_path, single):
     meta = json.loads((run_a / "checkpoints" / "step_000002" / "meta.json").read_text())
     assert meta["placement"]["slots_per_rank"] == 5 and sum(map(sum, meta["placement"]["rebalance_window"].values())) == 0
     got = metrics(run_a)
-    assert [m["loss"] for m in got] == pytest.approx(single, rel=1e-5, abs=1e-6)
+    assert losses(got) == pytest.approx(losses(single), rel=1e-5, abs=1e-6)
+    assert got[-1]["val_loss_ema"] == pytest.approx(single[-1]["val_loss_ema"], rel=1e-5)
     r = train(["--run-dir", str(run_b), "--resume", str(run_a / "checkpoints" / "step_000002"), "--checkpoint.every",
                "0", "--export-hf", str(tmp_path / "hf-placed"), *flags], nproc=2)
     assert r.returncode == 0, r.stderr[-3000:]
     same = ("loss", "grad_norm", "aux_loss", "imbalance")
     assert [{k: m[k] for k in same} for m in metrics(run_b)] == [{k: m[k] for k in same} for m in got[2:]]
+    assert metrics(run_b)[-1]["val_loss_ema"] == got[-1]["val_loss_ema"]
     assert r.stdout.count("rebalanced the experts") == 1
     # --export-hf under the placement (2 replicas): each expert written once, from one of its slots; the same
     # folder as one process exporting the final checkpoint, which holds the experts in logical order
@@ -478,10 +489,12 @@ def test_trainer_rebalances_under_fsdp_hierarchical_and_pipeline(tmp_path, singl
     same layout starts at one process's loss."""
     r = train(["--run-dir", str(tmp_path / "fsdp"), "--checkpoint.every", "0", "--dp", "2", "--fsdp", "2", "--ep", "4",
                "--ranks-per-node", "2", "--layout.hierarchical", "on", "--layout.expert_replicas", "4",
-               "--layout.rebalance_every", "2"], nproc=4)
+               "--layout.rebalance_every", "2", *EMA], nproc=4)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count("rebalanced the experts") == 2 and "3 expert slots per rank (4 redundant)" in r.stdout
-    assert [m["loss"] for m in metrics(tmp_path / "fsdp")] == pytest.approx(single, rel=1e-5, abs=1e-6)
+    fsdp = metrics(tmp_path / "fsdp")
+    assert losses(fsdp) == pytest.approx(losses(single), rel=1e-5, abs=1e-6)
+    assert fsdp[-1]["val_loss_ema"] == pytest.approx(single[-1]["val_loss_ema"], rel=1e-5)
     micro = ["--checkpoint.every", "0", "--model.aux_loss_coeff", "0", "--train.micro_batch_size", "2"]
     r = train(["--run-dir", str(tmp_path / "micro"), *micro], nproc=1)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -13,10 +13,17 @@ from tests.dist_utils import TRAIN_SCRIPT, run_trainer
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--model.hidden_size", "32", "--model.num_layers", "2", "--train.seq_len", "32", "--batch-size", "8",
         "--eval.every", "0", "--log.every", "1", "--log.progress", "off"]
+EMA = ["--train.ema_decay", "0.5"]  # a parameter average in the optimizer state (moekit.train.ema): val_loss_ema
 
 
 def losses(run_dir: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def ema_losses(run_dir: Path) -> list[float]:
+    """val_loss_ema of every evaluation (--train.ema_decay)."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [m["val_loss_ema"] for m in rows if "val_loss_ema" in m]
 
 
 def task_scores(run_dir: Path) -> list[dict]:
@@ -63,9 +70,10 @@ def run(args, nproc: int = 1, env_extra=None, script=TRAIN_SCRIPT, torchrun: boo
 
 @pytest.fixture(scope="module")
 def single_run(tmp_path_factory, tasks) -> Path:
-    """One process, 4 steps, the task scores after the last (the reference for every layout below)."""
+    """One process, 4 steps, the task scores and the parameter average's loss after the last (the reference for
+    every layout below)."""
     d = tmp_path_factory.mktemp("single")
-    r = run(["--steps", "4", "--run-dir", str(d), "--checkpoint.every", "0", *TINY, *tasks])
+    r = run(["--steps", "4", "--run-dir", str(d), "--checkpoint.every", "0", *TINY, *EMA, *tasks])
     assert r.returncode == 0, r.stderr
     return d
 
@@ -167,19 +175,23 @@ def test_bad_layouts_fail_before_any_collective(args, match, monkeypatch, capsys
 
 def test_tp_fsdp_ep_run_matches_and_resumes_at_another_layout(tmp_path, single, single_run, tasks):
     """tp2 x fsdp2 x ep2 (4 ranks, activation checkpointing on) follows the one-process curve, task scores
-    included (several choices a forward, through the sharded model's logits); its step-2 checkpoint (DTensor
-    shards over three meshes) resumes as dp2 x ep2 and continues the same curve."""
+    included (several choices a forward, through the sharded model's logits), and so does the parameter average
+    (sharded like the weights, swapped in for its evaluation); its step-2 checkpoint (DTensor shards over three
+    meshes, the average among them) resumes as dp2 x ep2 and continues the same curve and the same average."""
     r = run(["--steps", "4", "--run-dir", str(tmp_path), "--tp", "2", "--fsdp", "2", "--ep", "2",
-             "--train.activation_checkpointing", "full", "--checkpoint.every", "2", *TINY, *tasks], nproc=4)
+             "--train.activation_checkpointing", "full", "--checkpoint.every", "2", *TINY, *EMA, *tasks], nproc=4)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "pp" not in r.stdout.split("layout:")[1].split("\n")[0] and "fsdp=2 tp=2 ep=2" in r.stdout
     assert losses(tmp_path) == pytest.approx(single, rel=1e-5, abs=1e-6)
     same_task_scores(task_scores(tmp_path), task_scores(single_run))
+    want_ema = ema_losses(single_run)
+    assert len(want_ema) == 1 and ema_losses(tmp_path) == pytest.approx(want_ema, rel=1e-5)
     resumed = tmp_path / "resumed"
     r2 = run(["--resume", str(tmp_path / "checkpoints" / "step_000002"), "--steps", "4", "--run-dir", str(resumed),
-              "--ep", "2", "--checkpoint.every", "0", *TINY], nproc=2)
+              "--ep", "2", "--checkpoint.every", "0", *TINY, *EMA], nproc=2)
     assert r2.returncode == 0, r2.stderr[-3000:]
     assert losses(resumed) == pytest.approx(single[2:], rel=1e-5, abs=1e-6)
+    assert ema_losses(resumed) == pytest.approx(want_ema, rel=1e-5)  # the average came back, resharded
 
 
 def test_context_parallel_run_matches_and_resumes_in_one_process(tmp_path, single, tasks):
@@ -212,15 +224,16 @@ MICRO = ["--train.micro_batch_size", "2"]  # 4 micro-batches in one process = 2 
 @pytest.fixture(scope="module")
 def single_micro(tmp_path_factory, tasks):
     """One process, 4 micro-batches of 2, aux loss on / off (the reference for pipelines): the losses, and the
-    task scores after the last step."""
+    task scores and the parameter average's loss after the last step."""
     out = {}
     for aux in ("0.01", "0"):
         d = tmp_path_factory.mktemp(f"single-micro-{aux}")
         r = run(["--steps", "4", "--run-dir", str(d), "--checkpoint.every", "0", "--model.aux_loss_coeff", aux,
-                 *MICRO, *TINY, *tasks])
+                 *MICRO, *TINY, *EMA, *tasks])
         assert r.returncode == 0, r.stderr
         out[aux] = losses(d)
         out[aux + "-tasks"] = task_scores(d)
+        out[aux + "-ema"] = ema_losses(d)
     return out
 
 
@@ -234,13 +247,15 @@ def test_pipeline_runs_match_one_process(tmp_path, single_micro, tasks, nproc, e
     sequence parallel: each data rank's micro-batch m is half of the one-process micro-batch pair (2m, 2m+1),
     so the load-balance statistics differ by construction (global-batch balancing is per micro-batch);
     the aux loss is off there and the curve must match exactly. The task scores after the last step match
-    too (each choice through the pipeline's forward)."""
+    too (each choice through the pipeline's forward), and so does the parameter average's loss (each stage swaps
+    its own layers' average in)."""
     r = run(["--steps", "4", "--run-dir", str(tmp_path), "--checkpoint.every", "2", "--model.aux_loss_coeff", aux,
-             *MICRO, *TINY, *extra, *tasks], nproc=nproc)
+             *MICRO, *TINY, *EMA, *extra, *tasks], nproc=nproc)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "pipeline: " in r.stdout and "2 stages (layers 0-0 | 1-1)" in r.stdout
     assert losses(tmp_path) == pytest.approx(single_micro[aux], rel=1e-5, abs=1e-6)
     same_task_scores(task_scores(tmp_path), single_micro[aux + "-tasks"])
+    assert ema_losses(tmp_path) == pytest.approx(single_micro[aux + "-ema"], rel=1e-5)
     load = load_rows(tmp_path)
     assert len(load[0]["layers"]) == 2  # both stages' MoE layers in rank 0's record
     assert all(sum(map(sum, rec["tokens"])) == 8 * 32 * 2 * 2 for rec in load[1:])  # B*S*k per layer, summed

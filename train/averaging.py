@@ -72,14 +72,15 @@ def check_configs(paths: list[Path]) -> None:
 
 
 @torch.no_grad()
-def average_models(paths: list[Path], weights: list[float]):
-    """The model of ``paths[-1]`` holding the weighted mean of every source's tensors."""
+def average_models(paths: list[Path], weights: list[float], averaged: bool = False):
+    """The model of ``paths[-1]`` holding the weighted mean of every source's tensors (``averaged``: of every
+    checkpoint's parameter average, moekit.train.ema)."""
     from moekit.train.modelfiles import load_moekit
 
     total: dict[str, torch.Tensor] = {}
     model = None
     for path, w in zip(paths, weights):
-        model = load_moekit(path)
+        model = load_moekit(path, averaged=averaged)
         for name, t in model.state_dict().items():
             if not t.is_floating_point():
                 if name in total and not torch.equal(total[name], t):
@@ -106,8 +107,8 @@ def average(args) -> None:
     weights = parse_weights(args.weights, len(srcs))
     check_out(out, folder=not to_file)
     check_configs(srcs)
-    model = average_models(srcs, weights)
-    shown = ", ".join(f"{p} x {w:.3g}" for p, w in zip(srcs, weights))
+    model = average_models(srcs, weights, args.ema)
+    shown = ", ".join(f"{p} x {w:.3g}" for p, w in zip(srcs, weights)) + (": their parameter EMAs" if args.ema else "")
     if to_file:
         save_moekit(model, out)
         print(f"wrote {out}: the mean of {len(srcs)} sources ({shown})")

@@ -8,12 +8,12 @@
                            any ("placement": a comm.placement document plus the rebalancer's load window)
     <run_dir>/checkpoints/step_000200.partial/   a save in progress (or one a crash interrupted)
 
-State: model (router ``expert_bias`` buffers included), AdamW state, LR scheduler, the sampler's data
-position, RNG states. DCP works without a process group in one process (torch warns and assumes a
-single process; that warning is silenced here). The same call saves sharded state under torchrun,
-which is why DCP and not torch.save. Experts under a placement (comm.placement: physical slots, replicas)
-are saved in logical order, one copy each (comm.relocate.logical_state), so the files are those of the
-contiguous layout and resume under any placement, ep degree or in one process.
+State: model (router ``expert_bias`` buffers included), AdamW state (with the parameter average of
+--train.ema_decay: moekit.train.ema), LR scheduler, the sampler's data position, RNG states. DCP works without a
+process group in one process (torch warns and assumes a single process; that warning is silenced here). The same
+call saves sharded state under torchrun, which is why DCP and not torch.save. Experts under a placement
+(comm.placement: physical slots, replicas) are saved in logical order, one copy each (comm.relocate.logical_state),
+so the files are those of the contiguous layout and resume under any placement, ep degree or in one process.
 
 Life of a save (``Checkpointer``):
     1. every rank writes its DCP files into ``step_N.partial`` (``dcp.save``, or ``dcp.async_save``:
@@ -54,6 +54,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from moekit.comm.relocate import logical_state, physical_state
 from moekit.train import UserError
+from moekit.train import ema as ema_state
 from moekit.train.distributed import comm_failure, first_line
 from moekit.train.faults import RunFailed
 from moekit.train.manifest import (  # noqa: F401  (META, RESUMABLE_MODEL_FIELDS: this module's API too)
@@ -203,15 +204,22 @@ def read_placement(path: Path) -> dict | None:
 
 
 def load(path: Path, model, optimizer, scheduler, sampler, model_config: dict, verify: bool = True,
-         load_data: bool = True) -> int:
+         load_data: bool = True, ema: bool = False) -> int:
     """Restore everything in place; return the step the checkpoint was taken after.
 
     ``verify=False`` when ``choose_resume`` has just verified this checkpoint (hashing is a full read).
     ``load_data=False``: leave ``sampler`` as it is (a resume into new data: --checkpoint.exclude_from_loading data).
+    ``ema``: this run keeps a parameter average (moekit.train.ema): the checkpoint's comes back with the optimizer
+    state where it holds one; where it holds none, the average starts afresh at the next update.
     """
     meta = read_meta(path, verify)
     check_model(path, meta["model"], model_config)
+    if ema:  # average entries in the optimizer state (made first, by a zero step), so the template asks for them
+        get_optimizer_state_dict(model, optimizer)
+        ema_state.prime(optimizer)
     state = _state(model, optimizer, scheduler, sampler, 0)
+    if ema:
+        ema_state.drop_unstored(state["optim"], ema_state.stored_keys(path))
     if not load_data:  # the new data's position has another shape than the checkpoint's (a blend, one set)
         del state["train"]["data"]
     try:

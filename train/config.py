@@ -87,6 +87,10 @@ class TrainSection:
     spike_skip: float = 0.0  # skip the step (no update) when its loss or grad norm is this many standard deviations
     #   above the mean of the last spike_window good steps (0 = off; e.g. 6); moekit.train.spikes
     spike_window: int = 128  # good steps the spike statistics cover (none is skipped before the window is full)
+    ema_decay: float = 0.0  # keep an exponential moving average of the parameters with this decay per step (0 = off;
+    #   e.g. 0.999), in the optimizer state; evaluations also report val_loss_ema (moekit.train.ema)
+    ema_every: int = 1  # with ema_decay: fold the weights in every n steps (each time weighing decay^n): 1/n the cost
+    ema_start: int = 0  # with ema_decay: the average starts at this step (a copy of the weights then)
     compile: bool = False  # torch.compile each transformer block (models.parallelize step 4)
     deterministic: bool = False  # deterministic kernels (torch.use_deterministic_algorithms); see docs/training.md
     activation_checkpointing: str = "none"  # recompute: none | full (blocks) | ffn (FFN/MoE) | selective (elementwise ops)
@@ -115,6 +119,7 @@ class EvalSection:
     #   correct_nll, chance, items}}
     task_items: int = 200  # items of each task scored at each evaluation (the first ones of a file)
     task_fewshot: int = 0  # solved examples of the same file before each task item (moekit-eval --fewshot)
+    ema: bool = True  # with --train.ema_decay: each evaluation also measures the averaged weights (val_loss_ema)
 
 
 @dataclass

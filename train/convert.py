@@ -2,9 +2,9 @@
 
     moekit-convert hf-to-moekit HF_DIR OUT.safetensors|OUT.pt [--dtype float32|bfloat16|auto] [--verify]
     moekit-convert moekit-to-hf SRC HF_DIR [--family F] [--tokenizer DIR] [--dtype ...] [--max-shard-size 5GB]
-                                           [--layout per_expert|fused] [--fp8] [--verify]
+                                           [--layout per_expert|fused] [--fp8] [--ema] [--verify]
     moekit-convert average SRC SRC [...] | RUN_DIR --last K  -o OUT [--weights W,W,...] [--family F]
-                                           [--tokenizer DIR] [--dtype ...] [--verify]
+                                           [--tokenizer DIR] [--dtype ...] [--ema] [--verify]
 
 average writes the weighted mean of several checkpoints of one model (the last K of a run: checkpoint averaging)
 to OUT: a moekit model file (*.safetensors, *.pt) or an HF folder (moekit.train.averaging).
@@ -14,7 +14,8 @@ moekit formats (SRC may be any of them; OUT is chosen by its suffix):
     MODEL.safetensors   the model's state_dict; the ModelConfig as JSON in the header metadata
                         under "moekit_config", so the file describes itself
     MODEL.pt            torch.save({"format": "moekit-model", "config": {...}, "model": state_dict})
-    run/checkpoints/step_N/   a moekit-train checkpoint (DCP + meta.json); only the model is read
+    run/checkpoints/step_N/   a moekit-train checkpoint (DCP + meta.json); only the model is read (with --ema,
+                              the parameter average of a run trained with --train.ema_decay instead)
     run/                      (SRC only) a moekit-train run directory: its newest checkpoint that verifies
 
 HF_DIR is config.json + safetensors (shards with an index when larger than --max-shard-size), as
@@ -81,6 +82,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="gpt-oss: write the experts' weights in MXFP4 (4-bit values, one power-of-two scale per 32), "
                         "OpenAI's release format; the other tensors in --dtype (default bfloat16). --verify then "
                         "checks the logits of that rounding and reports what it changed")
+    b.add_argument("--ema", action="store_true",
+                   help="convert the checkpoint's parameter average (a run trained with --train.ema_decay) instead of "
+                        "its trained weights")
     c = sub.add_parser("average", help="the mean of several checkpoints of one model -> a moekit file or HF folder")
     c.add_argument("paths", nargs="+", metavar="SRC",
                    help="checkpoints or moekit model files; or one run directory with --last K")
@@ -93,6 +97,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="an HF OUT's tokenizer (default: the run directory of the newest checkpoint, when recorded)")
     c.add_argument("--dtype", choices=[*DTYPE_NAMES, "auto"], default="auto",
                    help="an HF OUT's tensor dtype (default: the model's)")
+    c.add_argument("--ema", action="store_true",
+                   help="average the checkpoints' parameter averages (--train.ema_decay) instead of their weights")
     for q in (a, b, c):
         q.add_argument("--verify", action="store_true", help="reload the output and compare logits")
     return p.parse_args(argv)

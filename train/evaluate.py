@@ -158,7 +158,7 @@ def run(args: argparse.Namespace) -> dict:
         if out.is_dir():
             raise UserError(f"--out {out}: a directory; name the JSON file to write, e.g. {out / 'eval.json'}")
         probe_writable(out.parent, "--out", keep=True)  # created if missing; a full or read-only folder refused
-    model, tokenizer, info = load_for_inference(args.path, args.device, args.dtype, warn=_note,
+    model, tokenizer, info = load_for_inference(args.path, args.device, args.dtype, warn=_note, averaged=args.ema,
                                                 dropless=args.capacity == "dropless", require_tokenizer=False)
     cfg = model.config
     run_seq, run_micro = _run_defaults(info.run_config)
@@ -211,10 +211,9 @@ def run(args: argparse.Namespace) -> dict:
     if observer is not None:
         result["specialisation"] = observer.result(tokenizer)
     result = {"path": str(info.path), "checkpoint": str(info.checkpoint) if info.checkpoint else None,
-              "step": info.step, "model": cfg.name, "data": desc, "split": args.split, "seq_len": seq_len,
-              "batch_size": batch_size, "capacity": args.capacity, "document_mask": masked,
-              "device": str(info.device),
-              "dtype": str(info.dtype).removeprefix("torch."), **result}
+              "step": info.step, "ema": info.averaged, "model": cfg.name, "data": desc, "split": args.split,
+              "seq_len": seq_len, "batch_size": batch_size, "capacity": args.capacity, "document_mask": masked,
+              "device": str(info.device), "dtype": str(info.dtype).removeprefix("torch."), **result}
     if not args.quiet:
         print(report(result))
         if observer is not None:
@@ -259,7 +258,7 @@ def run_tasks(args, specs: list[str], model, tokenizer, info, split, seq_len: in
         results.append(task_result(task, requests, loglik, cut))
         samples += task_samples(task, requests, loglik) if args.samples else []
     result = {"path": str(info.path), "checkpoint": str(info.checkpoint) if info.checkpoint else None,
-              "step": info.step, "model": info.config.name, "seq_len": seq_len, "device": str(info.device),
+              "step": info.step, "ema": info.averaged, "model": info.config.name, "seq_len": seq_len, "device": str(info.device),
               "dtype": str(info.dtype).removeprefix("torch."), "capacity": args.capacity, "tasks": results}
     if not args.quiet:
         print(task_report(results))

@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
 
     # the template (and jinja2) before the model: a missing one should not cost a large model's load
     template = ChatTemplate.load(template_folder(args.path)) if args.chat else None
-    model, tokenizer, info = load_for_inference(args.path, args.device, args.dtype, warn=_note)
+    model, tokenizer, info = load_for_inference(args.path, args.device, args.dtype, warn=_note, averaged=args.ema)
     if args.speculative and not len(model.mtp):
         raise UserError(f"--speculative drafts with the model's multi-token-prediction depths, and {args.path} has "
                         f"none (model.mtp_layers 0): train with --model.mtp_layers 1, or drop --speculative")

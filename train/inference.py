@@ -38,7 +38,7 @@ from moekit.models.config import ModelConfig
 from moekit.models.transformer import Transformer, meta_device
 from moekit.moe.load import moe_layers
 from moekit.moe.router_variants import ExpertChoiceRouter
-from moekit.train import UserError, checkpoint
+from moekit.train import UserError, checkpoint, ema
 from moekit.train.model_args import DTYPE_NAMES
 from moekit.train.runlock import describe_os_error
 from moekit.train.tokenizer import ByteTokenizer, HFTokenizer, NoTokenizer, Tokenizer, load_tokenizer, read_json
@@ -128,10 +128,12 @@ class InferenceInfo:
     routing: list[str] = field(default_factory=list)  # what inference_routing changed
     cache_inexact: str | None = None
     no_tokenizer: str | None = None  # why there is no tokenizer (require_tokenizer=False)
+    averaged: bool = False  # the checkpoint's parameter average (--ema), not its trained weights
 
     def describe(self) -> str:
+        weights = ", its parameter EMA" if self.averaged else ""
         what = (f"HuggingFace folder {self.path}" if self.kind == "hf" else
-                f"{self.config.name} from {self.checkpoint} (step {self.step})")
+                f"{self.config.name} from {self.checkpoint} (step {self.step}{weights})")
         return f"{what} on {self.device}, {str(self.dtype).removeprefix('torch.')}"
 
 
@@ -214,12 +216,19 @@ def _build(config: ModelConfig, where: str) -> Transformer:
     return model.to_empty(device="cpu")
 
 
-def _load_weights(model: Transformer, ckpt: Path) -> None:
-    """The checkpoint's model state only (DCP reads just the keys asked for: no optimizer, no data state)."""
+def _load_weights(model: Transformer, ckpt: Path, averaged: bool = False) -> None:
+    """The checkpoint's model state only (DCP reads just the keys asked for: no optimizer, no data state).
+    ``averaged``: the parameter average of --train.ema_decay instead of the trained weights (moekit.train.ema)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-    state = {"model": get_model_state_dict(model)}
+    weights = get_model_state_dict(model)
+    state = {"model": weights}
+    if averaged:
+        try:
+            state, _ = ema.read_template(weights, {n for n, _ in model.named_parameters()}, ema.stored_keys(ckpt))
+        except ValueError as exc:
+            raise UserError(f"checkpoint {ckpt}: {exc}") from None
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -228,7 +237,7 @@ def _load_weights(model: Transformer, ckpt: Path) -> None:
         reason = str(exc).strip().splitlines()
         raise UserError(f"checkpoint {ckpt}: DCP could not load the model ({type(exc).__name__}: "
                         f"{reason[-1] if reason else ''})") from None
-    set_model_state_dict(model, state["model"])
+    set_model_state_dict(model, weights)
     persistent = set(model.state_dict())
     with torch.no_grad():  # non-persistent buffers (a router's pending load) are in no checkpoint
         for name, buf in model.named_buffers():
@@ -249,19 +258,23 @@ def _load_hf(path: Path, dtype: torch.dtype) -> Transformer:
 
 def load_for_inference(path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype = "auto", *,
                        dropless: bool = True, require_tokenizer: bool = True, warn: Callable[[str], None] = print,
-                       ) -> tuple[Transformer, Tokenizer | None, InferenceInfo]:
+                       averaged: bool = False) -> tuple[Transformer, Tokenizer | None, InferenceInfo]:
     """(model in eval mode on ``device``, its tokenizer, what was loaded); module docstring for ``path``.
 
     dtype: parameter dtype ("auto": bf16 on CUDA, fp32 on CPU); router buffers stay float32, as routing
     computes in float32. dropless: see ``inference_routing``. require_tokenizer=False: a run that recorded
     no tokenizer gives None (``info.no_tokenizer`` says why) instead of an error. warn: gets the skipped
-    damaged checkpoints.
+    damaged checkpoints. averaged: a checkpoint's parameter average (--train.ema_decay; the programs' --ema) instead
+    of its trained weights; a UserError for an HF folder or a checkpoint without one.
     """
     path = Path(path)
     device = resolve_device(device) if isinstance(device, str) else device
     dtype = resolve_dtype(dtype, device) if isinstance(dtype, str) else dtype
     kind = detect_kind(path)
     ckpt = step = run_dir = run_config = no_tokenizer = None
+    if kind == "hf" and averaged:
+        raise UserError(f"{path}: a HuggingFace folder holds one set of weights; --ema reads the parameter average of a "
+                        f"moekit-train checkpoint (--train.ema_decay)")
     if kind == "hf":
         model = _load_hf(path, dtype)
         tokenizer = load_tokenizer(path, model.config.vocab_size, hf=True)
@@ -278,7 +291,7 @@ def load_for_inference(path: str | Path, device: str | torch.device = "cpu", dty
         config = _model_config(ckpt, meta, run_configs)
         run_config = run_configs[0][1] if run_configs else None
         model = _build(config, str(ckpt))
-        _load_weights(model, ckpt)
+        _load_weights(model, ckpt, averaged)
         try:
             tokenizer = load_tokenizer(run_dir, config.vocab_size)
         except NoTokenizer as exc:
@@ -288,7 +301,7 @@ def load_for_inference(path: str | Path, device: str | torch.device = "cpu", dty
     cast_parameters(model.to(device), dtype)
     routing = inference_routing(model, dropless)
     info = InferenceInfo(kind, path, model.config, device, dtype, ckpt, step, run_dir, run_config, routing,
-                         cache_inexact(model), no_tokenizer)
+                         cache_inexact(model), no_tokenizer, averaged)
     return model, tokenizer, info
 
 

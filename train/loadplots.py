@@ -312,8 +312,11 @@ def fig_loss(runs: list[Series]):
         va.plot(x, y, color=colour(i), marker="o", ms=3, label=r.label, lw=1.2)
         for j, (name, (x, y)) in enumerate(_by_source(r.metrics, "val_loss_by_source").items()):  # a blend's sets
             va.plot(x, y, color=colour(i), ls=SET_STYLES[j % len(SET_STYLES)], lw=0.9, label=f"{r.label}: {name}")
+        x, y = _metric(r.metrics, "val_loss_ema")  # --train.ema_decay: the parameter average's loss
+        if x.size:
+            va.plot(x, y, color=colour(i), marker="^", ms=3, ls=":", lw=1.2, label=f"{r.label}: EMA weights")
     tr.set_title("train loss (LM cross-entropy, binned mean)", fontsize=9)
-    va.set_title("validation loss (a blend: each set dashed)", fontsize=9)
+    va.set_title("validation loss (a blend: each set dashed; EMA weights dotted)", fontsize=9)
     _style(tr, va, ylabel="nats / token")
     return fig
 

@@ -58,9 +58,10 @@ def read_moekit_config(path: str | Path) -> ModelConfig:
     return _source(Path(path))[0]
 
 
-def load_moekit(path: str | Path, device: str = "cpu") -> Transformer:
-    """A moekit model from MODEL.safetensors, MODEL.pt or a train.py checkpoint directory (eval mode)."""
-    config, load, _ = _source(Path(path))
+def load_moekit(path: str | Path, device: str = "cpu", averaged: bool = False) -> Transformer:
+    """A moekit model from MODEL.safetensors, MODEL.pt or a train.py checkpoint directory (eval mode); ``averaged``:
+    a checkpoint's parameter average (--train.ema_decay, moekit.train.ema) instead of its trained weights."""
+    config, load, _ = _source(Path(path), averaged)
     with meta_device():
         model = Transformer(config)
     model.to_empty(device=device)
@@ -107,11 +108,15 @@ class ModelSlices:
 SOURCES = "a moekit model file (*.safetensors, *.pt) or a checkpoint directory (<run_dir>/checkpoints/step_N)"
 
 
-def _source(path: Path):
+def _source(path: Path, averaged: bool = False):
     """(ModelConfig, load(model), tensors()) of a moekit model file or checkpoint directory; ``tensors()``: (shape
-    by name, fetch(name) -> something sliceable as that tensor). ValueError naming the fix."""
+    by name, fetch(name) -> something sliceable as that tensor). ``averaged``: a checkpoint's parameter average
+    (``load`` only). ValueError naming the fix."""
     if not path.exists():
         raise ValueError(f"{path}: no such file or directory; pass {SOURCES}")
+    if averaged and not path.is_dir():
+        raise ValueError(f"{path}: a model file holds one set of weights; --ema reads the parameter average of a "
+                         f"moekit-train checkpoint (<run_dir>/checkpoints/step_N of a run with --train.ema_decay)")
     if path.is_dir():
         if _run_directory(path):
             from moekit.train import checkpoint
@@ -120,7 +125,7 @@ def _source(path: Path):
             which = (f"e.g. its newest, {steps[-1]}" if steps else "it holds none yet")
             raise ValueError(f"{path}: a moekit-train run directory, not a checkpoint; pass one of its checkpoints, "
                              f"{path}/checkpoints/step_N ({which})")
-        return _dcp_source(path)
+        return _dcp_source(path, averaged)
     if path.suffix == ".safetensors":
         return _safetensors_source(path)
     if path.suffix == ".pt":
@@ -196,8 +201,9 @@ def _pt_source(path: Path):
             lambda: ({k: tuple(v.shape) for k, v in state.items()}, state.__getitem__))
 
 
-def _dcp_source(path: Path):
-    """Model weights of a tools/train.py checkpoint; optimizer and data state are not read."""
+def _dcp_source(path: Path, averaged: bool = False):
+    """Model weights of a tools/train.py checkpoint (``averaged``: its parameter average, moekit.train.ema);
+    optimizer and data state are not read."""
     import torch.distributed.checkpoint as dcp
 
     try:
@@ -209,6 +215,14 @@ def _dcp_source(path: Path):
     def load(model, state=None):  # state: some tensors only, read by this process alone (no collective)
         alone = state is not None
         state = {"model": model.state_dict() if state is None else state}
+        if averaged and not alone:
+            from moekit.train import ema
+
+            try:
+                state, _ = ema.read_template(state["model"], {n for n, _ in model.named_parameters()},
+                                             ema.stored_keys(path))
+            except ValueError as exc:
+                raise ValueError(f"{path}: {exc}") from None
         try:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -348,7 +362,7 @@ def moekit_to_hf(args) -> None:
     tokenizer = Path(args.tokenizer) if args.tokenizer else run_tokenizer(src)
     if tokenizer and not args.tokenizer:
         check_tokenizer_source(tokenizer, f"the tokenizer of SRC's run {tokenizer}", "--tokenizer")
-    model = load_moekit(src)
+    model = load_moekit(src, averaged=args.ema)
     dtype = None if args.dtype == "auto" else DTYPES[args.dtype]
     out = save_hf(model, args.out, family=args.family, dtype=dtype, max_shard_size=args.max_shard_size,
                   layout=args.layout, tokenizer_from=tokenizer, fp8=args.fp8, mxfp4=args.mxfp4)

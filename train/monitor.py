@@ -269,6 +269,8 @@ def format_line(m: dict) -> str:
         parts.append(f"max_logit={m['max_logit']:.2f} qk_clipped={m.get('qk_clipped_heads', 0)}")
     if "val_loss" in m:
         parts.append(f"val_loss={m['val_loss']:.4f}")
+    if m.get("val_loss_ema") is not None:  # --train.ema_decay: the averaged weights on the same windows
+        parts.append(f"val_loss_ema={m['val_loss_ema']:.4f}")
     if m.get("val_mtp_loss") is not None:
         parts.append(f"val_mtp_loss={m['val_mtp_loss']:.4f}")
     for name, r in (m.get("tasks") or {}).items():  # --eval.tasks: accuracy per character of the choice

@@ -230,7 +230,7 @@ def check_memory(cfg: TrainConfig, resolved: ResolvedLayout, device: torch.devic
     wl = Workload(resolved.micro_batch, t.seq_len, "bfloat16" if dtype == torch.bfloat16 else "float32",
                   t.activation_checkpointing, device.type, resolved.accum, cfg.layout.pp_schedule,
                   cfg.layout.pp_stages_per_rank, cfg.layout.sequence_parallel, optimizer=t.optimizer,
-                  residual=t.residual_dtype)
+                  residual=t.residual_dtype, ema=t.ema_decay > 0)
     est = estimate_memory(cfg.model, L, wl, ranks_per_node=resolved.ranks_per_node or None,
                           hierarchical=resolved.hierarchical)
     have = device_memory(device)

@@ -30,7 +30,7 @@ from moekit.models.transformer import Transformer, meta_device
 from moekit.moe import collect_load, update_router_biases
 from moekit.moe.layer import set_aux_loss_scale
 from moekit.train import (UserError, checkpoint, faults, hfrun, host_memory, program_name, records, resume,
-                          rundir, runlock, spikes)
+                          ema, rundir, runlock, spikes)
 from moekit.train.cli import Options
 from moekit.train.plan import StepBatch, lr_lambda, make_optimizer, plan_run
 from moekit.train.rebalance import RunPlacement
@@ -177,6 +177,8 @@ class Trainer:
             self.spikes = spikes.SpikeGuard(cfg.train.spike_skip, cfg.train.spike_window, saved)
         self.optimizer = make_optimizer(self.model, cfg)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
+        t = cfg.train  # --train.ema_decay: the parameters' running average, in the optimizer state (train.ema)
+        self.ema = ema.ParameterEMA(self.optimizer, t.ema_decay, t.ema_every, t.ema_start) if t.ema_decay else None
         self.start_step = 0
         self.val_mtp: float | None = None  # the MTP depths' loss at the last evaluation (models.mtp)
         self.val_by_source: dict[str, float] | None = None  # a blend's loss per set at the last evaluation
@@ -184,7 +186,7 @@ class Trainer:
             fresh = resume.optimizer_settings(self.optimizer)  # this run's lr, betas, eps, weight decay
             self.start_step = checkpoint.load(self.resume_from, self.model, self.optimizer, self.scheduler,
                                               self.sampler, cfg.model.to_dict(), verify=False,
-                                              load_data=not self.changes.new_data)
+                                              load_data=not self.changes.new_data, ema=self.ema is not None)
             resume.apply_optimizer_settings(self.optimizer, self.scheduler, fresh)
         self.tokens_seen = resume.tokens_at(self.resumed_run, self.start_step, plan.tokens_per_step)
         self.last_checkpoint = self.resume_from
@@ -289,6 +291,16 @@ class Trainer:
                 f"{cfg.train.steps}; raise --steps to train further")
         if self.changes.summary():
             say(self.changes.summary())
+        saved_ema = (self.resumed_run or {}).get(ema.RUN_KEY) if self.start_step else None
+        if self.ema is not None:
+            say(ema.describe(t.ema_decay, t.ema_every, t.ema_start)
+                + (" (not measured: --eval.ema false)" if not cfg.eval.ema else ""))
+            if saved_ema and not self.ema.started:
+                say(f"note: the checkpoint's parameter EMA did not load; it starts afresh at step {self.start_step + 1}")
+            elif self.start_step and not saved_ema and self.start_step >= t.ema_start:
+                say("note: the checkpoint holds no parameter EMA; it starts at the resumed weights")
+        elif saved_ema:
+            say("note: the checkpoint's parameter EMA is dropped (this run has no --train.ema_decay)")
         if cfg.profile.every:
             from moekit.train.profiling import plan_note
 
@@ -408,6 +420,8 @@ class Trainer:
         run = {"config": self.cfg.to_dict(), "tokens": self.tokens_seen, "data_phase": self.data_phase}
         if self.spikes is not None:  # a resumed run skips the steps an uninterrupted one would
             run[spikes.STATE_KEY] = self.spikes.state()
+        if self.ema is not None and self.ema.started:  # the optimizer state holds the average (moekit.train.ema)
+            run[ema.RUN_KEY] = self.ema.record()
         return self.checkpointer.save(step, self.model, self.optimizer, self.scheduler, self.sampler, run=run,
                                       placement=self.placement.record())
 
@@ -456,6 +470,8 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             update_router_biases(self.model)
             clipped = self.qk_clip()  # models.qk_clip (--train.qk_clip), after the update: collective over the stage
+            if self.ema is not None:  # --train.ema_decay: the weights as they will be trained on from here
+                self.ema.update(step)
             load = self.gathered_load(reset=True)  # D2H sync: per MoE layer
             if self.placement.observe(step, load, self.model, self.optimizer) and self.dist.is_main:
                 self.monitor.print(self.placement.last_note)  # --layout.rebalance_every: experts moved
@@ -483,6 +499,8 @@ class Trainer:
                     m["val_mtp_loss"] = self.val_mtp
                 if self.tasks is not None:  # --eval.tasks: each task's accuracies
                     m["tasks"] = self.tasks.evaluate(self)
+                if self.ema is not None and cfg.eval.ema and self.ema.started:  # the same windows, averaged weights
+                    m["val_loss_ema"] = self.evaluate_ema()
             if self.dist.is_main:
                 self.metrics.write(self.monitor.step(m, load))  # + balance_loss, z_loss, cv, dead_experts
                 self.load_log.write(step, load, force=step == cfg.train.steps)
@@ -576,6 +594,15 @@ class Trainer:
         self.val_by_source = dict(zip([name for name, _ in groups], means)) if len(groups) > 1 else None
         return sum(sums[0]) / max(sum(sums[1]), 1.0)
 
+    def evaluate_ema(self) -> float:
+        """``evaluate`` with the parameter average (--train.ema_decay) in place of the weights; the trained weights'
+        per-set and MTP results stay those of the last plain evaluation."""
+        kept = self.val_by_source, self.val_mtp
+        with self.ema.swapped():
+            loss = self.evaluate()
+        self.val_by_source, self.val_mtp = kept
+        return loss
+
     def skip_step(self, event: NonFinite, step: int) -> None:
         self.guard.discard_step(self.model, self.optimizer)
         if self.cfg.train.qk_clip:  # the skipped step's logits do not count (no update took place)
@@ -637,8 +664,9 @@ class Trainer:
         spiked = sum(1 for r in skipped if r.get("spike"))
         note = (f" Skipped {len(skipped)} step(s) ({spiked} spike(s), {len(skipped) - spiked} non-finite): "
                 f"\"skipped\" lines of {records.METRICS}." if skipped else "")
+        averaged = f" (EMA {final['val_loss_ema']:.4f})" if "val_loss_ema" in final else ""
         self.monitor.print(f"done: step {final['step']}, loss {final['loss']:.4f}, val_loss "
-                           f"{final.get('val_loss', float('nan')):.4f} (unigram entropy of the data "
+                           f"{final.get('val_loss', float('nan')):.4f}{averaged} (unigram entropy of the data "
                            f"{entropy:.4f}), {final['elapsed_s']:.0f}s.{note} Expert load: moekit-heatmap "
                            f"{self.run_dir}")
 

@@ -91,6 +91,12 @@ def validate(cfg: TrainConfig) -> TrainConfig:
              f"e.g. 6)")
     _require(t.spike_window >= 2, f"--train.spike_window={t.spike_window} is invalid; the statistics need at least 2 "
                                   f"steps (e.g. 128)")
+    _require(math.isfinite(t.ema_decay) and 0 <= t.ema_decay < 1,
+             f"--train.ema_decay={t.ema_decay} is invalid; it must be in [0, 1) (0 = off; e.g. 0.999: a half-life of "
+             f"~690 steps)")
+    _require(t.ema_every >= 1, f"--train.ema_every={t.ema_every} is invalid; it must be a number of steps >= 1")
+    _require(t.ema_start >= 0, f"--train.ema_start={t.ema_start} is invalid; it must be a step >= 0 (0 = from the "
+                               f"first step)")
     _require(t.on_nonfinite in ON_NONFINITE,
              f"--train.on_nonfinite={t.on_nonfinite!r} is invalid; choose one of {list(ON_NONFINITE)}")
     _require(not t.init_from_hf or os.path.isdir(t.init_from_hf),

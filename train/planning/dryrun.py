@@ -91,7 +91,7 @@ def plan_dry_run(cfg: TrainConfig, world_size: int | None = None) -> DryRunPlan:
     dtype = {"float32": "float32", "bfloat16": "bfloat16", "auto": "bfloat16" if device == "cuda" else "float32"}
     wl = Workload(resolved.micro_batch, t.seq_len, dtype[t.dtype], t.activation_checkpointing, device, resolved.accum,
                   L.pp_schedule, L.pp_stages_per_rank, L.sequence_parallel, document_mask=cfg.data.document_mask,
-                  optimizer=t.optimizer, residual=t.residual_dtype)
+                  optimizer=t.optimizer, residual=t.residual_dtype, ema=t.ema_decay > 0)
     per_node = resolved.ranks_per_node or math.gcd(resolved.world_size, 8)  # default: 8 GPUs per node
     return DryRunPlan(resolved, per_node, wl)
 
@@ -187,24 +187,29 @@ def build(cfg: TrainConfig, plan: DryRunPlan) -> Built:
         return built
     seconds["recipe"] = time.perf_counter() - t0
     built.measured, built.tensors = local_numel(model)
-    built.optimizer = optimizer_state_bytes(model, cfg.train.optimizer)
+    built.optimizer = optimizer_state_bytes(model, cfg.train.optimizer, cfg.train.ema_decay > 0)
     return built
 
 
-def optimizer_state_bytes(model, optimizer: str) -> tuple[str, int]:
+def optimizer_state_bytes(model, optimizer: str, ema: bool = False) -> tuple[str, int]:
     """(name, fp32 bytes) of the optimizer state for this rank's parameter shards: AdamW's two moments and step
-    scalar per tensor; Muon's momentum buffer per weight matrix and AdamW's for the rest (train.muon)."""
+    scalar per tensor; Muon's momentum buffer per weight matrix and AdamW's for the rest (train.muon); ``ema``: one
+    more copy of every shard (the parameter average, moekit.train.ema)."""
     local = lambda p: p.to_local().numel() if hasattr(p, "to_local") else p.numel()  # noqa: E731
+    average = sum(local(p) * 4 for p in model.parameters()) if ema else 0
+    name = "AdamW" if optimizer != "muon" else "Muon"
+    if ema:
+        name += " + parameter EMA"
     if optimizer != "muon":
         params = list(model.parameters())
-        return "AdamW", sum(2 * local(p) * 4 + 4 for p in params)
+        return name, sum(2 * local(p) * 4 + 4 for p in params) + average
     from moekit.train.muon import muon_param_groups
 
     total = 0
     for group in muon_param_groups(model, 0.0):
         per = 4 if group["kind"] == "muon" else None
         total += sum(local(p) * 4 if per else 2 * local(p) * 4 + 4 for p in group["params"])
-    return "Muon", total
+    return name, total + average
 
 
 def _pipeline_stage(model, topo: Topology, cfg: TrainConfig, built: Built):

@@ -10,7 +10,8 @@ Every term counts what moekit's code keeps, read off the modules and checked aga
     parameters   fp32 master weights: the rank's shard of every tensor (TP, EP, FSDP below)
     gradients    fp32, same shards
     optimizer    AdamW: exp_avg + exp_avg_sq (fp32, same shards) + one fp32 step scalar per tensor; Muon
-                 (--train.optimizer muon): one fp32 momentum buffer per weight matrix, AdamW's for the rest
+                 (--train.optimizer muon): one fp32 momentum buffer per weight matrix, AdamW's for the rest; a
+                 parameter average (--train.ema_decay, moekit.train.ema): one more fp32 copy, same shards
     activations  what autograd holds from forward to backward, per micro-batch and block, term by term in
                  moekit.train.planning.activations (residual, norms, attention, router, dispatch, experts, dense
                  FFN, head, mtp: the multi-token-prediction depths; activation checkpointing, sequence
@@ -71,6 +72,7 @@ class Workload:
     optimizer: str = "adamw"  # adamw | muon (train.muon: one momentum buffer per weight matrix, AdamW's rest)
     residual: str = "auto"  # the residual stream's dtype, as train.residual_dtype: auto (bf16 under bf16 autocast on
     #                         CUDA, else fp32), float32, bfloat16 (needs dtype bfloat16)
+    ema: bool = False  # a parameter average in the optimizer state (--train.ema_decay): one fp32 copy of the shards
 
     def __post_init__(self):
         for name, value, allowed in (("dtype", self.dtype, tuple(DTYPE_BYTES)), ("pp_schedule", self.pp_schedule, SCHEDULES),
@@ -332,6 +334,8 @@ def estimate_memory(cfg: ModelConfig, layout: Layout, wl: Workload, stage: Stage
     if wl.optimizer == "muon":  # a momentum buffer per weight matrix (train.muon), AdamW's state for the rest
         matrix = [_muon_matrix(part, shape) for part, shape, _ in _stage_tensors(cfg, stage)]
         optimizer = sum(n * FP32 if m else 2 * n * FP32 + FP32 for (_, n), m in zip(tensors, matrix))
+    if wl.ema:  # the parameter average (moekit.train.ema): a copy of every shard in the optimizer state
+        optimizer += numel * FP32
     return MemoryEstimate(stage.index, numel * FP32, numel * FP32, optimizer, acts, sum(transient.values()), by_part,
                           breakdown)
 
