@@ -6,18 +6,22 @@
 * ``RunFailed``: a fault that stops a run already under way (a write that failed, a collective or a
   background save that waited past --layout.timeout_s): one line, exit status 1.
 * Testing hook for crash/restart: rank $MOEKIT_FAULT_RANK kills itself at the start of step
-  $MOEKIT_FAULT_EXIT_AT_STEP, once per run dir (the marker file lets the restarted attempt go on).
+  $MOEKIT_FAULT_EXIT_AT_STEP, once per run dir (the marker file lets the restarted attempt go on); with
+  $MOEKIT_FAULT_ACTION=hang it hangs there instead (``hang``: a stalled rank, for the stall reports of
+  moekit.train.stalls).
 """
 from __future__ import annotations
 
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 
 from moekit.train import UserError
 
 FAULT_STEP_ENV, FAULT_RANK_ENV, FAULT_MARKER = "MOEKIT_FAULT_EXIT_AT_STEP", "MOEKIT_FAULT_RANK", ".fault_injected"
+FAULT_ACTION_ENV = "MOEKIT_FAULT_ACTION"  # kill (default) | hang
 # SIGUSR1: what Slurm's --signal=USR1@<seconds> sends ahead of the time limit or a preemption (srun delivers it
 # to every rank; torchrun's agent does not forward it, so under torchrun signal the workers or use SIGTERM)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
@@ -84,5 +88,19 @@ def inject_fault(run_dir: str | Path, step: int, rank: int) -> None:
     marker = Path(run_dir) / FAULT_MARKER
     if (at_step, at_rank) != (step, rank) or marker.exists():
         return
-    marker.write_text(f"rank {rank} killed itself at the start of step {step} ({FAULT_STEP_ENV})\n")
+    action = os.environ.get(FAULT_ACTION_ENV, "kill")
+    if action not in ("kill", "hang"):
+        raise UserError(f"{FAULT_ACTION_ENV}={action!r}: use kill or hang (a testing hook; unset it for normal training)")
+    marker.write_text(f"rank {rank} {'killed itself' if action == 'kill' else 'hung'} at the start of step {step} "
+                      f"({FAULT_STEP_ENV})\n")
+    if action == "hang":
+        hang()
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def hang() -> None:
+    """Never return (the drill of a stalled rank: $MOEKIT_FAULT_ACTION=hang). SIGTERM kills it again, as it would
+    a rank stuck in C code, so the launcher that stops the other ranks ends this one without its SIGKILL grace."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    while True:
+        time.sleep(3600)

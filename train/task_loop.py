@@ -109,6 +109,7 @@ class InLoopTasks:
         for start in range(0, -(-len(reqs) // D), rows):  # every data-parallel rank runs as many forwards
             part = mine[start : start + rows]
             batch = [reqs[i] for i in part] or [reqs[0]]  # a rank out of choices runs one, and drops it
+            trainer.watch.pet()  # progress (moekit.train.stalls)
             with trainer.autocast():
                 owner, logp = token_logprobs(trainer.model, batch, width, device)
             if part:

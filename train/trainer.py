@@ -30,7 +30,7 @@ from moekit.models.transformer import Transformer, meta_device
 from moekit.moe import collect_load, update_router_biases
 from moekit.moe.layer import set_aux_loss_scale
 from moekit.train import (UserError, checkpoint, faults, hfrun, host_memory, program_name, records, resume,
-                          ema, rundir, runlock, spikes)
+                          ema, rundir, runlock, spikes, stalls)
 from moekit.train.cli import Options
 from moekit.train.plan import StepBatch, lr_lambda, make_optimizer, plan_run
 from moekit.train.rebalance import RunPlacement
@@ -63,6 +63,7 @@ class Trainer:
                                L.ranks_per_node or None, L.timeout_s)
         self.data, error = None, None
         self.profiler = None  # [profile] (moekit.train.profiling), set up once the model is built
+        self.watch = stalls.StallWatch(None, 0, 0.0, enabled=False)  # train() starts this rank's (moekit.train.stalls)
         try:  # moekit.train.data: a token file (its metadata: vocab, tokenizer), a blend, text, the embedded corpus
             self.data = load_data(cfg.data, cfg.model.vocab_size)
             self.data_desc = self.data.desc
@@ -323,6 +324,7 @@ class Trainer:
         """The loss of the windows at ``starts`` (or of ``batch``, their ``windows``): the mean over the counted
         targets, or in a training step with loss masks their sum over the step's count (set_loss_normalizer)."""
         x, y = self.windows(starts, held_out) if batch is None else batch
+        self.watch.pet()  # an evaluation's forwards are progress too (moekit.train.stalls)
         x, y = x.to(self.plan.device), y.to(self.plan.device)  # [b, S] each (S / cp under context parallelism)
         with self.autocast():
             if self.pipe is not None:  # forward only (evaluation); the loss arrives on every pipeline rank
@@ -379,9 +381,17 @@ class Trainer:
         return self.dist.reduce_load(load)
 
     def train(self) -> int:
-        self.build()
-        self.open_records()
-        self.describe()
+        # a multi-rank run's watchdog: a rank without progress for --layout.timeout_s writes every thread's stack
+        # (moekit.train.stalls), so a collective that times out can say where each rank was
+        self.watch = stalls.StallWatch(self.run_dir, self.dist.rank, self.cfg.layout.timeout_s, self.dist.active)
+        try:
+            self.build()
+            self.watch.pet()
+            self.open_records()
+            self.describe()
+        except BaseException:
+            self.watch.close()
+            raise
         self.profiler = self.make_profiler()
         self.step = self.start_step
         ended = False  # loop() returned on this rank: every rank did (its ends are collective decisions)
@@ -401,9 +411,11 @@ class Trainer:
             self.guard.explain_oom(exc)  # an OOM inside an expert becomes one line naming it
             failure = self.dist.failure(exc, self.step)  # a collective that timed out or lost its peer
             if failure is not None:
-                raise RunFailed(f"{failure}; {self.kept()}") from None
+                where = stalls.summarize(self.run_dir, self.dist.world)  # the ranks' stall reports, if any
+                raise RunFailed(f"{failure}; {self.kept()}" + (f"; {where}" if where else "")) from None
             raise
         finally:
+            self.watch.close()
             if self.profiler is not None:  # a window the run left early writes nothing
                 self.profiler.close()
             self.checkpointer.close()  # an async save in flight ends before the process group goes
@@ -422,6 +434,7 @@ class Trainer:
             run[spikes.STATE_KEY] = self.spikes.state()
         if self.ema is not None and self.ema.started:  # the optimizer state holds the average (moekit.train.ema)
             run[ema.RUN_KEY] = self.ema.record()
+        self.watch.pet()  # a save is bounded by --layout.timeout_s on its own
         return self.checkpointer.save(step, self.model, self.optimizer, self.scheduler, self.sampler, run=run,
                                       placement=self.placement.record())
 
@@ -438,6 +451,7 @@ class Trainer:
             if stop:  # a signal, agreed on in the last step's check: every rank saves that step and exits
                 return self.preempt(step - 1, stop)
             self.step = step
+            self.watch.pet()  # progress: the stall watchdog starts again (moekit.train.stalls)
             faults.inject_fault(self.run_dir, step, self.dist.rank)  # testing hook, off unless its env is set
             self.profiler.begin(step)  # --profile.every: a window's first step starts the profiler
             t0 = time.perf_counter()
@@ -512,6 +526,7 @@ class Trainer:
             if cfg.train.steps not in (self.checkpointer.saved_step, self.start_step):  # the export's fallback
                 self.save(cfg.train.steps)
                 self.last_checkpoint = self.checkpointer.finalize()
+            self.watch.pet()
             folder = hfrun.export(self.model, cfg, self.export_tokenizer, self.last_checkpoint, PROG)
             if self.dist.is_main:
                 self.monitor.print(hfrun.exported(folder, cfg.train.export_hf_fp8, cfg.train.export_hf_mxfp4))
