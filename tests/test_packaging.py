@@ -127,7 +127,7 @@ def test_wheel_holds_only_the_moekit_namespace(tmp_path):
 
 
 SCRIPTS = ("moekit-train", "moekit-heatmap", "moekit-convert", "moekit-prepare", "moekit-generate", "moekit-eval", "moekit-sweep",
-           "moekit-placement")
+           "moekit-placement", "moekit-launch")
 
 
 def test_console_scripts_run_outside_the_checkout(tmp_path):
