@@ -3,6 +3,8 @@ over every step, the warmup-stable-decay as a piecewise-linear interpolation (np
 the decay's own progress. Then the properties a user relies on, and the refusals."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -81,6 +83,12 @@ def test_every_wsd_decay_has_a_shape():
     (["--train.lr_schedule", "wsd", "--train.wsd_decay", "exp"], "--train.wsd_decay='exp' is invalid"),
     (["--train.decay_fraction", "0.3"], "--train.decay_fraction=0.3 applies to --train.lr_schedule wsd only"),
     (["--train.wsd_decay", "cosine"], "--train.wsd_decay=cosine applies to --train.lr_schedule wsd only"),
+    (["--train.decay_steps", "50"], "--train.decay_steps=50 applies to --train.lr_schedule wsd only"),
+    (["--train.lr_schedule", "wsd", "--train.decay_steps", "1"], "--train.decay_steps=1 is invalid"),
+    (["--train.lr_schedule", "wsd", "--steps", "100", "--train.decay_steps", "81"],
+     "from 2 to the 80 steps after warmup (--steps 100, --train.warmup_steps 20)"),
+    (["--train.lr_schedule", "wsd", "--train.decay_steps", "10", "--train.decay_fraction", "0.1"],
+     "both set the decay's length; keep one"),
 ])
 def test_schedule_settings_are_checked(flags, words):
     with pytest.raises(UserError) as err:
@@ -100,3 +108,40 @@ def test_a_run_that_only_warms_up_says_its_schedule_never_applies(tmp_path, caps
     assert main([*TINY, "--run-dir", str(tmp_path / "b"), "--steps", "2", "--train.lr_schedule", "wsd",
                  "--train.warmup_steps", "1"]) == 0
     assert "never applies" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("decay", WSD_DECAYS)
+def test_decay_steps_decay_over_exactly_the_last_n_steps(decay):
+    """--train.decay_steps n: the LR is 1 before the last n steps, then the decay's shape from 1 (its first step) to
+    the floor (the last), written here over the decay's own steps."""
+    rng = np.random.default_rng()
+    steps, warmup = int(rng.integers(30, 200)), int(rng.integers(0, 10))
+    n, floor = int(rng.integers(2, steps - warmup + 1)), float(rng.uniform(0, 0.5))
+    f = lr_lambda(config(steps=steps, warmup_steps=warmup, min_lr_ratio=floor, lr_schedule="wsd", decay_steps=n,
+                         wsd_decay=decay))
+    got = np.array([f(i) for i in range(steps)])
+    q = np.clip((np.arange(steps) - (steps - n)) / (n - 1), 0, None)  # 0 at the decay's first step, 1 at the last
+    shape = {"linear": 1 - q, "sqrt": 1 - np.sqrt(q), "cosine": (1 + np.cos(np.pi * q)) / 2}[decay]
+    want = np.where(np.arange(steps) < steps - n, 1.0, floor + (1 - floor) * shape)
+    want[:warmup] = (np.arange(warmup) + 1) / warmup
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    assert (got[warmup : steps - n] == 1.0).all() and got[-1] == pytest.approx(floor)
+
+
+def test_a_cooldown_branches_from_a_stable_checkpoint(tmp_path):
+    """A wsd run's stable-phase checkpoint resumed into another run directory with --steps S + 4 and
+    --train.decay_steps 4: its four steps' LRs are the decay's, the checkpoint's run is untouched."""
+    from moekit.train.loop import main
+    from tests.test_train import TINY
+
+    flags = [*TINY, "--train.lr_schedule", "wsd", "--train.warmup_steps", "1", "--train.min_lr_ratio", "0.1"]
+    stable = tmp_path / "stable"
+    assert main([*flags, "--run-dir", str(stable), "--steps", "12", "--checkpoint.every", "6",
+                 "--checkpoint.keep", "2"]) == 0
+    branch = tmp_path / "cooldown"
+    assert main([*flags, "--run-dir", str(branch), "--steps", "10", "--train.decay_steps", "4",
+                 "--resume", str(stable / "checkpoints" / "step_000006")]) == 0
+    rows = [json.loads(line) for line in (branch / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [7, 8, 9, 10]
+    assert [r["lr"] / TrainConfig().train.lr for r in rows] == pytest.approx([1.0, 0.7, 0.4, 0.1])  # linear from 1 to the floor
+    assert len((stable / "metrics.jsonl").read_text().splitlines()) == 12

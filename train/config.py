@@ -62,6 +62,8 @@ class TrainSection:
     warmup_steps: int = 20  # linear warmup from lr / warmup_steps
     lr_schedule: str = "cosine"  # after warmup: cosine | linear | constant | wsd (constant, then decay at the end)
     decay_fraction: float = 0.2  # wsd: the final share of the post-warmup steps spent decaying to min_lr_ratio
+    decay_steps: int = 0  # wsd: the decay over the last n steps instead (0 = decay_fraction); a cooldown branched
+    #   from a stable-phase checkpoint: --resume it with --steps S + n --train.decay_steps n
     wsd_decay: str = "linear"  # wsd: the decay's shape, linear | sqrt (1 - sqrt) | cosine
     optimizer: str = "adamw"  # adamw | muon (Muon on the weight matrices, AdamW on the rest: train/muon.py)
     muon_momentum: float = 0.95  # muon: the momentum of the matrices' (Nesterov) gradient buffer

@@ -263,9 +263,11 @@ def lr_lambda(cfg: TrainConfig):
     """The LR multiplier of step s (0-based; multiplies train.lr): linear warmup to 1 over warmup_steps, then,
     over the rest (progress p from 0 at step warmup_steps to 1 at the last step, steps - 1), down to min_lr_ratio:
     cosine, linear, constant (stays 1), or wsd (warmup-stable-decay: 1 until p reaches 1 - decay_fraction, then
-    wsd_decay's shape). The last step trains at lr * min_lr_ratio, however short the decay."""
+    wsd_decay's shape; decay_steps n: the decay that begins n steps before the end, i.e. a decay_fraction of
+    (n - 1) / (steps - 1 - warmup_steps)). The last step trains at lr * min_lr_ratio, however short the decay."""
     t = cfg.train
     floor, shape = t.min_lr_ratio, DECAY_SHAPES[t.wsd_decay]
+    fraction = (t.decay_steps - 1) / max(t.steps - 1 - t.warmup_steps, 1) if t.decay_steps else t.decay_fraction
 
     def f(step: int) -> float:
         if step < t.warmup_steps:
@@ -276,8 +278,8 @@ def lr_lambda(cfg: TrainConfig):
         if t.lr_schedule == "linear":
             return floor + (1 - floor) * (1 - p)
         if t.lr_schedule == "wsd":
-            start = 1 - t.decay_fraction
-            return 1.0 if p < start else floor + (1 - floor) * shape((p - start) / t.decay_fraction)
+            start = 1 - fraction
+            return 1.0 if p < start else floor + (1 - floor) * shape((p - start) / fraction)
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * p))
 
     return f

@@ -303,8 +303,15 @@ def validate_schedule(t) -> None:
     _require(isinstance(t.decay_fraction, (int, float)) and 0 < t.decay_fraction <= 1,
              f"--train.decay_fraction={t.decay_fraction} is invalid; it must be in (0, 1] (0.2: decay over the last "
              f"fifth of the steps)")
+    _require(t.decay_steps == 0 or 2 <= t.decay_steps <= t.steps - t.warmup_steps,
+             f"--train.decay_steps={t.decay_steps} is invalid; it must be 0 (use --train.decay_fraction) or from 2 to "
+             f"the {t.steps - t.warmup_steps} steps after warmup (--steps {t.steps}, --train.warmup_steps "
+             f"{t.warmup_steps})")
     defaults = TrainSection()
-    for name in ("decay_fraction", "wsd_decay"):
+    _require(t.decay_steps == 0 or t.decay_fraction == defaults.decay_fraction,
+             f"--train.decay_steps={t.decay_steps} and --train.decay_fraction={t.decay_fraction} both set the decay's "
+             f"length; keep one")
+    for name in ("decay_fraction", "decay_steps", "wsd_decay"):
         _require(t.lr_schedule == "wsd" or getattr(t, name) == getattr(defaults, name),
                  f"--train.{name}={getattr(t, name)} applies to --train.lr_schedule wsd only (this run's is "
                  f"{t.lr_schedule!r}); add --train.lr_schedule wsd or leave it out")
