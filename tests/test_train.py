@@ -424,7 +424,9 @@ PROGRAMS = [("loop", ["--preset", "nope"], "unknown preset 'nope'"),
             ("evaluate", ["run", "--split", "test"], "argument --split: invalid choice: 'test'"),
             ("prepare", ["in.txt", "-o", "out", "--tokenizer", "bytes", "--nope"], "unrecognized arguments: --nope"),
             ("sweep", ["--nope"], "unrecognized arguments: --nope"),
-            ("placement", ["--nope"], "the following arguments are required: run_dir")]
+            ("placement", ["--nope"], "the following arguments are required: run_dir"),
+            ("launch", ["slurm", "--nodes", "0", "--gpus-per-node", "1", "--time", "60", "--", "--ep", "2"],
+             "--nodes 0: must be at least 1")]
 
 
 def test_help_and_flag_errors_answer_before_torch_is_imported():
