@@ -89,10 +89,14 @@ class PipelineRunner:
 
     def _schedule_for(self, train: bool, microbatches: int, args: tuple):
         """The schedule for this mode and micro-batch shape, built once and reused (stage shapes are
-        static; every rank asks for the same keys in the same order)."""
+        static; every rank asks for the same keys in the same order). One training schedule is kept: a
+        batch-size ramp's steps run growing micro-batch counts, each once it is reached."""
         micro = tuple(a.tensor_split(microbatches)[0] for a in args)  # one micro-batch: its shapes
         key = (train, microbatches, tuple((tuple(a.shape), a.dtype) for a in micro))
         if key not in self._cache:
+            if train:  # a batch-size ramp moves to another count for good: the earlier step's schedule goes
+                for old in [k for k in self._cache if k[0]]:
+                    del self._cache[old]
             self._cache[key] = self._build_schedule(train, microbatches, micro)
         return self._cache[key]
 

@@ -88,6 +88,25 @@ def test_two_ranks_ramp_as_one_process(tmp_path):
     assert [x["batch_size"] for x in rows(two)] == [2, 4, 6, 8]
 
 
+def test_a_pipeline_ramps_as_one_process(tmp_path):
+    """pp2 (GPipe, 2 ranks): the ramp's batches 2, 4, 6, 8 run 1 to 4 of the pipeline's micro-batches of 2 (a
+    schedule for each count), and the curve, aux loss included, is one process's accumulating micro-batches of 2."""
+    flags = [*TINY, "--steps", "4", "--batch-size", "8", "--train.micro_batch_size", "2", "--train.batch_size_start",
+             "2", "--train.batch_ramp_steps", "3", "--checkpoint.every", "0"]
+    one = tmp_path / "one"
+    assert main([*flags, "--run-dir", str(one)]) == 0
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env.pop("WORLD_SIZE", None)
+    piped = tmp_path / "pp"
+    r = run_trainer([*flags, "--pp", "2", "--layout.pp_schedule", "gpipe", "--run-dir", str(piped)], 2, env=env,
+                    timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "batch-size ramp: 2 sequences at step 1 (1 micro-batch(es) of 2 per rank), 8 from step 4" in r.stdout
+    assert [x["batch_size"] for x in rows(piped)] == [2, 4, 6, 8]
+    for key in ("loss", "aux_loss", "grad_norm"):
+        assert [x[key] for x in rows(piped)] == pytest.approx([x[key] for x in rows(one)], rel=1e-5, abs=1e-6), key
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--train.batch_size_start", "4"], "a batch-size ramp needs both"),
     (["--train.batch_ramp_steps", "4"], "a batch-size ramp needs both"),
@@ -95,8 +114,12 @@ def test_two_ranks_ramp_as_one_process(tmp_path):
     (["--train.batch_size_start", "-2", "--train.batch_ramp_steps", "2"], "--train.batch_size_start=-2 is invalid"),
     (["--train.batch_size_start", "3", "--train.batch_ramp_steps", "2"],
      "--train.batch_size_start 3 must split into 2 data-parallel shares"),
-    (["--train.batch_size_start", "2", "--train.batch_ramp_steps", "2", "--pp", "2", "--dp", "1"],
-     "a batch-size ramp changes the micro-batches per step"),
+    (["--train.batch_size_start", "2", "--train.batch_ramp_steps", "2", "--pp", "2", "--dp", "1",
+      "--train.micro_batch_size", "2"],
+     "a step of the ramp runs 1 micro-batches of 2: layout.pp_schedule=1f1b needs at least pp=2 micro-batches"),
+    (["--train.batch_size_start", "2", "--train.batch_ramp_steps", "2", "--pp", "2", "--dp", "1",
+      "--train.micro_batch_size", "4"],
+     "every step of the ramp runs the final batch's micro-batches of 4 sequences"),
 ])
 def test_bad_ramps_are_one_line(tmp_path, capsys, flags, message):
     argv = [*TINY, "--run-dir", str(tmp_path / "r"), "--steps", "1", "--batch-size", "8", *flags]

@@ -18,7 +18,9 @@ A batch-size ramp (train.batch_size_start, train.batch_ramp_steps; ``RunPlan.ste
 batch start + (B - start)(s - 1) / ramp_steps rounded down to a multiple of start, and B from step ramp_steps + 1
 on: the same batches under every layout (start must split over the D ranks). Each rank's share runs in equal
 micro-batches of the largest size that divides it and is at most micro_batch, so the memory check of the final
-batch covers the ramp; the pipeline's schedule has a fixed micro-batch count, so a ramp needs pp = 1.
+batch covers the ramp. Under a pipeline every step keeps the final batch's micro-batch size and runs fewer of them
+(the schedule for each count is built when first needed: comm.pipeline.PipelineRunner), so the ramp's first batch
+must give each data-parallel rank whole micro-batches, and every count of the ramp must suit the schedule.
 """
 from __future__ import annotations
 
@@ -86,7 +88,7 @@ def resolve_layout(settings: LayoutSection, world_size: int, model: ModelConfig,
     if S.sequence_parallel:
         check_sequence_parallel(train.seq_len // layout.cp, layout.tp)
     per_rank, micro, accum = _batch_split(layout, S, train)
-    check_batch_ramp(train, layout)
+    check_batch_ramp(train, layout, S, micro)
     try:
         check_schedule(S.pp_schedule, layout.pp, S.pp_stages_per_rank, accum if layout.pp > 1 else None)
         if layout.pp > 1:
@@ -124,18 +126,29 @@ def _batch_split(layout: Layout, S: LayoutSection, train: TrainSection) -> tuple
     return per_rank, micro, per_rank // micro
 
 
-def check_batch_ramp(train: TrainSection, layout: Layout) -> None:
-    """A ramp's batches (multiples of its first) must split over the data-parallel ranks (module docstring)."""
+def check_batch_ramp(train: TrainSection, layout: Layout, S: LayoutSection | None = None, micro: int = 1) -> None:
+    """A ramp's batches (multiples of its first) must split over the data-parallel ranks, and under a pipeline
+    into whole micro-batches of ``micro`` sequences, in counts the schedule runs (module docstring)."""
     start, D = train.batch_size_start, layout.data_parallel
     if not start:
         return
-    if layout.pp > 1:
-        raise LayoutError(f"--train.batch_size_start {start}: a batch-size ramp changes the micro-batches per step, "
-                          f"and the pipeline's schedule (--pp {layout.pp}) runs a fixed number; ramp with --pp 1")
     if start % D:
         raise LayoutError(f"--train.batch_size_start {start} must split into {D} data-parallel shares (dp*fsdp), as "
                           f"every batch of the ramp (a multiple of it) does; use a multiple of {D}, e.g. "
                           f"{D * max(1, start // D)}")
+    if layout.pp == 1:
+        return
+    if (start // D) % micro:
+        raise LayoutError(f"--train.batch_size_start {start}: under --pp {layout.pp} every step of the ramp runs the "
+                          f"final batch's micro-batches of {micro} sequences, and the first batch gives each of the {D} "
+                          f"data-parallel ranks {start // D}; use a multiple of {D * micro}, e.g. {D * micro}")
+    counts = sorted({ramped_batch(train, s) // D // micro for s in range(1, train.batch_ramp_steps + 2)})
+    for count in counts:
+        try:
+            check_schedule(S.pp_schedule, layout.pp, S.pp_stages_per_rank, count)
+        except ValueError as exc:
+            raise LayoutError(f"--train.batch_size_start {start}: a step of the ramp runs {count} micro-batches of "
+                              f"{micro}: {exc}") from None
 
 
 @dataclass(frozen=True)

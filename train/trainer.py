@@ -170,7 +170,7 @@ class Trainer:
         pipelined = self.pipe is not None
         set_aux_loss_scale(self.model, accumulation=1 if pipelined else plan.accum,
                            microbatches=plan.accum if pipelined else 1, token_slices=self.dist.topology.layout.tp)
-        self.aux_accum = 1 if pipelined else plan.accum  # the accumulation the aux-loss scale is set for
+        self.aux_accum = plan.accum  # the micro-batch count the aux-loss scale is set for (a ramp changes it)
         self.guard = Guard(self.model, self.dist, cfg.train.on_nonfinite)
         self.spikes = None  # --train.spike_skip: the recent good steps' loss and grad norm (train.spikes)
         if cfg.train.spike_skip > 0:
@@ -336,14 +336,16 @@ class Trainer:
         the step's micro-batches (a batch-size ramp's; default the run's)."""
         plan = self.plan
         micro, accum = (split.micro_batch, split.accum) if split is not None else (plan.micro_batch, plan.accum)
-        if self.pipe is not None:  # the schedule runs every micro-batch's forward and backward (no ramp: plan)
+        if self.aux_accum != accum:  # a ramp step with another micro-batch count: each aux loss counts 1/accum
+            piped = self.pipe is not None  # the schedule's micro-batches, or the accumulation loop's
+            set_aux_loss_scale(self.model, accumulation=1 if piped else accum, microbatches=accum if piped else 1,
+                               token_slices=self.dist.topology.layout.tp)
+            self.aux_accum = accum
+        if self.pipe is not None:  # the schedule runs every micro-batch's forward and backward (a ramp: fewer of them)
             x, y = self.windows(batch)
             with self.autocast():
-                loss = self.pipe.step(x.to(plan.device), y.to(plan.device), plan.accum)
-            return loss.detach() * plan.accum
-        if self.aux_accum != accum:  # a ramp step with another micro-batch count: each aux loss counts 1/accum
-            set_aux_loss_scale(self.model, accumulation=accum, token_slices=self.dist.topology.layout.tp)
-            self.aux_accum = accum
+                loss = self.pipe.step(x.to(plan.device), y.to(plan.device), accum)
+            return loss.detach() * accum
         loss_sum = torch.zeros((), device=plan.device)
         for m in range(accum):
             loss = self.forward_loss(batch[m * micro : (m + 1) * micro])
