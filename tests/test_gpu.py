@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from pathlib import Path
 
@@ -616,6 +617,42 @@ def test_training_on_device_fp32_matches_cpu_and_bf16_learns(tmp_path, preset):
     assert dev32[-1]["loss"] == pytest.approx(cpu[-1]["loss"], rel=2e-2)
     assert bf16[0]["loss"] == pytest.approx(cpu[0]["loss"], rel=2e-2)
     assert bf16[-1]["loss"] < bf16[0]["loss"] - 0.1, [m["loss"] for m in bf16]
+
+
+def test_parameter_ema_on_device_follows_the_recurrence_and_the_trainer_reports_it(tmp_path):
+    """The parameter average (moekit.train.ema) on the device beside the trainer's AdamW (fused on CUDA): one
+    foreach lerp per update equals the recurrence in float64 over the weights after each step, swapping for an
+    evaluation restores every bit; a trainer run on the device reports val_loss_ema."""
+    from moekit.models.config import PRESETS
+    from moekit.models.transformer import build_model
+    from moekit.train.ema import ParameterEMA
+
+    cfg = dataclasses.replace(PRESETS["mixtral-tiny"], hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                              ffn_hidden_size=128, moe_ffn_hidden_size=64, max_seq_len=32)
+    model = build_model(cfg, device=DEVICE, seed=3)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=DEVICE.type == "cuda")
+    ema, decay = ParameterEMA(opt, 0.8), 0.8
+    want: dict[str, torch.Tensor] = {}
+    for step in range(1, 6):
+        tokens = torch.randint(0, cfg.vocab_size, (4, 32), generator=torch.Generator().manual_seed(step)).to(DEVICE)
+        model(tokens, targets=tokens).backward()
+        opt.step()
+        opt.zero_grad()
+        ema.update(step)
+        for n, p in model.named_parameters():
+            w = p.detach().double().cpu()
+            want[n] = w if n not in want else want[n] + (1 - decay) * (w - want[n])
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(opt.state[p]["ema"].double().cpu(), want[n], rtol=1e-5, atol=1e-6)
+    trained = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with ema.swapped():
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.double().cpu(), want[n], rtol=1e-5, atol=1e-6)
+    assert all(torch.equal(p, trained[n]) for n, p in model.named_parameters())
+    rows = train(tmp_path / "run", "--steps", "4", "--train.device", DEVICE.type, "--train.ema_decay", "0.9",
+                 "--eval.every", "2")
+    evaluated = [r for r in rows if "val_loss" in r]
+    assert [r["step"] for r in evaluated] == [2, 4] and all(math.isfinite(r["val_loss_ema"]) for r in evaluated)
 
 
 def test_profiled_run_on_device_attributes_kernel_time_and_snapshots_memory(tmp_path):
