@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -56,7 +57,7 @@ class Generation:
     new_ids: list[int]
     seconds: float  # the whole decode, prefill included
     first_token_s: float  # prompt forward and the first token (time to first token)
-    stopped: str  # "eos" or "length"
+    stopped: str  # "eos", "length", or "stop" (the caller's stop condition)
     prompt_dropped: int = 0  # prompt tokens beyond the window (module docstring)
     shifts: int = 0  # times the window moved on
     forwards: int = 0  # main-model forwards (prefills included)
@@ -94,8 +95,10 @@ class Generation:
 
 @torch.inference_mode()
 def generate(model: Transformer, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling = Sampling(), *,
-             seed: int = 0, eos_ids: tuple[int, ...] = (), use_cache: bool = True) -> Generation:
-    """Decode up to ``max_new_tokens`` after ``prompt_ids`` (one sequence), stopping at an id in ``eos_ids``.
+             seed: int = 0, eos_ids: tuple[int, ...] = (), use_cache: bool = True,
+             stop: Callable[[list[int]], bool] | None = None) -> Generation:
+    """Decode up to ``max_new_tokens`` after ``prompt_ids`` (one sequence), stopping at an id in ``eos_ids``, or
+    once ``stop(new ids so far)`` is true (a stop string: the caller decodes and looks; ``stopped`` is "stop").
 
     use_cache: KV cache (the prompt once, then one token per step) or the whole window every step."""
     if not prompt_ids:
@@ -123,6 +126,9 @@ def generate(model: Transformer, prompt_ids: list[int], max_new_tokens: int, sam
             stopped = "eos"
             break
         seq.append(token)
+        if stop is not None and stop(seq[len(prompt_ids):]):
+            stopped = "stop"
+            break
         if len(seq) - start > W:  # the window is full: move on to the newest `keep` tokens
             start, cache, shifts = len(seq) - keep, None, shifts + 1
     seconds = time.perf_counter() - t0

@@ -3,6 +3,7 @@
     moekit-eval RUN_DIR|CHECKPOINT|HF_DIR [--data FILE] [--split val|all] [--seq-len N] [--batch-size B]
                 [--batches N] [--max-tokens N] [--capacity dropless|trained] [--out JSON] [--device D] [--dtype T]
                 [--specialisation] [--tasks FILE|@next-line|@continuation[,...]] [--limit N] [--fewshot K]
+                [--max-new-tokens N] [--samples JSONL]
 
 Data: ``--data FILE`` (a token file, or any token data moekit-train's --data.path reads), else the data the
 run trained on (its config: path, blend or text, and its --data.val_path file), else (an HF folder) the
@@ -40,6 +41,11 @@ or {"context", "choices", "label"}; ``@next-line`` and ``@continuation`` are bui
 evaluation data (which line comes next, which ending a window has; of 4). --limit N scores the first N items of each
 (a built-in task: 500 by default). --fewshot K starts each item of a file with K solved items of the same file (not
 the built-in tasks, whose context is the text itself).
+
+Generative tasks (moekit.train.gen_tasks) go in the same --tasks: GSM8K ({question, answer "... #### N"}) and
+{prompt, answer}. The model writes each answer (greedy, at most --max-new-tokens, 256 by default, cut at the task's
+stop strings) and the answer is compared with the reference: exact_match, and GSM8K's flexible_match (the last
+number) or the qa format's contains, each with its standard error.
 
 Routing (--capacity): ``dropless`` (default) evaluates the model as moekit-generate runs it (every slot
 kept; moekit.train.inference); ``trained`` keeps the router's capacity factor, as the trainer's
@@ -90,18 +96,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--specialisation", action="store_true",
                    help="also report which tokens and positions each expert receives (module docstring)")
     p.add_argument("--tasks", action="append", metavar="TASK[,TASK]",
-                   help="score multiple-choice tasks instead of the loss: task files (.jsonl / .json / .parquet: "
-                        "hellaswag, arc, openbookqa, piqa, sciq, mmlu, winogrande or {context, choices, label}) "
-                        "and/or @next-line, @continuation (built from the held-out data); comma-separated or repeated")
+                   help="score tasks instead of the loss: multiple-choice files (.jsonl / .json / .parquet: "
+                        "hellaswag, arc, openbookqa, piqa, sciq, mmlu, winogrande or {context, choices, label}), "
+                        "generative ones (gsm8k, {prompt, answer}) and/or @next-line, @continuation (built from the "
+                        "held-out data); comma-separated or repeated")
     p.add_argument("--limit", type=int, metavar="N",
                    help=f"--tasks: score the first N items of each task (default: all; a built-in task: "
                         f"{BUILTIN_ITEMS})")
     p.add_argument("--fewshot", type=int, default=0, metavar="K",
                    help="--tasks files: start each item with K solved items of the same file (model cards' 5-shot "
                         "MMLU, 25-shot ARC); default 0")
+    p.add_argument("--max-new-tokens", type=int, default=256, metavar="N",
+                   help="generative --tasks (gsm8k, {prompt, answer}): the most tokens an answer may take (default 256)")
     p.add_argument("--samples", metavar="JSONL",
                    help="--tasks: also write one record per item here (its context, choices, label, each choice's "
-                        "log-likelihood and tokens, the picks), to see what the model got wrong")
+                        "log-likelihood and tokens, the picks; a generative task's prompt, generation and verdict), "
+                        "to see what the model got wrong")
     p.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)  # no stdout report (library use)
     return p
 
@@ -128,7 +138,7 @@ def run(args: argparse.Namespace) -> dict:
                                          window_sources)
     from moekit.train.inference import load_for_inference
 
-    for name in ("--seq-len", "--batch-size", "--batches", "--max-tokens", "--limit"):
+    for name in ("--seq-len", "--batch-size", "--batches", "--max-tokens", "--limit", "--max-new-tokens"):
         _positive(name, getattr(args, name[2:].replace("-", "_")))
     if args.fewshot < 0:
         raise UserError(f"--fewshot {args.fewshot} is invalid; it must be a number of examples >= 0")
@@ -227,8 +237,9 @@ def run_tasks(args, specs: list[str], model, tokenizer, info, split, seq_len: in
     """--tasks: every task's accuracies (module docstring)."""
     from moekit.train.builtin_tasks import WINDOWS_PER_ITEM, builtin_task, window_texts
     from moekit.train.evaluation import choose_windows
+    from moekit.train.gen_tasks import GenTask, report as gen_report
     from moekit.train.task_eval import encode_task, report as task_report, score_requests, task_result, task_samples
-    from moekit.train.tasks import read_task
+    from moekit.train.tasks import read_any
 
     if tokenizer is None:
         raise UserError(f"--tasks needs the model's tokenizer to encode the tasks' text: {info.no_tokenizer}")
@@ -241,15 +252,23 @@ def run_tasks(args, specs: list[str], model, tokenizer, info, split, seq_len: in
             tokens, _, starts = choose_windows(split, args.split, WINDOWS_PER_ITEM * count)  # --split: val or all
             tasks.append(builtin_task(spec, window_texts(tokens, starts, seq_len, tokenizer), count))
         else:
-            tasks.append(read_task(spec, args.limit, args.fewshot))
+            tasks.append(read_any(spec, args.limit, args.fewshot))
     # a moekit run's documents each follow an EOS; an HF folder's tokenizer adds its own BOS
     prefix = [tokenizer.eos_id] if info.kind != "hf" and tokenizer.eos_id is not None else []
     note(f"{info.describe()}; tokenizer {tokenizer.describe()}")
     for line in info.routing:
         note(f"note: {line}")
-    results, samples = [], []
+    results, generated, samples = [], [], []
     device = info.device
     for task in tasks:
+        if isinstance(task, GenTask):  # the model writes its answers (moekit.train.gen_tasks)
+            note(f"{task.name}: {len(task.items):,} items ({task.format}, generated: at most {args.max_new_tokens} "
+                 f"tokens each)")
+            result, rows = generate_task(task, model, tokenizer, prefix, args.max_new_tokens,
+                                         progress=None if args.quiet else note)
+            generated.append(result)
+            samples += rows if args.samples else []
+            continue
         requests, cut = encode_task(task, tokenizer, seq_len, prefix)
         note(f"{task.name}: {len(task.items):,} items ({task.format}), {len(requests):,} choices, windows up to "
              f"{seq_len} tokens")
@@ -258,10 +277,11 @@ def run_tasks(args, specs: list[str], model, tokenizer, info, split, seq_len: in
         results.append(task_result(task, requests, loglik, cut))
         samples += task_samples(task, requests, loglik) if args.samples else []
     result = {"path": str(info.path), "checkpoint": str(info.checkpoint) if info.checkpoint else None,
-              "step": info.step, "ema": info.averaged, "model": info.config.name, "seq_len": seq_len, "device": str(info.device),
-              "dtype": str(info.dtype).removeprefix("torch."), "capacity": args.capacity, "tasks": results}
+              "step": info.step, "ema": info.averaged, "model": info.config.name, "seq_len": seq_len,
+              "device": str(info.device),
+              "dtype": str(info.dtype).removeprefix("torch."), "capacity": args.capacity, "tasks": results + generated}
     if not args.quiet:
-        print(task_report(results))
+        print("\n\n".join(([task_report(results)] if results else []) + ([gen_report(generated)] if generated else [])))
     if args.samples:
         try:
             Path(args.samples).write_text("".join(json.dumps(r) + "\n" for r in samples))
@@ -269,6 +289,40 @@ def run_tasks(args, specs: list[str], model, tokenizer, info, split, seq_len: in
             raise UserError(f"--samples {args.samples}: cannot write it: {describe_os_error(exc)}") from None
         _note(f"wrote {args.samples} ({len(samples):,} items)")
     return result
+
+
+def generate_task(task, model, tokenizer, prefix: list[int], max_new_tokens: int, progress=None) -> tuple[dict, list]:
+    """A generative task's result and its samples: each item's answer decoded greedily (moekit.train.decoding),
+    stopped at an end token or once the decoded text holds a stop string, cut there and judged."""
+    import time
+
+    from moekit.train.decoding import generate
+    from moekit.train.gen_tasks import cut_at_stops, gen_result, judge
+
+    window = model.config.max_seq_len
+    room = max(1, window - max_new_tokens)  # the prompt's tokens that fit beside the answer
+    verdicts, rows, cut = [], [], 0
+    last = time.monotonic()
+    for i, item in enumerate(task.items):
+        ids = prefix + tokenizer.encode(item.prompt)
+        if len(ids) > room:  # keep the end of the prompt (the item itself), as the choices' windows do
+            ids, cut = ids[-room:], cut + 1
+
+        def stop(new: list[int]) -> bool:  # the answer so far holds a stop string
+            return any(s in tokenizer.decode(new) for s in task.stops)
+
+        out = generate(model, ids, max_new_tokens, eos_ids=tuple(tokenizer.eos_ids), stop=stop)
+        text = cut_at_stops(tokenizer.decode(out.new_ids), task.stops)
+        verdict = judge(task, item, text)
+        verdicts.append(verdict)
+        rows.append({"task": task.name, "index": i, "where": item.where, "prompt": item.prompt, "generation": text,
+                     "targets": item.targets, "extracted": verdict["extracted"], "correct": verdict["exact"],
+                     "stopped": out.stopped})
+        if progress is not None and time.monotonic() - last > 5.0:
+            progress(f"{task.name}: {i + 1}/{len(task.items)} items, exact_match so far "
+                     f"{sum(v['exact'] for v in verdicts) / len(verdicts):.3f}")
+            last = time.monotonic()
+    return gen_result(task, verdicts, cut, max_new_tokens), rows
 
 
 def finish(args, result: dict, out: Path | None) -> dict:

@@ -288,6 +288,13 @@ def detect_format(record: dict, where: str) -> str:
     for name, (keys, _) in FORMATS.items():
         if keys <= record.keys():
             return name
+    from moekit.train.gen_tasks import detect_gen_format
+
+    generative = detect_gen_format(record)
+    if generative is not None:  # read_any reads it; the trainer's in-loop scoring does not
+        raise UserError(f"{where}: a generative task ({generative}: the model writes its answer); the trainer's "
+                        f"--eval.tasks scores multiple-choice tasks only: score it after training with moekit-eval "
+                        f"--tasks {re.sub(r' (line|record|row) [0-9]+$', '', where)}")
     known = "; ".join(f"{name} {{{', '.join(sorted(keys))}}}" for name, (keys, _) in FORMATS.items())
     raise UserError(f"{where}: a record with fields {sorted(record)[:12]} is no task format moekit reads; the "
                     f"formats and the fields that identify them: {known}")
@@ -310,6 +317,25 @@ def read_task(path: str, limit: int | None = None, fewshot: int = 0, seed: int =
     if fewshot:
         items = with_fewshot(items, fewshot, seed, path)
     return Task(Path(path).stem, path, fmt, items[:limit] if limit is not None else items, fewshot)
+
+
+def read_any(path: str, limit: int | None = None, fewshot: int = 0, seed: int = 0):
+    """A multiple-choice Task (``read_task``) or a generative one (moekit.train.gen_tasks.GenTask), by the first
+    record's fields (moekit-eval --tasks)."""
+    import itertools
+
+    from moekit.train.gen_tasks import detect_gen_format, gen_task
+
+    records = _records(path)
+    first = next(records, None)
+    if first is None:
+        raise UserError(f"--tasks {path}: holds no record; give a task file with items")
+    record = first[1]
+    if isinstance(record, dict) and not any(keys <= record.keys() for keys, _ in FORMATS.values()):
+        fmt = detect_gen_format(record)
+        if fmt is not None:
+            return gen_task(path, itertools.chain([first], records), fmt, limit, fewshot, seed)
+    return read_task(path, limit, fewshot, seed)
 
 
 FEWSHOT_DELIMITER = "\n\n"  # between solved examples, and before the item itself
