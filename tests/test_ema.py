@@ -235,3 +235,27 @@ def test_the_planner_counts_the_average(optimizer):
     with_ema = estimate_memory(cfg, Layout(), Workload(**wl, ema=True)).optimizer
     assert with_ema == measured
     assert with_ema - estimate_memory(cfg, Layout(), Workload(**wl)).optimizer == 4 * sum(p.numel() for p in model.parameters())
+
+
+def test_the_report_shows_the_averages_loss(run, tmp_path):
+    """moekit-heatmap's report: a "val_loss EMA" column and final_val_loss_ema in its data when a run kept the
+    average; a report of runs without one has no such column."""
+    import re
+
+    from moekit.train import heatmap
+
+    def report(*runs) -> tuple[str, dict]:
+        out = tmp_path / "r.html"
+        argv = ["--compare", *map(str, runs)] if len(runs) > 1 else [str(runs[0])]
+        assert heatmap.main([*argv, "--html", str(out)]) == 0
+        page = out.read_text()
+        return page, json.loads(re.search(r'id="moekit-report-data">(.*?)</script>', page, re.S)[1])
+
+    plain = tmp_path / "plain"
+    assert train_main([*TINY_MODEL, "--preset", "deepseek-tiny", "--steps", "2", "--run-dir", str(plain)]) == 0
+    page, data = report(run, plain)
+    assert page.count(">val_loss EMA</th>") == 1
+    assert data["runs"][0]["final_val_loss_ema"] == metrics(run)[-1]["val_loss_ema"]
+    assert data["runs"][1]["final_val_loss_ema"] is None  # NaN: no average (JSON null)
+    page, _ = report(plain)
+    assert "val_loss EMA" not in page

@@ -62,14 +62,17 @@ def _table(header: list[str], rows: list[list[str]], left: int = 2) -> str:
 
 
 def summary_rows(runs) -> tuple[list[str], list[list[str]]]:
-    header = ["run", "router", "experts", "layers", "steps", "loss", "val_loss", "imb mean", "imb p50", "imb p95",
-              "imb max", "worst-layer p95", "cv mean", "dropped", "dead", "saturated", "tokens/s"]
+    """The runs table; a "val_loss EMA" column when any run kept a parameter average (--train.ema_decay)."""
+    averaged = any(math.isfinite(r.final("val_loss_ema")) for r in runs)
+    header = ["run", "router", "experts", "layers", "steps", "loss", "val_loss", *(["val_loss EMA"] if averaged else []),
+              "imb mean", "imb p50", "imb p95", "imb max", "worst-layer p95", "cv mean", "dropped", "dead", "saturated",
+              "tokens/s"]
     rows = []
     for r in runs:
         s = r.summary
         rows.append([html.escape(r.name), html.escape(s["router"]), str(s["experts"]), str(s["layers"]),
                      f"{s['steps'][0]}-{s['steps'][1]}", _fmt(r.final("loss"), ".4f"),
-                     _fmt(r.final("val_loss"), ".4f"),
+                     _fmt(r.final("val_loss"), ".4f"), *([_fmt(r.final("val_loss_ema"), ".4f")] if averaged else []),
                      *(_fmt(s["step_imbalance"][k]) for k in ("mean", "p50", "p95", "max")),
                      _fmt(s["step_imbalance_worst_layer"]["p95"]), _fmt(s["step_cv"]["mean"]),
                      _fmt(s["dropped_fraction"], ".2f", True), _fmt(s["dead_fraction"], ".1f", True),
@@ -211,6 +214,7 @@ def write_report(runs, out: str, title: str = "moekit routing comparison", notes
     data = {"format": "moekit-report", "version": 1, "title": title,
             "runs": [{"name": r.name, "path": r.path, "summary": r.summary, "per_layer": r.analysis.per_layer(),
                       "final_loss": r.final("loss"), "final_val_loss": r.final("val_loss"),
+                      "final_val_loss_ema": r.final("val_loss_ema"),
                       "final_tasks": final_tasks(r),
                       "tokens_per_s": r.tokens_per_s()} for r in runs],
             "failed": [{"name": n, "error": e} for n, e in failed or []], "notes": notes or [], "images": images}
