@@ -125,12 +125,17 @@ def _shard_groups(t: Tensor) -> tuple:
     return tuple(mesh.get_group(i) for i, pl in enumerate(t.placements) if pl.is_shard() or isinstance(pl, _StridedShard))
 
 
-def global_grad_norm(params, device, pp_group=None) -> Tensor:
+def global_grad_norm(params, device, pp_group=None, parts: int = 0):
     """sqrt(sum of squares) of the whole gradient, whatever the sharding: local sums of squares are
     grouped by the groups their shards span and all-reduced over each (replicas are counted once);
     ``pp_group``: pipeline stages hold different parameters, so their totals add up; the last stage's replica of
-    the embedding (models.pipeline, ``pipeline_replica``) is stage 0's tensor again and is left out."""
+    the embedding (models.pipeline, ``pipeline_replica``) is stage 0's tensor again and is left out.
+
+    ``parts`` > 0: also each part's norm (a parameter's part is its ``grad_part`` index, 0 .. parts - 1: moekit.train
+    .grad_parts; an untagged one counts in the total only), in the same collectives: each group's sums are one
+    vector [total, part 0, ..., part parts-1]. Returns the norm, or (the norm, the parts' norms [parts])."""
     sums: dict[tuple, Tensor] = {}
+    by_part: dict[tuple, list[list[Tensor]]] = {}  # per group set, each part's squares (summed once, at the end)
     for p in params:
         if p.grad is not None and not getattr(p, "pipeline_replica", False):
             groups = _shard_groups(p.grad)
@@ -138,21 +143,32 @@ def global_grad_norm(params, device, pp_group=None) -> Tensor:
             primary = getattr(p, "expert_primary", None)  # [S]: replicas of an expert count once
             sq = square.sum() if primary is None else (square.flatten(1).sum(1) * primary.to(square.device)).sum()
             sums[groups] = sums.get(groups, torch.zeros((), device=device)) + sq
-    total = torch.zeros((), device=device)
+            part = getattr(p, "grad_part", None)
+            if parts and part is not None:
+                by_part.setdefault(groups, [[] for _ in range(parts)])[part].append(sq)
+    total = torch.zeros(1 + parts, device=device)
     for groups, sq in sums.items():
+        lists = by_part.get(groups)
+        if parts:  # one vector per group set: [total, part 0, ...], one all-reduce as for the scalar
+            sq = torch.stack([sq, *(torch.stack(x).sum() if x else torch.zeros((), device=device)
+                                    for x in (lists or [[]] * parts))])
         for group in groups:
             if dist.get_world_size(group) > 1:
                 dist.all_reduce(sq, group=group)
         total = total + sq
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         dist.all_reduce(total, group=pp_group)
-    return total.sqrt()
+    norms = total.sqrt()
+    return (norms[0], norms[1:]) if parts else norms[0]
 
 
-def clip_gradients(params, max_norm: float, device, pp_group=None) -> Tensor:
-    """Scale all gradients so their global norm is at most ``max_norm`` (torch's rule); returns the norm."""
+def clip_gradients(params, max_norm: float, device, pp_group=None, parts: int = 0):
+    """Scale all gradients so their global norm is at most ``max_norm`` (torch's rule); returns the norm (with
+    ``parts``: and the parts' norms before clipping, as global_grad_norm)."""
     params = [p for p in params if p.grad is not None]
-    total = global_grad_norm(params, device, pp_group)
+    total = global_grad_norm(params, device, pp_group, parts)
+    if parts:
+        total, by_part = total
     if max_norm > 0:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         # a non-finite norm leaves the gradients as they are: scaling by NaN would poison every layer and
@@ -160,4 +176,4 @@ def clip_gradients(params, max_norm: float, device, pp_group=None) -> Tensor:
         coef = torch.where(torch.isfinite(total), coef, torch.ones_like(coef))
         for p in params:
             local(p.grad).mul_(coef.to(p.grad.dtype))
-    return total
+    return (total, by_part) if parts else total

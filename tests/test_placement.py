@@ -495,6 +495,8 @@ def test_trainer_rebalances_under_fsdp_hierarchical_and_pipeline(tmp_path, singl
     fsdp = metrics(tmp_path / "fsdp")
     assert losses(fsdp) == pytest.approx(losses(single), rel=1e-5, abs=1e-6)
     assert fsdp[-1]["val_loss_ema"] == pytest.approx(single[-1]["val_loss_ema"], rel=1e-5)
+    for a, b in zip(fsdp, single):  # replicated experts count once in their part, as in the total
+        assert a["grad_norm_by_part"] == pytest.approx(b["grad_norm_by_part"], rel=1e-5, abs=1e-6)
     micro = ["--checkpoint.every", "0", "--model.aux_loss_coeff", "0", "--train.micro_batch_size", "2"]
     r = train(["--run-dir", str(tmp_path / "micro"), *micro], nproc=1)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -96,7 +96,7 @@ def test_a_hung_rank_is_named_when_the_collective_times_out(tmp_path):
     env.pop("WORLD_SIZE", None)
     started = time.monotonic()
     r = run_trainer([*TINY_MODEL, "--steps", "6", "--ep", "2", "--checkpoint.every", "2", "--log.progress", "off",
-                     "--layout.timeout_s", "4", "--run-dir", str(run)], 2, env=env, timeout=120)
+                     "--layout.timeout_s", "6", "--run-dir", str(run)], 2, env=env, timeout=120)
     took = time.monotonic() - started
     assert r.returncode == 1, r.stderr[-3000:]
     errors = [line for line in r.stderr.splitlines() if " error: " in line]

@@ -26,6 +26,15 @@ def ema_losses(run_dir: Path) -> list[float]:
     return [m["val_loss_ema"] for m in rows if "val_loss_ema" in m]
 
 
+def same_parts(got_dir: Path, want_dir: Path) -> None:
+    """Each step's grad_norm_by_part (moekit.train.grad_parts) equals the reference run's."""
+    got, want = ([json.loads(line)["grad_norm_by_part"] for line in (d / "metrics.jsonl").read_text().splitlines()]
+                 for d in (got_dir, want_dir))
+    assert len(got) == len(want) and all(a.keys() == b.keys() for a, b in zip(got, want))
+    for a, b in zip(got, want):
+        assert a == pytest.approx(b, rel=1e-5, abs=1e-6), (a, b)
+
+
 def task_scores(run_dir: Path) -> list[dict]:
     """The --eval.tasks scores of every evaluation (train.task_loop)."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -186,6 +195,7 @@ def test_tp_fsdp_ep_run_matches_and_resumes_at_another_layout(tmp_path, single, 
     same_task_scores(task_scores(tmp_path), task_scores(single_run))
     want_ema = ema_losses(single_run)
     assert len(want_ema) == 1 and ema_losses(tmp_path) == pytest.approx(want_ema, rel=1e-5)
+    same_parts(tmp_path, single_run)  # each part's norm over TP, FSDP and EP shards
     resumed = tmp_path / "resumed"
     r2 = run(["--resume", str(tmp_path / "checkpoints" / "step_000002"), "--steps", "4", "--run-dir", str(resumed),
               "--ep", "2", "--checkpoint.every", "0", *TINY, *EMA], nproc=2)
@@ -234,6 +244,7 @@ def single_micro(tmp_path_factory, tasks):
         out[aux] = losses(d)
         out[aux + "-tasks"] = task_scores(d)
         out[aux + "-ema"] = ema_losses(d)
+        out[aux + "-dir"] = d
     return out
 
 
@@ -256,6 +267,7 @@ def test_pipeline_runs_match_one_process(tmp_path, single_micro, tasks, nproc, e
     assert losses(tmp_path) == pytest.approx(single_micro[aux], rel=1e-5, abs=1e-6)
     same_task_scores(task_scores(tmp_path), single_micro[aux + "-tasks"])
     assert ema_losses(tmp_path) == pytest.approx(single_micro[aux + "-ema"], rel=1e-5)
+    same_parts(tmp_path, single_micro[aux + "-dir"])  # the stages' parts added over the pipeline
     load = load_rows(tmp_path)
     assert len(load[0]["layers"]) == 2  # both stages' MoE layers in rank 0's record
     assert all(sum(map(sum, rec["tokens"])) == 8 * 32 * 2 * 2 for rec in load[1:])  # B*S*k per layer, summed

@@ -162,16 +162,25 @@ class Dist:
         dist.all_reduce(out, group=group)
         return out / dist.get_world_size(group)
 
-    def clip_grad_norm(self, params, max_norm: float) -> torch.Tensor:
-        """Global gradient norm over every shard (TP, EP, FSDP), clipped like torch's."""
+    def clip_grad_norm(self, params, max_norm: float, parts: int = 0):
+        """Global gradient norm over every shard (TP, EP, FSDP), clipped like torch's. ``parts`` > 0: (the norm, each
+        part's norm before clipping [parts]), a parameter's part its ``grad_part`` (moekit.train.grad_parts)."""
         grads = [p.grad for p in params if p.grad is not None]
         if not self.active:
+            by_part = None
+            if parts:  # before clipping; the total stays torch's own computation
+                tagged = [p for p in params if p.grad is not None and getattr(p, "grad_part", None) is not None]
+                by_part = torch.zeros(parts, device=self.device)
+                if tagged:
+                    norms = torch.stack(torch._foreach_norm([p.grad for p in tagged])).float()
+                    index = torch.tensor([p.grad_part for p in tagged], device=norms.device)
+                    by_part = by_part.index_add(0, index, norms.square()).sqrt()
             total = torch.nn.utils.get_total_norm(grads)
             if max_norm > 0:  # a non-finite norm leaves the gradients as they are (comm.grad_sync.clip_gradients)
                 torch.nn.utils.clip_grads_with_norm_(params, max_norm, torch.where(total.isfinite(), total, 0.0))
-            return total
+            return (total, by_part) if parts else total
         pp = self.topology.group("pp") if self.topology.layout.pp > 1 else None
-        return clip_gradients(params, max_norm, self.device, pp)
+        return clip_gradients(params, max_norm, self.device, pp, parts)
 
     def reduce_load(self, load: dict) -> dict:
         """Sum every layer's expert counts over the stage's ranks (data ranks x TP token slices): the record

@@ -283,7 +283,8 @@ BY_SOURCE = ("val_loss_by_source", "tokens_by_source")  # metrics.jsonl's per-se
 
 def source_scalars(m: dict) -> dict[str, float]:
     """{"<key>/<set file name>": value} for the per-set dicts of a metrics row (TensorBoard / W&B scalars); the
-    full path where two sets share a file name. Also each --eval.tasks task's "tasks/<name>/acc", "acc_norm" and "correct_nll"."""
+    full path where two sets share a file name. Also each --eval.tasks task's "tasks/<name>/acc", "acc_norm" and "correct_nll",
+    and each part's gradient norm, "grad_norm/<part>" (moekit.train.grad_parts)."""
     from moekit.train.data import set_names
 
     out = {}
@@ -292,6 +293,7 @@ def source_scalars(m: dict) -> dict[str, float]:
         out.update((f"{key}/{name}", v) for name, v in zip(set_names(values), values.values()))
     for name, r in (m.get("tasks") or {}).items():  # --eval.tasks (train.task_loop)
         out.update({f"tasks/{name}/{key}": r[key] for key in ("acc", "acc_norm", "correct_nll")})
+    out.update((f"grad_norm/{part}", v) for part, v in (m.get("grad_norm_by_part") or {}).items())  # train.grad_parts
     return out
 
 

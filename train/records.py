@@ -11,16 +11,16 @@ moekit-heatmap and the report, are in train/record_readers.py and re-exported he
         previous/N/        an earlier attempt's records, set aside by --resume auto when it found no checkpoint
                            (``set_aside``; N counts up, so repeated restarts never overwrite one)
 
-metrics.jsonl keys: step, loss (LM cross-entropy over the global batch), aux_loss (router aux losses
-added to the objective: sum over MoE layers of the mean over micro-batches), lr, grad_norm (before
-clipping), tokens_per_s, tokens (seen so far), elapsed_s, mem_gb (peak), mfu (null where the device
-peak is unknown), imbalance (mean over MoE layers of max/mean tokens per expert), imbalance_max (the
-worst layer), dropped_fraction (dropped slots / routed slots, all layers); val_loss on evaluation
-steps, and val_loss_ema with --train.ema_decay (the parameter average's loss on the same windows: moekit.train.ema);
-with multi-token prediction (models.mtp) mtp_loss (the depths' mean loss) and val_mtp_loss (the same on the
-validation windows, evaluation steps); gpu_* telemetry when nvidia-ml-py is present. With moekit.train.monitor.load_metrics: balance_loss
-and z_loss (the routers' unweighted terms, mean over MoE layers), sequence_imbalance (routers with
-balance="sequence"), cv, dead_experts.
+metrics.jsonl keys: step, loss (LM cross-entropy over the global batch), aux_loss (router aux losses added to
+the objective: sum over MoE layers of the mean over micro-batches), lr, grad_norm (before clipping),
+grad_norm_by_part ({part: its norm}, moekit.train.grad_parts), tokens_per_s, tokens (seen so far), elapsed_s,
+mem_gb (peak), mfu (null where the device peak is unknown), imbalance (mean over MoE layers of max/mean tokens per
+expert), imbalance_max (the worst layer), dropped_fraction (dropped slots / routed slots, all layers); val_loss on
+evaluation steps, and val_loss_ema with --train.ema_decay (the parameter average's loss on the same windows:
+moekit.train.ema); with multi-token prediction (models.mtp) mtp_loss (the depths' mean loss) and val_mtp_loss (the
+same on the validation windows, evaluation steps); gpu_* telemetry when nvidia-ml-py is present. With
+moekit.train.monitor.load_metrics: balance_loss and z_loss (the routers' unweighted terms, mean over MoE layers),
+sequence_imbalance (routers with balance="sequence"), cv, dead_experts.
 
 The expert-load record, one entry per written optimizer step (every step, or every ``stride``-th):
 

@@ -30,7 +30,7 @@ from moekit.models.transformer import Transformer, meta_device
 from moekit.moe import collect_load, update_router_biases
 from moekit.moe.layer import set_aux_loss_scale
 from moekit.train import (UserError, checkpoint, faults, hfrun, host_memory, program_name, records, resume,
-                          ema, rundir, runlock, spikes, stalls)
+                          ema, grad_parts, rundir, runlock, spikes, stalls)
 from moekit.train.cli import Options
 from moekit.train.plan import StepBatch, lr_lambda, make_optimizer, plan_run
 from moekit.train.rebalance import RunPlacement
@@ -107,6 +107,7 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)  # router jitter and any other global-RNG draws
         with meta_device():
             self.model = Transformer(cfg.model)
+        self.parts = grad_parts.present(self.model)  # the whole model's (a pipeline rank holds some of them)
         # which experts each EP rank holds: a placement file, a rebalancing run's checkpoint, or contiguous blocks
         self.placement = RunPlacement.for_run(cfg, self.dist.topology, self.model, self.resume_from)
         # The model stays on the meta device until it is parallelised; each rank then allocates its share and fills
@@ -145,6 +146,7 @@ class Trainer:
             set_attribute(self.model, "residual_dtype", plan.residual_dtype)
         # on the meta device until now: each rank allocates and fills only what it holds
         self.model.to_empty(device=plan.device)
+        grad_parts.tag(self.model)  # each parameter's part, for grad_norm_by_part (to_empty made new Parameters)
         if self.dist.active:  # to_empty made new Parameters: mark the replicated experts' rows again
             from moekit.comm.relocate import tag_primaries
 
@@ -467,7 +469,8 @@ class Trainer:
             loss_value = self.dist.mean(loss_sum / split.accum).item()  # D2H sync: finiteness check, records
             mtp = (self.pipe or self.model).pop_mtp_loss() if cfg.model.mtp_layers else None  # models.mtp: depths' mean
             mtp_value = self.dist.mean(mtp).item() if mtp is not None else None  # D2H sync (only with MTP)
-            grad_norm = self.dist.clip_grad_norm(params, cfg.train.grad_clip).item()  # D2H sync: before the update
+            grad_norm, by_part = self.dist.clip_grad_norm(params, cfg.train.grad_clip, len(grad_parts.PARTS))
+            grad_norm, *by_part = torch.cat([grad_norm.reshape(1), by_part]).tolist()  # D2H sync: before the update
             spike = self.spikes.check(loss_value, grad_norm) if self.spikes is not None else None
             event = self.guard.check(step, loss_value, grad_norm, spike)  # collective: every rank decides alike
             stop = self.dist.agree_stop()  # rode on that collective: a signal on any rank stops all of them
@@ -496,6 +499,7 @@ class Trainer:
             self.tokens_seen += step_tokens
             m = self.step_metrics(step, loss_value, grad_norm, lr, load, dt, self.tokens_seen,
                                   time.perf_counter() - t_start, step_tokens)
+            m["grad_norm_by_part"] = {part: by_part[grad_parts.PARTS.index(part)] for part in self.parts}
             if cfg.train.batch_size_start:  # a batch-size ramp: this step's global batch
                 m["batch_size"] = split.size
             if mtp_value is not None:
