@@ -57,7 +57,10 @@ def test_skip_discards_the_step_and_names_the_gradient(tmp_path, monkeypatch, ca
     # the keys every metrics line has (DESIGN.md), with nothing measured for a discarded step
     assert got[1]["loss"] is None and got[1]["aux_loss"] is None and got[1]["tokens_per_s"] == 0.0
     assert got[1]["lr"] > 0
-    assert "step=2 skipped: non-finite gradient norm (nan)" in capsys.readouterr().out
+    assert "step=2 skipped: non-finite gradient norm (nan)" in (out := capsys.readouterr().out)
+    assert "; non-finite gradient in router" in out  # the part whose norm went bad (moekit.train.grad_parts)
+    parts = got[1]["grad_norm_by_part"]
+    assert parts["router"] is None and all(v is not None for k, v in parts.items() if k != "router"), parts
     assert np.isfinite([got[0]["loss"], got[2]["loss"], got[2]["grad_norm"]]).all()
     assert [r["step"] for r in load_rows(run)[1:]] == [1, 3]  # no load line for step 2
     # the scheduler did not move at step 2: step 3 trains at the LR a clean run uses at step 2

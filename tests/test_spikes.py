@@ -78,8 +78,11 @@ def test_a_spike_is_skipped_and_leaves_no_trace(tmp_path, monkeypatch, capsys):
     assert event["value"] == pytest.approx(norms[7], rel=1e-5)
     assert "standard deviations above the mean" in event["where"] and "last 6 steps" in event["where"]
     assert got[8]["lr"] == ref[7]["lr"] and not got[8].get("skipped")
+    parts = event["grad_norm_by_part"]  # the drilled router's gradient is the part that spiked
+    assert max(parts, key=parts.get) == "router" and parts["router"] > 10 * got[6]["grad_norm_by_part"]["router"]
     out = capsys.readouterr().out
     assert "step=8 skipped: gradient norm spike (" in out
+    assert "; the largest part of the gradient norm: router " in out
     assert "Skipped 1 step(s) (1 spike(s), 0 non-finite)" in out.splitlines()[-1]
 
 

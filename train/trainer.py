@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import shutil
 import sys
 import time
@@ -477,7 +478,7 @@ class Trainer:
             if event is not None and event.action == "stop":
                 return self.stop_nonfinite(event, step)
             if event is not None:  # skip: no optimizer, schedule or router-bias update; the batch is consumed
-                self.skip_step(event, step)
+                self.skip_step(event, step, self.part_norms(by_part))
                 self.profiler.end(step)
                 self.profiler.report()
                 continue
@@ -499,7 +500,7 @@ class Trainer:
             self.tokens_seen += step_tokens
             m = self.step_metrics(step, loss_value, grad_norm, lr, load, dt, self.tokens_seen,
                                   time.perf_counter() - t_start, step_tokens)
-            m["grad_norm_by_part"] = {part: by_part[grad_parts.PARTS.index(part)] for part in self.parts}
+            m["grad_norm_by_part"] = self.part_norms(by_part)
             if cfg.train.batch_size_start:  # a batch-size ramp: this step's global batch
                 m["batch_size"] = split.size
             if mtp_value is not None:
@@ -624,15 +625,27 @@ class Trainer:
         self.val_by_source, self.val_mtp = kept
         return loss
 
-    def skip_step(self, event: NonFinite, step: int) -> None:
+    def part_norms(self, by_part: list[float]) -> dict[str, float]:
+        """{part: its gradient norm} of the parts the model has (moekit.train.grad_parts)."""
+        return {part: by_part[grad_parts.PARTS.index(part)] for part in self.parts}
+
+    def skip_step(self, event: NonFinite, step: int, parts: dict[str, float]) -> None:
+        """A skipped step's record and line; ``parts``: its gradient norm by part (which part spiked or went bad)."""
         self.guard.discard_step(self.model, self.optimizer)
         if self.cfg.train.qk_clip:  # the skipped step's logits do not count (no update took place)
             from moekit.models import qk_clip
 
             qk_clip.reset(self.model)
         if self.dist.is_main:
-            self.metrics.write(event.record(step, self.optimizer.param_groups[0]["lr"]))
-            self.monitor.print(f"step={step} skipped: {event.describe()}; {event.where}")
+            record = event.record(step, self.optimizer.param_groups[0]["lr"])
+            record["grad_norm_by_part"] = {k: v if math.isfinite(v) else None for k, v in parts.items()}
+            self.metrics.write(record)
+            finite = {k: v for k, v in parts.items() if math.isfinite(v)}
+            bad = [k for k, v in parts.items() if not math.isfinite(v)]
+            part = (f"; non-finite gradient in {', '.join(bad)}" if bad else
+                    f"; the largest part of the gradient norm: {max(finite, key=finite.get)} "
+                    f"{max(finite.values()):.4g}" if finite else "")
+            self.monitor.print(f"step={step} skipped: {event.describe()}; {event.where}{part}")
 
     def stop_nonfinite(self, event: NonFinite, step: int) -> int:
         self.optimizer.zero_grad(set_to_none=True)
