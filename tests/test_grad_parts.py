@@ -82,3 +82,10 @@ def test_the_trainer_writes_each_steps_parts(tmp_path):
         parts = r["grad_norm_by_part"]
         assert list(parts) == [p for p in PARTS if p in parts] and {"router", "experts", "attention"} <= set(parts)
         assert math.sqrt(sum(v * v for v in parts.values())) == pytest.approx(r["grad_norm"], rel=1e-5)
+    from moekit.train import heatmap  # the report draws them: every part of the run, and its router's
+
+    out = tmp_path / "r.html"
+    assert heatmap.main([str(run), "--html", str(out)]) == 0
+    page = out.read_text()
+    section = page[page.index('id="gradients"'):]
+    assert "Gradient norm by part" in section[:300] and "<img" in section[:2000]

@@ -322,6 +322,7 @@ def test_report_draws_the_downstream_tasks_only_when_a_run_scored_them(tmp_path,
     plain = tmp_path / "plain.html"
     assert heatmap.main([str(run), "--html", str(plain)]) == 0
     assert '<section id="tasks">' not in plain.read_text()
+    assert '<section id="gradients">' not in plain.read_text()  # no grad_norm_by_part in its metrics either
     rng = np.random.default_rng()
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     scored = {}

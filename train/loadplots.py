@@ -366,6 +366,42 @@ def fig_tasks(runs: list[Series]):
     return fig
 
 
+def grad_part_names(runs: list[Series]) -> list[str]:
+    """The parts any run recorded a gradient norm for (metrics.jsonl grad_norm_by_part), first met first."""
+    return list(dict.fromkeys(k for r in runs for m in r.metrics for k in (m.get("grad_norm_by_part") or {})))
+
+
+def fig_grad_parts(runs: list[Series]):
+    """The gradient norm by part (moekit.train.grad_parts), binned over steps, log scale: every part of the first
+    run that recorded them beside its global norm, and each run's router part (the usual first sign of an unstable
+    MoE run) to compare runs."""
+    fig, axes = _panels(2)
+    parts_ax, router_ax = axes[0]
+    names = grad_part_names(runs)
+    first = next(r for r in runs if any(m.get("grad_norm_by_part") for m in r.metrics))
+    x, y = _metric(first.metrics, "grad_norm")
+    parts_ax.plot(*binned_curve(x, y), color="black", lw=1.4, label="global")
+    for j, name in enumerate(names):
+        rows = [(m["step"], m["grad_norm_by_part"].get(name)) for m in first.metrics
+                if (m.get("grad_norm_by_part") or {}).get(name) is not None and not m.get("skipped")]
+        if rows:
+            bx, by = binned_curve(np.array([s for s, _ in rows], dtype=np.float64), np.array([v for _, v in rows]))
+            parts_ax.plot(bx, by, color=colour(j), lw=1.1, label=name)
+    for i, r in enumerate(runs):
+        rows = [(m["step"], m["grad_norm_by_part"]["router"]) for m in r.metrics
+                if (m.get("grad_norm_by_part") or {}).get("router") is not None and not m.get("skipped")]
+        if rows:
+            bx, by = binned_curve(np.array([s for s, _ in rows], dtype=np.float64), np.array([v for _, v in rows]))
+            router_ax.plot(bx, by, color=colour(i), lw=1.2, label=r.label)
+    parts_ax.set_title(f"gradient norm by part before clipping, binned: {first.label}", fontsize=9)
+    router_ax.set_title("the routers' gradient norm, binned", fontsize=9)
+    for ax in (parts_ax, router_ax):
+        if ax.lines:
+            ax.set_yscale("log")
+    _style(parts_ax, router_ax, ylabel="L2 norm")
+    return fig
+
+
 def fig_imbalance_time(runs: list[Series]):
     fig, axes = _panels(2)
     imb, cv = axes[0]

@@ -185,6 +185,9 @@ def write_report(runs, out: str, title: str = "moekit routing comparison", notes
     if names:  # --eval.tasks
         parts.append(_section("tasks", "Downstream tasks", tasks_table(runs, names) + figure(
             loadplots.fig_tasks(series), "downstream task accuracy over steps")))
+    if loadplots.grad_part_names(series):  # metrics.jsonl grad_norm_by_part (moekit.train.grad_parts)
+        parts.append(_section("gradients", "Gradient norm by part", figure(
+            loadplots.fig_grad_parts(series), "gradient norm by part of the model over steps")))
     parts.append(_section("imbalance", "Per-step imbalance",
                           figure(loadplots.fig_imbalance_time(series), "per-step imbalance and cv over steps")
                           + figure(loadplots.fig_imbalance_dist(series), "distribution of per-step imbalance")))
