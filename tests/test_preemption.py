@@ -294,6 +294,8 @@ def test_stalled_rank_in_an_async_save_fails_within_the_timeout(tmp_path):
         assert (f"checkpoint of step 2 could not be written to {run}/checkpoints/step_000002.partial: another rank "
                 f"did not take part within --layout.timeout_s={timeout} s") in err[0]
         assert "no earlier checkpoint of this run" in err[0]
+        assert f"where the ranks were ({run}/stalls/, every thread's stack): " in err[0]  # moekit.train.stalls
+        assert " in write_data" in (run / "stalls" / "rank_00001.txt").read_text()  # rank 1's stuck writer thread
         assert took <= timeout + grace + 5, took  # torch's default would be 30 minutes
         assert ranks[1].wait(2 * timeout + grace + 15) == 1  # exits although its save thread still hangs
         assert f"was not written within --layout.timeout_s={timeout} s + {grace:g} s" in text(tmp_path / "rank1", "err")

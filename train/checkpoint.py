@@ -413,8 +413,10 @@ class Checkpointer:
         kept = f"newest checkpoint kept: {self.last}" if self.last else "no earlier checkpoint of this run"
         fix = ("find the stalled rank or filesystem (raise --layout.timeout_s only if saves legitimately take "
                "longer)" if stalled else "free space or fix permissions")
-        raise RunFailed(f"{error}; {'removed the unfinished save; ' if removed else ''}{kept}; {fix}, then "
-                        f"--resume continues from the newest checkpoint")
+        failed = RunFailed(f"{error}; {'removed the unfinished save; ' if removed else ''}{kept}; {fix}, then "
+                           f"--resume continues from the newest checkpoint")
+        failed.stalled = stalled  # the trainer adds where each rank was (moekit.train.stalls)
+        raise failed
 
     def close(self) -> None:
         """Let an unfinished save end before the process group goes, waiting at most ``wait_s`` (no

@@ -407,6 +407,11 @@ class Trainer:
                 code = self.loop()
                 ended = True
                 return code
+        except RunFailed as exc:  # a save another rank did not finish in time: where each rank was, if they said
+            where = stalls.summarize(self.run_dir, self.dist.world) if getattr(exc, "stalled", False) else None
+            if where:
+                raise RunFailed(f"{exc}; {where}") from None
+            raise
         except OSError as exc:  # records (metrics.jsonl, ...): a full disk or a permission
             raise RunFailed(f"{runlock.describe_os_error(exc)} at step {self.step}; {self.kept()}; free space or fix "
                             f"permissions") from None
