@@ -98,6 +98,24 @@ def test_the_script_states_its_layout_and_passes_the_flags_through(tmp_path, cap
     assert subprocess.run(["bash", "-n", str(out)]).returncode == 0  # the shell parses it
 
 
+def test_check_memory_plans_the_jobs_ranks_and_writes_only_what_fits(tmp_path, capsys):
+    """--check-memory: moekit-train's dry run for 2 nodes x 4 ranks (its report on stderr, the nodes the job's: EP
+    spans both, so hierarchical dispatch), the script written when the worst rank fits and refused when not."""
+    flags = ["slurm", "--nodes", "2", "--gpus-per-node", "4", "--time", "60", "-o", str(tmp_path / "j.sbatch")]
+    train = ["--", "--preset", "mixtral-tiny", "--ep", "8"]
+    assert main([*flags, "--check-memory", "80", *train]) == 0
+    out = capsys.readouterr()
+    assert "dry run: mixtral-tiny" in out.err and "2 node(s) x 4 ranks" in out.err and ": fits" in out.err
+    assert "wrote " in out.out and (tmp_path / "j.sbatch").exists()
+    (tmp_path / "j.sbatch").unlink()
+    rc = main([*flags, "--check-memory", "0.001", *train])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and "does NOT fit" in "\n".join(err)
+    assert err[-1].startswith("launch.py: error: --check-memory 0.001: the dry run above puts a rank's peak above")
+    assert not (tmp_path / "j.sbatch").exists()
+    assert "--check-memory 0.0: a GPU's memory in GiB" in one_line(capsys, main([*flags, "--check-memory", "0", *train]))
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="bash job control and signals as on the cluster's nodes")
 def test_two_nodes_train_save_at_the_time_limit_signal_and_the_requeued_job_finishes(tmp_path):
     """The script under the stand-in Slurm, 2 nodes x 1 rank (expert parallelism across the nodes): at step >= 3 the

@@ -18,6 +18,10 @@ the expert-parallel size fail here in one line, not after the job has waited in 
   checkpoint with the losses of an uninterrupted run. Set the lead above one step plus one checkpoint save;
 * appends to one log per job (``slurm-<name>-<id>.out``) across requeues.
 
+``--check-memory GIB`` runs moekit-train's ``--dry-run`` for the job's ranks first (a fake process group and a meta
+model on this machine: every rank's weights, gradients, optimizer state and activations) and writes the script only
+when the worst rank fits in GIB of GPU memory; the plan goes to stderr.
+
 ``--setup`` lines run before the launch on the batch node (``source .venv/bin/activate``, ``module load``), and
 ``--env KEY=VALUE`` exports reach every rank (NCCL settings, for example). Exit status: 0 written, 2 bad input.
 """
@@ -65,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="an environment variable for every rank (repeatable), e.g. NCCL_IB_HCA=mlx5")
     s.add_argument("--python", default="python", metavar="EXE",
                    help="the Python that runs torchrun on the nodes (default: python on the PATH after --setup)")
+    s.add_argument("--check-memory", type=float, default=None, metavar="GIB",
+                   help="first plan every rank's memory for the job's ranks (moekit-train's --dry-run, on this "
+                        "machine) and write the script only if the worst rank's peak fits in GIB of GPU memory")
     s.add_argument("-o", "--out", default=None, metavar="FILE", help="write the script here (default: stdout)")
     s.add_argument("train", nargs=argparse.REMAINDER, metavar="-- TRAIN_FLAGS",
                    help="moekit-train's flags, after --")
@@ -140,8 +147,30 @@ def check(args) -> None:
     for e in args.env:
         if not ENV_RE.match(e):
             raise UserError(f"--env {e!r}: expected KEY=VALUE")
+    if args.check_memory is not None and not args.check_memory > 0:
+        raise UserError(f"--check-memory {args.check_memory}: a GPU's memory in GiB, e.g. 80")
     if not [a for a in args.train if a != "--"]:
         raise UserError("no training flags: put moekit-train's flags after --, e.g. -- --preset mixtral-1b --ep 8")
+
+
+def check_memory(args, flags: list[str]) -> None:
+    """--check-memory: moekit-train's dry run for the job's ranks, its report on stderr; a UserError when the worst
+    rank's peak does not fit."""
+    import contextlib
+
+    from moekit.train.cli import parse_args
+    from moekit.train.planning import dryrun
+
+    world = args.nodes * args.gpus_per_node
+    plain = [f for f in flags if f not in ("--resume", "auto")]
+    cfg, opts = parse_args([*plain, "--dry-run", "--world-size", str(world), "--dry-run-gpu-gb",
+                            f"{args.check_memory:g}", "--ranks-per-node", str(args.gpus_per_node)])  # the job's nodes
+    with contextlib.redirect_stdout(sys.stderr):
+        code = dryrun.run(cfg, opts)
+    if code == dryrun.DOES_NOT_FIT:
+        raise UserError(f"--check-memory {args.check_memory:g}: the dry run above puts a rank's peak above "
+                        f"{args.check_memory:g} GiB at {world} ranks; the script was not written. Shard more (--fsdp, "
+                        f"--ep, --tp, --pp), recompute (--train.activation_checkpointing), or a smaller micro-batch")
 
 
 def script(args, flags: list[str], cfg, argv: list[str]) -> str:
@@ -207,7 +236,10 @@ def main(argv: list[str] | None = None) -> int:
         raw = sys.argv[1:] if argv is None else list(argv)
         args = build_parser().parse_args(raw)
         check(args)
-        text = script(args, *train_flags(args), raw)
+        flags, cfg = train_flags(args)
+        if args.check_memory is not None:
+            check_memory(args, flags)
+        text = script(args, flags, cfg, raw)
         if args.out is None:
             sys.stdout.write(text)
             return 0
