@@ -276,11 +276,11 @@ def lr_lambda(cfg: TrainConfig):
     """The LR multiplier of step s (0-based; multiplies train.lr): linear warmup to 1 over warmup_steps, then,
     over the rest (progress p from 0 at step warmup_steps to 1 at the last step, steps - 1), down to min_lr_ratio:
     cosine, linear, constant (stays 1), or wsd (warmup-stable-decay: 1 until p reaches 1 - decay_fraction, then
-    wsd_decay's shape; decay_steps n: the decay that begins n steps before the end, i.e. a decay_fraction of
-    (n - 1) / (steps - 1 - warmup_steps)). The last step trains at lr * min_lr_ratio, however short the decay."""
+    wsd_decay's shape; decay_steps n: over the last n steps, its progress (step - (steps - n)) / (n - 1) counted in
+    steps, so the first of them is exactly 1 and the last the floor). The last step trains at lr * min_lr_ratio,
+    however short the decay."""
     t = cfg.train
     floor, shape = t.min_lr_ratio, DECAY_SHAPES[t.wsd_decay]
-    fraction = (t.decay_steps - 1) / max(t.steps - 1 - t.warmup_steps, 1) if t.decay_steps else t.decay_fraction
 
     def f(step: int) -> float:
         if step < t.warmup_steps:
@@ -290,9 +290,12 @@ def lr_lambda(cfg: TrainConfig):
             return 1.0
         if t.lr_schedule == "linear":
             return floor + (1 - floor) * (1 - p)
+        if t.lr_schedule == "wsd" and t.decay_steps:  # in whole steps: no rounding at the decay's first step
+            q = (step - (t.steps - t.decay_steps)) / (t.decay_steps - 1)
+            return 1.0 if q <= 0 else floor + (1 - floor) * shape(min(q, 1.0))
         if t.lr_schedule == "wsd":
-            start = 1 - fraction
-            return 1.0 if p < start else floor + (1 - floor) * shape((p - start) / fraction)
+            start = 1 - t.decay_fraction
+            return 1.0 if p < start else floor + (1 - floor) * shape((p - start) / t.decay_fraction)
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * p))
 
     return f
