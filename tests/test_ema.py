@@ -237,7 +237,7 @@ def test_the_planner_counts_the_average(optimizer):
     assert with_ema - estimate_memory(cfg, Layout(), Workload(**wl)).optimizer == 4 * sum(p.numel() for p in model.parameters())
 
 
-def test_the_report_shows_the_averages_loss(run, tmp_path):
+def test_the_report_shows_the_averages_loss(run, tmp_path, capsys):
     """moekit-heatmap's report: a "val_loss EMA" column and final_val_loss_ema in its data when a run kept the
     average; a report of runs without one has no such column."""
     import re
@@ -253,7 +253,12 @@ def test_the_report_shows_the_averages_loss(run, tmp_path):
 
     plain = tmp_path / "plain"
     assert train_main([*TINY_MODEL, "--preset", "deepseek-tiny", "--steps", "2", "--run-dir", str(plain)]) == 0
+    capsys.readouterr()
     page, data = report(run, plain)
+    table = capsys.readouterr().out
+    table = table[table.index("run  "):].splitlines()
+    column = table[0].split().index("val_loss_ema")  # the console's comparison table too
+    assert table[1].split()[column] == f"{metrics(run)[-1]['val_loss_ema']:.4f}" and table[2].split()[column] == "-"
     assert page.count(">val_loss EMA</th>") == 1
     assert data["runs"][0]["final_val_loss_ema"] == metrics(run)[-1]["val_loss_ema"]
     assert data["runs"][1]["final_val_loss_ema"] is None  # NaN: no average (JSON null)

@@ -22,6 +22,7 @@ prints the summary without it. Output paths are checked before any run is read.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -122,17 +123,20 @@ def last_value(metrics: list[dict], key: str) -> float:
 
 
 def compare_rows(runs: list[RunRecords]) -> list[list[str]]:
-    """The comparison table; runs that scored --eval.tasks get each task's last acc_norm too."""
+    """The comparison table; runs that scored --eval.tasks get each task's last acc_norm too, and a val_loss_ema
+    column comes with any run that kept a parameter average (--train.ema_decay)."""
     names = list(dict.fromkeys(name for r in runs for name in last_tasks(r.metrics)))
-    header = ["run", "router", "steps", "loss", "val_loss", "imb_mean", "imb_p50", "imb_p95", "imb_max", "cv",
-              "dropped", "dead", "tokens/s", *(f"{name} acc_norm" for name in names)]
+    averaged = any(math.isfinite(r.final("val_loss_ema")) for r in runs)
+    header = ["run", "router", "steps", "loss", "val_loss", *(["val_loss_ema"] if averaged else []), "imb_mean",
+              "imb_p50", "imb_p95", "imb_max", "cv", "dropped", "dead", "tokens/s", *(f"{name} acc_norm" for name in names)]
     rows = [header]
     for r in runs:
         s = r.summary
         si = s["step_imbalance"]
         tasks = last_tasks(r.metrics)
+        ema = [f"{r.final('val_loss_ema'):.4f}" if math.isfinite(r.final("val_loss_ema")) else "-"] if averaged else []
         rows.append([r.name, r.load.router, str(int(r.load.steps.max())), f"{r.final('loss'):.4f}",
-                     f"{r.final('val_loss'):.4f}", f"{si['mean']:.2f}", f"{si['p50']:.2f}", f"{si['p95']:.2f}",
+                     f"{r.final('val_loss'):.4f}", *ema, f"{si['mean']:.2f}", f"{si['p50']:.2f}", f"{si['p95']:.2f}",
                      f"{si['max']:.2f}", f"{s['step_cv']['mean']:.2f}", f"{100 * s['dropped_fraction']:.2f}%",
                      f"{100 * s['dead_fraction']:.1f}%", f"{r.tokens_per_s():.0f}",
                      *(f"{100 * tasks[n]['acc_norm']:.1f}%" if n in tasks else "-" for n in names)])
