@@ -22,12 +22,11 @@ generative file is refused there with the way to score it after training.
 """
 from __future__ import annotations
 
-import random
 import re
 from dataclasses import dataclass
 
 from moekit.train import UserError
-from moekit.train.tasks import FEWSHOT_DELIMITER, stderr
+from moekit.train.tasks import FEWSHOT_DELIMITER, fewshot_examples, stderr
 
 GSM8K_STOPS = ("\n\n", "Question:")
 QA_STOPS = ("\n",)
@@ -115,17 +114,10 @@ def gen_task(path: str, records, fmt: str, limit: int | None, fewshot: int, seed
         if not isinstance(record, dict):
             raise UserError(f"{where}: expected a JSON object, got {type(record).__name__}")
         items.append(convert(record, where))
-    if fewshot:
-        if len(items) <= fewshot:
-            raise UserError(f"--fewshot {fewshot} needs at least {fewshot + 1} items in {path} (K examples besides "
-                            f"each item); it has {len(items)}: use a smaller --fewshot")
-        shot = []
-        for i, item in enumerate(items):
-            rng = random.Random(f"{seed}:{i}")
-            others = [j if j < i else j + 1 for j in rng.sample(range(len(items) - 1), fewshot)]
-            prefix = "".join(items[j].prompt + items[j].solution + FEWSHOT_DELIMITER for j in others)
-            shot.append(GenItem(prefix + item.prompt, item.targets, item.solution, item.where))
-        items = shot
+    if fewshot:  # the multiple-choice tasks' examples (moekit.train.tasks.fewshot_examples), solved
+        items = [GenItem("".join(items[j].prompt + items[j].solution + FEWSHOT_DELIMITER for j in others) + item.prompt,
+                         item.targets, item.solution, item.where)
+                 for item, others in zip(items, fewshot_examples(len(items), fewshot, seed, path))]
     return GenTask(Path(path).stem, path, fmt, items[:limit] if limit is not None else items, GEN_FORMATS[fmt][2],
                    fewshot)
 

@@ -341,17 +341,22 @@ def read_any(path: str, limit: int | None = None, fewshot: int = 0, seed: int = 
 FEWSHOT_DELIMITER = "\n\n"  # between solved examples, and before the item itself
 
 
+def fewshot_examples(count: int, k: int, seed: int, path: str) -> list[list[int]]:
+    """For each of ``count`` items, the indices of its K examples: K others, drawn with random.Random("seed:i"), so
+    they depend neither on which items are scored (--limit) nor on the process. A UserError when there are too few."""
+    if count <= k:
+        raise UserError(f"--fewshot {k} needs at least {k + 1} items in {path} (K examples besides each item); it "
+                        f"has {count}: use a smaller --fewshot")
+    return [[j if j < i else j + 1 for j in random.Random(f"{seed}:{i}").sample(range(count - 1), k)]
+            for i in range(count)]
+
+
 def with_fewshot(items: list[Item], k: int, seed: int, path: str) -> list[Item]:
     """Each item with K other items of ``items``, solved (the context and the right continuation), before each of
     its contexts, FEWSHOT_DELIMITER after each. The examples of item i are drawn with random.Random((seed, i)),
     so they do not depend on which other items are scored (--limit) nor on the process."""
-    if len(items) <= k:
-        raise UserError(f"--fewshot {k} needs at least {k + 1} items in {path} (K examples besides each item); it "
-                        f"has {len(items)}: use a smaller --fewshot")
     out = []
-    for i, item in enumerate(items):
-        rng = random.Random(f"{seed}:{i}")
-        others = [j if j < i else j + 1 for j in rng.sample(range(len(items) - 1), k)]
+    for item, others in zip(items, fewshot_examples(len(items), k, seed, path)):
         shots = "".join("".join(items[j].choices[items[j].label]) + FEWSHOT_DELIMITER for j in others)
         out.append(Item([(shots + c, cont) for c, cont in item.choices], item.label, item.where))
     return out
