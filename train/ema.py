@@ -58,7 +58,6 @@ class ParameterEMA:
             raise ValueError(f"ema decay {decay} must be in (0, 1)")
         self.optimizer, self.decay, self.every, self.start = optimizer, decay, max(int(every), 1), int(start)
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
-        self.updates = 0  # updates since this process started (a resumed average counts on from its checkpoint)
 
     @property
     def started(self) -> bool:
@@ -94,7 +93,6 @@ class ParameterEMA:
             weights.append(_local(p))
         if ema:  # one fused pass over every tensor (torch groups them by device and dtype)
             torch._foreach_lerp_(ema, weights, 1.0 - self.decay ** self.every)
-        self.updates += 1
         return True
 
     @contextlib.contextmanager
