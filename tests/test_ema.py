@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -240,8 +241,6 @@ def test_the_planner_counts_the_average(optimizer):
 def test_the_report_shows_the_averages_loss(run, tmp_path, capsys):
     """moekit-heatmap's report: a "val_loss EMA" column and final_val_loss_ema in its data when a run kept the
     average; a report of runs without one has no such column."""
-    import re
-
     from moekit.train import heatmap
 
     def report(*runs) -> tuple[str, dict]:
@@ -264,3 +263,27 @@ def test_the_report_shows_the_averages_loss(run, tmp_path, capsys):
     assert data["runs"][1]["final_val_loss_ema"] is None  # NaN: no average (JSON null)
     page, _ = report(plain)
     assert "val_loss EMA" not in page
+
+
+def test_export_hf_ema_writes_the_average(tmp_path, capsys):
+    """--export-hf with --train.export_hf_ema: the folder holds the parameter average, the tensors moekit-convert
+    moekit-to-hf --ema writes from the final checkpoint (another route: the checkpoint's optimizer state); the
+    trained weights are back in the model after it (the run's final checkpoint keeps them)."""
+    from safetensors.torch import load_file
+
+    run, out = tmp_path / "run", tmp_path / "hf-ema"
+    assert train_main([*TINY_MODEL, "--preset", "deepseek-tiny", "--steps", "3", "--train.ema_decay", "0.6",
+                       "--run-dir", str(run), "--export-hf", str(out), "--train.export_hf_ema", "true"]) == 0
+    assert re.search(rf"exported {re.escape(str(out))} \(HuggingFace \w+\): the parameter EMA", capsys.readouterr().out)
+    ckpt = run / "checkpoints" / "step_000003"
+    assert convert_main(["moekit-to-hf", str(ckpt), str(tmp_path / "via-convert"), "--ema"]) == 0
+    exported, converted = ({k: v for f in sorted(d.glob("*.safetensors")) for k, v in load_file(f).items()}
+                           for d in (out, tmp_path / "via-convert"))
+    assert sorted(exported) == sorted(converted) and all(torch.equal(exported[k], converted[k]) for k in converted)
+    assert convert_main(["moekit-to-hf", str(ckpt), str(tmp_path / "trained")]) == 0
+    trained = {k: v for f in (tmp_path / "trained").glob("*.safetensors") for k, v in load_file(f).items()}
+    assert any(not torch.equal(trained[k], exported[k]) for k in trained)
+    rc = train_main([*TINY_MODEL, "--steps", "1", "--run-dir", str(tmp_path / "x"), "--export-hf", str(tmp_path / "y"),
+                     "--train.export_hf_ema", "true"])
+    assert "--train.export_hf_ema true exports the parameter average; keep one with --train.ema_decay" in \
+        one_line(capsys, rc)

@@ -462,19 +462,22 @@ def test_trainer_placement_file_and_rebalance_resume_bitwise(tmp_path, single):
     assert losses(got) == pytest.approx(losses(single), rel=1e-5, abs=1e-6)
     assert got[-1]["val_loss_ema"] == pytest.approx(single[-1]["val_loss_ema"], rel=1e-5)
     r = train(["--run-dir", str(run_b), "--resume", str(run_a / "checkpoints" / "step_000002"), "--checkpoint.every",
-               "0", "--export-hf", str(tmp_path / "hf-placed"), *flags], nproc=2)
+               "0", "--export-hf", str(tmp_path / "hf-placed"), "--train.export_hf_ema", "true", *flags], nproc=2)
     assert r.returncode == 0, r.stderr[-3000:]
     same = ("loss", "grad_norm", "aux_loss", "imbalance")
     assert [{k: m[k] for k in same} for m in metrics(run_b)] == [{k: m[k] for k in same} for m in got[2:]]
     assert metrics(run_b)[-1]["val_loss_ema"] == got[-1]["val_loss_ema"]
+    exported_ema = "): the parameter EMA" in r.stdout
     assert r.stdout.count("rebalanced the experts") == 1
-    # --export-hf under the placement (2 replicas): each expert written once, from one of its slots; the same
-    # folder as one process exporting the final checkpoint, which holds the experts in logical order
+    # --export-hf under the placement (2 replicas) of the parameter average (--train.export_hf_ema): each expert
+    # written once, from one of its slots; the same folder as one process exporting the final checkpoint's average,
+    # which holds the experts in logical order
     from safetensors.torch import load_file
 
     r = train(["--run-dir", str(tmp_path / "c"), "--resume", str(run_b / "checkpoints" / "step_000004"),
-               "--export-hf", str(tmp_path / "hf-one")], nproc=1)
+               "--export-hf", str(tmp_path / "hf-one"), *EMA, "--train.export_hf_ema", "true"], nproc=1)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert "): the parameter EMA" in r.stdout and exported_ema  # both folders hold the average, not the weights
     placed, one = ({k: v for p in (tmp_path / f).glob("*.safetensors") for k, v in load_file(p).items()}
                    for f in ("hf-placed", "hf-one"))
     assert sorted(placed) == sorted(one) and "model.layers.1.block_sparse_moe.experts.7.w2.weight" in one

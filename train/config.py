@@ -85,6 +85,7 @@ class TrainSection:
     export_hf: str = ""  # after the last step, write the model here as a HuggingFace folder (models.hf.save_hf_sharded)
     export_hf_fp8: bool = False  # with export_hf: linear weights in block-wise fp8 e4m3 (DeepSeek-V3's release format)
     export_hf_mxfp4: bool = False  # with export_hf: gpt-oss's expert weights in MXFP4 (OpenAI's release format)
+    export_hf_ema: bool = False  # with export_hf and ema_decay: write the parameter average instead of the weights
     on_nonfinite: str = "stop"  # non-finite loss / grad norm on any rank: stop, or skip the step (no update)
     spike_skip: float = 0.0  # skip the step (no update) when its loss or grad norm is this many standard deviations
     #   above the mean of the last spike_window good steps (0 = off; e.g. 6); moekit.train.spikes

@@ -78,6 +78,8 @@ def export(model, cfg: TrainConfig, tokenizer: Path, last_checkpoint, prog: str)
     except (OSError, ValueError) as exc:  # the trained weights are safe in the final checkpoint: say where
         why = runlock.describe_os_error(exc) if isinstance(exc, OSError) else str(exc)
         flag = " --train.export_hf_fp8 true" if fp8 else " --train.export_hf_mxfp4 true" if mxfp4 else ""
+        if cfg.train.export_hf_ema:  # the average comes back with the checkpoint's optimizer state
+            flag += f" --train.ema_decay {cfg.train.ema_decay:g} --train.export_hf_ema true"
         raise RunFailed(f"--export-hf {path}: {why}; training finished and its final checkpoint is {last_checkpoint}: "
                         f"fix that, then export it with {prog} --resume {last_checkpoint} --steps {cfg.train.steps} "
                         f"--export-hf {path}{flag}") from None

@@ -539,9 +539,12 @@ class Trainer:
                 self.save(cfg.train.steps)
                 self.last_checkpoint = self.checkpointer.finalize()
             self.watch.pet()
-            folder = hfrun.export(self.model, cfg, self.export_tokenizer, self.last_checkpoint, PROG)
+            averaged = cfg.train.export_hf_ema and self.ema is not None and self.ema.started
+            with self.ema.swapped() if averaged else contextlib.nullcontext():  # --train.export_hf_ema: the average
+                folder = hfrun.export(self.model, cfg, self.export_tokenizer, self.last_checkpoint, PROG)
             if self.dist.is_main:
-                self.monitor.print(hfrun.exported(folder, cfg.train.export_hf_fp8, cfg.train.export_hf_mxfp4))
+                self.monitor.print(hfrun.exported(folder, cfg.train.export_hf_fp8, cfg.train.export_hf_mxfp4)
+                                   + (": the parameter EMA" if averaged else ""))
         if self.dist.is_main:
             self.finish()
         return 0

@@ -119,6 +119,13 @@ def validate(cfg: TrainConfig) -> TrainConfig:
                                                    "experts in MXFP4; give --export-hf DIR too")
     _require(not (t.export_hf_fp8 and t.export_hf_mxfp4), "--train.export_hf_fp8 and --train.export_hf_mxfp4 each "
                                                           "quantize the expert weights; choose one")
+    _require(t.export_hf or not t.export_hf_ema, "--train.export_hf_ema true writes the parameter average to the "
+                                                 "--export-hf folder; give --export-hf DIR too")
+    _require(not t.export_hf_ema or t.ema_decay > 0, "--train.export_hf_ema true exports the parameter average; keep one "
+                                                     "with --train.ema_decay (e.g. 0.999)")
+    _require(not t.export_hf_ema or t.ema_start <= t.steps,
+             f"--train.export_hf_ema true: the average starts at step {t.ema_start} (--train.ema_start), after the last "
+             f"step {t.steps}; lower --train.ema_start")
     if t.export_hf:
         validate_export_dir(t.export_hf, cfg.run_dir)
     from moekit.train.modelsource import adopt_source_model
