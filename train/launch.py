@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
                       allow_abbrev=False)
     sub = p.add_subparsers(dest="scheduler", required=True)
     s = sub.add_parser("slurm", help="an sbatch script: one torchrun agent per node, requeued before the time limit",
-                       formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     s.error = p.error  # one line, as the parent's
     s.add_argument("--nodes", type=int, required=True, metavar="N", help="nodes to allocate")
     s.add_argument("--gpus-per-node", type=int, required=True, metavar="G", help="ranks per node (one per GPU)")
