@@ -297,7 +297,8 @@ FEWSHOT = 1  # the file's items start with one solved item (not @next-line's)
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> Path:
     """A tiny run that scored a HellaSwag-style file (ragged contexts and endings; one-shot), @next-line and
-    @continuation after its last step (--eval.tasks)."""
+    @continuation after its last step (--eval.tasks), with its weights and with their running average
+    (--train.ema_decay: tasks_ema)."""
     root = tmp_path_factory.mktemp("tasks")
     rng = random.Random()
     words = "the a cat runs over slowly and then jumps into water".split()
@@ -309,7 +310,7 @@ def run(tmp_path_factory) -> Path:
     run = root / "run"
     flags = [*TINY_MODEL, "--model.max_seq_len", "256", "--train.seq_len", "256", "--steps", "2",
              "--run-dir", str(run), "--eval.tasks", f"{root / 'hs.jsonl'},{NEXT_LINE},{CONTINUATION}",
-             "--eval.task_items", str(IN_LOOP_ITEMS), "--eval.task_fewshot", str(FEWSHOT)]
+             "--eval.task_items", str(IN_LOOP_ITEMS), "--eval.task_fewshot", str(FEWSHOT), "--train.ema_decay", "0.5"]
     assert train_main(flags) == 0
     return run
 
@@ -330,6 +331,22 @@ def test_the_trainers_task_scores_are_moekit_evals(run, tmp_path, capsys):
         assert got["items"] == want["items"] == IN_LOOP_ITEMS
         assert got["correct_nll"] == pytest.approx(want["correct_nll"], rel=1e-4)
         assert (got["acc"], got["acc_norm"]) == (want["acc"], want["acc_norm"])
+
+
+def test_the_trainers_scores_of_the_average_are_moekit_eval_emas(run, tmp_path):
+    """tasks_ema (the same items, the parameter average swapped in) equals moekit-eval --ema on the final checkpoint,
+    and is another model's score than the trained weights'."""
+    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    out = tmp_path / "eval.json"
+    hs = str(run.parent / "hs.jsonl")
+    assert eval_main([str(run), "--ema", "--tasks", f"{hs},{NEXT_LINE},{CONTINUATION}", "--limit", str(IN_LOOP_ITEMS),
+                      "--fewshot", str(FEWSHOT), "--out", str(out), "--quiet"]) == 0
+    evals = {t["name"]: t for t in json.loads(out.read_text())["tasks"]}
+    assert set(last["tasks_ema"]) == set(evals)
+    for name, got in last["tasks_ema"].items():
+        assert got["correct_nll"] == pytest.approx(evals[name]["correct_nll"], rel=1e-4)
+        assert (got["acc"], got["acc_norm"]) == (evals[name]["acc"], evals[name]["acc_norm"])
+    assert any(last["tasks_ema"][n]["correct_nll"] != last["tasks"][n]["correct_nll"] for n in evals)
 
 
 def test_eval_tasks_scores_files_and_next_line(run, tmp_path, capsys):

@@ -35,10 +35,10 @@ def same_parts(got_dir: Path, want_dir: Path) -> None:
         assert a == pytest.approx(b, rel=1e-5, abs=1e-6), (a, b)
 
 
-def task_scores(run_dir: Path) -> list[dict]:
-    """The --eval.tasks scores of every evaluation (train.task_loop)."""
+def task_scores(run_dir: Path, key: str = "tasks") -> list[dict]:
+    """The --eval.tasks scores of every evaluation (train.task_loop); ``tasks_ema``: the parameter average's."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [row["tasks"]["mc"] for row in rows if "tasks" in row]
+    return [row[key]["mc"] for row in rows if key in row]
 
 
 def same_task_scores(got: list[dict], want: list[dict]) -> None:
@@ -196,6 +196,7 @@ def test_tp_fsdp_ep_run_matches_and_resumes_at_another_layout(tmp_path, single, 
     want_ema = ema_losses(single_run)
     assert len(want_ema) == 1 and ema_losses(tmp_path) == pytest.approx(want_ema, rel=1e-5)
     same_parts(tmp_path, single_run)  # each part's norm over TP, FSDP and EP shards
+    same_task_scores(task_scores(tmp_path, "tasks_ema"), task_scores(single_run, "tasks_ema"))  # the average's
     resumed = tmp_path / "resumed"
     r2 = run(["--resume", str(tmp_path / "checkpoints" / "step_000002"), "--steps", "4", "--run-dir", str(resumed),
               "--ep", "2", "--checkpoint.every", "0", *TINY, *EMA], nproc=2)
@@ -267,6 +268,7 @@ def test_pipeline_runs_match_one_process(tmp_path, single_micro, tasks, nproc, e
     assert losses(tmp_path) == pytest.approx(single_micro[aux], rel=1e-5, abs=1e-6)
     same_task_scores(task_scores(tmp_path), single_micro[aux + "-tasks"])
     assert ema_losses(tmp_path) == pytest.approx(single_micro[aux + "-ema"], rel=1e-5)
+    same_task_scores(task_scores(tmp_path, "tasks_ema"), task_scores(single_micro[aux + "-dir"], "tasks_ema"))
     same_parts(tmp_path, single_micro[aux + "-dir"])  # the stages' parts added over the pipeline
     load = load_rows(tmp_path)
     assert len(load[0]["layers"]) == 2  # both stages' MoE layers in rank 0's record

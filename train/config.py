@@ -122,7 +122,8 @@ class EvalSection:
     #   correct_nll, chance, items}}
     task_items: int = 200  # items of each task scored at each evaluation (the first ones of a file)
     task_fewshot: int = 0  # solved examples of the same file before each task item (moekit-eval --fewshot)
-    ema: bool = True  # with --train.ema_decay: each evaluation also measures the averaged weights (val_loss_ema)
+    ema: bool = True  # with --train.ema_decay: each evaluation also measures the averaged weights (val_loss_ema;
+    #   with --eval.tasks also their scores, tasks_ema)
 
 
 @dataclass

@@ -275,6 +275,8 @@ def format_line(m: dict) -> str:
         parts.append(f"val_mtp_loss={m['val_mtp_loss']:.4f}")
     for name, r in (m.get("tasks") or {}).items():  # --eval.tasks: accuracy per character of the choice
         parts.append(f"acc_norm[{name}]={r['acc_norm']:.3f}")
+    for name, r in (m.get("tasks_ema") or {}).items():  # the same with the parameter average (--train.ema_decay)
+        parts.append(f"acc_norm_ema[{name}]={r['acc_norm']:.3f}")
     return " ".join(parts)
 
 
@@ -291,8 +293,9 @@ def source_scalars(m: dict) -> dict[str, float]:
     for key in BY_SOURCE:
         values = m.get(key) or {}
         out.update((f"{key}/{name}", v) for name, v in zip(set_names(values), values.values()))
-    for name, r in (m.get("tasks") or {}).items():  # --eval.tasks (train.task_loop)
-        out.update({f"tasks/{name}/{key}": r[key] for key in ("acc", "acc_norm", "correct_nll")})
+    for group in ("tasks", "tasks_ema"):  # --eval.tasks (train.task_loop), and with the parameter average
+        for name, r in (m.get(group) or {}).items():
+            out.update({f"{group}/{name}/{key}": r[key] for key in ("acc", "acc_norm", "correct_nll")})
     out.update((f"grad_norm/{part}", v) for part, v in (m.get("grad_norm_by_part") or {}).items())  # train.grad_parts
     return out
 

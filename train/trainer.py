@@ -526,7 +526,9 @@ class Trainer:
                 if self.tasks is not None:  # --eval.tasks: each task's accuracies
                     m["tasks"] = self.tasks.evaluate(self)
                 if self.ema is not None and cfg.eval.ema and self.ema.started:  # the same windows, averaged weights
-                    m["val_loss_ema"] = self.evaluate_ema()
+                    m["val_loss_ema"], tasks = self.evaluate_ema()
+                    if tasks is not None:  # --eval.tasks: the same items with the averaged weights
+                        m["tasks_ema"] = tasks
             if self.dist.is_main:
                 self.metrics.write(self.monitor.step(m, load))  # + balance_loss, z_loss, cv, dead_experts
                 self.load_log.write(step, load, force=step == cfg.train.steps)
@@ -624,14 +626,16 @@ class Trainer:
         self.val_by_source = dict(zip([name for name, _ in groups], means)) if len(groups) > 1 else None
         return sum(sums[0]) / max(sum(sums[1]), 1.0)
 
-    def evaluate_ema(self) -> float:
-        """``evaluate`` with the parameter average (--train.ema_decay) in place of the weights; the trained weights'
-        per-set and MTP results stay those of the last plain evaluation."""
+    def evaluate_ema(self) -> tuple[float, dict | None]:
+        """``evaluate`` (and --eval.tasks' scores, else None) with the parameter average (--train.ema_decay) in place
+        of the weights, in one swap; the trained weights' per-set and MTP results stay those of the last plain
+        evaluation."""
         kept = self.val_by_source, self.val_mtp
         with self.ema.swapped():
             loss = self.evaluate()
+            tasks = self.tasks.evaluate(self) if self.tasks is not None else None
         self.val_by_source, self.val_mtp = kept
-        return loss
+        return loss, tasks
 
     def part_norms(self, by_part: list[float]) -> dict[str, float]:
         """{part: its gradient norm} of the parts the model has (moekit.train.grad_parts)."""
