@@ -168,14 +168,20 @@ class Dist:
         grads = [p.grad for p in params if p.grad is not None]
         if not self.active:
             by_part = None
-            if parts:  # before clipping; the total stays torch's own computation
-                tagged = [p for p in params if p.grad is not None and getattr(p, "grad_part", None) is not None]
+            total = None
+            if parts and grads:  # before clipping, from one pass of per-tensor norms
+                norms = torch.stack(torch._foreach_norm(grads))
+                if len({(g.device, g.dtype) for g in grads}) == 1:  # torch's total is these norms' norm, bit for bit
+                    total = torch.linalg.vector_norm(norms)
+                tags = [getattr(p, "grad_part", None) for p in params if p.grad is not None]
+                keep = [i for i, tag in enumerate(tags) if tag is not None]
+                index = torch.tensor([tags[i] for i in keep], dtype=torch.long, device=norms.device)
+                by_part = torch.zeros(parts, device=norms.device).index_add(
+                    0, index, norms[keep].float().square()).sqrt()
+            elif parts:
                 by_part = torch.zeros(parts, device=self.device)
-                if tagged:
-                    norms = torch.stack(torch._foreach_norm([p.grad for p in tagged])).float()
-                    index = torch.tensor([p.grad_part for p in tagged], device=norms.device)
-                    by_part = by_part.index_add(0, index, norms.square()).sqrt()
-            total = torch.nn.utils.get_total_norm(grads)
+            if total is None:
+                total = torch.nn.utils.get_total_norm(grads)
             if max_norm > 0:  # a non-finite norm leaves the gradients as they are (comm.grad_sync.clip_gradients)
                 torch.nn.utils.clip_grads_with_norm_(params, max_norm, torch.where(total.isfinite(), total, 0.0))
             return (total, by_part) if parts else total
