@@ -154,15 +154,15 @@ def stored_keys(path) -> set[str]:
     return set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
 
 
-def read_template(model_sd: dict, param_names: set[str], stored: set[str]) -> tuple[dict, list[str]]:
-    """The DCP template that reads a checkpoint's averaged weights into ``model_sd`` (a model's state dict: its
-    tensors are filled in place): each parameter from ``optim.state.<name>.ema``, buffers (and any parameter the
-    optimizer never updated, so never averaged) from ``model.<name>``. Returns (template, the parameters read from
-    the trained weights). ValueError when the checkpoint holds no average at all."""
-    averaged = {n for n in param_names if f"optim.state.{n}.{KEY}" in stored}
+def read_template(model: torch.nn.Module, model_sd: dict, path) -> dict:
+    """The DCP template that reads checkpoint ``path``'s averaged weights into ``model_sd`` (``model``'s state dict:
+    its tensors are filled in place): each parameter from ``optim.state.<name>.ema``, buffers (and any parameter the
+    optimizer never updated, so never averaged) from ``model.<name>``. ValueError when the checkpoint holds no
+    average at all."""
+    stored = stored_keys(path)
+    averaged = {n for n, _ in model.named_parameters() if f"optim.state.{n}.{KEY}" in stored}
     if not averaged:
         raise ValueError("it holds no parameter EMA (the run was trained without --train.ema_decay); drop --ema to "
                          "read its trained weights")
-    template = {"model": {n: t for n, t in model_sd.items() if n not in averaged},
-                "optim": {"state": {n: {KEY: model_sd[n]} for n in sorted(averaged)}}}
-    return template, sorted(n for n in param_names if n not in averaged)
+    return {"model": {n: t for n, t in model_sd.items() if n not in averaged},
+            "optim": {"state": {n: {KEY: model_sd[n]} for n in sorted(averaged)}}}

@@ -237,7 +237,7 @@ def run_tasks(args, specs: list[str], model, tokenizer, info, split, seq_len: in
     """--tasks: every task's accuracies (module docstring)."""
     from moekit.train.builtin_tasks import WINDOWS_PER_ITEM, builtin_task, window_texts
     from moekit.train.evaluation import choose_windows
-    from moekit.train.gen_tasks import GenTask, report as gen_report
+    from moekit.train.gen_tasks import GenTask, generate_answers, report as gen_report
     from moekit.train.task_eval import encode_task, report as task_report, score_requests, task_result, task_samples
     from moekit.train.tasks import read_any
 
@@ -264,8 +264,8 @@ def run_tasks(args, specs: list[str], model, tokenizer, info, split, seq_len: in
         if isinstance(task, GenTask):  # the model writes its answers (moekit.train.gen_tasks)
             note(f"{task.name}: {len(task.items):,} items ({task.format}, generated: at most {args.max_new_tokens} "
                  f"tokens each)")
-            result, rows = generate_task(task, model, tokenizer, prefix, args.max_new_tokens,
-                                         progress=None if args.quiet else note)
+            result, rows = generate_answers(task, model, tokenizer, prefix, args.max_new_tokens,
+                                            progress=None if args.quiet else note)
             generated.append(result)
             samples += rows if args.samples else []
             continue
@@ -289,40 +289,6 @@ def run_tasks(args, specs: list[str], model, tokenizer, info, split, seq_len: in
             raise UserError(f"--samples {args.samples}: cannot write it: {describe_os_error(exc)}") from None
         _note(f"wrote {args.samples} ({len(samples):,} items)")
     return result
-
-
-def generate_task(task, model, tokenizer, prefix: list[int], max_new_tokens: int, progress=None) -> tuple[dict, list]:
-    """A generative task's result and its samples: each item's answer decoded greedily (moekit.train.decoding),
-    stopped at an end token or once the decoded text holds a stop string, cut there and judged."""
-    import time
-
-    from moekit.train.decoding import generate
-    from moekit.train.gen_tasks import cut_at_stops, gen_result, judge
-
-    window = model.config.max_seq_len
-    room = max(1, window - max_new_tokens)  # the prompt's tokens that fit beside the answer
-    verdicts, rows, cut = [], [], 0
-    last = time.monotonic()
-    for i, item in enumerate(task.items):
-        ids = prefix + tokenizer.encode(item.prompt)
-        if len(ids) > room:  # keep the end of the prompt (the item itself), as the choices' windows do
-            ids, cut = ids[-room:], cut + 1
-
-        def stop(new: list[int]) -> bool:  # the answer so far holds a stop string
-            return any(s in tokenizer.decode(new) for s in task.stops)
-
-        out = generate(model, ids, max_new_tokens, eos_ids=tuple(tokenizer.eos_ids), stop=stop)
-        text = cut_at_stops(tokenizer.decode(out.new_ids), task.stops)
-        verdict = judge(task, item, text)
-        verdicts.append(verdict)
-        rows.append({"task": task.name, "index": i, "where": item.where, "prompt": item.prompt, "generation": text,
-                     "targets": item.targets, "extracted": verdict["extracted"], "correct": verdict["exact"],
-                     "stopped": out.stopped})
-        if progress is not None and time.monotonic() - last > 5.0:
-            progress(f"{task.name}: {i + 1}/{len(task.items)} items, exact_match so far "
-                     f"{sum(v['exact'] for v in verdicts) / len(verdicts):.3f}")
-            last = time.monotonic()
-    return gen_result(task, verdicts, cut, max_new_tokens), rows
 
 
 def finish(args, result: dict, out: Path | None) -> dict:

@@ -23,6 +23,7 @@ generative file is refused there with the way to score it after training.
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import dataclass
 
 from moekit.train import UserError
@@ -154,6 +155,38 @@ def gen_result(task: GenTask, verdicts: list[dict], cut: int, max_new_tokens: in
             "exact_match": exact, "exact_match_stderr": stderr(exact, n), name: second,
             f"{name}_stderr": stderr(second, n), "fewshot": task.fewshot, "max_new_tokens": max_new_tokens,
             "prompts_cut": cut}
+
+
+def generate_answers(task: GenTask, model, tokenizer, prefix: list[int], max_new_tokens: int,
+                     progress=None) -> tuple[dict, list]:
+    """A generative task's result and its samples: each item's answer decoded greedily (moekit.train.decoding),
+    stopped at an end token or once the decoded text holds a stop string, cut there and judged."""
+    from moekit.train.decoding import generate  # torch and the models: only when a model answers
+
+    window = model.config.max_seq_len
+    room = max(1, window - max_new_tokens)  # the prompt's tokens that fit beside the answer
+    verdicts, rows, cut = [], [], 0
+    last = time.monotonic()
+    for i, item in enumerate(task.items):
+        ids = prefix + tokenizer.encode(item.prompt)
+        if len(ids) > room:  # keep the end of the prompt (the item itself), as the choices' windows do
+            ids, cut = ids[-room:], cut + 1
+
+        def stop(new: list[int]) -> bool:  # the answer so far holds a stop string
+            return any(s in tokenizer.decode(new) for s in task.stops)
+
+        out = generate(model, ids, max_new_tokens, eos_ids=tuple(tokenizer.eos_ids), stop=stop)
+        text = cut_at_stops(tokenizer.decode(out.new_ids), task.stops)
+        verdict = judge(task, item, text)
+        verdicts.append(verdict)
+        rows.append({"task": task.name, "index": i, "where": item.where, "prompt": item.prompt, "generation": text,
+                     "targets": item.targets, "extracted": verdict["extracted"], "correct": verdict["exact"],
+                     "stopped": out.stopped})
+        if progress is not None and time.monotonic() - last > 5.0:
+            progress(f"{task.name}: {i + 1}/{len(task.items)} items, exact_match so far "
+                     f"{sum(v['exact'] for v in verdicts) / len(verdicts):.3f}")
+            last = time.monotonic()
+    return gen_result(task, verdicts, cut, max_new_tokens), rows
 
 
 def report(results: list[dict]) -> str:

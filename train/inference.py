@@ -226,7 +226,7 @@ def _load_weights(model: Transformer, ckpt: Path, averaged: bool = False) -> Non
     state = {"model": weights}
     if averaged:
         try:
-            state, _ = ema.read_template(weights, {n for n, _ in model.named_parameters()}, ema.stored_keys(ckpt))
+            state = ema.read_template(model, weights, ckpt)
         except ValueError as exc:
             raise UserError(f"checkpoint {ckpt}: {exc}") from None
     try:

@@ -219,8 +219,7 @@ def _dcp_source(path: Path, averaged: bool = False):
             from moekit.train import ema
 
             try:
-                state, _ = ema.read_template(state["model"], {n for n, _ in model.named_parameters()},
-                                             ema.stored_keys(path))
+                state = ema.read_template(model, state["model"], path)
             except ValueError as exc:
                 raise ValueError(f"{path}: {exc}") from None
         try:
