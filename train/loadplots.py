@@ -375,24 +375,21 @@ def fig_grad_parts(runs: list[Series]):
     """The gradient norm by part (moekit.train.grad_parts), binned over steps, log scale: every part of the first
     run that recorded them beside its global norm, and each run's router part (the usual first sign of an unstable
     MoE run) to compare runs."""
+    def part(metrics: list[dict], name: str) -> tuple[np.ndarray, np.ndarray]:  # (steps, norms) binned, as _metric
+        rows = [(m["step"], m["grad_norm_by_part"][name]) for m in metrics if not m.get("skipped")
+                and (m.get("grad_norm_by_part") or {}).get(name) is not None]
+        return binned_curve(np.array([s for s, _ in rows], dtype=np.float64), np.array([v for _, v in rows]))
+
     fig, axes = _panels(2)
     parts_ax, router_ax = axes[0]
-    names = grad_part_names(runs)
     first = next(r for r in runs if any(m.get("grad_norm_by_part") for m in r.metrics))
-    x, y = _metric(first.metrics, "grad_norm")
-    parts_ax.plot(*binned_curve(x, y), color="black", lw=1.4, label="global")
-    for j, name in enumerate(names):
-        rows = [(m["step"], m["grad_norm_by_part"].get(name)) for m in first.metrics
-                if (m.get("grad_norm_by_part") or {}).get(name) is not None and not m.get("skipped")]
-        if rows:
-            bx, by = binned_curve(np.array([s for s, _ in rows], dtype=np.float64), np.array([v for _, v in rows]))
-            parts_ax.plot(bx, by, color=colour(j), lw=1.1, label=name)
+    parts_ax.plot(*binned_curve(*_metric(first.metrics, "grad_norm")), color="black", lw=1.4, label="global")
+    for j, name in enumerate(grad_part_names([first])):
+        parts_ax.plot(*part(first.metrics, name), color=colour(j), lw=1.1, label=name)
     for i, r in enumerate(runs):
-        rows = [(m["step"], m["grad_norm_by_part"]["router"]) for m in r.metrics
-                if (m.get("grad_norm_by_part") or {}).get("router") is not None and not m.get("skipped")]
-        if rows:
-            bx, by = binned_curve(np.array([s for s, _ in rows], dtype=np.float64), np.array([v for _, v in rows]))
-            router_ax.plot(bx, by, color=colour(i), lw=1.2, label=r.label)
+        x, y = part(r.metrics, "router")
+        if x.size:
+            router_ax.plot(x, y, color=colour(i), lw=1.2, label=r.label)
     parts_ax.set_title(f"gradient norm by part before clipping, binned: {first.label}", fontsize=9)
     router_ax.set_title("the routers' gradient norm, binned", fontsize=9)
     for ax in (parts_ax, router_ax):
