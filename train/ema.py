@@ -131,20 +131,14 @@ def prime(optimizer: torch.optim.Optimizer) -> None:
                     state[KEY] = p.detach().clone(memory_format=torch.preserve_format)
 
 
-def drop_unstored(optim_sd: dict, stored: set[str], prefix: str = "optim") -> int:
-    """Remove from a load template's optimizer state (get_optimizer_state_dict's form) the average entries the
-    checkpoint does not hold (``stored``: its DCP keys); those averages start afresh at their next update. Returns
-    how many entries the checkpoint does hold."""
-    found = 0
+def drop_unstored(optim_sd: dict, stored: set[str]) -> None:
+    """Remove from a load template's optimizer state (get_optimizer_state_dict's form, under the "optim" key) the
+    average entries the checkpoint does not hold (``stored``: its DCP keys); those averages start afresh at their
+    next update."""
     states = optim_sd.get("state", {})
     for name, state in list(states.items()):
-        if KEY not in state:
-            continue
-        if f"{prefix}.state.{name}.{KEY}" in stored:
-            found += 1
-        else:  # a copy without the entry: the dict may be the optimizer's own
+        if KEY in state and f"optim.state.{name}.{KEY}" not in stored:  # a copy: the dict may be the optimizer's own
             states[name] = {k: v for k, v in state.items() if k != KEY}
-    return found
 
 
 def stored_keys(path) -> set[str]:

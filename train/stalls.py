@@ -85,23 +85,19 @@ class StallWatch:
             pass
 
 
-def _where(path: str, line: str, func: str) -> str:
-    """``train/data.py:212 (read_windows)`` for a moekit module, else the file's last two parts."""
-    p = Path(path)
-    try:
-        rel = p.resolve().relative_to(_PACKAGE_ROOT)
-        shown = str(rel) if rel.parts and rel.parts[0] in _LAYERS else "/".join(p.parts[-2:])
-    except ValueError:
-        shown = "/".join(p.parts[-2:])
-    return f"{shown}:{line} ({func})"
-
-
-def _own(path: str) -> bool:
+def _own(path: str) -> Path | None:
+    """A moekit module's path relative to the package (``train/data.py``), None for any other file."""
     try:
         rel = Path(path).resolve().relative_to(_PACKAGE_ROOT)
     except ValueError:
-        return False
-    return bool(rel.parts) and rel.parts[0] in _LAYERS
+        return None
+    return rel if rel.parts and rel.parts[0] in _LAYERS else None
+
+
+def _where(path: str, line: str, func: str) -> str:
+    """``train/data.py:212 (read_windows)`` for a moekit module, else the file's last two parts."""
+    rel = _own(path)
+    return f"{rel if rel is not None else '/'.join(Path(path).parts[-2:])}:{line} ({func})"
 
 
 def main_thread_location(text: str) -> str | None:
@@ -134,7 +130,7 @@ def _location(text: str) -> tuple[str, bool] | None:
     if not frames:
         return None
     waiting = "torch/distributed/" in Path(frames[0][0]).as_posix()
-    own = next((f for f in frames if _own(f[0])), None)
+    own = next((f for f in frames if _own(f[0]) is not None), None)
     if own is None:
         return _where(*frames[0]), waiting
     if own is frames[0]:
