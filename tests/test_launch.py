@@ -102,7 +102,7 @@ def test_check_memory_plans_the_jobs_ranks_and_writes_only_what_fits(tmp_path, c
     """--check-memory: moekit-train's dry run for 2 nodes x 4 ranks (its report on stderr, the nodes the job's: EP
     spans both, so hierarchical dispatch), the script written when the worst rank fits and refused when not."""
     flags = ["slurm", "--nodes", "2", "--gpus-per-node", "4", "--time", "60", "-o", str(tmp_path / "j.sbatch")]
-    train = ["--", "--preset", "mixtral-tiny", "--ep", "8"]
+    train = ["--", "--preset", "mixtral-tiny", "--ep", "8", "--layout.hierarchical", "auto"]  # a value "auto" kept
     assert main([*flags, "--check-memory", "80", *train]) == 0
     out = capsys.readouterr()
     assert "dry run: mixtral-tiny" in out.err and "2 node(s) x 4 ranks" in out.err and ": fits" in out.err

@@ -96,8 +96,8 @@ def seconds(limit: str) -> int:
 
 
 def train_flags(args):
-    """(moekit-train's flags with ``--resume auto``, their TrainConfig), checked as moekit-train checks them for
-    nodes x GPUs ranks."""
+    """(moekit-train's flags, any --resume taken out, and their TrainConfig), checked as moekit-train checks them for
+    nodes x GPUs ranks; the script adds ``--resume auto``."""
     flags = list(args.train)
     if flags[:1] == ["--"]:
         flags = flags[1:]
@@ -126,7 +126,7 @@ def train_flags(args):
         cfg, _ = parse_args(flags, world_size=world)
     except UserError as exc:
         raise UserError(f"the training flags for {args.nodes} x {args.gpus_per_node} = {world} ranks: {exc}") from None
-    return [*flags, "--resume", "auto"], cfg
+    return flags, cfg
 
 
 def check(args) -> None:
@@ -162,8 +162,7 @@ def check_memory(args, flags: list[str]) -> None:
     from moekit.train.planning import dryrun
 
     world = args.nodes * args.gpus_per_node
-    plain = [f for f in flags if f not in ("--resume", "auto")]
-    cfg, opts = parse_args([*plain, "--dry-run", "--world-size", str(world), "--dry-run-gpu-gb",
+    cfg, opts = parse_args([*flags, "--dry-run", "--world-size", str(world), "--dry-run-gpu-gb",
                             f"{args.check_memory:g}", "--ranks-per-node", str(args.gpus_per_node)])  # the job's nodes
     with contextlib.redirect_stdout(sys.stderr):
         code = dryrun.run(cfg, opts)
@@ -239,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         flags, cfg = train_flags(args)
         if args.check_memory is not None:
             check_memory(args, flags)
-        text = script(args, flags, cfg, raw)
+        text = script(args, [*flags, "--resume", "auto"], cfg, raw)
         if args.out is None:
             sys.stdout.write(text)
             return 0
