@@ -26,12 +26,11 @@ import torch
 
 from moekit.comm.context_parallel import set_attribute
 from moekit.models.init import init_weights
-from moekit.models.stats import model_stats
 from moekit.models.transformer import Transformer, meta_device
 from moekit.moe import collect_load, update_router_biases
 from moekit.moe.layer import set_aux_loss_scale
 from moekit.train import (UserError, checkpoint, faults, hfrun, host_memory, program_name, records, resume,
-                          ema, grad_parts, rundir, runlock, spikes, stalls)
+                          ema, grad_parts, rundir, run_lines, runlock, spikes, stalls)
 from moekit.train.cli import Options
 from moekit.train.plan import StepBatch, lr_lambda, make_optimizer, plan_run
 from moekit.train.rebalance import RunPlacement
@@ -41,7 +40,7 @@ from moekit.train.distributed import Dist
 from moekit.train.faults import RunFailed
 from moekit.train.guard import Guard, NonFinite, set_deterministic
 from moekit.models.loss import IGNORE_INDEX
-from moekit.train.data import Split, gather, load_data, unigram_entropy
+from moekit.train.data import Split, gather, load_data
 from moekit.train.data import counted as counted_targets_of
 from moekit.train.tokens import record_tokenizer
 from moekit.train.monitor import Monitor, peak_flops, peak_memory_gb
@@ -236,79 +235,7 @@ class Trainer:
                                wandb_project=cfg.log.wandb_project, config=cfg.to_dict())
 
     def describe(self) -> None:
-        if not self.dist.is_main:
-            return
-        cfg, plan = self.cfg, self.plan
-        stats = model_stats(cfg.model, cfg.train.seq_len)
-        say = self.monitor.print
-        say(f"model {cfg.model.name if cfg.source_note else cfg.preset}: {stats.params / 1e6:.2f}M parameters, {stats.active_params / 1e6:.2f}M active, "
-            f"{stats.train_flops_per_token / 1e6:.1f} MFLOP/token; router {cfg.model.router}, "
-            f"{cfg.model.num_moe_layers} MoE layers x {cfg.model.num_experts} experts")
-        if getattr(cfg, "source_note", None) and not self.resume_from:
-            say(cfg.source_note)
-        if cfg.train.init_from_dense and not self.resume_from:
-            drop = (f"; drop-upcycling: {cfg.train.upcycle_drop:g} of each expert's units re-initialised"
-                    if cfg.train.upcycle_drop else "")
-            say(f"upcycled from the dense model {cfg.train.init_from_dense} (granularity {cfg.train.upcycle_granularity}"
-                f"{drop})")
-        t = cfg.train
-        if t.warmup_steps >= t.steps and t.lr_schedule != "cosine":  # the default's short test runs stay quiet
-            say(f"note: --train.warmup_steps {t.warmup_steps} >= --steps {t.steps}: the whole run warms up, so "
-                f"--train.lr_schedule {t.lr_schedule} never applies; lower --train.warmup_steps")
-        ignored = cfg.model.unused_router_fields()
-        for name in ignored:
-            say(f"note: router {cfg.model.router!r} takes no {name}; model.{name}={getattr(cfg.model, name)!r} is unused")
-        say(f"data: {self.data_desc}; {self.split.train_starts.size:,} train / {self.split.val_starts.size:,} "
-            f"validation sequences of {cfg.train.seq_len}")
-        if self.tasks is not None:
-            say(f"tasks at each evaluation: {self.tasks.describe()}")
-        if self.split.mask is not None and not cfg.data.document_mask and self.data.tokenizer.eos_id is not None:
-            say("note: the data has loss masks (conversations) and --data.document_mask is off: each conversation in a "
-                "window attends to the ones before it; --data.document_mask true keeps every conversation to itself")
-        resid = ("" if plan.residual_dtype is None
-                 else f" ({str(plan.residual_dtype).removeprefix('torch.')} residual stream)")
-        say(f"device {plan.device}, {plan.autocast_dtype or torch.float32}{resid}; batch {cfg.train.batch_size} x "
-            f"{cfg.train.seq_len} tokens ({plan.accum} micro-batch(es) of {plan.micro_batch}); run dir {self.run_dir}; "
-            f"{self.monitor.describe()}")
-        if cfg.train.batch_size_start:
-            t = cfg.train
-            first = plan.step_batch(t, 1)
-            say(f"batch-size ramp: {first.size} sequences at step 1 ({first.accum} micro-batch(es) of "
-                f"{first.micro_batch} per rank), {t.batch_size} from step {t.batch_ramp_steps + 1}")
-        if cfg.train.host_memory != "system":
-            say(self.host_memory)
-        if self.dist.active:
-            L = cfg.layout
-            degrees = " ".join(f"{k}={getattr(L, k)}" for k in ("pp", "dp", "fsdp", "cp", "tp", "ep") if getattr(L, k) > 1)
-            say(f"layout: {self.dist.world} ranks, {degrees} (experts {cfg.model.num_experts // L.ep} per rank), "
-                f"{self.dist.topology.num_nodes} node(s) of {self.dist.topology.ranks_per_node} ranks")
-        if self.pipe is not None:
-            stages = " | ".join(f"{r.start}-{r.stop - 1}" for r in self.pipe.ranges)
-            say(f"pipeline: {cfg.layout.pp_schedule}, {len(self.pipe.ranges)} stages (layers {stages}), "
-                f"{plan.accum} micro-batches of {plan.micro_batch} per step")
-        if self.placement.describe():
-            say(self.placement.describe())
-        if self.start_step:
-            say(f"resumed from {self.resume_from} at step {self.start_step}")
-        if self.start_step >= cfg.train.steps:  # a finished run restarted (a scheduler's retry): nothing to do
-            say(f"note: nothing to train: the checkpoint is at step {self.start_step} and --steps is "
-                f"{cfg.train.steps}; raise --steps to train further")
-        if self.changes.summary():
-            say(self.changes.summary())
-        saved_ema = (self.resumed_run or {}).get(ema.RUN_KEY) if self.start_step else None
-        if self.ema is not None:
-            say(ema.describe(t.ema_decay, t.ema_every, t.ema_start)
-                + (" (not measured: --eval.ema false)" if not cfg.eval.ema else ""))
-            if saved_ema and not self.ema.started:
-                say(f"note: the checkpoint's parameter EMA did not load; it starts afresh at step {self.start_step + 1}")
-            elif self.start_step and not saved_ema and self.start_step >= t.ema_start:
-                say("note: the checkpoint holds no parameter EMA; it starts at the resumed weights")
-        elif saved_ema:
-            say("note: the checkpoint's parameter EMA is dropped (this run has no --train.ema_decay)")
-        if cfg.profile.every:
-            from moekit.train.profiling import plan_note
-
-            say(plan_note(cfg.profile, self.start_step, cfg.train.steps, self.run_dir))
+        run_lines.describe(self)
 
     # -- the loop -----------------------------------------------------------------------------------
 
@@ -694,27 +621,7 @@ class Trainer:
         return 128 + signum
 
     def finish(self) -> None:
-        every = records.read_metrics(self.run_dir)
-        rows = [r for r in every if not r.get("skipped")]
-        if not rows and not every:  # a run resumed at its last step (e.g. to export): nothing trained, nothing logged
-            self.monitor.print(f"done: nothing to train (the checkpoint is at step {self.start_step}, --steps "
-                               f"{self.cfg.train.steps})")
-            return
-        if not rows:
-            self.monitor.print(f"done: every step was skipped (non-finite or spikes); see "
-                               f"{self.run_dir / records.METRICS}")
-            return
-        final = rows[-1]
-        entropy = unigram_entropy(self.split.tokens[: 1 << 22], self.cfg.model.vocab_size)
-        skipped = [r for r in every if r.get("skipped")]
-        spiked = sum(1 for r in skipped if r.get("spike"))
-        note = (f" Skipped {len(skipped)} step(s) ({spiked} spike(s), {len(skipped) - spiked} non-finite): "
-                f"\"skipped\" lines of {records.METRICS}." if skipped else "")
-        averaged = f" (EMA {final['val_loss_ema']:.4f})" if "val_loss_ema" in final else ""
-        self.monitor.print(f"done: step {final['step']}, loss {final['loss']:.4f}, val_loss "
-                           f"{final.get('val_loss', float('nan')):.4f}{averaged} (unigram entropy of the data "
-                           f"{entropy:.4f}), {final['elapsed_s']:.0f}s.{note} Expert load: moekit-heatmap "
-                           f"{self.run_dir}")
+        run_lines.finish(self)
 
 
 def document_eos(cfg: TrainConfig, data) -> int | None:
