@@ -33,7 +33,7 @@ from moekit.models.norms import RMSNorm, make_norm, norm_identity
 from moekit.moe.precision import compute_dtype
 from moekit.models.sdpa import (  # noqa: F401  (re-exported: they lived here)
     KEY_MULTIPLE, PrefixCausalAttention, causal_mask, explicit_causal_attention, lower_right_causal_attention,
-    masked_sdpa, masked_sink_attention, sink_attention, span_mask, window_mask)
+    masked_sdpa, masked_sink_attention, padded_mask, sink_attention, span_mask, window_mask)
 from moekit.models.rope import (  # noqa: F401  (re-exported: RoPE lived here)
     apply_rope, apply_rope_interleaved, rope_angles, rope_frequencies, rope_tables, yarn_mscale)
 
@@ -98,6 +98,12 @@ def attend(q: Tensor, k: Tensor, v: Tensor, kv: LayerKV | None, gqa: bool, scale
             raise ValueError("document masking (segments) is for training forwards; decode without it")
         return local_attention(q, k, v, 0, gqa, scale, window, sinks, segments=segments, chunk=chunk)
     start, S, first = 0 if kv is None else kv.length, q.shape[2], 0
+    if kv is not None and kv.padding is not None:  # a left-padded batch of prompts: a mask per row
+        k, v, first = kv.extend(k, v)
+        mask = padded_mask(kv.padding.to(q.device), start, S, first, k.shape[2], window, chunk)  # [B, S, P]
+        if sinks is not None:
+            return masked_sink_attention(q, k, v, mask, sinks, scale)
+        return masked_sdpa(q, k, v, mask[:, None], gqa, scale)
     if chunk and start + S <= chunk:  # every query in the first chunk: plain causal attention
         chunk = 0
     if kv is None and not chunk and _explicit_attention(q):
@@ -315,8 +321,9 @@ class Attention(nn.Module):
             q, k = self._rope(q, cos[:, None], sin[:, None]), self._rope(k, cos[:, None], sin[:, None])
         if self.temperature is not None:  # Llama 4's NoPE layers: q at position p times 1 + s log(1 + (p+1) // f)
             floor, strength = self.temperature
-            p = self._query_positions(S, kv, q.device).float()
-            q = (q * (torch.log1p(torch.floor((p + 1.0) / floor)) * strength + 1.0)[:, None, None]).to(q.dtype)
+            p = self._query_positions(S, kv, q.device).float()  # [S], or [B, S] in a left-padded batch
+            factor = torch.log1p(torch.floor((p + 1.0) / floor)) * strength + 1.0
+            q = (q * factor[..., None, None]).to(q.dtype)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, S, D]
         sinks = self.sinks.to_local() if hasattr(self.sinks, "to_local") else self.sinks  # this rank's heads
         gqa = self.num_kv_heads != self.num_heads
@@ -338,8 +345,11 @@ class Attention(nn.Module):
         return self.wo(y)  # [B, S, H]
 
     def _query_positions(self, S: int, kv: LayerKV | None, device) -> Tensor:
-        """[S] the sequence positions of this forward's queries: after a KV cache's, this context-parallel rank's
-        share of the sequence, or 0 .. S-1."""
+        """[S] the sequence positions of this forward's queries: after a KV cache's (per row [B, S] in a left-padded
+        batch, models.kvcache.KVCache), this context-parallel rank's share of the sequence, or 0 .. S-1."""
+        if kv is not None and kv.padding is not None:  # [B, S]: each row counts from its first real slot
+            slots = torch.arange(kv.length, kv.length + S, device=device)
+            return (slots[None, :] - kv.padding.to(device)[:, None]).clamp_min(0)
         if kv is not None:
             return torch.arange(kv.length, kv.length + S, device=device)
         if self.context_parallel is not None:

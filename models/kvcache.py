@@ -33,6 +33,7 @@ class LayerKV:
         self.slots = window - 1 + KV_WINDOW_SLACK if self.ring else capacity
         self.keys: Tensor | None = None
         self.values: Tensor | None = None
+        self.padding: Tensor | None = None  # [B] left-padding slots per row (KVCache's ``padding``), or None
 
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write k [B, K, S, Dk], v [B, K, S, Dv] at positions length .. length+S-1; return every position's (a
@@ -81,6 +82,12 @@ class LayerKV:
                              f"cache from the prompt, or raise models.kvcache.KV_WINDOW_SLACK")
         self.length = length
 
+    def select(self, rows: Tensor) -> None:
+        """Keep only the batch rows ``rows`` (their order): a batched decode dropping the sequences that ended."""
+        if self.keys is not None:
+            rows = rows.to(self.keys.device)
+            self.keys, self.values = self.keys.index_select(0, rows), self.values.index_select(0, rows)
+
 
 class LayerState:
     """A linear-attention layer's cache (models.linear_attention): the last k - 1 inputs of its convolution
@@ -95,6 +102,7 @@ class LayerState:
         self.state: Tensor | None = None
         self.snapshots: dict[int, tuple[Tensor | None, Tensor | None]] = {}  # length -> (state, conv) there
         self.inputs: Tensor | None = None  # the last forward's convolution inputs [B, C, k - 1 + S]
+        self.padding: Tensor | None = None  # [B] left-padding slots per row (KVCache's ``padding``), or None
 
     def advance(self, S: int) -> None:
         """Count S more positions (the layer writes ``conv`` and ``state`` itself)."""
@@ -114,6 +122,12 @@ class LayerState:
         self.length = length
         self.snapshots = {n: snap for n, snap in self.snapshots.items() if n <= length}
 
+    def select(self, rows: Tensor) -> None:
+        """Keep only the batch rows ``rows``; positions written before cannot be taken back afterwards."""
+        pick = lambda t: None if t is None else t.index_select(0, rows.to(t.device))  # noqa: E731
+        self.conv, self.state, self.inputs = pick(self.conv), pick(self.state), pick(self.inputs)
+        self.snapshots = {self.length: (self.state, self.conv)}
+
 
 class KVCache:
     """Per-layer keys and values of the positions decoded so far (``Transformer.forward(tokens, cache=...)``).
@@ -122,12 +136,17 @@ class KVCache:
     B * capacity * (K * D keys + K * D values) elements per GQA layer, B * capacity * N * (nope + rope + v) per MLA
     layer (expanded keys and values), B * (window - 1 + KV_WINDOW_SLACK) * 2 * K * D per sliding-window layer (a
     ring: LayerKV; a chunked layer's the same with its chunk for the window), B * (C * (k - 1) + Nv * dk * dv) per
-    linear-attention layer (LayerState), allocated as the
-    layers first write. A cache belongs to one batch
-    of sequences that all share positions: start a new one for another prompt.
+    linear-attention layer (LayerState), allocated as the layers first write. A cache belongs to one batch of
+    sequences that all share positions: start a new one for another prompt.
+
+    ``padding`` [B] (a batch of prompts of different lengths, train.decoding.generate_batch): row b's first
+    padding[b] positions are filler before its prompt (left padding). No query of the row sees them; a filler
+    query sees only itself; linear-attention layers leave their state and convolution untouched by them; Llama 4's
+    chunks and attention temperature count positions from the row's first real token. RoPE rotates by slot: its
+    scores depend on the distance of two positions alone, so each row attends as it would alone, up to rounding.
     """
 
-    def __init__(self, config: ModelConfig, capacity: int | None = None):
+    def __init__(self, config: ModelConfig, capacity: int | None = None, padding: Tensor | None = None):
         capacity = config.max_seq_len if capacity is None else capacity
         if not 1 <= capacity <= config.max_seq_len:
             raise ValueError(f"KV cache capacity {capacity} is invalid; it must be in [1, model.max_seq_len="
@@ -138,6 +157,18 @@ class KVCache:
         self.layers = [LayerState(capacity) if config.is_linear_layer(i)
                        else LayerKV(capacity, config.attention_window(i) or config.attention_chunk_of(i))
                        for i in range(config.num_layers)]
+        self.padding = None
+        if padding is not None:
+            padding = torch.as_tensor(padding, dtype=torch.long)
+            if padding.dim() != 1 or bool((padding < 0).any()) or bool((padding >= capacity).any()):
+                raise ValueError(f"KV cache padding must be one count per row in [0, capacity={capacity}), got "
+                                 f"{padding.tolist()}")
+            self._set_padding(padding)
+
+    def _set_padding(self, padding: Tensor) -> None:
+        self.padding = padding
+        for layer in self.layers:
+            layer.padding = padding
 
     @property
     def length(self) -> int:
@@ -148,3 +179,12 @@ class KVCache:
         """Forget the positions from ``length`` on, in every layer."""
         for layer in self.layers:
             layer.truncate(length)
+
+    def select(self, rows: Tensor | list[int]) -> None:
+        """Keep only the batch rows ``rows`` (indices, in the order wanted) in every layer: a batched decode drops
+        the sequences that have ended, so the next forwards run only those still going."""
+        rows = torch.as_tensor(rows, dtype=torch.long)
+        for layer in self.layers:
+            layer.select(rows)
+        if self.padding is not None:
+            self._set_padding(self.padding.index_select(0, rows.to(self.padding.device)))

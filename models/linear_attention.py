@@ -139,6 +139,11 @@ class GatedDeltaNet(nn.Module):
         x = x.to(compute_dtype(x))  # autocast: one bf16 copy for wqkv, wb, wa and wz (autocast casts per call)
         nk, nv = self.heads()  # this rank's (all, without tensor parallelism)
         mixed = self._project(x)  # [B, S, C]
+        real = None  # a left-padded batch (models.kvcache.KVCache's padding): [B, S] whether a slot holds a token
+        if kv is not None and kv.padding is not None:
+            slots = torch.arange(kv.length - S, kv.length, device=x.device)
+            real = slots[None, :] >= kv.padding.to(x.device)[:, None]
+            mixed = mixed * real[..., None].to(mixed.dtype)  # fillers: the zeros a fresh convolution starts from
         conv_before = None if kv is None else kv.conv
         context = self.context_parallel if kv is None else None
         local_segments = inputs = None
@@ -163,6 +168,8 @@ class GatedDeltaNet(nn.Module):
         beta = _ContiguousGrad.apply(torch.sigmoid(self.wb(x).float()))  # [B, S, Nv]
         a_log, dt_bias = self._local_heads(self.A_log), self._local_heads(self.dt_bias)
         g = -a_log.float().exp() * _ContiguousGrad.apply(F.softplus(self.wa(x).float() + dt_bias.float()))
+        if real is not None:  # fillers leave the (zero) state as it is: no write, no decay
+            beta, g = beta * real[..., None], g * real[..., None]
         start = None if kv is None else kv.state
         trace = None
         if context is not None:

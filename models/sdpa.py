@@ -170,13 +170,15 @@ def lower_right_causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float |
 def masked_sink_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, sinks: Tensor,
                           scale: float | None = None) -> Tensor:
     """``sink_attention``'s function as batched matmuls over the keys as they are (GQA by stacking each key head's
-    query heads, as explicit_causal_attention): q [B, N, S, D], k [B, K, P, D], v [B, K, P, Dv], mask [S, P]."""
+    query heads, as explicit_causal_attention): q [B, N, S, D], k [B, K, P, D], v [B, K, P, Dv], mask [S, P] or one
+    per row [B, S, P] (models.sdpa.padded_mask)."""
     B, N, S, D = q.shape
     K, P, Dv = k.shape[1], k.shape[2], v.shape[-1]
     G = N // K
     scale = D**-0.5 if scale is None else scale
     scores = torch.matmul(q.reshape(B, K, G * S, D), k.transpose(-1, -2)) * scale  # [B, K, G*S, P]
-    scores = scores.masked_fill(~mask.repeat(G, 1), -math.inf)
+    mask = mask.repeat(G, 1) if mask.dim() == 2 else mask.repeat(1, G, 1)[:, None]  # [G*S, P] / [B, 1, G*S, P]
+    scores = scores.masked_fill(~mask, -math.inf)
     sink = sinks.to(scores.dtype).view(1, K, G, 1, 1).expand(B, K, G, S, 1).reshape(B, K, G * S, 1)
     probs = torch.cat((scores, sink), dim=-1).softmax(-1)[..., :P]
     return torch.matmul(probs, v).view(B, N, S, Dv)
@@ -204,3 +206,21 @@ def span_mask(q_start: int, S: int, k_start: int, P: int, window: int, device) -
     queries = torch.arange(q_start, q_start + S, device=device)[:, None]  # [S, 1]
     visible = keys <= queries
     return visible & (keys > queries - window) if window else visible
+
+
+def padded_mask(padding: Tensor, q_start: int, S: int, k_start: int, P: int, window: int = 0,
+                chunk: int = 0) -> Tensor:
+    """[B, S, P] bool for a left-padded batch (models.kvcache.KVCache's ``padding`` [B]): queries at slots
+    q_start .. q_start+S-1 over keys at slots k_start .. k_start+P-1, each row's positions counted from its first
+    real slot (slot - padding[b]). A real query sees the real keys at or before it (within ``window``; within its own
+    ``chunk`` of positions), never a filler; a filler query sees only itself, so no row of the softmax is empty."""
+    device = padding.device
+    pad = padding[:, None, None]  # [B, 1, 1]
+    keys = torch.arange(k_start, k_start + P, device=device)[None, None, :] - pad  # [B, 1, P]
+    queries = torch.arange(q_start, q_start + S, device=device)[None, :, None] - pad  # [B, S, 1]
+    visible = (keys <= queries) & (keys >= 0)
+    if window:
+        visible &= keys > queries - window
+    if chunk:
+        visible &= torch.div(keys, chunk, rounding_mode="floor") == torch.div(queries, chunk, rounding_mode="floor")
+    return visible | (keys == queries)

@@ -14,7 +14,7 @@ from moekit.train import stalls
 from tests.dist_utils import run_trainer
 from tests.tiny import TINY_MODEL
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = stalls._PACKAGE_ROOT  # the installed package's files (a checkout elsewhere may run these tests)
 
 
 def _sleep_here(seconds: float) -> None:

@@ -137,6 +137,116 @@ def generate(model: Transformer, prompt_ids: list[int], max_new_tokens: int, sam
 
 
 # ---------------------------------------------------------------------------------------------------
+# Many prompts at once: a left-padded batch over one KV cache
+# ---------------------------------------------------------------------------------------------------
+
+# The filler token before a shorter prompt: any id does (no query of the row sees it); 0 is in every vocabulary.
+FILLER_ID = 0
+
+
+@torch.inference_mode()
+def generate_batch(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
+                   sampling: Sampling = Sampling(), *, seed: int = 0, eos_ids: tuple[int, ...] = (),
+                   stop: Callable[[int, list[int]], bool] | None = None) -> list[Generation]:
+    """Decode after every prompt together: the prompts left-padded to the longest into one batch and one KV cache
+    (models.kvcache.KVCache's ``padding``), one forward per step for all the sequences still going. A sequence ends
+    at an id in ``eos_ids``, at ``max_new_tokens``, or once ``stop(row, its new ids so far)`` is true, and leaves
+    the batch (``KVCache.select``): the next steps run only the others.
+
+    Row i's tokens are ``generate(model, prompts[i], ..., seed=seed)``'s up to rounding: a row attends only to its
+    own tokens, RoPE depends on distances alone, and each row samples from its own generator seeded ``seed``. That
+    holds when the model routes each token alone (train.inference.cache_inexact is None: no expert_choice router,
+    no capacity) and every prompt fits the window beside its answer: ``generate_many`` sends the others to
+    ``generate``."""
+    if not prompts:
+        return []
+    W = model.config.max_seq_len
+    for i, ids in enumerate(prompts):
+        if not ids:
+            raise ValueError(f"generate_batch(): prompt {i} is empty; every prompt needs at least one token")
+        if len(ids) + max_new_tokens > W:
+            raise ValueError(f"generate_batch(): prompt {i} has {len(ids)} tokens, and {max_new_tokens} new ones "
+                             f"would outgrow the window of {W}: decode it with generate() (which moves its window) "
+                             f"or shorten it")
+    device = model.embed.weight.device
+    B, P = len(prompts), max(map(len, prompts))
+    padding = [P - len(ids) for ids in prompts]
+    tokens = torch.tensor([[FILLER_ID] * pad + list(ids) for pad, ids in zip(padding, prompts)], device=device)
+    generators = [torch.Generator().manual_seed(seed) for _ in prompts]
+    new: list[list[int]] = [[] for _ in prompts]
+    stopped, seconds = ["length"] * B, [0.0] * B
+    alive = list(range(B))  # the batch's rows, in the cache's order
+    t0 = time.perf_counter()
+    cache = KVCache(model.config, P + max_new_tokens, padding=torch.tensor(padding, device=device))
+    logits, forwards = model(tokens, cache=cache)[:, -1], 1  # [B, V]: every row's last slot is P - 1
+    first = None
+    for step in range(max_new_tokens):
+        if sampling.temperature == 0:  # one transfer for the whole batch
+            picked = logits.argmax(-1).tolist()
+        else:
+            picked = [next_token(logits[j], sampling, generators[row]) for j, row in enumerate(alive)]
+        if first is None:
+            first = time.perf_counter() - t0
+        keep = []
+        for j, (row, token) in enumerate(zip(alive, picked)):
+            if token in eos_ids:
+                stopped[row] = "eos"
+            else:
+                new[row].append(token)
+                if stop is not None and stop(row, new[row]):
+                    stopped[row] = "stop"
+                else:
+                    keep.append(j)
+                    continue
+            seconds[row] = time.perf_counter() - t0
+        if not keep or step == max_new_tokens - 1:
+            break
+        if len(keep) < len(alive):
+            cache.select(torch.tensor(keep, device=device))
+            alive = [alive[j] for j in keep]
+        logits = model(torch.tensor([[new[row][-1]] for row in alive], device=device), cache=cache)[:, -1]
+        forwards += 1
+    end = time.perf_counter() - t0
+    return [Generation(list(ids), new[i], seconds[i] or end, first or end, stopped[i], forwards=forwards)
+            for i, ids in enumerate(prompts)]
+
+
+def generate_many(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
+                  sampling: Sampling = Sampling(), *, seed: int = 0, eos_ids: tuple[int, ...] = (),
+                  stop: Callable[[int, list[int]], bool] | None = None, batch_size: int = 16,
+                  use_cache: bool = True, progress: Callable[[int], None] | None = None) -> list[Generation]:
+    """``generate`` for each prompt (``stop(index, new ids)``), in batches of up to ``batch_size`` prompts of
+    similar length (``generate_batch``), returned in the prompts' order. A prompt whose answer would outgrow the
+    window decodes alone (``generate`` moves its window), as does every prompt with ``batch_size`` 1 or without the
+    cache (``use_cache`` False: a model whose routing is not per token, train.inference.cache_inexact).
+    ``progress(done)`` is called after each batch with the prompts decoded so far."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size} is invalid; it must be >= 1")
+    W = model.config.max_seq_len
+    out: list[Generation | None] = [None] * len(prompts)
+    alone = [i for i, ids in enumerate(prompts)
+             if batch_size == 1 or not use_cache or not ids or len(ids) + max_new_tokens > W]
+    together = sorted(set(range(len(prompts))) - set(alone), key=lambda i: (len(prompts[i]), i))
+    done = 0
+    for i in alone:
+        out[i] = generate(model, prompts[i], max_new_tokens, sampling, seed=seed, eos_ids=eos_ids,
+                          use_cache=use_cache, stop=None if stop is None else (lambda ids, i=i: stop(i, ids)))
+        done += 1
+        if progress is not None:
+            progress(done)
+    for b in range(0, len(together), batch_size):
+        rows = together[b : b + batch_size]
+        results = generate_batch(model, [prompts[i] for i in rows], max_new_tokens, sampling, seed=seed,
+                                 eos_ids=eos_ids, stop=None if stop is None else (lambda j, ids: stop(rows[j], ids)))
+        for i, result in zip(rows, results):
+            out[i] = result
+        done += len(rows)
+        if progress is not None:
+            progress(done)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
 # Speculative decoding with the model's multi-token-prediction depths (models.mtp)
 # ---------------------------------------------------------------------------------------------------
 

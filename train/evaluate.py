@@ -108,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "MMLU, 25-shot ARC); default 0")
     p.add_argument("--max-new-tokens", type=int, default=256, metavar="N",
                    help="generative --tasks (gsm8k, {prompt, answer}): the most tokens an answer may take (default 256)")
+    p.add_argument("--gen-batch-size", type=int, default=16, metavar="B",
+                   help="generative --tasks: prompts of similar length decoded together, each exactly as alone "
+                        "(default 16; 1: one at a time)")
     p.add_argument("--samples", metavar="JSONL",
                    help="--tasks: also write one record per item here (its context, choices, label, each choice's "
                         "log-likelihood and tokens, the picks; a generative task's prompt, generation and verdict), "
@@ -138,7 +141,8 @@ def run(args: argparse.Namespace) -> dict:
                                          window_sources)
     from moekit.train.inference import load_for_inference
 
-    for name in ("--seq-len", "--batch-size", "--batches", "--max-tokens", "--limit", "--max-new-tokens"):
+    for name in ("--seq-len", "--batch-size", "--batches", "--max-tokens", "--limit", "--max-new-tokens",
+                 "--gen-batch-size"):
         _positive(name, getattr(args, name[2:].replace("-", "_")))
     if args.fewshot < 0:
         raise UserError(f"--fewshot {args.fewshot} is invalid; it must be a number of examples >= 0")
@@ -263,9 +267,12 @@ def run_tasks(args, specs: list[str], model, tokenizer, info, split, seq_len: in
     for task in tasks:
         if isinstance(task, GenTask):  # the model writes its answers (moekit.train.gen_tasks)
             note(f"{task.name}: {len(task.items):,} items ({task.format}, generated: at most {args.max_new_tokens} "
-                 f"tokens each)")
+                 f"tokens each, {args.gen_batch_size if info.cache_inexact is None else 1} at a time)")
+            if info.cache_inexact is not None:
+                note(f"note: {info.cache_inexact}, so each answer decodes alone, every step over the whole window")
             result, rows = generate_answers(task, model, tokenizer, prefix, args.max_new_tokens,
-                                            progress=None if args.quiet else note)
+                                            progress=None if args.quiet else note, batch_size=args.gen_batch_size,
+                                            use_cache=info.cache_inexact is None)
             generated.append(result)
             samples += rows if args.samples else []
             continue

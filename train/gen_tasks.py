@@ -158,34 +158,45 @@ def gen_result(task: GenTask, verdicts: list[dict], cut: int, max_new_tokens: in
 
 
 def generate_answers(task: GenTask, model, tokenizer, prefix: list[int], max_new_tokens: int,
-                     progress=None) -> tuple[dict, list]:
+                     progress=None, batch_size: int = 16, use_cache: bool = True) -> tuple[dict, list]:
     """A generative task's result and its samples: each item's answer decoded greedily (moekit.train.decoding),
-    stopped at an end token or once the decoded text holds a stop string, cut there and judged."""
-    from moekit.train.decoding import generate  # torch and the models: only when a model answers
+    stopped at an end token or once the decoded text holds a stop string, cut there and judged. ``batch_size``
+    items of similar length decode together (``decoding.generate_many``), each as it would alone; ``use_cache``
+    False (a model whose routing is not per token: train.inference.cache_inexact): one at a time, every step over
+    the whole window."""
+    from moekit.train.decoding import generate_many  # torch and the models: only when a model answers
 
     window = model.config.max_seq_len
     room = max(1, window - max_new_tokens)  # the prompt's tokens that fit beside the answer
-    verdicts, rows, cut = [], [], 0
-    last = time.monotonic()
-    for i, item in enumerate(task.items):
+    prompts, cut = [], 0
+    for item in task.items:
         ids = prefix + tokenizer.encode(item.prompt)
         if len(ids) > room:  # keep the end of the prompt (the item itself), as the choices' windows do
             ids, cut = ids[-room:], cut + 1
+        prompts.append(ids)
 
-        def stop(new: list[int]) -> bool:  # the answer so far holds a stop string
-            return any(s in tokenizer.decode(new) for s in task.stops)
+    def stop(_index: int, new: list[int]) -> bool:  # the answer so far holds a stop string
+        return any(s in tokenizer.decode(new) for s in task.stops)
 
-        out = generate(model, ids, max_new_tokens, eos_ids=tuple(tokenizer.eos_ids), stop=stop)
+    last, t0 = time.monotonic(), time.monotonic()
+
+    def report_progress(done: int) -> None:
+        nonlocal last
+        if progress is not None and time.monotonic() - last > 5.0:
+            rate = done / max(time.monotonic() - t0, 1e-9)
+            progress(f"{task.name}: {done}/{len(prompts)} items ({rate:.2f} items/s)")
+            last = time.monotonic()
+
+    outs = generate_many(model, prompts, max_new_tokens, eos_ids=tuple(tokenizer.eos_ids), stop=stop,
+                         batch_size=batch_size, use_cache=use_cache, progress=report_progress)
+    verdicts, rows = [], []
+    for i, (item, out) in enumerate(zip(task.items, outs)):
         text = cut_at_stops(tokenizer.decode(out.new_ids), task.stops)
         verdict = judge(task, item, text)
         verdicts.append(verdict)
         rows.append({"task": task.name, "index": i, "where": item.where, "prompt": item.prompt, "generation": text,
                      "targets": item.targets, "extracted": verdict["extracted"], "correct": verdict["exact"],
                      "stopped": out.stopped})
-        if progress is not None and time.monotonic() - last > 5.0:
-            progress(f"{task.name}: {i + 1}/{len(task.items)} items, exact_match so far "
-                     f"{sum(v['exact'] for v in verdicts) / len(verdicts):.3f}")
-            last = time.monotonic()
     return gen_result(task, verdicts, cut, max_new_tokens), rows
 
 

@@ -3,8 +3,15 @@
     moekit-generate RUN_DIR|CHECKPOINT|HF_DIR --prompt TEXT [--chat [--system TEXT]] [--max-new-tokens N]
                     [--temperature T] [--top-k K] [--top-p P] [--seed S] [--no-cache]
                     [--speculative [--draft-depths N]] [--device D] [--dtype T]
+    moekit-generate RUN_DIR|CHECKPOINT|HF_DIR --prompts FILE [--output JSONL] [--batch-size B] [...]
 
 stdout: the prompt and its continuation; stderr: what was loaded, and one stats line (tokens/s).
+
+Many prompts (--prompts FILE): a .jsonl file of {"prompt": TEXT} records (with --chat, an optional "system" each),
+or any other text file with one prompt per line (blank lines skipped). Prompts of similar length decode together,
+--batch-size at a time, over one KV cache (moekit.train.decoding.generate_batch): each prompt's tokens are those it
+would get alone, with the same --seed. One JSON record per prompt, in the file's order, goes to stdout or --output:
+{"index", "prompt", "completion", "prompt_tokens", "new_tokens", "stopped"}; progress and the stats go to stderr.
 Decoding stops after --max-new-tokens tokens or at an end token (not printed): the tokenizer's EOS, and for an HF
 folder every eos_token_id of generation_config.json and config.json and tokenizer_config.json's eos_token.
 
@@ -39,9 +46,12 @@ for its second token).
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from moekit.train import OneLineParser, UserError, program_name, run_program
 from moekit.train.model_args import add_model_args
@@ -75,7 +85,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                       allow_abbrev=False)
     add_model_args(p)
-    p.add_argument("--prompt", required=True, help="the text to continue (with --chat: the user's message)")
+    given = p.add_mutually_exclusive_group(required=True)
+    given.add_argument("--prompt", help="the text to continue (with --chat: the user's message)")
+    given.add_argument("--prompts", metavar="FILE",
+                       help="many prompts: a .jsonl file of {\"prompt\": ...} records, or one prompt per line; "
+                            "one JSON record per prompt out (see the top of --help)")
+    p.add_argument("--output", metavar="JSONL", help="with --prompts: write the records here instead of stdout")
+    p.add_argument("--batch-size", type=int, default=16, metavar="B",
+                   help="with --prompts: prompts decoded together (default 16; 1: one at a time)")
     p.add_argument("--chat", action="store_true",
                    help="lay out the prompt as one user turn with the model folder's chat template and print only the "
                         "answer (instruct models; needs jinja2)")
@@ -98,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def argv_has(argv: list[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
     if args.max_new_tokens < 1:
@@ -110,6 +131,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.system is not None and not args.chat:
         raise UserError("--system sets the system message of a chat; add --chat (the model folder needs a chat "
                         "template), or drop --system")
+    if args.prompts is None:
+        for flag in ("output", "batch_size"):
+            if argv_has(argv, "--" + flag.replace("_", "-")):
+                raise UserError(f"--{flag.replace('_', '-')} is for many prompts; give them with --prompts FILE")
+    else:
+        if args.batch_size < 1:
+            raise UserError(f"--batch-size {args.batch_size} is invalid; it must be a positive number of prompts")
+        if args.speculative:
+            raise UserError("--speculative decodes one sequence; drop it to decode --prompts in batches")
+        if args.show_reasoning:
+            raise UserError("--show-reasoning prints one answer's reasoning on stderr; use --prompt for that")
+        if args.output and Path(args.output).is_dir():
+            raise UserError(f"--output {args.output}: a directory; name the file to write, e.g. "
+                            f"{Path(args.output) / 'generations.jsonl'}")
     if args.speculative and args.no_cache:
         raise UserError("--speculative checks its drafts against the KV cache; drop --no-cache (or --speculative)")
     if args.draft_depths is not None:
@@ -127,9 +162,12 @@ def run(args: argparse.Namespace) -> int:
     from moekit.train.inference import (ChatTemplate, chat_messages, encode_rendered, load_for_inference,
                                         template_folder)
 
-    # the template (and jinja2) before the model: a missing one should not cost a large model's load
+    # the prompts, the template (and jinja2) before the model: a bad one should not cost a large model's load
+    many = read_prompts(args.prompts, args.chat) if args.prompts is not None else None
     template = ChatTemplate.load(template_folder(args.path)) if args.chat else None
     model, tokenizer, info = load_for_inference(args.path, args.device, args.dtype, warn=_note, averaged=args.ema)
+    if many is not None:
+        return run_many(args, many, model, tokenizer, info, template)
     if args.speculative and not len(model.mtp):
         raise UserError(f"--speculative drafts with the model's multi-token-prediction depths, and {args.path} has "
                         f"none (model.mtp_layers 0): train with --model.mtp_layers 1, or drop --speculative")
@@ -177,6 +215,115 @@ def run(args: argparse.Namespace) -> int:
     _note(f"{len(prompt_ids)} prompt + {len(out.new_ids)} new tokens in {out.seconds:.3f} s: {out.tokens_per_s:.1f} "
           f"tokens/s ({'KV cache' if use_cache else 'no cache'}, first token {1e3 * out.first_token_s:.1f} ms"
           f"{moved}{spec}); stopped at {why}")
+    return 0
+
+
+def read_prompts(path: str, chat: bool) -> list[tuple[str, str | None]]:
+    """--prompts: (text, system message or None) per prompt. A .jsonl file holds {"prompt": str} records (with
+    --chat, an optional "system": str); any other file one prompt per line, blank lines skipped."""
+    from moekit.train.runlock import describe_os_error
+
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except IsADirectoryError:
+        raise UserError(f"--prompts {path}: a directory; give a .jsonl file of {{\"prompt\": ...}} records or a "
+                        f"text file of one prompt per line") from None
+    except UnicodeDecodeError as exc:
+        raise UserError(f"--prompts {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except OSError as exc:
+        raise UserError(f"--prompts {path}: cannot read it: {describe_os_error(exc)}") from None
+    prompts = []
+    if not path.endswith(".jsonl"):
+        prompts = [(line, None) for line in lines if line.strip()]
+    else:
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise UserError(f"--prompts {path}:{n}: not JSON ({exc.msg}); each line is one "
+                                f"{{\"prompt\": TEXT}} record") from None
+            text = record.get("prompt") if isinstance(record, dict) else None
+            if not isinstance(text, str) or not text:
+                raise UserError(f"--prompts {path}:{n}: needs a non-empty string \"prompt\" field, got "
+                                f"{json.dumps(record)[:80]}")
+            system = record.get("system")
+            if system is not None and (not isinstance(system, str) or not chat):
+                raise UserError(f"--prompts {path}:{n}: \"system\" " + ("must be a string" if chat else
+                                "sets a chat's system message; add --chat, or drop the field"))
+            prompts.append((text, system))
+    if not prompts:
+        raise UserError(f"--prompts {path}: holds no prompt; write one per line, or {{\"prompt\": ...}} records "
+                        f"in a .jsonl file")
+    return prompts
+
+
+def run_many(args, many: list[tuple[str, str | None]], model, tokenizer, info, template) -> int:
+    """--prompts: every prompt's continuation, decoded in batches (module docstring), as JSON records."""
+    from moekit.train.decoding import continuation, generate_many
+    from moekit.train.inference import chat_messages, encode_rendered
+
+    if template is not None:
+        encoded = [encode_rendered(tokenizer, template.render(chat_messages(text, args.system if system is None
+                                                                             else system))) for text, system in many]
+    else:
+        encoded = [tokenizer.encode(text) for text, _ in many]
+    empty = [i for i, ids in enumerate(encoded) if not ids]
+    if empty:
+        raise UserError(f"--prompts {args.prompts}: prompt {empty[0]} encodes to no tokens; give some text to "
+                        f"continue")
+    W = model.config.max_seq_len
+    long = sum(len(ids) + args.max_new_tokens > W for ids in encoded)
+    use_cache = not args.no_cache
+    _note(f"{info.describe()}; tokenizer {tokenizer.describe()}"
+          + (f"; chat template {template.source}" if template is not None else ""))
+    for line in info.routing:
+        _note(f"note: {line}")
+    if use_cache and info.cache_inexact:
+        _note(f"note: {info.cache_inexact}, so each prompt decodes alone and every step runs the whole window "
+              f"(as --no-cache)")
+        use_cache = False
+    if long and use_cache and args.batch_size > 1:
+        _note(f"note: {long} of {len(encoded)} prompts leave fewer than --max-new-tokens {args.max_new_tokens} "
+              f"positions in the window (model.max_seq_len={W}); they decode alone, moving the window as --prompt does")
+    out_file = None
+    if args.output:
+        try:
+            out_file = open(args.output, "w", encoding="utf-8")
+        except OSError as exc:
+            from moekit.train.runlock import describe_os_error
+
+            raise UserError(f"--output {args.output}: cannot write it: {describe_os_error(exc)}") from None
+    t0, last = time.perf_counter(), [time.monotonic()]
+
+    def progress(done: int) -> None:
+        if time.monotonic() - last[0] > 5.0 and done < len(encoded):
+            _note(f"{done:,}/{len(encoded):,} prompts ({done / (time.perf_counter() - t0):.2f}/s)")
+            last[0] = time.monotonic()
+
+    outs = generate_many(model, encoded, args.max_new_tokens, args.sampling, seed=args.seed,
+                         eos_ids=tuple(tokenizer.eos_ids), batch_size=args.batch_size, use_cache=use_cache,
+                         progress=progress)
+    seconds = time.perf_counter() - t0
+    sink = out_file if out_file is not None else sys.stdout
+    try:
+        for i, ((text, _), ids, out) in enumerate(zip(many, encoded, outs)):
+            completion = continuation(tokenizer, ids, out.new_ids)
+            if template is not None:
+                completion = harmony_answer(tokenizer, out.new_ids, args, completion)
+            sink.write(json.dumps({"index": i, "prompt": text, "completion": completion, "prompt_tokens": len(ids),
+                                   "new_tokens": len(out.new_ids), "stopped": out.stopped}) + "\n")
+    finally:
+        if out_file is not None:
+            out_file.close()
+    new = sum(len(out.new_ids) for out in outs)
+    ends = {why: sum(out.stopped == why for out in outs) for why in ("eos", "length")}
+    how = f"KV cache, batches of {args.batch_size}" if use_cache else "no cache, one at a time"
+    _note(f"{len(encoded):,} prompts, {sum(map(len, encoded)):,} prompt + {new:,} new tokens in {seconds:.3f} s: "
+          f"{new / max(seconds, 1e-9):.1f} new tokens/s ({how}); stopped at EOS {ends['eos']:,}, at "
+          f"--max-new-tokens {ends['length']:,}"
+          + (f"; wrote {args.output}" if args.output else ""))
     return 0
 
 
