@@ -235,5 +235,9 @@ def test_batch_generate_benchmark_smoke(tmp_path, capsys):
     assert rows[0]["vs_alone"] == 1.0 and all(r["same"] for r in rows[:3])
     assert all(r["agree"] >= 0.5 for r in rows[3:])  # the same weights in transformers: the same tokens but for ties
     assert "x alone" in capsys.readouterr().out
+    from moekit.bench.suite_summary import batch_generate_lines  # the GPU suite's summary of its step
+
+    (line,) = batch_generate_lines(json.loads(out.read_text()))
+    assert line.startswith("mixtral-tiny: alone ") and ", moekit 2 " in line and ", hf 8 " in line
     with pytest.raises(SystemExit):
         bench_main(["--prompt-len", "10", "5", "--out", str(out)])

@@ -98,7 +98,8 @@ def test_gpu_suite_rejects_bad_arguments(tmp_path):
     assert listing.returncode == 0 and "train_mfu_full" in listing.stdout
     # the A / B steps of the next device session (run by hand with --smoke when they were added: 28 s together)
     listed = {line.split()[0] for line in listing.stdout.splitlines() if line[:1].strip()}
-    assert {"train_mfu_ab", "train_mfu_fused", "linear_attention_scan", "grouped_gemm_mixtral1b", "lm_loss"} <= listed
+    assert {"train_mfu_ab", "train_mfu_fused", "linear_attention_scan", "grouped_gemm_mixtral1b", "lm_loss",
+            "batch_generate"} <= listed
 
 
 def test_gpu_suite_without_gpu_asks_for_smoke(tmp_path):

@@ -25,7 +25,7 @@ PY=${PYTHON:-python3}
 DEFAULT_STEPS=(env tests moe_layer grouped_gemm dispatch profile train_mfu)
 ALL_STEPS=(env tests moe_layer grouped_gemm dispatch profile train_mfu train_mfu_full tune grouped_gemm_tuned
            grouped_gemm_quick train_mfu_tma attention router_balance linear_attention lm_loss linear_attention_scan
-           train_mfu_ab train_mfu_fused grouped_gemm_mixtral1b)
+           train_mfu_ab train_mfu_fused grouped_gemm_mixtral1b batch_generate)
 SMOKE=0
 BUDGET=560
 RESULTS=${OUT:-bench-results}
@@ -82,6 +82,9 @@ grouped_gemm_mixtral1b
                 grouped_gemm at train_mfu's model (H 1024, F 3072, E 8, k 2), 32768 tokens, uniform: the fused
                 expert MLP against the plain one and torch; writes grouped_gemm_mixtral1b.json; not in the
                 default set                                                                (cap 120 s)
+batch_generate  tools/bench/batch_generate.py: mixtral-1b (random weights, bf16), 64 prompts of 32-512 tokens, 128
+                new tokens each: one at a time vs batches of 16 and 64 vs transformers' batched generate; not in
+                the default set                                                            (cap 150 s)
 EOF
 }
 
@@ -261,6 +264,12 @@ for step in "${STEPS[@]}"; do
       else size=(--shapes mixtral-1b --tokens 32768 --routings uniform --rounds 1); fi
       run_step grouped_gemm_mixtral1b 120 "$PY" tools/bench/grouped_gemm.py "${size[@]}" \
         --out "$RAW/grouped_gemm_mixtral1b.json" ;;
+    batch_generate)  # many prompts: left-padded batches over one KV cache against one at a time and transformers
+      if [ "$SMOKE" = 1 ]; then size=(--device cpu --presets mixtral-tiny --prompts 4 --prompt-len 2 8 --new-tokens 4
+                                      --batch-sizes 2 --max-seq-len 32 --repeats 1)
+      else size=(--device cuda --dtype bfloat16 --presets mixtral-1b --max-seq-len 1024 --prompts 64
+                 --prompt-len 32 512 --new-tokens 128 --batch-sizes 16 64 --repeats 1); fi
+      run_step batch_generate 150 "$PY" tools/bench/batch_generate.py "${size[@]}" --out "$RAW/batch_generate.json" ;;
     lm_loss)  # the fused cross-entropy kernel against torch's passes and the plain logits
       if [ "$SMOKE" = 1 ]; then size=(--smoke)
       else size=(--device cuda --dtype bfloat16 --tokens 32768 --hidden 1024 4096 --vocab 32000 151936 --repeats 5); fi

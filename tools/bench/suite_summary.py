@@ -3,8 +3,8 @@
     python tools/bench/suite_summary.py bench-results/raw            # the folder gpu_suite.sh wrote
 
 Reads, from FOLDER (each optional): grouped_gemm.json, moe_layer.json, dispatch_bandwidth.json,
-train_mfu.json, profile/profile_step.json (or profile_step.json), tune_kernels.json, lm_loss.json and gpu_tests.xml
-(the GPU test tier's JUnit report). Prints one line per target: the worst case over the measured cases
+train_mfu.json, profile/profile_step.json (or profile_step.json), tune_kernels.json, lm_loss.json,
+batch_generate.json and gpu_tests.xml (the GPU test tier's JUnit report). Prints one line per target: the worst case over the measured cases
 (and the median) and "met" / "missed" / "no data"; then the profile's top categories, the tile-config
 sweep's winners and the test tier's counts where those files exist. It reports; it asserts nothing
 (timings vary by machine: the ratios are what to compare). Writes FOLDER/summary.json. A file that is
@@ -163,6 +163,19 @@ def lm_loss_lines(data: dict | None) -> list[str]:
     return out
 
 
+def batch_generate_lines(data: dict | None) -> list[str]:
+    """One line per batch_generate.py model: each mode's tokens/s and its ratio to one prompt at a time."""
+    by_model: dict[str, list[dict]] = {}
+    for r in (data or {}).get("results", []):
+        by_model.setdefault(r["preset"], []).append(r)
+    out = []
+    for name, rows in by_model.items():
+        cells = [f"{'alone' if r['batch'] == 1 and r['impl'] == 'moekit' else r['impl'] + ' ' + str(r['batch'])} "
+                 f"{r['tok_s']:.0f} tok/s ({r['vs_alone']:.2f}x, tokens = alone {r['agree']:.0%})" for r in rows]
+        out.append(f"{name}: " + ", ".join(cells))
+    return out
+
+
 def test_tier(folder: Path) -> dict | None:
     """Counts and failing test names from the GPU tier's JUnit XML (gpu_suite.sh's tests step)."""
     import xml.etree.ElementTree as ET
@@ -227,6 +240,11 @@ def main(argv=None) -> int:
     if loss_lines:
         print("LM-head loss fwd+bwd (lm_loss.py): chunked torch passes' time / the fused kernel's, plain logits' / fused")
         for text in loss_lines:
+            print("  " + text)
+    gen_lines = batch_generate_lines(load(folder, "batch_generate.json"))
+    if gen_lines:
+        print("batched decoding (batch_generate.py): new tokens/s, x one prompt at a time")
+        for text in gen_lines:
             print("  " + text)
     tune = load(folder, "tune_kernels.json")
     if tune and tune.get("results"):
