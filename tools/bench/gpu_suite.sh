@@ -82,7 +82,7 @@ grouped_gemm_mixtral1b
                 grouped_gemm at train_mfu's model (H 1024, F 3072, E 8, k 2), 32768 tokens, uniform: the fused
                 expert MLP against the plain one and torch; writes grouped_gemm_mixtral1b.json; not in the
                 default set                                                                (cap 120 s)
-batch_generate  tools/bench/batch_generate.py: mixtral-1b (random weights, bf16), 64 prompts of 32-512 tokens, 128
+batch_generate  tools/bench/batch_generate.py: mixtral-1b (random weights, bf16), 64 prompts of 32-512 tokens, 64
                 new tokens each: one at a time vs batches of 16 and 64 vs transformers' batched generate; not in
                 the default set                                                            (cap 150 s)
 EOF
@@ -268,7 +268,7 @@ for step in "${STEPS[@]}"; do
       if [ "$SMOKE" = 1 ]; then size=(--device cpu --presets mixtral-tiny --prompts 4 --prompt-len 2 8 --new-tokens 4
                                       --batch-sizes 2 --max-seq-len 32 --repeats 1)
       else size=(--device cuda --dtype bfloat16 --presets mixtral-1b --max-seq-len 1024 --prompts 64
-                 --prompt-len 32 512 --new-tokens 128 --batch-sizes 16 64 --repeats 1); fi
+                 --prompt-len 32 512 --new-tokens 64 --batch-sizes 16 64 --repeats 1); fi
       run_step batch_generate 150 "$PY" tools/bench/batch_generate.py "${size[@]}" --out "$RAW/batch_generate.json" ;;
     lm_loss)  # the fused cross-entropy kernel against torch's passes and the plain logits
       if [ "$SMOKE" = 1 ]; then size=(--smoke)
