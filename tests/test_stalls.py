@@ -112,3 +112,33 @@ def test_a_hung_rank_is_named_when_the_collective_times_out(tmp_path):
     report = stalls.report_path(run, 1).read_text()
     assert " in hang" in report and " in inject_fault" in report and " in loop" in report
     assert took < 60, took  # bounded by the timeout, not by torch's 30 minutes
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="forked ranks")
+def test_a_rank_hung_in_set_up_is_named_when_the_checkpoint_load_times_out(tmp_path):
+    """Resuming two ranks, rank 1 hung just before the checkpoint load (the drill's 'resume' point): rank 0 waits in
+    the load's collectives, and after --layout.timeout_s its one-line error says the set-up failed and where each
+    rank was, rank 1 in the drill's hang."""
+    run = tmp_path / "run"
+    flags = [*TINY_MODEL, "--ep", "2", "--checkpoint.every", "2", "--log.progress", "off", "--layout.timeout_s", "6",
+             "--run-dir", str(run)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env.pop("WORLD_SIZE", None)
+    r = run_trainer([*flags, "--steps", "2"], 2, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    env.update({"MOEKIT_FAULT_EXIT_AT_STEP": "resume", "MOEKIT_FAULT_RANK": "1", "MOEKIT_FAULT_ACTION": "hang"})
+    started = time.monotonic()
+    r = run_trainer([*flags, "--steps", "4", "--resume"], 2, env=env, timeout=120)
+    took = time.monotonic() - started
+    assert r.returncode == 1, r.stderr[-3000:]
+    errors = [line for line in r.stderr.splitlines() if " error: " in line]
+    assert len(errors) == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    line = errors[0]
+    assert "rank 0: a collective failed while the run set up (building the model, loading its checkpoint)" in line, line
+    where = re.search(r"where the ranks were \((.+?)/, every thread's stack\): (.*)$", line)
+    assert where and re.match(r"rank 1: train/faults\.py:\d+ \(hang\); rank 0: ", where[2]), line
+    assert " in checkpoint" not in line or "train/checkpoint.py" in where[2]
+    report = stalls.report_path(run, 1).read_text()
+    assert " in hang" in report and " in inject_fault" in report and " in build" in report
+    assert "before loading the checkpoint" in (run / ".fault_injected").read_text()
+    assert took < 60, took

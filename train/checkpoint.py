@@ -203,6 +203,16 @@ def read_placement(path: Path) -> dict | None:
     return found if isinstance(found, dict) else None
 
 
+
+def _comm_failure_in(exc: BaseException) -> BaseException | None:
+    """The collective failure (a timeout, a lost peer: train.distributed.comm_failure) behind a failed DCP call, or
+    None: ``exc`` itself, or one of the ranks' exceptions a CheckpointException gathered ({rank: (exception, stack)})."""
+    failures = getattr(exc, "failures", None)
+    found = [exc, *((f[0] if isinstance(f, tuple) else f) for f in failures.values())] if isinstance(failures, dict) \
+        else [exc]
+    return next((e for e in found if isinstance(e, BaseException) and comm_failure(e)), None)
+
+
 def load(path: Path, model, optimizer, scheduler, sampler, model_config: dict, verify: bool = True,
          load_data: bool = True, ema: bool = False) -> int:
     """Restore everything in place; return the step the checkpoint was taken after.
@@ -224,7 +234,10 @@ def load(path: Path, model, optimizer, scheduler, sampler, model_config: dict, v
         del state["train"]["data"]
     try:
         dcp.load(state, checkpoint_id=str(path))
-    except Exception as exc:  # DCP wraps per-rank failures; any of them means this checkpoint is unusable
+    except (Exception, CheckpointException) as exc:  # any rank's failure (DCP's exception: a BaseException)
+        comm = _comm_failure_in(exc)
+        if comm is not None:  # a collective that timed out or lost a peer: another rank's fault, not the checkpoint's
+            raise comm from None
         reason = str(exc).strip().splitlines()
         raise UserError(f"checkpoint {path}: DCP could not load it ({type(exc).__name__}: "
                         f"{reason[-1] if reason else ''})") from None

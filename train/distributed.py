@@ -273,11 +273,13 @@ class Dist:
         if self.active:
             dist.barrier()
 
-    def failure(self, exc: BaseException, step: int) -> str | None:
-        """One line for a collective that failed (timed out, or a peer went away); None for other errors."""
+    def failure(self, exc: BaseException, step: int | None) -> str | None:
+        """One line for a collective that failed (timed out, or a peer went away); None for other errors. ``step``
+        None: while the run set up (the model built, the checkpoint it resumes from loaded)."""
         if not self.active or not comm_failure(exc):
             return None
-        return (f"rank {self.rank}: a collective failed at step {step} ({first_line(exc)}): another rank stopped, "
+        when = "while the run set up (building the model, loading its checkpoint)" if step is None else f"at step {step}"
+        return (f"rank {self.rank}: a collective failed {when} ({first_line(exc)}): another rank stopped, "
                 f"crashed or stalled past --layout.timeout_s={self.timeout_s:g} (raise it only if ranks legitimately "
                 f"wait longer: slow saves, long evaluations)")
 

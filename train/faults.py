@@ -8,7 +8,8 @@
 * Testing hook for crash/restart: rank $MOEKIT_FAULT_RANK kills itself at the start of step
   $MOEKIT_FAULT_EXIT_AT_STEP, once per run dir (the marker file lets the restarted attempt go on); with
   $MOEKIT_FAULT_ACTION=hang it hangs there instead (``hang``: a stalled rank, for the stall reports of
-  moekit.train.stalls).
+  moekit.train.stalls). $MOEKIT_FAULT_EXIT_AT_STEP=resume does it while the run sets up, just before it loads the
+  checkpoint it resumes from (a rank stuck in set-up: the others wait in the load's collectives).
 """
 from __future__ import annotations
 
@@ -74,25 +75,26 @@ def signal_name(signum: int) -> str:
         return f"signal {signum}"
 
 
-def inject_fault(run_dir: str | Path, step: int, rank: int) -> None:
-    """SIGKILL this rank at the start of ``step`` when $MOEKIT_FAULT_EXIT_AT_STEP / $MOEKIT_FAULT_RANK
-    (default 0) ask for it: simulates a crashed rank for torchrun --max-restarts tests. Once per run dir."""
+def inject_fault(run_dir: str | Path, step: int | str, rank: int) -> None:
+    """SIGKILL this rank at the start of ``step`` (or at "resume": before the checkpoint load of a resumed run) when
+    $MOEKIT_FAULT_EXIT_AT_STEP / $MOEKIT_FAULT_RANK (default 0) ask for it: simulates a crashed rank for torchrun
+    --max-restarts tests. Once per run dir."""
     at = os.environ.get(FAULT_STEP_ENV)
     if not at:
         return
     try:
-        at_step, at_rank = int(at), int(os.environ.get(FAULT_RANK_ENV, "0"))
+        at_step, at_rank = (at if at == "resume" else int(at)), int(os.environ.get(FAULT_RANK_ENV, "0"))
     except ValueError:
-        raise UserError(f"{FAULT_STEP_ENV}={at!r} / {FAULT_RANK_ENV}: must be integers (a testing hook; "
-                        f"unset them for normal training)") from None
+        raise UserError(f"{FAULT_STEP_ENV}={at!r} / {FAULT_RANK_ENV}: must be integers, or 'resume' for the step "
+                        f"(a testing hook; unset them for normal training)") from None
     marker = Path(run_dir) / FAULT_MARKER
     if (at_step, at_rank) != (step, rank) or marker.exists():
         return
     action = os.environ.get(FAULT_ACTION_ENV, "kill")
     if action not in ("kill", "hang"):
         raise UserError(f"{FAULT_ACTION_ENV}={action!r}: use kill or hang (a testing hook; unset it for normal training)")
-    marker.write_text(f"rank {rank} {'killed itself' if action == 'kill' else 'hung'} at the start of step {step} "
-                      f"({FAULT_STEP_ENV})\n")
+    when = "before loading the checkpoint to resume from" if step == "resume" else f"at the start of step {step}"
+    marker.write_text(f"rank {rank} {'killed itself' if action == 'kill' else 'hung'} {when} ({FAULT_STEP_ENV})\n")
     if action == "hang":
         hang()
     os.kill(os.getpid(), signal.SIGKILL)

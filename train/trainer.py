@@ -187,6 +187,7 @@ class Trainer:
         self.val_by_source: dict[str, float] | None = None  # a blend's loss per set at the last evaluation
         if self.resume_from is not None:
             fresh = resume.optimizer_settings(self.optimizer)  # this run's lr, betas, eps, weight decay
+            faults.inject_fault(self.run_dir, "resume", self.dist.rank)  # testing hook, off unless its env is set
             self.start_step = checkpoint.load(self.resume_from, self.model, self.optimizer, self.scheduler,
                                               self.sampler, cfg.model.to_dict(), verify=False,
                                               load_data=not self.changes.new_data, ema=self.ema is not None)
@@ -321,6 +322,13 @@ class Trainer:
             self.watch.pet()
             self.open_records()
             self.describe()
+        except RuntimeError as exc:  # a collective of the set-up (the checkpoint load's) that timed out
+            failure = self.dist.failure(exc, None)
+            where = stalls.summarize(self.run_dir, self.dist.world) if failure is not None else None
+            self.watch.close()
+            if failure is not None:
+                raise RunFailed(failure + (f"; {where}" if where else "")) from None
+            raise
         except BaseException:
             self.watch.close()
             raise
