@@ -1,4 +1,5 @@
 import os
+import random
 
 # Two-core CI box: keep intra-op threads modest so spawned ranks do not oversubscribe.
 os.environ.setdefault("OMP_NUM_THREADS", "2")
@@ -50,29 +51,43 @@ def one_torch_thread():
     torch.set_num_threads(threads)
 
 
-def pytest_collection_modifyitems(config, items):
-    """The GPU tier run on the CPU (``MOEKIT_GPU_TESTS_ON=cpu``, Triton in the interpreter) checks the tier's
-    own code: references, tolerances, shapes. There every parameter value of a tier test runs at least once
-    (a greedy set cover: few cases that between them hold every value), not every combination, which keeps
-    CI's run of the tier to a third of its cases. ``MOEKIT_GPU_TIER_CASES=all`` runs every combination; on CUDA all run."""
-    if os.environ.get("MOEKIT_GPU_TESTS_ON", "cuda") == "cuda":
-        return
-    mode = os.environ.get("MOEKIT_GPU_TIER_CASES", "cover")
+def _mode(name: str, default: str) -> str:
+    mode = os.environ.get(name, default)
     if mode not in ("cover", "all"):
-        raise pytest.UsageError(f"MOEKIT_GPU_TIER_CASES={mode!r}: use 'cover' (each parameter value once, the "
-                                "default on CPU) or 'all' (every combination)")
-    if mode == "all":
-        return
-    by_test: dict[str, list] = {}
+        raise pytest.UsageError(f"{name}={mode!r}: use 'cover' (each parameter value once) or 'all' (every "
+                                f"combination)")
+    return mode
+
+
+def pytest_collection_modifyitems(config, items):
+    """Cross-products run as a cover: a few cases that between them hold every parameter value, not every
+    combination (a greedy set cover, ties broken by the session's seed, so each run pairs the values afresh and
+    MOEKIT_TEST_SEED replays a run's choice). Where it applies:
+
+    - tests marked ``cover`` (parameters that choose independent paths: each value's path runs every time, and
+      over runs every pairing does), unless ``MOEKIT_TEST_CASES=all``;
+    - the GPU tier run on the CPU (``MOEKIT_GPU_TESTS_ON=cpu``, Triton in the interpreter), which checks the
+      tier's own code (references, tolerances, shapes), unless ``MOEKIT_GPU_TIER_CASES=all``. On CUDA the whole
+      tier runs."""
+    gpu_cover = os.environ.get("MOEKIT_GPU_TESTS_ON", "cuda") != "cuda" and \
+        _mode("MOEKIT_GPU_TIER_CASES", "cover") == "cover"
+    marked_cover = _mode("MOEKIT_TEST_CASES", "cover") == "cover"
+    seed = int(os.environ.get("MOEKIT_TEST_SEED", "0"))
+    by_test: dict[tuple, list] = {}
     for item in items:
-        if item.get_closest_marker("gpu") is not None and getattr(item, "callspec", None) is not None:
-            by_test.setdefault(item.originalname, []).append(item)
+        if getattr(item, "callspec", None) is None:
+            continue
+        if (gpu_cover and item.get_closest_marker("gpu") is not None) or \
+                (marked_cover and item.get_closest_marker("cover") is not None):
+            by_test.setdefault((str(getattr(item, "path", "")), item.originalname), []).append(item)
     drop = []
-    for cases in by_test.values():  # greedy set cover: the case with the most values not yet seen, first
+    for key, cases in by_test.items():  # greedy set cover: a case with the most values not yet seen, first
+        rng = random.Random(f"{seed} {key[1]}")  # per test: its pairing does not depend on what else was collected
         values = [{(name, repr(v)) for name, v in case.callspec.params.items()} for case in cases]
         uncovered, chosen = set().union(*values), set()
         while uncovered:
-            best = max(range(len(cases)), key=lambda i: (len(values[i] & uncovered), -i))
+            gain = [len(v & uncovered) for v in values]
+            best = rng.choice([i for i, g in enumerate(gain) if g == max(gain)])
             chosen.add(best)
             uncovered -= values[best]
         drop += [case for i, case in enumerate(cases) if i not in chosen]

@@ -161,6 +161,40 @@ def test_gpu_tier_on_cpu_runs_each_parameter_value_and_all_on_request(monkeypatc
         sample("some")
 
 
+def test_cover_marked_cross_products_hold_every_value_and_are_repaired_by_the_seed(monkeypatch):
+    """tests marked ``cover`` (CPU too): every parameter value in the cases kept, other tests untouched; the same
+    seed keeps the same cases, other seeds other pairings (so, over runs, every pairing runs); MOEKIT_TEST_CASES=all
+    keeps every case; a bad value is a usage error naming it."""
+    import itertools
+    from types import SimpleNamespace
+
+    from tests import conftest
+
+    def item(name, cover=True, **params):
+        return SimpleNamespace(originalname=name, callspec=SimpleNamespace(params=params),
+                               get_closest_marker=lambda marker: object() if cover and marker == "cover" else None)
+
+    grid = [item("t_x", a=a, b=b) for a, b in itertools.product(range(4), "xyz")]
+    plain = [item("t_plain", cover=False, a=a) for a in range(3)]
+
+    def kept(seed, mode="cover"):
+        monkeypatch.setenv("MOEKIT_TEST_SEED", str(seed))
+        monkeypatch.setenv("MOEKIT_TEST_CASES", mode)
+        monkeypatch.delenv("MOEKIT_GPU_TESTS_ON", raising=False)
+        items = grid + plain
+        config = SimpleNamespace(hook=SimpleNamespace(pytest_deselected=lambda items: None))
+        conftest.pytest_collection_modifyitems(config, items)
+        return [(i.callspec.params["a"], i.callspec.params["b"]) for i in items if i.originalname == "t_x"], items
+
+    pairs, items = kept(1)
+    assert len(pairs) == 4 and {a for a, _ in pairs} == set(range(4)) and {b for _, b in pairs} == set("xyz")
+    assert items[-3:] == plain and kept(1)[0] == pairs
+    assert len({tuple(sorted(kept(seed)[0])) for seed in range(12)}) > 1  # re-paired by the seed
+    assert len(kept(1, "all")[0]) == len(grid)
+    with pytest.raises(pytest.UsageError, match="MOEKIT_TEST_CASES='most'"):
+        kept(1, "most")
+
+
 def test_gpu_suite_tune_step_sweeps_every_kernel_call(tmp_path):
     """The non-default 'tune' step (tools/bench/tune_kernels.py): every expert-MLP kernel call is timed as
     autotuned today and with pinned candidates; the JSON names the winners per kernel."""

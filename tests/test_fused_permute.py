@@ -75,6 +75,7 @@ def _fwd_bwd(fn, inputs, g):
 # ---------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.cover  # each value's path every run, re-paired each run (tests/conftest.py)
 @pytest.mark.parametrize("activation", ["swiglu", "gelu", "swiglu_oai"])
 @pytest.mark.parametrize("slots", [True, False], ids=["slots", "sorted"])
 @pytest.mark.parametrize("variant", ["fused", "plain"])
@@ -161,6 +162,7 @@ def test_gathered_bf16_within_what_torch_gets_in_bf16():
         assert err <= 2 * err_torch + 2 ** -8 * want.abs().max(), (name, err.item(), err_torch.item())
 
 
+@pytest.mark.cover  # each value's path every run, re-paired each run (tests/conftest.py)
 @pytest.mark.parametrize("activation", ["swiglu", "gelu", "relu", "swiglu_oai"])
 @pytest.mark.parametrize("variant", ["fused", "plain"])
 def test_row_scale_and_its_gradient_match_float64(activation, variant):
@@ -278,6 +280,7 @@ def _rows(case):
     return T, k, (T * k if case != "capacity" else min(T * k, 6 * min(T, math.ceil(T * k / 6 * 0.6))))  # E x capacity
 
 
+@pytest.mark.cover  # each value's path every run, re-paired each run (tests/conftest.py)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", [c for c in LAYER_CASES if c != "top4"])
 def test_layer_gather_alone_equals_the_permuted_rows_bitwise(monkeypatch, dtype, case):
@@ -303,6 +306,7 @@ def test_layer_gather_alone_equals_the_permuted_rows_bitwise(monkeypatch, dtype,
     assert plain[3] - fused[3] == (n_rows - new_input) * 24 * dtype.itemsize, (plain[3], fused[3])
 
 
+@pytest.mark.cover  # each value's path every run, re-paired each run (tests/conftest.py)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", list(LAYER_CASES))
 def test_layer_fused_permute_as_accurate_as_the_permuted_rows(monkeypatch, dtype, case):
@@ -360,6 +364,7 @@ def test_switch_decides_where_the_permute_fuses(monkeypatch):
         layer.experts.takes_gather(rows)
 
 
+@pytest.mark.cover  # each value's path every run, re-paired each run (tests/conftest.py)
 @pytest.mark.parametrize("autocast", [None, torch.bfloat16], ids=["fp32", "bf16-autocast"])
 @pytest.mark.parametrize("biases", [False, True], ids=["", "gpt-oss-experts"])
 def test_planner_counts_what_the_fused_permute_keeps(monkeypatch, autocast, biases):

@@ -215,6 +215,7 @@ MLP_CASES = {"swiglu-24-ragged": ("swiglu", 24, [5, 0, 70, 17, 0, 33]), "swiglu-
              "relu-24-past": ("relu", 24, [40, 100])}
 
 
+@pytest.mark.cover  # each value's path every run, re-paired each run (tests/conftest.py)
 @pytest.mark.parametrize("gather", [False, True], ids=["rows", "gather"])
 @pytest.mark.parametrize("activation,F,counts", MLP_CASES.values(), ids=MLP_CASES.keys())
 def test_fused_mlp_with_tma_loads_equals_pointer_loads_bit_for_bit(monkeypatch, activation, F, counts, gather):

@@ -502,6 +502,7 @@ SPEC_CONFIGS = {"moe": {}, "dense": dict(num_experts=0, shared_ffn_hidden_size=0
                 "tied": dict(tie_embeddings=True), "qwen3.5": QWEN}
 
 
+@pytest.mark.cover  # each value's path every run, re-paired each run (tests/conftest.py)
 @pytest.mark.parametrize("depths", [1, 2, 3])
 @pytest.mark.parametrize("config", list(SPEC_CONFIGS))
 def test_speculative_greedy_gives_the_plain_greedy_tokens(config, depths):
