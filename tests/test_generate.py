@@ -957,3 +957,37 @@ def test_chat_on_a_harmony_model_prints_the_final_channel(harmony_base, capsys, 
     assert out == "\n" and "wrote no final answer within --max-new-tokens 2 (only analysis)" in err
     assert generate_main([str(harmony_base), "--prompt", "x", "--show-reasoning"]) == 2
     assert "--show-reasoning prints a chat model's reasoning channels; add --chat" in capsys.readouterr().err
+
+
+def test_chat_prompts_file_renders_each_record_as_one_chat(chat_base, tmp_path, capsys):
+    """moekit-generate --chat --prompts: a {"prompt", "system"} record and the same turns as {"messages"} give the
+    answer --chat --prompt gives; a three-turn conversation is answered from its rendered template (decoded here
+    directly); "messages" without --chat, or beside "prompt", is one line."""
+    from moekit.train.decoding import generate
+    from moekit.train.inference import ChatTemplate, encode_rendered, load_for_inference
+
+    folder = chat_folder(chat_base, tmp_path)
+    assert generate_main([str(folder), *CHAT_ARGV, "--max-new-tokens", "6"]) == 0
+    alone = capsys.readouterr().out[:-1]
+    turns = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION},
+             {"role": "assistant", "content": "four"}, {"role": "user", "content": "two plus four?"}]
+    records = [{"prompt": QUESTION, "system": SYSTEM}, {"messages": turns[:2]}, {"messages": turns}]
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = tmp_path / "out.jsonl"
+    assert generate_main([str(folder), "--chat", "--prompts", str(tmp_path / "chats.jsonl"), "--output", str(out),
+                          "--max-new-tokens", "6", "--device", "cpu"]) == 0
+    assert "3 prompts" in capsys.readouterr().err
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows[0]["completion"] == rows[1]["completion"] == alone
+    assert rows[0]["prompt"] == QUESTION and rows[2]["messages"] == turns
+    model, tokenizer, _ = load_for_inference(folder, "cpu")
+    ids = encode_rendered(tokenizer, ChatTemplate.load(folder).render(turns))
+    want = generate(model, ids, 6, eos_ids=tuple(tokenizer.eos_ids))
+    assert rows[2]["prompt_tokens"] == len(ids) and rows[2]["new_tokens"] == len(want.new_ids)
+    for bad, words in (([str(folder), "--prompts"], '"messages" is a conversation for a chat model; add --chat'),
+                       ([str(folder), "--chat", "--prompts"], 'give "messages"')):
+        record = {"messages": turns[:2]} if "--chat" not in bad else {"messages": turns[:2], "prompt": "x"}
+        (tmp_path / "bad.jsonl").write_text(json.dumps(record) + "\n")
+        assert generate_main([*bad, str(tmp_path / "bad.jsonl"), "--device", "cpu"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert words in err and len(err.splitlines()) == 1, err

@@ -7,11 +7,13 @@
 
 stdout: the prompt and its continuation; stderr: what was loaded, and one stats line (tokens/s).
 
-Many prompts (--prompts FILE): a .jsonl file of {"prompt": TEXT} records (with --chat, an optional "system" each),
-or any other text file with one prompt per line (blank lines skipped). Prompts of similar length decode together,
---batch-size at a time, over one KV cache (moekit.train.decoding.generate_batch): each prompt's tokens are those it
-would get alone, with the same --seed. One JSON record per prompt, in the file's order, goes to stdout or --output:
-{"index", "prompt", "completion", "prompt_tokens", "new_tokens", "stopped"}; progress and the stats go to stderr.
+Many prompts (--prompts FILE): a .jsonl file of {"prompt": TEXT} records (with --chat, an optional "system" each, or a
+whole conversation {"messages": [{"role", "content"}, ...]} to answer), or any other text file with one prompt per
+line (blank lines skipped). Prompts of similar length decode together, --batch-size at a time, over one KV cache
+(moekit.train.decoding.generate_batch): each prompt's tokens are those it would get alone, with the same --seed.
+One JSON record per prompt, in the file's order, goes to stdout or --output: {"index", "prompt" (or "messages"),
+"completion", "prompt_tokens", "new_tokens", "stopped"}; progress and the stats go to stderr.
+
 Decoding stops after --max-new-tokens tokens or at an end token (not printed): the tokenizer's EOS, and for an HF
 folder every eos_token_id of generation_config.json and config.json and tokenizer_config.json's eos_token.
 
@@ -218,9 +220,36 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def read_prompts(path: str, chat: bool) -> list[tuple[str, str | None]]:
-    """--prompts: (text, system message or None) per prompt. A .jsonl file holds {"prompt": str} records (with
-    --chat, an optional "system": str); any other file one prompt per line, blank lines skipped."""
+@dataclass(frozen=True)
+class Prompt:
+    """One --prompts entry: ``text`` (a prompt, or with --chat the user's message) or, with --chat, a whole
+    conversation ``messages`` ([{"role", "content"}, ...], answered next); ``system``: its own system message."""
+
+    text: str | None
+    system: str | None = None
+    messages: tuple | None = None
+
+    def record(self) -> dict:
+        """What the output record repeats of it."""
+        return {"prompt": self.text} if self.messages is None else {"messages": list(self.messages)}
+
+
+def _messages(value, chat: bool, where: str) -> tuple:
+    if not chat:
+        raise UserError(f"{where}: \"messages\" is a conversation for a chat model; add --chat, or give a "
+                        f"\"prompt\" instead")
+    ok = isinstance(value, list) and value and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value)
+    if not ok:
+        raise UserError(f"{where}: \"messages\" must be a non-empty list of {{\"role\": str, \"content\": str}}, "
+                        f"got {json.dumps(value)[:80]}")
+    return tuple({"role": m["role"], "content": m["content"]} for m in value)
+
+
+def read_prompts(path: str, chat: bool) -> list[Prompt]:
+    """--prompts: the prompts of a .jsonl file of {"prompt": str} records (with --chat, an optional "system": str, or
+    a whole conversation "messages" instead of "prompt"), or of any other file, one prompt per line (blank lines
+    skipped)."""
     from moekit.train.runlock import describe_os_error
 
     try:
@@ -234,41 +263,51 @@ def read_prompts(path: str, chat: bool) -> list[tuple[str, str | None]]:
         raise UserError(f"--prompts {path}: cannot read it: {describe_os_error(exc)}") from None
     prompts = []
     if not path.endswith(".jsonl"):
-        prompts = [(line, None) for line in lines if line.strip()]
+        prompts = [Prompt(line) for line in lines if line.strip()]
     else:
         for n, line in enumerate(lines, 1):
             if not line.strip():
                 continue
+            where = f"--prompts {path}:{n}"
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise UserError(f"--prompts {path}:{n}: not JSON ({exc.msg}); each line is one "
-                                f"{{\"prompt\": TEXT}} record") from None
-            text = record.get("prompt") if isinstance(record, dict) else None
-            if not isinstance(text, str) or not text:
-                raise UserError(f"--prompts {path}:{n}: needs a non-empty string \"prompt\" field, got "
+                raise UserError(f"{where}: not JSON ({exc.msg}); each line is one {{\"prompt\": TEXT}} "
+                                f"record") from None
+            if not isinstance(record, dict):
+                raise UserError(f"{where}: a record is a JSON object, {{\"prompt\": TEXT}}; got "
                                 f"{json.dumps(record)[:80]}")
             system = record.get("system")
             if system is not None and (not isinstance(system, str) or not chat):
-                raise UserError(f"--prompts {path}:{n}: \"system\" " + ("must be a string" if chat else
+                raise UserError(f"{where}: \"system\" " + ("must be a string" if chat else
                                 "sets a chat's system message; add --chat, or drop the field"))
-            prompts.append((text, system))
+            if "messages" in record:
+                if "prompt" in record or system is not None:
+                    raise UserError(f"{where}: give \"messages\" (the whole conversation, a system message in it) "
+                                    f"or \"prompt\" (and \"system\"), not both")
+                prompts.append(Prompt(None, None, _messages(record["messages"], chat, where)))
+                continue
+            text = record.get("prompt")
+            if not isinstance(text, str) or not text:
+                raise UserError(f"{where}: needs a non-empty string \"prompt\" field, got {json.dumps(record)[:80]}")
+            prompts.append(Prompt(text, system))
     if not prompts:
         raise UserError(f"--prompts {path}: holds no prompt; write one per line, or {{\"prompt\": ...}} records "
                         f"in a .jsonl file")
     return prompts
 
 
-def run_many(args, many: list[tuple[str, str | None]], model, tokenizer, info, template) -> int:
+def run_many(args, many: list[Prompt], model, tokenizer, info, template) -> int:
     """--prompts: every prompt's continuation, decoded in batches (module docstring), as JSON records."""
     from moekit.train.decoding import continuation, generate_many
     from moekit.train.inference import chat_messages, encode_rendered
 
     if template is not None:
-        encoded = [encode_rendered(tokenizer, template.render(chat_messages(text, args.system if system is None
-                                                                             else system))) for text, system in many]
+        encoded = [encode_rendered(tokenizer, template.render(
+            list(p.messages) if p.messages is not None
+            else chat_messages(p.text, args.system if p.system is None else p.system))) for p in many]
     else:
-        encoded = [tokenizer.encode(text) for text, _ in many]
+        encoded = [tokenizer.encode(p.text) for p in many]
     empty = [i for i, ids in enumerate(encoded) if not ids]
     if empty:
         raise UserError(f"--prompts {args.prompts}: prompt {empty[0]} encodes to no tokens; give some text to "
@@ -308,11 +347,11 @@ def run_many(args, many: list[tuple[str, str | None]], model, tokenizer, info, t
     seconds = time.perf_counter() - t0
     sink = out_file if out_file is not None else sys.stdout
     try:
-        for i, ((text, _), ids, out) in enumerate(zip(many, encoded, outs)):
+        for i, (prompt, ids, out) in enumerate(zip(many, encoded, outs)):
             completion = continuation(tokenizer, ids, out.new_ids)
             if template is not None:
                 completion = harmony_answer(tokenizer, out.new_ids, args, completion)
-            sink.write(json.dumps({"index": i, "prompt": text, "completion": completion, "prompt_tokens": len(ids),
+            sink.write(json.dumps({"index": i, **prompt.record(), "completion": completion, "prompt_tokens": len(ids),
                                    "new_tokens": len(out.new_ids), "stopped": out.stopped}) + "\n")
     finally:
         if out_file is not None:
