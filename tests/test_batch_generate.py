@@ -243,3 +243,30 @@ def test_batch_generate_benchmark_smoke(tmp_path, capsys):
     assert line.startswith("mixtral-tiny: alone ") and ", moekit 2 " in line and ", hf 8 " in line
     with pytest.raises(SystemExit):
         bench_main(["--prompt-len", "10", "5", "--out", str(out)])
+
+
+def test_stop_texts_end_each_continuation_before_them(run, tmp_path, capsys):
+    """--stop: the continuation ends where a stop text first appears (the text not printed, decoding stopped
+    there: fewer new tokens), in --prompt and in --prompts; '\\n' in the flag is a newline; '' is refused."""
+    common = ["--max-new-tokens", "16", "--device", "cpu", "--temperature", "0.9", "--seed", "5"]
+    texts = ["def main(", "import"]
+    full = []
+    for t in texts:
+        assert generate_main([str(run), "--prompt", t, *common]) == 0
+        full.append(capsys.readouterr().out[len(t):-1])
+    stop = full[0][4:6]  # two characters from the middle of the first continuation
+    assert generate_main([str(run), "--prompt", texts[0], *common, "--stop", stop, "--stop", "\\nzz"]) == 0
+    out, err = capsys.readouterr()
+    assert out == texts[0] + full[0][: full[0].find(stop)] + "\n" and "stopped at --stop" in err
+    (tmp_path / "p.txt").write_text("\n".join(texts) + "\n")
+    assert generate_main([str(run), "--prompts", str(tmp_path / "p.txt"), *common, "--stop", stop]) == 0
+    out, err = capsys.readouterr()
+    rows = [json.loads(line) for line in out.splitlines()]
+    for row, whole in zip(rows, full):
+        cut = whole.find(stop)
+        assert row["completion"] == (whole if cut < 0 else whole[:cut])
+        assert row["stopped"] == ("length" if cut < 0 else "stop")
+    stopped = sum(row["stopped"] == "stop" for row in rows)
+    assert rows[0]["stopped"] == "stop" and rows[0]["new_tokens"] < 16 and f"at --stop {stopped}" in err
+    assert generate_main([str(run), "--prompt", "a", "--stop", ""]) == 2
+    assert "--stop '' is invalid" in capsys.readouterr().err

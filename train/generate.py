@@ -1,7 +1,7 @@
 """Generate text from a trained model: ``moekit-generate`` (or ``python tools/generate.py`` in a checkout).
 
     moekit-generate RUN_DIR|CHECKPOINT|HF_DIR --prompt TEXT [--chat [--system TEXT]] [--max-new-tokens N]
-                    [--temperature T] [--top-k K] [--top-p P] [--seed S] [--no-cache]
+                    [--temperature T] [--top-k K] [--top-p P] [--seed S] [--stop TEXT ...] [--no-cache]
                     [--speculative [--draft-depths N]] [--device D] [--dtype T]
     moekit-generate RUN_DIR|CHECKPOINT|HF_DIR --prompts FILE [--output JSONL] [--batch-size B] [...]
 
@@ -15,7 +15,8 @@ One JSON record per prompt, in the file's order, goes to stdout or --output: {"i
 "completion", "prompt_tokens", "new_tokens", "stopped"}; progress and the stats go to stderr.
 
 Decoding stops after --max-new-tokens tokens or at an end token (not printed): the tokenizer's EOS, and for an HF
-folder every eos_token_id of generation_config.json and config.json and tokenizer_config.json's eos_token.
+folder every eos_token_id of generation_config.json and config.json and tokenizer_config.json's eos_token; or where
+a --stop text first appears in the continuation (the text is cut there).
 
 Chat models (--chat): the prompt is one user message (after a system message with --system), laid out by the
 folder's chat template (chat_template.jinja, else tokenizer_config.json's chat_template, else chat_template.json)
@@ -108,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0, metavar="P",
                    help="sample among the most likely tokens holding probability P (1 = all)")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the sampler (default 0)")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="end the continuation where TEXT first appears, TEXT not printed (repeatable; \\n and \\t "
+                        "in TEXT are a newline and a tab): e.g. --stop '\\n\\n' --stop 'Question:'")
     p.add_argument("--no-cache", action="store_true", help="recompute the whole window every step (no KV cache)")
     p.add_argument("--speculative", action="store_true",
                    help="draft the tokens after the next with the model's D multi-token-prediction depths and check "
@@ -128,6 +132,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if not 0 <= args.seed < 2**64:
         raise UserError(f"--seed {args.seed} is invalid; it must be in [0, 2**64) (the sampler's seed is 64-bit)")
     args.sampling = Sampling(args.temperature, args.top_k, args.top_p).check()
+    args.stop = [text.replace("\\n", "\n").replace("\\t", "\t") for text in args.stop]
+    if "" in args.stop:
+        raise UserError("--stop '' is invalid; give the text that ends a continuation, e.g. --stop '\\n\\n'")
     if args.show_reasoning and not args.chat:
         raise UserError("--show-reasoning prints a chat model's reasoning channels; add --chat, or drop it")
     if args.system is not None and not args.chat:
@@ -202,16 +209,17 @@ def run(args: argparse.Namespace) -> int:
                                    eos_ids=tokenizer.eos_ids, draft_depths=args.draft_depths)
     else:
         out = generate(model, prompt_ids, args.max_new_tokens, args.sampling, seed=args.seed,
-                       eos_ids=tokenizer.eos_ids, use_cache=use_cache)
+                       eos_ids=tokenizer.eos_ids, use_cache=use_cache,
+                       stop=stop_check(tokenizer, prompt_ids, args.stop))
     if out.prompt_dropped:
         _note(f"note: the prompt has {len(prompt_ids)} tokens, more than model.max_seq_len="
               f"{model.config.max_seq_len}; the model saw its last {len(prompt_ids) - out.prompt_dropped}")
     # a chat prints the answer alone: the template's layout is not the user's text
-    text = continuation(tokenizer, prompt_ids, out.new_ids)
+    text = cut_at_stop(continuation(tokenizer, prompt_ids, out.new_ids), args.stop)
     if template is not None:
         text = harmony_answer(tokenizer, out.new_ids, args, text)
     print(("" if template is not None else args.prompt) + text, flush=True)
-    why = "EOS" if out.stopped == "eos" else f"--max-new-tokens {args.max_new_tokens}"
+    why = {"eos": "EOS", "stop": "--stop"}.get(out.stopped, f"--max-new-tokens {args.max_new_tokens}")
     moved = f", window moved {out.shifts}x" if out.shifts else ""
     spec = f", {draft_stats(out)}" if speculative else ""
     _note(f"{len(prompt_ids)} prompt + {len(out.new_ids)} new tokens in {out.seconds:.3f} s: {out.tokens_per_s:.1f} "
@@ -341,14 +349,15 @@ def run_many(args, many: list[Prompt], model, tokenizer, info, template) -> int:
             _note(f"{done:,}/{len(encoded):,} prompts ({done / (time.perf_counter() - t0):.2f}/s)")
             last[0] = time.monotonic()
 
+    checks = [stop_check(tokenizer, ids, args.stop) for ids in encoded]
     outs = generate_many(model, encoded, args.max_new_tokens, args.sampling, seed=args.seed,
                          eos_ids=tuple(tokenizer.eos_ids), batch_size=args.batch_size, use_cache=use_cache,
-                         progress=progress)
+                         progress=progress, stop=None if not args.stop else (lambda i, new: checks[i](new)))
     seconds = time.perf_counter() - t0
     sink = out_file if out_file is not None else sys.stdout
     try:
         for i, (prompt, ids, out) in enumerate(zip(many, encoded, outs)):
-            completion = continuation(tokenizer, ids, out.new_ids)
+            completion = cut_at_stop(continuation(tokenizer, ids, out.new_ids), args.stop)
             if template is not None:
                 completion = harmony_answer(tokenizer, out.new_ids, args, completion)
             sink.write(json.dumps({"index": i, **prompt.record(), "completion": completion, "prompt_tokens": len(ids),
@@ -357,13 +366,29 @@ def run_many(args, many: list[Prompt], model, tokenizer, info, template) -> int:
         if out_file is not None:
             out_file.close()
     new = sum(len(out.new_ids) for out in outs)
-    ends = {why: sum(out.stopped == why for out in outs) for why in ("eos", "length")}
+    ends = {why: sum(out.stopped == why for out in outs) for why in ("eos", "length", "stop")}
     how = f"KV cache, batches of {args.batch_size}" if use_cache else "no cache, one at a time"
     _note(f"{len(encoded):,} prompts, {sum(map(len, encoded)):,} prompt + {new:,} new tokens in {seconds:.3f} s: "
           f"{new / max(seconds, 1e-9):.1f} new tokens/s ({how}); stopped at EOS {ends['eos']:,}, at "
-          f"--max-new-tokens {ends['length']:,}"
+          f"--max-new-tokens {ends['length']:,}" + (f", at --stop {ends['stop']:,}" if args.stop else "")
           + (f"; wrote {args.output}" if args.output else ""))
     return 0
+
+
+def stop_check(tokenizer, prompt_ids: list[int], stops: list[str]):
+    """decoding's ``stop(new ids)`` for --stop: whether the continuation so far holds a stop text (None without
+    --stop)."""
+    if not stops:
+        return None
+    from moekit.train.decoding import continuation
+
+    return lambda new: any(s in continuation(tokenizer, prompt_ids, new) for s in stops)
+
+
+def cut_at_stop(text: str, stops: list[str]) -> str:
+    """The continuation up to the first --stop text (which is not kept)."""
+    ends = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return text[: min(ends)] if ends else text
 
 
 def harmony_answer(tokenizer, new_ids: list[int], args, raw: str) -> str:
