@@ -270,3 +270,25 @@ def test_stop_texts_end_each_continuation_before_them(run, tmp_path, capsys):
     assert rows[0]["stopped"] == "stop" and rows[0]["new_tokens"] < 16 and f"at --stop {stopped}" in err
     assert generate_main([str(run), "--prompt", "a", "--stop", ""]) == 2
     assert "--stop '' is invalid" in capsys.readouterr().err
+
+
+def test_num_samples_draws_each_completion_with_its_own_seed(run, tmp_path, capsys):
+    """--num-samples N: N records per prompt, sample j being what --prompt gives with --seed S + j; greedy
+    decoding with N > 1, or the flag without --prompts, is one line."""
+    texts = ["def main(", "x = ["]
+    (tmp_path / "p.txt").write_text("\n".join(texts) + "\n")
+    common = ["--max-new-tokens", "6", "--device", "cpu", "--temperature", "1.0"]
+    assert generate_main([str(run), "--prompts", str(tmp_path / "p.txt"), *common, "--seed", "7", "--num-samples",
+                          "3", "--batch-size", "4"]) == 0
+    out, err = capsys.readouterr()
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [(r["index"], r["sample"]) for r in rows] == [(i, j) for i in range(2) for j in range(3)]
+    assert "2 prompts x 3 samples" in err
+    for r in rows:
+        assert generate_main([str(run), "--prompt", texts[r["index"]], *common, "--seed", str(7 + r["sample"])]) == 0
+        assert capsys.readouterr().out == texts[r["index"]] + r["completion"] + "\n"
+    assert len({r["completion"] for r in rows}) > 2  # the seeds differ, so do (most) samples
+    assert generate_main([str(run), "--prompts", str(tmp_path / "p.txt"), "--num-samples", "2"]) == 2
+    assert "copies of the one greedy completion" in capsys.readouterr().err
+    assert generate_main([str(run), "--prompt", "a", "--num-samples", "2"]) == 2
+    assert "--num-samples is for many prompts" in capsys.readouterr().err

@@ -146,7 +146,7 @@ FILLER_ID = 0
 
 @torch.inference_mode()
 def generate_batch(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
-                   sampling: Sampling = Sampling(), *, seed: int = 0, eos_ids: tuple[int, ...] = (),
+                   sampling: Sampling = Sampling(), *, seed: int | list[int] = 0, eos_ids: tuple[int, ...] = (),
                    stop: Callable[[int, list[int]], bool] | None = None) -> list[Generation]:
     """Decode after every prompt together: the prompts left-padded to the longest into one batch and one KV cache
     (models.kvcache.KVCache's ``padding``), one forward per step for all the sequences still going. A sequence ends
@@ -154,7 +154,8 @@ def generate_batch(model: Transformer, prompts: list[list[int]], max_new_tokens:
     the batch (``KVCache.select``): the next steps run only the others.
 
     Row i's tokens are ``generate(model, prompts[i], ..., seed=seed)``'s up to rounding: a row attends only to its
-    own tokens, RoPE depends on distances alone, and each row samples from its own generator seeded ``seed``. That
+    own tokens, RoPE depends on distances alone, and each row samples from its own generator seeded ``seed`` (or
+    ``seed[i]``: one seed per prompt, e.g. several samples of one prompt). That
     holds when the model routes each token alone (train.inference.cache_inexact is None: no expert_choice router,
     no capacity) and every prompt fits the window beside its answer: ``generate_many`` sends the others to
     ``generate``."""
@@ -172,7 +173,8 @@ def generate_batch(model: Transformer, prompts: list[list[int]], max_new_tokens:
     B, P = len(prompts), max(map(len, prompts))
     padding = [P - len(ids) for ids in prompts]
     tokens = torch.tensor([[FILLER_ID] * pad + list(ids) for pad, ids in zip(padding, prompts)], device=device)
-    generators = [torch.Generator().manual_seed(seed) for _ in prompts]
+    seeds = _seeds(seed, len(prompts))
+    generators = [torch.Generator().manual_seed(row_seed) for row_seed in seeds]
     new: list[list[int]] = [[] for _ in prompts]
     stopped, seconds = ["length"] * B, [0.0] * B
     alive = list(range(B))  # the batch's rows, in the cache's order
@@ -211,8 +213,16 @@ def generate_batch(model: Transformer, prompts: list[list[int]], max_new_tokens:
             for i, ids in enumerate(prompts)]
 
 
+def _seeds(seed: int | list[int], n: int) -> list[int]:
+    if isinstance(seed, int):
+        return [seed] * n
+    if len(seed) != n:
+        raise ValueError(f"{len(seed)} seeds for {n} prompts; give one seed, or one per prompt")
+    return list(seed)
+
+
 def generate_many(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
-                  sampling: Sampling = Sampling(), *, seed: int = 0, eos_ids: tuple[int, ...] = (),
+                  sampling: Sampling = Sampling(), *, seed: int | list[int] = 0, eos_ids: tuple[int, ...] = (),
                   stop: Callable[[int, list[int]], bool] | None = None, batch_size: int = 16,
                   use_cache: bool = True, progress: Callable[[int], None] | None = None) -> list[Generation]:
     """``generate`` for each prompt (``stop(index, new ids)``), in batches of up to ``batch_size`` prompts of
@@ -222,6 +232,7 @@ def generate_many(model: Transformer, prompts: list[list[int]], max_new_tokens: 
     ``progress(done)`` is called after each batch with the prompts decoded so far."""
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size} is invalid; it must be >= 1")
+    seeds = _seeds(seed, len(prompts))
     W = model.config.max_seq_len
     out: list[Generation | None] = [None] * len(prompts)
     alone = [i for i, ids in enumerate(prompts)
@@ -229,14 +240,15 @@ def generate_many(model: Transformer, prompts: list[list[int]], max_new_tokens: 
     together = sorted(set(range(len(prompts))) - set(alone), key=lambda i: (len(prompts[i]), i))
     done = 0
     for i in alone:
-        out[i] = generate(model, prompts[i], max_new_tokens, sampling, seed=seed, eos_ids=eos_ids,
+        out[i] = generate(model, prompts[i], max_new_tokens, sampling, seed=seeds[i], eos_ids=eos_ids,
                           use_cache=use_cache, stop=None if stop is None else (lambda ids, i=i: stop(i, ids)))
         done += 1
         if progress is not None:
             progress(done)
     for b in range(0, len(together), batch_size):
         rows = together[b : b + batch_size]
-        results = generate_batch(model, [prompts[i] for i in rows], max_new_tokens, sampling, seed=seed,
+        results = generate_batch(model, [prompts[i] for i in rows], max_new_tokens, sampling,
+                                 seed=[seeds[i] for i in rows],
                                  eos_ids=eos_ids, stop=None if stop is None else (lambda j, ids: stop(rows[j], ids)))
         for i, result in zip(rows, results):
             out[i] = result

@@ -3,7 +3,7 @@
     moekit-generate RUN_DIR|CHECKPOINT|HF_DIR --prompt TEXT [--chat [--system TEXT]] [--max-new-tokens N]
                     [--temperature T] [--top-k K] [--top-p P] [--seed S] [--stop TEXT ...] [--no-cache]
                     [--speculative [--draft-depths N]] [--device D] [--dtype T]
-    moekit-generate RUN_DIR|CHECKPOINT|HF_DIR --prompts FILE [--output JSONL] [--batch-size B] [...]
+    moekit-generate RUN_DIR|CHECKPOINT|HF_DIR --prompts FILE [--output JSONL] [--batch-size B] [--num-samples N] [...]
 
 stdout: the prompt and its continuation; stderr: what was loaded, and one stats line (tokens/s).
 
@@ -12,7 +12,8 @@ whole conversation {"messages": [{"role", "content"}, ...]} to answer), or any o
 line (blank lines skipped). Prompts of similar length decode together, --batch-size at a time, over one KV cache
 (moekit.train.decoding.generate_batch): each prompt's tokens are those it would get alone, with the same --seed.
 One JSON record per prompt, in the file's order, goes to stdout or --output: {"index", "prompt" (or "messages"),
-"completion", "prompt_tokens", "new_tokens", "stopped"}; progress and the stats go to stderr.
+"completion", "prompt_tokens", "new_tokens", "stopped"}; progress and the stats go to stderr. --num-samples N (with
+a --temperature above 0) samples N completions of each prompt, with seeds S .. S+N-1, in N records ("sample": j).
 
 Decoding stops after --max-new-tokens tokens or at an end token (not printed): the tokenizer's EOS, and for an HF
 folder every eos_token_id of generation_config.json and config.json and tokenizer_config.json's eos_token; or where
@@ -96,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", metavar="JSONL", help="with --prompts: write the records here instead of stdout")
     p.add_argument("--batch-size", type=int, default=16, metavar="B",
                    help="with --prompts: prompts decoded together (default 16; 1: one at a time)")
+    p.add_argument("--num-samples", type=int, default=1, metavar="N",
+                   help="with --prompts and a --temperature above 0: N completions of each prompt, sampled with seeds "
+                        "S, S+1, ..., S+N-1 (default 1); each record says which (\"sample\")")
     p.add_argument("--chat", action="store_true",
                    help="lay out the prompt as one user turn with the model folder's chat template and print only the "
                         "answer (instruct models; needs jinja2)")
@@ -141,12 +145,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         raise UserError("--system sets the system message of a chat; add --chat (the model folder needs a chat "
                         "template), or drop --system")
     if args.prompts is None:
-        for flag in ("output", "batch_size"):
+        for flag in ("output", "batch_size", "num_samples"):
             if argv_has(argv, "--" + flag.replace("_", "-")):
                 raise UserError(f"--{flag.replace('_', '-')} is for many prompts; give them with --prompts FILE")
     else:
         if args.batch_size < 1:
             raise UserError(f"--batch-size {args.batch_size} is invalid; it must be a positive number of prompts")
+        if args.num_samples < 1:
+            raise UserError(f"--num-samples {args.num_samples} is invalid; it must be a positive number of "
+                            f"completions per prompt")
+        if args.num_samples > 1 and args.temperature == 0:
+            raise UserError(f"--num-samples {args.num_samples} with --temperature 0 would give {args.num_samples} "
+                            f"copies of the one greedy completion; sample with a --temperature above 0, e.g. 0.8")
+        if args.seed + args.num_samples > 2**64:
+            raise UserError(f"--seed {args.seed} + --num-samples {args.num_samples} passes 2**64 (the sampler's seeds "
+                            f"are 64-bit); use a smaller --seed")
         if args.speculative:
             raise UserError("--speculative decodes one sequence; drop it to decode --prompts in batches")
         if args.show_reasoning:
@@ -344,31 +357,40 @@ def run_many(args, many: list[Prompt], model, tokenizer, info, template) -> int:
             raise UserError(f"--output {args.output}: cannot write it: {describe_os_error(exc)}") from None
     t0, last = time.perf_counter(), [time.monotonic()]
 
+    N = args.num_samples  # row r: prompt r // N, its sample r % N, seeded --seed + r % N
+    rows = [ids for ids in encoded for _ in range(N)]
+    what = "completions" if N > 1 else "prompts"
+
     def progress(done: int) -> None:
-        if time.monotonic() - last[0] > 5.0 and done < len(encoded):
-            _note(f"{done:,}/{len(encoded):,} prompts ({done / (time.perf_counter() - t0):.2f}/s)")
+        if time.monotonic() - last[0] > 5.0 and done < len(rows):
+            _note(f"{done:,}/{len(rows):,} {what} ({done / (time.perf_counter() - t0):.2f}/s)")
             last[0] = time.monotonic()
 
     checks = [stop_check(tokenizer, ids, args.stop) for ids in encoded]
-    outs = generate_many(model, encoded, args.max_new_tokens, args.sampling, seed=args.seed,
+    seeds = [args.seed + r % N for r in range(len(rows))]
+    outs = generate_many(model, rows, args.max_new_tokens, args.sampling, seed=seeds,
                          eos_ids=tuple(tokenizer.eos_ids), batch_size=args.batch_size, use_cache=use_cache,
-                         progress=progress, stop=None if not args.stop else (lambda i, new: checks[i](new)))
+                         progress=progress, stop=None if not args.stop else (lambda r, new: checks[r // N](new)))
     seconds = time.perf_counter() - t0
     sink = out_file if out_file is not None else sys.stdout
     try:
-        for i, (prompt, ids, out) in enumerate(zip(many, encoded, outs)):
+        for r, out in enumerate(outs):
+            i, ids = r // N, encoded[r // N]
             completion = cut_at_stop(continuation(tokenizer, ids, out.new_ids), args.stop)
             if template is not None:
                 completion = harmony_answer(tokenizer, out.new_ids, args, completion)
-            sink.write(json.dumps({"index": i, **prompt.record(), "completion": completion, "prompt_tokens": len(ids),
-                                   "new_tokens": len(out.new_ids), "stopped": out.stopped}) + "\n")
+            sample = {"sample": r % N} if N > 1 else {}
+            sink.write(json.dumps({"index": i, **sample, **many[i].record(), "completion": completion,
+                                   "prompt_tokens": len(ids), "new_tokens": len(out.new_ids),
+                                   "stopped": out.stopped}) + "\n")
     finally:
         if out_file is not None:
             out_file.close()
     new = sum(len(out.new_ids) for out in outs)
     ends = {why: sum(out.stopped == why for out in outs) for why in ("eos", "length", "stop")}
     how = f"KV cache, batches of {args.batch_size}" if use_cache else "no cache, one at a time"
-    _note(f"{len(encoded):,} prompts, {sum(map(len, encoded)):,} prompt + {new:,} new tokens in {seconds:.3f} s: "
+    _note(f"{len(encoded):,} prompts" + (f" x {N} samples" if N > 1 else "")
+          + f", {sum(map(len, encoded)):,} prompt + {new:,} new tokens in {seconds:.3f} s: "
           f"{new / max(seconds, 1e-9):.1f} new tokens/s ({how}); stopped at EOS {ends['eos']:,}, at "
           f"--max-new-tokens {ends['length']:,}" + (f", at --stop {ends['stop']:,}" if args.stop else "")
           + (f"; wrote {args.output}" if args.output else ""))
