@@ -25,6 +25,7 @@ def tma(monkeypatch):
     monkeypatch.setattr(W, "_TMA_FAILURE", [])
 
 
+@pytest.mark.cover  # each value's path every run, re-paired each run (tests/conftest.py)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("counts", [[5, 0, 133, 17, 0, 100], [0, 0, 0], [300], [0, 0, 290], [40, 400]],
                          ids=["ragged", "all-empty", "one", "tail-unowned", "past-the-rows"])
