@@ -34,10 +34,10 @@ import torch
 
 from moekit.bench.benchlib import (BenchParser, check_at_least, check_device, check_names, check_out, environment,
                                    print_table, time_interleaved, write_json)
-from moekit.models.config import PRESETS, preset
-from moekit.models.transformer import build_model
+from moekit.bench.generate import build
+from moekit.models.config import PRESETS
 from moekit.train.decoding import FILLER_ID, generate_many
-from moekit.train.inference import DTYPES, cast_parameters, inference_routing
+from moekit.train.inference import DTYPES
 
 DEFAULT_PRESETS = ["mixtral-tiny", "gpt-oss-tiny", "qwen3.5-tiny"]
 
@@ -74,15 +74,6 @@ def parse_args(argv):
     check_device(p, args.device)
     check_out(p, args.out)
     return args
-
-
-def build(name: str, args, device: torch.device) -> torch.nn.Module:
-    cfg = preset(name)
-    cfg.max_seq_len = args.max_seq_len
-    model = build_model(cfg, device, seed=args.seed)
-    cast_parameters(model, DTYPES[args.dtype])
-    inference_routing(model)  # eval mode, dropless: what moekit-generate runs
-    return model
 
 
 def hf_peer(model, args, device):

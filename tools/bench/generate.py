@@ -79,9 +79,11 @@ def parse_args(argv):
 
 
 def build(name: str, args, device: torch.device) -> torch.nn.Module:
+    """The preset at args.max_seq_len (args.mtp_layers depths, if the flags have it) in args.dtype, random weights from
+    args.seed, in eval mode and routed as moekit-generate routes (also tools/bench/batch_generate.py's models)."""
     cfg = preset(name)
     cfg.max_seq_len = args.max_seq_len
-    cfg.mtp_layers = args.mtp_layers
+    cfg.mtp_layers = getattr(args, "mtp_layers", 0)
     model = build_model(cfg, device, seed=args.seed)
     cast_parameters(model, DTYPES[args.dtype])
     inference_routing(model)  # eval mode, dropless: what moekit-generate runs
