@@ -33,7 +33,7 @@ from moekit.models.norms import RMSNorm, make_norm, norm_identity
 from moekit.moe.precision import compute_dtype
 from moekit.models.sdpa import (  # noqa: F401  (re-exported: they lived here)
     KEY_MULTIPLE, PrefixCausalAttention, causal_mask, explicit_causal_attention, lower_right_causal_attention,
-    masked_sdpa, masked_sink_attention, padded_mask, sink_attention, span_mask, window_mask)
+    masked_sdpa, masked_sink_attention, sink_attention, span_mask, window_mask)
 from moekit.models.rope import (  # noqa: F401  (re-exported: RoPE lived here)
     apply_rope, apply_rope_interleaved, rope_angles, rope_frequencies, rope_tables, yarn_mscale)
 
@@ -100,7 +100,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, kv: LayerKV | None, gqa: bool, scale
     start, S, first = 0 if kv is None else kv.length, q.shape[2], 0
     if kv is not None and kv.padding is not None:  # a left-padded batch of prompts: a mask per row
         k, v, first = kv.extend(k, v)
-        mask = padded_mask(kv.padding.to(q.device), start, S, first, k.shape[2], window, chunk)  # [B, S, P]
+        mask = kv.padded_mask(start, S, first, k.shape[2], window, chunk, q.device)  # [B, S, P]
         if sinks is not None:
             return masked_sink_attention(q, k, v, mask, sinks, scale)
         return masked_sdpa(q, k, v, mask[:, None], gqa, scale)

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from moekit.models.config import ModelConfig
+from moekit.models.sdpa import padded_mask
 
 # A sliding-window layer's cache keeps its last window - 1 positions (all its next query can see) plus this many,
 # so speculative decoding can take back that many rejected positions (models.kvcache.LayerKV.truncate).
@@ -34,6 +35,16 @@ class LayerKV:
         self.keys: Tensor | None = None
         self.values: Tensor | None = None
         self.padding: Tensor | None = None  # [B] left-padding slots per row (KVCache's ``padding``), or None
+        self.masks: dict = {}  # this step's padded masks, shared by the cache's layers (``padded_mask``)
+
+    def padded_mask(self, start: int, S: int, first: int, P: int, window: int, chunk: int, device) -> Tensor:
+        """models.sdpa.padded_mask for this forward, made once per step and (window, chunk) for every layer."""
+        key = (start, S, first, P, window, chunk)
+        if key not in self.masks:
+            if self.masks and next(iter(self.masks))[0] != start:  # an earlier step's: no layer asks again
+                self.masks.clear()
+            self.masks[key] = padded_mask(self.padding.to(device), start, S, first, P, window, chunk)
+        return self.masks[key]
 
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write k [B, K, S, Dk], v [B, K, S, Dv] at positions length .. length+S-1; return every position's (a
@@ -166,9 +177,10 @@ class KVCache:
             self._set_padding(padding)
 
     def _set_padding(self, padding: Tensor) -> None:
-        self.padding = padding
+        self.padding, masks = padding, {}  # a new padding (rows selected): new masks
         for layer in self.layers:
             layer.padding = padding
+            layer.masks = masks
 
     @property
     def length(self) -> int:

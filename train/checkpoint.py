@@ -203,14 +203,10 @@ def read_placement(path: Path) -> dict | None:
     return found if isinstance(found, dict) else None
 
 
-
 def _comm_failure_in(exc: BaseException) -> BaseException | None:
     """The collective failure (a timeout, a lost peer: train.distributed.comm_failure) behind a failed DCP call, or
-    None: ``exc`` itself, or one of the ranks' exceptions a CheckpointException gathered ({rank: (exception, stack)})."""
-    failures = getattr(exc, "failures", None)
-    found = [exc, *((f[0] if isinstance(f, tuple) else f) for f in failures.values())] if isinstance(failures, dict) \
-        else [exc]
-    return next((e for e in found if isinstance(e, BaseException) and comm_failure(e)), None)
+    None: ``exc`` itself, or one of the ranks' exceptions a CheckpointException gathered (``_causes``)."""
+    return next((e for e in (exc, *_causes(exc)) if comm_failure(e)), None)
 
 
 def load(path: Path, model, optimizer, scheduler, sampler, model_config: dict, verify: bool = True,
@@ -471,9 +467,13 @@ def _agree(error: str | None, what: str) -> str | None:
     return error
 
 
+def _causes(exc: BaseException) -> list[BaseException]:
+    """The ranks' exceptions behind DCP's wrapper ({rank: (exception, stack)}), in rank order; [exc] otherwise."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        return [inner[0] if isinstance(inner, tuple) else inner for _, inner in sorted(exc.failures.items())]
+    return [exc]
+
+
 def _cause(exc: BaseException) -> BaseException:
     """The exception behind DCP's wrapper: the first failing rank's."""
-    if isinstance(exc, CheckpointException) and exc.failures:
-        inner = exc.failures[min(exc.failures)]
-        return inner[0] if isinstance(inner, tuple) else inner
-    return exc
+    return _causes(exc)[0]

@@ -454,7 +454,9 @@ def generate_speculative(model: Transformer, prompt_ids: list[int], max_new_toke
     return out
 
 
-def continuation(tokenizer, prompt_ids: list[int], new_ids: list[int]) -> str:
-    """The text the new tokens add to the prompt's (decoded together: a tokenizer may join them)."""
-    head, full = tokenizer.decode(prompt_ids), tokenizer.decode(prompt_ids + new_ids)
+def continuation(tokenizer, prompt_ids: list[int], new_ids: list[int], head: str | None = None) -> str:
+    """The text the new tokens add to the prompt's (decoded together: a tokenizer may join them). ``head``: the
+    prompt's decoded text, when the caller keeps it (a check after every new token)."""
+    head = tokenizer.decode(prompt_ids) if head is None else head
+    full = tokenizer.decode(prompt_ids + new_ids)
     return full[len(head):] if full.startswith(head) else tokenizer.decode(new_ids)

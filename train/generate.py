@@ -404,7 +404,8 @@ def stop_check(tokenizer, prompt_ids: list[int], stops: list[str]):
         return None
     from moekit.train.decoding import continuation
 
-    return lambda new: any(s in continuation(tokenizer, prompt_ids, new) for s in stops)
+    head = tokenizer.decode(prompt_ids)  # once: the check runs after every new token
+    return lambda new: any(s in continuation(tokenizer, prompt_ids, new, head) for s in stops)
 
 
 def cut_at_stop(text: str, stops: list[str]) -> str:
