@@ -112,8 +112,8 @@ def test_learning_rate_overflow_blames_the_parameters(tmp_path, monkeypatch, cap
 
     real = trainer.make_optimizer
 
-    def huge_lr(model, cfg):
-        optimizer = real(model, cfg)
+    def huge_lr(model, cfg, *args):
+        optimizer = real(model, cfg, *args)
         for group in optimizer.param_groups:
             group["lr"] = 1e30
         return optimizer

@@ -82,6 +82,11 @@ class TrainSection:
     init_from_dense: str = ""  # upcycle a dense model (HF folder, moekit file, checkpoint or run dir) into this MoE
     upcycle_granularity: int = 1  # with init_from_dense: each dense MLP split into g experts of F/g (1 = copies)
     upcycle_drop: float = 0.0  # with init_from_dense: each expert re-initialises this share of its units (drop-upcycling)
+    trainable: str = ""  # partial training: only the parameters these comma-separated patterns name train ("" = all),
+    #   e.g. "*.experts.*" or "*.attn.*,*.router.*" (one-process names; moekit.train.freezing)
+    freeze: str = ""  # these parameters stay as they are (patterns, after trainable), e.g. "embed.*,*.router.*"
+    train_experts: str = ""  # expert-specialised fine-tuning: only the experts this file lists train in each MoE
+    #   layer (moekit-eval --select-experts writes it); with trainable "*.experts.*" nothing else trains
     export_hf: str = ""  # after the last step, write the model here as a HuggingFace folder (models.hf.save_hf_sharded)
     export_hf_fp8: bool = False  # with export_hf: linear weights in block-wise fp8 e4m3 (DeepSeek-V3's release format)
     export_hf_mxfp4: bool = False  # with export_hf: gpt-oss's expert weights in MXFP4 (OpenAI's release format)

@@ -44,6 +44,10 @@ REFUSED = {
     "data.blend": "the checkpoint's data position counts windows drawn from each set of its blend",
     "data.dtype": "the checkpoint's data position indexes its token data",
     "train.optimizer": "the checkpoint's optimizer state is that optimizer's (AdamW's moments, or Muon's momentum)",
+    # moekit.train.freezing: the optimizer holds state for the parameters (and expert rows) that train
+    "train.trainable": "the checkpoint's optimizer state holds the parameters that trained",
+    "train.freeze": "the checkpoint's optimizer state holds the parameters that trained",
+    "train.train_experts": "the checkpoint's optimizer state and its frozen experts follow that selection",
     # from one validation file to another is applied (compare); adding or dropping one is refused
     "data.val_path": "with a validation file the training data trains whole, without one its held-out blocks do not: "
                      "the checkpoint's data position counts the other set of windows",

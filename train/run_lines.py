@@ -51,6 +51,12 @@ def describe(trainer) -> None:
         first = plan.step_batch(t, 1)
         say(f"batch-size ramp: {first.size} sequences at step 1 ({first.accum} micro-batch(es) of "
             f"{first.micro_batch} per rank), {t.batch_size} from step {t.batch_ramp_steps + 1}")
+    if trainer.freeze is not None:  # --train.trainable / freeze / train_experts (moekit.train.freezing)
+        say(trainer.freeze.describe())
+        m = cfg.model
+        if trainer.freeze.routers_frozen and m.aux_loss_coeff > 0 and "aux_loss_coeff" not in m.unused_router_fields():
+            say(f"note: every router is frozen, but the load-balancing loss (--model.aux_loss_coeff {m.aux_loss_coeff:g}) "
+                f"still trains the layers before them, the only way left to lower it; --model.aux_loss_coeff 0 drops it")
     if cfg.train.host_memory != "system":
         say(trainer.host_memory)
     if trainer.dist.active:

@@ -30,7 +30,7 @@ from moekit.models.transformer import Transformer, meta_device
 from moekit.moe import collect_load, update_router_biases
 from moekit.moe.layer import set_aux_loss_scale
 from moekit.train import (UserError, checkpoint, faults, hfrun, host_memory, program_name, records, resume,
-                          ema, grad_parts, rundir, run_lines, runlock, spikes, stalls)
+                          ema, freezing, grad_parts, rundir, run_lines, runlock, spikes, stalls)
 from moekit.train.cli import Options
 from moekit.train.plan import StepBatch, lr_lambda, make_optimizer, plan_run
 from moekit.train.rebalance import RunPlacement
@@ -107,7 +107,9 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)  # router jitter and any other global-RNG draws
         with meta_device():
             self.model = Transformer(cfg.model)
-        self.parts = grad_parts.present(self.model)  # the whole model's (a pipeline rank holds some of them)
+        self.parts = grad_parts.present(self.model)
+        # --train.trainable / freeze / train_experts: what trains, by one-process name (None: everything)
+        self.freeze = freezing.plan(self.model, cfg)  # the whole model's (a pipeline rank holds some of them)
         # which experts each EP rank holds: a placement file, a rebalancing run's checkpoint, or contiguous blocks
         self.placement = RunPlacement.for_run(cfg, self.dist.topology, self.model, self.resume_from)
         # The model stays on the meta device until it is parallelised; each rank then allocates its share and fills
@@ -178,7 +180,8 @@ class Trainer:
         if cfg.train.spike_skip > 0:
             saved = None if self.changes.new_data else (self.resumed_run or {}).get(spikes.STATE_KEY)
             self.spikes = spikes.SpikeGuard(cfg.train.spike_skip, cfg.train.spike_window, saved)
-        self.optimizer = make_optimizer(self.model, cfg)
+        freezing.apply(self.model, self.freeze)  # requires_grad, frozen router biases, expert row masks
+        self.optimizer = make_optimizer(self.model, cfg, self.freeze)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         t = cfg.train  # --train.ema_decay: the parameters' running average, in the optimizer state (train.ema)
         self.ema = ema.ParameterEMA(self.optimizer, t.ema_decay, t.ema_every, t.ema_start) if t.ema_decay else None
@@ -407,6 +410,8 @@ class Trainer:
             batch = self.dist.share(batch, split.per_rank)  # this rank's contiguous share
             loss_sum = self.forward_backward(batch, split)
             self.dist.sync_grads(self.model)  # the global-batch gradient on every rank
+            if self.freeze is not None and self.freeze.experts is not None:  # --train.train_experts
+                freezing.mask_gradients(params)  # frozen experts' rows: no gradient, no share of the norm
             loss_value = self.dist.mean(loss_sum / split.accum).item()  # D2H sync: finiteness check, records
             mtp = (self.pipe or self.model).pop_mtp_loss() if cfg.model.mtp_layers else None  # models.mtp: depths' mean
             mtp_value = self.dist.mean(mtp).item() if mtp is not None else None  # D2H sync (only with MTP)
@@ -425,6 +430,8 @@ class Trainer:
             lr = self.optimizer.param_groups[0]["lr"]
             if self.spikes is not None:
                 self.spikes.accept(loss_value, grad_norm)
+            if self.freeze is not None and self.freeze.experts is not None:
+                freezing.decay_rows(self.optimizer)  # the trained expert rows' weight decay (train.freezing)
             self.optimizer.step()
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
@@ -433,8 +440,10 @@ class Trainer:
             if self.ema is not None:  # --train.ema_decay: the weights as they will be trained on from here
                 self.ema.update(step)
             load = self.gathered_load(reset=True)  # D2H sync: per MoE layer
-            if self.placement.observe(step, load, self.model, self.optimizer) and self.dist.is_main:
-                self.monitor.print(self.placement.last_note)  # --layout.rebalance_every: experts moved
+            if self.placement.observe(step, load, self.model, self.optimizer):  # --layout.rebalance_every
+                freezing.tag_experts(self.model, self.freeze)  # the slots hold other experts now
+                if self.dist.is_main:
+                    self.monitor.print(self.placement.last_note)
             dt = time.perf_counter() - t0
             step_tokens = split.size * cfg.train.seq_len
             self.tokens_seen += step_tokens

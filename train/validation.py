@@ -350,7 +350,7 @@ def validate_model(cfg: TrainConfig) -> None:
         _require(cfg.train.seq_len <= m.max_seq_len,
                  f"--train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
         with meta_device():
-            Transformer(m)
+            built = Transformer(m)
     except ValueError as exc:
         msg = str(exc)
         named = msg.startswith(f"router {m.router!r}")  # build_router's messages name the router already
@@ -358,6 +358,20 @@ def validate_model(cfg: TrainConfig) -> None:
     if m.num_experts:
         check_expert_backend(cfg)
         check_kernel_environment()
+    validate_freezing(cfg, built)
+
+
+def validate_freezing(cfg: TrainConfig, model) -> None:
+    """--train.trainable / freeze / train_experts against the model's parameter names (moekit.train.freezing)."""
+    t = cfg.train
+    _require(not t.train_experts or os.path.isfile(t.train_experts),
+             f"--train.train_experts {t.train_experts}: no such file (write one with moekit-eval MODEL --data TASK "
+             f"--split all --select-experts FILE)")
+    _require(not t.train_experts or cfg.model.num_experts > 0,
+             f"--train.train_experts {t.train_experts}: the model has no routed experts to choose from")
+    from moekit.train import freezing
+
+    freezing.plan(model, cfg)  # UserError on a pattern naming nothing, nothing left to train, a bad selection
 
 
 def check_kernel_environment() -> None:

@@ -1,0 +1,267 @@
+"""Partial fine-tuning: which parameters train, and inside the routed-expert stacks, which experts.
+
+    --train.trainable PATTERNS      only the parameters these name train ("" = all of them)
+    --train.freeze PATTERNS         these stay as they are (applied after --train.trainable)
+    --train.train_experts FILE      in each MoE layer, only the experts FILE lists train (expert-specialised
+                                    fine-tuning, ESFT: FILE from ``moekit-eval --select-experts``)
+
+PATTERNS are comma-separated shell-style patterns (fnmatch: ``*`` matches across dots) over the one-process
+parameter names, whatever the layout: ``embed.weight``, ``layers.3.attn.wq.weight``,
+``layers.3.ffn.router.weight``, ``layers.3.ffn.experts.w_in`` (a layer's [E, ...] expert stack),
+``layers.3.ffn.shared_expert.*``, ``norm.weight``, ``lm_head.weight``, ``mtp.0.*``. A router's aux-loss-free
+``expert_bias`` is named too (``layers.3.ffn.router.expert_bias``): freezing it stops its per-step update, so
+``--train.freeze '*.router.*'`` keeps the routing as it was. Every pattern must name something, and something
+must train; both are checked before anything is built.
+
+How a frozen parameter is held: ``requires_grad`` is off, so autograd computes no weight gradient for it (the
+gradients of activations still flow through it), no gradient is reduced across ranks, and the optimizer holds
+no state for it (AdamW's two moments: 8 bytes per frozen fp32 weight saved). It is still saved in checkpoints
+and exported.
+
+How a frozen expert is held (``train_experts``): the expert stacks stay one tensor per layer (the grouped GEMMs
+and expert parallelism need them whole), so each stack is tagged with ``expert_trainable``, a [slots] bool mask of
+its local rows (under expert parallelism and load-aware placement: the logical expert each slot holds,
+``dispatcher.local_expert_ids``; re-tagged after every rebalance). After the gradients are reduced, the frozen
+rows' gradients are set to zero (``mask_gradients``), so the gradient norm and clipping count the trained rows
+alone. AdamW and Muon then leave those rows exactly as they are: with zero gradients their moments stay zero and
+their update is 0 / (0 + eps) = 0. Their decoupled weight decay would still shrink them, so these stacks sit in
+optimizer groups of their own with ``weight_decay`` 0 and ``row_decay`` set to the run's decay, which
+``decay_rows`` applies to the trained rows just before the optimizer step: the same ``w * (1 - lr * wd)`` the
+optimizer would have applied, in the same order, so a trained row's update is bitwise the one a fully trained
+model's row gets from the same gradient.
+
+A resumed run must keep the same choice (moekit.train.resume refuses a change): its optimizer state holds the
+parameters that trained.
+"""
+from __future__ import annotations
+
+import fnmatch
+import re
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from moekit.moe.load import moe_layers
+from moekit.train import UserError
+
+BIAS = "router.expert_bias"  # the one trained state that is not a parameter (aux-loss-free balancing)
+
+
+def patterns(setting: str) -> tuple[str, ...]:
+    """"a, b" -> ("a", "b")."""
+    return tuple(p.strip() for p in setting.split(",") if p.strip())
+
+
+def requested(cfg) -> bool:
+    """Whether the run asks for any partial training."""
+    t = cfg.train
+    return bool(patterns(t.trainable) or patterns(t.freeze) or t.train_experts)
+
+
+def collapse(names) -> list[str]:
+    """Names with layer indices folded (``layers.N.attn.wq.weight``), in first-seen order: for messages."""
+    out: dict[str, None] = {}
+    for n in names:
+        out[re.sub(r"^(layers|mtp)\.\d+\.", r"\1.N.", n)] = None
+    return list(out)
+
+
+@dataclass
+class FreezePlan:
+    """What trains, by one-process name (``plan``): ``trainable`` parameters, ``frozen`` ones and frozen router
+    biases, and per MoE layer the experts that train (None: every expert of a trainable stack)."""
+
+    trainable: set[str]
+    frozen: set[str]
+    frozen_biases: set[str]  # MoE layer names whose router's expert_bias stays as it is
+    experts: dict[str, tuple[int, ...]] | None = None
+    counts: dict[str, int] = field(default_factory=dict)  # trainable / total parameters (expert rows pro rata)
+    routers_frozen: bool = False  # every MoE layer's gate is frozen
+
+    def describe(self) -> str:
+        t, n = self.counts.get("trainable", 0), self.counts.get("total", 0)
+        share = f"{100 * t / n:.1f}%" if n else "-"
+        line = f"partial training: {t / 1e6:.2f}M of {n / 1e6:.2f}M parameters train ({share})"
+        if self.frozen:
+            shown = collapse(sorted(self.frozen, key=_order))
+            line += f"; frozen: {', '.join(shown[:8])}{' ...' if len(shown) > 8 else ''}"
+        if self.frozen_biases:
+            line += f"; router expert_bias frozen in {len(self.frozen_biases)} layer(s)"
+        if self.experts is not None:
+            picked = [len(v) for v in self.experts.values()]
+            line += (f"; experts: {sum(picked)} of {self.counts.get('experts', 0)} train "
+                     f"({min(picked, default=0)}-{max(picked, default=0)} per layer)")
+        return line
+
+
+def _order(name: str):
+    return [int(x) if x.isdigit() else x for x in name.split(".")]
+
+
+def plan(model: nn.Module, cfg, read_selection=None) -> FreezePlan | None:
+    """The run's FreezePlan from ``model`` (the whole one-process model; the meta device will do) and cfg.train's
+    trainable / freeze / train_experts, or None when the run trains everything. Every problem is a UserError."""
+    if not requested(cfg):
+        return None
+    t = cfg.train
+    keep, drop = patterns(t.trainable), patterns(t.freeze)
+    params = dict(model.named_parameters())
+    layers = dict(moe_layers(model))
+    biases = {f"{name}.{BIAS}": name for name, layer in layers.items()
+              if getattr(layer.router, "expert_bias", None) is not None}
+    names = list(params) + list(biases)
+    for flag, pats in (("--train.trainable", keep), ("--train.freeze", drop)):
+        for pat in pats:
+            if not any(fnmatch.fnmatchcase(n, pat) for n in names):
+                shown = collapse(names)
+                raise UserError(f"{flag} pattern {pat!r} names no parameter of this model; its parameters are "
+                                f"{', '.join(shown[:40])}{' ...' if len(shown) > 40 else ''} (N: a layer index; "
+                                f"* matches any characters, dots too)")
+
+    def trains(name: str) -> bool:
+        return ((not keep or any(fnmatch.fnmatchcase(name, p) for p in keep))
+                and not any(fnmatch.fnmatchcase(name, p) for p in drop))
+
+    trainable = {n for n in params if trains(n)}
+    frozen = set(params) - trainable
+    frozen_biases = {layer for b, layer in biases.items() if not trains(b)}
+    if not trainable:
+        raise UserError(f"--train.trainable {t.trainable!r} / --train.freeze {t.freeze!r} leave no parameter to "
+                        f"train; name at least one that should")
+    experts = None
+    if t.train_experts:
+        if read_selection is None:
+            from moekit.train.expert_selection import read_selection
+        experts = read_selection(t.train_experts, {n: layer.num_experts for n, layer in layers.items()})
+        for name, layer in layers.items():
+            stacks = [f"{name}.experts.{p}" for p in layer.experts.param_names()]
+            idle = [s for s in stacks if s not in trainable]
+            if idle and experts.get(name):
+                raise UserError(f"--train.train_experts {t.train_experts} picks experts {list(experts[name])} of "
+                                f"{name}, but --train.trainable / --train.freeze freeze its expert weights "
+                                f"({', '.join(idle)}); let them train (e.g. --train.trainable '*.experts.*')")
+    if t.qk_clip:
+        frozen_qk = sorted(n for n in frozen if re.search(r"\.attn\.(wq|wk|wq_a|wq_b|wkv_a|wkv_b)\b", n))
+        if frozen_qk:
+            raise UserError(f"--train.qk_clip {t.qk_clip} rescales query and key weights after each step, but "
+                            f"{', '.join(collapse(frozen_qk)[:4])} are frozen; drop --train.qk_clip (frozen "
+                            f"weights cannot raise the logits) or let the attention train")
+    out = FreezePlan(trainable, frozen, frozen_biases, experts)
+    gates = [f"{n}.router.weight" for n in layers if f"{n}.router.weight" in params]
+    out.routers_frozen = bool(gates) and all(g in frozen for g in gates)
+    out.counts = _counts(params, layers, trainable, experts)
+    return out
+
+
+def _counts(params: dict, layers: dict, trainable: set[str], experts) -> dict[str, int]:
+    rows = {}  # expert stack name -> share of its rows that train
+    total_experts = 0
+    for name, layer in layers.items():
+        total_experts += layer.num_experts
+        if experts is not None:
+            for p in layer.experts.param_names():
+                rows[f"{name}.experts.{p}"] = len(experts.get(name, ())) / layer.num_experts
+    total = sum(p.numel() for p in params.values())
+    train = sum(p.numel() * rows.get(n, 1.0) for n, p in params.items() if n in trainable)
+    return {"total": int(total), "trainable": int(round(train)), "experts": total_experts}
+
+
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def slot_experts(layer: nn.Module) -> list[int]:
+    """The logical expert of each local row of ``layer``'s expert stacks (this rank's slots under expert
+    parallelism and placement; all experts in one process)."""
+    ids = getattr(layer.dispatcher, "local_expert_ids", None)
+    return [int(e) for e in ids] if ids is not None else list(range(layer.num_experts))
+
+
+def apply(model: nn.Module, fp: FreezePlan | None) -> None:
+    """Turn ``fp`` on for ``model`` (this rank's share, one-process names; after it is parallelised and its
+    storage allocated, before the optimizer is made): requires_grad, frozen router biases, expert row masks."""
+    if fp is None:
+        return
+    for name, p in model.named_parameters():
+        if name not in fp.trainable and name not in fp.frozen:
+            raise RuntimeError(f"parameter {name} is not in the freeze plan (made from another model)")
+        p.requires_grad_(name in fp.trainable)
+    for name, layer in moe_layers(model):
+        if name in fp.frozen_biases:
+            layer.router.bias_update_rate = 0.0  # the bias stays; observe_load stops collecting for it
+    tag_experts(model, fp)
+
+
+def tag_experts(model: nn.Module, fp: FreezePlan | None) -> None:
+    """Mark each trainable expert stack with ``expert_trainable`` ([local slots] bool) under ``fp.experts``. Call
+    after ``apply`` and again after every rebalance (the slots hold other experts then)."""
+    if fp is None or fp.experts is None:
+        return
+    for name, layer in moe_layers(model):
+        chosen = set(fp.experts.get(name, ()))
+        slots = slot_experts(layer)
+        for pname in layer.experts.param_names():
+            p = getattr(layer.experts, pname)
+            if not p.requires_grad:
+                continue
+            w = _local(p)
+            if w.shape[0] != len(slots):
+                raise RuntimeError(f"{name}.experts.{pname}: {w.shape[0]} local rows for {len(slots)} expert slots")
+            p.expert_trainable = torch.tensor([e in chosen for e in slots], dtype=torch.bool, device=w.device)
+
+
+def _row_mask(mask: Tensor, like: Tensor) -> Tensor:
+    return mask.to(like.device).view((-1,) + (1,) * (like.dim() - 1))
+
+
+@torch.no_grad()
+def mask_gradients(params) -> None:
+    """Zero the gradients of frozen expert rows (after the gradients are reduced, before their norm)."""
+    for p in params:
+        mask = getattr(p, "expert_trainable", None)
+        if mask is not None and p.grad is not None:
+            g = _local(p.grad)
+            g.masked_fill_(~_row_mask(mask, g), 0)
+
+
+def optimizer_groups(groups: list[dict], fp: FreezePlan | None) -> list[dict]:
+    """The optimizer's parameter groups without frozen parameters; with ``fp.experts``, each group followed by one
+    holding its masked expert stacks (``weight_decay`` 0, ``row_decay`` the group's: ``decay_rows``). Groups left
+    empty are dropped: torch's distributed optimizer state dict (DCP checkpoints) takes at most one."""
+    if fp is None:
+        return groups
+    out = []
+    for g in groups:
+        chunks = g.get("chunks")
+        plain, rows = [], []
+        for i, p in enumerate(g["params"]):
+            if p.requires_grad:
+                (rows if getattr(p, "expert_trainable", None) is not None else plain).append(i)
+
+        def pick(idx: list[int], **extra) -> dict:
+            d = {**g, "params": [g["params"][i] for i in idx], **extra}
+            if chunks is not None:
+                d["chunks"] = [chunks[i] for i in idx]
+            return d
+
+        out.append(pick(plain))
+        if fp.experts is not None:
+            out.append(pick(rows, weight_decay=0.0, row_decay=g.get("weight_decay", 0.0)))
+    return [g for g in out if g["params"]] or [out[0]]
+
+
+@torch.no_grad()
+def decay_rows(optimizer) -> None:
+    """Decoupled weight decay on the trained rows of masked expert stacks (groups with ``row_decay``), just before
+    ``optimizer.step()``: AdamW and Muon decay first as well, so the trained rows end exactly as unmasked ones."""
+    for g in optimizer.param_groups:
+        wd = g.get("row_decay", 0.0)
+        if not wd:
+            continue
+        factor = 1 - g["lr"] * wd
+        for p in g["params"]:
+            w = _local(p)
+            # in the optimizer's arithmetic (a bf16 weight times an fp32 factor), not a factor rounded to bf16
+            scale = torch.where(_row_mask(p.expert_trainable, w), factor, 1.0)
+            w.mul_(scale.to(torch.promote_types(w.dtype, torch.float32)))
