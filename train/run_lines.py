@@ -54,9 +54,11 @@ def describe(trainer) -> None:
     if trainer.freeze is not None:  # --train.trainable / freeze / train_experts (moekit.train.freezing)
         say(trainer.freeze.describe())
         m = cfg.model
-        if trainer.freeze.routers_frozen and m.aux_loss_coeff > 0 and "aux_loss_coeff" not in m.unused_router_fields():
-            say(f"note: every router is frozen, but the load-balancing loss (--model.aux_loss_coeff {m.aux_loss_coeff:g}) "
-                f"still trains the layers before them, the only way left to lower it; --model.aux_loss_coeff 0 drops it")
+        aux = m.aux_loss_coeff > 0 and "aux_loss_coeff" not in m.unused_router_fields()
+        if trainer.freeze.routers_frozen and aux:
+            say(f"note: every router is frozen, but the load-balancing loss (--model.aux_loss_coeff "
+                f"{m.aux_loss_coeff:g}) still trains the layers before them, the only way left to lower it; "
+                f"--model.aux_loss_coeff 0 drops it")
     if cfg.train.host_memory != "system":
         say(trainer.host_memory)
     if trainer.dist.active:
