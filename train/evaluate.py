@@ -2,8 +2,9 @@
 
     moekit-eval RUN_DIR|CHECKPOINT|HF_DIR [--data FILE] [--split val|all] [--seq-len N] [--batch-size B]
                 [--batches N] [--max-tokens N] [--capacity dropless|trained] [--out JSON] [--device D] [--dtype T]
-                [--specialisation] [--tasks FILE|@next-line|@continuation[,...]] [--limit N] [--fewshot K]
-                [--max-new-tokens N] [--samples JSONL]
+                [--specialisation] [--select-experts FILE [--select-by token|gate] [--select-threshold P]]
+                [--tasks FILE|@next-line|@continuation[,...]] [--limit N] [--fewshot K] [--max-new-tokens N]
+                [--samples JSONL]
 
 Data: ``--data FILE`` (a token file, or any token data moekit-train's --data.path reads), else the data the
 run trained on (its config: path, blend or text, and its --data.val_path file), else (an HF folder) the
@@ -32,6 +33,14 @@ which token ids and positions each expert receives: per MoE layer the top tokens
 the run's tokenizer), the share of each position bucket's slots per expert and how concentrated each
 token id's routing is. A table on stdout, and "specialisation" in the --out JSON (what moekit-heatmap
 --specialisation shows in its report).
+
+Expert selection for expert-specialised fine-tuning (--select-experts FILE, moekit.train.expert_selection; ESFT,
+DeepSeek 2024): the same forward passes also score every routed expert of each MoE layer on this data, by its share
+of the layer's routed slots (--select-by token, default) or of its summed gate weights (gate), and FILE gets, per
+layer, the fewest experts (highest scores first) whose shares reach --select-threshold P (default 0.2). ESFT scores
+the task's training data: ``--data TASK.bin --split all`` scores every window of the task's token file. Then
+``moekit-train ... --train.trainable '*.experts.*' --train.train_experts FILE`` trains only those experts. A table
+on stdout, and "expert_selection" in the --out JSON.
 
 Downstream tasks (--tasks, moekit.train.tasks and task_eval): instead of the held-out loss, multiple-choice tasks
 scored by the log-likelihood of each choice, as lm-evaluation-harness scores them: accuracy (acc), accuracy per
@@ -65,6 +74,9 @@ from moekit.train.model_args import add_model_args
 from moekit.train.runlock import describe_os_error, probe_writable
 from moekit.train.tasks import BUILTIN_ITEMS, BUILTINS  # no torch: the task names and formats only
 
+CRITERIA = ("token", "gate")  # moekit.train.expert_selection's, without importing torch before the flags are read
+DEFAULT_THRESHOLD = 0.2
+
 PROG = program_name("evaluate.py")
 HF_SEQ_LEN = 1024  # default window of an HF model (its max_seq_len when shorter)
 
@@ -95,6 +107,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", metavar="JSON", help="also write the results as JSON here")
     p.add_argument("--specialisation", action="store_true",
                    help="also report which tokens and positions each expert receives (module docstring)")
+    p.add_argument("--select-experts", metavar="FILE",
+                   help="also score the routed experts of each MoE layer on the evaluated windows and write the ESFT "
+                        "selection (the experts to fine-tune) here, for moekit-train --train.train_experts FILE; "
+                        "--split all --data TASK.bin scores every window of a task's token file")
+    p.add_argument("--select-by", choices=CRITERIA, metavar="{token,gate}",
+                   help="--select-experts: score an expert by its share of the layer's routed slots (token, default: "
+                        "ESFT-Token) or of its summed gate weights (gate: ESFT-Gate)")
+    p.add_argument("--select-threshold", type=float, metavar="P",
+                   help=f"--select-experts: per layer, the fewest experts whose shares add up to at least P, in "
+                        f"(0, 1] (default {DEFAULT_THRESHOLD})")
     p.add_argument("--tasks", action="append", metavar="TASK[,TASK]",
                    help="score tasks instead of the loss: multiple-choice files (.jsonl / .json / .parquet: "
                         "hellaswag, arc, openbookqa, piqa, sciq, mmlu, winogrande or {context, choices, label}), "
@@ -153,12 +175,19 @@ def run(args: argparse.Namespace) -> dict:
     if args.limit is not None and not args.tasks:
         raise UserError("--limit counts task items; it needs --tasks (for fewer loss windows: --batches or "
                         "--max-tokens)")
+    for flag in ("select_by", "select_threshold"):
+        if getattr(args, flag) is not None and not args.select_experts:
+            raise UserError(f"--{flag.replace('_', '-')} sets how --select-experts chooses experts; it needs "
+                            f"--select-experts FILE")
+    if args.select_threshold is not None and not (0 < args.select_threshold <= 1):  # NaN too
+        raise UserError(f"--select-threshold {args.select_threshold:g} is invalid; it must be a share in (0, 1]: the "
+                        f"part of each layer's routing the selected experts hold (e.g. 0.1 or 0.2)")
     specs = None
     if args.tasks:
         from moekit.train.tasks import parse_specs
 
         specs = parse_specs(args.tasks)  # before the model is loaded
-        for flag in ("batches", "max_tokens", "specialisation"):
+        for flag in ("batches", "max_tokens", "specialisation", "select_experts"):
             if getattr(args, flag):
                 raise UserError(f"--{flag.replace('_', '-')} is for the loss evaluation, and --tasks replaces it; "
                                 f"run them separately")
@@ -172,6 +201,12 @@ def run(args: argparse.Namespace) -> dict:
         if out.is_dir():
             raise UserError(f"--out {out}: a directory; name the JSON file to write, e.g. {out / 'eval.json'}")
         probe_writable(out.parent, "--out", keep=True)  # created if missing; a full or read-only folder refused
+    select_path = Path(args.select_experts) if args.select_experts else None
+    if select_path is not None:  # before the evaluation, not after it
+        if select_path.is_dir():
+            raise UserError(f"--select-experts {select_path}: a directory; name the JSON file to write, e.g. "
+                            f"{select_path / 'esft.json'}")
+        probe_writable(select_path.parent, "--select-experts", keep=True)
     model, tokenizer, info = load_for_inference(args.path, args.device, args.dtype, warn=_note, averaged=args.ema,
                                                 dropless=args.capacity == "dropless", require_tokenizer=False)
     cfg = model.config
@@ -210,31 +245,74 @@ def run(args: argparse.Namespace) -> dict:
         note(f"note: {line}")
     note(f"data: {desc}; {args.split} split: {starts.size:,} windows of {seq_len} in batches of {batch_size}"
          f"{'; attention within documents' if masked else ''}")
-    observer = None
+    spec = relevance = None
     if args.specialisation:
         from moekit.train.specialisation import Specialisation
 
-        observer = Specialisation(cfg.vocab_size, seq_len).attach(model)
+        spec = Specialisation(cfg.vocab_size, seq_len)
+    if select_path is not None:
+        from moekit.train.expert_selection import ExpertRelevance
+
+        relevance = ExpertRelevance()
+    observers = [o for o in (spec, relevance) if o is not None]
     try:
+        for o in observers:
+            o.attach(model)
         result = evaluate(model, tokens, starts, seq_len, batch_size, tokenizer,
-                          progress=None if args.quiet else _note, observer=observer, mask=mask,
-                          eos=data_tok.eos_id, sources=window_sources(split, tokens, starts))
+                          progress=None if args.quiet else _note, observer=_Observers(observers) if observers else None,
+                          mask=mask, eos=data_tok.eos_id, sources=window_sources(split, tokens, starts))
     finally:
-        if observer is not None:
-            observer.detach()
-    if observer is not None:
-        result["specialisation"] = observer.result(tokenizer)
+        for o in observers:
+            o.detach()
+    if spec is not None:
+        result["specialisation"] = spec.result(tokenizer)
     result = {"path": str(info.path), "checkpoint": str(info.checkpoint) if info.checkpoint else None,
               "step": info.step, "ema": info.averaged, "model": cfg.name, "data": desc, "split": args.split,
               "seq_len": seq_len, "batch_size": batch_size, "capacity": args.capacity, "document_mask": masked,
               "device": str(info.device), "dtype": str(info.dtype).removeprefix("torch."), **result}
+    record = None
+    if relevance is not None:
+        record = write_expert_selection(args, relevance.result(), result, select_path)
     if not args.quiet:
         print(report(result))
-        if observer is not None:
+        if spec is not None:
             from moekit.train.specialisation import report as specialisation_report
 
             print(specialisation_report(result["specialisation"]))
+        if record is not None:
+            from moekit.train.expert_selection import report as selection_report
+
+            print(selection_report(record, select_path))
     return finish(args, result, out)
+
+
+class _Observers:
+    """Several of evaluate()'s observers as one: each is told every batch's input ids."""
+
+    def __init__(self, observers: list):
+        self.observers = observers
+
+    def begin_batch(self, x) -> None:
+        for o in self.observers:
+            o.begin_batch(x)
+
+
+def write_expert_selection(args, relevance: dict, result: dict, path: Path) -> dict:
+    """--select-experts: the selection file (moekit.train.expert_selection) from the experts' scores on the
+    evaluated windows; its summary goes into ``result`` as "expert_selection". Returns the file's record."""
+    from moekit.train.expert_selection import selection_record, write_selection
+
+    criterion = args.select_by or "token"
+    threshold = args.select_threshold if args.select_threshold is not None else DEFAULT_THRESHOLD
+    source = {k: result[k] for k in ("path", "checkpoint", "step", "data", "split", "seq_len", "windows", "capacity")}
+    record = selection_record(relevance, criterion, threshold, result["model"], source)
+    write_selection(path, record)
+    _note(f"wrote {path}")
+    result["expert_selection"] = {
+        "path": str(path), "criterion": criterion, "threshold": threshold, "tokens": record["tokens"],
+        "layers": [{"name": layer["name"], "experts_count": layer["experts_count"], "selected": len(layer["selected"]),
+                    "covered": layer["covered"]} for layer in record["layers"]]}
+    return record
 
 
 def run_tasks(args, specs: list[str], model, tokenizer, info, split, seq_len: int, batch_size: int) -> dict:
