@@ -323,9 +323,9 @@ class Pipeline:
         ``aux_loss_scale`` carries the 1/M (``moe.layer.set_aux_loss_scale(model, microbatches=M)``, once).
         The embedding's replica on the last stage gets the same gradient as stage 0's (module docstring).
         Returns the mean micro-batch loss, on every rank of the pipeline."""
-        if self.embedding_peer is None:
+        weight = self.model.embed.weight if self.embedding_peer is not None else None  # (FSDP swaps Parameters)
+        if weight is None or not weight.requires_grad:  # no replica, or a frozen embedding (train.freezing)
             return self.runner.step((tokens,), targets, microbatches, kwargs={"tokens": tokens, "targets": targets})
-        weight = self.model.embed.weight  # (FSDP swaps Parameters: look it up each step)
         earlier, weight.grad = weight.grad, None  # exchange this step's part only: accumulation stays exact
         loss = self.runner.step((tokens,), targets, microbatches, kwargs={"tokens": tokens, "targets": targets})
         self._sum_embedding_grads(weight)

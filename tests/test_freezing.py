@@ -283,3 +283,24 @@ def test_partial_training_is_layout_invariant(tmp_path, layout_reference, nproc,
             frozen = torch.ones(w.shape[0], dtype=torch.bool)
             frozen[ref["chosen"][name.split(".experts.")[0]]] = False
             assert torch.equal(got[name][frozen], ref["init"][name][frozen]), name
+
+
+def test_a_frozen_tied_embedding_under_pipeline_parallelism(tmp_path):
+    """The embedding tied to the head sits on the first and the last stage; frozen, neither computes nor exchanges
+    a gradient for it, and the run follows one process (with the head trained through the same tensor, the tied
+    weight stays)."""
+    from tests.dist_utils import run_trainer
+
+    flags = [*LAYOUT[:LAYOUT.index("--train.trainable")], "--model.tie_embeddings", "true", "--train.freeze", "embed.*",
+             "--train.seed", str(random.randrange(1 << 20))]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    runs = {}
+    for name, nproc, extra in (("one", 1, []), ("pp2", 2, ["--pp", "2", "--train.micro_batch_size", "2"])):
+        r = run_trainer([*flags, *extra, "--run-dir", str(tmp_path / name)], nproc, env=env)
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs[name] = weights(tmp_path / name / "checkpoints" / "step_000003")
+    assert losses(tmp_path / "pp2") == pytest.approx(losses(tmp_path / "one"), rel=1e-5, abs=1e-6)
+    assert torch.equal(runs["pp2"]["embed.weight"], runs["one"]["embed.weight"])
+    init = initial(tmp_path / "one" / "checkpoints" / "step_000003", int(flags[-1]))
+    assert torch.equal(runs["one"]["embed.weight"], init["embed.weight"])
+    assert not torch.equal(runs["pp2"]["layers.0.attn.wq.weight"], init["layers.0.attn.wq.weight"])

@@ -131,6 +131,65 @@ def choose_resume(run_dir: str, resume: str | None, model_config: dict, warn=pri
     return answer[0]
 
 
+def choose_init(source: str, model_config: dict, warn=print) -> tuple[Path, dict]:
+    """(checkpoint, its meta.json) a fresh run takes its weights from (--train.init_from): ``source`` a run
+    directory (its newest checkpoint that verifies) or one checkpoint (it must verify), checked against the model.
+    Rank 0 verifies (a full read), every rank gets the answer."""
+    answer: list = [None, None, None]  # [path, meta, error message]
+    if _main():
+        try:
+            answer[0], answer[1] = _choose_init(Path(source), model_config, warn)
+        except UserError as exc:
+            answer[2] = str(exc)
+    if dist.is_initialized():
+        dist.broadcast_object_list(answer, src=0)
+    if answer[2] is not None:
+        raise UserError(answer[2])
+    return answer[0], answer[1]
+
+
+def _choose_init(source: Path, model_config: dict, warn) -> tuple[Path, dict]:
+    where = f"--train.init_from {source}"
+    if (source / "checkpoints").is_dir():
+        path, meta, skipped = newest_verified(source)
+        if path is None:
+            why = " | ".join(skipped) or f"no checkpoint in {checkpoint_root(source)}"
+            raise UserError(f"{where}: no checkpoint of the run verifies ({why}); pass a checkpoint that does")
+        for reason in skipped:
+            warn(f"warning: skipped {reason}; starting from {path}")
+    elif (source / META).is_file():
+        path = source
+        try:
+            meta = read_meta(path)
+        except UserError as exc:
+            raise UserError(f"{where}: {exc}; pass another checkpoint, or its run directory for the newest one that "
+                            f"verifies") from None
+    else:
+        hf = (source / "config.json").is_file() and not (source / META).exists()
+        raise UserError(f"{where}: not a moekit run directory or checkpoint (no checkpoints/ and no {META})"
+                        + ("; a HuggingFace folder starts a run with --init-from-hf" if hf else ""))
+    check_model(path, meta["model"], model_config)
+    return path, meta
+
+
+def load_weights(path: Path, model) -> None:
+    """The model state of checkpoint ``path`` into ``model`` (any layout: DCP reshards; placed experts from their
+    logical rows), nothing else: no optimizer, schedule, data position or RNG state (--train.init_from)."""
+    weights = get_model_state_dict(model)
+    logical_state(model, weights)  # the template in the checkpoint's (logical) expert order
+    try:
+        dcp.load({"model": weights}, checkpoint_id=str(path))
+    except (Exception, CheckpointException) as exc:
+        comm = _comm_failure_in(exc)
+        if comm is not None:
+            raise comm from None
+        reason = str(exc).strip().splitlines()
+        raise UserError(f"checkpoint {path}: DCP could not load its model ({type(exc).__name__}: "
+                        f"{reason[-1] if reason else ''})") from None
+    physical_state(model, weights)  # back to this run's expert placement
+    set_model_state_dict(model, weights)
+
+
 def _choose(run_dir: str, resume: str, model_config: dict, warn) -> Path | None:
     if resume not in ("latest", "auto"):
         path = Path(resume)

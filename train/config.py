@@ -79,6 +79,8 @@ class TrainSection:
     #   float32 keeps it fp32 (Megatron's fp32_residual_connection); bfloat16 needs bf16 autocast (CPUs too)
     device: str = "auto"  # auto = cuda when available
     init_from_hf: str = ""  # a HuggingFace folder to start from (models.hf); the model config must match it
+    init_from: str = ""  # start from a moekit run's weights (its newest checkpoint that verifies, or one checkpoint):
+    #   a fresh optimizer, schedule and data order, e.g. fine-tuning after pretraining (--resume continues a run)
     init_from_dense: str = ""  # upcycle a dense model (HF folder, moekit file, checkpoint or run dir) into this MoE
     upcycle_granularity: int = 1  # with init_from_dense: each dense MLP split into g experts of F/g (1 = copies)
     upcycle_drop: float = 0.0  # with init_from_dense: each expert re-initialises this share of its units (drop-upcycling)

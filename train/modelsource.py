@@ -30,9 +30,12 @@ def adopt_source_model(cfg) -> str | None:
     """Replace ``cfg.model`` (a train.config.TrainConfig) by its source's architecture plus the given model
     settings, when the run names a source and no preset; returns a note for the log, or None."""
     t = cfg.train
-    if "preset" in cfg.given or not (t.init_from_hf or t.init_from_dense):
+    if "preset" in cfg.given or not (t.init_from_hf or t.init_from_dense or t.init_from):
         return None
-    if t.init_from_hf:
+    if t.init_from:
+        where = f"--train.init_from {t.init_from}"
+        base = _checkpoint_model(t.init_from, where)
+    elif t.init_from_hf:
         from moekit.models.hf import config_from_hf  # safetensors: only when asked for
 
         where = f"--init-from-hf {t.init_from_hf}"
@@ -46,6 +49,32 @@ def adopt_source_model(cfg) -> str | None:
     cfg.model = _with_given(base, cfg.model, cfg.given)
     cfg.given.add("model.vocab_size")
     return f"model architecture from {where} ({base.name})"
+
+
+def _checkpoint_model(source: str, where: str) -> ModelConfig:
+    """The model config a moekit checkpoint records (meta.json "model"; a run directory: its newest checkpoint's,
+    read without hashing: the trainer verifies the one it loads)."""
+    from pathlib import Path
+
+    from moekit.train.manifest import META
+
+    path = Path(source)
+    if (path / "checkpoints").is_dir():
+        steps = sorted((p for p in (path / "checkpoints").glob("step_*") if (p / META).is_file()),
+                       key=lambda p: p.name)
+        if not steps:
+            raise UserError(f"{where}: the run has no checkpoint (checkpoints/step_N/{META}) to start from")
+        path = steps[-1]
+    elif not (path / META).is_file():
+        hf = (path / "config.json").is_file()
+        raise UserError(f"{where}: not a moekit run directory or checkpoint (no checkpoints/ and no {META})"
+                        + ("; a HuggingFace folder starts a run with --init-from-hf" if hf else ""))
+    try:
+        meta = json.loads((path / META).read_text(encoding="utf-8"))
+        return ModelConfig.from_dict(meta["model"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"{where}: no model config in {path / META} ({type(exc).__name__}: {exc}); pass a moekit "
+                        f"checkpoint or run directory (a HuggingFace folder: --init-from-hf)") from None
 
 
 def _upcycled_base(cfg, where: str) -> ModelConfig:

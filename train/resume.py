@@ -57,6 +57,7 @@ VAL_PATH = "data.val_path"
 DATA_KEYS = ("train.seq_len", "data.path", "data.text", "data.blend", "data.dtype", "data.val_fraction", VAL_PATH)
 EXCLUDE_DATA = "data"
 KEPT = {"train.init_from_hf": "the resumed weights come from the checkpoint",
+        "train.init_from": "the resumed weights come from the checkpoint",
         "train.init_from_dense": "the resumed weights come from the checkpoint",
         "train.upcycle_granularity": "the resumed weights come from the checkpoint",
         "train.upcycle_drop": "the resumed weights come from the checkpoint"}

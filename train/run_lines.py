@@ -22,6 +22,10 @@ def describe(trainer) -> None:
         f"{cfg.model.num_moe_layers} MoE layers x {cfg.model.num_experts} experts")
     if getattr(cfg, "source_note", None) and not trainer.resume_from:
         say(cfg.source_note)
+    if trainer.init_from is not None:
+        ckpt, meta = trainer.init_from
+        say(f"weights from {ckpt} (step {meta.get('step', '?')} of its run); a fresh optimizer, LR schedule and data "
+            f"order")
     if cfg.train.init_from_dense and not trainer.resume_from:
         drop = (f"; drop-upcycling: {cfg.train.upcycle_drop:g} of each expert's units re-initialised"
                 if cfg.train.upcycle_drop else "")

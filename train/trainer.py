@@ -84,6 +84,10 @@ class Trainer:
                                                     warn=lambda msg: print(f"{PROG}: {msg}", file=sys.stderr))
         # changed settings: applied (reported by describe) or refused here, before anything is written
         self.resumed_run = resume.saved_run(self.resume_from) if self.resume_from is not None else None
+        self.init_from = None  # --train.init_from on a fresh start: (checkpoint, its meta.json), verified like a resume
+        if cfg.train.init_from and self.resume_from is None:
+            self.init_from = checkpoint.choose_init(cfg.train.init_from, cfg.model.to_dict(),
+                                                    warn=lambda msg: print(f"{PROG}: {msg}", file=sys.stderr))
         self.changes = resume.check((self.resumed_run or {}).get("config"), cfg.to_dict(), self.resume_from,
                                     excluded(cfg.checkpoint.exclude_from_loading))
         for key, saved, _ in self.changes.kept:  # config.json records what runs: the checkpoint's value
@@ -155,6 +159,8 @@ class Trainer:
             tag_primaries(self.model)
         if cfg.train.init_from_hf and fresh:
             hfrun.load_init(self.model, cfg.train.init_from_hf, cfg.train.seed)
+        elif self.init_from is not None:  # --train.init_from: a moekit checkpoint's weights, nothing else
+            checkpoint.load_weights(self.init_from[0], self.model)
         elif dense is not None:  # dense-to-MoE upcycling
             from moekit.train.upcycle import init_from_dense
 

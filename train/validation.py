@@ -109,7 +109,17 @@ def validate(cfg: TrainConfig) -> TrainConfig:
              f"--init-from-dense {t.init_from_hf}, or write a HuggingFace folder first with 'moekit-convert "
              f"moekit-to-hf {t.init_from_hf} OUT'")
     validate_upcycling_flags(t)
-    for flag, source in (("--init-from-hf", t.init_from_hf), ("--init-from-dense", t.init_from_dense)):
+    sources = [flag for flag, v in (("--init-from-hf", t.init_from_hf), ("--init-from-dense", t.init_from_dense),
+                                    ("--train.init_from", t.init_from)) if v]
+    _require(len(sources) <= 1, f"{' and '.join(sources)} each give the run its starting weights; choose one")
+    _require(not t.init_from or os.path.isdir(t.init_from),
+             f"--train.init_from {t.init_from}: not a directory (expected a moekit-train run directory or one of its "
+             f"checkpoints, RUN_DIR/checkpoints/step_N)")
+    _require(not t.init_from or not os.path.realpath(t.init_from).startswith(os.path.realpath(cfg.run_dir) + os.sep),
+             f"--train.init_from {t.init_from} lies inside --run-dir {cfg.run_dir}, which this run takes over; start "
+             f"the new run in another --run-dir")
+    for flag, source in (("--init-from-hf", t.init_from_hf), ("--init-from-dense", t.init_from_dense),
+                         ("--train.init_from", t.init_from)):
         _require(not source or os.path.realpath(source) != os.path.realpath(cfg.run_dir),
                  f"--run-dir {cfg.run_dir} is the {flag} folder; the run would replace its config.json and "
                  f"tokenizer: choose another --run-dir")
