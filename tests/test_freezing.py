@@ -304,3 +304,36 @@ def test_a_frozen_tied_embedding_under_pipeline_parallelism(tmp_path):
     init = initial(tmp_path / "one" / "checkpoints" / "step_000003", int(flags[-1]))
     assert torch.equal(runs["one"]["embed.weight"], init["embed.weight"])
     assert not torch.equal(runs["pp2"]["layers.0.attn.wq.weight"], init["layers.0.attn.wq.weight"])
+
+
+# -- the dry run plans what a partial run holds ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("optimizer, ema", [("adamw", False), ("muon", True)])
+@pytest.mark.parametrize("layout", [["--world-size", "16", "--fsdp", "2", "--ep", "8"],
+                                    ["--world-size", "16", "--pp", "2", "--ep", "8", "--train.micro_batch_size", "1"]],
+                         ids=["fsdp-ep", "pp-ep"])
+@pytest.mark.parametrize("flags", [["--train.freeze", "*.experts.*"],
+                                   ["--train.trainable", "*.attn.*,embed.*,*.router.*"]], ids=["experts", "attention"])
+def test_the_dry_run_counts_gradients_and_state_of_what_trains(flags, layout, optimizer, ema):
+    """The estimate (config alone, by part) against the recipe's real shards with requires_grad as the run sets it
+    (another way to the same bytes): gradients, AdamW / Muon state and the parameter average, exactly."""
+    from dataclasses import replace
+
+    from moekit.train.cli import parse_args
+    from moekit.train.planning import dryrun, memory
+
+    cfg, opts = parse_args(["--dry-run", "--preset", "mixtral-8x7b", "--batch-size", "16", *layout, *flags,
+                            "--train.optimizer", optimizer, *(["--train.ema_decay", "0.9"] if ema else [])])
+    plan = dryrun.plan_dry_run(cfg, opts.world_size)
+    with dryrun.fake_world(plan.world):
+        built = dryrun.build(cfg, plan)
+    assert not built.refused and built.freeze.startswith("partial training")
+    wl = replace(plan.workload, expert_replicas=built.replicas)
+    est = memory.estimate_memory(cfg.model, built.topology.layout, wl, built.stages[0], plan.ranks_per_node,
+                                 plan.hierarchical)
+    assert est.grads == built.trained * 4 < est.params / 2  # most of the shards are frozen in both cases
+    assert est.optimizer == built.optimizer[1]
+    full = memory.estimate_memory(cfg.model, built.topology.layout, replace(wl, trainable=()), built.stages[0],
+                                  plan.ranks_per_node, plan.hierarchical)
+    assert full.grads == est.params and full.optimizer > 4 * est.optimizer

@@ -82,7 +82,7 @@ class FreezePlan:
     def describe(self) -> str:
         t, n = self.counts.get("trainable", 0), self.counts.get("total", 0)
         share = f"{100 * t / n:.1f}%" if n else "-"
-        line = f"partial training: {t / 1e6:.2f}M of {n / 1e6:.2f}M parameters train ({share})"
+        line = f"partial training: {_size(t)} of {_size(n)} parameters train ({share})"
         if self.frozen:
             shown = collapse(sorted(self.frozen, key=_order))
             line += f"; frozen: {', '.join(shown[:8])}{' ...' if len(shown) > 8 else ''}"
@@ -93,6 +93,10 @@ class FreezePlan:
             line += (f"; experts: {sum(picked)} of {self.counts.get('experts', 0)} train "
                      f"({min(picked, default=0)}-{max(picked, default=0)} per layer)")
         return line
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
 
 def _order(name: str):

@@ -91,9 +91,30 @@ def plan_dry_run(cfg: TrainConfig, world_size: int | None = None) -> DryRunPlan:
     dtype = {"float32": "float32", "bfloat16": "bfloat16", "auto": "bfloat16" if device == "cuda" else "float32"}
     wl = Workload(resolved.micro_batch, t.seq_len, dtype[t.dtype], t.activation_checkpointing, device, resolved.accum,
                   L.pp_schedule, L.pp_stages_per_rank, L.sequence_parallel, document_mask=cfg.data.document_mask,
-                  optimizer=t.optimizer, residual=t.residual_dtype, ema=t.ema_decay > 0)
+                  optimizer=t.optimizer, residual=t.residual_dtype, ema=t.ema_decay > 0,
+                  trainable=trainable_shares(cfg))
     per_node = resolved.ranks_per_node or math.gcd(resolved.world_size, 8)  # default: 8 GPUs per node
     return DryRunPlan(resolved, per_node, wl)
+
+
+def trainable_shares(cfg: TrainConfig) -> tuple[tuple[str, float], ...]:
+    """Partial training (moekit.train.freezing): each part's share of elements that train, or () when all do. Expert
+    stacks that train some experts (--train.train_experts) count whole: their gradient and state are whole tensors."""
+    from moekit.models.transformer import Transformer, meta_device
+    from moekit.train import freezing
+
+    if not freezing.requested(cfg):
+        return ()
+    with meta_device():
+        model = Transformer(cfg.model)
+    fp = freezing.plan(model, cfg)
+    total: dict[str, int] = {}
+    trained: dict[str, int] = {}
+    for name, p in model.named_parameters():
+        part = part_of(name)
+        total[part] = total.get(part, 0) + p.numel()
+        trained[part] = trained.get(part, 0) + (p.numel() if name in fp.trainable else 0)
+    return tuple((part, trained[part] / total[part]) for part in sorted(total) if total[part])
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -127,6 +148,8 @@ class Built:
     dense_peak: int = 0  # --init-from-dense: host memory a rank holds at most while it upcycles (by slices)
     stages: list[Stage] = field(default_factory=list)  # every pipeline rank's layers (the real split if built)
     optimizer: tuple[str, int] = ("AdamW", 0)  # the run's optimizer and its state bytes on rank 0's shards
+    trained: int = 0  # rank 0's parameter elements that train (all but frozen ones: moekit.train.freezing)
+    freeze: str = ""  # partial training's summary line (FreezePlan.describe), or ""
 
 
 def part_of(name: str) -> str:
@@ -160,6 +183,7 @@ def local_numel(model: torch.nn.Module) -> tuple[dict[str, int], int]:
 def build(cfg: TrainConfig, plan: DryRunPlan) -> Built:
     from moekit.models.parallelize import parallelize
     from moekit.models.transformer import Transformer, meta_device
+    from moekit.train import freezing
     from moekit.train.rebalance import RunPlacement
 
     L, seconds = cfg.layout, {}
@@ -170,6 +194,7 @@ def build(cfg: TrainConfig, plan: DryRunPlan) -> Built:
     with meta_device():
         model = Transformer(cfg.model)
     seconds["meta model"] = time.perf_counter() - t0
+    freeze = freezing.plan(model, cfg)  # --train.trainable / freeze / train_experts, as the trainer plans it
     built = Built(topo, seconds, sum(p.numel() for p in model.parameters()),
                   stages=memory.even_stages(cfg.model, topo.layout, L.pp_stages_per_rank))
     t0 = time.perf_counter()
@@ -186,7 +211,11 @@ def build(cfg: TrainConfig, plan: DryRunPlan) -> Built:
         built.refused = " ".join(str(exc).split())
         return built
     seconds["recipe"] = time.perf_counter() - t0
+    freezing.apply(model, freeze)  # requires_grad as the run sets it: gradients and state for those only
+    built.freeze = freeze.describe() if freeze is not None else ""
     built.measured, built.tensors = local_numel(model)
+    built.trained = sum((p.to_local() if hasattr(p, "to_local") else p).numel()
+                        for p in model.parameters() if p.requires_grad)
     built.optimizer = optimizer_state_bytes(model, cfg.train.optimizer, cfg.train.ema_decay > 0)
     return built
 
@@ -196,19 +225,20 @@ def optimizer_state_bytes(model, optimizer: str, ema: bool = False) -> tuple[str
     scalar per tensor; Muon's momentum buffer per weight matrix and AdamW's for the rest (train.muon); ``ema``: one
     more copy of every shard (the parameter average, moekit.train.ema)."""
     local = lambda p: p.to_local().numel() if hasattr(p, "to_local") else p.numel()  # noqa: E731
-    average = sum(local(p) * 4 for p in model.parameters()) if ema else 0
+    # frozen parameters (moekit.train.freezing) have no state: only those that train are counted
+    average = sum(local(p) * 4 for p in model.parameters() if p.requires_grad) if ema else 0
     name = "AdamW" if optimizer != "muon" else "Muon"
     if ema:
         name += " + parameter EMA"
     if optimizer != "muon":
-        params = list(model.parameters())
+        params = [p for p in model.parameters() if p.requires_grad]
         return name, sum(2 * local(p) * 4 + 4 for p in params) + average
     from moekit.train.muon import muon_param_groups
 
     total = 0
     for group in muon_param_groups(model, 0.0):
         per = 4 if group["kind"] == "muon" else None
-        total += sum(local(p) * 4 if per else 2 * local(p) * 4 + 4 for p in group["params"])
+        total += sum(local(p) * 4 if per else 2 * local(p) * 4 + 4 for p in group["params"] if p.requires_grad)
     return name, total + average
 
 
@@ -315,6 +345,8 @@ def report(cfg: TrainConfig, opts: Options, plan: DryRunPlan, built: Built, esti
         lines.append(context_line(L, wl))
     if built.refused:
         lines.append(f"  the recipe does not run this layout yet, so this is the estimate alone: {built.refused}")
+    if built.freeze:  # gradients, optimizer state and the average: for the parameters that train
+        lines.append(f"  {built.freeze}")
     lines += _memory_table(built, estimates[0])
     lines += _check_shards(built, estimates[0])
     if L.pp > 1:
@@ -351,7 +383,7 @@ def _memory_table(built: Built, est: MemoryEstimate) -> list[str]:
     st = built.stages[0]
     lines = [f"rank 0 (pipeline rank 0: {describe_stage(st)})  {'shards':>14}{'estimate':>14}",
              row("parameters (fp32)", shards and shards * 4, est.params),
-             row("gradients (fp32)", shards and shards * 4, est.grads),
+             row("gradients (fp32)", shards and built.trained * 4, est.grads),
              row(f"optimizer ({built.optimizer[0]})", shards and built.optimizer[1], est.optimizer),
              row("activations", None, est.activations),
              row("total", None, est.total),

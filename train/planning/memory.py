@@ -73,6 +73,9 @@ class Workload:
     residual: str = "auto"  # the residual stream's dtype, as train.residual_dtype: auto (bf16 under bf16 autocast on
     #                         CUDA, else fp32), float32, bfloat16 (needs dtype bfloat16)
     ema: bool = False  # a parameter average in the optimizer state (--train.ema_decay): one fp32 copy of the shards
+    # partial training (--train.trainable / freeze, moekit.train.freezing): (part, share of its elements that train);
+    # gradients, optimizer state and the average exist for those only. Empty: everything trains
+    trainable: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self):
         for name, value, allowed in (("dtype", self.dtype, tuple(DTYPE_BYTES)), ("pp_schedule", self.pp_schedule, SCHEDULES),
@@ -330,13 +333,17 @@ def estimate_memory(cfg: ModelConfig, layout: Layout, wl: Workload, stage: Stage
     by_part: dict[str, int] = {}
     for part, n in tensors:
         by_part[part] = by_part.get(part, 0) + n
-    optimizer = 2 * numel * FP32 + len(tensors) * FP32  # AdamW: two moments and a step scalar per tensor
+    share = dict(wl.trainable)  # partial training: a part's frozen share has no gradient and no optimizer state
+    trained = [(part, n * share.get(part, 1.0) if share else n) for part, n in tensors]
+    steps = sum(FP32 for _, n in trained if n)  # AdamW's step scalar per trained tensor
+    optimizer = 2 * sum(n for _, n in trained) * FP32 + steps  # AdamW: two moments and a step scalar per tensor
     if wl.optimizer == "muon":  # a momentum buffer per weight matrix (train.muon), AdamW's state for the rest
         matrix = [_muon_matrix(part, shape) for part, shape, _ in _stage_tensors(cfg, stage)]
-        optimizer = sum(n * FP32 if m else 2 * n * FP32 + FP32 for (_, n), m in zip(tensors, matrix))
-    if wl.ema:  # the parameter average (moekit.train.ema): a copy of every shard in the optimizer state
-        optimizer += numel * FP32
-    return MemoryEstimate(stage.index, numel * FP32, numel * FP32, optimizer, acts, sum(transient.values()), by_part,
+        optimizer = sum(n * FP32 if m else (2 * n * FP32 + FP32 if n else 0) for (_, n), m in zip(trained, matrix))
+    grads = int(sum(n for _, n in trained)) * FP32
+    if wl.ema:  # the parameter average (moekit.train.ema): a copy of every trained shard in the optimizer state
+        optimizer += grads
+    return MemoryEstimate(stage.index, numel * FP32, grads, int(optimizer), acts, sum(transient.values()), by_part,
                           breakdown)
 
 
