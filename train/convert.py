@@ -5,6 +5,12 @@
                                            [--layout per_expert|fused] [--fp8] [--ema] [--verify]
     moekit-convert average SRC SRC [...] | RUN_DIR --last K  -o OUT [--weights W,W,...] [--family F]
                                            [--tokenizer DIR] [--dtype ...] [--ema] [--verify]
+    moekit-convert prune SRC --scores FILE --keep N -o OUT [--by token|gate] [--family F] [--tokenizer DIR]
+                                           [--dtype ...] [--verify]
+
+prune keeps the N experts of every MoE layer that calibration data routes to most (FILE: moekit-eval SRC --data
+CALIB.bin --split all --select-experts FILE scores them) and drops the rest with their router rows; a token whose
+experts all survive is computed as before (moekit.train.pruning).
 
 average writes the weighted mean of several checkpoints of one model (the last K of a run: checkpoint averaging)
 to OUT: a moekit model file (*.safetensors, *.pt) or an HF folder (moekit.train.averaging).
@@ -99,7 +105,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="an HF OUT's tensor dtype (default: the model's)")
     c.add_argument("--ema", action="store_true",
                    help="average the checkpoints' parameter averages (--train.ema_decay) instead of their weights")
-    for q in (a, b, c):
+    d = sub.add_parser("prune", help="keep the N most-used experts of every MoE layer -> a moekit file or HF folder")
+    d.add_argument("src", help="a moekit model file, checkpoint or run directory, or an HF folder")
+    d.add_argument("--scores", required=True, metavar="FILE",
+                   help="the experts' shares on calibration data: moekit-eval SRC --data CALIB.bin --split all "
+                        "--select-experts FILE")
+    d.add_argument("--keep", required=True, type=int, metavar="N", help="experts kept in every MoE layer")
+    d.add_argument("--by", choices=("token", "gate"), default="token",
+                   help="rank experts by their share of routed slots (token, default) or of gate weight (gate)")
+    d.add_argument("-o", "--out", required=True, metavar="OUT",
+                   help="*.safetensors / *.pt (a moekit model file), else an HF folder")
+    d.add_argument("--family", choices=HF_FAMILIES, default=None, help="an HF OUT's model_type (as moekit-to-hf)")
+    d.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="an HF OUT's tokenizer (default: SRC's: an HF folder, or a checkpoint's run directory)")
+    d.add_argument("--dtype", choices=[*DTYPE_NAMES, "auto"], default="auto",
+                   help="an HF OUT's tensor dtype (default: the model's)")
+    for q in (a, b, c, d):
         q.add_argument("--verify", action="store_true", help="reload the output and compare logits")
     return p.parse_args(argv)
 
@@ -111,9 +132,11 @@ def main(argv: list[str] | None = None) -> int:
         args = parse_args(sys.argv[1:] if argv is None else argv)
         from moekit.train.averaging import average  # torch and the models: after the flags
         from moekit.train.modelfiles import hf_to_moekit, moekit_to_hf
+        from moekit.train.pruning import prune_command
 
         try:
-            {"hf-to-moekit": hf_to_moekit, "moekit-to-hf": moekit_to_hf, "average": average}[args.command](args)
+            {"hf-to-moekit": hf_to_moekit, "moekit-to-hf": moekit_to_hf, "average": average,
+             "prune": prune_command}[args.command](args)
         except ValueError as exc:  # the readers' and writers' checks: the message names the file and the fix
             raise UserError(str(exc)) from None
         return 0
