@@ -166,8 +166,8 @@ def test_relevance_counts_are_the_routings(kind):
         assert math.isclose(sum(layer["token_share"]), 1) and math.isclose(sum(layer["gate_share"]), 1)
         dropped_total += dropped
     assert (dropped_total > 0) == (kind in ("capacity", "switch"))
-    # the record selects by the chosen share
-    for criterion in CRITERIA:
+    # the record selects by the chosen share (reap needs the saliency pass: its own test)
+    for criterion in ("token", "gate"):
         threshold = random.uniform(0.05, 1.0)
         record = selection_record(result, criterion, threshold, model.config.name, {"path": "x"})
         for layer, rec in zip(result["layers"], record["layers"]):
@@ -380,3 +380,61 @@ def test_eval_selection_bad_flags_are_one_line(run, tmp_path, capsys, argv, word
     rc = evaluate.main([str(run), *(a.replace("{tmp}", str(tmp_path)) for a in argv)])
     one_stderr_line(capsys, words.replace("{tmp}", str(tmp_path)))
     assert rc == 2 and sorted(tmp_path.rglob("*")) == before  # refused before any work: nothing written
+
+
+@pytest.mark.parametrize("kind", ["topk", "capacity"])
+def test_reap_saliency_is_the_mean_gate_times_output_norm(kind):
+    """REAP's score against each slot's expert computed from its weights in float64 (x @ w_in, the activation,
+    @ w_out) times the slot's gate weight, averaged over the expert's kept slots; dropped slots count nowhere."""
+    from moekit.moe.activations import get_activation
+
+    model = tiny_model(**MODELS[kind])
+    layers = dict(moe_layers(model))
+    relevance = ExpertRelevance(saliency=True).attach(model)
+    seen: dict[str, list] = {name: [] for name in layers}
+    handles = [layer.router.register_forward_hook(lambda _m, a, r, name=name: seen[name].append((a[0], r)))
+               for name, layer in layers.items()]
+    rng = torch.Generator().manual_seed(random.randrange(1 << 30))
+    with torch.no_grad():
+        for b, S in ((2, 19), (3, 8)):
+            model(torch.randint(0, model.config.vocab_size, (b, S), generator=rng))
+    relevance.detach()
+    for h in handles:
+        h.remove()
+    for layer in relevance.result()["layers"]:
+        ex = layers[layer["name"]].experts
+        act = get_activation(ex.activation)
+        E = ex.w_in.shape[0]
+        total, slots = np.zeros(E), np.zeros(E)
+        for x, r in seen[layer["name"]]:
+            for t, k in itertools.product(range(x.shape[0]), range(r.indices.shape[1])):
+                e = int(r.indices[t, k])
+                if e < 0:
+                    continue
+                with torch.no_grad():
+                    f = act(x[t].double() @ ex.w_in[e].double()) @ ex.w_out[e].double()
+                total[e] += float(r.weights[t, k]) * float(f.norm())
+                slots[e] += 1
+        want = np.divide(total, slots, out=np.zeros(E), where=slots > 0)
+        np.testing.assert_allclose(layer["reap"], want, rtol=1e-4, atol=1e-9)
+        np.testing.assert_allclose(layer["reap_share"], want / want.sum(), rtol=1e-4)
+
+
+def test_select_by_reap_writes_its_shares_and_prune_reads_them(tmp_path, capsys):
+    from moekit.train.convert import main as convert_main
+
+    run = tmp_path / "run"
+    assert train_main([*TINY_MODEL, "--steps", "2", "--checkpoint.every", "2", "--run-dir", str(run)]) == 0
+    plain, reap = tmp_path / "plain.json", tmp_path / "reap.json"
+    assert evaluate.main([str(run), "--max-tokens", "256", "--select-experts", str(plain), "--quiet"]) == 0
+    assert evaluate.main([str(run), "--max-tokens", "256", "--select-experts", str(reap), "--select-by", "reap",
+                          "--quiet"]) == 0
+    record = json.loads(reap.read_text())
+    assert record["criterion"] == "reap" and all(len(layer["reap_share"]) == 8 for layer in record["layers"])
+    assert all("reap_share" not in layer for layer in json.loads(plain.read_text())["layers"])
+    capsys.readouterr()
+    assert convert_main(["prune", str(run), "--scores", str(reap), "--by", "reap", "--keep", "6", "-o",
+                         str(tmp_path / "p.safetensors")]) == 0
+    assert convert_main(["prune", str(run), "--scores", str(plain), "--by", "reap", "--keep", "6", "-o",
+                         str(tmp_path / "q.safetensors")]) == 2
+    one_stderr_line(capsys, "has no reap_share", "--select-by reap")

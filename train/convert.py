@@ -5,7 +5,7 @@
                                            [--layout per_expert|fused] [--fp8] [--ema] [--verify]
     moekit-convert average SRC SRC [...] | RUN_DIR --last K  -o OUT [--weights W,W,...] [--family F]
                                            [--tokenizer DIR] [--dtype ...] [--ema] [--verify]
-    moekit-convert prune SRC --scores FILE --keep N -o OUT [--by token|gate] [--family F] [--tokenizer DIR]
+    moekit-convert prune SRC --scores FILE --keep N -o OUT [--by gate|token|reap] [--family F] [--tokenizer DIR]
                                            [--dtype ...] [--verify]
 
 prune keeps the N experts of every MoE layer that calibration data routes to most (FILE: moekit-eval SRC --data
@@ -111,8 +111,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="the experts' shares on calibration data: moekit-eval SRC --data CALIB.bin --split all "
                         "--select-experts FILE")
     d.add_argument("--keep", required=True, type=int, metavar="N", help="experts kept in every MoE layer")
-    d.add_argument("--by", choices=("token", "gate"), default="token",
-                   help="rank experts by their share of routed slots (token, default) or of gate weight (gate)")
+    d.add_argument("--by", choices=("token", "gate", "reap"), default="gate",
+                   help="rank experts by their share of gate weight (gate, default), of routed slots (token), or by "
+                        "REAP's mean gate weight x output norm (reap: scores written with --select-by reap)")
     d.add_argument("-o", "--out", required=True, metavar="OUT",
                    help="*.safetensors / *.pt (a moekit model file), else an HF folder")
     d.add_argument("--family", choices=HF_FAMILIES, default=None, help="an HF OUT's model_type (as moekit-to-hf)")

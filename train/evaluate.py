@@ -74,7 +74,7 @@ from moekit.train.model_args import add_model_args
 from moekit.train.runlock import describe_os_error, probe_writable
 from moekit.train.tasks import BUILTIN_ITEMS, BUILTINS  # no torch: the task names and formats only
 
-CRITERIA = ("token", "gate")  # moekit.train.expert_selection's, without importing torch before the flags are read
+CRITERIA = ("token", "gate", "reap")  # moekit.train.expert_selection's, without importing torch before the flags are read
 DEFAULT_THRESHOLD = 0.2
 
 PROG = program_name("evaluate.py")
@@ -111,9 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also score the routed experts of each MoE layer on the evaluated windows and write the ESFT "
                         "selection (the experts to fine-tune) here, for moekit-train --train.train_experts FILE; "
                         "--split all --data TASK.bin scores every window of a task's token file")
-    p.add_argument("--select-by", choices=CRITERIA, metavar="{token,gate}",
+    p.add_argument("--select-by", choices=CRITERIA, metavar="{token,gate,reap}",
                    help="--select-experts: score an expert by its share of the layer's routed slots (token, default: "
-                        "ESFT-Token) or of its summed gate weights (gate: ESFT-Gate)")
+                        "ESFT-Token), of its summed gate weights (gate: ESFT-Gate), or by REAP's mean gate weight x "
+                        "output norm over its tokens (reap: the experts run again on their rows to measure it)")
     p.add_argument("--select-threshold", type=float, metavar="P",
                    help=f"--select-experts: per layer, the fewest experts whose shares add up to at least P, in "
                         f"(0, 1] (default {DEFAULT_THRESHOLD})")
@@ -253,7 +254,7 @@ def run(args: argparse.Namespace) -> dict:
     if select_path is not None:
         from moekit.train.expert_selection import ExpertRelevance
 
-        relevance = ExpertRelevance()
+        relevance = ExpertRelevance(saliency=args.select_by == "reap")
     observers = [o for o in (spec, relevance) if o is not None]
     try:
         for o in observers:

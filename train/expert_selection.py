@@ -11,6 +11,10 @@ the layer's experts:
                          capacity-dropped slots count for no expert)
     gate   (ESFT-Gate)   the router's combine weights (``Routing.weights``) of the slots routed to the expert,
                          summed over tokens / the same sum over all experts
+    reap   (REAP, 2025)  the mean over the tokens routed to the expert of its gate weight times the norm of its
+                         output, g_e(x) ||f_e(x)||, normalised to sum 1: how much the expert adds when it is used,
+                         not only how often (``ExpertRelevance(saliency=True)`` runs each layer's experts again on
+                         its routed rows to measure the norms: moekit-eval --select-by reap)
 
 Per layer the selection is the smallest set of experts, highest scores first (ties: the lower id first), whose
 shares add up to at least the threshold p (``--select-threshold``, default 0.2). A layer whose routing is spread
@@ -49,7 +53,7 @@ from moekit.train import UserError
 
 FORMAT = "moekit-expert-selection"
 VERSION = 1
-CRITERIA = ("token", "gate")
+CRITERIA = ("token", "gate", "reap")
 DEFAULT_THRESHOLD = 0.2
 TOLERANCE = 1e-12  # a cumulative share this close below the threshold reaches it (floating-point sums)
 SHARE_DIGITS = 6  # significant digits of the shares written to the file (for reading; not used by read_selection)
@@ -65,16 +69,20 @@ class ExpertRelevance:
     ``result()`` moves them to the host once. Forwards recomputed inside backward (activation checkpointing)
     are not counted twice."""
 
-    def __init__(self):
+    def __init__(self, saliency: bool = False):
         self.layers: dict[str, dict] = {}
         self.handles: list = []
         self.tokens = 0  # input tokens told by begin_batch
+        self.saliency = saliency  # also REAP's g_e(x) ||f_e(x)|| per expert (the experts run again on their rows)
+        self.modules: dict[str, torch.nn.Module] = {}
 
     def attach(self, model: torch.nn.Module) -> "ExpertRelevance":
         for name, layer in moe_layers(model):
-            self.layers[name] = {"E": layer.num_experts, "slots": None, "gate": None, "routed": 0, "dropped": None}
+            self.layers[name] = {"E": layer.num_experts, "slots": None, "gate": None, "routed": 0, "dropped": None,
+                                 "saliency": None}
+            self.modules[name] = layer
             self.handles.append(layer.router.register_forward_hook(
-                lambda _m, _a, routing, name=name: self._record(name, routing)))
+                lambda _m, args, routing, name=name: self._record(name, routing, args[0])))
         if not self.layers:
             raise UserError("the model has no MoE layers: there are no routed experts to select")
         return self
@@ -88,9 +96,11 @@ class ExpertRelevance:
         """``x`` [b, S] the input token ids of the next forward."""
         self.tokens += x.numel()
 
-    def _record(self, name: str, routing) -> None:
+    def _record(self, name: str, routing, x: torch.Tensor | None = None) -> None:
         if in_backward():
             return
+        if self.saliency and x is not None:
+            self._saliency(name, routing, x)
         st = self.layers[name]
         E = st["E"]
         idx, w = routing.indices.detach(), routing.weights.detach()  # [T, k] expert per slot (-1: dropped), weight
@@ -112,6 +122,29 @@ class ExpertRelevance:
             st["dropped"] += dropped
         st["routed"] += idx.shape[0]
 
+    @torch.no_grad()
+    def _saliency(self, name: str, routing, x: torch.Tensor) -> None:
+        """Add each expert's sum of g_e(x) ||f_e(x)|| over its kept slots: the layer's experts run on the rows
+        routed to them (the router's input x [T, H], grouped by expert as a dispatch groups them)."""
+        layer, st = self.modules[name], self.layers[name]
+        E = st["E"]
+        experts = layer.experts
+        if getattr(experts, "num_experts", E) != E:  # expert parallelism: this rank holds some experts only
+            raise UserError(f"{name}: the REAP criterion runs every expert on its tokens; score it in one process")
+        idx, w = routing.indices.detach().flatten(), routing.weights.detach().flatten()
+        token = torch.arange(x.shape[0], device=x.device).repeat_interleave(routing.indices.shape[1])
+        kept = (idx >= 0) & (idx < E)
+        idx, w, token = idx[kept], w[kept], token[kept]
+        order = torch.argsort(idx, stable=True)
+        counts = torch.zeros(E, dtype=torch.int64, device=x.device).index_add_(0, idx, torch.ones_like(idx))
+        rows = x.detach()[token[order]]
+        from moekit.moe.precision import compute_dtype
+
+        out = experts(rows.to(compute_dtype(rows)), counts)  # [N, H] expert-major, as the layer computes them
+        value = out.float().norm(dim=-1).double() * w[order].double()
+        total = torch.zeros(E, dtype=torch.float64, device=x.device).index_add_(0, idx[order], value)
+        st["saliency"] = total if st["saliency"] is None else st["saliency"] + total
+
     def result(self) -> dict:
         """{"tokens": input tokens (begin_batch's; without it, the most tokens a layer routed), "layers": [{name,
         experts_count, tokens (routed by the layer), slots [E], dropped (slots), gate [E] (summed combine
@@ -126,6 +159,11 @@ class ExpertRelevance:
                            "dropped": int(st["dropped"]) if st["dropped"] is not None else 0, "gate": gate.tolist(),
                            "token_share": (slots / n_slots if n_slots else np.zeros(E)).tolist(),
                            "gate_share": (gate / n_gate if n_gate > 0 else np.zeros(E)).tolist()})
+            if self.saliency:  # REAP: the mean over an expert's slots of g ||f||, as shares of the layer's sum
+                total = st["saliency"].cpu().numpy() if st["saliency"] is not None else np.zeros(E)
+                mean = np.divide(total, slots, out=np.zeros(E), where=slots > 0)
+                layers[-1]["reap"] = mean.tolist()
+                layers[-1]["reap_share"] = (mean / mean.sum() if mean.sum() > 0 else np.zeros(E)).tolist()
         tokens = self.tokens or max((layer["tokens"] for layer in layers), default=0)
         return {"tokens": int(tokens), "layers": layers}
 
@@ -162,17 +200,23 @@ def _digits(values) -> list[float]:
 
 def selection_record(relevance: dict, criterion: str, threshold: float, model_name: str, source: dict) -> dict:
     """The file's content (module docstring) from ``ExpertRelevance.result()``: per layer the experts
-    ``select`` picks by ``criterion`` ("token" or "gate") at ``threshold``."""
+    ``select`` picks by ``criterion`` ("token", "gate", or "reap" from ExpertRelevance(saliency=True)) at
+    ``threshold``."""
     if criterion not in CRITERIA:
         raise UserError(f"criterion {criterion!r} is invalid; choose one of {', '.join(CRITERIA)}")
     check_threshold(threshold, "threshold")
     layers = []
     for layer in relevance["layers"]:
+        if f"{criterion}_share" not in layer:
+            raise UserError(f"criterion {criterion!r}: the scores have no {criterion}_share (REAP's needs "
+                            f"ExpertRelevance(saliency=True), moekit-eval --select-by reap)")
         shares = layer[f"{criterion}_share"]
         chosen = select(shares, threshold, layer=f"MoE layer {layer['name']}")
         layers.append({"name": layer["name"], "experts_count": layer["experts_count"], "selected": chosen,
                        "covered": float(f"{math.fsum(shares[e] for e in chosen):.{SHARE_DIGITS}g}"),
                        "token_share": _digits(layer["token_share"]), "gate_share": _digits(layer["gate_share"])})
+        if "reap_share" in layer:
+            layers[-1]["reap_share"] = _digits(layer["reap_share"])
     return {"format": FORMAT, "version": VERSION, "criterion": criterion, "threshold": threshold,
             "model": model_name, "tokens": int(relevance["tokens"]), "source": source, "layers": layers}
 

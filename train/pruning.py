@@ -1,10 +1,11 @@
 """Expert pruning: a smaller MoE that keeps, in every MoE layer, the N experts its routing uses most.
 
     moekit-eval SRC --data calib.bin --split all --select-experts scores.json     # score every expert
-    moekit-convert prune SRC --scores scores.json --keep N -o OUT [--by token|gate] [--verify]
+    moekit-convert prune SRC --scores scores.json --keep N -o OUT [--by gate|token|reap] [--verify]
 
 The scores are a ``moekit-eval --select-experts`` file (moekit.train.expert_selection): per MoE layer each
-expert's share of the routed slots (``token``) or of the summed gate weights (``gate``) on calibration data. The
+expert's share of the summed gate weights (``gate``, the default), of the routed slots (``token``), or REAP's mean
+gate weight x output norm (``reap``, when the file was written with ``--select-by reap``) on calibration data. The
 pruned model keeps each layer's N best experts (ties: the lower id), in their original order, and drops the rest
 with their router rows: the gate's row (and bias), the aux-loss-free ``expert_bias``, and every expert tensor's
 row. Nothing else changes; top_k, the shared experts and the attention are the source's, so a token whose top_k
@@ -14,6 +15,8 @@ sigmoid scores, as DeepSeek-V3 and Llama 4, group-limited routing included). A s
 renormalisation (Switch, Qwen2-MoE) keeps the choice, and its weights grow by the share the dropped experts held.
 Tokens that needed a dropped expert take their next choices instead. This is frequency-based pruning ("Not All Experts are Equal", 2024, and REAP, 2025, rank
 experts by what calibration data routes to them; REAP also weighs each routed token by the expert's output norm).
+On a load-balanced model the slot counts are nearly uniform and rank experts little better than chance; the gate
+weights carried the most signal in docs/analysis.md's measurement, hence the default.
 
 Group-limited routing (DeepSeek-V3's ``num_groups``) picks groups of consecutive experts, so each group keeps
 N / num_groups of its own experts (N must be a multiple of it) and stays a group. A group is scored by its best
@@ -35,7 +38,7 @@ import torch
 from moekit.moe.load import moe_layers
 from moekit.train import UserError
 
-CRITERIA = ("token", "gate")
+CRITERIA = ("token", "gate", "reap")
 
 
 def read_scores(path: str | Path, layers: dict[str, int], by: str) -> dict[str, list[float]]:
@@ -51,8 +54,9 @@ def read_scores(path: str | Path, layers: dict[str, int], by: str) -> dict[str, 
         E = layers[entry["name"]]
         if (not isinstance(shares, list) or len(shares) != E
                 or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in shares)):
+            how = " --select-by reap" if by == "reap" else ""
             raise UserError(f"scores {path}: layer {entry['name']} has no {by}_share of {E} shares >= 0; write the "
-                            f"file with moekit-eval SRC --data CALIB.bin --split all --select-experts {path}")
+                            f"file with moekit-eval SRC --data CALIB.bin --split all --select-experts {path}{how}")
         out[entry["name"]] = [float(v) for v in shares]
     return out
 
