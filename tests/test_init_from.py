@@ -43,6 +43,7 @@ def test_a_fresh_run_starts_from_the_weights_alone(source, tmp_path, capsys):
     capsys.readouterr()
     assert train_main([*TUNE, "--train.init_from", str(source), "--steps", "2", "--train.warmup_steps", "2",
                        "--train.freeze", "layers.1.*,embed.*", "--checkpoint.every", "2",
+                       "--model.aux_loss_coeff", "0",  # a training-only field may change
                        "--run-dir", str(tuned)]) == 0
     out = capsys.readouterr().out
     ckpt = source / "checkpoints" / "step_000003"
@@ -80,11 +81,13 @@ def test_the_weights_come_back_under_expert_parallelism_with_replicas(source, tm
     (lambda src, tmp: ["--train.init_from", str(src), "--init-from-hf", str(tmp)],
      ["--init-from-hf", "--train.init_from", "choose one"]),
     (lambda src, tmp: ["--train.init_from", str(src), "--preset", "mixtral-tiny"],
-     ["saved for a different model"]),
+     ["computes other math than the checkpoint's", "(this run) vs"]),
+    (lambda src, tmp: ["--train.init_from", str(src), "--model.mtp_layers", "1"],
+     ["0 multi-token-prediction depth(s), this run 1"]),
     (lambda src, tmp: ["--run-dir", str(tmp / "other"),
                        "--train.init_from", str(tmp / "other" / "checkpoints" / "step_000001")],
      ["lies inside --run-dir"]),
-], ids=["missing", "empty-dir", "two-sources", "other-model", "inside-run-dir"])
+], ids=["missing", "empty-dir", "two-sources", "other-model", "other-mtp", "inside-run-dir"])
 def test_bad_sources_are_one_line(source, tmp_path, capsys, flags, words):
     (tmp_path / "other" / "checkpoints" / "step_000001").mkdir(parents=True)
     capsys.readouterr()

@@ -168,8 +168,26 @@ def _choose_init(source: Path, model_config: dict, warn) -> tuple[Path, dict]:
         hf = (source / "config.json").is_file() and not (source / META).exists()
         raise UserError(f"{where}: not a moekit run directory or checkpoint (no checkpoints/ and no {META})"
                         + ("; a HuggingFace folder starts a run with --init-from-hf" if hf else ""))
-    check_model(path, meta["model"], model_config)
+    check_init_model(path, meta["model"], model_config)
     return path, meta
+
+
+def check_init_model(path: Path, saved: dict, current: dict) -> None:
+    """A fresh run takes a checkpoint's weights (--train.init_from): the model must compute the same math
+    (models.hf.check_same_math, as --init-from-hf checks a folder) and hold the same multi-token-prediction depths;
+    training-only fields (aux_loss_coeff, capacity_factor, z_loss_coeff, the expert backend, ...) may differ."""
+    from moekit.models.config import ModelConfig
+    from moekit.models.hf import math_differences
+
+    have, want = ModelConfig.from_dict(current), ModelConfig.from_dict(saved)
+    diffs = math_differences(have, want)
+    if diffs:
+        raise UserError(f"--train.init_from {path}: this run's model computes other math than the checkpoint's: "
+                        f"{'; '.join(d.replace('(model)', '(this run)') for d in diffs[:3])}; drop those model flags "
+                        f"(without --preset the architecture is the checkpoint's)")
+    if have.mtp_layers != want.mtp_layers:
+        raise UserError(f"--train.init_from {path}: the checkpoint has {want.mtp_layers} multi-token-prediction "
+                        f"depth(s), this run {have.mtp_layers}; use --model.mtp_layers {want.mtp_layers}")
 
 
 def load_weights(path: Path, model) -> None:

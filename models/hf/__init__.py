@@ -134,7 +134,7 @@ def plan_load(model: Transformer, path: str | Path, check_config: bool = True) -
     hf = read_config(path)
     fam = family(hf, path)
     if check_config:
-        _check_same_math(model.config, fam.to_config(hf), path)
+        check_same_math(model.config, fam.to_config(hf), path)
     reader = CheckpointReader(path, fp8.scheme(hf), fam.reader_rename())
     if fam.split is not None:  # fused tensors read as the ones the rules map (Qwen3-Next)
         fam.split(hf, reader)
@@ -382,7 +382,10 @@ MLA_ONLY = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim
 MOE_ONLY = ("moe_ffn_hidden_size", "shared_ffn_hidden_size", "shared_expert_gate", "top_k", "router", "moe_ffn_bias")
 
 
-def _check_same_math(have: ModelConfig, want: ModelConfig, path) -> None:
+def math_differences(have: ModelConfig, want: ModelConfig) -> list[str]:
+    """Where ``have`` (the model being built) computes other math than ``want`` (a checkpoint's config): a field of
+    MATH_FIELDS the model uses, the MoE layer pattern, a router option other than TRAINING_ONLY. Training-only fields
+    (capacity, loss coefficients, the expert backend) may differ."""
     unused = set(MLA_ONLY) if want.attention != "mla" else {"num_kv_heads", "attn_head_dim"}
     if all(want.is_moe_layer(i) for i in range(want.num_layers)):
         unused.add("ffn_hidden_size")  # the dense FFN width is unused when every layer is MoE
@@ -397,6 +400,12 @@ def _check_same_math(have: ModelConfig, want: ModelConfig, path) -> None:
                      f"{want.first_dense_layers}, {want.moe_every} (checkpoint)")
     diffs += [f"router_options[{k!r}]={have.router_options.get(k)!r} (model) vs {v!r} (checkpoint)"
               for k, v in want.router_options.items() if have.router_options.get(k) != v and k not in TRAINING_ONLY]
+    return diffs
+
+
+def check_same_math(have: ModelConfig, want: ModelConfig, path) -> None:
+    """ValueError naming ``path`` and every math_differences."""
+    diffs = math_differences(have, want)
     if diffs:
         raise ValueError(f"{path}: the model was built for different math than this checkpoint: " + "; ".join(diffs)
                          + ". Build the model from models.hf.config_from_hf(path), overriding only training fields")
