@@ -221,3 +221,35 @@ def _hash_config():
     cfg.set_router("hash")
     cfg.top_k = 1
     return cfg
+
+
+def test_the_programs_read_a_model_file_with_a_tokenizer_folder(scored_run, tmp_path, capsys):
+    """A moekit model file (what prune, average and hf-to-moekit write) in moekit-eval and moekit-generate: the same
+    loss and the same greedy tokens as the same model written as an HF folder; --tokenizer names its tokenizer."""
+    from moekit.train.generate import main as generate_main
+
+    run, scores = scored_run
+    file, folder = tmp_path / "p.safetensors", tmp_path / "p_hf"
+    for out in (file, folder):
+        assert convert_main(["prune", str(run), "--scores", str(scores), "--keep", "6", "-o", str(out)]) == 0
+    results = {}
+    for src, extra in ((file, ["--tokenizer", str(run)]), (folder, [])):
+        out = tmp_path / f"{src.name}.json"
+        assert eval_main([str(src), *extra, "--max-tokens", "1024", "--seq-len", "32", "--out", str(out),
+                          "--quiet"]) == 0
+        results[src] = json.loads(out.read_text())
+        capsys.readouterr()
+        assert generate_main([str(src), *extra, "--prompt", "def main(", "--max-new-tokens", "12",
+                              "--temperature", "0"]) == 0
+        results[src]["text"] = capsys.readouterr().out
+    a, b = results[file], results[folder]
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-6) and a["tokens"] == b["tokens"] > 0
+    assert a["text"] == b["text"] and a["text"].startswith("def main(")
+    assert a["bits_per_byte"] == pytest.approx(b["bits_per_byte"], rel=1e-6)  # the run's tokenizer: bytes
+    # without --tokenizer: the loss alone in moekit-eval, one line in moekit-generate; --tokenizer elsewhere refused
+    assert eval_main([str(file), "--max-tokens", "256", "--seq-len", "32", "--quiet"]) == 0
+    capsys.readouterr()
+    assert generate_main([str(file), "--prompt", "x"]) == 2
+    one_stderr_line(capsys, "a moekit model file, which records no tokenizer", "--tokenizer DIR")
+    assert generate_main([str(folder), "--tokenizer", str(run), "--prompt", "x"]) == 2
+    one_stderr_line(capsys, "carries its own tokenizer")

@@ -209,6 +209,7 @@ def run(args: argparse.Namespace) -> dict:
                             f"{select_path / 'esft.json'}")
         probe_writable(select_path.parent, "--select-experts", keep=True)
     model, tokenizer, info = load_for_inference(args.path, args.device, args.dtype, warn=_note, averaged=args.ema,
+                                                tokenizer=args.tokenizer,
                                                 dropless=args.capacity == "dropless", require_tokenizer=False)
     cfg = model.config
     run_seq, run_micro = _run_defaults(info.run_config)

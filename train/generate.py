@@ -186,8 +186,9 @@ def run(args: argparse.Namespace) -> int:
 
     # the prompts, the template (and jinja2) before the model: a bad one should not cost a large model's load
     many = read_prompts(args.prompts, args.chat) if args.prompts is not None else None
-    template = ChatTemplate.load(template_folder(args.path)) if args.chat else None
-    model, tokenizer, info = load_for_inference(args.path, args.device, args.dtype, warn=_note, averaged=args.ema)
+    template = ChatTemplate.load(template_folder(args.path, args.tokenizer)) if args.chat else None
+    model, tokenizer, info = load_for_inference(args.path, args.device, args.dtype, warn=_note, averaged=args.ema,
+                                                tokenizer=args.tokenizer)
     if many is not None:
         return run_many(args, many, model, tokenizer, info, template)
     if args.speculative and not len(model.mtp):

@@ -7,6 +7,9 @@ What ``path`` may be (the kind is recognised from the folder's contents):
     CHECKPOINT  <run_dir>/checkpoints/step_N: that checkpoint (it must verify); its run directory is two
                 levels up (config.json, tokenizer)
     HF_DIR      a HuggingFace folder (config.json with model_type, safetensors): moekit.models.hf.load_hf
+    MODEL_FILE  a moekit model file (*.safetensors with its ModelConfig in the header, *.pt: moekit-convert's
+                hf-to-moekit, average and prune write them; moekit.train.modelfiles.load_moekit); it records no
+                tokenizer, so ``tokenizer=`` names the folder to take one from (a run directory or an HF folder)
 
 The model config is the checkpoint's (meta.json "model"); the run's recorded settings (meta.json "run" and
 <run_dir>/config.json) must describe the same model. Only the weights are read (no optimizer state).
@@ -133,15 +136,20 @@ class InferenceInfo:
     def describe(self) -> str:
         weights = ", its parameter EMA" if self.averaged else ""
         what = (f"HuggingFace folder {self.path}" if self.kind == "hf" else
+                f"{self.config.name} from the model file {self.path}" if self.kind == "file" else
                 f"{self.config.name} from {self.checkpoint} (step {self.step}{weights})")
         return f"{what} on {self.device}, {str(self.dtype).removeprefix('torch.')}"
 
 
 def detect_kind(path: Path) -> str:
-    """'run', 'checkpoint' or 'hf' from a folder's contents; UserError for anything else."""
-    hint = "pass a run directory, a checkpoint (RUN_DIR/checkpoints/step_N) or a HuggingFace model folder"
+    """'run', 'checkpoint' or 'hf' from a folder's contents, 'file' for a moekit model file; UserError for anything
+    else."""
+    hint = ("pass a run directory, a checkpoint (RUN_DIR/checkpoints/step_N), a HuggingFace model folder or a moekit "
+            "model file (*.safetensors, *.pt)")
     if not path.exists():
         raise UserError(f"{path}: no such file or directory; {hint}")
+    if path.is_file() and path.suffix in MODEL_FILE_SUFFIXES:
+        return "file"
     if not path.is_dir():
         raise UserError(f"{path}: not a directory; {hint}")
     if (path / checkpoint.META).exists() or any(path.glob("*.distcp")):
@@ -158,6 +166,9 @@ def detect_kind(path: Path) -> str:
                             f"train until a checkpoint is saved (--checkpoint.every, and after the last step)")
     raise UserError(f"{path}: neither a run directory (checkpoints/), a checkpoint (meta.json) nor a HuggingFace "
                     f"folder (config.json with model_type); {hint}")
+
+
+MODEL_FILE_SUFFIXES = (".safetensors", ".pt")  # moekit.train.modelfiles' formats
 
 
 def newest_verified(run_dir: Path, warn: Callable[[str], None]) -> tuple[Path, dict]:
@@ -245,6 +256,31 @@ def _load_weights(model: Transformer, ckpt: Path, averaged: bool = False) -> Non
                 buf.zero_()
 
 
+def _load_file(path: Path, folder, require_tokenizer: bool):
+    """(model, tokenizer or None, why none) of a moekit model file, the tokenizer from ``folder``."""
+    from moekit.train.modelfiles import load_moekit
+
+    try:
+        model = load_moekit(path)
+    except (ValueError, OSError) as exc:
+        raise UserError(f"{path}: {exc}") from None
+    model.eval()
+    if folder is None:
+        why = (f"{path} is a moekit model file, which records no tokenizer; pass --tokenizer DIR (the run directory "
+               f"it was trained in, or the HF folder it came from)")
+        if require_tokenizer:
+            raise UserError(why)
+        return model, None, why
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise UserError(f"--tokenizer {folder}: not a directory (a run directory or an HF folder holding the tokenizer)")
+    hf = (folder / "config.json").is_file() and detect_kind(folder) == "hf"
+    tok = load_tokenizer(folder, model.config.vocab_size, hf=hf)
+    if hf:
+        tok.eos_ids = hf_stop_ids(folder, tok, model.config.vocab_size)
+    return model, tok, None
+
+
 def _load_hf(path: Path, dtype: torch.dtype) -> Transformer:
     from moekit.models.hf import load_hf  # needs safetensors: imported only for an HF folder
 
@@ -258,24 +294,33 @@ def _load_hf(path: Path, dtype: torch.dtype) -> Transformer:
 
 def load_for_inference(path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype = "auto", *,
                        dropless: bool = True, require_tokenizer: bool = True, warn: Callable[[str], None] = print,
-                       averaged: bool = False) -> tuple[Transformer, Tokenizer | None, InferenceInfo]:
+                       averaged: bool = False, tokenizer: str | Path | None = None
+                       ) -> tuple[Transformer, Tokenizer | None, InferenceInfo]:
     """(model in eval mode on ``device``, its tokenizer, what was loaded); module docstring for ``path``.
 
     dtype: parameter dtype ("auto": bf16 on CUDA, fp32 on CPU); router buffers stay float32, as routing
     computes in float32. dropless: see ``inference_routing``. require_tokenizer=False: a run that recorded
     no tokenizer gives None (``info.no_tokenizer`` says why) instead of an error. warn: gets the skipped
     damaged checkpoints. averaged: a checkpoint's parameter average (--train.ema_decay; the programs' --ema) instead
-    of its trained weights; a UserError for an HF folder or a checkpoint without one.
+    of its trained weights; a UserError for an HF folder or a checkpoint without one. tokenizer: the folder (a run
+    directory or an HF folder) whose tokenizer a moekit model file goes with (the programs' --tokenizer); refused for
+    the other kinds, which carry their own.
     """
     path = Path(path)
     device = resolve_device(device) if isinstance(device, str) else device
     dtype = resolve_dtype(dtype, device) if isinstance(dtype, str) else dtype
     kind = detect_kind(path)
     ckpt = step = run_dir = run_config = no_tokenizer = None
-    if kind == "hf" and averaged:
-        raise UserError(f"{path}: a HuggingFace folder holds one set of weights; --ema reads the parameter average of a "
+    if kind in ("hf", "file") and averaged:
+        what = "a HuggingFace folder" if kind == "hf" else "a moekit model file"
+        raise UserError(f"{path}: {what} holds one set of weights; --ema reads the parameter average of a "
                         f"moekit-train checkpoint (--train.ema_decay)")
-    if kind == "hf":
+    if tokenizer is not None and kind != "file":
+        raise UserError(f"--tokenizer {tokenizer}: {path} carries its own tokenizer; --tokenizer goes with a moekit "
+                        f"model file (*.safetensors, *.pt), which records none")
+    if kind == "file":
+        model, tokenizer, no_tokenizer = _load_file(path, tokenizer, require_tokenizer)
+    elif kind == "hf":
         model = _load_hf(path, dtype)
         tokenizer = load_tokenizer(path, model.config.vocab_size, hf=True)
         tokenizer.eos_ids = hf_stop_ids(path, tokenizer, model.config.vocab_size)  # decoding stops at any of them
@@ -318,11 +363,17 @@ JINJA_MIN = (3, 1, 6)  # older jinja2 has known sandbox escapes, and a template 
 JINJA_INSTALL = "pip install 'jinja2>=3.1.6' (or moekit's extra: pip install 'moekit[chat]')"
 
 
-def template_folder(path: str | Path) -> Path:
-    """The folder whose chat template and tokenizer files go with ``path``: an HF folder itself, or the run
-    directory of a run or checkpoint (where the tokenizer is read too)."""
+def template_folder(path: str | Path, tokenizer: str | Path | None = None) -> Path:
+    """The folder whose chat template and tokenizer files go with ``path``: an HF folder itself, the run directory
+    of a run or checkpoint (where the tokenizer is read too), or a model file's ``tokenizer`` folder."""
     path = Path(path)
-    return path.parent.parent if detect_kind(path) == "checkpoint" else path
+    kind = detect_kind(path)
+    if kind == "file":
+        if tokenizer is None:
+            raise UserError(f"{path} is a moekit model file, which records no tokenizer or chat template; pass "
+                            f"--tokenizer DIR (the run directory or HF folder it goes with)")
+        return Path(tokenizer)
+    return path.parent.parent if kind == "checkpoint" else path
 
 
 def _token_text(value) -> str | None:
