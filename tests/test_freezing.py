@@ -194,7 +194,8 @@ def test_a_partial_run_resumes_bitwise_and_refuses_another_choice(tmp_path, caps
     sel = selection_file(tmp_path / "sel.json", random_selection([n for n, _ in moe_layers(model)], 16,
                                                                  random.Random()), 16)
     flags = [*DEEPSEEK, "--train.seed", str(seed), "--train.trainable", "*.experts.*,*.router.*",
-             "--train.train_experts", str(sel), "--checkpoint.every", "2", "--steps", "3"]
+             "--train.train_experts", str(sel), "--train.lr_scale", "*.router.*=0.5", "--checkpoint.every", "2",
+             "--steps", "3"]
     whole = tmp_path / "whole"
     assert train_main([*flags, "--run-dir", str(whole)]) == 0
     resumed = tmp_path / "resumed"
@@ -337,3 +338,62 @@ def test_the_dry_run_counts_gradients_and_state_of_what_trains(flags, layout, op
     full = memory.estimate_memory(cfg.model, built.topology.layout, replace(wl, trainable=()), built.stages[0],
                                   plan.ranks_per_node, plan.hierarchical)
     assert full.grads == est.params and full.optimizer > 4 * est.optimizer
+
+
+# -- learning-rate multipliers ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_lr_scale_trains_those_parameters_as_a_run_at_the_scaled_lr(tmp_path, capsys, optimizer):
+    """One step with clipping off: a parameter at lr x s ends where a whole run at lr x s puts it, the others where
+    the run at lr does; the logged lr is the run's own."""
+    seed = str(random.randrange(1 << 20))
+    common = [*DEEPSEEK, "--train.seed", seed, "--train.optimizer", optimizer, "--steps", "1", "--checkpoint.every",
+              "1", "--train.warmup_steps", "1"]
+    runs = {}
+    for name, flags in (("base", []), ("scaled", ["--train.lr", str(0.01 * 0.25)]),
+                        ("mixed", ["--train.lr_scale", "*.router.*=0.25,layers.2.*=0.25"])):
+        assert train_main([*common, *flags, "--run-dir", str(tmp_path / name)]) == 0
+        runs[name] = weights(tmp_path / name / "checkpoints" / "step_000001")
+    out = capsys.readouterr().out
+    assert "learning-rate multipliers (--train.lr_scale): x0.25 on" in out
+    scaled = lambda n: ".router." in n or n.startswith("layers.2.")  # noqa: E731
+    checked = 0
+    for n, w in runs["mixed"].items():
+        if n.endswith(("pending_load", "expert_bias")):
+            continue
+        want = runs["scaled" if scaled(n) else "base"][n]
+        assert torch.equal(w, want), n
+        checked += scaled(n)
+    assert checked >= 8 and not torch.equal(runs["scaled"]["layers.2.attn.wq.weight"],
+                                            runs["base"]["layers.2.attn.wq.weight"])
+    lrs = [json.loads(line)["lr"] for line in (tmp_path / "mixed" / "metrics.jsonl").read_text().splitlines()]
+    base = [json.loads(line)["lr"] for line in (tmp_path / "base" / "metrics.jsonl").read_text().splitlines()]
+    assert lrs == base
+
+
+def test_lr_scale_groups_and_errors(tmp_path):
+    from moekit.train.plan import make_optimizer
+
+    cfg, model = meta_model()
+    model.to_empty(device="cpu")
+    cfg.train.lr_scale = "*.router.*=0.1, layers.1.* = 3"
+    cfg.train.train_experts = str(selection_file(tmp_path / "s.json", {n: [2] for n, _ in moe_layers(model)}, 16))
+    fp = freezing.plan(model, cfg)
+    freezing.apply(model, fp)
+    groups = make_optimizer(model, cfg, fp).param_groups
+    assert "lr_scale" not in groups[0]  # the run's lr first: the trainer logs it from there
+    names = {id(p): n for n, p in model.named_parameters()}
+    for g in groups:
+        for p in g["params"]:
+            n = names[id(p)]
+            want = 0.1 if ".router." in n else 3.0 if n.startswith("layers.1.") else 1.0
+            assert g.get("lr_scale", 1.0) == want and g["lr"] == pytest.approx(cfg.train.lr * want), n
+            assert ("row_decay" in g) == (".experts." in n), n
+    assert sum(len(g["params"]) for g in groups) == len(names)
+    for bad, match in (("*.router.*", "PATTERN=FACTOR"), ("*.router.*=0", "PATTERN=FACTOR"),
+                       ("*.router.*=nan", "PATTERN=FACTOR"), ("*.nothing.*=2", "names no parameter"),
+                       ("*.router.*=1000", "scaled learning rate must be at most")):
+        cfg.train.lr_scale = bad
+        with pytest.raises(UserError, match=match):
+            freezing.check_lr_scales(model, cfg)

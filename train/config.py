@@ -87,6 +87,8 @@ class TrainSection:
     trainable: str = ""  # partial training: only the parameters these comma-separated patterns name train ("" = all),
     #   e.g. "*.experts.*" or "*.attn.*,*.router.*" (one-process names; moekit.train.freezing)
     freeze: str = ""  # these parameters stay as they are (patterns, after trainable), e.g. "embed.*,*.router.*"
+    lr_scale: str = ""  # per-parameter learning-rate multipliers, "PATTERN=FACTOR,..." (first match wins; the same
+    #   patterns as trainable), e.g. "*.router.*=0.1,embed.*=0.5": those parameters train at lr x FACTOR, schedule alike
     train_experts: str = ""  # expert-specialised fine-tuning: only the experts this file lists train in each MoE
     #   layer (moekit-eval --select-experts writes it); with trainable "*.experts.*" nothing else trains
     export_hf: str = ""  # after the last step, write the model here as a HuggingFace folder (models.hf.save_hf_sharded)

@@ -36,6 +36,7 @@ parameters that trained.
 from __future__ import annotations
 
 import fnmatch
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -57,6 +58,44 @@ def requested(cfg) -> bool:
     """Whether the run asks for any partial training."""
     t = cfg.train
     return bool(patterns(t.trainable) or patterns(t.freeze) or t.train_experts)
+
+
+def lr_scales(setting: str) -> list[tuple[str, float]]:
+    """"PATTERN=FACTOR,..." -> [(pattern, factor)] (--train.lr_scale); a UserError for a malformed entry."""
+    out = []
+    for entry in patterns(setting):
+        pat, eq, value = entry.rpartition("=")
+        try:
+            factor = float(value)
+        except ValueError:
+            factor = math.nan
+        if not eq or not pat.strip() or not (math.isfinite(factor) and factor > 0):
+            raise UserError(f"--train.lr_scale entry {entry!r} is invalid; write PATTERN=FACTOR with a factor > 0, e.g. "
+                            f"'*.router.*=0.1' (several: comma-separated, the first matching pattern wins)")
+        out.append((pat.strip(), factor))
+    return out
+
+
+def scale_of(name: str, scales: list[tuple[str, float]]) -> float:
+    """The learning-rate factor of parameter ``name``: its first matching --train.lr_scale pattern's, else 1."""
+    return next((f for pat, f in scales if fnmatch.fnmatchcase(name, pat)), 1.0)
+
+
+def check_lr_scales(model: nn.Module, cfg) -> None:
+    """Every --train.lr_scale pattern names a parameter, and every scaled lr is a valid one (as --train.lr is)."""
+    from moekit.train.config import MAX_LR
+
+    t = cfg.train
+    names = [n for n, _ in model.named_parameters()]
+    for pat, factor in lr_scales(t.lr_scale):
+        if not any(fnmatch.fnmatchcase(n, pat) for n in names):
+            shown = collapse(names)
+            raise UserError(f"--train.lr_scale pattern {pat!r} names no parameter of this model; its parameters are "
+                            f"{', '.join(shown[:40])}{' ...' if len(shown) > 40 else ''} (N: a layer index)")
+        lr = t.lr * factor
+        if lr > MAX_LR or lr * t.weight_decay >= 1:
+            raise UserError(f"--train.lr_scale {pat}={factor:g}: lr {t.lr:g} x {factor:g} = {lr:g} is invalid; the "
+                            f"scaled learning rate must be at most {MAX_LR:g}, with lr x weight_decay < 1")
 
 
 def collapse(names) -> list[str]:
@@ -229,19 +268,24 @@ def mask_gradients(params) -> None:
             g.masked_fill_(~_row_mask(mask, g), 0)
 
 
-def optimizer_groups(groups: list[dict], fp: FreezePlan | None) -> list[dict]:
+def optimizer_groups(groups: list[dict], fp: FreezePlan | None, model: nn.Module | None = None, lr: float = 0.0,
+                     scales: list[tuple[str, float]] | None = None) -> list[dict]:
     """The optimizer's parameter groups without frozen parameters; with ``fp.experts``, each group followed by one
-    holding its masked expert stacks (``weight_decay`` 0, ``row_decay`` the group's: ``decay_rows``). Groups left
-    empty are dropped: torch's distributed optimizer state dict (DCP checkpoints) takes at most one."""
-    if fp is None:
+    holding its masked expert stacks (``weight_decay`` 0, ``row_decay`` the group's: ``decay_rows``); with
+    ``scales`` (--train.lr_scale; ``model`` names the parameters), each group split further by learning-rate factor,
+    a scaled one holding ``lr`` x factor and ``lr_scale``. Groups left empty are dropped: torch's distributed
+    optimizer state dict (DCP checkpoints) takes at most one."""
+    if fp is None and not scales:
         return groups
+    names = {id(p): n for n, p in model.named_parameters()} if scales else {}
     out = []
     for g in groups:
         chunks = g.get("chunks")
-        plain, rows = [], []
+        split: dict[tuple[bool, float], list[int]] = {}  # (masked rows, lr factor) -> indices into g["params"]
         for i, p in enumerate(g["params"]):
             if p.requires_grad:
-                (rows if getattr(p, "expert_trainable", None) is not None else plain).append(i)
+                rows = fp is not None and getattr(p, "expert_trainable", None) is not None
+                split.setdefault((rows, scale_of(names[id(p)], scales) if scales else 1.0), []).append(i)
 
         def pick(idx: list[int], **extra) -> dict:
             d = {**g, "params": [g["params"][i] for i in idx], **extra}
@@ -249,9 +293,13 @@ def optimizer_groups(groups: list[dict], fp: FreezePlan | None) -> list[dict]:
                 d["chunks"] = [chunks[i] for i in idx]
             return d
 
-        out.append(pick(plain))
-        if fp.experts is not None:
-            out.append(pick(rows, weight_decay=0.0, row_decay=g.get("weight_decay", 0.0)))
+        factors = sorted({f for _, f in split} | {1.0}, key=lambda f: (f != 1.0, f))  # unscaled first
+        for factor in factors:
+            extra = {} if factor == 1.0 else {"lr": lr * factor, "lr_scale": factor}
+            out.append(pick(split.get((False, factor), []), **extra))
+            if fp is not None and fp.experts is not None:
+                out.append(pick(split.get((True, factor), []), weight_decay=0.0,
+                                row_decay=g.get("weight_decay", 0.0), **extra))
     return [g for g in out if g["params"]] or [out[0]]
 
 

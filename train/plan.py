@@ -304,18 +304,19 @@ def lr_lambda(cfg: TrainConfig):
 def make_optimizer(model: Transformer, cfg: TrainConfig, freeze=None) -> torch.optim.Optimizer:
     """``freeze``: the run's moekit.train.freezing.FreezePlan (applied to ``model``): frozen parameters get no
     optimizer state, masked expert stacks groups of their own."""
-    from moekit.train.freezing import optimizer_groups
+    from moekit.train.freezing import lr_scales, optimizer_groups
 
     t = cfg.train
+    scales = lr_scales(t.lr_scale)  # --train.lr_scale: groups at lr x factor
     if t.optimizer == "muon":  # Muon on the weight matrices, AdamW on the rest (train/muon.py)
         from moekit.train.muon import Muon, muon_param_groups
 
-        return Muon(optimizer_groups(muon_param_groups(model, t.weight_decay), freeze), lr=t.lr,
+        return Muon(optimizer_groups(muon_param_groups(model, t.weight_decay), freeze, model, t.lr, scales), lr=t.lr,
                     betas=(t.beta1, t.beta2), eps=t.eps, momentum=t.muon_momentum)
     decay = [p for p in model.parameters() if p.dim() >= 2]  # matrices, expert stacks, embeddings
     rest = [p for p in model.parameters() if p.dim() < 2]  # norm scales
     groups = optimizer_groups([{"params": decay, "weight_decay": t.weight_decay},
-                               {"params": rest, "weight_decay": 0.0}], freeze)
+                               {"params": rest, "weight_decay": 0.0}], freeze, model, t.lr, scales)
     # foreach (a few ops over all tensors instead of ~15 per parameter: 3x less optimizer time on the CPU main
     # job) rounds exactly as the per-parameter loop does, so every layout computes the same numbers. The loop
     # stays where a parameter is a DTensor (TP, EP, FSDP): foreach ops refuse a list mixing DTensors and

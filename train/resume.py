@@ -48,6 +48,7 @@ REFUSED = {
     "train.trainable": "the checkpoint's optimizer state holds the parameters that trained",
     "train.freeze": "the checkpoint's optimizer state holds the parameters that trained",
     "train.train_experts": "the checkpoint's optimizer state and its frozen experts follow that selection",
+    "train.lr_scale": "the checkpoint's optimizer parameter groups follow its learning-rate multipliers",
     # from one validation file to another is applied (compare); adding or dropping one is refused
     "data.val_path": "with a validation file the training data trains whole, without one its held-out blocks do not: "
                      "the checkpoint's data position counts the other set of windows",

@@ -55,6 +55,13 @@ def describe(trainer) -> None:
         first = plan.step_batch(t, 1)
         say(f"batch-size ramp: {first.size} sequences at step 1 ({first.accum} micro-batch(es) of "
             f"{first.micro_batch} per rank), {t.batch_size} from step {t.batch_ramp_steps + 1}")
+    scaled = [g for g in trainer.optimizer.param_groups if "lr_scale" in g]  # --train.lr_scale
+    if scaled:
+        by = {}
+        for g in scaled:
+            by[g["lr_scale"]] = by.get(g["lr_scale"], 0) + sum(p.numel() for p in g["params"])
+        say("learning-rate multipliers (--train.lr_scale): " + ", ".join(
+            f"x{f:g} on {n / 1e6:.2f}M parameters (this rank's shards)" for f, n in sorted(by.items())))
     if trainer.freeze is not None:  # --train.trainable / freeze / train_experts (moekit.train.freezing)
         say(trainer.freeze.describe())
         m = cfg.model

@@ -433,7 +433,7 @@ class Trainer:
                 self.profiler.end(step)
                 self.profiler.report()
                 continue
-            lr = self.optimizer.param_groups[0]["lr"]
+            lr = base_lr(self.optimizer)
             if self.spikes is not None:
                 self.spikes.accept(loss_value, grad_norm)
             if self.freeze is not None and self.freeze.experts is not None:
@@ -599,7 +599,7 @@ class Trainer:
 
             qk_clip.reset(self.model)
         if self.dist.is_main:
-            record = event.record(step, self.optimizer.param_groups[0]["lr"])
+            record = event.record(step, base_lr(self.optimizer))
             record["grad_norm_by_part"] = {k: v if math.isfinite(v) else None for k, v in parts.items()}
             self.metrics.write(record)
             finite = {k: v for k, v in parts.items() if math.isfinite(v)}
@@ -645,6 +645,12 @@ class Trainer:
 
     def finish(self) -> None:
         run_lines.finish(self)
+
+
+def base_lr(optimizer) -> float:
+    """The run's learning rate at this step (--train.lr on its schedule), whatever --train.lr_scale's groups hold."""
+    g = optimizer.param_groups[0]
+    return g["lr"] / g.get("lr_scale", 1.0)
 
 
 def document_eos(cfg: TrainConfig, data) -> int | None:

@@ -382,6 +382,7 @@ def validate_freezing(cfg: TrainConfig, model) -> None:
     from moekit.train import freezing
 
     freezing.plan(model, cfg)  # UserError on a pattern naming nothing, nothing left to train, a bad selection
+    freezing.check_lr_scales(model, cfg)  # --train.lr_scale: each pattern names something, each scaled lr is valid
 
 
 def check_kernel_environment() -> None:
