@@ -60,10 +60,18 @@ def test_a_fresh_run_starts_from_the_weights_alone(source, tmp_path, capsys):
     assert m[0]["loss"] < rows(source)[0]["loss"] - 0.01
 
 
-def test_the_weights_come_back_under_expert_parallelism_with_replicas(source, tmp_path):
+@pytest.mark.parametrize("kind", ["run", "model-file"])
+def test_the_weights_come_back_under_expert_parallelism_with_replicas(source, tmp_path, kind):
     """ep2 with two redundant expert slots (replicas filled from their expert's logical row) and a rebalance after
-    every step; everything frozen but the final norm: every expert row, replica or not, is the source's."""
-    r = run_trainer([*TUNE, "--train.init_from", str(source), "--steps", "2", "--ep", "2",
+    every step; everything frozen but the final norm: every expert row, replica or not, is the source's. From the
+    run's DCP checkpoint, or from a moekit model file of it (each rank reads the tensors whole, keeps its share)."""
+    from moekit.train.modelfiles import save_moekit
+
+    origin = source
+    if kind == "model-file":
+        origin = tmp_path / "model.safetensors"
+        save_moekit(load_moekit(source / "checkpoints" / "step_000003"), origin)
+    r = run_trainer([*TUNE, "--train.init_from", str(origin), "--steps", "2", "--ep", "2",
                      "--layout.expert_replicas", "2", "--layout.rebalance_every", "1", "--train.trainable", "norm.weight",
                      "--checkpoint.every", "2", "--run-dir", str(tmp_path / "ep2")], 2,
                     env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -72,6 +80,9 @@ def test_the_weights_come_back_under_expert_parallelism_with_replicas(source, tm
     after = weights(tmp_path / "ep2" / "checkpoints" / "step_000002")
     experts = [n for n in before if ".experts." in n]
     assert experts and all(torch.equal(after[n], before[n]) for n in experts)
+    frozen = [n for n in before if n != "norm.weight" and not n.endswith("pending_load")]
+    assert all(torch.equal(after[n], before[n]) for n in frozen)
+    assert ("the model file" in r.stdout) == (kind == "model-file")
     assert not torch.equal(after["norm.weight"], before["norm.weight"])
 
 
@@ -87,9 +98,12 @@ def test_the_weights_come_back_under_expert_parallelism_with_replicas(source, tm
     (lambda src, tmp: ["--run-dir", str(tmp / "other"),
                        "--train.init_from", str(tmp / "other" / "checkpoints" / "step_000001")],
      ["lies inside --run-dir"]),
-], ids=["missing", "empty-dir", "two-sources", "other-model", "other-mtp", "inside-run-dir"])
+    (lambda src, tmp: ["--train.init_from", str(tmp / "junk.safetensors")],
+     ["--train.init_from", "junk.safetensors", "unreadable safetensors file"]),
+], ids=["missing", "empty-dir", "two-sources", "other-model", "other-mtp", "inside-run-dir", "junk-file"])
 def test_bad_sources_are_one_line(source, tmp_path, capsys, flags, words):
     (tmp_path / "other" / "checkpoints" / "step_000001").mkdir(parents=True)
+    (tmp_path / "junk.safetensors").write_bytes(b"not safetensors at all")
     capsys.readouterr()
     assert train_main([*TUNE, "--steps", "1", "--run-dir", str(tmp_path / "run"), *flags(source, tmp_path)]) == 2
     one_stderr_line(capsys, *words)

@@ -150,6 +150,16 @@ def choose_init(source: str, model_config: dict, warn=print) -> tuple[Path, dict
 
 def _choose_init(source: Path, model_config: dict, warn) -> tuple[Path, dict]:
     where = f"--train.init_from {source}"
+    if source.is_file():  # a moekit model file (moekit-convert hf-to-moekit / average / prune)
+        from moekit.train.modelfiles import read_moekit_config
+
+        try:
+            config = read_moekit_config(source)
+        except (ValueError, OSError) as exc:
+            raise UserError(f"{where}: {exc}") from None
+        meta = {"model": config.to_dict(), "step": None, "file": True}
+        check_init_model(source, meta["model"], model_config)
+        return source, meta
     if (source / "checkpoints").is_dir():
         path, meta, skipped = newest_verified(source)
         if path is None:
@@ -192,7 +202,10 @@ def check_init_model(path: Path, saved: dict, current: dict) -> None:
 
 def load_weights(path: Path, model) -> None:
     """The model state of checkpoint ``path`` into ``model`` (any layout: DCP reshards; placed experts from their
-    logical rows), nothing else: no optimizer, schedule, data position or RNG state (--train.init_from)."""
+    logical rows), nothing else: no optimizer, schedule, data position or RNG state (--train.init_from). A moekit
+    model file: every rank reads the whole tensors it holds a share of (``load_file_weights``)."""
+    if path.is_file():
+        return load_file_weights(path, model)
     weights = get_model_state_dict(model)
     logical_state(model, weights)  # the template in the checkpoint's (logical) expert order
     try:
@@ -206,6 +219,35 @@ def load_weights(path: Path, model) -> None:
                         f"{reason[-1] if reason else ''})") from None
     physical_state(model, weights)  # back to this run's expert placement
     set_model_state_dict(model, weights)
+
+
+def load_file_weights(path: Path, model) -> None:
+    """A moekit model file's weights into ``model`` (this rank's share of any layout): each tensor this rank holds
+    is read whole from the file (memory-mapped or sliced by safetensors), placed experts reordered into their physical
+    slots, then torch's state-dict API keeps each rank's shard (a collective over the ranks of each mesh)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    from moekit.comm.relocate import placed_layers
+    from moekit.train.modelfiles import tensor_source
+
+    shapes, fetch = tensor_source(path)
+    wanted = get_model_state_dict(model)  # this rank's parameter and buffer names (a pipeline rank: its stages)
+    missing = [k for k in wanted if k not in shapes]
+    if missing:
+        raise UserError(f"--train.init_from {path}: the file lacks {', '.join(missing[:4])}; it was written for "
+                        f"another model")
+    full = {key: torch.as_tensor(fetch(key)[:]) for key in wanted}
+    for name, layer, placement, _, _ in placed_layers(model):  # logical rows -> this run's physical slots
+        slots = torch.tensor([e for row in placement.slots for e in row])
+        for p in layer.experts.param_names():
+            key = f"{name}.experts.{p}"
+            full[key] = full[key][slots]
+    wrong = [f"{k} {tuple(full[k].shape)} (model {tuple(wanted[k].shape)})" for k in wanted
+             if tuple(full[k].shape) != tuple(wanted[k].shape)]
+    if wrong:
+        raise UserError(f"--train.init_from {path}: shapes differ: {', '.join(wrong[:3])}; the file was written for "
+                        f"another model")
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True))
 
 
 def _choose(run_dir: str, resume: str, model_config: dict, warn) -> Path | None:

@@ -152,6 +152,12 @@ def _config(raw, where: str) -> ModelConfig:
         raise ValueError(f"{where}: the stored model config is invalid ({exc})") from None
 
 
+def tensor_source(path: str | Path):
+    """(shape by name, fetch(name) -> something sliceable as that tensor) of a moekit model file or checkpoint,
+    without reading the tensors; ValueError naming the fix."""
+    return _source(Path(path))[2]()
+
+
 def _load_strict(model: Transformer, state: dict, where: str) -> None:
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:

@@ -59,6 +59,13 @@ def _checkpoint_model(source: str, where: str) -> ModelConfig:
     from moekit.train.manifest import META
 
     path = Path(source)
+    if path.is_file():  # a moekit model file: its ModelConfig is in the file
+        from moekit.train.modelfiles import read_moekit_config
+
+        try:
+            return read_moekit_config(path)
+        except (ValueError, OSError) as exc:
+            raise UserError(f"{where}: {exc}") from None
     if (path / "checkpoints").is_dir():
         steps = sorted((p for p in (path / "checkpoints").glob("step_*") if (p / META).is_file()),
                        key=lambda p: p.name)

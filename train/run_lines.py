@@ -24,8 +24,8 @@ def describe(trainer) -> None:
         say(cfg.source_note)
     if trainer.init_from is not None:
         ckpt, meta = trainer.init_from
-        say(f"weights from {ckpt} (step {meta.get('step', '?')} of its run); a fresh optimizer, LR schedule and data "
-            f"order")
+        origin = "the model file" if meta.get("file") else f"step {meta.get('step', '?')} of its run"
+        say(f"weights from {ckpt} ({origin}); a fresh optimizer, LR schedule and data order")
     if cfg.train.init_from_dense and not trainer.resume_from:
         drop = (f"; drop-upcycling: {cfg.train.upcycle_drop:g} of each expert's units re-initialised"
                 if cfg.train.upcycle_drop else "")

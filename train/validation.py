@@ -112,9 +112,10 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     sources = [flag for flag, v in (("--init-from-hf", t.init_from_hf), ("--init-from-dense", t.init_from_dense),
                                     ("--train.init_from", t.init_from)) if v]
     _require(len(sources) <= 1, f"{' and '.join(sources)} each give the run its starting weights; choose one")
-    _require(not t.init_from or os.path.isdir(t.init_from),
-             f"--train.init_from {t.init_from}: not a directory (expected a moekit-train run directory or one of its "
-             f"checkpoints, RUN_DIR/checkpoints/step_N)")
+    _require(not t.init_from or os.path.isdir(t.init_from)
+             or (os.path.isfile(t.init_from) and t.init_from.endswith((".safetensors", ".pt"))),
+             f"--train.init_from {t.init_from}: not a directory or a moekit model file (expected a moekit-train run "
+             f"directory, one of its checkpoints, RUN_DIR/checkpoints/step_N, or a *.safetensors / *.pt model file)")
     _require(not t.init_from or not os.path.realpath(t.init_from).startswith(os.path.realpath(cfg.run_dir) + os.sep),
              f"--train.init_from {t.init_from} lies inside --run-dir {cfg.run_dir}, which this run takes over; start "
              f"the new run in another --run-dir")
