@@ -4,6 +4,8 @@
     --train.freeze PATTERNS         these stay as they are (applied after --train.trainable)
     --train.train_experts FILE      in each MoE layer, only the experts FILE lists train (expert-specialised
                                     fine-tuning, ESFT: FILE from ``moekit-eval --select-experts``)
+    --train.lr_scale PAT=F,...      the parameters a pattern names train at lr x F (optimizer groups of their own,
+                                    ``optimizer_groups``; the first matching pattern wins)
 
 PATTERNS are comma-separated shell-style patterns (fnmatch: ``*`` matches across dots) over the one-process
 parameter names, whatever the layout: ``embed.weight``, ``layers.3.attn.wq.weight``,
