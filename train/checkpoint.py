@@ -148,9 +148,24 @@ def choose_init(source: str, model_config: dict, warn=print) -> tuple[Path, dict
     return answer[0], answer[1]
 
 
+def init_kind(source: Path) -> str:
+    """What --train.init_from names: "file" (a moekit model file), "run" (a run directory) or "checkpoint"; a
+    UserError for anything else (pointing an HF folder to --init-from-hf)."""
+    if source.is_file():
+        return "file"
+    if (source / "checkpoints").is_dir():
+        return "run"
+    if (source / META).is_file():
+        return "checkpoint"
+    hf = "; a HuggingFace folder starts a run with --init-from-hf" if (source / "config.json").is_file() else ""
+    raise UserError(f"--train.init_from {source}: not a moekit run directory or checkpoint (no checkpoints/ and no "
+                    f"{META}){hf}")
+
+
 def _choose_init(source: Path, model_config: dict, warn) -> tuple[Path, dict]:
     where = f"--train.init_from {source}"
-    if source.is_file():  # a moekit model file (moekit-convert hf-to-moekit / average / prune)
+    kind = init_kind(source)
+    if kind == "file":  # a moekit model file (moekit-convert hf-to-moekit / average / prune)
         from moekit.train.modelfiles import read_moekit_config
 
         try:
@@ -160,24 +175,20 @@ def _choose_init(source: Path, model_config: dict, warn) -> tuple[Path, dict]:
         meta = {"model": config.to_dict(), "step": None, "file": True}
         check_init_model(source, meta["model"], model_config)
         return source, meta
-    if (source / "checkpoints").is_dir():
+    if kind == "run":
         path, meta, skipped = newest_verified(source)
         if path is None:
             why = " | ".join(skipped) or f"no checkpoint in {checkpoint_root(source)}"
             raise UserError(f"{where}: no checkpoint of the run verifies ({why}); pass a checkpoint that does")
         for reason in skipped:
             warn(f"warning: skipped {reason}; starting from {path}")
-    elif (source / META).is_file():
+    else:
         path = source
         try:
             meta = read_meta(path)
         except UserError as exc:
             raise UserError(f"{where}: {exc}; pass another checkpoint, or its run directory for the newest one that "
                             f"verifies") from None
-    else:
-        hf = (source / "config.json").is_file() and not (source / META).exists()
-        raise UserError(f"{where}: not a moekit run directory or checkpoint (no checkpoints/ and no {META})"
-                        + ("; a HuggingFace folder starts a run with --init-from-hf" if hf else ""))
     check_init_model(path, meta["model"], model_config)
     return path, meta
 

@@ -144,7 +144,7 @@ def _order(name: str):
     return [int(x) if x.isdigit() else x for x in name.split(".")]
 
 
-def plan(model: nn.Module, cfg, read_selection=None) -> FreezePlan | None:
+def plan(model: nn.Module, cfg) -> FreezePlan | None:
     """The run's FreezePlan from ``model`` (the whole one-process model; the meta device will do) and cfg.train's
     trainable / freeze / train_experts, or None when the run trains everything. Every problem is a UserError."""
     if not requested(cfg):
@@ -176,8 +176,8 @@ def plan(model: nn.Module, cfg, read_selection=None) -> FreezePlan | None:
                         f"train; name at least one that should")
     experts = None
     if t.train_experts:
-        if read_selection is None:
-            from moekit.train.expert_selection import read_selection
+        from moekit.train.expert_selection import read_selection
+
         experts = read_selection(t.train_experts, {n: layer.num_experts for n, layer in layers.items()})
         for name, layer in layers.items():
             stacks = [f"{name}.experts.{p}" for p in layer.experts.param_names()]

@@ -56,26 +56,22 @@ def _checkpoint_model(source: str, where: str) -> ModelConfig:
     read without hashing: the trainer verifies the one it loads)."""
     from pathlib import Path
 
-    from moekit.train.manifest import META
+    from moekit.train.checkpoint import META, init_kind, list_checkpoints
 
     path = Path(source)
-    if path.is_file():  # a moekit model file: its ModelConfig is in the file
+    kind = init_kind(path)
+    if kind == "file":  # a moekit model file: its ModelConfig is in the file
         from moekit.train.modelfiles import read_moekit_config
 
         try:
             return read_moekit_config(path)
         except (ValueError, OSError) as exc:
             raise UserError(f"{where}: {exc}") from None
-    if (path / "checkpoints").is_dir():
-        steps = sorted((p for p in (path / "checkpoints").glob("step_*") if (p / META).is_file()),
-                       key=lambda p: p.name)
+    if kind == "run":
+        steps = list_checkpoints(path)
         if not steps:
-            raise UserError(f"{where}: the run has no checkpoint (checkpoints/step_N/{META}) to start from")
+            raise UserError(f"{where}: the run has no checkpoint (checkpoints/step_N) to start from")
         path = steps[-1]
-    elif not (path / META).is_file():
-        hf = (path / "config.json").is_file()
-        raise UserError(f"{where}: not a moekit run directory or checkpoint (no checkpoints/ and no {META})"
-                        + ("; a HuggingFace folder starts a run with --init-from-hf" if hf else ""))
     try:
         meta = json.loads((path / META).read_text(encoding="utf-8"))
         return ModelConfig.from_dict(meta["model"])

@@ -119,19 +119,14 @@ def prune(model, kept: dict[str, list[int]]):
             pruned = Transformer(new_cfg)
     except ValueError as exc:
         raise UserError(f"the pruned model ({new_cfg.num_experts} experts) is not a valid {cfg.name}: {exc}") from None
-    pruned.to_empty(device="cpu")
     src = model.state_dict()
-    persistent = set(pruned.state_dict())
-    for name, buf in pruned.named_buffers():  # non-persistent buffers (a router's pending load) start at zero
-        if name not in persistent:
-            buf.zero_()
     rows = {}  # state-dict key -> the rows it keeps
     for name, layer in moe_layers(model):
         for part in ("router", "experts"):
             for key, t in getattr(layer, part).state_dict(keep_vars=True).items():
                 if t is not None and t.dim() >= 1 and t.shape[0] == E:
                     rows[f"{name}.{part}.{key}"] = kept[name]
-    state = {}
+    state = {}  # the pruned model stays on the meta device until every tensor is assigned (no second full copy)
     for key, t in pruned.state_dict().items():
         if key not in src:
             raise RuntimeError(f"{key}: not in the source model")
@@ -140,19 +135,22 @@ def prune(model, kept: dict[str, list[int]]):
             raise RuntimeError(f"{key}: {tuple(w.shape)} for {tuple(t.shape)}")
         state[key] = w.clone()  # the source's dtype (an HF checkpoint's bf16, a float32 expert_bias)
     pruned.load_state_dict(state, assign=True)
-    for attr in ("hf_family",):
-        if hasattr(model, attr):
-            setattr(pruned, attr, getattr(model, attr))
+    for module in pruned.modules():  # non-persistent buffers (a router's pending load): zeros
+        for bname, buf in module.named_buffers(recurse=False):
+            if buf.is_meta:
+                module.register_buffer(bname, torch.zeros_like(buf, device="cpu"), persistent=False)
+    if hasattr(model, "hf_family"):  # an HF source's family: an HF OUT is written as it
+        pruned.hf_family = model.hf_family
     return pruned.eval()
 
 
 def _load(src: Path):
     """(model, the tokenizer folder it comes with or None) of SRC: a moekit model (file, checkpoint, run directory:
     its newest checkpoint that verifies) or an HF folder."""
+    from moekit.train.inference import detect_kind
     from moekit.train.modelfiles import load_moekit, run_checkpoint, run_tokenizer
 
-    if src.is_dir() and (src / "config.json").is_file() and not (src / "checkpoints").is_dir() \
-            and not (src / "meta.json").is_file():
+    if detect_kind(src) == "hf":
         from moekit.models.hf import load_hf
 
         return load_hf(src, dtype="auto"), src

@@ -111,9 +111,9 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)  # router jitter and any other global-RNG draws
         with meta_device():
             self.model = Transformer(cfg.model)
-        self.parts = grad_parts.present(self.model)
+        self.parts = grad_parts.present(self.model)  # the whole model's (a pipeline rank holds some of them)
         # --train.trainable / freeze / train_experts: what trains, by one-process name (None: everything)
-        self.freeze = freezing.plan(self.model, cfg)  # the whole model's (a pipeline rank holds some of them)
+        self.freeze = freezing.plan(self.model, cfg)
         # which experts each EP rank holds: a placement file, a rebalancing run's checkpoint, or contiguous blocks
         self.placement = RunPlacement.for_run(cfg, self.dist.topology, self.model, self.resume_from)
         # The model stays on the meta device until it is parallelised; each rank then allocates its share and fills
