@@ -116,6 +116,13 @@ class ModelConfig:
     # training loss (the reported loss stays the next-token one)
     mtp_layers: int = 0  # D prediction depths (DeepSeek-V3: 1); 0 = off
     mtp_loss_coeff: float = 0.3  # lambda: DeepSeek-V3 used 0.3 for its first 10T tokens, then 0.1
+    # LoRA adapters for fine-tuning (models.lora): training then updates the adapters only (and what
+    # --train.trainable names); exports fold them into the weights
+    lora_rank: int = 0  # r > 0: a rank-r adapter on each targeted weight; 0 = none
+    lora_alpha: float = 16.0  # the adapters' output is scaled by lora_alpha / lora_rank
+    lora_targets: str = "all"  # comma-separated patterns over weight names (layers.N.attn.wq.weight,
+    #   layers.N.ffn.experts.w_in, *.attn.*, *.experts.*), or all: every block projection and expert stack except
+    #   the routers and one-wide gates
 
     @property
     def attn_head_dim(self) -> int:
@@ -179,7 +186,8 @@ class ModelConfig:
                     "ffn_hidden_size", "moe_ffn_hidden_size", "moe_every", "top_k")
         for name in positive:
             _check_int(f"model.{name}", getattr(self, name), 1)
-        for name in ("head_dim", "num_experts", "shared_ffn_hidden_size", "first_dense_layers", "mtp_layers"):
+        for name in ("head_dim", "num_experts", "shared_ffn_hidden_size", "first_dense_layers", "mtp_layers",
+                     "lora_rank"):
             _check_int(f"model.{name}", getattr(self, name), 0)
         for name, strict in (("rope_theta", True), ("norm_eps", True), ("init_std", True),
                              ("aux_loss_coeff", False), ("z_loss_coeff", False), ("mtp_loss_coeff", False)):
@@ -187,6 +195,14 @@ class ModelConfig:
         if self.capacity_factor is not None:
             _check_float("model.capacity_factor", self.capacity_factor, strict=True,
                          hint="; use a positive number, or none for dropless routing")
+        if self.lora_rank:
+            _check_float("model.lora_alpha", self.lora_alpha, strict=True)
+            if not isinstance(self.lora_targets, str) or not self.lora_targets.strip():
+                raise ValueError(f"model.lora_targets={self.lora_targets!r} is invalid; give comma-separated weight "
+                                 f"patterns (e.g. '*.attn.*,*.experts.*') or 'all'")
+            if self.expert_backend == "float8" and self.num_experts:
+                raise ValueError("model.expert_backend='float8' has no LoRA adapter path; with model.lora_rank > 0 "
+                                 "use 'auto', 'torch' or 'loop'")
         for name in ("name", "activation", "router", "expert_backend"):
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"model.{name}={getattr(self, name)!r} is invalid; it must be a string")

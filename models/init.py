@@ -185,3 +185,21 @@ def init_weights(model: nn.Module, seed: int = 0, only: set[str] | None = None) 
         module.block.attn.init_weights(normal_, std, std_out)
         init_ffn(module.block.ffn, normal_, std, std_out)
         _zero_biases(module.block.ffn)
+    _init_lora(model, normal_)
+
+
+def _init_lora(model: nn.Module, normal_) -> None:
+    """LoRA adapters (models.lora): A factors N(0, 1/fan_in) drawn as every tensor is, B factors 0 (a constant:
+    each rank zeroes what it holds), so fresh adapters leave the model's output as it was."""
+    for _, module in model.named_modules():
+        if not getattr(module, "lora_rank", 0):
+            continue
+        if hasattr(module, "lora_a"):  # a LoRALinear: lora_a [r, in], lora_b [out, r]
+            pairs = [(module.lora_a, module.lora_b, module.lora_a.shape[-1])]
+        else:  # expert stacks: lora_a_{side} [E, fan_in, r], lora_b_{side} [E, r, out]
+            pairs = [(getattr(module, f"lora_a_{s}"), getattr(module, f"lora_b_{s}"), getattr(module, f"lora_a_{s}").shape[1])
+                     for s in ("in", "out") if getattr(module, f"lora_a_{s}", None) is not None]
+        for a, b, fan_in in pairs:
+            normal_(a, 1.0 / math.sqrt(fan_in))
+            if normal_.only is None or normal_.names[id(b)] in normal_.only:
+                (b.to_local() if hasattr(b, "to_local") else b).zero_()

@@ -203,6 +203,10 @@ class Transformer(nn.Module):
         self.lm_head = None if config.tie_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         # multi-token prediction depths (models.mtp): empty unless model.mtp_layers > 0
         self.mtp = nn.ModuleList(MTPModule(config, config.num_layers + k) for k in range(config.mtp_layers))
+        if config.lora_rank:  # fine-tuning adapters (models.lora): after every projection exists
+            from moekit.models.lora import add_lora
+
+            add_lora(self, config.lora_rank, config.lora_alpha, config.lora_targets)
         self.mtp_record = MTPRecord()  # MTP losses of the training forwards since pop_mtp_loss
         self.mtp_in_eval = False  # the depths also run (recording only) in eval forwards with targets
         # comm.context_parallel: tokens are this rank's share of each sequence (RoPE at their positions)

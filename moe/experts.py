@@ -57,7 +57,10 @@ BackendFn = Callable[[Tensor, Tensor, Tensor, Tensor, str], Tensor]
 
 # Every parameter GroupedExperts can hold, each [E, ...] with the expert on dim 0: what expert parallelism
 # shards, placement moves, the guard checks and the init fills (GroupedExperts.param_names(): those present).
-EXPERT_PARAM_NAMES = ("w_in", "w_out", "b_in", "b_out")
+# LoRA adapters (``GroupedExperts.add_lora``, moe/lora_experts.py) are expert stacks too: lora_a_in [E, H, r],
+# lora_b_in [E, r, F_in], lora_a_out [E, F, r], lora_b_out [E, r, H].
+LORA_EXPERT_PARAMS = ("lora_a_in", "lora_b_in", "lora_a_out", "lora_b_out")
+EXPERT_PARAM_NAMES = ("w_in", "w_out", "b_in", "b_out") + LORA_EXPERT_PARAMS
 
 
 @dataclass(frozen=True)
@@ -334,7 +337,50 @@ class GroupedExperts(nn.Module):
         self.w_out = nn.Parameter(torch.empty(num_experts, ffn_hidden_size, hidden_size, **kw))
         for name, shape in (("b_in", (num_experts, f_in)), ("b_out", (num_experts, hidden_size))):
             self.register_parameter(name, nn.Parameter(torch.empty(shape, **kw)) if bias else None)
+        self.lora_rank, self.lora_scale, self.lora_sides = 0, 0.0, ()
+        for name in LORA_EXPERT_PARAMS:
+            self.register_parameter(name, None)
         self.reset_parameters()
+
+    def add_lora(self, rank: int, alpha: float, sides: tuple[str, ...] = ("in", "out")) -> None:
+        """Low-rank adapters on the expert projections (LoRA, Hu et al. 2021), per expert: ``w_in[e]`` acts as
+        ``w_in[e] + (alpha / rank) lora_a_in[e] @ lora_b_in[e]`` and ``w_out[e]`` likewise (``sides``: which of the
+        two). The A factors start N(0, 1/fan_in), the B factors at 0, so the experts compute what they did; the
+        adapters are [E, ...] stacks like the weights (expert parallelism shards them, placement moves them).
+        moe/lora_experts.py computes them without forming the merged weights."""
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+            raise ValueError(f"LoRA rank={rank!r} is invalid; it must be an integer >= 1")
+        if not (isinstance(alpha, (int, float)) and math.isfinite(alpha) and alpha > 0):
+            raise ValueError(f"LoRA alpha={alpha!r} is invalid; it must be a finite number > 0")
+        if not sides or any(s not in ("in", "out") for s in sides):
+            raise ValueError(f"LoRA sides={sides!r} is invalid; name 'in' (w_in), 'out' (w_out) or both")
+        if self.lora_rank:
+            raise ValueError("these experts already carry LoRA adapters")
+        E, H, F_ = self.num_experts, self.hidden_size, self.ffn_hidden_size
+        f_in = self.w_in.shape[-1]
+        kw = dict(device=self.w_in.device, dtype=self.w_in.dtype)
+        shapes = {"in": (("lora_a_in", (E, H, rank)), ("lora_b_in", (E, rank, f_in))),
+                  "out": (("lora_a_out", (E, F_, rank)), ("lora_b_out", (E, rank, H)))}
+        self.lora_rank, self.lora_scale, self.lora_sides = rank, float(alpha) / rank, tuple(sides)
+        for side in ("in", "out"):
+            if side in sides:
+                for name, shape in shapes[side]:
+                    setattr(self, name, nn.Parameter(torch.empty(shape, **kw)))
+        self.reset_lora()
+
+    def reset_lora(self, generator: torch.Generator | None = None) -> None:
+        """A factors N(0, 1/fan_in), B factors 0 (models.init fills them layout-invariantly instead)."""
+        if not self.lora_rank or self.w_in.is_meta:
+            return
+        with torch.no_grad():
+            for a, b in (("lora_a_in", "lora_b_in"), ("lora_a_out", "lora_b_out")):
+                A, B = getattr(self, a), getattr(self, b)
+                if A is None:
+                    continue
+                gen_device = generator.device if generator is not None else A.device
+                std = 1.0 / math.sqrt(A.shape[1])
+                A.copy_(torch.empty(A.shape, device=gen_device, dtype=A.dtype).normal_(0.0, std, generator=generator))
+                B.zero_()
 
     def param_names(self) -> tuple[str, ...]:
         """The expert parameters this module holds, in EXPERT_PARAM_NAMES order: w_in, w_out (+ b_in, b_out)."""
@@ -361,11 +407,14 @@ class GroupedExperts(nn.Module):
         distributed."""
         return [p.to_local() if hasattr(p, "to_local") else p for p in (getattr(self, n) for n in self.param_names())]
 
+    def _local_named(self) -> dict[str, Tensor]:
+        return dict(zip(self.param_names(), self._local_params()))
+
     def takes_gather(self, rows: Tensor) -> bool:
         """Whether forward(..., gather=) will read these rows in place (and forward(..., row_scale=) scale them:
         takes_row_scale): FUSED_PERMUTE allows it on rows' device and the backend that
         would run on them takes it (moe.dispatch.LocalDispatcher.dispatch fuse_gather)."""
-        if FUSED_PERMUTE == "never" or (FUSED_PERMUTE == "auto" and rows.device.type != "cuda"):
+        if FUSED_PERMUTE == "never" or (FUSED_PERMUTE == "auto" and rows.device.type != "cuda") or self.lora_rank:
             return False
         if FUSED_PERMUTE not in ("auto", "always"):
             raise ValueError(fused_permute_problem())
@@ -385,16 +434,34 @@ class GroupedExperts(nn.Module):
         ``row_scale`` [N] (when takes_row_scale said so): output row r times row_scale[r], differentiable in it."""
         if rows.dim() != 2 or rows.shape[-1] != self.hidden_size:
             raise ValueError(f"rows must be [N, {self.hidden_size}], got {tuple(rows.shape)}")
-        params = self._local_params()
-        w_in = params[0]
+        named = self._local_named()
+        w_in = named["w_in"]
         if counts.shape != (w_in.shape[0],):
             raise ValueError(f"counts must be [{w_in.shape[0]}] (one per local expert), got {tuple(counts.shape)}")
         rows = rows.to(compute_dtype(rows))  # autocast: every backend computes in the autocast dtype
         if rows.dtype != w_in.dtype:  # e.g. fp32 master weights under bf16 autocast
-            params = [p.to(rows.dtype) for p in params]
-        w_in, w_out, *biases = params
+            named = {n: p.to(rows.dtype) for n, p in named.items()}
+        params = list(named.values())
+        w_in, w_out, b_in, b_out = (named.get(n) for n in ("w_in", "w_out", "b_in", "b_out"))
+        if self.lora_rank:
+            if gather is not None or row_scale is not None:
+                raise ValueError("experts with LoRA adapters cannot read rows in place or scale them; ask "
+                                 "takes_gather / takes_row_scale first")
+            from moekit.moe.lora_experts import lora_mlp
+
+            out = lora_mlp(rows, counts, named, self.activation, self.lora_scale, self.backend)
+        else:
+            out = self._backend_forward(rows, counts, w_in, w_out, b_in, b_out, gather, row_scale)
+        if torch.is_grad_enabled() and not out.requires_grad and (rows.requires_grad or any(p.requires_grad for p in params)):
+            # No rows reached these experts, so the backend built no graph. Tie the (empty or zero) output
+            # to the weights anyway: under expert parallelism the collectives in backward must run on
+            # every rank, including one whose experts received nothing (else its peers hang).
+            out = out + sum(p.flatten()[:1].sum() for p in params).to(out.dtype) * 0
+        return out
+
+    def _backend_forward(self, rows, counts, w_in, w_out, b_in, b_out, gather, row_scale) -> Tensor:
         backend = resolve_backend(self.backend, rows, w_in, w_out, bias=self.bias)
-        kw = dict(b_in=biases[0], b_out=biases[1]) if self.bias else {}  # backends without bias: the original call
+        kw = dict(b_in=b_in, b_out=b_out) if self.bias else {}  # backends without bias: the original call
         if gather is not None or row_scale is not None:
             if not backend.fused:
                 raise ValueError(f"expert backend {backend.name!r} cannot "
@@ -404,14 +471,9 @@ class GroupedExperts(nn.Module):
                 kw.update(gather_index=gather.index, gather_slots=gather.slots)
             if row_scale is not None:
                 kw.update(row_scale=row_scale.to(torch.float32).contiguous())
-        out = backend.fn(rows, counts, w_in, w_out, self.activation, **kw)
-        if torch.is_grad_enabled() and not out.requires_grad and (w_in.requires_grad or rows.requires_grad):
-            # No rows reached these experts, so the backend built no graph. Tie the (empty or zero) output
-            # to the weights anyway: under expert parallelism the collectives in backward must run on
-            # every rank, including one whose experts received nothing (else its peers hang).
-            out = out + sum(p.flatten()[:1].sum() for p in params).to(out.dtype) * 0
-        return out
+        return backend.fn(rows, counts, w_in, w_out, self.activation, **kw)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden={self.hidden_size}, ffn={self.ffn_hidden_size}, "
-                f"activation={self.activation}, backend={self.backend}" + (", bias=True" if self.bias else ""))
+                f"activation={self.activation}, backend={self.backend}" + (", bias=True" if self.bias else "")
+                + (f", lora_rank={self.lora_rank}, lora_scale={self.lora_scale:g}" if self.lora_rank else ""))

@@ -57,9 +57,14 @@ def patterns(setting: str) -> tuple[str, ...]:
 
 
 def requested(cfg) -> bool:
-    """Whether the run asks for any partial training."""
+    """Whether the run asks for any partial training (LoRA adapters, model.lora_rank > 0, are partial training:
+    the adapters train, the base weights do not)."""
     t = cfg.train
-    return bool(patterns(t.trainable) or patterns(t.freeze) or t.train_experts)
+    return bool(patterns(t.trainable) or patterns(t.freeze) or t.train_experts or lora(cfg))
+
+
+def lora(cfg) -> bool:
+    return bool(getattr(getattr(cfg, "model", None), "lora_rank", 0))
 
 
 def lr_scales(setting: str) -> list[tuple[str, float]]:
@@ -119,12 +124,19 @@ class FreezePlan:
     experts: dict[str, tuple[int, ...]] | None = None
     counts: dict[str, int] = field(default_factory=dict)  # trainable / total parameters (expert rows pro rata)
     routers_frozen: bool = False  # every MoE layer's gate is frozen
+    lora: str = ""  # with LoRA adapters (model.lora_rank): what carries them, for the opening line
 
     def describe(self) -> str:
         t, n = self.counts.get("trainable", 0), self.counts.get("total", 0)
         share = f"{100 * t / n:.1f}%" if n else "-"
         line = f"partial training: {_size(t)} of {_size(n)} parameters train ({share})"
-        if self.frozen:
+        if self.lora:
+            line = f"{self.lora}; {line}; the base weights are frozen"
+            extra = sorted((n for n in self.trainable if not _adapter(n)), key=_order)
+            if extra:
+                shown = collapse(extra)
+                line += f" except {', '.join(shown[:8])}{' ...' if len(shown) > 8 else ''}"
+        elif self.frozen:
             shown = collapse(sorted(self.frozen, key=_order))
             line += f"; frozen: {', '.join(shown[:8])}{' ...' if len(shown) > 8 else ''}"
         if self.frozen_biases:
@@ -134,6 +146,12 @@ class FreezePlan:
             line += (f"; experts: {sum(picked)} of {self.counts.get('experts', 0)} train "
                      f"({min(picked, default=0)}-{max(picked, default=0)} per layer)")
         return line
+
+
+def _adapter(name: str) -> bool:
+    from moekit.models.lora import is_adapter
+
+    return is_adapter(name)
 
 
 def _size(n: int) -> str:
@@ -164,9 +182,16 @@ def plan(model: nn.Module, cfg) -> FreezePlan | None:
                                 f"{', '.join(shown[:40])}{' ...' if len(shown) > 40 else ''} (N: a layer index; "
                                 f"* matches any characters, dots too)")
 
+    adapters = lora(cfg)
+    if adapters:
+        from moekit.models.lora import is_adapter
+
     def trains(name: str) -> bool:
-        return ((not keep or any(fnmatch.fnmatchcase(name, p) for p in keep))
-                and not any(fnmatch.fnmatchcase(name, p) for p in drop))
+        if adapters:  # LoRA: the adapters, and what --train.trainable adds; the base weights stay
+            picked = is_adapter(name) or any(fnmatch.fnmatchcase(name, p) for p in keep)
+        else:
+            picked = not keep or any(fnmatch.fnmatchcase(name, p) for p in keep)
+        return picked and not any(fnmatch.fnmatchcase(name, p) for p in drop)
 
     trainable = {n for n in params if trains(n)}
     frozen = set(params) - trainable
@@ -195,6 +220,10 @@ def plan(model: nn.Module, cfg) -> FreezePlan | None:
     out = FreezePlan(trainable, frozen, frozen_biases, experts)
     gates = [f"{n}.router.weight" for n in layers if f"{n}.router.weight" in params]
     out.routers_frozen = bool(gates) and all(g in frozen for g in gates)
+    if adapters:
+        m = cfg.model
+        carriers = {n.rsplit(".", 1)[0] for n in params if is_adapter(n)}
+        out.lora = f"LoRA rank {m.lora_rank}, alpha {m.lora_alpha:g} on {len(carriers)} module(s) ({m.lora_targets})"
     out.counts = _counts(params, layers, trainable, experts)
     return out
 

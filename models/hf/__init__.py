@@ -46,6 +46,7 @@ from moekit.models.hf.families import (FAMILIES, MTP_COPIES, MTP_FAMILIES, Famil
 from moekit.models.hf.io import DTYPE_NAMES, CONFIG_FILE, CheckpointReader, read_config, write_safetensors
 from moekit.models.hf.weights import (Rule, _one, check_counts, detect_layout, export_tensors, layer_prefix,
                                       load_into, model_rules)
+from moekit.models.lora import fold_lora
 from moekit.models.transformer import Transformer, meta_device
 
 SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
@@ -243,11 +244,13 @@ def save_hf(model: Transformer, path: str | Path, *, family: str | None = None, 
     ``fp8_block`` (DeepSeek-V3's release format, which transformers, vLLM and SGLang read), the other tensors in
     ``dtype`` (default bf16); per-expert layout only. mxfp4 (gpt-oss only): the experts' gate_up_proj / down_proj
     in MXFP4 blocks and scales, as OpenAI released gpt-oss (models/hf/mxfp4.py), the other tensors in ``dtype``
-    (default bf16).
+    (default bf16). A model with LoRA adapters (models.lora) is written merged: the adapters are folded into its
+    weights in place first (``fold_lora``: the model computes the same, its adapters' B factors become 0).
     """
     block, dtype = fp8_export_args(fp8, fp8_block, mxfp4_export_dtype(mxfp4, fp8, dtype), layout)
     name, rules, out_dtype = export_rules(model, family, dtype, layout)
     check_mxfp4_family(mxfp4, name)
+    fold_lora(model)  # LoRA adapters (models.lora) go into the weights: HF checkpoints hold the merged model
     if mxfp4:  # the experts from the model's own precision, quantized once
         tensors = export_tensors(model, rules, None)
         tensors = {k: t if k.endswith(MXFP4_EXPERTS) else t.to(out_dtype) if t.is_floating_point() else t

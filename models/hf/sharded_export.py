@@ -40,6 +40,7 @@ from moekit.models.hf.mxfp4 import MXFP4_CONFIG, MXFP4_EXPERTS, quantize_mxfp4
 from moekit.models.hf.sharded import (Box, _agree, _distributed, _local, _meet, _rel,
                                       _reshard, _to_source, placed_rows, shard_box)
 from moekit.models.hf.weights import Rule, weave
+from moekit.models.lora import fold_lora
 from moekit.models.pipeline import whole_structure
 
 __all__ = ["save_hf_sharded"]
@@ -466,7 +467,8 @@ def save_hf_sharded(model, path: str | Path, *, family: str | None = None, dtype
     Call on every rank, collectively; ``path`` must be on a file system they all see. Each rank assembles
     the HF tensors it owns one at a time (receiving the parts other ranks hold) and streams them into its
     own file(s) of at most ``max_shard_size``; rank 0 copies the tokenizer and, once every rank is done,
-    writes config.json and the index naming every file. Arguments and the folder written as save_hf's;
+    writes config.json and the index naming every file. Arguments and the folder written (LoRA adapters folded
+    into the weights) as save_hf's;
     any failure raises the same error on every rank.
     """
     from moekit.models.hf import _imported_tokenizer
@@ -474,6 +476,7 @@ def save_hf_sharded(model, path: str | Path, *, family: str | None = None, dtype
 
     _reshard(model)
     spec = _agree(_export_spec, model, family, dtype, layout, fp8, fp8_block, mxfp4)
+    fold_lora(model)  # LoRA adapters into the weights, each rank what it holds (save_hf's docstring)
     boxes, meta = _agree(_export_boxes, model, spec, max_shard_size)
     world = dist.get_world_size() if _distributed() else 1
     rank = dist.get_rank() if _distributed() else 0

@@ -323,7 +323,10 @@ def model_rules(model, naming: Naming, blocks: list[str], fused: list[bool], dep
                   _one(f"{t}.norm.weight", f"{s}.{names['norm']}", "hidden_size")]
     targets = [r.target for r in rules]
     unmapped = tuple(f"mtp.{k}." for k in range(depths, len(mtp)))  # depths the checkpoint has no layer for
-    expected = [k for k in model.state_dict() if not k.endswith("pending_load") and not k.startswith(unmapped)]
+    from moekit.models.lora import is_adapter  # LoRA adapters: folded into the weights before an export (save_hf)
+
+    expected = [k for k in model.state_dict() if not k.endswith("pending_load") and not k.startswith(unmapped)
+                and not is_adapter(k)]
     assert sorted(targets) == sorted(expected), f"rules miss {set(expected) - set(targets)}"
     return rules
 

@@ -1,0 +1,230 @@
+"""LoRA: low-rank adapters on a model's projections and routed experts (Hu et al. 2021), for fine-tuning.
+
+    model.lora_rank    r > 0 turns adapters on (0: none)
+    model.lora_alpha   the adapters' scale is alpha / r (16 with r 8: 2)
+    model.lora_targets which weights get adapters: comma-separated fnmatch patterns over the one-process weight
+                       names (``layers.3.attn.wq.weight``, ``layers.3.ffn.experts.w_in``), or "all": every
+                       projection of the blocks (attention, dense and shared-expert FFNs, both routed-expert stacks)
+                       except the routers and the one-wide shared-expert gates
+
+A targeted ``nn.Linear`` becomes a ``LoRALinear`` (the same module, its weight and bias kept under their names)
+holding ``lora_a`` [r, in] and ``lora_b`` [out, r]: ``y = x W^T + b + (alpha / r) (x A^T) B^T``. A targeted expert
+stack gets ``lora_a_in`` [E, H, r] and ``lora_b_in`` [E, r, F_in] (``w_in``), ``lora_a_out`` [E, F, r] and
+``lora_b_out`` [E, r, H] (``w_out``): one adapter per expert, computed factored (moe/lora_experts.py) and sharded
+over experts like the weights under expert parallelism. A factors start N(0, 1/fan_in), B factors 0, so a model
+with fresh adapters computes exactly what it did without them (models.init fills them like any tensor: the same
+values under every layout).
+
+The adapters live in the model config, so every program that builds a model from a run's config (generation,
+evaluation, export, a resumed run) builds them too. Training with adapters (train.freezing) trains the adapters
+only, plus whatever ``--train.trainable`` names; the base weights stay frozen. ``merge_lora`` folds the adapters
+into the weights (HuggingFace export, ``moekit-convert merge-lora``), leaving a model without them.
+
+Tensor parallelism shards the attention and dense-FFN projections as DTensors; adapters on those are refused
+(``comm.tensor_parallel``). The routed and shared experts are not sharded by TP (its token split computes them
+whole), so expert adapters compose with TP, as they do with expert, pipeline, context and fully-sharded data
+parallelism.
+"""
+from __future__ import annotations
+
+import fnmatch
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+LINEAR_PARAMS = ("lora_a", "lora_b")
+# the default targets: every projection of the blocks ("all"), minus these
+_NOT_ALL = ("*.router.*", "*.shared_expert.gate.*", "*.gate.weight")
+
+
+class LoRALinear(nn.Linear):
+    """An nn.Linear with a low-rank adapter (module docstring). Made from a built Linear by ``add_linear_lora``."""
+
+    lora_rank: int
+    lora_scale: float
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        return y + F.linear(F.linear(x, self.lora_a), self.lora_b) * self.lora_scale
+
+    def merged_weight(self) -> Tensor:
+        """weight + scale B A, in the weight's dtype (computed in float32)."""
+        w = self.weight.float() + (self.lora_b.float() @ self.lora_a.float()) * self.lora_scale
+        return w.to(self.weight.dtype)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", lora_rank={self.lora_rank}, lora_scale={self.lora_scale:g}"
+
+
+def add_linear_lora(linear: nn.Linear, rank: int, alpha: float) -> LoRALinear:
+    """Turn ``linear`` into a LoRALinear in place (its class changes; weight and bias stay the same Parameters)."""
+    if type(linear) is not nn.Linear:
+        raise TypeError(f"LoRA adapters go on a plain nn.Linear, not {type(linear).__name__}")
+    w = linear.weight
+    linear.__class__ = LoRALinear
+    linear.lora_rank, linear.lora_scale = rank, float(alpha) / rank
+    linear.lora_a = nn.Parameter(torch.empty(rank, linear.in_features, device=w.device, dtype=w.dtype))
+    linear.lora_b = nn.Parameter(torch.zeros(linear.out_features, rank, device=w.device, dtype=w.dtype))
+    if not w.is_meta:
+        with torch.no_grad():
+            linear.lora_a.normal_(0.0, 1.0 / math.sqrt(linear.in_features))
+    return linear
+
+
+def target_patterns(setting: str) -> tuple[str, ...]:
+    return tuple(p.strip() for p in str(setting).split(",") if p.strip())
+
+
+def candidates(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
+    """Every weight an adapter can go on, by one-process name -> (its module, the expert side "in" / "out" or "")."""
+    from moekit.moe.experts import GroupedExperts
+
+    out: dict[str, tuple[nn.Module, str]] = {}
+    for mname, module in model.named_modules():
+        if not (mname.startswith("layers.") or mname.startswith("mtp.")):
+            continue  # the embedding and the output head keep no adapters
+        if type(module) is nn.Linear:
+            out[f"{mname}.weight"] = (module, "")
+        elif isinstance(module, GroupedExperts):
+            out[f"{mname}.w_in"] = (module, "in")
+            out[f"{mname}.w_out"] = (module, "out")
+    return out
+
+
+def chosen(names, setting: str) -> list[str]:
+    """The names of ``names`` that ``setting`` (model.lora_targets) picks, in order; ValueError for a pattern that
+    names nothing (listing the candidates, layer indices folded)."""
+    names = list(names)
+    pats = target_patterns(setting)
+    if not pats:
+        raise ValueError("model.lora_targets is empty; name the weights that get adapters, or 'all'")
+    if pats == ("all",):
+        return [n for n in names if not any(fnmatch.fnmatchcase(n, p) for p in _NOT_ALL)]
+    for p in pats:
+        if not any(fnmatch.fnmatchcase(n, p) for n in names):
+            from moekit.train.freezing import collapse
+
+            shown = collapse(names)
+            raise ValueError(f"model.lora_targets pattern {p!r} names no weight that can take an adapter; those are "
+                             f"{', '.join(shown[:40])}{' ...' if len(shown) > 40 else ''} (N: a layer index; or "
+                             f"'all')")
+    return [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in pats)]
+
+
+def add_lora(model: nn.Module, rank: int, alpha: float, targets: str = "all") -> list[str]:
+    """Adapters on the weights ``targets`` picks (module docstring); returns their names."""
+    cands = candidates(model)
+    picked = chosen(cands, targets)
+    experts: dict[int, tuple[nn.Module, list[str]]] = {}
+    for name in picked:
+        module, side = cands[name]
+        if side:
+            experts.setdefault(id(module), (module, []))[1].append(side)
+        else:
+            add_linear_lora(module, rank, alpha)
+    for module, sides in experts.values():
+        module.add_lora(rank, alpha, tuple(sides))
+    return picked
+
+
+def is_adapter(name: str) -> bool:
+    """Whether a parameter name is a LoRA adapter's (``....lora_a``, ``....experts.lora_b_in``)."""
+    leaf = name.rsplit(".", 1)[-1]
+    return leaf in LINEAR_PARAMS or leaf.startswith("lora_a_") or leaf.startswith("lora_b_")
+
+
+def has_lora(model: nn.Module) -> bool:
+    return any(is_adapter(n) for n, _ in model.named_parameters())
+
+
+@torch.no_grad()
+def merged_state(state: dict[str, Tensor], scale_of) -> dict[str, Tensor]:
+    """A full state dict with its adapters folded into the weights and removed: ``scale_of(prefix)`` gives the
+    alpha / rank of the module at ``prefix`` (``layers.3.attn.wq``, ``layers.3.ffn.experts``). Float32 arithmetic,
+    stored back in each weight's dtype."""
+    out = {k: v for k, v in state.items() if not is_adapter(k)}
+    for key in state:
+        leaf = key.rsplit(".", 1)[-1]
+        prefix = key[: -len(leaf) - 1]
+        if leaf == "lora_a":
+            A, B, W = state[key], state[f"{prefix}.lora_b"], state[f"{prefix}.weight"]
+            out[f"{prefix}.weight"] = (W.float() + (B.float() @ A.float()) * scale_of(prefix)).to(W.dtype)
+        elif leaf in ("lora_a_in", "lora_a_out"):
+            side = leaf[len("lora_a_"):]
+            A, B, W = state[key], state[f"{prefix}.lora_b_{side}"], state[f"{prefix}.w_{side}"]
+            out[f"{prefix}.w_{side}"] = (W.float() + torch.bmm(A.float(), B.float()) * scale_of(prefix)).to(W.dtype)
+    return out
+
+
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+@torch.no_grad()
+def fold_lora(model: nn.Module) -> int:
+    """Fold every adapter into its weight in place and zero its B factor: the model computes what it did (up to the
+    weight dtype's rounding), its adapters now add nothing, and an export writes the folded weights alone. Works on
+    a parallelised model, each rank on what it holds: a LoRALinear's weight and B share their row sharding (FSDP:
+    Shard(0) of the same out rows), its A is gathered whole (r x in, small); an expert stack's weight and adapters are
+    all sharded over experts alike. Collective under FSDP (call on every rank); returns the modules folded."""
+    from moekit.moe.experts import GroupedExperts
+
+    folded = 0
+    for module in model.modules():
+        if isinstance(module, LoRALinear):
+            A = module.lora_a.full_tensor() if hasattr(module.lora_a, "full_tensor") else module.lora_a
+            W, B = _local(module.weight), _local(module.lora_b)
+            if W.shape[0] != B.shape[0]:
+                raise RuntimeError(f"LoRA fold: weight rows {tuple(W.shape)} and B rows {tuple(B.shape)} are sharded "
+                                   f"differently")
+            W.copy_((W.float() + (B.float() @ A.float()) * module.lora_scale).to(W.dtype))
+            B.zero_()
+            folded += 1
+        elif isinstance(module, GroupedExperts) and module.lora_rank:
+            for side in module.lora_sides:
+                W, A, B = (_local(getattr(module, f"{k}_{side}")) for k in ("w", "lora_a", "lora_b"))
+                if not W.shape[0] == A.shape[0] == B.shape[0]:
+                    raise RuntimeError(f"LoRA fold: expert rows {W.shape[0]}, {A.shape[0]}, {B.shape[0]} differ")
+                W.copy_((W.float() + torch.bmm(A.float(), B.float()) * module.lora_scale).to(W.dtype))
+                B.zero_()
+            folded += 1
+    return folded
+
+
+def scales(model: nn.Module) -> dict[str, float]:
+    """alpha / rank of every module holding adapters, by one-process name."""
+    from moekit.models.init import canonical_name
+
+    return {canonical_name(n): float(m.lora_scale) for n, m in model.named_modules()
+            if getattr(m, "lora_rank", 0)}
+
+
+@torch.no_grad()
+def merge_lora(model: nn.Module) -> nn.Module:
+    """Fold every adapter of a one-process model into its weight, in place, and remove the adapters: each
+    LoRALinear becomes an nn.Linear again, each expert stack plain. The model then computes what it did (up to
+    rounding) and its config says ``lora_rank`` 0."""
+    from moekit.moe.experts import LORA_EXPERT_PARAMS, GroupedExperts
+
+    for module in list(model.modules()):
+        if isinstance(module, LoRALinear):
+            module.weight.copy_(module.merged_weight())
+            del module.lora_a, module.lora_b
+            module.__class__ = nn.Linear
+            del module.lora_rank, module.lora_scale
+        elif isinstance(module, GroupedExperts) and module.lora_rank:
+            for side in ("in", "out"):
+                A = getattr(module, f"lora_a_{side}")
+                if A is not None:
+                    W, B = getattr(module, f"w_{side}"), getattr(module, f"lora_b_{side}")
+                    W.copy_((W.float() + torch.bmm(A.float(), B.float()) * module.lora_scale).to(W.dtype))
+            for name in LORA_EXPERT_PARAMS:
+                setattr(module, name, None)
+            module.lora_rank, module.lora_scale, module.lora_sides = 0, 0.0, ()
+    if getattr(model, "config", None) is not None and getattr(model.config, "lora_rank", 0):
+        import dataclasses
+
+        model.config = dataclasses.replace(model.config, lora_rank=0)
+    return model
