@@ -209,18 +209,32 @@ def check_init_model(path: Path, saved: dict, current: dict) -> None:
     if have.mtp_layers != want.mtp_layers:
         raise UserError(f"--train.init_from {path}: the checkpoint has {want.mtp_layers} multi-token-prediction "
                         f"depth(s), this run {have.mtp_layers}; use --model.mtp_layers {want.mtp_layers}")
+    lora = ("lora_rank", "lora_alpha", "lora_targets")
+    if want.lora_rank and any(getattr(have, f) != getattr(want, f) for f in lora):
+        theirs = f"rank {want.lora_rank}, alpha {want.lora_alpha:g}, targets {want.lora_targets!r}"
+        keep = (f"--model.lora_rank {want.lora_rank} --model.lora_alpha {want.lora_alpha:g} --model.lora_targets "
+                f"'{want.lora_targets}'")
+        if not have.lora_rank:
+            raise UserError(f"--train.init_from {path}: the checkpoint holds LoRA adapters ({theirs}) and this run's "
+                            f"model has none; fold them into the weights first (moekit-convert merge-lora {path} -o "
+                            f"MERGED.safetensors, then --train.init_from MERGED.safetensors), or go on training them "
+                            f"with {keep}")
+        raise UserError(f"--train.init_from {path}: the checkpoint's LoRA adapters ({theirs}) differ from this run's "
+                        f"(rank {have.lora_rank}, alpha {have.lora_alpha:g}, targets {have.lora_targets!r}); use "
+                        f"{keep}, or fold them first (moekit-convert merge-lora) and start new adapters")
 
 
-def load_weights(path: Path, model) -> None:
+def load_weights(path: Path, model, adapters: bool = True) -> None:
     """The model state of checkpoint ``path`` into ``model`` (any layout: DCP reshards; placed experts from their
     logical rows), nothing else: no optimizer, schedule, data position or RNG state (--train.init_from). A moekit
-    model file: every rank reads the whole tensors it holds a share of (``load_file_weights``)."""
+    model file: every rank reads the whole tensors it holds a share of (``load_file_weights``). ``adapters``
+    False: the checkpoint has no LoRA adapters (models.lora), so the model's keep their initial values."""
     if path.is_file():
-        return load_file_weights(path, model)
+        return load_file_weights(path, model, adapters)
     weights = get_model_state_dict(model)
     logical_state(model, weights)  # the template in the checkpoint's (logical) expert order
     try:
-        dcp.load({"model": weights}, checkpoint_id=str(path))
+        dcp.load({"model": _without_adapters(weights) if not adapters else weights}, checkpoint_id=str(path))
     except (Exception, CheckpointException) as exc:
         comm = _comm_failure_in(exc)
         if comm is not None:
@@ -232,7 +246,13 @@ def load_weights(path: Path, model) -> None:
     set_model_state_dict(model, weights)
 
 
-def load_file_weights(path: Path, model) -> None:
+def _without_adapters(state: dict) -> dict:
+    from moekit.models.lora import is_adapter
+
+    return {k: v for k, v in state.items() if not is_adapter(k)}
+
+
+def load_file_weights(path: Path, model, adapters: bool = True) -> None:
     """A moekit model file's weights into ``model`` (this rank's share of any layout): each tensor this rank holds
     is read whole from the file (memory-mapped or sliced by safetensors), placed experts reordered into their physical
     slots, then torch's state-dict API keeps each rank's shard (a collective over the ranks of each mesh)."""
@@ -243,6 +263,8 @@ def load_file_weights(path: Path, model) -> None:
 
     shapes, fetch = tensor_source(path)
     wanted = get_model_state_dict(model)  # this rank's parameter and buffer names (a pipeline rank: its stages)
+    kept = {} if adapters else {k: v for k, v in wanted.items() if k not in _without_adapters(wanted)}
+    wanted = {k: v for k, v in wanted.items() if k not in kept}
     missing = [k for k in wanted if k not in shapes]
     if missing:
         raise UserError(f"--train.init_from {path}: the file lacks {', '.join(missing[:4])}; it was written for "
@@ -252,13 +274,14 @@ def load_file_weights(path: Path, model) -> None:
         slots = torch.tensor([e for row in placement.slots for e in row])
         for p in layer.experts.param_names():
             key = f"{name}.experts.{p}"
-            full[key] = full[key][slots]
+            if key in full:  # (adapters the file lacks stay as initialised)
+                full[key] = full[key][slots]
     wrong = [f"{k} {tuple(full[k].shape)} (model {tuple(wanted[k].shape)})" for k in wanted
              if tuple(full[k].shape) != tuple(wanted[k].shape)]
     if wrong:
         raise UserError(f"--train.init_from {path}: shapes differ: {', '.join(wrong[:3])}; the file was written for "
                         f"another model")
-    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True))
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, strict=adapters))
 
 
 def _choose(run_dir: str, resume: str, model_config: dict, warn) -> Path | None:

@@ -7,6 +7,11 @@
                                            [--tokenizer DIR] [--dtype ...] [--ema] [--verify]
     moekit-convert prune SRC --scores FILE --keep N -o OUT [--by gate|token|reap] [--family F] [--tokenizer DIR]
                                            [--dtype ...] [--verify]
+    moekit-convert merge-lora SRC -o OUT [--family F] [--tokenizer DIR] [--ema] [--verify]
+
+merge-lora folds a LoRA fine-tune's adapters (model.lora_rank > 0, moekit.models.lora) into the weights: OUT is the
+plain model (a moekit file to start a full fine-tune from with --train.init_from, or an HF folder; moekit-to-hf
+folds them as well).
 
 prune keeps the N experts of every MoE layer that calibration data routes to most (FILE: moekit-eval SRC --data
 CALIB.bin --split all --select-experts FILE scores them) and drops the rest with their router rows; a token whose
@@ -121,7 +126,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="an HF OUT's tokenizer (default: SRC's: an HF folder, or a checkpoint's run directory)")
     d.add_argument("--dtype", choices=[*DTYPE_NAMES, "auto"], default="auto",
                    help="an HF OUT's tensor dtype (default: the model's)")
-    for q in (a, b, c, d):
+    e = sub.add_parser("merge-lora", help="fold a LoRA run's adapters into the weights -> a moekit file or HF folder")
+    e.add_argument("src", help="a moekit model file, checkpoint or run directory whose model has LoRA adapters")
+    e.add_argument("-o", "--out", required=True, metavar="OUT",
+                   help="*.safetensors / *.pt (a moekit model file), else an HF folder")
+    e.add_argument("--family", choices=HF_FAMILIES, default=None, help="an HF OUT's model_type (as moekit-to-hf)")
+    e.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="an HF OUT's tokenizer (default: the run directory of a checkpoint SRC, when recorded)")
+    e.add_argument("--ema", action="store_true",
+                   help="merge the checkpoint's parameter average (--train.ema_decay) instead of its weights")
+    for q in (a, b, c, d, e):
         q.add_argument("--verify", action="store_true", help="reload the output and compare logits")
     return p.parse_args(argv)
 
@@ -132,12 +146,12 @@ def main(argv: list[str] | None = None) -> int:
     def body() -> int:
         args = parse_args(sys.argv[1:] if argv is None else argv)
         from moekit.train.averaging import average  # torch and the models: after the flags
-        from moekit.train.modelfiles import hf_to_moekit, moekit_to_hf
+        from moekit.train.modelfiles import hf_to_moekit, merge_lora_command, moekit_to_hf
         from moekit.train.pruning import prune_command
 
         try:
             {"hf-to-moekit": hf_to_moekit, "moekit-to-hf": moekit_to_hf, "average": average,
-             "prune": prune_command}[args.command](args)
+             "prune": prune_command, "merge-lora": merge_lora_command}[args.command](args)
         except ValueError as exc:  # the readers' and writers' checks: the message names the file and the fix
             raise UserError(str(exc)) from None
         return 0

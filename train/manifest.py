@@ -121,8 +121,14 @@ def read_meta(path: Path, verify: bool = True) -> dict:
 
 
 def check_model(path: Path, saved: dict, current: dict) -> None:
-    diffs = [f"{k}={saved.get(k)!r} (checkpoint) vs {v!r} (this run)" for k, v in current.items()
-             if k not in RESUMABLE_MODEL_FIELDS and saved.get(k) != v]
+    import dataclasses
+
+    from moekit.models.config import ModelConfig
+
+    # a field newer than the checkpoint holds its default there (e.g. lora_rank 0 before LoRA existed)
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.default is not dataclasses.MISSING}
+    diffs = [f"{k}={saved.get(k, defaults.get(k))!r} (checkpoint) vs {v!r} (this run)" for k, v in current.items()
+             if k not in RESUMABLE_MODEL_FIELDS and saved.get(k, defaults.get(k)) != v]
     if diffs:
         raise UserError(f"checkpoint {path / META}: saved for a different model: {'; '.join(diffs[:3])}; resume "
                         f"with the checkpoint's model settings, or start over (another --run-dir, or --overwrite "

@@ -388,3 +388,33 @@ def moekit_to_hf(args) -> None:
         print(f"fp8 rounding changed the logits by {logit_error(rounded, model):.2e} (relative) against {args.src}")
     elif args.verify:
         verify(load_hf(out, dtype="auto"), model.to(dtype) if dtype else model, f"{args.src} -> {out}")
+
+
+def merge_lora_command(args) -> None:
+    """moekit-convert merge-lora SRC -o OUT: a model with LoRA adapters (models.lora) -> the same model with the
+    adapters folded into its weights and gone (model.lora_rank 0), as a moekit model file or an HF folder."""
+    import copy
+
+    from moekit.models.lora import has_lora, merge_lora
+
+    out = Path(args.out)
+    hf = out.suffix not in (".safetensors", ".pt")
+    check_out(out, folder=hf)
+    src = run_checkpoint(Path(args.src))
+    model = load_moekit(src, averaged=args.ema)
+    if not has_lora(model):
+        raise ValueError(f"SRC {args.src}: the model has no LoRA adapters (model.lora_rank 0); nothing to merge "
+                         f"(moekit-to-hf exports it as it is)")
+    before = copy.deepcopy(model) if args.verify else None
+    cfg = model.config
+    what = f"rank {cfg.lora_rank}, alpha {cfg.lora_alpha:g}, targets {cfg.lora_targets!r}"
+    merge_lora(model)
+    if hf:
+        tokenizer = Path(args.tokenizer) if args.tokenizer else run_tokenizer(src)
+        save_hf(model, out, family=args.family, tokenizer_from=tokenizer)
+    else:
+        save_moekit(model, out)
+    print(f"wrote {out}: LoRA adapters ({what}) folded into the weights; "
+          f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, no adapters")
+    if before is not None:
+        verify(load_hf(out) if hf else load_moekit(out), before, f"{args.src} -> {out} (merged)")

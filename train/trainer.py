@@ -160,7 +160,14 @@ class Trainer:
         if cfg.train.init_from_hf and fresh:
             hfrun.load_init(self.model, cfg.train.init_from_hf, cfg.train.seed)
         elif self.init_from is not None:  # --train.init_from: a moekit checkpoint's weights, nothing else
-            checkpoint.load_weights(self.init_from[0], self.model)
+            adapters = bool(self.init_from[1]["model"].get("lora_rank", 0))
+            if cfg.model.lora_rank and not adapters:  # a source without LoRA adapters: fresh ones (models.lora)
+                from moekit.models.init import canonical_name
+                from moekit.models.lora import is_adapter
+
+                init_weights(self.model, cfg.train.seed,
+                             only={canonical_name(n) for n, _ in self.model.named_parameters() if is_adapter(n)})
+            checkpoint.load_weights(self.init_from[0], self.model, adapters=adapters)
         elif dense is not None:  # dense-to-MoE upcycling
             from moekit.train.upcycle import init_from_dense
 
