@@ -12,8 +12,9 @@ holding ``lora_a`` [r, in] and ``lora_b`` [out, r]: ``y = x W^T + b + (alpha / r
 stack gets ``lora_a_in`` [E, H, r] and ``lora_b_in`` [E, r, F_in] (``w_in``), ``lora_a_out`` [E, F, r] and
 ``lora_b_out`` [E, r, H] (``w_out``): one adapter per expert, computed factored (moe/lora_experts.py) and sharded
 over experts like the weights under expert parallelism. A factors start N(0, 1/fan_in), B factors 0, so a model
-with fresh adapters computes exactly what it did without them (models.init fills them like any tensor: the same
-values under every layout).
+with fresh adapters computes what it did without them (bit for bit, except where the experts' fused backend rounds
+otherwise than the adapter path's separate products; models.init fills them like any tensor: the same values under
+every layout).
 
 The adapters live in the model config, so every program that builds a model from a run's config (generation,
 evaluation, export, a resumed run) builds them too. Training with adapters (train.freezing) trains the adapters
@@ -162,33 +163,42 @@ def _local(t: Tensor) -> Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def _full(t: Tensor) -> Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _box(t: Tensor, name: str) -> tuple[slice, ...]:
+    from moekit.models.hf.sharded import shard_box
+
+    return tuple(slice(r.start, r.stop) for r in shard_box(t, name))
+
+
 @torch.no_grad()
 def fold_lora(model: nn.Module) -> int:
     """Fold every adapter into its weight in place and zero its B factor: the model computes what it did (up to the
     weight dtype's rounding), its adapters now add nothing, and an export writes the folded weights alone. Works on
-    a parallelised model, each rank on what it holds: a LoRALinear's weight and B share their row sharding (FSDP:
-    Shard(0) of the same out rows), its A is gathered whole (r x in, small); an expert stack's weight and adapters are
-    all sharded over experts alike. Collective under FSDP (call on every rank); returns the modules folded."""
+    a parallelised model, each rank on the part of each weight it holds (any sharding: FSDP, expert parallelism,
+    both): the factors are gathered whole (r wide, small) and only this rank's block of ``B A`` is formed.
+    Collective where the adapters are DTensors (call on every rank); returns the modules folded."""
     from moekit.moe.experts import GroupedExperts
 
     folded = 0
-    for module in model.modules():
+    for name, module in model.named_modules():
         if isinstance(module, LoRALinear):
-            A = module.lora_a.full_tensor() if hasattr(module.lora_a, "full_tensor") else module.lora_a
-            W, B = _local(module.weight), _local(module.lora_b)
-            if W.shape[0] != B.shape[0]:
-                raise RuntimeError(f"LoRA fold: weight rows {tuple(W.shape)} and B rows {tuple(B.shape)} are sharded "
-                                   f"differently")
-            W.copy_((W.float() + (B.float() @ A.float()) * module.lora_scale).to(W.dtype))
-            B.zero_()
+            A, B = _full(module.lora_a).float(), _full(module.lora_b).float()
+            rows, cols = _box(module.weight, f"{name}.weight")
+            W = _local(module.weight)
+            W.copy_((W.float() + (B[rows] @ A[:, cols]) * module.lora_scale).to(W.dtype))
+            _local(module.lora_b).zero_()
             folded += 1
         elif isinstance(module, GroupedExperts) and module.lora_rank:
             for side in module.lora_sides:
-                W, A, B = (_local(getattr(module, f"{k}_{side}")) for k in ("w", "lora_a", "lora_b"))
-                if not W.shape[0] == A.shape[0] == B.shape[0]:
-                    raise RuntimeError(f"LoRA fold: expert rows {W.shape[0]}, {A.shape[0]}, {B.shape[0]} differ")
-                W.copy_((W.float() + torch.bmm(A.float(), B.float()) * module.lora_scale).to(W.dtype))
-                B.zero_()
+                w = getattr(module, f"w_{side}")
+                A, B = (_full(getattr(module, f"lora_{k}_{side}")).float() for k in ("a", "b"))
+                e, i, o = _box(w, f"{name}.w_{side}")
+                W = _local(w)
+                W.copy_((W.float() + torch.bmm(A[e, i], B[e, :, o]) * module.lora_scale).to(W.dtype))
+                _local(getattr(module, f"lora_b_{side}")).zero_()
             folded += 1
     return folded
 

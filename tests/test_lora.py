@@ -1,0 +1,300 @@
+"""LoRA adapters (moekit.models.lora, moe/lora_experts.py): the math against merged weights computed another way,
+training that moves the adapters alone, every layout against one process, and the ways out (HF export, merge-lora,
+--train.init_from)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moekit.models.config import preset
+from moekit.models.lora import (LoRALinear, add_linear_lora, fold_lora, has_lora, is_adapter, merge_lora, merged_state,
+                                scales)
+from moekit.models.transformer import build_model
+from moekit.moe.experts import GroupedExperts, loop_mlp
+from moekit.train.loop import main as train_main
+from moekit.train.modelfiles import load_moekit
+from tests.helpers import gen, one_stderr_line
+from tests.tiny import TINY_MODEL
+
+# -- the arithmetic ----------------------------------------------------------------------------------------------
+
+
+def ragged_counts(E: int, N: int, g: torch.Generator) -> torch.Tensor:
+    """Counts over E experts summing to at most N: some experts empty, a tail of rows no expert owns."""
+    counts = torch.zeros(E, dtype=torch.long)
+    owned = int(torch.randint(N // 2, N + 1, (1,), generator=g))
+    for _ in range(owned):
+        counts[int(torch.randint(0, E, (1,), generator=g))] += 1
+    counts[int(torch.randint(0, E, (1,), generator=g))] = 0  # at least one empty expert
+    return counts
+
+
+@pytest.mark.parametrize("path", ["loop", "torch"])
+@pytest.mark.parametrize("activation, bias", [("swiglu", False), ("gelu", True), ("swiglu_oai", True)])
+@pytest.mark.parametrize("sides", [("in", "out"), ("in",), ("out",)], ids=["both", "in", "out"])
+def test_expert_adapters_compute_the_merged_weights(path, activation, bias, sides):
+    """Factored adapters (either path) against the per-expert loop backend on w + s A B formed explicitly, in
+    float64: outputs and the gradients of the rows, the adapters and the biases; the frozen weights get none."""
+    g = gen("lora-experts", path, activation, bias, sides)
+    E, H, Fh, r = 5, 16, 24, 4
+    N = int(torch.randint(10, 40, (1,), generator=g))
+    ex = GroupedExperts(E, H, Fh, activation=activation, backend=path, bias=bias, dtype=torch.float64)
+    ex.add_lora(r, alpha=float(torch.randint(1, 32, (1,), generator=g)), sides=sides)
+    with torch.no_grad():
+        for p in ex.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.3)
+    ex.w_in.requires_grad_(False)
+    ex.w_out.requires_grad_(False)
+    rows = torch.randn(N, H, generator=g, dtype=torch.float64, requires_grad=True)
+    counts = ragged_counts(E, N, g)
+    out = ex(rows, counts)
+    grad = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    adapters = {n: getattr(ex, n) for n in ex.param_names() if n.startswith("lora_") or n.startswith("b_")}
+    got = torch.autograd.grad(out, [rows, *adapters.values()], grad)
+
+    def merged(side):
+        w = getattr(ex, f"w_{side}")
+        return w + ex.lora_scale * torch.bmm(ex.get_parameter(f"lora_a_{side}"), ex.get_parameter(f"lora_b_{side}")) \
+            if side in sides else w
+
+    ref = loop_mlp(rows, counts, merged("in"), merged("out"), activation, ex.b_in, ex.b_out)
+    want = torch.autograd.grad(ref, [rows, *adapters.values()], grad)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    assert out[int(counts.sum()):].abs().max() == 0 if N > counts.sum() else True
+    for name, a, b in zip(["rows", *adapters], got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=lambda m: f"{name}: {m}")
+    assert ex.w_in.grad is None and ex.w_out.grad is None
+
+
+def test_expert_adapters_with_no_rows_still_join_the_graph():
+    """An expert-parallel rank whose experts got no rows must still run backward's collectives: the empty output is
+    tied to the adapters (moe.experts.GroupedExperts.forward) even with the base weights frozen."""
+    ex = GroupedExperts(4, 8, 8)
+    ex.add_lora(2, 4.0)
+    ex.w_in.requires_grad_(False)
+    ex.w_out.requires_grad_(False)
+    out = ex(torch.zeros(0, 8), torch.zeros(4, dtype=torch.long))
+    assert out.shape == (0, 8) and out.requires_grad
+    out.sum().backward()
+    assert ex.lora_a_in.grad is not None and torch.count_nonzero(ex.lora_a_in.grad) == 0
+
+
+def test_lora_linear_is_the_merged_linear():
+    g = gen("lora-linear")
+    lin = torch.nn.Linear(12, 20, bias=True, dtype=torch.float64)
+    add_linear_lora(lin, 3, 6.0)
+    with torch.no_grad():
+        lin.lora_b.copy_(torch.randn(20, 3, generator=g, dtype=torch.float64))
+    x = torch.randn(7, 12, generator=g, dtype=torch.float64)
+    merged = lin.weight + 2.0 * lin.lora_b @ lin.lora_a
+    torch.testing.assert_close(lin(x), F.linear(x, merged, lin.bias), rtol=1e-12, atol=1e-12)
+    assert isinstance(lin, LoRALinear) and [n for n, _ in lin.named_parameters()] == ["weight", "bias", "lora_a",
+                                                                                        "lora_b"]
+
+
+@pytest.mark.parametrize("name", ["mixtral-tiny", "deepseek-tiny", "gpt-oss-tiny"])
+def test_fresh_adapters_change_nothing_and_merging_keeps_the_logits(name):
+    """Fresh adapters (B = 0) leave the logits (bit for bit where the experts' arithmetic is the same ops: the fused
+    swiglu_oai loop adds its biases inside addmm, the adapter path after the product); with trained (random) B, merge_lora and fold_lora keep
+    them up to rounding, merged_state gives the merged model's tensors, and the base names are the plain model's."""
+    seed = random.randrange(1 << 20)
+    base = preset(name)
+    plain = build_model(base, seed=seed)
+    model = build_model(dataclasses.replace(base, lora_rank=4), seed=seed)
+    tokens = torch.randint(0, base.vocab_size, (2, 24), generator=gen("lora-fresh", name))
+    torch.testing.assert_close(model(tokens), plain(tokens), rtol=0 if name != "gpt-oss-tiny" else 1e-6,
+                               atol=0 if name != "gpt-oss-tiny" else 1e-6)
+    assert {n for n, _ in model.named_parameters() if not is_adapter(n)} == {n for n, _ in plain.named_parameters()}
+    assert all(torch.equal(p, plain.get_parameter(n)) for n, p in model.named_parameters() if not is_adapter(n))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".lora_b" in n:
+                p.normal_(0.0, 0.05, generator=gen("lora-b", name, n))
+    want = model(tokens)
+    assert not torch.allclose(want, plain(tokens), atol=1e-3)  # the adapters do change the function
+    state = merged_state(model.state_dict(), scales(model).__getitem__)
+    folded = build_model(dataclasses.replace(base, lora_rank=4), seed=seed)
+    folded.load_state_dict(model.state_dict())
+    assert fold_lora(folded) > 0
+    torch.testing.assert_close(folded(tokens), want, rtol=1e-5, atol=1e-5)
+    merge_lora(model)
+    assert not has_lora(model) and model.config.lora_rank == 0
+    torch.testing.assert_close(model(tokens), want, rtol=1e-5, atol=1e-5)
+    assert state.keys() == model.state_dict().keys()
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+
+
+def test_targets_pick_weights_and_name_the_candidates_when_wrong():
+    cfg = preset("deepseek-tiny")
+    every = build_model(dataclasses.replace(cfg, lora_rank=2))
+    carriers = {n.rsplit(".", 1)[0] for n, _ in every.named_parameters() if is_adapter(n)}
+    assert not any(".router" in c or c.endswith(".gate") or c in ("embed", "lm_head") for c in carriers)
+    assert any(c.endswith("ffn.experts") for c in carriers) and any(".attn." in c for c in carriers)
+    only_in = build_model(dataclasses.replace(cfg, lora_rank=2, lora_targets="layers.1.ffn.experts.w_in"))
+    adapters = sorted(n for n, _ in only_in.named_parameters() if is_adapter(n))
+    assert adapters == ["layers.1.ffn.experts.lora_a_in", "layers.1.ffn.experts.lora_b_in"]
+    with pytest.raises(ValueError, match=r"'\*\.mlp\.\*' names no weight .*layers\.N\.attn\.wq\.weight"):
+        build_model(dataclasses.replace(cfg, lora_rank=2, lora_targets="*.mlp.*"))
+
+
+# -- training -----------------------------------------------------------------------------------------------------
+
+DEEPSEEK = [*TINY_MODEL, "--preset", "deepseek-tiny", "--model.num_layers", "3", "--model.lora_rank", "4",
+            "--train.warmup_steps", "0", "--train.lr", "0.01", "--checkpoint.every", "1"]
+
+
+def weights(ckpt: Path) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in load_moekit(ckpt).state_dict().items()}
+
+
+def initial(config, seed: int) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in build_model(config, seed=seed).state_dict().items()}
+
+
+def test_a_lora_run_trains_the_adapters_and_what_trainable_adds(tmp_path, capsys):
+    seed = random.randrange(1 << 20)
+    run = tmp_path / "run"
+    assert train_main([*DEEPSEEK, "--steps", "2", "--train.seed", str(seed), "--train.trainable", "*.router.*",
+                       "--run-dir", str(run)]) == 0
+    assert "LoRA rank 4, alpha 16 on" in capsys.readouterr().out
+    ckpt = run / "checkpoints" / "step_000002"
+    after = weights(ckpt)
+    init = initial(load_moekit(ckpt).config, seed)
+    moved = {k for k in after if not torch.equal(after[k], init[k])}
+    adapters = {k for k in after if is_adapter(k)}
+    routers = {k for k in after if ".router." in k and not k.endswith("pending_load")}
+    assert {k for k in adapters if ".lora_b" in k} <= moved  # every B left 0 ...
+    assert moved - {k for k in after if k.endswith("pending_load")} <= adapters | routers  # ... nothing else moved
+    assert any(k in moved for k in routers if k.endswith("router.weight"))
+
+
+def test_a_lora_run_resumes_bitwise_and_refuses_other_adapters(tmp_path, capsys):
+    flags = [*DEEPSEEK, "--train.seed", str(random.randrange(1 << 20)), "--steps", "3"]
+    whole = tmp_path / "whole"
+    assert train_main([*flags, "--run-dir", str(whole)]) == 0
+    ckpt = str(whole / "checkpoints" / "step_000002")
+    assert train_main([*flags, "--resume", ckpt, "--run-dir", str(tmp_path / "resumed")]) == 0
+    a, b = (weights(d / "checkpoints" / "step_000003") for d in (whole, tmp_path / "resumed"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    capsys.readouterr()
+    assert train_main([*flags, "--model.lora_rank", "8", "--resume", ckpt, "--run-dir", str(tmp_path / "x")]) == 2
+    one_stderr_line(capsys, "lora_rank=4 (checkpoint) vs 8 (this run)")
+
+
+def test_init_from_a_plain_run_gives_fresh_adapters_and_merge_lora_leads_back(tmp_path, capsys):
+    """A plain run's weights under fresh adapters: the first logits are the plain model's; a LoRA checkpoint into a
+    plain model is refused with the two ways on; merge-lora writes the plain model of the same logits."""
+    from moekit.train.convert import main as convert
+
+    plain = tmp_path / "plain"
+    flags = [*DEEPSEEK[:DEEPSEEK.index("--model.lora_rank")], "--train.warmup_steps", "0"]
+    assert train_main([*flags, "--steps", "1", "--run-dir", str(plain)]) == 0
+    lora = tmp_path / "lora"
+    assert train_main([*DEEPSEEK, "--steps", "2", "--train.init_from", str(plain), "--run-dir", str(lora)]) == 0
+    base = weights(plain / "checkpoints" / "step_000001")
+    tuned = weights(lora / "checkpoints" / "step_000002")
+    for k, v in base.items():
+        if not k.endswith("pending_load") and ".router." not in k:
+            assert torch.equal(tuned[k], v), k  # the frozen base is the plain run's
+    capsys.readouterr()
+    assert train_main([*flags, "--steps", "1", "--train.init_from", str(lora), "--run-dir", str(tmp_path / "x")]) == 2
+    one_stderr_line(capsys, "holds LoRA adapters (rank 4", "moekit-convert merge-lora", "--model.lora_rank 4")
+    out = tmp_path / "merged.safetensors"
+    assert convert(["merge-lora", str(lora), "-o", str(out), "--verify"]) == 0
+    assert "keeps the logits" in capsys.readouterr().out
+    merged = load_moekit(out)
+    assert merged.config.lora_rank == 0 and not has_lora(merged)
+    assert train_main([*flags, "--steps", "1", "--train.init_from", str(out), "--run-dir", str(tmp_path / "full")]) == 0
+    assert convert(["merge-lora", str(plain), "-o", str(tmp_path / "m.safetensors")]) == 2
+    one_stderr_line(capsys, "has no LoRA adapters")
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--model.lora_rank", "-1"], ["model.lora_rank=-1 is invalid"]),
+    (["--model.lora_rank", "4", "--model.lora_alpha", "0"], ["model.lora_alpha=0", "> 0"]),
+    (["--model.lora_rank", "4", "--model.lora_targets", "*.nothing.*"], ["'*.nothing.*' names no weight"]),
+    (["--model.lora_rank", "4", "--model.expert_backend", "float8"], ["'float8' has no LoRA adapter path"]),
+], ids=["rank", "alpha", "targets", "float8"])
+def test_bad_lora_settings_are_one_line_before_the_run(tmp_path, capsys, flags, words):
+    assert train_main([*TINY_MODEL, "--steps", "1", "--run-dir", str(tmp_path / "r"), *flags]) == 2
+    one_stderr_line(capsys, *words)
+    assert not (tmp_path / "r" / "checkpoints").exists()
+
+
+# -- every layout follows one process; the HF export is the merged model -------------------------------------------
+
+LAYOUT = ["--preset", "deepseek-tiny", "--model.hidden_size", "32", "--train.seq_len", "32", "--batch-size", "8",
+          "--eval.every", "0", "--log.every", "1", "--log.progress", "off", "--log.tensorboard", "false",
+          "--steps", "3", "--train.grad_clip", "0.5", "--train.lr", "0.01", "--train.warmup_steps", "0",
+          "--checkpoint.every", "3", "--model.lora_rank", "4", "--model.lora_alpha", "8"]
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def hf_logits(folder: Path) -> torch.Tensor:
+    from moekit.models.hf import load_hf
+
+    model = load_hf(folder)
+    return model(torch.arange(24).view(2, 12) % model.config.vocab_size)
+
+
+@pytest.fixture(scope="module")
+def lora_reference(tmp_path_factory):
+    from tests.dist_utils import run_trainer
+
+    d = tmp_path_factory.mktemp("lora_layouts")
+    flags = [*LAYOUT, "--train.seed", str(random.randrange(1 << 20))]
+    runs = {}
+    for targets in ("all", "*.experts.*,*.shared_expert.*"):
+        out = d / f"one-{len(runs)}"
+        r = run_trainer([*flags, "--model.lora_targets", targets, "--run-dir", str(out), "--export-hf",
+                         str(out / "hf")], 1, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs[targets] = {"losses": losses(out), "weights": weights(out / "checkpoints" / "step_000003"),
+                         "hf": hf_logits(out / "hf")}
+    return {"flags": flags, "runs": runs}
+
+
+@pytest.mark.parametrize("nproc, extra, targets", [
+    (4, ["--fsdp", "2", "--ep", "2"], "all"),
+    (2, ["--ep", "2", "--layout.rebalance_every", "1", "--layout.expert_replicas", "2"], "all"),
+    (2, ["--pp", "2", "--train.micro_batch_size", "2"], "all"),
+    (2, ["--tp", "2"], "*.experts.*,*.shared_expert.*"),
+], ids=["fsdp2-ep2", "ep2-rebalanced-replicas", "pp2", "tp2-experts"])
+def test_lora_training_is_layout_invariant_and_exports_merged(tmp_path, lora_reference, nproc, extra, targets):
+    """Adapters sharded by FSDP, over experts (moved between ranks every step, replicated), on pipeline stages, and
+    expert adapters under TP's token split: the one-process curve and weights; each rank folds what it holds into
+    the HF export, which has the one-process export's logits."""
+    from tests.dist_utils import run_trainer
+
+    ref = lora_reference["runs"][targets]
+    r = run_trainer([*lora_reference["flags"], *extra, "--model.lora_targets", targets, "--run-dir", str(tmp_path),
+                     "--export-hf", str(tmp_path / "hf")], nproc, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert losses(tmp_path) == pytest.approx(ref["losses"], rel=1e-5, abs=1e-6)
+    got = weights(tmp_path / "checkpoints" / "step_000003")
+    for name, w in ref["weights"].items():
+        if not name.endswith("pending_load"):
+            # B starts at 0 and Adam divides by the root of its tiny squared gradients: a rounding difference in
+            # one (replicas' sums, FSDP's reduce order) moves an element by ~1e-6 of updates ~1e-2
+            torch.testing.assert_close(got[name], w, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    torch.testing.assert_close(hf_logits(tmp_path / "hf"), ref["hf"], rtol=1e-4, atol=1e-5)
+
+
+def test_adapters_on_tensor_parallel_projections_are_refused_in_one_line(tmp_path):
+    from tests.dist_utils import run_trainer
+
+    r = run_trainer([*LAYOUT, "--tp", "2", "--world-size", "2", "--dry-run"], 1)
+    assert r.returncode == 2, r.stderr[-2000:]
+    line = r.stderr.strip().splitlines()[-1]
+    assert "LoRA adapters on tensor-parallel projections are not supported" in line and "layers.N.attn.wq" in line
+    assert "--model.lora_targets '*.experts.*,*.shared_expert.*'" in line
