@@ -94,16 +94,16 @@ def candidates(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
     return out
 
 
-def chosen(names, setting: str) -> list[str]:
+def chosen(names, setting: str, strict: bool = True) -> list[str]:
     """The names of ``names`` that ``setting`` (model.lora_targets) picks, in order; ValueError for a pattern that
-    names nothing (listing the candidates, layer indices folded)."""
+    names nothing (listing the candidates, layer indices folded), unless not ``strict`` (part of a model)."""
     names = list(names)
     pats = target_patterns(setting)
     if not pats:
         raise ValueError("model.lora_targets is empty; name the weights that get adapters, or 'all'")
     if pats == ("all",):
         return [n for n in names if not any(fnmatch.fnmatchcase(n, p) for p in _NOT_ALL)]
-    for p in pats:
+    for p in pats if strict else ():
         if not any(fnmatch.fnmatchcase(n, p) for n in names):
             from moekit.train.freezing import collapse
 
@@ -128,6 +128,32 @@ def add_lora(model: nn.Module, rank: int, alpha: float, targets: str = "all") ->
     for module, sides in experts.values():
         module.add_lora(rank, alpha, tuple(sides))
     return picked
+
+
+def adapter_shapes(config, i: int) -> list[tuple[str, tuple[int, ...]]]:
+    """(one-process name, shape) of every adapter tensor of block ``i`` (an MTP depth's: i = num_layers + k) under
+    ``config``'s LoRA settings, from a meta-device block alone: the dry run's accounting."""
+    from moekit.models.transformer import Block, meta_device
+
+    if not config.lora_rank:
+        return []
+    r, L = config.lora_rank, config.num_layers
+    with meta_device():
+        block = Block(config, i)
+    root = (nn.ModuleDict({"layers": nn.ModuleDict({str(i): block})}) if i < L else
+            nn.ModuleDict({"mtp": nn.ModuleDict({str(i - L): nn.ModuleDict({"block": block})})}))
+    cands = candidates(root)
+    out = []
+    for name in chosen(cands, config.lora_targets, strict=False):
+        module, side = cands[name]
+        prefix = name.rsplit(".", 1)[0]
+        if not side:
+            out += [(f"{prefix}.lora_a", (r, module.in_features)), (f"{prefix}.lora_b", (module.out_features, r))]
+        else:
+            w = getattr(module, f"w_{side}")
+            out += [(f"{prefix}.lora_a_{side}", (w.shape[0], w.shape[1], r)),
+                    (f"{prefix}.lora_b_{side}", (w.shape[0], r, w.shape[2]))]
+    return out
 
 
 def is_adapter(name: str) -> bool:

@@ -298,3 +298,30 @@ def test_adapters_on_tensor_parallel_projections_are_refused_in_one_line(tmp_pat
     line = r.stderr.strip().splitlines()[-1]
     assert "LoRA adapters on tensor-parallel projections are not supported" in line and "layers.N.attn.wq" in line
     assert "--model.lora_targets '*.experts.*,*.shared_expert.*'" in line
+
+
+@pytest.mark.parametrize("layout", [["--world-size", "16", "--fsdp", "2", "--ep", "8"],
+                                    ["--world-size", "16", "--pp", "2", "--ep", "8", "--train.micro_batch_size", "1"]],
+                         ids=["fsdp-ep", "pp-ep"])
+@pytest.mark.parametrize("preset_name, targets", [("mixtral-8x7b", "all"), ("deepseek-v3", "*.experts.*,*.attn.*")])
+def test_the_dry_run_plans_the_adapters(preset_name, targets, layout):
+    """The estimate (config alone) against the recipe's real shards with the adapters built: parameters exactly;
+    gradients and AdamW state to 1e-4 (the dry run plans a trained share per part, and FSDP's ceil on an r-wide dim
+    shards an adapter a few elements off its part's proportion); the adapters are a sliver of what is held."""
+    from dataclasses import replace
+
+    from moekit.train.cli import parse_args
+    from moekit.train.planning import dryrun, memory
+
+    cfg, opts = parse_args(["--dry-run", "--preset", preset_name, "--batch-size", "16", *layout,
+                            "--model.lora_rank", "16", "--model.lora_targets", targets])
+    plan = dryrun.plan_dry_run(cfg, opts.world_size)
+    with dryrun.fake_world(plan.world):
+        built = dryrun.build(cfg, plan)
+    assert not built.refused and built.freeze.startswith("LoRA rank 16")
+    wl = replace(plan.workload, expert_replicas=built.replicas)
+    est = memory.estimate_memory(cfg.model, built.topology.layout, wl, built.stages[0], plan.ranks_per_node,
+                                 plan.hierarchical)
+    assert est.params == sum(built.measured.values()) * 4
+    assert est.grads == pytest.approx(built.trained * 4, rel=1e-4) and 0 < est.grads < est.params / 50
+    assert est.optimizer == pytest.approx(built.optimizer[1], rel=1e-4)

@@ -186,7 +186,11 @@ def attention_tensors(cfg: ModelConfig, i: int | None = None) -> list[tuple[str,
 
 
 def layer_tensors(cfg: ModelConfig, i: int) -> list[tuple[str, tuple[int, ...], int | None]]:
-    """(part, full shape, TP-sharded dim or None) of every parameter of block ``i``."""
+    """(part, full shape, TP-sharded dim or None) of every parameter of block ``i``, LoRA adapters included."""
+    return _with_adapters(_base_layer_tensors(cfg, i), cfg, i)
+
+
+def _base_layer_tensors(cfg: ModelConfig, i: int) -> list[tuple[str, tuple[int, ...], int | None]]:
     H = cfg.hidden_size
     out = [("norms", (H,), None), ("norms", (H,), None), *attention_tensors(cfg, i)]
     if not cfg.is_moe_layer(i):
@@ -205,6 +209,17 @@ def layer_tensors(cfg: ModelConfig, i: int) -> list[tuple[str, tuple[int, ...], 
         if cfg.shared_expert_gate:
             out.append(("shared_expert", (1, H), None))
     return out
+
+
+def _with_adapters(tensors: list, cfg: ModelConfig, i: int) -> list:
+    """LoRA adapters (model.lora_rank) join their weights' parts; none is TP-sharded (TP refuses adapters on the
+    projections it shards, and computes the experts whole)."""
+    if not getattr(cfg, "lora_rank", 0):
+        return tensors
+    from moekit.models.lora import adapter_shapes
+    from moekit.train.planning.dryrun import part_of
+
+    return tensors + [(part_of(name), shape, None) for name, shape in adapter_shapes(cfg, i)]
 
 
 def _local_numel(part: str, shape: tuple[int, ...], tp_dim: int | None, layout: Layout, fsdp: bool = True,
