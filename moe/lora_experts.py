@@ -15,8 +15,11 @@ Two ways to run it, the same math:
  - ``grouped``: torch.nn.functional.grouped_mm over all experts per product (no host sync), where it runs
    (shapes 16-byte aligned, rank included): the GPU's choice, and the CPU's when the layer asks for the "torch"
    backend;
- - ``loop``: one block per expert (torch.split, then matmuls), the reference: CPU, and anything grouped_mm cannot
-   take.
+ - ``loop``: one block per expert, anything grouped_mm cannot take and the CPU's default. For the gated
+   activations (swiglu, swiglu_oai) with every tensor in one dtype it is one autograd function (``_LoopLoRA``,
+   as moe/loop_experts.py's ``_LoopGLU``): each expert's block computed into slices of preallocated outputs and
+   gradients, experts run concurrently on CPU threads (moe.expert_threads), and a frozen weight's gradient never
+   formed; otherwise autograd ops per expert (``_loop``, the reference).
 Rows past sum(counts) belong to no expert: output 0, gradient 0 (as every expert backend). The float8 backend has
 no adapter path: experts named to it with adapters are refused.
 """
@@ -26,7 +29,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from moekit.moe.activations import get_activation
+from moekit.moe import onednn_gemm as onednn
+from moekit.moe.activations import get_activation, swiglu_oai_backward_into, swiglu_oai_into
+from moekit.moe.expert_threads import choose_workers, for_each_expert
+from moekit.moe.loop_experts import LOOP_FUSED_ACTIVATIONS, _blocks, _zeroed, swiglu_into
+
+_ORDER = ("w_in", "w_out", "b_in", "b_out", "lora_a_in", "lora_b_in", "lora_a_out", "lora_b_out")
 
 
 def lora_path(rows: Tensor, named: dict[str, Tensor], backend: str) -> str:
@@ -52,6 +60,13 @@ def lora_mlp(rows: Tensor, counts: Tensor, named: dict[str, Tensor], activation:
     offs = counts_to_offs(counts, rows.shape[0])
     if lora_path(rows, named, backend) == "grouped":
         return _grouped(rows, offs, named, activation, scale)
+    if activation in LOOP_FUSED_ACTIVATIONS and all(t.dtype == rows.dtype for t in named.values()):
+        ends = offs.tolist()  # D2H sync: the row blocks drive the loop
+        sizes = [b - a for a, b in zip([0] + ends[:-1], ends)]
+        tensors = [named.get(n) for n in _ORDER]
+        if torch.is_grad_enabled() and (rows.requires_grad or any(t is not None and t.requires_grad for t in tensors)):
+            return _LoopLoRA.apply(rows, *tensors, sizes, activation, scale)
+        return _lora_forward(rows, *tensors, sizes, activation, scale, keep=False)[0]
     return _loop(rows, offs, named, activation, scale)
 
 
@@ -97,3 +112,150 @@ def _loop(rows: Tensor, offs: Tensor, named: dict[str, Tensor], activation: str,
     if tail or not outs:
         outs.append(rows.new_zeros(tail, named["w_out"].shape[-1]))
     return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
+def _lora_forward(rows, w_in, w_out, b_in, b_out, a_in, b_in_l, a_out, b_out_l, sizes, activation, scale, keep):
+    """(out [N, H], h [owned, 2F], a [owned, F], u [owned, r], v [owned, r]) of the gated expert MLP with adapters:
+    u = x A_in, h = x W_in (+ b_in) + s u B_in, a = act(h), v = a A_out, y = a W_out (+ b_out) + s v B_out, every
+    expert's block written into its slice (``keep``: h, a, u, v kept whole for backward; else worker scratch)."""
+    N, f_in, owned = rows.shape[0], w_in.shape[-1], sum(sizes)
+    F, H = f_in // 2, w_out.shape[-1]
+    oai = activation == "swiglu_oai"
+    r = (a_in if a_in is not None else a_out).shape[-1]
+    out = rows.new_empty(N, H)
+    xs, outs = _blocks(rows, sizes), _blocks(out, sizes)
+    per = {k: (t.unbind(0) if t is not None else None) for k, t in
+           (("wi", w_in), ("wo", w_out), ("bi", b_in), ("bo", b_out), ("ai", a_in), ("Bi", b_in_l), ("ao", a_out),
+            ("Bo", b_out_l))}
+    kept = tuple(rows.new_empty(owned, w) for w in (f_in, F, r, r)) if keep else None
+    views = [_blocks(t, sizes) for t in kept] if keep else None
+    m = max(sizes) if sizes else 0
+
+    def scratch():
+        bufs = () if keep else tuple(rows.new_empty(m, w) for w in (f_in, F, r, r))
+        return bufs + ((rows.new_empty(m, F),) if oai else ())
+
+    def expert(e: int, start: int, n: int, bufs) -> None:
+        hb, ab, ub, vb = (v[e] for v in views) if keep else (b[:n] for b in bufs[:4])
+        x = xs[e]
+        onednn.mm(x, per["wi"][e], hb, per["bi"][e] if b_in is not None else None)
+        if a_in is not None:
+            torch.mm(x, per["ai"][e], out=ub)
+            hb.addmm_(ub, per["Bi"][e], alpha=scale)
+        if oai:
+            swiglu_oai_into(hb[:, :F], hb[:, F:], ab, bufs[-1][:n])
+        else:
+            swiglu_into(hb[:, :F], hb[:, F:], ab)
+        onednn.mm(ab, per["wo"][e], outs[e], per["bo"][e] if b_out is not None else None)
+        if a_out is not None:
+            torch.mm(ab, per["ao"][e], out=vb)
+            outs[e].addmm_(vb, per["Bo"][e], alpha=scale)
+
+    with torch.autocast(rows.device.type, enabled=False):
+        for_each_expert(sizes, expert, choose_workers(rows, w_in, sizes), scratch)
+    out[owned:].zero_()
+    return (out, *kept) if keep else (out, None, None, None, None)
+
+
+class _LoopLoRA(torch.autograd.Function):
+    """The gated per-expert loop with LoRA adapters and a hand-written backward (module docstring): inputs rows,
+    w_in, w_out, b_in, b_out, lora_a_in, lora_b_in, lora_a_out, lora_b_out (the absent ones None); gradients only for
+    those that need them, so frozen stacks cost their input gradient alone. Saves rows, h, a and the r-wide u, v.
+    A double backward (create_graph) differentiates the autograd reference (``_loop``) instead."""
+
+    @staticmethod
+    def forward(ctx, rows, w_in, w_out, b_in, b_out, a_in, b_in_l, a_out, b_out_l, sizes, activation, scale):
+        out, h, a, u, v = _lora_forward(rows, w_in, w_out, b_in, b_out, a_in, b_in_l, a_out, b_out_l, sizes,
+                                        activation, scale, keep=True)
+        ctx.save_for_backward(rows, w_in, w_out, b_in, b_out, a_in, b_in_l, a_out, b_out_l, h, a, u, v)
+        ctx.sizes, ctx.activation, ctx.scale = sizes, activation, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, w_in, w_out, b_in, b_out, a_in, b_in_l, a_out, b_out_l, h, a, u, v = ctx.saved_tensors
+        sizes, activation, s = ctx.sizes, ctx.activation, ctx.scale
+        inputs = (rows, w_in, w_out, b_in, b_out, a_in, b_in_l, a_out, b_out_l)
+        needs = ctx.needs_input_grad[:9]
+        if torch.is_grad_enabled():  # create_graph: differentiate the composite
+            from moekit.moe.experts import counts_to_offs
+
+            named = {k: t for k, t in zip(_ORDER, inputs[1:]) if t is not None}
+            counts = torch.tensor(sizes, device=rows.device)
+            with torch.enable_grad():
+                y = _loop(rows, counts_to_offs(counts, rows.shape[0]), named, activation, s)
+            wanted = [t for t, need in zip(inputs, needs) if need]
+            got = iter(torch.autograd.grad(y, wanted, grad, create_graph=True, allow_unused=True))
+            return (*(next(got) if need else None for need in needs), None, None, None)
+        grad = grad.to(rows.dtype)
+        owned, F = sum(sizes), a.shape[-1]
+        oai = activation == "swiglu_oai"
+        idle = [e for e, n in enumerate(sizes) if n == 0]
+        d = [(_zeroed(torch.empty_like(t), idle) if i else torch.empty_like(t)) if need else None
+             for i, (t, need) in enumerate(zip(inputs, needs))]
+        if needs[0]:
+            d[0][owned:].zero_()  # rows nobody owns get no gradient
+        d_x, d_wi, d_wo, d_bi, d_bo, d_ai, d_Bi, d_ao, d_Bo = d
+        per = lambda t: t.unbind(0) if t is not None else None  # noqa: E731
+        gs, xs = _blocks(grad, sizes), _blocks(rows, sizes)
+        hs, as_, us, vs = (_blocks(t, sizes) if t is not None else None for t in (h, a, u, v))
+        wi_t, wo_t = w_in.transpose(1, 2).unbind(0), w_out.transpose(1, 2).unbind(0)
+        ai_t = a_in.transpose(1, 2).unbind(0) if a_in is not None else None
+        ao_t = a_out.transpose(1, 2).unbind(0) if a_out is not None else None
+        Bi_t = b_in_l.transpose(1, 2).unbind(0) if b_in_l is not None else None
+        Bo_t = b_out_l.transpose(1, 2).unbind(0) if b_out_l is not None else None
+        outs = {k: per(t) for k, t in (("wi", d_wi), ("wo", d_wo), ("bi", d_bi), ("bo", d_bo), ("ai", d_ai),
+                                        ("Bi", d_Bi), ("ao", d_ao), ("Bo", d_Bo))}
+        d_xs = _blocks(d_x, sizes) if d_x is not None else None
+        need_dh = d_x is not None or any(t is not None for t in (d_wi, d_bi, d_ai, d_Bi))
+        m = max(sizes) if sizes else 0
+        r = (u if u is not None else v).shape[-1]
+
+        def scratch():  # d_a, d_h, the adapters' r-wide gradients, swiglu_oai's temporary
+            return (rows.new_empty(m, F), rows.new_empty(m, h.shape[-1]), rows.new_empty(m, r), rows.new_empty(m, r),
+                    rows.new_empty(m, F))
+
+        def expert(e: int, start: int, n: int, bufs) -> None:
+            g, x, ab = gs[e], xs[e], as_[e]
+            gv = None
+            if a_out is not None and (d_ao is not None or d_Bo is not None or need_dh):
+                if d_Bo is not None:
+                    torch.mm(vs[e].t(), g, out=outs["Bo"][e]).mul_(s)  # d B_out = s v^T g
+                gv = torch.mm(g, Bo_t[e], out=bufs[2][:n]).mul_(s)  # d v = s g B_out^T
+                if d_ao is not None:
+                    torch.mm(ab.t(), gv, out=outs["ao"][e])  # d A_out = a^T d v
+            if d_wo is not None:
+                torch.mm(ab.t(), g, out=outs["wo"][e])
+            if d_bo is not None:
+                torch.sum(g, 0, out=outs["bo"][e])
+            if not need_dh:
+                return
+            da, dh = bufs[0][:n], bufs[1][:n]
+            onednn.mm(g, wo_t[e], da)
+            if gv is not None:
+                da.addmm_(gv, ao_t[e])
+            gate, up = hs[e][:, :F], hs[e][:, F:]
+            d_gate, d_up = dh[:, :F], dh[:, F:]
+            if oai:
+                swiglu_oai_backward_into(da, gate, up, d_gate, d_up, bufs[4][:n])
+            else:
+                torch.ops.aten.silu.out(gate, out=d_up).mul_(da)
+                torch.ops.aten.silu_backward.grad_input(da.mul_(up), gate, grad_input=d_gate)
+            if d_bi is not None:
+                torch.sum(dh, 0, out=outs["bi"][e])
+            if d_wi is not None:
+                torch.mm(x.t(), dh, out=outs["wi"][e])
+            gu = None
+            if a_in is not None:
+                if d_Bi is not None:
+                    torch.mm(us[e].t(), dh, out=outs["Bi"][e]).mul_(s)  # d B_in = s u^T d h
+                gu = torch.mm(dh, Bi_t[e], out=bufs[3][:n]).mul_(s)  # d u = s d h B_in^T
+                if d_ai is not None:
+                    torch.mm(x.t(), gu, out=outs["ai"][e])  # d A_in = x^T d u
+            if d_x is not None:
+                onednn.mm(dh, wi_t[e], d_xs[e])
+                if gu is not None:
+                    d_xs[e].addmm_(gu, ai_t[e])
+
+        for_each_expert(sizes, expert, choose_workers(rows, w_in, sizes), scratch)
+        return (*d, None, None, None)

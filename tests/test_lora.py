@@ -73,6 +73,34 @@ def test_expert_adapters_compute_the_merged_weights(path, activation, bias, side
     assert ex.w_in.grad is None and ex.w_out.grad is None
 
 
+@pytest.mark.parametrize("activation", ["swiglu", "swiglu_oai"])
+def test_the_fused_loop_trains_base_weights_and_adapters_as_autograd_does(activation):
+    """_LoopLoRA (gated activations, one dtype) against the autograd reference (_loop) when the expert weights train
+    too (--train.trainable '*.experts.*' beside adapters): every gradient, in float64, on expert threads or not."""
+    from moekit.moe import expert_threads, lora_experts
+    from moekit.moe.experts import counts_to_offs
+
+    g = gen("lora-fused", activation)
+    E, H, Fh, r, N = 6, 16, 12, 3, 40
+    named = {"w_in": (E, H, 2 * Fh), "w_out": (E, Fh, H), "b_in": (E, 2 * Fh), "b_out": (E, H),
+             "lora_a_in": (E, H, r), "lora_b_in": (E, r, 2 * Fh), "lora_a_out": (E, Fh, r), "lora_b_out": (E, r, H)}
+    named = {k: (torch.randn(v, generator=g, dtype=torch.float64) * 0.3).requires_grad_() for k, v in named.items()}
+    rows = torch.randn(N, H, generator=g, dtype=torch.float64, requires_grad=True)
+    counts = ragged_counts(E, N, g)
+    grad = torch.randn(N, H, generator=g, dtype=torch.float64)
+    leaves = [rows, *named.values()]
+    ref = lora_experts._loop(rows, counts_to_offs(counts, N), named, activation, 1.5)
+    want = torch.autograd.grad(ref, leaves, grad)
+    for workers in (1, 2):
+        with expert_threads.expert_threads(workers):
+            out = lora_experts.lora_mlp(rows, counts, named, activation, 1.5, backend="loop")
+            got = torch.autograd.grad(out, leaves, grad)
+        assert out.grad_fn is not None and "LoopLoRA" in type(out.grad_fn).__name__
+        torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+        for name, a, b in zip(["rows", *named], got, want):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=lambda m: f"{name} ({workers}): {m}")
+
+
 def test_expert_adapters_with_no_rows_still_join_the_graph():
     """An expert-parallel rank whose experts got no rows must still run backward's collectives: the empty output is
     tied to the adapters (moe.experts.GroupedExperts.forward) even with the base weights frozen."""
