@@ -48,7 +48,11 @@ class LoRALinear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         y = F.linear(x, self.weight, self.bias)
-        return y + F.linear(F.linear(x, self.lora_a), self.lora_b) * self.lora_scale
+        u = F.linear(x, self.lora_a)  # [..., r]
+        if y.dim() < 2:
+            return y + F.linear(u, self.lora_b) * self.lora_scale
+        # y + s u B^T as one addmm (no separate scale and add passes over the [..., out] output)
+        return torch.addmm(y.flatten(0, -2), u.flatten(0, -2), self.lora_b.t(), alpha=self.lora_scale).view(y.shape)
 
     def merged_weight(self) -> Tensor:
         """weight + scale B A, in the weight's dtype (computed in float32)."""
