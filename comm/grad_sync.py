@@ -59,7 +59,12 @@ def gradient_roles(model: nn.Module, token_sliced: Iterable[nn.Module] = ()) -> 
             roles.update({name: "expert" for name, _ in module.experts.named_parameters(_join(prefix, "experts"))})
         if getattr(module, "tp", None) is not None:  # a module split over TP that reads replicated parameters in
             # part (models.linear_attention.GatedDeltaNet): those gradients are partial over TP
-            roles.update({_join(prefix, name): "moe" for name in getattr(module, "tp_partial", ())})
+            partial = getattr(module, "tp_partial", ())
+            roles.update({_join(prefix, name): "moe" for name in partial})
+            for name in partial:  # a LoRA adapter (models.lora) on such a projection: read in part alike
+                owner = module.get_submodule(name.rsplit(".", 1)[0]) if name.endswith(".weight") else None
+                if owner is not None and hasattr(owner, "lora_a"):
+                    roles.update({_join(prefix, name[: -len("weight")] + a): "moe" for a in ("lora_a", "lora_b")})
     return roles
 
 

@@ -70,42 +70,6 @@ def check_tensor_parallel(config, tp: int) -> None:
         values = ", ".join(f"{k}={v}" for k, v in bad.items())
         raise LayoutError(f"--tp {tp} must divide {values}: tensor parallelism shards attention heads and the "
                           f"dense MLP width; choose tp dividing all of them")
-    if getattr(config, "lora_rank", 0):
-        from moekit.models.transformer import Transformer, meta_device
-
-        with meta_device():
-            _refuse_sharded_adapters(Transformer(config), tp)
-
-
-def sharded_adapters(model: nn.Module) -> list[str]:
-    """The LoRA-adapted projections (models.lora) that tensor parallelism would shard: every one in a block's TP
-    plan, and any in a Gated DeltaNet layer (whose replicated projections each rank reads in part)."""
-    from moekit.models.lora import LoRALinear
-
-    out = []
-    roots = [("layers", model.layers)] + [(f"mtp.{k}", [d.block]) for k, d in enumerate(getattr(model, "mtp", None) or ())]
-    for prefix, blocks in roots:
-        items = blocks.items() if isinstance(blocks, nn.ModuleDict) else enumerate(blocks)
-        for i, block in items:
-            where = f"{prefix}.{i}" if prefix == "layers" else f"{prefix}.block"
-            names = [n for n in _block_plan(block, False) if isinstance(block.get_submodule(n), LoRALinear)]
-            if hasattr(block.attn, "tp_partial"):
-                names += [f"attn.{n}" for n, m in block.attn.named_modules() if isinstance(m, LoRALinear)]
-            out += [f"{where}.{n}" for n in dict.fromkeys(names)]
-    return out
-
-
-def _refuse_sharded_adapters(model: nn.Module, tp: int) -> None:
-    names = sharded_adapters(model)
-    if names:
-        from moekit.train.freezing import collapse
-
-        shown = collapse(names)
-        raise LayoutError(f"LoRA adapters on tensor-parallel projections are not supported: --tp {tp} shards "
-                          f"{', '.join(shown[:6])}{' ...' if len(shown) > 6 else ''}; give the adapters to the "
-                          f"experts only (--model.lora_targets '*.experts.*,*.shared_expert.*': TP computes them "
-                          f"whole) or train with --tp 1 (expert, pipeline, context and fully-sharded data "
-                          f"parallelism take adapters anywhere)")
 
 
 def apply_tensor_parallel(model: nn.Module, topology, sequence_parallel: bool = False) -> list[nn.Module]:
@@ -123,7 +87,6 @@ def apply_tensor_parallel(model: nn.Module, topology, sequence_parallel: bool = 
     tp = topology.layout.tp
     if tp == 1:
         return []
-    _refuse_sharded_adapters(model, tp)  # checked at planning already (check_tensor_parallel)
     mesh = topology.mesh("world")["tp"]
     group = topology.group("tp")
     rank = topology.members("tp").index(topology.rank)

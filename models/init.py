@@ -88,6 +88,16 @@ def normal_values(seed: int, name: str, shape: tuple[int, ...], box: tuple[range
     return out
 
 
+def fold_layer_indices(names) -> list[str]:
+    """Names with layer indices folded (``layers.N.attn.wq.weight``), in first-seen order: for messages."""
+    import re
+
+    out: dict[str, None] = {}
+    for n in names:
+        out[re.sub(r"^(layers|mtp)\.\d+\.", r"\1.N.", n)] = None
+    return list(out)
+
+
 def canonical_name(name: str) -> str:
     """A parameter's single-process name: without the wrappers compile / checkpointing / FSDP insert."""
     for w in WRAPPERS:

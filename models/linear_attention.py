@@ -113,7 +113,14 @@ class GatedDeltaNet(nn.Module):
         if self.tp is None:
             return self.wqkv(x)
         x = _CopyToGroup.apply(x, self.tp[2])  # the other ranks' heads read x too: its gradient is summed
-        return torch.cat([F.linear(x, self.wqkv.weight[rows]) for rows in self.tp_rows()], dim=-1)
+        w = self.wqkv
+        if not hasattr(w, "lora_a"):
+            return torch.cat([F.linear(x, w.weight[rows]) for rows in self.tp_rows()], dim=-1)
+        # a LoRA adapter (models.lora): its [.., r] product once, then each block's rows of B (gradients partial
+        # over TP as the weight's: comm.grad_sync gives them its role)
+        u = F.linear(x, w.lora_a)
+        return torch.cat([F.linear(x, w.weight[rows]) + F.linear(u, w.lora_b[rows]) * w.lora_scale
+                          for rows in self.tp_rows()], dim=-1)
 
     def _conv_weights(self) -> Tensor:
         """conv_weight [C, 1, k] of this rank's channels."""

@@ -21,10 +21,12 @@ evaluation, export, a resumed run) builds them too. Training with adapters (trai
 only, plus whatever ``--train.trainable`` names; the base weights stay frozen. ``merge_lora`` folds the adapters
 into the weights (HuggingFace export, ``moekit-convert merge-lora``), leaving a model without them.
 
-Tensor parallelism shards the attention and dense-FFN projections as DTensors; adapters on those are refused
-(``comm.tensor_parallel``). The routed and shared experts are not sharded by TP (its token split computes them
-whole), so expert adapters compose with TP, as they do with expert, pipeline, context and fully-sharded data
-parallelism.
+Every layout takes adapters. Tensor parallelism shards a column-wise projection's adapters with it (torch's
+ColwiseParallel shards every parameter of the module on dim 0) and replicates a row-wise one's (RowwiseParallel
+replicates what is not the weight or bias): DTensor then computes the adapter in the projection's own layout,
+the r-wide products reduced where they must be. Gated DeltaNet's replicated fused projection, which each TP rank reads
+in row blocks, applies its adapter's rows alike (models.linear_attention), its gradients partial over TP as the
+weight's (comm.grad_sync). The routed and shared experts are computed whole under TP (its token split).
 """
 from __future__ import annotations
 
@@ -109,9 +111,9 @@ def chosen(names, setting: str, strict: bool = True) -> list[str]:
         return [n for n in names if not any(fnmatch.fnmatchcase(n, p) for p in _NOT_ALL)]
     for p in pats if strict else ():
         if not any(fnmatch.fnmatchcase(n, p) for n in names):
-            from moekit.train.freezing import collapse
+            from moekit.models.init import fold_layer_indices
 
-            shown = collapse(names)
+            shown = fold_layer_indices(names)
             raise ValueError(f"model.lora_targets pattern {p!r} names no weight that can take an adapter; those are "
                              f"{', '.join(shown[:40])}{' ...' if len(shown) > 40 else ''} (N: a layer index; or "
                              f"'all')")

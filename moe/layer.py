@@ -120,7 +120,7 @@ class DenseMLP(nn.Module):
         # x's dtype differs from the weights' and no autocast reconciles them (float64 input, or bf16 input on
         # fp32 weights): compute in x's dtype with the weights cast, the routed experts' rule (GroupedExperts)
         with torch.autocast(x.device.type, enabled=False):
-            return self._mlp(x, lambda linear, t: F.linear(t, linear.weight.to(dtype)))
+            return self._mlp(x, lambda linear, t: _cast_linear(linear, t, dtype))
 
     def _mlp(self, x: Tensor, apply) -> Tensor:
         """The MLP with ``apply(linear, t)`` as each projection."""
@@ -128,6 +128,15 @@ class DenseMLP(nn.Module):
         h = self.act.combine(apply(self.w_gate, x), up) if self.act.gated else self.act.unit(up)  # [..., F]
         y = apply(self.w_out, h)  # [..., H]
         return y if self.gate is None else torch.sigmoid(apply(self.gate, x)) * y
+
+
+def _cast_linear(linear: nn.Module, t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``linear(t)`` with its weights cast to ``dtype``; a LoRA adapter (models.lora: duck-typed, moe imports no
+    models) too."""
+    y = F.linear(t, linear.weight.to(dtype))
+    if hasattr(linear, "lora_a"):
+        y = y + F.linear(F.linear(t, linear.lora_a.to(dtype)), linear.lora_b.to(dtype)) * linear.lora_scale
+    return y
 
 
 class MoELayer(nn.Module):

@@ -203,6 +203,37 @@ def test_a_lora_run_trains_the_adapters_and_what_trainable_adds(tmp_path, capsys
     assert any(k in moved for k in routers if k.endswith("router.weight"))
 
 
+def test_esft_on_adapters_trains_the_chosen_experts_adapters_only(tmp_path, capsys):
+    """--train.train_experts with LoRA: the adapter rows of the chosen experts move, the others stay as initialised
+    (B still 0), the base stacks stay; with adapters only on attention the selection is refused with the fix."""
+    from moekit.moe.load import moe_layers
+    from tests.test_freezing import random_selection, selection_file
+
+    seed = random.randrange(1 << 20)
+    model = build_model(dataclasses.replace(preset("deepseek-tiny"), num_layers=3, hidden_size=32))
+    chosen = random_selection([n for n, _ in moe_layers(model)], 16, random.Random())
+    sel = selection_file(tmp_path / "sel.json", chosen, 16)
+    run = tmp_path / "run"
+    assert train_main([*DEEPSEEK, "--steps", "2", "--train.seed", str(seed), "--train.train_experts", str(sel),
+                       "--run-dir", str(run)]) == 0
+    ckpt = run / "checkpoints" / "step_000002"
+    after, init = weights(ckpt), initial(load_moekit(ckpt).config, seed)
+    moved = 0
+    for name, w in after.items():
+        if ".experts.lora_" in name:
+            rows = torch.zeros(w.shape[0], dtype=torch.bool)
+            rows[chosen[name.split(".experts.")[0]]] = True
+            assert torch.equal(w[~rows], init[name][~rows]), name
+            moved += int(not torch.equal(w[rows], init[name][rows]))
+        elif ".experts.w_" in name:
+            assert torch.equal(w, init[name]), name
+    assert moved >= 4
+    capsys.readouterr()
+    assert train_main([*DEEPSEEK, "--steps", "1", "--model.lora_targets", "*.attn.*", "--train.train_experts", str(sel),
+                       "--run-dir", str(tmp_path / "x")]) == 2
+    one_stderr_line(capsys, "--train.train_experts", "give the experts adapters")
+
+
 def test_a_lora_run_resumes_bitwise_and_refuses_other_adapters(tmp_path, capsys):
     flags = [*DEEPSEEK, "--train.seed", str(random.randrange(1 << 20)), "--steps", "3"]
     whole = tmp_path / "whole"
@@ -258,9 +289,11 @@ def test_bad_lora_settings_are_one_line_before_the_run(tmp_path, capsys, flags, 
 
 # -- every layout follows one process; the HF export is the merged model -------------------------------------------
 
-LAYOUT = ["--preset", "deepseek-tiny", "--model.hidden_size", "32", "--train.seq_len", "32", "--batch-size", "8",
-          "--eval.every", "0", "--log.every", "1", "--log.progress", "off", "--log.tensorboard", "false",
-          "--steps", "3", "--train.grad_clip", "0.5", "--train.lr", "0.01", "--train.warmup_steps", "0",
+# Adam's first steps divide each gradient by its own root mean square: where that is near eps (1e-8), a rounding
+# difference between layouts becomes an update difference of lr; eps 1e-4 keeps the comparison at rounding level
+LAYOUT = ["--model.hidden_size", "32", "--train.seq_len", "32", "--batch-size", "8", "--eval.every", "0",
+          "--log.every", "1", "--log.progress", "off", "--log.tensorboard", "false", "--steps", "3",
+          "--train.grad_clip", "0.5", "--train.lr", "0.01", "--train.warmup_steps", "0", "--train.eps", "1e-4",
           "--checkpoint.every", "3", "--model.lora_rank", "4", "--model.lora_alpha", "8"]
 
 
@@ -277,65 +310,63 @@ def hf_logits(folder: Path) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def lora_reference(tmp_path_factory):
+    """One process per preset: the curve, the weights and the HF export's logits every layout must match."""
     from tests.dist_utils import run_trainer
 
     d = tmp_path_factory.mktemp("lora_layouts")
-    flags = [*LAYOUT, "--train.seed", str(random.randrange(1 << 20))]
-    runs = {}
-    for targets in ("all", "*.experts.*,*.shared_expert.*"):
-        out = d / f"one-{len(runs)}"
-        r = run_trainer([*flags, "--model.lora_targets", targets, "--run-dir", str(out), "--export-hf",
-                         str(out / "hf")], 1, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        assert r.returncode == 0, r.stderr[-3000:]
-        runs[targets] = {"losses": losses(out), "weights": weights(out / "checkpoints" / "step_000003"),
-                         "hf": hf_logits(out / "hf")}
-    return {"flags": flags, "runs": runs}
+    seed = str(random.randrange(1 << 20))
+    runs: dict[str, dict] = {}
+
+    def reference(preset_name: str) -> dict:
+        if preset_name not in runs:
+            out = d / preset_name
+            flags = ["--preset", preset_name, *LAYOUT, "--train.seed", seed]
+            r = run_trainer([*flags, "--run-dir", str(out), "--export-hf", str(out / "hf")], 1,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+            assert r.returncode == 0, r.stderr[-3000:]
+            runs[preset_name] = {"flags": flags, "losses": losses(out), "hf": hf_logits(out / "hf"),
+                                 "weights": weights(out / "checkpoints" / "step_000003")}
+        return runs[preset_name]
+
+    return reference
 
 
-@pytest.mark.parametrize("nproc, extra, targets", [
-    (4, ["--fsdp", "2", "--ep", "2"], "all"),
-    (2, ["--ep", "2", "--layout.rebalance_every", "1", "--layout.expert_replicas", "2"], "all"),
-    (2, ["--pp", "2", "--train.micro_batch_size", "2"], "all"),
-    (2, ["--tp", "2"], "*.experts.*,*.shared_expert.*"),
-], ids=["fsdp2-ep2", "ep2-rebalanced-replicas", "pp2", "tp2-experts"])
-def test_lora_training_is_layout_invariant_and_exports_merged(tmp_path, lora_reference, nproc, extra, targets):
+@pytest.mark.parametrize("preset_name, nproc, extra", [
+    ("deepseek-tiny", 4, ["--fsdp", "2", "--ep", "2"]),
+    ("deepseek-tiny", 2, ["--ep", "2", "--layout.rebalance_every", "1", "--layout.expert_replicas", "2"]),
+    ("deepseek-tiny", 2, ["--pp", "2", "--train.micro_batch_size", "2"]),
+    ("deepseek-tiny", 4, ["--tp", "2", "--fsdp", "2", "--layout.sequence_parallel", "true"]),
+    ("qwen3.5-tiny", 2, ["--tp", "2"]),
+], ids=["fsdp2-ep2", "ep2-rebalanced-replicas", "pp2", "tp2-fsdp2-sp", "qwen3.5-tp2"])
+def test_lora_training_is_layout_invariant_and_exports_merged(tmp_path, lora_reference, preset_name, nproc, extra):
     """Adapters sharded by FSDP, over experts (moved between ranks every step, replicated), on pipeline stages, and
-    expert adapters under TP's token split: the one-process curve and weights; each rank folds what it holds into
-    the HF export, which has the one-process export's logits."""
+    by tensor parallelism (DTensor's column- and row-wise shards of each projection's adapter, sequence parallel;
+    Gated DeltaNet's replicated fused projection read in row blocks): the one-process curve and weights; each rank
+    folds what it holds into the HF export, which has the one-process export's logits."""
     from tests.dist_utils import run_trainer
 
-    ref = lora_reference["runs"][targets]
-    r = run_trainer([*lora_reference["flags"], *extra, "--model.lora_targets", targets, "--run-dir", str(tmp_path),
-                     "--export-hf", str(tmp_path / "hf")], nproc, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    ref = lora_reference(preset_name)
+    r = run_trainer([*ref["flags"], *extra, "--run-dir", str(tmp_path), "--export-hf", str(tmp_path / "hf")], nproc,
+                    env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
     assert losses(tmp_path) == pytest.approx(ref["losses"], rel=1e-5, abs=1e-6)
     got = weights(tmp_path / "checkpoints" / "step_000003")
     for name, w in ref["weights"].items():
         if not name.endswith("pending_load"):
-            # B starts at 0 and Adam divides by the root of its tiny squared gradients: a rounding difference in
-            # one (replicas' sums, FSDP's reduce order) moves an element by ~1e-6 of updates ~1e-2
-            torch.testing.assert_close(got[name], w, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(got[name], w, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
     torch.testing.assert_close(hf_logits(tmp_path / "hf"), ref["hf"], rtol=1e-4, atol=1e-5)
 
 
-def test_adapters_on_tensor_parallel_projections_are_refused_in_one_line(tmp_path):
-    from tests.dist_utils import run_trainer
-
-    r = run_trainer([*LAYOUT, "--tp", "2", "--world-size", "2", "--dry-run"], 1)
-    assert r.returncode == 2, r.stderr[-2000:]
-    line = r.stderr.strip().splitlines()[-1]
-    assert "LoRA adapters on tensor-parallel projections are not supported" in line and "layers.N.attn.wq" in line
-    assert "--model.lora_targets '*.experts.*,*.shared_expert.*'" in line
-
-
 @pytest.mark.parametrize("layout", [["--world-size", "16", "--fsdp", "2", "--ep", "8"],
-                                    ["--world-size", "16", "--pp", "2", "--ep", "8", "--train.micro_batch_size", "1"]],
-                         ids=["fsdp-ep", "pp-ep"])
-@pytest.mark.parametrize("preset_name, targets", [("mixtral-8x7b", "all"), ("deepseek-v3", "*.experts.*,*.attn.*")])
+                                    ["--world-size", "16", "--pp", "2", "--ep", "8", "--train.micro_batch_size", "1"],
+                                    ["--world-size", "16", "--tp", "2", "--fsdp", "2", "--ep", "4"]],
+                         ids=["fsdp-ep", "pp-ep", "tp-fsdp-ep"])
+@pytest.mark.parametrize("preset_name, targets", [("mixtral-8x7b", "all"), ("deepseek-v3", "*.experts.*,*.attn.*"),
+                                                  ("qwen3.5-35b-a3b", "all")])
 def test_the_dry_run_plans_the_adapters(preset_name, targets, layout):
-    """The estimate (config alone) against the recipe's real shards with the adapters built: parameters exactly;
-    gradients and AdamW state to 1e-4 (the dry run plans a trained share per part, and FSDP's ceil on an r-wide dim
-    shards an adapter a few elements off its part's proportion); the adapters are a sliver of what is held."""
+    """The estimate (config alone) against the recipe's real shards with the adapters built, exactly: parameters
+    (TP shards a column-wise projection's adapters, replicates a row-wise one's), gradients and AdamW state of the
+    adapters alone (memory.AdapterPart); the adapters are a sliver of what is held."""
     from dataclasses import replace
 
     from moekit.train.cli import parse_args
@@ -351,5 +382,5 @@ def test_the_dry_run_plans_the_adapters(preset_name, targets, layout):
     est = memory.estimate_memory(cfg.model, built.topology.layout, wl, built.stages[0], plan.ranks_per_node,
                                  plan.hierarchical)
     assert est.params == sum(built.measured.values()) * 4
-    assert est.grads == pytest.approx(built.trained * 4, rel=1e-4) and 0 < est.grads < est.params / 50
-    assert est.optimizer == pytest.approx(built.optimizer[1], rel=1e-4)
+    assert est.grads == built.trained * 4 and 0 < est.grads < est.params / 20
+    assert est.optimizer == built.optimizer[1]

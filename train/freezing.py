@@ -107,10 +107,9 @@ def check_lr_scales(model: nn.Module, cfg) -> None:
 
 def collapse(names) -> list[str]:
     """Names with layer indices folded (``layers.N.attn.wq.weight``), in first-seen order: for messages."""
-    out: dict[str, None] = {}
-    for n in names:
-        out[re.sub(r"^(layers|mtp)\.\d+\.", r"\1.N.", n)] = None
-    return list(out)
+    from moekit.models.init import fold_layer_indices
+
+    return fold_layer_indices(names)
 
 
 @dataclass
@@ -206,11 +205,15 @@ def plan(model: nn.Module, cfg) -> FreezePlan | None:
         experts = read_selection(t.train_experts, {n: layer.num_experts for n, layer in layers.items()})
         for name, layer in layers.items():
             stacks = [f"{name}.experts.{p}" for p in layer.experts.param_names()]
+            if adapters:  # LoRA: the chosen experts' adapters train, their frozen base rows stay (ESFT on adapters)
+                stacks = [s for s in stacks if is_adapter(s)] or stacks
             idle = [s for s in stacks if s not in trainable]
             if idle and experts.get(name):
+                fix = ("give the experts adapters (--model.lora_targets '*.experts.*' or all)" if adapters and
+                       not any(is_adapter(s) for s in stacks) else "let them train (e.g. --train.trainable '*.experts.*')")
                 raise UserError(f"--train.train_experts {t.train_experts} picks experts {list(experts[name])} of "
                                 f"{name}, but --train.trainable / --train.freeze freeze its expert weights "
-                                f"({', '.join(idle)}); let them train (e.g. --train.trainable '*.experts.*')")
+                                f"({', '.join(idle)}); {fix}")
     if t.qk_clip:
         frozen_qk = sorted(n for n in frozen if re.search(r"\.attn\.(wq|wk|wq_a|wq_b|wkv_a|wkv_b)\b", n))
         if frozen_qk:

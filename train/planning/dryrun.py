@@ -107,11 +107,14 @@ def trainable_shares(cfg: TrainConfig) -> tuple[tuple[str, float], ...]:
         return ()
     with meta_device():
         model = Transformer(cfg.model)
+    from moekit.models.lora import is_adapter
+    from moekit.train.planning.memory import LORA_SHARE
+
     fp = freezing.plan(model, cfg)
     total: dict[str, int] = {}
     trained: dict[str, int] = {}
     for name, p in model.named_parameters():
-        part = part_of(name)
+        part = LORA_SHARE if is_adapter(name) else part_of(name)  # LoRA adapters: a share of their own
         total[part] = total.get(part, 0) + p.numel()
         trained[part] = trained.get(part, 0) + (p.numel() if name in fp.trainable else 0)
     return tuple((part, trained[part] / total[part]) for part in sorted(total) if total[part])

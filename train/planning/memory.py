@@ -211,6 +211,14 @@ def _base_layer_tensors(cfg: ModelConfig, i: int) -> list[tuple[str, tuple[int, 
     return out
 
 
+LORA_SHARE = "lora"  # Workload.trainable's key for the share of LoRA adapter elements that train
+
+
+class AdapterPart(str):
+    """The part name of a LoRA adapter tensor: equal to (and hashed as) its weight's part, so every by-part count
+    files it there, and told apart by its type where only the adapters train (Workload.trainable's LORA_SHARE)."""
+
+
 def _with_adapters(tensors: list, cfg: ModelConfig, i: int) -> list:
     """LoRA adapters (model.lora_rank) join their weights' parts; none is TP-sharded (TP refuses adapters on the
     projections it shards, and computes the experts whole)."""
@@ -219,7 +227,25 @@ def _with_adapters(tensors: list, cfg: ModelConfig, i: int) -> list:
     from moekit.models.lora import adapter_shapes
     from moekit.train.planning.dryrun import part_of
 
-    return tensors + [(part_of(name), shape, None) for name, shape in adapter_shapes(cfg, i)]
+    return tensors + [(AdapterPart(part_of(name)), shape, _adapter_tp_dim(name))
+                      for name, shape in adapter_shapes(cfg, i)]
+
+
+_COLUMNS = ("wq", "wk", "wv", "wq_b", "wkv_b", "wz", "wb", "wa")  # comm.tensor_parallel's column-wise projections
+
+
+def _adapter_tp_dim(name: str) -> int | None:
+    """The dim TP shards a LoRA adapter on: a column-wise projection's adapters on dim 0 (ColwiseParallel shards every
+    parameter of its module on dim 0); the rest are replicated over TP: a row-wise projection's (RowwiseParallel
+    shards the weight alone and replicates the module's other parameters), MLA's wq_a / wkv_a, Gated DeltaNet's
+    wqkv, the shared and routed experts."""
+    parts = name.split(".")
+    where, proj = parts[-3], parts[-2]
+    if where == "attn":
+        return 0 if proj in _COLUMNS else None
+    if where == "ffn":  # a dense block's FFN (an MoE block's shared expert sits one level deeper)
+        return 0 if proj in ("w_up", "w_gate") else None
+    return None
 
 
 def _local_numel(part: str, shape: tuple[int, ...], tp_dim: int | None, layout: Layout, fsdp: bool = True,
@@ -349,7 +375,11 @@ def estimate_memory(cfg: ModelConfig, layout: Layout, wl: Workload, stage: Stage
     for part, n in tensors:
         by_part[part] = by_part.get(part, 0) + n
     share = dict(wl.trainable)  # partial training: a part's frozen share has no gradient and no optimizer state
-    trained = [(part, n * share.get(part, 1.0) if share else n) for part, n in tensors]
+
+    def trains(part: str) -> float:  # LoRA adapters have a share of their own (AdapterPart)
+        return share.get(LORA_SHARE if isinstance(part, AdapterPart) else part, 1.0)
+
+    trained = [(part, n * trains(part) if share else n) for part, n in tensors]
     steps = sum(FP32 for _, n in trained if n)  # AdamW's step scalar per trained tensor
     optimizer = 2 * sum(n for _, n in trained) * FP32 + steps  # AdamW: two moments and a step scalar per tensor
     if wl.optimizer == "muon":  # a momentum buffer per weight matrix (train.muon), AdamW's state for the rest
