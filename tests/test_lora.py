@@ -357,12 +357,15 @@ def test_lora_training_is_layout_invariant_and_exports_merged(tmp_path, lora_ref
     torch.testing.assert_close(hf_logits(tmp_path / "hf"), ref["hf"], rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("layout", [["--world-size", "16", "--fsdp", "2", "--ep", "8"],
-                                    ["--world-size", "16", "--pp", "2", "--ep", "8", "--train.micro_batch_size", "1"],
-                                    ["--world-size", "16", "--tp", "2", "--fsdp", "2", "--ep", "4"]],
-                         ids=["fsdp-ep", "pp-ep", "tp-fsdp-ep"])
-@pytest.mark.parametrize("preset_name, targets", [("mixtral-8x7b", "all"), ("deepseek-v3", "*.experts.*,*.attn.*"),
-                                                  ("qwen3.5-35b-a3b", "all")])
+FSDP_EP = ["--world-size", "16", "--fsdp", "2", "--ep", "8"]
+PP_EP = ["--world-size", "16", "--pp", "2", "--ep", "8", "--train.micro_batch_size", "1"]
+TP_FSDP_EP = ["--world-size", "16", "--tp", "2", "--fsdp", "2", "--ep", "4"]
+
+
+@pytest.mark.parametrize("preset_name, targets, layout", [
+    ("mixtral-8x7b", "all", FSDP_EP), ("mixtral-8x7b", "all", PP_EP), ("mixtral-8x7b", "all", TP_FSDP_EP),
+    ("deepseek-v3", "*.experts.*,*.attn.*", TP_FSDP_EP), ("qwen3.5-35b-a3b", "all", TP_FSDP_EP),
+], ids=["mixtral-fsdp-ep", "mixtral-pp-ep", "mixtral-tp-fsdp-ep", "deepseek-v3-tp-fsdp-ep", "qwen3.5-tp-fsdp-ep"])
 def test_the_dry_run_plans_the_adapters(preset_name, targets, layout):
     """The estimate (config alone) against the recipe's real shards with the adapters built, exactly: parameters
     (TP shards a column-wise projection's adapters, replicates a row-wise one's), gradients and AdamW state of the
