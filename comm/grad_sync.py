@@ -81,6 +81,7 @@ def sync_gradients(model: nn.Module, topology, roles: dict[str, str], fsdp: bool
     """
     L = topology.layout
     D, tp = L.dp_cp, L.tp  # the ranks holding different tokens (context-parallel ones too)
+    match_grad_placements(model)
     buckets: dict[tuple[str, torch.dtype], list[Tensor]] = {}
     for name, p in model.named_parameters():
         if p.grad is None:
@@ -108,6 +109,19 @@ def sync_gradients(model: nn.Module, topology, roles: dict[str, str], fsdp: bool
         from moekit.comm.relocate import sum_replica_grads
 
         sum_replica_grads(model)
+
+
+@torch.no_grad()
+def match_grad_placements(model: nn.Module) -> None:
+    """Give every DTensor gradient its parameter's placements. DTensor's backward may leave a replicated parameter's
+    gradient Partial (pending a sum over TP) or sharded: a row-wise projection's LoRA adapters (models.lora), which
+    RowwiseParallel replicates, get a Partial B and a column-sharded A gradient. The optimizer would sum them when
+    it updates, but the gradient norm reads local values; so they are reduced here first (an r-wide tensor each)."""
+    for p in model.parameters():
+        g = p.grad
+        if g is not None and hasattr(g, "placements") and hasattr(p, "placements") and tuple(g.placements) != tuple(
+                p.placements):
+            p.grad = g.redistribute(p.device_mesh, p.placements)
 
 
 def _all_reduce_flat(grads: list[Tensor], group) -> None:

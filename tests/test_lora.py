@@ -298,7 +298,9 @@ LAYOUT = ["--model.hidden_size", "32", "--train.seq_len", "32", "--batch-size", 
 
 
 def losses(run_dir: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    """Each step's loss and gradient norm (the norm must count every adapter shard once: clipping uses it)."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows] + [r["grad_norm"] for r in rows]
 
 
 def hf_logits(folder: Path) -> torch.Tensor:
@@ -387,3 +389,78 @@ def test_the_dry_run_plans_the_adapters(preset_name, targets, layout):
     assert est.params == sum(built.measured.values()) * 4
     assert est.grads == built.trained * 4 and 0 < est.grads < est.params / 20
     assert est.optimizer == built.optimizer[1]
+
+
+# -- the adapters alone: a PEFT adapter folder --------------------------------------------------------------------
+
+
+def hf_folder_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+@pytest.mark.parametrize("name, targets", [("mixtral-tiny", "all"), ("mixtral-tiny", "layers.1.*,layers.3.ffn.*"),
+                                           ("deepseek-tiny", "all"), ("qwen3.5-tiny", "all"),
+                                           ("gpt-oss-tiny", "*.attn.*")])
+def test_peft_adapter_plus_the_base_checkpoint_is_the_merged_export(tmp_path, name, targets):
+    """save_peft's factors, added to the HF checkpoint of the base weights, give the HF checkpoint of the merged
+    model tensor for tensor (computed another way: merge_lora, then save_hf); the config's regex names exactly the
+    adapted Linears; gpt-oss's fused expert tensors have no per-Linear adapter and are refused by name."""
+    import re
+
+    from safetensors.torch import load_file
+
+    from moekit.models.hf import save_hf
+    from moekit.models.hf.peft import apply_peft, save_peft
+
+    cfg = dataclasses.replace(preset(name), lora_rank=4, lora_alpha=12.0, lora_targets=targets)
+    model = build_model(cfg, seed=random.randrange(1 << 20))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".lora_b" in n:
+                p.normal_(0.0, 0.05, generator=gen("peft", name, n))
+    import copy
+
+    plain = copy.deepcopy(model)
+    with torch.no_grad():
+        for n, p in plain.named_parameters():
+            if ".lora_b" in n:
+                p.zero_()
+    merged = merge_lora(copy.deepcopy(model))
+    save_hf(plain, tmp_path / "base")
+    save_hf(merged, tmp_path / "merged")
+    out = save_peft(model, tmp_path / "adapter", base_model="some/base")
+    adapter = load_file(out / "adapter_model.safetensors")
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 12.0 and config["base_model_name_or_path"] == "some/base"
+    base, want = hf_folder_tensors(tmp_path / "base"), hf_folder_tensors(tmp_path / "merged")
+    got = apply_peft(base, adapter, 3.0)
+    changed = 0
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+        changed += int(not torch.equal(base[k], v))
+    adapted = {k[len("base_model.model."): -len(".lora_A.weight")] for k in adapter if k.endswith(".lora_A.weight")}
+    assert changed == len(adapted) > 0  # every adapted Linear changed, and nothing else
+    linears = {k[: -len(".weight")] for k, v in base.items() if k.endswith(".weight") and v.dim() == 2}
+    assert {m for m in linears if re.fullmatch(config["target_modules"], m)} == adapted
+    if name == "gpt-oss-tiny":
+        with pytest.raises(ValueError, match=r"experts\.w_in -> .*fused expert tensor"):
+            save_peft(build_model(dataclasses.replace(cfg, lora_targets="all")), tmp_path / "x")
+
+
+def test_export_lora_writes_the_adapter_of_a_run_and_refuses_more(tmp_path, capsys):
+    from moekit.train.convert import main as convert
+
+    run = tmp_path / "run"
+    assert train_main([*DEEPSEEK, "--steps", "2", "--run-dir", str(run)]) == 0
+    capsys.readouterr()
+    assert convert(["export-lora", str(run), str(tmp_path / "adapter"), "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert "PEFT LoRA adapter (rank 4, alpha 16)" in out and "verified: the base checkpoint plus the adapter" in out
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+    routers = tmp_path / "routers"
+    assert train_main([*DEEPSEEK, "--steps", "1", "--train.trainable", "*.router.*", "--run-dir", str(routers)]) == 0
+    capsys.readouterr()
+    assert convert(["export-lora", str(routers), str(tmp_path / "a2")]) == 2
+    one_stderr_line(capsys, "trained more than its adapters", "--train.trainable '*.router.*'", "merge-lora")

@@ -8,10 +8,13 @@
     moekit-convert prune SRC --scores FILE --keep N -o OUT [--by gate|token|reap] [--family F] [--tokenizer DIR]
                                            [--dtype ...] [--verify]
     moekit-convert merge-lora SRC -o OUT [--family F] [--tokenizer DIR] [--ema] [--verify]
+    moekit-convert export-lora SRC OUT [--family F] [--base NAME] [--dtype ...] [--ema] [--verify]
 
 merge-lora folds a LoRA fine-tune's adapters (model.lora_rank > 0, moekit.models.lora) into the weights: OUT is the
 plain model (a moekit file to start a full fine-tune from with --train.init_from, or an HF folder; moekit-to-hf
-folds them as well).
+folds them as well). export-lora writes the adapters alone as a PEFT adapter folder (adapter_config.json +
+adapter_model.safetensors) for the HF checkpoint of the base weights, the per-expert layout vLLM, SGLang and PEFT load
+(moekit.models.hf.peft).
 
 prune keeps the N experts of every MoE layer that calibration data routes to most (FILE: moekit-eval SRC --data
 CALIB.bin --split all --select-experts FILE scores them) and drops the rest with their router rows; a token whose
@@ -135,7 +138,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="an HF OUT's tokenizer (default: the run directory of a checkpoint SRC, when recorded)")
     e.add_argument("--ema", action="store_true",
                    help="merge the checkpoint's parameter average (--train.ema_decay) instead of its weights")
-    for q in (a, b, c, d, e):
+    f = sub.add_parser("export-lora", help="a LoRA run's adapters -> a PEFT adapter folder (vLLM, SGLang, PEFT)")
+    f.add_argument("src", help="a moekit model file, checkpoint or run directory whose model has LoRA adapters")
+    f.add_argument("out", help="output folder: adapter_config.json + adapter_model.safetensors")
+    f.add_argument("--family", choices=HF_FAMILIES, default=None,
+                   help="the HF model_type of the base checkpoint (default: the one the model was imported from)")
+    f.add_argument("--base", default="", metavar="NAME",
+                   help="adapter_config's base_model_name_or_path (default: the run's --init-from-hf folder)")
+    f.add_argument("--dtype", choices=[*DTYPE_NAMES, "auto"], default="auto",
+                   help="the adapters' dtype on disk (default: the model's)")
+    f.add_argument("--ema", action="store_true",
+                   help="export the checkpoint's parameter average (--train.ema_decay) instead of its weights")
+    for q in (a, b, c, d, e, f):
         q.add_argument("--verify", action="store_true", help="reload the output and compare logits")
     return p.parse_args(argv)
 
@@ -146,12 +160,13 @@ def main(argv: list[str] | None = None) -> int:
     def body() -> int:
         args = parse_args(sys.argv[1:] if argv is None else argv)
         from moekit.train.averaging import average  # torch and the models: after the flags
-        from moekit.train.modelfiles import hf_to_moekit, merge_lora_command, moekit_to_hf
+        from moekit.train.modelfiles import export_lora_command, hf_to_moekit, merge_lora_command, moekit_to_hf
         from moekit.train.pruning import prune_command
 
         try:
             {"hf-to-moekit": hf_to_moekit, "moekit-to-hf": moekit_to_hf, "average": average,
-             "prune": prune_command, "merge-lora": merge_lora_command}[args.command](args)
+             "prune": prune_command, "merge-lora": merge_lora_command,
+             "export-lora": export_lora_command}[args.command](args)
         except ValueError as exc:  # the readers' and writers' checks: the message names the file and the fix
             raise UserError(str(exc)) from None
         return 0

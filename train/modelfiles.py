@@ -418,3 +418,68 @@ def merge_lora_command(args) -> None:
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, no adapters")
     if before is not None:
         verify(load_hf(out) if hf else load_moekit(out), before, f"{args.src} -> {out} (merged)")
+
+
+def _run_config(src: Path) -> dict | None:
+    """The config.json of the run a checkpoint SRC (<run_dir>/checkpoints/step_N) belongs to, when there is one."""
+    path = src.parent.parent / "config.json" if src.is_dir() and src.parent.name == "checkpoints" else None
+    try:
+        return json.loads(path.read_text()) if path is not None and path.is_file() else None
+    except (OSError, ValueError):
+        return None
+
+
+def export_lora_command(args) -> None:
+    """moekit-convert export-lora SRC OUT: a LoRA run's adapters as a PEFT adapter folder (models.hf.peft) for the
+    HF checkpoint of its base weights; --verify checks base + adapter against the merged export, tensor by tensor."""
+    import tempfile
+
+    from moekit.models.hf.peft import PEFT_WEIGHTS, apply_peft, save_peft
+    from moekit.models.lora import has_lora
+
+    check_out(args.out, folder=True)
+    src = run_checkpoint(Path(args.src))
+    run = _run_config(src)
+    model = load_moekit(src, averaged=args.ema)
+    if not has_lora(model):
+        raise ValueError(f"SRC {args.src}: the model has no LoRA adapters (model.lora_rank 0); export it whole with "
+                         f"moekit-to-hf")
+    trained = [f"--train.{k} {run['train'][k]!r}" for k in ("trainable", "init_from_dense") if run and run["train"].get(k)]
+    if trained:
+        raise ValueError(f"SRC {args.src}: the run trained more than its adapters ({', '.join(trained)}), which an "
+                         f"adapter cannot carry; export the merged model instead (moekit-convert merge-lora SRC -o "
+                         f"HF_DIR, or moekit-to-hf)")
+    base = args.base or (run["train"].get("init_from_hf", "") if run else "")
+    cfg = model.config
+    out = save_peft(model, args.out, family=args.family, base_model=base,
+                    dtype=None if args.dtype == "auto" else DTYPES[args.dtype])
+    family = json.loads((out / "adapter_config.json").read_text())["moekit"]["family"]
+    print(f"wrote {out}: PEFT LoRA adapter (rank {cfg.lora_rank}, alpha {cfg.lora_alpha:g}) for the {family} "
+          f"checkpoint of its base weights{f' ({base})' if base else ''}")
+    if not args.verify:
+        return
+    with tempfile.TemporaryDirectory() as tmp:  # the base and the merged model as save_hf writes them
+        from safetensors.torch import load_file
+
+        def written(folder: Path) -> dict:
+            return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+        import copy
+
+        from moekit.models.lora import merge_lora
+
+        plain = copy.deepcopy(model)
+        for name, p in plain.named_parameters():  # the base: every adapter's B at 0
+            if ".lora_b" in name:
+                p.data.zero_()
+        merged = merge_lora(copy.deepcopy(model))
+        save_hf(plain, Path(tmp) / "base", family=family)
+        save_hf(merged, Path(tmp) / "merged", family=family)
+        got = apply_peft(written(Path(tmp) / "base"), load_file(out / PEFT_WEIGHTS), cfg.lora_alpha / cfg.lora_rank)
+        want = written(Path(tmp) / "merged")
+        worst = max(((got[k].float() - v.float()).norm() / v.float().norm().clamp_min(1e-30)).item()
+                    for k, v in want.items())
+        if worst > 1e-5:
+            raise ValueError(f"verification failed: base + adapter differs from the merged export (relative error "
+                             f"{worst:.2e})")
+        print(f"verified: the base checkpoint plus the adapter is the merged model's (relative error {worst:.1e})")
