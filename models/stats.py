@@ -14,7 +14,8 @@ FLOPs per token (the convention of Kaplan et al. 2020 / PaLM appendix B, with th
                rule's products: P / S * Nv * (4 L dk + 2 L dv + 6 dk dv), L = min(chunk, S) the chunk, P = S rounded
                up to whole chunks (its triangular solves, L^2 (dk + dv) / 2 per chunk and head, are not counted, as
                FlopCounterMode counts none)
-    training = 3 * forward         (backward costs twice the forward)
+    training = 3 * forward         (backward costs twice the forward); a frozen weight (partial training, LoRA's
+               base) skips its weight gradient: 2 per active parameter less (``frozen_wgrad_flops``)
 With multi-token prediction (models.mtp), depth k runs its projection, block and the shared head on S - k of
 every S positions: (S - k) / S * (2 * its active matmul parameters + 2 * head + (S - k) * N * (Dqk + Dv)).
 
@@ -66,6 +67,42 @@ def model_stats(config: ModelConfig, seq_len: int | None = None) -> ModelStats:
         n = max(seq_len - k, 0)
         forward += -2.0 * mtp_matmul + n / seq_len * (2.0 * (mtp_matmul + head) + n * per_key)
     return ModelStats(params, active, embedding, 3.0 * forward, seq_len)
+
+
+def frozen_wgrad_flops(config: ModelConfig, frozen: set[str], seq_len: int | None = None) -> float:
+    """Training FLOPs per token that frozen weights do not cost: 2 per active matmul parameter, the weight gradient
+    autograd skips for a parameter without ``requires_grad`` (``frozen``: one-process names; LoRA's base weights,
+    --train.freeze). Active as in model_stats: an expert stack's top_k / E share, an MTP depth's (S - k) / S. Their
+    input gradients still count: exact where every frozen weight's input needs a gradient (something below it
+    trains); below the lowest trained parameter autograd skips those too, which this count still includes."""
+    seq_len = seq_len or config.max_seq_len
+    if not frozen:
+        return 0.0
+    from moekit.models.init import canonical_name
+
+    with meta_device():
+        model = Transformer(config)
+    share: dict[str, float] = {}
+    for name, layer in [(f"layers.{i}", b) for i, b in enumerate(model.layers)] + \
+            [(f"mtp.{k}.block", m.block) for k, m in enumerate(model.mtp)]:
+        if layer.is_moe:
+            E = layer.ffn.experts.num_experts
+            for p in layer.ffn.experts.param_names():
+                share[f"{name}.ffn.experts.{p}"] = min(config.top_k, E) / E
+    total = 0.0
+    for name, p in model.named_parameters():
+        name = canonical_name(name)
+        if name not in frozen or p.dim() < 2 or (name == "embed.weight" and not config.tie_embeddings):
+            continue  # vectors and the embedding lookup are no matmuls (model_stats)
+        if name.split(".")[-1] in ("b_in", "b_out"):
+            continue  # expert biases: 2-d, added
+        f = share.get(name, 1.0)
+        if name.startswith("mtp."):
+            f *= max(seq_len - int(name.split(".")[1]) - 1, 0) / seq_len
+        if name == ("embed.weight" if config.tie_embeddings else "lm_head.weight"):  # the head, which MTP depth k
+            f += sum(max(seq_len - k, 0) / seq_len for k in range(1, config.mtp_layers + 1))  # reuses on S - k
+        total += 2.0 * p.numel() * f
+    return total
 
 
 def linear_attention_flops(config: ModelConfig, seq_len: int) -> float:

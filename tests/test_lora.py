@@ -464,3 +464,40 @@ def test_export_lora_writes_the_adapter_of_a_run_and_refuses_more(tmp_path, caps
     capsys.readouterr()
     assert convert(["export-lora", str(routers), str(tmp_path / "a2")]) == 2
     one_stderr_line(capsys, "trained more than its adapters", "--train.trainable '*.router.*'", "merge-lora")
+
+
+@pytest.mark.parametrize("name, overrides, frozen", [
+    ("deepseek-tiny", {"lora_rank": 4, "mtp_layers": 1}, lambda n: not is_adapter(n) and n != "embed.weight"),
+    ("mixtral-tiny", {}, lambda n: ".experts." in n or ".attn.wq." in n),
+], ids=["lora-deepseek-mtp", "frozen-experts-and-wq"])
+def test_mfu_counts_no_weight_gradient_for_frozen_weights(monkeypatch, name, overrides, frozen):
+    """The MFU numerator of a partial run (model_stats minus frozen_wgrad_flops) against torch's FlopCounterMode over
+    a real forward and backward with those weights frozen, exactly; the embedding trains, so every layer's input
+    needs its gradient (below the lowest trained parameter autograd would skip more: the count's stated limit)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from moekit.models import attention
+    from moekit.models.stats import frozen_wgrad_flops, mean_keys, model_stats
+    from tests.test_models import small
+
+    cfg = small(name, num_layers=2, expert_backend="loop", **overrides)
+    monkeypatch.setattr(attention, "EXPLICIT_ATTENTION", "always")
+    model = build_model(cfg, seed=3)
+    names = {n for n, p in model.named_parameters() if frozen(n)}
+    for n, p in model.named_parameters():
+        p.requires_grad_(n not in names)
+    B, S = 2, 48
+    tokens = torch.randint(0, cfg.vocab_size, (B, S), generator=gen("lora-flops", name))
+
+    def addmm_(acc_shape, a_shape, b_shape, *args, **kwargs):
+        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+
+    with FlopCounterMode(display=False, custom_mapping={torch.ops.aten.addmm_: addmm_}) as counter:
+        model(tokens, targets=tokens.roll(-1, 1)).backward()
+    counted = counter.get_total_flops() / (B * S)
+    keys = sum(2 * S - 2 * mean_keys(S, cfg.attention_window(i)) for i in range(cfg.num_layers))
+    keys += sum((S - k) ** 2 / S for k in range(1, cfg.mtp_layers + 1))
+    attention_term = 3 * keys * cfg.num_heads * (cfg.attn_qk_head_dim + cfg.attn_v_head_dim)
+    skipped = frozen_wgrad_flops(cfg, names, S)
+    assert skipped > 0.1 * model_stats(cfg, S).train_flops_per_token
+    assert counted == pytest.approx(model_stats(cfg, S).train_flops_per_token - skipped + attention_term, rel=1e-12)

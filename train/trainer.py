@@ -114,6 +114,13 @@ class Trainer:
         self.parts = grad_parts.present(self.model)  # the whole model's (a pipeline rank holds some of them)
         # --train.trainable / freeze / train_experts: what trains, by one-process name (None: everything)
         self.freeze = freezing.plan(self.model, cfg)
+        if self.freeze is not None:  # mfu's numerator: frozen weights compute no weight gradient
+            import dataclasses
+
+            from moekit.models.stats import frozen_wgrad_flops
+
+            skipped = frozen_wgrad_flops(cfg.model, self.freeze.frozen, cfg.train.seq_len)
+            self.plan = dataclasses.replace(self.plan, flops_per_token=self.plan.flops_per_token - skipped)
         # which experts each EP rank holds: a placement file, a rebalancing run's checkpoint, or contiguous blocks
         self.placement = RunPlacement.for_run(cfg, self.dist.topology, self.model, self.resume_from)
         # The model stays on the meta device until it is parallelised; each rank then allocates its share and fills
