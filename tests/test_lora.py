@@ -270,6 +270,12 @@ def test_init_from_a_plain_run_gives_fresh_adapters_and_merge_lora_leads_back(tm
     assert "keeps the logits" in capsys.readouterr().out
     merged = load_moekit(out)
     assert merged.config.lora_rank == 0 and not has_lora(merged)
+    from moekit.train.evaluate import main as evaluate
+
+    for src in (lora, out):  # moekit-eval builds the run's adapters from its config: the merged file's loss
+        assert evaluate([str(src), "--max-tokens", "2048"]) == 0
+    first, second = (line for line in capsys.readouterr().out.splitlines() if line.startswith("loss "))
+    assert first.split()[1] == second.split()[1], (first, second)
     assert train_main([*flags, "--steps", "1", "--train.init_from", str(out), "--run-dir", str(tmp_path / "full")]) == 0
     assert convert(["merge-lora", str(plain), "-o", str(tmp_path / "m.safetensors")]) == 2
     one_stderr_line(capsys, "has no LoRA adapters")
