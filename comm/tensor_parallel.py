@@ -117,7 +117,12 @@ def apply_tensor_parallel(model: nn.Module, topology, sequence_parallel: bool = 
 def _shard_block(block: nn.Module, mesh, group, sequence_parallel: bool) -> list[nn.Module]:
     """Shard one block's attention and dense MLP over the TP mesh; returns its per-head q/k norms, whose gradients
     are partial over TP."""
-    parallelize_module(block, mesh, _block_plan(block, sequence_parallel))
+    plan = _block_plan(block, sequence_parallel)
+    parallelize_module(block, mesh, plan)
+    for name, style in plan.items():  # LoRA adapters (models.lora): a column-wise projection's A replicated
+        module = block.get_submodule(name)
+        if isinstance(style, ColwiseParallel) and hasattr(module, "lora_a"):
+            _replicate(module, "lora_a", mesh)
     attn = block.attn
     if hasattr(attn, "tp_partial"):  # Gated DeltaNet: its heads' rows of the replicated fused projection (module doc)
         attn.tp = (dist.get_rank(group), dist.get_world_size(group), group)
@@ -134,6 +139,18 @@ def _shard_block(block: nn.Module, mesh, group, sequence_parallel: bool) -> list
     if hasattr(attn, "q_norm"):
         return [attn.q_norm, attn.k_norm]  # qk_norm "head": replicated, each rank's heads
     return []
+
+
+def _replicate(module: nn.Module, name: str, mesh) -> None:
+    """Re-place ``module.name`` (a DTensor ColwiseParallel sharded on dim 0, still on the meta device or holding
+    values) as replicated over the TP mesh. A column-wise projection's LoRA A [r, in] then computes the [T, r] product
+    whole on every rank (ColwiseParallel's split of r would make DTensor all-gather it in forward and reduce-scatter
+    its gradient in backward, per micro-batch); its gradient comes out partial and comm.grad_sync.match_grad_placements
+    all-reduces it once per step (r x in elements)."""
+    p = getattr(module, name)
+    full = p.full_tensor() if not p.is_meta else torch.empty(p.shape, dtype=p.dtype, device="meta")
+    module.register_parameter(name, nn.Parameter(distribute_tensor(full, mesh, [Replicate()]),
+                                                 requires_grad=p.requires_grad))
 
 
 class TPFullRMSNorm(nn.Module):

@@ -21,10 +21,11 @@ evaluation, export, a resumed run) builds them too. Training with adapters (trai
 only, plus whatever ``--train.trainable`` names; the base weights stay frozen. ``merge_lora`` folds the adapters
 into the weights (HuggingFace export, ``moekit-convert merge-lora``), leaving a model without them.
 
-Every layout takes adapters. Tensor parallelism shards a column-wise projection's adapters with it (torch's
-ColwiseParallel shards every parameter of the module on dim 0) and replicates a row-wise one's (RowwiseParallel
-replicates what is not the weight or bias): DTensor then computes the adapter in the projection's own layout,
-the r-wide products reduced where they must be. Gated DeltaNet's replicated fused projection, which each TP rank reads
+Every layout takes adapters. Tensor parallelism shards a column-wise projection's B with its rows and replicates its
+A (comm.tensor_parallel: the [T, r] product then needs no gather), and replicates a row-wise projection's A and B
+(RowwiseParallel replicates what is not the weight or bias): DTensor computes the adapter in the projection's own
+layout, and the partial gradients of replicated adapters are summed before the gradient norm
+(comm.grad_sync.match_grad_placements). Gated DeltaNet's replicated fused projection, which each TP rank reads
 in row blocks, applies its adapter's rows alike (models.linear_attention), its gradients partial over TP as the
 weight's (comm.grad_sync). The routed and shared experts are computed whole under TP (its token split).
 """

@@ -235,12 +235,14 @@ _COLUMNS = ("wq", "wk", "wv", "wq_b", "wkv_b", "wz", "wb", "wa")  # comm.tensor_
 
 
 def _adapter_tp_dim(name: str) -> int | None:
-    """The dim TP shards a LoRA adapter on: a column-wise projection's adapters on dim 0 (ColwiseParallel shards every
-    parameter of its module on dim 0); the rest are replicated over TP: a row-wise projection's (RowwiseParallel
-    shards the weight alone and replicates the module's other parameters), MLA's wq_a / wkv_a, Gated DeltaNet's
-    wqkv, the shared and routed experts."""
+    """The dim TP shards a LoRA adapter on: a column-wise projection's B [out, r] on dim 0, with its weight's rows; the
+    rest are replicated over TP: that projection's A (comm.tensor_parallel re-places it), a row-wise projection's
+    A and B (RowwiseParallel shards the weight alone and replicates the module's other parameters), MLA's wq_a /
+    wkv_a, Gated DeltaNet's wqkv, the shared and routed experts."""
     parts = name.split(".")
-    where, proj = parts[-3], parts[-2]
+    where, proj, leaf = parts[-3], parts[-2], parts[-1]
+    if leaf != "lora_b":
+        return None
     if where == "attn":
         return 0 if proj in _COLUMNS else None
     if where == "ffn":  # a dense block's FFN (an MoE block's shared expert sits one level deeper)
