@@ -206,9 +206,9 @@ def _init_lora(model: nn.Module, normal_) -> None:
             continue
         if hasattr(module, "lora_a"):  # a LoRALinear: lora_a [r, in], lora_b [out, r]
             pairs = [(module.lora_a, module.lora_b, module.lora_a.shape[-1])]
-        else:  # expert stacks: lora_a_{side} [E, fan_in, r], lora_b_{side} [E, r, out]
-            pairs = [(getattr(module, f"lora_a_{s}"), getattr(module, f"lora_b_{s}"), getattr(module, f"lora_a_{s}").shape[1])
-                     for s in ("in", "out") if getattr(module, f"lora_a_{s}", None) is not None]
+        else:  # expert stacks: lora_a_{side} [E, in, r], lora_b_{side} [E, r, out]
+            pairs = [(module.get_parameter(f"lora_a_{s}"), module.get_parameter(f"lora_b_{s}"),
+                      module.get_parameter(f"lora_a_{s}").shape[1]) for s in module.lora_sides]
         for a, b, fan_in in pairs:
             normal_(a, 1.0 / math.sqrt(fan_in))
             if normal_.only is None or normal_.names[id(b)] in normal_.only:

@@ -57,11 +57,6 @@ class LoRALinear(nn.Linear):
         # y + s u B^T as one addmm (no separate scale and add passes over the [..., out] output)
         return torch.addmm(y.flatten(0, -2), u.flatten(0, -2), self.lora_b.t(), alpha=self.lora_scale).view(y.shape)
 
-    def merged_weight(self) -> Tensor:
-        """weight + scale B A, in the weight's dtype (computed in float32)."""
-        w = self.weight.float() + (self.lora_b.float() @ self.lora_a.float()) * self.lora_scale
-        return w.to(self.weight.dtype)
-
     def extra_repr(self) -> str:
         return super().extra_repr() + f", lora_rank={self.lora_rank}, lora_scale={self.lora_scale:g}"
 
@@ -173,6 +168,13 @@ def has_lora(model: nn.Module) -> bool:
     return any(is_adapter(n) for n, _ in model.named_parameters())
 
 
+def folded(W: Tensor, A: Tensor, B: Tensor, scale: float, expert: bool) -> Tensor:
+    """W + scale x the adapter's product, computed in float32 and returned in W's dtype: a Linear's B @ A ([out, r] @
+    [r, in]), an expert stack's A @ B per expert ([E, in, r] @ [E, r, out])."""
+    delta = torch.bmm(A.float(), B.float()) if expert else B.float() @ A.float()
+    return (W.float() + delta * scale).to(W.dtype)
+
+
 @torch.no_grad()
 def merged_state(state: dict[str, Tensor], scale_of) -> dict[str, Tensor]:
     """A full state dict with its adapters folded into the weights and removed: ``scale_of(prefix)`` gives the
@@ -183,12 +185,12 @@ def merged_state(state: dict[str, Tensor], scale_of) -> dict[str, Tensor]:
         leaf = key.rsplit(".", 1)[-1]
         prefix = key[: -len(leaf) - 1]
         if leaf == "lora_a":
-            A, B, W = state[key], state[f"{prefix}.lora_b"], state[f"{prefix}.weight"]
-            out[f"{prefix}.weight"] = (W.float() + (B.float() @ A.float()) * scale_of(prefix)).to(W.dtype)
+            out[f"{prefix}.weight"] = folded(state[f"{prefix}.weight"], state[key], state[f"{prefix}.lora_b"],
+                                             scale_of(prefix), expert=False)
         elif leaf in ("lora_a_in", "lora_a_out"):
             side = leaf[len("lora_a_"):]
-            A, B, W = state[key], state[f"{prefix}.lora_b_{side}"], state[f"{prefix}.w_{side}"]
-            out[f"{prefix}.w_{side}"] = (W.float() + torch.bmm(A.float(), B.float()) * scale_of(prefix)).to(W.dtype)
+            out[f"{prefix}.w_{side}"] = folded(state[f"{prefix}.w_{side}"], state[key], state[f"{prefix}.lora_b_{side}"],
+                                               scale_of(prefix), expert=True)
     return out
 
 
@@ -215,25 +217,25 @@ def fold_lora(model: nn.Module) -> int:
     Collective where the adapters are DTensors (call on every rank); returns the modules folded."""
     from moekit.moe.experts import GroupedExperts
 
-    folded = 0
+    count = 0
     for name, module in model.named_modules():
         if isinstance(module, LoRALinear):
-            A, B = _full(module.lora_a).float(), _full(module.lora_b).float()
+            A, B = _full(module.lora_a), _full(module.lora_b)
             rows, cols = _box(module.weight, f"{name}.weight")
             W = _local(module.weight)
-            W.copy_((W.float() + (B[rows] @ A[:, cols]) * module.lora_scale).to(W.dtype))
+            W.copy_(folded(W, A[:, cols], B[rows], module.lora_scale, expert=False))
             _local(module.lora_b).zero_()
-            folded += 1
+            count += 1
         elif isinstance(module, GroupedExperts) and module.lora_rank:
             for side in module.lora_sides:
                 w = getattr(module, f"w_{side}")
-                A, B = (_full(getattr(module, f"lora_{k}_{side}")).float() for k in ("a", "b"))
+                A, B = (_full(getattr(module, f"lora_{k}_{side}")) for k in ("a", "b"))
                 e, i, o = _box(w, f"{name}.w_{side}")
                 W = _local(w)
-                W.copy_((W.float() + torch.bmm(A[e, i], B[e, :, o]) * module.lora_scale).to(W.dtype))
+                W.copy_(folded(W, A[e, i], B[e, :, o], module.lora_scale, expert=True))
                 _local(getattr(module, f"lora_b_{side}")).zero_()
-            folded += 1
-    return folded
+            count += 1
+    return count
 
 
 def scales(model: nn.Module) -> dict[str, float]:
@@ -251,18 +253,13 @@ def merge_lora(model: nn.Module) -> nn.Module:
     rounding) and its config says ``lora_rank`` 0."""
     from moekit.moe.experts import LORA_EXPERT_PARAMS, GroupedExperts
 
+    fold_lora(model)  # the weights now hold the adapters' products; what is left is removing the adapters
     for module in list(model.modules()):
         if isinstance(module, LoRALinear):
-            module.weight.copy_(module.merged_weight())
             del module.lora_a, module.lora_b
             module.__class__ = nn.Linear
             del module.lora_rank, module.lora_scale
         elif isinstance(module, GroupedExperts) and module.lora_rank:
-            for side in ("in", "out"):
-                A = getattr(module, f"lora_a_{side}")
-                if A is not None:
-                    W, B = getattr(module, f"w_{side}"), getattr(module, f"lora_b_{side}")
-                    W.copy_((W.float() + torch.bmm(A.float(), B.float()) * module.lora_scale).to(W.dtype))
             for name in LORA_EXPERT_PARAMS:
                 setattr(module, name, None)
             module.lora_rank, module.lora_scale, module.lora_sides = 0, 0.0, ()

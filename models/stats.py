@@ -69,26 +69,24 @@ def model_stats(config: ModelConfig, seq_len: int | None = None) -> ModelStats:
     return ModelStats(params, active, embedding, 3.0 * forward, seq_len)
 
 
-def frozen_wgrad_flops(config: ModelConfig, frozen: set[str], seq_len: int | None = None) -> float:
+def frozen_wgrad_flops(config: ModelConfig, frozen: set[str], seq_len: int | None = None,
+                       model: Transformer | None = None) -> float:
     """Training FLOPs per token that frozen weights do not cost: 2 per active matmul parameter, the weight gradient
     autograd skips for a parameter without ``requires_grad`` (``frozen``: one-process names; LoRA's base weights,
     --train.freeze). Active as in model_stats: an expert stack's top_k / E share, an MTP depth's (S - k) / S. Their
     input gradients still count: exact where every frozen weight's input needs a gradient (something below it
-    trains); below the lowest trained parameter autograd skips those too, which this count still includes."""
+    trains); below the lowest trained parameter autograd skips those too, which this count still includes.
+    ``model``: the config's model when the caller has one built (the meta device will do)."""
     seq_len = seq_len or config.max_seq_len
     if not frozen:
         return 0.0
     from moekit.models.init import canonical_name
 
-    with meta_device():
-        model = Transformer(config)
-    share: dict[str, float] = {}
-    for name, layer in [(f"layers.{i}", b) for i, b in enumerate(model.layers)] + \
-            [(f"mtp.{k}.block", m.block) for k, m in enumerate(model.mtp)]:
-        if layer.is_moe:
-            E = layer.ffn.experts.num_experts
-            for p in layer.ffn.experts.param_names():
-                share[f"{name}.ffn.experts.{p}"] = min(config.top_k, E) / E
+    if model is None:
+        with meta_device():
+            model = Transformer(config)
+    E = config.num_experts
+    head = "embed.weight" if config.tie_embeddings else "lm_head.weight"
     total = 0.0
     for name, p in model.named_parameters():
         name = canonical_name(name)
@@ -96,11 +94,11 @@ def frozen_wgrad_flops(config: ModelConfig, frozen: set[str], seq_len: int | Non
             continue  # vectors and the embedding lookup are no matmuls (model_stats)
         if name.split(".")[-1] in ("b_in", "b_out"):
             continue  # expert biases: 2-d, added
-        f = share.get(name, 1.0)
+        f = min(config.top_k, E) / E if ".ffn.experts." in name else 1.0
         if name.startswith("mtp."):
             f *= max(seq_len - int(name.split(".")[1]) - 1, 0) / seq_len
-        if name == ("embed.weight" if config.tie_embeddings else "lm_head.weight"):  # the head, which MTP depth k
-            f += sum(max(seq_len - k, 0) / seq_len for k in range(1, config.mtp_layers + 1))  # reuses on S - k
+        if name == head:  # the head, which MTP depth k reuses on S - k positions
+            f += sum(max(seq_len - k, 0) / seq_len for k in range(1, config.mtp_layers + 1))
         total += 2.0 * p.numel() * f
     return total
 

@@ -32,15 +32,16 @@ from torch import Tensor
 from moekit.moe import onednn_gemm as onednn
 from moekit.moe.activations import get_activation, swiglu_oai_backward_into, swiglu_oai_into
 from moekit.moe.expert_threads import choose_workers, for_each_expert
+# moe.experts imports this module only when experts with adapters run: no cycle at import time
+from moekit.moe.experts import EXPERT_PARAM_NAMES, _grouped_mm_why_not, add_expert_bias, counts_to_offs
 from moekit.moe.loop_experts import LOOP_FUSED_ACTIVATIONS, _blocks, _zeroed, swiglu_into
 
-_ORDER = ("w_in", "w_out", "b_in", "b_out", "lora_a_in", "lora_b_in", "lora_a_out", "lora_b_out")
+# _LoopLoRA's tensor arguments after rows, in moe.experts' order: w_in, w_out, b_in, b_out, then the adapters
+_ORDER = EXPERT_PARAM_NAMES
 
 
 def lora_path(rows: Tensor, named: dict[str, Tensor], backend: str) -> str:
     """"grouped" or "loop" (module docstring) for these tensors and the layer's expert backend name."""
-    from moekit.moe.experts import _grouped_mm_why_not
-
     if backend == "float8":
         raise ValueError("expert backend 'float8' has no LoRA adapter path; use 'auto' (or 'torch' / 'loop') for "
                          "experts with adapters")
@@ -55,8 +56,6 @@ def lora_mlp(rows: Tensor, counts: Tensor, named: dict[str, Tensor], activation:
              backend: str = "auto") -> Tensor:
     """rows [N, H] expert-major, counts [E] -> [N, H] (module docstring). ``named``: the local expert tensors by
     name (w_in, w_out, optional b_in / b_out, the lora_* adapters present), all in rows' dtype."""
-    from moekit.moe.experts import counts_to_offs
-
     offs = counts_to_offs(counts, rows.shape[0])
     if lora_path(rows, named, backend) == "grouped":
         return _grouped(rows, offs, named, activation, scale)
@@ -71,8 +70,6 @@ def lora_mlp(rows: Tensor, counts: Tensor, named: dict[str, Tensor], activation:
 
 
 def _grouped(rows: Tensor, offs: Tensor, named: dict[str, Tensor], activation: str, scale: float) -> Tensor:
-    from moekit.moe.experts import add_expert_bias
-
     owned = None
     if rows.shape[0] > 0:  # grouped_mm leaves rows past offs[-1] undefined, forward and backward: mask them
         owned = (torch.arange(rows.shape[0], device=rows.device) < offs[-1])[:, None]
@@ -178,8 +175,6 @@ class _LoopLoRA(torch.autograd.Function):
         inputs = (rows, w_in, w_out, b_in, b_out, a_in, b_in_l, a_out, b_out_l)
         needs = ctx.needs_input_grad[:9]
         if torch.is_grad_enabled():  # create_graph: differentiate the composite
-            from moekit.moe.experts import counts_to_offs
-
             named = {k: t for k, t in zip(_ORDER, inputs[1:]) if t is not None}
             counts = torch.tensor(sizes, device=rows.device)
             with torch.enable_grad():

@@ -263,8 +263,8 @@ def load_file_weights(path: Path, model, adapters: bool = True) -> None:
 
     shapes, fetch = tensor_source(path)
     wanted = get_model_state_dict(model)  # this rank's parameter and buffer names (a pipeline rank: its stages)
-    kept = {} if adapters else {k: v for k, v in wanted.items() if k not in _without_adapters(wanted)}
-    wanted = {k: v for k, v in wanted.items() if k not in kept}
+    if not adapters:  # a file without LoRA adapters: the model's stay as initialised
+        wanted = _without_adapters(wanted)
     missing = [k for k in wanted if k not in shapes]
     if missing:
         raise UserError(f"--train.init_from {path}: the file lacks {', '.join(missing[:4])}; it was written for "
@@ -274,7 +274,7 @@ def load_file_weights(path: Path, model, adapters: bool = True) -> None:
         slots = torch.tensor([e for row in placement.slots for e in row])
         for p in layer.experts.param_names():
             key = f"{name}.experts.{p}"
-            if key in full:  # (adapters the file lacks stay as initialised)
+            if key in full:  # (not the adapters a file lacks)
                 full[key] = full[key][slots]
     wrong = [f"{k} {tuple(full[k].shape)} (model {tuple(wanted[k].shape)})" for k in wanted
              if tuple(full[k].shape) != tuple(wanted[k].shape)]

@@ -45,6 +45,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from moekit.models.init import fold_layer_indices
+from moekit.models.lora import is_adapter
 from moekit.moe.load import moe_layers
 from moekit.train import UserError
 
@@ -107,8 +109,6 @@ def check_lr_scales(model: nn.Module, cfg) -> None:
 
 def collapse(names) -> list[str]:
     """Names with layer indices folded (``layers.N.attn.wq.weight``), in first-seen order: for messages."""
-    from moekit.models.init import fold_layer_indices
-
     return fold_layer_indices(names)
 
 
@@ -131,7 +131,7 @@ class FreezePlan:
         line = f"partial training: {_size(t)} of {_size(n)} parameters train ({share})"
         if self.lora:
             line = f"{self.lora}; {line}; the base weights are frozen"
-            extra = sorted((n for n in self.trainable if not _adapter(n)), key=_order)
+            extra = sorted((n for n in self.trainable if not is_adapter(n)), key=_order)
             if extra:
                 shown = collapse(extra)
                 line += f" except {', '.join(shown[:8])}{' ...' if len(shown) > 8 else ''}"
@@ -145,12 +145,6 @@ class FreezePlan:
             line += (f"; experts: {sum(picked)} of {self.counts.get('experts', 0)} train "
                      f"({min(picked, default=0)}-{max(picked, default=0)} per layer)")
         return line
-
-
-def _adapter(name: str) -> bool:
-    from moekit.models.lora import is_adapter
-
-    return is_adapter(name)
 
 
 def _size(n: int) -> str:
@@ -182,8 +176,6 @@ def plan(model: nn.Module, cfg) -> FreezePlan | None:
                                 f"* matches any characters, dots too)")
 
     adapters = lora(cfg)
-    if adapters:
-        from moekit.models.lora import is_adapter
 
     def trains(name: str) -> bool:
         if adapters:  # LoRA: the adapters, and what --train.trainable adds; the base weights stay

@@ -432,8 +432,6 @@ def _run_config(src: Path) -> dict | None:
 def export_lora_command(args) -> None:
     """moekit-convert export-lora SRC OUT: a LoRA run's adapters as a PEFT adapter folder (models.hf.peft) for the
     HF checkpoint of its base weights; --verify checks base + adapter against the merged export, tensor by tensor."""
-    import tempfile
-
     from moekit.models.hf.peft import PEFT_WEIGHTS, apply_peft, save_peft
     from moekit.models.lora import has_lora
 
@@ -458,28 +456,23 @@ def export_lora_command(args) -> None:
           f"checkpoint of its base weights{f' ({base})' if base else ''}")
     if not args.verify:
         return
-    with tempfile.TemporaryDirectory() as tmp:  # the base and the merged model as save_hf writes them
-        from safetensors.torch import load_file
+    # the HF tensors of the base (the export rules leave the adapters out) and of the merged model, as save_hf writes
+    import copy
 
-        def written(folder: Path) -> dict:
-            return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+    from safetensors.torch import load_file
 
-        import copy
+    from moekit.models.hf import export_rules
+    from moekit.models.hf.weights import export_tensors
+    from moekit.models.lora import merge_lora
 
-        from moekit.models.lora import merge_lora
+    def tensors(m) -> dict:
+        return export_tensors(m, export_rules(m, family, None, "per_expert")[1], None)
 
-        plain = copy.deepcopy(model)
-        for name, p in plain.named_parameters():  # the base: every adapter's B at 0
-            if ".lora_b" in name:
-                p.data.zero_()
-        merged = merge_lora(copy.deepcopy(model))
-        save_hf(plain, Path(tmp) / "base", family=family)
-        save_hf(merged, Path(tmp) / "merged", family=family)
-        got = apply_peft(written(Path(tmp) / "base"), load_file(out / PEFT_WEIGHTS), cfg.lora_alpha / cfg.lora_rank)
-        want = written(Path(tmp) / "merged")
-        worst = max(((got[k].float() - v.float()).norm() / v.float().norm().clamp_min(1e-30)).item()
-                    for k, v in want.items())
-        if worst > 1e-5:
-            raise ValueError(f"verification failed: base + adapter differs from the merged export (relative error "
-                             f"{worst:.2e})")
-        print(f"verified: the base checkpoint plus the adapter is the merged model's (relative error {worst:.1e})")
+    got = apply_peft(tensors(model), load_file(out / PEFT_WEIGHTS), cfg.lora_alpha / cfg.lora_rank)
+    want = tensors(merge_lora(copy.deepcopy(model)))
+    worst = max(((got[k].float() - v.float()).norm() / v.float().norm().clamp_min(1e-30)).item()
+                for k, v in want.items())
+    if worst > 1e-5:
+        raise ValueError(f"verification failed: base + adapter differs from the merged export (relative error "
+                         f"{worst:.2e})")
+    print(f"verified: the base checkpoint plus the adapter is the merged model's (relative error {worst:.1e})")

@@ -119,7 +119,7 @@ class Trainer:
 
             from moekit.models.stats import frozen_wgrad_flops
 
-            skipped = frozen_wgrad_flops(cfg.model, self.freeze.frozen, cfg.train.seq_len)
+            skipped = frozen_wgrad_flops(cfg.model, self.freeze.frozen, cfg.train.seq_len, self.model)
             self.plan = dataclasses.replace(self.plan, flops_per_token=self.plan.flops_per_token - skipped)
         # which experts each EP rank holds: a placement file, a rebalancing run's checkpoint, or contiguous blocks
         self.placement = RunPlacement.for_run(cfg, self.dist.topology, self.model, self.resume_from)

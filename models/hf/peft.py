@@ -158,12 +158,13 @@ def save_peft(model, path: str | Path, *, family: str | None = None, base_model:
 def apply_peft(hf_tensors: dict[str, Tensor], adapter: dict[str, Tensor], scale: float) -> dict[str, Tensor]:
     """HF checkpoint tensors with a PEFT adapter's deltas added (float32 arithmetic): W + scale lora_B @ lora_A per
     adapted Linear. For checking an export against the merged model's (and for using adapters without PEFT)."""
+    from moekit.models.lora import folded
+
     out = dict(hf_tensors)
     for key, a in adapter.items():
         if not key.endswith(".lora_A.weight"):
             continue
         module = key[len("base_model.model."): -len(".lora_A.weight")]
-        b = adapter[key.replace(".lora_A.", ".lora_B.")]
-        w = out[f"{module}.weight"]
-        out[f"{module}.weight"] = (w.float() + (b.float() @ a.float()) * scale).to(w.dtype)
+        out[f"{module}.weight"] = folded(out[f"{module}.weight"], a, adapter[key.replace(".lora_A.", ".lora_B.")],
+                                         scale, expert=False)
     return out

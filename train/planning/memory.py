@@ -220,8 +220,7 @@ class AdapterPart(str):
 
 
 def _with_adapters(tensors: list, cfg: ModelConfig, i: int) -> list:
-    """LoRA adapters (model.lora_rank) join their weights' parts; none is TP-sharded (TP refuses adapters on the
-    projections it shards, and computes the experts whole)."""
+    """LoRA adapters (model.lora_rank) join their weights' parts (AdapterPart), with the dim TP shards them on."""
     if not getattr(cfg, "lora_rank", 0):
         return tensors
     from moekit.models.lora import adapter_shapes
