@@ -24,13 +24,21 @@ def run_suite(tmp_path: Path, *args: str, timeout: int = 300) -> subprocess.Comp
 DEFAULT_STEPS = ["env", "tests", "moe_layer", "grouped_gemm", "dispatch", "profile", "train_mfu"]
 
 
-def test_gpu_suite_smoke_runs_every_benchmark(tmp_path):
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    """One --smoke run of the default steps with train_mfu_tma for train_mfu (the same script, with MOEKIT_TMA=never
+    and always; one train_mfu run less keeps CI's time), lm_loss, and the non-default tune step: the tests below read
+    its files (one suite start-up, summary and pack instead of one per test)."""
+    tmp_path = tmp_path_factory.mktemp("gpu_suite_smoke")
+    proc = run_suite(tmp_path, "--smoke", *DEFAULT_STEPS[:-1], "train_mfu_tma", "lm_loss", "tune", timeout=480)
+    return tmp_path, proc
+
+
+def test_gpu_suite_smoke_runs_every_benchmark(tmp_path, smoke_run):
     listing = run_suite(tmp_path, "--list", timeout=60).stdout
     listed = {line.split()[0] for line in listing.splitlines() if line[:1].strip()}
     assert set(DEFAULT_STEPS) | {"train_mfu_tma", "grouped_gemm_quick"} <= listed, listing
-    # the default steps with train_mfu_tma for train_mfu (the same script, with MOEKIT_TMA=never and always;
-    # one train_mfu run less keeps CI's time)
-    proc = run_suite(tmp_path, "--smoke", *DEFAULT_STEPS[:-1], "train_mfu_tma", "lm_loss")
+    tmp_path, proc = smoke_run
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     out, raw = tmp_path / "out", tmp_path / "raw"
     # the device tool brings back at most 8 files, 2 folders deep: the suite leaves 4 at the top
@@ -195,13 +203,16 @@ def test_cover_marked_cross_products_hold_every_value_and_are_repaired_by_the_se
         kept(1, "most")
 
 
-def test_gpu_suite_tune_step_sweeps_every_kernel_call(tmp_path):
+def test_gpu_suite_tune_step_sweeps_every_kernel_call(smoke_run):
     """The non-default 'tune' step (tools/bench/tune_kernels.py): every expert-MLP kernel call is timed as
-    autotuned today and with pinned candidates; the JSON names the winners per kernel."""
-    proc = run_suite(tmp_path, "--smoke", "tune", timeout=180)
+    autotuned today and with pinned candidates; the JSON names the winners per kernel. (It runs last in the module's
+    smoke run; the tune JSON is packed too.)"""
+    tmp_path, proc = smoke_run
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = (tmp_path / "out" / "summary.txt").read_text()
     assert "  tune: ok" in summary and "tile-config sweep" in summary and "winners _grouped_mm_wgrad_kernel" in summary
+    with tarfile.open(tmp_path / "out" / "results.tar.gz") as tar:
+        assert "./tune_kernels.json" in tar.getnames()
     tune = json.loads((tmp_path / "raw" / "tune_kernels.json").read_text())
     assert tune["partial"] is False
     calls = {r["call"] for r in tune["results"]}
@@ -238,15 +249,18 @@ def test_tune_kernels_precompile_plan_covers_each_binary_once():
         assert again.kwargs == c.kwargs and (again.num_warps, again.num_stages) == (c.num_warps, c.num_stages)
 
 
-def test_tune_kernels_refuses_bad_flags_and_a_box_without_gpu():
-    script = REPO / "tools" / "bench" / "tune_kernels.py"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    bad = subprocess.run([sys.executable, str(script), "--shapes", "gpt5"], env=env, capture_output=True,
-                         text=True, timeout=120)
-    assert bad.returncode == 2 and "--shapes gpt5: unknown" in bad.stderr
+def test_tune_kernels_refuses_bad_flags_and_a_box_without_gpu(tmp_path, capsys, monkeypatch):
+    """In this process (the script as a program: the suite's tune step above). Without --smoke the interpreter does
+    not count, so the refusal here is the one a box without a GPU gets whatever TRITON_INTERPRET says."""
+    from moekit.bench import tune_kernels
+
+    monkeypatch.chdir(tmp_path)  # the default --out, bench-results/tune_kernels.json, is relative
+    with pytest.raises(SystemExit) as bad:
+        tune_kernels.main(["--shapes", "gpt5"])
+    assert bad.value.code == 2 and "--shapes gpt5: unknown" in capsys.readouterr().err
     if not __import__("torch").cuda.is_available():
-        nogpu = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
-        assert nogpu.returncode == 2 and "needs a CUDA GPU" in nogpu.stderr
+        assert tune_kernels.main([]) == 2 and "needs a CUDA GPU" in capsys.readouterr().err
+        assert list(tmp_path.iterdir()) == []  # refused before anything is written
 
 
 def test_profile_auto_preset_is_train_mfus_model():

@@ -654,7 +654,9 @@ def test_gated_delta_rule_on_device_matches_float64(dtype, scan, monkeypatch):
 def test_training_on_device_fp32_matches_cpu_and_bf16_learns(tmp_path, preset):
     steps = ["--steps", "6", "--preset", preset]
     cpu = train(tmp_path / "cpu", *steps, "--train.device", "cpu", "--train.dtype", "float32")
-    dev32 = train(tmp_path / "dev32", *steps, "--train.device", DEVICE.type, "--train.dtype", "float32")
+    # the tier on the CPU (MOEKIT_GPU_TESTS_ON=cpu): the device run in fp32 is the same command as the CPU one
+    dev32 = cpu if DEVICE.type == "cpu" else train(tmp_path / "dev32", *steps, "--train.device", DEVICE.type,
+                                                   "--train.dtype", "float32")
     bf16 = train(tmp_path / "bf16", *steps, "--train.device", DEVICE.type, "--train.dtype", "bfloat16")
     assert len(cpu) == len(dev32) == len(bf16) == 6
     # same init and data: step 0 agrees to fp32 reductions; later steps drift a little through Adam
@@ -1033,7 +1035,9 @@ def test_router_is_fused_on_device_by_default_and_equals_torch(monkeypatch):
     rt = r(x)
     (rt.weights.sum() + rt.aux_loss).backward()
     assert (LAUNCHES["_topk_route_fwd_kernel"], LAUNCHES["_topk_route_bwd_kernel"]) == (before[0] + 1, before[1] + 1)
-    for name, options in t.ROUTERS:
+    # the tier on the CPU: the first router case checks this test's wiring; tests/test_topk_route.py runs every case
+    # in the interpreter (the same function), the CUDA run here takes them all
+    for name, options in t.ROUTERS[:1] if SMALL else t.ROUTERS:
         t.test_router_with_the_kernel_equals_the_torch_router(monkeypatch, name, options)
 
 

@@ -107,8 +107,10 @@ case "$RESULTS" in /*) ;; *) RESULTS=$PWD/$RESULTS ;; esac  # relative to where 
 export PYTHONUNBUFFERED=1
 cd "$REPO" || exit 2
 # moekit must be importable as installed (moekit.* maps folders of this checkout): on a bare GPU machine,
-# install this checkout in place, without touching its dependencies (no network is needed).
-if ! "$PY" -c "import moekit.moe, moekit.bench" 2>/dev/null; then
+# install this checkout in place, without touching its dependencies (no network is needed). Found, not imported:
+# importing moekit.moe imports torch and triton (seconds), which every step does again anyway.
+if ! "$PY" -c "import importlib.util as u; u.find_spec('moekit.moe').origin; u.find_spec('moekit.bench').origin" \
+    2>/dev/null; then
   echo "gpu_suite.sh: installing this checkout (pip install --no-deps --no-build-isolation -e .)"
   "$PY" -m pip install -q --no-deps --no-build-isolation --no-index -e "$REPO" >/dev/null 2>&1 ||
     "$PY" -m pip install -q --no-deps --no-build-isolation -e "$REPO" ||
