@@ -63,14 +63,14 @@ def tasks(tmp_path_factory) -> list[str]:
     return ["--eval.tasks", str(path)]
 
 
-def run(args, nproc: int = 1, env_extra=None, script=TRAIN_SCRIPT, torchrun: bool = False) -> subprocess.CompletedProcess:
+def run(args, nproc: int = 1, env_extra=None, script=TRAIN_SCRIPT) -> subprocess.CompletedProcess:
     """tools/train.py (or ``script``) on ``nproc`` ranks. The trainer's ranks start from the test session's fork
     server (tests.dist_utils.run_trainer: the environment torchrun gives them, a fork instead of an interpreter
-    each); ``torchrun=True``, or another script, starts the real ``python -m torch.distributed.run``."""
+    each); another script starts with the real ``python -m torch.distributed.run``."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     env.pop("WORLD_SIZE", None)
     env.update(env_extra or {})
-    if script == TRAIN_SCRIPT and not torchrun:
+    if script == TRAIN_SCRIPT:
         return run_trainer(args, nproc, env=env, timeout=600)
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     cmd = (launch if nproc > 1 else [sys.executable]) + [str(script), *args]
@@ -96,9 +96,11 @@ def single(single_run):
                                    ["--ep", "4", "--ranks-per-node", "2", "--checkpoint.every", "2"]],
                          ids=["flat-ep4", "flat-dp4-ep2", "hierarchical-ep4"])
 def test_torchrun_ep_matches_one_process(tmp_path, single, extra):
-    """ep4: every rank holds 2 of 8 experts; dp4 x ep2: two EP groups, expert grads reduced across them.
-    flat-ep4 starts its ranks with the real torchrun, as README does (the other layout tests fork them)."""
-    r = run(["--steps", "4", "--run-dir", str(tmp_path), *TINY, *extra], nproc=4, torchrun=extra == ["--ep", "4"])
+    """ep4: every rank holds 2 of 8 experts; dp4 x ep2: two EP groups, expert grads reduced across them. The ranks
+    are forked with torchrun's environment (tests.dist_utils.run_trainer); ranks that the real torchrun starts
+    train tools/train.py below (test_ranks_never_finalize_...) and in tests/test_preemption.py and
+    tests/test_restart.py, which compare them bit for bit with forked ones."""
+    r = run(["--steps", "4", "--run-dir", str(tmp_path), *TINY, *extra], nproc=4)
     assert r.returncode == 0, r.stderr[-3000:]
     got = losses(tmp_path)
     assert got == pytest.approx(single, rel=1e-5, abs=1e-6)
