@@ -127,8 +127,8 @@ def run_trainer(argv: list[str], nproc: int = 1, env: dict | None = None, timeou
     the environment ``torchrun --standalone --nproc-per-node=nproc`` gives its ranks (RANK, LOCAL_RANK,
     WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT, ...) over ``env`` (default: this process's). A rank then
     costs a fork, not an interpreter that imports torch (with torchrun's agent, ~3 s of CPU each on the 2-core
-    box). Tests of the launcher itself (restarts, signals, the agent) start the real torchrun; so does one layout
-    test (tests/test_train_distributed.py).
+    box). Tests of the launcher itself (restarts, signals, the agent) start the real torchrun, and compare its
+    ranks' losses bit for bit with forked ones (tests/test_preemption.py).
 
     Default: as under torchrun, all ranks write to one stdout and one stderr, the first rank that fails stops
     the others (SIGTERM, SIGKILL past a grace), and the status is 0 when every rank returned 0, else the first
