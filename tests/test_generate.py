@@ -591,7 +591,7 @@ def test_accept_draft_keeps_the_target_distribution():
 
 
 def test_a_chain_of_drafts_keeps_the_target_distribution():
-    """check_drafts on 2-draft chains, decoding 3 tokens 10000 times over a 3-token vocabulary with made-up target
+    """check_drafts on 2-draft chains, decoding 3 tokens 4000 times over a 3-token vocabulary with made-up target
     and draft models (each a distribution per context length and last token, far apart): the chains are drafted,
     checked and extended as generate_speculative does, so the tokens come from kept drafts at both depths,
     residual draws after a kept draft and bonus tokens. The 27 frequencies of the first three tokens match the
@@ -599,7 +599,7 @@ def test_a_chain_of_drafts_keeps_the_target_distribution():
     draft fails this by far)."""
     from moekit.train.decoding import _pick, check_drafts
 
-    V, n = 3, 10000
+    V, n = 3, 4000
     table = torch.Generator().manual_seed(4)
     p = torch.rand(6, V + 1, V, generator=table, dtype=torch.float64) ** 3  # [context length, last token (V: none), V]
     q = torch.rand(6, V + 1, V, generator=table, dtype=torch.float64) ** 3
