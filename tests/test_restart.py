@@ -16,6 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 from moekit.train import checkpoint, faults
 from moekit.train.records import load_rows
+from tests.dist_utils import run_trainer
 
 TINY = ["--model.hidden_size", "32", "--model.num_layers", "2", "--train.seq_len", "32", "--batch-size", "8",
         "--eval.every", "0", "--log.every", "1", "--log.progress", "off", "--log.tensorboard", "false",
@@ -43,12 +44,14 @@ def records(run_dir: Path, name: str) -> list[dict]:
 
 def test_killed_rank_restarts_from_the_latest_checkpoint(tmp_path):
     faulty, reference = tmp_path / "faulty", tmp_path / "reference"
-    # both at once: the restart's waits overlap the reference's work
-    procs = [launch(faulty, env_extra={faults.FAULT_STEP_ENV: "4", faults.FAULT_RANK_ENV: "1"}),
-             launch(reference, "--checkpoint.async_save", "true")]
-    (out, err), (ref_out, ref_err) = [p.communicate(timeout=300) for p in procs]
-    assert procs[1].returncode == 0, ref_err[-3000:]
-    assert procs[0].returncode == 0, err[-3000:]
+    # both at once: the restart's waits overlap the reference's work. The reference runs on ranks forked with
+    # torchrun's environment (tests.dist_utils.run_trainer), not two more interpreters and an agent
+    proc = launch(faulty, env_extra={faults.FAULT_STEP_ENV: "4", faults.FAULT_RANK_ENV: "1"})
+    ref = run_trainer([*TINY, "--run-dir", str(reference), "--checkpoint.async_save", "true"], 2,
+                      env={k: v for k, v in os.environ.items() if k not in (faults.FAULT_STEP_ENV, faults.FAULT_RANK_ENV)})
+    out, err = proc.communicate(timeout=300)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    assert proc.returncode == 0, err[-3000:]
     assert (faulty / faults.FAULT_MARKER).exists()  # the hook fired: rank 1 was killed once
     # torchrun saw a worker fail and restarted the group: rank 1's SIGKILL (-9), or rank 0's own exit (1) when
     # it stopped on the broken collective before torchrun's next poll (ranks end with os._exit after their
