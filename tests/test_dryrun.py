@@ -66,15 +66,19 @@ class LiveStorages(TorchDispatchMode):
         return sum(n for n, _ in live)
 
 
-def measure(model, tokens: torch.Tensor, targets: torch.Tensor, autocast: torch.dtype | None = None) -> dict[str, int]:
+def measure(model, tokens: torch.Tensor, targets: torch.Tensor, autocast: torch.dtype | None = None,
+            backward: bool = True) -> dict[str, int]:
     """Bytes of parameters, activations kept by one forward (under CPU ``autocast`` when given), gradients,
-    AdamW state after one step."""
+    AdamW state after one step. ``backward=False``: parameters and activations only (no backward, no step), for
+    the checks that read the activations alone (the kept bytes are measured before any backward either way)."""
     params = list(model.parameters())
     out = {"params": sum(_local(p).numel() * p.element_size() for p in params)}
     track = LiveStorages()
     with track, torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
         loss = model(tokens, targets=targets)  # as the trainer: the loss from hidden states (models.loss)
     out["activations"] = track.alive(params + list(model.buffers()) + [tokens, targets])
+    if not backward:
+        return out
     loss.backward()
     out["grads"] = sum(_local(p.grad).numel() * p.grad.element_size() for p in params if p.grad is not None)
     opt = torch.optim.AdamW(params, lr=1e-3, foreach=False)  # the trainer's optimizer
@@ -103,15 +107,16 @@ B, S = 2, 64  # one micro-batch
 
 
 
-def measure_one_process(cfg, mode: str, autocast=None) -> dict:
-    """The memory one training forward + backward of ``cfg`` keeps (``measure``), built in one process with
-    activation checkpointing ``mode``, on B x S random tokens and targets (seeded)."""
+def measure_one_process(cfg, mode: str, autocast=None, backward: bool = True) -> dict:
+    """The memory one training forward + backward of ``cfg`` keeps (``measure``; ``backward=False``: the forward's
+    activations alone), built in one process with activation checkpointing ``mode``, on B x S random tokens and
+    targets (seeded)."""
     model = build_model(cfg, seed=0)
     apply_activation_checkpointing(model, mode)
     model.train()
     gen = torch.Generator().manual_seed(0)
     tokens, targets = (torch.randint(0, cfg.vocab_size, (B, S), generator=gen) for _ in range(2))
-    return measure(model, tokens, targets, autocast=autocast)
+    return measure(model, tokens, targets, autocast=autocast, backward=backward)
 
 @pytest.mark.parametrize("name,mode,over", [
     ("mixtral-tiny", "none", {}), ("mixtral-tiny", "ffn", {}), ("mixtral-tiny", "full", {}),
@@ -180,7 +185,7 @@ def test_estimate_matches_one_process_under_cpu_bf16_autocast(name, attention, m
     before, A.EXPLICIT_ATTENTION = A.EXPLICIT_ATTENTION, attention
     try:
         assert A.explicit_attention_applies("cpu", torch.bfloat16, B, cfg.num_heads, S) == (attention == "auto")
-        measured = measure_one_process(cfg, mode, autocast=torch.bfloat16)
+        measured = measure_one_process(cfg, mode, autocast=torch.bfloat16, backward=False)
         est = estimate_memory(cfg, Layout(), Workload(B, S, "bfloat16", mode, "cpu"))
     finally:
         A.EXPLICIT_ATTENTION = before
@@ -203,7 +208,7 @@ def test_estimate_matches_one_process_with_window_blocks(monkeypatch, name, mode
     wl = Workload(B, S, "float32", mode, "cpu")
     calls = A._calls(A.shapes(cfg, Layout(), wl), 0, 6)  # the planner sees the blocks too, and their keys
     assert [(n, keys, masked) for n, keys, masked in calls] == [(16, 16, True)] + [(16, 32, True)] * 3
-    measured = measure_one_process(cfg, mode)
+    measured = measure_one_process(cfg, mode, backward=False)
     est = estimate_memory(cfg, Layout(), wl)
     assert est.activations == pytest.approx(measured["activations"], rel=0.005), est.breakdown
 
@@ -264,7 +269,7 @@ def test_estimate_matches_one_process_with_documents(monkeypatch, name, over, mo
         model.train()
         model.document_eos = EOS if documents else None
         autocast = torch.bfloat16 if dtype == "bfloat16" else None
-        measured[documents] = measure(model, tokens, targets, autocast=autocast)["activations"]
+        measured[documents] = measure(model, tokens, targets, autocast=autocast, backward=False)["activations"]
         est[documents] = estimate_memory(cfg, Layout(), Workload(B, S, dtype, mode, "cpu", document_mask=documents))
         assert 0 <= est[documents].activations - measured[documents] <= 8192, (documents, measured, est[documents])
     print(f"{name} {mode} {dtype} block {block}: measured {measured}, estimate "

@@ -231,8 +231,8 @@ def test_a_selection_for_another_model_is_one_line(tmp_path, capsys):
 # -- under expert, fully-sharded and pipeline parallelism ---------------------------------------------------------
 
 LAYOUT = ["--preset", "deepseek-tiny", "--model.hidden_size", "32", "--train.seq_len", "32", "--batch-size", "8",
-          "--eval.every", "0", "--log.every", "1", "--log.progress", "off", "--log.tensorboard", "false",
-          "--steps", "3", "--train.grad_clip", "0.5", "--checkpoint.every", "3",
+          "--eval.every", "0", "--eval.sequences", "8", "--log.every", "1", "--log.progress", "off",
+          "--log.tensorboard", "false", "--steps", "3", "--train.grad_clip", "0.5", "--checkpoint.every", "3",
           # Adam divides each gradient by its root mean square: near eps (1e-8) a rounding difference between layouts
           # becomes an update difference of lr (a 2e-6 flake in CI); eps 1e-4 keeps the comparison at rounding level
           "--train.eps", "1e-4",

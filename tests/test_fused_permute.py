@@ -390,7 +390,7 @@ def test_planner_counts_what_the_fused_permute_keeps(monkeypatch, autocast, bias
     measured, estimated = {}, {}
     for mode in ("never", "always"):
         monkeypatch.setattr(experts, "FUSED_PERMUTE", mode)
-        measured[mode] = measure_one_process(cfg, "none", autocast=autocast)["activations"]
+        measured[mode] = measure_one_process(cfg, "none", autocast=autocast, backward=False)["activations"]
         estimated[mode] = estimate_memory(cfg, Layout(), wl).activations
         assert estimated[mode] == pytest.approx(measured[mode], rel=0.015), (mode, estimated, measured)
     saved = measured["never"] - measured["always"]
@@ -517,7 +517,7 @@ def _planner_ep_rank(rank, world, per_node):
         parallelize(model, topo, hierarchical=per_node < world)
         model.train()
         hook = model.layers[0].ffn.experts.register_forward_pre_hook(lambda m, a: rows.append(int(a[1].sum())))
-        kept[mode] = measure(model, tokens, targets)["activations"]
+        kept[mode] = measure(model, tokens, targets, backward=False)["activations"]
         hook.remove()
         est[mode] = estimate_memory(cfg, layout, Workload(B, S, "float32", "none", "cpu"), ranks_per_node=per_node,
                                     hierarchical=per_node < world).activations

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import warnings
 from pathlib import Path
 
@@ -572,9 +573,13 @@ def test_trainer_splits_the_gated_deltanet_heads_over_tensor_parallel_ranks(tmp_
     the one-process loss curve; the dry run plans it (its parameter shards are the recipe's)."""
     from tests.dist_utils import run_trainer
 
-    common = ["--preset", "qwen3.5-tiny", "--model.num_layers", "4", "--train.seq_len", "32", "--batch-size", "4",
-              "--steps", "3", "--eval.every", "0", "--log.every", "1", "--log.progress", "off", "--checkpoint.every",
+    # two layers, one of each kind: a Gated DeltaNet layer and a gated GQA one (full_attention_every 2); the final
+    # validation on 8 sequences (the curves compared are the training losses), no TensorBoard, one thread a rank
+    common = ["--preset", "qwen3.5-tiny", "--model.num_layers", "2", "--model.full_attention_every", "2",
+              "--train.seq_len", "32", "--batch-size", "4", "--steps", "3", "--eval.every", "0", "--eval.sequences",
+              "8", "--log.every", "1", "--log.progress", "off", "--log.tensorboard", "false", "--checkpoint.every",
               "0", "--model.aux_loss_coeff", "0"]  # under TP each rank balances its token slice: the aux loss differs
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
     def losses(run_dir):
         return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -583,13 +588,14 @@ def test_trainer_splits_the_gated_deltanet_heads_over_tensor_parallel_ranks(tmp_
     for name, extra, nproc in (("one", [], 1), ("tp2", ["--tp", "2"], 2),
                                ("tp2-sp", ["--tp", "2", "--layout.sequence_parallel", "true"], 2),
                                ("tp2-cp2", ["--tp", "2", "--cp", "2"], 4)):  # each rank: its heads of its chunks
-        r = run_trainer([*common, "--run-dir", str(tmp_path / name), *extra], nproc=nproc)
+        r = run_trainer([*common, "--run-dir", str(tmp_path / name), *extra], nproc=nproc, env=env)
         assert r.returncode == 0, r.stderr[-3000:]
         curves[name] = losses(tmp_path / name)
     assert len(curves["one"]) == 3
     assert curves["tp2"] == pytest.approx(curves["one"], rel=1e-5)
     assert curves["tp2-sp"] == pytest.approx(curves["one"], rel=1e-5)
     assert curves["tp2-cp2"] == pytest.approx(curves["one"], rel=1e-5)
-    r = run_trainer([*common, "--run-dir", str(tmp_path / "dry"), "--dry-run", "--world-size", "2", "--tp", "2"])
+    r = run_trainer([*common, "--run-dir", str(tmp_path / "dry"), "--dry-run", "--world-size", "2", "--tp", "2"],
+                    env=env)
     assert r.returncode == 0 and "the estimate agrees" in r.stdout, (r.stdout[-2000:], r.stderr[-2000:])
 

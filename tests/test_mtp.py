@@ -16,6 +16,9 @@ from moekit.models.rope import rope_tables
 from moekit.models.transformer import build_model
 from tests.test_train_distributed import TINY, losses, run
 
+# the final validation on 8 sequences (its losses are compared like for like), no TensorBoard writer per rank
+TINY = [*TINY, "--eval.sequences", "8", "--log.tensorboard", "false"]
+
 B, S = 2, 20
 
 
@@ -244,8 +247,8 @@ def test_the_recipe_shards_the_depths_as_the_dry_run_plans(capsys, layout):
     assert "the estimate agrees" in out.out and "MISMATCH" not in out.out, out.out
 
 
-HF_RUN = ["--train.seq_len", "32", "--batch-size", "4", "--eval.every", "0", "--log.tensorboard", "false",
-          "--checkpoint.every", "0"]
+HF_RUN = ["--train.seq_len", "32", "--batch-size", "4", "--eval.every", "0", "--eval.sequences", "8",
+          "--log.tensorboard", "false", "--checkpoint.every", "0"]
 
 
 @pytest.fixture(scope="module")

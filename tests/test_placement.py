@@ -410,7 +410,8 @@ def test_placements_match_one_process_and_checkpoints_stay_logical(tmp_path):
 # --------------------------------------------------------------------------------------------------
 
 TINY = ["--model.hidden_size", "32", "--model.num_layers", "2", "--train.seq_len", "32", "--batch-size", "8",
-        "--eval.every", "0", "--log.every", "1", "--log.progress", "off", "--log.tensorboard", "false", "--steps", "4"]
+        "--eval.every", "0", "--eval.sequences", "8", "--log.every", "1", "--log.progress", "off",
+        "--log.tensorboard", "false", "--steps", "4"]
 
 
 def train(args, nproc: int) -> subprocess.CompletedProcess:
