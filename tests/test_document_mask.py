@@ -129,7 +129,8 @@ def test_trainer_masks_documents_of_prepared_data_and_refuses_data_without_ends(
     data = tmp_path / "docs.bin"
     assert prepare([str(doc), "--tokenizer", "bytes", "--docs-per-line", "-o", str(data)]) == 0
     tiny = ["--steps", "2", "--batch-size", "4", "--train.seq_len", "64", "--model.hidden_size", "32",
-            "--model.num_layers", "2", "--model.vocab_size", "257", "--eval.every", "0", "--log.progress", "off",
+            "--model.num_layers", "2", "--model.vocab_size", "257", "--eval.every", "0", "--eval.sequences", "8",
+            "--log.progress", "off",
             "--checkpoint.every", "0", "--data.path", str(data)]
     runs = {}
     for mask in ("false", "true"):

@@ -27,7 +27,8 @@ H, FF, E, K = 8, 16, 8, 3
 TOKENS = [7, 5, 2, 0]  # ragged; rank 3 routes (and sends) nothing
 TOL = dict(rtol=1e-5, atol=1e-6)
 TINY = ["--model.hidden_size", "32", "--model.num_layers", "2", "--train.seq_len", "16", "--batch-size", "8",
-        "--eval.every", "0", "--log.every", "1", "--log.progress", "off", "--log.tensorboard", "false",
+        "--eval.every", "0", "--eval.sequences", "8", "--log.every", "1", "--log.progress", "off",
+        "--log.tensorboard", "false",
         "--checkpoint.every", "0", "--steps", "2"]
 
 

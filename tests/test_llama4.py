@@ -196,7 +196,8 @@ def test_the_tiny_preset_trains(tmp_path):
 
     run = tmp_path / "run"
     assert main(["--preset", "llama4-tiny", "--steps", "6", "--train.seq_len", "128", "--batch-size", "4",
-                 "--train.lr", "3e-3", "--eval.every", "0", "--log.every", "1", "--log.progress", "off",
+                 "--train.lr", "3e-3", "--eval.every", "0", "--eval.sequences", "8", "--log.every", "1",
+                 "--log.progress", "off",
                  "--checkpoint.every", "0", "--log.tensorboard", "false", "--run-dir", str(run)]) == 0
     losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 6 and losses[-1] < losses[0] - 0.2, losses

@@ -12,7 +12,8 @@ transformers = pytest.importorskip("transformers")
 from moekit.train import UserError
 from moekit.train.cli import parse_args
 
-RUN = ["--train.seq_len", "32", "--batch-size", "4", "--eval.every", "0", "--log.tensorboard", "false",
+RUN = ["--train.seq_len", "32", "--batch-size", "4", "--eval.every", "0", "--eval.sequences", "8",
+       "--log.tensorboard", "false",
        "--checkpoint.every", "0"]
 
 

@@ -36,7 +36,8 @@ TRAIN = str(ROOT / "tools" / "train.py")
 SAME = ("step", "loss", "aux_loss", "lr", "grad_norm", "tokens", "imbalance", "val_loss")
 # two ranks, expert parallel (as tests/test_restart.py)
 EP2 = ["--model.hidden_size", "32", "--model.num_layers", "2", "--train.seq_len", "32", "--batch-size", "8",
-       "--eval.every", "0", "--log.every", "1000", "--log.progress", "off", "--log.tensorboard", "false", "--ep", "2"]
+       "--eval.every", "0", "--eval.sequences", "8", "--log.every", "1000", "--log.progress", "off",
+       "--log.tensorboard", "false", "--ep", "2"]
 
 
 def env(**extra: str) -> dict:

@@ -13,6 +13,7 @@ from torch import nn
 from moekit.train.profiling import Window, window_at, windows
 
 TINY = ["--preset", "mixtral-tiny", "--batch-size", "4", "--train.seq_len", "32", "--eval.every", "0",
+        "--eval.sequences", "8",
         "--log.every", "1", "--log.progress", "off", "--log.tensorboard", "false"]
 
 

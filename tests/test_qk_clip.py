@@ -227,7 +227,8 @@ def test_trainer_clips_alike_under_pipeline_and_context_parallelism(tmp_path):
     from tests.dist_utils import run_trainer
 
     common = ["--steps", "4", "--batch-size", "4", "--train.micro_batch_size", "2", "--train.seq_len", "32",
-              "--model.num_layers", "2", "--model.aux_loss_coeff", "0", "--eval.every", "0", "--log.every", "1",
+              "--model.num_layers", "2", "--model.aux_loss_coeff", "0", "--eval.every", "0", "--eval.sequences", "8",
+              "--log.every", "1",
               "--log.progress", "off", "--checkpoint.every", "0", "--train.qk_clip", "0.1"]
     curves = {}
     for name, extra in (("one", []), ("pp2", ["--pp", "2", "--layout.pp_schedule", "gpipe"]), ("cp2", ["--cp", "2"])):

@@ -162,7 +162,8 @@ def test_the_flag_resolves_per_device_and_refuses_what_cannot_run():
 
 
 MICRO_RUN = ["--model.hidden_size", "32", "--model.num_layers", "2", "--train.seq_len", "32", "--batch-size", "8",
-             "--train.micro_batch_size", "2", "--eval.every", "0", "--log.every", "1", "--log.progress", "off",
+             "--train.micro_batch_size", "2", "--eval.every", "0", "--eval.sequences", "8", "--log.every", "1",
+             "--log.progress", "off",
              "--checkpoint.every", "0", "--steps", "3", "--train.dtype", "bfloat16"]
 
 

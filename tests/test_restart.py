@@ -19,7 +19,8 @@ from moekit.train.records import load_rows
 from tests.dist_utils import run_trainer
 
 TINY = ["--model.hidden_size", "32", "--model.num_layers", "2", "--train.seq_len", "32", "--batch-size", "8",
-        "--eval.every", "0", "--log.every", "1", "--log.progress", "off", "--log.tensorboard", "false",
+        "--eval.every", "0", "--eval.sequences", "8", "--log.every", "1", "--log.progress", "off",
+        "--log.tensorboard", "false",
         "--steps", "6", "--checkpoint.every", "2", "--ep", "2", "--resume", "auto"]
 # Compared across the runs: everything but timings.
 SAME = ("step", "loss", "aux_loss", "lr", "grad_norm", "tokens", "imbalance", "val_loss")
@@ -47,8 +48,8 @@ def test_killed_rank_restarts_from_the_latest_checkpoint(tmp_path):
     # both at once: the restart's waits overlap the reference's work. The reference runs on ranks forked with
     # torchrun's environment (tests.dist_utils.run_trainer), not two more interpreters and an agent
     proc = launch(faulty, env_extra={faults.FAULT_STEP_ENV: "4", faults.FAULT_RANK_ENV: "1"})
-    ref = run_trainer([*TINY, "--run-dir", str(reference), "--checkpoint.async_save", "true"], 2,
-                      env={k: v for k, v in os.environ.items() if k not in (faults.FAULT_STEP_ENV, faults.FAULT_RANK_ENV)})
+    clean = {k: v for k, v in os.environ.items() if k not in (faults.FAULT_STEP_ENV, faults.FAULT_RANK_ENV)}
+    ref = run_trainer([*TINY, "--run-dir", str(reference), "--checkpoint.async_save", "true"], 2, env=clean)
     out, err = proc.communicate(timeout=300)
     assert ref.returncode == 0, ref.stderr[-3000:]
     assert proc.returncode == 0, err[-3000:]

@@ -12,7 +12,8 @@ from tests.dist_utils import TRAIN_SCRIPT, run_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--model.hidden_size", "32", "--model.num_layers", "2", "--train.seq_len", "32", "--batch-size", "8",
-        "--eval.every", "0", "--log.every", "1", "--log.progress", "off"]
+        "--eval.every", "0", "--eval.sequences", "8", "--log.every", "1", "--log.progress", "off",
+        "--log.tensorboard", "false"]
 EMA = ["--train.ema_decay", "0.5"]  # a parameter average in the optimizer state (moekit.train.ema): val_loss_ema
 
 
