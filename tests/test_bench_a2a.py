@@ -1,11 +1,35 @@
 """The EP dispatch benchmark runs on real gloo ranks and its byte counters agree with the cost model."""
 import json
-import sys
-from pathlib import Path
+
+import pytest
+
 from moekit.bench import all_to_all
 
 
-def test_all_to_all_benchmark_smoke(tmp_path):
+@pytest.fixture
+def forked_ranks(monkeypatch):
+    """The script's launch_ranks with its ranks forked from the session's fork server (tests/dist_utils.py, torch
+    and moekit already imported) instead of spawned as fresh interpreters (~3 s of CPU each): the same entry
+    (benchlib._spawned_rank), file store and gloo group, the worker and its flags pickled across as a spawn
+    pickles them. benchlib.launch_ranks' spawn itself: tests/test_upcycle.py's upcycle_memory bench."""
+    import os
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    from moekit.bench import benchlib
+    from tests import dist_utils
+
+    def launch(worker, args, world):
+        dist_utils._ensure_server()
+        with tempfile.TemporaryDirectory() as tmp:
+            mp.start_processes(benchlib._spawned_rank, args=(worker, world, args, os.path.join(tmp, "store")),
+                               nprocs=world, start_method=dist_utils.START)
+
+    monkeypatch.setattr(all_to_all, "launch_ranks", launch)
+
+
+def test_all_to_all_benchmark_smoke(tmp_path, forked_ranks):
     out = tmp_path / "a2a.json"
     assert all_to_all.main(["--world", "4", "--ranks-per-node", "2", "--hidden", "64", "--experts", "32",
                             "--tokens", "256", "--repeats", "1", "--dtype", "float32", "--out", str(out)]) == 0

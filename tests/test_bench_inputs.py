@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import importlib
+import json
 import os
 import subprocess
 import sys
@@ -180,19 +181,53 @@ def test_bench_parser_names_the_script_and_prints_one_line(capsys):
     one_stderr_line(capsys, "test_bench_inputs.py: error: argument --n: invalid int value: 'x' (see --help)")
 
 
-@pytest.mark.parametrize("script", ["ac_memory", "profile_step"])
-def test_unusable_expert_backend_is_one_line(script, tmp_path):
-    """--expert-backend triton on CPU without the interpreter: resolve_backend's reason in one line, exit 2, before
-    the model is built (a subprocess: the tests' own process runs Triton in the interpreter)."""
+UNUSABLE_BACKEND_SCRIPTS = ["ac_memory", "profile_step"]
+
+# Each script as a program (runpy, __main__, its own argv), its stderr and exit status kept apart: one interpreter
+# for all of them instead of one each.
+_AS_PROGRAMS = """
+import contextlib, io, json, runpy, sys
+seen = {}
+for path in sys.argv[1:]:
+    sys.argv = [path, "--preset", "mixtral-tiny", "--expert-backend", "triton"]
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            runpy.run_path(path, run_name="__main__")
+            status = 0
+        except SystemExit as exc:
+            status = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    seen[path] = [status, err.getvalue()]
+print(json.dumps(seen))
+"""
+
+
+@pytest.fixture(scope="module")
+def unusable_backend_runs(tmp_path_factory):
+    """--expert-backend triton on CPU without the interpreter, every script of UNUSABLE_BACKEND_SCRIPTS in one
+    subprocess (the tests' own process runs Triton in the interpreter), in an empty working folder:
+    (script -> (exit status, stderr), the folder)."""
     if torch.cuda.is_available():
         pytest.skip("triton runs here")
+    cwd = tmp_path_factory.mktemp("unusable_backend")
     repo = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(repo))
-    proc = subprocess.run([sys.executable, str(repo / "tools/bench" / f"{script}.py"), "--preset", "mixtral-tiny",
-                           "--expert-backend", "triton"], env=env, cwd=tmp_path, capture_output=True, text=True,
-                          timeout=120)
-    err = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and len(err) == 1, proc.stderr[-2000:]
+    paths = {script: str(repo / "tools/bench" / f"{script}.py") for script in UNUSABLE_BACKEND_SCRIPTS}
+    proc = subprocess.run([sys.executable, "-c", _AS_PROGRAMS, *paths.values()], env=env, cwd=cwd,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and not proc.stderr.strip(), proc.stdout[-2000:] + proc.stderr[-2000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {script: tuple(seen[path]) for script, path in paths.items()}, cwd
+
+
+@pytest.mark.parametrize("script", UNUSABLE_BACKEND_SCRIPTS)
+def test_unusable_expert_backend_is_one_line(script, unusable_backend_runs):
+    """--expert-backend triton on CPU without the interpreter: resolve_backend's reason in one line, exit 2, before
+    the model is built (a subprocess: the tests' own process runs Triton in the interpreter)."""
+    runs, cwd = unusable_backend_runs
+    status, stderr = runs[script]
+    err = stderr.strip().splitlines()
+    assert status == 2 and len(err) == 1, stderr[-2000:]
     assert err[0].startswith(f"{script}.py: error: --expert-backend triton: expert backend 'triton' cannot run on cpu")
-    assert list(tmp_path.iterdir()) == []
+    assert list(cwd.iterdir()) == []

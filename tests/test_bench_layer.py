@@ -8,7 +8,7 @@ from moekit.bench import moe_layer
 def test_moe_layer_benchmark_smoke(tmp_path, capsys):
     pytest.importorskip("transformers")
     out = tmp_path / "r.json"
-    assert moe_layer.main(["--tokens", "64", "--hidden", "32", "--shapes", "32x4x2", "gpt-oss:32x4x2", "--repeats",
+    assert moe_layer.main(["--tokens", "16", "--hidden", "16", "--shapes", "16x4x2", "gpt-oss:16x4x2", "--repeats",
                            "1", "--warmup", "0", "--out", str(out)]) == 0
     data = json.loads(out.read_text())
     impls = {r["impl"] for r in data["results"]}

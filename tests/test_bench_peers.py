@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -239,16 +237,15 @@ def test_gemm_floor_runs_the_layers_gemms(shared, backward):
     assert Count.calls == passes * (len(dense) + 2 * busy)
 
 
-def test_cpu_layer_benchmark_smoke(tmp_path):
-    """tools/bench/cpu_layer.py end to end at a tiny size: every peer, the floor and the ceiling rows."""
-    bench = Path(__file__).resolve().parents[1] / "tools" / "bench" / "cpu_layer.py"
-    out = tmp_path / "cpu_layer.json"
-    import subprocess
+def test_cpu_layer_benchmark_smoke(tmp_path, capsys):
+    """tools/bench/cpu_layer.py end to end at a tiny size: every peer, the floor and the ceiling rows. (In this
+    process: its default --host-memory system leaves the allocator as it is, and its oneDNN cache setting is made
+    when the module is imported, as test_gpt_oss_peer_computes_moekits_layer below imports it.)"""
+    from moekit.bench import cpu_layer
 
-    proc = subprocess.run([sys.executable, str(bench), "--tokens", "64", "--hidden", "32", "--shapes", "deepseek",
-                           "--dtypes", "float32", "--repeats", "1", "--warmup", "1", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = tmp_path / "cpu_layer.json"
+    assert cpu_layer.main(["--tokens", "64", "--hidden", "32", "--shapes", "deepseek", "--dtypes", "float32",
+                           "--repeats", "1", "--warmup", "1", "--out", str(out)]) == 0, capsys.readouterr().err[-2000:]
     payload = json.loads(out.read_text())
     assert payload["host_memory"].startswith("host memory: ")  # what the process's allocator did is recorded
     rows = payload["results"]

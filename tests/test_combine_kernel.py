@@ -396,55 +396,6 @@ def test_dispatch_triton_path_empty_batch(monkeypatch):
     assert out.shape == (0, 8) and gx.shape == (0, 8) and gw.shape == (0, 2)
 
 
-# The variants a GPU run launches (both dtypes; k in a single chunk and past it; each backward output
-# alone), lowered to sm90 as moe.kernels._compile_check does; prints each one's 16-byte load count.
-_COMPILE_CHECK = """
-import torch, triton
-from triton.backends.compiler import GPUTarget
-from moekit.moe.kernels import _common
-from moekit.moe.kernels._compile_check import _signature
-from moekit.moe.kernels.combine import combine_rows, combine_rows_backward
-
-captured = _common.CAPTURE = []
-for dtype in (torch.bfloat16, torch.float32):
-    for k in (2, 20):
-        T, N, H = 64, 100, 2048
-        rows, g = torch.randn(N, H, dtype=dtype), torch.randn(T, H, dtype=dtype)
-        slots, w = torch.randint(0, N, (T * k,)), torch.rand(T, k)
-        combine_rows(rows, slots, w, T, k)
-        combine_rows(rows, slots, None, T, k)
-        combine_rows_backward(g, rows, w, slots)
-        combine_rows_backward(g, rows, w, slots, need_grad_weights=False)
-        combine_rows_backward(g, rows, w, slots, need_grad_rows=False)
-_common.CAPTURE = None
-for kernel, args, kwargs in captured:
-    config = kernel.configs[0]
-    jit, sig, constexprs, attrs = _signature(kernel, args, kwargs, config)
-    src = triton.compiler.ASTSource(fn=jit, signature=sig, constexprs=constexprs, attrs=attrs)
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": config.num_warps}).asm["ptx"]
-    print("ok", kernel.name, int(kwargs.get("NEED_GR", 1)), int(kwargs.get("NEED_GW", 1)), ptx.count("ld.global.v4"),
-          ptx.count("st.global.v4"))
-"""
-
-
-def test_kernels_compile_for_sm90_with_vector_loads():
-    """Subprocess without TRITON_INTERPRET: lower every launch variant to sm90 with Triton's bundled ptxas
-    (no GPU needed, as tests/test_kernels_tools.py does for the GEMMs), catching code the interpreter
-    accepts but the compiler rejects; every variant must move rows with 16-byte vector loads / stores."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_CHECK], env=env, capture_output=True, text=True, timeout=300)
-    if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr:
-        pytest.skip("this Triton build ships no ptxas")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    lines = [ln.split() for ln in proc.stdout.splitlines() if ln.startswith("ok ")]
-    assert len(lines) == 20, proc.stdout
-    for _, name, *counts in lines:  # forward: rows in, out out; backward: rows in (grad_w), grad_rows out
-        writes_rows, reads_rows, v4_loads, v4_stores = map(int, counts)
-        assert (v4_stores > 0 or not writes_rows) and (v4_loads > 0 or not reads_rows), proc.stdout
-
-
 def test_a_kernel_that_cannot_be_built_falls_back_to_torch_once_with_a_warning(monkeypatch):
     """A Triton version whose compiler rejects the kernel (or a GPU that cannot hold its config) must not
     stop training: moe.dispatch warns once, records why for these dtypes, and runs its torch combine;

@@ -169,24 +169,41 @@ def test_a_bad_mode_is_named(monkeypatch):
 
 def test_moekit_tma_sets_every_switch_and_a_bad_value_names_the_variable(tmp_path):
     """MOEKIT_TMA=always starts the three TMA switches on (a benchmark or a training run flips them without code);
-    a value that is neither never nor always fails on the first GEMM, naming the variable."""
+    a value that is neither never nor always fails on the first GEMM, naming the variable. The variable is read when
+    the kernels are imported: one fresh interpreter imports them under each value in turn, the second time after
+    dropping every moekit.moe module (torch and Triton, which read neither, stay loaded)."""
+    import json
     import subprocess
     import sys
 
-    probe = ("import importlib, torch\n"
-             "G = importlib.import_module('moekit.moe.kernels.grouped_mm')\n"
-             "W = importlib.import_module('moekit.moe.kernels.grouped_mm_wgrad')\n"
-             "X = importlib.import_module('moekit.moe.kernels.expert_mlp')\n"
-             "print(G.GEMM_TMA, W.WGRAD_TMA, X.MLP_TMA)\n"
-             "x = torch.randn(8, 16, dtype=torch.bfloat16)\n"
-             "G.grouped_mm_fwd(x, torch.randn(1, 16, 16, dtype=torch.bfloat16), torch.tensor([8], dtype=torch.int32))\n")
+    probe = ("import importlib, json, os, sys, torch\n"
+             "seen = {}\n"
+             "for value in sys.argv[1:]:\n"
+             "    os.environ['MOEKIT_TMA'] = value\n"
+             "    for name in [m for m in sys.modules if m == 'moekit.moe' or m.startswith('moekit.moe.')]:\n"
+             "        del sys.modules[name]\n"
+             "    got, error = None, None\n"
+             "    try:\n"
+             "        G = importlib.import_module('moekit.moe.kernels.grouped_mm')\n"
+             "        W = importlib.import_module('moekit.moe.kernels.grouped_mm_wgrad')\n"
+             "        X = importlib.import_module('moekit.moe.kernels.expert_mlp')\n"
+             "        got = [G.GEMM_TMA, W.WGRAD_TMA, X.MLP_TMA]\n"
+             "        x, w = torch.randn(8, 16, dtype=torch.bfloat16), torch.randn(1, 16, 16, dtype=torch.bfloat16)\n"
+             "        G.grouped_mm_fwd(x, w, torch.tensor([8], dtype=torch.int32))\n"
+             "    except Exception as exc:\n"
+             "        error = f'{type(exc).__name__}: {exc}'\n"
+             "    seen[value] = {'switches': got, 'error': error}\n"
+             "print(json.dumps(seen))\n")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-c", probe], env={**env, "MOEKIT_TMA": " Always "}, capture_output=True,
-                         text=True, timeout=120)
-    assert out.returncode == 0 and out.stdout.split("\n")[0] == "always always always", out.stdout + out.stderr
-    bad = subprocess.run([sys.executable, "-c", probe], env={**env, "MOEKIT_TMA": "yes"}, capture_output=True,
-                         text=True, timeout=120)
-    assert bad.returncode != 0 and "GEMM_TMA='yes'; use one of auto, never, always (it came from MOEKIT_TMA='yes'" in bad.stderr
+    env.pop("MOEKIT_TMA", None)
+    out = subprocess.run([sys.executable, "-c", probe, " Always ", "yes"], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    good, bad = seen[" Always "], seen["yes"]
+    assert good == {"switches": ["always", "always", "always"], "error": None}, good
+    assert bad["error"] and "GEMM_TMA='yes'; use one of auto, never, always (it came from MOEKIT_TMA='yes'" in \
+        bad["error"], bad
     from moekit.moe.kernels._tma import tma_default  # unset or empty: auto (in this process: no new imports)
 
     for value in (None, ""):

@@ -7,7 +7,7 @@ MLP a negative count is 0 and the row blocks stop at N. The oracle builds those 
 valid-index mask explicitly (numpy / Python ints) and runs plain per-expert float64 matmuls.
 
 Malformed offsets used to corrupt the interpreter's heap, so every Triton launch on them runs in one
-subprocess (``_run_triton_cases``, under a ``torch.empty`` that fills outputs with NaN, so a row a
+process of its own (``_run_triton_cases``, under a ``torch.empty`` that fills outputs with NaN, so a row a
 kernel leaves unwritten fails the comparison): a regression fails these tests instead of killing
 pytest. The module-level TRITON_INTERPRET handling is test_kernels.py's (see its docstring).
 """
@@ -206,17 +206,46 @@ def _run_triton_cases(out_path: str) -> None:
     torch.save(results, out_path)
 
 
+def _forked_triton_cases(out_path: str, log_path: str) -> None:
+    """_run_triton_cases in a process forked from the tests' rank fork server, its output into ``log_path``."""
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    for stream in (1, 2):
+        os.dup2(fd, stream)
+    os.close(fd)
+    torch.set_num_threads(2)
+    _run_triton_cases(out_path)
+
+
 @pytest.fixture(scope="module")
 def triton_results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bounds") / "triton.pt"
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="2")
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    code = f"from tests.test_kernel_bounds import _run_triton_cases; _run_triton_cases({str(out)!r})"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=300)
-    if proc.returncode != 0:  # a crash (negative rc: a signal) or a failed assertion in the child
-        pytest.fail(f"Triton runs on out-of-range inputs failed (rc {proc.returncode}):\n"
-                    f"{proc.stdout[-2000:]}{proc.stderr[-4000:]}")
+    """The Triton runs in a process of their own: forked from the session's rank fork server (tests/dist_utils.py:
+    torch, Triton and the kernels imported once, in the interpreter where the session runs Triton there) or, where
+    that server runs compiled Triton or there is none, a fresh interpreter."""
+    folder = tmp_path_factory.mktemp("bounds")
+    out, log = folder / "triton.pt", folder / "triton.log"
+    from tests import dist_utils
+
+    if dist_utils.START == "forkserver" and dist_utils._SERVER_ENV.get("TRITON_INTERPRET") == "1":
+        import multiprocessing
+
+        dist_utils._ensure_server()
+        child = multiprocessing.get_context("forkserver").Process(target=_forked_triton_cases,
+                                                                   args=(str(out), str(log)))
+        child.start()
+        child.join(timeout=300)
+        if child.is_alive():
+            child.kill()
+            child.join()
+        rc, output = child.exitcode, log.read_text(errors="replace") if log.exists() else ""
+    else:
+        env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="2")
+        env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+        code = f"from tests.test_kernel_bounds import _run_triton_cases; _run_triton_cases({str(out)!r})"
+        proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=300)
+        rc, output = proc.returncode, proc.stdout[-2000:] + proc.stderr
+    if rc != 0:  # a crash (negative rc: a signal), a failed assertion in the child, or the time limit (kill: -9)
+        pytest.fail(f"Triton runs on out-of-range inputs failed (rc {rc}):\n{output[-6000:]}")
     return torch.load(out, weights_only=True)
 
 

@@ -18,20 +18,86 @@ REPO = Path(__file__).resolve().parents[1]
 GEMMS = ["_grouped_mm_kernel", "_grouped_mm_wgrad_kernel", "_expert_up_act_kernel", "_expert_down_dact_kernel"]
 
 
+# The combine's launch variants (both dtypes; k in a single chunk and past it; each backward output alone), lowered
+# to sm90 as moe.kernels._compile_check does; prints each one's 16-byte load and store counts. Run after the check,
+# in its process (tests/test_combine_kernel.py holds the combine's numerics).
+_COMBINE_COMPILE = """
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from moekit.moe.kernels import _common
+from moekit.moe.kernels._compile_check import _signature
+from moekit.moe.kernels.combine import combine_rows, combine_rows_backward
+
+captured = _common.CAPTURE = []
+for dtype in (torch.bfloat16, torch.float32):
+    for k in (2, 20):
+        T, N, H = 64, 100, 2048
+        rows, g = torch.randn(N, H, dtype=dtype), torch.randn(T, H, dtype=dtype)
+        slots, w = torch.randint(0, N, (T * k,)), torch.rand(T, k)
+        combine_rows(rows, slots, w, T, k)
+        combine_rows(rows, slots, None, T, k)
+        combine_rows_backward(g, rows, w, slots)
+        combine_rows_backward(g, rows, w, slots, need_grad_weights=False)
+        combine_rows_backward(g, rows, w, slots, need_grad_rows=False)
+_common.CAPTURE = None
+for kernel, args, kwargs in captured:
+    config = kernel.configs[0]
+    jit, sig, constexprs, attrs = _signature(kernel, args, kwargs, config)
+    src = triton.compiler.ASTSource(fn=jit, signature=sig, constexprs=constexprs, attrs=attrs)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": config.num_warps}).asm["ptx"]
+    print("ok", kernel.name, int(kwargs.get("NEED_GR", 1)), int(kwargs.get("NEED_GW", 1)), ptx.count("ld.global.v4"),
+          ptx.count("st.global.v4"))
+"""
+COMBINE_MARK = "=== the combine's launch variants"
+
+# `python -m moekit.moe.kernels._compile_check --quick --first-for GEMMS`, then the combine's variants, in one process.
+# ptxas -v (register_use: a second ptxas run per variant, after the one triton.compile builds the cubin with; most of
+# the check's time) runs where a test reads its report, the GEMMs' lines; every other variant is compiled all the
+# same, its line without the regs= field.
+_SM90_RUN = """
+import sys
+from moekit.moe.kernels import _compile_check as cc
+
+gemms = sys.argv[1:]
+current = []
+signature, register_use = cc._signature, cc.register_use
+
+def named_signature(kernel, *args):
+    current[:] = [kernel.name]
+    return signature(kernel, *args)
+
+cc._signature = named_signature
+cc.register_use = lambda ptx, arch: register_use(ptx, arch) if current and current[0] in gemms else ""
+rc = cc.main(["--quick", "--first-for", *gemms])
+cc._signature, cc.register_use = signature, register_use
+if rc:
+    sys.exit(rc)
+print(%r, flush=True)
+""" % COMBINE_MARK + _COMBINE_COMPILE
+
+
 @pytest.fixture(scope="module")
-def sm90_compile():
+def sm90_run():
     """One subprocess without TRITON_INTERPRET lowers every kernel to sm90 cubin with Triton's bundled ptxas (no GPU
-    needed), bf16 and fp32: the four GEMMs at their first (tuned best) config, the others at their smallest. Both
-    tests below read it (one compile run instead of two: about a minute less on a cold Triton cache, as in CI)."""
+    needed), bf16 and fp32: the four GEMMs at their first (tuned best) config, the others at their smallest; then the
+    combine's launch variants. The tests below read it (one compile run instead of three: a minute less on a cold
+    Triton cache, as in CI). Returns (the compile check's output, the combine's)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silences Triton 3.9's default-change warning
-    proc = subprocess.run([sys.executable, "-m", "moekit.moe.kernels._compile_check", "--quick", "--first-for", *GEMMS],
-                          env=env, capture_output=True, text=True, timeout=400)
+    proc = subprocess.run([sys.executable, "-c", _SM90_RUN, *GEMMS], env=env, capture_output=True, text=True,
+                          timeout=400)
     if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr:
         pytest.skip("this Triton build ships no ptxas")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc.stdout
+    check, mark, combine = proc.stdout.partition(COMBINE_MARK + "\n")
+    assert mark, proc.stdout
+    return check, combine
+
+
+@pytest.fixture(scope="module")
+def sm90_compile(sm90_run):
+    return sm90_run[0]
 
 
 def test_kernels_compile_for_sm90(sm90_compile):
@@ -71,6 +137,18 @@ def test_tuned_first_configs_do_not_spill_registers(sm90_compile):
 
     spilling = [ln for ln in lines if spilled(ln) > (64 if " float32 " in ln else 16)]
     assert not spilling, "\n".join(spilling)
+
+
+def test_combine_kernels_compile_for_sm90_with_vector_loads(sm90_run):
+    """Every launch variant of the combine lowered to sm90 (no GPU needed, as the check above does for the
+    GEMMs), catching code the interpreter accepts but the compiler rejects; every variant must move rows with
+    16-byte vector loads / stores."""
+    combine = sm90_run[1]
+    lines = [ln.split() for ln in combine.splitlines() if ln.startswith("ok ")]
+    assert len(lines) == 20, combine
+    for _, name, *counts in lines:  # forward: rows in, out out; backward: rows in (grad_w), grad_rows out
+        writes_rows, reads_rows, v4_loads, v4_stores = map(int, counts)
+        assert (v4_stores > 0 or not writes_rows) and (v4_loads > 0 or not reads_rows), combine
 
 
 def test_benchmark_refuses_a_box_without_gpu_unless_smoke():

@@ -1,5 +1,8 @@
 """Shared benchmark plumbing: timing, environment record, table printing, JSON output, and the checks of
-the flags every script shares (device, counts, names, output paths), each a one-line error with exit status 2."""
+the flags every script shares (device, counts, names, output paths), each a one-line error with exit status 2.
+
+torch is imported inside the functions that use it, not here: suite_summary.py (run at the end of every GPU-suite
+call) and heatmap_scale.py use this module's parser and checks without torch, which takes seconds to import."""
 from __future__ import annotations
 
 import argparse
@@ -12,13 +15,16 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
+        import torch
+
         torch.cuda.synchronize(device)
 
 
@@ -51,6 +57,8 @@ def time_interleaved(fns: dict[str, Callable[[], object]], device: torch.device,
 def saved_bytes(fn: Callable[..., object], *args, **kwargs) -> int:
     """Bytes of every tensor autograd saves for backward while ``fn(*args, **kwargs)`` runs (saved-tensor hooks:
     the same count on CPU and GPU; a tensor saved twice counts twice)."""
+    import torch
+
     total = 0
 
     def pack(t):
@@ -64,6 +72,8 @@ def saved_bytes(fn: Callable[..., object], *args, **kwargs) -> int:
 
 
 def environment(device: torch.device) -> dict:
+    import torch
+
     env = {
         "torch": torch.__version__,
         "python": platform.python_version(),
@@ -124,6 +134,8 @@ def time_events(fns: dict[str, Callable[[], object]], device: torch.device, warm
     have its host-side launch time counted while the others' hides behind queued work. Each round
     therefore starts with a short device-side sleep (the queue runs ahead of the host) and rotates
     the order, so no peer is always first."""
+    import torch
+
     if device.type != "cuda":
         return time_interleaved(fns, device, warmup, repeats)
     for fn in fns.values():
@@ -163,6 +175,8 @@ def guarded(fn: Callable[[], object]) -> tuple[object, str | None]:
 def add_timing_args(p, out: str, warmup: int = 2, repeats: int = 10) -> None:
     """The flags every single-device benchmark shares: device, dtype, warm-up, repeats, seed, JSON path
     (check_timing_args checks them)."""
+    import torch
+
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="cpu, cuda or cuda:N (default: cuda when there is a GPU)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -197,6 +211,8 @@ def fail(prog: str, message: str):
 def check_device(p, name: str, flag: str = "--device") -> torch.device:
     """The device ``name`` names; a usage error (p.error) for a name torch does not parse, a device other than
     cpu / cuda, or a CUDA device this machine does not have."""
+    import torch
+
     try:
         device = torch.device(name)
     except (RuntimeError, ValueError):
@@ -283,6 +299,8 @@ def check_backend(p, backend: str, cfg, device: torch.device, dtype: torch.dtype
                   flag: str = "--expert-backend") -> None:
     """A usage error, with moe.experts.resolve_backend's reason, when expert backend ``backend`` cannot run the
     experts of model config ``cfg`` on ``device`` in ``dtype`` (e.g. triton on CPU without the interpreter)."""
+    import torch
+
     from moekit.moe.activations import ffn_in_features
     from moekit.moe.experts import resolve_backend
 
@@ -312,6 +330,7 @@ def init_bench_process(rank: int, world: int, init_file: str | None, threads: in
     its LOCAL_RANK's GPU when there is one, else gloo; ``rank`` and ``world`` come from its environment)."""
     from datetime import timedelta
 
+    import torch
     import torch.distributed as dist
 
     if init_file:

@@ -226,7 +226,7 @@ for step in "${STEPS[@]}"; do
         ${xdist[@]+"${xdist[@]}"} --durations=12 tests/test_gpu.py tests/test_compile.py::test_inductor_matches_eager \
         tests/test_compile.py::test_inductor_gated_deltanet_gradients_match_eager --junitxml="$RAW/gpu_tests.xml" ;;
     moe_layer)
-      if [ "$SMOKE" = 1 ]; then size=(--tokens 64 --hidden 32 --shapes 32x4x2 --warmup 0 --repeats 1 --hf-impl eager)
+      if [ "$SMOKE" = 1 ]; then size=(--tokens 16 --hidden 16 --shapes 16x4x2 --warmup 0 --repeats 1 --hf-impl eager)
       else size=(--device cuda --dtype bfloat16 --tokens 8192 32768 --shapes 4096x14336x8x2 2048x768x128x8
                  1536x256x128x8 --warmup 1 --repeats 5); fi
       run_step moe_layer 210 "$PY" tools/bench/moe_layer.py "${size[@]}" --out "$RAW/moe_layer.json" ;;

@@ -58,7 +58,8 @@ SHAPES = {  # name: (hidden H, expert ffn F, local experts E, top-k)
 DEFAULT_SHAPES = ("mixtral-8x7b", "deepseek-v3-ep8", "qwen3-30b-a3b", "fine-grained")  # issue 9's; --shapes adds
 TOKENS = (8192, 32768)
 ROUTINGS = ("uniform", "zipf1.2", "onehot")
-SMOKE_SHAPES = {"smoke": (32, 16, 4, 2)}
+SMOKE_SHAPES = {"smoke": (32, 16, 2, 2)}  # two experts: the interpreter runs a program per row tile and expert
+SMOKE_TOKENS = 16
 
 
 def route_counts(rows: int, experts: int, routing: str, gen: torch.Generator) -> torch.Tensor:
@@ -338,8 +339,9 @@ def smoke_note(a, device: torch.device) -> str | None:
     if not given:
         return None
     h, f, e, k = SMOKE_SHAPES["smoke"]
-    return (f"note: --smoke runs its own tiny case (H {h}, F {f}, E {e}, k {k}, 32 tokens, uniform and zipf1.2 "
-            f"routing, one round{', float32 on CPU' if device.type == 'cpu' else ''}); ignoring {', '.join(given)}")
+    return (f"note: --smoke runs its own tiny case (H {h}, F {f}, E {e}, k {k}, {SMOKE_TOKENS} tokens, uniform and "
+            f"zipf1.2 routing, one round{', float32 on CPU' if device.type == 'cpu' else ''}); "
+            f"ignoring {', '.join(given)}")
 
 
 def select_cases(a, kernels):
@@ -353,7 +355,7 @@ def select_cases(a, kernels):
         note = smoke_note(a, device)
         if note:
             print(note, file=sys.stderr)
-        shapes, tokens, routings = SMOKE_SHAPES, (32,), ("uniform", "zipf1.2")
+        shapes, tokens, routings = SMOKE_SHAPES, (SMOKE_TOKENS,), ("uniform", "zipf1.2")
         dtype = torch.float32 if device.type == "cpu" else getattr(torch, a.dtype or "bfloat16")
         return device, dtype, shapes, tokens, routings, workloads
     if not torch.cuda.is_available():

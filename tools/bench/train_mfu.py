@@ -52,7 +52,7 @@ TARGET_MFU = 0.45  # issue 9
 
 # Workload defaults: the GPU run (~1 s per step at 45% MFU on an H100) and the CPU smoke run.
 GPU = dict(preset="mixtral-1b", seq_len=2048, micro_batch=16, batch_size=128, steps=40, warmup=5, lr=3e-4)
-SMOKE = dict(preset="mixtral-tiny", seq_len=64, micro_batch=4, batch_size=8, steps=6, warmup=2, lr=1e-3)
+SMOKE = dict(preset="mixtral-tiny", seq_len=64, micro_batch=2, batch_size=4, steps=4, warmup=1, lr=1e-3)
 
 
 def parse_args(argv):

@@ -56,7 +56,7 @@ from moekit.moe.kernels.grouped_mm_wgrad import GROUPED_MM_WGRAD, grouped_mm_wgr
 
 # name: (hidden H, expert ffn F, local experts E, top-k): grouped_gemm.py's shapes (mixtral-1b among them: the preset
 # train_mfu.py trains)
-SMOKE_SHAPE = {"smoke": (32, 16, 4, 2)}
+SMOKE_SHAPE = {"smoke": (32, 16, 2, 2)}  # two experts: fewer interpreted programs per launch
 CALLS = ("wgrad_in", "wgrad_out", "down_dact", "dx", "up_act", "down")  # backward first: it is the gap
 KERNEL_OF = {"up_act": EXPERT_UP_ACT, "down": GROUPED_MM, "down_dact": EXPERT_DOWN_DACT, "dx": GROUPED_MM,
              "wgrad_in": GROUPED_MM_WGRAD, "wgrad_out": GROUPED_MM_WGRAD}
