@@ -17,6 +17,7 @@ from moekit.moe.load import moe_layers
 from moekit.train.planning.activations import sink_keys
 from moekit.train.planning.memory import Workload, estimate_memory
 from tests.dist_utils import run_ranks
+from moekit.train.planning.linear_memory import new_objects_gc
 from tests.test_dryrun import LiveStorages
 from tests.test_train_distributed import TINY
 
@@ -51,9 +52,10 @@ def _step(cfg, mode: str, tokens, targets) -> dict:
     model.train()
     torch.manual_seed(7)  # router jitter draws from the global generator
     track = LiveStorages()
-    with track:
-        loss = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
-    live = track.alive(list(model.parameters()) + list(model.buffers()) + [tokens, targets])
+    with new_objects_gc():  # alive()'s collection walks the forward's objects only
+        with track:
+            loss = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+        live = track.alive(list(model.parameters()) + list(model.buffers()) + [tokens, targets])
     loss.backward()
     loads = [layer.load.summary() for _, layer in moe_layers(model)]
     return {"loss": loss.detach(), "grads": [p.grad for p in model.parameters()], "live": live, "loads": loads}

@@ -11,6 +11,7 @@ from torch.utils._pytree import tree_flatten
 
 from moekit.comm.topology import Layout, Topology
 from moekit.models.config import preset
+from moekit.train.planning.linear_memory import new_objects_gc
 from moekit.train.planning.memory import Workload, all_to_all, estimate_memory
 from moekit.models.parallelize import apply_activation_checkpointing, parallelize
 from moekit.models.transformer import build_model
@@ -74,9 +75,10 @@ def measure(model, tokens: torch.Tensor, targets: torch.Tensor, autocast: torch.
     params = list(model.parameters())
     out = {"params": sum(_local(p).numel() * p.element_size() for p in params)}
     track = LiveStorages()
-    with track, torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
-        loss = model(tokens, targets=targets)  # as the trainer: the loss from hidden states (models.loss)
-    out["activations"] = track.alive(params + list(model.buffers()) + [tokens, targets])
+    with new_objects_gc():  # alive()'s collection walks the forward's objects only, not the whole test process
+        with track, torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+            loss = model(tokens, targets=targets)  # as the trainer: the loss from hidden states (models.loss)
+        out["activations"] = track.alive(params + list(model.buffers()) + [tokens, targets])
     if not backward:
         return out
     loss.backward()
