@@ -528,3 +528,36 @@ def test_planner_resolves_auto_experts_as_the_layer_does():
         assert A._auto_backend(cfg, cpu=True) == auto_order(torch.device("cpu"), w_out)[0] == "loop"
     assert A._auto_backend(preset("mixtral-8x7b"), cpu=False) == "torch"
     assert A._auto_backend(preset("mixtral-1b"), cpu=False) == "triton"
+
+
+def test_new_objects_gc_collects_what_the_block_made_and_restores_the_heap():
+    """planning.linear_memory.new_objects_gc: a cycle made inside is collected by a collection inside (which walks the
+    block's objects only); the heap it froze is unfrozen after, and a process's own frozen objects stay frozen."""
+    import weakref
+
+    class Node:
+        pass
+
+    assert gc.get_freeze_count() == 0
+    gc.disable()  # no automatic collection between the del and the explicit one
+    try:
+        with new_objects_gc():
+            assert gc.get_freeze_count() > 0  # the older heap
+            a, b = Node(), Node()
+            a.other, b.other = b, a  # cyclic garbage once the names go
+            ref = weakref.ref(a)
+            del a, b
+            assert ref() is not None
+            gc.collect()
+            assert ref() is None
+    finally:
+        gc.enable()
+    assert gc.get_freeze_count() == 0
+    gc.freeze()  # the process's own
+    try:
+        frozen = gc.get_freeze_count()
+        with new_objects_gc():
+            assert gc.get_freeze_count() == frozen
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
