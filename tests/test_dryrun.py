@@ -555,9 +555,9 @@ def test_new_objects_gc_collects_what_the_block_made_and_restores_the_heap():
     assert gc.get_freeze_count() == 0
     gc.freeze()  # the process's own
     try:
-        frozen = gc.get_freeze_count()
+        frozen = gc.get_freeze_count()  # less as frozen objects die; more only if something froze again
         with new_objects_gc():
-            assert gc.get_freeze_count() == frozen
-        assert gc.get_freeze_count() == frozen
+            assert gc.get_freeze_count() <= frozen
+        assert 0 < gc.get_freeze_count() <= frozen
     finally:
         gc.unfreeze()
