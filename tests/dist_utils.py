@@ -186,3 +186,16 @@ def run_trainer(argv: list[str], nproc: int = 1, env: dict | None = None, timeou
     if per_rank:
         return [subprocess.CompletedProcess(cmd, c, *texts[r]) for r, c in enumerate(codes)]
     return subprocess.CompletedProcess(cmd, next((c for c in codes if c), 0), *texts[0])
+
+
+def fork_bench_ranks(worker, args, world: int) -> None:
+    """A stand-in for moekit.bench.benchlib.launch_ranks whose ranks fork from this module's server (torch and moekit
+    already imported) instead of being spawned as fresh interpreters (~3 s of CPU each): the same entry
+    (benchlib._spawned_rank), file store and gloo group, the worker and its flags pickled across as a spawn pickles
+    them. benchlib.launch_ranks' spawn itself runs in tests/test_upcycle.py's upcycle_memory bench."""
+    from moekit.bench import benchlib
+
+    _ensure_server()
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(benchlib._spawned_rank, args=(worker, world, args, os.path.join(tmp, "store")),
+                           nprocs=world, start_method=START)

@@ -6,31 +6,15 @@ import json
 import pytest
 
 from moekit.bench import context_parallel
+from tests.dist_utils import fork_bench_ranks
 
 PRESETS = ["mixtral-tiny", "gpt-oss-tiny"]  # plain causal GQA; sinks with a window on every other layer
 
 
 @pytest.fixture
 def forked_ranks(monkeypatch):
-    """The script's launch_ranks with its ranks forked from the session's fork server (tests/dist_utils.py, torch
-    and moekit already imported) instead of spawned as fresh interpreters (~3 s of CPU each): the same entry
-    (benchlib._spawned_rank), file store and gloo group, the worker and its flags pickled across as a spawn
-    pickles them. benchlib.launch_ranks' spawn itself: tests/test_upcycle.py's upcycle_memory bench."""
-    import os
-    import tempfile
-
-    import torch.multiprocessing as mp
-
-    from moekit.bench import benchlib
-    from tests import dist_utils
-
-    def launch(worker, args, world):
-        dist_utils._ensure_server()
-        with tempfile.TemporaryDirectory() as tmp:
-            mp.start_processes(benchlib._spawned_rank, args=(worker, world, args, os.path.join(tmp, "store")),
-                               nprocs=world, start_method=dist_utils.START)
-
-    monkeypatch.setattr(context_parallel, "launch_ranks", launch)
+    """The script's ranks forked from the session's fork server instead of spawned (tests.dist_utils.fork_bench_ranks)."""
+    monkeypatch.setattr(context_parallel, "launch_ranks", fork_bench_ranks)
 
 
 def test_context_parallel_bench_smoke(tmp_path, capsys, forked_ranks):
