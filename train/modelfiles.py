@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import sys
 import warnings
 from pathlib import Path
 
@@ -432,7 +433,7 @@ def _run_config(src: Path) -> dict | None:
 def export_lora_command(args) -> None:
     """moekit-convert export-lora SRC OUT: a LoRA run's adapters as a PEFT adapter folder (models.hf.peft) for the
     HF checkpoint of its base weights; --verify checks base + adapter against the merged export, tensor by tensor."""
-    from moekit.models.hf.peft import PEFT_WEIGHTS, apply_peft, save_peft
+    from moekit.models.hf.peft import PEFT_WEIGHTS, adapter_metadata, apply_peft, save_peft
     from moekit.models.lora import has_lora
 
     check_out(args.out, folder=True)
@@ -451,7 +452,7 @@ def export_lora_command(args) -> None:
     cfg = model.config
     out = save_peft(model, args.out, family=args.family, base_model=base,
                     dtype=None if args.dtype == "auto" else DTYPES[args.dtype])
-    family = json.loads((out / "adapter_config.json").read_text())["moekit"]["family"]
+    family = adapter_metadata(out)["moekit_family"]
     print(f"wrote {out}: PEFT LoRA adapter (rank {cfg.lora_rank}, alpha {cfg.lora_alpha:g}) for the {family} "
           f"checkpoint of its base weights{f' ({base})' if base else ''}")
     if not args.verify:
@@ -476,3 +477,10 @@ def export_lora_command(args) -> None:
         raise ValueError(f"verification failed: base + adapter differs from the merged export (relative error "
                          f"{worst:.2e})")
     print(f"verified: the base checkpoint plus the adapter is the merged model's (relative error {worst:.1e})")
+    from moekit.models.hf.peft import check_with_peft
+
+    check = check_with_peft(model, out, family)
+    if check.ok is False:  # the file is right; the loader most people use would not compute the model from it
+        print(f"WARNING: {check.message}", file=sys.stderr)
+    else:
+        print(f"verified: {check.message}" if check.ok else check.message)

@@ -1,13 +1,25 @@
 """LoRA adapters (models.lora) as a PEFT adapter folder: what vLLM, SGLang and PEFT load beside the base checkpoint.
 
-    OUT/adapter_config.json        peft_type LORA, r, lora_alpha, target_modules (an anchored regex naming exactly
-                                   the modules written), base_model_name_or_path
-    OUT/adapter_model.safetensors  base_model.model.<HF module>.lora_A.weight [r, in], .lora_B.weight [out, r]
+    OUT/adapter_config.json        peft_type LORA, r, lora_alpha, target_modules, base_model_name_or_path
+    OUT/adapter_model.safetensors  base_model.model.<HF module>.lora_A.weight [r, in], .lora_B.weight [out, r]; its
+                                   header metadata names the family and moekit's targets (``adapter_metadata``)
+
+``target_modules`` selects exactly the modules written: the list of their last names (``["q_proj", "w1", ...]``, as
+PEFT users write it) when that list picks no other Linear of the checkpoint, else an anchored regex over the full
+names. The regex also spells each adapted expert projection as ``<fused experts module>.<projection>``
+(``model.layers.3.mlp.experts.w1``): transformers >= 5 holds the experts fused (``mlp.experts.gate_up_proj``), and
+PEFT converts per-expert adapters to that layout (>= 0.19 for a list, >= 0.20 for a regex), finding them by probing
+those names against the regex. Two limits are PEFT's, not the file's (PEFT 0.21): for the families it converts in the
+Qwen2-MoE pattern (qwen2_moe, qwen3_moe, olmoe, deepseek_v3, glm4_moe, ...) it takes every ``gate_proj`` /
+``up_proj`` / ``down_proj`` target for a routed expert's, so adapters on shared experts or dense FFN layers are left
+out; for families it has no conversion for (qwen3_5_moe, qwen3_next) it finds no per-expert module at all.
+``moekit-convert export-lora --verify`` loads the folder through PEFT when it is installed (``check_with_peft``) and
+names the modules PEFT leaves without their adapter.
 
 The HF modules are the ones ``save_hf`` writes for the family in its per-expert layout (routed experts as one Linear
 each: ``mlp.experts.<e>.gate_proj``, ``up_proj``, ``down_proj``, the layout PEFT adapters of MoE models use), and
 each HF weight with an adapter gets ``W_hf + (alpha / r) lora_B @ lora_A``: the very tensor ``save_hf`` writes of the
-merged model (``check_peft`` recomputes it). PEFT's scale alpha / r is moekit's, so r and alpha are written as they
+merged model (``apply_peft`` recomputes it). PEFT's scale alpha / r is moekit's, so r and alpha are written as they
 are.
 
 How a moekit adapter becomes HF factors: the family's export rule maps the moekit weight to its HF tensors by
@@ -23,6 +35,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -76,6 +89,26 @@ def adapter_factors(rule, shape: tuple[int, ...], A: Tensor, B: Tensor, expert: 
     return out
 
 
+def adapter_metadata(path: str | Path) -> dict[str, str]:
+    """The moekit metadata of a PEFT folder ``save_peft`` wrote (its family, ``moekit_family``, and moekit's
+    ``moekit_targets``), from the adapter file's header; {} for a folder another tool wrote."""
+    from safetensors import safe_open
+
+    with safe_open(str(Path(path) / PEFT_WEIGHTS), framework="pt") as f:
+        meta = f.metadata() or {}
+    return {k: v for k, v in meta.items() if k.startswith("moekit_")}
+
+
+def target_modules(modules: list[str], linears: set[str], probes: list[str]) -> list[str] | str:
+    """adapter_config's target_modules for the HF ``modules`` written (module docstring): their sorted last names when
+    those pick exactly ``modules`` among ``linears`` (every HF module with a weight, adapted or not), else the
+    anchored regex of ``modules`` plus ``probes`` (the fused-experts names of adapted expert projections)."""
+    leaves = {m.rsplit(".", 1)[-1] for m in modules}
+    if {m for m in linears | set(modules) if m.rsplit(".", 1)[-1] in leaves} == set(modules):
+        return sorted(leaves)
+    return _targets_regex(modules + probes)
+
+
 def _targets_regex(modules: list[str]) -> str:
     """An anchored regex matching exactly the module names written: per module path, its layer indices as an
     alternation, expert indices as \\d+ (an expert stack's adapters cover every expert)."""
@@ -94,18 +127,30 @@ def _targets_regex(modules: list[str]) -> str:
     return "^(" + "|".join(alts) + ")$" if alts else ""
 
 
+class PeftExport(NamedTuple):
+    family: str
+    tensors: dict[str, Tensor]  # PEFT key -> tensor
+    modules: list[str]  # the HF modules with adapters (per-expert names for routed experts)
+    targets: list[str] | str  # adapter_config's target_modules
+    fused: dict[str, str]  # an expert projection's module -> its fused tensor's key in transformers >= 5
+
+
 @torch.no_grad()
-def peft_tensors(model, family: str | None = None) -> tuple[str, dict[str, Tensor], list[str]]:
-    """(the family, PEFT key -> tensor, the HF module names) of a one-process model's adapters (module docstring)."""
+def peft_tensors(model, family: str | None = None) -> PeftExport:
+    """The adapters of a one-process model as PEFT tensors (module docstring)."""
     from moekit.models.hf import export_rules
     from moekit.models.lora import LoRALinear
     from moekit.moe.experts import GroupedExperts
 
     name, rules, _ = export_rules(model, family, None, "per_expert")
     by_target = {r.target: r for r in rules}
+    fused = {r.target: r for r in export_rules(model, name, None, "fused")[1]}
+    linears = {k[: -len(".weight")] for r in rules for k in r.sources if k.endswith(".weight")}
     state = model.state_dict()
     tensors: dict[str, Tensor] = {}
     modules: list[str] = []
+    probes: list[str] = []
+    fused_of: dict[str, str] = {}
     for prefix, module in model.named_modules():
         if isinstance(module, LoRALinear):
             carriers = [(f"{prefix}.weight", module.lora_a, module.lora_b, False)]
@@ -129,7 +174,13 @@ def peft_tensors(model, family: str | None = None) -> tuple[str, dict[str, Tenso
                 tensors[f"base_model.model.{hf_module}.lora_A.weight"] = a.contiguous().cpu()
                 tensors[f"base_model.model.{hf_module}.lora_B.weight"] = b.contiguous().cpu()
                 modules.append(hf_module)
-    return name, tensors, modules
+                if expert and target in fused:  # transformers >= 5's name: the fused experts' module + this leaf
+                    fused_key = fused[target].sources[0]
+                    fused_of[hf_module] = fused_key
+                    probe = f"{fused_key.rsplit('.', 1)[0]}.{hf_module.rsplit('.', 1)[-1]}"
+                    if probe not in probes:
+                        probes.append(probe)
+    return PeftExport(name, tensors, modules, target_modules(modules, linears, probes), fused_of)
 
 
 def save_peft(model, path: str | Path, *, family: str | None = None, base_model: str = "",
@@ -141,16 +192,18 @@ def save_peft(model, path: str | Path, *, family: str | None = None, base_model:
     cfg = model.config
     if not getattr(cfg, "lora_rank", 0):
         raise ValueError("the model has no LoRA adapters (model.lora_rank 0); nothing to export as PEFT")
-    name, tensors, modules = peft_tensors(model, family)
+    name, tensors, _, targets, _ = peft_tensors(model, family)
     if dtype is not None:
         tensors = {k: v.to(dtype) for k, v in tensors.items()}
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
-    save_safetensors(tensors, folder / PEFT_WEIGHTS, {"format": "pt"})
+    # moekit's own notes go in the tensor file's header: PEFT warns about any key of adapter_config it does not know
+    save_safetensors(tensors, folder / PEFT_WEIGHTS,
+                     {"format": "pt", "moekit_family": name, "moekit_targets": str(cfg.lora_targets)})
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.lora_rank, "lora_alpha": cfg.lora_alpha,
               "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
-              "target_modules": _targets_regex(modules), "modules_to_save": None, "inference_mode": True,
-              "base_model_name_or_path": base_model, "moekit": {"family": name, "targets": cfg.lora_targets}}
+              "target_modules": targets, "modules_to_save": None, "inference_mode": True,
+              "base_model_name_or_path": base_model}
     (folder / PEFT_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return folder
 
@@ -168,3 +221,87 @@ def apply_peft(hf_tensors: dict[str, Tensor], adapter: dict[str, Tensor], scale:
         out[f"{module}.weight"] = folded(out[f"{module}.weight"], a, adapter[key.replace(".lora_A.", ".lora_B.")],
                                          scale, expert=False)
     return out
+
+
+class PeftCheck(NamedTuple):
+    ok: bool | None  # None: not checked (peft / transformers missing, or transformers cannot load the base)
+    message: str
+
+
+@torch.no_grad()
+def check_with_peft(model, folder: str | Path, family: str | None = None, tokens: int = 24) -> PeftCheck:
+    """Load a PEFT folder ``save_peft`` wrote of ``model`` the way its users will: the HF checkpoint of the base
+    weights (``save_hf`` of ``model`` with its adapters zeroed, in a temporary folder) through transformers'
+    ``AutoModelForCausalLM``, the adapter through ``peft.PeftModel``, and compare the logits of random tokens with
+    ``model``'s (float32 on the CPU).
+
+    ok True: the same logits. ok False: PEFT cannot load it, or leaves adapted modules without their adapter (the
+    message names them; PEFT's conversion to transformers >= 5's fused experts, module docstring). ok None: not
+    checked (peft or transformers missing, or this transformers cannot load the base). A ValueError when PEFT puts
+    every adapter in place and still computes other logits: that is an export bug."""
+    import copy
+    import importlib.util
+    import tempfile
+    import warnings
+
+    if importlib.util.find_spec("peft") is None or importlib.util.find_spec("transformers") is None:
+        return PeftCheck(None, "not checked through PEFT: peft is not installed (pip install peft)")
+    import peft
+    import transformers
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from moekit.models.hf import save_hf
+
+    export = peft_tensors(model, family)
+    ours = copy.deepcopy(model).float().eval()
+    plain = copy.deepcopy(ours)
+    for n, p in plain.named_parameters():
+        if ".lora_b" in n:
+            p.zero_()
+    versions = f"PEFT {peft.__version__} on transformers {transformers.__version__}"
+    ids = torch.randint(0, model.config.vocab_size, (2, tokens), generator=torch.Generator().manual_seed(0))
+    with tempfile.TemporaryDirectory(prefix="moekit-peft-") as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # transformers' and PEFT's notes on the tiny base are not the user's business
+        save_hf(plain, Path(tmp) / "base", family=export.family)
+        try:
+            hf = AutoModelForCausalLM.from_pretrained(Path(tmp) / "base", dtype=torch.float32)
+        except Exception as exc:  # this transformers lacks the family, or reads it otherwise: not the adapter's doing
+            return PeftCheck(None, f"not checked through PEFT: transformers {transformers.__version__} could not "
+                                   f"load the {export.family} base checkpoint ({_first_line(exc)})")
+        try:
+            loaded = PeftModel.from_pretrained(hf, str(folder)).eval()
+        except Exception as exc:
+            return PeftCheck(False, f"{versions} cannot load it ({_first_line(exc)}). {_PEFT_ADVICE}")
+        got = loaded(input_ids=ids).logits.float()
+    want = ours(ids)
+    want = (want[0] if isinstance(want, tuple) else want).float()
+    err = ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+    if err <= 1e-4:
+        return PeftCheck(True, f"{versions} loads it onto the base checkpoint with the model's logits (relative "
+                               f"error {err:.1e})")
+    wrapped = {n for n, m in loaded.named_modules() if hasattr(m, "lora_A") and not hasattr(m, "parameter_name")}
+    params = set()
+    for n, m in loaded.named_modules():
+        if hasattr(m, "parameter_name"):  # a LoRA on an nn.Parameter (nested wrappers: strip their base_layer)
+            params.add(re.sub(r"(\.base_layer)+$", "", n) + "." + m.parameter_name)
+    prefix = "base_model.model."
+    missed = [m for m in export.modules
+              if f"{prefix}{m}" not in wrapped and f"{prefix}{export.fused.get(m, '')}" not in params]
+    if not missed:
+        raise ValueError(f"{versions} loads the adapter onto every adapted module and computes other logits than the "
+                         f"model's (relative error {err:.1e}): the export is wrong; please report it")
+    shown = sorted({re.sub(r"\.experts\.\d+\.", ".experts.N.", re.sub(r"\.layers\.\d+\.", ".layers.N.", m))
+                    for m in missed})
+    return PeftCheck(False, f"{versions} loads it with other logits than the model's (relative error {err:.1e}): it "
+                            f"puts no adapter on {len(missed)} adapted module(s) ({', '.join(shown[:8])}"
+                            f"{' ...' if len(shown) > 8 else ''}). {_PEFT_ADVICE}")
+
+
+def _first_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}"
+
+
+_PEFT_ADVICE = ("The folder holds the right tensors and serving engines that read per-expert adapters load it; for "
+                "PEFT on this transformers, keep adapters off those modules (--model.lora_targets) or export the merged "
+                "model (moekit-convert merge-lora)")
