@@ -446,7 +446,7 @@ def test_peft_adapter_plus_the_base_checkpoint_is_the_merged_export(tmp_path, na
     assert config["r"] == 4 and config["lora_alpha"] == 12.0 and config["base_model_name_or_path"] == "some/base"
     assert "moekit" not in config  # PEFT warns about keys it does not know; moekit's notes are in the file's header
     assert adapter_metadata(out) == {"moekit_family": json.loads((tmp_path / "base" / "config.json").read_text())[
-        "model_type"], "moekit_targets": targets}
+        "model_type"], "moekit_targets": targets, "moekit_layout": "per_expert", "moekit_parameters": "{}"}
     base, want = hf_folder_tensors(tmp_path / "base"), hf_folder_tensors(tmp_path / "merged")
     got = apply_peft(base, adapter, 3.0)
     changed = 0
@@ -466,8 +466,50 @@ def test_peft_adapter_plus_the_base_checkpoint_is_the_merged_export(tmp_path, na
         assert re.fullmatch(config["target_modules"], "model.layers.3.mlp.experts.w2")
         assert not re.fullmatch(config["target_modules"], "model.layers.2.mlp.experts.w2")
     if name == "gpt-oss-tiny":
-        with pytest.raises(ValueError, match=r"experts\.w_in -> .*fused expert tensor"):
+        with pytest.raises(ValueError, match=r"experts\.w_in -> .*stores its experts fused: .*--layout fused"):
             save_peft(build_model(dataclasses.replace(cfg, lora_targets="all")), tmp_path / "x")
+
+
+@pytest.mark.parametrize("name, targets", [("mixtral-tiny", "layers.1.*,layers.3.ffn.experts.w_out"),
+                                           ("qwen3.5-tiny", "all"), ("gpt-oss-tiny", "all"), ("llama4-tiny", "all")])
+def test_fused_peft_adapter_plus_the_fused_base_is_the_merged_export(tmp_path, name, targets):
+    """layout "fused": the experts' adapters as PEFT's adapters on transformers >= 5's fused expert parameters
+    (target_parameters; gpt-oss's interleaved and transposed, Llama 4's [E, in, out]); each expert's delta, added to
+    the base's fused tensors, gives the merged model's (merge_lora, then the fused export), tensor for tensor. Two
+    parameters of one module nest as PEFT nests them: the first registered is reached through base_layer."""
+    from safetensors.torch import load_file
+
+    from moekit.models.hf import export_rules
+    from moekit.models.hf.peft import adapter_metadata, apply_peft, save_peft
+    from moekit.models.hf.weights import export_tensors
+
+    import copy
+
+    model = lora_model_with_adapters(name, targets)
+    out = save_peft(model, tmp_path / "adapter", layout="fused")
+    meta = adapter_metadata(out)
+    family = meta["moekit_family"]
+    assert meta["moekit_layout"] == "fused" and meta["moekit_targets"] == targets
+    parameters = {k: tuple(v) for k, v in json.loads(meta["moekit_parameters"]).items()}
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["target_parameters"] == [key for key, _ in parameters.values()]
+    for where, (key, transposed) in parameters.items():
+        container, _, param = key.rpartition(".")
+        both = sum(k.startswith(container + ".") for k in config["target_parameters"]) == 2
+        assert where == container + (".base_layer" if both and param == "gate_up_proj" else "")
+        assert transposed == (name == "gpt-oss-tiny")
+
+    def tensors(m):
+        return export_tensors(m, export_rules(m, family, None, "fused")[1], None)
+
+    base, want = tensors(model), tensors(merge_lora(copy.deepcopy(model)))
+    adapter = load_file(out / "adapter_model.safetensors")
+    got = apply_peft(base, adapter, 3.0, parameters)
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+    changed = {k for k in want if not torch.equal(base[k], want[k])}
+    assert {key for key, _ in parameters.values()} <= changed  # every expert parameter with an adapter, and one
+    assert len(changed) == sum(k.endswith(".lora_A.weight") for k in adapter)  # tensor per adapter: no other
 
 
 def peft_selects(target_modules, module: str) -> bool:
@@ -489,10 +531,13 @@ def lora_model_with_adapters(name: str, targets: str):
     return model
 
 
-@pytest.mark.parametrize("name, targets", [("mixtral-tiny", "all"), ("mixtral-tiny", "layers.1.*,layers.3.ffn.*"),
-                                           ("deepseek-tiny", "*.attn.*,*.ffn.experts.*"),
-                                           ("gpt-oss-tiny", "*.attn.*"), ("deepseek-tiny", "all")])
-def test_peft_loads_the_adapter_onto_the_base_with_the_model_logits(tmp_path, name, targets):
+@pytest.mark.parametrize("name, targets, layout", [
+    ("mixtral-tiny", "all", "per_expert"), ("mixtral-tiny", "layers.1.*,layers.3.ffn.*", "per_expert"),
+    ("deepseek-tiny", "*.attn.*,*.ffn.experts.*", "per_expert"), ("gpt-oss-tiny", "*.attn.*", "per_expert"),
+    ("deepseek-tiny", "all", "per_expert"),
+    ("mixtral-tiny", "layers.1.*,layers.3.ffn.experts.w_out", "fused"), ("deepseek-tiny", "*.attn.*,*.experts.*", "fused"),
+    ("qwen3.5-tiny", "all", "fused"), ("gpt-oss-tiny", "all", "fused"), ("llama4-tiny", "all", "fused")])
+def test_peft_loads_the_adapter_onto_the_base_with_the_model_logits(tmp_path, name, targets, layout):
     """What users run: transformers loads the base checkpoint (fusing the experts, transformers >= 5) and PEFT the
     adapter folder; the logits are the LoRA model's. Shared experts and dense FFNs of the Qwen2-MoE-pattern families
     are the one known PEFT limit (models/hf/peft.py): there the check must say so, naming them."""
@@ -500,10 +545,11 @@ def test_peft_loads_the_adapter_onto_the_base_with_the_model_logits(tmp_path, na
     from moekit.models.hf.peft import check_with_peft, save_peft
 
     model = lora_model_with_adapters(name, targets)
-    check = check_with_peft(model, save_peft(model, tmp_path / "adapter"))
+    check = check_with_peft(model, save_peft(model, tmp_path / "adapter", layout=layout))
     if name == "deepseek-tiny" and targets == "all" and not check.ok:
         assert check.ok is False and "shared_experts.gate_proj" in check.message, check.message
         assert "experts.N." not in check.message  # the routed experts did load
+        assert "--layout fused" in check.message
     else:
         assert check.ok, check.message
 
@@ -540,10 +586,15 @@ def test_export_lora_writes_the_adapter_of_a_run_and_refuses_more(tmp_path, caps
     capsys.readouterr()
     assert convert(["export-lora", str(run), str(tmp_path / "adapter"), "--verify"]) == 0
     out, err = capsys.readouterr()
-    assert "PEFT LoRA adapter (rank 4, alpha 16)" in out and "verified: the base checkpoint plus the adapter" in out
+    assert "PEFT LoRA adapter (rank 4, alpha 16, per_expert experts)" in out
+    assert "verified: the base checkpoint plus the adapter" in out
     peft_line = out.splitlines()[-1] + err  # the load through PEFT, when it is installed
     assert ("verified: PEFT" in peft_line or "WARNING: PEFT" in peft_line and "shared_experts" in peft_line
             or "peft is not installed" in peft_line), peft_line
+    assert convert(["export-lora", str(run), str(tmp_path / "fused"), "--layout", "fused", "--verify"]) == 0
+    out, err = capsys.readouterr()
+    assert "fused experts" in out and "verified: the base checkpoint plus the adapter" in out
+    assert json.loads((tmp_path / "fused" / "adapter_config.json").read_text())["target_parameters"]
     assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
     routers = tmp_path / "routers"
     assert train_main([*DEEPSEEK, "--steps", "1", "--train.trainable", "*.router.*", "--run-dir", str(routers)]) == 0

@@ -8,7 +8,7 @@
     moekit-convert prune SRC --scores FILE --keep N -o OUT [--by gate|token|reap] [--family F] [--tokenizer DIR]
                                            [--dtype ...] [--verify]
     moekit-convert merge-lora SRC -o OUT [--family F] [--tokenizer DIR] [--ema] [--verify]
-    moekit-convert export-lora SRC OUT [--family F] [--base NAME] [--dtype ...] [--ema] [--verify]
+    moekit-convert export-lora SRC OUT [--family F] [--base NAME] [--dtype ...] [--ema] [--layout L] [--verify]
 
 merge-lora folds a LoRA fine-tune's adapters (model.lora_rank > 0, moekit.models.lora) into the weights: OUT is the
 plain model (a moekit file to start a full fine-tune from with --train.init_from, or an HF folder; moekit-to-hf
@@ -149,6 +149,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="the adapters' dtype on disk (default: the model's)")
     f.add_argument("--ema", action="store_true",
                    help="export the checkpoint's parameter average (--train.ema_decay) instead of its weights")
+    f.add_argument("--layout", choices=["per_expert", "fused"], default="per_expert",
+                   help="routed experts' adapters: per_expert, one per expert Linear (experts.N.gate_proj: vLLM, "
+                        "SGLang, PEFT on transformers 4 or converting to 5), or fused, PEFT's target_parameters on "
+                        "transformers >= 5's fused expert tensors (the one way for gpt-oss and Llama 4)")
     for q in (a, b, c, d, e, f):
         q.add_argument("--verify", action="store_true", help="reload the output and compare logits")
     return p.parse_args(argv)

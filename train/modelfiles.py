@@ -451,10 +451,11 @@ def export_lora_command(args) -> None:
     base = args.base or (run["train"].get("init_from_hf", "") if run else "")
     cfg = model.config
     out = save_peft(model, args.out, family=args.family, base_model=base,
-                    dtype=None if args.dtype == "auto" else DTYPES[args.dtype])
-    family = adapter_metadata(out)["moekit_family"]
-    print(f"wrote {out}: PEFT LoRA adapter (rank {cfg.lora_rank}, alpha {cfg.lora_alpha:g}) for the {family} "
-          f"checkpoint of its base weights{f' ({base})' if base else ''}")
+                    dtype=None if args.dtype == "auto" else DTYPES[args.dtype], layout=args.layout)
+    meta = adapter_metadata(out)
+    family = meta["moekit_family"]
+    print(f"wrote {out}: PEFT LoRA adapter (rank {cfg.lora_rank}, alpha {cfg.lora_alpha:g}, {args.layout} experts) "
+          f"for the {family} checkpoint of its base weights{f' ({base})' if base else ''}")
     if not args.verify:
         return
     # the HF tensors of the base (the export rules leave the adapters out) and of the merged model, as save_hf writes
@@ -467,9 +468,10 @@ def export_lora_command(args) -> None:
     from moekit.models.lora import merge_lora
 
     def tensors(m) -> dict:
-        return export_tensors(m, export_rules(m, family, None, "per_expert")[1], None)
+        return export_tensors(m, export_rules(m, family, None, args.layout)[1], None)
 
-    got = apply_peft(tensors(model), load_file(out / PEFT_WEIGHTS), cfg.lora_alpha / cfg.lora_rank)
+    parameters = {k: tuple(v) for k, v in json.loads(meta["moekit_parameters"]).items()}
+    got = apply_peft(tensors(model), load_file(out / PEFT_WEIGHTS), cfg.lora_alpha / cfg.lora_rank, parameters)
     want = tensors(merge_lora(copy.deepcopy(model)))
     worst = max(((got[k].float() - v.float()).norm() / v.float().norm().clamp_min(1e-30)).item()
                 for k, v in want.items())

@@ -73,7 +73,7 @@ QWEN3_5_DENSE = Naming(moe_blocks=("mlp",), expert_proj=GATED, experts_field="(d
 LLAMA4 = Naming(moe_blocks=("feed_forward",), expert_proj=GATED, experts_field="num_local_experts",
                 shared="shared_expert", router="router", dense_block="feed_forward", experts_in_out=True)
 GPT_OSS = Naming(moe_blocks=("mlp",), expert_proj=GATED, experts_field="num_local_experts", router="router",
-                 woven=True)
+                 woven=True, experts_transposed=True)
 
 # What moekit's model would need to lift each refusal (also listed in docs/hf.md).
 NEEDS = {

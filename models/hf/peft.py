@@ -74,8 +74,9 @@ def adapter_factors(rule, shape: tuple[int, ...], A: Tensor, B: Tensor, expert: 
         why = (f"{rule.target} -> {key}: the HF tensor {tuple(parts[0].shape)} does not take its rows from one factor "
                f"and its columns from the other, so it has no per-Linear adapter")
         if parts[0].dim() != 2:
-            raise ValueError(why + " (a fused expert tensor: PEFT adapters need one Linear per expert; export the "
-                             "experts per_expert, or merge the adapters: moekit-convert merge-lora)")
+            raise ValueError(why + " (the family stores its experts fused: export the adapters with --layout fused, "
+                             "PEFT's adapters on transformers >= 5's fused expert parameters, or merge them: "
+                             "moekit-convert merge-lora)")
         if not expert:  # W [out, in] = B A: HF rows from B's out, columns from A's in
             rows, cols = _one_along(parts[0], 0, why), _one_along(parts[1], 1, why)
             out[key] = (A[:, cols], B[rows])
@@ -87,6 +88,36 @@ def adapter_factors(rule, shape: tuple[int, ...], A: Tensor, B: Tensor, expert: 
         e = int(e)
         out[key] = (A[e][cols].t(), B[e][:, rows].t())
     return out
+
+
+def fused_factors(rule, shape: tuple[int, ...], A: Tensor, B: Tensor, transposed: bool) -> tuple[Tensor, Tensor]:
+    """(lora_A [E r, in], lora_B [out, r E]) of PEFT's adapter on the fused expert parameter ``rule.sources[0]`` ([E, d1,
+    d2], transformers >= 5's in-memory experts) for moekit's expert adapter A [E, in, r], B [E, r, out] of a stack of
+    ``shape``. PEFT (``target_parameters``) adds, per expert e, ``scale lora_B_e @ lora_A_e`` to the parameter's [d1, d2]
+    slice, or its transpose where transformers marks the experts ``is_transposed`` (``transposed``), with lora_A_e
+    rows e r .. e r + r of lora_A and lora_B_e the columns j E + e of lora_B (expert-minor)."""
+    why = (f"{rule.target} -> {', '.join(rule.sources)}: not one fused [experts, rows, columns] tensor whose rows come "
+           f"from one factor and columns from the other")
+    if len(rule.sources) != 1:
+        raise ValueError(why)
+    pe, pi, po = (rule.split(p)[0] for p in _probes(shape))  # per HF element: its moekit expert, in and out index
+    if pe.dim() != 3:
+        raise ValueError(why)
+    experts = pe[:, 0, 0]
+    if not (torch.equal(pe, experts[:, None, None].expand_as(pe)) and torch.equal(pi, pi[:1].expand_as(pi))
+            and torch.equal(po, po[:1].expand_as(po))):
+        raise ValueError(why)
+    pi, po = pi[0], po[0]
+    A, B = A[experts], B[experts]
+    if torch.equal(pi, pi[:, :1].expand_as(pi)):  # [E, in, out]: d1 from A's in, d2 from B's out
+        left, right = A[:, _one_along(pi, 0, why)], B[:, :, _one_along(po, 1, why)]
+    else:  # [E, out, in]
+        left = B[:, :, _one_along(po, 0, why)].transpose(1, 2)
+        right = A[:, _one_along(pi, 1, why)].transpose(1, 2)
+    # each expert's delta is left @ right ([d1, r] @ [r, d2]); PEFT's factors of it (or of its transpose)
+    lora_a, lora_b = (left.transpose(1, 2), right.transpose(1, 2)) if transposed else (right, left)
+    E, r = lora_a.shape[0], lora_a.shape[1]
+    return lora_a.reshape(E * r, -1), lora_b.permute(1, 2, 0).reshape(lora_b.shape[1], r * E)
 
 
 def adapter_metadata(path: str | Path) -> dict[str, str]:
@@ -130,27 +161,32 @@ def _targets_regex(modules: list[str]) -> str:
 class PeftExport(NamedTuple):
     family: str
     tensors: dict[str, Tensor]  # PEFT key -> tensor
-    modules: list[str]  # the HF modules with adapters (per-expert names for routed experts)
+    modules: list[str]  # the HF Linears with adapters (per_expert: routed experts' too)
     targets: list[str] | str  # adapter_config's target_modules
-    fused: dict[str, str]  # an expert projection's module -> its fused tensor's key in transformers >= 5
+    fused: dict[str, str]  # per_expert: an expert projection's module -> its fused tensor's key in transformers >= 5
+    parameters: dict[str, tuple[str, bool]]  # fused: the adapter's module in the file (``...experts`` or
+    # ``...experts.base_layer``) -> (the HF parameter, transposed); adapter_config's target_parameters are the values
 
 
 @torch.no_grad()
-def peft_tensors(model, family: str | None = None) -> PeftExport:
-    """The adapters of a one-process model as PEFT tensors (module docstring)."""
-    from moekit.models.hf import export_rules
+def peft_tensors(model, family: str | None = None, layout: str = "per_expert") -> PeftExport:
+    """The adapters of a one-process model as PEFT tensors (module docstring); ``layout`` "fused": the routed
+    experts' as PEFT's adapters on transformers >= 5's fused expert parameters (``target_parameters``)."""
+    from moekit.models.hf import FAMILIES, export_rules
     from moekit.models.lora import LoRALinear
     from moekit.moe.experts import GroupedExperts
 
-    name, rules, _ = export_rules(model, family, None, "per_expert")
+    name, rules, _ = export_rules(model, family, None, layout)
     by_target = {r.target: r for r in rules}
     fused = {r.target: r for r in export_rules(model, name, None, "fused")[1]}
     linears = {k[: -len(".weight")] for r in rules for k in r.sources if k.endswith(".weight")}
+    transposed = FAMILIES[name].naming.experts_transposed
     state = model.state_dict()
     tensors: dict[str, Tensor] = {}
     modules: list[str] = []
     probes: list[str] = []
     fused_of: dict[str, str] = {}
+    params: dict[str, list[tuple[str, Tensor, Tensor]]] = {}  # fused experts module -> its adapted parameters
     for prefix, module in model.named_modules():
         if isinstance(module, LoRALinear):
             carriers = [(f"{prefix}.weight", module.lora_a, module.lora_b, False)]
@@ -162,6 +198,11 @@ def peft_tensors(model, family: str | None = None) -> PeftExport:
         for target, A, B, expert in carriers:
             rule = by_target.get(target)
             if rule is None:  # an MTP depth the family has no place for (export_rules warned)
+                continue
+            if expert and layout == "fused":
+                a, b = fused_factors(rule, tuple(state[target].shape), A.detach(), B.detach(), transposed)
+                container, _, param = rule.sources[0].rpartition(".")
+                params.setdefault(container, []).append((param, a, b))
                 continue
             for key, (a, b) in adapter_factors(rule, tuple(state[target].shape), A.detach(), B.detach(),
                                                expert).items():
@@ -180,11 +221,21 @@ def peft_tensors(model, family: str | None = None) -> PeftExport:
                     probe = f"{fused_key.rsplit('.', 1)[0]}.{hf_module.rsplit('.', 1)[-1]}"
                     if probe not in probes:
                         probes.append(probe)
-    return PeftExport(name, tensors, modules, target_modules(modules, linears, probes), fused_of)
+    parameters: dict[str, tuple[str, bool]] = {}
+    for container, adapted in params.items():
+        # PEFT wraps a module's targeted parameters one inside the other in their registration order (gate_up_proj,
+        # then down_proj, in every transformers experts class): the first is reached through base_layer
+        for depth, (param, a, b) in enumerate(adapted):
+            where = container + ".base_layer" * (len(adapted) - 1 - depth)
+            tensors[f"base_model.model.{where}.lora_A.weight"] = a.contiguous().cpu()
+            tensors[f"base_model.model.{where}.lora_B.weight"] = b.contiguous().cpu()
+            parameters[where] = (f"{container}.{param}", transposed)
+    targets = target_modules(modules, linears, probes) if modules else []
+    return PeftExport(name, tensors, modules, targets, fused_of, parameters)
 
 
 def save_peft(model, path: str | Path, *, family: str | None = None, base_model: str = "",
-              dtype: torch.dtype | None = None) -> Path:
+              dtype: torch.dtype | None = None, layout: str = "per_expert") -> Path:
     """Write a one-process ``model``'s LoRA adapters as a PEFT adapter folder (module docstring) for the HF checkpoint
     ``save_hf`` writes of its base weights in ``family``; ``base_model``: adapter_config's base_model_name_or_path
     (the HF folder or hub id the adapters were trained on). ValueError for a model without adapters and for an
@@ -192,34 +243,51 @@ def save_peft(model, path: str | Path, *, family: str | None = None, base_model:
     cfg = model.config
     if not getattr(cfg, "lora_rank", 0):
         raise ValueError("the model has no LoRA adapters (model.lora_rank 0); nothing to export as PEFT")
-    name, tensors, _, targets, _ = peft_tensors(model, family)
+    export = peft_tensors(model, family, layout)
+    tensors = export.tensors
     if dtype is not None:
         tensors = {k: v.to(dtype) for k, v in tensors.items()}
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     # moekit's own notes go in the tensor file's header: PEFT warns about any key of adapter_config it does not know
     save_safetensors(tensors, folder / PEFT_WEIGHTS,
-                     {"format": "pt", "moekit_family": name, "moekit_targets": str(cfg.lora_targets)})
+                     {"format": "pt", "moekit_family": export.family, "moekit_targets": str(cfg.lora_targets),
+                      "moekit_layout": layout, "moekit_parameters": json.dumps(export.parameters)})
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.lora_rank, "lora_alpha": cfg.lora_alpha,
               "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
-              "target_modules": targets, "modules_to_save": None, "inference_mode": True,
+              "target_modules": export.targets, "modules_to_save": None, "inference_mode": True,
               "base_model_name_or_path": base_model}
+    if export.parameters:
+        config["target_parameters"] = [key for key, _ in export.parameters.values()]
     (folder / PEFT_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return folder
 
 
-def apply_peft(hf_tensors: dict[str, Tensor], adapter: dict[str, Tensor], scale: float) -> dict[str, Tensor]:
+def apply_peft(hf_tensors: dict[str, Tensor], adapter: dict[str, Tensor], scale: float,
+               parameters: dict[str, tuple[str, bool]] | None = None) -> dict[str, Tensor]:
     """HF checkpoint tensors with a PEFT adapter's deltas added (float32 arithmetic): W + scale lora_B @ lora_A per
-    adapted Linear. For checking an export against the merged model's (and for using adapters without PEFT)."""
+    adapted Linear, and per adapted fused expert parameter (``parameters``: PeftExport.parameters, which the file's
+    header holds as ``moekit_parameters``) each expert's ``scale lora_B_e @ lora_A_e`` (transposed where marked).
+    For checking an export against the merged model's (and for using adapters without PEFT)."""
     from moekit.models.lora import folded
 
+    parameters = parameters or {}
     out = dict(hf_tensors)
     for key, a in adapter.items():
         if not key.endswith(".lora_A.weight"):
             continue
         module = key[len("base_model.model."): -len(".lora_A.weight")]
-        out[f"{module}.weight"] = folded(out[f"{module}.weight"], a, adapter[key.replace(".lora_A.", ".lora_B.")],
-                                         scale, expert=False)
+        b = adapter[key.replace(".lora_A.", ".lora_B.")]
+        if module not in parameters:
+            out[f"{module}.weight"] = folded(out[f"{module}.weight"], a, b, scale, expert=False)
+            continue
+        param, transposed = parameters[module]
+        W = out[param]
+        E = W.shape[0]
+        A_e = a.float().reshape(E, -1, a.shape[-1])  # [E, r, in]
+        B_e = b.float().reshape(b.shape[0], -1, E).permute(2, 0, 1)  # [E, out, r]
+        delta = torch.bmm(B_e, A_e)
+        out[param] = (W.float() + (delta.transpose(1, 2) if transposed else delta) * scale).to(W.dtype)
     return out
 
 
@@ -253,7 +321,9 @@ def check_with_peft(model, folder: str | Path, family: str | None = None, tokens
 
     from moekit.models.hf import save_hf
 
-    export = peft_tensors(model, family)
+    meta = adapter_metadata(folder)
+    layout = meta.get("moekit_layout", "per_expert")
+    export = peft_tensors(model, family or meta.get("moekit_family"), layout)
     ours = copy.deepcopy(model).float().eval()
     plain = copy.deepcopy(ours)
     for n, p in plain.named_parameters():
@@ -272,7 +342,7 @@ def check_with_peft(model, folder: str | Path, family: str | None = None, tokens
         try:
             loaded = PeftModel.from_pretrained(hf, str(folder)).eval()
         except Exception as exc:
-            return PeftCheck(False, f"{versions} cannot load it ({_first_line(exc)}). {_PEFT_ADVICE}")
+            return PeftCheck(False, f"{versions} cannot load it ({_first_line(exc)}). {_peft_advice(layout)}")
         got = loaded(input_ids=ids).logits.float()
     want = ours(ids)
     want = (want[0] if isinstance(want, tuple) else want).float()
@@ -288,6 +358,7 @@ def check_with_peft(model, folder: str | Path, family: str | None = None, tokens
     prefix = "base_model.model."
     missed = [m for m in export.modules
               if f"{prefix}{m}" not in wrapped and f"{prefix}{export.fused.get(m, '')}" not in params]
+    missed += [key for key, _ in export.parameters.values() if f"{prefix}{key}" not in params]
     if not missed:
         raise ValueError(f"{versions} loads the adapter onto every adapted module and computes other logits than the "
                          f"model's (relative error {err:.1e}): the export is wrong; please report it")
@@ -295,13 +366,18 @@ def check_with_peft(model, folder: str | Path, family: str | None = None, tokens
                     for m in missed})
     return PeftCheck(False, f"{versions} loads it with other logits than the model's (relative error {err:.1e}): it "
                             f"puts no adapter on {len(missed)} adapted module(s) ({', '.join(shown[:8])}"
-                            f"{' ...' if len(shown) > 8 else ''}). {_PEFT_ADVICE}")
+                            f"{' ...' if len(shown) > 8 else ''}). {_peft_advice(layout)}")
 
 
 def _first_line(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}"
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {' '.join(lines[:2])[:300]}"
 
 
-_PEFT_ADVICE = ("The folder holds the right tensors and serving engines that read per-expert adapters load it; for "
-                "PEFT on this transformers, keep adapters off those modules (--model.lora_targets) or export the merged "
-                "model (moekit-convert merge-lora)")
+def _peft_advice(layout: str) -> str:
+    if layout == "per_expert":
+        return ("The folder holds the right tensors, and serving engines that read per-expert adapters (vLLM, SGLang) "
+                "load it. For PEFT on transformers >= 5: export with --layout fused, keep adapters off those modules "
+                "(--model.lora_targets), or export the merged model (moekit-convert merge-lora)")
+    return ("The folder holds the right tensors. For PEFT: keep adapters off those modules (--model.lora_targets), "
+            "export with --layout per_expert, or export the merged model (moekit-convert merge-lora)")

@@ -48,6 +48,9 @@ class Naming:
     woven: bool = False  # gpt-oss: fused experts, gate / up interleaved, with biases (_woven_expert_rules)
     dense_block: str = "mlp"  # a dense layer's FFN (Llama 4: feed_forward, as its MoE block)
     experts_in_out: bool = False  # fused experts stored [E, in, out] (Llama 4), moekit's layout, not [E, out, in]
+    # transformers >= 5 marks the fused experts ``is_transposed`` (gpt-oss): PEFT's adapter on such a [E, in, out]
+    # parameter holds the factors of each expert's delta transposed (models.hf.peft.fused_factors)
+    experts_transposed: bool = False
     # how the release stores multi-token-prediction layers (models.mtp): "deepseek" as model.layers.{L + k} (enorm,
     # hnorm, eh_proj, shared_head.norm); "qwen" under mtp. (Qwen3-Next / Qwen3.5: pre_fc_norm_embedding,
     # pre_fc_norm_hidden, fc, norm, and the block as mtp.layers.{k})
