@@ -120,6 +120,8 @@ class ModelConfig:
     # --train.trainable names); exports fold them into the weights
     lora_rank: int = 0  # r > 0: a rank-r adapter on each targeted weight; 0 = none
     lora_alpha: float = 16.0  # the adapters' output is scaled by lora_alpha / lora_rank
+    lora_rslora: bool = False  # scale by lora_alpha / sqrt(lora_rank) instead (rank-stabilized LoRA, Kalajdzievski
+    #   2023: the update's size no longer shrinks as the rank grows, so large ranks keep learning; PEFT's use_rslora)
     lora_targets: str = "all"  # comma-separated patterns over weight names (layers.N.attn.wq.weight,
     #   layers.N.ffn.experts.w_in, *.attn.*, *.experts.*), or all: every block projection and expert stack except
     #   the routers and one-wide gates

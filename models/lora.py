@@ -2,6 +2,7 @@
 
     model.lora_rank    r > 0 turns adapters on (0: none)
     model.lora_alpha   the adapters' scale is alpha / r (16 with r 8: 2)
+    model.lora_rslora  the scale is alpha / sqrt(r) instead (rank-stabilized LoRA; PEFT's use_rslora)
     model.lora_targets which weights get adapters: comma-separated fnmatch patterns over the one-process weight
                        names (``layers.3.attn.wq.weight``, ``layers.3.ffn.experts.w_in``), or "all": every
                        projection of the blocks (attention, dense and shared-expert FFNs, both routed-expert stacks)
@@ -61,13 +62,18 @@ class LoRALinear(nn.Linear):
         return super().extra_repr() + f", lora_rank={self.lora_rank}, lora_scale={self.lora_scale:g}"
 
 
-def add_linear_lora(linear: nn.Linear, rank: int, alpha: float) -> LoRALinear:
+def lora_scale(rank: int, alpha: float, rslora: bool = False) -> float:
+    """The adapters' output scale: alpha / rank, or alpha / sqrt(rank) for rank-stabilized LoRA (``rslora``)."""
+    return float(alpha) / (math.sqrt(rank) if rslora else rank)
+
+
+def add_linear_lora(linear: nn.Linear, rank: int, alpha: float, rslora: bool = False) -> LoRALinear:
     """Turn ``linear`` into a LoRALinear in place (its class changes; weight and bias stay the same Parameters)."""
     if type(linear) is not nn.Linear:
         raise TypeError(f"LoRA adapters go on a plain nn.Linear, not {type(linear).__name__}")
     w = linear.weight
     linear.__class__ = LoRALinear
-    linear.lora_rank, linear.lora_scale = rank, float(alpha) / rank
+    linear.lora_rank, linear.lora_scale = rank, lora_scale(rank, alpha, rslora)
     linear.lora_a = nn.Parameter(torch.empty(rank, linear.in_features, device=w.device, dtype=w.dtype))
     linear.lora_b = nn.Parameter(torch.zeros(linear.out_features, rank, device=w.device, dtype=w.dtype))
     if not w.is_meta:
@@ -116,8 +122,8 @@ def chosen(names, setting: str, strict: bool = True) -> list[str]:
     return [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in pats)]
 
 
-def add_lora(model: nn.Module, rank: int, alpha: float, targets: str = "all") -> list[str]:
-    """Adapters on the weights ``targets`` picks (module docstring); returns their names."""
+def add_lora(model: nn.Module, rank: int, alpha: float, targets: str = "all", rslora: bool = False) -> list[str]:
+    """Adapters on the weights ``targets`` picks (module docstring), scaled by ``lora_scale``; returns their names."""
     cands = candidates(model)
     picked = chosen(cands, targets)
     experts: dict[int, tuple[nn.Module, list[str]]] = {}
@@ -126,9 +132,9 @@ def add_lora(model: nn.Module, rank: int, alpha: float, targets: str = "all") ->
         if side:
             experts.setdefault(id(module), (module, []))[1].append(side)
         else:
-            add_linear_lora(module, rank, alpha)
+            add_linear_lora(module, rank, alpha, rslora)
     for module, sides in experts.values():
-        module.add_lora(rank, alpha, tuple(sides))
+        module.add_lora(rank, alpha, tuple(sides), rslora=rslora)
     return picked
 
 

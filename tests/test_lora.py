@@ -125,6 +125,44 @@ def test_lora_linear_is_the_merged_linear():
     torch.testing.assert_close(lin(x), F.linear(x, merged, lin.bias), rtol=1e-12, atol=1e-12)
     assert isinstance(lin, LoRALinear) and [n for n, _ in lin.named_parameters()] == ["weight", "bias", "lora_a",
                                                                                         "lora_b"]
+    rs = add_linear_lora(torch.nn.Linear(12, 20, bias=False, dtype=torch.float64), 4, 6.0, rslora=True)
+    with torch.no_grad():
+        rs.lora_b.copy_(torch.randn(20, 4, generator=g, dtype=torch.float64))
+    merged = rs.weight + 3.0 * rs.lora_b @ rs.lora_a  # rank-stabilized: alpha / sqrt(r) = 6 / 2
+    torch.testing.assert_close(rs(x), F.linear(x, merged), rtol=1e-12, atol=1e-12)
+
+
+def test_rslora_scales_every_adapter_by_alpha_over_sqrt_rank_and_peft_agrees(tmp_path):
+    """--model.lora_rslora: every Linear's and expert stack's scale is alpha / sqrt(r) (9 / sqrt(9) = 3, against
+    alpha / r = 1); merging folds that scale; the PEFT export says use_rslora, and PEFT computes the same logits."""
+    cfg = dataclasses.replace(preset("mixtral-tiny"), lora_rank=9, lora_alpha=9.0, lora_rslora=True)
+    model = build_model(cfg, seed=random.randrange(1 << 20))
+    assert set(scales(model).values()) == {3.0} and len(scales(model)) > 8
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".lora_b" in n:
+                p.normal_(0.0, 0.05, generator=gen("rslora", n))
+    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=gen("rslora-ids"))
+    import copy
+
+    want = model(ids)
+    merged = merge_lora(copy.deepcopy(model))
+    torch.testing.assert_close(merged(ids), want, rtol=1e-4, atol=1e-5)
+    with torch.no_grad():  # the same adapters at the plain scale compute something else: the scale is in effect
+        plain = build_model(dataclasses.replace(cfg, lora_rslora=False), seed=0)
+        plain.load_state_dict(model.state_dict())
+        assert (plain(ids) - want).abs().max() > 1e-3
+    from moekit.models.hf.peft import check_with_peft, save_peft
+
+    out = save_peft(model, tmp_path / "adapter", layout="fused")
+    assert json.loads((out / "adapter_config.json").read_text())["use_rslora"] is True
+    if __import__("importlib").util.find_spec("peft"):
+        check = check_with_peft(model, out)
+        assert check.ok, check.message
+        # per expert, PEFT 0.21's conversion to the fused experts doubles gate_up's rank and alpha: right for
+        # alpha / r, off by sqrt(2) for rsLoRA; the check says so (and passes once PEFT converts it right)
+        check = check_with_peft(model, save_peft(model, tmp_path / "per_expert"))
+        assert check.ok or "not rsLoRA's alpha / sqrt(r)" in check.message and "--layout fused" in check.message
 
 
 @pytest.mark.parametrize("name", ["mixtral-tiny", "deepseek-tiny", "gpt-oss-tiny"])
@@ -245,6 +283,8 @@ def test_a_lora_run_resumes_bitwise_and_refuses_other_adapters(tmp_path, capsys)
     capsys.readouterr()
     assert train_main([*flags, "--model.lora_rank", "8", "--resume", ckpt, "--run-dir", str(tmp_path / "x")]) == 2
     one_stderr_line(capsys, "lora_rank=4 (checkpoint) vs 8 (this run)")
+    assert train_main([*flags, "--model.lora_rslora", "true", "--resume", ckpt, "--run-dir", str(tmp_path / "y")]) == 2
+    one_stderr_line(capsys, "lora_rslora=False (checkpoint) vs True (this run)")
 
 
 def test_init_from_a_plain_run_gives_fresh_adapters_and_merge_lora_leads_back(tmp_path, capsys):

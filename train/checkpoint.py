@@ -209,18 +209,20 @@ def check_init_model(path: Path, saved: dict, current: dict) -> None:
     if have.mtp_layers != want.mtp_layers:
         raise UserError(f"--train.init_from {path}: the checkpoint has {want.mtp_layers} multi-token-prediction "
                         f"depth(s), this run {have.mtp_layers}; use --model.mtp_layers {want.mtp_layers}")
-    lora = ("lora_rank", "lora_alpha", "lora_targets")
+    lora = ("lora_rank", "lora_alpha", "lora_targets", "lora_rslora")
     if want.lora_rank and any(getattr(have, f) != getattr(want, f) for f in lora):
-        theirs = f"rank {want.lora_rank}, alpha {want.lora_alpha:g}, targets {want.lora_targets!r}"
+        rs = lambda c: ", rsLoRA" if c.lora_rslora else ""  # noqa: E731
+        theirs = f"rank {want.lora_rank}, alpha {want.lora_alpha:g}{rs(want)}, targets {want.lora_targets!r}"
         keep = (f"--model.lora_rank {want.lora_rank} --model.lora_alpha {want.lora_alpha:g} --model.lora_targets "
-                f"'{want.lora_targets}'")
+                f"'{want.lora_targets}'" + (" --model.lora_rslora true" if want.lora_rslora else ""))
         if not have.lora_rank:
             raise UserError(f"--train.init_from {path}: the checkpoint holds LoRA adapters ({theirs}) and this run's "
                             f"model has none; fold them into the weights first (moekit-convert merge-lora {path} -o "
                             f"MERGED.safetensors, then --train.init_from MERGED.safetensors), or go on training them "
                             f"with {keep}")
         raise UserError(f"--train.init_from {path}: the checkpoint's LoRA adapters ({theirs}) differ from this run's "
-                        f"(rank {have.lora_rank}, alpha {have.lora_alpha:g}, targets {have.lora_targets!r}); use "
+                        f"(rank {have.lora_rank}, alpha {have.lora_alpha:g}{rs(have)}, targets "
+                        f"{have.lora_targets!r}); use "
                         f"{keep}, or fold them first (moekit-convert merge-lora) and start new adapters")
 
 

@@ -434,7 +434,7 @@ def export_lora_command(args) -> None:
     """moekit-convert export-lora SRC OUT: a LoRA run's adapters as a PEFT adapter folder (models.hf.peft) for the
     HF checkpoint of its base weights; --verify checks base + adapter against the merged export, tensor by tensor."""
     from moekit.models.hf.peft import PEFT_WEIGHTS, adapter_metadata, apply_peft, save_peft
-    from moekit.models.lora import has_lora
+    from moekit.models.lora import has_lora, lora_scale
 
     check_out(args.out, folder=True)
     src = run_checkpoint(Path(args.src))
@@ -471,7 +471,8 @@ def export_lora_command(args) -> None:
         return export_tensors(m, export_rules(m, family, None, args.layout)[1], None)
 
     parameters = {k: tuple(v) for k, v in json.loads(meta["moekit_parameters"]).items()}
-    got = apply_peft(tensors(model), load_file(out / PEFT_WEIGHTS), cfg.lora_alpha / cfg.lora_rank, parameters)
+    scale = lora_scale(cfg.lora_rank, cfg.lora_alpha, cfg.lora_rslora)
+    got = apply_peft(tensors(model), load_file(out / PEFT_WEIGHTS), scale, parameters)
     want = tensors(merge_lora(copy.deepcopy(model)))
     worst = max(((got[k].float() - v.float()).norm() / v.float().norm().clamp_min(1e-30)).item()
                 for k, v in want.items())

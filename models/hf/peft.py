@@ -19,8 +19,8 @@ names the modules PEFT leaves without their adapter.
 The HF modules are the ones ``save_hf`` writes for the family in its per-expert layout (routed experts as one Linear
 each: ``mlp.experts.<e>.gate_proj``, ``up_proj``, ``down_proj``, the layout PEFT adapters of MoE models use), and
 each HF weight with an adapter gets ``W_hf + (alpha / r) lora_B @ lora_A``: the very tensor ``save_hf`` writes of the
-merged model (``apply_peft`` recomputes it). PEFT's scale alpha / r is moekit's, so r and alpha are written as they
-are.
+merged model (``apply_peft`` recomputes it). PEFT's scale alpha / r (alpha / sqrt(r) with ``use_rslora``) is moekit's, so r,
+alpha and rsLoRA are written as they are.
 
 How a moekit adapter becomes HF factors: the family's export rule maps the moekit weight to its HF tensors by
 slicing, transposing and permuting (models.hf.weights.Rule.split). Applied to index probes (an arange along each dim,
@@ -254,7 +254,8 @@ def save_peft(model, path: str | Path, *, family: str | None = None, base_model:
                      {"format": "pt", "moekit_family": export.family, "moekit_targets": str(cfg.lora_targets),
                       "moekit_layout": layout, "moekit_parameters": json.dumps(export.parameters)})
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.lora_rank, "lora_alpha": cfg.lora_alpha,
-              "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+              "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_rslora": bool(cfg.lora_rslora),
+              "use_dora": False,
               "target_modules": export.targets, "modules_to_save": None, "inference_mode": True,
               "base_model_name_or_path": base_model}
     if export.parameters:
@@ -359,6 +360,12 @@ def check_with_peft(model, folder: str | Path, family: str | None = None, tokens
     missed = [m for m in export.modules
               if f"{prefix}{m}" not in wrapped and f"{prefix}{export.fused.get(m, '')}" not in params]
     missed += [key for key, _ in export.parameters.values() if f"{prefix}{key}" not in params]
+    converted = loaded.peft_config[next(iter(loaded.peft_config))]
+    if not missed and getattr(converted, "use_rslora", False) and getattr(converted, "rank_pattern", None):
+        return PeftCheck(False, f"{versions} loads it with other logits than the model's (relative error {err:.1e}): "
+                                f"its conversion to transformers >= 5's fused experts joins gate and up projections "
+                                f"at twice the rank and alpha ({converted.rank_pattern}), which keeps alpha / r but "
+                                f"not rsLoRA's alpha / sqrt(r). {_peft_advice(layout)}")
     if not missed:
         raise ValueError(f"{versions} loads the adapter onto every adapted module and computes other logits than the "
                          f"model's (relative error {err:.1e}): the export is wrong; please report it")
