@@ -594,16 +594,23 @@ def test_peft_loads_the_adapter_onto_the_base_with_the_model_logits(tmp_path, na
         assert check.ok, check.message
 
 
-def test_the_peft_check_fails_for_a_missing_module_and_for_wrong_tensors(tmp_path):
+def test_the_peft_check_fails_for_a_missing_module_and_for_wrong_tensors(tmp_path, monkeypatch):
     """The check can fail: an adapter_config that drops a module is named; factors that PEFT loads everywhere but
-    that are not the model's adapters are an export bug (ValueError)."""
+    that are not the model's adapters are an export bug (ValueError). A model whose two float32 copies would take
+    more than half the free memory is not loaded at all: said, not attempted."""
     pytest.importorskip("peft")
     from safetensors.torch import load_file, save_file
 
+    from moekit.models.hf import peft as peft_export
     from moekit.models.hf.peft import check_with_peft, save_peft
 
     model = lora_model_with_adapters("mixtral-tiny", "all")
     out = save_peft(model, tmp_path / "adapter")
+    need = 8 * sum(p.numel() for p in model.parameters())
+    with monkeypatch.context() as m:
+        m.setattr(peft_export, "_available_bytes", lambda: 2 * need - 8)
+        check = check_with_peft(model, out)
+        assert check.ok is None and "two float32 copies of the model" in check.message
     config = json.loads((out / "adapter_config.json").read_text())
     (out / "adapter_config.json").write_text(json.dumps({**config, "target_modules": [
         t for t in config["target_modules"] if t != "v_proj"]}))

@@ -302,7 +302,8 @@ def check_with_peft(model, folder: str | Path, family: str | None = None, tokens
     """Load a PEFT folder ``save_peft`` wrote of ``model`` the way its users will: the HF checkpoint of the base
     weights (``save_hf`` of ``model`` with its adapters zeroed, in a temporary folder) through transformers'
     ``AutoModelForCausalLM``, the adapter through ``peft.PeftModel``, and compare the logits of random tokens with
-    ``model``'s (float32 on the CPU).
+    ``model``'s (float32 on the CPU; at most two float32 copies of the model at once, and none when that would
+    take more than half the available memory).
 
     ok True: the same logits. ok False: PEFT cannot load it, or leaves adapted modules without their adapter (the
     message names them; PEFT's conversion to transformers >= 5's fused experts, module docstring). ok None: not
@@ -325,16 +326,24 @@ def check_with_peft(model, folder: str | Path, family: str | None = None, tokens
     meta = adapter_metadata(folder)
     layout = meta.get("moekit_layout", "per_expert")
     export = peft_tensors(model, family or meta.get("moekit_family"), layout)
-    ours = copy.deepcopy(model).float().eval()
-    plain = copy.deepcopy(ours)
-    for n, p in plain.named_parameters():
-        if ".lora_b" in n:
-            p.zero_()
+    need = 8 * sum(p.numel() for p in model.parameters())  # a float32 copy, then transformers' float32 model
+    free = _available_bytes()
+    if free is not None and need > free // 2:
+        return PeftCheck(None, f"not checked through PEFT: that load holds two float32 copies of the model "
+                               f"({need / 2**30:.1f} GiB) and {free / 2**30:.1f} GiB is available; the tensor check "
+                               f"covers the file")
     versions = f"PEFT {peft.__version__} on transformers {transformers.__version__}"
     ids = torch.randint(0, model.config.vocab_size, (2, tokens), generator=torch.Generator().manual_seed(0))
+    ours = copy.deepcopy(model).float().eval()
+    want = ours(ids)
+    want = (want[0] if isinstance(want, tuple) else want).float()
+    for n, p in ours.named_parameters():  # now the base: the adapters add nothing
+        if ".lora_b" in n:
+            p.zero_()
     with tempfile.TemporaryDirectory(prefix="moekit-peft-") as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # transformers' and PEFT's notes on the tiny base are not the user's business
-        save_hf(plain, Path(tmp) / "base", family=export.family)
+        save_hf(ours, Path(tmp) / "base", family=export.family)
+        del ours
         try:
             hf = AutoModelForCausalLM.from_pretrained(Path(tmp) / "base", dtype=torch.float32)
         except Exception as exc:  # this transformers lacks the family, or reads it otherwise: not the adapter's doing
@@ -345,8 +354,6 @@ def check_with_peft(model, folder: str | Path, family: str | None = None, tokens
         except Exception as exc:
             return PeftCheck(False, f"{versions} cannot load it ({_first_line(exc)}). {_peft_advice(layout)}")
         got = loaded(input_ids=ids).logits.float()
-    want = ours(ids)
-    want = (want[0] if isinstance(want, tuple) else want).float()
     err = ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
     if err <= 1e-4:
         return PeftCheck(True, f"{versions} loads it onto the base checkpoint with the model's logits (relative "
@@ -374,6 +381,17 @@ def check_with_peft(model, folder: str | Path, family: str | None = None, tokens
     return PeftCheck(False, f"{versions} loads it with other logits than the model's (relative error {err:.1e}): it "
                             f"puts no adapter on {len(missed)} adapted module(s) ({', '.join(shown[:8])}"
                             f"{' ...' if len(shown) > 8 else ''}). {_peft_advice(layout)}")
+
+
+def _available_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux), else None."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def _first_line(exc: BaseException) -> str:
