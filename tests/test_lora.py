@@ -464,12 +464,8 @@ def test_peft_adapter_plus_the_base_checkpoint_is_the_merged_export(tmp_path, na
     from moekit.models.hf import save_hf
     from moekit.models.hf.peft import adapter_metadata, apply_peft, save_peft
 
-    cfg = dataclasses.replace(preset(name), lora_rank=4, lora_alpha=12.0, lora_targets=targets)
-    model = build_model(cfg, seed=random.randrange(1 << 20))
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if ".lora_b" in n:
-                p.normal_(0.0, 0.05, generator=gen("peft", name, n))
+    model = lora_model_with_adapters(name, targets)
+    cfg = model.config
     import copy
 
     plain = copy.deepcopy(model)
