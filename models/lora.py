@@ -39,6 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moekit.moe.experts import lora_scale
+
 LINEAR_PARAMS = ("lora_a", "lora_b")
 # the default targets: every projection of the blocks ("all"), minus these
 _NOT_ALL = ("*.router.*", "*.shared_expert.gate.*", "*.gate.weight")
@@ -60,11 +62,6 @@ class LoRALinear(nn.Linear):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", lora_rank={self.lora_rank}, lora_scale={self.lora_scale:g}"
-
-
-def lora_scale(rank: int, alpha: float, rslora: bool = False) -> float:
-    """The adapters' output scale: alpha / rank, or alpha / sqrt(rank) for rank-stabilized LoRA (``rslora``)."""
-    return float(alpha) / (math.sqrt(rank) if rslora else rank)
 
 
 def add_linear_lora(linear: nn.Linear, rank: int, alpha: float, rslora: bool = False) -> LoRALinear:

@@ -299,6 +299,11 @@ def fused_permute_problem() -> str:
 # ---------------------------------------------------------------------------------------------------
 
 
+def lora_scale(rank: int, alpha: float, rslora: bool = False) -> float:
+    """LoRA adapters' output scale: alpha / rank, or alpha / sqrt(rank) for rank-stabilized LoRA (``rslora``)."""
+    return float(alpha) / (math.sqrt(rank) if rslora else rank)
+
+
 class GroupedExperts(nn.Module):
     """E expert MLPs stored as [E, ...] tensors so one grouped GEMM serves all of them.
 
@@ -345,8 +350,8 @@ class GroupedExperts(nn.Module):
     def add_lora(self, rank: int, alpha: float, sides: tuple[str, ...] = ("in", "out"), rslora: bool = False) -> None:
         """Low-rank adapters on the expert projections (LoRA, Hu et al. 2021), per expert: ``w_in[e]`` acts as
         ``w_in[e] + (alpha / rank) lora_a_in[e] @ lora_b_in[e]`` and ``w_out[e]`` likewise (``sides``: which of the
-        two; ``rslora``: alpha / sqrt(rank), rank-stabilized LoRA). The A factors start N(0, 1/fan_in), the B factors at 0, so the experts compute what they did; the
-        adapters are [E, ...] stacks like the weights (expert parallelism shards them, placement moves them).
+        two; ``rslora``: alpha / sqrt(rank), ``lora_scale``). The A factors start N(0, 1/fan_in), the B factors at 0,
+        so the experts compute what they did; the adapters are [E, ...] stacks like the weights (expert parallelism shards them, placement moves them).
         moe/lora_experts.py computes them without forming the merged weights."""
         if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
             raise ValueError(f"LoRA rank={rank!r} is invalid; it must be an integer >= 1")
@@ -361,8 +366,7 @@ class GroupedExperts(nn.Module):
         kw = dict(device=self.w_in.device, dtype=self.w_in.dtype)
         shapes = {"in": (("lora_a_in", (E, H, rank)), ("lora_b_in", (E, rank, f_in))),
                   "out": (("lora_a_out", (E, F_, rank)), ("lora_b_out", (E, rank, H)))}
-        self.lora_rank, self.lora_scale = rank, float(alpha) / (math.sqrt(rank) if rslora else rank)
-        self.lora_sides = tuple(sides)
+        self.lora_rank, self.lora_scale, self.lora_sides = rank, lora_scale(rank, alpha, rslora), tuple(sides)
         for side in ("in", "out"):
             if side in sides:
                 for name, shape in shapes[side]:

@@ -434,6 +434,7 @@ def export_lora_command(args) -> None:
     """moekit-convert export-lora SRC OUT: a LoRA run's adapters as a PEFT adapter folder (models.hf.peft) for the
     HF checkpoint of its base weights; --verify checks base + adapter against the merged export, tensor by tensor."""
     from moekit.models.hf.peft import PEFT_WEIGHTS, adapter_metadata, apply_peft, save_peft
+    from moekit.models.hf.peft_check import check_with_peft
     from moekit.models.lora import has_lora, lora_scale
 
     check_out(args.out, folder=True)
@@ -480,8 +481,6 @@ def export_lora_command(args) -> None:
         raise ValueError(f"verification failed: base + adapter differs from the merged export (relative error "
                          f"{worst:.2e})")
     print(f"verified: the base checkpoint plus the adapter is the merged model's (relative error {worst:.1e})")
-    from moekit.models.hf.peft import check_with_peft
-
     check = check_with_peft(model, out, family)
     if check.ok is False:  # the file is right; the loader most people use would not compute the model from it
         print(f"WARNING: {check.message}", file=sys.stderr)
