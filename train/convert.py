@@ -9,12 +9,16 @@
                                            [--dtype ...] [--verify]
     moekit-convert merge-lora SRC -o OUT [--family F] [--tokenizer DIR] [--ema] [--verify]
     moekit-convert export-lora SRC OUT [--family F] [--base NAME] [--dtype ...] [--ema] [--layout L] [--verify]
+    moekit-convert import-lora BASE ADAPTER -o OUT [--dtype ...] [--verify]
 
 merge-lora folds a LoRA fine-tune's adapters (model.lora_rank > 0, moekit.models.lora) into the weights: OUT is the
 plain model (a moekit file to start a full fine-tune from with --train.init_from, or an HF folder; moekit-to-hf
 folds them as well). export-lora writes the adapters alone as a PEFT adapter folder (adapter_config.json +
 adapter_model.safetensors) for the HF checkpoint of the base weights, the per-expert layout vLLM, SGLang and PEFT load
-(moekit.models.hf.peft).
+(moekit.models.hf.peft). import-lora goes the other way: a PEFT LoRA adapter (from the Hub or PEFT's
+save_pretrained, per-expert or on transformers >= 5's fused experts) put on the moekit model of BASE, the HF folder
+it was trained on, as a moekit file with adapters: fine-tune on with ``moekit-train --train.init_from OUT``, generate,
+evaluate, or merge (moekit.models.hf.peft_import).
 
 prune keeps the N experts of every MoE layer that calibration data routes to most (FILE: moekit-eval SRC --data
 CALIB.bin --split all --select-experts FILE scores them) and drops the rest with their router rows; a token whose
@@ -153,7 +157,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="routed experts' adapters: per_expert, one per expert Linear (experts.N.gate_proj: vLLM, "
                         "SGLang, PEFT on transformers 4 or converting to 5), or fused, PEFT's target_parameters on "
                         "transformers >= 5's fused expert tensors (the one way for gpt-oss and Llama 4)")
-    for q in (a, b, c, d, e, f):
+    g = sub.add_parser("import-lora", help="a PEFT LoRA adapter folder + its HF base -> a moekit file with adapters")
+    g.add_argument("base", help="the HF folder the adapter was trained on (its base_model_name_or_path, downloaded)")
+    g.add_argument("adapter", help="the PEFT adapter folder: adapter_config.json + adapter_model.safetensors")
+    g.add_argument("-o", "--out", required=True, metavar="OUT", help="*.safetensors / *.pt (a moekit model file)")
+    g.add_argument("--dtype", choices=[*DTYPE_NAMES, "auto"], default="auto",
+                   help="parameter dtype of OUT (default auto: the base checkpoint's)")
+    for q in (a, b, c, d, e, f, g):
         q.add_argument("--verify", action="store_true", help="reload the output and compare logits")
     return p.parse_args(argv)
 
@@ -164,13 +174,14 @@ def main(argv: list[str] | None = None) -> int:
     def body() -> int:
         args = parse_args(sys.argv[1:] if argv is None else argv)
         from moekit.train.averaging import average  # torch and the models: after the flags
-        from moekit.train.modelfiles import export_lora_command, hf_to_moekit, merge_lora_command, moekit_to_hf
+        from moekit.train.modelfiles import (export_lora_command, hf_to_moekit, import_lora_command, merge_lora_command,
+                                             moekit_to_hf)
         from moekit.train.pruning import prune_command
 
         try:
             {"hf-to-moekit": hf_to_moekit, "moekit-to-hf": moekit_to_hf, "average": average,
              "prune": prune_command, "merge-lora": merge_lora_command,
-             "export-lora": export_lora_command}[args.command](args)
+             "export-lora": export_lora_command, "import-lora": import_lora_command}[args.command](args)
         except ValueError as exc:  # the readers' and writers' checks: the message names the file and the fix
             raise UserError(str(exc)) from None
         return 0

@@ -6,6 +6,7 @@ before reading any model.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import re
 import sys
@@ -486,3 +487,75 @@ def export_lora_command(args) -> None:
         print(f"WARNING: {check.message}", file=sys.stderr)
     else:
         print(f"verified: {check.message}" if check.ok else check.message)
+
+
+def import_lora_command(args) -> None:
+    """moekit-convert import-lora BASE ADAPTER -o OUT: a PEFT LoRA adapter folder onto the moekit model of the HF
+    checkpoint it was trained on (models.hf.peft_import), written as a moekit model file with adapters: to fine-tune
+    on (--train.init_from OUT), generate or evaluate with, or merge. --verify checks the import tensor by tensor
+    against the base plus the adapter in HF terms, and through transformers + PEFT where peft is installed."""
+    from moekit.models.hf.peft_check import check_import_with_peft
+    from moekit.models.hf.peft_import import load_peft, read_config
+
+    check_out(args.out, folder=False)
+    read_config(args.adapter)  # a bad adapter folder is refused before the base is read
+    model = load_hf(args.base, dtype=args.dtype if args.dtype == "auto" else DTYPES[args.dtype])
+    base = copy.deepcopy(model).float() if args.verify else None
+    report = load_peft(model, args.adapter)
+    out = save_moekit(model, args.out)
+    cfg = model.config
+    if report.rank:
+        print(f"wrote {out}: {report.family} base with LoRA adapters on {len(report.targets)} weights (rank "
+              f"{cfg.lora_rank}, alpha {cfg.lora_alpha:g}{', rsLoRA' if cfg.lora_rslora else ''}; "
+              f"model.lora_targets {_shorten(cfg.lora_targets)})")
+    else:
+        print(f"wrote {out}: {report.family} base; the adapter had nothing moekit's LoRA carries (see below)")
+    if report.widened:
+        print(f"  {len(report.widened)} weights take one adapter from several PEFT modules with A factors of their "
+              f"own (e.g. {report.widened[0]}: moekit fuses gate and up projections): their ranks add up")
+    if report.narrower:
+        print(f"  model.lora_rank {cfg.lora_rank} is the widest adapter's; {len(report.narrower)} weights use fewer "
+              f"ranks (e.g. {report.narrower[0]}), the others zero in both factors, which keeps them zero in training")
+    if report.merged:
+        print(f"  folded into the base weights (moekit's LoRA has no adapters there; they stay as PEFT trained them "
+              f"unless --train.trainable names them): {', '.join(report.merged)}")
+    if report.whole:
+        print(f"  replaced by the adapter's modules_to_save (trained whole by PEFT; --train.trainable trains them on): "
+              f"{', '.join(report.whole)}")
+    if report.dropout:
+        print(f"  the adapter was trained with lora_dropout {report.dropout:g}; moekit's LoRA has no dropout")
+    print(f"next: moekit-train --train.init_from {out} --data.path DATA ... (trains the adapters), moekit-generate "
+          f"{out} --tokenizer {args.base} --prompt TEXT, or moekit-convert merge-lora {out} -o HF_DIR")
+    if not args.verify:
+        return
+    import copy as _copy
+
+    from moekit.models.hf import export_rules
+    from moekit.models.hf.peft_import import merged_hf_tensors
+    from moekit.models.hf.weights import export_tensors
+    from moekit.models.lora import merge_lora
+
+    layout = "fused" if any(u.expert is not None for u in report.adapter.updates) else "per_expert"
+
+    def tensors(m) -> dict:
+        return export_tensors(m, export_rules(m, report.family, None, layout)[1], None)
+
+    got = tensors(merge_lora(_copy.deepcopy(model).float()))
+    want = merged_hf_tensors(tensors(base), report.adapter)
+    del base
+    worst = max(((got[k] - v).norm() / v.norm().clamp_min(1e-30)).item() for k, v in want.items())
+    limit = 1e-5 if next(model.parameters()).dtype == torch.float32 else 1e-2
+    if worst > limit:
+        raise ValueError(f"verification failed: the imported model differs from the base checkpoint plus the "
+                         f"adapter (relative error {worst:.2e}); please report it")
+    print(f"verified: the imported model is the base checkpoint plus the adapter, tensor by tensor (relative error "
+          f"{worst:.1e})")
+    check = check_import_with_peft(model, args.base, args.adapter)
+    if check.ok is False:
+        print(f"WARNING: {check.message}", file=sys.stderr)
+    else:
+        print(f"verified: {check.message}" if check.ok else check.message)
+
+
+def _shorten(text: str, limit: int = 160) -> str:
+    return text if len(text) <= limit else text[:limit] + " ..."

@@ -103,6 +103,56 @@ def check_with_peft(model, folder: str | Path, family: str | None = None, tokens
                             f"{' ...' if len(shown) > 8 else ''}). {_peft_advice(layout)}")
 
 
+@torch.no_grad()
+def check_import_with_peft(model, base: str | Path, folder: str | Path, tokens: int = 24) -> PeftCheck:
+    """``model``, the moekit import of the PEFT ``folder`` onto the HF checkpoint ``base`` (models/hf/peft_import.py),
+    against that folder loaded the way PEFT's users load it (transformers' ``AutoModelForCausalLM`` of ``base``, then
+    ``peft.PeftModel``): the logits of random tokens, in float32 on the CPU. ok None: not checked (peft or
+    transformers missing or unable to load them, or two float32 copies would take over half the available memory);
+    ok False: other logits, the relative error named (PEFT's own conversion to fused experts misses some adapters,
+    models/hf/peft.py, so this is a warning beside the tensor check, not a proof)."""
+    if importlib.util.find_spec("peft") is None or importlib.util.find_spec("transformers") is None:
+        return PeftCheck(None, "not checked through PEFT: peft is not installed (pip install peft)")
+    import peft
+    import transformers
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    need = 8 * sum(p.numel() for p in model.parameters())
+    free = _available_bytes()
+    if free is not None and need > free // 2:
+        return PeftCheck(None, f"not checked through PEFT: that load holds two float32 copies of the model "
+                               f"({need / 2**30:.1f} GiB) and {free / 2**30:.1f} GiB is available")
+    versions = f"PEFT {peft.__version__} on transformers {transformers.__version__}"
+    ids = torch.randint(0, model.config.vocab_size, (2, tokens), generator=torch.Generator().manual_seed(0))
+    ours = copy.deepcopy(model).float().eval()
+    want = ours(ids)
+    want = (want[0] if isinstance(want, tuple) else want).float()
+    del ours
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            hf = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+        except Exception as exc:  # this transformers lacks the family: not the adapter's doing
+            return PeftCheck(None, f"not checked through PEFT: transformers {transformers.__version__} could not "
+                                   f"load {base} ({_first_line(exc)})")
+        try:
+            loaded = PeftModel.from_pretrained(hf, str(folder)).eval()
+        except Exception as exc:
+            return PeftCheck(None, f"not checked through PEFT: {versions} cannot load {folder} onto {base} "
+                                   f"({_first_line(exc)})")
+        got = loaded(input_ids=ids).logits.float()
+    err = ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+    if err <= 1e-4:
+        return PeftCheck(True, f"{versions} computes the same logits from {base} and the adapter (relative error "
+                               f"{err:.1e})")
+    return PeftCheck(False, f"{versions} computes other logits from {base} and the adapter than the import (relative "
+                            f"error {err:.1e}). The import matches the adapter's tensors (the check above); PEFT's "
+                            f"conversion to transformers >= 5's fused experts leaves some per-expert adapters out "
+                            f"(shared experts, dense FFN layers of Qwen2-MoE-pattern families): compare "
+                            f"PeftModel.from_pretrained's module list with the adapter")
+
+
 def _available_bytes() -> int | None:
     """MemAvailable from /proc/meminfo (Linux), else None."""
     try:
