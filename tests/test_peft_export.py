@@ -132,8 +132,8 @@ def peft_selects(target_modules, module: str) -> bool:
     return any(module == t or module.endswith(f".{t}") for t in target_modules)
 
 
-def lora_model_with_adapters(name: str, targets: str):
-    cfg = dataclasses.replace(preset(name), lora_rank=4, lora_alpha=12.0, lora_targets=targets)
+def lora_model_with_adapters(name: str, targets: str, rslora: bool = False):
+    cfg = dataclasses.replace(preset(name), lora_rank=4, lora_alpha=12.0, lora_targets=targets, lora_rslora=rslora)
     model = build_model(cfg, seed=random.randrange(1 << 20))
     with torch.no_grad():
         for n, p in model.named_parameters():
