@@ -45,17 +45,11 @@ def check_with_peft(model, folder: str | Path, family: str | None = None, tokens
     meta = adapter_metadata(folder)
     layout = meta.get("moekit_layout", "per_expert")
     family = family or meta.get("moekit_family") or choose_family(model, None)
-    need = 8 * sum(p.numel() for p in model.parameters())  # a float32 copy, then transformers' float32 model
-    free = _available_bytes()
-    if free is not None and need > free // 2:
-        return PeftCheck(None, f"not checked through PEFT: that load holds two float32 copies of the model "
-                               f"({need / 2**30:.1f} GiB) and {free / 2**30:.1f} GiB is available; the tensor check "
-                               f"covers the file")
+    too_big = _too_big(model)
+    if too_big:
+        return PeftCheck(None, too_big + "; the tensor check covers the file")
     versions = f"PEFT {peft.__version__} on transformers {transformers.__version__}"
-    ids = torch.randint(0, model.config.vocab_size, (2, tokens), generator=torch.Generator().manual_seed(0))
-    ours = copy.deepcopy(model).float().eval()
-    want = ours(ids)
-    want = (want[0] if isinstance(want, tuple) else want).float()
+    ids, want, ours = _float_logits(model, tokens)
     for n, p in ours.named_parameters():  # now the base: the adapters add nothing
         if ".lora_b" in n:
             p.zero_()
@@ -118,16 +112,11 @@ def check_import_with_peft(model, base: str | Path, folder: str | Path, tokens: 
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    need = 8 * sum(p.numel() for p in model.parameters())
-    free = _available_bytes()
-    if free is not None and need > free // 2:
-        return PeftCheck(None, f"not checked through PEFT: that load holds two float32 copies of the model "
-                               f"({need / 2**30:.1f} GiB) and {free / 2**30:.1f} GiB is available")
+    too_big = _too_big(model)
+    if too_big:
+        return PeftCheck(None, too_big)
     versions = f"PEFT {peft.__version__} on transformers {transformers.__version__}"
-    ids = torch.randint(0, model.config.vocab_size, (2, tokens), generator=torch.Generator().manual_seed(0))
-    ours = copy.deepcopy(model).float().eval()
-    want = ours(ids)
-    want = (want[0] if isinstance(want, tuple) else want).float()
+    ids, want, ours = _float_logits(model, tokens)
     del ours
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -151,6 +140,25 @@ def check_import_with_peft(model, base: str | Path, folder: str | Path, tokens: 
                             f"conversion to transformers >= 5's fused experts leaves some per-expert adapters out "
                             f"(shared experts, dense FFN layers of Qwen2-MoE-pattern families): compare "
                             f"PeftModel.from_pretrained's module list with the adapter")
+
+
+def _too_big(model) -> str | None:
+    """Why not to load through transformers here: a float32 copy of the model and transformers' float32 model would
+    take over half of the available memory (None: go ahead)."""
+    need = 8 * sum(p.numel() for p in model.parameters())
+    free = _available_bytes()
+    if free is not None and need > free // 2:
+        return (f"not checked through PEFT: that load holds two float32 copies of the model ({need / 2**30:.1f} GiB) "
+                f"and {free / 2**30:.1f} GiB is available")
+    return None
+
+
+def _float_logits(model, tokens: int):
+    """(random token ids [2, tokens], the model's float32 logits of them, the float32 copy that computed them)."""
+    ids = torch.randint(0, model.config.vocab_size, (2, tokens), generator=torch.Generator().manual_seed(0))
+    ours = copy.deepcopy(model).float().eval()
+    want = ours(ids)
+    return ids, (want[0] if isinstance(want, tuple) else want).float(), ours
 
 
 def _available_bytes() -> int | None:
