@@ -64,6 +64,15 @@ def _one_along(t: Tensor, dim: int, what: str) -> Tensor:
     return line.flatten()
 
 
+def one_expert(probe: Tensor, why: str) -> int:
+    """The one moekit expert every element of an HF tensor's expert probe comes from; else a ValueError. (An equality
+    test against the first element: ``unique()`` would sort the probe, 99% of an import's time at 128 experts.)"""
+    first = probe.flatten()[:1]
+    if first.numel() == 0 or not torch.equal(probe, first.view([1] * probe.dim()).expand_as(probe)):
+        raise ValueError(why + " (it spans several experts)")
+    return int(first)
+
+
 def adapter_factors(rule, shape: tuple[int, ...], A: Tensor, B: Tensor, expert: bool) -> dict[str, tuple[Tensor, Tensor]]:
     """HF key -> (lora_A [r, in_hf], lora_B [out_hf, r]) for the adapter (A, B) of the moekit weight ``rule.target`` of
     ``shape``: a Linear's A [r, in], B [out, r] (``expert`` False), or an expert stack's A [E, in, r], B [E, r, out]."""
@@ -81,11 +90,8 @@ def adapter_factors(rule, shape: tuple[int, ...], A: Tensor, B: Tensor, expert: 
             rows, cols = _one_along(parts[0], 0, why), _one_along(parts[1], 1, why)
             out[key] = (A[:, cols], B[rows])
             continue
-        e = parts[0].unique()  # W[e] [in, out] = A[e] B[e]: one expert; HF rows from B's out, columns from A's in
-        if e.numel() != 1:
-            raise ValueError(why + " (it spans several experts)")
+        e = one_expert(parts[0], why)  # W[e] [in, out] = A[e] B[e]: HF rows from B's out, columns from A's in
         rows, cols = _one_along(parts[2], 0, why), _one_along(parts[1], 1, why)
-        e = int(e)
         out[key] = (A[e][cols].t(), B[e][:, rows].t())
     return out
 

@@ -45,7 +45,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from moekit.models.hf.peft import PEFT_CONFIG, PEFT_WEIGHTS, _one_along, _probes
+from moekit.models.hf.peft import PEFT_CONFIG, PEFT_WEIGHTS, _one_along, _probes, one_expert
 
 PREFIX = "base_model.model."
 PEFT_BIN = "adapter_model.bin"
@@ -274,10 +274,7 @@ def _blocks(rule, shape: tuple[int, ...], expert_stack: bool, updates: list[tupl
                 pe, pi, po = pe[u.expert], pi[u.expert], po[u.expert]
             if pe.dim() != 2:
                 raise ValueError(why)
-            e = pe.unique()
-            if e.numel() != 1:
-                raise ValueError(why + " (it spans several experts)")
-            e, p_out, p_in = int(e), po, pi
+            e, p_out, p_in = one_expert(pe, why), po, pi
         else:  # moekit [out, in]
             if parts[0].dim() != 2:
                 raise ValueError(why)
