@@ -136,17 +136,13 @@ PEFT_MADE = {  # name: (preset, family, LoraConfig arguments)
 }
 
 
-@pytest.mark.parametrize("case", list(PEFT_MADE))
-def test_adapters_peft_made_import_with_peft_logits(tmp_path, case):
-    """Adapters made and saved by PEFT itself on the transformers model of a base checkpoint, factors random: the
-    import computes PEFT's logits (check_import_with_peft: transformers + PeftModel on the same folders)."""
-    pytest.importorskip("peft")
+def peft_made(tmp_path: Path, case: str) -> tuple[Path, Path]:
+    """(an HF base checkpoint of PEFT_MADE[case]'s preset, random weights; PEFT's adapter folder for it, random
+    factors, made and saved by PEFT on transformers' model of that base)."""
     import warnings
 
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
-
-    from moekit.models.hf.peft_check import check_import_with_peft
 
     name, family, kwargs = PEFT_MADE[case]
     base = tmp_path / "base"
@@ -154,12 +150,23 @@ def test_adapters_peft_made_import_with_peft_logits(tmp_path, case):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         made = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), LoraConfig(**kwargs))
-    g = gen("peft-made", case)
-    with torch.no_grad():
-        for n, p in made.named_parameters():
-            if "lora_" in n or "modules_to_save" in n:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-    made.save_pretrained(tmp_path / "adapter")
+        g = gen("peft-made", case)
+        with torch.no_grad():
+            for n, p in made.named_parameters():
+                if "lora_" in n or "modules_to_save" in n:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+        made.save_pretrained(tmp_path / "adapter")
+    return base, tmp_path / "adapter"
+
+
+@pytest.mark.parametrize("case", list(PEFT_MADE))
+def test_adapters_peft_made_import_with_peft_logits(tmp_path, case):
+    """Adapters made and saved by PEFT itself on the transformers model of a base checkpoint, factors random: the
+    import computes PEFT's logits (check_import_with_peft: transformers + PeftModel on the same folders)."""
+    pytest.importorskip("peft")
+    from moekit.models.hf.peft_check import check_import_with_peft
+
+    base, _ = peft_made(tmp_path, case)
     imported = load_hf(base)
     report = load_peft(imported, tmp_path / "adapter")
     check = check_import_with_peft(imported, base, tmp_path / "adapter")
@@ -170,6 +177,22 @@ def test_adapters_peft_made_import_with_peft_logits(tmp_path, case):
         assert report.whole == ["lm_head.weight"] and imported.config.lora_rslora
     if case == "mixtral-modules":  # gate_up_proj at 2r, the rest padded to it
         assert imported.config.lora_rank == 8 and report.narrower
+
+
+def test_a_bfloat16_import_verifies_against_peft_in_float32(tmp_path, capsys):
+    """--dtype bfloat16: the tensor check within bf16's rounding, the PEFT check on a float32 import (a bf16 model
+    against PEFT's float32 load would differ by the base's rounding alone)."""
+    pytest.importorskip("peft")
+    base, adapter = peft_made(tmp_path, "mixtral-modules")
+    out = tmp_path / "bf16.safetensors"
+    capsys.readouterr()
+    assert convert(["import-lora", str(base), str(adapter), "-o", str(out), "--dtype", "bfloat16", "--verify"]) == 0
+    text = capsys.readouterr().out
+    assert "verified: the imported model is the base checkpoint plus the adapter" in text, text
+    assert "verified: PEFT" in text and "computes the same logits" in text, text
+    from moekit.train.modelfiles import load_moekit
+
+    assert load_moekit(out).config.lora_rank == 8
 
 
 def test_import_lora_command_then_fine_tune_from_its_output(tmp_path, capsys):

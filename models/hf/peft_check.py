@@ -101,7 +101,8 @@ def check_with_peft(model, folder: str | Path, family: str | None = None, tokens
 def check_import_with_peft(model, base: str | Path, folder: str | Path, tokens: int = 24) -> PeftCheck:
     """``model``, the moekit import of the PEFT ``folder`` onto the HF checkpoint ``base`` (models/hf/peft_import.py),
     against that folder loaded the way PEFT's users load it (transformers' ``AutoModelForCausalLM`` of ``base``, then
-    ``peft.PeftModel``): the logits of random tokens, in float32 on the CPU. ok None: not checked (peft or
+    ``peft.PeftModel``): the logits of random tokens, in float32 on the CPU (a model in another dtype is imported
+    again in float32 for it). ok None: not checked (peft or
     transformers missing or unable to load them, or two float32 copies would take over half the available memory);
     ok False: other logits, the relative error named (PEFT's own conversion to fused experts misses some adapters,
     models/hf/peft.py, so this is a warning beside the tensor check, not a proof)."""
@@ -112,12 +113,19 @@ def check_import_with_peft(model, base: str | Path, folder: str | Path, tokens: 
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    too_big = _too_big(model)
+    low = next(model.parameters()).dtype != torch.float32
+    too_big = _too_big(model, copies=3 if low else 2)
     if too_big:
         return PeftCheck(None, too_big)
     versions = f"PEFT {peft.__version__} on transformers {transformers.__version__}"
+    if low:  # a bf16 import differs from PEFT's float32 load by bf16's rounding of the base: import in float32 too
+        from moekit.models.hf import load_hf
+        from moekit.models.hf.peft_import import load_peft
+
+        model = load_hf(base, dtype=torch.float32)
+        load_peft(model, folder)
     ids, want, ours = _float_logits(model, tokens)
-    del ours
+    del ours, model
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
@@ -142,14 +150,14 @@ def check_import_with_peft(model, base: str | Path, folder: str | Path, tokens: 
                             f"PeftModel.from_pretrained's module list with the adapter")
 
 
-def _too_big(model) -> str | None:
-    """Why not to load through transformers here: a float32 copy of the model and transformers' float32 model would
+def _too_big(model, copies: int = 2) -> str | None:
+    """Why not to load through transformers here: ``copies`` float32 copies of the model (ours, transformers') would
     take over half of the available memory (None: go ahead)."""
-    need = 8 * sum(p.numel() for p in model.parameters())
+    need = 4 * copies * sum(p.numel() for p in model.parameters())
     free = _available_bytes()
     if free is not None and need > free // 2:
-        return (f"not checked through PEFT: that load holds two float32 copies of the model ({need / 2**30:.1f} GiB) "
-                f"and {free / 2**30:.1f} GiB is available")
+        return (f"not checked through PEFT: that load holds {copies} float32 copies of the model "
+                f"({need / 2**30:.1f} GiB) and {free / 2**30:.1f} GiB is available")
     return None
 
 
