@@ -163,8 +163,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     g.add_argument("-o", "--out", required=True, metavar="OUT", help="*.safetensors / *.pt (a moekit model file)")
     g.add_argument("--dtype", choices=[*DTYPE_NAMES, "auto"], default="auto",
                    help="parameter dtype of OUT (default auto: the base checkpoint's)")
-    for q in (a, b, c, d, e, f, g):
+    for q in (a, b, c, d, e, f):
         q.add_argument("--verify", action="store_true", help="reload the output and compare logits")
+    g.add_argument("--verify", action="store_true",
+                   help="check the import against the base plus the adapter, tensor by tensor, and (peft installed) "
+                        "against PEFT's logits")
     return p.parse_args(argv)
 
 
