@@ -150,13 +150,13 @@ def check_import_with_peft(model, base: str | Path, folder: str | Path, tokens: 
                             f"PeftModel.from_pretrained's module list with the adapter")
 
 
-def _too_big(model, copies: int = 2) -> str | None:
+def _too_big(model, copies: int = 2) -> str | None:  # copies: 2 or 3
     """Why not to load through transformers here: ``copies`` float32 copies of the model (ours, transformers') would
     take over half of the available memory (None: go ahead)."""
     need = 4 * copies * sum(p.numel() for p in model.parameters())
     free = _available_bytes()
     if free is not None and need > free // 2:
-        return (f"not checked through PEFT: that load holds {copies} float32 copies of the model "
+        return (f"not checked through PEFT: that load holds {('two', 'three')[copies - 2]} float32 copies of the model "
                 f"({need / 2**30:.1f} GiB) and {free / 2**30:.1f} GiB is available")
     return None
 
