@@ -528,8 +528,6 @@ def import_lora_command(args) -> None:
           f"{out} --tokenizer {args.base} --prompt TEXT, or moekit-convert merge-lora {out} -o HF_DIR")
     if not args.verify:
         return
-    import copy as _copy
-
     from moekit.models.hf import export_rules
     from moekit.models.hf.peft_import import merged_hf_tensors
     from moekit.models.hf.weights import export_tensors
@@ -540,7 +538,7 @@ def import_lora_command(args) -> None:
     def tensors(m) -> dict:
         return export_tensors(m, export_rules(m, report.family, None, layout)[1], None)
 
-    got = tensors(merge_lora(_copy.deepcopy(model).float()))
+    got = tensors(merge_lora(copy.deepcopy(model).float()))
     want = merged_hf_tensors(tensors(base), report.adapter)
     del base
     worst = max(((got[k] - v).norm() / v.norm().clamp_min(1e-30)).item() for k, v in want.items())

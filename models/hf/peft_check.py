@@ -49,7 +49,8 @@ def check_with_peft(model, folder: str | Path, family: str | None = None, tokens
     if too_big:
         return PeftCheck(None, too_big + "; the tensor check covers the file")
     versions = f"PEFT {peft.__version__} on transformers {transformers.__version__}"
-    ids, want, ours = _float_logits(model, tokens)
+    ours = copy.deepcopy(model).float().eval()
+    ids, want = _logits(ours, tokens)
     for n, p in ours.named_parameters():  # now the base: the adapters add nothing
         if ".lora_b" in n:
             p.zero_()
@@ -113,19 +114,19 @@ def check_import_with_peft(model, base: str | Path, folder: str | Path, tokens: 
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    low = next(model.parameters()).dtype != torch.float32
-    too_big = _too_big(model, copies=3 if low else 2)
+    too_big = _too_big(model)
     if too_big:
         return PeftCheck(None, too_big)
     versions = f"PEFT {peft.__version__} on transformers {transformers.__version__}"
-    if low:  # a bf16 import differs from PEFT's float32 load by bf16's rounding of the base: import in float32 too
+    if next(model.parameters()).dtype != torch.float32:  # a bf16 import differs from PEFT's float32 load by bf16's
+        # rounding of the base: the same import in float32 for the comparison
         from moekit.models.hf import load_hf
         from moekit.models.hf.peft_import import load_peft
 
         model = load_hf(base, dtype=torch.float32)
         load_peft(model, folder)
-    ids, want, ours = _float_logits(model, tokens)
-    del ours, model
+    ids, want = _logits(model.eval(), tokens)
+    del model
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
@@ -150,23 +151,22 @@ def check_import_with_peft(model, base: str | Path, folder: str | Path, tokens: 
                             f"PeftModel.from_pretrained's module list with the adapter")
 
 
-def _too_big(model, copies: int = 2) -> str | None:  # copies: 2 or 3
-    """Why not to load through transformers here: ``copies`` float32 copies of the model (ours, transformers') would
+def _too_big(model) -> str | None:
+    """Why not to load through transformers here: a float32 copy of the model and transformers' float32 model would
     take over half of the available memory (None: go ahead)."""
-    need = 4 * copies * sum(p.numel() for p in model.parameters())
+    need = 8 * sum(p.numel() for p in model.parameters())
     free = _available_bytes()
     if free is not None and need > free // 2:
-        return (f"not checked through PEFT: that load holds {('two', 'three')[copies - 2]} float32 copies of the model "
-                f"({need / 2**30:.1f} GiB) and {free / 2**30:.1f} GiB is available")
+        return (f"not checked through PEFT: that load holds two float32 copies of the model ({need / 2**30:.1f} GiB) "
+                f"and {free / 2**30:.1f} GiB is available")
     return None
 
 
-def _float_logits(model, tokens: int):
-    """(random token ids [2, tokens], the model's float32 logits of them, the float32 copy that computed them)."""
+def _logits(model, tokens: int):
+    """(random token ids [2, tokens], a float32 model's logits of them)."""
     ids = torch.randint(0, model.config.vocab_size, (2, tokens), generator=torch.Generator().manual_seed(0))
-    ours = copy.deepcopy(model).float().eval()
-    want = ours(ids)
-    return ids, (want[0] if isinstance(want, tuple) else want).float(), ours
+    want = model(ids)
+    return ids, (want[0] if isinstance(want, tuple) else want).float()
 
 
 def _available_bytes() -> int | None:

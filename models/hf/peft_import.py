@@ -49,6 +49,7 @@ from moekit.models.hf.peft import PEFT_CONFIG, PEFT_WEIGHTS, _one_along, _probes
 
 PREFIX = "base_model.model."
 PEFT_BIN = "adapter_model.bin"
+_SAVED_WHOLE = re.compile(r"\.(?:modules_to_save|base_layer)\.(weight|bias)$")  # <module>.modules_to_save.weight
 
 
 class Update(NamedTuple):
@@ -172,9 +173,9 @@ def read_adapter(folder: str | Path, fused_params: dict[str, list[tuple[str, tup
             raise _refuse(folder, f"{raw} is a DoRA magnitude; merge the adapter with PEFT and import the merged model")
         elif re.search(r"\.lora_[AB]\.bias$", key):
             raise _refuse(folder, f"{raw} is a LoRA bias; merge the adapter with PEFT and import the merged model")
-        elif re.search(r"\.(modules_to_save|base_layer)\.(weight|bias)$", key):  # a module PEFT saved whole (the
-            # embedding layers next to their adapters, save_embedding_layers)
-            whole[re.sub(r"\.(modules_to_save|base_layer)\.(weight|bias)$", r".\2", key)] = t
+        elif _SAVED_WHOLE.search(key):  # a module PEFT saved whole (the embedding layers next to their adapters,
+            # save_embedding_layers)
+            whole[_SAVED_WHOLE.sub(r".\1", key)] = t
         elif key in hf_shapes:
             whole[key] = t
         else:
@@ -298,6 +299,28 @@ def _blocks(rule, shape: tuple[int, ...], expert_stack: bool, updates: list[tupl
     return out
 
 
+def _factors(blocks: dict[int | None, list[_Block]], rank: int, shape: tuple[int, ...]) -> tuple[Tensor, Tensor]:
+    """The moekit factors (float32, ``rank`` wide) the blocks of one weight of ``shape`` make, each block at the next
+    free ranks, the rest zero: a Linear's A [R, in], B [out, R] (B @ A), an expert stack's A [E, in, R], B [E, R, out]
+    (A_e @ B_e)."""
+    if len(shape) == 2:
+        A, B = torch.zeros(rank, shape[1]), torch.zeros(shape[0], rank)
+    else:
+        A, B = torch.zeros(shape[0], shape[1], rank), torch.zeros(shape[0], rank, shape[2])
+    for e, bs in blocks.items():
+        o = 0
+        for b in bs:
+            r = b.a_val.shape[1]
+            if e is None:
+                A[o:o + r, b.a_idx] = b.a_val.t()
+                B[b.b_idx, o:o + r] = b.b_val
+            else:  # through expert e's view (A[e, idx, o:] would put the indexed dims first)
+                A[e][b.a_idx, o:o + r] = b.a_val
+                B[e][o:o + r, b.b_idx] = b.b_val.t()
+            o += r
+    return A, B
+
+
 def _targets_setting(picked: list[str], candidates: list[str]) -> str:
     """model.lora_targets naming exactly ``picked`` among ``candidates``: "all" when it is all's choice, else each
     name with its layer index as * where that picks no other candidate."""
@@ -322,7 +345,7 @@ def load_peft(model, folder: str | Path, family: str | None = None) -> ImportRep
     PEFT's does on the base, and its config says the adapters' rank, alpha and targets. ValueError (naming the file,
     the tensor and the fix) for an adapter of another model or a kind moekit cannot carry."""
     from moekit.models.hf import FAMILIES, export_rules
-    from moekit.models.lora import candidates, has_lora, add_lora, lora_scale
+    from moekit.models.lora import add_lora, candidates, folded, has_lora, lora_scale
 
     folder = Path(folder)
     if has_lora(model):
@@ -366,8 +389,8 @@ def load_peft(model, folder: str | Path, family: str | None = None) -> ImportRep
             widened.append(target)
     adapted = [t for t in blocks if t in cands]
     merged = [t for t in blocks if t not in cands]
-    used = {t: max(sum(b.a_val.shape[1] for b in bs) for bs in blocks[t].values()) for t in adapted}
-    rank = max(used.values(), default=0)
+    used = {t: max(sum(b.a_val.shape[1] for b in bs) for bs in blocks[t].values()) for t in blocks}
+    rank = max((used[t] for t in adapted), default=0)
     rslora = bool(adapter.config.get("use_rslora"))
     alpha = scale * (math.sqrt(rank) if rslora else rank) if rank else 0.0
     params = dict(model.named_parameters())
@@ -380,17 +403,9 @@ def load_peft(model, folder: str | Path, family: str | None = None) -> ImportRep
         pieces[k] = t.to(pieces[k].dtype)
         params[rule.target].copy_(rule.join(pieces))
         replaced.append(rule.target)
-    for target in merged:  # W += scale (B A) of every block: what PEFT computes, in the weight itself
+    for target in merged:  # W += scale (B A): what PEFT computes, in the weight itself
         W = params[target]
-        delta = torch.zeros(W.shape, dtype=torch.float32)
-        for e, bs in blocks[target].items():
-            view = delta if e is None else delta[e]
-            for b in bs:
-                if e is None:  # [out, in]
-                    view[b.b_idx[:, None], b.a_idx[None, :]] += b.b_val @ b.a_val.t()
-                else:  # [in, out]
-                    view[b.a_idx[:, None], b.b_idx[None, :]] += b.a_val @ b.b_val.t()
-        W.copy_((W.float() + scale * delta).to(W.dtype))
+        W.copy_(folded(W, *_factors(blocks[target], used[target], tuple(W.shape)), scale, expert=W.dim() == 3))
     if adapted:
         targets = _targets_setting(sorted(adapted, key=list(cands).index), list(cands))
         picked = add_lora(model, rank, alpha, targets, rslora=rslora)
@@ -401,21 +416,10 @@ def load_peft(model, folder: str | Path, family: str | None = None) -> ImportRep
         params = dict(model.named_parameters())
         for target in adapted:
             prefix, leaf = target.rsplit(".", 1)
-            A, B = (params[f"{prefix}.lora_{f}"] if leaf == "weight" else params[f"{prefix}.lora_{f}_{leaf[2:]}"]
-                    for f in ("a", "b"))
-            A.zero_(), B.zero_()
-            for e, bs in blocks[target].items():
-                o = 0
-                for b in bs:
-                    r = b.a_val.shape[1]
-                    if e is None:  # A [R, in], B [out, R]
-                        A[o:o + r, b.a_idx] = b.a_val.t().to(A.dtype)
-                        B[b.b_idx, o:o + r] = b.b_val.to(B.dtype)
-                    else:  # A [E, in, R], B [E, R, out]: through expert e's view (indexing A[e, idx, o:] would
-                        # put the indexed dims first)
-                        A[e][b.a_idx, o:o + r] = b.a_val.to(A.dtype)
-                        B[e][o:o + r, b.b_idx] = b.b_val.t().to(B.dtype)
-                    o += r
+            side = "" if leaf == "weight" else "_" + leaf[2:]  # an expert stack's w_in -> lora_a_in
+            for param, value in zip((params[f"{prefix}.lora_a{side}"], params[f"{prefix}.lora_b{side}"]),
+                                    _factors(blocks[target], rank, tuple(state[target].shape))):
+                param.copy_(value)
     return ImportReport(name, rank, alpha, adapted, widened, [t for t in adapted if used[t] < rank], merged, replaced,
                         float(adapter.config.get("lora_dropout") or 0.0), adapter)
 
