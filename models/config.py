@@ -122,6 +122,7 @@ class ModelConfig:
     lora_alpha: float = 16.0  # the adapters' output is scaled by lora_alpha / lora_rank
     lora_rslora: bool = False  # scale by lora_alpha / sqrt(lora_rank) instead (rank-stabilized LoRA, Kalajdzievski
     #   2023: the update's size no longer shrinks as the rank grows, so large ranks keep learning; PEFT's use_rslora)
+    lora_dropout: float = 0.0  # share of each adapter's input zeroed while training (PEFT's lora_dropout; 0 = none)
     lora_targets: str = "all"  # comma-separated patterns over weight names (layers.N.attn.wq.weight,
     #   layers.N.ffn.experts.w_in, *.attn.*, *.experts.*), or all: every block projection and expert stack except
     #   the routers and one-wide gates
@@ -197,6 +198,9 @@ class ModelConfig:
         if self.capacity_factor is not None:
             _check_float("model.capacity_factor", self.capacity_factor, strict=True,
                          hint="; use a positive number, or none for dropless routing")
+        from moekit.moe.lora_dropout import check_dropout
+
+        check_dropout(self.lora_dropout, "model.lora_dropout")
         if self.lora_rank:
             _check_float("model.lora_alpha", self.lora_alpha, strict=True)
             if not isinstance(self.lora_targets, str) or not self.lora_targets.strip():

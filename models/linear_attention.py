@@ -118,7 +118,7 @@ class GatedDeltaNet(nn.Module):
             return torch.cat([F.linear(x, w.weight[rows]) for rows in self.tp_rows()], dim=-1)
         # a LoRA adapter (models.lora): its [.., r] product once, then each block's rows of B (gradients partial
         # over TP as the weight's: comm.grad_sync gives them its role)
-        u = F.linear(x, w.lora_a)
+        u = w.lora_input(x, w.lora_a, group=self.tp[2])  # dropout: one mask over the group's replicated x
         return torch.cat([F.linear(x, w.weight[rows]) + F.linear(u, w.lora_b[rows]) * w.lora_scale
                           for rows in self.tp_rows()], dim=-1)
 

@@ -3,13 +3,16 @@
     model.lora_rank    r > 0 turns adapters on (0: none)
     model.lora_alpha   the adapters' scale is alpha / r (16 with r 8: 2)
     model.lora_rslora  the scale is alpha / sqrt(r) instead (rank-stabilized LoRA; PEFT's use_rslora)
+    model.lora_dropout p: while training, each adapter reads its input with elements zeroed at rate p, the rest
+                       scaled by 1 / (1 - p) (PEFT's lora_dropout; moe.lora_dropout: the masks and their memory)
     model.lora_targets which weights get adapters: comma-separated fnmatch patterns over the one-process weight
                        names (``layers.3.attn.wq.weight``, ``layers.3.ffn.experts.w_in``), or "all": every
                        projection of the blocks (attention, dense and shared-expert FFNs, both routed-expert stacks)
                        except the routers and the one-wide shared-expert gates
 
 A targeted ``nn.Linear`` becomes a ``LoRALinear`` (the same module, its weight and bias kept under their names)
-holding ``lora_a`` [r, in] and ``lora_b`` [out, r]: ``y = x W^T + b + (alpha / r) (x A^T) B^T``. A targeted expert
+holding ``lora_a`` [r, in] and ``lora_b`` [out, r]: ``y = x W^T + b + (alpha / r) (drop(x) A^T) B^T`` (``drop``:
+the identity unless training with lora_dropout). A targeted expert
 stack gets ``lora_a_in`` [E, H, r] and ``lora_b_in`` [E, r, F_in] (``w_in``), ``lora_a_out`` [E, F, r] and
 ``lora_b_out`` [E, r, H] (``w_out``): one adapter per expert, computed factored (moe/lora_experts.py) and sharded
 over experts like the weights under expert parallelism. A factors start N(0, 1/fan_in), B factors 0, so a model
@@ -40,6 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moekit.moe.experts import lora_scale
+from moekit.moe.lora_dropout import check_dropout, dropped_product
 
 LINEAR_PARAMS = ("lora_a", "lora_b")
 # the default targets: every projection of the blocks ("all"), minus these
@@ -51,26 +55,36 @@ class LoRALinear(nn.Linear):
 
     lora_rank: int
     lora_scale: float
+    lora_dropout: float
 
     def forward(self, x: Tensor) -> Tensor:
         y = F.linear(x, self.weight, self.bias)
-        u = F.linear(x, self.lora_a)  # [..., r]
+        u = self.lora_input(x, self.lora_a)  # [..., r]
         if y.dim() < 2:
             return y + F.linear(u, self.lora_b) * self.lora_scale
         # y + s u B^T as one addmm (no separate scale and add passes over the [..., out] output)
         return torch.addmm(y.flatten(0, -2), u.flatten(0, -2), self.lora_b.t(), alpha=self.lora_scale).view(y.shape)
 
+    def lora_input(self, x: Tensor, a: Tensor, group=None) -> Tensor:
+        """``x A^T`` [..., r] of the adapter's A (``a``: lora_a, or a cast / slice of it), x dropped while training
+        with lora_dropout (moe.lora_dropout; ``group``: the process group a plain x is replicated over)."""
+        p = self.lora_dropout if self.training else 0.0
+        return dropped_product(x, a, p, group=group) if p else F.linear(x, a)
+
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", lora_rank={self.lora_rank}, lora_scale={self.lora_scale:g}"
+        return super().extra_repr() + f", lora_rank={self.lora_rank}, lora_scale={self.lora_scale:g}" + \
+            (f", lora_dropout={self.lora_dropout:g}" if self.lora_dropout else "")
 
 
-def add_linear_lora(linear: nn.Linear, rank: int, alpha: float, rslora: bool = False) -> LoRALinear:
+def add_linear_lora(linear: nn.Linear, rank: int, alpha: float, rslora: bool = False,
+                    dropout: float = 0.0) -> LoRALinear:
     """Turn ``linear`` into a LoRALinear in place (its class changes; weight and bias stay the same Parameters)."""
     if type(linear) is not nn.Linear:
         raise TypeError(f"LoRA adapters go on a plain nn.Linear, not {type(linear).__name__}")
+    dropout = check_dropout(dropout)
     w = linear.weight
     linear.__class__ = LoRALinear
-    linear.lora_rank, linear.lora_scale = rank, lora_scale(rank, alpha, rslora)
+    linear.lora_rank, linear.lora_scale, linear.lora_dropout = rank, lora_scale(rank, alpha, rslora), dropout
     linear.lora_a = nn.Parameter(torch.empty(rank, linear.in_features, device=w.device, dtype=w.dtype))
     linear.lora_b = nn.Parameter(torch.zeros(linear.out_features, rank, device=w.device, dtype=w.dtype))
     if not w.is_meta:
@@ -119,7 +133,8 @@ def chosen(names, setting: str, strict: bool = True) -> list[str]:
     return [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in pats)]
 
 
-def add_lora(model: nn.Module, rank: int, alpha: float, targets: str = "all", rslora: bool = False) -> list[str]:
+def add_lora(model: nn.Module, rank: int, alpha: float, targets: str = "all", rslora: bool = False,
+             dropout: float = 0.0) -> list[str]:
     """Adapters on the weights ``targets`` picks (module docstring), scaled by ``lora_scale``; returns their names."""
     cands = candidates(model)
     picked = chosen(cands, targets)
@@ -129,9 +144,9 @@ def add_lora(model: nn.Module, rank: int, alpha: float, targets: str = "all", rs
         if side:
             experts.setdefault(id(module), (module, []))[1].append(side)
         else:
-            add_linear_lora(module, rank, alpha, rslora)
+            add_linear_lora(module, rank, alpha, rslora, dropout)
     for module, sides in experts.values():
-        module.add_lora(rank, alpha, tuple(sides), rslora=rslora)
+        module.add_lora(rank, alpha, tuple(sides), rslora=rslora, dropout=dropout)
     return picked
 
 

@@ -206,7 +206,8 @@ class Transformer(nn.Module):
         if config.lora_rank:  # fine-tuning adapters (models.lora): after every projection exists
             from moekit.models.lora import add_lora
 
-            add_lora(self, config.lora_rank, config.lora_alpha, config.lora_targets, rslora=config.lora_rslora)
+            add_lora(self, config.lora_rank, config.lora_alpha, config.lora_targets, rslora=config.lora_rslora,
+                     dropout=config.lora_dropout)
         self.mtp_record = MTPRecord()  # MTP losses of the training forwards since pop_mtp_loss
         self.mtp_in_eval = False  # the depths also run (recording only) in eval forwards with targets
         # comm.context_parallel: tokens are this rank's share of each sequence (RoPE at their positions)

@@ -342,15 +342,17 @@ class GroupedExperts(nn.Module):
         self.w_out = nn.Parameter(torch.empty(num_experts, ffn_hidden_size, hidden_size, **kw))
         for name, shape in (("b_in", (num_experts, f_in)), ("b_out", (num_experts, hidden_size))):
             self.register_parameter(name, nn.Parameter(torch.empty(shape, **kw)) if bias else None)
-        self.lora_rank, self.lora_scale, self.lora_sides = 0, 0.0, ()
+        self.lora_rank, self.lora_scale, self.lora_sides, self.lora_dropout = 0, 0.0, (), 0.0
         for name in LORA_EXPERT_PARAMS:
             self.register_parameter(name, None)
         self.reset_parameters()
 
-    def add_lora(self, rank: int, alpha: float, sides: tuple[str, ...] = ("in", "out"), rslora: bool = False) -> None:
+    def add_lora(self, rank: int, alpha: float, sides: tuple[str, ...] = ("in", "out"), rslora: bool = False,
+                 dropout: float = 0.0) -> None:
         """Low-rank adapters on the expert projections (LoRA, Hu et al. 2021), per expert: ``w_in[e]`` acts as
         ``w_in[e] + (alpha / rank) lora_a_in[e] @ lora_b_in[e]`` and ``w_out[e]`` likewise (``sides``: which of the
-        two; ``rslora``: alpha / sqrt(rank), ``lora_scale``). The A factors start N(0, 1/fan_in), the B factors at 0,
+        two; ``rslora``: alpha / sqrt(rank), ``lora_scale``; ``dropout``: while training each adapter reads its rows
+        with elements zeroed at that rate, moe.lora_dropout). The A factors start N(0, 1/fan_in), the B factors at 0,
         so the experts compute what they did; the adapters are [E, ...] stacks like the weights (expert parallelism shards them, placement moves them).
         moe/lora_experts.py computes them without forming the merged weights."""
         if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
@@ -361,12 +363,16 @@ class GroupedExperts(nn.Module):
             raise ValueError(f"LoRA sides={sides!r} is invalid; name 'in' (w_in), 'out' (w_out) or both")
         if self.lora_rank:
             raise ValueError("these experts already carry LoRA adapters")
+        from moekit.moe.lora_dropout import check_dropout
+
+        dropout = check_dropout(dropout)
         E, H, F_ = self.num_experts, self.hidden_size, self.ffn_hidden_size
         f_in = self.w_in.shape[-1]
         kw = dict(device=self.w_in.device, dtype=self.w_in.dtype)
         shapes = {"in": (("lora_a_in", (E, H, rank)), ("lora_b_in", (E, rank, f_in))),
                   "out": (("lora_a_out", (E, F_, rank)), ("lora_b_out", (E, rank, H)))}
         self.lora_rank, self.lora_scale, self.lora_sides = rank, lora_scale(rank, alpha, rslora), tuple(sides)
+        self.lora_dropout = dropout
         for side in ("in", "out"):
             if side in sides:
                 for name, shape in shapes[side]:
@@ -454,7 +460,8 @@ class GroupedExperts(nn.Module):
                                  "takes_gather / takes_row_scale first")
             from moekit.moe.lora_experts import lora_mlp
 
-            out = lora_mlp(rows, counts, named, self.activation, self.lora_scale, self.backend)
+            out = lora_mlp(rows, counts, named, self.activation, self.lora_scale, self.backend,
+                           dropout=self.lora_dropout if self.training else 0.0)
         else:
             out = self._backend_forward(rows, counts, w_in, w_out, b_in, b_out, gather, row_scale)
         if torch.is_grad_enabled() and not out.requires_grad and (rows.requires_grad or any(p.requires_grad for p in params)):
@@ -481,4 +488,5 @@ class GroupedExperts(nn.Module):
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden={self.hidden_size}, ffn={self.ffn_hidden_size}, "
                 f"activation={self.activation}, backend={self.backend}" + (", bias=True" if self.bias else "")
-                + (f", lora_rank={self.lora_rank}, lora_scale={self.lora_scale:g}" if self.lora_rank else ""))
+                + (f", lora_rank={self.lora_rank}, lora_scale={self.lora_scale:g}" if self.lora_rank else "")
+                + (f", lora_dropout={self.lora_dropout:g}" if self.lora_dropout else ""))

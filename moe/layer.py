@@ -135,7 +135,7 @@ def _cast_linear(linear: nn.Module, t: Tensor, dtype: torch.dtype) -> Tensor:
     models) too."""
     y = F.linear(t, linear.weight.to(dtype))
     if hasattr(linear, "lora_a"):
-        y = y + F.linear(F.linear(t, linear.lora_a.to(dtype)), linear.lora_b.to(dtype)) * linear.lora_scale
+        y = y + F.linear(linear.lora_input(t, linear.lora_a.to(dtype)), linear.lora_b.to(dtype)) * linear.lora_scale
     return y
 
 

@@ -2,10 +2,12 @@
 
 Per expert e, over its contiguous row block x_e [n_e, H] (moe.experts' shape legend), with s = alpha / rank:
 
-    h_e = x_e @ w_in[e]  + s (x_e @ lora_a_in[e])  @ lora_b_in[e]   (+ b_in[e])      [n_e, F_in]
-    y_e = act(h_e) @ w_out[e] + s (act(h_e) @ lora_a_out[e]) @ lora_b_out[e]  (+ b_out[e])   [n_e, H]
+    h_e = x_e @ w_in[e]  + s (d(x_e) @ lora_a_in[e])  @ lora_b_in[e]   (+ b_in[e])      [n_e, F_in]
+    y_e = act(h_e) @ w_out[e] + s (d(act(h_e)) @ lora_a_out[e]) @ lora_b_out[e]  (+ b_out[e])   [n_e, H]
 
-a side without adapters (``GroupedExperts.add_lora(sides=)``) is the plain projection. Why factored: with the base
+a side without adapters (``GroupedExperts.add_lora(sides=)``) is the plain projection. ``d``: the identity, or while
+training with LoRA dropout p the input times a fresh [N, H] / [N, F] bool mask over all rows (one per side, drawn
+before the path is chosen, so every path computes the same function; moe.lora_dropout) over 1 - p. Why factored: with the base
 stacks frozen, autograd computes no weight gradient for them (the largest GEMMs of a full fine-tune's backward),
 only the input gradients through them and the small [r]-wide adapter products; merging per step would instead
 need the full [E, H, F] weight gradient to reach A and B, and keep a merged copy of every layer's experts for
@@ -34,6 +36,7 @@ from moekit.moe.activations import get_activation, swiglu_oai_backward_into, swi
 from moekit.moe.expert_threads import choose_workers, for_each_expert
 # moe.experts imports this module only when experts with adapters run: no cycle at import time
 from moekit.moe.experts import EXPERT_PARAM_NAMES, _grouped_mm_why_not, add_expert_bias, counts_to_offs
+from moekit.moe.lora_dropout import keep_mask, masked_product, stream_of
 from moekit.moe.loop_experts import LOOP_FUSED_ACTIVATIONS, _blocks, _zeroed, swiglu_into
 
 # _LoopLoRA's tensor arguments after rows, in moe.experts' order: w_in, w_out, b_in, b_out, then the adapters
@@ -53,40 +56,63 @@ def lora_path(rows: Tensor, named: dict[str, Tensor], backend: str) -> str:
 
 
 def lora_mlp(rows: Tensor, counts: Tensor, named: dict[str, Tensor], activation: str, scale: float,
-             backend: str = "auto") -> Tensor:
+             backend: str = "auto", dropout: float = 0.0) -> Tensor:
     """rows [N, H] expert-major, counts [E] -> [N, H] (module docstring). ``named``: the local expert tensors by
-    name (w_in, w_out, optional b_in / b_out, the lora_* adapters present), all in rows' dtype."""
+    name (w_in, w_out, optional b_in / b_out, the lora_* adapters present), all in rows' dtype. ``dropout``: the
+    adapters' input dropout rate (0 unless training)."""
     offs = counts_to_offs(counts, rows.shape[0])
+    drop = _masks(rows, named, dropout)
     if lora_path(rows, named, backend) == "grouped":
-        return _grouped(rows, offs, named, activation, scale)
+        return _grouped(rows, offs, named, activation, scale, drop)
     if activation in LOOP_FUSED_ACTIVATIONS and all(t.dtype == rows.dtype for t in named.values()):
         ends = offs.tolist()  # D2H sync: the row blocks drive the loop
         sizes = [b - a for a, b in zip([0] + ends[:-1], ends)]
         tensors = [named.get(n) for n in _ORDER]
+        keeps = (drop.get("in"), drop.get("out"), dropout if drop else 0.0)
         if torch.is_grad_enabled() and (rows.requires_grad or any(t is not None and t.requires_grad for t in tensors)):
-            return _LoopLoRA.apply(rows, *tensors, sizes, activation, scale)
-        return _lora_forward(rows, *tensors, sizes, activation, scale, keep=False)[0]
-    return _loop(rows, offs, named, activation, scale)
+            return _LoopLoRA.apply(rows, *tensors, *keeps, sizes, activation, scale)
+        return _lora_forward(rows, *tensors, *keeps, sizes, activation, scale, keep=False)[0]
+    return _loop(rows, offs, named, activation, scale, drop)
 
 
-def _grouped(rows: Tensor, offs: Tensor, named: dict[str, Tensor], activation: str, scale: float) -> Tensor:
+def _masks(rows: Tensor, named: dict[str, Tensor], p: float) -> dict:
+    """{"in": keep [N, H], "out": keep [N, F] for the sides with adapters, "p": p} while dropping, else {}."""
+    if p <= 0.0:
+        return {}
+    out: dict = {"p": p}
+    widths = (("in", rows.shape[1]), ("out", named["w_out"].shape[1]))
+    for side, width in widths:  # the rows are this rank's own: its stream
+        if f"lora_a_{side}" in named:
+            out[side] = keep_mask((rows.shape[0], width), p, rows.device, stream_of(rows))
+    return out
+
+
+def _grouped(rows: Tensor, offs: Tensor, named: dict[str, Tensor], activation: str, scale: float,
+             drop: dict | None = None) -> Tensor:
+    drop = drop or {}
     owned = None
     if rows.shape[0] > 0:  # grouped_mm leaves rows past offs[-1] undefined, forward and backward: mask them
         owned = (torch.arange(rows.shape[0], device=rows.device) < offs[-1])[:, None]
         rows = torch.where(owned, rows, 0)
 
+    def product(x: Tensor, a: Tensor) -> Tensor:
+        return F.grouped_mm(x, a, offs=offs)
+
     def project(x: Tensor, side: str) -> Tensor:
         y = F.grouped_mm(x, named[f"w_{side}"], offs=offs)
         a = named.get(f"lora_a_{side}")
         if a is not None:
-            y = y + F.grouped_mm(F.grouped_mm(x, a, offs=offs), named[f"lora_b_{side}"], offs=offs) * scale
+            u = masked_product(x, a, drop[side], drop["p"], product) if side in drop else product(x, a)
+            y = y + F.grouped_mm(u, named[f"lora_b_{side}"], offs=offs) * scale
         return add_expert_bias(y, named.get(f"b_{side}"), offs)
 
     out = project(get_activation(activation)(project(rows, "in")), "out")
     return out if owned is None else torch.where(owned, out, 0)
 
 
-def _loop(rows: Tensor, offs: Tensor, named: dict[str, Tensor], activation: str, scale: float) -> Tensor:
+def _loop(rows: Tensor, offs: Tensor, named: dict[str, Tensor], activation: str, scale: float,
+          drop: dict | None = None) -> Tensor:
+    drop = drop or {}
     ends = offs.tolist()  # D2H sync: the row blocks drive the loop
     act = get_activation(activation)
     outs, start = [], 0
@@ -99,7 +125,9 @@ def _loop(rows: Tensor, offs: Tensor, named: dict[str, Tensor], activation: str,
             y = x @ named[f"w_{side}"][e]
             a = named.get(f"lora_a_{side}")
             if a is not None:
-                y = y + ((x @ a[e]) @ named[f"lora_b_{side}"][e]) * scale
+                u = masked_product(x, a[e], drop[side][start:end], drop["p"], torch.matmul) if side in drop else \
+                    x @ a[e]
+                y = y + (u @ named[f"lora_b_{side}"][e]) * scale
             b = named.get(f"b_{side}")
             return y if b is None else y + b[e]
 
@@ -111,10 +139,12 @@ def _loop(rows: Tensor, offs: Tensor, named: dict[str, Tensor], activation: str,
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
-def _lora_forward(rows, w_in, w_out, b_in, b_out, a_in, b_in_l, a_out, b_out_l, sizes, activation, scale, keep):
+def _lora_forward(rows, w_in, w_out, b_in, b_out, a_in, b_in_l, a_out, b_out_l, keep_in, keep_out, p, sizes,
+                  activation, scale, keep):
     """(out [N, H], h [owned, 2F], a [owned, F], u [owned, r], v [owned, r]) of the gated expert MLP with adapters:
-    u = x A_in, h = x W_in (+ b_in) + s u B_in, a = act(h), v = a A_out, y = a W_out (+ b_out) + s v B_out, every
-    expert's block written into its slice (``keep``: h, a, u, v kept whole for backward; else worker scratch)."""
+    u = d(x) A_in, h = x W_in (+ b_in) + s u B_in, a = act(h), v = d(a) A_out, y = a W_out (+ b_out) + s v B_out,
+    every expert's block written into its slice (``keep``: h, a, u, v kept whole for backward; else worker
+    scratch). d: x * keep_in / (1 - p) where keep_in is given (LoRA dropout), likewise a with keep_out."""
     N, f_in, owned = rows.shape[0], w_in.shape[-1], sum(sizes)
     F, H = f_in // 2, w_out.shape[-1]
     oai = activation == "swiglu_oai"
@@ -126,18 +156,22 @@ def _lora_forward(rows, w_in, w_out, b_in, b_out, a_in, b_in_l, a_out, b_out_l, 
             ("Bo", b_out_l))}
     kept = tuple(rows.new_empty(owned, w) for w in (f_in, F, r, r)) if keep else None
     views = [_blocks(t, sizes) for t in kept] if keep else None
+    ki = _blocks(keep_in, sizes) if keep_in is not None else None
+    ko = _blocks(keep_out, sizes) if keep_out is not None else None
     m = max(sizes) if sizes else 0
 
-    def scratch():
+    def scratch():  # [h, a, u, v] unless kept; the dropped input and activation; swiglu_oai's temporary
         bufs = () if keep else tuple(rows.new_empty(m, w) for w in (f_in, F, r, r))
-        return bufs + ((rows.new_empty(m, F),) if oai else ())
+        drop = (rows.new_empty(m, H) if ki is not None else None, rows.new_empty(m, F) if ko is not None else None)
+        return bufs + drop + ((rows.new_empty(m, F),) if oai else ())
 
     def expert(e: int, start: int, n: int, bufs) -> None:
         hb, ab, ub, vb = (v[e] for v in views) if keep else (b[:n] for b in bufs[:4])
+        xd, ad = bufs[-3 if oai else -2], bufs[-2 if oai else -1]
         x = xs[e]
         onednn.mm(x, per["wi"][e], hb, per["bi"][e] if b_in is not None else None)
         if a_in is not None:
-            torch.mm(x, per["ai"][e], out=ub)
+            torch.mm(_drop_into(x, ki, e, p, xd), per["ai"][e], out=ub)
             hb.addmm_(ub, per["Bi"][e], alpha=scale)
         if oai:
             swiglu_oai_into(hb[:, :F], hb[:, F:], ab, bufs[-1][:n])
@@ -145,7 +179,7 @@ def _lora_forward(rows, w_in, w_out, b_in, b_out, a_in, b_in_l, a_out, b_out_l, 
             swiglu_into(hb[:, :F], hb[:, F:], ab)
         onednn.mm(ab, per["wo"][e], outs[e], per["bo"][e] if b_out is not None else None)
         if a_out is not None:
-            torch.mm(ab, per["ao"][e], out=vb)
+            torch.mm(_drop_into(ab, ko, e, p, ad), per["ao"][e], out=vb)
             outs[e].addmm_(vb, per["Bo"][e], alpha=scale)
 
     with torch.autocast(rows.device.type, enabled=False):
@@ -154,34 +188,50 @@ def _lora_forward(rows, w_in, w_out, b_in, b_out, a_in, b_in_l, a_out, b_out_l, 
     return (out, *kept) if keep else (out, None, None, None, None)
 
 
+def _drop_into(x: Tensor, keeps, e: int, p: float, buf) -> Tensor:
+    """x itself, or moe.lora_dropout.dropped(x, keep, p) of expert e's block written into ``buf`` (same ops)."""
+    if keeps is None:
+        return x
+    out = torch.mul(x, keeps[e], out=buf[: x.shape[0]])
+    return out.mul_(1.0 / (1.0 - p))
+
+
 class _LoopLoRA(torch.autograd.Function):
     """The gated per-expert loop with LoRA adapters and a hand-written backward (module docstring): inputs rows,
     w_in, w_out, b_in, b_out, lora_a_in, lora_b_in, lora_a_out, lora_b_out (the absent ones None); gradients only for
-    those that need them, so frozen stacks cost their input gradient alone. Saves rows, h, a and the r-wide u, v.
+    those that need them, so frozen stacks cost their input gradient alone. Saves rows, h, a, the r-wide u, v
+    and LoRA dropout's bool masks (keep_in, keep_out; the dropped blocks are formed again in backward).
     A double backward (create_graph) differentiates the autograd reference (``_loop``) instead."""
 
     @staticmethod
-    def forward(ctx, rows, w_in, w_out, b_in, b_out, a_in, b_in_l, a_out, b_out_l, sizes, activation, scale):
-        out, h, a, u, v = _lora_forward(rows, w_in, w_out, b_in, b_out, a_in, b_in_l, a_out, b_out_l, sizes,
-                                        activation, scale, keep=True)
-        ctx.save_for_backward(rows, w_in, w_out, b_in, b_out, a_in, b_in_l, a_out, b_out_l, h, a, u, v)
-        ctx.sizes, ctx.activation, ctx.scale = sizes, activation, scale
+    def forward(ctx, rows, w_in, w_out, b_in, b_out, a_in, b_in_l, a_out, b_out_l, keep_in, keep_out, p, sizes,
+                activation, scale):
+        out, h, a, u, v = _lora_forward(rows, w_in, w_out, b_in, b_out, a_in, b_in_l, a_out, b_out_l, keep_in,
+                                        keep_out, p, sizes, activation, scale, keep=True)
+        ctx.save_for_backward(rows, w_in, w_out, b_in, b_out, a_in, b_in_l, a_out, b_out_l, h, a, u, v, keep_in,
+                              keep_out)
+        ctx.sizes, ctx.activation, ctx.scale, ctx.p = sizes, activation, scale, p
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        rows, w_in, w_out, b_in, b_out, a_in, b_in_l, a_out, b_out_l, h, a, u, v = ctx.saved_tensors
-        sizes, activation, s = ctx.sizes, ctx.activation, ctx.scale
+        rows, w_in, w_out, b_in, b_out, a_in, b_in_l, a_out, b_out_l, h, a, u, v, keep_in, keep_out = \
+            ctx.saved_tensors
+        sizes, activation, s, p = ctx.sizes, ctx.activation, ctx.scale, ctx.p
         inputs = (rows, w_in, w_out, b_in, b_out, a_in, b_in_l, a_out, b_out_l)
         needs = ctx.needs_input_grad[:9]
+        tail = (None,) * 6  # keep_in, keep_out, p, sizes, activation, scale
         if torch.is_grad_enabled():  # create_graph: differentiate the composite
             named = {k: t for k, t in zip(_ORDER, inputs[1:]) if t is not None}
             counts = torch.tensor(sizes, device=rows.device)
+            drop = {"p": p} | ({"in": keep_in} if keep_in is not None else {}) | \
+                ({"out": keep_out} if keep_out is not None else {})
             with torch.enable_grad():
-                y = _loop(rows, counts_to_offs(counts, rows.shape[0]), named, activation, s)
+                y = _loop(rows, counts_to_offs(counts, rows.shape[0]), named, activation, s,
+                          drop if len(drop) > 1 else None)
             wanted = [t for t, need in zip(inputs, needs) if need]
             got = iter(torch.autograd.grad(y, wanted, grad, create_graph=True, allow_unused=True))
-            return (*(next(got) if need else None for need in needs), None, None, None)
+            return (*(next(got) if need else None for need in needs), *tail)
         grad = grad.to(rows.dtype)
         owned, F = sum(sizes), a.shape[-1]
         oai = activation == "swiglu_oai"
@@ -206,9 +256,14 @@ class _LoopLoRA(torch.autograd.Function):
         m = max(sizes) if sizes else 0
         r = (u if u is not None else v).shape[-1]
 
-        def scratch():  # d_a, d_h, the adapters' r-wide gradients, swiglu_oai's temporary
+        ki = _blocks(keep_in, sizes) if keep_in is not None else None
+        ko = _blocks(keep_out, sizes) if keep_out is not None else None
+
+        def scratch():  # d_a, d_h, the adapters' r-wide gradients, swiglu_oai's temporary; with dropout a dropped
+            # block of x and of a (or their gradients)
             return (rows.new_empty(m, F), rows.new_empty(m, h.shape[-1]), rows.new_empty(m, r), rows.new_empty(m, r),
-                    rows.new_empty(m, F))
+                    rows.new_empty(m, F), rows.new_empty(m, rows.shape[1]) if ki is not None else None,
+                    rows.new_empty(m, F) if ko is not None else None)
 
         def expert(e: int, start: int, n: int, bufs) -> None:
             g, x, ab = gs[e], xs[e], as_[e]
@@ -217,8 +272,8 @@ class _LoopLoRA(torch.autograd.Function):
                 if d_Bo is not None:
                     torch.mm(vs[e].t(), g, out=outs["Bo"][e]).mul_(s)  # d B_out = s v^T g
                 gv = torch.mm(g, Bo_t[e], out=bufs[2][:n]).mul_(s)  # d v = s g B_out^T
-                if d_ao is not None:
-                    torch.mm(ab.t(), gv, out=outs["ao"][e])  # d A_out = a^T d v
+                if d_ao is not None:  # d A_out = d(a)^T d v
+                    torch.mm(_drop_into(ab, ko, e, p, bufs[6]).t(), gv, out=outs["ao"][e])
             if d_wo is not None:
                 torch.mm(ab.t(), g, out=outs["wo"][e])
             if d_bo is not None:
@@ -228,7 +283,10 @@ class _LoopLoRA(torch.autograd.Function):
             da, dh = bufs[0][:n], bufs[1][:n]
             onednn.mm(g, wo_t[e], da)
             if gv is not None:
-                da.addmm_(gv, ao_t[e])
+                if ko is None:
+                    da.addmm_(gv, ao_t[e])
+                else:  # d a += d(d v A_out^T): the mask and 1 / (1 - p) again
+                    da.add_(_drop_into(torch.mm(gv, ao_t[e], out=bufs[6][:n]), ko, e, p, bufs[6]))
             gate, up = hs[e][:, :F], hs[e][:, F:]
             d_gate, d_up = dh[:, :F], dh[:, F:]
             if oai:
@@ -245,12 +303,15 @@ class _LoopLoRA(torch.autograd.Function):
                 if d_Bi is not None:
                     torch.mm(us[e].t(), dh, out=outs["Bi"][e]).mul_(s)  # d B_in = s u^T d h
                 gu = torch.mm(dh, Bi_t[e], out=bufs[3][:n]).mul_(s)  # d u = s d h B_in^T
-                if d_ai is not None:
-                    torch.mm(x.t(), gu, out=outs["ai"][e])  # d A_in = x^T d u
+                if d_ai is not None:  # d A_in = d(x)^T d u
+                    torch.mm(_drop_into(x, ki, e, p, bufs[5]).t(), gu, out=outs["ai"][e])
             if d_x is not None:
                 onednn.mm(dh, wi_t[e], d_xs[e])
                 if gu is not None:
-                    d_xs[e].addmm_(gu, ai_t[e])
+                    if ki is None:
+                        d_xs[e].addmm_(gu, ai_t[e])
+                    else:
+                        d_xs[e].add_(_drop_into(torch.mm(gu, ai_t[e], out=bufs[5][:n]), ki, e, p, bufs[5]))
 
         for_each_expert(sizes, expert, choose_workers(rows, w_in, sizes), scratch)
-        return (*d, None, None, None)
+        return (*d, *tail)

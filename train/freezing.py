@@ -218,7 +218,8 @@ def plan(model: nn.Module, cfg) -> FreezePlan | None:
     if adapters:
         m = cfg.model
         carriers = {n.rsplit(".", 1)[0] for n in params if is_adapter(n)}
-        out.lora = (f"LoRA rank {m.lora_rank}, alpha {m.lora_alpha:g}{' (rsLoRA)' if m.lora_rslora else ''} on "
+        out.lora = (f"LoRA rank {m.lora_rank}, alpha {m.lora_alpha:g}{' (rsLoRA)' if m.lora_rslora else ''}"
+                    f"{f', dropout {m.lora_dropout:g}' if m.lora_dropout else ''} on "
                     f"{len(carriers)} module(s) ({m.lora_targets})")
     out.counts = _counts(params, layers, trainable, experts)
     return out

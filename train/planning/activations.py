@@ -16,6 +16,8 @@ rows, a / r bytes of the compute dtype / of the residual stream.
                the Triton backend keeps only [gate | up] (its second GEMM's input is recomputed)
     dense FFN  / shared expert (DenseMLP): gate, up, silu(gate), product: 4 T F (GELU 2 T F, ReLU T F)
                (what an activation keeps is measured once from moe.activations' table: ``ffn_widths``)
+    lora       LoRA adapters (model.lora_rank): each one's r-wide product [rows, r] (B's gradient reads it); with
+               model.lora_dropout its input's bool mask [rows, in] (moe.lora_dropout keeps no dropped copy)
     head       final norm and the loss: its gradients dh [T, H] and dW [V, H] (models.loss, no logits),
                or under pipeline parallelism the lm_head input and the fp32 log-softmax [T, V]; token ids
 Activation checkpointing: "full" keeps each block's input only; "ffn" keeps the FFN / MoE input and drops
@@ -170,8 +172,67 @@ def _moe(cfg: ModelConfig, layout: Layout, s: Shapes, node_rows: float) -> dict[
     return out
 
 
+def _lora(cfg: ModelConfig, layout: Layout, s: Shapes, i: int, cached: bool = False) -> tuple[int, int]:
+    """Block i's LoRA adapters' own activations (models.lora, moe.lora_experts): (attention's, the FFN's). Each
+    adapter keeps x A^T [rows, r] in the compute dtype, and with lora_dropout the one-byte mask of its input
+    [rows, in]. Rows: attention and a dense FFN read T (the gathered sequence under SP; MLA's wkv_b every key
+    position under CP), the shared expert Tm (TP's token split), the routed experts their R rows (the fused loop's
+    u and v; both masks span the rows). A row-wise projection's input (wo, a dense FFN's w_out) is its TP shard.
+
+    ``cached``: what an op-level selective checkpoint caches instead (``_selective``): every adapter's matmul
+    outputs, x A^T and the projection's output again (LoRALinear's addmm; the routed experts' u B unless the
+    fused loop, whose products the dispatcher does not see, runs them); masks are drawn again."""
+    if not cfg.lora_rank:
+        return 0, 0
+    from moekit.models.lora import adapter_shapes
+    from moekit.moe.experts import LOOP_FUSED_ACTIVATIONS
+    from moekit.train.planning.memory import _COLUMNS  # comm.tensor_parallel's column-wise projections
+
+    drop = 1 if cfg.lora_dropout and not cached else 0
+    fused_loop = _backend(cfg, s.cpu) in ("loop", "triton") and cfg.activation in LOOP_FUSED_ACTIVATIONS
+    shapes = dict(adapter_shapes(cfg, i))
+    attention = ffn = 0
+    for name, shape in shapes.items():
+        parts = name.split(".")
+        if parts[-1] in ("lora_a_in", "lora_a_out"):  # [E, in, r]
+            if cached:
+                out = shapes[name.replace("lora_a_", "lora_b_")][2]
+                ffn += 0 if fused_loop else s.R * (shape[2] + out) * s.a
+            else:
+                ffn += s.R * (shape[2] * s.a + drop * shape[1])
+            continue
+        if parts[-1] != "lora_a":  # [r, in]
+            continue
+        r, width = shape
+        shared = "shared_expert" in parts
+        rows = s.Tm if shared else (s.B * s.S if s.cp > 1 and parts[-2] == "wkv_b" else s.T)
+        column = not shared and parts[-2] in (_COLUMNS if "attn" in parts else ("w_up", "w_gate"))
+        if cached:
+            out = shapes[name[:-1] + "b"][0] // (layout.tp if column else 1)
+            part = rows * (r + out) * s.a
+        else:
+            if parts[-2] in ("wo", "w_out") and not shared:
+                width //= layout.tp
+            part = rows * (r * s.a + drop * width)
+        if "attn" in parts:
+            attention += part
+        else:
+            ffn += part
+    return attention, ffn
+
+
 def _block(cfg: ModelConfig, layout: Layout, s: Shapes, i: int, node_rows: float) -> tuple[dict, dict]:
     """Block i's activations: (kept outside the FFN, the FFN's internals)."""
+    outer, ffn = _block_base(cfg, layout, s, i, node_rows)
+    attention, inner = _lora(cfg, layout, s, i)
+    if attention:
+        outer["lora"] = attention
+    if inner:
+        ffn["lora"] = inner
+    return outer, ffn
+
+
+def _block_base(cfg: ModelConfig, layout: Layout, s: Shapes, i: int, node_rows: float) -> tuple[dict, dict]:
     H = cfg.hidden_size
     norms = 2 * s.Ts * FP32 + (2 * s.Ts * H * FP32 if s.cpu else 0)  # rsqrt; x * rsqrt on CPU (in fp32)
     if cfg.norm_zero_centered and not s.cpu:  # the fp32 normalised rows (1 + w) multiplies, kept on CUDA as well
@@ -190,7 +251,16 @@ def _block(cfg: ModelConfig, layout: Layout, s: Shapes, i: int, node_rows: float
 
 def _selective(cfg: ModelConfig, layout: Layout, s: Shapes, i: int) -> dict[str, int]:
     """What an op-level selective checkpoint caches of block i besides its input (models.parallelize's
-    SAVED_OPS): matmul outputs, fused attention outputs and the routing decisions; nothing elementwise."""
+    SAVED_OPS): matmul outputs, fused attention outputs and the routing decisions; nothing elementwise. LoRA
+    adapters' products too (``_lora``)."""
+    out = _selective_base(cfg, layout, s, i)
+    attention, ffn = _lora(cfg, layout, s, i, cached=True)
+    if attention + ffn:
+        out["lora"] = attention + ffn
+    return out
+
+
+def _selective_base(cfg: ModelConfig, layout: Layout, s: Shapes, i: int) -> dict[str, int]:
     H, a, N = cfg.hidden_size, s.a, cfg.num_heads // layout.tp
     keys = s.B * s.S if s.cp > 1 else s.T  # context parallel: the gathered keys / latents of whole sequences
     if cfg.is_linear_layer(i):  # a Gated DeltaNet layer: its projections' outputs

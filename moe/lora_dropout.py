@@ -1,0 +1,138 @@
+"""LoRA dropout (PEFT's ``lora_dropout``): while training, each adapter reads its input with every element zeroed
+at rate p and the rest scaled by 1 / (1 - p); the base projection reads the input untouched:
+
+    y = x W^T + s ((x * keep / (1 - p)) A^T) B^T,     keep ~ Bernoulli(1 - p) per element of x
+
+Each adapter draws its own mask (as PEFT's one ``nn.Dropout`` per adapted module). Evaluation, generation and
+``model.eval()`` use none.
+
+Where the masks come from. Each dropped product draws one 62-bit number from the CPU's default generator (one
+draw, whatever the shape) and seeds a generator on the input's device from it and the input's *stream*: the
+lowest rank among those holding the same values of the input. So
+
+- ranks that hold the same input draw the same mask: tensor parallelism's replicated inputs (a DTensor:
+  its mesh's ranks; the mask is drawn whole and each rank keeps its own slice of a sharded input, so a
+  row-wise projection's shards read disjoint parts of one mask), Gated DeltaNet's replicated projection input;
+- ranks holding different tokens (data / context parallelism, TP's token split of the MoE layer, the routed
+  experts' rows under EP) draw different ones;
+- the default generator advances the same on every rank whatever the token counts (expert rows differ by rank),
+  so tensor-parallel ranks, seeded alike (train.trainer), stay in step; a TP run draws the masks a one-process
+  run draws for the same inputs;
+- activation checkpointing restores the generator before it recomputes (torch.utils.checkpoint's
+  preserve_rng_state): the recomputed masks are the forward's, and so the gradients are those of the mask
+  the forward used; a checkpoint's saved CPU generator state resumes the stream.
+
+Memory: ``dropped_product`` saves the input (which the base projection saves anyway: one storage) and a one-byte
+mask per element, and forms ``x * keep / (1 - p)`` again in backward (one more r-wide product), instead of
+keeping a dropped copy of the input per adapter as an ``nn.Dropout`` before the product does.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+_M64 = (1 << 64) - 1
+
+
+def check_dropout(p, what: str = "lora_dropout") -> float:
+    """``p`` as a float in [0, 1), else ValueError naming it and the fix."""
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= float(p) < 1.0:
+        raise ValueError(f"{what}={p!r} is invalid; it must be a number in [0, 1) (the share of each adapter's "
+                         f"input zeroed while training; PEFT's lora_dropout, commonly 0.05 or 0.1; 0 = none)")
+    return float(p)
+
+
+def _mix(*parts: int) -> int:
+    """A 63-bit seed from integers (splitmix64's finaliser over each part in turn)."""
+    h = 0x9E3779B97F4A7C15
+    for part in parts:
+        h = (h ^ (part & _M64)) * 0xBF58476D1CE4E5B9 & _M64
+        h = (h ^ (h >> 31)) * 0x94D049BB133111EB & _M64
+        h ^= h >> 29
+    return h >> 1
+
+
+def stream_of(x: Tensor, group=None) -> int:
+    """The lowest rank holding the same values of ``x`` (module docstring): a DTensor's mesh's lowest rank, else
+    ``group``'s lowest rank when given (an input replicated over it), else this rank (0 without a process group)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(x, DTensor):
+        return int(x.device_mesh.mesh.min())
+    if group is not None:
+        return min(dist.get_process_group_ranks(group))
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+@torch.compiler.disable  # a generator seeded per call: eager, also inside a compiled block
+def keep_mask(shape, p: float, device, stream: int) -> Tensor:
+    """A bool mask of ``shape`` on ``device``, True with probability 1 - p (module docstring: its seed)."""
+    draw = int(torch.randint(0, 1 << 62, (1,)).item())  # the CPU default generator: one draw per mask
+    gen = torch.Generator(device=device)
+    gen.manual_seed(_mix(draw, stream))
+    return torch.rand(tuple(shape), generator=gen, device=device) >= p
+
+
+def keep_like(x: Tensor, p: float, group=None) -> Tensor:
+    """A keep mask for ``x``: a plain tensor's own, or for a DTensor the whole mask drawn alike on every rank of
+    its mesh and this rank's slice kept (a copy: the whole mask is freed), with x's placements."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(x, DTensor):
+        return keep_mask(x.shape, p, x.device, stream_of(x, group))
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    whole = keep_mask(x.shape, p, x.to_local().device, stream_of(x))
+    local_shape, offset = compute_local_shape_and_global_offset(x.shape, x.device_mesh, x.placements)
+    local = whole[tuple(slice(o, o + n) for o, n in zip(offset, local_shape))].clone()
+    return DTensor.from_local(local, x.device_mesh, x.placements, run_check=False, shape=x.shape, stride=x.stride())
+
+
+def dropped(x: Tensor, keep: Tensor, p: float) -> Tensor:
+    """x * keep / (1 - p): the adapter's input (one formula for every path, so they round alike)."""
+    return x * keep * (1.0 / (1.0 - p))
+
+
+class _DroppedProduct(torch.autograd.Function):
+    """``product(dropped(x, keep, p), a)`` saving x, a and the bool mask (not the dropped copy); backward forms
+    the dropped input again and differentiates the product (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x, a, keep, p, product):
+        ctx.p, ctx.product = p, product
+        ctx.save_for_backward(x, a, keep)
+        return product(dropped(x, keep, p), a)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        x, a, keep = ctx.saved_tensors
+        need_x, need_a = ctx.needs_input_grad[:2]
+        with torch.enable_grad():
+            xd = dropped(x.detach(), keep, ctx.p).requires_grad_(need_x)
+            a_ = a.detach().requires_grad_(need_a)
+            u = ctx.product(xd, a_)
+        wanted = [t for t, need in ((xd, need_x), (a_, need_a)) if need]
+        got = iter(torch.autograd.grad(u, wanted, grad)) if wanted else iter(())
+        d_xd = next(got) if need_x else None
+        d_a = next(got) if need_a else None
+        return (dropped(d_xd, keep, ctx.p) if d_xd is not None else None), d_a, None, None, None
+
+
+def masked_product(x: Tensor, a: Tensor, keep: Tensor, p: float, product=F.linear) -> Tensor:
+    """``product(dropped(x, keep, p), a)``, saving the bool ``keep`` rather than the dropped input for backward."""
+    if not (torch.is_grad_enabled() and (x.requires_grad or a.requires_grad)):
+        return product(dropped(x, keep, p), a)
+    return _DroppedProduct.apply(x, a, keep, p, product)
+
+
+def dropped_product(x: Tensor, a: Tensor, p: float, product=F.linear, group=None) -> Tensor:
+    """``product(x * keep / (1 - p), a)`` with a fresh mask (p > 0), else ``product(x, a)``. ``product``: the
+    adapter's A product (``F.linear`` for a Linear's lora_a [r, in]); ``group``: the process group over which a
+    plain ``x`` is replicated (``stream_of``)."""
+    if p <= 0.0:
+        return product(x, a)
+    return masked_product(x, a, keep_like(x, p, group), p, product)
