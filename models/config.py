@@ -200,7 +200,9 @@ class ModelConfig:
                          hint="; use a positive number, or none for dropless routing")
         from moekit.moe.lora_dropout import check_dropout
 
-        check_dropout(self.lora_dropout, "model.lora_dropout")
+        if check_dropout(self.lora_dropout, "model.lora_dropout") and not self.lora_rank:
+            raise ValueError(f"model.lora_dropout={self.lora_dropout!r} drops LoRA adapters' inputs, and "
+                             f"model.lora_rank is 0 (no adapters); set model.lora_rank (e.g. 8) or drop lora_dropout")
         if self.lora_rank:
             _check_float("model.lora_alpha", self.lora_alpha, strict=True)
             if not isinstance(self.lora_targets, str) or not self.lora_targets.strip():

@@ -284,5 +284,5 @@ def merge_lora(model: nn.Module) -> nn.Module:
     if getattr(model, "config", None) is not None and getattr(model.config, "lora_rank", 0):
         import dataclasses
 
-        model.config = dataclasses.replace(model.config, lora_rank=0)
+        model.config = dataclasses.replace(model.config, lora_rank=0, lora_dropout=0.0)
     return model

@@ -32,7 +32,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 _M64 = (1 << 64) - 1
 
@@ -107,19 +106,17 @@ class _DroppedProduct(torch.autograd.Function):
         return product(dropped(x, keep, p), a)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad):
         x, a, keep = ctx.saved_tensors
         need_x, need_a = ctx.needs_input_grad[:2]
+        create = torch.is_grad_enabled()  # create_graph: differentiate the composite on the saved inputs themselves
         with torch.enable_grad():
-            xd = dropped(x.detach(), keep, ctx.p).requires_grad_(need_x)
-            a_ = a.detach().requires_grad_(need_a)
-            u = ctx.product(xd, a_)
-        wanted = [t for t, need in ((xd, need_x), (a_, need_a)) if need]
-        got = iter(torch.autograd.grad(u, wanted, grad)) if wanted else iter(())
-        d_xd = next(got) if need_x else None
-        d_a = next(got) if need_a else None
-        return (dropped(d_xd, keep, ctx.p) if d_xd is not None else None), d_a, None, None, None
+            xs = x if create else x.detach().requires_grad_(need_x)
+            as_ = a if create else a.detach().requires_grad_(need_a)
+            u = ctx.product(dropped(xs, keep, ctx.p), as_)
+        wanted = [t for t, need in ((xs, need_x), (as_, need_a)) if need]
+        got = iter(torch.autograd.grad(u, wanted, grad, create_graph=create, allow_unused=True) if wanted else ())
+        return (next(got) if need_x else None), (next(got) if need_a else None), None, None, None
 
 
 def masked_product(x: Tensor, a: Tensor, keep: Tensor, p: float, product=F.linear) -> Tensor:

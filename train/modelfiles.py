@@ -523,7 +523,8 @@ def import_lora_command(args) -> None:
         print(f"  replaced by the adapter's modules_to_save (trained whole by PEFT; --train.trainable trains them on): "
               f"{', '.join(report.whole)}")
     if report.dropout:
-        print(f"  the adapter was trained with lora_dropout {report.dropout:g}; moekit's LoRA has no dropout")
+        print(f"  lora_dropout {report.dropout:g}, as the adapter was trained: training it on drops its inputs alike "
+              f"(--model.lora_dropout 0 with --train.init_from turns that off)")
     print(f"next: moekit-train --train.init_from {out} --data.path DATA ... (trains the adapters), moekit-generate "
           f"{out} --tokenizer {args.base} --prompt TEXT, or moekit-convert merge-lora {out} -o HF_DIR")
     if not args.verify:

@@ -77,7 +77,7 @@ class ImportReport(NamedTuple):
     narrower: list[str]  # moekit weights whose adapter uses fewer than ``rank`` ranks (the rest zero)
     merged: list[str]  # moekit weights the adapter changes that take no moekit adapter: folded into the weights
     whole: list[str]  # moekit weights replaced by modules_to_save
-    dropout: float  # PEFT's lora_dropout (moekit's LoRA has none)
+    dropout: float  # PEFT's lora_dropout: the imported model's model.lora_dropout (0 when no adapter stays)
     adapter: Adapter
 
 
@@ -117,6 +117,9 @@ def read_config(folder: str | Path) -> dict:
         value = config.get(field)
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
             raise _refuse(folder, f"{PEFT_CONFIG} has {field}={value!r}; a LoRA adapter needs a positive number")
+    dropout = config.get("lora_dropout") or 0.0
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+        raise _refuse(folder, f"{PEFT_CONFIG} has lora_dropout={dropout!r}; it must be a number in [0, 1) (0: none)")
     return config
 
 
@@ -370,6 +373,7 @@ def load_peft(model, folder: str | Path, family: str | None = None) -> ImportRep
     adapter = read_adapter(folder, fused_params, FAMILIES[name].naming.experts_transposed, hf_shapes)
     if not adapter.updates and not adapter.whole:
         raise _refuse(folder, "the adapter file holds no LoRA factors")
+    dropout = float(adapter.config.get("lora_dropout") or 0.0)
     scales = Counter(round(u.scale, 12) for u in adapter.updates)
     scale = scales.most_common(1)[0][0] if scales else 1.0
     by_target: dict[str, list[tuple[int, Update]]] = {}
@@ -408,10 +412,10 @@ def load_peft(model, folder: str | Path, family: str | None = None) -> ImportRep
         W.copy_(folded(W, *_factors(blocks[target], used[target], tuple(W.shape)), scale, expert=W.dim() == 3))
     if adapted:
         targets = _targets_setting(sorted(adapted, key=list(cands).index), list(cands))
-        picked = add_lora(model, rank, alpha, targets, rslora=rslora)
+        picked = add_lora(model, rank, alpha, targets, rslora=rslora, dropout=dropout)
         assert sorted(picked) == sorted(adapted), (picked, adapted)
         model.config = dataclasses.replace(model.config, lora_rank=rank, lora_alpha=alpha, lora_targets=targets,
-                                           lora_rslora=rslora)
+                                           lora_rslora=rslora, lora_dropout=dropout)
         assert abs(lora_scale(rank, alpha, rslora) - scale) <= 1e-9 * scale
         params = dict(model.named_parameters())
         for target in adapted:
@@ -421,7 +425,7 @@ def load_peft(model, folder: str | Path, family: str | None = None) -> ImportRep
                                     _factors(blocks[target], rank, tuple(state[target].shape))):
                 param.copy_(value)
     return ImportReport(name, rank, alpha, adapted, widened, [t for t in adapted if used[t] < rank], merged, replaced,
-                        float(adapter.config.get("lora_dropout") or 0.0), adapter)
+                        dropout if adapted else 0.0, adapter)
 
 
 def merged_hf_tensors(hf: dict[str, Tensor], adapter: Adapter) -> dict[str, Tensor]:
