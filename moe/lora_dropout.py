@@ -102,6 +102,10 @@ class _DroppedProduct(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, a, keep, p, product):
         ctx.p, ctx.product = p, product
+        device = x.device.type
+        # backward forms the product again under the forward's autocast (it casts a again: a transient, not a
+        # copy kept from forward to backward)
+        ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         ctx.save_for_backward(x, a, keep)
         return product(dropped(x, keep, p), a)
 
@@ -110,7 +114,8 @@ class _DroppedProduct(torch.autograd.Function):
         x, a, keep = ctx.saved_tensors
         need_x, need_a = ctx.needs_input_grad[:2]
         create = torch.is_grad_enabled()  # create_graph: differentiate the composite on the saved inputs themselves
-        with torch.enable_grad():
+        device, enabled, dtype = ctx.autocast
+        with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
             xs = x if create else x.detach().requires_grad_(need_x)
             as_ = a if create else a.detach().requires_grad_(need_a)
             u = ctx.product(dropped(xs, keep, ctx.p), as_)

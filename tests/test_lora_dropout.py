@@ -166,6 +166,32 @@ def test_a_linear_adapter_drops_its_input_and_the_base_reads_it_whole():
     torch.testing.assert_close(lin(x), plain, rtol=1e-12, atol=1e-12)
 
 
+def test_under_autocast_the_dropped_product_differentiates_in_the_forwards_dtype():
+    """bf16 autocast: backward forms the product again under the forward's autocast, so the gradients are the
+    float64 formula's on the same mask to bf16 rounding, in the parameters' float32."""
+    g = gen("lora-dropout-autocast")
+    lin = add_linear_lora(torch.nn.Linear(32, 24), 4, 8.0, dropout=0.3)
+    with torch.no_grad():
+        lin.lora_b.normal_(generator=g)
+    x = torch.randn(40, 32, generator=g, requires_grad=True)
+    torch.manual_seed(2)
+    keep = keep_like(x, 0.3)
+    torch.manual_seed(2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = lin(x)
+    assert y.dtype == torch.bfloat16
+    cot = torch.randn(y.shape, generator=g)
+    got = torch.autograd.grad(y, [x, lin.lora_a, lin.lora_b], cot.bfloat16())
+    p64 = [t.detach().double().requires_grad_() for t in (x, lin.weight, lin.bias, lin.lora_a, lin.lora_b)]
+    ref = F.linear(p64[0], p64[1], p64[2]) + lin.lora_scale * F.linear(
+        F.linear(p64[0] * keep.double() / 0.7, p64[3]), p64[4])
+    want = torch.autograd.grad(ref, [p64[0], p64[3], p64[4]], cot.double())
+    torch.testing.assert_close(y.double(), ref, rtol=0.03, atol=0.1)
+    for a, b in zip(got, want):
+        assert a.dtype == torch.float32
+        torch.testing.assert_close(a.double(), b, rtol=0.03, atol=0.1 * b.abs().max().item())
+
+
 def saved_bytes(fn) -> int:
     """Bytes of the distinct storages autograd saves while ``fn`` runs."""
     seen: dict[int, int] = {}
@@ -275,25 +301,30 @@ def test_the_cli_refuses_dropout_without_adapters_in_one_line(tmp_path, capsys):
 # -- the dry run counts the masks ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name, mode, over", [
-    ("mixtral-tiny", "none", {}), ("mixtral-tiny", "selective", {}), ("mixtral-tiny", "ffn", {}),
-    ("qwen3.5-tiny", "none", {"full_attention_every": 2}),  # Gated DeltaNet's fused projection, gated GQA
-    ("mixtral-tiny", "none", {"activation": "gelu", "shared_ffn_hidden_size": 64, "shared_expert_gate": True}),
-    ("deepseek-tiny", "selective", {}),
+@pytest.mark.parametrize("name, mode, dtype, over", [
+    ("mixtral-tiny", "none", "float32", {}), ("mixtral-tiny", "selective", "float32", {}),
+    ("mixtral-tiny", "ffn", "float32", {}),
+    ("qwen3.5-tiny", "none", "float32", {"full_attention_every": 2}),  # Gated DeltaNet's fused projection, gated GQA
+    ("mixtral-tiny", "none", "float32", {"activation": "gelu", "shared_ffn_hidden_size": 64, "shared_expert_gate": True}),
+    ("deepseek-tiny", "selective", "float32", {}),
+    # bf16 autocast: a Linear adapter's A keeps no autocast copy under dropout (the dropped product casts it again
+    # in backward); the experts' adapters keep theirs (the layer casts its stacks once)
+    ("deepseek-tiny", "none", "bfloat16", {}), ("qwen3.5-tiny", "none", "bfloat16", {"full_attention_every": 2}),
 ])
-def test_the_planner_counts_the_adapters_products_and_masks(name, mode, over):
+def test_the_planner_counts_the_adapters_products_and_masks(name, mode, dtype, over):
     """Activations with adapters and dropout against the measured bytes (tests/test_dryrun.py's measurement): the
-    r-wide products, the bool masks, what op-level checkpointing caches; within 0.5% as without adapters."""
+    r-wide products, the bool masks, what op-level checkpointing caches, autocast's weight copies; within 0.5% as
+    without adapters."""
     from moekit.comm.topology import Layout
     from moekit.train.planning.memory import Workload, estimate_memory
     from tests.test_dryrun import B, S, measure_one_process
 
     cfg = dataclasses.replace(preset(name), num_layers=2, lora_rank=4, lora_dropout=0.1, **over)
-    measured = measure_one_process(cfg, mode)
-    est = estimate_memory(cfg, Layout(), Workload(B, S, "float32", mode, "cpu"))
+    autocast = getattr(torch, dtype) if dtype != "float32" else None
+    measured = measure_one_process(cfg, mode, autocast=autocast, backward=autocast is None)
+    est = estimate_memory(cfg, Layout(), Workload(B, S, dtype, mode, "cpu"))
     assert est.activations == pytest.approx(measured["activations"], rel=0.005), est.breakdown
-    without = estimate_memory(dataclasses.replace(cfg, lora_dropout=0.0), Layout(),
-                              Workload(B, S, "float32", mode, "cpu"))
+    without = estimate_memory(dataclasses.replace(cfg, lora_dropout=0.0), Layout(), Workload(B, S, dtype, mode, "cpu"))
     if mode != "selective":  # the masks are counted (selective checkpointing draws them again)
         assert est.activations > without.activations
 
@@ -357,8 +388,9 @@ def test_tensor_parallel_ranks_draw_the_one_process_masks(tmp_path, preset_name,
     assert runs["off"] != pytest.approx(runs["one"], rel=1e-4)
 
 
-def test_an_expert_parallel_run_with_dropout_everywhere_resumes_bitwise(tmp_path):
-    """Every adapter dropped (attention, shared and routed experts, whose rows differ by rank): each rank's
+def test_an_fsdp_expert_parallel_run_with_dropout_everywhere_resumes_bitwise(tmp_path):
+    """FSDP-sharded adapters (the dropped product saves the unsharded parameter as a projection does), every
+    adapter dropped (attention, shared and routed experts, whose rows differ by rank): each rank's
     generator still advances one draw per mask, so the rank-0 generator state a checkpoint keeps resumes every
     rank's stream: the resumed run's weights are the uninterrupted run's, bit for bit."""
     from tests.dist_utils import run_trainer
@@ -366,11 +398,11 @@ def test_an_expert_parallel_run_with_dropout_everywhere_resumes_bitwise(tmp_path
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     flags = ["--preset", "deepseek-tiny", *FLAGS, "--model.lora_targets", "all", "--steps", "3", "--checkpoint.every",
-             "1", "--ep", "2", "--train.seed", str(random.randrange(1 << 20))]
+             "1", "--fsdp", "2", "--ep", "2", "--train.seed", str(random.randrange(1 << 20))]
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
-    r = run_trainer([*flags, "--run-dir", str(whole)], 2, env=env)
+    r = run_trainer([*flags, "--run-dir", str(whole)], 4, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
-    r = run_trainer([*flags, "--resume", str(whole / "checkpoints" / "step_000002"), "--run-dir", str(resumed)], 2,
+    r = run_trainer([*flags, "--resume", str(whole / "checkpoints" / "step_000002"), "--run-dir", str(resumed)], 4,
                     env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     a, b = (weights(d / "checkpoints" / "step_000003") for d in (whole, resumed))

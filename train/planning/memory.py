@@ -226,8 +226,13 @@ def _with_adapters(tensors: list, cfg: ModelConfig, i: int) -> list:
     from moekit.models.lora import adapter_shapes
     from moekit.train.planning.dryrun import part_of
 
-    return tensors + [(AdapterPart(part_of(name)), shape, _adapter_tp_dim(name))
-                      for name, shape in adapter_shapes(cfg, i)]
+    out = []
+    for name, shape in adapter_shapes(cfg, i):
+        part = AdapterPart(part_of(name))
+        # a Linear's A under lora_dropout: moe.lora_dropout's product saves the parameter, not autocast's copy
+        part.uncast = bool(cfg.lora_dropout) and name.endswith(".lora_a")
+        out.append((part, shape, _adapter_tp_dim(name)))
+    return tensors + out
 
 
 _COLUMNS = ("wq", "wk", "wv", "wq_b", "wkv_b", "wz", "wb", "wa")  # comm.tensor_parallel's column-wise projections
@@ -310,7 +315,8 @@ def _weight_copies(cfg: ModelConfig, layout: Layout, wl: Workload, stage: Stage)
     def cast(tensors) -> int:
         return sum(_local_numel(part, shape, tp_dim, layout, replicas=wl.expert_replicas)
                    for part, shape, tp_dim in tensors
-                   if _matmul_weight(part, shape) or (saved_biases and part == "experts" and len(shape) == 2))
+                   if (_matmul_weight(part, shape) and not getattr(part, "uncast", False))
+                   or (saved_biases and part == "experts" and len(shape) == 2))
 
     # the chunked loss (models.loss) casts the head inside its function and keeps no copy (the logits transient
     # counts it); the plain loss's F.linear keeps its cast until backward
