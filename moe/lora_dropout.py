@@ -66,9 +66,16 @@ def stream_of(x: Tensor, group=None) -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-@torch.compiler.disable  # a generator seeded per call: eager, also inside a compiled block
 def keep_mask(shape, p: float, device, stream: int) -> Tensor:
-    """A bool mask of ``shape`` on ``device``, True with probability 1 - p (module docstring: its seed)."""
+    """A bool mask of ``shape`` on ``device``, True with probability 1 - p (module docstring: its seed). Inside a
+    compiled block it runs eagerly (a generator seeded per call; dynamo breaks the graph around it); the decorator
+    is applied there only, so building a model imports no dynamo."""
+    if torch.compiler.is_compiling():
+        return torch.compiler.disable(_keep_mask)(shape, p, device, stream)
+    return _keep_mask(shape, p, device, stream)
+
+
+def _keep_mask(shape, p: float, device, stream: int) -> Tensor:
     draw = int(torch.randint(0, 1 << 62, (1,)).item())  # the CPU default generator: one draw per mask
     gen = torch.Generator(device=device)
     gen.manual_seed(_mix(draw, stream))

@@ -410,3 +410,29 @@ def test_an_fsdp_expert_parallel_run_with_dropout_everywhere_resumes_bitwise(tmp
     assert moved and a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_a_compiled_adapter_draws_the_eager_masks(backend):
+    """Inside torch.compile the mask is drawn eagerly (a graph break around it): the same output and input
+    gradient as eager after the same seed, another seed another output."""
+    lin = add_linear_lora(torch.nn.Linear(16, 8), 4, 8.0, dropout=0.3)
+    with torch.no_grad():
+        lin.lora_b.normal_(generator=gen("lora-dropout-compile"))
+
+    def f(x):
+        return torch.relu(lin(x)) * 2
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend=backend)
+    x = torch.randn(6, 16, generator=gen("lora-dropout-compile-x"), requires_grad=True)
+    outs = []
+    for fn in (f, compiled):
+        torch.manual_seed(4)
+        y = fn(x)
+        (dx,) = torch.autograd.grad(y.sum(), [x])
+        outs.append((y, dx))
+    torch.testing.assert_close(outs[1][0], outs[0][0], rtol=0, atol=0)
+    torch.testing.assert_close(outs[1][1], outs[0][1], rtol=1e-6, atol=1e-6)
+    torch.manual_seed(5)
+    assert (compiled(x) - outs[0][0]).abs().max() > 1e-3
