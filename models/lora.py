@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moekit.moe.experts import lora_scale
-from moekit.moe.lora_dropout import check_dropout, dropped_product
+from moekit.moe.lora_dropout import check_dropout, keep_mask, masked_product, set_stream_source
 
 LINEAR_PARAMS = ("lora_a", "lora_b")
 # the default targets: every projection of the blocks ("all"), minus these
@@ -69,11 +69,49 @@ class LoRALinear(nn.Linear):
         """``x A^T`` [..., r] of the adapter's A (``a``: lora_a, or a cast / slice of it), x dropped while training
         with lora_dropout (moe.lora_dropout; ``group``: the process group a plain x is replicated over)."""
         p = self.lora_dropout if self.training else 0.0
-        return dropped_product(x, a, p, group=group) if p else F.linear(x, a)
+        return masked_product(x, a, keep_like(x, p, group), p) if p else F.linear(x, a)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", lora_rank={self.lora_rank}, lora_scale={self.lora_scale:g}" + \
             (f", lora_dropout={self.lora_dropout:g}" if self.lora_dropout else "")
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+set_stream_source(_rank)  # moe.lora_dropout's streams of the tensors a process holds alone (the routed experts' rows)
+
+
+def stream_of(x: Tensor, group=None) -> int:
+    """The lowest rank holding the same values of ``x`` (moe.lora_dropout): a DTensor's mesh's lowest rank, else
+    ``group``'s lowest rank when given (an input replicated over it), else this rank (0 without a process group)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(x, DTensor):
+        return int(x.device_mesh.mesh.min())
+    if group is not None:
+        import torch.distributed as dist
+
+        return min(dist.get_process_group_ranks(group))
+    return _rank()
+
+
+def keep_like(x: Tensor, p: float, group=None) -> Tensor:
+    """A LoRA dropout keep mask for ``x``: a plain tensor's own, or for a DTensor the whole mask drawn alike on every
+    rank of its mesh and this rank's slice kept (a copy: the whole mask is freed), with x's placements."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(x, DTensor):
+        return keep_mask(x.shape, p, x.device, stream_of(x, group))
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    whole = keep_mask(x.shape, p, x.to_local().device, stream_of(x))
+    local_shape, offset = compute_local_shape_and_global_offset(x.shape, x.device_mesh, x.placements)
+    local = whole[tuple(slice(o, o + n) for o, n in zip(offset, local_shape))].clone()
+    return DTensor.from_local(local, x.device_mesh, x.placements, run_check=False, shape=x.shape, stride=x.stride())
 
 
 def add_linear_lora(linear: nn.Linear, rank: int, alpha: float, rslora: bool = False,

@@ -22,18 +22,35 @@ lowest rank among those holding the same values of the input. So
   preserve_rng_state): the recomputed masks are the forward's, and so the gradients are those of the mask
   the forward used; a checkpoint's saved CPU generator state resumes the stream.
 
-Memory: ``dropped_product`` saves the input (which the base projection saves anyway: one storage) and a one-byte
+This module is single-device code (it imports nothing of torch.distributed): the caller names the stream. A
+plain tensor's is ``process_stream()``, this process's rank, which models.lora plugs in (``set_stream_source``;
+0 until then); models.lora draws a DTensor's mask and slices it, and Gated DeltaNet names its TP group's.
+
+Memory: ``masked_product`` saves the input (which the base projection saves anyway: one storage) and a one-byte
 mask per element, and forms ``x * keep / (1 - p)`` again in backward (one more r-wide product), instead of
 keeping a dropped copy of the input per adapter as an ``nn.Dropout`` before the product does.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
 _M64 = (1 << 64) - 1
+_stream_source: Callable[[], int] = lambda: 0  # noqa: E731  (models.lora: this process's rank)
+
+
+def set_stream_source(source: Callable[[], int]) -> None:
+    """Where ``process_stream`` reads this process's stream (models.lora plugs in the rank)."""
+    global _stream_source
+    _stream_source = source
+
+
+def process_stream() -> int:
+    """The stream of tensors this process alone holds (its rank; 0 in one process)."""
+    return _stream_source()
 
 
 def check_dropout(p, what: str = "lora_dropout") -> float:
@@ -54,18 +71,6 @@ def _mix(*parts: int) -> int:
     return h >> 1
 
 
-def stream_of(x: Tensor, group=None) -> int:
-    """The lowest rank holding the same values of ``x`` (module docstring): a DTensor's mesh's lowest rank, else
-    ``group``'s lowest rank when given (an input replicated over it), else this rank (0 without a process group)."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(x, DTensor):
-        return int(x.device_mesh.mesh.min())
-    if group is not None:
-        return min(dist.get_process_group_ranks(group))
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
 def keep_mask(shape, p: float, device, stream: int) -> Tensor:
     """A bool mask of ``shape`` on ``device``, True with probability 1 - p (module docstring: its seed). Inside a
     compiled block it runs eagerly (a generator seeded per call; dynamo breaks the graph around it); the decorator
@@ -80,21 +85,6 @@ def _keep_mask(shape, p: float, device, stream: int) -> Tensor:
     gen = torch.Generator(device=device)
     gen.manual_seed(_mix(draw, stream))
     return torch.rand(tuple(shape), generator=gen, device=device) >= p
-
-
-def keep_like(x: Tensor, p: float, group=None) -> Tensor:
-    """A keep mask for ``x``: a plain tensor's own, or for a DTensor the whole mask drawn alike on every rank of
-    its mesh and this rank's slice kept (a copy: the whole mask is freed), with x's placements."""
-    from torch.distributed.tensor import DTensor
-
-    if not isinstance(x, DTensor):
-        return keep_mask(x.shape, p, x.device, stream_of(x, group))
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    whole = keep_mask(x.shape, p, x.to_local().device, stream_of(x))
-    local_shape, offset = compute_local_shape_and_global_offset(x.shape, x.device_mesh, x.placements)
-    local = whole[tuple(slice(o, o + n) for o, n in zip(offset, local_shape))].clone()
-    return DTensor.from_local(local, x.device_mesh, x.placements, run_check=False, shape=x.shape, stride=x.stride())
 
 
 def dropped(x: Tensor, keep: Tensor, p: float) -> Tensor:
@@ -136,12 +126,3 @@ def masked_product(x: Tensor, a: Tensor, keep: Tensor, p: float, product=F.linea
     if not (torch.is_grad_enabled() and (x.requires_grad or a.requires_grad)):
         return product(dropped(x, keep, p), a)
     return _DroppedProduct.apply(x, a, keep, p, product)
-
-
-def dropped_product(x: Tensor, a: Tensor, p: float, product=F.linear, group=None) -> Tensor:
-    """``product(x * keep / (1 - p), a)`` with a fresh mask (p > 0), else ``product(x, a)``. ``product``: the
-    adapter's A product (``F.linear`` for a Linear's lora_a [r, in]); ``group``: the process group over which a
-    plain ``x`` is replicated (``stream_of``)."""
-    if p <= 0.0:
-        return product(x, a)
-    return masked_product(x, a, keep_like(x, p, group), p, product)

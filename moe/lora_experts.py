@@ -36,7 +36,7 @@ from moekit.moe.activations import get_activation, swiglu_oai_backward_into, swi
 from moekit.moe.expert_threads import choose_workers, for_each_expert
 # moe.experts imports this module only when experts with adapters run: no cycle at import time
 from moekit.moe.experts import EXPERT_PARAM_NAMES, _grouped_mm_why_not, add_expert_bias, counts_to_offs
-from moekit.moe.lora_dropout import keep_mask, masked_product, stream_of
+from moekit.moe.lora_dropout import keep_mask, masked_product, process_stream
 from moekit.moe.loop_experts import LOOP_FUSED_ACTIVATIONS, _blocks, _zeroed, swiglu_into
 
 # _LoopLoRA's tensor arguments after rows, in moe.experts' order: w_in, w_out, b_in, b_out, then the adapters
@@ -83,7 +83,7 @@ def _masks(rows: Tensor, named: dict[str, Tensor], p: float) -> dict:
     widths = (("in", rows.shape[1]), ("out", named["w_out"].shape[1]))
     for side, width in widths:  # the rows are this rank's own: its stream
         if f"lora_a_{side}" in named:
-            out[side] = keep_mask((rows.shape[0], width), p, rows.device, stream_of(rows))
+            out[side] = keep_mask((rows.shape[0], width), p, rows.device, process_stream())
     return out
 
 

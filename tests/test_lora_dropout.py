@@ -14,11 +14,11 @@ import torch
 import torch.nn.functional as F
 
 from moekit.models.config import ModelConfig, preset
-from moekit.models.lora import LoRALinear, add_linear_lora
+from moekit.models.lora import LoRALinear, add_linear_lora, keep_like, stream_of
 from moekit.models.transformer import build_model
 from moekit.moe.activations import get_activation
 from moekit.moe.experts import GroupedExperts, counts_to_offs
-from moekit.moe.lora_dropout import keep_like, keep_mask, stream_of
+from moekit.moe.lora_dropout import keep_mask
 from moekit.moe.lora_experts import _grouped, _masks, lora_mlp
 from moekit.train.loop import main as train_main
 from tests.helpers import gen, one_stderr_line
