@@ -188,13 +188,26 @@ def add_lora(model: nn.Module, rank: int, alpha: float, targets: str = "all", rs
     return picked
 
 
+_SHAPES: dict[tuple[str, int], list] = {}  # (repr(config), i) -> adapter_shapes: the planner asks many times per block
+
+
 def adapter_shapes(config, i: int) -> list[tuple[str, tuple[int, ...]]]:
     """(one-process name, shape) of every adapter tensor of block ``i`` (an MTP depth's: i = num_layers + k) under
-    ``config``'s LoRA settings, from a meta-device block alone: the dry run's accounting."""
-    from moekit.models.transformer import Block, meta_device
-
+    ``config``'s LoRA settings, from a meta-device block alone: the dry run's accounting (remembered per config and
+    block: building the block costs milliseconds, and one estimate reads each block's several times)."""
     if not config.lora_rank:
         return []
+    key = (repr(config), i)
+    if key not in _SHAPES:
+        if len(_SHAPES) >= 4096:
+            _SHAPES.clear()
+        _SHAPES[key] = _block_adapter_shapes(config, i)
+    return list(_SHAPES[key])
+
+
+def _block_adapter_shapes(config, i: int) -> list[tuple[str, tuple[int, ...]]]:
+    from moekit.models.transformer import Block, meta_device
+
     r, L = config.lora_rank, config.num_layers
     with meta_device():
         block = Block(config, i)

@@ -80,10 +80,10 @@ def _masks(rows: Tensor, named: dict[str, Tensor], p: float) -> dict:
     if p <= 0.0:
         return {}
     out: dict = {"p": p}
-    widths = (("in", rows.shape[1]), ("out", named["w_out"].shape[1]))
-    for side, width in widths:  # the rows are this rank's own: its stream
+    stream = process_stream()  # the rows are this rank's own: its stream
+    for side, width in (("in", rows.shape[1]), ("out", named["w_out"].shape[1])):
         if f"lora_a_{side}" in named:
-            out[side] = keep_mask((rows.shape[0], width), p, rows.device, process_stream())
+            out[side] = keep_mask((rows.shape[0], width), p, rows.device, stream)
     return out
 
 

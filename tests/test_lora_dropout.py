@@ -193,17 +193,14 @@ def test_under_autocast_the_dropped_product_differentiates_in_the_forwards_dtype
 
 
 def saved_bytes(fn) -> int:
-    """Bytes of the distinct storages autograd saves while ``fn`` runs."""
-    seen: dict[int, int] = {}
+    """Bytes of the distinct storages autograd saves while ``fn`` runs (layer_probes.KeptForBackward)."""
+    from moekit.bench.layer_probes import KeptForBackward
 
-    def pack(t):
-        if t.untyped_storage().nbytes():
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(seen.values())
+    with KeptForBackward() as kept:
+        out = fn()
+    n = kept.bytes()  # while out holds the graph
+    del out
+    return n
 
 
 def test_dropout_saves_a_one_byte_mask_per_input_element_not_a_dropped_copy():

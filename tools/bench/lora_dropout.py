@@ -28,6 +28,7 @@ import torch
 
 from moekit.bench.benchlib import (BenchParser, add_timing_args, check_at_least, check_timing_args, environment,
                                    print_table, time_interleaved, write_json)
+from moekit.bench.layer_probes import KeptForBackward
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -51,19 +52,12 @@ def parse_args(argv):
 
 
 def kept_bytes(fn, x, params) -> int:
-    """Bytes of the distinct non-parameter storages autograd saves while ``fn(x)`` runs."""
-    skip = {p.untyped_storage().data_ptr() for p in params}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in skip:
-            seen[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn(x)
-    return sum(seen.values())
+    """Bytes autograd keeps for backward of ``fn(x)`` (layer_probes.KeptForBackward), ``params`` left out."""
+    with KeptForBackward() as kept:
+        out = fn(x)
+    n = kept.bytes(exclude={p.untyped_storage().data_ptr() for p in params})  # while out holds the graph
+    del out
+    return n
 
 
 def _step(module, x):
