@@ -7,11 +7,12 @@ Per expert e, over its contiguous row block x_e [n_e, H] (moe.experts' shape leg
 
 a side without adapters (``GroupedExperts.add_lora(sides=)``) is the plain projection. ``d``: the identity, or while
 training with LoRA dropout p the input times a fresh [N, H] / [N, F] bool mask over all rows (one per side, drawn
-before the path is chosen, so every path computes the same function; moe.lora_dropout) over 1 - p. Why factored: with the base
-stacks frozen, autograd computes no weight gradient for them (the largest GEMMs of a full fine-tune's backward),
-only the input gradients through them and the small [r]-wide adapter products; merging per step would instead
-need the full [E, H, F] weight gradient to reach A and B, and keep a merged copy of every layer's experts for
-backward.
+before the path is chosen, so every path computes the same function; moe.lora_dropout) over 1 - p.
+
+Why factored: with the base stacks frozen, autograd computes no weight gradient for them (the largest GEMMs of a
+full fine-tune's backward), only the input gradients through them and the small [r]-wide adapter products; merging
+per step would instead need the full [E, H, F] weight gradient to reach A and B, and keep a merged copy of every
+layer's experts for backward.
 
 Two ways to run it, the same math:
  - ``grouped``: torch.nn.functional.grouped_mm over all experts per product (no host sync), where it runs

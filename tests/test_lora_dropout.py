@@ -302,7 +302,8 @@ def test_the_cli_refuses_dropout_without_adapters_in_one_line(tmp_path, capsys):
     ("mixtral-tiny", "none", "float32", {}), ("mixtral-tiny", "selective", "float32", {}),
     ("mixtral-tiny", "ffn", "float32", {}),
     ("qwen3.5-tiny", "none", "float32", {"full_attention_every": 2}),  # Gated DeltaNet's fused projection, gated GQA
-    ("mixtral-tiny", "none", "float32", {"activation": "gelu", "shared_ffn_hidden_size": 64, "shared_expert_gate": True}),
+    ("mixtral-tiny", "none", "float32",
+     {"activation": "gelu", "shared_ffn_hidden_size": 64, "shared_expert_gate": True}),
     ("deepseek-tiny", "selective", "float32", {}),
     # bf16 autocast: a Linear adapter's A keeps no autocast copy under dropout (the dropped product casts it again
     # in backward); the experts' adapters keep theirs (the layer casts its stacks once)

@@ -260,8 +260,8 @@ def save_peft(model, path: str | Path, *, family: str | None = None, base_model:
                      {"format": "pt", "moekit_family": export.family, "moekit_targets": str(cfg.lora_targets),
                       "moekit_layout": layout, "moekit_parameters": json.dumps(export.parameters)})
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.lora_rank, "lora_alpha": cfg.lora_alpha,
-              "lora_dropout": float(cfg.lora_dropout), "bias": "none", "fan_in_fan_out": False, "use_rslora": bool(cfg.lora_rslora),
-              "use_dora": False,
+              "lora_dropout": float(cfg.lora_dropout), "bias": "none", "fan_in_fan_out": False,
+              "use_rslora": bool(cfg.lora_rslora), "use_dora": False,
               "target_modules": export.targets, "modules_to_save": None, "inference_mode": True,
               "base_model_name_or_path": base_model}
     if export.parameters:
