@@ -51,6 +51,7 @@ from torch import Tensor, nn
 
 from moekit.models.config import ModelConfig
 from moekit.moe.precision import compute_dtype
+from moekit.moe.recompute import recomputed
 from moekit.models.delta_rule import (  # noqa: F401  (re-exported: the rule's API)
     RecomputedRule, gated_delta_rule, gated_delta_rule_affine, gated_delta_steps, l2_normalize)
 
@@ -119,7 +120,7 @@ class GatedDeltaNet(nn.Module):
         # a LoRA adapter (models.lora): its [.., r] product once, then each block's rows of B (gradients partial
         # over TP as the weight's: comm.grad_sync gives them its role)
         u = w.lora_input(x, w.lora_a, group=self.tp[2])  # dropout: one mask over the group's replicated x
-        return torch.cat([F.linear(x, w.weight[rows]) + F.linear(u, w.lora_b[rows]) * w.lora_scale
+        return torch.cat([F.linear(x, w.weight[rows]) + recomputed(F.linear, u, w.lora_b[rows]) * w.lora_scale
                           for rows in self.tp_rows()], dim=-1)
 
     def _conv_weights(self) -> Tensor:

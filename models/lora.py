@@ -44,6 +44,7 @@ from torch import Tensor, nn
 
 from moekit.moe.experts import lora_scale
 from moekit.moe.lora_dropout import check_dropout, keep_mask, masked_product, set_stream_source
+from moekit.moe.recompute import recomputed
 
 LINEAR_PARAMS = ("lora_a", "lora_b")
 # the default targets: every projection of the blocks ("all"), minus these
@@ -61,9 +62,12 @@ class LoRALinear(nn.Linear):
         y = F.linear(x, self.weight, self.bias)
         u = self.lora_input(x, self.lora_a)  # [..., r]
         if y.dim() < 2:
-            return y + F.linear(u, self.lora_b) * self.lora_scale
+            return y + recomputed(F.linear, u, self.lora_b) * self.lora_scale
         # y + s u B^T as one addmm (no separate scale and add passes over the [..., out] output)
-        return torch.addmm(y.flatten(0, -2), u.flatten(0, -2), self.lora_b.t(), alpha=self.lora_scale).view(y.shape)
+        # (recomputed under selective checkpointing: r-deep, it costs what the add would; keeping it would double the
+        # projection's cache beside y, moe.recompute)
+        return recomputed(torch.addmm, y.flatten(0, -2), u.flatten(0, -2), self.lora_b.t(),
+                          alpha=self.lora_scale).view(y.shape)
 
     def lora_input(self, x: Tensor, a: Tensor, group=None) -> Tensor:
         """``x A^T`` [..., r] of the adapter's A (``a``: lora_a, or a cast / slice of it), x dropped while training

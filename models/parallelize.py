@@ -43,6 +43,7 @@ from moekit.comm.expert_parallel import apply_expert_parallel
 from moekit.comm.grad_sync import gradient_roles
 from moekit.comm.topology import Topology
 from moekit.moe.layer import set_aux_loss_scale
+from moekit.moe.recompute import marked as recompute_marked
 
 
 @dataclass
@@ -206,11 +207,15 @@ def selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     is not a functional collective: it re-runs in backward with its count exchange, on every rank in the
     same order, as under "full"; a functional one (``_c10d_functional.all_to_all_single``) would be kept.
 
+    A matmul called through ``moe.recompute.recomputed`` is recomputed too: a LoRA adapter's expansion u B^T, r deep
+    (2r flops per element, memory-bound like the add it feeds) and as wide as its projection, whose output (or the
+    sum with it) is kept already; keeping it as well doubled a projection's cache with an adapter.
+
     SAC hands cached outputs back by (op, call index): code that runs in the real forward only (expert-load
     records, the router's load observation, skipped when ``in_backward()``) must not call a kept op.
     """
     schema = getattr(op, "_schema", None)
-    if op in SAVED_OPS and not (schema is not None and schema.is_mutable):
+    if op in SAVED_OPS and not (schema is not None and schema.is_mutable) and not recompute_marked():
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 

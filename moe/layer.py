@@ -28,6 +28,7 @@ from moekit.moe.dispatch import Dispatcher, LocalDispatcher
 from moekit.moe.activations import get_activation
 from moekit.moe.experts import GroupedExperts, available_backends
 from moekit.moe.precision import compute_dtype
+from moekit.moe.recompute import recomputed
 from moekit.moe.load import ExpertLoad
 from moekit.moe.losses import Sequences
 from moekit.moe.router import Router, build_router, check_hidden_states, check_int
@@ -135,7 +136,8 @@ def _cast_linear(linear: nn.Module, t: Tensor, dtype: torch.dtype) -> Tensor:
     models) too."""
     y = F.linear(t, linear.weight.to(dtype))
     if hasattr(linear, "lora_a"):
-        y = y + F.linear(linear.lora_input(t, linear.lora_a.to(dtype)), linear.lora_b.to(dtype)) * linear.lora_scale
+        u = linear.lora_input(t, linear.lora_a.to(dtype))
+        y = y + recomputed(F.linear, u, linear.lora_b.to(dtype)) * linear.lora_scale  # moe.recompute
     return y
 
 

@@ -38,6 +38,7 @@ from moekit.moe.expert_threads import choose_workers, for_each_expert
 # moe.experts imports this module only when experts with adapters run: no cycle at import time
 from moekit.moe.experts import EXPERT_PARAM_NAMES, _grouped_mm_why_not, add_expert_bias, counts_to_offs
 from moekit.moe.lora_dropout import keep_mask, masked_product, process_stream
+from moekit.moe.recompute import recomputed
 from moekit.moe.loop_experts import LOOP_FUSED_ACTIVATIONS, _blocks, _zeroed, swiglu_into
 
 # _LoopLoRA's tensor arguments after rows, in moe.experts' order: w_in, w_out, b_in, b_out, then the adapters
@@ -104,7 +105,7 @@ def _grouped(rows: Tensor, offs: Tensor, named: dict[str, Tensor], activation: s
         a = named.get(f"lora_a_{side}")
         if a is not None:
             u = masked_product(x, a, drop[side], drop["p"], product) if side in drop else product(x, a)
-            y = y + F.grouped_mm(u, named[f"lora_b_{side}"], offs=offs) * scale
+            y = y + recomputed(F.grouped_mm, u, named[f"lora_b_{side}"], offs=offs) * scale  # moe.recompute
         return add_expert_bias(y, named.get(f"b_{side}"), offs)
 
     out = project(get_activation(activation)(project(rows, "in")), "out")
@@ -128,7 +129,7 @@ def _loop(rows: Tensor, offs: Tensor, named: dict[str, Tensor], activation: str,
             if a is not None:
                 u = masked_product(x, a[e], drop[side][start:end], drop["p"], torch.matmul) if side in drop else \
                     x @ a[e]
-                y = y + (u @ named[f"lora_b_{side}"][e]) * scale
+                y = y + recomputed(torch.matmul, u, named[f"lora_b_{side}"][e]) * scale
             b = named.get(f"b_{side}")
             return y if b is None else y + b[e]
 

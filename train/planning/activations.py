@@ -179,14 +179,13 @@ def _lora(cfg: ModelConfig, layout: Layout, s: Shapes, i: int, cached: bool = Fa
     position under CP), the shared expert Tm (TP's token split), the routed experts their R rows (the fused loop's
     u and v; both masks span the rows). A row-wise projection's input (wo, a dense FFN's w_out) is its TP shard.
 
-    ``cached``: what an op-level selective checkpoint caches instead (``_selective``): every adapter's matmul
-    outputs, x A^T and the projection's output again (LoRALinear's addmm; the routed experts' u B unless the
-    fused loop, whose products the dispatcher does not see, runs them); masks are drawn again."""
+    ``cached``: what an op-level selective checkpoint caches instead (``_selective``): each adapter's x A^T (the
+    expansion u B^T is recomputed, moe.recompute; the fused loop's products the dispatcher does not see at all);
+    masks are drawn again."""
     if not cfg.lora_rank:
         return 0, 0
     from moekit.models.lora import adapter_shapes
     from moekit.moe.experts import LOOP_FUSED_ACTIVATIONS
-    from moekit.train.planning.memory import _COLUMNS  # comm.tensor_parallel's column-wise projections
 
     drop = 1 if cfg.lora_dropout and not cached else 0
     fused_loop = _backend(cfg, s.cpu) in ("loop", "triton") and cfg.activation in LOOP_FUSED_ACTIVATIONS
@@ -196,8 +195,7 @@ def _lora(cfg: ModelConfig, layout: Layout, s: Shapes, i: int, cached: bool = Fa
         parts = name.split(".")
         if parts[-1] in ("lora_a_in", "lora_a_out"):  # [E, in, r]
             if cached:
-                out = shapes[name.replace("lora_a_", "lora_b_")][2]
-                ffn += 0 if fused_loop else s.R * (shape[2] + out) * s.a
+                ffn += 0 if fused_loop else s.R * shape[2] * s.a
             else:
                 ffn += s.R * (shape[2] * s.a + drop * shape[1])
             continue
@@ -206,10 +204,8 @@ def _lora(cfg: ModelConfig, layout: Layout, s: Shapes, i: int, cached: bool = Fa
         r, width = shape
         shared = "shared_expert" in parts
         rows = s.Tm if shared else (s.B * s.S if s.cp > 1 and parts[-2] == "wkv_b" else s.T)
-        column = not shared and parts[-2] in (_COLUMNS if "attn" in parts else ("w_up", "w_gate"))
         if cached:
-            out = shapes[name[:-1] + "b"][0] // (layout.tp if column else 1)
-            part = rows * (r + out) * s.a
+            part = rows * r * s.a
         else:
             if parts[-2] in ("wo", "w_out") and not shared:
                 width //= layout.tp
