@@ -165,7 +165,14 @@ class Block(nn.Module):
         f = self.ffn_norm(h)
         if ffn_spans is not None and ffn_spans != [(0, h.shape[1])]:
             return h + self._ffn_on_spans(f, tokens, ffn_spans, aux_weight)
-        return h + self._ffn(f, tokens, aux_weight)  # [B, S, H]
+        if not self.is_moe:  # read here, not only in _ffn: under torch.compile see below
+            return h + self.ffn(f)  # [B, S, H]
+        # The MoE layer breaks the compiled graph inside _ffn, so this frame's graph ends at the call and guards only
+        # on what it read before: without the branch above it would guard nothing that tells a dense block from an
+        # MoE one, and a dense block's recompute under activation checkpointing, run after an MoE block compiled,
+        # took the MoE blocks' split graphs instead of the whole one its forward ran (a CheckpointError on the
+        # first step of every mixed dense / MoE model: DeepSeek's first dense layers, moe_every > 1).
+        return h + self._ffn(f, tokens, aux_weight)
 
     def _ffn(self, f: Tensor, tokens: Tensor, aux_weight: float = 1.0) -> Tensor:
         if not self.is_moe:
