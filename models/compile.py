@@ -49,7 +49,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moekit.models.parallelize import Checkpointed, subclass
+from moekit.models.parallelize import Checkpointed, compiled_region, subclass
 from moekit.moe.load import moe_layers
 from moekit.moe.router import Router
 
@@ -94,7 +94,8 @@ def _keep_moe_eager(moe: nn.Module, options: dict) -> None:
         compiled(moe.shared_expert, options)
     if not isinstance(moe, Eager):
         why = "data-dependent dispatch, host syncs, expert-load records"
-        _swap(moe, Eager, lambda cls: {"forward": torch._dynamo.disable(cls.forward, reason=why)})
+        _swap(moe, Eager,  # in_compiled_code() is False in here (models.parallelize)
+              lambda cls: {"forward": torch._dynamo.disable(compiled_region(cls.forward, False), reason=why)})
 
 
 def compiled(module: nn.Module, options: dict) -> nn.Module:
@@ -107,7 +108,8 @@ def compiled(module: nn.Module, options: dict) -> nn.Module:
         return module
 
     def attrs(cls: type) -> dict:
-        own = {"forward": torch.compile(cls.forward, **options)}
+        # in_compiled_code(): selective checkpointing keeps this graph's matmuls (models.parallelize)
+        own = {"forward": compiled_region(torch.compile(cls.forward, **options), True)}
         if issubclass(cls, Router):
             why = "reads in_backward() and updates router state per real forward"
             own.update(observe_load=torch._dynamo.disable(cls.observe_load, reason=why),

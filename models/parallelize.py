@@ -31,6 +31,8 @@ position only.
 """
 from __future__ import annotations
 
+import functools
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -236,12 +238,99 @@ class SkipAnnotations:
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
+# ---------------------------------------------------------------------------------------------------
+# Compiled blocks: their matmuls are inductor's out= calls, kept by copy
+# ---------------------------------------------------------------------------------------------------
+
+# How inductor's compiled code runs the matmuls it does not generate itself (extern_kernels.mm / addmm / bmm /
+# baddbmm into a buffer the graph allocated)
+OUT_MATMULS = _ops("aten.mm.out", "aten.addmm.out", "aten.bmm.out", "aten.baddbmm.out")
+_region = threading.local()
+
+
+def in_compiled_code() -> bool:
+    """Whether the op running now comes from a compiled forward of models.compile (``compiled_region``), not from
+    eager code it calls back into (the MoE layer's eager middle)."""
+    return getattr(_region, "compiled", False)
+
+
+def compiled_region(forward, compiled: bool):
+    """``forward`` run with ``in_compiled_code()`` set to ``compiled`` (models.compile wraps the compiled forwards
+    with True and the MoE layer's eager one, which they call, with False). Outside dynamo: models.compile wraps a
+    compiled function, or puts this inside a ``torch._dynamo.disable``."""
+
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        if torch.compiler.is_compiling():  # called from a traced region: nothing to mark
+            return forward(*args, **kwargs)
+        before = getattr(_region, "compiled", False)
+        _region.compiled = compiled
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            _region.compiled = before
+
+    return run
+
+
+class KeepCompiledMatmuls:
+    """Mixin for SAC's caching mode: a compiled forward's ``OUT_MATMULS`` outputs are kept, as a copy.
+
+    The compiled graph writes each matmul into a buffer it allocated and reuses that buffer later, so SAC can
+    neither keep the buffer (it changes) nor hand a cached tensor back in place of one (the graph reads its own
+    buffer); ``selective_policy`` therefore recomputes every out= op. For the compiled graphs' matmuls that meant
+    recomputing every projection of the block in backward, as "full" does. This keeps a copy of each result (the
+    eager selective keeps the same bytes) and ``ReplayCompiledMatmuls`` writes it into the recompute's buffer: one
+    copy each way, memory-bound, instead of a GEMM."""
+
+    kept: list
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in OUT_MATMULS and in_compiled_code():
+            out = func(*args, **(kwargs or {}))
+            self.kept.append(out.detach().clone())
+            return out
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+class ReplayCompiledMatmuls:
+    """Mixin for SAC's recompute mode: the kept results of ``KeepCompiledMatmuls``, in call order, written into the
+    buffers the recomputed graphs pass (the same graphs, so the same calls and shapes)."""
+
+    kept: list
+
+    def __enter__(self):
+        self.replayed = 0
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in OUT_MATMULS and in_compiled_code():
+            if self.replayed >= len(self.kept) or self.kept[self.replayed] is None:
+                raise RuntimeError(f"selective checkpointing: compiled matmul {self.replayed} ({func}) was not kept "
+                                   f"in the forward, or backward ran twice through this checkpoint")
+            out = (kwargs or {}).get("out", args[-1])
+            out.copy_(self.kept[self.replayed])
+            self.kept[self.replayed] = None  # freed as the recompute goes, as SAC frees its cache
+            self.replayed += 1
+            return out
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
 def selective_contexts():
     """``checkpoint``'s ``context_fn`` for op-level selective checkpointing (a fresh cache per call)."""
-    modes = create_selective_checkpoint_contexts(selective_policy)
-    for mode in modes:
-        mode.__class__ = subclass(SkipAnnotations, type(mode))
-    return modes
+    caching, cached = create_selective_checkpoint_contexts(selective_policy)
+    for mode, mixin in ((caching, KeepCompiledMatmuls), (cached, ReplayCompiledMatmuls)):
+        mode.__class__ = subclass(mixin, subclass(SkipAnnotations, type(mode)), lambda cls, m=mixin: _untraced(m))
+    caching.kept = cached.kept = []
+    return caching, cached
+
+
+def _untraced(mixin: type) -> dict:
+    """The mode's ``__torch_dispatch__`` never traced by dynamo: the ops of a compiled forward reach the mode with
+    dynamo's frame hook on, which took this file's handlers (not torch's, which it skips) for user code and compiled
+    them, once per argument pattern, up to its recompile limit. (Applied when a checkpoint first runs, so importing
+    this module imports no dynamo.)"""
+    return {"__torch_dispatch__": torch.compiler.disable(mixin.__torch_dispatch__)}
 
 
 class SelectiveCheckpointed(Checkpointed):

@@ -132,7 +132,8 @@ def test_composes_with_activation_checkpointing(mode, preset, compile_first):
         apply_activation_checkpointing(compiled, mode)
         apply_compile(compiled, backend="aot_eager")
     block, moe = compiled.layers[-1], compiled.layers[-1].ffn  # the last layer is an MoE one in both presets
-    names = {"full": ("CheckpointedCompiledBlock", "EagerMoELayer"), "ffn": ("CompiledBlock", "CheckpointedEagerMoELayer"),
+    names = {"full": ("CheckpointedCompiledBlock", "EagerMoELayer"),
+             "ffn": ("CompiledBlock", "CheckpointedEagerMoELayer"),
              "selective": ("SelectiveCheckpointedCompiledBlock", "EagerMoELayer")}
     assert (type(block).__name__, type(moe).__name__) == names[mode]
     assert type(moe.router).__name__.startswith("Compiled")
@@ -240,3 +241,142 @@ def test_inductor_gated_deltanet_gradients_match_eager(key_heads, value_heads):
         grads.append({"x": x.grad, **{n: p.grad for n, p in m.named_parameters()}})
     for name, want in grads[0].items():
         torch.testing.assert_close(grads[1][name], want, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+# -- selective checkpointing of compiled blocks: inductor's out= matmuls kept by copy ---------------------------------
+
+
+class _OutMatmul(torch.autograd.Function):
+    """x @ w written into a buffer it allocates (``torch.mm(out=)``), as inductor's compiled forward runs an extern
+    matmul; its backward reads a copy of w taken in forward."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.w = w.clone()
+        out = x.new_empty(x.shape[0], w.shape[1])
+        torch.mm(x, w, out=out)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        return g @ ctx.w.t(), None
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_selective_keeps_a_compiled_graphs_out_matmuls_and_writes_them_back(compiled):
+    """In a compiled region (models.compile marks it) selective checkpointing keeps a copy of each out= matmul and
+    the recompute writes it into the buffer instead of multiplying again: changing w in place after the forward
+    then leaves the gradient the forward's (sin's backward reads the kept product); outside one the matmul is
+    recomputed (policy: an out= op cannot come from SAC's cache) and the gradient follows the new w."""
+    from torch.utils.checkpoint import checkpoint
+
+    from moekit.models.parallelize import compiled_region, selective_contexts
+
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(2), "little"))
+    x0, w = torch.randn(6, 5, generator=g), torch.randn(5, 3, generator=g)
+    w0 = w.clone()
+    block = compiled_region(lambda x: _OutMatmul.apply(x, w).sin(), compiled)
+    modes = []
+
+    def contexts():
+        modes.append(selective_contexts())
+        return modes[-1]
+
+    x = x0.clone().requires_grad_()
+    y = checkpoint(block, x, use_reentrant=False, context_fn=contexts)
+    caching, cached = modes[0]
+    assert len(caching.kept) == (1 if compiled else 0)
+    w.add_(1.0)  # the recompute would multiply by another w
+    y.sum().backward()
+    forward_grad = (x0 @ w0).cos() @ w0.t()
+    recomputed_grad = (x0 @ w).cos() @ w0.t()
+    torch.testing.assert_close(x.grad, forward_grad if compiled else recomputed_grad)
+    assert not torch.allclose(forward_grad, recomputed_grad)  # the two cases are told apart
+    if compiled:
+        assert cached.replayed == 1 and cached.kept == [None]  # written back once, the copy freed
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _inductor_available(), reason="inductor compiles take 40-60 s on a 2-core CPU; "
+                    "set MOEKIT_TEST_INDUCTOR=1 (or run on a CUDA machine)")
+def test_inductor_selective_keeps_what_eager_selective_keeps():
+    """Under inductor every projection of a compiled block is an out= extern matmul: selective checkpointing keeps
+    their copies (the bytes eager selective caches, to the byte) and writes them back in backward, gradients equal."""
+    from moekit.models import parallelize
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch._dynamo.reset()
+    made = []
+    real = parallelize.selective_contexts
+
+    def contexts():
+        made.append(real())
+        return made[-1]
+
+    def cached_bytes(modes) -> int:
+        caching = modes[0]
+        kept = sum(t.untyped_storage().nbytes() for t in caching.kept)
+        for per_op in caching.storage.values():
+            for entry in per_op.values():
+                for w in torch.utils._pytree.tree_flatten(entry)[0]:
+                    val = getattr(w, "val", None)
+                    kept += val.untyped_storage().nbytes() if isinstance(val, torch.Tensor) else 0
+        return kept
+
+    eager = build_model(tiny("deepseek-tiny"), device=device, seed=7)
+    compiled = copy.deepcopy(eager)
+    apply_compile(compiled)
+    runs = []
+    for model in (eager, compiled):
+        apply_activation_checkpointing(model, "selective")
+        model.train()
+        made.clear()
+        old = parallelize.SelectiveCheckpointed.checkpoint_options
+        parallelize.SelectiveCheckpointed.checkpoint_options = {"context_fn": contexts}
+        try:
+            tokens = batch(0).to(device)
+            loss = model(tokens, targets=tokens)  # as the trainer: the loss from hidden states (models.loss)
+            kept = sum(cached_bytes(m) for m in made)
+            compiled_copies = sum(len(m[0].kept) for m in made)
+            loss.backward()
+        finally:
+            parallelize.SelectiveCheckpointed.checkpoint_options = old
+        runs.append((kept, compiled_copies, {n: p.grad for n, p in model.named_parameters()}))
+    (eager_kept, eager_copies, eager_grads), (kept, copies, grads) = runs
+    assert eager_copies == 0 and copies > 0
+    assert kept == eager_kept
+    # dynamo's frame hook reaches the modes' handlers from compiled code: they must run untraced (compiling them
+    # hit the recompile limit, a compile per argument pattern on the way)
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    for mixin in (parallelize.KeepCompiledMatmuls, parallelize.ReplayCompiledMatmuls, parallelize.SkipAnnotations):
+        assert not _debug_get_cache_entry_list(mixin.__torch_dispatch__.__code__), mixin
+    for name, want in eager_grads.items():
+        torch.testing.assert_close(grads[name], want, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_sac_modes_handlers_are_never_compiled():
+    """A forward run eagerly under a dispatch mode (a memory counter: dynamo skips frames then) whose checkpoint
+    recomputes through the compiled graphs: dynamo's frame hook then reached the SAC modes' handlers in
+    models/parallelize.py and compiled them (8 entries, the recompile limit); they run untraced."""
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from moekit.models import parallelize
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    torch._dynamo.reset()
+    model = build_model(tiny("mixtral-tiny"), seed=8)
+    apply_compile(model, backend="aot_eager")
+    apply_activation_checkpointing(model, "selective")
+    model.train()
+    with Watch():
+        loss = model(batch(0), targets=batch(0))
+    loss.backward()
+    for step in range(2):
+        model(batch(step), targets=batch(step)).backward()
+    for mixin in (parallelize.KeepCompiledMatmuls, parallelize.ReplayCompiledMatmuls, parallelize.SkipAnnotations):
+        assert not _debug_get_cache_entry_list(mixin.__torch_dispatch__.__code__), mixin

@@ -19,12 +19,17 @@ forward, cross-entropy on random targets, backward (no optimizer). Columns:
              the fastest step's ratio ("min x none"), steadier than the median on a loaded machine
 and each one's ratio to "none". ``--sac-overhead`` adds "selective-empty", selective checkpointing with a
 policy that keeps nothing: full's memory, so its time over full's is what SAC's per-op Python dispatch costs. Same inputs in every mode, so the losses must agree (checked).
+
+``--compile`` compiles every model's blocks (models.compile, inductor) and adds "selective-no-copies": selective
+without models.parallelize.KeepCompiledMatmuls, i.e. the compiled graphs' out= matmuls recomputed in backward (what
+selective did before), against "selective", which keeps copies of them and writes them back. The saved / estimate
+columns then come from an eager forward of the same model (the byte counter is a dispatch mode, under which dynamo
+does not run compiled code); on CUDA the peak column is the compiled step's.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import gc
 
 import torch
@@ -37,7 +42,9 @@ from moekit.bench.benchlib import (BenchParser, check_at_least, check_backend, c
                                    print_table, sync, time_interleaved, write_json)
 from moekit.comm.topology import Layout
 from moekit.models.config import PRESETS, preset
-from moekit.models.parallelize import AC_MODES, apply_activation_checkpointing
+from moekit.models.compile import apply_compile
+from moekit.models.parallelize import (AC_MODES, SkipAnnotations, apply_activation_checkpointing, selective_policy,
+                                      subclass)
 from moekit.models.transformer import build_model
 from moekit.train.planning.memory import Workload, estimate_memory
 
@@ -72,6 +79,19 @@ def keep_nothing(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def keep_nothing_contexts():
+    return create_selective_checkpoint_contexts(keep_nothing)
+
+
+def contexts_without_copies():
+    """models.parallelize.selective_contexts without KeepCompiledMatmuls / ReplayCompiledMatmuls: a compiled graph's
+    out= matmuls are recomputed."""
+    modes = create_selective_checkpoint_contexts(selective_policy)
+    for mode in modes:
+        mode.__class__ = subclass(SkipAnnotations, type(mode))
+    return modes
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = BenchParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="mixtral-tiny", choices=sorted(PRESETS))
@@ -84,6 +104,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sac-overhead", action="store_true",
                    help="add 'selective-empty': selective checkpointing whose policy keeps nothing (full's memory), "
                         "so its time against full's is the cost of SAC's per-op dispatch alone")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile every block (inductor) and add 'selective-no-copies': selective recomputing "
+                        "the compiled graphs' matmuls, as before they were kept by copy")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="cpu, cuda or cuda:N (default: cuda when there is a GPU)")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="bfloat16: autocast, fp32 weights")
@@ -150,17 +173,21 @@ def main(argv=None) -> dict:
     tokens, targets = (torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len), generator=gen).to(device)
                        for _ in range(2))
     models, rows = {}, []
-    for mode in args.modes + (["selective-empty"] if args.sac_overhead else []):
+    extra = (["selective-empty"] if args.sac_overhead else []) + (["selective-no-copies"] if args.compile else [])
+    for mode in args.modes + extra:
         model = build_model(cfg, device, seed=args.seed)
-        apply_activation_checkpointing(model, mode.removesuffix("-empty"))
-        if mode == "selective-empty":
+        if args.compile:
+            apply_compile(model)
+        apply_activation_checkpointing(model, mode.split("-")[0])
+        if mode in ("selective-empty", "selective-no-copies"):
             for block in model.layers:  # an instance attribute before the class's options
-                block.checkpoint_options = {"context_fn": functools.partial(create_selective_checkpoint_contexts,
-                                                                            keep_nothing)}
+                block.checkpoint_options = {"context_fn": keep_nothing_contexts if mode == "selective-empty"
+                                            else contexts_without_copies}
         model.train()
         models[mode] = model
         saved, peak, loss = measure(model, tokens, targets, dtype)
-        wl = Workload(args.batch_size, args.seq_len, args.dtype, "full" if mode == "selective-empty" else mode,
+        planned = {"selective-empty": "full"}.get(mode, mode.split("-")[0])
+        wl = Workload(args.batch_size, args.seq_len, args.dtype, planned,
                       "cpu" if device.type == "cpu" else "cuda")
         est = estimate_memory(cfg, Layout(), wl).activations
         rows.append({"mode": mode, "saved_bytes": saved, "estimate_bytes": est,
@@ -176,7 +203,8 @@ def main(argv=None) -> dict:
                                                             ("saved_bytes", "estimate_bytes", "peak_bytes"))
     worst = max(abs(r["loss"] - base["loss"]) / abs(base["loss"]) for r in rows)
     print(f"{cfg.name}: {cfg.num_layers} layers, {cfg.expert_backend} experts, {args.batch_size} x {args.seq_len} tokens, {args.dtype} on "
-          f"{device.type}; peak = {'CUDA max allocated over a step' if device.type == 'cuda' else 'saved (CPU)'}; "
+          f"{device.type}{', compiled' if args.compile else ''}; "
+          f"peak = {'CUDA max allocated over a step' if device.type == 'cuda' else 'saved (CPU)'}; "
           f"losses agree to {worst:.1e}")
     print_table(rows, [("mode", "mode", ""), ("saved_mib", "saved MiB", ".2f"), ("saved_vs_none", "x none", ".3f"),
                        ("estimate_mib", "estimate MiB", ".2f"), ("peak_mib", "peak MiB", ".2f"),
