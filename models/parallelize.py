@@ -305,11 +305,15 @@ class ReplayCompiledMatmuls:
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func in OUT_MATMULS and in_compiled_code():
-            if self.replayed >= len(self.kept) or self.kept[self.replayed] is None:
-                raise RuntimeError(f"selective checkpointing: compiled matmul {self.replayed} ({func}) was not kept "
-                                   f"in the forward, or backward ran twice through this checkpoint")
+            if not self.kept:  # the forward ran no compiled matmul (dynamo skipped its frames): compute this one
+                return func(*args, **(kwargs or {}))
             out = (kwargs or {}).get("out", args[-1])
-            out.copy_(self.kept[self.replayed])
+            value = self.kept[self.replayed] if self.replayed < len(self.kept) else None
+            if value is None or value.shape != out.shape:
+                raise RuntimeError(f"selective checkpointing: the recompute's compiled matmul {self.replayed} ({func}, "
+                                   f"{tuple(out.shape)}) is not the one the forward kept: the forward ran other "
+                                   f"graphs, or backward ran twice through this checkpoint")
+            out.copy_(value)
             self.kept[self.replayed] = None  # freed as the recompute goes, as SAC frees its cache
             self.replayed += 1
             return out

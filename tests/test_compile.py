@@ -262,12 +262,13 @@ class _OutMatmul(torch.autograd.Function):
         return g @ ctx.w.t(), None
 
 
-@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("compiled", [True, False, "recompute only"])
 def test_selective_keeps_a_compiled_graphs_out_matmuls_and_writes_them_back(compiled):
     """In a compiled region (models.compile marks it) selective checkpointing keeps a copy of each out= matmul and
     the recompute writes it into the buffer instead of multiplying again: changing w in place after the forward
     then leaves the gradient the forward's (sin's backward reads the kept product); outside one the matmul is
-    recomputed (policy: an out= op cannot come from SAC's cache) and the gradient follows the new w."""
+    recomputed (policy: an out= op cannot come from SAC's cache) and the gradient follows the new w. "recompute
+    only": a forward that ran eagerly (dynamo skipped it) kept nothing, and a compiled recompute computes."""
     from torch.utils.checkpoint import checkpoint
 
     from moekit.models.parallelize import compiled_region, selective_contexts
@@ -275,7 +276,11 @@ def test_selective_keeps_a_compiled_graphs_out_matmuls_and_writes_them_back(comp
     g = torch.Generator().manual_seed(int.from_bytes(os.urandom(2), "little"))
     x0, w = torch.randn(6, 5, generator=g), torch.randn(5, 3, generator=g)
     w0 = w.clone()
-    block = compiled_region(lambda x: _OutMatmul.apply(x, w).sin(), compiled)
+    region = [compiled is True]
+
+    def block(x):
+        return compiled_region(lambda x: _OutMatmul.apply(x, w).sin(), region[0])(x)
+
     modes = []
 
     def contexts():
@@ -285,14 +290,15 @@ def test_selective_keeps_a_compiled_graphs_out_matmuls_and_writes_them_back(comp
     x = x0.clone().requires_grad_()
     y = checkpoint(block, x, use_reentrant=False, context_fn=contexts)
     caching, cached = modes[0]
-    assert len(caching.kept) == (1 if compiled else 0)
+    assert len(caching.kept) == (1 if compiled is True else 0)
     w.add_(1.0)  # the recompute would multiply by another w
+    region[0] = bool(compiled)
     y.sum().backward()
     forward_grad = (x0 @ w0).cos() @ w0.t()
     recomputed_grad = (x0 @ w).cos() @ w0.t()
-    torch.testing.assert_close(x.grad, forward_grad if compiled else recomputed_grad)
+    torch.testing.assert_close(x.grad, forward_grad if compiled is True else recomputed_grad)
     assert not torch.allclose(forward_grad, recomputed_grad)  # the two cases are told apart
-    if compiled:
+    if compiled is True:
         assert cached.replayed == 1 and cached.kept == [None]  # written back once, the copy freed
 
 
