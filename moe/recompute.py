@@ -8,8 +8,9 @@ with an adapter leaves in the cache (LoRALinear's ``addmm(y, u, B^T)`` output be
 routed experts' ``u B`` beside their base product). Recomputed, an adapter adds only its r-wide u to the cache.
 
 Code computing such a product calls it through ``recomputed(fn, ...)``; the policy asks ``marked()`` while the op
-runs. The mark is per thread and eager only: under torch.compile the policy sees the traced graph's ops, which the
-mark does not reach, and keeps the product as before (correct, larger). Nothing changes without checkpointing.
+runs. The mark is per thread and eager only: it does not reach the matmuls of a compiled graph, which selective keeps
+by copy (models.parallelize.KeepCompiledMatmuls), these products among them (correct, larger). Nothing changes
+without checkpointing.
 """
 from __future__ import annotations
 
