@@ -25,7 +25,7 @@ PY=${PYTHON:-python3}
 DEFAULT_STEPS=(env tests moe_layer grouped_gemm dispatch profile train_mfu)
 ALL_STEPS=(env tests moe_layer grouped_gemm dispatch profile train_mfu train_mfu_full tune grouped_gemm_tuned
            grouped_gemm_quick train_mfu_tma attention router_balance linear_attention lm_loss linear_attention_scan
-           train_mfu_ab train_mfu_fused grouped_gemm_mixtral1b batch_generate)
+           train_mfu_ab train_mfu_fused grouped_gemm_mixtral1b batch_generate ac_compile)
 SMOKE=0
 BUDGET=560
 RESULTS=${OUT:-bench-results}
@@ -85,6 +85,9 @@ grouped_gemm_mixtral1b
 batch_generate  tools/bench/batch_generate.py: mixtral-1b (random weights, bf16), 64 prompts of 32-512 tokens, 64
                 new tokens each: one at a time vs batches of 16 and 64 vs transformers' batched generate; not in
                 the default set                                                            (cap 150 s)
+ac_compile      tools/bench/ac_memory.py --compile: mixtral-1b (4 layers, bf16, 2 x 4096 tokens) compiled, under
+                none / selective / full and selective-no-copies (the compiled matmuls recomputed, as before
+                they were kept by copy); peak memory and step time; not in the default set  (cap 240 s)
 EOF
 }
 
@@ -224,7 +227,8 @@ for step in "${STEPS[@]}"; do
       "$PY" -c "import xdist" 2>/dev/null && xdist=(-n 4)
       run_step tests 300 env MOEKIT_AUTOTUNE=first "$PY" -m pytest -m gpu -q -p no:cacheprovider -rfEs \
         ${xdist[@]+"${xdist[@]}"} --durations=12 tests/test_gpu.py tests/test_compile.py::test_inductor_matches_eager \
-        tests/test_compile.py::test_inductor_gated_deltanet_gradients_match_eager --junitxml="$RAW/gpu_tests.xml" ;;
+        tests/test_compile.py::test_inductor_gated_deltanet_gradients_match_eager \
+        tests/test_compile.py::test_inductor_selective_keeps_what_eager_selective_keeps --junitxml="$RAW/gpu_tests.xml" ;;
     moe_layer)
       if [ "$SMOKE" = 1 ]; then size=(--tokens 16 --hidden 16 --shapes 16x4x2 --warmup 0 --repeats 1 --hf-impl eager)
       else size=(--device cuda --dtype bfloat16 --tokens 8192 32768 --shapes 4096x14336x8x2 2048x768x128x8
@@ -272,6 +276,12 @@ for step in "${STEPS[@]}"; do
       else size=(--device cuda --dtype bfloat16 --presets mixtral-1b --max-seq-len 1024 --prompts 64
                  --prompt-len 32 512 --new-tokens 64 --batch-sizes 16 64 --repeats 1); fi
       run_step batch_generate 150 "$PY" tools/bench/batch_generate.py "${size[@]}" --out "$RAW/batch_generate.json" ;;
+    ac_compile)  # selective checkpointing of compiled blocks: kept compiled matmuls against recomputed ones
+      if [ "$SMOKE" = 1 ]; then size=(--device cpu --layers 1 --batch-size 1 --seq-len 32 --warmup 0 --repeats 1)
+      else size=(--device cuda --dtype bfloat16 --preset mixtral-1b --layers 4 --batch-size 2 --seq-len 4096
+                 --warmup 1 --repeats 5); fi
+      run_step ac_compile 240 "$PY" tools/bench/ac_memory.py --compile --modes none selective full "${size[@]}" \
+        --json "$RAW/ac_compile.json" ;;
     lm_loss)  # the fused cross-entropy kernel against torch's passes and the plain logits
       if [ "$SMOKE" = 1 ]; then size=(--smoke)
       else size=(--device cuda --dtype bfloat16 --tokens 32768 --hidden 1024 4096 --vocab 32000 151936 --repeats 5); fi
