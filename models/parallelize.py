@@ -205,6 +205,7 @@ def selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     mutated later). So the loop backend's SwiGLU experts (``moe.loop_experts._LoopGLU``: ``torch.mm(..., out=)``
     into preallocated h, a) and Triton kernels (raw launches, invisible to the dispatcher) are recomputed
     whole, like "ffn" does, while the torch backend's ``_grouped_mm`` outputs, [N, 2F] and [N, H], are kept.
+    (A compiled graph's out= matmuls are kept all the same, by copy: ``KeepCompiledMatmuls``.)
     moekit's EP all-to-all (``dist.all_to_all_single`` into a preallocated output, an autograd Function)
     is not a functional collective: it re-runs in backward with its count exchange, on every rank in the
     same order, as under "full"; a functional one (``_c10d_functional.all_to_all_single``) would be kept.
