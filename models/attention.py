@@ -325,7 +325,7 @@ class Attention(nn.Module):
             factor = torch.log1p(torch.floor((p + 1.0) / floor)) * strength + 1.0
             q = (q * factor[..., None, None]).to(q.dtype)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, S, D]
-        sinks = self.sinks.to_local() if hasattr(self.sinks, "to_local") else self.sinks  # this rank's heads
+        sinks = _local_heads(self.sinks)  # this rank's heads
         gqa = self.num_kv_heads != self.num_heads
         if self.context_parallel is not None and kv is None:  # this rank's queries over every position's keys
             kv_all = self.context_parallel.gather(torch.cat((k, v), dim=-1), dim=2)  # [B, K, S_global, 2D]
@@ -458,3 +458,15 @@ def build_attention(config: ModelConfig, layer_id: int = 0) -> nn.Module:
     if config.is_linear_layer(layer_id):
         return GatedDeltaNet(config, layer_id)
     return MLAttention(config) if config.attention == "mla" else Attention(config, layer_id)
+
+
+def _local_heads(sinks: Tensor | None) -> Tensor | None:
+    """gpt-oss's sink logits of this rank's query heads: the local shard of a tensor-parallel DTensor, else the tensor.
+    An isinstance check, not ``hasattr(t, "to_local")``: dynamo answers that hasattr False for a DTensor parameter, so
+    a compiled block kept the whole DTensor (compile + TP failed to trace the sinks' view). Imported here: building a
+    model imports no torch.distributed.tensor."""
+    if sinks is None:
+        return None
+    from torch.distributed.tensor import DTensor
+
+    return sinks.to_local() if isinstance(sinks, DTensor) else sinks

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from moekit.comm.all_to_all import Traffic
@@ -274,29 +275,55 @@ def compiled_region(forward, compiled: bool):
     return run
 
 
-class KeepCompiledMatmuls:
-    """Mixin for SAC's caching mode: a compiled forward's ``OUT_MATMULS`` outputs are kept, as a copy.
+# Functional collectives in a compiled graph: recomputed there (their result is not ready when they return, only
+# after the graph's wait_tensor, so there is no moment to copy it)
+COLLECTIVE_OPS = _ops("_c10d_functional.all_to_all_single.default", "_c10d_functional.all_gather_into_tensor.default",
+                      "_c10d_functional.reduce_scatter_tensor.default", "_c10d_functional.all_reduce.default")
 
-    The compiled graph writes each matmul into a buffer it allocated and reuses that buffer later, so SAC can
-    neither keep the buffer (it changes) nor hand a cached tensor back in place of one (the graph reads its own
-    buffer); ``selective_policy`` therefore recomputes every out= op. For the compiled graphs' matmuls that meant
-    recomputing every projection of the block in backward, as "full" does. This keeps a copy of each result (the
-    eager selective keeps the same bytes) and ``ReplayCompiledMatmuls`` writes it into the recompute's buffer: one
-    copy each way, memory-bound, instead of a GEMM."""
+
+def _copy(out):
+    return tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, out)
+
+
+def _kept_in_compiled_code(func) -> str:
+    """What selective keeps of ``func`` called by a compiled graph: "out" (an ``OUT_MATMULS`` call: a copy of its
+    result, written back into the recompute's buffer), "copy" (an op ``selective_policy`` keeps: a copy, handed
+    back), or "" (recomputed)."""
+    if func in OUT_MATMULS:
+        return "out"
+    if func in COLLECTIVE_OPS:
+        return ""
+    return "copy" if selective_policy(None, func) == CheckpointPolicy.MUST_SAVE else ""
+
+
+class KeepCompiledMatmuls:
+    """Mixin for SAC's caching mode: what a compiled forward's ops would leave in the cache is kept as a copy.
+
+    A compiled graph writes each matmul into a buffer it allocated (inductor's extern out= calls) and reuses its
+    buffers, those of the ops it calls back into eager (attention kernels, top-k) included, once their last reader
+    has run. So SAC can neither keep a matmul's buffer nor hand a cached tensor back in place of one
+    (``selective_policy`` recomputes every out= op: under compile that was every projection of the block, as
+    "full" does), and a kept reference to another op's output could be overwritten before backward reads it
+    (context parallelism's compiled attention trained on such values: a wrong loss from the second step). In
+    compiled code this keeps a copy of each result the policy would keep (the eager selective's bytes) and
+    ``ReplayCompiledMatmuls`` hands them back (matmuls: written into the recompute's buffer); one copy each way,
+    memory-bound, instead of a GEMM. Functional collectives there are recomputed (``COLLECTIVE_OPS``)."""
 
     kept: list
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in OUT_MATMULS and in_compiled_code():
-            out = func(*args, **(kwargs or {}))
-            self.kept.append(out.detach().clone())
-            return out
-        return super().__torch_dispatch__(func, types, args, kwargs)
+        what = _kept_in_compiled_code(func) if in_compiled_code() else None
+        if what is None:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        out = func(*args, **(kwargs or {}))
+        if what:
+            self.kept.append(_copy(out))
+        return out
 
 
 class ReplayCompiledMatmuls:
-    """Mixin for SAC's recompute mode: the kept results of ``KeepCompiledMatmuls``, in call order, written into the
-    buffers the recomputed graphs pass (the same graphs, so the same calls and shapes)."""
+    """Mixin for SAC's recompute mode: the copies ``KeepCompiledMatmuls`` kept, in call order (the same graphs, so
+    the same calls and shapes); an out= matmul's written into the buffer the recompute passes."""
 
     kept: list
 
@@ -305,37 +332,56 @@ class ReplayCompiledMatmuls:
         return super().__enter__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in OUT_MATMULS and in_compiled_code():
-            if not self.kept:  # the forward ran no compiled matmul (dynamo skipped its frames): compute this one
-                return func(*args, **(kwargs or {}))
-            out = (kwargs or {}).get("out", args[-1])
-            value = self.kept[self.replayed] if self.replayed < len(self.kept) else None
-            if value is None or value.shape != out.shape:
-                raise RuntimeError(f"selective checkpointing: the recompute's compiled matmul {self.replayed} ({func}, "
-                                   f"{tuple(out.shape)}) is not the one the forward kept: the forward ran other "
-                                   f"graphs, or backward ran twice through this checkpoint")
-            out.copy_(value)
-            self.kept[self.replayed] = None  # freed as the recompute goes, as SAC frees its cache
-            self.replayed += 1
-            return out
-        return super().__torch_dispatch__(func, types, args, kwargs)
+        what = _kept_in_compiled_code(func) if in_compiled_code() else None
+        if what is None:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        if not what or not self.kept:  # recomputed, or the forward ran no compiled code (dynamo skipped its frames)
+            return func(*args, **(kwargs or {}))
+        value = self.kept[self.replayed] if self.replayed < len(self.kept) else None
+        out = (kwargs or {}).get("out", args[-1]) if what == "out" else None
+        if value is None or (out is not None and value.shape != out.shape):
+            raise RuntimeError(f"selective checkpointing: the recompute's compiled call {self.replayed} ({func}) is not "
+                               f"the one the forward kept: the forward ran other graphs, or backward ran twice through "
+                               f"this checkpoint")
+        self.kept[self.replayed] = None  # freed as the recompute goes, as SAC frees its cache
+        self.replayed += 1
+        if out is None:
+            return value
+        out.copy_(value)
+        return out
 
 
 def selective_contexts():
     """``checkpoint``'s ``context_fn`` for op-level selective checkpointing (a fresh cache per call)."""
     caching, cached = create_selective_checkpoint_contexts(selective_policy)
     for mode, mixin in ((caching, KeepCompiledMatmuls), (cached, ReplayCompiledMatmuls)):
-        mode.__class__ = subclass(mixin, subclass(SkipAnnotations, type(mode)), lambda cls, m=mixin: _untraced(m))
+        mode.__class__ = subclass(mixin, subclass(SkipAnnotations, type(mode)))
     caching.kept = cached.kept = []
+    if not _untraced:
+        for mixin in (KeepCompiledMatmuls, ReplayCompiledMatmuls, SkipAnnotations):
+            untrace_dispatch(mixin)
+        _untraced.append(True)
     return caching, cached
 
 
-def _untraced(mixin: type) -> dict:
-    """The mode's ``__torch_dispatch__`` never traced by dynamo: the ops of a compiled forward reach the mode with
-    dynamo's frame hook on, which took this file's handlers (not torch's, which it skips) for user code and compiled
-    them, once per argument pattern, up to its recompile limit. (Applied when a checkpoint first runs, so importing
-    this module imports no dynamo.)"""
-    return {"__torch_dispatch__": torch.compiler.disable(mixin.__torch_dispatch__)}
+_untraced: list = []
+
+
+def untrace_dispatch(cls: type) -> None:
+    """Dynamo never traces ``cls.__torch_dispatch__`` nor what it calls: the ops of a compiled forward reach the SAC
+    modes with dynamo's frame hook on, which took this file's handlers (not torch's, which it skips) for user code
+    and compiled them, once per argument pattern, up to its recompile limit. Marked on the code object, no wrapper
+    (a ``torch.compiler.disable`` wrapper cost every dispatched op: ~5% of an eager selective step on CPU); where
+    this torch lacks the mark, the wrapper. Done when a checkpoint first runs: importing this module imports no
+    dynamo."""
+    fn = cls.__dict__["__torch_dispatch__"]
+    try:
+        from torch._C._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+    except ImportError:
+        cls.__torch_dispatch__ = torch.compiler.disable(fn)
+        return
+    set_code_exec_strategy(fn.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
 
 
 class SelectiveCheckpointed(Checkpointed):

@@ -194,6 +194,35 @@ def test_expert_parallel_two_ranks():
     run_ranks(_expert_parallel_rank, 2)
 
 
+def _tensor_parallel_sinks_rank(rank: int, world: int) -> None:
+    """tp2 on gpt-oss-tiny (its sinks sharded with the query heads), compiled: the loss and every gradient of one
+    eager process. Dynamo answers ``hasattr(dtensor_param, "to_local")`` False, so the compiled attention kept the
+    whole DTensor of sink logits and failed to trace its [1, N/tp, 1, 1] view (models.attention._local_heads)."""
+    from moekit.comm.grad_sync import sync_gradients
+
+    cfg = dataclasses.replace(tiny("gpt-oss-tiny"), num_heads=4, num_kv_heads=2, head_dim=8)
+    reference = build_model(cfg, seed=9)
+    model = build_model(cfg, seed=9)
+    topology = Topology(Layout(tp=world), rank, world).build()
+    done = parallelize(model, topology)
+    apply_compile(model, backend="aot_eager")
+    tokens = batch(0)
+    want = reference(tokens, targets=tokens)
+    want.backward()
+    loss = model(tokens, targets=tokens)
+    loss.backward()
+    sync_gradients(model, topology, done.grad_roles)
+    assert loss.item() == pytest.approx(want.item(), rel=1e-5)
+    grads = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        got = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        torch.testing.assert_close(got, grads[name].grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_tensor_parallel_sinks_compile():
+    run_ranks(_tensor_parallel_sinks_rank, 2)
+
+
 def _inductor_available() -> bool:
     return os.environ.get("MOEKIT_TEST_INDUCTOR") == "1" or torch.cuda.is_available()
 
@@ -302,12 +331,44 @@ def test_selective_keeps_a_compiled_graphs_out_matmuls_and_writes_them_back(comp
         assert cached.replayed == 1 and cached.kept == [None]  # written back once, the copy freed
 
 
+class _SortThenReuse(torch.autograd.Function):
+    """2 * sort(x), the sort's buffer then overwritten, as inductor reuses a buffer once its last reader ran; the
+    backward pretends the sort is the identity (2 g): the test reads which values the recompute saw."""
+
+    @staticmethod
+    def forward(ctx, x):
+        s = torch.sort(x, stable=True).values  # aten.sort.stable: kept by selective_policy
+        out = s * 2
+        s.zero_()
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        return 2 * g
+
+
+def test_selective_hands_a_compiled_graph_copies_of_what_it_keeps():
+    """A compiled graph's kept results are copies: the recompute sees the forward's sorted values although the
+    graph overwrote the sort's buffer after reading it (a kept reference saw the zeros, or SAC refused it)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from moekit.models.parallelize import compiled_region, selective_contexts
+
+    x0 = torch.randn(7, generator=torch.Generator().manual_seed(int.from_bytes(os.urandom(2), "little")))
+    x = x0.clone().requires_grad_()
+    y = checkpoint(compiled_region(lambda x: _SortThenReuse.apply(x).sin(), True), x, use_reentrant=False,
+                   context_fn=selective_contexts)
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, 2 * torch.cos(2 * torch.sort(x0).values))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not _inductor_available(), reason="inductor compiles take 40-60 s on a 2-core CPU; "
                     "set MOEKIT_TEST_INDUCTOR=1 (or run on a CUDA machine)")
 def test_inductor_selective_keeps_what_eager_selective_keeps():
     """Under inductor every projection of a compiled block is an out= extern matmul: selective checkpointing keeps
-    their copies (the bytes eager selective caches, to the byte) and writes them back in backward, gradients equal."""
+    their copies, and copies of what else the policy keeps there (the bytes eager selective caches, to the byte), and
+    hands them back in backward, gradients equal."""
     from moekit.models import parallelize
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -321,7 +382,8 @@ def test_inductor_selective_keeps_what_eager_selective_keeps():
 
     def cached_bytes(modes) -> int:
         caching = modes[0]
-        kept = sum(t.untyped_storage().nbytes() for t in caching.kept)
+        kept = sum(t.untyped_storage().nbytes() for t in torch.utils._pytree.tree_flatten(caching.kept)[0]
+                   if isinstance(t, torch.Tensor))
         for per_op in caching.storage.values():
             for entry in per_op.values():
                 for w in torch.utils._pytree.tree_flatten(entry)[0]:
@@ -386,3 +448,24 @@ def test_sac_modes_handlers_are_never_compiled():
         model(batch(step), targets=batch(step)).backward()
     for mixin in (parallelize.KeepCompiledMatmuls, parallelize.ReplayCompiledMatmuls, parallelize.SkipAnnotations):
         assert not _debug_get_cache_entry_list(mixin.__torch_dispatch__.__code__), mixin
+
+
+def _inductor_context_parallel_ranks(rank, world):
+    from tests.test_context_parallel import MLA, _check
+
+    # MLA and gpt-oss's sinks / windows over cp 2, each block compiled by inductor and checkpointed
+    for over in (dict(MLA, first_dense_layers=1), dict(attention_sinks=True, sliding_window=3,
+                                                        full_attention_every=2)):
+        _check(rank, world, dict(cp=2), over, {"compile": True, "activation_checkpointing": "selective"})
+
+
+@pytest.mark.skipif(not _inductor_available(), reason="inductor compiles take 40-60 s on a 2-core CPU; "
+                    "set MOEKIT_TEST_INDUCTOR=1 (or run on a CUDA machine)")
+def test_inductor_selective_under_context_parallelism_equals_one_process():
+    """Inductor reuses a buffer once its last reader in the graph has run, those of the ops it calls back into eager
+    (the attention kernels, top-k) too: selective checkpointing's kept references to them were overwritten before
+    backward read them, and a functional all-gather's result was kept before its wait. Context parallelism's
+    compiled attention trained on those values (the loss at step 2 off by 2.3% on deepseek-tiny, cp 2, every
+    gradient wrong from step 1). Now compiled code's kept results are copies and its collectives are recomputed:
+    the loss and every gradient equal one process's."""
+    run_ranks(_inductor_context_parallel_ranks, 2)
