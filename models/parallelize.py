@@ -285,12 +285,27 @@ def _copy(out):
     return tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, out)
 
 
-def _kept_in_compiled_code(func) -> str:
-    """What selective keeps of ``func`` called by a compiled graph: "out" (an ``OUT_MATMULS`` call: a copy of its
-    result, written back into the recompute's buffer), "copy" (an op ``selective_policy`` keeps: a copy, handed
-    back), or "" (recomputed)."""
+LOW_RANK = 16  # an out= matmul this deep or less, with an output at least twice as wide, is a low-rank expansion
+
+
+def _low_rank_expansion(args) -> bool:
+    """Whether a compiled graph's matmul (mat1 [.., M, K], mat2 [.., K, N] its last two arguments) is a low-rank
+    expansion such as a LoRA adapter's u B^T (K = r): 2K FLOPs per element, cheaper to recompute than its copy is
+    to keep and write back. moe.recompute marks these in eager code; the mark does not reach compiled graphs, so
+    their shape names them there: K <= LOW_RANK (LoRA's common ranks 4-16; a projection's K is its input width, in
+    the hundreds at least, even MLA's latent ranks) and N >= 2K. Larger ranks are kept by copy (correct, larger)."""
+    if len(args) < 2 or not all(isinstance(t, torch.Tensor) and t.dim() >= 2 for t in args[-2:]):
+        return False
+    k, n = args[-2].shape[-1], args[-1].shape[-1]
+    return k <= LOW_RANK and n >= 2 * k
+
+
+def _kept_in_compiled_code(func, args=()) -> str:
+    """What selective keeps of ``func`` called by a compiled graph: "out" (an ``OUT_MATMULS`` call but a low-rank
+    expansion: a copy of its result, written back into the recompute's buffer), "copy" (an op ``selective_policy``
+    keeps: a copy, handed back), or "" (recomputed)."""
     if func in OUT_MATMULS:
-        return "out"
+        return "" if _low_rank_expansion(args) else "out"
     if func in COLLECTIVE_OPS:
         return ""
     return "copy" if selective_policy(None, func) == CheckpointPolicy.MUST_SAVE else ""
@@ -312,7 +327,7 @@ class KeepCompiledMatmuls:
     kept: list
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        what = _kept_in_compiled_code(func) if in_compiled_code() else None
+        what = _kept_in_compiled_code(func, args) if in_compiled_code() else None
         if what is None:
             return super().__torch_dispatch__(func, types, args, kwargs)
         out = func(*args, **(kwargs or {}))
@@ -332,7 +347,7 @@ class ReplayCompiledMatmuls:
         return super().__enter__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        what = _kept_in_compiled_code(func) if in_compiled_code() else None
+        what = _kept_in_compiled_code(func, args) if in_compiled_code() else None
         if what is None:
             return super().__torch_dispatch__(func, types, args, kwargs)
         if not what or not self.kept:  # recomputed, or the forward ran no compiled code (dynamo skipped its frames)

@@ -365,10 +365,12 @@ def test_selective_hands_a_compiled_graph_copies_of_what_it_keeps():
 @pytest.mark.gpu
 @pytest.mark.skipif(not _inductor_available(), reason="inductor compiles take 40-60 s on a 2-core CPU; "
                     "set MOEKIT_TEST_INDUCTOR=1 (or run on a CUDA machine)")
-def test_inductor_selective_keeps_what_eager_selective_keeps():
+@pytest.mark.parametrize("lora", [0, 4], ids=["plain", "lora"])
+def test_inductor_selective_keeps_what_eager_selective_keeps(lora):
     """Under inductor every projection of a compiled block is an out= extern matmul: selective checkpointing keeps
     their copies, and copies of what else the policy keeps there (the bytes eager selective caches, to the byte), and
-    hands them back in backward, gradients equal."""
+    hands them back in backward, gradients equal. With LoRA on every projection the adapters' expansions u B^T are
+    recomputed in both (eager: moe.recompute's mark; compiled: their shape, parallelize._low_rank_expansion)."""
     from moekit.models import parallelize
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -391,7 +393,12 @@ def test_inductor_selective_keeps_what_eager_selective_keeps():
                     kept += val.untyped_storage().nbytes() if isinstance(val, torch.Tensor) else 0
         return kept
 
-    eager = build_model(tiny("deepseek-tiny"), device=device, seed=7)
+    eager = build_model(dataclasses.replace(tiny("deepseek-tiny"), lora_rank=lora), device=device, seed=7)
+    if lora:  # trained adapters: B != 0, so the expansions reach the loss
+        with torch.no_grad():
+            for name, p in eager.named_parameters():
+                if ".lora_b" in name:
+                    p.normal_(0.0, 0.2, generator=torch.Generator(device).manual_seed(len(name)))
     compiled = copy.deepcopy(eager)
     apply_compile(compiled)
     runs = []

@@ -56,3 +56,20 @@ def test_the_mark_covers_the_call_only_and_nests():
     with pytest.raises(ZeroDivisionError):
         recomputed(lambda: 1 / 0)
     assert not marked()  # cleared on the way out of an error too
+
+
+def test_compiled_graphs_name_low_rank_expansions_by_shape():
+    """In compiled code (no mark) a matmul at most LOW_RANK deep into an output at least twice as wide is an
+    expansion: recomputed, not kept by copy; projections (K = the input width) and wide ranks are kept."""
+    from moekit.models.parallelize import LOW_RANK, _low_rank_expansion
+
+    def mm(m, k, n, bias=False):
+        return ((torch.empty(m, n),) if bias else ()) + (torch.empty(m, k), torch.empty(k, n))
+
+    assert _low_rank_expansion(mm(64, 8, 4096, bias=True))  # LoRALinear's addmm(y, u, B^T), r 8
+    assert _low_rank_expansion(mm(64, LOW_RANK, 2 * LOW_RANK))
+    assert not _low_rank_expansion(mm(64, 4096, 8))  # x A^T: deep, narrow
+    assert not _low_rank_expansion(mm(64, 1536, 24576))  # MLA's q up-projection: a latent rank in the hundreds
+    assert not _low_rank_expansion(mm(64, 2 * LOW_RANK, 4096))  # rank 32: kept by copy
+    assert not _low_rank_expansion(mm(64, 16, 16))  # as wide as deep: not an expansion
+    assert not _low_rank_expansion((torch.empty(3),))
