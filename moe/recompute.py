@@ -9,8 +9,8 @@ routed experts' ``u B`` beside their base product). Recomputed, an adapter adds 
 
 Code computing such a product calls it through ``recomputed(fn, ...)``; the policy asks ``marked()`` while the op
 runs. The mark is per thread and eager only: it does not reach the matmuls of a compiled graph, which selective keeps
-by copy (models.parallelize.KeepCompiledMatmuls), these products among them (correct, larger). Nothing changes
-without checkpointing.
+by copy (models.parallelize.KeepCompiledMatmuls) except those whose shape names them expansions (at most 16 deep:
+models.parallelize._low_rank_expansion). Nothing changes without checkpointing.
 """
 from __future__ import annotations
 
