@@ -275,10 +275,12 @@ def compiled_region(forward, compiled: bool):
     return run
 
 
-# Functional collectives in a compiled graph: recomputed there (their result is not ready when they return, only
-# after the graph's wait_tensor, so there is no moment to copy it)
+# Functional collectives in a compiled graph: their result is ready only after the graph's wait_tensor on it, so
+# the copy is taken there
 COLLECTIVE_OPS = _ops("_c10d_functional.all_to_all_single.default", "_c10d_functional.all_gather_into_tensor.default",
                       "_c10d_functional.reduce_scatter_tensor.default", "_c10d_functional.all_reduce.default")
+WAIT_OPS = _ops("_c10d_functional.wait_tensor.default")
+_PENDING = object()  # a kept collective's place until its wait
 
 
 def _copy(out):
@@ -303,11 +305,12 @@ def _low_rank_expansion(args) -> bool:
 def _kept_in_compiled_code(func, args=()) -> str:
     """What selective keeps of ``func`` called by a compiled graph: "out" (an ``OUT_MATMULS`` call but a low-rank
     expansion: a copy of its result, written back into the recompute's buffer), "copy" (an op ``selective_policy``
-    keeps: a copy, handed back), or "" (recomputed)."""
+    keeps: a copy, handed back), "collective" (a functional collective: its result copied at its wait, handed back
+    without communicating), or "" (recomputed)."""
     if func in OUT_MATMULS:
         return "" if _low_rank_expansion(args) else "out"
     if func in COLLECTIVE_OPS:
-        return ""
+        return "collective"
     return "copy" if selective_policy(None, func) == CheckpointPolicy.MUST_SAVE else ""
 
 
@@ -322,17 +325,28 @@ class KeepCompiledMatmuls:
     (context parallelism's compiled attention trained on such values: a wrong loss from the second step). In
     compiled code this keeps a copy of each result the policy would keep (the eager selective's bytes) and
     ``ReplayCompiledMatmuls`` hands them back (matmuls: written into the recompute's buffer); one copy each way,
-    memory-bound, instead of a GEMM. Functional collectives there are recomputed (``COLLECTIVE_OPS``)."""
+    memory-bound, instead of a GEMM. A functional collective's result (``COLLECTIVE_OPS``: tensor or context
+    parallelism's gathers) is copied when the graph waits for it (it is not ready before), and the recompute gets
+    the copy without communicating, as eager SAC hands back its cached collective."""
 
     kept: list
+    pending: dict  # storage of a kept collective's result -> its place in ``kept``, until the graph's wait
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         what = _kept_in_compiled_code(func, args) if in_compiled_code() else None
         if what is None:
             return super().__torch_dispatch__(func, types, args, kwargs)
         out = func(*args, **(kwargs or {}))
-        if what:
+        if what == "collective":
+            self.pending[out.untyped_storage().data_ptr()] = len(self.kept)
+            self.kept.append(_PENDING)
+            self.collectives += 1
+        elif what:
             self.kept.append(_copy(out))
+        elif func in WAIT_OPS and self.pending:
+            at = self.pending.pop(args[0].untyped_storage().data_ptr(), None)
+            if at is not None:
+                self.kept[at] = _copy(out)
         return out
 
 
@@ -343,7 +357,7 @@ class ReplayCompiledMatmuls:
     kept: list
 
     def __enter__(self):
-        self.replayed = 0
+        self.replayed = self.communicated = 0
         return super().__enter__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -353,6 +367,11 @@ class ReplayCompiledMatmuls:
         if not what or not self.kept:  # recomputed, or the forward ran no compiled code (dynamo skipped its frames)
             return func(*args, **(kwargs or {}))
         value = self.kept[self.replayed] if self.replayed < len(self.kept) else None
+        if value is _PENDING:  # a collective the forward's graph never waited for: run it again (every rank alike)
+            self.kept[self.replayed] = None
+            self.replayed += 1
+            self.communicated += 1
+            return func(*args, **(kwargs or {}))
         out = (kwargs or {}).get("out", args[-1]) if what == "out" else None
         if value is None or (out is not None and value.shape != out.shape):
             raise RuntimeError(f"selective checkpointing: the recompute's compiled call {self.replayed} ({func}) is not "
@@ -372,6 +391,7 @@ def selective_contexts():
     for mode, mixin in ((caching, KeepCompiledMatmuls), (cached, ReplayCompiledMatmuls)):
         mode.__class__ = subclass(mixin, subclass(SkipAnnotations, type(mode)))
     caching.kept = cached.kept = []
+    caching.pending, caching.collectives = {}, 0
     if not _untraced:
         for mixin in (KeepCompiledMatmuls, ReplayCompiledMatmuls, SkipAnnotations):
             untrace_dispatch(mixin)

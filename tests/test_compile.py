@@ -458,12 +458,26 @@ def test_sac_modes_handlers_are_never_compiled():
 
 
 def _inductor_context_parallel_ranks(rank, world):
+    from moekit.models import parallelize as par
     from tests.test_context_parallel import MLA, _check
 
-    # MLA and gpt-oss's sinks / windows over cp 2, each block compiled by inductor and checkpointed
-    for over in (dict(MLA, first_dense_layers=1), dict(attention_sinks=True, sliding_window=3,
-                                                        full_attention_every=2)):
-        _check(rank, world, dict(cp=2), over, {"compile": True, "activation_checkpointing": "selective"})
+    made = []
+    real = par.selective_contexts
+
+    def contexts():
+        made.append(real())
+        return made[-1]
+
+    par.SelectiveCheckpointed.checkpoint_options = {"context_fn": contexts}
+    try:  # MLA and gpt-oss's sinks / windows over cp 2, each block compiled by inductor and checkpointed
+        for over in (dict(MLA, first_dense_layers=1), dict(attention_sinks=True, sliding_window=3,
+                                                            full_attention_every=2)):
+            _check(rank, world, dict(cp=2), over, {"compile": True, "activation_checkpointing": "selective"})
+    finally:
+        par.SelectiveCheckpointed.checkpoint_options = {"context_fn": real}
+    # the compiled graphs' key / value all-gathers were kept (copied at their wait) and none ran again in backward
+    assert sum(caching.collectives for caching, _ in made) > 0
+    assert sum(cached.communicated for _, cached in made) == 0
 
 
 @pytest.mark.skipif(not _inductor_available(), reason="inductor compiles take 40-60 s on a 2-core CPU; "
@@ -473,6 +487,6 @@ def test_inductor_selective_under_context_parallelism_equals_one_process():
     (the attention kernels, top-k) too: selective checkpointing's kept references to them were overwritten before
     backward read them, and a functional all-gather's result was kept before its wait. Context parallelism's
     compiled attention trained on those values (the loss at step 2 off by 2.3% on deepseek-tiny, cp 2, every
-    gradient wrong from step 1). Now compiled code's kept results are copies and its collectives are recomputed:
-    the loss and every gradient equal one process's."""
+    gradient wrong from step 1). Now compiled code's kept results are copies, a collective's taken at its wait:
+    the loss and every gradient equal one process's, and backward gathers nothing again."""
     run_ranks(_inductor_context_parallel_ranks, 2)
