@@ -32,6 +32,8 @@ keeping a dropped copy of the input per adapter as an ``nn.Dropout`` before the 
 """
 from __future__ import annotations
 
+import math
+import sys
 from typing import Callable
 
 import torch
@@ -84,7 +86,15 @@ def _keep_mask(shape, p: float, device, stream: int) -> Tensor:
     draw = int(torch.randint(0, 1 << 62, (1,)).item())  # the CPU default generator: one draw per mask
     gen = torch.Generator(device=device)
     gen.manual_seed(_mix(draw, stream))
-    return torch.rand(tuple(shape), generator=gen, device=device) >= p
+    if sys.byteorder != "little":
+        return torch.rand(tuple(shape), generator=gen, device=device) >= p
+    # Three 16-bit uniforms from each 63-bit draw (random_ fills int64 with [0, 2^63): its low 48 bits are uniform;
+    # the top 16-bit lane, missing its sign bit, is dropped): a third of torch.rand's draws, which on the CPU
+    # (mt19937, ~4.7 ns each) were the cost of dropout. p is rounded to 1/65536.
+    n = math.prod(shape)
+    bits = torch.empty((n + 2) // 3, dtype=torch.int64, device=device).random_(generator=gen)
+    lanes = bits.view(torch.int16).view(-1, 4)[:, :3].reshape(-1)[:n]
+    return (lanes >= round(p * 65536) - 32768).view(tuple(shape))
 
 
 def dropped(x: Tensor, keep: Tensor, p: float) -> Tensor:

@@ -260,6 +260,22 @@ def model_grads(cfg, mode: str, seed: int):
     return loss.item(), {n: t.grad for n, t in model.named_parameters() if t.grad is not None}
 
 
+@pytest.mark.parametrize("p", [0.05, 0.5])
+def test_every_lane_of_the_packed_draw_keeps_one_minus_p(p):
+    """keep_mask packs three 16-bit uniforms per 63-bit draw: each lane (position mod 3), and each 4th, keeps
+    1 - p (the draw's top lane, short of its sign bit, would keep everything at p 0.5), and neighbours are
+    independent (both of a pair kept: (1 - p)^2)."""
+    torch.manual_seed(random.randrange(1 << 20))
+    m = keep_mask((300_000,), p, "cpu", 0).double()
+    n = m.numel() // 12 * 12
+    tol = 5 * (p * (1 - p) / (n / 4)) ** 0.5
+    for period in (3, 4):
+        for lane in m[:n].view(-1, period).mean(0).tolist():
+            assert abs(lane - (1 - p)) < tol, (period, lane)
+    both = (m[:n:2] * m[1:n:2]).mean().item()
+    assert abs(both - (1 - p) ** 2) < tol
+
+
 @pytest.mark.parametrize("mode", ["full", "selective", "ffn"])
 def test_checkpointed_blocks_recompute_the_forwards_masks(mode):
     """Activation checkpointing recomputes with the generator restored: the gradients are those of the masks the
