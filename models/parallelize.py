@@ -303,8 +303,8 @@ def _low_rank_expansion(args) -> bool:
 
 
 def _kept_in_compiled_code(func, args=()) -> str:
-    """What selective keeps of ``func`` called by a compiled graph: "out" (an ``OUT_MATMULS`` call but a low-rank
-    expansion: a copy of its result, written back into the recompute's buffer), "copy" (an op ``selective_policy``
+    """What selective keeps of ``func`` called by a compiled graph: "out" (an ``OUT_MATMULS`` call other than a
+    low-rank expansion: a copy of its result, written back into the recompute's buffer), "copy" (an op ``selective_policy``
     keeps: a copy, handed back), "collective" (a functional collective: its result copied at its wait, handed back
     without communicating), or "" (recomputed)."""
     if func in OUT_MATMULS:
@@ -392,14 +392,15 @@ def selective_contexts():
         mode.__class__ = subclass(mixin, subclass(SkipAnnotations, type(mode)))
     caching.kept = cached.kept = []
     caching.pending, caching.collectives = {}, 0
-    if not _untraced:
-        for mixin in (KeepCompiledMatmuls, ReplayCompiledMatmuls, SkipAnnotations):
-            untrace_dispatch(mixin)
-        _untraced.append(True)
+    _untrace_handlers()
     return caching, cached
 
 
-_untraced: list = []
+@functools.cache
+def _untrace_handlers() -> None:
+    """Once, when a checkpoint first runs (importing this module imports no dynamo): the modes' handlers untraced."""
+    for mixin in (KeepCompiledMatmuls, ReplayCompiledMatmuls, SkipAnnotations):
+        untrace_dispatch(mixin)
 
 
 def untrace_dispatch(cls: type) -> None:
@@ -407,8 +408,7 @@ def untrace_dispatch(cls: type) -> None:
     modes with dynamo's frame hook on, which took this file's handlers (not torch's, which it skips) for user code
     and compiled them, once per argument pattern, up to its recompile limit. Marked on the code object, no wrapper
     (a ``torch.compiler.disable`` wrapper cost every dispatched op: ~5% of an eager selective step on CPU); where
-    this torch lacks the mark, the wrapper. Done when a checkpoint first runs: importing this module imports no
-    dynamo."""
+    this torch lacks the mark, the wrapper."""
     fn = cls.__dict__["__torch_dispatch__"]
     try:
         from torch._C._dynamo.eval_frame import set_code_exec_strategy

@@ -10,6 +10,7 @@ compiler: set MOEKIT_TEST_INDUCTOR=1 (CPU, needs a C++ compiler), or on any CUDA
 What "no recompiles" means here: dynamo's count of compiled frames stops growing after the first two
 steps, while the tokens each expert receives change every step.
 """
+import contextlib
 import copy
 import dataclasses
 import os
@@ -275,6 +276,24 @@ def test_inductor_gated_deltanet_gradients_match_eager(key_heads, value_heads):
 # -- selective checkpointing of compiled blocks: inductor's out= matmuls kept by copy ---------------------------------
 
 
+@contextlib.contextmanager
+def recorded_selective():
+    """The (caching, recompute) SAC mode pairs selective checkpointing makes while this is active, in a list."""
+    from moekit.models import parallelize
+
+    made, old = [], parallelize.SelectiveCheckpointed.checkpoint_options
+
+    def contexts():
+        made.append(parallelize.selective_contexts())
+        return made[-1]
+
+    parallelize.SelectiveCheckpointed.checkpoint_options = {"context_fn": contexts}
+    try:
+        yield made
+    finally:
+        parallelize.SelectiveCheckpointed.checkpoint_options = old
+
+
 class _OutMatmul(torch.autograd.Function):
     """x @ w written into a buffer it allocates (``torch.mm(out=)``), as inductor's compiled forward runs an extern
     matmul; its backward reads a copy of w taken in forward."""
@@ -375,12 +394,6 @@ def test_inductor_selective_keeps_what_eager_selective_keeps(lora):
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch._dynamo.reset()
-    made = []
-    real = parallelize.selective_contexts
-
-    def contexts():
-        made.append(real())
-        return made[-1]
 
     def cached_bytes(modes) -> int:
         caching = modes[0]
@@ -405,17 +418,12 @@ def test_inductor_selective_keeps_what_eager_selective_keeps(lora):
     for model in (eager, compiled):
         apply_activation_checkpointing(model, "selective")
         model.train()
-        made.clear()
-        old = parallelize.SelectiveCheckpointed.checkpoint_options
-        parallelize.SelectiveCheckpointed.checkpoint_options = {"context_fn": contexts}
-        try:
+        with recorded_selective() as made:
             tokens = batch(0).to(device)
             loss = model(tokens, targets=tokens)  # as the trainer: the loss from hidden states (models.loss)
             kept = sum(cached_bytes(m) for m in made)
             compiled_copies = sum(len(m[0].kept) for m in made)
             loss.backward()
-        finally:
-            parallelize.SelectiveCheckpointed.checkpoint_options = old
         runs.append((kept, compiled_copies, {n: p.grad for n, p in model.named_parameters()}))
     (eager_kept, eager_copies, eager_grads), (kept, copies, grads) = runs
     assert eager_copies == 0 and copies > 0
@@ -458,23 +466,12 @@ def test_sac_modes_handlers_are_never_compiled():
 
 
 def _inductor_context_parallel_ranks(rank, world):
-    from moekit.models import parallelize as par
     from tests.test_context_parallel import MLA, _check
 
-    made = []
-    real = par.selective_contexts
-
-    def contexts():
-        made.append(real())
-        return made[-1]
-
-    par.SelectiveCheckpointed.checkpoint_options = {"context_fn": contexts}
-    try:  # MLA and gpt-oss's sinks / windows over cp 2, each block compiled by inductor and checkpointed
+    with recorded_selective() as made:  # MLA and gpt-oss's sinks / windows over cp 2, compiled and checkpointed
         for over in (dict(MLA, first_dense_layers=1), dict(attention_sinks=True, sliding_window=3,
                                                             full_attention_every=2)):
             _check(rank, world, dict(cp=2), over, {"compile": True, "activation_checkpointing": "selective"})
-    finally:
-        par.SelectiveCheckpointed.checkpoint_options = {"context_fn": real}
     # the compiled graphs' key / value all-gathers were kept (copied at their wait) and none ran again in backward
     assert sum(caching.collectives for caching, _ in made) > 0
     assert sum(cached.communicated for _, cached in made) == 0
